@@ -1,0 +1,112 @@
+"""Model shapes, kept free of torch so that `estimate/` can use them as pure arithmetic.
+
+A preset is a name for a `GPTConfig`. `tiny` and `small` are trained by the tests and the
+demo; the larger ones exist so that `plait estimate` and `plait plan` can talk about the
+models people actually train, without ever allocating them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from plait.errors import PlaitError
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of a decoder-only transformer.
+
+    `arch="llama"` is our block (RMSNorm, RoPE, SwiGLU, no biases); `arch="gpt2"` describes
+    a GPT-2 block (LayerNorm, learned positions, GELU MLP, biases) for estimates only.
+    """
+
+    vocab_size: int = 256
+    n_layers: int = 2
+    d_model: int = 64
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_hidden: int = 192
+    max_seq_len: int = 128
+    tie_embeddings: bool = True
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    arch: str = "llama"
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    def layer_params(self) -> int:
+        """Parameters of one transformer block."""
+        h, f, kv = self.d_model, self.ffn_hidden, self.kv_dim
+        if self.arch == "gpt2":
+            attn = h * (h + 2 * kv) + (h + 2 * kv) + h * h + h
+            mlp = 2 * h * f + f + h
+            norms = 2 * 2 * h
+            return attn + mlp + norms
+        attn = 2 * h * h + 2 * h * kv
+        mlp = 3 * h * f
+        norms = 2 * h
+        return attn + mlp + norms
+
+    def embedding_params(self) -> int:
+        """Token embedding, output head (unless tied), final norm, learned positions."""
+        h = self.d_model
+        total = self.vocab_size * h
+        if not self.tie_embeddings:
+            total += self.vocab_size * h
+        if self.arch == "gpt2":
+            total += self.max_seq_len * h + 2 * h
+        else:
+            total += h
+        return total
+
+    def num_params(self) -> int:
+        """Exact parameter count of the model this config builds (tied weights counted once)."""
+        return self.n_layers * self.layer_params() + self.embedding_params()
+
+
+PRESETS: dict[str, GPTConfig] = {
+    # Trained by the tests: well under a million parameters, fast on one CPU core.
+    "tiny": GPTConfig(),
+    # Trained by the demo: about 9.5 M parameters, byte-level vocabulary.
+    "small": GPTConfig(
+        vocab_size=256, n_layers=6, d_model=384, n_heads=6, n_kv_heads=2,
+        ffn_hidden=1024, max_seq_len=512,
+    ),
+    # Shape-only presets for estimates and planning.
+    "gpt2-124m": GPTConfig(
+        vocab_size=50257, n_layers=12, d_model=768, n_heads=12, n_kv_heads=12,
+        ffn_hidden=3072, max_seq_len=1024, arch="gpt2",
+    ),
+    "llama-1b": GPTConfig(
+        vocab_size=128256, n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8,
+        ffn_hidden=8192, max_seq_len=8192, rope_theta=500000.0,
+    ),
+    "llama-7b": GPTConfig(
+        vocab_size=32000, n_layers=32, d_model=4096, n_heads=32, n_kv_heads=32,
+        ffn_hidden=11008, max_seq_len=4096, tie_embeddings=False,
+    ),
+    "llama-70b": GPTConfig(
+        vocab_size=32000, n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8,
+        ffn_hidden=28672, max_seq_len=4096, tie_embeddings=False,
+    ),
+}
+
+# Presets small enough to allocate and train on a CPU.
+TRAINABLE = ("tiny", "small")
+
+
+def get_preset(name: str, **overrides: object) -> GPTConfig:
+    """Look up a preset by name, with an error that lists the names that exist."""
+    if name not in PRESETS:
+        raise PlaitError(
+            f"unknown model preset {name!r}",
+            hint=f"choose one of: {', '.join(PRESETS)}",
+        )
+    config = PRESETS[name]
+    return replace(config, **overrides) if overrides else config
