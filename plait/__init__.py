@@ -1,0 +1,37 @@
+"""plait: train PyTorch models across many processes, and know what it costs.
+
+    import plait
+    mesh = plait.init_mesh(dp=2)
+    model = plait.parallelize(my_model, mesh, plait.ParallelConfig())
+    opt = plait.build_optimizer(model, torch.optim.AdamW, lr=3e-4)
+
+Names are loaded lazily so that `plait --help` and the local spawner start without
+importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "init_mesh": "plait.runtime.mesh",
+    "Mesh": "plait.runtime.mesh",
+    "MeshShape": "plait.runtime.mesh",
+    "ParallelConfig": "plait.parallel.compose",
+    "parallelize": "plait.parallel.compose",
+    "build_optimizer": "plait.parallel.compose",
+    "no_sync": "plait.parallel.data",
+    "shard_indices": "plait.train.data",
+    "PlaitError": "plait.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'plait' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -1,0 +1,152 @@
+"""`plait` on the command line: train, launch, estimate, plan.
+
+Errors caused by the input print one line and a hint; a traceback appears only with
+`--debug`. This module imports torch only once a rank actually trains, so the spawner
+and `--help` start instantly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from dataclasses import fields
+from typing import Any
+
+from plait.errors import PlaitError
+
+EXIT_INPUT = 2  # bad input: a PlaitError
+EXIT_CRASH = 1  # anything else
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        return _dispatch(argv)
+    except PlaitError as exc:
+        _print_error(exc, debug)
+        return EXIT_INPUT
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the last line of defence prints, never hides
+        where = f"rank {os.environ['RANK']}: " if "RANK" in os.environ else ""
+        if debug:
+            traceback.print_exc()
+        print(f"plait: {where}{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        if not debug:
+            print("  (run again with --debug for the traceback)", file=sys.stderr, flush=True)
+        return EXIT_CRASH
+
+
+def _print_error(exc: PlaitError, debug: bool) -> None:
+    if debug:
+        traceback.print_exc()
+    where = f"rank {os.environ['RANK']}: " if "RANK" in os.environ and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+    print(f"plait: error: {where}{exc.message}", file=sys.stderr, flush=True)
+    if exc.hint:
+        print(f"  hint: {exc.hint}", file=sys.stderr, flush=True)
+
+
+def _dispatch(argv: list[str]) -> int:
+    parser = _parser()
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        return cmd_train(rest)
+    if command == "launch":
+        return cmd_launch(rest)
+    if command == "estimate":
+        from plait.estimate.cli import estimate_main
+
+        return estimate_main([a for a in rest if a != "--debug"])
+    if command == "plan":
+        from plait.estimate.cli import plan_main
+
+        return plan_main([a for a in rest if a != "--debug"])
+    if command == "--version":
+        from plait import __version__
+
+        print(f"plait {__version__}")
+        return 0
+    parser.error(f"unknown command {command!r}")
+    return EXIT_INPUT
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="plait", description="Train PyTorch models across many processes.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.add_parser("train", help="train a GPT (the demo, by default) on N processes")
+    sub.add_parser("launch", help="run your own script as N local processes (like torchrun)")
+    sub.add_parser("estimate", help="memory, traffic and step time of one layout, before launching")
+    sub.add_parser("plan", help="rank every layout that fits a GPU count by predicted step time")
+    parser.add_argument("--version", action="store_true", help="print the version")
+    return parser
+
+
+# -- plait train -----------------------------------------------------------------------------------
+def train_parser() -> argparse.ArgumentParser:
+    """One flag per TrainConfig field, so the dataclass is the one place options are defined."""
+    from plait.train.config import TrainConfig
+
+    parser = argparse.ArgumentParser(
+        prog="plait train",
+        description="Train a GPT with plait's parallelism. With no flags: the demo (small GPT, 2 processes).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--config", metavar="FILE.toml", help="TOML file of defaults; flags override it")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    for f in fields(TrainConfig):
+        names = [f"--{f.name.replace('_', '-')}"] + (["--timeout"] if f.name == "timeout_s" else [])
+        parser.add_argument(*names, dest=f.name, type=_flag_type(f.type), default=None,
+                            help=f"{f.metadata.get('help', '')} (default: {f.default})")
+    return parser
+
+
+def _flag_type(annotation: Any) -> Any:
+    text = str(annotation)
+    return int if text.startswith("int") else float if text.startswith("float") else str
+
+
+def cmd_train(argv: list[str]) -> int:
+    from plait.train.config import build_config, load_toml, validate
+
+    args = train_parser().parse_args(argv)
+    flags = {k: v for k, v in vars(args).items() if k not in ("config", "debug")}
+    config = build_config(load_toml(args.config) if args.config else {}, flags)
+    validate(config)
+    if _inside_job() or config.nproc == 1:
+        from plait.train.run import train
+
+        train(config)
+        return 0
+    from plait.runtime.launch import spawn
+
+    return spawn([sys.executable, "-m", "plait", "train", *argv], config.nproc)
+
+
+def _inside_job() -> bool:
+    """True when a launcher (ours, torchrun, srun, mpirun) already started this process as a rank."""
+    return any(name in os.environ for name in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"))
+
+
+# -- plait launch ----------------------------------------------------------------------------------
+def cmd_launch(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="plait launch",
+        description="Run SCRIPT as NPROC local ranks with RANK/WORLD_SIZE/MASTER_* set; "
+                    "if one rank fails, the others are stopped and its exit code is returned.",
+    )
+    parser.add_argument("--nproc", type=int, required=True, help="number of processes")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser.add_argument("script", help="a Python file, or -m MODULE")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    args = parser.parse_args(argv)
+    if args.nproc < 1:
+        raise PlaitError(f"--nproc must be at least 1, got {args.nproc}")
+    from plait.runtime.launch import spawn
+
+    return spawn([sys.executable, args.script, *args.args], args.nproc)

@@ -1,0 +1,178 @@
+"""Data parallelism: every rank holds the whole model; gradients are averaged in buckets.
+
+Gradients live in flat buffers ("buckets") of about `bucket_mb` each, filled in the order
+backward produces them (roughly the reverse of registration order). As soon as the last
+gradient of a bucket has been accumulated, that bucket's all-reduce is launched
+asynchronously, so communication overlaps the rest of backward. At the end of backward every
+in-flight all-reduce is waited on, so the optimizer only ever sees averaged gradients.
+
+With gradient accumulation, `no_sync(model)` turns the collectives off for all but the last
+micro-batch: gradients simply accumulate in the buckets, and one all-reduce per step carries
+the sum. This is the same contract torch's DistributedDataParallel offers, written small
+enough to read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from plait.runtime import comm
+from plait.runtime.comm import Axis, Handle
+
+ATTR = "_plait_grad_sync"
+
+
+@dataclass
+class Bucket:
+    """A flat gradient buffer shared by a few parameters (their .grad are views into it)."""
+
+    index: int
+    params: list[nn.Parameter]
+    flat: torch.Tensor
+    views: list[torch.Tensor]
+    ready: int = 0
+    handle: Handle | None = None
+
+
+@dataclass
+class GradSync:
+    """The gradient-averaging machinery attached to one model."""
+
+    axis: Axis
+    buckets: list[Bucket]
+    enabled: bool = True
+    events: list[tuple[str, int]] = field(default_factory=list)
+    _slot: dict[nn.Parameter, tuple[Bucket, int]] = field(default_factory=dict)
+    _callback_queued: bool = False
+    _in_backward: bool = False
+
+    def __post_init__(self) -> None:
+        for bucket in self.buckets:
+            for i, param in enumerate(bucket.params):
+                self._slot[param] = (bucket, i)
+
+    # -- called by autograd ----------------------------------------------------------------
+    def on_grad_ready(self, param: nn.Parameter) -> None:
+        """A parameter's gradient for this micro-batch is fully accumulated."""
+        bucket, i = self._slot[param]
+        view = bucket.views[i]
+        if param.grad is not view:
+            # The optimizer set .grad to None (zero_grad's default), so autograd made a new
+            # tensor: move it into the bucket so the all-reduce sees it.
+            view.copy_(param.grad)
+            param.grad = view
+        if not self._callback_queued:
+            self._callback_queued = True
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.on_backward_end)
+        if not self.enabled:
+            return
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._launch(bucket)
+
+    def on_backward_end(self) -> None:
+        """Launch the buckets whose parameters got no gradient, then wait for all of them."""
+        self._callback_queued = False
+        self._in_backward = False
+        if self.enabled:
+            for bucket in self.buckets:
+                if bucket.handle is None:
+                    self._fill_missing(bucket)
+                    self._launch(bucket)
+            for bucket in self.buckets:
+                bucket.handle.wait()
+                bucket.handle = None
+        for bucket in self.buckets:
+            bucket.ready = 0
+        self.events.append(("backward_end", -1))
+
+    # -- internals ---------------------------------------------------------------------------
+    def _launch(self, bucket: Bucket) -> None:
+        # Pre-divide so the sum is the mean; same order of operations as torch DDP.
+        bucket.flat.div_(self.axis.size)
+        bucket.handle = comm.all_reduce(bucket.flat, self.axis, async_op=True)
+        self.events.append(("launch" if self._in_backward else "launch_late", bucket.index))
+
+    @staticmethod
+    def _fill_missing(bucket: Bucket) -> None:
+        """A parameter unused this step contributes zeros (its stale view is cleared)."""
+        for param, view in zip(bucket.params, bucket.views):
+            if param.grad is None:
+                view.zero_()
+                param.grad = view
+
+    def zero_grad(self) -> None:
+        for bucket in self.buckets:
+            bucket.flat.zero_()
+
+
+def make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[Bucket]:
+    """Group parameters, in backward order, into flat buffers of about `bucket_bytes`."""
+    groups: list[list[nn.Parameter]] = []
+    size = 0
+    for param in reversed(params):
+        nbytes = param.numel() * param.element_size()
+        same_kind = groups and groups[-1][0].dtype == param.dtype and groups[-1][0].device == param.device
+        if not groups or not same_kind or size + nbytes > bucket_bytes and size > 0:
+            groups.append([])
+            size = 0
+        groups[-1].append(param)
+        size += nbytes
+    return [_bucket(i, group) for i, group in enumerate(groups)]
+
+
+def _bucket(index: int, params: list[nn.Parameter]) -> Bucket:
+    total = sum(p.numel() for p in params)
+    flat = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+    views, offset = [], 0
+    for param in params:
+        view = flat[offset:offset + param.numel()].view_as(param)
+        if param.grad is not None:
+            view.copy_(param.grad)
+        param.grad = view
+        views.append(view)
+        offset += param.numel()
+    return Bucket(index, params, flat, views)
+
+
+def apply_data_parallel(model: nn.Module, axis: Axis, *, bucket_mb: float = 25.0) -> nn.Module:
+    """Make `model` average its gradients over `axis` after every backward (in place).
+
+    Parameters and buffers are first broadcast from the axis's rank 0, so every replica
+    starts identical even if the ranks built the model with different seeds.
+    """
+    if axis.size == 1:
+        return model
+    for tensor in [*model.parameters(), *model.buffers()]:
+        comm.broadcast(tensor.data, axis, purpose="setup")
+    params = [p for p in model.parameters() if p.requires_grad]
+    sync = GradSync(axis, make_buckets(params, int(bucket_mb * 2**20)))
+    for param in params:
+        param.register_post_accumulate_grad_hook(sync.on_grad_ready)
+    setattr(model, ATTR, sync)
+    return model
+
+
+def grad_sync(model: nn.Module) -> GradSync | None:
+    """The GradSync attached by `apply_data_parallel`, if any."""
+    return getattr(model, ATTR, None)
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate gradients locally inside this block; the next synced backward sends the sum."""
+    sync = grad_sync(model)
+    if sync is None:
+        yield
+        return
+    previous, sync.enabled = sync.enabled, False
+    try:
+        yield
+    finally:
+        sync.enabled = previous

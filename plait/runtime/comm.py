@@ -1,0 +1,171 @@
+"""Instrumented collectives: every byte plait moves passes through here and is counted.
+
+The `Ledger` records, per axis and op, the payload and the bytes this rank puts on the wire
+under a ring algorithm. That is what lets a test assert that DDP moves exactly
+2(n-1)/n·Ψ·b per step, and what `metrics.jsonl` reports as `comm`.
+
+Ring costs per rank, with S the bytes of the full tensor and n ranks in the group:
+- all-reduce: 2(n-1)/n·S (a reduce-scatter then an all-gather, each moving (n-1)/n·S)
+- all-gather, reduce-scatter: (n-1)/n·S
+- broadcast, send: S (recv puts nothing on the wire; it is counted as what arrives)
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from plait.errors import PlaitError
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv")
+TRAIN = "train"  # traffic that trains the model
+TELEMETRY = "telemetry"  # traffic that only gathers numbers for the report
+
+
+def ring_wire_bytes(op: str, payload: int, n: int) -> float:
+    """Bytes one rank sends for `op` on a tensor of `payload` bytes among `n` ranks."""
+    if n <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2 * (n - 1) / n * payload
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n * payload
+    if op in ("broadcast", "send", "recv"):
+        return float(payload)
+    raise ValueError(f"unknown collective {op!r}")
+
+
+def naive_exchange_bytes(payload: int, n: int) -> int:
+    """Total bytes if every rank sent its whole tensor to every other: S·N·(N-1).
+
+    The seeds' formula for a naive gradient exchange; ring all-reduce moves 2(N-1)·S in
+    total instead, which is why it wins as N grows.
+    """
+    return payload * n * (n - 1)
+
+
+@dataclass
+class Tally:
+    calls: int = 0
+    payload: int = 0
+    wire: float = 0.0
+
+
+@dataclass
+class Ledger:
+    """Counts of every collective, keyed by (purpose, axis, op)."""
+
+    tallies: dict[tuple[str, str, str], Tally] = field(default_factory=lambda: defaultdict(Tally))
+
+    def record(self, axis: str, op: str, payload: int, n: int, purpose: str = TRAIN) -> None:
+        tally = self.tallies[(purpose, axis, op)]
+        tally.calls += 1
+        tally.payload += payload
+        tally.wire += ring_wire_bytes(op, payload, n)
+
+    def wire(self, purpose: str = TRAIN) -> dict[str, dict[str, float]]:
+        """{axis: {op: wire bytes}} so far, for one purpose."""
+        out: dict[str, dict[str, float]] = {}
+        for (p, axis, op), tally in sorted(self.tallies.items()):
+            if p == purpose and tally.calls:
+                out.setdefault(axis, {})[op] = tally.wire
+        return out
+
+    def calls(self, purpose: str = TRAIN) -> int:
+        return sum(t.calls for (p, _, _), t in self.tallies.items() if p == purpose)
+
+    def snapshot(self) -> dict[tuple[str, str, str], Tally]:
+        return {key: Tally(t.calls, t.payload, t.wire) for key, t in self.tallies.items()}
+
+    def since(self, snapshot: dict[tuple[str, str, str], Tally],
+              purpose: str = TRAIN) -> dict[str, dict[str, float]]:
+        """{axis: {op: wire bytes}} recorded after `snapshot` was taken."""
+        out: dict[str, dict[str, float]] = {}
+        for key, tally in sorted(self.tallies.items()):
+            p, axis, op = key
+            before = snapshot.get(key, Tally())
+            if p == purpose and tally.calls > before.calls:
+                out.setdefault(axis, {})[op] = tally.wire - before.wire
+        return out
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One axis of the mesh as this rank sees it: its group, size, and the shared ledger."""
+
+    name: str
+    size: int
+    rank: int
+    group: Any  # a ProcessGroup, or None when the axis has one rank
+    ledger: Ledger
+    global_rank: int = 0
+
+
+class CommError(PlaitError):
+    """A collective failed or timed out; the message names the rank, the op and the group."""
+
+
+class Handle:
+    """An in-flight collective; `wait()` turns torch's errors into ones that name the op."""
+
+    def __init__(self, work: Any, axis: Axis, op: str):
+        self._work, self._axis, self._op = work, axis, op
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        try:
+            self._work.wait()
+        except RuntimeError as exc:
+            raise _comm_error(self._axis, self._op, exc) from exc
+        finally:
+            self._work = None
+
+
+def _comm_error(axis: Axis, op: str, exc: Exception) -> CommError:
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return CommError(
+        f"rank {axis.global_rank}: {op} on the {axis.name} group ({axis.size} ranks) failed: {first_line}",
+        hint="another rank probably died or is stuck; check its output above, or raise --timeout",
+    )
+
+
+def _run(axis: Axis, op: str, call: Any, async_op: bool) -> Handle:
+    try:
+        work = call()
+    except RuntimeError as exc:
+        raise _comm_error(axis, op, exc) from exc
+    handle = Handle(work, axis, op)
+    if not async_op:
+        handle.wait()
+    return handle
+
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def all_reduce(tensor: torch.Tensor, axis: Axis, op: str = "sum", async_op: bool = False,
+               purpose: str = TRAIN) -> Handle:
+    """In-place all-reduce of `tensor` over `axis`."""
+    if axis.size == 1:
+        return Handle(None, axis, "all_reduce")
+    axis.ledger.record(axis.name, "all_reduce", _nbytes(tensor), axis.size, purpose)
+    return _run(axis, "all_reduce", lambda: dist.all_reduce(
+        tensor, op=_REDUCE_OPS[op], group=axis.group, async_op=async_op), async_op)
+
+
+def broadcast(tensor: torch.Tensor, axis: Axis, src: int = 0, purpose: str = TRAIN) -> None:
+    """In-place broadcast from the rank whose index along `axis` is `src`."""
+    if axis.size == 1:
+        return
+    axis.ledger.record(axis.name, "broadcast", _nbytes(tensor), axis.size, purpose)
+    group_src = dist.get_global_rank(axis.group, src)
+    _run(axis, "broadcast", lambda: dist.broadcast(tensor, src=group_src, group=axis.group), False)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

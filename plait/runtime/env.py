@@ -1,0 +1,133 @@
+"""Who am I? Rank, world size and rendezvous address, read from whichever launcher started us.
+
+Launchers each speak their own dialect of environment variables; this module turns every
+dialect into one `ProcessEnv`. It reads `os.environ` (or a dict, for tests) and never
+touches torch.distributed, so it can be tested by feeding it each launcher's variables.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from plait.errors import PlaitError
+
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class ProcessEnv:
+    """This process's place in the job, and how to reach the others."""
+
+    launcher: str  # "torchrun", "slurm", "mpi", "spawn" or "single"
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def detect(environ: Mapping[str, str] | None = None) -> ProcessEnv:
+    """Read the launcher's variables; a process started by none of them runs alone.
+
+    Order matters: plait's spawner and torchrun set RANK explicitly; Slurm and MPI set their
+    own names, and a job may be *inside* an allocation (SLURM_* present) while launched by
+    torchrun, so the explicit RANK wins.
+    """
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        launcher = "spawn" if env.get("PLAIT_SPAWNED") == "1" else "torchrun"
+        return _from_torchrun(env, launcher)
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return _from_slurm(env)
+    if "OMPI_COMM_WORLD_RANK" in env:
+        return _from_mpi(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                         "OMPI_COMM_WORLD_LOCAL_RANK")
+    if "PMI_RANK" in env:
+        return _from_mpi(env, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID")
+    return ProcessEnv("single", 0, 1, 0, "127.0.0.1", DEFAULT_PORT)
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    value = env.get(name)
+    if value is None:
+        if default is None:
+            raise PlaitError(f"launcher variable {name} is not set",
+                             hint="start the job with torchrun, srun, mpirun or `plait train --nproc N`")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise PlaitError(f"launcher variable {name}={value!r} is not an integer") from None
+
+
+def _from_torchrun(env: Mapping[str, str], launcher: str) -> ProcessEnv:
+    return ProcessEnv(
+        launcher=launcher,
+        rank=_int(env, "RANK"),
+        world_size=_int(env, "WORLD_SIZE"),
+        local_rank=_int(env, "LOCAL_RANK", 0),
+        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=_int(env, "MASTER_PORT", DEFAULT_PORT),
+    )
+
+
+def _from_slurm(env: Mapping[str, str]) -> ProcessEnv:
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
+    # Derive the port from the job id so that two jobs sharing a node do not collide.
+    job_port = DEFAULT_PORT + int(env.get("SLURM_JOB_ID", "0")) % 10000
+    return ProcessEnv(
+        launcher="slurm",
+        rank=_int(env, "SLURM_PROCID"),
+        world_size=_int(env, "SLURM_NTASKS"),
+        local_rank=_int(env, "SLURM_LOCALID", 0),
+        master_addr=env.get("MASTER_ADDR", first_host(nodelist)),
+        master_port=_int(env, "MASTER_PORT", job_port),
+    )
+
+
+def _from_mpi(env: Mapping[str, str], rank: str, size: str, local: str) -> ProcessEnv:
+    # mpirun gives ranks but no rendezvous: the user sets MASTER_ADDR for multi-node jobs
+    # (e.g. `mpirun -x MASTER_ADDR=node0`); a single node needs nothing.
+    return ProcessEnv(
+        launcher="mpi",
+        rank=_int(env, rank),
+        world_size=_int(env, size),
+        local_rank=_int(env, local, 0),
+        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=_int(env, "MASTER_PORT", DEFAULT_PORT),
+    )
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: "gpu[003-005,009],cpu1" -> "gpu003"."""
+    match = re.match(r"^([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if match is None:
+        raise PlaitError(f"cannot read the Slurm node list {nodelist!r}",
+                         hint="set MASTER_ADDR to the first node's hostname")
+    prefix, ranges = match.group(1), match.group(2)
+    if ranges is None:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def choose_backend(requested: str | None, cuda_available: bool, mpi_available: bool) -> str:
+    """NCCL with CUDA, else Gloo; an explicit choice must be one this torch build has."""
+    if requested in (None, "", "auto"):
+        return "nccl" if cuda_available else "gloo"
+    if requested == "nccl" and not cuda_available:
+        raise PlaitError("backend nccl needs CUDA, and no GPU is visible",
+                         hint="use --backend gloo (the default on CPU)")
+    if requested == "mpi" and not mpi_available:
+        raise PlaitError("backend mpi is not built into this PyTorch",
+                         hint="under mpirun plait reads ranks from MPI's variables and uses gloo/nccl; drop --backend mpi")
+    if requested not in ("nccl", "gloo", "mpi"):
+        raise PlaitError(f"unknown backend {requested!r}", hint="choose nccl, gloo, mpi or auto")
+    return requested

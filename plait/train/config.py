@@ -1,0 +1,161 @@
+"""The training configuration: one typed dataclass, filled from defaults, a TOML file, then flags.
+
+The defaults are the demo: the `small` GPT on the standard-library corpus, two processes.
+All validation that needs no process group happens here, so a bad value fails before
+anything is spawned, with one line saying what to change.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from plait.errors import PlaitError
+from plait.models.config import PRESETS, TRAINABLE, get_preset
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything `plait train` needs; each field is also a `--flag` (underscores → dashes)."""
+
+    model: str = field(default="small", metadata={"help": "model preset: tiny or small"})
+    data: str = field(default="stdlib", metadata={"help": "corpus: 'stdlib' (Python's own source), a text file, or a directory"})
+    steps: int = field(default=100, metadata={"help": "optimizer steps"})
+    micro_batch: int = field(default=8, metadata={"help": "sequences per rank per forward/backward"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    seq_len: int = field(default=128, metadata={"help": "tokens per sequence"})
+    lr: float = field(default=2e-3, metadata={"help": "peak learning rate"})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine decays to lr × this"})
+    warmup_steps: int = field(default=10, metadata={"help": "steps of linear learning-rate warm-up"})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay (not applied to norms)"})
+    grad_clip: float = field(default=1.0, metadata={"help": "max global gradient norm (0 turns clipping off)"})
+    seed: int = field(default=0, metadata={"help": "seeds the weights, the data order and the sample"})
+    eval_every: int = field(default=50, metadata={"help": "steps between held-out evaluations (0: only at the end)"})
+    eval_samples: int = field(default=32, metadata={"help": "held-out sequences per evaluation"})
+    bucket_mb: float = field(default=25.0, metadata={"help": "gradient bucket size for data parallelism"})
+    dp: int | None = field(default=None, metadata={"help": "data-parallel degree (default: all processes)"})
+    nproc: int | None = field(default=None, metadata={"help": "local processes to spawn (default: the layout's product)"})
+    backend: str = field(default="auto", metadata={"help": "auto (nccl with CUDA, else gloo), nccl, gloo or mpi"})
+    timeout_s: float = field(default=300.0, metadata={"help": "a collective waiting longer than this fails, naming itself"})
+    out: str = field(default="runs/latest", metadata={"help": "where metrics.jsonl, summary.json and the model go"})
+    sample_tokens: int = field(default=160, metadata={"help": "length of the text sample printed at the end"})
+    prompt: str = field(default="def ", metadata={"help": "text the closing sample continues"})
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step, over all ranks (after resolve_layout has set dp)."""
+        return self.micro_batch * self.grad_accum * (self.dp or 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def field_names() -> list[str]:
+    return [f.name for f in fields(TrainConfig)]
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """Read a TOML file of TrainConfig fields (dashes or underscores, top level or [train])."""
+    try:
+        with open(path, "rb") as handle:
+            raw = tomllib.load(handle)
+    except FileNotFoundError:
+        raise PlaitError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise PlaitError(f"config file {path} is not valid TOML: {exc}") from None
+    raw = raw.get("train", raw)
+    values = {key.replace("-", "_"): value for key, value in raw.items()}
+    unknown = sorted(set(values) - set(field_names()))
+    if unknown:
+        raise PlaitError(f"config file {path} has unknown keys: {', '.join(unknown)}",
+                         hint="see `plait train --help` for the names")
+    return values
+
+
+def build_config(file_values: dict[str, Any], flag_values: dict[str, Any]) -> TrainConfig:
+    """Defaults, then the file, then the flags that were given (not None)."""
+    merged = {**file_values, **{k: v for k, v in flag_values.items() if v is not None}}
+    config = replace(TrainConfig(), **merged)
+    return resolve_layout(config)
+
+
+def resolve_layout(config: TrainConfig) -> TrainConfig:
+    """Fill dp and nproc from each other and check they agree."""
+    dp, nproc = config.dp, config.nproc
+    launched_world = _launched_world_size()
+    if launched_world is not None:
+        nproc = launched_world if nproc is None else nproc
+        if nproc != launched_world:
+            raise PlaitError(f"--nproc {nproc} given inside a job of {launched_world} processes",
+                             hint="drop --nproc: the launcher decides the process count")
+    if dp is None and nproc is None:
+        dp = nproc = 2
+    dp = dp or nproc
+    nproc = nproc or dp
+    if dp != nproc:
+        raise PlaitError(f"layout dp={dp} needs {dp} processes, but --nproc is {nproc}",
+                         hint=f"use --nproc {dp}, or --dp {nproc}")
+    return replace(config, dp=dp, nproc=nproc)
+
+
+def _launched_world_size() -> int | None:
+    """The world size set by an outside launcher, when there is one."""
+    for name in ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        if name in os.environ:
+            return int(os.environ[name])
+    return None
+
+
+def max_local_processes() -> int:
+    """How many processes one machine may run: one per GPU, or a few per CPU core."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.device_count()
+    except ImportError:
+        pass
+    return max(8, 4 * (os.cpu_count() or 1))
+
+
+def validate(config: TrainConfig, *, local_limit: int | None = None) -> None:
+    """Every check that needs no process group; raises PlaitError naming the fix."""
+    if config.model not in PRESETS:
+        get_preset(config.model)  # raises with the list of names
+    if config.model not in TRAINABLE:
+        raise PlaitError(f"model preset {config.model!r} is shape-only (for estimates)",
+                         hint=f"train one of: {', '.join(TRAINABLE)}; use `plait estimate --model {config.model}`")
+    for name in ("steps", "micro_batch", "grad_accum", "seq_len", "eval_samples"):
+        if getattr(config, name) < 1:
+            raise PlaitError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
+    if config.lr <= 0:
+        raise PlaitError(f"--lr must be positive, got {config.lr}")
+    max_seq = get_preset(config.model).max_seq_len
+    if config.seq_len > max_seq:
+        raise PlaitError(f"--seq-len {config.seq_len} is longer than model {config.model!r} allows ({max_seq})",
+                         hint=f"use --seq-len {max_seq} or less")
+    limit = local_limit if local_limit is not None else max_local_processes()
+    if config.nproc is not None and _launched_world_size() is None and config.nproc > limit:
+        raise PlaitError(f"--nproc {config.nproc} is more than this machine allows ({limit})",
+                         hint="use fewer processes, or launch across nodes with torchrun or srun")
+    check_writable(config.out)
+
+
+def check_writable(out: str) -> None:
+    """Fail now, not after an hour of training, if the output directory cannot be written."""
+    path = Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".plait-write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise PlaitError(f"--out {out} is not writable: {exc.strerror or exc}",
+                         hint="choose a directory you can write to") from None

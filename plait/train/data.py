@@ -1,0 +1,139 @@
+"""Data: a byte-level corpus that needs no download, and a sampler that is layout-free.
+
+The default corpus is the source of Python's own standard library, read from the running
+interpreter: real text, a few megabytes, present wherever Python is. Tokens are bytes
+(vocabulary 256), so no tokenizer has to be trained or fetched.
+
+Sampling is what makes parity testable. Each epoch is one permutation of the samples, fixed
+by (seed, epoch). Global step s takes permutation entries [s·G, (s+1)·G) with G the global
+batch, and dp rank r takes every dp-th of the permutation. Together the ranks of step s
+therefore hold exactly the same G samples for any dp degree, accumulation or micro-batch
+size, and a run can resume from (epoch, position) alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from plait.errors import PlaitError
+
+STDLIB = "stdlib"
+SKIP_DIRS = {"test", "tests", "site-packages", "idle_test", "__pycache__"}
+
+
+def corpus_files(root: Path) -> list[Path]:
+    """Text files under `root` in a fixed order, so every rank reads the same bytes."""
+    suffixes = {".py"} if root.name == "python-stdlib" else {".py", ".txt", ".md", ".rst"}
+    return sorted(
+        p for p in root.rglob("*")
+        if p.is_file() and p.suffix in suffixes and not SKIP_DIRS & set(p.relative_to(root).parts)
+    )
+
+
+def load_corpus(source: str = STDLIB, max_bytes: int = 8 * 2**20) -> torch.Tensor:
+    """The corpus as a uint8 tensor: `source` is "stdlib", a text file or a directory."""
+    if source == STDLIB:
+        root = Path(sysconfig.get_paths()["stdlib"])
+        files = [p for p in corpus_files(root) if p.suffix == ".py"]
+    else:
+        path = Path(source)
+        if not path.exists():
+            raise PlaitError(f"corpus {source!r} does not exist", hint="give a text file, a directory, or 'stdlib'")
+        files = corpus_files(path) if path.is_dir() else [path]
+    chunks, total = [], 0
+    for path in files:
+        data = path.read_bytes()[: max_bytes - total]
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    if total == 0:
+        raise PlaitError(f"corpus {source!r} is empty", hint="point --data at files with text in them")
+    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+
+
+def corpus_digest(tokens: torch.Tensor) -> int:
+    """A 62-bit fingerprint, compared across ranks to catch nodes with different corpora."""
+    return int.from_bytes(hashlib.sha256(tokens.numpy().tobytes()).digest()[:8], "little") >> 2
+
+
+@dataclass(frozen=True)
+class Split:
+    """Fixed-length windows over a token stream: sample i is tokens[i·seq : i·seq + seq + 1]."""
+
+    tokens: torch.Tensor
+    seq_len: int
+
+    @property
+    def num_samples(self) -> int:
+        return max(0, (len(self.tokens) - 1) // self.seq_len)
+
+    def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and next-token targets, each (len(indices), seq_len), as int64."""
+        rows = torch.stack([self.tokens[i * self.seq_len: i * self.seq_len + self.seq_len + 1]
+                            for i in indices]).long()
+        return rows[:, :-1], rows[:, 1:]
+
+
+def train_val_split(tokens: torch.Tensor, seq_len: int, val_fraction: float = 0.05) -> tuple[Split, Split]:
+    """The last `val_fraction` of the corpus is held out for evaluation."""
+    cut = int(len(tokens) * (1 - val_fraction))
+    return Split(tokens[:cut], seq_len), Split(tokens[cut:], seq_len)
+
+
+def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=generator)
+
+
+def shard_indices(n: int, mesh: object, seed: int, epoch: int) -> list[int]:
+    """This dp rank's samples of epoch `epoch`: every dp-th entry of the epoch's permutation.
+
+    `mesh` is a plait Mesh or a (dp_rank, dp_size) pair. The tail that does not divide dp is
+    dropped, so every rank gets the same count.
+    """
+    rank, size = (mesh.rank("dp"), mesh.size("dp")) if hasattr(mesh, "rank") else mesh
+    perm = epoch_permutation(n, seed, epoch)
+    return perm[: n - n % size][rank::size].tolist()
+
+
+@dataclass(frozen=True)
+class StepSampler:
+    """Which samples each micro-batch of each step holds, on one dp rank."""
+
+    num_samples: int
+    global_batch: int
+    dp_rank: int
+    dp_size: int
+    micro_batch: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        if self.global_batch % (self.dp_size * self.micro_batch):
+            raise PlaitError(f"global batch {self.global_batch} is not divisible by dp × micro-batch")
+        if self.steps_per_epoch == 0:
+            raise PlaitError(
+                f"the corpus gives {self.num_samples} samples, fewer than the global batch of {self.global_batch}",
+                hint="lower --seq-len, --micro-batch or --grad-accum, or give a larger --data",
+            )
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_samples // self.global_batch
+
+    def position(self, step: int) -> tuple[int, int]:
+        """(epoch, step within the epoch) of global step `step`: all a resume needs."""
+        return divmod(step, self.steps_per_epoch)
+
+    def micro_batches(self, step: int) -> list[list[int]]:
+        """This rank's sample indices for `step`, cut into micro-batches."""
+        epoch, pos = self.position(step)
+        mine = shard_indices(self.num_samples, (self.dp_rank, self.dp_size), self.seed, epoch)
+        local = self.global_batch // self.dp_size
+        chunk = mine[pos * local: (pos + 1) * local]
+        return [chunk[i: i + self.micro_batch] for i in range(0, local, self.micro_batch)]

@@ -1,0 +1,68 @@
+"""Measured memory: model states by storage, activations by what autograd saves.
+
+Both measurements work on any device, CPU included, which is what lets the tests compare
+them with the formulas in `estimate/`. Storages are deduplicated, so a tied weight, or a
+gradient that is a view into a bucket, is counted once, at the size it really occupies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors`."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.numel():
+            storage = tensor.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Parameter, gradient and optimizer-state bytes held by this rank."""
+    params = [p for p in model.parameters()]
+    grads = [p.grad for p in params if p.grad is not None]
+    states = [v for state in optimizer.state.values() for v in state.values()
+              if isinstance(v, torch.Tensor) and v.ndim > 0]
+    return {"params": storage_bytes(params), "grads": storage_bytes(grads), "optim": storage_bytes(states)}
+
+
+class ActivationMeter:
+    """Peak bytes saved for backward during one forward, excluding the parameters themselves.
+
+    Use `with meter.track(model):` around a forward; `peak` keeps the largest seen.
+    """
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self.last = 0
+
+    @contextlib.contextmanager
+    def track(self, model: nn.Module) -> Iterator[None]:
+        param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        saved: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in param_ptrs and storage.nbytes():
+                saved[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            yield
+        self.last = sum(saved.values())
+        self.peak = max(self.peak, self.last)
+
+
+def peak_process_bytes(device: torch.device) -> int:
+    """Peak memory of this process: allocated GPU memory, or resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

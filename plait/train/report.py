@@ -1,0 +1,53 @@
+"""The closing report: what the run cost, in a few lines a person can check."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_comm(comm: dict[str, dict[str, float]]) -> str:
+    parts = [f"{axis} {op} {human_bytes(b)}" for axis, ops in sorted(comm.items()) for op, b in sorted(ops.items())]
+    return ", ".join(parts) or "none (one process)"
+
+
+def closing_report(summary: dict[str, Any], out: str) -> str:
+    """Loss, speed, bytes on the wire (measured vs formula), memory, and a text sample."""
+    layout = summary["layout"]
+    dp = layout["dp"]
+    mem = summary["mem"]
+    lines = [
+        f"plait: trained {summary['model']} ({summary['num_params'] / 1e6:.2f} M params) for "
+        f"{summary['steps']} steps on {layout['world_size']} process(es): dp={dp} tp={layout['tp']} "
+        f"pp={layout['pp']}, backend {layout['backend']}, global batch {summary['global_batch']} × "
+        f"{summary['seq_len']} tokens",
+        f"  loss        {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}   "
+        f"(held-out {summary['val_loss']:.3f})",
+        f"  speed       {summary['tokens_per_s']:,.0f} tokens/s, {summary['step_time_s_median']:.3f} s/step (median)",
+        f"  wire/step   measured {format_comm(summary['comm_per_step'])}",
+    ]
+    if dp > 1:
+        lines += [
+            f"              formula  {format_comm(summary['comm_formula'])}   [ring all-reduce 2(n-1)/n·Ψ·4 B]",
+            f"              all ranks together: ring {human_bytes(summary['comm_ring_total'])} vs naive exchange "
+            f"{human_bytes(summary['comm_naive_total'])}   [Ψ·4·N·(N-1)]",
+        ]
+    lines += [
+        f"  memory/rank params {human_bytes(mem['params'])}, grads {human_bytes(mem['grads'])}, "
+        f"optimizer {human_bytes(mem['optim'])}, activations {human_bytes(mem['activations_peak'])} "
+        f"(process peak {human_bytes(summary['peak_process_bytes'])})",
+    ]
+    if summary.get("sample"):
+        sample = summary["sample"].replace("\n", "\n              ")
+        lines.append(f"  sample      {sample}")
+    lines.append(f"  outputs     {out}/metrics.jsonl, summary.json, model.safetensors")
+    return "\n".join(lines)

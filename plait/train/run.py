@@ -1,0 +1,63 @@
+"""One rank's whole life: join the job, train, write the outputs, report, leave."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from plait.runtime.mesh import init_mesh
+from plait.train.config import TrainConfig
+from plait.train.report import closing_report
+from plait.train.trainer import Trainer
+
+
+def set_cpu_threads(local_world: int) -> None:
+    """Share the cores between the local processes instead of oversubscribing them."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+
+
+def train(config: TrainConfig) -> dict[str, Any]:
+    """Run `plait train` on this rank; rank 0 writes outputs and prints the report."""
+    mesh = init_mesh(dp=config.dp, backend=config.backend, timeout_s=config.timeout_s)
+    try:
+        set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", mesh.env.world_size)))
+        trainer = Trainer(config, mesh)
+        bar = _progress_bar(config.steps) if mesh.is_main else None
+        summary = trainer.run(progress=(lambda r: _advance(bar, r)) if bar else None)
+        if bar:
+            bar.close()
+        if mesh.is_main:
+            summary["sample"] = trainer.sample_text()
+            summary["config"] = config.to_dict()
+            _write_outputs(trainer, summary, Path(config.out))
+            print(closing_report(summary, config.out), flush=True)
+        return summary
+    finally:
+        mesh.close()
+
+
+def _progress_bar(steps: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=steps, desc="train", unit="step", mininterval=1.0, dynamic_ncols=True)
+
+
+def _advance(bar: Any, record: dict[str, Any]) -> None:
+    postfix = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:,.0f}"}
+    if "val_loss" in record:
+        postfix["val"] = f"{record['val_loss']:.3f}"
+    bar.set_postfix(postfix, refresh=False)
+    bar.update(1)
+
+
+def _write_outputs(trainer: Trainer, summary: dict[str, Any], out: Path) -> None:
+    """summary.json and the trained weights (one plain safetensors file, tied weights once)."""
+    from safetensors.torch import save_model
+
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    save_model(trainer.model, str(out / "model.safetensors"))

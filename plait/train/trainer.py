@@ -1,0 +1,207 @@
+"""The training loop: read top to bottom, one optimizer step at a time.
+
+Every rank runs this same code. The strategies hide inside `parallelize` and
+`build_optimizer`; the loop itself only knows to skip gradient sync on all but the last
+micro-batch, and to gather a few numbers across ranks for the report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from plait.errors import PlaitError
+from plait.models.config import get_preset
+from plait.models.gpt import build_gpt
+from plait.parallel.compose import ParallelConfig, build_optimizer, parallelize
+from plait.parallel.data import no_sync
+from plait.runtime import comm
+from plait.runtime.mesh import AXES, Mesh
+from plait.train.config import TrainConfig
+from plait.train.data import StepSampler, corpus_digest, load_corpus, train_val_split
+from plait.train.meter import ActivationMeter, model_state_bytes, peak_process_bytes
+
+COMM_KEYS = [(axis, op) for axis in AXES for op in comm.OPS]
+MEM_KEYS = ("params", "grads", "optim", "activations_peak")
+
+
+def lr_at(step: int, config: TrainConfig) -> float:
+    """Linear warm-up to `lr`, then cosine decay to `lr · min_lr_ratio` at the last step."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    span = max(1, config.steps - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / span)
+    floor = config.lr * config.min_lr_ratio
+    return floor + (config.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class Trainer:
+    """Builds the model, optimizer and data for this rank, then trains."""
+
+    def __init__(self, config: TrainConfig, mesh: Mesh):
+        self.config, self.mesh = config, mesh
+        torch.manual_seed(config.seed)
+        self.model_config = get_preset(config.model)
+        self.model = build_gpt(self.model_config, config.seed)
+        parallelize(self.model, mesh, ParallelConfig(bucket_mb=config.bucket_mb))
+        self.optimizer = build_optimizer(self.model, torch.optim.AdamW, lr=config.lr, betas=(0.9, 0.95),
+                                         weight_decay=config.weight_decay)
+        tokens = load_corpus(config.data)
+        self._check_same_corpus(tokens)
+        self.train_split, self.val_split = train_val_split(tokens, config.seq_len)
+        self.sampler = StepSampler(self.train_split.num_samples, config.global_batch, mesh.rank("dp"),
+                                   mesh.size("dp"), config.micro_batch, config.seed)
+        self.meter = ActivationMeter()
+        self.num_params = sum(p.numel() for p in self.model.parameters())
+        self.history: list[dict[str, Any]] = []
+
+    # -- one step ------------------------------------------------------------------------------
+    def train_step(self, step: int) -> dict[str, Any]:
+        config, model = self.config, self.model
+        lr = lr_at(step, config)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        before = self.mesh.ledger.snapshot()
+        start = time.perf_counter()
+        micro_batches = self.sampler.micro_batches(step)
+        loss_sum = 0.0
+        for k, indices in enumerate(micro_batches):
+            last = k == len(micro_batches) - 1
+            # Only the last micro-batch synchronises: the others just accumulate locally.
+            with contextlib.nullcontext() if last else no_sync(model):
+                loss = self._forward_loss(indices)
+                (loss / len(micro_batches)).backward()
+            loss_sum += loss.item()
+        max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
+        self.optimizer.step()
+        states = model_state_bytes(model, self.optimizer)
+        self.optimizer.zero_grad()
+        elapsed = time.perf_counter() - start
+        local = {"loss": loss_sum / len(micro_batches), "step_time_s": elapsed, "grad_norm": grad_norm,
+                 **states, "activations_peak": self.meter.last, "comm": self.mesh.ledger.since(before)}
+        return self._gather_step(step, lr, local)
+
+    def _forward_loss(self, indices: list[int]) -> torch.Tensor:
+        inputs, targets = self.train_split.batch(indices)
+        inputs, targets = inputs.to(self.mesh.device), targets.to(self.mesh.device)
+        with self.meter.track(self.model):
+            logits = self.model(inputs)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    def _gather_step(self, step: int, lr: float, local: dict[str, Any]) -> dict[str, Any]:
+        """Mean loss over dp ranks; max over all ranks for time, memory and traffic."""
+        world = self.mesh.axis("world")
+        loss = torch.tensor([local["loss"]], dtype=torch.float64)
+        comm.all_reduce(loss, self.mesh.axis("dp"), purpose=comm.TELEMETRY)
+        maxed = torch.tensor([local["step_time_s"], *(local[k] for k in MEM_KEYS),
+                              *(local["comm"].get(a, {}).get(o, 0.0) for a, o in COMM_KEYS)], dtype=torch.float64)
+        comm.all_reduce(maxed, world, op="max", purpose=comm.TELEMETRY)
+        values = maxed.tolist()
+        step_time, mem, traffic = values[0], values[1:1 + len(MEM_KEYS)], values[1 + len(MEM_KEYS):]
+        comm_out: dict[str, dict[str, int]] = {}
+        for (axis, op), wire in zip(COMM_KEYS, traffic):
+            if wire:
+                comm_out.setdefault(axis, {})[op] = round(wire)
+        tokens = self.config.global_batch * self.config.seq_len
+        return {
+            "step": step + 1, "loss": loss.item() / self.mesh.size("dp"), "lr": lr,
+            "grad_norm": local["grad_norm"], "tokens": tokens, "step_time_s": step_time,
+            "tokens_per_s": tokens / step_time, "mem": dict(zip(MEM_KEYS, map(int, mem))), "comm": comm_out,
+        }
+
+    # -- evaluation and sampling -------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean next-token loss on the first `eval_samples` held-out sequences (split over dp)."""
+        dp_rank, dp_size = self.mesh.rank("dp"), self.mesh.size("dp")
+        count = min(self.val_split.num_samples, max(self.config.eval_samples, dp_size))
+        count -= count % dp_size
+        if count == 0:
+            raise PlaitError("the held-out split is too small to evaluate", hint="lower --seq-len")
+        mine = list(range(dp_rank, count, dp_size))
+        total = torch.zeros(2, dtype=torch.float64)
+        for i in range(0, len(mine), self.config.micro_batch):
+            inputs, targets = self.val_split.batch(mine[i: i + self.config.micro_batch])
+            logits = self.model(inputs.to(self.mesh.device))
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(self.mesh.device).flatten(),
+                                   reduction="sum")
+            total += torch.tensor([loss.item(), targets.numel()], dtype=torch.float64)
+        comm.all_reduce(total, self.mesh.axis("dp"), purpose=comm.TELEMETRY)
+        return (total[0] / total[1]).item()
+
+    @torch.no_grad()
+    def sample_text(self) -> str:
+        """A short continuation of the prompt, to see what the model learned."""
+        if self.config.sample_tokens == 0:
+            return ""
+        prompt = torch.tensor([list(self.config.prompt.encode())], device=self.mesh.device)
+        generator = torch.Generator(device=self.mesh.device).manual_seed(self.config.seed)
+        out = self.model.generate(prompt, self.config.sample_tokens, generator=generator)
+        return bytes(out[0].tolist()).decode("utf-8", errors="replace")
+
+    def _check_same_corpus(self, tokens: torch.Tensor) -> None:
+        """Ranks on different machines may read different corpora; that breaks parity silently."""
+        digest = torch.tensor([corpus_digest(tokens)], dtype=torch.int64)
+        low, high = digest.clone(), digest.clone()
+        comm.all_reduce(low, self.mesh.axis("world"), op="min", purpose=comm.TELEMETRY)
+        comm.all_reduce(high, self.mesh.axis("world"), op="max", purpose=comm.TELEMETRY)
+        if low.item() != high.item():
+            raise PlaitError("the ranks read different corpora", hint="give every node the same --data")
+
+    # -- the whole run -----------------------------------------------------------------------------
+    def run(self, progress: Any = None) -> dict[str, Any]:
+        """Train for `steps` steps, evaluating every `eval_every`; return the run's summary."""
+        out = Path(self.config.out)
+        metrics_file = open(out / "metrics.jsonl", "w") if self.mesh.is_main else None
+        val_losses: dict[int, float] = {}
+        try:
+            for step in range(self.config.steps):
+                record = self.train_step(step)
+                if self.config.eval_every and (step + 1) % self.config.eval_every == 0:
+                    val_losses[step + 1] = record["val_loss"] = self.evaluate()
+                self.history.append(record)
+                if metrics_file:
+                    metrics_file.write(json.dumps(record) + "\n")
+                    metrics_file.flush()
+                if progress:
+                    progress(record)
+        finally:
+            if metrics_file:
+                metrics_file.close()
+        if self.config.steps not in val_losses:
+            val_losses[self.config.steps] = self.evaluate()
+        return self.summary(val_losses)
+
+    def summary(self, val_losses: dict[int, float]) -> dict[str, Any]:
+        """What the closing report and summary.json show."""
+        history, dp = self.history, self.mesh.size("dp")
+        times = [r["step_time_s"] for r in history[1:]] or [history[0]["step_time_s"]]
+        param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        peak = torch.tensor([peak_process_bytes(self.mesh.device)], dtype=torch.float64)
+        comm.all_reduce(peak, self.mesh.axis("world"), op="max", purpose=comm.TELEMETRY)
+        return {
+            "model": self.config.model, "num_params": self.num_params,
+            "layout": {"dp": dp, "tp": 1, "pp": 1, "world_size": self.mesh.env.world_size,
+                       "launcher": self.mesh.env.launcher, "backend": self.mesh.backend or "none"},
+            "global_batch": self.config.global_batch, "seq_len": self.config.seq_len,
+            "steps": len(history), "loss_first": history[0]["loss"], "loss_last": history[-1]["loss"],
+            "val_loss": val_losses[max(val_losses)], "val_losses": val_losses,
+            "step_time_s_median": statistics.median(times),
+            "tokens_per_s": self.config.global_batch * self.config.seq_len / statistics.median(times),
+            "comm_per_step": history[-1]["comm"],
+            "comm_formula": {"dp": {"all_reduce": comm.ring_wire_bytes("all_reduce", param_bytes, dp)}} if dp > 1 else {},
+            "comm_naive_total": comm.naive_exchange_bytes(param_bytes, dp),
+            "comm_ring_total": comm.ring_wire_bytes("all_reduce", param_bytes, dp) * dp,
+            "mem": {k: max(r["mem"][k] for r in history) for k in MEM_KEYS},
+            "peak_process_bytes": int(peak.item()),
+            "telemetry_bytes": sum(sum(ops.values()) for ops in self.mesh.ledger.wire(comm.TELEMETRY).values()),
+        }
