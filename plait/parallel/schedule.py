@@ -150,7 +150,8 @@ def _zb_h1_rank(pp: int, m: int, rank: int) -> list[Action]:
 def build_schedule(name: str, pp: int, m: int, v: int = 1) -> Schedule:
     """The schedule called `name` ("gpipe", "1f1b", "interleaved" or "zb-h1")."""
     if name not in SCHEDULES:
-        raise PlaitError(f"unknown pipeline schedule {name!r}", hint=f"choose one of {', '.join(SCHEDULES)}")
+        raise PlaitError(f"unknown pipeline schedule {name!r}",
+                         hint=f"choose one of {', '.join(SCHEDULES)}")
     if name == "interleaved":
         return interleaved_1f1b(pp, m, v)
     if v != 1:
@@ -179,9 +180,11 @@ def _check_coverage(schedule: Schedule, pp: int, m: int, v: int) -> None:
     for rank, actions in enumerate(schedule):
         for pos, act in enumerate(actions):
             if not (0 <= act.microbatch < m and 0 <= act.chunk < v):
-                raise PlaitError(f"rank {rank} runs {act.label(v)}: micro-batch must be < {m}, chunk < {v}")
+                raise PlaitError(f"rank {rank} runs {act.label(v)}: "
+                                 f"micro-batch must be < {m}, chunk < {v}")
             seen.setdefault((act.kind, act.microbatch, act.stage(rank, pp)), []).append(pos)
-    problems = [p for mb in range(m) for s in range(pp * v) if (p := _coverage_problem(seen, mb, s))]
+    problems = [p for mb in range(m) for stage in range(pp * v)
+                if (p := _coverage_problem(seen, mb, stage))]
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise PlaitError("invalid schedule: " + "; ".join(problems[:3]) + more)
@@ -194,7 +197,8 @@ def _coverage_problem(seen: dict[tuple[str, int, int], list[int]], mb: int, stag
     if count["F"] != 1:
         return f"{where} is forwarded {count['F']} times, not once"
     if (count["B"], count["I"], count["W"]) not in ((1, 0, 0), (0, 1, 1)):
-        return f"{where} has {count['B']} B, {count['I']} I, {count['W']} W; needs one B, or one I and one W"
+        return (f"{where} has {count['B']} B, {count['I']} I, {count['W']} W; "
+                "needs one B, or one I and one W")
     back = "B" if count["B"] else "I"
     if seen[(back, mb, stage)][0] < seen[("F", mb, stage)][0]:
         return f"{where} runs {back} before its F"
@@ -214,9 +218,13 @@ def _needs(act: Action, stage: int, last_stage: int) -> list[tuple[str, int, int
     return upstream + [("F", mb, stage)]
 
 
-def _execute(schedule: Schedule, pp: int, v: int, cost: Callable[[Action], float]) -> list[list[Slot]]:
+Done = dict[tuple[str, int, int], float]  # (what, micro-batch, stage) -> time it finished
+
+
+def _execute(schedule: Schedule, pp: int, v: int,
+             cost: Callable[[Action], float]) -> list[list[Slot]]:
     """Run every rank's list in order, each action starting once its inputs exist."""
-    done: dict[tuple[str, int, int], float] = {}
+    done: Done = {}
     rows: list[list[Slot]] = [[] for _ in schedule]
     progressed = True
     while progressed:
@@ -231,13 +239,15 @@ def _execute(schedule: Schedule, pp: int, v: int, cost: Callable[[Action], float
                 free = rows[rank][-1].end if rows[rank] else 0.0
                 start = max([free] + [done[key] for key in needs])
                 rows[rank].append(Slot(act, start, start + cost(act)))
-                done[("grad" if act.kind in "BI" else act.kind, act.microbatch, stage)] = start + cost(act)
+                what = "grad" if act.kind in "BI" else act.kind
+                done[(what, act.microbatch, stage)] = rows[rank][-1].end
                 progressed = True
     _raise_if_stuck(schedule, rows, pp, v, done)
     return rows
 
 
-def _raise_if_stuck(schedule: Schedule, rows: list[list[Slot]], pp: int, v: int, done: dict) -> None:
+def _raise_if_stuck(schedule: Schedule, rows: list[list[Slot]], pp: int, v: int,
+                    done: Done) -> None:
     stuck = []
     for rank, actions in enumerate(schedule):
         if len(rows[rank]) < len(actions):
@@ -247,7 +257,7 @@ def _raise_if_stuck(schedule: Schedule, rows: list[list[Slot]], pp: int, v: int,
             stuck.append(f"rank {rank} at {act.label(v)} (waits for {waits})")
     if stuck:
         raise PlaitError("schedule deadlocks: " + "; ".join(stuck),
-                         hint="each rank must run an action only after the ranks it receives from can produce it")
+                         hint="order each rank's list so that what it receives is sent first")
 
 
 def simulate(schedule: Schedule, pp: int, v: int = 1, cost_f: float = 1.0, cost_b: float = 2.0,

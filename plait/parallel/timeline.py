@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 from plait.errors import PlaitError
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
     from plait.parallel.schedule import Action
 
 _MAX_COLUMNS = 2000
@@ -95,9 +97,14 @@ def _peak(row: tuple[Slot, ...], opens: str, closes: str) -> int:
     return peak
 
 
+def _exact(t: float) -> Fraction:
+    """`t` as a fraction, so that 0.1 + 0.2 lands on the same grid line as 0.3."""
+    return Fraction(t).limit_denominator(1000)
+
+
 def _time_unit(timeline: Timeline) -> Fraction:
     """The largest time step that every start and end is a whole multiple of."""
-    times = [Fraction(t).limit_denominator(1000) for row in timeline.rows for s in row for t in (s.start, s.end)]
+    times = [_exact(t) for row in timeline.rows for slot in row for t in (slot.start, slot.end)]
     denominator = math.lcm(*(t.denominator for t in times)) if times else 1
     step = math.gcd(*(int(t * denominator) for t in times)) if times else 0
     return Fraction(step or 1, denominator)
@@ -110,7 +117,7 @@ def render_text(timeline: Timeline) -> str:
     follows the micro-batch: "F3b" is micro-batch 3's forward on the rank's chunk 1.
     """
     unit = _time_unit(timeline)
-    columns = round(Fraction(timeline.makespan).limit_denominator(1000) / unit)
+    columns = round(_exact(timeline.makespan) / unit)
     if columns > _MAX_COLUMNS:
         raise PlaitError(f"timeline needs {columns} text columns",
                          hint="use costs that are small multiples of one unit, or render_png")
@@ -120,8 +127,7 @@ def render_text(timeline: Timeline) -> str:
     for rank, row in enumerate(timeline.rows):
         cells = ["."] * columns
         for slot in row:
-            first = round(Fraction(slot.start).limit_denominator(1000) / unit)
-            last = round(Fraction(slot.end).limit_denominator(1000) / unit)
+            first, last = round(_exact(slot.start) / unit), round(_exact(slot.end) / unit)
             cells[first:last] = [slot.action.label(timeline.v)] * (last - first)
         body = " ".join(cell.ljust(width) for cell in cells).rstrip()
         lines.append(f"rank {rank:<{len(str(timeline.pp - 1))}} | {body}")
@@ -145,8 +151,10 @@ def render_png(timeline: Timeline, path: str | Path, title: str | None = None) -
         from matplotlib.figure import Figure
         from matplotlib.patches import Patch
     except ImportError as err:
-        raise PlaitError("drawing a timeline as PNG needs matplotlib", hint="pip install matplotlib") from err
-    fig = Figure(figsize=(max(6.0, 0.35 * len(max(timeline.rows, key=len, default=()))), 0.6 * timeline.pp + 1.4))
+        raise PlaitError("drawing a timeline as PNG needs matplotlib",
+                         hint="pip install matplotlib") from err
+    longest = max(map(len, timeline.rows), default=0)
+    fig = Figure(figsize=(max(6.0, 0.35 * longest), 0.6 * timeline.pp + 1.4))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     for rank, row in enumerate(timeline.rows):
@@ -154,7 +162,7 @@ def render_png(timeline: Timeline, path: str | Path, title: str | None = None) -
             _draw_slot(ax, rank, slot, timeline.v)
     kinds = sorted({s.action.kind for row in timeline.rows for s in row}, key="FBIW".index)
     ax.legend(handles=[Patch(color=_COLOURS[k], label=_NAMES[k]) for k in kinds],
-              loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(kinds) or 1, frameon=False)
+              loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=len(kinds) or 1, frameon=False)
     ax.set_yticks(range(timeline.pp), [f"rank {r}" for r in range(timeline.pp)])
     ax.set_ylim(timeline.pp - 0.5, -0.5)
     ax.set_xlim(0, timeline.makespan or 1)
@@ -164,9 +172,10 @@ def render_png(timeline: Timeline, path: str | Path, title: str | None = None) -
     fig.savefig(path, format="png", dpi=120)
 
 
-def _draw_slot(ax, rank: int, slot: Slot, v: int) -> None:  # noqa: ANN001 (matplotlib Axes)
+def _draw_slot(ax: Axes, rank: int, slot: Slot, v: int) -> None:
     act = slot.action
     ax.barh(rank, slot.end - slot.start, left=slot.start, height=0.8, color=_COLOURS[act.kind],
             edgecolor="black", linewidth=0.5, hatch="//" * act.chunk if act.chunk else None)
     text = str(act.microbatch) + (chr(ord("a") + act.chunk) if v > 1 else "")
-    ax.text((slot.start + slot.end) / 2, rank, text, ha="center", va="center", fontsize=7, color="white")
+    ax.text((slot.start + slot.end) / 2, rank, text,
+            ha="center", va="center", fontsize=7, color="white")

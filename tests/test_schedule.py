@@ -1,0 +1,186 @@
+"""Pipeline schedules as data: complete, deadlock-free, and with the bubbles theory predicts."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.errors import PlaitError
+from plait.parallel.schedule import (
+    Action,
+    build_schedule,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    simulate,
+    validate,
+    zero_bubble_h1,
+)
+
+SIZES = [(pp, m) for pp in (1, 2, 4) for m in (1, 4, 8)]
+
+
+def labels(schedule: list[list[Action]]) -> list[str]:
+    return [" ".join(a.label() for a in row) for row in schedule]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("pp,m", SIZES)
+def test_every_schedule_validates(name: str, pp: int, m: int) -> None:
+    validate(build_schedule(name, pp, m), pp, m)
+
+
+@pytest.mark.parametrize("pp,m", [(pp, m) for pp, m in SIZES if m % pp == 0])
+def test_interleaved_validates(pp: int, m: int) -> None:
+    validate(build_schedule("interleaved", pp, m, v=2), pp, m, v=2)
+
+
+def test_stage_is_round_robin() -> None:
+    assert Action("F", 0, chunk=0).stage(rank=1, pp=4) == 1
+    assert Action("F", 0, chunk=2).stage(rank=1, pp=4) == 9
+
+
+def test_one_f_one_b_exact_order() -> None:
+    assert labels(one_f_one_b(2, 3)) == [
+        "F0 F1 B0 F2 B1 B2",
+        "F0 B0 F1 B1 F2 B2",
+    ]
+
+
+def test_gpipe_and_zb_h1_exact_order() -> None:
+    assert labels(gpipe(2, 2)) == ["F0 F1 B0 B1", "F0 F1 B0 B1"]
+    assert labels(zero_bubble_h1(2, 3)) == [
+        "F0 F1 I0 W0 F2 I1 W1 I2 W2",
+        "F0 I0 F1 I1 W0 F2 I2 W1 W2",
+    ]
+
+
+def test_interleaved_exact_order() -> None:
+    rows = [" ".join(a.label(v=2) for a in row) for row in interleaved_1f1b(2, 2, 2)]
+    assert rows == [
+        "F0a F1a F0b F1b B0b B1b B0a B1a",
+        "F0a F1a F0b B0b F1b B1b B0a B1a",
+    ]
+
+
+@pytest.mark.parametrize(
+    "call,words",
+    [
+        (lambda: build_schedule("pipedream", 2, 4), ["pipedream"]),
+        (lambda: build_schedule("1f1b", 0, 4), ["pp=0"]),
+        (lambda: build_schedule("gpipe", 2, 0), ["m=0"]),
+        (lambda: build_schedule("gpipe", 2, 4, v=2), ["v=2"]),
+        (lambda: build_schedule("interleaved", 2, 4, v=1), ["v=1"]),
+        (lambda: build_schedule("interleaved", 4, 6, v=2), ["m=6", "pp=4"]),
+        (lambda: build_schedule("interleaved", 4, 1, v=2), ["m=1", "pp=4"]),
+    ],
+)
+def test_bad_requests_name_the_numbers(call, words: list[str]) -> None:  # noqa: ANN001
+    with pytest.raises(PlaitError) as err:
+        call()
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_deadlock_is_caught() -> None:
+    # Rank 1 wants micro-batch 1 first, but rank 0 sends it only after B0, which needs rank 1.
+    schedule = [
+        [Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1)],
+        [Action("F", 1), Action("F", 0), Action("B", 0), Action("B", 1)],
+    ]
+    with pytest.raises(PlaitError, match="deadlock") as err:
+        validate(schedule, pp=2, m=2)
+    assert "rank 0 at B0" in str(err.value)
+    assert "rank 1 at F1" in str(err.value)
+
+
+def test_missing_backward_is_caught() -> None:
+    schedule = one_f_one_b(2, 3)
+    schedule[1] = [a for a in schedule[1] if a != Action("B", 2)]
+    with pytest.raises(PlaitError, match="micro-batch 2 on stage 1 has 0 B"):
+        validate(schedule, pp=2, m=3)
+
+
+@pytest.mark.parametrize(
+    "row,message",
+    [
+        ([Action("F", 0), Action("F", 0), Action("B", 0)], "forwarded 2 times"),
+        ([Action("B", 0), Action("F", 0)], "runs B before its F"),
+        ([Action("F", 0), Action("W", 0), Action("I", 0)], "runs W before its I"),
+        ([Action("F", 0), Action("B", 0), Action("W", 0)], "1 B, 0 I, 1 W"),
+        ([Action("F", 1), Action("B", 1)], "micro-batch must be < 1"),
+    ],
+)
+def test_broken_single_stage_schedules_are_caught(row: list[Action], message: str) -> None:
+    with pytest.raises(PlaitError, match=message):
+        validate([row], pp=1, m=1)
+
+
+def test_wrong_rank_count_is_caught() -> None:
+    with pytest.raises(PlaitError, match="1 rank lists but pp=2"):
+        validate(gpipe(1, 2), pp=2, m=2)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("pp,m", SIZES)
+@pytest.mark.parametrize("cost_f,cost_b", [(1.0, 2.0), (1.0, 1.0), (1.0, 3.0)])
+def test_bubble_of_gpipe_and_1f1b(name: str, pp: int, m: int, cost_f: float, cost_b: float) -> None:
+    # Makespan is (m + p - 1)(F + B) and each rank works m(F + B), whatever F and B are.
+    timeline = simulate(build_schedule(name, pp, m), pp, cost_f=cost_f, cost_b=cost_b)
+    assert timeline.makespan == pytest.approx((m + pp - 1) * (cost_f + cost_b))
+    assert timeline.bubble == pytest.approx((pp - 1) / (m + pp - 1))
+
+
+@pytest.mark.parametrize("pp,m,v", [(2, 4, 2), (4, 4, 2), (4, 8, 2), (4, 8, 4), (2, 8, 3)])
+@pytest.mark.parametrize("cost_b", [1.0, 2.0])
+def test_bubble_of_interleaved(pp: int, m: int, v: int, cost_b: float) -> None:
+    # simulate charges cost/v per chunk, so the work per rank is the same as 1F1B's and
+    # only the fill and drain shrink: bubble (p-1)/(v*m + p-1).
+    timeline = simulate(build_schedule("interleaved", pp, m, v), pp, v, cost_b=cost_b)
+    assert timeline.busy == pytest.approx([m * (1.0 + cost_b)] * pp)
+    assert timeline.bubble == pytest.approx((pp - 1) / (v * m + pp - 1))
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 4), (4, 8), (8, 16)])
+@pytest.mark.parametrize("f,i,w", [(1.0, 1.0, 1.0), (1.0, 1.0, 0.5), (2.0, 1.0, 1.0)])
+def test_zb_h1_idle_is_p_minus_1_times_f_plus_i_minus_w(
+    pp: int, m: int, f: float, i: float, w: float
+) -> None:
+    # Qi et al.: each rank idles (p-1)(F + I - W), against (p-1)(F + I + W) for 1F1B (m >= p).
+    timeline = simulate(zero_bubble_h1(pp, m), pp, cost_f=f, cost_i=i, cost_w=w)
+    assert timeline.makespan - m * (f + i + w) == pytest.approx((pp - 1) * (f + i - w))
+
+
+@pytest.mark.parametrize("pp,m", [(2, 2), (4, 8), (4, 64)])
+def test_zb_h1_idles_a_third_of_1f1b(pp: int, m: int) -> None:
+    # Same work per rank (F=I=W=1 against F=1, B=2): idle time is exactly a third, so the
+    # bubble fraction (p-1)/(3m+p-1) tends to a third of 1F1B's (p-1)/(m+p-1) as m grows.
+    zb = simulate(zero_bubble_h1(pp, m), pp, cost_f=1, cost_i=1, cost_w=1)
+    ofob = simulate(one_f_one_b(pp, m), pp, cost_f=1, cost_b=2)
+    assert zb.idle == pytest.approx(ofob.idle / 3)
+    assert zb.bubble == pytest.approx((pp - 1) / (3 * m + pp - 1))
+
+
+@pytest.mark.parametrize("pp,m", [(pp, m) for pp, m in SIZES if pp > 1])
+def test_zb_h1_beats_1f1b(pp: int, m: int) -> None:
+    zb = simulate(zero_bubble_h1(pp, m), pp, cost_f=1, cost_i=1, cost_w=1).bubble
+    ofob = simulate(one_f_one_b(pp, m), pp, cost_f=1, cost_b=2).bubble
+    assert zb < ofob
+
+
+@pytest.mark.parametrize("pp,m", SIZES)
+def test_peak_inflight(pp: int, m: int) -> None:
+    expected_1f1b = tuple(min(pp - rank, m) for rank in range(pp))
+    assert simulate(gpipe(pp, m), pp).peak_inflight == (m,) * pp
+    assert simulate(one_f_one_b(pp, m), pp).peak_inflight == expected_1f1b
+    zb = simulate(zero_bubble_h1(pp, m), pp)
+    assert zb.peak_inflight == expected_1f1b
+    # Even counting a put-off W as a whole activation, no rank exceeds 1F1B's peak.
+    assert max(zb.peak_live) == max(expected_1f1b)
+    assert zb.peak_pending_w == tuple(min(rank + 1, m) for rank in range(pp))
+
+
+def test_interleaved_peak_inflight_counts_chunks() -> None:
+    # Rank r holds its warm-up (v-1)p + 2(p-r-1) chunk activations plus one.
+    pp, m, v = 4, 8, 2
+    peak = simulate(interleaved_1f1b(pp, m, v), pp, v).peak_inflight
+    assert peak == tuple((v - 1) * pp + 2 * (pp - r - 1) + 1 for r in range(pp))
