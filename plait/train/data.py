@@ -14,7 +14,9 @@ size, and a run can resume from (epoch, position) alone.
 from __future__ import annotations
 
 import hashlib
+import os
 import sysconfig
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,27 +26,28 @@ from plait.errors import PlaitError
 
 STDLIB = "stdlib"
 SKIP_DIRS = {"test", "tests", "site-packages", "idle_test", "__pycache__"}
+TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst"}
 
 
-def corpus_files(root: Path) -> list[Path]:
-    """Text files under `root` in a fixed order, so every rank reads the same bytes."""
-    suffixes = {".py"} if root.name == "python-stdlib" else {".py", ".txt", ".md", ".rst"}
-    return sorted(
-        p for p in root.rglob("*")
-        if p.is_file() and p.suffix in suffixes and not SKIP_DIRS & set(p.relative_to(root).parts)
-    )
+def corpus_files(root: Path, suffixes: set[str]) -> Iterator[Path]:
+    """Text files under `root` in a fixed (sorted, depth-first) order, so every rank reads
+    the same bytes; lazily, so reading can stop once the corpus is large enough."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
+        for name in sorted(filenames):
+            if Path(name).suffix in suffixes:
+                yield Path(dirpath) / name
 
 
 def load_corpus(source: str = STDLIB, max_bytes: int = 8 * 2**20) -> torch.Tensor:
     """The corpus as a uint8 tensor: `source` is "stdlib", a text file or a directory."""
     if source == STDLIB:
-        root = Path(sysconfig.get_paths()["stdlib"])
-        files = [p for p in corpus_files(root) if p.suffix == ".py"]
+        files: Iterable[Path] = corpus_files(Path(sysconfig.get_paths()["stdlib"]), {".py"})
     else:
         path = Path(source)
         if not path.exists():
             raise PlaitError(f"corpus {source!r} does not exist", hint="give a text file, a directory, or 'stdlib'")
-        files = corpus_files(path) if path.is_dir() else [path]
+        files = corpus_files(path, TEXT_SUFFIXES) if path.is_dir() else [path]
     chunks, total = [], 0
     for path in files:
         data = path.read_bytes()[: max_bytes - total]
