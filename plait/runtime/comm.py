@@ -169,3 +169,39 @@ def broadcast(tensor: torch.Tensor, axis: Axis, src: int = 0, purpose: str = TRA
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def all_gather(output: torch.Tensor, shard: torch.Tensor, axis: Axis, async_op: bool = False,
+               purpose: str = TRAIN) -> Handle:
+    """Concatenate every rank's `shard` (same size everywhere) into `output` along dim 0."""
+    if axis.size == 1:
+        output.copy_(shard.reshape(output.shape))
+        return Handle(None, axis, "all_gather")
+    axis.ledger.record(axis.name, "all_gather", _nbytes(output), axis.size, purpose)
+    return _run(axis, "all_gather", lambda: dist.all_gather_single(
+        output, shard, group=axis.group, async_op=async_op), async_op)
+
+
+def reduce_scatter(output: torch.Tensor, full: torch.Tensor, axis: Axis, async_op: bool = False,
+                   purpose: str = TRAIN) -> Handle:
+    """Sum `full` over the axis and keep this rank's 1/n slice of dim 0 in `output`."""
+    if axis.size == 1:
+        output.copy_(full.reshape(output.shape))
+        return Handle(None, axis, "reduce_scatter")
+    axis.ledger.record(axis.name, "reduce_scatter", _nbytes(full), axis.size, purpose)
+    return _run(axis, "reduce_scatter", lambda: dist.reduce_scatter_single(
+        output, full, group=axis.group, async_op=async_op), async_op)
+
+
+def send(tensor: torch.Tensor, axis: Axis, dst: int, purpose: str = TRAIN) -> Handle:
+    """Send to the rank whose index along `axis` is `dst` (returns at once; wait before reuse)."""
+    axis.ledger.record(axis.name, "send", _nbytes(tensor), axis.size, purpose)
+    peer = dist.get_global_rank(axis.group, dst)
+    return _run(axis, "send", lambda: dist.isend(tensor, dst=peer, group=axis.group), True)
+
+
+def recv(tensor: torch.Tensor, axis: Axis, src: int, purpose: str = TRAIN) -> Handle:
+    """Receive from the rank whose index along `axis` is `src` (wait before reading)."""
+    axis.ledger.record(axis.name, "recv", _nbytes(tensor), axis.size, purpose)
+    peer = dist.get_global_rank(axis.group, src)
+    return _run(axis, "recv", lambda: dist.irecv(tensor, src=peer, group=axis.group), True)

@@ -1,0 +1,49 @@
+"""Run a multi-process "world" from a test and collect what each rank reports.
+
+Spawning costs seconds (mostly `import torch`), so a world script checks many things at
+once and writes one JSON file per rank; the test then asserts on those numbers. Scripts live
+in tests/worlds/ and are started with `plait launch`, which exercises the spawner too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+WORLDS = ROOT / "tests" / "worlds"
+
+
+def run_world(script: str, nproc: int, out: Path, *args: str, timeout: float = 300,
+              expect_ok: bool = True) -> tuple[subprocess.CompletedProcess, list[dict[str, Any]]]:
+    """Run tests/worlds/`script` on `nproc` ranks; return the process and each rank's report."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PLAIT_TEST_OUT": str(out), "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "plait", "launch", "--nproc", str(nproc), str(WORLDS / script), *args]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if expect_ok:
+        assert proc.returncode == 0, f"world {script} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    reports = []
+    for rank in range(nproc):
+        path = out / f"rank{rank}.json"
+        reports.append(json.loads(path.read_text()) if path.exists() else {})
+    return proc, reports
+
+
+def save_report(report: dict[str, Any]) -> None:
+    """Called inside a world script: write this rank's findings for the test to read."""
+    path = Path(os.environ["PLAIT_TEST_OUT"]) / f"rank{os.environ.get('RANK', '0')}.json"
+    path.write_text(json.dumps(report))
+
+
+def run_plait(*args: str, timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run the `plait` CLI as a user would (python -m plait ...)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PLAIT_SPAWNED"):
+        env.pop(name, None)
+    return subprocess.run([sys.executable, "-m", "plait", *args], env=env, cwd=cwd or ROOT,
+                          capture_output=True, text=True, timeout=timeout)
