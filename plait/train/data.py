@@ -6,9 +6,10 @@ interpreter: real text, a few megabytes, present wherever Python is. Tokens are 
 
 Sampling is what makes parity testable. Each epoch is one permutation of the samples, fixed
 by (seed, epoch). Global step s takes permutation entries [s·G, (s+1)·G) with G the global
-batch, and dp rank r takes every dp-th of the permutation. Together the ranks of step s
+batch, and dp rank r takes the r-th contiguous G/dp of them. Together the ranks of step s
 therefore hold exactly the same G samples for any dp degree, accumulation or micro-batch
-size, and a run can resume from (epoch, position) alone.
+size (even cut into micro-batches the same way, when micro-batch × dp stays fixed), and a
+run can resume from (epoch, position) alone.
 """
 
 from __future__ import annotations
@@ -94,15 +95,23 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(n, generator=generator)
 
 
-def shard_indices(n: int, mesh: object, seed: int, epoch: int) -> list[int]:
-    """This dp rank's samples of epoch `epoch`: every dp-th entry of the epoch's permutation.
+def shard_indices(n: int, mesh: object, seed: int, epoch: int, block: int = 1) -> list[int]:
+    """This dp rank's samples of epoch `epoch`, in the order it should consume them.
 
-    `mesh` is a plait Mesh or a (dp_rank, dp_size) pair. The tail that does not divide dp is
-    dropped, so every rank gets the same count.
+    The epoch's permutation is dealt out to the dp ranks `block` samples at a time: rank r
+    gets blocks r, r + dp, r + 2·dp, ... With block = 1 this is the classic strided sampler.
+    The trainer uses block = micro-batch × grad-accum, so the G = block × dp samples of a
+    step are one contiguous run of the permutation, and rank r's part of it is exactly what
+    micro-batches r·accum ... of a one-process run with accumulation would hold.
+
+    `mesh` is a plait Mesh or a (dp_rank, dp_size) pair. The tail that does not fill a whole
+    round of blocks is dropped, so every rank gets the same count.
     """
     rank, size = (mesh.rank("dp"), mesh.size("dp")) if hasattr(mesh, "rank") else mesh
     perm = epoch_permutation(n, seed, epoch)
-    return perm[: n - n % size][rank::size].tolist()
+    rounds = n // (block * size)
+    dealt = perm[: rounds * block * size].view(rounds, size, block)
+    return dealt[:, rank, :].flatten().tolist()
 
 
 @dataclass(frozen=True)
@@ -136,7 +145,7 @@ class StepSampler:
     def micro_batches(self, step: int) -> list[list[int]]:
         """This rank's sample indices for `step`, cut into micro-batches."""
         epoch, pos = self.position(step)
-        mine = shard_indices(self.num_samples, (self.dp_rank, self.dp_size), self.seed, epoch)
         local = self.global_batch // self.dp_size
+        mine = shard_indices(self.num_samples, (self.dp_rank, self.dp_size), self.seed, epoch, block=local)
         chunk = mine[pos * local: (pos + 1) * local]
         return [chunk[i: i + self.micro_batch] for i in range(0, local, self.micro_batch)]

@@ -1,0 +1,42 @@
+"""How parity tests compare numbers, in one place so every strategy is held to the same bar.
+
+- Losses: elementwise rtol 1e-5.
+- Gradients: max |a - b| <= rtol · max |b| per tensor (scale-relative), since a gradient
+  component that is ~0 has no meaningful relative error.
+- Parameters after AdamW: rtol 1e-5 plus atol 5e-6. Adam divides each update by sqrt(v):
+  for components whose gradient is near zero, a last-bit difference in the gradient (from
+  summing micro-batches in another order: a ring all-reduce vs a sequential accumulation)
+  moves the update by up to ~lr·δg/(|g| + eps). Torch's own DDP differs from one process
+  by the same ~1e-6 on the same runs; the tests assert that too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+LOSS_RTOL = 1e-5
+GRAD_RTOL = 1e-5
+PARAM_RTOL, PARAM_ATOL = 1e-5, 5e-6
+
+
+def assert_losses_close(actual: Sequence[float], expected: Sequence[float], rtol: float = LOSS_RTOL) -> None:
+    assert len(actual) == len(expected), (len(actual), len(expected))
+    torch.testing.assert_close(torch.tensor(actual, dtype=torch.float64),
+                               torch.tensor(expected, dtype=torch.float64), rtol=rtol, atol=0.0)
+
+
+def assert_scale_close(actual: Sequence[float], expected: Sequence[float], rtol: float = GRAD_RTOL) -> None:
+    a, b = torch.tensor(actual, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    worst = (a - b).abs().max().item()
+    assert worst <= rtol * b.abs().max().item(), f"max diff {worst:.3g} > {rtol} × max |expected| {b.abs().max():.3g}"
+
+
+def assert_params_close(actual: dict[str, list[float]], expected: dict[str, list[float]],
+                        rtol: float = PARAM_RTOL, atol: float = PARAM_ATOL) -> None:
+    assert actual.keys() == expected.keys(), sorted(set(actual) ^ set(expected))
+    for name in expected:
+        torch.testing.assert_close(torch.tensor(actual[name]), torch.tensor(expected[name]), rtol=rtol, atol=atol,
+                                   msg=lambda m, name=name: f"parameter {name}: {m}")
