@@ -59,6 +59,7 @@ class Trainer:
         self.train_split, self.val_split = train_val_split(tokens, config.seq_len)
         self.sampler = StepSampler(self.train_split.num_samples, config.global_batch, mesh.rank("dp"),
                                    mesh.size("dp"), config.micro_batch, config.seed)
+        self.eval_count = self._eval_count()
         self.meter = ActivationMeter()
         self.num_params = sum(p.numel() for p in self.model.parameters())
         self.history: list[dict[str, Any]] = []
@@ -123,10 +124,7 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean next-token loss on the first `eval_samples` held-out sequences (split over dp)."""
         dp_rank, dp_size = self.mesh.rank("dp"), self.mesh.size("dp")
-        count = min(self.val_split.num_samples, max(self.config.eval_samples, dp_size))
-        count -= count % dp_size
-        if count == 0:
-            raise PlaitError("the held-out split is too small to evaluate", hint="lower --seq-len")
+        count = self.eval_count
         mine = list(range(dp_rank, count, dp_size))
         total = torch.zeros(2, dtype=torch.float64)
         for i in range(0, len(mine), self.config.micro_batch):
@@ -147,6 +145,19 @@ class Trainer:
         generator = torch.Generator(device=self.mesh.device).manual_seed(self.config.seed)
         out = self.model.generate(prompt, self.config.sample_tokens, generator=generator)
         return bytes(out[0].tolist()).decode("utf-8", errors="replace")
+
+    def _eval_count(self) -> int:
+        """Held-out sequences per evaluation: a multiple of dp, checked before training starts."""
+        dp_size = self.mesh.size("dp")
+        count = min(self.val_split.num_samples, max(self.config.eval_samples, dp_size))
+        count -= count % dp_size
+        if count == 0:
+            raise PlaitError(
+                f"the held-out split ({len(self.val_split.tokens)} tokens) has too few sequences of "
+                f"{self.config.seq_len} tokens for {dp_size} dp rank(s)",
+                hint="lower --seq-len, or give a larger --data",
+            )
+        return count
 
     def _check_same_corpus(self, tokens: torch.Tensor) -> None:
         """Ranks on different machines may read different corpora; that breaks parity silently."""

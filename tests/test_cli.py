@@ -1,0 +1,139 @@
+"""`plait train` end to end: parity across layouts, the outputs, and every bad-input message."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from plait.cli import train_parser
+from plait.errors import PlaitError
+from plait.train.config import TrainConfig, build_config, load_toml
+from tests.parity import assert_losses_close, assert_params_close
+from tests.worldlib import run_plait, run_world
+
+COMMON = ["--model", "tiny", "--steps", "6", "--micro-batch", "4", "--seq-len", "32", "--eval-every", "3",
+          "--sample-tokens", "24", "--warmup-steps", "2"]
+
+
+def train_run(out, *flags):
+    proc = run_plait("train", *COMMON, "--out", str(out), *flags)
+    assert proc.returncode == 0, proc.stderr
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    params = {k: v.flatten().tolist() for k, v in load_file(out / "model.safetensors").items()}
+    return proc, metrics, summary, params
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return {n: train_run(tmp_path_factory.mktemp(f"single{n}"), "--nproc", "1", "--grad-accum", str(n))
+            for n in (2, 4)}
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_dp_run_trains_the_same_model_as_one_process(n, single, tmp_path):
+    _, metrics, summary, params = train_run(tmp_path, "--nproc", str(n), "--dp", str(n))
+    _, ref_metrics, ref_summary, ref_params = single[n]
+    assert_losses_close([m["loss"] for m in metrics], [m["loss"] for m in ref_metrics])
+    assert_params_close(params, ref_params)
+    assert summary["val_losses"].keys() == ref_summary["val_losses"].keys() == {"3", "6"}
+    assert_losses_close(list(summary["val_losses"].values()), list(ref_summary["val_losses"].values()))
+    psi_bytes = summary["num_params"] * 4
+    assert all(m["comm"] == {"dp": {"all_reduce": round(2 * (n - 1) / n * psi_bytes)}} for m in metrics)
+    assert all(m["comm"] == {} for m in ref_metrics)
+
+
+def test_metrics_summary_and_report(single):
+    proc, metrics, summary, _ = single[2]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    first = metrics[0]
+    assert set(first) >= {"step", "loss", "lr", "grad_norm", "tokens", "step_time_s", "tokens_per_s", "mem", "comm"}
+    assert first["tokens"] == 2 * 4 * 32
+    assert set(first["mem"]) == {"params", "grads", "optim", "activations_peak"}
+    psi_bytes = summary["num_params"] * 4
+    assert first["mem"]["params"] == psi_bytes and first["mem"]["optim"] == 2 * psi_bytes
+    assert first["mem"]["activations_peak"] > 0
+    assert metrics[0]["lr"] < metrics[1]["lr"]  # warm-up
+    assert summary["loss_last"] < summary["loss_first"]
+    for line in ("loss ", "speed ", "wire/step", "memory/rank", "sample ", "outputs "):
+        assert line in proc.stdout
+
+
+def test_toml_config_and_flags_override_it(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[train]\nmodel = "tiny"\nsteps = 7\nmicro-batch = 3\nlr = 0.01\n')
+    config = build_config(load_toml(str(path)), {"steps": 9, "lr": None})
+    assert (config.model, config.steps, config.micro_batch, config.lr) == ("tiny", 9, 3, 0.01)
+    assert (config.dp, config.nproc) == (2, 2)  # the embedded default layout
+    bad = tmp_path / "bad.toml"
+    bad.write_text("stepz = 3\n")
+    with pytest.raises(PlaitError, match="unknown keys: stepz"):
+        load_toml(str(bad))
+
+
+def test_every_config_field_is_a_flag():
+    flags = {a.dest for a in train_parser()._actions}
+    assert set(TrainConfig.__dataclass_fields__) <= flags
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--nproc", "3", "--dp", "2"], "layout dp=2 needs 2 processes, but --nproc is 3"),
+    (["--nproc", "999"], "--nproc 999 is more than this machine allows"),
+    (["--model", "gpt5"], "unknown model preset 'gpt5'"),
+    (["--model", "llama-7b"], "model preset 'llama-7b' is shape-only"),
+    (["--model", "tiny", "--seq-len", "4096"], "--seq-len 4096 is longer than model 'tiny' allows (128)"),
+    (["--out", "/proc/plait-out"], "--out /proc/plait-out is not writable"),
+    (["--steps", "0"], "--steps must be at least 1, got 0"),
+    (["--config", "/nonexistent.toml"], "config file /nonexistent.toml does not exist"),
+])
+def test_bad_input_is_one_clear_line(flags, message, tmp_path):
+    proc = run_plait("train", "--out", str(tmp_path), *flags, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0].startswith("plait: error: ") and message in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_corpus_too_small_for_the_batch(tmp_path):
+    corpus = tmp_path / "small.txt"
+    corpus.write_text("x" * 100)
+    proc = run_plait("train", *COMMON, "--nproc", "1", "--data", str(corpus), "--out", str(tmp_path / "o"), timeout=60)
+    assert proc.returncode == 2
+    assert "plait: error: the corpus gives 2 samples, fewer than the global batch of 4" in proc.stderr
+    assert "hint: lower --seq-len" in proc.stderr
+    corpus.write_text("x" * 500)  # enough to train on, too little held out to evaluate
+    proc = run_plait("train", *COMMON, "--nproc", "1", "--data", str(corpus), "--out", str(tmp_path / "o"), timeout=60)
+    assert proc.returncode == 2
+    assert "plait: error: the held-out split (25 tokens) has too few sequences of 32 tokens" in proc.stderr
+    assert "train:" not in proc.stderr  # refused before the first step
+
+
+def test_a_rank_that_raises_ends_the_job_within_seconds(tmp_path):
+    start = time.monotonic()
+    proc, _ = run_world("rank_raises.py", 2, tmp_path, expect_ok=False, timeout=120)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1
+    assert "ValueError: boom on purpose" in proc.stderr
+    assert "rank 1 exited with code 1" in proc.stderr
+    assert elapsed < 60  # the collective's own time-out is 600 s: this is the spawner stopping rank 0
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    proc = run_plait("train", "--model", "gpt5", "--debug", "--out", str(tmp_path), timeout=60)
+    assert proc.returncode == 2 and "Traceback" in proc.stderr
+
+
+def test_model_file_loads_without_plait(single):
+    # model.safetensors is a plain file: torch alone can load it into a fresh GPT.
+    from plait.models.config import get_preset
+    from plait.models.gpt import build_gpt
+
+    *_, params = single[2]
+    model = build_gpt(get_preset("tiny"), seed=99)
+    state = {k: torch.tensor(v).view_as(model.state_dict()[k]) for k, v in params.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert unexpected == [] and set(missing) <= {"lm_head.weight"}  # tied: stored once

@@ -1,0 +1,73 @@
+"""Each launcher's environment, fed as a dict: who am I, and where is rank 0."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.errors import PlaitError
+from plait.runtime.env import choose_backend, detect, first_host
+
+
+def test_single_process_when_no_launcher():
+    env = detect({})
+    assert (env.launcher, env.rank, env.world_size, env.distributed) == ("single", 0, 1, False)
+
+
+def test_torchrun():
+    env = detect({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "node7", "MASTER_PORT": "1234"})
+    assert (env.launcher, env.rank, env.world_size, env.local_rank) == ("torchrun", 3, 8, 1)
+    assert (env.master_addr, env.master_port) == ("node7", 1234)
+
+
+def test_plait_spawner_is_named():
+    env = detect({"RANK": "0", "WORLD_SIZE": "2", "PLAIT_SPAWNED": "1", "MASTER_PORT": "40000"})
+    assert env.launcher == "spawn" and env.master_port == 40000
+
+
+def test_slurm_takes_first_host_and_a_job_specific_port():
+    env = detect({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
+                  "SLURM_JOB_NODELIST": "gpu[012-015,020],cpu3", "SLURM_JOB_ID": "4242"})
+    assert (env.launcher, env.rank, env.world_size, env.local_rank) == ("slurm", 5, 16, 1)
+    assert env.master_addr == "gpu012"
+    assert env.master_port == 29500 + 4242
+
+
+def test_torchrun_inside_a_slurm_allocation_wins():
+    env = detect({"RANK": "1", "WORLD_SIZE": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"})
+    assert env.launcher == "torchrun" and env.rank == 1
+
+
+def test_open_mpi():
+    env = detect({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+                  "MASTER_ADDR": "head"})
+    assert (env.launcher, env.rank, env.world_size, env.master_addr) == ("mpi", 2, 4, "head")
+
+
+def test_mpich_pmi():
+    env = detect({"PMI_RANK": "1", "PMI_SIZE": "3"})
+    assert (env.launcher, env.rank, env.world_size, env.master_addr) == ("mpi", 1, 3, "127.0.0.1")
+
+
+@pytest.mark.parametrize("nodelist, host", [
+    ("node1", "node1"), ("a[1-4]", "a1"), ("gpu[003,007]", "gpu003"), ("x[10-11],y[1-2]", "x10"), ("h1,h2", "h1"),
+])
+def test_first_host(nodelist, host):
+    assert first_host(nodelist) == host
+
+
+def test_bad_rank_value_is_named():
+    with pytest.raises(PlaitError, match="RANK='x' is not an integer"):
+        detect({"RANK": "x", "WORLD_SIZE": "2"})
+
+
+def test_backend_choice():
+    assert choose_backend(None, cuda_available=True, mpi_available=False) == "nccl"
+    assert choose_backend("auto", cuda_available=False, mpi_available=False) == "gloo"
+    assert choose_backend("gloo", cuda_available=True, mpi_available=False) == "gloo"
+    with pytest.raises(PlaitError, match="nccl needs CUDA"):
+        choose_backend("nccl", cuda_available=False, mpi_available=False)
+    with pytest.raises(PlaitError, match="mpi is not built into this PyTorch") as err:
+        choose_backend("mpi", cuda_available=False, mpi_available=False)
+    assert "under mpirun" in err.value.hint
+    with pytest.raises(PlaitError, match="unknown backend 'tcp'"):
+        choose_backend("tcp", cuda_available=False, mpi_available=False)

@@ -1,0 +1,78 @@
+"""The grid's arithmetic and the ledger's formulas, without processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.errors import PlaitError
+from plait.runtime.comm import Ledger, naive_exchange_bytes, ring_wire_bytes
+from plait.runtime.env import ProcessEnv
+from plait.runtime.mesh import MeshShape, init_mesh
+
+
+def test_layout_that_does_not_match_the_world_names_all_four_numbers():
+    with pytest.raises(PlaitError) as err:
+        MeshShape(pp=2, dp=3, tp=2).check(8)
+    assert err.value.message == "layout dp=3 × tp=2 × pp=2 = 12 does not match world size 8"
+
+
+def test_dp_fills_what_tp_and_pp_leave():
+    assert MeshShape.fill(8, tp=2, pp=2) == MeshShape(pp=2, dp=2, tp=2)
+    with pytest.raises(PlaitError, match="world size 6 is not divisible by tp=4 × pp=1"):
+        MeshShape.fill(6, tp=4)
+
+
+def test_tp_varies_fastest_then_dp_then_pp():
+    shape = MeshShape(pp=2, dp=2, tp=2)
+    assert [tuple(shape.coords(r)[a] for a in ("pp", "dp", "tp")) for r in range(8)] == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+
+
+def test_degree_below_one_is_refused():
+    with pytest.raises(PlaitError, match="--tp must be at least 1, got 0"):
+        MeshShape(tp=0)
+
+
+def test_single_process_mesh_has_no_groups():
+    mesh = init_mesh(env=ProcessEnv("single", 0, 1, 0, "127.0.0.1", 29500))
+    assert [mesh.size(a) for a in ("pp", "dp", "tp", "world")] == [1, 1, 1, 1]
+    assert mesh.group("dp") is None and mesh.is_main
+
+
+def test_single_process_mesh_rejects_a_bigger_layout():
+    with pytest.raises(PlaitError, match="dp=2 × tp=1 × pp=1 = 2 does not match world size 1"):
+        init_mesh(dp=2, env=ProcessEnv("single", 0, 1, 0, "127.0.0.1", 29500))
+
+
+@pytest.mark.parametrize("n, factor", [(2, 1.0), (4, 1.5), (8, 1.75)])
+def test_ring_all_reduce_is_two_n_minus_one_over_n(n, factor):
+    assert ring_wire_bytes("all_reduce", 1000, n) == factor * 1000
+
+
+def test_ring_gather_scatter_and_point_to_point():
+    assert ring_wire_bytes("all_gather", 800, 4) == 600
+    assert ring_wire_bytes("reduce_scatter", 800, 4) == 600
+    assert ring_wire_bytes("broadcast", 800, 4) == 800
+    assert ring_wire_bytes("send", 800, 2) == 800
+    assert ring_wire_bytes("all_reduce", 800, 1) == 0
+
+
+def test_naive_exchange_grows_quadratically_and_ring_does_not():
+    payload = 4 * 10**6  # 1 M fp32 parameters
+    assert naive_exchange_bytes(payload, 8) == payload * 8 * 7
+    ring_total = ring_wire_bytes("all_reduce", payload, 8) * 8
+    assert ring_total == 2 * 7 * payload
+    assert naive_exchange_bytes(payload, 8) / ring_total == 4.0  # N/2 times more
+
+
+def test_ledger_separates_purposes_and_diffs_snapshots():
+    ledger = Ledger()
+    ledger.record("dp", "all_reduce", 100, 2)
+    snap = ledger.snapshot()
+    ledger.record("dp", "all_reduce", 100, 2)
+    ledger.record("tp", "all_gather", 400, 4)
+    ledger.record("world", "all_reduce", 8, 2, purpose="telemetry")
+    assert ledger.wire() == {"dp": {"all_reduce": 200.0}, "tp": {"all_gather": 300.0}}
+    assert ledger.since(snap) == {"dp": {"all_reduce": 100.0}, "tp": {"all_gather": 300.0}}
+    assert ledger.wire("telemetry") == {"world": {"all_reduce": 8.0}}
+    assert ledger.calls() == 3 and ledger.calls("telemetry") == 1
