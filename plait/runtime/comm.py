@@ -12,6 +12,7 @@ Ring costs per rank, with S the bytes of the full tensor and n ranks in the grou
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -128,6 +129,7 @@ class Handle:
 
 def _comm_error(axis: Axis, op: str, exc: Exception) -> CommError:
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    first_line = re.sub(r"^\[[^\]]*\]\s*", "", first_line)  # drop the "[/path/file.cc:78]" prefix
     return CommError(
         f"rank {axis.global_rank}: {op} on the {axis.name} group ({axis.size} ranks) failed: {first_line}",
         hint="another rank probably died or is stuck; check its output above, or raise --timeout",
