@@ -1,4 +1,4 @@
-"""`plait` on the command line: train, launch, estimate, plan.
+"""`plait` on the command line: train, launch, ckpt, estimate, plan.
 
 Errors caused by the input print one line and a hint; a traceback appears only with
 `--debug`. This module imports torch only once a rank actually trains, so the spawner
@@ -59,6 +59,8 @@ def _dispatch(argv: list[str]) -> int:
         return cmd_train(rest)
     if command == "launch":
         return cmd_launch(rest)
+    if command == "ckpt":
+        return cmd_ckpt(rest)
     if command == "estimate":
         from plait.estimate.cli import estimate_main
 
@@ -81,6 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("train", help="train a GPT (the demo, by default) on N processes")
     sub.add_parser("launch", help="run your own script as N local processes (like torchrun)")
+    sub.add_parser("ckpt", help="inspect a checkpoint, or export it as one safetensors file")
     sub.add_parser("estimate", help="memory, traffic and step time of one layout, before launching")
     sub.add_parser("plan", help="rank every layout that fits a GPU count by predicted step time")
     parser.add_argument("--version", action="store_true", help="print the version")
@@ -150,3 +153,25 @@ def cmd_launch(argv: list[str]) -> int:
     from plait.runtime.launch import spawn
 
     return spawn([sys.executable, args.script, *args.args], args.nproc)
+
+
+# -- plait ckpt ------------------------------------------------------------------------------------
+def cmd_ckpt(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="plait ckpt", description="Look into and export plait checkpoints.")
+    sub = parser.add_subparsers(dest="action", required=True)
+    inspect = sub.add_parser("inspect", help="tensors, shapes, the layout that wrote it, its step")
+    inspect.add_argument("path", help="a step-N directory, or a run's --out (its latest checkpoint)")
+    exporter = sub.add_parser("export", help="the model's weights as one plain safetensors file")
+    exporter.add_argument("path", help="a step-N directory, or a run's --out")
+    exporter.add_argument("--to", required=True, help="the .safetensors file to write")
+    for p in (inspect, exporter):
+        p.add_argument("--debug", action="store_true", help="show tracebacks")
+    args = parser.parse_args(argv)
+    from plait.train import checkpoint_read
+
+    if args.action == "inspect":
+        print(checkpoint_read.describe(args.path))
+    else:
+        count = checkpoint_read.export(args.path, args.to)
+        print(f"wrote {count} tensors to {args.to}")
+    return 0

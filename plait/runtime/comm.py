@@ -207,3 +207,10 @@ def recv(tensor: torch.Tensor, axis: Axis, src: int, purpose: str = TRAIN) -> Ha
     axis.ledger.record(axis.name, "recv", _nbytes(tensor), axis.size, purpose)
     peer = dist.get_global_rank(axis.group, src)
     return _run(axis, "recv", lambda: dist.irecv(tensor, src=peer, group=axis.group), True)
+
+
+def barrier(axis: Axis) -> None:
+    """Wait until every rank of `axis` arrives (carries no data, so the ledger has no entry)."""
+    if axis.size == 1:
+        return
+    _run(axis, "barrier", lambda: dist.barrier(group=axis.group), False)

@@ -45,6 +45,9 @@ class TrainConfig:
     backend: str = field(default="auto", metadata={"help": "auto (nccl with CUDA, else gloo), nccl, gloo or mpi"})
     timeout_s: float = field(default=300.0, metadata={"help": "a collective waiting longer than this fails, naming itself"})
     out: str = field(default="runs/latest", metadata={"help": "where metrics.jsonl, summary.json and the model go"})
+    save_every: int = field(default=0, metadata={"help": "write a checkpoint every N steps and at the end (0: never)"})
+    keep_checkpoints: int = field(default=3, metadata={"help": "how many checkpoints to keep (0: all)"})
+    resume: str = field(default="", metadata={"help": "a checkpoint directory, or a run's --out, to continue from"})
     sample_tokens: int = field(default=160, metadata={"help": "length of the text sample printed at the end"})
     prompt: str = field(default="def ", metadata={"help": "text the closing sample continues"})
 
@@ -145,6 +148,12 @@ def validate(config: TrainConfig, *, local_limit: int | None = None) -> None:
     if config.nproc is not None and _launched_world_size() is None and config.nproc > limit:
         raise PlaitError(f"--nproc {config.nproc} is more than this machine allows ({limit})",
                          hint="use fewer processes, or launch across nodes with torchrun or srun")
+    if config.save_every < 0 or config.keep_checkpoints < 0:
+        raise PlaitError("--save-every and --keep-checkpoints cannot be negative")
+    if config.resume:
+        from plait.train.checkpoint_read import resolve
+
+        resolve(config.resume)  # fails now, with the reason, if there is nothing to resume
     check_writable(config.out)
 
 

@@ -52,7 +52,7 @@ def _advance(bar: Any, record: dict[str, Any]) -> None:
     if "val_loss" in record:
         postfix["val"] = f"{record['val_loss']:.3f}"
     bar.set_postfix(postfix, refresh=False)
-    bar.update(1)
+    bar.update(record["step"] - bar.n)  # a resumed run starts past 0
 
 
 def _write_outputs(trainer: Trainer, summary: dict[str, Any], out: Path) -> None:

@@ -25,6 +25,7 @@ from plait.parallel.compose import ParallelConfig, build_optimizer, parallelize
 from plait.parallel.data import no_sync
 from plait.runtime import comm
 from plait.runtime.mesh import AXES, Mesh
+from plait.train import checkpoint, checkpoint_read
 from plait.train.config import TrainConfig
 from plait.train.data import StepSampler, corpus_digest, load_corpus, train_val_split
 from plait.train.meter import ActivationMeter, model_state_bytes, peak_process_bytes
@@ -63,6 +64,7 @@ class Trainer:
         self.meter = ActivationMeter()
         self.num_params = sum(p.numel() for p in self.model.parameters())
         self.history: list[dict[str, Any]] = []
+        self.resumed_from: str | None = None
 
     # -- one step ------------------------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, Any]:
@@ -170,12 +172,12 @@ class Trainer:
 
     # -- the whole run -----------------------------------------------------------------------------
     def run(self, progress: Any = None) -> dict[str, Any]:
-        """Train for `steps` steps, evaluating every `eval_every`; return the run's summary."""
-        out = Path(self.config.out)
-        metrics_file = open(out / "metrics.jsonl", "w") if self.mesh.is_main else None
+        """Train until `steps`, evaluating every `eval_every`; return the run's summary."""
+        start = self.resume() if self.config.resume else 0
+        metrics_file = self._open_metrics(start) if self.mesh.is_main else None
         val_losses: dict[int, float] = {}
         try:
-            for step in range(self.config.steps):
+            for step in range(start, self.config.steps):
                 record = self.train_step(step)
                 if self.config.eval_every and (step + 1) % self.config.eval_every == 0:
                     val_losses[step + 1] = record["val_loss"] = self.evaluate()
@@ -185,12 +187,44 @@ class Trainer:
                     metrics_file.flush()
                 if progress:
                     progress(record)
+                if self._should_save(step + 1):
+                    self.save(step + 1)
         finally:
             if metrics_file:
                 metrics_file.close()
         if self.config.steps not in val_losses:
             val_losses[self.config.steps] = self.evaluate()
         return self.summary(val_losses)
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def _should_save(self, done: int) -> bool:
+        every = self.config.save_every
+        return every > 0 and (done % every == 0 or done == self.config.steps)
+
+    def save(self, done: int) -> Path:
+        epoch, position = self.sampler.position(done)
+        state = {"epoch": epoch, "position": position, "config": self.config.to_dict()}
+        return checkpoint.save(Path(self.config.out) / "checkpoints", done, self.model, self.optimizer,
+                               self.mesh, state, keep=self.config.keep_checkpoints)
+
+    def resume(self) -> int:
+        """Load model, optimizer and RNG from `--resume` (any layout); return the step to start at."""
+        state = checkpoint_read.load(self.config.resume, self.model, self.optimizer, self.mesh)
+        if state["step"] >= self.config.steps:
+            raise PlaitError(f"checkpoint {state['path']} is at step {state['step']}, not before --steps {self.config.steps}",
+                             hint="raise --steps to train further")
+        self.resumed_from = state["path"]
+        return state["step"]
+
+    def _open_metrics(self, start: int) -> Any:
+        """metrics.jsonl, keeping the lines of steps before `start` when resuming into the same --out."""
+        path = Path(self.config.out) / "metrics.jsonl"
+        kept = []
+        if start and path.exists():
+            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= start]
+        handle = open(path, "w")
+        handle.writelines(line + "\n" for line in kept)
+        return handle
 
     def summary(self, val_losses: dict[int, float]) -> dict[str, Any]:
         """What the closing report and summary.json show."""
@@ -204,7 +238,7 @@ class Trainer:
             "layout": {"dp": dp, "tp": 1, "pp": 1, "world_size": self.mesh.env.world_size,
                        "launcher": self.mesh.env.launcher, "backend": self.mesh.backend or "none"},
             "global_batch": self.config.global_batch, "seq_len": self.config.seq_len,
-            "steps": len(history), "loss_first": history[0]["loss"], "loss_last": history[-1]["loss"],
+            "steps": len(history), "resumed_from": self.resumed_from, "loss_first": history[0]["loss"], "loss_last": history[-1]["loss"],
             "val_loss": val_losses[max(val_losses)], "val_losses": val_losses,
             "step_time_s_median": statistics.median(times),
             "tokens_per_s": self.config.global_batch * self.config.seq_len / statistics.median(times),

@@ -1,0 +1,197 @@
+"""Layout-free, atomic checkpoints: every logical tensor stored once, by its full shape.
+
+A checkpoint is a directory:
+
+    step-00000010/
+      index.json              every tensor's full shape and dtype, where each piece of it lives,
+                              a sha256 per file, the layout that wrote it, the trainer's state
+      rank00000.safetensors   the pieces rank 0 owned (plus its RNG state)
+      rank00001.safetensors   ...
+
+A piece is a rectangular block of a logical tensor: its offsets and lengths per dimension.
+Replicated tensors are written once (by dp rank 0); sharded strategies describe their
+shards as pieces. Loading assembles whatever block the *current* layout needs from the
+pieces that overlap it, so a checkpoint written with one layout loads into another.
+
+Writes go to `.tmp-step-N/`, are fsynced, then renamed; `latest` moves only after that, so
+a crash mid-save leaves the previous checkpoint whole. Nothing is unpickled: JSON and
+safetensors only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.errors import PlaitError
+from plait.runtime import comm
+from plait.runtime.mesh import Mesh
+
+FORMAT = "plait-checkpoint/1"
+VIEW_ATTR = "_plait_checkpoint_view"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A block of logical tensor `name` (full shape `full_shape`) held by this rank."""
+
+    name: str
+    tensor: torch.Tensor  # the local block, same dims as the full tensor
+    offsets: tuple[int, ...]
+    full_shape: tuple[int, ...]
+    owned: bool = True  # False: a replica; another rank writes it, this rank still loads it
+
+
+# -- what this rank holds ----------------------------------------------------------------------
+def local_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh) -> list[Piece]:
+    """The model's and optimizer's tensors as pieces; a strategy may override the view."""
+    view = getattr(model, VIEW_ATTR, None)
+    if view is not None:
+        return view(model, optimizer, mesh)
+    return replicated_pieces(model, optimizer, owned=mesh.rank("dp") == 0)
+
+
+def replicated_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, owned: bool) -> list[Piece]:
+    """Full tensors, identical on every replica (one process, DDP)."""
+    pieces = []
+    names = {id(p): name for name, p in model.named_parameters()}
+    for name, param in model.named_parameters():
+        pieces.append(_whole(f"model/{name}", param.detach(), owned))
+    for param, state in optimizer.state.items():
+        for key, value in sorted(state.items()):
+            if isinstance(value, torch.Tensor):
+                pieces.append(_whole(f"optim/{names[id(param)]}/{key}", value, owned))
+    return pieces
+
+
+def _whole(name: str, tensor: torch.Tensor, owned: bool) -> Piece:
+    return Piece(name, tensor, (0,) * tensor.ndim, tuple(tensor.shape), owned)
+
+
+def init_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state tensors (before loading into them) with a zero-lr step."""
+    if optimizer.state:
+        return
+    saved = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for param in model.parameters():
+        if param.requires_grad and param.grad is None:
+            param.grad = torch.zeros_like(param)
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, saved):
+        group["lr"] = lr
+    optimizer.zero_grad()
+
+
+# -- saving ------------------------------------------------------------------------------------
+def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh,
+         trainer_state: dict[str, Any], keep: int = 3) -> Path:
+    """Write checkpoint `root/step-<step>` from every rank; returns its path."""
+    final, tmp = root / f"step-{step:08d}", root / f".tmp-step-{step:08d}"
+    world = mesh.axis("world")
+    if mesh.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    comm.barrier(world)
+    _write_rank_file(tmp, mesh.global_rank, local_pieces(model, optimizer, mesh))
+    comm.barrier(world)
+    if mesh.is_main:
+        _write_index(tmp, mesh, trainer_state, step)
+        _publish(root, tmp, final)
+        _prune(root, keep)
+    comm.barrier(world)
+    return final
+
+
+def _write_rank_file(tmp: Path, rank: int, pieces: list[Piece]) -> None:
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {f"rng/rank{rank}": torch.get_rng_state()}
+    records = []
+    for piece in pieces:
+        if not piece.owned:
+            continue
+        key = f"{piece.name}@{rank}"
+        tensors[key] = piece.tensor.detach().contiguous().cpu()
+        records.append({"name": piece.name, "key": key, "offsets": list(piece.offsets),
+                        "lengths": list(piece.tensor.shape), "full_shape": list(piece.full_shape),
+                        "dtype": str(piece.tensor.dtype).removeprefix("torch.")})
+    path = tmp / f"rank{rank:05d}.safetensors"
+    save_file(tensors, str(path))
+    _fsync(path)
+    meta = {"file": path.name, "sha256": sha256(path), "bytes": path.stat().st_size, "pieces": records}
+    _write_json(tmp / f"rank{rank:05d}.json", meta)
+
+
+def _write_index(tmp: Path, mesh: Mesh, trainer_state: dict[str, Any], step: int) -> None:
+    tensors: dict[str, dict[str, Any]] = {}
+    files = {}
+    for meta_path in sorted(tmp.glob("rank*.json")):
+        meta = json.loads(meta_path.read_text())
+        files[meta["file"]] = {"sha256": meta["sha256"], "bytes": meta["bytes"]}
+        for rec in meta["pieces"]:
+            entry = tensors.setdefault(rec["name"], {"shape": rec["full_shape"], "dtype": rec["dtype"], "pieces": []})
+            entry["pieces"].append({"file": meta["file"], "key": rec["key"], "offsets": rec["offsets"],
+                                    "lengths": rec["lengths"]})
+        meta_path.unlink()
+    index = {"format": FORMAT, "step": step, "world_size": mesh.env.world_size,
+             "layout": {"pp": mesh.shape.pp, "dp": mesh.shape.dp, "tp": mesh.shape.tp},
+             "trainer": trainer_state, "files": files, "tensors": tensors}
+    _write_json(tmp / "index.json", index)
+
+
+def _publish(root: Path, tmp: Path, final: Path) -> None:
+    """Rename the finished directory into place, then point `latest` at it (both atomic)."""
+    _fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    link = root / ".latest-tmp"
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    os.symlink(final.name, link)
+    os.replace(link, root / "latest")
+    _fsync_dir(root)
+
+
+def _prune(root: Path, keep: int) -> None:
+    """Keep the newest `keep` checkpoints (0 keeps all)."""
+    steps = sorted(p for p in root.glob("step-*") if p.is_dir())
+    for old in steps[:-keep] if keep > 0 else []:
+        shutil.rmtree(old)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=1))
+    _fsync(path)
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

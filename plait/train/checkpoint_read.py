@@ -1,0 +1,152 @@
+"""Reading checkpoints: find, verify, and assemble any block of any tensor from its pieces.
+
+Every failure names the file or the tensor at fault: a missing directory, an incomplete
+checkpoint, a truncated or altered file (size and sha256 are checked before anything is
+read), a tensor the checkpoint lacks, or one of another shape.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.errors import PlaitError
+from plait.runtime.mesh import Mesh
+from plait.train.checkpoint import FORMAT, Piece, init_optimizer_state, local_pieces, sha256
+
+
+def resolve(path: str | Path) -> Path:
+    """A checkpoint directory, a `checkpoints/` folder, or a run's --out: its latest checkpoint."""
+    path = Path(path)
+    for candidate in (path, path / "latest", path / "checkpoints" / "latest"):
+        if (candidate / "index.json").exists():
+            return candidate.resolve()
+    if not path.exists():
+        raise PlaitError(f"checkpoint {path} does not exist", hint="give a step-N directory or a run's --out")
+    if path.name.startswith("step-") or path.name.startswith(".tmp-step-"):
+        raise PlaitError(f"checkpoint {path} is incomplete: {path / 'index.json'} is missing",
+                         hint="it was probably interrupted while saving; use the run's latest checkpoint")
+    raise PlaitError(f"no checkpoint found in {path}", hint="give a step-N directory or a run's --out")
+
+
+class Reader:
+    """An opened, verified checkpoint."""
+
+    def __init__(self, path: str | Path, verify: bool = True):
+        self.path = resolve(path)
+        self.index = json.loads((self.path / "index.json").read_text())
+        if self.index.get("format") != FORMAT:
+            raise PlaitError(f"{self.path / 'index.json'} is not a {FORMAT} checkpoint")
+        if verify:
+            self.verify()
+        self._handles: dict[str, Any] = {}
+
+    def verify(self) -> None:
+        """Every file present, of the recorded size and sha256."""
+        for name, info in self.index["files"].items():
+            file = self.path / name
+            if not file.exists():
+                raise PlaitError(f"checkpoint file {file} is missing", hint="the checkpoint is damaged; use an older one")
+            if file.stat().st_size != info["bytes"]:
+                raise PlaitError(f"checkpoint file {file} is truncated: {file.stat().st_size} bytes, "
+                                 f"expected {info['bytes']}", hint="the checkpoint is damaged; use an older one")
+            if sha256(file) != info["sha256"]:
+                raise PlaitError(f"checkpoint file {file} fails its sha256 check",
+                                 hint="the file changed after it was written; use an older checkpoint")
+
+    @property
+    def tensors(self) -> dict[str, dict[str, Any]]:
+        return self.index["tensors"]
+
+    def read_block(self, name: str, offsets: tuple[int, ...], shape: tuple[int, ...],
+                   full_shape: tuple[int, ...]) -> torch.Tensor:
+        """The block [offsets, offsets + shape) of tensor `name`, assembled from its pieces."""
+        entry = self.tensors.get(name)
+        if entry is None:
+            raise PlaitError(f"checkpoint {self.path} has no tensor {name!r}",
+                             hint="it was written by another model; check --model")
+        if tuple(entry["shape"]) != tuple(full_shape):
+            raise PlaitError(f"tensor {name!r} in {self.path} has shape {tuple(entry['shape'])}, "
+                             f"this model needs {tuple(full_shape)}", hint="it was written by another model; check --model")
+        out = torch.empty(shape, dtype=getattr(torch, entry["dtype"]))
+        covered = 0
+        for piece in entry["pieces"]:
+            covered += self._copy_overlap(piece, out, offsets)
+        if covered != out.numel():
+            raise PlaitError(f"checkpoint {self.path} does not cover all of tensor {name!r}")
+        return out
+
+    def _copy_overlap(self, piece: dict[str, Any], out: torch.Tensor, offsets: tuple[int, ...]) -> int:
+        lo = [max(a, b) for a, b in zip(piece["offsets"], offsets)]
+        hi = [min(a + n, b + m) for a, n, b, m in zip(piece["offsets"], piece["lengths"], offsets, out.shape)]
+        if any(h <= low for low, h in zip(lo, hi)) and out.ndim:
+            return 0
+        src = tuple(slice(low - p, h - p) for low, h, p in zip(lo, hi, piece["offsets"]))
+        dst = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, offsets))
+        block = self._file(piece["file"]).get_slice(piece["key"])[src] if out.ndim else self._file(
+            piece["file"]).get_tensor(piece["key"])
+        out[dst] = block
+        return block.numel()
+
+    def _file(self, name: str) -> Any:
+        from safetensors import safe_open
+
+        if name not in self._handles:
+            self._handles[name] = safe_open(str(self.path / name), framework="pt")
+        return self._handles[name]
+
+    def rng_state(self, rank: int) -> torch.Tensor | None:
+        file = f"rank{rank:05d}.safetensors"
+        if file not in self.index["files"]:
+            return None
+        return self._file(file).get_tensor(f"rng/rank{rank}")
+
+    def full(self, name: str) -> torch.Tensor:
+        shape = tuple(self.tensors[name]["shape"])
+        return self.read_block(name, (0,) * len(shape), shape, shape)
+
+
+def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh) -> dict[str, Any]:
+    """Fill this rank's model and optimizer from a checkpoint of any layout; returns the trainer state."""
+    reader = Reader(path)
+    init_optimizer_state(model, optimizer)
+    for piece in local_pieces(model, optimizer, mesh):
+        block = reader.read_block(piece.name, piece.offsets, tuple(piece.tensor.shape), piece.full_shape)
+        with torch.no_grad():
+            piece.tensor.copy_(block.to(piece.tensor.device, piece.tensor.dtype))
+    if reader.index["world_size"] == mesh.env.world_size:
+        state = reader.rng_state(mesh.global_rank)
+        if state is not None:
+            torch.set_rng_state(state)
+    return {**reader.index["trainer"], "step": reader.index["step"], "path": str(reader.path)}
+
+
+def describe(path: str | Path) -> str:
+    """What `plait ckpt inspect` prints."""
+    reader = Reader(path)
+    index = reader.index
+    layout = ", ".join(f"{k}={v}" for k, v in index["layout"].items())
+    total = sum(f["bytes"] for f in index["files"].values())
+    lines = [f"checkpoint {reader.path}", f"  step {index['step']}, written by {index['world_size']} rank(s): {layout}",
+             f"  {len(index['files'])} file(s), {total:,} bytes, sha256 verified", "  tensors:"]
+    for name, entry in sorted(index["tensors"].items()):
+        shape = "×".join(map(str, entry["shape"])) or "scalar"
+        lines.append(f"    {name:<48} {shape:<14} {entry['dtype']:<9} {len(entry['pieces'])} piece(s)")
+    return "\n".join(lines)
+
+
+def export(path: str | Path, to: str | Path) -> int:
+    """Write the model's tensors, whole, to one plain safetensors file; returns the tensor count."""
+    from safetensors.torch import save_file
+
+    reader = Reader(path)
+    tensors = {name.removeprefix("model/"): reader.full(name) for name in reader.tensors if name.startswith("model/")}
+    save_file(tensors, str(to), metadata={"step": str(reader.index["step"]), "source": str(reader.path)})
+    return len(tensors)
+
+
+__all__ = ["Piece", "Reader", "describe", "export", "load", "resolve"]

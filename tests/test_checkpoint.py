@@ -1,0 +1,157 @@
+"""Checkpoints: exact resume, resharding to other layouts, atomic saves, every damage named."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from plait.errors import PlaitError
+from plait.models.config import get_preset
+from plait.models.gpt import build_gpt
+from plait.runtime.env import ProcessEnv
+from plait.runtime.mesh import init_mesh
+from plait.train import checkpoint
+from plait.train.checkpoint_read import Reader, describe, export, load, resolve
+from tests.parity import assert_losses_close
+from tests.worldlib import ROOT, run_plait
+
+TRAIN = ["--model", "tiny", "--steps", "6", "--micro-batch", "4", "--seq-len", "32", "--eval-every", "0",
+         "--sample-tokens", "0", "--warmup-steps", "2"]
+
+
+def single_mesh():
+    return init_mesh(env=ProcessEnv("single", 0, 1, 0, "127.0.0.1", 29500))
+
+
+def trained(config_name="tiny", **overrides):
+    model = build_gpt(get_preset(config_name, **overrides), 0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.arange(8).view(1, 8)).float().pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def losses(out):
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A dp=2 run of 6 steps that checkpoints at steps 3 and 6."""
+    out = tmp_path_factory.mktemp("run")
+    proc = run_plait("train", *TRAIN, "--nproc", "2", "--save-every", "3", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def test_resume_on_the_same_layout_is_exact_to_the_bit(saved, tmp_path):
+    proc = run_plait("train", *TRAIN, "--nproc", "2", "--out", str(tmp_path),
+                     "--resume", str(saved / "checkpoints" / "step-00000003"))
+    assert proc.returncode == 0, proc.stderr
+    assert losses(tmp_path) == losses(saved)[3:]
+
+
+@pytest.mark.parametrize("layout", [["--nproc", "1", "--grad-accum", "2"], ["--nproc", "4", "--micro-batch", "2"]],
+                         ids=["dp2->dp1", "dp2->dp4"])
+def test_resume_on_another_layout_continues_the_same_run(saved, tmp_path, layout):
+    proc = run_plait("train", *TRAIN, *layout, "--out", str(tmp_path),
+                     "--resume", str(saved / "checkpoints" / "step-00000003"))
+    assert proc.returncode == 0, proc.stderr
+    assert_losses_close(losses(tmp_path), losses(saved)[3:])
+
+
+def test_latest_keep_inspect_and_export(saved, tmp_path):
+    assert resolve(saved) == (saved / "checkpoints" / "step-00000006").resolve()
+    text = describe(saved)
+    assert "step 6, written by 2 rank(s): pp=1, dp=2, tp=1" in text and "model/embed.weight" in text
+    assert "optim/embed.weight/exp_avg_sq" in text
+    target = tmp_path / "model.safetensors"
+    proc = run_plait("ckpt", "export", str(saved), "--to", str(target))
+    assert proc.returncode == 0, proc.stderr
+    exported = load_file(target)
+    final = load_file(saved / "model.safetensors")  # what the run itself wrote at the end
+    assert exported.keys() == final.keys()
+    assert all(torch.equal(exported[k], final[k]) for k in final)
+
+
+def test_keep_last_k_and_atomic_latest(tmp_path):
+    mesh = single_mesh()
+    model, opt = trained()
+    for step in (1, 2, 3, 4):
+        checkpoint.save(tmp_path, step, model, opt, mesh, {}, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000003", "step-00000004"]
+    assert (tmp_path / "latest").resolve().name == "step-00000004"
+
+
+def test_round_trip_into_a_fresh_model_and_optimizer(tmp_path):
+    mesh = single_mesh()
+    model, opt = trained()
+    checkpoint.save(tmp_path, 1, model, opt, mesh, {"epoch": 0})
+    fresh = build_gpt(get_preset("tiny"), 7)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    state = load(tmp_path, fresh, fresh_opt, mesh)
+    assert state["step"] == 1 and state["epoch"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert all(torch.equal(opt.state[a][k], fresh_opt.state[b][k]) for k in opt.state[a])
+
+
+@pytest.fixture
+def one(tmp_path):
+    mesh = single_mesh()
+    model, opt = trained()
+    return checkpoint.save(tmp_path, 5, model, opt, mesh, {}), mesh
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(PlaitError, match=f"checkpoint {tmp_path / 'nope'} does not exist"):
+        Reader(tmp_path / "nope")
+
+
+def test_missing_shard_file(one):
+    path, _ = one
+    (path / "rank00000.safetensors").unlink()
+    with pytest.raises(PlaitError, match="rank00000.safetensors is missing"):
+        Reader(path)
+
+
+def test_truncated_shard_file(one):
+    path, _ = one
+    file = path / "rank00000.safetensors"
+    file.write_bytes(file.read_bytes()[:1000])
+    with pytest.raises(PlaitError, match=r"rank00000.safetensors is truncated: 1000 bytes"):
+        Reader(path)
+
+
+def test_checksum_mismatch(one):
+    path, _ = one
+    file = path / "rank00000.safetensors"
+    data = bytearray(file.read_bytes())
+    data[-5] ^= 0xFF
+    file.write_bytes(bytes(data))
+    with pytest.raises(PlaitError, match="rank00000.safetensors fails its sha256 check"):
+        Reader(path)
+
+
+def test_checkpoint_of_another_model_shape_names_the_tensor(one):
+    path, mesh = one
+    other, opt = trained(d_model=32, n_heads=2, n_kv_heads=1)
+    with pytest.raises(PlaitError, match=r"tensor 'model/embed.weight' .* has shape \(256, 64\), this model needs \(256, 32\)"):
+        load(path, other, opt, mesh)
+
+
+def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "worlds" / "kill_during_save.py"), str(tmp_path)],
+                          cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr
+    assert (tmp_path / "latest").resolve().name == "step-00000001"
+    assert (tmp_path / ".tmp-step-00000002").is_dir() and not (tmp_path / "step-00000002").exists()
+    assert Reader(tmp_path).index["trainer"] == {"note": "good"}
+    with pytest.raises(PlaitError, match="is incomplete: .*index.json is missing"):
+        resolve(tmp_path / ".tmp-step-00000002")
