@@ -7,6 +7,7 @@ one process, so it must be easy to read and deterministic to initialise.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -119,6 +120,9 @@ class GPT(nn.Module):
         # Not persistent: derived from the config, so checkpoints need not carry them.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # Tensor parallelism sets this: its logits hold a slice of the vocabulary per rank,
+        # and sampling needs all of them.
+        self.gather_vocab: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -148,7 +152,10 @@ class GPT(nn.Module):
         """Sample `new_tokens` tokens after the prompt `idx` (batch, seq)."""
         for _ in range(new_tokens):
             context = idx[:, -self.config.max_seq_len:]
-            logits = self.forward(context)[:, -1, :] / max(temperature, 1e-6)
+            logits = self(context)[:, -1, :]  # through __call__, so hooks see it
+            if self.gather_vocab is not None:
+                logits = self.gather_vocab(logits)
+            logits = logits / max(temperature, 1e-6)
             probs = torch.softmax(logits.float(), dim=-1)
             nxt = torch.multinomial(probs, 1, generator=generator)
             idx = torch.cat((idx, nxt), dim=1)

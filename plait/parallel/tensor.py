@@ -1,0 +1,289 @@
+"""Tensor parallelism (Megatron-style) and sequence parallelism, applied from a plan.
+
+A plan maps module-name patterns (shell style, `*` matches any run of characters) to styles:
+
+| style      | module        | what happens                                                     |
+|------------|---------------|------------------------------------------------------------------|
+| "column"   | nn.Linear     | output features split; the input enters a TP region here         |
+| "row"      | nn.Linear     | input features split; the output leaves the region (summed)      |
+| "vocab"    | nn.Embedding  | vocabulary rows split (VocabParallelEmbedding)                   |
+| "vocab"    | nn.Linear     | an output head: column-parallel, logits stay split by vocabulary |
+| "region"   | any           | its first input enters the region once for the column layers     |
+|            |               | inside it (q, k, v read one input: one all-reduce, not three)    |
+| "sequence" | any           | runs on a chunk of the sequence under SP: parameter grads summed |
+
+`apply_tensor_parallel(model, axis, plan=..., sp=...)` swaps the layers in place. The full
+model must already exist on every rank (built from the seed): each rank keeps its slice, so
+the initial weights are those of the one-process model for any tp. Order in `parallelize`:
+pipeline split, then this, then data parallelism.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.errors import PlaitError
+from plait.models.config import GPTConfig
+from plait.models.gpt import GPT
+from plait.parallel.tensor_layers import (ColumnParallelLinear, RowParallelLinear, Shard,
+                                          VocabParallelEmbedding, enter_region, shard_of,
+                                          sum_grad_over)
+from plait.parallel.tensor_loss import gather_vocab, vocab_parallel_cross_entropy
+from plait.runtime import comm
+from plait.runtime.comm import Axis
+from plait.runtime.regions import all_gather_stacked
+
+__all__ = ["GPT_PLAN", "STYLES", "ColumnParallelLinear", "RowParallelLinear", "Shard",
+           "VocabParallelEmbedding", "apply_tensor_parallel", "check_gpt_tensor_parallel",
+           "clip_grad_norm_", "gather_full_params", "lm_loss", "resolve_plan", "shard_of",
+           "tensor_parallel_of", "tp_loss_fn", "vocab_parallel_cross_entropy"]
+
+log = logging.getLogger(__name__)
+STYLES = ("column", "row", "vocab", "region", "sequence")
+ATTR = "_plait_tensor_parallel"
+
+GPT_PLAN: dict[str, str] = {
+    "embed": "vocab",
+    "blocks.*.attn_norm": "sequence",
+    "blocks.*.attn": "region",
+    "blocks.*.attn.q_proj": "column",
+    "blocks.*.attn.k_proj": "column",
+    "blocks.*.attn.v_proj": "column",
+    "blocks.*.attn.o_proj": "row",
+    "blocks.*.mlp_norm": "sequence",
+    "blocks.*.mlp": "region",
+    "blocks.*.mlp.gate_proj": "column",
+    "blocks.*.mlp.up_proj": "column",
+    "blocks.*.mlp.down_proj": "row",
+    "norm": "sequence",
+    "lm_head": "vocab",
+}
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """What `apply_tensor_parallel` did to a model: read by the loss, clipping and gathering."""
+
+    axis: Axis
+    sp: bool
+    regather: bool
+    styles: dict[str, str]
+
+
+def tensor_parallel_of(model: nn.Module) -> TensorParallel | None:
+    return getattr(model, ATTR, None)
+
+
+# -- the plan ---------------------------------------------------------------------------------
+def resolve_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """{module name: style} for every module a pattern matches; typos and clashes are errors."""
+    modules = dict(model.named_modules())
+    styles: dict[str, str] = {}
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise PlaitError(f"tensor-parallel plan: unknown style {style!r} for {pattern!r}",
+                             hint=f"styles are {', '.join(STYLES)}")
+        hits = [name for name in modules if name and fnmatchcase(name, pattern)]
+        if not hits:
+            some = ", ".join(name for name in list(modules)[1:6])
+            raise PlaitError(f"tensor-parallel plan: {pattern!r} matches no module",
+                             hint=f"module names look like: {some}")
+        for name in hits:
+            if styles.get(name, style) != style:
+                raise PlaitError(f"tensor-parallel plan: {name} is both {styles[name]!r} and {style!r}",
+                                 hint="make the patterns match each module once")
+            styles[name] = style
+            _check_kind(name, modules[name], style)
+    return styles
+
+
+def _check_kind(name: str, module: nn.Module, style: str) -> None:
+    kinds = {"column": (nn.Linear,), "row": (nn.Linear,), "vocab": (nn.Embedding, nn.Linear)}
+    if style in kinds and not isinstance(module, kinds[style]):
+        wanted = " or ".join(k.__name__ for k in kinds[style])
+        raise PlaitError(f"tensor-parallel plan: {name} is a {type(module).__name__}, "
+                         f"but style {style!r} needs {wanted}")
+
+
+def _split_size(module: nn.Module, style: str) -> tuple[str, int]:
+    if isinstance(module, nn.Embedding):
+        return "num_embeddings", module.num_embeddings
+    if style == "row":
+        return "in_features", module.in_features
+    return "out_features", module.out_features
+
+
+def _check_divisible(model: nn.Module, styles: dict[str, str], tp: int) -> None:
+    for name, style in styles.items():
+        if style in ("column", "row", "vocab"):
+            what, size = _split_size(model.get_submodule(name), style)
+            if size % tp:
+                raise PlaitError(f"{name}.{what} = {size} is not divisible by tp={tp}",
+                                 hint=f"choose tp among {_divisors(size)}, or pad {name} to "
+                                      f"{size + (-size % tp)}")
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def check_gpt_tensor_parallel(config: GPTConfig, tp: int, sp: bool = False,
+                              seq_len: int | None = None) -> None:
+    """The GPT splits whole heads, whole KV heads, the vocabulary and the MLP evenly over tp."""
+    for what, size, why in (("n_heads", config.n_heads, "each rank holds whole attention heads"),
+                            ("n_kv_heads", config.n_kv_heads, "each rank holds whole key/value heads"),
+                            ("vocab_size", config.vocab_size, "each rank holds V/tp rows of the vocabulary"),
+                            ("ffn_hidden", config.ffn_hidden, "each rank holds ffn_hidden/tp MLP units")):
+        if size % tp:
+            pad = f", or pad the vocabulary to {size + (-size % tp)}" if what == "vocab_size" else ""
+            raise PlaitError(f"{what} = {size} is not divisible by tp={tp} ({why})",
+                             hint=f"choose tp among {_divisors(size)}{pad}")
+    if sp and seq_len is not None and seq_len % tp:
+        raise PlaitError(f"--sp needs the sequence length divisible by tp: seq_len = {seq_len}, tp = {tp}",
+                         hint=f"use a seq_len that is a multiple of {tp}, or drop --sp")
+
+
+# -- applying it ------------------------------------------------------------------------------
+def apply_tensor_parallel(model: nn.Module, axis: Axis, *, plan: dict[str, str] | None = None,
+                          sp: bool = False, regather: bool = True) -> nn.Module:
+    """Split `model` over `axis` in place following `plan` (plait's GPT: `GPT_PLAN`).
+
+    `sp` turns on sequence parallelism outside the regions. `regather` (SP only) saves each
+    region's input as this rank's sequence chunk and all-gathers it again in backward, as
+    Megatron-LM does: every activation is then split by tp, for one more all-gather per
+    region in backward. False saves the gathered input instead (torch's SequenceParallel):
+    exactly the traffic of TP without SP, but the region inputs stay whole.
+    """
+    if tensor_parallel_of(model) is not None:
+        raise PlaitError("tensor parallelism is already applied to this model",
+                         hint="call apply_tensor_parallel once, on the whole model")
+    if plan is None:
+        if not isinstance(model, GPT):
+            raise PlaitError(f"tensor parallelism needs a plan for a {type(model).__name__}",
+                             hint='pass plan={"layer.name": "column" | "row" | "vocab", ...}; see docs/tensor.md')
+        plan = GPT_PLAN
+    if isinstance(model, GPT):
+        check_gpt_tensor_parallel(model.config, axis.size, sp)
+    styles = resolve_plan(model, plan)
+    sp = sp and axis.size > 1
+    setattr(model, ATTR, TensorParallel(axis, sp, regather, styles))
+    if axis.size == 1:
+        return model
+    _check_divisible(model, styles, axis.size)
+    for tensor in [*model.parameters(), *model.buffers()]:
+        comm.broadcast(tensor.data, axis, purpose="setup")  # the slices come from one model
+    _swap_layers(model, styles, axis, sp, regather)
+    if isinstance(model, GPT):
+        _adapt_gpt(model, axis, sp)
+    log.info("tensor parallel over %d ranks%s: %d layers split", axis.size,
+             " with sequence parallelism" if sp else "", sum(s in ("column", "row", "vocab") for s in styles.values()))
+    return model
+
+
+def _swap_layers(model: nn.Module, styles: dict[str, str], axis: Axis, sp: bool, regather: bool) -> None:
+    regions = [name for name, style in styles.items() if style == "region"]
+    memo: dict[int, nn.Parameter] = {}
+    for name, style in styles.items():
+        module = model.get_submodule(name)
+        enters = not any(name.startswith(region + ".") for region in regions)
+        if style == "region":
+            module.register_forward_pre_hook(functools.partial(_enter_hook, axis=axis, sp=sp, regather=regather))
+        elif style == "sequence" and sp:
+            for param in module.parameters():
+                sum_grad_over(param, axis)
+        elif style == "row":
+            _replace(model, name, RowParallelLinear.from_dense(module, axis, memo, sequence_parallel=sp))
+        elif style == "vocab" and isinstance(module, nn.Embedding):
+            _replace(model, name, VocabParallelEmbedding.from_dense(module, axis, memo, sequence_parallel=sp))
+        elif style in ("column", "vocab"):
+            _replace(model, name, ColumnParallelLinear.from_dense(module, axis, memo, sequence_parallel=sp,
+                                                                  enters=enters, regather=regather))
+
+
+def _enter_hook(module: nn.Module, args: tuple[Any, ...], *, axis: Axis, sp: bool,
+                regather: bool) -> tuple[Any, ...]:
+    return (enter_region(args[0], axis, sp, regather), *args[1:])
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, new)
+
+
+def _adapt_gpt(model: GPT, axis: Axis, sp: bool) -> None:
+    """Sampling needs the whole vocabulary; under SP, any sequence length when not training."""
+    model.gather_vocab = functools.partial(gather_vocab, axis=axis)
+    if not sp:
+        return
+    lengths: list[int] = []
+
+    def pad(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        # Exact: causal attention never lets a token see the padding after it. Training
+        # keeps the error instead, so a wrong --seq-len is not silently padded.
+        ids = args[0]
+        short = -ids.shape[1] % axis.size
+        lengths.append(ids.shape[1] if short and not torch.is_grad_enabled() else -1)
+        return (F.pad(ids, (0, short)), *args[1:]) if lengths[-1] >= 0 else None
+
+    def crop(module: nn.Module, args: tuple[Any, ...], logits: torch.Tensor) -> torch.Tensor:
+        length = lengths.pop()
+        return logits if length < 0 else logits[:, :length]
+
+    model.register_forward_pre_hook(pad)
+    model.register_forward_hook(crop)
+
+
+# -- what the trainer calls instead of the dense versions -------------------------------------
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, *, axis: Axis | None = None,
+            reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross-entropy of (batch, seq, V or V/tp) logits against (batch, seq) ids."""
+    flat, ids = logits.flatten(0, -2).float(), targets.flatten()
+    if axis is None or axis.size == 1:
+        return F.cross_entropy(flat, ids, reduction=reduction)
+    return vocab_parallel_cross_entropy(flat, ids, axis, reduction)
+
+
+def tp_loss_fn(model: nn.Module) -> Callable[..., torch.Tensor]:
+    """`lm_loss` bound to the model's TP axis: loss_fn(logits, targets, reduction="mean")."""
+    info = tensor_parallel_of(model)
+    return functools.partial(lm_loss, axis=info.axis if info else None)
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_, with the norm of the whole (unsplit) model's gradient.
+
+    Split parameters contribute their squares summed over tp; replicated ones count once.
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    info = tensor_parallel_of(model)
+    if info is None or info.axis.size == 1:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    squares = torch.zeros(2, dtype=torch.float64, device=params[0].device)
+    for param in params:
+        squares[0 if shard_of(param) else 1] += param.grad.detach().double().pow(2).sum()
+    comm.all_reduce(squares[:1], info.axis)
+    total = squares.sum().sqrt().to(params[0].dtype)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def gather_full_params(model: nn.Module, purpose: str = "checkpoint") -> dict[str, torch.Tensor]:
+    """{name: full tensor} of every parameter, with split ones gathered over tp (no autograd)."""
+    info = tensor_parallel_of(model)
+    out: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        shard = shard_of(param)
+        if shard is None or info is None:
+            out[name] = param.detach().clone()
+            continue
+        stacked = all_gather_stacked(param.detach().movedim(shard.dim, 0), info.axis, purpose)
+        out[name] = stacked.flatten(0, 1).movedim(0, shard.dim).contiguous()
+    return out

@@ -1,0 +1,213 @@
+"""Megatron-style parallel layers, each built from the dense layer it replaces.
+
+A layer keeps only this rank's slice of the dense weight and remembers where that slice sits
+(`Shard`), so the full tensor can be gathered back for parity checks and checkpoints:
+
+- `ColumnParallelLinear`: rows of W (output features) split; input replicated, output sharded.
+- `RowParallelLinear`: columns of W (input features) split; input sharded, output summed.
+- `VocabParallelEmbedding`: rows of the table (tokens) split; each rank looks up the tokens it
+  owns, writes zeros for the others, and the ranks' outputs are summed.
+
+A column layer followed by a row layer needs one collective each way: the column's input
+enters the region (`copy_to_region`, or an all-gather with sequence parallelism) and the
+row's output leaves it (`reduce_from_region`, or a reduce-scatter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.runtime import comm, regions
+from plait.runtime.comm import Axis
+
+SHARD_ATTR = "plait_tp_shard"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Where this rank's slice of a parameter sits in the full tensor."""
+
+    dim: int
+    rank: int
+    parts: int
+    full_shape: tuple[int, ...]
+
+    @property
+    def offset(self) -> int:
+        return self.rank * self.full_shape[self.dim] // self.parts
+
+
+def shard_of(param: torch.Tensor) -> Shard | None:
+    """The `Shard` of a tensor-parallel parameter, or None for a replicated one."""
+    return getattr(param, SHARD_ATTR, None)
+
+
+def shard_param(param: nn.Parameter, dim: int, axis: Axis, memo: dict[int, nn.Parameter]) -> nn.Parameter:
+    """This rank's slice of `param` along `dim`, made once per parameter (tied weights stay tied)."""
+    if id(param) in memo:
+        shard = memo[id(param)]
+        if shard_of(shard).dim != dim:
+            raise ValueError("a tied parameter is split along two different dimensions")
+        return shard
+    local = param.detach().chunk(axis.size, dim=dim)[axis.rank].clone()
+    shard = nn.Parameter(local, requires_grad=param.requires_grad)
+    setattr(shard, SHARD_ATTR, Shard(dim, axis.rank, axis.size, tuple(param.shape)))
+    memo[id(param)] = shard
+    return shard
+
+
+def sum_grad_over(param: nn.Parameter, axis: Axis) -> None:
+    """Sum `param`'s gradient over `axis` in backward, before it is accumulated.
+
+    With sequence parallelism a replicated parameter (a norm's scale, a row layer's bias) is
+    applied to one chunk of the sequence per rank, so each rank holds part of its gradient;
+    Megatron-LM sums these after backward, torch's DTensor while redistributing. A tensor
+    hook does it as each gradient appears, through the ledger like every other collective.
+    """
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        total = grad.clone(memory_format=torch.contiguous_format)
+        comm.all_reduce(total, axis)
+        return total
+
+    if not getattr(param, "plait_sums_grad", False):
+        param.register_hook(hook)
+        param.plait_sums_grad = True
+
+
+def enter_region(x: torch.Tensor, axis: Axis, sequence_parallel: bool, regather: bool = True) -> torch.Tensor:
+    """Replicated (or, with SP, sequence-sharded) input -> the whole input inside a region.
+
+    With SP and `regather`, the column linears reading the result save only this rank's
+    chunk of it and all-gather it again in backward (see `regions.regathered`).
+    """
+    if sequence_parallel:
+        return regions.gather_from_sequence(x, axis, keep_shard=regather)
+    return regions.copy_to_region(x, axis)
+
+
+def leave_region(x: torch.Tensor, axis: Axis, sequence_parallel: bool) -> torch.Tensor:
+    """Partial sums inside a region -> their sum (with SP, this rank's chunk of the sequence)."""
+    if sequence_parallel:
+        return regions.reduce_scatter_to_sequence(x, axis)
+    return regions.reduce_from_region(x, axis)
+
+
+class _LinearFromShard(torch.autograd.Function):
+    """x·Wᵀ (+ b) for an x that a sequence-parallel gather produced.
+
+    forward: the product, saving W but not x (x's gather already saved 1/t of it).
+    backward: dx = g·W; dW = gᵀ·x with x rebuilt by `regions.regathered` (one all-gather per
+    gathered input, shared by all the linears that read it).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                node: Any) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        ctx.node, ctx.has_bias = node, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        (weight,) = ctx.saved_tensors
+        grad_x = grad @ weight
+        x = regions.regathered(ctx.node)
+        grad_w = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
+
+
+def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear, except that an input gathered for SP is rebuilt in backward rather than saved."""
+    node = regions.gather_source(x) if torch.is_grad_enabled() else None
+    if node is None:
+        return F.linear(x, weight, bias)
+    return _LinearFromShard.apply(x, weight, bias, node)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_r = x·W_rᵀ: this rank computes out_features/t of the outputs from the whole input.
+
+    `enters` says whether the input enters the region here; it is False when an enclosing
+    module (the GPT's attention or MLP) already did it once for several column layers.
+    `regather` (SP only): save the input's sequence chunk, not the gathered input.
+    """
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, axis: Axis, *,
+                 sequence_parallel: bool = False, enters: bool = True, regather: bool = True):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.axis, self.sequence_parallel, self.enters = axis, sequence_parallel, enters
+        self.regather = regather
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, axis: Axis, memo: dict[int, nn.Parameter],
+                   **options: Any) -> "ColumnParallelLinear":
+        bias = shard_param(linear.bias, 0, axis, memo) if linear.bias is not None else None
+        return cls(shard_param(linear.weight, 0, axis, memo), bias, axis, **options)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.enters:
+            x = enter_region(x, self.axis, self.sequence_parallel, self.regather)
+        return column_linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"local={tuple(self.weight.shape)}, tp={self.axis.size}, sp={self.sequence_parallel}"
+
+
+class RowParallelLinear(nn.Module):
+    """y = Σ_r x_r·W_rᵀ (+ b): this rank holds in_features/t columns and a partial sum.
+
+    The bias is replicated and added once, after the sum.
+    """
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, axis: Axis, *,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.axis, self.sequence_parallel = axis, sequence_parallel
+        if sequence_parallel and bias is not None:
+            sum_grad_over(bias, axis)  # added to a chunk of the sequence: its gradient is partial
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, axis: Axis, memo: dict[int, nn.Parameter],
+                   **options: Any) -> "RowParallelLinear":
+        bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
+        return cls(shard_param(linear.weight, 1, axis, memo), bias, axis, **options)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = leave_region(F.linear(x, self.weight), self.axis, self.sequence_parallel)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"local={tuple(self.weight.shape)}, tp={self.axis.size}, sp={self.sequence_parallel}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [r·V/t, (r+1)·V/t) of the table; tokens outside them look up zeros, then a sum."""
+
+    def __init__(self, weight: nn.Parameter, axis: Axis, *, sequence_parallel: bool = False):
+        super().__init__()
+        self.weight, self.axis, self.sequence_parallel = weight, axis, sequence_parallel
+        self.start = axis.rank * weight.shape[0]
+
+    @classmethod
+    def from_dense(cls, embedding: nn.Embedding, axis: Axis, memo: dict[int, nn.Parameter],
+                   **options: Any) -> "VocabParallelEmbedding":
+        return cls(shard_param(embedding.weight, 0, axis, memo), axis, **options)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
+        return leave_region(rows, self.axis, self.sequence_parallel)
+
+    def extra_repr(self) -> str:
+        return f"local={tuple(self.weight.shape)}, tp={self.axis.size}, sp={self.sequence_parallel}"

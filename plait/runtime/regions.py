@@ -1,0 +1,215 @@
+"""Autograd-aware region ops: the only places tensor parallelism talks to other ranks.
+
+A tensor-parallel *region* is the stretch of a layer where each rank holds a slice of the
+hidden units (attention heads, MLP columns, vocabulary rows). Activations enter a region
+replicated and leave it as partial sums, so each boundary is a collective in one direction
+of autograd and none (or its dual) in the other (Megatron-LM's f and g operators):
+
+| op                         | forward                 | backward               |
+|----------------------------|-------------------------|------------------------|
+| copy_to_region             | identity                | all-reduce             |
+| reduce_from_region         | all-reduce              | identity               |
+| gather_from_sequence       | all-gather along seq    | reduce-scatter along seq |
+| reduce_scatter_to_sequence | reduce-scatter along seq| all-gather along seq   |
+| scatter_to_sequence        | keep own seq chunk      | all-gather along seq   |
+
+With sequence parallelism the ops outside the regions (norms, residual adds) work on a
+slice of the sequence, so the first two ops become the last three: an all-reduce is a
+reduce-scatter followed by an all-gather, and SP simply stops between the two halves.
+
+Layout: activations stay (batch, seq, hidden...) everywhere; sequence-parallel shards split
+dim 1. `comm.all_gather`/`comm.reduce_scatter` work on dim 0, so around each collective the
+sequence chunks are laid out rank-major, (tp, batch, seq/tp, hidden): one copy when
+batch > 1, none when batch == 1.
+
+Every op calls `plait.runtime.comm`, so every byte is in the ledger.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from plait.errors import PlaitError
+from plait.runtime import comm
+from plait.runtime.comm import Axis
+
+SEQ_DIM = 1
+
+
+def check_sequence(length: int, axis: Axis) -> None:
+    """Sequence parallelism splits the sequence evenly; say which numbers disagree if not."""
+    if length % axis.size:
+        raise PlaitError(
+            f"sequence parallelism needs the sequence length divisible by tp: "
+            f"{length} tokens over tp={axis.size} ranks",
+            hint=f"use a sequence length that is a multiple of {axis.size}, or drop --sp",
+        )
+
+
+def all_gather_stacked(shard: torch.Tensor, axis: Axis, purpose: str = comm.TRAIN) -> torch.Tensor:
+    """Every rank's `shard`, stacked: (t, *shard.shape); no autograd."""
+    shard = shard.contiguous()
+    stacked = shard.new_empty((axis.size, *shard.shape))
+    # Gloo takes only the concatenated form of the output: (t·d0, d1, ...), the same memory.
+    comm.all_gather(stacked.flatten(0, 1), shard, axis, purpose=purpose)
+    return stacked
+
+
+def all_gather_sequence(shard: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """(batch, seq/t, ...) on each rank -> (batch, seq, ...) everywhere; no autograd."""
+    full = all_gather_stacked(shard, axis).movedim(0, SEQ_DIM)  # (batch, t, seq/t, ...)
+    return full.reshape(shard.shape[0], -1, *shard.shape[2:])
+
+
+def reduce_scatter_sequence(full: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """Sum (batch, seq, ...) over ranks and keep this rank's (batch, seq/t, ...); no autograd."""
+    check_sequence(full.shape[SEQ_DIM], axis)
+    chunks = full.unflatten(SEQ_DIM, (axis.size, -1)).movedim(SEQ_DIM, 0).contiguous()
+    shard = full.new_empty(chunks.shape[1:])
+    comm.reduce_scatter(shard, chunks.flatten(0, 1), axis)
+    return shard
+
+
+def split_sequence(full: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """This rank's chunk of the sequence (a copy, so the full tensor can be freed)."""
+    check_sequence(full.shape[SEQ_DIM], axis)
+    return full.chunk(axis.size, dim=SEQ_DIM)[axis.rank].contiguous()
+
+
+def _all_reduce(tensor: torch.Tensor, axis: Axis) -> torch.Tensor:
+    out = tensor.clone(memory_format=torch.contiguous_format)
+    comm.all_reduce(out, axis)
+    return out
+
+
+class _CopyToRegion(torch.autograd.Function):
+    """Enter a TP region with a replicated input.
+
+    forward: identity (every rank already holds the whole input).
+    backward: all-reduce, since each rank's slice of the layer contributes part of dL/dx.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, axis: Axis) -> torch.Tensor:
+        ctx.axis = axis
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce(grad, ctx.axis), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """Leave a TP region by summing the ranks' partial outputs.
+
+    forward: all-reduce of the partial sums (a row-parallel matmul's output).
+    backward: identity, since the sum's gradient is the same for every term.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, axis: Axis) -> torch.Tensor:
+        return _all_reduce(x, axis)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    """Enter a TP region from a sequence-parallel one.
+
+    forward: all-gather the sequence chunks; with `keep_shard` the chunk is saved so that the
+    column-parallel linears reading the output can rebuild it in backward instead of saving
+    the full tensor (see `regathered`).
+    backward: reduce-scatter, summing each rank's partial dL/dx and keeping this rank's chunk.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, shard: torch.Tensor, axis: Axis, keep_shard: bool) -> torch.Tensor:
+        ctx.axis, ctx.full, ctx.keep_shard = axis, None, keep_shard
+        if keep_shard:
+            ctx.save_for_backward(shard)
+        return all_gather_sequence(shard, axis)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.full = None  # the linears that shared the rebuilt input are done with it
+        return reduce_scatter_sequence(grad, ctx.axis), None, None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    """Leave a TP region into a sequence-parallel one.
+
+    forward: reduce-scatter the partial sums along the sequence.
+    backward: all-gather dL/dy, since every rank's slice of the layer needs all of it.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, axis: Axis) -> torch.Tensor:
+        ctx.axis = axis
+        return reduce_scatter_sequence(x, axis)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return all_gather_sequence(grad, ctx.axis), None
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    """Go from a replicated tensor to a sequence-parallel one.
+
+    forward: keep this rank's chunk of the sequence (no communication).
+    backward: all-gather dL/dy to rebuild the gradient of the whole replicated input.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, axis: Axis) -> torch.Tensor:
+        ctx.axis = axis
+        return split_sequence(x, axis)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return all_gather_sequence(grad, ctx.axis), None
+
+
+def copy_to_region(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    return _CopyToRegion.apply(x, axis) if axis.size > 1 else x
+
+
+def reduce_from_region(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    return _ReduceFromRegion.apply(x, axis) if axis.size > 1 else x
+
+
+def gather_from_sequence(x: torch.Tensor, axis: Axis, keep_shard: bool = False) -> torch.Tensor:
+    return _GatherFromSequence.apply(x, axis, keep_shard) if axis.size > 1 else x
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    return _ReduceScatterToSequence.apply(x, axis) if axis.size > 1 else x
+
+
+def scatter_to_sequence(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    return _ScatterToSequence.apply(x, axis) if axis.size > 1 else x
+
+
+def gather_source(x: torch.Tensor) -> Any:
+    """The gather node that made `x` while keeping its shard, or None."""
+    node = x.grad_fn
+    if isinstance(node, _GatherFromSequence._backward_cls) and node.keep_shard:
+        return node
+    return None
+
+
+def regathered(node: Any) -> torch.Tensor:
+    """The full input of a gather node, rebuilt by one more all-gather of its saved shard.
+
+    Several linears may read one gathered input (q, k and v; gate and up); the first one to
+    run backward rebuilds it, the others reuse it, and the gather's own backward drops it.
+    Megatron-LM pays the same extra all-gather to store 1/t of these inputs (Korthikanti et
+    al. 2022, section 4.2.2).
+    """
+    if node.full is None:
+        (shard,) = node.saved_tensors
+        node.full = all_gather_sequence(shard, node.axis)
+    return node.full
