@@ -56,24 +56,45 @@ def local_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh)
     view = getattr(model, VIEW_ATTR, None)
     if view is not None:
         return view(model, optimizer, mesh)
-    return replicated_pieces(model, optimizer, owned=mesh.rank("dp") == 0)
+    return param_pieces(model, optimizer, mesh)
 
 
-def replicated_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, owned: bool) -> list[Piece]:
-    """Full tensors, identical on every replica (one process, DDP)."""
+def param_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh) -> list[Piece]:
+    """Parameters and their optimizer state, whole or as tensor-parallel blocks.
+
+    Every tensor is written exactly once: replicas across dp by dp rank 0; a tensor that
+    tensor parallelism does not split, also only by tp rank 0; a split one by every tp rank
+    (each its own block, at its offset along the split dimension).
+    """
+    from plait.parallel.tensor_layers import shard_of
+
+    first_replica = mesh.rank("dp") == 0
     pieces = []
     names = {id(p): name for name, p in model.named_parameters()}
     for name, param in model.named_parameters():
-        pieces.append(_whole(f"model/{name}", param.detach(), owned))
-    for param, state in optimizer.state.items():
-        for key, value in sorted(state.items()):
-            if isinstance(value, torch.Tensor):
-                pieces.append(_whole(f"optim/{names[id(param)]}/{key}", value, owned))
+        shard = shard_of(param)
+        offsets, full = _placement(param, shard)
+        owned = first_replica and (shard is not None or mesh.rank("tp") == 0)
+        pieces.append(Piece(f"model/{name}", param.detach(), offsets, full, owned))
+        for key, value in sorted(optimizer.state.get(param, {}).items()):
+            if not isinstance(value, torch.Tensor):
+                continue
+            if value.shape == param.shape:
+                pieces.append(Piece(f"optim/{name}/{key}", value, offsets, full, owned))
+            else:  # a per-parameter scalar (Adam's step): the same on every shard
+                owned_scalar = first_replica and mesh.rank("tp") == 0
+                pieces.append(Piece(f"optim/{names[id(param)]}/{key}", value, (0,) * value.ndim,
+                                    tuple(value.shape), owned_scalar))
     return pieces
 
 
-def _whole(name: str, tensor: torch.Tensor, owned: bool) -> Piece:
-    return Piece(name, tensor, (0,) * tensor.ndim, tuple(tensor.shape), owned)
+def _placement(param: torch.Tensor, shard: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Offsets of this rank's block, and the full tensor's shape."""
+    if shard is None:
+        return (0,) * param.ndim, tuple(param.shape)
+    offsets = [0] * param.ndim
+    offsets[shard.dim] = shard.offset
+    return tuple(offsets), tuple(shard.full_shape)
 
 
 def init_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
