@@ -1,0 +1,142 @@
+"""Predict what a layout costs before launching it: memory, bytes on the wire, step time.
+
+Pure arithmetic on shapes; nothing here imports torch, so `plait estimate` and `plait plan`
+answer in well under a second. `estimate_layout` is the one entry point the trainer and
+the CLI need; the modules hold the formulas (memory, activations, comm, time) and the
+presets (hardware), each with the reasoning that produced it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from plait.errors import PlaitError
+from plait.estimate.comm import dp_traffic, estimate_comm, naive_comm
+from plait.estimate.hardware import Hardware, resolve_hardware
+from plait.estimate.layout import Layout
+from plait.estimate.memory import (
+    FRAGMENTATION,
+    estimate_memory,
+    estimate_memory_params_only,
+)
+from plait.estimate.time import (
+    ASSUMPTIONS as TIME_ASSUMPTIONS,
+    estimate_time,
+    estimate_time_params_only,
+)
+from plait.models.config import GPTConfig
+
+__all__ = ["estimate_layout", "Layout"]
+
+MEMORY_ASSUMPTIONS = (
+    "model states per parameter: bf16/fp16 2 weight + 2 grad + 12 optimizer (fp32 master, "
+    "Adam m, v); fp32 4 + 4 + 8 (Adam m, v); ZeRO-1 shards the optimizer over dp, ZeRO-2 "
+    "also the grads, ZeRO-3 also the weights, holding the root unit and two blocks whole",
+    "busiest rank = the pipeline stage with the largest device total; the first stage "
+    "holds the embedding, the last the final norm and head (and, with tied embeddings and "
+    "pp > 1, its own copy of the embedding); blocks cut to balance parameters, as plait does",
+    "activations per block of our model: e·(11h + 4f + 2) + 4a bytes per token (e = 4 "
+    "fp32, 2 bf16, the model held in that dtype); GPT-2: Korthikanti et al. "
+    "s·b·h·(34 + 5as/h) in 16-bit; plus token ids, final norm and RoPE tables",
+    "in-flight micro-batches: 1 without a pipeline, m for GPipe, p − r for 1F1B, "
+    "p(1 + (p−1)/(pv)) on the first rank interleaved",
+    "buffers: the loss (logits, fp32 copy, fp32 log-softmax) on the last stage; two b·s·h "
+    "pipeline receive buffers; under ZeRO-2/3 two whole 25 MiB gradient buckets, or all "
+    "gradients whole while accumulating; none for plain DP (grads are views into buckets)",
+    f"fragmentation allowance {FRAGMENTATION:.0%} of device bytes (caching allocator "
+    "rounding and reuse); hardware.reserved_gib set aside for the CUDA context and NCCL",
+)
+
+COMM_ASSUMPTIONS = (
+    "comm is wire bytes per rank per optimizer step under ring algorithms, max over ranks: "
+    "all_reduce 2(n−1)/n·S, all_gather and reduce_scatter (n−1)/n·S, send/recv S; the "
+    "few bytes of gradient-norm reductions are left out",
+    "DP and ZeRO reduce gradients once per step (accumulation runs under no_sync); ZeRO-3 "
+    "gathers weights twice (forward, backward) every micro-batch",
+    "TP: 4 all-reduces of b·s·h per block per micro-batch (6 with full recompute); under "
+    "SP each becomes all-gather + reduce-scatter, plus 2 all-gathers re-gathering saved "
+    "inputs; plus embedding, head and 3 fp32 cross-entropy numbers per token",
+    "PP: b·s·h per message (/t under SP), one per boundary each way per micro-batch; tied "
+    "embeddings swap the embedding gradient between first and last stage once per step",
+)
+
+
+def estimate_layout(config: GPTConfig | None, *, dp: int = 1, tp: int = 1, pp: int = 1,
+                    zero: int = 0, offload: bool = False, precision: str = "fp32",
+                    micro_batch: int = 1, grad_accum: int = 1, seq_len: int | None = None,
+                    recompute: str = "none", schedule: str = "1f1b", virtual_stages: int = 1,
+                    sp: bool = False, hardware: str | Hardware = "cpu",
+                    gpus_per_node: int | None = None, params: int | float | None = None
+                    ) -> dict[str, Any]:
+    """Predict one layout's cost per rank (the busiest rank), as a JSON-ready dict.
+
+    `params=N` stands for a model known only by its parameter count: then only model
+    states and DP/ZeRO traffic can be predicted; activations, TP and PP are None.
+    """
+    hw = resolve_hardware(hardware)
+    node = gpus_per_node or hw.gpus_per_node
+    if (config is None) == (params is None):
+        raise PlaitError("give a model or a parameter count, not both" if config else
+                         "nothing to estimate", hint="name a --model, or give --params N")
+    default_seq = config.max_seq_len if config else 1
+    layout = Layout(dp=dp, tp=tp, pp=pp, zero=zero, offload=offload, precision=precision,
+                    micro_batch=micro_batch, grad_accum=grad_accum,
+                    seq_len=seq_len or default_seq, recompute=recompute,
+                    schedule=schedule, virtual_stages=virtual_stages, sp=sp)
+    if config is None:
+        return _params_only(_whole(params), layout, hw, node, timed=seq_len is not None)
+    layout.check_model(config)
+    memory = estimate_memory(config, layout)
+    step = estimate_time(config, layout, hw, node)
+    notes = [f"busiest rank: pipeline stage {memory.stage} of {layout.pp}"]
+    return _report(config.num_params(), layout, hw, node, memory.as_dict(),
+                   estimate_comm(config, layout), naive_comm(config, layout),
+                   step.as_dict(), notes)
+
+
+def _whole(params: object) -> int:
+    if isinstance(params, bool) or not isinstance(params, (int, float)) or params < 1:
+        raise PlaitError(f"--params must be a positive number, got {params!r}",
+                         hint="give the parameter count, e.g. --params 7e9")
+    return int(params)
+
+
+def _params_only(params: int, layout: Layout, hw: Hardware, node: int,
+                 timed: bool) -> dict[str, Any]:
+    """The estimate for a model known only by its size."""
+    if layout.tp != 1 or layout.pp != 1:
+        raise PlaitError("tensor and pipeline parallelism need the model's shape",
+                         hint="with --params keep --tp 1 --pp 1, or name a --model")
+    memory = estimate_memory_params_only(params, layout)
+    notes = ["model known only by its parameter count: activations, TP and PP unknown "
+             "(None); ZeRO-3's gathered block not counted; total excludes activations"]
+    step = None
+    if timed:
+        step = estimate_time_params_only(params, layout, hw, node).as_dict()
+        notes.append("FLOPs per token taken as 6Ψ (no attention term without the shape)")
+    else:
+        notes.append("time unknown: give seq_len to estimate it")
+    report = _report(params, layout, hw, node, memory.as_dict(), dp_traffic(params, layout),
+                     naive_comm(None, layout, params), step, notes)
+    if not timed:
+        report["layout"]["seq_len"] = None
+    return report
+
+
+def _report(params: int, layout: Layout, hw: Hardware, node: int, memory: dict[str, Any],
+            comm: dict[str, dict[str, float]], naive: dict[str, Any],
+            step: dict[str, float] | None, notes: list[str]) -> dict[str, Any]:
+    """Assemble the JSON-ready answer."""
+    return {
+        "model": {"params": params},
+        "layout": {**asdict(layout), "gpus": layout.world, "hardware": hw.name,
+                   "gpus_per_node": node},
+        "memory": memory,
+        "fits": memory["total"] <= hw.usable_bytes,
+        "device_usable_bytes": hw.usable_bytes,
+        "comm": comm,
+        "naive_comm": naive,
+        "time": step,
+        "assumptions": [*notes, *MEMORY_ASSUMPTIONS, *COMM_ASSUMPTIONS, *TIME_ASSUMPTIONS],
+    }

@@ -1,0 +1,154 @@
+"""Bytes that autograd keeps between forward and backward, per layer and per stage.
+
+Two blocks are counted:
+
+* GPT-2's, as Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+  Transformer Models") count it: s·b·h·(34 + 5·a·s/h) bytes per layer in 16-bit, because
+  the eager attention of the time kept the a·s·s softmax, its dropout mask and output.
+* Ours (plait/models/gpt.py). It calls SDPA, whose CPU and flash kernels keep only a
+  log-sum-exp per (head, query) and recompute the attention matrix in backward, so no a·s²
+  term appears. Listing what each op saves (deduplicated by storage; the test in
+  tests/test_estimate_memory.py checks it with saved_tensors_hooks), per token per layer:
+
+    RMSNorm, twice  x, rsqrt (one value), x·rsqrt, the normed output    2·(3h + 1) elements
+    attention       q after RoPE; k and v after repeat_interleave to
+                    n_heads (so GQA saves no memory here); SDPA's output 4h elements
+                    the (b, s, h) copy reshape makes for o_proj (a view,
+                    not a copy, when a rank holds a single head)         h elements
+                    SDPA's log-sum-exp, always fp32                      4·a bytes
+    SwiGLU          gate output (silu's input), silu output, up output,
+                    their product (down's input)                         4f elements
+
+  = e·(11h + 4f + 2) + 4a bytes per token, e = 4 in fp32 and 2 in bf16/fp16 (the model
+  itself in that dtype, as the (2+2+12)Ψ mixed-precision accounting assumes).
+
+Outside the blocks the forward keeps the int64 token ids (embedding) and the final norm's
+3h + 1, and RoPE's multiplications keep the cos and sin tables (max_seq_len·head_dim
+elements, once per rank). That is everything plait's ActivationMeter sees, since it wraps
+the model's forward only; the loss's fp32 logits and log-softmax are counted by
+memory.py as a buffer on the last stage.
+
+Tensor parallelism divides what lives inside the column/row-parallel region (attention
+and MLP); the norms stay replicated unless sequence parallelism shards them too, in which
+case (as in the paper) the linear layers keep only their sequence shard and everything is
+divided by t. Full recompute keeps only each block's input.
+"""
+
+from __future__ import annotations
+
+from plait.estimate.layout import Layout, Stage
+from plait.models.config import GPTConfig
+
+MASK_BYTES = 1  # a dropout mask is one byte per element
+LSE_BYTES = 4  # SDPA's log-sum-exp is fp32 whatever the input dtype
+ID_BYTES = 8  # int64 token ids, kept by the embedding for its backward
+
+
+def korthikanti_layer_bytes(config: GPTConfig, layout: Layout) -> float:
+    """One GPT-2 block's saved bytes per micro-batch, in the paper's accounting.
+
+    Per token: replicated 4h elements (two LayerNorm inputs, the QKV and MLP inputs) plus
+    two h-sized dropout masks; sharded Q, K, V, the projection's input, the fc output and
+    GELU output (2h + 2kv + 2f elements); the attention a·s softmax and dropout output
+    (elements) and its mask (bytes). With f = 4h, kv = h and e = 2 this is 34h + 5as.
+    """
+    h, f, kv, a = config.d_model, config.ffn_hidden, config.kv_dim, config.n_heads
+    s, e, t = layout.seq_len, layout.compute_bytes, layout.tp
+    replicated = e * 4 * h + MASK_BYTES * 2 * h
+    sharded = e * (2 * h + 2 * kv + 2 * f)
+    attention = (e * 2 + MASK_BYTES) * a * s
+    if layout.recompute == "selective":
+        attention = 0  # the paper's selective recompute redoes exactly the attention core
+    return _combine(replicated, sharded + attention, layout, e * h)
+
+
+def llama_layer_bytes(config: GPTConfig, layout: Layout) -> float:
+    """One block of our model: saved bytes per micro-batch (see the module docstring)."""
+    h, f, a = config.d_model, config.ffn_hidden, config.n_heads
+    e = layout.compute_bytes
+    o_proj_copy = h if a // layout.tp > 1 else 0  # one head per rank: reshape is a view
+    replicated = e * (6 * h + 2)
+    sharded = e * (4 * h + o_proj_copy + 4 * f) + LSE_BYTES * a
+    if layout.recompute == "selective":
+        # Recomputing the attention core drops SDPA's output and log-sum-exp; q, k, v stay
+        # as the recomputation's inputs. SDPA already recomputes the a·s² matrix, so this
+        # buys little for our block: prefer "full".
+        sharded -= (e * h if o_proj_copy else 0) + LSE_BYTES * a
+    return _combine(replicated, sharded, layout, e * h)
+
+
+def _combine(replicated: float, sharded: float, layout: Layout, block_input: float) -> float:
+    """Per-token bytes -> per-micro-batch bytes, applying tp, sp and full recompute."""
+    t, tokens = layout.tp, layout.tokens_per_micro_batch
+    if layout.recompute == "full":
+        per_token = block_input / t if layout.sp else block_input
+    elif layout.sp:
+        per_token = (replicated + sharded) / t
+    else:
+        per_token = replicated + sharded / t
+    return per_token * tokens
+
+
+def layer_bytes(config: GPTConfig, layout: Layout) -> float:
+    """Saved bytes of one block for one micro-batch on one rank."""
+    if config.arch == "gpt2":
+        return korthikanti_layer_bytes(config, layout)
+    return llama_layer_bytes(config, layout)
+
+
+def stage_extra_bytes(config: GPTConfig, layout: Layout, stage: Stage) -> float:
+    """Saved outside the blocks, per micro-batch: token ids on the first stage, the final
+    norm on the last (split by t only under SP)."""
+    tokens, e, t = layout.tokens_per_micro_batch, layout.compute_bytes, layout.tp
+    h = config.d_model
+    total = 0.0
+    if stage.first:
+        total += ID_BYTES * tokens
+    if stage.last:
+        norm = e * (2 * h) if config.arch == "gpt2" else e * (3 * h + 1)
+        total += tokens * (norm / t if layout.sp else norm)
+    return total
+
+
+def rope_table_bytes(config: GPTConfig, layout: Layout) -> float:
+    """cos and sin, (max_seq_len, head_dim/2) each, saved by reference by every block's
+    RoPE: one copy per rank, whatever the number of micro-batches in flight."""
+    if config.arch == "gpt2":
+        return 0.0
+    return float(config.max_seq_len * config.head_dim * layout.compute_bytes)
+
+
+def loss_bytes(config: GPTConfig, layout: Layout) -> float:
+    """Peak of the loss on the last stage, per micro-batch: the logits in the compute
+    dtype, their fp32 copy and the fp32 log-softmax cross_entropy keeps for backward,
+    over this rank's vocab shard."""
+    shard = -(-config.vocab_size // layout.tp)
+    return float(layout.tokens_per_micro_batch * shard * (layout.compute_bytes + 4 + 4))
+
+
+def in_flight(layout: Layout, stage: Stage) -> float:
+    """Micro-batches whose activations a stage holds at its peak.
+
+    GPipe runs every forward before any backward: m. 1F1B lets stage r run p - r forwards
+    before its first backward, so the first stage holds p (Narayanan et al. 2021); so does
+    ZB-H1, which only splits each backward in two. The
+    interleaved schedule's warm-up on rank r is 2(p - r - 1) + (v - 1)p + 1 chunk-forwards,
+    each 1/v of the rank's layers: p(1 + (p - 1)/(p·v)) on the first rank (Korthikanti's
+    factor). Never more than the micro-batches there are.
+    """
+    p, r, m, v = layout.pp, stage.index, layout.grad_accum, layout.virtual_stages
+    if p == 1:
+        return 1.0  # accumulation runs micro-batches one after another
+    if layout.schedule == "gpipe":
+        return float(m)
+    if layout.schedule in ("1f1b", "zb-h1"):  # ZB-H1 keeps 1F1B's forwards and inputs
+        return float(min(p - r, m))
+    chunks = min(2 * (p - r - 1) + (v - 1) * p + 1, m * v)
+    return chunks / v
+
+
+def stage_activation_bytes(config: GPTConfig, layout: Layout, stage: Stage) -> float:
+    """Peak activation bytes on one rank of `stage`."""
+    per_micro_batch = stage.layers * layer_bytes(config, layout)
+    per_micro_batch += stage_extra_bytes(config, layout, stage)
+    return in_flight(layout, stage) * per_micro_batch + rope_table_bytes(config, layout)

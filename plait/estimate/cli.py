@@ -1,0 +1,115 @@
+"""`plait estimate` and `plait plan`: the estimator and the planner on the command line.
+
+Each takes its own argv and returns an exit code; bad input raises PlaitError, which the
+top-level `plait` command prints as a message and a hint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from plait.errors import PlaitError
+from plait.estimate import estimate_layout
+from plait.estimate.hardware import PRESETS as HARDWARE, resolve_hardware
+from plait.estimate.layout import PRECISIONS, RECOMPUTE, SCHEDULES
+from plait.estimate.planner import plan
+from plait.estimate.report import format_estimate, format_plan, human_bytes
+from plait.models.config import PRESETS as MODELS, GPTConfig, get_preset
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by both commands: the model, the hardware, the precision, the output."""
+    parser.add_argument("--model", help=f"model preset: {', '.join(MODELS)}")
+    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's max)")
+    parser.add_argument("--precision", default="bf16", help=f"one of {', '.join(PRECISIONS)}")
+    parser.add_argument("--hardware", default="h100-sxm", help=f"preset: {', '.join(HARDWARE)}")
+    parser.add_argument("--hardware-file", help="TOML file with a [hardware] table (overrides)")
+    parser.add_argument("--gpus-per-node", type=int, help="default: the hardware preset's")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def estimate_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="plait estimate",
+        description="Predict memory per GPU, bytes on the wire and step time of one layout.")
+    _common(parser)
+    parser.add_argument("--params", type=float, help="a model known only by its size, e.g. 7e9")
+    for flag in ("--dp", "--tp", "--pp", "--micro-batch", "--grad-accum"):
+        parser.add_argument(flag, type=int, default=1)
+    parser.add_argument("--gpus", type=int, help="check that dp x tp x pp uses this many GPUs")
+    parser.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3")
+    parser.add_argument("--offload", action="store_true", help="optimizer state in CPU memory")
+    parser.add_argument("--recompute", default="none", help=f"one of {', '.join(RECOMPUTE)}")
+    parser.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)}")
+    parser.add_argument("--virtual-stages", type=int, default=1, help="chunks per rank (interleaved)")
+    parser.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
+    return parser
+
+
+def plan_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="plait plan",
+        description="Rank every layout of a model on N GPUs that fits, fastest first.")
+    _common(parser)
+    parser.add_argument("--gpus", type=int, required=True)
+    parser.add_argument("--global-batch", type=int, required=True, help="sequences per step")
+    parser.add_argument("--schedule", default="1f1b", help="gpipe or 1f1b")
+    parser.add_argument("--offload", action="store_true", help="also consider optimizer offload")
+    parser.add_argument("--top", type=int, default=10, help="how many layouts to show")
+    return parser
+
+
+def estimate_main(argv: list[str]) -> int:
+    """`plait estimate ARGS`: print one layout's breakdown."""
+    args = estimate_parser().parse_args(argv)
+    if args.gpus is not None:
+        _check_gpus(args.gpus, args)
+    hardware = resolve_hardware(args.hardware, args.hardware_file)
+    config = _model(args.model) if args.model or args.params is None else None
+    result = estimate_layout(
+        config, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero, offload=args.offload,
+        precision=args.precision, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
+        seq_len=args.seq_len, recompute=args.recompute, schedule=args.schedule,
+        virtual_stages=args.virtual_stages, sp=args.sp, hardware=hardware,
+        gpus_per_node=args.gpus_per_node, params=args.params)
+    name = args.model or f"a {args.params:.3g}-parameter model"
+    _emit(result, args.json, lambda: format_estimate(result, name))
+    return 0
+
+
+def plan_main(argv: list[str]) -> int:
+    """`plait plan ARGS`: print the fastest layouts that fit."""
+    args = plan_parser().parse_args(argv)
+    hardware = resolve_hardware(args.hardware, args.hardware_file)
+    config = _model(args.model)
+    rows = plan(config, gpus=args.gpus, global_batch=args.global_batch, hardware=hardware,
+                gpus_per_node=args.gpus_per_node, seq_len=args.seq_len,
+                precision=args.precision, schedule=args.schedule, offload=args.offload,
+                top=args.top)
+    seq = args.seq_len or config.max_seq_len
+    title = (f"{args.model} on {args.gpus} x {hardware.name} "
+             f"({args.gpus_per_node or hardware.gpus_per_node} per node, "
+             f"{human_bytes(hardware.usable_bytes)} usable each), global batch "
+             f"{args.global_batch} x {seq} tokens, {args.precision}: top {len(rows)} by step time")
+    _emit(rows, args.json, lambda: format_plan(rows, title))
+    return 0
+
+
+def _model(name: str | None) -> GPTConfig:
+    if not name:
+        raise PlaitError("no model given", hint=f"pass --model, one of: {', '.join(MODELS)}")
+    return get_preset(name)
+
+
+def _check_gpus(gpus: int, args: argparse.Namespace) -> None:
+    world = args.dp * args.tp * args.pp
+    if gpus != world:
+        raise PlaitError(
+            f"layout dp={args.dp} x tp={args.tp} x pp={args.pp} = {world} does not match "
+            f"--gpus {gpus}", hint=f"choose degrees whose product is {gpus}")
+
+
+def _emit(data: Any, as_json: bool, text: Any) -> None:
+    print(json.dumps(data, indent=2, ensure_ascii=False) if as_json else text())

@@ -1,0 +1,196 @@
+"""Bytes each rank puts on the wire per optimizer step, per mesh axis and per op.
+
+The keys and the counting are those of plait's ledger (plait/runtime/comm.py), so a
+prediction can be compared with `metrics.jsonl`'s `comm` key by key. With S the bytes of
+the full tensor and n ranks in the group, a ring moves per rank
+  all_reduce 2(n-1)/n·S;  all_gather, reduce_scatter (n-1)/n·S;  broadcast, send, recv S.
+Left out: the scalar all-reduces of gradient clipping (a few bytes per step) and what the
+ledger files as telemetry (the logged loss, timings).
+
+Each axis's figure is the largest over the ranks, as `metrics.jsonl` reports max over ranks.
+"""
+
+from __future__ import annotations
+
+from plait.estimate.layout import Layout, Stage, stages, vocab_shard
+from plait.estimate.memory import state_bytes
+from plait.models.config import GPTConfig
+
+Traffic = dict[str, dict[str, float]]
+
+
+def ring_bytes(op: str, payload: float, n: int) -> float:
+    """Bytes one rank sends for `op` on a `payload`-byte tensor among n ranks."""
+    if n <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2 * (n - 1) / n * payload
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n * payload
+    if op in ("broadcast", "send", "recv"):
+        return float(payload)
+    raise ValueError(f"unknown collective {op!r}")
+
+
+def _add(traffic: Traffic, axis: str, op: str, payload: float, n: int, times: float = 1) -> None:
+    wire = ring_bytes(op, payload, n) * times
+    if wire:
+        axis_ops = traffic.setdefault(axis, {})
+        axis_ops[op] = axis_ops.get(op, 0.0) + wire
+
+
+def dp_traffic(params: int, layout: Layout) -> Traffic:
+    """Data-parallel traffic for a rank holding `params` parameters.
+
+    Every stage syncs once per optimizer step: accumulation runs the other micro-batches
+    under no_sync, which keeps gradients whole and unreduced. Plain DP all-reduces them;
+    ZeRO-1 and -2 reduce-scatter them and all-gather the updated weights; ZeRO-3 also
+    gathers each unit's weights before its forward and again before its backward, every
+    micro-batch: 3(n-1)/n·Ψ·b when m = 1.
+    """
+    out: Traffic = {}
+    n, m, per = layout.dp, layout.grad_accum, state_bytes(layout.precision)
+    grads, weights = params * per.grad, params * per.param
+    if layout.zero == 0:
+        _add(out, "dp", "all_reduce", grads, n)
+        return out
+    _add(out, "dp", "reduce_scatter", grads, n)
+    _add(out, "dp", "all_gather", weights, n, times=2 * m if layout.zero == 3 else 1)
+    return out
+
+
+def tp_collectives(layout: Layout, stage: Stage) -> dict[str, int]:
+    """Collectives of b·s·h activations per micro-batch on one rank of `stage`.
+
+    Per block: two all-reduces forward (leaving attention's and the MLP's row-parallel
+    layers) and two backward (entering the column-parallel ones); full recompute reruns
+    the forward, adding two. Sequence parallelism turns each into an all-gather plus a
+    reduce-scatter (same bytes), and all-gathers each region's saved input sequence shard
+    again in backward (two more per block; with full recompute the rerun forward has them).
+    Around the blocks: the vocab-parallel embedding leaves a region (first stage), the
+    head enters one (last stage, whose saved input SP gathers again too).
+    """
+    blocks, first, last = stage.layers, int(stage.first), int(stage.last)
+    full = layout.recompute == "full"
+    if not layout.sp:
+        return {"all_reduce": blocks * (6 if full else 4) + first + last}
+    return {"all_gather": blocks * 6 + first + 2 * last,
+            "reduce_scatter": blocks * (6 if full else 4) + first + last}
+
+
+def tp_traffic(config: GPTConfig, layout: Layout, stage: Stage) -> Traffic:
+    """Megatron tensor-parallel traffic on one rank of `stage`, per step.
+
+    Besides `tp_collectives`: the vocab-parallel cross-entropy all-reduces three fp32
+    numbers per token (max, sum of exponentials, target logit), and under SP the norm
+    weights' gradients, which each rank computed from its own sequence shard, are summed.
+    """
+    out: Traffic = {}
+    t, m = layout.tp, layout.grad_accum
+    act = layout.tokens_per_micro_batch * config.d_model * layout.compute_bytes
+    for op, count in tp_collectives(layout, stage).items():
+        _add(out, "tp", op, act, t, times=m * count)
+    if stage.last:
+        _add(out, "tp", "all_reduce", layout.tokens_per_micro_batch * 4, t, times=3 * m)
+    if layout.sp:
+        grad_bytes = state_bytes(layout.precision).grad
+        _add(out, "tp", "all_reduce", stage.replicated_params * grad_bytes, t)
+    return out
+
+
+def pp_messages(layout: Layout, stage: Stage) -> int:
+    """Activations sent (forward) plus gradients sent (backward) per micro-batch.
+
+    With v chunks per rank every chunk sends forward unless it is the model's last and
+    backward unless it is the model's first; a rank receives as many messages as it sends.
+    """
+    v = layout.virtual_stages
+    return (v - (1 if stage.last else 0)) + (v - (1 if stage.first else 0))
+
+
+def pp_traffic(config: GPTConfig, layout: Layout, stage: Stage) -> Traffic:
+    """Point-to-point traffic between pipeline stages: b·s·h·bytes per message (a
+    sequence shard of it under SP). With tied embeddings the first and last rank each hold
+    a copy of the embedding and swap their gradients once per step (a send and a recv)."""
+    out: Traffic = {}
+    if layout.pp == 1:
+        return out
+    message = layout.tokens_per_micro_batch * config.d_model * layout.compute_bytes
+    message = message / layout.tp if layout.sp else message
+    count = pp_messages(layout, stage) * layout.grad_accum
+    if config.tie_embeddings and (stage.first or stage.last):
+        table = vocab_shard(config, layout.tp) * config.d_model
+        tied = table * state_bytes(layout.precision).grad
+        _add(out, "pp", "send", tied, 2)
+        _add(out, "pp", "recv", tied, 2)
+    _add(out, "pp", "send", message, 2, times=count)
+    _add(out, "pp", "recv", message, 2, times=count)
+    return out
+
+
+def merge_max(parts: list[Traffic]) -> Traffic:
+    """Per (axis, op), the largest figure over the parts (ranks)."""
+    out: Traffic = {}
+    for part in parts:
+        for axis, ops in part.items():
+            for op, wire in ops.items():
+                axis_ops = out.setdefault(axis, {})
+                axis_ops[op] = max(axis_ops.get(op, 0.0), wire)
+    return out
+
+
+def estimate_comm(config: GPTConfig, layout: Layout) -> Traffic:
+    """`{axis: {op: bytes}}` per rank per optimizer step, largest over ranks."""
+    per_rank = []
+    for stage in stages(config, layout.tp, layout.pp, layout.virtual_stages):
+        traffic = dp_traffic(stage.params, layout)
+        for extra in (tp_traffic(config, layout, stage), pp_traffic(config, layout, stage)):
+            traffic.update(extra)
+        per_rank.append(traffic)
+    return merge_max(per_rank)
+
+
+def naive_comm(config: GPTConfig | None, layout: Layout,
+               params: int | None = None) -> dict[str, dict[str, object]]:
+    """The seeds' totals beside plait's, per step, summed over one group of each axis.
+
+    The seeds count a naive exchange in which every one of N workers sends its whole
+    tensor to each of the others: Ψ·b·N·(N-1) for the gradients of data parallelism,
+    out·b·N·(N-1) per tensor-parallel layer (out = the layer's b·s·h output, once per
+    micro-batch), and Σ out_i·b over the stage boundaries for a pipeline (forward only).
+    `plait_bytes` is what the same group puts on the wire per step in plait's accounting.
+    """
+    out: dict[str, dict[str, object]] = {}
+    if config is not None:
+        all_stages = stages(config, layout.tp, layout.pp, layout.virtual_stages)
+        params = max(s.params for s in all_stages)
+        mine = estimate_comm(config, layout)
+    else:
+        mine = dp_traffic(params or 0, layout)
+    if layout.dp > 1:
+        n, grad = layout.dp, state_bytes(layout.precision).grad
+        out["dp"] = _naive("Ψ·b·N·(N−1)", (params or 0) * grad * n * (n - 1),
+                           _group_total(mine, "dp", n))
+    if config is None:
+        return out
+    m = layout.grad_accum
+    act = layout.tokens_per_micro_batch * config.d_model * layout.compute_bytes
+    if layout.tp > 1:
+        n, layers = layout.tp, all_stages[0].layers
+        out["tp"] = _naive("Σ_layers out·b·N·(N−1), once per micro-batch",
+                           layers * act * n * (n - 1) * m, _group_total(mine, "tp", n))
+    if layout.pp > 1:
+        message = act / layout.tp if layout.sp else act
+        boundaries = layout.pp * layout.virtual_stages - 1
+        out["pp"] = _naive("Σ_i out_i·b over stage boundaries, forward, per micro-batch",
+                           (layout.pp - 1) * act * m, 2 * boundaries * m * message)
+    return out
+
+
+def _group_total(mine: Traffic, axis: str, n: int) -> float:
+    """Bytes sent by all n (symmetric) ranks of one group."""
+    return n * sum(mine.get(axis, {}).values())
+
+
+def _naive(formula: str, naive: float, plait: float) -> dict[str, object]:
+    return {"formula": formula, "naive_bytes": naive, "plait_bytes": plait}

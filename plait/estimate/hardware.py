@@ -1,0 +1,170 @@
+"""Device and interconnect presets: what one accelerator can compute, hold and send.
+
+Fields are kept in the units people quote (TFLOP/s, GiB, GB/s, µs) so that a `[hardware]`
+table in a TOML file can use the same names; the properties convert to SI for the
+arithmetic. GPU figures are the vendors' public datasheet numbers for dense math (no 2:4
+sparsity); link bandwidths are per GPU and per direction, which is what a ring collective
+is limited by.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import MISSING, dataclass, fields, replace
+from pathlib import Path
+
+from plait.errors import PlaitError
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator and its links. `compute_efficiency` is the fraction of peak that the
+    matmuls actually reach while computing (not end-to-end MFU: communication and pipeline
+    bubbles are subtracted separately)."""
+
+    name: str
+    peak_bf16_tflops: float  # dense 16-bit tensor-core peak (used for bf16 and fp16)
+    peak_fp32_tflops: float  # plain fp32 (no TF32: torch leaves TF32 matmuls off by default)
+    memory_gib: float
+    intra_node_gb_s: float  # per GPU, one direction (NVLink, PCIe, or loopback for CPUs)
+    inter_node_gb_s: float  # per GPU, one direction (its share of the node's NICs)
+    intra_node_latency_us: float = 3.0  # per ring step
+    inter_node_latency_us: float = 8.0
+    gpus_per_node: int = 8
+    compute_efficiency: float = 0.4
+    reserved_gib: float = 2.0  # CUDA context, cuBLAS workspace, NCCL buffers: never ours
+    pcie_gb_s: float = 25.0  # host <-> device, used by optimizer offload
+    host_mem_gb_s: float = 50.0  # CPU memory bandwidth, bounds the offloaded Adam step
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name != "name" and (not isinstance(value, (int, float)) or value <= 0):
+                raise PlaitError(
+                    f"hardware {self.name!r}: {f.name} must be a positive number, got {value!r}",
+                    hint="fix the value in the [hardware] table",
+                )
+
+    def peak_flops(self, precision: str) -> float:
+        """Peak FLOP/s for matmuls in `precision` (fp32, or 16-bit for bf16/fp16)."""
+        tflops = self.peak_fp32_tflops if precision == "fp32" else self.peak_bf16_tflops
+        return tflops * 1e12
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gib * GIB
+
+    @property
+    def usable_bytes(self) -> float:
+        """Memory left for plait's tensors once the runtime has taken its share."""
+        return (self.memory_gib - self.reserved_gib) * GIB
+
+    def bandwidth(self, inter_node: bool) -> float:
+        """Bytes per second one rank can put on the wire."""
+        return (self.inter_node_gb_s if inter_node else self.intra_node_gb_s) * 1e9
+
+    def latency(self, inter_node: bool) -> float:
+        """Seconds per step of a ring collective (or per point-to-point message)."""
+        return (self.inter_node_latency_us if inter_node else self.intra_node_latency_us) * 1e-6
+
+
+_GPU_DEFAULTS = dict(intra_node_latency_us=3.0, inter_node_latency_us=8.0, gpus_per_node=8)
+
+PRESETS: dict[str, Hardware] = {
+    # V100 has no bf16 units: the 16-bit figure is fp16's. NVLink 2 (6 x 25 GB/s), EDR IB.
+    "v100": Hardware("v100", 125.0, 15.7, 32.0, 150.0, 12.5, pcie_gb_s=16.0, **_GPU_DEFAULTS),
+    # NVLink 3 (600 GB/s both ways), HDR IB (200 Gb/s per GPU), PCIe 4.
+    "a100-40gb": Hardware("a100-40gb", 312.0, 19.5, 40.0, 300.0, 25.0, pcie_gb_s=32.0,
+                          **_GPU_DEFAULTS),
+    "a100-80gb": Hardware("a100-80gb", 312.0, 19.5, 80.0, 300.0, 25.0, pcie_gb_s=32.0,
+                          **_GPU_DEFAULTS),
+    # NVLink 4 (900 GB/s both ways), NDR IB (400 Gb/s per GPU), PCIe 5.
+    "h100-sxm": Hardware("h100-sxm", 989.0, 67.0, 80.0, 450.0, 50.0, pcie_gb_s=64.0,
+                         **_GPU_DEFAULTS),
+    # No NVLink switch: GPUs in a box talk over PCIe 5.
+    "h100-pcie": Hardware("h100-pcie", 756.0, 51.0, 80.0, 64.0, 25.0, pcie_gb_s=64.0,
+                          **_GPU_DEFAULTS),
+    # H100's compute with 141 GB of HBM3e.
+    "h200": Hardware("h200", 989.0, 67.0, 141.0, 450.0, 50.0, pcie_gb_s=64.0, **_GPU_DEFAULTS),
+    # Consumer cards: 16-bit tensor figure with fp32 accumulation (what torch uses); no
+    # NVLink, peers talk over PCIe 4; a 100 Gb/s NIC assumed between boxes.
+    "rtx3090": Hardware("rtx3090", 71.0, 35.6, 24.0, 25.0, 12.5, gpus_per_node=4,
+                        reserved_gib=1.0),
+    "rtx4090": Hardware("rtx4090", 165.2, 82.6, 24.0, 25.0, 12.5, gpus_per_node=4,
+                        reserved_gib=1.0),
+    # The 2-core AMD EPYC VM plait was written on (AVX2 only, 23.5 GiB RAM), measured on
+    # 2026-11-22 with torch 2.13 on 2 threads: the best 1024x1024 fp32 matmuls of several
+    # runs reached 160-175 GFLOP/s (40-70 while another job shared the cores); bf16 matmuls, with no AVX512-bf16 to use, ran at ~1.3 GFLOP/s
+    # (256x256). The link is Gloo over loopback between 2 processes: a 64 MiB all-reduce
+    # put 1.2 GB/s on the wire per rank, a 4-byte one took ~280 µs (two ring steps). A
+    # tensor copy ran at 8.8 GB/s. Training the 9.5 M-parameter `small` preset (fp32,
+    # 8 x 256 tokens) reached 108 GFLOP/s of model FLOPs: ~0.7 of the matmul peak.
+    "cpu": Hardware(
+        "cpu", peak_bf16_tflops=0.0013, peak_fp32_tflops=0.16, memory_gib=23.5,
+        intra_node_gb_s=1.2, inter_node_gb_s=1.2, intra_node_latency_us=140.0,
+        inter_node_latency_us=140.0, gpus_per_node=2, compute_efficiency=0.7,
+        reserved_gib=1.0, pcie_gb_s=8.8, host_mem_gb_s=8.8,
+    ),
+}
+
+
+def get_hardware(name: str) -> Hardware:
+    """Look up a preset, with an error that lists the names that exist."""
+    if name not in PRESETS:
+        raise PlaitError(
+            f"unknown hardware {name!r}",
+            hint=f"choose one of: {', '.join(PRESETS)}, or pass --hardware-file FILE.toml",
+        )
+    return PRESETS[name]
+
+
+def load_hardware(path: str | Path, base: str | None = None) -> Hardware:
+    """Read a `[hardware]` table from a TOML file.
+
+    Keys are `Hardware`'s field names; any not given come from the preset named by the
+    table's `base` key (or `base` here), so a file can say just "like h100-sxm, but with
+    200 Gb/s between nodes".
+    """
+    path = Path(path)
+    try:
+        table = tomllib.loads(path.read_text()).get("hardware")
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise PlaitError(f"cannot read hardware file {str(path)!r}: {exc}",
+                         hint="give a readable TOML file with a [hardware] table") from exc
+    if not isinstance(table, dict):
+        raise PlaitError(f"{str(path)!r} has no [hardware] table",
+                         hint="put the device's numbers under a [hardware] heading")
+    return hardware_from_table(dict(table), base)
+
+
+def hardware_from_table(table: dict[str, object], base: str | None = None) -> Hardware:
+    """Build a `Hardware` from a dict of field values, optionally starting from a preset."""
+    base_name = str(table.pop("base", base or ""))
+    known = {f.name for f in fields(Hardware)}
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise PlaitError(f"unknown [hardware] keys: {', '.join(unknown)}",
+                         hint=f"valid keys: base, {', '.join(sorted(known))}")
+    if base_name:
+        start = get_hardware(base_name)
+        return replace(start, **{"name": table.pop("name", f"{base_name}*"), **table})
+    missing = sorted(known - set(table) - _OPTIONAL)
+    if missing:
+        raise PlaitError(f"[hardware] table lacks {', '.join(missing)}",
+                         hint="give these keys, or base = \"<preset>\" to inherit them")
+    return Hardware(**table)  # type: ignore[arg-type]
+
+
+# Fields with defaults may be left out of a table that names no base preset.
+_OPTIONAL = {f.name for f in fields(Hardware) if f.default is not MISSING}
+
+
+def resolve_hardware(hardware: str | Hardware, hardware_file: str | Path | None = None) -> Hardware:
+    """A Hardware from a preset name, an object, or a TOML file (the file wins)."""
+    if hardware_file is not None:
+        return load_hardware(hardware_file, base=hardware if isinstance(hardware, str) else None)
+    if isinstance(hardware, Hardware):
+        return hardware
+    return get_hardware(hardware)

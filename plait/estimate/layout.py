@@ -1,0 +1,215 @@
+"""A layout to estimate, checked once, and the slice of the model each rank holds.
+
+Every estimator takes a `Layout` and a `GPTConfig`; the checks that would otherwise be
+repeated in each of them (degrees positive, tp dividing the heads, interleaving dividing the
+layers) live in `Layout.__post_init__` and `check_model`, each with a hint saying what to
+change.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from plait.errors import PlaitError
+from plait.models.config import GPTConfig
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Degrees of parallelism and the per-step shape of the work."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    offload: bool = False
+    precision: str = "fp32"
+    micro_batch: int = 1
+    grad_accum: int = 1  # micro-batches per optimizer step (the pipeline's m)
+    seq_len: int = 1024
+    recompute: str = "none"
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    sp: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "micro_batch", "grad_accum", "seq_len", "virtual_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                flag = name.replace("_", "-")
+                raise PlaitError(f"--{flag} must be a whole number of at least 1, got {value!r}",
+                                 hint=f"pass --{flag} 1 or more")
+        _check_choice("precision", self.precision, PRECISIONS)
+        _check_choice("recompute", self.recompute, RECOMPUTE)
+        _check_choice("schedule", self.schedule, SCHEDULES)
+        if self.zero not in (0, 1, 2, 3):
+            raise PlaitError(f"--zero must be 0, 1, 2 or 3, got {self.zero!r}",
+                             hint="0 is plain data parallelism; 1-3 shard more and more state")
+        if self.offload and self.zero == 0:
+            raise PlaitError("--offload needs a ZeRO stage", hint="add --zero 1 (or 2 or 3)")
+        if self.sp and self.tp == 1:
+            raise PlaitError("--sp (sequence parallelism) needs --tp > 1",
+                             hint="drop --sp, or give --tp 2 or more")
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise PlaitError("--virtual-stages > 1 needs --schedule interleaved",
+                             hint="add --schedule interleaved, or drop --virtual-stages")
+        if self.schedule == "interleaved" and self.virtual_stages < 2:
+            raise PlaitError("the interleaved schedule needs --virtual-stages 2 or more",
+                             hint="add --virtual-stages 2, or use --schedule 1f1b")
+        if self.schedule == "interleaved" and self.grad_accum % self.pp:
+            raise PlaitError(
+                f"the interleaved schedule needs the micro-batch count ({self.grad_accum}) "
+                f"to be a multiple of pp={self.pp}",
+                hint=f"set --grad-accum to a multiple of {self.pp}")
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step, across all data-parallel replicas."""
+        return self.dp * self.micro_batch * self.grad_accum
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.micro_batch * self.seq_len
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per element of parameters, activations and gradients on the device."""
+        return 4 if self.precision == "fp32" else 2
+
+    def check_model(self, config: GPTConfig) -> None:
+        """Raise unless this layout can split `config`: tp across heads and the MLP, pp
+        (times the virtual stages) across layers."""
+        for what, count in (("n_heads", config.n_heads), ("n_kv_heads", config.n_kv_heads),
+                            ("ffn_hidden", config.ffn_hidden)):
+            if count % self.tp:
+                raise PlaitError(f"tp={self.tp} does not divide {what}={count}",
+                                 hint=f"choose tp among the divisors of {count}")
+        chunks = self.pp * self.virtual_stages
+        if chunks > config.n_layers:
+            raise PlaitError(
+                f"pp={self.pp} x virtual stages {self.virtual_stages} = {chunks} exceeds "
+                f"the model's {config.n_layers} layers",
+                hint=f"use at most {config.n_layers} pipeline chunks")
+        if self.schedule == "interleaved" and config.n_layers % chunks:
+            raise PlaitError(
+                f"interleaving needs n_layers={config.n_layers} divisible by pp x virtual "
+                f"stages = {chunks}", hint="choose pp and --virtual-stages that divide the layers")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise PlaitError(f"unknown --{name} {value!r}", hint=f"choose one of: {', '.join(choices)}")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """What one rank of one pipeline stage holds, after tensor parallelism."""
+
+    index: int
+    pp: int
+    layers: int
+    block_params: int  # one transformer block's parameters on this rank
+    params: int  # everything this rank holds: blocks, plus embedding or head
+    replicated_params: int  # not sharded by tp (norms): their grads need a tp sync under SP
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.pp - 1
+
+
+def stage_layers(n_layers: int, pp: int, virtual_stages: int = 1, block: int = 1,
+                 first_extra: int = 0, last_extra: int = 0) -> list[int]:
+    """Blocks per pipeline rank, cut the way plait's pipeline cuts them.
+
+    Interleaved: equal chunks, v per rank. Otherwise contiguous runs minimising the largest
+    stage's parameter count, the embedding counted on the first stage and the final norm
+    and head on the last, with the blocks then spread as evenly as that bound allows
+    (later stages first on a tie, which keeps the early stages, holding the most
+    micro-batches under 1F1B, lighter). All blocks have the same size, so the bound is found
+    by bisection instead of plait's dynamic programme; the counts agree where it matters,
+    the busiest stage's size.
+    """
+    if virtual_stages > 1 or pp == 1:
+        return [n_layers // pp] * pp if virtual_stages > 1 else [n_layers]
+    extras = [first_extra if i == 0 else 0 for i in range(pp)]
+    extras[-1] += last_extra
+    low, high = max(extras) + block, max(extras) + n_layers * block
+    while low < high:  # the smallest largest-stage cost that holds every block
+        mid = (low + high) // 2
+        if sum(_capacity(mid, extra, block, n_layers) for extra in extras) >= n_layers:
+            high = mid
+        else:
+            low = mid + 1
+    caps = [_capacity(low, extra, block, n_layers) for extra in extras]
+    counts = [1] * pp
+    for _ in range(n_layers - pp):
+        open_stages = [i for i in range(pp) if counts[i] < caps[i]]
+        counts[min(open_stages, key=lambda i: (counts[i], -i))] += 1
+    return counts
+
+
+def _capacity(bound: int, extra: int, block: int, n_layers: int) -> int:
+    """Blocks a stage can take without its cost exceeding `bound` (at least one)."""
+    return max(1, min(n_layers, (bound - extra) // block))
+
+
+def block_split(config: GPTConfig) -> tuple[int, int]:
+    """(parameters a tp shard divides, parameters every tp rank keeps whole) of one block.
+
+    Megatron splits q/k/v, gate/up by columns and o/down by rows; norms (and the biases of
+    row-parallel layers in GPT-2) are replicated.
+    """
+    h, f, kv = config.d_model, config.ffn_hidden, config.kv_dim
+    if config.arch == "gpt2":
+        sharded = h * (h + 2 * kv) + (h + 2 * kv) + h * h + 2 * h * f + f
+        return sharded, config.layer_params() - sharded
+    sharded = 2 * h * h + 2 * h * kv + 3 * h * f
+    return sharded, config.layer_params() - sharded
+
+
+def vocab_shard(config: GPTConfig, tp: int) -> int:
+    """Rows of a vocab-parallel embedding on one rank (the vocabulary padded to tp)."""
+    return -(-config.vocab_size // tp)
+
+
+@functools.lru_cache(maxsize=4096)
+def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1) -> tuple[Stage, ...]:
+    """Every pipeline rank's share of the model on one of its tp ranks.
+
+    The first rank holds the token embedding (and GPT-2's learned positions); the last
+    holds the final norm and the output head. With tied embeddings and pp > 1 the last
+    rank keeps its own copy of the embedding matrix for the head, as plait's pipeline does.
+    """
+    sharded, replicated = block_split(config)
+    block = sharded // tp + replicated
+    h = config.d_model
+    table = vocab_shard(config, tp) * h
+    first = table + (config.max_seq_len * h if config.arch == "gpt2" else 0)
+    norm = 2 * h if config.arch == "gpt2" else h
+    head = table if (not config.tie_embeddings or pp > 1) else 0
+    counts = stage_layers(config.n_layers, pp, virtual_stages, block, first, norm + head)
+    out = []
+    for index, layers in enumerate(counts):
+        params, repl = layers * block, layers * replicated
+        if index == 0:
+            params += first
+        if index == pp - 1:
+            params, repl = params + norm + head, repl + norm
+        out.append(Stage(index, pp, layers, block, params, repl))
+    return tuple(out)

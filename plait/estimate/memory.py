@@ -1,0 +1,167 @@
+"""Bytes per rank: model states (ZeRO accounting), activations, buffers, allowance.
+
+Model states follow Rajbhandari et al. 2019 (ZeRO). Per parameter, a rank keeps
+  mixed precision (bf16/fp16): 2 (16-bit weights) + 2 (16-bit grads) + K = 12 (fp32
+      master weights, Adam m and v)                                     = 16 bytes
+  pure fp32 Adam: 4 (weights) + 4 (grads) + 8 (Adam m and v)           = 16 bytes
+and stage 1 divides the optimizer term by N_d, stage 2 the gradients too, stage 3 the
+weights too, plus what it holds gathered at once in the compute dtype (the paper's one
+unit; plait's ZeRO-3 keeps the root unit and two blocks, see `gathered_params`). CPU
+offload moves the optimizer term (master weights included) to host memory.
+
+The seed's rule "1 M params ≈ 12 MB, 1 B params ≈ 12 GB" in fp32 is 4 bytes of weight,
+4 of gradient and 4 of one momentum buffer: SGD with momentum, not Adam (see
+`seed_rule_bytes`).
+
+Everything here is per rank and for the busiest rank: the pipeline stage whose device
+total is largest (the first under 1F1B, which holds p micro-batches of activations and the
+embedding; sometimes the last, which holds the head and the loss).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from plait.estimate.activations import loss_bytes, stage_activation_bytes
+from plait.estimate.layout import Layout, Stage, stages
+from plait.models.config import GPTConfig
+
+ADAM_K = 12  # fp32 master weights + Adam m + Adam v, bytes per parameter
+FRAGMENTATION = 0.10  # allowance on device bytes, see `device_total`
+BUCKET_BYTES = 25 * 2**20  # plait's default gradient bucket (--bucket-mb 25)
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of each model state, before any sharding."""
+
+    param: int
+    grad: int
+    optim: int
+
+
+def state_bytes(precision: str) -> StateBytes:
+    """(2 + 2 + 12) for mixed precision, (4 + 4 + 8) for pure fp32 Adam."""
+    if precision == "fp32":
+        return StateBytes(4, 4, 8)
+    return StateBytes(2, 2, ADAM_K)
+
+
+def seed_rule_bytes(params: int) -> int:
+    """The seed's 12 bytes per parameter: fp32 weight + fp32 grad + one fp32 momentum."""
+    return 12 * params
+
+
+def shard(count: int, n: int) -> int:
+    """Elements one of n ranks holds of a flat buffer padded to a multiple of n."""
+    return -(-count // n)
+
+
+@dataclass
+class Memory:
+    """Bytes on one rank. `host` is the part of `optim` that lives in CPU memory."""
+
+    params: float = 0.0
+    grads: float = 0.0
+    optim: float = 0.0
+    activations: float | None = 0.0
+    buffers: float = 0.0
+    fragmentation: float = 0.0
+    host: float = 0.0
+    total: float = 0.0  # what must fit on the device
+    stage: int = 0
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        return asdict(self)
+
+
+def model_states(params: int, unit_params: int, layout: Layout) -> Memory:
+    """Weights, gradients and optimizer state of `params` parameters under ZeRO."""
+    per = state_bytes(layout.precision)
+    n, zero = layout.dp, layout.zero
+    weights = params * per.param
+    grads = params * per.grad
+    optim = params * per.optim
+    if zero >= 1:
+        optim = shard(params, n) * per.optim
+    if zero >= 2:
+        grads = shard(params, n) * per.grad
+    if zero >= 3:
+        weights = shard(params, n) * per.param + unit_params * per.param
+    host = optim if layout.offload else 0.0
+    return Memory(params=weights, grads=grads, optim=optim, host=host)
+
+
+def buffers(params: int, layout: Layout) -> float:
+    """Gradient scratch space outside the sharded state (model known by size alone).
+
+    Plain DP and ZeRO-1 reduce gradients in place in their buckets (plait's .grad tensors
+    are views into them), so they need nothing extra. ZeRO-2/3 keep only a gradient shard,
+    so whole gradients exist a bucket at a time during backward: one being filled while
+    one is reduced. Under accumulation, plait's no_sync keeps them whole, unreduced, until
+    the last micro-batch: then all of them are there.
+    """
+    if layout.dp == 1 or layout.zero < 2:
+        return 0.0
+    whole = params * state_bytes(layout.precision).grad
+    return whole if layout.grad_accum > 1 else min(2 * BUCKET_BYTES, whole)
+
+
+def stage_buffers(config: GPTConfig, layout: Layout, stage: Stage) -> float:
+    """`buffers`, plus the pipeline's receive buffers and the loss on the last stage.
+
+    A stage keeps one receive buffer for activations and one for gradients (b·s·h each, a
+    sequence shard under SP); the last stage's loss holds logits, their fp32 copy and
+    the fp32 log-softmax for one micro-batch.
+    """
+    total = buffers(stage.params, layout)
+    if layout.pp > 1:
+        message = layout.tokens_per_micro_batch * config.d_model * layout.compute_bytes
+        total += 2 * (message / layout.tp if layout.sp else message)
+    if stage.last:
+        total += loss_bytes(config, layout)
+    return total
+
+
+def gathered_params(stage: Stage) -> int:
+    """What ZeRO-3 holds whole at once: plait gathers the root unit (embedding, final norm,
+    head) for the whole forward and backward, the current block, and prefetches the next."""
+    root = stage.params - stage.layers * stage.block_params
+    return root + min(2, stage.layers) * stage.block_params
+
+
+def device_total(memory: Memory) -> Memory:
+    """Fill in `fragmentation` and `total`.
+
+    The allowance is 10% of the device bytes: the caching allocator rounds each block up
+    and cannot always reuse a freed activation block for a differently sized tensor, so
+    reserved memory runs a few to ~20% above what tensors occupy; 10% is a middle guess.
+    """
+    device = memory.params + memory.grads + memory.optim - memory.host + memory.buffers
+    device += memory.activations or 0.0
+    memory.fragmentation = FRAGMENTATION * device
+    memory.total = device + memory.fragmentation
+    return memory
+
+
+def stage_memory(config: GPTConfig, layout: Layout, stage: Stage) -> Memory:
+    """Every kind of bytes on one rank of one pipeline stage."""
+    memory = model_states(stage.params, gathered_params(stage), layout)
+    memory.activations = stage_activation_bytes(config, layout, stage)
+    memory.buffers = stage_buffers(config, layout, stage)
+    memory.stage = stage.index
+    return device_total(memory)
+
+
+def estimate_memory(config: GPTConfig, layout: Layout) -> Memory:
+    """The busiest rank's memory: the stage with the largest device total."""
+    ranks = stages(config, layout.tp, layout.pp, layout.virtual_stages)
+    return max((stage_memory(config, layout, s) for s in ranks), key=lambda m: m.total)
+
+
+def estimate_memory_params_only(params: int, layout: Layout) -> Memory:
+    """Model states for a model known only by its size: no activations, no gathered unit."""
+    memory = model_states(params, 0, layout)
+    memory.activations = None
+    memory.buffers = buffers(params, layout)
+    return device_total(memory)

@@ -1,0 +1,137 @@
+"""Enumerate every layout of a model on a number of GPUs, keep those that fit, rank them.
+
+A layout is valid when tp divides the heads, the key/value heads and the MLP width and
+stays inside one node; pp is at most the number of layers; dp·tp·pp is the GPU count; and
+the global batch is dp·micro_batch·grad_accum. ZeRO stages are tried only where dp > 1
+(with one replica there is nothing to shard over); sequence parallelism with and without
+where tp > 1; recomputation off and full. The survivors are ranked by predicted step time,
+then by memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from plait.errors import PlaitError
+from plait.estimate.hardware import GIB, Hardware, resolve_hardware
+from plait.estimate.layout import Layout
+from plait.estimate.memory import estimate_memory
+from plait.estimate.time import estimate_time
+from plait.models.config import GPTConfig
+
+MAX_MICRO_BATCH = 64  # larger micro-batches only add memory once the GPU is saturated
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What to plan for: a model, a cluster and a batch."""
+
+    config: GPTConfig
+    gpus: int
+    gpus_per_node: int
+    hardware: Hardware
+    global_batch: int
+    seq_len: int
+    precision: str = "bf16"
+    schedule: str = "1f1b"
+    recompute: tuple[str, ...] = ("none", "full")
+    offload: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("gpus", "gpus_per_node", "global_batch", "seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                flag = name.replace("_", "-")
+                raise PlaitError(f"--{flag} must be a whole number of at least 1, got {value!r}",
+                                 hint=f"pass --{flag} 1 or more")
+        if self.schedule == "interleaved":
+            raise PlaitError("plan searches the gpipe and 1f1b schedules only",
+                             hint="use --schedule 1f1b, then try interleaving with plait estimate")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tp_degrees(request: PlanRequest) -> list[int]:
+    """tp values that split the heads, kv heads and MLP evenly and fit in one node."""
+    c = request.config
+    return [t for t in divisors(request.gpus) if t <= request.gpus_per_node
+            and c.n_heads % t == 0 and c.n_kv_heads % t == 0 and c.ffn_hidden % t == 0]
+
+
+def candidates(request: PlanRequest) -> Iterator[Layout]:
+    """Every valid layout for the request (before asking whether it fits)."""
+    for tp in tp_degrees(request):
+        for pp in divisors(request.gpus // tp):
+            if pp > request.config.n_layers:
+                continue
+            dp = request.gpus // (tp * pp)
+            if request.global_batch % dp:
+                continue
+            yield from _variants(request, dp, tp, pp)
+
+
+def _variants(request: PlanRequest, dp: int, tp: int, pp: int) -> Iterator[Layout]:
+    per_replica = request.global_batch // dp
+    micro_batches = [b for b in divisors(per_replica) if b <= MAX_MICRO_BATCH]
+    zeros = (0, 1, 2, 3) if dp > 1 else (0,)
+    sps = (False, True) if tp > 1 else (False,)
+    for zero in zeros:
+        for micro_batch in micro_batches:
+            for recompute in request.recompute:
+                for sp in sps:
+                    yield Layout(dp=dp, tp=tp, pp=pp, zero=zero,
+                                 offload=request.offload and zero > 0,
+                                 precision=request.precision, micro_batch=micro_batch,
+                                 grad_accum=per_replica // micro_batch,
+                                 seq_len=request.seq_len, recompute=recompute,
+                                 schedule=request.schedule, sp=sp)
+
+
+def _row(layout: Layout, memory: float, request: PlanRequest) -> dict[str, object]:
+    step = estimate_time(request.config, layout, request.hardware, request.gpus_per_node)
+    return {
+        "dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "zero": layout.zero,
+        "micro_batch": layout.micro_batch, "grad_accum": layout.grad_accum,
+        "recompute": layout.recompute, "sp": layout.sp, "offload": layout.offload,
+        "memory_bytes": memory, "step_s": step.step_s, "tokens_per_s": step.tokens_per_s,
+        "mfu": step.mfu,
+    }
+
+
+def plan_layouts(request: PlanRequest, top: int | None = None) -> list[dict[str, object]]:
+    """The layouts that fit, fastest first; PlaitError if none does."""
+    usable = request.hardware.usable_bytes
+    rows, smallest = [], None
+    for layout in candidates(request):
+        total = estimate_memory(request.config, layout).total
+        smallest = total if smallest is None else min(smallest, total)
+        if total <= usable:
+            rows.append(_row(layout, total, request))
+    if smallest is None:
+        raise PlaitError(
+            f"no layout of {request.gpus} GPUs fits this model and a global batch of "
+            f"{request.global_batch}",
+            hint="make the global batch a multiple of the data-parallel degree, or change --gpus")
+    if not rows:
+        raise PlaitError(
+            f"nothing fits: the smallest layout needs {smallest / GIB:.1f} GiB per GPU "
+            f"and {request.hardware.name} has {usable / GIB:.1f} GiB usable",
+            hint="use more GPUs, GPUs with more memory, --offload, or a shorter --seq-len")
+    rows.sort(key=lambda r: (r["step_s"], r["memory_bytes"]))
+    return rows[:top] if top else rows
+
+
+def plan(config: GPTConfig, *, gpus: int, global_batch: int, hardware: str | Hardware = "h100-sxm",
+         gpus_per_node: int | None = None, seq_len: int | None = None, precision: str = "bf16",
+         schedule: str = "1f1b", offload: bool = False, top: int | None = None
+         ) -> list[dict[str, object]]:
+    """Rank every layout of `config` on `gpus` GPUs that fits; see `plan_layouts`."""
+    hw = resolve_hardware(hardware)
+    request = PlanRequest(config=config, gpus=gpus, gpus_per_node=gpus_per_node or hw.gpus_per_node,
+                          hardware=hw, global_batch=global_batch,
+                          seq_len=seq_len or config.max_seq_len, precision=precision,
+                          schedule=schedule, offload=offload)
+    return plan_layouts(request, top)

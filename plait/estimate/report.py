@@ -1,0 +1,105 @@
+"""Plain-text tables for `plait estimate` and `plait plan`: aligned columns, human units."""
+
+from __future__ import annotations
+
+from typing import Any
+
+MEMORY_ROWS = ("params", "grads", "optim", "activations", "buffers", "fragmentation")
+
+
+def human_bytes(n: float | None) -> str:
+    """1536 -> '1.50 KiB'; None -> 'unknown'."""
+    if n is None:
+        return "unknown"
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def human_count(n: float) -> str:
+    """6738415616 -> '6.74 B'."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f}"
+
+
+def table(rows: list[list[str]], right: set[int] | None = None) -> list[str]:
+    """Align columns: text to the left, the columns in `right` (numbers) to the right."""
+    right = right if right is not None else set(range(1, len(rows[0])))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = [cell.rjust(w) if i in right else cell.ljust(w)
+                 for i, (cell, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def format_estimate(result: dict[str, Any], model_name: str) -> str:
+    """The breakdown `plait estimate` prints."""
+    lay, mem = result["layout"], result["memory"]
+    head = (f"{model_name} ({human_count(result['model']['params'])} params): "
+            f"dp={lay['dp']} tp={lay['tp']} pp={lay['pp']} zero={lay['zero']}"
+            f"{' offload' if lay['offload'] else ''}{' sp' if lay['sp'] else ''}, "
+            f"{lay['precision']}, micro-batch {lay['micro_batch']} x {lay['grad_accum']}, "
+            f"seq {lay['seq_len'] or '?'}, recompute {lay['recompute']}, {lay['hardware']}")
+    lines = [head, "", "memory per GPU (busiest rank)"]
+    rows = [["  " + key, human_bytes(mem[key])] for key in MEMORY_ROWS]
+    rows.append(["  total on device", human_bytes(mem["total"])])
+    if mem["host"]:
+        rows.append(["  of which optim on host", human_bytes(mem["host"])])
+    usable = human_bytes(result["device_usable_bytes"])
+    rows.append(["  fits", f"{'yes' if result['fits'] else 'NO'} ({usable} usable)"])
+    lines += table(rows) + ["", "communication per GPU per step (wire bytes, ring)"]
+    lines += _comm_lines(result)
+    lines += ["", "time per step"] + _time_lines(result["time"])
+    lines += ["", "assumptions"] + [f"  - {note}" for note in result["assumptions"]]
+    return "\n".join(lines)
+
+
+def _comm_lines(result: dict[str, Any]) -> list[str]:
+    rows = [["  axis", "op", "bytes", "seed's naive total", "plait total"]]
+    for axis, ops in result["comm"].items():
+        naive = result["naive_comm"].get(axis, {})
+        for i, (op, wire) in enumerate(ops.items()):
+            extra = ["", ""]
+            if i == 0 and naive:
+                extra = [human_bytes(naive["naive_bytes"]), human_bytes(naive["plait_bytes"])]
+            rows.append(["  " + axis, op, human_bytes(wire), *extra])
+    if len(rows) == 1:
+        return ["  none (one GPU)"]
+    return table(rows, right={2, 3, 4})
+
+
+def _time_lines(step: dict[str, float] | None) -> list[str]:
+    if step is None:
+        return ["  unknown (give --seq-len)"]
+    rows = [
+        ["  FLOPs per token", human_count(step["flops_per_token"])],
+        ["  compute", f"{step['compute_s']:.4g} s"],
+        ["  tensor parallel", f"{step['tp_s']:.4g} s"],
+        ["  pipeline sends", f"{step['pp_s']:.4g} s"],
+        ["  pipeline bubble", f"{step['bubble_s']:.4g} s"],
+        ["  data parallel (exposed)", f"{step['dp_s']:.4g} s"],
+        ["  offload", f"{step['offload_s']:.4g} s"],
+        ["  step", f"{step['step_s']:.4g} s"],
+        ["  tokens/s", f"{step['tokens_per_s']:,.0f}"],
+        ["  MFU", f"{step['mfu']:.1%}"],
+    ]
+    return table(rows)
+
+
+def format_plan(rows: list[dict[str, Any]], title: str) -> str:
+    """The ranking `plait plan` prints."""
+    header = ["#", "dp", "tp", "pp", "zero", "sp", "micro", "accum", "recompute",
+              "mem/GPU", "step", "tokens/s", "MFU"]
+    body = [header]
+    for i, r in enumerate(rows, 1):
+        body.append([str(i), str(r["dp"]), str(r["tp"]), str(r["pp"]),
+                     f"{r['zero']}{'+off' if r['offload'] else ''}", "yes" if r["sp"] else "no",
+                     str(r["micro_batch"]), str(r["grad_accum"]), str(r["recompute"]),
+                     human_bytes(r["memory_bytes"]), f"{r['step_s']:.3g} s",
+                     f"{r['tokens_per_s']:,.0f}", f"{r['mfu']:.1%}"])
+    return "\n".join([title, ""] + table(body, right={0, 1, 2, 3, 6, 7, 9, 10, 11, 12}))

@@ -1,0 +1,229 @@
+"""FLOPs, link times and the pipeline bubble, turned into a step time and an MFU.
+
+Assumptions, each visible in `ASSUMPTIONS`:
+* Training costs 6Ψ + 12·L·h·s FLOPs per token: 2Ψ forward and 4Ψ backward for the
+  matmuls (Ψ = the weights a token is multiplied by: every block plus the output head; the
+  input embedding is a lookup), and 4·h·s per layer forward for QKᵀ and attention·V,
+  tripled for backward. The causal mask is not discounted (PaLM's convention). Full
+  recompute adds one forward, 2Ψ + 4·L·h·s; selective recompute adds the attention
+  core's forward, 4·L·h·s. MFU counts only the 6Ψ + 12·L·h·s.
+* Compute runs at `compute_efficiency` of the peak (0.4 for GPU presets).
+* A ring collective on n ranks takes steps·α + wire_bytes/bandwidth, where steps is
+  2(n-1) for all-reduce, n-1 for all-gather and reduce-scatter, 1 for a send; α and the
+  bandwidth are the intra-node link's if the group fits in one node (ranks are numbered tp
+  fastest, then dp, then pp), the inter-node link's otherwise.
+* Data-parallel gradient reduction overlaps the last micro-batch's backward; only the
+  last bucket is always exposed (with a pipeline nothing overlaps it: plait reduces after
+  the schedule's last action). ZeRO-1/2's weight all-gather after the step is exposed.
+  ZeRO-3 prefetches: its gathers overlap forward and backward compute, except the first
+  unit. Tensor-parallel collectives and pipeline sends are not overlapped.
+* The pipeline bubble is (p-1)/(m+p-1) of the step for GPipe and 1F1B,
+  (p-1)/(v·m+p-1) interleaved, and a third of 1F1B's for ZB-H1.
+* Offload ships the gradient shard to the host and the updated weights back over PCIe,
+  and runs Adam there at host memory speed (28 bytes per parameter touched); nothing
+  overlaps it. The device optimizer step itself is not timed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from plait.estimate.comm import ring_bytes, tp_collectives, tp_traffic
+from plait.estimate.hardware import Hardware
+from plait.estimate.layout import Layout, Stage, stages
+from plait.estimate.memory import BUCKET_BYTES, shard, state_bytes
+from plait.models.config import GPTConfig
+
+HOST_ADAM_BYTES = 28  # read weight, grad, m, v; write weight, m, v (fp32)
+
+ASSUMPTIONS = (
+    "FLOPs per token 6Ψ + 12·L·h·s (PaLM convention, causal mask not discounted); "
+    "full recompute adds 2Ψ + 4·L·h·s, selective 4·L·h·s; MFU counts neither",
+    "compute runs at the hardware's compute_efficiency of peak (0.4 on GPU presets)",
+    "ring collective time = steps·latency + wire bytes / link bandwidth; a group uses the "
+    "intra-node link when it fits in one node (ranks numbered tp fastest, then dp, then pp)",
+    "DP gradient reduction overlaps the last backward except the last bucket (not at all "
+    "with pp > 1); ZeRO-1/2 weight all-gather exposed; ZeRO-3 gathers prefetched; TP and "
+    "PP traffic not overlapped",
+    "pipeline bubble (p−1)/(m+p−1) for gpipe and 1f1b, (p−1)/(v·m+p−1) interleaved, "
+    "a third of 1f1b's for zb-h1",
+)
+
+
+@dataclass
+class StepTime:
+    """Seconds per optimizer step, split by cause, and what they add up to."""
+
+    flops_per_token: float
+    hardware_flops_per_token: float
+    compute_s: float
+    tp_s: float
+    pp_s: float
+    bubble_s: float
+    dp_s: float
+    offload_s: float
+    step_s: float
+    tokens_per_s: float
+    mfu: float
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def matmul_params(config: GPTConfig) -> int:
+    """Ψ for FLOPs: the blocks plus the output head, not the embedding lookup."""
+    return config.n_layers * config.layer_params() + config.vocab_size * config.d_model
+
+
+def flops_per_token(config: GPTConfig, seq_len: int, recompute: str = "none") -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs) of training on one token: 6Ψ + 12·L·h·s, plus what
+    recomputation redoes."""
+    psi, attn = matmul_params(config), 4 * config.n_layers * config.d_model * seq_len
+    model = 6 * psi + 3 * attn
+    extra = {"none": 0, "selective": attn, "full": 2 * psi + attn}[recompute]
+    return float(model), float(model + extra)
+
+
+def stage_flops_per_token(config: GPTConfig, layout: Layout, stage: Stage) -> float:
+    """Hardware FLOPs one rank of `stage` spends per token (its layers, /tp, plus the head)."""
+    h, s = config.d_model, layout.seq_len
+    block, attn = config.layer_params(), 4 * h * s
+    factor = {"none": (6, 3), "selective": (6, 4), "full": (8, 4)}[layout.recompute]
+    total = stage.layers * (factor[0] * block + factor[1] * attn)
+    if stage.last:
+        total += 6 * config.vocab_size * h
+    return total / layout.tp
+
+
+def collective_s(op: str, payload: float, n: int, hw: Hardware, inter: bool, count: float = 1) -> float:
+    """Time of `count` ring collectives moving `payload` bytes in total."""
+    if n <= 1 or payload <= 0:
+        return 0.0
+    steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1}.get(op, 1)
+    return count * steps * hw.latency(inter) + ring_bytes(op, payload, n) / hw.bandwidth(inter)
+
+
+def inter_node(layout: Layout, gpus_per_node: int) -> dict[str, bool]:
+    """Whether each axis's group spans nodes, with ranks numbered tp fastest."""
+    span = {"tp": layout.tp, "dp": layout.tp * layout.dp, "pp": layout.world}
+    return {axis: size > gpus_per_node for axis, size in span.items()}
+
+
+def tp_s(config: GPTConfig, layout: Layout, stage: Stage, hw: Hardware, inter: bool) -> float:
+    """Tensor-parallel seconds per micro-batch on `stage` (never overlapped)."""
+    t = layout.tp
+    if t == 1:
+        return 0.0
+    wire = sum(tp_traffic(config, layout, stage).get("tp", {}).values()) / layout.grad_accum
+    steps = sum(count * (2 * (t - 1) if op == "all_reduce" else t - 1)
+                for op, count in tp_collectives(layout, stage).items())
+    return steps * hw.latency(inter) + wire / hw.bandwidth(inter)
+
+
+def pp_s(config: GPTConfig, layout: Layout, stage: Stage, hw: Hardware, inter: bool) -> float:
+    """Seconds of sends per micro-batch on `stage` (activations forward, gradients back)."""
+    if layout.pp == 1:
+        return 0.0
+    message = layout.tokens_per_micro_batch * config.d_model * layout.compute_bytes
+    message = message / layout.tp if layout.sp else message
+    sends = (layout.virtual_stages - stage.last) + (layout.virtual_stages - stage.first)
+    return sends * (hw.latency(inter) + message / hw.bandwidth(inter))
+
+
+def dp_exposed_s(params: int, unit: int, layout: Layout, hw: Hardware, inter: bool,
+                 compute_mb: float, forward_share: float) -> float:
+    """Data-parallel seconds left after overlap with compute (see module docstring).
+
+    With a pipeline, plait reduces the gradients after the last action of the schedule,
+    so nothing overlaps them there.
+    """
+    n, m, per = layout.dp, layout.grad_accum, state_bytes(layout.precision)
+    if n == 1:
+        return 0.0
+    grads, weights = params * per.grad, params * per.param
+    buckets = max(1.0, grads / BUCKET_BYTES)
+    overlap = layout.pp == 1
+    fwd = compute_mb * forward_share if overlap else 0.0
+    bwd = compute_mb - fwd if overlap else 0.0
+    op = "all_reduce" if layout.zero == 0 else "reduce_scatter"
+    last = collective_s(op, min(grads, BUCKET_BYTES), n, hw, inter)
+    reduce = max(last, collective_s(op, grads, n, hw, inter, buckets) - bwd)
+    if layout.zero == 0:
+        return reduce
+    gather = collective_s("all_gather", weights, n, hw, inter, buckets)
+    if layout.zero in (1, 2):
+        return reduce + gather
+    # ZeRO-3: every micro-batch gathers in forward and again in backward, prefetched.
+    first = collective_s("all_gather", unit * per.param, n, hw, inter)
+    return m * (max(first, gather - fwd) + max(first, gather - bwd)) + reduce
+
+
+def offload_s(params: int, layout: Layout, hw: Hardware) -> float:
+    """PCIe round trip of the shard plus the host Adam step."""
+    if not layout.offload:
+        return 0.0
+    part = shard(params, layout.dp)
+    pcie = 2 * part * state_bytes(layout.precision).param / (hw.pcie_gb_s * 1e9)
+    return pcie + part * HOST_ADAM_BYTES / (hw.host_mem_gb_s * 1e9)
+
+
+def _forward_share(recompute: str) -> float:
+    """Fraction of a micro-batch's compute that is its (first) forward pass."""
+    return {"none": 1 / 3, "selective": 1 / 3, "full": 1 / 4}[recompute]
+
+
+def estimate_time(config: GPTConfig, layout: Layout, hw: Hardware, gpus_per_node: int) -> StepTime:
+    """Step time of the busiest pipeline stage, with the bubble, DP sync and offload."""
+    rate = hw.peak_flops(layout.precision) * hw.compute_efficiency
+    links = inter_node(layout, gpus_per_node)
+    tokens = layout.tokens_per_micro_batch
+    per_stage = []
+    for stage in stages(config, layout.tp, layout.pp, layout.virtual_stages):
+        compute = tokens * stage_flops_per_token(config, layout, stage) / rate
+        per_stage.append((compute, tp_s(config, layout, stage, hw, links["tp"]),
+                          pp_s(config, layout, stage, hw, links["pp"]), stage))
+    compute, tp, pp, stage = max(per_stage, key=lambda row: sum(row[:3]))
+    dp = dp_exposed_s(stage.params, stage.block_params, layout, hw, links["dp"], compute,
+                      _forward_share(layout.recompute))
+    model, hardware = flops_per_token(config, layout.seq_len, layout.recompute)
+    return _assemble(layout, hw, model, hardware, (compute, tp, pp), dp,
+                     offload_s(stage.params, layout, hw))
+
+
+def estimate_time_params_only(params: int, layout: Layout, hw: Hardware,
+                              gpus_per_node: int) -> StepTime:
+    """Step time of a model known only by its size: 6Ψ per token, DP/ZeRO traffic only."""
+    rate = hw.peak_flops(layout.precision) * hw.compute_efficiency
+    compute = layout.tokens_per_micro_batch * 6 * params / rate
+    inter = inter_node(layout, gpus_per_node)["dp"]
+    dp = dp_exposed_s(params, 0, layout, hw, inter, compute, 1 / 3)
+    return _assemble(layout, hw, 6.0 * params, 6.0 * params, (compute, 0.0, 0.0), dp,
+                     offload_s(params, layout, hw))
+
+
+def bubble_micro_batches(layout: Layout) -> float:
+    """Idle time of a pipeline step, in micro-batch times: p - 1 for GPipe and 1F1B,
+    (p - 1)/v interleaved, and (p - 1)/3 for ZB-H1, whose deferred weight gradients (a
+    third of a micro-batch's work when backward is twice forward) fill the rest."""
+    p = layout.pp
+    if p == 1:
+        return 0.0
+    if layout.schedule == "interleaved":
+        return (p - 1) / layout.virtual_stages
+    if layout.schedule == "zb-h1":
+        return (p - 1) / 3
+    return float(p - 1)
+
+
+def _assemble(layout: Layout, hw: Hardware, model: float, hardware: float,
+              micro_batch: tuple[float, float, float], dp: float, offload: float) -> StepTime:
+    """Pipeline slots x micro-batch time, plus what is not overlapped, -> StepTime."""
+    compute, tp, pp = micro_batch
+    m = layout.grad_accum
+    bubble_slots = bubble_micro_batches(layout)
+    per_mb = compute + tp + pp
+    step = (m + bubble_slots) * per_mb + dp + offload
+    tokens_per_s = layout.global_batch * layout.seq_len / step
+    mfu = model * tokens_per_s / (layout.world * hw.peak_flops(layout.precision))
+    return StepTime(model, hardware, m * compute, m * tp, m * pp, bubble_slots * per_mb,
+                    dp, offload, step, tokens_per_s, mfu)

@@ -1,0 +1,66 @@
+"""`plait estimate`: the table, the JSON, and every bad input's message."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from plait.errors import PlaitError
+from plait.estimate.cli import estimate_main
+from plait.estimate.report import human_bytes, table
+
+LLAMA_7B = ["--model", "llama-7b", "--dp", "8", "--zero", "1", "--seq-len", "4096",
+            "--precision", "bf16", "--hardware", "h100-sxm"]
+
+
+def test_table(capsys) -> None:
+    assert estimate_main(LLAMA_7B) == 0
+    out = capsys.readouterr().out
+    for needle in ("memory per GPU", "optim", "9.41 GiB", "reduce_scatter", "MFU", "assumptions"):
+        assert needle in out
+
+
+def test_json(capsys) -> None:
+    estimate_main([*LLAMA_7B, "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert result["memory"]["optim"] == 12 * 6_738_415_616 / 8
+    assert set(result["comm"]["dp"]) == {"reduce_scatter", "all_gather"}
+
+
+def test_params_only(capsys) -> None:
+    estimate_main(["--params", "7e9", "--dp", "8", "--zero", "3", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert result["memory"]["activations"] is None
+    assert result["memory"]["params"] == pytest.approx(2 * 7e9 / 8)
+
+
+def test_hardware_file(tmp_path, capsys) -> None:
+    path = tmp_path / "hw.toml"
+    path.write_text('[hardware]\nbase = "a100-40gb"\nname = "lab-a100"\n')
+    estimate_main(["--model", "tiny", "--hardware-file", str(path), "--json"])
+    assert json.loads(capsys.readouterr().out)["layout"]["hardware"] == "lab-a100"
+
+
+@pytest.mark.parametrize("argv, message, hint", [
+    (["--model", "gpt5"], "unknown model preset 'gpt5'", "llama-7b"),
+    (["--model", "tiny", "--hardware", "abacus"], "unknown hardware 'abacus'", "h100-sxm"),
+    (["--model", "tiny", "--dp", "2", "--tp", "2", "--gpus", "8"],
+     "layout dp=2 x tp=2 x pp=1 = 4 does not match --gpus 8", "product is 8"),
+    (["--model", "tiny", "--tp", "3"], "tp=3 does not divide n_heads=4", "divisors of 4"),
+    (["--model", "tiny", "--params", "1e6"], "not both", "--model"),
+    ([], "no model given", "--model"),
+])
+def test_bad_input(argv: list[str], message: str, hint: str) -> None:
+    with pytest.raises(PlaitError) as err:
+        estimate_main(argv)
+    assert message in err.value.message
+    assert hint in err.value.hint
+
+
+def test_humanised_units_and_alignment() -> None:
+    assert human_bytes(1536) == "1.50 KiB"
+    assert human_bytes(3 * 2**30) == "3.00 GiB"
+    assert human_bytes(None) == "unknown"
+    lines = table([["a", "1"], ["long name", "1000"]])
+    assert lines == ["a             1", "long name  1000"]

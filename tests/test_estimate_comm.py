@@ -1,0 +1,163 @@
+"""Bytes on the wire: ring formulas, and each strategy's traffic worked by hand."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from plait.estimate import estimate_layout
+from plait.estimate.comm import (
+    dp_traffic,
+    estimate_comm,
+    naive_comm,
+    pp_traffic,
+    ring_bytes,
+    tp_traffic,
+)
+from plait.estimate.layout import Layout, stages
+from plait.models.config import get_preset
+
+LEDGER_AXES = {"dp", "tp", "pp"}
+LEDGER_OPS = {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv"}
+PSI = 1_000_000
+
+
+def test_ring_formulas() -> None:
+    s = 1024.0
+    assert ring_bytes("all_reduce", s, 4) == 2 * 3 / 4 * s
+    assert ring_bytes("all_gather", s, 4) == ring_bytes("reduce_scatter", s, 4) == 3 / 4 * s
+    assert ring_bytes("broadcast", s, 4) == ring_bytes("send", s, 2) == ring_bytes("recv", s, 2) == s
+    assert ring_bytes("all_reduce", s, 1) == 0.0
+    with pytest.raises(ValueError):
+        ring_bytes("all_to_all", s, 4)
+
+
+def test_ring_formulas_agree_with_the_ledger() -> None:
+    runtime = pytest.importorskip("plait.runtime.comm")
+    for op in LEDGER_OPS:
+        for n in (1, 2, 3, 8):
+            assert ring_bytes(op, 4096, n) == runtime.ring_wire_bytes(op, 4096, n)
+
+
+def test_ddp_all_reduce_once_per_step() -> None:
+    """2(n−1)/n·Ψ·b, whatever the accumulation (no_sync skips all but the last)."""
+    for m in (1, 4):
+        traffic = dp_traffic(PSI, Layout(dp=8, grad_accum=m, precision="fp32"))
+        assert traffic == {"dp": {"all_reduce": 2 * 7 / 8 * PSI * 4}}
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_1_2_reduce_scatter_and_all_gather(zero: int) -> None:
+    traffic = dp_traffic(PSI, Layout(dp=8, zero=zero, grad_accum=4, precision="bf16"))
+    assert traffic == {"dp": {"reduce_scatter": 7 / 8 * PSI * 2, "all_gather": 7 / 8 * PSI * 2}}
+
+
+def test_zero3_three_times_n_minus_one_over_n() -> None:
+    traffic = dp_traffic(PSI, Layout(dp=8, zero=3, precision="fp32"))
+    assert sum(traffic["dp"].values()) == pytest.approx(3 * 7 / 8 * PSI * 4)
+    assert traffic["dp"]["all_gather"] == pytest.approx(2 * 7 / 8 * PSI * 4)
+    accumulated = dp_traffic(PSI, Layout(dp=8, zero=3, grad_accum=4, precision="fp32"))
+    assert accumulated["dp"]["all_gather"] == pytest.approx(4 * 2 * 7 / 8 * PSI * 4)
+
+
+def test_tp_four_all_reduces_per_layer_per_micro_batch() -> None:
+    cfg = get_preset("llama-7b")
+    layout = Layout(tp=8, micro_batch=2, seq_len=1024, grad_accum=3, precision="bf16")
+    stage = stages(cfg, 8, 1)[0]
+    act = 2 * 1024 * cfg.d_model * 2
+    ring = 2 * 7 / 8
+    per_micro_batch = (4 * cfg.n_layers + 2) * act + 3 * 2 * 1024 * 4  # + embed, head, loss
+    assert tp_traffic(cfg, layout, stage)["tp"] == {"all_reduce": pytest.approx(3 * ring * per_micro_batch)}
+
+
+def test_sp_moves_the_same_activation_bytes_plus_regathers() -> None:
+    cfg = get_preset("llama-7b")
+    tp = Layout(tp=4, seq_len=512, precision="bf16")
+    sp = Layout(tp=4, seq_len=512, precision="bf16", sp=True)
+    stage = stages(cfg, 4, 1)[0]
+    act, ring, L = 512 * cfg.d_model * 2, 3 / 4, cfg.n_layers
+    traffic = tp_traffic(cfg, sp, stage)["tp"]
+    assert traffic["reduce_scatter"] == pytest.approx(ring * (4 * L + 2) * act)
+    assert traffic["all_gather"] == pytest.approx(ring * (6 * L + 3) * act)
+    # Without the re-gathers, SP moves exactly what TP's all-reduces move.
+    regathers = ring * (2 * L + 1) * act
+    norms = 2 * ring * (2 * L + 1) * cfg.d_model * 2
+    plain = tp_traffic(cfg, tp, stage)["tp"]["all_reduce"]
+    assert sum(traffic.values()) - regathers - norms == pytest.approx(plain)
+
+
+def test_tp_matches_tensor_cost() -> None:
+    """plait.parallel.tensor_cost counts the TP implementation's own collectives."""
+    tensor_cost = pytest.importorskip("plait.parallel.tensor_cost")
+    cfg = get_preset("small")
+    for tp, sp in [(2, False), (2, True), (3, True), (6, False)]:
+        layout = Layout(tp=tp, sp=sp, micro_batch=2, seq_len=64, precision="fp32")
+        mine = tp_traffic(cfg, layout, stages(cfg, tp, 1)[0])["tp"]
+        theirs = tensor_cost.step_traffic(cfg, 2, 64, tp, sp=sp)
+        assert mine == pytest.approx(theirs)
+
+
+def test_pp_send_and_recv_per_boundary() -> None:
+    cfg = get_preset("llama-7b")  # untied: no embedding-gradient swap
+    layout = Layout(pp=4, micro_batch=1, seq_len=256, grad_accum=8, precision="bf16")
+    message = 256 * cfg.d_model * 2
+    first, middle = stages(cfg, 1, 4)[0], stages(cfg, 1, 4)[1]
+    assert pp_traffic(cfg, layout, first)["pp"] == {"send": 8 * message, "recv": 8 * message}
+    assert pp_traffic(cfg, layout, middle)["pp"] == {"send": 16 * message, "recv": 16 * message}
+
+
+def test_pp_tied_embeddings_swap_gradients() -> None:
+    cfg = get_preset("tiny")  # tied
+    layout = Layout(pp=2, micro_batch=2, seq_len=32, grad_accum=2, precision="fp32")
+    message, table = 2 * 32 * cfg.d_model * 4, cfg.vocab_size * cfg.d_model * 4
+    first = stages(cfg, 1, 2)[0]
+    assert pp_traffic(cfg, layout, first)["pp"] == {"send": 2 * message + table,
+                                                    "recv": 2 * message + table}
+
+
+def test_keys_are_the_ledgers() -> None:
+    result = estimate_layout(get_preset("llama-70b"), dp=2, tp=8, pp=4, zero=1, sp=True,
+                             grad_accum=8, precision="bf16", seq_len=2048)
+    assert set(result["comm"]) == LEDGER_AXES
+    for ops in result["comm"].values():
+        assert set(ops) <= LEDGER_OPS
+        assert all(wire > 0 for wire in ops.values())
+
+
+def test_one_gpu_moves_nothing() -> None:
+    assert estimate_comm(get_preset("tiny"), Layout()) == {}
+
+
+def test_naive_totals_beside_ring() -> None:
+    """The seeds' Ψ·b·N·(N−1) against ring all-reduce's 2(N−1)·Ψ·b for the whole group."""
+    naive = naive_comm(None, Layout(dp=8, precision="fp32"), PSI)["dp"]
+    assert naive["naive_bytes"] == PSI * 4 * 8 * 7
+    assert naive["plait_bytes"] == pytest.approx(2 * 7 * PSI * 4)
+    assert naive["naive_bytes"] / naive["plait_bytes"] == pytest.approx(8 / 2)
+
+
+def test_naive_tp_and_pp() -> None:
+    cfg = get_preset("llama-7b")
+    layout = Layout(tp=4, pp=2, seq_len=128, precision="bf16")
+    out = 128 * cfg.d_model * 2
+    naive = naive_comm(cfg, layout)
+    assert naive["tp"]["naive_bytes"] == 16 * out * 4 * 3  # 16 layers per stage
+    assert naive["pp"]["naive_bytes"] == out  # one boundary, forward
+    assert naive["pp"]["plait_bytes"] == 2 * out  # forward activation + backward gradient
+
+
+def test_estimate_package_never_imports_torch() -> None:
+    """plait.estimate must load in well under a second: no torch anywhere in it."""
+    package = Path(__file__).resolve().parents[1] / "plait" / "estimate"
+    for path in package.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            for name in names:
+                assert not name.startswith(("torch", "numpy", "plait.parallel", "plait.runtime",
+                                            "plait.train")), f"{path.name} imports {name}"

@@ -1,0 +1,277 @@
+"""Memory formulas against the ZeRO paper, Korthikanti et al., the seed's rule, and a
+measurement of what autograd really saves on plait's own model."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import replace
+
+import pytest
+
+from plait.errors import PlaitError
+from plait.estimate import estimate_layout
+from plait.estimate.activations import (
+    in_flight,
+    korthikanti_layer_bytes,
+    layer_bytes,
+    llama_layer_bytes,
+    loss_bytes,
+    stage_activation_bytes,
+)
+from plait.estimate.layout import Layout, stage_layers, stages
+from plait.estimate.memory import (
+    BUCKET_BYTES,
+    StateBytes,
+    estimate_memory,
+    model_states,
+    seed_rule_bytes,
+    state_bytes,
+)
+from plait.models.config import GPTConfig, get_preset
+
+HAS_GPT = importlib.util.find_spec("plait.models.gpt") is not None
+
+
+# -- model states: ZeRO (Rajbhandari et al. 2019), Figure 1 / Table 1 --------------------------
+@pytest.mark.parametrize("zero, expected_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.88)])
+def test_zero_paper_7_5b_on_64_gpus(zero: int, expected_gb: float) -> None:
+    """Ψ = 7.5 B, N_d = 64, K = 12 (mixed-precision Adam): the paper's memory column."""
+    states = model_states(7_500_000_000, 0, Layout(dp=64, zero=zero, precision="bf16"))
+    total_gb = (states.params + states.grads + states.optim) / 1e9
+    assert total_gb == pytest.approx(expected_gb, abs=0.05)
+
+
+def test_zero_paper_exact_terms() -> None:
+    psi, n = 7_500_000_000, 64
+    os_ = model_states(psi, 0, Layout(dp=n, zero=1, precision="bf16"))
+    assert (os_.params, os_.grads, os_.optim) == (2 * psi, 2 * psi, 12 * psi // n)
+    osgp = model_states(psi, 0, Layout(dp=n, zero=3, precision="bf16"))
+    assert osgp.params + osgp.grads + osgp.optim == 16 * psi // n
+
+
+def test_pure_fp32_adam_is_16_bytes_per_param() -> None:
+    assert state_bytes("fp32") == StateBytes(4, 4, 8)
+    assert state_bytes("bf16") == state_bytes("fp16") == StateBytes(2, 2, 12)
+    states = model_states(1000, 0, Layout(precision="fp32"))
+    assert states.params + states.grads + states.optim == 16_000
+
+
+def test_zero3_holds_a_gathered_unit() -> None:
+    states = model_states(64_000, 1_000, Layout(dp=64, zero=3, precision="bf16"))
+    assert states.params == 2 * (1_000 + 1_000)  # own shard + gathered unit, 16-bit
+
+
+def test_offload_moves_optimizer_to_host() -> None:
+    cfg = get_preset("llama-7b")
+    on = estimate_layout(cfg, dp=8, zero=2, offload=True, precision="bf16", seq_len=512)
+    off = estimate_layout(cfg, dp=8, zero=2, precision="bf16", seq_len=512)
+    assert on["memory"]["host"] == on["memory"]["optim"] == off["memory"]["optim"]
+    device_gap = off["memory"]["total"] - on["memory"]["total"]
+    assert device_gap == pytest.approx(1.1 * off["memory"]["optim"])  # plus its 10% allowance
+
+
+# -- the seed's rule ------------------------------------------------------------------------------
+def test_seed_rule_is_twelve_bytes_per_param() -> None:
+    """"1 M params ≈ 12 MB, 1 B params ≈ 12 GB" in fp32."""
+    assert seed_rule_bytes(1_000_000) == 12_000_000
+    assert seed_rule_bytes(1_000_000_000) == 12_000_000_000
+
+
+def test_seed_rule_is_sgd_with_momentum() -> None:
+    """12 bytes = fp32 weight + grad + one momentum buffer: what torch's SGD(momentum) keeps
+    (Adam keeps two buffers: 16 bytes, the ZeRO paper's fp32 figure)."""
+    torch = pytest.importorskip("torch")
+    from plait.train.meter import storage_bytes
+
+    def bytes_after_step(make_opt) -> int:
+        layer = torch.nn.Linear(100, 100)
+        opt = make_opt(layer.parameters())
+        layer(torch.ones(1, 100)).sum().backward()
+        opt.step()
+        params = list(layer.parameters())
+        states = [v for s in opt.state.values() for v in s.values() if v.ndim > 0]
+        return storage_bytes(params) + storage_bytes([p.grad for p in params]) + storage_bytes(states)
+
+    n = 100 * 100 + 100
+    assert bytes_after_step(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)) == seed_rule_bytes(n)
+    assert bytes_after_step(lambda p: torch.optim.Adam(p)) == 16 * n
+
+
+# -- activations: Korthikanti et al. 2022 ---------------------------------------------------------
+GPT2_LIKE = GPTConfig(vocab_size=1000, n_layers=4, d_model=1024, n_heads=16, n_kv_heads=16,
+                      ffn_hidden=4096, max_seq_len=2048, arch="gpt2")
+
+
+def _korthikanti(t: int = 1, sp: bool = False, recompute: str = "none") -> float:
+    return korthikanti_layer_bytes(GPT2_LIKE, Layout(tp=t, sp=sp, precision="bf16", micro_batch=2,
+                                                     seq_len=2048, recompute=recompute))
+
+
+def test_korthikanti_coefficients() -> None:
+    s, b, h, a = 2048, 2, 1024, 16
+    sbh = s * b * h
+    assert _korthikanti() == pytest.approx(sbh * (34 + 5 * a * s / h))
+    assert _korthikanti(t=4) == pytest.approx(sbh * (10 + 24 / 4 + 5 * a * s / (h * 4)))
+    assert _korthikanti(t=4, sp=True) == pytest.approx(sbh * (34 + 5 * a * s / h) / 4)
+    assert _korthikanti(recompute="full") == pytest.approx(2 * sbh)
+    assert _korthikanti(recompute="selective") == pytest.approx(34 * sbh)
+    assert _korthikanti(t=4, sp=True, recompute="selective") == pytest.approx(34 * sbh / 4)
+
+
+def test_our_block_formula() -> None:
+    """e·(11h + 4f + 2) + 4a bytes per token; TP splits all but the norms' 6h + 2."""
+    cfg = get_preset("llama-7b")
+    h, f, a, tokens = cfg.d_model, cfg.ffn_hidden, cfg.n_heads, 4096
+    bf16 = Layout(precision="bf16", seq_len=4096)
+    assert llama_layer_bytes(cfg, bf16) == tokens * (2 * (11 * h + 4 * f + 2) + 4 * a)
+    tp4 = replace(bf16, tp=4)
+    assert llama_layer_bytes(cfg, tp4) == tokens * (2 * (6 * h + 2) + (2 * (5 * h + 4 * f) + 4 * a) / 4)
+    sp4 = replace(tp4, sp=True)
+    assert llama_layer_bytes(cfg, sp4) == pytest.approx(llama_layer_bytes(cfg, bf16) / 4)
+    assert llama_layer_bytes(cfg, replace(bf16, recompute="full")) == tokens * 2 * h
+    assert layer_bytes(GPT2_LIKE, bf16) == korthikanti_layer_bytes(GPT2_LIKE, bf16)
+
+
+def _measure_saved(config: GPTConfig, batch: int, seq: int, dtype_name: str, with_loss: bool) -> int:
+    """Bytes autograd saves in one forward, distinct storages, parameters excluded (as
+    plait's ActivationMeter counts them)."""
+    import torch
+    import torch.nn.functional as F
+
+    from plait.models.gpt import build_gpt
+
+    model = build_gpt(config, seed=0).to(getattr(torch, dtype_name))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params and storage.nbytes():
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(ids)
+        if with_loss:
+            F.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
+    return sum(saved.values())
+
+
+SHAPES = {
+    "tiny": get_preset("tiny"),  # grouped-query attention: 4 heads, 2 key/value heads
+    "wide-mlp": GPTConfig(n_layers=3, d_model=96, n_heads=6, n_kv_heads=6, ffn_hidden=320),
+    "one-head": GPTConfig(n_heads=1, n_kv_heads=1),  # SDPA's output reshapes as a view
+}
+
+
+@pytest.mark.skipif(not HAS_GPT, reason="plait/models/gpt.py not written yet")
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("precision, dtype", [("fp32", "float32"), ("bf16", "bfloat16")])
+@pytest.mark.parametrize("batch, seq", [(2, 64), (3, 100)])
+def test_our_block_matches_saved_tensors(name: str, precision: str, dtype: str, batch: int,
+                                         seq: int) -> None:
+    """The prediction for the whole forward must be within 10% of what autograd saves."""
+    config = SHAPES[name]
+    layout = Layout(precision=precision, micro_batch=batch, seq_len=seq)
+    predicted = stage_activation_bytes(config, layout, stages(config, 1, 1)[0])
+    measured = _measure_saved(config, batch, seq, dtype, with_loss=False)
+    assert predicted == pytest.approx(measured, rel=0.10)
+    assert predicted == measured  # in fact the count is exact
+
+
+@pytest.mark.skipif(not HAS_GPT, reason="plait/models/gpt.py not written yet")
+def test_loss_keeps_fp32_log_softmax() -> None:
+    """The loss adds its fp32 log-softmax (4 bytes per logit); memory.py books the loss
+    (with the logits and their fp32 copy) as a buffer on the last stage."""
+    config, layout = get_preset("tiny"), Layout(precision="bf16", micro_batch=2, seq_len=64)
+    without = _measure_saved(config, 2, 64, "bfloat16", with_loss=False)
+    with_loss = _measure_saved(config, 2, 64, "bfloat16", with_loss=True)
+    log_softmax = 2 * 64 * config.vocab_size * 4
+    assert with_loss - without == pytest.approx(log_softmax, abs=16)
+    assert loss_bytes(config, layout) == 2 * 64 * config.vocab_size * (2 + 4 + 4)
+
+
+def test_cross_check_with_tensor_cost() -> None:
+    """plait.parallel.tensor_cost derives the same block count for the TP implementation."""
+    tensor_cost = pytest.importorskip("plait.parallel.tensor_cost")
+    cfg = get_preset("small")
+    for tp, sp in [(1, False), (2, False), (2, True), (6, False), (6, True)]:
+        layout = Layout(tp=tp, sp=sp, precision="fp32", micro_batch=2, seq_len=64)
+        theirs = tensor_cost.block_activations(cfg, 2, 64, tp=tp, sp=sp).total * 4
+        assert llama_layer_bytes(cfg, layout) == pytest.approx(theirs)
+
+
+# -- pipelines ---------------------------------------------------------------------------------
+def _stage(index: int, pp: int):
+    return stages(get_preset("llama-7b"), 1, pp)[index]
+
+
+def test_in_flight_micro_batches() -> None:
+    assert in_flight(Layout(pp=4, grad_accum=8, schedule="gpipe"), _stage(0, 4)) == 8
+    assert in_flight(Layout(pp=4, grad_accum=8), _stage(0, 4)) == 4  # 1F1B: p on stage 0
+    assert in_flight(Layout(pp=4, grad_accum=8), _stage(3, 4)) == 1
+    assert in_flight(Layout(pp=4, grad_accum=2), _stage(0, 4)) == 2  # never more than m
+    inter = Layout(pp=4, grad_accum=8, schedule="interleaved", virtual_stages=2)
+    assert in_flight(inter, _stage(0, 4)) == pytest.approx(4 * (1 + 3 / (4 * 2)))
+    assert in_flight(Layout(grad_accum=8, schedule="gpipe"), _stage(0, 1)) == 1
+
+
+def test_first_stage_is_busiest_under_1f1b() -> None:
+    memory = estimate_memory(get_preset("llama-7b"),
+                             Layout(pp=4, grad_accum=8, precision="bf16", seq_len=4096))
+    assert memory.stage == 0
+
+
+def test_stage_cut_balances_parameters() -> None:
+    assert stage_layers(32, 4) == [8, 8, 8, 8]
+    # llama-1b: a 263 M-parameter tied embedding on both ends pushes blocks to the middle.
+    cfg = get_preset("llama-1b")
+    assert [s.layers for s in stages(cfg, 1, 4)] == [2, 6, 6, 2]
+
+
+def test_zero2_buckets_and_accumulation() -> None:
+    cfg = get_preset("llama-7b")
+    one = estimate_memory(cfg, Layout(dp=8, zero=2, precision="bf16", seq_len=256))
+    acc = estimate_memory(cfg, Layout(dp=8, zero=2, precision="bf16", seq_len=256, grad_accum=4))
+    loss = loss_bytes(cfg, Layout(precision="bf16", seq_len=256))
+    assert one.buffers - loss == 2 * BUCKET_BYTES
+    assert acc.buffers - loss == cfg.num_params() * 2  # no_sync keeps gradients whole
+
+
+def test_params_only_leaves_activations_unknown() -> None:
+    result = estimate_layout(None, params=7e9, dp=8, zero=1, precision="bf16")
+    assert result["memory"]["activations"] is None
+    assert result["memory"]["params"] == 14e9
+    assert result["time"] is None
+    with pytest.raises(PlaitError, match="tensor and pipeline parallelism need the model's shape"):
+        estimate_layout(None, params=7e9, tp=2)
+
+
+# -- bad input --------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(zero=4), "--zero must be 0, 1, 2 or 3"),
+    (dict(offload=True), "--offload needs a ZeRO stage"),
+    (dict(sp=True), "--sp (sequence parallelism) needs --tp > 1"),
+    (dict(precision="fp8"), "unknown --precision 'fp8'"),
+    (dict(dp=0), "--dp must be a whole number of at least 1"),
+    (dict(tp=3), "tp=3 does not divide n_heads=32"),
+    (dict(pp=33), "exceeds the model's 32 layers"),
+    (dict(schedule="interleaved", pp=2, grad_accum=3, virtual_stages=2),
+     "needs the micro-batch count (3) to be a multiple of pp=2"),
+    (dict(virtual_stages=2), "--virtual-stages > 1 needs --schedule interleaved"),
+])
+def test_bad_layouts_say_what_to_change(kwargs: dict, message: str) -> None:
+    with pytest.raises(PlaitError) as err:
+        estimate_layout(get_preset("llama-7b"), **kwargs)
+    assert message in err.value.message
+    assert err.value.hint
+
+
+def test_model_or_params_not_both() -> None:
+    with pytest.raises(PlaitError, match="not both"):
+        estimate_layout(get_preset("tiny"), params=1000)
+    with pytest.raises(PlaitError, match="nothing to estimate"):
+        estimate_layout(None)
+    with pytest.raises(PlaitError, match="--params must be a positive number"):
+        estimate_layout(None, params=-5)

@@ -1,0 +1,152 @@
+"""FLOPs, link times, bubbles and MFU; hardware presets and TOML overrides."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.errors import PlaitError
+from plait.estimate import estimate_layout
+from plait.estimate.hardware import PRESETS, Hardware, get_hardware, load_hardware
+from plait.estimate.layout import Layout
+from plait.estimate.time import (
+    collective_s,
+    estimate_time,
+    flops_per_token,
+    inter_node,
+    matmul_params,
+)
+from plait.models.config import get_preset
+
+H100 = get_hardware("h100-sxm")
+
+
+def test_flops_per_token_six_psi_plus_attention() -> None:
+    cfg = get_preset("llama-7b")
+    psi = cfg.n_layers * cfg.layer_params() + cfg.vocab_size * cfg.d_model
+    attn = 12 * cfg.n_layers * cfg.d_model * 4096
+    assert matmul_params(cfg) == psi
+    assert flops_per_token(cfg, 4096) == (6 * psi + attn, 6 * psi + attn)
+    model, hardware = flops_per_token(cfg, 4096, "full")
+    assert hardware - model == 2 * psi + attn / 3  # one more forward: 2Ψ + 4·L·h·s
+    assert flops_per_token(cfg, 4096, "selective")[1] - model == attn / 3
+
+
+def test_tied_head_counted_once() -> None:
+    cfg = get_preset("tiny")  # tied: the table is the head's weight
+    assert matmul_params(cfg) == cfg.num_params() - cfg.d_model  # everything but the final norm
+
+
+def test_one_gpu_runs_at_the_assumed_efficiency() -> None:
+    """No communication, no bubble: MFU is exactly the compute efficiency."""
+    cfg = get_preset("llama-1b")
+    step = estimate_time(cfg, Layout(precision="bf16", seq_len=2048, micro_batch=4), H100, 8)
+    assert step.mfu == pytest.approx(H100.compute_efficiency)
+    tokens = 4 * 2048
+    model, _ = flops_per_token(cfg, 2048)
+    assert step.step_s == pytest.approx(tokens * model / (H100.peak_bf16_tflops * 1e12 * 0.4))
+
+
+@pytest.mark.parametrize("schedule, v, expected", [
+    ("1f1b", 1, 3 / (8 + 3)), ("gpipe", 1, 3 / (8 + 3)), ("interleaved", 2, 3 / (2 * 8 + 3)),
+    ("zb-h1", 1, 1 / (8 + 1)),
+])
+def test_bubble_fraction(schedule: str, v: int, expected: float) -> None:
+    cfg = get_preset("llama-7b")
+    layout = Layout(pp=4, grad_accum=8, precision="bf16", seq_len=1024, schedule=schedule,
+                    virtual_stages=v)
+    step = estimate_time(cfg, layout, H100, 8)
+    assert step.bubble_s / step.step_s == pytest.approx(expected)
+
+
+def test_collective_time_is_latency_plus_bandwidth() -> None:
+    hw = Hardware("toy", 100, 10, 80, intra_node_gb_s=100, inter_node_gb_s=10,
+                  intra_node_latency_us=5, inter_node_latency_us=20)
+    assert collective_s("all_reduce", 1e9, 4, hw, False) == pytest.approx(6 * 5e-6 + 1.5e9 / 100e9)
+    assert collective_s("all_gather", 1e9, 4, hw, True) == pytest.approx(3 * 20e-6 + 0.75e9 / 10e9)
+    assert collective_s("send", 1e6, 2, hw, True) == pytest.approx(20e-6 + 1e6 / 10e9)
+
+
+def test_which_axes_leave_the_node() -> None:
+    assert inter_node(Layout(dp=2, tp=4), 8) == {"tp": False, "dp": False, "pp": False}
+    assert inter_node(Layout(dp=4, tp=8, pp=2), 8) == {"tp": False, "dp": True, "pp": True}
+    assert inter_node(Layout(dp=1, tp=8, pp=4), 8) == {"tp": False, "dp": False, "pp": True}
+
+
+def test_inter_node_dp_is_slower() -> None:
+    cfg = get_preset("llama-7b")
+    layout = Layout(dp=16, zero=1, precision="bf16", seq_len=4096)
+    within = estimate_time(cfg, layout, H100, gpus_per_node=16)
+    across = estimate_time(cfg, layout, H100, gpus_per_node=8)
+    assert across.dp_s > within.dp_s
+    assert across.compute_s == within.compute_s
+
+
+def test_offload_costs_pcie_and_host_time() -> None:
+    cfg = get_preset("llama-7b")
+    base = estimate_layout(cfg, dp=8, zero=2, precision="bf16", seq_len=1024, hardware="h100-sxm")
+    off = estimate_layout(cfg, dp=8, zero=2, offload=True, precision="bf16", seq_len=1024,
+                          hardware="h100-sxm")
+    assert off["time"]["offload_s"] > 0 == base["time"]["offload_s"]
+    assert off["time"]["step_s"] > base["time"]["step_s"]
+
+
+def test_report_is_json_ready() -> None:
+    import json
+
+    result = estimate_layout(get_preset("llama-7b"), dp=2, tp=2, pp=2, zero=1, sp=True,
+                             grad_accum=4, precision="bf16", seq_len=1024, hardware="a100-80gb")
+    assert json.loads(json.dumps(result))["time"]["step_s"] == result["time"]["step_s"]
+    assert {"params", "grads", "optim", "activations", "buffers", "total"} <= set(result["memory"])
+    assert {"step_s", "tokens_per_s", "mfu", "flops_per_token"} <= set(result["time"])
+    assert all(isinstance(line, str) for line in result["assumptions"])
+
+
+# -- hardware ------------------------------------------------------------------------------
+def test_presets() -> None:
+    wanted = {"v100", "a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "rtx3090",
+              "rtx4090", "cpu"}
+    assert wanted <= set(PRESETS)
+    assert get_hardware("h100-sxm").peak_flops("bf16") == 989e12
+    assert get_hardware("a100-80gb").peak_flops("fp32") == 19.5e12
+    assert get_hardware("cpu").peak_fp32_tflops > get_hardware("cpu").peak_bf16_tflops > 0
+
+
+def test_unknown_hardware_lists_the_presets() -> None:
+    with pytest.raises(PlaitError) as err:
+        get_hardware("tpu-v9")
+    assert "unknown hardware 'tpu-v9'" in err.value.message
+    assert "h100-sxm" in err.value.hint
+
+
+def test_toml_override(tmp_path) -> None:
+    path = tmp_path / "my.toml"
+    path.write_text('[hardware]\nbase = "h100-sxm"\nname = "h100-slow-ib"\ninter_node_gb_s = 12.5\n')
+    hw = load_hardware(path)
+    assert (hw.name, hw.inter_node_gb_s, hw.peak_bf16_tflops) == ("h100-slow-ib", 12.5, 989.0)
+    result = estimate_layout(get_preset("llama-7b"), dp=16, precision="bf16", seq_len=1024,
+                             hardware=hw, gpus_per_node=8)
+    assert result["layout"]["hardware"] == "h100-slow-ib"
+
+
+def test_toml_full_table_and_errors(tmp_path) -> None:
+    full = tmp_path / "full.toml"
+    full.write_text('[hardware]\nname = "mine"\npeak_bf16_tflops = 100\npeak_fp32_tflops = 10\n'
+                    'memory_gib = 16\nintra_node_gb_s = 50\ninter_node_gb_s = 5\n')
+    assert load_hardware(full).memory_gib == 16
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[hardware]\nbase = "h100-sxm"\nflops = 3\n')
+    with pytest.raises(PlaitError, match="unknown \\[hardware\\] keys: flops"):
+        load_hardware(bad)
+    partial = tmp_path / "partial.toml"
+    partial.write_text('[hardware]\nname = "x"\nmemory_gib = 16\n')
+    with pytest.raises(PlaitError, match="lacks inter_node_gb_s"):
+        load_hardware(partial)
+    negative = tmp_path / "neg.toml"
+    negative.write_text('[hardware]\nbase = "cpu"\nmemory_gib = -1\n')
+    with pytest.raises(PlaitError, match="memory_gib must be a positive number"):
+        load_hardware(negative)
+    with pytest.raises(PlaitError, match="has no \\[hardware\\] table"):
+        (tmp_path / "empty.toml").write_text("")
+        load_hardware(tmp_path / "empty.toml")
+    with pytest.raises(PlaitError, match="cannot read hardware file"):
+        load_hardware(tmp_path / "missing.toml")
