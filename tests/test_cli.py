@@ -137,3 +137,18 @@ def test_model_file_loads_without_plait(single):
     state = {k: torch.tensor(v).view_as(model.state_dict()[k]) for k, v in params.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert unexpected == [] and set(missing) <= {"lm_head.weight"}  # tied: stored once
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_prediction_matches_measurement(n, single, tmp_path):
+    """summary.json carries plait estimate's figures for the run's own layout: model states
+    and wire bytes exact, activations within 10%."""
+    runs = {"single": single[n][2]}
+    _, _, runs["dp"], _ = train_run(tmp_path, "--nproc", str(n), "--dp", str(n), "--steps", "2")
+    for name, summary in runs.items():
+        predicted, measured = summary["predicted"], summary["mem"]
+        for kind in ("params", "grads", "optim"):
+            assert predicted["memory"][kind] == measured[kind], (name, kind)
+        assert predicted["memory"]["activations"] == pytest.approx(measured["activations_peak"], rel=0.10)
+        assert predicted["comm"] == summary["comm_per_step"], name
+        assert "predicted" in json.dumps(summary) and predicted["time"]["step_s"] > 0

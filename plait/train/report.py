@@ -46,8 +46,24 @@ def closing_report(summary: dict[str, Any], out: str) -> str:
         f"optimizer {human_bytes(mem['optim'])}, activations {human_bytes(mem['activations_peak'])} "
         f"(process peak {human_bytes(summary['peak_process_bytes'])})",
     ]
+    if summary.get("predicted"):
+        lines += predicted_vs_measured(summary)
     if summary.get("sample"):
         sample = summary["sample"].replace("\n", "\n              ")
         lines.append(f"  sample      {sample}")
     lines.append(f"  outputs     {out}/metrics.jsonl, summary.json, model.safetensors")
     return "\n".join(lines)
+
+
+def predicted_vs_measured(summary: dict[str, Any]) -> list[str]:
+    """`plait estimate`'s figures for this layout beside what the run measured (per rank, max)."""
+    predicted, mem = summary["predicted"], summary["mem"]
+    rows = [(kind, predicted["memory"][kind], mem[key]) for kind, key in
+            (("params", "params"), ("grads", "grads"), ("optim", "optim"), ("activations", "activations_peak"))]
+    for axis, ops in sorted(predicted["comm"].items()):
+        for op, wire in sorted(ops.items()):
+            rows.append((f"{axis} {op}", wire, summary["comm_per_step"].get(axis, {}).get(op, 0)))
+    lines = [f"  predicted   {'':<16}{'predicted':>12}{'measured':>12}   (plait estimate, cpu preset)"]
+    lines += [f"              {name:<16}{human_bytes(p):>12}{human_bytes(m):>12}" for name, p, m in rows]
+    lines.append(f"              {'step time':<16}{predicted['time']['step_s']:>10.3f} s{summary['step_time_s_median']:>10.3f} s")
+    return lines

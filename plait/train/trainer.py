@@ -249,4 +249,14 @@ class Trainer:
             "mem": {k: max(r["mem"][k] for r in history) for k in MEM_KEYS},
             "peak_process_bytes": int(peak.item()),
             "telemetry_bytes": sum(sum(ops.values()) for ops in self.mesh.ledger.wire(comm.TELEMETRY).values()),
+            "predicted": self.prediction(),
         }
+
+    def prediction(self) -> dict[str, Any]:
+        """What `plait estimate` says this very layout costs, to print beside the measurements."""
+        from plait.estimate import estimate_layout
+
+        shape = self.mesh.shape
+        return estimate_layout(self.model_config, dp=shape.dp, tp=shape.tp, pp=shape.pp, precision="fp32",
+                               micro_batch=self.config.micro_batch, grad_accum=self.config.grad_accum,
+                               seq_len=self.config.seq_len, hardware="cpu")
