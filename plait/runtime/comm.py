@@ -21,23 +21,11 @@ import torch
 import torch.distributed as dist
 
 from plait.errors import PlaitError
+from plait.estimate.comm import ring_bytes as ring_wire_bytes  # one formula, shared with estimate/
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv")
 TRAIN = "train"  # traffic that trains the model
 TELEMETRY = "telemetry"  # traffic that only gathers numbers for the report
-
-
-def ring_wire_bytes(op: str, payload: int, n: int) -> float:
-    """Bytes one rank sends for `op` on a tensor of `payload` bytes among `n` ranks."""
-    if n <= 1:
-        return 0.0
-    if op == "all_reduce":
-        return 2 * (n - 1) / n * payload
-    if op in ("all_gather", "reduce_scatter"):
-        return (n - 1) / n * payload
-    if op in ("broadcast", "send", "recv"):
-        return float(payload)
-    raise ValueError(f"unknown collective {op!r}")
 
 
 def naive_exchange_bytes(payload: int, n: int) -> int:
