@@ -1,0 +1,265 @@
+"""Pipeline parallelism: cut the model into stages and run any schedule across the pp ranks.
+
+    stages = apply_pipeline(build_gpt(config, seed), mesh, virtual_stages=1)  # this rank's chunks
+    apply_data_parallel(stages, mesh.axis("dp"))                               # optional, after
+    runner = PipelineRunner(stages, mesh, schedule="1f1b")
+    loss = runner.step(micro_inputs, micro_targets, loss_fn)    # every pp rank, once per step
+    runner.clip_grad_norm_(1.0); optimizer.step(); optimizer.zero_grad()
+
+The schedule is data (`schedule.py`); the runner walks this rank's list of actions and does
+what each says. Everything else is bookkeeping around that loop: activations and gradients
+cross stage boundaries as point-to-point messages (`pipeline_comm.py`), each action is
+timed so the bubble can be measured, and after the last action the step's gradients are
+reduced once: over dp (when data parallel) and between the two copies of a tied embedding.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from plait.errors import PlaitError
+from plait.parallel.data import Bucket, GradSync, grad_sync, no_sync
+from plait.parallel.pipeline_comm import BufferPool, Channels, Key, agree_shapes, send_order, sum_tied_grads
+from plait.parallel.pipeline_exec import LossFn, PipelineStats, StageWork, StepRun
+from plait.parallel.pipeline_split import GPTStage, balanced_counts, check_split, rank_stages, split_stages
+from plait.parallel.schedule import Schedule, build_schedule, validate
+from plait.parallel.timeline import Slot, Timeline
+from plait.runtime import comm
+from plait.runtime.mesh import Mesh
+
+__all__ = ["GPTStage", "PipelineRunner", "PipelineStats", "apply_pipeline", "balanced_counts", "check_pipeline",
+           "check_split", "split_stages"]
+
+
+def apply_pipeline(model: nn.Module, mesh: Mesh, *, virtual_stages: int = 1,
+                   balance: Sequence[int] | None = None) -> nn.ModuleList:
+    """This rank's stages of `model` (v chunks, in chunk order), moved to its device.
+
+    Apply data parallelism to the returned ModuleList, not to `model`: the stages of the
+    other ranks are dropped with it.
+    """
+    pp = mesh.size("pp")
+    stages = split_stages(model, pp, virtual_stages=virtual_stages, balance=balance)
+    return rank_stages(stages, mesh.rank("pp"), pp).to(mesh.device)
+
+
+def check_pipeline(n_layers: int, pp: int, schedule: str, microbatches: int, *, virtual_stages: int = 1,
+                   balance: Sequence[int] | None = None) -> None:
+    """Raise PlaitError if this layout cannot run; pure, so a config is checked before spawning."""
+    check_split(n_layers, pp, virtual_stages=virtual_stages, balance=balance)
+    _check_microbatches(schedule, pp, microbatches)
+    build_schedule(schedule, pp, microbatches, virtual_stages)
+
+
+def _check_microbatches(schedule: str, pp: int, m: int) -> None:
+    if schedule == "interleaved" and m < pp:
+        raise PlaitError(f"the interleaved schedule needs at least pp={pp} micro-batches per step; got {m}",
+                         hint=f"raise the micro-batches per step (--grad-accum) to a multiple of {pp}")
+
+
+ScheduleBuilder = Callable[[int, int, int], Schedule]  # (pp, m, v) -> one action list per rank
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A schedule for one micro-batch count, and who sends whom what, in which order."""
+
+    schedule: Schedule
+    order: dict[tuple[int, int], list[Key]]
+
+
+class PipelineRunner:
+    """Runs a pipeline schedule over this rank's stages, one optimizer step per `step` call."""
+
+    def __init__(self, stages: nn.ModuleList | Sequence[nn.Module], mesh: Mesh,
+                 schedule: str | ScheduleBuilder = "1f1b", *, measure: bool = True):
+        """`schedule` is a name from `schedule.SCHEDULES` or any function (pp, m, v) -> Schedule;
+        `measure` times every action and gathers the timeline (two tiny collectives a step)."""
+        self.mesh, self.axis = mesh, mesh.axis("pp")
+        self.pp, self.rank = self.axis.size, self.axis.rank
+        self.module = stages if isinstance(stages, nn.ModuleList) else nn.ModuleList(stages)
+        self.v = len(self.module)
+        self.num_stages = self.pp * self.v
+        self.schedule_name = schedule if isinstance(schedule, str) else getattr(schedule, "__name__", "custom")
+        self._build: ScheduleBuilder = (schedule if callable(schedule)
+                                        else lambda pp, m, v: build_schedule(schedule, pp, m, v))
+        self.measure = measure
+        probe = self._build(self.pp, self.pp, self.v)  # fails now on a bad name or v
+        _check_data_parallel(self.module)
+        split = any(a.kind in "IW" for row in probe for a in row)
+        self.work = [StageWork(stage, split_backward=split) for stage in self.module]
+        self.pool = BufferPool(mesh.device)
+        self._plans: dict[int, _Plan] = {}
+        self._shapes: dict[tuple, dict] = {}
+        self.last_timeline: Timeline | None = None
+        self.last_stats: PipelineStats | None = None
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self, micro_inputs: Sequence[torch.Tensor], micro_targets: Sequence[torch.Tensor],
+             loss_fn: LossFn) -> float:
+        """Forward and backward every micro-batch; return the mean loss (on every pp rank).
+
+        Every pp rank passes the same micro-batches: the first stage reads the inputs, the
+        last the targets, the others only their number and shape. Gradients are left summed
+        over micro-batches (as loss / m) in `.grad`, reduced over dp once, after the last
+        action, and the tied embedding's two copies hold the same sum.
+        """
+        plan = self._plan(len(micro_inputs), micro_inputs)
+        actions = plan.schedule[self.rank]
+        shapes = self._agree(micro_inputs[0])
+        channels = Channels(self.axis, plan.order, lambda key: self._shape_of(key, shapes), self.pool)
+        run = self._run(channels, micro_inputs, micro_targets, loss_fn)
+        origin = self._barrier()
+        with no_sync(self.module):
+            slots = [run.do(act, actions[i + 1] if i + 1 < len(actions) else None, origin)
+                     for i, act in enumerate(actions)]
+        channels.finish()
+        self._reduce_dp()
+        self._sum_tied()
+        self.last_stats = run.stats(slots)
+        if self.measure:
+            self.last_timeline = self._gather_timeline(plan.schedule, slots)
+        return self._broadcast_loss(run.losses, len(micro_inputs))
+
+    @torch.no_grad()
+    def eval_loss(self, micro_inputs: Sequence[torch.Tensor], micro_targets: Sequence[torch.Tensor],
+                  loss_fn: LossFn) -> float:
+        """Mean loss over the micro-batches, forwards only (the schedule's F actions, in order)."""
+        plan = self._plan(len(micro_inputs), micro_inputs, forward_only=True)
+        shapes = self._agree(micro_inputs[0])
+        channels = Channels(self.axis, plan.order, lambda key: self._shape_of(key, shapes), self.pool)
+        run = self._run(channels, micro_inputs, micro_targets, loss_fn)
+        for act in plan.schedule[self.rank]:
+            run.do(act, None, 0.0)
+        channels.finish()
+        return self._broadcast_loss(run.losses, len(micro_inputs))
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip by the norm of the whole model's gradient (all stages); return that norm.
+
+        The head's copy of a tied embedding is left out of the sum, so the tied weight is
+        counted once, as in the single-process model.
+        """
+        grads = [p.grad for stage in self.module for name, p in stage.named_parameters()
+                 if p.grad is not None and not (_is_tied_copy(stage) and name == "lm_head.weight")]
+        square = torch.zeros(1, dtype=torch.float64, device=self.mesh.device)
+        for grad in grads:
+            square += grad.detach().double().pow(2).sum()
+        comm.all_reduce(square, self.axis)
+        norm = math.sqrt(square.item())
+        if max_norm < math.inf:
+            scale = min(1.0, max_norm / (norm + 1e-6))
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        return norm
+
+    def _run(self, channels: Channels, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
+             loss_fn: LossFn) -> StepRun:
+        return StepRun(self.work, self.rank, self.pp, channels, inputs, targets, loss_fn, self.mesh.device)
+
+    # -- planning --------------------------------------------------------------------------
+    def _plan(self, m: int, micro_inputs: Sequence[torch.Tensor], forward_only: bool = False) -> _Plan:
+        if m < 1 or len({tuple(x.shape) for x in micro_inputs}) != 1:
+            raise PlaitError(f"a pipeline step needs micro-batches of one shape; got "
+                             f"{sorted({tuple(x.shape) for x in micro_inputs})}")
+        _check_microbatches(self.schedule_name, self.pp, m)
+        key = -m if forward_only else m
+        if key not in self._plans:
+            schedule = self._build(self.pp, m, self.v)
+            validate(schedule, self.pp, m, self.v)
+            if forward_only:  # the F's of a valid schedule, in its order, cannot deadlock either
+                schedule = [[a for a in row if a.kind == "F"] for row in schedule]
+            self._plans[key] = _Plan(schedule, send_order(schedule, self.pp, self.v))
+        return self._plans[key]
+
+    def _agree(self, first_input: torch.Tensor) -> dict:
+        device = self.mesh.device.type
+        autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        key = (tuple(first_input.shape), first_input.dtype, autocast)
+        if key not in self._shapes:
+            mine = {chunk * self.pp + self.rank: stage for chunk, stage in enumerate(self.module)}
+            self._shapes[key] = agree_shapes(mine, self.axis, self.num_stages, first_input.to(self.mesh.device))
+        return self._shapes[key]
+
+    @staticmethod
+    def _shape_of(key: Key, shapes: dict) -> tuple:
+        kind, _, stage = key
+        return shapes[stage - 1] if kind == "act" else shapes[stage]
+
+    # -- after the schedule ------------------------------------------------------------------
+    def _reduce_dp(self) -> None:
+        """All-reduce the step's summed gradients over dp, once (the buckets of plait's DDP).
+
+        Every backward ran under no_sync: with I and W split, weight gradients arrive in many
+        small backward calls, and DDP's end-of-backward hook would fire after each one.
+        """
+        sync = grad_sync(self.module)
+        if sync is None:
+            return
+        handles = []
+        for bucket in sync.buckets:
+            _into_bucket(bucket)
+            bucket.flat.div_(sync.axis.size)  # pre-divide so the sum is the mean, as DDP does
+            handles.append(comm.all_reduce(bucket.flat, sync.axis, async_op=True))
+        for handle in handles:
+            handle.wait()
+
+    def _sum_tied(self) -> None:
+        """Add the gradients of the tied embedding's two copies, on the first and last rank."""
+        first, last = self.module[0], self.module[-1]
+        if getattr(first, "shares_tied_weight", False) and first.is_first:
+            sum_tied_grads(first.embed.weight, self.axis, self.pp - 1)
+        if _is_tied_copy(last):
+            sum_tied_grads(last.lm_head.weight, self.axis, 0)
+
+    def _barrier(self) -> float:
+        """A tiny all-reduce lines the ranks up, so that their clocks start together."""
+        if self.measure and self.pp > 1:
+            comm.all_reduce(torch.zeros(1, device=self.mesh.device), self.axis, purpose=comm.TELEMETRY)
+        return time.perf_counter()
+
+    def _broadcast_loss(self, losses: list[torch.Tensor], m: int) -> float:
+        """The last stage's mean loss, to every pp rank (one sync per step, not per micro-batch)."""
+        value = torch.zeros(1, dtype=torch.float64, device=self.mesh.device)
+        if losses:
+            value += torch.stack(losses).double().sum() / m
+        comm.broadcast(value, self.axis, src=self.pp - 1, purpose=comm.TELEMETRY)
+        return value.item()
+
+    def _gather_timeline(self, schedule: Schedule, slots: list[Slot]) -> Timeline:
+        """Every rank's measured slots (all ranks run the same number of actions)."""
+        local = torch.tensor([[s.start, s.end] for s in slots], dtype=torch.float64, device=self.mesh.device)
+        stacked = torch.empty((self.pp, *local.shape), dtype=torch.float64, device=self.mesh.device)
+        comm.all_gather(stacked.flatten(0, 1), local, self.axis, purpose=comm.TELEMETRY)
+        rows = tuple(tuple(Slot(act, float(t[0]), float(t[1])) for act, t in zip(schedule[r], stacked[r].tolist()))
+                     for r in range(self.pp))
+        return Timeline(pp=self.pp, v=self.v, rows=rows)
+
+
+def _into_bucket(bucket: Bucket) -> None:
+    """Put every gradient back in its bucket view (a W may have set .grad afresh)."""
+    for param, view in zip(bucket.params, bucket.views):
+        if param.grad is None:
+            view.zero_()  # unused this step: contributes zeros, as in DDP
+        elif param.grad is not view:
+            view.copy_(param.grad)
+        param.grad = view
+
+
+def _check_data_parallel(module: nn.Module) -> None:
+    sync = grad_sync(module)
+    if sync is not None and not isinstance(sync, GradSync):
+        raise PlaitError("pipeline parallelism runs with plain data parallelism, not ZeRO, for now",
+                         hint="use --zero 0 with --pp > 1")
+
+
+def _is_tied_copy(stage: nn.Module) -> bool:
+    """Whether `stage` is the last stage, holding the head's copy of a tied embedding."""
+    return bool(getattr(stage, "shares_tied_weight", False)) and stage.is_last

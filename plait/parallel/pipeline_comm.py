@@ -1,0 +1,197 @@
+"""Point-to-point traffic between pipeline stages, all of it through `comm` (so in the ledger).
+
+Three kinds of message cross a stage boundary:
+- an activation, forward: stage k's output for micro-batch i, to stage k + 1;
+- a gradient, backward: the gradient of stage k's input for micro-batch i, to stage k - 1;
+- once per input shape, a shape message (`agree_shapes`), so that the receivers can size
+  their buffers without a shape riding along with every activation.
+
+Ordering. Between two ranks messages travel on one FIFO channel (torch's send/recv match in
+posting order), and with interleaving one channel can carry activations *and* gradients,
+which the receiver may need in another order than the sender sends them. The receiver
+therefore never posts receives in its own order: knowing the whole schedule (it is data),
+it posts them in the *sender's* order, up to the message it needs, and keeps the early ones
+in buffers until their turn. Receive buffers come from a pool and are reused across steps.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Callable
+
+import torch
+
+from plait.errors import PlaitError
+from plait.parallel.schedule import Schedule
+from plait.runtime import comm
+from plait.runtime.comm import Axis, Handle
+
+Key = tuple[str, int, int]  # ("act" or "grad", micro-batch, stage the message is for)
+Shape = tuple[tuple[int, ...], torch.dtype]
+SETUP = "setup"  # ledger purpose of the one-off shape messages
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
+_META_LEN = 2 + 8  # ndim, dtype code, up to 8 dimensions
+
+
+def send_order(schedule: Schedule, pp: int, v: int) -> dict[tuple[int, int], list[Key]]:
+    """For each (sender, receiver) pair of pipeline ranks, the messages in the order sent."""
+    last = pp * v - 1
+    order: dict[tuple[int, int], list[Key]] = defaultdict(list)
+    for rank, actions in enumerate(schedule):
+        for act in actions:
+            stage = act.stage(rank, pp)
+            if act.kind == "F" and stage < last:
+                order[(rank, (stage + 1) % pp)].append(("act", act.microbatch, stage + 1))
+            elif act.kind in "BI" and stage > 0:
+                order[(rank, (stage - 1) % pp)].append(("grad", act.microbatch, stage - 1))
+    return dict(order)
+
+
+class Channels:
+    """One rank's sends and receives for one step of one schedule.
+
+    `shape_of(key)` sizes the receive buffer of a message; it comes from `agree_shapes`.
+    A message between two stages on the same rank (pp = 1 with v > 1) is handed over
+    locally without touching the network.
+    """
+
+    def __init__(self, axis: Axis, order: dict[tuple[int, int], list[Key]],
+                 shape_of: Callable[[Key], Shape], pool: "BufferPool"):
+        self.axis, self.rank, self.shape_of, self.pool = axis, axis.rank, shape_of, pool
+        self._expected = {src: deque(keys) for (src, dst), keys in order.items()
+                          if dst == self.rank and src != self.rank}
+        self._posted: dict[Key, tuple[torch.Tensor, Handle]] = {}
+        self._local: dict[Key, torch.Tensor] = {}
+        self._sends: list[tuple[torch.Tensor, Handle]] = []
+        self._lent: dict[Key, torch.Tensor] = {}
+
+    def send(self, key: Key, tensor: torch.Tensor, dst: int) -> None:
+        """Start sending `tensor` (kept alive until `finish`)."""
+        tensor = tensor.detach()
+        if dst == self.rank:
+            self._local[key] = tensor
+            return
+        tensor = tensor.contiguous()
+        self._sends.append((tensor, comm.send(tensor, self.axis, dst)))
+
+    def post(self, key: Key, src: int) -> None:
+        """Post receives from `src`, in its sending order, up to and including `key`."""
+        if src == self.rank or key in self._posted:
+            return
+        queue = self._expected.get(src)
+        while queue:
+            nxt = queue.popleft()
+            shape, dtype = self.shape_of(nxt)
+            buf = self.pool.take(shape, dtype)
+            self._posted[nxt] = (buf, comm.recv(buf, self.axis, src))
+            if nxt == key:
+                return
+        raise PlaitError(f"pipeline rank {self.rank} waits for {key} from rank {src}, "
+                         "which the schedule never sends")
+
+    def recv(self, key: Key, src: int) -> torch.Tensor:
+        """The message `key` from `src`, once it has arrived."""
+        if src == self.rank:
+            return self._local.pop(key)
+        self.post(key, src)
+        buf, handle = self._posted.pop(key)
+        handle.wait()
+        self._lent[key] = buf
+        return buf
+
+    def release(self, key: Key) -> None:
+        """The receiver is done with message `key`: its buffer goes back to the pool."""
+        buf = self._lent.pop(key, None)
+        if buf is not None:
+            self.pool.give(buf)
+
+    def finish(self) -> None:
+        """Wait for every send; every expected message must have been received."""
+        for _, handle in self._sends:
+            handle.wait()
+        self._sends.clear()
+        left = [k for q in self._expected.values() for k in q] + list(self._posted) + list(self._local)
+        if left:
+            raise PlaitError(f"pipeline rank {self.rank} ended a step with messages unread: {left[:3]}")
+
+
+class BufferPool:
+    """Receive buffers by (shape, dtype), reused from step to step instead of reallocated."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._free: dict[Shape, list[torch.Tensor]] = defaultdict(list)
+        self.allocated = 0
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        free = self._free[(shape, dtype)]
+        if free:
+            return free.pop()
+        self.allocated += 1
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def give(self, tensor: torch.Tensor) -> None:
+        self._free[(tuple(tensor.shape), tensor.dtype)].append(tensor)
+
+
+def agree_shapes(stages: dict[int, torch.nn.Module], axis: Axis, num_stages: int,
+                 first_input: torch.Tensor) -> dict[int, Shape]:
+    """Output shape and dtype of every stage this rank holds or receives from, agreed once.
+
+    Stages are visited in order; stage k learns its input shape from stage k - 1 (one small
+    message), runs one forward on zeros of that shape without autograd to learn its output
+    shape, and tells stage k + 1. Every later message of that shape is sent bare.
+    Returns {stage: output shape} for this rank's stages and the stages that feed them.
+    """
+    pp, rank = axis.size, axis.rank
+    shapes: dict[int, Shape] = {}
+    sends: list[tuple[torch.Tensor, Handle]] = []
+    for k in sorted(stages):
+        if k == 0:
+            x = first_input
+        else:
+            if (k - 1) % pp != rank:
+                meta = torch.zeros(_META_LEN, dtype=torch.int64)
+                comm.recv(meta, axis, (k - 1) % pp, purpose=SETUP).wait()
+                shapes[k - 1] = _decode(meta)
+            shape, dtype = shapes[k - 1]
+            x = torch.zeros(shape, dtype=dtype, device=first_input.device)
+        with torch.no_grad():
+            y = stages[k](x)
+        shapes[k] = (tuple(y.shape), y.dtype)
+        if k < num_stages - 1 and (k + 1) % pp != rank:
+            meta = _encode(shapes[k])
+            sends.append((meta, comm.send(meta, axis, (k + 1) % pp, purpose=SETUP)))
+    for _, handle in sends:
+        handle.wait()
+    return shapes
+
+
+def _encode(shape: Shape) -> torch.Tensor:
+    dims, dtype = shape
+    if len(dims) > _META_LEN - 2 or dtype not in _DTYPES:
+        raise PlaitError(f"a pipeline stage output of shape {dims} and dtype {dtype} cannot be sent",
+                         hint=f"stage outputs need at most {_META_LEN - 2} dims and a dtype in {_DTYPES}")
+    return torch.tensor([len(dims), _DTYPES.index(dtype), *dims, *[0] * (_META_LEN - 2 - len(dims))])
+
+
+def _decode(meta: torch.Tensor) -> Shape:
+    values = meta.tolist()
+    return tuple(values[2:2 + values[0]]), _DTYPES[values[1]]
+
+
+def sum_tied_grads(param: torch.nn.Parameter, axis: Axis, peer: int) -> None:
+    """Add the gradient of the other copy of a tied weight (held by pipeline rank `peer`).
+
+    Both ranks send theirs and add what they receive: a + b on one rank, b + a on the
+    other, which floating point makes bitwise equal, so the copies never drift apart.
+    """
+    mine = param.grad if param.grad is not None else torch.zeros_like(param)
+    theirs = torch.empty_like(mine)
+    sent = comm.send(mine.contiguous(), axis, peer)
+    comm.recv(theirs, axis, peer).wait()
+    sent.wait()
+    if param.grad is None:
+        param.grad = mine
+    param.grad.add_(theirs)
+

@@ -1,0 +1,303 @@
+"""What one action does to one stage: forward (F), full backward (B), and B split in I + W.
+
+The split backward, for ZB-H1, lets autograd do the input half and defers the weight half:
+
+- During F, a forward hook records the input x and output y of every module that owns
+  parameters directly (each Linear, Embedding, RMSNorm): y is where its weights enter the graph.
+- I is `torch.autograd.grad(output, inputs=[stage input, y_1, ..., y_n], retain_graph=True)`.
+  Asked only for those, autograd runs the input-gradient path and nothing else: each
+  matmul's backward computes the gradient of its input, not of its weight (autograd skips
+  outputs nobody asked for). We keep dL/dy_i for every module and send dL/dinput upstream.
+- W computes each module's weight gradient from the kept dL/dy_i. For a Linear it is the
+  deferred GEMM dW = dy^T·x (x is what autograd saved for it anyway), as in Megatron's
+  zero-bubble code. Any other module (norm scales, the embedding) gets an autograd call
+  `torch.autograd.backward(y_i, dL/dy_i, inputs=its own weights)`: restricted to those
+  weights, dL/dy_i goes no further than the module itself.
+
+Cost: I + W does the work of one B, plus one autograd call per non-Linear module (about
+0.1-0.3 ms each on a CPU; on the benchmark model, one process, I + W is about 1.1 × B). Memory:
+between I and W the stage's saved tensors stay alive (autograd cannot free half a graph),
+so a pending W holds a micro-batch's activations; `Timeline.peak_live` is the count that
+describes this implementation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from plait.errors import PlaitError
+from plait.parallel.pipeline_comm import Channels, Key
+from plait.parallel.schedule import Action
+from plait.parallel.timeline import Slot
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _check_weights_used_once(module: nn.Module) -> None:
+    """W from a module's output must reach its weights through that module alone.
+
+    A weight shared by two modules of one stage (a tied embedding when one stage holds
+    both the embedding and the head) is also reached through the other module, and W
+    would walk the whole stage again and count that path twice.
+    """
+    owners: dict[int, str] = {}
+    for name, sub in module.named_modules():
+        for pname, param in sub.named_parameters(recurse=False):
+            if id(param) in owners:
+                raise PlaitError(f"zb-h1 needs each weight used by one module of its stage; "
+                                 f"{owners[id(param)]} and {name}.{pname} are one tensor (tied)",
+                                 hint="use pp > 1 (the first and last stage then hold separate copies), "
+                                      "untie the embeddings, or another schedule")
+            owners[id(param)] = f"{name}.{pname}"
+
+
+@dataclass(frozen=True)
+class Capture:
+    """A weight-owning module's input and output in one forward."""
+
+    module: nn.Module
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@dataclass
+class MicroState:
+    """One micro-batch on one stage, from its F until its backward is complete."""
+
+    input: torch.Tensor | None  # leaf that receives dL/dinput (None for token ids)
+    output: torch.Tensor  # the stage output, or loss / m on the last stage
+    saved_bytes: int  # bytes autograd saved for backward during F
+    captured: list[Capture] = field(default_factory=list)
+    pending: list[tuple[Capture, torch.Tensor]] = field(default_factory=list)  # with dL/dy
+
+
+class StageWork:
+    """Runs F, B, I and W for one stage module and counts the activations it holds."""
+
+    def __init__(self, module: nn.Module, split_backward: bool):
+        self.module = module
+        self._param_ptrs = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self._recording: list[Capture] | None = None
+        if split_backward:
+            _check_weights_used_once(module)
+            for sub in module.modules():
+                if any(True for _ in sub.parameters(recurse=False)):
+                    sub.register_forward_hook(self._capture)
+
+    def _capture(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        if self._recording is None or not output.requires_grad:
+            return
+        if any(seen.module is module for seen in self._recording):
+            raise PlaitError(f"zb-h1 splits the backward module by module, but {type(module).__name__} "
+                             "runs twice in one forward of its stage",
+                             hint="use the 1f1b schedule for this model")
+        self._recording.append(Capture(module, inputs[0].detach(), output))
+
+    def forward(self, x: torch.Tensor, grad_input: bool) -> tuple[torch.Tensor, MicroState]:
+        """Run the stage; `grad_input` makes x a leaf whose gradient goes back upstream."""
+        leaf = x.detach().requires_grad_() if grad_input else None
+        recorded: list[Capture] = []
+        with self._saved_bytes() as saved, self._record(recorded):
+            out = self.module(leaf if leaf is not None else x)
+        return out, MicroState(leaf, out, saved[0], captured=recorded)
+
+    @contextlib.contextmanager
+    def _record(self, into: list[Capture]) -> Iterator[None]:
+        self._recording = into
+        try:
+            yield
+        finally:
+            self._recording = None
+
+    @contextlib.contextmanager
+    def _saved_bytes(self) -> Iterator[list[int]]:
+        """Bytes of the non-parameter tensors autograd saves inside the block.
+
+        Views of one storage are counted once each and at most the storage's size: a
+        micro-batch of token ids that is a slice of a larger batch counts as the slice.
+        """
+        views: dict[int, dict[tuple, int]] = {}
+        sizes: dict[int, int] = {}
+        total = [0]
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in self._param_ptrs:
+                key = (tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+                views.setdefault(ptr, {})[key] = tensor.numel() * tensor.element_size()
+                sizes[ptr] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield total
+        total[0] = sum(min(sum(v.values()), sizes[ptr]) for ptr, v in views.items())
+
+    @staticmethod
+    def backward(state: MicroState, grad_output: torch.Tensor | None) -> torch.Tensor | None:
+        """B: gradients of the weights (accumulated into .grad) and of the input (returned)."""
+        torch.autograd.backward(state.output, grad_output)
+        return state.input.grad if state.input is not None else None
+
+    @staticmethod
+    def backward_input(state: MicroState, grad_output: torch.Tensor | None) -> torch.Tensor | None:
+        """I: the input gradient only; keeps dL/dy of every weight-owning module for W."""
+        targets = ([state.input] if state.input is not None else []) + [c.y for c in state.captured]
+        grads = torch.autograd.grad(state.output, targets, grad_output, retain_graph=True,
+                                    allow_unused=True)
+        offset = 1 if state.input is not None else 0
+        state.pending = [(c, g) for c, g in zip(state.captured, grads[offset:]) if g is not None]
+        state.captured = []
+        return grads[0] if state.input is not None else None
+
+    @staticmethod
+    def backward_weight(state: MicroState) -> None:
+        """W: each module's weight gradients from the dL/dy kept by I, into .grad."""
+        for capture, grad in state.pending:
+            if type(capture.module) is nn.Linear:
+                _linear_weight_grad(capture.module, capture.x, grad)
+                continue
+            weights = [p for p in capture.module.parameters(recurse=False) if p.requires_grad]
+            if weights:
+                # retain_graph: a module's path to its weights may cross a child module's
+                # nodes, which that child's own W still needs; all is freed with `state`.
+                torch.autograd.backward(capture.y, grad, inputs=weights, retain_graph=True)
+        state.pending = []
+
+
+def _linear_weight_grad(module: nn.Linear, x: torch.Tensor, dy: torch.Tensor) -> None:
+    """dW = dy^T·x (and db = sum dy) over every token, accumulated into .grad."""
+    dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+    _accumulate(module.weight, dy2.t() @ x2)
+    if module.bias is not None:
+        _accumulate(module.bias, dy2.sum(0))
+
+
+def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
+    if not param.requires_grad:
+        return
+    if param.grad is None:
+        param.grad = grad.to(param.dtype)
+    else:
+        param.grad.add_(grad)
+
+
+@dataclass(frozen=True)
+class PipelineStats:
+    """What one step held and waited for, on this rank."""
+
+    peak_inflight: int  # most (micro-batch, chunk) forwards whose B or I had not run yet
+    peak_saved_bytes: int  # most bytes autograd held for backward at once (F until B or W)
+    saved_bytes: tuple[int, ...]  # bytes saved by the F of each micro-batch on chunk 0
+    wait_s: float  # time spent waiting for activations or gradients to arrive
+    busy_s: float  # time spent computing
+
+
+class StepRun:
+    """One step on one pipeline rank: what each action reads, keeps and sends.
+
+    `work` holds one StageWork per chunk; chunk c is stage c·pp + rank.
+    """
+
+    def __init__(self, work: Sequence[StageWork], rank: int, pp: int, channels: Channels,
+                 inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], loss_fn: LossFn,
+                 device: torch.device):
+        self.work, self.rank, self.pp, self.device = work, rank, pp, device
+        self.num_stages = pp * len(work)
+        self.channels = channels
+        self.inputs, self.targets, self.loss_fn = inputs, targets, loss_fn
+        self.m = len(inputs)
+        self.states: dict[tuple[int, int], MicroState] = {}
+        self.losses: list[torch.Tensor] = []
+        self.held = self.peak_held = self.held_bytes = self.peak_bytes = 0
+        self.saved_chunk0: list[int] = []
+        self.wait_s = 0.0
+
+    def do(self, act: Action, nxt: Action | None, origin: float) -> Slot:
+        """Wait for what `act` reads (the receive `nxt` needs is posted first), then run it."""
+        start = time.perf_counter()
+        if nxt is not None:
+            self._prefetch(nxt)
+        incoming = self._receive(act)
+        begin = time.perf_counter()
+        self.wait_s += begin - start
+        getattr(self, f"_{act.kind}")(act, incoming)
+        return Slot(act, begin - origin, time.perf_counter() - origin)
+
+    def _need(self, act: Action) -> tuple[Key, int] | None:
+        """The message `act` waits for, and the rank it comes from."""
+        stage, pp, last = act.stage(self.rank, self.pp), self.pp, self.num_stages - 1
+        if act.kind == "F" and stage > 0:
+            return ("act", act.microbatch, stage), (stage - 1) % pp
+        if act.kind in "BI" and stage < last:
+            return ("grad", act.microbatch, stage), (stage + 1) % pp
+        return None
+
+    def _receive(self, act: Action) -> torch.Tensor | None:
+        need = self._need(act)
+        return self.channels.recv(*need) if need else None
+
+    def _prefetch(self, act: Action) -> None:
+        need = self._need(act)
+        if need:
+            self.channels.post(*need)
+
+    def _F(self, act: Action, incoming: torch.Tensor | None) -> None:
+        stage = act.stage(self.rank, self.pp)
+        x = self.inputs[act.microbatch].to(self.device) if incoming is None else incoming
+        out, state = self.work[act.chunk].forward(x, grad_input=incoming is not None and torch.is_grad_enabled())
+        if stage == self.num_stages - 1:
+            loss = self.loss_fn(out, self.targets[act.microbatch].to(out.device))
+            self.losses.append(loss.detach())
+            state.output = loss / self.m
+        else:
+            self.channels.send(("act", act.microbatch, stage + 1), out, (stage + 1) % self.pp)
+        if not torch.is_grad_enabled():
+            self._release(act.microbatch, stage)
+            return
+        self.states[(act.microbatch, act.chunk)] = state
+        self.held += 1
+        self.held_bytes += state.saved_bytes
+        self.peak_held, self.peak_bytes = max(self.peak_held, self.held), max(self.peak_bytes, self.held_bytes)
+        if act.chunk == 0:
+            self.saved_chunk0.append(state.saved_bytes)
+
+    def _B(self, act: Action, incoming: torch.Tensor | None) -> None:
+        state = self.states.pop((act.microbatch, act.chunk))
+        self._send_grad(act, StageWork.backward(state, incoming))
+        self.held -= 1
+        self._done(act, state)
+
+    def _I(self, act: Action, incoming: torch.Tensor | None) -> None:
+        state = self.states[(act.microbatch, act.chunk)]
+        self._send_grad(act, StageWork.backward_input(state, incoming))
+        self.held -= 1
+
+    def _W(self, act: Action, incoming: torch.Tensor | None) -> None:
+        state = self.states.pop((act.microbatch, act.chunk))
+        StageWork.backward_weight(state)
+        self._done(act, state)
+
+    def _send_grad(self, act: Action, grad: torch.Tensor | None) -> None:
+        stage = act.stage(self.rank, self.pp)
+        if stage > 0 and grad is not None:
+            self.channels.send(("grad", act.microbatch, stage - 1), grad, (stage - 1) % self.pp)
+
+    def _done(self, act: Action, state: MicroState) -> None:
+        """The micro-batch is finished on this stage: free its buffers and its graph."""
+        self.held_bytes -= state.saved_bytes
+        self._release(act.microbatch, act.stage(self.rank, self.pp))
+
+    def _release(self, mb: int, stage: int) -> None:
+        self.channels.release(("act", mb, stage))
+        self.channels.release(("grad", mb, stage))
+
+    def stats(self, slots: list[Slot]) -> PipelineStats:
+        return PipelineStats(self.peak_held, self.peak_bytes, tuple(self.saved_chunk0), self.wait_s,
+                             sum(s.end - s.start for s in slots))

@@ -1,0 +1,172 @@
+"""Cut a GPT into pipeline stages: embedding on the first, blocks in between, head on the last.
+
+The full model is built once from the seed on every rank and then cut, so every layout starts
+from the same weights; a rank keeps only its own stages and the rest is garbage collected.
+
+Where the cuts go: with one stage per rank, the blocks are split into contiguous runs that
+minimise the largest stage's parameter count (the embedding counted on the first stage, the
+final norm and head on the last), or follow an explicit `balance` list of block counts.
+With `virtual_stages = v > 1` there are v·pp stages of equal size, placed round robin
+(stage = chunk·pp + rank, as in `schedule.py`), so each rank holds v non-adjacent chunks.
+
+Tied embeddings: the first stage reads `embed.weight` and the last stage's head multiplies
+by it. When those stages live on different ranks (pp > 1) the head gets its own copy of the
+weight, made here from the same values; the runner then adds the two gradients on both
+ranks after every step (`sum_tied_grads`), so the copies see the same gradient, take the
+same optimizer step and stay bitwise equal — the single-process model, held twice.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from plait.errors import PlaitError
+from plait.models.gpt import GPT
+
+
+class GPTStage(nn.Module):
+    """One pipeline stage of a GPT: a run of blocks, plus the embedding and/or the head.
+
+    Input is token ids on the first stage and hidden states (batch, seq, d_model) on the
+    others; output is logits on the last stage and hidden states elsewhere.
+    """
+
+    def __init__(self, model: GPT, index: int, num_stages: int, first_layer: int, layers: int,
+                 untie_head: bool):
+        super().__init__()
+        self.index, self.num_stages, self.first_layer = index, num_stages, first_layer
+        self.embed = model.embed if index == 0 else None
+        self.blocks = nn.ModuleList(model.blocks[first_layer:first_layer + layers])
+        last = index == num_stages - 1
+        self.norm = model.norm if last else None
+        tied = model.lm_head.weight is model.embed.weight
+        # deepcopy gives the head its own Parameter with the same values, without drawing
+        # from the random generator (a fresh nn.Linear would).
+        self.lm_head = (copy.deepcopy(model.lm_head) if untie_head and tied else model.lm_head) if last else None
+        # True on the first and the last stage when each holds a copy of the tied weight.
+        self.shares_tied_weight = untie_head and tied and (index == 0 or last)
+        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        seq = x.shape[1]
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        if self.lm_head is not None:
+            x = self.lm_head(self.norm(x))
+        return x
+
+    def global_name(self, name: str) -> str:
+        """The full model's name for this stage's parameter `name` ("blocks.0.x" -> "blocks.4.x")."""
+        return re.sub(r"^blocks\.(\d+)\.", lambda m: f"blocks.{int(m.group(1)) + self.first_layer}.", name)
+
+
+def split_stages(model: GPT, pp: int, *, virtual_stages: int = 1,
+                 balance: Sequence[int] | None = None) -> list[GPTStage]:
+    """All pp·v stages of `model`, in stage order (rank r holds stages r, r + pp, ...).
+
+    `balance`, when given, is the number of blocks in each of the pp·v stages.
+    """
+    v = virtual_stages
+    check_split(len(model.blocks), pp, virtual_stages=v, balance=balance)
+    counts = list(balance) if balance is not None else _default_counts(model, pp, v)
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return [GPTStage(model, i, pp * v, starts[i], counts[i], untie_head=pp > 1)
+            for i in range(pp * v)]
+
+
+def check_split(n_layers: int, pp: int, *, virtual_stages: int = 1, balance: Sequence[int] | None = None) -> None:
+    """Raise PlaitError unless `n_layers` blocks can be cut into pp·v stages (no model needed,
+    so a config can be checked before any process starts)."""
+    v, stages = virtual_stages, pp * virtual_stages
+    if pp < 1 or v < 1:
+        raise PlaitError(f"pp and virtual stages must be at least 1; got pp={pp}, v={v}")
+    if balance is not None:
+        _check_counts(list(balance), stages, n_layers)
+        return
+    if stages > n_layers:
+        what = f"pp={pp}" if v == 1 else f"pp={pp} × virtual stages {v} = {stages} stages"
+        raise PlaitError(f"{what} is more than the model's {n_layers} layers: every stage needs a layer",
+                         hint=f"use pp·v <= {n_layers}, or a model with more layers")
+    if v > 1 and n_layers % stages:
+        raise PlaitError(f"interleaving cuts the {n_layers} layers into v·pp = {v}·{pp} = {stages} equal "
+                         f"chunks, and {n_layers} is not divisible by {stages}",
+                         hint="choose pp and --virtual-stages whose product divides the layer count")
+
+
+def rank_stages(stages: Sequence[nn.Module], rank: int, pp: int) -> nn.ModuleList:
+    """The stages pipeline rank `rank` holds, chunk by chunk: stages rank, rank + pp, ..."""
+    return nn.ModuleList(stages[chunk * pp + rank] for chunk in range(len(stages) // pp))
+
+
+def _default_counts(model: GPT, pp: int, v: int) -> list[int]:
+    n, stages = len(model.blocks), pp * v
+    if v > 1:
+        return [n // stages] * stages
+    return balanced_counts([_numel(b) for b in model.blocks], pp,
+                           first_extra=_numel(model.embed),
+                           last_extra=_numel(model.norm) + model.lm_head.weight.numel())
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _check_counts(counts: list[int], stages: int, n: int) -> None:
+    if len(counts) != stages:
+        raise PlaitError(f"balance gives {len(counts)} block counts but the layout has {stages} stages",
+                         hint="give one block count per stage (pp × virtual stages numbers)")
+    if sum(counts) != n or min(counts) < 1:
+        raise PlaitError(f"balance {counts} must give every stage at least one block and sum to "
+                         f"the model's {n} layers", hint=f"e.g. {_even(n, stages)}")
+
+
+def _even(n: int, stages: int) -> list[int]:
+    return [n // stages + (i < n % stages) for i in range(stages)]
+
+
+def balanced_counts(costs: Sequence[int], parts: int, *, first_extra: int = 0,
+                    last_extra: int = 0) -> list[int]:
+    """Blocks per stage for contiguous stages minimising the largest stage cost.
+
+    Linear partition by dynamic programming (n·parts·n steps: n is a few dozen layers).
+    Ties go to the split whose block counts are most even, so equal layers split evenly.
+    """
+    n = len(costs)
+    prefix = [0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+
+    def cost_of(start: int, end: int, part: int) -> int:
+        extra = (first_extra if part == 0 else 0) + (last_extra if part == parts - 1 else 0)
+        return prefix[end] - prefix[start] + extra
+
+    # best[k][i]: (largest stage cost, spread of counts) for blocks[:i] in k + 1 stages.
+    best: list[dict[int, tuple[tuple[int, int], list[int]]]] = [{} for _ in range(parts)]
+    for i in range(1, n - parts + 2):
+        best[0][i] = ((cost_of(0, i, 0), 0), [i])
+    for k in range(1, parts):
+        for i in range(k + 1, n - parts + k + 2):
+            options = []
+            for j in range(k, i):
+                (worst, _), counts = best[k - 1][j]
+                new = counts + [i - j]
+                options.append(((max(worst, cost_of(j, i, k)), max(new) - min(new)), new))
+            best[k][i] = min(options)
+    return best[parts - 1][n][1]

@@ -1,0 +1,222 @@
+"""Pipeline executor without processes: stage cuts, bad input, and the runner on one rank.
+
+With pp = 1 the runner still walks the schedule action by action (chunks hand their
+activations over locally), so the F/B/I/W machinery is checked here against a plain
+backward; tests/test_pipeline_worlds.py does the same across processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import plait
+from plait.errors import PlaitError
+from plait.models.config import get_preset
+from plait.models.gpt import build_gpt
+from plait.parallel.pipeline import PipelineRunner, apply_pipeline, balanced_counts, check_pipeline, split_stages
+from plait.parallel.pipeline_comm import send_order
+from plait.parallel.pipeline_split import rank_stages
+from plait.parallel.schedule import build_schedule, simulate
+from plait.runtime.comm import Axis, Ledger
+
+
+def config(layers: int = 8, tied: bool = True):
+    return dataclasses.replace(get_preset("tiny"), n_layers=layers, tie_embeddings=tied)
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def micro_batches(m: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    rows = torch.randint(0, 256, (m, 2, 13), generator=torch.Generator().manual_seed(m))
+    return [r[:, :-1] for r in rows], [r[:, 1:] for r in rows]
+
+
+# -- stage split ---------------------------------------------------------------------------------
+def test_default_split_balances_blocks_by_parameter_count():
+    counts = lambda layers, pp: [len(s.blocks) for s in split_stages(build_gpt(config(layers), 0), pp)]  # noqa: E731
+    assert counts(2, 2) == [1, 1]
+    assert counts(8, 4) == [2, 2, 2, 2]
+    assert counts(8, 2) == [4, 4]
+
+
+def test_a_heavy_first_stage_gets_fewer_blocks():
+    counts = balanced_counts([10] * 6, 3, first_extra=25)
+    assert counts[0] == 1 and sum(counts) == 6
+    stage_costs = [10 * c + (25 if i == 0 else 0) for i, c in enumerate(counts)]
+    assert max(stage_costs) == 35  # the best any cut can do
+
+
+def test_explicit_balance_and_global_names():
+    first, second = split_stages(build_gpt(config(8), 0), 2, balance=[3, 5])
+    assert (len(first.blocks), len(second.blocks)) == (3, 5)
+    assert first.embed is not None and first.lm_head is None and second.embed is None
+    assert second.global_name("blocks.0.attn.q_proj.weight") == "blocks.3.attn.q_proj.weight"
+    assert second.global_name("lm_head.weight") == "lm_head.weight"
+
+
+@pytest.mark.parametrize("pp,v", [(1, 1), (2, 1), (4, 1), (2, 2), (2, 4), (4, 2)])
+def test_stages_in_a_row_are_the_model(pp, v):
+    model = build_gpt(config(8), 0)
+    tokens = torch.randint(0, 256, (2, 12))
+    x = tokens
+    for stage in split_stages(model, pp, virtual_stages=v):
+        x = stage(x)
+    assert torch.equal(x, model(tokens))
+
+
+def test_tied_head_is_its_own_copy_only_when_stages_are_on_two_ranks():
+    first, *_, last = split_stages(build_gpt(config(8), 0), 2)
+    assert last.lm_head.weight is not first.embed.weight
+    assert torch.equal(last.lm_head.weight, first.embed.weight)
+    assert first.shares_tied_weight and last.shares_tied_weight
+    first, *_, last = split_stages(build_gpt(config(8), 0), 1, virtual_stages=2)
+    assert last.lm_head.weight is first.embed.weight and not last.shares_tied_weight
+
+
+def test_interleaved_placement_is_round_robin():
+    stages = split_stages(build_gpt(config(8), 0), 2, virtual_stages=2)
+    assert [s.index for s in rank_stages(stages, 1, 2)] == [1, 3]
+    assert [len(s.blocks) for s in stages] == [2, 2, 2, 2]
+
+
+def test_send_order_lists_every_message_once_in_the_senders_order():
+    order = send_order(build_schedule("interleaved", 2, 4, 2), 2, 2)
+    # Rank 0 -> 1 carries stage 0's and stage 2's activations and stage 2's input gradients.
+    kinds = {(kind, stage) for kind, _, stage in order[(0, 1)]}
+    assert kinds == {("act", 1), ("act", 3), ("grad", 1)}
+    assert all(len(keys) == len(set(keys)) for keys in order.values())
+    assert sum(map(len, order.values())) == 2 * 4 * 3  # m messages each way over 3 boundaries
+
+
+# -- bad input -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,words", [
+    ({"pp": 4}, "more than the model's 2 layers"),
+    ({"pp": 2, "virtual_stages": 2}, "more than the model's 2 layers"),
+    ({"pp": 2, "balance": [2]}, "1 block counts but the layout has 2 stages"),
+    ({"pp": 2, "balance": [2, 0]}, "at least one block"),
+    ({"pp": 2, "balance": [1, 2]}, "sum to"),
+])
+def test_bad_splits_say_what_to_change(kwargs, words):
+    with pytest.raises(PlaitError, match=words) as info:
+        split_stages(build_gpt(config(2), 0), **kwargs)
+    assert info.value.hint
+
+
+def test_interleaving_needs_layers_divisible_into_chunks():
+    with pytest.raises(PlaitError, match="not divisible by 4") as info:
+        split_stages(build_gpt(config(6), 0), 2, virtual_stages=2)
+    assert "divides the layer count" in info.value.hint
+
+
+def fake_mesh(pp: int) -> SimpleNamespace:
+    """Enough of a Mesh for the checks that run before any message is sent."""
+    axis = Axis("pp", pp, 0, None, Ledger())
+    return SimpleNamespace(axis=lambda name: axis, device=torch.device("cpu"))
+
+
+def test_interleaved_with_fewer_micro_batches_than_pp_is_refused():
+    stages = rank_stages(split_stages(build_gpt(config(8), 0), 4, virtual_stages=2), 0, 4)
+    runner = PipelineRunner(stages, fake_mesh(4), "interleaved")
+    inputs, targets = micro_batches(2)
+    with pytest.raises(PlaitError, match="at least pp=4 micro-batches") as info:
+        runner.step(inputs, targets, loss_fn)
+    assert "--grad-accum" in info.value.hint
+
+
+def test_unknown_schedule_and_chunks_without_interleaving_are_refused():
+    stages = rank_stages(split_stages(build_gpt(config(8), 0), 2, virtual_stages=2), 0, 2)
+    with pytest.raises(PlaitError, match="unknown pipeline schedule"):
+        PipelineRunner(stages, fake_mesh(2), "pipedream")
+    with pytest.raises(PlaitError, match="runs one stage per rank"):
+        PipelineRunner(stages, fake_mesh(2), "1f1b")
+
+
+def test_check_pipeline_needs_no_model_or_processes():
+    check_pipeline(8, 2, "interleaved", 4, virtual_stages=2)
+    with pytest.raises(PlaitError, match="at least pp=4 micro-batches"):
+        check_pipeline(8, 4, "interleaved", 2, virtual_stages=2)
+    with pytest.raises(PlaitError, match="multiple of pp"):
+        check_pipeline(8, 4, "interleaved", 6, virtual_stages=2)
+    with pytest.raises(PlaitError, match="more than the model's 2 layers"):
+        check_pipeline(2, 4, "1f1b", 8)
+    with pytest.raises(PlaitError, match="unknown pipeline schedule"):
+        check_pipeline(8, 2, "1f2b", 8)
+
+
+def test_split_backward_refuses_a_weight_shared_inside_one_stage():
+    stages = apply_pipeline(build_gpt(config(2, tied=True), 0), plait.init_mesh())
+    with pytest.raises(PlaitError, match="one tensor") as info:
+        PipelineRunner(stages, plait.init_mesh(), "zb-h1")
+    assert "untie" in info.value.hint
+
+
+def test_micro_batches_of_different_shapes_are_refused():
+    mesh = plait.init_mesh()
+    runner = PipelineRunner(apply_pipeline(build_gpt(config(2), 0), mesh), mesh, "gpipe")
+    inputs, targets = micro_batches(2)
+    with pytest.raises(PlaitError, match="one shape"):
+        runner.step([inputs[0], inputs[1][:1]], targets, loss_fn)
+
+
+# -- the runner on one process --------------------------------------------------------------------
+def reference_grads(m: int, tied: bool) -> tuple[float, dict[str, torch.Tensor]]:
+    model = build_gpt(config(4, tied), 0)
+    inputs, targets = micro_batches(m)
+    total = 0.0
+    for x, y in zip(inputs, targets):
+        loss = loss_fn(model(x), y)
+        (loss / m).backward()
+        total += loss.item() / m
+    return total, {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+@pytest.mark.parametrize("schedule,v,tied", [("gpipe", 1, True), ("1f1b", 1, True), ("zb-h1", 1, False),
+                                              ("interleaved", 2, True), ("interleaved", 4, False)])
+def test_one_rank_runner_gives_the_plain_gradients(schedule, v, tied):
+    m, mesh = 4, plait.init_mesh()
+    stages = apply_pipeline(build_gpt(config(4, tied), 0), mesh, virtual_stages=v)
+    runner = PipelineRunner(stages, mesh, schedule)
+    inputs, targets = micro_batches(m)
+    loss = runner.step(inputs, targets, loss_fn)
+    expected_loss, expected = reference_grads(m, tied)
+    assert loss == pytest.approx(expected_loss, rel=1e-6)
+    for stage in stages:
+        for name, param in stage.named_parameters():
+            torch.testing.assert_close(param.grad, expected[stage.global_name(name)], rtol=1e-5, atol=1e-7)
+    assert runner.eval_loss(inputs, targets, loss_fn) == pytest.approx(runner_eval_reference(stages, inputs, targets))
+    timeline = runner.last_timeline
+    assert [len(row) for row in timeline.rows] == [len(build_schedule(schedule, 1, m, v)[0])]
+    assert all(s.start <= s.end for s in timeline.rows[0])
+
+
+def runner_eval_reference(stages, inputs, targets) -> float:
+    """Mean loss of the (already stepped-on, not updated) stages run back to back."""
+    total = 0.0
+    with torch.no_grad():
+        for x, y in zip(inputs, targets):
+            for stage in stages:
+                x = stage(x)
+            total += loss_fn(x, y).item()
+    return total / len(inputs)
+
+
+def test_held_activations_are_counted_and_freed():
+    mesh = plait.init_mesh()
+    inputs, targets = micro_batches(4)
+    held = {}
+    for schedule in ("gpipe", "1f1b"):
+        runner = PipelineRunner(apply_pipeline(build_gpt(config(2), 0), mesh), mesh, schedule)
+        runner.step(inputs, targets, loss_fn)
+        held[schedule] = runner.last_stats
+    per_micro_batch = held["gpipe"].saved_bytes[0]
+    assert set(held["gpipe"].saved_bytes) == {per_micro_batch} and per_micro_batch > 0
+    assert (held["gpipe"].peak_inflight, held["gpipe"].peak_saved_bytes) == (4, 4 * per_micro_batch)
+    assert (held["1f1b"].peak_inflight, held["1f1b"].peak_saved_bytes) == (1, per_micro_batch)
+    assert simulate(build_schedule("gpipe", 1, 4), 1).peak_inflight == (4,)

@@ -1,0 +1,121 @@
+"""Pipeline parallelism across processes: pp = 2, pp = 4 and pp = 2 × dp = 2 worlds.
+
+Each world (tests/worlds/pipeline_world.py) trains every schedule for m = 1, 4, 8 against a
+one-process reference computed in the same world, and, without dp, runs the same stages
+under torch.distributed.pipelining. Tolerances: losses and parameters rtol 1e-4 (the issue's
+bar for PP: the tied embedding's two gradient halves are summed in another order than in one
+process); in practice the losses agree to ~1e-7 and torch's schedules give identical bits.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.parallel.schedule import build_schedule, simulate
+from tests.parity import assert_losses_close
+from tests.worldlib import run_world
+from tests.worlds.pipeline_world import last_rank_reversed
+
+PP_RTOL = 1e-4
+LAYOUTS = {"pp2": (2, 1), "pp4": (4, 1), "pp2xdp2": (2, 2)}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def world(request, tmp_path_factory):
+    pp, dp = LAYOUTS[request.param]
+    _, reports = run_world("pipeline_world.py", pp * dp, tmp_path_factory.mktemp(request.param), "--dp", str(dp))
+    return pp, dp, reports
+
+
+def schedule_of(name: str, pp: int) -> list:
+    """The schedule a run key such as "1f1b/v1/m4" ran."""
+    kind, v, m = name.split("/")
+    v, m = int(v[1:]), int(m[1:])
+    return last_rank_reversed(pp, m, v) if kind == "reversed" else build_schedule(kind, pp, m, v)
+
+
+def runs(reports: list[dict]):
+    for report in reports:
+        for name, run in report["runs"].items():
+            yield report, name, run
+
+
+def test_losses_and_parameters_match_one_process(world):
+    _, _, reports = world
+    for _, name, run in runs(reports):
+        assert_losses_close(run["losses"], run["ref_losses"], rtol=PP_RTOL)
+        assert run["param_error"] == "", name
+    for name in reports[0]["runs"]:  # every rank reports the same (broadcast) loss
+        assert len({tuple(r["runs"][name]["losses"]) for r in reports}) == 1
+
+
+def test_same_losses_and_weights_as_torch_pipelining(world):
+    pp, dp, reports = world
+    if dp > 1:
+        pytest.skip("torch's schedules are compared without data parallelism")
+    last = next(r for r in reports if r["rank"] == pp - 1)
+    assert sorted(last["torch"]) == sorted(reports[0]["torch"]) and len(last["torch"]) == 3
+    for report in reports:
+        for name, run in report["torch"].items():
+            assert run["torch_param_error"] == "" and run["plait"]["param_error"] == "", name
+            assert run["max_param_diff"] <= 1e-6, name
+    for run in last["torch"].values():
+        assert_losses_close(run["torch_losses"], run["plait"]["losses"])
+        assert_losses_close(run["torch_losses"], run["plait"]["ref_losses"], rtol=PP_RTOL)
+
+
+def test_ledger_carries_one_activation_each_way_per_micro_batch_and_boundary(world):
+    pp, dp, reports = world
+    for report, name, run in runs(reports):
+        r, v, m = report["rank"], int(name.split("/")[1][1:]), int(name.split("/")[2][1:])
+        stages = [c * pp + r for c in range(v)]
+        boundaries = sum((k < pp * v - 1) + (k > 0) for k in stages)  # this rank's sends per micro-batch
+        tied = run["tied_bytes"] if r in (0, pp - 1) else 0  # the tied embedding's gradient, once a step
+        expected = boundaries * m * run["act_bytes"] + tied
+        assert run["comm"]["pp"]["send"] == run["comm"]["pp"]["recv"] == expected, name
+    assert reports[0]["runs"]["1f1b/v1/m4"]["act_bytes"] == 2 * 16 * 64 * 4  # b·s·h·4 bytes
+
+
+def test_data_parallel_gradients_are_reduced_once_per_step(world):
+    _, dp, reports = world
+    if dp == 1:
+        pytest.skip("needs dp > 1")
+    for _, name, run in runs(reports):
+        ring = 2 * (dp - 1) / dp * run["stage_param_bytes"]  # one all-reduce of this stage's gradients
+        assert run["comm"]["dp"] == {"all_reduce": ring}, name
+
+
+def test_held_activations_follow_the_schedule(world):
+    pp, _, reports = world
+    for report, name, run in runs(reports):
+        r, m = report["rank"], int(name.split("/")[2][1:])
+        sim = simulate(schedule_of(name, pp), pp, v=int(name.split("/")[1][1:]))
+        assert run["peak_inflight"] == sim.peak_inflight[r] == run["timeline_peak"][r], name
+        if name.startswith(("gpipe", "reversed")):
+            assert run["peak_inflight"] == m
+        if name.startswith(("1f1b", "zb-h1")):
+            assert run["peak_inflight"] == min(pp - r, m)
+        if "v1" in name:  # bytes: the count times one micro-batch's saved tensors
+            # (a pending W keeps its whole graph here, so ZB-H1 holds peak_live of them)
+            assert run["peak_saved_bytes"] == sim.peak_live[r] * run["saved_bytes"][0], name
+
+
+def test_measured_timeline_covers_every_action(world):
+    pp, _, reports = world
+    for _, name, run in runs(reports):
+        assert run["timeline_rows"] == [len(row) for row in schedule_of(name, pp)], name
+        assert 0.0 <= run["bubble"] < 1.0
+
+
+def test_receive_buffers_are_reused_across_micro_batches_and_steps(world):
+    pp, dp, reports = world
+    last = next(r for r in reports if r["rank"] == pp - 1)
+    if dp == 1:
+        assert last["runs"]["gpipe/v1/m8"]["pool_buffers"] == 8  # GPipe holds all m inputs
+        assert last["runs"]["1f1b/v1/m8"]["pool_buffers"] <= 2  # 3 steps × 8 messages, 2 buffers
+
+
+def test_eval_loss_matches_the_reference(world):
+    _, _, reports = world
+    for report in reports:
+        assert_losses_close([report["eval"]["plait"]], [report["eval"]["reference"]])

@@ -1,0 +1,138 @@
+"""Shared by the pipeline worlds: data, the one-process reference, plait's runner, torch's.
+
+Every run trains the same tiny GPT for STEPS AdamW steps on the same micro-batches; the
+reference does it in one process with gradient accumulation over all of them, so any
+pipeline layout must reproduce its losses and its final parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import plait
+from plait.models.config import GPTConfig, get_preset
+from plait.models.gpt import build_gpt
+from plait.parallel.pipeline import PipelineRunner, apply_pipeline, split_stages
+from plait.parallel.pipeline_split import rank_stages
+from plait.runtime import comm
+from tests.parity import assert_params_close
+
+SEQ, MICRO, STEPS, SEED, LR, CLIP = 16, 2, 3, 1234, 3e-3, 1.0
+PP_PARAM_RTOL = 1e-4  # PP sums the tied embedding's two halves in another order (docs/pipeline.md)
+torch.set_num_threads(1)
+
+
+def gpt_config(layers: int, tied: bool = True) -> GPTConfig:
+    return dataclasses.replace(get_preset("tiny"), n_layers=layers, tie_embeddings=tied)
+
+
+def batches(m: int, dp: int = 1) -> torch.Tensor:
+    """(STEPS, dp·m, MICRO, SEQ + 1) token ids, the same on every rank."""
+    generator = torch.Generator().manual_seed(SEED + m)
+    return torch.randint(0, 256, (STEPS, dp * m, MICRO, SEQ + 1), generator=generator)
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def adamw(module: nn.Module) -> torch.optim.Optimizer:
+    return plait.build_optimizer(module, torch.optim.AdamW, lr=LR, weight_decay=0.1)
+
+
+def train_reference(config: GPTConfig, data: torch.Tensor, clip: bool) -> dict[str, Any]:
+    """One process, accumulating over every micro-batch of the step (all dp ranks' too)."""
+    model = build_gpt(config, SEED)
+    opt = adamw(model)
+    losses = []
+    for step in data:
+        total = 0.0
+        for rows in step:
+            loss = loss_fn(model(rows[:, :-1]), rows[:, 1:])
+            (loss / len(step)).backward()
+            total += loss.item() / len(step)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return {"model": model, "losses": losses}
+
+
+def train_plait(config: GPTConfig, mesh: Any, schedule: str, v: int, data: torch.Tensor,
+                clip: bool) -> dict[str, Any]:
+    """plait's runner on this rank's stages (and dp shard), as a trainer would drive it."""
+    dp, dp_rank = mesh.size("dp"), mesh.rank("dp")
+    stages = apply_pipeline(build_gpt(config, SEED), mesh, virtual_stages=v)
+    plait.parallelize(stages, mesh, plait.ParallelConfig())  # plain DDP over dp when dp > 1
+    opt = adamw(stages)
+    runner = PipelineRunner(stages, mesh, schedule)
+    losses = []
+    for step in data:
+        mine = step.chunk(dp)[dp_rank]
+        before = mesh.ledger.snapshot()
+        loss = runner.step([r[:, :-1] for r in mine], [r[:, 1:] for r in mine], loss_fn)
+        if clip:
+            runner.clip_grad_norm_(CLIP)
+        opt.step()
+        opt.zero_grad()
+        step_comm = mesh.ledger.since(before)
+        mean = torch.tensor([loss], dtype=torch.float64)
+        comm.all_reduce(mean, mesh.axis("dp"), purpose=comm.TELEMETRY)
+        losses.append(mean.item() / dp)
+    return {"stages": stages, "runner": runner, "losses": losses, "comm": step_comm}
+
+
+def train_torch(config: GPTConfig, mesh: Any, schedule: str, v: int, data: torch.Tensor) -> dict[str, Any]:
+    """torch.distributed.pipelining on the same stages, the same data, no clipping."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    pp, rank = mesh.size("pp"), mesh.rank("pp")
+    stages = rank_stages(split_stages(build_gpt(config, SEED), pp, virtual_stages=v), rank, pp)
+    pipe_stages = [PipelineStage(stage, stage.index, pp * v, mesh.device, group=mesh.group("pp"))
+                   for stage in stages]
+    m = data.shape[1]
+    kinds = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+    first = pipe_stages[0] if schedule != "interleaved" else pipe_stages
+    sched = kinds[schedule](first, n_microbatches=m, loss_fn=loss_fn)
+    opt = adamw(stages)
+    losses = []
+    for step in data:
+        full = step.flatten(0, 1)  # torch cuts the batch back into the same m micro-batches
+        kwargs: dict[str, Any] = {}
+        if any(s.is_last for s in stages):
+            kwargs = {"target": full[:, 1:], "losses": (step_losses := [])}
+        if rank == 0:
+            sched.step(full[:, :-1], **kwargs)
+        else:
+            sched.step(**kwargs)
+        opt.step()
+        opt.zero_grad()
+        losses.append(sum(x.item() for x in step_losses) / m if kwargs else None)
+    return {"stages": stages, "losses": losses}
+
+
+def param_error(stages: nn.ModuleList, reference: nn.Module, rtol: float = PP_PARAM_RTOL) -> str:
+    """'' when this rank's stage parameters match the reference's, else the mismatch."""
+    ref = dict(reference.named_parameters(remove_duplicate=False))
+    actual, expected = {}, {}
+    for stage in stages:
+        for name, param in stage.named_parameters():
+            full = stage.global_name(name)
+            actual[full] = param.detach().flatten().tolist()
+            expected[full] = ref[full].detach().flatten().tolist()
+    try:
+        assert_params_close(actual, expected, rtol=rtol)
+    except AssertionError as err:
+        return str(err)[:400]
+    return ""
+
+
+def max_param_diff(a: nn.ModuleList, b: nn.ModuleList) -> float:
+    """Largest |a - b| over the parameters of two copies of this rank's stages."""
+    return max((pa - pb).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters()))
