@@ -83,14 +83,20 @@ class GradSync:
         if self.enabled:
             for bucket in self.buckets:
                 if bucket.handle is None:
-                    self._fill_missing(bucket)
+                    self._collect(bucket)
                     self._launch(bucket)
-            for bucket in self.buckets:
-                bucket.handle.wait()
-                bucket.handle = None
+            self._wait_all()
         for bucket in self.buckets:
             bucket.ready = 0
         self.events.append(("backward_end", -1))
+
+    def sync_now(self) -> None:
+        """Average every bucket now, for callers that ran all their backwards under no_sync
+        (the pipeline executor: with split backward, weight gradients arrive in many calls)."""
+        for bucket in self.buckets:
+            self._collect(bucket)
+            self._launch(bucket)
+        self._wait_all()
 
     # -- internals ---------------------------------------------------------------------------
     def _launch(self, bucket: Bucket) -> None:
@@ -99,13 +105,22 @@ class GradSync:
         bucket.handle = comm.all_reduce(bucket.flat, self.axis, async_op=True)
         self.events.append(("launch" if self._in_backward else "launch_late", bucket.index))
 
+    def _wait_all(self) -> None:
+        for bucket in self.buckets:
+            if bucket.handle is not None:
+                bucket.handle.wait()
+                bucket.handle = None
+
     @staticmethod
-    def _fill_missing(bucket: Bucket) -> None:
-        """A parameter unused this step contributes zeros (its stale view is cleared)."""
+    def _collect(bucket: Bucket) -> None:
+        """Put every gradient in its bucket view: an unused parameter contributes zeros, and a
+        gradient set afresh (not through the hook) is copied in."""
         for param, view in zip(bucket.params, bucket.views):
             if param.grad is None:
                 view.zero_()
-                param.grad = view
+            elif param.grad is not view:
+                view.copy_(param.grad)
+            param.grad = view
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:

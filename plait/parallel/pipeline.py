@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from plait.errors import PlaitError
-from plait.parallel.data import Bucket, GradSync, grad_sync, no_sync
+from plait.parallel.data import GradSync, grad_sync, no_sync
 from plait.parallel.pipeline_comm import BufferPool, Channels, Key, agree_shapes, send_order, sum_tied_grads
 from plait.parallel.pipeline_exec import LossFn, PipelineStats, StageWork, StepRun
 from plait.parallel.pipeline_split import GPTStage, balanced_counts, check_split, rank_stages, split_stages
@@ -201,15 +201,8 @@ class PipelineRunner:
         small backward calls, and DDP's end-of-backward hook would fire after each one.
         """
         sync = grad_sync(self.module)
-        if sync is None:
-            return
-        handles = []
-        for bucket in sync.buckets:
-            _into_bucket(bucket)
-            bucket.flat.div_(sync.axis.size)  # pre-divide so the sum is the mean, as DDP does
-            handles.append(comm.all_reduce(bucket.flat, sync.axis, async_op=True))
-        for handle in handles:
-            handle.wait()
+        if sync is not None:
+            sync.sync_now()
 
     def _sum_tied(self) -> None:
         """Add the gradients of the tied embedding's two copies, on the first and last rank."""
@@ -241,16 +234,6 @@ class PipelineRunner:
         rows = tuple(tuple(Slot(act, float(t[0]), float(t[1])) for act, t in zip(schedule[r], stacked[r].tolist()))
                      for r in range(self.pp))
         return Timeline(pp=self.pp, v=self.v, rows=rows)
-
-
-def _into_bucket(bucket: Bucket) -> None:
-    """Put every gradient back in its bucket view (a W may have set .grad afresh)."""
-    for param, view in zip(bucket.params, bucket.views):
-        if param.grad is None:
-            view.zero_()  # unused this step: contributes zeros, as in DDP
-        elif param.grad is not view:
-            view.copy_(param.grad)
-        param.grad = view
 
 
 def _check_data_parallel(module: nn.Module) -> None:
