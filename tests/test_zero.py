@@ -1,0 +1,236 @@
+"""ZeRO without processes: shard arithmetic, formulas, config errors, and the machinery on one rank.
+
+On a one-rank axis every collective is a local copy, so the hooks, the gathering and freeing,
+the sharded optimizer and `full_parameters` can be checked in-process in milliseconds;
+tests/test_zero_worlds.py checks the same code across 2 and 4 processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import plait
+from plait.errors import PlaitError
+from plait.models.config import get_preset
+from plait.models.gpt import build_gpt
+from plait.parallel.zero import apply_zero, clip_grad_norm, full_parameters, require_reduce_scatter, zero_of
+from plait.parallel.zero_shard import (ZeroOptimizer, comm_formula, find_units, memory_formula, owned_pieces,
+                                       owned_range, padded_memory, shard_size, unit_owners, zero_state_bytes)
+from plait.runtime.comm import Axis, Ledger
+
+
+def one_rank() -> Axis:
+    return Axis("dp", 1, 0, None, Ledger())
+
+
+# -- arithmetic -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("numel", [1, 5, 7, 64, 77, 1000])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+def test_shards_partition_the_real_elements_and_never_own_padding(numel: int, n: int) -> None:
+    size = shard_size(numel, n)
+    assert size * n >= numel > (size - 1) * n
+    covered = []
+    for rank in range(n):
+        lo, hi = owned_range(numel, n, rank)
+        assert lo == hi or rank * size <= lo < hi <= min((rank + 1) * size, numel)
+        covered += range(lo, hi)
+    assert covered == list(range(numel))
+
+
+def test_pieces_cut_shards_at_parameter_boundaries() -> None:
+    sizes = [3, 4, 2]  # 9 elements, n = 2: shards [0, 5) and [5, 9) + one padding element
+    assert owned_pieces(sizes, 2, 0) == [(0, 0, 3), (1, 3, 5)]
+    assert owned_pieces(sizes, 2, 1) == [(1, 5, 7), (2, 7, 9)]
+    assert owned_pieces([1], 4, 3) == []  # a rank may own only padding
+
+
+def test_memory_formulas_are_the_papers() -> None:
+    psi, n = 1000, 4
+    assert memory_formula(0, psi, n) == {"params": 4000, "grads": 4000, "optim": 8000}  # (4+4+8)Ψ
+    assert memory_formula(1, psi, n) == {"params": 4000, "grads": 4000, "optim": 2000}  # (4+4)Ψ + 8Ψ/N
+    assert memory_formula(2, psi, n) == {"params": 4000, "grads": 1000, "optim": 2000}  # 4Ψ + (4+8)Ψ/N
+    assert memory_formula(3, psi, n) == {"params": 1000, "grads": 1000, "optim": 2000}  # 16Ψ/N
+    mixed = memory_formula(3, psi, n, param_bytes=2, grad_bytes=2, k=12)  # (2+2+K)Ψ/N, K = 12
+    assert sum(mixed.values()) == 16 * psi / n
+    for stage in (1, 2, 3):  # padding only when the groups do not divide by n
+        assert padded_memory(stage, [1000, 600], n, 1) == memory_formula(stage, 1600, n)
+        padded = padded_memory(stage, [1001, 601], n, 3)  # 6 padding elements, of at most 8 bytes
+        assert all(abs(padded[k] - v) <= 8 * 6 for k, v in memory_formula(stage, 1602, n).items())
+
+
+def test_comm_formulas() -> None:
+    s, n = 4000, 4
+    assert sum(comm_formula(0, s, n).values()) == 2 * (n - 1) / n * s
+    assert sum(comm_formula(1, s, n).values()) == sum(comm_formula(2, s, n).values()) == 2 * (n - 1) / n * s
+    assert sum(comm_formula(3, s, n).values()) == 3 * (n - 1) / n * s
+    assert comm_formula(1, s, n, micro_batches=2) == comm_formula(1, s, n)  # no_sync: one reduction
+    assert comm_formula(2, s, n, micro_batches=2)["reduce_scatter"] == 2 * (n - 1) / n * s  # one per micro-batch
+    assert comm_formula(3, s, n, micro_batches=2) == {"all_gather": 4 * (n - 1) / n * s,
+                                                      "reduce_scatter": 2 * (n - 1) / n * s}
+
+
+# -- configuration and errors ------------------------------------------------------------------------
+def test_config_accepts_stages_and_rejects_bad_input() -> None:
+    for stage in (0, 1, 2, 3):
+        assert plait.ParallelConfig(zero=stage).zero == stage
+    assert plait.ParallelConfig(zero=2, offload=True).offload
+    with pytest.raises(PlaitError, match="--zero must be 0, 1, 2 or 3, got 4") as info:
+        plait.ParallelConfig(zero=4)
+    assert "shard optimizer states" in info.value.hint
+    with pytest.raises(PlaitError, match="--offload needs a ZeRO stage") as info:
+        plait.ParallelConfig(offload=True)
+    assert info.value.hint == "add --zero 1 (or 2, 3)"
+
+
+def test_backend_without_reduce_scatter_names_the_fix() -> None:
+    require_reduce_scatter("gloo", 2)
+    require_reduce_scatter("nccl", 3)
+    with pytest.raises(PlaitError, match="--zero 1 needs reduce_scatter, which the mpi backend") as info:
+        require_reduce_scatter("mpi", 1)
+    assert "--backend gloo" in info.value.hint and "drop --zero" in info.value.hint
+
+
+def test_apply_zero_rejects_stage_0_and_a_second_application() -> None:
+    model = nn.Linear(3, 3)
+    with pytest.raises(PlaitError, match="stage 1, 2 or 3"):
+        apply_zero(model, one_rank(), stage=0)
+    apply_zero(model, one_rank(), stage=1)
+    with pytest.raises(PlaitError, match="already"):
+        apply_zero(model, one_rank(), stage=2)
+
+
+# -- units -----------------------------------------------------------------------------------------
+def test_units_are_the_children_of_module_lists() -> None:
+    gpt = build_gpt(get_preset("tiny"), 0)
+    assert find_units(gpt) == list(gpt.blocks)
+    seq = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+    assert find_units(seq) == [seq[0], seq[2][0], seq[2][1]]
+    assert find_units(nn.Linear(2, 2)) == []
+
+
+def test_tied_and_shared_parameters_belong_to_the_root() -> None:
+    gpt = build_gpt(get_preset("tiny"), 0)
+    owner, where = unit_owners(gpt, list(gpt.blocks))
+    assert owner[gpt.embed.weight] == -1 and owner[gpt.blocks[1].mlp.up_proj.weight] == 1
+    tied = [(m, name) for m, name, p in where if p is gpt.embed.weight]
+    assert tied == [(gpt.embed, "weight"), (gpt.lm_head, "weight")]
+    shared = nn.Linear(2, 2)
+    two = nn.ModuleList([nn.Sequential(shared), nn.Sequential(shared)])
+    owner, _ = unit_owners(two, list(two))
+    assert owner[shared.weight] == -1
+
+
+# -- the machinery on one rank ---------------------------------------------------------------------
+def _train(model: nn.Module, stage: int | None, steps: int = 3, accum: int = 1, clip: float = 0.1,
+           **opt: float) -> list[float]:
+    if stage is not None:
+        apply_zero(model, one_rank(), stage=stage, bucket_mb=0.01, **opt)
+    optimizer = plait.build_optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        rows = torch.randint(0, 256, (4, 9), generator=gen)
+        for k, micro in enumerate(rows.chunk(accum)):
+            with plait.no_sync(model) if k < accum - 1 else contextlib.nullcontext():
+                loss = F.cross_entropy(model(micro[:, :-1]).flatten(0, 1).float(), micro[:, 1:].flatten())
+                (loss / accum).backward()
+        losses.append(loss.item())
+        clip_grad_norm(model, clip)
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("accum", [1, 2])
+def test_one_rank_zero_trains_exactly_like_plain_torch(stage: int, accum: int) -> None:
+    """Bit for bit without clipping (the clipping norm is summed in another order than torch's)."""
+    plain, sharded = build_gpt(get_preset("tiny"), 0), build_gpt(get_preset("tiny"), 0)
+    assert _train(plain, None, accum=accum, clip=math.inf) == _train(sharded, stage, accum=accum, clip=math.inf)
+    with full_parameters(sharded):
+        got = sharded.state_dict()
+        for name, want in plain.state_dict().items():
+            assert torch.equal(got[name], want), name
+
+
+def test_stage_3_frees_every_unit_and_full_parameters_round_trips() -> None:
+    model = build_gpt(get_preset("tiny"), 0)
+    names = sorted(model.state_dict())
+    _train(model, 3, steps=1)
+    sync = zero_of(model)
+    assert sync is not None and all(g.flat.untyped_storage().nbytes() == 0 for g in sync.groups)
+    shards = sorted(n for n, _ in model.named_parameters())
+    assert shards == ["blocks.0.plait_shard", "blocks.1.plait_shard", "plait_shard"]
+    assert model.blocks[0].attn.q_proj.weight.numel() == 0  # a placeholder outside forward
+    with full_parameters(model):
+        assert sorted(model.state_dict()) == names
+        model.blocks[0].mlp.up_proj.weight.data.fill_(0.5)  # loading inside the block sticks
+    with torch.no_grad():
+        out = model.generate(torch.tensor([[1, 2, 3]]), 4)  # no-grad forwards gather and free too
+    assert out.shape == (1, 7) and all(g.flat.untyped_storage().nbytes() == 0 for g in sync.groups)
+    with full_parameters(model):
+        assert (model.blocks[0].mlp.up_proj.weight == 0.5).all()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_keeps_fp32_masters_and_offload_keeps_them_on_the_cpu(stage: int) -> None:
+    model = build_gpt(get_preset("tiny"), 0).to(torch.bfloat16)
+    _train(model, stage, steps=2, offload=True)
+    psi = get_preset("tiny").num_params()
+    optimizer = plait.build_optimizer(model, torch.optim.AdamW, lr=1e-2)
+    assert isinstance(optimizer, ZeroOptimizer) and isinstance(optimizer, torch.optim.Optimizer)
+    assert all(p.master is not None and p.master.dtype == torch.float32 and p.master.device.type == "cpu"
+               for p in optimizer.slices)
+    _step(model, optimizer)
+    formula = memory_formula(stage, psi, 1, param_bytes=2, grad_bytes=2, k=12)
+    assert zero_state_bytes(model, optimizer) == {k: int(v) for k, v in formula.items()}
+
+
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    rows = torch.randint(0, 256, (2, 9))
+    F.cross_entropy(model(rows[:, :-1]).flatten(0, 1).float(), rows[:, 1:].flatten()).backward()
+    optimizer.step()
+
+
+def test_zero_optimizer_acts_like_a_torch_optimizer() -> None:
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    apply_zero(model, one_rank(), stage=2)
+    optimizer = plait.build_optimizer(model, torch.optim.AdamW, lr=0.1, weight_decay=0.1)
+    assert [len(g["params"]) for g in optimizer.param_groups] == [2, 2]  # weights / biases (no decay)
+    assert optimizer.param_groups[1]["weight_decay"] == 0.0
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0  # what the trainer does every step
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(len(s) == 3 for s in optimizer.state.values())  # step, exp_avg, exp_avg_sq
+    assert set(optimizer.state_dict()) == {"state", "param_groups"}
+
+
+def test_frozen_parameters_stay_whole_and_untouched() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    model[0].weight.requires_grad_(False)
+    frozen = model[0].weight.detach().clone()
+    apply_zero(model, one_rank(), stage=3)
+    optimizer = plait.build_optimizer(model, torch.optim.SGD, lr=0.5)
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    assert torch.equal(model[0].weight, frozen)
+
+
+def test_fp32_offload_picks_up_weights_loaded_after_the_optimizer_was_built() -> None:
+    model = build_gpt(get_preset("tiny"), 0)
+    apply_zero(model, one_rank(), stage=3, offload=True)
+    optimizer = plait.build_optimizer(model, torch.optim.SGD, lr=0.0)
+    with full_parameters(model):
+        model.blocks[0].mlp.up_proj.weight.data.fill_(0.5)
+    _step(model, optimizer)  # lr 0: the step must leave the loaded weights as they are
+    with full_parameters(model):
+        assert (model.blocks[0].mlp.up_proj.weight == 0.5).all()

@@ -1,0 +1,170 @@
+"""Shared by the ZeRO worlds: models, data, one training run with plait, references to compare with.
+
+Every run trains `steps` optimizer steps on the same global batches. A plait run splits each
+global batch across the dp ranks (and into micro-batches with accumulation); a reference
+run sees the whole global batch in one process. Runs return plain numbers (JSON-able), and
+the final parameters as tensors, so that the world script can compare and report them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import plait
+from plait.models.config import get_preset
+from plait.models.gpt import build_gpt
+from plait.parallel.zero import clip_grad_norm, full_parameters, zero_of
+from plait.parallel.zero_shard import zero_state_bytes
+from plait.runtime import comm
+from plait.train.meter import model_state_bytes
+
+GLOBAL_BATCH, SEQ, STEPS = 8, 16, 3
+CLIP = 0.1  # below the tiny GPT's gradient norm (~0.5), so clipping really scales
+RTOL, ATOL = 1e-5, 1e-7  # SGD runs: atol for parameters that pass through zero (see test_zero_worlds)
+ADAM_LR = 1e-3
+
+
+class UserMLP(nn.Module):
+    """A model plait has never seen, with odd sizes so that shards need padding."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(6, 7)
+        self.layers = nn.Sequential(nn.Linear(7, 10), nn.Tanh(), nn.Linear(10, 7), nn.GELU())
+        self.out = nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.layers(torch.tanh(self.inp(x))))
+
+
+def make_model(kind: str, dtype: torch.dtype = torch.float32) -> nn.Module:
+    model = build_gpt(get_preset("tiny"), 0) if kind == "gpt" else UserMLP()
+    return model.to(dtype)
+
+
+def batches(kind: str, steps: int = STEPS) -> list[torch.Tensor]:
+    """Global batches: token rows (GPT) or feature rows whose last column is the class (MLP)."""
+    gen = torch.Generator().manual_seed(1)
+    if kind == "gpt":
+        return [torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=gen) for _ in range(steps)]
+    return [torch.cat([torch.randn(GLOBAL_BATCH, 6, generator=gen),
+                       torch.randint(0, 3, (GLOBAL_BATCH, 1), generator=gen).float()], 1) for _ in range(steps)]
+
+
+def loss_fn(model: nn.Module, rows: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "gpt":
+        logits = model(rows[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1).float(), rows[:, 1:].flatten())
+    x = rows[:, :-1].to(next(model.parameters()).dtype)
+    return F.cross_entropy(model(x).float(), rows[:, -1].long())
+
+
+def make_optimizer(model: nn.Module, optim: str) -> torch.optim.Optimizer:
+    if optim == "adamw":
+        return plait.build_optimizer(model, torch.optim.AdamW, lr=ADAM_LR, weight_decay=0.1)
+    return plait.build_optimizer(model, torch.optim.SGD, lr=0.5, momentum=0.9, weight_decay=0.1)
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    with full_parameters(model):
+        return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+
+
+def build(mesh: Any, *, stage: int, kind: str = "gpt", offload: bool = False, optim: str = "adamw",
+          dtype: torch.dtype = torch.float32, bucket_mb: float = 0.02) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model and optimizer a run trains (stage 0 is plait's DDP)."""
+    model = make_model(kind, dtype)
+    plait.parallelize(model, mesh, plait.ParallelConfig(zero=stage, offload=offload, bucket_mb=bucket_mb))
+    return model, make_optimizer(model, optim)
+
+
+def train(mesh: Any, model: nn.Module, optimizer: torch.optim.Optimizer, rows_per_step: list[torch.Tensor], *,
+          kind: str = "gpt", accum: int = 1) -> dict[str, Any]:
+    """Optimizer steps on `rows_per_step`; this rank takes its share, in `accum` micro-batches."""
+    n, r = mesh.size("dp"), mesh.rank("dp")
+    out: dict[str, Any] = {"losses": [], "norms": [], "ledger": [], "events": []}
+    local = GLOBAL_BATCH // n
+    sync = zero_of(model)
+    for rows in rows_per_step:
+        before = mesh.ledger.snapshot()
+        if sync is not None:
+            sync.events.clear()
+        total = 0.0
+        for k, mb in enumerate(rows[r * local:(r + 1) * local].chunk(accum)):
+            with plait.no_sync(model) if k < accum - 1 else contextlib.nullcontext():
+                loss = loss_fn(model, mb, kind)
+                (loss / accum).backward()
+            total += loss.item() / accum
+        out["norms"].append(clip_grad_norm(model, CLIP))
+        optimizer.step()
+        out["mem"] = zero_state_bytes(model, optimizer) if sync else model_state_bytes(model, optimizer)
+        out["meter"] = model_state_bytes(model, optimizer)  # the trainer's meter, unchanged
+        optimizer.zero_grad()
+        out["ledger"].append(mesh.ledger.since(before).get("dp", {}))
+        out["events"].append(list(sync.events) if sync else [])
+        mean = torch.tensor([total], dtype=torch.float64)
+        comm.all_reduce(mean, mesh.axis("dp"), purpose=comm.TELEMETRY)
+        out["losses"].append(mean.item() / n)
+    return out
+
+
+def run_plait(mesh: Any, *, stage: int, kind: str = "gpt", accum: int = 1, offload: bool = False,
+              optim: str = "adamw", dtype: torch.dtype = torch.float32, bucket_mb: float = 0.02,
+              steps: int = STEPS) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Train with plait; return the numbers (with the run's options) and the final parameters."""
+    model, optimizer = build(mesh, stage=stage, kind=kind, offload=offload, optim=optim, dtype=dtype,
+                             bucket_mb=bucket_mb)
+    out = train(mesh, model, optimizer, batches(kind, steps), kind=kind, accum=accum)
+    out.update(stage=stage, kind=kind, accum=accum, offload=offload, optim=optim, dtype=str(dtype))
+    sync = zero_of(model)
+    out["groups"] = [sum(g.sizes) for g in sync.groups] if sync else []
+    out["num_params"] = sum(out["groups"]) if sync else sum(p.numel() for p in model.parameters())
+    return out, full_state(model)
+
+
+def run_reference(*, kind: str = "gpt", optim: str = "adamw", dtype: torch.dtype = torch.float32,
+                  steps: int = STEPS) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """One process, whole global batch, plain torch (no plait strategy); bf16 keeps fp32 masters."""
+    model = make_model(kind, dtype)
+    params = [p for p in model.parameters()]
+    masters = [p.detach().float().clone().requires_grad_() for p in params] if dtype != torch.float32 else params
+    groups = [{"params": [m for m, p in zip(masters, params) if p.ndim >= 2]},
+              {"params": [m for m, p in zip(masters, params) if p.ndim < 2], "weight_decay": 0.0}]
+    if optim == "adamw":
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=ADAM_LR, weight_decay=0.1)
+    else:
+        optimizer = torch.optim.SGD(groups, lr=0.5, momentum=0.9, weight_decay=0.1)
+    out: dict[str, Any] = {"losses": [], "norms": []}
+    for rows in batches(kind, steps):
+        loss = loss_fn(model, rows, kind)
+        loss.backward()
+        for m, p in zip(masters, params):
+            if m is not p:
+                m.grad = p.grad.float()
+        out["norms"].append(float(torch.nn.utils.clip_grad_norm_(masters, CLIP)))
+        optimizer.step()
+        with torch.no_grad():
+            for m, p in zip(masters, params):
+                if m is not p:
+                    p.copy_(m)
+                    p.grad = None
+        optimizer.zero_grad()
+        out["losses"].append(loss.item())
+    return out, {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+
+
+def param_excess(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                 rtol: float = RTOL, atol: float = ATOL) -> float:
+    """max(|got - want| - atol - rtol·|want|) over every element: <= 0 means allclose."""
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    return max(((got[k] - want[k]).abs() - atol - rtol * want[k].abs()).max().item() for k in want)
+
+
+def loss_excess(got: list[float], want: list[float], rtol: float = RTOL) -> float:
+    return max(abs(a - b) - rtol * abs(b) for a, b in zip(got, want))
