@@ -104,8 +104,11 @@ def train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     for f in fields(TrainConfig):
         names = [f"--{f.name.replace('_', '-')}"] + (["--timeout"] if f.name == "timeout_s" else [])
-        parser.add_argument(*names, dest=f.name, type=_flag_type(f.type), default=None,
-                            help=f"{f.metadata.get('help', '')} (default: {f.default})")
+        help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
+        if str(f.type) == "bool":
+            parser.add_argument(*names, dest=f.name, action="store_const", const=True, default=None, help=help_text)
+        else:
+            parser.add_argument(*names, dest=f.name, type=_flag_type(f.type), default=None, help=help_text)
     return parser
 
 

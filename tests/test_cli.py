@@ -81,7 +81,7 @@ def test_every_config_field_is_a_flag():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--nproc", "3", "--dp", "2"], "layout dp=2 needs 2 processes, but --nproc is 3"),
+    (["--nproc", "3", "--dp", "2"], "layout dp=2 × tp=1 × pp=1 = 2 does not match --nproc 3"),
     (["--nproc", "999"], "--nproc 999 is more than this machine allows"),
     (["--model", "gpt5"], "unknown model preset 'gpt5'"),
     (["--model", "llama-7b"], "model preset 'llama-7b' is shape-only"),

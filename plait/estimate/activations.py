@@ -130,8 +130,10 @@ def in_flight(layout: Layout, stage: Stage) -> float:
     """Micro-batches whose activations a stage holds at its peak.
 
     GPipe runs every forward before any backward: m. 1F1B lets stage r run p - r forwards
-    before its first backward, so the first stage holds p (Narayanan et al. 2021); so does
-    ZB-H1, which only splits each backward in two. The
+    before its first backward, so the first stage holds p (Narayanan et al. 2021). ZB-H1
+    runs 1F1B's forwards, but a micro-batch's graph stays alive until its deferred weight
+    gradient (W) has run, so every rank holds min(p, m) at its peak (plait's executor
+    measures exactly that). The
     interleaved schedule's warm-up on rank r is 2(p - r - 1) + (v - 1)p + 1 chunk-forwards,
     each 1/v of the rank's layers: p(1 + (p - 1)/(p·v)) on the first rank (Korthikanti's
     factor). Never more than the micro-batches there are.
@@ -141,8 +143,10 @@ def in_flight(layout: Layout, stage: Stage) -> float:
         return 1.0  # accumulation runs micro-batches one after another
     if layout.schedule == "gpipe":
         return float(m)
-    if layout.schedule in ("1f1b", "zb-h1"):  # ZB-H1 keeps 1F1B's forwards and inputs
+    if layout.schedule == "1f1b":
         return float(min(p - r, m))
+    if layout.schedule == "zb-h1":
+        return float(min(p, m))
     chunks = min(2 * (p - r - 1) + (v - 1) * p + 1, m * v)
     return chunks / v
 

@@ -88,6 +88,10 @@ def model_states(params: int, unit_params: int, layout: Layout) -> Memory:
         grads = shard(params, n) * per.grad
     if zero >= 3:
         weights = shard(params, n) * per.param + unit_params * per.param
+    if layout.offload and layout.precision == "fp32":
+        # The step runs on the host, on its own fp32 copy of the shard (the device keeps its
+        # weights): plait's ZeRO offload holds master + m + v there, 12 bytes, as in 16-bit.
+        optim += shard(params, n) * 4
     host = optim if layout.offload else 0.0
     return Memory(params=weights, grads=grads, optim=optim, host=host)
 

@@ -141,7 +141,8 @@ def _write_rank_file(tmp: Path, rank: int, pieces: list[Piece]) -> None:
     for piece in pieces:
         if not piece.owned:
             continue
-        key = f"{piece.name}@{rank}"
+        # A rank may hold several blocks of one tensor (a ZeRO shard can end mid-row).
+        key = f"{piece.name}@{rank}@{','.join(map(str, piece.offsets))}"
         tensors[key] = piece.tensor.detach().contiguous().cpu()
         records.append({"name": piece.name, "key": key, "offsets": list(piece.offsets),
                         "lengths": list(piece.tensor.shape), "full_shape": list(piece.full_shape),

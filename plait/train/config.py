@@ -40,7 +40,14 @@ class TrainConfig:
     eval_every: int = field(default=40, metadata={"help": "steps between held-out evaluations (0: only at the end)"})
     eval_samples: int = field(default=32, metadata={"help": "held-out sequences per evaluation"})
     bucket_mb: float = field(default=25.0, metadata={"help": "gradient bucket size for data parallelism"})
-    dp: int | None = field(default=None, metadata={"help": "data-parallel degree (default: all processes)"})
+    dp: int | None = field(default=None, metadata={"help": "data-parallel degree (default: what tp and pp leave)"})
+    tp: int = field(default=1, metadata={"help": "tensor-parallel degree (Megatron-style)"})
+    sp: bool = field(default=False, metadata={"help": "sequence parallelism in the norm regions (needs --tp > 1)"})
+    pp: int = field(default=1, metadata={"help": "pipeline-parallel degree"})
+    schedule: str = field(default="1f1b", metadata={"help": "pipeline schedule: gpipe, 1f1b, interleaved or zb-h1"})
+    virtual_stages: int = field(default=1, metadata={"help": "model chunks per pipeline rank (interleaved)"})
+    zero: int = field(default=0, metadata={"help": "ZeRO stage: 0 DDP, 1 optimizer states, 2 + gradients, 3 + parameters"})
+    offload: bool = field(default=False, metadata={"help": "optimizer states and step in CPU memory (needs --zero)"})
     nproc: int | None = field(default=None, metadata={"help": "local processes to spawn (default: the layout's product)"})
     backend: str = field(default="auto", metadata={"help": "auto (nccl with CUDA, else gloo), nccl, gloo or mpi"})
     timeout_s: float = field(default=300.0, metadata={"help": "a collective waiting longer than this fails, naming itself"})
@@ -98,13 +105,19 @@ def resolve_layout(config: TrainConfig) -> TrainConfig:
         if nproc != launched_world:
             raise PlaitError(f"--nproc {nproc} given inside a job of {launched_world} processes",
                              hint="drop --nproc: the launcher decides the process count")
+    model_parallel = config.tp * config.pp
     if dp is None and nproc is None:
-        dp = nproc = 2
-    dp = dp or nproc
-    nproc = nproc or dp
-    if dp != nproc:
-        raise PlaitError(f"layout dp={dp} needs {dp} processes, but --nproc is {nproc}",
-                         hint=f"use --nproc {dp}, or --dp {nproc}")
+        dp = 2 if model_parallel == 1 else 1  # the demo: two data-parallel processes
+    if dp is None:
+        if nproc % model_parallel:
+            raise PlaitError(f"--nproc {nproc} is not divisible by tp={config.tp} × pp={config.pp}",
+                             hint="choose tp and pp whose product divides the number of processes")
+        dp = nproc // model_parallel
+    world = dp * model_parallel
+    nproc = nproc or world
+    if world != nproc:
+        raise PlaitError(f"layout dp={dp} × tp={config.tp} × pp={config.pp} = {world} does not match --nproc {nproc}",
+                         hint=f"use --nproc {world}, or change the degrees")
     return replace(config, dp=dp, nproc=nproc)
 
 
@@ -148,6 +161,7 @@ def validate(config: TrainConfig, *, local_limit: int | None = None) -> None:
     if config.nproc is not None and _launched_world_size() is None and config.nproc > limit:
         raise PlaitError(f"--nproc {config.nproc} is more than this machine allows ({limit})",
                          hint="use fewer processes, or launch across nodes with torchrun or srun")
+    check_strategies(config)
     if config.save_every < 0 or config.keep_checkpoints < 0:
         raise PlaitError("--save-every and --keep-checkpoints cannot be negative")
     if config.resume:
@@ -155,6 +169,38 @@ def validate(config: TrainConfig, *, local_limit: int | None = None) -> None:
 
         resolve(config.resume)  # fails now, with the reason, if there is nothing to resume
     check_writable(config.out)
+
+
+def check_strategies(config: TrainConfig) -> None:
+    """Each strategy's own checks, and the combinations that are not built yet."""
+    from plait.parallel.compose import ParallelConfig
+    from plait.parallel.schedule import SCHEDULES
+
+    for name in ("tp", "pp", "virtual_stages"):
+        if getattr(config, name) < 1:
+            raise PlaitError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
+    ParallelConfig(bucket_mb=config.bucket_mb, zero=config.zero, offload=config.offload)
+    model = get_preset(config.model)
+    if config.sp and config.tp == 1:
+        raise PlaitError("--sp splits the sequence across tensor-parallel ranks, and --tp is 1", hint="add --tp 2 (or more)")
+    if config.tp > 1:
+        from plait.parallel.tensor import check_gpt_tensor_parallel
+
+        check_gpt_tensor_parallel(model, config.tp, config.sp, config.seq_len)
+    if config.schedule not in SCHEDULES:
+        raise PlaitError(f"unknown pipeline schedule {config.schedule!r}", hint=f"choose one of: {', '.join(SCHEDULES)}")
+    if config.pp > 1:
+        from plait.parallel.pipeline import check_pipeline
+
+        check_pipeline(model.n_layers, config.pp, config.schedule, config.grad_accum,
+                       virtual_stages=config.virtual_stages)
+    not_yet = [(config.zero and config.pp > 1, "--zero with --pp > 1"),
+               (config.zero and config.tp > 1, "--zero with --tp > 1"),
+               (config.tp > 1 and config.pp > 1, "--tp with --pp > 1 in `plait train`"),
+               ((config.save_every or config.resume) and config.pp > 1, "checkpoints with --pp > 1")]
+    for unsupported, what in not_yet:
+        if unsupported:
+            raise PlaitError(f"{what} is not supported yet", hint="see docs/design.md for what combines today")
 
 
 def check_writable(out: str) -> None:

@@ -26,7 +26,13 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Parameter, gradient and optimizer-state bytes held by this rank."""
+    """Parameter, gradient and optimizer-state bytes held by this rank.
+
+    A sharded optimizer (ZeRO) says itself which tensors are its model states: its gradient
+    shards and fp32 masters are not reachable from `model.parameters()`.
+    """
+    if hasattr(optimizer, "model_state_tensors"):
+        return {k: storage_bytes(v) for k, v in optimizer.model_state_tensors(model).items()}
     params = [p for p in model.parameters()]
     grads = [p.grad for p in params if p.grad is not None]
     states = [v for state in optimizer.state.values() for v in state.values()
@@ -51,7 +57,10 @@ class ActivationMeter:
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             storage = tensor.untyped_storage()
-            if storage.data_ptr() not in param_ptrs and storage.nbytes():
+            # ZeRO-3 gathers a unit's weights into fresh storage just before it runs: asked
+            # here, at pack time, not once up front.
+            weights = param_ptrs | gathered_weights(model)
+            if storage.data_ptr() not in weights and storage.nbytes():
                 saved[storage.data_ptr()] = storage.nbytes()
             return tensor
 
@@ -66,3 +75,13 @@ def peak_process_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def gathered_weights(model: nn.Module) -> set[int]:
+    """Storages of ZeRO-3's all-gathered weights: parameters, not activations, while a unit runs."""
+    from plait.parallel.zero import zero_of
+
+    sync = zero_of(model)
+    if sync is None or sync.stage < 3:
+        return set()
+    return {group.flat.untyped_storage().data_ptr() for group in sync.groups}

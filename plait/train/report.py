@@ -20,6 +20,14 @@ def format_comm(comm: dict[str, dict[str, float]]) -> str:
     return ", ".join(parts) or "none (one process)"
 
 
+def describe_layout(layout: dict[str, Any]) -> str:
+    """"dp=2 tp=1 pp=1", plus whatever else is switched on."""
+    text = f"dp={layout['dp']} tp={layout['tp']} pp={layout['pp']}"
+    extras = [f"zero={layout['zero']}" if layout.get("zero") else "", "offload" if layout.get("offload") else "",
+              "sp" if layout.get("sp") else "", f"schedule={layout['schedule']}" if layout.get("schedule") else ""]
+    return " ".join([text, *filter(None, extras)])
+
+
 def closing_report(summary: dict[str, Any], out: str) -> str:
     """Loss, speed, bytes on the wire (measured vs formula), memory, and a text sample."""
     layout = summary["layout"]
@@ -27,15 +35,14 @@ def closing_report(summary: dict[str, Any], out: str) -> str:
     mem = summary["mem"]
     lines = [
         f"plait: trained {summary['model']} ({summary['num_params'] / 1e6:.2f} M params) for "
-        f"{summary['steps']} steps on {layout['world_size']} process(es): dp={dp} tp={layout['tp']} "
-        f"pp={layout['pp']}, backend {layout['backend']}, global batch {summary['global_batch']} × "
-        f"{summary['seq_len']} tokens",
+        f"{summary['steps']} steps on {layout['world_size']} process(es): {describe_layout(layout)}, "
+        f"backend {layout['backend']}, global batch {summary['global_batch']} × {summary['seq_len']} tokens",
         f"  loss        {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}   "
         f"(held-out {summary['val_loss']:.3f})",
         f"  speed       {summary['tokens_per_s']:,.0f} tokens/s, {summary['step_time_s_median']:.3f} s/step (median)",
         f"  wire/step   measured {format_comm(summary['comm_per_step'])}",
     ]
-    if dp > 1:
+    if summary["comm_formula"]:
         lines += [
             f"              formula  {format_comm(summary['comm_formula'])}   [ring all-reduce 2(n-1)/n·Ψ·4 B]",
             f"              all ranks together: ring {human_bytes(summary['comm_ring_total'])} vs naive exchange "
@@ -58,8 +65,10 @@ def closing_report(summary: dict[str, Any], out: str) -> str:
 def predicted_vs_measured(summary: dict[str, Any]) -> list[str]:
     """`plait estimate`'s figures for this layout beside what the run measured (per rank, max)."""
     predicted, mem = summary["predicted"], summary["mem"]
-    rows = [(kind, predicted["memory"][kind], mem[key]) for kind, key in
-            (("params", "params"), ("grads", "grads"), ("optim", "optim"), ("activations", "activations_peak"))]
+    params_label = "params+gathered" if summary["layout"].get("zero") == 3 else "params"  # measured: shards only
+    rows = [(kind, predicted["memory"][key], mem[mkey]) for kind, key, mkey in
+            ((params_label, "params", "params"), ("grads", "grads", "grads"), ("optim", "optim", "optim"),
+             ("activations", "activations", "activations_peak"))]
     for axis, ops in sorted(predicted["comm"].items()):
         for op, wire in sorted(ops.items()):
             rows.append((f"{axis} {op}", wire, summary["comm_per_step"].get(axis, {}).get(op, 0)))

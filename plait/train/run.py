@@ -23,7 +23,7 @@ def set_cpu_threads(local_world: int) -> None:
 
 def train(config: TrainConfig) -> dict[str, Any]:
     """Run `plait train` on this rank; rank 0 writes outputs and prints the report."""
-    mesh = init_mesh(dp=config.dp, backend=config.backend, timeout_s=config.timeout_s)
+    mesh = init_mesh(dp=config.dp, tp=config.tp, pp=config.pp, backend=config.backend, timeout_s=config.timeout_s)
     try:
         set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", mesh.env.world_size)))
         trainer = Trainer(config, mesh)
@@ -31,10 +31,12 @@ def train(config: TrainConfig) -> dict[str, Any]:
         summary = trainer.run(progress=(lambda r: _advance(bar, r)) if bar else None)
         if bar:
             bar.close()
+        # Every rank takes part: with tensor parallelism or ZeRO-3 a forward is collective.
+        summary["sample"] = trainer.sample_text()
+        weights = final_weights(trainer)
         if mesh.is_main:
-            summary["sample"] = trainer.sample_text()
             summary["config"] = config.to_dict()
-            _write_outputs(trainer, summary, Path(config.out))
+            _write_outputs(summary, weights, Path(config.out))
             print(closing_report(summary, config.out), flush=True)
         return summary
     finally:
@@ -55,9 +57,25 @@ def _advance(bar: Any, record: dict[str, Any]) -> None:
     bar.update(record["step"] - bar.n)  # a resumed run starts past 0
 
 
-def _write_outputs(trainer: Trainer, summary: dict[str, Any], out: Path) -> None:
+def final_weights(trainer: Trainer) -> dict[str, torch.Tensor] | None:
+    """The whole model's weights on every rank (collective under TP and ZeRO-3); None for a
+    pipeline, whose stages live on different ranks (use --save-every, then `plait ckpt export`)."""
+    if trainer.runner is not None:
+        return None
+    from plait.parallel.tensor import gather_full_params
+    from plait.parallel.zero import full_parameters
+
+    with full_parameters(trainer.model) as model:
+        weights = gather_full_params(model)
+    if trainer.model_config.tie_embeddings:
+        weights.pop("lm_head.weight", None)  # tied: stored once, as embed.weight
+    return weights
+
+
+def _write_outputs(summary: dict[str, Any], weights: dict[str, torch.Tensor] | None, out: Path) -> None:
     """summary.json and the trained weights (one plain safetensors file, tied weights once)."""
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
 
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    save_model(trainer.model, str(out / "model.safetensors"))
+    if weights is not None:
+        save_file({k: v.contiguous().cpu() for k, v in weights.items()}, str(out / "model.safetensors"))

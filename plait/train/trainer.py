@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from plait.errors import PlaitError
 from plait.models.config import get_preset
 from plait.models.gpt import build_gpt
-from plait.parallel.compose import ParallelConfig, build_optimizer, parallelize
+from plait.parallel.compose import ParallelConfig, build_optimizer, clip_grad_norm, parallelize
 from plait.parallel.data import no_sync
+from plait.parallel.pipeline import PipelineRunner, apply_pipeline
+from plait.parallel.tensor import tp_loss_fn
 from plait.runtime import comm
 from plait.runtime.mesh import AXES, Mesh
 from plait.train import checkpoint, checkpoint_read
@@ -51,10 +52,19 @@ class Trainer:
         self.config, self.mesh = config, mesh
         torch.manual_seed(config.seed)
         self.model_config = get_preset(config.model)
+        # The full model is built from the seed on every rank, then split: the same
+        # initial weights whatever the layout.
         self.model = build_gpt(self.model_config, config.seed)
-        parallelize(self.model, mesh, ParallelConfig(bucket_mb=config.bucket_mb))
+        self.runner: PipelineRunner | None = None
+        if mesh.size("pp") > 1:
+            self.model = apply_pipeline(self.model, mesh, virtual_stages=config.virtual_stages)
+        parallelize(self.model, mesh, ParallelConfig(bucket_mb=config.bucket_mb, zero=config.zero,
+                                                     offload=config.offload, sp=config.sp))
         self.optimizer = build_optimizer(self.model, torch.optim.AdamW, lr=config.lr, betas=(0.9, 0.95),
                                          weight_decay=config.weight_decay)
+        if mesh.size("pp") > 1:
+            self.runner = PipelineRunner(self.model, mesh, config.schedule)
+        self.loss_fn = tp_loss_fn(self.model)
         tokens = load_corpus(config.data)
         self._check_same_corpus(tokens)
         self.train_split, self.val_split = train_val_split(tokens, config.seq_len)
@@ -62,7 +72,7 @@ class Trainer:
                                    mesh.size("dp"), config.micro_batch, config.seed)
         self.eval_count = self._eval_count()
         self.meter = ActivationMeter()
-        self.num_params = sum(p.numel() for p in self.model.parameters())
+        self.num_params = self.model_config.num_params()
         self.history: list[dict[str, Any]] = []
         self.resumed_from: str | None = None
 
@@ -74,31 +84,41 @@ class Trainer:
             group["lr"] = lr
         before = self.mesh.ledger.snapshot()
         start = time.perf_counter()
-        micro_batches = self.sampler.micro_batches(step)
-        loss_sum = 0.0
-        for k, indices in enumerate(micro_batches):
-            last = k == len(micro_batches) - 1
-            # Only the last micro-batch synchronises: the others just accumulate locally.
-            with contextlib.nullcontext() if last else no_sync(model):
-                loss = self._forward_loss(indices)
-                (loss / len(micro_batches)).backward()
-            loss_sum += loss.item()
+        batches = [self._batch(self.train_split, indices) for indices in self.sampler.micro_batches(step)]
+        loss, activations = self._pipeline_step(batches) if self.runner else self._micro_steps(batches)
         max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
+        grad_norm = self.runner.clip_grad_norm_(max_norm) if self.runner else clip_grad_norm(model, max_norm)
         self.optimizer.step()
         states = model_state_bytes(model, self.optimizer)
         self.optimizer.zero_grad()
         elapsed = time.perf_counter() - start
-        local = {"loss": loss_sum / len(micro_batches), "step_time_s": elapsed, "grad_norm": grad_norm,
-                 **states, "activations_peak": self.meter.last, "comm": self.mesh.ledger.since(before)}
+        local = {"loss": loss, "step_time_s": elapsed, "grad_norm": float(grad_norm),
+                 **states, "activations_peak": activations, "comm": self.mesh.ledger.since(before)}
         return self._gather_step(step, lr, local)
 
-    def _forward_loss(self, indices: list[int]) -> torch.Tensor:
-        inputs, targets = self.train_split.batch(indices)
-        inputs, targets = inputs.to(self.mesh.device), targets.to(self.mesh.device)
-        with self.meter.track(self.model):
-            logits = self.model(inputs)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    def _micro_steps(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, int]:
+        """Forward and backward each micro-batch; mean loss, and the bytes saved for backward."""
+        loss_sum = 0.0
+        for k, (inputs, targets) in enumerate(batches):
+            last = k == len(batches) - 1
+            # Only the last micro-batch synchronises: the others just accumulate locally.
+            with contextlib.nullcontext() if last else no_sync(self.model):
+                with self.meter.track(self.model):
+                    logits = self.model(inputs)
+                loss = self.loss_fn(logits, targets)
+                (loss / len(batches)).backward()
+            loss_sum += loss.item()
+        return loss_sum / len(batches), self.meter.last
+
+    def _pipeline_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, int]:
+        """The schedule runs every micro-batch; gradients are reduced once at its end."""
+        inputs, targets = zip(*batches)
+        loss = self.runner.step(list(inputs), list(targets), self.loss_fn)
+        return loss, self.runner.last_stats.peak_saved_bytes
+
+    def _batch(self, split: Any, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, targets = split.batch(indices)
+        return inputs.to(self.mesh.device), targets.to(self.mesh.device)
 
     def _gather_step(self, step: int, lr: float, local: dict[str, Any]) -> dict[str, Any]:
         """Mean loss over dp ranks; max over all ranks for time, memory and traffic."""
@@ -128,21 +148,23 @@ class Trainer:
         dp_rank, dp_size = self.mesh.rank("dp"), self.mesh.size("dp")
         count = self.eval_count
         mine = list(range(dp_rank, count, dp_size))
-        total = torch.zeros(2, dtype=torch.float64)
-        for i in range(0, len(mine), self.config.micro_batch):
-            inputs, targets = self.val_split.batch(mine[i: i + self.config.micro_batch])
-            logits = self.model(inputs.to(self.mesh.device))
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(self.mesh.device).flatten(),
-                                   reduction="sum")
-            total += torch.tensor([loss.item(), targets.numel()], dtype=torch.float64)
+        batches = [self._batch(self.val_split, mine[i: i + self.config.micro_batch])
+                   for i in range(0, len(mine), self.config.micro_batch)]
+        tokens = sum(t.numel() for _, t in batches)
+        if self.runner:
+            mean = self.runner.eval_loss([x for x, _ in batches], [t for _, t in batches], self.loss_fn)
+            total = torch.tensor([mean * tokens, tokens], dtype=torch.float64)
+        else:
+            summed = sum(self.loss_fn(self.model(x), t, reduction="sum").item() for x, t in batches)
+            total = torch.tensor([summed, tokens], dtype=torch.float64)
         comm.all_reduce(total, self.mesh.axis("dp"), purpose=comm.TELEMETRY)
         return (total[0] / total[1]).item()
 
     @torch.no_grad()
     def sample_text(self) -> str:
         """A short continuation of the prompt, to see what the model learned."""
-        if self.config.sample_tokens == 0:
-            return ""
+        if self.config.sample_tokens == 0 or self.runner:
+            return ""  # generation through a pipeline is not built yet
         prompt = torch.tensor([list(self.config.prompt.encode())], device=self.mesh.device)
         generator = torch.Generator(device=self.mesh.device).manual_seed(self.config.seed)
         out = self.model.generate(prompt, self.config.sample_tokens, generator=generator)
@@ -151,8 +173,11 @@ class Trainer:
     def _eval_count(self) -> int:
         """Held-out sequences per evaluation: a multiple of dp, checked before training starts."""
         dp_size = self.mesh.size("dp")
-        count = min(self.val_split.num_samples, max(self.config.eval_samples, dp_size))
-        count -= count % dp_size
+        # A multiple of dp × micro-batch, so that every micro-batch has the same shape (the
+        # pipeline agrees on shapes once).
+        round_to = dp_size * self.config.micro_batch
+        count = min(self.val_split.num_samples, max(self.config.eval_samples, round_to))
+        count -= count % round_to
         if count == 0:
             raise PlaitError(
                 f"the held-out split ({len(self.val_split.tokens)} tokens) has too few sequences of "
@@ -230,12 +255,14 @@ class Trainer:
         """What the closing report and summary.json show."""
         history, dp = self.history, self.mesh.size("dp")
         times = [r["step_time_s"] for r in history[1:]] or [history[0]["step_time_s"]]
-        param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        param_bytes = self.num_params * 4  # fp32
         peak = torch.tensor([peak_process_bytes(self.mesh.device)], dtype=torch.float64)
         comm.all_reduce(peak, self.mesh.axis("world"), op="max", purpose=comm.TELEMETRY)
         return {
             "model": self.config.model, "num_params": self.num_params,
-            "layout": {"dp": dp, "tp": 1, "pp": 1, "world_size": self.mesh.env.world_size,
+            "layout": {"dp": dp, "tp": self.mesh.size("tp"), "pp": self.mesh.size("pp"),
+                       "zero": self.config.zero, "offload": self.config.offload, "sp": self.config.sp,
+                       "schedule": self.config.schedule if self.runner else None, "world_size": self.mesh.env.world_size,
                        "launcher": self.mesh.env.launcher, "backend": self.mesh.backend or "none"},
             "global_batch": self.config.global_batch, "seq_len": self.config.seq_len,
             "steps": len(history), "resumed_from": self.resumed_from, "loss_first": history[0]["loss"], "loss_last": history[-1]["loss"],
@@ -243,7 +270,8 @@ class Trainer:
             "step_time_s_median": statistics.median(times),
             "tokens_per_s": self.config.global_batch * self.config.seq_len / statistics.median(times),
             "comm_per_step": history[-1]["comm"],
-            "comm_formula": {"dp": {"all_reduce": comm.ring_wire_bytes("all_reduce", param_bytes, dp)}} if dp > 1 else {},
+            "comm_formula": {"dp": {"all_reduce": comm.ring_wire_bytes("all_reduce", param_bytes, dp)}}
+            if dp > 1 and self.mesh.env.world_size == dp and not self.config.zero else {},
             "comm_naive_total": comm.naive_exchange_bytes(param_bytes, dp),
             "comm_ring_total": comm.ring_wire_bytes("all_reduce", param_bytes, dp) * dp,
             "mem": {k: max(r["mem"][k] for r in history) for k in MEM_KEYS},
@@ -257,6 +285,8 @@ class Trainer:
         from plait.estimate import estimate_layout
 
         shape = self.mesh.shape
-        return estimate_layout(self.model_config, dp=shape.dp, tp=shape.tp, pp=shape.pp, precision="fp32",
+        return estimate_layout(self.model_config, dp=shape.dp, tp=shape.tp, pp=shape.pp, zero=self.config.zero,
+                               offload=self.config.offload, sp=self.config.sp, schedule=self.config.schedule,
+                               virtual_stages=self.config.virtual_stages, precision="fp32",
                                micro_batch=self.config.micro_batch, grad_accum=self.config.grad_accum,
                                seq_len=self.config.seq_len, hardware="cpu")
