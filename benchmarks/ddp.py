@@ -22,9 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import torch_version, write_section  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "RESULTS.md"
-START, END = "<!-- ddp:start -->", "<!-- ddp:end -->"
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -109,22 +110,8 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def torch_version() -> str:
-    import torch
-
-    return torch.__version__
 
 
-def write_section(text: str) -> None:
-    """Replace this benchmark's section of RESULTS.md, leaving the other sections alone."""
-    current = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    section = f"{START}\n{text}\n{END}"
-    if START in current:
-        head, rest = current.split(START, 1)
-        current = head + section + rest.split(END, 1)[1]
-    else:
-        current = current.rstrip("\n") + "\n\n" + section + "\n"
-    RESULTS.write_text(current)
 
 
 def main() -> None:
@@ -146,7 +133,7 @@ def main() -> None:
     text = table(drive(args), args)
     print(text)
     if not args.no_write:
-        write_section(text)
+        write_section("ddp", text)
 
 
 if __name__ == "__main__":

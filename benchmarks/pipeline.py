@@ -26,11 +26,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_section  # noqa: E402
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "RESULTS.md"
-START, END = "<!-- pipeline:start -->", "<!-- pipeline:end -->"
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
 
 
@@ -272,16 +273,6 @@ than 1F1B's because both ranks are busy at once more often. In one process, on t
 I + W costs about 1.1 × B (one autograd call per norm on top of the deferred weight GEMMs)."""
 
 
-def write_section(text: str) -> None:
-    """Replace this benchmark's section of RESULTS.md, leaving the other sections alone."""
-    current = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    section = f"{START}\n{text}\n{END}"
-    if START in current:
-        head, rest = current.split(START, 1)
-        current = head + section + rest.split(END, 1)[1]
-    else:
-        current = current.rstrip("\n") + "\n\n" + section + "\n"
-    RESULTS.write_text(current)
 
 
 def main() -> None:
@@ -306,7 +297,7 @@ def main() -> None:
     text = table(drive(args), args)
     print(text)
     if not args.no_write:
-        write_section(text)
+        write_section("pipeline", text)
 
 
 if __name__ == "__main__":

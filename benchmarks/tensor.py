@@ -25,11 +25,12 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_section  # noqa: E402
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "RESULTS.md"
-START, END = "<!-- tensor:start -->", "<!-- tensor:end -->"
 VARIANTS = ("plait", "plait_sp", "torch", "torch_sp")
 READING = """Reading it: the activations follow the accounting of docs/tensor.md (the whole forward adds
 the embedding ids, the final norm and the head's input to the blocks' formula). Without SP
@@ -194,16 +195,6 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
     return "\n".join(lines + ["", READING])
 
 
-def write_section(text: str) -> None:
-    """Replace this benchmark's section of RESULTS.md, leaving the other sections alone."""
-    current = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    section = f"{START}\n{text}\n{END}"
-    if START in current:
-        head, rest = current.split(START, 1)
-        current = head + section + rest.split(END, 1)[1]
-    else:
-        current = current.rstrip("\n") + "\n\n" + section + "\n"
-    RESULTS.write_text(current)
 
 
 def main() -> None:
@@ -224,7 +215,7 @@ def main() -> None:
     text = table(drive(args), args)
     print(text)
     if not args.no_write:
-        write_section(text)
+        write_section("tensor", text)
 
 
 if __name__ == "__main__":

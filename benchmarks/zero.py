@@ -28,11 +28,12 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import torch_version, write_section  # noqa: E402
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "RESULTS.md"
-START, END = "<!-- zero:start -->", "<!-- zero:end -->"
 VARIANTS = ["plait z0", "plait z1", "plait z2", "plait z3", "plait z3+offload", "torch DDP", "torch FSDP2"]
 
 
@@ -285,22 +286,8 @@ into and out of shards, per-unit gathers) cannot hide on two cores that also run
 collectives."""
 
 
-def torch_version() -> str:
-    import torch
-
-    return torch.__version__
 
 
-def write_section(text: str) -> None:
-    """Replace this benchmark's section of RESULTS.md, leaving the other sections alone."""
-    current = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    section = f"{START}\n{text}\n{END}"
-    if START in current:
-        head, rest = current.split(START, 1)
-        current = head + section + rest.split(END, 1)[1]
-    else:
-        current = current.rstrip("\n") + "\n\n" + section + "\n"
-    RESULTS.write_text(current)
 
 
 def main() -> None:
@@ -333,7 +320,7 @@ def main() -> None:
                              f"{' '.join(map(str, args.nproc))}")
     print(text)
     if not args.no_write:
-        write_section(text)
+        write_section("zero", text)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ def korthikanti_layer_bytes(config: GPTConfig, layout: Layout) -> float:
     (elements) and its mask (bytes). With f = 4h, kv = h and e = 2 this is 34h + 5as.
     """
     h, f, kv, a = config.d_model, config.ffn_hidden, config.kv_dim, config.n_heads
-    s, e, t = layout.seq_len, layout.compute_bytes, layout.tp
+    s, e = layout.seq_len, layout.compute_bytes
     replicated = e * 4 * h + MASK_BYTES * 2 * h
     sharded = e * (2 * h + 2 * kv + 2 * f)
     attention = (e * 2 + MASK_BYTES) * a * s

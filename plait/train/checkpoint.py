@@ -31,7 +31,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.errors import PlaitError
 from plait.runtime import comm
 from plait.runtime.mesh import Mesh
 

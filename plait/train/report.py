@@ -31,7 +31,6 @@ def describe_layout(layout: dict[str, Any]) -> str:
 def closing_report(summary: dict[str, Any], out: str) -> str:
     """Loss, speed, bytes on the wire (measured vs formula), memory, and a text sample."""
     layout = summary["layout"]
-    dp = layout["dp"]
     mem = summary["mem"]
     lines = [
         f"plait: trained {summary['model']} ({summary['num_params'] / 1e6:.2f} M params) for "

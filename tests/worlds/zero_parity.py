@@ -8,7 +8,6 @@ and the ledger of every step; tests/test_zero_worlds.py asserts on them.
 
 from __future__ import annotations
 
-import inspect
 import sys
 from pathlib import Path
 from typing import Any
