@@ -32,3 +32,20 @@ def torch_version() -> str:
 def machine() -> str:
     """'2-core CPU (x86_64), torch 2.13.0+cpu': where the numbers were taken."""
     return f"{os.cpu_count()}-core CPU ({platform.machine()}), torch {torch_version()}"
+
+
+def run_world(script: str, nproc: int, args: list[str], env: dict[str, str] | None = None) -> dict:
+    """Run `script --worker --result FILE ARGS` on `nproc` ranks with `plait launch`; return
+    what its rank 0 wrote to FILE."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    root = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "plait", "launch", "--nproc", str(nproc), script, "--worker",
+               "--result", str(result), *args]
+        subprocess.run(cmd, check=True, cwd=root, env={**os.environ, "PYTHONPATH": str(root), **(env or {})})
+        return json.loads(result.read_text())

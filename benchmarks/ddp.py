@@ -16,14 +16,12 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import torch_version, write_section  # noqa: E402
+from common import torch_version, run_world, write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,15 +71,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def drive(args: argparse.Namespace) -> list[dict]:
     """Spawn one world per process count and collect rank 0's numbers."""
-    rows = []
-    for n in args.nproc:
-        with tempfile.TemporaryDirectory() as tmp:
-            result = Path(tmp) / "result.json"
-            cmd = [sys.executable, "-m", "plait", "launch", "--nproc", str(n), __file__, "--worker",
-                   "--result", str(result), *forwarded(args)]
-            subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-            rows.append(json.loads(result.read_text()))
-    return rows
+    return [run_world(__file__, n, forwarded(args)) for n in args.nproc]
 
 
 def forwarded(args: argparse.Namespace) -> list[str]:

@@ -21,14 +21,12 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_section  # noqa: E402
+from common import run_world, write_section  # noqa: E402
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -203,15 +201,7 @@ def model_config(args: argparse.Namespace) -> Any:
 
 def drive(args: argparse.Namespace) -> list[dict]:
     """Spawn one world per pipeline depth and collect rank 0's numbers."""
-    results = []
-    for pp in args.pp:
-        with tempfile.TemporaryDirectory() as tmp:
-            result = Path(tmp) / "result.json"
-            cmd = [sys.executable, "-m", "plait", "launch", "--nproc", str(pp), __file__, "--worker",
-                   "--result", str(result), *forwarded(args)]
-            subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-            results.append(json.loads(result.read_text()))
-    return results
+    return [run_world(__file__, pp, forwarded(args)) for pp in args.pp]
 
 
 def forwarded(args: argparse.Namespace) -> list[str]:

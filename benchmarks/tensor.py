@@ -19,15 +19,13 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_section  # noqa: E402
+from common import run_world, write_section  # noqa: E402
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -145,15 +143,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def drive(args: argparse.Namespace) -> list[dict]:
-    rows = []
-    for tp in args.tp:
-        with tempfile.TemporaryDirectory() as tmp:
-            result = Path(tmp) / "result.json"
-            cmd = [sys.executable, "-m", "plait", "launch", "--nproc", str(tp), __file__, "--worker",
-                   "--result", str(result), *forwarded(args)]
-            subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-            rows.append(json.loads(result.read_text()))
-    return rows
+    return [run_world(__file__, tp, forwarded(args)) for tp in args.tp]
 
 
 def forwarded(args: argparse.Namespace) -> list[str]:

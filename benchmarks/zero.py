@@ -22,14 +22,13 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import run_world as common_run_world  # noqa: E402
 from common import torch_version, write_section  # noqa: E402
 from typing import Any
 
@@ -222,13 +221,7 @@ class RssSampler:
 
 # -- the driver ----------------------------------------------------------------------------------
 def run_world(n: int, args: argparse.Namespace, *extra: str) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "plait", "launch", "--nproc", str(n), __file__, "--worker", "--result",
-               str(result), *forwarded(args), *extra]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": "65536"}
-        subprocess.run(cmd, check=True, cwd=ROOT, env=env)
-        return json.loads(result.read_text())
+    return common_run_world(__file__, n, [*forwarded(args), *extra], env={"MALLOC_MMAP_THRESHOLD_": "65536"})
 
 
 def forwarded(args: argparse.Namespace) -> list[str]:
