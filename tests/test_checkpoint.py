@@ -57,13 +57,35 @@ def test_resume_on_the_same_layout_is_exact_to_the_bit(saved, tmp_path):
     assert losses(tmp_path) == losses(saved)[3:]
 
 
-@pytest.mark.parametrize("layout", [["--nproc", "1", "--grad-accum", "2"], ["--nproc", "4", "--micro-batch", "2"]],
-                         ids=["dp2->dp1", "dp2->dp4"])
-def test_resume_on_another_layout_continues_the_same_run(saved, tmp_path, layout):
+# Each layout keeps the global batch of 8 sequences; TP and PP sum in another order (1e-4).
+LAYOUTS = {
+    "dp2->dp1": (["--nproc", "1", "--grad-accum", "2"], 1e-5),
+    "dp2->dp4": (["--nproc", "4", "--micro-batch", "2"], 1e-5),
+    "dp2->zero3x4": (["--nproc", "4", "--micro-batch", "2", "--zero", "3"], 1e-5),
+    "dp2->tp2": (["--nproc", "2", "--tp", "2", "--micro-batch", "8"], 1e-4),
+    "dp2->pp2": (["--nproc", "2", "--pp", "2", "--grad-accum", "2"], 1e-4),
+}
+
+
+@pytest.mark.parametrize("case", LAYOUTS)
+def test_resume_on_another_layout_continues_the_same_run(saved, tmp_path, case):
+    layout, rtol = LAYOUTS[case]
     proc = run_plait("train", *TRAIN, *layout, "--out", str(tmp_path),
                      "--resume", str(saved / "checkpoints" / "step-00000003"))
     assert proc.returncode == 0, proc.stderr
-    assert_losses_close(losses(tmp_path), losses(saved)[3:])
+    assert_losses_close(losses(tmp_path), losses(saved)[3:], rtol=rtol)
+
+
+@pytest.mark.parametrize("layout", [["--pp", "2", "--grad-accum", "2"], ["--tp", "2", "--micro-batch", "8"]],
+                         ids=["pp2->dp2", "tp2->dp2"])
+def test_a_model_parallel_checkpoint_resumes_as_data_parallel(saved, tmp_path, layout):
+    first = tmp_path / "first"
+    proc = run_plait("train", *TRAIN, "--nproc", "2", *layout, "--steps", "3", "--save-every", "3", "--out", str(first))
+    assert proc.returncode == 0, proc.stderr
+    assert "written by 2 rank(s)" in describe(first)
+    proc = run_plait("train", *TRAIN, "--nproc", "2", "--out", str(tmp_path / "second"), "--resume", str(first))
+    assert proc.returncode == 0, proc.stderr
+    assert_losses_close(losses(first) + losses(tmp_path / "second"), losses(saved), rtol=1e-4)
 
 
 def test_latest_keep_inspect_and_export(saved, tmp_path):

@@ -69,11 +69,10 @@ def param_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh)
 
     first_replica = mesh.rank("dp") == 0
     pieces = []
-    names = {id(p): name for name, p in model.named_parameters()}
-    for name, param in model.named_parameters():
+    for name, param, replica in logical_parameters(model):
         shard = shard_of(param)
         offsets, full = _placement(param, shard)
-        owned = first_replica and (shard is not None or mesh.rank("tp") == 0)
+        owned = first_replica and not replica and (shard is not None or mesh.rank("tp") == 0)
         pieces.append(Piece(f"model/{name}", param.detach(), offsets, full, owned))
         for key, value in sorted(optimizer.state.get(param, {}).items()):
             if not isinstance(value, torch.Tensor):
@@ -81,10 +80,29 @@ def param_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh)
             if value.shape == param.shape:
                 pieces.append(Piece(f"optim/{name}/{key}", value, offsets, full, owned))
             else:  # a per-parameter scalar (Adam's step): the same on every shard
-                owned_scalar = first_replica and mesh.rank("tp") == 0
-                pieces.append(Piece(f"optim/{names[id(param)]}/{key}", value, (0,) * value.ndim,
-                                    tuple(value.shape), owned_scalar))
+                owned_scalar = first_replica and not replica and mesh.rank("tp") == 0
+                pieces.append(Piece(f"optim/{name}/{key}", value, (0,) * value.ndim, tuple(value.shape), owned_scalar))
     return pieces
+
+
+def logical_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter, bool]]:
+    """(full-model name, parameter, is-a-replica) for each parameter this rank holds.
+
+    Pipeline stages name their parameters as the whole model does ("blocks.4.x", not
+    "0.blocks.0.x"); the last stage's copy of a tied embedding is a replica of
+    "embed.weight" (its gradient and Adam state equal the first stage's), loaded, not written.
+    """
+    stages = [m for m in model.children() if hasattr(m, "global_name")] if isinstance(model, nn.ModuleList) else []
+    if not stages:
+        return [(name, param, False) for name, param in model.named_parameters()]
+    out = []
+    for stage in stages:
+        for name, param in stage.named_parameters():
+            if name == "lm_head.weight" and stage.shares_tied_weight and stage.is_last:
+                out.append(("embed.weight", param, True))
+            else:
+                out.append((stage.global_name(name), param, False))
+    return out
 
 
 def _placement(param: torch.Tensor, shard: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
