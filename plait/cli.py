@@ -27,6 +27,11 @@ def main(argv: list[str] | None = None) -> int:
         return _dispatch(argv)
     except PlaitError as exc:
         _print_error(exc, debug)
+        if _after_failed_collective(exc):
+            # Tearing down a process group whose collective failed can hang or abort in
+            # torch's destructors: leave now, with the error already printed.
+            sys.stdout.flush()
+            os._exit(EXIT_INPUT)
         return EXIT_INPUT
     except KeyboardInterrupt:
         return 130
@@ -38,6 +43,11 @@ def main(argv: list[str] | None = None) -> int:
         if not debug:
             print("  (run again with --debug for the traceback)", file=sys.stderr, flush=True)
         return EXIT_CRASH
+
+
+def _after_failed_collective(exc: PlaitError) -> bool:
+    comm = sys.modules.get("plait.runtime.comm")  # never imported here: it would load torch
+    return comm is not None and isinstance(exc, comm.CommError)
 
 
 def _print_error(exc: PlaitError, debug: bool) -> None:
