@@ -27,7 +27,7 @@ class TrainConfig:
 
     model: str = field(default="small", metadata={"help": "model preset: tiny or small"})
     data: str = field(default="stdlib", metadata={"help": "corpus: 'stdlib' (Python's own source), a text file, or a directory"})
-    steps: int = field(default=80, metadata={"help": "optimizer steps"})
+    steps: int = field(default=120, metadata={"help": "optimizer steps"})
     micro_batch: int = field(default=8, metadata={"help": "sequences per rank per forward/backward"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     seq_len: int = field(default=128, metadata={"help": "tokens per sequence"})
@@ -37,7 +37,7 @@ class TrainConfig:
     weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay (not applied to norms)"})
     grad_clip: float = field(default=1.0, metadata={"help": "max global gradient norm (0 turns clipping off)"})
     seed: int = field(default=0, metadata={"help": "seeds the weights, the data order and the sample"})
-    eval_every: int = field(default=40, metadata={"help": "steps between held-out evaluations (0: only at the end)"})
+    eval_every: int = field(default=60, metadata={"help": "steps between held-out evaluations (0: only at the end)"})
     eval_samples: int = field(default=32, metadata={"help": "held-out sequences per evaluation"})
     bucket_mb: float = field(default=25.0, metadata={"help": "gradient bucket size for data parallelism"})
     dp: int | None = field(default=None, metadata={"help": "data-parallel degree (default: what tp and pp leave)"})
