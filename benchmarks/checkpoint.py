@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, run_world, write_section  # noqa: E402
+from common import machine, run_world, finish, new_parser  # noqa: E402
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -108,23 +108,13 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = new_parser(__doc__)
     parser.add_argument("--nproc", type=int, nargs="+", default=[2])
     parser.add_argument("--model", default="small")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--no-write", action="store_true", help="print the table, leave RESULTS.md alone")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        worker(args)
-        return
     forwarded = ["--model", args.model, "--repeats", str(args.repeats)]
-    text = table([run_world(__file__, n, forwarded) for n in args.nproc], args)
-    print(text)
-    if not args.no_write:
-        write_section("checkpoint", text)
-
+    finish("checkpoint", args, worker, lambda a: [run_world(__file__, n, forwarded) for n in a.nproc], table)
 
 if __name__ == "__main__":
     main()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 from pathlib import Path
@@ -49,3 +50,24 @@ def run_world(script: str, nproc: int, args: list[str], env: dict[str, str] | No
                "--result", str(result), *args]
         subprocess.run(cmd, check=True, cwd=root, env={**os.environ, "PYTHONPATH": str(root), **(env or {})})
         return json.loads(result.read_text())
+
+
+def new_parser(doc: str | None) -> argparse.ArgumentParser:
+    """A benchmark's argument parser, with the flags every benchmark has."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--no-write", action="store_true", help="print the table, leave RESULTS.md alone")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    return parser
+
+
+def finish(name: str, args: argparse.Namespace, worker, drive, table) -> None:
+    """Inside a world, run `worker`; outside, spawn the worlds (`drive`), print the table and
+    put it in RESULTS.md unless --no-write."""
+    if args.worker:
+        worker(args)
+        return
+    text = table(drive(args), args)
+    print(text)
+    if not args.no_write:
+        write_section(name, text)

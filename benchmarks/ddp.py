@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import torch_version, run_world, write_section  # noqa: E402
+from common import torch_version, run_world, finish, new_parser  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -105,7 +105,7 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = new_parser(__doc__)
     parser.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--model", default="small")
     parser.add_argument("--steps", type=int, default=15)
@@ -113,18 +113,7 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
-    parser.add_argument("--no-write", action="store_true", help="print the table, leave RESULTS.md alone")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args)
-        return
-    text = table(drive(args), args)
-    print(text)
-    if not args.no_write:
-        write_section("ddp", text)
-
+    finish("ddp", parser.parse_args(), worker, drive, table)
 
 if __name__ == "__main__":
     main()

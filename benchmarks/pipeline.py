@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import run_world, write_section  # noqa: E402
+from common import run_world, finish, new_parser  # noqa: E402
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -266,7 +266,7 @@ I + W costs about 1.1 × B (one autograd call per norm on top of the deferred we
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = new_parser(__doc__)
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--model", default="small")
     parser.add_argument("--layers", type=int, default=8)
@@ -277,18 +277,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--schedules", nargs="+", default=[name for name, _ in SCHEDULES],
                         choices=[name for name, _ in SCHEDULES])
-    parser.add_argument("--no-write", action="store_true", help="print the table, leave RESULTS.md alone")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args)
-        return
-    text = table(drive(args), args)
-    print(text)
-    if not args.no_write:
-        write_section("pipeline", text)
-
+    finish("pipeline", parser.parse_args(), worker, drive, table)
 
 if __name__ == "__main__":
     main()

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import run_world as common_run_world  # noqa: E402
-from common import torch_version, write_section  # noqa: E402
+from common import new_parser, torch_version, write_section  # noqa: E402
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -284,7 +284,7 @@ collectives."""
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = new_parser(__doc__)
     parser.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--model", default="small")
     parser.add_argument("--steps", type=int, default=8)
@@ -292,9 +292,6 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
-    parser.add_argument("--no-write", action="store_true", help="print the table, leave RESULTS.md alone")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker or "RANK" in os.environ:  # inside a world
