@@ -21,7 +21,7 @@ from plait.parallel.tensor import apply_tensor_parallel
 from plait.parallel.tensor import clip_grad_norm_ as tensor_clip_grad_norm
 from plait.parallel.zero import apply_zero, zero_of
 from plait.parallel.zero import clip_grad_norm as zero_clip_grad_norm
-from plait.parallel.zero_shard import ZeroOptimizer
+from plait.parallel.zero_optim import ZeroOptimizer
 from plait.runtime.mesh import Mesh
 
 ZERO_STAGES = (0, 1, 2, 3)

@@ -17,6 +17,10 @@ its forward and freed after it, gathered again just before its backward
 (`GatherForBackward`), and its gradient is reduce-scattered as soon as autograd has
 accumulated it; the next unit is prefetched while the current one computes.
 
+Files: zero.py (this: setup and the public functions), zero_hooks.py (`ZeroSync`, what
+autograd and the module hooks call), zero_shard.py (packing and cutting flat buffers),
+zero_optim.py (the sharded optimizer, checkpoint pieces, the formulas).
+
 Gradient accumulation: `no_sync(model)` from plait.parallel.data works unchanged (this
 machinery sits at the attribute it looks for). Stage 1 keeps whole gradients anyway, so
 inside no_sync it skips the reduction and the last micro-batch reduce-scatters the sum once.
@@ -29,212 +33,24 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import deque
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import torch
 from torch import nn
 
 from plait.errors import PlaitError
 from plait.parallel.data import ATTR
-from plait.parallel.zero_shard import FlatGroup, bucket_params, checkpoint_pieces, find_units, pack, unit_owners
+from plait.parallel.zero_hooks import ZeroSync
+from plait.parallel.zero_optim import checkpoint_pieces
+from plait.parallel.zero_shard import FlatGroup, bucket_params, find_units, pack, unit_owners
 from plait.runtime import comm
 from plait.runtime.comm import Axis
 
 log = logging.getLogger(__name__)
 SHARD_PARAM = "plait_shard"  # stage 3: the name under which a unit's shard is registered
 CHECKPOINT_VIEW = "_plait_checkpoint_view"  # plait.train.checkpoint asks a model for its pieces here
-IN_FLIGHT = 1  # reductions left running while backward goes on: one bucket filling, one reducing
 
 
-class GatherForBackward(torch.autograd.Function):
-    """Forward: a unit's outputs, unchanged. Backward: gather the unit's parameters first."""
-
-    @staticmethod
-    def forward(ctx: Any, sync: "ZeroSync", group: FlatGroup, *outputs: torch.Tensor) -> Any:
-        ctx.sync, ctx.group = sync, group
-        ctx.set_materialize_grads(False)
-        return outputs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
-        ctx.sync.pre_backward(ctx.group)
-        return (None, None, *grads)
-
-
-class ZeroSync:
-    """The ZeRO machinery attached to one model: when to reduce, gather and free, and in what order."""
-
-    def __init__(self, axis: Axis, stage: int, groups: list[FlatGroup], root: FlatGroup | None = None,
-                 offload: bool = False):
-        self.axis, self.stage, self.groups, self.root, self.offload = axis, stage, groups, root, offload
-        self.enabled = True  # what no_sync switches off (stage 1 only: see the module docstring)
-        self.names: dict[nn.Parameter, str] = {}  # each parameter's name in the unsharded model
-        self.events: deque[tuple[str, int]] = deque(maxlen=4096)  # (what, group index): tests read it
-        self._slot = {p: (g, i) for g in groups for i, p in enumerate(g.params)}
-        self._callback_queued = False
-        self._in_flight: list[FlatGroup] = []
-        self._launched: set[int] = set()  # groups reduced in this backward
-        self._order: list[FlatGroup] = []  # stage 3: units in the order this forward ran them
-        self._last_order = [g for g in groups if g is not root]  # ... and the last forward
-        self._kept: set[int] = set()  # stage 3: units whose backward cannot be announced
-        self._placeholder = torch.empty(0, device=groups[0].flat.device if groups else "cpu")
-
-    @property
-    def params(self) -> list[nn.Parameter]:
-        """The model's trainable parameters as they were before sharding (shapes intact)."""
-        return [p for g in self.groups for p in g.params]
-
-    # -- gradients ----------------------------------------------------------------------------------
-    def on_grad_ready(self, param: nn.Parameter) -> None:
-        """Stages 1-2: a parameter's gradient for this micro-batch is fully accumulated."""
-        group, i = self._slot[param]
-        self._queue_backward_end()
-        if group.grad is None:  # stage 2: whole gradients exist only while backward needs them
-            group.alloc_grad()
-        view = group.grad_views[i]
-        if param.grad is not view:
-            view.copy_(param.grad)
-            param.grad = view
-        if self._reducing():
-            group.ready += 1
-            if group.ready == len(group.params):
-                self._launch(group)
-
-    def on_unit_grad(self, group: FlatGroup) -> None:
-        """Stage 3: autograd has accumulated the whole unit's gradient: free it, reduce the gradient."""
-        self._queue_backward_end()
-        self._free(group)
-        group.grad = group.flat.grad
-        self._launch(group)
-
-    def _queue_backward_end(self) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.on_backward_end)
-
-    def _reducing(self) -> bool:
-        return self.enabled or self.stage >= 2
-
-    def _launch(self, group: FlatGroup) -> None:
-        group.launch_reduce(self.axis)
-        self._launched.add(group.index)
-        self.events.append(("reduce_scatter" if self._callback_queued else "reduce_scatter_late", group.index))
-        self._in_flight.append(group)
-        if len(self._in_flight) > IN_FLIGHT:  # bound the whole gradients alive at once
-            self._in_flight.pop(0).finish_reduce(self.stage)
-
-    def on_backward_end(self) -> None:
-        """Reduce what got no gradient this backward, wait for every reduction, free the rest."""
-        self._callback_queued = False
-        if self._reducing():
-            for group in self.groups:
-                if group.index not in self._launched:
-                    self._fill_missing(group)
-                    self._launch(group)
-            while self._in_flight:
-                self._in_flight.pop(0).finish_reduce(self.stage)
-        self._launched.clear()
-        for group in self.groups:
-            group.ready = 0
-            self._free(group)
-        self.events.append(("backward_end", -1))
-
-    def _fill_missing(self, group: FlatGroup) -> None:
-        """Unused parameters contribute zeros, so that every rank runs the same collectives."""
-        if self.stage == 3:
-            group.grad = group.flat.grad if group.flat.grad is not None else torch.zeros_like(group.flat.detach())
-            return
-        if group.grad is None:
-            group.alloc_grad()
-        for param, view in zip(group.params, group.grad_views):
-            if param.grad is None:
-                view.zero_()
-                param.grad = view
-
-    def zero_grad(self) -> None:
-        for group in self.groups:
-            group.zero_grad(self.stage)
-
-    def owned_grads(self) -> list[torch.Tensor]:
-        """This rank's reduced gradient shards, padding excluded: what clipping and the optimizer see."""
-        return [g for g in (group.owned_grad() for group in self.groups) if g is not None]
-
-    def grad_tensors(self) -> list[torch.Tensor]:
-        """Every gradient buffer this machinery holds right now (for the memory meter)."""
-        held = [g.grad for g in self.groups] + [g.grad_shard for g in self.groups]
-        return [t for t in held if t is not None]
-
-    def gather_params(self) -> None:
-        """Stages 1-2, after the optimizer step: all-gather the updated shards in place."""
-        if self.stage < 3:
-            handles = [comm.all_gather(g.flat, g.shard, self.axis, async_op=True) for g in self.groups]
-            for handle in handles:
-                handle.wait()
-
-    # -- stage 3: gather before use, free after, prefetch the next --------------------------------
-    def _gather(self, group: FlatGroup, wait: bool = True, purpose: str = comm.TRAIN) -> None:
-        if group.gather(self.axis, wait, purpose):
-            self.events.append(("all_gather", group.index))
-
-    def _free(self, group: FlatGroup) -> None:
-        if self.stage == 3:
-            group.free(self._placeholder)
-
-    def pre_forward(self, group: FlatGroup | None, is_root: bool) -> None:
-        if is_root:
-            self._order, self._kept = [], set()
-        if group is None:
-            return
-        self._gather(group)
-        group.show()
-        if group is not self.root:
-            self._order.append(group)
-        self._prefetch(([self.root] if self.root else []) + self._last_order, group)
-
-    def post_forward(self, group: FlatGroup | None, output: Any, is_root: bool) -> Any:
-        if group is not None:
-            wrapped = True
-            if torch.is_grad_enabled():
-                output, wrapped = _wrap_outputs(output, self, group)
-            if wrapped:
-                self._free(group)
-            else:  # its backward cannot be announced, so it stays gathered until backward ends
-                self._kept.add(group.index)
-        if is_root:  # the whole forward is done: free what was prefetched but never ran
-            self._last_order = self._order or self._last_order
-            for other in self.groups:
-                if other.index not in self._kept:
-                    self._free(other)
-        return output
-
-    def pre_backward(self, group: FlatGroup) -> None:
-        """Called by GatherForBackward: gather this unit, prefetch the one backward needs next."""
-        self._queue_backward_end()
-        self._gather(group)
-        self._prefetch(([self.root] if self.root else []) + self._order[::-1], group)
-
-    def _prefetch(self, sequence: list[FlatGroup], group: FlatGroup) -> None:
-        position = sequence.index(group) if group in sequence else len(sequence)
-        if position + 1 < len(sequence):
-            self._gather(sequence[position + 1], wait=False)
-
-
-def _wrap_outputs(output: Any, sync: ZeroSync, group: FlatGroup) -> tuple[Any, bool]:
-    """Route the unit's tensor outputs through GatherForBackward; False if their shape is unknown."""
-    if isinstance(output, torch.Tensor):
-        return (GatherForBackward.apply(sync, group, output)[0] if output.requires_grad else output), True
-    if not isinstance(output, (tuple, list)) or not all(isinstance(o, torch.Tensor) or o is None for o in output):
-        return output, False
-    slots = [i for i, o in enumerate(output) if o is not None and o.requires_grad]
-    items = list(output)
-    for i, tensor in zip(slots, GatherForBackward.apply(sync, group, *(output[i] for i in slots)) if slots else ()):
-        items[i] = tensor
-    return (tuple(items) if isinstance(output, tuple) else items), True
-
-
-# -- setting up --------------------------------------------------------------------------------------
 def apply_zero(model: nn.Module, axis: Axis, *, stage: int, offload: bool = False, bucket_mb: float = 25.0,
                units: Sequence[nn.Module] | None = None) -> nn.Module:
     """Shard `model`'s states over `axis` with ZeRO `stage` 1, 2 or 3 (in place).

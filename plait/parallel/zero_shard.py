@@ -1,4 +1,4 @@
-"""ZeRO's shards: how parameters are packed and cut between ranks, and the optimizer of a shard.
+"""ZeRO's shards: how parameters are packed into flat buffers and cut between ranks.
 
 Every group of parameters (a bucket at stages 1-2, a unit at stage 3) is one flat buffer,
 padded at its end to a multiple of n, cut into n equal contiguous shards; rank r owns shard
@@ -6,28 +6,19 @@ r. The padding exists only so that reduce-scatter and all-gather see equal sizes
 its gradient is zero, and the optimizer never sees it (its pieces stop at the last real
 element), so it cannot leak into results.
 
-`ZeroOptimizer` wraps an ordinary torch optimizer built over *pieces*: one leaf tensor per
-(parameter ∩ this rank's shard), aliasing the shard's memory, so the user's optimizer class
-steps the shard in place and parameter groups (e.g. no weight decay on norms) still apply
-per original parameter. It suits elementwise optimizers (SGD, Adam, AdamW, ...), not those
-that need whole matrices. With parameters in bf16/fp16 (mixed precision) or with `offload`,
-the pieces are views of an fp32 master copy of the shard (in CPU memory, pinned when CUDA is
-present, for offload); the step copies the gradient in and the parameters back out.
+The optimizer that steps a shard is in zero_optim.py.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
 
 from plait.runtime import comm
-from plait.runtime.comm import Axis, Handle, ring_wire_bytes
+from plait.runtime.comm import Axis, Handle
 
 Location = tuple[nn.Module, str, int]  # (module, attribute, index into FlatGroup.params)
 
@@ -239,214 +230,3 @@ def unit_owners(model: nn.Module, units: Sequence[nn.Module]) -> tuple[dict[nn.P
 
 
 # -- the optimizer ----------------------------------------------------------------------------------
-@dataclass
-class OwnedSlice:
-    """What the optimizer steps of one group: a piece per parameter part, maybe an fp32 master."""
-
-    group: FlatGroup
-    pieces: list[nn.Parameter]
-    bounds: list[tuple[int, int]]  # each piece's [start, stop) within the owned range
-    master: torch.Tensor | None
-
-    @classmethod
-    def of(cls, group: FlatGroup, offload: bool) -> "OwnedSlice":
-        lo, _ = group.owned()
-        base = group.owned_param()
-        master = None
-        if offload or base.dtype != torch.float32:
-            master = base.to("cpu" if offload else base.device, torch.float32, copy=True)
-            master = master.pin_memory() if offload and torch.cuda.is_available() else master
-            base = master
-        bounds = [(start - lo, stop - lo) for _, start, stop in owned_pieces(group.sizes, group.n, group.rank)]
-        return cls(group, [nn.Parameter(base[start:stop]) for start, stop in bounds], bounds, master)
-
-    def bind_grads(self) -> None:
-        grad = self.group.owned_grad()
-        if self.master is not None and not self.holds_more():  # fp32 offload: a plain copy, kept fresh
-            self.master.copy_(self.group.owned_param())  # so weights loaded into the model count
-        if grad is not None and self.master is not None:  # blocking: the CPU step reads it next
-            grad = grad.to(self.master.device, torch.float32)
-        for piece, (start, stop) in zip(self.pieces, self.bounds):
-            piece.grad = None if grad is None else grad[start:stop]
-
-    def write_back(self) -> None:
-        """Mixed precision or offload: the stepped master, rounded back into the shard."""
-        if self.master is not None:
-            self.group.owned_param().copy_(self.master, non_blocking=self.master.is_pinned())
-            self.unbind_grads()  # the fp32 gradient copy was needed only for the step
-
-    def unbind_grads(self) -> None:
-        for piece in self.pieces:
-            piece.grad = None
-
-    def holds_more(self) -> bool:
-        """True if the master is more than a copy: fp32 behind 16-bit parameters."""
-        return self.master is not None and self.group.flat.dtype != torch.float32
-
-
-class ZeroOptimizer(torch.optim.Optimizer):
-    """A torch optimizer over this rank's shards that looks, to a training loop, like any other.
-
-    `param_groups` and `state` are the inner optimizer's, so setting "lr" works and `state`
-    holds the real shard tensors; `step()` steps the shard and hands the new values back
-    (stages 1-2 all-gather them); `zero_grad()` clears the ZeRO gradient buffers.
-    """
-
-    def __init__(self, sync: Any, optimizer_class: type[torch.optim.Optimizer], groups: list[dict[str, Any]],
-                 **kwargs: Any):
-        self.sync = sync
-        self.slices = [OwnedSlice.of(group, sync.offload) for group in sync.groups]
-        pieces_of: dict[nn.Parameter, list[nn.Parameter]] = {}
-        for part in self.slices:
-            for (index, _, _), piece in zip(owned_pieces(part.group.sizes, part.group.n, part.group.rank), part.pieces):
-                pieces_of.setdefault(part.group.params[index], []).append(piece)
-        sharded = [{**g, "params": [x for p in g["params"] for x in pieces_of.get(p, [])]} for g in groups]
-        self.inner = optimizer_class(sharded, **kwargs)
-        super().__init__(self.inner.param_groups, self.inner.defaults)
-        self.param_groups, self.state = self.inner.param_groups, self.inner.state
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for part in self.slices:
-            part.bind_grads()
-        self.inner.step()
-        for part in self.slices:
-            part.write_back()
-        self.sync.gather_params()
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - torch's signature
-        self.sync.zero_grad()
-        for part in self.slices:
-            part.unbind_grads()
-
-    def init_state(self) -> None:
-        """Create the state tensors (a zero-lr step on zero gradients), e.g. to load a checkpoint into."""
-        if self.state:
-            return
-        lrs = [group["lr"] for group in self.param_groups]
-        for group in self.param_groups:
-            group["lr"] = 0.0
-        for piece in (p for part in self.slices for p in part.pieces):
-            piece.grad = torch.zeros_like(piece)
-        self.inner.step()
-        for group, lr in zip(self.param_groups, lrs):
-            group["lr"] = lr
-        for part in self.slices:
-            part.unbind_grads()
-
-    def model_state_tensors(self, model: nn.Module) -> dict[str, list[torch.Tensor]]:
-        """Every tensor of model state this rank holds, by kind, for a storage-deduplicating meter.
-
-        Gradients include the ZeRO buffers (a stage-2 shard is the gradient of no parameter);
-        optimizer state includes the fp32 master copies, which the paper's K counts.
-        """
-        params = list(model.parameters())
-        pieces = [p for part in self.slices for p in part.pieces]
-        grads = [p.grad for p in params + pieces if p.grad is not None] + self.sync.grad_tensors()
-        states = [v for s in self.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.ndim > 0]
-        masters = [part.master for part in self.slices if part.master is not None]
-        return {"params": params, "grads": grads, "optim": states + masters}
-
-
-# -- checkpoints: shards as blocks of the logical tensors ----------------------------------------
-def flat_blocks(shape: Sequence[int], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
-    """Elements [start, stop) of a row-major tensor of `shape` as rectangular blocks.
-
-    Each block is (offsets, lengths, flat index of its first element); a block is contiguous
-    in the flat order, so it is a view of the flat range.
-    """
-    if stop <= start:
-        return []
-    if len(shape) <= 1:
-        return [((start,) * len(shape), (stop - start,) * len(shape), start)]
-    row = math.prod(shape[1:])
-    first, last = start // row, (stop - 1) // row
-    if first == last:  # within one row
-        return [((first, *o), (1, *n), first * row + f) for o, n, f in flat_blocks(shape[1:], start - first * row,
-                                                                                     stop - first * row)]
-    head = flat_blocks(shape, start, (first + 1) * row) if start % row else []
-    whole_from, whole_to = -(-start // row), stop // row
-    middle = [((whole_from, *(0,) * (len(shape) - 1)), (whole_to - whole_from, *shape[1:]), whole_from * row)]
-    tail = flat_blocks(shape, whole_to * row, stop) if stop % row else []
-    return head + (middle if whole_to > whole_from else []) + tail
-
-
-def checkpoint_pieces(model: nn.Module, optimizer: ZeroOptimizer, mesh: Any) -> list[Any]:
-    """plait.train.checkpoint's view of a ZeRO model: every tensor by its unsharded name and shape.
-
-    Whole parameters (stages 1-2) are written by dp rank 0; shards (stage-3 parameters,
-    optimizer state, fp32 masters) as the blocks each rank owns. The names and shapes are
-    those data parallelism writes, so a checkpoint moves between DDP and any stage.
-    """
-    from plait.train.checkpoint import Piece  # the hook's own type (docs/checkpoints.md)
-
-    sync, pieces = optimizer.sync, []
-    if sync.stage < 3:
-        pieces = [Piece(f"model/{name}", p.detach(), (0,) * p.ndim, tuple(p.shape), mesh.rank("dp") == 0)
-                  for name, p in model.named_parameters()]
-    optimizer.init_state()
-    for part in optimizer.slices:
-        group, lo = part.group, part.group.owned()[0]
-        offsets = [0, *itertools.accumulate(group.sizes)]
-        for (index, start, stop), piece in zip(owned_pieces(group.sizes, group.n, group.rank), part.pieces):
-            param, first = group.params[index], start - offsets[index]
-            name, shape = sync.names[param], tuple(param.shape)
-            flat = {f"optim/{name}/{k}": v for k, v in optimizer.state[piece].items() if isinstance(v, torch.Tensor)}
-            if part.holds_more():
-                flat[f"optim/{name}/master"] = piece.detach()
-            if sync.stage == 3:
-                flat[f"model/{name}"] = group.owned_param()[start - lo:stop - lo]
-            for key, tensor in flat.items():
-                if tensor.ndim == 0:  # e.g. Adam's step: the same on every piece, written once
-                    pieces.append(Piece(key, tensor, (), (), first == 0))
-                    continue
-                pieces += [Piece(key, tensor[f - first:f - first + math.prod(n)].view(n), o, shape)
-                           for o, n, f in flat_blocks(shape, first, first + stop - start)]
-    return pieces
-
-
-# -- measured and predicted --------------------------------------------------------------------------
-def zero_state_bytes(model: nn.Module, optimizer: ZeroOptimizer) -> dict[str, int]:
-    """Measured parameter, gradient and optimizer bytes on this rank (distinct storages)."""
-    out = {}
-    for kind, tensors in optimizer.model_state_tensors(model).items():
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.numel()}
-        out[kind] = sum(storages.values())
-    return out
-
-
-def memory_formula(stage: int, num_params: int, n: int, *, param_bytes: int = 4, grad_bytes: int = 4,
-                   k: int = 8) -> dict[str, float]:
-    """The ZeRO paper's model-state bytes per rank: (p + g + K)Ψ, each term /n once sharded."""
-    whole, shard = float(num_params), num_params / n
-    return {"params": param_bytes * (shard if stage >= 3 else whole),
-            "grads": grad_bytes * (shard if stage >= 2 else whole), "optim": k * (shard if stage >= 1 else whole)}
-
-
-def padded_memory(stage: int, group_sizes: Sequence[int], n: int, rank: int, *, param_bytes: int = 4,
-                  grad_bytes: int = 4, k: int = 8) -> dict[str, int]:
-    """`memory_formula` to the byte: whole buffers and shards carry padding, optimizer state not."""
-    padded = sum(shard_size(m, n) * n for m in group_sizes)
-    shards = sum(shard_size(m, n) for m in group_sizes)
-    owned = sum(hi - lo for lo, hi in (owned_range(m, n, rank) for m in group_sizes))
-    return {"params": param_bytes * (shards if stage >= 3 else padded),
-            "grads": grad_bytes * (shards if stage >= 2 else padded), "optim": k * owned}
-
-
-def comm_formula(stage: int, payload: int, n: int, micro_batches: int = 1) -> dict[str, float]:
-    """Wire bytes per rank per optimizer step on the dp axis, for a model of `payload` bytes.
-
-    With m micro-batches, stages 0-1 reduce once per step (no_sync), stages 2-3 every
-    micro-batch (they keep no whole gradient), and stage 3 gathers every unit twice per
-    micro-batch. Clipping adds one all-reduce of a 4-byte float, not counted here.
-    """
-    if stage == 0:
-        return {"all_reduce": ring_wire_bytes("all_reduce", payload, n)}
-    once = ring_wire_bytes("all_gather", payload, n)
-    return {"reduce_scatter": (micro_batches if stage >= 2 else 1) * once,
-            "all_gather": (2 * micro_batches if stage == 3 else 1) * once}

@@ -19,7 +19,7 @@ import plait
 from plait.models.config import get_preset
 from plait.models.gpt import build_gpt
 from plait.parallel.zero import clip_grad_norm, full_parameters, zero_of
-from plait.parallel.zero_shard import zero_state_bytes
+from plait.parallel.zero_optim import zero_state_bytes
 from plait.runtime import comm
 from plait.train.meter import model_state_bytes
 
