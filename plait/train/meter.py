@@ -53,15 +53,17 @@ class ActivationMeter:
     @contextlib.contextmanager
     def track(self, model: nn.Module) -> Iterator[None]:
         param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        zero3 = zero3_sync(model)
         saved: dict[int, int] = {}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             storage = tensor.untyped_storage()
+            ptr = storage.data_ptr()
             # ZeRO-3 gathers a unit's weights into fresh storage just before it runs: asked
-            # here, at pack time, not once up front.
-            weights = param_ptrs | gathered_weights(model)
-            if storage.data_ptr() not in weights and storage.nbytes():
-                saved[storage.data_ptr()] = storage.nbytes()
+            # here, at pack time (and only under ZeRO-3), not once up front.
+            is_weight = ptr in param_ptrs or (zero3 is not None and ptr in gathered_weights(zero3))
+            if not is_weight and storage.nbytes():
+                saved[ptr] = storage.nbytes()
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
@@ -77,11 +79,14 @@ def peak_process_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def gathered_weights(model: nn.Module) -> set[int]:
-    """Storages of ZeRO-3's all-gathered weights: parameters, not activations, while a unit runs."""
+def zero3_sync(model: nn.Module) -> object | None:
+    """The ZeRO machinery of a stage-3 model (whose weights are gathered per unit), else None."""
     from plait.parallel.zero import zero_of
 
     sync = zero_of(model)
-    if sync is None or sync.stage < 3:
-        return set()
+    return sync if sync is not None and sync.stage >= 3 else None
+
+
+def gathered_weights(sync: object) -> set[int]:
+    """Storages of ZeRO-3's all-gathered weights: parameters, not activations, while a unit runs."""
     return {group.flat.untyped_storage().data_ptr() for group in sync.groups}
