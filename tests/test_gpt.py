@@ -30,6 +30,27 @@ def test_unknown_preset_lists_the_names():
     assert "tiny" in err.value.hint and "llama-70b" in err.value.hint
 
 
+def test_a_preset_with_field_overrides():
+    config = get_preset("tiny,n_kv_heads=4,n_layers=3,tie_embeddings=false,norm_eps=1e-6")
+    assert (config.n_kv_heads, config.n_layers, config.tie_embeddings, config.norm_eps) == (4, 3, False, 1e-6)
+    assert config.d_model == PRESETS["tiny"].d_model
+    assert get_preset("tiny,n_layers=3", n_layers=5).n_layers == 5  # keyword overrides win
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("tiny,heads=4", "'heads=4' is not FIELD=VALUE for a GPTConfig field"),
+    ("tiny,n_layers", "'n_layers' is not FIELD=VALUE"),
+    ("tiny,n_layers=two", "n_layers='two' is not a valid int"),
+    ("tiny,tie_embeddings=maybe", "tie_embeddings='maybe' is not a valid bool"),
+    ("tiny,n_kv_heads=3", "n_heads = 4 is not divisible by n_kv_heads = 3"),
+    ("tiny,d_model=66", "d_model = 66 is not divisible by n_heads = 4"),
+    ("tiny,n_layers=0", "n_layers must be at least 1"),
+])
+def test_bad_overrides_name_the_field(spec, message):
+    with pytest.raises(PlaitError, match=message):
+        get_preset(spec)
+
+
 def test_same_seed_same_weights_and_untouched_global_rng():
     torch.manual_seed(5)
     before = torch.rand(1)

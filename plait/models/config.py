@@ -7,7 +7,7 @@ models people actually train, without ever allocating them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from plait.errors import PlaitError
 
@@ -31,6 +31,18 @@ class GPTConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     arch: str = "llama"
+
+    def __post_init__(self) -> None:
+        """Shapes that cannot build a model are refused here, naming the field."""
+        for name in ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise PlaitError(f"model field {name} must be at least 1, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise PlaitError(f"d_model = {self.d_model} is not divisible by n_heads = {self.n_heads}",
+                             hint="each head takes d_model / n_heads features")
+        if self.n_heads % self.n_kv_heads:
+            raise PlaitError(f"n_heads = {self.n_heads} is not divisible by n_kv_heads = {self.n_kv_heads}",
+                             hint="each key/value head serves n_heads / n_kv_heads query heads")
 
     @property
     def head_dim(self) -> int:
@@ -102,11 +114,51 @@ TRAINABLE = ("tiny", "small")
 
 
 def get_preset(name: str, **overrides: object) -> GPTConfig:
-    """Look up a preset by name, with an error that lists the names that exist."""
-    if name not in PRESETS:
+    """Look up a preset by name, with an error that lists the names that exist.
+
+    `name` may carry overrides of the preset's fields: "tiny,n_kv_heads=4,n_layers=4"
+    (what `--model` accepts), for a variant without a new preset.
+    """
+    base, _, spec = name.partition(",")
+    if base not in PRESETS:
         raise PlaitError(
-            f"unknown model preset {name!r}",
+            f"unknown model preset {base!r}",
             hint=f"choose one of: {', '.join(PRESETS)}",
         )
-    config = PRESETS[name]
-    return replace(config, **overrides) if overrides else config
+    overrides = {**parse_overrides(spec, name), **overrides} if spec else overrides
+    config = PRESETS[base]
+    try:
+        return replace(config, **overrides) if overrides else config
+    except (ValueError, ZeroDivisionError) as exc:
+        raise PlaitError(f"model {name!r}: {exc}") from None
+
+
+def preset_name(name: str) -> str:
+    """The preset a model spec starts from ("tiny" for "tiny,n_layers=4")."""
+    return name.partition(",")[0]
+
+
+def parse_overrides(spec: str, name: str) -> dict[str, object]:
+    """"n_layers=4,tie_embeddings=false" -> typed values for GPTConfig's fields."""
+    kinds = {f.name: f.type for f in fields(GPTConfig)}
+    out: dict[str, object] = {}
+    for item in filter(None, spec.split(",")):
+        key, eq, text = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not eq or key not in kinds:
+            raise PlaitError(f"model {name!r}: {item!r} is not FIELD=VALUE for a GPTConfig field",
+                             hint=f"fields: {', '.join(kinds)}")
+        out[key] = _typed(kinds[key], text.strip(), name, key)
+    return out
+
+
+def _typed(kind: object, text: str, name: str, key: str) -> object:
+    kind = getattr(kind, "__name__", kind)
+    try:
+        if kind == "bool":
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(text)
+            return text.lower() in ("true", "1")
+        return {"int": int, "float": float}.get(str(kind), str)(text)
+    except ValueError:
+        raise PlaitError(f"model {name!r}: {key}={text!r} is not a valid {kind}") from None
