@@ -89,6 +89,9 @@ def test_every_config_field_is_a_flag():
     (["--out", "/proc/plait-out"], "--out /proc/plait-out is not writable"),
     (["--steps", "0"], "--steps must be at least 1, got 0"),
     (["--config", "/nonexistent.toml"], "config file /nonexistent.toml does not exist"),
+    (["--nproc", "4", "--pp", "2", "--zero", "2", "--schedule", "zb-h1"], "--zero 2 cannot run the zb-h1 schedule"),
+    (["--model", "tiny,heads=4"], "model 'tiny,heads=4': 'heads=4' is not FIELD=VALUE for a GPTConfig field"),
+    (["--model", "tiny,n_kv_heads=3"], "n_kv_heads"),
 ])
 def test_bad_input_is_one_clear_line(flags, message, tmp_path):
     proc = run_plait("train", "--out", str(tmp_path), *flags, timeout=60)

@@ -47,6 +47,12 @@ CASES = {
     "pp2-1f1b": (["--nproc", "2", "--pp", "2", "--grad-accum", "2"], 2, 1e-4),
     "dp2-pp2-zbh1": (["--nproc", "4", "--dp", "2", "--pp", "2", "--grad-accum", "2",
                              "--schedule", "zb-h1"], 4, 1e-4),
+    # Products of strategies: each pair, then all of them at once.
+    "dp2-tp2-zero1-sp": (["--nproc", "4", "--tp", "2", "--zero", "1", "--sp", "--grad-accum", "2"], 4, 1e-4),
+    "tp2-pp2-zbh1": (["--nproc", "4", "--tp", "2", "--pp", "2", "--grad-accum", "2", "--schedule", "zb-h1"], 2, 1e-4),
+    "dp2-pp2-zero2": (["--nproc", "4", "--dp", "2", "--pp", "2", "--zero", "2", "--grad-accum", "2"], 4, 1e-5),
+    "dp2-tp2-pp2-zero3-sp": (["--nproc", "8", "--dp", "2", "--tp", "2", "--pp", "2", "--zero", "3", "--sp",
+                              "--grad-accum", "2"], 4, 1e-4),
 }
 
 
@@ -56,11 +62,13 @@ def test_strategy_trains_the_same_model_as_one_process(case, reference, tmp_path
     metrics, summary, params = run(tmp_path, *flags)
     ref_metrics, ref_summary, ref_params = reference[accum]
     assert_losses_close([m["loss"] for m in metrics], [m["loss"] for m in ref_metrics], rtol=rtol)
+    # The norm of the whole gradient, summed over whatever splits it (it clips every step).
+    assert_losses_close([m["grad_norm"] for m in metrics], [m["grad_norm"] for m in ref_metrics], rtol=10 * rtol)
     assert_losses_close(list(summary["val_losses"].values()), list(ref_summary["val_losses"].values()), rtol=rtol)
     if params is not None:
         assert_params_close(params, ref_params, rtol=rtol, atol=2e-5 if "--tp" in flags else 5e-6)
     # The prediction for this very layout: model states and every collective's bytes exact
-    # (the few-byte gradient-norm all-reduces aside), activations within 10%.
+    # (the gradient norm's all-reduces of one or two float64 aside), activations within 10%.
     predicted, mem = summary["predicted"], summary["mem"]
     for kind in ("grads", "optim") if summary["layout"]["zero"] == 3 else ("params", "grads", "optim"):
         assert predicted["memory"][kind] == pytest.approx(mem[kind], rel=0.01), kind
@@ -69,7 +77,7 @@ def test_strategy_trains_the_same_model_as_one_process(case, reference, tmp_path
     keys = {(a, o) for src in (predicted["comm"], measured) for a, ops in src.items() for o in ops}
     for axis, op in keys:
         got, want = measured.get(axis, {}).get(op, 0), predicted["comm"].get(axis, {}).get(op, 0)
-        assert 0 <= got - want <= 8, (axis, op, got, want)  # at most one norm scalar on top
+        assert 0 <= got - want <= 16, (axis, op, got, want)  # the norm's one or two scalars on top
 
 
 def test_zero3_memory_is_the_formula(tmp_path):

@@ -12,7 +12,7 @@ Two worlds, each running many configurations (tests/worlds/zero_parity.py):
 - memory: measured (distinct storages) == the paper's formula with padding, to the byte;
   the tiny GPT needs no padding at n = 2 or 4, so there it equals the formula exactly.
 - the ledger of every step == 2(n-1)/n·Ψ·b (stages 1-2) or 3(n-1)/n·Ψ·b (stage 3), exactly,
-  plus the clipping all-reduce of one 4-byte float.
+  plus the clipping all-reduce of one float64 (8 bytes).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def test_padding_is_real_and_small(world: list[dict[str, Any]]) -> None:
 
 def test_ledger_matches_the_formulas_exactly(world: list[dict[str, Any]]) -> None:
     n = world[0]["n"]
-    clip = ring_wire_bytes("all_reduce", 4, n)  # one fp32 scalar: the global gradient norm
+    clip = ring_wire_bytes("all_reduce", 8, n)  # one float64: the sum of squares of the gradient shards
     for name, run in world[0]["runs"].items():
         b = 2 if "bfloat16" in run["dtype"] else 4
         if run["stage"] == 0:

@@ -42,11 +42,12 @@ def _add(traffic: Traffic, axis: str, op: str, payload: float, n: int, times: fl
 def dp_traffic(params: int, layout: Layout) -> Traffic:
     """Data-parallel traffic for a rank holding `params` parameters.
 
-    Every stage syncs once per optimizer step: accumulation runs the other micro-batches
-    under no_sync, which keeps gradients whole and unreduced. Plain DP all-reduces them;
-    ZeRO-1 and -2 reduce-scatter them and all-gather the updated weights; ZeRO-3 also
-    gathers each unit's weights before its forward and again before its backward, every
-    micro-batch: 3(n-1)/n·Ψ·b when m = 1.
+    Plain DP and ZeRO-1 sync once per optimizer step: accumulation runs the other
+    micro-batches under no_sync, which keeps gradients whole and unreduced; DP all-reduces
+    them, ZeRO-1 reduce-scatters them and all-gathers the updated weights. ZeRO-2 and -3
+    exist not to hold whole gradients, so they reduce-scatter every micro-batch into the
+    shard (m times per step); ZeRO-3 also gathers each unit's weights before its forward
+    and again before its backward, every micro-batch: 3(n-1)/n·Ψ·b when m = 1.
     """
     out: Traffic = {}
     n, m, per = layout.dp, layout.grad_accum, state_bytes(layout.precision)
@@ -54,7 +55,7 @@ def dp_traffic(params: int, layout: Layout) -> Traffic:
     if layout.zero == 0:
         _add(out, "dp", "all_reduce", grads, n)
         return out
-    _add(out, "dp", "reduce_scatter", grads, n)
+    _add(out, "dp", "reduce_scatter", grads, n, times=m if layout.zero >= 2 else 1)
     _add(out, "dp", "all_gather", weights, n, times=2 * m if layout.zero == 3 else 1)
     return out
 
@@ -83,7 +84,8 @@ def tp_traffic(config: GPTConfig, layout: Layout, stage: Stage) -> Traffic:
 
     Besides `tp_collectives`: the vocab-parallel cross-entropy all-reduces three fp32
     numbers per token (max, sum of exponentials, target logit), and under SP the norm
-    weights' gradients, which each rank computed from its own sequence shard, are summed.
+    weights' gradients, which each rank computed from its own sequence shard, are summed
+    (as each micro-batch's backward produces them).
     """
     out: Traffic = {}
     t, m = layout.tp, layout.grad_accum
@@ -94,7 +96,7 @@ def tp_traffic(config: GPTConfig, layout: Layout, stage: Stage) -> Traffic:
         _add(out, "tp", "all_reduce", layout.tokens_per_micro_batch * 4, t, times=3 * m)
     if layout.sp:
         grad_bytes = state_bytes(layout.precision).grad
-        _add(out, "tp", "all_reduce", stage.replicated_params * grad_bytes, t)
+        _add(out, "tp", "all_reduce", stage.replicated_params * grad_bytes, t, times=m)
     return out
 
 
@@ -111,7 +113,8 @@ def pp_messages(layout: Layout, stage: Stage) -> int:
 def pp_traffic(config: GPTConfig, layout: Layout, stage: Stage) -> Traffic:
     """Point-to-point traffic between pipeline stages: b·s·h·bytes per message (a
     sequence shard of it under SP). With tied embeddings the first and last rank each hold
-    a copy of the embedding and swap their gradients once per step (a send and a recv)."""
+    a copy of the embedding and swap their gradients once per step (a send and a recv):
+    the whole gradient, or under ZeRO the dp rank's shard of it (padded to a multiple of dp)."""
     out: Traffic = {}
     if layout.pp == 1:
         return out
@@ -120,6 +123,7 @@ def pp_traffic(config: GPTConfig, layout: Layout, stage: Stage) -> Traffic:
     count = pp_messages(layout, stage) * layout.grad_accum
     if config.tie_embeddings and (stage.first or stage.last):
         table = vocab_shard(config, layout.tp) * config.d_model
+        table = -(-table // layout.dp) if layout.zero else table
         tied = table * state_bytes(layout.precision).grad
         _add(out, "pp", "send", tied, 2)
         _add(out, "pp", "recv", tied, 2)

@@ -1,10 +1,15 @@
 """`parallelize`: apply the strategies a `ParallelConfig` asks for, in one fixed order.
 
-The order is the one every strategy assumes of the others: split the model into pipeline
-stages (`apply_pipeline`, before this: the caller keeps this rank's stages), shard layers
-across tensor-parallel ranks, then replicate or shard what is left across data-parallel
-ranks: plain data parallelism (ZeRO stage 0) or ZeRO stages 1-3. Later strategies add
-fields to `ParallelConfig` and a step here, keeping these names.
+The order is the one every strategy assumes of the others, and any product of them runs:
+
+1. shard layers across the tensor-parallel ranks (the whole model, so that every rank
+   takes its slice of the same initial weights);
+2. cut the result into pipeline stages and keep this rank's (`apply_pipeline`);
+3. replicate or shard what is left across the data-parallel ranks: plain data parallelism
+   (ZeRO stage 0) or ZeRO stages 1-3, over the stages when pipelined.
+
+Each step reads the one before from the model itself (the tensor-parallel axis, the
+pipeline's chunks), so the loss, the gradient norm and checkpoints need no other record.
 """
 
 from __future__ import annotations
@@ -16,13 +21,16 @@ import torch
 from torch import nn
 
 from plait.errors import PlaitError
+from plait.parallel.clip import clip_grad_norm
 from plait.parallel.data import apply_data_parallel, grad_sync
-from plait.parallel.tensor import apply_tensor_parallel
-from plait.parallel.tensor import clip_grad_norm_ as tensor_clip_grad_norm
+from plait.parallel.pipeline import apply_pipeline
+from plait.parallel.pipeline_split import is_pipeline
+from plait.parallel.tensor import apply_tensor_parallel, tensor_parallel_of
 from plait.parallel.zero import apply_zero, zero_of
-from plait.parallel.zero import clip_grad_norm as zero_clip_grad_norm
 from plait.parallel.zero_optim import ZeroOptimizer
 from plait.runtime.mesh import Mesh
+
+__all__ = ["ParallelConfig", "ZERO_STAGES", "build_optimizer", "clip_grad_norm", "parallelize"]
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -35,6 +43,7 @@ class ParallelConfig:
     zero: int = 0  # 0: replicate everything (DDP); 1: shard optimizer states; 2: + gradients; 3: + parameters
     offload: bool = False  # keep optimizer states, and run the optimizer step, in CPU memory
     sp: bool = False  # sequence parallelism in the tensor-parallel norm regions
+    virtual_stages: int = 1  # pipeline chunks per pp rank (interleaved schedules)
 
     def __post_init__(self) -> None:
         if self.bucket_mb <= 0:
@@ -49,28 +58,27 @@ class ParallelConfig:
 
 
 def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = None) -> nn.Module:
-    """Move `model` to this rank's device and apply the configured strategies, in place."""
+    """Apply the configured strategies to `model`; return what this rank trains.
+
+    That is `model` itself (moved to this rank's device, changed in place), or with pp > 1
+    the ModuleList of this rank's pipeline stages, for a `PipelineRunner`. Stages already
+    cut by `apply_pipeline` (and a model already split by tp) are taken as they are.
+    """
     config = config or ParallelConfig()
     model.to(mesh.device)
-    if mesh.size("tp") > 1:
+    cut = is_pipeline(model)  # stages from apply_pipeline: only DP or ZeRO is left to apply
+    if mesh.size("tp") > 1 and tensor_parallel_of(model) is None:
+        if cut:
+            raise PlaitError("tensor parallelism is applied to the whole model, before the pipeline cut",
+                             hint="pass the whole model to parallelize: it cuts the stages itself")
         apply_tensor_parallel(model, mesh.axis("tp"), sp=config.sp)
+    if mesh.size("pp") > 1 and not cut:
+        model = apply_pipeline(model, mesh, virtual_stages=config.virtual_stages)
     if config.zero == 0:
         apply_data_parallel(model, mesh.axis("dp"), bucket_mb=config.bucket_mb)
     else:
         apply_zero(model, mesh.axis("dp"), stage=config.zero, offload=config.offload, bucket_mb=config.bucket_mb)
     return model
-
-
-def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
-    """Clip the gradient of the whole model, however it is split; return the norm before.
-
-    Each strategy knows which part of the gradient this rank holds: ZeRO a shard of every
-    gradient (one all-reduce over dp), tensor parallelism a slice of the split ones (one over
-    tp). A pipeline clips through its runner, which sees all stages.
-    """
-    if zero_of(model) is not None:
-        return zero_clip_grad_norm(model, max_norm)
-    return float(tensor_clip_grad_norm(model, max_norm))
 
 
 def build_optimizer(model: nn.Module, optimizer_class: type[torch.optim.Optimizer],

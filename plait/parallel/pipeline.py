@@ -15,7 +15,6 @@ reduced once: over dp (when data parallel) and between the two copies of a tied 
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,14 +23,22 @@ import torch
 from torch import nn
 
 from plait.errors import PlaitError
-from plait.parallel.data import GradSync, grad_sync, no_sync
-from plait.parallel.pipeline_comm import BufferPool, Channels, Key, agree_shapes, send_order, sum_tied_grads
+from plait.parallel.data import grad_sync, no_sync
+from plait.parallel.pipeline_comm import (BufferPool, Channels, Key, add_from_peer, agree_shapes, send_order,
+                                          sum_tied_grads)
 from plait.parallel.pipeline_exec import LossFn, PipelineStats, StageWork, StepRun
-from plait.parallel.pipeline_split import GPTStage, balanced_counts, check_split, rank_stages, split_stages
+from plait.parallel.pipeline_split import (GPTStage, balanced_counts, check_split, rank_stages, split_stages,
+                                           tied_copies)
 from plait.parallel.schedule import Schedule, build_schedule, validate
 from plait.parallel.timeline import Slot, Timeline
+from plait.parallel.zero import zero_of
+from plait.parallel.tensor import ATTR as TP_ATTR
+from plait.parallel.tensor import tensor_parallel_of
 from plait.runtime import comm
+from plait.runtime.comm import Axis
 from plait.runtime.mesh import Mesh
+
+PIPELINE_ATTR = "_plait_pipeline"
 
 __all__ = ["GPTStage", "PipelineRunner", "PipelineStats", "apply_pipeline", "balanced_counts", "check_pipeline",
            "check_split", "split_stages"]
@@ -41,12 +48,24 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, *, virtual_stages: int = 1,
                    balance: Sequence[int] | None = None) -> nn.ModuleList:
     """This rank's stages of `model` (v chunks, in chunk order), moved to its device.
 
-    Apply data parallelism to the returned ModuleList, not to `model`: the stages of the
-    other ranks are dropped with it.
+    Tensor parallelism, if any, is applied to the whole model before (its layers are cut
+    as they are); data parallelism or ZeRO to the returned ModuleList after: the stages of
+    the other ranks are dropped with `model`.
     """
     pp = mesh.size("pp")
-    stages = split_stages(model, pp, virtual_stages=virtual_stages, balance=balance)
-    return rank_stages(stages, mesh.rank("pp"), pp).to(mesh.device)
+    info = tensor_parallel_of(model)
+    seq_split = info.axis.size if info is not None and info.sp else 1
+    stages = split_stages(model, pp, virtual_stages=virtual_stages, balance=balance, seq_split=seq_split)
+    held = rank_stages(stages, mesh.rank("pp"), pp).to(mesh.device)
+    if info is not None:
+        setattr(held, TP_ATTR, info)  # the loss and the gradient norm look for it here
+    setattr(held, PIPELINE_ATTR, mesh.axis("pp"))
+    return held
+
+
+def pipeline_axis(module: nn.Module) -> Axis | None:
+    """The pp axis of a module that `apply_pipeline` returned (None for a whole model)."""
+    return getattr(module, PIPELINE_ATTR, None)
 
 
 def check_pipeline(n_layers: int, pp: int, schedule: str, microbatches: int, *, virtual_stages: int = 1,
@@ -91,9 +110,11 @@ class PipelineRunner:
                                         else lambda pp, m, v: build_schedule(schedule, pp, m, v))
         self.measure = measure
         probe = self._build(self.pp, self.pp, self.v)  # fails now on a bad name or v
-        _check_data_parallel(self.module)
         split = any(a.kind in "IW" for row in probe for a in row)
-        self.work = [StageWork(stage, split_backward=split) for stage in self.module]
+        _check_data_parallel(self.module, split)
+        sync = zero_of(self.module)
+        gathered = sync.gathered_storages if sync is not None else set
+        self.work = [StageWork(stage, split_backward=split, gathered_weights=gathered) for stage in self.module]
         self.pool = BufferPool(mesh.device)
         self._plans: dict[int, _Plan] = {}
         self._shapes: dict[tuple, dict] = {}
@@ -143,22 +164,12 @@ class PipelineRunner:
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip by the norm of the whole model's gradient (all stages); return that norm.
 
-        The head's copy of a tied embedding is left out of the sum, so the tied weight is
-        counted once, as in the single-process model.
+        plait.parallel.clip.clip_grad_norm on the stages: the head's copy of a tied
+        embedding is counted once, tensor-parallel slices and ZeRO shards as theirs.
         """
-        grads = [p.grad for stage in self.module for name, p in stage.named_parameters()
-                 if p.grad is not None and not (_is_tied_copy(stage) and name == "lm_head.weight")]
-        square = torch.zeros(1, dtype=torch.float64, device=self.mesh.device)
-        for grad in grads:
-            square += grad.detach().double().pow(2).sum()
-        comm.all_reduce(square, self.axis)
-        norm = math.sqrt(square.item())
-        if max_norm < math.inf:
-            scale = min(1.0, max_norm / (norm + 1e-6))
-            for p in self.module.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        return norm
+        from plait.parallel.clip import clip_grad_norm
+
+        return clip_grad_norm(self.module, max_norm)
 
     def _run(self, channels: Channels, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
              loss_fn: LossFn) -> StepRun:
@@ -195,7 +206,8 @@ class PipelineRunner:
 
     # -- after the schedule ------------------------------------------------------------------
     def _reduce_dp(self) -> None:
-        """All-reduce the step's summed gradients over dp, once (the buckets of plait's DDP).
+        """Reduce the step's summed gradients over dp, once: plait's DDP buckets, or ZeRO-1's
+        reduce-scatter (ZeRO-2 and 3 reduced each backward into their shards already).
 
         Every backward ran under no_sync: with I and W split, weight gradients arrive in many
         small backward calls, and DDP's end-of-backward hook would fire after each one.
@@ -205,12 +217,18 @@ class PipelineRunner:
             sync.sync_now()
 
     def _sum_tied(self) -> None:
-        """Add the gradients of the tied embedding's two copies, on the first and last rank."""
-        first, last = self.module[0], self.module[-1]
-        if getattr(first, "shares_tied_weight", False) and first.is_first:
-            sum_tied_grads(first.embed.weight, self.axis, self.pp - 1)
-        if _is_tied_copy(last):
-            sum_tied_grads(last.lm_head.weight, self.axis, 0)
+        """Add the gradients of the tied embedding's two copies, on the first and last rank.
+
+        Under ZeRO each copy is a flat group of its own, cut alike on both ranks, so the
+        dp rank's two gradient shards line up and are added the same way.
+        """
+        peer = self.pp - 1 if self.rank == 0 else 0
+        sync = zero_of(self.module)
+        for weight in sync.tied if sync is not None else tied_copies(self.module):
+            if sync is not None:
+                add_from_peer(sync.group_of(weight).grad_shard, self.axis, peer)
+            else:
+                sum_tied_grads(weight, self.axis, peer)
 
     def _barrier(self) -> float:
         """A tiny all-reduce lines the ranks up, so that their clocks start together."""
@@ -236,13 +254,9 @@ class PipelineRunner:
         return Timeline(pp=self.pp, v=self.v, rows=rows)
 
 
-def _check_data_parallel(module: nn.Module) -> None:
-    sync = grad_sync(module)
-    if sync is not None and not isinstance(sync, GradSync):
-        raise PlaitError("pipeline parallelism runs with plain data parallelism, not ZeRO, for now",
-                         hint="use --zero 0 with --pp > 1")
-
-
-def _is_tied_copy(stage: nn.Module) -> bool:
-    """Whether `stage` is the last stage, holding the head's copy of a tied embedding."""
-    return bool(getattr(stage, "shares_tied_weight", False)) and stage.is_last
+def _check_data_parallel(module: nn.Module, split_backward: bool) -> None:
+    sync = zero_of(module)
+    if sync is not None and sync.stage >= 2 and split_backward:
+        raise PlaitError(f"ZeRO-{sync.stage} cannot run a schedule that splits backward into I and W (zb-h1): "
+                         "it reduces gradients from autograd's hooks, and W computes weight gradients outside them",
+                         hint="use --zero 1 with zb-h1, or --schedule 1f1b")

@@ -181,17 +181,20 @@ def _decode(meta: torch.Tensor) -> Shape:
 
 
 def sum_tied_grads(param: torch.nn.Parameter, axis: Axis, peer: int) -> None:
-    """Add the gradient of the other copy of a tied weight (held by pipeline rank `peer`).
+    """Add the gradient of the other copy of a tied weight (held by pipeline rank `peer`)."""
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    add_from_peer(param.grad, axis, peer)
+
+
+def add_from_peer(tensor: torch.Tensor, axis: Axis, peer: int) -> None:
+    """tensor += the same-shaped tensor of pipeline rank `peer`, which does the same.
 
     Both ranks send theirs and add what they receive: a + b on one rank, b + a on the
     other, which floating point makes bitwise equal, so the copies never drift apart.
     """
-    mine = param.grad if param.grad is not None else torch.zeros_like(param)
-    theirs = torch.empty_like(mine)
-    sent = comm.send(mine.contiguous(), axis, peer)
+    theirs = torch.empty_like(tensor)
+    sent = comm.send(tensor.contiguous(), axis, peer)
     comm.recv(theirs, axis, peer).wait()
     sent.wait()
-    if param.grad is None:
-        param.grad = mine
-    param.grad.add_(theirs)
-
+    tensor.add_(theirs)

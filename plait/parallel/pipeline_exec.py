@@ -80,9 +80,13 @@ class MicroState:
 class StageWork:
     """Runs F, B, I and W for one stage module and counts the activations it holds."""
 
-    def __init__(self, module: nn.Module, split_backward: bool):
+    def __init__(self, module: nn.Module, split_backward: bool,
+                 gathered_weights: Callable[[], set[int]] = set):
+        """`gathered_weights` names the storages of weights gathered on the fly (ZeRO-3's
+        units): saved for backward, but parameters, not activations."""
         self.module = module
         self._param_ptrs = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self._gathered_weights = gathered_weights
         self._recording: list[Capture] | None = None
         if split_backward:
             _check_weights_used_once(module)
@@ -129,7 +133,8 @@ class StageWork:
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             storage = tensor.untyped_storage()
             ptr = storage.data_ptr()
-            if ptr not in self._param_ptrs:
+            # Gathered weights get fresh memory each time: asked now, not once up front.
+            if ptr not in self._param_ptrs and ptr not in self._gathered_weights():
                 key = (tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
                 views.setdefault(ptr, {})[key] = tensor.numel() * tensor.element_size()
                 sizes[ptr] = storage.nbytes()

@@ -19,6 +19,7 @@ same optimizer step and stay bitwise equal — the single-process model, held tw
 from __future__ import annotations
 
 import copy
+import math
 import re
 from collections.abc import Sequence
 
@@ -37,9 +38,11 @@ class GPTStage(nn.Module):
     """
 
     def __init__(self, model: GPT, index: int, num_stages: int, first_layer: int, layers: int,
-                 untie_head: bool):
+                 untie_head: bool, seq_split: int = 1):
         super().__init__()
         self.index, self.num_stages, self.first_layer = index, num_stages, first_layer
+        # Under sequence parallelism hidden states hold seq / tp positions; rope needs seq.
+        self.seq_split = seq_split
         self.embed = model.embed if index == 0 else None
         self.blocks = nn.ModuleList(model.blocks[first_layer:first_layer + layers])
         last = index == num_stages - 1
@@ -47,7 +50,7 @@ class GPTStage(nn.Module):
         tied = model.lm_head.weight is model.embed.weight
         # deepcopy gives the head its own Parameter with the same values, without drawing
         # from the random generator (a fresh nn.Linear would).
-        self.lm_head = (copy.deepcopy(model.lm_head) if untie_head and tied else model.lm_head) if last else None
+        self.lm_head = (_own_copy(model.lm_head) if untie_head and tied else model.lm_head) if last else None
         # True on the first and the last stage when each holds a copy of the tied weight.
         self.shares_tied_weight = untie_head and tied and (index == 0 or last)
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
@@ -62,9 +65,9 @@ class GPTStage(nn.Module):
         return self.index == self.num_stages - 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seq = x.shape[1] * (1 if self.embed is not None else self.seq_split)
         if self.embed is not None:
             x = self.embed(x)
-        seq = x.shape[1]
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         for block in self.blocks:
             x = block(x, cos, sin)
@@ -78,17 +81,66 @@ class GPTStage(nn.Module):
 
 
 def split_stages(model: GPT, pp: int, *, virtual_stages: int = 1,
-                 balance: Sequence[int] | None = None) -> list[GPTStage]:
+                 balance: Sequence[int] | None = None, seq_split: int = 1) -> list[GPTStage]:
     """All pp·v stages of `model`, in stage order (rank r holds stages r, r + pp, ...).
 
-    `balance`, when given, is the number of blocks in each of the pp·v stages.
+    `balance`, when given, is the number of blocks in each of the pp·v stages. `model` may
+    already be split by tensor parallelism (the default balance counts whole parameters,
+    so every tp degree cuts at the same layers); `seq_split` is tp under sequence
+    parallelism, where stage boundaries carry seq / tp positions.
     """
     v = virtual_stages
     check_split(len(model.blocks), pp, virtual_stages=v, balance=balance)
-    counts = list(balance) if balance is not None else _default_counts(model, pp, v)
+    counts = list(balance) if balance is not None else default_balance(model, pp, v)
     starts = [sum(counts[:i]) for i in range(len(counts))]
-    return [GPTStage(model, i, pp * v, starts[i], counts[i], untie_head=pp > 1)
+    return [GPTStage(model, i, pp * v, starts[i], counts[i], untie_head=pp > 1, seq_split=seq_split)
             for i in range(pp * v)]
+
+
+def _own_copy(head: nn.Module) -> nn.Module:
+    """The head with its own Parameter of the same values (and tensor-parallel placement).
+
+    deepcopy draws nothing from the random generator, as a fresh nn.Linear would; it keeps
+    the process-group handles (`Axis` copies to itself) but not a Parameter's attributes.
+    """
+    copied = copy.deepcopy(head)
+    for name, param in head.named_parameters():
+        vars(copied.get_parameter(name)).update(vars(param))
+    return copied
+
+
+def is_pipeline(model: nn.Module) -> bool:
+    """Whether `model` is a rank's pipeline stages (what `apply_pipeline` returns)."""
+    return isinstance(model, nn.ModuleList) and len(model) > 0 and all(isinstance(m, GPTStage) for m in model)
+
+
+def tied_copies(model: nn.Module) -> list[nn.Parameter]:
+    """This rank's copies of a tied weight split across pipeline ranks (the embedding on the
+    first stage, the head's copy on the last): their gradients are summed between ranks."""
+    if not is_pipeline(model):
+        return []
+    return [stage.embed.weight if stage.is_first else stage.lm_head.weight
+            for stage in model if stage.shares_tied_weight]
+
+
+def logical_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter, bool]]:
+    """(full-model name, parameter, is-a-replica) for each parameter this rank holds.
+
+    Pipeline stages name their parameters as the whole model does ("blocks.4.x", not
+    "0.blocks.0.x"); the last stage's copy of a tied embedding is a replica of
+    "embed.weight" (its gradient and Adam state equal the first stage's): loaded, not
+    written, and counted once in the gradient norm.
+    """
+    if not is_pipeline(model):
+        return [(name, param, False) for name, param in model.named_parameters()]
+    out = []
+    for stage in model:
+        for name, param in stage.named_parameters():
+            if name == "lm_head.weight" and stage.shares_tied_weight and stage.is_last:
+                out.append(("embed.weight", param, True))
+            else:
+                out.append((stage.global_name(name), param, False))
+    return out
 
 
 def check_split(n_layers: int, pp: int, *, virtual_stages: int = 1, balance: Sequence[int] | None = None) -> None:
@@ -115,17 +167,21 @@ def rank_stages(stages: Sequence[nn.Module], rank: int, pp: int) -> nn.ModuleLis
     return nn.ModuleList(stages[chunk * pp + rank] for chunk in range(len(stages) // pp))
 
 
-def _default_counts(model: GPT, pp: int, v: int) -> list[int]:
+def default_balance(model: GPT, pp: int, v: int = 1) -> list[int]:
+    """Blocks per stage: equal chunks when interleaved, else balanced by parameter count."""
     n, stages = len(model.blocks), pp * v
     if v > 1:
         return [n // stages] * stages
     return balanced_counts([_numel(b) for b in model.blocks], pp,
                            first_extra=_numel(model.embed),
-                           last_extra=_numel(model.norm) + model.lm_head.weight.numel())
+                           last_extra=_numel(model.norm) + _numel(model.lm_head))
 
 
 def _numel(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
+    """Parameters of `module` before any tensor-parallel split: every tp degree cuts alike."""
+    from plait.parallel.tensor_layers import shard_of
+
+    return sum(math.prod(shard_of(p).full_shape) if shard_of(p) else p.numel() for p in module.parameters())
 
 
 def _check_counts(counts: list[int], stages: int, n: int) -> None:

@@ -43,7 +43,7 @@ from plait.runtime.regions import all_gather_stacked
 
 __all__ = ["GPT_PLAN", "STYLES", "ColumnParallelLinear", "RowParallelLinear", "Shard",
            "VocabParallelEmbedding", "apply_tensor_parallel", "check_gpt_tensor_parallel",
-           "clip_grad_norm_", "gather_full_params", "lm_loss", "resolve_plan", "shard_of",
+           "gather_full_params", "lm_loss", "resolve_plan", "shard_of",
            "tensor_parallel_of", "tp_loss_fn", "vocab_parallel_cross_entropy"]
 
 log = logging.getLogger(__name__)
@@ -255,24 +255,6 @@ def tp_loss_fn(model: nn.Module) -> Callable[..., torch.Tensor]:
     """`lm_loss` bound to the model's TP axis: loss_fn(logits, targets, reduction="mean")."""
     info = tensor_parallel_of(model)
     return functools.partial(lm_loss, axis=info.axis if info else None)
-
-
-def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """torch's clip_grad_norm_, with the norm of the whole (unsplit) model's gradient.
-
-    Split parameters contribute their squares summed over tp; replicated ones count once.
-    """
-    params = [p for p in model.parameters() if p.grad is not None]
-    info = tensor_parallel_of(model)
-    if info is None or info.axis.size == 1:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    squares = torch.zeros(2, dtype=torch.float64, device=params[0].device)
-    for param in params:
-        squares[0 if shard_of(param) else 1] += param.grad.detach().double().pow(2).sum()
-    comm.all_reduce(squares[:1], info.axis)
-    total = squares.sum().sqrt().to(params[0].dtype)
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return total
 
 
 def gather_full_params(model: nn.Module, purpose: str = "checkpoint") -> dict[str, torch.Tensor]:

@@ -75,9 +75,9 @@ def sum_grad_over(param: nn.Parameter, axis: Axis) -> None:
         comm.all_reduce(total, axis)
         return total
 
-    if not getattr(param, "plait_sums_grad", False):
+    if not getattr(param, "plait_sums_grad", None):
         param.register_hook(hook)
-        param.plait_sums_grad = True
+        param.plait_sums_grad = hook  # ZeRO-3 puts it on the views it gathers (zero_shard.show)
 
 
 def enter_region(x: torch.Tensor, axis: Axis, sequence_parallel: bool, regather: bool = True) -> torch.Tensor:

@@ -40,6 +40,7 @@ from torch import nn
 
 from plait.errors import PlaitError
 from plait.parallel.data import ATTR
+from plait.parallel.pipeline_split import is_pipeline, logical_parameters, tied_copies
 from plait.parallel.zero_hooks import ZeroSync
 from plait.parallel.zero_optim import checkpoint_pieces
 from plait.parallel.zero_shard import FlatGroup, bucket_params, find_units, pack, unit_owners
@@ -67,9 +68,16 @@ def apply_zero(model: nn.Module, axis: Axis, *, stage: int, offload: bool = Fals
     check_backend(axis, stage)
     for tensor in [*model.parameters(), *model.buffers()]:
         comm.broadcast(tensor.data, axis, purpose="setup")
-    names = {p: name for name, p in model.named_parameters()}
-    sync = _shard_units(model, axis, units) if stage == 3 else _shard_buckets(model, axis, stage, bucket_mb)
-    sync.offload, sync.names = offload, names
+    logical = logical_parameters(model)
+    chunks = list(model) if is_pipeline(model) else [model]
+    chunk_of = {p: k for k, chunk in enumerate(chunks) for p in chunk.parameters()}
+    alone = tied_copies(model)
+    sync = (_shard_units(model, axis, units, chunks, alone) if stage == 3
+            else _shard_buckets(chunks, axis, stage, bucket_mb, alone))
+    sync.offload, sync.tied = offload, alone
+    sync.names = {p: name for name, p, _ in logical}
+    sync.replicas = {p for _, p, replica in logical if replica}
+    sync.chunk = {g.index: chunk_of[g.params[0]] for g in sync.groups}
     setattr(model, ATTR, sync)
     setattr(model, CHECKPOINT_VIEW, checkpoint_pieces)
     log.info("ZeRO-%d over %d dp ranks: %d %s%s", stage, axis.size, len(sync.groups),
@@ -83,11 +91,20 @@ def zero_of(model: nn.Module) -> ZeroSync | None:
     return sync if isinstance(sync, ZeroSync) else None
 
 
-def _shard_buckets(model: nn.Module, axis: Axis, stage: int, bucket_mb: float) -> ZeroSync:
-    """Stages 1-2: parameters become views of whole flat buckets; each rank owns a slice."""
-    params = [p for p in model.parameters() if p.requires_grad]
+def _shard_buckets(chunks: list[nn.Module], axis: Axis, stage: int, bucket_mb: float,
+                   alone: list[nn.Parameter]) -> ZeroSync:
+    """Stages 1-2: parameters become views of whole flat buckets; each rank owns a slice.
+
+    Buckets never span two pipeline chunks (each chunk's backward reduces its own), and a
+    copy of a tied weight is a bucket of its own, cut alike on both pipeline ranks.
+    """
+    params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
+    buckets, alone_ids = [[p] for p in alone], {id(p) for p in alone}
+    for chunk in chunks:
+        rest = [p for p in chunk.parameters() if p.requires_grad and id(p) not in alone_ids]
+        buckets += bucket_params(rest, int(bucket_mb * 2**20)) if rest else []
     groups = []
-    for index, members in enumerate(bucket_params(params, int(bucket_mb * 2**20))):
+    for index, members in enumerate(buckets):
         flat = pack(members, axis.size)
         size = flat.numel() // axis.size
         group = FlatGroup(index, members, axis.size, axis.rank, flat, flat[axis.rank * size:(axis.rank + 1) * size])
@@ -104,9 +121,18 @@ def _shard_buckets(model: nn.Module, axis: Axis, stage: int, bucket_mb: float) -
     return sync
 
 
-def _shard_units(model: nn.Module, axis: Axis, units: Sequence[nn.Module] | None) -> ZeroSync:
-    """Stage 3: each unit's parameters become one shard Parameter, plus views gathered on demand."""
-    modules = list(units) if units is not None else find_units(model)
+def _shard_units(model: nn.Module, axis: Axis, units: Sequence[nn.Module] | None, chunks: list[nn.Module],
+                 alone: list[nn.Parameter]) -> ZeroSync:
+    """Stage 3: each unit's parameters become one shard Parameter, plus views gathered on demand.
+
+    `chunks` are the modules a forward calls: the model, or each pipeline stage, whose
+    hooks gather the root unit and end the forward. A copy of a tied weight is a unit of
+    its own (the module reading it), cut alike on both pipeline ranks that hold one.
+    """
+    modules = list(units) if units is not None else [u for chunk in chunks for u in find_units(chunk)]
+    alone_ids = {id(p) for p in alone}
+    modules += [m for chunk in chunks for m in chunk.modules()
+                if any(id(p) in alone_ids for p in m.parameters(recurse=False)) and m not in modules]
     if any(module is model for module in modules):
         raise PlaitError("the model itself cannot be a ZeRO-3 unit", hint="name its children, or pass units=None")
     owner, where = unit_owners(model, modules)
@@ -127,8 +153,11 @@ def _shard_units(model: nn.Module, axis: Axis, units: Sequence[nn.Module] | None
         if group is not root:
             group.module.register_forward_pre_hook(lambda m, a, g=group: sync.pre_forward(g, False))
             group.module.register_forward_hook(lambda m, a, out, g=group: sync.post_forward(g, out, False))
-    model.register_forward_pre_hook(lambda m, a: sync.pre_forward(root, True))
-    model.register_forward_hook(lambda m, a, out: sync.post_forward(root, out, True))
+    for chunk in chunks:
+        inside = set(chunk.modules())
+        mine = root if root is not None and any(m in inside for m, _, _ in root.locations) else None
+        chunk.register_forward_pre_hook(lambda m, a, g=mine: sync.pre_forward(g, True))
+        chunk.register_forward_hook(lambda m, a, out, g=mine: sync.post_forward(g, out, True))
     return sync
 
 
@@ -200,26 +229,3 @@ def require_reduce_scatter(backend: str, stage: int, reason: str | None = None) 
             + (f" ({reason})" if reason else ""),
             hint="use --backend gloo (CPU) or --backend nccl (GPU), or drop --zero: "
                  "plain data parallelism needs only all_reduce")
-
-
-def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
-    """Clip the global gradient norm of any model, ZeRO or not; return the norm before clipping.
-
-    With ZeRO each rank holds a disjoint shard of the averaged gradient, so the squared norm is
-    the sum over ranks of each shard's sum of squares: one all-reduce of one float on the dp
-    axis. That is training traffic, so the ledger has it under "train" (4 bytes, 2(n-1)/n·4
-    on the wire) beside the reduce-scatters and all-gathers.
-    """
-    sync = zero_of(model)
-    if sync is None:
-        return float(torch.nn.utils.clip_grad_norm_(list(model.parameters()), max_norm))
-    grads = sync.owned_grads()
-    total = torch.zeros(1, dtype=torch.float32, device=sync.groups[0].flat.device if sync.groups else "cpu")
-    for grad in grads:
-        total += grad.float().pow(2).sum()
-    comm.all_reduce(total, sync.axis)
-    norm = total.sqrt()
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch's clip_grad_norm_ formula
-    for grad in grads:
-        grad.mul_(coef.to(grad.dtype))
-    return norm.item()

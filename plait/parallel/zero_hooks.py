@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.parallel.zero_shard import FlatGroup
+from plait.parallel.zero_shard import FlatGroup, owned_pieces
 from plait.runtime import comm
 from plait.runtime.comm import Axis
 
@@ -43,6 +43,10 @@ class ZeroSync:
         self.axis, self.stage, self.groups, self.root, self.offload = axis, stage, groups, root, offload
         self.enabled = True  # what no_sync switches off (stage 1 only: see the module docstring)
         self.names: dict[nn.Parameter, str] = {}  # each parameter's name in the unsharded model
+        self.replicas: set[nn.Parameter] = set()  # a pipeline's copy of a tied weight: not written, not normed
+        self.tied: list[nn.Parameter] = []  # this rank's copies of a tied weight (each alone in a group)
+        self.chunk: dict[int, int] = {}  # group index -> pipeline chunk (all 0 for a whole model)
+        self._touched: set[int] = set()  # chunks that produced gradients in this backward
         self.events: deque[tuple[str, int]] = deque(maxlen=4096)  # (what, group index): tests read it
         self._slot = {p: (g, i) for g in groups for i, p in enumerate(g.params)}
         self._callback_queued = False
@@ -63,6 +67,7 @@ class ZeroSync:
         """Stages 1-2: a parameter's gradient for this micro-batch is fully accumulated."""
         group, i = self._slot[param]
         self._queue_backward_end()
+        self._touched.add(self.chunk.get(group.index, 0))
         if group.grad is None:  # stage 2: whole gradients exist only while backward needs them
             group.alloc_grad()
         view = group.grad_views[i]
@@ -77,6 +82,7 @@ class ZeroSync:
     def on_unit_grad(self, group: FlatGroup) -> None:
         """Stage 3: autograd has accumulated the whole unit's gradient: free it, reduce the gradient."""
         self._queue_backward_end()
+        self._touched.add(self.chunk.get(group.index, 0))
         self._free(group)
         group.grad = group.flat.grad
         self._launch(group)
@@ -98,16 +104,22 @@ class ZeroSync:
             self._in_flight.pop(0).finish_reduce(self.stage)
 
     def on_backward_end(self) -> None:
-        """Reduce what got no gradient this backward, wait for every reduction, free the rest."""
+        """Reduce what got no gradient this backward, wait for every reduction, free the rest.
+
+        "What got no gradient" is limited to the pipeline chunks this backward went through:
+        a pipeline runs one backward per chunk and micro-batch, and the other chunks' groups
+        wait for their own.
+        """
         self._callback_queued = False
         if self._reducing():
             for group in self.groups:
-                if group.index not in self._launched:
+                if group.index not in self._launched and self.chunk.get(group.index, 0) in self._touched:
                     self._fill_missing(group)
                     self._launch(group)
             while self._in_flight:
                 self._in_flight.pop(0).finish_reduce(self.stage)
         self._launched.clear()
+        self._touched.clear()
         for group in self.groups:
             group.ready = 0
             self._free(group)
@@ -125,6 +137,18 @@ class ZeroSync:
                 view.zero_()
                 param.grad = view
 
+    def sync_now(self) -> None:
+        """Reduce-scatter now what no_sync held back (stage 1), for callers that ran every
+        backward under no_sync: the pipeline executor. Stages 2-3 reduced each backward already."""
+        if self.stage != 1:
+            return
+        for group in self.groups:
+            self._fill_missing(group)
+            self._launch(group)
+        while self._in_flight:
+            self._in_flight.pop(0).finish_reduce(self.stage)
+        self._launched.clear()
+
     def zero_grad(self) -> None:
         for group in self.groups:
             group.zero_grad(self.stage)
@@ -132,6 +156,27 @@ class ZeroSync:
     def owned_grads(self) -> list[torch.Tensor]:
         """This rank's reduced gradient shards, padding excluded: what clipping and the optimizer see."""
         return [g for g in (group.owned_grad() for group in self.groups) if g is not None]
+
+    def gathered_storages(self) -> set[int]:
+        """Storages of stage 3's gathered weights now (parameters, not activations, while a
+        unit runs); each gather allocates afresh, so ask when a tensor is saved."""
+        return {group.flat.untyped_storage().data_ptr() for group in self.groups} if self.stage == 3 else set()
+
+    def group_of(self, param: nn.Parameter) -> FlatGroup:
+        """The flat group holding `param`."""
+        return self._slot[param][0]
+
+    def owned_grad_pieces(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(parameter, its part of this rank's gradient shard): the norm needs to know whose."""
+        out = []
+        for group in self.groups:
+            grad = group.owned_grad()
+            if grad is None:
+                continue
+            lo = group.owned()[0]
+            out += [(group.params[i], grad[start - lo:stop - lo])
+                    for i, start, stop in owned_pieces(group.sizes, group.n, group.rank)]
+        return out
 
     def grad_tensors(self) -> list[torch.Tensor]:
         """Every gradient buffer this machinery holds right now (for the memory meter)."""
@@ -189,8 +234,12 @@ class ZeroSync:
 
     def _prefetch(self, sequence: list[FlatGroup], group: FlatGroup) -> None:
         position = sequence.index(group) if group in sequence else len(sequence)
-        if position + 1 < len(sequence):
+        if position + 1 < len(sequence) and self._same_chunk(sequence[position + 1], group):
             self._gather(sequence[position + 1], wait=False)
+
+    def _same_chunk(self, one: FlatGroup, other: FlatGroup) -> bool:
+        """Prefetch stays inside a pipeline chunk: the next chunk runs after other work."""
+        return self.chunk.get(one.index, 0) == self.chunk.get(other.index, 0)
 
 
 def _wrap_outputs(output: Any, sync: ZeroSync, group: FlatGroup) -> tuple[Any, bool]:

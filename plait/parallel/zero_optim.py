@@ -26,6 +26,7 @@ from torch import nn
 
 from plait.runtime.comm import ring_wire_bytes
 
+from plait.parallel.tensor_layers import shard_of
 from plait.parallel.zero_shard import FlatGroup, owned_pieces, owned_range, shard_size
 
 @dataclass
@@ -168,16 +169,16 @@ def flat_blocks(shape: Sequence[int], start: int, stop: int) -> list[tuple[tuple
 def checkpoint_pieces(model: nn.Module, optimizer: ZeroOptimizer, mesh: Any) -> list[Any]:
     """plait.train.checkpoint's view of a ZeRO model: every tensor by its unsharded name and shape.
 
-    Whole parameters (stages 1-2) are written by dp rank 0; shards (stage-3 parameters,
-    optimizer state, fp32 masters) as the blocks each rank owns. The names and shapes are
-    those data parallelism writes, so a checkpoint moves between DDP and any stage.
+    Whole parameters (stages 1-2) are written as data parallelism writes them; shards
+    (stage-3 parameters, optimizer state, fp32 masters) as the blocks each dp rank owns,
+    placed in the logical tensor through any tensor-parallel slice. A tensor that tensor
+    parallelism does not split is written by tp rank 0 only, a pipeline's copy of a tied
+    weight by nobody (it is loaded). So a checkpoint moves between any layouts.
     """
-    from plait.train.checkpoint import Piece  # the hook's own type (docs/checkpoints.md)
+    from plait.train.checkpoint import Piece, param_pieces, placement  # the hook's own types
 
-    sync, pieces = optimizer.sync, []
-    if sync.stage < 3:
-        pieces = [Piece(f"model/{name}", p.detach(), (0,) * p.ndim, tuple(p.shape), mesh.rank("dp") == 0)
-                  for name, p in model.named_parameters()]
+    sync = optimizer.sync
+    pieces = param_pieces(model, optimizer, mesh) if sync.stage < 3 else []
     optimizer.init_state()
     for part in optimizer.slices:
         group, lo = part.group, part.group.owned()[0]
@@ -185,6 +186,7 @@ def checkpoint_pieces(model: nn.Module, optimizer: ZeroOptimizer, mesh: Any) -> 
         for (index, start, stop), piece in zip(owned_pieces(group.sizes, group.n, group.rank), part.pieces):
             param, first = group.params[index], start - offsets[index]
             name, shape = sync.names[param], tuple(param.shape)
+            writes = param not in sync.replicas and (shard_of(param) is not None or mesh.rank("tp") == 0)
             flat = {f"optim/{name}/{k}": v for k, v in optimizer.state[piece].items() if isinstance(v, torch.Tensor)}
             if part.holds_more():
                 flat[f"optim/{name}/master"] = piece.detach()
@@ -192,10 +194,12 @@ def checkpoint_pieces(model: nn.Module, optimizer: ZeroOptimizer, mesh: Any) -> 
                 flat[f"model/{name}"] = group.owned_param()[start - lo:stop - lo]
             for key, tensor in flat.items():
                 if tensor.ndim == 0:  # e.g. Adam's step: the same on every piece, written once
-                    pieces.append(Piece(key, tensor, (), (), first == 0))
+                    pieces.append(Piece(key, tensor, (), (), writes and first == 0 and mesh.rank("tp") == 0))
                     continue
-                pieces += [Piece(key, tensor[f - first:f - first + math.prod(n)].view(n), o, shape)
-                           for o, n, f in flat_blocks(shape, first, first + stop - start)]
+                for block, lengths, f in flat_blocks(shape, first, first + stop - start):
+                    where, full = placement(param, block)
+                    pieces.append(Piece(key, tensor[f - first:f - first + math.prod(lengths)].view(lengths),
+                                        where, full, writes))
     return pieces
 
 

@@ -158,6 +158,10 @@ class FlatGroup:
         views = self.split(self.flat)
         for module, name, i in self.locations:
             module.__dict__[name] = views[i]
+        for param, view in zip(self.params, views):  # e.g. sequence parallelism's sum over tp
+            hook = getattr(param, "plait_sums_grad", None)
+            if hook is not None and view.requires_grad:
+                view.register_hook(hook)
 
     def free(self, placeholder: torch.Tensor) -> None:
         """Release the gathered memory; module attributes become an empty placeholder."""

@@ -93,6 +93,10 @@ class Axis:
     ledger: Ledger
     global_rank: int = 0
 
+    def __deepcopy__(self, memo: dict) -> "Axis":
+        # A handle on a process group: a copied module must talk to the same ranks.
+        return self
+
 
 class CommError(PlaitError):
     """A collective failed or timed out; the message names the rank, the op and the group."""

@@ -65,14 +65,14 @@ def param_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh)
     tensor parallelism does not split, also only by tp rank 0; a split one by every tp rank
     (each its own block, at its offset along the split dimension).
     """
+    from plait.parallel.pipeline_split import logical_parameters
     from plait.parallel.tensor_layers import shard_of
 
     first_replica = mesh.rank("dp") == 0
     pieces = []
     for name, param, replica in logical_parameters(model):
-        shard = shard_of(param)
-        offsets, full = _placement(param, shard)
-        owned = first_replica and not replica and (shard is not None or mesh.rank("tp") == 0)
+        offsets, full = placement(param)
+        owned = first_replica and not replica and (shard_of(param) is not None or mesh.rank("tp") == 0)
         pieces.append(Piece(f"model/{name}", param.detach(), offsets, full, owned))
         for key, value in sorted(optimizer.state.get(param, {}).items()):
             if not isinstance(value, torch.Tensor):
@@ -85,32 +85,16 @@ def param_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh)
     return pieces
 
 
-def logical_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter, bool]]:
-    """(full-model name, parameter, is-a-replica) for each parameter this rank holds.
+def placement(param: torch.Tensor, block: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Where a block of this rank's `param` (at offsets `block`, default the whole of it)
+    sits in the logical tensor: its offsets there, and the logical tensor's full shape."""
+    from plait.parallel.tensor_layers import shard_of
 
-    Pipeline stages name their parameters as the whole model does ("blocks.4.x", not
-    "0.blocks.0.x"); the last stage's copy of a tied embedding is a replica of
-    "embed.weight" (its gradient and Adam state equal the first stage's), loaded, not written.
-    """
-    stages = [m for m in model.children() if hasattr(m, "global_name")] if isinstance(model, nn.ModuleList) else []
-    if not stages:
-        return [(name, param, False) for name, param in model.named_parameters()]
-    out = []
-    for stage in stages:
-        for name, param in stage.named_parameters():
-            if name == "lm_head.weight" and stage.shares_tied_weight and stage.is_last:
-                out.append(("embed.weight", param, True))
-            else:
-                out.append((stage.global_name(name), param, False))
-    return out
-
-
-def _placement(param: torch.Tensor, shard: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Offsets of this rank's block, and the full tensor's shape."""
+    offsets = list(block) if block is not None else [0] * param.ndim
+    shard = shard_of(param)
     if shard is None:
-        return (0,) * param.ndim, tuple(param.shape)
-    offsets = [0] * param.ndim
-    offsets[shard.dim] = shard.offset
+        return tuple(offsets), tuple(param.shape)
+    offsets[shard.dim] += shard.offset
     return tuple(offsets), tuple(shard.full_shape)
 
 
@@ -132,15 +116,18 @@ def init_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 
 # -- saving ------------------------------------------------------------------------------------
 def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh,
-         trainer_state: dict[str, Any], keep: int = 3) -> Path:
-    """Write checkpoint `root/step-<step>` from every rank; returns its path."""
+         trainer_state: dict[str, Any], keep: int = 3, only: str = "") -> Path:
+    """Write checkpoint `root/step-<step>` from every rank; returns its path.
+
+    `only` keeps the tensors whose names start with it ("model/": the weights alone)."""
     final, tmp = root / f"step-{step:08d}", root / f".tmp-step-{step:08d}"
     world = mesh.axis("world")
     if mesh.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     comm.barrier(world)
-    _write_rank_file(tmp, mesh.global_rank, local_pieces(model, optimizer, mesh))
+    pieces = [p for p in local_pieces(model, optimizer, mesh) if p.name.startswith(only)]
+    _write_rank_file(tmp, mesh.global_rank, pieces)
     comm.barrier(world)
     if mesh.is_main:
         _write_index(tmp, mesh, trainer_state, step)

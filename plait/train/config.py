@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.errors import PlaitError
-from plait.models.config import PRESETS, TRAINABLE, get_preset
+from plait.models.config import TRAINABLE, get_preset, preset_name
 
 try:
     import tomllib
@@ -25,7 +25,7 @@ except ModuleNotFoundError:  # Python 3.10
 class TrainConfig:
     """Everything `plait train` needs; each field is also a `--flag` (underscores → dashes)."""
 
-    model: str = field(default="small", metadata={"help": "model preset: tiny or small"})
+    model: str = field(default="small", metadata={"help": "model preset: tiny or small, with optional field overrides: tiny,n_layers=4"})
     data: str = field(default="stdlib", metadata={"help": "corpus: 'stdlib' (Python's own source), a text file, or a directory"})
     steps: int = field(default=120, metadata={"help": "optimizer steps"})
     micro_batch: int = field(default=8, metadata={"help": "sequences per rank per forward/backward"})
@@ -143,9 +143,8 @@ def max_local_processes() -> int:
 
 def validate(config: TrainConfig, *, local_limit: int | None = None) -> None:
     """Every check that needs no process group; raises PlaitError naming the fix."""
-    if config.model not in PRESETS:
-        get_preset(config.model)  # raises with the list of names
-    if config.model not in TRAINABLE:
+    get_preset(config.model)  # raises naming the presets, or the override that is wrong
+    if preset_name(config.model) not in TRAINABLE:
         raise PlaitError(f"model preset {config.model!r} is shape-only (for estimates)",
                          hint=f"train one of: {', '.join(TRAINABLE)}; use `plait estimate --model {config.model}`")
     for name in ("steps", "micro_batch", "grad_accum", "seq_len", "eval_samples"):
@@ -194,12 +193,10 @@ def check_strategies(config: TrainConfig) -> None:
 
         check_pipeline(model.n_layers, config.pp, config.schedule, config.grad_accum,
                        virtual_stages=config.virtual_stages)
-    not_yet = [(config.zero and config.pp > 1, "--zero with --pp > 1"),
-               (config.zero and config.tp > 1, "--zero with --tp > 1"),
-               (config.tp > 1 and config.pp > 1, "--tp with --pp > 1 in `plait train`")]
-    for unsupported, what in not_yet:
-        if unsupported:
-            raise PlaitError(f"{what} is not supported yet", hint="see docs/design.md for what combines today")
+    if config.pp > 1 and config.zero >= 2 and config.schedule == "zb-h1":
+        raise PlaitError(f"--zero {config.zero} cannot run the zb-h1 schedule: it reduces gradients from "
+                         "autograd's hooks, and zb-h1 computes weight gradients outside them",
+                         hint="use --zero 1 with zb-h1, or another --schedule")
 
 
 def check_writable(out: str) -> None:

@@ -61,7 +61,7 @@ class ActivationMeter:
             ptr = storage.data_ptr()
             # ZeRO-3 gathers a unit's weights into fresh storage just before it runs: asked
             # here, at pack time (and only under ZeRO-3), not once up front.
-            is_weight = ptr in param_ptrs or (zero3 is not None and ptr in gathered_weights(zero3))
+            is_weight = ptr in param_ptrs or (zero3 is not None and ptr in zero3.gathered_storages())
             if not is_weight and storage.nbytes():
                 saved[ptr] = storage.nbytes()
             return tensor
@@ -85,8 +85,3 @@ def zero3_sync(model: nn.Module) -> object | None:
 
     sync = zero_of(model)
     return sync if sync is not None and sync.stage >= 3 else None
-
-
-def gathered_weights(sync: object) -> set[int]:
-    """Storages of ZeRO-3's all-gathered weights: parameters, not activations, while a unit runs."""
-    return {group.flat.untyped_storage().data_ptr() for group in sync.groups}

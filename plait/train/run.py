@@ -58,10 +58,11 @@ def _advance(bar: Any, record: dict[str, Any]) -> None:
 
 
 def final_weights(trainer: Trainer) -> dict[str, torch.Tensor] | None:
-    """The whole model's weights on every rank (collective under TP and ZeRO-3); None for a
-    pipeline, whose stages live on different ranks (use --save-every, then `plait ckpt export`)."""
+    """The whole model's weights, on the main rank (every rank takes part: collective under
+    TP and ZeRO-3). A pipeline's stages live on different ranks: they are assembled the
+    way a checkpoint is, through its pieces, written to a scratch directory and read back."""
     if trainer.runner is not None:
-        return None
+        return _assembled_from_pieces(trainer)
     from plait.parallel.tensor import gather_full_params
     from plait.parallel.zero import full_parameters
 
@@ -69,6 +70,23 @@ def final_weights(trainer: Trainer) -> dict[str, torch.Tensor] | None:
         weights = gather_full_params(model)
     if trainer.model_config.tie_embeddings:
         weights.pop("lm_head.weight", None)  # tied: stored once, as embed.weight
+    return weights
+
+
+def _assembled_from_pieces(trainer: Trainer) -> dict[str, torch.Tensor] | None:
+    import shutil
+
+    from plait.train import checkpoint
+    from plait.train.checkpoint_read import Reader
+
+    scratch = Path(trainer.config.out) / ".final-weights"
+    path = checkpoint.save(scratch, len(trainer.history), trainer.model, trainer.optimizer, trainer.mesh, {},
+                           keep=1, only="model/")
+    if not trainer.mesh.is_main:
+        return None
+    reader = Reader(path)
+    weights = {name.removeprefix("model/"): reader.full(name) for name in reader.tensors}
+    shutil.rmtree(scratch)
     return weights
 
 

@@ -22,7 +22,7 @@ from plait.models.config import get_preset
 from plait.models.gpt import build_gpt
 from plait.parallel.compose import ParallelConfig, build_optimizer, clip_grad_norm, parallelize
 from plait.parallel.data import no_sync
-from plait.parallel.pipeline import PipelineRunner, apply_pipeline
+from plait.parallel.pipeline import PipelineRunner
 from plait.parallel.tensor import tp_loss_fn
 from plait.runtime import comm
 from plait.runtime.mesh import AXES, Mesh
@@ -54,12 +54,11 @@ class Trainer:
         self.model_config = get_preset(config.model)
         # The full model is built from the seed on every rank, then split: the same
         # initial weights whatever the layout.
-        self.model = build_gpt(self.model_config, config.seed)
+        # With pp > 1, parallelize returns this rank's pipeline stages.
+        self.model = parallelize(build_gpt(self.model_config, config.seed), mesh, ParallelConfig(
+            bucket_mb=config.bucket_mb, zero=config.zero, offload=config.offload, sp=config.sp,
+            virtual_stages=config.virtual_stages))
         self.runner: PipelineRunner | None = None
-        if mesh.size("pp") > 1:
-            self.model = apply_pipeline(self.model, mesh, virtual_stages=config.virtual_stages)
-        parallelize(self.model, mesh, ParallelConfig(bucket_mb=config.bucket_mb, zero=config.zero,
-                                                     offload=config.offload, sp=config.sp))
         self.optimizer = build_optimizer(self.model, torch.optim.AdamW, lr=config.lr, betas=(0.9, 0.95),
                                          weight_decay=config.weight_decay)
         if mesh.size("pp") > 1:
@@ -87,7 +86,7 @@ class Trainer:
         batches = [self._batch(self.train_split, indices) for indices in self.sampler.micro_batches(step)]
         loss, activations = self._pipeline_step(batches) if self.runner else self._micro_steps(batches)
         max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
-        grad_norm = self.runner.clip_grad_norm_(max_norm) if self.runner else clip_grad_norm(model, max_norm)
+        grad_norm = clip_grad_norm(model, max_norm)
         self.optimizer.step()
         states = model_state_bytes(model, self.optimizer)
         self.optimizer.zero_grad()

@@ -25,7 +25,8 @@ from plait.errors import PlaitError
 from plait.models.config import get_preset
 from plait.models.gpt import GPT, build_gpt
 from plait.parallel.data import apply_data_parallel
-from plait.parallel.tensor import apply_tensor_parallel, clip_grad_norm_, gather_full_params, tp_loss_fn
+from plait.parallel.clip import clip_grad_norm
+from plait.parallel.tensor import apply_tensor_parallel, gather_full_params, tp_loss_fn
 from plait.runtime.mesh import init_mesh
 from plait.train.meter import ActivationMeter
 from tests.worldlib import save_report
@@ -53,7 +54,7 @@ def model_bytes(model: GPT, ids: torch.Tensor) -> int:
 def plait_run(config: Any, mesh: Any, data: list, ref_model: GPT, sp: bool, regather: bool = True) -> dict[str, Any]:
     axis = mesh.axis("tp")
     model = apply_tensor_parallel(build_gpt(config, common.SEED), axis, sp=sp, regather=regather)
-    out = common.train(model, data, tp_loss_fn(model), lambda: clip_grad_norm_(model, 1.0), mesh.ledger)
+    out = common.train(model, data, tp_loss_fn(model), lambda: clip_grad_norm(model, 1.0), mesh.ledger)
     out["param_error"] = common.param_error(gather_full_params(model), ref_model)
     out["block_bytes"] = block_bytes(model, axis.size, sp)
     out["model_bytes"] = model_bytes(model, data[0][0])
@@ -88,7 +89,7 @@ def dp_tp_run(config: Any) -> dict[str, Any]:
     model = apply_tensor_parallel(build_gpt(config, common.SEED), mesh.axis("tp"), sp=True)
     apply_data_parallel(model, mesh.axis("dp"))
     local = [(x[rows], y[rows]) for x, y in data]
-    out = common.train(model, local, tp_loss_fn(model), lambda: clip_grad_norm_(model, 1.0))
+    out = common.train(model, local, tp_loss_fn(model), lambda: clip_grad_norm(model, 1.0))
     return {"param_error": common.param_error(gather_full_params(model), ref_model),
             "grad_norm_error": common.close(out["grad_norms"], ref_run["grad_norms"])}
 

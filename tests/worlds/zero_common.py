@@ -18,7 +18,8 @@ from torch import nn
 import plait
 from plait.models.config import get_preset
 from plait.models.gpt import build_gpt
-from plait.parallel.zero import clip_grad_norm, full_parameters, zero_of
+from plait.parallel.clip import clip_grad_norm
+from plait.parallel.zero import full_parameters, zero_of
 from plait.parallel.zero_optim import zero_state_bytes
 from plait.runtime import comm
 from plait.train.meter import model_state_bytes

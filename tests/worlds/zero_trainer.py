@@ -18,7 +18,7 @@ import torch
 
 import plait.train.trainer as trainer_module
 from plait.parallel.compose import ParallelConfig
-from plait.parallel.zero import clip_grad_norm
+from plait.parallel.clip import clip_grad_norm
 from plait.parallel.zero_optim import ZeroOptimizer, zero_state_bytes
 from plait.runtime.mesh import init_mesh
 from plait.train.config import TrainConfig
