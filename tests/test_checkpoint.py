@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 
@@ -205,6 +206,20 @@ def test_checksum_mismatch(one):
     file.write_bytes(bytes(data))
     with pytest.raises(PlaitError, match="rank00000.safetensors fails its sha256 check"):
         Reader(path)
+
+
+def test_ranks_share_the_verification_and_all_name_the_bad_file(saved, tmp_path):
+    """On resume, rank 1 hashes rank00001's file; the damage it finds stops both ranks."""
+    copy = tmp_path / "ckpt"
+    shutil.copytree(saved / "checkpoints" / "step-00000003", copy)
+    file = copy / "rank00001.safetensors"
+    data = bytearray(file.read_bytes())
+    data[-5] ^= 0xFF
+    file.write_bytes(bytes(data))
+    proc = run_plait("train", *TRAIN, "--nproc", "2", "--out", str(tmp_path / "out"), "--resume", str(copy))
+    assert proc.returncode == 2, proc.stderr
+    assert f"plait: error: rank 0: checkpoint file {file} fails its sha256 check" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_checkpoint_of_another_model_shape_names_the_tensor(one):

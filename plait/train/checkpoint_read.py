@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from plait.errors import PlaitError
+from plait.runtime import comm
 from plait.runtime.mesh import Mesh
 from plait.train.checkpoint import FORMAT, Piece, init_optimizer_state, local_pieces, sha256
 
@@ -45,10 +46,10 @@ class Reader:
             self.verify()
         self._handles: dict[str, Any] = {}
 
-    def verify(self) -> None:
-        """Every file present, of the recorded size and sha256."""
-        for name, info in self.index["files"].items():
-            file = self.path / name
+    def verify(self, names: list[str] | None = None) -> None:
+        """Every file (or those named) present, of the recorded size and sha256."""
+        for name in self.index["files"] if names is None else names:
+            info, file = self.index["files"][name], self.path / name
             if not file.exists():
                 raise PlaitError(f"checkpoint file {file} is missing", hint="the checkpoint is damaged; use an older one")
             if file.stat().st_size != info["bytes"]:
@@ -112,7 +113,8 @@ class Reader:
 
 def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh) -> dict[str, Any]:
     """Fill this rank's model and optimizer from a checkpoint of any layout; returns the trainer state."""
-    reader = Reader(path)
+    reader = Reader(path, verify=False)
+    verify_shared(reader, mesh)
     init_optimizer_state(model, optimizer)
     for piece in local_pieces(model, optimizer, mesh):
         block = reader.read_block(piece.name, piece.offsets, tuple(piece.tensor.shape), piece.full_shape)
@@ -123,6 +125,28 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, m
         if state is not None:
             torch.set_rng_state(state)
     return {**reader.index["trainer"], "step": reader.index["step"], "path": str(reader.path)}
+
+
+def verify_shared(reader: Reader, mesh: Mesh) -> None:
+    """Verify the checkpoint's files once between all ranks, not once on each.
+
+    Rank r hashes files r, r + world, ...; the ranks then agree on the first bad file
+    (one all-reduce), and every rank raises the same error, naming it. With replicated
+    state every rank reads every file, and hashing each eight times on eight ranks would
+    cost more than the reading.
+    """
+    files = sorted(reader.index["files"])
+    world = mesh.axis("world")
+    first_bad = torch.tensor([len(files)], dtype=torch.int64)
+    for i in range(world.rank, len(files), world.size):
+        try:
+            reader.verify([files[i]])
+        except PlaitError:
+            first_bad[0] = i
+            break
+    comm.all_reduce(first_bad, world, op="min", purpose="setup")
+    if first_bad.item() < len(files):
+        reader.verify([files[first_bad.item()]])  # raises, naming the file, on every rank
 
 
 def describe(path: str | Path) -> str:
