@@ -59,6 +59,23 @@ def test_resume_on_the_same_layout_is_exact_to_the_bit(saved, tmp_path):
     assert losses(tmp_path) == losses(saved)[3:]
 
 
+@pytest.mark.parametrize("layout", [
+    ["--nproc", "2", "--zero", "2", "--offload"],
+    ["--nproc", "2", "--tp", "2", "--sp", "--micro-batch", "8"],
+    ["--nproc", "2", "--pp", "2", "--grad-accum", "2", "--schedule", "zb-h1"],
+    ["--nproc", "4", "--dp", "2", "--pp", "2", "--zero", "1", "--micro-batch", "2", "--grad-accum", "2"],
+], ids=["zero2-offload", "tp2-sp", "pp2-zbh1", "dp2-pp2-zero1"])
+def test_each_strategy_resumes_to_the_bit(tmp_path, layout):
+    """Model, optimizer (offloaded or sharded too), LR schedule, RNG and data position all return."""
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    proc = run_plait("train", *TRAIN, *layout, "--steps", "4", "--save-every", "2", "--out", str(whole))
+    assert proc.returncode == 0, proc.stderr
+    proc = run_plait("train", *TRAIN, *layout, "--steps", "4", "--out", str(resumed),
+                     "--resume", str(whole / "checkpoints" / "step-00000002"))
+    assert proc.returncode == 0, proc.stderr
+    assert losses(resumed) == losses(whole)[2:]
+
+
 # Each layout keeps the global batch of 8 sequences; TP and PP sum in another order (1e-4).
 LAYOUTS = {
     "dp2->dp1": (["--nproc", "1", "--grad-accum", "2"], 1e-5),
