@@ -18,11 +18,10 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, run_world, finish, new_parser  # noqa: E402
+from common import disk_usage, finish, machine, new_parser, run_world, timed_on_all_ranks  # noqa: E402
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -34,7 +33,6 @@ def worker(args: argparse.Namespace) -> None:
     import plait
     from plait.models.config import get_preset
     from plait.models.gpt import build_gpt
-    from plait.runtime import comm
     from plait.train import checkpoint, checkpoint_read
     from plait.train.run import set_cpu_threads
 
@@ -49,11 +47,7 @@ def worker(args: argparse.Namespace) -> None:
     root = Path(tempfile.mkdtemp(prefix="plait-ckpt-bench-")) if mesh.is_main else None
 
     def timed(action) -> float:
-        comm.barrier(world)
-        start = time.perf_counter()
-        action()
-        comm.barrier(world)
-        return time.perf_counter() - start
+        return timed_on_all_ranks(world, action)
 
     shared = [str(root) if root else ""]
     torch.distributed.broadcast_object_list(shared, src=0)
@@ -73,7 +67,7 @@ def worker(args: argparse.Namespace) -> None:
             set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
         times["dcp load"].append(timed(dcp_load))
-        sizes = {"plait": _du(plait_dir), "dcp": _du(dcp_dir)}
+        sizes = {"plait": disk_usage(plait_dir), "dcp": disk_usage(dcp_dir)}
     if mesh.is_main:
         Path(args.result).write_text(json.dumps({
             "n": mesh.size("dp"), "params": sum(p.numel() for p in model.parameters()),
@@ -81,9 +75,6 @@ def worker(args: argparse.Namespace) -> None:
         shutil.rmtree(base, ignore_errors=True)
     mesh.close()
 
-
-def _du(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def table(rows: list[dict], args: argparse.Namespace) -> str:

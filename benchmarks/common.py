@@ -52,6 +52,24 @@ def run_world(script: str, nproc: int, args: list[str], env: dict[str, str] | No
         return json.loads(result.read_text())
 
 
+def timed_on_all_ranks(world, action) -> float:
+    """Seconds `action` takes on the slowest rank: a barrier before, a barrier after."""
+    import time
+
+    from plait.runtime import comm
+
+    comm.barrier(world)
+    start = time.perf_counter()
+    action()
+    comm.barrier(world)
+    return time.perf_counter() - start
+
+
+def disk_usage(path: Path) -> int:
+    """Bytes of the files below `path`."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
 def new_parser(doc: str | None) -> argparse.ArgumentParser:
     """A benchmark's argument parser, with the flags every benchmark has."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)

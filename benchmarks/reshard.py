@@ -21,11 +21,10 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import finish, machine, new_parser, run_world  # noqa: E402
+from common import disk_usage, finish, machine, new_parser, run_world, timed_on_all_ranks  # noqa: E402
 
 LAYOUTS = {
     "dp8": {"dp": 8},
@@ -41,7 +40,6 @@ def worker(args: argparse.Namespace) -> None:
     import plait
     from plait.models.config import get_preset
     from plait.models.gpt import build_gpt
-    from plait.runtime import comm
     from plait.train import checkpoint, checkpoint_read
     from plait.train.run import set_cpu_threads
 
@@ -55,18 +53,14 @@ def worker(args: argparse.Namespace) -> None:
     world = mesh.axis("world")
 
     def timed(action) -> float:
-        comm.barrier(world)
-        start = time.perf_counter()
-        action()
-        comm.barrier(world)
-        return time.perf_counter() - start
+        return timed_on_all_ranks(world, action)
 
     base = Path(args.dir)
     out: dict = {"layout": args.layout}
     if args.phase == "save":
         saves = [timed(lambda i=i: checkpoint.save(base / _slug(args.layout) / f"r{i}", 1, model, opt, mesh, {}))
                  for i in range(args.repeats)]
-        out |= {"save_s": statistics.median(saves), "bytes": _du(base / _slug(args.layout) / "r0")}
+        out |= {"save_s": statistics.median(saves), "bytes": disk_usage(base / _slug(args.layout) / "r0")}
     else:
         out["load_s"] = {source: statistics.median(
             timed(lambda s=source, i=i: checkpoint_read.load(base / _slug(s) / f"r{i}", model, opt, mesh))
@@ -79,9 +73,6 @@ def worker(args: argparse.Namespace) -> None:
 def _slug(layout: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in layout)
 
-
-def _du(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def drive(args: argparse.Namespace) -> dict:
