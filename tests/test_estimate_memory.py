@@ -18,7 +18,7 @@ from plait.estimate.activations import (
     loss_bytes,
     stage_activation_bytes,
 )
-from plait.estimate.layout import Layout, stage_layers, stages
+from plait.estimate.layout import Layout, balanced_counts, stages
 from plait.estimate.memory import (
     BUCKET_BYTES,
     StateBytes,
@@ -224,7 +224,7 @@ def test_first_stage_is_busiest_under_1f1b() -> None:
 
 
 def test_stage_cut_balances_parameters() -> None:
-    assert stage_layers(32, 4) == [8, 8, 8, 8]
+    assert balanced_counts([1] * 32, 4) == [8, 8, 8, 8]
     # llama-1b: a 263 M-parameter tied embedding on both ends pushes blocks to the middle.
     cfg = get_preset("llama-1b")
     assert [s.layers for s in stages(cfg, 1, 4)] == [2, 6, 6, 2]

@@ -9,6 +9,7 @@ change.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from plait.errors import PlaitError
@@ -133,40 +134,35 @@ class Stage:
         return self.index == self.pp - 1
 
 
-def stage_layers(n_layers: int, pp: int, virtual_stages: int = 1, block: int = 1,
-                 first_extra: int = 0, last_extra: int = 0) -> list[int]:
-    """Blocks per pipeline rank, cut the way plait's pipeline cuts them.
+def balanced_counts(costs: Sequence[int], parts: int, *, first_extra: int = 0,
+                    last_extra: int = 0) -> list[int]:
+    """Blocks per stage for contiguous stages minimising the largest stage cost.
 
-    Interleaved: equal chunks, v per rank. Otherwise contiguous runs minimising the largest
-    stage's parameter count, the embedding counted on the first stage and the final norm
-    and head on the last, with the blocks then spread as evenly as that bound allows
-    (later stages first on a tie, which keeps the early stages, holding the most
-    micro-batches under 1F1B, lighter). All blocks have the same size, so the bound is found
-    by bisection instead of plait's dynamic programme; the counts agree where it matters,
-    the busiest stage's size.
+    Linear partition by dynamic programming (n·parts·n steps: n is a few dozen layers).
+    Ties go to the split whose block counts are most even, so equal layers split evenly.
     """
-    if virtual_stages > 1 or pp == 1:
-        return [n_layers // pp] * pp if virtual_stages > 1 else [n_layers]
-    extras = [first_extra if i == 0 else 0 for i in range(pp)]
-    extras[-1] += last_extra
-    low, high = max(extras) + block, max(extras) + n_layers * block
-    while low < high:  # the smallest largest-stage cost that holds every block
-        mid = (low + high) // 2
-        if sum(_capacity(mid, extra, block, n_layers) for extra in extras) >= n_layers:
-            high = mid
-        else:
-            low = mid + 1
-    caps = [_capacity(low, extra, block, n_layers) for extra in extras]
-    counts = [1] * pp
-    for _ in range(n_layers - pp):
-        open_stages = [i for i in range(pp) if counts[i] < caps[i]]
-        counts[min(open_stages, key=lambda i: (counts[i], -i))] += 1
-    return counts
+    n = len(costs)
+    prefix = [0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
 
+    def cost_of(start: int, end: int, part: int) -> int:
+        extra = (first_extra if part == 0 else 0) + (last_extra if part == parts - 1 else 0)
+        return prefix[end] - prefix[start] + extra
 
-def _capacity(bound: int, extra: int, block: int, n_layers: int) -> int:
-    """Blocks a stage can take without its cost exceeding `bound` (at least one)."""
-    return max(1, min(n_layers, (bound - extra) // block))
+    # best[k][i]: (largest stage cost, spread of counts) for blocks[:i] in k + 1 stages.
+    best: list[dict[int, tuple[tuple[int, int], list[int]]]] = [{} for _ in range(parts)]
+    for i in range(1, n - parts + 2):
+        best[0][i] = ((cost_of(0, i, 0), 0), [i])
+    for k in range(1, parts):
+        for i in range(k + 1, n - parts + k + 2):
+            options = []
+            for j in range(k, i):
+                (worst, _), counts = best[k - 1][j]
+                new = counts + [i - j]
+                options.append(((max(worst, cost_of(j, i, k)), max(new) - min(new)), new))
+            best[k][i] = min(options)
+    return best[parts - 1][n][1]
 
 
 def block_split(config: GPTConfig) -> tuple[int, int]:
@@ -203,7 +199,10 @@ def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1) -> tupl
     first = table + (config.max_seq_len * h if config.arch == "gpt2" else 0)
     norm = 2 * h if config.arch == "gpt2" else h
     head = table if (not config.tie_embeddings or pp > 1) else 0
-    counts = stage_layers(config.n_layers, pp, virtual_stages, block, first, norm + head)
+    if virtual_stages > 1 or pp == 1:  # interleaving cuts equal chunks, v per rank
+        counts = [config.n_layers // pp] * pp
+    else:  # the cut plait's pipeline makes (pipeline_split.default_balance)
+        counts = balanced_counts([block] * config.n_layers, pp, first_extra=first, last_extra=norm + head)
     out = []
     for index, layers in enumerate(counts):
         params, repl = layers * block, layers * replicated

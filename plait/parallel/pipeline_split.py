@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from plait.errors import PlaitError
+from plait.estimate.layout import balanced_counts
 from plait.models.gpt import GPT
 
 
@@ -195,34 +196,3 @@ def _check_counts(counts: list[int], stages: int, n: int) -> None:
 
 def _even(n: int, stages: int) -> list[int]:
     return [n // stages + (i < n % stages) for i in range(stages)]
-
-
-def balanced_counts(costs: Sequence[int], parts: int, *, first_extra: int = 0,
-                    last_extra: int = 0) -> list[int]:
-    """Blocks per stage for contiguous stages minimising the largest stage cost.
-
-    Linear partition by dynamic programming (n·parts·n steps: n is a few dozen layers).
-    Ties go to the split whose block counts are most even, so equal layers split evenly.
-    """
-    n = len(costs)
-    prefix = [0]
-    for cost in costs:
-        prefix.append(prefix[-1] + cost)
-
-    def cost_of(start: int, end: int, part: int) -> int:
-        extra = (first_extra if part == 0 else 0) + (last_extra if part == parts - 1 else 0)
-        return prefix[end] - prefix[start] + extra
-
-    # best[k][i]: (largest stage cost, spread of counts) for blocks[:i] in k + 1 stages.
-    best: list[dict[int, tuple[tuple[int, int], list[int]]]] = [{} for _ in range(parts)]
-    for i in range(1, n - parts + 2):
-        best[0][i] = ((cost_of(0, i, 0), 0), [i])
-    for k in range(1, parts):
-        for i in range(k + 1, n - parts + k + 2):
-            options = []
-            for j in range(k, i):
-                (worst, _), counts = best[k - 1][j]
-                new = counts + [i - j]
-                options.append(((max(worst, cost_of(j, i, k)), max(new) - min(new)), new))
-            best[k][i] = min(options)
-    return best[parts - 1][n][1]
