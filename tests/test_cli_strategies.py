@@ -47,6 +47,10 @@ CASES = {
     "pp2-1f1b": (["--nproc", "2", "--pp", "2", "--grad-accum", "2"], 2, 1e-4),
     "dp2-pp2-zbh1": (["--nproc", "4", "--dp", "2", "--pp", "2", "--grad-accum", "2",
                              "--schedule", "zb-h1"], 4, 1e-4),
+    # Recomputation changes no number, only memory and (under TP) traffic.
+    "tp2-sp-recompute": (["--nproc", "2", "--tp", "2", "--sp", "--recompute", "full"], 1, 1e-4),
+    "dp2-pp2-zero3-recompute": (["--nproc", "4", "--dp", "2", "--pp", "2", "--zero", "3", "--grad-accum", "2",
+                                 "--recompute", "full"], 4, 1e-5),
     # Products of strategies: each pair, then all of them at once.
     "dp2-tp2-zero1-sp": (["--nproc", "4", "--tp", "2", "--zero", "1", "--sp", "--grad-accum", "2"], 4, 1e-4),
     "tp2-pp2-zbh1": (["--nproc", "4", "--tp", "2", "--pp", "2", "--grad-accum", "2", "--schedule", "zb-h1"], 2, 1e-4),

@@ -52,9 +52,10 @@ COMM_ASSUMPTIONS = (
     "comm is wire bytes per rank per optimizer step under ring algorithms, max over ranks: "
     "all_reduce 2(n−1)/n·S, all_gather and reduce_scatter (n−1)/n·S, send/recv S; the "
     "few bytes of gradient-norm reductions are left out",
-    "DP and ZeRO reduce gradients once per step (accumulation runs under no_sync); ZeRO-3 "
-    "gathers weights twice (forward, backward) every micro-batch",
-    "TP: 4 all-reduces of b·s·h per block per micro-batch (6 with full recompute); under "
+    "DP and ZeRO-1 reduce gradients once per step (accumulation runs under no_sync); ZeRO-2 "
+    "and -3 reduce-scatter every micro-batch, and ZeRO-3 gathers weights twice (forward, "
+    "backward) every micro-batch",
+    "TP: 4 all-reduces of b·s·h per block per micro-batch (5 with full recompute); under "
     "SP each becomes all-gather + reduce-scatter, plus 2 all-gathers re-gathering saved "
     "inputs; plus embedding, head and 3 fp32 cross-entropy numbers per token",
     "PP: b·s·h per message (/t under SP), one per boundary each way per micro-batch; tied "

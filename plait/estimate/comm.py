@@ -64,19 +64,22 @@ def tp_collectives(layout: Layout, stage: Stage) -> dict[str, int]:
     """Collectives of b·s·h activations per micro-batch on one rank of `stage`.
 
     Per block: two all-reduces forward (leaving attention's and the MLP's row-parallel
-    layers) and two backward (entering the column-parallel ones); full recompute reruns
-    the forward, adding two. Sequence parallelism turns each into an all-gather plus a
-    reduce-scatter (same bytes), and all-gathers each region's saved input sequence shard
-    again in backward (two more per block; with full recompute the rerun forward has them).
-    Around the blocks: the vocab-parallel embedding leaves a region (first stage), the
-    head enters one (last stage, whose saved input SP gathers again too).
+    layers) and two backward (entering the column-parallel ones). Sequence parallelism
+    turns each into an all-gather plus a reduce-scatter (same bytes), and all-gathers each
+    region's saved input sequence shard again in backward (two more per block).
+    Full recompute reruns the block's forward in backward only as far as the last tensor
+    backward needs (torch's checkpoint stops there): attention's region and the MLP's
+    entry, not the MLP's exit. That is one more all-reduce per block; under SP two more
+    all-gathers and one more reduce-scatter (the backward re-gathers stay: the rerun keeps
+    sequence shards too). Around the blocks: the vocab-parallel embedding leaves a region
+    (first stage), the head enters one (last stage, whose saved input SP gathers again too).
     """
     blocks, first, last = stage.layers, int(stage.first), int(stage.last)
     full = layout.recompute == "full"
     if not layout.sp:
-        return {"all_reduce": blocks * (6 if full else 4) + first + last}
-    return {"all_gather": blocks * 6 + first + 2 * last,
-            "reduce_scatter": blocks * (6 if full else 4) + first + last}
+        return {"all_reduce": blocks * (5 if full else 4) + first + last}
+    return {"all_gather": blocks * (8 if full else 6) + first + 2 * last,
+            "reduce_scatter": blocks * (5 if full else 4) + first + last}
 
 
 def tp_traffic(config: GPTConfig, layout: Layout, stage: Stage) -> Traffic:

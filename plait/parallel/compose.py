@@ -2,6 +2,7 @@
 
 The order is the one every strategy assumes of the others, and any product of them runs:
 
+0. mark the blocks that recompute their activations in backward, if asked;
 1. shard layers across the tensor-parallel ranks (the whole model, so that every rank
    takes its slice of the same initial weights);
 2. cut the result into pipeline stages and keep this rank's (`apply_pipeline`);
@@ -25,6 +26,7 @@ from plait.parallel.clip import clip_grad_norm
 from plait.parallel.data import apply_data_parallel, grad_sync
 from plait.parallel.pipeline import apply_pipeline
 from plait.parallel.pipeline_split import is_pipeline
+from plait.parallel.recompute import apply_recompute
 from plait.parallel.tensor import apply_tensor_parallel, tensor_parallel_of
 from plait.parallel.zero import apply_zero, zero_of
 from plait.parallel.zero_optim import ZeroOptimizer
@@ -44,6 +46,7 @@ class ParallelConfig:
     offload: bool = False  # keep optimizer states, and run the optimizer step, in CPU memory
     sp: bool = False  # sequence parallelism in the tensor-parallel norm regions
     virtual_stages: int = 1  # pipeline chunks per pp rank (interleaved schedules)
+    recompute: str = "none"  # "full": keep each block's input only, rerun the block in backward
 
     def __post_init__(self) -> None:
         if self.bucket_mb <= 0:
@@ -66,6 +69,8 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = No
     """
     config = config or ParallelConfig()
     model.to(mesh.device)
+    if config.recompute != "none":
+        apply_recompute(model, config.recompute)
     cut = is_pipeline(model)  # stages from apply_pipeline: only DP or ZeRO is left to apply
     if mesh.size("tp") > 1 and tensor_parallel_of(model) is None:
         if cut:

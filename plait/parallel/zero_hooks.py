@@ -230,6 +230,8 @@ class ZeroSync:
         """Called by GatherForBackward: gather this unit, prefetch the one backward needs next."""
         self._queue_backward_end()
         self._gather(group)
+        with torch.enable_grad():  # backward runs without grad mode; these views must reach `flat`
+            group.show()  # a block that recomputes its forward in backward reads its weights again
         self._prefetch(([self.root] if self.root else []) + self._order[::-1], group)
 
     def _prefetch(self, sequence: list[FlatGroup], group: FlatGroup) -> None:

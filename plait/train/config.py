@@ -46,6 +46,8 @@ class TrainConfig:
     pp: int = field(default=1, metadata={"help": "pipeline-parallel degree"})
     schedule: str = field(default="1f1b", metadata={"help": "pipeline schedule: gpipe, 1f1b, interleaved or zb-h1"})
     virtual_stages: int = field(default=1, metadata={"help": "model chunks per pipeline rank (interleaved)"})
+    recompute: str = field(default="none", metadata={
+        "help": "activation recomputation: none, or full (keep each block's input, run the block again in backward)"})
     zero: int = field(default=0, metadata={"help": "ZeRO stage: 0 DDP, 1 optimizer states, 2 + gradients, 3 + parameters"})
     offload: bool = field(default=False, metadata={"help": "optimizer states and step in CPU memory (needs --zero)"})
     nproc: int | None = field(default=None, metadata={"help": "local processes to spawn (default: the layout's product)"})
@@ -193,6 +195,13 @@ def check_strategies(config: TrainConfig) -> None:
 
         check_pipeline(model.n_layers, config.pp, config.schedule, config.grad_accum,
                        virtual_stages=config.virtual_stages)
+    from plait.parallel.recompute import POLICIES
+
+    if config.recompute not in POLICIES:
+        raise PlaitError(f"unknown --recompute {config.recompute!r}", hint=f"choose one of: {', '.join(POLICIES)}")
+    if config.pp > 1 and config.recompute != "none" and config.schedule == "zb-h1":
+        raise PlaitError("--recompute full cannot run the zb-h1 schedule: W reads the activations "
+                         "recomputation drops", hint="use --schedule 1f1b with --recompute, or drop --recompute")
     if config.pp > 1 and config.zero >= 2 and config.schedule == "zb-h1":
         raise PlaitError(f"--zero {config.zero} cannot run the zb-h1 schedule: it reduces gradients from "
                          "autograd's hooks, and zb-h1 computes weight gradients outside them",

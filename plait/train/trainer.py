@@ -57,7 +57,7 @@ class Trainer:
         # With pp > 1, parallelize returns this rank's pipeline stages.
         self.model = parallelize(build_gpt(self.model_config, config.seed), mesh, ParallelConfig(
             bucket_mb=config.bucket_mb, zero=config.zero, offload=config.offload, sp=config.sp,
-            virtual_stages=config.virtual_stages))
+            virtual_stages=config.virtual_stages, recompute=config.recompute))
         self.runner: PipelineRunner | None = None
         self.optimizer = build_optimizer(self.model, torch.optim.AdamW, lr=config.lr, betas=(0.9, 0.95),
                                          weight_decay=config.weight_decay)
@@ -261,6 +261,7 @@ class Trainer:
             "model": self.config.model, "num_params": self.num_params,
             "layout": {"dp": dp, "tp": self.mesh.size("tp"), "pp": self.mesh.size("pp"),
                        "zero": self.config.zero, "offload": self.config.offload, "sp": self.config.sp,
+                       "recompute": self.config.recompute,
                        "schedule": self.config.schedule if self.runner else None, "world_size": self.mesh.env.world_size,
                        "launcher": self.mesh.env.launcher, "backend": self.mesh.backend or "none"},
             "global_batch": self.config.global_batch, "seq_len": self.config.seq_len,
@@ -288,4 +289,4 @@ class Trainer:
                                offload=self.config.offload, sp=self.config.sp, schedule=self.config.schedule,
                                virtual_stages=self.config.virtual_stages, precision="fp32",
                                micro_batch=self.config.micro_batch, grad_accum=self.config.grad_accum,
-                               seq_len=self.config.seq_len, hardware="cpu")
+                               seq_len=self.config.seq_len, recompute=self.config.recompute, hardware="cpu")
