@@ -94,3 +94,22 @@ def test_zero3_memory_is_the_formula(tmp_path):
     assert mem["grads"] == pytest.approx(4 * shard, abs=4 * 4 * 8)
     assert mem["optim"] == pytest.approx(8 * shard, abs=8 * 4 * 8)
     assert mem["params"] + mem["grads"] + mem["optim"] < 16 * psi / 4 * 1.01
+
+
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory):
+    """One process on a 4-layer tiny GPT, global batch 8: the reference for interleaving."""
+    return run(tmp_path_factory.mktemp("ref-l4"), "--model", "tiny,n_layers=4", "--nproc", "1", "--grad-accum", "4")
+
+
+@pytest.mark.parametrize("zero", ["2", "3"])
+def test_zero_over_interleaved_chunks_trains_the_same_model(four_layers, tmp_path, zero):
+    """Two chunks per pipeline rank: each chunk's backward reduces only its own groups."""
+    metrics, summary, params = run(tmp_path, "--model", "tiny,n_layers=4", "--nproc", "4", "--dp", "2", "--pp", "2",
+                                   "--grad-accum", "2", "--schedule", "interleaved", "--virtual-stages", "2",
+                                   "--zero", zero)
+    ref_metrics, _, ref_params = four_layers
+    assert_losses_close([m["loss"] for m in metrics], [m["loss"] for m in ref_metrics], rtol=1e-5)
+    assert_params_close(params, ref_params, rtol=1e-5, atol=5e-6)
+    predicted, measured = summary["predicted"]["comm"]["dp"], summary["comm_per_step"]["dp"]
+    assert measured["reduce_scatter"] == predicted["reduce_scatter"]  # m per step, no chunk twice

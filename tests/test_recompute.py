@@ -51,3 +51,16 @@ def test_zb_h1_with_recompute_is_refused():
     config = TrainConfig(model="tiny", pp=2, grad_accum=2, schedule="zb-h1", recompute="full")
     with pytest.raises(PlaitError, match="--recompute full cannot run the zb-h1 schedule"):
         check_strategies(config)
+
+
+def test_the_pipeline_runner_refuses_recompute_with_a_split_backward():
+    from plait.parallel.pipeline import PipelineRunner, apply_pipeline
+    from plait.runtime.env import ProcessEnv
+    from plait.runtime.mesh import init_mesh
+
+    mesh = init_mesh(env=ProcessEnv("single", 0, 1, 0, "127.0.0.1", 29500))
+    model = build_gpt(get_preset("tiny"), 0)
+    apply_recompute(model)
+    stages = apply_pipeline(model, mesh)
+    with pytest.raises(PlaitError, match="activation recomputation cannot run a schedule that splits backward"):
+        PipelineRunner(stages, mesh, "zb-h1")

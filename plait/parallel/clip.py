@@ -51,7 +51,8 @@ def global_norm(model: nn.Module, pieces: Pieces) -> float:
     """sqrt of the sum, over all ranks and without double counting, of the pieces' squares."""
     sync, info, pp_axis = zero_of(model), tensor_parallel_of(model), pipeline_axis(model)
     tp_axis = info.axis if info is not None and info.axis.size > 1 else None
-    device = pieces[0][1].device if pieces else torch.device("cpu")
+    # A rank may hold no gradient (its ZeRO shards all padding); its zeros still join in.
+    device = pieces[0][1].device if pieces else next(model.parameters()).device
     # [squares of tp-split gradients, squares of the rest]; one number when nothing is split.
     squares = torch.zeros(2 if tp_axis else 1, dtype=torch.float64, device=device)
     for param, grad in pieces:

@@ -68,7 +68,6 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = No
     cut by `apply_pipeline` (and a model already split by tp) are taken as they are.
     """
     config = config or ParallelConfig()
-    model.to(mesh.device)
     if config.recompute != "none":
         apply_recompute(model, config.recompute)
     cut = is_pipeline(model)  # stages from apply_pipeline: only DP or ZeRO is left to apply
@@ -76,9 +75,13 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = No
         if cut:
             raise PlaitError("tensor parallelism is applied to the whole model, before the pipeline cut",
                              hint="pass the whole model to parallelize: it cuts the stages itself")
+        # TP broadcasts the whole model over tp before slicing it, so it moves to the device
+        # first (NCCL sends device memory); without TP only this rank's stages move.
+        model.to(mesh.device)
         apply_tensor_parallel(model, mesh.axis("tp"), sp=config.sp)
     if mesh.size("pp") > 1 and not cut:
         model = apply_pipeline(model, mesh, virtual_stages=config.virtual_stages)
+    model.to(mesh.device)
     if config.zero == 0:
         apply_data_parallel(model, mesh.axis("dp"), bucket_mb=config.bucket_mb)
     else:

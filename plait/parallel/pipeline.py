@@ -1,16 +1,16 @@
 """Pipeline parallelism: cut the model into stages and run any schedule across the pp ranks.
 
-    stages = apply_pipeline(build_gpt(config, seed), mesh, virtual_stages=1)  # this rank's chunks
-    apply_data_parallel(stages, mesh.axis("dp"))                               # optional, after
+    stages = plait.parallelize(build_gpt(config, seed), mesh, config)  # TP, the cut, DP or ZeRO
     runner = PipelineRunner(stages, mesh, schedule="1f1b")
     loss = runner.step(micro_inputs, micro_targets, loss_fn)    # every pp rank, once per step
-    runner.clip_grad_norm_(1.0); optimizer.step(); optimizer.zero_grad()
+    plait.clip_grad_norm(stages, 1.0); optimizer.step(); optimizer.zero_grad()
 
 The schedule is data (`schedule.py`); the runner walks this rank's list of actions and does
 what each says. Everything else is bookkeeping around that loop: activations and gradients
 cross stage boundaries as point-to-point messages (`pipeline_comm.py`), each action is
 timed so the bubble can be measured, and after the last action the step's gradients are
-reduced once: over dp (when data parallel) and between the two copies of a tied embedding.
+reduced over dp (DDP and ZeRO-1 once; ZeRO-2 and -3 reduced each backward into their
+shards) and added between the two copies of a tied embedding.
 """
 
 from __future__ import annotations
@@ -102,6 +102,9 @@ class PipelineRunner:
         `measure` times every action and gathers the timeline (two tiny collectives a step)."""
         self.mesh, self.axis = mesh, mesh.axis("pp")
         self.pp, self.rank = self.axis.size, self.axis.rank
+        if not isinstance(stages, nn.ModuleList) and any(grad_sync(s) or zero_of(s) for s in stages):
+            raise PlaitError("pass the ModuleList that parallelize (or apply_pipeline) returned, not a list "
+                             "of its stages: data parallelism and ZeRO are attached to the ModuleList")
         self.module = stages if isinstance(stages, nn.ModuleList) else nn.ModuleList(stages)
         self.v = len(self.module)
         self.num_stages = self.pp * self.v
@@ -111,7 +114,7 @@ class PipelineRunner:
         self.measure = measure
         probe = self._build(self.pp, self.pp, self.v)  # fails now on a bad name or v
         split = any(a.kind in "IW" for row in probe for a in row)
-        _check_data_parallel(self.module, split)
+        _check_split_backward(self.module, split)
         sync = zero_of(self.module)
         gathered = sync.gathered_storages if sync is not None else set
         self.work = [StageWork(stage, split_backward=split, gathered_weights=gathered) for stage in self.module]
@@ -128,8 +131,8 @@ class PipelineRunner:
 
         Every pp rank passes the same micro-batches: the first stage reads the inputs, the
         last the targets, the others only their number and shape. Gradients are left summed
-        over micro-batches (as loss / m) in `.grad`, reduced over dp once, after the last
-        action, and the tied embedding's two copies hold the same sum.
+        over micro-batches (as loss / m), averaged over dp (in `.grad`, or in ZeRO's shards),
+        and the tied embedding's two copies hold the same sum.
         """
         plan = self._plan(len(micro_inputs), micro_inputs)
         actions = plan.schedule[self.rank]
@@ -162,11 +165,9 @@ class PipelineRunner:
         return self._broadcast_loss(run.losses, len(micro_inputs))
 
     def clip_grad_norm_(self, max_norm: float) -> float:
-        """Clip by the norm of the whole model's gradient (all stages); return that norm.
-
-        plait.parallel.clip.clip_grad_norm on the stages: the head's copy of a tied
-        embedding is counted once, tensor-parallel slices and ZeRO shards as theirs.
-        """
+        """An alias of `plait.clip_grad_norm(stages, max_norm)`: the norm of the whole
+        model's gradient (all stages, the tied embedding once, tp slices and ZeRO shards
+        summed), clipped to `max_norm`; returns the norm before clipping."""
         from plait.parallel.clip import clip_grad_norm
 
         return clip_grad_norm(self.module, max_norm)
@@ -254,7 +255,12 @@ class PipelineRunner:
         return Timeline(pp=self.pp, v=self.v, rows=rows)
 
 
-def _check_data_parallel(module: nn.Module, split_backward: bool) -> None:
+def _check_split_backward(module: nn.Module, split_backward: bool) -> None:
+    """What cannot run a schedule whose backward is split into I and W (zb-h1)."""
+    if split_backward and any(getattr(m, "recompute", False) is True for m in module.modules()):
+        raise PlaitError("activation recomputation cannot run a schedule that splits backward into I and W "
+                         "(zb-h1): W reads the activations recomputation drops",
+                         hint="use --schedule 1f1b with --recompute, or drop --recompute")
     sync = zero_of(module)
     if sync is not None and sync.stage >= 2 and split_backward:
         raise PlaitError(f"ZeRO-{sync.stage} cannot run a schedule that splits backward into I and W (zb-h1): "

@@ -151,7 +151,7 @@ def agree_shapes(stages: dict[int, torch.nn.Module], axis: Axis, num_stages: int
             x = first_input
         else:
             if (k - 1) % pp != rank:
-                meta = torch.zeros(_META_LEN, dtype=torch.int64)
+                meta = torch.zeros(_META_LEN, dtype=torch.int64, device=first_input.device)
                 comm.recv(meta, axis, (k - 1) % pp, purpose=SETUP).wait()
                 shapes[k - 1] = _decode(meta)
             shape, dtype = shapes[k - 1]
@@ -160,7 +160,7 @@ def agree_shapes(stages: dict[int, torch.nn.Module], axis: Axis, num_stages: int
             y = stages[k](x)
         shapes[k] = (tuple(y.shape), y.dtype)
         if k < num_stages - 1 and (k + 1) % pp != rank:
-            meta = _encode(shapes[k])
+            meta = _encode(shapes[k]).to(first_input.device)
             sends.append((meta, comm.send(meta, axis, (k + 1) % pp, purpose=SETUP)))
     for _, handle in sends:
         handle.wait()

@@ -65,7 +65,7 @@ def apply_zero(model: nn.Module, axis: Axis, *, stage: int, offload: bool = Fals
         raise PlaitError(f"apply_zero takes stage 1, 2 or 3, got {stage}", hint="stage 0 is apply_data_parallel")
     if getattr(model, ATTR, None) is not None:
         raise PlaitError("this model already has data parallelism or ZeRO applied", hint="apply one of them, once")
-    check_backend(axis, stage)
+    check_backend(axis, stage, next(model.parameters()).device)
     for tensor in [*model.parameters(), *model.buffers()]:
         comm.broadcast(tensor.data, axis, purpose="setup")
     logical = logical_parameters(model)
@@ -78,6 +78,11 @@ def apply_zero(model: nn.Module, axis: Axis, *, stage: int, offload: bool = Fals
     sync.names = {p: name for name, p, _ in logical}
     sync.replicas = {p for _, p, replica in logical if replica}
     sync.chunk = {g.index: chunk_of[g.params[0]] for g in sync.groups}
+    for weight in alone:  # its two copies must be cut alike on both pipeline ranks
+        members = sync.group_of(weight).params
+        if len(members) != 1 or members[0] is not weight:
+            raise PlaitError("a ZeRO-3 unit holds a pipeline copy of the tied embedding with other parameters",
+                             hint="leave units=None, or give the embedding and the head units of their own")
     setattr(model, ATTR, sync)
     setattr(model, CHECKPOINT_VIEW, checkpoint_pieces)
     log.info("ZeRO-%d over %d dp ranks: %d %s%s", stage, axis.size, len(sync.groups),
@@ -135,6 +140,10 @@ def _shard_units(model: nn.Module, axis: Axis, units: Sequence[nn.Module] | None
                 if any(id(p) in alone_ids for p in m.parameters(recurse=False)) and m not in modules]
     if any(module is model for module in modules):
         raise PlaitError("the model itself cannot be a ZeRO-3 unit", hint="name its children, or pass units=None")
+    recomputing = [m for m in model.modules() if getattr(m, "recompute", False) is True]
+    if any(unit is not block and unit in set(block.modules()) for block in recomputing for unit in modules):
+        raise PlaitError("a ZeRO-3 unit inside a block that recomputes its activations would be gathered "
+                         "and freed again by the recomputation", hint="make the recomputing blocks the units")
     owner, where = unit_owners(model, modules)
     groups: list[FlatGroup] = []
     for k, module in [(-1, model), *enumerate(modules)]:
@@ -209,14 +218,14 @@ def full_parameters(model: nn.Module) -> Iterator[nn.Module]:
             sync._free(group)
 
 
-def check_backend(axis: Axis, stage: int) -> None:
+def check_backend(axis: Axis, stage: int, device: torch.device | str = "cpu") -> None:
     """Fail at setup, naming the fix, when the dp group cannot reduce-scatter (every stage needs it)."""
     if axis.size == 1:
         return
     backend = str(torch.distributed.get_backend(axis.group))
     require_reduce_scatter(backend, stage)
     try:  # a one-element probe: a backend without reduce_scatter fails here, not mid-backward
-        comm.reduce_scatter(torch.zeros(1), torch.zeros(axis.size), axis, purpose="setup")
+        comm.reduce_scatter(torch.zeros(1, device=device), torch.zeros(axis.size, device=device), axis, purpose="setup")
     except (comm.CommError, RuntimeError) as exc:  # a CommError is a PlaitError, not a RuntimeError
         require_reduce_scatter(backend, stage, reason=str(exc).splitlines()[0])
 

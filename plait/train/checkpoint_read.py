@@ -131,22 +131,32 @@ def verify_shared(reader: Reader, mesh: Mesh) -> None:
     """Verify the checkpoint's files once between all ranks, not once on each.
 
     Rank r hashes files r, r + world, ...; the ranks then agree on the first bad file
-    (one all-reduce), and every rank raises the same error, naming it. With replicated
-    state every rank reads every file, and hashing each eight times on eight ranks would
-    cost more than the reading.
+    (one all-reduce), and every rank raises an error naming it. With replicated state
+    every rank reads every file, and hashing each eight times on eight ranks would cost
+    more than the reading. Any failure (a bad file, or one this rank cannot read) is
+    recorded rather than raised on the spot, so that no rank leaves the others waiting.
     """
     files = sorted(reader.index["files"])
     world = mesh.axis("world")
-    first_bad = torch.tensor([len(files)], dtype=torch.int64)
+    first_bad = torch.tensor([len(files)], dtype=torch.int64, device=mesh.device)
     for i in range(world.rank, len(files), world.size):
         try:
             reader.verify([files[i]])
-        except PlaitError:
+        except Exception:  # noqa: BLE001 - reported below, on every rank
             first_bad[0] = i
             break
     comm.all_reduce(first_bad, world, op="min", purpose="setup")
     if first_bad.item() < len(files):
-        reader.verify([files[first_bad.item()]])  # raises, naming the file, on every rank
+        file = reader.path / files[first_bad.item()]
+        try:
+            reader.verify([files[first_bad.item()]])
+        except PlaitError:
+            raise
+        except OSError as exc:
+            raise PlaitError(f"checkpoint file {file} cannot be read: {exc}",
+                             hint="check the file's permissions and the file system") from None
+        raise PlaitError(f"checkpoint file {file} failed verification on another rank",
+                         hint="check that every node sees the same checkpoint directory")
 
 
 def describe(path: str | Path) -> str:

@@ -58,9 +58,10 @@ def _advance(bar: Any, record: dict[str, Any]) -> None:
 
 
 def final_weights(trainer: Trainer) -> dict[str, torch.Tensor] | None:
-    """The whole model's weights, on the main rank (every rank takes part: collective under
-    TP and ZeRO-3). A pipeline's stages live on different ranks: they are assembled the
-    way a checkpoint is, through its pieces, written to a scratch directory and read back."""
+    """The whole model's weights for the main rank to write (every rank takes part:
+    collective under TP and ZeRO-3; other ranks may get them too, or None). A pipeline's
+    stages live on different ranks: they are assembled the way a checkpoint is, through its
+    pieces, written to a scratch directory and read back."""
     if trainer.runner is not None:
         return _assembled_from_pieces(trainer)
     from plait.parallel.tensor import gather_full_params

@@ -122,10 +122,12 @@ class Trainer:
     def _gather_step(self, step: int, lr: float, local: dict[str, Any]) -> dict[str, Any]:
         """Mean loss over dp ranks; max over all ranks for time, memory and traffic."""
         world = self.mesh.axis("world")
-        loss = torch.tensor([local["loss"]], dtype=torch.float64)
+        device = self.mesh.device  # NCCL reduces device tensors only
+        loss = torch.tensor([local["loss"]], dtype=torch.float64, device=device)
         comm.all_reduce(loss, self.mesh.axis("dp"), purpose=comm.TELEMETRY)
         maxed = torch.tensor([local["step_time_s"], *(local[k] for k in MEM_KEYS),
-                              *(local["comm"].get(a, {}).get(o, 0.0) for a, o in COMM_KEYS)], dtype=torch.float64)
+                              *(local["comm"].get(a, {}).get(o, 0.0) for a, o in COMM_KEYS)], dtype=torch.float64,
+                             device=device)
         comm.all_reduce(maxed, world, op="max", purpose=comm.TELEMETRY)
         values = maxed.tolist()
         step_time, mem, traffic = values[0], values[1:1 + len(MEM_KEYS)], values[1 + len(MEM_KEYS):]
@@ -152,10 +154,10 @@ class Trainer:
         tokens = sum(t.numel() for _, t in batches)
         if self.runner:
             mean = self.runner.eval_loss([x for x, _ in batches], [t for _, t in batches], self.loss_fn)
-            total = torch.tensor([mean * tokens, tokens], dtype=torch.float64)
+            total = torch.tensor([mean * tokens, tokens], dtype=torch.float64, device=self.mesh.device)
         else:
             summed = sum(self.loss_fn(self.model(x), t, reduction="sum").item() for x, t in batches)
-            total = torch.tensor([summed, tokens], dtype=torch.float64)
+            total = torch.tensor([summed, tokens], dtype=torch.float64, device=self.mesh.device)
         comm.all_reduce(total, self.mesh.axis("dp"), purpose=comm.TELEMETRY)
         return (total[0] / total[1]).item()
 
@@ -187,7 +189,7 @@ class Trainer:
 
     def _check_same_corpus(self, tokens: torch.Tensor) -> None:
         """Ranks on different machines may read different corpora; that breaks parity silently."""
-        digest = torch.tensor([corpus_digest(tokens)], dtype=torch.int64)
+        digest = torch.tensor([corpus_digest(tokens)], dtype=torch.int64, device=self.mesh.device)
         low, high = digest.clone(), digest.clone()
         comm.all_reduce(low, self.mesh.axis("world"), op="min", purpose=comm.TELEMETRY)
         comm.all_reduce(high, self.mesh.axis("world"), op="max", purpose=comm.TELEMETRY)
@@ -255,7 +257,7 @@ class Trainer:
         history, dp = self.history, self.mesh.size("dp")
         times = [r["step_time_s"] for r in history[1:]] or [history[0]["step_time_s"]]
         param_bytes = self.num_params * 4  # fp32
-        peak = torch.tensor([peak_process_bytes(self.mesh.device)], dtype=torch.float64)
+        peak = torch.tensor([peak_process_bytes(self.mesh.device)], dtype=torch.float64, device=self.mesh.device)
         comm.all_reduce(peak, self.mesh.axis("world"), op="max", purpose=comm.TELEMETRY)
         return {
             "model": self.config.model, "num_params": self.num_params,
