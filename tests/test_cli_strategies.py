@@ -74,7 +74,7 @@ def test_strategy_trains_the_same_model_as_one_process(case, reference, tmp_path
     # The prediction for this very layout: model states and every collective's bytes exact
     # (the gradient norm's all-reduces of one or two float64 aside), activations within 10%.
     predicted, mem = summary["predicted"], summary["mem"]
-    for kind in ("grads", "optim") if summary["layout"]["zero"] == 3 else ("params", "grads", "optim"):
+    for kind in ("params", "grads", "optim"):  # ZeRO-3's params: shards + the units gathered at once
         assert predicted["memory"][kind] == pytest.approx(mem[kind], rel=0.01), kind
     assert predicted["memory"]["activations"] == pytest.approx(mem["activations_peak"], rel=0.10)
     measured = summary["comm_per_step"]
@@ -90,10 +90,11 @@ def test_zero3_memory_is_the_formula(tmp_path):
     psi = summary["num_params"]
     shard = -(-psi // 4)  # padded to a multiple of N
     mem = summary["mem"]
-    assert mem["params"] == pytest.approx(4 * shard, abs=4 * 4 * 8)
+    # Parameters: the shard, plus tiny's three units (root and two blocks) whole at once.
+    assert mem["params"] == pytest.approx(4 * shard + 4 * psi, abs=4 * 4 * 8)
     assert mem["grads"] == pytest.approx(4 * shard, abs=4 * 4 * 8)
     assert mem["optim"] == pytest.approx(8 * shard, abs=8 * 4 * 8)
-    assert mem["params"] + mem["grads"] + mem["optim"] < 16 * psi / 4 * 1.01
+    assert mem["params"] - 4 * psi + mem["grads"] + mem["optim"] < 16 * psi / 4 * 1.01
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ Model states follow Rajbhandari et al. 2019 (ZeRO). Per parameter, a rank keeps
   pure fp32 Adam: 4 (weights) + 4 (grads) + 8 (Adam m and v)           = 16 bytes
 and stage 1 divides the optimizer term by N_d, stage 2 the gradients too, stage 3 the
 weights too, plus what it holds gathered at once in the compute dtype (the paper's one
-unit; plait's ZeRO-3 keeps the root unit and two blocks, see `gathered_params`). CPU
+unit; plait's ZeRO-3 keeps the root unit and two units, see `gathered_params`). CPU
 offload moves the optimizer term (master weights included) to host memory.
 
 The seed's rule "1 M params ≈ 12 MB, 1 B params ≈ 12 GB" in fp32 is 4 bytes of weight,
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from plait.estimate.activations import loss_bytes, stage_activation_bytes
-from plait.estimate.layout import Layout, Stage, stages
+from plait.estimate.layout import Layout, Stage, stages, vocab_shard
 from plait.models.config import GPTConfig
 
 ADAM_K = 12  # fp32 master weights + Adam m + Adam v, bytes per parameter
@@ -127,11 +127,21 @@ def stage_buffers(config: GPTConfig, layout: Layout, stage: Stage) -> float:
     return total
 
 
-def gathered_params(stage: Stage) -> int:
-    """What ZeRO-3 holds whole at once: plait gathers the root unit (embedding, final norm,
-    head) for the whole forward and backward, the current block, and prefetches the next."""
-    root = stage.params - stage.layers * stage.block_params
-    return root + min(2, stage.layers) * stage.block_params
+def gathered_params(config: GPTConfig, layout: Layout, stage: Stage) -> int:
+    """What plait's ZeRO-3 holds whole at once on `stage`: the root unit for the whole
+    forward and backward, plus the unit running and the one prefetched after it.
+
+    Units are the blocks; with tied embeddings cut by a pipeline (pp > 1) the embedding
+    (first stage) and the head's copy (last stage) are units too, at the ends of the run.
+    Everything else (the final norm, an untied embedding or head) is the root.
+    """
+    units = [stage.block_params] * stage.layers
+    if config.tie_embeddings and layout.pp > 1:
+        table = vocab_shard(config, layout.tp) * config.d_model
+        units = ([table] if stage.first else []) + units + ([table] if stage.last else [])
+    root = stage.params - sum(units)
+    pairs = [a + b for a, b in zip(units, units[1:])] or units
+    return root + max(pairs, default=0)
 
 
 def device_total(memory: Memory) -> Memory:
@@ -150,7 +160,7 @@ def device_total(memory: Memory) -> Memory:
 
 def stage_memory(config: GPTConfig, layout: Layout, stage: Stage) -> Memory:
     """Every kind of bytes on one rank of one pipeline stage."""
-    memory = model_states(stage.params, gathered_params(stage), layout)
+    memory = model_states(stage.params, gathered_params(config, layout, stage), layout)
     memory.activations = stage_activation_bytes(config, layout, stage)
     memory.buffers = stage_buffers(config, layout, stage)
     memory.stage = stage.index

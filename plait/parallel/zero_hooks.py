@@ -56,6 +56,8 @@ class ZeroSync:
         self._last_order = [g for g in groups if g is not root]  # ... and the last forward
         self._kept: set[int] = set()  # stage 3: units whose backward cannot be announced
         self._placeholder = torch.empty(0, device=groups[0].flat.device if groups else "cpu")
+        self._held: dict[int, int] = {}  # stage 3: bytes of each unit gathered right now
+        self.peak_gathered_bytes = 0  # the most held at once since the meter last read it
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -194,10 +196,18 @@ class ZeroSync:
     def _gather(self, group: FlatGroup, wait: bool = True, purpose: str = comm.TRAIN) -> None:
         if group.gather(self.axis, wait, purpose):
             self.events.append(("all_gather", group.index))
+            self._held[group.index] = group.flat.untyped_storage().nbytes()
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
     def _free(self, group: FlatGroup) -> None:
         if self.stage == 3:
             group.free(self._placeholder)
+            self._held.pop(group.index, None)
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Stage 3: bytes of whole unit weights held right now (the shards are counted apart)."""
+        return sum(self._held.values())
 
     def pre_forward(self, group: FlatGroup | None, is_root: bool) -> None:
         if is_root:

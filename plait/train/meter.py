@@ -29,10 +29,17 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
     """Parameter, gradient and optimizer-state bytes held by this rank.
 
     A sharded optimizer (ZeRO) says itself which tensors are its model states: its gradient
-    shards and fp32 masters are not reachable from `model.parameters()`.
+    shards and fp32 masters are not reachable from `model.parameters()`. Under ZeRO-3 the
+    parameters also count the most whole-unit weights held at once since the last call
+    (gathered for a forward or backward, freed after): what a device must have room for.
     """
     if hasattr(optimizer, "model_state_tensors"):
-        return {k: storage_bytes(v) for k, v in optimizer.model_state_tensors(model).items()}
+        out = {k: storage_bytes(v) for k, v in optimizer.model_state_tensors(model).items()}
+        sync = zero3_sync(model)
+        if sync is not None:  # whole units gathered at once since the last reading, as predicted
+            out["params"] += sync.peak_gathered_bytes
+            sync.peak_gathered_bytes = sync.gathered_bytes
+        return out
     params = [p for p in model.parameters()]
     grads = [p.grad for p in params if p.grad is not None]
     states = [v for state in optimizer.state.values() for v in state.values()

@@ -64,7 +64,7 @@ def closing_report(summary: dict[str, Any], out: str) -> str:
 def predicted_vs_measured(summary: dict[str, Any]) -> list[str]:
     """`plait estimate`'s figures for this layout beside what the run measured (per rank, max)."""
     predicted, mem = summary["predicted"], summary["mem"]
-    params_label = "params+gathered" if summary["layout"].get("zero") == 3 else "params"  # measured: shards only
+    params_label = "params+gathered" if summary["layout"].get("zero") == 3 else "params"  # shards + whole units
     rows = [(kind, predicted["memory"][key], mem[mkey]) for kind, key, mkey in
             ((params_label, "params", "params"), ("grads", "grads", "grads"), ("optim", "optim", "optim"),
              ("activations", "activations", "activations_peak"))]

@@ -105,6 +105,7 @@ def train(mesh: Any, model: nn.Module, optimizer: torch.optim.Optimizer, rows_pe
         out["norms"].append(clip_grad_norm(model, CLIP))
         optimizer.step()
         out["mem"] = zero_state_bytes(model, optimizer) if sync else model_state_bytes(model, optimizer)
+        out["gathered"] = sync.peak_gathered_bytes if sync else 0  # stage 3: whole units held at once
         out["meter"] = model_state_bytes(model, optimizer)  # the trainer's meter, unchanged
         optimizer.zero_grad()
         out["ledger"].append(mesh.ledger.since(before).get("dp", {}))
