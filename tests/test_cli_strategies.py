@@ -114,3 +114,13 @@ def test_zero_over_interleaved_chunks_trains_the_same_model(four_layers, tmp_pat
     assert_params_close(params, ref_params, rtol=1e-5, atol=5e-6)
     predicted, measured = summary["predicted"]["comm"]["dp"], summary["comm_per_step"]["dp"]
     assert measured["reduce_scatter"] == predicted["reduce_scatter"]  # m per step, no chunk twice
+
+
+def test_a_pipeline_samples_the_same_text_as_one_process(tmp_path):
+    """The closing sample through pp 2 × tp 2 with SP: the last stage draws, every rank follows."""
+    samples = []
+    for name, flags in (("one", ["--nproc", "1", "--grad-accum", "2"]),
+                        ("3d", ["--nproc", "4", "--pp", "2", "--tp", "2", "--sp", "--grad-accum", "2"])):
+        _, summary, _ = run(tmp_path / name, *flags, "--steps", "2", "--sample-tokens", "12")
+        samples.append(summary["sample"])
+    assert samples[0] == samples[1] and len(samples[0]) >= len("def ") + 1

@@ -16,6 +16,8 @@ from torch.utils.checkpoint import checkpoint
 
 from plait.models.config import GPTConfig
 
+TEMPERATURE = 0.8  # sampling temperature of the run's closing sample
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight: a LayerNorm without the mean and the bias."""
@@ -156,7 +158,7 @@ class GPT(nn.Module):
         return self.lm_head(self.norm(x))
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.8,
+    def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = TEMPERATURE,
                  generator: torch.Generator | None = None) -> torch.Tensor:
         """Sample `new_tokens` tokens after the prompt `idx` (batch, seq)."""
         for _ in range(new_tokens):
@@ -164,11 +166,14 @@ class GPT(nn.Module):
             logits = self(context)[:, -1, :]  # through __call__, so hooks see it
             if self.gather_vocab is not None:
                 logits = self.gather_vocab(logits)
-            logits = logits / max(temperature, 1e-6)
-            probs = torch.softmax(logits.float(), dim=-1)
-            nxt = torch.multinomial(probs, 1, generator=generator)
-            idx = torch.cat((idx, nxt), dim=1)
+            idx = torch.cat((idx, sample_next(logits, temperature, generator)), dim=1)
         return idx
+
+
+def sample_next(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    """One token id per row, drawn from softmax(logits / temperature): (batch, vocab) -> (batch, 1)."""
+    probs = torch.softmax(logits.float() / max(temperature, 1e-6), dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)
 
 
 def build_gpt(config: GPTConfig, seed: int) -> GPT:

@@ -164,6 +164,20 @@ class PipelineRunner:
         channels.finish()
         return self._broadcast_loss(run.losses, len(micro_inputs))
 
+    @torch.no_grad()
+    def last_logits(self, ids: torch.Tensor, position: int = -1) -> torch.Tensor | None:
+        """Logits at `position` of `ids` (batch, seq): one forward through every stage, for
+        sampling. On the last stage's ranks (a vocab shard under TP); None on the others."""
+        kept: list[torch.Tensor] = []
+
+        def keep(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            kept.append(logits[:, position])
+            return logits.new_zeros(())
+
+        copies = self.pp if self.schedule_name == "interleaved" else 1  # it needs m >= pp
+        self.eval_loss([ids] * copies, [ids] * copies, keep)
+        return kept[0] if kept else None
+
     def clip_grad_norm_(self, max_norm: float) -> float:
         """An alias of `plait.clip_grad_norm(stages, max_norm)`: the norm of the whole
         model's gradient (all stages, the tied embedding once, tp slices and ZeRO shards

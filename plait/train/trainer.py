@@ -19,11 +19,12 @@ import torch
 
 from plait.errors import PlaitError
 from plait.models.config import get_preset
-from plait.models.gpt import build_gpt
+from plait.models.gpt import TEMPERATURE, build_gpt, sample_next
 from plait.parallel.compose import ParallelConfig, build_optimizer, clip_grad_norm, parallelize
 from plait.parallel.data import no_sync
 from plait.parallel.pipeline import PipelineRunner
-from plait.parallel.tensor import tp_loss_fn
+from plait.parallel.tensor import tensor_parallel_of, tp_loss_fn
+from plait.parallel.tensor_loss import gather_vocab
 from plait.runtime import comm
 from plait.runtime.mesh import AXES, Mesh
 from plait.train import checkpoint, checkpoint_read
@@ -164,12 +165,37 @@ class Trainer:
     @torch.no_grad()
     def sample_text(self) -> str:
         """A short continuation of the prompt, to see what the model learned."""
-        if self.config.sample_tokens == 0 or self.runner:
-            return ""  # generation through a pipeline is not built yet
+        if self.config.sample_tokens == 0:
+            return ""
         prompt = torch.tensor([list(self.config.prompt.encode())], device=self.mesh.device)
         generator = torch.Generator(device=self.mesh.device).manual_seed(self.config.seed)
-        out = self.model.generate(prompt, self.config.sample_tokens, generator=generator)
+        if self.runner:
+            out = self._generate_through_pipeline(prompt, generator)
+        else:
+            out = self.model.generate(prompt, self.config.sample_tokens, generator=generator)
         return bytes(out[0].tolist()).decode("utf-8", errors="replace")
+
+    def _generate_through_pipeline(self, ids: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """GPT.generate across stages: the last stage samples each token and sends it to all.
+
+        Under SP the context is padded at its end to a multiple of tp (causal attention
+        never lets a token see what follows it) and the logits are read before the padding.
+        """
+        info = tensor_parallel_of(self.model)
+        multiple = info.axis.size if info is not None and info.sp else 1
+        pp = self.mesh.axis("pp")
+        for _ in range(self.config.sample_tokens):
+            context = ids[:, -self.model_config.max_seq_len:]
+            length = context.shape[1]
+            padded = torch.nn.functional.pad(context, (0, -length % multiple))
+            logits = self.runner.last_logits(padded, position=length - 1)
+            token = torch.zeros((ids.shape[0], 1), dtype=ids.dtype, device=ids.device)
+            if logits is not None:  # the last stage: every tp rank draws the same token
+                logits = gather_vocab(logits, info.axis) if info is not None else logits
+                token = sample_next(logits, TEMPERATURE, generator)
+            comm.broadcast(token, pp, src=pp.size - 1, purpose=comm.TELEMETRY)
+            ids = torch.cat((ids, token), dim=1)
+        return ids
 
     def _eval_count(self) -> int:
         """Held-out sequences per evaluation: a multiple of dp, checked before training starts."""
