@@ -31,9 +31,9 @@ from plait.parallel.pipeline_split import (GPTStage, balanced_counts, check_spli
                                            tied_copies)
 from plait.parallel.schedule import Schedule, build_schedule, validate
 from plait.parallel.timeline import Slot, Timeline
-from plait.parallel.zero import zero_of
 from plait.parallel.tensor import ATTR as TP_ATTR
 from plait.parallel.tensor import tensor_parallel_of
+from plait.parallel.zero import zero_of
 from plait.runtime import comm
 from plait.runtime.comm import Axis
 from plait.runtime.mesh import Mesh

@@ -118,8 +118,7 @@ class ZeroSync:
                 if group.index not in self._launched and self.chunk.get(group.index, 0) in self._touched:
                     self._fill_missing(group)
                     self._launch(group)
-            while self._in_flight:
-                self._in_flight.pop(0).finish_reduce(self.stage)
+            self._finish_reductions()
         self._launched.clear()
         self._touched.clear()
         for group in self.groups:
@@ -147,9 +146,12 @@ class ZeroSync:
         for group in self.groups:
             self._fill_missing(group)
             self._launch(group)
+        self._finish_reductions()
+        self._launched.clear()
+
+    def _finish_reductions(self) -> None:
         while self._in_flight:
             self._in_flight.pop(0).finish_reduce(self.stage)
-        self._launched.clear()
 
     def zero_grad(self) -> None:
         for group in self.groups:
