@@ -64,7 +64,8 @@ def test_resume_on_the_same_layout_is_exact_to_the_bit(saved, tmp_path):
     ["--nproc", "2", "--tp", "2", "--sp", "--micro-batch", "8"],
     ["--nproc", "2", "--pp", "2", "--grad-accum", "2", "--schedule", "zb-h1"],
     ["--nproc", "4", "--dp", "2", "--pp", "2", "--zero", "1", "--micro-batch", "2", "--grad-accum", "2"],
-], ids=["zero2-offload", "tp2-sp", "pp2-zbh1", "dp2-pp2-zero1"])
+    ["--nproc", "2", "--zero", "3", "--precision", "bf16"],
+], ids=["zero2-offload", "tp2-sp", "pp2-zbh1", "dp2-pp2-zero1", "zero3-bf16"])
 def test_each_strategy_resumes_to_the_bit(tmp_path, layout):
     """Model, optimizer (offloaded or sharded too), LR schedule, RNG and data position all return."""
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"

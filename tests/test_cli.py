@@ -90,6 +90,8 @@ def test_every_config_field_is_a_flag():
     (["--steps", "0"], "--steps must be at least 1, got 0"),
     (["--config", "/nonexistent.toml"], "config file /nonexistent.toml does not exist"),
     (["--nproc", "4", "--pp", "2", "--zero", "2", "--schedule", "zb-h1"], "--zero 2 cannot run the zb-h1 schedule"),
+    (["--precision", "bf16"], "--precision bf16 keeps fp32 master weights in ZeRO's optimizer, and --zero is 0"),
+    (["--precision", "fp8"], "unknown --precision 'fp8'"),
     (["--model", "tiny,heads=4"], "model 'tiny,heads=4': 'heads=4' is not FIELD=VALUE for a GPTConfig field"),
     (["--model", "tiny,n_kv_heads=3"], "n_kv_heads"),
 ])

@@ -124,3 +124,34 @@ def test_a_pipeline_samples_the_same_text_as_one_process(tmp_path):
         _, summary, _ = run(tmp_path / name, *flags, "--steps", "2", "--sample-tokens", "12")
         samples.append(summary["sample"])
     assert samples[0] == samples[1] and len(samples[0]) >= len("def ") + 1
+
+
+@pytest.fixture(scope="module")
+def bf16_reference(tmp_path_factory):
+    """One process in bf16 (its fp32 masters in ZeRO-1's optimizer over one rank), global batch 8."""
+    return run(tmp_path_factory.mktemp("ref-bf16"), "--nproc", "1", "--zero", "1", "--precision", "bf16",
+               "--grad-accum", "4")
+
+
+BF16_CASES = {
+    "dp2-zero2-offload": ["--nproc", "2", "--zero", "2", "--offload", "--grad-accum", "2"],
+    "dp2-tp2-pp2-zero3-sp": ["--nproc", "8", "--dp", "2", "--tp", "2", "--pp", "2", "--zero", "3", "--sp",
+                             "--grad-accum", "2"],
+}
+
+
+@pytest.mark.parametrize("case", BF16_CASES)
+def test_bf16_trains_the_same_model_as_one_process_in_bf16(bf16_reference, tmp_path, case):
+    """bf16 weights and gradients, fp32 masters: the layouts agree with one bf16 process as far as
+    bf16 sums in another order allow, and the prediction (bf16 states, 12 B of master + Adam) holds."""
+    metrics, summary, params = run(tmp_path, *BF16_CASES[case], "--precision", "bf16")
+    ref_metrics, ref_summary, _ = bf16_reference
+    assert summary["layout"]["precision"] == "bf16"
+    assert_losses_close([m["loss"] for m in metrics], [m["loss"] for m in ref_metrics], rtol=2e-3)
+    predicted, mem = summary["predicted"], summary["mem"]
+    for kind in ("params", "grads", "optim"):
+        assert predicted["memory"][kind] == pytest.approx(mem[kind], rel=0.01), kind
+    assert predicted["memory"]["activations"] == pytest.approx(mem["activations_peak"], rel=0.10)
+    for axis, ops in predicted["comm"].items():
+        for op, want in ops.items():
+            assert 0 <= summary["comm_per_step"][axis][op] - want <= 16, (axis, op)

@@ -46,6 +46,8 @@ class TrainConfig:
     pp: int = field(default=1, metadata={"help": "pipeline-parallel degree"})
     schedule: str = field(default="1f1b", metadata={"help": "pipeline schedule: gpipe, 1f1b, interleaved or zb-h1"})
     virtual_stages: int = field(default=1, metadata={"help": "model chunks per pipeline rank (interleaved)"})
+    precision: str = field(default="fp32", metadata={
+        "help": "fp32, or bf16: bf16 weights and gradients, fp32 master weights and Adam state (needs --zero 1+)"})
     recompute: str = field(default="none", metadata={
         "help": "activation recomputation: none, or full (keep each block's input, run the block again in backward)"})
     zero: int = field(default=0, metadata={"help": "ZeRO stage: 0 DDP, 1 optimizer states, 2 + gradients, 3 + parameters"})
@@ -172,6 +174,9 @@ def validate(config: TrainConfig, *, local_limit: int | None = None) -> None:
     check_writable(config.out)
 
 
+PRECISIONS = ("fp32", "bf16")
+
+
 def check_strategies(config: TrainConfig) -> None:
     """Each strategy's own checks, and the combinations that are not built yet."""
     from plait.parallel.compose import ParallelConfig
@@ -196,6 +201,12 @@ def check_strategies(config: TrainConfig) -> None:
         check_pipeline(model.n_layers, config.pp, config.schedule, config.grad_accum,
                        virtual_stages=config.virtual_stages)
     from plait.parallel.recompute import POLICIES
+
+    if config.precision not in PRECISIONS:
+        raise PlaitError(f"unknown --precision {config.precision!r}", hint=f"choose one of: {', '.join(PRECISIONS)}")
+    if config.precision != "fp32" and config.zero == 0:
+        raise PlaitError(f"--precision {config.precision} keeps fp32 master weights in ZeRO's optimizer, and --zero is 0",
+                         hint="add --zero 1 (it shards the masters and Adam state over dp; one process works too)")
 
     if config.recompute not in POLICIES:
         raise PlaitError(f"unknown --recompute {config.recompute!r}", hint=f"choose one of: {', '.join(POLICIES)}")

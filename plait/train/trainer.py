@@ -56,7 +56,8 @@ class Trainer:
         # The full model is built from the seed on every rank, then split: the same
         # initial weights whatever the layout.
         # With pp > 1, parallelize returns this rank's pipeline stages.
-        self.model = parallelize(build_gpt(self.model_config, config.seed), mesh, ParallelConfig(
+        dtype = torch.bfloat16 if config.precision == "bf16" else torch.float32  # masters stay fp32 (ZeRO)
+        self.model = parallelize(build_gpt(self.model_config, config.seed).to(dtype), mesh, ParallelConfig(
             bucket_mb=config.bucket_mb, zero=config.zero, offload=config.offload, sp=config.sp,
             virtual_stages=config.virtual_stages, recompute=config.recompute))
         self.runner: PipelineRunner | None = None
@@ -289,7 +290,7 @@ class Trainer:
             "model": self.config.model, "num_params": self.num_params,
             "layout": {"dp": dp, "tp": self.mesh.size("tp"), "pp": self.mesh.size("pp"),
                        "zero": self.config.zero, "offload": self.config.offload, "sp": self.config.sp,
-                       "recompute": self.config.recompute,
+                       "recompute": self.config.recompute, "precision": self.config.precision,
                        "schedule": self.config.schedule if self.runner else None, "world_size": self.mesh.env.world_size,
                        "launcher": self.mesh.env.launcher, "backend": self.mesh.backend or "none"},
             "global_batch": self.config.global_batch, "seq_len": self.config.seq_len,
@@ -315,6 +316,6 @@ class Trainer:
         shape = self.mesh.shape
         return estimate_layout(self.model_config, dp=shape.dp, tp=shape.tp, pp=shape.pp, zero=self.config.zero,
                                offload=self.config.offload, sp=self.config.sp, schedule=self.config.schedule,
-                               virtual_stages=self.config.virtual_stages, precision="fp32",
+                               virtual_stages=self.config.virtual_stages, precision=self.config.precision,
                                micro_batch=self.config.micro_batch, grad_accum=self.config.grad_accum,
                                seq_len=self.config.seq_len, recompute=self.config.recompute, hardware="cpu")
