@@ -240,6 +240,18 @@ def test_ranks_share_the_verification_and_all_name_the_bad_file(saved, tmp_path)
     assert "Traceback" not in proc.stderr
 
 
+def test_an_fp32_checkpoint_has_no_masters_for_a_bf16_run(tmp_path):
+    first, second = tmp_path / "fp32", tmp_path / "bf16"
+    proc = run_plait("train", *TRAIN, "--nproc", "1", "--zero", "1", "--steps", "1", "--save-every", "1",
+                     "--out", str(first))
+    assert proc.returncode == 0, proc.stderr
+    proc = run_plait("train", *TRAIN, "--nproc", "1", "--zero", "1", "--precision", "bf16", "--out", str(second),
+                     "--resume", str(first))
+    assert proc.returncode == 2
+    assert "has no tensor 'optim/" in proc.stderr and "/master'" in proc.stderr
+    assert "hint: it was written without fp32 master weights" in proc.stderr
+
+
 def test_checkpoint_of_another_model_shape_names_the_tensor(one):
     path, mesh = one
     other, opt = trained(d_model=32, n_heads=2, n_kv_heads=1)

@@ -68,8 +68,9 @@ class Reader:
         """The block [offsets, offsets + shape) of tensor `name`, assembled from its pieces."""
         entry = self.tensors.get(name)
         if entry is None:
-            raise PlaitError(f"checkpoint {self.path} has no tensor {name!r}",
-                             hint="it was written by another model; check --model")
+            hint = ("it was written without fp32 master weights (an fp32 run); resume it with --precision fp32"
+                    if name.endswith("/master") else "it was written by another model; check --model")
+            raise PlaitError(f"checkpoint {self.path} has no tensor {name!r}", hint=hint)
         if tuple(entry["shape"]) != tuple(full_shape):
             raise PlaitError(f"tensor {name!r} in {self.path} has shape {tuple(entry['shape'])}, "
                              f"this model needs {tuple(full_shape)}", hint="it was written by another model; check --model")
