@@ -26,7 +26,6 @@ from torch import nn
 
 from plait.runtime.comm import ring_wire_bytes
 
-from plait.parallel.tensor_layers import shard_of
 from plait.parallel.zero_shard import FlatGroup, owned_pieces, owned_range, shard_size
 
 @dataclass
@@ -175,7 +174,7 @@ def checkpoint_pieces(model: nn.Module, optimizer: ZeroOptimizer, mesh: Any) -> 
     parallelism does not split is written by tp rank 0 only, a pipeline's copy of a tied
     weight by nobody (it is loaded). So a checkpoint moves between any layouts.
     """
-    from plait.train.checkpoint import Piece, param_pieces, placement  # the hook's own types
+    from plait.train.checkpoint import Piece, param_pieces, placement, writes_its_tp_part  # the hook's own types
 
     sync = optimizer.sync
     pieces = param_pieces(model, optimizer, mesh) if sync.stage < 3 else []
@@ -186,7 +185,7 @@ def checkpoint_pieces(model: nn.Module, optimizer: ZeroOptimizer, mesh: Any) -> 
         for (index, start, stop), piece in zip(owned_pieces(group.sizes, group.n, group.rank), part.pieces):
             param, first = group.params[index], start - offsets[index]
             name, shape = sync.names[param], tuple(param.shape)
-            writes = param not in sync.replicas and (shard_of(param) is not None or mesh.rank("tp") == 0)
+            writes = param not in sync.replicas and writes_its_tp_part(param, mesh)
             flat = {f"optim/{name}/{k}": v for k, v in optimizer.state[piece].items() if isinstance(v, torch.Tensor)}
             if part.holds_more():
                 flat[f"optim/{name}/master"] = piece.detach()

@@ -66,13 +66,12 @@ def param_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh)
     (each its own block, at its offset along the split dimension).
     """
     from plait.parallel.pipeline_split import logical_parameters
-    from plait.parallel.tensor_layers import shard_of
 
     first_replica = mesh.rank("dp") == 0
     pieces = []
     for name, param, replica in logical_parameters(model):
         offsets, full = placement(param)
-        owned = first_replica and not replica and (shard_of(param) is not None or mesh.rank("tp") == 0)
+        owned = first_replica and not replica and writes_its_tp_part(param, mesh)
         pieces.append(Piece(f"model/{name}", param.detach(), offsets, full, owned))
         for key, value in sorted(optimizer.state.get(param, {}).items()):
             if not isinstance(value, torch.Tensor):
@@ -83,6 +82,14 @@ def param_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh)
                 owned_scalar = first_replica and not replica and mesh.rank("tp") == 0
                 pieces.append(Piece(f"optim/{name}/{key}", value, (0,) * value.ndim, tuple(value.shape), owned_scalar))
     return pieces
+
+
+def writes_its_tp_part(param: torch.Tensor, mesh: Mesh) -> bool:
+    """Whether this rank writes its tensor-parallel part of `param`: every tp rank its own
+    slice of a split parameter, tp rank 0 alone a parameter tensor parallelism keeps whole."""
+    from plait.parallel.tensor_layers import shard_of
+
+    return shard_of(param) is not None or mesh.rank("tp") == 0
 
 
 def placement(param: torch.Tensor, block: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:

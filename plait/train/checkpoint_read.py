@@ -179,9 +179,14 @@ def export(path: str | Path, to: str | Path) -> int:
     from safetensors.torch import save_file
 
     reader = Reader(path)
-    tensors = {name.removeprefix("model/"): reader.full(name) for name in reader.tensors if name.startswith("model/")}
+    tensors = model_weights(reader)
     save_file(tensors, str(to), metadata={"step": str(reader.index["step"]), "source": str(reader.path)})
     return len(tensors)
 
 
-__all__ = ["Piece", "Reader", "describe", "export", "load", "resolve"]
+def model_weights(reader: Reader) -> dict[str, torch.Tensor]:
+    """{parameter name: whole tensor} of the model in a checkpoint (its optimizer state left out)."""
+    return {name.removeprefix("model/"): reader.full(name) for name in reader.tensors if name.startswith("model/")}
+
+
+__all__ = ["Piece", "Reader", "describe", "export", "load", "model_weights", "resolve"]

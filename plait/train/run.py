@@ -78,15 +78,14 @@ def _assembled_from_pieces(trainer: Trainer) -> dict[str, torch.Tensor] | None:
     import shutil
 
     from plait.train import checkpoint
-    from plait.train.checkpoint_read import Reader
+    from plait.train.checkpoint_read import Reader, model_weights
 
     scratch = Path(trainer.config.out) / ".final-weights"
     path = checkpoint.save(scratch, len(trainer.history), trainer.model, trainer.optimizer, trainer.mesh, {},
                            keep=1, only="model/")
     if not trainer.mesh.is_main:
         return None
-    reader = Reader(path)
-    weights = {name.removeprefix("model/"): reader.full(name) for name in reader.tensors}
+    weights = model_weights(Reader(path))
     shutil.rmtree(scratch)
     return weights
 
