@@ -15,21 +15,9 @@ from __future__ import annotations
 from plait.estimate.layout import Layout, Stage, stages, vocab_shard
 from plait.estimate.memory import state_bytes
 from plait.models.config import GPTConfig
+from plait.wire import ring_bytes  # the ring formula's one home, shared with runtime/
 
 Traffic = dict[str, dict[str, float]]
-
-
-def ring_bytes(op: str, payload: float, n: int) -> float:
-    """Bytes one rank sends for `op` on a `payload`-byte tensor among n ranks."""
-    if n <= 1:
-        return 0.0
-    if op == "all_reduce":
-        return 2 * (n - 1) / n * payload
-    if op in ("all_gather", "reduce_scatter"):
-        return (n - 1) / n * payload
-    if op in ("broadcast", "send", "recv"):
-        return float(payload)
-    raise ValueError(f"unknown collective {op!r}")
 
 
 def _add(traffic: Traffic, axis: str, op: str, payload: float, n: int, times: float = 1) -> None:

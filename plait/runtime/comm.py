@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from plait.errors import PlaitError
-from plait.estimate.comm import ring_bytes as ring_wire_bytes  # one formula, shared with estimate/
+from plait.wire import ring_bytes as ring_wire_bytes  # one formula, shared with estimate/
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv")
 TRAIN = "train"  # traffic that trains the model
