@@ -47,6 +47,7 @@ class ParallelConfig:
     sp: bool = False  # sequence parallelism in the tensor-parallel norm regions
     virtual_stages: int = 1  # pipeline chunks per pp rank (interleaved schedules)
     recompute: str = "none"  # "full": keep each block's input only, rerun the block in backward
+    tp_plan: dict[str, str] | None = None  # {module-name pattern: style} for tp > 1 (default: plait's GPT)
 
     def __post_init__(self) -> None:
         if self.bucket_mb <= 0:
@@ -78,7 +79,7 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = No
         # TP broadcasts the whole model over tp before slicing it, so it moves to the device
         # first (NCCL sends device memory); without TP only this rank's stages move.
         model.to(mesh.device)
-        apply_tensor_parallel(model, mesh.axis("tp"), sp=config.sp)
+        apply_tensor_parallel(model, mesh.axis("tp"), plan=config.tp_plan, sp=config.sp)
     if mesh.size("pp") > 1 and not cut:
         model = apply_pipeline(model, mesh, virtual_stages=config.virtual_stages)
     model.to(mesh.device)

@@ -8,8 +8,8 @@ A plan maps module-name patterns (shell style, `*` matches any run of characters
 | "row"      | nn.Linear     | input features split; the output leaves the region (summed)      |
 | "vocab"    | nn.Embedding  | vocabulary rows split (VocabParallelEmbedding)                   |
 | "vocab"    | nn.Linear     | an output head: column-parallel, logits stay split by vocabulary |
-| "region"   | any           | its first input enters the region once for the column layers     |
-|            |               | inside it (q, k, v read one input: one all-reduce, not three)    |
+| "region"   | any           | its first input (by position or keyword) enters the region once  |
+|            |               | for the column layers inside it (q, k, v: one all-reduce, not 3) |
 | "sequence" | any           | runs on a chunk of the sequence under SP: parameter grads summed |
 
 `apply_tensor_parallel(model, axis, plan=..., sp=...)` swaps the layers in place. The full
@@ -21,6 +21,7 @@ pipeline split, then this, then data parallelism.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -195,7 +196,8 @@ def _swap_layers(model: nn.Module, styles: dict[str, str], axis: Axis, sp: bool,
         module = model.get_submodule(name)
         enters = not any(name.startswith(region + ".") for region in regions)
         if style == "region":
-            module.register_forward_pre_hook(functools.partial(_enter_hook, axis=axis, sp=sp, regather=regather))
+            hook = functools.partial(_enter_hook, axis=axis, sp=sp, regather=regather, name=_first_input(module))
+            module.register_forward_pre_hook(hook, with_kwargs=True)
         elif style == "sequence" and sp:
             for param in module.parameters():
                 sum_grad_over(param, axis)
@@ -208,9 +210,28 @@ def _swap_layers(model: nn.Module, styles: dict[str, str], axis: Axis, sp: bool,
                                                                   enters=enters, regather=regather))
 
 
-def _enter_hook(module: nn.Module, args: tuple[Any, ...], *, axis: Axis, sp: bool,
-                regather: bool) -> tuple[Any, ...]:
-    return (enter_region(args[0], axis, sp, regather), *args[1:])
+def _first_input(module: nn.Module) -> str | None:
+    """The name of the first parameter of `module.forward`: a region's input, however it is
+    passed (transformers calls `self_attn(hidden_states=...)`, plait's GPT `attn(x, ...)`)."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    named = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return named[0].name if named else None
+
+
+def _enter_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, axis: Axis, sp: bool,
+                regather: bool, name: str | None) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The region's input enters it once, passed by position or by keyword."""
+    if args:
+        return (enter_region(args[0], axis, sp, regather), *args[1:]), kwargs
+    if name is not None and isinstance(kwargs.get(name), torch.Tensor):
+        return args, {**kwargs, name: enter_region(kwargs[name], axis, sp, regather)}
+    raise PlaitError(f"tensor-parallel region {type(module).__name__} was called without its input "
+                     f"{name or '(first argument)'}",
+                     hint="a region enters through the first argument of its forward; mark the module "
+                          "that receives the hidden states as \"region\"")
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
