@@ -38,7 +38,7 @@ $(STAMP): pyproject.toml Makefile
 	else \
 	    $(PY) -m pip install --quiet "torch==$(TORCH)"; \
 	fi
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test,hf]"
 	@touch $(STAMP)
 
 clean:
