@@ -1,4 +1,4 @@
-"""`plait` on the command line: train, launch, ckpt, estimate, plan.
+"""`plait` on the command line: train, launch, ckpt, data, estimate, plan.
 
 Errors caused by the input print one line and a hint; a traceback appears only with
 `--debug`. This module imports torch only once a rank actually trains, so the spawner
@@ -71,6 +71,10 @@ def _dispatch(argv: list[str]) -> int:
         return cmd_launch(rest)
     if command == "ckpt":
         return cmd_ckpt(rest)
+    if command == "data":
+        from plait.train.prepare import data_main
+
+        return data_main(rest)
     if command == "estimate":
         from plait.estimate.cli import estimate_main
 
@@ -94,6 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("train", help="train a GPT (the demo, by default) on N processes")
     sub.add_parser("launch", help="run your own script as N local processes (like torchrun)")
     sub.add_parser("ckpt", help="inspect a checkpoint, or export it as one safetensors file")
+    sub.add_parser("data", help="prepare a corpus: tokenize it once into a file every rank maps")
     sub.add_parser("estimate", help="memory, traffic and step time of one layout, before launching")
     sub.add_parser("plan", help="rank every layout that fits a GPU count by predicted step time")
     parser.add_argument("--version", action="store_true", help="print the version")

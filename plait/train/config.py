@@ -14,6 +14,7 @@ from typing import Any
 
 from plait.errors import PlaitError
 from plait.models.config import TRAINABLE, get_preset, preset_name
+from plait.train.tokens import model_for_data
 
 try:
     import tomllib
@@ -26,7 +27,7 @@ class TrainConfig:
     """Everything `plait train` needs; each field is also a `--flag` (underscores → dashes)."""
 
     model: str = field(default="small", metadata={"help": "model preset: tiny or small, with optional field overrides: tiny,n_layers=4"})
-    data: str = field(default="stdlib", metadata={"help": "corpus: 'stdlib' (Python's own source), a text file, or a directory"})
+    data: str = field(default="stdlib", metadata={"help": "corpus: 'stdlib' (Python's own source), a text file or directory (up to 8 MiB), or a directory from `plait data prepare`"})
     steps: int = field(default=120, metadata={"help": "optimizer steps"})
     micro_batch: int = field(default=8, metadata={"help": "sequences per rank per forward/backward"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
@@ -97,6 +98,7 @@ def build_config(file_values: dict[str, Any], flag_values: dict[str, Any]) -> Tr
     """Defaults, then the file, then the flags that were given (not None)."""
     merged = {**file_values, **{k: v for k, v in flag_values.items() if v is not None}}
     config = replace(TrainConfig(), **merged)
+    config = replace(config, model=model_for_data(config.model, config.data))  # vocabulary follows the data
     return resolve_layout(config)
 
 
@@ -165,6 +167,7 @@ def validate(config: TrainConfig, *, local_limit: int | None = None) -> None:
         raise PlaitError(f"--nproc {config.nproc} is more than this machine allows ({limit})",
                          hint="use fewer processes, or launch across nodes with torchrun or srun")
     check_strategies(config)
+    check_data(config.data)
     if config.save_every < 0 or config.keep_checkpoints < 0:
         raise PlaitError("--save-every and --keep-checkpoints cannot be negative")
     if config.resume:
@@ -217,6 +220,18 @@ def check_strategies(config: TrainConfig) -> None:
         raise PlaitError(f"--zero {config.zero} cannot run the zb-h1 schedule: it reduces gradients from "
                          "autograd's hooks, and zb-h1 computes weight gradients outside them",
                          hint="use --zero 1 with zb-h1, or another --schedule")
+
+
+def check_data(source: str) -> None:
+    """--data exists and can be used whole: a prepared corpus passes its cheap checks, raw
+    text is small enough to hold (the full checksum waits for the ranks: plait/train/tokens.py)."""
+    from plait.train.data import STDLIB, raw_files
+    from plait.train.tokens import check_tokens, is_prepared
+
+    if is_prepared(source):
+        check_tokens(source, full=False)
+    elif source != STDLIB:
+        raw_files(source)
 
 
 def check_writable(out: str) -> None:

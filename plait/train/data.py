@@ -2,7 +2,10 @@
 
 The default corpus is the source of Python's own standard library, read from the running
 interpreter: real text, a few megabytes, present wherever Python is. Tokens are bytes
-(vocabulary 256), so no tokenizer has to be trained or fetched.
+(vocabulary 256), so no tokenizer has to be trained or fetched. It is the first 8 MiB of
+those files; raw text given with `--data` is read whole, up to 8 MiB (larger is refused,
+never cut). A corpus of any size is tokenized once by `plait data prepare` and mapped by
+every rank (plait/train/tokens.py), with any tokenizer.
 
 Sampling is what makes parity testable. Each epoch is one permutation of the samples, fixed
 by (seed, epoch). Global step s takes permutation entries [s·G, (s+1)·G) with G the global
@@ -24,10 +27,12 @@ from pathlib import Path
 import torch
 
 from plait.errors import PlaitError
+from plait.train.tokens import TOKENS, check_tokens, is_prepared
 
 STDLIB = "stdlib"
 SKIP_DIRS = {"test", "tests", "site-packages", "idle_test", "__pycache__"}
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst"}
+RAW_LIMIT = 8 * 2**20  # raw text is read whole by every rank: beyond this, `plait data prepare`
 
 
 def corpus_files(root: Path, suffixes: set[str]) -> Iterator[Path]:
@@ -40,15 +45,15 @@ def corpus_files(root: Path, suffixes: set[str]) -> Iterator[Path]:
                 yield Path(dirpath) / name
 
 
-def load_corpus(source: str = STDLIB, max_bytes: int = 8 * 2**20) -> torch.Tensor:
-    """The corpus as a uint8 tensor: `source` is "stdlib", a text file or a directory."""
+def load_corpus(source: str = STDLIB, max_bytes: int = RAW_LIMIT) -> torch.Tensor:
+    """The corpus as a tensor of token ids: `source` is "stdlib" (its first `max_bytes`), a
+    text file or directory (at most `max_bytes`, else an error), or a prepared directory."""
+    if is_prepared(source):
+        return map_tokens(source)
     if source == STDLIB:
         files: Iterable[Path] = corpus_files(Path(sysconfig.get_paths()["stdlib"]), {".py"})
     else:
-        path = Path(source)
-        if not path.exists():
-            raise PlaitError(f"corpus {source!r} does not exist", hint="give a text file, a directory, or 'stdlib'")
-        files = corpus_files(path, TEXT_SUFFIXES) if path.is_dir() else [path]
+        files = raw_files(source, max_bytes)
     chunks, total = [], 0
     for path in files:
         data = path.read_bytes()[: max_bytes - total]
@@ -61,8 +66,38 @@ def load_corpus(source: str = STDLIB, max_bytes: int = 8 * 2**20) -> torch.Tenso
     return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
 
 
+def raw_files(source: str, max_bytes: int = RAW_LIMIT) -> list[Path]:
+    """The files of a raw-text `--data`, refused when more than `max_bytes` in all: every rank
+    would hold it in memory, so a larger corpus is prepared and mapped instead (never cut)."""
+    path = Path(source)
+    if not path.exists():
+        raise PlaitError(f"corpus {source!r} does not exist", hint="give a text file, a directory, or 'stdlib'")
+    files = list(corpus_files(path, TEXT_SUFFIXES)) if path.is_dir() else [path]
+    total = sum(f.stat().st_size for f in files)
+    if total > max_bytes:
+        raise PlaitError(f"corpus {source!r} holds {total / 2**20:,.1f} MiB of text, more than the "
+                         f"{max_bytes / 2**20:g} MiB plait reads into every rank's memory",
+                         hint=f"tokenize it once into a file every rank maps: plait data prepare "
+                              f"--tokenizer bytes --data {source} --out DIR, then --data DIR")
+    return files
+
+
+def map_tokens(directory: str) -> torch.Tensor:
+    """A prepared corpus's token file, mapped (not read): pages load as batches touch them.
+
+    Its sha256 rides along as `plait_digest`, so that comparing corpora across ranks reads
+    the index, not every token."""
+    index = check_tokens(directory)
+    dtype = {"uint16": torch.uint16, "uint32": torch.uint32}[index.dtype]
+    tokens = torch.from_file(str(Path(directory) / TOKENS), shared=False, size=index.count, dtype=dtype)
+    tokens.plait_digest = int.from_bytes(bytes.fromhex(index.sha256)[:8], "little") >> 2
+    return tokens
+
+
 def corpus_digest(tokens: torch.Tensor) -> int:
     """A 62-bit fingerprint, compared across ranks to catch nodes with different corpora."""
+    if hasattr(tokens, "plait_digest"):  # a mapped corpus: its index's checksum
+        return tokens.plait_digest
     return int.from_bytes(hashlib.sha256(tokens.numpy().tobytes()).digest()[:8], "little") >> 2
 
 

@@ -31,6 +31,7 @@ from plait.train import checkpoint, checkpoint_read
 from plait.train.config import TrainConfig
 from plait.train.data import StepSampler, corpus_digest, load_corpus, train_val_split
 from plait.train.meter import ActivationMeter, model_state_bytes, peak_process_bytes
+from plait.train.tokens import text_codec
 
 COMM_KEYS = [(axis, op) for axis in AXES for op in comm.OPS]
 MEM_KEYS = ("params", "grads", "optim", "activations_peak")
@@ -168,13 +169,14 @@ class Trainer:
         """A short continuation of the prompt, to see what the model learned."""
         if self.config.sample_tokens == 0:
             return ""
-        prompt = torch.tensor([list(self.config.prompt.encode())], device=self.mesh.device)
+        codec = text_codec(self.config.data)  # bytes, or the prepared corpus's tokenizer
+        prompt = torch.tensor([codec.encode(self.config.prompt)], dtype=torch.long, device=self.mesh.device)
         generator = torch.Generator(device=self.mesh.device).manual_seed(self.config.seed)
         if self.runner:
             out = self._generate_through_pipeline(prompt, generator)
         else:
             out = self.model.generate(prompt, self.config.sample_tokens, generator=generator)
-        return bytes(out[0].tolist()).decode("utf-8", errors="replace")
+        return codec.decode(out[0].tolist())
 
     def _generate_through_pipeline(self, ids: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """GPT.generate across stages: the last stage samples each token and sends it to all.
