@@ -31,6 +31,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import finish, machine, new_parser, run_world  # noqa: E402
 
+READING = ("\n\nReading it: each pair trains the same model on the same data, so its first losses agree "
+           "(a check that the comparison is fair, not a parity test: tests/test_hf_worlds.py is). The "
+           "embedding and head stay whole in both tensor-parallel variants. Not profiled: the ratios say "
+           "which is faster here, not why.")
 PAIRS = [("plait dp 2", "torch DDP"), ("plait ZeRO-3 × 2", "torch FSDP2"), ("plait tp 2", "torch TP")]
 LAYER = "model.layers.*"
 PLAN = {f"{LAYER}.self_attn": "region", f"{LAYER}.mlp": "region",
@@ -159,7 +163,7 @@ def table(result: dict[str, Any], args: argparse.Namespace) -> str:
         a, b = result["time"][ours], result["time"][theirs]
         lines.append(f"| {ours[6:]} vs {theirs} | {a:.3f} | {b:.3f} | {a / b:.2f} | "
                      f"{result['first_loss'][ours]:.5f} | {result['first_loss'][theirs]:.5f} |")
-    return "\n".join(lines)
+    return "\n".join(lines) + READING
 
 
 def main() -> None:

@@ -166,7 +166,8 @@ def data_vocab(source: str) -> int:
 
 
 def model_for_data(model: str, source: str) -> str:
-    """`--model`, with vocab_size following a prepared corpus unless the user set it.
+    """`--model`, with vocab_size following a prepared corpus unless the user set it (raw
+    text and stdlib are bytes: any vocabulary of 256 or more reads them, as before).
 
     A vocabulary smaller than the data's cannot embed its ids: refused, naming both.
     """
@@ -174,7 +175,7 @@ def model_for_data(model: str, source: str) -> str:
 
     vocab = data_vocab(source)
     _, _, spec = model.partition(",")
-    if "vocab_size" not in (parse_overrides(spec, model) if spec else {}):
+    if "vocab_size" not in (parse_overrides(spec, model) if spec else {}) and is_prepared(source):
         if vocab != get_preset(model).vocab_size:
             model = f"{model},vocab_size={vocab}"
     elif get_preset(model).vocab_size < vocab:
