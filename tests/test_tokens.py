@@ -163,3 +163,16 @@ def test_bpe_corpus_prepared_and_trained_with_the_model_following_its_vocabulary
     first = json.loads((run_out / "metrics.jsonl").read_text().splitlines()[0])["loss"]
     assert first == pytest.approx(np.log(vocab), rel=0.05)  # a fresh model guesses over the whole vocabulary
     assert summary["sample"].startswith("def ")
+
+
+def test_the_sampler_reads_its_step_from_the_permutation_as_shard_indices_deals_it() -> None:
+    from plait.train.data import shard_indices
+
+    for dp, micro, accum in ((1, 4, 1), (2, 2, 2), (4, 1, 3)):
+        sampler = StepSampler(1000, global_batch=dp * micro * accum, dp_rank=dp - 1, dp_size=dp,
+                              micro_batch=micro, seed=3)
+        local = micro * accum
+        for step in (0, 7, sampler.steps_per_epoch - 1, sampler.steps_per_epoch + 2):
+            epoch, pos = sampler.position(step)
+            dealt = shard_indices(1000, (dp - 1, dp), 3, epoch, block=local)[pos * local: (pos + 1) * local]
+            assert [i for mb in sampler.micro_batches(step) for i in mb] == dealt

@@ -181,6 +181,8 @@ class StepSampler:
         """This rank's sample indices for `step`, cut into micro-batches."""
         epoch, pos = self.position(step)
         local = self.global_batch // self.dp_size
-        mine = shard_indices(self.num_samples, (self.dp_rank, self.dp_size), self.seed, epoch, block=local)
-        chunk = mine[pos * local: (pos + 1) * local]
+        # shard_indices(..., block=local)[pos·local : (pos+1)·local], read straight from the
+        # permutation: a large corpus's epoch is never turned into a Python list per step.
+        start = (pos * self.dp_size + self.dp_rank) * local
+        chunk = epoch_permutation(self.num_samples, self.seed, epoch)[start: start + local].tolist()
         return [chunk[i: i + self.micro_batch] for i in range(0, local, self.micro_batch)]
