@@ -176,3 +176,22 @@ def test_the_sampler_reads_its_step_from_the_permutation_as_shard_indices_deals_
             epoch, pos = sampler.position(step)
             dealt = shard_indices(1000, (dp - 1, dp), 3, epoch, block=local)[pos * local: (pos + 1) * local]
             assert [i for mb in sampler.micro_batches(step) for i in mb] == dealt
+
+
+def test_a_vocabulary_over_65536_is_stored_and_mapped_as_uint32(tmp_path: Path) -> None:
+    import hashlib
+
+    from plait.train.tokens import TokenIndex, dtype_for, edges_digest, write_index
+
+    assert (dtype_for(256), dtype_for(65536), dtype_for(65537)) == ("uint16", "uint16", "uint32")
+    ids = np.arange(70_000, 70_000 + 5000, dtype="<u4")
+    (tmp_path / TOKENS).write_bytes(ids.tobytes())
+    with open(tmp_path / TOKENS, "rb") as handle:
+        edges = edges_digest(handle, ids.nbytes)
+    write_index(tmp_path, TokenIndex(dtype="uint32", count=ids.size, vocab_size=80_000, tokenizer="test",
+                                     source="test", sha256=hashlib.sha256(ids.tobytes()).hexdigest(),
+                                     edges_sha256=edges))
+    tokens = load_corpus(str(tmp_path))
+    assert tokens.dtype == torch.uint32 and len(tokens) == ids.size
+    np.testing.assert_array_equal(tokens[-3:].long().numpy(), ids[-3:])
+    assert model_for_data("tiny", str(tmp_path)) == "tiny,vocab_size=80000"
