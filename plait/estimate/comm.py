@@ -3,7 +3,8 @@
 The keys and the counting are those of plait's ledger (plait/runtime/comm.py), so a
 prediction can be compared with `metrics.jsonl`'s `comm` key by key. With S the bytes of
 the full tensor and n ranks in the group, a ring moves per rank
-  all_reduce 2(n-1)/n·S;  all_gather, reduce_scatter (n-1)/n·S;  broadcast, send, recv S.
+  all_reduce 2(n-1)/n·S;  all_gather, reduce_scatter (n-1)/n·S;  broadcast, send, recv S
+  (and, for the benchmark's rooted ops: scatter, gather (n-1)/n·S at the root; reduce S).
 Left out: the scalar all-reduces of gradient clipping (a few bytes per step) and what the
 ledger files as telemetry (the logged loss, timings).
 
@@ -25,9 +26,9 @@ def ring_bytes(op: str, payload: float, n: int) -> float:
         return 0.0
     if op == "all_reduce":
         return 2 * (n - 1) / n * payload
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "scatter", "gather"):
         return (n - 1) / n * payload
-    if op in ("broadcast", "send", "recv"):
+    if op in ("broadcast", "reduce", "send", "recv"):
         return float(payload)
     raise ValueError(f"unknown collective {op!r}")
 
