@@ -23,7 +23,16 @@ import torch
 import torch.nn.functional as F
 
 from plait.estimate.hardware import Hardware, get_hardware
-from plait.estimate.ops import Gemm, attention_key, block_gemms, gemm_key, head_gemm
+from plait.estimate.ops import (
+    OPS_BLOCK,
+    OPS_OUTER,
+    TENSORS_PER_BLOCK,
+    Gemm,
+    attention_key,
+    block_gemms,
+    gemm_key,
+    head_gemm,
+)
 from plait.models.config import GPTConfig
 from plait.runtime import comm
 from plait.runtime.mesh import Mesh
@@ -106,19 +115,58 @@ def measure_attention(mesh: Mesh, config: GPTConfig, micro_batch: int, seq_len: 
 
 
 def measure_memory(mesh: Mesh, elements: int, tensors: int, reps: int) -> dict[str, float]:
-    """Bandwidth of an out-of-place add on `elements` floats; an op's and a view's fixed
-    cost; the loop's walk over `tensors` parameter-like tensors (its per-step bookkeeping)."""
+    """Bandwidth of an allocating add on `elements` floats (an activation's size); the
+    loop's walk over `tensors` parameter-like tensors (its per-step bookkeeping); and the
+    fixed costs of ops, views and optimizer tensors (`measure_dispatch`)."""
     device = mesh.device
-    x, y, z = (torch.randn(elements, device=device) for _ in range(3))
-    one, two = torch.ones(1, device=device), torch.ones(1, device=device)
+    x, y = (torch.randn(elements, device=device) for _ in range(2))
     many = [torch.ones(4, device=device) for _ in range(3 * tensors)]
-    add = _median_s(lambda: (torch.add(x, y, out=z), _sync(mesh)), reps)
-    op = _median_s(lambda: [torch.add(one, two) for _ in range(100)], reps) / 100
-    view = _median_s(lambda: [one.view(-1) for _ in range(100)], reps) / 100
+    add = _median_s(lambda: (torch.add(x, y), _sync(mesh)), reps)  # allocating, as eager ops do
     walk = _median_s(lambda: storage_bytes(many), reps)
-    add, op, view, walk = _slowest(mesh, [add, op, view, walk])
+    one = torch.ones(1, device=device)
+    view = _median_s(lambda: [one.view(-1) for _ in range(100)], reps) / 100
+    block, update = measure_dispatch(mesh, reps)
+    add, walk, view, block, update = _slowest(mesh, [add, walk, view, block, update])
+    op = max(0.0, block - view * DISPATCH_VIEWS) / DISPATCH_OPS
     return {"memory_gb_s": 3 * elements * 4 / add / 1e9, "op_overhead_us": op * 1e6,
-            "view_overhead_us": view * 1e6, "step_overhead_us": walk * 1e6}
+            "view_overhead_us": view * 1e6, "step_overhead_us": walk * 1e6,
+            "optimizer_tensor_us": update / DISPATCH_TENSORS * 1e6}
+
+
+# A 2-block GPT so small (h = 8, 4 tokens) that its time is all fixed costs: the very op
+# mix the time model counts per block (plait/estimate/ops.py), forward and backward.
+DISPATCH_MODEL = GPTConfig(vocab_size=16, n_layers=2, d_model=8, n_heads=2, n_kv_heads=1,
+                           ffn_hidden=16, max_seq_len=4)
+GEMMS_PER_BLOCK, GEMMS_OUTER = 8 + 15, 3  # 7 GEMMs and the attention core, forward and backward
+DISPATCH_OPS = sum(2 * OPS_BLOCK[b][0] + OPS_OUTER[b][0] for b in (0, 1)) + 2 * GEMMS_PER_BLOCK + GEMMS_OUTER
+DISPATCH_VIEWS = sum(2 * OPS_BLOCK[b][1] + OPS_OUTER[b][1] for b in (0, 1))
+DISPATCH_TENSORS = 2 * TENSORS_PER_BLOCK + 1  # tied embedding and head, final norm
+
+
+def measure_dispatch(mesh: Mesh, reps: int) -> tuple[float, float]:
+    """(forward + backward seconds, AdamW + clipping seconds) of DISPATCH_MODEL, under the
+    activation meter that `plait train` runs every forward in."""
+    from plait.models.gpt import build_gpt
+    from plait.train.meter import ActivationMeter
+
+    meter = ActivationMeter()
+
+    model = build_gpt(DISPATCH_MODEL, 0).to(mesh.device)
+    ids = torch.randint(0, 16, (1, 4), device=mesh.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+    def train() -> None:
+        with meter.track(model):
+            logits = model(ids)
+        F.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+        _sync(mesh)
+
+    def update() -> None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        _sync(mesh)
+
+    return _median_s(train, reps * 2), _median_s(update, reps * 2)
 
 
 def measure_links(mesh: Mesh, large: int, reps: int) -> tuple[tuple[int, float, float], ...]:
