@@ -49,6 +49,9 @@ class Hardware:
     links: tuple[tuple[int, float, float], ...] = ()
 
     def __post_init__(self) -> None:
+        # One order for the measured tables, so that equal profiles compare equal.
+        object.__setattr__(self, "gemm", tuple(sorted(tuple(row) for row in self.gemm)))
+        object.__setattr__(self, "links", tuple(sorted(tuple(row) for row in self.links)))
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name in ("name", "gemm", "links"):
