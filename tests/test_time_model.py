@@ -92,3 +92,33 @@ def test_prediction_holds_on_this_machine_after_calibration(tmp_path: Path) -> N
     assert set(last["predicted"]) == {"compute", "exposed_comm", "bubble", "optimizer", "overhead", "step"}
     assert last["predicted"]["step"] == pytest.approx(sum(v for k, v in last["predicted"].items() if k != "step"))
     assert abs(last["ratio"] - 1) <= 0.5, attempts
+
+
+def test_train_uses_a_cached_calibration_of_this_machine(tmp_path: Path, monkeypatch) -> None:
+    """No cache: a quick calibration, saved under the user cache dir; the next run reads it."""
+    from types import SimpleNamespace
+
+    from plait.bench.machine import cache_path, machine_facts
+    from plait.runtime.mesh import init_mesh
+    from plait.train.config import TrainConfig
+    from plait.train.timing import run_hardware
+
+    monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("PLAIT_CALIBRATION", raising=False)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as one of two ranks on this machine (and far quicker under load)
+    mesh = init_mesh()
+    trainer = SimpleNamespace(config=TrainConfig(model="tiny", micro_batch=2, seq_len=32), mesh=mesh,
+                              model_config=get_preset("tiny"))
+    first, source = run_hardware(trainer)
+    assert source.startswith("quick calibration") and cache_path(machine_facts(mesh)).exists()
+    assert first.gemm_tflops("fp32 64x64x192") > 0 and first.name.startswith("calibrated")
+    again, source = run_hardware(trainer)
+    assert source.startswith("cached calibration") and again == first
+    monkeypatch.setenv("PLAIT_CALIBRATION", "off")
+    assert run_hardware(trainer)[0].name == "cpu"
+    torch.set_num_threads(threads)

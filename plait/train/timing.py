@@ -2,13 +2,15 @@
 
 The prediction is plait's time model (plait/estimate/time.py) on this run's own hardware
 profile: the `--hardware-file` given, else this machine's calibration (cached, or measured
-quickly at the end of the run; see plait/bench/machine.py). The run measures the whole step
+quickly at the end of the run; see plait/bench/machine.py; PLAIT_CALIBRATION=off takes the
+device's preset instead). The run measures the whole step
 and, separately, its optimizer part (clipping and the update); the rest is forward,
 backward, their communication and the pipeline bubble, plus the loop's own overhead.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 from typing import Any
 
@@ -23,7 +25,11 @@ def run_hardware(trainer: Any) -> tuple[Hardware, str]:
     config = trainer.config
     if config.hardware_file:
         return load_hardware(config.hardware_file), f"hardware file {config.hardware_file}"
-    from plait.bench.machine import machine_hardware
+    from plait.bench.machine import base_preset, device_name, machine_hardware
+
+    if os.environ.get("PLAIT_CALIBRATION") == "off":  # e.g. a test suite that never reads the time
+        preset = base_preset(device_name(trainer.mesh))
+        return preset, f"{preset.name} preset (PLAIT_CALIBRATION=off)"
 
     return machine_hardware(trainer.mesh, trainer.model_config, micro_batch=config.micro_batch,
                             seq_len=config.seq_len, tp=trainer.mesh.size("tp"), precision=config.precision)
