@@ -122,3 +122,30 @@ def test_train_uses_a_cached_calibration_of_this_machine(tmp_path: Path, monkeyp
     monkeypatch.setenv("PLAIT_CALIBRATION", "off")
     assert run_hardware(trainer)[0].name == "cpu"
     torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [
+    ["micro_batch=4", "grad_accum=2"], ["zero=3"], ["tp=2"], ["pp=2", "micro_batch=2", "grad_accum=4"],
+], ids=["dp2", "zero3x2", "tp2", "pp2-1f1b"])
+def test_prediction_holds_for_small_layouts(tmp_path: Path, extra: list[str]) -> None:
+    """`small` under the issue's layouts, each calibrated right before it trains (50%)."""
+    _, reports = run_world("time_model.py", 2, tmp_path, str(tmp_path / "run"), "small", "6", "0.5", *extra,
+                           timeout=900)
+    assert abs(reports[0]["attempts"][-1]["ratio"] - 1) <= 0.5, reports[0]["attempts"]
+
+
+@pytest.mark.slow
+def test_calibrate_command_writes_a_file_estimate_reads(tmp_path: Path) -> None:
+    from tests.worldlib import run_plait
+
+    out = tmp_path / "hw.toml"
+    proc = run_plait("calibrate", "--nproc", "2", "--model", "tiny", "--tp", "1,2", "--quick", "--no-cache",
+                     "--out", str(out), timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    hw = load_hardware(out)
+    assert hw.gemm_tflops("fp32 1024x64x192") > 0 and hw.gemm_tflops("fp32 1024x64x96") > 0  # tp 1 and 2
+    assert [n for n, _, _ in hw.links] == [2]
+    proc = run_plait("estimate", "--model", "tiny", "--dp", "2", "--precision", "fp32", "--micro-batch", "8",
+                     "--seq-len", "128", "--hardware-file", str(out), "--json")
+    assert json.loads(proc.stdout)["layout"]["hardware"] == hw.name
