@@ -59,11 +59,13 @@ def _check_rows(rows: list[dict], groups: list[int]) -> None:
         assert r["time_s"] > 0
 
 
-def test_two_ranks_every_primitive_right() -> None:
-    proc, result = _run(2)
+def test_two_ranks_every_primitive_right(tmp_path) -> None:
+    png = tmp_path / "busbw.png"
+    proc, result = _run(2, "--plot", str(png))
     assert proc.returncode == 0, proc.stderr
     _check_rows(result["results"], [2])
     assert all(r["ok"] for r in result["results"])
+    assert png.stat().st_size > 1000
 
 
 def test_four_ranks_right_and_a_spoiled_result_is_caught() -> None:

@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import replace
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
-from plait.estimate.hardware import Hardware, get_hardware
 from plait.estimate.ops import (
     OPS_BLOCK,
     OPS_OUTER,

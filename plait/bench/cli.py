@@ -71,6 +71,7 @@ def bench_main(argv: list[str]) -> int:
 
 def _rank_main(args: argparse.Namespace) -> int:
     from plait.bench.collectives import bench_group
+    from plait.runtime import comm
     from plait.runtime.mesh import init_mesh
     from plait.runtime.subgroups import first_ranks_axes, group_sizes
     from plait.train.run import set_cpu_threads
@@ -84,9 +85,7 @@ def _rank_main(args: argparse.Namespace) -> int:
         for axis in axes.values():
             if axis is not None:
                 rows += bench_group(axis, args.size_list, args.op_list, args.corrupt_list, args.iters)
-            from plait.runtime import comm
-
-            comm.barrier(mesh.axis("world"))
+            comm.barrier(mesh.axis("world"))  # ranks outside this group wait here
         if mesh.is_main:
             _emit(rows, args, mesh.backend or "none")
         return 0

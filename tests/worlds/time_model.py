@@ -1,5 +1,5 @@
 """Calibrate, then train, in the same world: the predicted step time against the measured
-median. A second attempt (calibration and training again) is made only when the first falls
+median. Another attempt (calibration and training again, three at most) is made only when one falls
 outside the bound, since other jobs on the machine can slow one phase and not the other.
 
 argv: OUT_DIR MODEL STEPS BOUND [FIELD=INT ...] (TrainConfig fields: tp, pp, zero, micro_batch,
@@ -33,7 +33,7 @@ def main() -> None:
                          sample_tokens=0, dp=mesh.size("dp"), nproc=mesh.env.world_size, out=str(out),
                          hardware_file=str(hw_file), **{"micro_batch": 8, **extra})
     attempts = []
-    for _ in range(2):
+    for _ in range(3):
         hw = machine.calibrate(mesh, get_preset(model), micro_batch=config.micro_batch, seq_len=128,
                                tp_sizes=[config.tp], precision="fp32", quick=True)
         if mesh.is_main:
