@@ -41,7 +41,7 @@ def test_links_per_group_size() -> None:
 
 
 def test_optimizer_costs_bytes_and_tensors() -> None:
-    assert optimizer_s(1_000_000, 10, CALIBRATED) == pytest.approx(96e6 / (CPU.memory_gb_s * 1e9) + 10 * 40e-6)
+    assert optimizer_s(1_000_000, 10, CALIBRATED) == pytest.approx(116e6 / (CPU.memory_gb_s * 1e9) + 10 * (40 + 3 * 5) * 1e-6)
 
 
 def test_measured_gemm_changes_the_compute() -> None:

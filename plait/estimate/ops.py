@@ -17,7 +17,8 @@ Every cost is max(FLOPs / rate, bytes / memory bandwidth) + a fixed cost per lau
   ops and 44 views per block (backward 61 and 76); around the blocks 9 + 9 and 19 + 13.
 * Optimizer: torch's AdamW (per-tensor loop) reads and writes 84 bytes per fp32 parameter
   in 10 ops per tensor (a fixed cost per tensor, `optimizer_tensor_us`, calibrated on a real
-  AdamW step); clipping reads 8 bytes per parameter; zeroing gradients writes 4.
+  AdamW step); plait's clipping squares each gradient in fp64 (28 bytes per parameter, 3 ops
+  per tensor) and all-reduces the sum over the ZeRO, tp and pp groups; zeroing writes 4.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ EW_OUTER = ((8, 3.25), (23, 6.5))  # around the blocks: (h, V) forward, backward
 OPS_BLOCK = ((33, 44), (61, 76))  # (compute ops, views) per block: forward, backward
 OPS_OUTER = ((9, 9), (19, 13))
 ADAM_BYTES = 84  # per fp32 parameter
-CLIP_BYTES, ZERO_GRAD_BYTES = 8, 4
+CLIP_BYTES, CLIP_OPS, ZERO_GRAD_BYTES = 28, 3, 4
 TENSORS_PER_BLOCK = 9
 
 
@@ -147,7 +148,8 @@ def optimizer_s(params: int, tensors: int, hw: Hardware) -> float:
     """AdamW, clipping and zeroing over the parameters this rank updates (fp32 states):
     bytes over bandwidth, plus the fixed cost per tensor of torch's per-tensor loop."""
     moved = params * (ADAM_BYTES + CLIP_BYTES + ZERO_GRAD_BYTES)
-    return moved / hw.memory_bytes_per_s + tensors * hw.optimizer_tensor_us * 1e-6
+    fixed = tensors * (hw.optimizer_tensor_us + CLIP_OPS * hw.op_overhead_us) * 1e-6
+    return moved / hw.memory_bytes_per_s + fixed
 
 
 def stage_tensors(stage: Stage, layout: Layout) -> int:

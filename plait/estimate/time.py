@@ -50,7 +50,8 @@ ASSUMPTIONS = (
     "compute per operation: GEMMs on a roofline of their shape (peak·compute_efficiency, "
     "memory bandwidth) or at their calibrated rate, attention at attention_efficiency, "
     "element-wise work memory-bound (bytes counted on plait's GPT), a fixed cost per op",
-    "optimizer (AdamW + clipping + zeroing: 96 B per fp32 parameter) over memory bandwidth; "
+    "optimizer (AdamW + clipping + zeroing: 116 B per fp32 parameter) over memory bandwidth, "
+    "plus fixed costs per tensor and the norm's all-reduces; "
     "loop overhead = step_overhead_us + two telemetry all-reduces",
     "ring collective time = steps·latency + wire bytes / link bandwidth; a group uses the "
     "intra-node link when it fits in one node (ranks numbered tp fastest, then dp, then pp)",
@@ -204,8 +205,15 @@ def estimate_time(config: GPTConfig, layout: Layout, hw: Hardware, gpus_per_node
     model, hardware = flops_per_token(config, layout.seq_len, layout.recompute)
     updated = shard(stage.params, layout.dp) if layout.zero else stage.params
     step = 0.0 if layout.offload else optimizer_s(updated, stage_tensors(stage, layout), hw)
+    step += clip_s(layout, hw, links)
     return _assemble(layout, hw, model, hardware, (compute, tp, pp), dp,
                      offload_s(stage.params, layout, hw), step, overhead_s(layout, hw, gpus_per_node))
+
+
+def clip_s(layout: Layout, hw: Hardware, links: dict[str, bool]) -> float:
+    """The gradient norm's all-reduces of a few bytes: over ZeRO's dp group, tp and pp."""
+    groups = [("dp", layout.dp if layout.zero else 1), ("tp", layout.tp), ("pp", layout.pp)]
+    return sum(collective_s("all_reduce", 16, n, hw, links[axis]) for axis, n in groups)
 
 
 def overhead_s(layout: Layout, hw: Hardware, gpus_per_node: int) -> float:
