@@ -84,7 +84,8 @@ def _rank_main(args: argparse.Namespace) -> int:
         rows: list[dict[str, Any]] = []
         for axis in axes.values():
             if axis is not None:
-                rows += bench_group(axis, args.size_list, args.op_list, args.corrupt_list, args.iters)
+                rows += bench_group(axis, args.size_list, args.op_list, args.corrupt_list, args.iters,
+                                   mesh.device)
             comm.barrier(mesh.axis("world"))  # ranks outside this group wait here
         if mesh.is_main:
             _emit(rows, args, mesh.backend or "none")

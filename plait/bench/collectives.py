@@ -54,8 +54,10 @@ def expected(op: str, rank: int, n: int, numel: int) -> torch.Tensor | None:
     raise ValueError(op)
 
 
-def buffers(op: str, rank: int, n: int, numel: int) -> dict[str, torch.Tensor | None]:
-    """This rank's input and output buffers for `op` (made before the clock starts)."""
+def buffers(op: str, rank: int, n: int, numel: int, device: torch.device | str = "cpu"
+            ) -> dict[str, torch.Tensor | None]:
+    """This rank's input and output buffers for `op` on `device` (made before the clock
+    starts; NCCL wants them on the rank's GPU)."""
     part = numel // n
     ins = {"scatter": root_buffer(numel) if rank == 0 else None,
            "gather": rank_input(rank, part), "all_gather": rank_input(rank, part)}
@@ -63,7 +65,7 @@ def buffers(op: str, rank: int, n: int, numel: int) -> dict[str, torch.Tensor | 
     out_numel = {"scatter": part, "reduce_scatter": part, "gather": numel if rank == 0 else 0,
                  "all_gather": numel, "send_recv": numel}.get(op)
     out = torch.empty(out_numel, dtype=DTYPE) if out_numel else None
-    return {"in": inp, "out": out}
+    return {k: v.to(device) if v is not None else None for k, v in (("in", inp), ("out", out))}
 
 
 def call(op: str, axis: Axis, buf: dict[str, torch.Tensor | None]) -> torch.Tensor | None:
@@ -95,7 +97,7 @@ def is_right(result: torch.Tensor | None, answer: torch.Tensor | None) -> bool:
     """Exact equality with the known answer (nothing to check where nothing is defined)."""
     if answer is None:
         return True
-    return result is not None and result.shape == answer.shape and torch.equal(result, answer)
+    return result is not None and result.shape == answer.shape and torch.equal(result.cpu(), answer)
 
 
 def iterations(size: int) -> int:
@@ -103,13 +105,14 @@ def iterations(size: int) -> int:
     return 3 if size >= 4 * 2**20 else 8 if size >= 64 * 2**10 else 20
 
 
-def measure(op: str, axis: Axis, size: int, corrupt: bool = False, iters: int = 0) -> dict[str, Any]:
+def measure(op: str, axis: Axis, size: int, corrupt: bool = False, iters: int = 0,
+            device: torch.device | str = "cpu") -> dict[str, Any]:
     """Check, count and time `op` on a `size`-byte buffer; every rank of `axis` calls this."""
     n = axis.size
     numel = max(n, size // 4 // n * n)  # a whole number of float32 parts per rank
     size = numel * 4
     before = axis.ledger.snapshot()
-    result = call(op, axis, buffers(op, axis.rank, n, numel))
+    result = call(op, axis, buffers(op, axis.rank, n, numel, device))
     ledger = sum(axis.ledger.since(before).get(axis.name, {}).values())
     answer = expected(op, axis.rank, n, numel)
     checks = [is_right(result, answer)]
@@ -118,10 +121,11 @@ def measure(op: str, axis: Axis, size: int, corrupt: bool = False, iters: int = 
         if spoiled is not result:
             spoiled.view(-1)[0] += 1
         checks.insert(0, is_right(spoiled, answer))
-    ok = torch.tensor([float(c) for c in checks])
+    ok = torch.tensor([float(c) for c in checks], device=device)
     comm.all_reduce(ok, axis, op="min", purpose=comm.TELEMETRY)
-    buf = buffers(op, axis.rank, n, numel)
-    times = torch.tensor([_timed(op, axis, buf) for _ in range(iters or iterations(size))], dtype=torch.float64)
+    buf = buffers(op, axis.rank, n, numel, device)
+    times = torch.tensor([_timed(op, axis, buf) for _ in range(iters or iterations(size))], dtype=torch.float64,
+                         device=device)
     comm.all_reduce(times, axis, op="max", purpose=comm.TELEMETRY)
     seconds = statistics.median(times.tolist())
     algbw, busbw = bandwidths(op, size, seconds, n)
@@ -144,10 +148,13 @@ def _timed(op: str, axis: Axis, buf: dict[str, torch.Tensor | None]) -> float:
     comm.barrier(axis)
     start = time.perf_counter()
     call(op, axis, buf)
+    if buf["in"] is not None and buf["in"].is_cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
 def bench_group(axis: Axis, sizes: list[int], ops: tuple[str, ...] = PRIMITIVES,
-                corrupt: tuple[str, ...] = (), iters: int = 0) -> list[dict[str, Any]]:
+                corrupt: tuple[str, ...] = (), iters: int = 0,
+                device: torch.device | str = "cpu") -> list[dict[str, Any]]:
     """Every op at every size on one group (`iters` timed calls each; 0: by size)."""
-    return [measure(op, axis, size, op in corrupt, iters) for op in ops for size in sizes]
+    return [measure(op, axis, size, op in corrupt, iters, device) for op in ops for size in sizes]
