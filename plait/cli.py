@@ -83,6 +83,14 @@ def _dispatch(argv: list[str]) -> int:
         from plait.estimate.cli import plan_main
 
         return plan_main([a for a in rest if a != "--debug"])
+    if command == "bench":
+        from plait.bench.cli import bench_main
+
+        return bench_main([a for a in rest if a != "--debug"])
+    if command == "calibrate":
+        from plait.bench.calibrate_cli import calibrate_main
+
+        return calibrate_main([a for a in rest if a != "--debug"])
     if command == "--version":
         from plait import __version__
 
@@ -101,6 +109,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("data", help="prepare a corpus: tokenize it once into a file every rank maps")
     sub.add_parser("estimate", help="memory, traffic and step time of one layout, before launching")
     sub.add_parser("plan", help="rank every layout that fits a GPU count by predicted step time")
+    sub.add_parser("bench", help="the collective primitives, checked and timed: bench collectives --nproc N")
+    sub.add_parser("calibrate", help="measure this machine for the time model: --out hw.toml")
     parser.add_argument("--version", action="store_true", help="print the version")
     return parser
 

@@ -6,7 +6,9 @@ apart and neither layer imports the other. Pure arithmetic, no torch.
 
 With S the bytes of the full tensor and n ranks in the group, a ring moves per rank
   all_reduce 2(n-1)/n·S (a reduce-scatter then an all-gather);
-  all_gather, reduce_scatter (n-1)/n·S;  broadcast, send, recv S.
+  all_gather, reduce_scatter (n-1)/n·S;  broadcast, send, recv S;
+  scatter and gather (n-1)/n·S (the root's share, S/n to each other rank);
+  reduce S (a pipelined chain: each rank passes on a full partial sum).
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ def ring_bytes(op: str, payload: float, n: int) -> float:
         return 0.0
     if op == "all_reduce":
         return 2 * (n - 1) / n * payload
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "scatter", "gather"):
         return (n - 1) / n * payload
-    if op in ("broadcast", "send", "recv"):
+    if op in ("broadcast", "reduce", "send", "recv"):
         return float(payload)
     raise ValueError(f"unknown collective {op!r}")

@@ -3,7 +3,8 @@
 The keys and the counting are those of plait's ledger (plait/runtime/comm.py), so a
 prediction can be compared with `metrics.jsonl`'s `comm` key by key. With S the bytes of
 the full tensor and n ranks in the group, a ring moves per rank
-  all_reduce 2(n-1)/n·S;  all_gather, reduce_scatter (n-1)/n·S;  broadcast, send, recv S.
+  all_reduce 2(n-1)/n·S;  all_gather, reduce_scatter (n-1)/n·S;  broadcast, send, recv S
+  (and, for the benchmark's rooted ops: scatter, gather (n-1)/n·S at the root; reduce S).
 Left out: the scalar all-reduces of gradient clipping (a few bytes per step) and what the
 ledger files as telemetry (the logged loss, timings).
 

@@ -33,19 +33,51 @@ class Hardware:
     intra_node_latency_us: float = 3.0  # per ring step
     inter_node_latency_us: float = 8.0
     gpus_per_node: int = 8
-    compute_efficiency: float = 0.4
+    compute_efficiency: float = 0.75
     reserved_gib: float = 2.0  # CUDA context, cuBLAS workspace, NCCL buffers: never ours
     pcie_gb_s: float = 25.0  # host <-> device, used by optimizer offload
     host_mem_gb_s: float = 50.0  # CPU memory bandwidth, bounds the offloaded Adam step
+    memory_gb_s: float = 1000.0  # device memory bandwidth: element-wise work, optimizer step
+    attention_efficiency: float = 0.4  # fraction of peak a fused attention core reaches
+    op_overhead_us: float = 0.0  # fixed cost of one launched op (eager dispatch, not hidden)
+    view_overhead_us: float = 0.0  # fixed cost of a view (reshape, transpose)
+    step_overhead_us: float = 0.0  # the training loop's own cost per step (data, bookkeeping)
+    optimizer_tensor_us: float = 0.0  # fixed cost per parameter tensor of an optimizer step
+    # Measured by `plait calibrate`: TFLOP/s per GEMM or attention shape ("fp32 MxKxN"),
+    # and (group size, µs per ring step, GB/s bus bandwidth) of the collectives in a node.
+    gemm: tuple[tuple[str, float], ...] = ()
+    links: tuple[tuple[int, float, float], ...] = ()
 
     def __post_init__(self) -> None:
+        # One order for the measured tables, so that equal profiles compare equal.
+        object.__setattr__(self, "gemm", tuple(sorted(tuple(row) for row in self.gemm)))
+        object.__setattr__(self, "links", tuple(sorted(tuple(row) for row in self.links)))
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name != "name" and (not isinstance(value, (int, float)) or value <= 0):
+            if f.name in ("name", "gemm", "links"):
+                continue
+            low_ok = f.name in _MAY_BE_ZERO and value == 0
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or (value <= 0 and not low_ok):
                 raise PlaitError(
                     f"hardware {self.name!r}: {f.name} must be a positive number, got {value!r}",
                     hint="fix the value in the [hardware] table",
                 )
+
+    def gemm_tflops(self, key: str) -> float:
+        """Measured TFLOP/s of a named GEMM or attention shape, 0.0 when not measured."""
+        return dict(self.gemm).get(key, 0.0)
+
+    @property
+    def memory_bytes_per_s(self) -> float:
+        return self.memory_gb_s * 1e9
+
+    def link(self, n: int, inter_node: bool) -> tuple[float, float]:
+        """(seconds per ring step, bytes/s) for a group of n ranks: the calibrated figures
+        of the nearest measured group size inside a node, else the preset's link."""
+        if not inter_node and self.links:
+            size, latency_us, gb_s = min(self.links, key=lambda row: (abs(row[0] - n), -row[0]))
+            return latency_us * 1e-6, gb_s * 1e9
+        return self.latency(inter_node), self.bandwidth(inter_node)
 
     def peak_flops(self, precision: str) -> float:
         """Peak FLOP/s for matmuls in `precision` (fp32, or 16-bit for bf16/fp16)."""
@@ -70,30 +102,41 @@ class Hardware:
         return (self.inter_node_latency_us if inter_node else self.intra_node_latency_us) * 1e-6
 
 
-_GPU_DEFAULTS = dict(intra_node_latency_us=3.0, inter_node_latency_us=8.0, gpus_per_node=8)
+_MAY_BE_ZERO = {"op_overhead_us", "view_overhead_us", "step_overhead_us", "optimizer_tensor_us"}
+
+# Large bf16 GEMMs reach ~80% of the datasheet peak on A100 and V100 and ~70% on H100
+# (cuBLAS at 8192³, as published by the vendors and reproduced widely); a fused attention
+# core (FlashAttention-2, forward + backward) ~50% on A100 and ~35% on H100. Kernel launches
+# hide behind the work on a GPU: no per-op cost. 1 ms per step for the training loop.
+_GPU_DEFAULTS = dict(intra_node_latency_us=3.0, inter_node_latency_us=8.0, gpus_per_node=8,
+                     step_overhead_us=1000.0)
+_AMPERE = dict(compute_efficiency=0.8, attention_efficiency=0.5)
+_HOPPER = dict(compute_efficiency=0.7, attention_efficiency=0.35)
 
 PRESETS: dict[str, Hardware] = {
     # V100 has no bf16 units: the 16-bit figure is fp16's. NVLink 2 (6 x 25 GB/s), EDR IB.
-    "v100": Hardware("v100", 125.0, 15.7, 32.0, 150.0, 12.5, pcie_gb_s=16.0, **_GPU_DEFAULTS),
+    "v100": Hardware("v100", 125.0, 15.7, 32.0, 150.0, 12.5, pcie_gb_s=16.0, memory_gb_s=900.0,
+                     **_AMPERE, **_GPU_DEFAULTS),
     # NVLink 3 (600 GB/s both ways), HDR IB (200 Gb/s per GPU), PCIe 4.
     "a100-40gb": Hardware("a100-40gb", 312.0, 19.5, 40.0, 300.0, 25.0, pcie_gb_s=32.0,
-                          **_GPU_DEFAULTS),
+                          memory_gb_s=1555.0, **_AMPERE, **_GPU_DEFAULTS),
     "a100-80gb": Hardware("a100-80gb", 312.0, 19.5, 80.0, 300.0, 25.0, pcie_gb_s=32.0,
-                          **_GPU_DEFAULTS),
+                          memory_gb_s=2039.0, **_AMPERE, **_GPU_DEFAULTS),
     # NVLink 4 (900 GB/s both ways), NDR IB (400 Gb/s per GPU), PCIe 5.
     "h100-sxm": Hardware("h100-sxm", 989.0, 67.0, 80.0, 450.0, 50.0, pcie_gb_s=64.0,
-                         **_GPU_DEFAULTS),
+                         memory_gb_s=3350.0, **_HOPPER, **_GPU_DEFAULTS),
     # No NVLink switch: GPUs in a box talk over PCIe 5.
     "h100-pcie": Hardware("h100-pcie", 756.0, 51.0, 80.0, 64.0, 25.0, pcie_gb_s=64.0,
-                          **_GPU_DEFAULTS),
+                          memory_gb_s=2000.0, **_HOPPER, **_GPU_DEFAULTS),
     # H100's compute with 141 GB of HBM3e.
-    "h200": Hardware("h200", 989.0, 67.0, 141.0, 450.0, 50.0, pcie_gb_s=64.0, **_GPU_DEFAULTS),
+    "h200": Hardware("h200", 989.0, 67.0, 141.0, 450.0, 50.0, pcie_gb_s=64.0, memory_gb_s=4800.0,
+                     **_HOPPER, **_GPU_DEFAULTS),
     # Consumer cards: 16-bit tensor figure with fp32 accumulation (what torch uses); no
     # NVLink, peers talk over PCIe 4; a 100 Gb/s NIC assumed between boxes.
     "rtx3090": Hardware("rtx3090", 71.0, 35.6, 24.0, 25.0, 12.5, gpus_per_node=4,
-                        reserved_gib=1.0),
+                        reserved_gib=1.0, memory_gb_s=936.0, **_AMPERE, step_overhead_us=1000.0),
     "rtx4090": Hardware("rtx4090", 165.2, 82.6, 24.0, 25.0, 12.5, gpus_per_node=4,
-                        reserved_gib=1.0),
+                        reserved_gib=1.0, memory_gb_s=1008.0, **_AMPERE, step_overhead_us=1000.0),
     # The 2-core AMD EPYC VM plait was written on (AVX2 only, 23.5 GiB RAM), measured on
     # 2026-11-22 with torch 2.13 on 2 threads: the best 1024x1024 fp32 matmuls of several
     # runs reached 160-175 GFLOP/s (40-70 while another job shared the cores); bf16 matmuls, with no AVX512-bf16 to use, ran at ~1.3 GFLOP/s
@@ -105,7 +148,9 @@ PRESETS: dict[str, Hardware] = {
         "cpu", peak_bf16_tflops=0.0013, peak_fp32_tflops=0.16, memory_gib=23.5,
         intra_node_gb_s=1.2, inter_node_gb_s=1.2, intra_node_latency_us=140.0,
         inter_node_latency_us=140.0, gpus_per_node=2, compute_efficiency=0.7,
-        reserved_gib=1.0, pcie_gb_s=8.8, host_mem_gb_s=8.8,
+        reserved_gib=1.0, pcie_gb_s=8.8, host_mem_gb_s=8.8, memory_gb_s=8.8,
+        attention_efficiency=0.3, op_overhead_us=10.0, view_overhead_us=2.0,
+        step_overhead_us=2000.0, optimizer_tensor_us=100.0,
     ),
 }
 
@@ -142,6 +187,7 @@ def load_hardware(path: str | Path, base: str | None = None) -> Hardware:
 def hardware_from_table(table: dict[str, object], base: str | None = None) -> Hardware:
     """Build a `Hardware` from a dict of field values, optionally starting from a preset."""
     base_name = str(table.pop("base", base or ""))
+    _measured_tables(table)
     known = {f.name for f in fields(Hardware)}
     unknown = sorted(set(table) - known)
     if unknown:
@@ -155,6 +201,41 @@ def hardware_from_table(table: dict[str, object], base: str | None = None) -> Ha
         raise PlaitError(f"[hardware] table lacks {', '.join(missing)}",
                          hint="give these keys, or base = \"<preset>\" to inherit them")
     return Hardware(**table)  # type: ignore[arg-type]
+
+
+def _measured_tables(table: dict[str, object]) -> None:
+    """`[hardware.gemm]` ("fp32 MxKxN" = TFLOP/s) and `[hardware.links]` ("n" = {latency_us,
+    gb_s}) sub-tables, as the tuples `Hardware` keeps."""
+    try:
+        if isinstance(table.get("gemm"), dict):
+            table["gemm"] = tuple(sorted((str(k), float(v)) for k, v in table["gemm"].items()))
+        if isinstance(table.get("links"), dict):
+            table["links"] = tuple(sorted((int(k), float(v["latency_us"]), float(v["gb_s"]))
+                                          for k, v in table["links"].items()))
+    except (TypeError, ValueError, KeyError) as exc:
+        raise PlaitError(f"bad [hardware.gemm] or [hardware.links] entry: {exc}",
+                         hint='gemm: "fp32 MxKxN" = TFLOP/s; links: "2" = {latency_us = .., gb_s = ..}') from None
+
+
+def hardware_toml(hw: Hardware, header: dict[str, str] | None = None) -> str:
+    """`hw` as a TOML file that `load_hardware` reads back to an equal Hardware."""
+    lines = [f"# {key}: {value}" for key, value in (header or {}).items()]
+    lines.append("[hardware]")
+    for f in fields(Hardware):
+        value = getattr(hw, f.name)
+        if f.name not in ("gemm", "links"):
+            lines.append(f"{f.name} = {_toml_value(value)}")
+    lines.append("\n[hardware.gemm]")
+    lines += [f'"{key}" = {rate!r}' for key, rate in hw.gemm]
+    lines.append("\n[hardware.links]")
+    lines += [f'"{n}" = {{ latency_us = {lat!r}, gb_s = {bw!r} }}' for n, lat, bw in hw.links]
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
 
 
 # Fields with defaults may be left out of a table that names no base preset.

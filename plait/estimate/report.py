@@ -84,6 +84,8 @@ def _time_lines(step: dict[str, float] | None) -> list[str]:
         ["  pipeline bubble", f"{step['bubble_s']:.4g} s"],
         ["  data parallel (exposed)", f"{step['dp_s']:.4g} s"],
         ["  offload", f"{step['offload_s']:.4g} s"],
+        ["  optimizer", f"{step.get('optimizer_s', 0):.4g} s"],
+        ["  loop overhead", f"{step.get('overhead_s', 0):.4g} s"],
         ["  step", f"{step['step_s']:.4g} s"],
         ["  tokens/s", f"{step['tokens_per_s']:,.0f}"],
         ["  MFU", f"{step['mfu']:.1%}"],

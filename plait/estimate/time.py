@@ -7,11 +7,17 @@ Assumptions, each visible in `ASSUMPTIONS`:
   tripled for backward. The causal mask is not discounted (PaLM's convention). Full
   recompute adds one forward, 2Ψ + 4·L·h·s; selective recompute adds the attention
   core's forward, 4·L·h·s. MFU counts only the 6Ψ + 12·L·h·s.
-* Compute runs at `compute_efficiency` of the peak (0.4 for GPU presets).
+* Compute is costed operation by operation (plait/estimate/ops.py): each GEMM on a roofline
+  of its shape (or at its measured rate, from `plait calibrate`), the attention core at its
+  rate, element-wise work by the bytes it moves, each op's fixed launch cost. A model known
+  only by its size runs at `compute_efficiency` of the peak.
+* The optimizer step (AdamW, clipping, zeroing) costs its bytes over memory bandwidth; the
+  loop costs `step_overhead_us` plus its two telemetry all-reduces over every rank.
 * A ring collective on n ranks takes steps·α + wire_bytes/bandwidth, where steps is
   2(n-1) for all-reduce, n-1 for all-gather and reduce-scatter, 1 for a send; α and the
   bandwidth are the intra-node link's if the group fits in one node (ranks are numbered tp
-  fastest, then dp, then pp), the inter-node link's otherwise.
+  fastest, then dp, then pp), the inter-node link's otherwise; a calibrated hardware file
+  gives them per group size.
 * Data-parallel gradient reduction overlaps the last micro-batch's backward; only the
   last bucket is always exposed (with a pipeline nothing overlaps it: plait reduces after
   the schedule's last action). ZeRO-1/2's weight all-gather after the step is exposed.
@@ -32,14 +38,21 @@ from plait.estimate.comm import ring_bytes, tp_collectives, tp_traffic
 from plait.estimate.hardware import Hardware
 from plait.estimate.layout import Layout, Stage, stages
 from plait.estimate.memory import BUCKET_BYTES, shard, state_bytes
+from plait.estimate.ops import micro_batch_compute_s, optimizer_s, stage_tensors
 from plait.models.config import GPTConfig
 
 HOST_ADAM_BYTES = 28  # read weight, grad, m, v; write weight, m, v (fp32)
+TELEMETRY_BYTES = 8 * 64  # the loop's per-step max-reduction of time, memory and traffic
 
 ASSUMPTIONS = (
     "FLOPs per token 6Ψ + 12·L·h·s (PaLM convention, causal mask not discounted); "
     "full recompute adds 2Ψ + 4·L·h·s, selective 4·L·h·s; MFU counts neither",
-    "compute runs at the hardware's compute_efficiency of peak (0.4 on GPU presets)",
+    "compute per operation: GEMMs on a roofline of their shape (peak·compute_efficiency, "
+    "memory bandwidth) or at their calibrated rate, attention at attention_efficiency, "
+    "element-wise work memory-bound (bytes counted on plait's GPT), a fixed cost per op",
+    "optimizer (AdamW + clipping + zeroing: 116 B per fp32 parameter) over memory bandwidth, "
+    "plus fixed costs per tensor and the norm's all-reduces; "
+    "loop overhead = step_overhead_us + two telemetry all-reduces",
     "ring collective time = steps·latency + wire bytes / link bandwidth; a group uses the "
     "intra-node link when it fits in one node (ranks numbered tp fastest, then dp, then pp)",
     "DP gradient reduction overlaps the last backward except the last bucket (not at all "
@@ -65,6 +78,8 @@ class StepTime:
     step_s: float
     tokens_per_s: float
     mfu: float
+    optimizer_s: float = 0.0
+    overhead_s: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -100,7 +115,8 @@ def collective_s(op: str, payload: float, n: int, hw: Hardware, inter: bool, cou
     if n <= 1 or payload <= 0:
         return 0.0
     steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1}.get(op, 1)
-    return count * steps * hw.latency(inter) + ring_bytes(op, payload, n) / hw.bandwidth(inter)
+    latency, bandwidth = hw.link(n, inter)
+    return count * steps * latency + ring_bytes(op, payload, n) / bandwidth
 
 
 def inter_node(layout: Layout, gpus_per_node: int) -> dict[str, bool]:
@@ -117,7 +133,8 @@ def tp_s(config: GPTConfig, layout: Layout, stage: Stage, hw: Hardware, inter: b
     wire = sum(tp_traffic(config, layout, stage).get("tp", {}).values()) / layout.grad_accum
     steps = sum(count * (2 * (t - 1) if op == "all_reduce" else t - 1)
                 for op, count in tp_collectives(layout, stage).items())
-    return steps * hw.latency(inter) + wire / hw.bandwidth(inter)
+    latency, bandwidth = hw.link(t, inter)
+    return steps * latency + wire / bandwidth
 
 
 def pp_s(config: GPTConfig, layout: Layout, stage: Stage, hw: Hardware, inter: bool) -> float:
@@ -127,7 +144,8 @@ def pp_s(config: GPTConfig, layout: Layout, stage: Stage, hw: Hardware, inter: b
     message = layout.tokens_per_micro_batch * config.d_model * layout.compute_bytes
     message = message / layout.tp if layout.sp else message
     sends = (layout.virtual_stages - stage.last) + (layout.virtual_stages - stage.first)
-    return sends * (hw.latency(inter) + message / hw.bandwidth(inter))
+    latency, bandwidth = hw.link(2, inter)
+    return sends * (latency + message / bandwidth)
 
 
 def dp_exposed_s(params: int, unit: int, layout: Layout, hw: Hardware, inter: bool,
@@ -173,21 +191,36 @@ def _forward_share(recompute: str) -> float:
 
 
 def estimate_time(config: GPTConfig, layout: Layout, hw: Hardware, gpus_per_node: int) -> StepTime:
-    """Step time of the busiest pipeline stage, with the bubble, DP sync and offload."""
-    rate = hw.peak_flops(layout.precision) * hw.compute_efficiency
+    """Step time of the busiest pipeline stage, with the bubble, DP sync, the optimizer,
+    offload and the loop's own overhead."""
     links = inter_node(layout, gpus_per_node)
-    tokens = layout.tokens_per_micro_batch
     per_stage = []
     for stage in stages(config, layout.tp, layout.pp, layout.virtual_stages):
-        compute = tokens * stage_flops_per_token(config, layout, stage) / rate
+        compute = micro_batch_compute_s(config, layout, stage, hw)
         per_stage.append((compute, tp_s(config, layout, stage, hw, links["tp"]),
                           pp_s(config, layout, stage, hw, links["pp"]), stage))
     compute, tp, pp, stage = max(per_stage, key=lambda row: sum(row[:3]))
     dp = dp_exposed_s(stage.params, stage.block_params, layout, hw, links["dp"], compute,
                       _forward_share(layout.recompute))
     model, hardware = flops_per_token(config, layout.seq_len, layout.recompute)
+    updated = shard(stage.params, layout.dp) if layout.zero else stage.params
+    step = 0.0 if layout.offload else optimizer_s(updated, stage_tensors(stage, layout), hw)
+    step += clip_s(layout, hw, links)
     return _assemble(layout, hw, model, hardware, (compute, tp, pp), dp,
-                     offload_s(stage.params, layout, hw))
+                     offload_s(stage.params, layout, hw), step, overhead_s(layout, hw, gpus_per_node))
+
+
+def clip_s(layout: Layout, hw: Hardware, links: dict[str, bool]) -> float:
+    """The gradient norm's all-reduces of a few bytes: over ZeRO's dp group, tp and pp."""
+    groups = [("dp", layout.dp if layout.zero else 1), ("tp", layout.tp), ("pp", layout.pp)]
+    return sum(collective_s("all_reduce", 16, n, hw, links[axis]) for axis, n in groups)
+
+
+def overhead_s(layout: Layout, hw: Hardware, gpus_per_node: int) -> float:
+    """The loop's own cost: bookkeeping, and its telemetry all-reduces over every rank."""
+    telemetry = collective_s("all_reduce", TELEMETRY_BYTES, layout.world, hw,
+                             layout.world > gpus_per_node, count=2)
+    return hw.step_overhead_us * 1e-6 + telemetry
 
 
 def estimate_time_params_only(params: int, layout: Layout, hw: Hardware,
@@ -197,8 +230,10 @@ def estimate_time_params_only(params: int, layout: Layout, hw: Hardware,
     compute = layout.tokens_per_micro_batch * 6 * params / rate
     inter = inter_node(layout, gpus_per_node)["dp"]
     dp = dp_exposed_s(params, 0, layout, hw, inter, compute, 1 / 3)
+    step = 0.0 if layout.offload else optimizer_s(shard(params, layout.dp) if layout.zero else params,
+                                                  2, hw)
     return _assemble(layout, hw, 6.0 * params, 6.0 * params, (compute, 0.0, 0.0), dp,
-                     offload_s(params, layout, hw))
+                     offload_s(params, layout, hw), step, overhead_s(layout, hw, gpus_per_node))
 
 
 def bubble_micro_batches(layout: Layout) -> float:
@@ -216,14 +251,17 @@ def bubble_micro_batches(layout: Layout) -> float:
 
 
 def _assemble(layout: Layout, hw: Hardware, model: float, hardware: float,
-              micro_batch: tuple[float, float, float], dp: float, offload: float) -> StepTime:
+              micro_batch: tuple[float, float, float], dp: float, offload: float,
+              optimizer: float = 0.0, overhead: float = 0.0) -> StepTime:
     """Pipeline slots x micro-batch time, plus what is not overlapped, -> StepTime."""
     compute, tp, pp = micro_batch
     m = layout.grad_accum
     bubble_slots = bubble_micro_batches(layout)
     per_mb = compute + tp + pp
-    step = (m + bubble_slots) * per_mb + dp + offload
+    step = (m + bubble_slots) * per_mb + dp + offload + optimizer + overhead
     tokens_per_s = layout.global_batch * layout.seq_len / step
     mfu = model * tokens_per_s / (layout.world * hw.peak_flops(layout.precision))
-    return StepTime(model, hardware, m * compute, m * tp, m * pp, bubble_slots * per_mb,
-                    dp, offload, step, tokens_per_s, mfu)
+    return StepTime(flops_per_token=model, hardware_flops_per_token=hardware, compute_s=m * compute,
+                    tp_s=m * tp, pp_s=m * pp, bubble_s=bubble_slots * per_mb, dp_s=dp,
+                    offload_s=offload, step_s=step, tokens_per_s=tokens_per_s, mfu=mfu,
+                    optimizer_s=optimizer, overhead_s=overhead)

@@ -7,7 +7,8 @@ under a ring algorithm. That is what lets a test assert that DDP moves exactly
 Ring costs per rank, with S the bytes of the full tensor and n ranks in the group:
 - all-reduce: 2(n-1)/n·S (a reduce-scatter then an all-gather, each moving (n-1)/n·S)
 - all-gather, reduce-scatter: (n-1)/n·S
-- broadcast, send: S (recv puts nothing on the wire; it is counted as what arrives)
+- broadcast, reduce, send: S (recv puts nothing on the wire; it is counted as what arrives)
+- scatter, gather: (n-1)/n·S at the root, which sends (receives) every other rank's part
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from plait.errors import PlaitError
 from plait.wire import ring_bytes as ring_wire_bytes  # one formula, shared with estimate/
 
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv", "reduce", "scatter", "gather")
 TRAIN = "train"  # traffic that trains the model
 TELEMETRY = "telemetry"  # traffic that only gathers numbers for the report
 
@@ -199,6 +200,43 @@ def recv(tensor: torch.Tensor, axis: Axis, src: int, purpose: str = TRAIN) -> Ha
     axis.ledger.record(axis.name, "recv", _nbytes(tensor), axis.size, purpose)
     peer = dist.get_global_rank(axis.group, src)
     return _run(axis, "recv", lambda: dist.irecv(tensor, src=peer, group=axis.group), True)
+
+
+def reduce(tensor: torch.Tensor, axis: Axis, dst: int = 0, op: str = "sum",
+           purpose: str = TRAIN) -> None:
+    """Sum (or max/min) `tensor` over the axis into the rank whose index is `dst`; the
+    others' tensors are left undefined (Gloo may use them as scratch)."""
+    if axis.size == 1:
+        return
+    axis.ledger.record(axis.name, "reduce", _nbytes(tensor), axis.size, purpose)
+    peer = dist.get_global_rank(axis.group, dst)
+    _run(axis, "reduce", lambda: dist.reduce(tensor, dst=peer, op=_REDUCE_OPS[op], group=axis.group), False)
+
+
+def scatter(output: torch.Tensor, full: torch.Tensor | None, axis: Axis, src: int = 0,
+            purpose: str = TRAIN) -> None:
+    """Rank `src` cuts `full` into n equal parts along dim 0; rank i receives part i in
+    `output`. Only `src` needs `full` (others may pass None). Counted as S = n·|output|."""
+    if axis.size == 1:
+        output.copy_(full.reshape(output.shape))
+        return
+    axis.ledger.record(axis.name, "scatter", _nbytes(output) * axis.size, axis.size, purpose)
+    peer = dist.get_global_rank(axis.group, src)
+    parts = list(full.chunk(axis.size)) if axis.rank == src else None
+    _run(axis, "scatter", lambda: dist.scatter(output, parts, src=peer, group=axis.group), False)
+
+
+def gather(full: torch.Tensor | None, shard: torch.Tensor, axis: Axis, dst: int = 0,
+           purpose: str = TRAIN) -> None:
+    """Rank `dst` receives every rank's `shard`, concatenated along dim 0 into `full`
+    (others may pass None). Counted as S = n·|shard|."""
+    if axis.size == 1:
+        full.copy_(shard.reshape(full.shape))
+        return
+    axis.ledger.record(axis.name, "gather", _nbytes(shard) * axis.size, axis.size, purpose)
+    peer = dist.get_global_rank(axis.group, dst)
+    parts = list(full.chunk(axis.size)) if axis.rank == dst else None
+    _run(axis, "gather", lambda: dist.gather(shard, parts, dst=peer, group=axis.group), False)
 
 
 def barrier(axis: Axis) -> None:

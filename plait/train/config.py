@@ -62,6 +62,8 @@ class TrainConfig:
     resume: str = field(default="", metadata={"help": "a checkpoint directory, or a run's --out, to continue from"})
     sample_tokens: int = field(default=160, metadata={"help": "length of the text sample printed at the end"})
     prompt: str = field(default="def ", metadata={"help": "text the closing sample continues"})
+    hardware_file: str = field(default="", metadata={
+        "help": "hardware TOML (plait calibrate) for the closing prediction; default: this machine's cached calibration"})
 
     @property
     def global_batch(self) -> int:

@@ -71,7 +71,10 @@ def predicted_vs_measured(summary: dict[str, Any]) -> list[str]:
     for axis, ops in sorted(predicted["comm"].items()):
         for op, wire in sorted(ops.items()):
             rows.append((f"{axis} {op}", wire, summary["comm_per_step"].get(axis, {}).get(op, 0)))
-    lines = [f"  predicted   {'':<16}{'predicted':>12}{'measured':>12}   (plait estimate, cpu preset)"]
+    lines = [f"  predicted   {'':<16}{'predicted':>12}{'measured':>12}   (plait estimate, {predicted['layout']['hardware']})"]
     lines += [f"              {name:<16}{human_bytes(p):>12}{human_bytes(m):>12}" for name, p, m in rows]
-    lines.append(f"              {'step time':<16}{predicted['time']['step_s']:>10.3f} s{summary['step_time_s_median']:>10.3f} s")
-    return lines
+    if not summary.get("step_time"):
+        lines.append(f"              {'step time':<16}{predicted['time']['step_s']:>10.3f} s{summary['step_time_s_median']:>10.3f} s")
+    from plait.train.timing import step_time_lines
+
+    return lines + step_time_lines(summary)

@@ -76,6 +76,7 @@ class Trainer:
         self.meter = ActivationMeter()
         self.num_params = self.model_config.num_params()
         self.history: list[dict[str, Any]] = []
+        self.update_times: list[float] = []
         self.resumed_from: str | None = None
 
     # -- one step ------------------------------------------------------------------------------
@@ -89,8 +90,10 @@ class Trainer:
         batches = [self._batch(self.train_split, indices) for indices in self.sampler.micro_batches(step)]
         loss, activations = self._pipeline_step(batches) if self.runner else self._micro_steps(batches)
         max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
+        update_start = time.perf_counter()
         grad_norm = clip_grad_norm(model, max_norm)
         self.optimizer.step()
+        self.update_times.append(time.perf_counter() - update_start)  # the optimizer's part of the step
         states = model_state_bytes(model, self.optimizer)
         self.optimizer.zero_grad()
         elapsed = time.perf_counter() - start
@@ -308,16 +311,27 @@ class Trainer:
             "mem": {k: max(r["mem"][k] for r in history) for k in MEM_KEYS},
             "peak_process_bytes": int(peak.item()),
             "telemetry_bytes": sum(sum(ops.values()) for ops in self.mesh.ledger.wire(comm.TELEMETRY).values()),
-            "predicted": self.prediction(),
+            "predicted": (predicted := self.prediction()),
+            "step_time": self._step_time(predicted, statistics.median(times)),
         }
 
-    def prediction(self) -> dict[str, Any]:
-        """What `plait estimate` says this very layout costs, to print beside the measurements."""
-        from plait.estimate import estimate_layout
+    def _step_time(self, predicted: dict[str, Any], measured: float) -> dict[str, Any]:
+        from plait.train.timing import step_time_parts
 
+        return step_time_parts(self, predicted, measured)
+
+    def prediction(self) -> dict[str, Any]:
+        """What `plait estimate` says this very layout costs on this run's own hardware (its
+        --hardware-file, else this machine's calibration), beside the measurements."""
+        from plait.estimate import estimate_layout
+        from plait.train.timing import run_hardware
+
+        hardware, source = run_hardware(self)
         shape = self.mesh.shape
-        return estimate_layout(self.model_config, dp=shape.dp, tp=shape.tp, pp=shape.pp, zero=self.config.zero,
-                               offload=self.config.offload, sp=self.config.sp, schedule=self.config.schedule,
-                               virtual_stages=self.config.virtual_stages, precision=self.config.precision,
-                               micro_batch=self.config.micro_batch, grad_accum=self.config.grad_accum,
-                               seq_len=self.config.seq_len, recompute=self.config.recompute, hardware="cpu")
+        result = estimate_layout(self.model_config, dp=shape.dp, tp=shape.tp, pp=shape.pp, zero=self.config.zero,
+                                 offload=self.config.offload, sp=self.config.sp, schedule=self.config.schedule,
+                                 virtual_stages=self.config.virtual_stages, precision=self.config.precision,
+                                 micro_batch=self.config.micro_batch, grad_accum=self.config.grad_accum,
+                                 seq_len=self.config.seq_len, recompute=self.config.recompute, hardware=hardware)
+        result["hardware_source"] = source
+        return result

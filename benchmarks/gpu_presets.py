@@ -1,0 +1,96 @@
+"""The GPU presets against published training throughput: arithmetic only, no GPU needed.
+
+Rows: Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters
+Using Megatron-LM", SC'21), Table 1 — GPT models, 1.7 B to 1 T parameters, weak scaling on
+DGX A100 80 GB nodes (8 GPUs, NVLink, 8 × 200 Gb/s HDR InfiniBand), mixed precision, full
+activation recomputation, sequence 2048, vocabulary 51 200; their TFLOP/s per GPU counts the
+recomputed forward. And torchtitan's Llama 3.1 8B FSDP runs on H100 (benchmarks/
+llama3_h100_202412_torchtitan.md in pytorch/torchtitan: local batch 2, sequence 8192,
+selective activation checkpointing, bf16, no torch.compile, no Float8).
+
+What the papers do not state, assumed here and the same for every row: micro-batch 1 and the
+plain 1F1B schedule for Megatron; FSDP as ZeRO-3 with prefetch for torchtitan. Nothing is fitted
+per row: every number comes from the presets in plait/estimate/hardware.py.
+
+    python benchmarks/gpu_presets.py            # prints the Markdown tables
+    python benchmarks/gpu_presets.py --write    # and replaces its section of RESULTS.md
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from plait.estimate.hardware import get_hardware  # noqa: E402
+from plait.estimate.layout import Layout  # noqa: E402
+from plait.estimate.time import estimate_time  # noqa: E402
+from plait.models.config import GPTConfig  # noqa: E402
+
+# (billions of params, heads, hidden, layers, t, p, GPUs, batch, TFLOP/s per GPU, % of peak)
+NARAYANAN_TABLE_1 = (
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 44), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 44),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 46), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 43),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 44), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 45),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 47), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 50),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 52), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 52),
+)
+# (GPUs, tokens per second per GPU), FSDP without torch.compile
+TORCHTITAN_LLAMA3_8B = ((8, 5762), (128, 5605))
+LLAMA3_8B = GPTConfig(vocab_size=128256, n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8,
+                      ffn_hidden=14336, max_seq_len=8192, tie_embeddings=False, rope_theta=500000.0)
+
+
+def megatron_rows() -> list[tuple]:
+    """(params B, t, p, GPUs, published TFLOP/s, predicted TFLOP/s) per row of Table 1."""
+    hw, out = get_hardware("a100-80gb"), []
+    for size, heads, h, layers, t, p, gpus, batch, published, _ in NARAYANAN_TABLE_1:
+        config = GPTConfig(vocab_size=51200, n_layers=layers, d_model=h, n_heads=heads, n_kv_heads=heads,
+                           ffn_hidden=4 * h, max_seq_len=2048, arch="gpt2")
+        dp = gpus // (t * p)
+        layout = Layout(dp=dp, tp=t, pp=p, precision="bf16", micro_batch=1, grad_accum=batch // dp,
+                        seq_len=2048, recompute="full", schedule="1f1b")
+        step = estimate_time(config, layout, hw, 8)
+        out.append((size, t, p, gpus, published, step.hardware_flops_per_token * step.tokens_per_s / gpus / 1e12))
+    return out
+
+
+def torchtitan_rows() -> list[tuple]:
+    """(preset, GPUs, published TPS/GPU, predicted TPS/GPU, predicted MFU of 989 TFLOP/s)."""
+    sxm = get_hardware("h100-sxm")
+    # Their GPUs: H100 SXM boards with 96 GB HBM2e at 2.4 TB/s, capped at 500 W; peak unknown,
+    # "between SXM and NVL": H100 PCIe's 756 TFLOP/s datasheet figure stands in for it.
+    capped = replace(sxm, name="h100 500 W (756 TFLOP/s, 2.4 TB/s)", peak_bf16_tflops=756.0, memory_gb_s=2400.0)
+    out = []
+    for hw in (sxm, capped):
+        for gpus, published in TORCHTITAN_LLAMA3_8B:
+            layout = Layout(dp=gpus, zero=3, precision="bf16", micro_batch=2, seq_len=8192, recompute="selective")
+            step = estimate_time(LLAMA3_8B, layout, hw, 8)
+            mfu = step.flops_per_token * step.tokens_per_s / gpus / 989e12
+            out.append((hw.name, gpus, published, step.tokens_per_s / gpus, mfu))
+    return out
+
+
+def tables() -> str:
+    lines = ["| params (B) | t | p | GPUs | published TFLOP/s | plait TFLOP/s | plait / published |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {s} | {t} | {p} | {g} | {pub} | {pred:.0f} | {pred / pub:.2f} |"
+              for s, t, p, g, pub, pred in megatron_rows()]
+    lines += ["", "| hardware | GPUs | published tokens/s/GPU | plait tokens/s/GPU | plait / published | plait MFU (of 989) |",
+              "|---|---|---|---|---|---|"]
+    lines += [f"| {name} | {g} | {pub:,} | {pred:,.0f} | {pred / pub:.2f} | {mfu:.0%} |"
+              for name, g, pub, pred, mfu in torchtitan_rows()]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    text = tables()
+    print(text)
+    if "--write" in sys.argv:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from common import write_section
+
+        write_section("gpu-presets", "## GPU presets vs published throughput\n\n- command: "
+                      "`python benchmarks/gpu_presets.py --write` (arithmetic, no GPU)\n\n" + text)

@@ -1,0 +1,185 @@
+"""`plait calibrate`: measure this machine for the time model, on every rank at once.
+
+What the model of plait/estimate/ops.py needs, measured the way training will use it (all
+local ranks busy at the same time, each on its share of the cores):
+* the TFLOP/s of every GEMM the model runs (forward and both backward shapes), in its dtype,
+  and of its attention core (forward + backward);
+* memory bandwidth at the size of one activation (b·s·h), and the fixed cost of an op and
+  of a view;
+* the loop's own cost per step (walking the model's states for the report);
+* per group size of the first n ranks: a ring step's latency (an 8-byte all-reduce) and the
+  bus bandwidth of a large all-reduce.
+Each timing is the median of several runs; across ranks the slowest counts.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from plait.estimate.ops import (
+    OPS_BLOCK,
+    OPS_OUTER,
+    TENSORS_PER_BLOCK,
+    Gemm,
+    attention_key,
+    block_gemms,
+    gemm_key,
+    head_gemm,
+)
+from plait.models.config import GPTConfig
+from plait.runtime import comm
+from plait.runtime.mesh import Mesh
+from plait.runtime.subgroups import first_ranks_axes, group_sizes
+from plait.train.meter import storage_bytes
+
+
+def _median_s(fn: Callable[[], Any], reps: int) -> float:
+    fn()  # warm-up: allocations, kernel selection
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _slowest(mesh: Mesh, values: list[float]) -> list[float]:
+    """Max over every rank of each value (the slowest rank sets the pace)."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=mesh.device)
+    comm.all_reduce(tensor, mesh.axis("world"), op="max", purpose=comm.TELEMETRY)
+    return tensor.tolist()
+
+
+def _sync(mesh: Mesh) -> None:
+    if mesh.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def model_shapes(config: GPTConfig, micro_batch: int, seq_len: int, tp_sizes: list[int],
+                 precision: str) -> tuple[list[str], dict[str, Gemm]]:
+    """Attention keys and {key: Gemm} of every GEMM the model runs, for each tp degree."""
+    tokens = micro_batch * seq_len
+    gemms: dict[str, Gemm] = {}
+    attention = []
+    for tp in tp_sizes:
+        forward = [*block_gemms(config, tokens, tp), head_gemm(config, tokens, tp)]
+        for g in forward + [x for g in forward for x in g.backward()]:
+            gemms[gemm_key(g, precision)] = g
+        attention.append(attention_key(config, micro_batch, seq_len, tp, precision))
+    return sorted(set(attention)), gemms
+
+
+def _dtype(precision: str) -> torch.dtype:
+    return torch.float32 if precision == "fp32" else torch.bfloat16
+
+
+def measure_gemms(mesh: Mesh, gemms: dict[str, Gemm], precision: str, reps: int) -> dict[str, float]:
+    """{key: TFLOP/s} of each GEMM shape, slowest rank."""
+    dtype, device, times = _dtype(precision), mesh.device, []
+    for g in gemms.values():
+        a = torch.randn(g.m, g.k, dtype=dtype, device=device)
+        b = torch.randn(g.k, g.n, dtype=dtype, device=device)
+        times.append(_median_s(lambda: (torch.mm(a, b), _sync(mesh)), reps))
+    times = _slowest(mesh, times)
+    return {key: g.flops / t / 1e12 for (key, g), t in zip(gemms.items(), times)}
+
+
+def measure_attention(mesh: Mesh, config: GPTConfig, micro_batch: int, seq_len: int,
+                      tp_sizes: list[int], precision: str, reps: int) -> dict[str, float]:
+    """{key: TFLOP/s} of causal scaled-dot-product attention, forward + backward, counted as
+    3 · 4·b·s²·h/t FLOPs (the model's convention: no discount for the mask)."""
+    out, times, flops = {}, [], []
+    for tp in sorted(set(tp_sizes)):
+        heads = max(1, config.n_heads // tp)
+        shape = (micro_batch, heads, seq_len, config.head_dim)
+        q, k, v = (torch.randn(shape, dtype=_dtype(precision), device=mesh.device, requires_grad=True)
+                   for _ in range(3))
+
+        def run() -> None:
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+            _sync(mesh)
+
+        times.append(_median_s(run, reps))
+        flops.append(3 * 4.0 * micro_batch * seq_len * seq_len * heads * config.head_dim)
+        out[attention_key(config, micro_batch, seq_len, tp, precision)] = 0.0
+    for key, f, t in zip(list(out), flops, _slowest(mesh, times)):
+        out[key] = f / t / 1e12
+    return out
+
+
+def measure_memory(mesh: Mesh, elements: int, tensors: int, reps: int) -> dict[str, float]:
+    """Bandwidth of an allocating add on `elements` floats (an activation's size); the
+    loop's walk over `tensors` parameter-like tensors (its per-step bookkeeping); and the
+    fixed costs of ops, views and optimizer tensors (`measure_dispatch`)."""
+    device = mesh.device
+    x, y = (torch.randn(elements, device=device) for _ in range(2))
+    many = [torch.ones(4, device=device) for _ in range(3 * tensors)]
+    add = _median_s(lambda: (torch.add(x, y), _sync(mesh)), reps)  # allocating, as eager ops do
+    walk = _median_s(lambda: storage_bytes(many), reps)
+    one = torch.ones(1, device=device)
+    view = _median_s(lambda: [one.view(-1) for _ in range(100)], reps) / 100
+    block, update = measure_dispatch(mesh, reps)
+    add, walk, view, block, update = _slowest(mesh, [add, walk, view, block, update])
+    op = max(0.0, block - view * DISPATCH_VIEWS) / DISPATCH_OPS
+    return {"memory_gb_s": 3 * elements * 4 / add / 1e9, "op_overhead_us": op * 1e6,
+            "view_overhead_us": view * 1e6, "step_overhead_us": walk * 1e6,
+            "optimizer_tensor_us": update / DISPATCH_TENSORS * 1e6}
+
+
+# A 2-block GPT so small (h = 8, 4 tokens) that its time is all fixed costs: the very op
+# mix the time model counts per block (plait/estimate/ops.py), forward and backward.
+DISPATCH_MODEL = GPTConfig(vocab_size=16, n_layers=2, d_model=8, n_heads=2, n_kv_heads=1,
+                           ffn_hidden=16, max_seq_len=4)
+GEMMS_PER_BLOCK, GEMMS_OUTER = 8 + 15, 3  # 7 GEMMs and the attention core, forward and backward
+DISPATCH_OPS = sum(2 * OPS_BLOCK[b][0] + OPS_OUTER[b][0] for b in (0, 1)) + 2 * GEMMS_PER_BLOCK + GEMMS_OUTER
+DISPATCH_VIEWS = sum(2 * OPS_BLOCK[b][1] + OPS_OUTER[b][1] for b in (0, 1))
+DISPATCH_TENSORS = 2 * TENSORS_PER_BLOCK + 1  # tied embedding and head, final norm
+
+
+def measure_dispatch(mesh: Mesh, reps: int) -> tuple[float, float]:
+    """(forward + backward seconds, AdamW step seconds) of DISPATCH_MODEL, under the
+    activation meter that `plait train` runs every forward in."""
+    from plait.models.gpt import build_gpt
+    from plait.train.meter import ActivationMeter
+
+    meter = ActivationMeter()
+
+    model = build_gpt(DISPATCH_MODEL, 0).to(mesh.device)
+    ids = torch.randint(0, 16, (1, 4), device=mesh.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+    def train() -> None:
+        with meter.track(model):
+            logits = model(ids)
+        F.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+        _sync(mesh)
+
+    def update() -> None:
+        optimizer.step()
+        _sync(mesh)
+
+    return _median_s(train, reps * 2), _median_s(update, reps * 2)
+
+
+def measure_links(mesh: Mesh, large: int, reps: int) -> tuple[tuple[int, float, float], ...]:
+    """(n, µs per ring step, GB/s busbw) of all-reduce on the first n ranks, each n."""
+    world = mesh.env.world_size
+    axes = first_ranks_axes(group_sizes(world), mesh.ledger, mesh.global_rank, world)
+    rows = []
+    for n, axis in axes.items():
+        small_t = large_t = 0.0
+        if axis is not None:
+            tiny = torch.zeros(2, dtype=torch.float32, device=mesh.device)
+            big = torch.zeros(large // 4, dtype=torch.float32, device=mesh.device)
+            small_t = _median_s(lambda: comm.all_reduce(tiny, axis, purpose=comm.TELEMETRY), reps * 4)
+            large_t = _median_s(lambda: comm.all_reduce(big, axis, purpose=comm.TELEMETRY), reps)
+        small_t, large_t = _slowest(mesh, [small_t, large_t])
+        step = small_t / (2 * (n - 1))
+        wire = 2 * (n - 1) / n * large
+        rows.append((n, step * 1e6, wire / max(large_t - 2 * (n - 1) * step, 1e-9) / 1e9))
+    return tuple(rows)

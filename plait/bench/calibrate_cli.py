@@ -1,0 +1,81 @@
+"""`plait calibrate`: measure this machine and write a hardware file (and cache it).
+
+The file is a `[hardware]` table that `plait estimate/plan --hardware-file` and
+`plait train --hardware-file` read; the cached copy is what `plait train` uses by itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from plait.errors import PlaitError
+
+
+def calibrate_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="plait calibrate",
+        description="Measure this machine for the time model: the model's GEMMs and attention, memory "
+                    "bandwidth, op and loop overheads, collective latency and bandwidth per group size.")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks that will share this machine when training")
+    parser.add_argument("--out", required=True, help="the hardware TOML file to write")
+    parser.add_argument("--model", default="small", help="whose GEMM shapes to measure (tiny, small, ...)")
+    parser.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--tp", default="1,2", help="tensor-parallel degrees whose shard shapes to measure")
+    parser.add_argument("--precision", default="fp32", help="fp32 or bf16")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (what plait train does)")
+    parser.add_argument("--no-cache", action="store_true", help="do not also store it as this machine's calibration")
+    parser.add_argument("--backend", default="auto", help="auto, nccl or gloo")
+    return parser
+
+
+def calibrate_main(argv: list[str]) -> int:
+    args = calibrate_parser().parse_args(argv)
+    try:
+        tps = sorted({int(t) for t in args.tp.split(",")})
+    except ValueError:
+        raise PlaitError(f"bad --tp {args.tp!r}", hint="a comma list of degrees, e.g. 1,2") from None
+    if args.nproc < 1 or args.precision not in ("fp32", "bf16") or min(tps) < 1:
+        raise PlaitError("--nproc must be 1 or more, --precision fp32 or bf16, --tp degrees 1 or more")
+    from plait.models.config import get_preset
+
+    config = get_preset(args.model)
+    if "RANK" not in os.environ and args.nproc > 1:
+        from plait.runtime.launch import spawn
+
+        return spawn([sys.executable, "-m", "plait", "calibrate", *argv], args.nproc)
+    return _rank_main(args, config, tps)
+
+
+def _rank_main(args: argparse.Namespace, config: object, tps: list[int]) -> int:
+    from plait.bench import machine
+    from plait.runtime.mesh import init_mesh
+    from plait.train.run import set_cpu_threads
+
+    mesh = init_mesh(backend=args.backend)
+    try:
+        set_cpu_threads(mesh.env.world_size)
+        hw = machine.calibrate(mesh, config, micro_batch=args.micro_batch, seq_len=args.seq_len,
+                               tp_sizes=tps, precision=args.precision, quick=args.quick)
+        if mesh.is_main:
+            facts = machine.machine_facts(mesh)
+            machine.save(hw, Path(args.out), facts)
+            if not args.no_cache:
+                machine.save(hw, machine.cache_path(facts), facts)
+            print(describe(hw, args.out), flush=True)
+        return 0
+    finally:
+        mesh.close()
+
+
+def describe(hw: object, out: str) -> str:
+    gemm = sorted(r for k, r in hw.gemm if not k.startswith("attn"))
+    lines = [f"plait: {hw.name} -> {out}",
+             f"  GEMMs       {len(gemm)} shapes, {gemm[0] * 1e3:.1f} to {gemm[-1] * 1e3:.1f} GFLOP/s" if gemm else "",
+             f"  memory      {hw.memory_gb_s:.2f} GB/s; op {hw.op_overhead_us:.1f} us, view {hw.view_overhead_us:.1f} us, "
+             f"loop {hw.step_overhead_us:.0f} us/step"]
+    lines += [f"  all-reduce  n={n}: {lat:.1f} us per ring step, {bw:.2f} GB/s busbw" for n, lat, bw in hw.links]
+    return "\n".join(line for line in lines if line)

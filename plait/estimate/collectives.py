@@ -1,0 +1,75 @@
+"""What a collective's measured time means: nccl-tests' size, algbw and busbw, as arithmetic.
+
+nccl-tests (NVIDIA's benchmark of NCCL) reports, for an op on a buffer of S bytes that took
+t seconds on n ranks:
+  algbw = S / t        (S: the whole buffer: all-gather's output, reduce-scatter's input,
+                        scatter's and gather's buffer at the root, the message of a send)
+  busbw = algbw · factor(op, n)
+The factor turns algbw into the speed each rank's link actually ran at under the best
+algorithm, so that every op can be compared with the link's bandwidth and with each other:
+an all-reduce moves 2(n-1)/n·S through every rank's link (reduce-scatter then all-gather),
+an all-gather or reduce-scatter (n-1)/n·S, a scatter or gather (n-1)/n·S through the root's,
+a broadcast or reduce (pipelined along a chain) S, a send S. These are also the bytes the
+ledger (plait/runtime/comm.py) counts per rank, so factor·S is what the ledger must show.
+"""
+
+from __future__ import annotations
+
+PRIMITIVES = ("broadcast", "scatter", "reduce", "gather", "all_gather", "reduce_scatter",
+              "all_reduce", "send_recv")
+
+FACTOR_TEXT = {"all_reduce": "2(n-1)/n", "all_gather": "(n-1)/n", "reduce_scatter": "(n-1)/n",
+               "scatter": "(n-1)/n", "gather": "(n-1)/n", "broadcast": "1", "reduce": "1",
+               "send_recv": "1"}
+
+
+def busbw_factor(op: str, n: int) -> float:
+    """nccl-tests' bus-bandwidth factor of `op` on n ranks."""
+    if op not in FACTOR_TEXT:
+        raise ValueError(f"unknown collective {op!r}")
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if FACTOR_TEXT[op] == "(n-1)/n":
+        return (n - 1) / n
+    return 1.0
+
+
+def bandwidths(op: str, size: float, seconds: float, n: int) -> tuple[float, float]:
+    """(algbw, busbw) in bytes per second."""
+    algbw = size / seconds if seconds > 0 else float("inf")
+    return algbw, algbw * busbw_factor(op, n)
+
+
+def parse_size(text: str) -> int:
+    """'1K' -> 1024, '256M' -> 268435456, '4096' -> 4096 (binary units, as nccl-tests)."""
+    text = text.strip().upper().removesuffix("B")
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+    number = text[:-1] if scale > 1 else text
+    if not number.isdigit() or int(number) < 1:
+        raise ValueError(text)
+    return int(number) * scale
+
+
+def size_range(spec: str, factor: int = 2) -> list[int]:
+    """'1K:256M' -> 1K, 2K, 4K, ... 256M (each `factor` times the last); 'A' -> [A]."""
+    low, _, high = spec.partition(":")
+    start, stop = parse_size(low), parse_size(high or low)
+    if stop < start or factor < 2:
+        raise ValueError(spec)
+    sizes = [start]
+    while sizes[-1] * factor <= stop:
+        sizes.append(sizes[-1] * factor)
+    return sizes
+
+
+def ring_time(op: str, size: float, n: int, latency_s: float, bandwidth: float) -> float:
+    """α-β time of `op`: ring steps·α + factor·S/β (steps: 2(n-1) for all-reduce, n-1 for
+    the others that cross every rank, 1 for a send)."""
+    if n <= 1:
+        return 0.0
+    steps = {"all_reduce": 2 * (n - 1), "send_recv": 1, "send": 1, "recv": 1}.get(op, n - 1)
+    return steps * latency_s + busbw_factor(_canon(op), n) * size / bandwidth
+
+
+def _canon(op: str) -> str:
+    return "send_recv" if op in ("send", "recv") else op

@@ -1,0 +1,159 @@
+"""Seconds of compute per micro-batch, operation by operation: a roofline per GEMM, the
+attention core, element-wise work by the bytes it moves, and the optimizer step by bytes.
+
+Every cost is max(FLOPs / rate, bytes / memory bandwidth) + a fixed cost per launched op
+(eager PyTorch's dispatch on a CPU, a kernel launch on a GPU, which hides behind work there):
+* GEMM (M×K·K×N): rate = the measured TFLOP/s of that very shape and dtype when the hardware
+  file has it (`plait calibrate` measures the model's own), else peak · compute_efficiency,
+  the fraction large GEMMs reach. Backward runs the two GEMMs (M×N·N×K for the input's
+  gradient, K×M·M×N for the weight's). Bytes: A, B and C once.
+* Attention core (QKᵀ, softmax, ·V, fused as torch's scaled_dot_product_attention is):
+  4·T·s·h/t FLOPs forward, twice that backward, at the measured attention rate, else
+  peak · attention_efficiency.
+* Element-wise (norms, RoPE, SiLU·mul, residual adds, the loss's softmax): memory-bound.
+  Elements read plus written per token per block, counted over plait's GPT with a torch
+  dispatch hook (fp32, tiny and variants): forward 39h + kv + 5f, backward 87h + 8kv + 9f;
+  around the blocks 8h + 3.25V forward, 23h + 6.5V backward. Forward launches 33 compute
+  ops and 44 views per block (backward 61 and 76); around the blocks 9 + 9 and 19 + 13.
+* Optimizer: torch's AdamW (per-tensor loop) reads and writes 84 bytes per fp32 parameter
+  in 10 ops per tensor (a fixed cost per tensor, `optimizer_tensor_us`, calibrated on a real
+  AdamW step); plait's clipping squares each gradient in fp64 (28 bytes per parameter, 3 ops
+  per tensor) and all-reduces the sum over the ZeRO, tp and pp groups; zeroing writes 4.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.estimate.hardware import Hardware
+from plait.estimate.layout import Layout, Stage
+from plait.models.config import GPTConfig
+
+EW_FWD = (39, 1, 5)  # elements per token per block: coefficients of h, kv, f
+EW_BWD = (87, 8, 9)
+EW_OUTER = ((8, 3.25), (23, 6.5))  # around the blocks: (h, V) forward, backward
+OPS_BLOCK = ((33, 44), (61, 76))  # (compute ops, views) per block: forward, backward
+OPS_OUTER = ((9, 9), (19, 13))
+ADAM_BYTES = 84  # per fp32 parameter
+CLIP_BYTES, CLIP_OPS, ZERO_GRAD_BYTES = 28, 3, 4
+TENSORS_PER_BLOCK = 9
+
+
+@dataclass(frozen=True)
+class Gemm:
+    m: int
+    k: int
+    n: int
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.k * self.n
+
+    def backward(self) -> tuple["Gemm", "Gemm"]:
+        """Input gradient (M×N·N×K) and weight gradient (K×M·M×N)."""
+        return Gemm(self.m, self.n, self.k), Gemm(self.k, self.m, self.n)
+
+
+def dtype_bytes(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+def gemm_key(g: Gemm, precision: str) -> str:
+    """How a measured GEMM is named in a hardware file: 'fp32 2048x384x1152'."""
+    return f"{'fp32' if precision == 'fp32' else 'bf16'} {g.m}x{g.k}x{g.n}"
+
+
+def block_gemms(config: GPTConfig, tokens: int, tp: int) -> list[Gemm]:
+    """One block's forward GEMMs on one tensor-parallel rank (columns or rows split by t)."""
+    h, kv, f = config.d_model, config.kv_dim, config.ffn_hidden
+    if config.arch == "gpt2":
+        return [Gemm(tokens, h, (h + 2 * kv) // tp), Gemm(tokens, h // tp, h),
+                Gemm(tokens, h, f // tp), Gemm(tokens, f // tp, h)]
+    return [Gemm(tokens, h, h // tp), Gemm(tokens, h, kv // tp), Gemm(tokens, h, kv // tp),
+            Gemm(tokens, h // tp, h), Gemm(tokens, h, f // tp), Gemm(tokens, h, f // tp),
+            Gemm(tokens, f // tp, h)]
+
+
+def head_gemm(config: GPTConfig, tokens: int, tp: int) -> Gemm:
+    return Gemm(tokens, config.d_model, -(-config.vocab_size // tp))
+
+
+def gemm_s(g: Gemm, precision: str, hw: Hardware) -> float:
+    """One GEMM: measured rate of its shape if known, else the roofline."""
+    measured = hw.gemm_tflops(gemm_key(g, precision))
+    if measured:
+        return g.flops / (measured * 1e12)
+    moved = (g.m * g.k + g.k * g.n + g.m * g.n) * dtype_bytes(precision)
+    compute = g.flops / (hw.peak_flops(precision) * hw.compute_efficiency)
+    return max(compute, moved / hw.memory_bytes_per_s) + hw.op_overhead_us * 1e-6
+
+
+def attention_key(config: GPTConfig, micro_batch: int, seq: int, tp: int, precision: str) -> str:
+    """How a measured attention core is named: 'attn fp32 b8 a3 s128 d64' (heads per rank)."""
+    dtype = "fp32" if precision == "fp32" else "bf16"
+    return f"attn {dtype} b{micro_batch} a{config.n_heads // tp} s{seq} d{config.head_dim}"
+
+
+def attention_s(config: GPTConfig, layout: Layout, passes: float) -> tuple[float, float]:
+    """(FLOPs, key) of the attention core for `passes` forward-equivalents on one block."""
+    tokens = layout.micro_batch * layout.seq_len
+    flops = 4.0 * tokens * layout.seq_len * config.d_model / layout.tp * passes
+    return flops, attention_key(config, layout.micro_batch, layout.seq_len, layout.tp, layout.precision)
+
+
+def attention_time(config: GPTConfig, layout: Layout, hw: Hardware, passes: float) -> float:
+    flops, key = attention_s(config, layout, passes)
+    rate = hw.gemm_tflops(key) * 1e12 or hw.peak_flops(layout.precision) * hw.attention_efficiency
+    return flops / rate
+
+
+def elementwise_s(config: GPTConfig, layout: Layout, hw: Hardware, layers: float,
+                  outer: bool, backward: bool) -> float:
+    """Memory-bound work: bytes moved over bandwidth, plus each op's fixed cost."""
+    h, kv, f, t = config.d_model, config.kv_dim, config.ffn_hidden, layout.tp
+    tokens = layout.micro_batch * layout.seq_len
+    a, b, c = EW_BWD if backward else EW_FWD
+    replicated = h / t if layout.sp else h  # norms and residuals run on every tp rank
+    per_token = layers * (a * replicated + b * kv / t + c * f / t)
+    ops, views = OPS_BLOCK[backward]
+    count, cheap = layers * ops, layers * views
+    if outer:
+        oh, ov = EW_OUTER[backward]
+        per_token += oh * h + ov * config.vocab_size / t
+        count, cheap = count + OPS_OUTER[backward][0], cheap + OPS_OUTER[backward][1]
+    moved = per_token * tokens * dtype_bytes(layout.precision)
+    return moved / hw.memory_bytes_per_s + count * hw.op_overhead_us * 1e-6 + cheap * hw.view_overhead_us * 1e-6
+
+
+def micro_batch_compute_s(config: GPTConfig, layout: Layout, stage: Stage, hw: Hardware) -> float:
+    """Forward + backward (+ recompute) of one micro-batch on one rank of `stage`."""
+    tokens = layout.micro_batch * layout.seq_len
+    fwd = sum(gemm_s(g, layout.precision, hw) for g in block_gemms(config, tokens, layout.tp))
+    bwd = sum(gemm_s(x, layout.precision, hw) for g in block_gemms(config, tokens, layout.tp)
+              for x in g.backward())
+    again = {"none": 0.0, "selective": 0.0, "full": 1.0}[layout.recompute]
+    attn_passes = 3 + {"none": 0, "selective": 1, "full": 1}[layout.recompute]
+    layers = stage.layers
+    total = layers * ((1 + again) * fwd + bwd) + layers * attention_time(config, layout, hw, attn_passes)
+    # The loss's softmax and the final norm: counted on the last stage, where they run.
+    total += elementwise_s(config, layout, hw, layers * (1 + again), stage.last, False)
+    total += elementwise_s(config, layout, hw, layers, stage.last, True)
+    if stage.last:
+        head = head_gemm(config, tokens, layout.tp)
+        total += sum(gemm_s(x, layout.precision, hw) for x in (head, *head.backward()))
+    return total
+
+
+def optimizer_s(params: int, tensors: int, hw: Hardware) -> float:
+    """AdamW, clipping and zeroing over the parameters this rank updates (fp32 states):
+    bytes over bandwidth, plus the fixed cost per tensor of torch's per-tensor loop."""
+    moved = params * (ADAM_BYTES + CLIP_BYTES + ZERO_GRAD_BYTES)
+    fixed = tensors * (hw.optimizer_tensor_us + CLIP_OPS * hw.op_overhead_us) * 1e-6
+    return moved / hw.memory_bytes_per_s + fixed
+
+
+def stage_tensors(stage: Stage, layout: Layout) -> int:
+    """Parameter tensors the optimizer loops over on one rank (ZeRO: flat shards, few)."""
+    if layout.zero:
+        return 2 * max(1, stage.layers) if layout.zero == 3 else 2
+    return TENSORS_PER_BLOCK * stage.layers + int(stage.first) + 2 * int(stage.last)

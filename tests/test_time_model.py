@@ -1,0 +1,151 @@
+"""The time model: per-operation costs, calibrated hardware files, the GPU presets against
+published runs, and (one world) the prediction against a measured run on this machine."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from plait.estimate import estimate_layout
+from plait.estimate.cli import estimate_main
+from plait.estimate.hardware import get_hardware, hardware_toml, load_hardware
+from plait.estimate.layout import Layout, stages
+from plait.estimate.ops import Gemm, gemm_key, gemm_s, micro_batch_compute_s, optimizer_s
+from plait.models.config import get_preset
+from tests.worldlib import ROOT, run_world
+
+CPU = get_hardware("cpu")
+CALIBRATED = replace(CPU, name="calibrated test", gemm=(("fp32 1024x64x64", 0.05), ("attn fp32 b8 a4 s128 d16", 0.01)),
+                     links=((2, 300.0, 1.5), (4, 400.0, 1.0)), op_overhead_us=5.0, optimizer_tensor_us=40.0)
+
+
+def test_measured_gemm_rate_beats_the_roofline() -> None:
+    g = Gemm(1024, 64, 64)
+    assert gemm_key(g, "fp32") == "fp32 1024x64x64"
+    assert gemm_s(g, "fp32", CALIBRATED) == pytest.approx(g.flops / 0.05e12)
+    other = Gemm(2048, 64, 64)  # not measured: roofline at peak·efficiency, plus the op's cost
+    expected = max(other.flops / (CPU.peak_fp32_tflops * 1e12 * CPU.compute_efficiency),
+                   (2048 * 64 + 64 * 64 + 2048 * 64) * 4 / (CPU.memory_gb_s * 1e9)) + 5e-6
+    assert gemm_s(other, "fp32", CALIBRATED) == pytest.approx(expected)
+
+
+def test_links_per_group_size() -> None:
+    assert CALIBRATED.link(2, False) == pytest.approx((300e-6, 1.5e9))
+    assert CALIBRATED.link(4, False) == pytest.approx((400e-6, 1.0e9))
+    assert CALIBRATED.link(3, False) == pytest.approx((400e-6, 1.0e9))  # nearest, the larger on a tie
+    assert CALIBRATED.link(2, True) == (CPU.latency(True), CPU.bandwidth(True))  # not measured
+
+
+def test_optimizer_costs_bytes_and_tensors() -> None:
+    assert optimizer_s(1_000_000, 10, CALIBRATED) == pytest.approx(116e6 / (CPU.memory_gb_s * 1e9) + 10 * (40 + 3 * 5) * 1e-6)
+
+
+def test_measured_gemm_changes_the_compute() -> None:
+    cfg = get_preset("tiny")
+    layout = Layout(micro_batch=8, seq_len=128)
+    stage = stages(cfg, 1, 1, 1)[0]
+    slow = replace(CALIBRATED, gemm=(("fp32 1024x64x64", 0.001),))
+    assert micro_batch_compute_s(cfg, layout, stage, slow) > micro_batch_compute_s(cfg, layout, stage, CALIBRATED)
+
+
+def test_calibration_file_round_trips_through_hardware_file(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "hw.toml"
+    path.write_text(hardware_toml(CALIBRATED, {"plait calibration of": "a test"}))
+    assert load_hardware(path) == CALIBRATED
+    assert estimate_main(["--model", "tiny", "--dp", "2", "--precision", "fp32", "--micro-batch", "8",
+                          "--seq-len", "128", "--hardware-file", str(path), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    direct = estimate_layout(get_preset("tiny"), dp=2, micro_batch=8, seq_len=128, hardware=CALIBRATED)
+    assert result["layout"]["hardware"] == "calibrated test"
+    assert result["time"] == pytest.approx(direct["time"])
+    assert {"optimizer_s", "overhead_s", "compute_s", "bubble_s", "dp_s"} <= set(result["time"])
+
+
+def _gpu_presets():
+    spec = importlib.util.spec_from_file_location("gpu_presets", ROOT / "benchmarks" / "gpu_presets.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_presets_against_published_runs() -> None:
+    """Narayanan et al. 2021 Table 1 from 7.5 B up within 15% (the two smallest rows are
+    over-predicted: docs/estimate.md); torchtitan's Llama 3 8B within 35% on the SXM preset."""
+    module = _gpu_presets()
+    for size, _, _, _, published, predicted in module.megatron_rows():
+        assert abs(predicted / published - 1) <= (0.15 if size >= 7.5 else 0.30), size
+    for name, _, published, predicted, _ in module.torchtitan_rows():
+        assert abs(predicted / published - 1) <= (0.35 if name == "h100-sxm" else 0.15), name
+
+
+def test_prediction_holds_on_this_machine_after_calibration(tmp_path: Path) -> None:
+    """`tiny` under dp 2, calibrated in the same world right before training: the predicted
+    step time within 50% of the measured median (the benchmark holds 20% on a quiet machine)."""
+    _, reports = run_world("time_model.py", 2, tmp_path, str(tmp_path / "run"), "tiny", "6", "0.5", timeout=400)
+    attempts = reports[0]["attempts"]
+    assert reports[0]["hardware"].startswith("calibrated")
+    last = attempts[-1]
+    assert set(last["predicted"]) == {"compute", "exposed_comm", "bubble", "optimizer", "overhead", "step"}
+    assert last["predicted"]["step"] == pytest.approx(sum(v for k, v in last["predicted"].items() if k != "step"))
+    assert abs(last["ratio"] - 1) <= 0.5, attempts
+
+
+def test_train_uses_a_cached_calibration_of_this_machine(tmp_path: Path, monkeypatch) -> None:
+    """No cache: a quick calibration, saved under the user cache dir; the next run reads it."""
+    from types import SimpleNamespace
+
+    from plait.bench.machine import cache_path, machine_facts
+    from plait.runtime.mesh import init_mesh
+    from plait.train.config import TrainConfig
+    from plait.train.timing import run_hardware
+
+    monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("PLAIT_CALIBRATION", raising=False)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as one of two ranks on this machine (and far quicker under load)
+    mesh = init_mesh()
+    trainer = SimpleNamespace(config=TrainConfig(model="tiny", micro_batch=2, seq_len=32), mesh=mesh,
+                              model_config=get_preset("tiny"))
+    first, source = run_hardware(trainer)
+    assert source.startswith("quick calibration") and cache_path(machine_facts(mesh)).exists()
+    assert first.gemm_tflops("fp32 64x64x192") > 0 and first.name.startswith("calibrated")
+    again, source = run_hardware(trainer)
+    assert source.startswith("cached calibration") and again == first
+    monkeypatch.setenv("PLAIT_CALIBRATION", "off")
+    assert run_hardware(trainer)[0].name == "cpu"
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [
+    ["micro_batch=4", "grad_accum=2"], ["zero=3"], ["tp=2"], ["pp=2", "micro_batch=2", "grad_accum=4"],
+], ids=["dp2", "zero3x2", "tp2", "pp2-1f1b"])
+def test_prediction_holds_for_small_layouts(tmp_path: Path, extra: list[str]) -> None:
+    """`small` under the issue's layouts, each calibrated right before it trains (50%)."""
+    _, reports = run_world("time_model.py", 2, tmp_path, str(tmp_path / "run"), "small", "6", "0.5", *extra,
+                           timeout=900)
+    assert abs(reports[0]["attempts"][-1]["ratio"] - 1) <= 0.5, reports[0]["attempts"]
+
+
+@pytest.mark.slow
+def test_calibrate_command_writes_a_file_estimate_reads(tmp_path: Path) -> None:
+    from tests.worldlib import run_plait
+
+    out = tmp_path / "hw.toml"
+    proc = run_plait("calibrate", "--nproc", "2", "--model", "tiny", "--tp", "1,2", "--quick", "--no-cache",
+                     "--out", str(out), timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    hw = load_hardware(out)
+    assert hw.gemm_tflops("fp32 1024x64x192") > 0 and hw.gemm_tflops("fp32 1024x64x96") > 0  # tp 1 and 2
+    assert [n for n, _, _ in hw.links] == [2]
+    proc = run_plait("estimate", "--model", "tiny", "--dp", "2", "--precision", "fp32", "--micro-batch", "8",
+                     "--seq-len", "128", "--hardware-file", str(out), "--json")
+    assert json.loads(proc.stdout)["layout"]["hardware"] == hw.name
