@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from plait.cli import train_parser
+from plait.cli import main, train_parser
 from plait.errors import PlaitError
 from plait.train.config import TrainConfig, build_config, load_toml
 from tests.parity import assert_losses_close, assert_params_close
@@ -105,12 +105,17 @@ def test_every_config_field_is_a_flag():
     (["--model", "tiny,heads=4"], "model 'tiny,heads=4': 'heads=4' is not FIELD=VALUE for a GPTConfig field"),
     (["--model", "tiny,n_kv_heads=3"], "n_kv_heads"),
 ])
-def test_bad_input_is_one_clear_line(flags, message, tmp_path):
-    proc = run_plait("train", "--out", str(tmp_path), *flags, timeout=60)
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert lines[0].startswith("plait: error: ") and message in lines[0], proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_bad_input_is_one_clear_line(flags, message, tmp_path, capsys, monkeypatch):
+    """Through `plait.cli.main`, which `python -m plait` calls, in this process: validation
+    imports torch, and a process per case would pay for that 13 times. The command itself
+    prints the same way in test_debug_shows_the_traceback and test_corpus_too_small_for_the_batch."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PLAIT_SPAWNED"):
+        monkeypatch.delenv(name, raising=False)  # as a user's shell: no launcher around
+    assert main(["train", "--out", str(tmp_path), *flags]) == 2
+    stderr = capsys.readouterr().err
+    lines = stderr.strip().splitlines()
+    assert lines[0].startswith("plait: error: ") and message in lines[0], stderr
+    assert "Traceback" not in stderr
 
 
 def test_corpus_too_small_for_the_batch(tmp_path):
