@@ -20,7 +20,7 @@ from plait.runtime.mesh import init_mesh
 from plait.train import checkpoint
 from plait.train.checkpoint_read import Reader, describe, load, resolve
 from tests.parity import assert_losses_close
-from tests.worldlib import ROOT, run_plait
+from tests.worldlib import ROOT, run_plait, split_slow
 
 TRAIN = ["--model", "tiny", "--steps", "6", "--micro-batch", "4", "--seq-len", "32", "--eval-every", "0",
          "--sample-tokens", "0", "--warmup-steps", "2"]
@@ -59,15 +59,22 @@ def test_resume_on_the_same_layout_is_exact_to_the_bit(saved, tmp_path):
     assert losses(tmp_path) == losses(saved)[3:]
 
 
-@pytest.mark.parametrize("layout", [
-    ["--nproc", "2", "--zero", "2", "--offload"],
-    ["--nproc", "2", "--tp", "2", "--sp", "--micro-batch", "8"],
-    ["--nproc", "2", "--pp", "2", "--grad-accum", "2", "--schedule", "zb-h1"],
-    ["--nproc", "4", "--dp", "2", "--pp", "2", "--zero", "1", "--micro-batch", "2", "--grad-accum", "2"],
-    ["--nproc", "2", "--zero", "3", "--precision", "bf16"],
-], ids=["zero2-offload", "tp2-sp", "pp2-zbh1", "dp2-pp2-zero1", "zero3-bf16"])
-def test_each_strategy_resumes_to_the_bit(tmp_path, layout):
+EXACT = {
+    "zero2-offload": ["--nproc", "2", "--zero", "2", "--offload"],
+    "tp2-sp": ["--nproc", "2", "--tp", "2", "--sp", "--micro-batch", "8"],
+    "pp2-zbh1": ["--nproc", "2", "--pp", "2", "--grad-accum", "2", "--schedule", "zb-h1"],
+    "dp2-pp2-zero1": ["--nproc", "4", "--dp", "2", "--pp", "2", "--zero", "1", "--micro-batch", "2",
+                      "--grad-accum", "2"],
+    "zero3-bf16": ["--nproc", "2", "--zero", "3", "--precision", "bf16"],
+}
+
+
+# `make test` resumes a sharded optimizer with bf16 masters; ZeRO's world moves checkpoints
+# between DDP and every stage; the other layouts run in `make test-all`.
+@pytest.mark.parametrize("case", split_slow(EXACT, ["zero3-bf16"]))
+def test_each_strategy_resumes_to_the_bit(tmp_path, case):
     """Model, optimizer (offloaded or sharded too), LR schedule, RNG and data position all return."""
+    layout = EXACT[case]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     proc = run_plait("train", *TRAIN, *layout, "--steps", "4", "--save-every", "2", "--out", str(whole))
     assert proc.returncode == 0, proc.stderr
@@ -87,7 +94,7 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("case", LAYOUTS)
+@pytest.mark.parametrize("case", split_slow(LAYOUTS, ["dp2->tp2"]))
 def test_resume_on_another_layout_continues_the_same_run(saved, tmp_path, case):
     layout, rtol = LAYOUTS[case]
     proc = run_plait("train", *TRAIN, *layout, "--out", str(tmp_path),
@@ -96,9 +103,12 @@ def test_resume_on_another_layout_continues_the_same_run(saved, tmp_path, case):
     assert_losses_close(losses(tmp_path), losses(saved)[3:], rtol=rtol)
 
 
-@pytest.mark.parametrize("layout", [["--pp", "2", "--grad-accum", "2"], ["--tp", "2", "--micro-batch", "8"]],
-                         ids=["pp2->dp2", "tp2->dp2"])
-def test_a_model_parallel_checkpoint_resumes_as_data_parallel(saved, tmp_path, layout):
+TO_DP = {"pp2->dp2": ["--pp", "2", "--grad-accum", "2"], "tp2->dp2": ["--tp", "2", "--micro-batch", "8"]}
+
+
+@pytest.mark.parametrize("case", split_slow(TO_DP, ["pp2->dp2"]))
+def test_a_model_parallel_checkpoint_resumes_as_data_parallel(saved, tmp_path, case):
+    layout = TO_DP[case]
     first = tmp_path / "first"
     proc = run_plait("train", *TRAIN, "--nproc", "2", *layout, "--steps", "3", "--save-every", "3", "--out", str(first))
     assert proc.returncode == 0, proc.stderr
@@ -121,6 +131,8 @@ FROM_3D = {
 }
 
 
+# Four 8-process runs: the long matrix (`make test-all`). `make test` trains dp × tp × pp in
+# tests/test_cli_strategies.py.
 @pytest.fixture(scope="module")
 def saved_3d(tmp_path_factory):
     out = tmp_path_factory.mktemp("run3d")
@@ -129,6 +141,7 @@ def saved_3d(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_a_3d_checkpoint_stores_each_logical_tensor_once(saved_3d):
     index = json.loads((saved_3d / "checkpoints" / "step-00000003" / "index.json").read_text())
     assert index["layout"] == {"pp": 2, "dp": 2, "tp": 2} and index["world_size"] == 8
@@ -142,6 +155,7 @@ def test_a_3d_checkpoint_stores_each_logical_tensor_once(saved_3d):
     assert len([k for k in index["tensors"] if k.startswith("model/")]) == len(dict(model.named_parameters()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", FROM_3D)
 def test_a_3d_checkpoint_resumes_on_any_layout(saved_3d, tmp_path, case):
     proc = run_plait("train", *TRAIN, *MHA, *FROM_3D[case], "--out", str(tmp_path),

@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.parity import assert_losses_close, assert_params_close
-from tests.worldlib import run_plait
+from tests.worldlib import Runs, run_plait, split_slow
 
 COMMON = ["--model", "tiny", "--steps", "4", "--micro-batch", "2", "--seq-len", "32", "--eval-every", "2",
           "--eval-samples", "8", "--sample-tokens", "0", "--warmup-steps", "1"]
@@ -32,8 +32,8 @@ def run(out, *flags):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """One process; global batch 2·k for k = 1, 2, 4."""
-    return {k: run(tmp_path_factory.mktemp(f"ref{k}"), "--nproc", "1", "--grad-accum", str(k)) for k in (1, 2, 4)}
+    """One process; global batch 2·k for k = 1, 2, 4 (each run on first use)."""
+    return Runs(lambda k: run(tmp_path_factory.mktemp(f"ref{k}"), "--nproc", "1", "--grad-accum", str(k)))
 
 
 CASES = {
@@ -60,7 +60,13 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
+# `make test` keeps the products no world in `make test` covers (dp × tp, tp × pp, all three
+# axes) and recomputation under TP; DDP, ZeRO, offload, TP, SP, each schedule and dp × pp are
+# proved by the worlds (tests/test_*_worlds.py). The rest of the matrix runs in `make test-all`.
+FAST = ("tp2-sp-recompute", "dp2-tp2-zero1-sp", "tp2-pp2-zbh1", "dp2-tp2-pp2-zero3-sp")
+
+
+@pytest.mark.parametrize("case", split_slow(CASES, FAST))
 def test_strategy_trains_the_same_model_as_one_process(case, reference, tmp_path):
     flags, accum, rtol = CASES[case]
     metrics, summary, params = run(tmp_path, *flags)
@@ -84,6 +90,7 @@ def test_strategy_trains_the_same_model_as_one_process(case, reference, tmp_path
         assert 0 <= got - want <= 16, (axis, op, got, want)  # the norm's one or two scalars on top
 
 
+@pytest.mark.slow
 def test_zero3_memory_is_the_formula(tmp_path):
     """--zero 3 on 4 ranks: parameters, gradients and Adam state each 1/4 (fp32: 16Ψ/N in all)."""
     _, summary, _ = run(tmp_path, "--nproc", "4", "--zero", "3", "--steps", "1", "--eval-every", "0")
@@ -103,6 +110,7 @@ def four_layers(tmp_path_factory):
     return run(tmp_path_factory.mktemp("ref-l4"), "--model", "tiny,n_layers=4", "--nproc", "1", "--grad-accum", "4")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero", ["2", "3"])
 def test_zero_over_interleaved_chunks_trains_the_same_model(four_layers, tmp_path, zero):
     """Two chunks per pipeline rank: each chunk's backward reduces only its own groups."""
@@ -116,6 +124,7 @@ def test_zero_over_interleaved_chunks_trains_the_same_model(four_layers, tmp_pat
     assert measured["reduce_scatter"] == predicted["reduce_scatter"]  # m per step, no chunk twice
 
 
+@pytest.mark.slow
 def test_a_pipeline_samples_the_same_text_as_one_process(tmp_path):
     """The closing sample through pp 2 × tp 2 with SP: the last stage draws, every rank follows."""
     samples = []
@@ -140,6 +149,7 @@ BF16_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", BF16_CASES)
 def test_bf16_trains_the_same_model_as_one_process_in_bf16(bf16_reference, tmp_path, case):
     """bf16 weights and gradients, fp32 masters: the layouts agree with one bf16 process as far as

@@ -8,7 +8,8 @@ from tests.parity import assert_losses_close, assert_params_close, assert_scale_
 from tests.worldlib import run_world
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["n2", "n4"])
+# 4 processes repeat the checks at another ring size: the long matrix (`make test-all`).
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=["n2", "n4"])
 def world(request, tmp_path_factory):
     n = request.param
     _, reports = run_world("ddp_parity.py", n, tmp_path_factory.mktemp(f"ddp{n}"))

@@ -13,14 +13,15 @@ import pytest
 
 from plait.parallel.schedule import build_schedule, simulate
 from tests.parity import assert_losses_close
-from tests.worldlib import run_world
+from tests.worldlib import run_world, split_slow
 from tests.worlds.pipeline_world import last_rank_reversed
 
 PP_RTOL = 1e-4
 LAYOUTS = {"pp2": (2, 1), "pp4": (4, 1), "pp2xdp2": (2, 2)}
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
+# pp 4 repeats every schedule on more stages: the long matrix (`make test-all`).
+@pytest.fixture(scope="module", params=split_slow(LAYOUTS, ["pp2", "pp2xdp2"]))
 def world(request, tmp_path_factory):
     pp, dp = LAYOUTS[request.param]
     _, reports = run_world("pipeline_world.py", pp * dp, tmp_path_factory.mktemp(request.param), "--dp", str(dp))

@@ -20,7 +20,9 @@ RTOL = 1e-4
 PLAIT_RUNS = {"tp_only": (False, True), "sp": (True, True), "sp_no_regather": (True, False)}
 
 
-@pytest.fixture(scope="module", params=[2, 4])
+# tp 4 (and dp 2 × tp 2 inside it) is the long matrix (`make test-all`); `make test` trains
+# dp × tp through `plait train` (tests/test_cli_strategies.py).
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)])
 def world(request: Any, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     tp = request.param
     args = ["--native"] + (["--dp-tp"] if tp == 4 else [])

@@ -1,6 +1,8 @@
 """ZeRO on 2 and 4 processes (CPU, Gloo): parity, memory to the byte, the ledger, overlap.
 
-Two worlds, each running many configurations (tests/worlds/zero_parity.py):
+Two worlds, each running many configurations (tests/worlds/zero_parity.py), then the real
+Trainer at every stage (tests/worlds/zero_trainer.py); the 2-process world runs in `make test`,
+the 4-process one in `make test-all`:
 - parity with one process on the same global batch: the loss of every step and the clipped
   gradient norm, rtol 1e-5, for every run; final parameters: SGD with momentum at rtol 1e-5
   and atol 1e-7 (for parameters that pass through zero): its update is linear in the
@@ -38,7 +40,8 @@ def n4(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_world("zero_parity.py", 4, tmp, "n4", str(tmp / "checkpoints"))[1]
 
 
-@pytest.fixture(params=["n2", "n4"])
+# The 4-process world repeats a subset at another ring size: the long matrix (`make test-all`).
+@pytest.fixture(params=["n2", pytest.param("n4", marks=pytest.mark.slow)])
 def world(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
     return request.getfixturevalue(request.param)
 
@@ -153,16 +156,17 @@ def test_backend_without_reduce_scatter_is_a_clear_error(n2: list[dict[str, Any]
     assert "--zero 2 needs reduce_scatter" in message and "--backend gloo" in message, message
 
 
-def test_the_trainer_trains_with_every_stage(tmp_path: Any) -> None:
-    """The real Trainer (tiny GPT, 4 processes, 2 micro-batches): the same run at every stage."""
-    _, reports = run_world("zero_trainer.py", 4, tmp_path, str(tmp_path / "out"))
-    runs = reports[0]
+def test_the_trainer_trains_with_every_stage(world: list[dict[str, Any]]) -> None:
+    """The real Trainer (tiny GPT, 2 micro-batches), run in the same world: the same run at every stage."""
+    runs, n = world[0]["trainer"], world[0]["n"]
     ddp, psi = runs["zero0"], 115008  # get_preset("tiny").num_params()
+    assert set(runs) == {"zero0", "zero1", "zero2", "zero3", "zero3-offload"}
     for name, history in runs.items():
+        assert len(history) == len(ddp) == 4, name
         for got, want in zip(history, ddp):
             assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (name, got["step"])
             if "val_loss" in want:
                 assert abs(got["val_loss"] - want["val_loss"]) <= 1e-5 * want["val_loss"], name
         stage = int(name[4])
-        formula = memory_formula(stage, psi, 4, k=12 if "offload" in name else 8)
+        formula = memory_formula(stage, psi, n, k=12 if "offload" in name else 8)
         assert {k: history[-1]["mem"][k] for k in formula} == {k: int(v) for k, v in formula.items()}, name

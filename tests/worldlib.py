@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,3 +48,28 @@ def run_plait(*args: str, timeout: float = 300, cwd: Path | None = None) -> subp
         env.pop(name, None)
     return subprocess.run([sys.executable, "-m", "plait", *args], env=env, cwd=cwd or ROOT,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def split_slow(names: Iterable[str], fast: Collection[str]) -> list[Any]:
+    """Parameters for a parametrized test: those in `fast` run in `make test`, the others are
+    marked slow (`make test-all`). Each name must exist, so a renamed case cannot drop out."""
+    import pytest
+
+    names = list(names)
+    missing = set(fast) - set(names)
+    assert not missing, f"unknown fast cases: {sorted(missing)}"
+    return [name if name in fast else pytest.param(name, marks=pytest.mark.slow) for name in names]
+
+
+class Runs:
+    """Lazily computed runs shared by a module's tests: each key is run once, on first use,
+    so a run needed only by slow tests costs nothing in `make test`."""
+
+    def __init__(self, make: Callable[[Any], Any]):
+        self._make = make
+        self._done: dict[Any, Any] = {}
+
+    def __getitem__(self, key: Any) -> Any:
+        if key not in self._done:
+            self._done[key] = self._make(key)
+        return self._done[key]

@@ -9,9 +9,9 @@ is limited by.
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
+from typing import Any
 
 from plait.errors import PlaitError
 
@@ -173,6 +173,7 @@ def load_hardware(path: str | Path, base: str | None = None) -> Hardware:
     200 Gb/s between nodes".
     """
     path = Path(path)
+    tomllib = _toml_reader()
     try:
         table = tomllib.loads(path.read_text()).get("hardware")
     except (OSError, tomllib.TOMLDecodeError) as exc:
@@ -182,6 +183,20 @@ def load_hardware(path: str | Path, base: str | None = None) -> Hardware:
         raise PlaitError(f"{str(path)!r} has no [hardware] table",
                          hint="put the device's numbers under a [hardware] heading")
     return hardware_from_table(dict(table), base)
+
+
+def _toml_reader() -> Any:
+    """The stdlib's tomllib (3.11+), or tomli on 3.10. Imported only when a file is read, so
+    `plait estimate` and `plait plan` with presets need nothing beyond the standard library."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        try:
+            import tomli as tomllib
+        except ModuleNotFoundError as exc:
+            raise PlaitError("reading a --hardware-file on Python 3.10 needs the tomli package",
+                             hint="pip install tomli (plait's own install brings it), or use Python 3.11+") from exc
+    return tomllib
 
 
 def hardware_from_table(table: dict[str, object], base: str | None = None) -> Hardware:

@@ -3,7 +3,8 @@
 Run as `plait launch --nproc N zero_parity.py SET DIR` where SET is "n2" (the full matrix) or "n4"
 (a subset: 4 processes on a 2-core machine are slow). Each rank reports, per run, the losses,
 gradient norms, how far its final parameters are from the reference, the measured memory
-and the ledger of every step; tests/test_zero_worlds.py asserts on them.
+and the ledger of every step, then the real Trainer's history at every stage
+(zero_trainer.py); tests/test_zero_worlds.py asserts on them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 from zero_common import (ATOL, CLIP, RTOL, batches, build, full_state, loss_excess, loss_fn, make_model,
                          param_excess, run_plait, run_reference, train)
+from zero_trainer import trainer_runs
 
 import plait
 from plait.errors import PlaitError
@@ -165,6 +167,7 @@ def main() -> None:
                            "param_excess": param_excess(ours, fsdp_params)}
         report["backend_error"] = backend_error(mesh)
         report["checkpoints"] = checkpoints(mesh, Path(sys.argv[2]))
+    report["trainer"] = trainer_runs(mesh, Path(sys.argv[2]).parent / "trainer")  # last: it patches the trainer
     save_report(report)
     mesh.close()
 

@@ -1,15 +1,15 @@
-"""The real Trainer with ZeRO: `plait train --nproc 4 --zero N` in miniature.
+"""The real Trainer with ZeRO: `plait train --zero N` in miniature, inside the ZeRO world.
 
-Until the trainer has `zero`/`offload` fields, this patches the three places its integration
-changes (docs/zero.md, "Trainer integration"): the ParallelConfig it builds, the clipping
-function and the memory meter. Once it has them, only the settings are passed. Trains the
-tiny GPT with plait's DDP and with each ZeRO stage on the same data; reports the records.
+zero_parity.py calls `trainer_runs` after its own runs, so the one spawned world checks the
+Trainer too. Until the trainer has `zero`/`offload` fields, this patches the three places its
+integration changes (docs/zero.md, "Trainer integration"): the ParallelConfig it builds, the
+clipping function and the memory meter. Once it has them, only the settings are passed. Trains
+the tiny GPT with plait's DDP and with each ZeRO stage on the same data; returns the records.
 """
 
 from __future__ import annotations
 
 import functools
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,10 +20,8 @@ import plait.train.trainer as trainer_module
 from plait.parallel.compose import ParallelConfig
 from plait.parallel.clip import clip_grad_norm
 from plait.parallel.zero_optim import ZeroOptimizer, zero_state_bytes
-from plait.runtime.mesh import init_mesh
 from plait.train.config import TrainConfig
 from plait.train.meter import model_state_bytes
-from tests.worldlib import save_report
 
 
 def train(config: TrainConfig, mesh: Any, stage: int, offload: bool) -> list[dict[str, Any]]:
@@ -45,19 +43,12 @@ def train(config: TrainConfig, mesh: Any, stage: int, offload: bool) -> list[dic
     return trainer.history
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
+def trainer_runs(mesh: Any, out: Path) -> dict[str, list[dict[str, Any]]]:
+    """Every stage (and stage 3 with offload) through the Trainer; each run's history."""
     out.mkdir(parents=True, exist_ok=True)
-    mesh = init_mesh()
     torch.set_num_threads(1)
     config = TrainConfig(model="tiny", steps=4, micro_batch=2, grad_accum=2, seq_len=32, warmup_steps=2,
                          eval_every=2, eval_samples=8, sample_tokens=8, dp=mesh.size("dp"), nproc=mesh.size("dp"),
                          out=str(out))
-    report = {f"zero{stage}{'-offload' if offload else ''}": train(config, mesh, stage, offload)
-              for stage, offload in ((0, False), (1, False), (2, False), (3, False), (3, True))}
-    save_report(report)
-    mesh.close()
-
-
-if __name__ == "__main__":
-    main()
+    return {f"zero{stage}{'-offload' if offload else ''}": train(config, mesh, stage, offload)
+            for stage, offload in ((0, False), (1, False), (2, False), (3, False), (3, True))}
