@@ -59,6 +59,11 @@ class TrainConfig:
     save_every: int = field(default=0, metadata={"help": "write a checkpoint every N steps and at the end (0: never)"})
     keep_checkpoints: int = field(default=3, metadata={"help": "how many checkpoints to keep (0: all)"})
     resume: str = field(default="", metadata={"help": "a checkpoint directory, or a run's --out, to continue from"})
+    measure: str = field(default="full", metadata={
+        "help": "per-step measurement: full (all-rank loss, memory, traffic, pipeline timeline), light "
+                "(this rank's loss and time, no collective), off (time only); first and last steps always full"})
+    tensorboard: bool = field(default=False, metadata={"help": "also write TensorBoard scalars to OUT/tensorboard (rank 0)"})
+    log_level: str = field(default="warning", metadata={"help": "debug, info, warning or error; other ranks prefix [rank N]"})
     sample_tokens: int = field(default=160, metadata={"help": "length of the text sample printed at the end"})
     prompt: str = field(default="def ", metadata={"help": "text the closing sample continues"})
 
@@ -165,6 +170,7 @@ def validate(config: TrainConfig, *, local_limit: int | None = None) -> None:
         raise PlaitError(f"--nproc {config.nproc} is more than this machine allows ({limit})",
                          hint="use fewer processes, or launch across nodes with torchrun or srun")
     check_strategies(config)
+    check_outputs(config)
     if config.save_every < 0 or config.keep_checkpoints < 0:
         raise PlaitError("--save-every and --keep-checkpoints cannot be negative")
     if config.resume:
@@ -217,6 +223,21 @@ def check_strategies(config: TrainConfig) -> None:
         raise PlaitError(f"--zero {config.zero} cannot run the zb-h1 schedule: it reduces gradients from "
                          "autograd's hooks, and zb-h1 computes weight gradients outside them",
                          hint="use --zero 1 with zb-h1, or another --schedule")
+
+
+def check_outputs(config: TrainConfig) -> None:
+    """--measure, --log-level and --tensorboard: fail before spawning, not at the end."""
+    from plait.train.logs import LEVELS
+    from plait.train.measure import MODES
+
+    if config.measure not in MODES:
+        raise PlaitError(f"unknown --measure {config.measure!r}", hint=f"choose one of: {', '.join(MODES)}")
+    if config.log_level not in LEVELS:
+        raise PlaitError(f"unknown --log-level {config.log_level!r}", hint=f"choose one of: {', '.join(LEVELS)}")
+    if config.tensorboard:
+        from plait.train.tboard import check_available
+
+        check_available()
 
 
 def check_writable(out: str) -> None:
