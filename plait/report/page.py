@@ -29,7 +29,7 @@ def read_run(run_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
 
 def figures(records: list[dict[str, Any]], summary: dict[str, Any]) -> dict[str, Any]:
     """name -> Figure for every plot this run can have (the timeline is drawn on save)."""
-    out = {"loss": plots.loss_figure(records), "throughput": plots.throughput_figure(records),
+    out = {"loss": plots.loss_figure(records, summary.get("val_losses", {})), "throughput": plots.throughput_figure(records),
            "memory": plots.memory_figure(summary)}
     comm = plots.comm_figure(summary)
     if comm is not None:

@@ -24,15 +24,15 @@ def _figure(width: float = 6.4, height: float = 3.6) -> tuple[Figure, Any]:
     return fig, fig.add_subplot()
 
 
-def loss_figure(records: list[dict[str, Any]]) -> Figure:
-    """Training loss per step, and the held-out loss where it was evaluated."""
+def loss_figure(records: list[dict[str, Any]], val_losses: dict[str, float]) -> Figure:
+    """Training loss per step, and the held-out loss where it was evaluated (summary.json's
+    `val_losses`, which include the evaluation at the end of the run)."""
     fig, ax = _figure()
     steps = [r["step"] for r in records if r.get("loss") is not None]
     ax.plot(steps, [r["loss"] for r in records if r.get("loss") is not None], label="loss", color=MEASURED)
-    evaluated = [r for r in records if r.get("val_loss") is not None]
+    evaluated = sorted((int(step), loss) for step, loss in val_losses.items())
     if evaluated:
-        ax.plot([r["step"] for r in evaluated], [r["val_loss"] for r in evaluated], "o--",
-                label="validation loss", color="#e6550d")
+        ax.plot([s for s, _ in evaluated], [v for _, v in evaluated], "o--", label="validation loss", color="#e6550d")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.set_title("loss")

@@ -63,6 +63,7 @@ class TrainConfig:
         "help": "per-step measurement: full (all-rank loss, memory, traffic, pipeline timeline), light "
                 "(this rank's loss and time, no collective), off (time only); first and last steps always full"})
     tensorboard: bool = field(default=False, metadata={"help": "also write TensorBoard scalars to OUT/tensorboard (rank 0)"})
+    no_report: bool = field(default=False, metadata={"help": "skip the plots (plait report) at the end of the run"})
     log_level: str = field(default="warning", metadata={"help": "debug, info, warning or error; other ranks prefix [rank N]"})
     sample_tokens: int = field(default=160, metadata={"help": "length of the text sample printed at the end"})
     prompt: str = field(default="def ", metadata={"help": "text the closing sample continues"})

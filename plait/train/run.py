@@ -48,7 +48,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
             _write_outputs(summary, weights, Path(config.out))
             save_timeline(trainer, Path(config.out))
             print(closing_report(summary, config.out), flush=True)
-            print(report_after_training(Path(config.out)), flush=True)
+            if not config.no_report:
+                print(report_after_training(Path(config.out)), flush=True)
         return summary
     finally:
         mesh.close()
