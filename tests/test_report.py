@@ -9,6 +9,7 @@ import logging
 import pytest
 from PIL import Image
 
+from plait.errors import PlaitError
 from plait.parallel.schedule import build_schedule, simulate
 from plait.parallel.timeline import timeline_from_dict, timeline_to_dict
 from plait.report.page import figures, read_run
@@ -143,3 +144,19 @@ def test_log_prefix_names_the_rank(capsys):
         logging.getLogger("plait.parallel.tensor").debug("not shown at info")
         assert capsys.readouterr().err == f"{prefix}plait.parallel.tensor: split 4 layers\n"
     setup_logging("warning", rank=0)
+
+
+def test_without_matplotlib_one_line_says_how(monkeypatch, tmp_path):
+    import plait.report as report
+
+    monkeypatch.setattr(report, "has_matplotlib", lambda: False)
+    assert report.report_after_training(tmp_path) == (
+        f"  report      no plots: pip install matplotlib, then run `plait report {tmp_path}`")
+    with pytest.raises(PlaitError, match="matplotlib, which is not installed"):
+        report.write_report(tmp_path)
+
+
+def test_report_of_a_directory_without_a_run(tmp_path):
+    with pytest.raises(PlaitError, match="metrics.jsonl does not exist") as err:
+        read_run(tmp_path)
+    assert "--out directory of a finished" in err.value.hint
