@@ -1,4 +1,4 @@
-"""`plait` on the command line: train, launch, ckpt, data, estimate, plan.
+"""`plait` on the command line: train, launch, ckpt, data, report, estimate, plan, bench, calibrate.
 
 Errors caused by the input print one line and a hint; a traceback appears only with
 `--debug`. This module imports torch only once a rank actually trains, so the spawner
@@ -91,6 +91,8 @@ def _dispatch(argv: list[str]) -> int:
         from plait.bench.calibrate_cli import calibrate_main
 
         return calibrate_main([a for a in rest if a != "--debug"])
+    if command == "report":
+        return cmd_report(rest)
     if command == "--version":
         from plait import __version__
 
@@ -107,6 +109,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("launch", help="run your own script as N local processes (like torchrun)")
     sub.add_parser("ckpt", help="inspect a checkpoint, or export it as one safetensors file")
     sub.add_parser("data", help="prepare a corpus: tokenize it once into a file every rank maps")
+    sub.add_parser("report", help="plots of a finished run (loss, speed, memory, traffic, timeline) in RUN_DIR/report.md")
     sub.add_parser("estimate", help="memory, traffic and step time of one layout, before launching")
     sub.add_parser("plan", help="rank every layout that fits a GPU count by predicted step time")
     sub.add_parser("bench", help="the collective primitives, checked and timed: bench collectives --nproc N")
@@ -162,6 +165,19 @@ def cmd_train(argv: list[str]) -> int:
 def _inside_job() -> bool:
     """True when a launcher (ours, torchrun, srun, mpirun) already started this process as a rank."""
     return any(name in os.environ for name in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"))
+
+
+def cmd_report(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="plait report",
+                                     description="Draw a finished run's plots and write RUN_DIR/report.md embedding them.")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the --out directory of a `plait train` run")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    args = parser.parse_args(argv)
+    from plait.report import write_report
+
+    page = write_report(args.run_dir)
+    print(f"wrote {page} (plots in {page.parent / 'report'})")
+    return 0
 
 
 # -- plait launch ----------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from plait.estimate.memory import (
     state_bytes,
 )
 from plait.models.config import GPTConfig, get_preset
+from plait.rules import RECOMPUTE
 
 HAS_GPT = importlib.util.find_spec("plait.models.gpt") is not None
 
@@ -114,8 +115,9 @@ def test_korthikanti_coefficients() -> None:
     assert _korthikanti(t=4) == pytest.approx(sbh * (10 + 24 / 4 + 5 * a * s / (h * 4)))
     assert _korthikanti(t=4, sp=True) == pytest.approx(sbh * (34 + 5 * a * s / h) / 4)
     assert _korthikanti(recompute="full") == pytest.approx(2 * sbh)
-    assert _korthikanti(recompute="selective") == pytest.approx(34 * sbh)
-    assert _korthikanti(t=4, sp=True, recompute="selective") == pytest.approx(34 * sbh / 4)
+    if "selective" in RECOMPUTE:  # the formula is ready; the policy is not trained yet (plait.rules)
+        assert _korthikanti(recompute="selective") == pytest.approx(34 * sbh)
+        assert _korthikanti(t=4, sp=True, recompute="selective") == pytest.approx(34 * sbh / 4)
 
 
 def test_our_block_formula() -> None:
@@ -252,18 +254,22 @@ def test_params_only_leaves_activations_unknown() -> None:
 @pytest.mark.parametrize("kwargs, message", [
     (dict(zero=4), "--zero must be 0, 1, 2 or 3"),
     (dict(offload=True), "--offload needs a ZeRO stage"),
-    (dict(sp=True), "--sp (sequence parallelism) needs --tp > 1"),
+    (dict(sp=True), "--sp splits the sequence across tensor-parallel ranks, and --tp is 1"),
     (dict(precision="fp8"), "unknown --precision 'fp8'"),
     (dict(dp=0), "--dp must be a whole number of at least 1"),
-    (dict(tp=3), "tp=3 does not divide n_heads=32"),
-    (dict(pp=33), "exceeds the model's 32 layers"),
+    (dict(tp=3), "n_heads = 32 is not divisible by tp=3"),
+    (dict(pp=33), "is more than the model's 32 layers"),
+    (dict(tp=2, model="gpt2-124m"), "vocab_size = 50257 is not divisible by tp=2"),  # train does not pad it
+    (dict(precision="bf16", dp=8), "--precision bf16 keeps fp32 master weights in ZeRO's optimizer"),
+    (dict(recompute="full", pp=2, schedule="zb-h1", grad_accum=2), "cannot run the zb-h1 schedule"),
     (dict(schedule="interleaved", pp=2, grad_accum=3, virtual_stages=2),
      "needs the micro-batch count (3) to be a multiple of pp=2"),
     (dict(virtual_stages=2), "--virtual-stages > 1 needs --schedule interleaved"),
 ])
 def test_bad_layouts_say_what_to_change(kwargs: dict, message: str) -> None:
     with pytest.raises(PlaitError) as err:
-        estimate_layout(get_preset("llama-7b"), **kwargs)
+        kwargs = dict(kwargs)
+        estimate_layout(get_preset(kwargs.pop("model", "llama-7b")), **kwargs)
     assert message in err.value.message
     assert err.value.hint
 

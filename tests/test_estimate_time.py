@@ -125,7 +125,7 @@ def test_toml_override(tmp_path) -> None:
     path.write_text('[hardware]\nbase = "h100-sxm"\nname = "h100-slow-ib"\ninter_node_gb_s = 12.5\n')
     hw = load_hardware(path)
     assert (hw.name, hw.inter_node_gb_s, hw.peak_bf16_tflops) == ("h100-slow-ib", 12.5, 989.0)
-    result = estimate_layout(get_preset("llama-7b"), dp=16, precision="bf16", seq_len=1024,
+    result = estimate_layout(get_preset("llama-7b"), dp=16, zero=1, precision="bf16", seq_len=1024,
                              hardware=hw, gpus_per_node=8)
     assert result["layout"]["hardware"] == "h100-slow-ib"
 

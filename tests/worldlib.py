@@ -41,9 +41,10 @@ def save_report(report: dict[str, Any]) -> None:
     path.write_text(json.dumps(report))
 
 
-def run_plait(*args: str, timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def run_plait(*args: str, timeout: float = 300, cwd: Path | None = None,
+              env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run the `plait` CLI as a user would (python -m plait ...)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PLAIT_SPAWNED"):
         env.pop(name, None)
     return subprocess.run([sys.executable, "-m", "plait", *args], env=env, cwd=cwd or ROOT,

@@ -26,6 +26,7 @@ from plait.estimate.time import (
     estimate_time_params_only,
 )
 from plait.models.config import GPTConfig
+from plait.rules import check_precision
 
 __all__ = ["estimate_layout", "Layout"]
 
@@ -85,6 +86,7 @@ def estimate_layout(config: GPTConfig | None, *, dp: int = 1, tp: int = 1, pp: i
                     micro_batch=micro_batch, grad_accum=grad_accum,
                     seq_len=seq_len or default_seq, recompute=recompute,
                     schedule=schedule, virtual_stages=virtual_stages, sp=sp)
+    check_precision(precision, zero)  # as plait train does: bf16 keeps its fp32 masters in ZeRO
     if config is None:
         return _params_only(_whole(params), layout, hw, node, timed=seq_len is not None)
     layout.check_model(config)

@@ -13,17 +13,19 @@ from typing import Any
 from plait.errors import PlaitError
 from plait.estimate import estimate_layout
 from plait.estimate.hardware import PRESETS as HARDWARE, resolve_hardware
-from plait.estimate.layout import PRECISIONS, RECOMPUTE, SCHEDULES
+from plait.rules import PRECISIONS, RECOMPUTE, SCHEDULES
 from plait.estimate.planner import plan
 from plait.estimate.report import format_estimate, format_plan, human_bytes
 from plait.models.config import PRESETS as MODELS, GPTConfig, get_preset
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
+def _common(parser: argparse.ArgumentParser, precision: str | None) -> None:
     """Flags shared by both commands: the model, the hardware, the precision, the output."""
     parser.add_argument("--model", help=f"model preset: {', '.join(MODELS)}")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's max)")
-    parser.add_argument("--precision", default="bf16", help=f"one of {', '.join(PRECISIONS)}")
+    default = f"default: {precision}" if precision else "default: bf16 with --zero 1-3, fp32 without"
+    parser.add_argument("--precision", default=precision,
+                        help=f"one of {', '.join(PRECISIONS)}; bf16 needs --zero 1 or more, as in plait train ({default})")
     parser.add_argument("--hardware", default="h100-sxm", help=f"preset: {', '.join(HARDWARE)}")
     parser.add_argument("--hardware-file", help="TOML file with a [hardware] table (overrides)")
     parser.add_argument("--gpus-per-node", type=int, help="default: the hardware preset's")
@@ -34,7 +36,7 @@ def estimate_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="plait estimate",
         description="Predict memory per GPU, bytes on the wire and step time of one layout.")
-    _common(parser)
+    _common(parser, None)  # bf16 keeps its fp32 masters in ZeRO: without ZeRO, fp32
     parser.add_argument("--params", type=float, help="a model known only by its size, e.g. 7e9")
     for flag in ("--dp", "--tp", "--pp", "--micro-batch", "--grad-accum"):
         parser.add_argument(flag, type=int, default=1)
@@ -52,7 +54,7 @@ def plan_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="plait plan",
         description="Rank every layout of a model on N GPUs that fits, fastest first.")
-    _common(parser)
+    _common(parser, "bf16")  # every ZeRO stage >= 1 is tried
     parser.add_argument("--gpus", type=int, required=True)
     parser.add_argument("--global-batch", type=int, required=True, help="sequences per step")
     parser.add_argument("--schedule", default="1f1b", help="gpipe or 1f1b")
@@ -64,6 +66,8 @@ def plan_parser() -> argparse.ArgumentParser:
 def estimate_main(argv: list[str]) -> int:
     """`plait estimate ARGS`: print one layout's breakdown."""
     args = estimate_parser().parse_args(argv)
+    if args.precision is None:
+        args.precision = "bf16" if args.zero else "fp32"
     if args.gpus is not None:
         _check_gpus(args.gpus, args)
     hardware = resolve_hardware(args.hardware, args.hardware_file)

@@ -1,9 +1,10 @@
 """A layout to estimate, checked once, and the slice of the model each rank holds.
 
 Every estimator takes a `Layout` and a `GPTConfig`; the checks that would otherwise be
-repeated in each of them (degrees positive, tp dividing the heads, interleaving dividing the
-layers) live in `Layout.__post_init__` and `check_model`, each with a hint saying what to
-change.
+repeated in each of them (degrees positive, tp dividing the heads and the vocabulary,
+interleaving dividing the layers) run in `Layout.__post_init__` and `check_model`, each with
+a hint saying what to change. The choices and checks themselves live in `plait.rules`,
+shared with `plait train`, so an estimate is never of a layout training would refuse.
 """
 
 from __future__ import annotations
@@ -14,10 +15,8 @@ from dataclasses import dataclass
 
 from plait.errors import PlaitError
 from plait.models.config import GPTConfig
-
-PRECISIONS = ("fp32", "bf16", "fp16")
-RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+from plait.rules import (PRECISIONS, RECOMPUTE, SCHEDULES, check_combination, check_pipeline_shape,  # noqa: F401
+                         check_strategy_choices, check_tensor_parallel)
 
 
 @dataclass(frozen=True)
@@ -45,31 +44,12 @@ class Layout:
                 flag = name.replace("_", "-")
                 raise PlaitError(f"--{flag} must be a whole number of at least 1, got {value!r}",
                                  hint=f"pass --{flag} 1 or more")
-        _check_choice("precision", self.precision, PRECISIONS)
-        _check_choice("recompute", self.recompute, RECOMPUTE)
-        _check_choice("schedule", self.schedule, SCHEDULES)
-        if self.zero not in (0, 1, 2, 3):
-            raise PlaitError(f"--zero must be 0, 1, 2 or 3, got {self.zero!r}",
-                             hint="0 is plain data parallelism; 1-3 shard more and more state")
-        if self.offload and self.zero == 0:
-            raise PlaitError("--offload needs a ZeRO stage", hint="add --zero 1 (or 2 or 3)")
-        if self.sp and self.tp == 1:
-            raise PlaitError("--sp (sequence parallelism) needs --tp > 1",
-                             hint="drop --sp, or give --tp 2 or more")
-        self._check_pipeline()
-
-    def _check_pipeline(self) -> None:
-        if self.virtual_stages > 1 and self.schedule != "interleaved":
-            raise PlaitError("--virtual-stages > 1 needs --schedule interleaved",
-                             hint="add --schedule interleaved, or drop --virtual-stages")
-        if self.schedule == "interleaved" and self.virtual_stages < 2:
-            raise PlaitError("the interleaved schedule needs --virtual-stages 2 or more",
-                             hint="add --virtual-stages 2, or use --schedule 1f1b")
-        if self.schedule == "interleaved" and self.grad_accum % self.pp:
-            raise PlaitError(
-                f"the interleaved schedule needs the micro-batch count ({self.grad_accum}) "
-                f"to be a multiple of pp={self.pp}",
-                hint=f"set --grad-accum to a multiple of {self.pp}")
+        check_strategy_choices(schedule=self.schedule, precision=self.precision, recompute=self.recompute,
+                               zero=self.zero)
+        check_combination(tp=self.tp, pp=self.pp, zero=self.zero, offload=self.offload, sp=self.sp,
+                          recompute=self.recompute, schedule=self.schedule)
+        check_pipeline_shape(None, pp=self.pp, virtual_stages=self.virtual_stages, schedule=self.schedule,
+                             microbatches=self.grad_accum)
 
     @property
     def world(self) -> int:
@@ -90,28 +70,12 @@ class Layout:
         return 4 if self.precision == "fp32" else 2
 
     def check_model(self, config: GPTConfig) -> None:
-        """Raise unless this layout can split `config`: tp across heads and the MLP, pp
-        (times the virtual stages) across layers."""
-        for what, count in (("n_heads", config.n_heads), ("n_kv_heads", config.n_kv_heads),
-                            ("ffn_hidden", config.ffn_hidden)):
-            if count % self.tp:
-                raise PlaitError(f"tp={self.tp} does not divide {what}={count}",
-                                 hint=f"choose tp among the divisors of {count}")
-        chunks = self.pp * self.virtual_stages
-        if chunks > config.n_layers:
-            raise PlaitError(
-                f"pp={self.pp} x virtual stages {self.virtual_stages} = {chunks} exceeds "
-                f"the model's {config.n_layers} layers",
-                hint=f"use at most {config.n_layers} pipeline chunks")
-        if self.schedule == "interleaved" and config.n_layers % chunks:
-            raise PlaitError(
-                f"interleaving needs n_layers={config.n_layers} divisible by pp x virtual "
-                f"stages = {chunks}", hint="choose pp and --virtual-stages that divide the layers")
-
-
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise PlaitError(f"unknown --{name} {value!r}", hint=f"choose one of: {', '.join(choices)}")
+        """Raise unless plait can train `config` in this layout: the same checks as
+        `plait train` (plait.rules): tp across heads, KV heads, vocabulary and MLP (the
+        sequence too under SP), pp x virtual stages across the layers."""
+        check_tensor_parallel(config, self.tp, self.sp, self.seq_len)
+        check_pipeline_shape(config.n_layers, pp=self.pp, virtual_stages=self.virtual_stages,
+                             schedule=self.schedule, microbatches=self.grad_accum)
 
 
 @dataclass(frozen=True)
@@ -180,8 +144,8 @@ def block_split(config: GPTConfig) -> tuple[int, int]:
 
 
 def vocab_shard(config: GPTConfig, tp: int) -> int:
-    """Rows of a vocab-parallel embedding on one rank (the vocabulary padded to tp)."""
-    return -(-config.vocab_size // tp)
+    """Rows of a vocab-parallel embedding on one rank (check_model makes tp divide the vocabulary)."""
+    return config.vocab_size // tp
 
 
 @functools.lru_cache(maxsize=4096)

@@ -1,10 +1,12 @@
 """Enumerate every layout of a model on a number of GPUs, keep those that fit, rank them.
 
-A layout is valid when tp divides the heads, the key/value heads and the MLP width and
-stays inside one node; pp is at most the number of layers; dp·tp·pp is the GPU count; and
-the global batch is dp·micro_batch·grad_accum. ZeRO stages are tried only where dp > 1
-(with one replica there is nothing to shard over); sequence parallelism with and without
-where tp > 1; recomputation off and full. The survivors are ranked by predicted step time,
+A layout is valid when plait train would run it (plait.rules: tp divides the heads, the
+key/value heads, the vocabulary and the MLP width) and tp stays inside one node; pp is at
+most the number of layers; dp·tp·pp is the GPU count; and the global batch is
+dp·micro_batch·grad_accum. ZeRO stages 2 and 3 are tried only where dp > 1 (with one
+replica there is nothing to shard over); mixed precision needs ZeRO 1 or more, even on one
+replica, for its fp32 masters; sequence parallelism with and without where tp > 1 divides
+the sequence; recomputation off and full. The survivors are ranked by predicted step time,
 then by memory.
 """
 
@@ -19,6 +21,7 @@ from plait.estimate.layout import Layout
 from plait.estimate.memory import estimate_memory
 from plait.estimate.time import estimate_time
 from plait.models.config import GPTConfig
+from plait.rules import check_precision, check_tensor_parallel
 
 MAX_MICRO_BATCH = 64  # larger micro-batches only add memory once the GPU is saturated
 
@@ -57,8 +60,27 @@ def divisors(n: int) -> list[int]:
 def tp_degrees(request: PlanRequest) -> list[int]:
     """tp values that split the heads, kv heads and MLP evenly and fit in one node."""
     c = request.config
-    return [t for t in divisors(request.gpus) if t <= request.gpus_per_node
-            and c.n_heads % t == 0 and c.n_kv_heads % t == 0 and c.ffn_hidden % t == 0]
+    return [t for t in divisors(request.gpus) if t <= request.gpus_per_node and _splits(c, t)]
+
+
+def _splits(config: GPTConfig, tp: int) -> bool:
+    """plait train's own check (heads, KV heads, vocabulary, MLP); SP's sequence check is per layout."""
+    try:
+        check_tensor_parallel(config, tp)
+    except PlaitError:
+        return False
+    return True
+
+
+def zero_stages(precision: str, dp: int) -> tuple[int, ...]:
+    """ZeRO stages worth trying: none beyond 1 with one replica (nothing to shard over), and
+    none below 1 in mixed precision (its fp32 masters live in ZeRO's optimizer)."""
+    stages = (0, 1, 2, 3) if dp > 1 else (0, 1)
+    try:
+        check_precision(precision, 0)
+    except PlaitError:
+        return tuple(z for z in stages if z >= 1)
+    return stages[:1] if dp == 1 else stages
 
 
 def candidates(request: PlanRequest) -> Iterator[Layout]:
@@ -76,18 +98,22 @@ def candidates(request: PlanRequest) -> Iterator[Layout]:
 def _variants(request: PlanRequest, dp: int, tp: int, pp: int) -> Iterator[Layout]:
     per_replica = request.global_batch // dp
     micro_batches = [b for b in divisors(per_replica) if b <= MAX_MICRO_BATCH]
-    zeros = (0, 1, 2, 3) if dp > 1 else (0,)
-    sps = (False, True) if tp > 1 else (False,)
+    zeros = zero_stages(request.precision, dp)
+    sps = (False, True) if tp > 1 and request.seq_len % tp == 0 else (False,)
     for zero in zeros:
         for micro_batch in micro_batches:
             for recompute in request.recompute:
                 for sp in sps:
-                    yield Layout(dp=dp, tp=tp, pp=pp, zero=zero,
-                                 offload=request.offload and zero > 0,
-                                 precision=request.precision, micro_batch=micro_batch,
-                                 grad_accum=per_replica // micro_batch,
-                                 seq_len=request.seq_len, recompute=recompute,
-                                 schedule=request.schedule, sp=sp)
+                    try:  # combinations plait train refuses (zb-h1 with recompute) are skipped
+                        layout = Layout(dp=dp, tp=tp, pp=pp, zero=zero,
+                                        offload=request.offload and zero > 0,
+                                        precision=request.precision, micro_batch=micro_batch,
+                                        grad_accum=per_replica // micro_batch,
+                                        seq_len=request.seq_len, recompute=recompute,
+                                        schedule=request.schedule, sp=sp)
+                    except PlaitError:
+                        continue
+                    yield layout
 
 
 def _row(layout: Layout, memory: float, request: PlanRequest) -> dict[str, object]:

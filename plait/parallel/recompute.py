@@ -9,8 +9,9 @@ ZeRO-3 gathers a unit's weights before its backward anyway (`GatherForBackward`)
 recomputed forward reads them there. Tensor-parallel collectives inside the block run again
 in the recomputed forward: 2 more per block and micro-batch (plait estimate counts them).
 
-The selective policy of the estimate (recompute only the attention core) buys nothing for
-this model: SDPA already recomputes the attention matrix, so it is not offered for training.
+The selective policy of Korthikanti et al. (recompute only the attention core) buys little
+for this model: SDPA already recomputes the attention matrix. It is not implemented; the
+estimator's formulas for it wait until it is added to `plait.rules.RECOMPUTE`.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from __future__ import annotations
 from torch import nn
 
 from plait.errors import PlaitError
+from plait.rules import RECOMPUTE
 
-POLICIES = ("none", "full")
+POLICIES = RECOMPUTE  # one home: plait.rules
 
 
 def apply_recompute(model: nn.Module, policy: str = "full") -> int:

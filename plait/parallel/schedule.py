@@ -16,9 +16,9 @@ from typing import Callable, Literal
 
 from plait.errors import PlaitError
 from plait.parallel.timeline import Slot, Timeline
+from plait.rules import SCHEDULES  # noqa: F401  (re-exported: the names build_schedule knows)
 
 Kind = Literal["F", "B", "I", "W"]
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.errors import PlaitError
-from plait.models.config import GPTConfig
 from plait.models.gpt import GPT
 from plait.parallel.tensor_layers import (ColumnParallelLinear, RowParallelLinear, Shard,
                                           VocabParallelEmbedding, enter_region, shard_of,
@@ -40,6 +39,7 @@ from plait.parallel.tensor_layers import (ColumnParallelLinear, RowParallelLinea
 from plait.parallel.tensor_loss import gather_vocab, vocab_parallel_cross_entropy
 from plait.runtime import comm
 from plait.runtime.comm import Axis
+from plait.rules import check_tensor_parallel
 from plait.runtime.regions import all_gather_stacked
 
 __all__ = ["GPT_PLAN", "STYLES", "ColumnParallelLinear", "RowParallelLinear", "Shard",
@@ -136,20 +136,7 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def check_gpt_tensor_parallel(config: GPTConfig, tp: int, sp: bool = False,
-                              seq_len: int | None = None) -> None:
-    """The GPT splits whole heads, whole KV heads, the vocabulary and the MLP evenly over tp."""
-    for what, size, why in (("n_heads", config.n_heads, "each rank holds whole attention heads"),
-                            ("n_kv_heads", config.n_kv_heads, "each rank holds whole key/value heads"),
-                            ("vocab_size", config.vocab_size, "each rank holds V/tp rows of the vocabulary"),
-                            ("ffn_hidden", config.ffn_hidden, "each rank holds ffn_hidden/tp MLP units")):
-        if size % tp:
-            pad = f", or pad the vocabulary to {size + (-size % tp)}" if what == "vocab_size" else ""
-            raise PlaitError(f"{what} = {size} is not divisible by tp={tp} ({why})",
-                             hint=f"choose tp among {_divisors(size)}{pad}")
-    if sp and seq_len is not None and seq_len % tp:
-        raise PlaitError(f"--sp needs the sequence length divisible by tp: seq_len = {seq_len}, tp = {tp}",
-                         hint=f"use a seq_len that is a multiple of {tp}, or drop --sp")
+check_gpt_tensor_parallel = check_tensor_parallel  # one home: plait.rules, shared with the estimator
 
 
 # -- applying it ------------------------------------------------------------------------------

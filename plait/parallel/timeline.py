@@ -97,6 +97,25 @@ def _peak(row: tuple[Slot, ...], opens: str, closes: str) -> int:
     return peak
 
 
+def timeline_to_dict(timeline: Timeline) -> dict:
+    """Plain data for JSON: each slot as [kind, micro-batch, chunk, start, end]."""
+    rows = [[[s.action.kind, s.action.microbatch, s.action.chunk, s.start, s.end] for s in row]
+            for row in timeline.rows]
+    return {"pp": timeline.pp, "v": timeline.v, "rows": rows}
+
+
+def timeline_from_dict(data: dict) -> Timeline:
+    """The inverse of `timeline_to_dict` (a run's timeline.json back into a Timeline)."""
+    from plait.parallel.schedule import Action  # schedule imports this module
+
+    try:
+        rows = tuple(tuple(Slot(Action(kind, int(mb), int(chunk)), float(start), float(end))
+                           for kind, mb, chunk, start, end in row) for row in data["rows"])
+        return Timeline(pp=int(data["pp"]), v=int(data["v"]), rows=rows)
+    except (KeyError, TypeError, ValueError) as err:
+        raise PlaitError(f"not a timeline: {err}", hint="timeline.json is written by plait train under pp > 1") from None
+
+
 def _exact(t: float) -> Fraction:
     """`t` as a fraction, so that 0.1 + 0.2 lands on the same grid line as 0.3."""
     return Fraction(t).limit_denominator(1000)

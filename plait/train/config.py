@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from plait import rules
 from plait.errors import PlaitError
 from plait.models.config import TRAINABLE, get_preset, preset_name
 from plait.train.tokens import model_for_data
@@ -60,6 +61,12 @@ class TrainConfig:
     save_every: int = field(default=0, metadata={"help": "write a checkpoint every N steps and at the end (0: never)"})
     keep_checkpoints: int = field(default=3, metadata={"help": "how many checkpoints to keep (0: all)"})
     resume: str = field(default="", metadata={"help": "a checkpoint directory, or a run's --out, to continue from"})
+    measure: str = field(default="full", metadata={
+        "help": "per-step measurement: full (all-rank loss, memory, traffic, pipeline timeline), light "
+                "(this rank's loss and time, no collective), off (time only); first and last steps always full"})
+    tensorboard: bool = field(default=False, metadata={"help": "also write TensorBoard scalars to OUT/tensorboard (rank 0)"})
+    no_report: bool = field(default=False, metadata={"help": "skip the plots (plait report) at the end of the run"})
+    log_level: str = field(default="warning", metadata={"help": "debug, info, warning or error; other ranks prefix [rank N]"})
     sample_tokens: int = field(default=160, metadata={"help": "length of the text sample printed at the end"})
     prompt: str = field(default="def ", metadata={"help": "text the closing sample continues"})
     hardware_file: str = field(default="", metadata={
@@ -170,6 +177,7 @@ def validate(config: TrainConfig, *, local_limit: int | None = None) -> None:
                          hint="use fewer processes, or launch across nodes with torchrun or srun")
     check_strategies(config)
     check_data(config.data)
+    check_outputs(config)
     if config.save_every < 0 or config.keep_checkpoints < 0:
         raise PlaitError("--save-every and --keep-checkpoints cannot be negative")
     if config.resume:
@@ -179,49 +187,44 @@ def validate(config: TrainConfig, *, local_limit: int | None = None) -> None:
     check_writable(config.out)
 
 
-PRECISIONS = ("fp32", "bf16")
-
-
 def check_strategies(config: TrainConfig) -> None:
-    """Each strategy's own checks, and the combinations that are not built yet."""
+    """Each strategy's own checks, and the combinations that are not built yet: the rules
+    `plait estimate` and `plait plan` apply too (plait.rules), then the pipeline's own."""
     from plait.parallel.compose import ParallelConfig
-    from plait.parallel.schedule import SCHEDULES
 
     for name in ("tp", "pp", "virtual_stages"):
         if getattr(config, name) < 1:
             raise PlaitError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
     ParallelConfig(bucket_mb=config.bucket_mb, zero=config.zero, offload=config.offload)
     model = get_preset(config.model)
-    if config.sp and config.tp == 1:
-        raise PlaitError("--sp splits the sequence across tensor-parallel ranks, and --tp is 1", hint="add --tp 2 (or more)")
-    if config.tp > 1:
-        from plait.parallel.tensor import check_gpt_tensor_parallel
-
-        check_gpt_tensor_parallel(model, config.tp, config.sp, config.seq_len)
-    if config.schedule not in SCHEDULES:
-        raise PlaitError(f"unknown pipeline schedule {config.schedule!r}", hint=f"choose one of: {', '.join(SCHEDULES)}")
+    rules.check_strategy_choices(schedule=config.schedule, precision=config.precision, recompute=config.recompute,
+                                 zero=config.zero)
+    rules.check_combination(tp=config.tp, pp=config.pp, zero=config.zero, offload=config.offload, sp=config.sp,
+                            recompute=config.recompute, schedule=config.schedule)
+    rules.check_precision(config.precision, config.zero)
+    rules.check_tensor_parallel(model, config.tp, config.sp, config.seq_len)
+    rules.check_pipeline_shape(model.n_layers, pp=config.pp, virtual_stages=config.virtual_stages,
+                               schedule=config.schedule, microbatches=config.grad_accum)
     if config.pp > 1:
         from plait.parallel.pipeline import check_pipeline
 
         check_pipeline(model.n_layers, config.pp, config.schedule, config.grad_accum,
                        virtual_stages=config.virtual_stages)
-    from plait.parallel.recompute import POLICIES
 
-    if config.precision not in PRECISIONS:
-        raise PlaitError(f"unknown --precision {config.precision!r}", hint=f"choose one of: {', '.join(PRECISIONS)}")
-    if config.precision != "fp32" and config.zero == 0:
-        raise PlaitError(f"--precision {config.precision} keeps fp32 master weights in ZeRO's optimizer, and --zero is 0",
-                         hint="add --zero 1 (it shards the masters and Adam state over dp; one process works too)")
 
-    if config.recompute not in POLICIES:
-        raise PlaitError(f"unknown --recompute {config.recompute!r}", hint=f"choose one of: {', '.join(POLICIES)}")
-    if config.pp > 1 and config.recompute != "none" and config.schedule == "zb-h1":
-        raise PlaitError("--recompute full cannot run the zb-h1 schedule: W reads the activations "
-                         "recomputation drops", hint="use --schedule 1f1b with --recompute, or drop --recompute")
-    if config.pp > 1 and config.zero >= 2 and config.schedule == "zb-h1":
-        raise PlaitError(f"--zero {config.zero} cannot run the zb-h1 schedule: it reduces gradients from "
-                         "autograd's hooks, and zb-h1 computes weight gradients outside them",
-                         hint="use --zero 1 with zb-h1, or another --schedule")
+def check_outputs(config: TrainConfig) -> None:
+    """--measure, --log-level and --tensorboard: fail before spawning, not at the end."""
+    from plait.train.logs import LEVELS
+    from plait.train.measure import MODES
+
+    if config.measure not in MODES:
+        raise PlaitError(f"unknown --measure {config.measure!r}", hint=f"choose one of: {', '.join(MODES)}")
+    if config.log_level not in LEVELS:
+        raise PlaitError(f"unknown --log-level {config.log_level!r}", hint=f"choose one of: {', '.join(LEVELS)}")
+    if config.tensorboard:
+        from plait.train.tboard import check_available
+
+        check_available()
 
 
 def check_data(source: str) -> None:

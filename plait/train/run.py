@@ -9,9 +9,12 @@ from typing import Any
 
 import torch
 
+from plait.report import report_after_training
 from plait.runtime.mesh import init_mesh
 from plait.train.config import TrainConfig
+from plait.train.logs import setup_logging
 from plait.train.report import closing_report
+from plait.train.tboard import TensorBoardLog
 from plait.train.trainer import Trainer
 
 
@@ -23,12 +26,18 @@ def set_cpu_threads(local_world: int) -> None:
 
 def train(config: TrainConfig) -> dict[str, Any]:
     """Run `plait train` on this rank; rank 0 writes outputs and prints the report."""
+    setup_logging(config.log_level)
     mesh = init_mesh(dp=config.dp, tp=config.tp, pp=config.pp, backend=config.backend, timeout_s=config.timeout_s)
     try:
         set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", mesh.env.world_size)))
         trainer = Trainer(config, mesh)
         bar = _progress_bar(config.steps) if mesh.is_main else None
-        summary = trainer.run(progress=(lambda r: _advance(bar, r)) if bar else None)
+        board = TensorBoardLog(config.out) if config.tensorboard and mesh.is_main else None
+        try:
+            summary = trainer.run(progress=(lambda r: _on_step(r, bar, board)) if bar else None)
+        finally:
+            if board:
+                board.close()
         if bar:
             bar.close()
         # Every rank takes part: with tensor parallelism or ZeRO-3 a forward is collective.
@@ -37,7 +46,10 @@ def train(config: TrainConfig) -> dict[str, Any]:
         if mesh.is_main:
             summary["config"] = config.to_dict()
             _write_outputs(summary, weights, Path(config.out))
+            save_timeline(trainer, Path(config.out))
             print(closing_report(summary, config.out), flush=True)
+            if not config.no_report and os.environ.get("PLAIT_REPORT", "on") != "off":
+                print(report_after_training(Path(config.out)), flush=True)
         return summary
     finally:
         mesh.close()
@@ -49,12 +61,29 @@ def _progress_bar(steps: int) -> Any:
     return tqdm(total=steps, desc="train", unit="step", mininterval=1.0, dynamic_ncols=True)
 
 
+def _on_step(record: dict[str, Any], bar: Any, board: TensorBoardLog | None) -> None:
+    _advance(bar, record)
+    if board:
+        board.write(record)
+
+
 def _advance(bar: Any, record: dict[str, Any]) -> None:
-    postfix = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:,.0f}"}
+    postfix = {"tok/s": f"{record['tokens_per_s']:,.0f}"}
+    if record.get("loss") is not None:  # --measure off reads no loss between the measured steps
+        postfix["loss"] = f"{record['loss']:.3f}"
     if "val_loss" in record:
         postfix["val"] = f"{record['val_loss']:.3f}"
     bar.set_postfix(postfix, refresh=False)
     bar.update(record["step"] - bar.n)  # a resumed run starts past 0
+
+
+def save_timeline(trainer: Trainer, out: Path) -> None:
+    """The last step's measured pipeline timeline, as timeline.json for `plait report`."""
+    timeline = trainer.runner.last_timeline if trainer.runner is not None else None
+    if timeline is not None:
+        from plait.parallel.timeline import timeline_to_dict
+
+        (out / "timeline.json").write_text(json.dumps(timeline_to_dict(timeline)) + "\n")
 
 
 def final_weights(trainer: Trainer) -> dict[str, torch.Tensor] | None:

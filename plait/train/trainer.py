@@ -30,6 +30,7 @@ from plait.runtime.mesh import AXES, Mesh
 from plait.train import checkpoint, checkpoint_read
 from plait.train.config import TrainConfig
 from plait.train.data import StepSampler, corpus_digest, load_corpus, train_val_split
+from plait.train.measure import MeasurePolicy
 from plait.train.meter import ActivationMeter, model_state_bytes, peak_process_bytes
 from plait.train.tokens import text_codec
 
@@ -74,6 +75,7 @@ class Trainer:
                                    mesh.size("dp"), config.micro_batch, config.seed)
         self.eval_count = self._eval_count()
         self.meter = ActivationMeter()
+        self.measure = MeasurePolicy(config.measure, config.steps)
         self.num_params = self.model_config.num_params()
         self.history: list[dict[str, Any]] = []
         self.update_times: list[float] = []
@@ -85,35 +87,44 @@ class Trainer:
         lr = lr_at(step, config)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        full = self.measure.full(step)
+        if self.runner:
+            self.runner.measure = full  # the barrier and the timeline's all-gather
         before = self.mesh.ledger.snapshot()
         start = time.perf_counter()
         batches = [self._batch(self.train_split, indices) for indices in self.sampler.micro_batches(step)]
-        loss, activations = self._pipeline_step(batches) if self.runner else self._micro_steps(batches)
+        loss, activations = self._pipeline_step(batches) if self.runner else self._micro_steps(batches, full)
         max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
         update_start = time.perf_counter()
         grad_norm = clip_grad_norm(model, max_norm)
         self.optimizer.step()
         self.update_times.append(time.perf_counter() - update_start)  # the optimizer's part of the step
-        states = model_state_bytes(model, self.optimizer)
+        states = model_state_bytes(model, self.optimizer) if full else {}
         self.optimizer.zero_grad()
         elapsed = time.perf_counter() - start
         local = {"loss": loss, "step_time_s": elapsed, "grad_norm": float(grad_norm),
                  **states, "activations_peak": activations, "comm": self.mesh.ledger.since(before)}
+        if not full:
+            return self.measure.local_record(step, lr, local, self.config.global_batch * self.config.seq_len)
         return self._gather_step(step, lr, local)
 
-    def _micro_steps(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, int]:
-        """Forward and backward each micro-batch; mean loss, and the bytes saved for backward."""
-        loss_sum = 0.0
+    def _micro_steps(self, batches: list[tuple[torch.Tensor, torch.Tensor]], full: bool = True) -> tuple[Any, int]:
+        """Forward and backward each micro-batch; mean loss, and the bytes saved for backward.
+
+        The loss is read back once per step (one host sync, not one per micro-batch), and
+        not at all under `--measure off`; activations are metered only on measured steps."""
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         for k, (inputs, targets) in enumerate(batches):
             last = k == len(batches) - 1
             # Only the last micro-batch synchronises: the others just accumulate locally.
             with contextlib.nullcontext() if last else no_sync(self.model):
-                with self.meter.track(self.model):
+                with self.meter.track(self.model) if full else contextlib.nullcontext():
                     logits = self.model(inputs)
                 loss = self.loss_fn(logits, targets)
                 (loss / len(batches)).backward()
-            loss_sum += loss.item()
-        return loss_sum / len(batches), self.meter.last
+            loss_sum += loss.detach()
+        mean = loss_sum / len(batches)
+        return (mean.item() if self.measure.reads_loss(full) else None), self.meter.last if full else 0
 
     def _pipeline_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, int]:
         """The schedule runs every micro-batch; gradients are reduced once at its end."""
@@ -232,6 +243,7 @@ class Trainer:
     def run(self, progress: Any = None) -> dict[str, Any]:
         """Train until `steps`, evaluating every `eval_every`; return the run's summary."""
         start = self.resume() if self.config.resume else 0
+        self.measure.first_step = start
         metrics_file = self._open_metrics(start) if self.mesh.is_main else None
         val_losses: dict[int, float] = {}
         try:
@@ -308,7 +320,8 @@ class Trainer:
             if dp > 1 and self.mesh.env.world_size == dp and not self.config.zero else {},
             "comm_naive_total": comm.naive_exchange_bytes(param_bytes, dp),
             "comm_ring_total": comm.ring_wire_bytes("all_reduce", param_bytes, dp) * dp,
-            "mem": {k: max(r["mem"][k] for r in history) for k in MEM_KEYS},
+            "mem": {k: max(r["mem"][k] for r in history if "mem" in r) for k in MEM_KEYS},
+            "measure": self.config.measure,
             "peak_process_bytes": int(peak.item()),
             "telemetry_bytes": sum(sum(ops.values()) for ops in self.mesh.ledger.wire(comm.TELEMETRY).values()),
             "predicted": (predicted := self.prediction()),

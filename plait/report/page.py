@@ -1,0 +1,85 @@
+"""Read a run directory, save each figure as a PNG, and write the Markdown page around them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from plait.errors import PlaitError
+from plait.report import plots
+from plait.train.report import describe_layout, human_bytes
+
+
+def read_run(run_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """metrics.jsonl's lines and summary.json, with one clear error when either is missing."""
+    metrics, summary = run_dir / "metrics.jsonl", run_dir / "summary.json"
+    for path in (metrics, summary):
+        if not path.is_file():
+            raise PlaitError(f"{path} does not exist", hint="give the --out directory of a finished `plait train`")
+    try:
+        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        data = json.loads(summary.read_text())
+    except json.JSONDecodeError as err:
+        raise PlaitError(f"{run_dir} holds a file that is not JSON: {err}") from None
+    if not records:
+        raise PlaitError(f"{metrics} has no steps", hint="the run stopped before its first step")
+    return records, data
+
+
+def figures(records: list[dict[str, Any]], summary: dict[str, Any]) -> dict[str, Any]:
+    """name -> Figure for every plot this run can have (the timeline is drawn on save)."""
+    out = {"loss": plots.loss_figure(records, summary.get("val_losses", {})), "throughput": plots.throughput_figure(records),
+           "memory": plots.memory_figure(summary)}
+    comm = plots.comm_figure(summary)
+    if comm is not None:
+        out["comm"] = comm
+    return out
+
+
+def write_page(run_dir: Path) -> Path:
+    """PNGs under RUN_DIR/report/, and RUN_DIR/report.md that shows them with a few numbers."""
+    records, summary = read_run(run_dir)
+    images = run_dir / "report"
+    images.mkdir(exist_ok=True)
+    drawn = figures(records, summary)
+    for name, fig in drawn.items():
+        fig.savefig(images / f"{name}.png", format="png", dpi=100)
+    timeline = run_dir / "timeline.json"
+    if timeline.is_file():
+        from plait.parallel.timeline import render_png, timeline_from_dict
+
+        measured = timeline_from_dict(json.loads(timeline.read_text()))
+        render_png(measured, images / "timeline.png",
+                   title=f"last step as measured: bubble {measured.bubble:.1%}, {measured.makespan * 1e3:.1f} ms")
+        drawn["timeline"] = None
+    page = run_dir / "report.md"
+    page.write_text(_markdown(summary, records, list(drawn)))
+    return page
+
+
+_CAPTIONS = {
+    "loss": "Loss per step; the dots are the held-out loss.",
+    "throughput": "Tokens per second, every step (the dotted line is the median after the first step).",
+    "memory": "Memory per rank by kind: `plait estimate`'s prediction beside what the run held (max over ranks).",
+    "comm": "Bytes on the wire per step on each mesh axis, predicted and measured (busiest rank).",
+    "timeline": "The pipeline schedule of the last step, as the ranks timed it.",
+}
+
+
+def _markdown(summary: dict[str, Any], records: list[dict[str, Any]], names: list[str]) -> str:
+    layout = summary["layout"]
+    lines = [
+        f"# plait run: {summary['model']}, {describe_layout(layout)}", "",
+        f"- {summary['steps']} steps on {layout['world_size']} process(es), backend {layout['backend']}, "
+        f"global batch {summary['global_batch']} × {summary['seq_len']} tokens",
+        f"- loss {summary['loss_first']:.3f} → {summary['loss_last']:.3f} (held-out {summary['val_loss']:.3f})",
+        f"- {summary['tokens_per_s']:,.0f} tokens/s, {summary['step_time_s_median']:.3f} s/step (median)",
+        f"- memory per rank: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in summary["mem"].items()),
+        f"- measurement: {summary.get('measure', 'full')}", "",
+    ]
+    if "comm" not in names:
+        lines += ["No bytes on the wire: one process.", ""]
+    for name in names:
+        lines += [f"## {name}", "", _CAPTIONS[name], "", f"![{name}](report/{name}.png)", ""]
+    return "\n".join(lines)

@@ -1,0 +1,41 @@
+"""Logging for a run of many processes: one handler on the `plait` logger, ranks named.
+
+The library logs through `logging.getLogger(__name__)` (what ZeRO and tensor parallelism
+applied, for instance) and configures nothing itself, as a library should. `plait train`
+calls `setup_logging` once per rank: rank 0's lines read as they are, every other rank's
+start with `[rank N]`, so that eight copies of one message can be told apart. Only the
+`plait` loggers are configured; torch's and the user's are left alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+LEVELS = ("debug", "info", "warning", "error")
+_HANDLER_NAME = "plait-rank"
+
+
+class RankFormatter(logging.Formatter):
+    """`[rank 3] plait.parallel.zero: ...` on rank 3, no prefix on rank 0."""
+
+    def __init__(self, rank: int):
+        prefix = f"[rank {rank}] " if rank else ""
+        super().__init__(f"{prefix}%(name)s: %(message)s")
+
+
+def setup_logging(level: str = "warning", rank: int | None = None) -> logging.Logger:
+    """Send the `plait` loggers' records at `level` and above to stderr, once per process."""
+    if rank is None:
+        rank = int(os.environ.get("RANK", "0"))
+    logger = logging.getLogger("plait")
+    logger.setLevel(level.upper())
+    for handler in [h for h in logger.handlers if h.get_name() == _HANDLER_NAME]:
+        logger.removeHandler(handler)  # called again (tests, a second run): replace, never double
+    handler = logging.StreamHandler(sys.stderr)
+    handler.set_name(_HANDLER_NAME)
+    handler.setFormatter(RankFormatter(rank))
+    logger.addHandler(handler)
+    logger.propagate = False  # an application's root handler would print every line twice
+    return logger

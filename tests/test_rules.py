@@ -1,0 +1,70 @@
+"""One definition per rule: what `plait plan` recommends, `plait train` accepts, and the
+choices `parallel/`, `train/` and `estimate/` offer are the same objects."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from plait import rules
+from plait.errors import PlaitError
+from plait.estimate import estimate_layout
+from plait.estimate.planner import plan
+from plait.models.config import TRAINABLE, get_preset
+from plait.train.config import TrainConfig, check_strategies
+
+
+def _train_config(model: str, row: dict, precision: str, schedule: str, seq_len: int) -> TrainConfig:
+    world = row["dp"] * row["tp"] * row["pp"]
+    return replace(TrainConfig(), model=model, dp=row["dp"], tp=row["tp"], pp=row["pp"], zero=row["zero"],
+                   sp=row["sp"], offload=row["offload"], micro_batch=row["micro_batch"],
+                   grad_accum=row["grad_accum"], recompute=row["recompute"], precision=precision,
+                   schedule=schedule, seq_len=seq_len, nproc=world)
+
+
+@pytest.mark.parametrize("model", TRAINABLE)
+@pytest.mark.parametrize("precision", rules.PRECISIONS)
+def test_every_planned_layout_passes_train_validation(model: str, precision: str) -> None:
+    config, checked = get_preset(model), 0
+    for gpus in (1, 2, 4, 8):
+        for schedule in ("gpipe", "1f1b", "zb-h1"):
+            for offload in (False, True):
+                rows = plan(config, gpus=gpus, global_batch=8, hardware="h100-sxm", seq_len=30,
+                            precision=precision, schedule=schedule, offload=offload)
+                for row in rows:
+                    check_strategies(_train_config(model, row, precision, schedule, seq_len=30))
+                    checked += 1
+    assert checked > 100
+    # seq_len 30 is not a multiple of 4: the planner offers SP only where tp divides it
+    assert not any(r["sp"] and r["tp"] == 4 for r in plan(config, gpus=4, global_batch=8, hardware="h100-sxm",
+                                                          seq_len=30, precision=precision))
+
+
+def test_one_home_for_each_choice() -> None:
+    from plait.estimate import layout
+    from plait.parallel import recompute, schedule, tensor
+
+    assert schedule.SCHEDULES is layout.SCHEDULES is rules.SCHEDULES
+    assert recompute.POLICIES is layout.RECOMPUTE is rules.RECOMPUTE
+    assert layout.PRECISIONS is rules.PRECISIONS
+    assert tensor.check_gpt_tensor_parallel is rules.check_tensor_parallel
+    assert "fp16" not in rules.PRECISIONS and "selective" not in rules.RECOMPUTE  # not trained (yet)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(model="tiny,vocab_size=255", tp=2), "vocab_size = 255 is not divisible by tp=2"),
+    (dict(model="tiny", tp=2, sp=True, seq_len=31), "--sp needs the sequence length divisible by tp"),
+    (dict(model="tiny", precision="bf16"), "--precision bf16 keeps fp32 master weights"),
+    (dict(model="tiny", precision="fp16", zero=1), "unknown --precision 'fp16'"),
+    (dict(model="tiny", recompute="selective"), "unknown --recompute 'selective'"),
+    (dict(model="tiny", pp=2, zero=2, schedule="zb-h1", grad_accum=2), "--zero 2 cannot run the zb-h1 schedule"),
+])
+def test_estimate_and_train_refuse_alike(kwargs: dict, message: str) -> None:
+    kwargs = dict(kwargs)
+    model = kwargs.pop("model")
+    with pytest.raises(PlaitError, match=message.replace("+", r"\+")):
+        estimate_layout(get_preset(model), **{"seq_len": 32, **kwargs})
+    world = kwargs.get("tp", 1) * kwargs.get("pp", 1)
+    with pytest.raises(PlaitError, match=message.replace("+", r"\+")):
+        check_strategies(replace(TrainConfig(), model=model, dp=1, nproc=world, **{"seq_len": 32, **kwargs}))
