@@ -14,6 +14,7 @@ from typing import Any
 
 from plait.errors import PlaitError
 from plait.models.config import TRAINABLE, get_preset, preset_name
+from plait.train.restart import resolve_auto
 
 try:
     import tomllib
@@ -58,7 +59,8 @@ class TrainConfig:
     out: str = field(default="runs/latest", metadata={"help": "where metrics.jsonl, summary.json and the model go"})
     save_every: int = field(default=0, metadata={"help": "write a checkpoint every N steps and at the end (0: never)"})
     keep_checkpoints: int = field(default=3, metadata={"help": "how many checkpoints to keep (0: all)"})
-    resume: str = field(default="", metadata={"help": "a checkpoint directory, or a run's --out, to continue from"})
+    resume: str = field(default="", metadata={"help": "a checkpoint directory, or a run's --out, to continue from; auto: this run's latest checkpoint if any"})
+    max_restarts: int = field(default=0, metadata={"help": "plait's spawner restarts the world from the latest checkpoint when a rank dies or hangs, at most N times"})
     sample_tokens: int = field(default=160, metadata={"help": "length of the text sample printed at the end"})
     prompt: str = field(default="def ", metadata={"help": "text the closing sample continues"})
 
@@ -97,7 +99,7 @@ def build_config(file_values: dict[str, Any], flag_values: dict[str, Any]) -> Tr
     """Defaults, then the file, then the flags that were given (not None)."""
     merged = {**file_values, **{k: v for k, v in flag_values.items() if v is not None}}
     config = replace(TrainConfig(), **merged)
-    return resolve_layout(config)
+    return resolve_layout(resolve_auto(config))
 
 
 def resolve_layout(config: TrainConfig) -> TrainConfig:

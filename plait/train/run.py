@@ -12,6 +12,7 @@ import torch
 from plait.runtime.mesh import init_mesh
 from plait.train.config import TrainConfig
 from plait.train.report import closing_report
+from plait.train.restart import restart_count
 from plait.train.trainer import Trainer
 
 
@@ -36,6 +37,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
         weights = final_weights(trainer)
         if mesh.is_main:
             summary["config"] = config.to_dict()
+            summary["restarts"] = restart_count()
             _write_outputs(summary, weights, Path(config.out))
             print(closing_report(summary, config.out), flush=True)
         return summary
