@@ -14,6 +14,7 @@ from typing import Any
 
 from plait.errors import PlaitError
 from plait.models.config import TRAINABLE, get_preset, preset_name
+from plait.train.config_check import check_values
 from plait.train.restart import resolve_auto
 
 try:
@@ -97,7 +98,8 @@ def load_toml(path: str) -> dict[str, Any]:
 
 def build_config(file_values: dict[str, Any], flag_values: dict[str, Any]) -> TrainConfig:
     """Defaults, then the file, then the flags that were given (not None)."""
-    merged = {**file_values, **{k: v for k, v in flag_values.items() if v is not None}}
+    given = {k: v for k, v in flag_values.items() if v is not None}
+    merged = {**check_values(file_values, TrainConfig, "the config file"), **check_values(given, TrainConfig, "flag")}
     config = replace(TrainConfig(), **merged)
     return resolve_layout(resolve_auto(config))
 
