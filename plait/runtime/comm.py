@@ -111,16 +111,16 @@ class Handle:
         self._work, self._axis, self._op, self._entry = work, axis, op, entry
 
     def wait(self) -> None:
-        if self._work is None:
-            return
-        try:
-            self._work.wait()
-        except RuntimeError as exc:
-            raise _comm_error(self._axis, self._op, exc, self._entry) from exc
-        finally:
-            self._work = None
+        if self._work is not None:  # None: a blocking call, done already
+            try:
+                self._work.wait()
+            except RuntimeError as exc:
+                raise _comm_error(self._axis, self._op, exc, self._entry) from exc
+            finally:
+                self._work = None
         if self._entry is not None:
             self._axis.ledger.recorder.finish(self._entry)
+            self._entry = None
 
 
 def _comm_error(axis: Axis, op: str, exc: Exception, entry: Any = None) -> CommError:
