@@ -67,3 +67,16 @@ def test_mpirun_trains_like_the_spawner(spawned, tmp_path):
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["layout"]["launcher"] == "mpi" and summary["layout"]["world_size"] == 4
     assert_losses_close(losses(tmp_path / "out"), spawned)
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_hung_rank_is_named_through_the_agents_store(tmp_path):
+    """torchrun's agent hosts the store, so even a hung rank 0 is named by the others."""
+    env = launcher_env(PLAIT_INJECT="0:0:2:HANG")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", env["MASTER_PORT"],
+           "-m", "plait", *TRAIN[:-2], "--steps", "4", "--timeout", "5", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    line = next(line for line in proc.stderr.splitlines() if line.startswith("plait: error: rank 1: "))
+    assert "rank 0 never entered all_reduce #" in line and "on the dp group at step 2" in line, line
+    assert "rank 0 is at step 2, the last collective it finished was all_reduce #" in line, line

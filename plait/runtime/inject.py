@@ -15,15 +15,17 @@ import time
 from plait.errors import PlaitError
 
 VARIABLE = "PLAIT_INJECT"
+HANG = "HANG"
 
 
-def parse(spec: str) -> list[tuple[int, int, int, signal.Signals]]:
+def parse(spec: str) -> list[tuple[int, int, int, signal.Signals | str]]:
     """"0:2:7:KILL,1:0:9:STOP" -> [(attempt, rank, step, signal), ...]."""
     faults = []
     for item in filter(None, spec.split(",")):
         try:
             attempt, rank, step, name = item.split(":")
-            faults.append((int(attempt), int(rank), int(step), signal.Signals[f"SIG{name.upper()}"]))
+            what = HANG if name.upper() == HANG else signal.Signals[f"SIG{name.upper()}"]
+            faults.append((int(attempt), int(rank), int(step), what))
         except (ValueError, KeyError):
             raise PlaitError(f"{VARIABLE} item {item!r} is not ATTEMPT:RANK:STEP:SIGNAL",
                              hint="e.g. 0:2:7:KILL kills rank 2 as step 7 begins, before any restart") from None
@@ -38,6 +40,10 @@ def maybe_inject(rank: int, step: int) -> None:
     attempt = int(os.environ.get("PLAIT_RESTART", "0"))
     for when, who, at, sig in parse(spec):
         if (when, who, at) == (attempt, rank, step):
-            print(f"plait: injected fault: rank {rank} sends itself {sig.name} at step {step} "
+            name = sig if sig == HANG else sig.name
+            print(f"plait: injected fault: rank {rank} sends itself {name} at step {step} "
                   f"(t={time.time():.3f})", file=sys.stderr, flush=True)
+            if sig == HANG:
+                while True:
+                    time.sleep(3600)
             os.kill(os.getpid(), sig)
