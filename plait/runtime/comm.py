@@ -131,9 +131,11 @@ def _comm_error(axis: Axis, op: str, exc: Exception, entry: Any = None) -> CommE
     recorder = axis.ledger.recorder
     culprit = recorder.diagnose(entry) if recorder is not None else ""
     where = f" (step {entry.step})" if entry is not None and entry.step else ""
+    suspects = ", ".join(map(str, recorder.culprits)) if recorder is not None else ""
     error = CommError(
         f"rank {axis.global_rank}: {op} on the {axis.name} group ({axis.size} ranks){where} failed: {first_line}{culprit}",
-        hint="another rank probably died or is stuck; check its output above, or raise --timeout",
+        hint=f"look at rank {suspects}'s output (or its stack: py-spy dump); raise --timeout if it is only slow"
+        if suspects else "another rank probably died or is stuck; check its output above, or raise --timeout",
     )
     if recorder is not None:
         recorder.report(axis.global_rank, error.message)
