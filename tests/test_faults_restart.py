@@ -60,6 +60,7 @@ def test_a_stopped_rank_is_named_by_every_rank_and_the_spawner(tmp_path, monkeyp
         assert "rank 2 never entered all_reduce #" in line and "on the dp group at step 3" in line, line
         assert "the last collective it finished was all_reduce #" in line, line
     assert "plait: stuck or dead: rank 2 (its process is stopped), named by rank(s) 0, 1, 3" in proc.stderr
+    print(f"rank 2 named {ended - stopped_at:.1f} s after it stopped")  # shown with pytest -s
     assert ended - stopped_at < 30  # --timeout 15, then the diagnosis and the summary
 
 
