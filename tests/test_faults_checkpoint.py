@@ -56,5 +56,5 @@ def test_a_failed_first_write_says_there_is_nothing_earlier(tmp_path, monkeypatc
     mesh = single_mesh()
     model, opt = trained()
     monkeypatch.setattr(safetensors.torch, "save_file", _fail_with(errno.ENOSPC))
-    with pytest.raises(PlaitError, match="ENOSPC \(somefile\); no earlier checkpoint exists"):
+    with pytest.raises(PlaitError, match=r"ENOSPC \(somefile\); no earlier checkpoint exists"):
         checkpoint.save(tmp_path, 1, model, opt, mesh, {})
