@@ -89,7 +89,7 @@ def _watch(procs: list[subprocess.Popen], faults: Path) -> tuple[int, bool]:
         if failed:
             notes = _notes(faults)
             if notes:  # a collective failed: the others are diagnosing theirs, give them a moment
-                _wait_all(procs, REPORT_S)
+                _wait_for_reports(procs, faults)
                 notes = _notes(faults)
                 failed = [(r, p.poll()) for r, p in enumerate(procs) if p.poll() not in (None, 0)] or failed
             _report(failed, sum(proc.poll() is None for proc in procs))
@@ -102,9 +102,13 @@ def _watch(procs: list[subprocess.Popen], faults: Path) -> tuple[int, bool]:
         time.sleep(POLL_S)
 
 
-def _wait_all(procs: list[subprocess.Popen], seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+def _wait_for_reports(procs: list[subprocess.Popen], faults: Path) -> None:
+    """Until every rank but the named culprits has exited (they will not), or REPORT_S."""
+    deadline = time.monotonic() + REPORT_S
+    while time.monotonic() < deadline:
+        culprits = {rank for note in _notes(faults) for rank in note["culprits"]}
+        if all(p.poll() is not None for rank, p in enumerate(procs) if rank not in culprits):
+            return
         time.sleep(POLL_S)
 
 
