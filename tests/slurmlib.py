@@ -21,6 +21,8 @@ def missing() -> str | None:
     absent = [b for b in BINARIES if shutil.which(b) is None and not Path(f"/usr/sbin/{b}").exists()]
     if absent:
         return f"slurm-wlm is not installed ({', '.join(absent)} missing; .ci/run installs it with apt-get)"
+    if os.geteuid() != 0:
+        return "slurmd must run as root to start job steps, and this test is not root"
     return None
 
 
