@@ -29,7 +29,9 @@ def main(argv: list[str] | None = None) -> int:
         _print_error(exc, debug)
         if _after_failed_collective(exc):
             # Tearing down a process group whose collective failed can hang or abort in
-            # torch's destructors: leave now, with the error already printed.
+            # torch's destructors: leave now, with the error already printed (the store's
+            # host first waits a few seconds for the other ranks to read what they need).
+            sys.modules["plait.runtime.comm"].settle_after_failure(exc)
             sys.stdout.flush()
             os._exit(EXIT_INPUT)
         return EXIT_INPUT
@@ -54,6 +56,8 @@ def _print_error(exc: PlaitError, debug: bool) -> None:
     if debug:
         traceback.print_exc()
     where = f"rank {os.environ['RANK']}: " if "RANK" in os.environ and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+    if exc.message.startswith(where):
+        where = ""  # the message names its rank already (a failed collective's does)
     print(f"plait: error: {where}{exc.message}", file=sys.stderr, flush=True)
     if exc.hint:
         print(f"  hint: {exc.hint}", file=sys.stderr, flush=True)
@@ -141,8 +145,9 @@ def train_parser() -> argparse.ArgumentParser:
 
 
 def _flag_type(annotation: Any) -> Any:
-    text = str(annotation)
-    return int if text.startswith("int") else float if text.startswith("float") else str
+    # Flags arrive as text: train/config_check.py converts and range-checks them with the
+    # TOML values, so a wrong one is one PlaitError naming the flag, like a wrong TOML value.
+    return str
 
 
 def cmd_train(argv: list[str]) -> int:
@@ -158,8 +163,12 @@ def cmd_train(argv: list[str]) -> int:
         train(config)
         return 0
     from plait.runtime.launch import spawn
+    from plait.train.restart import restart_argv, warn_restarts_without_saves
 
-    return spawn([sys.executable, "-m", "plait", "train", *argv], config.nproc)
+    warn_restarts_without_saves(config.max_restarts, config.save_every)
+    command = [sys.executable, "-m", "plait", "train"]
+    return spawn([*command, *argv], config.nproc, max_restarts=config.max_restarts,
+                 restart_command=lambda: [*command, *restart_argv(argv, config.out)])
 
 
 def _inside_job() -> bool:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from plait.errors import PlaitError
+from plait.runtime.inject import maybe_inject
 from plait.wire import ring_bytes as ring_wire_bytes  # one formula, shared with estimate/
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv", "reduce", "scatter", "gather")
@@ -50,6 +51,7 @@ class Ledger:
     """Counts of every collective, keyed by (purpose, axis, op)."""
 
     tallies: dict[tuple[str, str, str], Tally] = field(default_factory=lambda: defaultdict(Tally))
+    recorder: Any = None  # a recorder.FlightRecorder once the mesh has a store; names stuck ranks
 
     def record(self, axis: str, op: str, payload: int, n: int, purpose: str = TRAIN) -> None:
         tally = self.tallies[(purpose, axis, op)]
@@ -106,38 +108,68 @@ class CommError(PlaitError):
 class Handle:
     """An in-flight collective; `wait()` turns torch's errors into ones that name the op."""
 
-    def __init__(self, work: Any, axis: Axis, op: str):
-        self._work, self._axis, self._op = work, axis, op
+    def __init__(self, work: Any, axis: Axis, op: str, entry: Any = None):
+        self._work, self._axis, self._op, self._entry = work, axis, op, entry
 
     def wait(self) -> None:
-        if self._work is None:
-            return
-        try:
-            self._work.wait()
-        except RuntimeError as exc:
-            raise _comm_error(self._axis, self._op, exc) from exc
-        finally:
-            self._work = None
+        if self._work is not None:  # None: a blocking call, done already
+            try:
+                self._work.wait()
+            except RuntimeError as exc:
+                raise _comm_error(self._axis, self._op, exc, self._entry) from exc
+            finally:
+                self._work = None
+        if self._entry is not None:
+            self._axis.ledger.recorder.finish(self._entry)
+            self._entry = None
 
 
-def _comm_error(axis: Axis, op: str, exc: Exception) -> CommError:
+def _comm_error(axis: Axis, op: str, exc: Exception, entry: Any = None) -> CommError:
+    """Name the op and group, and (from the flight recorder) the ranks that never entered it."""
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     first_line = re.sub(r"^\[[^\]]*\]\s*", "", first_line)  # drop the "[/path/file.cc:78]" prefix
-    return CommError(
-        f"rank {axis.global_rank}: {op} on the {axis.name} group ({axis.size} ranks) failed: {first_line}",
-        hint="another rank probably died or is stuck; check its output above, or raise --timeout",
+    first_line = first_line.split(". ")[0].rstrip(".")  # the first sentence: torch's advice follows
+    recorder = axis.ledger.recorder
+    culprit = recorder.diagnose(entry) if recorder is not None else ""
+    where = f" (step {entry.step})" if entry is not None and entry.step else ""
+    suspects = ", ".join(map(str, recorder.culprits)) if recorder is not None else ""
+    error = CommError(
+        f"rank {axis.global_rank}: {op} on the {axis.name} group ({axis.size} ranks){where} failed: {first_line}{culprit}",
+        hint=f"look at rank {suspects}'s output (or its stack: py-spy dump); raise --timeout if it is only slow"
+        if suspects else "another rank probably died or is stuck; check its output above, or raise --timeout",
     )
+    if recorder is not None:
+        recorder.report(axis.global_rank, error.message)
+        error.recorder = recorder
+    return error
 
 
-def _run(axis: Axis, op: str, call: Any, async_op: bool) -> Handle:
+def _run(axis: Axis, op: str, call: Any, async_op: bool, peer: int | None = None) -> Handle:
+    recorder = axis.ledger.recorder
+    entry = recorder.enter(axis.name, op, peer) if recorder is not None else None
     try:
         work = call()
     except RuntimeError as exc:
-        raise _comm_error(axis, op, exc) from exc
-    handle = Handle(work, axis, op)
+        raise _comm_error(axis, op, exc, entry) from exc
+    handle = Handle(work, axis, op, entry)
     if not async_op:
         handle.wait()
     return handle
+
+
+def mark_step(ledger: Ledger, step: int) -> None:
+    """Tell the flight recorder which optimizer step the next collectives belong to."""
+    if ledger.recorder is not None:
+        ledger.recorder.begin_step(step)
+        maybe_inject(ledger.recorder.rank, step)
+
+
+def settle_after_failure(exc: BaseException) -> None:
+    """Before a rank leaves after a failed collective: the store's host waits for the others
+    to finish reading it (see recorder.FlightRecorder.linger)."""
+    recorder = getattr(exc, "recorder", None)
+    if recorder is not None:
+        recorder.linger()
 
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -192,14 +224,14 @@ def send(tensor: torch.Tensor, axis: Axis, dst: int, purpose: str = TRAIN) -> Ha
     """Send to the rank whose index along `axis` is `dst` (returns at once; wait before reuse)."""
     axis.ledger.record(axis.name, "send", _nbytes(tensor), axis.size, purpose)
     peer = dist.get_global_rank(axis.group, dst)
-    return _run(axis, "send", lambda: dist.isend(tensor, dst=peer, group=axis.group), True)
+    return _run(axis, "send", lambda: dist.isend(tensor, dst=peer, group=axis.group), True, peer)
 
 
 def recv(tensor: torch.Tensor, axis: Axis, src: int, purpose: str = TRAIN) -> Handle:
     """Receive from the rank whose index along `axis` is `src` (wait before reading)."""
     axis.ledger.record(axis.name, "recv", _nbytes(tensor), axis.size, purpose)
     peer = dist.get_global_rank(axis.group, src)
-    return _run(axis, "recv", lambda: dist.irecv(tensor, src=peer, group=axis.group), True)
+    return _run(axis, "recv", lambda: dist.irecv(tensor, src=peer, group=axis.group), True, peer)
 
 
 def reduce(tensor: torch.Tensor, axis: Axis, dst: int = 0, op: str = "sum",

@@ -4,20 +4,35 @@ It does what torchrun's simplest mode does, without importing torch: pick a free
 N processes with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT set, and watch
 them. When one exits with an error, the others are stopped at once (they would otherwise
 wait forever in a collective), and the job exits with that rank's code.
+
+A rank whose collective failed leaves a note in a scratch folder (PLAIT_FAULT_DIR): what
+timed out and which ranks never entered it (runtime/recorder.py). Then the others get a few
+seconds to report theirs before they are stopped, and the summary names the culprits.
+
+With `max_restarts`, a world that lost a rank (killed, crashed, or stuck until a collective
+timed out) is stopped and started again, up to that many times; `restart_command` says what
+the new world runs (plait train resumes from the run's latest checkpoint).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 POLL_S = 0.05
 GRACE_S = 3.0
+REPORT_S = 8.0  # how long the other ranks may take to report a failed collective
+EXIT_INPUT = 2  # a rank refused its input: starting again would fail the same way
+RESTART_ENV = "PLAIT_RESTART"  # how many restarts came before this world (0: the first)
 
 
 def free_port() -> int:
@@ -38,29 +53,101 @@ def rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
     }
 
 
-def spawn(command: Sequence[str], nproc: int) -> int:
-    """Run `command` as ranks 0..nproc-1 and return the job's exit code."""
+def spawn(command: Sequence[str], nproc: int, max_restarts: int = 0,
+          restart_command: Callable[[], Sequence[str]] | None = None) -> int:
+    """Run `command` as ranks 0..nproc-1 and return the job's exit code; restart lost worlds."""
+    attempt = 0
+    while True:
+        code, restartable = _run_world(command, nproc, attempt)
+        if code == 0 or not restartable or attempt >= max_restarts:
+            return code
+        attempt += 1
+        command = restart_command() if restart_command else command
+        print(f"plait: restarting the world ({attempt} of {max_restarts})", file=sys.stderr, flush=True)
+
+
+def _run_world(command: Sequence[str], nproc: int, attempt: int) -> tuple[int, bool]:
+    """One world, from start to its end: (exit code, whether a restart could help)."""
     port = free_port()
-    procs = [subprocess.Popen(list(command), env=rank_env(rank, nproc, port)) for rank in range(nproc)]
+    faults = Path(tempfile.mkdtemp(prefix="plait-faults-"))
+    extra = {"PLAIT_FAULT_DIR": str(faults), RESTART_ENV: str(attempt)}
+    procs = [subprocess.Popen(list(command), env={**rank_env(rank, nproc, port), **extra}) for rank in range(nproc)]
     try:
-        return _watch(procs)
+        return _watch(procs, faults)
     except KeyboardInterrupt:
         _stop(procs)
-        return 130
+        return 130, False
+    finally:
+        shutil.rmtree(faults, ignore_errors=True)
 
 
-def _watch(procs: list[subprocess.Popen]) -> int:
+def _watch(procs: list[subprocess.Popen], faults: Path) -> tuple[int, bool]:
     """Wait until every rank succeeded, or one failed (then stop the rest)."""
     while True:
         codes = [proc.poll() for proc in procs]
         failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
         if failed:
-            _report(failed, sum(code is None for code in codes))
+            notes = _notes(faults)
+            if notes:  # a collective failed: the others are diagnosing theirs, give them a moment
+                _wait_for_reports(procs, faults)
+                notes = _notes(faults)
+                failed = [(r, p.poll()) for r, p in enumerate(procs) if p.poll() not in (None, 0)] or failed
+            _report(failed, sum(proc.poll() is None for proc in procs))
+            _name_culprits(notes, procs)
             _stop(procs)
-            return _exit_code(failed[0][1])
+            restartable = bool(notes) or any(code != EXIT_INPUT for _, code in failed)
+            return _exit_code(failed[0][1]), restartable
         if all(code == 0 for code in codes):
-            return 0
+            return 0, False
         time.sleep(POLL_S)
+
+
+def _wait_for_reports(procs: list[subprocess.Popen], faults: Path) -> None:
+    """Until every rank but the named culprits has exited (they will not), or REPORT_S."""
+    deadline = time.monotonic() + REPORT_S
+    while time.monotonic() < deadline:
+        culprits = {rank for note in _notes(faults) for rank in note["culprits"]}
+        if all(p.poll() is not None for rank, p in enumerate(procs) if rank not in culprits):
+            return
+        time.sleep(POLL_S)
+
+
+def _notes(faults: Path) -> list[dict]:
+    """What the ranks whose collective failed found (runtime/recorder.py writes them)."""
+    notes = []
+    for path in sorted(faults.glob("rank*.json")):
+        try:
+            notes.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue  # half-written as the rank was stopped
+    return notes
+
+
+def _name_culprits(notes: list[dict], procs: list[subprocess.Popen]) -> None:
+    """One line naming the ranks the others waited for, and what each of those was doing."""
+    if not notes:
+        return
+    culprits = sorted({rank for note in notes for rank in note["culprits"]})
+    reporters = ", ".join(str(note["rank"]) for note in notes)
+    if not culprits:
+        print(f"plait: ranks {reporters} saw a collective fail, but every rank had entered it "
+              f"(first report: {notes[0]['message']})", file=sys.stderr, flush=True)
+        return
+    states = [f"rank {r}{_process_state(procs[r])}" for r in culprits if r < len(procs)]
+    print(f"plait: stuck or dead: {', '.join(states)}, named by rank(s) {reporters}: {notes[0]['finding']}",
+          file=sys.stderr, flush=True)
+
+
+def _process_state(proc: subprocess.Popen) -> str:
+    """' (stopped)', ' (exited with …)' or '': what the OS says about a culprit's process."""
+    code = proc.poll()
+    if code is not None:
+        return f" (exited with code {_describe(code)})"
+    try:
+        state = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+    return " (its process is stopped)" if state in ("T", "t") else ""
 
 
 def _report(failed: list[tuple[int, int]], still_running: int) -> None:
@@ -84,10 +171,14 @@ def _exit_code(code: int) -> int:
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM every live rank; SIGKILL whatever is left after a grace period."""
+    """SIGTERM every live rank (waking stopped ones); SIGKILL whatever is left after a grace period."""
     for proc in procs:
         if proc.poll() is None:
             proc.terminate()
+            try:
+                os.kill(proc.pid, signal.SIGCONT)  # a stopped process acts on SIGTERM only once woken
+            except OSError:
+                pass
     deadline = time.monotonic() + GRACE_S
     for proc in procs:
         try:

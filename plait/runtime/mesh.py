@@ -8,6 +8,7 @@ puts on one node, where the bandwidth is.
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from plait.errors import PlaitError
 from plait.runtime.comm import Axis, Ledger
 from plait.runtime.env import ProcessEnv, choose_backend, detect
+from plait.runtime.recorder import FlightRecorder
 
 AXES = ("pp", "dp", "tp")
 
@@ -136,7 +138,18 @@ def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, *, backend: str |
         for name in AXES
     }
     axes["world"] = Axis("world", env.world_size, env.rank, dist.group.WORLD, ledger, env.rank)
+    ledger.recorder = flight_recorder(env, axes)
     return Mesh(shape, env, chosen, device, ledger, axes, device_mesh)
+
+
+def flight_recorder(env: ProcessEnv, axes: dict[str, Axis]) -> FlightRecorder:
+    """Collective counts published through the store the job rendezvoused with (see recorder.py).
+
+    torchrun's agent hosts that store when TORCHELASTIC_USE_AGENT_STORE is set; otherwise rank 0 does."""
+    members = {name: dist.get_process_group_ranks(axis.group) for name, axis in axes.items() if axis.size > 1}
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.distributed_c10d._get_default_store()
+    return FlightRecorder(store, env.rank, env.world_size, members, hosts_store=env.rank == 0 and not agent_store)
 
 
 def _device(env: ProcessEnv) -> torch.device:

@@ -14,7 +14,9 @@ shards as pieces. Loading assembles whatever block the *current* layout needs fr
 pieces that overlap it, so a checkpoint written with one layout loads into another.
 
 Writes go to `.tmp-step-N/`, are fsynced, then renamed; `latest` moves only after that, so
-a crash mid-save leaves the previous checkpoint whole. Nothing is unpickled: JSON and
+a crash mid-save leaves the previous checkpoint whole. A write that fails (disk full,
+permission lost) on any rank makes every rank raise the same PlaitError, naming the ranks
+and the reason, and saying that the previous checkpoint is intact. Nothing is unpickled: JSON and
 safetensors only.
 """
 
@@ -31,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.errors import PlaitError
 from plait.runtime import comm
 from plait.runtime.mesh import Mesh
 
@@ -128,20 +131,50 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
 
     `only` keeps the tensors whose names start with it ("model/": the weights alone)."""
     final, tmp = root / f"step-{step:08d}", root / f".tmp-step-{step:08d}"
-    world = mesh.axis("world")
+    failure = _attempt(lambda: _fresh_dir(tmp)) if mesh.is_main else None
+    _agree(mesh, failure, final, tmp)
+    pieces = [p for p in local_pieces(model, optimizer, mesh) if p.name.startswith(only)]
+    _agree(mesh, _attempt(lambda: _write_rank_file(tmp, mesh.global_rank, pieces)), final, tmp)
+    if mesh.is_main:
+        failure = _attempt(lambda: (_write_index(tmp, mesh, trainer_state, step), _publish(root, tmp, final)))
+        if failure is None:
+            _prune(root, keep)
+    _agree(mesh, failure if mesh.is_main else None, final, tmp)  # also the closing barrier
+    return final
+
+
+def _fresh_dir(tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+
+
+def _attempt(write: Any) -> OSError | None:
+    """Run one write; a full disk or a lost permission comes back as the OSError, not raised."""
+    try:
+        write()
+    except OSError as exc:
+        return exc
+    return None
+
+
+def _agree(mesh: Mesh, failure: OSError | None, final: Path, tmp: Path) -> None:
+    """Every rank learns whether any rank's write failed, and then all raise the same error.
+
+    A rank that raised alone would leave the others waiting in the next barrier until the
+    timeout; `latest` has not moved, so the previous checkpoint stays whole and loadable."""
+    flags = torch.zeros(mesh.env.world_size, dtype=torch.int32, device=mesh.device)
+    flags[mesh.global_rank] = failure is not None
+    comm.all_reduce(flags, mesh.axis("world"), purpose=comm.TELEMETRY)
+    failed = [rank for rank, flag in enumerate(flags.tolist()) if flag]
+    if not failed:
+        return
     if mesh.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    comm.barrier(world)
-    pieces = [p for p in local_pieces(model, optimizer, mesh) if p.name.startswith(only)]
-    _write_rank_file(tmp, mesh.global_rank, pieces)
-    comm.barrier(world)
-    if mesh.is_main:
-        _write_index(tmp, mesh, trainer_state, step)
-        _publish(root, tmp, final)
-        _prune(root, keep)
-    comm.barrier(world)
-    return final
+    latest = final.parent / "latest"
+    kept = f"the previous checkpoint {latest.resolve().name} is intact" if latest.exists() else "no earlier checkpoint exists"
+    reason = f": {failure.strerror or failure}" + (f" ({failure.filename})" if failure.filename else "") if failure else ""
+    raise PlaitError(f"checkpoint {final} could not be written on rank(s) {', '.join(map(str, failed))}{reason}; "
+                     f"{kept}", hint="free disk space or fix the permissions of --out, then continue with --resume auto")
 
 
 def _write_rank_file(tmp: Path, rank: int, pieces: list[Piece]) -> None:

@@ -16,6 +16,8 @@ from plait import rules
 from plait.errors import PlaitError
 from plait.models.config import TRAINABLE, get_preset, preset_name
 from plait.train.tokens import model_for_data
+from plait.train.config_check import check_values
+from plait.train.restart import resolve_auto
 
 try:
     import tomllib
@@ -60,7 +62,8 @@ class TrainConfig:
     out: str = field(default="runs/latest", metadata={"help": "where metrics.jsonl, summary.json and the model go"})
     save_every: int = field(default=0, metadata={"help": "write a checkpoint every N steps and at the end (0: never)"})
     keep_checkpoints: int = field(default=3, metadata={"help": "how many checkpoints to keep (0: all)"})
-    resume: str = field(default="", metadata={"help": "a checkpoint directory, or a run's --out, to continue from"})
+    resume: str = field(default="", metadata={"help": "a checkpoint directory, or a run's --out, to continue from; auto: this run's latest checkpoint if any"})
+    max_restarts: int = field(default=0, metadata={"help": "plait's spawner restarts the world from the latest checkpoint when a rank dies or hangs, at most N times"})
     measure: str = field(default="full", metadata={
         "help": "per-step measurement: full (all-rank loss, memory, traffic, pipeline timeline), light "
                 "(this rank's loss and time, no collective), off (time only); first and last steps always full"})
@@ -105,10 +108,11 @@ def load_toml(path: str) -> dict[str, Any]:
 
 def build_config(file_values: dict[str, Any], flag_values: dict[str, Any]) -> TrainConfig:
     """Defaults, then the file, then the flags that were given (not None)."""
-    merged = {**file_values, **{k: v for k, v in flag_values.items() if v is not None}}
+    given = {k: v for k, v in flag_values.items() if v is not None}
+    merged = {**check_values(file_values, TrainConfig, "the config file"), **check_values(given, TrainConfig, "flag")}
     config = replace(TrainConfig(), **merged)
     config = replace(config, model=model_for_data(config.model, config.data))  # vocabulary follows the data
-    return resolve_layout(config)
+    return resolve_layout(resolve_auto(config))
 
 
 def resolve_layout(config: TrainConfig) -> TrainConfig:

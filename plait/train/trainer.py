@@ -29,6 +29,7 @@ from plait.runtime import comm
 from plait.runtime.mesh import AXES, Mesh
 from plait.train import checkpoint, checkpoint_read
 from plait.train.config import TrainConfig
+from plait.train.restart import restart_count
 from plait.train.data import StepSampler, corpus_digest, load_corpus, train_val_split
 from plait.train.measure import MeasurePolicy
 from plait.train.meter import ActivationMeter, model_state_bytes, peak_process_bytes
@@ -84,6 +85,7 @@ class Trainer:
     # -- one step ------------------------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, Any]:
         config, model = self.config, self.model
+        comm.mark_step(self.mesh.ledger, step + 1)  # the flight recorder names steps in timeouts
         lr = lr_at(step, config)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -249,6 +251,7 @@ class Trainer:
         try:
             for step in range(start, self.config.steps):
                 record = self.train_step(step)
+                record["restart"] = restart_count()  # a restarted world's steps say so
                 if self.config.eval_every and (step + 1) % self.config.eval_every == 0:
                     val_losses[step + 1] = record["val_loss"] = self.evaluate()
                 self.history.append(record)

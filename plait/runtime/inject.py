@@ -1,0 +1,49 @@
+"""Fault injection, for the tests that prove plait survives faults (and for users who want to
+rehearse one): PLAIT_INJECT="ATTEMPT:RANK:STEP:SIGNAL[,...]" makes RANK send itself SIGNAL
+(KILL, STOP, TERM...) as STEP begins, in the world started after ATTEMPT restarts.
+
+Read at each step's start; nothing happens unless the variable is set.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+from plait.errors import PlaitError
+
+VARIABLE = "PLAIT_INJECT"
+HANG = "HANG"
+
+
+def parse(spec: str) -> list[tuple[int, int, int, signal.Signals | str]]:
+    """"0:2:7:KILL,1:0:9:STOP" -> [(attempt, rank, step, signal), ...]."""
+    faults = []
+    for item in filter(None, spec.split(",")):
+        try:
+            attempt, rank, step, name = item.split(":")
+            what = HANG if name.upper() == HANG else signal.Signals[f"SIG{name.upper()}"]
+            faults.append((int(attempt), int(rank), int(step), what))
+        except (ValueError, KeyError):
+            raise PlaitError(f"{VARIABLE} item {item!r} is not ATTEMPT:RANK:STEP:SIGNAL",
+                             hint="e.g. 0:2:7:KILL kills rank 2 as step 7 begins, before any restart") from None
+    return faults
+
+
+def maybe_inject(rank: int, step: int) -> None:
+    """Send the injected signal to this process if this rank, step and attempt match."""
+    spec = os.environ.get(VARIABLE)
+    if not spec:
+        return
+    attempt = int(os.environ.get("PLAIT_RESTART", "0"))
+    for when, who, at, sig in parse(spec):
+        if (when, who, at) == (attempt, rank, step):
+            name = sig if sig == HANG else sig.name
+            print(f"plait: injected fault: rank {rank} sends itself {name} at step {step} "
+                  f"(t={time.time():.3f})", file=sys.stderr, flush=True)
+            if sig == HANG:
+                while True:
+                    time.sleep(3600)
+            os.kill(os.getpid(), sig)

@@ -1,0 +1,99 @@
+"""Every value of a TrainConfig checked for type and range, naming its key: one PlaitError.
+
+TOML gives typed values (`steps = "10"` is a string, not a number); flags give text. Both go
+through here before the dataclass is built, so a wrong value never reaches the code that
+would trip over it with a raw TypeError. The ranges live in one table (RANGES); the checks
+that relate fields to each other (layouts, strategies) stay in config.validate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields
+from typing import Any
+
+from plait.errors import PlaitError
+
+# field: (lowest allowed, highest allowed or None, whether the lowest itself is allowed)
+RANGES: dict[str, tuple[float, float | None, bool]] = {
+    "steps": (1, None, True), "micro_batch": (1, None, True), "grad_accum": (1, None, True),
+    "seq_len": (1, None, True), "lr": (0, None, False), "min_lr_ratio": (0, 1, True),
+    "warmup_steps": (0, None, True), "weight_decay": (0, None, True), "grad_clip": (0, None, True),
+    "seed": (0, 2**63 - 1, True), "eval_every": (0, None, True), "eval_samples": (1, None, True),
+    "bucket_mb": (0, None, False), "dp": (1, None, True), "tp": (1, None, True), "pp": (1, None, True),
+    "virtual_stages": (1, None, True), "zero": (0, 3, True), "nproc": (1, None, True),
+    "timeout_s": (0, None, False), "save_every": (0, None, True), "keep_checkpoints": (0, None, True),
+    "sample_tokens": (0, None, True), "max_restarts": (0, None, True),
+}
+KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+
+
+def field_kinds(config_type: type) -> dict[str, tuple[str, bool]]:
+    """{field: (base type name, whether None is allowed)} from the dataclass annotations."""
+    out = {}
+    for f in fields(config_type):
+        text = str(f.type).replace(" ", "")
+        out[f.name] = (text.split("|")[0], "None" in text)
+    return out
+
+
+def check_values(values: dict[str, Any], config_type: type, source: str) -> dict[str, Any]:
+    """Typed, in-range copies of `values`; `source` is "flag" or "config file PATH"."""
+    kinds = field_kinds(config_type)
+    checked = {}
+    for name, value in values.items():
+        kind, optional = kinds[name]
+        if value is None and optional:
+            checked[name] = None
+            continue
+        value = _typed(name, value, kind, source)
+        _in_range(name, value, source)
+        checked[name] = value
+    return checked
+
+
+def _label(name: str, source: str) -> str:
+    return f"--{name.replace('_', '-')}" if source == "flag" else f"{source}: {name}"
+
+
+def _typed(name: str, value: Any, kind: str, source: str) -> Any:
+    """The value as `kind`, or a PlaitError saying what was given and what is wanted."""
+    if source == "flag" and isinstance(value, str) and kind in ("int", "float"):
+        try:
+            return int(value) if kind == "int" else float(value)
+        except ValueError:
+            raise PlaitError(f"{_label(name, source)} {value!r} is not {KINDS[kind]}") from None
+    ok = {"int": isinstance(value, int) and not isinstance(value, bool),
+          "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+          "bool": isinstance(value, bool), "str": isinstance(value, str)}.get(kind, True)
+    if not ok:
+        hint = f"write {name} = {value}" if isinstance(value, str) and _looks_numeric(value) else None
+        raise PlaitError(f"{_label(name, source)} = {value!r} is {_kind_of(value)}; it must be {KINDS[kind]}", hint=hint)
+    return float(value) if kind == "float" else value
+
+
+def _in_range(name: str, value: Any, source: str) -> None:
+    if name not in RANGES or isinstance(value, str):
+        return
+    low, high, inclusive = RANGES[name]
+    label = _label(name, source)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise PlaitError(f"{label} must be a finite number, got {value}")
+    if value < low or (value == low and not inclusive):
+        bound = f"at least {low}" if inclusive else f"more than {low}"
+        raise PlaitError(f"{label} must be {bound}, got {value}")
+    if high is not None and value > high:
+        raise PlaitError(f"{label} must be at most {high}, got {value}")
+
+
+def _kind_of(value: Any) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "a table"}
+    return names.get(type(value), f"a {type(value).__name__}")
+
+
+def _looks_numeric(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False

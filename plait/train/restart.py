@@ -1,0 +1,51 @@
+"""Restarts: `--resume auto`, the command a restarted world runs, and how many came before.
+
+Torch-free: the spawner and the CLI use it before any rank starts. A restarted world resumes
+from the run's `latest` checkpoint; resume is exact (docs/checkpoints.md), so a run that lost
+a rank and restarted ends with the same weights, to the bit, as one that never failed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+AUTO = "auto"
+# The launchers' own counters: plait's spawner, torchrun (elastic agent), Slurm (--requeue).
+RESTART_VARIABLES = ("PLAIT_RESTART", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+
+
+def has_checkpoint(out: str) -> bool:
+    """Whether the run writing to `out` has a finished checkpoint to resume from."""
+    return (Path(out) / "checkpoints" / "latest" / "index.json").exists()
+
+
+def resolve_auto(config):  # TrainConfig -> TrainConfig (no import: config.py imports this module)
+    """`--resume auto`: the run's own latest checkpoint if there is one, else a fresh start."""
+    if config.resume != AUTO:
+        return config
+    return replace(config, resume=config.out if has_checkpoint(config.out) else "")
+
+
+def restart_argv(argv: list[str], out: str) -> list[str]:
+    """What a restarted world runs: the same flags, resuming from the latest checkpoint if any
+    (without one, the same command again: a --resume the user gave still applies)."""
+    return [*argv, "--resume", AUTO] if has_checkpoint(out) else list(argv)
+
+
+def restart_count() -> int:
+    """How many times the launcher restarted this job before this world (0: first try)."""
+    for name in RESTART_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def warn_restarts_without_saves(max_restarts: int, save_every: int) -> None:
+    """Said at the start, not discovered after a failure."""
+    if max_restarts > 0 and save_every == 0:
+        print(f"plait: warning: --max-restarts {max_restarts} without --save-every: nothing is saved, "
+              "so a restart would lose everything and train from step 0 again", file=sys.stderr, flush=True)

@@ -1,0 +1,80 @@
+"""Faults in real worlds: a stuck rank is named by every rank and by the spawner; a killed
+rank's world restarts from the latest checkpoint and ends with the same bytes as a run that
+never failed (faults are injected with PLAIT_INJECT, see plait/runtime/inject.py)."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+
+import pytest
+
+from tests.worldlib import run_plait
+
+RUN = ["--model", "tiny", "--micro-batch", "2", "--seq-len", "16", "--eval-every", "0",
+       "--sample-tokens", "0", "--warmup-steps", "2"]
+STEPS = ["--steps", "12", "--save-every", "5", "--nproc", "2"]
+
+
+def records(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One uninterrupted run; `--resume auto` with nothing saved yet starts it fresh."""
+    out = tmp_path_factory.mktemp("reference")
+    proc = run_plait("train", *RUN, *STEPS, "--resume", "auto", "--out", str(out), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def test_a_killed_rank_restarts_the_world_and_ends_with_the_same_bytes(reference, tmp_path, monkeypatch):
+    monkeypatch.setenv("PLAIT_INJECT", "0:1:7:KILL")  # rank 1 dies as step 7 begins, first world only
+    proc = run_plait("train", *RUN, *STEPS, "--max-restarts", "1", "--out", str(tmp_path), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "rank 1 exited with code -9 (SIGKILL)" in proc.stderr
+    assert "plait: restarting the world (1 of 1)" in proc.stderr
+    assert (tmp_path / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
+    lines = records(tmp_path)
+    assert [r["step"] for r in lines] == list(range(1, 13))
+    assert [r["restart"] for r in lines] == [0] * 5 + [1] * 7  # steps 6-12 ran again, after the restart
+    assert [r["loss"] for r in lines] == [r["loss"] for r in records(reference)]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["restarts"] == 1 and summary["resumed_from"].endswith("step-00000005")
+    assert json.loads((reference / "summary.json").read_text())["restarts"] == 0
+
+
+def test_a_stopped_rank_is_named_by_every_rank_and_the_spawner(tmp_path, monkeypatch):
+    monkeypatch.setenv("PLAIT_INJECT", "0:2:3:STOP")  # rank 2 of 4 freezes as step 3 begins
+    proc = run_plait("train", *RUN, "--steps", "5", "--nproc", "4", "--timeout", "15", "--out", str(tmp_path),
+                     timeout=300)
+    ended = time.time()
+    assert proc.returncode == 2, proc.stderr
+    stopped_at = float(re.search(r"rank 2 sends itself SIGSTOP at step 3 \(t=([\d.]+)\)", proc.stderr).group(1))
+    for rank in (0, 1, 3):
+        line = next(line for line in proc.stderr.splitlines() if line.startswith(f"plait: error: rank {rank}: "))
+        assert "on the dp group (4 ranks) (step 3) failed" in line, line
+        assert "rank 2 never entered all_reduce #" in line and "on the dp group at step 3" in line, line
+        assert "the last collective it finished was all_reduce #" in line, line
+    assert "plait: stuck or dead: rank 2 (its process is stopped), named by rank(s) 0, 1, 3" in proc.stderr
+    print(f"rank 2 named {ended - stopped_at:.1f} s after it stopped")  # shown with pytest -s
+    assert ended - stopped_at < 30  # --timeout 15, then the diagnosis and the summary
+
+
+@pytest.mark.slow
+def test_soak_five_random_kills_end_with_the_same_bytes(tmp_path, monkeypatch):
+    rng = random.Random(17)
+    steps = sorted(rng.sample(range(2, 20), 5))  # rising, so each restarted world reaches its kill
+    spec = ",".join(f"{attempt}:{rng.randrange(4)}:{step}:KILL" for attempt, step in enumerate(steps))
+    flags = [*RUN, "--steps", "20", "--save-every", "3", "--nproc", "4"]
+    clean = run_plait("train", *flags, "--out", str(tmp_path / "clean"), timeout=600)
+    assert clean.returncode == 0, clean.stderr
+    monkeypatch.setenv("PLAIT_INJECT", spec)
+    proc = run_plait("train", *flags, "--max-restarts", "5", "--out", str(tmp_path / "soak"), timeout=900)
+    assert proc.returncode == 0, (spec, proc.stderr)
+    assert proc.stderr.count("plait: restarting the world") == 5, spec
+    assert (tmp_path / "soak" / "model.safetensors").read_bytes() == (tmp_path / "clean" / "model.safetensors").read_bytes()
+    assert max(r["restart"] for r in records(tmp_path / "soak")) == 5

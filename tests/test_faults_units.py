@@ -1,0 +1,106 @@
+"""The pieces of fault handling that need no processes: the recorder's verdicts from store
+records, --resume auto, the restart command, the no-save warning, fault-injection specs."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+from plait.errors import PlaitError
+from plait.runtime.inject import parse
+from plait.runtime.recorder import KEY, Entry, FlightRecorder
+from plait.train.config import TrainConfig
+from plait.train.restart import resolve_auto, restart_argv, restart_count, warn_restarts_without_saves
+
+
+class DictStore:
+    """The three calls the recorder makes on a c10d store."""
+
+    def __init__(self):
+        self.data = {}
+
+    def set(self, key, value):
+        self.data[key] = value
+
+    def get(self, key):
+        return self.data[key].encode()
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+    def set_timeout(self, _):
+        pass
+
+
+def recorders(n, store):
+    return [FlightRecorder(store, r, n, {"dp": list(range(n))}, hosts_store=r == 0) for r in range(n)]
+
+
+def test_the_rank_that_never_entered_is_named_with_what_it_did_last():
+    store = DictStore()
+    ranks = recorders(3, store)
+    for step in (1, 2):
+        for rec in ranks:
+            rec.begin_step(step)
+            if step == 2 and rec.rank == 1:
+                continue  # rank 1 stops in step 2's compute
+            rec.finish(rec.enter("dp", "all_reduce"))
+    entry = ranks[0].entered
+    assert entry == Entry("all_reduce", "dp", 2, 2)
+    text = ranks[0].diagnose(entry)
+    assert text == (" — rank 1 never entered all_reduce #2 on the dp group at step 2: rank 1 is at step 2, "
+                    "the last collective it finished was all_reduce #1 on the dp group at step 1")
+    assert ranks[0].culprits == [1]
+    assert json.loads(store.data[f"{KEY}1"])["seq"] == {"dp": 1}
+
+
+def test_a_rank_with_no_record_and_a_peer_of_a_recv():
+    store = DictStore()
+    first, second = recorders(2, store)
+    assert "rank 1 has entered no collective yet" in first.diagnose(first.enter("dp", "all_reduce"))
+    second.begin_step(4)
+    second.finish(second.enter("pp", "send", peer=0))
+    second.begin_step(5)  # a finish is published with the next entry or step
+    text = first.diagnose(first.enter("pp", "recv", peer=1))
+    assert text == " — rank 1 is at step 5, the last collective it finished was send on the pp group with rank 0 at step 4"
+
+
+def test_every_rank_entered_means_no_culprit():
+    store = DictStore()
+    ranks = recorders(2, store)
+    entries = [rec.enter("dp", "all_reduce") for rec in ranks]
+    assert "every rank of the group entered it" in ranks[0].diagnose(entries[0]) and ranks[0].culprits == []
+
+
+def test_resume_auto_and_the_restart_command(tmp_path):
+    config = TrainConfig(out=str(tmp_path), resume="auto")
+    assert resolve_auto(config).resume == ""  # nothing saved yet: a fresh start
+    assert restart_argv(["--steps", "3"], str(tmp_path)) == ["--steps", "3"]
+    (tmp_path / "checkpoints" / "latest").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "latest" / "index.json").write_text("{}")
+    assert resolve_auto(config).resume == str(tmp_path)
+    assert restart_argv(["--steps", "3"], str(tmp_path)) == ["--steps", "3", "--resume", "auto"]
+
+
+def test_restart_counters_of_each_launcher(monkeypatch):
+    for name in ("PLAIT_RESTART", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    assert restart_count() == 0
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    assert restart_count() == 2
+
+
+def test_restarts_without_saves_are_announced(capsys):
+    warn_restarts_without_saves(2, 0)
+    assert "--max-restarts 2 without --save-every: nothing is saved, so a restart would lose everything" in capsys.readouterr().err
+    warn_restarts_without_saves(2, 5)
+    warn_restarts_without_saves(0, 0)
+    assert capsys.readouterr().err == ""
+
+
+def test_injection_specs():
+    assert parse("0:2:7:KILL,1:0:9:stop") == [(0, 2, 7, signal.SIGKILL), (1, 0, 9, signal.SIGSTOP)]
+    with pytest.raises(PlaitError, match="is not ATTEMPT:RANK:STEP:SIGNAL"):
+        parse("2:7:KILL")

@@ -1,0 +1,82 @@
+"""Real launchers start plait: Slurm's srun (a one-node cluster started here) and Open MPI's
+mpirun each train 4 ranks with the same losses as plait's own spawner on the same layout.
+
+Skipped, saying why, where slurm-wlm or openmpi-bin is not installed (.ci/run installs both)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests import slurmlib
+from tests.parity import assert_losses_close
+from tests.worldlib import ROOT, run_plait
+
+TRAIN = ["train", "--model", "tiny", "--steps", "3", "--micro-batch", "2", "--seq-len", "16", "--eval-every", "0",
+         "--sample-tokens", "0", "--warmup-steps", "1", "--tp", "2"]
+CLEAN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "PLAIT_SPAWNED")
+
+
+def losses(out):
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def launcher_env(**extra):
+    env = {k: v for k, v in os.environ.items() if k not in CLEAN and not k.startswith(("SLURM_", "OMPI_"))}
+    from plait.runtime.launch import free_port
+
+    return {**env, "PYTHONPATH": str(ROOT), "MASTER_PORT": str(free_port()), **extra}
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    """The same layout (dp 2 × tp 2) under plait's spawner: the losses to match."""
+    out = tmp_path_factory.mktemp("spawned")
+    proc = run_plait(*TRAIN, "--nproc", "4", "--out", str(out), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return losses(out)
+
+
+def test_srun_trains_like_the_spawner(spawned, tmp_path):
+    why = slurmlib.missing()
+    if why:
+        pytest.skip(why)
+    with slurmlib.cluster(tmp_path / "slurm") as env:
+        cmd = ["srun", "-n", "4", "--time", "5", sys.executable, "-m", "plait", *TRAIN, "--out", str(tmp_path / "out")]
+        proc = subprocess.run(cmd, env=launcher_env(SLURM_CONF=env["SLURM_CONF"]), cwd=ROOT, capture_output=True,
+                              text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["layout"]["launcher"] == "slurm" and summary["layout"]["world_size"] == 4
+    assert_losses_close(losses(tmp_path / "out"), spawned)
+
+
+def test_mpirun_trains_like_the_spawner(spawned, tmp_path):
+    if shutil.which("mpirun") is None:
+        pytest.skip("openmpi-bin is not installed (mpirun missing; .ci/run installs it with apt-get)")
+    env = launcher_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = ["mpirun", "-np", "4", "--oversubscribe", "-x", "PYTHONPATH", "-x", "MASTER_PORT",
+           sys.executable, "-m", "plait", *TRAIN, "--out", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["layout"]["launcher"] == "mpi" and summary["layout"]["world_size"] == 4
+    assert_losses_close(losses(tmp_path / "out"), spawned)
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_hung_rank_is_named_through_the_agents_store(tmp_path):
+    """torchrun's agent hosts the store, so even a hung rank 0 is named by the others."""
+    env = launcher_env(PLAIT_INJECT="0:0:2:HANG")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", env["MASTER_PORT"],
+           "-m", "plait", *TRAIN[:-2], "--steps", "4", "--timeout", "5", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    line = next(line for line in proc.stderr.splitlines() if line.startswith("plait: error: rank 1: "))
+    assert "rank 0 never entered all_reduce #" in line and "on the dp group at step 2" in line, line
+    assert "rank 0 is at step 2, the last collective it finished was all_reduce #" in line, line
