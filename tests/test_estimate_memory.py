@@ -119,13 +119,15 @@ def test_korthikanti_coefficients() -> None:
 
 
 def test_our_block_formula() -> None:
-    """e·(11h + 4f + 2) + 4a bytes per token; TP splits all but the norms' 6h + 2."""
+    """e·(9h + 4f) + 8(h + 1) + 4a bytes per token (the norms' x and rsqrt in fp32); TP splits
+    all but the norms' 8(h + 1) + 4eh."""
     cfg = get_preset("llama-7b")
     h, f, a, tokens = cfg.d_model, cfg.ffn_hidden, cfg.n_heads, 4096
     bf16 = Layout(precision="bf16", seq_len=4096)
-    assert llama_layer_bytes(cfg, bf16) == tokens * (2 * (11 * h + 4 * f + 2) + 4 * a)
+    assert llama_layer_bytes(cfg, bf16) == tokens * (2 * (9 * h + 4 * f) + 8 * (h + 1) + 4 * a)
+    assert llama_layer_bytes(cfg, replace(bf16, precision="fp32")) == tokens * (4 * (11 * h + 4 * f + 2) + 4 * a)
     tp4 = replace(bf16, tp=4)
-    assert llama_layer_bytes(cfg, tp4) == tokens * (2 * (6 * h + 2) + (2 * (5 * h + 4 * f) + 4 * a) / 4)
+    assert llama_layer_bytes(cfg, tp4) == tokens * (8 * (h + 1) + 2 * 4 * h + (2 * (5 * h + 4 * f) + 4 * a) / 4)
     sp4 = replace(tp4, sp=True)
     assert llama_layer_bytes(cfg, sp4) == pytest.approx(llama_layer_bytes(cfg, bf16) / 4)
     assert llama_layer_bytes(cfg, replace(bf16, recompute="full")) == tokens * 2 * h

@@ -67,7 +67,7 @@ def estimate_layout(config: GPTConfig | None, *, dp: int = 1, tp: int = 1, pp: i
                     zero: int = 0, offload: bool = False, precision: str = "fp32",
                     micro_batch: int = 1, grad_accum: int = 1, seq_len: int | None = None,
                     recompute: str = "none", schedule: str = "1f1b", virtual_stages: int = 1,
-                    sp: bool = False, hardware: str | Hardware = "cpu",
+                    sp: bool = False, reduce_dtype: str = "", hardware: str | Hardware = "cpu",
                     gpus_per_node: int | None = None, params: int | float | None = None
                     ) -> dict[str, Any]:
     """Predict one layout's cost per rank (the busiest rank), as a JSON-ready dict.
@@ -84,7 +84,7 @@ def estimate_layout(config: GPTConfig | None, *, dp: int = 1, tp: int = 1, pp: i
     layout = Layout(dp=dp, tp=tp, pp=pp, zero=zero, offload=offload, precision=precision,
                     micro_batch=micro_batch, grad_accum=grad_accum,
                     seq_len=seq_len or default_seq, recompute=recompute,
-                    schedule=schedule, virtual_stages=virtual_stages, sp=sp)
+                    schedule=schedule, virtual_stages=virtual_stages, sp=sp, reduce_dtype=reduce_dtype)
     if config is None:
         return _params_only(_whole(params), layout, hw, node, timed=seq_len is not None)
     layout.check_model(config)

@@ -18,6 +18,15 @@ from plait.models.config import GPTConfig
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+REDUCE_DTYPES = ("fp32", "bf16", "fp16")  # the dtype data parallelism reduces gradients in
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def default_reduce_dtype(precision: str) -> str:
+    """The gradients' own dtype: fp32 sums of 16-bit gradients double the wire bytes and, at
+    the dp sizes measured (docs/precision.md), change the loss less than the layouts'
+    own summation order does."""
+    return precision
 
 
 @dataclass(frozen=True)
@@ -37,6 +46,7 @@ class Layout:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     sp: bool = False
+    reduce_dtype: str = ""  # "" = default_reduce_dtype(precision)
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "micro_batch", "grad_accum", "seq_len", "virtual_stages"):
@@ -47,6 +57,8 @@ class Layout:
                                  hint=f"pass --{flag} 1 or more")
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("recompute", self.recompute, RECOMPUTE)
+        if self.reduce_dtype:
+            _check_choice("reduce-dtype", self.reduce_dtype, REDUCE_DTYPES)
         _check_choice("schedule", self.schedule, SCHEDULES)
         if self.zero not in (0, 1, 2, 3):
             raise PlaitError(f"--zero must be 0, 1, 2 or 3, got {self.zero!r}",
@@ -88,6 +100,11 @@ class Layout:
     def compute_bytes(self) -> int:
         """Bytes per element of parameters, activations and gradients on the device."""
         return 4 if self.precision == "fp32" else 2
+
+    @property
+    def reduce_bytes(self) -> int:
+        """Bytes per element of a gradient on the data-parallel wire."""
+        return DTYPE_BYTES[self.reduce_dtype or default_reduce_dtype(self.precision)]
 
     def check_model(self, config: GPTConfig) -> None:
         """Raise unless this layout can split `config`: tp across heads and the MLP, pp

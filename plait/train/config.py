@@ -47,9 +47,17 @@ class TrainConfig:
     schedule: str = field(default="1f1b", metadata={"help": "pipeline schedule: gpipe, 1f1b, interleaved or zb-h1"})
     virtual_stages: int = field(default=1, metadata={"help": "model chunks per pipeline rank (interleaved)"})
     precision: str = field(default="fp32", metadata={
-        "help": "fp32, or bf16: bf16 weights and gradients, fp32 master weights and Adam state (needs --zero 1+)"})
+        "help": "fp32, bf16 or fp16: 16-bit weights and gradients, fp32 master weights and Adam state; "
+                "fp16 with dynamic loss scaling"})
+    reduce_dtype: str = field(default="", metadata={
+        "help": "dtype gradients are reduced in over dp: fp32, bf16 or fp16 (default: the gradients' own)"})
+    loss_scale: float = field(default=65536.0, metadata={
+        "help": "fp16: the initial loss scale (halved on overflow, doubled after 1000 clean steps)"})
+    skip_nonfinite: bool = field(default=False, metadata={
+        "help": "skip a step whose loss or gradient is not finite (on every rank), instead of stopping"})
     recompute: str = field(default="none", metadata={
-        "help": "activation recomputation: none, or full (keep each block's input, run the block again in backward)"})
+        "help": "activation recomputation: none, selective (rerun the attention core in backward), "
+                "or full (keep each block's input, run the block again in backward)"})
     zero: int = field(default=0, metadata={"help": "ZeRO stage: 0 DDP, 1 optimizer states, 2 + gradients, 3 + parameters"})
     offload: bool = field(default=False, metadata={"help": "optimizer states and step in CPU memory (needs --zero)"})
     nproc: int | None = field(default=None, metadata={"help": "local processes to spawn (default: the layout's product)"})
@@ -174,7 +182,8 @@ def validate(config: TrainConfig, *, local_limit: int | None = None) -> None:
     check_writable(config.out)
 
 
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
+REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 
 
 def check_strategies(config: TrainConfig) -> None:
@@ -204,14 +213,15 @@ def check_strategies(config: TrainConfig) -> None:
 
     if config.precision not in PRECISIONS:
         raise PlaitError(f"unknown --precision {config.precision!r}", hint=f"choose one of: {', '.join(PRECISIONS)}")
-    if config.precision != "fp32" and config.zero == 0:
-        raise PlaitError(f"--precision {config.precision} keeps fp32 master weights in ZeRO's optimizer, and --zero is 0",
-                         hint="add --zero 1 (it shards the masters and Adam state over dp; one process works too)")
+    if not config.loss_scale >= 1:
+        raise PlaitError(f"--loss-scale must be at least 1, got {config.loss_scale}", hint="the default is 65536")
+    if config.reduce_dtype and config.reduce_dtype not in REDUCE_DTYPES:
+        raise PlaitError(f"unknown --reduce-dtype {config.reduce_dtype!r}", hint=f"choose one of: {', '.join(REDUCE_DTYPES)}")
 
     if config.recompute not in POLICIES:
         raise PlaitError(f"unknown --recompute {config.recompute!r}", hint=f"choose one of: {', '.join(POLICIES)}")
     if config.pp > 1 and config.recompute != "none" and config.schedule == "zb-h1":
-        raise PlaitError("--recompute full cannot run the zb-h1 schedule: W reads the activations "
+        raise PlaitError(f"--recompute {config.recompute} cannot run the zb-h1 schedule: W reads the activations "
                          "recomputation drops", hint="use --schedule 1f1b with --recompute, or drop --recompute")
     if config.pp > 1 and config.zero >= 2 and config.schedule == "zb-h1":
         raise PlaitError(f"--zero {config.zero} cannot run the zb-h1 schedule: it reduces gradients from "
