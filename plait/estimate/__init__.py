@@ -36,8 +36,9 @@ MEMORY_ASSUMPTIONS = (
     "busiest rank = the pipeline stage with the largest device total; the first stage "
     "holds the embedding, the last the final norm and head (and, with tied embeddings and "
     "pp > 1, its own copy of the embedding); blocks cut to balance parameters, as plait does",
-    "activations per block of our model: e·(11h + 4f + 2) + 4a bytes per token (e = 4 "
-    "fp32, 2 bf16, the model held in that dtype); GPT-2: Korthikanti et al. "
+    "activations per block of our model: e·(9h + 4f) + 8(h + 1) + 4a bytes per token (e = 4 "
+    "fp32, 2 bf16/fp16, the model held in that dtype; the norms keep x and rsqrt in fp32); "
+    "selective recompute drops the attention core's output and log-sum-exp; GPT-2: Korthikanti et al. "
     "s·b·h·(34 + 5as/h) in 16-bit; plus token ids, final norm and RoPE tables",
     "in-flight micro-batches: 1 without a pipeline, m for GPipe, p − r for 1F1B, "
     "p(1 + (p−1)/(pv)) on the first rank interleaved",

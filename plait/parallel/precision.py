@@ -141,7 +141,7 @@ class StepGuard:
             rank, name = verdict
             raise PlaitError(f"step {step + 1}: {name} went non-finite on rank {rank}",
                              hint="lower --lr or raise --warmup-steps; --skip-nonfinite skips such steps instead")
-        if not hasattr(optimizer, "grad_scale"):  # fp32 weights, no masters: clip in place
+        if getattr(optimizer, "grad_scale", None) is None:  # fp32 weights, no masters: clip in place
             norm = clip_grad_norm(model, max_norm)
         else:  # unscale and clip once, in fp32, as the masters take the gradient
             norm = clip_grad_norm(model, math.inf) / self.scaler.scale
