@@ -200,6 +200,9 @@ def table(results: list[dict], args: argparse.Namespace) -> str:
         "  machine before quoting the times (the memory and error columns do not depend on load)",
         f"- model: `{args.model}` GPT ({results[0]['params'] / 1e6:.2f} M params), micro-batch {args.micro_batch} × "
         f"{args.seq_len} tokens per rank; median of {args.steps} steps after {args.warmup} warm-up",
+        "- plait's step also runs what its trainer runs after backward: the all-ranks finite check (one",
+        "  tiny all-reduce) and the gradient norm; torch's step runs neither (GradScaler checks for",
+        "  infs on its own rank only)",
         "",
         "| procs | precision | plait s/step | torch s/step | plait / torch | plait states KiB/rank | "
         "torch states KiB/rank | plait saved KiB | torch saved KiB |",

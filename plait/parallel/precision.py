@@ -98,13 +98,14 @@ class LossScaler:
             self.scale *= 2
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped": self.skipped}
+        return {"scale": self.scale, "dynamic": self.dynamic, "clean_steps": self.clean_steps,
+                "skipped": self.skipped}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue a checkpoint's scale; an fp32 or bf16 checkpoint carries scale 1, which an
-        fp16 run does not take (it starts from the initial scale, keeping the counts)."""
-        if self.dynamic and state.get("scale", 1.0) != 1.0 or not self.dynamic:
-            self.scale = float(state.get("scale", self.scale)) if self.dynamic else 1.0
+        """Continue a checkpoint's scale and counts. The scale of an fp32 or bf16 checkpoint is
+        a fixed 1, which an fp16 run does not take: it keeps its initial scale."""
+        if self.dynamic and state.get("dynamic"):
+            self.scale = float(state["scale"])
         self.clean_steps, self.skipped = int(state.get("clean_steps", 0)), int(state.get("skipped", 0))
 
 
