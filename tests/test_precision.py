@@ -7,6 +7,7 @@ tests/test_precision_worlds.py.
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -51,6 +52,20 @@ def test_an_fp32_or_bf16_checkpoints_scale_does_not_reset_fp16s():
     fp16 = LossScaler.for_precision("fp16", 4096.0)
     fp16.load_state_dict({"scale": 1.0, "clean_steps": 5, "skipped": 2})
     assert (fp16.scale, fp16.skipped) == (4096.0, 2)
+
+
+def test_fp16_stops_when_the_scale_cannot_go_lower(monkeypatch):
+    """At scale 1 an inf is no overflow of the scale's making: fp16 stops as fp32 does."""
+    import plait.parallel.precision as precision
+    from plait.runtime.comm import Axis, Ledger
+
+    world = Axis("world", 1, 0, None, Ledger())
+    monkeypatch.setattr(precision, "first_nonfinite", lambda model: "the gradient of w")
+    guard = precision.StepGuard("fp16", world, torch.device("cpu"), loss_scale=2.0)
+    assert guard.step(0, torch.nn.Linear(1, 1), None, 1.0, math.inf) == (pytest.approx(math.nan, nan_ok=True), False)
+    assert guard.scaler.scale == 1.0
+    with pytest.raises(PlaitError, match="step 2: the gradient of w went non-finite on rank 0"):
+        guard.step(1, torch.nn.Linear(1, 1), None, 1.0, math.inf)
 
 
 def test_scale_grad_scales_backward_only():

@@ -136,7 +136,9 @@ class StepGuard:
         bad = "the loss" if not math.isfinite(loss) else first_nonfinite(model)
         verdict = agree_on_nonfinite(bad, self.world, self.device)
         if verdict is not None:
-            if self.scaler.dynamic or self.skip_nonfinite:
+            # fp16 lowers its scale and tries again; at scale 1 lowering is over, and an inf is
+            # no overflow of the scale's making: it stops like fp32 (unless told to skip).
+            if self.skip_nonfinite or self.scaler.dynamic and self.scaler.scale > 1.0:
                 self.scaler.update(False)
                 return math.nan, False
             rank, name = verdict
