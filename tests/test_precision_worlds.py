@@ -97,15 +97,19 @@ def test_an_fp32_checkpoint_resumed_in_fp16_builds_masters_from_its_weights(worl
             assert masters["count"] > 0 and masters["exact"] is True and masters["dtype"] == "torch.float32"
 
 
-@pytest.mark.slow
 def test_products_in_fp16_and_bf16_match_one_process(tmp_path):
-    """dp2 × pp2 with ZeRO-1 in fp16, tp2 × pp2 without ZeRO in bf16, dp2 × tp2 ZeRO-2 fp16."""
+    """dp2 × pp2 with ZeRO-1 in fp16, tp2 × pp2 without ZeRO in bf16, dp2 × tp2 ZeRO-2 fp16:
+    the all-ranks verdict, the masters and the scale compose with every group."""
     layouts = ["dp2pp2-z1:2,1,2:1:fp16", "tp2pp2:1,2,2:0:bf16", "dp2tp2-z2:2,2,1:2:fp16"]
     _, reports = run_world("precision_product.py", 4, tmp_path, str(tmp_path / "runs"), *layouts, timeout=900)
     report = reports[0]
     for layout in layouts:
         name, precision = layout.split(":")[0], layout.split(":")[3]
-        assert_losses_close(report[name]["losses"], report[f"one-{precision}"]["losses"], rtol=FP16_RTOL)
+        run, reference = report[name], report[f"one-{precision}"]
+        assert_losses_close(run["losses"], reference["losses"], rtol=FP16_RTOL)
+        assert run["scales"] == reference["scales"] and run["skipped"] == [False, False], name
+        for kind in ("params", "grads", "optim"):
+            assert run["mem"][kind] == pytest.approx(run["predicted"]["memory"][kind], rel=0.01), (name, kind)
 
 
 @pytest.mark.slow
