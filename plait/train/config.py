@@ -183,7 +183,6 @@ def validate(config: TrainConfig, *, local_limit: int | None = None) -> None:
 
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 
 
 def check_strategies(config: TrainConfig) -> None:
@@ -215,6 +214,8 @@ def check_strategies(config: TrainConfig) -> None:
         raise PlaitError(f"unknown --precision {config.precision!r}", hint=f"choose one of: {', '.join(PRECISIONS)}")
     if not config.loss_scale >= 1:
         raise PlaitError(f"--loss-scale must be at least 1, got {config.loss_scale}", hint="the default is 65536")
+    from plait.estimate.layout import REDUCE_DTYPES
+
     if config.reduce_dtype and config.reduce_dtype not in REDUCE_DTYPES:
         raise PlaitError(f"unknown --reduce-dtype {config.reduce_dtype!r}", hint=f"choose one of: {', '.join(REDUCE_DTYPES)}")
 
