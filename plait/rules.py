@@ -15,10 +15,13 @@ from plait.models.config import GPTConfig
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 # Schedules that split each backward into I (input grad) and W (weight grad).
 SPLIT_BACKWARD = ("zb-h1",)
-# Parameter and gradient dtypes training runs (fp32 masters stay in ZeRO's optimizer for bf16).
-PRECISIONS = ("fp32", "bf16")
+# Parameter and gradient dtypes training runs (16-bit ones keep fp32 masters: plait.parallel.precision).
+PRECISIONS = ("fp32", "bf16", "fp16")
 # Activation recomputation policies training runs (plait.parallel.recompute).
-RECOMPUTE = ("none", "full")
+RECOMPUTE = ("none", "selective", "full")
+# The dtypes data parallelism may reduce gradients in (--reduce-dtype), and their sizes.
+REDUCE_DTYPES = ("fp32", "bf16", "fp16")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ZERO_STAGES = (0, 1, 2, 3)
 
 
@@ -49,23 +52,24 @@ def check_tensor_parallel(config: GPTConfig, tp: int, sp: bool = False, seq_len:
                          hint=f"use a seq_len that is a multiple of {tp}, or drop --sp")
 
 
-def check_strategy_choices(*, schedule: str, precision: str, recompute: str, zero: int) -> None:
-    """Each option is one the training code implements."""
+def check_strategy_choices(*, schedule: str, precision: str, recompute: str, zero: int,
+                           reduce_dtype: str = "") -> None:
+    """Each option is one the training code implements ("" reduce dtype: the default)."""
     check_choice("schedule", schedule, SCHEDULES)
     check_choice("precision", precision, PRECISIONS)
     check_choice("recompute", recompute, RECOMPUTE)
+    if reduce_dtype:
+        check_choice("reduce-dtype", reduce_dtype, REDUCE_DTYPES)
     if zero not in ZERO_STAGES:
         raise PlaitError(f"--zero must be 0, 1, 2 or 3, got {zero!r}",
                          hint="0 is plain data parallelism; 1-3 shard more and more state")
 
 
-def check_precision(precision: str, zero: int) -> None:
-    """Mixed precision keeps its fp32 masters in ZeRO's optimizer: plait has no other home
-    for them. (The estimator's formulas take a bf16 layout without ZeRO apart, to compare
-    with the papers; `estimate_layout` and the planner refuse it, as training does.)"""
-    if precision != "fp32" and zero == 0:
-        raise PlaitError(f"--precision {precision} keeps fp32 master weights in ZeRO's optimizer, and --zero is 0",
-                         hint="add --zero 1 (it shards the masters and Adam state over dp; one process works too)")
+def default_reduce_dtype(precision: str) -> str:
+    """The gradients' own dtype: fp32 sums of 16-bit gradients double the wire bytes and, at
+    the dp sizes measured (docs/precision.md), change the loss less than the layouts'
+    own summation order does."""
+    return precision
 
 
 def check_combination(*, tp: int, pp: int, zero: int, offload: bool, sp: bool, recompute: str, schedule: str) -> None:

@@ -48,7 +48,7 @@ def test_hardware_file(tmp_path, capsys) -> None:
     (["--model", "tiny", "--dp", "2", "--tp", "2", "--gpus", "8"],
      "layout dp=2 x tp=2 x pp=1 = 4 does not match --gpus 8", "product is 8"),
     (["--model", "tiny", "--tp", "3"], "n_heads = 4 is not divisible by tp=3", "tp among 1, 2, 4"),
-    (["--model", "tiny", "--precision", "bf16"], "--precision bf16 keeps fp32 master weights", "--zero 1"),
+    (["--model", "tiny", "--precision", "fp8"], "unknown --precision 'fp8'", "fp32, bf16, fp16"),
     (["--model", "tiny", "--params", "1e6"], "not both", "--model"),
     ([], "no model given", "--model"),
 ])

@@ -121,13 +121,15 @@ def test_korthikanti_coefficients() -> None:
 
 
 def test_our_block_formula() -> None:
-    """e·(11h + 4f + 2) + 4a bytes per token; TP splits all but the norms' 6h + 2."""
+    """e·(9h + 4f) + 8(h + 1) + 4a bytes per token (the norms' x and rsqrt in fp32); TP splits
+    all but the norms' 8(h + 1) + 4eh."""
     cfg = get_preset("llama-7b")
     h, f, a, tokens = cfg.d_model, cfg.ffn_hidden, cfg.n_heads, 4096
     bf16 = Layout(precision="bf16", seq_len=4096)
-    assert llama_layer_bytes(cfg, bf16) == tokens * (2 * (11 * h + 4 * f + 2) + 4 * a)
+    assert llama_layer_bytes(cfg, bf16) == tokens * (2 * (9 * h + 4 * f) + 8 * (h + 1) + 4 * a)
+    assert llama_layer_bytes(cfg, replace(bf16, precision="fp32")) == tokens * (4 * (11 * h + 4 * f + 2) + 4 * a)
     tp4 = replace(bf16, tp=4)
-    assert llama_layer_bytes(cfg, tp4) == tokens * (2 * (6 * h + 2) + (2 * (5 * h + 4 * f) + 4 * a) / 4)
+    assert llama_layer_bytes(cfg, tp4) == tokens * (8 * (h + 1) + 2 * 4 * h + (2 * (5 * h + 4 * f) + 4 * a) / 4)
     sp4 = replace(tp4, sp=True)
     assert llama_layer_bytes(cfg, sp4) == pytest.approx(llama_layer_bytes(cfg, bf16) / 4)
     assert llama_layer_bytes(cfg, replace(bf16, recompute="full")) == tokens * 2 * h
@@ -260,7 +262,7 @@ def test_params_only_leaves_activations_unknown() -> None:
     (dict(tp=3), "n_heads = 32 is not divisible by tp=3"),
     (dict(pp=33), "is more than the model's 32 layers"),
     (dict(tp=2, model="gpt2-124m"), "vocab_size = 50257 is not divisible by tp=2"),  # train does not pad it
-    (dict(precision="bf16", dp=8), "--precision bf16 keeps fp32 master weights in ZeRO's optimizer"),
+    (dict(precision="bf16", dp=8, reduce_dtype="fp64"), "unknown --reduce-dtype 'fp64'"),
     (dict(recompute="full", pp=2, schedule="zb-h1", grad_accum=2), "cannot run the zb-h1 schedule"),
     (dict(schedule="interleaved", pp=2, grad_accum=3, virtual_stages=2),
      "needs the micro-batch count (3) to be a multiple of pp=2"),

@@ -47,17 +47,20 @@ def test_one_home_for_each_choice() -> None:
 
     assert schedule.SCHEDULES is layout.SCHEDULES is rules.SCHEDULES
     assert recompute.POLICIES is layout.RECOMPUTE is rules.RECOMPUTE
-    assert layout.PRECISIONS is rules.PRECISIONS
+    assert layout.PRECISIONS is rules.PRECISIONS and layout.REDUCE_DTYPES is rules.REDUCE_DTYPES
     assert tensor.check_gpt_tensor_parallel is rules.check_tensor_parallel
-    assert "fp16" not in rules.PRECISIONS and "selective" not in rules.RECOMPUTE  # not trained (yet)
+    from plait.parallel import precision
+
+    assert precision.PRECISIONS is rules.PRECISIONS
+    assert rules.PRECISIONS == ("fp32", "bf16", "fp16") and rules.RECOMPUTE == ("none", "selective", "full")
 
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(model="tiny,vocab_size=255", tp=2), "vocab_size = 255 is not divisible by tp=2"),
     (dict(model="tiny", tp=2, sp=True, seq_len=31), "--sp needs the sequence length divisible by tp"),
-    (dict(model="tiny", precision="bf16"), "--precision bf16 keeps fp32 master weights"),
-    (dict(model="tiny", precision="fp16", zero=1), "unknown --precision 'fp16'"),
-    (dict(model="tiny", recompute="selective"), "unknown --recompute 'selective'"),
+    (dict(model="tiny", precision="fp8"), "unknown --precision 'fp8'"),
+    (dict(model="tiny", precision="fp16", reduce_dtype="fp64"), "unknown --reduce-dtype 'fp64'"),
+    (dict(model="tiny", recompute="attention"), "unknown --recompute 'attention'"),
     (dict(model="tiny", pp=2, zero=2, schedule="zb-h1", grad_accum=2), "--zero 2 cannot run the zb-h1 schedule"),
 ])
 def test_estimate_and_train_refuse_alike(kwargs: dict, message: str) -> None:

@@ -26,7 +26,6 @@ from plait.estimate.time import (
     estimate_time_params_only,
 )
 from plait.models.config import GPTConfig
-from plait.rules import check_precision
 
 __all__ = ["estimate_layout", "Layout"]
 
@@ -37,8 +36,9 @@ MEMORY_ASSUMPTIONS = (
     "busiest rank = the pipeline stage with the largest device total; the first stage "
     "holds the embedding, the last the final norm and head (and, with tied embeddings and "
     "pp > 1, its own copy of the embedding); blocks cut to balance parameters, as plait does",
-    "activations per block of our model: e·(11h + 4f + 2) + 4a bytes per token (e = 4 "
-    "fp32, 2 bf16, the model held in that dtype); GPT-2: Korthikanti et al. "
+    "activations per block of our model: e·(9h + 4f) + 8(h + 1) + 4a bytes per token (e = 4 "
+    "fp32, 2 bf16/fp16, the model held in that dtype; the norms keep x and rsqrt in fp32); "
+    "selective recompute drops the attention core's output and log-sum-exp; GPT-2: Korthikanti et al. "
     "s·b·h·(34 + 5as/h) in 16-bit; plus token ids, final norm and RoPE tables",
     "in-flight micro-batches: 1 without a pipeline, m for GPipe, p − r for 1F1B, "
     "p(1 + (p−1)/(pv)) on the first rank interleaved",
@@ -68,7 +68,7 @@ def estimate_layout(config: GPTConfig | None, *, dp: int = 1, tp: int = 1, pp: i
                     zero: int = 0, offload: bool = False, precision: str = "fp32",
                     micro_batch: int = 1, grad_accum: int = 1, seq_len: int | None = None,
                     recompute: str = "none", schedule: str = "1f1b", virtual_stages: int = 1,
-                    sp: bool = False, hardware: str | Hardware = "cpu",
+                    sp: bool = False, reduce_dtype: str = "", hardware: str | Hardware = "cpu",
                     gpus_per_node: int | None = None, params: int | float | None = None
                     ) -> dict[str, Any]:
     """Predict one layout's cost per rank (the busiest rank), as a JSON-ready dict.
@@ -85,8 +85,7 @@ def estimate_layout(config: GPTConfig | None, *, dp: int = 1, tp: int = 1, pp: i
     layout = Layout(dp=dp, tp=tp, pp=pp, zero=zero, offload=offload, precision=precision,
                     micro_batch=micro_batch, grad_accum=grad_accum,
                     seq_len=seq_len or default_seq, recompute=recompute,
-                    schedule=schedule, virtual_stages=virtual_stages, sp=sp)
-    check_precision(precision, zero)  # as plait train does: bf16 keeps its fp32 masters in ZeRO
+                    schedule=schedule, virtual_stages=virtual_stages, sp=sp, reduce_dtype=reduce_dtype)
     if config is None:
         return _params_only(_whole(params), layout, hw, node, timed=seq_len is not None)
     layout.check_model(config)

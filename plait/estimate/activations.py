@@ -10,7 +10,9 @@ Two blocks are counted:
   term appears. Listing what each op saves (deduplicated by storage; the test in
   tests/test_estimate_memory.py checks it with saved_tensors_hooks), per token per layer:
 
-    RMSNorm, twice  x, rsqrt (one value), x·rsqrt, the normed output    2·(3h + 1) elements
+    RMSNorm, twice  x and rsqrt (one value) in fp32 (the norm computes
+                    in fp32 whatever the dtype), x·rsqrt and the normed
+                    output in the model's dtype                          2·(4(h + 1) + 2eh) bytes
     attention       q after RoPE; k and v after repeat_interleave to
                     n_heads (so GQA saves no memory here); SDPA's output 4h elements
                     the (b, s, h) copy reshape makes for o_proj (a view,
@@ -19,11 +21,12 @@ Two blocks are counted:
     SwiGLU          gate output (silu's input), silu output, up output,
                     their product (down's input)                         4f elements
 
-  = e·(11h + 4f + 2) + 4a bytes per token, e = 4 in fp32 and 2 in bf16/fp16 (the model
-  itself in that dtype, as the (2+2+12)Ψ mixed-precision accounting assumes).
+  = e·(9h + 4f) + 8(h + 1) + 4a bytes per token, e = 4 in fp32 and 2 in bf16/fp16 (the
+  model itself in that dtype, as the (2+2+12)Ψ mixed-precision accounting assumes); in
+  fp32 that is e·(11h + 4f + 2) + 4a.
 
 Outside the blocks the forward keeps the int64 token ids (embedding) and the final norm's
-3h + 1, and RoPE's multiplications keep the cos and sin tables (max_seq_len·head_dim
+4(h + 1) + 2eh bytes, and RoPE's multiplications keep the cos and sin tables (max_seq_len·head_dim
 elements, once per rank). That is everything plait's ActivationMeter sees, since it wraps
 the model's forward only; the loss's fp32 logits and log-softmax are counted by
 memory.py as a buffer on the last stage.
@@ -42,6 +45,7 @@ from plait.models.config import GPTConfig
 MASK_BYTES = 1  # a dropout mask is one byte per element
 LSE_BYTES = 4  # SDPA's log-sum-exp is fp32 whatever the input dtype
 ID_BYTES = 8  # int64 token ids, kept by the embedding for its backward
+NORM_BYTES = 4  # RMSNorm computes in fp32 whatever the model's dtype
 
 
 def korthikanti_layer_bytes(config: GPTConfig, layout: Layout) -> float:
@@ -67,7 +71,7 @@ def llama_layer_bytes(config: GPTConfig, layout: Layout) -> float:
     h, f, a = config.d_model, config.ffn_hidden, config.n_heads
     e = layout.compute_bytes
     o_proj_copy = h if a // layout.tp > 1 else 0  # one head per rank: reshape is a view
-    replicated = e * (6 * h + 2)
+    replicated = 2 * rmsnorm_bytes(h, e)
     sharded = e * (4 * h + o_proj_copy + 4 * f) + LSE_BYTES * a
     if layout.recompute == "selective":
         # Recomputing the attention core drops SDPA's output and log-sum-exp; q, k, v stay
@@ -75,6 +79,11 @@ def llama_layer_bytes(config: GPTConfig, layout: Layout) -> float:
         # buys little for our block: prefer "full".
         sharded -= (e * h if o_proj_copy else 0) + LSE_BYTES * a
     return _combine(replicated, sharded, layout, e * h)
+
+
+def rmsnorm_bytes(h: int, e: int) -> float:
+    """One RMSNorm's saved bytes per token: x and rsqrt in fp32, x·rsqrt and the output in e bytes."""
+    return NORM_BYTES * (h + 1) + 2 * e * h
 
 
 def _combine(replicated: float, sharded: float, layout: Layout, block_input: float) -> float:
@@ -105,7 +114,7 @@ def stage_extra_bytes(config: GPTConfig, layout: Layout, stage: Stage) -> float:
     if stage.first:
         total += ID_BYTES * tokens
     if stage.last:
-        norm = e * (2 * h) if config.arch == "gpt2" else e * (3 * h + 1)
+        norm = e * (2 * h) if config.arch == "gpt2" else rmsnorm_bytes(h, e)
         total += tokens * (norm / t if layout.sp else norm)
     return total
 

@@ -38,6 +38,8 @@ def estimate_parser() -> argparse.ArgumentParser:
         description="Predict memory per GPU, bytes on the wire and step time of one layout.")
     _common(parser, None)  # bf16 keeps its fp32 masters in ZeRO: without ZeRO, fp32
     parser.add_argument("--params", type=float, help="a model known only by its size, e.g. 7e9")
+    parser.add_argument("--reduce-dtype", default="", help="dtype gradients are reduced in over dp: fp32, bf16 "
+                        "or fp16 (default: the gradients' own)")
     for flag in ("--dp", "--tp", "--pp", "--micro-batch", "--grad-accum"):
         parser.add_argument(flag, type=int, default=1)
     parser.add_argument("--gpus", type=int, help="check that dp x tp x pp uses this many GPUs")
@@ -76,7 +78,7 @@ def estimate_main(argv: list[str]) -> int:
         config, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero, offload=args.offload,
         precision=args.precision, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
         seq_len=args.seq_len, recompute=args.recompute, schedule=args.schedule,
-        virtual_stages=args.virtual_stages, sp=args.sp, hardware=hardware,
+        virtual_stages=args.virtual_stages, sp=args.sp, reduce_dtype=args.reduce_dtype, hardware=hardware,
         gpus_per_node=args.gpus_per_node, params=args.params)
     name = args.model or f"a {args.params:.3g}-parameter model"
     _emit(result, args.json, lambda: format_estimate(result, name))

@@ -40,7 +40,7 @@ def dp_traffic(params: int, layout: Layout) -> Traffic:
     """
     out: Traffic = {}
     n, m, per = layout.dp, layout.grad_accum, state_bytes(layout.precision)
-    grads, weights = params * per.grad, params * per.param
+    grads, weights = params * layout.reduce_bytes, params * per.param
     if layout.zero == 0:
         _add(out, "dp", "all_reduce", grads, n)
         return out
@@ -164,7 +164,7 @@ def naive_comm(config: GPTConfig | None, layout: Layout,
     else:
         mine = dp_traffic(params or 0, layout)
     if layout.dp > 1:
-        n, grad = layout.dp, state_bytes(layout.precision).grad
+        n, grad = layout.dp, layout.reduce_bytes
         out["dp"] = _naive("Ψ·b·N·(N−1)", (params or 0) * grad * n * (n - 1),
                            _group_total(mine, "dp", n))
     if config is None:

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 from plait.errors import PlaitError
 from plait.models.config import GPTConfig
-from plait.rules import (PRECISIONS, RECOMPUTE, SCHEDULES, check_combination, check_pipeline_shape,  # noqa: F401
-                         check_strategy_choices, check_tensor_parallel)
+from plait.rules import (DTYPE_BYTES, PRECISIONS, RECOMPUTE, REDUCE_DTYPES, SCHEDULES,  # noqa: F401
+                         check_combination, check_pipeline_shape, check_strategy_choices,
+                         check_tensor_parallel, default_reduce_dtype)
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class Layout:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     sp: bool = False
+    reduce_dtype: str = ""  # "" = default_reduce_dtype(precision)
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "micro_batch", "grad_accum", "seq_len", "virtual_stages"):
@@ -45,7 +47,7 @@ class Layout:
                 raise PlaitError(f"--{flag} must be a whole number of at least 1, got {value!r}",
                                  hint=f"pass --{flag} 1 or more")
         check_strategy_choices(schedule=self.schedule, precision=self.precision, recompute=self.recompute,
-                               zero=self.zero)
+                               zero=self.zero, reduce_dtype=self.reduce_dtype)
         check_combination(tp=self.tp, pp=self.pp, zero=self.zero, offload=self.offload, sp=self.sp,
                           recompute=self.recompute, schedule=self.schedule)
         check_pipeline_shape(None, pp=self.pp, virtual_stages=self.virtual_stages, schedule=self.schedule,
@@ -68,6 +70,11 @@ class Layout:
     def compute_bytes(self) -> int:
         """Bytes per element of parameters, activations and gradients on the device."""
         return 4 if self.precision == "fp32" else 2
+
+    @property
+    def reduce_bytes(self) -> int:
+        """Bytes per element of a gradient on the data-parallel wire."""
+        return DTYPE_BYTES[self.reduce_dtype or default_reduce_dtype(self.precision)]
 
     def check_model(self, config: GPTConfig) -> None:
         """Raise unless plait can train `config` in this layout: the same checks as

@@ -21,7 +21,7 @@ from plait.estimate.layout import Layout
 from plait.estimate.memory import estimate_memory
 from plait.estimate.time import estimate_time
 from plait.models.config import GPTConfig
-from plait.rules import check_precision, check_tensor_parallel
+from plait.rules import check_tensor_parallel
 
 MAX_MICRO_BATCH = 64  # larger micro-batches only add memory once the GPU is saturated
 
@@ -73,14 +73,10 @@ def _splits(config: GPTConfig, tp: int) -> bool:
 
 
 def zero_stages(precision: str, dp: int) -> tuple[int, ...]:
-    """ZeRO stages worth trying: none beyond 1 with one replica (nothing to shard over), and
-    none below 1 in mixed precision (its fp32 masters live in ZeRO's optimizer)."""
-    stages = (0, 1, 2, 3) if dp > 1 else (0, 1)
-    try:
-        check_precision(precision, 0)
-    except PlaitError:
-        return tuple(z for z in stages if z >= 1)
-    return stages[:1] if dp == 1 else stages
+    """ZeRO stages worth trying: only 0 with one replica (nothing to shard over). Every
+    precision runs at every stage: without ZeRO, 16-bit training keeps its fp32 masters in
+    plait.parallel.masters."""
+    return (0, 1, 2, 3) if dp > 1 else (0,)
 
 
 def candidates(request: PlanRequest) -> Iterator[Layout]:

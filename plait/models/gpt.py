@@ -20,7 +20,12 @@ TEMPERATURE = 0.8  # sampling temperature of the run's closing sample
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight: a LayerNorm without the mean and the bias."""
+    """x / rms(x) * weight: a LayerNorm without the mean and the bias.
+
+    The rms runs in fp32 whatever the weights' dtype, as Llama's does: in fp16 the backward
+    of rsqrt (mean(x²)^-1.5 for activations of ~0.02) overflows 65504. In fp32 the casts
+    are no-ops, the same operations in the same order.
+    """
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -28,7 +33,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        wide = x.float()
+        return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,11 +54,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rotated.flatten(-2)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The attention core: softmax(q·kᵀ/√d, causal)·v, by SDPA."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
     """Causal self-attention with grouped key/value heads (n_kv_heads <= n_heads)."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
+        # plait.parallel.recompute may wrap this to rerun it in backward (--recompute selective)
+        self.attention_core: Callable[..., torch.Tensor] = causal_attention
         self.n_heads = config.n_heads
         self.n_kv_heads = config.n_kv_heads
         self.head_dim = config.head_dim
@@ -73,7 +86,7 @@ class Attention(nn.Module):
         if group > 1:
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = self.attention_core(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 

@@ -24,6 +24,7 @@ from torch import nn
 from plait.errors import PlaitError
 from plait.parallel.clip import clip_grad_norm
 from plait.parallel.data import apply_data_parallel, grad_sync
+from plait.parallel.masters import MasterOptimizer
 from plait.parallel.pipeline import apply_pipeline
 from plait.parallel.pipeline_split import is_pipeline
 from plait.parallel.recompute import apply_recompute
@@ -46,7 +47,9 @@ class ParallelConfig:
     offload: bool = False  # keep optimizer states, and run the optimizer step, in CPU memory
     sp: bool = False  # sequence parallelism in the tensor-parallel norm regions
     virtual_stages: int = 1  # pipeline chunks per pp rank (interleaved schedules)
-    recompute: str = "none"  # "full": keep each block's input only, rerun the block in backward
+    recompute: str = "none"  # "full": keep each block's input only, rerun the block in backward;
+    # "selective": rerun only the attention core
+    reduce_dtype: torch.dtype | None = None  # gradients cross dp in this dtype (None: their own)
     tp_plan: dict[str, str] | None = None  # {module-name pattern: style} for tp > 1 (default: plait's GPT)
 
     def __post_init__(self) -> None:
@@ -84,9 +87,10 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = No
         model = apply_pipeline(model, mesh, virtual_stages=config.virtual_stages)
     model.to(mesh.device)
     if config.zero == 0:
-        apply_data_parallel(model, mesh.axis("dp"), bucket_mb=config.bucket_mb)
+        apply_data_parallel(model, mesh.axis("dp"), bucket_mb=config.bucket_mb, reduce_dtype=config.reduce_dtype)
     else:
-        apply_zero(model, mesh.axis("dp"), stage=config.zero, offload=config.offload, bucket_mb=config.bucket_mb)
+        apply_zero(model, mesh.axis("dp"), stage=config.zero, offload=config.offload, bucket_mb=config.bucket_mb,
+                   reduce_dtype=config.reduce_dtype)
     return model
 
 
@@ -98,6 +102,7 @@ def build_optimizer(model: nn.Module, optimizer_class: type[torch.optim.Optimize
     a group without decay, as is usual for transformers. With data parallelism, zero_grad
     clears the gradient buckets in place instead of dropping them, saving a copy per step.
     With ZeRO, the result is a `ZeroOptimizer`: the same groups, over this rank's shards.
+    Without ZeRO, 16-bit parameters get a `MasterOptimizer`: the same groups, over fp32 masters.
     """
     sync = zero_of(model)
     params = sync.params if sync is not None else [p for p in model.parameters() if p.requires_grad]
@@ -110,7 +115,11 @@ def build_optimizer(model: nn.Module, optimizer_class: type[torch.optim.Optimize
     if sync is not None:
         return ZeroOptimizer(sync, optimizer_class, groups if kwargs.get("weight_decay") else [{"params": params}],
                              **kwargs)
-    optimizer = optimizer_class(groups, **kwargs)
+    if any(p.dtype != torch.float32 for p in params):
+        optimizer = MasterOptimizer(groups if kwargs.get("weight_decay") else [{"params": params}],
+                                    optimizer_class, **kwargs)
+    else:
+        optimizer = optimizer_class(groups, **kwargs)
     ddp = grad_sync(model)
     if ddp is not None:
         _zero_buckets_instead(optimizer, ddp)

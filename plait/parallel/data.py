@@ -37,6 +37,7 @@ class Bucket:
     views: list[torch.Tensor]
     ready: int = 0
     handle: Handle | None = None
+    wire: torch.Tensor | None = None  # the bucket in --reduce-dtype, while it is reduced
 
 
 @dataclass
@@ -46,6 +47,7 @@ class GradSync:
     axis: Axis
     buckets: list[Bucket]
     enabled: bool = True
+    reduce_dtype: torch.dtype | None = None  # the wire's dtype, when not the gradients' own
     events: list[tuple[str, int]] = field(default_factory=list)
     _slot: dict[nn.Parameter, tuple[Bucket, int]] = field(default_factory=dict)
     _callback_queued: bool = False
@@ -100,9 +102,13 @@ class GradSync:
 
     # -- internals ---------------------------------------------------------------------------
     def _launch(self, bucket: Bucket) -> None:
-        # Pre-divide so the sum is the mean; same order of operations as torch DDP.
-        bucket.flat.div_(self.axis.size)
-        bucket.handle = comm.all_reduce(bucket.flat, self.axis, async_op=True)
+        # Pre-divide so the sum is the mean; same order of operations as torch DDP. With
+        # --reduce-dtype the sum runs in that dtype and is rounded back once, on arrival.
+        wire = bucket.flat
+        if self.reduce_dtype not in (None, wire.dtype):
+            wire = bucket.wire = wire.to(self.reduce_dtype)
+        wire.div_(self.axis.size)
+        bucket.handle = comm.all_reduce(wire, self.axis, async_op=True)
         self.events.append(("launch" if self._in_backward else "launch_late", bucket.index))
 
     def _wait_all(self) -> None:
@@ -110,6 +116,9 @@ class GradSync:
             if bucket.handle is not None:
                 bucket.handle.wait()
                 bucket.handle = None
+            if bucket.wire is not None:
+                bucket.flat.copy_(bucket.wire)
+                bucket.wire = None
 
     @staticmethod
     def _collect(bucket: Bucket) -> None:
@@ -156,7 +165,8 @@ def _bucket(index: int, params: list[nn.Parameter]) -> Bucket:
     return Bucket(index, params, flat, views)
 
 
-def apply_data_parallel(model: nn.Module, axis: Axis, *, bucket_mb: float = 25.0) -> nn.Module:
+def apply_data_parallel(model: nn.Module, axis: Axis, *, bucket_mb: float = 25.0,
+                        reduce_dtype: torch.dtype | None = None) -> nn.Module:
     """Make `model` average its gradients over `axis` after every backward (in place).
 
     Parameters and buffers are first broadcast from the axis's rank 0, so every replica
@@ -167,7 +177,7 @@ def apply_data_parallel(model: nn.Module, axis: Axis, *, bucket_mb: float = 25.0
     for tensor in [*model.parameters(), *model.buffers()]:
         comm.broadcast(tensor.data, axis, purpose="setup")
     params = [p for p in model.parameters() if p.requires_grad]
-    sync = GradSync(axis, make_buckets(params, int(bucket_mb * 2**20)))
+    sync = GradSync(axis, make_buckets(params, int(bucket_mb * 2**20)), reduce_dtype=reduce_dtype)
     for param in params:
         param.register_post_accumulate_grad_hook(sync.on_grad_ready)
     setattr(model, ATTR, sync)

@@ -53,7 +53,7 @@ CHECKPOINT_VIEW = "_plait_checkpoint_view"  # plait.train.checkpoint asks a mode
 
 
 def apply_zero(model: nn.Module, axis: Axis, *, stage: int, offload: bool = False, bucket_mb: float = 25.0,
-               units: Sequence[nn.Module] | None = None) -> nn.Module:
+               units: Sequence[nn.Module] | None = None, reduce_dtype: torch.dtype | None = None) -> nn.Module:
     """Shard `model`'s states over `axis` with ZeRO `stage` 1, 2 or 3 (in place).
 
     Build the optimizer with plait.build_optimizer, which returns the sharded one (its state
@@ -74,7 +74,7 @@ def apply_zero(model: nn.Module, axis: Axis, *, stage: int, offload: bool = Fals
     alone = tied_copies(model)
     sync = (_shard_units(model, axis, units, chunks, alone) if stage == 3
             else _shard_buckets(chunks, axis, stage, bucket_mb, alone))
-    sync.offload, sync.tied = offload, alone
+    sync.offload, sync.tied, sync.reduce_dtype = offload, alone, reduce_dtype
     sync.names = {p: name for name, p, _ in logical}
     sync.replicas = {p for _, p, replica in logical if replica}
     sync.chunk = {g.index: chunk_of[g.params[0]] for g in sync.groups}

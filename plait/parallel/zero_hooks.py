@@ -58,6 +58,7 @@ class ZeroSync:
         self._placeholder = torch.empty(0, device=groups[0].flat.device if groups else "cpu")
         self._held: dict[int, int] = {}  # stage 3: bytes of each unit gathered right now
         self.peak_gathered_bytes = 0  # the most held at once since the meter last read it
+        self.reduce_dtype: torch.dtype | None = None  # gradients cross dp in this dtype (None: their own)
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -98,7 +99,7 @@ class ZeroSync:
         return self.enabled or self.stage >= 2
 
     def _launch(self, group: FlatGroup) -> None:
-        group.launch_reduce(self.axis)
+        group.launch_reduce(self.axis, self.reduce_dtype)
         self._launched.add(group.index)
         self.events.append(("reduce_scatter" if self._callback_queued else "reduce_scatter_late", group.index))
         self._in_flight.append(group)

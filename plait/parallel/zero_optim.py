@@ -93,6 +93,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.inner = optimizer_class(sharded, **kwargs)
         super().__init__(self.inner.param_groups, self.inner.defaults)
         self.param_groups, self.state = self.inner.param_groups, self.inner.state
+        # 16-bit parameters: precision.StepGuard sets this (1 / loss scale × the clip factor)
+        # before each step, applied once to the fp32 copy of the gradient. None: fp32, clip in place.
+        self.grad_scale: float | None = 1.0 if any(part.holds_more() for part in self.slices) else None
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
@@ -102,7 +105,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 loss = closure()
         for part in self.slices:
             part.bind_grads()
+            if self.grad_scale not in (None, 1.0) and part.holds_more():
+                for piece in part.pieces:
+                    if piece.grad is not None:
+                        piece.grad.mul_(self.grad_scale)
         self.inner.step()
+        self.grad_scale = None if self.grad_scale is None else 1.0
         for part in self.slices:
             part.write_back()
         self.sync.gather_params()

@@ -104,12 +104,14 @@ class FlatGroup:
         self.grad_views = self.split(self.grad)
 
     # -- gradients ------------------------------------------------------------------------------
-    def launch_reduce(self, axis: Axis) -> None:
-        """Reduce-scatter `grad`, pre-divided so the sum is the mean (as DDP), asynchronously."""
+    def launch_reduce(self, axis: Axis, dtype: torch.dtype | None = None) -> None:
+        """Reduce-scatter `grad`, pre-divided so the sum is the mean (as DDP), asynchronously;
+        in `dtype` on the wire when given (--reduce-dtype), rounded back once it arrives."""
         assert self.grad is not None
-        self.grad.div_(axis.size)
-        out = torch.empty(self.size, dtype=self.grad.dtype, device=self.grad.device)
-        self.pending = (out, comm.reduce_scatter(out, self.grad, axis, async_op=True))
+        wire = self.grad if dtype in (None, self.grad.dtype) else self.grad.to(dtype)
+        wire.div_(axis.size)
+        out = torch.empty(self.size, dtype=wire.dtype, device=wire.device)
+        self.pending = (out, comm.reduce_scatter(out, wire, axis, async_op=True))
 
     def finish_reduce(self, stage: int) -> None:
         """Keep this rank's reduced shard; from stage 2 on, drop the whole gradient."""
@@ -117,6 +119,7 @@ class FlatGroup:
         out, handle = self.pending
         handle.wait()
         self.pending = None
+        out = out.to(self.grad.dtype)
         if stage == 1:  # the whole buffer stays (the paper's 4Ψ): its owned slice holds the mean
             own = self.grad[self.rank * self.size:(self.rank + 1) * self.size]
             self.grad_shard = own.copy_(out)

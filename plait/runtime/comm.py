@@ -28,6 +28,7 @@ from plait.wire import ring_bytes as ring_wire_bytes  # one formula, shared with
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv", "reduce", "scatter", "gather")
 TRAIN = "train"  # traffic that trains the model
 TELEMETRY = "telemetry"  # traffic that only gathers numbers for the report
+CONTROL = "control"  # a few numbers every rank must agree on (are this step's gradients finite?)
 
 
 def naive_exchange_bytes(payload: int, n: int) -> int:

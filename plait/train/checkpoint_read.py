@@ -118,7 +118,8 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, m
     verify_shared(reader, mesh)
     init_optimizer_state(model, optimizer)
     for piece in local_pieces(model, optimizer, mesh):
-        block = reader.read_block(piece.name, piece.offsets, tuple(piece.tensor.shape), piece.full_shape)
+        block = reader.read_block(_source(reader, piece.name), piece.offsets, tuple(piece.tensor.shape),
+                                  piece.full_shape)
         with torch.no_grad():
             piece.tensor.copy_(block.to(piece.tensor.device, piece.tensor.dtype))
     if reader.index["world_size"] == mesh.env.world_size:
@@ -126,6 +127,17 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, m
         if state is not None:
             torch.set_rng_state(state)
     return {**reader.index["trainer"], "step": reader.index["step"], "path": str(reader.path)}
+
+
+def _source(reader: Reader, name: str) -> str:
+    """The checkpoint tensor to fill `name` from: itself, or for an fp32 master that an fp32 run
+    did not write (its weights were the masters), the fp32 weights themselves."""
+    prefix, _, rest = name.partition("/")
+    if prefix == "optim" and rest.endswith("/master") and name not in reader.tensors:
+        weights = f"model/{rest.removesuffix('/master')}"
+        if reader.tensors.get(weights, {}).get("dtype") == "float32":
+            return weights
+    return name
 
 
 def verify_shared(reader: Reader, mesh: Mesh) -> None:

@@ -51,9 +51,17 @@ class TrainConfig:
     schedule: str = field(default="1f1b", metadata={"help": "pipeline schedule: gpipe, 1f1b, interleaved or zb-h1"})
     virtual_stages: int = field(default=1, metadata={"help": "model chunks per pipeline rank (interleaved)"})
     precision: str = field(default="fp32", metadata={
-        "help": "fp32, or bf16: bf16 weights and gradients, fp32 master weights and Adam state (needs --zero 1+)"})
+        "help": "fp32, bf16 or fp16: 16-bit weights and gradients, fp32 master weights and Adam state; "
+                "fp16 with dynamic loss scaling"})
+    reduce_dtype: str = field(default="", metadata={
+        "help": "dtype gradients are reduced in over dp: fp32, bf16 or fp16 (default: the gradients' own)"})
+    loss_scale: float = field(default=65536.0, metadata={
+        "help": "fp16: the initial loss scale (halved on overflow, doubled after 1000 clean steps)"})
+    skip_nonfinite: bool = field(default=False, metadata={
+        "help": "skip a step whose loss or gradient is not finite (on every rank), instead of stopping"})
     recompute: str = field(default="none", metadata={
-        "help": "activation recomputation: none, or full (keep each block's input, run the block again in backward)"})
+        "help": "activation recomputation: none, selective (rerun the attention core in backward), "
+                "or full (keep each block's input, run the block again in backward)"})
     zero: int = field(default=0, metadata={"help": "ZeRO stage: 0 DDP, 1 optimizer states, 2 + gradients, 3 + parameters"})
     offload: bool = field(default=False, metadata={"help": "optimizer states and step in CPU memory (needs --zero)"})
     nproc: int | None = field(default=None, metadata={"help": "local processes to spawn (default: the layout's product)"})
@@ -202,10 +210,11 @@ def check_strategies(config: TrainConfig) -> None:
     ParallelConfig(bucket_mb=config.bucket_mb, zero=config.zero, offload=config.offload)
     model = get_preset(config.model)
     rules.check_strategy_choices(schedule=config.schedule, precision=config.precision, recompute=config.recompute,
-                                 zero=config.zero)
+                                 zero=config.zero, reduce_dtype=config.reduce_dtype)
+    if not config.loss_scale >= 1:
+        raise PlaitError(f"--loss-scale must be at least 1, got {config.loss_scale}", hint="the default is 65536")
     rules.check_combination(tp=config.tp, pp=config.pp, zero=config.zero, offload=config.offload, sp=config.sp,
                             recompute=config.recompute, schedule=config.schedule)
-    rules.check_precision(config.precision, config.zero)
     rules.check_tensor_parallel(model, config.tp, config.sp, config.seq_len)
     rules.check_pipeline_shape(model.n_layers, pp=config.pp, virtual_stages=config.virtual_stages,
                                schedule=config.schedule, microbatches=config.grad_accum)

@@ -41,6 +41,9 @@ def closing_report(summary: dict[str, Any], out: str) -> str:
         f"  speed       {summary['tokens_per_s']:,.0f} tokens/s, {summary['step_time_s_median']:.3f} s/step (median)",
         f"  wire/step   measured {format_comm(summary['comm_per_step'])}",
     ]
+    if layout.get("precision", "fp32") != "fp32" or summary.get("skipped_steps"):
+        lines.insert(2, f"  precision   {layout.get('precision', 'fp32')}, loss scale {summary.get('loss_scale', 1.0):g}, "
+                        f"{summary.get('skipped_steps', 0)} step(s) skipped (non-finite)")
     if summary["comm_formula"]:
         lines += [
             f"              formula  {format_comm(summary['comm_formula'])}   [ring all-reduce 2(n-1)/n·Ψ·4 B]",

@@ -20,9 +20,10 @@ import torch
 from plait.errors import PlaitError
 from plait.models.config import get_preset
 from plait.models.gpt import TEMPERATURE, build_gpt, sample_next
-from plait.parallel.compose import ParallelConfig, build_optimizer, clip_grad_norm, parallelize
+from plait.parallel.compose import ParallelConfig, build_optimizer, parallelize
 from plait.parallel.data import no_sync
 from plait.parallel.pipeline import PipelineRunner
+from plait.parallel.precision import StepGuard, param_dtype, reduce_dtype_of
 from plait.parallel.tensor import tensor_parallel_of, tp_loss_fn
 from plait.parallel.tensor_loss import gather_vocab
 from plait.runtime import comm
@@ -59,16 +60,20 @@ class Trainer:
         # The full model is built from the seed on every rank, then split: the same
         # initial weights whatever the layout.
         # With pp > 1, parallelize returns this rank's pipeline stages.
-        dtype = torch.bfloat16 if config.precision == "bf16" else torch.float32  # masters stay fp32 (ZeRO)
+        dtype = param_dtype(config.precision)  # 16-bit weights: the fp32 masters live in the optimizer
         self.model = parallelize(build_gpt(self.model_config, config.seed).to(dtype), mesh, ParallelConfig(
             bucket_mb=config.bucket_mb, zero=config.zero, offload=config.offload, sp=config.sp,
-            virtual_stages=config.virtual_stages, recompute=config.recompute))
+            virtual_stages=config.virtual_stages, recompute=config.recompute,
+            reduce_dtype=reduce_dtype_of(config.precision, config.reduce_dtype)))
         self.runner: PipelineRunner | None = None
         self.optimizer = build_optimizer(self.model, torch.optim.AdamW, lr=config.lr, betas=(0.9, 0.95),
                                          weight_decay=config.weight_decay)
         if mesh.size("pp") > 1:
             self.runner = PipelineRunner(self.model, mesh, config.schedule)
-        self.loss_fn = tp_loss_fn(self.model)
+        # The loss scale (fp16) and the all-ranks verdict on each step's gradients.
+        self.guard = StepGuard(config.precision, mesh.axis("world"), mesh.device, skip_nonfinite=config.skip_nonfinite,
+                               loss_scale=config.loss_scale)
+        self.loss_fn = self.guard.loss_fn(tp_loss_fn(self.model))
         tokens = load_corpus(config.data)
         self._check_same_corpus(tokens)
         self.train_split, self.val_split = train_val_split(tokens, config.seq_len)
@@ -98,17 +103,21 @@ class Trainer:
         loss, activations = self._pipeline_step(batches) if self.runner else self._micro_steps(batches, full)
         max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
         update_start = time.perf_counter()
-        grad_norm = clip_grad_norm(model, max_norm)
-        self.optimizer.step()
+        scale = self.guard.scaler.scale
+        grad_norm, stepped = self.guard.step(step, model, self.optimizer, loss, max_norm)
         self.update_times.append(time.perf_counter() - update_start)  # the optimizer's part of the step
         states = model_state_bytes(model, self.optimizer) if full else {}
         self.optimizer.zero_grad()
         elapsed = time.perf_counter() - start
         local = {"loss": loss, "step_time_s": elapsed, "grad_norm": float(grad_norm),
                  **states, "activations_peak": activations, "comm": self.mesh.ledger.since(before)}
-        if not full:
-            return self.measure.local_record(step, lr, local, self.config.global_batch * self.config.seq_len)
-        return self._gather_step(step, lr, local)
+        if full:
+            record = self._gather_step(step, lr, local)
+        else:
+            record = self.measure.local_record(step, lr, local, self.config.global_batch * self.config.seq_len)
+        record.update(grad_norm=record.get("grad_norm") if stepped else None, loss_scale=scale, skipped=not stepped,
+                      skipped_steps=self.guard.scaler.skipped)
+        return record
 
     def _micro_steps(self, batches: list[tuple[torch.Tensor, torch.Tensor]], full: bool = True) -> tuple[Any, int]:
         """Forward and backward each micro-batch; mean loss, and the bytes saved for backward.
@@ -276,7 +285,8 @@ class Trainer:
 
     def save(self, done: int) -> Path:
         epoch, position = self.sampler.position(done)
-        state = {"epoch": epoch, "position": position, "config": self.config.to_dict()}
+        state = {"epoch": epoch, "position": position, "config": self.config.to_dict(),
+                 "loss_scale": self.guard.scaler.state_dict()}
         return checkpoint.save(Path(self.config.out) / "checkpoints", done, self.model, self.optimizer,
                                self.mesh, state, keep=self.config.keep_checkpoints)
 
@@ -286,6 +296,7 @@ class Trainer:
         if state["step"] >= self.config.steps:
             raise PlaitError(f"checkpoint {state['path']} is at step {state['step']}, not before --steps {self.config.steps}",
                              hint="raise --steps to train further")
+        self.guard.scaler.load_state_dict(state.get("loss_scale", {}))
         self.resumed_from = state["path"]
         return state["step"]
 
@@ -303,7 +314,7 @@ class Trainer:
         """What the closing report and summary.json show."""
         history, dp = self.history, self.mesh.size("dp")
         times = [r["step_time_s"] for r in history[1:]] or [history[0]["step_time_s"]]
-        param_bytes = self.num_params * 4  # fp32
+        param_bytes = self.num_params * reduce_dtype_of(self.config.precision, self.config.reduce_dtype).itemsize
         peak = torch.tensor([peak_process_bytes(self.mesh.device)], dtype=torch.float64, device=self.mesh.device)
         comm.all_reduce(peak, self.mesh.axis("world"), op="max", purpose=comm.TELEMETRY)
         return {
@@ -316,6 +327,7 @@ class Trainer:
             "global_batch": self.config.global_batch, "seq_len": self.config.seq_len,
             "steps": len(history), "resumed_from": self.resumed_from, "loss_first": history[0]["loss"], "loss_last": history[-1]["loss"],
             "val_loss": val_losses[max(val_losses)], "val_losses": val_losses,
+            "loss_scale": self.guard.scaler.scale, "skipped_steps": self.guard.scaler.skipped,
             "step_time_s_median": statistics.median(times),
             "tokens_per_s": self.config.global_batch * self.config.seq_len / statistics.median(times),
             "comm_per_step": history[-1]["comm"],
@@ -348,6 +360,7 @@ class Trainer:
                                  offload=self.config.offload, sp=self.config.sp, schedule=self.config.schedule,
                                  virtual_stages=self.config.virtual_stages, precision=self.config.precision,
                                  micro_batch=self.config.micro_batch, grad_accum=self.config.grad_accum,
-                                 seq_len=self.config.seq_len, recompute=self.config.recompute, hardware=hardware)
+                                 seq_len=self.config.seq_len, recompute=self.config.recompute,
+                                 reduce_dtype=self.config.reduce_dtype, hardware=hardware)
         result["hardware_source"] = source
         return result

@@ -1,0 +1,164 @@
+"""Mixed precision in one process: the loss scaler, selective recompute, and the estimator's bytes.
+
+The multi-process proofs (parity per layout, the all-ranks verdict, resume) are in
+tests/test_precision_worlds.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from plait.errors import PlaitError
+from plait.estimate import estimate_layout
+from plait.estimate.activations import stage_activation_bytes
+from plait.estimate.layout import Layout, stages
+from plait.models.config import get_preset
+from plait.models.gpt import build_gpt
+from plait.parallel.compose import build_optimizer
+from plait.parallel.masters import MasterOptimizer
+from plait.parallel.precision import LossScaler, scale_grad
+from plait.parallel.recompute import apply_recompute
+from plait.parallel.zero_optim import memory_formula
+from plait.train.meter import ActivationMeter, model_state_bytes
+
+TINY = get_preset("tiny")
+
+
+def test_the_scale_halves_on_overflow_and_doubles_after_n_clean_steps():
+    scaler = LossScaler(1024.0, growth_interval=3, dynamic=True)
+    for _ in range(2):
+        scaler.update(True)
+    assert scaler.scale == 1024.0
+    scaler.update(True)
+    assert scaler.scale == 2048.0
+    scaler.update(False)
+    assert (scaler.scale, scaler.skipped, scaler.clean_steps) == (1024.0, 1, 0)
+    for _ in range(3):
+        scaler.update(True)
+    assert scaler.scale == 2048.0
+    restored = LossScaler.for_precision("fp16")
+    restored.load_state_dict(scaler.state_dict())
+    assert restored.state_dict() == scaler.state_dict()
+    fixed = LossScaler.for_precision("bf16")
+    fixed.update(False)
+    assert (fixed.scale, fixed.skipped) == (1.0, 1)
+
+
+def test_an_fp32_or_bf16_checkpoints_scale_does_not_reset_fp16s():
+    fp16 = LossScaler.for_precision("fp16", 4096.0)
+    fp16.load_state_dict({"scale": 1.0, "clean_steps": 5, "skipped": 2})
+    assert (fp16.scale, fp16.skipped) == (4096.0, 2)
+
+
+def test_fp16_stops_when_the_scale_cannot_go_lower(monkeypatch):
+    """At scale 1 an inf is no overflow of the scale's making: fp16 stops as fp32 does."""
+    import plait.parallel.precision as precision
+    from plait.runtime.comm import Axis, Ledger
+
+    world = Axis("world", 1, 0, None, Ledger())
+    monkeypatch.setattr(precision, "first_nonfinite", lambda model: "the gradient of w")
+    guard = precision.StepGuard("fp16", world, torch.device("cpu"), loss_scale=2.0)
+    assert guard.step(0, torch.nn.Linear(1, 1), None, 1.0, math.inf) == (pytest.approx(math.nan, nan_ok=True), False)
+    assert guard.scaler.scale == 1.0
+    with pytest.raises(PlaitError, match="step 2: the gradient of w went non-finite on rank 0"):
+        guard.step(1, torch.nn.Linear(1, 1), None, 1.0, math.inf)
+
+
+def test_scale_grad_scales_backward_only():
+    x = torch.tensor([3.0], requires_grad=True)
+    loss = scale_grad((x * 2).sum(), 512.0)
+    assert loss.item() == 6.0
+    loss.backward()
+    assert x.grad.item() == 1024.0
+
+
+def _run(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[float, list[torch.Tensor], int]:
+    meter = ActivationMeter()
+    with meter.track(model):
+        logits = model(tokens)
+    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
+    loss.backward()
+    return loss.item(), [p.grad.clone() for p in model.parameters()], meter.last
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_selective_recompute_changes_no_number_and_saves_what_the_estimator_says(dtype):
+    """Bit-identical loss and gradients; the attention core's output and log-sum-exp are not kept."""
+    plain = build_gpt(TINY, 0).to(dtype)
+    selective = copy.deepcopy(plain)
+    assert apply_recompute(selective, "selective") == TINY.n_layers
+    tokens = torch.randint(0, TINY.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    loss, grads, saved = _run(plain, tokens)
+    loss_s, grads_s, saved_s = _run(selective, tokens)
+    assert loss_s == loss
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_s))
+    precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    for policy, measured in (("none", saved), ("selective", saved_s)):
+        layout = Layout(precision=precision, micro_batch=2, seq_len=32, recompute=policy)
+        predicted = stage_activation_bytes(TINY, layout, stages(TINY, 1, 1)[0])
+        assert measured == pytest.approx(predicted, rel=0.10), policy
+    assert saved_s < saved
+
+
+def test_selective_recompute_needs_an_attention_core():
+    with pytest.raises(PlaitError, match="offers no attention core"):
+        apply_recompute(torch.nn.Linear(2, 2), "selective")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_memory_report_matches_the_estimator_per_precision(precision):
+    """One process, no ZeRO: (4 + 4 + 8) bytes in fp32, (2 + 2 + 12) with 16-bit weights."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    model = build_gpt(TINY, 0).to(dtype)
+    optimizer = build_optimizer(model, torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+    assert isinstance(optimizer, MasterOptimizer) == (precision != "fp32")
+    _run(model, torch.randint(0, TINY.vocab_size, (1, 8)))
+    optimizer.step()
+    measured = model_state_bytes(model, optimizer)
+    predicted = estimate_layout(TINY, precision=precision, seq_len=8)["memory"]
+    for kind in ("params", "grads", "optim"):
+        assert measured[kind] == predicted[kind], kind
+    psi = TINY.num_params()
+    wide = precision == "fp32"
+    assert measured == {**measured, **{k: int(v) for k, v in memory_formula(
+        0, psi, 1, param_bytes=4 if wide else 2, grad_bytes=4 if wide else 2, k=8 if wide else 12).items()}}
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_16_bit_states_follow_the_zero_formulas(zero):
+    """2 + 2 + 12 bytes per parameter, each term divided by dp once ZeRO shards it."""
+    psi, n = 10**9, 8
+    memory = estimate_layout(None, params=psi, dp=n, zero=zero, precision="fp16")["memory"]
+    formula = memory_formula(zero, psi, n, param_bytes=2, grad_bytes=2, k=12)
+    for kind in ("params", "grads", "optim"):
+        assert memory[kind] == pytest.approx(formula[kind], rel=1e-6), kind
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_reduce_dtype_sets_the_gradient_wire_bytes(zero):
+    """bf16 gradients reduced in fp32 cost twice the bytes; the weights' all-gather does not change."""
+    psi, n = 10**9, 4
+    ring = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n}
+    op = "all_reduce" if zero == 0 else "reduce_scatter"
+    for reduce_dtype, size in (("", 2), ("bf16", 2), ("fp16", 2), ("fp32", 4)):
+        comm = estimate_layout(None, params=psi, dp=n, zero=zero, precision="bf16", reduce_dtype=reduce_dtype)["comm"]
+        assert comm["dp"][op] == pytest.approx(ring[op] * psi * size), reduce_dtype
+    with pytest.raises(PlaitError, match="unknown --reduce-dtype 'fp8'"):
+        Layout(precision="bf16", reduce_dtype="fp8")
+
+
+def test_master_optimizer_skipped_state_and_masters_stay_fp32():
+    model = build_gpt(TINY, 0).half()
+    optimizer = build_optimizer(model, torch.optim.AdamW, lr=1e-2)
+    _run(model, torch.randint(0, TINY.vocab_size, (1, 8)))
+    optimizer.grad_scale = 0.5
+    optimizer.step()
+    assert optimizer.grad_scale == 1.0  # used once
+    for param, master in optimizer.masters.items():
+        assert master.dtype == torch.float32 and torch.equal(param, master.half())
+    assert set(optimizer.state[next(iter(optimizer.masters))]) >= {"exp_avg", "exp_avg_sq", "master"}
+    assert all(torch.isfinite(p.detach()).all() for p in model.parameters())
