@@ -14,6 +14,7 @@ from typing import Any
 
 from plait.errors import PlaitError
 from plait.models.config import TRAINABLE, get_preset, preset_name
+from plait.models.resnet_config import get_resnet, is_resnet
 
 try:
     import tomllib
@@ -25,8 +26,8 @@ except ModuleNotFoundError:  # Python 3.10
 class TrainConfig:
     """Everything `plait train` needs; each field is also a `--flag` (underscores → dashes)."""
 
-    model: str = field(default="small", metadata={"help": "model preset: tiny or small, with optional field overrides: tiny,n_layers=4"})
-    data: str = field(default="stdlib", metadata={"help": "corpus: 'stdlib' (Python's own source), a text file, or a directory"})
+    model: str = field(default="small", metadata={"help": "model preset: tiny or small, with optional field overrides: tiny,n_layers=4; or resnet18, resnet34, resnet50 (resnet18,width=16)"})
+    data: str = field(default="stdlib", metadata={"help": "corpus: 'stdlib' (Python's own source), a text file, or a directory; for a ResNet: 'digits' or a folder of class folders"})
     steps: int = field(default=120, metadata={"help": "optimizer steps"})
     micro_batch: int = field(default=8, metadata={"help": "sequences per rank per forward/backward"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
@@ -61,6 +62,10 @@ class TrainConfig:
     resume: str = field(default="", metadata={"help": "a checkpoint directory, or a run's --out, to continue from"})
     sample_tokens: int = field(default=160, metadata={"help": "length of the text sample printed at the end"})
     prompt: str = field(default="def ", metadata={"help": "text the closing sample continues"})
+    sync_bn: bool = field(default=False, metadata={
+        "help": "BatchNorm statistics over the whole dp group (ResNets; else rank 0's running stats are broadcast)"})
+    augment: str = field(default="auto", metadata={
+        "help": "image augmentation: auto (digits: crop; folders: crop,flip), none, crop or crop,flip"})
 
     @property
     def global_batch(self) -> int:
@@ -147,16 +152,19 @@ def max_local_processes() -> int:
 
 def validate(config: TrainConfig, *, local_limit: int | None = None) -> None:
     """Every check that needs no process group; raises PlaitError naming the fix."""
-    get_preset(config.model)  # raises naming the presets, or the override that is wrong
-    if preset_name(config.model) not in TRAINABLE:
-        raise PlaitError(f"model preset {config.model!r} is shape-only (for estimates)",
-                         hint=f"train one of: {', '.join(TRAINABLE)}; use `plait estimate --model {config.model}`")
+    if is_resnet(config.model):
+        check_image_model(config)
+    else:
+        get_preset(config.model)  # raises naming the presets, or the override that is wrong
+        if preset_name(config.model) not in TRAINABLE:
+            raise PlaitError(f"model preset {config.model!r} is shape-only (for estimates)",
+                             hint=f"train one of: {', '.join(TRAINABLE)}; use `plait estimate --model {config.model}`")
     for name in ("steps", "micro_batch", "grad_accum", "seq_len", "eval_samples"):
         if getattr(config, name) < 1:
             raise PlaitError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
     if config.lr <= 0:
         raise PlaitError(f"--lr must be positive, got {config.lr}")
-    max_seq = get_preset(config.model).max_seq_len
+    max_seq = get_preset(config.model).max_seq_len if not is_resnet(config.model) else config.seq_len
     if config.seq_len > max_seq:
         raise PlaitError(f"--seq-len {config.seq_len} is longer than model {config.model!r} allows ({max_seq})",
                          hint=f"use --seq-len {max_seq} or less")
@@ -186,7 +194,7 @@ def check_strategies(config: TrainConfig) -> None:
         if getattr(config, name) < 1:
             raise PlaitError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
     ParallelConfig(bucket_mb=config.bucket_mb, zero=config.zero, offload=config.offload)
-    model = get_preset(config.model)
+    model = get_preset(config.model) if config.tp > 1 or config.pp > 1 else None
     if config.sp and config.tp == 1:
         raise PlaitError("--sp splits the sequence across tensor-parallel ranks, and --tp is 1", hint="add --tp 2 (or more)")
     if config.tp > 1:
@@ -217,6 +225,14 @@ def check_strategies(config: TrainConfig) -> None:
         raise PlaitError(f"--zero {config.zero} cannot run the zb-h1 schedule: it reduces gradients from "
                          "autograd's hooks, and zb-h1 computes weight gradients outside them",
                          hint="use --zero 1 with zb-h1, or another --schedule")
+
+
+def check_image_model(config: TrainConfig) -> None:
+    """A ResNet trains data-parallel (DDP or ZeRO): no tensor or pipeline split, no text sample."""
+    get_resnet(config.model)  # raises naming the presets, or the override that is wrong
+    if config.tp > 1 or config.pp > 1:
+        raise PlaitError(f"--model {config.model} is trained data-parallel only (DDP or --zero), not with "
+                         "--tp or --pp", hint="drop --tp and --pp; use --nproc for more data-parallel ranks")
 
 
 def check_writable(out: str) -> None:

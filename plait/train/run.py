@@ -50,7 +50,9 @@ def _progress_bar(steps: int) -> Any:
 
 
 def _advance(bar: Any, record: dict[str, Any]) -> None:
-    postfix = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:,.0f}"}
+    postfix = {"loss": f"{record['loss']:.3f}"}
+    postfix.update({f"{unit[:3]}/s": f"{record[f'{unit}_per_s']:,.0f}" for unit in ("tokens", "images")
+                    if f"{unit}_per_s" in record})
     if "val_loss" in record:
         postfix["val"] = f"{record['val_loss']:.3f}"
     bar.set_postfix(postfix, refresh=False)
@@ -69,7 +71,7 @@ def final_weights(trainer: Trainer) -> dict[str, torch.Tensor] | None:
 
     with full_parameters(trainer.model) as model:
         weights = gather_full_params(model)
-    if trainer.model_config.tie_embeddings:
+    if getattr(trainer.model_config, "tie_embeddings", False):
         weights.pop("lm_head.weight", None)  # tied: stored once, as embed.weight
     return weights
 

@@ -2,7 +2,9 @@
 
 Every rank runs this same code. The strategies hide inside `parallelize` and
 `build_optimizer`; the loop itself only knows to skip gradient sync on all but the last
-micro-batch, and to gather a few numbers across ranks for the report.
+micro-batch, and to gather a few numbers across ranks for the report. What the model is,
+what a sample is, the loss and the metrics are the task's (plait.train.task): language
+modelling with plait's GPT, or image classification with a ResNet.
 """
 
 from __future__ import annotations
@@ -18,19 +20,19 @@ from typing import Any
 import torch
 
 from plait.errors import PlaitError
-from plait.models.config import get_preset
-from plait.models.gpt import TEMPERATURE, build_gpt, sample_next
+from plait.models.gpt import TEMPERATURE, sample_next
 from plait.parallel.compose import ParallelConfig, build_optimizer, clip_grad_norm, parallelize
 from plait.parallel.data import no_sync
 from plait.parallel.pipeline import PipelineRunner
-from plait.parallel.tensor import tensor_parallel_of, tp_loss_fn
+from plait.parallel.tensor import tensor_parallel_of
 from plait.parallel.tensor_loss import gather_vocab
 from plait.runtime import comm
 from plait.runtime.mesh import AXES, Mesh
 from plait.train import checkpoint, checkpoint_read
 from plait.train.config import TrainConfig
-from plait.train.data import StepSampler, corpus_digest, load_corpus, train_val_split
+from plait.train.data import StepSampler
 from plait.train.meter import ActivationMeter, model_state_bytes, peak_process_bytes
+from plait.train.task import task_for
 
 COMM_KEYS = [(axis, op) for axis in AXES for op in comm.OPS]
 MEM_KEYS = ("params", "grads", "optim", "activations_peak")
@@ -52,30 +54,31 @@ class Trainer:
     def __init__(self, config: TrainConfig, mesh: Mesh):
         self.config, self.mesh = config, mesh
         torch.manual_seed(config.seed)
-        self.model_config = get_preset(config.model)
+        self.task = task_for(config)
+        self.model_config = self.task.model_config
         # The full model is built from the seed on every rank, then split: the same
         # initial weights whatever the layout.
         # With pp > 1, parallelize returns this rank's pipeline stages.
         dtype = torch.bfloat16 if config.precision == "bf16" else torch.float32  # masters stay fp32 (ZeRO)
-        self.model = parallelize(build_gpt(self.model_config, config.seed).to(dtype), mesh, ParallelConfig(
+        self.model = parallelize(self.task.build_model(config.seed).to(dtype), mesh, ParallelConfig(
             bucket_mb=config.bucket_mb, zero=config.zero, offload=config.offload, sp=config.sp,
-            virtual_stages=config.virtual_stages, recompute=config.recompute))
+            virtual_stages=config.virtual_stages, recompute=config.recompute, sync_bn=config.sync_bn))
         self.runner: PipelineRunner | None = None
         self.optimizer = build_optimizer(self.model, torch.optim.AdamW, lr=config.lr, betas=(0.9, 0.95),
                                          weight_decay=config.weight_decay)
         if mesh.size("pp") > 1:
             self.runner = PipelineRunner(self.model, mesh, config.schedule)
-        self.loss_fn = tp_loss_fn(self.model)
-        tokens = load_corpus(config.data)
-        self._check_same_corpus(tokens)
-        self.train_split, self.val_split = train_val_split(tokens, config.seq_len)
+        self.loss_fn = self.task.loss_fn(self.model)
+        self.train_split, self.val_split, digest = self.task.load()
+        self._check_same_corpus(digest)
         self.sampler = StepSampler(self.train_split.num_samples, config.global_batch, mesh.rank("dp"),
                                    mesh.size("dp"), config.micro_batch, config.seed)
         self.eval_count = self._eval_count()
         self.meter = ActivationMeter()
-        self.num_params = self.model_config.num_params()
+        self.num_params = self.task.num_params
         self.history: list[dict[str, Any]] = []
         self.resumed_from: str | None = None
+        self.val_accuracy: float | None = None
 
     # -- one step ------------------------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, Any]:
@@ -85,7 +88,7 @@ class Trainer:
             group["lr"] = lr
         before = self.mesh.ledger.snapshot()
         start = time.perf_counter()
-        batches = [self._batch(self.train_split, indices) for indices in self.sampler.micro_batches(step)]
+        batches = [self._batch(self.train_split, indices, step) for indices in self.sampler.micro_batches(step)]
         loss, activations = self._pipeline_step(batches) if self.runner else self._micro_steps(batches)
         max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
         grad_norm = clip_grad_norm(model, max_norm)
@@ -117,8 +120,8 @@ class Trainer:
         loss = self.runner.step(list(inputs), list(targets), self.loss_fn)
         return loss, self.runner.last_stats.peak_saved_bytes
 
-    def _batch(self, split: Any, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs, targets = split.batch(indices)
+    def _batch(self, split: Any, indices: list[int], step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, targets = self.task.batch(split, indices, step)
         return inputs.to(self.mesh.device), targets.to(self.mesh.device)
 
     def _gather_step(self, step: int, lr: float, local: dict[str, Any]) -> dict[str, Any]:
@@ -137,17 +140,21 @@ class Trainer:
         for (axis, op), wire in zip(COMM_KEYS, traffic):
             if wire:
                 comm_out.setdefault(axis, {})[op] = round(wire)
-        tokens = self.config.global_batch * self.config.seq_len
+        units, name = self.config.global_batch * self.task.units_per_sample(), self.task.unit
         return {
             "step": step + 1, "loss": loss.item() / self.mesh.size("dp"), "lr": lr,
-            "grad_norm": local["grad_norm"], "tokens": tokens, "step_time_s": step_time,
-            "tokens_per_s": tokens / step_time, "mem": dict(zip(MEM_KEYS, map(int, mem))), "comm": comm_out,
+            "grad_norm": local["grad_norm"], name: units, "step_time_s": step_time,
+            f"{name}_per_s": units / step_time, "mem": dict(zip(MEM_KEYS, map(int, mem))), "comm": comm_out,
         }
 
     # -- evaluation and sampling -------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean next-token loss on the first `eval_samples` held-out sequences (split over dp)."""
+        """Mean held-out loss (next-token loss on the first `eval_samples` sequences; for
+        images, over the whole validation split, also setting `val_accuracy`), split over dp."""
+        if self.task.kind == "image":
+            loss, self.val_accuracy = self.task.evaluate(self)
+            return loss
         dp_rank, dp_size = self.mesh.rank("dp"), self.mesh.size("dp")
         count = self.eval_count
         mine = list(range(dp_rank, count, dp_size))
@@ -166,7 +173,7 @@ class Trainer:
     @torch.no_grad()
     def sample_text(self) -> str:
         """A short continuation of the prompt, to see what the model learned."""
-        if self.config.sample_tokens == 0:
+        if self.config.sample_tokens == 0 or self.task.kind != "lm":
             return ""
         prompt = torch.tensor([list(self.config.prompt.encode())], device=self.mesh.device)
         generator = torch.Generator(device=self.mesh.device).manual_seed(self.config.seed)
@@ -201,6 +208,8 @@ class Trainer:
     def _eval_count(self) -> int:
         """Held-out sequences per evaluation: a multiple of dp, checked before training starts."""
         dp_size = self.mesh.size("dp")
+        if self.task.kind == "image":
+            return self.val_split.num_samples
         # A multiple of dp × micro-batch, so that every micro-batch has the same shape (the
         # pipeline agrees on shapes once).
         round_to = dp_size * self.config.micro_batch
@@ -208,15 +217,15 @@ class Trainer:
         count -= count % round_to
         if count == 0:
             raise PlaitError(
-                f"the held-out split ({len(self.val_split.tokens)} tokens) has too few sequences of "
-                f"{self.config.seq_len} tokens for {dp_size} dp rank(s)",
+                f"the held-out split ({self.val_split.num_samples} sequences of {self.config.seq_len} tokens) is too short "
+                f"for {dp_size} dp rank(s)",
                 hint="lower --seq-len, or give a larger --data",
             )
         return count
 
-    def _check_same_corpus(self, tokens: torch.Tensor) -> None:
+    def _check_same_corpus(self, fingerprint: int) -> None:
         """Ranks on different machines may read different corpora; that breaks parity silently."""
-        digest = torch.tensor([corpus_digest(tokens)], dtype=torch.int64, device=self.mesh.device)
+        digest = torch.tensor([fingerprint], dtype=torch.int64, device=self.mesh.device)
         low, high = digest.clone(), digest.clone()
         comm.all_reduce(low, self.mesh.axis("world"), op="min", purpose=comm.TELEMETRY)
         comm.all_reduce(high, self.mesh.axis("world"), op="max", purpose=comm.TELEMETRY)
@@ -234,6 +243,8 @@ class Trainer:
                 record = self.train_step(step)
                 if self.config.eval_every and (step + 1) % self.config.eval_every == 0:
                     val_losses[step + 1] = record["val_loss"] = self.evaluate()
+                    if self.val_accuracy is not None:
+                        record["val_accuracy"] = self.val_accuracy
                 self.history.append(record)
                 if metrics_file:
                     metrics_file.write(json.dumps(record) + "\n")
@@ -247,7 +258,10 @@ class Trainer:
                 metrics_file.close()
         if self.config.steps not in val_losses:
             val_losses[self.config.steps] = self.evaluate()
-        return self.summary(val_losses)
+        summary = self.summary(val_losses)
+        if self.val_accuracy is not None:
+            summary["val_accuracy"] = self.val_accuracy
+        return summary
 
     # -- checkpoints -------------------------------------------------------------------------------
     def _should_save(self, done: int) -> bool:
@@ -290,14 +304,14 @@ class Trainer:
             "model": self.config.model, "num_params": self.num_params,
             "layout": {"dp": dp, "tp": self.mesh.size("tp"), "pp": self.mesh.size("pp"),
                        "zero": self.config.zero, "offload": self.config.offload, "sp": self.config.sp,
-                       "recompute": self.config.recompute, "precision": self.config.precision,
+                       "recompute": self.config.recompute, "sync_bn": self.config.sync_bn, "precision": self.config.precision,
                        "schedule": self.config.schedule if self.runner else None, "world_size": self.mesh.env.world_size,
                        "launcher": self.mesh.env.launcher, "backend": self.mesh.backend or "none"},
-            "global_batch": self.config.global_batch, "seq_len": self.config.seq_len,
+            "global_batch": self.config.global_batch, "seq_len": self.config.seq_len, "task": self.task.kind,
             "steps": len(history), "resumed_from": self.resumed_from, "loss_first": history[0]["loss"], "loss_last": history[-1]["loss"],
             "val_loss": val_losses[max(val_losses)], "val_losses": val_losses,
             "step_time_s_median": statistics.median(times),
-            "tokens_per_s": self.config.global_batch * self.config.seq_len / statistics.median(times),
+            f"{self.task.unit}_per_s": self.config.global_batch * self.task.units_per_sample() / statistics.median(times),
             "comm_per_step": history[-1]["comm"],
             "comm_formula": {"dp": {"all_reduce": comm.ring_wire_bytes("all_reduce", param_bytes, dp)}}
             if dp > 1 and self.mesh.env.world_size == dp and not self.config.zero else {},
@@ -311,11 +325,9 @@ class Trainer:
 
     def prediction(self) -> dict[str, Any]:
         """What `plait estimate` says this very layout costs, to print beside the measurements."""
-        from plait.estimate import estimate_layout
-
         shape = self.mesh.shape
-        return estimate_layout(self.model_config, dp=shape.dp, tp=shape.tp, pp=shape.pp, zero=self.config.zero,
-                               offload=self.config.offload, sp=self.config.sp, schedule=self.config.schedule,
-                               virtual_stages=self.config.virtual_stages, precision=self.config.precision,
-                               micro_batch=self.config.micro_batch, grad_accum=self.config.grad_accum,
-                               seq_len=self.config.seq_len, recompute=self.config.recompute, hardware="cpu")
+        return self.task.prediction(dp=shape.dp, tp=shape.tp, pp=shape.pp, zero=self.config.zero,
+                                    offload=self.config.offload, sp=self.config.sp, schedule=self.config.schedule,
+                                    virtual_stages=self.config.virtual_stages, precision=self.config.precision,
+                                    micro_batch=self.config.micro_batch, grad_accum=self.config.grad_accum,
+                                    recompute=self.config.recompute, hardware="cpu")
