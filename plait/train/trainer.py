@@ -217,8 +217,8 @@ class Trainer:
         count -= count % round_to
         if count == 0:
             raise PlaitError(
-                f"the held-out split ({self.val_split.num_samples} sequences of {self.config.seq_len} tokens) is too short "
-                f"for {dp_size} dp rank(s)",
+                f"the held-out split ({len(self.val_split.tokens)} tokens) has too few sequences of "
+                f"{self.config.seq_len} tokens for {dp_size} dp rank(s)",
                 hint="lower --seq-len, or give a larger --data",
             )
         return count
