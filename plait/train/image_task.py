@@ -44,7 +44,8 @@ class ImageTask:
         return (*image_splits(self.data, self.config.augment, self.config.seed), image_digest(self.data))
 
     def batch(self, split: ImageSplit, indices: list[int], step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return split.batch(indices, step)
+        images, labels = split.batch(indices, step)
+        return images.to(torch.bfloat16 if self.config.precision == "bf16" else torch.float32), labels
 
     def loss_fn(self, model: nn.Module) -> Any:
         return lambda logits, labels, reduction="mean": F.cross_entropy(logits.float(), labels, reduction=reduction)
