@@ -108,3 +108,8 @@ def test_batchnorm_traffic_formula():
         "dp": {"all_reduce": 2 * (1.5 * (129 + 128) * 4 + 1.5 * (65 + 64) * 4)}}
     assert batchnorm_traffic([64, 32], 4, 2, sync_bn=False) == {"dp": {"broadcast": (8 * 64 + 8) + (8 * 32 + 8)}}
     assert batchnorm_traffic([64], 1, 1, sync_bn=True) == {}
+
+
+def test_sync_bn_is_refused_for_a_model_without_batchnorm():
+    with pytest.raises(PlaitError, match="--sync-bn shares BatchNorm statistics, and model 'tiny' has no BatchNorm"):
+        validate(TrainConfig(model="tiny", sync_bn=True, nproc=2, dp=2, out="/tmp/plait-vision-check"))

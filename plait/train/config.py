@@ -159,6 +159,9 @@ def validate(config: TrainConfig, *, local_limit: int | None = None) -> None:
         if preset_name(config.model) not in TRAINABLE:
             raise PlaitError(f"model preset {config.model!r} is shape-only (for estimates)",
                              hint=f"train one of: {', '.join(TRAINABLE)}; use `plait estimate --model {config.model}`")
+        if config.sync_bn:
+            raise PlaitError(f"--sync-bn shares BatchNorm statistics, and model {config.model!r} has no BatchNorm",
+                             hint="drop --sync-bn, or train a ResNet (--model resnet18 --data digits)")
     for name in ("steps", "micro_batch", "grad_accum", "seq_len", "eval_samples"):
         if getattr(config, name) < 1:
             raise PlaitError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
