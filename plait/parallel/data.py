@@ -189,6 +189,16 @@ def running_buffers(model: nn.Module) -> list[torch.Tensor]:
             for b in m.buffers(recurse=False)]
 
 
+def _broadcast_coalesced(tensors: list[torch.Tensor], axis: Axis) -> None:
+    """One broadcast per dtype (the statistics, the counters), not one per small tensor."""
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        group = [t for t in tensors if t.dtype == dtype]
+        flat = torch.cat([t.reshape(-1) for t in group])
+        comm.broadcast(flat, axis)
+        for tensor, value in zip(group, flat.split([t.numel() for t in group])):
+            tensor.copy_(value.view_as(tensor))
+
+
 def follow_rank0_buffers(model: nn.Module, axis: Axis) -> int:
     """Broadcast rank 0's running buffers over `axis` at the forwards torch DDP would.
 
@@ -203,8 +213,7 @@ def follow_rank0_buffers(model: nn.Module, axis: Axis) -> int:
 
     def before(module: nn.Module, args: object) -> None:
         if state["sync_next"]:
-            for buffer in buffers:
-                comm.broadcast(buffer, axis)
+            _broadcast_coalesced(buffers, axis)
 
     def after(module: nn.Module, args: object, out: object) -> None:
         sync = getattr(module, ATTR, None)
