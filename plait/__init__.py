@@ -28,6 +28,8 @@ _EXPORTS = {
     "PipelineRunner": "plait.parallel.pipeline",
     "full_parameters": "plait.parallel.zero",
     "no_sync": "plait.parallel.data",
+    "SyncBatchNorm": "plait.parallel.syncbn",
+    "convert_sync_batchnorm": "plait.parallel.syncbn",
     "shard_indices": "plait.train.data",
     "PlaitError": "plait.errors",
 }

@@ -12,7 +12,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from plait.models.config import GPTConfig
 
@@ -112,16 +111,8 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config)
-        self.recompute = False  # plait.parallel.recompute: keep only the input, rerun in backward
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.recompute and torch.is_grad_enabled():
-            # Inside the block's call, so hooks on the block itself (ZeRO-3 gathering its
-            # weights) run once, not again when backward recomputes it.
-            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
-        return self._forward(x, cos, sin)
-
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -187,6 +178,16 @@ def sample_next(logits: torch.Tensor, temperature: float, generator: torch.Gener
     """One token id per row, drawn from softmax(logits / temperature): (batch, vocab) -> (batch, 1)."""
     probs = torch.softmax(logits.float() / max(temperature, 1e-6), dim=-1)
     return torch.multinomial(probs, 1, generator=generator)
+
+
+class GPTAdapter:
+    """What the strategies ask of plait's GPT (see plait.parallel.seam.ModelAdapter)."""
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        return list(model.blocks)
+
+
+GPT.plait_adapter = GPTAdapter()  # type: ignore[attr-defined]
 
 
 def build_gpt(config: GPTConfig, seed: int) -> GPT:

@@ -2,7 +2,8 @@
 
 The order is the one every strategy assumes of the others, and any product of them runs:
 
-0. mark the blocks that recompute their activations in backward, if asked;
+0. make every BatchNorm a SyncBatchNorm over dp, if asked; mark the blocks that recompute
+   their activations in backward, if asked (the model's adapter names its blocks);
 1. shard layers across the tensor-parallel ranks (the whole model, so that every rank
    takes its slice of the same initial weights);
 2. cut the result into pipeline stages and keep this rank's (`apply_pipeline`);
@@ -28,6 +29,8 @@ from plait.parallel.masters import MasterOptimizer
 from plait.parallel.pipeline import apply_pipeline
 from plait.parallel.pipeline_split import is_pipeline
 from plait.parallel.recompute import apply_recompute
+from plait.parallel.seam import ModelAdapter, adapter_of
+from plait.parallel.syncbn import convert_sync_batchnorm
 from plait.parallel.tensor import apply_tensor_parallel, tensor_parallel_of
 from plait.parallel.zero import apply_zero, zero_of
 from plait.parallel.zero_optim import ZeroOptimizer
@@ -51,6 +54,7 @@ class ParallelConfig:
     # "selective": rerun only the attention core
     reduce_dtype: torch.dtype | None = None  # gradients cross dp in this dtype (None: their own)
     tp_plan: dict[str, str] | None = None  # {module-name pattern: style} for tp > 1 (default: plait's GPT)
+    sync_bn: bool = False  # BatchNorm statistics over the whole dp group (plait's SyncBatchNorm)
 
     def __post_init__(self) -> None:
         if self.bucket_mb <= 0:
@@ -64,16 +68,23 @@ class ParallelConfig:
                              hint="add --zero 1 (or 2, 3)")
 
 
-def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = None) -> nn.Module:
+def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = None,
+                adapter: ModelAdapter | None = None) -> nn.Module:
     """Apply the configured strategies to `model`; return what this rank trains.
 
     That is `model` itself (moved to this rank's device, changed in place), or with pp > 1
     the ModuleList of this rank's pipeline stages, for a `PipelineRunner`. Stages already
     cut by `apply_pipeline` (and a model already split by tp) are taken as they are.
+    `adapter` tells the strategies what the model's blocks are (plait.parallel.seam); by
+    default the model's class says, or its module lists do.
     """
     config = config or ParallelConfig()
+    adapter = adapter_of(model, adapter)
+    if config.sync_bn and mesh.size("dp") > 1 and convert_sync_batchnorm(model, mesh.axis("dp")) == 0:
+        raise PlaitError(f"sync_bn is set, and {type(model).__name__} has no BatchNorm layers",
+                         hint="drop sync_bn (or --sync-bn): there are no batch statistics to share")
     if config.recompute != "none":
-        apply_recompute(model, config.recompute)
+        apply_recompute(model, config.recompute, adapter)
     cut = is_pipeline(model)  # stages from apply_pipeline: only DP or ZeRO is left to apply
     if mesh.size("tp") > 1 and tensor_parallel_of(model) is None:
         if cut:
@@ -89,8 +100,9 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = No
     if config.zero == 0:
         apply_data_parallel(model, mesh.axis("dp"), bucket_mb=config.bucket_mb, reduce_dtype=config.reduce_dtype)
     else:
+        units = adapter.blocks(model) if config.zero == 3 and not is_pipeline(model) else None
         apply_zero(model, mesh.axis("dp"), stage=config.zero, offload=config.offload, bucket_mb=config.bucket_mb,
-                   reduce_dtype=config.reduce_dtype)
+                   units=units, reduce_dtype=config.reduce_dtype)
     return model
 
 

@@ -10,6 +10,12 @@ With gradient accumulation, `no_sync(model)` turns the collectives off for all b
 micro-batch: gradients simply accumulate in the buckets, and one all-reduce per step carries
 the sum. This is the same contract torch's DistributedDataParallel offers, written small
 enough to read.
+
+Buffers that a forward changes (BatchNorm's running statistics) would drift apart, each
+rank averaging its own micro-batches. As torch DDP's `broadcast_buffers=True` does, rank 0's
+are broadcast before a forward that follows a synchronised training forward (so once per
+step with accumulation, not once per micro-batch): see `follow_rank0_buffers`. Buffers of a
+SyncBatchNorm are equal on every rank by construction and are left alone.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 
+from plait.parallel.syncbn import SyncBatchNorm
 from plait.runtime import comm
 from plait.runtime.comm import Axis, Handle
 
@@ -181,7 +189,49 @@ def apply_data_parallel(model: nn.Module, axis: Axis, *, bucket_mb: float = 25.0
     for param in params:
         param.register_post_accumulate_grad_hook(sync.on_grad_ready)
     setattr(model, ATTR, sync)
+    follow_rank0_buffers(model, axis)
     return model
+
+
+def running_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """The buffers a training forward changes: running statistics of norms, SyncBN's excepted."""
+    return [b for m in model.modules() if isinstance(m, _NormBase) and not isinstance(m, SyncBatchNorm)
+            for b in m.buffers(recurse=False)]
+
+
+def _broadcast_coalesced(tensors: list[torch.Tensor], axis: Axis) -> None:
+    """One broadcast per dtype (the statistics, the counters), not one per small tensor."""
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        group = [t for t in tensors if t.dtype == dtype]
+        flat = torch.cat([t.reshape(-1) for t in group])
+        comm.broadcast(flat, axis)
+        for tensor, value in zip(group, flat.split([t.numel() for t in group])):
+            tensor.copy_(value.view_as(tensor))
+
+
+def follow_rank0_buffers(model: nn.Module, axis: Axis) -> int:
+    """Broadcast rank 0's running buffers over `axis` at the forwards torch DDP would.
+
+    torch DDP broadcasts before a forward when the forward before it ran with gradients and
+    synchronised them (`require_forward_param_sync`): the first micro-batch of every step,
+    and an evaluation that follows training. Returns how many buffers follow rank 0.
+    """
+    buffers = running_buffers(model)
+    if axis.size == 1 or not buffers:
+        return 0
+    state = {"sync_next": True}
+
+    def before(module: nn.Module, args: object) -> None:
+        if state["sync_next"]:
+            _broadcast_coalesced(buffers, axis)
+
+    def after(module: nn.Module, args: object, out: object) -> None:
+        sync = getattr(module, ATTR, None)
+        state["sync_next"] = torch.is_grad_enabled() and (sync is None or sync.enabled)
+
+    model.register_forward_pre_hook(before)
+    model.register_forward_hook(after)
+    return len(buffers)
 
 
 def grad_sync(model: nn.Module) -> GradSync | None:

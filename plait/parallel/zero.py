@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from plait.errors import PlaitError
-from plait.parallel.data import ATTR
+from plait.parallel.data import ATTR, follow_rank0_buffers
 from plait.parallel.pipeline_split import is_pipeline, logical_parameters, tied_copies
 from plait.parallel.zero_hooks import ZeroSync
 from plait.parallel.zero_optim import checkpoint_pieces
@@ -85,6 +85,8 @@ def apply_zero(model: nn.Module, axis: Axis, *, stage: int, offload: bool = Fals
                              hint="leave units=None, or give the embedding and the head units of their own")
     setattr(model, ATTR, sync)
     setattr(model, CHECKPOINT_VIEW, checkpoint_pieces)
+    if not is_pipeline(model):
+        follow_rank0_buffers(model, axis)
     log.info("ZeRO-%d over %d dp ranks: %d %s%s", stage, axis.size, len(sync.groups),
              "units" if stage == 3 else "buckets", ", optimizer offloaded to CPU" if offload else "")
     return model

@@ -15,6 +15,7 @@ from typing import Any
 from plait import rules
 from plait.errors import PlaitError
 from plait.models.config import TRAINABLE, get_preset, preset_name
+from plait.models.resnet_config import get_resnet, is_resnet
 from plait.train.tokens import model_for_data
 from plait.train.config_check import check_values
 from plait.train.restart import resolve_auto
@@ -29,8 +30,8 @@ except ModuleNotFoundError:  # Python 3.10
 class TrainConfig:
     """Everything `plait train` needs; each field is also a `--flag` (underscores → dashes)."""
 
-    model: str = field(default="small", metadata={"help": "model preset: tiny or small, with optional field overrides: tiny,n_layers=4"})
-    data: str = field(default="stdlib", metadata={"help": "corpus: 'stdlib' (Python's own source), a text file or directory (up to 8 MiB), or a directory from `plait data prepare`"})
+    model: str = field(default="small", metadata={"help": "model preset: tiny or small, with optional field overrides: tiny,n_layers=4; or resnet18, resnet34, resnet50 (resnet18,width=16)"})
+    data: str = field(default="stdlib", metadata={"help": "corpus: 'stdlib' (Python's own source), a text file or directory (up to 8 MiB), or a directory from `plait data prepare`; for a ResNet: 'digits' or a folder of class folders"})
     steps: int = field(default=120, metadata={"help": "optimizer steps"})
     micro_batch: int = field(default=8, metadata={"help": "sequences per rank per forward/backward"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
@@ -82,6 +83,10 @@ class TrainConfig:
     prompt: str = field(default="def ", metadata={"help": "text the closing sample continues"})
     hardware_file: str = field(default="", metadata={
         "help": "hardware TOML (plait calibrate) for the closing prediction; default: this machine's cached calibration"})
+    sync_bn: bool = field(default=False, metadata={
+        "help": "BatchNorm statistics over the whole dp group (ResNets; else rank 0's running stats are broadcast)"})
+    augment: str = field(default="auto", metadata={
+        "help": "image augmentation: auto (digits: crop; folders: crop,flip), none, crop or crop,flip"})
 
     @property
     def global_batch(self) -> int:
@@ -119,7 +124,8 @@ def build_config(file_values: dict[str, Any], flag_values: dict[str, Any]) -> Tr
     given = {k: v for k, v in flag_values.items() if v is not None}
     merged = {**check_values(file_values, TrainConfig, "the config file"), **check_values(given, TrainConfig, "flag")}
     config = replace(TrainConfig(), **merged)
-    config = replace(config, model=model_for_data(config.model, config.data))  # vocabulary follows the data
+    if not is_resnet(config.model):  # a language model's vocabulary follows the data
+        config = replace(config, model=model_for_data(config.model, config.data))
     return resolve_layout(resolve_auto(config))
 
 
@@ -170,16 +176,22 @@ def max_local_processes() -> int:
 
 def validate(config: TrainConfig, *, local_limit: int | None = None) -> None:
     """Every check that needs no process group; raises PlaitError naming the fix."""
-    get_preset(config.model)  # raises naming the presets, or the override that is wrong
-    if preset_name(config.model) not in TRAINABLE:
-        raise PlaitError(f"model preset {config.model!r} is shape-only (for estimates)",
-                         hint=f"train one of: {', '.join(TRAINABLE)}; use `plait estimate --model {config.model}`")
+    if is_resnet(config.model):
+        check_image_model(config)
+    else:
+        get_preset(config.model)  # raises naming the presets, or the override that is wrong
+        if preset_name(config.model) not in TRAINABLE:
+            raise PlaitError(f"model preset {config.model!r} is shape-only (for estimates)",
+                             hint=f"train one of: {', '.join(TRAINABLE)}; use `plait estimate --model {config.model}`")
+        if config.sync_bn:
+            raise PlaitError(f"--sync-bn shares BatchNorm statistics, and model {config.model!r} has no BatchNorm",
+                             hint="drop --sync-bn, or train a ResNet (--model resnet18 --data digits)")
     for name in ("steps", "micro_batch", "grad_accum", "seq_len", "eval_samples"):
         if getattr(config, name) < 1:
             raise PlaitError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
     if config.lr <= 0:
         raise PlaitError(f"--lr must be positive, got {config.lr}")
-    max_seq = get_preset(config.model).max_seq_len
+    max_seq = get_preset(config.model).max_seq_len if not is_resnet(config.model) else config.seq_len
     if config.seq_len > max_seq:
         raise PlaitError(f"--seq-len {config.seq_len} is longer than model {config.model!r} allows ({max_seq})",
                          hint=f"use --seq-len {max_seq} or less")
@@ -188,7 +200,8 @@ def validate(config: TrainConfig, *, local_limit: int | None = None) -> None:
         raise PlaitError(f"--nproc {config.nproc} is more than this machine allows ({limit})",
                          hint="use fewer processes, or launch across nodes with torchrun or srun")
     check_strategies(config)
-    check_data(config.data)
+    if not is_resnet(config.model):
+        check_data(config.data)  # images: check_image_model above
     check_outputs(config)
     if config.save_every < 0 or config.keep_checkpoints < 0:
         raise PlaitError("--save-every and --keep-checkpoints cannot be negative")
@@ -208,15 +221,16 @@ def check_strategies(config: TrainConfig) -> None:
         if getattr(config, name) < 1:
             raise PlaitError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
     ParallelConfig(bucket_mb=config.bucket_mb, zero=config.zero, offload=config.offload)
-    model = get_preset(config.model)
+    model = get_preset(config.model) if config.tp > 1 or config.pp > 1 else None  # a ResNet has no GPT shape
     rules.check_strategy_choices(schedule=config.schedule, precision=config.precision, recompute=config.recompute,
                                  zero=config.zero, reduce_dtype=config.reduce_dtype)
     if not config.loss_scale >= 1:
         raise PlaitError(f"--loss-scale must be at least 1, got {config.loss_scale}", hint="the default is 65536")
     rules.check_combination(tp=config.tp, pp=config.pp, zero=config.zero, offload=config.offload, sp=config.sp,
                             recompute=config.recompute, schedule=config.schedule)
-    rules.check_tensor_parallel(model, config.tp, config.sp, config.seq_len)
-    rules.check_pipeline_shape(model.n_layers, pp=config.pp, virtual_stages=config.virtual_stages,
+    if model is not None:
+        rules.check_tensor_parallel(model, config.tp, config.sp, config.seq_len)
+    rules.check_pipeline_shape(model.n_layers if model else None, pp=config.pp, virtual_stages=config.virtual_stages,
                                schedule=config.schedule, microbatches=config.grad_accum)
     if config.pp > 1:
         from plait.parallel.pipeline import check_pipeline
@@ -250,6 +264,14 @@ def check_data(source: str) -> None:
         check_tokens(source, full=False)
     elif source != STDLIB:
         raw_files(source)
+
+
+def check_image_model(config: TrainConfig) -> None:
+    """A ResNet trains data-parallel (DDP or ZeRO): no tensor or pipeline split, no text sample."""
+    get_resnet(config.model)  # raises naming the presets, or the override that is wrong
+    if config.tp > 1 or config.pp > 1:
+        raise PlaitError(f"--model {config.model} is trained data-parallel only (DDP or --zero), not with "
+                         "--tp or --pp", hint="drop --tp and --pp; use --nproc for more data-parallel ranks")
 
 
 def check_writable(out: str) -> None:

@@ -32,15 +32,15 @@ class MeasurePolicy:
         """`off` leaves the loss on the device on the steps it does not measure."""
         return full or self.mode != "off"
 
-    def local_record(self, step: int, lr: float, local: dict[str, Any], tokens: int) -> dict[str, Any]:
+    def local_record(self, step: int, lr: float, local: dict[str, Any], count: int,
+                     unit: str = "tokens") -> dict[str, Any]:
         """A step's metrics line from this rank's own numbers, with no collective.
 
         The loss is this rank's (its dp shard of the batch), the time and traffic rank 0's:
         `measure` in the line says so, so nobody mistakes them for the all-rank figures.
         """
-        record: dict[str, Any] = {"step": step + 1, "lr": lr, "tokens": tokens,
-                                  "step_time_s": local["step_time_s"],
-                                  "tokens_per_s": tokens / local["step_time_s"], "measure": self.mode}
+        record: dict[str, Any] = {"step": step + 1, "lr": lr, unit: count, "step_time_s": local["step_time_s"],
+                                  f"{unit}_per_s": count / local["step_time_s"], "measure": self.mode}
         if self.mode == "light":
             comm = {axis: {op: round(b) for op, b in ops.items() if b} for axis, ops in local["comm"].items()}
             record.update(loss=local["loss"], grad_norm=local["grad_norm"],

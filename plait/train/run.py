@@ -70,7 +70,8 @@ def _on_step(record: dict[str, Any], bar: Any, board: TensorBoardLog | None) -> 
 
 
 def _advance(bar: Any, record: dict[str, Any]) -> None:
-    postfix = {"tok/s": f"{record['tokens_per_s']:,.0f}"}
+    postfix = {f"{unit[:3]}/s": f"{record[f'{unit}_per_s']:,.0f}" for unit in ("tokens", "images")
+               if f"{unit}_per_s" in record}
     if record.get("loss") is not None:  # --measure off reads no loss between the measured steps
         postfix["loss"] = f"{record['loss']:.3f}"
     if "val_loss" in record:
@@ -100,7 +101,7 @@ def final_weights(trainer: Trainer) -> dict[str, torch.Tensor] | None:
 
     with full_parameters(trainer.model) as model:
         weights = gather_full_params(model)
-    if trainer.model_config.tie_embeddings:
+    if getattr(trainer.model_config, "tie_embeddings", False):
         weights.pop("lm_head.weight", None)  # tied: stored once, as embed.weight
     return weights
 

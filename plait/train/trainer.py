@@ -2,7 +2,9 @@
 
 Every rank runs this same code. The strategies hide inside `parallelize` and
 `build_optimizer`; the loop itself only knows to skip gradient sync on all but the last
-micro-batch, and to gather a few numbers across ranks for the report.
+micro-batch, and to gather a few numbers across ranks for the report. What the model is,
+what a sample is, the loss and the metrics are the task's (plait.train.task): language
+modelling with plait's GPT, or image classification with a ResNet.
 """
 
 from __future__ import annotations
@@ -18,22 +20,22 @@ from typing import Any
 import torch
 
 from plait.errors import PlaitError
-from plait.models.config import get_preset
-from plait.models.gpt import TEMPERATURE, build_gpt, sample_next
+from plait.models.gpt import TEMPERATURE, sample_next
 from plait.parallel.compose import ParallelConfig, build_optimizer, parallelize
 from plait.parallel.data import no_sync
 from plait.parallel.pipeline import PipelineRunner
 from plait.parallel.precision import StepGuard, param_dtype, reduce_dtype_of
-from plait.parallel.tensor import tensor_parallel_of, tp_loss_fn
+from plait.parallel.tensor import tensor_parallel_of
 from plait.parallel.tensor_loss import gather_vocab
 from plait.runtime import comm
 from plait.runtime.mesh import AXES, Mesh
 from plait.train import checkpoint, checkpoint_read
 from plait.train.config import TrainConfig
 from plait.train.restart import restart_count
-from plait.train.data import StepSampler, corpus_digest, load_corpus, train_val_split
+from plait.train.data import StepSampler
 from plait.train.measure import MeasurePolicy
 from plait.train.meter import ActivationMeter, model_state_bytes, peak_process_bytes
+from plait.train.task import task_for
 from plait.train.tokens import text_codec
 
 COMM_KEYS = [(axis, op) for axis in AXES for op in comm.OPS]
@@ -56,14 +58,15 @@ class Trainer:
     def __init__(self, config: TrainConfig, mesh: Mesh):
         self.config, self.mesh = config, mesh
         torch.manual_seed(config.seed)
-        self.model_config = get_preset(config.model)
+        self.task = task_for(config)
+        self.model_config = self.task.model_config
         # The full model is built from the seed on every rank, then split: the same
         # initial weights whatever the layout.
         # With pp > 1, parallelize returns this rank's pipeline stages.
         dtype = param_dtype(config.precision)  # 16-bit weights: the fp32 masters live in the optimizer
-        self.model = parallelize(build_gpt(self.model_config, config.seed).to(dtype), mesh, ParallelConfig(
+        self.model = parallelize(self.task.build_model(config.seed).to(dtype), mesh, ParallelConfig(
             bucket_mb=config.bucket_mb, zero=config.zero, offload=config.offload, sp=config.sp,
-            virtual_stages=config.virtual_stages, recompute=config.recompute,
+            virtual_stages=config.virtual_stages, recompute=config.recompute, sync_bn=config.sync_bn,
             reduce_dtype=reduce_dtype_of(config.precision, config.reduce_dtype)))
         self.runner: PipelineRunner | None = None
         self.optimizer = build_optimizer(self.model, torch.optim.AdamW, lr=config.lr, betas=(0.9, 0.95),
@@ -73,19 +76,19 @@ class Trainer:
         # The loss scale (fp16) and the all-ranks verdict on each step's gradients.
         self.guard = StepGuard(config.precision, mesh.axis("world"), mesh.device, skip_nonfinite=config.skip_nonfinite,
                                loss_scale=config.loss_scale)
-        self.loss_fn = self.guard.loss_fn(tp_loss_fn(self.model))
-        tokens = load_corpus(config.data)
-        self._check_same_corpus(tokens)
-        self.train_split, self.val_split = train_val_split(tokens, config.seq_len)
+        self.loss_fn = self.guard.loss_fn(self.task.loss_fn(self.model))
+        self.train_split, self.val_split, digest = self.task.load()
+        self._check_same_corpus(digest)
         self.sampler = StepSampler(self.train_split.num_samples, config.global_batch, mesh.rank("dp"),
                                    mesh.size("dp"), config.micro_batch, config.seed)
         self.eval_count = self._eval_count()
         self.meter = ActivationMeter()
         self.measure = MeasurePolicy(config.measure, config.steps)
-        self.num_params = self.model_config.num_params()
+        self.num_params = self.task.num_params
         self.history: list[dict[str, Any]] = []
         self.update_times: list[float] = []
         self.resumed_from: str | None = None
+        self.val_accuracy: float | None = None
 
     # -- one step ------------------------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, Any]:
@@ -99,7 +102,7 @@ class Trainer:
             self.runner.measure = full  # the barrier and the timeline's all-gather
         before = self.mesh.ledger.snapshot()
         start = time.perf_counter()
-        batches = [self._batch(self.train_split, indices) for indices in self.sampler.micro_batches(step)]
+        batches = [self._batch(self.train_split, indices, step) for indices in self.sampler.micro_batches(step)]
         loss, activations = self._pipeline_step(batches) if self.runner else self._micro_steps(batches, full)
         max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
         update_start = time.perf_counter()
@@ -114,7 +117,8 @@ class Trainer:
         if full:
             record = self._gather_step(step, lr, local)
         else:
-            record = self.measure.local_record(step, lr, local, self.config.global_batch * self.config.seq_len)
+            record = self.measure.local_record(step, lr, local, self.config.global_batch * self.task.units_per_sample(),
+                                               self.task.unit)
         record.update(grad_norm=record.get("grad_norm") if stepped else None, loss_scale=scale, skipped=not stepped,
                       skipped_steps=self.guard.scaler.skipped)
         return record
@@ -143,8 +147,8 @@ class Trainer:
         loss = self.runner.step(list(inputs), list(targets), self.loss_fn)
         return loss, self.runner.last_stats.peak_saved_bytes
 
-    def _batch(self, split: Any, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs, targets = split.batch(indices)
+    def _batch(self, split: Any, indices: list[int], step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, targets = self.task.batch(split, indices, step)
         return inputs.to(self.mesh.device), targets.to(self.mesh.device)
 
     def _gather_step(self, step: int, lr: float, local: dict[str, Any]) -> dict[str, Any]:
@@ -163,17 +167,21 @@ class Trainer:
         for (axis, op), wire in zip(COMM_KEYS, traffic):
             if wire:
                 comm_out.setdefault(axis, {})[op] = round(wire)
-        tokens = self.config.global_batch * self.config.seq_len
+        units, name = self.config.global_batch * self.task.units_per_sample(), self.task.unit
         return {
             "step": step + 1, "loss": loss.item() / self.mesh.size("dp"), "lr": lr,
-            "grad_norm": local["grad_norm"], "tokens": tokens, "step_time_s": step_time,
-            "tokens_per_s": tokens / step_time, "mem": dict(zip(MEM_KEYS, map(int, mem))), "comm": comm_out,
+            "grad_norm": local["grad_norm"], name: units, "step_time_s": step_time,
+            f"{name}_per_s": units / step_time, "mem": dict(zip(MEM_KEYS, map(int, mem))), "comm": comm_out,
         }
 
     # -- evaluation and sampling -------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean next-token loss on the first `eval_samples` held-out sequences (split over dp)."""
+        """Mean held-out loss (next-token loss on the first `eval_samples` sequences; for
+        images, over the whole validation split, also setting `val_accuracy`), split over dp."""
+        if self.task.kind == "image":
+            loss, self.val_accuracy = self.task.evaluate(self)
+            return loss
         dp_rank, dp_size = self.mesh.rank("dp"), self.mesh.size("dp")
         count = self.eval_count
         mine = list(range(dp_rank, count, dp_size))
@@ -192,7 +200,7 @@ class Trainer:
     @torch.no_grad()
     def sample_text(self) -> str:
         """A short continuation of the prompt, to see what the model learned."""
-        if self.config.sample_tokens == 0:
+        if self.config.sample_tokens == 0 or self.task.kind != "lm":
             return ""
         codec = text_codec(self.config.data)  # bytes, or the prepared corpus's tokenizer
         prompt = torch.tensor([codec.encode(self.config.prompt)], dtype=torch.long, device=self.mesh.device)
@@ -228,6 +236,8 @@ class Trainer:
     def _eval_count(self) -> int:
         """Held-out sequences per evaluation: a multiple of dp, checked before training starts."""
         dp_size = self.mesh.size("dp")
+        if self.task.kind == "image":
+            return self.val_split.num_samples
         # A multiple of dp × micro-batch, so that every micro-batch has the same shape (the
         # pipeline agrees on shapes once).
         round_to = dp_size * self.config.micro_batch
@@ -241,9 +251,9 @@ class Trainer:
             )
         return count
 
-    def _check_same_corpus(self, tokens: torch.Tensor) -> None:
+    def _check_same_corpus(self, fingerprint: int) -> None:
         """Ranks on different machines may read different corpora; that breaks parity silently."""
-        digest = torch.tensor([corpus_digest(tokens)], dtype=torch.int64, device=self.mesh.device)
+        digest = torch.tensor([fingerprint], dtype=torch.int64, device=self.mesh.device)
         low, high = digest.clone(), digest.clone()
         comm.all_reduce(low, self.mesh.axis("world"), op="min", purpose=comm.TELEMETRY)
         comm.all_reduce(high, self.mesh.axis("world"), op="max", purpose=comm.TELEMETRY)
@@ -263,6 +273,8 @@ class Trainer:
                 record["restart"] = restart_count()  # a restarted world's steps say so
                 if self.config.eval_every and (step + 1) % self.config.eval_every == 0:
                     val_losses[step + 1] = record["val_loss"] = self.evaluate()
+                    if self.val_accuracy is not None:
+                        record["val_accuracy"] = self.val_accuracy
                 self.history.append(record)
                 if metrics_file:
                     metrics_file.write(json.dumps(record) + "\n")
@@ -276,7 +288,10 @@ class Trainer:
                 metrics_file.close()
         if self.config.steps not in val_losses:
             val_losses[self.config.steps] = self.evaluate()
-        return self.summary(val_losses)
+        summary = self.summary(val_losses)
+        if self.val_accuracy is not None:
+            summary["val_accuracy"] = self.val_accuracy
+        return summary
 
     # -- checkpoints -------------------------------------------------------------------------------
     def _should_save(self, done: int) -> bool:
@@ -321,15 +336,15 @@ class Trainer:
             "model": self.config.model, "num_params": self.num_params,
             "layout": {"dp": dp, "tp": self.mesh.size("tp"), "pp": self.mesh.size("pp"),
                        "zero": self.config.zero, "offload": self.config.offload, "sp": self.config.sp,
-                       "recompute": self.config.recompute, "precision": self.config.precision,
+                       "recompute": self.config.recompute, "sync_bn": self.config.sync_bn, "precision": self.config.precision,
                        "schedule": self.config.schedule if self.runner else None, "world_size": self.mesh.env.world_size,
                        "launcher": self.mesh.env.launcher, "backend": self.mesh.backend or "none"},
-            "global_batch": self.config.global_batch, "seq_len": self.config.seq_len,
+            "global_batch": self.config.global_batch, "seq_len": self.config.seq_len, "task": self.task.kind,
             "steps": len(history), "resumed_from": self.resumed_from, "loss_first": history[0]["loss"], "loss_last": history[-1]["loss"],
             "val_loss": val_losses[max(val_losses)], "val_losses": val_losses,
             "loss_scale": self.guard.scaler.scale, "skipped_steps": self.guard.scaler.skipped,
             "step_time_s_median": statistics.median(times),
-            "tokens_per_s": self.config.global_batch * self.config.seq_len / statistics.median(times),
+            f"{self.task.unit}_per_s": self.config.global_batch * self.task.units_per_sample() / statistics.median(times),
             "comm_per_step": history[-1]["comm"],
             "comm_formula": {"dp": {"all_reduce": comm.ring_wire_bytes("all_reduce", param_bytes, dp)}}
             if dp > 1 and self.mesh.env.world_size == dp and not self.config.zero else {},
@@ -340,7 +355,7 @@ class Trainer:
             "peak_process_bytes": int(peak.item()),
             "telemetry_bytes": sum(sum(ops.values()) for ops in self.mesh.ledger.wire(comm.TELEMETRY).values()),
             "predicted": (predicted := self.prediction()),
-            "step_time": self._step_time(predicted, statistics.median(times)),
+            "step_time": self._step_time(predicted, statistics.median(times)) if self.task.kind == "lm" else {},
         }
 
     def _step_time(self, predicted: dict[str, Any], measured: float) -> dict[str, Any]:
@@ -349,18 +364,20 @@ class Trainer:
         return step_time_parts(self, predicted, measured)
 
     def prediction(self) -> dict[str, Any]:
-        """What `plait estimate` says this very layout costs on this run's own hardware (its
-        --hardware-file, else this machine's calibration), beside the measurements."""
-        from plait.estimate import estimate_layout
+        """What `plait estimate` says this very layout costs, beside the measurements: for a
+        language model on this run's own hardware (its --hardware-file, else this machine's
+        calibration); a CNN's prediction has no time (plait.train.image_task)."""
+        shape = self.mesh.shape
+        layout = dict(dp=shape.dp, tp=shape.tp, pp=shape.pp, zero=self.config.zero, offload=self.config.offload,
+                      sp=self.config.sp, schedule=self.config.schedule, virtual_stages=self.config.virtual_stages,
+                      precision=self.config.precision, micro_batch=self.config.micro_batch,
+                      grad_accum=self.config.grad_accum, recompute=self.config.recompute,
+                      reduce_dtype=self.config.reduce_dtype)
+        if self.task.kind != "lm":
+            return self.task.prediction(**layout, hardware="cpu")
         from plait.train.timing import run_hardware
 
         hardware, source = run_hardware(self)
-        shape = self.mesh.shape
-        result = estimate_layout(self.model_config, dp=shape.dp, tp=shape.tp, pp=shape.pp, zero=self.config.zero,
-                                 offload=self.config.offload, sp=self.config.sp, schedule=self.config.schedule,
-                                 virtual_stages=self.config.virtual_stages, precision=self.config.precision,
-                                 micro_batch=self.config.micro_batch, grad_accum=self.config.grad_accum,
-                                 seq_len=self.config.seq_len, recompute=self.config.recompute,
-                                 reduce_dtype=self.config.reduce_dtype, hardware=hardware)
+        result = self.task.prediction(**layout, hardware=hardware)
         result["hardware_source"] = source
         return result
