@@ -35,9 +35,8 @@ import json
 import os
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 KEY = "plait/fr/"
 DONE = "plait/fr-done/"
@@ -49,9 +48,10 @@ LINGER_S = 10.0
 FAULT_DIR = "PLAIT_FAULT_DIR"  # set by plait's spawner: where ranks leave what they found
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One collective this rank entered: its op, axis, number on that axis, and the step."""
+class Entry(NamedTuple):
+    """One collective this rank entered: its op, axis, number on that axis, and the step.
+
+    A named tuple, not a dataclass: one is built per collective, and this is twice as cheap."""
 
     op: str
     axis: str
@@ -242,7 +242,7 @@ def _entered(record: dict[str, Any] | None, entry: Entry) -> bool:
 
 
 def _pack(entry: Entry | None) -> list[Any] | None:
-    return None if entry is None else [entry.op, entry.axis, entry.seq, entry.step, entry.peer]
+    return None if entry is None else list(entry)
 
 
 def _whereabouts(rank: int, record: dict[str, Any] | None) -> str:
