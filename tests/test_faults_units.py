@@ -115,6 +115,23 @@ def test_a_record_that_lands_during_the_grace_clears_its_rank():
     assert "every rank of the group entered it" in ranks[0].diagnose(entries[0]) and ranks[0].culprits == []
 
 
+def test_a_store_that_does_not_answer_points_at_its_host():
+    class DeadStore(DictStore):
+        reads = 0
+
+        def set(self, key, value):
+            raise RuntimeError("timed out")
+
+        def check(self, keys):
+            self.reads += 1
+            return super().check(keys)
+
+    store = DeadStore()
+    rec = recorders(2, store)[1]
+    assert "the job's store does not answer" in rec.diagnose(rec.enter("dp", "all_reduce"))
+    assert rec.culprits == [0] and store.reads == 0  # the own write failed: no waiting, no reads
+
+
 def test_collectives_write_nothing_to_the_store_only_the_publisher_does(monkeypatch):
     monkeypatch.setattr(recorder_module, "PUBLISH_INTERVAL_S", 0.05)
     store, calls = CountingStore(), 20000

@@ -114,13 +114,16 @@ class FlightRecorder:
 
     def publish(self, store: Any = None) -> int:
         """Write the record (through `store`, default the main one); returns the version written."""
+        try:
+            return self._write(store or self.store)
+        except RuntimeError:
+            return -1  # the store is gone: the collective itself will fail and say so
+
+    def _write(self, store: Any) -> int:
         version = self.version
         record = {"seq": dict(self.seq), "step": self.step, "entered": _pack(self.entered),
                   "finished": _pack(self.finished)}
-        try:
-            (store or self.store).set(f"{KEY}{self.rank}", json.dumps(record, separators=(",", ":")))
-        except RuntimeError:
-            pass  # the store is gone: the collective itself will fail and say so
+        store.set(f"{KEY}{self.rank}", json.dumps(record, separators=(",", ":")))
         return version
 
     # -- after a failure -----------------------------------------------------------------------------
@@ -133,9 +136,9 @@ class FlightRecorder:
 
     def _diagnose(self, entry: Entry) -> str:
         store_timeout(self.store)
-        self.publish()  # this rank is alive: its record must be current before anyone reads it
         suspects = [entry.peer] if entry.peer is not None else [m for m in self.members.get(entry.axis, []) if m != self.rank]
         try:
+            self._write(self.store)  # this rank is alive: its record must be current before anyone reads it
             records = self._settled_records(entry, suspects)
         except RuntimeError:
             self.culprits = [0] if not self.hosts_store and 0 in suspects else []
