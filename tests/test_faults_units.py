@@ -140,7 +140,10 @@ def test_collectives_write_nothing_to_the_store_only_the_publisher_does(monkeypa
     rec.start()  # one write at once, then at most one per tick
     for _ in range(calls):
         rec.finish(rec.enter("dp", "all_reduce"))
-    time.sleep(0.2)  # let a tick publish the last count
+    deadline = time.monotonic() + 10
+    while rec._publisher.written != rec.version:  # a tick publishes the last state
+        assert time.monotonic() < deadline, store.data
+        time.sleep(0.01)
     ticks = (time.monotonic() - start) / 0.05
     assert json.loads(store.data[f"{KEY}0"])["seq"] == {"dp": calls}
     assert 2 <= store.writes <= ticks + 2 and store.writes < calls / 10, (store.writes, ticks)
