@@ -159,14 +159,17 @@ class FlightRecorder:
         """The suspects' records, once all show `entry` or GRACE_S has passed.
 
         Records are published once a second, so a live member's latest count may not be in the
-        store yet; waiting two ticks lets it land. A member that never entered is waited for in
-        vain, which bounds the wait (a point-to-point peer has no count to wait for)."""
+        store yet; two ticks let it land. Only the members not yet showing `entry` are read
+        again, so with many ranks the store's host serves little more than one read per member.
+        A point-to-point peer has no count to wait for: it is read once."""
         deadline = time.monotonic() + (GRACE_S if entry.peer is None else 0.0)
+        records = {m: self._read(m) for m in suspects}
         while True:
-            records = {m: self._read(m) for m in suspects}
-            if time.monotonic() >= deadline or all(_entered(rec, entry) for rec in records.values()):
+            late = [m for m, rec in records.items() if not _entered(rec, entry)]
+            if not late or time.monotonic() >= deadline:
                 return records
             time.sleep(POLL_S)
+            records.update({m: self._read(m) for m in late})
 
     def _read(self, rank: int) -> dict[str, Any] | None:
         key = f"{KEY}{rank}"
