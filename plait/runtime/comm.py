@@ -162,7 +162,7 @@ def mark_step(ledger: Ledger, step: int) -> None:
     """Tell the flight recorder which optimizer step the next collectives belong to."""
     if ledger.recorder is not None:
         ledger.recorder.begin_step(step)
-        maybe_inject(ledger.recorder.rank, step)
+        maybe_inject(ledger.recorder.rank, step, before=ledger.recorder.publish)
 
 
 def settle_after_failure(exc: BaseException) -> None:

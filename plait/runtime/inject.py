@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import time
+from typing import Any, Callable
 
 from plait.errors import PlaitError
 
@@ -32,14 +33,19 @@ def parse(spec: str) -> list[tuple[int, int, int, signal.Signals | str]]:
     return faults
 
 
-def maybe_inject(rank: int, step: int) -> None:
-    """Send the injected signal to this process if this rank, step and attempt match."""
+def maybe_inject(rank: int, step: int, before: Callable[[], Any] | None = None) -> None:
+    """Send the injected signal to this process if this rank, step and attempt match.
+
+    `before` runs first: the flight recorder publishes its record there, so a rehearsal shows
+    exactly where the rank stopped (a real fault leaves a record up to a second old)."""
     spec = os.environ.get(VARIABLE)
     if not spec:
         return
     attempt = int(os.environ.get("PLAIT_RESTART", "0"))
     for when, who, at, sig in parse(spec):
         if (when, who, at) == (attempt, rank, step):
+            if before is not None:
+                before()
             name = sig if sig == HANG else sig.name
             print(f"plait: injected fault: rank {rank} sends itself {name} at step {step} "
                   f"(t={time.time():.3f})", file=sys.stderr, flush=True)

@@ -103,7 +103,9 @@ class Mesh:
         return self.env.rank == 0
 
     def close(self) -> None:
-        """Tear the process groups down, so the process exits cleanly."""
+        """Stop the recorder's publisher, then tear the process groups (and the store) down."""
+        if self.ledger.recorder is not None:
+            self.ledger.recorder.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -149,7 +151,9 @@ def flight_recorder(env: ProcessEnv, axes: dict[str, Axis]) -> FlightRecorder:
     members = {name: dist.get_process_group_ranks(axis.group) for name, axis in axes.items() if axis.size > 1}
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.distributed_c10d._get_default_store()
-    return FlightRecorder(store, env.rank, env.world_size, members, hosts_store=env.rank == 0 and not agent_store)
+    recorder = FlightRecorder(store, env.rank, env.world_size, members, hosts_store=env.rank == 0 and not agent_store)
+    recorder.start()
+    return recorder
 
 
 def _device(env: ProcessEnv) -> torch.device:

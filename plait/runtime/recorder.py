@@ -3,16 +3,25 @@
 A timed-out collective only tells the rank that waited that *someone* is missing. To say who,
 every rank numbers the collectives it enters on each axis (all ranks of a group enter the
 same collectives in the same order, so the n-th all-reduce on the dp group is the same call
-everywhere) and publishes, before entering, a small record in the job's c10d store:
+everywhere) and keeps, in memory, a small record that a background thread copies into the
+job's c10d store about once a second (only when it changed):
 
     plait/fr/<rank> = {"seq": {"dp": 57, "world": 12}, "entered": [...], "finished": [...], "step": 5}
 
-A rank whose collective fails reads its group members' records: a member whose count on that
-axis is below the failed call's number never entered it, and its record says what it did
-last. The store is the one torch.distributed already rendezvoused through (hosted by rank 0
-under plait's spawner, srun and mpirun; by the agent under torchrun), so this costs one small
-write per collective and no extra process. The idea follows PyTorch's flight recorder and
-torchft's per-step quorum, reduced to what a timeout message needs.
+Entering a collective therefore costs a counter and a tuple — no store I/O — which matters
+because tensor parallelism and ZeRO-3 make hundreds of small collectives per step, and with
+a store write each, every one of them would wait on rank 0's store. A rank that is stopped
+or hangs leaves a record at most PUBLISH_INTERVAL_S old, which is plenty: a collective only
+times out after --timeout seconds.
+
+A rank whose collective fails publishes its own record at once, waits a little (until every
+member's record shows the failed call, or GRACE_S) so that the live ranks' latest counts have
+reached the store, then reads its group members' records: a member whose count on that axis
+is below the failed call's number never entered it, and its record says what it did last.
+The store is the one torch.distributed already rendezvoused through (hosted by rank 0 under
+plait's spawner, srun and mpirun; by the agent under torchrun), so there is no extra process.
+The idea follows PyTorch's flight recorder and torchft's per-step quorum, reduced to what a
+timeout message needs.
 
 Point-to-point calls (pipeline send/recv) are not numbered per group — only two ranks take
 part — so a failed one names its peer and shows that peer's record.
@@ -20,24 +29,29 @@ part — so a failed one names its peer and shows that peer's record.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import os
+import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 KEY = "plait/fr/"
 DONE = "plait/fr-done/"
+PUBLISH_INTERVAL_S = 1.0  # how stale a stopped rank's record may be
+GRACE_S = 2 * PUBLISH_INTERVAL_S  # after a failure: time for the live ranks' last ticks to land
+POLL_S = 0.1
 READ_TIMEOUT_S = 5.0
 LINGER_S = 10.0
 FAULT_DIR = "PLAIT_FAULT_DIR"  # set by plait's spawner: where ranks leave what they found
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One collective this rank entered: its op, axis, number on that axis, and the step."""
+class Entry(NamedTuple):
+    """One collective this rank entered: its op, axis, number on that axis, and the step.
+
+    A named tuple, not a dataclass: one is built per collective, and this is twice as cheap."""
 
     op: str
     axis: str
@@ -53,7 +67,7 @@ class Entry:
 
 
 class FlightRecorder:
-    """This rank's collective counts, published through the store before each collective."""
+    """This rank's collective counts, kept in memory and published by a background thread."""
 
     def __init__(self, store: Any, rank: int, world_size: int, members: dict[str, list[int]], hosts_store: bool):
         self.store, self.rank, self.world_size = store, rank, world_size
@@ -62,32 +76,55 @@ class FlightRecorder:
         self.entered: Entry | None = None
         self.finished: Entry | None = None
         self.step = 0
+        self.version = 0  # bumped by every change; the publisher compares it with what it wrote
         self.culprits: list[int] = []
         self.finding = ""  # the diagnosis, without the failing rank's own words
+        self._publisher: Publisher | None = None
 
+    # -- the hot path: memory only -------------------------------------------------------------------
     def enter(self, axis: str, op: str, peer: int | None = None) -> Entry:
         seq = 0
         if peer is None:
             seq = self.seq[axis] = self.seq.get(axis, 0) + 1
         self.entered = Entry(op, axis, seq, self.step, peer)
-        self._publish()
+        self.version += 1
         return self.entered
 
     def finish(self, entry: Entry) -> None:
-        """Remembered now, published with the next entry or step (a stuck rank publishes nothing)."""
         self.finished = entry
+        self.version += 1
 
     def begin_step(self, step: int) -> None:
-        """Publish at each step's start too, so a rank stuck in compute shows its last finish."""
+        """Steps are recorded too, so a rank stuck in compute shows where it is."""
         self.step = step
-        self._publish()
+        self.version += 1
 
-    def _publish(self) -> None:
-        record = {"seq": self.seq, "step": self.step, "entered": _pack(self.entered), "finished": _pack(self.finished)}
+    # -- publishing ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Publish now, then every PUBLISH_INTERVAL_S from a daemon thread (see Publisher)."""
+        self.publish()
+        if self._publisher is None:
+            self._publisher = Publisher(self)
+            self._publisher.start()
+
+    def stop(self) -> None:
+        if self._publisher is not None:
+            self._publisher.stop()
+            self._publisher = None
+
+    def publish(self, store: Any = None) -> int:
+        """Write the record (through `store`, default the main one); returns the version written."""
         try:
-            self.store.set(f"{KEY}{self.rank}", json.dumps(record, separators=(",", ":")))
+            return self._write(store or self.store)
         except RuntimeError:
-            pass  # the store is gone: the collective itself will fail and say so
+            return -1  # the store is gone: the collective itself will fail and say so
+
+    def _write(self, store: Any) -> int:
+        version = self.version
+        record = {"seq": dict(self.seq), "step": self.step, "entered": _pack(self.entered),
+                  "finished": _pack(self.finished)}
+        store.set(f"{KEY}{self.rank}", json.dumps(record, separators=(",", ":")))
+        return version
 
     # -- after a failure -----------------------------------------------------------------------------
     def diagnose(self, entry: Entry | None) -> str:
@@ -101,7 +138,8 @@ class FlightRecorder:
         store_timeout(self.store)
         suspects = [entry.peer] if entry.peer is not None else [m for m in self.members.get(entry.axis, []) if m != self.rank]
         try:
-            records = {m: self._read(m) for m in suspects}
+            self._write(self.store)  # this rank is alive: its record must be current before anyone reads it
+            records = self._settled_records(entry, suspects)
         except RuntimeError:
             self.culprits = [0] if not self.hosts_store and 0 in suspects else []
             return (" — the job's store does not answer; under plait's spawner, srun and mpirun rank 0 "
@@ -109,13 +147,29 @@ class FlightRecorder:
         if entry.peer is not None:
             self.culprits = [entry.peer]
             return f" — {_whereabouts(entry.peer, records[entry.peer])}"
-        missing = [m for m, rec in records.items() if rec is None or rec["seq"].get(entry.axis, 0) < entry.seq]
+        missing = [m for m, rec in records.items() if not _entered(rec, entry)]
         self.culprits = missing
         if not missing:
             return " — every rank of the group entered it; one may have died inside it"
         names = ", ".join(map(str, missing))
         lines = "; ".join(_whereabouts(m, records[m]) for m in missing)
         return f" — rank{'s' if len(missing) > 1 else ''} {names} never entered {entry.describe()}: {lines}"
+
+    def _settled_records(self, entry: Entry, suspects: list[int]) -> dict[int, dict[str, Any] | None]:
+        """The suspects' records, once all show `entry` or GRACE_S has passed.
+
+        Records are published once a second, so a live member's latest count may not be in the
+        store yet; two ticks let it land. Only the members not yet showing `entry` are read
+        again, so with many ranks the store's host serves little more than one read per member.
+        A point-to-point peer has no count to wait for: it is read once."""
+        deadline = time.monotonic() + (GRACE_S if entry.peer is None else 0.0)
+        records = {m: self._read(m) for m in suspects}
+        while True:
+            late = [m for m, rec in records.items() if not _entered(rec, entry)]
+            if not late or time.monotonic() >= deadline:
+                return records
+            time.sleep(POLL_S)
+            records.update({m: self._read(m) for m in late})
 
     def _read(self, rank: int) -> dict[str, Any] | None:
         key = f"{KEY}{rank}"
@@ -152,8 +206,49 @@ class FlightRecorder:
             time.sleep(0.1)
 
 
+class Publisher(threading.Thread):
+    """Copies the recorder's record into the store every PUBLISH_INTERVAL_S, when it changed.
+
+    A daemon thread, so it never keeps the process alive; every error is swallowed (the store
+    goes away when the job ends, and the thread must not outlive it with a traceback). It
+    writes through its own client: torch documents Store.clone() as the way to use a store
+    from several threads ("one store per thread"; TCPStore's clone opens a second connection
+    to the same server), and the main thread's client must stay free for the rendezvous and
+    for diagnoses. Stores that cannot be cloned are shared: a TCPStore client also serialises
+    its operations behind a mutex (activeOpLock_ in TCPStore.hpp)."""
+
+    def __init__(self, recorder: FlightRecorder):
+        super().__init__(name=f"plait-recorder-{recorder.rank}", daemon=True)
+        self.recorder, self.halt = recorder, threading.Event()
+        self.written = recorder.version
+        try:
+            self.store = recorder.store.clone()
+            self.store.set_timeout(datetime.timedelta(seconds=READ_TIMEOUT_S))
+        except Exception:  # noqa: BLE001 - a fake or uncloneable store: share the main client
+            self.store = recorder.store
+        atexit.register(self.stop)
+
+    def run(self) -> None:
+        while not self.halt.wait(PUBLISH_INTERVAL_S):
+            if self.recorder.version != self.written:
+                try:
+                    self.written = self.recorder.publish(self.store)
+                except Exception:  # noqa: BLE001 - see the class docstring
+                    pass
+
+    def stop(self) -> None:
+        """Ask the thread to end and give it a moment (a write to a dead store may block)."""
+        self.halt.set()
+        if self.is_alive() and self is not threading.current_thread():
+            self.join(timeout=PUBLISH_INTERVAL_S)
+
+
+def _entered(record: dict[str, Any] | None, entry: Entry) -> bool:
+    return record is not None and record["seq"].get(entry.axis, 0) >= entry.seq
+
+
 def _pack(entry: Entry | None) -> list[Any] | None:
-    return None if entry is None else [entry.op, entry.axis, entry.seq, entry.step, entry.peer]
+    return None if entry is None else list(entry)
 
 
 def _whereabouts(rank: int, record: dict[str, Any] | None) -> str:
