@@ -34,7 +34,7 @@ def worker(args: argparse.Namespace) -> None:
     import plait
     from plait.models.config import get_preset
     from plait.models.gpt import build_gpt
-    from plait.train.run import set_cpu_threads
+    from plait.runtime.env import set_cpu_threads
 
     mesh = plait.init_mesh()
     set_cpu_threads(mesh.size("world"))

@@ -109,7 +109,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     import plait
-    from plait.train.run import set_cpu_threads
+    from plait.runtime.env import set_cpu_threads
 
     meshes = {"dp": plait.init_mesh(dp=2), "tp": plait.init_mesh(tp=2)}
     set_cpu_threads(2)

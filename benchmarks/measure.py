@@ -42,7 +42,7 @@ def worker(args: argparse.Namespace) -> None:
     """One rank: the demo trainer, its steps timed per measure mode; rank 0 writes the medians."""
     from plait.runtime.mesh import init_mesh
     from plait.train.config import build_config
-    from plait.train.run import set_cpu_threads
+    from plait.runtime.env import set_cpu_threads
     from plait.train.trainer import Trainer
 
     flags = {"model": args.model, "pp": args.pp, "grad_accum": args.grad_accum, "micro_batch": args.micro_batch,

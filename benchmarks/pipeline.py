@@ -44,7 +44,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     import plait
-    from plait.train.run import set_cpu_threads
+    from plait.runtime.env import set_cpu_threads
 
     mesh = plait.init_mesh(pp=int(os.environ["WORLD_SIZE"]))
     set_cpu_threads(mesh.size("world"))

@@ -93,7 +93,7 @@ def _torch_step(run: tuple, batch: Any, precision: str, meter: Any) -> float:
 
 
 def _states(model: Any, optimizer: Any) -> int:
-    from plait.train.meter import model_state_bytes
+    from plait.bench.meter import model_state_bytes
 
     return sum(model_state_bytes(model, optimizer).values())
 
@@ -101,7 +101,7 @@ def _states(model: Any, optimizer: Any) -> int:
 def time_rows(mesh: Any, args: argparse.Namespace, batch: Any) -> list[dict[str, Any]]:
     import torch
 
-    from plait.train.meter import ActivationMeter
+    from plait.bench.meter import ActivationMeter
 
     rows = []
     for precision in PRECISIONS:
@@ -134,7 +134,7 @@ def reduce_rows(mesh: Any, args: argparse.Namespace, batch: Any) -> list[dict[st
 
     from plait.parallel.data import grad_sync, no_sync
     from plait.parallel.precision import DTYPES
-    from plait.train.meter import ActivationMeter
+    from plait.bench.meter import ActivationMeter
 
     rows = []
     for precision, reduce_dtype in (("bf16", "bf16"), ("bf16", "fp32"), ("fp16", "fp16"), ("fp16", "fp32")):
@@ -165,7 +165,7 @@ def worker(args: argparse.Namespace) -> None:
 
     import plait
     from plait.models.config import get_preset
-    from plait.train.run import set_cpu_threads
+    from plait.runtime.env import set_cpu_threads
 
     mesh = plait.init_mesh()
     set_cpu_threads(mesh.size("world"))

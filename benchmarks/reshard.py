@@ -41,7 +41,7 @@ def worker(args: argparse.Namespace) -> None:
     from plait.models.config import get_preset
     from plait.models.gpt import build_gpt
     from plait.train import checkpoint, checkpoint_read
-    from plait.train.run import set_cpu_threads
+    from plait.runtime.env import set_cpu_threads
 
     set_cpu_threads(NPROC)  # as plait train does: 8 processes share the cores, one thread each here
     layout = LAYOUTS[args.layout]

@@ -120,7 +120,7 @@ def worker(args: argparse.Namespace) -> None:
     import plait
     from plait.models.gpt import build_gpt
     from plait.parallel.tensor_cost import block_activations, rope_table_elements
-    from plait.train.run import set_cpu_threads
+    from plait.runtime.env import set_cpu_threads
 
     mesh = plait.init_mesh(tp=int(os.environ["WORLD_SIZE"]))
     set_cpu_threads(mesh.size("world"))

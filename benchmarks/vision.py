@@ -35,7 +35,7 @@ def worker(args: argparse.Namespace) -> None:
     import plait
     from plait.models.resnet import build_resnet
     from plait.models.resnet_config import get_resnet
-    from plait.train.run import set_cpu_threads
+    from plait.runtime.env import set_cpu_threads
 
     mesh = plait.init_mesh()
     set_cpu_threads(mesh.size("world"))

@@ -100,7 +100,7 @@ def time_world(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     import plait
-    from plait.train.run import set_cpu_threads
+    from plait.runtime.env import set_cpu_threads
 
     mesh = plait.init_mesh()
     set_cpu_threads(mesh.size("world"))
@@ -147,7 +147,7 @@ def peak_world(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     import plait
-    from plait.train.run import set_cpu_threads
+    from plait.runtime.env import set_cpu_threads
 
     mesh = plait.init_mesh()
     set_cpu_threads(mesh.size("world"))

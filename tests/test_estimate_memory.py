@@ -82,7 +82,7 @@ def test_seed_rule_is_sgd_with_momentum() -> None:
     """12 bytes = fp32 weight + grad + one momentum buffer: what torch's SGD(momentum) keeps
     (Adam keeps two buffers: 16 bytes, the ZeRO paper's fp32 figure)."""
     torch = pytest.importorskip("torch")
-    from plait.train.meter import storage_bytes
+    from plait.bench.meter import storage_bytes
 
     def bytes_after_step(make_opt) -> int:
         layer = torch.nn.Linear(100, 100)

@@ -11,7 +11,7 @@ from plait.models.config import get_preset
 from plait.models.gpt import build_gpt
 from plait.parallel.recompute import apply_recompute
 from plait.train.config import TrainConfig, check_strategies
-from plait.train.meter import ActivationMeter
+from plait.bench.meter import ActivationMeter
 
 
 def _step(recompute: bool) -> tuple[float, list[torch.Tensor], int]:

@@ -35,7 +35,7 @@ from plait.models.config import GPTConfig
 from plait.runtime import comm
 from plait.runtime.mesh import Mesh
 from plait.runtime.subgroups import first_ranks_axes, group_sizes
-from plait.train.meter import storage_bytes
+from plait.bench.meter import storage_bytes
 
 
 def _median_s(fn: Callable[[], Any], reps: int) -> float:
@@ -145,7 +145,7 @@ def measure_dispatch(mesh: Mesh, reps: int) -> tuple[float, float]:
     """(forward + backward seconds, AdamW step seconds) of DISPATCH_MODEL, under the
     activation meter that `plait train` runs every forward in."""
     from plait.models.gpt import build_gpt
-    from plait.train.meter import ActivationMeter
+    from plait.bench.meter import ActivationMeter
 
     meter = ActivationMeter()
 

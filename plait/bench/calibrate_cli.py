@@ -53,7 +53,7 @@ def calibrate_main(argv: list[str]) -> int:
 def _rank_main(args: argparse.Namespace, config: object, tps: list[int]) -> int:
     from plait.bench import machine
     from plait.runtime.mesh import init_mesh
-    from plait.train.run import set_cpu_threads
+    from plait.runtime.env import set_cpu_threads
 
     mesh = init_mesh(backend=args.backend)
     try:

@@ -74,7 +74,7 @@ def _rank_main(args: argparse.Namespace) -> int:
     from plait.runtime import comm
     from plait.runtime.mesh import init_mesh
     from plait.runtime.subgroups import first_ranks_axes, group_sizes
-    from plait.train.run import set_cpu_threads
+    from plait.runtime.env import set_cpu_threads
 
     mesh = init_mesh(backend=args.backend)
     try:

@@ -131,3 +131,12 @@ def choose_backend(requested: str | None, cuda_available: bool, mpi_available: b
     if requested not in ("nccl", "gloo", "mpi"):
         raise PlaitError(f"unknown backend {requested!r}", hint="choose nccl, gloo, mpi or auto")
     return requested
+
+
+def set_cpu_threads(local_world: int) -> None:
+    """Share the cores between the local processes instead of oversubscribing them (torch is
+    imported here, not at the top: the spawner reads this module and never loads torch)."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))

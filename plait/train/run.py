@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from plait.report import report_after_training
+from plait.runtime.env import set_cpu_threads
 from plait.runtime.mesh import init_mesh
 from plait.train.config import TrainConfig
 from plait.train.logs import setup_logging
@@ -17,12 +18,6 @@ from plait.train.report import closing_report
 from plait.train.tboard import TensorBoardLog
 from plait.train.restart import restart_count
 from plait.train.trainer import Trainer
-
-
-def set_cpu_threads(local_world: int) -> None:
-    """Share the cores between the local processes instead of oversubscribing them."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
 
 
 def train(config: TrainConfig) -> dict[str, Any]:

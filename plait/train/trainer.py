@@ -34,7 +34,7 @@ from plait.train.config import TrainConfig
 from plait.train.restart import restart_count
 from plait.train.data import StepSampler
 from plait.train.measure import MeasurePolicy
-from plait.train.meter import ActivationMeter, model_state_bytes, peak_process_bytes
+from plait.bench.meter import ActivationMeter, model_state_bytes, peak_process_bytes
 from plait.train.task import task_for
 from plait.train.tokens import text_codec
 

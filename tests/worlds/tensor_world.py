@@ -28,7 +28,7 @@ from plait.parallel.data import apply_data_parallel
 from plait.parallel.clip import clip_grad_norm
 from plait.parallel.tensor import apply_tensor_parallel, gather_full_params, tp_loss_fn
 from plait.runtime.mesh import init_mesh
-from plait.train.meter import ActivationMeter
+from plait.bench.meter import ActivationMeter
 from tests.worldlib import save_report
 
 BATCH, SEQ = 2, 16

@@ -22,7 +22,7 @@ from plait.parallel.clip import clip_grad_norm
 from plait.parallel.zero import full_parameters, zero_of
 from plait.parallel.zero_optim import zero_state_bytes
 from plait.runtime import comm
-from plait.train.meter import model_state_bytes
+from plait.bench.meter import model_state_bytes
 
 GLOBAL_BATCH, SEQ, STEPS = 8, 16, 3
 CLIP = 0.1  # below the tiny GPT's gradient norm (~0.5), so clipping really scales

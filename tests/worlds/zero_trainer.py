@@ -21,7 +21,7 @@ from plait.parallel.compose import ParallelConfig
 from plait.parallel.clip import clip_grad_norm
 from plait.parallel.zero_optim import ZeroOptimizer, zero_state_bytes
 from plait.train.config import TrainConfig
-from plait.train.meter import model_state_bytes
+from plait.bench.meter import model_state_bytes
 
 
 def train(config: TrainConfig, mesh: Any, stage: int, offload: bool) -> list[dict[str, Any]]:
