@@ -113,3 +113,14 @@ def test_batchnorm_traffic_formula():
 def test_sync_bn_is_refused_for_a_model_without_batchnorm():
     with pytest.raises(PlaitError, match="--sync-bn shares BatchNorm statistics, and model 'tiny' has no BatchNorm"):
         validate(TrainConfig(model="tiny", sync_bn=True, nproc=2, dp=2, out="/tmp/plait-vision-check"))
+
+
+def test_without_the_vision_extra_one_line_says_how(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from plait.train.images import load_images
+
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # as if scikit-learn were missing
+    with pytest.raises(PlaitError, match="--data digits needs the scikit-learn package") as err:
+        load_images("digits")
+    assert "plait[vision]" in err.value.hint

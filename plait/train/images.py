@@ -20,6 +20,7 @@ import hashlib
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -58,8 +59,19 @@ def load_images(source: str) -> ImageSet:
     return _folder(path)
 
 
+def _optional(module: str, package: str, what: str) -> Any:
+    """Import an optional extra's module, or say in one line how to get it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise PlaitError(f"{what} needs the {package} package, which is not installed",
+                         hint="pip install 'plait[vision]' (scikit-learn and Pillow)") from None
+
+
 def _digits() -> ImageSet:
-    from sklearn.datasets import load_digits
+    load_digits = _optional("sklearn.datasets", "scikit-learn", "--data digits").load_digits
 
     bunch = load_digits()
     images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
@@ -69,7 +81,7 @@ def _digits() -> ImageSet:
 
 
 def _folder(root: Path) -> ImageSet:
-    from PIL import Image
+    Image = _optional("PIL.Image", "Pillow", "an image folder")  # noqa: N806 - the module, as PIL names it
 
     classes = sorted(d.name for d in root.iterdir() if d.is_dir())
     files = [(f, k) for k, name in enumerate(classes) for f in sorted((root / name).iterdir())
