@@ -16,7 +16,6 @@ from plait.train.config import TrainConfig
 from plait.train.logs import setup_logging
 from plait.train.report import closing_report
 from plait.train.tboard import TensorBoardLog
-from plait.train.restart import restart_count
 from plait.train.trainer import Trainer
 
 
@@ -41,7 +40,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
         weights = final_weights(trainer)
         if mesh.is_main:
             summary["config"] = config.to_dict()
-            summary["restarts"] = restart_count()
+            summary["restarts"] = trainer.restarts
             _write_outputs(summary, weights, Path(config.out))
             save_timeline(trainer, Path(config.out))
             print(closing_report(summary, config.out), flush=True)

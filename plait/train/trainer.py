@@ -29,12 +29,12 @@ from plait.parallel.tensor import tensor_parallel_of
 from plait.parallel.tensor_loss import gather_vocab
 from plait.runtime import comm
 from plait.runtime.mesh import AXES, Mesh
+from plait.bench.meter import ActivationMeter, model_state_bytes, peak_process_bytes
 from plait.train import checkpoint, checkpoint_read
 from plait.train.config import TrainConfig
-from plait.train.restart import restart_count
 from plait.train.data import StepSampler
 from plait.train.measure import MeasurePolicy
-from plait.bench.meter import ActivationMeter, model_state_bytes, peak_process_bytes
+from plait.train.restart import restart_count
 from plait.train.task import task_for
 from plait.train.tokens import text_codec
 
@@ -89,6 +89,7 @@ class Trainer:
         self.update_times: list[float] = []
         self.resumed_from: str | None = None
         self.val_accuracy: float | None = None
+        self.restarts = restart_count()  # fixed for this world's life: its launcher set it
 
     # -- one step ------------------------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, Any]:
@@ -270,7 +271,7 @@ class Trainer:
         try:
             for step in range(start, self.config.steps):
                 record = self.train_step(step)
-                record["restart"] = restart_count()  # a restarted world's steps say so
+                record["restart"] = self.restarts  # a restarted world's steps say so
                 if self.config.eval_every and (step + 1) % self.config.eval_every == 0:
                     val_losses[step + 1] = record["val_loss"] = self.evaluate()
                     if self.val_accuracy is not None:
