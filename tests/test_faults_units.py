@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
 from plait.errors import PlaitError
+from plait.runtime import launch
 from plait.runtime.inject import parse
 from plait.runtime import recorder as recorder_module
 from plait.runtime.recorder import KEY, Entry, FlightRecorder
@@ -154,6 +157,35 @@ def test_collectives_write_nothing_to_the_store_only_the_publisher_does(monkeypa
     rec.enter("dp", "all_reduce")
     time.sleep(0.15)
     assert store.writes == idle  # a stopped publisher writes nothing
+
+
+def test_the_store_host_waits_for_a_named_rank_only_a_grace_longer():
+    store = DictStore()
+    host = recorders(3, store)[0]
+    host.culprits = [2]
+    store.set("plait/fr-done/1", "1")  # rank 1 read the store; rank 2 was named and never answers
+    start = time.monotonic()
+    host.linger()
+    assert 0.15 < time.monotonic() - start < 1.0  # GRACE_S (0.2 s here), not LINGER_S (10 s)
+
+
+def test_the_spawner_waits_for_a_named_rank_that_still_runs_but_not_for_a_stopped_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(launch, "REPORT_S", 5.0)
+    (tmp_path / "rank0.json").write_text(json.dumps({"rank": 0, "culprits": [1]}))
+    late = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.8)"])  # alive: its record was late
+    start = time.monotonic()
+    launch._wait_for_reports([subprocess.Popen(["true"]), late], tmp_path)
+    assert late.poll() == 0 and time.monotonic() - start < 4.0
+    stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    stopped.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(0.2)
+        start = time.monotonic()
+        launch._wait_for_reports([subprocess.Popen(["true"]), stopped], tmp_path)
+        assert time.monotonic() - start < 2.0 and stopped.poll() is None
+    finally:
+        stopped.kill()
+        stopped.wait()
 
 
 def test_resume_auto_and_the_restart_command(tmp_path):

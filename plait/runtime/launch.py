@@ -103,11 +103,16 @@ def _watch(procs: list[subprocess.Popen], faults: Path) -> tuple[int, bool]:
 
 
 def _wait_for_reports(procs: list[subprocess.Popen], faults: Path) -> None:
-    """Until every rank but the named culprits has exited (they will not), or REPORT_S."""
+    """Until every rank that may still print its diagnosis has exited, or REPORT_S.
+
+    A rank is not waited for once it exited, or when the notes name it and the OS says its
+    process is stopped. A named rank whose process still runs is waited for: it may be a live
+    rank whose record reached the store late, still diagnosing its own timeout, and stopping
+    it now would silence it (a rank truly stuck in compute costs at most REPORT_S)."""
     deadline = time.monotonic() + REPORT_S
     while time.monotonic() < deadline:
         culprits = {rank for note in _notes(faults) for rank in note["culprits"]}
-        if all(p.poll() is not None for rank, p in enumerate(procs) if rank not in culprits):
+        if all(p.poll() is not None or (rank in culprits and _is_stopped(p)) for rank, p in enumerate(procs)):
             return
         time.sleep(POLL_S)
 
@@ -143,11 +148,16 @@ def _process_state(proc: subprocess.Popen) -> str:
     code = proc.poll()
     if code is not None:
         return f" (exited with code {_describe(code)})"
+    return " (its process is stopped)" if _is_stopped(proc) else ""
+
+
+def _is_stopped(proc: subprocess.Popen) -> bool:
+    """Whether /proc says the process is stopped (SIGSTOP, a debugger); False where unknown."""
     try:
         state = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return ""
-    return " (its process is stopped)" if state in ("T", "t") else ""
+        return False
+    return state in ("T", "t")
 
 
 def _report(failed: list[tuple[int, int]], still_running: int) -> None:

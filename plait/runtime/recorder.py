@@ -193,16 +193,22 @@ class FlightRecorder:
         """On the rank that hosts the store: keep it up until the other ranks have read it.
 
         Leaving at once would take the store down while they are still diagnosing their own
-        timeouts; the culprits are not waited for (they will never answer)."""
+        timeouts. The named culprits get only GRACE_S beyond the others: a stopped one will
+        never answer, but one whose record merely reached the store late is alive and about
+        to read it."""
         if not self.hosts_store:
             return
-        waiting = [f"{DONE}{r}" for r in range(self.world_size) if r != self.rank and r not in self.culprits]
+        waiting = [r for r in range(self.world_size) if r != self.rank]
         deadline = time.monotonic() + LINGER_S
+        culprits_left_since: float | None = None
         while waiting and time.monotonic() < deadline:
             try:
-                waiting = [key for key in waiting if not self.store.check([key])]
+                waiting = [r for r in waiting if not self.store.check([f"{DONE}{r}"])]
             except RuntimeError:
                 return
+            if culprits_left_since is None and set(waiting) <= set(self.culprits):
+                culprits_left_since = time.monotonic()  # only the named ones are left
+                deadline = min(deadline, culprits_left_since + GRACE_S)
             time.sleep(0.1)
 
 
