@@ -58,7 +58,7 @@ def worker(args: argparse.Namespace) -> None:
 def bench_schedule(mesh: Any, args: argparse.Namespace, name: str, v: int) -> dict[str, Any]:
     import torch
 
-    from plait.parallel.schedule import build_schedule, simulate
+    from plait.parallel.pipeline.schedule import build_schedule, simulate
 
     pp, m = mesh.size("pp"), args.microbatches
     sides = {"plait": PlaitSide(mesh, args, name, v)}
@@ -93,7 +93,7 @@ class PlaitSide:
 
         import plait
         from plait.models.gpt import build_gpt
-        from plait.parallel.pipeline import PipelineRunner, apply_pipeline
+        from plait.parallel.pipeline.runner import PipelineRunner, apply_pipeline
 
         self.mesh, self.config = mesh, model_config(args)
         self.stages = apply_pipeline(build_gpt(self.config, 0), mesh, virtual_stages=v)
@@ -130,7 +130,7 @@ class TorchSide:
         )
 
         from plait.models.gpt import build_gpt
-        from plait.parallel.pipeline_split import rank_stages, split_stages
+        from plait.parallel.pipeline.split import rank_stages, split_stages
 
         pp, rank = mesh.size("pp"), mesh.rank("pp")
         self.mesh = mesh

@@ -132,7 +132,7 @@ def reduce_rows(mesh: Any, args: argparse.Namespace, batch: Any) -> list[dict[st
     """Error of the dp mean per reduce dtype, on the same local 16-bit gradients."""
     import torch
 
-    from plait.parallel.data import grad_sync, no_sync
+    from plait.parallel.data.sync import grad_sync, no_sync
     from plait.parallel.precision import DTYPES
     from plait.bench.meter import ActivationMeter
 

@@ -79,7 +79,7 @@ def build(variant: str, config: Any, mesh: Any) -> tuple[Any, Any]:
     from torch.distributed.tensor.parallel import loss_parallel
 
     from plait.models.gpt import build_gpt
-    from plait.parallel.tensor import apply_tensor_parallel
+    from plait.parallel.tensor.plan import apply_tensor_parallel
     from tests.worlds.tensor_common import build_native
 
     sp = variant.endswith("_sp")
@@ -93,7 +93,7 @@ def timed_steps(runs: dict[str, Any], inputs: Any, targets: Any, args: argparse.
     import torch
     import torch.nn.functional as F
 
-    from plait.parallel.tensor import tp_loss_fn
+    from plait.parallel.tensor.plan import tp_loss_fn
 
     optims = {v: torch.optim.AdamW(runs[v][0].parameters(), lr=1e-4) for v in VARIANTS}
     losses = {v: (tp_loss_fn(runs[v][0]) if v.startswith("plait") else
@@ -119,7 +119,7 @@ def worker(args: argparse.Namespace) -> None:
 
     import plait
     from plait.models.gpt import build_gpt
-    from plait.parallel.tensor_cost import block_activations, rope_table_elements
+    from plait.parallel.tensor.cost import block_activations, rope_table_elements
     from plait.runtime.env import set_cpu_threads
 
     mesh = plait.init_mesh(tp=int(os.environ["WORLD_SIZE"]))

@@ -78,7 +78,7 @@ def state_bytes(model: Any, optimizer: Any) -> dict[str, int]:
     """Parameters, gradients, optimizer state held by this rank (distinct storages; local shards)."""
     import torch
 
-    from plait.parallel.zero_optim import ZeroOptimizer, zero_state_bytes
+    from plait.parallel.zero.optim import ZeroOptimizer, zero_state_bytes
 
     if isinstance(optimizer, ZeroOptimizer):
         return zero_state_bytes(model, optimizer)
@@ -230,7 +230,7 @@ def forwarded(args: argparse.Namespace) -> list[str]:
 
 
 def table(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) -> str:
-    from plait.parallel.zero_optim import memory_formula
+    from plait.parallel.zero.optim import memory_formula
 
     mib = 2**20
     lines = [

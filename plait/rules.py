@@ -11,7 +11,7 @@ from __future__ import annotations
 from plait.errors import PlaitError
 from plait.models.config import GPTConfig
 
-# The pipeline schedules (plait.parallel.schedule builds each one).
+# The pipeline schedules (plait.parallel.pipeline.schedule builds each one).
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 # Schedules that split each backward into I (input grad) and W (weight grad).
 SPLIT_BACKWARD = ("zb-h1",)

@@ -91,8 +91,8 @@ def test_sp_moves_the_same_activation_bytes_plus_regathers() -> None:
 
 
 def test_tp_matches_tensor_cost() -> None:
-    """plait.parallel.tensor_cost counts the TP implementation's own collectives."""
-    tensor_cost = pytest.importorskip("plait.parallel.tensor_cost")
+    """plait.parallel.tensor.cost counts the TP implementation's own collectives."""
+    tensor_cost = pytest.importorskip("plait.parallel.tensor.cost")
     cfg = get_preset("small")
     for tp, sp in [(2, False), (2, True), (3, True), (6, False)]:
         layout = Layout(tp=tp, sp=sp, micro_batch=2, seq_len=64, precision="fp32")

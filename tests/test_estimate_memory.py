@@ -197,8 +197,8 @@ def test_loss_keeps_fp32_log_softmax() -> None:
 
 
 def test_cross_check_with_tensor_cost() -> None:
-    """plait.parallel.tensor_cost derives the same block count for the TP implementation."""
-    tensor_cost = pytest.importorskip("plait.parallel.tensor_cost")
+    """plait.parallel.tensor.cost derives the same block count for the TP implementation."""
+    tensor_cost = pytest.importorskip("plait.parallel.tensor.cost")
     cfg = get_preset("small")
     for tp, sp in [(1, False), (2, False), (2, True), (6, False), (6, True)]:
         layout = Layout(tp=tp, sp=sp, precision="fp32", micro_batch=2, seq_len=64)

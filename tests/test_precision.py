@@ -22,7 +22,7 @@ from plait.parallel.compose import build_optimizer
 from plait.parallel.masters import MasterOptimizer
 from plait.parallel.precision import LossScaler, scale_grad
 from plait.parallel.recompute import apply_recompute
-from plait.parallel.zero_optim import memory_formula
+from plait.parallel.zero.optim import memory_formula
 from plait.bench.meter import ActivationMeter, model_state_bytes
 
 TINY = get_preset("tiny")

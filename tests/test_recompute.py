@@ -54,7 +54,7 @@ def test_zb_h1_with_recompute_is_refused():
 
 
 def test_the_pipeline_runner_refuses_recompute_with_a_split_backward():
-    from plait.parallel.pipeline import PipelineRunner, apply_pipeline
+    from plait.parallel.pipeline.runner import PipelineRunner, apply_pipeline
     from plait.runtime.env import ProcessEnv
     from plait.runtime.mesh import init_mesh
 

@@ -10,8 +10,8 @@ import pytest
 from PIL import Image
 
 from plait.errors import PlaitError
-from plait.parallel.schedule import build_schedule, simulate
-from plait.parallel.timeline import timeline_from_dict, timeline_to_dict
+from plait.parallel.pipeline.schedule import build_schedule, simulate
+from plait.parallel.pipeline.timeline import timeline_from_dict, timeline_to_dict
 from plait.report.page import figures, read_run
 from plait.train.logs import setup_logging
 from plait.train.measure import MeasurePolicy
@@ -102,8 +102,8 @@ def test_tensorboard_events_read_back(dp_run):
 def test_info_logs_show_with_rank_prefixes(dp_run):
     _, proc, _ = dp_run
     lines = proc.stderr.splitlines()
-    assert any(line.startswith("plait.parallel.zero: ZeRO-1 over 2 dp ranks") for line in lines), proc.stderr
-    assert any(line.startswith("[rank 1] plait.parallel.zero: ZeRO-1 over 2 dp ranks") for line in lines)
+    assert any(line.startswith("plait.parallel.zero.stages: ZeRO-1 over 2 dp ranks") for line in lines), proc.stderr
+    assert any(line.startswith("[rank 1] plait.parallel.zero.stages: ZeRO-1 over 2 dp ranks") for line in lines)
 
 
 def test_light_and_off_measure_only_first_and_last_step_in_full(dp_run, pp_run):
@@ -140,9 +140,9 @@ def test_tensorboard_tags_of_a_metrics_line():
 def test_log_prefix_names_the_rank(capsys):
     for rank, prefix in ((0, ""), (3, "[rank 3] ")):
         setup_logging("info", rank=rank)
-        logging.getLogger("plait.parallel.tensor").info("split %d layers", 4)
-        logging.getLogger("plait.parallel.tensor").debug("not shown at info")
-        assert capsys.readouterr().err == f"{prefix}plait.parallel.tensor: split 4 layers\n"
+        logging.getLogger("plait.parallel.tensor.plan").info("split %d layers", 4)
+        logging.getLogger("plait.parallel.tensor.plan").debug("not shown at info")
+        assert capsys.readouterr().err == f"{prefix}plait.parallel.tensor.plan: split 4 layers\n"
     setup_logging("warning", rank=0)
 
 

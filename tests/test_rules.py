@@ -43,7 +43,9 @@ def test_every_planned_layout_passes_train_validation(model: str, precision: str
 
 def test_one_home_for_each_choice() -> None:
     from plait.estimate import layout
-    from plait.parallel import recompute, schedule, tensor
+    from plait.parallel import recompute
+    from plait.parallel.pipeline import schedule
+    from plait.parallel.tensor import plan as tensor
 
     assert schedule.SCHEDULES is layout.SCHEDULES is rules.SCHEDULES
     assert recompute.POLICIES is layout.RECOMPUTE is rules.RECOMPUTE

@@ -12,9 +12,9 @@ from torch import nn
 from plait.errors import PlaitError
 from plait.models.config import get_preset
 from plait.models.gpt import build_gpt
-from plait.parallel.tensor import (GPT_PLAN, apply_tensor_parallel, check_gpt_tensor_parallel, lm_loss,
+from plait.parallel.tensor.plan import (GPT_PLAN, apply_tensor_parallel, check_gpt_tensor_parallel, lm_loss,
                                    resolve_plan, tp_loss_fn)
-from plait.parallel.tensor_cost import (block_activations, korthikanti_gpt_bytes, layer_collectives,
+from plait.parallel.tensor.cost import (block_activations, korthikanti_gpt_bytes, layer_collectives,
                                         step_traffic)
 from plait.runtime import regions
 from plait.runtime.comm import Axis, Ledger

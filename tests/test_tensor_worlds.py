@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from plait.models.config import GPTConfig
-from plait.parallel.tensor_cost import block_activations, rope_table_elements, step_traffic
+from plait.parallel.tensor.cost import block_activations, rope_table_elements, step_traffic
 from tests.parity import assert_losses_close
 from tests.worldlib import run_world
 

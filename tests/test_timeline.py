@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from plait.errors import PlaitError
-from plait.parallel.schedule import build_schedule, gpipe, simulate
-from plait.parallel.timeline import render_png, render_text
+from plait.parallel.pipeline.schedule import build_schedule, gpipe, simulate
+from plait.parallel.pipeline.timeline import render_png, render_text
 
 
 def test_gpipe_text_figure() -> None:

@@ -14,7 +14,7 @@ from plait.estimate.vision import batchnorm_traffic
 from plait.models.resnet import build_resnet
 from plait.models.resnet_config import ResNetConfig, get_resnet
 from plait.parallel.recompute import apply_recompute
-from plait.parallel.syncbn import convert_sync_batchnorm, sync_bn_wire_bytes
+from plait.parallel.data.syncbn import convert_sync_batchnorm, sync_bn_wire_bytes
 from plait.runtime.comm import Axis, Ledger
 from plait.train.config import TrainConfig, validate
 from plait.train.images import image_splits, load_images

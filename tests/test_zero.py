@@ -20,9 +20,9 @@ from plait.errors import PlaitError
 from plait.models.config import get_preset
 from plait.models.gpt import build_gpt
 from plait.parallel.clip import clip_grad_norm
-from plait.parallel.zero import apply_zero, full_parameters, require_reduce_scatter, zero_of
-from plait.parallel.zero_optim import ZeroOptimizer, comm_formula, memory_formula, padded_memory, zero_state_bytes
-from plait.parallel.zero_shard import find_units, owned_pieces, owned_range, shard_size, unit_owners
+from plait.parallel.zero.stages import apply_zero, full_parameters, require_reduce_scatter, zero_of
+from plait.parallel.zero.optim import ZeroOptimizer, comm_formula, memory_formula, padded_memory, zero_state_bytes
+from plait.parallel.zero.shard import find_units, owned_pieces, owned_range, shard_size, unit_owners
 from plait.runtime.comm import Axis, Ledger
 
 

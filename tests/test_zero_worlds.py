@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from plait.parallel.zero_optim import comm_formula, memory_formula, padded_memory
+from plait.parallel.zero.optim import comm_formula, memory_formula, padded_memory
 from plait.runtime.comm import ring_wire_bytes
 from tests.worldlib import run_world
 

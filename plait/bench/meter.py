@@ -88,7 +88,7 @@ def peak_process_bytes(device: torch.device) -> int:
 
 def zero3_sync(model: nn.Module) -> object | None:
     """The ZeRO machinery of a stage-3 model (whose weights are gathered per unit), else None."""
-    from plait.parallel.zero import zero_of
+    from plait.parallel.zero.stages import zero_of
 
     sync = zero_of(model)
     return sync if sync is not None and sync.stage >= 3 else None

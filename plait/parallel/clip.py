@@ -23,11 +23,11 @@ import math
 import torch
 from torch import nn
 
-from plait.parallel.pipeline import pipeline_axis
-from plait.parallel.pipeline_split import logical_parameters
-from plait.parallel.tensor import tensor_parallel_of
-from plait.parallel.tensor_layers import shard_of
-from plait.parallel.zero import zero_of
+from plait.parallel.pipeline.runner import pipeline_axis
+from plait.parallel.pipeline.split import logical_parameters
+from plait.parallel.tensor.plan import tensor_parallel_of
+from plait.parallel.tensor.layers import shard_of
+from plait.parallel.zero.stages import zero_of
 from plait.runtime import comm
 
 Pieces = list[tuple[nn.Parameter, torch.Tensor]]

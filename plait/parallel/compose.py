@@ -24,16 +24,16 @@ from torch import nn
 
 from plait.errors import PlaitError
 from plait.parallel.clip import clip_grad_norm
-from plait.parallel.data import apply_data_parallel, grad_sync
+from plait.parallel.data.sync import apply_data_parallel, grad_sync
 from plait.parallel.masters import MasterOptimizer
-from plait.parallel.pipeline import apply_pipeline
-from plait.parallel.pipeline_split import is_pipeline
+from plait.parallel.pipeline.runner import apply_pipeline
+from plait.parallel.pipeline.split import is_pipeline
 from plait.parallel.recompute import apply_recompute
 from plait.parallel.seam import ModelAdapter, adapter_of
-from plait.parallel.syncbn import convert_sync_batchnorm
-from plait.parallel.tensor import apply_tensor_parallel, tensor_parallel_of
-from plait.parallel.zero import apply_zero, zero_of
-from plait.parallel.zero_optim import ZeroOptimizer
+from plait.parallel.data.syncbn import convert_sync_batchnorm
+from plait.parallel.tensor.plan import apply_tensor_parallel, tensor_parallel_of
+from plait.parallel.zero.stages import apply_zero, zero_of
+from plait.parallel.zero.optim import ZeroOptimizer
 from plait.runtime.mesh import Mesh
 
 __all__ = ["ParallelConfig", "ZERO_STAGES", "build_optimizer", "clip_grad_norm", "parallelize"]

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.parallel.data import grad_sync
+from plait.parallel.data.sync import grad_sync
 
 
 class _MasterState(Mapping):

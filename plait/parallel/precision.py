@@ -30,8 +30,8 @@ from torch import nn
 from plait.errors import PlaitError
 from plait.rules import PRECISIONS, default_reduce_dtype
 from plait.parallel.clip import clip_grad_norm
-from plait.parallel.pipeline_split import logical_parameters
-from plait.parallel.zero import zero_of
+from plait.parallel.pipeline.split import logical_parameters
+from plait.parallel.zero.stages import zero_of
 from plait.runtime import comm
 from plait.runtime.comm import Axis
 

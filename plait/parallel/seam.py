@@ -26,7 +26,7 @@ from typing import Protocol, runtime_checkable
 
 from torch import nn
 
-from plait.parallel.zero_shard import find_units
+from plait.parallel.zero.shard import find_units
 
 
 @runtime_checkable

@@ -68,7 +68,7 @@ def param_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh)
     tensor parallelism does not split, also only by tp rank 0; a split one by every tp rank
     (each its own block, at its offset along the split dimension).
     """
-    from plait.parallel.pipeline_split import logical_parameters
+    from plait.parallel.pipeline.split import logical_parameters
 
     first_replica = mesh.rank("dp") == 0
     pieces = []
@@ -90,7 +90,7 @@ def param_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh)
 def writes_its_tp_part(param: torch.Tensor, mesh: Mesh) -> bool:
     """Whether this rank writes its tensor-parallel part of `param`: every tp rank its own
     slice of a split parameter, tp rank 0 alone a parameter tensor parallelism keeps whole."""
-    from plait.parallel.tensor_layers import shard_of
+    from plait.parallel.tensor.layers import shard_of
 
     return shard_of(param) is not None or mesh.rank("tp") == 0
 
@@ -98,7 +98,7 @@ def writes_its_tp_part(param: torch.Tensor, mesh: Mesh) -> bool:
 def placement(param: torch.Tensor, block: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Where a block of this rank's `param` (at offsets `block`, default the whole of it)
     sits in the logical tensor: its offsets there, and the logical tensor's full shape."""
-    from plait.parallel.tensor_layers import shard_of
+    from plait.parallel.tensor.layers import shard_of
 
     offsets = list(block) if block is not None else [0] * param.ndim
     shard = shard_of(param)

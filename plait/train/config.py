@@ -233,7 +233,7 @@ def check_strategies(config: TrainConfig) -> None:
     rules.check_pipeline_shape(model.n_layers if model else None, pp=config.pp, virtual_stages=config.virtual_stages,
                                schedule=config.schedule, microbatches=config.grad_accum)
     if config.pp > 1:
-        from plait.parallel.pipeline import check_pipeline
+        from plait.parallel.pipeline.runner import check_pipeline
 
         check_pipeline(model.n_layers, config.pp, config.schedule, config.grad_accum,
                        virtual_stages=config.virtual_stages)

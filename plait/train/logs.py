@@ -18,7 +18,7 @@ _HANDLER_NAME = "plait-rank"
 
 
 class RankFormatter(logging.Formatter):
-    """`[rank 3] plait.parallel.zero: ...` on rank 3, no prefix on rank 0."""
+    """`[rank 3] plait.parallel.zero.stages: ...` on rank 3, no prefix on rank 0."""
 
     def __init__(self, rank: int):
         prefix = f"[rank {rank}] " if rank else ""

@@ -78,7 +78,7 @@ def save_timeline(trainer: Trainer, out: Path) -> None:
     """The last step's measured pipeline timeline, as timeline.json for `plait report`."""
     timeline = trainer.runner.last_timeline if trainer.runner is not None else None
     if timeline is not None:
-        from plait.parallel.timeline import timeline_to_dict
+        from plait.parallel.pipeline.timeline import timeline_to_dict
 
         (out / "timeline.json").write_text(json.dumps(timeline_to_dict(timeline)) + "\n")
 
@@ -90,8 +90,8 @@ def final_weights(trainer: Trainer) -> dict[str, torch.Tensor] | None:
     pieces, written to a scratch directory and read back."""
     if trainer.runner is not None:
         return _assembled_from_pieces(trainer)
-    from plait.parallel.tensor import gather_full_params
-    from plait.parallel.zero import full_parameters
+    from plait.parallel.tensor.plan import gather_full_params
+    from plait.parallel.zero.stages import full_parameters
 
     with full_parameters(trainer.model) as model:
         weights = gather_full_params(model)

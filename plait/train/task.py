@@ -25,7 +25,7 @@ from torch import nn
 
 from plait.models.config import get_preset
 from plait.models.gpt import build_gpt
-from plait.parallel.tensor import tp_loss_fn
+from plait.parallel.tensor.plan import tp_loss_fn
 from plait.train.config import TrainConfig
 from plait.train.data import corpus_digest, load_corpus, train_val_split
 

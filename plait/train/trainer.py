@@ -22,11 +22,11 @@ import torch
 from plait.errors import PlaitError
 from plait.models.gpt import TEMPERATURE, sample_next
 from plait.parallel.compose import ParallelConfig, build_optimizer, parallelize
-from plait.parallel.data import no_sync
-from plait.parallel.pipeline import PipelineRunner
+from plait.parallel.data.sync import no_sync
+from plait.parallel.pipeline.runner import PipelineRunner
 from plait.parallel.precision import StepGuard, param_dtype, reduce_dtype_of
-from plait.parallel.tensor import tensor_parallel_of
-from plait.parallel.tensor_loss import gather_vocab
+from plait.parallel.tensor.plan import tensor_parallel_of
+from plait.parallel.tensor.loss import gather_vocab
 from plait.runtime import comm
 from plait.runtime.mesh import AXES, Mesh
 from plait.bench.meter import ActivationMeter, model_state_bytes, peak_process_bytes

@@ -19,7 +19,7 @@ from torch import nn
 import plait
 from plait.models.config import get_preset
 from plait.models.gpt import build_gpt
-from plait.parallel.data import grad_sync
+from plait.parallel.data.sync import grad_sync
 from tests.worldlib import save_report
 
 SEQ, STEPS, SEED = 16, 4, 1234

@@ -17,8 +17,8 @@ from torch import nn
 import plait
 from plait.models.config import GPTConfig, get_preset
 from plait.models.gpt import build_gpt
-from plait.parallel.pipeline import PipelineRunner, apply_pipeline, split_stages
-from plait.parallel.pipeline_split import rank_stages
+from plait.parallel.pipeline.runner import PipelineRunner, apply_pipeline, split_stages
+from plait.parallel.pipeline.split import rank_stages
 from plait.runtime import comm
 from tests.parity import assert_params_close
 

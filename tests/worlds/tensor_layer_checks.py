@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+from plait.parallel.tensor.plan import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                    apply_tensor_parallel, gather_full_params, tp_loss_fn,
                                    vocab_parallel_cross_entropy)
 from plait.runtime import regions

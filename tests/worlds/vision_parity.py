@@ -23,7 +23,7 @@ from torch import nn
 import plait
 from plait.models.resnet import build_resnet
 from plait.models.resnet_config import ResNetConfig
-from plait.parallel.syncbn import SyncBatchNorm
+from plait.parallel.data.syncbn import SyncBatchNorm
 from tests.worldlib import save_report
 
 STEPS, SEED, GLOBAL = 3, 7, 8

@@ -19,8 +19,8 @@ import plait
 from plait.models.config import get_preset
 from plait.models.gpt import build_gpt
 from plait.parallel.clip import clip_grad_norm
-from plait.parallel.zero import full_parameters, zero_of
-from plait.parallel.zero_optim import zero_state_bytes
+from plait.parallel.zero.stages import full_parameters, zero_of
+from plait.parallel.zero.optim import zero_state_bytes
 from plait.runtime import comm
 from plait.bench.meter import model_state_bytes
 

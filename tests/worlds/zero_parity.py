@@ -21,7 +21,7 @@ from zero_trainer import trainer_runs
 
 import plait
 from plait.errors import PlaitError
-from plait.parallel.zero import apply_zero
+from plait.parallel.zero.stages import apply_zero
 from tests.parity import PARAM_ATOL, PARAM_RTOL
 from tests.worldlib import save_report
 

@@ -19,7 +19,7 @@ import torch
 import plait.train.trainer as trainer_module
 from plait.parallel.compose import ParallelConfig
 from plait.parallel.clip import clip_grad_norm
-from plait.parallel.zero_optim import ZeroOptimizer, zero_state_bytes
+from plait.parallel.zero.optim import ZeroOptimizer, zero_state_bytes
 from plait.train.config import TrainConfig
 from plait.bench.meter import model_state_bytes
 
@@ -31,7 +31,7 @@ def train(config: TrainConfig, mesh: Any, stage: int, offload: bool) -> list[dic
         trainer_module.ParallelConfig = functools.partial(ParallelConfig, zero=stage, offload=offload)
     trainer = trainer_module.Trainer(config, mesh)
     real_clip = torch.nn.utils.clip_grad_norm_
-    if stage:  # (stage 0: plait.parallel.zero.clip_grad_norm is torch's own)
+    if stage:  # (stage 0: plait.parallel.zero.stages.clip_grad_norm is torch's own)
         torch.nn.utils.clip_grad_norm_ = lambda params, max_norm: torch.tensor(clip_grad_norm(trainer.model, max_norm))
     trainer_module.model_state_bytes = lambda m, o: zero_state_bytes(m, o) if isinstance(o, ZeroOptimizer) \
         else model_state_bytes(m, o)

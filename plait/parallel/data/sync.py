@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
-from plait.parallel.syncbn import SyncBatchNorm
+from plait.parallel.data.syncbn import SyncBatchNorm
 from plait.runtime import comm
 from plait.runtime.comm import Axis, Handle
 

@@ -21,7 +21,7 @@ Files: zero.py (this: setup and the public functions), zero_hooks.py (`ZeroSync`
 autograd and the module hooks call), zero_shard.py (packing and cutting flat buffers),
 zero_optim.py (the sharded optimizer, checkpoint pieces, the formulas).
 
-Gradient accumulation: `no_sync(model)` from plait.parallel.data works unchanged (this
+Gradient accumulation: `no_sync(model)` from plait.parallel.data.sync works unchanged (this
 machinery sits at the attribute it looks for). Stage 1 keeps whole gradients anyway, so
 inside no_sync it skips the reduction and the last micro-batch reduce-scatters the sum once.
 Stages 2-3 exist to not hold whole gradients, so they reduce-scatter every micro-batch into
@@ -39,11 +39,11 @@ import torch
 from torch import nn
 
 from plait.errors import PlaitError
-from plait.parallel.data import ATTR, follow_rank0_buffers
-from plait.parallel.pipeline_split import is_pipeline, logical_parameters, tied_copies
-from plait.parallel.zero_hooks import ZeroSync
-from plait.parallel.zero_optim import checkpoint_pieces
-from plait.parallel.zero_shard import FlatGroup, bucket_params, find_units, pack, unit_owners
+from plait.parallel.data.sync import ATTR, follow_rank0_buffers
+from plait.parallel.pipeline.split import is_pipeline, logical_parameters, tied_copies
+from plait.parallel.zero.hooks import ZeroSync
+from plait.parallel.zero.optim import checkpoint_pieces
+from plait.parallel.zero.shard import FlatGroup, bucket_params, find_units, pack, unit_owners
 from plait.runtime import comm
 from plait.runtime.comm import Axis
 

@@ -32,9 +32,9 @@ import torch
 from torch import nn
 
 from plait.errors import PlaitError
-from plait.parallel.pipeline_comm import Channels, Key
-from plait.parallel.schedule import Action
-from plait.parallel.timeline import Slot
+from plait.parallel.pipeline.comm import Channels, Key
+from plait.parallel.pipeline.schedule import Action
+from plait.parallel.pipeline.timeline import Slot
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

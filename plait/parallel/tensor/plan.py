@@ -33,10 +33,10 @@ from torch import nn
 
 from plait.errors import PlaitError
 from plait.models.gpt import GPT
-from plait.parallel.tensor_layers import (ColumnParallelLinear, RowParallelLinear, Shard,
+from plait.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, Shard,
                                           VocabParallelEmbedding, enter_region, shard_of,
                                           sum_grad_over)
-from plait.parallel.tensor_loss import gather_vocab, vocab_parallel_cross_entropy
+from plait.parallel.tensor.loss import gather_vocab, vocab_parallel_cross_entropy
 from plait.runtime import comm
 from plait.runtime.comm import Axis
 from plait.rules import check_tensor_parallel

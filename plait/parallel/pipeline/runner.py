@@ -23,17 +23,17 @@ import torch
 from torch import nn
 
 from plait.errors import PlaitError
-from plait.parallel.data import grad_sync, no_sync
-from plait.parallel.pipeline_comm import (BufferPool, Channels, Key, add_from_peer, agree_shapes, send_order,
+from plait.parallel.data.sync import grad_sync, no_sync
+from plait.parallel.pipeline.comm import (BufferPool, Channels, Key, add_from_peer, agree_shapes, send_order,
                                           sum_tied_grads)
-from plait.parallel.pipeline_exec import LossFn, PipelineStats, StageWork, StepRun
-from plait.parallel.pipeline_split import (GPTStage, balanced_counts, check_split, rank_stages, split_stages,
+from plait.parallel.pipeline.execute import LossFn, PipelineStats, StageWork, StepRun
+from plait.parallel.pipeline.split import (GPTStage, balanced_counts, check_split, rank_stages, split_stages,
                                            tied_copies)
-from plait.parallel.schedule import Schedule, build_schedule, validate
-from plait.parallel.timeline import Slot, Timeline
-from plait.parallel.tensor import ATTR as TP_ATTR
-from plait.parallel.tensor import tensor_parallel_of
-from plait.parallel.zero import zero_of
+from plait.parallel.pipeline.schedule import Schedule, build_schedule, validate
+from plait.parallel.pipeline.timeline import Slot, Timeline
+from plait.parallel.tensor.plan import ATTR as TP_ATTR
+from plait.parallel.tensor.plan import tensor_parallel_of
+from plait.parallel.zero.stages import zero_of
 from plait.runtime import comm
 from plait.runtime.comm import Axis
 from plait.runtime.mesh import Mesh

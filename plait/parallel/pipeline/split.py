@@ -180,7 +180,7 @@ def default_balance(model: GPT, pp: int, v: int = 1) -> list[int]:
 
 def _numel(module: nn.Module) -> int:
     """Parameters of `module` before any tensor-parallel split: every tp degree cuts alike."""
-    from plait.parallel.tensor_layers import shard_of
+    from plait.parallel.tensor.layers import shard_of
 
     return sum(math.prod(shard_of(p).full_shape) if shard_of(p) else p.numel() for p in module.parameters())
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, Literal
 
 from plait.errors import PlaitError
-from plait.parallel.timeline import Slot, Timeline
+from plait.parallel.pipeline.timeline import Slot, Timeline
 from plait.rules import SCHEDULES  # noqa: F401  (re-exported: the names build_schedule knows)
 
 Kind = Literal["F", "B", "I", "W"]

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.parallel.zero_shard import FlatGroup, owned_pieces
+from plait.parallel.zero.shard import FlatGroup, owned_pieces
 from plait.runtime import comm
 from plait.runtime.comm import Axis
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from plait.runtime.comm import ring_wire_bytes
 
-from plait.parallel.zero_shard import FlatGroup, owned_pieces, owned_range, shard_size
+from plait.parallel.zero.shard import FlatGroup, owned_pieces, owned_range, shard_size
 
 @dataclass
 class OwnedSlice:
