@@ -34,80 +34,11 @@ import torch
 from torch import nn
 
 from plait.errors import PlaitError
+from plait.parallel.pieces import Piece, local_pieces
 from plait.runtime import comm
 from plait.runtime.mesh import Mesh
 
 FORMAT = "plait-checkpoint/1"
-VIEW_ATTR = "_plait_checkpoint_view"
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A block of logical tensor `name` (full shape `full_shape`) held by this rank."""
-
-    name: str
-    tensor: torch.Tensor  # the local block, same dims as the full tensor
-    offsets: tuple[int, ...]
-    full_shape: tuple[int, ...]
-    owned: bool = True  # False: a replica; another rank writes it, this rank still loads it
-
-
-# -- what this rank holds ----------------------------------------------------------------------
-def local_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh) -> list[Piece]:
-    """The model's and optimizer's tensors as pieces; a strategy may override the view."""
-    view = getattr(model, VIEW_ATTR, None)
-    if view is not None:
-        return view(model, optimizer, mesh)
-    return param_pieces(model, optimizer, mesh)
-
-
-def param_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh) -> list[Piece]:
-    """Parameters and their optimizer state, whole or as tensor-parallel blocks.
-
-    Every tensor is written exactly once: replicas across dp by dp rank 0; a tensor that
-    tensor parallelism does not split, also only by tp rank 0; a split one by every tp rank
-    (each its own block, at its offset along the split dimension).
-    """
-    from plait.parallel.pipeline.split import logical_parameters
-
-    first_replica = mesh.rank("dp") == 0
-    pieces = []
-    for name, param, replica in logical_parameters(model):
-        offsets, full = placement(param)
-        owned = first_replica and not replica and writes_its_tp_part(param, mesh)
-        pieces.append(Piece(f"model/{name}", param.detach(), offsets, full, owned))
-        for key, value in sorted(optimizer.state.get(param, {}).items()):
-            if not isinstance(value, torch.Tensor):
-                continue
-            if value.shape == param.shape:
-                pieces.append(Piece(f"optim/{name}/{key}", value, offsets, full, owned))
-            else:  # a per-parameter scalar (Adam's step): the same on every shard
-                owned_scalar = first_replica and not replica and mesh.rank("tp") == 0
-                pieces.append(Piece(f"optim/{name}/{key}", value, (0,) * value.ndim, tuple(value.shape), owned_scalar))
-    return pieces
-
-
-def writes_its_tp_part(param: torch.Tensor, mesh: Mesh) -> bool:
-    """Whether this rank writes its tensor-parallel part of `param`: every tp rank its own
-    slice of a split parameter, tp rank 0 alone a parameter tensor parallelism keeps whole."""
-    from plait.parallel.tensor.layers import shard_of
-
-    return shard_of(param) is not None or mesh.rank("tp") == 0
-
-
-def placement(param: torch.Tensor, block: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Where a block of this rank's `param` (at offsets `block`, default the whole of it)
-    sits in the logical tensor: its offsets there, and the logical tensor's full shape."""
-    from plait.parallel.tensor.layers import shard_of
-
-    offsets = list(block) if block is not None else [0] * param.ndim
-    shard = shard_of(param)
-    if shard is None:
-        return tuple(offsets), tuple(param.shape)
-    offsets[shard.dim] += shard.offset
-    return tuple(offsets), tuple(shard.full_shape)
-
-
 def init_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Create the optimizer's state tensors (before loading into them) with a zero-lr step."""
     if optimizer.state:

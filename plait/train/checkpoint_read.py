@@ -17,7 +17,8 @@ from torch import nn
 from plait.errors import PlaitError
 from plait.runtime import comm
 from plait.runtime.mesh import Mesh
-from plait.train.checkpoint import FORMAT, Piece, init_optimizer_state, local_pieces, sha256
+from plait.parallel.pieces import Piece, local_pieces
+from plait.train.checkpoint import FORMAT, init_optimizer_state, sha256
 
 
 def resolve(path: str | Path) -> Path:

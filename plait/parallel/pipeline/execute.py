@@ -33,7 +33,7 @@ from torch import nn
 
 from plait.errors import PlaitError
 from plait.parallel.pipeline.comm import Channels, Key
-from plait.parallel.pipeline.schedule import Action
+from plait.parallel.pipeline.action import Action
 from plait.parallel.pipeline.timeline import Slot
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

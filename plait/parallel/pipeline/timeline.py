@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from plait.errors import PlaitError
+from plait.parallel.pipeline.action import Action
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
-
-    from plait.parallel.pipeline.schedule import Action
 
 _MAX_COLUMNS = 2000
 _COLOURS = {"F": "#4c78a8", "B": "#54a24b", "I": "#f58518", "W": "#b279a2"}
@@ -106,8 +105,6 @@ def timeline_to_dict(timeline: Timeline) -> dict:
 
 def timeline_from_dict(data: dict) -> Timeline:
     """The inverse of `timeline_to_dict` (a run's timeline.json back into a Timeline)."""
-    from plait.parallel.pipeline.schedule import Action  # schedule imports this module
-
     try:
         rows = tuple(tuple(Slot(Action(kind, int(mb), int(chunk)), float(start), float(end))
                            for kind, mb, chunk, start, end in row) for row in data["rows"])

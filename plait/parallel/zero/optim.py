@@ -24,9 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.parallel.pieces import Piece, param_pieces, placement, writes_its_tp_part
+from plait.parallel.zero.shard import FlatGroup, owned_pieces, owned_range, shard_size
 from plait.runtime.comm import ring_wire_bytes
 
-from plait.parallel.zero.shard import FlatGroup, owned_pieces, owned_range, shard_size
 
 @dataclass
 class OwnedSlice:
@@ -182,8 +183,6 @@ def checkpoint_pieces(model: nn.Module, optimizer: ZeroOptimizer, mesh: Any) -> 
     parallelism does not split is written by tp rank 0 only, a pipeline's copy of a tied
     weight by nobody (it is loaded). So a checkpoint moves between any layouts.
     """
-    from plait.train.checkpoint import Piece, param_pieces, placement, writes_its_tp_part  # the hook's own types
-
     sync = optimizer.sync
     pieces = param_pieces(model, optimizer, mesh) if sync.stage < 3 else []
     optimizer.init_state()

@@ -42,6 +42,7 @@ from plait.errors import PlaitError
 from plait.parallel.data.sync import ATTR, follow_rank0_buffers
 from plait.parallel.pipeline.split import is_pipeline, logical_parameters, tied_copies
 from plait.parallel.zero.hooks import ZeroSync
+from plait.parallel.pieces import VIEW_ATTR
 from plait.parallel.zero.optim import checkpoint_pieces
 from plait.parallel.zero.shard import FlatGroup, bucket_params, find_units, pack, unit_owners
 from plait.runtime import comm
@@ -49,7 +50,6 @@ from plait.runtime.comm import Axis
 
 log = logging.getLogger(__name__)
 SHARD_PARAM = "plait_shard"  # stage 3: the name under which a unit's shard is registered
-CHECKPOINT_VIEW = "_plait_checkpoint_view"  # plait.train.checkpoint asks a model for its pieces here
 
 
 def apply_zero(model: nn.Module, axis: Axis, *, stage: int, offload: bool = False, bucket_mb: float = 25.0,
@@ -84,7 +84,7 @@ def apply_zero(model: nn.Module, axis: Axis, *, stage: int, offload: bool = Fals
             raise PlaitError("a ZeRO-3 unit holds a pipeline copy of the tied embedding with other parameters",
                              hint="leave units=None, or give the embedding and the head units of their own")
     setattr(model, ATTR, sync)
-    setattr(model, CHECKPOINT_VIEW, checkpoint_pieces)
+    setattr(model, VIEW_ATTR, checkpoint_pieces)
     if not is_pipeline(model):
         follow_rank0_buffers(model, axis)
     log.info("ZeRO-%d over %d dp ranks: %d %s%s", stage, axis.size, len(sync.groups),

@@ -1,0 +1,81 @@
+"""What each rank holds, as pieces of logical tensors: the layout-free view a checkpoint writes.
+
+A piece is a rectangular block of a logical tensor (by its unsharded name and full shape):
+its offsets per dimension, and whether this rank is the one that writes it. Strategies
+describe their shards here (ZeRO installs its own view on the model under VIEW_ATTR);
+plait.train.checkpoint writes and reads the pieces without knowing any layout. This lives
+below both, so a strategy never imports the trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from plait.parallel.pipeline.split import logical_parameters
+from plait.parallel.tensor.layers import shard_of
+from plait.runtime.mesh import Mesh
+
+VIEW_ATTR = "_plait_checkpoint_view"  # a strategy that shards tensors (ZeRO) puts its own view here
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A block of logical tensor `name` (full shape `full_shape`) held by this rank."""
+
+    name: str
+    tensor: torch.Tensor  # the local block, same dims as the full tensor
+    offsets: tuple[int, ...]
+    full_shape: tuple[int, ...]
+    owned: bool = True  # False: a replica; another rank writes it, this rank still loads it
+
+
+def local_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh) -> list[Piece]:
+    """The model's and optimizer's tensors as pieces; a strategy may override the view."""
+    view = getattr(model, VIEW_ATTR, None)
+    if view is not None:
+        return view(model, optimizer, mesh)
+    return param_pieces(model, optimizer, mesh)
+
+
+def param_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh) -> list[Piece]:
+    """Parameters and their optimizer state, whole or as tensor-parallel blocks.
+
+    Every tensor is written exactly once: replicas across dp by dp rank 0; a tensor that
+    tensor parallelism does not split, also only by tp rank 0; a split one by every tp rank
+    (each its own block, at its offset along the split dimension).
+    """
+    first_replica = mesh.rank("dp") == 0
+    pieces = []
+    for name, param, replica in logical_parameters(model):
+        offsets, full = placement(param)
+        owned = first_replica and not replica and writes_its_tp_part(param, mesh)
+        pieces.append(Piece(f"model/{name}", param.detach(), offsets, full, owned))
+        for key, value in sorted(optimizer.state.get(param, {}).items()):
+            if not isinstance(value, torch.Tensor):
+                continue
+            if value.shape == param.shape:
+                pieces.append(Piece(f"optim/{name}/{key}", value, offsets, full, owned))
+            else:  # a per-parameter scalar (Adam's step): the same on every shard
+                owned_scalar = first_replica and not replica and mesh.rank("tp") == 0
+                pieces.append(Piece(f"optim/{name}/{key}", value, (0,) * value.ndim, tuple(value.shape), owned_scalar))
+    return pieces
+
+
+def writes_its_tp_part(param: torch.Tensor, mesh: Mesh) -> bool:
+    """Whether this rank writes its tensor-parallel part of `param`: every tp rank its own
+    slice of a split parameter, tp rank 0 alone a parameter tensor parallelism keeps whole."""
+    return shard_of(param) is not None or mesh.rank("tp") == 0
+
+
+def placement(param: torch.Tensor, block: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Where a block of this rank's `param` (at offsets `block`, default the whole of it)
+    sits in the logical tensor: its offsets there, and the logical tensor's full shape."""
+    offsets = list(block) if block is not None else [0] * param.ndim
+    shard = shard_of(param)
+    if shard is None:
+        return tuple(offsets), tuple(param.shape)
+    offsets[shard.dim] += shard.offset
+    return tuple(offsets), tuple(shard.full_shape)
