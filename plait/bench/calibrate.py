@@ -48,6 +48,30 @@ def _median_s(fn: Callable[[], Any], reps: int) -> float:
     return statistics.median(times)
 
 
+def _median_rounds(mesh: Mesh, fns: list[Callable[[], Any]], rounds: int) -> list[float]:
+    """Median seconds of each of `fns` over `rounds` passes through all of them, ranks in step.
+
+    Interleaving (rather than one shape's repetitions back to back) spreads a passing
+    disturbance over every shape instead of moving one shape's rate; a barrier before each
+    timing keeps the ranks on the same shape at the same moment, as training does, where
+    they share the caches and the memory bus."""
+    for fn in fns:
+        fn()  # warm-up: allocations, kernel selection
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, seen in zip(fns, times):
+            _in_step(mesh)
+            start = time.perf_counter()
+            fn()
+            seen.append(time.perf_counter() - start)
+    return [statistics.median(seen) for seen in times]
+
+
+def _in_step(mesh: Mesh) -> None:
+    if mesh.env.world_size > 1:
+        comm.barrier(mesh.axis("world"))
+
+
 def _slowest(mesh: Mesh, values: list[float]) -> list[float]:
     """Max over every rank of each value (the slowest rank sets the pace)."""
     tensor = torch.tensor(values, dtype=torch.float64, device=mesh.device)
@@ -80,12 +104,14 @@ def _dtype(precision: str) -> torch.dtype:
 
 def measure_gemms(mesh: Mesh, gemms: dict[str, Gemm], precision: str, reps: int) -> dict[str, float]:
     """{key: TFLOP/s} of each GEMM shape, slowest rank."""
-    dtype, device, times = _dtype(precision), mesh.device, []
-    for g in gemms.values():
+    dtype, device = _dtype(precision), mesh.device
+
+    def gemm(g: Gemm) -> Callable[[], Any]:
         a = torch.randn(g.m, g.k, dtype=dtype, device=device)
         b = torch.randn(g.k, g.n, dtype=dtype, device=device)
-        times.append(_median_s(lambda: (torch.mm(a, b), _sync(mesh)), reps))
-    times = _slowest(mesh, times)
+        return lambda: (torch.mm(a, b), _sync(mesh))
+
+    times = _slowest(mesh, _median_rounds(mesh, [gemm(g) for g in gemms.values()], reps))
     return {key: g.flops / t / 1e12 for (key, g), t in zip(gemms.items(), times)}
 
 
@@ -93,23 +119,27 @@ def measure_attention(mesh: Mesh, config: GPTConfig, micro_batch: int, seq_len: 
                       tp_sizes: list[int], precision: str, reps: int) -> dict[str, float]:
     """{key: TFLOP/s} of causal scaled-dot-product attention, forward + backward, counted as
     3 · 4·b·s²·h/t FLOPs (the model's convention: no discount for the mask)."""
-    out, times, flops = {}, [], []
+    out, runs, flops = {}, [], []
     for tp in sorted(set(tp_sizes)):
         heads = max(1, config.n_heads // tp)
         shape = (micro_batch, heads, seq_len, config.head_dim)
-        q, k, v = (torch.randn(shape, dtype=_dtype(precision), device=mesh.device, requires_grad=True)
-                   for _ in range(3))
-
-        def run() -> None:
-            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-            _sync(mesh)
-
-        times.append(_median_s(run, reps))
+        runs.append(_attention_run(mesh, shape, precision))
         flops.append(3 * 4.0 * micro_batch * seq_len * seq_len * heads * config.head_dim)
         out[attention_key(config, micro_batch, seq_len, tp, precision)] = 0.0
+    times = _median_rounds(mesh, runs, reps)
     for key, f, t in zip(list(out), flops, _slowest(mesh, times)):
         out[key] = f / t / 1e12
     return out
+
+
+def _attention_run(mesh: Mesh, shape: tuple[int, ...], precision: str) -> Callable[[], None]:
+    q, k, v = (torch.randn(shape, dtype=_dtype(precision), device=mesh.device, requires_grad=True) for _ in range(3))
+
+    def run() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        _sync(mesh)
+
+    return run
 
 
 def measure_memory(mesh: Mesh, elements: int, tensors: int, reps: int) -> dict[str, float]:
