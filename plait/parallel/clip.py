@@ -23,7 +23,7 @@ import math
 import torch
 from torch import nn
 
-from plait.parallel.pipeline.runner import pipeline_axis
+from plait.parallel.pipeline.held import pipeline_axis
 from plait.parallel.pipeline.split import logical_parameters
 from plait.parallel.tensor.plan import tensor_parallel_of
 from plait.parallel.tensor.layers import shard_of

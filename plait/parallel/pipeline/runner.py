@@ -27,6 +27,7 @@ from plait.parallel.data.sync import grad_sync, no_sync
 from plait.parallel.pipeline.comm import (BufferPool, Channels, Key, add_from_peer, agree_shapes, send_order,
                                           sum_tied_grads)
 from plait.parallel.pipeline.execute import LossFn, PipelineStats, StageWork, StepRun
+from plait.parallel.pipeline.held import PIPELINE_ATTR
 from plait.parallel.pipeline.split import (GPTStage, balanced_counts, check_split, rank_stages, split_stages,
                                            tied_copies)
 from plait.parallel.pipeline.schedule import Schedule, build_schedule, validate
@@ -35,10 +36,7 @@ from plait.parallel.tensor.plan import ATTR as TP_ATTR
 from plait.parallel.tensor.plan import tensor_parallel_of
 from plait.parallel.zero.stages import zero_of
 from plait.runtime import comm
-from plait.runtime.comm import Axis
 from plait.runtime.mesh import Mesh
-
-PIPELINE_ATTR = "_plait_pipeline"
 
 __all__ = ["GPTStage", "PipelineRunner", "PipelineStats", "apply_pipeline", "balanced_counts", "check_pipeline",
            "check_split", "split_stages"]
@@ -61,11 +59,6 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, *, virtual_stages: int = 1,
         setattr(held, TP_ATTR, info)  # the loss and the gradient norm look for it here
     setattr(held, PIPELINE_ATTR, mesh.axis("pp"))
     return held
-
-
-def pipeline_axis(module: nn.Module) -> Axis | None:
-    """The pp axis of a module that `apply_pipeline` returned (None for a whole model)."""
-    return getattr(module, PIPELINE_ATTR, None)
 
 
 def check_pipeline(n_layers: int, pp: int, schedule: str, microbatches: int, *, virtual_stages: int = 1,
