@@ -36,7 +36,6 @@ from plait.train.data import StepSampler
 from plait.train.measure import MeasurePolicy
 from plait.train.restart import restart_count
 from plait.train.task import task_for
-from plait.train.tokens import text_codec
 
 COMM_KEYS = [(axis, op) for axis in AXES for op in comm.OPS]
 MEM_KEYS = ("params", "grads", "optim", "activations_peak")
@@ -203,13 +202,13 @@ class Trainer:
         """A short continuation of the prompt, to see what the model learned."""
         if self.config.sample_tokens == 0 or self.task.kind != "lm":
             return ""
-        codec = text_codec(self.config.data)  # bytes, or the prepared corpus's tokenizer
+        codec = self.task.codec()  # bytes, or the tokenizer of the corpus or of the model
         prompt = torch.tensor([codec.encode(self.config.prompt)], dtype=torch.long, device=self.mesh.device)
         generator = torch.Generator(device=self.mesh.device).manual_seed(self.config.seed)
         if self.runner:
             out = self._generate_through_pipeline(prompt, generator)
         else:
-            out = self.model.generate(prompt, self.config.sample_tokens, generator=generator)
+            out = self.task.generate(self.model, prompt, self.config.sample_tokens, generator)
         return codec.decode(out[0].tolist())
 
     def _generate_through_pipeline(self, ids: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -304,7 +303,7 @@ class Trainer:
         state = {"epoch": epoch, "position": position, "config": self.config.to_dict(),
                  "loss_scale": self.guard.scaler.state_dict()}
         return checkpoint.save(Path(self.config.out) / "checkpoints", done, self.model, self.optimizer,
-                               self.mesh, state, keep=self.config.keep_checkpoints)
+                               self.mesh, state, keep=self.config.keep_checkpoints, attach=self.task.attachments())
 
     def resume(self) -> int:
         """Load model, optimizer and RNG from `--resume` (any layout); return the step to start at."""

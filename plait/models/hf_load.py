@@ -1,0 +1,90 @@
+"""Build a transformers model from a local directory, and write one back: offline, always.
+
+`build_hf_model` gives the `AutoModelForCausalLM` of DIR/config.json, with DIR's safetensors
+weights when it has them, else initialised from the seed: torch's generator is seeded just
+before transformers initialises, so every rank, whatever its layout, starts from the same
+weights. The model is returned as it is (its own class and parameter names): strategies
+pick their adapter by that class, and checkpoints keep its names.
+
+`write_hf_dir` is the reverse, for `plait ckpt export --hf`: config.json, the weights as one
+model.safetensors under transformers' names (a tied head is stored once, as
+`save_pretrained` does, and re-tied by `from_pretrained`), generation_config.json and
+tokenizer.json when the run had them. It is written under a temporary name and renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from plait.errors import PlaitError
+from plait.models.hf_config import CONFIG, GENERATION, TOKENIZER, WEIGHTS, HFModelDir
+
+
+def _transformers() -> object:
+    """transformers, kept offline and quiet (no hub lookups, no progress bars)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    try:
+        import transformers
+    except ImportError:
+        raise PlaitError("--model hf:DIR needs the `transformers` library", hint="pip install 'plait[hf]'") from None
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    return transformers
+
+
+def build_hf_model(hf: HFModelDir, seed: int) -> nn.Module:
+    """DIR's causal language model in training mode, from its weights or from `seed`."""
+    transformers = _transformers()
+    auto = transformers.AutoModelForCausalLM
+    try:
+        if hf.weights:
+            model = auto.from_pretrained(str(hf.path), local_files_only=True)
+        else:
+            config = transformers.AutoConfig.from_pretrained(str(hf.path), local_files_only=True)
+            torch.manual_seed(seed)
+            model = auto.from_config(config)
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        raise PlaitError(f"--model hf:{hf.path}: transformers cannot build it: {exc}",
+                         hint="check config.json and the safetensors files (load them with from_pretrained)") from None
+    model.config.use_cache = False  # training keeps no key/value cache
+    return model.float().train()  # from_pretrained returns eval mode; the trainer casts to --precision
+
+
+def write_hf_dir(out: str | Path, config: dict, weights: dict[str, torch.Tensor],
+                 extra: dict[str, Path]) -> Path:
+    """DIR for `from_pretrained(DIR)`: config.json, model.safetensors and the `extra` files
+    (generation config, tokenizer) by their names; atomic (temporary directory, rename)."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise PlaitError(f"--hf {out} exists and is not a directory", hint="choose a new directory name")
+    tmp, old = out.with_name(f".{out.name}.tmp-{os.getpid()}"), out.with_name(f".{out.name}.old-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        # transformers reads a safetensors file only when its metadata says it holds torch tensors.
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        for name, path in extra.items():
+            shutil.copyfile(path, tmp / name)
+        if out.exists():
+            os.rename(out, old)
+        os.rename(tmp, out)
+    except OSError as exc:
+        raise PlaitError(f"--hf {out} could not be written: {exc.strerror or exc}",
+                         hint="choose a directory you can write to, with space for the weights") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+__all__ = ["GENERATION", "TOKENIZER", "build_hf_model", "write_hf_dir"]
