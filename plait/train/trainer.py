@@ -51,6 +51,22 @@ def lr_at(step: int, config: TrainConfig) -> float:
     return floor + (config.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def _parallelized(model: torch.nn.Module, mesh: Mesh, config: TrainConfig) -> torch.nn.Module:
+    """`parallelize` with the run's options. A model whose family tensor or pipeline
+    parallelism cannot handle yet (no adapter tells them its layers) fails with one line."""
+    try:
+        return parallelize(model, mesh, ParallelConfig(
+            bucket_mb=config.bucket_mb, zero=config.zero, offload=config.offload, sp=config.sp,
+            virtual_stages=config.virtual_stages, recompute=config.recompute, sync_bn=config.sync_bn,
+            reduce_dtype=reduce_dtype_of(config.precision, config.reduce_dtype)))
+    except AttributeError as exc:
+        if mesh.size("tp") == 1 and mesh.size("pp") == 1:
+            raise
+        raise PlaitError(f"--model {config.model}: tp={mesh.size('tp')} × pp={mesh.size('pp')} needs a part of "
+                         f"{type(model).__name__} that plait cannot find ({exc})",
+                         hint="train it data-parallel (--nproc N, with --zero 1-3 to shard it)") from None
+
+
 class Trainer:
     """Builds the model, optimizer and data for this rank, then trains."""
 
@@ -63,10 +79,7 @@ class Trainer:
         # initial weights whatever the layout.
         # With pp > 1, parallelize returns this rank's pipeline stages.
         dtype = param_dtype(config.precision)  # 16-bit weights: the fp32 masters live in the optimizer
-        self.model = parallelize(self.task.build_model(config.seed).to(dtype), mesh, ParallelConfig(
-            bucket_mb=config.bucket_mb, zero=config.zero, offload=config.offload, sp=config.sp,
-            virtual_stages=config.virtual_stages, recompute=config.recompute, sync_bn=config.sync_bn,
-            reduce_dtype=reduce_dtype_of(config.precision, config.reduce_dtype)))
+        self.model = _parallelized(self.task.build_model(config.seed).to(dtype), mesh, config)
         self.runner: PipelineRunner | None = None
         self.optimizer = build_optimizer(self.model, torch.optim.AdamW, lr=config.lr, betas=(0.9, 0.95),
                                          weight_decay=config.weight_decay)
