@@ -7,6 +7,8 @@ A checkpoint is a directory:
                               a sha256 per file, the layout that wrote it, the trainer's state
       rank00000.safetensors   the pieces rank 0 owned (plus its RNG state)
       rank00001.safetensors   ...
+      hf/config.json          files attached by the task (an hf:DIR model's config and tokenizer),
+                              listed and hashed in index.json like the rank files
 
 A piece is a rectangular block of a logical tensor: its offsets and lengths per dimension.
 Replicated tensors are written once (by dp rank 0); sharded strategies describe their
