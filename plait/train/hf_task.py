@@ -16,6 +16,7 @@ its exact parameter count is the built model's.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from torch import nn
 
 from plait.models.gpt import TEMPERATURE, sample_next
 from plait.models.hf_config import CONFIG, GENERATION, TOKENIZER, read_hf_dir
+from plait.parallel.tensor.plan import lm_loss
 from plait.train.config import TrainConfig
 from plait.train.data import corpus_digest, load_corpus, train_val_split
 from plait.train.task import LanguageTask
@@ -77,8 +79,16 @@ class HFTask(LanguageTask):
         return torch.from_numpy(np.concatenate(ids).astype(np.int64)) if ids else torch.zeros(0, dtype=torch.int64)
 
     def loss_fn(self, model: nn.Module) -> Any:
-        base = super().loss_fn(model)
-        return lambda outputs, targets, reduction="mean": base(logits_of(outputs), targets, reduction=reduction)
+        """Cross-entropy on the output's logits. Under tensor parallelism they may be this
+        rank's slice of the vocabulary (plait's vocabulary-parallel loss) or, gathered for
+        the user's code, the whole of it (the plain loss): their width says which."""
+        sliced, whole = super().loss_fn(model), functools.partial(lm_loss, axis=None)
+
+        def loss(outputs: Any, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+            logits = logits_of(outputs)
+            return (whole if logits.shape[-1] == self.hf.vocab_size else sliced)(logits, targets, reduction=reduction)
+
+        return loss
 
     def codec(self) -> TextCodec:
         tokenizer = self.tokenizer()
