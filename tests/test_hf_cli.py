@@ -208,3 +208,20 @@ def test_estimate_reads_the_shape_from_config_json(setup: dict[str, Path], capsy
     assert main(["estimate", "--model", f"hf:{setup['dir']}", "--dp", "2", "--json"]) == 0
     predicted = json.loads(capsys.readouterr().out)
     assert predicted["memory"]["params"] == summary["num_params"] * 4  # fp32, replicated
+
+
+def test_without_weights_every_rank_starts_from_the_seed(tmp_path: Path) -> None:
+    """No safetensors in DIR: every rank builds the same model from --seed (and another seed
+    gives another model), whatever its layout; with them, DIR's weights."""
+    import torch
+
+    from plait.models.hf_config import read_hf_dir
+    from plait.models.hf_load import build_hf_model
+
+    transformers.GPT2Config(vocab_size=256, n_embd=16, n_layer=1, n_head=2, n_positions=32).save_pretrained(tmp_path)
+    hf = read_hf_dir(f"hf:{tmp_path}")
+    assert hf.weights == () and hf.tokenizer is None and hf.shape().arch == "gpt2"
+    first, again, other = (dict(build_hf_model(hf, seed).named_parameters()) for seed in (0, 0, 1))
+    assert all(torch.equal(first[name], again[name]) for name in first)
+    assert not torch.equal(first["transformer.wte.weight"], other["transformer.wte.weight"])
+    assert build_hf_model(hf, 0).training  # from_pretrained gives eval mode; plait trains

@@ -18,15 +18,16 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from plait.errors import PlaitError
-from plait.models.hf_config import CONFIG, GENERATION, TOKENIZER, WEIGHTS, HFModelDir
+from plait.models.hf_config import CONFIG, WEIGHTS, HFModelDir
 
 
-def _transformers() -> object:
+def _transformers() -> Any:
     """transformers, kept offline and quiet (no hub lookups, no progress bars)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -87,4 +88,4 @@ def write_hf_dir(out: str | Path, config: dict, weights: dict[str, torch.Tensor]
     return out
 
 
-__all__ = ["GENERATION", "TOKENIZER", "build_hf_model", "write_hf_dir"]
+__all__ = ["build_hf_model", "write_hf_dir"]
