@@ -44,18 +44,35 @@ def build_hf_model(hf: HFModelDir, seed: int) -> nn.Module:
     """DIR's causal language model in training mode, from its weights or from `seed`."""
     transformers = _transformers()
     auto = transformers.AutoModelForCausalLM
+    torch.manual_seed(seed)  # also for any weight the files lack: the same on every rank
     try:
         if hf.weights:
-            model = auto.from_pretrained(str(hf.path), local_files_only=True)
+            model, info = auto.from_pretrained(str(hf.path), local_files_only=True, output_loading_info=True)
+            _say_what_was_not_loaded(hf, info)
         else:
             config = transformers.AutoConfig.from_pretrained(str(hf.path), local_files_only=True)
-            torch.manual_seed(seed)
             model = auto.from_config(config)
-    except (OSError, ValueError, RuntimeError, KeyError) as exc:
-        raise PlaitError(f"--model hf:{hf.path}: transformers cannot build it: {exc}",
+    except PlaitError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - transformers and safetensors raise their own types
+        raise PlaitError(f"--model hf:{hf.path}: transformers cannot build it: {type(exc).__name__}: {exc}",
                          hint="check config.json and the safetensors files (load them with from_pretrained)") from None
     model.config.use_cache = False  # training keeps no key/value cache
     return model.float().train()  # from_pretrained returns eval mode; the trainer casts to --precision
+
+
+def _say_what_was_not_loaded(hf: HFModelDir, info: dict) -> None:
+    """Weights of the wrong shape are refused; weights the files lack start from the seed,
+    and the user is told which (only rank 0 speaks)."""
+    mismatched = info.get("mismatched_keys") or []
+    if mismatched:
+        raise PlaitError(f"--model hf:{hf.path}: {len(mismatched)} tensor(s) in the safetensors files have another "
+                         f"shape than config.json gives, e.g. {list(mismatched)[0]}",
+                         hint="the weights belong to another config.json; use the pair that was saved together")
+    missing = sorted(info.get("missing_keys") or [])
+    if missing and os.environ.get("RANK", "0") == "0":
+        print(f"plait: note: --model hf:{hf.path}: {len(missing)} weight(s) not in its files start from the seed: "
+              f"{', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}", flush=True)
 
 
 def write_hf_dir(out: str | Path, config: dict, weights: dict[str, torch.Tensor],
