@@ -125,6 +125,7 @@ def test_export_hf_loads_in_transformers_with_the_trained_weights(setup: dict[st
     out = setup["root"] / "exported"
     assert main(["ckpt", "export", str(setup["first"]), "--hf", str(out)]) == 0
     assert (out / "tokenizer.json").read_bytes() == (setup["dir"] / "tokenizer.json").read_bytes()
+    assert (out / "generation_config.json").read_bytes() == (setup["dir"] / "generation_config.json").read_bytes()
     trained = load_file(str(setup["first"] / "model.safetensors"))  # what plait wrote at the end
     reference = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.from_pretrained(str(setup["dir"])))

@@ -3,7 +3,8 @@
     DIR/config.json                       required: the architecture (model_type, sizes)
     DIR/model.safetensors                 optional: the weights to start from; or
     DIR/model.safetensors.index.json      with the shards it names (model-00001-of-00002...)
-    DIR/generation_config.json            optional: kept for the export
+    DIR/generation_config.json            optional, like tokenizer_config.json and
+                                          special_tokens_map.json: carried into the export
     DIR/tokenizer.json                    optional: else the corpus is bytes (vocabulary ≥ 256)
 
 Everything here is JSON and file names, so `plait train` checks the directory, and `plait
@@ -25,6 +26,9 @@ from plait.models.config import GPTConfig, get_preset
 PREFIX = "hf:"
 CONFIG, WEIGHTS, WEIGHTS_INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 GENERATION, TOKENIZER = "generation_config.json", "tokenizer.json"
+# Carried, when DIR has them, into checkpoints and the export: what from_pretrained and
+# AutoTokenizer read beside the weights.
+COMPANIONS = (GENERATION, "tokenizer_config.json", "special_tokens_map.json")
 # model_type -> the block it has (llama: RMSNorm, RoPE, SwiGLU; gpt2: LayerNorm, learned positions).
 FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2"}
 
@@ -42,7 +46,6 @@ class HFModelDir:
     config: dict[str, Any]
     weights: tuple[Path, ...]  # empty: train from a seeded random initialisation
     tokenizer: Path | None
-    generation: Path | None
 
     @property
     def family(self) -> str:
@@ -90,10 +93,9 @@ def read_hf_dir(spec: str) -> HFModelDir:
                          hint=f"plait trains these transformers families: {', '.join(FAMILIES)}")
     if not isinstance(config.get("vocab_size"), int) or config["vocab_size"] < 1:
         raise PlaitError(f"--model {spec}: {path / CONFIG} has no positive integer vocab_size")
-    tokenizer, generation = path / TOKENIZER, path / GENERATION
+    tokenizer = path / TOKENIZER
     return HFModelDir(path=path, config=config, weights=_weight_files(path, spec),
-                      tokenizer=tokenizer if tokenizer.is_file() else None,
-                      generation=generation if generation.is_file() else None)
+                      tokenizer=tokenizer if tokenizer.is_file() else None)
 
 
 def _read_config(path: Path, spec: str) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 `transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads with the trained weights.
 
 The checkpoint holds everything needed (plait.train.hf_task attaches DIR's config.json, and
-its generation config and tokenizer.json when there were any), so the export works after
+its generation config and tokenizer files when there were any), so the export works after
 DIR has moved or changed. The weights keep transformers' own names: checkpoints store them
 by the model's parameter names, whatever the layout that wrote them.
 """
@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from plait.errors import PlaitError
-from plait.models.hf_config import CONFIG, GENERATION, TOKENIZER
+from plait.models.hf_config import CONFIG
 from plait.train.checkpoint_read import Reader, model_weights
 from plait.train.hf_task import ATTACHED
 
@@ -30,6 +30,6 @@ def export_hf(path: str | Path, out: str | Path) -> tuple[Path, int]:
                          hint=f"export its weights as one safetensors file: plait ckpt export {path} --to FILE.safetensors")
     config = json.loads((reader.path / config_file).read_text())
     weights = model_weights(reader)
-    extra = {name: reader.path / ATTACHED / name for name in (GENERATION, TOKENIZER)
-             if f"{ATTACHED}/{name}" in reader.index["files"]}
+    extra = {name.removeprefix(f"{ATTACHED}/"): reader.path / name for name in reader.index["files"]
+             if name.startswith(f"{ATTACHED}/") and name != config_file}  # tokenizer, generation config
     return write_hf_dir(out, config, weights, extra), len(weights)

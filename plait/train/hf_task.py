@@ -7,7 +7,7 @@ What differs from plait's GPT, and nothing else:
 - the model returns an output object: the loss reads its `.logits` (one place, `logits_of`),
   so the trainer's loop, evaluation and the pipeline runner need no change;
 - the sample is drawn by a plain loop over the model's logits;
-- checkpoints carry DIR's config.json (and its generation config and tokenizer), so that
+- checkpoints carry DIR's config.json (and its generation config and tokenizer files), so that
   `plait ckpt export --hf` can write a directory transformers loads, from the checkpoint alone.
 
 The model's shape for estimates and the report is read from config.json (hf_config.shape);
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from plait.models.gpt import TEMPERATURE, sample_next
-from plait.models.hf_config import CONFIG, GENERATION, TOKENIZER, read_hf_dir
+from plait.models.hf_config import COMPANIONS, CONFIG, TOKENIZER, read_hf_dir
 from plait.parallel.tensor.plan import lm_loss
 from plait.train.config import TrainConfig
 from plait.train.data import corpus_digest, load_corpus, train_val_split
@@ -103,10 +103,11 @@ class HFTask(LanguageTask):
         return ids
 
     def attachments(self) -> dict[str, Path]:
-        """DIR's files a checkpoint carries: config.json, and generation config and tokenizer when present."""
+        """The files a checkpoint carries: DIR's config.json and its companions when present,
+        and the run's tokenizer.json (DIR's, else the prepared corpus's)."""
         files = {f"{ATTACHED}/{CONFIG}": self.hf.path / CONFIG}
         tokenizer = self.hf.tokenizer or (Path(self.config.data) / TOKENIZER if is_prepared(self.config.data) else None)
-        for name, path in ((GENERATION, self.hf.generation), (TOKENIZER, tokenizer)):
+        for name, path in [*((n, self.hf.path / n) for n in COMPANIONS), (TOKENIZER, tokenizer)]:
             if path is not None and path.is_file():
                 files[f"{ATTACHED}/{name}"] = path
         return files
