@@ -226,3 +226,24 @@ def test_without_weights_every_rank_starts_from_the_seed(tmp_path: Path) -> None
     assert all(torch.equal(first[name], again[name]) for name in first)
     assert not torch.equal(first["transformer.wte.weight"], other["transformer.wte.weight"])
     assert build_hf_model(hf, 0).training  # from_pretrained gives eval mode; plait trains
+
+
+def test_raw_text_is_tokenized_as_data_prepare_would(setup: dict[str, Path], tmp_path: Path) -> None:
+    """Raw --data through DIR's tokenizer, on each rank, gives the tokens `plait data prepare
+    --tokenizer DIR` writes; such a prepared corpus passes the checks, and is used as it is."""
+    import torch
+
+    from plait.train.config import build_config, validate
+    from plait.train.data import map_tokens
+    from plait.train.hf_task import HFTask
+    from plait.train.prepare import prepare
+
+    prepared = tmp_path / "prepared"
+    prepare(str(setup["dir"]), str(setup["corpus"]), str(prepared))
+    raw, mapped = ({"model": f"hf:{setup['dir']}", "data": str(data), "seq_len": str(SEQ), "out": str(tmp_path / "o")}
+                   for data in (setup["corpus"], prepared))
+    validate(build_config({}, mapped))
+    train, val, _ = HFTask(build_config({}, raw)).load()
+    whole = torch.cat([train.tokens, val.tokens])
+    assert torch.equal(whole, map_tokens(str(prepared)).long())
+    assert HFTask(build_config({}, mapped)).attachments()["hf/tokenizer.json"] == setup["dir"] / "tokenizer.json"
