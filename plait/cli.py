@@ -109,9 +109,9 @@ def _dispatch(argv: list[str]) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="plait", description="Train PyTorch models across many processes.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.add_parser("train", help="train a GPT (the demo, by default) on N processes")
+    sub.add_parser("train", help="train a GPT (the demo, by default) or a local Hugging Face model on N processes")
     sub.add_parser("launch", help="run your own script as N local processes (like torchrun)")
-    sub.add_parser("ckpt", help="inspect a checkpoint, or export it as one safetensors file")
+    sub.add_parser("ckpt", help="inspect a checkpoint, or export it (one safetensors file, or a Hugging Face directory)")
     sub.add_parser("data", help="prepare a corpus: tokenize it once into a file every rank maps")
     sub.add_parser("report", help="plots of a finished run (loss, speed, memory, traffic, timeline) in RUN_DIR/report.md")
     sub.add_parser("estimate", help="memory, traffic and step time of one layout, before launching")
@@ -214,9 +214,13 @@ def cmd_ckpt(argv: list[str]) -> int:
     sub = parser.add_subparsers(dest="action", required=True)
     inspect = sub.add_parser("inspect", help="tensors, shapes, the layout that wrote it, its step")
     inspect.add_argument("path", help="a step-N directory, or a run's --out (its latest checkpoint)")
-    exporter = sub.add_parser("export", help="the model's weights as one plain safetensors file")
+    exporter = sub.add_parser("export", help="the model's weights as one plain safetensors file, or (--hf) as a "
+                                             "Hugging Face model directory")
     exporter.add_argument("path", help="a step-N directory, or a run's --out")
-    exporter.add_argument("--to", required=True, help="the .safetensors file to write")
+    target = exporter.add_mutually_exclusive_group(required=True)
+    target.add_argument("--to", help="the .safetensors file to write")
+    target.add_argument("--hf", metavar="OUT", help="the directory to write for transformers' from_pretrained(OUT) "
+                                                    "(a --model hf:DIR run's checkpoint)")
     for p in (inspect, exporter):
         p.add_argument("--debug", action="store_true", help="show tracebacks")
     args = parser.parse_args(argv)
@@ -224,6 +228,12 @@ def cmd_ckpt(argv: list[str]) -> int:
 
     if args.action == "inspect":
         print(checkpoint_read.describe(args.path))
+    elif args.hf:
+        from plait.train.hf_export import export_hf
+
+        out, count = export_hf(args.path, args.hf)
+        print(f"wrote {count} tensors, config.json and the model's files to {out} "
+              f"(load it with transformers.AutoModelForCausalLM.from_pretrained)")
     else:
         count = checkpoint_read.export(args.path, args.to)
         print(f"wrote {count} tensors to {args.to}")

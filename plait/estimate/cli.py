@@ -16,12 +16,12 @@ from plait.estimate.hardware import PRESETS as HARDWARE, resolve_hardware
 from plait.rules import PRECISIONS, RECOMPUTE, SCHEDULES
 from plait.estimate.planner import plan
 from plait.estimate.report import format_estimate, format_plan, human_bytes
-from plait.models.config import PRESETS as MODELS, GPTConfig, get_preset
+from plait.models.config import PRESETS as MODELS, GPTConfig
 
 
 def _common(parser: argparse.ArgumentParser, precision: str | None) -> None:
     """Flags shared by both commands: the model, the hardware, the precision, the output."""
-    parser.add_argument("--model", help=f"model preset: {', '.join(MODELS)}")
+    parser.add_argument("--model", help=f"model preset: {', '.join(MODELS)}; or hf:DIR (a Hugging Face config.json)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's max)")
     default = f"default: {precision}" if precision else "default: bf16 with --zero 1-3, fp32 without"
     parser.add_argument("--precision", default=precision,
@@ -105,8 +105,10 @@ def plan_main(argv: list[str]) -> int:
 
 def _model(name: str | None) -> GPTConfig:
     if not name:
-        raise PlaitError("no model given", hint=f"pass --model, one of: {', '.join(MODELS)}")
-    return get_preset(name)
+        raise PlaitError("no model given", hint=f"pass --model, one of: {', '.join(MODELS)}, or hf:DIR")
+    from plait.models.hf_config import model_shape
+
+    return model_shape(name)  # a preset, or hf:DIR's config.json read as a shape
 
 
 def _check_gpus(gpus: int, args: argparse.Namespace) -> None:

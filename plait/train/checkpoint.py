@@ -7,6 +7,8 @@ A checkpoint is a directory:
                               a sha256 per file, the layout that wrote it, the trainer's state
       rank00000.safetensors   the pieces rank 0 owned (plus its RNG state)
       rank00001.safetensors   ...
+      hf/config.json          files attached by the task (an hf:DIR model's config and tokenizer),
+                              listed and hashed in index.json like the rank files
 
 A piece is a rectangular block of a logical tensor: its offsets and lengths per dimension.
 Replicated tensors are written once (by dp rank 0); sharded strategies describe their
@@ -57,17 +59,20 @@ def init_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 
 # -- saving ------------------------------------------------------------------------------------
 def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh,
-         trainer_state: dict[str, Any], keep: int = 3, only: str = "") -> Path:
+         trainer_state: dict[str, Any], keep: int = 3, only: str = "", attach: dict[str, Path] | None = None) -> Path:
     """Write checkpoint `root/step-<step>` from every rank; returns its path.
 
-    `only` keeps the tensors whose names start with it ("model/": the weights alone)."""
+    `only` keeps the tensors whose names start with it ("model/": the weights alone).
+    `attach` {name in the checkpoint: file} are copied in by the main rank and verified like
+    the rest (a Hugging Face model's config.json and tokenizer, for `ckpt export --hf`)."""
     final, tmp = root / f"step-{step:08d}", root / f".tmp-step-{step:08d}"
     failure = _attempt(lambda: _fresh_dir(tmp)) if mesh.is_main else None
     _agree(mesh, failure, final, tmp)
     pieces = [p for p in local_pieces(model, optimizer, mesh) if p.name.startswith(only)]
     _agree(mesh, _attempt(lambda: _write_rank_file(tmp, mesh.global_rank, pieces)), final, tmp)
     if mesh.is_main:
-        failure = _attempt(lambda: (_write_index(tmp, mesh, trainer_state, step), _publish(root, tmp, final)))
+        failure = _attempt(lambda: (_write_index(tmp, mesh, trainer_state, step, _attach(tmp, attach or {})),
+                                    _publish(root, tmp, final)))
         if failure is None:
             _prune(root, keep)
     _agree(mesh, failure if mesh.is_main else None, final, tmp)  # also the closing barrier
@@ -129,9 +134,23 @@ def _write_rank_file(tmp: Path, rank: int, pieces: list[Piece]) -> None:
     _write_json(tmp / f"rank{rank:05d}.json", meta)
 
 
-def _write_index(tmp: Path, mesh: Mesh, trainer_state: dict[str, Any], step: int) -> None:
+def _attach(tmp: Path, attach: dict[str, Path]) -> dict[str, dict[str, Any]]:
+    """Copy the attached files in; their records for the index (size and sha256)."""
+    records = {}
+    for name, source in sorted(attach.items()):
+        path = tmp / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, path)
+        _fsync(path)
+        _fsync_dir(path.parent)
+        records[name] = {"sha256": sha256(path), "bytes": path.stat().st_size}
+    return records
+
+
+def _write_index(tmp: Path, mesh: Mesh, trainer_state: dict[str, Any], step: int,
+                 attached: dict[str, dict[str, Any]]) -> None:
     tensors: dict[str, dict[str, Any]] = {}
-    files = {}
+    files = dict(attached)
     for meta_path in sorted(tmp.glob("rank*.json")):
         meta = json.loads(meta_path.read_text())
         files[meta["file"]] = {"sha256": meta["sha256"], "bytes": meta["bytes"]}

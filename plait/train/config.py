@@ -15,6 +15,7 @@ from typing import Any
 from plait import rules
 from plait.errors import PlaitError
 from plait.models.config import TRAINABLE, get_preset, preset_name
+from plait.models.hf_config import is_hf, model_shape
 from plait.models.resnet_config import get_resnet, is_resnet
 from plait.train.tokens import model_for_data
 from plait.train.config_check import check_values
@@ -30,7 +31,7 @@ except ModuleNotFoundError:  # Python 3.10
 class TrainConfig:
     """Everything `plait train` needs; each field is also a `--flag` (underscores → dashes)."""
 
-    model: str = field(default="small", metadata={"help": "model preset: tiny or small, with optional field overrides: tiny,n_layers=4; or resnet18, resnet34, resnet50 (resnet18,width=16)"})
+    model: str = field(default="small", metadata={"help": "model preset: tiny or small, with optional field overrides: tiny,n_layers=4; or resnet18, resnet34, resnet50 (resnet18,width=16); or hf:DIR, a local Hugging Face model directory (config.json; weights and tokenizer.json optional)"})
     data: str = field(default="stdlib", metadata={"help": "corpus: 'stdlib' (Python's own source), a text file or directory (up to 8 MiB), or a directory from `plait data prepare`; for a ResNet: 'digits' or a folder of class folders"})
     steps: int = field(default=120, metadata={"help": "optimizer steps"})
     micro_batch: int = field(default=8, metadata={"help": "sequences per rank per forward/backward"})
@@ -124,7 +125,7 @@ def build_config(file_values: dict[str, Any], flag_values: dict[str, Any]) -> Tr
     given = {k: v for k, v in flag_values.items() if v is not None}
     merged = {**check_values(file_values, TrainConfig, "the config file"), **check_values(given, TrainConfig, "flag")}
     config = replace(TrainConfig(), **merged)
-    if not is_resnet(config.model):  # a language model's vocabulary follows the data
+    if not is_resnet(config.model) and not is_hf(config.model):  # a preset's vocabulary follows the data
         config = replace(config, model=model_for_data(config.model, config.data))
     return resolve_layout(resolve_auto(config))
 
@@ -178,6 +179,10 @@ def validate(config: TrainConfig, *, local_limit: int | None = None) -> None:
     """Every check that needs no process group; raises PlaitError naming the fix."""
     if is_resnet(config.model):
         check_image_model(config)
+    elif is_hf(config.model):
+        from plait.train.hf_check import check_hf_run
+
+        check_hf_run(config)  # the directory, its tokenizer and the data agree; --seq-len fits
     else:
         get_preset(config.model)  # raises naming the presets, or the override that is wrong
         if preset_name(config.model) not in TRAINABLE:
@@ -191,7 +196,7 @@ def validate(config: TrainConfig, *, local_limit: int | None = None) -> None:
             raise PlaitError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
     if config.lr <= 0:
         raise PlaitError(f"--lr must be positive, got {config.lr}")
-    max_seq = get_preset(config.model).max_seq_len if not is_resnet(config.model) else config.seq_len
+    max_seq = model_shape(config.model).max_seq_len if not is_resnet(config.model) else config.seq_len
     if config.seq_len > max_seq:
         raise PlaitError(f"--seq-len {config.seq_len} is longer than model {config.model!r} allows ({max_seq})",
                          hint=f"use --seq-len {max_seq} or less")
@@ -221,7 +226,7 @@ def check_strategies(config: TrainConfig) -> None:
         if getattr(config, name) < 1:
             raise PlaitError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
     ParallelConfig(bucket_mb=config.bucket_mb, zero=config.zero, offload=config.offload)
-    model = get_preset(config.model) if config.tp > 1 or config.pp > 1 else None  # a ResNet has no GPT shape
+    model = model_shape(config.model) if config.tp > 1 or config.pp > 1 else None  # a ResNet has no GPT shape
     rules.check_strategy_choices(schedule=config.schedule, precision=config.precision, recompute=config.recompute,
                                  zero=config.zero, reduce_dtype=config.reduce_dtype)
     if not config.loss_scale >= 1:

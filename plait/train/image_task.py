@@ -59,6 +59,9 @@ class ImageTask:
     def units_per_sample(self) -> int:
         return 1
 
+    def attachments(self) -> dict[str, Any]:
+        return {}  # a ResNet checkpoint is its tensors alone
+
     def batchnorm_channels(self) -> list[int]:
         model = build_resnet(self.model_config, 0)
         return [m.num_features for m in model.modules() if isinstance(m, nn.BatchNorm2d)]

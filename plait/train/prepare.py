@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,9 +84,17 @@ def _text_chunks(files: list[Path]) -> Iterator[str]:
                 yield "".join(lines)
 
 
-def _encoded(tokenizer: Any, files: list[Path], batch: int = 8) -> Iterator[np.ndarray]:
+def text_chunks(text: str) -> Iterator[str]:
+    """An in-memory text cut as a file is: about TEXT_CHUNK characters, ending at line breaks."""
+    handle = io.StringIO(text, newline="")
+    while lines := handle.readlines(TEXT_CHUNK):
+        yield "".join(lines)
+
+
+def encode_texts(tokenizer: Any, texts: Iterable[str], batch: int = 8) -> Iterator[np.ndarray]:
+    """Token ids of each text chunk (no special tokens), encoded `batch` chunks at a time."""
     pending: list[str] = []
-    for text in _text_chunks(files):
+    for text in texts:
         pending.append(text)
         if len(pending) == batch:
             yield from (np.asarray(e.ids) for e in tokenizer.encode_batch(pending, add_special_tokens=False))
@@ -104,7 +113,7 @@ def prepare(tokenizer_spec: str, source: str, out: str) -> TokenIndex:
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f".{TOKENS}.{os.getpid()}"
     digest, count = hashlib.sha256(), 0
-    chunks = _byte_chunks(files) if tokenizer is None else _encoded(tokenizer, files)
+    chunks = _byte_chunks(files) if tokenizer is None else encode_texts(tokenizer, _text_chunks(files))
     try:
         with open(tmp, "wb") as handle:
             for ids in chunks:

@@ -12,12 +12,16 @@ every model; what differs lives here, behind one small interface:
 - the units a sample is counted in (tokens, images) and `prediction(...)`: what
   `plait estimate` can say of this model.
 
-`LanguageTask` is plait's GPT on a byte corpus; `ImageTask` (plait.train.image_task) is a
-ResNet on images. `task_for(config)` picks one from `--model`.
+`LanguageTask` is plait's GPT on a byte corpus; `HFTask` (plait.train.hf_task) a Hugging
+Face model from a local directory; `ImageTask` (plait.train.image_task) is a ResNet on
+images. `task_for(config)` picks one from `--model`. A language task also gives the text
+codec and the sampler of the closing sample; any task may name files a checkpoint carries
+beside its tensors (`attachments`).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -28,6 +32,7 @@ from plait.models.gpt import build_gpt
 from plait.parallel.tensor.plan import tp_loss_fn
 from plait.train.config import TrainConfig
 from plait.train.data import corpus_digest, load_corpus, train_val_split
+from plait.train.tokens import TextCodec, text_codec
 
 
 class Task(Protocol):
@@ -44,6 +49,7 @@ class Task(Protocol):
     def eval_sums(self, outputs: torch.Tensor, targets: torch.Tensor, loss_fn: Any) -> list[float]: ...
     def units_per_sample(self) -> int: ...
     def prediction(self, **layout: Any) -> dict[str, Any]: ...
+    def attachments(self) -> dict[str, Path]: ...
 
 
 class LanguageTask:
@@ -81,11 +87,27 @@ class LanguageTask:
 
         return estimate_layout(self.model_config, seq_len=self.config.seq_len, **layout)
 
+    def codec(self) -> TextCodec:
+        """Text <-> ids for the prompt and the sample: bytes, or the prepared corpus's tokenizer."""
+        return text_codec(self.config.data)
+
+    def generate(self, model: nn.Module, prompt: torch.Tensor, count: int, generator: torch.Generator) -> torch.Tensor:
+        return model.generate(prompt, count, generator=generator)
+
+    def attachments(self) -> dict[str, Path]:
+        """Files a checkpoint carries beside the tensors (a Hugging Face model's config): none."""
+        return {}
+
 
 def task_for(config: TrainConfig) -> Task:
-    """The image task for a ResNet `--model`, else language modelling."""
+    """The image task for a ResNet `--model`, a Hugging Face model's for hf:DIR, else plait's GPT."""
+    from plait.models.hf_config import is_hf
     from plait.models.resnet_config import is_resnet
 
+    if is_hf(config.model):
+        from plait.train.hf_task import HFTask
+
+        return HFTask(config)
     if is_resnet(config.model):
         from plait.train.image_task import ImageTask
 

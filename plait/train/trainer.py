@@ -36,7 +36,6 @@ from plait.train.data import StepSampler
 from plait.train.measure import MeasurePolicy
 from plait.train.restart import restart_count
 from plait.train.task import task_for
-from plait.train.tokens import text_codec
 
 COMM_KEYS = [(axis, op) for axis in AXES for op in comm.OPS]
 MEM_KEYS = ("params", "grads", "optim", "activations_peak")
@@ -52,6 +51,22 @@ def lr_at(step: int, config: TrainConfig) -> float:
     return floor + (config.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def _parallelized(model: torch.nn.Module, mesh: Mesh, config: TrainConfig) -> torch.nn.Module:
+    """`parallelize` with the run's options. A model whose family tensor or pipeline
+    parallelism cannot handle yet (no adapter tells them its layers) fails with one line."""
+    try:
+        return parallelize(model, mesh, ParallelConfig(
+            bucket_mb=config.bucket_mb, zero=config.zero, offload=config.offload, sp=config.sp,
+            virtual_stages=config.virtual_stages, recompute=config.recompute, sync_bn=config.sync_bn,
+            reduce_dtype=reduce_dtype_of(config.precision, config.reduce_dtype)))
+    except AttributeError as exc:
+        if mesh.size("tp") == 1 and mesh.size("pp") == 1:
+            raise
+        raise PlaitError(f"--model {config.model}: tp={mesh.size('tp')} × pp={mesh.size('pp')} needs a part of "
+                         f"{type(model).__name__} that plait cannot find ({exc})",
+                         hint="train it data-parallel (--nproc N, with --zero 1-3 to shard it)") from None
+
+
 class Trainer:
     """Builds the model, optimizer and data for this rank, then trains."""
 
@@ -64,10 +79,7 @@ class Trainer:
         # initial weights whatever the layout.
         # With pp > 1, parallelize returns this rank's pipeline stages.
         dtype = param_dtype(config.precision)  # 16-bit weights: the fp32 masters live in the optimizer
-        self.model = parallelize(self.task.build_model(config.seed).to(dtype), mesh, ParallelConfig(
-            bucket_mb=config.bucket_mb, zero=config.zero, offload=config.offload, sp=config.sp,
-            virtual_stages=config.virtual_stages, recompute=config.recompute, sync_bn=config.sync_bn,
-            reduce_dtype=reduce_dtype_of(config.precision, config.reduce_dtype)))
+        self.model = _parallelized(self.task.build_model(config.seed).to(dtype), mesh, config)
         self.runner: PipelineRunner | None = None
         self.optimizer = build_optimizer(self.model, torch.optim.AdamW, lr=config.lr, betas=(0.9, 0.95),
                                          weight_decay=config.weight_decay)
@@ -203,13 +215,13 @@ class Trainer:
         """A short continuation of the prompt, to see what the model learned."""
         if self.config.sample_tokens == 0 or self.task.kind != "lm":
             return ""
-        codec = text_codec(self.config.data)  # bytes, or the prepared corpus's tokenizer
+        codec = self.task.codec()  # bytes, or the tokenizer of the corpus or of the model
         prompt = torch.tensor([codec.encode(self.config.prompt)], dtype=torch.long, device=self.mesh.device)
         generator = torch.Generator(device=self.mesh.device).manual_seed(self.config.seed)
         if self.runner:
             out = self._generate_through_pipeline(prompt, generator)
         else:
-            out = self.model.generate(prompt, self.config.sample_tokens, generator=generator)
+            out = self.task.generate(self.model, prompt, self.config.sample_tokens, generator)
         return codec.decode(out[0].tolist())
 
     def _generate_through_pipeline(self, ids: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -304,7 +316,7 @@ class Trainer:
         state = {"epoch": epoch, "position": position, "config": self.config.to_dict(),
                  "loss_scale": self.guard.scaler.state_dict()}
         return checkpoint.save(Path(self.config.out) / "checkpoints", done, self.model, self.optimizer,
-                               self.mesh, state, keep=self.config.keep_checkpoints)
+                               self.mesh, state, keep=self.config.keep_checkpoints, attach=self.task.attachments())
 
     def resume(self) -> int:
         """Load model, optimizer and RNG from `--resume` (any layout); return the step to start at."""

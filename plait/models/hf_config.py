@@ -1,0 +1,139 @@
+"""A local Hugging Face model directory (`--model hf:DIR`), read without torch or transformers.
+
+    DIR/config.json                       required: the architecture (model_type, sizes)
+    DIR/model.safetensors                 optional: the weights to start from; or
+    DIR/model.safetensors.index.json      with the shards it names (model-00001-of-00002...)
+    DIR/generation_config.json            optional, like tokenizer_config.json and
+                                          special_tokens_map.json: carried into the export
+    DIR/tokenizer.json                    optional: else the corpus is bytes (vocabulary ≥ 256)
+
+Everything here is JSON and file names, so `plait train` checks the directory, and `plait
+estimate` sizes the model, before any process starts. `shape()` describes the model as a
+GPTConfig (the shape every memory and time formula of `plait estimate` reads); building the
+model itself is plait.models.hf_load's. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from plait.errors import PlaitError
+from plait.models.config import GPTConfig, get_preset
+
+PREFIX = "hf:"
+CONFIG, WEIGHTS, WEIGHTS_INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
+GENERATION, TOKENIZER = "generation_config.json", "tokenizer.json"
+# Carried, when DIR has them, into checkpoints and the export: what from_pretrained and
+# AutoTokenizer read beside the weights.
+COMPANIONS = (GENERATION, "tokenizer_config.json", "special_tokens_map.json")
+# model_type -> the block it has (llama: RMSNorm, RoPE, SwiGLU; gpt2: LayerNorm, learned positions).
+FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2"}
+
+
+def is_hf(spec: str) -> bool:
+    """True for a `--model` that names a Hugging Face directory (hf:DIR)."""
+    return spec.startswith(PREFIX)
+
+
+@dataclass(frozen=True)
+class HFModelDir:
+    """What a Hugging Face model directory holds (see the module docstring)."""
+
+    path: Path
+    config: dict[str, Any]
+    weights: tuple[Path, ...]  # empty: train from a seeded random initialisation
+    tokenizer: Path | None
+
+    @property
+    def family(self) -> str:
+        return FAMILIES[self.config["model_type"]]
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config["vocab_size"])
+
+    def shape(self) -> GPTConfig:
+        """The model's shape in plait's terms, for estimates, reports and layout checks."""
+        c, spec = self.config, f"{PREFIX}{self.path}"
+        try:
+            if self.family == "gpt2":
+                hidden = int(c["n_embd"])
+                return GPTConfig(vocab_size=self.vocab_size, n_layers=int(c["n_layer"]), d_model=hidden,
+                                 n_heads=int(c["n_head"]), n_kv_heads=int(c["n_head"]),
+                                 ffn_hidden=int(c.get("n_inner") or 4 * hidden), max_seq_len=int(c["n_positions"]),
+                                 tie_embeddings=bool(c.get("tie_word_embeddings", True)), arch="gpt2")
+            heads = int(c["num_attention_heads"])
+            rope = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+            return GPTConfig(vocab_size=self.vocab_size, n_layers=int(c["num_hidden_layers"]),
+                             d_model=int(c["hidden_size"]), n_heads=heads,
+                             n_kv_heads=int(c.get("num_key_value_heads") or heads),
+                             ffn_hidden=int(c["intermediate_size"]), max_seq_len=int(c["max_position_embeddings"]),
+                             tie_embeddings=bool(c.get("tie_word_embeddings", False)), rope_theta=float(rope),
+                             norm_eps=float(c.get("rms_norm_eps", 1e-6)))
+        except KeyError as exc:
+            raise PlaitError(f"--model {spec}: {CONFIG} has no {exc.args[0]!r}",
+                             hint=f"a {c['model_type']} config.json names every size; write it with save_pretrained") from None
+        except (TypeError, ValueError) as exc:
+            raise PlaitError(f"--model {spec}: {CONFIG} has a size that is not a number ({exc})") from None
+
+
+def read_hf_dir(spec: str) -> HFModelDir:
+    """The directory `spec` ("hf:DIR") names, checked: one PlaitError naming what is wrong."""
+    path = Path(spec.removeprefix(PREFIX)).expanduser()
+    if not path.is_dir():
+        raise PlaitError(f"--model {spec}: {path} is not a directory",
+                         hint="give hf:DIR, a local directory holding config.json (nothing is downloaded)")
+    config = _read_config(path, spec)
+    model_type = config.get("model_type")
+    if model_type not in FAMILIES:
+        raise PlaitError(f"--model {spec}: model_type {model_type!r} in {path / CONFIG} is not one plait trains",
+                         hint=f"plait trains these transformers families: {', '.join(FAMILIES)}")
+    if not isinstance(config.get("vocab_size"), int) or config["vocab_size"] < 1:
+        raise PlaitError(f"--model {spec}: {path / CONFIG} has no positive integer vocab_size")
+    tokenizer = path / TOKENIZER
+    return HFModelDir(path=path, config=config, weights=_weight_files(path, spec),
+                      tokenizer=tokenizer if tokenizer.is_file() else None)
+
+
+def _read_config(path: Path, spec: str) -> dict[str, Any]:
+    file = path / CONFIG
+    if not file.is_file():
+        raise PlaitError(f"--model {spec}: {file} is missing",
+                         hint="a Hugging Face model directory needs its config.json (write it with "
+                              "config.save_pretrained(DIR), or copy it from the model's repository)")
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise PlaitError(f"--model {spec}: {file} is not readable JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise PlaitError(f"--model {spec}: {file} is not a JSON object")
+    return config
+
+
+def _weight_files(path: Path, spec: str) -> tuple[Path, ...]:
+    """model.safetensors, or the shards its index names (each must be there), or none."""
+    if (path / WEIGHTS).is_file():
+        return (path / WEIGHTS,)
+    index = path / WEIGHTS_INDEX
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as exc:
+            raise PlaitError(f"--model {spec}: {index} is not a safetensors index ({exc})") from None
+        missing = [name for name in shards if not (path / name).is_file()]
+        if missing:
+            raise PlaitError(f"--model {spec}: {index} names shards that are not there: {', '.join(missing)}",
+                             hint="copy every shard beside the index, or remove the index to start from random weights")
+        return tuple(path / name for name in shards)
+    if any(path.glob("*.safetensors")):
+        raise PlaitError(f"--model {spec}: {path} holds *.safetensors shards without {WEIGHTS_INDEX}",
+                         hint="copy the index beside the shards (it says which tensor is in which file)")
+    return ()
+
+
+def model_shape(spec: str) -> GPTConfig:
+    """The shape of any `--model` a language model can be: a preset (with overrides) or hf:DIR."""
+    return read_hf_dir(spec).shape() if is_hf(spec) else get_preset(spec)

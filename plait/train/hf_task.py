@@ -1,0 +1,113 @@
+"""Language modelling with a Hugging Face model (`--model hf:DIR`): LanguageTask, adapted.
+
+What differs from plait's GPT, and nothing else:
+- the model is DIR's transformers model (plait.models.hf_load), from its weights or the seed;
+- text is tokenized with DIR/tokenizer.json when there is one (raw `--data` here, on every
+  rank, the same way `plait data prepare --tokenizer DIR` would), else read as bytes;
+- the model returns an output object: the loss reads its `.logits` (one place, `logits_of`),
+  so the trainer's loop, evaluation and the pipeline runner need no change;
+- the sample is drawn by a plain loop over the model's logits;
+- checkpoints carry DIR's config.json (and its generation config and tokenizer files), so that
+  `plait ckpt export --hf` can write a directory transformers loads, from the checkpoint alone.
+
+The model's shape for estimates and the report is read from config.json (hf_config.shape);
+its exact parameter count is the built model's.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from plait.models.gpt import TEMPERATURE, sample_next
+from plait.models.hf_config import COMPANIONS, CONFIG, TOKENIZER, read_hf_dir
+from plait.parallel.tensor.plan import lm_loss
+from plait.train.config import TrainConfig
+from plait.train.data import corpus_digest, load_corpus, train_val_split
+from plait.train.task import LanguageTask
+from plait.train.tokens import TextCodec, is_prepared, text_codec
+
+ATTACHED = "hf"  # the checkpoint's folder for the model directory's files
+
+
+def logits_of(outputs: Any) -> torch.Tensor:
+    """The logits of a transformers output object (a pipeline stage gives the tensor itself)."""
+    return getattr(outputs, "logits", outputs)
+
+
+class HFTask(LanguageTask):
+    """Next-token prediction with a local Hugging Face model."""
+
+    def __init__(self, config: TrainConfig):
+        self.config = config
+        self.hf = read_hf_dir(config.model)
+        self.model_config = self.hf.shape()
+        self.num_params = self.model_config.num_params()  # the exact count once the model is built
+        self._tokenizer: Any = None
+
+    def build_model(self, seed: int) -> nn.Module:
+        from plait.models.hf_load import build_hf_model
+
+        model = build_hf_model(self.hf, seed)
+        self.num_params = sum(p.numel() for p in model.parameters())  # a tied head counted once
+        return model
+
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None and self.hf.tokenizer is not None:
+            from plait.train.prepare import load_tokenizer
+
+            self._tokenizer, _ = load_tokenizer(str(self.hf.tokenizer))
+        return self._tokenizer
+
+    def load(self) -> tuple[Any, Any, int]:
+        tokens = load_corpus(self.config.data)
+        if self.hf.tokenizer is not None and not is_prepared(self.config.data):
+            tokens = self._encode(tokens)
+        return (*train_val_split(tokens, self.config.seq_len), corpus_digest(tokens))
+
+    def _encode(self, raw: torch.Tensor) -> torch.Tensor:
+        """Raw text's bytes -> the tokenizer's ids, in chunks ending at line breaks."""
+        from plait.train.prepare import encode_texts, text_chunks
+
+        text = bytes(raw.numpy()).decode("utf-8", errors="replace")
+        ids = list(encode_texts(self.tokenizer(), text_chunks(text)))
+        return torch.from_numpy(np.concatenate(ids).astype(np.int64)) if ids else torch.zeros(0, dtype=torch.int64)
+
+    def loss_fn(self, model: nn.Module) -> Any:
+        """Cross-entropy on the output's logits. Under tensor parallelism they may be this
+        rank's slice of the vocabulary (plait's vocabulary-parallel loss) or, gathered for
+        the user's code, the whole of it (the plain loss): their width says which."""
+        sliced, whole = super().loss_fn(model), functools.partial(lm_loss, axis=None)
+
+        def loss(outputs: Any, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+            logits = logits_of(outputs)
+            return (whole if logits.shape[-1] == self.hf.vocab_size else sliced)(logits, targets, reduction=reduction)
+
+        return loss
+
+    def codec(self) -> TextCodec:
+        tokenizer = self.tokenizer()
+        return TextCodec(tokenizer) if tokenizer is not None else text_codec(self.config.data)
+
+    def generate(self, model: nn.Module, prompt: torch.Tensor, count: int, generator: torch.Generator) -> torch.Tensor:
+        """`count` tokens drawn one at a time from the model's last logits (every rank alike)."""
+        ids = prompt
+        for _ in range(count):
+            logits = logits_of(model(ids[:, -self.model_config.max_seq_len:]))[:, -1]
+            ids = torch.cat((ids, sample_next(logits, TEMPERATURE, generator)), dim=1)
+        return ids
+
+    def attachments(self) -> dict[str, Path]:
+        """The files a checkpoint carries: DIR's config.json and its companions when present,
+        and the run's tokenizer.json (DIR's, else the prepared corpus's)."""
+        files = {f"{ATTACHED}/{CONFIG}": self.hf.path / CONFIG}
+        tokenizer = self.hf.tokenizer or (Path(self.config.data) / TOKENIZER if is_prepared(self.config.data) else None)
+        for name, path in [*((n, self.hf.path / n) for n in COMPANIONS), (TOKENIZER, tokenizer)]:
+            if path is not None and path.is_file():
+                files[f"{ATTACHED}/{name}"] = path
+        return files

@@ -1,0 +1,249 @@
+"""`plait train --model hf:DIR`, `--resume` under another layout, and `ckpt export --hf`.
+
+The test writes DIR itself: a tiny LlamaConfig saved with its (seeded) safetensors weights,
+and a byte-level BPE tokenizer trained with `tokenizers` on the test's own text. Then:
+
+- one run, dp 2, 4 steps, checkpoints at 2 and 4: its first loss equals the loss of
+  transformers' own model loaded from DIR on the same first batch, computed here in one
+  process (the text tokenized here, whole);
+- `--resume` from step 2 under another layout (one process with accumulation; ZeRO-3 × 2
+  under `make test-all`): it runs steps 3 and 4, with the losses and final weights of the
+  run that was not interrupted;
+- `ckpt export --hf`: `from_pretrained` on the export gives exactly the logits of plait's
+  final weights (OUT/model.safetensors), and the tokenizer comes along.
+
+Bad input is checked in this process, before anything would spawn: each is one error line
+and a hint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from plait.cli import main
+from tests.parity import PARAM_ATOL, PARAM_RTOL, assert_losses_close
+from tests.worldlib import run_plait, split_slow
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+SEQ, MICRO, STEPS = 16, 2, 4
+TRAIN = ["--seq-len", str(SEQ), "--micro-batch", str(MICRO), "--steps", str(STEPS), "--eval-every", "0",
+         "--eval-samples", "4", "--sample-tokens", "4", "--no-report", "--lr", "0.01", "--warmup-steps", "1"]
+RESUMED = {"one process": ["--nproc", "1", "--grad-accum", "2"], "zero3 x2": ["--nproc", "2", "--zero", "3"]}
+
+
+def corpus_text() -> str:
+    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly pack boxes of jugs".split()
+    lines = [" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(5 + i % 6)) + f" {i}." for i in range(300)]
+    return "\n".join(lines) + "\n"
+
+
+def write_model_dir(root: Path, vocab_size: int = 320) -> Path:
+    """DIR: config.json and model.safetensors (save_pretrained), and tokenizer.json."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator([corpus_text()], trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=64, tie_word_embeddings=True)
+    torch.manual_seed(3)
+    directory = root / "model"
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf_cli")
+    corpus = root / "corpus.txt"
+    corpus.write_text(corpus_text())
+    paths = {"dir": write_model_dir(root), "corpus": corpus, "first": root / "first", "root": root}
+    proc = run_plait("train", "--model", f"hf:{paths['dir']}", "--data", str(corpus), *TRAIN, "--nproc", "2",
+                     "--save-every", "2", "--keep-checkpoints", "0", "--out", str(paths["first"]))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return paths
+
+
+def metrics(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_first_loss_matches_transformers_on_the_same_batch(setup: dict[str, Path]) -> None:
+    """The weights come from DIR, the text is tokenized by DIR's tokenizer, the loss is
+    next-token cross-entropy over the whole first global batch (dp 2 × micro-batch 2)."""
+    import torch
+    import torch.nn.functional as F
+    from tokenizers import Tokenizer
+
+    from plait.train.data import StepSampler, train_val_split
+
+    ids = Tokenizer.from_file(str(setup["dir"] / "tokenizer.json")).encode(corpus_text(), add_special_tokens=False).ids
+    train, _ = train_val_split(torch.tensor(ids), SEQ)
+    first = StepSampler(train.num_samples, 2 * MICRO, 0, 1, 2 * MICRO, seed=0).micro_batches(0)[0]
+    inputs, targets = train.batch(first)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(setup["dir"]))
+    with torch.no_grad():
+        logits = model(input_ids=inputs).logits
+    expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
+    assert_losses_close([metrics(setup["first"])[0]["loss"]], [expected])
+
+
+@pytest.mark.parametrize("layout", split_slow(RESUMED, fast={"one process"}))
+def test_resume_under_another_layout_continues_the_run(setup: dict[str, Path], layout: str) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    out = setup["root"] / f"resumed-{layout.replace(' ', '-')}"
+    proc = run_plait("train", "--model", f"hf:{setup['dir']}", "--data", str(setup["corpus"]), *TRAIN,
+                     *RESUMED[layout], "--resume", str(setup["first"] / "checkpoints" / "step-00000002"),
+                     "--out", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    resumed, whole = metrics(out), metrics(setup["first"])
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert_losses_close([r["loss"] for r in resumed], [r["loss"] for r in whole[2:]])
+    final, expected = load_file(str(out / "model.safetensors")), load_file(str(setup["first"] / "model.safetensors"))
+    assert final.keys() == expected.keys() and "model.embed_tokens.weight" in final
+    for name, tensor in expected.items():
+        torch.testing.assert_close(final[name], tensor, rtol=PARAM_RTOL, atol=PARAM_ATOL)
+
+
+def test_export_hf_loads_in_transformers_with_the_trained_weights(setup: dict[str, Path]) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    out = setup["root"] / "exported"
+    assert main(["ckpt", "export", str(setup["first"]), "--hf", str(out)]) == 0
+    assert (out / "tokenizer.json").read_bytes() == (setup["dir"] / "tokenizer.json").read_bytes()
+    assert (out / "generation_config.json").read_bytes() == (setup["dir"] / "generation_config.json").read_bytes()
+    trained = load_file(str(setup["first"] / "model.safetensors"))  # what plait wrote at the end
+    reference = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.from_pretrained(str(setup["dir"])))
+    reference.load_state_dict(trained, strict=False)  # the head is tied to the embedding
+    reference.tie_weights()
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    assert torch.equal(exported.lm_head.weight, trained["model.embed_tokens.weight"])
+    ids = torch.randint(0, 300, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(exported(input_ids=ids).logits, reference.eval()(input_ids=ids).logits)
+    assert not any(p.name.startswith(".exported") for p in setup["root"].iterdir())  # no temporary left
+
+
+# -- bad input: one line and a hint, before any process starts ---------------------------------------
+def bad_dirs(root: Path, model: Path) -> dict[str, tuple[str, str]]:
+    """{case: (--model, words the error must hold)}."""
+    import shutil
+
+    def copy(name: str, keep: tuple[str, ...], config: dict[str, Any] | None = None) -> Path:
+        directory = root / name
+        directory.mkdir()
+        for file in keep:
+            shutil.copyfile(model / file, directory / file)
+        if config is not None:
+            (directory / "config.json").write_text(json.dumps(config))
+        return directory
+
+    base = json.loads((model / "config.json").read_text())
+    return {
+        "missing dir": (f"hf:{root / 'absent'}", "is not a directory"),
+        "no config.json": (f"hf:{copy('noconfig', ('model.safetensors', 'tokenizer.json'))}", "config.json is missing"),
+        "tokenizer larger than vocab": (f"hf:{copy('small', ('tokenizer.json',), {**base, 'vocab_size': 200})}",
+                                        "tokenizer.json has 300 tokens, more than the vocab_size 200"),
+        "bytes need 256 ids": (f"hf:{copy('bytes', (), {**base, 'vocab_size': 200})}", "read as bytes"),
+        "shards without index": (f"hf:{copy('shards', ('config.json',))}", "without model.safetensors.index.json"),
+        "unknown family": (f"hf:{copy('bert', (), {**base, 'model_type': 'bert'})}", "model_type 'bert'"),
+    }
+
+
+def test_bad_model_dirs_fail_with_one_line_and_a_hint(setup: dict[str, Path], tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    import shutil
+
+    from plait.train.prepare import prepare
+
+    cases = bad_dirs(tmp_path, setup["dir"])
+    shutil.copyfile(setup["dir"] / "model.safetensors", tmp_path / "shards" / "model-00001-of-00002.safetensors")
+    prepare("bytes", str(setup["corpus"]), str(tmp_path / "as-bytes"))
+    cases["corpus prepared as bytes"] = (f"hf:{setup['dir']}", "was not tokenized with")
+    for case, (model, words) in cases.items():
+        data = tmp_path / "as-bytes" if case == "corpus prepared as bytes" else setup["corpus"]
+        code = main(["train", "--model", model, "--data", str(data), "--seq-len", str(SEQ),
+                     "--out", str(tmp_path / "o")])
+        err = capsys.readouterr().err
+        assert code == 2, (case, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 2 and lines[0].startswith("plait: error: ") and lines[1].startswith("  hint: "), (case, err)
+        assert words in lines[0], (case, err)
+
+
+def test_export_hf_of_a_plait_gpt_checkpoint_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from plait.train.checkpoint import FORMAT
+
+    step = tmp_path / "step-00000001"
+    step.mkdir()
+    (step / "index.json").write_text(json.dumps({"format": FORMAT, "step": 1, "world_size": 1, "files": {},
+                                                 "tensors": {}, "trainer": {"config": {"model": "tiny"}}}))
+    assert main(["ckpt", "export", str(step), "--hf", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "is of --model tiny, not of a Hugging Face model" in err and "--to FILE.safetensors" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_estimate_reads_the_shape_from_config_json(setup: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    from plait.models.hf_config import model_shape
+
+    shape = model_shape(f"hf:{setup['dir']}")
+    assert (shape.n_layers, shape.d_model, shape.n_heads, shape.n_kv_heads, shape.vocab_size) == (2, 32, 4, 2, 320)
+    summary = json.loads((setup["first"] / "summary.json").read_text())
+    assert summary["num_params"] == shape.num_params() == 2 * (2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 64 + 64) + 320 * 32 + 32
+    assert main(["estimate", "--model", f"hf:{setup['dir']}", "--dp", "2", "--json"]) == 0
+    predicted = json.loads(capsys.readouterr().out)
+    assert predicted["memory"]["params"] == summary["num_params"] * 4  # fp32, replicated
+
+
+def test_without_weights_every_rank_starts_from_the_seed(tmp_path: Path) -> None:
+    """No safetensors in DIR: every rank builds the same model from --seed (and another seed
+    gives another model), whatever its layout; with them, DIR's weights."""
+    import torch
+
+    from plait.models.hf_config import read_hf_dir
+    from plait.models.hf_load import build_hf_model
+
+    transformers.GPT2Config(vocab_size=256, n_embd=16, n_layer=1, n_head=2, n_positions=32).save_pretrained(tmp_path)
+    hf = read_hf_dir(f"hf:{tmp_path}")
+    assert hf.weights == () and hf.tokenizer is None and hf.shape().arch == "gpt2"
+    first, again, other = (dict(build_hf_model(hf, seed).named_parameters()) for seed in (0, 0, 1))
+    assert all(torch.equal(first[name], again[name]) for name in first)
+    assert not torch.equal(first["transformer.wte.weight"], other["transformer.wte.weight"])
+    assert build_hf_model(hf, 0).training  # from_pretrained gives eval mode; plait trains
+
+
+def test_raw_text_is_tokenized_as_data_prepare_would(setup: dict[str, Path], tmp_path: Path) -> None:
+    """Raw --data through DIR's tokenizer, on each rank, gives the tokens `plait data prepare
+    --tokenizer DIR` writes; such a prepared corpus passes the checks, and is used as it is."""
+    import torch
+
+    from plait.train.config import build_config, validate
+    from plait.train.data import map_tokens
+    from plait.train.hf_task import HFTask
+    from plait.train.prepare import prepare
+
+    prepared = tmp_path / "prepared"
+    prepare(str(setup["dir"]), str(setup["corpus"]), str(prepared))
+    raw, mapped = ({"model": f"hf:{setup['dir']}", "data": str(data), "seq_len": str(SEQ), "out": str(tmp_path / "o")}
+                   for data in (setup["corpus"], prepared))
+    validate(build_config({}, mapped))
+    train, val, _ = HFTask(build_config({}, raw)).load()
+    whole = torch.cat([train.tokens, val.tokens])
+    assert torch.equal(whole, map_tokens(str(prepared)).long())
+    assert HFTask(build_config({}, mapped)).attachments()["hf/tokenizer.json"] == setup["dir"] / "tokenizer.json"
