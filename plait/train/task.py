@@ -14,7 +14,7 @@ every model; what differs lives here, behind one small interface:
 
 `LanguageTask` is plait's GPT on a byte corpus; `HFTask` (plait.train.hf_task) a Hugging
 Face model from a local directory; `ImageTask` (plait.train.image_task) is a ResNet on
-images. `task_for(config)` picks one from `--model`. A language task also gives the text
+images. `plait.train.tasks.task_for(config)` picks one from `--model`. A language task also gives the text
 codec and the sampler of the closing sample; any task may name files a checkpoint carries
 beside its tensors (`attachments`).
 """
@@ -97,19 +97,3 @@ class LanguageTask:
     def attachments(self) -> dict[str, Path]:
         """Files a checkpoint carries beside the tensors (a Hugging Face model's config): none."""
         return {}
-
-
-def task_for(config: TrainConfig) -> Task:
-    """The image task for a ResNet `--model`, a Hugging Face model's for hf:DIR, else plait's GPT."""
-    from plait.models.hf_config import is_hf
-    from plait.models.resnet_config import is_resnet
-
-    if is_hf(config.model):
-        from plait.train.hf_task import HFTask
-
-        return HFTask(config)
-    if is_resnet(config.model):
-        from plait.train.image_task import ImageTask
-
-        return ImageTask(config)
-    return LanguageTask(config)

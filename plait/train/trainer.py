@@ -35,7 +35,7 @@ from plait.train.config import TrainConfig
 from plait.train.data import StepSampler
 from plait.train.measure import MeasurePolicy
 from plait.train.restart import restart_count
-from plait.train.task import task_for
+from plait.train.tasks import task_for
 
 COMM_KEYS = [(axis, op) for axis in AXES for op in comm.OPS]
 MEM_KEYS = ("params", "grads", "optim", "activations_peak")
