@@ -1,0 +1,58 @@
+"""A transformers GPT-2 through plait's public API on 2 processes matches one process.
+
+One spawn (tests/worlds/hf_gpt2_world.py): tp 2 with the GPT-2 adapter's plan (Conv1D
+layers, q|k|v fused in c_attn), dp 2 and ZeRO-3 × 2; sequence parallelism refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.parity import assert_losses_close
+from tests.worldlib import run_world
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    _, reports = run_world("hf_gpt2_world.py", 2, tmp_path_factory.mktemp("hf_gpt2"))
+    return reports
+
+
+def test_tensor_parallel_gpt2_matches_one_process(world: list[dict[str, Any]]) -> None:
+    """Losses every step within 1e-4; the gathered parameters (c_attn's three parts put back
+    in place) equal the one-process model's after training."""
+    for report in world:
+        tp = report["tp"]
+        assert_losses_close(tp["losses"], report["reference"]["losses"], rtol=1e-4)
+        assert tp["param_names_match"]
+        assert tp["param_max_rel"] < 1e-4, tp["param_max_rel"]
+        assert tp["c_attn_local"] == [32, 48]  # Conv1D: (in, 3·out/tp), the output dim split
+
+
+def test_gpt2_under_tp_returns_whole_logits(world: list[dict[str, Any]]) -> None:
+    for report in world:
+        assert report["tp"]["logits_shape"] == [4, 16, 128]
+        assert report["tp"]["logits_max_diff"] < 1e-5
+
+
+def test_one_tp_all_reduce_per_region_in_backward(world: list[dict[str, Any]]) -> None:
+    """Attention (fused q|k|v) and MLP each all-reduce their input gradient once per layer."""
+    for report in world:
+        assert report["tp"]["backward_tp_all_reduces"] == 2 * report["tp"]["layers"]
+
+
+def test_sequence_parallelism_is_refused_for_gpt2(world: list[dict[str, Any]]) -> None:
+    for report in world:
+        assert "not supported for GPT-2" in report["sp_refused"]["adapter"]
+        assert "needs the plan to split the token embedding" in report["sp_refused"]["parallelize"]
+
+
+@pytest.mark.parametrize("run", ["dp", "zero3"])
+def test_data_parallel_gpt2_matches_one_process(world: list[dict[str, Any]], run: str) -> None:
+    """Each dp rank's loss is the mean over its half of the batch; their mean is the global loss."""
+    losses = [sum(step) / len(world) for step in zip(*(report[run]["losses"] for report in world))]
+    assert_losses_close(losses, world[0]["reference"]["losses"], rtol=1e-5)

@@ -1,0 +1,111 @@
+"""Tensor parallelism of transformers' Conv1D and of fused projections, in one process.
+
+Each rank's layer is cut from the same dense layer with a fake axis (rank r of 2, no group):
+a column shard's output must be the dense output's slice, a row shard's partial sums must
+add up to the dense output, and a fused q|k|v layer must give each rank its slice of each
+of q, k and v. No collective runs: a column layer's entry is the identity in forward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.errors import PlaitError
+from plait.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, Shard, layout_of
+from plait.parallel.tensor.plan import parse_style, resolve_plan
+from plait.runtime.comm import Axis, Ledger
+
+transformers = pytest.importorskip("transformers")
+from transformers.pytorch_utils import Conv1D  # noqa: E402
+
+from plait.models.hf_gpt2 import GPT2_PLAN, GPT2Adapter  # noqa: E402
+
+TP, E = 2, 8
+
+
+def rank_axis(rank: int) -> Axis:
+    return Axis("tp", TP, rank, None, Ledger())
+
+
+def dense_conv1d(out: int, inp: int) -> Conv1D:
+    torch.manual_seed(0)
+    layer = Conv1D(out, inp)
+    torch.nn.init.normal_(layer.bias)  # Conv1D starts with a zero bias: make it count
+    return layer
+
+
+def test_conv1d_layout_is_read_transposed() -> None:
+    assert layout_of(dense_conv1d(3 * E, E)) == (E, 3 * E, 1)
+    assert layout_of(torch.nn.Linear(E, 3 * E)) == (E, 3 * E, 0)
+
+
+def test_conv1d_column_shard_gives_its_slice_of_outputs_and_weight_gradient() -> None:
+    dense, x = dense_conv1d(2 * E, E), torch.randn(2, 5, E)
+    full = dense(x)
+    full.square().sum().backward()
+    width = 2 * E // TP
+    for rank in range(TP):
+        layer = ColumnParallelLinear.from_dense(dense, rank_axis(rank), {})
+        assert layer.weight.shape == (E, width) and layer.transposed
+        y = layer(x)
+        torch.testing.assert_close(y, full[..., rank * width:(rank + 1) * width].detach())
+        y.square().sum().backward()
+        torch.testing.assert_close(layer.weight.grad, dense.weight.grad[:, rank * width:(rank + 1) * width])
+
+
+def test_conv1d_row_shards_add_up_to_the_dense_output() -> None:
+    dense, x = dense_conv1d(E, 2 * E), torch.randn(2, 5, 2 * E)
+    width, total = 2 * E // TP, 0
+    for rank in range(TP):
+        layer = RowParallelLinear.from_dense(dense, rank_axis(rank), {})
+        assert layer.weight.shape == (width, E) and layer.transposed
+        torch.testing.assert_close(layer.weight, dense.weight[rank * width:(rank + 1) * width])
+        total = total + layer.partial(x[..., rank * width:(rank + 1) * width])
+    torch.testing.assert_close(total + dense.bias, dense(x))
+
+
+@pytest.mark.parametrize("kind", ["conv1d", "linear"])
+def test_fused_split_gives_each_rank_its_q_k_v_slices(kind: str) -> None:
+    dense = dense_conv1d(3 * E, E) if kind == "conv1d" else torch.nn.Linear(E, 3 * E)
+    x = torch.randn(2, 5, E)
+    q, k, v = dense(x).detach().split(E, dim=-1)
+    width = E // TP
+    for rank in range(TP):
+        layer = ColumnParallelLinear.from_dense(dense, rank_axis(rank), {}, fused=3)
+        mine = slice(rank * width, (rank + 1) * width)
+        for got, part in zip(layer(x).split(width, dim=-1), (q, k, v)):
+            torch.testing.assert_close(got, part[..., mine])
+
+
+def test_fused_shards_join_back_into_the_full_tensor() -> None:
+    full = torch.arange(4 * 12, dtype=torch.float32).reshape(4, 12)
+    for dim, fused in ((1, 3), (0, 2), (1, 1)):
+        shards = [Shard(dim, rank, TP, tuple(full.shape), fused) for rank in range(TP)]
+        stacked = torch.stack([shard.take(full) for shard in shards])
+        torch.testing.assert_close(shards[0].join(stacked), full)
+    with pytest.raises(PlaitError, match="3 blocks per rank"):
+        Shard(1, 1, TP, (4, 12), 3).offset  # noqa: B018 - a checkpoint cannot place it as one block
+
+
+def test_fused_style_parsing_and_refusals() -> None:
+    assert parse_style("column") == ("column", 1) and parse_style("column:3") == ("column", 3)
+    for bad in ("row:3", "column:0", "column:x", "colum:3"):
+        with pytest.raises(PlaitError):
+            parse_style(bad)
+
+
+def test_gpt2_plan_covers_every_conv1d_once() -> None:
+    config = transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=4, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config)
+    styles = resolve_plan(model, GPT2_PLAN)
+    conv1d = {name for name, module in model.named_modules() if isinstance(module, Conv1D)}
+    assert conv1d == {name for name, style in styles.items() if style != "region"}
+    assert styles["transformer.h.1.attn.c_attn"] == "column:3"
+    adapter = GPT2Adapter()
+    assert adapter.blocks(model) == list(model.transformer.h)
+    adapter.after_tensor_parallel(model, 2)
+    adapter.after_tensor_parallel(model, 2)  # twice: the same local sizes
+    assert model.transformer.h[0].attn.split_size == 8 and model.transformer.h[0].attn.num_heads == 2
+    with pytest.raises(PlaitError, match="not supported for GPT-2"):
+        adapter.tensor_plan(model, sp=True)

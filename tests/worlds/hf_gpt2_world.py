@@ -1,0 +1,131 @@
+"""A transformers GPT-2 through `plait.parallelize`, on 2 ranks. One spawn, every check.
+
+The model is built from a tiny GPT2Config (random weights, seeded, no dropout) on every
+rank; the one-process reference trains the same model on the whole batch inside each rank,
+without collectives. Then, each on its own mesh over the same 2 processes:
+
+1. tp 2 with the GPT-2 adapter's plan (Conv1D layers, the fused q|k|v split "column:3",
+   attention and MLP as regions): losses, the gathered final parameters, the tp all-reduces
+   of one backward, and the whole logits `model(input_ids=...)` returns;
+2. sequence parallelism asked for: the adapter's refusal and `parallelize`'s;
+3. dp 2 (plain data parallelism) and ZeRO-3 × 2 (the blocks as units), on half the batch.
+
+The model is called as user code calls it, `model(input_ids=..., labels=...).loss`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import plait
+from plait.models.hf_gpt2 import GPT2Adapter
+from plait.parallel.tensor.plan import gather_full_params
+from plait.runtime import comm
+from tests.worldlib import save_report
+
+SEED, STEPS, BATCH, SEQ, LR, VOCAB = 0, 3, 4, 16, 0.5, 128
+ADAPTER = GPT2Adapter()
+torch.set_num_threads(1)
+
+
+def build() -> GPT2LMHeadModel:
+    config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(SEED)
+    return GPT2LMHeadModel(config)
+
+
+def data() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator) for _ in range(STEPS)]
+
+
+def train(model: torch.nn.Module, batches: list[torch.Tensor], optimizer: Any, clip: Any,
+          ledger: Any = None) -> dict[str, Any]:
+    """SGD steps on `model(input_ids=, labels=).loss`; the tp all-reduces of the first backward."""
+    losses, backward_all_reduces = [], None
+    for step, ids in enumerate(batches):
+        loss = model(input_ids=ids, labels=ids).loss
+        before = ledger.tallies[(comm.TRAIN, "tp", "all_reduce")].calls if ledger else 0
+        loss.backward()
+        if ledger is not None and step == 0:
+            backward_all_reduces = ledger.tallies[(comm.TRAIN, "tp", "all_reduce")].calls - before
+        clip()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "backward_tp_all_reduces": backward_all_reduces}
+
+
+def reference(batches: list[torch.Tensor]) -> tuple[dict[str, Any], GPT2LMHeadModel]:
+    model = build()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    out = train(model, batches, optimizer, lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+    return out, model
+
+
+def parallelize(config: plait.ParallelConfig, **degrees: int) -> tuple[torch.nn.Module, Any]:
+    mesh = plait.init_mesh(**degrees)
+    model = plait.parallelize(build(), mesh, config, adapter=ADAPTER)
+    if mesh.size("tp") > 1:  # idempotent: a no-op where parallelize asks the adapter itself
+        ADAPTER.after_tensor_parallel(model, mesh.size("tp"))
+    return model, mesh
+
+
+def plait_run(batches: list[torch.Tensor], config: plait.ParallelConfig, **degrees: int) -> dict[str, Any]:
+    model, mesh = parallelize(config, **degrees)
+    dp, rank = mesh.size("dp"), mesh.rank("dp")
+    local = [ids[rank * BATCH // dp: (rank + 1) * BATCH // dp] for ids in batches]
+    optimizer = plait.build_optimizer(model, torch.optim.SGD, lr=LR, momentum=0.9)
+    out = train(model, local, optimizer, lambda: plait.clip_grad_norm(model, 1.0), mesh.ledger)
+    out["layers"] = model.config.n_layer
+    out["model"] = model
+    return out
+
+
+def tensor_parallel(batches: list[torch.Tensor], trained: GPT2LMHeadModel) -> dict[str, Any]:
+    """tp 2: before training, the logits are whole and equal; after, the parameters are."""
+    plan = ADAPTER.tensor_plan(build())
+    model, _ = parallelize(plait.ParallelConfig(tp_plan=plan), tp=2)
+    with torch.no_grad():
+        logits = model(input_ids=batches[0]).logits
+        dense = build()(input_ids=batches[0]).logits
+    out = plait_run(batches, plait.ParallelConfig(tp_plan=plan), tp=2)
+    full, ref = gather_full_params(out.pop("model")), dict(trained.named_parameters())
+    out["param_max_rel"] = max(((full[n] - p).abs().max() / p.abs().max()).item() for n, p in ref.items())
+    out["param_names_match"] = sorted(full) == sorted(ref)
+    out["logits_shape"] = list(logits.shape)
+    out["logits_max_diff"] = (logits - dense).abs().max().item()
+    out["c_attn_local"] = list(model.transformer.h[0].attn.c_attn.weight.shape)
+    return out
+
+
+def refusals() -> dict[str, str]:
+    """Sequence parallelism asked for, by the adapter's plan and by a plan given directly."""
+    found = {}
+    for name, ask in (("adapter", lambda: ADAPTER.tensor_plan(build(), sp=True)),
+                      ("parallelize", lambda: parallelize(plait.ParallelConfig(tp_plan=ADAPTER.tensor_plan(build()),
+                                                                               sp=True), tp=2))):
+        try:
+            ask()
+            found[name] = "accepted"
+        except plait.PlaitError as error:
+            found[name] = str(error)
+    return found
+
+
+def main() -> None:
+    batches = data()
+    ref, trained = reference(batches)
+    report = {"reference": ref, "tp": tensor_parallel(batches, trained), "sp_refused": refusals()}
+    for name, config in (("dp", plait.ParallelConfig()), ("zero3", plait.ParallelConfig(zero=3))):
+        report[name] = plait_run(batches, config, dp=2)
+        report[name].pop("model")
+    save_report(report)
+
+
+if __name__ == "__main__":
+    main()
