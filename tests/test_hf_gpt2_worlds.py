@@ -1,7 +1,8 @@
 """A transformers GPT-2 through plait's public API on 2 processes matches one process.
 
 One spawn (tests/worlds/hf_gpt2_world.py): tp 2 with the GPT-2 adapter's plan (Conv1D
-layers, q|k|v fused in c_attn), dp 2 and ZeRO-3 × 2; sequence parallelism refused.
+layers, q|k|v fused in c_attn), dp 2, ZeRO-3 × 2 and ZeRO-3 × 2 with full recomputation;
+sequence parallelism refused.
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ def test_sequence_parallelism_is_refused_for_gpt2(world: list[dict[str, Any]]) -
         assert "needs the plan to split the token embedding" in report["sp_refused"]["parallelize"]
 
 
-@pytest.mark.parametrize("run", ["dp", "zero3"])
+@pytest.mark.parametrize("run", ["dp", "zero3", "zero3_recompute"])
 def test_data_parallel_gpt2_matches_one_process(world: list[dict[str, Any]], run: str) -> None:
     """Each dp rank's loss is the mean over its half of the batch; their mean is the global loss."""
     losses = [sum(step) / len(world) for step in zip(*(report[run]["losses"] for report in world))]
     assert_losses_close(losses, world[0]["reference"]["losses"], rtol=1e-5)
+    assert world[0][run]["recomputed_blocks"] == (2 if run == "zero3_recompute" else 0)

@@ -8,7 +8,8 @@ without collectives. Then, each on its own mesh over the same 2 processes:
    attention and MLP as regions): losses, the gathered final parameters, the tp all-reduces
    of one backward, and the whole logits `model(input_ids=...)` returns;
 2. sequence parallelism asked for: the adapter's refusal and `parallelize`'s;
-3. dp 2 (plain data parallelism) and ZeRO-3 × 2 (the blocks as units), on half the batch.
+3. dp 2 (plain data parallelism), ZeRO-3 × 2 (the blocks as units), and ZeRO-3 × 2 with
+   every block recomputed in backward, each rank on half the batch.
 
 The model is called as user code calls it, `model(input_ids=..., labels=...).loss`.
 """
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 import plait
 from plait.models.hf_gpt2 import GPT2Adapter
@@ -82,6 +84,7 @@ def plait_run(batches: list[torch.Tensor], config: plait.ParallelConfig, **degre
     optimizer = plait.build_optimizer(model, torch.optim.SGD, lr=LR, momentum=0.9)
     out = train(model, local, optimizer, lambda: plait.clip_grad_norm(model, 1.0), mesh.ledger)
     out["layers"] = model.config.n_layer
+    out["recomputed_blocks"] = sum(type(block) is not GPT2Block for block in model.transformer.h)
     out["model"] = model
     return out
 
@@ -121,7 +124,8 @@ def main() -> None:
     batches = data()
     ref, trained = reference(batches)
     report = {"reference": ref, "tp": tensor_parallel(batches, trained), "sp_refused": refusals()}
-    for name, config in (("dp", plait.ParallelConfig()), ("zero3", plait.ParallelConfig(zero=3))):
+    for name, config in (("dp", plait.ParallelConfig()), ("zero3", plait.ParallelConfig(zero=3)),
+                         ("zero3_recompute", plait.ParallelConfig(zero=3, recompute="full"))):
         report[name] = plait_run(batches, config, dp=2)
         report[name].pop("model")
     save_report(report)
