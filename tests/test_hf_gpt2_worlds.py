@@ -2,7 +2,7 @@
 
 One spawn (tests/worlds/hf_gpt2_world.py): tp 2 with the GPT-2 adapter's plan (Conv1D
 layers, q|k|v fused in c_attn), dp 2, ZeRO-3 × 2 and ZeRO-3 × 2 with full recomputation;
-sequence parallelism refused.
+where the model seam provides them, tp 2 with sequence parallelism and pp 2 (1F1B).
 """
 
 from __future__ import annotations
@@ -11,10 +11,18 @@ from typing import Any
 
 import pytest
 
+from plait.parallel import seam
+from plait.runtime import regions
 from tests.parity import assert_losses_close
 from tests.worldlib import run_world
 
 pytest.importorskip("transformers")
+
+NEEDS_PIPELINE_SEAM = pytest.mark.skipif(not hasattr(seam, "Parts"),
+                                         reason="the pipeline cuts a model through its adapter's parts "
+                                                "(plait.parallel.seam.Parts) once the seam is in")
+NEEDS_SEQUENCE_OPS = pytest.mark.skipif(not hasattr(regions, "gather_to_replicated"),
+                                        reason="SP around the blocks needs regions.gather_to_replicated")
 
 
 @pytest.fixture(scope="module")
@@ -23,21 +31,18 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return reports
 
 
-def test_tensor_parallel_gpt2_matches_one_process(world: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("run", ["tp", pytest.param("tp_sp", marks=NEEDS_SEQUENCE_OPS)])
+def test_tensor_parallel_gpt2_matches_one_process(world: list[dict[str, Any]], run: str) -> None:
     """Losses every step within 1e-4; the gathered parameters (c_attn's three parts put back
-    in place) equal the one-process model's after training."""
+    in place) equal the one-process model's after training; logits come back whole."""
     for report in world:
-        tp = report["tp"]
+        tp = report[run]
         assert_losses_close(tp["losses"], report["reference"]["losses"], rtol=1e-4)
         assert tp["param_names_match"]
         assert tp["param_max_rel"] < 1e-4, tp["param_max_rel"]
         assert tp["c_attn_local"] == [32, 48]  # Conv1D: (in, 3·out/tp), the output dim split
-
-
-def test_gpt2_under_tp_returns_whole_logits(world: list[dict[str, Any]]) -> None:
-    for report in world:
-        assert report["tp"]["logits_shape"] == [4, 16, 128]
-        assert report["tp"]["logits_max_diff"] < 1e-5
+        assert tp["logits_shape"] == [4, 16, 128]
+        assert tp["logits_max_diff"] < 1e-5
 
 
 def test_one_tp_all_reduce_per_region_in_backward(world: list[dict[str, Any]]) -> None:
@@ -46,15 +51,16 @@ def test_one_tp_all_reduce_per_region_in_backward(world: list[dict[str, Any]]) -
         assert report["tp"]["backward_tp_all_reduces"] == 2 * report["tp"]["layers"]
 
 
-def test_sequence_parallelism_is_refused_for_gpt2(world: list[dict[str, Any]]) -> None:
-    for report in world:
-        assert "not supported for GPT-2" in report["sp_refused"]["adapter"]
-        assert "needs the plan to split the token embedding" in report["sp_refused"]["parallelize"]
-
-
 @pytest.mark.parametrize("run", ["dp", "zero3", "zero3_recompute"])
 def test_data_parallel_gpt2_matches_one_process(world: list[dict[str, Any]], run: str) -> None:
     """Each dp rank's loss is the mean over its half of the batch; their mean is the global loss."""
     losses = [sum(step) / len(world) for step in zip(*(report[run]["losses"] for report in world))]
     assert_losses_close(losses, world[0]["reference"]["losses"], rtol=1e-5)
     assert world[0][run]["recomputed_blocks"] == (2 if run == "zero3_recompute" else 0)
+
+
+@NEEDS_PIPELINE_SEAM
+def test_pipeline_gpt2_matches_one_process(world: list[dict[str, Any]]) -> None:
+    """pp 2 with 1F1B: the embedding and the tied head on different ranks, every step's loss."""
+    for report in world:
+        assert_losses_close(report["pp"]["losses"], report["reference"]["losses"], rtol=1e-4)

@@ -96,16 +96,21 @@ def test_fused_style_parsing_and_refusals() -> None:
 
 
 def test_gpt2_plan_covers_every_conv1d_once() -> None:
-    config = transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=4, n_positions=32)
+    config = transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=4, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0)
     model = transformers.GPT2LMHeadModel(config)
-    styles = resolve_plan(model, GPT2_PLAN)
+    adapter = GPT2Adapter()
+    styles = resolve_plan(model, adapter.tensor_plan(model, 2, False))
     conv1d = {name for name, module in model.named_modules() if isinstance(module, Conv1D)}
     assert conv1d == {name for name, style in styles.items() if style != "region"}
-    assert styles["transformer.h.1.attn.c_attn"] == "column:3"
-    adapter = GPT2Adapter()
+    assert styles["transformer.h.1.attn.c_attn"] == "column:3" and GPT2_PLAN == adapter.tensor_plan(model, 2, False)
+    with_sp = resolve_plan(model, adapter.tensor_plan(model, 2, True))
+    assert {name for name, style in with_sp.items() if style == "sequence"} == {
+        f"transformer.h.{i}.ln_{j}" for i in range(2) for j in (1, 2)}
+    with pytest.raises(PlaitError, match="n_head = 4 is not divisible by tp=3") as info:
+        adapter.tensor_plan(model, 3, False)
+    assert info.value.hint == "choose tp among 1, 2, 4"
     assert adapter.blocks(model) == list(model.transformer.h)
-    adapter.after_tensor_parallel(model, 2)
-    adapter.after_tensor_parallel(model, 2)  # twice: the same local sizes
+    adapter.after_tensor_parallel(model, rank_axis(0), False)
+    adapter.after_tensor_parallel(model, rank_axis(0), False)  # twice: the same local sizes
     assert model.transformer.h[0].attn.split_size == 8 and model.transformer.h[0].attn.num_heads == 2
-    with pytest.raises(PlaitError, match="not supported for GPT-2"):
-        adapter.tensor_plan(model, sp=True)

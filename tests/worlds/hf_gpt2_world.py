@@ -7,7 +7,8 @@ without collectives. Then, each on its own mesh over the same 2 processes:
 1. tp 2 with the GPT-2 adapter's plan (Conv1D layers, the fused q|k|v split "column:3",
    attention and MLP as regions): losses, the gathered final parameters, the tp all-reduces
    of one backward, and the whole logits `model(input_ids=...)` returns;
-2. sequence parallelism asked for: the adapter's refusal and `parallelize`'s;
+2. where the seam provides them (see PIPELINE and SEQUENCE below): tp 2 with sequence
+   parallelism, and pp 2 (1F1B) driven by PipelineRunner, each against the same reference;
 3. dp 2 (plain data parallelism), ZeRO-3 × 2 (the blocks as units), and ZeRO-3 × 2 with
    every block recomputed in backward, each rank on half the batch.
 
@@ -19,23 +20,27 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 import plait
 from plait.models.hf_gpt2 import GPT2Adapter
+from plait.parallel import seam
 from plait.parallel.tensor.plan import gather_full_params
-from plait.runtime import comm
+from plait.runtime import comm, regions
 from tests.worldlib import save_report
 
 SEED, STEPS, BATCH, SEQ, LR, VOCAB = 0, 3, 4, 16, 0.5, 128
 ADAPTER = GPT2Adapter()
+PIPELINE = hasattr(seam, "Parts")  # the pipeline cuts any model through its adapter's parts
+SEQUENCE = hasattr(regions, "gather_to_replicated")  # SP around the block stack
 torch.set_num_threads(1)
 
 
 def build() -> GPT2LMHeadModel:
     config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(SEED)
     return GPT2LMHeadModel(config)
 
@@ -72,8 +77,8 @@ def reference(batches: list[torch.Tensor]) -> tuple[dict[str, Any], GPT2LMHeadMo
 def parallelize(config: plait.ParallelConfig, **degrees: int) -> tuple[torch.nn.Module, Any]:
     mesh = plait.init_mesh(**degrees)
     model = plait.parallelize(build(), mesh, config, adapter=ADAPTER)
-    if mesh.size("tp") > 1:  # idempotent: a no-op where parallelize asks the adapter itself
-        ADAPTER.after_tensor_parallel(model, mesh.size("tp"))
+    if mesh.size("tp") > 1:  # done once per model: a no-op where apply_tensor_parallel called it
+        ADAPTER.after_tensor_parallel(model, mesh.axis("tp"), config.sp)
     return model, mesh
 
 
@@ -89,14 +94,14 @@ def plait_run(batches: list[torch.Tensor], config: plait.ParallelConfig, **degre
     return out
 
 
-def tensor_parallel(batches: list[torch.Tensor], trained: GPT2LMHeadModel) -> dict[str, Any]:
+def tensor_parallel(batches: list[torch.Tensor], trained: GPT2LMHeadModel, sp: bool = False) -> dict[str, Any]:
     """tp 2: before training, the logits are whole and equal; after, the parameters are."""
-    plan = ADAPTER.tensor_plan(build())
-    model, _ = parallelize(plait.ParallelConfig(tp_plan=plan), tp=2)
+    config = plait.ParallelConfig(tp_plan=ADAPTER.tensor_plan(build(), 2, sp), sp=sp)
+    model, _ = parallelize(config, tp=2)
     with torch.no_grad():
         logits = model(input_ids=batches[0]).logits
         dense = build()(input_ids=batches[0]).logits
-    out = plait_run(batches, plait.ParallelConfig(tp_plan=plan), tp=2)
+    out = plait_run(batches, config, tp=2)
     full, ref = gather_full_params(out.pop("model")), dict(trained.named_parameters())
     out["param_max_rel"] = max(((full[n] - p).abs().max() / p.abs().max()).item() for n, p in ref.items())
     out["param_names_match"] = sorted(full) == sorted(ref)
@@ -106,24 +111,33 @@ def tensor_parallel(batches: list[torch.Tensor], trained: GPT2LMHeadModel) -> di
     return out
 
 
-def refusals() -> dict[str, str]:
-    """Sequence parallelism asked for, by the adapter's plan and by a plan given directly."""
-    found = {}
-    for name, ask in (("adapter", lambda: ADAPTER.tensor_plan(build(), sp=True)),
-                      ("parallelize", lambda: parallelize(plait.ParallelConfig(tp_plan=ADAPTER.tensor_plan(build()),
-                                                                               sp=True), tp=2))):
-        try:
-            ask()
-            found[name] = "accepted"
-        except plait.PlaitError as error:
-            found[name] = str(error)
-    return found
+def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """What `labels=ids` computes: each position predicts the next id."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def pipelined(batches: list[torch.Tensor]) -> dict[str, Any]:
+    """pp 2, 1F1B, one sequence per micro-batch: wte and the tied head on different ranks."""
+    mesh = plait.init_mesh(pp=2)
+    stages = plait.parallelize(build(), mesh, plait.ParallelConfig(), adapter=ADAPTER)
+    optimizer = plait.build_optimizer(stages, torch.optim.SGD, lr=LR, momentum=0.9)
+    runner = plait.PipelineRunner(stages, mesh, "1f1b")
+    losses = []
+    for ids in batches:
+        rows = list(ids.split(1))
+        losses.append(runner.step(rows, rows, next_token_loss))
+        plait.clip_grad_norm(stages, 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"losses": losses}
 
 
 def main() -> None:
     batches = data()
     ref, trained = reference(batches)
-    report = {"reference": ref, "tp": tensor_parallel(batches, trained), "sp_refused": refusals()}
+    report = {"reference": ref, "tp": tensor_parallel(batches, trained),
+              "tp_sp": tensor_parallel(batches, trained, sp=True) if SEQUENCE else None,
+              "pp": pipelined(batches) if PIPELINE else None}
     for name, config in (("dp", plait.ParallelConfig()), ("zero3", plait.ParallelConfig(zero=3)),
                          ("zero3_recompute", plait.ParallelConfig(zero=3, recompute="full"))):
         report[name] = plait_run(batches, config, dp=2)

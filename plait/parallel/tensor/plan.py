@@ -197,8 +197,6 @@ def apply_tensor_parallel(model: nn.Module, axis: Axis, *, plan: dict[str, str] 
         check_gpt_tensor_parallel(model.config, axis.size, sp)
     styles = resolve_plan(model, plan)
     sp = sp and axis.size > 1
-    if sp:
-        _check_sequence_entry(model, styles)
     setattr(model, ATTR, TensorParallel(axis, sp, regather, styles))
     if axis.size == 1:
         return model
@@ -212,16 +210,6 @@ def apply_tensor_parallel(model: nn.Module, axis: Axis, *, plan: dict[str, str] 
     log.info("tensor parallel over %d ranks%s: %d layers split", axis.size,
              " with sequence parallelism" if sp else "", split)
     return model
-
-
-def _check_sequence_entry(model: nn.Module, styles: dict[str, str]) -> None:
-    """SP splits the sequence where the token embedding leaves its region: a plan without a
-    vocab-parallel embedding never does, and its regions would gather what is already whole."""
-    if not any(style == "vocab" and isinstance(model.get_submodule(name), nn.Embedding)
-               for name, style in styles.items()):
-        raise PlaitError("sequence parallelism needs the plan to split the token embedding "
-                         "(\"vocab\" on an nn.Embedding): that is where the sequence is scattered",
-                         hint="add the embedding to tp_plan as \"vocab\", or drop sp")
 
 
 def _swap_layers(model: nn.Module, styles: dict[str, str], axis: Axis, sp: bool, regather: bool) -> None:
