@@ -114,3 +114,15 @@ def test_gpt2_plan_covers_every_conv1d_once() -> None:
     adapter.after_tensor_parallel(model, rank_axis(0), False)
     adapter.after_tensor_parallel(model, rank_axis(0), False)  # twice: the same local sizes
     assert model.transformer.h[0].attn.split_size == 8 and model.transformer.h[0].attn.num_heads == 2
+
+
+def test_fused_sizes_are_checked_per_part() -> None:
+    from plait.parallel.tensor.plan import apply_tensor_parallel
+
+    with pytest.raises(PlaitError, match=r"0.out_features / 3 \(one fused part\) = 2 is not divisible by tp=4"):
+        apply_tensor_parallel(torch.nn.Sequential(torch.nn.Linear(8, 6)), Axis("tp", 4, 0, None, Ledger()),
+                              plan={"0": "column:3"})
+    with pytest.raises(PlaitError, match="0.out_features = 7 is not 3 equal parts"):
+        apply_tensor_parallel(torch.nn.Sequential(torch.nn.Linear(8, 7)), rank_axis(0), plan={"0": "column:3"})
+    with pytest.raises(PlaitError, match="is a ReLU, but style 'column' needs Linear or Conv1D"):
+        resolve_plan(torch.nn.Sequential(torch.nn.ReLU()), {"0": "column:3"})

@@ -154,12 +154,11 @@ def _split_size(module: nn.Module, style: str) -> tuple[str, int]:
 
 def _check_divisible(model: nn.Module, styles: dict[str, str], tp: int) -> None:
     for name, style in styles.items():
-        module = model.get_submodule(name)
-        parts = parse_style(style)[1]
+        module, (kind, parts) = model.get_submodule(name), parse_style(style)
         if parts > 1 and layout_of(module).out_features % parts:
             raise PlaitError(f"{name}.out_features = {layout_of(module).out_features} is not "
                              f"{parts} equal parts", hint=f"check the plan's \"column:{parts}\"")
-        if parse_style(style)[0] in ("column", "row", "vocab"):
+        if kind in ("column", "row", "vocab"):
             what, size = _split_size(module, style)
             if size % tp:
                 raise PlaitError(f"{name}.{what} = {size} is not divisible by tp={tp}",
@@ -206,9 +205,8 @@ def apply_tensor_parallel(model: nn.Module, axis: Axis, *, plan: dict[str, str] 
     _swap_layers(model, styles, axis, sp, regather)
     if isinstance(model, GPT):
         _adapt_gpt(model, axis, sp)
-    split = sum(parse_style(style)[0] in ("column", "row", "vocab") for style in styles.values())
-    log.info("tensor parallel over %d ranks%s: %d layers split", axis.size,
-             " with sequence parallelism" if sp else "", split)
+    log.info("tensor parallel over %d ranks%s: %d layers split", axis.size, " with sequence parallelism" if sp else "",
+             sum(parse_style(s)[0] in ("column", "row", "vocab") for s in styles.values()))
     return model
 
 
