@@ -64,3 +64,12 @@ def test_pipeline_gpt2_matches_one_process(world: list[dict[str, Any]]) -> None:
     """pp 2 with 1F1B: the embedding and the tied head on different ranks, every step's loss."""
     for report in world:
         assert_losses_close(report["pp"]["losses"], report["reference"]["losses"], rtol=1e-4)
+
+
+@pytest.mark.slow
+@NEEDS_PIPELINE_SEAM
+def test_dp_tp_pp_with_zero1_gpt2_matches_one_process(tmp_path: Any) -> None:
+    """dp 2 × tp 2 × pp 2 with ZeRO-1 on 8 ranks: the dp-mean loss of every step."""
+    _, reports = run_world("hf_gpt2_world.py", 8, tmp_path, "3d")
+    for report in reports:
+        assert_losses_close(report["3d"]["losses"], report["reference"]["losses"], rtol=1e-4)

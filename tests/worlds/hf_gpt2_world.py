@@ -12,11 +12,15 @@ without collectives. Then, each on its own mesh over the same 2 processes:
 3. dp 2 (plain data parallelism), ZeRO-3 × 2 (the blocks as units), and ZeRO-3 × 2 with
    every block recomputed in backward, each rank on half the batch.
 
+Argument "3d" (8 ranks, where the seam provides the pipeline cut): dp 2 × tp 2 × pp 2 with
+ZeRO-1, and nothing else.
+
 The model is called as user code calls it, `model(input_ids=..., labels=...).loss`.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -116,28 +120,35 @@ def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
 
 
-def pipelined(batches: list[torch.Tensor]) -> dict[str, Any]:
-    """pp 2, 1F1B, one sequence per micro-batch: wte and the tied head on different ranks."""
-    mesh = plait.init_mesh(pp=2)
-    stages = plait.parallelize(build(), mesh, plait.ParallelConfig(), adapter=ADAPTER)
+def pipelined(batches: list[torch.Tensor], config: plait.ParallelConfig, **degrees: int) -> dict[str, Any]:
+    """This rank's stages, 1F1B, one sequence per micro-batch (wte and the tied head on
+    different ranks); each dp rank on its share of the batch, the dp-mean loss per step."""
+    mesh = plait.init_mesh(**degrees)
+    stages = plait.parallelize(build(), mesh, config, adapter=ADAPTER)
     optimizer = plait.build_optimizer(stages, torch.optim.SGD, lr=LR, momentum=0.9)
     runner = plait.PipelineRunner(stages, mesh, "1f1b")
+    dp, rank = mesh.size("dp"), mesh.rank("dp")
     losses = []
     for ids in batches:
-        rows = list(ids.split(1))
-        losses.append(runner.step(rows, rows, next_token_loss))
+        rows = list(ids.chunk(dp)[rank].split(1))
+        mean = torch.tensor([runner.step(rows, rows, next_token_loss)], dtype=torch.float64)
         plait.clip_grad_norm(stages, 1.0)
         optimizer.step()
         optimizer.zero_grad()
+        comm.all_reduce(mean, mesh.axis("dp"), purpose=comm.TELEMETRY)
+        losses.append(mean.item() / dp)
     return {"losses": losses}
 
 
 def main() -> None:
     batches = data()
     ref, trained = reference(batches)
+    if sys.argv[1:] == ["3d"]:  # 8 ranks
+        save_report({"reference": ref, "3d": pipelined(batches, plait.ParallelConfig(zero=1), dp=2, tp=2, pp=2)})
+        return
     report = {"reference": ref, "tp": tensor_parallel(batches, trained),
               "tp_sp": tensor_parallel(batches, trained, sp=True) if SEQUENCE else None,
-              "pp": pipelined(batches) if PIPELINE else None}
+              "pp": pipelined(batches, plait.ParallelConfig(), pp=2) if PIPELINE else None}
     for name, config in (("dp", plait.ParallelConfig()), ("zero3", plait.ParallelConfig(zero=3)),
                          ("zero3_recompute", plait.ParallelConfig(zero=3, recompute="full"))):
         report[name] = plait_run(batches, config, dp=2)
