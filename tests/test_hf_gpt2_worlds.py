@@ -34,12 +34,13 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("run", ["tp", pytest.param("tp_sp", marks=NEEDS_SEQUENCE_OPS)])
 def test_tensor_parallel_gpt2_matches_one_process(world: list[dict[str, Any]], run: str) -> None:
     """Losses every step within 1e-4; the gathered parameters (c_attn's three parts put back
-    in place) equal the one-process model's after training; logits come back whole."""
+    in place), and those a checkpoint holds, equal the one-process model's after training;
+    logits come back whole."""
     for report in world:
         tp = report[run]
         assert_losses_close(tp["losses"], report["reference"]["losses"], rtol=1e-4)
-        assert tp["param_names_match"]
         assert tp["param_max_rel"] < 1e-4, tp["param_max_rel"]
+        assert tp["checkpoint_max_rel"] == tp["param_max_rel"]  # the fused q|k|v parts in place
         assert tp["c_attn_local"] == [32, 48]  # Conv1D: (in, 3·out/tp), the output dim split
         assert tp["logits_shape"] == [4, 16, 128]
         assert tp["logits_max_diff"] < 1e-5
@@ -64,6 +65,7 @@ def test_pipeline_gpt2_matches_one_process(world: list[dict[str, Any]]) -> None:
     """pp 2 with 1F1B: the embedding and the tied head on different ranks, every step's loss."""
     for report in world:
         assert_losses_close(report["pp"]["losses"], report["reference"]["losses"], rtol=1e-4)
+        assert report["pp"]["checkpoint_max_rel"] < 1e-4
 
 
 @pytest.mark.slow
@@ -73,3 +75,4 @@ def test_dp_tp_pp_with_zero1_gpt2_matches_one_process(tmp_path: Any) -> None:
     _, reports = run_world("hf_gpt2_world.py", 8, tmp_path, "3d")
     for report in reports:
         assert_losses_close(report["3d"]["losses"], report["reference"]["losses"], rtol=1e-4)
+        assert report["3d"]["checkpoint_max_rel"] < 1e-4  # ZeRO-1's pieces of fused tp slices

@@ -85,7 +85,29 @@ def test_fused_shards_join_back_into_the_full_tensor() -> None:
         stacked = torch.stack([shard.take(full) for shard in shards])
         torch.testing.assert_close(shards[0].join(stacked), full)
     with pytest.raises(PlaitError, match="3 blocks per rank"):
-        Shard(1, 1, TP, (4, 12), 3).offset  # noqa: B018 - a checkpoint cannot place it as one block
+        Shard(1, 1, TP, (4, 12), 3).offset  # noqa: B018 - not one block: see Shard.blocks
+
+
+@pytest.mark.parametrize("dim, fused", [(1, 3), (0, 2), (1, 1)])
+def test_any_block_of_a_slice_is_placed_in_the_full_tensor(dim: int, fused: int) -> None:
+    """What checkpoints write: a block of a rank's slice (a ZeRO shard may cut anywhere) as
+    blocks of the full tensor, cut where a fused slice's parts meet."""
+    full = torch.arange(4 * 12, dtype=torch.float32).reshape(4, 12)
+    if dim == 0:
+        full = full.reshape(12, 4)
+    for rank in range(TP):
+        shard = Shard(dim, rank, TP, tuple(full.shape), fused)
+        local = shard.take(full)
+        for lo in range(local.shape[dim]):
+            for hi in range(lo + 1, local.shape[dim] + 1):
+                block = local.narrow(dim, lo, hi - lo)
+                at = tuple(lo if d == dim else 0 for d in range(2))
+                covered = 0
+                for start, length, where in shard.blocks(at, tuple(block.shape)):
+                    expected = full.narrow(dim, where[dim], length)
+                    torch.testing.assert_close(block.narrow(dim, start, length), expected)
+                    covered += length
+                assert covered == hi - lo
 
 
 def test_fused_style_parsing_and_refusals() -> None:

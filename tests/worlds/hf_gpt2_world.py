@@ -5,8 +5,9 @@ rank; the one-process reference trains the same model on the whole batch inside 
 without collectives. Then, each on its own mesh over the same 2 processes:
 
 1. tp 2 with the GPT-2 adapter's plan (Conv1D layers, the fused q|k|v split "column:3",
-   attention and MLP as regions): losses, the gathered final parameters, the tp all-reduces
-   of one backward, and the whole logits `model(input_ids=...)` returns;
+   attention and MLP as regions): losses, the gathered final parameters and those a
+   checkpoint holds, the tp all-reduces of one backward, and the whole logits
+   `model(input_ids=...)` returns;
 2. where the seam provides them (see PIPELINE and SEQUENCE below): tp 2 with sequence
    parallelism, and pp 2 (1F1B) driven by PipelineRunner, each against the same reference;
 3. dp 2 (plain data parallelism), ZeRO-3 × 2 (the blocks as units), and ZeRO-3 × 2 with
@@ -20,7 +21,9 @@ The model is called as user code calls it, `model(input_ids=..., labels=...).los
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +36,8 @@ from plait.models.hf_gpt2 import GPT2Adapter
 from plait.parallel import seam
 from plait.parallel.tensor.plan import gather_full_params
 from plait.runtime import comm, regions
+from plait.train.checkpoint import save
+from plait.train.checkpoint_read import Reader, model_weights
 from tests.worldlib import save_report
 
 SEED, STEPS, BATCH, SEQ, LR, VOCAB = 0, 3, 4, 16, 0.5, 128
@@ -94,8 +99,21 @@ def plait_run(batches: list[torch.Tensor], config: plait.ParallelConfig, **degre
     out = train(model, local, optimizer, lambda: plait.clip_grad_norm(model, 1.0), mesh.ledger)
     out["layers"] = model.config.n_layer
     out["recomputed_blocks"] = sum(type(block) is not GPT2Block for block in model.transformer.h)
-    out["model"] = model
+    out["model"], out["optimizer"], out["mesh"] = model, optimizer, mesh
     return out
+
+
+def max_rel(params: dict[str, torch.Tensor], trained: torch.nn.Module) -> float:
+    """The largest difference from the one-process model's parameters, each tensor to its scale."""
+    ref = dict(trained.named_parameters())
+    assert sorted(params) == sorted(ref), sorted(set(params) ^ set(ref))
+    return max(((params[n] - p).abs().max() / p.abs().max()).item() for n, p in ref.items())
+
+
+def saved(model: torch.nn.Module, optimizer: Any, mesh: Any, trained: torch.nn.Module, name: str) -> float:
+    """Save a checkpoint, read its weights back whole: how far they are from `trained`'s."""
+    root = Path(os.environ["PLAIT_TEST_OUT"]) / name
+    return max_rel(model_weights(Reader(save(root, STEPS, model, optimizer, mesh, {}))), trained)
 
 
 def tensor_parallel(batches: list[torch.Tensor], trained: GPT2LMHeadModel, sp: bool = False) -> dict[str, Any]:
@@ -106,9 +124,9 @@ def tensor_parallel(batches: list[torch.Tensor], trained: GPT2LMHeadModel, sp: b
         logits = model(input_ids=batches[0]).logits
         dense = build()(input_ids=batches[0]).logits
     out = plait_run(batches, config, tp=2)
-    full, ref = gather_full_params(out.pop("model")), dict(trained.named_parameters())
-    out["param_max_rel"] = max(((full[n] - p).abs().max() / p.abs().max()).item() for n, p in ref.items())
-    out["param_names_match"] = sorted(full) == sorted(ref)
+    trained_model, optimizer, mesh = out.pop("model"), out.pop("optimizer"), out.pop("mesh")
+    out["param_max_rel"] = max_rel(gather_full_params(trained_model), trained)
+    out["checkpoint_max_rel"] = saved(trained_model, optimizer, mesh, trained, f"ckpt-tp-sp{int(sp)}")
     out["logits_shape"] = list(logits.shape)
     out["logits_max_diff"] = (logits - dense).abs().max().item()
     out["c_attn_local"] = list(model.transformer.h[0].attn.c_attn.weight.shape)
@@ -120,7 +138,8 @@ def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
 
 
-def pipelined(batches: list[torch.Tensor], config: plait.ParallelConfig, **degrees: int) -> dict[str, Any]:
+def pipelined(batches: list[torch.Tensor], trained: torch.nn.Module, config: plait.ParallelConfig,
+              **degrees: int) -> dict[str, Any]:
     """This rank's stages, 1F1B, one sequence per micro-batch (wte and the tied head on
     different ranks); each dp rank on its share of the batch, the dp-mean loss per step."""
     mesh = plait.init_mesh(**degrees)
@@ -137,22 +156,24 @@ def pipelined(batches: list[torch.Tensor], config: plait.ParallelConfig, **degre
         optimizer.zero_grad()
         comm.all_reduce(mean, mesh.axis("dp"), purpose=comm.TELEMETRY)
         losses.append(mean.item() / dp)
-    return {"losses": losses}
+    name = "ckpt-" + "-".join(f"{axis}{size}" for axis, size in degrees.items())
+    return {"losses": losses, "checkpoint_max_rel": saved(stages, optimizer, mesh, trained, name)}
 
 
 def main() -> None:
     batches = data()
     ref, trained = reference(batches)
     if sys.argv[1:] == ["3d"]:  # 8 ranks
-        save_report({"reference": ref, "3d": pipelined(batches, plait.ParallelConfig(zero=1), dp=2, tp=2, pp=2)})
+        save_report({"reference": ref, "3d": pipelined(batches, trained, plait.ParallelConfig(zero=1), dp=2, tp=2, pp=2)})
         return
     report = {"reference": ref, "tp": tensor_parallel(batches, trained),
               "tp_sp": tensor_parallel(batches, trained, sp=True) if SEQUENCE else None,
-              "pp": pipelined(batches, plait.ParallelConfig(), pp=2) if PIPELINE else None}
+              "pp": pipelined(batches, trained, plait.ParallelConfig(), pp=2) if PIPELINE else None}
     for name, config in (("dp", plait.ParallelConfig()), ("zero3", plait.ParallelConfig(zero=3)),
                          ("zero3_recompute", plait.ParallelConfig(zero=3, recompute="full"))):
         report[name] = plait_run(batches, config, dp=2)
-        report[name].pop("model")
+        for key in ("model", "optimizer", "mesh"):
+            report[name].pop(key)
     save_report(report)
 
 

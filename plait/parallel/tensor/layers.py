@@ -56,10 +56,25 @@ class Shard:
         """Where the one block this rank holds starts along `dim` (unfused shards only)."""
         if self.fused > 1:
             raise PlaitError(f"a fused tensor-parallel parameter {self.full_shape} is {self.fused} blocks "
-                             "per rank, not one contiguous block",
-                             hint="gather it with gather_full_params; checkpoints of fused tp layers "
-                                  "are not supported yet: save with tp 1")
+                             "per rank, not one contiguous block", hint="place it with Shard.blocks")
         return self.rank * self.full_shape[self.dim] // self.parts
+
+    def blocks(self, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> list[tuple[int, int, tuple[int, ...]]]:
+        """A block of this rank's slice (at `offsets`, of `lengths`) as blocks of the full tensor.
+
+        Each is (where it starts within the block along `dim`, its length there, its offsets
+        in the full tensor): one block when unfused; a fused slice's block is cut where the
+        parts meet, since consecutive local parts lie apart in the full tensor.
+        """
+        chunk = self.full_shape[self.dim] // (self.fused * self.parts)
+        lo, hi = offsets[self.dim], offsets[self.dim] + lengths[self.dim]
+        out = []
+        for part in range(lo // chunk, -(-hi // chunk)):
+            start, stop = max(lo, part * chunk), min(hi, (part + 1) * chunk)
+            where = list(offsets)
+            where[self.dim] = (part * self.parts + self.rank) * chunk + start - part * chunk
+            out.append((start - lo, stop - start, tuple(where)))
+        return out
 
     def take(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of `full` (a copy): slice `rank` of each of the `fused` parts."""
