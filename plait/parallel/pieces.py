@@ -50,14 +50,15 @@ def param_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh)
     first_replica = mesh.rank("dp") == 0
     pieces = []
     for name, param, replica in logical_parameters(model):
-        offsets, full = placement(param)
         owned = first_replica and not replica and writes_its_tp_part(param, mesh)
-        pieces.append(Piece(f"model/{name}", param.detach(), offsets, full, owned))
+        pieces += [Piece(f"model/{name}", view, offsets, full, owned)
+                   for view, offsets, full in placement(param, param.detach())]
         for key, value in sorted(optimizer.state.get(param, {}).items()):
             if not isinstance(value, torch.Tensor):
                 continue
             if value.shape == param.shape:
-                pieces.append(Piece(f"optim/{name}/{key}", value, offsets, full, owned))
+                pieces += [Piece(f"optim/{name}/{key}", view, offsets, full, owned)
+                           for view, offsets, full in placement(param, value)]
             else:  # a per-parameter scalar (Adam's step): the same on every shard
                 owned_scalar = first_replica and not replica and mesh.rank("tp") == 0
                 pieces.append(Piece(f"optim/{name}/{key}", value, (0,) * value.ndim, tuple(value.shape), owned_scalar))
@@ -70,12 +71,15 @@ def writes_its_tp_part(param: torch.Tensor, mesh: Mesh) -> bool:
     return shard_of(param) is not None or mesh.rank("tp") == 0
 
 
-def placement(param: torch.Tensor, block: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Where a block of this rank's `param` (at offsets `block`, default the whole of it)
-    sits in the logical tensor: its offsets there, and the logical tensor's full shape."""
-    offsets = list(block) if block is not None else [0] * param.ndim
+def placement(param: torch.Tensor, block: torch.Tensor, at: tuple[int, ...] | None = None
+              ) -> list[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
+    """Where `block`, a block of this rank's `param` at offsets `at` (default: the whole of
+    it), sits in the logical tensor: (a view of it, its offsets there, the full shape) for
+    each of its parts. One part, except for a fused tensor-parallel slice (GPT-2's q|k|v),
+    whose parts lie apart in the full tensor (`Shard.blocks`)."""
+    offsets = tuple(at) if at is not None else (0,) * param.ndim
     shard = shard_of(param)
     if shard is None:
-        return tuple(offsets), tuple(param.shape)
-    offsets[shard.dim] += shard.offset
-    return tuple(offsets), tuple(shard.full_shape)
+        return [(block, offsets, tuple(param.shape))]
+    return [(block.narrow(shard.dim, start, length), where, shard.full_shape)
+            for start, length, where in shard.blocks(offsets, tuple(block.shape))]

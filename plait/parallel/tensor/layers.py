@@ -4,6 +4,8 @@ A layer keeps only this rank's slice of the dense weight and remembers where tha
 (`Shard`), so the full tensor can be gathered back for parity checks and checkpoints:
 
 - `ColumnParallelLinear`: rows of W (output features) split; input replicated, output sharded.
+  A fused layer whose output is k equal parts (GPT-2's q|k|v) is split part by part, so each
+  rank holds its slice of every part (`Shard.fused`).
 - `RowParallelLinear`: columns of W (input features) split; input sharded, output summed.
 - `VocabParallelEmbedding`: rows of the table (tokens) split; each rank looks up the tokens it
   owns, writes zeros for the others, and the ranks' outputs are summed.
@@ -11,17 +13,24 @@ A layer keeps only this rank's slice of the dense weight and remembers where tha
 A column layer followed by a row layer needs one collective each way: the column's input
 enters the region (`copy_to_region`, or an all-gather with sequence parallelism) and the
 row's output leaves it (`reduce_from_region`, or a reduce-scatter).
+
+Both take an `nn.Linear` (W stored (out, in), y = x·Wᵀ + b) or transformers' `Conv1D` (GPT-2:
+W stored transposed, (in, out), y = x·W + b). A Conv1D keeps its orientation, so its slices
+are cut along the other dimension and the parameter keeps its name and full shape for
+gathering and checkpoints; the layer multiplies by the transposed view.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.errors import PlaitError
 from plait.runtime import comm, regions
 from plait.runtime.comm import Axis
 
@@ -30,16 +39,52 @@ SHARD_ATTR = "plait_tp_shard"
 
 @dataclass(frozen=True)
 class Shard:
-    """Where this rank's slice of a parameter sits in the full tensor."""
+    """Where this rank's slice of a parameter sits in the full tensor.
+
+    `fused` > 1: along `dim` the full tensor is that many equal parts (q|k|v), and this rank
+    holds slice `rank` of each part, concatenated: k blocks of the full tensor, not one.
+    """
 
     dim: int
     rank: int
     parts: int
     full_shape: tuple[int, ...]
+    fused: int = 1
 
     @property
     def offset(self) -> int:
+        """Where the one block this rank holds starts along `dim` (unfused shards only)."""
+        if self.fused > 1:
+            raise PlaitError(f"a fused tensor-parallel parameter {self.full_shape} is {self.fused} blocks "
+                             "per rank, not one contiguous block", hint="place it with Shard.blocks")
         return self.rank * self.full_shape[self.dim] // self.parts
+
+    def blocks(self, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> list[tuple[int, int, tuple[int, ...]]]:
+        """A block of this rank's slice (at `offsets`, of `lengths`) as blocks of the full tensor.
+
+        Each is (where it starts within the block along `dim`, its length there, its offsets
+        in the full tensor): one block when unfused; a fused slice's block is cut where the
+        parts meet, since consecutive local parts lie apart in the full tensor.
+        """
+        chunk = self.full_shape[self.dim] // (self.fused * self.parts)
+        lo, hi = offsets[self.dim], offsets[self.dim] + lengths[self.dim]
+        out = []
+        for part in range(lo // chunk, -(-hi // chunk)):
+            start, stop = max(lo, part * chunk), min(hi, (part + 1) * chunk)
+            where = list(offsets)
+            where[self.dim] = (part * self.parts + self.rank) * chunk + start - part * chunk
+            out.append((start - lo, stop - start, tuple(where)))
+        return out
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of `full` (a copy): slice `rank` of each of the `fused` parts."""
+        parts = full.unflatten(self.dim, (self.fused, self.parts, -1))
+        return parts.select(self.dim + 1, self.rank).flatten(self.dim, self.dim + 1).clone()
+
+    def join(self, stacked: torch.Tensor) -> torch.Tensor:
+        """The full tensor from every rank's slice, stacked on a new first dimension (t, ...)."""
+        parts = stacked.unflatten(self.dim + 1, (self.fused, -1))  # (t, ..., fused, chunk, ...)
+        return parts.movedim(0, self.dim + 1).flatten(self.dim, self.dim + 2).contiguous()
 
 
 def shard_of(param: torch.Tensor) -> Shard | None:
@@ -47,18 +92,50 @@ def shard_of(param: torch.Tensor) -> Shard | None:
     return getattr(param, SHARD_ATTR, None)
 
 
-def shard_param(param: nn.Parameter, dim: int, axis: Axis, memo: dict[int, nn.Parameter]) -> nn.Parameter:
+def shard_param(param: nn.Parameter, dim: int, axis: Axis, memo: dict[int, nn.Parameter],
+                fused: int = 1) -> nn.Parameter:
     """This rank's slice of `param` along `dim`, made once per parameter (tied weights stay tied)."""
     if id(param) in memo:
         shard = memo[id(param)]
-        if shard_of(shard).dim != dim:
+        if (shard_of(shard).dim, shard_of(shard).fused) != (dim, fused):
             raise ValueError("a tied parameter is split along two different dimensions")
         return shard
-    local = param.detach().chunk(axis.size, dim=dim)[axis.rank].clone()
-    shard = nn.Parameter(local, requires_grad=param.requires_grad)
-    setattr(shard, SHARD_ATTR, Shard(dim, axis.rank, axis.size, tuple(param.shape)))
+    where = Shard(dim, axis.rank, axis.size, tuple(param.shape), fused)
+    shard = nn.Parameter(where.take(param.detach()), requires_grad=param.requires_grad)
+    setattr(shard, SHARD_ATTR, where)
     memo[id(param)] = shard
     return shard
+
+
+class Layout(NamedTuple):
+    """A dense layer's sizes, and which dimension of its stored weight indexes the outputs."""
+
+    in_features: int
+    out_features: int
+    out_dim: int  # 0: nn.Linear, W is (out, in); 1: Conv1D, W is (in, out)
+
+
+def _conv1d_class() -> type | None:
+    """transformers' Conv1D when transformers is loaded (a model holding one has loaded it):
+    plait never imports transformers itself, it stays an optional extra."""
+    return getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    conv1d = _conv1d_class()
+    return conv1d is not None and isinstance(module, conv1d)
+
+
+def layout_of(module: nn.Module) -> Layout:
+    """The `Layout` of an nn.Linear or a Conv1D (the two kinds column and row layers take)."""
+    if is_conv1d(module):
+        return Layout(module.weight.shape[0], module.weight.shape[1], 1)
+    return Layout(module.in_features, module.out_features, 0)
+
+
+def _as_linear_weight(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """W in F.linear's (out, in) orientation: a view for a Conv1D's (in, out) weight."""
+    return weight.t() if transposed else weight
 
 
 def sum_grad_over(param: nn.Parameter, axis: Axis) -> None:
@@ -137,25 +214,30 @@ class ColumnParallelLinear(nn.Module):
     `enters` says whether the input enters the region here; it is False when an enclosing
     module (the GPT's attention or MLP) already did it once for several column layers.
     `regather` (SP only): save the input's sequence chunk, not the gathered input.
+    `transposed`: the weight is stored (in, out/t), as a Conv1D stores it.
     """
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, axis: Axis, *,
-                 sequence_parallel: bool = False, enters: bool = True, regather: bool = True):
+                 sequence_parallel: bool = False, enters: bool = True, regather: bool = True,
+                 transposed: bool = False):
         super().__init__()
         self.weight, self.bias = weight, bias
         self.axis, self.sequence_parallel, self.enters = axis, sequence_parallel, enters
-        self.regather = regather
+        self.regather, self.transposed = regather, transposed
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, axis: Axis, memo: dict[int, nn.Parameter],
+    def from_dense(cls, dense: nn.Module, axis: Axis, memo: dict[int, nn.Parameter], *, fused: int = 1,
                    **options: Any) -> "ColumnParallelLinear":
-        bias = shard_param(linear.bias, 0, axis, memo) if linear.bias is not None else None
-        return cls(shard_param(linear.weight, 0, axis, memo), bias, axis, **options)
+        """Cut from an nn.Linear or a Conv1D; `fused` equal parts of the output each split by t."""
+        out_dim = layout_of(dense).out_dim
+        bias = shard_param(dense.bias, 0, axis, memo, fused) if dense.bias is not None else None
+        weight = shard_param(dense.weight, out_dim, axis, memo, fused)
+        return cls(weight, bias, axis, transposed=out_dim == 1, **options)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enters:
             x = enter_region(x, self.axis, self.sequence_parallel, self.regather)
-        return column_linear(x, self.weight, self.bias)
+        return column_linear(x, _as_linear_weight(self.weight, self.transposed), self.bias)
 
     def extra_repr(self) -> str:
         return f"local={tuple(self.weight.shape)}, tp={self.axis.size}, sp={self.sequence_parallel}"
@@ -164,25 +246,32 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = Σ_r x_r·W_rᵀ (+ b): this rank holds in_features/t columns and a partial sum.
 
-    The bias is replicated and added once, after the sum.
+    The bias is replicated and added once, after the sum. `transposed`: the weight is stored
+    (in/t, out), as a Conv1D stores it.
     """
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, axis: Axis, *,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, transposed: bool = False):
         super().__init__()
-        self.weight, self.bias = weight, bias
+        self.weight, self.bias, self.transposed = weight, bias, transposed
         self.axis, self.sequence_parallel = axis, sequence_parallel
         if sequence_parallel and bias is not None:
             sum_grad_over(bias, axis)  # added to a chunk of the sequence: its gradient is partial
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, axis: Axis, memo: dict[int, nn.Parameter],
+    def from_dense(cls, dense: nn.Module, axis: Axis, memo: dict[int, nn.Parameter],
                    **options: Any) -> "RowParallelLinear":
-        bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
-        return cls(shard_param(linear.weight, 1, axis, memo), bias, axis, **options)
+        """Cut from an nn.Linear or a Conv1D: the input features are split."""
+        in_dim = 1 - layout_of(dense).out_dim
+        bias = nn.Parameter(dense.bias.detach().clone()) if dense.bias is not None else None
+        return cls(shard_param(dense.weight, in_dim, axis, memo), bias, axis, transposed=in_dim == 0, **options)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's term of the sum: x_r·W_rᵀ, before the ranks' terms are added."""
+        return F.linear(x, _as_linear_weight(self.weight, self.transposed))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = leave_region(F.linear(x, self.weight), self.axis, self.sequence_parallel)
+        y = leave_region(self.partial(x), self.axis, self.sequence_parallel)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:

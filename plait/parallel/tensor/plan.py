@@ -4,8 +4,12 @@ A plan maps module-name patterns (shell style, `*` matches any run of characters
 
 | style      | module        | what happens                                                     |
 |------------|---------------|------------------------------------------------------------------|
-| "column"   | nn.Linear     | output features split; the input enters a TP region here         |
-| "row"      | nn.Linear     | input features split; the output leaves the region (summed)      |
+| "column"   | nn.Linear,    | output features split; the input enters a TP region here         |
+|            | Conv1D        | (transformers' Conv1D, GPT-2's: its weight is stored transposed) |
+| "column:k" | the same      | a fused output of k equal parts (q|k|v: "column:3"): each rank   |
+|            |               | gets its slice of every part                                     |
+| "row"      | nn.Linear,    | input features split; the output leaves the region (summed)      |
+|            | Conv1D        |                                                                  |
 | "vocab"    | nn.Embedding  | vocabulary rows split (VocabParallelEmbedding)                   |
 | "vocab"    | nn.Linear     | an output head: column-parallel, logits stay split by vocabulary |
 | "region"   | any           | its first input (by position or keyword) enters the region once  |
@@ -34,8 +38,8 @@ from torch import nn
 from plait.errors import PlaitError
 from plait.models.gpt import GPT
 from plait.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, Shard,
-                                          VocabParallelEmbedding, enter_region, shard_of,
-                                          sum_grad_over)
+                                          VocabParallelEmbedding, enter_region, is_conv1d, layout_of,
+                                          shard_of, sum_grad_over)
 from plait.parallel.tensor.loss import gather_vocab, vocab_parallel_cross_entropy
 from plait.runtime import comm
 from plait.runtime.comm import Axis
@@ -44,7 +48,7 @@ from plait.runtime.regions import all_gather_stacked
 
 __all__ = ["GPT_PLAN", "STYLES", "ColumnParallelLinear", "RowParallelLinear", "Shard",
            "VocabParallelEmbedding", "apply_tensor_parallel", "check_gpt_tensor_parallel",
-           "gather_full_params", "lm_loss", "resolve_plan", "shard_of",
+           "gather_full_params", "lm_loss", "parse_style", "resolve_plan", "shard_of",
            "tensor_parallel_of", "tp_loss_fn", "vocab_parallel_cross_entropy"]
 
 log = logging.getLogger(__name__)
@@ -84,14 +88,33 @@ def tensor_parallel_of(model: nn.Module) -> TensorParallel | None:
 
 
 # -- the plan ---------------------------------------------------------------------------------
+def parse_style(value: str) -> tuple[str, int]:
+    """A plan's value -> (style, fused parts): "column" -> ("column", 1), "column:3" -> ("column", 3).
+
+    Only a column layer may be fused: its output is k equal parts (q|k|v) that each split by t.
+    """
+    style, _, parts = str(value).partition(":")
+    if style not in STYLES:
+        raise PlaitError(f"tensor-parallel plan: unknown style {value!r}",
+                         hint=f"styles are {', '.join(STYLES)}; a fused column layer is \"column:k\"")
+    if not parts:
+        return style, 1
+    if style != "column" or not parts.isdigit() or int(parts) < 1:
+        raise PlaitError(f"tensor-parallel plan: {value!r} is not a style",
+                         hint='only a column layer is fused: "column:k", k the number of equal parts '
+                              'of its output (q|k|v: "column:3")')
+    return style, int(parts)
+
+
 def resolve_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     """{module name: style} for every module a pattern matches; typos and clashes are errors."""
     modules = dict(model.named_modules())
     styles: dict[str, str] = {}
     for pattern, style in plan.items():
-        if style not in STYLES:
-            raise PlaitError(f"tensor-parallel plan: unknown style {style!r} for {pattern!r}",
-                             hint=f"styles are {', '.join(STYLES)}")
+        try:
+            parse_style(style)
+        except PlaitError as error:
+            raise PlaitError(f"{error.args[0]} for {pattern!r}", hint=error.hint) from None
         hits = [name for name in modules if name and fnmatchcase(name, pattern)]
         if not hits:
             some = ", ".join(name for name in list(modules)[1:6])
@@ -107,25 +130,36 @@ def resolve_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
 
 
 def _check_kind(name: str, module: nn.Module, style: str) -> None:
-    kinds = {"column": (nn.Linear,), "row": (nn.Linear,), "vocab": (nn.Embedding, nn.Linear)}
-    if style in kinds and not isinstance(module, kinds[style]):
-        wanted = " or ".join(k.__name__ for k in kinds[style])
+    style = parse_style(style)[0]
+    kinds = {"column": ("Linear", "Conv1D"), "row": ("Linear", "Conv1D"), "vocab": ("Embedding", "Linear")}
+    fits = {"Linear": isinstance(module, nn.Linear), "Conv1D": is_conv1d(module),
+            "Embedding": isinstance(module, nn.Embedding)}
+    if style in kinds and not any(fits[kind] for kind in kinds[style]):
         raise PlaitError(f"tensor-parallel plan: {name} is a {type(module).__name__}, "
-                         f"but style {style!r} needs {wanted}")
+                         f"but style {style!r} needs {' or '.join(kinds[style])}")
 
 
 def _split_size(module: nn.Module, style: str) -> tuple[str, int]:
+    """The size tp divides, named as the user knows it; a fused layer's is one part's."""
     if isinstance(module, nn.Embedding):
         return "num_embeddings", module.num_embeddings
+    style, parts = parse_style(style)
+    layout = layout_of(module)
     if style == "row":
-        return "in_features", module.in_features
-    return "out_features", module.out_features
+        return "in_features", layout.in_features
+    if parts > 1:
+        return f"out_features / {parts} (one fused part)", layout.out_features // parts
+    return "out_features", layout.out_features
 
 
 def _check_divisible(model: nn.Module, styles: dict[str, str], tp: int) -> None:
     for name, style in styles.items():
-        if style in ("column", "row", "vocab"):
-            what, size = _split_size(model.get_submodule(name), style)
+        module, (kind, parts) = model.get_submodule(name), parse_style(style)
+        if parts > 1 and layout_of(module).out_features % parts:
+            raise PlaitError(f"{name}.out_features = {layout_of(module).out_features} is not "
+                             f"{parts} equal parts", hint=f"check the plan's \"column:{parts}\"")
+        if kind in ("column", "row", "vocab"):
+            what, size = _split_size(module, style)
             if size % tp:
                 raise PlaitError(f"{name}.{what} = {size} is not divisible by tp={tp}",
                                  hint=f"choose tp among {_divisors(size)}, or pad {name} to "
@@ -171,16 +205,17 @@ def apply_tensor_parallel(model: nn.Module, axis: Axis, *, plan: dict[str, str] 
     _swap_layers(model, styles, axis, sp, regather)
     if isinstance(model, GPT):
         _adapt_gpt(model, axis, sp)
-    log.info("tensor parallel over %d ranks%s: %d layers split", axis.size,
-             " with sequence parallelism" if sp else "", sum(s in ("column", "row", "vocab") for s in styles.values()))
+    log.info("tensor parallel over %d ranks%s: %d layers split", axis.size, " with sequence parallelism" if sp else "",
+             sum(parse_style(s)[0] in ("column", "row", "vocab") for s in styles.values()))
     return model
 
 
 def _swap_layers(model: nn.Module, styles: dict[str, str], axis: Axis, sp: bool, regather: bool) -> None:
     regions = [name for name, style in styles.items() if style == "region"]
     memo: dict[int, nn.Parameter] = {}
-    for name, style in styles.items():
+    for name, value in styles.items():
         module = model.get_submodule(name)
+        style, fused = parse_style(value)
         enters = not any(name.startswith(region + ".") for region in regions)
         if style == "region":
             hook = functools.partial(_enter_hook, axis=axis, sp=sp, regather=regather, name=_first_input(module))
@@ -194,7 +229,7 @@ def _swap_layers(model: nn.Module, styles: dict[str, str], axis: Axis, sp: bool,
             _replace(model, name, VocabParallelEmbedding.from_dense(module, axis, memo, sequence_parallel=sp))
         elif style in ("column", "vocab"):
             _replace(model, name, ColumnParallelLinear.from_dense(module, axis, memo, sequence_parallel=sp,
-                                                                  enters=enters, regather=regather))
+                                                                  enters=enters, regather=regather, fused=fused))
 
 
 def _first_input(module: nn.Module) -> str | None:
@@ -274,6 +309,5 @@ def gather_full_params(model: nn.Module, purpose: str = "checkpoint") -> dict[st
         if shard is None or info is None:
             out[name] = param.detach().clone()
             continue
-        stacked = all_gather_stacked(param.detach().movedim(shard.dim, 0), info.axis, purpose)
-        out[name] = stacked.flatten(0, 1).movedim(0, shard.dim).contiguous()
+        out[name] = shard.join(all_gather_stacked(param.detach(), info.axis, purpose))
     return out

@@ -203,9 +203,9 @@ def checkpoint_pieces(model: nn.Module, optimizer: ZeroOptimizer, mesh: Any) -> 
                     pieces.append(Piece(key, tensor, (), (), writes and first == 0 and mesh.rank("tp") == 0))
                     continue
                 for block, lengths, f in flat_blocks(shape, first, first + stop - start):
-                    where, full = placement(param, block)
-                    pieces.append(Piece(key, tensor[f - first:f - first + math.prod(lengths)].view(lengths),
-                                        where, full, writes))
+                    view = tensor[f - first:f - first + math.prod(lengths)].view(lengths)
+                    pieces += [Piece(key, part, where, full, writes)
+                               for part, where, full in placement(param, view, block)]
     return pieces
 
 
