@@ -83,7 +83,7 @@ class Stage(Protocol):
         """The piece (module or buffer) of `Parts` named `name`, or None where another stage holds it."""
         ...
 
-    def blocks(self) -> list[nn.Module]:
+    def held_blocks(self) -> list[nn.Module]:
         """This stage's blocks, in forward order."""
         ...
 
@@ -124,16 +124,12 @@ class GenericAdapter:
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         return find_units(model)
 
-    def parts(self, model: nn.Module) -> Parts:
-        if isinstance(model, nn.Sequential):
-            return Parts(blocks="")
-        name = type(model).__name__
-        raise PlaitError(f"the pipeline needs to know the blocks of {name}: where to cut it and how a stage runs",
-                         hint="give parallelize an adapter (plait.parallel.seam.ModelAdapter with parts and "
-                              "run_stage), or build the model as an nn.Sequential")
+    def parts(self, model: nn.Module) -> Parts | None:
+        """An nn.Sequential is cut between its children; of anything else, nothing is known."""
+        return Parts(blocks="") if isinstance(model, nn.Sequential) else None
 
     def run_stage(self, stage: Stage, x: torch.Tensor) -> torch.Tensor:
-        for block in stage.blocks():
+        for block in stage.held_blocks():
             x = block(x)
         return x
 
@@ -151,13 +147,17 @@ def adapter_of(model: nn.Module, adapter: Any = None) -> Any:
 
 def pipeline_parts(model: nn.Module, adapter: Any, pp: int) -> Parts:
     """The adapter's `Parts` of `model`; one PlaitError naming what is missing otherwise."""
-    if not callable(getattr(adapter, "parts", None)) or not callable(getattr(adapter, "run_stage", None)):
-        missing = "parts" if not callable(getattr(adapter, "parts", None)) else "run_stage"
-        raise PlaitError(f"pp {pp} needs to know how to cut {type(model).__name__}: its adapter "
-                         f"{type(adapter).__name__} has no {missing}()",
-                         hint="give the adapter parts() and run_stage() (plait.parallel.seam.ModelAdapter), "
-                              "or build the model as an nn.Sequential")
-    return adapter.parts(model)
+    name = type(model).__name__
+    hint = ("give parallelize an adapter (plait.parallel.seam.ModelAdapter: parts and run_stage), "
+            "or use nn.Sequential")
+    for method in ("parts", "run_stage"):
+        if not callable(getattr(adapter, method, None)):
+            raise PlaitError(f"pp {pp} needs to know how to cut {name}: its adapter "
+                             f"{type(adapter).__name__} has no {method}()", hint=hint)
+    parts = adapter.parts(model)
+    if parts is None:
+        raise PlaitError(f"pp {pp} needs to know the blocks of {name}", hint=hint)
+    return parts
 
 
 def tensor_plan(model: nn.Module, adapter: Any, tp: int, sp: bool) -> dict[str, str]:
