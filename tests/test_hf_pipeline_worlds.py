@@ -3,8 +3,9 @@ the Llama adapter, picked by class, gives every layout. Each matches one process
 step's loss (rtol 1e-4: TP and PP change the summation order).
 
 One 2-rank spawn (tests/worlds/hf_pipeline_world.py small): pp 2 (1F1B, interleaved, tied
-embeddings), tp 2 (± sp, and a Qwen2), the refusal of a model plait cannot cut. The 8-rank
-dp 2 × tp 2 × pp 2 with ZeRO-1 is `slow` (about a minute and a half on 2 busy cores).
+embeddings, full recomputation), tp 2 (± sp, and a Qwen2), the refusal of a model plait cannot cut. The 8-rank
+dp 2 × tp 2 × pp 2 with ZeRO-1 (and with ZeRO-3, SP, recompute, tied embeddings) is `slow`
+(about a minute and a half on 2 busy cores).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("run,reference", [("pp_1f1b", "reference"), ("pp_interleaved", "reference"),
-                                           ("pp_tied", "reference_tied")])
+                                           ("pp_tied", "reference_tied"), ("pp_recompute", "reference")])
 def test_pipelined_llama_matches_one_process(small: list[dict[str, Any]], run: str, reference: str) -> None:
     for report in small:
         assert report[run]["stages"] == ["Stage"] * (2 if run == "pp_interleaved" else 1)
@@ -67,7 +68,10 @@ def test_a_model_plait_cannot_cut_gets_one_error_naming_the_missing_piece(small:
 
 
 @pytest.mark.slow
-def test_dp_tp_pp_with_zero1_matches_one_process(tmp_path) -> None:
+def test_dp_tp_pp_with_zero_matches_one_process(tmp_path) -> None:
+    """dp 2 × tp 2 × pp 2: ZeRO-1; and ZeRO-3 with SP, full recomputation, tied embeddings."""
     _, reports = run_world("hf_pipeline_world.py", 8, tmp_path, "3d", timeout=600)
     for report in reports:
         assert_losses_close(report["dp_tp_pp_zero1"]["losses"], report["reference"]["losses"], rtol=1e-4)
+        assert_losses_close(report["dp_tp_sp_pp_zero3_recompute"]["losses"], report["reference_tied"]["losses"],
+                            rtol=1e-4)

@@ -3,9 +3,10 @@
 `plait.parallelize(model, mesh, ParallelConfig(...))` takes the `LlamaForCausalLM` as it is
 (no plan, no adapter from the user). The one-process reference trains the same model on
 the whole batch inside each rank. Argument "small" (2 ranks): pp 2 with 1F1B, interleaved
-(2 virtual stages) and a tied-embedding model; tp 2 on the adapter's plan, without and with
+(2 virtual stages), a tied-embedding model and full recomputation; tp 2 on the adapter's plan, without and with
 sequence parallelism; a Qwen2 (biased q, k, v) under tp 2; and a model plait cannot cut.
-Argument "3d" (8 ranks): dp 2 × tp 2 × pp 2 with ZeRO-1.
+Argument "3d" (8 ranks): dp 2 × tp 2 × pp 2 with ZeRO-1, and with ZeRO-3, SP, full
+recomputation and tied embeddings.
 """
 
 from __future__ import annotations
@@ -131,12 +132,16 @@ def main() -> None:
         report["pp_1f1b"] = piped(batches, P(), "1f1b", {}, pp=2)
         report["pp_interleaved"] = piped(batches, P(virtual_stages=2), "interleaved", {}, pp=2)
         report["pp_tied"] = piped(batches, P(), "1f1b", {"tied": True}, pp=2)
+        report["pp_recompute"] = piped(batches, P(recompute="full"), "1f1b", {}, pp=2)
         report["tp"] = whole(batches, P(), {}, tp=2)
         report["tp_sp"] = whole(batches, P(sp=True), {}, tp=2)
         report["qwen2_tp"] = whole(batches, P(), {"family": "qwen2"}, tp=2)
         report["refusal"] = refusal()
     else:
         report["dp_tp_pp_zero1"] = piped(batches, P(zero=1), "1f1b", {}, dp=2, tp=2, pp=2)
+        report["dp_tp_sp_pp_zero3_recompute"] = piped(batches, P(zero=3, sp=True, recompute="full"), "1f1b",
+                                                      {"tied": True}, dp=2, tp=2, pp=2)
+        report["reference_tied"] = reference(batches, tied=True)
     save_report(report)
 
 
