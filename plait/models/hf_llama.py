@@ -30,6 +30,7 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from plait.errors import PlaitError
+from plait.rules import divisors
 from plait.parallel.seam import Parts, Stage
 from plait.runtime import regions
 from plait.runtime.comm import Axis
@@ -81,13 +82,15 @@ class LlamaAdapter:
         return x
 
     def tensor_plan(self, model: nn.Module, tp: int, sp: bool) -> dict[str, str]:
+        """The layers' plan; each rank must hold whole heads, whole KV heads, 1/tp of the MLP."""
         config = model.config
-        heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        heads = config.num_attention_heads
+        kv = getattr(config, "num_key_value_heads", None) or heads
         for what, size in (("num_attention_heads", heads), ("num_key_value_heads", kv),
                            ("intermediate_size", config.intermediate_size)):
             if size % tp:
                 raise PlaitError(f"{type(model).__name__}: {what} = {size} is not divisible by tp={tp}",
-                                 hint=f"choose tp among {', '.join(str(d) for d in range(1, size + 1) if size % d == 0)}")
+                                 hint=f"choose tp among {divisors(size)}")
         return PLAN
 
     def after_tensor_parallel(self, model: nn.Module, axis: Axis, sp: bool) -> None:
@@ -95,8 +98,8 @@ class LlamaAdapter:
         if not sp:
             return
         layers = model.model.layers
-        layers[0].register_forward_pre_hook(_hidden_in(lambda x: regions.scatter_to_sequence(x, axis)),
-                                            with_kwargs=True)
+        split = _hidden_in(lambda x: regions.scatter_to_sequence(x, axis))
+        layers[0].register_forward_pre_hook(split, with_kwargs=True)
         layers[-1].register_forward_hook(lambda module, args, out: _map_hidden(
             out, lambda x: regions.gather_to_replicated(x, axis)))
 

@@ -29,7 +29,8 @@ torch.set_num_threads(1)
 
 
 def build(family: str = "llama", tied: bool = False) -> torch.nn.Module:
-    config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
+    families = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    config_class, model_class = families[family]
     torch.manual_seed(SEED)
     return model_class(config_class(**SHAPE, tie_word_embeddings=tied))
 

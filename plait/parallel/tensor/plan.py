@@ -41,8 +41,8 @@ from plait.runtime import comm
 from plait.runtime.comm import Axis
 from plait.runtime.regions import all_gather_stacked
 
-__all__ = ["STYLES", "ColumnParallelLinear", "RowParallelLinear", "Shard",
-           "VocabParallelEmbedding", "apply_tensor_parallel", "gather_full_params", "lm_loss", "resolve_plan", "shard_of",
+__all__ = ["STYLES", "ColumnParallelLinear", "RowParallelLinear", "Shard", "VocabParallelEmbedding",
+           "apply_tensor_parallel", "gather_full_params", "lm_loss", "resolve_plan", "shard_of",
            "tensor_parallel_of", "tp_loss_fn", "vocab_parallel_cross_entropy"]
 
 log = logging.getLogger(__name__)
