@@ -3,7 +3,7 @@
 `plait.parallelize(model, mesh, ParallelConfig(...))` takes the `LlamaForCausalLM` as it is
 (no plan, no adapter from the user). The one-process reference trains the same model on
 the whole batch inside each rank. Argument "small" (2 ranks): pp 2 with 1F1B, interleaved
-(2 virtual stages), a tied-embedding model and full recomputation; tp 2 on the adapter's plan, without and with
+(2 virtual stages), zb-h1, a tied-embedding model and full recomputation; tp 2 on the adapter's plan, without and with
 sequence parallelism; a Qwen2 (biased q, k, v) under tp 2; and a model plait cannot cut.
 Argument "3d" (8 ranks): dp 2 × tp 2 × pp 2 with ZeRO-1, and with ZeRO-3, SP, full
 recomputation and tied embeddings.
@@ -134,6 +134,7 @@ def main() -> None:
         report["pp_interleaved"] = piped(batches, P(virtual_stages=2), "interleaved", {}, pp=2)
         report["pp_tied"] = piped(batches, P(), "1f1b", {"tied": True}, pp=2)
         report["pp_recompute"] = piped(batches, P(recompute="full"), "1f1b", {}, pp=2)
+        report["pp_zb"] = piped(batches, P(), "zb-h1", {}, pp=2)
         report["tp"] = whole(batches, P(), {}, tp=2)
         report["tp_sp"] = whole(batches, P(sp=True), {}, tp=2)
         report["qwen2_tp"] = whole(batches, P(), {"family": "qwen2"}, tp=2)
