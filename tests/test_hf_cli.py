@@ -34,7 +34,9 @@ tokenizers = pytest.importorskip("tokenizers")
 SEQ, MICRO, STEPS = 16, 2, 4
 TRAIN = ["--seq-len", str(SEQ), "--micro-batch", str(MICRO), "--steps", str(STEPS), "--eval-every", "0",
          "--eval-samples", "4", "--sample-tokens", "4", "--no-report", "--lr", "0.01", "--warmup-steps", "1"]
-RESUMED = {"one process": ["--nproc", "1", "--grad-accum", "2"], "zero3 x2": ["--nproc", "2", "--zero", "3"]}
+RESUMED = {"one process": ["--nproc", "1", "--grad-accum", "2"], "zero3 x2": ["--nproc", "2", "--zero", "3"],
+           "tp2": ["--nproc", "2", "--tp", "2", "--grad-accum", "2"],
+           "pp2 1f1b": ["--nproc", "2", "--pp", "2", "--schedule", "1f1b", "--grad-accum", "2"]}
 
 
 def corpus_text() -> str:

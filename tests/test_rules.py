@@ -45,12 +45,12 @@ def test_one_home_for_each_choice() -> None:
     from plait.estimate import layout
     from plait.parallel import recompute
     from plait.parallel.pipeline import schedule
-    from plait.parallel.tensor import plan as tensor
+    from plait.models import gpt_adapter
 
     assert schedule.SCHEDULES is layout.SCHEDULES is rules.SCHEDULES
     assert recompute.POLICIES is layout.RECOMPUTE is rules.RECOMPUTE
     assert layout.PRECISIONS is rules.PRECISIONS and layout.REDUCE_DTYPES is rules.REDUCE_DTYPES
-    assert tensor.check_gpt_tensor_parallel is rules.check_tensor_parallel
+    assert gpt_adapter.check_tensor_parallel is rules.check_tensor_parallel
     from plait.parallel import precision
 
     assert precision.PRECISIONS is rules.PRECISIONS

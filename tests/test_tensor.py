@@ -12,8 +12,9 @@ from torch import nn
 from plait.errors import PlaitError
 from plait.models.config import get_preset
 from plait.models.gpt import build_gpt
-from plait.parallel.tensor.plan import (GPT_PLAN, apply_tensor_parallel, check_gpt_tensor_parallel, lm_loss,
-                                   resolve_plan, tp_loss_fn)
+from plait.models.gpt_adapter import GPT_PLAN
+from plait.parallel.tensor.plan import apply_tensor_parallel, lm_loss, resolve_plan, tp_loss_fn
+from plait.rules import check_tensor_parallel as check_gpt_tensor_parallel
 from plait.parallel.tensor.cost import (block_activations, korthikanti_gpt_bytes, layer_collectives,
                                         step_traffic)
 from plait.runtime import regions

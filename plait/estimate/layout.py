@@ -172,7 +172,7 @@ def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1) -> tupl
     head = table if (not config.tie_embeddings or pp > 1) else 0
     if virtual_stages > 1 or pp == 1:  # interleaving cuts equal chunks, v per rank
         counts = [config.n_layers // pp] * pp
-    else:  # the cut plait's pipeline makes (pipeline_split.default_balance)
+    else:  # the cut plait's pipeline makes (parallel/pipeline/split.py: default_balance)
         counts = balanced_counts([block] * config.n_layers, pp, first_extra=first, last_extra=norm + head)
     out = []
     for index, layers in enumerate(counts):

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.models.config import GPTConfig
+from plait.models.gpt_adapter import GPTAdapter
 
 TEMPERATURE = 0.8  # sampling temperature of the run's closing sample
 
@@ -180,13 +181,7 @@ def sample_next(logits: torch.Tensor, temperature: float, generator: torch.Gener
     return torch.multinomial(probs, 1, generator=generator)
 
 
-class GPTAdapter:
-    """What the strategies ask of plait's GPT (see plait.parallel.seam.ModelAdapter)."""
-
-    def blocks(self, model: nn.Module) -> list[nn.Module]:
-        return list(model.blocks)
-
-
+# What the strategies ask of this model (plait.parallel.seam), found on the class.
 GPT.plait_adapter = GPTAdapter()  # type: ignore[attr-defined]
 
 

@@ -29,6 +29,8 @@ import torch
 from torch import nn
 
 from plait.errors import PlaitError
+from plait.models.hf_hooks import hidden_in
+from plait.parallel.seam import Parts
 from plait.runtime import regions
 from plait.runtime.comm import Axis
 
@@ -57,8 +59,6 @@ class GPT2Adapter:
 
     def parts(self, model: nn.Module) -> Any:
         """The pipeline cut: embeddings first, ln_f and the head (tied to wte) last."""
-        from plait.parallel.seam import Parts  # the seam's cut (plait.parallel.pipeline)
-
         return Parts(blocks=BLOCKS, first=("transformer.wte", "transformer.wpe", "transformer.drop"),
                      last=("transformer.ln_f", "lm_head"))
 
@@ -109,7 +109,7 @@ class GPT2Adapter:
             block.attn.num_heads = config.n_head // tp
         if sp and tp > 1:
             blocks = self.blocks(model)
-            blocks[0].register_forward_pre_hook(_hidden_in(lambda x: regions.scatter_to_sequence(x, axis)),
+            blocks[0].register_forward_pre_hook(hidden_in(lambda x: regions.scatter_to_sequence(x, axis)),
                                                 with_kwargs=True)
             blocks[-1].register_forward_hook(lambda module, args, out: regions.gather_to_replicated(out, axis))
 
@@ -120,14 +120,3 @@ def _causal_mask(config: Any, whole: torch.Tensor, positions: torch.Tensor) -> A
 
     return create_causal_mask(config=config, inputs_embeds=whole, attention_mask=None, past_key_values=None,
                               position_ids=positions)
-
-
-def _hidden_in(change: Any) -> Any:
-    """A forward pre-hook applying `change` to a block's hidden states, by position or keyword."""
-
-    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
-        if args:
-            return (change(args[0]), *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": change(kwargs["hidden_states"])}
-
-    return hook

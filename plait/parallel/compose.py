@@ -53,7 +53,7 @@ class ParallelConfig:
     recompute: str = "none"  # "full": keep each block's input only, rerun the block in backward;
     # "selective": rerun only the attention core
     reduce_dtype: torch.dtype | None = None  # gradients cross dp in this dtype (None: their own)
-    tp_plan: dict[str, str] | None = None  # {module-name pattern: style} for tp > 1 (default: plait's GPT)
+    tp_plan: dict[str, str] | None = None  # {module-name pattern: style} for tp > 1 (default: the adapter's)
     sync_bn: bool = False  # BatchNorm statistics over the whole dp group (plait's SyncBatchNorm)
 
     def __post_init__(self) -> None:
@@ -75,8 +75,9 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = No
     That is `model` itself (moved to this rank's device, changed in place), or with pp > 1
     the ModuleList of this rank's pipeline stages, for a `PipelineRunner`. Stages already
     cut by `apply_pipeline` (and a model already split by tp) are taken as they are.
-    `adapter` tells the strategies what the model's blocks are (plait.parallel.seam); by
-    default the model's class says, or its module lists do.
+    `adapter` tells the strategies what the model is made of (plait.parallel.seam: its
+    blocks, where to cut it, its tp plan); by default the model's class says, or its module
+    lists do. `config.tp_plan`, when given, replaces the adapter's plan.
     """
     config = config or ParallelConfig()
     adapter = adapter_of(model, adapter)
@@ -93,9 +94,9 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = No
         # TP broadcasts the whole model over tp before slicing it, so it moves to the device
         # first (NCCL sends device memory); without TP only this rank's stages move.
         model.to(mesh.device)
-        apply_tensor_parallel(model, mesh.axis("tp"), plan=config.tp_plan, sp=config.sp)
+        apply_tensor_parallel(model, mesh.axis("tp"), plan=config.tp_plan, sp=config.sp, adapter=adapter)
     if mesh.size("pp") > 1 and not cut:
-        model = apply_pipeline(model, mesh, virtual_stages=config.virtual_stages)
+        model = apply_pipeline(model, mesh, virtual_stages=config.virtual_stages, adapter=adapter)
     model.to(mesh.device)
     if config.zero == 0:
         apply_data_parallel(model, mesh.axis("dp"), bucket_mb=config.bucket_mb, reduce_dtype=config.reduce_dtype)

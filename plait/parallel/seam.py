@@ -1,32 +1,91 @@
 """The model seam: what a strategy may ask of a model, without knowing which model it is.
 
-Strategies live in `plait/parallel/` and import nothing from `plait/models/`. A model
-family answers their questions through a small adapter kept beside the model (plait's GPT:
-`plait.models.gpt.GPTAdapter`; ResNets: `plait.models.resnet.ResNetAdapter`). The adapter
-is found on the model class as `plait_adapter`, or passed to `parallelize` by a caller that
-knows better (a wrapper for someone else's model). A model without one gets
-`GenericAdapter`, which answers from the module tree alone, so any `nn.Module` keeps data
-parallelism and ZeRO.
+Strategies live in `plait/parallel/` and import nothing from the model families. A family
+answers their questions through a small adapter kept beside the model, in the model's own
+module names. It is found, in this order: passed to `parallelize(..., adapter=...)` (the
+top-level `plait.parallelize` picks one by the model's class for the families plait knows,
+transformers' among them); declared on the model class as `plait_adapter` (plait's own
+models); else `GenericAdapter`, which answers from the module tree alone, so any
+`nn.Module` keeps data parallelism and ZeRO, and an `nn.Sequential` is also cut.
 
-What is asked today, and by whom:
+What is asked, and by whom:
+
 - `blocks(model)`: the repeated blocks, in forward order. ZeRO-3 gathers and frees one
   block at a time (its units); recomputation reruns a block in backward.
+- `parts(model)`: where the pipeline cuts (`Parts`): the block list, what runs before it on
+  the first stage (the embedding), after it on the last (final norm, head), and the
+  parameter-free pieces every stage keeps (rotary tables). Tied weights need no answer of
+  their own: a parameter held by both a first and a last piece (an embedding tied to the
+  head) is found there, and split across pipeline ranks as two copies whose gradients are
+  summed (plait.parallel.pipeline.split).
+- `run_stage(stage, x)`: how one stage runs: ids -> hidden states on the first stage,
+  hidden -> hidden in between, hidden -> logits on the last (`Stage` says what it holds).
+  Whatever the blocks need besides the hidden states (positions, rotary angles, the causal
+  mask) is made here, inside the stage, from the shared pieces.
+- `tensor_plan(model, tp, sp)`: the tensor-parallel plan in the model's own module names
+  ({pattern: style}, styles in plait.parallel.tensor.plan), with the attention and the MLP
+  marked as regions so each does one all-reduce in backward; it may refuse a tp the
+  model's shapes cannot take (heads not divisible...).
+- `after_tensor_parallel(model, axis, sp)`: the family's fix-up once the layers are
+  swapped (e.g. sampling that gathers the vocabulary, a forward that keeps its contract).
 
-The protocol is structural: an adapter needs no import of this module to satisfy it. It
-grows by one method per question a strategy learns to ask instead of naming a model: the
-tensor-parallel plan in the model's own module names, tied weights, the embedding and head
-for the pipeline cut (today still plait's GPT in tensor.py and pipeline_split.py). What a
-sample is, the loss and the metrics are the training task's (plait.train.task), not the
-strategies'.
+The protocol is structural: an adapter need not import this module, and may answer only
+some questions (a missing method means "I don't know": the strategy that needed it says
+so in one PlaitError). Subclassing `GenericAdapter` gives the generic answers for the rest.
+What a sample is, the loss and the metrics are the training task's (plait.train.task), not
+the strategies'.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
+import torch
 from torch import nn
 
+from plait.errors import PlaitError
 from plait.parallel.zero.shard import find_units
+from plait.runtime.comm import Axis
+
+
+@dataclass(frozen=True)
+class Parts:
+    """Where a pipeline cuts a model, by the model's own module (or buffer) names.
+
+    `blocks` names the ModuleList (or Sequential) of repeated blocks; "" means the model
+    itself is the Sequential to cut. `first` run before the blocks, on the first stage only;
+    `last` after them, on the last stage only; `shared` hold no trainable parameters and
+    every stage keeps them (rotary tables, a rotary module).
+    """
+
+    blocks: str
+    first: tuple[str, ...] = ()
+    last: tuple[str, ...] = ()
+    shared: tuple[str, ...] = ()
+
+
+class Stage(Protocol):
+    """What `ModelAdapter.run_stage` may read of a pipeline stage."""
+
+    index: int  # this stage's place in the pipeline, 0 .. num_stages - 1
+    num_stages: int
+    first_layer: int  # the full model's index of this stage's first block
+    seq_split: int  # tp under sequence parallelism: hidden states between stages hold seq / seq_split positions
+
+    @property
+    def is_first(self) -> bool: ...
+
+    @property
+    def is_last(self) -> bool: ...
+
+    def held(self, name: str) -> Any:
+        """The piece (module or buffer) of `Parts` named `name`, or None where another stage holds it."""
+        ...
+
+    def held_blocks(self) -> list[nn.Module]:
+        """This stage's blocks, in forward order."""
+        ...
 
 
 @runtime_checkable
@@ -38,17 +97,74 @@ class ModelAdapter(Protocol):
         ...
 
 
+class FullAdapter(ModelAdapter, Protocol):
+    """An adapter that answers every question the strategies ask (plait's GPT, transformers' Llama)."""
+
+    def parts(self, model: nn.Module) -> Parts:
+        """Where the pipeline cuts `model`."""
+        ...
+
+    def run_stage(self, stage: Stage, x: torch.Tensor) -> torch.Tensor:
+        """One pipeline stage's forward: ids or hidden states in, hidden states or logits out."""
+        ...
+
+    def tensor_plan(self, model: nn.Module, tp: int, sp: bool) -> dict[str, str]:
+        """{module-name pattern: style} splitting `model` over tp ranks (PlaitError if it cannot)."""
+        ...
+
+    def after_tensor_parallel(self, model: nn.Module, axis: Axis, sp: bool) -> None:
+        """Anything the family must change once its layers are split over `axis`."""
+        ...
+
+
 class GenericAdapter:
     """For a model plait knows nothing about: the children of its module lists and
-    Sequentials are its blocks."""
+    Sequentials are its blocks; an nn.Sequential is cut between its children."""
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         return find_units(model)
 
+    def parts(self, model: nn.Module) -> Parts | None:
+        """An nn.Sequential is cut between its children; of anything else, nothing is known."""
+        return Parts(blocks="") if isinstance(model, nn.Sequential) else None
 
-def adapter_of(model: nn.Module, adapter: ModelAdapter | None = None) -> ModelAdapter:
+    def run_stage(self, stage: Stage, x: torch.Tensor) -> torch.Tensor:
+        for block in stage.held_blocks():
+            x = block(x)
+        return x
+
+    def after_tensor_parallel(self, model: nn.Module, axis: Axis, sp: bool) -> None:
+        return None
+
+
+def adapter_of(model: nn.Module, adapter: Any = None) -> Any:
     """`adapter` when given, else the one the model's class declares, else the generic one."""
     if adapter is not None:
         return adapter
     declared = getattr(type(model), "plait_adapter", None)
     return declared if declared is not None else GenericAdapter()
+
+
+def pipeline_parts(model: nn.Module, adapter: Any, pp: int) -> Parts:
+    """The adapter's `Parts` of `model`; one PlaitError naming what is missing otherwise."""
+    name = type(model).__name__
+    hint = ("give parallelize an adapter (plait.parallel.seam.ModelAdapter: parts and run_stage), "
+            "or use nn.Sequential")
+    for method in ("parts", "run_stage"):
+        if not callable(getattr(adapter, method, None)):
+            raise PlaitError(f"pp {pp} needs to know how to cut {name}: its adapter "
+                             f"{type(adapter).__name__} has no {method}()", hint=hint)
+    parts = adapter.parts(model)
+    if parts is None:
+        raise PlaitError(f"pp {pp} needs to know the blocks of {name}", hint=hint)
+    return parts
+
+
+def tensor_plan(model: nn.Module, adapter: Any, tp: int, sp: bool) -> dict[str, str]:
+    """The adapter's tensor-parallel plan for `model`; one PlaitError when it has none."""
+    plan = getattr(adapter, "tensor_plan", None)
+    if not callable(plan):
+        raise PlaitError(f"tensor parallelism needs a plan for a {type(model).__name__}",
+                         hint='pass ParallelConfig(tp_plan={"layer.name": "column" | "row" | "vocab" | '
+                              '"region", ...}) or an adapter with tensor_plan(); see docs/tensor.md')
+    return plan(model, tp, sp)

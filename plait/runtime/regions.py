@@ -12,6 +12,7 @@ of autograd and none (or its dual) in the other (Megatron-LM's f and g operators
 | gather_from_sequence       | all-gather along seq    | reduce-scatter along seq |
 | reduce_scatter_to_sequence | reduce-scatter along seq| all-gather along seq   |
 | scatter_to_sequence        | keep own seq chunk      | all-gather along seq   |
+| gather_to_replicated       | all-gather along seq    | keep own seq chunk     |
 
 With sequence parallelism the ops outside the regions (norms, residual adds) work on a
 slice of the sequence, so the first two ops become the last three: an all-reduce is a
@@ -173,6 +174,23 @@ class _ScatterToSequence(torch.autograd.Function):
         return all_gather_sequence(grad, ctx.axis), None
 
 
+class _GatherToReplicated(torch.autograd.Function):
+    """Go from a sequence-parallel tensor back to a replicated one (scatter_to_sequence's dual).
+
+    forward: all-gather the sequence chunks.
+    backward: keep this rank's chunk of dL/dy, which every rank computed whole and alike.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, shard: torch.Tensor, axis: Axis) -> torch.Tensor:
+        ctx.axis = axis
+        return all_gather_sequence(shard, axis)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return split_sequence(grad, ctx.axis), None
+
+
 def copy_to_region(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     return _CopyToRegion.apply(x, axis) if axis.size > 1 else x
 
@@ -191,6 +209,10 @@ def reduce_scatter_to_sequence(x: torch.Tensor, axis: Axis) -> torch.Tensor:
 
 def scatter_to_sequence(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     return _ScatterToSequence.apply(x, axis) if axis.size > 1 else x
+
+
+def gather_to_replicated(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    return _GatherToReplicated.apply(x, axis) if axis.size > 1 else x
 
 
 def gather_source(x: torch.Tensor) -> Any:

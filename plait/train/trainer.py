@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
+from plait.api import parallelize
 from plait.errors import PlaitError
 from plait.models.gpt import TEMPERATURE, sample_next
-from plait.parallel.compose import ParallelConfig, build_optimizer, parallelize
+from plait.parallel.compose import ParallelConfig, build_optimizer
 from plait.parallel.data.sync import no_sync
 from plait.parallel.pipeline.runner import PipelineRunner
 from plait.parallel.precision import StepGuard, param_dtype, reduce_dtype_of
@@ -52,8 +53,8 @@ def lr_at(step: int, config: TrainConfig) -> float:
 
 
 def _parallelized(model: torch.nn.Module, mesh: Mesh, config: TrainConfig) -> torch.nn.Module:
-    """`parallelize` with the run's options. A model whose family tensor or pipeline
-    parallelism cannot handle yet (no adapter tells them its layers) fails with one line."""
+    """`parallelize` with the run's options, the adapter picked by the model's class
+    (plait/api.py). A model whose layers no adapter names fails under tp or pp with one line."""
     try:
         return parallelize(model, mesh, ParallelConfig(
             bucket_mb=config.bucket_mb, zero=config.zero, offload=config.offload, sp=config.sp,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,7 +29,7 @@ from plait.parallel.pipeline.comm import (BufferPool, Channels, Key, add_from_pe
                                           sum_tied_grads)
 from plait.parallel.pipeline.execute import LossFn, PipelineStats, StageWork, StepRun
 from plait.parallel.pipeline.held import PIPELINE_ATTR
-from plait.parallel.pipeline.split import (GPTStage, balanced_counts, check_split, rank_stages, split_stages,
+from plait.parallel.pipeline.split import (Stage, balanced_counts, check_split, rank_stages, split_stages,
                                            tied_copies)
 from plait.parallel.pipeline.schedule import Schedule, build_schedule, validate
 from plait.parallel.pipeline.timeline import Slot, Timeline
@@ -38,22 +39,24 @@ from plait.parallel.zero.stages import zero_of
 from plait.runtime import comm
 from plait.runtime.mesh import Mesh
 
-__all__ = ["GPTStage", "PipelineRunner", "PipelineStats", "apply_pipeline", "balanced_counts", "check_pipeline",
+__all__ = ["PipelineRunner", "Stage", "PipelineStats", "apply_pipeline", "balanced_counts", "check_pipeline",
            "check_split", "split_stages"]
 
 
 def apply_pipeline(model: nn.Module, mesh: Mesh, *, virtual_stages: int = 1,
-                   balance: Sequence[int] | None = None) -> nn.ModuleList:
+                   balance: Sequence[int] | None = None, adapter: Any = None) -> nn.ModuleList:
     """This rank's stages of `model` (v chunks, in chunk order), moved to its device.
 
     Tensor parallelism, if any, is applied to the whole model before (its layers are cut
     as they are); data parallelism or ZeRO to the returned ModuleList after: the stages of
-    the other ranks are dropped with `model`.
+    the other ranks are dropped with `model`. `adapter` says where to cut and how a stage
+    runs (plait.parallel.seam; default: the model class's, or an nn.Sequential's children).
     """
     pp = mesh.size("pp")
     info = tensor_parallel_of(model)
     seq_split = info.axis.size if info is not None and info.sp else 1
-    stages = split_stages(model, pp, virtual_stages=virtual_stages, balance=balance, seq_split=seq_split)
+    stages = split_stages(model, pp, virtual_stages=virtual_stages, balance=balance, seq_split=seq_split,
+                          adapter=adapter)
     held = rank_stages(stages, mesh.rank("pp"), pp).to(mesh.device)
     if info is not None:
         setattr(held, TP_ATTR, info)  # the loss and the gradient norm look for it here

@@ -29,7 +29,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plait.models.config import GPTConfig
+from typing import Protocol
+
+
+class BlockShape(Protocol):
+    """The shapes this arithmetic reads: any model config with these fields (plait's GPTConfig)."""
+
+    d_model: int
+    ffn_hidden: int
+    n_heads: int
+    n_layers: int
+    max_seq_len: int
+    head_dim: int
 
 
 @dataclass(frozen=True)
@@ -44,7 +55,7 @@ class BlockActivations:
         return self.outside + self.inside
 
 
-def block_activations(config: GPTConfig, batch: int, seq: int, tp: int = 1, sp: bool = False,
+def block_activations(config: BlockShape, batch: int, seq: int, tp: int = 1, sp: bool = False,
                       regather: bool = True) -> BlockActivations:
     """Elements saved for backward by one block on one rank (times p for bytes).
 
@@ -63,7 +74,7 @@ def block_activations(config: GPTConfig, batch: int, seq: int, tp: int = 1, sp: 
     return BlockActivations(outside, inside / tp)
 
 
-def rope_table_elements(config: GPTConfig) -> int:
+def rope_table_elements(config: BlockShape) -> int:
     """cos and sin tables saved by RoPE's multiplications: shared by all blocks, counted once."""
     return config.max_seq_len * config.head_dim
 
@@ -93,7 +104,7 @@ def layer_collectives(tp: int, sp: bool, regather: bool = True) -> dict[str, int
     return {"all_gather": 4 + (2 if regather else 0), "reduce_scatter": 4}
 
 
-def step_traffic(config: GPTConfig, batch: int, seq: int, tp: int, sp: bool = False,
+def step_traffic(config: BlockShape, batch: int, seq: int, tp: int, sp: bool = False,
                  regather: bool = True, p: int = 4) -> dict[str, float]:
     """Wire bytes per rank on the tp axis for one forward + backward of the GPT (ring costs).
 

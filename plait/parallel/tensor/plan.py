@@ -36,42 +36,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.errors import PlaitError
-from plait.models.gpt import GPT
 from plait.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, Shard,
                                           VocabParallelEmbedding, enter_region, is_conv1d, layout_of,
                                           shard_of, sum_grad_over)
-from plait.parallel.tensor.loss import gather_vocab, vocab_parallel_cross_entropy
+from plait.parallel.seam import adapter_of, tensor_plan
+from plait.parallel.tensor.loss import vocab_parallel_cross_entropy
 from plait.runtime import comm
 from plait.runtime.comm import Axis
-from plait.rules import check_tensor_parallel
 from plait.runtime.regions import all_gather_stacked
 
-__all__ = ["GPT_PLAN", "STYLES", "ColumnParallelLinear", "RowParallelLinear", "Shard",
-           "VocabParallelEmbedding", "apply_tensor_parallel", "check_gpt_tensor_parallel",
-           "gather_full_params", "lm_loss", "parse_style", "resolve_plan", "shard_of",
+__all__ = ["STYLES", "ColumnParallelLinear", "RowParallelLinear", "Shard", "VocabParallelEmbedding",
+           "apply_tensor_parallel", "gather_full_params", "lm_loss", "parse_style", "resolve_plan", "shard_of",
            "tensor_parallel_of", "tp_loss_fn", "vocab_parallel_cross_entropy"]
 
 log = logging.getLogger(__name__)
 STYLES = ("column", "row", "vocab", "region", "sequence")
 ATTR = "_plait_tensor_parallel"
-
-GPT_PLAN: dict[str, str] = {
-    "embed": "vocab",
-    "blocks.*.attn_norm": "sequence",
-    "blocks.*.attn": "region",
-    "blocks.*.attn.q_proj": "column",
-    "blocks.*.attn.k_proj": "column",
-    "blocks.*.attn.v_proj": "column",
-    "blocks.*.attn.o_proj": "row",
-    "blocks.*.mlp_norm": "sequence",
-    "blocks.*.mlp": "region",
-    "blocks.*.mlp.gate_proj": "column",
-    "blocks.*.mlp.up_proj": "column",
-    "blocks.*.mlp.down_proj": "row",
-    "norm": "sequence",
-    "lm_head": "vocab",
-}
-
 
 @dataclass(frozen=True)
 class TensorParallel:
@@ -170,13 +150,11 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-check_gpt_tensor_parallel = check_tensor_parallel  # one home: plait.rules, shared with the estimator
-
-
 # -- applying it ------------------------------------------------------------------------------
 def apply_tensor_parallel(model: nn.Module, axis: Axis, *, plan: dict[str, str] | None = None,
-                          sp: bool = False, regather: bool = True) -> nn.Module:
-    """Split `model` over `axis` in place following `plan` (plait's GPT: `GPT_PLAN`).
+                          sp: bool = False, regather: bool = True, adapter: Any = None) -> nn.Module:
+    """Split `model` over `axis` in place following `plan`, by default the one its adapter
+    gives (plait.parallel.seam: `tensor_plan`), then let the adapter fix its family up.
 
     `sp` turns on sequence parallelism outside the regions. `regather` (SP only) saves each
     region's input as this rank's sequence chunk and all-gathers it again in backward, as
@@ -187,13 +165,9 @@ def apply_tensor_parallel(model: nn.Module, axis: Axis, *, plan: dict[str, str] 
     if tensor_parallel_of(model) is not None:
         raise PlaitError("tensor parallelism is already applied to this model",
                          hint="call apply_tensor_parallel once, on the whole model")
+    adapter = adapter_of(model, adapter)
     if plan is None:
-        if not isinstance(model, GPT):
-            raise PlaitError(f"tensor parallelism needs a plan for a {type(model).__name__}",
-                             hint='pass plan={"layer.name": "column" | "row" | "vocab", ...}; see docs/tensor.md')
-        plan = GPT_PLAN
-    if isinstance(model, GPT):
-        check_gpt_tensor_parallel(model.config, axis.size, sp)
+        plan = tensor_plan(model, adapter, axis.size, sp)
     styles = resolve_plan(model, plan)
     sp = sp and axis.size > 1
     setattr(model, ATTR, TensorParallel(axis, sp, regather, styles))
@@ -203,10 +177,11 @@ def apply_tensor_parallel(model: nn.Module, axis: Axis, *, plan: dict[str, str] 
     for tensor in [*model.parameters(), *model.buffers()]:
         comm.broadcast(tensor.data, axis, purpose="setup")  # the slices come from one model
     _swap_layers(model, styles, axis, sp, regather)
-    if isinstance(model, GPT):
-        _adapt_gpt(model, axis, sp)
-    log.info("tensor parallel over %d ranks%s: %d layers split", axis.size, " with sequence parallelism" if sp else "",
-             sum(parse_style(s)[0] in ("column", "row", "vocab") for s in styles.values()))
+    fix_up = getattr(adapter, "after_tensor_parallel", None)
+    if callable(fix_up):
+        fix_up(model, axis, sp)
+    log.info("tensor parallel over %d ranks%s: %d layers split", axis.size,
+             " with sequence parallelism" if sp else "", sum(parse_style(s)[0] in ("column", "row", "vocab") for s in styles.values()))
     return model
 
 
@@ -259,29 +234,6 @@ def _enter_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent), child, new)
-
-
-def _adapt_gpt(model: GPT, axis: Axis, sp: bool) -> None:
-    """Sampling needs the whole vocabulary; under SP, any sequence length when not training."""
-    model.gather_vocab = functools.partial(gather_vocab, axis=axis)
-    if not sp:
-        return
-    lengths: list[int] = []
-
-    def pad(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        # Exact: causal attention never lets a token see the padding after it. Training
-        # keeps the error instead, so a wrong --seq-len is not silently padded.
-        ids = args[0]
-        short = -ids.shape[1] % axis.size
-        lengths.append(ids.shape[1] if short and not torch.is_grad_enabled() else -1)
-        return (F.pad(ids, (0, short)), *args[1:]) if lengths[-1] >= 0 else None
-
-    def crop(module: nn.Module, args: tuple[Any, ...], logits: torch.Tensor) -> torch.Tensor:
-        length = lengths.pop()
-        return logits if length < 0 else logits[:, :length]
-
-    model.register_forward_pre_hook(pad)
-    model.register_forward_hook(crop)
 
 
 # -- what the trainer calls instead of the dense versions -------------------------------------

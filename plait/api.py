@@ -1,0 +1,35 @@
+"""The public entry points that need to know model families: above `parallel/` and `models/`.
+
+`plait.parallelize` is `plait.parallel.compose.parallelize` with the adapter picked by the
+model's class for the families plait knows but did not build (transformers' Llama, Mistral,
+Qwen2: plait.models.adapters), so a user passes their model as it is. Imports go downward
+only: this module reads both packages, neither reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from plait.models.adapters import adapter_for
+from plait.parallel import compose
+from plait.parallel.pipeline import runner
+from plait.runtime.mesh import Mesh
+
+__all__ = ["apply_pipeline", "parallelize"]
+
+
+def parallelize(model: nn.Module, mesh: Mesh, config: compose.ParallelConfig | None = None,
+                adapter: Any = None) -> nn.Module:
+    """Apply the configured strategies to `model`; return what this rank trains (the model,
+    or with pp > 1 this rank's pipeline stages). See plait.parallel.compose.parallelize."""
+    return compose.parallelize(model, mesh, config, adapter=adapter or adapter_for(model))
+
+
+def apply_pipeline(model: nn.Module, mesh: Mesh, *, virtual_stages: int = 1,
+                   balance: Sequence[int] | None = None, adapter: Any = None) -> nn.ModuleList:
+    """This rank's pipeline stages of `model`. See plait.parallel.pipeline.runner.apply_pipeline."""
+    return runner.apply_pipeline(model, mesh, virtual_stages=virtual_stages, balance=balance,
+                                 adapter=adapter or adapter_for(model))

@@ -1,0 +1,92 @@
+"""What the strategies ask of plait's GPT (plait.parallel.seam), in its own module names.
+
+`GPT.plait_adapter` points here, so `plait.parallel` finds it on the model class without
+importing this package. Kept apart from gpt.py so that the model reads on its own.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.parallel.seam import Parts, Stage
+from plait.parallel.tensor.loss import gather_vocab
+from plait.rules import check_tensor_parallel
+from plait.runtime.comm import Axis
+
+GPT_PLAN: dict[str, str] = {
+    "embed": "vocab",
+    "blocks.*.attn_norm": "sequence",
+    "blocks.*.attn": "region",
+    "blocks.*.attn.q_proj": "column",
+    "blocks.*.attn.k_proj": "column",
+    "blocks.*.attn.v_proj": "column",
+    "blocks.*.attn.o_proj": "row",
+    "blocks.*.mlp_norm": "sequence",
+    "blocks.*.mlp": "region",
+    "blocks.*.mlp.gate_proj": "column",
+    "blocks.*.mlp.up_proj": "column",
+    "blocks.*.mlp.down_proj": "row",
+    "norm": "sequence",
+    "lm_head": "vocab",
+}
+
+
+class GPTAdapter:
+    """plait's GPT: embedding, blocks, final norm and head; rope tables every stage keeps."""
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        return list(model.blocks)
+
+    def parts(self, model: nn.Module) -> Parts:
+        return Parts(blocks="blocks", first=("embed",), last=("norm", "lm_head"), shared=("rope_cos", "rope_sin"))
+
+    def run_stage(self, stage: Stage, x: torch.Tensor) -> torch.Tensor:
+        """Token ids or hidden states (batch, seq, d_model) in; hidden states or logits out."""
+        embed = stage.held("embed")
+        # Under sequence parallelism hidden states hold seq / tp positions; rope needs seq.
+        seq = x.shape[1] * (1 if embed is not None else stage.seq_split)
+        if embed is not None:
+            x = embed(x)
+        cos, sin = stage.held("rope_cos")[:seq], stage.held("rope_sin")[:seq]
+        for block in stage.held_blocks():
+            x = block(x, cos, sin)
+        if stage.is_last:
+            x = stage.held("lm_head")(stage.held("norm")(x))
+        return x
+
+    def tensor_plan(self, model: nn.Module, tp: int, sp: bool) -> dict[str, str]:
+        check_tensor_parallel(model.config, tp, sp)  # one home: plait.rules, shared with the estimator
+        return GPT_PLAN
+
+    def after_tensor_parallel(self, model: nn.Module, axis: Axis, sp: bool) -> None:
+        """Sampling needs the whole vocabulary; under SP, any sequence length when not training."""
+        model.gather_vocab = functools.partial(gather_vocab, axis=axis)
+        if sp:
+            _pad_to_tp(model, axis)
+
+
+def _pad_to_tp(model: nn.Module, axis: Axis) -> None:
+    """Pad ids to a multiple of tp and crop the logits back, for sampling under SP.
+
+    Exact: causal attention never lets a token see the padding after it. Training keeps the
+    error instead, so a wrong --seq-len is not silently padded.
+    """
+    lengths: list[int] = []
+
+    def pad(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        ids = args[0]
+        short = -ids.shape[1] % axis.size
+        lengths.append(ids.shape[1] if short and not torch.is_grad_enabled() else -1)
+        return (F.pad(ids, (0, short)), *args[1:]) if lengths[-1] >= 0 else None
+
+    def crop(module: nn.Module, args: tuple[Any, ...], logits: torch.Tensor) -> torch.Tensor:
+        length = lengths.pop()
+        return logits if length < 0 else logits[:, :length]
+
+    model.register_forward_pre_hook(pad)
+    model.register_forward_hook(crop)
