@@ -28,4 +28,4 @@ def gather_logits(local: torch.Tensor, axis: Axis) -> torch.Tensor:
 
     Differentiable: backward keeps this rank's slice of the gradient, which is exact because
     every rank computes the same loss from the same whole logits."""
-    return regions.gather_to_replicated(local.transpose(1, 2), axis).transpose(1, 2)
+    return regions.gather_to_replicated(local.transpose(1, 2), axis).transpose(1, 2).contiguous()
