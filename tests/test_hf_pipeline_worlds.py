@@ -3,7 +3,7 @@ the Llama adapter, picked by class, gives every layout. Each matches one process
 step's loss (rtol 1e-4: TP and PP change the summation order).
 
 One 2-rank spawn (tests/worlds/hf_pipeline_world.py small): pp 2 (1F1B, interleaved, zb-h1,
-tied embeddings, full recomputation), tp 2 (± sp, and a Qwen2), the refusal of a model plait cannot cut. The 8-rank
+tied embeddings, full recomputation), tp 2 (± sp, a Qwen2, tied embeddings; the head split by vocabulary without sp), the refusal of a model plait cannot cut. The 8-rank
 dp 2 × tp 2 × pp 2 with ZeRO-1 (and with ZeRO-3, SP, recompute, tied embeddings) is `slow`
 (about a minute and a half on 2 busy cores).
 """
@@ -38,7 +38,7 @@ def test_pipelined_llama_matches_one_process(small: list[dict[str, Any]], run: s
 
 
 @pytest.mark.parametrize("run,reference", [("tp", "reference"), ("tp_sp", "reference"),
-                                           ("qwen2_tp", "reference_qwen2")])
+                                           ("qwen2_tp", "reference_qwen2"), ("tp_tied", "reference_tied")])
 def test_tensor_parallel_by_the_adapters_plan_matches_one_process(small: list[dict[str, Any]], run: str,
                                                                   reference: str) -> None:
     """The user's calls keep working: whole logits, and `labels=` gives the one-process loss."""
@@ -46,19 +46,21 @@ def test_tensor_parallel_by_the_adapters_plan_matches_one_process(small: list[di
         assert_losses_close(report[run]["losses"], report[reference]["losses"], rtol=1e-4)
         assert_losses_close([report[run]["labels_loss"]], [report[reference]["labels_loss"]], rtol=1e-5)
         assert report[run]["logits_shape"] == [4, 16, 128]
+        assert report[run]["head_rows"] == (128 if run == "tp_sp" else 64)  # split by vocabulary, gathered whole
 
 
 def test_one_tp_all_reduce_per_region_in_backward(small: list[dict[str, Any]]) -> None:
-    """Attention and MLP each all-reduce their input gradient once per layer; the embedding
-    and the head are whole on every rank, so they add none."""
+    """Attention and MLP each all-reduce their input gradient once per layer, and the
+    vocabulary-split head once (its input enters a column layer); the embedding all-reduces
+    in forward only."""
     for report in small:
-        assert report["tp"]["backward_tp_all_reduces"] == 2 * LAYERS
-        assert report["qwen2_tp"]["backward_tp_all_reduces"] == 2 * LAYERS
+        assert report["tp"]["backward_tp_all_reduces"] == 2 * LAYERS + 1
+        assert report["qwen2_tp"]["backward_tp_all_reduces"] == 2 * LAYERS + 1
 
 
 def test_sequence_parallel_moves_slices_not_sums(small: list[dict[str, Any]]) -> None:
     for report in small:
-        assert report["tp"]["tp_ops"] == ["all_reduce"]
+        assert report["tp"]["tp_ops"] == ["all_gather", "all_reduce"]  # the logits gathered whole
         assert "all_gather" in report["tp_sp"]["tp_ops"] and "reduce_scatter" in report["tp_sp"]["tp_ops"]
 
 

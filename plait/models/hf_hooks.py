@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
+
+from plait.runtime import regions
+from plait.runtime.comm import Axis
 
 
 def hidden_in(change: Any) -> Any:
@@ -17,3 +21,11 @@ def hidden_in(change: Any) -> Any:
         return args, {**kwargs, "hidden_states": change(kwargs["hidden_states"])}
 
     return hook
+
+
+def gather_logits(local: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """(batch, seq, V/tp) logits of a vocabulary-split head -> (batch, seq, V) on every rank.
+
+    Differentiable: backward keeps this rank's slice of the gradient, which is exact because
+    every rank computes the same loss from the same whole logits."""
+    return regions.gather_to_replicated(local.transpose(1, 2), axis).transpose(1, 2).contiguous()

@@ -10,9 +10,12 @@ Their `*ForCausalLM` classes share one layout, so one adapter serves them all:
 
 Tensor parallelism splits the attention heads and the MLP columns; each attention and each
 MLP is a region, so its input gradient is all-reduced once in backward however transformers
-calls it (`self_attn(hidden_states=...)`). The embedding and the head stay whole on every
-rank: `model(input_ids=...)` returns whole logits and `labels=` the same loss as before.
-With sequence parallelism the decoder layers run on a slice of the sequence: the first
+calls it (`self_attn(hidden_states=...)`). The embedding and the head are split by
+vocabulary (tied or not: one shard serves both), and the head's logits are gathered again,
+so `model(input_ids=...)` returns whole logits and `labels=` the same loss as before.
+With sequence parallelism the embedding and the head stay whole instead (the model computes
+positions and masks from the embedding's output, which must then hold the whole sequence),
+and the decoder layers run on a slice of the sequence: the first
 layer keeps this rank's slice of its input and the last gathers its output again, so the
 model's own code around them (positions, masks, final norm, head) sees the whole sequence.
 
@@ -30,7 +33,7 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from plait.errors import PlaitError
-from plait.models.hf_hooks import hidden_in
+from plait.models.hf_hooks import gather_logits, hidden_in
 from plait.parallel.seam import Parts, Stage
 from plait.rules import divisors
 from plait.runtime import regions
@@ -50,6 +53,7 @@ PLAN: dict[str, str] = {
     f"{LAYER}.mlp.up_proj": "column",
     f"{LAYER}.mlp.down_proj": "row",
 }
+VOCAB_PLAN = {"model.embed_tokens": "vocab", "lm_head": "vocab"}  # without SP (see the docstring)
 
 
 class LlamaAdapter:
@@ -87,16 +91,20 @@ class LlamaAdapter:
         config = model.config
         heads = config.num_attention_heads
         kv = getattr(config, "num_key_value_heads", None) or heads
-        for what, size in (("num_attention_heads", heads), ("num_key_value_heads", kv),
-                           ("intermediate_size", config.intermediate_size)):
+        sizes = [("num_attention_heads", heads), ("num_key_value_heads", kv),
+                 ("intermediate_size", config.intermediate_size)] + ([] if sp else [("vocab_size", config.vocab_size)])
+        for what, size in sizes:
             if size % tp:
                 raise PlaitError(f"{type(model).__name__}: {what} = {size} is not divisible by tp={tp}",
                                  hint=f"choose tp among {divisors(size)}")
-        return PLAN
+        return PLAN if sp else {**PLAN, **VOCAB_PLAN}
 
     def after_tensor_parallel(self, model: nn.Module, axis: Axis, sp: bool) -> None:
-        """With SP, the layers run on sequence slices: split before the first, gather after the last."""
+        """Without SP, the split head's logits are gathered whole (the user's code and `labels=`
+        read them); with SP, the layers run on sequence slices: split before the first,
+        gather after the last."""
         if not sp:
+            model.lm_head.register_forward_hook(lambda module, args, out: gather_logits(out, axis))
             return
         layers = model.model.layers
         split = hidden_in(lambda x: regions.scatter_to_sequence(x, axis))

@@ -81,7 +81,8 @@ def whole(batches: list[torch.Tensor], config: Any, build_args: dict[str, Any], 
         losses.append(loss.item())
     tp_ops = sorted(mesh.ledger.since(before_step).get("tp", {}))  # the kinds of collective tp made
     return {"losses": losses, "labels_loss": labels_loss, "logits_shape": list(logits.shape),
-            "backward_tp_all_reduces": backward_all_reduces, "tp_ops": tp_ops}
+            "backward_tp_all_reduces": backward_all_reduces, "tp_ops": tp_ops,
+            "head_rows": model.lm_head.weight.shape[0]}
 
 
 def piped(batches: list[torch.Tensor], config: Any, schedule: str, build_args: dict[str, Any],
@@ -138,6 +139,7 @@ def main() -> None:
         report["tp"] = whole(batches, P(), {}, tp=2)
         report["tp_sp"] = whole(batches, P(sp=True), {}, tp=2)
         report["qwen2_tp"] = whole(batches, P(), {"family": "qwen2"}, tp=2)
+        report["tp_tied"] = whole(batches, P(), {"tied": True}, tp=2)
         report["refusal"] = refusal()
     else:
         report["dp_tp_pp_zero1"] = piped(batches, P(zero=1), "1f1b", {}, dp=2, tp=2, pp=2)
