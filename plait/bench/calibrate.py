@@ -142,24 +142,35 @@ def _attention_run(mesh: Mesh, shape: tuple[int, ...], precision: str) -> Callab
     return run
 
 
-def measure_memory(mesh: Mesh, elements: int, tensors: int, reps: int) -> dict[str, float]:
-    """Bandwidth of an allocating add on `elements` floats (an activation's size); the
+def measure_memory(mesh: Mesh, elements: int, tensors: int, reps: int, params: int = 0) -> dict[str, float]:
+    """Bandwidth of an allocating add on `elements` floats (an activation's size) and of an
+    in-place add streaming over as many bytes as the optimizer touches for `params`
+    parameters (parameter, gradient, two AdamW states: past the caches on a CPU); the
     loop's walk over `tensors` parameter-like tensors (its per-step bookkeeping); and the
     fixed costs of ops, views and optimizer tensors (`measure_dispatch`)."""
     device = mesh.device
     x, y = (torch.randn(elements, device=device) for _ in range(2))
+    stream = 0.0
+    if params:
+        big = min(2 * params, STREAM_CAP)
+        a, b = (torch.ones(big, device=device) for _ in range(2))
+        stream = _median_s(lambda: (a.add_(b), _sync(mesh)), reps)
+        del a, b
     many = [torch.ones(4, device=device) for _ in range(3 * tensors)]
     add = _median_s(lambda: (torch.add(x, y), _sync(mesh)), reps)  # allocating, as eager ops do
     walk = _median_s(lambda: storage_bytes(many), reps)
     one = torch.ones(1, device=device)
     view = _median_s(lambda: [one.view(-1) for _ in range(100)], reps) / 100
     block, update = measure_dispatch(mesh, reps)
-    add, walk, view, block, update = _slowest(mesh, [add, walk, view, block, update])
+    add, walk, view, block, update, stream = _slowest(mesh, [add, walk, view, block, update, stream])
     op = max(0.0, block - view * DISPATCH_VIEWS) / DISPATCH_OPS
-    return {"memory_gb_s": 3 * elements * 4 / add / 1e9, "op_overhead_us": op * 1e6,
+    streamed = {"stream_gb_s": 3 * min(2 * params, STREAM_CAP) * 4 / stream / 1e9} if params else {}
+    return {**streamed, "memory_gb_s": 3 * elements * 4 / add / 1e9, "op_overhead_us": op * 1e6,
             "view_overhead_us": view * 1e6, "step_overhead_us": walk * 1e6,
             "optimizer_tensor_us": update / DISPATCH_TENSORS * 1e6}
 
+
+STREAM_CAP = 1 << 26  # floats per streamed buffer (256 MiB): far past any cache, and bounded
 
 # A 2-block GPT so small (h = 8, 4 tokens) that its time is all fixed costs: the very op
 # mix the time model counts per block (plait/estimate/ops.py), forward and backward.

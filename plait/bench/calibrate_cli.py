@@ -75,7 +75,8 @@ def describe(hw: object, out: str) -> str:
     gemm = sorted(r for k, r in hw.gemm if not k.startswith("attn"))
     lines = [f"plait: {hw.name} -> {out}",
              f"  GEMMs       {len(gemm)} shapes, {gemm[0] * 1e3:.1f} to {gemm[-1] * 1e3:.1f} GFLOP/s" if gemm else "",
-             f"  memory      {hw.memory_gb_s:.2f} GB/s; op {hw.op_overhead_us:.1f} us, view {hw.view_overhead_us:.1f} us, "
+             f"  memory      {hw.memory_gb_s:.2f} GB/s (activations), {hw.stream_bytes_per_s / 1e9:.2f} GB/s (optimizer); "
+             f"op {hw.op_overhead_us:.1f} us, view {hw.view_overhead_us:.1f} us, "
              f"loop {hw.step_overhead_us:.0f} us/step"]
     lines += [f"  all-reduce  n={n}: {lat:.1f} us per ring step, {bw:.2f} GB/s busbw" for n, lat, bw in hw.links]
     return "\n".join(line for line in lines if line)

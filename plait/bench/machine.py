@@ -71,7 +71,8 @@ def calibrate(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len: int, 
     attention, gemms = cal.model_shapes(config, micro_batch, seq_len, tp_sizes, precision)
     rates = cal.measure_gemms(mesh, gemms, precision, reps)
     rates.update(cal.measure_attention(mesh, config, micro_batch, seq_len, tp_sizes, precision, reps))
-    memory = cal.measure_memory(mesh, micro_batch * seq_len * config.d_model, 9 * config.n_layers + 3, reps)
+    memory = cal.measure_memory(mesh, micro_batch * seq_len * config.d_model, 9 * config.n_layers + 3, reps,
+                                params=config.num_params())
     links = cal.measure_links(mesh, (2 if quick else 16) * 2**20, reps) if mesh.env.world_size > 1 else ()
     facts = machine_facts(mesh)
     base = base_preset(facts["gpu"])

@@ -37,7 +37,8 @@ class Hardware:
     reserved_gib: float = 2.0  # CUDA context, cuBLAS workspace, NCCL buffers: never ours
     pcie_gb_s: float = 25.0  # host <-> device, used by optimizer offload
     host_mem_gb_s: float = 50.0  # CPU memory bandwidth, bounds the offloaded Adam step
-    memory_gb_s: float = 1000.0  # device memory bandwidth: element-wise work, optimizer step
+    memory_gb_s: float = 1000.0  # device memory bandwidth: element-wise work on activations
+    stream_gb_s: float = 0.0  # over buffers past the caches (the optimizer's states); 0: memory_gb_s
     attention_efficiency: float = 0.4  # fraction of peak a fused attention core reaches
     op_overhead_us: float = 0.0  # fixed cost of one launched op (eager dispatch, not hidden)
     view_overhead_us: float = 0.0  # fixed cost of a view (reshape, transpose)
@@ -71,6 +72,12 @@ class Hardware:
     def memory_bytes_per_s(self) -> float:
         return self.memory_gb_s * 1e9
 
+    @property
+    def stream_bytes_per_s(self) -> float:
+        """Bandwidth of a pass over all parameters and optimizer states. A GPU's is its memory
+        bandwidth; a CPU's is well below what an activation-sized add (cache-resident) reaches."""
+        return (self.stream_gb_s or self.memory_gb_s) * 1e9
+
     def link(self, n: int, inter_node: bool) -> tuple[float, float]:
         """(seconds per ring step, bytes/s) for a group of n ranks: the calibrated figures
         of the nearest measured group size inside a node, else the preset's link."""
@@ -102,7 +109,7 @@ class Hardware:
         return (self.inter_node_latency_us if inter_node else self.intra_node_latency_us) * 1e-6
 
 
-_MAY_BE_ZERO = {"op_overhead_us", "view_overhead_us", "step_overhead_us", "optimizer_tensor_us"}
+_MAY_BE_ZERO = {"op_overhead_us", "view_overhead_us", "step_overhead_us", "optimizer_tensor_us", "stream_gb_s"}
 
 # Large bf16 GEMMs reach ~80% of the datasheet peak on A100 and V100 and ~70% on H100
 # (cuBLAS at 8192³, as published by the vendors and reproduced widely); a fused attention

@@ -149,7 +149,7 @@ def optimizer_s(params: int, tensors: int, hw: Hardware) -> float:
     bytes over bandwidth, plus the fixed cost per tensor of torch's per-tensor loop."""
     moved = params * (ADAM_BYTES + CLIP_BYTES + ZERO_GRAD_BYTES)
     fixed = tensors * (hw.optimizer_tensor_us + CLIP_OPS * hw.op_overhead_us) * 1e-6
-    return moved / hw.memory_bytes_per_s + fixed
+    return moved / hw.stream_bytes_per_s + fixed
 
 
 def stage_tensors(stage: Stage, layout: Layout) -> int:

@@ -11,7 +11,7 @@ Assumptions, each visible in `ASSUMPTIONS`:
   of its shape (or at its measured rate, from `plait calibrate`), the attention core at its
   rate, element-wise work by the bytes it moves, each op's fixed launch cost. A model known
   only by its size runs at `compute_efficiency` of the peak.
-* The optimizer step (AdamW, clipping, zeroing) costs its bytes over memory bandwidth; the
+* The optimizer step (AdamW, clipping, zeroing) costs its bytes over streaming bandwidth; the
   loop costs `step_overhead_us` plus its two telemetry all-reduces over every rank.
 * A ring collective on n ranks takes steps·α + wire_bytes/bandwidth, where steps is
   2(n-1) for all-reduce, n-1 for all-gather and reduce-scatter, 1 for a send; α and the
@@ -50,7 +50,8 @@ ASSUMPTIONS = (
     "compute per operation: GEMMs on a roofline of their shape (peak·compute_efficiency, "
     "memory bandwidth) or at their calibrated rate, attention at attention_efficiency, "
     "element-wise work memory-bound (bytes counted on plait's GPT), a fixed cost per op",
-    "optimizer (AdamW + clipping + zeroing: 116 B per fp32 parameter) over memory bandwidth, "
+    "optimizer (AdamW + clipping + zeroing: 116 B per fp32 parameter) over streaming bandwidth "
+    "(stream_gb_s, measured past the caches; memory_gb_s where not measured), "
     "plus fixed costs per tensor and the norm's all-reduces; "
     "loop overhead = step_overhead_us + two telemetry all-reduces",
     "ring collective time = steps·latency + wire bytes / link bandwidth; a group uses the "
