@@ -35,6 +35,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from plait.errors import PlaitError
 from plait.models.hf_hooks import gather_logits, hidden_in
 from plait.parallel.seam import Parts, Stage
+from plait.parallel.tensor.layers import shard_of
 from plait.rules import divisors
 from plait.runtime import regions
 from plait.runtime.comm import Axis
@@ -104,7 +105,8 @@ class LlamaAdapter:
         read them); with SP, the layers run on sequence slices: split before the first,
         gather after the last."""
         if not sp:
-            model.lm_head.register_forward_hook(lambda module, args, out: gather_logits(out, axis))
+            if shard_of(model.lm_head.weight) is not None:  # split by this plan (a user's may keep it whole)
+                model.lm_head.register_forward_hook(lambda module, args, out: gather_logits(out, axis))
             return
         layers = model.model.layers
         split = hidden_in(lambda x: regions.scatter_to_sequence(x, axis))
