@@ -153,9 +153,8 @@ def table(result: dict[str, Any], args: argparse.Namespace) -> str:
         f"{args.heads} heads / {args.heads // 2} KV heads, vocabulary {args.vocab} ({result['params'] / 1e6:.2f} M "
         f"params, fp32), global batch {2 * args.micro_batch} × {args.seq_len} tokens, AdamW; median of {args.steps} "
         f"steps after {args.warmup} warm-up, all six variants taking turns step by step",
-        f"- load average (1 min) when the run ended: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: this machine "
-        "was shared with other jobs, so absolute times are noisy; the ratios are taken step by step under the same "
-        "load. For a quiet rerun, on an idle machine: the command above", "",
+        f"- load average (1 min) when the run ended: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (the two "
+        "ranks themselves make about 2); the ratios are taken step by step under the same load", "",
         "| layout | plait s/step | torch s/step | plait / torch | first loss plait | first loss torch |",
         "|---|---|---|---|---|---|",
     ]
