@@ -109,7 +109,7 @@ def _dispatch(argv: list[str]) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="plait", description="Train PyTorch models across many processes.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.add_parser("train", help="train a GPT (the demo, by default) or a local Hugging Face model on N processes")
+    sub.add_parser("train", help="train plait's GPT (the demo, by default), a ResNet or a local Hugging Face model on N processes")
     sub.add_parser("launch", help="run your own script as N local processes (like torchrun)")
     sub.add_parser("ckpt", help="inspect a checkpoint, or export it (one safetensors file, or a Hugging Face directory)")
     sub.add_parser("data", help="prepare a corpus: tokenize it once into a file every rank maps")
@@ -129,7 +129,8 @@ def train_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="plait train",
-        description="Train a GPT with plait's parallelism. With no flags: the demo (small GPT, 2 processes).",
+        description="Train a model with plait's parallelism: plait's GPT, a ResNet (--model resnet18) or a local "
+                    "Hugging Face model (--model hf:DIR). With no flags: the demo (small GPT, 2 processes).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--config", metavar="FILE.toml", help="TOML file of defaults; flags override it")
