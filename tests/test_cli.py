@@ -119,18 +119,21 @@ def test_bad_input_is_one_clear_line(flags, message, tmp_path, capsys, monkeypat
     assert "Traceback" not in stderr
 
 
-def test_corpus_too_small_for_the_batch(tmp_path):
+def test_corpus_too_small_for_the_batch(tmp_path, monkeypatch, capsys):
+    """In this process, as rank 0 of 1 (what the spawner would start): refused before step 1."""
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
     corpus = tmp_path / "small.txt"
     corpus.write_text("x" * 100)
-    proc = run_plait("train", *COMMON, "--nproc", "1", "--data", str(corpus), "--out", str(tmp_path / "o"), timeout=60)
-    assert proc.returncode == 2
-    assert "plait: error: the corpus gives 2 samples, fewer than the global batch of 4" in proc.stderr
-    assert "hint: lower --seq-len" in proc.stderr
+    assert main(["train", *COMMON, "--nproc", "1", "--data", str(corpus), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "plait: error: the corpus gives 2 samples, fewer than the global batch of 4" in err
+    assert "hint: lower --seq-len" in err
     corpus.write_text("x" * 500)  # enough to train on, too little held out to evaluate
-    proc = run_plait("train", *COMMON, "--nproc", "1", "--data", str(corpus), "--out", str(tmp_path / "o"), timeout=60)
-    assert proc.returncode == 2
-    assert "plait: error: the held-out split (25 tokens) has too few sequences of 32 tokens" in proc.stderr
-    assert "train:" not in proc.stderr  # refused before the first step
+    assert main(["train", *COMMON, "--nproc", "1", "--data", str(corpus), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "plait: error: the held-out split (25 tokens) has too few sequences of 32 tokens" in err
+    assert "train:" not in err  # refused before the first step
 
 
 def test_a_rank_that_raises_ends_the_job_within_seconds(tmp_path):

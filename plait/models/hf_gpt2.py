@@ -28,8 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.errors import PlaitError
-from plait.models.hf_hooks import hidden_in
+from plait.models.hf_hooks import check_splits, hidden_in
 from plait.parallel.seam import Parts
 from plait.runtime import regions
 from plait.runtime.comm import Axis
@@ -87,11 +86,7 @@ class GPT2Adapter:
         """The tp plan in GPT-2's names; each rank must hold whole heads and MLP columns."""
         config = model.config
         inner = config.n_inner or 4 * config.n_embd
-        for what, size in (("n_head", config.n_head), ("n_inner", inner)):
-            if size % tp:
-                divisors = ", ".join(str(d) for d in range(1, size + 1) if size % d == 0)
-                raise PlaitError(f"{type(model).__name__}: {what} = {size} is not divisible by tp={tp}",
-                                 hint=f"choose tp among {divisors}")
+        check_splits(model, tp, [("n_head", config.n_head), ("n_inner", inner)])
         return {**GPT2_PLAN, **SEQUENCE_NORMS} if sp else dict(GPT2_PLAN)
 
     def after_tensor_parallel(self, model: nn.Module, axis: Axis, sp: bool) -> None:

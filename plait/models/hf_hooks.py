@@ -1,4 +1,5 @@
-"""Hooks shared by the transformers adapters (hf_llama.py, hf_gpt2.py); no transformers import."""
+"""What the transformers adapters (hf_llama.py, hf_gpt2.py) share: hooks and a check; no
+transformers import."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.errors import PlaitError
+from plait.rules import divisors
 from plait.runtime import regions
 from plait.runtime.comm import Axis
 
@@ -29,3 +32,11 @@ def gather_logits(local: torch.Tensor, axis: Axis) -> torch.Tensor:
     Differentiable: backward keeps this rank's slice of the gradient, which is exact because
     every rank computes the same loss from the same whole logits."""
     return regions.gather_to_replicated(local.transpose(1, 2), axis).transpose(1, 2).contiguous()
+
+
+def check_splits(model: nn.Module, tp: int, sizes: list[tuple[str, int]]) -> None:
+    """One error naming the first config value tp does not divide (heads, MLP width...)."""
+    for what, size in sizes:
+        if size % tp:
+            raise PlaitError(f"{type(model).__name__}: {what} = {size} is not divisible by tp={tp}",
+                             hint=f"choose tp among {divisors(size)}")

@@ -32,11 +32,9 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from plait.errors import PlaitError
-from plait.models.hf_hooks import gather_logits, hidden_in
+from plait.models.hf_hooks import check_splits, gather_logits, hidden_in
 from plait.parallel.seam import Parts, Stage
 from plait.parallel.tensor.layers import shard_of
-from plait.rules import divisors
 from plait.runtime import regions
 from plait.runtime.comm import Axis
 
@@ -94,10 +92,7 @@ class LlamaAdapter:
         kv = getattr(config, "num_key_value_heads", None) or heads
         sizes = [("num_attention_heads", heads), ("num_key_value_heads", kv),
                  ("intermediate_size", config.intermediate_size)] + ([] if sp else [("vocab_size", config.vocab_size)])
-        for what, size in sizes:
-            if size % tp:
-                raise PlaitError(f"{type(model).__name__}: {what} = {size} is not divisible by tp={tp}",
-                                 hint=f"choose tp among {divisors(size)}")
+        check_splits(model, tp, sizes)
         return PLAN if sp else {**PLAN, **VOCAB_PLAN}
 
     def after_tensor_parallel(self, model: nn.Module, axis: Axis, sp: bool) -> None:
