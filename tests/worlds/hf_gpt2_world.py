@@ -9,7 +9,8 @@ without collectives. Then, each on its own mesh over the same 2 processes:
    checkpoint holds, the tp all-reduces of one backward, and the whole logits
    `model(input_ids=...)` returns;
 2. where the seam provides them (see PIPELINE and SEQUENCE below): tp 2 with sequence
-   parallelism, and pp 2 (1F1B) driven by PipelineRunner, each against the same reference;
+   parallelism, and pp 2 (1F1B, and interleaved over the 4 blocks) driven by PipelineRunner,
+   each against the same reference;
 3. dp 2 (plain data parallelism), ZeRO-3 × 2 (the blocks as units), and ZeRO-3 × 2 with
    every block recomputed in backward, each rank on half the batch.
 
@@ -41,6 +42,7 @@ from plait.train.checkpoint_read import Reader, model_weights
 from tests.worldlib import save_report
 
 SEED, STEPS, BATCH, SEQ, LR, VOCAB = 0, 3, 4, 16, 0.5, 128
+LAYERS = 4  # interleaved pp 2 with 2 virtual stages: one block per stage
 ADAPTER = GPT2Adapter()
 PIPELINE = hasattr(seam, "Parts")  # the pipeline cuts any model through its adapter's parts
 SEQUENCE = hasattr(regions, "gather_to_replicated")  # SP around the block stack
@@ -48,7 +50,7 @@ torch.set_num_threads(1)
 
 
 def build() -> GPT2LMHeadModel:
-    config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+    config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=LAYERS, n_head=4, n_positions=64,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(SEED)
     return GPT2LMHeadModel(config)
@@ -139,13 +141,13 @@ def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def pipelined(batches: list[torch.Tensor], trained: torch.nn.Module, config: plait.ParallelConfig,
-              **degrees: int) -> dict[str, Any]:
-    """This rank's stages, 1F1B, one sequence per micro-batch (wte and the tied head on
-    different ranks); each dp rank on its share of the batch, the dp-mean loss per step."""
+              schedule: str = "1f1b", **degrees: int) -> dict[str, Any]:
+    """This rank's stages under `schedule`, one sequence per micro-batch (wte and the tied
+    head on different ranks); each dp rank on its share of the batch, the dp-mean loss per step."""
     mesh = plait.init_mesh(**degrees)
     stages = plait.parallelize(build(), mesh, config, adapter=ADAPTER)
     optimizer = plait.build_optimizer(stages, torch.optim.SGD, lr=LR, momentum=0.9)
-    runner = plait.PipelineRunner(stages, mesh, "1f1b")
+    runner = plait.PipelineRunner(stages, mesh, schedule)
     dp, rank = mesh.size("dp"), mesh.rank("dp")
     losses = []
     for ids in batches:
@@ -156,7 +158,7 @@ def pipelined(batches: list[torch.Tensor], trained: torch.nn.Module, config: pla
         optimizer.zero_grad()
         comm.all_reduce(mean, mesh.axis("dp"), purpose=comm.TELEMETRY)
         losses.append(mean.item() / dp)
-    name = "ckpt-" + "-".join(f"{axis}{size}" for axis, size in degrees.items())
+    name = f"ckpt-{schedule}-" + "-".join(f"{axis}{size}" for axis, size in degrees.items())
     return {"losses": losses, "checkpoint_max_rel": saved(stages, optimizer, mesh, trained, name)}
 
 
@@ -168,7 +170,9 @@ def main() -> None:
         return
     report = {"reference": ref, "tp": tensor_parallel(batches, trained),
               "tp_sp": tensor_parallel(batches, trained, sp=True) if SEQUENCE else None,
-              "pp": pipelined(batches, trained, plait.ParallelConfig(), pp=2) if PIPELINE else None}
+              "pp": pipelined(batches, trained, plait.ParallelConfig(), pp=2) if PIPELINE else None,
+              "pp_interleaved": pipelined(batches, trained, plait.ParallelConfig(virtual_stages=2), "interleaved",
+                                          pp=2) if PIPELINE else None}
     for name, config in (("dp", plait.ParallelConfig()), ("zero3", plait.ParallelConfig(zero=3)),
                          ("zero3_recompute", plait.ParallelConfig(zero=3, recompute="full"))):
         report[name] = plait_run(batches, config, dp=2)
