@@ -41,9 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         where = f"rank {os.environ['RANK']}: " if "RANK" in os.environ else ""
         if debug:
             traceback.print_exc()
-        print(f"plait: {where}{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        if not debug:
-            print("  (run again with --debug for the traceback)", file=sys.stderr, flush=True)
+        tail = "" if debug else "\n  (run again with --debug for the traceback)"
+        say(f"plait: {where}{type(exc).__name__}: {exc}{tail}")
         return EXIT_CRASH
 
 
@@ -58,9 +57,15 @@ def _print_error(exc: PlaitError, debug: bool) -> None:
     where = f"rank {os.environ['RANK']}: " if "RANK" in os.environ and os.environ.get("WORLD_SIZE", "1") != "1" else ""
     if exc.message.startswith(where):
         where = ""  # the message names its rank already (a failed collective's does)
-    print(f"plait: error: {where}{exc.message}", file=sys.stderr, flush=True)
-    if exc.hint:
-        print(f"  hint: {exc.hint}", file=sys.stderr, flush=True)
+    say(f"plait: error: {where}{exc.message}" + (f"\n  hint: {exc.hint}" if exc.hint else ""))
+
+
+def say(text: str) -> None:
+    """Write `text` and its newline to stderr in one call. The ranks of a job share one
+    stderr: `print` writes the text and the newline separately, so two ranks failing at once
+    could splice one's line onto the other's; one write of a short line to a pipe is atomic."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
 
 
 def _dispatch(argv: list[str]) -> int:

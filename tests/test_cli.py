@@ -175,3 +175,27 @@ def test_prediction_matches_measurement(n, single, dp):
         assert predicted["memory"]["activations"] == pytest.approx(measured["activations_peak"], rel=0.10)
         assert predicted["comm"] == summary["comm_per_step"], name
         assert "predicted" in json.dumps(summary) and predicted["time"]["step_s"] > 0
+
+
+def test_an_error_and_its_hint_reach_stderr_in_one_write(monkeypatch):
+    """Ranks share one stderr: a line written in two pieces can be spliced by another rank's."""
+    import io
+    import sys
+
+    class Writes(io.StringIO):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def write(self, text):
+            self.calls.append(text)
+            return super().write(text)
+
+    stderr = Writes()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    from plait.cli import _print_error
+
+    _print_error(PlaitError("the corpus is empty", hint="give --data a file"), debug=False)
+    assert stderr.calls == ["plait: error: rank 1: the corpus is empty\n  hint: give --data a file\n"]
