@@ -150,10 +150,9 @@ def measure_memory(mesh: Mesh, elements: int, tensors: int, reps: int, params: i
     fixed costs of ops, views and optimizer tensors (`measure_dispatch`)."""
     device = mesh.device
     x, y = (torch.randn(elements, device=device) for _ in range(2))
-    stream = 0.0
-    if params:
-        big = min(2 * params, STREAM_CAP)
-        a, b = (torch.ones(big, device=device) for _ in range(2))
+    stream, streamed = 0.0, min(2 * params, STREAM_CAP)
+    if streamed:
+        a, b = (torch.ones(streamed, device=device) for _ in range(2))
         stream = _median_s(lambda: (a.add_(b), _sync(mesh)), reps)
         del a, b
     many = [torch.ones(4, device=device) for _ in range(3 * tensors)]
@@ -164,8 +163,8 @@ def measure_memory(mesh: Mesh, elements: int, tensors: int, reps: int, params: i
     block, update = measure_dispatch(mesh, reps)
     add, walk, view, block, update, stream = _slowest(mesh, [add, walk, view, block, update, stream])
     op = max(0.0, block - view * DISPATCH_VIEWS) / DISPATCH_OPS
-    streamed = {"stream_gb_s": 3 * min(2 * params, STREAM_CAP) * 4 / stream / 1e9} if params else {}
-    return {**streamed, "memory_gb_s": 3 * elements * 4 / add / 1e9, "op_overhead_us": op * 1e6,
+    stream_rate = {"stream_gb_s": 3 * streamed * 4 / stream / 1e9} if streamed else {}
+    return {**stream_rate, "memory_gb_s": 3 * elements * 4 / add / 1e9, "op_overhead_us": op * 1e6,
             "view_overhead_us": view * 1e6, "step_overhead_us": walk * 1e6,
             "optimizer_tensor_us": update / DISPATCH_TENSORS * 1e6}
 

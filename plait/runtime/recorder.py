@@ -200,15 +200,13 @@ class FlightRecorder:
             return
         waiting = [r for r in range(self.world_size) if r != self.rank]
         deadline = time.monotonic() + LINGER_S
-        culprits_left_since: float | None = None
         while waiting and time.monotonic() < deadline:
             try:
                 waiting = [r for r in waiting if not self.store.check([f"{DONE}{r}"])]
             except RuntimeError:
                 return
-            if culprits_left_since is None and set(waiting) <= set(self.culprits):
-                culprits_left_since = time.monotonic()  # only the named ones are left
-                deadline = min(deadline, culprits_left_since + GRACE_S)
+            if set(waiting) <= set(self.culprits):  # only the named ones are left: GRACE_S from the first time
+                deadline = min(deadline, time.monotonic() + GRACE_S)
             time.sleep(0.1)
 
 

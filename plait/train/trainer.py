@@ -54,18 +54,11 @@ def lr_at(step: int, config: TrainConfig) -> float:
 
 def _parallelized(model: torch.nn.Module, mesh: Mesh, config: TrainConfig) -> torch.nn.Module:
     """`parallelize` with the run's options, the adapter picked by the model's class
-    (plait/api.py). A model whose layers no adapter names fails under tp or pp with one line."""
-    try:
-        return parallelize(model, mesh, ParallelConfig(
-            bucket_mb=config.bucket_mb, zero=config.zero, offload=config.offload, sp=config.sp,
-            virtual_stages=config.virtual_stages, recompute=config.recompute, sync_bn=config.sync_bn,
-            reduce_dtype=reduce_dtype_of(config.precision, config.reduce_dtype)))
-    except AttributeError as exc:
-        if mesh.size("tp") == 1 and mesh.size("pp") == 1:
-            raise
-        raise PlaitError(f"--model {config.model}: tp={mesh.size('tp')} × pp={mesh.size('pp')} needs a part of "
-                         f"{type(model).__name__} that plait cannot find ({exc})",
-                         hint="train it data-parallel (--nproc N, with --zero 1-3 to shard it)") from None
+    (plait/api.py; a model no adapter can split fails there with one PlaitError)."""
+    return parallelize(model, mesh, ParallelConfig(
+        bucket_mb=config.bucket_mb, zero=config.zero, offload=config.offload, sp=config.sp,
+        virtual_stages=config.virtual_stages, recompute=config.recompute, sync_bn=config.sync_bn,
+        reduce_dtype=reduce_dtype_of(config.precision, config.reduce_dtype)))
 
 
 class Trainer:

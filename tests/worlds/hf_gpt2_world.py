@@ -40,6 +40,7 @@ from plait.runtime import comm, regions
 from plait.train.checkpoint import save
 from plait.train.checkpoint_read import Reader, model_weights
 from tests.worldlib import save_report
+from tests.worlds.hf_common import train
 
 SEED, STEPS, BATCH, SEQ, LR, VOCAB = 0, 3, 4, 16, 0.5, 128
 LAYERS = 4  # interleaved pp 2 with 2 virtual stages: one block per stage
@@ -59,23 +60,6 @@ def build() -> GPT2LMHeadModel:
 def data() -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator) for _ in range(STEPS)]
-
-
-def train(model: torch.nn.Module, batches: list[torch.Tensor], optimizer: Any, clip: Any,
-          ledger: Any = None) -> dict[str, Any]:
-    """SGD steps on `model(input_ids=, labels=).loss`; the tp all-reduces of the first backward."""
-    losses, backward_all_reduces = [], None
-    for step, ids in enumerate(batches):
-        loss = model(input_ids=ids, labels=ids).loss
-        before = ledger.tallies[(comm.TRAIN, "tp", "all_reduce")].calls if ledger else 0
-        loss.backward()
-        if ledger is not None and step == 0:
-            backward_all_reduces = ledger.tallies[(comm.TRAIN, "tp", "all_reduce")].calls - before
-        clip()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "backward_tp_all_reduces": backward_all_reduces}
 
 
 def reference(batches: list[torch.Tensor]) -> tuple[dict[str, Any], GPT2LMHeadModel]:

@@ -21,8 +21,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import plait
-from plait.runtime import comm
 from tests.worldlib import save_report
+from tests.worlds.hf_common import train
 
 SEED, STEPS, BATCH, SEQ, LR = 0, 3, 4, 16, 0.5
 LAYER = "model.layers.*"
@@ -44,23 +44,6 @@ def build() -> LlamaForCausalLM:
 def data() -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     return [torch.randint(0, 128, (BATCH, SEQ), generator=generator) for _ in range(STEPS)]
-
-
-def train(model: torch.nn.Module, batches: list[torch.Tensor], optimizer: Any, clip: Any,
-          ledger: Any = None) -> dict[str, Any]:
-    """SGD steps on `model(input_ids=, labels=).loss`; the tp all-reduces of the first backward."""
-    losses, backward_all_reduces = [], None
-    for step, ids in enumerate(batches):
-        loss = model(input_ids=ids, labels=ids).loss
-        before = ledger.tallies[(comm.TRAIN, "tp", "all_reduce")].calls if ledger else 0
-        loss.backward()
-        if ledger is not None and step == 0:
-            backward_all_reduces = ledger.tallies[(comm.TRAIN, "tp", "all_reduce")].calls - before
-        clip()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "backward_tp_all_reduces": backward_all_reduces}
 
 
 def reference(batches: list[torch.Tensor]) -> dict[str, Any]:
