@@ -1,6 +1,6 @@
 """fp32 master weights for 16-bit parameters, without ZeRO (DDP, TP, PP and their products).
 
-ZeRO keeps its masters in its sharded optimizer (zero_optim.py). Without ZeRO every rank
+ZeRO keeps its masters in its sharded optimizer (zero/optim.py). Without ZeRO every rank
 holds whole (or tensor-parallel) parameters, so the masters are simply one fp32 copy per
 parameter: `MasterOptimizer` builds the user's optimizer over those copies and, at each
 step, hands it the 16-bit gradients in fp32 (times `grad_scale`: the loss scale's inverse

@@ -2,7 +2,7 @@
 
 Seed 003's recipe: fp32 master weights and Adam moments, a 16-bit copy of the weights for
 forward and backward, 16-bit gradients, and an optimizer that updates the masters from them.
-The masters live in ZeRO's optimizer (zero_optim.py) or, without ZeRO, in `MasterOptimizer`
+The masters live in ZeRO's optimizer (zero/optim.py) or, without ZeRO, in `MasterOptimizer`
 (masters.py); this module holds what both share:
 
 * `LossScaler`: fp16 has 5 exponent bits, so small gradients underflow to zero. The loss is

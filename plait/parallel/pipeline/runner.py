@@ -7,7 +7,7 @@
 
 The schedule is data (`schedule.py`); the runner walks this rank's list of actions and does
 what each says. Everything else is bookkeeping around that loop: activations and gradients
-cross stage boundaries as point-to-point messages (`pipeline_comm.py`), each action is
+cross stage boundaries as point-to-point messages (`comm.py`), each action is
 timed so the bubble can be measured, and after the last action the step's gradients are
 reduced over dp (DDP and ZeRO-1 once; ZeRO-2 and -3 reduced each backward into their
 shards) and added between the two copies of a tied embedding.

@@ -154,7 +154,7 @@ def sum_grad_over(param: nn.Parameter, axis: Axis) -> None:
 
     if not getattr(param, "plait_sums_grad", None):
         param.register_hook(hook)
-        param.plait_sums_grad = hook  # ZeRO-3 puts it on the views it gathers (zero_shard.show)
+        param.plait_sums_grad = hook  # ZeRO-3 puts it on the views it gathers (zero/shard.py: FlatGroup.show)
 
 
 def enter_region(x: torch.Tensor, axis: Axis, sequence_parallel: bool, regather: bool = True) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """ZeRO's runtime: the hooks that reduce-scatter gradients in backward and, at stage 3,
 gather each unit's weights just before it runs and free them after.
 
-`ZeroSync` is what `apply_zero` (zero.py) attaches to a model; autograd and the module
-hooks call it. The shards it moves are zero_shard.py's flat groups.
+`ZeroSync` is what `apply_zero` (stages.py) attaches to a model; autograd and the module
+hooks call it. The shards it moves are shard.py's flat groups.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Also what the rest of plait asks of a ZeRO model: its model-state tensors for the memory
 meter, its checkpoint pieces, and the memory and traffic formulas the tests hold it to.
-The shard arithmetic and the flat buffers themselves live in zero_shard.py.
+The shard arithmetic and the flat buffers themselves live in shard.py.
 
 `ZeroOptimizer` wraps an ordinary torch optimizer built over *pieces*: one leaf tensor per
 (parameter ∩ this rank's shard), aliasing the shard's memory, so the user's optimizer class

@@ -6,7 +6,7 @@ r. The padding exists only so that reduce-scatter and all-gather see equal sizes
 its gradient is zero, and the optimizer never sees it (its pieces stop at the last real
 element), so it cannot leak into results.
 
-The optimizer that steps a shard is in zero_optim.py.
+The optimizer that steps a shard is in optim.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """ZeRO stages 1-3: each data-parallel rank keeps only 1/n of the model states it can shed.
 
 Trainable parameters are packed into flat buffers ("groups"), each cut into n equal shards
-(zero_shard.py); rank r owns shard r of every group. The stage decides what else it keeps:
+(shard.py); rank r owns shard r of every group. The stage decides what else it keeps:
 
     stage  parameters  gradients  optimizer state   wire per step (S = Ψ·bytes)
     1      whole       whole      shard             reduce-scatter S + all-gather S
@@ -17,9 +17,9 @@ its forward and freed after it, gathered again just before its backward
 (`GatherForBackward`), and its gradient is reduce-scattered as soon as autograd has
 accumulated it; the next unit is prefetched while the current one computes.
 
-Files: zero.py (this: setup and the public functions), zero_hooks.py (`ZeroSync`, what
-autograd and the module hooks call), zero_shard.py (packing and cutting flat buffers),
-zero_optim.py (the sharded optimizer, checkpoint pieces, the formulas).
+Files: stages.py (this: setup and the public functions), hooks.py (`ZeroSync`, what
+autograd and the module hooks call), shard.py (packing and cutting flat buffers),
+optim.py (the sharded optimizer, checkpoint pieces, the formulas).
 
 Gradient accumulation: `no_sync(model)` from plait.parallel.data.sync works unchanged (this
 machinery sits at the attribute it looks for). Stage 1 keeps whole gradients anyway, so
