@@ -3,10 +3,13 @@
 For each layout: `plait calibrate` (the layout's model, micro-batch and tp shard shapes) right
 before `plait train --hardware-file` on the same number of ranks; the prediction is the one
 the run's closing report prints, against the run's median step time (first step excluded).
+With `--repeats k` every layout is calibrated and run k times, the layouts taking turns, so
+that a slow minute of a shared machine lands on different layouts; the table gives the
+median prediction against the median measurement, and each repeat's ratio beside them.
 The aim is predicted/measured within 20% on a quiet machine; tests/test_time_model.py holds a
 looser 50% on `tiny`.
 
-    python benchmarks/time_model.py                 # all layouts, writes RESULTS.md
+    python benchmarks/time_model.py --repeats 3     # all layouts, writes RESULTS.md
     python benchmarks/time_model.py --only tiny-dp2 --no-write
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -51,39 +55,56 @@ def run(name: str, steps: int, out: Path) -> dict:
     return json.loads((out / name / "summary.json").read_text())["step_time"]
 
 
+def median_row(runs: list[dict]) -> dict:
+    """The median of each predicted part and measured value over repeats of one layout."""
+    def med(side: str, key: str) -> float:
+        return statistics.median(r[side][key] for r in runs)
+
+    predicted = {k: med("predicted", k) for k in runs[0]["predicted"]}
+    measured = {k: med("measured", k) for k in ("step", "optimizer")}
+    return {"predicted": predicted, "measured": measured, "ratio": predicted["step"] / measured["step"],
+            "each": [r["ratio"] for r in runs]}
+
+
 def table(rows: dict[str, dict]) -> str:
-    lines = ["| layout | predicted s | measured s | predicted / measured | compute | exposed comm | bubble | "
-             "optimizer (measured) | overhead |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| layout | predicted s | measured s | predicted / measured | each repeat | compute | exposed comm | "
+             "bubble | optimizer (measured) | overhead |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, st in rows.items():
         p, m = st["predicted"], st["measured"]
-        lines.append(f"| {name} | {p['step']:.3f} | {m['step']:.3f} | {st['ratio']:.2f} | {p['compute']:.3f} | "
-                     f"{p['exposed_comm']:.3f} | {p['bubble']:.3f} | {p['optimizer']:.3f} ({m['optimizer']:.3f}) | "
-                     f"{p['overhead']:.3f} |")
+        each = ", ".join(f"{r:.2f}" for r in st["each"])
+        lines.append(f"| {name} | {p['step']:.3f} | {m['step']:.3f} | **{st['ratio']:.2f}** | {each} | "
+                     f"{p['compute']:.3f} | {p['exposed_comm']:.3f} | {p['bubble']:.3f} | "
+                     f"{p['optimizer']:.3f} ({m['optimizer']:.3f}) | {p['overhead']:.3f} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = new_parser(__doc__)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=1, help="calibrate and run every layout this many times")
     parser.add_argument("--only", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--out", default=str(ROOT / "runs" / "bench-time-model"))
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = {name: run(name, args.steps, out) for name in args.only}
-    text = table(rows)
+    runs: dict[str, list[dict]] = {name: [] for name in args.only}
+    for _ in range(args.repeats):
+        for name in args.only:
+            runs[name].append(run(name, args.steps, out))
+    text = table({name: median_row(r) for name, r in runs.items()})
     print(text)
     if not args.no_write:
         load = os.getloadavg()[0]
         write_section("time-model", "\n".join([
             "## Step time: predicted (after `plait calibrate`) vs measured",
             "",
-            f"- command: `python benchmarks/time_model.py --steps {args.steps}" + (
+            f"- command: `python benchmarks/time_model.py --steps {args.steps} --repeats {args.repeats}" + (
                 f" --only {' '.join(args.only)}`" if args.only != list(LAYOUTS) else "`"),
             f"- machine: {machine()}, Gloo, 2 ranks; date: {time.strftime('%Y-%m-%d')}",
             "- each layout: `plait calibrate --nproc 2` with its model, micro-batch and tp, then `plait train "
             "--hardware-file` (seq 128, fp32); measured = median step time after the first; predicted = the "
-            "run's closing report; compute, comm, bubble, overhead are the predicted parts",
+            "run's closing report; with repeats, the layouts take turns and the table has the medians over "
+            "repeats (and each repeat's ratio); compute, comm, bubble, overhead are the predicted parts",
             f"- load average (1 min) when the run ended: {load:.1f} on {os.cpu_count()} cores",
             "", text]))
 

@@ -60,7 +60,7 @@ def test_fp16_stops_when_the_scale_cannot_go_lower(monkeypatch):
     from plait.runtime.comm import Axis, Ledger
 
     world = Axis("world", 1, 0, None, Ledger())
-    monkeypatch.setattr(precision, "first_nonfinite", lambda model: "the gradient of w")
+    monkeypatch.setattr(precision, "first_nonfinite", lambda model, squares=None: "the gradient of w")
     guard = precision.StepGuard("fp16", world, torch.device("cpu"), loss_scale=2.0)
     assert guard.step(0, torch.nn.Linear(1, 1), None, 1.0, math.inf) == (pytest.approx(math.nan, nan_ok=True), False)
     assert guard.scaler.scale == 1.0
@@ -162,3 +162,32 @@ def test_master_optimizer_skipped_state_and_masters_stay_fp32():
         assert master.dtype == torch.float32 and torch.equal(param, master.half())
     assert set(optimizer.state[next(iter(optimizer.masters))]) >= {"exp_avg", "exp_avg_sq", "master"}
     assert all(torch.isfinite(p.detach()).all() for p in model.parameters())
+
+
+def test_one_read_of_the_gradients_gives_the_finite_check_and_the_norm():
+    """Each piece's fp64 sum of squares: non-finite exactly when an element is (the largest
+    finite fp32 values must not read as overflow), and the clipping norm torch computes."""
+    from plait.parallel.clip import clip_grad_norm, gradient_squares
+    from plait.parallel.precision import first_nonfinite
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    squares = gradient_squares(model)
+    assert squares.names == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    expected = torch.tensor([p.grad.double().pow(2).sum() for p in model.parameters()])
+    assert torch.allclose(squares.values, expected, rtol=1e-12)
+    assert first_nonfinite(model, squares) is None
+    reference = copy.deepcopy(model)
+    for p, r in zip(model.parameters(), reference.parameters()):
+        r.grad = p.grad.clone()
+    torch_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+    assert clip_grad_norm(model, 0.5, squares) == pytest.approx(float(torch_norm), rel=1e-6)
+    for p, r in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, r.grad, rtol=1e-6)
+    model[1].weight.grad.fill_(3e38)  # finite, and its fp32 square would overflow
+    assert first_nonfinite(model) is None
+    model[1].weight.grad[0, 1] = float("nan")
+    assert first_nonfinite(model) == "the gradient of 1.weight"
+    model[0].bias.grad[2] = float("-inf")
+    assert first_nonfinite(model) == "the gradient of 0.bias"

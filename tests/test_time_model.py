@@ -20,7 +20,8 @@ from tests.worldlib import ROOT, run_world
 
 CPU = get_hardware("cpu")
 CALIBRATED = replace(CPU, name="calibrated test", gemm=(("fp32 1024x64x64", 0.05), ("attn fp32 b8 a4 s128 d16", 0.01)),
-                     links=((2, 300.0, 1.5), (4, 400.0, 1.0)), op_overhead_us=5.0, optimizer_tensor_us=40.0)
+                     links=((2, 300.0, 1.5), (4, 400.0, 1.0)), op_overhead_us=5.0, optimizer_tensor_us=40.0,
+                     grad_tensor_us=15.0)
 
 
 def test_measured_gemm_rate_beats_the_roofline() -> None:
@@ -41,7 +42,11 @@ def test_links_per_group_size() -> None:
 
 
 def test_optimizer_costs_bytes_and_tensors() -> None:
-    assert optimizer_s(1_000_000, 10, CALIBRATED) == pytest.approx(116e6 / (CPU.memory_gb_s * 1e9) + 10 * (40 + 3 * 5) * 1e-6)
+    # norm 4 + clipping 8 + AdamW 84 + zeroing 4 bytes per parameter; fixed costs
+    # per optimizer tensor and per gradient piece checked (ZeRO: flat shards, many pieces)
+    bytes_s = 100e6 / (CPU.memory_gb_s * 1e9)
+    assert optimizer_s(1_000_000, 10, CALIBRATED) == pytest.approx(bytes_s + 10 * (40 + 15) * 1e-6)
+    assert optimizer_s(1_000_000, 2, CALIBRATED, pieces=6) == pytest.approx(bytes_s + (2 * 40 + 6 * 15) * 1e-6)
 
 
 def test_measured_gemm_changes_the_compute() -> None:

@@ -4,8 +4,9 @@ What the model of plait/estimate/ops.py needs, measured the way training will us
 local ranks busy at the same time, each on its share of the cores):
 * the TFLOP/s of every GEMM the model runs (forward and both backward shapes), in its dtype,
   and of its attention core (forward + backward);
-* memory bandwidth at the size of one activation (b·s·h), and the fixed cost of an op and
-  of a view;
+* memory bandwidth at the size of one activation (b·s·h), the rate of the guarded update
+  (finite check, clipping, AdamW) at the model's size, and the fixed costs of an op, a view,
+  an optimizer tensor and a gradient check;
 * the loop's own cost per step (walking the model's states for the report);
 * per group size of the first n ranks: a ring step's latency (an 8-byte all-reduce) and the
   bus bandwidth of a large all-reduce.
@@ -25,6 +26,7 @@ from plait.estimate.ops import (
     OPS_BLOCK,
     OPS_OUTER,
     TENSORS_PER_BLOCK,
+    UPDATE_BYTES,
     Gemm,
     attention_key,
     block_gemms,
@@ -143,33 +145,64 @@ def _attention_run(mesh: Mesh, shape: tuple[int, ...], precision: str) -> Callab
 
 
 def measure_memory(mesh: Mesh, elements: int, tensors: int, reps: int, params: int = 0) -> dict[str, float]:
-    """Bandwidth of an allocating add on `elements` floats (an activation's size) and of an
-    in-place add streaming over as many bytes as the optimizer touches for `params`
-    parameters (parameter, gradient, two AdamW states: past the caches on a CPU); the
-    loop's walk over `tensors` parameter-like tensors (its per-step bookkeeping); and the
-    fixed costs of ops, views and optimizer tensors (`measure_dispatch`)."""
+    """Bandwidth of an allocating add on `elements` floats (an activation's size) and of the
+    guarded update over `params` parameters (its rate in the bytes the time model counts);
+    the loop's walk over `tensors` parameter-like tensors (its per-step bookkeeping); and
+    the fixed costs of ops, views, optimizer tensors and gradient checks (`measure_dispatch`)."""
     device = mesh.device
     x, y = (torch.randn(elements, device=device) for _ in range(2))
-    stream, streamed = 0.0, min(2 * params, STREAM_CAP)
-    if streamed:
-        a, b = (torch.ones(streamed, device=device) for _ in range(2))
-        stream = _median_s(lambda: (a.add_(b), _sync(mesh)), reps)
-        del a, b
     many = [torch.ones(4, device=device) for _ in range(3 * tensors)]
     add = _median_s(lambda: (torch.add(x, y), _sync(mesh)), reps)  # allocating, as eager ops do
     walk = _median_s(lambda: storage_bytes(many), reps)
     one = torch.ones(1, device=device)
     view = _median_s(lambda: [one.view(-1) for _ in range(100)], reps) / 100
-    block, update = measure_dispatch(mesh, reps)
-    add, walk, view, block, update, stream = _slowest(mesh, [add, walk, view, block, update, stream])
+    block, step, checks = measure_dispatch(mesh, reps)
+    streamed = min(params, STREAM_CAP)
+    update = _median_s(_flat_update(mesh, streamed), reps) if streamed else 0.0
+    add, walk, view, block, step, checks, update = _slowest(mesh, [add, walk, view, block, step, checks, update])
     op = max(0.0, block - view * DISPATCH_VIEWS) / DISPATCH_OPS
-    stream_rate = {"stream_gb_s": 3 * streamed * 4 / stream / 1e9} if streamed else {}
-    return {**stream_rate, "memory_gb_s": 3 * elements * 4 / add / 1e9, "op_overhead_us": op * 1e6,
+    per_tensor = (step + checks) / DISPATCH_TENSORS
+    pieces = -(-streamed // UPDATE_CHUNK)
+    net = max(update - pieces * per_tensor, 1e-9)
+    stream = {"stream_gb_s": UPDATE_BYTES * streamed / net / 1e9} if streamed else {}
+    return {**stream, "memory_gb_s": 3 * elements * 4 / add / 1e9, "op_overhead_us": op * 1e6,
             "view_overhead_us": view * 1e6, "step_overhead_us": walk * 1e6,
-            "optimizer_tensor_us": update / DISPATCH_TENSORS * 1e6}
+            "optimizer_tensor_us": step / DISPATCH_TENSORS * 1e6, "grad_tensor_us": checks / DISPATCH_TENSORS * 1e6}
 
 
-STREAM_CAP = 1 << 26  # floats per streamed buffer (256 MiB): far past any cache, and bounded
+STREAM_CAP = 1 << 24  # parameters in the timed update (64 MiB each state): past any cache, bounded
+UPDATE_CHUNK = 1 << 20  # parameters per tensor there, about a large weight of a model this size
+
+
+def _flat_update(mesh: Mesh, params: int) -> Callable[[], None]:
+    """The guarded update (finite check, clipping, AdamW) over `params` parameters cut into
+    UPDATE_CHUNK-sized tensors: the optimizer states are as large as the model's, so their
+    pass runs at the speed it will in training, page faults of the fp64 squares included."""
+    sizes = [min(UPDATE_CHUNK, params - start) for start in range(0, params, UPDATE_CHUNK)]
+    holder = torch.nn.ParameterList(torch.nn.Parameter(torch.ones(n, device=mesh.device)) for n in sizes)
+    for p in holder:
+        p.grad = torch.full_like(p, 1e-3)
+    return _guarded_update(mesh, holder, torch.optim.AdamW(holder.parameters(), lr=1e-3, weight_decay=0.1))
+
+
+def _gradient_checks(mesh: Mesh, model: torch.nn.Module) -> Callable[[], None]:
+    """The step guard's work before the update, minus its all-reduce: the finite check
+    and the clipping norm (plait/parallel/precision.py, clip.py)."""
+    from plait.parallel.clip import clip_grad_norm
+    from plait.parallel.precision import first_nonfinite
+
+    def run() -> None:
+        first_nonfinite(model)
+        clip_grad_norm(model, 1.0)
+        _sync(mesh)
+
+    return run
+
+
+def _guarded_update(mesh: Mesh, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    checks = _gradient_checks(mesh, model)
+    return lambda: (checks(), optimizer.step(), _sync(mesh))
+
 
 # A 2-block GPT so small (h = 8, 4 tokens) that its time is all fixed costs: the very op
 # mix the time model counts per block (plait/estimate/ops.py), forward and backward.
@@ -181,9 +214,9 @@ DISPATCH_VIEWS = sum(2 * OPS_BLOCK[b][1] + OPS_OUTER[b][1] for b in (0, 1))
 DISPATCH_TENSORS = 2 * TENSORS_PER_BLOCK + 1  # tied embedding and head, final norm
 
 
-def measure_dispatch(mesh: Mesh, reps: int) -> tuple[float, float]:
-    """(forward + backward seconds, AdamW step seconds) of DISPATCH_MODEL, under the
-    activation meter that `plait train` runs every forward in."""
+def measure_dispatch(mesh: Mesh, reps: int) -> tuple[float, float, float]:
+    """Seconds of DISPATCH_MODEL's forward + backward (under the activation meter that
+    `plait train` runs every forward in), of its AdamW step, and of its gradient checks."""
     from plait.models.gpt import build_gpt
     from plait.bench.meter import ActivationMeter
 
@@ -203,7 +236,8 @@ def measure_dispatch(mesh: Mesh, reps: int) -> tuple[float, float]:
         optimizer.step()
         _sync(mesh)
 
-    return _median_s(train, reps * 2), _median_s(update, reps * 2)
+    forward_backward = _median_s(train, reps * 2)
+    return forward_backward, _median_s(update, reps * 2), _median_s(_gradient_checks(mesh, model), reps * 2)
 
 
 def measure_links(mesh: Mesh, large: int, reps: int) -> tuple[tuple[int, float, float], ...]:

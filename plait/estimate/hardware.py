@@ -44,6 +44,7 @@ class Hardware:
     view_overhead_us: float = 0.0  # fixed cost of a view (reshape, transpose)
     step_overhead_us: float = 0.0  # the training loop's own cost per step (data, bookkeeping)
     optimizer_tensor_us: float = 0.0  # fixed cost per parameter tensor of an optimizer step
+    grad_tensor_us: float = 0.0  # fixed cost per gradient piece of the finite check and clipping
     # Measured by `plait calibrate`: TFLOP/s per GEMM or attention shape ("fp32 MxKxN"),
     # and (group size, µs per ring step, GB/s bus bandwidth) of the collectives in a node.
     gemm: tuple[tuple[str, float], ...] = ()
@@ -109,7 +110,8 @@ class Hardware:
         return (self.inter_node_latency_us if inter_node else self.intra_node_latency_us) * 1e-6
 
 
-_MAY_BE_ZERO = {"op_overhead_us", "view_overhead_us", "step_overhead_us", "optimizer_tensor_us", "stream_gb_s"}
+_MAY_BE_ZERO = {"op_overhead_us", "view_overhead_us", "step_overhead_us", "optimizer_tensor_us", "grad_tensor_us",
+                "stream_gb_s"}
 
 # Large bf16 GEMMs reach ~80% of the datasheet peak on A100 and V100 and ~70% on H100
 # (cuBLAS at 8192³, as published by the vendors and reproduced widely); a fused attention
@@ -157,7 +159,7 @@ PRESETS: dict[str, Hardware] = {
         inter_node_latency_us=140.0, gpus_per_node=2, compute_efficiency=0.7,
         reserved_gib=1.0, pcie_gb_s=8.8, host_mem_gb_s=8.8, memory_gb_s=8.8,
         attention_efficiency=0.3, op_overhead_us=10.0, view_overhead_us=2.0,
-        step_overhead_us=2000.0, optimizer_tensor_us=100.0,
+        step_overhead_us=2000.0, optimizer_tensor_us=100.0, grad_tensor_us=100.0,
     ),
 }
 

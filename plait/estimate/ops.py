@@ -15,10 +15,15 @@ Every cost is max(FLOPs / rate, bytes / memory bandwidth) + a fixed cost per lau
   dispatch hook (fp32, tiny and variants): forward 39h + kv + 5f, backward 87h + 8kv + 9f;
   around the blocks 8h + 3.25V forward, 23h + 6.5V backward. Forward launches 33 compute
   ops and 44 views per block (backward 61 and 76); around the blocks 9 + 9 and 19 + 13.
-* Optimizer: torch's AdamW (per-tensor loop) reads and writes 84 bytes per fp32 parameter
-  in 10 ops per tensor (a fixed cost per tensor, `optimizer_tensor_us`, calibrated on a real
-  AdamW step); plait's clipping squares each gradient in fp64 (28 bytes per parameter, 3 ops
-  per tensor) and all-reduces the sum over the ZeRO, tp and pp groups; zeroing writes 4.
+* The update, as the step guard runs it: one read of every gradient (4 bytes per fp32
+  parameter) gives each piece's fp64 sum of squares, which serves both the finite check and
+  the clipping norm; clipping scales the gradients in place (8); torch's AdamW (per-tensor
+  loop) moves 84; zeroing writes 4.
+  Bytes over `stream_gb_s`, which `plait calibrate` measures on this very update at the
+  model's size, so the rate also pays for the fp64 copies and page faults the bytes hide.
+  Fixed costs: `optimizer_tensor_us` per tensor AdamW steps, `grad_tensor_us` per gradient
+  piece checked and clipped (under ZeRO the optimizer steps a flat shard, but the checks
+  walk each parameter's owned piece). The verdict and the norm are all-reduced (time.py).
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ EW_OUTER = ((8, 3.25), (23, 6.5))  # around the blocks: (h, V) forward, backward
 OPS_BLOCK = ((33, 44), (61, 76))  # (compute ops, views) per block: forward, backward
 OPS_OUTER = ((9, 9), (19, 13))
 ADAM_BYTES = 84  # per fp32 parameter
-CLIP_BYTES, CLIP_OPS, ZERO_GRAD_BYTES = 28, 3, 4
+NORM_BYTES, CLIP_BYTES, ZERO_GRAD_BYTES = 4, 8, 4
+UPDATE_BYTES = NORM_BYTES + CLIP_BYTES + ADAM_BYTES  # what the calibrated update moves
 TENSORS_PER_BLOCK = 9
 
 
@@ -144,16 +150,30 @@ def micro_batch_compute_s(config: GPTConfig, layout: Layout, stage: Stage, hw: H
     return total
 
 
-def optimizer_s(params: int, tensors: int, hw: Hardware) -> float:
-    """AdamW, clipping and zeroing over the parameters this rank updates (fp32 states):
-    bytes over bandwidth, plus the fixed cost per tensor of torch's per-tensor loop."""
-    moved = params * (ADAM_BYTES + CLIP_BYTES + ZERO_GRAD_BYTES)
-    fixed = tensors * (hw.optimizer_tensor_us + CLIP_OPS * hw.op_overhead_us) * 1e-6
-    return moved / hw.stream_bytes_per_s + fixed
+def optimizer_s(params: int, tensors: int, hw: Hardware, pieces: int | None = None) -> float:
+    """The guarded update and zeroing over the parameters this rank updates (fp32 states):
+    bytes over bandwidth, plus the fixed costs of `tensors` optimizer tensors and of
+    `pieces` gradient pieces checked and clipped (as many as the tensors unless told)."""
+    moved = params * (UPDATE_BYTES + ZERO_GRAD_BYTES)
+    pieces = tensors if pieces is None else pieces
+    fixed = tensors * hw.optimizer_tensor_us + pieces * hw.grad_tensor_us
+    return moved / hw.stream_bytes_per_s + fixed * 1e-6
+
+
+def model_tensors(stage: Stage) -> int:
+    """Parameter tensors of one stage of the model, as it is written."""
+    return TENSORS_PER_BLOCK * stage.layers + int(stage.first) + 2 * int(stage.last)
 
 
 def stage_tensors(stage: Stage, layout: Layout) -> int:
     """Parameter tensors the optimizer loops over on one rank (ZeRO: flat shards, few)."""
     if layout.zero:
         return 2 * max(1, stage.layers) if layout.zero == 3 else 2
-    return TENSORS_PER_BLOCK * stage.layers + int(stage.first) + 2 * int(stage.last)
+    return model_tensors(stage)
+
+
+def stage_pieces(stage: Stage, layout: Layout) -> int:
+    """Gradient pieces one rank checks and clips: every tensor, or under ZeRO the pieces of
+    the parameters its shard overlaps (about 1/dp of them, plus one cut at each end)."""
+    tensors = model_tensors(stage)
+    return -(-tensors // layout.dp) + 1 if layout.zero else tensors

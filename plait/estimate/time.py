@@ -11,8 +11,9 @@ Assumptions, each visible in `ASSUMPTIONS`:
   of its shape (or at its measured rate, from `plait calibrate`), the attention core at its
   rate, element-wise work by the bytes it moves, each op's fixed launch cost. A model known
   only by its size runs at `compute_efficiency` of the peak.
-* The optimizer step (AdamW, clipping, zeroing) costs its bytes over streaming bandwidth; the
-  loop costs `step_overhead_us` plus its two telemetry all-reduces over every rank.
+* The update (finite check, clipping, AdamW, zeroing) costs its bytes over the calibrated
+  update bandwidth plus fixed costs per tensor, and tiny all-reduces (the verdict over every
+  rank, the norm); the loop costs `step_overhead_us` plus two telemetry all-reduces.
 * A ring collective on n ranks takes steps·α + wire_bytes/bandwidth, where steps is
   2(n-1) for all-reduce, n-1 for all-gather and reduce-scatter, 1 for a send; α and the
   bandwidth are the intra-node link's if the group fits in one node (ranks are numbered tp
@@ -38,7 +39,7 @@ from plait.estimate.comm import ring_bytes, tp_collectives, tp_traffic
 from plait.estimate.hardware import Hardware
 from plait.estimate.layout import Layout, Stage, stages
 from plait.estimate.memory import BUCKET_BYTES, shard, state_bytes
-from plait.estimate.ops import micro_batch_compute_s, optimizer_s, stage_tensors
+from plait.estimate.ops import micro_batch_compute_s, optimizer_s, stage_pieces, stage_tensors
 from plait.models.config import GPTConfig
 
 HOST_ADAM_BYTES = 28  # read weight, grad, m, v; write weight, m, v (fp32)
@@ -50,9 +51,9 @@ ASSUMPTIONS = (
     "compute per operation: GEMMs on a roofline of their shape (peak·compute_efficiency, "
     "memory bandwidth) or at their calibrated rate, attention at attention_efficiency, "
     "element-wise work memory-bound (bytes counted on plait's GPT), a fixed cost per op",
-    "optimizer (AdamW + clipping + zeroing: 116 B per fp32 parameter) over streaming bandwidth "
-    "(stream_gb_s, measured past the caches; memory_gb_s where not measured), "
-    "plus fixed costs per tensor and the norm's all-reduces; "
+    "update (norm + clipping + AdamW + zeroing: 100 B per fp32 parameter) over the update's "
+    "bandwidth (stream_gb_s, measured on that update at the model's size; memory_gb_s where not "
+    "measured), plus fixed costs per tensor and the verdict's and norm's all-reduces; "
     "loop overhead = step_overhead_us + two telemetry all-reduces",
     "ring collective time = steps·latency + wire bytes / link bandwidth; a group uses the "
     "intra-node link when it fits in one node (ranks numbered tp fastest, then dp, then pp)",
@@ -205,15 +206,17 @@ def estimate_time(config: GPTConfig, layout: Layout, hw: Hardware, gpus_per_node
                       _forward_share(layout.recompute))
     model, hardware = flops_per_token(config, layout.seq_len, layout.recompute)
     updated = shard(stage.params, layout.dp) if layout.zero else stage.params
-    step = 0.0 if layout.offload else optimizer_s(updated, stage_tensors(stage, layout), hw)
+    step = 0.0 if layout.offload else optimizer_s(updated, stage_tensors(stage, layout), hw,
+                                                  stage_pieces(stage, layout))
     step += clip_s(layout, hw, links)
     return _assemble(layout, hw, model, hardware, (compute, tp, pp), dp,
                      offload_s(stage.params, layout, hw), step, overhead_s(layout, hw, gpus_per_node))
 
 
 def clip_s(layout: Layout, hw: Hardware, links: dict[str, bool]) -> float:
-    """The gradient norm's all-reduces of a few bytes: over ZeRO's dp group, tp and pp."""
-    groups = [("dp", layout.dp if layout.zero else 1), ("tp", layout.tp), ("pp", layout.pp)]
+    """All-reduces of a few bytes around the update: the step guard's verdict over every
+    rank (the pp span is the world), and the gradient norm over ZeRO's dp group, tp and pp."""
+    groups = [("pp", layout.world), ("dp", layout.dp if layout.zero else 1), ("tp", layout.tp), ("pp", layout.pp)]
     return sum(collective_s("all_reduce", 16, n, hw, links[axis]) for axis, n in groups)
 
 

@@ -19,6 +19,7 @@ and each all-reduce is one or two numbers: training traffic, in the ledger like 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -30,47 +31,76 @@ from plait.parallel.tensor.layers import shard_of
 from plait.parallel.zero.stages import zero_of
 from plait.runtime import comm
 
-Pieces = list[tuple[nn.Parameter, torch.Tensor]]
+
+@dataclass
+class GradientSquares:
+    """Each gradient piece this rank holds, squared and summed in fp64: one read of every
+    gradient per step, shared by the step guard's finite check (a piece's sum is finite only
+    if every element is: squares of 16- or 32-bit values cannot overflow fp64) and the
+    clipping norm. `torch.linalg.vector_norm` accumulates in fp64 as it reads, without the
+    fp64 copy and the squared copy of each gradient that `g.double().pow(2).sum()` makes:
+    on a CPU those fresh buffers cost page faults, 3-4x the time of the read itself."""
+
+    names: list[str]  # in the model's order, as `named_grads` gives them
+    values: torch.Tensor  # (pieces,) float64
+    counted: torch.Tensor  # (pieces,) bool: in the norm (a pipeline's tied copy is not)
+    split: torch.Tensor  # (pieces,) bool: a tensor-parallel slice
+    scaled: list[torch.Tensor]  # what clipping multiplies
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+def held_gradients(model: nn.Module) -> list[tuple[str, nn.Parameter, torch.Tensor, bool]]:
+    """(name, parameter, gradient, counted in the norm) of each gradient piece this rank
+    holds, in the model's order: ZeRO's owned pieces, or every parameter's .grad."""
+    sync = zero_of(model)
+    if sync is not None:
+        return [(sync.names[p], p, g, p not in sync.replicas) for p, g in sync.owned_grad_pieces()]
+    return [(name, p, p.grad, not replica) for name, p, replica in logical_parameters(model) if p.grad is not None]
+
+
+def gradient_squares(model: nn.Module) -> GradientSquares:
+    """Sum of squares of each gradient piece this rank holds (see `GradientSquares`)."""
+    sync, info = zero_of(model), tensor_parallel_of(model)
+    tp = info is not None and info.axis.size > 1
+    held = held_gradients(model)
+    scaled = sync.owned_grads() if sync is not None else [grad for _, _, grad, _ in held]
+    device = held[0][2].device if held else next(model.parameters()).device
+    norms = [torch.linalg.vector_norm(grad.detach(), dtype=torch.float64) for _, _, grad, _ in held]
+    values = torch.stack(norms).square() if norms else torch.zeros(0, dtype=torch.float64, device=device)
+    counted = torch.tensor([c for *_, c in held], dtype=torch.bool, device=device)
+    split = torch.tensor([tp and shard_of(p) is not None for _, p, _, _ in held], dtype=torch.bool, device=device)
+    return GradientSquares([name for name, *_ in held], values, counted, split, scaled)
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float, squares: GradientSquares | None = None) -> float:
     """Scale every gradient so the whole model's norm is at most `max_norm`; return the norm before.
 
     The scale is torch's, min(1, max_norm / (norm + 1e-6)); `max_norm = inf` only measures.
+    `squares`: this step's, when the caller has them already (the step guard does).
     """
-    counted, scaled = _gradient_pieces(model)
-    norm = global_norm(model, counted)
+    squares = squares if squares is not None else gradient_squares(model)
+    norm = global_norm(model, squares)
     if max_norm < math.inf:
         scale = min(1.0, max_norm / (norm + 1e-6))
-        for grad in scaled:
+        for grad in squares.scaled:
             grad.mul_(scale)
     return norm
 
 
-def global_norm(model: nn.Module, pieces: Pieces) -> float:
+def global_norm(model: nn.Module, squares: GradientSquares) -> float:
     """sqrt of the sum, over all ranks and without double counting, of the pieces' squares."""
     sync, info, pp_axis = zero_of(model), tensor_parallel_of(model), pipeline_axis(model)
     tp_axis = info.axis if info is not None and info.axis.size > 1 else None
-    # A rank may hold no gradient (its ZeRO shards all padding); its zeros still join in.
-    device = pieces[0][1].device if pieces else next(model.parameters()).device
+    kept = torch.where(squares.counted, squares.values, torch.zeros_like(squares.values))
     # [squares of tp-split gradients, squares of the rest]; one number when nothing is split.
-    squares = torch.zeros(2 if tp_axis else 1, dtype=torch.float64, device=device)
-    for param, grad in pieces:
-        squares[0 if tp_axis and shard_of(param) else -1] += grad.detach().double().pow(2).sum()
-    if sync is not None and sync.axis.size > 1:
-        comm.all_reduce(squares, sync.axis)
+    # A rank may hold no gradient (its ZeRO shards all padding); its zeros still join in.
     if tp_axis is not None:
-        comm.all_reduce(squares[:1], tp_axis)
+        total = torch.stack([kept[squares.split].sum(), kept[~squares.split].sum()])
+    else:
+        total = kept.sum().reshape(1)
+    if sync is not None and sync.axis.size > 1:
+        comm.all_reduce(total, sync.axis)
+    if tp_axis is not None:
+        comm.all_reduce(total[:1], tp_axis)
     if pp_axis is not None and pp_axis.size > 1:
-        comm.all_reduce(squares, pp_axis)
-    return math.sqrt(squares.sum().item())
-
-
-def _gradient_pieces(model: nn.Module) -> tuple[Pieces, list[torch.Tensor]]:
-    """The (parameter, gradient) pieces this rank counts in the norm, and every tensor to scale."""
-    sync = zero_of(model)
-    if sync is not None:
-        pieces = sync.owned_grad_pieces()
-        return [(p, g) for p, g in pieces if p not in sync.replicas], sync.owned_grads()
-    held = [(param, replica) for _, param, replica in logical_parameters(model) if param.grad is not None]
-    return [(p, p.grad) for p, replica in held if not replica], [p.grad for p, _ in held]
+        comm.all_reduce(total, pp_axis)
+    return math.sqrt(total.sum().item())

@@ -29,9 +29,7 @@ from torch import nn
 
 from plait.errors import PlaitError
 from plait.rules import PRECISIONS, default_reduce_dtype
-from plait.parallel.clip import clip_grad_norm
-from plait.parallel.pipeline.split import logical_parameters
-from plait.parallel.zero.stages import zero_of
+from plait.parallel.clip import GradientSquares, clip_grad_norm, gradient_squares, held_gradients
 from plait.runtime import comm
 from plait.runtime.comm import Axis
 
@@ -135,7 +133,8 @@ class StepGuard:
         """Step the optimizer if every rank's gradients are finite; return (grad norm, stepped).
         `loss` is None when the step did not read it back (`--measure off`): a non-finite loss
         makes non-finite gradients, so the gradients alone still decide."""
-        bad = "the loss" if loss is not None and not math.isfinite(loss) else first_nonfinite(model)
+        squares = gradient_squares(model)  # read once: the finite check and the norm share it
+        bad = "the loss" if loss is not None and not math.isfinite(loss) else first_nonfinite(model, squares)
         verdict = agree_on_nonfinite(bad, self.world, self.device)
         if verdict is not None:
             # fp16 lowers its scale and tries again; at scale 1 lowering is over, and an inf is
@@ -147,9 +146,9 @@ class StepGuard:
             raise PlaitError(f"step {step + 1}: {name} went non-finite on rank {rank}",
                              hint="lower --lr or raise --warmup-steps; --skip-nonfinite skips such steps instead")
         if getattr(optimizer, "grad_scale", None) is None:  # fp32 weights, no masters: clip in place
-            norm = clip_grad_norm(model, max_norm)
+            norm = clip_grad_norm(model, max_norm, squares)
         else:  # unscale and clip once, in fp32, as the masters take the gradient
-            norm = clip_grad_norm(model, math.inf) / self.scaler.scale
+            norm = clip_grad_norm(model, math.inf, squares) / self.scaler.scale
             clip = min(1.0, max_norm / (norm + 1e-6)) if max_norm < math.inf else 1.0
             optimizer.grad_scale = clip / self.scaler.scale
         optimizer.step()
@@ -160,23 +159,19 @@ class StepGuard:
 def named_grads(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name, gradient) of what this rank holds, in the model's order: ZeRO's owned shards, or
     every parameter's .grad."""
-    sync = zero_of(model)
-    if sync is not None:
-        return [(sync.names[p], g) for p, g in sync.owned_grad_pieces()]
-    return [(name, p.grad) for name, p, _ in logical_parameters(model) if p.grad is not None]
+    return [(name, grad) for name, _, grad, _ in held_gradients(model)]
 
 
-def first_nonfinite(model: nn.Module) -> str | None:
+def first_nonfinite(model: nn.Module, squares: GradientSquares | None = None) -> str | None:
     """'the gradient of <name>' for the first gradient holding an inf or nan, or None.
 
-    One device sync for the whole model: the per-tensor flags are stacked first."""
-    grads = named_grads(model)
-    if not grads:
-        return None
-    flags = torch.stack([torch.isfinite(g).all() for _, g in grads]).cpu()
+    A gradient's fp64 sum of squares is non-finite exactly when one of its elements is, so
+    the check costs no pass of its own (`squares`, shared with clipping) and one device sync."""
+    squares = squares if squares is not None else gradient_squares(model)
+    flags = torch.isfinite(squares.values).cpu()
     if bool(flags.all()):
         return None
-    return f"the gradient of {grads[int((~flags).nonzero()[0])][0]}"
+    return f"the gradient of {squares.names[int((~flags).nonzero()[0])]}"
 
 
 def agree_on_nonfinite(bad: str | None, world: Axis, device: torch.device) -> tuple[int, str] | None:
