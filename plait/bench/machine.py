@@ -67,7 +67,7 @@ def base_preset(gpu: str) -> Hardware:
 def calibrate(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len: int, tp_sizes: list[int],
               precision: str, quick: bool = False) -> Hardware:
     """Measure everything the time model uses; every rank calls this."""
-    reps = 3 if quick else 7
+    reps = 3 if quick else 11  # rounds: a full calibration spreads over enough time to ride out a slow second
     attention, gemms = cal.model_shapes(config, micro_batch, seq_len, tp_sizes, precision)
     rates = cal.measure_gemms(mesh, gemms, precision, reps)
     rates.update(cal.measure_attention(mesh, config, micro_batch, seq_len, tp_sizes, precision, reps))
