@@ -1,8 +1,8 @@
 """This machine's hardware profile: calibrate it, cache it, and hand it to the time model.
 
 A calibration is cached per machine (host, CPU, GPU, torch version, and how many ranks share
-it, which decides each rank's cores) in the user's cache directory ($PLAIT_CACHE_DIR, else
-$XDG_CACHE_HOME/plait, else ~/.cache/plait). `plait train` reads it for its closing
+it, which decides each rank's cores) and per version of the calibration method, in the
+user's cache directory ($PLAIT_CACHE_DIR, else $XDG_CACHE_HOME/plait, else ~/.cache/plait). `plait train` reads it for its closing
 prediction; when there is none it calibrates quickly (a second or two) and caches that; when
 the cached one lacks this model's GEMM shapes it measures just those and adds them.
 """
@@ -42,9 +42,12 @@ def cpu_name() -> str:
 
 
 def machine_facts(mesh: Mesh) -> dict[str, str]:
+    """What a calibration depends on, the method's version included: a cache taken by an
+    older method (fewer fields, other definitions) is not read, it is replaced."""
     local = os.environ.get("LOCAL_WORLD_SIZE", str(mesh.env.world_size))
     return {"host": socket.gethostname(), "cpu": cpu_name(), "gpu": device_name(mesh),
-            "torch": torch.__version__, "local_ranks": local, "threads": str(torch.get_num_threads())}
+            "torch": torch.__version__, "local_ranks": local, "threads": str(torch.get_num_threads()),
+            "method": str(cal.METHOD_VERSION)}
 
 
 def cache_path(facts: dict[str, str]) -> Path:
