@@ -204,7 +204,7 @@ def keep_heap_like_training() -> None:
 def _flat_update(mesh: Mesh, params: int) -> Callable[[], None]:
     """The guarded update (finite check, clipping, AdamW) over `params` parameters cut into
     UPDATE_CHUNK-sized tensors: the optimizer states are as large as the model's, so their
-    pass runs at the speed it will in training, page faults of the fp64 squares included."""
+    pass runs past the caches at the speed it will in training."""
     sizes = [min(UPDATE_CHUNK, params - start) for start in range(0, params, UPDATE_CHUNK)]
     holder = torch.nn.ParameterList(torch.nn.Parameter(torch.ones(n, device=mesh.device)) for n in sizes)
     for p in holder:
@@ -213,14 +213,16 @@ def _flat_update(mesh: Mesh, params: int) -> Callable[[], None]:
 
 
 def _gradient_checks(mesh: Mesh, model: torch.nn.Module) -> Callable[[], None]:
-    """The step guard's work before the update, minus its all-reduce: the finite check
-    and the clipping norm (plait/parallel/precision.py, clip.py)."""
-    from plait.parallel.clip import clip_grad_norm
+    """The step guard's work before the update, minus its all-reduce, as it runs it: one
+    read of the gradients for the finite check and the clipping norm, then the clipping
+    (plait/parallel/precision.py, clip.py)."""
+    from plait.parallel.clip import clip_grad_norm, gradient_squares
     from plait.parallel.precision import first_nonfinite
 
     def run() -> None:
-        first_nonfinite(model)
-        clip_grad_norm(model, 1.0)
+        squares = gradient_squares(model)
+        first_nonfinite(model, squares)
+        clip_grad_norm(model, 1.0, squares)
         _sync(mesh)
 
     return run
