@@ -69,9 +69,9 @@ def test_collective_time_is_latency_plus_bandwidth() -> None:
 
 
 def test_which_axes_leave_the_node() -> None:
-    assert inter_node(Layout(dp=2, tp=4), 8) == {"tp": False, "dp": False, "pp": False}
-    assert inter_node(Layout(dp=4, tp=8, pp=2), 8) == {"tp": False, "dp": True, "pp": True}
-    assert inter_node(Layout(dp=1, tp=8, pp=4), 8) == {"tp": False, "dp": False, "pp": True}
+    assert inter_node(Layout(dp=2, tp=4), 8) == {"tp": False, "dp": False, "pp": False, "world": False}
+    assert inter_node(Layout(dp=4, tp=8, pp=2), 8) == {"tp": False, "dp": True, "pp": True, "world": True}
+    assert inter_node(Layout(dp=1, tp=8, pp=4), 8) == {"tp": False, "dp": False, "pp": True, "world": True}
 
 
 def test_inter_node_dp_is_slower() -> None:

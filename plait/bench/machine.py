@@ -2,9 +2,10 @@
 
 A calibration is cached per machine (host, CPU, GPU, torch version, and how many ranks share
 it, which decides each rank's cores) and per version of the calibration method, in the
-user's cache directory ($PLAIT_CACHE_DIR, else $XDG_CACHE_HOME/plait, else ~/.cache/plait). `plait train` reads it for its closing
-prediction; when there is none it calibrates quickly (a second or two) and caches that; when
-the cached one lacks this model's GEMM shapes it measures just those and adds them.
+user's cache directory ($PLAIT_CACHE_DIR, else $XDG_CACHE_HOME/plait, else ~/.cache/plait).
+`plait train` reads it for its closing prediction; when there is none it calibrates quickly
+(a second or two) and caches that; when the cached one lacks this model's GEMM shapes it
+measures just those and adds them.
 """
 
 from __future__ import annotations

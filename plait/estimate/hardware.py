@@ -38,7 +38,7 @@ class Hardware:
     pcie_gb_s: float = 25.0  # host <-> device, used by optimizer offload
     host_mem_gb_s: float = 50.0  # CPU memory bandwidth, bounds the offloaded Adam step
     memory_gb_s: float = 1000.0  # device memory bandwidth: element-wise work on activations
-    stream_gb_s: float = 0.0  # over buffers past the caches (the optimizer's states); 0: memory_gb_s
+    stream_gb_s: float = 0.0  # the update's pass over gradients and states (ops.py bytes); 0: memory_gb_s
     attention_efficiency: float = 0.4  # fraction of peak a fused attention core reaches
     op_overhead_us: float = 0.0  # fixed cost of one launched op (eager dispatch, not hidden)
     view_overhead_us: float = 0.0  # fixed cost of a view (reshape, transpose)
@@ -75,8 +75,9 @@ class Hardware:
 
     @property
     def stream_bytes_per_s(self) -> float:
-        """Bandwidth of a pass over all parameters and optimizer states. A GPU's is its memory
-        bandwidth; a CPU's is well below what an activation-sized add (cache-resident) reaches."""
+        """Rate of the update's pass over gradients, parameters and optimizer states, in the bytes
+        plait/estimate/ops.py counts. A GPU's is its memory bandwidth; a CPU's, calibrated,
+        is well below what an activation-sized add (cache-resident) reaches."""
         return (self.stream_gb_s or self.memory_gb_s) * 1e9
 
     def link(self, n: int, inter_node: bool) -> tuple[float, float]:

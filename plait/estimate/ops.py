@@ -20,7 +20,7 @@ Every cost is max(FLOPs / rate, bytes / memory bandwidth) + a fixed cost per lau
   the clipping norm; clipping scales the gradients in place (8); torch's AdamW (per-tensor
   loop) moves 84; zeroing writes 4.
   Bytes over `stream_gb_s`, which `plait calibrate` measures on this very update at the
-  model's size, so the rate also pays for the fp64 copies and page faults the bytes hide.
+  model's size, so the rate also pays for what the byte count leaves out (temporaries).
   Fixed costs: `optimizer_tensor_us` per tensor AdamW steps, `grad_tensor_us` per gradient
   piece checked and clipped (under ZeRO the optimizer steps a flat shard, but the checks
   walk each parameter's owned piece). The verdict and the norm are all-reduced (time.py).

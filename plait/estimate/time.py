@@ -122,8 +122,8 @@ def collective_s(op: str, payload: float, n: int, hw: Hardware, inter: bool, cou
 
 
 def inter_node(layout: Layout, gpus_per_node: int) -> dict[str, bool]:
-    """Whether each axis's group spans nodes, with ranks numbered tp fastest."""
-    span = {"tp": layout.tp, "dp": layout.tp * layout.dp, "pp": layout.world}
+    """Whether each axis's group (and the whole world) spans nodes, with ranks numbered tp fastest."""
+    span = {"tp": layout.tp, "dp": layout.tp * layout.dp, "pp": layout.world, "world": layout.world}
     return {axis: size > gpus_per_node for axis, size in span.items()}
 
 
@@ -215,15 +215,15 @@ def estimate_time(config: GPTConfig, layout: Layout, hw: Hardware, gpus_per_node
 
 def clip_s(layout: Layout, hw: Hardware, links: dict[str, bool]) -> float:
     """All-reduces of a few bytes around the update: the step guard's verdict over every
-    rank (the pp span is the world), and the gradient norm over ZeRO's dp group, tp and pp."""
-    groups = [("pp", layout.world), ("dp", layout.dp if layout.zero else 1), ("tp", layout.tp), ("pp", layout.pp)]
+    rank, and the gradient norm over ZeRO's dp group, tp and pp."""
+    groups = [("world", layout.world), ("dp", layout.dp if layout.zero else 1), ("tp", layout.tp), ("pp", layout.pp)]
     return sum(collective_s("all_reduce", 16, n, hw, links[axis]) for axis, n in groups)
 
 
 def overhead_s(layout: Layout, hw: Hardware, gpus_per_node: int) -> float:
     """The loop's own cost: bookkeeping, and its telemetry all-reduces over every rank."""
     telemetry = collective_s("all_reduce", TELEMETRY_BYTES, layout.world, hw,
-                             layout.world > gpus_per_node, count=2)
+                             inter_node(layout, gpus_per_node)["world"], count=2)
     return hw.step_overhead_us * 1e-6 + telemetry
 
 
