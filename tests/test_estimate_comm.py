@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from plait.estimate import estimate_layout
-from plait.estimate.comm import (
+from plait.estimate.traffic import (
     dp_traffic,
     estimate_comm,
     naive_comm,

@@ -18,7 +18,8 @@ from plait.estimate.activations import (
     loss_bytes,
     stage_activation_bytes,
 )
-from plait.estimate.layout import Layout, balanced_counts, stages
+from plait.balance import balanced_counts
+from plait.estimate.layout import Layout, stages
 from plait.estimate.memory import (
     BUCKET_BYTES,
     StateBytes,

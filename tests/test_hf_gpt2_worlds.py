@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from plait.parallel import seam
-from plait.runtime import regions
+from plait.parallel.tensor import regions
 from tests.parity import assert_losses_close
 from tests.worldlib import run_world
 

@@ -33,7 +33,7 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
                                            ("pp_recompute", "reference")])
 def test_pipelined_llama_matches_one_process(small: list[dict[str, Any]], run: str, reference: str) -> None:
     for report in small:
-        assert report[run]["stages"] == ["Stage"] * (2 if run == "pp_interleaved" else 1)
+        assert report[run]["stages"] == ["PipelineStage"] * (2 if run == "pp_interleaved" else 1)
         assert_losses_close(report[run]["losses"], report[reference]["losses"], rtol=1e-4)
 
 

@@ -18,8 +18,9 @@ import plait
 from plait.errors import PlaitError
 from plait.models.config import get_preset
 from plait.models.gpt import build_gpt
-from plait.parallel.pipeline.runner import PipelineRunner, apply_pipeline, balanced_counts, check_pipeline, split_stages
-from plait.parallel.pipeline.comm import send_order
+from plait.balance import balanced_counts
+from plait.parallel.pipeline.runner import PipelineRunner, apply_pipeline, check_pipeline, split_stages
+from plait.parallel.pipeline.p2p import send_order
 from plait.parallel.pipeline.split import rank_stages
 from plait.parallel.pipeline.schedule import build_schedule, simulate
 from plait.runtime.comm import Axis, Ledger

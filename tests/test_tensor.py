@@ -17,7 +17,7 @@ from plait.parallel.tensor.plan import apply_tensor_parallel, lm_loss, resolve_p
 from plait.rules import check_tensor_parallel as check_gpt_tensor_parallel
 from plait.parallel.tensor.cost import (block_activations, korthikanti_gpt_bytes, layer_collectives,
                                         step_traffic)
-from plait.runtime import regions
+from plait.parallel.tensor import regions
 from plait.runtime.comm import Axis, Ledger
 
 TINY = get_preset("tiny")

@@ -28,7 +28,7 @@ def test_runtime_imports_nothing_from_estimate() -> None:
 
 
 def test_the_ring_formula_is_defined_once_and_torch_free() -> None:
-    from plait.estimate import comm as estimate_comm
+    from plait.estimate import traffic as estimate_comm
     from plait.runtime import comm as runtime_comm
 
     assert estimate_comm.ring_bytes is wire.ring_bytes

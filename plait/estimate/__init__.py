@@ -12,7 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 from plait.errors import PlaitError
-from plait.estimate.comm import dp_traffic, estimate_comm, naive_comm
+from plait.estimate.traffic import dp_traffic, estimate_comm, naive_comm
 from plait.estimate.hardware import Hardware, resolve_hardware
 from plait.estimate.layout import Layout
 from plait.estimate.memory import (

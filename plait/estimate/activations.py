@@ -39,7 +39,7 @@ divided by t. Full recompute keeps only each block's input.
 
 from __future__ import annotations
 
-from plait.estimate.layout import Layout, Stage
+from plait.estimate.layout import Layout, StageShare
 from plait.models.config import GPTConfig
 
 MASK_BYTES = 1  # a dropout mask is one byte per element
@@ -105,7 +105,7 @@ def layer_bytes(config: GPTConfig, layout: Layout) -> float:
     return llama_layer_bytes(config, layout)
 
 
-def stage_extra_bytes(config: GPTConfig, layout: Layout, stage: Stage) -> float:
+def stage_extra_bytes(config: GPTConfig, layout: Layout, stage: StageShare) -> float:
     """Saved outside the blocks, per micro-batch: token ids on the first stage, the final
     norm on the last (split by t only under SP)."""
     tokens, e, t = layout.tokens_per_micro_batch, layout.compute_bytes, layout.tp
@@ -135,7 +135,7 @@ def loss_bytes(config: GPTConfig, layout: Layout) -> float:
     return float(layout.tokens_per_micro_batch * shard * (layout.compute_bytes + 4 + 4))
 
 
-def in_flight(layout: Layout, stage: Stage) -> float:
+def in_flight(layout: Layout, stage: StageShare) -> float:
     """Micro-batches whose activations a stage holds at its peak.
 
     GPipe runs every forward before any backward: m. 1F1B lets stage r run p - r forwards
@@ -160,7 +160,7 @@ def in_flight(layout: Layout, stage: Stage) -> float:
     return chunks / v
 
 
-def stage_activation_bytes(config: GPTConfig, layout: Layout, stage: Stage) -> float:
+def stage_activation_bytes(config: GPTConfig, layout: Layout, stage: StageShare) -> float:
     """Peak activation bytes on one rank of `stage`."""
     per_micro_batch = stage.layers * layer_bytes(config, layout)
     per_micro_batch += stage_extra_bytes(config, layout, stage)

@@ -10,9 +10,9 @@ shared with `plait train`, so an estimate is never of a layout training would re
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from dataclasses import dataclass
 
+from plait.balance import balanced_counts
 from plait.errors import PlaitError
 from plait.models.config import GPTConfig
 from plait.rules import (DTYPE_BYTES, PRECISIONS, RECOMPUTE, REDUCE_DTYPES, SCHEDULES,  # noqa: F401
@@ -86,7 +86,7 @@ class Layout:
 
 
 @dataclass(frozen=True)
-class Stage:
+class StageShare:
     """What one rank of one pipeline stage holds, after tensor parallelism."""
 
     index: int
@@ -103,37 +103,6 @@ class Stage:
     @property
     def last(self) -> bool:
         return self.index == self.pp - 1
-
-
-def balanced_counts(costs: Sequence[int], parts: int, *, first_extra: int = 0,
-                    last_extra: int = 0) -> list[int]:
-    """Blocks per stage for contiguous stages minimising the largest stage cost.
-
-    Linear partition by dynamic programming (n·parts·n steps: n is a few dozen layers).
-    Ties go to the split whose block counts are most even, so equal layers split evenly.
-    """
-    n = len(costs)
-    prefix = [0]
-    for cost in costs:
-        prefix.append(prefix[-1] + cost)
-
-    def cost_of(start: int, end: int, part: int) -> int:
-        extra = (first_extra if part == 0 else 0) + (last_extra if part == parts - 1 else 0)
-        return prefix[end] - prefix[start] + extra
-
-    # best[k][i]: (largest stage cost, spread of counts) for blocks[:i] in k + 1 stages.
-    best: list[dict[int, tuple[tuple[int, int], list[int]]]] = [{} for _ in range(parts)]
-    for i in range(1, n - parts + 2):
-        best[0][i] = ((cost_of(0, i, 0), 0), [i])
-    for k in range(1, parts):
-        for i in range(k + 1, n - parts + k + 2):
-            options = []
-            for j in range(k, i):
-                (worst, _), counts = best[k - 1][j]
-                new = counts + [i - j]
-                options.append(((max(worst, cost_of(j, i, k)), max(new) - min(new)), new))
-            best[k][i] = min(options)
-    return best[parts - 1][n][1]
 
 
 def block_split(config: GPTConfig) -> tuple[int, int]:
@@ -156,7 +125,7 @@ def vocab_shard(config: GPTConfig, tp: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1) -> tuple[Stage, ...]:
+def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1) -> tuple[StageShare, ...]:
     """Every pipeline rank's share of the model on one of its tp ranks.
 
     The first rank holds the token embedding (and GPT-2's learned positions); the last
@@ -181,5 +150,5 @@ def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1) -> tupl
             params += first
         if index == pp - 1:
             params, repl = params + norm + head, repl + norm
-        out.append(Stage(index, pp, layers, block, params, repl))
+        out.append(StageShare(index, pp, layers, block, params, repl))
     return tuple(out)

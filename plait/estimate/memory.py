@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from plait.estimate.activations import loss_bytes, stage_activation_bytes
-from plait.estimate.layout import Layout, Stage, stages, vocab_shard
+from plait.estimate.layout import Layout, StageShare, stages, vocab_shard
 from plait.models.config import GPTConfig
 
 ADAM_K = 12  # fp32 master weights + Adam m + Adam v, bytes per parameter
@@ -111,7 +111,7 @@ def buffers(params: int, layout: Layout) -> float:
     return whole if layout.grad_accum > 1 else min(2 * BUCKET_BYTES, whole)
 
 
-def stage_buffers(config: GPTConfig, layout: Layout, stage: Stage) -> float:
+def stage_buffers(config: GPTConfig, layout: Layout, stage: StageShare) -> float:
     """`buffers`, plus the pipeline's receive buffers and the loss on the last stage.
 
     A stage keeps one receive buffer for activations and one for gradients (b·s·h each, a
@@ -127,7 +127,7 @@ def stage_buffers(config: GPTConfig, layout: Layout, stage: Stage) -> float:
     return total
 
 
-def gathered_params(config: GPTConfig, layout: Layout, stage: Stage) -> int:
+def gathered_params(config: GPTConfig, layout: Layout, stage: StageShare) -> int:
     """What plait's ZeRO-3 holds whole at once on `stage`: the root unit for the whole
     forward and backward, plus the unit running and the one prefetched after it.
 
@@ -158,7 +158,7 @@ def device_total(memory: Memory) -> Memory:
     return memory
 
 
-def stage_memory(config: GPTConfig, layout: Layout, stage: Stage) -> Memory:
+def stage_memory(config: GPTConfig, layout: Layout, stage: StageShare) -> Memory:
     """Every kind of bytes on one rank of one pipeline stage."""
     memory = model_states(stage.params, gathered_params(config, layout, stage), layout)
     memory.activations = stage_activation_bytes(config, layout, stage)

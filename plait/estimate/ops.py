@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plait.estimate.hardware import Hardware
-from plait.estimate.layout import Layout, Stage
+from plait.estimate.layout import Layout, StageShare
 from plait.models.config import GPTConfig
 
 EW_FWD = (39, 1, 5)  # elements per token per block: coefficients of h, kv, f
@@ -131,7 +131,7 @@ def elementwise_s(config: GPTConfig, layout: Layout, hw: Hardware, layers: float
     return moved / hw.memory_bytes_per_s + count * hw.op_overhead_us * 1e-6 + cheap * hw.view_overhead_us * 1e-6
 
 
-def micro_batch_compute_s(config: GPTConfig, layout: Layout, stage: Stage, hw: Hardware) -> float:
+def micro_batch_compute_s(config: GPTConfig, layout: Layout, stage: StageShare, hw: Hardware) -> float:
     """Forward + backward (+ recompute) of one micro-batch on one rank of `stage`."""
     tokens = layout.micro_batch * layout.seq_len
     fwd = sum(gemm_s(g, layout.precision, hw) for g in block_gemms(config, tokens, layout.tp))
@@ -160,19 +160,19 @@ def optimizer_s(params: int, tensors: int, hw: Hardware, pieces: int | None = No
     return moved / hw.stream_bytes_per_s + fixed * 1e-6
 
 
-def model_tensors(stage: Stage) -> int:
+def model_tensors(stage: StageShare) -> int:
     """Parameter tensors of one stage of the model, as it is written."""
     return TENSORS_PER_BLOCK * stage.layers + int(stage.first) + 2 * int(stage.last)
 
 
-def stage_tensors(stage: Stage, layout: Layout) -> int:
+def stage_tensors(stage: StageShare, layout: Layout) -> int:
     """Parameter tensors the optimizer loops over on one rank (ZeRO: flat shards, few)."""
     if layout.zero:
         return 2 * max(1, stage.layers) if layout.zero == 3 else 2
     return model_tensors(stage)
 
 
-def stage_pieces(stage: Stage, layout: Layout) -> int:
+def stage_pieces(stage: StageShare, layout: Layout) -> int:
     """Gradient pieces one rank checks and clips: every tensor, or under ZeRO the pieces of
     the parameters its shard overlaps (about 1/dp of them, plus one cut at each end)."""
     tensors = model_tensors(stage)

@@ -35,9 +35,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from plait.estimate.comm import ring_bytes, tp_collectives, tp_traffic
+from plait.estimate.traffic import ring_bytes, tp_collectives, tp_traffic
 from plait.estimate.hardware import Hardware
-from plait.estimate.layout import Layout, Stage, stages
+from plait.estimate.layout import Layout, StageShare, stages
 from plait.estimate.memory import BUCKET_BYTES, shard, state_bytes
 from plait.estimate.ops import micro_batch_compute_s, optimizer_s, stage_pieces, stage_tensors
 from plait.models.config import GPTConfig
@@ -101,7 +101,7 @@ def flops_per_token(config: GPTConfig, seq_len: int, recompute: str = "none") ->
     return float(model), float(model + extra)
 
 
-def stage_flops_per_token(config: GPTConfig, layout: Layout, stage: Stage) -> float:
+def stage_flops_per_token(config: GPTConfig, layout: Layout, stage: StageShare) -> float:
     """Hardware FLOPs one rank of `stage` spends per token (its layers, /tp, plus the head)."""
     h, s = config.d_model, layout.seq_len
     block, attn = config.layer_params(), 4 * h * s
@@ -127,7 +127,7 @@ def inter_node(layout: Layout, gpus_per_node: int) -> dict[str, bool]:
     return {axis: size > gpus_per_node for axis, size in span.items()}
 
 
-def tp_s(config: GPTConfig, layout: Layout, stage: Stage, hw: Hardware, inter: bool) -> float:
+def tp_s(config: GPTConfig, layout: Layout, stage: StageShare, hw: Hardware, inter: bool) -> float:
     """Tensor-parallel seconds per micro-batch on `stage` (never overlapped)."""
     t = layout.tp
     if t == 1:
@@ -139,7 +139,7 @@ def tp_s(config: GPTConfig, layout: Layout, stage: Stage, hw: Hardware, inter: b
     return steps * latency + wire / bandwidth
 
 
-def pp_s(config: GPTConfig, layout: Layout, stage: Stage, hw: Hardware, inter: bool) -> float:
+def pp_s(config: GPTConfig, layout: Layout, stage: StageShare, hw: Hardware, inter: bool) -> float:
     """Seconds of sends per micro-batch on `stage` (activations forward, gradients back)."""
     if layout.pp == 1:
         return 0.0

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from plait.estimate.comm import Traffic, ring_bytes
+from plait.estimate.traffic import Traffic, ring_bytes
 
 
 def batchnorm_traffic(channels: Sequence[int], dp: int, grad_accum: int, sync_bn: bool) -> Traffic:

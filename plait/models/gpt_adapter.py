@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.parallel.seam import Parts, Stage
+from plait.parallel.seam import Parts, StageView
 from plait.parallel.tensor.loss import gather_vocab
 from plait.rules import check_tensor_parallel
 from plait.runtime.comm import Axis
@@ -45,7 +45,7 @@ class GPTAdapter:
     def parts(self, model: nn.Module) -> Parts:
         return Parts(blocks="blocks", first=("embed",), last=("norm", "lm_head"), shared=("rope_cos", "rope_sin"))
 
-    def run_stage(self, stage: Stage, x: torch.Tensor) -> torch.Tensor:
+    def run_stage(self, stage: StageView, x: torch.Tensor) -> torch.Tensor:
         """Token ids or hidden states (batch, seq, d_model) in; hidden states or logits out."""
         embed = stage.held("embed")
         # Under sequence parallelism hidden states hold seq / tp positions; rope needs seq.

@@ -30,7 +30,7 @@ from torch import nn
 
 from plait.models.hf_hooks import check_splits, hidden_in
 from plait.parallel.seam import Parts
-from plait.runtime import regions
+from plait.parallel.tensor import regions
 from plait.runtime.comm import Axis
 
 BLOCKS = "transformer.h"

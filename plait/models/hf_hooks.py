@@ -10,7 +10,7 @@ from torch import nn
 
 from plait.errors import PlaitError
 from plait.rules import divisors
-from plait.runtime import regions
+from plait.parallel.tensor import regions
 from plait.runtime.comm import Axis
 
 

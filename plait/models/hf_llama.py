@@ -33,9 +33,9 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from plait.models.hf_hooks import check_splits, gather_logits, hidden_in
-from plait.parallel.seam import Parts, Stage
+from plait.parallel.seam import Parts, StageView
 from plait.parallel.tensor.layers import shard_of
-from plait.runtime import regions
+from plait.parallel.tensor import regions
 from plait.runtime.comm import Axis
 
 LAYER = "model.layers.*"
@@ -65,7 +65,7 @@ class LlamaAdapter:
         return Parts(blocks="model.layers", first=("model.embed_tokens",), last=("model.norm", "lm_head"),
                      shared=("model.rotary_emb",))
 
-    def run_stage(self, stage: Stage, x: torch.Tensor) -> torch.Tensor:
+    def run_stage(self, stage: StageView, x: torch.Tensor) -> torch.Tensor:
         """Ids or hidden states (batch, seq, hidden) in; hidden states or logits out."""
         embed = stage.held("model.embed_tokens")
         # Under sequence parallelism hidden states between stages hold seq / tp positions.

@@ -19,7 +19,7 @@ What is asked, and by whom:
   head) is found there, and split across pipeline ranks as two copies whose gradients are
   summed (plait.parallel.pipeline.split).
 - `run_stage(stage, x)`: how one stage runs: ids -> hidden states on the first stage,
-  hidden -> hidden in between, hidden -> logits on the last (`Stage` says what it holds).
+  hidden -> hidden in between, hidden -> logits on the last (`StageView` says what it reads).
   Whatever the blocks need besides the hidden states (positions, rotary angles, the causal
   mask) is made here, inside the stage, from the shared pieces.
 - `tensor_plan(model, tp, sp)`: the tensor-parallel plan in the model's own module names
@@ -65,7 +65,7 @@ class Parts:
     shared: tuple[str, ...] = ()
 
 
-class Stage(Protocol):
+class StageView(Protocol):
     """What `ModelAdapter.run_stage` may read of a pipeline stage."""
 
     index: int  # this stage's place in the pipeline, 0 .. num_stages - 1
@@ -104,7 +104,7 @@ class FullAdapter(ModelAdapter, Protocol):
         """Where the pipeline cuts `model`."""
         ...
 
-    def run_stage(self, stage: Stage, x: torch.Tensor) -> torch.Tensor:
+    def run_stage(self, stage: StageView, x: torch.Tensor) -> torch.Tensor:
         """One pipeline stage's forward: ids or hidden states in, hidden states or logits out."""
         ...
 
@@ -128,7 +128,7 @@ class GenericAdapter:
         """An nn.Sequential is cut between its children; of anything else, nothing is known."""
         return Parts(blocks="") if isinstance(model, nn.Sequential) else None
 
-    def run_stage(self, stage: Stage, x: torch.Tensor) -> torch.Tensor:
+    def run_stage(self, stage: StageView, x: torch.Tensor) -> torch.Tensor:
         for block in stage.held_blocks():
             x = block(x)
         return x

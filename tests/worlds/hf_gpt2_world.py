@@ -36,7 +36,8 @@ import plait
 from plait.models.hf_gpt2 import GPT2Adapter
 from plait.parallel import seam
 from plait.parallel.tensor.plan import gather_full_params
-from plait.runtime import comm, regions
+from plait.parallel.tensor import regions
+from plait.runtime import comm
 from plait.train.checkpoint import save
 from plait.train.checkpoint_read import Reader, model_weights
 from tests.worldlib import save_report

@@ -12,7 +12,7 @@ from torch import nn
 from plait.parallel.tensor.plan import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                    apply_tensor_parallel, gather_full_params, tp_loss_fn,
                                    vocab_parallel_cross_entropy)
-from plait.runtime import regions
+from plait.parallel.tensor import regions
 from plait.runtime.comm import Axis
 
 

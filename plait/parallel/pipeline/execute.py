@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from plait.errors import PlaitError
-from plait.parallel.pipeline.comm import Channels, Key
+from plait.parallel.pipeline.p2p import Channels, Key
 from plait.parallel.pipeline.action import Action
 from plait.parallel.pipeline.timeline import Slot
 

@@ -25,11 +25,11 @@ from torch import nn
 
 from plait.errors import PlaitError
 from plait.parallel.data.sync import grad_sync, no_sync
-from plait.parallel.pipeline.comm import (BufferPool, Channels, Key, add_from_peer, agree_shapes, send_order,
+from plait.parallel.pipeline.p2p import (BufferPool, Channels, Key, add_from_peer, agree_shapes, send_order,
                                           sum_tied_grads)
 from plait.parallel.pipeline.execute import LossFn, PipelineStats, StageWork, StepRun
 from plait.parallel.pipeline.held import PIPELINE_ATTR
-from plait.parallel.pipeline.split import (Stage, balanced_counts, check_split, rank_stages, split_stages,
+from plait.parallel.pipeline.split import (PipelineStage, check_split, rank_stages, split_stages,
                                            tied_copies)
 from plait.parallel.pipeline.schedule import Schedule, build_schedule, validate
 from plait.parallel.pipeline.timeline import Slot, Timeline
@@ -39,7 +39,7 @@ from plait.parallel.zero.stages import zero_of
 from plait.runtime import comm
 from plait.runtime.mesh import Mesh
 
-__all__ = ["PipelineRunner", "Stage", "PipelineStats", "apply_pipeline", "balanced_counts", "check_pipeline",
+__all__ = ["PipelineRunner", "PipelineStage", "PipelineStats", "apply_pipeline", "check_pipeline",
            "check_split", "split_stages"]
 
 

@@ -35,18 +35,18 @@ import torch
 from torch import nn
 
 from plait.errors import PlaitError
-from plait.estimate.layout import balanced_counts
+from plait.balance import balanced_counts
 from plait.parallel.seam import Parts, adapter_of, pipeline_parts
 
 BLOCKS = "blocks"  # where a stage keeps the blocks of a model that is itself a Sequential
 
 
-class Stage(nn.Module):
+class PipelineStage(nn.Module):
     """One pipeline stage of any model: a run of blocks, plus the first and/or the last pieces.
 
     Input is what the model takes (token ids) on the first stage and hidden states elsewhere;
     output is the model's output (logits) on the last stage and hidden states elsewhere.
-    The forward is the adapter's `run_stage` (plait.parallel.seam.Stage says what it reads).
+    The forward is the adapter's `run_stage` (plait.parallel.seam.StageView says what it reads).
     """
 
     def __init__(self, model: nn.Module, parts: Parts, adapter: Any, index: int, num_stages: int,
@@ -153,7 +153,7 @@ def _blocks_of(model: nn.Module, parts: Parts) -> list[nn.Module]:
 
 
 def split_stages(model: nn.Module, pp: int, *, virtual_stages: int = 1, balance: Sequence[int] | None = None,
-                 seq_split: int = 1, adapter: Any = None) -> list[Stage]:
+                 seq_split: int = 1, adapter: Any = None) -> list[PipelineStage]:
     """All pp·v stages of `model`, in stage order (rank r holds stages r, r + pp, ...).
 
     `balance`, when given, is the number of blocks in each of the pp·v stages. `model` may
@@ -169,7 +169,7 @@ def split_stages(model: nn.Module, pp: int, *, virtual_stages: int = 1, balance:
     check_split(len(blocks), pp, virtual_stages=v, balance=balance)
     counts = list(balance) if balance is not None else default_balance(model, pp, v, parts)
     starts = [sum(counts[:i]) for i in range(len(counts))]
-    return [Stage(model, parts, adapter, i, pp * v, starts[i], counts[i], untie=pp > 1, seq_split=seq_split)
+    return [PipelineStage(model, parts, adapter, i, pp * v, starts[i], counts[i], untie=pp > 1, seq_split=seq_split)
             for i in range(pp * v)]
 
 
@@ -187,7 +187,7 @@ def _own_copy(head: nn.Module) -> nn.Module:
 
 def is_pipeline(model: nn.Module) -> bool:
     """Whether `model` is a rank's pipeline stages (what `apply_pipeline` returns)."""
-    return isinstance(model, nn.ModuleList) and len(model) > 0 and all(isinstance(m, Stage) for m in model)
+    return isinstance(model, nn.ModuleList) and len(model) > 0 and all(isinstance(m, PipelineStage) for m in model)
 
 
 def tied_copies(model: nn.Module) -> list[nn.Parameter]:

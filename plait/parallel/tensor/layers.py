@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.errors import PlaitError
-from plait.runtime import comm, regions
+from plait.parallel.tensor import regions
+from plait.runtime import comm
 from plait.runtime.comm import Axis
 
 SHARD_ATTR = "plait_tp_shard"

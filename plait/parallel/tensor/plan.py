@@ -43,7 +43,7 @@ from plait.parallel.seam import adapter_of, tensor_plan
 from plait.parallel.tensor.loss import vocab_parallel_cross_entropy
 from plait.runtime import comm
 from plait.runtime.comm import Axis
-from plait.runtime.regions import all_gather_stacked
+from plait.parallel.tensor.regions import all_gather_stacked
 
 __all__ = ["STYLES", "ColumnParallelLinear", "RowParallelLinear", "Shard", "VocabParallelEmbedding",
            "apply_tensor_parallel", "gather_full_params", "lm_loss", "parse_style", "resolve_plan", "shard_of",

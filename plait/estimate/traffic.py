@@ -13,7 +13,7 @@ Each axis's figure is the largest over the ranks, as `metrics.jsonl` reports max
 
 from __future__ import annotations
 
-from plait.estimate.layout import Layout, Stage, stages, vocab_shard
+from plait.estimate.layout import Layout, StageShare, stages, vocab_shard
 from plait.estimate.memory import state_bytes
 from plait.models.config import GPTConfig
 from plait.wire import ring_bytes  # the ring formula's one home, shared with runtime/
@@ -49,7 +49,7 @@ def dp_traffic(params: int, layout: Layout) -> Traffic:
     return out
 
 
-def tp_collectives(layout: Layout, stage: Stage) -> dict[str, int]:
+def tp_collectives(layout: Layout, stage: StageShare) -> dict[str, int]:
     """Collectives of b·s·h activations per micro-batch on one rank of `stage`.
 
     Per block: two all-reduces forward (leaving attention's and the MLP's row-parallel
@@ -71,7 +71,7 @@ def tp_collectives(layout: Layout, stage: Stage) -> dict[str, int]:
             "reduce_scatter": blocks * (5 if full else 4) + first + last}
 
 
-def tp_traffic(config: GPTConfig, layout: Layout, stage: Stage) -> Traffic:
+def tp_traffic(config: GPTConfig, layout: Layout, stage: StageShare) -> Traffic:
     """Megatron tensor-parallel traffic on one rank of `stage`, per step.
 
     Besides `tp_collectives`: the vocab-parallel cross-entropy all-reduces three fp32
@@ -92,7 +92,7 @@ def tp_traffic(config: GPTConfig, layout: Layout, stage: Stage) -> Traffic:
     return out
 
 
-def pp_messages(layout: Layout, stage: Stage) -> int:
+def pp_messages(layout: Layout, stage: StageShare) -> int:
     """Activations sent (forward) plus gradients sent (backward) per micro-batch.
 
     With v chunks per rank every chunk sends forward unless it is the model's last and
@@ -102,7 +102,7 @@ def pp_messages(layout: Layout, stage: Stage) -> int:
     return (v - (1 if stage.last else 0)) + (v - (1 if stage.first else 0))
 
 
-def pp_traffic(config: GPTConfig, layout: Layout, stage: Stage) -> Traffic:
+def pp_traffic(config: GPTConfig, layout: Layout, stage: StageShare) -> Traffic:
     """Point-to-point traffic between pipeline stages: b·s·h·bytes per message (a
     sequence shard of it under SP). With tied embeddings the first and last rank each hold
     a copy of the embedding and swap their gradients once per step (a send and a recv):
