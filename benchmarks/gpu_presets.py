@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from plait.estimate.hardware import get_hardware  # noqa: E402
-from plait.estimate.layout import Layout  # noqa: E402
+from plait.estimate.layout import Workload  # noqa: E402
 from plait.estimate.time import estimate_time  # noqa: E402
 from plait.models.config import GPTConfig  # noqa: E402
 
@@ -50,7 +50,7 @@ def megatron_rows() -> list[tuple]:
         config = GPTConfig(vocab_size=51200, n_layers=layers, d_model=h, n_heads=heads, n_kv_heads=heads,
                            ffn_hidden=4 * h, max_seq_len=2048, arch="gpt2")
         dp = gpus // (t * p)
-        layout = Layout(dp=dp, tp=t, pp=p, precision="bf16", micro_batch=1, grad_accum=batch // dp,
+        layout = Workload(dp=dp, tp=t, pp=p, precision="bf16", micro_batch=1, grad_accum=batch // dp,
                         seq_len=2048, recompute="full", schedule="1f1b")
         step = estimate_time(config, layout, hw, 8)
         out.append((size, t, p, gpus, published, step.hardware_flops_per_token * step.tokens_per_s / gpus / 1e12))
@@ -66,7 +66,7 @@ def torchtitan_rows() -> list[tuple]:
     out = []
     for hw in (sxm, capped):
         for gpus, published in TORCHTITAN_LLAMA3_8B:
-            layout = Layout(dp=gpus, zero=3, precision="bf16", micro_batch=2, seq_len=8192, recompute="selective")
+            layout = Workload(dp=gpus, zero=3, precision="bf16", micro_batch=2, seq_len=8192, recompute="selective")
             step = estimate_time(LLAMA3_8B, layout, hw, 8)
             mfu = step.flops_per_token * step.tokens_per_s / gpus / 989e12
             out.append((hw.name, gpus, published, step.tokens_per_s / gpus, mfu))

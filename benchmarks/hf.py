@@ -10,7 +10,7 @@ same seed) and runs them step by step in turn, so machine noise hits all alike (
 | pair | plait                                              | torch                                   |
 |------|----------------------------------------------------|-----------------------------------------|
 | dp 2 | `parallelize(model, dp=2)`                         | `DistributedDataParallel`               |
-| ZeRO-3 × 2 | `ParallelConfig(zero=3)`                     | FSDP2 (`fully_shard` per layer, then the model) |
+| ZeRO-3 × 2 | `init_mesh(dp=2, zero=3)`                    | FSDP2 (`fully_shard` per layer, then the model) |
 | tp 2 | `ParallelConfig(tp_plan=...)`, attention and MLP regions | `parallelize_module` with `ColwiseParallel` / `RowwiseParallel` |
 
 The data-parallel pairs take half of the global batch per rank, the tensor-parallel pair
@@ -62,9 +62,9 @@ def build(name: str, meshes: dict[str, Any], args: argparse.Namespace) -> tuple[
 
     model = llama(args)
     if name.startswith("plait"):
-        config = {"plait dp 2": plait.ParallelConfig(), "plait ZeRO-3 × 2": plait.ParallelConfig(zero=3),
-                  "plait tp 2": plait.ParallelConfig(tp_plan=PLAN)}[name]
-        model = plait.parallelize(model, meshes["tp" if "tp" in name else "dp"], config)
+        config = plait.ParallelConfig(tp_plan=PLAN) if "tp" in name else plait.ParallelConfig()
+        mesh = meshes["tp"] if "tp" in name else meshes["dp"].with_layout(zero=3 if "ZeRO" in name else 0)
+        model = plait.parallelize(model, mesh, config)
         return model, plait.build_optimizer(model, torch.optim.AdamW, lr=1e-4)
     if name == "torch DDP":
         model = torch.nn.parallel.DistributedDataParallel(model)

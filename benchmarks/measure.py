@@ -40,6 +40,7 @@ LAYOUTS = {"dp2": ["--pp", "1"], "pp2": ["--pp", "2"]}
 
 def worker(args: argparse.Namespace) -> None:
     """One rank: the demo trainer, its steps timed per measure mode; rank 0 writes the medians."""
+    from plait.families import family_of
     from plait.runtime.mesh import init_mesh
     from plait.train.config import build_config
     from plait.runtime.env import set_cpu_threads
@@ -47,10 +48,10 @@ def worker(args: argparse.Namespace) -> None:
 
     flags = {"model": args.model, "pp": args.pp, "grad_accum": args.grad_accum, "micro_batch": args.micro_batch,
              "seq_len": args.seq_len, "steps": 10_000, "out": args.out}
-    config = build_config({}, flags)
-    mesh = init_mesh(dp=config.dp, tp=config.tp, pp=config.pp, backend=config.backend)
+    config = build_config({}, flags, family_of)
+    mesh = init_mesh(config.layout, backend=config.backend)
     set_cpu_threads(mesh.size("world"))
-    trainer = Trainer(config, mesh)
+    trainer = Trainer(config, mesh, family_of(config).task(config))
     trainer.measure.first_step = -1  # no step is measured in full because it is first or last
     spent = _time_the_telemetry(trainer)
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
@@ -67,7 +68,7 @@ def worker(args: argparse.Namespace) -> None:
                 inside.append(spent[0])
     if mesh.is_main:
         Path(args.result).write_text(json.dumps({
-            "layout": f"dp={mesh.size('dp')} pp={mesh.size('pp')}", "params": trainer.num_params,
+            "layout": f"dp={mesh.size('dp')} pp={mesh.size('pp')}", "params": trainer.task.num_params,
             "telemetry": statistics.median(inside), **{mode: statistics.median(t) for mode, t in times.items()}}))
     mesh.close()
 
@@ -91,7 +92,7 @@ def _time_the_telemetry(trainer) -> list[float]:
                 spent[0] += time.perf_counter() - start
         setattr(owner, name, wrapper)
 
-    timed(trainer, "_gather_step")
+    timed(trainer.metrics, "_gathered")
     timed(trainer_module, "model_state_bytes")
     if trainer.runner is not None:
         timed(trainer.runner, "_gather_timeline")

@@ -45,9 +45,8 @@ def worker(args: argparse.Namespace) -> None:
 
     set_cpu_threads(NPROC)  # as plait train does: 8 processes share the cores, one thread each here
     layout = LAYOUTS[args.layout]
-    mesh = plait.init_mesh(dp=layout.get("dp", 1), tp=layout.get("tp", 1), pp=layout.get("pp", 1))
-    config = plait.ParallelConfig(zero=layout.get("zero", 0), sp=layout.get("sp", False))
-    model = plait.parallelize(build_gpt(get_preset(args.model), 0), mesh, config)
+    mesh = plait.init_mesh(plait.Layout(**layout))
+    model = plait.parallelize(build_gpt(get_preset(args.model), 0), mesh)
     opt = plait.build_optimizer(model, torch.optim.AdamW, lr=1e-4)
     checkpoint.init_optimizer_state(model, opt)
     world = mesh.axis("world")

@@ -119,7 +119,8 @@ def worker(args: argparse.Namespace) -> None:
 
     import plait
     from plait.models.gpt import build_gpt
-    from plait.parallel.tensor.cost import block_activations, rope_table_elements
+    from plait.estimate.activations import llama_layer_bytes, rope_table_bytes
+    from plait.estimate.layout import Workload
     from plait.runtime.env import set_cpu_threads
 
     mesh = plait.init_mesh(tp=int(os.environ["WORLD_SIZE"]))
@@ -135,8 +136,9 @@ def worker(args: argparse.Namespace) -> None:
         result[v] = statistics.median(times[v])
         result[v + "_act"] = saved_bytes(runs[v][0], inputs)
     for sp in (False, True):
-        block = block_activations(config, args.micro_batch, args.seq_len, tp, sp).total
-        result["formula_sp" if sp else "formula"] = 4 * (config.n_layers * block + rope_table_elements(config))
+        work = Workload(tp=tp, sp=sp and tp > 1, micro_batch=args.micro_batch, seq_len=args.seq_len, precision="fp32")
+        block = llama_layer_bytes(config, work)
+        result["formula_sp" if sp else "formula"] = config.n_layers * block + rope_table_bytes(config, work)
     if mesh.is_main:
         Path(args.result).write_text(json.dumps(result))
     mesh.close()

@@ -47,7 +47,7 @@ def build(name: str, mesh: Any, args: argparse.Namespace) -> tuple[Any, Any]:
     model = build_gpt(get_preset(args.model), 0)
     if name.startswith("plait"):
         stage, offload = int(name[7]), name.endswith("offload")
-        plait.parallelize(model, mesh, plait.ParallelConfig(zero=stage, offload=offload, bucket_mb=args.bucket_mb))
+        plait.parallelize(model, mesh.with_layout(zero=stage, offload=offload), plait.ParallelConfig(bucket_mb=args.bucket_mb))
         return model, plait.build_optimizer(model, torch.optim.AdamW, lr=1e-4)
     if name == "torch DDP":
         model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
@@ -230,7 +230,8 @@ def forwarded(args: argparse.Namespace) -> list[str]:
 
 
 def table(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) -> str:
-    from plait.parallel.zero.optim import memory_formula
+    from plait.estimate.layout import Workload
+    from plait.estimate.memory import StateBytes, model_states
 
     mib = 2**20
     lines = [
@@ -252,7 +253,8 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) ->
         for name in VARIANTS:
             states, wire = row["states"][name], sum(row["wire"].get(name, {}).values())
             stage = int(name[7]) if name.startswith("plait") else (0 if name == "torch DDP" else 3)
-            formula = memory_formula(stage, row["params"], row["n"], k=12 if "offload" in name else 8)
+            formula = model_states(row["params"], 0, Workload(dp=row["n"], zero=stage),
+                                   StateBytes(4, 4, 12 if "offload" in name else 8)).as_dict()
             peak = row.get("peak", {}).get(name)
             lines.append(
                 f"| {row['n']} | {name} | {row['time'][name]:.3f} | {row['time'][name] / ddp:.2f} | "

@@ -1,8 +1,8 @@
 """plait: train PyTorch models across many processes, and know what it costs.
 
     import plait
-    mesh = plait.init_mesh(dp=2)
-    model = plait.parallelize(my_model, mesh, plait.ParallelConfig())
+    mesh = plait.init_mesh(dp=2, zero=1)          # the layout (plait.Layout), checked once
+    model = plait.parallelize(my_model, mesh)     # + plait.ParallelConfig(recompute=...)
     opt = plait.build_optimizer(model, torch.optim.AdamW, lr=3e-4)
 
 Names are loaded lazily so that `plait --help` and the local spawner start without
@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "init_mesh": "plait.runtime.mesh",
     "Mesh": "plait.runtime.mesh",
-    "MeshShape": "plait.runtime.mesh",
+    "Layout": "plait.layout",
     "ParallelConfig": "plait.parallel.compose",
     "parallelize": "plait.api",
     "build_optimizer": "plait.parallel.compose",

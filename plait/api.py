@@ -1,8 +1,8 @@
 """The public entry points that need to know model families: above `parallel/` and `models/`.
 
-`plait.parallelize` is `plait.parallel.compose.parallelize` with the adapter picked by the
-model's class for the families plait knows but did not build (transformers' Llama, Mistral,
-Qwen2: plait.models.adapters), so a user passes their model as it is. Imports go downward
+`plait.parallelize` is `plait.parallel.compose.parallelize` with the adapter of a model plait
+did not build (plait.models.adapters: a transformers model split by the plans it declares,
+or GPT-2 by its hand-written adapter), so a user passes their model as it is. Imports go downward
 only: this module reads both packages, neither reads it.
 """
 
@@ -28,7 +28,7 @@ def parallelize(model: nn.Module, mesh: Mesh, config: compose.ParallelConfig | N
     return compose.parallelize(model, mesh, config, adapter=adapter or adapter_for(model))
 
 
-def apply_pipeline(model: nn.Module, mesh: Mesh, *, virtual_stages: int = 1,
+def apply_pipeline(model: nn.Module, mesh: Mesh, *, virtual_stages: int | None = None,
                    balance: Sequence[int] | None = None, adapter: Any = None) -> nn.ModuleList:
     """This rank's pipeline stages of `model`. See plait.parallel.pipeline.runner.apply_pipeline."""
     return runner.apply_pipeline(model, mesh, virtual_stages=virtual_stages, balance=balance,

@@ -86,12 +86,14 @@ def _dispatch(argv: list[str]) -> int:
         return data_main(rest)
     if command == "estimate":
         from plait.estimate.cli import estimate_main
+        from plait.families import shape_of
 
-        return estimate_main([a for a in rest if a != "--debug"])
+        return estimate_main([a for a in rest if a != "--debug"], shape_of)
     if command == "plan":
         from plait.estimate.cli import plan_main
+        from plait.families import shape_of
 
-        return plan_main([a for a in rest if a != "--debug"])
+        return plan_main([a for a in rest if a != "--debug"], shape_of)
     if command == "bench":
         from plait.bench.cli import bench_main
 
@@ -129,7 +131,9 @@ def _parser() -> argparse.ArgumentParser:
 
 # -- plait train -----------------------------------------------------------------------------------
 def train_parser() -> argparse.ArgumentParser:
-    """One flag per TrainConfig field, so the dataclass is the one place options are defined."""
+    """One flag per TrainConfig field, so the dataclass is the one place options are defined;
+    `--model`'s help lists the registered families (plait.families)."""
+    from plait.families import registered
     from plait.train.config import TrainConfig
 
     parser = argparse.ArgumentParser(
@@ -142,7 +146,10 @@ def train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     for f in fields(TrainConfig):
         names = [f"--{f.name.replace('_', '-')}"] + (["--timeout"] if f.name == "timeout_s" else [])
-        help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
+        text = f.metadata.get("help", "")
+        if f.name == "model":
+            text += ": " + "; ".join(family.models for family in registered())
+        help_text = f"{text} (default: {f.default})"
         if str(f.type) == "bool":
             parser.add_argument(*names, dest=f.name, action="store_const", const=True, default=None, help=help_text)
         else:
@@ -157,16 +164,20 @@ def _flag_type(annotation: Any) -> Any:
 
 
 def cmd_train(argv: list[str]) -> int:
+    from plait.families import family_of, import_families
     from plait.train.config import build_config, load_toml, validate
 
+    file_values = load_toml(_config_file(argv)) if _config_file(argv) else {}
+    import_families(_flag(argv, "--imports") or file_values.get("imports", ""))  # their families join --help
     args = train_parser().parse_args(argv)
     flags = {k: v for k, v in vars(args).items() if k not in ("config", "debug")}
-    config = build_config(load_toml(args.config) if args.config else {}, flags)
-    validate(config)
+    config = build_config(file_values, flags, family_of)
+    family = family_of(config)
+    validate(config, family)
     if _inside_job() or config.nproc == 1:
         from plait.train.run import train
 
-        train(config)
+        train(config, family)
         return 0
     from plait.runtime.launch import spawn
     from plait.train.restart import restart_argv, warn_restarts_without_saves
@@ -175,6 +186,20 @@ def cmd_train(argv: list[str]) -> int:
     command = [sys.executable, "-m", "plait", "train"]
     return spawn([*command, *argv], config.nproc, max_restarts=config.max_restarts,
                  restart_command=lambda: [*command, *restart_argv(argv, config.out)])
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    """A flag's value read ahead of the parser (`--name V` or `--name=V`), or None."""
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _config_file(argv: list[str]) -> str | None:
+    return _flag(argv, "--config")
 
 
 def _inside_job() -> bool:

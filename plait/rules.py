@@ -1,15 +1,20 @@
-"""What a layout may be: the choices and the checks that `plait train` and `plait estimate`
-(and `plait plan`) share, so that the estimator never accepts a layout training refuses.
+"""What a layout may be: every choice and every rule between options, in one place.
 
-Torch-free, like `estimate/`: a rule lives here once, and `parallel/`, `train/config.py`
-and `estimate/layout.py` import it. A new precision or recompute policy becomes
-available everywhere by adding it to its tuple here, once the training code runs it.
+Torch-free and model-free: `plait.layout.Layout` runs `check_layout` when it is made, so
+`plait train`, the Python API, `plait estimate` and `plait plan` refuse the same layouts
+with the same words; the pipeline runner asks `check_split_backward` and `check_microbatches`
+of the schedule it is given. A model's own limits (heads that tp must divide, layers that
+the pipeline cuts) are its family's, checked with the numbers passed in here
+(`check_pipeline_cut`). A new precision, recompute policy or schedule becomes available
+everywhere by adding it to its tuple here, once the training code runs it; a new axis is one
+field of the Layout and its rules here.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from plait.errors import PlaitError
-from plait.models.config import GPTConfig
 
 # The pipeline schedules (plait.parallel.pipeline.schedule builds each one).
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
@@ -22,7 +27,10 @@ RECOMPUTE = ("none", "selective", "full")
 # The dtypes data parallelism may reduce gradients in (--reduce-dtype), and their sizes.
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# 0: replicate everything (DDP); 1: shard optimizer states; 2: + gradients; 3: + parameters.
 ZERO_STAGES = (0, 1, 2, 3)
+# Axes the layout names but training does not run yet: refused, never ignored.
+NOT_BUILT = {"cp": "context parallelism", "ep": "expert parallelism"}
 
 
 def check_choice(flag: str, value: object, choices: tuple) -> None:
@@ -35,34 +43,71 @@ def divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def check_tensor_parallel(config: GPTConfig, tp: int, sp: bool = False, seq_len: int | None = None) -> None:
-    """The GPT splits whole heads, whole KV heads, the vocabulary and the MLP evenly over tp;
-    under SP the sequence too. The vocabulary is not padded: pad it in the model instead
-    (`--model NAME,vocab_size=N`)."""
-    for what, size, why in (("n_heads", config.n_heads, "each rank holds whole attention heads"),
-                            ("n_kv_heads", config.n_kv_heads, "each rank holds whole key/value heads"),
-                            ("vocab_size", config.vocab_size, "each rank holds V/tp rows of the vocabulary"),
-                            ("ffn_hidden", config.ffn_hidden, "each rank holds ffn_hidden/tp MLP units")):
-        if size % tp:
-            pad = f", or pad the vocabulary to {size + (-size % tp)}" if what == "vocab_size" else ""
-            raise PlaitError(f"{what} = {size} is not divisible by tp={tp} ({why})",
-                             hint=f"choose tp among {divisors(size)}{pad}")
-    if sp and seq_len is not None and seq_len % tp:
-        raise PlaitError(f"--sp needs the sequence length divisible by tp: seq_len = {seq_len}, tp = {tp}",
-                         hint=f"use a seq_len that is a multiple of {tp}, or drop --sp")
+def check_whole(flag: str, value: Any) -> None:
+    """A degree or a count: a whole number of at least 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlaitError(f"--{flag} must be a whole number of at least 1, got {value!r}",
+                         hint=f"pass --{flag} 1 or more")
 
 
-def check_strategy_choices(*, schedule: str, precision: str, recompute: str, zero: int,
-                           reduce_dtype: str = "") -> None:
-    """Each option is one the training code implements ("" reduce dtype: the default)."""
-    check_choice("schedule", schedule, SCHEDULES)
-    check_choice("precision", precision, PRECISIONS)
+def check_layout(layout: Any) -> None:
+    """Everything a `plait.layout.Layout` must satisfy on its own (no model, no batch)."""
+    for axis in ("dp", "tp", "pp", "cp", "ep", "virtual_stages"):
+        check_whole(axis.replace("_", "-"), getattr(layout, axis))
+    for axis, what in NOT_BUILT.items():
+        if getattr(layout, axis) > 1:
+            raise PlaitError(f"--{axis} {getattr(layout, axis)}: {what} is not built yet",
+                             hint=f"drop --{axis}; use dp, tp, pp and ZeRO")
+    check_choice("schedule", layout.schedule, SCHEDULES)
+    if layout.zero not in ZERO_STAGES or isinstance(layout.zero, bool):
+        raise PlaitError(f"--zero must be 0, 1, 2 or 3, got {layout.zero!r}",
+                         hint="0 is plain data parallelism; 1-3 shard more and more state")
+    if layout.offload and layout.zero == 0:
+        raise PlaitError("--offload needs a ZeRO stage: it moves the sharded optimizer to the CPU",
+                         hint="add --zero 1 (or 2 or 3)")
+    if layout.sp and layout.tp == 1:
+        raise PlaitError("--sp splits the sequence across tensor-parallel ranks, and --tp is 1",
+                         hint="add --tp 2 (or more)")
+    if layout.pp > 1:
+        check_split_backward(layout.schedule, zero=layout.zero)
+    check_virtual_stages(layout.pp, layout.schedule, layout.virtual_stages)
+
+
+def check_virtual_stages(pp: int, schedule: str, virtual_stages: int) -> None:
+    """Model chunks per rank go with the interleaved schedule, and it needs two or more."""
+    if virtual_stages > 1 and schedule != "interleaved":
+        raise PlaitError(f"--virtual-stages > 1 needs --schedule interleaved (v={virtual_stages} with {schedule})",
+                         hint="add --schedule interleaved, or drop --virtual-stages")
+    if pp > 1 and schedule == "interleaved" and virtual_stages < 2:
+        raise PlaitError(f"the interleaved schedule needs --virtual-stages 2 or more (v={virtual_stages})",
+                         hint="add --virtual-stages 2, or use --schedule 1f1b")
+
+
+def check_split_backward(schedule: str, *, zero: int = 0, recompute: str = "none") -> None:
+    """zb-h1 computes weight gradients (W) outside autograd's hooks, from saved activations."""
+    if schedule not in SPLIT_BACKWARD:
+        return
+    if recompute != "none":
+        raise PlaitError(f"--recompute {recompute} cannot run the {schedule} schedule: W reads the activations "
+                         "recomputation drops", hint="use --schedule 1f1b with --recompute, or drop --recompute")
+    if zero >= 2:
+        raise PlaitError(f"--zero {zero} cannot run the {schedule} schedule: it reduces gradients from "
+                         "autograd's hooks, and zb-h1 computes weight gradients outside them",
+                         hint="use --zero 1 with zb-h1, or another --schedule")
+
+
+def check_recompute(layout: Any, recompute: str) -> None:
+    """A recompute policy training runs, and one the layout's schedule can run."""
     check_choice("recompute", recompute, RECOMPUTE)
+    if layout.pp > 1:
+        check_split_backward(layout.schedule, zero=layout.zero, recompute=recompute)
+
+
+def check_precision(precision: str, reduce_dtype: str = "") -> None:
+    """A precision training runs ("" reduce dtype: the gradients' own)."""
+    check_choice("precision", precision, PRECISIONS)
     if reduce_dtype:
         check_choice("reduce-dtype", reduce_dtype, REDUCE_DTYPES)
-    if zero not in ZERO_STAGES:
-        raise PlaitError(f"--zero must be 0, 1, 2 or 3, got {zero!r}",
-                         hint="0 is plain data parallelism; 1-3 shard more and more state")
 
 
 def default_reduce_dtype(precision: str) -> str:
@@ -72,40 +117,35 @@ def default_reduce_dtype(precision: str) -> str:
     return precision
 
 
-def check_combination(*, tp: int, pp: int, zero: int, offload: bool, sp: bool, recompute: str, schedule: str) -> None:
-    """Options that work alone but not together, each refused with what to change."""
-    if offload and zero == 0:
-        raise PlaitError("--offload needs a ZeRO stage", hint="add --zero 1 (or 2 or 3)")
-    if sp and tp == 1:
-        raise PlaitError("--sp splits the sequence across tensor-parallel ranks, and --tp is 1",
-                         hint="add --tp 2 (or more)")
-    if pp > 1 and schedule in SPLIT_BACKWARD and recompute != "none":
-        raise PlaitError(f"--recompute {recompute} cannot run the {schedule} schedule: W reads the activations "
-                         "recomputation drops", hint="use --schedule 1f1b with --recompute, or drop --recompute")
-    if pp > 1 and schedule in SPLIT_BACKWARD and zero >= 2:
-        raise PlaitError(f"--zero {zero} cannot run the {schedule} schedule: it reduces gradients from "
-                         "autograd's hooks, and zb-h1 computes weight gradients outside them",
-                         hint="use --zero 1 with zb-h1, or another --schedule")
+def check_microbatches(schedule: str, pp: int, microbatches: int) -> None:
+    """Interleaving deals micro-batches to the pp ranks in groups of pp (Megatron's order)."""
+    if pp > 1 and schedule == "interleaved" and microbatches % pp:
+        raise PlaitError(f"the interleaved schedule needs the micro-batch count (m={microbatches}) "
+                         f"to be a multiple of pp={pp}", hint=f"set --grad-accum to a multiple of {pp}")
 
 
-def check_pipeline_shape(n_layers: int | None, *, pp: int, virtual_stages: int, schedule: str,
-                         microbatches: int) -> None:
-    """pp·v stages cut from the model's layers (None: a model known only by its size), and a
-    schedule that can run them."""
+def check_pipeline_cut(n_layers: int, pp: int, virtual_stages: int = 1) -> None:
+    """pp·v stages cut from a model's `n_layers` blocks: each stage needs one, and
+    interleaving cuts equal chunks."""
     v, stages = virtual_stages, pp * virtual_stages
-    if v > 1 and schedule != "interleaved":
-        raise PlaitError("--virtual-stages > 1 needs --schedule interleaved",
-                         hint="add --schedule interleaved, or drop --virtual-stages")
-    if pp > 1 and schedule == "interleaved" and v < 2:
-        raise PlaitError("the interleaved schedule needs --virtual-stages 2 or more",
-                         hint="add --virtual-stages 2, or use --schedule 1f1b")
-    if n_layers is not None and stages > n_layers:
+    if stages > n_layers:
         raise PlaitError(f"pp={pp} x virtual stages {v} = {stages} stages is more than the model's {n_layers} "
                          "layers: every stage needs a layer", hint=f"use at most {n_layers} pipeline stages")
-    if n_layers is not None and v > 1 and n_layers % stages:
+    if v > 1 and n_layers % stages:
         raise PlaitError(f"interleaving cuts the {n_layers} layers into pp x virtual stages = {stages} equal chunks, "
                          f"and {n_layers} is not divisible by {stages}",
                          hint="choose pp and --virtual-stages whose product divides the layer count")
-    if pp > 1 and schedule == "interleaved" and microbatches % pp:
-        raise PlaitError(f"the interleaved schedule needs the micro-batch count ({microbatches}) "
-                         f"to be a multiple of pp={pp}", hint=f"set --grad-accum to a multiple of {pp}")
+
+
+def check_divides(what: str, size: int, tp: int, why: str, pad: str = "") -> None:
+    """`size` (a model's heads, vocabulary, width...) must split evenly over tp ranks."""
+    if size % tp:
+        raise PlaitError(f"{what} = {size} is not divisible by tp={tp} ({why})",
+                         hint=f"choose tp among {divisors(size)}{pad}")
+
+
+def check_sequence_split(seq_len: int, tp: int, sp: bool) -> None:
+    """Sequence parallelism gives each tp rank seq_len / tp positions."""
+    if sp and seq_len % tp:
+        raise PlaitError(f"--sp needs the sequence length divisible by tp: seq_len = {seq_len}, tp = {tp}",
+                         hint=f"use a seq_len that is a multiple of {tp}, or drop --sp")

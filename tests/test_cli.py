@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from plait.cli import main, train_parser
 from plait.errors import PlaitError
 from plait.train.config import TrainConfig, build_config, load_toml
+from tests.golden import check
 from tests.parity import assert_losses_close, assert_params_close
 from tests.worldlib import Runs, run_plait, run_world
 
@@ -57,6 +58,12 @@ def test_dp_run_trains_the_same_model_as_one_process(n, single, dp):
     assert all(m["comm"] == {} for m in ref_metrics)
 
 
+def test_the_tiny_run_keeps_its_golden_losses(single):
+    """One process, two micro-batches: the curve every layout of test_cli is compared with."""
+    _, metrics, _, _ = single[2]
+    check("tiny", [m["loss"] for m in metrics], " ".join(["plait train", *COMMON, "--nproc 1 --grad-accum 2"]))
+
+
 def test_metrics_summary_and_report(single):
     proc, metrics, summary, _ = single[2]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
@@ -93,9 +100,9 @@ def test_every_config_field_is_a_flag():
 @pytest.mark.parametrize("flags, message", [
     (["--nproc", "3", "--dp", "2"], "layout dp=2 × tp=1 × pp=1 = 2 does not match --nproc 3"),
     (["--nproc", "999"], "--nproc 999 is more than this machine allows"),
-    (["--model", "gpt5"], "unknown model preset 'gpt5'"),
+    (["--model", "gpt5"], "unknown --model 'gpt5'"),
     (["--model", "llama-7b"], "model preset 'llama-7b' is shape-only"),
-    (["--model", "tiny", "--seq-len", "4096"], "--seq-len 4096 is longer than model 'tiny' allows (128)"),
+    (["--model", "tiny", "--seq-len", "4096"], "--seq-len 4096 is longer than --model tiny allows (128)"),
     (["--out", "/proc/plait-out"], "--out /proc/plait-out is not writable"),
     (["--steps", "0"], "--steps must be at least 1, got 0"),
     (["--config", "/nonexistent.toml"], "config file /nonexistent.toml does not exist"),
@@ -132,7 +139,7 @@ def test_corpus_too_small_for_the_batch(tmp_path, monkeypatch, capsys):
     corpus.write_text("x" * 500)  # enough to train on, too little held out to evaluate
     assert main(["train", *COMMON, "--nproc", "1", "--data", str(corpus), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
-    assert "plait: error: the held-out split (25 tokens) has too few sequences of 32 tokens" in err
+    assert "plait: error: the held-out split (25 tokens) has no sequence of 32 tokens" in err
     assert "train:" not in err  # refused before the first step
 
 

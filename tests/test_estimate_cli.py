@@ -7,7 +7,12 @@ import json
 import pytest
 
 from plait.errors import PlaitError
-from plait.estimate.cli import estimate_main
+from plait.estimate.cli import estimate_main as estimate_with
+from plait.families import shape_of
+
+
+def estimate_main(argv: list[str]) -> int:
+    return estimate_with(argv, shape_of)
 from plait.estimate.report import human_bytes, table
 
 LLAMA_7B = ["--model", "llama-7b", "--dp", "8", "--zero", "1", "--seq-len", "4096",
@@ -43,10 +48,10 @@ def test_hardware_file(tmp_path, capsys) -> None:
 
 
 @pytest.mark.parametrize("argv, message, hint", [
-    (["--model", "gpt5"], "unknown model preset 'gpt5'", "llama-7b"),
+    (["--model", "gpt5"], "unknown --model 'gpt5'", "llama-7b"),
     (["--model", "tiny", "--hardware", "abacus"], "unknown hardware 'abacus'", "h100-sxm"),
     (["--model", "tiny", "--dp", "2", "--tp", "2", "--gpus", "8"],
-     "layout dp=2 x tp=2 x pp=1 = 4 does not match --gpus 8", "product is 8"),
+     "layout dp=2 × tp=2 × pp=1 = 4 does not match --gpus 8", "product is 8"),
     (["--model", "tiny", "--tp", "3"], "n_heads = 4 is not divisible by tp=3", "tp among 1, 2, 4"),
     (["--model", "tiny", "--precision", "fp8"], "unknown --precision 'fp8'", "fp32, bf16, fp16"),
     (["--model", "tiny", "--params", "1e6"], "not both", "--model"),

@@ -15,11 +15,12 @@ from plait.estimate.activations import (
     korthikanti_layer_bytes,
     layer_bytes,
     llama_layer_bytes,
+    rmsnorm_bytes,
     loss_bytes,
     stage_activation_bytes,
 )
 from plait.balance import balanced_counts
-from plait.estimate.layout import Layout, stages
+from plait.estimate.layout import Workload, stages
 from plait.estimate.memory import (
     BUCKET_BYTES,
     StateBytes,
@@ -38,28 +39,28 @@ HAS_GPT = importlib.util.find_spec("plait.models.gpt") is not None
 @pytest.mark.parametrize("zero, expected_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.88)])
 def test_zero_paper_7_5b_on_64_gpus(zero: int, expected_gb: float) -> None:
     """Ψ = 7.5 B, N_d = 64, K = 12 (mixed-precision Adam): the paper's memory column."""
-    states = model_states(7_500_000_000, 0, Layout(dp=64, zero=zero, precision="bf16"))
+    states = model_states(7_500_000_000, 0, Workload(dp=64, zero=zero, precision="bf16"))
     total_gb = (states.params + states.grads + states.optim) / 1e9
     assert total_gb == pytest.approx(expected_gb, abs=0.05)
 
 
 def test_zero_paper_exact_terms() -> None:
     psi, n = 7_500_000_000, 64
-    os_ = model_states(psi, 0, Layout(dp=n, zero=1, precision="bf16"))
+    os_ = model_states(psi, 0, Workload(dp=n, zero=1, precision="bf16"))
     assert (os_.params, os_.grads, os_.optim) == (2 * psi, 2 * psi, 12 * psi // n)
-    osgp = model_states(psi, 0, Layout(dp=n, zero=3, precision="bf16"))
+    osgp = model_states(psi, 0, Workload(dp=n, zero=3, precision="bf16"))
     assert osgp.params + osgp.grads + osgp.optim == 16 * psi // n
 
 
 def test_pure_fp32_adam_is_16_bytes_per_param() -> None:
     assert state_bytes("fp32") == StateBytes(4, 4, 8)
     assert state_bytes("bf16") == state_bytes("fp16") == StateBytes(2, 2, 12)
-    states = model_states(1000, 0, Layout(precision="fp32"))
+    states = model_states(1000, 0, Workload(precision="fp32"))
     assert states.params + states.grads + states.optim == 16_000
 
 
 def test_zero3_holds_a_gathered_unit() -> None:
-    states = model_states(64_000, 1_000, Layout(dp=64, zero=3, precision="bf16"))
+    states = model_states(64_000, 1_000, Workload(dp=64, zero=3, precision="bf16"))
     assert states.params == 2 * (1_000 + 1_000)  # own shard + gathered unit, 16-bit
 
 
@@ -105,7 +106,7 @@ GPT2_LIKE = GPTConfig(vocab_size=1000, n_layers=4, d_model=1024, n_heads=16, n_k
 
 
 def _korthikanti(t: int = 1, sp: bool = False, recompute: str = "none") -> float:
-    return korthikanti_layer_bytes(GPT2_LIKE, Layout(tp=t, sp=sp, precision="bf16", micro_batch=2,
+    return korthikanti_layer_bytes(GPT2_LIKE, Workload(tp=t, sp=sp, precision="bf16", micro_batch=2,
                                                      seq_len=2048, recompute=recompute))
 
 
@@ -126,7 +127,7 @@ def test_our_block_formula() -> None:
     all but the norms' 8(h + 1) + 4eh."""
     cfg = get_preset("llama-7b")
     h, f, a, tokens = cfg.d_model, cfg.ffn_hidden, cfg.n_heads, 4096
-    bf16 = Layout(precision="bf16", seq_len=4096)
+    bf16 = Workload(precision="bf16", seq_len=4096)
     assert llama_layer_bytes(cfg, bf16) == tokens * (2 * (9 * h + 4 * f) + 8 * (h + 1) + 4 * a)
     assert llama_layer_bytes(cfg, replace(bf16, precision="fp32")) == tokens * (4 * (11 * h + 4 * f + 2) + 4 * a)
     tp4 = replace(bf16, tp=4)
@@ -178,7 +179,7 @@ def test_our_block_matches_saved_tensors(name: str, precision: str, dtype: str, 
                                          seq: int) -> None:
     """The prediction for the whole forward must be within 10% of what autograd saves."""
     config = SHAPES[name]
-    layout = Layout(precision=precision, micro_batch=batch, seq_len=seq)
+    layout = Workload(precision=precision, micro_batch=batch, seq_len=seq)
     predicted = stage_activation_bytes(config, layout, stages(config, 1, 1)[0])
     measured = _measure_saved(config, batch, seq, dtype, with_loss=False)
     assert predicted == pytest.approx(measured, rel=0.10)
@@ -189,7 +190,7 @@ def test_our_block_matches_saved_tensors(name: str, precision: str, dtype: str, 
 def test_loss_keeps_fp32_log_softmax() -> None:
     """The loss adds its fp32 log-softmax (4 bytes per logit); memory.py books the loss
     (with the logits and their fp32 copy) as a buffer on the last stage."""
-    config, layout = get_preset("tiny"), Layout(precision="bf16", micro_batch=2, seq_len=64)
+    config, layout = get_preset("tiny"), Workload(precision="bf16", micro_batch=2, seq_len=64)
     without = _measure_saved(config, 2, 64, "bfloat16", with_loss=False)
     with_loss = _measure_saved(config, 2, 64, "bfloat16", with_loss=True)
     log_softmax = 2 * 64 * config.vocab_size * 4
@@ -197,14 +198,22 @@ def test_loss_keeps_fp32_log_softmax() -> None:
     assert loss_bytes(config, layout) == 2 * 64 * config.vocab_size * (2 + 4 + 4)
 
 
-def test_cross_check_with_tensor_cost() -> None:
-    """plait.parallel.tensor.cost derives the same block count for the TP implementation."""
-    tensor_cost = pytest.importorskip("plait.parallel.tensor.cost")
-    cfg = get_preset("small")
-    for tp, sp in [(1, False), (2, False), (2, True), (6, False), (6, True)]:
-        layout = Layout(tp=tp, sp=sp, precision="fp32", micro_batch=2, seq_len=64)
-        theirs = tensor_cost.block_activations(cfg, 2, 64, tp=tp, sp=sp).total * 4
-        assert llama_layer_bytes(cfg, layout) == pytest.approx(theirs)
+def test_tp_and_sp_split_our_block_as_theory_says() -> None:
+    """TP alone divides what lives inside the regions, TP + SP divides everything (the
+    region inputs saved as sequence chunks, all-gathered again in backward)."""
+    config = replace(get_preset("tiny"), n_heads=8, n_kv_heads=4)
+    b, s, h, f, a = 2, 16, config.d_model, config.ffn_hidden, config.n_heads
+
+    def block(t: int = 1, sp: bool = False) -> float:
+        return llama_layer_bytes(config, Workload(tp=t, sp=sp, precision="fp32", micro_batch=b, seq_len=s))
+
+    outside = s * b * (2 * rmsnorm_bytes(h, 4))
+    assert block() == s * b * (4 * (11 * h + 4 * f + 2) + 4 * a)
+    for t in (2, 4):
+        assert block(t) == pytest.approx(outside + (block() - outside) / t)
+        assert block(t, sp=True) == pytest.approx(block() / t)
+    # One head per rank: o_proj reads a view of SDPA's output, one sbh/t fewer.
+    assert block(8) == pytest.approx(outside + (block() - outside) / 8 - 4 * s * b * h / 8)
 
 
 # -- pipelines ---------------------------------------------------------------------------------
@@ -213,18 +222,18 @@ def _stage(index: int, pp: int):
 
 
 def test_in_flight_micro_batches() -> None:
-    assert in_flight(Layout(pp=4, grad_accum=8, schedule="gpipe"), _stage(0, 4)) == 8
-    assert in_flight(Layout(pp=4, grad_accum=8), _stage(0, 4)) == 4  # 1F1B: p on stage 0
-    assert in_flight(Layout(pp=4, grad_accum=8), _stage(3, 4)) == 1
-    assert in_flight(Layout(pp=4, grad_accum=2), _stage(0, 4)) == 2  # never more than m
-    inter = Layout(pp=4, grad_accum=8, schedule="interleaved", virtual_stages=2)
+    assert in_flight(Workload(pp=4, grad_accum=8, schedule="gpipe"), _stage(0, 4)) == 8
+    assert in_flight(Workload(pp=4, grad_accum=8), _stage(0, 4)) == 4  # 1F1B: p on stage 0
+    assert in_flight(Workload(pp=4, grad_accum=8), _stage(3, 4)) == 1
+    assert in_flight(Workload(pp=4, grad_accum=2), _stage(0, 4)) == 2  # never more than m
+    inter = Workload(pp=4, grad_accum=8, schedule="interleaved", virtual_stages=2)
     assert in_flight(inter, _stage(0, 4)) == pytest.approx(4 * (1 + 3 / (4 * 2)))
-    assert in_flight(Layout(grad_accum=8, schedule="gpipe"), _stage(0, 1)) == 1
+    assert in_flight(Workload(grad_accum=8, schedule="gpipe"), _stage(0, 1)) == 1
 
 
 def test_first_stage_is_busiest_under_1f1b() -> None:
     memory = estimate_memory(get_preset("llama-7b"),
-                             Layout(pp=4, grad_accum=8, precision="bf16", seq_len=4096))
+                             Workload(pp=4, grad_accum=8, precision="bf16", seq_len=4096))
     assert memory.stage == 0
 
 
@@ -237,9 +246,9 @@ def test_stage_cut_balances_parameters() -> None:
 
 def test_zero2_buckets_and_accumulation() -> None:
     cfg = get_preset("llama-7b")
-    one = estimate_memory(cfg, Layout(dp=8, zero=2, precision="bf16", seq_len=256))
-    acc = estimate_memory(cfg, Layout(dp=8, zero=2, precision="bf16", seq_len=256, grad_accum=4))
-    loss = loss_bytes(cfg, Layout(precision="bf16", seq_len=256))
+    one = estimate_memory(cfg, Workload(dp=8, zero=2, precision="bf16", seq_len=256))
+    acc = estimate_memory(cfg, Workload(dp=8, zero=2, precision="bf16", seq_len=256, grad_accum=4))
+    loss = loss_bytes(cfg, Workload(precision="bf16", seq_len=256))
     assert one.buffers - loss == 2 * BUCKET_BYTES
     assert acc.buffers - loss == cfg.num_params() * 2  # no_sync keeps gradients whole
 
@@ -266,7 +275,7 @@ def test_params_only_leaves_activations_unknown() -> None:
     (dict(precision="bf16", dp=8, reduce_dtype="fp64"), "unknown --reduce-dtype 'fp64'"),
     (dict(recompute="full", pp=2, schedule="zb-h1", grad_accum=2), "cannot run the zb-h1 schedule"),
     (dict(schedule="interleaved", pp=2, grad_accum=3, virtual_stages=2),
-     "needs the micro-batch count (3) to be a multiple of pp=2"),
+     "needs the micro-batch count (m=3) to be a multiple of pp=2"),
     (dict(virtual_stages=2), "--virtual-stages > 1 needs --schedule interleaved"),
 ])
 def test_bad_layouts_say_what_to_change(kwargs: dict, message: str) -> None:

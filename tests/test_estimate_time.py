@@ -7,7 +7,7 @@ import pytest
 from plait.errors import PlaitError
 from plait.estimate import estimate_layout
 from plait.estimate.hardware import PRESETS, Hardware, get_hardware, load_hardware
-from plait.estimate.layout import Layout
+from plait.estimate.layout import Workload
 from plait.estimate.time import (
     collective_s,
     estimate_time,
@@ -43,7 +43,7 @@ def test_one_gpu_large_gemms_run_at_the_gemm_efficiency() -> None:
 
     g = Gemm(8192, 8192, 8192)
     assert gemm_s(g, "bf16", H100) == pytest.approx(g.flops / (989e12 * H100.compute_efficiency))
-    step = estimate_time(get_preset("llama-1b"), Layout(precision="bf16", seq_len=2048, micro_batch=4), H100, 8)
+    step = estimate_time(get_preset("llama-1b"), Workload(precision="bf16", seq_len=2048, micro_batch=4), H100, 8)
     assert 0.5 * H100.compute_efficiency < step.mfu < H100.compute_efficiency
 
 
@@ -53,7 +53,7 @@ def test_one_gpu_large_gemms_run_at_the_gemm_efficiency() -> None:
 ])
 def test_bubble_fraction(schedule: str, v: int, expected: float) -> None:
     cfg = get_preset("llama-7b")
-    layout = Layout(pp=4, grad_accum=8, precision="bf16", seq_len=1024, schedule=schedule,
+    layout = Workload(pp=4, grad_accum=8, precision="bf16", seq_len=1024, schedule=schedule,
                     virtual_stages=v)
     step = estimate_time(cfg, layout, H100, 8)
     pipeline = step.step_s - step.dp_s - step.offload_s - step.optimizer_s - step.overhead_s
@@ -69,14 +69,14 @@ def test_collective_time_is_latency_plus_bandwidth() -> None:
 
 
 def test_which_axes_leave_the_node() -> None:
-    assert inter_node(Layout(dp=2, tp=4), 8) == {"tp": False, "dp": False, "pp": False, "world": False}
-    assert inter_node(Layout(dp=4, tp=8, pp=2), 8) == {"tp": False, "dp": True, "pp": True, "world": True}
-    assert inter_node(Layout(dp=1, tp=8, pp=4), 8) == {"tp": False, "dp": False, "pp": True, "world": True}
+    assert inter_node(Workload(dp=2, tp=4), 8) == {"tp": False, "dp": False, "pp": False, "world": False}
+    assert inter_node(Workload(dp=4, tp=8, pp=2), 8) == {"tp": False, "dp": True, "pp": True, "world": True}
+    assert inter_node(Workload(dp=1, tp=8, pp=4), 8) == {"tp": False, "dp": False, "pp": True, "world": True}
 
 
 def test_inter_node_dp_is_slower() -> None:
     cfg = get_preset("llama-7b")
-    layout = Layout(dp=16, zero=1, precision="bf16", seq_len=4096)
+    layout = Workload(dp=16, zero=1, precision="bf16", seq_len=4096)
     within = estimate_time(cfg, layout, H100, gpus_per_node=16)
     across = estimate_time(cfg, layout, H100, gpus_per_node=8)
     assert across.dp_s > within.dp_s

@@ -47,6 +47,27 @@ def test_a_killed_rank_restarts_the_world_and_ends_with_the_same_bytes(reference
     assert json.loads((reference / "summary.json").read_text())["restarts"] == 0
 
 
+def test_a_world_that_dies_after_its_last_save_ends_well(reference, tmp_path, monkeypatch):
+    """Rank 1 dies in the closing phase (step 13 of 12: sample, weights, report), after
+    step-00000012 was written: the restarted world finds the finished run and writes its
+    outputs from that checkpoint; `--resume auto` by hand on a finished run does the same."""
+    monkeypatch.setenv("PLAIT_INJECT", "0:1:13:KILL")
+    proc = run_plait("train", *RUN, *STEPS, "--max-restarts", "1", "--out", str(tmp_path), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "rank 1 sends itself SIGKILL at step 13" in proc.stderr
+    assert "plait: restarting the world (1 of 1)" in proc.stderr
+    assert (tmp_path / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
+    assert [r["loss"] for r in records(tmp_path)] == [r["loss"] for r in records(reference)]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["restarts"] == 1 and summary["resumed_from"].endswith("step-00000012")
+    assert summary["steps"] == 12 and summary["val_loss"] == json.loads((reference / "summary.json").read_text())["val_loss"]
+    monkeypatch.delenv("PLAIT_INJECT")
+    (tmp_path / "model.safetensors").unlink()
+    again = run_plait("train", *RUN, *STEPS, "--resume", "auto", "--out", str(tmp_path), timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
+
+
 def test_a_stopped_rank_is_named_by_every_rank_and_the_spawner(tmp_path, monkeypatch):
     monkeypatch.setenv("PLAIT_INJECT", "0:2:3:STOP")  # rank 2 of 4 freezes as step 3 begins
     proc = run_plait("train", *RUN, "--steps", "5", "--nproc", "4", "--timeout", "15", "--out", str(tmp_path),

@@ -26,7 +26,7 @@ import pytest
 
 from plait.cli import main
 from tests.parity import PARAM_ATOL, PARAM_RTOL, assert_losses_close
-from tests.worldlib import run_plait, split_slow
+from tests.worldlib import Runs, run_plait, split_slow
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -71,10 +71,27 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     corpus = root / "corpus.txt"
     corpus.write_text(corpus_text())
     paths = {"dir": write_model_dir(root), "corpus": corpus, "first": root / "first", "root": root}
-    proc = run_plait("train", "--model", f"hf:{paths['dir']}", "--data", str(corpus), *TRAIN, "--nproc", "2",
-                     "--save-every", "2", "--keep-checkpoints", "0", "--out", str(paths["first"]))
+    with_report = [flag for flag in TRAIN if flag != "--no-report"]
+    proc = run_plait("train", "--model", f"hf:{paths['dir']}", "--data", str(corpus), *with_report, "--nproc", "2",
+                     "--save-every", "2", "--keep-checkpoints", "0", "--out", str(paths["first"]),
+                     env_extra={"PLAIT_REPORT": "on"})  # the whole closing path, report included
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"report      {paths['first']}/report.md" in proc.stdout
+    assert (paths["first"] / "report" / "throughput.png").is_file()
     return paths
+
+
+@pytest.fixture(scope="module")
+def resumed(setup: dict[str, Path]) -> Runs:
+    """Runs continued from the first run's step 2, under another layout (no --save-every)."""
+    def run(layout: str) -> Path:
+        out = setup["root"] / f"resumed-{layout.replace(' ', '-')}"
+        proc = run_plait("train", "--model", f"hf:{setup['dir']}", "--data", str(setup["corpus"]), *TRAIN,
+                         *RESUMED[layout], "--resume", str(setup["first"] / "checkpoints" / "step-00000002"),
+                         "--out", str(out))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return out
+    return Runs(run)
 
 
 def metrics(out: Path) -> list[dict[str, Any]]:
@@ -102,18 +119,14 @@ def test_first_loss_matches_transformers_on_the_same_batch(setup: dict[str, Path
 
 
 @pytest.mark.parametrize("layout", split_slow(RESUMED, fast={"one process"}))
-def test_resume_under_another_layout_continues_the_run(setup: dict[str, Path], layout: str) -> None:
+def test_resume_under_another_layout_continues_the_run(setup: dict[str, Path], resumed: Runs, layout: str) -> None:
     import torch
     from safetensors.torch import load_file
 
-    out = setup["root"] / f"resumed-{layout.replace(' ', '-')}"
-    proc = run_plait("train", "--model", f"hf:{setup['dir']}", "--data", str(setup["corpus"]), *TRAIN,
-                     *RESUMED[layout], "--resume", str(setup["first"] / "checkpoints" / "step-00000002"),
-                     "--out", str(out))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    resumed, whole = metrics(out), metrics(setup["first"])
-    assert [r["step"] for r in resumed] == [3, 4]
-    assert_losses_close([r["loss"] for r in resumed], [r["loss"] for r in whole[2:]])
+    out = resumed[layout]
+    lines, whole = metrics(out), metrics(setup["first"])
+    assert [r["step"] for r in lines] == [3, 4]
+    assert_losses_close([r["loss"] for r in lines], [r["loss"] for r in whole[2:]])
     final, expected = load_file(str(out / "model.safetensors")), load_file(str(setup["first"] / "model.safetensors"))
     assert final.keys() == expected.keys() and "model.embed_tokens.weight" in final
     for name, tensor in expected.items():
@@ -141,6 +154,22 @@ def test_export_hf_loads_in_transformers_with_the_trained_weights(setup: dict[st
     assert not any(p.name.startswith(".exported") for p in setup["root"].iterdir())  # no temporary left
 
 
+def test_a_run_without_checkpoints_exports_from_its_own_outputs(resumed: Runs, tmp_path: Path) -> None:
+    """No --save-every: `plait ckpt export RUN --hf OUT` reads RUN/model.safetensors and the
+    model's files the run attached beside it."""
+    import torch
+    from safetensors.torch import load_file
+
+    run = resumed["one process"]
+    assert not (run / "checkpoints").exists() and (run / "attached" / "hf" / "config.json").is_file()
+    out = tmp_path / "exported"
+    assert main(["ckpt", "export", str(run), "--hf", str(out)]) == 0
+    trained = load_file(str(run / "model.safetensors"))
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    assert all(torch.equal(exported.state_dict()[name], tensor) for name, tensor in trained.items())
+    assert (out / "tokenizer.json").is_file()
+
+
 # -- bad input: one line and a hint, before any process starts ---------------------------------------
 def bad_dirs(root: Path, model: Path) -> dict[str, tuple[str, str]]:
     """{case: (--model, words the error must hold)}."""
@@ -163,7 +192,7 @@ def bad_dirs(root: Path, model: Path) -> dict[str, tuple[str, str]]:
                                         "tokenizer.json has 300 tokens, more than the vocab_size 200"),
         "bytes need 256 ids": (f"hf:{copy('bytes', (), {**base, 'vocab_size': 200})}", "read as bytes"),
         "shards without index": (f"hf:{copy('shards', ('config.json',))}", "without model.safetensors.index.json"),
-        "unknown family": (f"hf:{copy('bert', (), {**base, 'model_type': 'bert'})}", "model_type 'bert'"),
+        "not a causal LM": (f"hf:{copy('t5', (), {**base, 'model_type': 't5'})}", "model_type 't5'"),
     }
 
 
@@ -235,6 +264,7 @@ def test_raw_text_is_tokenized_as_data_prepare_would(setup: dict[str, Path], tmp
     --tokenizer DIR` writes; such a prepared corpus passes the checks, and is used as it is."""
     import torch
 
+    from plait.families import family_of
     from plait.train.config import build_config, validate
     from plait.train.data import map_tokens
     from plait.train.hf_task import HFTask
@@ -244,7 +274,8 @@ def test_raw_text_is_tokenized_as_data_prepare_would(setup: dict[str, Path], tmp
     prepare(str(setup["dir"]), str(setup["corpus"]), str(prepared))
     raw, mapped = ({"model": f"hf:{setup['dir']}", "data": str(data), "seq_len": str(SEQ), "out": str(tmp_path / "o")}
                    for data in (setup["corpus"], prepared))
-    validate(build_config({}, mapped))
+    config = build_config({}, mapped, family_of)
+    validate(config, family_of(config))
     train, val, _ = HFTask(build_config({}, raw)).load()
     whole = torch.cat([train.tokens, val.tokens])
     assert torch.equal(whole, map_tokens(str(prepared)).long())

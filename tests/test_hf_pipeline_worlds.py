@@ -1,6 +1,6 @@
 """A transformers Llama through plait.parallelize with no plan and no adapter from the user:
-the Llama adapter, picked by class, gives every layout. Each matches one process on every
-step's loss (rtol 1e-4: TP and PP change the summation order).
+the adapter read from its declared tp_plan and pp_plan gives every layout. Each matches one
+process on every step's loss (rtol 1e-4: TP and PP change the summation order).
 
 One 2-rank spawn (tests/worlds/hf_pipeline_world.py small): pp 2 (1F1B, interleaved, zb-h1,
 tied embeddings, full recomputation), tp 2 (± sp, a Qwen2, tied embeddings; the head split by vocabulary without sp), the refusal of a model plait cannot cut. The 8-rank

@@ -1,4 +1,4 @@
-"""The grid's arithmetic and the ledger's formulas, without processes."""
+"""The layout's grid arithmetic, the mesh made from it, and the ledger's formulas, without processes."""
 
 from __future__ import annotations
 
@@ -7,30 +7,44 @@ import pytest
 from plait.errors import PlaitError
 from plait.runtime.comm import Ledger, naive_exchange_bytes, ring_wire_bytes
 from plait.runtime.env import ProcessEnv
-from plait.runtime.mesh import MeshShape, init_mesh
+from plait.layout import Layout
+from plait.runtime.mesh import init_mesh
 
 
 def test_layout_that_does_not_match_the_world_names_all_four_numbers():
     with pytest.raises(PlaitError) as err:
-        MeshShape(pp=2, dp=3, tp=2).check(8)
+        Layout(pp=2, dp=3, tp=2).check_world(8)
     assert err.value.message == "layout dp=3 × tp=2 × pp=2 = 12 does not match world size 8"
 
 
 def test_dp_fills_what_tp_and_pp_leave():
-    assert MeshShape.fill(8, tp=2, pp=2) == MeshShape(pp=2, dp=2, tp=2)
+    assert Layout.fill(8, tp=2, pp=2) == Layout(pp=2, dp=2, tp=2)
     with pytest.raises(PlaitError, match="world size 6 is not divisible by tp=4 × pp=1"):
-        MeshShape.fill(6, tp=4)
+        Layout.fill(6, tp=4)
 
 
 def test_tp_varies_fastest_then_dp_then_pp():
-    shape = MeshShape(pp=2, dp=2, tp=2)
+    shape = Layout(pp=2, dp=2, tp=2)
     assert [tuple(shape.coords(r)[a] for a in ("pp", "dp", "tp")) for r in range(8)] == [
         (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
 
 
 def test_degree_below_one_is_refused():
-    with pytest.raises(PlaitError, match="--tp must be at least 1, got 0"):
-        MeshShape(tp=0)
+    with pytest.raises(PlaitError, match="--tp must be a whole number of at least 1, got 0"):
+        Layout(tp=0)
+
+
+def test_axes_not_built_yet_are_refused_not_ignored():
+    for axis, what in (("cp", "context"), ("ep", "expert")):
+        with pytest.raises(PlaitError, match=f"--{axis} 2: {what} parallelism is not built yet"):
+            Layout(**{axis: 2})
+
+
+def test_a_mesh_takes_another_strategy_choice_but_not_other_degrees():
+    mesh = init_mesh(env=ProcessEnv("single", 0, 1, 0, "127.0.0.1", 29500))
+    assert mesh.with_layout(zero=3).layout.zero == 3 and mesh.layout.zero == 0
+    with pytest.raises(PlaitError, match="a mesh built for dp=1 tp=1 pp=1 cannot take dp=2"):
+        mesh.with_layout(dp=2)
 
 
 def test_single_process_mesh_has_no_groups():

@@ -8,7 +8,12 @@ import re
 import pytest
 
 from plait.errors import PlaitError
-from plait.estimate.cli import plan_main
+from plait.estimate.cli import plan_main as plan_with
+from plait.families import shape_of
+
+
+def plan_main(argv: list[str]) -> int:
+    return plan_with(argv, shape_of)
 from plait.estimate.hardware import GIB, get_hardware
 from plait.estimate.memory import estimate_memory
 from plait.estimate.planner import PlanRequest, candidates, plan
@@ -94,7 +99,7 @@ def test_plan_cli_json(capsys) -> None:
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--model", "gpt5", "--gpus", "8", "--global-batch", "8"], "unknown model preset 'gpt5'"),
+    (["--model", "gpt5", "--gpus", "8", "--global-batch", "8"], "unknown --model 'gpt5'"),
     (["--model", "tiny", "--gpus", "8", "--global-batch", "8", "--hardware", "abacus"],
      "unknown hardware 'abacus'"),
     (["--gpus", "8", "--global-batch", "8"], "no model given"),

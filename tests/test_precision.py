@@ -15,14 +15,15 @@ import torch
 from plait.errors import PlaitError
 from plait.estimate import estimate_layout
 from plait.estimate.activations import stage_activation_bytes
-from plait.estimate.layout import Layout, stages
+from plait.estimate.layout import Workload, stages
 from plait.models.config import get_preset
 from plait.models.gpt import build_gpt
 from plait.parallel.compose import build_optimizer
 from plait.parallel.masters import MasterOptimizer
 from plait.parallel.precision import LossScaler, scale_grad
 from plait.parallel.recompute import apply_recompute
-from plait.parallel.zero.optim import memory_formula
+from plait.estimate.memory import StateBytes
+from tests.worlds.zero_common import paper_states
 from plait.bench.meter import ActivationMeter, model_state_bytes
 
 TINY = get_preset("tiny")
@@ -98,7 +99,7 @@ def test_selective_recompute_changes_no_number_and_saves_what_the_estimator_says
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_s))
     precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     for policy, measured in (("none", saved), ("selective", saved_s)):
-        layout = Layout(precision=precision, micro_batch=2, seq_len=32, recompute=policy)
+        layout = Workload(precision=precision, micro_batch=2, seq_len=32, recompute=policy)
         predicted = stage_activation_bytes(TINY, layout, stages(TINY, 1, 1)[0])
         assert measured == pytest.approx(predicted, rel=0.10), policy
     assert saved_s < saved
@@ -124,8 +125,7 @@ def test_memory_report_matches_the_estimator_per_precision(precision):
         assert measured[kind] == predicted[kind], kind
     psi = TINY.num_params()
     wide = precision == "fp32"
-    assert measured == {**measured, **{k: int(v) for k, v in memory_formula(
-        0, psi, 1, param_bytes=4 if wide else 2, grad_bytes=4 if wide else 2, k=8 if wide else 12).items()}}
+    assert measured == {**measured, **paper_states(0, psi, 1, StateBytes(4, 4, 8) if wide else StateBytes(2, 2, 12))}
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
@@ -133,9 +133,9 @@ def test_16_bit_states_follow_the_zero_formulas(zero):
     """2 + 2 + 12 bytes per parameter, each term divided by dp once ZeRO shards it."""
     psi, n = 10**9, 8
     memory = estimate_layout(None, params=psi, dp=n, zero=zero, precision="fp16")["memory"]
-    formula = memory_formula(zero, psi, n, param_bytes=2, grad_bytes=2, k=12)
-    for kind in ("params", "grads", "optim"):
-        assert memory[kind] == pytest.approx(formula[kind], rel=1e-6), kind
+    for kind, share in (("params", 2 / (n if zero >= 3 else 1)), ("grads", 2 / (n if zero >= 2 else 1)),
+                        ("optim", 12 / (n if zero >= 1 else 1))):  # (2 + 2 + 12)Ψ, each /dp once sharded
+        assert memory[kind] == pytest.approx(share * psi, rel=1e-6), kind
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2])
@@ -148,7 +148,7 @@ def test_reduce_dtype_sets_the_gradient_wire_bytes(zero):
         comm = estimate_layout(None, params=psi, dp=n, zero=zero, precision="bf16", reduce_dtype=reduce_dtype)["comm"]
         assert comm["dp"][op] == pytest.approx(ring[op] * psi * size), reduce_dtype
     with pytest.raises(PlaitError, match="unknown --reduce-dtype 'fp8'"):
-        Layout(precision="bf16", reduce_dtype="fp8")
+        Workload(precision="bf16", reduce_dtype="fp8")
 
 
 def test_master_optimizer_skipped_state_and_masters_stay_fp32():

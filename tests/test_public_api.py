@@ -9,7 +9,7 @@ import plait
 
 
 def test_public_names_resolve():
-    for name in ("init_mesh", "Mesh", "MeshShape", "ParallelConfig", "parallelize", "build_optimizer",
+    for name in ("init_mesh", "Mesh", "Layout", "ParallelConfig", "parallelize", "build_optimizer",
                  "clip_grad_norm", "no_sync", "shard_indices", "apply_pipeline", "PipelineRunner",
                  "full_parameters", "PlaitError"):
         assert getattr(plait, name) is not None, name

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from plait.estimate.cli import estimate_main, plan_main
+from plait.cli import main as plait_main
 from tests.worldlib import ROOT
 
 ESTIMATE = ["--model", "llama-7b", "--dp", "2", "--tp", "2", "--pp", "2", "--zero", "1", "--seq-len", "4096",
@@ -60,9 +60,9 @@ def test_help_estimate_and_plan_run_without_torch(python: str, tmp_path: Path, c
                              capture_output=True, text=True).stdout
     assert version.strip() in ("(3, 10)", "(3, 12)"), version
     assert "estimate" in run(python, tmp_path, "--help").stdout
-    estimate_main(ESTIMATE)
+    plait_main(["estimate", *ESTIMATE])
     assert json.loads(run(python, tmp_path, "estimate", *ESTIMATE).stdout) == json.loads(capsys.readouterr().out)
-    plan_main(PLAN)
+    plait_main(["plan", *PLAN])
     assert json.loads(run(python, tmp_path, "plan", *PLAN).stdout) == json.loads(capsys.readouterr().out)
 
 

@@ -85,6 +85,39 @@ def test_pp_report_draws_the_measured_timeline(pp_run):
     assert all(s.end > s.start >= 0 for row in timeline.rows for s in row)
 
 
+@pytest.fixture(scope="module")
+def image_run(tmp_path_factory):
+    """A ResNet on digits: the closing path of an image task, report included."""
+    out = tmp_path_factory.mktemp("image")
+    proc = run_plait("train", "--model", "resnet18,width=4", "--data", "digits", "--nproc", "2", "--sync-bn",
+                     "--steps", "4", "--eval-every", "2", "--micro-batch", "16", "--lr", "0.01", "--warmup-steps", "1",
+                     "--out", str(out), env_extra={"PLAIT_REPORT": "on"})
+    assert proc.returncode == 0, proc.stderr
+    return out, proc
+
+
+def test_an_image_run_reports_images_and_accuracy(image_run):
+    out, proc = image_run
+    assert f"report      {out}/report.md" in proc.stdout
+    assert "global batch 32 images" in proc.stdout and "images/s" in proc.stdout and "top-1 accuracy" in proc.stdout
+    for name in ("loss", "throughput", "val_accuracy", "memory", "comm"):
+        _not_blank(out / "report" / f"{name}.png")
+    records, summary = read_run(out)
+    drawn = figures(records, summary)
+    assert drawn["throughput"].axes[0].get_ylabel() == "images/s"
+    assert drawn["loss"].axes[0].get_ylabel() == "loss (nats/image)"
+    accuracy = drawn["val_accuracy"].axes[0].get_lines()[0]
+    assert list(accuracy.get_xdata()) == [2, 4]
+    assert list(accuracy.get_ydata()) == [summary["evaluations"][k]["val_accuracy"] for k in ("2", "4")]
+    page = (out / "report.md").read_text()
+    assert "global batch 32 images" in page and "images/s" in page and "top-1 accuracy" in page
+    # predicted before it measured: a CNN's activations and step time too (plait/estimate/cnn.py)
+    predicted = summary["predicted"]
+    assert predicted["memory"]["activations"] == pytest.approx(summary["mem"]["activations_peak"], rel=0.02)
+    assert predicted["time"]["step_s"] > 0 and summary["step_time"]["ratio"] > 0
+    assert "not predicted" not in proc.stdout
+
+
 def test_tensorboard_events_read_back(dp_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

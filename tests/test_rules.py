@@ -12,7 +12,14 @@ from plait.errors import PlaitError
 from plait.estimate import estimate_layout
 from plait.estimate.planner import plan
 from plait.models.config import TRAINABLE, get_preset
+from plait.families import family_of
 from plait.train.config import TrainConfig, check_strategies
+
+
+def train_checks(config: TrainConfig) -> None:
+    """What `plait train` checks of a layout before spawning: its rules, then the model's."""
+    check_strategies(config)
+    family_of(config).check(config)
 
 
 def _train_config(model: str, row: dict, precision: str, schedule: str, seq_len: int) -> TrainConfig:
@@ -33,7 +40,7 @@ def test_every_planned_layout_passes_train_validation(model: str, precision: str
                 rows = plan(config, gpus=gpus, global_batch=8, hardware="h100-sxm", seq_len=30,
                             precision=precision, schedule=schedule, offload=offload)
                 for row in rows:
-                    check_strategies(_train_config(model, row, precision, schedule, seq_len=30))
+                    train_checks(_train_config(model, row, precision, schedule, seq_len=30))
                     checked += 1
     assert checked > 100
     # seq_len 30 is not a multiple of 4: the planner offers SP only where tp divides it
@@ -50,7 +57,7 @@ def test_one_home_for_each_choice() -> None:
     assert schedule.SCHEDULES is layout.SCHEDULES is rules.SCHEDULES
     assert recompute.POLICIES is layout.RECOMPUTE is rules.RECOMPUTE
     assert layout.PRECISIONS is rules.PRECISIONS and layout.REDUCE_DTYPES is rules.REDUCE_DTYPES
-    assert gpt_adapter.check_tensor_parallel is rules.check_tensor_parallel
+    assert "check_split" in gpt_adapter.GPTAdapter.tensor_plan.__code__.co_names  # the shape's own check, as estimate's
     from plait.parallel import precision
 
     assert precision.PRECISIONS is rules.PRECISIONS
@@ -72,4 +79,4 @@ def test_estimate_and_train_refuse_alike(kwargs: dict, message: str) -> None:
         estimate_layout(get_preset(model), **{"seq_len": 32, **kwargs})
     world = kwargs.get("tp", 1) * kwargs.get("pp", 1)
     with pytest.raises(PlaitError, match=message.replace("+", r"\+")):
-        check_strategies(replace(TrainConfig(), model=model, dp=1, nproc=world, **{"seq_len": 32, **kwargs}))
+        train_checks(replace(TrainConfig(), model=model, dp=1, nproc=world, **{"seq_len": 32, **kwargs}))

@@ -44,7 +44,7 @@ def test_parallel_imports_nothing_from_models() -> None:
 def test_llama_family_stages_in_a_row_are_the_model(family: str, extra: dict, pp: int, v: int) -> None:
     model = hf(family, **extra)
     adapter = adapter_for(model)
-    assert type(adapter).__name__ == "LlamaAdapter"
+    assert type(adapter).__name__ == "DeclaredPlanAdapter"
     ids = torch.randint(0, 64, (2, 12))
     x = ids
     for stage in split_stages(model, pp, virtual_stages=v, adapter=adapter):

@@ -1,4 +1,4 @@
-"""Tensor parallelism without processes: plans, bad input, and the cost arithmetic."""
+"""Tensor parallelism without processes: plans, bad input, and what it moves (plait.estimate)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,8 @@ from plait.models.config import get_preset
 from plait.models.gpt import build_gpt
 from plait.models.gpt_adapter import GPT_PLAN
 from plait.parallel.tensor.plan import apply_tensor_parallel, lm_loss, resolve_plan, tp_loss_fn
-from plait.rules import check_tensor_parallel as check_gpt_tensor_parallel
-from plait.parallel.tensor.cost import (block_activations, korthikanti_gpt_bytes, layer_collectives,
-                                        step_traffic)
+from plait.estimate.layout import Workload, stages
+from plait.estimate.traffic import tp_traffic
 from plait.parallel.tensor import regions
 from plait.runtime.comm import Axis, Ledger
 
@@ -93,52 +92,32 @@ def test_gpt_shapes_that_do_not_split(config, tp: int, needle: str) -> None:
 
 def test_vocab_error_suggests_the_padded_size() -> None:
     with pytest.raises(PlaitError) as info:
-        check_gpt_tensor_parallel(replace(TINY, n_kv_heads=4, vocab_size=250), 4)
+        replace(TINY, n_kv_heads=4, vocab_size=250).check_split(4)
     assert "pad the vocabulary to 252" in info.value.hint
 
 
 def test_sp_needs_the_sequence_divisible_by_tp() -> None:
     with pytest.raises(PlaitError, match="seq_len = 18, tp = 4"):
-        check_gpt_tensor_parallel(replace(TINY, n_kv_heads=4), 4, sp=True, seq_len=18)
-    check_gpt_tensor_parallel(replace(TINY, n_kv_heads=4), 4, sp=False, seq_len=18)
+        replace(TINY, n_kv_heads=4).check_split(4, sp=True, seq_len=18)
+    replace(TINY, n_kv_heads=4).check_split(4, sp=False, seq_len=18)
     with pytest.raises(PlaitError, match="17 tokens over tp=2"):
         regions.reduce_scatter_sequence(torch.zeros(1, 17, 4), fake_axis(2))
 
 
-# -- cost arithmetic --------------------------------------------------------------------------
-def test_block_activations_split_as_theory_says() -> None:
-    config = replace(TINY, n_heads=8, n_kv_heads=4)
-    b, s, h, f, a = 2, 16, config.d_model, config.ffn_hidden, config.n_heads
-    one = block_activations(config, b, s)
-    assert one.total == s * b * (11 * h + 4 * f + a + 2)
-    for t in (2, 4):
-        tp, sp = block_activations(config, b, s, t), block_activations(config, b, s, t, sp=True)
-        assert tp.outside == one.outside and tp.inside == one.inside / t  # TP alone: insides only
-        assert sp.total == one.total / t  # TP + SP: everything
-        whole = block_activations(config, b, s, t, sp=True, regather=False)
-        assert whole.total == sp.total + 2 * s * b * h * (1 - 1 / t)  # the two region inputs stay whole
-    # One head per rank: o_proj reads a view of SDPA's output, one sbh/t fewer.
-    assert block_activations(config, b, s, 8).inside == one.inside / 8 - s * b * h / 8
+# -- what it moves, as plait.estimate predicts it ------------------------------------------
+def tp_bytes(t: int, sp: bool = False) -> dict[str, float]:
+    """plait.estimate's tp traffic of one forward and backward of the tiny GPT (b 2, s 16)."""
+    work = Workload(tp=t, sp=sp, micro_batch=2, seq_len=16, precision="fp32")
+    return tp_traffic(TINY, work, stages(TINY, t, 1)[0])["tp"]
 
 
-def test_korthikanti_formulas() -> None:
-    s, b, h, a = 2048, 1, 12288, 96  # GPT-3 175B, the paper's table 2 scale
-    one = korthikanti_gpt_bytes(s, b, h, a)
-    assert one == s * b * h * (34 + 5 * a * s / h)
-    assert korthikanti_gpt_bytes(s, b, h, a, t=8) == s * b * h * (10 + 24 / 8 + 5 * a * s / (h * 8))
-    assert korthikanti_gpt_bytes(s, b, h, a, t=8, sp=True) == pytest.approx(one / 8)
-
-
-def test_sp_moves_the_same_bytes_as_tp_unless_it_regathers() -> None:
-    assert layer_collectives(2, sp=False) == {"all_reduce": 4}
-    assert layer_collectives(2, sp=True, regather=False) == {"all_gather": 4, "reduce_scatter": 4}
-    assert layer_collectives(2, sp=True) == {"all_gather": 6, "reduce_scatter": 4}
-    assert layer_collectives(1, sp=True) == {}
+def test_sp_moves_the_same_bytes_as_tp_but_for_its_regathers() -> None:
+    """SP turns each all-reduce into a reduce-scatter and an all-gather (the same bytes), and
+    all-gathers each region's saved input again in backward (2 per block, 1 for the head)."""
     for t in (2, 4, 8):
-        tp = step_traffic(TINY, 2, 16, t)
-        sp = step_traffic(TINY, 2, 16, t, sp=True, regather=False)
+        tp, sp = tp_bytes(t), tp_bytes(t, sp=True)
         loss = 2 * (t - 1) / t * 3 * 2 * 16 * 4
-        assert sp["all_gather"] + sp["reduce_scatter"] == pytest.approx(tp["all_reduce"] - loss)
-        regather = step_traffic(TINY, 2, 16, t, sp=True)
-        extra = (t - 1) / t * (TINY.n_layers * 2 + 1) * 2 * 16 * TINY.d_model * 4
-        assert regather["all_gather"] - sp["all_gather"] == pytest.approx(extra)
+        norms = 2 * (t - 1) / t * (2 * TINY.n_layers + 1) * TINY.d_model * 4  # SP sums the norms' grads
+        regathers = (t - 1) / t * (TINY.n_layers * 2 + 1) * 2 * 16 * TINY.d_model * 4
+        assert sp["all_gather"] - regathers + sp["reduce_scatter"] == pytest.approx(tp["all_reduce"] - loss)
+        assert sp["all_reduce"] == pytest.approx(loss + norms)

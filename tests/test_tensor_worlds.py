@@ -2,7 +2,7 @@
 
 Two spawns: tp = 2 and tp = 4 (the latter also runs dp 2 × tp 2 with SP). Each checks the
 sharded layers, parity with one process and with torch.distributed.tensor.parallel, the
-ledger against `step_traffic` exactly, and activation bytes against `block_activations`.
+ledger against plait.estimate's tp traffic exactly, and activation bytes against its block.
 """
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ from typing import Any
 
 import pytest
 
+from plait.estimate.activations import llama_layer_bytes, rope_table_bytes
+from plait.estimate.layout import Workload, stages
+from plait.estimate.traffic import tp_traffic
 from plait.models.config import GPTConfig
-from plait.parallel.tensor.cost import block_activations, rope_table_elements, step_traffic
 from tests.parity import assert_losses_close
 from tests.worldlib import run_world
 
@@ -49,8 +51,13 @@ def test_ledger_is_exactly_the_formula(world: list[dict[str, Any]]) -> None:
     for report in world:
         config, tp = GPTConfig(**report["config"]), report["tp"]
         for run, (sp, regather) in PLAIT_RUNS.items():
-            expected = step_traffic(config, report["batch"], report["seq"], tp, sp, regather)
-            assert report[run]["traffic"] == {"tp": expected}, run
+            work = Workload(tp=tp, sp=sp, micro_batch=report["batch"], seq_len=report["seq"], precision="fp32")
+            expected = tp_traffic(config, work, stages(config, tp, 1)[0])["tp"]
+            if not regather:  # apply_tensor_parallel(regather=False), the API's option: the saved
+                # region inputs are whole, so backward skips their all-gathers (2 a block, 1 the head)
+                act = report["batch"] * report["seq"] * config.d_model * 4
+                expected["all_gather"] -= (tp - 1) / tp * (2 * config.n_layers + 1) * act
+            assert report[run]["traffic"] == {"tp": pytest.approx(expected)}, run
         # SP saving whole inputs moves exactly the bytes of TP's all-reduces, as their two
         # halves; the loss's small all-reduces (3 floats a token) are the same in both.
         tp_only, sp = report["tp_only"]["traffic"]["tp"], report["sp_no_regather"]["traffic"]["tp"]
@@ -61,10 +68,12 @@ def test_ledger_is_exactly_the_formula(world: list[dict[str, Any]]) -> None:
 def test_activations_match_the_formula(world: list[dict[str, Any]]) -> None:
     report = world[0]
     config, tp, batch, seq = GPTConfig(**report["config"]), report["tp"], report["batch"], report["seq"]
-    rope = rope_table_elements(config) * 4
+    rope = rope_table_bytes(config, Workload(precision="fp32"))
 
     def predicted(tp: int, sp: bool = False, regather: bool = True) -> float:
-        return block_activations(config, batch, seq, tp, sp, regather).total * 4 + rope
+        block = llama_layer_bytes(config, Workload(tp=tp, sp=sp, micro_batch=batch, seq_len=seq, precision="fp32"))
+        whole_inputs = 0 if regather or not sp else 2 * batch * seq * config.d_model * 4 * (1 - 1 / tp)
+        return block + whole_inputs + rope
 
     measured = {"reference": report["reference_block_bytes"], "tp_only": report["tp_only"]["block_bytes"],
                 "sp": report["sp"]["block_bytes"], "sp_no_regather": report["sp_no_regather"]["block_bytes"]}

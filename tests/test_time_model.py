@@ -11,9 +11,14 @@ from pathlib import Path
 import pytest
 
 from plait.estimate import estimate_layout
-from plait.estimate.cli import estimate_main
+from plait.estimate.cli import estimate_main as estimate_with
+from plait.families import shape_of
+
+
+def estimate_main(argv: list[str]) -> int:
+    return estimate_with(argv, shape_of)
 from plait.estimate.hardware import get_hardware, hardware_toml, load_hardware
-from plait.estimate.layout import Layout, stages
+from plait.estimate.layout import Workload, stages
 from plait.estimate.ops import Gemm, gemm_key, gemm_s, micro_batch_compute_s, optimizer_s
 from plait.models.config import get_preset
 from tests.worldlib import ROOT, run_world
@@ -51,7 +56,7 @@ def test_optimizer_costs_bytes_and_tensors() -> None:
 
 def test_measured_gemm_changes_the_compute() -> None:
     cfg = get_preset("tiny")
-    layout = Layout(micro_batch=8, seq_len=128)
+    layout = Workload(micro_batch=8, seq_len=128)
     stage = stages(cfg, 1, 1, 1)[0]
     slow = replace(CALIBRATED, gemm=(("fp32 1024x64x64", 0.001),))
     assert micro_batch_compute_s(cfg, layout, stage, slow) > micro_batch_compute_s(cfg, layout, stage, CALIBRATED)
@@ -118,7 +123,7 @@ def test_train_uses_a_cached_calibration_of_this_machine(tmp_path: Path, monkeyp
     torch.set_num_threads(1)  # as one of two ranks on this machine (and far quicker under load)
     mesh = init_mesh()
     trainer = SimpleNamespace(config=TrainConfig(model="tiny", micro_batch=2, seq_len=32), mesh=mesh,
-                              model_config=get_preset("tiny"))
+                              task=SimpleNamespace(model_config=get_preset("tiny")))
     first, source = run_hardware(trainer)
     assert source.startswith("quick calibration") and cache_path(machine_facts(mesh)).exists()
     assert first.gemm_tflops("fp32 64x64x192") > 0 and first.name.startswith("calibrated")

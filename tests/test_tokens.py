@@ -16,6 +16,7 @@ import torch
 
 from plait.cli import main as plait_main
 from plait.errors import PlaitError
+from plait.families import family_of
 from plait.train.config import build_config, validate
 from plait.train.data import RAW_LIMIT, StepSampler, load_corpus, raw_files, train_val_split
 from plait.train.prepare import prepare
@@ -23,6 +24,12 @@ from plait.train.tokens import INDEX, TOKENS, VERIFIED, check_tokens, model_for_
 from tests.worldlib import run_plait
 
 SEQ = 1024
+
+
+def checked(flags: dict) -> None:
+    """`plait train`'s checks of these flags before it spawns."""
+    config = build_config({}, flags, family_of)
+    validate(config, family_of(config))
 
 
 def rss_bytes() -> int:
@@ -47,7 +54,7 @@ def test_raw_text_over_the_limit_is_refused_not_cut(big: tuple[Path, Path]) -> N
     source, _ = big
     assert source.stat().st_size > RAW_LIMIT
     for attempt in (lambda: raw_files(str(source)), lambda: load_corpus(str(source)),
-                    lambda: validate(build_config({}, {"data": str(source), "nproc": 1}))):
+                    lambda: checked({"data": str(source), "nproc": 1})):
         with pytest.raises(PlaitError) as err:
             attempt()
         assert "9.0 MiB" in err.value.message and "8 MiB" in err.value.message

@@ -16,6 +16,7 @@ from plait.models.resnet_config import ResNetConfig, get_resnet
 from plait.parallel.recompute import apply_recompute
 from plait.parallel.data.syncbn import convert_sync_batchnorm, sync_bn_wire_bytes
 from plait.runtime.comm import Axis, Ledger
+from plait.families import family_of
 from plait.train.config import TrainConfig, validate
 from plait.train.images import image_splits, load_images
 
@@ -31,12 +32,17 @@ def test_presets_have_the_published_cifar_sizes(name, params):
     assert sum(p.numel() for p in model.parameters()) == params
 
 
+def checked(config: TrainConfig) -> None:
+    """`plait train`'s checks of `config` before it spawns."""
+    validate(config, family_of(config))
+
+
 def test_model_names_are_checked():
     assert get_resnet("resnet18,width=16").width == 16
     with pytest.raises(PlaitError, match="'depth=3' is not width=N"):
         get_resnet("resnet18,depth=3")
     with pytest.raises(PlaitError, match="trained data-parallel only"):
-        validate(TrainConfig(model="resnet18", data="digits", tp=2, nproc=2, dp=1, out="/tmp/plait-vision-check"))
+        checked(TrainConfig(model="resnet18", data="digits", tp=2, nproc=2, dp=1, out="/tmp/plait-vision-check"))
 
 
 def test_digits_split_is_fixed_and_augmentation_is_per_sample():
@@ -111,8 +117,8 @@ def test_batchnorm_traffic_formula():
 
 
 def test_sync_bn_is_refused_for_a_model_without_batchnorm():
-    with pytest.raises(PlaitError, match="--sync-bn shares BatchNorm statistics, and model 'tiny' has no BatchNorm"):
-        validate(TrainConfig(model="tiny", sync_bn=True, nproc=2, dp=2, out="/tmp/plait-vision-check"))
+    with pytest.raises(PlaitError, match="--sync-bn shares BatchNorm statistics, and --model tiny has no BatchNorm"):
+        checked(TrainConfig(model="tiny", sync_bn=True, nproc=2, dp=2, out="/tmp/plait-vision-check"))
 
 
 def test_without_the_vision_extra_one_line_says_how(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -124,3 +130,15 @@ def test_without_the_vision_extra_one_line_says_how(monkeypatch: pytest.MonkeyPa
     with pytest.raises(PlaitError, match="--data digits needs the scikit-learn package") as err:
         load_images("digits")
     assert "plait[vision]" in err.value.hint
+
+
+def test_the_estimate_counts_every_batchnorm_of_the_model() -> None:
+    """plait/estimate/vision.py names the BatchNorm layers from the shape alone, as the model builds them."""
+    from torch import nn
+
+    from plait.estimate.vision import batchnorm_channels
+
+    for name in ("resnet18,width=8", "resnet50,width=4"):
+        config = get_resnet(name, in_channels=1, num_classes=10)
+        built = [m.num_features for m in build_resnet(config, 0).modules() if isinstance(m, nn.BatchNorm2d)]
+        assert batchnorm_channels(config) == built

@@ -21,7 +21,9 @@ from plait.models.config import get_preset
 from plait.models.gpt import build_gpt
 from plait.parallel.clip import clip_grad_norm
 from plait.parallel.zero.stages import apply_zero, full_parameters, require_reduce_scatter, zero_of
-from plait.parallel.zero.optim import ZeroOptimizer, comm_formula, memory_formula, padded_memory, zero_state_bytes
+from plait.estimate.memory import StateBytes
+from plait.parallel.zero.optim import ZeroOptimizer, zero_state_bytes
+from tests.worlds.zero_common import padded_state_bytes, paper_states
 from plait.parallel.zero.shard import find_units, owned_pieces, owned_range, shard_size, unit_owners
 from plait.runtime.comm import Axis, Ledger
 
@@ -51,42 +53,27 @@ def test_pieces_cut_shards_at_parameter_boundaries() -> None:
     assert owned_pieces([1], 4, 3) == []  # a rank may own only padding
 
 
-def test_memory_formulas_are_the_papers() -> None:
-    psi, n = 1000, 4
-    assert memory_formula(0, psi, n) == {"params": 4000, "grads": 4000, "optim": 8000}  # (4+4+8)Ψ
-    assert memory_formula(1, psi, n) == {"params": 4000, "grads": 4000, "optim": 2000}  # (4+4)Ψ + 8Ψ/N
-    assert memory_formula(2, psi, n) == {"params": 4000, "grads": 1000, "optim": 2000}  # 4Ψ + (4+8)Ψ/N
-    assert memory_formula(3, psi, n) == {"params": 1000, "grads": 1000, "optim": 2000}  # 16Ψ/N
-    mixed = memory_formula(3, psi, n, param_bytes=2, grad_bytes=2, k=12)  # (2+2+K)Ψ/N, K = 12
-    assert sum(mixed.values()) == 16 * psi / n
-    for stage in (1, 2, 3):  # padding only when the groups do not divide by n
-        assert padded_memory(stage, [1000, 600], n, 1) == memory_formula(stage, 1600, n)
-        padded = padded_memory(stage, [1001, 601], n, 3)  # 6 padding elements, of at most 8 bytes
-        assert all(abs(padded[k] - v) <= 8 * 6 for k, v in memory_formula(stage, 1602, n).items())
-
-
-def test_comm_formulas() -> None:
-    s, n = 4000, 4
-    assert sum(comm_formula(0, s, n).values()) == 2 * (n - 1) / n * s
-    assert sum(comm_formula(1, s, n).values()) == sum(comm_formula(2, s, n).values()) == 2 * (n - 1) / n * s
-    assert sum(comm_formula(3, s, n).values()) == 3 * (n - 1) / n * s
-    assert comm_formula(1, s, n, micro_batches=2) == comm_formula(1, s, n)  # no_sync: one reduction
-    assert comm_formula(2, s, n, micro_batches=2)["reduce_scatter"] == 2 * (n - 1) / n * s  # one per micro-batch
-    assert comm_formula(3, s, n, micro_batches=2) == {"all_gather": 4 * (n - 1) / n * s,
-                                                      "reduce_scatter": 2 * (n - 1) / n * s}
+def test_padding_adds_to_the_papers_figure_only_where_groups_do_not_divide() -> None:
+    """The worlds hold the measured bytes to plait.estimate's (p + g + K)Ψ plus each flat
+    buffer's padding (tests/worlds/zero_common.py); here that arithmetic itself."""
+    fp32 = StateBytes(4, 4, 8)
+    for stage in (1, 2, 3):
+        assert padded_state_bytes(stage, [1000, 600], 4, 1, fp32) == paper_states(stage, 1600, 4, fp32)
+        padded = padded_state_bytes(stage, [1001, 601], 4, 3, fp32)  # 6 padding elements, of at most 8 bytes
+        assert all(abs(padded[k] - v) <= 8 * 6 for k, v in paper_states(stage, 1602, 4, fp32).items())
 
 
 # -- configuration and errors ------------------------------------------------------------------------
-def test_config_accepts_stages_and_rejects_bad_input() -> None:
+def test_layout_accepts_stages_and_rejects_bad_input() -> None:
     for stage in (0, 1, 2, 3):
-        assert plait.ParallelConfig(zero=stage).zero == stage
-    assert plait.ParallelConfig(zero=2, offload=True).offload
+        assert plait.Layout(zero=stage).zero == stage
+    assert plait.Layout(zero=2, offload=True).offload
     with pytest.raises(PlaitError, match="--zero must be 0, 1, 2 or 3, got 4") as info:
-        plait.ParallelConfig(zero=4)
-    assert "shard optimizer states" in info.value.hint
+        plait.Layout(zero=4)
+    assert "shard more and more state" in info.value.hint
     with pytest.raises(PlaitError, match="--offload needs a ZeRO stage") as info:
-        plait.ParallelConfig(offload=True)
-    assert info.value.hint == "add --zero 1 (or 2, 3)"
+        plait.Layout(offload=True)
+    assert info.value.hint == "add --zero 1 (or 2 or 3)"
 
 
 def test_backend_without_reduce_scatter_names_the_fix() -> None:
@@ -189,8 +176,7 @@ def test_bf16_keeps_fp32_masters_and_offload_keeps_them_on_the_cpu(stage: int) -
     assert all(p.master is not None and p.master.dtype == torch.float32 and p.master.device.type == "cpu"
                for p in optimizer.slices)
     _step(model, optimizer)
-    formula = memory_formula(stage, psi, 1, param_bytes=2, grad_bytes=2, k=12)
-    assert zero_state_bytes(model, optimizer) == {k: int(v) for k, v in formula.items()}
+    assert zero_state_bytes(model, optimizer) == paper_states(stage, psi, 1, StateBytes(2, 2, 12))
 
 
 def _step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

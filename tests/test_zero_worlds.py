@@ -23,7 +23,10 @@ from typing import Any
 
 import pytest
 
-from plait.parallel.zero.optim import comm_formula, memory_formula, padded_memory
+from plait.estimate.layout import Workload
+from plait.estimate.memory import StateBytes
+from plait.estimate.traffic import dp_traffic
+from tests.worlds.zero_common import padded_state_bytes, paper_states
 from plait.runtime.comm import ring_wire_bytes
 from tests.worldlib import run_world
 
@@ -71,21 +74,20 @@ def test_memory_matches_the_formulas_to_the_byte(world: list[dict[str, Any]]) ->
     n = world[0]["n"]
     for rank, report in enumerate(world):
         for name, run in report["runs"].items():
-            b, g, k = _bytes(run)
+            per = StateBytes(*_bytes(run))
             if run["stage"] == 0:
-                expected = {key: int(v) for key, v in memory_formula(0, run["num_params"], n).items()}
+                expected = paper_states(0, run["num_params"], n, StateBytes(4, 4, 8))
             else:
-                expected = padded_memory(run["stage"], run["groups"], n, rank, param_bytes=b, grad_bytes=g, k=k)
+                expected = padded_state_bytes(run["stage"], run["groups"], n, rank, per)
             assert run["mem"] == expected, (name, rank)
-            if run["kind"] == "gpt":  # no padding: the formula itself, to the byte
-                formula = memory_formula(run["stage"], run["num_params"], n, param_bytes=b, grad_bytes=g, k=k)
-                assert run["mem"] == {key: int(v) for key, v in formula.items()}, (name, rank)
+            if run["kind"] == "gpt":  # no padding: plait.estimate's figure itself, to the byte
+                assert run["mem"] == paper_states(run["stage"], run["num_params"], n, per), (name, rank)
 
 
 def test_padding_is_real_and_small(world: list[dict[str, Any]]) -> None:
     """The user MLP has odd sizes: measured differs from Ψ/N by at most the padding."""
     n, run = world[0]["n"], world[0]["runs"]["mlp-sgd-z3-accum2"]
-    formula = memory_formula(3, run["num_params"], n, k=4)
+    formula = paper_states(3, run["num_params"], n, StateBytes(4, 4, 4))
     pad = sum(-m % n for m in run["groups"])
     assert pad > 0
     assert 0 < run["mem"]["params"] - formula["params"] <= 4 * pad
@@ -95,12 +97,13 @@ def test_ledger_matches_the_formulas_exactly(world: list[dict[str, Any]]) -> Non
     n = world[0]["n"]
     clip = ring_wire_bytes("all_reduce", 8, n)  # one float64: the sum of squares of the gradient shards
     for name, run in world[0]["runs"].items():
-        b = 2 if "bfloat16" in run["dtype"] else 4
-        if run["stage"] == 0:
-            want = comm_formula(0, b * run["num_params"], n)  # torch clips DDP's whole gradients
+        precision = "bf16" if "bfloat16" in run["dtype"] else "fp32"
+        if run["stage"] == 0:  # torch clips DDP's whole gradients
+            want = dp_traffic(run["num_params"], Workload(dp=n, precision=precision))["dp"]
         else:
             padded = sum(-(-m // n) * n for m in run["groups"])
-            want = {**comm_formula(run["stage"], b * padded, n, run["accum"]), "all_reduce": clip}
+            work = Workload(dp=n, zero=run["stage"], grad_accum=run["accum"], precision=precision)
+            want = {**dp_traffic(padded, work)["dp"], "all_reduce": clip}
         for step in run["ledger"]:
             assert step == want, (name, step, want)
     z1, z3 = world[0]["runs"]["gpt-adamw-z1"], world[0]["runs"]["gpt-adamw-z3"]
@@ -168,5 +171,5 @@ def test_the_trainer_trains_with_every_stage(world: list[dict[str, Any]]) -> Non
             if "val_loss" in want:
                 assert abs(got["val_loss"] - want["val_loss"]) <= 1e-5 * want["val_loss"], name
         stage = int(name[4])
-        formula = memory_formula(stage, psi, n, k=12 if "offload" in name else 8)
-        assert {k: history[-1]["mem"][k] for k in formula} == {k: int(v) for k, v in formula.items()}, name
+        formula = paper_states(stage, psi, n, StateBytes(4, 4, 12 if "offload" in name else 8))
+        assert {k: history[-1]["mem"][k] for k in formula} == formula, name

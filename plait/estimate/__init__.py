@@ -8,13 +8,12 @@ presets (hardware), each with the reasoning that produced it.
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any
 
 from plait.errors import PlaitError
 from plait.estimate.traffic import dp_traffic, estimate_comm, naive_comm
 from plait.estimate.hardware import Hardware, resolve_hardware
-from plait.estimate.layout import Layout
+from plait.estimate.layout import Workload
 from plait.estimate.memory import (
     FRAGMENTATION,
     estimate_memory,
@@ -27,7 +26,7 @@ from plait.estimate.time import (
 )
 from plait.models.config import GPTConfig
 
-__all__ = ["estimate_layout", "Layout"]
+__all__ = ["estimate_layout", "Workload"]
 
 MEMORY_ASSUMPTIONS = (
     "model states per parameter: bf16/fp16 2 weight + 2 grad + 12 optimizer (fp32 master, "
@@ -64,36 +63,35 @@ COMM_ASSUMPTIONS = (
 )
 
 
-def estimate_layout(config: GPTConfig | None, *, dp: int = 1, tp: int = 1, pp: int = 1,
-                    zero: int = 0, offload: bool = False, precision: str = "fp32",
-                    micro_batch: int = 1, grad_accum: int = 1, seq_len: int | None = None,
-                    recompute: str = "none", schedule: str = "1f1b", virtual_stages: int = 1,
-                    sp: bool = False, reduce_dtype: str = "", hardware: str | Hardware = "cpu",
-                    gpus_per_node: int | None = None, params: int | float | None = None
-                    ) -> dict[str, Any]:
+def estimate_layout(config: GPTConfig | None, work: Workload | None = None, *, hardware: str | Hardware = "cpu",
+                    gpus_per_node: int | None = None, params: int | float | None = None,
+                    **fields: Any) -> dict[str, Any]:
     """Predict one layout's cost per rank (the busiest rank), as a JSON-ready dict.
 
-    `params=N` stands for a model known only by its parameter count: then only model
-    states and DP/ZeRO traffic can be predicted; activations, TP and PP are None.
+    `work` is the layout with its step's work (plait.estimate.layout.Workload); or give its
+    fields as keywords (dp=8, zero=1, micro_batch=4, seq_len=2048...; seq_len defaults to the
+    model's longest). `params=N` stands for a model known only by its parameter count: then
+    only model states and DP/ZeRO traffic can be predicted; activations, TP and PP are None.
     """
     hw = resolve_hardware(hardware)
     node = gpus_per_node or hw.gpus_per_node
     if (config is None) == (params is None):
         raise PlaitError("give a model or a parameter count, not both" if config else
                          "nothing to estimate", hint="name a --model, or give --params N")
-    default_seq = config.max_seq_len if config else 1
-    layout = Layout(dp=dp, tp=tp, pp=pp, zero=zero, offload=offload, precision=precision,
-                    micro_batch=micro_batch, grad_accum=grad_accum,
-                    seq_len=seq_len or default_seq, recompute=recompute,
-                    schedule=schedule, virtual_stages=virtual_stages, sp=sp, reduce_dtype=reduce_dtype)
+    timed = work is not None or fields.get("seq_len") is not None
+    if work is None:
+        default_seq = config.max_seq_len if config else 1
+        work = Workload(**{**fields, "seq_len": fields.get("seq_len") or default_seq})
+    elif fields:
+        raise PlaitError(f"estimate_layout takes a Workload or its fields, not both: {', '.join(sorted(fields))}")
     if config is None:
-        return _params_only(_whole(params), layout, hw, node, timed=seq_len is not None)
-    layout.check_model(config)
-    memory = estimate_memory(config, layout)
-    step = estimate_time(config, layout, hw, node)
-    notes = [f"busiest rank: pipeline stage {memory.stage} of {layout.pp}"]
-    return _report(config.num_params(), layout, hw, node, memory.as_dict(),
-                   estimate_comm(config, layout), naive_comm(config, layout),
+        return _params_only(_whole(params), work, hw, node, timed=timed)
+    work.check_model(config)
+    memory = estimate_memory(config, work)
+    step = estimate_time(config, work, hw, node)
+    notes = [f"busiest rank: pipeline stage {memory.stage} of {work.pp}"]
+    return _report(config.num_params(), work, hw, node, memory.as_dict(),
+                   estimate_comm(config, work), naive_comm(config, work),
                    step.as_dict(), notes)
 
 
@@ -104,7 +102,7 @@ def _whole(params: object) -> int:
     return int(params)
 
 
-def _params_only(params: int, layout: Layout, hw: Hardware, node: int,
+def _params_only(params: int, layout: Workload, hw: Hardware, node: int,
                  timed: bool) -> dict[str, Any]:
     """The estimate for a model known only by its size."""
     if layout.tp != 1 or layout.pp != 1:
@@ -126,13 +124,13 @@ def _params_only(params: int, layout: Layout, hw: Hardware, node: int,
     return report
 
 
-def _report(params: int, layout: Layout, hw: Hardware, node: int, memory: dict[str, Any],
+def _report(params: int, layout: Workload, hw: Hardware, node: int, memory: dict[str, Any],
             comm: dict[str, dict[str, float]], naive: dict[str, Any],
             step: dict[str, float] | None, notes: list[str]) -> dict[str, Any]:
     """Assemble the JSON-ready answer."""
     return {
         "model": {"params": params},
-        "layout": {**asdict(layout), "gpus": layout.world, "hardware": hw.name,
+        "layout": {**layout.as_dict(), "gpus": layout.world, "hardware": hw.name,
                    "gpus_per_node": node},
         "memory": memory,
         "fits": memory["total"] <= hw.usable_bytes,

@@ -39,7 +39,7 @@ divided by t. Full recompute keeps only each block's input.
 
 from __future__ import annotations
 
-from plait.estimate.layout import Layout, StageShare
+from plait.estimate.layout import Workload, StageShare
 from plait.models.config import GPTConfig
 
 MASK_BYTES = 1  # a dropout mask is one byte per element
@@ -48,7 +48,7 @@ ID_BYTES = 8  # int64 token ids, kept by the embedding for its backward
 NORM_BYTES = 4  # RMSNorm computes in fp32 whatever the model's dtype
 
 
-def korthikanti_layer_bytes(config: GPTConfig, layout: Layout) -> float:
+def korthikanti_layer_bytes(config: GPTConfig, layout: Workload) -> float:
     """One GPT-2 block's saved bytes per micro-batch, in the paper's accounting.
 
     Per token: replicated 4h elements (two LayerNorm inputs, the QKV and MLP inputs) plus
@@ -66,7 +66,7 @@ def korthikanti_layer_bytes(config: GPTConfig, layout: Layout) -> float:
     return _combine(replicated, sharded + attention, layout, e * h)
 
 
-def llama_layer_bytes(config: GPTConfig, layout: Layout) -> float:
+def llama_layer_bytes(config: GPTConfig, layout: Workload) -> float:
     """One block of our model: saved bytes per micro-batch (see the module docstring)."""
     h, f, a = config.d_model, config.ffn_hidden, config.n_heads
     e = layout.compute_bytes
@@ -86,7 +86,7 @@ def rmsnorm_bytes(h: int, e: int) -> float:
     return NORM_BYTES * (h + 1) + 2 * e * h
 
 
-def _combine(replicated: float, sharded: float, layout: Layout, block_input: float) -> float:
+def _combine(replicated: float, sharded: float, layout: Workload, block_input: float) -> float:
     """Per-token bytes -> per-micro-batch bytes, applying tp, sp and full recompute."""
     t, tokens = layout.tp, layout.tokens_per_micro_batch
     if layout.recompute == "full":
@@ -98,14 +98,14 @@ def _combine(replicated: float, sharded: float, layout: Layout, block_input: flo
     return per_token * tokens
 
 
-def layer_bytes(config: GPTConfig, layout: Layout) -> float:
+def layer_bytes(config: GPTConfig, layout: Workload) -> float:
     """Saved bytes of one block for one micro-batch on one rank."""
     if config.arch == "gpt2":
         return korthikanti_layer_bytes(config, layout)
     return llama_layer_bytes(config, layout)
 
 
-def stage_extra_bytes(config: GPTConfig, layout: Layout, stage: StageShare) -> float:
+def stage_extra_bytes(config: GPTConfig, layout: Workload, stage: StageShare) -> float:
     """Saved outside the blocks, per micro-batch: token ids on the first stage, the final
     norm on the last (split by t only under SP)."""
     tokens, e, t = layout.tokens_per_micro_batch, layout.compute_bytes, layout.tp
@@ -119,7 +119,7 @@ def stage_extra_bytes(config: GPTConfig, layout: Layout, stage: StageShare) -> f
     return total
 
 
-def rope_table_bytes(config: GPTConfig, layout: Layout) -> float:
+def rope_table_bytes(config: GPTConfig, layout: Workload) -> float:
     """cos and sin, (max_seq_len, head_dim/2) each, saved by reference by every block's
     RoPE: one copy per rank, whatever the number of micro-batches in flight."""
     if config.arch == "gpt2":
@@ -127,7 +127,7 @@ def rope_table_bytes(config: GPTConfig, layout: Layout) -> float:
     return float(config.max_seq_len * config.head_dim * layout.compute_bytes)
 
 
-def loss_bytes(config: GPTConfig, layout: Layout) -> float:
+def loss_bytes(config: GPTConfig, layout: Workload) -> float:
     """Peak of the loss on the last stage, per micro-batch: the logits in the compute
     dtype, their fp32 copy and the fp32 log-softmax cross_entropy keeps for backward,
     over this rank's vocab shard."""
@@ -135,7 +135,7 @@ def loss_bytes(config: GPTConfig, layout: Layout) -> float:
     return float(layout.tokens_per_micro_batch * shard * (layout.compute_bytes + 4 + 4))
 
 
-def in_flight(layout: Layout, stage: StageShare) -> float:
+def in_flight(layout: Workload, stage: StageShare) -> float:
     """Micro-batches whose activations a stage holds at its peak.
 
     GPipe runs every forward before any backward: m. 1F1B lets stage r run p - r forwards
@@ -160,7 +160,7 @@ def in_flight(layout: Layout, stage: StageShare) -> float:
     return chunks / v
 
 
-def stage_activation_bytes(config: GPTConfig, layout: Layout, stage: StageShare) -> float:
+def stage_activation_bytes(config: GPTConfig, layout: Workload, stage: StageShare) -> float:
     """Peak activation bytes on one rank of `stage`."""
     per_micro_batch = stage.layers * layer_bytes(config, layout)
     per_micro_batch += stage_extra_bytes(config, layout, stage)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from typing import Any
 
 from plait.errors import PlaitError
@@ -65,7 +66,10 @@ def plan_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def estimate_main(argv: list[str]) -> int:
+ShapeOf = Callable[[str], GPTConfig]  # --model -> its shape (the families' answer: plait.families.shape_of)
+
+
+def estimate_main(argv: list[str], shape_of: ShapeOf) -> int:
     """`plait estimate ARGS`: print one layout's breakdown."""
     args = estimate_parser().parse_args(argv)
     if args.precision is None:
@@ -73,7 +77,7 @@ def estimate_main(argv: list[str]) -> int:
     if args.gpus is not None:
         _check_gpus(args.gpus, args)
     hardware = resolve_hardware(args.hardware, args.hardware_file)
-    config = _model(args.model) if args.model or args.params is None else None
+    config = _model(args.model, shape_of) if args.model or args.params is None else None
     result = estimate_layout(
         config, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero, offload=args.offload,
         precision=args.precision, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
@@ -85,11 +89,11 @@ def estimate_main(argv: list[str]) -> int:
     return 0
 
 
-def plan_main(argv: list[str]) -> int:
+def plan_main(argv: list[str], shape_of: ShapeOf) -> int:
     """`plait plan ARGS`: print the fastest layouts that fit."""
     args = plan_parser().parse_args(argv)
     hardware = resolve_hardware(args.hardware, args.hardware_file)
-    config = _model(args.model)
+    config = _model(args.model, shape_of)
     rows = plan(config, gpus=args.gpus, global_batch=args.global_batch, hardware=hardware,
                 gpus_per_node=args.gpus_per_node, seq_len=args.seq_len,
                 precision=args.precision, schedule=args.schedule, offload=args.offload,
@@ -103,20 +107,16 @@ def plan_main(argv: list[str]) -> int:
     return 0
 
 
-def _model(name: str | None) -> GPTConfig:
+def _model(name: str | None, shape_of: ShapeOf) -> GPTConfig:
     if not name:
         raise PlaitError("no model given", hint=f"pass --model, one of: {', '.join(MODELS)}, or hf:DIR")
-    from plait.models.hf_config import model_shape
-
-    return model_shape(name)  # a preset, or hf:DIR's config.json read as a shape
+    return shape_of(name)  # a preset, or hf:DIR's config.json read as a shape
 
 
 def _check_gpus(gpus: int, args: argparse.Namespace) -> None:
-    world = args.dp * args.tp * args.pp
-    if gpus != world:
-        raise PlaitError(
-            f"layout dp={args.dp} x tp={args.tp} x pp={args.pp} = {world} does not match "
-            f"--gpus {gpus}", hint=f"choose degrees whose product is {gpus}")
+    from plait.layout import Layout
+
+    Layout(dp=args.dp, tp=args.tp, pp=args.pp).check_world(gpus, "--gpus")
 
 
 def _emit(data: Any, as_json: bool, text: Any) -> None:

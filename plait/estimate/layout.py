@@ -1,61 +1,53 @@
-"""A layout to estimate, checked once, and the slice of the model each rank holds.
+"""What the estimator reads: a layout with the work of one step, and each rank's slice of the model.
 
-Every estimator takes a `Layout` and a `GPTConfig`; the checks that would otherwise be
-repeated in each of them (degrees positive, tp dividing the heads and the vocabulary,
-interleaving dividing the layers) run in `Layout.__post_init__` and `check_model`, each with
-a hint saying what to change. The choices and checks themselves live in `plait.rules`,
-shared with `plait train`, so an estimate is never of a layout training would refuse.
+`Workload` is the layout record (plait.layout.Layout: degrees, ZeRO, SP, schedule) with
+the batch, the sequence and the precision beside it, so every estimator takes one object
+and a `GPTConfig`. Everything a layout must satisfy runs in `__post_init__` through
+plait.rules (the same rules `plait train` and the API apply, so an estimate is never of a
+layout training would refuse); a model's own limits (tp dividing its heads and vocabulary,
+the pipeline cut dividing its layers) run in `check_model`, the family's checks.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 from plait.balance import balanced_counts
-from plait.errors import PlaitError
+from plait.layout import Layout
 from plait.models.config import GPTConfig
 from plait.rules import (DTYPE_BYTES, PRECISIONS, RECOMPUTE, REDUCE_DTYPES, SCHEDULES,  # noqa: F401
-                         check_combination, check_pipeline_shape, check_strategy_choices,
-                         check_tensor_parallel, default_reduce_dtype)
+                         check_microbatches, check_pipeline_cut, check_precision, check_recompute, check_whole,
+                         default_reduce_dtype)
 
 
 @dataclass(frozen=True)
-class Layout:
-    """Degrees of parallelism and the per-step shape of the work."""
+class Workload(Layout):
+    """A layout (plait.layout.Layout) and the per-step shape of the work it runs."""
 
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    zero: int = 0
-    offload: bool = False
     precision: str = "fp32"
     micro_batch: int = 1
     grad_accum: int = 1  # micro-batches per optimizer step (the pipeline's m)
     seq_len: int = 1024
     recompute: str = "none"
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    sp: bool = False
     reduce_dtype: str = ""  # "" = default_reduce_dtype(precision)
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "micro_batch", "grad_accum", "seq_len", "virtual_stages"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                flag = name.replace("_", "-")
-                raise PlaitError(f"--{flag} must be a whole number of at least 1, got {value!r}",
-                                 hint=f"pass --{flag} 1 or more")
-        check_strategy_choices(schedule=self.schedule, precision=self.precision, recompute=self.recompute,
-                               zero=self.zero, reduce_dtype=self.reduce_dtype)
-        check_combination(tp=self.tp, pp=self.pp, zero=self.zero, offload=self.offload, sp=self.sp,
-                          recompute=self.recompute, schedule=self.schedule)
-        check_pipeline_shape(None, pp=self.pp, virtual_stages=self.virtual_stages, schedule=self.schedule,
-                             microbatches=self.grad_accum)
+        super().__post_init__()
+        for name in ("micro_batch", "grad_accum", "seq_len"):
+            check_whole(name.replace("_", "-"), getattr(self, name))
+        check_precision(self.precision, self.reduce_dtype)
+        check_recompute(self, self.recompute)
+        check_microbatches(self.schedule, self.pp, self.grad_accum)
 
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp
+    @classmethod
+    def of(cls, layout: Layout, **work: Any) -> "Workload":
+        """`layout` (a run's, or the mesh's) with the work of one step."""
+        return cls(**{f.name: getattr(layout, f.name) for f in fields(Layout)}, **work)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
     @property
     def global_batch(self) -> int:
@@ -77,12 +69,11 @@ class Layout:
         return DTYPE_BYTES[self.reduce_dtype or default_reduce_dtype(self.precision)]
 
     def check_model(self, config: GPTConfig) -> None:
-        """Raise unless plait can train `config` in this layout: the same checks as
-        `plait train` (plait.rules): tp across heads, KV heads, vocabulary and MLP (the
-        sequence too under SP), pp x virtual stages across the layers."""
-        check_tensor_parallel(config, self.tp, self.sp, self.seq_len)
-        check_pipeline_shape(config.n_layers, pp=self.pp, virtual_stages=self.virtual_stages,
-                             schedule=self.schedule, microbatches=self.grad_accum)
+        """Raise unless plait can train `config` in this layout: its family's checks (tp
+        across heads, KV heads, vocabulary and MLP; the sequence too under SP) and the
+        pipeline cut of its layers, as `plait train` checks them."""
+        config.check_split(self.tp, self.sp, self.seq_len)
+        check_pipeline_cut(config.n_layers, self.pp, self.virtual_stages)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from plait.estimate.activations import loss_bytes, stage_activation_bytes
-from plait.estimate.layout import Layout, StageShare, stages, vocab_shard
+from plait.estimate.layout import Workload, StageShare, stages, vocab_shard
 from plait.models.config import GPTConfig
 
 ADAM_K = 12  # fp32 master weights + Adam m + Adam v, bytes per parameter
@@ -75,9 +75,12 @@ class Memory:
         return asdict(self)
 
 
-def model_states(params: int, unit_params: int, layout: Layout) -> Memory:
-    """Weights, gradients and optimizer state of `params` parameters under ZeRO."""
-    per = state_bytes(layout.precision)
+def model_states(params: int, unit_params: int, layout: Workload, per: StateBytes | None = None) -> Memory:
+    """Weights, gradients and optimizer state of `params` parameters under ZeRO: the ZeRO
+    paper's (p + g + K)Ψ, each term / dp once its stage shards it (a shard is a flat buffer's
+    1/dp, rounded up). `per` gives other bytes per parameter (another optimizer's K);
+    by default Adam's at the layout's precision (`state_bytes`)."""
+    per = per or state_bytes(layout.precision)
     n, zero = layout.dp, layout.zero
     weights = params * per.param
     grads = params * per.grad
@@ -96,7 +99,7 @@ def model_states(params: int, unit_params: int, layout: Layout) -> Memory:
     return Memory(params=weights, grads=grads, optim=optim, host=host)
 
 
-def buffers(params: int, layout: Layout) -> float:
+def buffers(params: int, layout: Workload) -> float:
     """Gradient scratch space outside the sharded state (model known by size alone).
 
     Plain DP and ZeRO-1 reduce gradients in place in their buckets (plait's .grad tensors
@@ -111,7 +114,7 @@ def buffers(params: int, layout: Layout) -> float:
     return whole if layout.grad_accum > 1 else min(2 * BUCKET_BYTES, whole)
 
 
-def stage_buffers(config: GPTConfig, layout: Layout, stage: StageShare) -> float:
+def stage_buffers(config: GPTConfig, layout: Workload, stage: StageShare) -> float:
     """`buffers`, plus the pipeline's receive buffers and the loss on the last stage.
 
     A stage keeps one receive buffer for activations and one for gradients (b·s·h each, a
@@ -127,7 +130,7 @@ def stage_buffers(config: GPTConfig, layout: Layout, stage: StageShare) -> float
     return total
 
 
-def gathered_params(config: GPTConfig, layout: Layout, stage: StageShare) -> int:
+def gathered_params(config: GPTConfig, layout: Workload, stage: StageShare) -> int:
     """What plait's ZeRO-3 holds whole at once on `stage`: the root unit for the whole
     forward and backward, plus the unit running and the one prefetched after it.
 
@@ -158,7 +161,7 @@ def device_total(memory: Memory) -> Memory:
     return memory
 
 
-def stage_memory(config: GPTConfig, layout: Layout, stage: StageShare) -> Memory:
+def stage_memory(config: GPTConfig, layout: Workload, stage: StageShare) -> Memory:
     """Every kind of bytes on one rank of one pipeline stage."""
     memory = model_states(stage.params, gathered_params(config, layout, stage), layout)
     memory.activations = stage_activation_bytes(config, layout, stage)
@@ -167,13 +170,13 @@ def stage_memory(config: GPTConfig, layout: Layout, stage: StageShare) -> Memory
     return device_total(memory)
 
 
-def estimate_memory(config: GPTConfig, layout: Layout) -> Memory:
+def estimate_memory(config: GPTConfig, layout: Workload) -> Memory:
     """The busiest rank's memory: the stage with the largest device total."""
     ranks = stages(config, layout.tp, layout.pp, layout.virtual_stages)
     return max((stage_memory(config, layout, s) for s in ranks), key=lambda m: m.total)
 
 
-def estimate_memory_params_only(params: int, layout: Layout) -> Memory:
+def estimate_memory_params_only(params: int, layout: Workload) -> Memory:
     """Model states for a model known only by its size: no activations, no gathered unit."""
     memory = model_states(params, 0, layout)
     memory.activations = None

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plait.estimate.hardware import Hardware
-from plait.estimate.layout import Layout, StageShare
+from plait.estimate.layout import Workload, StageShare
 from plait.models.config import GPTConfig
 
 EW_FWD = (39, 1, 5)  # elements per token per block: coefficients of h, kv, f
@@ -100,20 +100,20 @@ def attention_key(config: GPTConfig, micro_batch: int, seq: int, tp: int, precis
     return f"attn {dtype} b{micro_batch} a{config.n_heads // tp} s{seq} d{config.head_dim}"
 
 
-def attention_s(config: GPTConfig, layout: Layout, passes: float) -> tuple[float, float]:
+def attention_s(config: GPTConfig, layout: Workload, passes: float) -> tuple[float, float]:
     """(FLOPs, key) of the attention core for `passes` forward-equivalents on one block."""
     tokens = layout.micro_batch * layout.seq_len
     flops = 4.0 * tokens * layout.seq_len * config.d_model / layout.tp * passes
     return flops, attention_key(config, layout.micro_batch, layout.seq_len, layout.tp, layout.precision)
 
 
-def attention_time(config: GPTConfig, layout: Layout, hw: Hardware, passes: float) -> float:
+def attention_time(config: GPTConfig, layout: Workload, hw: Hardware, passes: float) -> float:
     flops, key = attention_s(config, layout, passes)
     rate = hw.gemm_tflops(key) * 1e12 or hw.peak_flops(layout.precision) * hw.attention_efficiency
     return flops / rate
 
 
-def elementwise_s(config: GPTConfig, layout: Layout, hw: Hardware, layers: float,
+def elementwise_s(config: GPTConfig, layout: Workload, hw: Hardware, layers: float,
                   outer: bool, backward: bool) -> float:
     """Memory-bound work: bytes moved over bandwidth, plus each op's fixed cost."""
     h, kv, f, t = config.d_model, config.kv_dim, config.ffn_hidden, layout.tp
@@ -131,7 +131,7 @@ def elementwise_s(config: GPTConfig, layout: Layout, hw: Hardware, layers: float
     return moved / hw.memory_bytes_per_s + count * hw.op_overhead_us * 1e-6 + cheap * hw.view_overhead_us * 1e-6
 
 
-def micro_batch_compute_s(config: GPTConfig, layout: Layout, stage: StageShare, hw: Hardware) -> float:
+def micro_batch_compute_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware) -> float:
     """Forward + backward (+ recompute) of one micro-batch on one rank of `stage`."""
     tokens = layout.micro_batch * layout.seq_len
     fwd = sum(gemm_s(g, layout.precision, hw) for g in block_gemms(config, tokens, layout.tp))
@@ -165,14 +165,14 @@ def model_tensors(stage: StageShare) -> int:
     return TENSORS_PER_BLOCK * stage.layers + int(stage.first) + 2 * int(stage.last)
 
 
-def stage_tensors(stage: StageShare, layout: Layout) -> int:
+def stage_tensors(stage: StageShare, layout: Workload) -> int:
     """Parameter tensors the optimizer loops over on one rank (ZeRO: flat shards, few)."""
     if layout.zero:
         return 2 * max(1, stage.layers) if layout.zero == 3 else 2
     return model_tensors(stage)
 
 
-def stage_pieces(stage: StageShare, layout: Layout) -> int:
+def stage_pieces(stage: StageShare, layout: Workload) -> int:
     """Gradient pieces one rank checks and clips: every tensor, or under ZeRO the pieces of
     the parameters its shard overlaps (about 1/dp of them, plus one cut at each end)."""
     tensors = model_tensors(stage)

@@ -17,11 +17,10 @@ from dataclasses import dataclass
 
 from plait.errors import PlaitError
 from plait.estimate.hardware import GIB, Hardware, resolve_hardware
-from plait.estimate.layout import Layout
+from plait.estimate.layout import Workload
 from plait.estimate.memory import estimate_memory
 from plait.estimate.time import estimate_time
 from plait.models.config import GPTConfig
-from plait.rules import check_tensor_parallel
 
 MAX_MICRO_BATCH = 64  # larger micro-batches only add memory once the GPU is saturated
 
@@ -66,7 +65,7 @@ def tp_degrees(request: PlanRequest) -> list[int]:
 def _splits(config: GPTConfig, tp: int) -> bool:
     """plait train's own check (heads, KV heads, vocabulary, MLP); SP's sequence check is per layout."""
     try:
-        check_tensor_parallel(config, tp)
+        config.check_split(tp)
     except PlaitError:
         return False
     return True
@@ -79,7 +78,7 @@ def zero_stages(precision: str, dp: int) -> tuple[int, ...]:
     return (0, 1, 2, 3) if dp > 1 else (0,)
 
 
-def candidates(request: PlanRequest) -> Iterator[Layout]:
+def candidates(request: PlanRequest) -> Iterator[Workload]:
     """Every valid layout for the request (before asking whether it fits)."""
     for tp in tp_degrees(request):
         for pp in divisors(request.gpus // tp):
@@ -91,7 +90,7 @@ def candidates(request: PlanRequest) -> Iterator[Layout]:
             yield from _variants(request, dp, tp, pp)
 
 
-def _variants(request: PlanRequest, dp: int, tp: int, pp: int) -> Iterator[Layout]:
+def _variants(request: PlanRequest, dp: int, tp: int, pp: int) -> Iterator[Workload]:
     per_replica = request.global_batch // dp
     micro_batches = [b for b in divisors(per_replica) if b <= MAX_MICRO_BATCH]
     zeros = zero_stages(request.precision, dp)
@@ -101,7 +100,7 @@ def _variants(request: PlanRequest, dp: int, tp: int, pp: int) -> Iterator[Layou
             for recompute in request.recompute:
                 for sp in sps:
                     try:  # combinations plait train refuses (zb-h1 with recompute) are skipped
-                        layout = Layout(dp=dp, tp=tp, pp=pp, zero=zero,
+                        layout = Workload(dp=dp, tp=tp, pp=pp, zero=zero,
                                         offload=request.offload and zero > 0,
                                         precision=request.precision, micro_batch=micro_batch,
                                         grad_accum=per_replica // micro_batch,
@@ -112,7 +111,7 @@ def _variants(request: PlanRequest, dp: int, tp: int, pp: int) -> Iterator[Layou
                     yield layout
 
 
-def _row(layout: Layout, memory: float, request: PlanRequest) -> dict[str, object]:
+def _row(layout: Workload, memory: float, request: PlanRequest) -> dict[str, object]:
     step = estimate_time(request.config, layout, request.hardware, request.gpus_per_node)
     return {
         "dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "zero": layout.zero,

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 
 from plait.estimate.traffic import ring_bytes, tp_collectives, tp_traffic
 from plait.estimate.hardware import Hardware
-from plait.estimate.layout import Layout, StageShare, stages
+from plait.estimate.layout import Workload, StageShare, stages
 from plait.estimate.memory import BUCKET_BYTES, shard, state_bytes
 from plait.estimate.ops import micro_batch_compute_s, optimizer_s, stage_pieces, stage_tensors
 from plait.models.config import GPTConfig
@@ -101,7 +101,7 @@ def flops_per_token(config: GPTConfig, seq_len: int, recompute: str = "none") ->
     return float(model), float(model + extra)
 
 
-def stage_flops_per_token(config: GPTConfig, layout: Layout, stage: StageShare) -> float:
+def stage_flops_per_token(config: GPTConfig, layout: Workload, stage: StageShare) -> float:
     """Hardware FLOPs one rank of `stage` spends per token (its layers, /tp, plus the head)."""
     h, s = config.d_model, layout.seq_len
     block, attn = config.layer_params(), 4 * h * s
@@ -121,13 +121,13 @@ def collective_s(op: str, payload: float, n: int, hw: Hardware, inter: bool, cou
     return count * steps * latency + ring_bytes(op, payload, n) / bandwidth
 
 
-def inter_node(layout: Layout, gpus_per_node: int) -> dict[str, bool]:
+def inter_node(layout: Workload, gpus_per_node: int) -> dict[str, bool]:
     """Whether each axis's group (and the whole world) spans nodes, with ranks numbered tp fastest."""
     span = {"tp": layout.tp, "dp": layout.tp * layout.dp, "pp": layout.world, "world": layout.world}
     return {axis: size > gpus_per_node for axis, size in span.items()}
 
 
-def tp_s(config: GPTConfig, layout: Layout, stage: StageShare, hw: Hardware, inter: bool) -> float:
+def tp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: bool) -> float:
     """Tensor-parallel seconds per micro-batch on `stage` (never overlapped)."""
     t = layout.tp
     if t == 1:
@@ -139,7 +139,7 @@ def tp_s(config: GPTConfig, layout: Layout, stage: StageShare, hw: Hardware, int
     return steps * latency + wire / bandwidth
 
 
-def pp_s(config: GPTConfig, layout: Layout, stage: StageShare, hw: Hardware, inter: bool) -> float:
+def pp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: bool) -> float:
     """Seconds of sends per micro-batch on `stage` (activations forward, gradients back)."""
     if layout.pp == 1:
         return 0.0
@@ -150,7 +150,7 @@ def pp_s(config: GPTConfig, layout: Layout, stage: StageShare, hw: Hardware, int
     return sends * (latency + message / bandwidth)
 
 
-def dp_exposed_s(params: int, unit: int, layout: Layout, hw: Hardware, inter: bool,
+def dp_exposed_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: bool,
                  compute_mb: float, forward_share: float) -> float:
     """Data-parallel seconds left after overlap with compute (see module docstring).
 
@@ -178,7 +178,7 @@ def dp_exposed_s(params: int, unit: int, layout: Layout, hw: Hardware, inter: bo
     return m * (max(first, gather - fwd) + max(first, gather - bwd)) + reduce
 
 
-def offload_s(params: int, layout: Layout, hw: Hardware) -> float:
+def offload_s(params: int, layout: Workload, hw: Hardware) -> float:
     """PCIe round trip of the shard plus the host Adam step."""
     if not layout.offload:
         return 0.0
@@ -192,7 +192,7 @@ def _forward_share(recompute: str) -> float:
     return {"none": 1 / 3, "selective": 1 / 3, "full": 1 / 4}[recompute]
 
 
-def estimate_time(config: GPTConfig, layout: Layout, hw: Hardware, gpus_per_node: int) -> StepTime:
+def estimate_time(config: GPTConfig, layout: Workload, hw: Hardware, gpus_per_node: int) -> StepTime:
     """Step time of the busiest pipeline stage, with the bubble, DP sync, the optimizer,
     offload and the loop's own overhead."""
     links = inter_node(layout, gpus_per_node)
@@ -213,21 +213,21 @@ def estimate_time(config: GPTConfig, layout: Layout, hw: Hardware, gpus_per_node
                      offload_s(stage.params, layout, hw), step, overhead_s(layout, hw, gpus_per_node))
 
 
-def clip_s(layout: Layout, hw: Hardware, links: dict[str, bool]) -> float:
+def clip_s(layout: Workload, hw: Hardware, links: dict[str, bool]) -> float:
     """All-reduces of a few bytes around the update: the step guard's verdict over every
     rank, and the gradient norm over ZeRO's dp group, tp and pp."""
     groups = [("world", layout.world), ("dp", layout.dp if layout.zero else 1), ("tp", layout.tp), ("pp", layout.pp)]
     return sum(collective_s("all_reduce", 16, n, hw, links[axis]) for axis, n in groups)
 
 
-def overhead_s(layout: Layout, hw: Hardware, gpus_per_node: int) -> float:
+def overhead_s(layout: Workload, hw: Hardware, gpus_per_node: int) -> float:
     """The loop's own cost: bookkeeping, and its telemetry all-reduces over every rank."""
     telemetry = collective_s("all_reduce", TELEMETRY_BYTES, layout.world, hw,
                              inter_node(layout, gpus_per_node)["world"], count=2)
     return hw.step_overhead_us * 1e-6 + telemetry
 
 
-def estimate_time_params_only(params: int, layout: Layout, hw: Hardware,
+def estimate_time_params_only(params: int, layout: Workload, hw: Hardware,
                               gpus_per_node: int) -> StepTime:
     """Step time of a model known only by its size: 6Ψ per token, DP/ZeRO traffic only."""
     rate = hw.peak_flops(layout.precision) * hw.compute_efficiency
@@ -240,7 +240,24 @@ def estimate_time_params_only(params: int, layout: Layout, hw: Hardware,
                      offload_s(params, layout, hw), step, overhead_s(layout, hw, gpus_per_node))
 
 
-def bubble_micro_batches(layout: Layout) -> float:
+def estimate_time_measured_compute(params: int, tensors: int, compute_s: float, flops_per_sample: float,
+                                   layout: Workload, hw: Hardware, gpus_per_node: int,
+                                   blocking_dp: list[tuple[str, float, float]] = ()) -> StepTime:
+    """Step time of a data-parallel model whose forward and backward of one micro-batch the
+    caller has costed (`compute_s`: a CNN's convolutions, plait/estimate/cnn.py) with
+    `tensors` parameter tensors: DP/ZeRO traffic, offload and the update as for any model,
+    plus `blocking_dp`: (op, payload bytes, calls per step) of collectives over dp that the
+    step waits for (BatchNorm's). A "token" of the result is one sample (seq_len 1)."""
+    inter = inter_node(layout, gpus_per_node)["dp"]
+    dp = dp_exposed_s(params, 0, layout, hw, inter, compute_s, 1 / 3)
+    dp += sum(collective_s(op, payload, layout.dp, hw, inter) * calls for op, payload, calls in blocking_dp)
+    owned = shard(params, layout.dp) if layout.zero else params
+    step = 0.0 if layout.offload else optimizer_s(owned, tensors, hw)
+    return _assemble(layout, hw, flops_per_sample, flops_per_sample, (compute_s, 0.0, 0.0), dp,
+                     offload_s(params, layout, hw), step, overhead_s(layout, hw, gpus_per_node))
+
+
+def bubble_micro_batches(layout: Workload) -> float:
     """Idle time of a pipeline step, in micro-batch times: p - 1 for GPipe and 1F1B,
     (p - 1)/v interleaved, and (p - 1)/3 for ZB-H1, whose deferred weight gradients (a
     third of a micro-batch's work when backward is twice forward) fill the rest."""
@@ -254,7 +271,7 @@ def bubble_micro_batches(layout: Layout) -> float:
     return float(p - 1)
 
 
-def _assemble(layout: Layout, hw: Hardware, model: float, hardware: float,
+def _assemble(layout: Workload, hw: Hardware, model: float, hardware: float,
               micro_batch: tuple[float, float, float], dp: float, offload: float,
               optimizer: float = 0.0, overhead: float = 0.0) -> StepTime:
     """Pipeline slots x micro-batch time, plus what is not overlapped, -> StepTime."""

@@ -13,7 +13,7 @@ Each axis's figure is the largest over the ranks, as `metrics.jsonl` reports max
 
 from __future__ import annotations
 
-from plait.estimate.layout import Layout, StageShare, stages, vocab_shard
+from plait.estimate.layout import Workload, StageShare, stages, vocab_shard
 from plait.estimate.memory import state_bytes
 from plait.models.config import GPTConfig
 from plait.wire import ring_bytes  # the ring formula's one home, shared with runtime/
@@ -28,7 +28,7 @@ def _add(traffic: Traffic, axis: str, op: str, payload: float, n: int, times: fl
         axis_ops[op] = axis_ops.get(op, 0.0) + wire
 
 
-def dp_traffic(params: int, layout: Layout) -> Traffic:
+def dp_traffic(params: int, layout: Workload) -> Traffic:
     """Data-parallel traffic for a rank holding `params` parameters.
 
     Plain DP and ZeRO-1 sync once per optimizer step: accumulation runs the other
@@ -49,7 +49,7 @@ def dp_traffic(params: int, layout: Layout) -> Traffic:
     return out
 
 
-def tp_collectives(layout: Layout, stage: StageShare) -> dict[str, int]:
+def tp_collectives(layout: Workload, stage: StageShare) -> dict[str, int]:
     """Collectives of b·s·h activations per micro-batch on one rank of `stage`.
 
     Per block: two all-reduces forward (leaving attention's and the MLP's row-parallel
@@ -71,7 +71,7 @@ def tp_collectives(layout: Layout, stage: StageShare) -> dict[str, int]:
             "reduce_scatter": blocks * (5 if full else 4) + first + last}
 
 
-def tp_traffic(config: GPTConfig, layout: Layout, stage: StageShare) -> Traffic:
+def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffic:
     """Megatron tensor-parallel traffic on one rank of `stage`, per step.
 
     Besides `tp_collectives`: the vocab-parallel cross-entropy all-reduces three fp32
@@ -92,7 +92,7 @@ def tp_traffic(config: GPTConfig, layout: Layout, stage: StageShare) -> Traffic:
     return out
 
 
-def pp_messages(layout: Layout, stage: StageShare) -> int:
+def pp_messages(layout: Workload, stage: StageShare) -> int:
     """Activations sent (forward) plus gradients sent (backward) per micro-batch.
 
     With v chunks per rank every chunk sends forward unless it is the model's last and
@@ -102,7 +102,7 @@ def pp_messages(layout: Layout, stage: StageShare) -> int:
     return (v - (1 if stage.last else 0)) + (v - (1 if stage.first else 0))
 
 
-def pp_traffic(config: GPTConfig, layout: Layout, stage: StageShare) -> Traffic:
+def pp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffic:
     """Point-to-point traffic between pipeline stages: b·s·h·bytes per message (a
     sequence shard of it under SP). With tied embeddings the first and last rank each hold
     a copy of the embedding and swap their gradients once per step (a send and a recv):
@@ -135,7 +135,7 @@ def merge_max(parts: list[Traffic]) -> Traffic:
     return out
 
 
-def estimate_comm(config: GPTConfig, layout: Layout) -> Traffic:
+def estimate_comm(config: GPTConfig, layout: Workload) -> Traffic:
     """`{axis: {op: bytes}}` per rank per optimizer step, largest over ranks."""
     per_rank = []
     for stage in stages(config, layout.tp, layout.pp, layout.virtual_stages):
@@ -146,7 +146,7 @@ def estimate_comm(config: GPTConfig, layout: Layout) -> Traffic:
     return merge_max(per_rank)
 
 
-def naive_comm(config: GPTConfig | None, layout: Layout,
+def naive_comm(config: GPTConfig | None, layout: Workload,
                params: int | None = None) -> dict[str, dict[str, object]]:
     """The seeds' totals beside plait's, per step, summed over one group of each axis.
 

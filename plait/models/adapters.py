@@ -1,10 +1,15 @@
-"""Which adapter (plait.parallel.seam) serves a model plait did not build: picked by class.
+"""Which adapter (plait.parallel.seam) serves a model plait did not build.
 
 plait's own models declare theirs on the class (`plait_adapter`), which the strategies read
 directly. A model from transformers cannot, so the top-level `plait.parallelize`
-(plait/api.py) looks its class up here and passes the adapter down; `plait.parallel` never
-imports this package. The table names classes and modules as strings: nothing is imported,
-transformers included, until a model of that family is in hand.
+(plait/api.py) asks here and passes the adapter down; `plait.parallel` never imports this
+package:
+
+- a transformers model that declares a tensor- or pipeline-parallel plan (`tp_plan`,
+  `pp_plan`: every Llama-like causal LM of transformers 5) gets `DeclaredPlanAdapter`, which
+  answers from those declarations alone (plait/models/hf_plans.py);
+- GPT-2, which declares nothing, gets its hand-written adapter (plait/models/hf_gpt2.py);
+- anything else gets None: the generic answers (data parallelism and ZeRO for any module).
 """
 
 from __future__ import annotations
@@ -14,20 +19,20 @@ from typing import Any
 
 from torch import nn
 
-# transformers class name -> "module:adapter class" (one adapter per family of one layout)
-FAMILIES: dict[str, str] = {
-    "LlamaForCausalLM": "plait.models.hf_llama:LlamaAdapter",
-    "MistralForCausalLM": "plait.models.hf_llama:LlamaAdapter",
-    "Qwen2ForCausalLM": "plait.models.hf_llama:LlamaAdapter",
-    "GPT2LMHeadModel": "plait.models.hf_gpt2:GPT2Adapter",
-}
+HAND_WRITTEN = {"GPT2LMHeadModel": "plait.models.hf_gpt2:GPT2Adapter"}  # transformers class -> adapter
 
 
 def adapter_for(model: nn.Module) -> Any | None:
-    """The adapter of `model`'s family (its class or a base class in FAMILIES), or None."""
-    for cls in type(model).__mro__:
-        where = FAMILIES.get(cls.__name__)
-        if where is not None and cls.__module__.startswith("transformers."):
-            module, name = where.split(":")
+    """The adapter of a transformers `model` (see the module docstring), or None."""
+    classes = [cls for cls in type(model).__mro__ if cls.__module__.startswith("transformers.")]
+    if not classes:
+        return None
+    from plait.models.hf_plans import DeclaredPlanAdapter, declares_plans
+
+    if declares_plans(model):
+        return DeclaredPlanAdapter()
+    for cls in classes:
+        if cls.__name__ in HAND_WRITTEN:
+            module, name = HAND_WRITTEN[cls.__name__].split(":")
             return getattr(importlib.import_module(module), name)()
     return None

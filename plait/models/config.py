@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from plait.errors import PlaitError
+from plait.rules import check_divides, check_sequence_split
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,20 @@ class GPTConfig:
         else:
             total += h
         return total
+
+    def check_split(self, tp: int, sp: bool = False, seq_len: int | None = None) -> None:
+        """The decoder splits whole heads, whole KV heads, the vocabulary and the MLP evenly
+        over tp; under SP the sequence too. The vocabulary is not padded: pad it in the model
+        instead (`--model NAME,vocab_size=N`). The family's own limits: the layout's rules
+        are plait.rules'."""
+        for what, size, why in (("n_heads", self.n_heads, "each rank holds whole attention heads"),
+                                ("n_kv_heads", self.n_kv_heads, "each rank holds whole key/value heads"),
+                                ("vocab_size", self.vocab_size, "each rank holds V/tp rows of the vocabulary"),
+                                ("ffn_hidden", self.ffn_hidden, "each rank holds ffn_hidden/tp MLP units")):
+            pad = f", or pad the vocabulary to {size + (-size % tp)}" if what == "vocab_size" else ""
+            check_divides(what, size, tp, why, pad)
+        if seq_len is not None:
+            check_sequence_split(seq_len, tp, sp)
 
     def num_params(self) -> int:
         """Exact parameter count of the model this config builds (tied weights counted once)."""

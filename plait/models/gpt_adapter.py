@@ -15,7 +15,6 @@ from torch import nn
 
 from plait.parallel.seam import Parts, StageView
 from plait.parallel.tensor.loss import gather_vocab
-from plait.rules import check_tensor_parallel
 from plait.runtime.comm import Axis
 
 GPT_PLAN: dict[str, str] = {
@@ -60,7 +59,7 @@ class GPTAdapter:
         return x
 
     def tensor_plan(self, model: nn.Module, tp: int, sp: bool) -> dict[str, str]:
-        check_tensor_parallel(model.config, tp, sp)  # one home: plait.rules, shared with the estimator
+        model.config.check_split(tp, sp)  # one home: the shape's own check, shared with the estimator
         return GPT_PLAN
 
     def after_tensor_parallel(self, model: nn.Module, axis: Axis, sp: bool) -> None:

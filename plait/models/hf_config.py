@@ -1,6 +1,7 @@
 """A local Hugging Face model directory (`--model hf:DIR`), read without torch or transformers.
 
-    DIR/config.json                       required: the architecture (model_type, sizes)
+    DIR/config.json                       required: the architecture (model_type, sizes): any
+                                          causal LM transformers builds (plait.train.hf_check)
     DIR/model.safetensors                 optional: the weights to start from; or
     DIR/model.safetensors.index.json      with the shards it names (model-00001-of-00002...)
     DIR/generation_config.json            optional, like tokenizer_config.json and
@@ -9,8 +10,10 @@
 
 Everything here is JSON and file names, so `plait train` checks the directory, and `plait
 estimate` sizes the model, before any process starts. `shape()` describes the model as a
-GPTConfig (the shape every memory and time formula of `plait estimate` reads); building the
-model itself is plait.models.hf_load's. Nothing is ever downloaded.
+GPTConfig (the shape every memory and time formula of `plait estimate` reads), from the
+sizes decoder configs name under a few common spellings; a config that names none of them
+has no shape (data parallelism and ZeRO need none; the estimate is then by parameter count).
+Building the model itself is plait.models.hf_load's. Nothing is ever downloaded.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ GENERATION, TOKENIZER = "generation_config.json", "tokenizer.json"
 # Carried, when DIR has them, into checkpoints and the export: what from_pretrained and
 # AutoTokenizer read beside the weights.
 COMPANIONS = (GENERATION, "tokenizer_config.json", "special_tokens_map.json")
-# model_type -> the block it has (llama: RMSNorm, RoPE, SwiGLU; gpt2: LayerNorm, learned positions).
-FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2"}
+# The sizes a decoder's config.json names, each under the spellings transformers' configs use.
+SIZES = {"layers": ("num_hidden_layers", "n_layer", "num_layers"), "hidden": ("hidden_size", "n_embd", "d_model"),
+         "heads": ("num_attention_heads", "n_head"), "positions": ("max_position_embeddings", "n_positions")}
 
 
 def is_hf(spec: str) -> bool:
@@ -48,36 +52,53 @@ class HFModelDir:
     tokenizer: Path | None
 
     @property
-    def family(self) -> str:
-        return FAMILIES[self.config["model_type"]]
+    def model_type(self) -> str:
+        return str(self.config["model_type"])
 
     @property
     def vocab_size(self) -> int:
         return int(self.config["vocab_size"])
 
+    def size(self, what: str) -> int | None:
+        """A size by its meaning ("layers", "hidden", "heads", "positions"), or None."""
+        for key in SIZES[what]:
+            if isinstance(self.config.get(key), int):
+                return int(self.config[key])
+        return None
+
     def shape(self) -> GPTConfig:
-        """The model's shape in plait's terms, for estimates, reports and layout checks."""
+        """The model's shape in plait's terms, for estimates, reports and layout checks: a
+        GPT-2 block for gpt2, a Llama block (RMSNorm, RoPE, SwiGLU) for any other decoder."""
         c, spec = self.config, f"{PREFIX}{self.path}"
+        sizes = {what: self.size(what) for what in SIZES}
+        missing = [SIZES[what][0] for what, size in sizes.items() if size is None]
+        if missing:
+            raise PlaitError(f"--model {spec}: {CONFIG} names no {', '.join(missing)} (model_type "
+                             f"{self.model_type!r}), so plait knows only its parameter count",
+                             hint="train it with data parallelism or ZeRO; tensor and pipeline parallelism "
+                                  "and the shape-based estimates need these sizes")
+        hidden, heads = sizes["hidden"], sizes["heads"]
         try:
-            if self.family == "gpt2":
-                hidden = int(c["n_embd"])
-                return GPTConfig(vocab_size=self.vocab_size, n_layers=int(c["n_layer"]), d_model=hidden,
-                                 n_heads=int(c["n_head"]), n_kv_heads=int(c["n_head"]),
-                                 ffn_hidden=int(c.get("n_inner") or 4 * hidden), max_seq_len=int(c["n_positions"]),
-                                 tie_embeddings=bool(c.get("tie_word_embeddings", True)), arch="gpt2")
-            heads = int(c["num_attention_heads"])
+            if self.model_type == "gpt2":
+                return GPTConfig(vocab_size=self.vocab_size, n_layers=sizes["layers"], d_model=hidden, n_heads=heads,
+                                 n_kv_heads=heads, ffn_hidden=int(c.get("n_inner") or 4 * hidden),
+                                 max_seq_len=sizes["positions"], tie_embeddings=bool(c.get("tie_word_embeddings", True)),
+                                 arch="gpt2")
             rope = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-            return GPTConfig(vocab_size=self.vocab_size, n_layers=int(c["num_hidden_layers"]),
-                             d_model=int(c["hidden_size"]), n_heads=heads,
+            return GPTConfig(vocab_size=self.vocab_size, n_layers=sizes["layers"], d_model=hidden, n_heads=heads,
                              n_kv_heads=int(c.get("num_key_value_heads") or heads),
-                             ffn_hidden=int(c["intermediate_size"]), max_seq_len=int(c["max_position_embeddings"]),
+                             ffn_hidden=int(c.get("intermediate_size") or 4 * hidden), max_seq_len=sizes["positions"],
                              tie_embeddings=bool(c.get("tie_word_embeddings", False)), rope_theta=float(rope),
                              norm_eps=float(c.get("rms_norm_eps", 1e-6)))
-        except KeyError as exc:
-            raise PlaitError(f"--model {spec}: {CONFIG} has no {exc.args[0]!r}",
-                             hint=f"a {c['model_type']} config.json names every size; write it with save_pretrained") from None
         except (TypeError, ValueError) as exc:
             raise PlaitError(f"--model {spec}: {CONFIG} has a size that is not a number ({exc})") from None
+
+    def shape_or_none(self) -> GPTConfig | None:
+        """`shape()`, or None for a config that does not name a decoder's sizes."""
+        try:
+            return self.shape()
+        except PlaitError:
+            return None
 
 
 def read_hf_dir(spec: str) -> HFModelDir:
@@ -87,10 +108,9 @@ def read_hf_dir(spec: str) -> HFModelDir:
         raise PlaitError(f"--model {spec}: {path} is not a directory",
                          hint="give hf:DIR, a local directory holding config.json (nothing is downloaded)")
     config = _read_config(path, spec)
-    model_type = config.get("model_type")
-    if model_type not in FAMILIES:
-        raise PlaitError(f"--model {spec}: model_type {model_type!r} in {path / CONFIG} is not one plait trains",
-                         hint=f"plait trains these transformers families: {', '.join(FAMILIES)}")
+    if not isinstance(config.get("model_type"), str):
+        raise PlaitError(f"--model {spec}: {path / CONFIG} names no model_type",
+                         hint="write the config with save_pretrained: it records which transformers class to build")
     if not isinstance(config.get("vocab_size"), int) or config["vocab_size"] < 1:
         raise PlaitError(f"--model {spec}: {path / CONFIG} has no positive integer vocab_size")
     tokenizer = path / TOKENIZER

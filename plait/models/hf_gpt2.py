@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.models.hf_hooks import check_splits, hidden_in
+from plait.models.hf_hooks import check_splits, split_sequence_around
+from plait.models.hf_stages import causal_masks
 from plait.parallel.seam import Parts
-from plait.parallel.tensor import regions
 from plait.runtime.comm import Axis
 
 BLOCKS = "transformer.h"
@@ -103,15 +103,9 @@ class GPT2Adapter:
             block.attn.split_size = block.attn.embed_dim = config.n_embd // tp
             block.attn.num_heads = config.n_head // tp
         if sp and tp > 1:
-            blocks = self.blocks(model)
-            blocks[0].register_forward_pre_hook(hidden_in(lambda x: regions.scatter_to_sequence(x, axis)),
-                                                with_kwargs=True)
-            blocks[-1].register_forward_hook(lambda module, args, out: regions.gather_to_replicated(out, axis))
+            split_sequence_around(self.blocks(model), axis)
 
 
 def _causal_mask(config: Any, whole: torch.Tensor, positions: torch.Tensor) -> Any:
     """The mask GPT2Model makes (None where attention can be told `is_causal`)."""
-    from transformers.masking_utils import create_causal_mask  # only with a GPT-2 in hand
-
-    return create_causal_mask(config=config, inputs_embeds=whole, attention_mask=None, past_key_values=None,
-                              position_ids=positions)
+    return causal_masks(config, whole, positions, {"full_attention"})["full_attention"]

@@ -1,11 +1,10 @@
-"""What the transformers adapters (hf_llama.py, hf_gpt2.py) share: hooks and a check; no
+"""What the transformers adapters (hf_plans.py, hf_gpt2.py) share: hooks and a check; no
 transformers import."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from plait.errors import PlaitError
@@ -26,12 +25,19 @@ def hidden_in(change: Any) -> Any:
     return hook
 
 
-def gather_logits(local: torch.Tensor, axis: Axis) -> torch.Tensor:
-    """(batch, seq, V/tp) logits of a vocabulary-split head -> (batch, seq, V) on every rank.
+def map_hidden(out: Any, change: Any) -> Any:
+    """`change` applied to a layer's output hidden states (alone, or first of a tuple)."""
+    return (change(out[0]), *out[1:]) if isinstance(out, tuple) else change(out)
 
-    Differentiable: backward keeps this rank's slice of the gradient, which is exact because
-    every rank computes the same loss from the same whole logits."""
-    return regions.gather_to_replicated(local.transpose(1, 2), axis).transpose(1, 2).contiguous()
+
+def split_sequence_around(blocks: list[nn.Module], axis: Axis) -> None:
+    """Sequence parallelism around a run of blocks: the first keeps this rank's slice of its
+    input, the last gathers its output again, so the model's own code around them
+    (positions, masks, the final norm, the head) sees the whole sequence."""
+    blocks[0].register_forward_pre_hook(hidden_in(lambda x: regions.scatter_to_sequence(x, axis)),
+                                        with_kwargs=True)
+    blocks[-1].register_forward_hook(lambda module, args, out: map_hidden(
+        out, lambda x: regions.gather_to_replicated(x, axis)))
 
 
 def check_splits(model: nn.Module, tp: int, sizes: list[tuple[str, int]]) -> None:

@@ -1,4 +1,8 @@
-"""`parallelize`: apply the strategies a `ParallelConfig` asks for, in one fixed order.
+"""`parallelize`: apply the strategies the mesh's layout names, in one fixed order.
+
+The layout (plait.layout: degrees, ZeRO stage and offload, SP, the pipeline's virtual
+stages) comes with the mesh; `ParallelConfig` holds what is not a layout: bucket size,
+recomputation, the reduce dtype, a tensor-parallel plan, SyncBatchNorm.
 
 The order is the one every strategy assumes of the others, and any product of them runs:
 
@@ -34,22 +38,17 @@ from plait.parallel.data.syncbn import convert_sync_batchnorm
 from plait.parallel.tensor.plan import apply_tensor_parallel, tensor_parallel_of
 from plait.parallel.zero.stages import apply_zero, zero_of
 from plait.parallel.zero.optim import ZeroOptimizer
+from plait.rules import RECOMPUTE, check_choice, check_recompute
 from plait.runtime.mesh import Mesh
 
-__all__ = ["ParallelConfig", "ZERO_STAGES", "build_optimizer", "clip_grad_norm", "parallelize"]
-
-ZERO_STAGES = (0, 1, 2, 3)
+__all__ = ["ParallelConfig", "build_optimizer", "clip_grad_norm", "parallelize"]
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How to spread a model over the mesh (the degrees themselves live in the mesh)."""
+    """What the strategies need besides the layout (which the mesh carries: plait.layout)."""
 
     bucket_mb: float = 25.0  # size of a gradient bucket: one all-reduce (or reduce-scatter) per bucket
-    zero: int = 0  # 0: replicate everything (DDP); 1: shard optimizer states; 2: + gradients; 3: + parameters
-    offload: bool = False  # keep optimizer states, and run the optimizer step, in CPU memory
-    sp: bool = False  # sequence parallelism in the tensor-parallel norm regions
-    virtual_stages: int = 1  # pipeline chunks per pp rank (interleaved schedules)
     recompute: str = "none"  # "full": keep each block's input only, rerun the block in backward;
     # "selective": rerun only the attention core
     reduce_dtype: torch.dtype | None = None  # gradients cross dp in this dtype (None: their own)
@@ -59,18 +58,12 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.bucket_mb <= 0:
             raise PlaitError(f"--bucket-mb must be positive, got {self.bucket_mb}")
-        if self.zero not in ZERO_STAGES:
-            raise PlaitError(
-                f"--zero must be 0, 1, 2 or 3, got {self.zero}",
-                hint="0: plain data parallelism, 1: shard optimizer states, 2: also gradients, 3: also parameters")
-        if self.offload and self.zero == 0:
-            raise PlaitError("--offload needs a ZeRO stage: it moves the sharded optimizer to the CPU",
-                             hint="add --zero 1 (or 2, 3)")
+        check_choice("recompute", self.recompute, RECOMPUTE)
 
 
 def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = None,
                 adapter: ModelAdapter | None = None) -> nn.Module:
-    """Apply the configured strategies to `model`; return what this rank trains.
+    """Apply the strategies of `mesh.layout` to `model`; return what this rank trains.
 
     That is `model` itself (moved to this rank's device, changed in place), or with pp > 1
     the ModuleList of this rank's pipeline stages, for a `PipelineRunner`. Stages already
@@ -79,7 +72,8 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = No
     blocks, where to cut it, its tp plan); by default the model's class says, or its module
     lists do. `config.tp_plan`, when given, replaces the adapter's plan.
     """
-    config = config or ParallelConfig()
+    config, layout = config or ParallelConfig(), mesh.layout
+    check_recompute(layout, config.recompute)
     adapter = adapter_of(model, adapter)
     if config.sync_bn and mesh.size("dp") > 1 and convert_sync_batchnorm(model, mesh.axis("dp")) == 0:
         raise PlaitError(f"sync_bn is set, and {type(model).__name__} has no BatchNorm layers",
@@ -94,15 +88,15 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = No
         # TP broadcasts the whole model over tp before slicing it, so it moves to the device
         # first (NCCL sends device memory); without TP only this rank's stages move.
         model.to(mesh.device)
-        apply_tensor_parallel(model, mesh.axis("tp"), plan=config.tp_plan, sp=config.sp, adapter=adapter)
+        apply_tensor_parallel(model, mesh.axis("tp"), plan=config.tp_plan, sp=layout.sp, adapter=adapter)
     if mesh.size("pp") > 1 and not cut:
-        model = apply_pipeline(model, mesh, virtual_stages=config.virtual_stages, adapter=adapter)
+        model = apply_pipeline(model, mesh, virtual_stages=layout.virtual_stages, adapter=adapter)
     model.to(mesh.device)
-    if config.zero == 0:
+    if layout.zero == 0:
         apply_data_parallel(model, mesh.axis("dp"), bucket_mb=config.bucket_mb, reduce_dtype=config.reduce_dtype)
     else:
-        units = adapter.blocks(model) if config.zero == 3 and not is_pipeline(model) else None
-        apply_zero(model, mesh.axis("dp"), stage=config.zero, offload=config.offload, bucket_mb=config.bucket_mb,
+        units = adapter.blocks(model) if layout.zero == 3 and not is_pipeline(model) else None
+        apply_zero(model, mesh.axis("dp"), stage=layout.zero, offload=layout.offload, bucket_mb=config.bucket_mb,
                    units=units, reduce_dtype=config.reduce_dtype)
     return model
 

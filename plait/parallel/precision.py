@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from plait.errors import PlaitError
-from plait.rules import PRECISIONS, default_reduce_dtype
+from plait.rules import PRECISIONS, check_precision, default_reduce_dtype  # noqa: F401
 from plait.parallel.clip import GradientSquares, clip_grad_norm, gradient_squares, held_gradients
 from plait.runtime import comm
 from plait.runtime.comm import Axis
@@ -110,14 +110,13 @@ class LossScaler:
 class StepGuard:
     """Everything between backward and the optimizer step that precision decides.
 
-    `step()` agrees on the verdict over `world`, then either steps the optimizer (unscaling
-    and clipping in fp32 on the way) or skips the step everywhere, or raises on every rank.
+    `clip()` agrees on the verdict over `world`, then unscales and clips (in fp32), or says
+    that every rank skips the step, or raises on every rank; the optimizer steps after it.
     """
 
     def __init__(self, precision: str, world: Axis, device: torch.device, *, skip_nonfinite: bool = False,
                  loss_scale: float = INITIAL_SCALE):
-        if precision not in PRECISIONS:
-            raise PlaitError(f"unknown --precision {precision!r}", hint=f"choose one of: {', '.join(PRECISIONS)}")
+        check_precision(precision)
         self.precision, self.world, self.device, self.skip_nonfinite = precision, world, device, skip_nonfinite
         self.scaler = LossScaler.for_precision(precision, loss_scale)
 
@@ -128,11 +127,14 @@ class StepGuard:
             return scale_grad(loss, self.scaler.scale) if loss.requires_grad else loss
         return scaled
 
-    def step(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, loss: float | None,
-             max_norm: float) -> tuple[float, bool]:
-        """Step the optimizer if every rank's gradients are finite; return (grad norm, stepped).
-        `loss` is None when the step did not read it back (`--measure off`): a non-finite loss
-        makes non-finite gradients, so the gradients alone still decide."""
+    def clip(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, loss: float | None,
+             max_norm: float) -> float | None:
+        """Agree with every rank on this step's gradients, then unscale and clip them: the
+        gradient norm, or None when every rank skips the step (fp16 overflow, or
+        --skip-nonfinite); raises on every rank otherwise. `loss` is None when the step did
+        not read it back (`--measure off`): a non-finite loss makes non-finite gradients, so
+        the gradients alone still decide. Then `optimizer.step()` (if not None) and
+        `after_step`: the loop shows them (plait.train.trainer)."""
         squares = gradient_squares(model)  # read once: the finite check and the norm share it
         bad = "the loss" if loss is not None and not math.isfinite(loss) else first_nonfinite(model, squares)
         verdict = agree_on_nonfinite(bad, self.world, self.device)
@@ -140,20 +142,30 @@ class StepGuard:
             # fp16 lowers its scale and tries again; at scale 1 lowering is over, and an inf is
             # no overflow of the scale's making: it stops like fp32 (unless told to skip).
             if self.skip_nonfinite or self.scaler.dynamic and self.scaler.scale > 1.0:
-                self.scaler.update(False)
-                return math.nan, False
+                return None
             rank, name = verdict
             raise PlaitError(f"step {step + 1}: {name} went non-finite on rank {rank}",
                              hint="lower --lr or raise --warmup-steps; --skip-nonfinite skips such steps instead")
         if getattr(optimizer, "grad_scale", None) is None:  # fp32 weights, no masters: clip in place
-            norm = clip_grad_norm(model, max_norm, squares)
-        else:  # unscale and clip once, in fp32, as the masters take the gradient
-            norm = clip_grad_norm(model, math.inf, squares) / self.scaler.scale
-            clip = min(1.0, max_norm / (norm + 1e-6)) if max_norm < math.inf else 1.0
-            optimizer.grad_scale = clip / self.scaler.scale
-        optimizer.step()
-        self.scaler.update(True)
-        return norm, True
+            return clip_grad_norm(model, max_norm, squares)
+        # unscale and clip once, in fp32, as the masters take the gradient
+        norm = clip_grad_norm(model, math.inf, squares) / self.scaler.scale
+        clip = min(1.0, max_norm / (norm + 1e-6)) if max_norm < math.inf else 1.0
+        optimizer.grad_scale = clip / self.scaler.scale
+        return norm
+
+    def after_step(self, stepped: bool) -> None:
+        """The loss scale learns whether the step went through (fp16: halve or, in time, double)."""
+        self.scaler.update(stepped)
+
+    def step(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, loss: float | None,
+             max_norm: float) -> tuple[float, bool]:
+        """`clip`, `optimizer.step()` and `after_step` in one call: (grad norm, stepped)."""
+        norm = self.clip(step, model, optimizer, loss, max_norm)
+        if norm is not None:
+            optimizer.step()
+        self.after_step(norm is not None)
+        return (math.nan, False) if norm is None else (norm, True)
 
 
 def named_grads(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -3,9 +3,9 @@
 Strategies live in `plait/parallel/` and import nothing from the model families. A family
 answers their questions through a small adapter kept beside the model, in the model's own
 module names. It is found, in this order: passed to `parallelize(..., adapter=...)` (the
-top-level `plait.parallelize` picks one by the model's class for the families plait knows,
-transformers' among them); declared on the model class as `plait_adapter` (plait's own
-models); else `GenericAdapter`, which answers from the module tree alone, so any
+top-level `plait.parallelize` passes one for a transformers model, read from the tensor- and
+pipeline-parallel plans the model declares); declared on the model class as `plait_adapter`
+(plait's own models); else `GenericAdapter`, which answers from the module tree alone, so any
 `nn.Module` keeps data parallelism and ZeRO, and an `nn.Sequential` is also cut.
 
 What is asked, and by whom:
@@ -23,9 +23,10 @@ What is asked, and by whom:
   Whatever the blocks need besides the hidden states (positions, rotary angles, the causal
   mask) is made here, inside the stage, from the shared pieces.
 - `tensor_plan(model, tp, sp)`: the tensor-parallel plan in the model's own module names
-  ({pattern: style}, styles in plait.parallel.tensor.plan), with the attention and the MLP
-  marked as regions so each does one all-reduce in backward; it may refuse a tp the
-  model's shapes cannot take (heads not divisible...).
+  ({pattern: style}, styles in plait.parallel.tensor.styles), with one region entry per
+  attention and MLP (a "region" mark, or column layers that share their entry) so each does
+  one all-reduce in backward; it may refuse a tp the model's shapes cannot take (heads not
+  divisible...).
 - `after_tensor_parallel(model, axis, sp)`: the family's fix-up once the layers are
   swapped (e.g. sampling that gathers the vocabulary, a forward that keeps its contract).
 
@@ -98,7 +99,7 @@ class ModelAdapter(Protocol):
 
 
 class FullAdapter(ModelAdapter, Protocol):
-    """An adapter that answers every question the strategies ask (plait's GPT, transformers' Llama)."""
+    """An adapter that answers every question the strategies ask (plait's GPT, a transformers model's plans)."""
 
     def parts(self, model: nn.Module) -> Parts:
         """Where the pipeline cuts `model`."""

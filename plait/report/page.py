@@ -8,7 +8,7 @@ from typing import Any
 
 from plait.errors import PlaitError
 from plait.report import plots
-from plait.train.report import describe_layout, human_bytes
+from plait.report.closing import describe_layout, format_metrics, human_bytes
 
 
 def read_run(run_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -28,9 +28,15 @@ def read_run(run_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
 
 
 def figures(records: list[dict[str, Any]], summary: dict[str, Any]) -> dict[str, Any]:
-    """name -> Figure for every plot this run can have (the timeline is drawn on save)."""
-    out = {"loss": plots.loss_figure(records, summary.get("val_losses", {})), "throughput": plots.throughput_figure(records),
-           "memory": plots.memory_figure(summary)}
+    """name -> Figure for every plot this run can have (the timeline is drawn on save): the
+    task says what throughput counts and which held-out metrics besides the loss it has."""
+    task = summary["task"]
+    out = {"loss": plots.loss_figure(records, summary.get("val_losses", {}), task["unit"]),
+           "throughput": plots.throughput_figure(records, task["unit"])}
+    for name, (label, _) in task["metrics"].items():
+        if name != "val_loss":
+            out[name] = plots.metric_figure(name, label, summary.get("evaluations", {}))
+    out["memory"] = plots.memory_figure(summary)
     comm = plots.comm_figure(summary)
     if comm is not None:
         out["comm"] = comm
@@ -60,26 +66,35 @@ def write_page(run_dir: Path) -> Path:
 
 _CAPTIONS = {
     "loss": "Loss per step; the dots are the held-out loss.",
-    "throughput": "Tokens per second, every step (the dotted line is the median after the first step).",
+    "throughput": "{unit} per second, every step (the dotted line is the median after the first step).",
     "memory": "Memory per rank by kind: `plait estimate`'s prediction beside what the run held (max over ranks).",
     "comm": "Bytes on the wire per step on each mesh axis, predicted and measured (busiest rank).",
     "timeline": "The pipeline schedule of the last step, as the ranks timed it.",
 }
 
 
+def _caption(name: str, summary: dict[str, Any]) -> str:
+    task = summary["task"]
+    if name in task["metrics"]:
+        return f"{task['metrics'][name][0].capitalize()} on the held-out split, at each evaluation."
+    return _CAPTIONS[name].format(unit=task["unit"].capitalize())
+
+
 def _markdown(summary: dict[str, Any], records: list[dict[str, Any]], names: list[str]) -> str:
-    layout = summary["layout"]
+    layout, task = summary["layout"], summary["task"]
+    unit = task["unit"]
     lines = [
         f"# plait run: {summary['model']}, {describe_layout(layout)}", "",
         f"- {summary['steps']} steps on {layout['world_size']} process(es), backend {layout['backend']}, "
-        f"global batch {summary['global_batch']} × {summary['seq_len']} tokens",
-        f"- loss {summary['loss_first']:.3f} → {summary['loss_last']:.3f} (held-out {summary['val_loss']:.3f})",
-        f"- {summary['tokens_per_s']:,.0f} tokens/s, {summary['step_time_s_median']:.3f} s/step (median)",
+        f"global batch {task['batch']}",
+        f"- loss {summary['loss_first']:.3f} → {summary['loss_last']:.3f} "
+        f"({format_metrics(summary['metrics'], task['metrics'])})",
+        f"- {summary[f'{unit}_per_s']:,.0f} {unit}/s, {summary['step_time_s_median']:.3f} s/step (median)",
         f"- memory per rank: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in summary["mem"].items()),
         f"- measurement: {summary.get('measure', 'full')}", "",
     ]
     if "comm" not in names:
         lines += ["No bytes on the wire: one process.", ""]
     for name in names:
-        lines += [f"## {name}", "", _CAPTIONS[name], "", f"![{name}](report/{name}.png)", ""]
+        lines += [f"## {name}", "", _caption(name, summary), "", f"![{name}](report/{name}.png)", ""]
     return "\n".join(lines)

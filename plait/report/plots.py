@@ -24,9 +24,9 @@ def _figure(width: float = 6.4, height: float = 3.6) -> tuple[Figure, Any]:
     return fig, fig.add_subplot()
 
 
-def loss_figure(records: list[dict[str, Any]], val_losses: dict[str, float]) -> Figure:
+def loss_figure(records: list[dict[str, Any]], val_losses: dict[str, float], unit: str = "tokens") -> Figure:
     """Training loss per step, and the held-out loss where it was evaluated (summary.json's
-    `val_losses`, which include the evaluation at the end of the run)."""
+    `val_losses`, which include the evaluation at the end of the run); nats per `unit` (singular)."""
     fig, ax = _figure()
     steps = [r["step"] for r in records if r.get("loss") is not None]
     ax.plot(steps, [r["loss"] for r in records if r.get("loss") is not None], label="loss", color=MEASURED)
@@ -34,23 +34,36 @@ def loss_figure(records: list[dict[str, Any]], val_losses: dict[str, float]) -> 
     if evaluated:
         ax.plot([s for s, _ in evaluated], [v for _, v in evaluated], "o--", label="validation loss", color="#e6550d")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
+    ax.set_ylabel(f"loss (nats/{unit.removesuffix('s')})")
     ax.set_title("loss")
     ax.legend()
     fig.tight_layout()
     return fig
 
 
-def throughput_figure(records: list[dict[str, Any]]) -> Figure:
-    """Tokens per second of every step (the first includes warm-up; the median is marked)."""
+def metric_figure(name: str, label: str, evaluations: dict[str, dict[str, float]]) -> Figure:
+    """One held-out metric of the task's (top-1 accuracy...) at each step it was evaluated."""
     fig, ax = _figure()
-    steps, rates = [r["step"] for r in records], [r["tokens_per_s"] for r in records]
-    ax.plot(steps, rates, label="tokens/s", color=MEASURED)
+    points = sorted((int(step), values[name]) for step, values in evaluations.items() if name in values)
+    ax.plot([s for s, _ in points], [v for _, v in points], "o-", label=label, color=MEASURED)
+    ax.set_xlabel("step")
+    ax.set_ylabel(label)
+    ax.set_title(label)
+    fig.tight_layout()
+    return fig
+
+
+def throughput_figure(records: list[dict[str, Any]], unit: str = "tokens") -> Figure:
+    """`unit`s per second of every step (tokens, images: the task's; the first includes
+    warm-up; the median is marked)."""
+    fig, ax = _figure()
+    steps, rates = [r["step"] for r in records], [r[f"{unit}_per_s"] for r in records]
+    ax.plot(steps, rates, label=f"{unit}/s", color=MEASURED)
     if len(rates) > 1:
         median = sorted(rates[1:])[(len(rates) - 1) // 2]
         ax.axhline(median, linestyle=":", color="grey", label=f"median {median:,.0f}")
     ax.set_xlabel("step")
-    ax.set_ylabel("tokens/s")
+    ax.set_ylabel(f"{unit}/s")
     ax.set_title("throughput")
     ax.legend()
     fig.tight_layout()
@@ -70,7 +83,7 @@ def memory_figure(summary: dict[str, Any]) -> Figure:
     fig, ax = _figure()
     predicted = (summary.get("predicted") or {}).get("memory", {})
     labels = [label for label, _, _ in MEMORY_KINDS]
-    _bars(ax, labels, [predicted.get(key, 0) for _, key, _ in MEMORY_KINDS],
+    _bars(ax, labels, [predicted.get(key) or 0 for _, key, _ in MEMORY_KINDS],  # None: not predicted
           [summary["mem"].get(key, 0) for _, _, key in MEMORY_KINDS])
     ax.set_ylabel("MiB per rank")
     ax.set_title("memory per kind (max over ranks)")

@@ -1,6 +1,8 @@
 """Fault injection, for the tests that prove plait survives faults (and for users who want to
 rehearse one): PLAIT_INJECT="ATTEMPT:RANK:STEP:SIGNAL[,...]" makes RANK send itself SIGNAL
-(KILL, STOP, TERM...) as STEP begins, in the world started after ATTEMPT restarts.
+(KILL, STOP, TERM...) as STEP begins, in the world started after ATTEMPT restarts. STEP =
+--steps + 1 is the closing phase of `plait train` (the sample, the weights, the report),
+after the last step and its checkpoint.
 
 Read at each step's start; nothing happens unless the variable is set.
 """

@@ -1,6 +1,7 @@
-"""The (pp, dp, tp) grid of ranks and one process group per axis.
+"""The grid of ranks a layout names, and one process group per axis.
 
-tp varies fastest, then dp, then pp: global rank = (pp_index·dp + dp_index)·tp + tp_index.
+The axes and their order come from the layout record (plait.layout: GRID, pp slowest and
+tp fastest, so global rank = ((pp_index·dp + dp_index)·cp + cp_index)·tp + tp_index).
 Keeping tp innermost places a tensor-parallel group on neighbouring ranks, which a launcher
 puts on one node, where the bandwidth is.
 """
@@ -9,72 +10,30 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from plait.errors import PlaitError
+from plait.layout import GRID, Layout
 from plait.runtime.comm import Axis, Ledger
 from plait.runtime.env import ProcessEnv, choose_backend, detect
 from plait.runtime.recorder import FlightRecorder
 
-AXES = ("pp", "dp", "tp")
-
-
-@dataclass(frozen=True)
-class MeshShape:
-    """Degrees of parallelism; their product must be the world size."""
-
-    pp: int = 1
-    dp: int = 1
-    tp: int = 1
-
-    def __post_init__(self) -> None:
-        for axis in AXES:
-            if getattr(self, axis) < 1:
-                raise PlaitError(f"--{axis} must be at least 1, got {getattr(self, axis)}")
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
-
-    def check(self, world_size: int) -> None:
-        if self.world_size != world_size:
-            raise PlaitError(
-                f"layout dp={self.dp} × tp={self.tp} × pp={self.pp} = {self.world_size} "
-                f"does not match world size {world_size}",
-                hint=f"choose degrees whose product is {world_size}",
-            )
-
-    def coords(self, rank: int) -> dict[str, int]:
-        """This rank's index along each axis."""
-        return {"tp": rank % self.tp, "dp": rank // self.tp % self.dp, "pp": rank // (self.tp * self.dp)}
-
-    @classmethod
-    def fill(cls, world_size: int, dp: int | None = None, tp: int = 1, pp: int = 1) -> "MeshShape":
-        """A shape for `world_size` ranks; dp, when not given, takes what tp and pp leave."""
-        if dp is None:
-            if world_size % (tp * pp):
-                raise PlaitError(
-                    f"world size {world_size} is not divisible by tp={tp} × pp={pp}",
-                    hint="choose tp and pp whose product divides the number of processes",
-                )
-            dp = world_size // (tp * pp)
-        shape = cls(pp=pp, dp=dp, tp=tp)
-        shape.check(world_size)
-        return shape
+AXES = GRID  # the mesh's axes besides "world"
 
 
 @dataclass
 class Mesh:
-    """This rank's view of the grid: its coordinates and the group of each axis.
+    """This rank's view of the grid: the layout it was made for, the group of each axis.
 
-    Besides pp, dp and tp there is a "world" axis (every rank), used for the report's
-    max-over-ranks numbers.
+    Besides the layout's axes there is a "world" axis (every rank), used for the report's
+    max-over-ranks numbers and the step's all-ranks verdict.
     """
 
-    shape: MeshShape
+    layout: Layout
     env: ProcessEnv
     backend: str | None
     device: torch.device
@@ -94,6 +53,15 @@ class Mesh:
     def group(self, name: str):
         return self.axes[name].group
 
+    def with_layout(self, **changes: Any) -> "Mesh":
+        """The same groups under another strategy choice (another ZeRO stage, schedule,
+        SP...): the degrees must stay, since the groups are built for them."""
+        layout = self.layout.replace(**changes)
+        if layout.grid != self.layout.grid:
+            raise PlaitError(f"a mesh built for {self.layout.describe()} cannot take {layout.describe()}",
+                             hint="make a new mesh (init_mesh) for other degrees")
+        return replace(self, layout=layout)
+
     @property
     def global_rank(self) -> int:
         return self.env.rank
@@ -110,20 +78,27 @@ class Mesh:
             dist.destroy_process_group()
 
 
-def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, *, backend: str | None = None,
-              timeout_s: float = 300.0, env: ProcessEnv | None = None) -> Mesh:
+def init_mesh(layout: Layout | None = None, *, backend: str | None = None, timeout_s: float = 300.0,
+              env: ProcessEnv | None = None, **choices: Any) -> Mesh:
     """Join the job (torchrun, srun, mpirun, plait's spawner, or none) and build the grid.
 
-    The layout is checked against the world size before any process group exists, so a bad
+    `layout` is the run's plait.layout.Layout; or give its fields as keywords
+    (`init_mesh(tp=2, zero=1)`), dp taking what the other degrees leave of the world. The
+    layout is checked against the world size before any process group exists, so a bad
     layout fails fast on every rank with the same message instead of hanging in a rendezvous.
     """
     env = env or detect()
-    shape = MeshShape.fill(env.world_size, dp=dp, tp=tp, pp=pp)
+    if layout is None:
+        layout = Layout.fill(env.world_size, **choices)
+    elif choices:
+        raise PlaitError(f"init_mesh takes a layout or its fields, not both: {', '.join(sorted(choices))}",
+                         hint="put them in the Layout")
+    layout.check_world(env.world_size)
     device = _device(env)
     ledger = Ledger()
     if not env.distributed:
         axes = {name: Axis(name, 1, 0, None, ledger, 0) for name in (*AXES, "world")}
-        return Mesh(shape, env, None, device, ledger, axes)
+        return Mesh(layout, env, None, device, ledger, axes)
     chosen = choose_backend(backend, torch.cuda.is_available(), dist.is_mpi_available())
     if not dist.is_initialized():
         dist.init_process_group(
@@ -133,15 +108,14 @@ def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, *, backend: str |
         )
     from torch.distributed.device_mesh import init_device_mesh
 
-    device_mesh = init_device_mesh(device.type, (shape.pp, shape.dp, shape.tp), mesh_dim_names=AXES)
-    coords = shape.coords(env.rank)
-    axes = {
-        name: Axis(name, getattr(shape, name), coords[name], device_mesh.get_group(name), ledger, env.rank)
-        for name in AXES
-    }
+    sizes = tuple(size for _, size in layout.grid)
+    device_mesh = init_device_mesh(device.type, sizes, mesh_dim_names=AXES)
+    coords = layout.coords(env.rank)
+    axes = {name: Axis(name, size, coords[name], device_mesh.get_group(name), ledger, env.rank)
+            for name, size in layout.grid}
     axes["world"] = Axis("world", env.world_size, env.rank, dist.group.WORLD, ledger, env.rank)
     ledger.recorder = flight_recorder(env, axes)
-    return Mesh(shape, env, chosen, device, ledger, axes, device_mesh)
+    return Mesh(layout, env, chosen, device, ledger, axes, device_mesh)
 
 
 def flight_recorder(env: ProcessEnv, axes: dict[str, Axis]) -> FlightRecorder:

@@ -160,7 +160,7 @@ def _write_index(tmp: Path, mesh: Mesh, trainer_state: dict[str, Any], step: int
                                     "lengths": rec["lengths"]})
         meta_path.unlink()
     index = {"format": FORMAT, "step": step, "world_size": mesh.env.world_size,
-             "layout": {"pp": mesh.shape.pp, "dp": mesh.shape.dp, "tp": mesh.shape.tp},
+             "layout": mesh.layout.as_dict(),  # the layout that wrote it (plait.layout), for inspect
              "trainer": trainer_state, "files": files, "tensors": tensors}
     _write_json(tmp / "index.json", index)
 

@@ -8,6 +8,7 @@ read), a tensor the checkpoint lacks, or one of another shape.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -177,7 +178,7 @@ def describe(path: str | Path) -> str:
     """What `plait ckpt inspect` prints."""
     reader = Reader(path)
     index = reader.index
-    layout = ", ".join(f"{k}={v}" for k, v in index["layout"].items())
+    layout = _layout_text(index["layout"])
     total = sum(f["bytes"] for f in index["files"].values())
     lines = [f"checkpoint {reader.path}", f"  step {index['step']}, written by {index['world_size']} rank(s): {layout}",
              f"  {len(index['files'])} file(s), {total:,} bytes, sha256 verified", "  tensors:"]
@@ -187,14 +188,23 @@ def describe(path: str | Path) -> str:
     return "\n".join(lines)
 
 
+def _layout_text(layout: dict[str, Any]) -> str:
+    """The layout that wrote a checkpoint, as plait.layout describes it (older ones: its degrees)."""
+    from plait.layout import Layout
+
+    try:
+        return Layout(**layout).describe()
+    except (TypeError, PlaitError):
+        return " ".join(f"{k}={v}" for k, v in layout.items())
+
+
 def export(path: str | Path, to: str | Path) -> int:
     """Write the model's tensors, whole, to one plain safetensors file; returns the tensor count."""
     from safetensors.torch import save_file
 
-    reader = Reader(path)
-    tensors = model_weights(reader)
-    save_file(tensors, str(to), metadata={"step": str(reader.index["step"]), "source": str(reader.path)})
-    return len(tensors)
+    trained = trained_model(path)
+    save_file(trained.weights, str(to), metadata={"step": str(trained.step), "source": str(trained.source)})
+    return len(trained.weights)
 
 
 def model_weights(reader: Reader) -> dict[str, torch.Tensor]:
@@ -202,4 +212,46 @@ def model_weights(reader: Reader) -> dict[str, torch.Tensor]:
     return {name.removeprefix("model/"): reader.full(name) for name in reader.tensors if name.startswith("model/")}
 
 
-__all__ = ["Piece", "Reader", "describe", "export", "load", "model_weights", "resolve"]
+# What a finished run leaves in its --out (plait/train/run.py writes them): the weights, and
+# the task's attached files (a Hugging Face model's config.json, its tokenizer) in a folder.
+RUN_WEIGHTS, RUN_ATTACHED = "model.safetensors", "attached"
+
+
+@dataclass(frozen=True)
+class TrainedModel:
+    """A model to export: whole weights by parameter name, and the files that came with them."""
+
+    weights: dict[str, torch.Tensor]
+    files: dict[str, Path]  # name as the task attached it ("hf/config.json") -> where it is now
+    step: int | str
+    source: Path
+    model: str  # the --model that trained it
+
+
+def trained_model(path: str | Path) -> TrainedModel:
+    """The model at `path`: a checkpoint (or a run's latest one), else a finished run's own
+    outputs (OUT/model.safetensors, OUT/attached/), so that a run without --save-every can
+    still be exported."""
+    run = Path(path)
+    try:
+        reader = Reader(path)
+    except PlaitError:
+        if not (run / RUN_WEIGHTS).is_file():
+            raise
+        return _from_outputs(run)
+    files = {name: reader.path / name for name in reader.index["files"] if "/" in name}
+    model = reader.index.get("trainer", {}).get("config", {}).get("model", "?")
+    return TrainedModel(model_weights(reader), files, reader.index["step"], reader.path, model)
+
+
+def _from_outputs(run: Path) -> TrainedModel:
+    from safetensors.torch import load_file
+
+    attached = run / RUN_ATTACHED
+    files = {str(f.relative_to(attached)): f for f in sorted(attached.rglob("*")) if f.is_file()}
+    summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").is_file() else {}
+    return TrainedModel(load_file(str(run / RUN_WEIGHTS)), files, summary.get("steps", "final"), run / RUN_WEIGHTS,
+                        summary.get("model", "?"))
+
+
+__all__ = ["Piece", "Reader", "TrainedModel", "describe", "export", "load", "model_weights", "resolve", "trained_model"]

@@ -1,23 +1,25 @@
 """The training configuration: one typed dataclass, filled from defaults, a TOML file, then flags.
 
 The defaults are the demo: the `small` GPT on the standard-library corpus, two processes.
-All validation that needs no process group happens here, so a bad value fails before
-anything is spawned, with one line saying what to change.
+The layout flags (dp, tp, pp, zero, offload, sp, schedule, virtual stages) become one
+plait.layout.Layout (`TrainConfig.layout`), made and checked once; what the model itself
+allows is its family's check (plait.families). All validation that needs no process group
+happens here, so a bad value fails before anything is spawned, with one line saying what to
+change.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from plait import rules
 from plait.errors import PlaitError
-from plait.models.config import TRAINABLE, get_preset, preset_name
-from plait.models.hf_config import is_hf, model_shape
-from plait.models.resnet_config import get_resnet, is_resnet
-from plait.train.tokens import model_for_data
+from plait.layout import Layout
 from plait.train.config_check import check_values
 from plait.train.restart import resolve_auto
 
@@ -31,7 +33,8 @@ except ModuleNotFoundError:  # Python 3.10
 class TrainConfig:
     """Everything `plait train` needs; each field is also a `--flag` (underscores → dashes)."""
 
-    model: str = field(default="small", metadata={"help": "model preset: tiny or small, with optional field overrides: tiny,n_layers=4; or resnet18, resnet34, resnet50 (resnet18,width=16); or hf:DIR, a local Hugging Face model directory (config.json; weights and tokenizer.json optional)"})
+    model: str = field(default="small", metadata={"help": "the model, named as its family takes it (the list follows)"})
+    imports: str = field(default="", metadata={"help": "Python modules to import on every rank first, comma-separated: each may register a model family (docs/models.md)"})
     data: str = field(default="stdlib", metadata={"help": "corpus: 'stdlib' (Python's own source), a text file or directory (up to 8 MiB), or a directory from `plait data prepare`; for a ResNet: 'digits' or a folder of class folders"})
     steps: int = field(default=120, metadata={"help": "optimizer steps"})
     micro_batch: int = field(default=8, metadata={"help": "sequences per rank per forward/backward"})
@@ -89,9 +92,15 @@ class TrainConfig:
     augment: str = field(default="auto", metadata={
         "help": "image augmentation: auto (digits: crop; folders: crop,flip), none, crop or crop,flip"})
 
+    @functools.cached_property
+    def layout(self) -> Layout:
+        """The run's layout record, made and checked once (after resolve_layout has set dp)."""
+        return Layout(dp=self.dp or 1, tp=self.tp, pp=self.pp, zero=self.zero, offload=self.offload, sp=self.sp,
+                      schedule=self.schedule, virtual_stages=self.virtual_stages)
+
     @property
     def global_batch(self) -> int:
-        """Sequences per optimizer step, over all ranks (after resolve_layout has set dp)."""
+        """Samples per optimizer step, over all ranks (after resolve_layout has set dp)."""
         return self.micro_batch * self.grad_accum * (self.dp or 1)
 
     def to_dict(self) -> dict[str, Any]:
@@ -120,39 +129,45 @@ def load_toml(path: str) -> dict[str, Any]:
     return values
 
 
-def build_config(file_values: dict[str, Any], flag_values: dict[str, Any]) -> TrainConfig:
-    """Defaults, then the file, then the flags that were given (not None)."""
+class FamilyChecks(Protocol):
+    """What validation asks of the model's family (plait.families.record.Family)."""
+
+    def resolve(self, config: Any) -> Any: ...
+    def check(self, config: Any) -> None: ...
+
+
+def build_config(file_values: dict[str, Any], flag_values: dict[str, Any],
+                 family_of: Callable[[TrainConfig], FamilyChecks] | None = None) -> TrainConfig:
+    """Defaults, then the file, then the flags that were given (not None); then what the
+    model's family (`family_of(config)`: plait.families.family_of) resolves, e.g. a preset's
+    vocabulary following the data; then the layout."""
     given = {k: v for k, v in flag_values.items() if v is not None}
     merged = {**check_values(file_values, TrainConfig, "the config file"), **check_values(given, TrainConfig, "flag")}
     config = replace(TrainConfig(), **merged)
-    if not is_resnet(config.model) and not is_hf(config.model):  # a preset's vocabulary follows the data
-        config = replace(config, model=model_for_data(config.model, config.data))
+    if family_of is not None:
+        config = family_of(config).resolve(config)
     return resolve_layout(resolve_auto(config))
 
 
 def resolve_layout(config: TrainConfig) -> TrainConfig:
-    """Fill dp and nproc from each other and check they agree."""
-    dp, nproc = config.dp, config.nproc
+    """Fill dp and nproc from each other (plait.layout.Layout.fill) and check they agree."""
+    nproc = config.nproc
     launched_world = _launched_world_size()
     if launched_world is not None:
         nproc = launched_world if nproc is None else nproc
         if nproc != launched_world:
             raise PlaitError(f"--nproc {nproc} given inside a job of {launched_world} processes",
                              hint="drop --nproc: the launcher decides the process count")
-    model_parallel = config.tp * config.pp
+    dp = config.dp
     if dp is None and nproc is None:
-        dp = 2 if model_parallel == 1 else 1  # the demo: two data-parallel processes
-    if dp is None:
-        if nproc % model_parallel:
-            raise PlaitError(f"--nproc {nproc} is not divisible by tp={config.tp} × pp={config.pp}",
-                             hint="choose tp and pp whose product divides the number of processes")
-        dp = nproc // model_parallel
-    world = dp * model_parallel
-    nproc = nproc or world
-    if world != nproc:
-        raise PlaitError(f"layout dp={dp} × tp={config.tp} × pp={config.pp} = {world} does not match --nproc {nproc}",
-                         hint=f"use --nproc {world}, or change the degrees")
-    return replace(config, dp=dp, nproc=nproc)
+        dp = 2 if config.tp * config.pp == 1 else 1  # the demo: two data-parallel processes
+    choices = dict(tp=config.tp, pp=config.pp, zero=config.zero, offload=config.offload, sp=config.sp,
+                   schedule=config.schedule, virtual_stages=config.virtual_stages)
+    if nproc is None:
+        layout = Layout(dp=dp, **choices)
+    else:
+        layout = Layout.fill(nproc, dp, what="--nproc", **choices)
+    return replace(config, dp=layout.dp, nproc=layout.world)
 
 
 def _launched_world_size() -> int | None:
@@ -175,38 +190,16 @@ def max_local_processes() -> int:
     return max(8, 4 * (os.cpu_count() or 1))
 
 
-def validate(config: TrainConfig, *, local_limit: int | None = None) -> None:
-    """Every check that needs no process group; raises PlaitError naming the fix."""
-    if is_resnet(config.model):
-        check_image_model(config)
-    elif is_hf(config.model):
-        from plait.train.hf_check import check_hf_run
-
-        check_hf_run(config)  # the directory, its tokenizer and the data agree; --seq-len fits
-    else:
-        get_preset(config.model)  # raises naming the presets, or the override that is wrong
-        if preset_name(config.model) not in TRAINABLE:
-            raise PlaitError(f"model preset {config.model!r} is shape-only (for estimates)",
-                             hint=f"train one of: {', '.join(TRAINABLE)}; use `plait estimate --model {config.model}`")
-        if config.sync_bn:
-            raise PlaitError(f"--sync-bn shares BatchNorm statistics, and model {config.model!r} has no BatchNorm",
-                             hint="drop --sync-bn, or train a ResNet (--model resnet18 --data digits)")
-    for name in ("steps", "micro_batch", "grad_accum", "seq_len", "eval_samples"):
-        if getattr(config, name) < 1:
-            raise PlaitError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
-    if config.lr <= 0:
-        raise PlaitError(f"--lr must be positive, got {config.lr}")
-    max_seq = model_shape(config.model).max_seq_len if not is_resnet(config.model) else config.seq_len
-    if config.seq_len > max_seq:
-        raise PlaitError(f"--seq-len {config.seq_len} is longer than model {config.model!r} allows ({max_seq})",
-                         hint=f"use --seq-len {max_seq} or less")
+def validate(config: TrainConfig, family: FamilyChecks, *, local_limit: int | None = None) -> None:
+    """Every check that needs no process group; raises PlaitError naming the fix. The
+    layout's rules ran when it was made (plait.rules); the model's are its family's."""
+    check_values(config.to_dict(), TrainConfig, "flag")  # every range once more: a config made in code too
     limit = local_limit if local_limit is not None else max_local_processes()
     if config.nproc is not None and _launched_world_size() is None and config.nproc > limit:
         raise PlaitError(f"--nproc {config.nproc} is more than this machine allows ({limit})",
                          hint="use fewer processes, or launch across nodes with torchrun or srun")
     check_strategies(config)
-    if not is_resnet(config.model):
-        check_data(config.data)  # images: check_image_model above
+    family.check(config)
     check_outputs(config)
     if config.save_every < 0 or config.keep_checkpoints < 0:
         raise PlaitError("--save-every and --keep-checkpoints cannot be negative")
@@ -218,30 +211,13 @@ def validate(config: TrainConfig, *, local_limit: int | None = None) -> None:
 
 
 def check_strategies(config: TrainConfig) -> None:
-    """Each strategy's own checks, and the combinations that are not built yet: the rules
-    `plait estimate` and `plait plan` apply too (plait.rules), then the pipeline's own."""
-    from plait.parallel.compose import ParallelConfig
-
-    for name in ("tp", "pp", "virtual_stages"):
-        if getattr(config, name) < 1:
-            raise PlaitError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
-    ParallelConfig(bucket_mb=config.bucket_mb, zero=config.zero, offload=config.offload)
-    model = model_shape(config.model) if config.tp > 1 or config.pp > 1 else None  # a ResNet has no GPT shape
-    rules.check_strategy_choices(schedule=config.schedule, precision=config.precision, recompute=config.recompute,
-                                 zero=config.zero, reduce_dtype=config.reduce_dtype)
-    if not config.loss_scale >= 1:
-        raise PlaitError(f"--loss-scale must be at least 1, got {config.loss_scale}", hint="the default is 65536")
-    rules.check_combination(tp=config.tp, pp=config.pp, zero=config.zero, offload=config.offload, sp=config.sp,
-                            recompute=config.recompute, schedule=config.schedule)
-    if model is not None:
-        rules.check_tensor_parallel(model, config.tp, config.sp, config.seq_len)
-    rules.check_pipeline_shape(model.n_layers if model else None, pp=config.pp, virtual_stages=config.virtual_stages,
-                               schedule=config.schedule, microbatches=config.grad_accum)
-    if config.pp > 1:
-        from plait.parallel.pipeline.runner import check_pipeline
-
-        check_pipeline(model.n_layers, config.pp, config.schedule, config.grad_accum,
-                       virtual_stages=config.virtual_stages)
+    """What the layout runs with besides its own rules: recomputation, precision, the loss
+    scale, the micro-batches a pipeline schedule takes (plait.rules, shared with the
+    estimator)."""
+    layout = config.layout
+    rules.check_recompute(layout, config.recompute)
+    rules.check_precision(config.precision, config.reduce_dtype)
+    rules.check_microbatches(layout.schedule, layout.pp, config.grad_accum)
 
 
 def check_outputs(config: TrainConfig) -> None:
@@ -257,26 +233,6 @@ def check_outputs(config: TrainConfig) -> None:
         from plait.train.tboard import check_available
 
         check_available()
-
-
-def check_data(source: str) -> None:
-    """--data exists and can be used whole: a prepared corpus passes its cheap checks, raw
-    text is small enough to hold (the full checksum waits for the ranks: plait/train/tokens.py)."""
-    from plait.train.data import STDLIB, raw_files
-    from plait.train.tokens import check_tokens, is_prepared
-
-    if is_prepared(source):
-        check_tokens(source, full=False)
-    elif source != STDLIB:
-        raw_files(source)
-
-
-def check_image_model(config: TrainConfig) -> None:
-    """A ResNet trains data-parallel (DDP or ZeRO): no tensor or pipeline split, no text sample."""
-    get_resnet(config.model)  # raises naming the presets, or the override that is wrong
-    if config.tp > 1 or config.pp > 1:
-        raise PlaitError(f"--model {config.model} is trained data-parallel only (DDP or --zero), not with "
-                         "--tp or --pp", hint="drop --tp and --pp; use --nproc for more data-parallel ranks")
 
 
 def check_writable(out: str) -> None:

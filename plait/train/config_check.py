@@ -2,8 +2,9 @@
 
 TOML gives typed values (`steps = "10"` is a string, not a number); flags give text. Both go
 through here before the dataclass is built, so a wrong value never reaches the code that
-would trip over it with a raw TypeError. The ranges live in one table (RANGES); the checks
-that relate fields to each other (layouts, strategies) stay in config.validate.
+would trip over it with a raw TypeError. The ranges live in one table (RANGES); the layout's
+degrees and choices are the layout record's (plait.layout, plait.rules), and the checks that
+relate fields to each other stay in config.validate.
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ RANGES: dict[str, tuple[float, float | None, bool]] = {
     "seq_len": (1, None, True), "lr": (0, None, False), "min_lr_ratio": (0, 1, True),
     "warmup_steps": (0, None, True), "weight_decay": (0, None, True), "grad_clip": (0, None, True),
     "seed": (0, 2**63 - 1, True), "eval_every": (0, None, True), "eval_samples": (1, None, True),
-    "bucket_mb": (0, None, False), "dp": (1, None, True), "tp": (1, None, True), "pp": (1, None, True),
-    "virtual_stages": (1, None, True), "zero": (0, 3, True), "nproc": (1, None, True),
+    "bucket_mb": (0, None, False), "nproc": (1, None, True), "loss_scale": (1, None, True),
     "timeout_s": (0, None, False), "save_every": (0, None, True), "keep_checkpoints": (0, None, True),
     "sample_tokens": (0, None, True), "max_restarts": (0, None, True),
 }

@@ -1,8 +1,9 @@
 """`--model hf:DIR` checked before any process starts: the directory, its tokenizer, the data.
 
 torch-free (the spawner runs it). The rules, each one PlaitError naming the fix:
-- DIR holds config.json of a family plait trains (plait.models.hf_config);
-- `--seq-len` fits the model's positions;
+- DIR holds the config.json of a causal LM transformers builds (plait.models.hf_config);
+  `--seq-len` and the layout
+  against its shape are every language model's checks (plait.families.language);
 - with DIR/tokenizer.json, raw `--data` is tokenized with it, so the tokenizer's vocabulary
   must fit config.json's vocab_size (a model may have more rows than tokens, never fewer);
 - without it, raw text is bytes: vocab_size must be at least 256;
@@ -21,13 +22,8 @@ from plait.models.hf_config import HFModelDir, read_hf_dir
 def check_hf_run(config: Any) -> HFModelDir:
     """The model directory of `config.model` (hf:DIR), checked against the other options."""
     hf = read_hf_dir(config.model)
-    spec, shape = config.model, hf.shape()
-    if config.seq_len > shape.max_seq_len:
-        raise PlaitError(f"--seq-len {config.seq_len} is longer than --model {spec} allows ({shape.max_seq_len})",
-                         hint=f"use --seq-len {shape.max_seq_len} or less")
-    if config.sync_bn:
-        raise PlaitError(f"--sync-bn shares BatchNorm statistics, and --model {spec} has no BatchNorm",
-                         hint="drop --sync-bn")
+    spec = config.model
+    check_causal_lm(hf, spec)
     if hf.tokenizer is not None:
         vocab = tokenizer_vocab(hf)
         if vocab > hf.vocab_size:
@@ -36,6 +32,19 @@ def check_hf_run(config: Any) -> HFModelDir:
                              f"or set vocab_size to {vocab} or more in config.json")
     _check_data(hf, config.data, spec)
     return hf
+
+
+def check_causal_lm(hf: HFModelDir, spec: str) -> None:
+    """DIR's model_type must be one transformers builds as a causal LM (AutoModelForCausalLM)."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
+    except ImportError:
+        raise PlaitError(f"--model {spec} needs the `transformers` library", hint="pip install 'plait[hf]'") from None
+    if hf.model_type not in CAUSAL:
+        raise PlaitError(f"--model {spec}: model_type {hf.model_type!r} in {hf.path / 'config.json'} is not a causal "
+                         "language model transformers builds (AutoModelForCausalLM)",
+                         hint="plait trains next-token prediction: give a decoder's directory (llama, qwen3, "
+                              "mistral, gpt2...)")
 
 
 def tokenizer_vocab(hf: HFModelDir) -> int:

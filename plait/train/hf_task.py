@@ -6,7 +6,8 @@ What differs from plait's GPT, and nothing else:
   rank, the same way `plait data prepare --tokenizer DIR` would), else read as bytes;
 - the model returns an output object: the loss reads its `.logits` (one place, `logits_of`),
   so the trainer's loop, evaluation and the pipeline runner need no change;
-- the sample is drawn by a plain loop over the model's logits;
+- the model's adapter (what tensor and pipeline parallelism ask of it) is read from the
+  plans its config declares (plait.models.adapters);
 - checkpoints carry DIR's config.json (and its generation config and tokenizer files), so that
   `plait ckpt export --hf` can write a directory transformers loads, from the checkpoint alone.
 
@@ -24,20 +25,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from plait.models.gpt import TEMPERATURE, sample_next
+from plait.estimate.layout import Workload
 from plait.models.hf_config import COMPANIONS, CONFIG, TOKENIZER, read_hf_dir
 from plait.parallel.tensor.plan import lm_loss
 from plait.train.config import TrainConfig
 from plait.train.data import corpus_digest, load_corpus, train_val_split
+from plait.train.inference import logits_of
 from plait.train.task import LanguageTask
 from plait.train.tokens import TextCodec, is_prepared, text_codec
 
 ATTACHED = "hf"  # the checkpoint's folder for the model directory's files
-
-
-def logits_of(outputs: Any) -> torch.Tensor:
-    """The logits of a transformers output object (a pipeline stage gives the tensor itself)."""
-    return getattr(outputs, "logits", outputs)
 
 
 class HFTask(LanguageTask):
@@ -46,8 +43,8 @@ class HFTask(LanguageTask):
     def __init__(self, config: TrainConfig):
         self.config = config
         self.hf = read_hf_dir(config.model)
-        self.model_config = self.hf.shape()
-        self.num_params = self.model_config.num_params()  # the exact count once the model is built
+        self.model_config = self.hf.shape_or_none()  # None: a decoder whose sizes plait cannot read
+        self.num_params = self.model_config.num_params() if self.model_config else 0  # exact once built
         self._tokenizer: Any = None
 
     def build_model(self, seed: int) -> nn.Module:
@@ -56,6 +53,11 @@ class HFTask(LanguageTask):
         model = build_hf_model(self.hf, seed)
         self.num_params = sum(p.numel() for p in model.parameters())  # a tied head counted once
         return model
+
+    def adapter(self, model: nn.Module) -> Any:
+        from plait.models.adapters import adapter_for
+
+        return adapter_for(model)
 
     def tokenizer(self) -> Any:
         if self._tokenizer is None and self.hf.tokenizer is not None:
@@ -90,17 +92,26 @@ class HFTask(LanguageTask):
 
         return loss
 
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.vocab_size
+
+    def context_length(self) -> int:
+        return self.hf.size("positions") or self.config.seq_len
+
+    def prediction(self, work: Workload, hardware: Any) -> dict[str, Any]:
+        """The estimate of its shape, or (a config that names no sizes) of its parameter count."""
+        if self.model_config is not None:
+            return super().prediction(work, hardware)
+        from plait.estimate import estimate_layout
+
+        return estimate_layout(None, params=self.num_params, hardware=hardware, dp=work.dp, zero=work.zero,
+                               offload=work.offload, precision=work.precision, micro_batch=work.micro_batch,
+                               grad_accum=work.grad_accum, reduce_dtype=work.reduce_dtype)
+
     def codec(self) -> TextCodec:
         tokenizer = self.tokenizer()
         return TextCodec(tokenizer) if tokenizer is not None else text_codec(self.config.data)
-
-    def generate(self, model: nn.Module, prompt: torch.Tensor, count: int, generator: torch.Generator) -> torch.Tensor:
-        """`count` tokens drawn one at a time from the model's last logits (every rank alike)."""
-        ids = prompt
-        for _ in range(count):
-            logits = logits_of(model(ids[:, -self.model_config.max_seq_len:]))[:, -1]
-            ids = torch.cat((ids, sample_next(logits, TEMPERATURE, generator)), dim=1)
-        return ids
 
     def attachments(self) -> dict[str, Path]:
         """The files a checkpoint carries: DIR's config.json and its companions when present,

@@ -14,25 +14,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.errors import PlaitError
+from plait.estimate.layout import Workload
 from plait.models.resnet import build_resnet
 from plait.models.resnet_config import get_resnet
 from plait.parallel.precision import param_dtype
-from plait.runtime import comm
 from plait.train.config import TrainConfig
-from plait.train.images import DIGITS, ImageSplit, image_digest, image_splits, load_images
+from plait.train.images import ImageSplit, image_digest, image_splits, load_images
 
 
 class ImageTask:
     """A ResNet `--model` on `--data digits` or an image-folder directory."""
 
-    kind, unit = "image", "images"
+    unit = "images"
+    eval_columns = ("loss", "images", "correct")
+    metric_labels = {"val_loss": ("held-out", ".3f"), "val_accuracy": ("top-1 accuracy", ".1%")}
 
     def __init__(self, config: TrainConfig):
         self.config = config
-        if config.data == "stdlib":
-            raise PlaitError(f"--model {config.model} classifies images, and --data is the text corpus 'stdlib'",
-                             hint=f"give --data {DIGITS}, or a folder of class folders (root/cat/*.png)")
         self.data = load_images(config.data)
         self.model_config = get_resnet(config.model, in_channels=self.data.channels,
                                        num_classes=len(self.data.classes))
@@ -40,6 +38,9 @@ class ImageTask:
 
     def build_model(self, seed: int) -> nn.Module:
         return build_resnet(self.model_config, seed)
+
+    def adapter(self, model: nn.Module) -> Any:
+        return None  # a ResNet names its own (ResNet.plait_adapter)
 
     def load(self) -> tuple[ImageSplit, ImageSplit, int]:
         return (*image_splits(self.data, self.config.augment, self.config.seed), image_digest(self.data))
@@ -51,60 +52,36 @@ class ImageTask:
     def loss_fn(self, model: nn.Module) -> Any:
         return lambda logits, labels, reduction="mean": F.cross_entropy(logits.float(), labels, reduction=reduction)
 
-    def eval_sums(self, outputs: torch.Tensor, targets: torch.Tensor, loss_fn: Any) -> list[float]:
-        """[summed loss, images, correct top-1]."""
-        correct = (outputs.argmax(-1) == targets).sum().item()
-        return [loss_fn(outputs, targets, reduction="sum").item(), float(targets.numel()), float(correct)]
-
     def units_per_sample(self) -> int:
         return 1
+
+    def batch_text(self, global_batch: int) -> str:
+        return f"{global_batch} images"
+
+    def eval_count(self, val: ImageSplit) -> int:
+        """Every held-out image, once."""
+        return val.num_samples
+
+    def eval_sums(self, outputs: torch.Tensor, targets: torch.Tensor, loss_fn: Any) -> torch.Tensor:
+        """Per image: its loss, 1, and whether the top-1 class is right."""
+        losses = loss_fn(outputs, targets, reduction="none").double()
+        correct = (outputs.argmax(-1) == targets).double()
+        return torch.stack([losses, torch.ones_like(losses), correct], dim=1)
+
+    def eval_metrics(self, totals: dict[str, float]) -> dict[str, float]:
+        return {"val_loss": totals["loss"] / totals["images"], "val_accuracy": totals["correct"] / totals["images"]}
+
+    def sample(self, next_logits: Any, device: torch.device) -> str:
+        return ""  # a classifier has no text to show
 
     def attachments(self) -> dict[str, Any]:
         return {}  # a ResNet checkpoint is its tensors alone
 
-    def batchnorm_channels(self) -> list[int]:
-        model = build_resnet(self.model_config, 0)
-        return [m.num_features for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    def prediction(self, work: Workload, hardware: Any) -> dict[str, Any]:
+        """`plait estimate`'s answer for this ResNet on these images (plait/estimate/vision.py):
+        states and traffic from the parameter count, activations and time from its convolutions."""
+        from plait.estimate.vision import estimate_cnn
 
-    def prediction(self, **layout: Any) -> dict[str, Any]:
-        """Model states and dp traffic from the parameter count, plus BatchNorm's traffic.
-
-        Not predicted for a CNN: activations and step time (the estimator's formulas are a
-        transformer's), ZeRO-3's gathered blocks, and recomputation's repeated SyncBN forward.
-        """
-        from plait.estimate import estimate_layout
-        from plait.estimate.vision import batchnorm_traffic
-
-        for name in ("tp", "pp", "sp", "schedule", "virtual_stages", "recompute", "hardware"):
-            layout.pop(name, None)
-        result = estimate_layout(None, params=self.num_params, hardware="cpu", **layout)
-        extra = batchnorm_traffic(self.batchnorm_channels(), layout["dp"], layout["grad_accum"], self.config.sync_bn)
-        for op, wire in extra.get("dp", {}).items():
-            ops = result["comm"].setdefault("dp", {})
-            ops[op] = ops.get(op, 0.0) + wire
-        return result
-
-    @torch.no_grad()
-    def evaluate(self, trainer: Any) -> tuple[float, float]:
-        """(mean loss, top-1 accuracy) over every validation image once, in eval mode
-        (running statistics). Rank r takes every dp-th image from r; all ranks run the same
-        number of batches (under ZeRO-3 a forward is collective), the shorter ones padding
-        with image 0 and leaving its sums out."""
-        mesh, micro, split = trainer.mesh, trainer.config.micro_batch, trainer.val_split
-        count, dp_size = split.num_samples, mesh.size("dp")
-        mine = list(range(mesh.rank("dp"), count, dp_size))
-        rounds = -(-count // dp_size)
-        totals = torch.zeros(3, dtype=torch.float64, device=mesh.device)
-        trainer.model.eval()
-        try:
-            for i in range(0, rounds, micro):
-                real = mine[i: i + micro]
-                inputs, targets = trainer._batch(split, real + [0] * (min(micro, rounds - i) - len(real)))
-                outputs = trainer.model(inputs)[:len(real)]
-                if real:
-                    totals += torch.tensor(self.eval_sums(outputs, targets[:len(real)], trainer.loss_fn),
-                                           dtype=torch.float64, device=mesh.device)
-        finally:
-            trainer.model.train()
-        comm.all_reduce(totals, mesh.axis("dp"), purpose=comm.TELEMETRY)
-        return (totals[0] / totals[1]).item(), (totals[2] / totals[1]).item()
+        _, _, height, width = self.data.images.shape
+        return estimate_cnn(self.model_config, work, params=self.num_params, height=height, width=width,
+                            hardware=hardware, sync_bn=self.config.sync_bn)

@@ -1,54 +1,112 @@
-"""One rank's whole life: join the job, train, write the outputs, report, leave."""
+"""One rank's whole life: join the job, train, write the outputs, report, leave.
+
+The outputs are always enough to give the model back: OUT/model.safetensors (the whole
+model's weights, tied ones once) and the task's attached files beside them (a Hugging Face
+model's config.json and tokenizer), which `plait ckpt export OUT --hf DIR` reads when the run
+saved no checkpoint.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from plait.estimate.layout import Workload
+from plait.parallel.precision import reduce_dtype_of
 from plait.report import report_after_training
+from plait.runtime import comm
 from plait.runtime.env import set_cpu_threads
-from plait.runtime.mesh import init_mesh
+from plait.runtime.mesh import Mesh, init_mesh
+from plait.train.checkpoint_read import RUN_ATTACHED, RUN_WEIGHTS
 from plait.train.config import TrainConfig
 from plait.train.logs import setup_logging
-from plait.train.report import closing_report
+from plait.report.closing import closing_report
 from plait.train.tboard import TensorBoardLog
 from plait.train.trainer import Trainer
 
 
-def train(config: TrainConfig) -> dict[str, Any]:
+
+def train(config: TrainConfig, family: Any) -> dict[str, Any]:
     """Run `plait train` on this rank; rank 0 writes outputs and prints the report."""
     setup_logging(config.log_level)
-    mesh = init_mesh(dp=config.dp, tp=config.tp, pp=config.pp, backend=config.backend, timeout_s=config.timeout_s)
+    mesh = init_mesh(config.layout, backend=config.backend, timeout_s=config.timeout_s)
     try:
         set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", mesh.env.world_size)))
-        trainer = Trainer(config, mesh)
+        trainer = Trainer(config, mesh, family.task(config))
         bar = _progress_bar(config.steps) if mesh.is_main else None
         board = TensorBoardLog(config.out) if config.tensorboard and mesh.is_main else None
         try:
-            summary = trainer.run(progress=(lambda r: _on_step(r, bar, board)) if bar else None)
+            trainer.run(progress=(lambda r: _on_step(r, bar, board, trainer.task.unit)) if bar else None)
         finally:
             if board:
                 board.close()
-        if bar:
-            bar.close()
-        # Every rank takes part: with tensor parallelism or ZeRO-3 a forward is collective.
-        summary["sample"] = trainer.sample_text()
-        weights = final_weights(trainer)
-        if mesh.is_main:
-            summary["config"] = config.to_dict()
-            summary["restarts"] = trainer.restarts
-            _write_outputs(summary, weights, Path(config.out))
-            save_timeline(trainer, Path(config.out))
-            print(closing_report(summary, config.out), flush=True)
-            if not config.no_report and os.environ.get("PLAIT_REPORT", "on") != "off":
-                print(report_after_training(Path(config.out)), flush=True)
-        return summary
+            if bar:
+                bar.close()
+        return finish(trainer)
     finally:
         mesh.close()
+
+
+def finish(trainer: Trainer) -> dict[str, Any]:
+    """What every run ends with, on every rank (several steps are collective): the sample,
+    the prediction, the weights, the summary (returned); then on the main rank the files and
+    the closing report."""
+    config, mesh = trainer.config, trainer.mesh
+    comm.mark_step(mesh.ledger, config.steps + 1)  # the closing phase: named so by timeouts, and by PLAIT_INJECT
+    sample = trainer.sample()  # every rank: with tensor parallelism or ZeRO-3 a forward is collective
+    extras = trainer.metrics.gather_extras(trainer.update_times)
+    described = describe_run(trainer, prediction(trainer))
+    weights = final_weights(trainer)
+    summary = trainer.metrics.summary(described, extras)
+    from plait.train.timing import step_time_parts
+
+    summary["step_time"] = step_time_parts(summary["predicted"], summary["step_time_s_median"], extras["optimizer_s"])
+    summary.update(sample=sample, config=config.to_dict(), restarts=trainer.restarts)
+    if not mesh.is_main:
+        return summary
+    out = Path(config.out)
+    write_outputs(summary, weights, out, trainer.task.attachments())
+    save_timeline(trainer, out)
+    print(closing_report(summary, config.out), flush=True)
+    if not config.no_report and os.environ.get("PLAIT_REPORT", "on") != "off":
+        print(report_after_training(out), flush=True)
+    return summary
+
+
+def prediction(trainer: Trainer) -> dict[str, Any]:
+    """What `plait estimate` says this very run costs, on this run's own hardware profile (its
+    --hardware-file, else this machine's calibration: collective, see plait.train.timing)."""
+    from plait.train.timing import run_hardware
+
+    config = trainer.config
+    work = Workload.of(trainer.mesh.layout, precision=config.precision, micro_batch=config.micro_batch,
+                       grad_accum=config.grad_accum, seq_len=config.seq_len, recompute=config.recompute,
+                       reduce_dtype=config.reduce_dtype)
+    hardware, source = run_hardware(trainer)
+    result = trainer.task.prediction(work, hardware)
+    result["hardware_source"] = source
+    return result
+
+
+def describe_run(trainer: Trainer, predicted: dict[str, Any]) -> dict[str, Any]:
+    """The run as the summary names it: model, layout, task, batch, precision state, prediction."""
+    config, mesh, task = trainer.config, trainer.mesh, trainer.task
+    layout = {**mesh.layout.as_dict(), "recompute": config.recompute, "sync_bn": config.sync_bn,
+              "precision": config.precision, "world_size": mesh.env.world_size, "launcher": mesh.env.launcher,
+              "backend": mesh.backend or "none"}
+    return {
+        "model": config.model, "num_params": task.num_params, "layout": layout,
+        "global_batch": config.global_batch, "seq_len": config.seq_len,
+        "task": {"unit": task.unit, "batch": task.batch_text(config.global_batch), "metrics": task.metric_labels},
+        "resumed_from": trainer.resumed_from, "loss_scale": trainer.guard.scaler.scale,
+        "skipped_steps": trainer.guard.scaler.skipped, "predicted": predicted,
+        "reduce_bytes": reduce_dtype_of(config.precision, config.reduce_dtype).itemsize,
+    }
 
 
 def _progress_bar(steps: int) -> Any:
@@ -57,21 +115,16 @@ def _progress_bar(steps: int) -> Any:
     return tqdm(total=steps, desc="train", unit="step", mininterval=1.0, dynamic_ncols=True)
 
 
-def _on_step(record: dict[str, Any], bar: Any, board: TensorBoardLog | None) -> None:
-    _advance(bar, record)
-    if board:
-        board.write(record)
-
-
-def _advance(bar: Any, record: dict[str, Any]) -> None:
-    postfix = {f"{unit[:3]}/s": f"{record[f'{unit}_per_s']:,.0f}" for unit in ("tokens", "images")
-               if f"{unit}_per_s" in record}
+def _on_step(record: dict[str, Any], bar: Any, board: TensorBoardLog | None, unit: str) -> None:
+    postfix = {f"{unit[:3]}/s": f"{record[f'{unit}_per_s']:,.0f}"}
     if record.get("loss") is not None:  # --measure off reads no loss between the measured steps
         postfix["loss"] = f"{record['loss']:.3f}"
     if "val_loss" in record:
         postfix["val"] = f"{record['val_loss']:.3f}"
     bar.set_postfix(postfix, refresh=False)
     bar.update(record["step"] - bar.n)  # a resumed run starts past 0
+    if board:
+        board.write(record)
 
 
 def save_timeline(trainer: Trainer, out: Path) -> None:
@@ -95,20 +148,26 @@ def final_weights(trainer: Trainer) -> dict[str, torch.Tensor] | None:
 
     with full_parameters(trainer.model) as model:
         weights = gather_full_params(model)
-    if getattr(trainer.model_config, "tie_embeddings", False):
-        weights.pop("lm_head.weight", None)  # tied: stored once, as embed.weight
+    return _tied_once(weights, model)
+
+
+def _tied_once(weights: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A parameter shared by two names (a head tied to the embedding) is written once."""
+    seen: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen and name in weights and name != seen[id(param)]:
+            weights.pop(name)
+        seen.setdefault(id(param), name)
     return weights
 
 
 def _assembled_from_pieces(trainer: Trainer) -> dict[str, torch.Tensor] | None:
-    import shutil
-
     from plait.train import checkpoint
     from plait.train.checkpoint_read import Reader, model_weights
 
     scratch = Path(trainer.config.out) / ".final-weights"
-    path = checkpoint.save(scratch, len(trainer.history), trainer.model, trainer.optimizer, trainer.mesh, {},
-                           keep=1, only="model/")
+    path = checkpoint.save(scratch, len(trainer.metrics.history), trainer.model, trainer.optimizer, trainer.mesh,
+                           {}, keep=1, only="model/")
     if not trainer.mesh.is_main:
         return None
     weights = model_weights(Reader(path))
@@ -116,10 +175,16 @@ def _assembled_from_pieces(trainer: Trainer) -> dict[str, torch.Tensor] | None:
     return weights
 
 
-def _write_outputs(summary: dict[str, Any], weights: dict[str, torch.Tensor] | None, out: Path) -> None:
-    """summary.json and the trained weights (one plain safetensors file, tied weights once)."""
+def write_outputs(summary: dict[str, Any], weights: dict[str, torch.Tensor] | None, out: Path,
+                  attachments: dict[str, Path]) -> None:
+    """summary.json, the trained weights (one plain safetensors file, tied weights once) and
+    the task's attached files, so that the run's own outputs can always be exported."""
     from safetensors.torch import save_file
 
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if weights is not None:
-        save_file({k: v.contiguous().cpu() for k, v in weights.items()}, str(out / "model.safetensors"))
+        save_file({k: v.contiguous().cpu() for k, v in weights.items()}, str(out / RUN_WEIGHTS))
+    for name, source in attachments.items():
+        target = out / RUN_ATTACHED / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, target)

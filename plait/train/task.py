@@ -1,61 +1,78 @@
-"""A training task: what the trainer needs to know about the model family and its data.
+"""A training task: everything the loop needs to know about a model family and its data.
 
-The trainer's loop (micro-batches, no_sync, clipping, checkpoints, reports) is the same for
-every model; what differs lives here, behind one small interface:
+The trainer's loop (micro-batches, no_sync, the step guard, checkpoints, metrics) is the
+same for every model; what differs lives behind this one interface, and neither the trainer
+nor the report ever asks which task it has:
 
-- the model: `build_model(seed)` (the whole model, from the seed, on every rank) and
-  `num_params`;
-- the data: `load()` gives the train and validation splits and a fingerprint that every rank
+- the model: `build_model(seed)` (the whole model, from the seed, on every rank),
+  `adapter(model)` (what the strategies ask of it: plait.parallel.seam; None lets
+  `plait.parallelize` find it) and `num_params`;
+- the data: `load()` gives the train and validation splits and a fingerprint every rank
   compares; `batch(split, indices, step)` stacks samples (and augments them, for images);
 - the objective: `loss_fn(model)` gives loss(outputs, targets, reduction=...);
-  `eval_sums(outputs, targets, loss_fn)` gives what evaluation adds up over ranks;
-- the units a sample is counted in (tokens, images) and `prediction(...)`: what
-  `plait estimate` can say of this model.
+- evaluation: `eval_count(val)` held-out samples, `eval_sums(outputs, targets, loss_fn)`
+  one row of `eval_columns` per sample (the evaluator adds the rows of every rank, whatever
+  the layout), `eval_metrics(totals)` the metrics it reports (`metric_labels` names them
+  for the report);
+- what throughput counts (`unit`, `units_per_sample`), how a batch reads (`batch_text`),
+  a closing `sample(next_logits)` (a language task's text; "" for others), the prediction
+  `plait estimate` makes of it, and the files a checkpoint carries (`attachments`).
 
-`LanguageTask` is plait's GPT on a byte corpus; `HFTask` (plait.train.hf_task) a Hugging
-Face model from a local directory; `ImageTask` (plait.train.image_task) is a ResNet on
-images. `plait.train.tasks.task_for(config)` picks one from `--model`. A language task also gives the text
-codec and the sampler of the closing sample; any task may name files a checkpoint carries
-beside its tensors (`attachments`).
+`LanguageTask` is plait's GPT on a corpus; `HFTask` (plait.train.hf_task) a Hugging Face
+model; `ImageTask` (plait.train.image_task) a ResNet. Which one trains `--model` is its
+family's record (plait.families).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from plait.estimate.layout import Workload
 from plait.models.config import get_preset
-from plait.models.gpt import build_gpt
+from plait.models.gpt import TEMPERATURE, build_gpt, sample_next
 from plait.parallel.tensor.plan import tp_loss_fn
 from plait.train.config import TrainConfig
 from plait.train.data import corpus_digest, load_corpus, train_val_split
 from plait.train.tokens import TextCodec, text_codec
 
+NextLogits = Callable[[torch.Tensor, int], torch.Tensor]  # (ids (1, t), V) -> whole-vocabulary logits (1, V) after them
+
 
 class Task(Protocol):
-    """See the module docstring; `kind` is "lm" or "image"."""
+    """See the module docstring."""
 
-    kind: str
-    unit: str  # what throughput counts: "tokens" or "images"
+    unit: str  # what throughput counts: "tokens", "images"...
     num_params: int
+    model_config: Any  # the family's shape of the model
+    eval_columns: tuple[str, ...]  # what evaluation sums per sample
+    metric_labels: dict[str, tuple[str, str]]  # {metric: (what reports call it, format spec)}, "val_loss" first
 
     def build_model(self, seed: int) -> nn.Module: ...
+    def adapter(self, model: nn.Module) -> Any: ...
     def load(self) -> tuple[Any, Any, int]: ...
     def batch(self, split: Any, indices: list[int], step: int) -> tuple[torch.Tensor, torch.Tensor]: ...
     def loss_fn(self, model: nn.Module) -> Any: ...
-    def eval_sums(self, outputs: torch.Tensor, targets: torch.Tensor, loss_fn: Any) -> list[float]: ...
     def units_per_sample(self) -> int: ...
-    def prediction(self, **layout: Any) -> dict[str, Any]: ...
+    def batch_text(self, global_batch: int) -> str: ...
+    def eval_count(self, val: Any) -> int: ...
+    def eval_sums(self, outputs: Any, targets: torch.Tensor, loss_fn: Any) -> torch.Tensor: ...
+    def eval_metrics(self, totals: dict[str, float]) -> dict[str, float]: ...
+    def sample(self, next_logits: NextLogits, device: torch.device) -> str: ...
+    def prediction(self, work: Workload, hardware: Any) -> dict[str, Any]: ...
     def attachments(self) -> dict[str, Path]: ...
 
 
 class LanguageTask:
-    """Next-token prediction with plait's GPT on a byte corpus."""
+    """Next-token prediction with plait's GPT on a corpus (bytes, or a prepared token file)."""
 
-    kind, unit = "lm", "tokens"
+    unit = "tokens"
+    eval_columns = ("loss", "tokens")
+    metric_labels = {"val_loss": ("held-out", ".3f")}
 
     def __init__(self, config: TrainConfig):
         self.config = config
@@ -64,6 +81,9 @@ class LanguageTask:
 
     def build_model(self, seed: int) -> nn.Module:
         return build_gpt(self.model_config, seed)
+
+    def adapter(self, model: nn.Module) -> Any:
+        return None  # plait's GPT names its own (GPT.plait_adapter)
 
     def load(self) -> tuple[Any, Any, int]:
         tokens = load_corpus(self.config.data)
@@ -75,24 +95,58 @@ class LanguageTask:
     def loss_fn(self, model: nn.Module) -> Any:
         return tp_loss_fn(model)
 
-    def eval_sums(self, outputs: torch.Tensor, targets: torch.Tensor, loss_fn: Any) -> list[float]:
-        """[summed loss, tokens]."""
-        return [loss_fn(outputs, targets, reduction="sum").item(), float(targets.numel())]
-
     def units_per_sample(self) -> int:
         return self.config.seq_len
 
-    def prediction(self, **layout: Any) -> dict[str, Any]:
+    def batch_text(self, global_batch: int) -> str:
+        return f"{global_batch} × {self.config.seq_len} tokens"
+
+    def eval_count(self, val: Any) -> int:
+        """The first `eval_samples` held-out sequences, the same for every layout."""
+        from plait.errors import PlaitError
+
+        if val.num_samples == 0:
+            raise PlaitError(f"the held-out split ({len(val.tokens)} tokens) has no sequence of "
+                             f"{self.config.seq_len} tokens", hint="lower --seq-len, or give a larger --data")
+        return min(val.num_samples, self.config.eval_samples)
+
+    def eval_sums(self, outputs: Any, targets: torch.Tensor, loss_fn: Any) -> torch.Tensor:
+        """Per sequence: its summed next-token loss and its token count."""
+        losses = loss_fn(outputs, targets, reduction="none").view(targets.shape[0], -1).double()
+        counts = torch.full_like(losses[:, 0], float(targets[0].numel()))
+        return torch.stack([losses.sum(dim=1), counts], dim=1)
+
+    def eval_metrics(self, totals: dict[str, float]) -> dict[str, float]:
+        return {"val_loss": totals["loss"] / totals["tokens"]}
+
+    def sample(self, next_logits: NextLogits, device: torch.device) -> str:
+        """A short continuation of `--prompt`, drawn the same way on every rank."""
+        if self.config.sample_tokens == 0:
+            return ""
+        codec = self.codec()  # bytes, or the tokenizer of the corpus or of the model
+        ids = torch.tensor([codec.encode(self.config.prompt)], dtype=torch.long, device=device)
+        generator = torch.Generator(device=device).manual_seed(self.config.seed)
+        for _ in range(self.config.sample_tokens):
+            logits = next_logits(ids[:, -self.context_length():], self.vocab_size)
+            ids = torch.cat((ids, sample_next(logits, TEMPERATURE, generator)), dim=1)
+        return codec.decode(ids[0].tolist())
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def context_length(self) -> int:
+        """The longest context the model takes (the sample keeps its last tokens)."""
+        return self.model_config.max_seq_len
+
+    def prediction(self, work: Workload, hardware: Any) -> dict[str, Any]:
         from plait.estimate import estimate_layout
 
-        return estimate_layout(self.model_config, seq_len=self.config.seq_len, **layout)
+        return estimate_layout(self.model_config, work, hardware=hardware)
 
     def codec(self) -> TextCodec:
         """Text <-> ids for the prompt and the sample: bytes, or the prepared corpus's tokenizer."""
         return text_codec(self.config.data)
-
-    def generate(self, model: nn.Module, prompt: torch.Tensor, count: int, generator: torch.Generator) -> torch.Tensor:
-        return model.generate(prompt, count, generator=generator)
 
     def attachments(self) -> dict[str, Path]:
         """Files a checkpoint carries beside the tensors (a Hugging Face model's config): none."""

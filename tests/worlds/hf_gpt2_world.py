@@ -74,7 +74,7 @@ def parallelize(config: plait.ParallelConfig, **degrees: int) -> tuple[torch.nn.
     mesh = plait.init_mesh(**degrees)
     model = plait.parallelize(build(), mesh, config, adapter=ADAPTER)
     if mesh.size("tp") > 1:  # done once per model: a no-op where apply_tensor_parallel called it
-        ADAPTER.after_tensor_parallel(model, mesh.axis("tp"), config.sp)
+        ADAPTER.after_tensor_parallel(model, mesh.axis("tp"), mesh.layout.sp)
     return model, mesh
 
 
@@ -105,12 +105,12 @@ def saved(model: torch.nn.Module, optimizer: Any, mesh: Any, trained: torch.nn.M
 
 def tensor_parallel(batches: list[torch.Tensor], trained: GPT2LMHeadModel, sp: bool = False) -> dict[str, Any]:
     """tp 2: before training, the logits are whole and equal; after, the parameters are."""
-    config = plait.ParallelConfig(tp_plan=ADAPTER.tensor_plan(build(), 2, sp), sp=sp)
-    model, _ = parallelize(config, tp=2)
+    config = plait.ParallelConfig(tp_plan=ADAPTER.tensor_plan(build(), 2, sp))
+    model, _ = parallelize(config, tp=2, sp=sp)
     with torch.no_grad():
         logits = model(input_ids=batches[0]).logits
         dense = build()(input_ids=batches[0]).logits
-    out = plait_run(batches, config, tp=2)
+    out = plait_run(batches, config, tp=2, sp=sp)
     trained_model, optimizer, mesh = out.pop("model"), out.pop("optimizer"), out.pop("mesh")
     out["param_max_rel"] = max_rel(gather_full_params(trained_model), trained)
     out["checkpoint_max_rel"] = saved(trained_model, optimizer, mesh, trained, f"ckpt-tp-sp{int(sp)}")
@@ -129,7 +129,7 @@ def pipelined(batches: list[torch.Tensor], trained: torch.nn.Module, config: pla
               schedule: str = "1f1b", **degrees: int) -> dict[str, Any]:
     """This rank's stages under `schedule`, one sequence per micro-batch (wte and the tied
     head on different ranks); each dp rank on its share of the batch, the dp-mean loss per step."""
-    mesh = plait.init_mesh(**degrees)
+    mesh = plait.init_mesh(schedule=schedule, **degrees)
     stages = plait.parallelize(build(), mesh, config, adapter=ADAPTER)
     optimizer = plait.build_optimizer(stages, torch.optim.SGD, lr=LR, momentum=0.9)
     runner = plait.PipelineRunner(stages, mesh, schedule)
@@ -151,16 +151,16 @@ def main() -> None:
     batches = data()
     ref, trained = reference(batches)
     if sys.argv[1:] == ["3d"]:  # 8 ranks
-        save_report({"reference": ref, "3d": pipelined(batches, trained, plait.ParallelConfig(zero=1), dp=2, tp=2, pp=2)})
+        save_report({"reference": ref, "3d": pipelined(batches, trained, plait.ParallelConfig(), dp=2, tp=2, pp=2, zero=1)})
         return
     report = {"reference": ref, "tp": tensor_parallel(batches, trained),
               "tp_sp": tensor_parallel(batches, trained, sp=True) if SEQUENCE else None,
               "pp": pipelined(batches, trained, plait.ParallelConfig(), pp=2) if PIPELINE else None,
-              "pp_interleaved": pipelined(batches, trained, plait.ParallelConfig(virtual_stages=2), "interleaved",
-                                          pp=2) if PIPELINE else None}
-    for name, config in (("dp", plait.ParallelConfig()), ("zero3", plait.ParallelConfig(zero=3)),
-                         ("zero3_recompute", plait.ParallelConfig(zero=3, recompute="full"))):
-        report[name] = plait_run(batches, config, dp=2)
+              "pp_interleaved": pipelined(batches, trained, plait.ParallelConfig(), "interleaved",
+                                          pp=2, virtual_stages=2) if PIPELINE else None}
+    for name, config, zero in (("dp", plait.ParallelConfig(), 0), ("zero3", plait.ParallelConfig(), 3),
+                               ("zero3_recompute", plait.ParallelConfig(recompute="full"), 3)):
+        report[name] = plait_run(batches, config, dp=2, zero=zero)
         for key in ("model", "optimizer", "mesh"):
             report[name].pop(key)
     save_report(report)

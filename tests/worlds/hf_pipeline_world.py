@@ -1,4 +1,4 @@
-"""A transformers Llama through every strategy via its adapter, picked by class: one spawn.
+"""A transformers Llama through every strategy, split by the plans it declares: one spawn.
 
 `plait.parallelize(model, mesh, ParallelConfig(...))` takes the `LlamaForCausalLM` as it is
 (no plan, no adapter from the user). The one-process reference trains the same model on
@@ -88,7 +88,7 @@ def whole(batches: list[torch.Tensor], config: Any, build_args: dict[str, Any], 
 def piped(batches: list[torch.Tensor], config: Any, schedule: str, build_args: dict[str, Any],
           **degrees: int) -> dict[str, Any]:
     """This rank's stages from parallelize, driven by PipelineRunner; the dp-mean loss per step."""
-    mesh = plait.init_mesh(**degrees)
+    mesh = plait.init_mesh(schedule=schedule, **degrees)
     stages = plait.parallelize(build(**build_args), mesh, config)
     optimizer = plait.build_optimizer(stages, torch.optim.SGD, lr=LR, momentum=0.9)
     runner = plait.PipelineRunner(stages, mesh, schedule)
@@ -132,19 +132,19 @@ def main() -> None:
         report["reference_tied"] = reference(batches, tied=True)
         report["reference_qwen2"] = reference(batches, family="qwen2")
         report["pp_1f1b"] = piped(batches, P(), "1f1b", {}, pp=2)
-        report["pp_interleaved"] = piped(batches, P(virtual_stages=2), "interleaved", {}, pp=2)
+        report["pp_interleaved"] = piped(batches, P(), "interleaved", {}, pp=2, virtual_stages=2)
         report["pp_tied"] = piped(batches, P(), "1f1b", {"tied": True}, pp=2)
         report["pp_recompute"] = piped(batches, P(recompute="full"), "1f1b", {}, pp=2)
         report["pp_zb"] = piped(batches, P(), "zb-h1", {}, pp=2)
         report["tp"] = whole(batches, P(), {}, tp=2)
-        report["tp_sp"] = whole(batches, P(sp=True), {}, tp=2)
+        report["tp_sp"] = whole(batches, P(), {}, tp=2, sp=True)
         report["qwen2_tp"] = whole(batches, P(), {"family": "qwen2"}, tp=2)
         report["tp_tied"] = whole(batches, P(), {"tied": True}, tp=2)
         report["refusal"] = refusal()
     else:
-        report["dp_tp_pp_zero1"] = piped(batches, P(zero=1), "1f1b", {}, dp=2, tp=2, pp=2)
-        report["dp_tp_sp_pp_zero3_recompute"] = piped(batches, P(zero=3, sp=True, recompute="full"), "1f1b",
-                                                      {"tied": True}, dp=2, tp=2, pp=2)
+        report["dp_tp_pp_zero1"] = piped(batches, P(), "1f1b", {}, dp=2, tp=2, pp=2, zero=1)
+        report["dp_tp_sp_pp_zero3_recompute"] = piped(batches, P(recompute="full"), "1f1b", {"tied": True},
+                                                      dp=2, tp=2, pp=2, zero=3, sp=True)
         report["reference_tied"] = reference(batches, tied=True)
     save_report(report)
 

@@ -69,7 +69,7 @@ def main() -> None:
               "tp_regions": plait_run(batches, plait.ParallelConfig(tp_plan={**REGIONS, **LINEARS}), tp=2),
               "tp_no_regions": plait_run(batches, plait.ParallelConfig(tp_plan=LINEARS), tp=2),
               "dp": plait_run(batches, plait.ParallelConfig(), dp=2),
-              "zero3": plait_run(batches, plait.ParallelConfig(zero=3), dp=2)}
+              "zero3": plait_run(batches, plait.ParallelConfig(), dp=2, zero=3)}
     save_report(report)
 
 

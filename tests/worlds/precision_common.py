@@ -9,9 +9,11 @@ from typing import Any, Callable
 
 import torch
 
+from plait.families import family_of
 from plait.runtime.env import ProcessEnv
 from plait.runtime.mesh import Mesh, init_mesh
 from plait.train.config import TrainConfig
+from plait.train.run import finish
 from plait.train.trainer import Trainer
 
 BASE = TrainConfig(model="tiny", steps=3, micro_batch=2, seq_len=32, warmup_steps=1, eval_every=0, eval_samples=4,
@@ -24,28 +26,33 @@ def single_mesh() -> Mesh:
 
 
 def config(mesh: Mesh, out: str, **fields: Any) -> TrainConfig:
-    shape = mesh.shape
-    return replace(BASE, dp=shape.dp, tp=shape.tp, pp=shape.pp, nproc=shape.dp * shape.tp * shape.pp, out=out,
-                   **fields)
+    shape = mesh.layout
+    return replace(BASE, dp=shape.dp, tp=shape.tp, pp=shape.pp, nproc=shape.world, out=out, **fields)
+
+
+def trainer_for(config: TrainConfig, mesh: Mesh) -> Trainer:
+    """The Trainer `plait train` would build for `config` on `mesh` (its family's task)."""
+    return Trainer(config, mesh, family_of(config).task(config))
 
 
 def train(mesh: Mesh, out: str, before_step: Callable[[Trainer, int], None] | None = None,
           **fields: Any) -> dict[str, Any]:
     """Losses, scales and skips of a short run; `before_step(trainer, step)` may meddle first."""
     Path(out).mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(config(mesh, out, **fields), mesh)
+    trainer = trainer_for(config(mesh, out, **fields), mesh)
     if before_step is not None:
-        real = trainer.guard.step
+        real = trainer.guard.clip
 
         def guarded(step: int, *args: Any, **kwargs: Any) -> Any:
             before_step(trainer, step)
             return real(step, *args, **kwargs)
 
-        trainer.guard.step = guarded  # type: ignore[method-assign]
-    summary = trainer.run()
-    return {"losses": [r["loss"] for r in trainer.history], "scales": [r["loss_scale"] for r in trainer.history],
-            "skipped": [r["skipped"] for r in trainer.history], "mem": trainer.history[-1]["mem"],
-            "comm": trainer.history[-1]["comm"], "predicted": summary["predicted"], "summary_scale":
+        trainer.guard.clip = guarded  # type: ignore[method-assign]
+    trainer.run()
+    summary, history = finish(trainer), trainer.metrics.history
+    return {"losses": [r["loss"] for r in history], "scales": [r["loss_scale"] for r in history],
+            "skipped": [r["skipped"] for r in history], "mem": history[-1]["mem"],
+            "comm": history[-1]["comm"], "predicted": summary["predicted"], "summary_scale":
             summary["loss_scale"], "skipped_steps": summary["skipped_steps"], "trainer": trainer}
 
 

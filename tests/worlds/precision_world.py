@@ -20,8 +20,8 @@ import torch
 from plait.errors import PlaitError
 from plait.runtime.mesh import init_mesh
 from plait.train import checkpoint, checkpoint_read
-from plait.train.trainer import Trainer
-from tests.worlds.precision_common import config, poison, public, same, single_mesh, snapshot, train
+
+from tests.worlds.precision_common import config, poison, public, same, single_mesh, snapshot, train, trainer_for
 from tests.worldlib import save_report
 
 LAYOUTS = {"dp2": {"dp": 2}, "tp2": {"tp": 2}, "pp2": {"pp": 2}}
@@ -86,8 +86,8 @@ def resume(out: Path, rank: int) -> dict[str, Any]:
     train(dp, str(out / "fp32"), steps=2, save_every=2)
     source = out / "fp32" / "checkpoints" / "step-00000002"
     for zero in (0, 1):
-        trainer = Trainer(config(dp, str(out / f"fp16-{zero}"), precision="fp16", zero=zero, steps=3,
-                                 resume=str(source)), dp)
+        trainer = trainer_for(config(dp, str(out / f"fp16-{zero}"), precision="fp16", zero=zero, steps=3,
+                                     resume=str(source)), dp)
         trainer.resume()
         reader = checkpoint_read.Reader(source, verify=False)
         masters = [p for p in checkpoint.local_pieces(trainer.model, trainer.optimizer, dp)

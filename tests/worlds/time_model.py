@@ -14,10 +14,12 @@ from pathlib import Path
 import torch
 
 from plait.bench import machine
+from plait.families import family_of
 from plait.models.config import get_preset
 from plait.runtime import comm
 from plait.runtime.mesh import init_mesh
 from plait.train.config import TrainConfig
+from plait.train.run import finish
 from plait.train.trainer import Trainer
 from tests.worldlib import save_report
 
@@ -39,7 +41,9 @@ def main() -> None:
         if mesh.is_main:
             machine.save(hw, hw_file, machine.machine_facts(mesh))
         comm.barrier(mesh.axis("world"))
-        summary = Trainer(config, mesh).run()
+        trainer = Trainer(config, mesh, family_of(config).task(config))
+        trainer.run()
+        summary = finish(trainer)
         attempts.append(summary["step_time"])
         if abs(summary["step_time"]["ratio"] - 1) <= bound:
             break

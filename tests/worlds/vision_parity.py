@@ -131,8 +131,8 @@ def main() -> None:
     report["sync"] = train(model, adam(model), r, n)
     report["sync_layers"] = sum(isinstance(m, SyncBatchNorm) for m in model.modules())
 
-    model = plait.parallelize(build_resnet(TINY, SEED), mesh,
-                              plait.ParallelConfig(sync_bn=True, zero=3, recompute="full"))
+    model = plait.parallelize(build_resnet(TINY, SEED), mesh.with_layout(zero=3),
+                              plait.ParallelConfig(sync_bn=True, recompute="full"))
     report["sync_zero3"] = train(model, adam(model), r, n, micro=GLOBAL // n // 2)
 
     model = plait.parallelize(build_resnet(TINY, SEED), mesh, plait.ParallelConfig())
@@ -144,7 +144,7 @@ def main() -> None:
 
     ref = user_cnn()
     report["user_single"] = train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), 0, 1)
-    model = plait.parallelize(user_cnn(), mesh, plait.ParallelConfig(sync_bn=True, zero=2))
+    model = plait.parallelize(user_cnn(), mesh.with_layout(zero=2), plait.ParallelConfig(sync_bn=True))
     report["user_sync"] = train(model, adam(model), r, n)
 
     report["ledger"] = ledger_checks(mesh)

@@ -23,11 +23,31 @@ from plait.parallel.zero.stages import full_parameters, zero_of
 from plait.parallel.zero.optim import zero_state_bytes
 from plait.runtime import comm
 from plait.bench.meter import model_state_bytes
+from plait.estimate.layout import Workload
+from plait.estimate.memory import StateBytes, model_states
+from plait.parallel.zero.shard import owned_range, shard_size
 
 GLOBAL_BATCH, SEQ, STEPS = 8, 16, 3
 CLIP = 0.1  # below the tiny GPT's gradient norm (~0.5), so clipping really scales
 RTOL, ATOL = 1e-5, 1e-7  # SGD runs: atol for parameters that pass through zero (see test_zero_worlds)
 ADAM_LR = 1e-3
+
+
+def padded_state_bytes(stage: int, group_sizes: list[int], n: int, rank: int, per: StateBytes) -> dict[str, int]:
+    """plait.estimate's model states to the byte, as this rank's flat buffers hold them:
+    whole buffers and shards carry the padding that makes each group divide by n, and the
+    optimizer state covers only the real elements this rank owns."""
+    padded = sum(shard_size(m, n) * n for m in group_sizes)
+    shards = sum(shard_size(m, n) for m in group_sizes)
+    owned = sum(hi - lo for lo, hi in (owned_range(m, n, rank) for m in group_sizes))
+    return {"params": per.param * (shards if stage >= 3 else padded),
+            "grads": per.grad * (shards if stage >= 2 else padded), "optim": per.optim * owned}
+
+
+def paper_states(stage: int, params: int, n: int, per: StateBytes) -> dict[str, int]:
+    """plait.estimate's model states of `params` parameters (the ZeRO paper's (p + g + K)Ψ)."""
+    states = model_states(params, 0, Workload(dp=n, zero=stage), per)
+    return {kind: int(getattr(states, kind)) for kind in ("params", "grads", "optim")}
 
 
 class UserMLP(nn.Module):
@@ -81,7 +101,7 @@ def build(mesh: Any, *, stage: int, kind: str = "gpt", offload: bool = False, op
           dtype: torch.dtype = torch.float32, bucket_mb: float = 0.02) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The model and optimizer a run trains (stage 0 is plait's DDP)."""
     model = make_model(kind, dtype)
-    plait.parallelize(model, mesh, plait.ParallelConfig(zero=stage, offload=offload, bucket_mb=bucket_mb))
+    plait.parallelize(model, mesh.with_layout(zero=stage, offload=offload), plait.ParallelConfig(bucket_mb=bucket_mb))
     return model, make_optimizer(model, optim)
 
 

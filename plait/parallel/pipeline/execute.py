@@ -220,6 +220,7 @@ class StepRun:
         self.m = len(inputs)
         self.states: dict[tuple[int, int], MicroState] = {}
         self.losses: list[torch.Tensor] = []
+        self.loss_of: dict[int, torch.Tensor] = {}  # the same, by micro-batch (evaluation's rows)
         self.held = self.peak_held = self.held_bytes = self.peak_bytes = 0
         self.saved_chunk0: list[int] = []
         self.wait_s = 0.0
@@ -260,6 +261,7 @@ class StepRun:
         if stage == self.num_stages - 1:
             loss = self.loss_fn(out, self.targets[act.microbatch].to(out.device))
             self.losses.append(loss.detach())
+            self.loss_of[act.microbatch] = self.losses[-1]
             state.output = loss / self.m
         else:
             self.channels.send(("act", act.microbatch, stage + 1), out, (stage + 1) % self.pp)

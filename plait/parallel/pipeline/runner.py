@@ -36,6 +36,7 @@ from plait.parallel.pipeline.timeline import Slot, Timeline
 from plait.parallel.tensor.plan import ATTR as TP_ATTR
 from plait.parallel.tensor.plan import tensor_parallel_of
 from plait.parallel.zero.stages import zero_of
+from plait.rules import SPLIT_BACKWARD, check_microbatches, check_split_backward
 from plait.runtime import comm
 from plait.runtime.mesh import Mesh
 
@@ -43,16 +44,17 @@ __all__ = ["PipelineRunner", "PipelineStage", "PipelineStats", "apply_pipeline",
            "check_split", "split_stages"]
 
 
-def apply_pipeline(model: nn.Module, mesh: Mesh, *, virtual_stages: int = 1,
+def apply_pipeline(model: nn.Module, mesh: Mesh, *, virtual_stages: int | None = None,
                    balance: Sequence[int] | None = None, adapter: Any = None) -> nn.ModuleList:
-    """This rank's stages of `model` (v chunks, in chunk order), moved to its device.
+    """This rank's stages of `model` (v chunks, in chunk order: the layout's virtual stages
+    unless given), moved to its device.
 
     Tensor parallelism, if any, is applied to the whole model before (its layers are cut
     as they are); data parallelism or ZeRO to the returned ModuleList after: the stages of
     the other ranks are dropped with `model`. `adapter` says where to cut and how a stage
     runs (plait.parallel.seam; default: the model class's, or an nn.Sequential's children).
     """
-    pp = mesh.size("pp")
+    pp, virtual_stages = mesh.size("pp"), virtual_stages or mesh.layout.virtual_stages
     info = tensor_parallel_of(model)
     seq_split = info.axis.size if info is not None and info.sp else 1
     stages = split_stages(model, pp, virtual_stages=virtual_stages, balance=balance, seq_split=seq_split,
@@ -68,14 +70,8 @@ def check_pipeline(n_layers: int, pp: int, schedule: str, microbatches: int, *, 
                    balance: Sequence[int] | None = None) -> None:
     """Raise PlaitError if this layout cannot run; pure, so a config is checked before spawning."""
     check_split(n_layers, pp, virtual_stages=virtual_stages, balance=balance)
-    _check_microbatches(schedule, pp, microbatches)
+    check_microbatches(schedule, pp, microbatches)
     build_schedule(schedule, pp, microbatches, virtual_stages)
-
-
-def _check_microbatches(schedule: str, pp: int, m: int) -> None:
-    if schedule == "interleaved" and m < pp:
-        raise PlaitError(f"the interleaved schedule needs at least pp={pp} micro-batches per step; got {m}",
-                         hint=f"raise the micro-batches per step (--grad-accum) to a multiple of {pp}")
 
 
 ScheduleBuilder = Callable[[int, int, int], Schedule]  # (pp, m, v) -> one action list per rank
@@ -93,9 +89,11 @@ class PipelineRunner:
     """Runs a pipeline schedule over this rank's stages, one optimizer step per `step` call."""
 
     def __init__(self, stages: nn.ModuleList | Sequence[nn.Module], mesh: Mesh,
-                 schedule: str | ScheduleBuilder = "1f1b", *, measure: bool = True):
-        """`schedule` is a name from `schedule.SCHEDULES` or any function (pp, m, v) -> Schedule;
-        `measure` times every action and gathers the timeline (two tiny collectives a step)."""
+                 schedule: str | ScheduleBuilder | None = None, *, measure: bool = True):
+        """`schedule` is the layout's (mesh.layout.schedule) unless given: a name from
+        plait.rules.SCHEDULES or any function (pp, m, v) -> Schedule; `measure` times every
+        action and gathers the timeline (two tiny collectives a step)."""
+        schedule = schedule or mesh.layout.schedule
         self.mesh, self.axis = mesh, mesh.axis("pp")
         self.pp, self.rank = self.axis.size, self.axis.rank
         if not isinstance(stages, nn.ModuleList) and any(grad_sync(s) or zero_of(s) for s in stages):
@@ -151,6 +149,24 @@ class PipelineRunner:
     def eval_loss(self, micro_inputs: Sequence[torch.Tensor], micro_targets: Sequence[torch.Tensor],
                   loss_fn: LossFn) -> float:
         """Mean loss over the micro-batches, forwards only (the schedule's F actions, in order)."""
+        losses = self._forwards(micro_inputs, micro_targets, loss_fn)
+        return self._broadcast_loss(list(losses.values()), len(micro_inputs))
+
+    @torch.no_grad()
+    def eval_rows(self, micro_inputs: Sequence[torch.Tensor], micro_targets: Sequence[torch.Tensor],
+                  rows_fn: LossFn, width: int) -> torch.Tensor:
+        """`rows_fn(outputs, targets)` of every micro-batch, (batch, width) each, stacked to
+        (m, batch, width) in float64 on every pp rank: what evaluation sums per sample."""
+        kept = self._forwards(micro_inputs, micro_targets, lambda out, targets: rows_fn(out, targets).double())
+        shape = (len(micro_inputs), micro_targets[0].shape[0], width)
+        rows = torch.stack([kept[i] for i in sorted(kept)]) if kept else torch.zeros(shape, dtype=torch.float64)
+        rows = rows.to(self.mesh.device)
+        comm.broadcast(rows, self.axis, src=self.pp - 1, purpose=comm.TELEMETRY)
+        return rows
+
+    def _forwards(self, micro_inputs: Sequence[torch.Tensor], micro_targets: Sequence[torch.Tensor],
+                  loss_fn: LossFn) -> dict[int, torch.Tensor]:
+        """Run the schedule's forwards; the last stage's loss_fn results by micro-batch."""
         plan = self._plan(len(micro_inputs), micro_inputs, forward_only=True)
         shapes = self._agree(micro_inputs[0])
         channels = Channels(self.axis, plan.order, lambda key: self._shape_of(key, shapes), self.pool)
@@ -158,7 +174,7 @@ class PipelineRunner:
         for act in plan.schedule[self.rank]:
             run.do(act, None, 0.0)
         channels.finish()
-        return self._broadcast_loss(run.losses, len(micro_inputs))
+        return run.loss_of
 
     @torch.no_grad()
     def last_logits(self, ids: torch.Tensor, position: int = -1) -> torch.Tensor | None:
@@ -191,7 +207,7 @@ class PipelineRunner:
         if m < 1 or len({tuple(x.shape) for x in micro_inputs}) != 1:
             raise PlaitError(f"a pipeline step needs micro-batches of one shape; got "
                              f"{sorted({tuple(x.shape) for x in micro_inputs})}")
-        _check_microbatches(self.schedule_name, self.pp, m)
+        check_microbatches(self.schedule_name, self.pp, m)
         key = -m if forward_only else m
         if key not in self._plans:
             schedule = self._build(self.pp, m, self.v)
@@ -266,13 +282,11 @@ class PipelineRunner:
 
 
 def _check_split_backward(module: nn.Module, split_backward: bool) -> None:
-    """What cannot run a schedule whose backward is split into I and W (zb-h1)."""
-    if split_backward and any(getattr(m, "recompute", False) is True for m in module.modules()):
-        raise PlaitError("activation recomputation cannot run a schedule that splits backward into I and W "
-                         "(zb-h1): W reads the activations recomputation drops",
-                         hint="use --schedule 1f1b with --recompute, or drop --recompute")
+    """What cannot run a schedule whose backward is split into I and W (zb-h1): the rule is
+    plait.rules', asked of what the stages actually carry (a user may build them by hand)."""
+    if not split_backward:
+        return
+    recomputes = any(getattr(m, "recompute", False) is True for m in module.modules())
     sync = zero_of(module)
-    if sync is not None and sync.stage >= 2 and split_backward:
-        raise PlaitError(f"ZeRO-{sync.stage} cannot run a schedule that splits backward into I and W (zb-h1): "
-                         "it reduces gradients from autograd's hooks, and W computes weight gradients outside them",
-                         hint="use --zero 1 with zb-h1, or --schedule 1f1b")
+    check_split_backward(SPLIT_BACKWARD[0], zero=sync.stage if sync is not None else 0,
+                         recompute="full" if recomputes else "none")

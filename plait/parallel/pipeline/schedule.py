@@ -16,7 +16,7 @@ from typing import Callable
 from plait.errors import PlaitError
 from plait.parallel.pipeline.action import Action, Kind
 from plait.parallel.pipeline.timeline import Slot, Timeline
-from plait.rules import SCHEDULES  # noqa: F401  (re-exported: the names build_schedule knows)
+from plait.rules import SCHEDULES, check_choice, check_microbatches, check_virtual_stages  # noqa: F401
 
 Schedule = list[list[Action]]
 
@@ -59,12 +59,8 @@ def interleaved_1f1b(pp: int, m: int, v: int) -> Schedule:
     same group on chunk 1, and so on, which is why m must be a multiple of pp.
     """
     _check_sizes(pp, m)
-    if v < 2:
-        raise PlaitError(f"interleaved 1F1B needs v >= 2 stages per rank; got v={v}",
-                         hint="use v=2 or more, or the plain 1f1b schedule")
-    if m % pp:
-        raise PlaitError(f"interleaved 1F1B needs m to be a multiple of pp; got m={m}, pp={pp}",
-                         hint=f"use m={m + pp - m % pp} (or another multiple of {pp})")
+    check_virtual_stages(max(pp, 2), "interleaved", v)  # v >= 2, whatever pp
+    check_microbatches("interleaved", pp, m)
     return [_interleaved_rank(pp, m, v, rank) for rank in range(pp)]
 
 
@@ -119,14 +115,10 @@ def _zb_h1_rank(pp: int, m: int, rank: int) -> list[Action]:
 
 def build_schedule(name: str, pp: int, m: int, v: int = 1) -> Schedule:
     """The schedule called `name` ("gpipe", "1f1b", "interleaved" or "zb-h1")."""
-    if name not in SCHEDULES:
-        raise PlaitError(f"unknown pipeline schedule {name!r}",
-                         hint=f"choose one of {', '.join(SCHEDULES)}")
+    check_choice("schedule", name, SCHEDULES)
     if name == "interleaved":
         return interleaved_1f1b(pp, m, v)
-    if v != 1:
-        raise PlaitError(f"schedule {name!r} runs one stage per rank; got v={v}",
-                         hint="use v=1, or the interleaved schedule for v > 1")
+    check_virtual_stages(pp, name, v)
     builders = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zero_bubble_h1}
     return builders[name](pp, m)
 

@@ -37,6 +37,7 @@ from torch import nn
 from plait.errors import PlaitError
 from plait.balance import balanced_counts
 from plait.parallel.seam import Parts, adapter_of, pipeline_parts
+from plait.rules import check_pipeline_cut
 
 BLOCKS = "blocks"  # where a stage keeps the blocks of a model that is itself a Sequential
 
@@ -220,21 +221,11 @@ def logical_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter, bool]]
 
 def check_split(n_layers: int, pp: int, *, virtual_stages: int = 1, balance: Sequence[int] | None = None) -> None:
     """Raise PlaitError unless `n_layers` blocks can be cut into pp·v stages (no model needed,
-    so a config can be checked before any process starts)."""
-    v, stages = virtual_stages, pp * virtual_stages
-    if pp < 1 or v < 1:
-        raise PlaitError(f"pp and virtual stages must be at least 1; got pp={pp}, v={v}")
+    so a config can be checked before any process starts); the rule is plait.rules'."""
     if balance is not None:
-        _check_counts(list(balance), stages, n_layers)
+        _check_counts(list(balance), pp * virtual_stages, n_layers)
         return
-    if stages > n_layers:
-        what = f"pp={pp}" if v == 1 else f"pp={pp} × virtual stages {v} = {stages} stages"
-        raise PlaitError(f"{what} is more than the model's {n_layers} layers: every stage needs a layer",
-                         hint=f"use pp·v <= {n_layers}, or a model with more layers")
-    if v > 1 and n_layers % stages:
-        raise PlaitError(f"interleaving cuts the {n_layers} layers into v·pp = {v}·{pp} = {stages} equal "
-                         f"chunks, and {n_layers} is not divisible by {stages}",
-                         hint="choose pp and --virtual-stages whose product divides the layer count")
+    check_pipeline_cut(n_layers, pp, virtual_stages)
 
 
 def rank_stages(stages: Sequence[nn.Module], rank: int, pp: int) -> nn.ModuleList:

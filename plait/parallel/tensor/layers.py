@@ -1,7 +1,8 @@
 """Megatron-style parallel layers, each built from the dense layer it replaces.
 
 A layer keeps only this rank's slice of the dense weight and remembers where that slice sits
-(`Shard`), so the full tensor can be gathered back for parity checks and checkpoints:
+(`Shard`, in slices.py), so the full tensor can be gathered back for parity checks and
+checkpoints:
 
 - `ColumnParallelLinear`: rows of W (output features) split; input replicated, output sharded.
   A fused layer whose output is k equal parts (GPT-2's q|k|v) is split part by part, so each
@@ -23,90 +24,19 @@ gathering and checkpoints; the layer multiplies by the transposed view.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.errors import PlaitError
 from plait.parallel.tensor import regions
+from plait.parallel.tensor.slices import SHARD_ATTR, Shard, shard_of, shard_param
 from plait.runtime import comm
 from plait.runtime.comm import Axis
 
-SHARD_ATTR = "plait_tp_shard"
-
-
-@dataclass(frozen=True)
-class Shard:
-    """Where this rank's slice of a parameter sits in the full tensor.
-
-    `fused` > 1: along `dim` the full tensor is that many equal parts (q|k|v), and this rank
-    holds slice `rank` of each part, concatenated: k blocks of the full tensor, not one.
-    """
-
-    dim: int
-    rank: int
-    parts: int
-    full_shape: tuple[int, ...]
-    fused: int = 1
-
-    @property
-    def offset(self) -> int:
-        """Where the one block this rank holds starts along `dim` (unfused shards only)."""
-        if self.fused > 1:
-            raise PlaitError(f"a fused tensor-parallel parameter {self.full_shape} is {self.fused} blocks "
-                             "per rank, not one contiguous block", hint="place it with Shard.blocks")
-        return self.rank * self.full_shape[self.dim] // self.parts
-
-    def blocks(self, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> list[tuple[int, int, tuple[int, ...]]]:
-        """A block of this rank's slice (at `offsets`, of `lengths`) as blocks of the full tensor.
-
-        Each is (where it starts within the block along `dim`, its length there, its offsets
-        in the full tensor): one block when unfused; a fused slice's block is cut where the
-        parts meet, since consecutive local parts lie apart in the full tensor.
-        """
-        chunk = self.full_shape[self.dim] // (self.fused * self.parts)
-        lo, hi = offsets[self.dim], offsets[self.dim] + lengths[self.dim]
-        out = []
-        for part in range(lo // chunk, -(-hi // chunk)):
-            start, stop = max(lo, part * chunk), min(hi, (part + 1) * chunk)
-            where = list(offsets)
-            where[self.dim] = (part * self.parts + self.rank) * chunk + start - part * chunk
-            out.append((start - lo, stop - start, tuple(where)))
-        return out
-
-    def take(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of `full` (a copy): slice `rank` of each of the `fused` parts."""
-        parts = full.unflatten(self.dim, (self.fused, self.parts, -1))
-        return parts.select(self.dim + 1, self.rank).flatten(self.dim, self.dim + 1).clone()
-
-    def join(self, stacked: torch.Tensor) -> torch.Tensor:
-        """The full tensor from every rank's slice, stacked on a new first dimension (t, ...)."""
-        parts = stacked.unflatten(self.dim + 1, (self.fused, -1))  # (t, ..., fused, chunk, ...)
-        return parts.movedim(0, self.dim + 1).flatten(self.dim, self.dim + 2).contiguous()
-
-
-def shard_of(param: torch.Tensor) -> Shard | None:
-    """The `Shard` of a tensor-parallel parameter, or None for a replicated one."""
-    return getattr(param, SHARD_ATTR, None)
-
-
-def shard_param(param: nn.Parameter, dim: int, axis: Axis, memo: dict[int, nn.Parameter],
-                fused: int = 1) -> nn.Parameter:
-    """This rank's slice of `param` along `dim`, made once per parameter (tied weights stay tied)."""
-    if id(param) in memo:
-        shard = memo[id(param)]
-        if (shard_of(shard).dim, shard_of(shard).fused) != (dim, fused):
-            raise ValueError("a tied parameter is split along two different dimensions")
-        return shard
-    where = Shard(dim, axis.rank, axis.size, tuple(param.shape), fused)
-    shard = nn.Parameter(where.take(param.detach()), requires_grad=param.requires_grad)
-    setattr(shard, SHARD_ATTR, where)
-    memo[id(param)] = shard
-    return shard
-
+__all__ = ["SHARD_ATTR", "ColumnParallelLinear", "RowParallelLinear", "Shard", "VocabParallelEmbedding",
+           "enter_region", "is_conv1d", "layout_of", "leave_region", "shard_of", "shard_param", "sum_grad_over"]
 
 class Layout(NamedTuple):
     """A dense layer's sizes, and which dimension of its stored weight indexes the outputs."""
@@ -214,17 +144,19 @@ class ColumnParallelLinear(nn.Module):
 
     `enters` says whether the input enters the region here; it is False when an enclosing
     module (the GPT's attention or MLP) already did it once for several column layers.
+    `entry` (a SharedEntry): enter once with the other column layers reading the same input.
     `regather` (SP only): save the input's sequence chunk, not the gathered input.
+    `gather_output`: return the whole output, all-gathered (a head that returns whole logits).
     `transposed`: the weight is stored (in, out/t), as a Conv1D stores it.
     """
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, axis: Axis, *,
                  sequence_parallel: bool = False, enters: bool = True, regather: bool = True,
-                 transposed: bool = False):
+                 transposed: bool = False, gather_output: bool = False, entry: Any = None):
         super().__init__()
         self.weight, self.bias = weight, bias
         self.axis, self.sequence_parallel, self.enters = axis, sequence_parallel, enters
-        self.regather, self.transposed = regather, transposed
+        self.regather, self.transposed, self.gather_output, self.entry = regather, transposed, gather_output, entry
 
     @classmethod
     def from_dense(cls, dense: nn.Module, axis: Axis, memo: dict[int, nn.Parameter], *, fused: int = 1,
@@ -237,25 +169,34 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enters:
-            x = enter_region(x, self.axis, self.sequence_parallel, self.regather)
-        return column_linear(x, _as_linear_weight(self.weight, self.transposed), self.bias)
+            x = self.entry.enter(x, self._enter) if self.entry is not None else self._enter(x)
+        y = column_linear(x, _as_linear_weight(self.weight, self.transposed), self.bias)
+        return regions.gather_features(y, self.axis) if self.gather_output else y
+
+    def _enter(self, x: torch.Tensor) -> torch.Tensor:
+        return enter_region(x, self.axis, self.sequence_parallel, self.regather)
 
     def extra_repr(self) -> str:
-        return f"local={tuple(self.weight.shape)}, tp={self.axis.size}, sp={self.sequence_parallel}"
+        gather = ", gather_output" if self.gather_output else ""
+        return f"local={tuple(self.weight.shape)}, tp={self.axis.size}, sp={self.sequence_parallel}{gather}"
 
 
 class RowParallelLinear(nn.Module):
     """y = Σ_r x_r·W_rᵀ (+ b): this rank holds in_features/t columns and a partial sum.
 
-    The bias is replicated and added once, after the sum. `transposed`: the weight is stored
+    The bias is replicated and added once, after the sum. `split_input`: the input is whole
+    on every rank and this rank keeps its slice of it. `entry`: the SharedEntry of the column
+    layers, emptied here since the region is left. `transposed`: the weight is stored
     (in/t, out), as a Conv1D stores it.
     """
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, axis: Axis, *,
-                 sequence_parallel: bool = False, transposed: bool = False):
+                 sequence_parallel: bool = False, transposed: bool = False, split_input: bool = False,
+                 entry: Any = None):
         super().__init__()
         self.weight, self.bias, self.transposed = weight, bias, transposed
         self.axis, self.sequence_parallel = axis, sequence_parallel
+        self.split_input, self.entry = split_input, entry
         if sequence_parallel and bias is not None:
             sum_grad_over(bias, axis)  # added to a chunk of the sequence: its gradient is partial
 
@@ -272,30 +213,41 @@ class RowParallelLinear(nn.Module):
         return F.linear(x, _as_linear_weight(self.weight, self.transposed))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.entry is not None:
+            self.entry.clear()
+        if self.split_input:
+            x = regions.split_features(x, self.axis)
         y = leave_region(self.partial(x), self.axis, self.sequence_parallel)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
-        return f"local={tuple(self.weight.shape)}, tp={self.axis.size}, sp={self.sequence_parallel}"
+        split = ", split_input" if self.split_input else ""
+        return f"local={tuple(self.weight.shape)}, tp={self.axis.size}, sp={self.sequence_parallel}{split}"
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows [r·V/t, (r+1)·V/t) of the table; tokens outside them look up zeros, then a sum."""
+    """Rows [r·V/t, (r+1)·V/t) of the table; tokens outside them look up zeros, then a sum.
 
-    def __init__(self, weight: nn.Parameter, axis: Axis, *, sequence_parallel: bool = False):
+    `padding_idx`, as nn.Embedding's: that row (on the rank that holds it) gets no gradient.
+    """
+
+    def __init__(self, weight: nn.Parameter, axis: Axis, *, sequence_parallel: bool = False,
+                 padding_idx: int | None = None):
         super().__init__()
         self.weight, self.axis, self.sequence_parallel = weight, axis, sequence_parallel
         self.start = axis.rank * weight.shape[0]
+        local = None if padding_idx is None else padding_idx - self.start
+        self.local_padding = local if local is not None and 0 <= local < weight.shape[0] else None
 
     @classmethod
     def from_dense(cls, embedding: nn.Embedding, axis: Axis, memo: dict[int, nn.Parameter],
                    **options: Any) -> "VocabParallelEmbedding":
-        return cls(shard_param(embedding.weight, 0, axis, memo), axis, **options)
+        return cls(shard_param(embedding.weight, 0, axis, memo), axis, padding_idx=embedding.padding_idx, **options)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight, padding_idx=self.local_padding)
         rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
         return leave_region(rows, self.axis, self.sequence_parallel)
 

@@ -1,20 +1,11 @@
 """Tensor parallelism (Megatron-style) and sequence parallelism, applied from a plan.
 
-A plan maps module-name patterns (shell style, `*` matches any run of characters) to styles:
-
-| style      | module        | what happens                                                     |
-|------------|---------------|------------------------------------------------------------------|
-| "column"   | nn.Linear,    | output features split; the input enters a TP region here         |
-|            | Conv1D        | (transformers' Conv1D, GPT-2's: its weight is stored transposed) |
-| "column:k" | the same      | a fused output of k equal parts (q|k|v: "column:3"): each rank   |
-|            |               | gets its slice of every part                                     |
-| "row"      | nn.Linear,    | input features split; the output leaves the region (summed)      |
-|            | Conv1D        |                                                                  |
-| "vocab"    | nn.Embedding  | vocabulary rows split (VocabParallelEmbedding)                   |
-| "vocab"    | nn.Linear     | an output head: column-parallel, logits stay split by vocabulary |
-| "region"   | any           | its first input (by position or keyword) enters the region once  |
-|            |               | for the column layers inside it (q, k, v: one all-reduce, not 3) |
-| "sequence" | any           | runs on a chunk of the sequence under SP: parameter grads summed |
+A plan maps module-name patterns (shell style, `*` matches any run of characters) to styles
+(plait.parallel.tensor.styles holds the table): "column" and "row" split a linear layer's
+outputs or inputs, "vocab" an embedding's (or a head's) vocabulary rows, "region" makes an
+attention or MLP enter the region once for its column layers, "sequence" sums the gradients
+of what runs on a chunk of the sequence under SP; "column_gather", "row_split", "grad_sum"
+and the "+share" entries are the styles transformers' declared plans need (docs/tensor.md).
 
 `apply_tensor_parallel(model, axis, plan=..., sp=...)` swaps the layers in place. The full
 model must already exist on every rank (built from the seed): each rank keeps its slice, so
@@ -28,7 +19,6 @@ import functools
 import inspect
 import logging
 from dataclasses import dataclass
-from fnmatch import fnmatchcase
 from typing import Any, Callable
 
 import torch
@@ -36,21 +26,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.errors import PlaitError
-from plait.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, Shard,
-                                          VocabParallelEmbedding, enter_region, is_conv1d, layout_of,
-                                          shard_of, sum_grad_over)
 from plait.parallel.seam import adapter_of, tensor_plan
+from plait.parallel.tensor.entry import SharedEntry
+from plait.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, Shard,
+                                          VocabParallelEmbedding, enter_region, shard_of, sum_grad_over)
 from plait.parallel.tensor.loss import vocab_parallel_cross_entropy
 from plait.runtime import comm
 from plait.runtime.comm import Axis
 from plait.parallel.tensor.regions import all_gather_stacked
+from plait.parallel.tensor.styles import (COLUMNS, ROWS, SPLIT, STYLES, check_divisible, parse_style, resolve_plan,
+                                          shares_entry)
 
 __all__ = ["STYLES", "ColumnParallelLinear", "RowParallelLinear", "Shard", "VocabParallelEmbedding",
            "apply_tensor_parallel", "gather_full_params", "lm_loss", "parse_style", "resolve_plan", "shard_of",
            "tensor_parallel_of", "tp_loss_fn", "vocab_parallel_cross_entropy"]
 
 log = logging.getLogger(__name__)
-STYLES = ("column", "row", "vocab", "region", "sequence")
 ATTR = "_plait_tensor_parallel"
 
 @dataclass(frozen=True)
@@ -65,89 +56,6 @@ class TensorParallel:
 
 def tensor_parallel_of(model: nn.Module) -> TensorParallel | None:
     return getattr(model, ATTR, None)
-
-
-# -- the plan ---------------------------------------------------------------------------------
-def parse_style(value: str) -> tuple[str, int]:
-    """A plan's value -> (style, fused parts): "column" -> ("column", 1), "column:3" -> ("column", 3).
-
-    Only a column layer may be fused: its output is k equal parts (q|k|v) that each split by t.
-    """
-    style, _, parts = str(value).partition(":")
-    if style not in STYLES:
-        raise PlaitError(f"tensor-parallel plan: unknown style {value!r}",
-                         hint=f"styles are {', '.join(STYLES)}; a fused column layer is \"column:k\"")
-    if not parts:
-        return style, 1
-    if style != "column" or not parts.isdigit() or int(parts) < 1:
-        raise PlaitError(f"tensor-parallel plan: {value!r} is not a style",
-                         hint='only a column layer is fused: "column:k", k the number of equal parts '
-                              'of its output (q|k|v: "column:3")')
-    return style, int(parts)
-
-
-def resolve_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
-    """{module name: style} for every module a pattern matches; typos and clashes are errors."""
-    modules = dict(model.named_modules())
-    styles: dict[str, str] = {}
-    for pattern, style in plan.items():
-        try:
-            parse_style(style)
-        except PlaitError as error:
-            raise PlaitError(f"{error.args[0]} for {pattern!r}", hint=error.hint) from None
-        hits = [name for name in modules if name and fnmatchcase(name, pattern)]
-        if not hits:
-            some = ", ".join(name for name in list(modules)[1:6])
-            raise PlaitError(f"tensor-parallel plan: {pattern!r} matches no module",
-                             hint=f"module names look like: {some}")
-        for name in hits:
-            if styles.get(name, style) != style:
-                raise PlaitError(f"tensor-parallel plan: {name} is both {styles[name]!r} and {style!r}",
-                                 hint="make the patterns match each module once")
-            styles[name] = style
-            _check_kind(name, modules[name], style)
-    return styles
-
-
-def _check_kind(name: str, module: nn.Module, style: str) -> None:
-    style = parse_style(style)[0]
-    kinds = {"column": ("Linear", "Conv1D"), "row": ("Linear", "Conv1D"), "vocab": ("Embedding", "Linear")}
-    fits = {"Linear": isinstance(module, nn.Linear), "Conv1D": is_conv1d(module),
-            "Embedding": isinstance(module, nn.Embedding)}
-    if style in kinds and not any(fits[kind] for kind in kinds[style]):
-        raise PlaitError(f"tensor-parallel plan: {name} is a {type(module).__name__}, "
-                         f"but style {style!r} needs {' or '.join(kinds[style])}")
-
-
-def _split_size(module: nn.Module, style: str) -> tuple[str, int]:
-    """The size tp divides, named as the user knows it; a fused layer's is one part's."""
-    if isinstance(module, nn.Embedding):
-        return "num_embeddings", module.num_embeddings
-    style, parts = parse_style(style)
-    layout = layout_of(module)
-    if style == "row":
-        return "in_features", layout.in_features
-    if parts > 1:
-        return f"out_features / {parts} (one fused part)", layout.out_features // parts
-    return "out_features", layout.out_features
-
-
-def _check_divisible(model: nn.Module, styles: dict[str, str], tp: int) -> None:
-    for name, style in styles.items():
-        module, (kind, parts) = model.get_submodule(name), parse_style(style)
-        if parts > 1 and layout_of(module).out_features % parts:
-            raise PlaitError(f"{name}.out_features = {layout_of(module).out_features} is not "
-                             f"{parts} equal parts", hint=f"check the plan's \"column:{parts}\"")
-        if kind in ("column", "row", "vocab"):
-            what, size = _split_size(module, style)
-            if size % tp:
-                raise PlaitError(f"{name}.{what} = {size} is not divisible by tp={tp}",
-                                 hint=f"choose tp among {_divisors(size)}, or pad {name} to "
-                                      f"{size + (-size % tp)}")
-
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 # -- applying it ------------------------------------------------------------------------------
@@ -173,7 +81,7 @@ def apply_tensor_parallel(model: nn.Module, axis: Axis, *, plan: dict[str, str] 
     setattr(model, ATTR, TensorParallel(axis, sp, regather, styles))
     if axis.size == 1:
         return model
-    _check_divisible(model, styles, axis.size)
+    check_divisible(model, styles, axis.size)
     for tensor in [*model.parameters(), *model.buffers()]:
         comm.broadcast(tensor.data, axis, purpose="setup")  # the slices come from one model
     _swap_layers(model, styles, axis, sp, regather)
@@ -181,33 +89,36 @@ def apply_tensor_parallel(model: nn.Module, axis: Axis, *, plan: dict[str, str] 
     if callable(fix_up):
         fix_up(model, axis, sp)
     log.info("tensor parallel over %d ranks%s: %d layers split", axis.size,
-             " with sequence parallelism" if sp else "", sum(parse_style(s)[0] in ("column", "row", "vocab") for s in styles.values()))
+             " with sequence parallelism" if sp else "", sum(parse_style(s)[0] in SPLIT for s in styles.values()))
     return model
 
 
 def _swap_layers(model: nn.Module, styles: dict[str, str], axis: Axis, sp: bool, regather: bool) -> None:
     regions = [name for name, style in styles.items() if style == "region"]
     memo: dict[int, nn.Parameter] = {}
+    entry = SharedEntry()  # the "+share" column layers' one entry per input (tensor/entry.py)
     for name, value in styles.items():
         module = model.get_submodule(name)
         style, fused = parse_style(value)
         enters = not any(name.startswith(region + ".") for region in regions)
         if style == "region":
-            hook = functools.partial(_enter_hook, axis=axis, sp=sp, regather=regather, name=_first_input(module))
+            hook = functools.partial(_enter_hook, axis=axis, sp=sp, regather=regather, name=first_input_name(module))
             module.register_forward_pre_hook(hook, with_kwargs=True)
-        elif style == "sequence" and sp:
+        elif style == "grad_sum" or (style == "sequence" and sp):
             for param in module.parameters():
                 sum_grad_over(param, axis)
-        elif style == "row":
-            _replace(model, name, RowParallelLinear.from_dense(module, axis, memo, sequence_parallel=sp))
+        elif style in ROWS:
+            _replace(model, name, RowParallelLinear.from_dense(module, axis, memo, sequence_parallel=sp,
+                                                               split_input=style == "row_split", entry=entry))
         elif style == "vocab" and isinstance(module, nn.Embedding):
             _replace(model, name, VocabParallelEmbedding.from_dense(module, axis, memo, sequence_parallel=sp))
-        elif style in ("column", "vocab"):
-            _replace(model, name, ColumnParallelLinear.from_dense(module, axis, memo, sequence_parallel=sp,
-                                                                  enters=enters, regather=regather, fused=fused))
+        elif style in (*COLUMNS, "vocab"):
+            _replace(model, name, ColumnParallelLinear.from_dense(
+                module, axis, memo, sequence_parallel=sp, enters=enters, regather=regather, fused=fused,
+                gather_output=style == "column_gather", entry=entry if shares_entry(value) else None))
 
 
-def _first_input(module: nn.Module) -> str | None:
+def first_input_name(module: nn.Module) -> str | None:
     """The name of the first parameter of `module.forward`: a region's input, however it is
     passed (transformers calls `self_attn(hidden_states=...)`, plait's GPT `attn(x, ...)`)."""
     try:

@@ -13,6 +13,8 @@ of autograd and none (or its dual) in the other (Megatron-LM's f and g operators
 | reduce_scatter_to_sequence | reduce-scatter along seq| all-gather along seq   |
 | scatter_to_sequence        | keep own seq chunk      | all-gather along seq   |
 | gather_to_replicated       | all-gather along seq    | keep own seq chunk     |
+| gather_features            | all-gather last dim     | keep own slice         |
+| split_features             | keep own last-dim slice | all-gather last dim    |
 
 With sequence parallelism the ops outside the regions (norms, residual adds) work on a
 slice of the sequence, so the first two ops become the last three: an all-reduce is a
@@ -213,6 +215,27 @@ def scatter_to_sequence(x: torch.Tensor, axis: Axis) -> torch.Tensor:
 
 def gather_to_replicated(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     return _GatherToReplicated.apply(x, axis) if axis.size > 1 else x
+
+
+def gather_features(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """(..., f/t) on each rank -> (..., f) everywhere: a column layer's output made whole.
+
+    Backward keeps this rank's slice of the gradient, exact because every rank computes the
+    same whole gradient from the same whole output.
+    """
+    if axis.size == 1:
+        return x
+    return gather_to_replicated(x.movedim(-1, SEQ_DIM), axis).movedim(SEQ_DIM, -1).contiguous()
+
+
+def split_features(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """(..., f), the same on every rank -> this rank's (..., f/t): a row layer fed a whole input.
+
+    Backward all-gathers the slices' gradients, so the whole input gets its whole gradient.
+    """
+    if axis.size == 1:
+        return x
+    return scatter_to_sequence(x.movedim(-1, SEQ_DIM), axis).movedim(SEQ_DIM, -1)
 
 
 def gather_source(x: torch.Tensor) -> Any:

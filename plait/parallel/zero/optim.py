@@ -1,8 +1,8 @@
 """The sharded optimizer of ZeRO: each rank steps only the slice of every group it owns.
 
 Also what the rest of plait asks of a ZeRO model: its model-state tensors for the memory
-meter, its checkpoint pieces, and the memory and traffic formulas the tests hold it to.
-The shard arithmetic and the flat buffers themselves live in shard.py.
+meter and its checkpoint pieces. The shard arithmetic and the flat buffers themselves live
+in shard.py; what ZeRO costs (memory per stage, bytes on the wire) is plait/estimate/'s.
 
 `ZeroOptimizer` wraps an ordinary torch optimizer built over *pieces*: one leaf tensor per
 (parameter ∩ this rank's shard), aliasing the shard's memory, so the user's optimizer class
@@ -25,8 +25,7 @@ import torch
 from torch import nn
 
 from plait.parallel.pieces import Piece, param_pieces, placement, writes_its_tp_part
-from plait.parallel.zero.shard import FlatGroup, owned_pieces, owned_range, shard_size
-from plait.runtime.comm import ring_wire_bytes
+from plait.parallel.zero.shard import FlatGroup, owned_pieces
 
 
 @dataclass
@@ -217,35 +216,3 @@ def zero_state_bytes(model: nn.Module, optimizer: ZeroOptimizer) -> dict[str, in
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.numel()}
         out[kind] = sum(storages.values())
     return out
-
-
-def memory_formula(stage: int, num_params: int, n: int, *, param_bytes: int = 4, grad_bytes: int = 4,
-                   k: int = 8) -> dict[str, float]:
-    """The ZeRO paper's model-state bytes per rank: (p + g + K)Ψ, each term /n once sharded."""
-    whole, shard = float(num_params), num_params / n
-    return {"params": param_bytes * (shard if stage >= 3 else whole),
-            "grads": grad_bytes * (shard if stage >= 2 else whole), "optim": k * (shard if stage >= 1 else whole)}
-
-
-def padded_memory(stage: int, group_sizes: Sequence[int], n: int, rank: int, *, param_bytes: int = 4,
-                  grad_bytes: int = 4, k: int = 8) -> dict[str, int]:
-    """`memory_formula` to the byte: whole buffers and shards carry padding, optimizer state not."""
-    padded = sum(shard_size(m, n) * n for m in group_sizes)
-    shards = sum(shard_size(m, n) for m in group_sizes)
-    owned = sum(hi - lo for lo, hi in (owned_range(m, n, rank) for m in group_sizes))
-    return {"params": param_bytes * (shards if stage >= 3 else padded),
-            "grads": grad_bytes * (shards if stage >= 2 else padded), "optim": k * owned}
-
-
-def comm_formula(stage: int, payload: int, n: int, micro_batches: int = 1) -> dict[str, float]:
-    """Wire bytes per rank per optimizer step on the dp axis, for a model of `payload` bytes.
-
-    With m micro-batches, stages 0-1 reduce once per step (no_sync), stages 2-3 every
-    micro-batch (they keep no whole gradient), and stage 3 gathers every unit twice per
-    micro-batch. Clipping adds one all-reduce of a 4-byte float, not counted here.
-    """
-    if stage == 0:
-        return {"all_reduce": ring_wire_bytes("all_reduce", payload, n)}
-    once = ring_wire_bytes("all_gather", payload, n)
-    return {"reduce_scatter": (micro_batches if stage >= 2 else 1) * once,
-            "all_gather": (2 * micro_batches if stage == 3 else 1) * once}

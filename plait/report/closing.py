@@ -1,4 +1,8 @@
-"""The closing report: what the run cost, in a few lines a person can check."""
+"""The closing report `plait train` prints: what the run cost, in a few lines a person can check.
+
+It reads only the run's summary (summary.json's dict), so it sits beside `plait report`'s
+plots, below the training code that writes that summary.
+"""
 
 from __future__ import annotations
 
@@ -21,28 +25,32 @@ def format_comm(comm: dict[str, dict[str, float]]) -> str:
 
 
 def describe_layout(layout: dict[str, Any]) -> str:
-    """"dp=2 tp=1 pp=1", plus whatever else is switched on."""
-    text = f"dp={layout['dp']} tp={layout['tp']} pp={layout['pp']}"
-    extras = [f"zero={layout['zero']}" if layout.get("zero") else "", "offload" if layout.get("offload") else "",
-              "sp" if layout.get("sp") else "", f"schedule={layout['schedule']}" if layout.get("schedule") else "",
-              "sync-bn" if layout.get("sync_bn") else ""]
-    return " ".join([text, *filter(None, extras)])
+    """"dp=2 tp=1 pp=1", plus whatever else is switched on (a summary's layout: plait.layout's
+    fields, with the run's recompute and SyncBatchNorm beside them)."""
+    from plait.layout import Layout
+
+    fields = {k: layout[k] for k in Layout.__dataclass_fields__ if k in layout}
+    extras = ["sync-bn" if layout.get("sync_bn") else "",
+              f"recompute={layout['recompute']}" if layout.get("recompute", "none") != "none" else ""]
+    return " ".join([Layout(**fields).describe(), *filter(None, extras)])
+
+
+def format_metrics(metrics: dict[str, float], labels: dict[str, Any]) -> str:
+    """"held-out 2.303, top-1 accuracy 98.9%": each metric as the task labels and formats it."""
+    return ", ".join(f"{labels[name][0]} {format(value, labels[name][1])}"
+                     for name, value in metrics.items() if name in labels)
 
 
 def closing_report(summary: dict[str, Any], out: str) -> str:
     """Loss, speed, bytes on the wire (measured vs formula), memory, and a text sample."""
-    layout = summary["layout"]
-    mem = summary["mem"]
-    images = summary.get("task") == "image"
-    batch = f"{summary['global_batch']} images" if images else f"{summary['global_batch']} × {summary['seq_len']} tokens"
-    unit = "images" if images else "tokens"
-    held_out = f"held-out {summary['val_loss']:.3f}" + (
-        f", top-1 accuracy {summary['val_accuracy']:.1%}" if "val_accuracy" in summary else "")
+    layout, mem, task = summary["layout"], summary["mem"], summary["task"]
+    unit = task["unit"]
     lines = [
         f"plait: trained {summary['model']} ({summary['num_params'] / 1e6:.2f} M params) for "
         f"{summary['steps']} steps on {layout['world_size']} process(es): {describe_layout(layout)}, "
-        f"backend {layout['backend']}, global batch {batch}",
-        f"  loss        {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}   ({held_out})",
+        f"backend {layout['backend']}, global batch {task['batch']}",
+        f"  loss        {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}   "
+        f"({format_metrics(summary['metrics'], task['metrics'])})",
         f"  speed       {summary[f'{unit}_per_s']:,.0f} {unit}/s, {summary['step_time_s_median']:.3f} s/step (median)",
         f"  wire/step   measured {format_comm(summary['comm_per_step'])}",
     ]
@@ -81,17 +89,32 @@ def predicted_vs_measured(summary: dict[str, Any]) -> list[str]:
             rows.append((f"{axis} {op}", wire, summary["comm_per_step"].get(axis, {}).get(op, 0)))
     lines = [f"  predicted   {'':<16}{'predicted':>12}{'measured':>12}   (plait estimate, {predicted['layout']['hardware']})"]
     lines += [f"              {name:<16}{_predicted(p):>12}{human_bytes(m):>12}" for name, p, m in rows]
-    if summary.get("task") == "image":
-        lines.append(f"              {'step time':<16}{'not predicted':>12}{summary['step_time_s_median']:>10.3f} s")
-        lines.append("              (a CNN: activations and step time are not predicted, the formulas are a "
-                     "transformer's; nor ZeRO-3's gathered blocks)")
-        return lines
-    if not summary.get("step_time"):
-        lines.append(f"              {'step time':<16}{predicted['time']['step_s']:>10.3f} s{summary['step_time_s_median']:>10.3f} s")
-    from plait.train.timing import step_time_lines
-
-    return lines + step_time_lines(summary)
+    if summary.get("step_time"):
+        return lines + step_time_lines(summary)
+    time = (predicted.get("time") or {}).get("step_s")
+    shown = "not predicted" if time is None else f"{time:.3f} s"
+    lines.append(f"              {'step time':<16}{shown:>12}{summary['step_time_s_median']:>10.3f} s")
+    return lines
 
 
 def _predicted(value: float | None) -> str:
     return "not predicted" if value is None else human_bytes(value)
+
+
+def step_time_lines(summary: dict[str, Any]) -> list[str]:
+    """The report's step-time table."""
+    st = summary.get("step_time")
+    if not st:
+        return []
+    p, m = st["predicted"], st["measured"]
+    rest = p["compute"] + p["exposed_comm"] + p["bubble"] + p["overhead"]
+    return [
+        f"  step time   {'':<28}{'predicted':>10}{'measured':>10}   ({st['hardware_source']})",
+        f"              {'compute':<28}{p['compute']:>9.3f}s",
+        f"              {'exposed comm':<28}{p['exposed_comm']:>9.3f}s",
+        f"              {'pipeline bubble':<28}{p['bubble']:>9.3f}s",
+        f"              {'loop overhead':<28}{p['overhead']:>9.3f}s",
+        f"              {'  = all but the optimizer':<28}{rest:>9.3f}s{m['forward_backward_comm_overhead']:>9.3f}s",
+        f"              {'optimizer (clip + update)':<28}{p['optimizer']:>9.3f}s{m['optimizer']:>9.3f}s",
+        f"              {'step (median)':<28}{p['step']:>9.3f}s{m['step']:>9.3f}s   predicted/measured {st['ratio']:.2f}",
+    ]

@@ -1,0 +1,43 @@
+"""What every language-model family checks before spawning: its shape against the layout.
+
+The GPT presets and a Hugging Face directory both describe a decoder by a `GPTConfig`
+(plait.models.config); the checks that read only that shape and the run's options live
+here once, and each family adds its own (a preset's trainability, a directory's tokenizer).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from plait.errors import PlaitError
+from plait.models.config import GPTConfig
+from plait.rules import check_pipeline_cut
+
+
+def check_language_run(config: Any, shape: GPTConfig) -> None:
+    """--seq-len within the model's positions, tp splitting its heads and widths (and the
+    sequence under SP), the pipeline cutting its layers, no BatchNorm to sync, a corpus."""
+    spec = config.model
+    if config.seq_len > shape.max_seq_len:
+        raise PlaitError(f"--seq-len {config.seq_len} is longer than --model {spec} allows ({shape.max_seq_len})",
+                         hint=f"use --seq-len {shape.max_seq_len} or less")
+    if config.sync_bn:
+        raise PlaitError(f"--sync-bn shares BatchNorm statistics, and --model {spec} has no BatchNorm",
+                         hint="drop --sync-bn, or train a ResNet (--model resnet18 --data digits)")
+    if config.tp > 1:
+        shape.check_split(config.tp, config.sp, config.seq_len)
+    if config.pp > 1:
+        check_pipeline_cut(shape.n_layers, config.pp, config.virtual_stages)
+    check_corpus(config.data)
+
+
+def check_corpus(source: str) -> None:
+    """--data exists and can be used whole: a prepared corpus passes its cheap checks, raw
+    text is small enough to hold (the full checksum waits for the ranks: plait/train/tokens.py)."""
+    from plait.train.data import STDLIB, raw_files
+    from plait.train.tokens import check_tokens, is_prepared
+
+    if is_prepared(source):
+        check_tokens(source, full=False)
+    elif source != STDLIB:
+        raw_files(source)

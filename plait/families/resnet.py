@@ -1,0 +1,34 @@
+"""The ResNets (plait/models/resnet.py) as a family: `--model resnet18`, `--model resnet50,width=16`.
+
+Image classifiers on `--data digits` (scikit-learn's bundled 8×8 digits) or a folder of
+class folders, trained data-parallel (DDP or ZeRO, SyncBatchNorm with `--sync-bn`): their
+convolutions are not split by tensor parallelism, nor cut into pipeline stages.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from plait.errors import PlaitError
+from plait.families.record import Family
+from plait.models.resnet_config import PRESETS, get_resnet, is_resnet
+
+
+def check(config: Any) -> None:
+    get_resnet(config.model)  # raises naming the presets, or the override that is wrong
+    if config.tp > 1 or config.pp > 1:
+        raise PlaitError(f"--model {config.model} is trained data-parallel only (DDP or --zero), not with "
+                         "--tp or --pp", hint="drop --tp and --pp; use --nproc for more data-parallel ranks")
+    if config.data == "stdlib":
+        raise PlaitError(f"--model {config.model} classifies images, and --data is the text corpus 'stdlib'",
+                         hint="give --data digits, or a folder of class folders (root/cat/*.png)")
+
+
+def task(config: Any) -> Any:
+    from plait.train.image_task import ImageTask
+
+    return ImageTask(config)
+
+
+FAMILY = Family(name="resnet", models=f"ResNets on images: {', '.join(PRESETS)} (e.g. resnet18,width=16)",
+                matches=is_resnet, task=task, check=check)

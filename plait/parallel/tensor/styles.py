@@ -1,0 +1,140 @@
+"""The words of a tensor-parallel plan: its styles, and the checks a plan passes before any split.
+
+A plan maps module-name patterns (shell style, `*` matches any run of characters) to styles:
+
+| style           | module        | what happens                                                |
+|-----------------|---------------|-------------------------------------------------------------|
+| "column"        | nn.Linear,    | output features split; the input enters a TP region here    |
+|                 | Conv1D        | (transformers' Conv1D, GPT-2's: its weight is stored        |
+|                 |               | transposed)                                                 |
+| "column:k"      | the same      | a fused output of k equal parts (q|k|v: "column:3"): each   |
+|                 |               | rank gets its slice of every part                           |
+| "column_gather" | the same      | a column layer whose output is all-gathered whole (a head   |
+|                 |               | split by vocabulary that returns whole logits)              |
+| "row"           | nn.Linear,    | input features split; the output leaves the region (summed) |
+|                 | Conv1D        |                                                             |
+| "row_split"     | the same      | a row layer fed a whole input: it keeps its own slice       |
+| "vocab"         | nn.Embedding  | vocabulary rows split (VocabParallelEmbedding)              |
+| "vocab"         | nn.Linear     | an output head: column-parallel, logits stay split          |
+| "region"        | any           | its first input (by position or keyword) enters the region  |
+|                 |               | once for the column layers inside it (q, k, v: one          |
+|                 |               | all-reduce, not 3)                                          |
+| "sequence"      | any           | runs on a chunk of the sequence under SP: grads summed      |
+| "grad_sum"      | any           | parameters kept whole, their gradients summed over tp (a    |
+|                 |               | norm over this rank's heads only: Qwen3's q_norm)           |
+
+A column style may end in "+share" ("column+share", "column:2+share", "column_gather+share"):
+column layers that read the very same tensor in one forward then enter the region once
+between them (plait.parallel.tensor.entry), the traffic of a "region" mark without one.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+
+from torch import nn
+
+from plait.errors import PlaitError
+from plait.parallel.tensor.layers import is_conv1d, layout_of
+
+STYLES = ("column", "column_gather", "row", "row_split", "vocab", "region", "sequence", "grad_sum")
+COLUMNS = ("column", "column_gather")  # styles whose layer enters the region from a whole input
+ROWS = ("row", "row_split")
+SPLIT = (*COLUMNS, *ROWS, "vocab")  # styles that cut a layer's weight
+SHARE = "+share"
+KINDS = {"column": ("Linear", "Conv1D"), "column_gather": ("Linear", "Conv1D"), "row": ("Linear", "Conv1D"),
+         "row_split": ("Linear", "Conv1D"), "vocab": ("Embedding", "Linear")}
+
+
+def parse_style(value: str) -> tuple[str, int]:
+    """A plan's value -> (style, fused parts): "column" -> ("column", 1), "column:3" -> ("column", 3).
+
+    Only a column layer may be fused: its output is k equal parts (q|k|v) that each split by t.
+    A trailing "+share" (column styles only) is read by `shares_entry`, not here.
+    """
+    text = str(value)
+    base = text.removesuffix(SHARE)
+    style, _, parts = base.partition(":")
+    if style not in STYLES:
+        raise PlaitError(f"tensor-parallel plan: unknown style {value!r}",
+                         hint=f"styles are {', '.join(STYLES)}; a fused column layer is \"column:k\"")
+    if base != text and style not in COLUMNS:
+        raise PlaitError(f"tensor-parallel plan: {value!r} is not a style",
+                         hint=f'only a column layer ({", ".join(COLUMNS)}) shares its entry: "column{SHARE}"')
+    if not parts:
+        return style, 1
+    if style != "column" or not parts.isdigit() or int(parts) < 1:
+        raise PlaitError(f"tensor-parallel plan: {value!r} is not a style",
+                         hint='only a column layer is fused: "column:k", k the number of equal parts '
+                              'of its output (q|k|v: "column:3")')
+    return style, int(parts)
+
+
+def shares_entry(value: str) -> bool:
+    """Whether a column layer of this style shares its region entry with the other column
+    layers that read the same input (plait.parallel.tensor.entry)."""
+    return str(value).endswith(SHARE)
+
+
+def resolve_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """{module name: style} for every module a pattern matches; typos and clashes are errors."""
+    modules = dict(model.named_modules())
+    styles: dict[str, str] = {}
+    for pattern, style in plan.items():
+        try:
+            parse_style(style)
+        except PlaitError as error:
+            raise PlaitError(f"{error.args[0]} for {pattern!r}", hint=error.hint) from None
+        hits = [name for name in modules if name and fnmatchcase(name, pattern)]
+        if not hits:
+            some = ", ".join(name for name in list(modules)[1:6])
+            raise PlaitError(f"tensor-parallel plan: {pattern!r} matches no module",
+                             hint=f"module names look like: {some}")
+        for name in hits:
+            if styles.get(name, style) != style:
+                raise PlaitError(f"tensor-parallel plan: {name} is both {styles[name]!r} and {style!r}",
+                                 hint="make the patterns match each module once")
+            styles[name] = style
+            _check_kind(name, modules[name], style)
+    return styles
+
+
+def _check_kind(name: str, module: nn.Module, style: str) -> None:
+    style = parse_style(style)[0]
+    fits = {"Linear": isinstance(module, nn.Linear), "Conv1D": is_conv1d(module),
+            "Embedding": isinstance(module, nn.Embedding)}
+    if style in KINDS and not any(fits[kind] for kind in KINDS[style]):
+        raise PlaitError(f"tensor-parallel plan: {name} is a {type(module).__name__}, "
+                         f"but style {style!r} needs {' or '.join(KINDS[style])}")
+
+
+def _split_size(module: nn.Module, style: str) -> tuple[str, int]:
+    """The size tp divides, named as the user knows it; a fused layer's is one part's."""
+    if isinstance(module, nn.Embedding):
+        return "num_embeddings", module.num_embeddings
+    style, parts = parse_style(style)
+    layout = layout_of(module)
+    if style in ROWS:
+        return "in_features", layout.in_features
+    if parts > 1:
+        return f"out_features / {parts} (one fused part)", layout.out_features // parts
+    return "out_features", layout.out_features
+
+
+def check_divisible(model: nn.Module, styles: dict[str, str], tp: int) -> None:
+    """One error naming the first split layer whose size tp does not divide."""
+    for name, style in styles.items():
+        module, (kind, parts) = model.get_submodule(name), parse_style(style)
+        if parts > 1 and layout_of(module).out_features % parts:
+            raise PlaitError(f"{name}.out_features = {layout_of(module).out_features} is not "
+                             f"{parts} equal parts", hint=f"check the plan's \"column:{parts}\"")
+        if kind in SPLIT:
+            what, size = _split_size(module, style)
+            if size % tp:
+                raise PlaitError(f"{name}.{what} = {size} is not divisible by tp={tp}",
+                                 hint=f"choose tp among {divisors(size)}, or pad {name} to "
+                                      f"{size + (-size % tp)}")
+
+
+def divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)

@@ -1,0 +1,156 @@
+"""The declared-plan adapter without processes: transformers' styles in plait's words, the
+one-line refusals (a style plait cannot honour, no plan at all, a pp plan that leaves a
+parametrised module out), the cut, and the shared region entry."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from plait.errors import PlaitError
+from plait.models.adapters import adapter_for
+from plait.models.hf_plans import DeclaredPlanAdapter, declared
+from plait.parallel.pipeline.split import split_stages
+from plait.parallel.tensor.entry import SharedEntry
+from plait.parallel.tensor.plan import parse_style, resolve_plan
+from plait.parallel.tensor.styles import shares_entry
+
+transformers = pytest.importorskip("transformers")
+SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8, max_position_embeddings=32)
+LAYER = "model.layers.*"
+
+
+def qwen3(**extra: object) -> nn.Module:
+    torch.manual_seed(0)
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SHAPE, **extra))
+
+
+def test_qwen3_declared_styles_in_plaits_words() -> None:
+    model = qwen3()
+    plan = adapter_for(model).tensor_plan(model, 2, False)
+    assert plan == {"lm_head": "column_gather+share", "model.embed_tokens": "vocab",
+                    **{f"{LAYER}.self_attn.{p}_proj": "column+share" for p in "qkv"},
+                    f"{LAYER}.self_attn.q_norm": "grad_sum", f"{LAYER}.self_attn.k_norm": "grad_sum",
+                    f"{LAYER}.self_attn.o_proj": "row", f"{LAYER}.mlp.gate_proj": "column+share",
+                    f"{LAYER}.mlp.up_proj": "column+share", f"{LAYER}.mlp.down_proj": "row"}
+    assert resolve_plan(model, plan)["model.layers.3.self_attn.k_norm"] == "grad_sum"
+    assert parse_style("column:2+share") == ("column", 2) and shares_entry("column_gather+share")
+    with pytest.raises(PlaitError, match="'row\\+share' is not a style"):
+        parse_style("row+share")
+
+
+def test_under_sequence_parallelism_the_ends_stay_whole_and_the_norms_sum_once() -> None:
+    """Embedding and head whole; attention and MLP entered as regions (they read their input's
+    shape); the layer norms, which see a slice, summed; q_norm, inside a region, only by its
+    own declared style."""
+    model = qwen3()
+    plan = adapter_for(model).tensor_plan(model, 2, True)
+    assert "lm_head" not in plan and "model.embed_tokens" not in plan
+    assert plan["model.layers.2.self_attn"] == plan["model.layers.2.mlp"] == "region"
+    sequence = {name for name, style in plan.items() if style == "sequence"}
+    assert sequence == {f"model.layers.{i}.{norm}" for i in range(4)
+                        for norm in ("input_layernorm", "post_attention_layernorm")}
+    assert plan[f"{LAYER}.self_attn.q_norm"] == "grad_sum"
+
+
+@pytest.mark.parametrize("style", ["moe_tp_experts", "local_colwise", "embedding_colwise"])
+def test_a_style_plait_cannot_honour_is_refused_in_one_line(style: str) -> None:
+    model = qwen3()
+    model._tp_plan = {**model.tp_plan, f"{LAYER}.mlp": style}
+    with pytest.raises(PlaitError) as info:
+        adapter_for(model).tensor_plan(model, 2, False)
+    assert str(info.value.args[0]) == (f"Qwen3ForCausalLM declares tp_plan['{LAYER}.mlp'] = {style!r}: "
+                                       "plait cannot split it that way")
+    assert "colwise, colwise_gather_output" in info.value.hint and "tp 1" in info.value.hint
+
+
+def test_a_model_that_declares_no_plan_gets_no_adapter_and_one_line() -> None:
+    model = qwen3()
+    model._tp_plan, model._pp_plan = {}, {}
+    assert adapter_for(model) is None
+    with pytest.raises(PlaitError, match="tensor parallelism needs a plan for a Qwen3ForCausalLM: "
+                                         "it declares no tp_plan"):
+        DeclaredPlanAdapter().tensor_plan(model, 2, False)
+    with pytest.raises(PlaitError, match="pp needs to know how to cut Qwen3ForCausalLM: it declares no pp_plan"):
+        split_stages(model, 2, adapter=DeclaredPlanAdapter())
+
+
+def test_a_pp_plan_that_leaves_a_parametrised_module_out_is_refused() -> None:
+    model = qwen3()
+    model._pp_plan = {name: io for name, io in model.pp_plan.items() if name != "model.norm"}
+    with pytest.raises(PlaitError) as info:
+        split_stages(model, 2, adapter=adapter_for(model))
+    assert info.value.args[0] == ("pp: Qwen3ForCausalLM's pp_plan places no stage for model.norm, "
+                                  "which holds parameters")
+
+
+@pytest.mark.parametrize("v", [1, 2])
+def test_qwen3_stages_in_a_row_are_the_model(v: int) -> None:
+    model = qwen3(tie_word_embeddings=True)
+    adapter = adapter_for(model)
+    parts = adapter.parts(model)
+    assert (parts.blocks, parts.first, parts.last, parts.shared) == (
+        "model.layers", ("model.embed_tokens",), ("model.norm", "lm_head"), ("model.rotary_emb",))
+    ids = torch.randint(0, 64, (2, 12))
+    x = ids
+    for stage in split_stages(model, 2, virtual_stages=v, adapter=adapter):
+        x = stage(x)
+    assert torch.equal(x, model(input_ids=ids).logits)
+    assert len(adapter.blocks(model)) == 4
+
+
+def test_a_forward_that_does_more_than_its_pieces_is_refused_for_pp() -> None:
+    """Gemma2 caps its logits in its forward, which its pp_plan cannot say: plait checks the
+    pieces in a row against the forward on a few tokens, and refuses."""
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(**{**SHAPE, "head_dim": 4}, final_logit_softcapping=0.5)
+    model = transformers.Gemma2ForCausalLM(config)
+    with pytest.raises(PlaitError, match="pp: Gemma2ForCausalLM's forward does more than its pp_plan's pieces"):
+        split_stages(model, 2, adapter=adapter_for(model))
+
+
+def test_older_transformers_plans_are_composed_from_config_and_class() -> None:
+    """Before transformers 5 a model has no `tp_plan`: the base model's plan sits in its
+    config (unprefixed) and the head's on the class."""
+
+    class Config:
+        base_model_tp_plan = {"layers.*.q": "colwise"}
+        base_model_pp_plan = None
+
+    class Causal(nn.Module):
+        _tp_plan = {"lm_head": "colwise_rep"}
+        base_model_prefix = "model"
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.config, self.model, self.lm_head = Config(), nn.Module(), nn.Linear(2, 2)
+
+    assert declared(Causal(), "tp") == {"model.layers.*.q": "colwise", "lm_head": "colwise_rep"}
+    assert declared(Causal(), "pp") == {}
+
+
+def test_column_layers_share_one_entry_per_input() -> None:
+    """The same tensor, unchanged, in the same grad mode: the first entry is reused; another
+    tensor, an in-place change or a row layer leaving the region: entered again."""
+    entry, calls = SharedEntry(), []
+
+    def make(x: torch.Tensor) -> torch.Tensor:
+        calls.append(x)
+        return x * 1.0
+
+    x, y = torch.ones(2), torch.zeros(2)
+    first = entry.enter(x, make)
+    assert entry.enter(x, make) is first and len(calls) == 1
+    entry.enter(y, make)
+    assert len(calls) == 2
+    x.add_(1)
+    entry.enter(x, make)
+    entry.enter(x, make)
+    assert len(calls) == 3
+    with torch.no_grad():
+        entry.enter(x, make)
+    entry.clear()
+    entry.enter(x, make)
+    assert len(calls) == 5

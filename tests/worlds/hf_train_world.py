@@ -1,0 +1,67 @@
+"""`plait train --model hf:DIR` in miniature, for families plait has no code for: 2 ranks.
+
+argv: OUT CORPUS DIR... (local transformers directories: Qwen3, Mistral). For each, the real
+Trainer (what `plait train` runs on every rank, its family record plait.families.hf) trains
+3 AdamW steps under tp 2, pp 2 and dp 2 × ZeRO-3, and rank 0 alone trains the same global
+batch in one process with 2 micro-batches. Each run reports its losses and, on rank 0, its
+final weights' largest difference from the one-process run's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from plait.families import family_of
+from plait.runtime.env import ProcessEnv
+from plait.runtime.mesh import init_mesh
+from plait.train.config import TrainConfig
+from plait.train.run import final_weights
+from plait.train.trainer import Trainer
+from tests.worldlib import save_report
+
+LAYOUTS = {"tp2": dict(tp=2, grad_accum=2), "pp2": dict(pp=2, grad_accum=2), "zero3": dict(dp=2, zero=3)}
+
+
+def run(config: TrainConfig, mesh: Any) -> tuple[list[float], dict[str, torch.Tensor] | None]:
+    trainer = Trainer(config, mesh, family_of(config).task(config))
+    trainer.run()
+    return [r["loss"] for r in trainer.metrics.history], final_weights(trainer)
+
+
+def max_rel(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    assert weights.keys() == reference.keys(), sorted(set(weights) ^ set(reference))
+    return max(((weights[k] - v).abs().max() / v.abs().max()).item() for k, v in reference.items())
+
+
+def main() -> None:
+    out, corpus, dirs = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    torch.set_num_threads(1)
+    rank, report = int(os.environ["RANK"]), {}
+    for directory in dirs:
+        name = Path(directory).name
+        base = TrainConfig(model=f"hf:{directory}", data=corpus, steps=3, micro_batch=2, seq_len=16, eval_every=0,
+                           eval_samples=4, sample_tokens=0, warmup_steps=1, lr=1e-3, nproc=1, dp=1)
+        found: dict[str, Any] = {}
+        if rank == 0:
+            one = init_mesh(env=ProcessEnv("single", 0, 1, 0, "127.0.0.1", 29500))
+            losses, reference = run(replace(base, grad_accum=2, out=str(out / name / "one")), one)
+            found["one"] = {"losses": losses}
+        for layout, fields in LAYOUTS.items():
+            config = replace(base, **{"dp": 1, **fields}, nproc=2, out=str(out / name / layout))
+            mesh = init_mesh(config.layout)
+            losses, weights = run(config, mesh)
+            found[layout] = {"losses": losses}
+            if rank == 0:
+                found[layout]["max_rel"] = max_rel(weights, reference)
+        report[name] = found
+    save_report(report)
+
+
+if __name__ == "__main__":
+    main()
