@@ -6,6 +6,7 @@ more). When the change is meant, rewrite the files and commit them with it:
 
     PLAIT_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_cli.py -k golden      # the tiny run
     PLAIT_UPDATE_GOLDEN=1 .venv/bin/python -m pytest -m slow tests/test_golden.py     # the demo
+    PLAIT_UPDATE_GOLDEN=1 .venv/bin/python -m pytest -m slow tests/test_examples.py   # the transformers example
 """
 
 from __future__ import annotations

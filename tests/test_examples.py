@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import re
-import sys
 
+import pytest
+
+from tests.golden import GOLDEN, check
 from tests.parity import assert_losses_close
 from tests.worldlib import ROOT, run_plait
 
@@ -20,3 +23,25 @@ def test_a_user_model_under_ddp_trains_as_on_one_rank() -> None:
     assert len(_losses(two.stdout)) == 6 and _losses(two.stdout)[-1] < _losses(two.stdout)[0] / 3
     assert_losses_close(_losses(two.stdout), _losses(one.stdout), rtol=1e-5)
     assert "wire bytes per axis and op: {'dp': {'all_reduce': " in two.stdout
+
+
+HF_ONE = ["examples/hf_tp_pp.py", "--tp", "1", "--pp", "1"]
+
+
+def test_a_transformers_model_under_tp_and_pp_trains_as_one_process() -> None:
+    """4 ranks (tp 2 × pp 2) against the one-process curve committed in tests/golden/hf_tp_pp.json
+    (rtol 1e-4: tp and pp change the summation order); `make test-all` makes that curve again."""
+    proc = run_plait("launch", "--nproc", "4", str(ROOT / "examples" / "hf_tp_pp.py"))
+    assert proc.returncode == 0, proc.stderr
+    losses = _losses(proc.stdout)
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    golden = json.loads((GOLDEN / "hf_tp_pp.json").read_text())
+    assert golden["command"] == " ".join(["plait launch --nproc 1", *HF_ONE])
+    assert_losses_close(losses, golden["losses"], rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_the_one_process_curve_of_the_transformers_example_is_the_committed_one() -> None:
+    proc = run_plait("launch", "--nproc", "1", *(str(ROOT / a) if a.endswith(".py") else a for a in HF_ONE))
+    assert proc.returncode == 0, proc.stderr
+    check("hf_tp_pp", _losses(proc.stdout), " ".join(["plait launch --nproc 1", *HF_ONE]))

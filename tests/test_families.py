@@ -33,15 +33,21 @@ def runs(tmp_path_factory):
         "two": ["--nproc", "2", "--zero", "3"], "one": ["--nproc", "1", "--grad-accum", "2"]}[name])))
 
 
-def test_a_family_in_one_file_trains_on_two_ranks_as_on_one(runs):
+def test_a_family_in_one_file_trains_on_two_ranks(runs):
     _, proc, lines, summary = runs["two"]
-    _, _, ref_lines, ref_summary = runs["one"]
     assert "trained mlp,hidden=24" in proc.stdout and "dp=2 tp=1 pp=1 zero=3" in proc.stdout
     assert "global batch 32 digits" in proc.stdout and "images/s" in proc.stdout
-    assert_losses_close([r["loss"] for r in lines], [r["loss"] for r in ref_lines])
     assert [r["step"] for r in lines if "val_accuracy" in r] == [4, 8]
-    assert summary["val_accuracy"] == pytest.approx(ref_summary["val_accuracy"], abs=1e-9)
+    assert lines[-1]["loss"] < lines[0]["loss"] and 0.1 < summary["val_accuracy"] <= 1
     assert summary["task"]["unit"] == "images" and summary["num_params"] == 64 * 24 + 24 + 24 * 24 + 24 + 24 * 10 + 10
+
+
+@pytest.mark.slow
+def test_two_ranks_train_it_as_one_process(runs):
+    _, _, lines, summary = runs["two"]
+    _, _, ref_lines, ref_summary = runs["one"]
+    assert_losses_close([r["loss"] for r in lines], [r["loss"] for r in ref_lines])
+    assert summary["val_accuracy"] == pytest.approx(ref_summary["val_accuracy"], abs=1e-9)
 
 
 def test_its_report_and_export_come_from_the_run(runs, tmp_path):

@@ -51,6 +51,7 @@ def test_a_declared_family_trains_as_one_process(world: list[dict[str, Any]], fa
     assert world[1][family][layout]["losses"] == found[layout]["losses"]
 
 
+@pytest.mark.slow  # `make test` runs the same Trainer in the world above; this adds the argv and the spawn
 def test_the_command_trains_qwen3_with_its_declared_plans(world: list[dict[str, Any]], dirs: dict[str, Path]) -> None:
     out = dirs["root"] / "cli"
     proc = run_plait("train", "--model", f"hf:{dirs['qwen3']}", "--data", str(dirs["corpus"]), "--nproc", "2",

@@ -1,7 +1,9 @@
 """A transformers Llama through plait's public API on 2 processes matches one process.
 
 One spawn (tests/worlds/hf_world.py): tp 2 with a user plan on transformers' own module
-names (regions called with keyword inputs), dp 2 and ZeRO-3 × 2.
+names (regions called with keyword inputs), dp 2 and ZeRO-3 × 2. `make test-all` only:
+`make test` trains transformers models under the same layouts from their declared plans, and
+a user's region plan against them (tests/test_hf_plans_worlds.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from tests.parity import assert_losses_close
 from tests.worldlib import run_world
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

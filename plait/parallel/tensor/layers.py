@@ -38,7 +38,7 @@ from plait.runtime.comm import Axis
 __all__ = ["SHARD_ATTR", "ColumnParallelLinear", "RowParallelLinear", "Shard", "VocabParallelEmbedding",
            "enter_region", "is_conv1d", "layout_of", "leave_region", "shard_of", "shard_param", "sum_grad_over"]
 
-class Layout(NamedTuple):
+class WeightLayout(NamedTuple):
     """A dense layer's sizes, and which dimension of its stored weight indexes the outputs."""
 
     in_features: int
@@ -57,11 +57,11 @@ def is_conv1d(module: nn.Module) -> bool:
     return conv1d is not None and isinstance(module, conv1d)
 
 
-def layout_of(module: nn.Module) -> Layout:
-    """The `Layout` of an nn.Linear or a Conv1D (the two kinds column and row layers take)."""
+def layout_of(module: nn.Module) -> WeightLayout:
+    """The `WeightLayout` of an nn.Linear or a Conv1D (the two kinds column and row layers take)."""
     if is_conv1d(module):
-        return Layout(module.weight.shape[0], module.weight.shape[1], 1)
-    return Layout(module.in_features, module.out_features, 0)
+        return WeightLayout(module.weight.shape[0], module.weight.shape[1], 1)
+    return WeightLayout(module.in_features, module.out_features, 0)
 
 
 def _as_linear_weight(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
