@@ -11,6 +11,7 @@ change.
 from __future__ import annotations
 
 import functools
+import glob
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -180,14 +181,16 @@ def _launched_world_size() -> int | None:
 
 def max_local_processes() -> int:
     """How many processes one machine may run: one per GPU, or a few per CPU core."""
-    try:
-        import torch
+    return local_gpus() or max(8, 4 * (os.cpu_count() or 1))
 
-        if torch.cuda.is_available():
-            return torch.cuda.device_count()
-    except ImportError:
-        pass
-    return max(8, 4 * (os.cpu_count() or 1))
+
+def local_gpus() -> int:
+    """NVIDIA GPUs this process may use, without importing torch (the check runs before
+    spawning): CUDA_VISIBLE_DEVICES when set, else the driver's device files."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    return len(glob.glob("/dev/nvidia[0-9]*"))
 
 
 def validate(config: TrainConfig, family: FamilyChecks, *, local_limit: int | None = None) -> None:

@@ -18,32 +18,16 @@ run can resume from (epoch, position) alone.
 from __future__ import annotations
 
 import hashlib
-import os
 import sysconfig
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from plait.errors import PlaitError
-from plait.train.tokens import TOKENS, check_tokens, is_prepared
-
-STDLIB = "stdlib"
-SKIP_DIRS = {"test", "tests", "site-packages", "idle_test", "__pycache__"}
-TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst"}
-RAW_LIMIT = 8 * 2**20  # raw text is read whole by every rank: beyond this, `plait data prepare`
-
-
-def corpus_files(root: Path, suffixes: set[str]) -> Iterator[Path]:
-    """Text files under `root` in a fixed (sorted, depth-first) order, so every rank reads
-    the same bytes; lazily, so reading can stop once the corpus is large enough."""
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
-        for name in sorted(filenames):
-            if Path(name).suffix in suffixes:
-                yield Path(dirpath) / name
-
+from plait.train.tokens import (RAW_LIMIT, STDLIB, TOKENS, check_tokens, corpus_files,  # noqa: F401
+                               is_prepared, raw_files)
 
 def load_corpus(source: str = STDLIB, max_bytes: int = RAW_LIMIT) -> torch.Tensor:
     """The corpus as a tensor of token ids: `source` is "stdlib" (its first `max_bytes`), a
@@ -64,22 +48,6 @@ def load_corpus(source: str = STDLIB, max_bytes: int = RAW_LIMIT) -> torch.Tenso
     if total == 0:
         raise PlaitError(f"corpus {source!r} is empty", hint="point --data at files with text in them")
     return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
-
-
-def raw_files(source: str, max_bytes: int = RAW_LIMIT) -> list[Path]:
-    """The files of a raw-text `--data`, refused when more than `max_bytes` in all: every rank
-    would hold it in memory, so a larger corpus is prepared and mapped instead (never cut)."""
-    path = Path(source)
-    if not path.exists():
-        raise PlaitError(f"corpus {source!r} does not exist", hint="give a text file, a directory, or 'stdlib'")
-    files = list(corpus_files(path, TEXT_SUFFIXES)) if path.is_dir() else [path]
-    total = sum(f.stat().st_size for f in files)
-    if total > max_bytes:
-        raise PlaitError(f"corpus {source!r} holds {total / 2**20:,.1f} MiB of text, more than the "
-                         f"{max_bytes / 2**20:g} MiB plait reads into every rank's memory",
-                         hint=f"tokenize it once into a file every rank maps: plait data prepare "
-                              f"--tokenizer bytes --data {source} --out DIR, then --data DIR")
-    return files
 
 
 def map_tokens(directory: str) -> torch.Tensor:

@@ -37,7 +37,7 @@ def source_files(source: str) -> list[Path]:
     """The files of `--data`, in the order plait reads them: 'stdlib', a file or a directory."""
     import sysconfig
 
-    from plait.train.data import STDLIB, TEXT_SUFFIXES, corpus_files
+    from plait.train.tokens import STDLIB, TEXT_SUFFIXES, corpus_files
 
     if source == STDLIB:
         return list(corpus_files(Path(sysconfig.get_paths()["stdlib"]), {".py"}))

@@ -16,8 +16,11 @@ so that it costs little per rank and nothing per step:
   page resident), once at prepare, and at the first load after the file changed, on the
   node's first rank: the result is remembered in verified.json beside it (size, mtime, hash).
 
-torch-free: `plait train` checks a prepared corpus (and fits the model's vocabulary to it)
-before any process starts.
+Raw text (`--data FILE|DIR`, and the default corpus, Python's own standard library) is named
+here too: which files a source holds and whether they fit the 8 MiB every rank reads whole.
+
+torch-free: `plait train` checks a corpus (and fits the model's vocabulary to a prepared
+one) before any process starts, without importing torch.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 from plait.errors import PlaitError
@@ -210,3 +214,36 @@ def text_codec(source: str) -> TextCodec:
     from tokenizers import Tokenizer
 
     return TextCodec(Tokenizer.from_file(str(path)))
+
+
+# -- raw text: what `--data` may name besides a prepared corpus (checked before spawning) --------
+STDLIB = "stdlib"
+SKIP_DIRS = {"test", "tests", "site-packages", "idle_test", "__pycache__"}
+TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst"}
+RAW_LIMIT = 8 * 2**20  # raw text is read whole by every rank: beyond this, `plait data prepare`
+
+
+def corpus_files(root: Path, suffixes: set[str]) -> Iterator[Path]:
+    """Text files under `root` in a fixed (sorted, depth-first) order, so every rank reads
+    the same bytes; lazily, so reading can stop once the corpus is large enough."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
+        for name in sorted(filenames):
+            if Path(name).suffix in suffixes:
+                yield Path(dirpath) / name
+
+
+def raw_files(source: str, max_bytes: int = RAW_LIMIT) -> list[Path]:
+    """The files of a raw-text `--data`, refused when more than `max_bytes` in all: every rank
+    would hold it in memory, so a larger corpus is prepared and mapped instead (never cut)."""
+    path = Path(source)
+    if not path.exists():
+        raise PlaitError(f"corpus {source!r} does not exist", hint="give a text file, a directory, or 'stdlib'")
+    files = list(corpus_files(path, TEXT_SUFFIXES)) if path.is_dir() else [path]
+    total = sum(f.stat().st_size for f in files)
+    if total > max_bytes:
+        raise PlaitError(f"corpus {source!r} holds {total / 2**20:,.1f} MiB of text, more than the "
+                         f"{max_bytes / 2**20:g} MiB plait reads into every rank's memory",
+                         hint=f"tokenize it once into a file every rank maps: plait data prepare "
+                              f"--tokenizer bytes --data {source} --out DIR, then --data DIR")
+    return files
