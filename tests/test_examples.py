@@ -16,13 +16,25 @@ def _losses(stdout: str) -> list[float]:
     return [float(v) for v in re.findall(r"^step \d+ loss ([\d.]+)$", stdout, flags=re.M)]
 
 
+DDP_ONE = "plait launch --nproc 1 examples/ddp_user_model.py"
+
+
 def test_a_user_model_under_ddp_trains_as_on_one_rank() -> None:
-    script = str(ROOT / "examples" / "ddp_user_model.py")
-    two, one = (run_plait("launch", "--nproc", n, script) for n in ("2", "1"))
-    assert two.returncode == 0 and one.returncode == 0, two.stderr + one.stderr
+    """2 ranks against the one-rank curve committed in tests/golden/ddp_user_model.json."""
+    two = run_plait("launch", "--nproc", "2", str(ROOT / "examples" / "ddp_user_model.py"))
+    assert two.returncode == 0, two.stderr
     assert len(_losses(two.stdout)) == 6 and _losses(two.stdout)[-1] < _losses(two.stdout)[0] / 3
-    assert_losses_close(_losses(two.stdout), _losses(one.stdout), rtol=1e-5)
+    golden = json.loads((GOLDEN / "ddp_user_model.json").read_text())
+    assert golden["command"] == DDP_ONE
+    assert_losses_close(_losses(two.stdout), golden["losses"], rtol=1e-5)
     assert "wire bytes per axis and op: {'dp': {'all_reduce': " in two.stdout
+
+
+@pytest.mark.slow
+def test_the_one_rank_curve_of_the_ddp_example_is_the_committed_one() -> None:
+    proc = run_plait("launch", "--nproc", "1", str(ROOT / "examples" / "ddp_user_model.py"))
+    assert proc.returncode == 0, proc.stderr
+    check("ddp_user_model", _losses(proc.stdout), DDP_ONE)
 
 
 HF_ONE = ["examples/hf_tp_pp.py", "--tp", "1", "--pp", "1"]

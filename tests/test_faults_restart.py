@@ -70,7 +70,7 @@ def test_a_world_that_dies_after_its_last_save_ends_well(reference, tmp_path, mo
 
 def test_a_stopped_rank_is_named_by_every_rank_and_the_spawner(tmp_path, monkeypatch):
     monkeypatch.setenv("PLAIT_INJECT", "0:2:3:STOP")  # rank 2 of 4 freezes as step 3 begins
-    proc = run_plait("train", *RUN, "--steps", "5", "--nproc", "4", "--timeout", "15", "--out", str(tmp_path),
+    proc = run_plait("train", *RUN, "--steps", "5", "--nproc", "4", "--timeout", "10", "--out", str(tmp_path),
                      timeout=300)
     ended = time.time()
     assert proc.returncode == 2, proc.stderr

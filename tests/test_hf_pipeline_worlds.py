@@ -18,6 +18,9 @@ from tests.parity import assert_losses_close
 from tests.worldlib import run_world
 
 pytest.importorskip("transformers")
+# `make test-all`: `make test` cuts transformers models by their declared plans in
+# tests/test_hf_plans_worlds.py (1F1B), test_hf_train_worlds.py and examples/hf_tp_pp.py (tp × pp).
+pytestmark = pytest.mark.slow
 
 LAYERS = 4  # tests/worlds/hf_pipeline_world.py: SHAPE
 

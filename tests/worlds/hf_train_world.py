@@ -45,7 +45,7 @@ def main() -> None:
     rank, report = int(os.environ["RANK"]), {}
     for directory in dirs:
         name = Path(directory).name
-        base = TrainConfig(model=f"hf:{directory}", data=corpus, steps=3, micro_batch=2, seq_len=16, eval_every=0,
+        base = TrainConfig(model=f"hf:{directory}", data=corpus, steps=2, micro_batch=2, seq_len=16, eval_every=0,
                            eval_samples=4, sample_tokens=0, warmup_steps=1, lr=1e-3, nproc=1, dp=1)
         found: dict[str, Any] = {}
         if rank == 0:
