@@ -36,7 +36,7 @@ def runs(tmp_path_factory):
 def test_a_family_in_one_file_trains_on_two_ranks(runs):
     _, proc, lines, summary = runs["two"]
     assert "trained mlp,hidden=24" in proc.stdout and "dp=2 tp=1 pp=1 zero=3" in proc.stdout
-    assert "global batch 32 digits" in proc.stdout and "images/s" in proc.stdout
+    assert "global batch 32 images" in proc.stdout and "images/s" in proc.stdout
     assert [r["step"] for r in lines if "val_accuracy" in r] == [4, 8]
     assert lines[-1]["loss"] < lines[0]["loss"] and 0.1 < summary["val_accuracy"] <= 1
     assert summary["task"]["unit"] == "images" and summary["num_params"] == 64 * 24 + 24 + 24 * 24 + 24 + 24 * 10 + 10

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from plait.errors import PlaitError
 from plait.families import Family, register
+from plait.train.image_task import ClassificationTask
 from plait.train.images import image_digest, image_splits, load_images
 
 
@@ -58,12 +58,9 @@ class MLP(nn.Module):
         return self.head(x)
 
 
-class DigitsTask:
-    """The task: MLP, digits, cross-entropy, top-1 accuracy (plait.train.task.Task)."""
-
-    unit = "images"
-    eval_columns = ("loss", "images", "correct")
-    metric_labels = {"val_loss": ("held-out", ".3f"), "val_accuracy": ("top-1 accuracy", ".1%")}
+class DigitsTask(ClassificationTask):
+    """The task (plait.train.task.Task): the MLP on digits; a classifier's batch, loss and
+    evaluation (top-1 accuracy) come with plait's ClassificationTask."""
 
     def __init__(self, config: Any):
         self.config, self.data = config, load_images(config.data)
@@ -75,47 +72,16 @@ class DigitsTask:
             torch.manual_seed(seed)
             return MLP(self.model_config)
 
-    def adapter(self, model: nn.Module) -> Any:
-        return None  # plait's generic adapter: the module list's children are the blocks
-
     def load(self) -> tuple[Any, Any, int]:
         return (*image_splits(self.data, "none", self.config.seed), image_digest(self.data))
 
-    def batch(self, split: Any, indices: list[int], step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return split.batch(indices, step)
-
-    def loss_fn(self, model: nn.Module) -> Any:
-        return lambda logits, labels, reduction="mean": F.cross_entropy(logits, labels, reduction=reduction)
-
-    def units_per_sample(self) -> int:
-        return 1
-
-    def batch_text(self, global_batch: int) -> str:
-        return f"{global_batch} digits"
-
-    def eval_count(self, val: Any) -> int:
-        return val.num_samples
-
-    def eval_sums(self, outputs: torch.Tensor, targets: torch.Tensor, loss_fn: Any) -> torch.Tensor:
-        losses = loss_fn(outputs, targets, reduction="none").double()
-        correct = (outputs.argmax(-1) == targets).double()
-        return torch.stack([losses, torch.ones_like(losses), correct], dim=1)
-
-    def eval_metrics(self, totals: dict[str, float]) -> dict[str, float]:
-        return {"val_loss": totals["loss"] / totals["images"], "val_accuracy": totals["correct"] / totals["images"]}
-
-    def sample(self, next_logits: Any, device: torch.device) -> str:
-        return ""
-
     def prediction(self, work: Any, hardware: Any) -> dict[str, Any]:
+        """States and dp traffic from the parameter count (no activations or time for an MLP)."""
         from plait.estimate import estimate_layout
 
         return estimate_layout(None, params=self.num_params, hardware=hardware, dp=work.dp, zero=work.zero,
                                offload=work.offload, precision=work.precision, micro_batch=work.micro_batch,
                                grad_accum=work.grad_accum, reduce_dtype=work.reduce_dtype)
-
-    def attachments(self) -> dict[str, Any]:
-        return {}
 
 
 def check(config: Any) -> None:

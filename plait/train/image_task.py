@@ -22,28 +22,18 @@ from plait.train.config import TrainConfig
 from plait.train.images import ImageSplit, image_digest, image_splits, load_images
 
 
-class ImageTask:
-    """A ResNet `--model` on `--data digits` or an image-folder directory."""
+class ClassificationTask:
+    """What every image classifier's task shares: a batch of images, cross-entropy, every
+    held-out image scored once (loss and top-1 accuracy), images/s. A subclass brings its
+    model, its data and its prediction (ImageTask below; tests/toy_family.py's MLP too)."""
 
     unit = "images"
     eval_columns = ("loss", "images", "correct")
     metric_labels = {"val_loss": ("held-out", ".3f"), "val_accuracy": ("top-1 accuracy", ".1%")}
-
-    def __init__(self, config: TrainConfig):
-        self.config = config
-        self.data = load_images(config.data)
-        self.model_config = get_resnet(config.model, in_channels=self.data.channels,
-                                       num_classes=len(self.data.classes))
-        self.num_params = sum(p.numel() for p in build_resnet(self.model_config, 0).parameters())
-
-    def build_model(self, seed: int) -> nn.Module:
-        return build_resnet(self.model_config, seed)
+    config: TrainConfig
 
     def adapter(self, model: nn.Module) -> Any:
-        return None  # a ResNet names its own (ResNet.plait_adapter)
-
-    def load(self) -> tuple[ImageSplit, ImageSplit, int]:
-        return (*image_splits(self.data, self.config.augment, self.config.seed), image_digest(self.data))
+        return None  # the model's own (plait_adapter), else plait's generic one
 
     def batch(self, split: ImageSplit, indices: list[int], step: int) -> tuple[torch.Tensor, torch.Tensor]:
         images, labels = split.batch(indices, step)
@@ -56,7 +46,7 @@ class ImageTask:
         return 1
 
     def batch_text(self, global_batch: int) -> str:
-        return f"{global_batch} images"
+        return f"{global_batch} {self.unit}"
 
     def eval_count(self, val: ImageSplit) -> int:
         """Every held-out image, once."""
@@ -75,7 +65,24 @@ class ImageTask:
         return ""  # a classifier has no text to show
 
     def attachments(self) -> dict[str, Any]:
-        return {}  # a ResNet checkpoint is its tensors alone
+        return {}  # its checkpoint is its tensors alone
+
+
+class ImageTask(ClassificationTask):
+    """A ResNet `--model` on `--data digits` or an image-folder directory."""
+
+    def __init__(self, config: TrainConfig):
+        self.config = config
+        self.data = load_images(config.data)
+        self.model_config = get_resnet(config.model, in_channels=self.data.channels,
+                                       num_classes=len(self.data.classes))
+        self.num_params = sum(p.numel() for p in build_resnet(self.model_config, 0).parameters())
+
+    def build_model(self, seed: int) -> nn.Module:
+        return build_resnet(self.model_config, seed)
+
+    def load(self) -> tuple[ImageSplit, ImageSplit, int]:
+        return (*image_splits(self.data, self.config.augment, self.config.seed), image_digest(self.data))
 
     def prediction(self, work: Workload, hardware: Any) -> dict[str, Any]:
         """`plait estimate`'s answer for this ResNet on these images (plait/estimate/vision.py):
