@@ -55,7 +55,7 @@ def test_a_declared_family_trains_as_one_process(world: list[dict[str, Any]], fa
 def test_the_command_trains_qwen3_with_its_declared_plans(world: list[dict[str, Any]], dirs: dict[str, Path]) -> None:
     out = dirs["root"] / "cli"
     proc = run_plait("train", "--model", f"hf:{dirs['qwen3']}", "--data", str(dirs["corpus"]), "--nproc", "2",
-                     "--tp", "2", "--grad-accum", "2", "--steps", "3", "--micro-batch", "2", "--seq-len", "16",
+                     "--tp", "2", "--grad-accum", "2", "--steps", "2", "--micro-batch", "2", "--seq-len", "16",
                      "--eval-every", "0", "--eval-samples", "4", "--sample-tokens", "8", "--warmup-steps", "1",
                      "--lr", "1e-3", "--out", str(out))
     assert proc.returncode == 0, proc.stderr

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from plait.errors import PlaitError
 from plait.estimate.hardware import GIB, Hardware, resolve_hardware
 from plait.estimate.layout import Workload
+from plait.layout import Layout
 from plait.estimate.memory import estimate_memory
 from plait.estimate.time import estimate_time
 from plait.models.config import GPTConfig
@@ -84,7 +85,7 @@ def candidates(request: PlanRequest) -> Iterator[Workload]:
         for pp in divisors(request.gpus // tp):
             if pp > request.config.n_layers:
                 continue
-            dp = request.gpus // (tp * pp)
+            dp = Layout.fill(request.gpus, tp=tp, pp=pp).dp  # the one home of dp = world / (tp·pp)
             if request.global_batch % dp:
                 continue
             yield from _variants(request, dp, tp, pp)
