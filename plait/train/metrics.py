@@ -11,6 +11,7 @@ few numbers it needs from every rank are gathered first (`gather_extras`, collec
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,9 @@ class Metrics:
 
     # -- the file ----------------------------------------------------------------------------
     def open(self, start: int) -> None:
-        """Start metrics.jsonl, keeping (and reading back) the lines of steps up to `start`."""
+        """Start metrics.jsonl, keeping (and reading back) the lines of steps up to `start`.
+        Every rank reads them; the main rank rewrites the file by an atomic rename, so a rank
+        reading at the same moment sees the old file or the new one, never a truncated one."""
         kept = []
         if start and self.path.exists():
             kept = [json.loads(line) for line in self.path.read_text().splitlines() if line]
@@ -45,9 +48,10 @@ class Metrics:
         self.history = kept
         if self.mesh.is_main:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "w")
-            self._file.writelines(json.dumps(record) + "\n" for record in kept)
-            self._file.flush()
+            scratch = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+            scratch.write_text("".join(json.dumps(record) + "\n" for record in kept))
+            os.replace(scratch, self.path)
+            self._file = open(self.path, "a")
 
     def write(self, record: dict[str, Any]) -> None:
         self.history.append(record)
