@@ -1,6 +1,7 @@
 """Every file the docs name exists, so a move or a rename cannot leave the docs pointing at nothing.
 
-Read as text (no plait or torch import): README.md, docs/**/*.md and benchmarks/RESULTS.md.
+Read as text (no plait or torch import): README.md, docs/**/*.md and benchmarks/RESULTS.md; the paths
+may be under plait/, tests/, benchmarks/ or examples/.
 Checked, wherever they appear:
 - `plait/...` paths (a file, a folder ending in `/`, or a glob like `plait/models/hf_*.py`);
 - `tests/...py` and `benchmarks/...py` paths;
@@ -18,8 +19,8 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CODE_DIRS = ("plait", "benchmarks", "tests")
-FULL_PATH = re.compile(r"(?<![\w/.-])(?:plait|tests|benchmarks)/[\w/*.-]*")
+CODE_DIRS = ("plait", "benchmarks", "tests", "examples")
+FULL_PATH = re.compile(r"(?<![\w/.-])(?:plait|tests|benchmarks|examples)/[\w/*.-]*")
 BACKTICKED = re.compile(r"`([\w*][\w/*.-]*\.py)`")
 DOTTED = re.compile(r"(?<![\w./-])plait(?:\.\w+)+")
 
