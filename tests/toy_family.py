@@ -77,11 +77,9 @@ class DigitsTask(ClassificationTask):
 
     def prediction(self, work: Any, hardware: Any) -> dict[str, Any]:
         """States and dp traffic from the parameter count (no activations or time for an MLP)."""
-        from plait.estimate import estimate_layout
+        from plait.estimate import estimate_by_size
 
-        return estimate_layout(None, params=self.num_params, hardware=hardware, dp=work.dp, zero=work.zero,
-                               offload=work.offload, precision=work.precision, micro_batch=work.micro_batch,
-                               grad_accum=work.grad_accum, reduce_dtype=work.reduce_dtype)
+        return estimate_by_size(self.num_params, work, hardware=hardware)
 
 
 def check(config: Any) -> None:

@@ -26,7 +26,7 @@ from plait.estimate.time import (
 )
 from plait.models.config import GPTConfig
 
-__all__ = ["estimate_layout", "Workload"]
+__all__ = ["estimate_by_size", "estimate_layout", "Workload"]
 
 MEMORY_ASSUMPTIONS = (
     "model states per parameter: bf16/fp16 2 weight + 2 grad + 12 optimizer (fp32 master, "
@@ -93,6 +93,18 @@ def estimate_layout(config: GPTConfig | None, work: Workload | None = None, *, h
     return _report(config.num_params(), work, hw, node, memory.as_dict(),
                    estimate_comm(config, work), naive_comm(config, work),
                    step.as_dict(), notes)
+
+
+def estimate_by_size(params: int, work: Workload, *, hardware: str | Hardware = "cpu",
+                     gpus_per_node: int | None = None, seq_len: int | None = None) -> dict[str, Any]:
+    """`estimate_layout` of a data-parallel run of a model known only by its parameter count:
+    `work`'s dp, ZeRO, offload, precision, batch and reduce dtype (a model plait has no shape
+    for: a CNN, a user's family, a transformers config without the usual sizes). Untimed
+    unless `seq_len` gives the samples' length."""
+    return estimate_layout(None, params=params, hardware=hardware, gpus_per_node=gpus_per_node, dp=work.dp,
+                           zero=work.zero, offload=work.offload, precision=work.precision,
+                           micro_batch=work.micro_batch, grad_accum=work.grad_accum,
+                           reduce_dtype=work.reduce_dtype, seq_len=seq_len)
 
 
 def _whole(params: object) -> int:

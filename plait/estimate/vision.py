@@ -52,13 +52,11 @@ def estimate_cnn(config: ResNetConfig, work: Workload, *, params: int, height: i
     Not counted: ZeRO-3's gathered block (a ResNet's blocks are its units), and
     recomputation's second SyncBatchNorm forward (it all-reduces again).
     """
-    from plait.estimate import estimate_layout
+    from plait.estimate import estimate_by_size
 
     hw = resolve_hardware(hardware)
     node = gpus_per_node or hw.gpus_per_node
-    report = estimate_layout(None, params=params, hardware=hw, gpus_per_node=node, dp=work.dp, zero=work.zero,
-                             offload=work.offload, precision=work.precision, micro_batch=work.micro_batch,
-                             grad_accum=work.grad_accum, reduce_dtype=work.reduce_dtype, seq_len=1)
+    report = estimate_by_size(params, work, hardware=hw, gpus_per_node=node, seq_len=1)
     memory = report["memory"]
     memory["activations"] = cnn.activation_bytes(config, height, width, work.micro_batch, work.precision,
                                                  work.recompute)

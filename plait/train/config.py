@@ -96,8 +96,12 @@ class TrainConfig:
     @functools.cached_property
     def layout(self) -> Layout:
         """The run's layout record, made and checked once (after resolve_layout has set dp)."""
-        return Layout(dp=self.dp or 1, tp=self.tp, pp=self.pp, zero=self.zero, offload=self.offload, sp=self.sp,
-                      schedule=self.schedule, virtual_stages=self.virtual_stages)
+        return Layout(dp=self.dp or 1, **self.layout_choices())
+
+    def layout_choices(self) -> dict[str, Any]:
+        """The layout's fields besides dp, as the flags give them."""
+        return dict(tp=self.tp, pp=self.pp, zero=self.zero, offload=self.offload, sp=self.sp,
+                    schedule=self.schedule, virtual_stages=self.virtual_stages)
 
     @property
     def global_batch(self) -> int:
@@ -162,8 +166,7 @@ def resolve_layout(config: TrainConfig) -> TrainConfig:
     dp = config.dp
     if dp is None and nproc is None:
         dp = 2 if config.tp * config.pp == 1 else 1  # the demo: two data-parallel processes
-    choices = dict(tp=config.tp, pp=config.pp, zero=config.zero, offload=config.offload, sp=config.sp,
-                   schedule=config.schedule, virtual_stages=config.virtual_stages)
+    choices = config.layout_choices()
     if nproc is None:
         layout = Layout(dp=dp, **choices)
     else:

@@ -103,11 +103,9 @@ class HFTask(LanguageTask):
         """The estimate of its shape, or (a config that names no sizes) of its parameter count."""
         if self.model_config is not None:
             return super().prediction(work, hardware)
-        from plait.estimate import estimate_layout
+        from plait.estimate import estimate_by_size
 
-        return estimate_layout(None, params=self.num_params, hardware=hardware, dp=work.dp, zero=work.zero,
-                               offload=work.offload, precision=work.precision, micro_batch=work.micro_batch,
-                               grad_accum=work.grad_accum, reduce_dtype=work.reduce_dtype)
+        return estimate_by_size(self.num_params, work, hardware=hardware)
 
     def codec(self) -> TextCodec:
         tokenizer = self.tokenizer()

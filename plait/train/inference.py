@@ -65,8 +65,8 @@ class Inference:
         mine = list(range(self.mesh.rank("dp"), count, dp))
         micro, per_rank = self.micro_batch, -(-count // dp)
         batches = -(-per_rank // micro)
-        if self.runner is not None and self.runner.schedule_name == "interleaved":
-            batches += -batches % self.runner.pp  # interleaving deals micro-batches in groups of pp
+        if self.runner is not None:
+            batches += -batches % self.runner.microbatch_multiple
         out = []
         for b in range(batches):
             indices = mine[b * micro:(b + 1) * micro]

@@ -27,6 +27,7 @@ from plait.train.config import TrainConfig
 from plait.train.logs import setup_logging
 from plait.report.closing import closing_report
 from plait.train.tboard import TensorBoardLog
+from plait.train.timing import run_hardware, step_time_parts
 from plait.train.trainer import Trainer
 
 
@@ -63,8 +64,6 @@ def finish(trainer: Trainer) -> dict[str, Any]:
     described = describe_run(trainer, prediction(trainer))
     weights = final_weights(trainer)
     summary = trainer.metrics.summary(described, extras)
-    from plait.train.timing import step_time_parts
-
     summary["step_time"] = step_time_parts(summary["predicted"], summary["step_time_s_median"], extras["optimizer_s"])
     summary.update(sample=sample, config=config.to_dict(), restarts=trainer.restarts)
     if not mesh.is_main:
@@ -81,8 +80,6 @@ def finish(trainer: Trainer) -> dict[str, Any]:
 def prediction(trainer: Trainer) -> dict[str, Any]:
     """What `plait estimate` says this very run costs, on this run's own hardware profile (its
     --hardware-file, else this machine's calibration: collective, see plait.train.timing)."""
-    from plait.train.timing import run_hardware
-
     config = trainer.config
     work = Workload.of(trainer.mesh.layout, precision=config.precision, micro_batch=config.micro_batch,
                        grad_accum=config.grad_accum, seq_len=config.seq_len, recompute=config.recompute,

@@ -109,8 +109,8 @@ class Trainer:
         local = {"loss": loss, "step_time_s": time.perf_counter() - start, "grad_norm": grad_norm,
                  **states, "activations_peak": activations, "comm": self.mesh.ledger.since(before)}
         record = self.metrics.step_record(step, lr, local, full)
-        record.update(grad_norm=record.get("grad_norm"), loss_scale=scale, skipped=grad_norm is None,
-                      skipped_steps=self.guard.scaler.skipped)
+        record.setdefault("grad_norm", None)  # --measure off keeps none; the line still names it
+        record.update(loss_scale=scale, skipped=grad_norm is None, skipped_steps=self.guard.scaler.skipped)
         return record
 
     def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]], full: bool) -> tuple[Any, int]:

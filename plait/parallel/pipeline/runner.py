@@ -186,9 +186,15 @@ class PipelineRunner:
             kept.append(logits[:, position])
             return logits.new_zeros(())
 
-        copies = self.pp if self.schedule_name == "interleaved" else 1  # it needs m >= pp
+        copies = self.microbatch_multiple
         self.eval_loss([ids] * copies, [ids] * copies, keep)
         return kept[0] if kept else None
+
+    @property
+    def microbatch_multiple(self) -> int:
+        """What a step's micro-batch count must be a multiple of: pp for the interleaved
+        schedule, which deals micro-batches out in groups of pp (plait.rules.check_microbatches)."""
+        return self.pp if self.schedule_name == "interleaved" else 1
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """An alias of `plait.clip_grad_norm(stages, max_norm)`: the norm of the whole
