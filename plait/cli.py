@@ -14,10 +14,7 @@ import traceback
 from dataclasses import fields
 from typing import Any
 
-from plait.errors import PlaitError
-
-EXIT_INPUT = 2  # bad input: a PlaitError
-EXIT_CRASH = 1  # anything else
+from plait.errors import EXIT_CRASH, EXIT_INPUT, EXIT_PREEMPTED, PlaitError, Preempted
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()
             os._exit(EXIT_INPUT)
         return EXIT_INPUT
+    except Preempted as stop:
+        if stop.message:  # said once, by the main rank
+            say(f"plait: {stop.message}")
+        return EXIT_PREEMPTED
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # noqa: BLE001 - the last line of defence prints, never hides
@@ -180,12 +181,38 @@ def cmd_train(argv: list[str]) -> int:
         train(config, family)
         return 0
     from plait.runtime.launch import spawn
-    from plait.train.restart import restart_argv, warn_restarts_without_saves
+    from plait.train.restart import warn_restarts_without_saves
 
     warn_restarts_without_saves(config.max_restarts, config.save_every)
     command = [sys.executable, "-m", "plait", "train"]
     return spawn([*command, *argv], config.nproc, max_restarts=config.max_restarts,
-                 restart_command=lambda: [*command, *restart_argv(argv, config.out)])
+                 restart_command=lambda nproc: [*command, *_restart_argv(argv, config, nproc)],
+                 sizes=_smaller_worlds(config))
+
+
+def _restart_argv(argv: list[str], config: Any, nproc: int) -> list[str]:
+    """A restarted world's flags: the same, resumed; on another size, its --nproc and
+    --grad-accum (plait.train.elastic keeps the global batch)."""
+    from plait.train.elastic import accumulation
+    from plait.train.restart import restart_argv
+
+    if nproc == config.nproc:
+        return restart_argv(argv, config.out)
+    dp = nproc // (config.layout.world // config.layout.dp)
+    return restart_argv(argv, config.out, nproc, accumulation(config.global_batch, config.micro_batch, dp))
+
+
+def _smaller_worlds(config: Any) -> list[int]:
+    """The world sizes from --min-nproc to --nproc that keep the run's global batch (none
+    without --min-nproc: the spawner then never shrinks the world)."""
+    from plait.train.elastic import world_sizes
+
+    if config.min_nproc is None:
+        return []
+    layout = config.layout
+    sizes = world_sizes(config.global_batch, config.micro_batch, tp=layout.tp, pp=layout.pp, cp=layout.cp,
+                        schedule=layout.schedule, up_to=config.nproc)
+    return [n for n in sizes if n >= config.min_nproc]
 
 
 def _flag(argv: list[str], name: str) -> str | None:

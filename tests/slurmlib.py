@@ -13,7 +13,19 @@ from contextlib import contextmanager
 from pathlib import Path
 
 BINARIES = ("srun", "slurmctld", "slurmd", "sinfo")
+# What a launcher sets for its ranks: never inherited from the test's own environment.
+CLEAN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "PLAIT_SPAWNED")
 START_S = 30.0
+
+
+def launcher_env(**extra: str) -> dict[str, str]:
+    """The environment to start srun, mpirun or torchrun in: plait importable, a free port,
+    nothing a launcher sets for its ranks."""
+    from plait.runtime.launch import free_port
+    from tests.worldlib import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k not in CLEAN and not k.startswith(("SLURM_", "OMPI_"))}
+    return {**env, "PYTHONPATH": str(ROOT), "MASTER_PORT": str(free_port()), **extra}
 
 
 def missing() -> str | None:

@@ -9,9 +9,14 @@ import random
 import re
 import time
 
+import subprocess
+import sys
+
 import pytest
 
-from tests.worldlib import run_plait
+from tests import slurmlib
+from tests.slurmlib import launcher_env
+from tests.worldlib import ROOT, run_plait
 
 RUN = ["--model", "tiny", "--micro-batch", "2", "--seq-len", "16", "--eval-every", "0",
        "--sample-tokens", "0", "--warmup-steps", "2"]
@@ -65,6 +70,75 @@ def test_a_world_that_dies_after_its_last_save_ends_well(reference, tmp_path, mo
     (tmp_path / "model.safetensors").unlink()
     again = run_plait("train", *RUN, *STEPS, "--resume", "auto", "--out", str(tmp_path), timeout=300)
     assert again.returncode == 0, again.stderr
+    assert (tmp_path / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
+
+
+def test_an_async_save_killed_mid_write_leaves_the_previous_checkpoint_and_resumes_exactly(reference, tmp_path,
+                                                                                         monkeypatch):
+    """--async-save: rank 1 dies in the background write of step 10 (after its tensors are in
+    the file, before the checkpoint is published). Step 5 stays `latest` and whole; the
+    restarted world resumes it and, saving in the background too, ends with the same bytes
+    and losses as the synchronous reference."""
+    monkeypatch.setenv("PLAIT_INJECT", "0:1:10:KILL:save")
+    proc = run_plait("train", *RUN, *STEPS, "--async-save", "--max-restarts", "1", "--out", str(tmp_path), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "rank 1 sends itself SIGKILL at step 10 while saving" in proc.stderr
+    assert "plait: restarting the world (1 of 1)" in proc.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["resumed_from"].endswith("step-00000005")
+    assert (tmp_path / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
+    lines = records(tmp_path)
+    assert [r["loss"] for r in lines] == [r["loss"] for r in records(reference)]
+    assert [r["restart"] for r in lines] == [0] * 5 + [1] * 7
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step-00000005", "step-00000010",
+                                                             "step-00000012"]
+    assert (checkpoints / "latest").resolve().name == "step-00000012"
+    for step in ("00000010", "00000012"):  # what the background writes produced loads like any checkpoint
+        assert run_plait("ckpt", "inspect", str(checkpoints / f"step-{step}")).returncode == 0
+
+
+def test_sigterm_saves_at_one_step_on_every_rank_and_resume_ends_with_the_same_bytes(reference, tmp_path,
+                                                                                     monkeypatch):
+    """SIGTERM reaches rank 1 alone, as step 7 begins: both ranks finish step 7, save it,
+    and exit with 75; `--resume auto` continues from there to the reference's bytes."""
+    monkeypatch.setenv("PLAIT_INJECT", "0:1:7:TERM")
+    proc = run_plait("train", *RUN, *STEPS, "--max-restarts", "1", "--out", str(tmp_path), timeout=300)
+    assert proc.returncode == 75, proc.stderr
+    assert "plait: restarting the world" not in proc.stderr  # a preempted job is not restarted
+    assert (f"plait: preempted by SIGTERM: every rank stopped after step 7 of 12 and saved "
+            f"{tmp_path / 'checkpoints' / 'step-00000007'}; continue with --resume auto (exit code 75)") in proc.stderr
+    assert proc.stderr.count("plait: preempted") == 1
+    assert (tmp_path / "checkpoints" / "latest").resolve().name == "step-00000007"
+    assert [r["step"] for r in records(tmp_path)] == list(range(1, 8))
+    monkeypatch.delenv("PLAIT_INJECT")
+    again = run_plait("train", *RUN, *STEPS, "--resume", "auto", "--out", str(tmp_path), timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
+    assert [r["loss"] for r in records(tmp_path)] == [r["loss"] for r in records(reference)]
+
+
+def test_under_srun_sigterm_to_one_rank_stops_the_job_at_one_step_and_it_resumes_exactly(reference, tmp_path):
+    """The same under a real Slurm (a one-node cluster on localhost): srun's job exits 75 with
+    every rank saved at step 7, and the requeued job (`--resume auto`, here srun by hand)
+    ends with the bytes of the reference run plait's own spawner trained."""
+    why = slurmlib.missing()
+    if why:
+        pytest.skip(why)
+    train = [sys.executable, "-m", "plait", "train", *RUN, "--steps", "12", "--save-every", "5", "--out", str(tmp_path)]
+    with slurmlib.cluster(tmp_path / "slurm") as env:
+        def srun(*extra, **variables):
+            return subprocess.run(["srun", "-n", "2", "--time", "5", *train, *extra], cwd=ROOT, capture_output=True,
+                                  text=True, timeout=300, env=launcher_env(SLURM_CONF=env["SLURM_CONF"], **variables))
+
+        preempted = srun(PLAIT_INJECT="0:1:7:TERM")
+        assert preempted.returncode == 75, preempted.stdout + preempted.stderr
+        assert "every rank stopped after step 7 of 12" in preempted.stderr
+        assert (tmp_path / "checkpoints" / "latest").resolve().name == "step-00000007"
+        resumed = srun("--resume", "auto")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["layout"]["launcher"] == "slurm" and summary["resumed_from"].endswith("step-00000007")
     assert (tmp_path / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
 
 

@@ -1,5 +1,7 @@
 """The pieces of fault handling that need no processes: the recorder's verdicts from store
-records, its publisher (no store write per collective), --resume auto, the restart command, the no-save warning, fault-injection specs."""
+records, its publisher (no store write per collective), --resume auto, the restart command, the no-save warning,
+fault-injection specs; the spawner's elastic restarts and signal forwarding (ranks of a few lines of Python);
+the preemption flag; the world sizes that keep a global batch."""
 
 from __future__ import annotations
 
@@ -196,6 +198,9 @@ def test_resume_auto_and_the_restart_command(tmp_path):
     (tmp_path / "checkpoints" / "latest" / "index.json").write_text("{}")
     assert resolve_auto(config).resume == str(tmp_path)
     assert restart_argv(["--steps", "3"], str(tmp_path)) == ["--steps", "3", "--resume", "auto"]
+    # A smaller world: its size and the accumulation that keeps the global batch, last (they win).
+    assert restart_argv(["--nproc", "4"], str(tmp_path), 2, 4) == ["--nproc", "4", "--nproc", "2", "--grad-accum", "4",
+                                                                 "--resume", "auto"]
 
 
 def test_restart_counters_of_each_launcher(monkeypatch):
@@ -215,6 +220,87 @@ def test_restarts_without_saves_are_announced(capsys):
 
 
 def test_injection_specs():
-    assert parse("0:2:7:KILL,1:0:9:stop") == [(0, 2, 7, signal.SIGKILL), (1, 0, 9, signal.SIGSTOP)]
-    with pytest.raises(PlaitError, match="is not ATTEMPT:RANK:STEP:SIGNAL"):
-        parse("2:7:KILL")
+    assert parse("0:2:7:KILL,1:0:9:stop,0:1:10:KILL:save") == [
+        (0, 2, 7, signal.SIGKILL, "step"), (1, 0, 9, signal.SIGSTOP, "step"), (0, 1, 10, signal.SIGKILL, "save")]
+    for bad in ("2:7:KILL", "0:1:10:KILL:later", "0:1:10:KILL:save:x"):
+        with pytest.raises(PlaitError, match="is not ATTEMPT:RANK:STEP:SIGNAL"):
+            parse(bad)
+
+
+# -- elastic worlds and preemption, with ranks that are a few lines of Python ----------------------
+RANK_SCRIPT = """
+import os, signal, sys, time
+from pathlib import Path
+out, rank, attempt = Path(sys.argv[1]), int(os.environ["RANK"]), int(os.environ["PLAIT_RESTART"])
+(out / f"world{attempt}-rank{rank}").write_text(os.environ["WORLD_SIZE"] + " " + " ".join(sys.argv[2:]))
+if sys.argv[2] == "fail-rank-3" and rank == 3 and attempt < 2:
+    sys.exit(1)
+if sys.argv[2] == "sigterm":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))  # plait train's answer to a preemption
+    (out / f"ready{rank}").write_text("")
+    time.sleep(60)
+"""
+
+
+def world_sizes_started(out):
+    return {int(p.name.split("-")[0].removeprefix("world")): int(p.read_text().split()[0]) for p in out.glob("world*")}
+
+
+def test_a_rank_that_fails_in_two_worlds_in_a_row_is_taken_as_lost(tmp_path, capsys):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    command = [sys.executable, str(script), str(tmp_path), "fail-rank-3"]
+    code = launch.spawn(command, 4, max_restarts=3, restart_command=lambda n: [*command, f"--nproc={n}"],
+                        sizes=[1, 2, 4])
+    assert code == 0
+    assert world_sizes_started(tmp_path) == {0: 4, 1: 4, 2: 2}  # the same size once, then the largest that fits
+    assert (tmp_path / "world2-rank0").read_text() == "2 fail-rank-3 --nproc=2"
+    err = capsys.readouterr().err
+    assert "rank(s) 3 failed in two worlds in a row: taken as lost; the world restarts on 2 process(es) instead of 4" in err
+
+
+def test_without_a_smaller_size_the_spawner_restarts_the_same_world_and_gives_up(tmp_path, capsys):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    command = [sys.executable, str(script), str(tmp_path), "fail-rank-3"]
+    assert launch.spawn(command, 4, max_restarts=1, restart_command=lambda n: command) == 1
+    assert world_sizes_started(tmp_path) == {0: 4, 1: 4}
+    code = launch.spawn(command, 4, max_restarts=3, restart_command=lambda n: command, sizes=[4])
+    assert code == 1 and "no smaller world the run accepts is left (it can run on 4 processes)" in capsys.readouterr().err
+
+
+def test_sigterm_to_the_spawner_reaches_every_rank_and_is_not_restarted(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    job = subprocess.Popen([sys.executable, "-m", "plait", "launch", "--nproc", "2", str(script), str(tmp_path),
+                            "sigterm"], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not all((tmp_path / f"ready{r}").exists() for r in range(2)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    job.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=30) == 75, job.stderr.read()
+    assert "exited with code" not in job.stderr.read()  # 75 is a preempted rank, not a failed one
+
+
+def test_the_first_signal_raises_the_flag_and_the_second_acts_at_once():
+    from plait.train.preempt import Preemption
+
+    before = signal.getsignal(signal.SIGUSR1)
+    preemption = Preemption().install()
+    try:
+        signal.raise_signal(signal.SIGUSR1)
+        assert preemption.received == signal.SIGUSR1
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # a second SIGTERM or SIGUSR1 ends the process
+        assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+    finally:
+        preemption.uninstall()
+    assert signal.getsignal(signal.SIGUSR1) == before
+
+
+def test_the_world_sizes_that_keep_a_global_batch():
+    from plait.train.elastic import accumulation, world_sizes
+
+    assert world_sizes(8, 2) == [1, 2, 4]
+    assert world_sizes(8, 2, tp=2, up_to=4) == [2, 4]
+    assert world_sizes(8, 1, pp=2, schedule="interleaved") == [2, 4, 8]  # m must stay a multiple of pp
+    assert accumulation(8, 2, 2) == 2 and accumulation(8, 2, 3) is None and accumulation(8, 2, 8) is None

@@ -15,22 +15,15 @@ import pytest
 
 from tests import slurmlib
 from tests.parity import assert_losses_close
+from tests.slurmlib import launcher_env
 from tests.worldlib import ROOT, run_plait
 
 TRAIN = ["train", "--model", "tiny", "--steps", "3", "--micro-batch", "2", "--seq-len", "16", "--eval-every", "0",
          "--sample-tokens", "0", "--warmup-steps", "1", "--tp", "2"]
-CLEAN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "PLAIT_SPAWNED")
 
 
 def losses(out):
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def launcher_env(**extra):
-    env = {k: v for k, v in os.environ.items() if k not in CLEAN and not k.startswith(("SLURM_", "OMPI_"))}
-    from plait.runtime.launch import free_port
-
-    return {**env, "PYTHONPATH": str(ROOT), "MASTER_PORT": str(free_port()), **extra}
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +35,7 @@ def spawned(tmp_path_factory):
     return losses(out)
 
 
+@pytest.mark.slow  # make test runs srun in tests/test_faults_restart.py (preempted, then resumed)
 def test_srun_trains_like_the_spawner(spawned, tmp_path):
     why = slurmlib.missing()
     if why:

@@ -43,13 +43,15 @@ def local_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh)
 def param_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh) -> list[Piece]:
     """Parameters and their optimizer state, whole or as tensor-parallel blocks.
 
-    Every tensor is written exactly once: replicas across dp by dp rank 0; a tensor that
-    tensor parallelism does not split, also only by tp rank 0; a split one by every tp rank
-    (each its own block, at its offset along the split dimension).
+    Every tensor is written exactly once: replicas across dp by one dp rank (`dp_writers`
+    spreads them); a tensor that tensor parallelism does not split, also only by tp rank 0;
+    a split one by every tp rank (each its own block, at its offset along the split dimension).
     """
-    first_replica = mesh.rank("dp") == 0
+    named = list(logical_parameters(model))
+    writers = dp_writers([(name, param.numel()) for name, param, replica in named if not replica], mesh.size("dp"))
     pieces = []
-    for name, param, replica in logical_parameters(model):
+    for name, param, replica in named:
+        first_replica = writers.get(name) == mesh.rank("dp")
         owned = first_replica and not replica and writes_its_tp_part(param, mesh)
         pieces += [Piece(f"model/{name}", view, offsets, full, owned)
                    for view, offsets, full in placement(param, param.detach())]
@@ -63,6 +65,18 @@ def param_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh)
                 owned_scalar = first_replica and not replica and mesh.rank("tp") == 0
                 pieces.append(Piece(f"optim/{name}/{key}", value, (0,) * value.ndim, tuple(value.shape), owned_scalar))
     return pieces
+
+
+def dp_writers(sizes: list[tuple[str, int]], dp: int) -> dict[str, int]:
+    """{parameter: the dp rank that writes it and its optimizer state}: the largest first,
+    each to the rank with the fewest elements so far. Every dp rank holds the same replicas,
+    so each computes the same answer alone; the ranks then write (and, saving in the
+    background, copy and hash) a dp-th of the state each, not all of it on one rank."""
+    load, writers = [0] * dp, {}
+    for name, numel in sorted(sizes, key=lambda item: (-item[1], item[0])):
+        rank = load.index(min(load))
+        writers[name], load[rank] = rank, load[rank] + numel
+    return writers
 
 
 def writes_its_tp_part(param: torch.Tensor, mesh: Mesh) -> bool:

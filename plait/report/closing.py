@@ -35,6 +35,14 @@ def describe_layout(layout: dict[str, Any]) -> str:
     return " ".join([Layout(**fields).describe(), *filter(None, extras)])
 
 
+def describe_worlds(worlds: list[dict[str, Any]]) -> str:
+    """"steps 1-5 on 4 processes (grad-accum 1), steps 6-12 on 2 (grad-accum 2)": where an
+    elastic restart changed the world (the global batch stayed)."""
+    parts = [f"steps {w['first_step']}-{w['last_step']} on {w['world_size'] or '?'} process(es)"
+             + (f" (grad-accum {w['grad_accum']})" if w.get("grad_accum") else "") for w in worlds]
+    return ", ".join(parts) + ", the same global batch"
+
+
 def format_metrics(metrics: dict[str, float], labels: dict[str, Any]) -> str:
     """"held-out 2.303, top-1 accuracy 98.9%": each metric as the task labels and formats it."""
     return ", ".join(f"{labels[name][0]} {format(value, labels[name][1])}"
@@ -54,6 +62,8 @@ def closing_report(summary: dict[str, Any], out: str) -> str:
         f"  speed       {summary[f'{unit}_per_s']:,.0f} {unit}/s, {summary['step_time_s_median']:.3f} s/step (median)",
         f"  wire/step   measured {format_comm(summary['comm_per_step'])}",
     ]
+    if len(summary.get("worlds", [])) > 1:
+        lines.insert(2, f"  elastic     {describe_worlds(summary['worlds'])}")
     if layout.get("precision", "fp32") != "fp32" or summary.get("skipped_steps"):
         lines.insert(2, f"  precision   {layout.get('precision', 'fp32')}, loss scale {summary.get('loss_scale', 1.0):g}, "
                         f"{summary.get('skipped_steps', 0)} step(s) skipped (non-finite)")

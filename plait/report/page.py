@@ -8,7 +8,7 @@ from typing import Any
 
 from plait.errors import PlaitError
 from plait.report import plots
-from plait.report.closing import describe_layout, format_metrics, human_bytes
+from plait.report.closing import describe_layout, describe_worlds, format_metrics, human_bytes
 
 
 def read_run(run_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -91,7 +91,9 @@ def _markdown(summary: dict[str, Any], records: list[dict[str, Any]], names: lis
         f"({format_metrics(summary['metrics'], task['metrics'])})",
         f"- {summary[f'{unit}_per_s']:,.0f} {unit}/s, {summary['step_time_s_median']:.3f} s/step (median)",
         f"- memory per rank: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in summary["mem"].items()),
-        f"- measurement: {summary.get('measure', 'full')}", "",
+        f"- measurement: {summary.get('measure', 'full')}",
+        *([f"- world size changed (elastic restart): {describe_worlds(summary['worlds'])}"]
+          if len(summary.get("worlds", [])) > 1 else []), "",
     ]
     if "comm" not in names:
         lines += ["No bytes on the wire: one process.", ""]

@@ -33,12 +33,21 @@ def loss_figure(records: list[dict[str, Any]], val_losses: dict[str, float], uni
     evaluated = sorted((int(step), loss) for step, loss in val_losses.items())
     if evaluated:
         ax.plot([s for s, _ in evaluated], [v for _, v in evaluated], "o--", label="validation loss", color="#e6550d")
+    _mark_world_changes(ax, records)
     ax.set_xlabel("step")
     ax.set_ylabel(f"loss (nats/{unit.removesuffix('s')})")
     ax.set_title("loss")
     ax.legend()
     fig.tight_layout()
     return fig
+
+
+def _mark_world_changes(ax: Any, records: list[dict[str, Any]]) -> None:
+    """A dotted line where an elastic restart changed the world size, labelled with it."""
+    sizes = [(r["step"], r["world_size"]) for r in records if r.get("world_size")]
+    for (_, before), (step, after) in zip(sizes, sizes[1:]):
+        if after != before:
+            ax.axvline(step - 0.5, color="#636363", linestyle=":", label=f"world {before} -> {after} processes")
 
 
 def metric_figure(name: str, label: str, evaluations: dict[str, dict[str, float]]) -> Figure:

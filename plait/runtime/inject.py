@@ -2,7 +2,9 @@
 rehearse one): PLAIT_INJECT="ATTEMPT:RANK:STEP:SIGNAL[,...]" makes RANK send itself SIGNAL
 (KILL, STOP, TERM...) as STEP begins, in the world started after ATTEMPT restarts. STEP =
 --steps + 1 is the closing phase of `plait train` (the sample, the weights, the report),
-after the last step and its checkpoint.
+after the last step and its checkpoint. A fifth field `save` ("0:1:10:KILL:save") sends it
+instead while RANK writes the checkpoint of step STEP, after its tensors are in the file and
+before the checkpoint is published (in the background thread under --async-save).
 
 Read at each step's start; nothing happens unless the variable is set.
 """
@@ -19,23 +21,26 @@ from plait.errors import PlaitError
 
 VARIABLE = "PLAIT_INJECT"
 HANG = "HANG"
+PHASES = ("step", "save")
 
 
-def parse(spec: str) -> list[tuple[int, int, int, signal.Signals | str]]:
-    """"0:2:7:KILL,1:0:9:STOP" -> [(attempt, rank, step, signal), ...]."""
+def parse(spec: str) -> list[tuple[int, int, int, signal.Signals | str, str]]:
+    """"0:2:7:KILL,1:0:9:STOP:save" -> [(attempt, rank, step, signal, phase), ...]."""
     faults = []
     for item in filter(None, spec.split(",")):
         try:
-            attempt, rank, step, name = item.split(":")
+            attempt, rank, step, name, *phase = item.split(":")
             what = HANG if name.upper() == HANG else signal.Signals[f"SIG{name.upper()}"]
-            faults.append((int(attempt), int(rank), int(step), what))
+            if len(phase) > 1 or (phase and phase[0] not in PHASES):
+                raise ValueError
+            faults.append((int(attempt), int(rank), int(step), what, phase[0] if phase else "step"))
         except (ValueError, KeyError):
-            raise PlaitError(f"{VARIABLE} item {item!r} is not ATTEMPT:RANK:STEP:SIGNAL",
+            raise PlaitError(f"{VARIABLE} item {item!r} is not ATTEMPT:RANK:STEP:SIGNAL[:save]",
                              hint="e.g. 0:2:7:KILL kills rank 2 as step 7 begins, before any restart") from None
     return faults
 
 
-def maybe_inject(rank: int, step: int, before: Callable[[], Any] | None = None) -> None:
+def maybe_inject(rank: int, step: int, before: Callable[[], Any] | None = None, phase: str = "step") -> None:
     """Send the injected signal to this process if this rank, step and attempt match.
 
     `before` runs first: the flight recorder publishes its record there, so a rehearsal shows
@@ -44,12 +49,13 @@ def maybe_inject(rank: int, step: int, before: Callable[[], Any] | None = None) 
     if not spec:
         return
     attempt = int(os.environ.get("PLAIT_RESTART", "0"))
-    for when, who, at, sig in parse(spec):
-        if (when, who, at) == (attempt, rank, step):
+    for when, who, at, sig, where in parse(spec):
+        if (when, who, at, where) == (attempt, rank, step, phase):
             if before is not None:
                 before()
             name = sig if sig == HANG else sig.name
-            print(f"plait: injected fault: rank {rank} sends itself {name} at step {step} "
+            print(f"plait: injected fault: rank {rank} sends itself {name} at step {step}"
+                  f"{' while saving' if phase == 'save' else ''} "
                   f"(t={time.time():.3f})", file=sys.stderr, flush=True)
             if sig == HANG:
                 while True:

@@ -10,8 +10,15 @@ timed out and which ranks never entered it (runtime/recorder.py). Then the other
 seconds to report theirs before they are stopped, and the summary names the culprits.
 
 With `max_restarts`, a world that lost a rank (killed, crashed, or stuck until a collective
-timed out) is stopped and started again, up to that many times; `restart_command` says what
-the new world runs (plait train resumes from the run's latest checkpoint).
+timed out) is stopped and started again, up to that many times; `restart_command(nproc)`
+says what the new world runs (plait train resumes from the run's latest checkpoint). Given
+`sizes` (the world sizes the run can continue on, largest first or not), a rank that fails
+in two worlds in a row is taken as lost, as a node that is not coming back would be, and the
+next world is the largest of `sizes` the remaining ranks can fill.
+
+SIGTERM and SIGUSR1 sent to the spawner (Slurm's warning before a time limit or a preemption)
+are passed on to every rank: plait train saves at the next step boundary and every rank exits
+with EXIT_PREEMPTED, which the spawner returns without restarting.
 """
 
 from __future__ import annotations
@@ -24,14 +31,16 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 from pathlib import Path
 
+from plait.errors import EXIT_INPUT, EXIT_PREEMPTED
+
 POLL_S = 0.05
-GRACE_S = 3.0
 REPORT_S = 8.0  # how long the other ranks may take to report a failed collective
-EXIT_INPUT = 2  # a rank refused its input: starting again would fail the same way
 RESTART_ENV = "PLAIT_RESTART"  # how many restarts came before this world (0: the first)
 
 
@@ -54,39 +63,87 @@ def rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
 
 
 def spawn(command: Sequence[str], nproc: int, max_restarts: int = 0,
-          restart_command: Callable[[], Sequence[str]] | None = None) -> int:
-    """Run `command` as ranks 0..nproc-1 and return the job's exit code; restart lost worlds."""
-    attempt = 0
-    while True:
-        code, restartable = _run_world(command, nproc, attempt)
-        if code == 0 or not restartable or attempt >= max_restarts:
-            return code
-        attempt += 1
-        command = restart_command() if restart_command else command
-        print(f"plait: restarting the world ({attempt} of {max_restarts})", file=sys.stderr, flush=True)
+          restart_command: Callable[[int], Sequence[str]] | None = None, sizes: Sequence[int] = ()) -> int:
+    """Run `command` as ranks 0..nproc-1 and return the job's exit code; restart lost worlds
+    (on fewer ranks, one of `sizes`, when a rank keeps failing)."""
+    attempt, failing = 0, set()
+    with _forwarded_signals() as live:
+        while True:
+            code, restartable, culprits = _run_world(command, nproc, attempt, live)
+            if code in (0, EXIT_PREEMPTED) or not restartable or attempt >= max_restarts:
+                return code
+            lost, failing = failing & culprits, culprits
+            if lost and sizes:
+                smaller = [n for n in sizes if n <= nproc - len(lost)]
+                if not smaller:
+                    print(f"plait: rank(s) {_names(lost)} failed in two worlds in a row, and no smaller world the run "
+                          f"accepts is left (it can run on {_names(sizes)} processes)", file=sys.stderr, flush=True)
+                    return code
+                print(f"plait: rank(s) {_names(lost)} failed in two worlds in a row: taken as lost; the world restarts "
+                      f"on {max(smaller)} process(es) instead of {nproc}", file=sys.stderr, flush=True)
+                nproc, failing = max(smaller), set()
+            attempt += 1
+            command = restart_command(nproc) if restart_command else command
+            print(f"plait: restarting the world ({attempt} of {max_restarts})", file=sys.stderr, flush=True)
 
 
-def _run_world(command: Sequence[str], nproc: int, attempt: int) -> tuple[int, bool]:
-    """One world, from start to its end: (exit code, whether a restart could help)."""
+def _names(numbers: Any) -> str:
+    return ", ".join(map(str, sorted(numbers)))
+
+
+class _forwarded_signals:
+    """While the job runs, SIGTERM and SIGUSR1 to the spawner go to every live rank (they
+    decide together where to stop); the spawner keeps watching until they have."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> list[subprocess.Popen]:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self.previous[sig] = signal.signal(sig, self._forward)
+        return self.procs
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _forward(self, signum: int, frame: Any) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+
+def _run_world(command: Sequence[str], nproc: int, attempt: int,
+               live: list[subprocess.Popen]) -> tuple[int, bool, set[int]]:
+    """One world, from start to its end: (exit code, whether a restart could help, the ranks
+    that failed first)."""
     port = free_port()
     faults = Path(tempfile.mkdtemp(prefix="plait-faults-"))
     extra = {"PLAIT_FAULT_DIR": str(faults), RESTART_ENV: str(attempt)}
     procs = [subprocess.Popen(list(command), env={**rank_env(rank, nproc, port), **extra}) for rank in range(nproc)]
+    live[:] = procs
     try:
         return _watch(procs, faults)
     except KeyboardInterrupt:
         _stop(procs)
-        return 130, False
+        return 130, False, set()
     finally:
+        live.clear()
         shutil.rmtree(faults, ignore_errors=True)
 
 
-def _watch(procs: list[subprocess.Popen], faults: Path) -> tuple[int, bool]:
-    """Wait until every rank succeeded, or one failed (then stop the rest)."""
+def _watch(procs: list[subprocess.Popen], faults: Path) -> tuple[int, bool, set[int]]:
+    """Wait until every rank succeeded (or stopped, preempted), or one failed (then stop the
+    rest)."""
     while True:
         codes = [proc.poll() for proc in procs]
-        failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+        failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0, EXIT_PREEMPTED)]
         if failed:
+            first = {rank for rank, _ in failed}
             notes = _notes(faults)
             if notes:  # a collective failed: the others are diagnosing theirs, give them a moment
                 _wait_for_reports(procs, faults)
@@ -96,9 +153,10 @@ def _watch(procs: list[subprocess.Popen], faults: Path) -> tuple[int, bool]:
             _name_culprits(notes, procs)
             _stop(procs)
             restartable = bool(notes) or any(code != EXIT_INPUT for _, code in failed)
-            return _exit_code(failed[0][1]), restartable
-        if all(code == 0 for code in codes):
-            return 0, False
+            culprits = {rank for note in notes for rank in note["culprits"]} or first
+            return _exit_code(failed[0][1]), restartable, culprits
+        if all(code is not None for code in codes):
+            return (EXIT_PREEMPTED if EXIT_PREEMPTED in codes else 0), False, set()
         time.sleep(POLL_S)
 
 
@@ -181,18 +239,10 @@ def _exit_code(code: int) -> int:
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM every live rank (waking stopped ones); SIGKILL whatever is left after a grace period."""
+    """SIGKILL every live rank, stopped ones too. Not SIGTERM: a plait rank takes SIGTERM as a
+    preemption and would try to reach a step boundary with a world that has lost a rank."""
     for proc in procs:
         if proc.poll() is None:
-            proc.terminate()
-            try:
-                os.kill(proc.pid, signal.SIGCONT)  # a stopped process acts on SIGTERM only once woken
-            except OSError:
-                pass
-    deadline = time.monotonic() + GRACE_S
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait()
+    for proc in procs:
+        proc.wait()

@@ -28,7 +28,8 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +38,12 @@ from torch import nn
 
 from plait.errors import PlaitError
 from plait.parallel.pieces import Piece, local_pieces
-from plait.runtime import comm
+from plait.runtime import comm, inject
 from plait.runtime.mesh import Mesh
 
 FORMAT = "plait-checkpoint/1"
+
+
 def init_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Create the optimizer's state tensors (before loading into them) with a zero-lr step."""
     if optimizer.state:
@@ -65,18 +68,145 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
     `only` keeps the tensors whose names start with it ("model/": the weights alone).
     `attach` {name in the checkpoint: file} are copied in by the main rank and verified like
     the rest (a Hugging Face model's config.json and tokenizer, for `ckpt export --hf`)."""
-    final, tmp = root / f"step-{step:08d}", root / f".tmp-step-{step:08d}"
-    failure = _attempt(lambda: _fresh_dir(tmp)) if mesh.is_main else None
-    _agree(mesh, failure, final, tmp)
+    pending = _begin(root, step, model, optimizer, mesh, trainer_state, keep, only, attach, copy=False)
+    pending.write()
+    return pending.publish()
+
+
+class AsyncSaves:
+    """--async-save: a background thread copies this rank's pieces to host memory while the
+    next step's forward and backward run (they read the weights, nothing changes them), and
+    then writes them while training goes on; that step's optimizer update first waits for the
+    copy (`before_update`).
+
+    The collectives stay on the training thread, at step boundaries: `poll` (after each
+    step, while a save is pending) asks every rank whether its write has finished, and once
+    all have, the main rank writes the index and moves `latest`, as a synchronous save
+    does. So atomicity, checksums, `latest` and the retention are the same; a crash during the
+    background write leaves the previous checkpoint whole; a second save first finishes the
+    first (`wait`), and so does the end of the run. The copy costs host memory: this rank's
+    share of the model and optimizer, once more, until the write ends.
+    """
+
+    def __init__(self) -> None:
+        self.pending: _PendingSave | None = None
+
+    def save(self, root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh,
+             trainer_state: dict[str, Any], keep: int = 3, attach: dict[str, Path] | None = None) -> Path:
+        """Start writing `root/step-<step>`; returns the path it will have once published."""
+        self.wait()
+        pending = _begin(root, step, model, optimizer, mesh, trainer_state, keep, "", attach, copy=True)
+        pending.start()
+        self.pending = pending
+        return pending.final
+
+    def before_update(self) -> None:
+        """Called before the optimizer changes the weights: the pending save's copy is done."""
+        if self.pending is not None:
+            self.pending.copied.wait()
+
+    def poll(self) -> Path | None:
+        """Publish the pending save if every rank has written its part (collective while one
+        is pending; every rank has the same pending save). Returns the published path."""
+        if self.pending is None:
+            return None
+        done = torch.tensor([int(not self.pending.running())], dtype=torch.int32, device=self.pending.mesh.device)
+        comm.all_reduce(done, self.pending.mesh.axis("world"), op="min", purpose=comm.CONTROL)
+        return self.wait() if done.item() else None
+
+    def wait(self) -> Path | None:
+        """Let the pending save's write finish, then publish it (collective). Returns its path."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        pending.join()
+        return pending.publish()
+
+
+@dataclass
+class _PendingSave:
+    """One checkpoint between its step boundary and its publication."""
+
+    root: Path
+    step: int
+    mesh: Mesh
+    pieces: list[Piece]
+    rng: torch.Tensor
+    trainer_state: dict[str, Any]
+    keep: int
+    attach: dict[str, Path]
+    failure: OSError | None = None
+    thread: threading.Thread | None = None
+    copied: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def final(self) -> Path:
+        return self.root / f"step-{self.step:08d}"
+
+    @property
+    def tmp(self) -> Path:
+        return self.root / f".tmp-step-{self.step:08d}"
+
+    def write(self, copy: bool = False) -> None:
+        """This rank's file (from host copies of its pieces, with `copy`); a failure is kept
+        for `publish` to agree on, not raised."""
+        tensors, records = _host_tensors(self.mesh.global_rank, self.rng, self.pieces, copy)
+        self.pieces = []
+        self.copied.set()
+        self.failure = _attempt(lambda: _write_rank_file(self.tmp, self.mesh.global_rank, self.step, tensors, records))
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._write_in_background, name=f"plait-save-{self.step}")
+        self.thread.start()
+
+    def _write_in_background(self) -> None:
+        _lower_priority()
+        try:
+            self.write(copy=True)
+        finally:
+            self.copied.set()  # never leave the training thread waiting
+
+    def running(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+
+    def publish(self) -> Path:
+        """Every rank agrees its file is written; the main rank writes the index and moves
+        `latest`; every rank learns that it did (or the same error on all of them)."""
+        _agree(self.mesh, self.failure, self.final, self.tmp)
+        failure = None
+        if self.mesh.is_main:
+            failure = _attempt(lambda: (_write_index(self.tmp, self.mesh, self.trainer_state, self.step,
+                                                     _attach(self.tmp, self.attach)),
+                                        _publish(self.root, self.tmp, self.final)))
+            if failure is None:
+                _prune(self.root, self.keep)
+        _agree(self.mesh, failure, self.final, self.tmp)  # also the closing barrier
+        return self.final
+
+
+def _begin(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh,
+           trainer_state: dict[str, Any], keep: int, only: str, attach: dict[str, Path] | None,
+           copy: bool) -> _PendingSave:
+    """The step boundary's part of a save: a fresh temporary directory (all ranks agree it
+    exists), this rank's pieces and its RNG state as it is now."""
     pieces = [p for p in local_pieces(model, optimizer, mesh) if p.name.startswith(only)]
-    _agree(mesh, _attempt(lambda: _write_rank_file(tmp, mesh.global_rank, pieces)), final, tmp)
-    if mesh.is_main:
-        failure = _attempt(lambda: (_write_index(tmp, mesh, trainer_state, step, _attach(tmp, attach or {})),
-                                    _publish(root, tmp, final)))
-        if failure is None:
-            _prune(root, keep)
-    _agree(mesh, failure if mesh.is_main else None, final, tmp)  # also the closing barrier
-    return final
+    pending = _PendingSave(root, step, mesh, pieces, torch.get_rng_state(), trainer_state, keep, attach or {})
+    failure = _attempt(lambda: _fresh_dir(pending.tmp)) if mesh.is_main else None
+    _agree(mesh, failure, pending.final, pending.tmp)
+    return pending
+
+
+def _lower_priority() -> None:
+    """The background write yields the cores to training (Linux sets a thread's niceness by
+    its id; elsewhere this does nothing)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
 
 
 def _fresh_dir(tmp: Path) -> None:
@@ -113,23 +243,32 @@ def _agree(mesh: Mesh, failure: OSError | None, final: Path, tmp: Path) -> None:
                      f"{kept}", hint="free disk space or fix the permissions of --out, then continue with --resume auto")
 
 
-def _write_rank_file(tmp: Path, rank: int, pieces: list[Piece]) -> None:
-    from safetensors.torch import save_file
-
-    tensors: dict[str, torch.Tensor] = {f"rng/rank{rank}": torch.get_rng_state()}
+def _host_tensors(rank: int, rng: torch.Tensor, pieces: list[Piece], copy: bool
+                  ) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+    """The tensors of this rank's file (its owned pieces and its RNG state) and their records
+    (`copy`: host copies that later steps cannot change, for a write that runs beside them)."""
+    tensors: dict[str, torch.Tensor] = {f"rng/rank{rank}": rng}
     records = []
     for piece in pieces:
         if not piece.owned:
             continue
         # A rank may hold several blocks of one tensor (a ZeRO shard can end mid-row).
         key = f"{piece.name}@{rank}@{','.join(map(str, piece.offsets))}"
-        tensors[key] = piece.tensor.detach().contiguous().cpu()
+        tensors[key] = piece.tensor.detach().to("cpu", copy=copy).contiguous()
         records.append({"name": piece.name, "key": key, "offsets": list(piece.offsets),
                         "lengths": list(piece.tensor.shape), "full_shape": list(piece.full_shape),
                         "dtype": str(piece.tensor.dtype).removeprefix("torch.")})
+    return tensors, records
+
+
+def _write_rank_file(tmp: Path, rank: int, step: int, tensors: dict[str, torch.Tensor],
+                     records: list[dict[str, Any]]) -> None:
+    from safetensors.torch import save_file
+
     path = tmp / f"rank{rank:05d}.safetensors"
     save_file(tensors, str(path))
     _fsync(path)
+    inject.maybe_inject(rank, step, phase="save")  # rehearsals: a rank dying mid-save
     meta = {"file": path.name, "sha256": sha256(path), "bytes": path.stat().st_size, "pieces": records}
     _write_json(tmp / f"rank{rank:05d}.json", meta)
 

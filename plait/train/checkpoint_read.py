@@ -20,20 +20,7 @@ from plait.runtime import comm
 from plait.runtime.mesh import Mesh
 from plait.parallel.pieces import Piece, local_pieces
 from plait.train.checkpoint import FORMAT, init_optimizer_state, sha256
-
-
-def resolve(path: str | Path) -> Path:
-    """A checkpoint directory, a `checkpoints/` folder, or a run's --out: its latest checkpoint."""
-    path = Path(path)
-    for candidate in (path, path / "latest", path / "checkpoints" / "latest"):
-        if (candidate / "index.json").exists():
-            return candidate.resolve()
-    if not path.exists():
-        raise PlaitError(f"checkpoint {path} does not exist", hint="give a step-N directory or a run's --out")
-    if path.name.startswith("step-") or path.name.startswith(".tmp-step-"):
-        raise PlaitError(f"checkpoint {path} is incomplete: {path / 'index.json'} is missing",
-                         hint="it was probably interrupted while saving; use the run's latest checkpoint")
-    raise PlaitError(f"no checkpoint found in {path}", hint="give a step-N directory or a run's --out")
+from plait.train.restart import resolve  # noqa: F401 - where a checkpoint is; torch-free, read before spawning
 
 
 class Reader:

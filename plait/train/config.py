@@ -22,6 +22,7 @@ from plait import rules
 from plait.errors import PlaitError
 from plait.layout import Layout
 from plait.train.config_check import check_values
+from plait.train.elastic import fit_world
 from plait.train.restart import resolve_auto
 
 try:
@@ -76,8 +77,13 @@ class TrainConfig:
     out: str = field(default="runs/latest", metadata={"help": "where metrics.jsonl, summary.json and the model go"})
     save_every: int = field(default=0, metadata={"help": "write a checkpoint every N steps and at the end (0: never)"})
     keep_checkpoints: int = field(default=3, metadata={"help": "how many checkpoints to keep (0: all)"})
+    async_save: bool = field(default=False, metadata={
+        "help": "write checkpoints in the background: the step boundary only copies this rank's pieces to host memory"})
     resume: str = field(default="", metadata={"help": "a checkpoint directory, or a run's --out, to continue from; auto: this run's latest checkpoint if any"})
     max_restarts: int = field(default=0, metadata={"help": "plait's spawner restarts the world from the latest checkpoint when a rank dies or hangs, at most N times"})
+    min_nproc: int | None = field(default=None, metadata={
+        "help": "with --max-restarts: a rank that fails in two worlds in a row is taken as lost, and the world "
+                "restarts smaller, down to this many processes (dp and --grad-accum follow; default: never smaller)"})
     measure: str = field(default="full", metadata={
         "help": "per-step measurement: full (all-rank loss, memory, traffic, pipeline timeline), light "
                 "(this rank's loss and time, no collective), off (time only); first and last steps always full"})
@@ -151,7 +157,7 @@ def build_config(file_values: dict[str, Any], flag_values: dict[str, Any],
     config = replace(TrainConfig(), **merged)
     if family_of is not None:
         config = family_of(config).resolve(config)
-    return resolve_layout(resolve_auto(config))
+    return fit_world(resolve_layout(resolve_auto(config)))
 
 
 def resolve_layout(config: TrainConfig) -> TrainConfig:
@@ -207,10 +213,13 @@ def validate(config: TrainConfig, family: FamilyChecks, *, local_limit: int | No
     check_strategies(config)
     family.check(config)
     check_outputs(config)
+    if config.min_nproc is not None and config.nproc is not None and config.min_nproc > config.nproc:
+        raise PlaitError(f"--min-nproc {config.min_nproc} is more than --nproc {config.nproc}",
+                         hint="--min-nproc is the smallest world the spawner may restart on")
     if config.save_every < 0 or config.keep_checkpoints < 0:
         raise PlaitError("--save-every and --keep-checkpoints cannot be negative")
     if config.resume:
-        from plait.train.checkpoint_read import resolve
+        from plait.train.restart import resolve
 
         resolve(config.resume)  # fails now, with the reason, if there is nothing to resume
     check_writable(config.out)

@@ -24,6 +24,7 @@ RANGES: dict[str, tuple[float, float | None, bool]] = {
     "bucket_mb": (0, None, False), "nproc": (1, None, True), "loss_scale": (1, None, True),
     "timeout_s": (0, None, False), "save_every": (0, None, True), "keep_checkpoints": (0, None, True),
     "sample_tokens": (0, None, True), "max_restarts": (0, None, True),
+    "min_nproc": (1, None, True),
 }
 KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
 

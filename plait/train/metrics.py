@@ -137,4 +137,20 @@ class Metrics:
             "measure": self.measure.mode,
             "peak_process_bytes": int(extras["peak_process_bytes"]),
             "telemetry_bytes": sum(sum(ops.values()) for ops in self.mesh.ledger.wire(comm.TELEMETRY).values()),
+            "worlds": world_segments(history),
         }
+
+
+def world_segments(history: list[dict[str, Any]]) -> list[dict[str, int]]:
+    """The runs of steps trained on one world size: more than one after an elastic restart
+    (each line records its world; older lines, without it, join the segment they touch)."""
+    segments: list[dict[str, int]] = []
+    for record in history:
+        size, accum = record.get("world_size"), record.get("grad_accum")
+        last = segments[-1] if segments else None
+        if last and (size is None or (size, accum) == (last["world_size"], last["grad_accum"])):
+            last["last_step"] = record["step"]
+        elif size is not None or not last:
+            segments.append({"first_step": record["step"], "last_step": record["step"], "world_size": size,
+                             "grad_accum": accum})
+    return segments

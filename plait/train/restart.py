@@ -12,6 +12,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from plait.errors import PlaitError
+
 AUTO = "auto"
 # The launchers' own counters: plait's spawner, torchrun (elastic agent), Slurm (--requeue).
 RESTART_VARIABLES = ("PLAIT_RESTART", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
@@ -22,6 +24,20 @@ def has_checkpoint(out: str) -> bool:
     return (Path(out) / "checkpoints" / "latest" / "index.json").exists()
 
 
+def resolve(path: str | Path) -> Path:
+    """A checkpoint directory, a `checkpoints/` folder, or a run's --out: its latest checkpoint."""
+    path = Path(path)
+    for candidate in (path, path / "latest", path / "checkpoints" / "latest"):
+        if (candidate / "index.json").exists():
+            return candidate.resolve()
+    if not path.exists():
+        raise PlaitError(f"checkpoint {path} does not exist", hint="give a step-N directory or a run's --out")
+    if path.name.startswith("step-") or path.name.startswith(".tmp-step-"):
+        raise PlaitError(f"checkpoint {path} is incomplete: {path / 'index.json'} is missing",
+                         hint="it was probably interrupted while saving; use the run's latest checkpoint")
+    raise PlaitError(f"no checkpoint found in {path}", hint="give a step-N directory or a run's --out")
+
+
 def resolve_auto(config):  # TrainConfig -> TrainConfig (no import: config.py imports this module)
     """`--resume auto`: the run's own latest checkpoint if there is one, else a fresh start."""
     if config.resume != AUTO:
@@ -29,10 +45,13 @@ def resolve_auto(config):  # TrainConfig -> TrainConfig (no import: config.py im
     return replace(config, resume=config.out if has_checkpoint(config.out) else "")
 
 
-def restart_argv(argv: list[str], out: str) -> list[str]:
+def restart_argv(argv: list[str], out: str, nproc: int | None = None, grad_accum: int | None = None) -> list[str]:
     """What a restarted world runs: the same flags, resuming from the latest checkpoint if any
-    (without one, the same command again: a --resume the user gave still applies)."""
-    return [*argv, "--resume", AUTO] if has_checkpoint(out) else list(argv)
+    (without one, the same command again: a --resume the user gave still applies). A world of
+    another size gets its --nproc and the --grad-accum that keeps the global batch (the last
+    flag given wins), so that even a run with nothing saved yet trains the same batches."""
+    resized = ["--nproc", str(nproc), "--grad-accum", str(grad_accum)] if nproc is not None else []
+    return [*argv, *resized, *(["--resume", AUTO] if has_checkpoint(out) else [])]
 
 
 def restart_count() -> int:

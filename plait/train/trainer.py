@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from plait.api import parallelize
-from plait.errors import PlaitError
+from plait.errors import EXIT_PREEMPTED, PlaitError, Preempted
 from plait.parallel.compose import ParallelConfig, build_optimizer
 from plait.parallel.data.sync import no_sync
 from plait.parallel.pipeline.runner import PipelineRunner
@@ -35,6 +35,7 @@ from plait.train.data import StepSampler
 from plait.train.inference import Inference
 from plait.train.measure import MeasurePolicy
 from plait.train.metrics import Metrics
+from plait.train.preempt import Preemption
 from plait.train.restart import restart_count
 from plait.train.task import Task
 
@@ -86,6 +87,8 @@ class Trainer:
         self.update_times: list[float] = []  # the optimizer's part of each step
         self.resumed_from: str | None = None
         self.restarts = restart_count()  # fixed for this world's life: its launcher set it
+        self.async_saves = checkpoint.AsyncSaves()
+        self.preemption = Preemption()
 
     # -- one step ----------------------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, Any]:
@@ -101,6 +104,7 @@ class Trainer:
         grad_norm = self.guard.clip(step, self.model, self.optimizer, loss,
                                     config.grad_clip if config.grad_clip > 0 else math.inf)
         if grad_norm is not None:  # None: every rank agreed to skip this step (fp16 overflow)
+            self.async_saves.before_update()  # a background save's copy of the weights is complete
             self.optimizer.step()
         self.guard.after_step(stepped=grad_norm is not None)
         self.update_times.append(time.perf_counter() - update_start)
@@ -144,18 +148,23 @@ class Trainer:
         start = self.resume() if self.config.resume else 0
         self.measure.first_step = start
         self.metrics.open(start)
+        self.preemption.install()
         try:
             for step in range(start, self.config.steps):
                 record = self.train_step(step)
-                record["restart"] = self.restarts  # a restarted world's steps say so
+                # A restarted world's steps say so, and which world (elastic restarts) ran them.
+                record.update(restart=self.restarts, world_size=self.mesh.env.world_size,
+                              grad_accum=self.config.grad_accum)
                 if self._should_evaluate(step + 1):
                     record.update(self.evaluate())
                 self.metrics.write(record)
                 if progress:
                     progress(record)
-                if self._should_save(step + 1):
-                    self.save(step + 1)
+                saved = self.save(step + 1) if self._should_save(step + 1) else self.async_saves.poll()
+                self._stop_if_preempted(step + 1, saved)
+            self.async_saves.wait()  # every write has finished before the run's outputs
         finally:
+            self.preemption.uninstall()
             self.metrics.close()
         if not self.metrics.history:
             raise PlaitError(f"checkpoint {self.resumed_from} is the end of its run (step {start}), and "
@@ -189,11 +198,28 @@ class Trainer:
         return every > 0 and (done % every == 0 or done == self.config.steps)
 
     def save(self, done: int) -> Path:
+        """Checkpoint the state after `done` steps (in the background with --async-save:
+        published at a later step boundary, or by `async_saves.wait()`)."""
         epoch, position = self.sampler.position(done)
         state = {"epoch": epoch, "position": position, "config": self.config.to_dict(),
                  "loss_scale": self.guard.scaler.state_dict()}
-        return checkpoint.save(Path(self.config.out) / "checkpoints", done, self.model, self.optimizer,
-                               self.mesh, state, keep=self.config.keep_checkpoints, attach=self.task.attachments())
+        root, keep, attach = Path(self.config.out) / "checkpoints", self.config.keep_checkpoints, self.task.attachments()
+        if self.config.async_save:
+            return self.async_saves.save(root, done, self.model, self.optimizer, self.mesh, state, keep, attach)
+        return checkpoint.save(root, done, self.model, self.optimizer, self.mesh, state, keep=keep, attach=attach)
+
+    def _stop_if_preempted(self, done: int, saved: Path | None) -> None:
+        """After SIGTERM or SIGUSR1 on any rank, every rank saves at this same step and stops
+        (plait.train.preempt); the CLI exits with EXIT_PREEMPTED."""
+        signal_name = self.preemption.agreed(self.mesh.axis("world"), self.mesh.device)
+        if signal_name is None:
+            return
+        if saved is None or saved.name != f"step-{done:08d}":
+            saved = self.save(done)
+        self.async_saves.wait()
+        message = (f"preempted by {signal_name}: every rank stopped after step {done} of {self.config.steps} and "
+                   f"saved {saved}; continue with --resume auto (exit code {EXIT_PREEMPTED})")
+        raise Preempted(message if self.mesh.is_main else "")
 
     def resume(self) -> int:
         """Load model, optimizer and RNG from `--resume` (any layout); return the step to start

@@ -1,0 +1,61 @@
+"""Preemption: SIGTERM or SIGUSR1 stops the run at a step boundary every rank agrees on.
+
+Slurm sends SIGTERM (or the signal `--signal` names, often SIGUSR1) some time before a job's
+time limit or its preemption; torchrun's agent passes SIGTERM on to its workers. The signal
+reaches one rank or all of them, at different moments, but a checkpoint needs every rank at
+the same step. So a signal only raises this rank's flag; after each step the ranks reduce
+their flags (one 4-byte all-reduce over the world), and when any is up, all of them save at
+that step and leave with EXIT_PREEMPTED (plait.errors). `--resume auto` then continues
+exactly where they stopped.
+
+The first signal puts the default action back: a second one ends the process at once, even
+inside a collective or a write, and the checkpoint being written is simply not published
+(the previous one stays whole, plait.train.checkpoint).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+import torch
+
+from plait.runtime import comm
+from plait.runtime.comm import Axis
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preemption:
+    """This rank's flag, raised by a signal, and the world's agreement on it."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> "Preemption":
+        """Catch the signals (signal handlers can only be set from the main thread: a run
+        started from another thread is simply not preemptible this way)."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.received = signum
+        for sig in SIGNALS:  # the second signal acts at once
+            signal.signal(sig, signal.SIG_DFL)
+
+    def agreed(self, world: Axis, device: torch.device) -> str | None:
+        """The signal's name if any rank received one (collective: every rank calls it after
+        the same step), else None."""
+        flag = torch.tensor([self.received or 0], dtype=torch.int32, device=device)
+        comm.all_reduce(flag, world, op="max", purpose=comm.CONTROL)
+        number = int(flag.item())
+        return signal.Signals(number).name if number else None

@@ -1,0 +1,102 @@
+"""Elastic restarts: a run that loses ranks continues on the world it has, and one given more
+ranks uses them; either way it trains the same model as the run that never changed size
+(same global batch, same samples at every step; only the reduction order differs, so the
+losses and weights agree to the parity tests' tolerances, tests/parity.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.parity import assert_losses_close, assert_params_close
+from tests.worldlib import run_plait
+
+# Global batch 8: micro-batch 2 × dp 4, or × dp 2 with --grad-accum 2.
+RUN = ["--model", "tiny", "--micro-batch", "2", "--seq-len", "16", "--eval-every", "0", "--sample-tokens", "0",
+       "--warmup-steps", "2", "--steps", "12", "--save-every", "5", "--no-report"]
+
+
+def records(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(out):
+    return {name: tensor.flatten().tolist() for name, tensor in load_file(str(out / "model.safetensors")).items()}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """dp 4 from start to end, never interrupted."""
+    out = tmp_path_factory.mktemp("dp4")
+    proc = run_plait("train", *RUN, "--nproc", "4", "--out", str(out), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def assert_same_model(out, reference, loss_rtol=1e-5, param_atol=5e-6):
+    assert [r["step"] for r in records(out)] == list(range(1, 13))
+    assert_losses_close([r["loss"] for r in records(out)], [r["loss"] for r in records(reference)], rtol=loss_rtol)
+    assert_params_close(weights(out), weights(reference), atol=param_atol)
+
+
+def test_a_rank_that_keeps_failing_shrinks_the_world_under_zero3(reference, tmp_path, monkeypatch):
+    """Rank 3 dies at step 7, and again as the restarted world starts (step 6 after resuming
+    step 5): the spawner takes it as lost and continues on 2 ranks, the largest world from
+    --min-nproc that keeps the global batch; ZeRO-3's shards are re-cut from the checkpoint."""
+    monkeypatch.setenv("PLAIT_INJECT", "0:3:7:KILL,1:3:6:KILL")
+    proc = run_plait("train", *RUN, "--nproc", "4", "--zero", "3", "--max-restarts", "2", "--min-nproc", "2",
+                     "--out", str(tmp_path), timeout=400)
+    assert proc.returncode == 0, proc.stderr
+    assert ("plait: rank(s) 3 failed in two worlds in a row: taken as lost; the world restarts on 2 process(es) "
+            "instead of 4") in proc.stderr
+    assert ("plait: elastic resume: step-00000005 was written by 4 process(es) (dp=4); this world has 2 (dp=2): "
+            "--grad-accum 2 keeps the global batch of 8") in proc.stderr
+    lines = records(tmp_path)
+    assert [r["world_size"] for r in lines] == [4] * 5 + [2] * 7
+    assert [r["grad_accum"] for r in lines] == [1] * 5 + [2] * 7
+    assert [r["restart"] for r in lines] == [0] * 5 + [2] * 7
+    assert_same_model(tmp_path, reference)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["worlds"] == [{"first_step": 1, "last_step": 5, "world_size": 4, "grad_accum": 1},
+                                 {"first_step": 6, "last_step": 12, "world_size": 2, "grad_accum": 2}]
+    assert ("  elastic     steps 1-5 on 4 process(es) (grad-accum 1), steps 6-12 on 2 process(es) (grad-accum 2), "
+            "the same global batch") in proc.stdout
+
+
+def test_a_run_grows_onto_more_ranks_and_a_size_that_cannot_keep_the_batch_is_refused(reference, tmp_path,
+                                                                                        monkeypatch):
+    monkeypatch.setenv("PLAIT_INJECT", "0:1:7:KILL")
+    small = ["--nproc", "2", "--grad-accum", "2"]
+    first = run_plait("train", *RUN, *small, "--out", str(tmp_path), timeout=300)
+    assert first.returncode == 137, first.stderr  # no --max-restarts: the job ends, step 5 saved
+    monkeypatch.delenv("PLAIT_INJECT")
+    refused = run_plait("train", *RUN, "--nproc", "3", "--resume", "auto", "--out", str(tmp_path), timeout=60)
+    assert refused.returncode == 2
+    assert ("plait: error: 3 process(es) (dp=3) cannot keep the global batch of 8 samples that step-00000005 was "
+            "trained with, at --micro-batch 2\n  hint: world sizes that can: 1, 2, 4 (or change --micro-batch)"
+            ) in refused.stderr
+    assert "Traceback" not in refused.stderr and not (tmp_path / "checkpoints" / "step-00000006").exists()
+    grown = run_plait("train", *RUN, *small, "--nproc", "4", "--resume", "auto", "--out", str(tmp_path), timeout=300)
+    assert grown.returncode == 0, grown.stderr
+    assert "this world has 4 (dp=4): --grad-accum 1 keeps the global batch of 8" in grown.stderr
+    assert [r["world_size"] for r in records(tmp_path)] == [2] * 5 + [4] * 7
+    assert_same_model(tmp_path, reference)
+
+
+def test_tensor_parallelism_stays_and_dp_follows_the_world(reference, tmp_path, monkeypatch):
+    """tp 2 × dp 2 on 4 ranks, then 2 ranks: tp 2 × dp 1 with twice the accumulation. TP sums
+    in another order than the dp 4 reference: its tolerances are test_cli_strategies.py's."""
+    monkeypatch.setenv("PLAIT_INJECT", "0:2:7:KILL")
+    tp = ["--tp", "2", "--grad-accum", "2"]
+    first = run_plait("train", *RUN, *tp, "--nproc", "4", "--out", str(tmp_path), timeout=300)
+    assert first.returncode == 137, first.stderr
+    monkeypatch.delenv("PLAIT_INJECT")
+    second = run_plait("train", *RUN, *tp, "--nproc", "2", "--resume", "auto", "--out", str(tmp_path), timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert "(dp=2); this world has 2 (dp=1): --grad-accum 4 keeps the global batch of 8" in second.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["layout"]["tp"] == 2 and summary["layout"]["dp"] == 1
+    assert [r["grad_accum"] for r in records(tmp_path)] == [2] * 5 + [4] * 7
+    assert_same_model(tmp_path, reference, loss_rtol=1e-4, param_atol=2e-5)
