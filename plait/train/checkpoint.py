@@ -80,8 +80,7 @@ class AsyncSaves:
     copy (`before_update`).
 
     The collectives stay on the training thread, at step boundaries: `poll` (after each
-    step, while a save is pending) asks every rank whether its write has finished, and once
-    all have, the main rank writes the index and moves `latest`, as a synchronous save
+    step) learns whether any rank's write is still running, and once none is, the main rank writes the index and moves `latest`, as a synchronous save
     does. So atomicity, checksums, `latest` and the retention are the same; a crash during the
     background write leaves the previous checkpoint whole; a second save first finishes the
     first (`wait`), and so does the end of the run. The copy costs host memory: this rank's
@@ -90,11 +89,12 @@ class AsyncSaves:
 
     def __init__(self) -> None:
         self.pending: _PendingSave | None = None
+        self.pruning: threading.Thread | None = None
 
     def save(self, root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh,
              trainer_state: dict[str, Any], keep: int = 3, attach: dict[str, Path] | None = None) -> Path:
         """Start writing `root/step-<step>`; returns the path it will have once published."""
-        self.wait()
+        self.finish()
         pending = _begin(root, step, model, optimizer, mesh, trainer_state, keep, "", attach, copy=True)
         pending.start()
         self.pending = pending
@@ -105,22 +105,47 @@ class AsyncSaves:
         if self.pending is not None:
             self.pending.copied.wait()
 
-    def poll(self) -> Path | None:
-        """Publish the pending save if every rank has written its part (collective while one
-        is pending; every rank has the same pending save). Returns the published path."""
+    def writing(self) -> bool:
+        """Whether this rank's background write is still running."""
+        return self.pending is not None and self.pending.running()
+
+    def poll(self, any_writing: bool | None = None) -> Path | None:
+        """Publish the pending save if no rank is still writing its part. `any_writing` is
+        that, agreed by the caller (the trainer folds it into the one all-reduce it makes
+        after every step); without it, one all-reduce asks (collective while a save is
+        pending; every rank has the same pending save). Returns the published path."""
         if self.pending is None:
             return None
-        done = torch.tensor([int(not self.pending.running())], dtype=torch.int32, device=self.pending.mesh.device)
-        comm.all_reduce(done, self.pending.mesh.axis("world"), op="min", purpose=comm.CONTROL)
-        return self.wait() if done.item() else None
+        if any_writing is None:
+            flag = torch.tensor([int(self.writing())], dtype=torch.int32, device=self.pending.mesh.device)
+            comm.all_reduce(flag, self.pending.mesh.axis("world"), op="max", purpose=comm.CONTROL)
+            any_writing = bool(flag.item())
+        return None if any_writing else self.wait()
 
     def wait(self) -> Path | None:
-        """Let the pending save's write finish, then publish it (collective). Returns its path."""
+        """Let the pending save's write finish, then publish it (collective); the checkpoints
+        past --keep-checkpoints are deleted by a thread of the main rank. Returns its path."""
         pending, self.pending = self.pending, None
         if pending is None:
             return None
         pending.join()
-        return pending.publish()
+        self.finish_pruning()
+        path = pending.publish(prune=False)
+        if pending.mesh.is_main:
+            self.pruning = threading.Thread(target=_prune, args=(pending.root, pending.keep), name="plait-prune")
+            self.pruning.start()
+        return path
+
+    def finish(self) -> Path | None:
+        """Every write published and every old checkpoint deleted: the end of a run."""
+        path = self.wait()
+        self.finish_pruning()
+        return path
+
+    def finish_pruning(self) -> None:
+        if self.pruning is not None:
+            self.pruning.join()
+            self.pruning = None
 
 
 @dataclass
@@ -173,16 +198,17 @@ class _PendingSave:
         if self.thread is not None:
             self.thread.join()
 
-    def publish(self) -> Path:
+    def publish(self, prune: bool = True) -> Path:
         """Every rank agrees its file is written; the main rank writes the index and moves
-        `latest`; every rank learns that it did (or the same error on all of them)."""
+        `latest` (and with `prune`, deletes the checkpoints past `keep`); every rank learns
+        that it did (or the same error on all of them)."""
         _agree(self.mesh, self.failure, self.final, self.tmp)
         failure = None
         if self.mesh.is_main:
             failure = _attempt(lambda: (_write_index(self.tmp, self.mesh, self.trainer_state, self.step,
                                                      _attach(self.tmp, self.attach)),
                                         _publish(self.root, self.tmp, self.final)))
-            if failure is None:
+            if failure is None and prune:
                 _prune(self.root, self.keep)
         _agree(self.mesh, failure, self.final, self.tmp)  # also the closing barrier
         return self.final
@@ -201,10 +227,16 @@ def _begin(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optim
 
 
 def _lower_priority() -> None:
-    """The background write yields the cores to training (Linux sets a thread's niceness by
-    its id; elsewhere this does nothing)."""
+    """The background write takes only the cycles training leaves idle: Linux's SCHED_IDLE
+    for this thread (by its id), else a high niceness; elsewhere nothing changes."""
+    thread_id = threading.get_native_id()
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        os.sched_setscheduler(thread_id, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread_id, 19)
     except (AttributeError, OSError):
         pass
 
@@ -320,10 +352,13 @@ def _publish(root: Path, tmp: Path, final: Path) -> None:
 
 
 def _prune(root: Path, keep: int) -> None:
-    """Keep the newest `keep` checkpoints (0 keeps all)."""
+    """Keep the newest `keep` checkpoints (0 keeps all). An older one is first renamed out of
+    the `step-*` names, so that one deleted halfway (a crash) is never taken for a checkpoint."""
     steps = sorted(p for p in root.glob("step-*") if p.is_dir())
     for old in steps[:-keep] if keep > 0 else []:
-        shutil.rmtree(old)
+        os.replace(old, old.with_name(f".old-{old.name}"))
+    for doomed in root.glob(".old-step-*"):  # these, and any an earlier crash left behind
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

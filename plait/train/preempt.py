@@ -4,7 +4,8 @@ Slurm sends SIGTERM (or the signal `--signal` names, often SIGUSR1) some time be
 time limit or its preemption; torchrun's agent passes SIGTERM on to its workers. The signal
 reaches one rank or all of them, at different moments, but a checkpoint needs every rank at
 the same step. So a signal only raises this rank's flag; after each step the ranks reduce
-their flags (one 4-byte all-reduce over the world), and when any is up, all of them save at
+their flags (in the one small all-reduce over the world the trainer makes after each step,
+with the background saves' state), and when any is up, all of them save at
 that step and leave with EXIT_PREEMPTED (plait.errors). `--resume auto` then continues
 exactly where they stopped.
 
@@ -18,11 +19,6 @@ from __future__ import annotations
 import signal
 import threading
 from typing import Any
-
-import torch
-
-from plait.runtime import comm
-from plait.runtime.comm import Axis
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -52,10 +48,6 @@ class Preemption:
         for sig in SIGNALS:  # the second signal acts at once
             signal.signal(sig, signal.SIG_DFL)
 
-    def agreed(self, world: Axis, device: torch.device) -> str | None:
-        """The signal's name if any rank received one (collective: every rank calls it after
-        the same step), else None."""
-        flag = torch.tensor([self.received or 0], dtype=torch.int32, device=device)
-        comm.all_reduce(flag, world, op="max", purpose=comm.CONTROL)
-        number = int(flag.item())
-        return signal.Signals(number).name if number else None
+    @staticmethod
+    def name(number: int) -> str:
+        return signal.Signals(number).name

@@ -160,9 +160,9 @@ class Trainer:
                 self.metrics.write(record)
                 if progress:
                     progress(record)
-                saved = self.save(step + 1) if self._should_save(step + 1) else self.async_saves.poll()
-                self._stop_if_preempted(step + 1, saved)
-            self.async_saves.wait()  # every write has finished before the run's outputs
+                saved = self.save(step + 1) if self._should_save(step + 1) else None
+                self._step_boundary(step + 1, saved)
+            self.async_saves.finish()  # every write has finished before the run's outputs
         finally:
             self.preemption.uninstall()
             self.metrics.close()
@@ -199,7 +199,7 @@ class Trainer:
 
     def save(self, done: int) -> Path:
         """Checkpoint the state after `done` steps (in the background with --async-save:
-        published at a later step boundary, or by `async_saves.wait()`)."""
+        published at a later step boundary, or by `async_saves.finish()`)."""
         epoch, position = self.sampler.position(done)
         state = {"epoch": epoch, "position": position, "config": self.config.to_dict(),
                  "loss_scale": self.guard.scaler.state_dict()}
@@ -208,15 +208,24 @@ class Trainer:
             return self.async_saves.save(root, done, self.model, self.optimizer, self.mesh, state, keep, attach)
         return checkpoint.save(root, done, self.model, self.optimizer, self.mesh, state, keep=keep, attach=attach)
 
-    def _stop_if_preempted(self, done: int, saved: Path | None) -> None:
-        """After SIGTERM or SIGUSR1 on any rank, every rank saves at this same step and stops
-        (plait.train.preempt); the CLI exits with EXIT_PREEMPTED."""
-        signal_name = self.preemption.agreed(self.mesh.axis("world"), self.mesh.device)
-        if signal_name is None:
-            return
+    def _step_boundary(self, done: int, saved: Path | None) -> None:
+        """What every rank agrees on after each step, in one 8-byte all-reduce: whether any
+        rank received SIGTERM or SIGUSR1 (plait.train.preempt), and whether any rank's
+        background write is still running (else the pending save is published now)."""
+        flags = torch.tensor([self.preemption.received or 0, int(self.async_saves.writing())], dtype=torch.int32,
+                             device=self.mesh.device)
+        comm.all_reduce(flags, self.mesh.axis("world"), op="max", purpose=comm.CONTROL)
+        signal_number, writing = flags.tolist()
+        saved = self.async_saves.poll(any_writing=bool(writing)) or saved
+        if signal_number:
+            self._stop_preempted(done, saved, Preemption.name(signal_number))
+
+    def _stop_preempted(self, done: int, saved: Path | None, signal_name: str) -> None:
+        """After SIGTERM or SIGUSR1 on any rank, every rank saves at this same step and stops;
+        the CLI exits with EXIT_PREEMPTED."""
         if saved is None or saved.name != f"step-{done:08d}":
             saved = self.save(done)
-        self.async_saves.wait()
+        self.async_saves.finish()
         message = (f"preempted by {signal_name}: every rank stopped after step {done} of {self.config.steps} and "
                    f"saved {saved}; continue with --resume auto (exit code {EXIT_PREEMPTED})")
         raise Preempted(message if self.mesh.is_main else "")
