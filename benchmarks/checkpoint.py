@@ -173,25 +173,21 @@ def training_worker(args: argparse.Namespace) -> None:
 
 
 def training_table(rows: list[dict], args: argparse.Namespace) -> str:
-    lines = [
-        "## What a save costs training: synchronous vs --async-save vs DCP async_save",
-        "",
-        f"- command: `python benchmarks/checkpoint.py --training --model {args.model} --steps {args.steps} "
-        f"--every {args.every} --repeats {args.repeats} --nproc {' '.join(map(str, args.nproc))}`",
-        f"- machine: {machine()}, Gloo, local disk",
-        f"- date: {datetime.date.today().isoformat()}",
-        f"- state: `{args.model}` GPT ({rows[0]['params'] / 1e6:.2f} M params) with AdamW state, data parallel, "
-        f"micro-batch {args.micro_batch} × {args.seq_len} tokens per rank; {rows[0]['saves']} saves in "
-        f"{args.steps} steps per variant; median over {args.repeats} rounds of (variant - no-save) / saves",
-        "",
+    lines = _heading(
+        "What a save costs training: synchronous vs --async-save vs DCP async_save",
+        f"--training --model {args.model} --steps {args.steps} --every {args.every} --repeats {args.repeats}", args,
+        f"data parallel, micro-batch {args.micro_batch} × {args.seq_len} tokens per rank; {rows[0]['saves']} saves "
+        f"in {args.steps} steps per variant; median over {args.repeats} rounds of (variant - no-save) / saves", rows)
+    lines += [
         "| processes (1 thread each) | cores left free | step s (no save) | noise s/save | sync save: cost s | "
         "async save: cost s | async / sync | DCP async_save: cost s | load (1 min) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         c = row["cost"]
-        lines.append(f"| {row['n']} | {row['free_cores']} | {row['step_s']:.3f} | {row['noise']:.3f} | {c['plait sync']:.3f} | {c['plait async']:.3f} | "
-                     f"{c['plait async'] / c['plait sync']:.2f} | {c['dcp async']:.3f} | {row['load']:.1f} |")
+        lines.append(f"| {row['n']} | {row['free_cores']} | {row['step_s']:.3f} | {row['noise']:.3f} | "
+                     f"{c['plait sync']:.3f} | {c['plait async']:.3f} | {c['plait async'] / c['plait sync']:.2f} | "
+                     f"{c['dcp async']:.3f} | {row['load']:.1f} |")
     ratios = ", ".join(f"{r['cost']['plait async'] / r['cost']['plait sync']:.2f} at {r['n']} rank(s)" for r in rows)
     met = all(r["cost"]["plait async"] < 0.1 * r["cost"]["plait sync"] for r in rows)
     lines += ["", f"Goal, a background save under 0.10 of a synchronous one: {'met' if met else 'not met'} ({ratios})."]
@@ -205,17 +201,23 @@ def training_table(rows: list[dict], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def table(rows: list[dict], args: argparse.Namespace) -> str:
-    lines = [
-        "## Checkpoints: plait vs torch.distributed.checkpoint",
-        "",
-        f"- command: `python benchmarks/checkpoint.py --model {args.model} --repeats {args.repeats} "
-        f"--nproc {' '.join(map(str, args.nproc))}`",
+def _heading(title: str, flags: str, args: argparse.Namespace, state: str, rows: list[dict]) -> list[str]:
+    """A section's title, command, machine, date and state lines."""
+    return [
+        f"## {title}", "",
+        f"- command: `python benchmarks/checkpoint.py {flags} --nproc {' '.join(map(str, args.nproc))}`",
         f"- machine: {machine()}, Gloo, local disk",
         f"- date: {datetime.date.today().isoformat()}",
-        f"- state: `{args.model}` GPT ({rows[0]['params'] / 1e6:.2f} M params) with AdamW state, data parallel "
-        f"(replicated: plait writes each tensor once, the dp ranks sharing the tensors out); median of {args.repeats} saves and loads each",
-        "",
+        f"- state: `{args.model}` GPT ({rows[0]['params'] / 1e6:.2f} M params) with AdamW state, {state}", "",
+    ]
+
+
+def table(rows: list[dict], args: argparse.Namespace) -> str:
+    lines = _heading(
+        "Checkpoints: plait vs torch.distributed.checkpoint", f"--model {args.model} --repeats {args.repeats}", args,
+        "data parallel (replicated: plait writes each tensor once, the dp ranks sharing the tensors out); median of "
+        f"{args.repeats} saves and loads each", rows)
+    lines += [
         "| processes | plait save s | DCP save s | plait load s | DCP load s | plait bytes | DCP bytes |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -223,8 +225,8 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
         m = row["median"]
         lines.append(f"| {row['n']} | {m['plait save']:.3f} | {m['dcp save']:.3f} | {m['plait load']:.3f} | "
                      f"{m['dcp load']:.3f} | {row['bytes']['plait']:,} | {row['bytes']['dcp']:,} |")
-    lines += ["", "plait's save and load include fsync, sha256 of every file (computed on save, verified once between the ranks on "
-              "load) and the atomic rename; DCP does none of the checksums."]
+    lines += ["", "plait's save and load include fsync, sha256 of every file (computed on save, verified once between "
+              "the ranks on load) and the atomic rename; DCP does none of the checksums."]
     return "\n".join(lines)
 
 

@@ -63,6 +63,10 @@ def test_a_rank_that_keeps_failing_shrinks_the_world_under_zero3(reference, tmp_
                                  {"first_step": 6, "last_step": 12, "world_size": 2, "grad_accum": 2}]
     assert ("  elastic     steps 1-5 on 4 process(es) (grad-accum 1), steps 6-12 on 2 process(es) (grad-accum 2), "
             "the same global batch") in proc.stdout
+    report = run_plait("report", str(tmp_path))
+    assert report.returncode == 0, report.stderr
+    assert ("- world size changed (elastic restart): steps 1-5 on 4 process(es) (grad-accum 1), steps 6-12 on 2 "
+            "process(es) (grad-accum 2), the same global batch") in (tmp_path / "report.md").read_text()
 
 
 def test_a_run_grows_onto_more_ranks_and_a_size_that_cannot_keep_the_batch_is_refused(reference, tmp_path,

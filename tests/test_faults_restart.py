@@ -36,6 +36,7 @@ def reference(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # make test restarts a killed world below, with the rank killed mid-save (--async-save)
 def test_a_killed_rank_restarts_the_world_and_ends_with_the_same_bytes(reference, tmp_path, monkeypatch):
     monkeypatch.setenv("PLAIT_INJECT", "0:1:7:KILL")  # rank 1 dies as step 7 begins, first world only
     proc = run_plait("train", *RUN, *STEPS, "--max-restarts", "1", "--out", str(tmp_path), timeout=300)

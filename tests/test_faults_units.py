@@ -304,3 +304,12 @@ def test_the_world_sizes_that_keep_a_global_batch():
     assert world_sizes(8, 2, tp=2, up_to=4) == [2, 4]
     assert world_sizes(8, 1, pp=2, schedule="interleaved") == [2, 4, 8]  # m must stay a multiple of pp
     assert accumulation(8, 2, 2) == 2 and accumulation(8, 2, 3) is None and accumulation(8, 2, 8) is None
+
+
+def test_min_nproc_above_nproc_is_refused_before_spawning():
+    from plait.families import family_of
+    from plait.train.config import build_config, validate
+
+    config = build_config({}, {"nproc": "2", "min_nproc": "3"}, family_of)
+    with pytest.raises(PlaitError, match="--min-nproc 3 is more than --nproc 2"):
+        validate(config, family_of(config))
