@@ -69,11 +69,15 @@ def test_a_rank_that_keeps_failing_shrinks_the_world_under_zero3(reference, tmp_
             "process(es) (grad-accum 2), the same global batch") in (tmp_path / "report.md").read_text()
 
 
-def test_a_run_grows_onto_more_ranks_and_a_size_that_cannot_keep_the_batch_is_refused(reference, tmp_path,
-                                                                                        monkeypatch):
+def test_a_run_grows_onto_more_ranks_with_tp_fixed_and_a_size_that_cannot_keep_the_batch_is_refused(
+        reference, tmp_path, monkeypatch):
+    """tp 2 × dp 1 on 2 ranks (--grad-accum 4), killed at step 7; a world of 3 (dp 3) cannot
+    keep the global batch and is refused; then 4 ranks: tp 2 × dp 2 with half the
+    accumulation. TP sums in another order than the dp 4 reference: its tolerances are
+    test_cli_strategies.py's."""
     monkeypatch.setenv("PLAIT_INJECT", "0:1:7:KILL")
-    small = ["--nproc", "2", "--grad-accum", "2"]
-    first = run_plait("train", *RUN, *small, "--out", str(tmp_path), timeout=300)
+    tp = ["--tp", "2", "--grad-accum", "4"]
+    first = run_plait("train", *RUN, *tp, "--nproc", "2", "--out", str(tmp_path), timeout=300)
     assert first.returncode == 137, first.stderr  # no --max-restarts: the job ends, step 5 saved
     monkeypatch.delenv("PLAIT_INJECT")
     refused = run_plait("train", *RUN, "--nproc", "3", "--resume", "auto", "--out", str(tmp_path), timeout=60)
@@ -82,25 +86,31 @@ def test_a_run_grows_onto_more_ranks_and_a_size_that_cannot_keep_the_batch_is_re
             "trained with, at --micro-batch 2\n  hint: world sizes that can: 1, 2, 4 (or change --micro-batch)"
             ) in refused.stderr
     assert "Traceback" not in refused.stderr and not (tmp_path / "checkpoints" / "step-00000006").exists()
-    grown = run_plait("train", *RUN, *small, "--nproc", "4", "--resume", "auto", "--out", str(tmp_path), timeout=300)
+    grown = run_plait("train", *RUN, *tp, "--nproc", "4", "--resume", "auto", "--out", str(tmp_path), timeout=300)
     assert grown.returncode == 0, grown.stderr
-    assert "this world has 4 (dp=4): --grad-accum 1 keeps the global batch of 8" in grown.stderr
-    assert [r["world_size"] for r in records(tmp_path)] == [2] * 5 + [4] * 7
-    assert_same_model(tmp_path, reference)
+    assert ("step-00000005 was written by 2 process(es) (dp=1); this world has 4 (dp=2): --grad-accum 2 keeps the "
+            "global batch of 8") in grown.stderr
+    lines = records(tmp_path)
+    assert [(r["world_size"], r["grad_accum"]) for r in lines] == [(2, 4)] * 5 + [(4, 2)] * 7
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["layout"]["tp"] == 2 and summary["layout"]["dp"] == 2
+    assert_same_model(tmp_path, reference, loss_rtol=1e-4, param_atol=2e-5)
 
 
-def test_tensor_parallelism_stays_and_dp_follows_the_world(reference, tmp_path, monkeypatch):
-    """tp 2 × dp 2 on 4 ranks, then 2 ranks: tp 2 × dp 1 with twice the accumulation. TP sums
-    in another order than the dp 4 reference: its tolerances are test_cli_strategies.py's."""
-    monkeypatch.setenv("PLAIT_INJECT", "0:2:7:KILL")
-    tp = ["--tp", "2", "--grad-accum", "2"]
-    first = run_plait("train", *RUN, *tp, "--nproc", "4", "--out", str(tmp_path), timeout=300)
+@pytest.mark.slow  # make test covers a shrink (dp, ZeRO-3) and a grow (tp fixed); these are the other pairings
+@pytest.mark.parametrize("before,after,flags,rtol,atol", [
+    ((2, 2), (4, 1), ["--zero", "3"], 1e-5, 5e-6),  # dp 2 -> 4 under ZeRO-3
+    ((4, 2), (2, 4), ["--tp", "2"], 1e-4, 2e-5),  # tp 2 × dp 2 -> tp 2 × dp 1
+])
+def test_the_other_pairings_of_size_and_strategy(reference, tmp_path, monkeypatch, before, after, flags, rtol, atol):
+    """(processes, --grad-accum) before and after: the global batch is 8 throughout."""
+    (n0, accum0), (n1, accum1) = before, after
+    flags = [*RUN, *flags, "--grad-accum", str(accum0), "--out", str(tmp_path)]
+    monkeypatch.setenv("PLAIT_INJECT", "0:1:7:KILL")
+    first = run_plait("train", *flags, "--nproc", str(n0), timeout=300)
     assert first.returncode == 137, first.stderr
     monkeypatch.delenv("PLAIT_INJECT")
-    second = run_plait("train", *RUN, *tp, "--nproc", "2", "--resume", "auto", "--out", str(tmp_path), timeout=300)
+    second = run_plait("train", *flags, "--nproc", str(n1), "--resume", "auto", timeout=300)
     assert second.returncode == 0, second.stderr
-    assert "(dp=2); this world has 2 (dp=1): --grad-accum 4 keeps the global batch of 8" in second.stderr
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["layout"]["tp"] == 2 and summary["layout"]["dp"] == 1
-    assert [r["grad_accum"] for r in records(tmp_path)] == [2] * 5 + [4] * 7
-    assert_same_model(tmp_path, reference, loss_rtol=1e-4, param_atol=2e-5)
+    assert [(r["world_size"], r["grad_accum"]) for r in records(tmp_path)] == [(n0, accum0)] * 5 + [(n1, accum1)] * 7
+    assert_same_model(tmp_path, reference, loss_rtol=rtol, param_atol=atol)
