@@ -235,9 +235,10 @@ out, rank, attempt = Path(sys.argv[1]), int(os.environ["RANK"]), int(os.environ[
 (out / f"world{attempt}-rank{rank}").write_text(os.environ["WORLD_SIZE"] + " " + " ".join(sys.argv[2:]))
 if sys.argv[2] == "fail-rank-3" and rank == 3 and attempt < 2:
     sys.exit(1)
-if sys.argv[2] == "sigterm":
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))  # plait train's answer to a preemption
-    (out / f"ready{rank}").write_text("")
+if sys.argv[2] in ("sigterm", "no-handler"):
+    if sys.argv[2] == "sigterm":
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))  # plait train's answer to a preemption
+    (out / f"ready{attempt}-{rank}").write_text("")
     time.sleep(60)
 """
 
@@ -274,12 +275,32 @@ def test_sigterm_to_the_spawner_reaches_every_rank_and_is_not_restarted(tmp_path
     script.write_text(RANK_SCRIPT)
     job = subprocess.Popen([sys.executable, "-m", "plait", "launch", "--nproc", "2", str(script), str(tmp_path),
                             "sigterm"], stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 30
-    while not all((tmp_path / f"ready{r}").exists() for r in range(2)) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for_ready(tmp_path, 2)
     job.send_signal(signal.SIGTERM)
     assert job.wait(timeout=30) == 75, job.stderr.read()
     assert "exited with code" not in job.stderr.read()  # 75 is a preempted rank, not a failed one
+
+
+def test_a_job_told_to_stop_is_not_restarted_even_if_its_ranks_die_of_the_signal(tmp_path):
+    """Ranks still starting (no handler yet) die of SIGTERM: with --max-restarts left, the
+    spawner still ends the job, since it was told to stop."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    spawner = ("import sys; from plait.runtime import launch; "
+               f"sys.exit(launch.spawn([sys.executable, {str(script)!r}, {str(tmp_path)!r}, 'no-handler'], 2, "
+               "max_restarts=2))")
+    job = subprocess.Popen([sys.executable, "-c", spawner], stderr=subprocess.PIPE, text=True)
+    wait_for_ready(tmp_path, 2)
+    job.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=30) == 128 + signal.SIGTERM, job.stderr.read()
+    assert "restarting the world" not in job.stderr.read()
+    assert world_sizes_started(tmp_path) == {0: 2}
+
+
+def wait_for_ready(out, nproc, attempt=0):
+    deadline = time.monotonic() + 30
+    while not all((out / f"ready{attempt}-{r}").exists() for r in range(nproc)) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def test_the_first_signal_raises_the_flag_and_the_second_acts_at_once():

@@ -18,7 +18,8 @@ next world is the largest of `sizes` the remaining ranks can fill.
 
 SIGTERM and SIGUSR1 sent to the spawner (Slurm's warning before a time limit or a preemption)
 are passed on to every rank: plait train saves at the next step boundary and every rank exits
-with EXIT_PREEMPTED, which the spawner returns without restarting.
+with EXIT_PREEMPTED, which the spawner returns without restarting. A job told to stop is never
+restarted, even when its ranks died of the signal (still starting, before their handlers).
 """
 
 from __future__ import annotations
@@ -69,9 +70,9 @@ def spawn(command: Sequence[str], nproc: int, max_restarts: int = 0,
     attempt, failing = 0, set()
     with _forwarded_signals() as live:
         while True:
-            code, restartable, culprits = _run_world(command, nproc, attempt, live)
-            if code in (0, EXIT_PREEMPTED) or not restartable or attempt >= max_restarts:
-                return code
+            code, restartable, culprits = _run_world(command, nproc, attempt, live.procs)
+            if code in (0, EXIT_PREEMPTED) or not restartable or attempt >= max_restarts or live.received:
+                return code  # a job told to stop (SIGTERM/SIGUSR1) is not restarted, whatever its ranks did
             lost, failing = failing & culprits, culprits
             if lost and sizes:
                 smaller = [n for n in sizes if n <= nproc - len(lost)]
@@ -100,18 +101,20 @@ class _forwarded_signals:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
         self.previous: dict[int, Any] = {}
+        self.received = False
 
-    def __enter__(self) -> list[subprocess.Popen]:
+    def __enter__(self) -> "_forwarded_signals":
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
                 self.previous[sig] = signal.signal(sig, self._forward)
-        return self.procs
+        return self
 
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
     def _forward(self, signum: int, frame: Any) -> None:
+        self.received = True
         for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signum)

@@ -4,10 +4,12 @@ Every rank runs this same code. `__init__` builds what a step needs: the task's 
 from the seed, split by `parallelize` as the layout says, the optimizer, the step guard,
 the data. Then each step is forward and backward over the micro-batches (the pipeline's
 schedule, or a plain loop that syncs gradients on the last micro-batch only), the step
-guard's all-ranks verdict and clipping, `optimizer.step()`, `zero_grad()`. What a sample
-is, the loss and the metrics are the task's (plait.train.task); measurements go to the
-metrics component (plait.train.metrics), evaluation and sampling to plait.train.inference,
-checkpoints to plait.train.checkpoint.
+guard's all-ranks verdict and clipping, `optimizer.step()`, `zero_grad()`; between steps,
+the line of metrics, a checkpoint when due, and one small all-reduce on which every rank
+agrees whether to stop (a preemption signal, plait.train.preempt) and whether a background
+save can be published. What a sample is, the loss and the metrics are the task's
+(plait.train.task); measurements go to the metrics component (plait.train.metrics),
+evaluation and sampling to plait.train.inference, checkpoints to plait.train.checkpoint.
 """
 
 from __future__ import annotations
