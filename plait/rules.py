@@ -29,6 +29,9 @@ REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # 0: replicate everything (DDP); 1: shard optimizer states; 2: + gradients; 3: + parameters.
 ZERO_STAGES = (0, 1, 2, 3)
+# AdamW's kernels: one fused kernel over every tensor (where torch has one for the device),
+# torch's multi-tensor foreach path, or its per-tensor loop.
+OPTIMIZER_KERNELS = ("fused", "foreach", "loop")
 # Axes the layout names but training does not run yet: refused, never ignored.
 NOT_BUILT = {"cp": "context parallelism", "ep": "expert parallelism"}
 

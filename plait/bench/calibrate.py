@@ -39,6 +39,7 @@ from plait.runtime import comm
 from plait.runtime.mesh import Mesh
 from plait.runtime.subgroups import first_ranks_axes, group_sizes
 from plait.bench.meter import storage_bytes
+from plait.parallel.compose import adamw_kernel
 
 # Raised whenever what is measured, or how, changes: machine.py keys its cache on it.
 # 2: the update (norm, clipping, AdamW) timed at the model's size; per-piece check costs.
@@ -149,11 +150,13 @@ def _attention_run(mesh: Mesh, shape: tuple[int, ...], precision: str) -> Callab
     return run
 
 
-def measure_memory(mesh: Mesh, elements: int, tensors: int, reps: int, params: int = 0) -> dict[str, float]:
+def measure_memory(mesh: Mesh, elements: int, tensors: int, reps: int, params: int = 0,
+                   optimizer_kernel: str = "fused") -> dict[str, float]:
     """Bandwidth of an allocating add on `elements` floats (an activation's size) and of the
     guarded update over `params` parameters (its rate in the bytes the time model counts);
     the loop's walk over `tensors` parameter-like tensors (its per-step bookkeeping); and
-    the fixed costs of ops, views, optimizer tensors and gradient checks (`measure_dispatch`)."""
+    the fixed costs of ops, views, optimizer tensors and gradient checks (`measure_dispatch`).
+    The updates run AdamW with the kernel the run will (plait.parallel.compose.adamw_kernel)."""
     device = mesh.device
     x, y = (torch.randn(elements, device=device) for _ in range(2))
     many = [torch.ones(4, device=device) for _ in range(3 * tensors)]
@@ -161,11 +164,11 @@ def measure_memory(mesh: Mesh, elements: int, tensors: int, reps: int, params: i
     walk = _median_s(lambda: storage_bytes(many), reps)
     one = torch.ones(1, device=device)
     view = _median_s(lambda: [one.view(-1) for _ in range(100)], reps) / 100
-    block, step, checks = measure_dispatch(mesh, reps)
+    block, step, checks = measure_dispatch(mesh, reps, optimizer_kernel)
     streamed = min(params, STREAM_CAP)
     if device.type == "cpu":
         keep_heap_like_training()
-    update = _median_s(_flat_update(mesh, streamed), reps) if streamed else 0.0
+    update = _median_s(_flat_update(mesh, streamed, optimizer_kernel), reps) if streamed else 0.0
     add, walk, view, block, step, checks, update = _slowest(mesh, [add, walk, view, block, step, checks, update])
     op = max(0.0, block - view * DISPATCH_VIEWS) / DISPATCH_OPS
     per_tensor = (step + checks) / DISPATCH_TENSORS
@@ -201,7 +204,7 @@ def keep_heap_like_training() -> None:
         pass
 
 
-def _flat_update(mesh: Mesh, params: int) -> Callable[[], None]:
+def _flat_update(mesh: Mesh, params: int, optimizer_kernel: str) -> Callable[[], None]:
     """The guarded update (finite check, clipping, AdamW) over `params` parameters cut into
     UPDATE_CHUNK-sized tensors: the optimizer states are as large as the model's, so their
     pass runs past the caches at the speed it will in training."""
@@ -209,7 +212,8 @@ def _flat_update(mesh: Mesh, params: int) -> Callable[[], None]:
     holder = torch.nn.ParameterList(torch.nn.Parameter(torch.ones(n, device=mesh.device)) for n in sizes)
     for p in holder:
         p.grad = torch.full_like(p, 1e-3)
-    return _guarded_update(mesh, holder, torch.optim.AdamW(holder.parameters(), lr=1e-3, weight_decay=0.1))
+    return _guarded_update(mesh, holder, torch.optim.AdamW(holder.parameters(), lr=1e-3, weight_decay=0.1,
+                                                           **adamw_kernel(optimizer_kernel, mesh.device)))
 
 
 def _gradient_checks(mesh: Mesh, model: torch.nn.Module) -> Callable[[], None]:
@@ -243,7 +247,7 @@ DISPATCH_VIEWS = sum(2 * OPS_BLOCK[b][1] + OPS_OUTER[b][1] for b in (0, 1))
 DISPATCH_TENSORS = 2 * TENSORS_PER_BLOCK + 1  # tied embedding and head, final norm
 
 
-def measure_dispatch(mesh: Mesh, reps: int) -> tuple[float, float, float]:
+def measure_dispatch(mesh: Mesh, reps: int, optimizer_kernel: str = "fused") -> tuple[float, float, float]:
     """Seconds of DISPATCH_MODEL's forward + backward (under the activation meter that
     `plait train` runs every forward in), of its AdamW step, and of its gradient checks."""
     from plait.models.gpt import build_gpt
@@ -253,7 +257,8 @@ def measure_dispatch(mesh: Mesh, reps: int) -> tuple[float, float, float]:
 
     model = build_gpt(DISPATCH_MODEL, 0).to(mesh.device)
     ids = torch.randint(0, 16, (1, 4), device=mesh.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1,
+                                  **adamw_kernel(optimizer_kernel, mesh.device))
 
     def train() -> None:
         with meter.track(model):

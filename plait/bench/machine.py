@@ -42,13 +42,14 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_facts(mesh: Mesh) -> dict[str, str]:
-    """What a calibration depends on, the method's version included: a cache taken by an
-    older method (fewer fields, other definitions) is not read, it is replaced."""
+def machine_facts(mesh: Mesh, optimizer_kernel: str = "fused") -> dict[str, str]:
+    """What a calibration depends on, the method's version and the AdamW kernel it timed
+    included: a cache taken by an older method (fewer fields, other definitions) or for
+    another kernel is not read."""
     local = os.environ.get("LOCAL_WORLD_SIZE", str(mesh.env.world_size))
     return {"host": socket.gethostname(), "cpu": cpu_name(), "gpu": device_name(mesh),
             "torch": torch.__version__, "local_ranks": local, "threads": str(torch.get_num_threads()),
-            "method": str(cal.METHOD_VERSION)}
+            "method": str(cal.METHOD_VERSION), "optimizer": optimizer_kernel}
 
 
 def cache_path(facts: dict[str, str]) -> Path:
@@ -69,16 +70,16 @@ def base_preset(gpu: str) -> Hardware:
 
 
 def calibrate(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len: int, tp_sizes: list[int],
-              precision: str, quick: bool = False) -> Hardware:
+              precision: str, quick: bool = False, optimizer_kernel: str = "fused") -> Hardware:
     """Measure everything the time model uses; every rank calls this."""
     reps = 3 if quick else 11  # rounds: a full calibration spreads over enough time to ride out a slow second
     attention, gemms = cal.model_shapes(config, micro_batch, seq_len, tp_sizes, precision)
     rates = cal.measure_gemms(mesh, gemms, precision, reps)
     rates.update(cal.measure_attention(mesh, config, micro_batch, seq_len, tp_sizes, precision, reps))
     memory = cal.measure_memory(mesh, micro_batch * seq_len * config.d_model, 9 * config.n_layers + 3, reps,
-                                params=config.num_params())
+                                params=config.num_params(), optimizer_kernel=optimizer_kernel)
     links = cal.measure_links(mesh, (2 if quick else 16) * 2**20, reps) if mesh.env.world_size > 1 else ()
-    facts = machine_facts(mesh)
+    facts = machine_facts(mesh, optimizer_kernel)
     base = base_preset(facts["gpu"])
     peak = max((r for k, r in rates.items() if not k.startswith("attn")), default=0.0)
     peak_field = "peak_fp32_tflops" if precision == "fp32" else "peak_bf16_tflops"
@@ -107,9 +108,9 @@ def save(hw: Hardware, path: Path, facts: dict[str, str]) -> None:
 
 
 def machine_hardware(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len: int, tp: int,
-                     precision: str) -> tuple[Hardware, str]:
+                     precision: str, optimizer_kernel: str = "fused") -> tuple[Hardware, str]:
     """This machine's profile for the closing prediction, and where it came from."""
-    facts = machine_facts(mesh)
+    facts = machine_facts(mesh, optimizer_kernel)
     path = cache_path(facts)
     cached = _load_or_none(path)
     _, gemms = cal.model_shapes(config, micro_batch, seq_len, [tp], precision)
@@ -118,7 +119,7 @@ def machine_hardware(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len
     comm.all_reduce(need, mesh.axis("world"), op="max", purpose=comm.TELEMETRY)
     if need[0].item():
         hw = calibrate(mesh, config, micro_batch=micro_batch, seq_len=seq_len, tp_sizes=[tp],
-                       precision=precision, quick=True)
+                       precision=precision, quick=True, optimizer_kernel=optimizer_kernel)
         source = f"quick calibration, cached in {path}"
     elif need[1].item():
         attention = cal.measure_attention(mesh, config, micro_batch, seq_len, [tp], precision, 3)

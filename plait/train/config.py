@@ -77,6 +77,9 @@ class TrainConfig:
     out: str = field(default="runs/latest", metadata={"help": "where metrics.jsonl, summary.json and the model go"})
     save_every: int = field(default=0, metadata={"help": "write a checkpoint every N steps and at the end (0: never)"})
     keep_checkpoints: int = field(default=3, metadata={"help": "how many checkpoints to keep (0: all)"})
+    optimizer_kernel: str = field(default="fused", metadata={
+        "help": "AdamW's kernel: fused (one kernel over every tensor, where torch has one for the device; else "
+                "foreach on GPUs, loop on CPUs), foreach, or loop (torch's per-tensor loop)"})
     async_save: bool = field(default=False, metadata={
         "help": "write checkpoints in the background: the step boundary only copies this rank's pieces to host memory"})
     resume: str = field(default="", metadata={"help": "a checkpoint directory, or a run's --out, to continue from; auto: this run's latest checkpoint if any"})
@@ -233,6 +236,7 @@ def check_strategies(config: TrainConfig) -> None:
     rules.check_recompute(layout, config.recompute)
     rules.check_precision(config.precision, config.reduce_dtype)
     rules.check_microbatches(layout.schedule, layout.pp, config.grad_accum)
+    rules.check_choice("optimizer-kernel", config.optimizer_kernel, rules.OPTIMIZER_KERNELS)
 
 
 def check_outputs(config: TrainConfig) -> None:

@@ -34,7 +34,8 @@ def run_hardware(trainer: Any) -> tuple[Hardware, str]:
     else:
         seq_len = config.seq_len
     return machine_hardware(trainer.mesh, shape, micro_batch=config.micro_batch, seq_len=seq_len,
-                            tp=trainer.mesh.size("tp"), precision=config.precision)
+                            tp=trainer.mesh.size("tp"), precision=config.precision,
+                            optimizer_kernel=config.optimizer_kernel)
 
 
 def step_time_parts(predicted: dict[str, Any], measured_step: float, optimizer_s: float) -> dict[str, Any]:

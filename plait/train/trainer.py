@@ -24,7 +24,7 @@ import torch
 
 from plait.api import parallelize
 from plait.errors import EXIT_PREEMPTED, PlaitError, Preempted
-from plait.parallel.compose import ParallelConfig, build_optimizer
+from plait.parallel.compose import ParallelConfig, adamw_kernel, build_optimizer
 from plait.parallel.data.sync import no_sync
 from plait.parallel.pipeline.runner import PipelineRunner
 from plait.parallel.precision import StepGuard, param_dtype, reduce_dtype_of
@@ -70,7 +70,8 @@ class Trainer:
         model = task.build_model(config.seed).to(param_dtype(config.precision))  # fp32 masters: the optimizer's
         self.model = parallelize(model, mesh, parallel_config(config), adapter=task.adapter(model))
         self.optimizer = build_optimizer(self.model, torch.optim.AdamW, lr=config.lr, betas=(0.9, 0.95),
-                                         weight_decay=config.weight_decay)
+                                         weight_decay=config.weight_decay,
+                                         **adamw_kernel(config.optimizer_kernel, mesh.device))
         self.runner = PipelineRunner(self.model, mesh) if mesh.size("pp") > 1 else None
         # The loss scale (fp16) and the all-ranks verdict on each step's gradients.
         self.guard = StepGuard(config.precision, mesh.axis("world"), mesh.device,
