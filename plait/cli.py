@@ -193,12 +193,13 @@ def cmd_train(argv: list[str]) -> int:
 def _restart_argv(argv: list[str], config: Any, nproc: int) -> list[str]:
     """A restarted world's flags: the same, resumed; on another size, its --nproc and
     --grad-accum (plait.train.elastic keeps the global batch)."""
+    from plait.layout import Layout
     from plait.train.elastic import accumulation
     from plait.train.restart import restart_argv
 
     if nproc == config.nproc:
         return restart_argv(argv, config.out)
-    dp = nproc // (config.layout.world // config.layout.dp)
+    dp = Layout.fill(nproc, **config.layout_choices()).dp
     return restart_argv(argv, config.out, nproc, accumulation(config.global_batch, config.micro_batch, dp))
 
 

@@ -107,8 +107,9 @@ def adamw_kernel(kernel: str, device: torch.device) -> dict[str, Any]:
 
     "fused" is one kernel over every tensor: on the 2-core CPU it halves the demo's update
     (benchmarks/optimizer.py), where foreach is slower than the loop. Where torch has no
-    fused AdamW for the device, the fallback is foreach on accelerators and the loop on CPUs. Fused rounds a few last bits differently from the loop; every parity test
-    holds with it, since one process and the layouts then run the same kernel."""
+    fused AdamW for the device, the fallback is foreach on accelerators and the loop on CPUs.
+    Fused rounds a few last bits differently from the loop; every parity test holds with it,
+    since one process and the layouts then run the same kernel."""
     check_choice("optimizer-kernel", kernel, OPTIMIZER_KERNELS)
     if kernel == "fused" and _has_fused_adamw(device.type):
         return {"fused": True}

@@ -51,8 +51,8 @@ def param_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh)
     writers = dp_writers([(name, param.numel()) for name, param, replica in named if not replica], mesh.size("dp"))
     pieces = []
     for name, param, replica in named:
-        first_replica = writers.get(name) == mesh.rank("dp")
-        owned = first_replica and not replica and writes_its_tp_part(param, mesh)
+        dp_writer = writers.get(name) == mesh.rank("dp")
+        owned = dp_writer and not replica and writes_its_tp_part(param, mesh)
         pieces += [Piece(f"model/{name}", view, offsets, full, owned)
                    for view, offsets, full in placement(param, param.detach())]
         for key, value in sorted(optimizer.state.get(param, {}).items()):
@@ -62,7 +62,7 @@ def param_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh)
                 pieces += [Piece(f"optim/{name}/{key}", view, offsets, full, owned)
                            for view, offsets, full in placement(param, value)]
             else:  # a per-parameter scalar (Adam's step): the same on every shard
-                owned_scalar = first_replica and not replica and mesh.rank("tp") == 0
+                owned_scalar = dp_writer and not replica and mesh.rank("tp") == 0
                 pieces.append(Piece(f"optim/{name}/{key}", value, (0,) * value.ndim, tuple(value.shape), owned_scalar))
     return pieces
 

@@ -68,7 +68,7 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
     `only` keeps the tensors whose names start with it ("model/": the weights alone).
     `attach` {name in the checkpoint: file} are copied in by the main rank and verified like
     the rest (a Hugging Face model's config.json and tokenizer, for `ckpt export --hf`)."""
-    pending = _begin(root, step, model, optimizer, mesh, trainer_state, keep, only, attach, copy=False)
+    pending = _begin(root, step, model, optimizer, mesh, trainer_state, keep, only, attach)
     pending.write()
     return pending.publish()
 
@@ -80,8 +80,8 @@ class AsyncSaves:
     copy (`before_update`).
 
     The collectives stay on the training thread, at step boundaries: `poll` (after each
-    step) learns whether any rank's write is still running, and once none is, the main rank writes the index and moves `latest`, as a synchronous save
-    does. So atomicity, checksums, `latest` and the retention are the same; a crash during the
+    step) learns whether any rank's write is still running, and once none is, the main rank
+    writes the index and moves `latest`, as a synchronous save does. So atomicity, checksums, `latest` and the retention are the same; a crash during the
     background write leaves the previous checkpoint whole; a second save first finishes the
     first (`wait`), and so does the end of the run. The copy costs host memory: this rank's
     share of the model and optimizer, once more, until the write ends.
@@ -95,7 +95,7 @@ class AsyncSaves:
              trainer_state: dict[str, Any], keep: int = 3, attach: dict[str, Path] | None = None) -> Path:
         """Start writing `root/step-<step>`; returns the path it will have once published."""
         self.finish()
-        pending = _begin(root, step, model, optimizer, mesh, trainer_state, keep, "", attach, copy=True)
+        pending = _begin(root, step, model, optimizer, mesh, trainer_state, keep, "", attach)
         pending.start()
         self.pending = pending
         return pending.final
@@ -109,18 +109,13 @@ class AsyncSaves:
         """Whether this rank's background write is still running."""
         return self.pending is not None and self.pending.running()
 
-    def poll(self, any_writing: bool | None = None) -> Path | None:
-        """Publish the pending save if no rank is still writing its part. `any_writing` is
-        that, agreed by the caller (the trainer folds it into the one all-reduce it makes
-        after every step); without it, one all-reduce asks (collective while a save is
-        pending; every rank has the same pending save). Returns the published path."""
-        if self.pending is None:
+    def poll(self, any_writing: bool) -> Path | None:
+        """Publish the pending save unless some rank is still writing its part: `any_writing`,
+        which every rank agreed on (the trainer folds `writing()` into the one all-reduce it
+        makes after every step). Collective when it publishes. Returns the published path."""
+        if self.pending is None or any_writing:
             return None
-        if any_writing is None:
-            flag = torch.tensor([int(self.writing())], dtype=torch.int32, device=self.pending.mesh.device)
-            comm.all_reduce(flag, self.pending.mesh.axis("world"), op="max", purpose=comm.CONTROL)
-            any_writing = bool(flag.item())
-        return None if any_writing else self.wait()
+        return self.wait()
 
     def wait(self) -> Path | None:
         """Let the pending save's write finish, then publish it (collective); the checkpoints
@@ -215,8 +210,7 @@ class _PendingSave:
 
 
 def _begin(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh,
-           trainer_state: dict[str, Any], keep: int, only: str, attach: dict[str, Path] | None,
-           copy: bool) -> _PendingSave:
+           trainer_state: dict[str, Any], keep: int, only: str, attach: dict[str, Path] | None) -> _PendingSave:
     """The step boundary's part of a save: a fresh temporary directory (all ranks agree it
     exists), this rank's pieces and its RNG state as it is now."""
     pieces = [p for p in local_pieces(model, optimizer, mesh) if p.name.startswith(only)]

@@ -35,7 +35,6 @@ class SavedBatch:
     """What a checkpoint says of the run that wrote it: its world, dp and global batch."""
 
     path: Path
-    step: int
     world_size: int
     dp: int
     global_batch: int
@@ -50,7 +49,7 @@ def saved_batch(checkpoint: str | Path) -> SavedBatch | None:
     if not saved:
         return None
     dp = int(index.get("layout", {}).get("dp") or saved.get("dp") or 1)
-    return SavedBatch(path, int(index["step"]), int(index["world_size"]), dp,
+    return SavedBatch(path, int(index["world_size"]), dp,
                       int(saved["micro_batch"]) * int(saved["grad_accum"]) * dp)
 
 
@@ -60,22 +59,27 @@ def accumulation(global_batch: int, micro_batch: int, dp: int) -> int | None:
     return per_rank if per_rank >= 1 and left == 0 else None
 
 
+def scheduled_accumulation(global_batch: int, micro_batch: int, dp: int, schedule: str, pp: int) -> int | None:
+    """`accumulation`, when the pipeline schedule accepts that many micro-batches, else None."""
+    accum = accumulation(global_batch, micro_batch, dp)
+    if accum is None:
+        return None
+    try:
+        rules.check_microbatches(schedule, pp, accum)
+    except PlaitError:
+        return None
+    return accum
+
+
 def world_sizes(global_batch: int, micro_batch: int, *, tp: int = 1, pp: int = 1, cp: int = 1,
                 schedule: str = "1f1b", up_to: int | None = None) -> list[int]:
     """Every world size (at most `up_to`) that keeps the global batch with this micro-batch
     and these fixed degrees: tp·pp·cp·dp for each dp that leaves a whole --grad-accum the
     pipeline schedule accepts."""
-    fixed, sizes = tp * pp * cp, []
-    for dp in range(1, global_batch // micro_batch + 1):
-        accum = accumulation(global_batch, micro_batch, dp)
-        if accum is None or (up_to is not None and dp * fixed > up_to):
-            continue
-        try:
-            rules.check_microbatches(schedule, pp, accum)
-        except PlaitError:
-            continue
-        sizes.append(dp * fixed)
-    return sizes
+    fixed = tp * pp * cp
+    return [dp * fixed for dp in range(1, global_batch // micro_batch + 1)
+            if (up_to is None or dp * fixed <= up_to)
+            and scheduled_accumulation(global_batch, micro_batch, dp, schedule, pp) is not None]
 
 
 def fit_world(config: Any) -> Any:  # TrainConfig -> TrainConfig (config.py imports this module)
@@ -87,12 +91,7 @@ def fit_world(config: Any) -> Any:  # TrainConfig -> TrainConfig (config.py impo
     if saved is None or saved.dp == config.dp:
         return config
     layout = config.layout
-    accum = accumulation(saved.global_batch, config.micro_batch, layout.dp)
-    if accum is not None:
-        try:
-            rules.check_microbatches(layout.schedule, layout.pp, accum)
-        except PlaitError:
-            accum = None
+    accum = scheduled_accumulation(saved.global_batch, config.micro_batch, layout.dp, layout.schedule, layout.pp)
     if accum is None:
         sizes = world_sizes(saved.global_batch, config.micro_batch, tp=layout.tp, pp=layout.pp, cp=layout.cp,
                             schedule=layout.schedule)

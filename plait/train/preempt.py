@@ -5,8 +5,8 @@ time limit or its preemption; torchrun's agent passes SIGTERM on to its workers.
 reaches one rank or all of them, at different moments, but a checkpoint needs every rank at
 the same step. So a signal only raises this rank's flag; after each step the ranks reduce
 their flags (in the one small all-reduce over the world the trainer makes after each step,
-with the background saves' state), and when any is up, all of them save at
-that step and leave with EXIT_PREEMPTED (plait.errors). `--resume auto` then continues
+with the background saves' state), and when any is up, all of them save at that step and
+leave with EXIT_PREEMPTED (plait.errors). `--resume auto` then continues
 exactly where they stopped.
 
 The first signal puts the default action back: a second one ends the process at once, even
@@ -24,7 +24,7 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class Preemption:
-    """This rank's flag, raised by a signal, and the world's agreement on it."""
+    """This rank's flag, raised by a signal (the trainer's step boundary reduces it over the world)."""
 
     def __init__(self) -> None:
         self.received: int | None = None
