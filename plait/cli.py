@@ -151,7 +151,10 @@ def train_parser() -> argparse.ArgumentParser:
         if f.name == "model":
             text += ": " + "; ".join(family.models for family in registered())
         help_text = f"{text} (default: {f.default})"
-        if str(f.type) == "bool":
+        if str(f.type) == "bool" and f.default is True:  # on by default: the flag takes true or false
+            parser.add_argument(*names, dest=f.name, nargs="?", const="true", default=None, metavar="true|false",
+                                help=help_text)
+        elif str(f.type) == "bool":
             parser.add_argument(*names, dest=f.name, action="store_const", const=True, default=None, help=help_text)
         else:
             parser.add_argument(*names, dest=f.name, type=_flag_type(f.type), default=None, help=help_text)

@@ -44,6 +44,8 @@ class Layout:
     sp: bool = False  # sequence parallelism outside the tensor-parallel regions (needs tp > 1)
     schedule: str = "1f1b"  # pipeline schedule: gpipe, 1f1b, interleaved, zb-h1
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved)
+    prefetch: int = 1  # ZeRO-3: units gathered ahead of the one running (0: gather on demand)
+    reshard_after_forward: bool = True  # ZeRO-3: free a unit after its forward, gather it again for backward
 
     def __post_init__(self) -> None:
         rules.check_layout(self)
@@ -100,7 +102,9 @@ class Layout:
         degrees += [f"{axis}={getattr(self, axis)}" for axis in ("cp", "ep") if getattr(self, axis) > 1]
         extras = [f"zero={self.zero}" if self.zero else "", "offload" if self.offload else "",
                   "sp" if self.sp else "", f"schedule={self.schedule}" if self.pp > 1 else "",
-                  f"virtual-stages={self.virtual_stages}" if self.virtual_stages > 1 else ""]
+                  f"virtual-stages={self.virtual_stages}" if self.virtual_stages > 1 else "",
+                  f"prefetch={self.prefetch}" if self.prefetch != 1 else "",
+                  "no-reshard-after-forward" if not self.reshard_after_forward else ""]
         return " ".join([*degrees, *filter(None, extras)])
 
 

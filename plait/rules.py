@@ -73,7 +73,24 @@ def check_layout(layout: Any) -> None:
                          hint="add --tp 2 (or more)")
     if layout.pp > 1:
         check_split_backward(layout.schedule, zero=layout.zero)
+    check_zero3_gathers(layout.zero, layout.prefetch, layout.reshard_after_forward, layout.pp)
     check_virtual_stages(layout.pp, layout.schedule, layout.virtual_stages)
+
+
+def check_zero3_gathers(zero: int, prefetch: Any, reshard_after_forward: bool, pp: int) -> None:
+    """--prefetch and --reshard-after-forward tune ZeRO-3's gathers, and only those."""
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise PlaitError(f"--prefetch must be a whole number of units, 0 or more, got {prefetch!r}",
+                         hint="1 (the default) gathers the next unit while one computes; 0 gathers on demand")
+    changed = [flag for flag, on in (("--prefetch", prefetch != 1),
+                                     ("--reshard-after-forward false", not reshard_after_forward)) if on]
+    if changed and zero != 3:
+        raise PlaitError(f"{' and '.join(changed)} tune ZeRO-3's weight gathers, and --zero is {zero}",
+                         hint="add --zero 3, or drop them")
+    if not reshard_after_forward and pp > 1:
+        raise PlaitError("--reshard-after-forward false is for pp = 1: a pipeline interleaves micro-batches, so "
+                         "units kept from forward would pile up across them",
+                         hint="keep the default (true) with --pp, or drop --pp")
 
 
 def check_virtual_stages(pp: int, schedule: str, virtual_stages: int) -> None:

@@ -3,6 +3,7 @@ choices `parallel/`, `train/` and `estimate/` offer are the same objects."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -80,3 +81,31 @@ def test_estimate_and_train_refuse_alike(kwargs: dict, message: str) -> None:
     world = kwargs.get("tp", 1) * kwargs.get("pp", 1)
     with pytest.raises(PlaitError, match=message.replace("+", r"\+")):
         train_checks(replace(TrainConfig(), model=model, dp=1, nproc=world, **{"seq_len": 32, **kwargs}))
+
+
+def _flags(*argv: str) -> TrainConfig:
+    from plait.cli import train_parser
+    from plait.train.config import build_config
+
+    given = {k: v for k, v in vars(train_parser().parse_args(list(argv))).items() if k not in ("config", "debug")}
+    return build_config({}, given)
+
+
+def test_zero3_gather_flags_reach_the_layout() -> None:
+    layout = _flags("--nproc", "2", "--zero", "3", "--prefetch", "2", "--reshard-after-forward", "false").layout
+    assert (layout.prefetch, layout.reshard_after_forward) == (2, False)
+    assert layout.describe() == "dp=2 tp=1 pp=1 zero=3 prefetch=2 no-reshard-after-forward"
+    assert _flags("--nproc", "2", "--zero", "3", "--reshard-after-forward").layout.reshard_after_forward is True
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--zero", "2", "--prefetch", "2"], "--prefetch tune ZeRO-3's weight gathers, and --zero is 2"),
+    (["--reshard-after-forward", "false"], "--reshard-after-forward false tune ZeRO-3's weight gathers, and --zero is 0"),
+    (["--zero", "3", "--prefetch", "-1"], "--prefetch must be at least 0, got -1"),
+    (["--zero", "3", "--reshard-after-forward", "maybe"], "--reshard-after-forward 'maybe' is not true or false"),
+    (["--zero", "3", "--pp", "2", "--grad-accum", "2", "--reshard-after-forward", "false"],
+     "--reshard-after-forward false is for pp = 1"),
+])
+def test_zero3_gather_flags_refused_with_one_line(argv: list[str], message: str) -> None:
+    with pytest.raises(PlaitError, match=re.escape(message)):
+        _flags("--nproc", "2", *argv)

@@ -19,12 +19,14 @@ the 4-process one in `make test-all`:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 
-from plait.estimate.layout import Workload
-from plait.estimate.memory import StateBytes
+from plait.estimate.layout import Workload, stages
+from plait.estimate.memory import StateBytes, gathered_params
+from plait.models.config import get_preset
 from plait.estimate.traffic import dp_traffic
 from tests.worlds.zero_common import padded_state_bytes, paper_states
 from plait.runtime.comm import ring_wire_bytes
@@ -102,7 +104,8 @@ def test_ledger_matches_the_formulas_exactly(world: list[dict[str, Any]]) -> Non
             want = dp_traffic(run["num_params"], Workload(dp=n, precision=precision))["dp"]
         else:
             padded = sum(-(-m // n) * n for m in run["groups"])
-            work = Workload(dp=n, zero=run["stage"], grad_accum=run["accum"], precision=precision)
+            work = Workload(dp=n, zero=run["stage"], grad_accum=run["accum"], precision=precision,
+                            prefetch=run["prefetch"], reshard_after_forward=run["reshard"])
             want = {**dp_traffic(padded, work)["dp"], "all_reduce": clip}
         for step in run["ledger"]:
             assert step == want, (name, step, want)
@@ -127,6 +130,31 @@ def test_reductions_overlap_backward_and_units_are_prefetched(world: list[dict[s
         ["all_gather", 0], ["all_gather", 1], ["all_gather", 2],
         ["all_gather", 0], ["all_gather", 2], ["all_gather", 1],
         ["reduce_scatter", 2], ["reduce_scatter", 1], ["reduce_scatter", 0], ["backward_end", -1]]
+
+
+def test_prefetch_depth_and_keeping_units_bound_what_is_gathered(n2: list[dict[str, Any]]) -> None:
+    """The deep GPT's 4 block units: at most 1 + prefetch of them gathered at once (the root
+    aside), and all 4 when kept from forward to backward; the memory estimate says the same
+    bytes, and the gathers run in the order the depth implies."""
+    config = dataclasses.replace(get_preset("tiny"), n_layers=4)
+    (share,) = stages(config, 1, 1)
+    runs = n2[0]["runs"]
+    block = runs["deep-adamw-z3-prefetch1"]["groups"][1]
+    root = runs["deep-adamw-z3-prefetch1"]["groups"][0]
+    for depth in (0, 1, 2):
+        run = runs[f"deep-adamw-z3-prefetch{depth}"]
+        assert run["gathered_units"] == 1 + depth, (depth, run["gathered_units"])
+        assert run["gathered"] == 4 * (root + (1 + depth) * block), depth
+        assert run["gathered"] == 4 * gathered_params(config, Workload(dp=2, zero=3, prefetch=depth), share)
+    for name in ("deep-adamw-z3-keep", "deep-sgd-z3-keep-accum2"):
+        assert runs[name]["gathered_units"] == 4, name
+        assert runs[name]["gathered"] == 4 * (root + 4 * block), name
+        kept = Workload(dp=2, zero=3, reshard_after_forward=False)
+        assert runs[name]["gathered"] == 4 * gathered_params(config, kept, share), name
+    forward = [e for e in runs["deep-adamw-z3-prefetch2"]["events"][0] if e[0] == "all_gather"][:5]
+    assert forward == [["all_gather", g] for g in (0, 1, 2, 3, 4)]
+    events = runs["deep-adamw-z3-keep"]["events"][0]  # one gather per unit, none in backward
+    assert [e for e in events if e[0] == "all_gather"] == [["all_gather", g] for g in (0, 1, 2, 3, 4)]
 
 
 def test_the_trainer_meter_already_counts_stages_1_and_3(world: list[dict[str, Any]]) -> None:

@@ -132,7 +132,8 @@ def stage_buffers(config: GPTConfig, layout: Workload, stage: StageShare) -> flo
 
 def gathered_params(config: GPTConfig, layout: Workload, stage: StageShare) -> int:
     """What plait's ZeRO-3 holds whole at once on `stage`: the root unit for the whole
-    forward and backward, plus the unit running and the one prefetched after it.
+    forward and backward, plus the unit running and the `prefetch` units gathered ahead of
+    it; with --reshard-after-forward false, every unit at the turn from forward to backward.
 
     Units are the blocks; with tied embeddings cut by a pipeline (pp > 1) the embedding
     (first stage) and the head's copy (last stage) are units too, at the ends of the run.
@@ -143,8 +144,10 @@ def gathered_params(config: GPTConfig, layout: Workload, stage: StageShare) -> i
         table = vocab_shard(config, layout.tp) * config.d_model
         units = ([table] if stage.first else []) + units + ([table] if stage.last else [])
     root = stage.params - sum(units)
-    pairs = [a + b for a, b in zip(units, units[1:])] or units
-    return root + max(pairs, default=0)
+    if not layout.reshard_after_forward:
+        return stage.params
+    window = 1 + layout.prefetch
+    return root + max((sum(units[i:i + window]) for i in range(max(1, len(units) - window + 1))), default=0)
 
 
 def device_total(memory: Memory) -> Memory:

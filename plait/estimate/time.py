@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from plait.estimate.traffic import ring_bytes, tp_collectives, tp_traffic
+from plait.estimate.traffic import ring_bytes, tp_collectives, tp_traffic, zero3_gathers
 from plait.estimate.hardware import Hardware
 from plait.estimate.layout import Workload, StageShare, stages
 from plait.estimate.memory import BUCKET_BYTES, shard, state_bytes
@@ -173,9 +173,13 @@ def dp_exposed_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: 
     gather = collective_s("all_gather", weights, n, hw, inter, buckets)
     if layout.zero in (1, 2):
         return reduce + gather
-    # ZeRO-3: every micro-batch gathers in forward and again in backward, prefetched.
+    # ZeRO-3: every micro-batch gathers in forward and (unless kept) again in backward,
+    # hidden behind the compute when prefetched, exposed whole when gathered on demand.
+    if layout.prefetch == 0:
+        return m * gather * zero3_gathers(layout) + reduce
     first = collective_s("all_gather", unit * per.param, n, hw, inter)
-    return m * (max(first, gather - fwd) + max(first, gather - bwd)) + reduce
+    backward = max(first, gather - bwd) if layout.reshard_after_forward else 0.0
+    return m * (max(first, gather - fwd) + backward) + reduce
 
 
 def offload_s(params: int, layout: Workload, hw: Hardware) -> float:

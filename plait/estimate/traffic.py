@@ -36,7 +36,8 @@ def dp_traffic(params: int, layout: Workload) -> Traffic:
     them, ZeRO-1 reduce-scatters them and all-gathers the updated weights. ZeRO-2 and -3
     exist not to hold whole gradients, so they reduce-scatter every micro-batch into the
     shard (m times per step); ZeRO-3 also gathers each unit's weights before its forward
-    and again before its backward, every micro-batch: 3(n-1)/n·Ψ·b when m = 1.
+    and again before its backward, every micro-batch: 3(n-1)/n·Ψ·b when m = 1; with
+    --reshard-after-forward false the forward's gather serves the backward too: 2(n-1)/n·Ψ·b.
     """
     out: Traffic = {}
     n, m, per = layout.dp, layout.grad_accum, state_bytes(layout.precision)
@@ -45,7 +46,7 @@ def dp_traffic(params: int, layout: Workload) -> Traffic:
         _add(out, "dp", "all_reduce", grads, n)
         return out
     _add(out, "dp", "reduce_scatter", grads, n, times=m if layout.zero >= 2 else 1)
-    _add(out, "dp", "all_gather", weights, n, times=2 * m if layout.zero == 3 else 1)
+    _add(out, "dp", "all_gather", weights, n, times=zero3_gathers(layout) * m if layout.zero == 3 else 1)
     return out
 
 
@@ -190,3 +191,9 @@ def _group_total(mine: Traffic, axis: str, n: int) -> float:
 
 def _naive(formula: str, naive: float, plait: float) -> dict[str, object]:
     return {"formula": formula, "naive_bytes": naive, "plait_bytes": plait}
+
+
+def zero3_gathers(layout: Workload) -> int:
+    """How often ZeRO-3 gathers a unit per micro-batch: before forward and again before
+    backward, or once when it stays gathered between them (--reshard-after-forward false)."""
+    return 2 if layout.reshard_after_forward else 1

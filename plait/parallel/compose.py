@@ -98,7 +98,8 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = No
     else:
         units = adapter.blocks(model) if layout.zero == 3 and not is_pipeline(model) else None
         apply_zero(model, mesh.axis("dp"), stage=layout.zero, offload=layout.offload, bucket_mb=config.bucket_mb,
-                   units=units, reduce_dtype=config.reduce_dtype)
+                   units=units, reduce_dtype=config.reduce_dtype, prefetch=layout.prefetch,
+                   reshard_after_forward=layout.reshard_after_forward)
     return model
 
 

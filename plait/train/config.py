@@ -71,6 +71,11 @@ class TrainConfig:
                 "or full (keep each block's input, run the block again in backward)"})
     zero: int = field(default=0, metadata={"help": "ZeRO stage: 0 DDP, 1 optimizer states, 2 + gradients, 3 + parameters"})
     offload: bool = field(default=False, metadata={"help": "optimizer states and step in CPU memory (needs --zero)"})
+    prefetch: int = field(default=1, metadata={
+        "help": "ZeRO-3: units whose weights are gathered ahead of the one computing (0: gather on demand)"})
+    reshard_after_forward: bool = field(default=True, metadata={
+        "help": "ZeRO-3: free a unit's gathered weights after its forward and gather them again for backward; "
+                "false keeps them until backward (one gather less per unit, the whole model held at once)"})
     nproc: int | None = field(default=None, metadata={"help": "local processes to spawn (default: the layout's product)"})
     backend: str = field(default="auto", metadata={"help": "auto (nccl with CUDA, else gloo), nccl, gloo or mpi"})
     timeout_s: float = field(default=300.0, metadata={"help": "a collective waiting longer than this fails, naming itself"})
@@ -110,7 +115,8 @@ class TrainConfig:
     def layout_choices(self) -> dict[str, Any]:
         """The layout's fields besides dp, as the flags give them."""
         return dict(tp=self.tp, pp=self.pp, zero=self.zero, offload=self.offload, sp=self.sp,
-                    schedule=self.schedule, virtual_stages=self.virtual_stages)
+                    schedule=self.schedule, virtual_stages=self.virtual_stages, prefetch=self.prefetch,
+                    reshard_after_forward=self.reshard_after_forward)
 
     @property
     def global_batch(self) -> int:

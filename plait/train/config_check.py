@@ -24,8 +24,9 @@ RANGES: dict[str, tuple[float, float | None, bool]] = {
     "bucket_mb": (0, None, False), "nproc": (1, None, True), "loss_scale": (1, None, True),
     "timeout_s": (0, None, False), "save_every": (0, None, True), "keep_checkpoints": (0, None, True),
     "sample_tokens": (0, None, True), "max_restarts": (0, None, True),
-    "min_nproc": (1, None, True),
+    "min_nproc": (1, None, True), "prefetch": (0, None, True),
 }
+BOOL_WORDS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
 
 
@@ -64,6 +65,10 @@ def _typed(name: str, value: Any, kind: str, source: str) -> Any:
             return int(value) if kind == "int" else float(value)
         except ValueError:
             raise PlaitError(f"{_label(name, source)} {value!r} is not {KINDS[kind]}") from None
+    if source == "flag" and isinstance(value, str) and kind == "bool":
+        if value.lower() not in BOOL_WORDS:
+            raise PlaitError(f"{_label(name, source)} {value!r} is not {KINDS[kind]}", hint=f"write {_label(name, source)} false")
+        return BOOL_WORDS[value.lower()]
     ok = {"int": isinstance(value, int) and not isinstance(value, bool),
           "float": isinstance(value, (int, float)) and not isinstance(value, bool),
           "bool": isinstance(value, bool), "str": isinstance(value, str)}.get(kind, True)

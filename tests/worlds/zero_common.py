@@ -8,6 +8,8 @@ the final parameters as tensors, so that the world script can compare and report
 
 from __future__ import annotations
 
+import dataclasses
+
 import contextlib
 from typing import Any
 
@@ -65,21 +67,25 @@ class UserMLP(nn.Module):
 
 
 def make_model(kind: str, dtype: torch.dtype = torch.float32) -> nn.Module:
-    model = build_gpt(get_preset("tiny"), 0) if kind == "gpt" else UserMLP()
-    return model.to(dtype)
+    """"gpt": the tiny preset (2 blocks); "deep": the same with 4 blocks, so that ZeRO-3's
+    prefetch depth shows; "mlp": UserMLP."""
+    if kind == "mlp":
+        return UserMLP().to(dtype)
+    config = get_preset("tiny")
+    return build_gpt(dataclasses.replace(config, n_layers=4) if kind == "deep" else config, 0).to(dtype)
 
 
 def batches(kind: str, steps: int = STEPS) -> list[torch.Tensor]:
     """Global batches: token rows (GPT) or feature rows whose last column is the class (MLP)."""
     gen = torch.Generator().manual_seed(1)
-    if kind == "gpt":
+    if kind in ("gpt", "deep"):
         return [torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=gen) for _ in range(steps)]
     return [torch.cat([torch.randn(GLOBAL_BATCH, 6, generator=gen),
                        torch.randint(0, 3, (GLOBAL_BATCH, 1), generator=gen).float()], 1) for _ in range(steps)]
 
 
 def loss_fn(model: nn.Module, rows: torch.Tensor, kind: str) -> torch.Tensor:
-    if kind == "gpt":
+    if kind in ("gpt", "deep"):
         logits = model(rows[:, :-1])
         return F.cross_entropy(logits.flatten(0, 1).float(), rows[:, 1:].flatten())
     x = rows[:, :-1].to(next(model.parameters()).dtype)
@@ -98,10 +104,12 @@ def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def build(mesh: Any, *, stage: int, kind: str = "gpt", offload: bool = False, optim: str = "adamw",
-          dtype: torch.dtype = torch.float32, bucket_mb: float = 0.02) -> tuple[nn.Module, torch.optim.Optimizer]:
+          dtype: torch.dtype = torch.float32, bucket_mb: float = 0.02, prefetch: int = 1,
+          reshard: bool = True) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The model and optimizer a run trains (stage 0 is plait's DDP)."""
     model = make_model(kind, dtype)
-    plait.parallelize(model, mesh.with_layout(zero=stage, offload=offload), plait.ParallelConfig(bucket_mb=bucket_mb))
+    layout = mesh.with_layout(zero=stage, offload=offload, prefetch=prefetch, reshard_after_forward=reshard)
+    plait.parallelize(model, layout, plait.ParallelConfig(bucket_mb=bucket_mb))
     return model, make_optimizer(model, optim)
 
 
@@ -126,6 +134,7 @@ def train(mesh: Any, model: nn.Module, optimizer: torch.optim.Optimizer, rows_pe
         optimizer.step()
         out["mem"] = zero_state_bytes(model, optimizer) if sync else model_state_bytes(model, optimizer)
         out["gathered"] = sync.peak_gathered_bytes if sync else 0  # stage 3: whole units held at once
+        out["gathered_units"] = sync.peak_gathered_units if sync else 0  # ... and how many (the root aside)
         out["meter"] = model_state_bytes(model, optimizer)  # the trainer's meter, unchanged
         optimizer.zero_grad()
         out["ledger"].append(mesh.ledger.since(before).get("dp", {}))
@@ -138,12 +147,14 @@ def train(mesh: Any, model: nn.Module, optimizer: torch.optim.Optimizer, rows_pe
 
 def run_plait(mesh: Any, *, stage: int, kind: str = "gpt", accum: int = 1, offload: bool = False,
               optim: str = "adamw", dtype: torch.dtype = torch.float32, bucket_mb: float = 0.02,
-              steps: int = STEPS) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+              steps: int = STEPS, prefetch: int = 1,
+              reshard: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Train with plait; return the numbers (with the run's options) and the final parameters."""
     model, optimizer = build(mesh, stage=stage, kind=kind, offload=offload, optim=optim, dtype=dtype,
-                             bucket_mb=bucket_mb)
+                             bucket_mb=bucket_mb, prefetch=prefetch, reshard=reshard)
     out = train(mesh, model, optimizer, batches(kind, steps), kind=kind, accum=accum)
-    out.update(stage=stage, kind=kind, accum=accum, offload=offload, optim=optim, dtype=str(dtype))
+    out.update(stage=stage, kind=kind, accum=accum, offload=offload, optim=optim, dtype=str(dtype),
+               prefetch=prefetch, reshard=reshard)
     sync = zero_of(model)
     out["groups"] = [sum(g.sizes) for g in sync.groups] if sync else []
     out["num_params"] = sum(out["groups"]) if sync else sum(p.numel() for p in model.parameters())

@@ -41,6 +41,11 @@ N2 = [
     *[(f"mlp-adamw-z{s}", {"stage": s, "kind": "mlp", "bucket_mb": 3e-4}, "mlp-adamw") for s in (1, 2, 3)],
     *[(f"gpt-bf16-adamw-z{s}", {"stage": s, "dtype": BF16}, "gpt-bf16-adamw") for s in (1, 2, 3)],
     *[(f"gpt-bf16-sgd-z{s}", {"stage": s, "dtype": BF16, "optim": "sgd"}, "gpt-bf16-sgd") for s in (1, 2, 3)],
+    # ZeRO-3's gathers, tuned: prefetch depth 0, 1, 2 and units kept from forward to backward
+    *[(f"deep-adamw-z3-prefetch{d}", {"stage": 3, "kind": "deep", "prefetch": d}, "deep-adamw") for d in (0, 1, 2)],
+    ("deep-adamw-z3-keep", {"stage": 3, "kind": "deep", "reshard": False}, "deep-adamw"),
+    ("deep-sgd-z3-keep-accum2", {"stage": 3, "kind": "deep", "reshard": False, "accum": 2, "optim": "sgd"},
+     "deep-sgd"),
 ]
 N4 = [
     *[(f"gpt-adamw-z{s}", {"stage": s}, "gpt-adamw") for s in (0, 1, 2, 3)],
@@ -54,7 +59,7 @@ N4 = [
 ]
 REFERENCES = {
     "gpt-adamw": {}, "gpt-sgd": {"optim": "sgd"}, "mlp-sgd": {"kind": "mlp", "optim": "sgd"},
-    "mlp-adamw": {"kind": "mlp"}, "gpt-bf16-adamw": {"dtype": BF16}, "gpt-bf16-sgd": {"dtype": BF16, "optim": "sgd"},
+    "mlp-adamw": {"kind": "mlp"}, "deep-adamw": {"kind": "deep"}, "deep-sgd": {"kind": "deep", "optim": "sgd"}, "gpt-bf16-adamw": {"dtype": BF16}, "gpt-bf16-sgd": {"dtype": BF16, "optim": "sgd"},
 }
 # bf16 parameters and gradients round to 8 bits: losses agree to 1e-4, gradient norms to 1e-2
 # (gradients are averaged in bf16), SGD parameters to 1e-3 (a few bf16 ulps; they move by 2.4e-2).

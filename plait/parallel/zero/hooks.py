@@ -54,10 +54,13 @@ class ZeroSync:
         self._launched: set[int] = set()  # groups reduced in this backward
         self._order: list[FlatGroup] = []  # stage 3: units in the order this forward ran them
         self._last_order = [g for g in groups if g is not root]  # ... and the last forward
-        self._kept: set[int] = set()  # stage 3: units whose backward cannot be announced
+        self._kept: set[int] = set()  # stage 3: units left gathered after forward (kept, or unannounced)
         self._placeholder = torch.empty(0, device=groups[0].flat.device if groups else "cpu")
         self._held: dict[int, int] = {}  # stage 3: bytes of each unit gathered right now
         self.peak_gathered_bytes = 0  # the most held at once since the meter last read it
+        self.peak_gathered_units = 0  # the most units (the root aside) held at once: tests read it
+        self.prefetch = 1  # stage 3: units gathered ahead of the one running
+        self.reshard_after_forward = True  # stage 3: free a unit after its forward (else after its backward)
         self.reduce_dtype: torch.dtype | None = None  # gradients cross dp in this dtype (None: their own)
 
     @property
@@ -201,6 +204,8 @@ class ZeroSync:
             self.events.append(("all_gather", group.index))
             self._held[group.index] = group.flat.untyped_storage().nbytes()
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+            units = len(self._held) - (self.root is not None and self.root.index in self._held)
+            self.peak_gathered_units = max(self.peak_gathered_units, units)
 
     def _free(self, group: FlatGroup) -> None:
         if self.stage == 3:
@@ -228,8 +233,10 @@ class ZeroSync:
             wrapped = True
             if torch.is_grad_enabled():
                 output, wrapped = _wrap_outputs(output, self, group)
-            if wrapped:
+            if wrapped and self.reshard_after_forward:
                 self._free(group)
+            elif wrapped:  # kept for its backward, which frees it once its gradient is in
+                self._kept.add(group.index)
             else:  # its backward cannot be announced, so it stays gathered until backward ends
                 self._kept.add(group.index)
         if is_root:  # the whole forward is done: free what was prefetched but never ran
@@ -248,9 +255,12 @@ class ZeroSync:
         self._prefetch(([self.root] if self.root else []) + self._order[::-1], group)
 
     def _prefetch(self, sequence: list[FlatGroup], group: FlatGroup) -> None:
+        """Start gathering the `prefetch` units that follow `group` in `sequence` (same chunk)."""
         position = sequence.index(group) if group in sequence else len(sequence)
-        if position + 1 < len(sequence) and self._same_chunk(sequence[position + 1], group):
-            self._gather(sequence[position + 1], wait=False)
+        for ahead in sequence[position + 1:position + 1 + self.prefetch]:
+            if not self._same_chunk(ahead, group):
+                break
+            self._gather(ahead, wait=False)
 
     def _same_chunk(self, one: FlatGroup, other: FlatGroup) -> bool:
         """Prefetch stays inside a pipeline chunk: the next chunk runs after other work."""

@@ -38,6 +38,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
+from plait import rules
 from plait.errors import PlaitError
 from plait.parallel.data.sync import ATTR, follow_rank0_buffers
 from plait.parallel.pipeline.split import is_pipeline, logical_parameters, tied_copies
@@ -53,14 +54,18 @@ SHARD_PARAM = "plait_shard"  # stage 3: the name under which a unit's shard is r
 
 
 def apply_zero(model: nn.Module, axis: Axis, *, stage: int, offload: bool = False, bucket_mb: float = 25.0,
-               units: Sequence[nn.Module] | None = None, reduce_dtype: torch.dtype | None = None) -> nn.Module:
+               units: Sequence[nn.Module] | None = None, reduce_dtype: torch.dtype | None = None,
+               prefetch: int = 1, reshard_after_forward: bool = True) -> nn.Module:
     """Shard `model`'s states over `axis` with ZeRO `stage` 1, 2 or 3 (in place).
 
     Build the optimizer with plait.build_optimizer, which returns the sharded one (its state
     in CPU memory when `offload`). Parameters and buffers are first broadcast from the axis's
     rank 0, as apply_data_parallel does. Stage 3's units are the children of every module
-    list (`find_units`) unless `units` names them.
+    list (`find_units`) unless `units` names them; `prefetch` units are gathered ahead of the
+    one computing, and `reshard_after_forward=False` keeps each unit gathered from its forward
+    to its backward (one gather less, the whole model held at the turn).
     """
+    rules.check_zero3_gathers(stage, prefetch, reshard_after_forward, 2 if is_pipeline(model) else 1)
     if stage not in (1, 2, 3):
         raise PlaitError(f"apply_zero takes stage 1, 2 or 3, got {stage}", hint="stage 0 is apply_data_parallel")
     if getattr(model, ATTR, None) is not None:
@@ -75,6 +80,7 @@ def apply_zero(model: nn.Module, axis: Axis, *, stage: int, offload: bool = Fals
     sync = (_shard_units(model, axis, units, chunks, alone) if stage == 3
             else _shard_buckets(chunks, axis, stage, bucket_mb, alone))
     sync.offload, sync.tied, sync.reduce_dtype = offload, alone, reduce_dtype
+    sync.prefetch, sync.reshard_after_forward = prefetch, reshard_after_forward
     sync.names = {p: name for name, p, _ in logical}
     sync.replicas = {p for _, p, replica in logical if replica}
     sync.chunk = {g.index: chunk_of[g.params[0]] for g in sync.groups}
