@@ -1,17 +1,22 @@
-"""ZeRO stages 0-3 (and stage 3 + offload) against torch DDP and FSDP2: step time and memory.
+"""ZeRO stages 0-3 (stage 3 with its gather options, and + offload) against torch DDP and
+FSDP2: step time and memory.
 
     python benchmarks/zero.py                        # 2 and 4 processes; updates benchmarks/RESULTS.md
     python benchmarks/zero.py --nproc 2 --no-write   # print only
-    plait launch --nproc 4 benchmarks/zero.py        # one world: time and model states, printed
+    python benchmarks/zero.py --train                # also plait train --zero 3 vs --zero 0, as users run it
 
-Per process count, one world builds every variant from the same seed and runs them step by
-step in turn, so machine noise hits all alike (a step is forward + backward + AdamW; its time
-is the slowest rank's), and measures each rank's model states (parameters, gradients,
-optimizer state: distinct storages, max over ranks) against the ZeRO paper's formula. Then
-each variant runs alone in its own world for its peak memory: on a GPU the allocator's peak,
-on a CPU the resident set, sampled every millisecond while training, above what it was just
-before the model was built (with MALLOC_MMAP_THRESHOLD_ fixed so freed tensors go back to
-the OS at once). Building the model whole before sharding it is not counted.
+Each variant trains alone in its own world, as a user's run does, from the same seed: a
+step is forward + backward + AdamW, its time the slowest rank's, the figure the median of
+the steps after warm-up. The variants take turns world by world, in alternating order over
+`--rounds` rounds, and each row is the median of its rounds (the spread is printed), so
+drift in the machine's load hits all alike. Each world also measures the rank's model
+states (parameters, gradients, optimizer state: distinct storages, max over ranks)
+against the ZeRO paper's formula. Peak memory comes from separate worlds, one per variant:
+on a GPU the allocator's peak, on a CPU the resident set, sampled every millisecond while
+training, above what it was just before the model was built (there with
+MALLOC_MMAP_THRESHOLD_ fixed so freed tensors go back to the OS at once; the timing worlds
+run with the C library's defaults, which that setting would slow by a third or more).
+Building the model whole before sharding it is not counted.
 """
 
 from __future__ import annotations
@@ -33,7 +38,12 @@ from common import new_parser, torch_version, write_section  # noqa: E402
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = ["plait z0", "plait z1", "plait z2", "plait z3", "plait z3+offload", "torch DDP", "torch FSDP2"]
+# variant: plait's layout fields (None: torch's own)
+PLAIT = {"plait z0": {"zero": 0}, "plait z1": {"zero": 1}, "plait z2": {"zero": 2}, "plait z3": {"zero": 3},
+         "plait z3 prefetch 0": {"zero": 3, "prefetch": 0}, "plait z3 prefetch 2": {"zero": 3, "prefetch": 2},
+         "plait z3 keep": {"zero": 3, "reshard_after_forward": False},
+         "plait z3+offload": {"zero": 3, "offload": True}}
+VARIANTS = [*PLAIT, "torch DDP", "torch FSDP2"]
 
 
 def build(name: str, mesh: Any, args: argparse.Namespace) -> tuple[Any, Any]:
@@ -45,9 +55,8 @@ def build(name: str, mesh: Any, args: argparse.Namespace) -> tuple[Any, Any]:
     from plait.models.gpt import build_gpt
 
     model = build_gpt(get_preset(args.model), 0)
-    if name.startswith("plait"):
-        stage, offload = int(name[7]), name.endswith("offload")
-        plait.parallelize(model, mesh.with_layout(zero=stage, offload=offload), plait.ParallelConfig(bucket_mb=args.bucket_mb))
+    if name in PLAIT:
+        plait.parallelize(model, mesh.with_layout(**PLAIT[name]), plait.ParallelConfig(bucket_mb=args.bucket_mb))
         return model, plait.build_optimizer(model, torch.optim.AdamW, lr=1e-4)
     if name == "torch DDP":
         model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
@@ -96,7 +105,7 @@ def state_bytes(model: Any, optimizer: Any) -> dict[str, int]:
 
 
 def time_world(args: argparse.Namespace) -> dict[str, Any]:
-    """Every variant in turn, step by step; rank 0 returns medians, model states and traffic."""
+    """One variant alone: the median step time, the model states after a step, the traffic."""
     import torch
 
     import plait
@@ -104,26 +113,22 @@ def time_world(args: argparse.Namespace) -> dict[str, Any]:
 
     mesh = plait.init_mesh()
     set_cpu_threads(mesh.size("world"))
-    runs = {name: build(name, mesh, args) for name in VARIANTS}
+    model, optimizer = build(args.variant, mesh, args)
     generator = torch.Generator().manual_seed(mesh.rank("dp"))
     batch = torch.randint(0, 256, (args.micro_batch, args.seq_len + 1), generator=generator)
-    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    wire: dict[str, dict[str, float]] = {}
-    for block in range(args.warmup + args.steps):
-        for name, (model, optimizer) in runs.items():
-            before = mesh.ledger.snapshot()
-            seconds = step(model, optimizer, batch)
-            if block >= args.warmup:
-                times[name].append(seconds)
-            wire[name] = mesh.ledger.since(before).get("dp", {})
-    states = {}
-    for name, (model, optimizer) in runs.items():  # after a step, before zero_grad: what a step holds
-        step_without_zero_grad(model, optimizer, batch)
-        mine = torch.tensor(list(state_bytes(model, optimizer).values()), dtype=torch.float64)
-        torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MAX)
-        states[name] = dict(zip(("params", "grads", "optim"), map(int, mine.tolist())))
+    times, wire = [], {}
+    for k in range(args.warmup + args.steps):
+        before = mesh.ledger.snapshot()
+        seconds = step(model, optimizer, batch)
+        if k >= args.warmup:
+            times.append(seconds)
+        wire = mesh.ledger.since(before).get("dp", {})
+    step_without_zero_grad(model, optimizer, batch)  # after a step, before zero_grad: what a step holds
+    mine = torch.tensor(list(state_bytes(model, optimizer).values()), dtype=torch.float64)
+    torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MAX)
     result = {"n": mesh.size("dp"), "params": sum(p.numel() for p in build_gpt_params(args)),
-              "time": {k: statistics.median(v) for k, v in times.items()}, "states": states, "wire": wire}
+              "time": statistics.median(times), "states": dict(zip(("params", "grads", "optim"), map(int, mine.tolist()))),
+              "wire": wire}
     mesh.close()
     return result
 
@@ -220,8 +225,11 @@ class RssSampler:
 
 
 # -- the driver ----------------------------------------------------------------------------------
-def run_world(n: int, args: argparse.Namespace, *extra: str) -> dict[str, Any]:
-    return common_run_world(__file__, n, [*forwarded(args), *extra], env={"MALLOC_MMAP_THRESHOLD_": "65536"})
+PEAK_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}  # freed tensors go back to the OS at once: an honest peak
+
+
+def run_world(n: int, args: argparse.Namespace, *extra: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    return common_run_world(__file__, n, [*forwarded(args), *extra], env=env)
 
 
 def forwarded(args: argparse.Namespace) -> list[str]:
@@ -229,7 +237,50 @@ def forwarded(args: argparse.Namespace) -> list[str]:
             "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len), "--bucket-mb", str(args.bucket_mb)]
 
 
-def table(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) -> str:
+def measure(n: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Every variant alone in its own world, `args.rounds` times in alternating order; then its peak."""
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in VARIANTS}
+    for k in range(args.rounds):
+        for name in VARIANTS if k % 2 == 0 else VARIANTS[::-1]:
+            rounds[name].append(run_world(n, args, "--variant", name))
+    row = {"n": n, "params": rounds[VARIANTS[0]][0]["params"], "time": {}, "spread": {}, "states": {}, "wire": {}}
+    for name, results in rounds.items():
+        times = [r["time"] for r in results]
+        row["time"][name], row["spread"][name] = statistics.median(times), (min(times), max(times))
+        row["states"][name], row["wire"][name] = results[0]["states"], results[0]["wire"]
+    row["peak"] = {v: run_world(n, args, "--variant", v, "--peak", env=PEAK_ENV)["peak"] for v in VARIANTS}
+    return row
+
+
+def trained(n: int, args: argparse.Namespace, *flags: str) -> float:
+    """`plait train`'s median step time (summary.json) on the benchmark's shapes."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as out:
+        subprocess.run([sys.executable, "-m", "plait", "train", "--model", args.model, "--nproc", str(n),
+                        "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len),
+                        "--steps", str(args.train_steps), "--bucket-mb", str(args.bucket_mb), "--no-report",
+                        "--out", out, *flags], check=True, cwd=ROOT, capture_output=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+        return json.loads((Path(out) / "summary.json").read_text())["step_time_s_median"]
+
+
+TRAIN_RUNS = {"--zero 0": [], "--zero 3": ["--zero", "3"],
+              "--zero 3 --reshard-after-forward false": ["--zero", "3", "--reshard-after-forward", "false"]}
+
+
+def train_rows(n: int, args: argparse.Namespace) -> dict[str, list[float]]:
+    """Each `plait train` run `args.rounds` times, alternating: {flags: [median step seconds]}."""
+    out: dict[str, list[float]] = {name: [] for name in TRAIN_RUNS}
+    for k in range(args.rounds):
+        for name in TRAIN_RUNS if k % 2 == 0 else list(TRAIN_RUNS)[::-1]:
+            out[name].append(trained(n, args, *TRAIN_RUNS[name]))
+    return out
+
+
+def table(rows: list[dict[str, Any]], args: argparse.Namespace, command: str,
+          train: dict[int, dict[str, list[float]]]) -> str:
     from plait.estimate.layout import Workload
     from plait.estimate.memory import StateBytes, model_states
 
@@ -241,27 +292,40 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) ->
         "shared between the ranks (4 processes oversubscribe 2 cores)",
         f"- date: {datetime.date.today().isoformat()}",
         f"- model: `{args.model}` GPT ({rows[0]['params'] / 1e6:.2f} M params, fp32), micro-batch {args.micro_batch} "
-        f"× {args.seq_len} tokens per rank, AdamW, bucket {args.bucket_mb} MiB; time: median of {args.steps} steps "
-        f"after {args.warmup} warm-up, all variants taking turns step by step; peak: each variant alone",
+        f"× {args.seq_len} tokens per rank, AdamW (fused), bucket {args.bucket_mb} MiB; time: each variant alone in "
+        f"its own world, median of {args.steps} steps after {args.warmup} warm-up, median of {args.rounds} rounds "
+        "(worlds in alternating order; spread = the rounds' lowest and highest); peak: separate worlds",
         f"- load average (1 min) when the run ended: {os.getloadavg()[0]:.1f}", "",
-        "| N | variant | s/step | vs torch DDP | params MiB | grads MiB | optim MiB | formula MiB (p/g/o) "
-        "| peak MiB | wire MiB/step |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| N | variant | s/step | spread | vs torch DDP | vs plait z0 | vs FSDP2 | params MiB | grads MiB | optim MiB "
+        "| formula MiB (p/g/o) | peak MiB | wire MiB/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        ddp = row["time"]["torch DDP"]
+        ddp, z0, fsdp = row["time"]["torch DDP"], row["time"]["plait z0"], row["time"]["torch FSDP2"]
         for name in VARIANTS:
             states, wire = row["states"][name], sum(row["wire"].get(name, {}).values())
-            stage = int(name[7]) if name.startswith("plait") else (0 if name == "torch DDP" else 3)
-            formula = model_states(row["params"], 0, Workload(dp=row["n"], zero=stage),
+            choices = PLAIT.get(name, {"zero": 0 if name == "torch DDP" else 3})
+            formula = model_states(row["params"], 0, Workload(dp=row["n"], zero=choices["zero"]),
                                    StateBytes(4, 4, 12 if "offload" in name else 8)).as_dict()
-            peak = row.get("peak", {}).get(name)
+            low, high = row["spread"][name]
+            t = row["time"][name]
             lines.append(
-                f"| {row['n']} | {name} | {row['time'][name]:.3f} | {row['time'][name] / ddp:.2f} | "
+                f"| {row['n']} | {name} | {t:.3f} | {low:.3f}–{high:.3f} | {t / ddp:.2f} | {t / z0:.2f} | {t / fsdp:.2f} | "
                 f"{states['params'] / mib:.2f} | {states['grads'] / mib:.2f} | {states['optim'] / mib:.2f} | "
                 f"{'/'.join(f'{formula[k] / mib:.2f}' for k in ('params', 'grads', 'optim'))} | "
-                f"{'' if peak is None else f'{peak / mib:.1f}'} | "
-                f"{f'{wire / mib:.2f}' if name.startswith('plait') else 'n/a'} |")
+                f"{row['peak'][name] / mib:.1f} | {f'{wire / mib:.2f}' if name in PLAIT else 'n/a'} |")
+    if train:
+        lines += ["", f"`plait train` as users run it (`--model {args.model} --micro-batch {args.micro_batch} --seq-len "
+                      f"{args.seq_len} --steps {args.train_steps} --no-report`, default measurement; median step time "
+                      f"from summary.json, {args.rounds} rounds in alternating order), beside the benchmark's figure:", "",
+                  "| N | flags | s/step (rounds) | vs --zero 0 | benchmark's ratio |", "|---|---|---|---|---|"]
+        for n, runs in train.items():
+            row = next(r for r in rows if r["n"] == n)
+            base = statistics.median(runs["--zero 0"])
+            bench = {"--zero 0": "plait z0", "--zero 3": "plait z3", "--zero 3 --reshard-after-forward false": "plait z3 keep"}
+            for flags, times in runs.items():
+                lines.append(f"| {n} | `{flags}` | {statistics.median(times):.3f} ({', '.join(f'{t:.3f}' for t in times)}) "
+                             f"| {statistics.median(times) / base:.2f} | {row['time'][bench[flags]] / row['time']['plait z0']:.2f} |")
     return "\n".join(lines) + "\n" + READING
 
 
@@ -271,18 +335,26 @@ storages, local shards for FSDP2), next to the ZeRO paper's formula: they agree 
 byte. *offload* holds 12Ψ/N of optimizer memory on the host (fp32 master + m + v). On this
 CPU host and device are the same memory, so its peak includes both. *peak* is the
 resident set above what it was before the model was built, so it includes activations
-(about the same for every variant) and transient buffers: stage 3's gathered units, and
-stage 2's whole gradients, which live one bucket at a time, and a 25 MiB bucket is most of
-this model's 36 MiB of gradients. *wire* is plait's ledger: 2(N−1)/N·Ψ·4 bytes for stages
-0-2, 3(N−1)/N·Ψ·4 for stage 3 (torch's collectives bypass it). Times come from a shared
-2-core machine: compare the ratios, taken step by step under the same load. ZeRO's steps are
-slower than DDP's here; a likely reason (not profiled) is that their extra work (copies
-into and out of shards, per-unit gathers) cannot hide on two cores that also run the
-collectives."""
+(about the same for every variant) and transient buffers: stage 3's gathered units (1 +
+prefetch of them; all of them for *keep*), and stage 2's whole gradients, which live one
+bucket at a time. *wire* is plait's ledger: 2(N−1)/N·Ψ·4 bytes for stages 0-2 and for
+stage 3 *keep* (`--reshard-after-forward false`: one gather per unit), 3(N−1)/N·Ψ·4 for
+stage 3 (torch's collectives bypass it).
 
-
-
-
+Why each variant runs alone: until 2026-11-25 this benchmark built all variants in one
+world and ran them step by step in turns, with MALLOC_MMAP_THRESHOLD_=65536 set for the
+whole run (the peak measurement needs it). Both inflated every step, and ZeRO-3's most. The
+fixed threshold makes every tensor above 64 KiB a fresh mmap, zero-filled page by page on
+first touch; ZeRO-3 allocates a unit's buffer at every gather, and Gloo copies each gather
+and reduce-scatter through fresh buffers of its own. Seven models in turn also evict each
+other's weights from the caches. Measured the same day, `small`, N = 2, each alone: torch
+DDP 0.25 s and plait z3 0.31 s a step with the defaults, 0.39 s and 0.56 s with the fixed
+threshold; in turns with it (this table on 2026-11-22), 0.92 s and 1.24 s. A user's run has neither, so neither does
+this table. What remains of stage 3's cost over DDP on this machine is CPU work with no
+spare core to hide on: Gloo's copies (two per all-gather, two per reduce-scatter, through
+fresh buffers), the gather buffers' first touch, and the gradient's concatenation per
+unit, about 40 ms of a 0.3 s step, profiled with torch.profiler. On a GPU those copies run
+on the copy engine and the caching allocator reuses the buffers."""
 
 
 def main() -> None:
@@ -291,25 +363,25 @@ def main() -> None:
     parser.add_argument("--model", default="small")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="times each variant's world runs")
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--train", action="store_true", help="also time plait train --zero 3 vs --zero 0")
+    parser.add_argument("--train-steps", type=int, default=30)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
+    parser.add_argument("--peak", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker or "RANK" in os.environ:  # inside a world
-        result = peak_world(args) if args.variant else time_world(args)
+        result = peak_world(args) if args.peak else time_world(args)
         if args.result and os.environ.get("RANK", "0") == "0":
             Path(args.result).write_text(json.dumps(result))
-        elif not args.result and os.environ.get("RANK", "0") == "0":
-            print(table([result], args, f"plait launch --nproc {result['n']} benchmarks/zero.py"))
         return
-    rows = []
-    for n in args.nproc:
-        row = run_world(n, args)
-        row["peak"] = {v: run_world(n, args, "--variant", v)["peak"] for v in VARIANTS}
-        rows.append(row)
-    text = table(rows, args, f"python benchmarks/zero.py {' '.join(forwarded(args))} --nproc "
-                             f"{' '.join(map(str, args.nproc))}")
+    rows = [measure(n, args) for n in args.nproc]
+    train = {n: train_rows(n, args) for n in args.nproc} if args.train else {}
+    command = (f"python benchmarks/zero.py {' '.join(forwarded(args))} --rounds {args.rounds} --nproc "
+               f"{' '.join(map(str, args.nproc))}" + (f" --train --train-steps {args.train_steps}" if args.train else ""))
+    text = table(rows, args, command, train)
     print(text)
     if not args.no_write:
         write_section("zero", text)
