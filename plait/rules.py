@@ -116,6 +116,15 @@ def check_split_backward(schedule: str, *, zero: int = 0, recompute: str = "none
                          hint="use --zero 1 with zb-h1, or another --schedule")
 
 
+def check_compile(schedule: str, pp: int) -> None:
+    """--compile and a split backward: zb-h1's W step captures each linear's input with a
+    forward hook inside the block, which a compiled block's graph does not run as eager does."""
+    if pp > 1 and schedule in SPLIT_BACKWARD:
+        raise PlaitError(f"--compile cannot run the {schedule} schedule: its W step captures each linear's input "
+                         "with a hook inside the block, and the compiled block does not run it",
+                         hint="use --schedule 1f1b (or gpipe, interleaved) with --compile, or drop --compile")
+
+
 def check_recompute(layout: Any, recompute: str) -> None:
     """A recompute policy training runs, and one the layout's schedule can run."""
     check_choice("recompute", recompute, RECOMPUTE)
@@ -169,3 +178,20 @@ def check_sequence_split(seq_len: int, tp: int, sp: bool) -> None:
     if sp and seq_len % tp:
         raise PlaitError(f"--sp needs the sequence length divisible by tp: seq_len = {seq_len}, tp = {tp}",
                          hint=f"use a seq_len that is a multiple of {tp}, or drop --sp")
+
+
+CXX_COMPILERS = ("g++", "clang++", "c++")
+
+
+def check_compile_toolchain(device_type: str) -> None:
+    """--compile on a CPU: Inductor writes C++, so a compiler must be there ($CXX, else one of
+    CXX_COMPILERS); refused at once, not in the first step."""
+    import os
+    import shutil
+
+    if device_type != "cpu":
+        return
+    wanted = [os.environ["CXX"]] if os.environ.get("CXX") else list(CXX_COMPILERS)
+    if not any(shutil.which(name) for name in wanted):
+        raise PlaitError(f"--compile on a CPU needs a C++ compiler, and none was found ({' or '.join(wanted)})",
+                         hint="install one (e.g. apt-get install g++), or drop --compile")

@@ -29,6 +29,7 @@ from torch import nn
 
 from plait.errors import PlaitError
 from plait.parallel.clip import clip_grad_norm
+from plait.parallel.compiled import apply_compile
 from plait.parallel.data.sync import apply_data_parallel, grad_sync
 from plait.parallel.masters import MasterOptimizer
 from plait.parallel.pipeline.runner import apply_pipeline
@@ -39,7 +40,7 @@ from plait.parallel.data.syncbn import convert_sync_batchnorm
 from plait.parallel.tensor.plan import apply_tensor_parallel, tensor_parallel_of
 from plait.parallel.zero.stages import apply_zero, zero_of
 from plait.parallel.zero.optim import ZeroOptimizer
-from plait.rules import OPTIMIZER_KERNELS, RECOMPUTE, check_choice, check_recompute
+from plait.rules import OPTIMIZER_KERNELS, RECOMPUTE, check_choice, check_compile, check_recompute
 from plait.runtime.mesh import Mesh
 
 __all__ = ["ParallelConfig", "build_optimizer", "clip_grad_norm", "parallelize"]
@@ -55,6 +56,7 @@ class ParallelConfig:
     reduce_dtype: torch.dtype | None = None  # gradients cross dp in this dtype (None: their own)
     tp_plan: dict[str, str] | None = None  # {module-name pattern: style} for tp > 1 (default: the adapter's)
     sync_bn: bool = False  # BatchNorm statistics over the whole dp group (plait's SyncBatchNorm)
+    compile: bool = False  # torch.compile each block's forward (plait.parallel.compiled)
 
     def __post_init__(self) -> None:
         if self.bucket_mb <= 0:
@@ -82,6 +84,12 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = No
     if config.recompute != "none":
         apply_recompute(model, config.recompute, adapter)
     cut = is_pipeline(model)  # stages from apply_pipeline: only DP or ZeRO is left to apply
+    if config.compile:  # the blocks' forwards, compiled lazily: TP, the cut and ZeRO still apply
+        check_compile(layout.schedule, layout.pp)
+        if cut:
+            raise PlaitError("compile is applied to the whole model's blocks, before the pipeline cut",
+                             hint="pass the whole model to parallelize: it cuts the stages itself")
+        apply_compile(adapter.blocks(model), mesh.device)
     if mesh.size("tp") > 1 and tensor_parallel_of(model) is None:
         if cut:
             raise PlaitError("tensor parallelism is applied to the whole model, before the pipeline cut",

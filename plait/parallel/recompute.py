@@ -41,6 +41,7 @@ from plait.rules import RECOMPUTE
 POLICIES = RECOMPUTE  # one home: plait.rules
 CORE_ATTR = "attention_core"
 _SUBCLASSES: dict[type, type] = {}
+STATS_ATTR = "plait_running_stats"  # whether a recomputing block holds BatchNorm statistics
 
 
 class RecomputeCore(torch.autograd.Function):
@@ -90,6 +91,7 @@ def apply_recompute(model: nn.Module, policy: str = "full", adapter: ModelAdapte
         if type(block) not in _SUBCLASSES.values():
             block.__class__ = _recomputing(type(block))
         block.recompute = policy == "full"
+        setattr(block, STATS_ATTR, any(isinstance(m, _NormBase) for m in block.modules()))
     return len(blocks)
 
 
@@ -110,9 +112,11 @@ def _recomputing(cls: type) -> type:
     if cls not in _SUBCLASSES:
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             if self.recompute and torch.is_grad_enabled():
-                return checkpoint(cls.forward, self, *args, use_reentrant=False,
-                                  context_fn=lambda: (contextlib.nullcontext(), _keep_running_stats(self)),
-                                  **kwargs)
+                # Only a block with running statistics needs them put back (and torch.compile
+                # traces checkpoint only without a context_fn: transformer blocks have none).
+                keep = {"context_fn": lambda: (contextlib.nullcontext(), _keep_running_stats(self))} \
+                    if getattr(self, STATS_ATTR, True) else {}
+                return checkpoint(cls.forward, self, *args, use_reentrant=False, **keep, **kwargs)
             return cls.forward(self, *args, **kwargs)
 
         _SUBCLASSES[cls] = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})

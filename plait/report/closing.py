@@ -49,6 +49,13 @@ def format_metrics(metrics: dict[str, float], labels: dict[str, Any]) -> str:
                      for name, value in metrics.items() if name in labels)
 
 
+def describe_compile(compiled: dict[str, Any]) -> str:
+    """"21.4 s in the first step; 2 graphs, 0 graph breaks; cache 0 hits, 2 misses (DIR)"."""
+    return (f"{compiled['seconds']:.1f} s in the first step; {compiled['graphs']} graph(s), "
+            f"{compiled['graph_breaks']} graph break(s); cache {compiled['cache_hits']} hit(s), "
+            f"{compiled['cache_misses']} miss(es) ({compiled['cache_dir']})")
+
+
 def closing_report(summary: dict[str, Any], out: str) -> str:
     """Loss, speed, bytes on the wire (measured vs formula), memory, and a text sample."""
     layout, mem, task = summary["layout"], summary["mem"], summary["task"]
@@ -64,6 +71,8 @@ def closing_report(summary: dict[str, Any], out: str) -> str:
     ]
     if len(summary.get("worlds", [])) > 1:
         lines.insert(2, f"  elastic     {describe_worlds(summary['worlds'])}")
+    if summary.get("compile"):
+        lines.insert(3, f"  compile     {describe_compile(summary['compile'])}")
     if layout.get("precision", "fp32") != "fp32" or summary.get("skipped_steps"):
         lines.insert(2, f"  precision   {layout.get('precision', 'fp32')}, loss scale {summary.get('loss_scale', 1.0):g}, "
                         f"{summary.get('skipped_steps', 0)} step(s) skipped (non-finite)")

@@ -85,6 +85,9 @@ class TrainConfig:
     optimizer_kernel: str = field(default="fused", metadata={
         "help": "AdamW's kernel: fused (one kernel over every tensor, where torch has one for the device; else "
                 "foreach on GPUs, loop on CPUs), foreach, or loop (torch's per-tensor loop)"})
+    compile: bool = field(default=False, metadata={
+        "help": "torch.compile each block's forward (regional compilation; graphs cached on disk for restarts; "
+                "on a CPU it needs a C++ compiler)"})
     async_save: bool = field(default=False, metadata={
         "help": "write checkpoints in the background: the step boundary only copies this rank's pieces to host memory"})
     resume: str = field(default="", metadata={"help": "a checkpoint directory, or a run's --out, to continue from; auto: this run's latest checkpoint if any"})
@@ -243,6 +246,8 @@ def check_strategies(config: TrainConfig) -> None:
     rules.check_precision(config.precision, config.reduce_dtype)
     rules.check_microbatches(layout.schedule, layout.pp, config.grad_accum)
     rules.check_choice("optimizer-kernel", config.optimizer_kernel, rules.OPTIMIZER_KERNELS)
+    if config.compile:
+        rules.check_compile(layout.schedule, layout.pp)
 
 
 def check_outputs(config: TrainConfig) -> None:
@@ -258,6 +263,8 @@ def check_outputs(config: TrainConfig) -> None:
         from plait.train.tboard import check_available
 
         check_available()
+    if config.compile and config.backend != "nccl" and not (config.backend == "auto" and os.path.exists("/dev/nvidiactl")):
+        rules.check_compile_toolchain("cpu")  # the ranks check again, on the device they run on
 
 
 def check_writable(out: str) -> None:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.parallel.compiled import eager
 from plait.parallel.pipeline.runner import PipelineRunner
 from plait.parallel.tensor.loss import gather_vocab
 from plait.parallel.tensor.plan import tensor_parallel_of
@@ -45,6 +46,7 @@ class Inference:
 
     # -- evaluation ------------------------------------------------------------------------
     @torch.no_grad()
+    @eager()
     def evaluate(self, split: Any) -> dict[str, float]:
         """The task's metrics over its held-out samples (eval mode: running statistics)."""
         batches = self._eval_batches(split)
@@ -87,6 +89,7 @@ class Inference:
 
     # -- sampling --------------------------------------------------------------------------
     @torch.no_grad()
+    @eager()
     def next_logits(self, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Whole-vocabulary logits after the last position of `ids` (batch, seq), on every rank."""
         info = tensor_parallel_of(self.model)

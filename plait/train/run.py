@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from plait.estimate.layout import Workload
+from plait.parallel.compiled import cache_dir, compile_stats, is_compiled
 from plait.parallel.precision import reduce_dtype_of
 from plait.report import report_after_training
 from plait.runtime import comm
@@ -66,6 +67,8 @@ def finish(trainer: Trainer) -> dict[str, Any]:
     summary = trainer.metrics.summary(described, extras)
     summary["step_time"] = step_time_parts(summary["predicted"], summary["step_time_s_median"], extras["optimizer_s"])
     summary.update(sample=sample, config=config.to_dict(), restarts=trainer.restarts)
+    if is_compiled(trainer.model):
+        summary["compile"] = compile_summary(trainer.metrics.history[0]["step_time_s"], summary["step_time_s_median"])
     if not mesh.is_main:
         return summary
     out = Path(config.out)
@@ -75,6 +78,13 @@ def finish(trainer: Trainer) -> dict[str, Any]:
     if not config.no_report and os.environ.get("PLAIT_REPORT", "on") != "off":
         print(report_after_training(out), flush=True)
     return summary
+
+
+def compile_summary(first_step_s: float, median_s: float) -> dict[str, Any]:
+    """What compiling cost this world: the first step's excess over the median (compilation
+    happens there, forward and backward), the graphs, the graph breaks and the cache's answers."""
+    return {"seconds": max(0.0, first_step_s - median_s), "first_step_s": first_step_s,
+            "cache_dir": str(cache_dir()), **compile_stats()}
 
 
 def prediction(trainer: Trainer) -> dict[str, Any]:

@@ -26,6 +26,12 @@ sequence chunks are laid out rank-major, (tp, batch, seq/tp, hidden): one copy w
 batch > 1, none when batch == 1.
 
 Every op calls `plait.runtime.comm`, so every byte is in the ledger.
+
+The three collectives are also torch custom ops (`plait::tp_all_reduce`,
+`plait::tp_all_gather_sequence`, `plait::tp_reduce_scatter_sequence`), each with a shape-only
+fake: `torch.compile` (--compile) then keeps them as opaque nodes of a block's graph, where
+a call into the ledger would otherwise break it. The axis travels as a key into `_AXES`,
+since an op takes tensors and plain values only.
 """
 
 from __future__ import annotations
@@ -87,6 +93,60 @@ def _all_reduce(tensor: torch.Tensor, axis: Axis) -> torch.Tensor:
     return out
 
 
+# -- the collectives as custom ops: opaque to torch.compile ----------------------------------------
+_AXES: dict[int, Axis] = {}
+
+
+def _key(axis: Axis) -> int:
+    _AXES.setdefault(id(axis), axis)
+    return id(axis)
+
+
+@torch.library.custom_op("plait::tp_all_reduce", mutates_args=())
+def _all_reduce_op(tensor: torch.Tensor, axis: int) -> torch.Tensor:
+    return _all_reduce(tensor, _AXES[axis])
+
+
+@_all_reduce_op.register_fake
+def _(tensor: torch.Tensor, axis: int) -> torch.Tensor:
+    return torch.empty_like(tensor, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("plait::tp_all_gather_sequence", mutates_args=())
+def _all_gather_sequence_op(shard: torch.Tensor, axis: int) -> torch.Tensor:
+    return all_gather_sequence(shard, _AXES[axis])
+
+
+@_all_gather_sequence_op.register_fake
+def _(shard: torch.Tensor, axis: int) -> torch.Tensor:
+    return shard.new_empty((shard.shape[0], shard.shape[SEQ_DIM] * _AXES[axis].size, *shard.shape[2:]))
+
+
+@torch.library.custom_op("plait::tp_reduce_scatter_sequence", mutates_args=())
+def _reduce_scatter_sequence_op(full: torch.Tensor, axis: int) -> torch.Tensor:
+    return reduce_scatter_sequence(full, _AXES[axis])
+
+
+@_reduce_scatter_sequence_op.register_fake
+def _(full: torch.Tensor, axis: int) -> torch.Tensor:
+    return full.new_empty((full.shape[0], full.shape[SEQ_DIM] // _AXES[axis].size, *full.shape[2:]))
+
+
+def all_reduce_copy(tensor: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """The sum over the axis, in a new tensor; no autograd."""
+    return _all_reduce_op(tensor, _key(axis))
+
+
+def gather_sequence(shard: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """`all_gather_sequence`, through its custom op."""
+    return _all_gather_sequence_op(shard, _key(axis))
+
+
+def scatter_sum_sequence(full: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """`reduce_scatter_sequence`, through its custom op."""
+    return _reduce_scatter_sequence_op(full, _key(axis))
+
+
 class _CopyToRegion(torch.autograd.Function):
     """Enter a TP region with a replicated input.
 
@@ -101,7 +161,7 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_reduce(grad, ctx.axis), None
+        return all_reduce_copy(grad, ctx.axis), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
@@ -113,7 +173,7 @@ class _ReduceFromRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, axis: Axis) -> torch.Tensor:
-        return _all_reduce(x, axis)
+        return all_reduce_copy(x, axis)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -134,12 +194,12 @@ class _GatherFromSequence(torch.autograd.Function):
         ctx.axis, ctx.full, ctx.keep_shard = axis, None, keep_shard
         if keep_shard:
             ctx.save_for_backward(shard)
-        return all_gather_sequence(shard, axis)
+        return gather_sequence(shard, axis)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         ctx.full = None  # the linears that shared the rebuilt input are done with it
-        return reduce_scatter_sequence(grad, ctx.axis), None, None
+        return scatter_sum_sequence(grad, ctx.axis), None, None
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
@@ -152,11 +212,11 @@ class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, axis: Axis) -> torch.Tensor:
         ctx.axis = axis
-        return reduce_scatter_sequence(x, axis)
+        return scatter_sum_sequence(x, axis)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return all_gather_sequence(grad, ctx.axis), None
+        return gather_sequence(grad, ctx.axis), None
 
 
 class _ScatterToSequence(torch.autograd.Function):
@@ -173,7 +233,7 @@ class _ScatterToSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return all_gather_sequence(grad, ctx.axis), None
+        return gather_sequence(grad, ctx.axis), None
 
 
 class _GatherToReplicated(torch.autograd.Function):
@@ -186,7 +246,7 @@ class _GatherToReplicated(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, shard: torch.Tensor, axis: Axis) -> torch.Tensor:
         ctx.axis = axis
-        return all_gather_sequence(shard, axis)
+        return gather_sequence(shard, axis)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -202,6 +262,9 @@ def reduce_from_region(x: torch.Tensor, axis: Axis) -> torch.Tensor:
 
 
 def gather_from_sequence(x: torch.Tensor, axis: Axis, keep_shard: bool = False) -> torch.Tensor:
+    # Under torch.compile the gathered input is saved whole: the compiled graph cannot hand
+    # its shard to the column linears' backward (gather_source reads autograd's graph).
+    keep_shard = keep_shard and not torch.compiler.is_compiling()
     return _GatherFromSequence.apply(x, axis, keep_shard) if axis.size > 1 else x
 
 
@@ -240,6 +303,8 @@ def split_features(x: torch.Tensor, axis: Axis) -> torch.Tensor:
 
 def gather_source(x: torch.Tensor) -> Any:
     """The gather node that made `x` while keeping its shard, or None."""
+    if torch.compiler.is_compiling():
+        return None
     node = x.grad_fn
     if isinstance(node, _GatherFromSequence._backward_cls) and node.keep_shard:
         return node
