@@ -70,3 +70,17 @@ def test_humanised_units_and_alignment() -> None:
     assert human_bytes(None) == "unknown"
     lines = table([["a", "1"], ["long name", "1000"]])
     assert lines == ["a             1", "long name  1000"]
+
+
+def test_zero3_gather_options_change_traffic_and_gathered_memory(capsys) -> None:
+    """--reshard-after-forward false: 2 gathers of the weights become 1, and every unit is held;
+    --prefetch 2: one more unit held than the default."""
+    base = ["--model", "small", "--dp", "4", "--zero", "3", "--seq-len", "128", "--json"]
+    runs = {}
+    for name, extra in (("default", []), ("prefetch2", ["--prefetch", "2"]), ("keep", ["--reshard-after-forward", "false"])):
+        estimate_main([*base, *extra])
+        runs[name] = json.loads(capsys.readouterr().out)
+    gathers = {k: r["comm"]["dp"]["all_gather"] for k, r in runs.items()}
+    assert gathers["keep"] == gathers["default"] / 2 and gathers["prefetch2"] == gathers["default"]
+    params = {k: r["memory"]["params"] for k, r in runs.items()}
+    assert params["default"] < params["prefetch2"] < params["keep"]

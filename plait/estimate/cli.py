@@ -46,6 +46,9 @@ def estimate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpus", type=int, help="check that dp x tp x pp uses this many GPUs")
     parser.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3")
     parser.add_argument("--offload", action="store_true", help="optimizer state in CPU memory")
+    parser.add_argument("--prefetch", type=int, default=1, help="ZeRO-3: units gathered ahead of the one computing")
+    parser.add_argument("--reshard-after-forward", default="true", choices=("true", "false"),
+                        help="ZeRO-3: false keeps each unit gathered from forward to backward")
     parser.add_argument("--recompute", default="none", help=f"one of {', '.join(RECOMPUTE)}")
     parser.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)}")
     parser.add_argument("--virtual-stages", type=int, default=1, help="chunks per rank (interleaved)")
@@ -82,7 +85,8 @@ def estimate_main(argv: list[str], shape_of: ShapeOf) -> int:
         config, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero, offload=args.offload,
         precision=args.precision, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
         seq_len=args.seq_len, recompute=args.recompute, schedule=args.schedule,
-        virtual_stages=args.virtual_stages, sp=args.sp, reduce_dtype=args.reduce_dtype, hardware=hardware,
+        virtual_stages=args.virtual_stages, sp=args.sp, reduce_dtype=args.reduce_dtype, prefetch=args.prefetch,
+        reshard_after_forward=args.reshard_after_forward == "true", hardware=hardware,
         gpus_per_node=args.gpus_per_node, params=args.params)
     name = args.model or f"a {args.params:.3g}-parameter model"
     _emit(result, args.json, lambda: format_estimate(result, name))
