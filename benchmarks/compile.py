@@ -112,7 +112,7 @@ def table(rows: dict[str, Any], args: argparse.Namespace) -> str:
         f"- machine: {machine()}, Gloo, Inductor's C++ backend ({os.environ.get('CXX', 'g++')})",
         f"- date: {datetime.date.today().isoformat()}; load average (1 min) when the run ended: {os.getloadavg()[0]:.1f}",
         f"- model: `{args.model}` GPT, the demo's shapes (micro-batch {args.micro_batch} × {args.seq_len} tokens per "
-        f"rank), fp32, AdamW fused; step time: median of {args.steps} steps (the first, which compiles, left out); "
+        f"rank), fp32, AdamW fused; step time: median of steps 2 to {args.steps} (the first compiles); "
         "compile: the first step's excess over the median, from an empty cache", "",
         "| layout | eager s/step | compiled s/step | compiled / eager | compile s | graph breaks | "
         "compile s, cache warm (a restart) | compiled vs plain torch compiled (1 process) |",
