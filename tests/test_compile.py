@@ -45,7 +45,7 @@ def reference(tmp_path_factory, cache):
 CASES = {  # name: (flags, the reference's accumulation)
     "dp2": (["--nproc", "2"], 2),
     "zero3": (["--nproc", "2", "--zero", "3"], 2),
-    "tp2-sp": (["--nproc", "2", "--tp", "2", "--sp"], 1),
+    "tp2-sp": (["--nproc", "2", "--tp", "2", "--sp", "--grad-accum", "2"], 2),
     "pp2-1f1b": (["--nproc", "2", "--pp", "2", "--grad-accum", "2"], 2),
     "dp2-recompute": (["--nproc", "2", "--recompute", "full"], 2),
     "zero3-keep-bf16": (["--nproc", "2", "--zero", "3", "--reshard-after-forward", "false", "--precision", "bf16"], 2),
@@ -77,13 +77,17 @@ def test_compiled_layout_trains_the_same_model_as_one_process(case, reference, c
            f"{compiled['graph_breaks']} graph break(s)" in stdout
 
 
-def test_a_second_run_finds_every_graph_in_the_cache(cache, tmp_path):
-    """The restart's case: same layout, same cache; nothing is compiled again (the first run
-    is the dp2 case's when it ran in this session)."""
-    first = FIRST.get("dp2") or run(tmp_path / "first", cache, "--compile", *CASES["dp2"][0])[1]["compile"]
-    second = run(tmp_path / "second", cache, "--compile", *CASES["dp2"][0])[1]["compile"]
-    assert second["cache_misses"] == 0 and second["cache_hits"] >= 1, second
-    assert second["seconds"] < first["seconds"] or first["cache_misses"] == 0
+def test_a_later_run_finds_every_graph_in_the_cache(cache, tmp_path):
+    """The restart's case: a run after the dp2 one, on the same cache, compiles nothing. The
+    ZeRO-3 case is such a run (its blocks' graph is dp2's: the gathers stay outside it);
+    when it did not run in this session, dp2 is simply run twice."""
+    if "dp2" in FIRST and "zero3" in FIRST:
+        first, later = FIRST["dp2"], FIRST["zero3"]
+    else:
+        first = run(tmp_path / "first", cache, "--compile", *CASES["dp2"][0])[1]["compile"]
+        later = run(tmp_path / "later", cache, "--compile", *CASES["dp2"][0])[1]["compile"]
+    assert later["cache_misses"] == 0 and later["cache_hits"] >= 1, later
+    assert later["seconds"] < first["seconds"] or first["cache_misses"] == 0
 
 
 def test_compile_without_a_cxx_compiler_is_one_clear_line(tmp_path):
