@@ -53,6 +53,7 @@ def test_a_killed_rank_restarts_the_world_and_ends_with_the_same_bytes(reference
     assert json.loads((reference / "summary.json").read_text())["restarts"] == 0
 
 
+@pytest.mark.slow  # an edge of the restart path; make test keeps the mid-run kill and the SIGTERM ones
 def test_a_world_that_dies_after_its_last_save_ends_well(reference, tmp_path, monkeypatch):
     """Rank 1 dies in the closing phase (step 13 of 12: sample, weights, report), after
     step-00000012 was written: the restarted world finds the finished run and writes its
