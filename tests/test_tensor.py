@@ -16,7 +16,7 @@ from plait.models.gpt_adapter import GPT_PLAN
 from plait.parallel.tensor.plan import apply_tensor_parallel, lm_loss, resolve_plan, tp_loss_fn
 from plait.estimate.layout import Workload, stages
 from plait.estimate.traffic import tp_traffic
-from plait.parallel.tensor import regions
+from plait.parallel.tensor import ops
 from plait.runtime.comm import Axis, Ledger
 
 TINY = get_preset("tiny")
@@ -101,7 +101,7 @@ def test_sp_needs_the_sequence_divisible_by_tp() -> None:
         replace(TINY, n_kv_heads=4).check_split(4, sp=True, seq_len=18)
     replace(TINY, n_kv_heads=4).check_split(4, sp=False, seq_len=18)
     with pytest.raises(PlaitError, match="17 tokens over tp=2"):
-        regions.reduce_scatter_sequence(torch.zeros(1, 17, 4), fake_axis(2))
+        ops.reduce_scatter_sequence(torch.zeros(1, 17, 4), fake_axis(2))
 
 
 # -- what it moves, as plait.estimate predicts it ------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,13 +42,21 @@ def cache_dir() -> Path:
     return Path(root) / "inductor"
 
 
+def check_toolchain(device_type: str) -> None:
+    """Inductor's C++ compiler ($CXX, else g++) must be there to compile for a CPU."""
+    cxx = os.environ.get("CXX")
+    rules.check_compile_toolchain(device_type, cxx, shutil.which(cxx or "g++") is not None)
+
+
 def apply_compile(blocks: list[nn.Module], device: torch.device) -> int:
     """Compile each block's forward in place (once); returns how many blocks were compiled."""
     if not blocks:
         raise PlaitError("--compile compiles the model's blocks, and this model has none that plait can find",
                          hint="give it an adapter naming its blocks (plait.parallel.seam), or drop --compile")
-    rules.check_compile_toolchain(device.type)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir())  # read when Inductor first compiles
+    check_toolchain(device.type)
+    # Inductor reads its cache directory from the environment when it first compiles; plait
+    # names one that outlives /tmp (restarts find it), unless the user named another.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir()))
     for block in blocks:
         if not getattr(block, COMPILED_ATTR, False):
             block.forward = torch.compile(block.forward)  # the instance's forward: hooks stay outside
@@ -61,7 +70,11 @@ def is_compiled(model: nn.Module) -> bool:
 
 @contextlib.contextmanager
 def eager() -> Iterator[None]:
-    """Run compiled blocks eagerly inside (evaluation, sampling)."""
+    """Run compiled blocks eagerly inside (evaluation, sampling); torch before 2.6 has no
+    stance to set, and compiles them there too."""
+    if not hasattr(torch.compiler, "set_stance"):
+        yield
+        return
     with torch.compiler.set_stance("force_eager"):
         yield
 

@@ -248,6 +248,18 @@ def check_strategies(config: TrainConfig) -> None:
     rules.check_choice("optimizer-kernel", config.optimizer_kernel, rules.OPTIMIZER_KERNELS)
     if config.compile:
         rules.check_compile(layout.schedule, layout.pp)
+        check_compile_toolchain(config)
+
+
+def check_compile_toolchain(config: TrainConfig) -> None:
+    """--compile on a CPU run needs Inductor's C++ compiler: said before spawning. Whether the
+    ranks will run on a GPU is guessed without importing torch (an NVIDIA driver present and
+    a backend that may use it); the ranks check again on the device they run on."""
+    import shutil
+
+    gpu = config.backend == "nccl" or (config.backend == "auto" and os.path.exists("/dev/nvidiactl"))
+    cxx = os.environ.get("CXX")
+    rules.check_compile_toolchain("cuda" if gpu else "cpu", cxx, shutil.which(cxx or "g++") is not None)
 
 
 def check_outputs(config: TrainConfig) -> None:
@@ -263,8 +275,6 @@ def check_outputs(config: TrainConfig) -> None:
         from plait.train.tboard import check_available
 
         check_available()
-    if config.compile and config.backend != "nccl" and not (config.backend == "auto" and os.path.exists("/dev/nvidiactl")):
-        rules.check_compile_toolchain("cpu")  # the ranks check again, on the device they run on
 
 
 def check_writable(out: str) -> None:

@@ -34,6 +34,7 @@ class Metrics:
         self.path, self.mesh, self.measure = Path(out) / "metrics.jsonl", mesh, measure
         self.unit, self.units_per_step, self.metric_names = unit, units_per_step, metric_names
         self.history: list[dict[str, Any]] = []
+        self.kept = 0
         self._file: Any = None
 
     # -- the file ----------------------------------------------------------------------------
@@ -46,6 +47,7 @@ class Metrics:
             kept = [json.loads(line) for line in self.path.read_text().splitlines() if line]
             kept = [record for record in kept if record["step"] <= start]
         self.history = kept
+        self.kept = len(kept)  # lines of an earlier world's steps: this world's start after them
         if self.mesh.is_main:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             scratch = self.path.with_name(f".{self.path.name}.{os.getpid()}")

@@ -67,8 +67,9 @@ def finish(trainer: Trainer) -> dict[str, Any]:
     summary = trainer.metrics.summary(described, extras)
     summary["step_time"] = step_time_parts(summary["predicted"], summary["step_time_s_median"], extras["optimizer_s"])
     summary.update(sample=sample, config=config.to_dict(), restarts=trainer.restarts)
-    if is_compiled(trainer.model):
-        summary["compile"] = compile_summary(trainer.metrics.history[0]["step_time_s"], summary["step_time_s_median"])
+    if is_compiled(trainer.model) and len(trainer.metrics.history) > trainer.metrics.kept:
+        first = trainer.metrics.history[trainer.metrics.kept]  # this world's first step, where it compiled
+        summary["compile"] = compile_summary(first["step_time_s"], summary["step_time_s_median"])
     if not mesh.is_main:
         return summary
     out = Path(config.out)

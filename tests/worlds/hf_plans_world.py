@@ -29,7 +29,7 @@ import plait
 from plait.parallel.pipeline.split import logical_parameters
 from plait.parallel.tensor.layers import shard_of
 from plait.parallel.tensor.plan import gather_full_params
-from plait.parallel.tensor.regions import all_gather_stacked
+from plait.parallel.tensor.ops import all_gather_stacked
 from plait.runtime import comm
 from tests.worldlib import save_report
 

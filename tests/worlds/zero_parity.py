@@ -59,7 +59,8 @@ N4 = [
 ]
 REFERENCES = {
     "gpt-adamw": {}, "gpt-sgd": {"optim": "sgd"}, "mlp-sgd": {"kind": "mlp", "optim": "sgd"},
-    "mlp-adamw": {"kind": "mlp"}, "deep-adamw": {"kind": "deep"}, "deep-sgd": {"kind": "deep", "optim": "sgd"}, "gpt-bf16-adamw": {"dtype": BF16}, "gpt-bf16-sgd": {"dtype": BF16, "optim": "sgd"},
+    "mlp-adamw": {"kind": "mlp"}, "deep-adamw": {"kind": "deep"}, "deep-sgd": {"kind": "deep", "optim": "sgd"},
+    "gpt-bf16-adamw": {"dtype": BF16}, "gpt-bf16-sgd": {"dtype": BF16, "optim": "sgd"},
 }
 # bf16 parameters and gradients round to 8 bits: losses agree to 1e-4, gradient norms to 1e-2
 # (gradients are averaged in bf16), SGD parameters to 1e-3 (a few bf16 ulps; they move by 2.4e-2).

@@ -14,7 +14,7 @@ import torch
 
 from plait.runtime import comm
 from plait.runtime.comm import Axis
-from plait.parallel.tensor.regions import all_gather_stacked
+from plait.parallel.tensor.ops import all_gather_stacked
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -33,7 +33,7 @@ from plait.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinea
 from plait.parallel.tensor.loss import vocab_parallel_cross_entropy
 from plait.runtime import comm
 from plait.runtime.comm import Axis
-from plait.parallel.tensor.regions import all_gather_stacked
+from plait.parallel.tensor.ops import all_gather_stacked, register_axis
 from plait.parallel.tensor.styles import (COLUMNS, ROWS, SPLIT, STYLES, check_divisible, parse_style, resolve_plan,
                                           shares_entry)
 
@@ -79,6 +79,7 @@ def apply_tensor_parallel(model: nn.Module, axis: Axis, *, plan: dict[str, str] 
     styles = resolve_plan(model, plan)
     sp = sp and axis.size > 1
     setattr(model, ATTR, TensorParallel(axis, sp, regather, styles))
+    register_axis(axis)  # the collectives' custom ops find it by name (ops.py)
     if axis.size == 1:
         return model
     check_divisible(model, styles, axis.size)

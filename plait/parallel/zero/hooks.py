@@ -233,11 +233,11 @@ class ZeroSync:
             wrapped = True
             if torch.is_grad_enabled():
                 output, wrapped = _wrap_outputs(output, self, group)
-            if wrapped and self.reshard_after_forward:
+            # Kept (for its backward, which frees it once its gradient is in) when told so and a
+            # backward will come; kept too when its backward cannot be announced (until backward ends).
+            if wrapped and (self.reshard_after_forward or not torch.is_grad_enabled()):
                 self._free(group)
-            elif wrapped:  # kept for its backward, which frees it once its gradient is in
-                self._kept.add(group.index)
-            else:  # its backward cannot be announced, so it stays gathered until backward ends
+            else:
                 self._kept.add(group.index)
         if is_root:  # the whole forward is done: free what was prefetched but never ran
             self._last_order = self._order or self._last_order
