@@ -13,18 +13,13 @@ and reports the repeat with the median ratio.
 from __future__ import annotations
 
 import datetime
-import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, new_parser, write_section  # noqa: E402
+from common import machine, new_parser, train_summary, write_section  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 COMMON = ["--model", "resnet18,width=16", "--data", "digits", "--micro-batch", "32", "--steps", "20",
           "--eval-every", "0", "--warmup-steps", "2", "--lr", "0.01", "--no-report", "--augment", "none"]
 READING = """What it shows. The activations are exact: the formula counts what autograd saves for a
@@ -48,10 +43,7 @@ LAYOUTS = {
 
 def run(flags: list[str]) -> dict:
     """One `plait train` run: its summary's prediction and measurement."""
-    with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "plait", "train", *COMMON, *flags, "--out", out]
-        subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        summary = json.loads((Path(out) / "summary.json").read_text())
+    summary = train_summary([*COMMON, *flags])
     predicted, step = summary["predicted"], summary["step_time"]
     return {"act_pred": predicted["memory"]["activations"], "act_meas": summary["mem"]["activations_peak"],
             "step_pred": step["predicted"]["step"], "step_meas": step["measured"]["step"], "ratio": step["ratio"],

@@ -52,6 +52,24 @@ def run_world(script: str, nproc: int, args: list[str], env: dict[str, str] | No
         return json.loads(result.read_text())
 
 
+def train_summary(flags: list[str], env: dict[str, str] | None = None) -> dict:
+    """One `plait train FLAGS` run, as a user types it, in a scratch --out; its summary.json.
+    A failing run raises with the end of its output."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    root = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory() as out:
+        proc = subprocess.run([sys.executable, "-m", "plait", "train", *flags, "--out", out], cwd=root,
+                              capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(root), **(env or {})})
+        if proc.returncode:
+            raise RuntimeError(f"plait train {' '.join(flags)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        return json.loads((Path(out) / "summary.json").read_text())
+
+
 def timed_on_all_ranks(world, action) -> float:
     """Seconds `action` takes on the slowest rank: a barrier before, a barrier after."""
     import time

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, new_parser, write_section  # noqa: E402
+from common import machine, new_parser, train_summary, write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUTS = {"1 process": ["--nproc", "1"], "dp 2": ["--nproc", "2"], "ZeRO-3 × 2": ["--nproc", "2", "--zero", "3"],
@@ -38,12 +38,9 @@ LAYOUTS = {"1 process": ["--nproc", "1"], "dp 2": ["--nproc", "2"], "ZeRO-3 × 2
 
 def train(args: argparse.Namespace, flags: list[str], cache: str) -> dict[str, Any]:
     """One `plait train` run; its summary."""
-    with tempfile.TemporaryDirectory() as out:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": cache}
-        subprocess.run([sys.executable, "-m", "plait", "train", "--model", args.model, "--micro-batch",
-                        str(args.micro_batch), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
-                        "--no-report", "--out", out, *flags], check=True, cwd=ROOT, env=env, capture_output=True)
-        return json.loads((Path(out) / "summary.json").read_text())
+    return train_summary(["--model", args.model, "--micro-batch", str(args.micro_batch), "--seq-len",
+                          str(args.seq_len), "--steps", str(args.steps), "--no-report", *flags],
+                         env={"TORCHINDUCTOR_CACHE_DIR": cache})
 
 
 def plain_loop(args: argparse.Namespace, compiled: bool) -> dict[str, float]:

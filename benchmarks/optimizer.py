@@ -14,28 +14,20 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import finish, machine, new_parser  # noqa: E402
+from common import finish, machine, new_parser, train_summary  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 LAYOUTS = {"dp 2": ["--nproc", "2"], "ZeRO-3 x 2": ["--nproc", "2", "--zero", "3"]}
 KERNELS = ("loop", "fused")
 
 
 def one_run(layout: list[str], kernel: str, steps: int) -> dict:
-    with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "plait", "train", *layout, "--optimizer-kernel", kernel, "--steps", str(steps),
-               "--eval-every", "0", "--sample-tokens", "0", "--no-report", "--out", out]
-        subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                       stdout=subprocess.DEVNULL)
-        summary = json.loads((Path(out) / "summary.json").read_text())
+    summary = train_summary([*layout, "--optimizer-kernel", kernel, "--steps", str(steps), "--eval-every", "0",
+                             "--sample-tokens", "0", "--no-report"])
     parts = summary["step_time"]
     return {"step": summary["step_time_s_median"], "optimizer": parts["measured"]["optimizer"],
             "predicted": parts["predicted"]["optimizer"], "params": summary["num_params"]}

@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import run_world as common_run_world  # noqa: E402
-from common import new_parser, torch_version, write_section  # noqa: E402
+from common import new_parser, torch_version, train_summary, write_section  # noqa: E402
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -254,16 +254,9 @@ def measure(n: int, args: argparse.Namespace) -> dict[str, Any]:
 
 def trained(n: int, args: argparse.Namespace, *flags: str) -> float:
     """`plait train`'s median step time (summary.json) on the benchmark's shapes."""
-    import subprocess
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as out:
-        subprocess.run([sys.executable, "-m", "plait", "train", "--model", args.model, "--nproc", str(n),
-                        "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len),
-                        "--steps", str(args.train_steps), "--bucket-mb", str(args.bucket_mb), "--no-report",
-                        "--out", out, *flags], check=True, cwd=ROOT, capture_output=True,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
-        return json.loads((Path(out) / "summary.json").read_text())["step_time_s_median"]
+    return train_summary(["--model", args.model, "--nproc", str(n), "--micro-batch", str(args.micro_batch),
+                          "--seq-len", str(args.seq_len), "--steps", str(args.train_steps), "--bucket-mb",
+                          str(args.bucket_mb), "--no-report", *flags])["step_time_s_median"]
 
 
 TRAIN_RUNS = {"--zero 0": [], "--zero 3": ["--zero", "3"],

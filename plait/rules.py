@@ -180,10 +180,10 @@ def check_sequence_split(seq_len: int, tp: int, sp: bool) -> None:
                          hint=f"use a seq_len that is a multiple of {tp}, or drop --sp")
 
 
-def check_compile_toolchain(device_type: str, cxx: str | None, found: bool) -> None:
-    """--compile on a CPU: Inductor writes C++ and builds it with $CXX, else g++ (what it
-    tries on Linux); `found` says whether that compiler is on the PATH. Refused at once,
-    not in the first step."""
+def check_compile_toolchain(device_type: str, cxx: str, found: bool) -> None:
+    """--compile on a CPU: Inductor writes C++ and builds it with `cxx` ($CXX, else g++:
+    plait.runtime.env.cxx_compiler); `found` says whether it is on the PATH. Refused at
+    once, not in the first step."""
     if device_type == "cpu" and not found:
-        raise PlaitError(f"--compile on a CPU needs a C++ compiler, and {cxx or 'g++'} was not found",
+        raise PlaitError(f"--compile on a CPU needs a C++ compiler, and {cxx} was not found",
                          hint="install g++ (e.g. apt-get install g++) or point $CXX at a compiler, or drop --compile")

@@ -23,6 +23,7 @@ from plait.bench import calibrate as cal
 from plait.estimate.hardware import Hardware, get_hardware, hardware_toml, load_hardware
 from plait.models.config import GPTConfig
 from plait.runtime import comm
+from plait.runtime.env import cache_root
 from plait.runtime.mesh import Mesh
 
 
@@ -53,9 +54,8 @@ def machine_facts(mesh: Mesh, optimizer_kernel: str = "fused") -> dict[str, str]
 
 
 def cache_path(facts: dict[str, str]) -> Path:
-    root = os.environ.get("PLAIT_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "plait"
     key = hashlib.sha256("|".join(f"{k}={facts[k]}" for k in sorted(facts)).encode()).hexdigest()[:16]
-    return Path(root) / f"hardware-{key}.toml"
+    return cache_root() / f"hardware-{key}.toml"
 
 
 def base_preset(gpu: str) -> Hardware:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from torch import nn
 
 from plait import rules
 from plait.errors import PlaitError
+from plait.runtime.env import cache_root, cxx_compiler
 
 COMPILED_ATTR = "plait_compiled"  # set on a block whose forward is compiled
 
@@ -36,16 +36,7 @@ COMPILED_ATTR = "plait_compiled"  # set on a block whose forward is compiled
 def cache_dir() -> Path:
     """Where compiled graphs are kept: $TORCHINDUCTOR_CACHE_DIR, else plait's cache directory."""
     given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if given:
-        return Path(given)
-    root = os.environ.get("PLAIT_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "plait"
-    return Path(root) / "inductor"
-
-
-def check_toolchain(device_type: str) -> None:
-    """Inductor's C++ compiler ($CXX, else g++) must be there to compile for a CPU."""
-    cxx = os.environ.get("CXX")
-    rules.check_compile_toolchain(device_type, cxx, shutil.which(cxx or "g++") is not None)
+    return Path(given) if given else cache_root() / "inductor"
 
 
 def apply_compile(blocks: list[nn.Module], device: torch.device) -> int:
@@ -53,7 +44,7 @@ def apply_compile(blocks: list[nn.Module], device: torch.device) -> int:
     if not blocks:
         raise PlaitError("--compile compiles the model's blocks, and this model has none that plait can find",
                          hint="give it an adapter naming its blocks (plait.parallel.seam), or drop --compile")
-    check_toolchain(device.type)
+    rules.check_compile_toolchain(device.type, *cxx_compiler())
     # Inductor reads its cache directory from the environment when it first compiles; plait
     # names one that outlives /tmp (restarts find it), unless the user named another.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir()))

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from plait.errors import PlaitError
 
@@ -140,3 +142,17 @@ def set_cpu_threads(local_world: int) -> None:
         import torch
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+
+
+def cache_root() -> Path:
+    """plait's cache directory: $PLAIT_CACHE_DIR, else $XDG_CACHE_HOME/plait, else
+    ~/.cache/plait (calibrations and compiled graphs live there)."""
+    given = os.environ.get("PLAIT_CACHE_DIR")
+    return Path(given) if given else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "plait"
+
+
+def cxx_compiler() -> tuple[str, bool]:
+    """The C++ compiler torch's Inductor builds CPU code with ($CXX, else g++), and whether
+    it is on the PATH."""
+    name = os.environ.get("CXX") or "g++"
+    return name, shutil.which(name) is not None

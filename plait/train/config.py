@@ -255,11 +255,10 @@ def check_compile_toolchain(config: TrainConfig) -> None:
     """--compile on a CPU run needs Inductor's C++ compiler: said before spawning. Whether the
     ranks will run on a GPU is guessed without importing torch (an NVIDIA driver present and
     a backend that may use it); the ranks check again on the device they run on."""
-    import shutil
+    from plait.runtime.env import cxx_compiler
 
     gpu = config.backend == "nccl" or (config.backend == "auto" and os.path.exists("/dev/nvidiactl"))
-    cxx = os.environ.get("CXX")
-    rules.check_compile_toolchain("cuda" if gpu else "cpu", cxx, shutil.which(cxx or "g++") is not None)
+    rules.check_compile_toolchain("cuda" if gpu else "cpu", *cxx_compiler())
 
 
 def check_outputs(config: TrainConfig) -> None:

@@ -75,15 +75,19 @@ def register_axis(axis: Axis) -> str:
     returns the name. The name is stable across processes and restarts, so that a compiled
     graph holding it is found in the compile cache. A rank is in one group per axis name and
     size at a time: the axis registered last under the name is the one the ops use."""
-    key = f"{axis.name}:{axis.size}"
-    _AXES[key] = axis
-    return key
+    name = _name(axis)
+    _AXES[name] = axis
+    return name
+
+
+def _name(axis: Axis) -> str:
+    return f"{axis.name}:{axis.size}"
 
 
 def _key(axis: Axis) -> str:
     # Eager calls keep the registry on the axis in use; a compiled graph must not write it
     # (a side effect inside an autograd Function breaks the graph): TP registered it already.
-    return f"{axis.name}:{axis.size}" if torch.compiler.is_compiling() else register_axis(axis)
+    return _name(axis) if torch.compiler.is_compiling() else register_axis(axis)
 
 
 @torch.library.custom_op("plait::tp_all_reduce", mutates_args=())
