@@ -37,7 +37,7 @@ class Layout:
     dp: int = 1  # data-parallel replicas (or ZeRO shards)
     tp: int = 1  # tensor-parallel ranks (Megatron-style)
     pp: int = 1  # pipeline stages' ranks
-    cp: int = 1  # context-parallel ranks (not built yet: refused above 1)
+    cp: int = 1  # context-parallel ranks: each holds 2 of the sequence's 2·cp chunks (head and tail)
     ep: int = 1  # expert-parallel ranks, carved out of dp (not built yet: refused above 1)
     zero: int = 0  # 0: DDP; 1: shard optimizer states; 2: + gradients; 3: + parameters
     offload: bool = False  # optimizer states and step in CPU memory (needs zero >= 1)
@@ -46,6 +46,7 @@ class Layout:
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved)
     prefetch: int = 1  # ZeRO-3: units gathered ahead of the one running (0: gather on demand)
     reshard_after_forward: bool = True  # ZeRO-3: free a unit after its forward, gather it again for backward
+    cp_kind: str = "ring"  # context parallelism's attention: ring (send/recv of K/V) or ulysses (all-to-all)
 
     def __post_init__(self) -> None:
         rules.check_layout(self)
@@ -104,7 +105,8 @@ class Layout:
                   "sp" if self.sp else "", f"schedule={self.schedule}" if self.pp > 1 else "",
                   f"virtual-stages={self.virtual_stages}" if self.virtual_stages > 1 else "",
                   f"prefetch={self.prefetch}" if self.prefetch != 1 else "",
-                  "no-reshard-after-forward" if not self.reshard_after_forward else ""]
+                  "no-reshard-after-forward" if not self.reshard_after_forward else "",
+                  f"cp-kind={self.cp_kind}" if self.cp > 1 and self.cp_kind != "ring" else ""]
         return " ".join([*degrees, *filter(None, extras)])
 
 

@@ -12,6 +12,8 @@ field of the Layout and its rules here.
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 from plait.errors import PlaitError
@@ -33,7 +35,10 @@ ZERO_STAGES = (0, 1, 2, 3)
 # torch's multi-tensor foreach path, or its per-tensor loop.
 OPTIMIZER_KERNELS = ("fused", "foreach", "loop")
 # Axes the layout names but training does not run yet: refused, never ignored.
-NOT_BUILT = {"cp": "context parallelism", "ep": "expert parallelism"}
+NOT_BUILT = {"ep": "expert parallelism"}
+# Context parallelism's attention kinds (plait.parallel.context): K/V passed round a ring of
+# send/recv, or all-to-all from sequence shards to head shards (DeepSpeed-Ulysses).
+CP_KINDS = ("ring", "ulysses")
 
 
 def check_choice(flag: str, value: object, choices: tuple) -> None:
@@ -53,6 +58,24 @@ def check_whole(flag: str, value: Any) -> None:
                          hint=f"pass --{flag} 1 or more")
 
 
+def check_context_split(seq_len: int, cp: int, tp: int = 1, sp: bool = False, heads: int | None = None,
+                        kind: str = "ring") -> None:
+    """Context parallelism's cuts: 2·cp equal chunks of each sequence; under SP, each cp rank's
+    tokens split again over tp; Ulysses' heads (per tp rank) over cp."""
+    if cp == 1:
+        return
+    if seq_len % (2 * cp):
+        raise PlaitError(f"--seq-len {seq_len} is not divisible by 2·cp = {2 * cp}: each cp rank holds two of "
+                         f"{2 * cp} equal chunks of every sequence (the head-tail balance of causal attention)",
+                         hint=f"use a --seq-len that is a multiple of {2 * cp}")
+    if sp and (seq_len // cp) % tp:
+        raise PlaitError(f"--sp splits each cp rank's {seq_len // cp} tokens over tp={tp}, which does not divide them",
+                         hint=f"use a --seq-len that is a multiple of {2 * cp * tp // math.gcd(2, tp)}")
+    if kind == "ulysses" and heads is not None and (heads // tp) % cp:
+        raise PlaitError(f"--cp-kind ulysses splits attention heads over cp: {heads // tp} heads per tp rank are not "
+                         f"divisible by cp={cp}", hint="use --cp-kind ring, or a cp that divides the heads")
+
+
 def check_layout(layout: Any) -> None:
     """Everything a `plait.layout.Layout` must satisfy on its own (no model, no batch)."""
     for axis in ("dp", "tp", "pp", "cp", "ep", "virtual_stages"):
@@ -62,6 +85,10 @@ def check_layout(layout: Any) -> None:
             raise PlaitError(f"--{axis} {getattr(layout, axis)}: {what} is not built yet",
                              hint=f"drop --{axis}; use dp, tp, pp and ZeRO")
     check_choice("schedule", layout.schedule, SCHEDULES)
+    check_choice("cp-kind", layout.cp_kind, CP_KINDS)
+    if layout.cp > 1 and layout.pp > 1:
+        raise PlaitError(f"--cp {layout.cp} with --pp {layout.pp}: context parallelism across pipeline stages "
+                         "is not built yet", hint="use cp with dp, tp and ZeRO; or pp without cp")
     if layout.zero not in ZERO_STAGES or isinstance(layout.zero, bool):
         raise PlaitError(f"--zero must be 0, 1, 2 or 3, got {layout.zero!r}",
                          hint="0 is plain data parallelism; 1-3 shard more and more state")

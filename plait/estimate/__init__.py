@@ -60,6 +60,9 @@ COMM_ASSUMPTIONS = (
     "inputs; plus embedding, head and 3 fp32 cross-entropy numbers per token",
     "PP: b·s·h per message (/t under SP), one per boundary each way per micro-batch; tied "
     "embeddings swap the embedding gradient between first and last stage once per step",
+    "CP: per layer and micro-batch, ring: (cp−1) sends of a rank's K/V (2·b·(s/cp)·h_kv·d·e) "
+    "forward, (cp−1) again plus cp of its fp32 dK/dV backward; Ulysses: 4 all-to-alls of q, k, "
+    "v, out each way; the gradients sync (and ZeRO shards) over dp·cp ranks, as axis dp_cp",
 )
 
 
@@ -117,9 +120,9 @@ def _whole(params: object) -> int:
 def _params_only(params: int, layout: Workload, hw: Hardware, node: int,
                  timed: bool) -> dict[str, Any]:
     """The estimate for a model known only by its size."""
-    if layout.tp != 1 or layout.pp != 1:
-        raise PlaitError("tensor and pipeline parallelism need the model's shape",
-                         hint="with --params keep --tp 1 --pp 1, or name a --model")
+    if layout.tp != 1 or layout.pp != 1 or layout.cp != 1:
+        raise PlaitError("tensor, pipeline and context parallelism need the model's shape",
+                         hint="with --params keep --tp 1 --pp 1 --cp 1, or name a --model")
     memory = estimate_memory_params_only(params, layout)
     notes = ["model known only by its parameter count: activations, TP and PP unknown "
              "(None); ZeRO-3's gathered block not counted; total excludes activations"]

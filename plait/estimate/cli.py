@@ -41,9 +41,10 @@ def estimate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--params", type=float, help="a model known only by its size, e.g. 7e9")
     parser.add_argument("--reduce-dtype", default="", help="dtype gradients are reduced in over dp: fp32, bf16 "
                         "or fp16 (default: the gradients' own)")
-    for flag in ("--dp", "--tp", "--pp", "--micro-batch", "--grad-accum"):
+    for flag in ("--dp", "--tp", "--pp", "--cp", "--micro-batch", "--grad-accum"):
         parser.add_argument(flag, type=int, default=1)
-    parser.add_argument("--gpus", type=int, help="check that dp x tp x pp uses this many GPUs")
+    parser.add_argument("--cp-kind", default="ring", help="context parallelism's attention: ring or ulysses")
+    parser.add_argument("--gpus", type=int, help="check that dp x tp x pp x cp uses this many GPUs")
     parser.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3")
     parser.add_argument("--offload", action="store_true", help="optimizer state in CPU memory")
     parser.add_argument("--prefetch", type=int, default=1, help="ZeRO-3: units gathered ahead of the one computing")
@@ -82,7 +83,7 @@ def estimate_main(argv: list[str], shape_of: ShapeOf) -> int:
     hardware = resolve_hardware(args.hardware, args.hardware_file)
     config = _model(args.model, shape_of) if args.model or args.params is None else None
     result = estimate_layout(
-        config, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero, offload=args.offload,
+        config, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, cp_kind=args.cp_kind, zero=args.zero, offload=args.offload,
         precision=args.precision, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
         seq_len=args.seq_len, recompute=args.recompute, schedule=args.schedule,
         virtual_stages=args.virtual_stages, sp=args.sp, reduce_dtype=args.reduce_dtype, prefetch=args.prefetch,
@@ -120,7 +121,7 @@ def _model(name: str | None, shape_of: ShapeOf) -> GPTConfig:
 def _check_gpus(gpus: int, args: argparse.Namespace) -> None:
     from plait.layout import Layout
 
-    Layout(dp=args.dp, tp=args.tp, pp=args.pp).check_world(gpus, "--gpus")
+    Layout(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, cp_kind=args.cp_kind).check_world(gpus, "--gpus")
 
 
 def _emit(data: Any, as_json: bool, text: Any) -> None:

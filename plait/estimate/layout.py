@@ -18,7 +18,7 @@ from plait.balance import balanced_counts
 from plait.layout import Layout
 from plait.models.config import GPTConfig
 from plait.rules import (DTYPE_BYTES, PRECISIONS, RECOMPUTE, REDUCE_DTYPES, SCHEDULES,  # noqa: F401
-                         check_microbatches, check_pipeline_cut, check_precision, check_recompute, check_whole,
+                         check_context_split, check_microbatches, check_pipeline_cut, check_precision, check_recompute, check_whole,
                          default_reduce_dtype)
 
 
@@ -56,7 +56,20 @@ class Workload(Layout):
 
     @property
     def tokens_per_micro_batch(self) -> int:
-        return self.micro_batch * self.seq_len
+        """Tokens one rank computes per micro-batch: under context parallelism, its 2 of each
+        sequence's 2·cp chunks (attention alone still reads the whole sequence's keys)."""
+        return self.micro_batch * self.seq_len // self.cp
+
+    @property
+    def sync(self) -> int:
+        """Ranks that average gradients and split ZeRO's shards: the dp ranks and the cp ranks
+        (which hold other tokens of the same samples)."""
+        return self.dp * self.cp
+
+    @property
+    def sync_axis(self) -> str:
+        """The ledger's name for that group (plait.runtime.mesh.SYNC when cp > 1)."""
+        return "dp_cp" if self.cp > 1 else "dp"
 
     @property
     def compute_bytes(self) -> int:
@@ -72,6 +85,7 @@ class Workload(Layout):
         """Raise unless plait can train `config` in this layout: its family's checks (tp
         across heads, KV heads, vocabulary and MLP; the sequence too under SP) and the
         pipeline cut of its layers, as `plait train` checks them."""
+        check_context_split(self.seq_len, self.cp, self.tp, self.sp, config.n_heads, self.cp_kind)
         config.check_split(self.tp, self.sp, self.seq_len)
         check_pipeline_cut(config.n_layers, self.pp, self.virtual_stages)
 

@@ -81,7 +81,7 @@ def model_states(params: int, unit_params: int, layout: Workload, per: StateByte
     1/dp, rounded up). `per` gives other bytes per parameter (another optimizer's K);
     by default Adam's at the layout's precision (`state_bytes`)."""
     per = per or state_bytes(layout.precision)
-    n, zero = layout.dp, layout.zero
+    n, zero = layout.sync, layout.zero
     weights = params * per.param
     grads = params * per.grad
     optim = params * per.optim
@@ -108,7 +108,7 @@ def buffers(params: int, layout: Workload) -> float:
     one is reduced. Under accumulation, plait's no_sync keeps them whole, unreduced, until
     the last micro-batch: then all of them are there.
     """
-    if layout.dp == 1 or layout.zero < 2:
+    if layout.sync == 1 or layout.zero < 2:
         return 0.0
     whole = params * state_bytes(layout.precision).grad
     return whole if layout.grad_accum > 1 else min(2 * BUCKET_BYTES, whole)

@@ -102,7 +102,7 @@ def attention_key(config: GPTConfig, micro_batch: int, seq: int, tp: int, precis
 
 def attention_s(config: GPTConfig, layout: Workload, passes: float) -> tuple[float, float]:
     """(FLOPs, key) of the attention core for `passes` forward-equivalents on one block."""
-    tokens = layout.micro_batch * layout.seq_len
+    tokens = layout.tokens_per_micro_batch  # this rank's queries, each against the whole sequence
     flops = 4.0 * tokens * layout.seq_len * config.d_model / layout.tp * passes
     return flops, attention_key(config, layout.micro_batch, layout.seq_len, layout.tp, layout.precision)
 
@@ -117,7 +117,7 @@ def elementwise_s(config: GPTConfig, layout: Workload, hw: Hardware, layers: flo
                   outer: bool, backward: bool) -> float:
     """Memory-bound work: bytes moved over bandwidth, plus each op's fixed cost."""
     h, kv, f, t = config.d_model, config.kv_dim, config.ffn_hidden, layout.tp
-    tokens = layout.micro_batch * layout.seq_len
+    tokens = layout.tokens_per_micro_batch
     a, b, c = EW_BWD if backward else EW_FWD
     replicated = h / t if layout.sp else h  # norms and residuals run on every tp rank
     per_token = layers * (a * replicated + b * kv / t + c * f / t)
@@ -133,7 +133,7 @@ def elementwise_s(config: GPTConfig, layout: Workload, hw: Hardware, layers: flo
 
 def micro_batch_compute_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware) -> float:
     """Forward + backward (+ recompute) of one micro-batch on one rank of `stage`."""
-    tokens = layout.micro_batch * layout.seq_len
+    tokens = layout.tokens_per_micro_batch
     fwd = sum(gemm_s(g, layout.precision, hw) for g in block_gemms(config, tokens, layout.tp))
     bwd = sum(gemm_s(x, layout.precision, hw) for g in block_gemms(config, tokens, layout.tp)
               for x in g.backward())
@@ -176,4 +176,4 @@ def stage_pieces(stage: StageShare, layout: Workload) -> int:
     """Gradient pieces one rank checks and clips: every tensor, or under ZeRO the pieces of
     the parameters its shard overlaps (about 1/dp of them, plus one cut at each end)."""
     tensors = model_tensors(stage)
-    return -(-tensors // layout.dp) + 1 if layout.zero else tensors
+    return -(-tensors // layout.sync) + 1 if layout.zero else tensors

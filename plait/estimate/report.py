@@ -80,6 +80,7 @@ def _time_lines(step: dict[str, float] | None) -> list[str]:
         ["  FLOPs per token", human_count(step["flops_per_token"])],
         ["  compute", f"{step['compute_s']:.4g} s"],
         ["  tensor parallel", f"{step['tp_s']:.4g} s"],
+        ["  context parallel (exposed)", f"{step.get('cp_s', 0):.4g} s"],
         ["  pipeline sends", f"{step['pp_s']:.4g} s"],
         ["  pipeline bubble", f"{step['bubble_s']:.4g} s"],
         ["  data parallel (exposed)", f"{step['dp_s']:.4g} s"],

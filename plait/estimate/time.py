@@ -39,7 +39,8 @@ from plait.estimate.traffic import ring_bytes, tp_collectives, tp_traffic, zero3
 from plait.estimate.hardware import Hardware
 from plait.estimate.layout import Workload, StageShare, stages
 from plait.estimate.memory import BUCKET_BYTES, shard, state_bytes
-from plait.estimate.ops import micro_batch_compute_s, optimizer_s, stage_pieces, stage_tensors
+from plait.estimate.context import context_bytes, forward_passes, ring_exposed_s
+from plait.estimate.ops import attention_time, micro_batch_compute_s, optimizer_s, stage_pieces, stage_tensors
 from plait.models.config import GPTConfig
 
 HOST_ADAM_BYTES = 28  # read weight, grad, m, v; write weight, m, v (fp32)
@@ -82,6 +83,7 @@ class StepTime:
     mfu: float
     optimizer_s: float = 0.0
     overhead_s: float = 0.0
+    cp_s: float = 0.0  # context parallelism's transfers the step waits for (the ring's exposed part)
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -116,14 +118,15 @@ def collective_s(op: str, payload: float, n: int, hw: Hardware, inter: bool, cou
     """Time of `count` ring collectives moving `payload` bytes in total."""
     if n <= 1 or payload <= 0:
         return 0.0
-    steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1}.get(op, 1)
+    steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1, "all_to_all": n - 1}.get(op, 1)
     latency, bandwidth = hw.link(n, inter)
     return count * steps * latency + ring_bytes(op, payload, n) / bandwidth
 
 
 def inter_node(layout: Workload, gpus_per_node: int) -> dict[str, bool]:
     """Whether each axis's group (and the whole world) spans nodes, with ranks numbered tp fastest."""
-    span = {"tp": layout.tp, "dp": layout.tp * layout.dp, "pp": layout.world, "world": layout.world}
+    span = {"tp": layout.tp, "cp": layout.tp * layout.cp, "dp": layout.tp * layout.cp * layout.dp,
+            "pp": layout.world, "world": layout.world}
     return {axis: size > gpus_per_node for axis, size in span.items()}
 
 
@@ -150,6 +153,27 @@ def pp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
     return sends * (latency + message / bandwidth)
 
 
+def cp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: bool) -> float:
+    """Context parallelism's seconds per micro-batch on `stage` that compute does not hide
+    (estimate/context.py): the ring's transfers beyond each pass's attention, or Ulysses'
+    all-to-alls whole."""
+    cp = layout.cp
+    if cp == 1:
+        return 0.0
+    heads, kv_heads = config.n_heads // layout.tp, max(1, config.n_kv_heads // layout.tp)
+    per = context_bytes(layout.cp_kind, cp, batch=layout.micro_batch, seq=layout.seq_len, heads=heads,
+                        kv_heads=kv_heads, head_dim=config.head_dim, bytes_per_value=layout.compute_bytes)
+    latency, bandwidth = hw.link(cp, inter)
+    forwards = forward_passes(layout.recompute)
+    if layout.cp_kind == "ulysses":
+        one_way = 4 * (cp - 1) * latency + per["forward"] / bandwidth
+        return stage.layers * (forwards + 1) * one_way
+    attention = attention_time(config, layout, hw, 1)  # one forward of one layer's attention
+    forward = ring_exposed_s((cp - 1) * latency + per["forward"] / bandwidth, attention, cp)
+    backward = ring_exposed_s((2 * cp - 1) * latency + per["backward"] / bandwidth, 2 * attention, cp)
+    return stage.layers * (forwards * forward + backward)
+
+
 def dp_exposed_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: bool,
                  compute_mb: float, forward_share: float) -> float:
     """Data-parallel seconds left after overlap with compute (see module docstring).
@@ -157,7 +181,7 @@ def dp_exposed_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: 
     With a pipeline, plait reduces the gradients after the last action of the schedule,
     so nothing overlaps them there.
     """
-    n, m, per = layout.dp, layout.grad_accum, state_bytes(layout.precision)
+    n, m, per = layout.sync, layout.grad_accum, state_bytes(layout.precision)
     if n == 1:
         return 0.0
     grads, weights = params * per.grad, params * per.param
@@ -186,7 +210,7 @@ def offload_s(params: int, layout: Workload, hw: Hardware) -> float:
     """PCIe round trip of the shard plus the host Adam step."""
     if not layout.offload:
         return 0.0
-    part = shard(params, layout.dp)
+    part = shard(params, layout.sync)
     pcie = 2 * part * state_bytes(layout.precision).param / (hw.pcie_gb_s * 1e9)
     return pcie + part * HOST_ADAM_BYTES / (hw.host_mem_gb_s * 1e9)
 
@@ -204,23 +228,24 @@ def estimate_time(config: GPTConfig, layout: Workload, hw: Hardware, gpus_per_no
     for stage in stages(config, layout.tp, layout.pp, layout.virtual_stages):
         compute = micro_batch_compute_s(config, layout, stage, hw)
         per_stage.append((compute, tp_s(config, layout, stage, hw, links["tp"]),
-                          pp_s(config, layout, stage, hw, links["pp"]), stage))
-    compute, tp, pp, stage = max(per_stage, key=lambda row: sum(row[:3]))
+                          pp_s(config, layout, stage, hw, links["pp"]), cp_s(config, layout, stage, hw, links["cp"]),
+                          stage))
+    compute, tp, pp, cp, stage = max(per_stage, key=lambda row: sum(row[:4]))
     dp = dp_exposed_s(stage.params, stage.block_params, layout, hw, links["dp"], compute,
                       _forward_share(layout.recompute))
     model, hardware = flops_per_token(config, layout.seq_len, layout.recompute)
-    updated = shard(stage.params, layout.dp) if layout.zero else stage.params
+    updated = shard(stage.params, layout.sync) if layout.zero else stage.params
     step = 0.0 if layout.offload else optimizer_s(updated, stage_tensors(stage, layout), hw,
                                                   stage_pieces(stage, layout))
     step += clip_s(layout, hw, links)
     return _assemble(layout, hw, model, hardware, (compute, tp, pp), dp,
-                     offload_s(stage.params, layout, hw), step, overhead_s(layout, hw, gpus_per_node))
+                     offload_s(stage.params, layout, hw), step, overhead_s(layout, hw, gpus_per_node), cp)
 
 
 def clip_s(layout: Workload, hw: Hardware, links: dict[str, bool]) -> float:
     """All-reduces of a few bytes around the update: the step guard's verdict over every
     rank, and the gradient norm over ZeRO's dp group, tp and pp."""
-    groups = [("world", layout.world), ("dp", layout.dp if layout.zero else 1), ("tp", layout.tp), ("pp", layout.pp)]
+    groups = [("world", layout.world), ("dp", layout.sync if layout.zero else 1), ("tp", layout.tp), ("pp", layout.pp)]
     return sum(collective_s("all_reduce", 16, n, hw, links[axis]) for axis, n in groups)
 
 
@@ -277,16 +302,16 @@ def bubble_micro_batches(layout: Workload) -> float:
 
 def _assemble(layout: Workload, hw: Hardware, model: float, hardware: float,
               micro_batch: tuple[float, float, float], dp: float, offload: float,
-              optimizer: float = 0.0, overhead: float = 0.0) -> StepTime:
+              optimizer: float = 0.0, overhead: float = 0.0, cp: float = 0.0) -> StepTime:
     """Pipeline slots x micro-batch time, plus what is not overlapped, -> StepTime."""
     compute, tp, pp = micro_batch
     m = layout.grad_accum
     bubble_slots = bubble_micro_batches(layout)
-    per_mb = compute + tp + pp
+    per_mb = compute + tp + pp + cp
     step = (m + bubble_slots) * per_mb + dp + offload + optimizer + overhead
     tokens_per_s = layout.global_batch * layout.seq_len / step
     mfu = model * tokens_per_s / (layout.world * hw.peak_flops(layout.precision))
     return StepTime(flops_per_token=model, hardware_flops_per_token=hardware, compute_s=m * compute,
                     tp_s=m * tp, pp_s=m * pp, bubble_s=bubble_slots * per_mb, dp_s=dp,
                     offload_s=offload, step_s=step, tokens_per_s=tokens_per_s, mfu=mfu,
-                    optimizer_s=optimizer, overhead_s=overhead)
+                    optimizer_s=optimizer, overhead_s=overhead, cp_s=m * cp)

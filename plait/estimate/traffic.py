@@ -13,6 +13,7 @@ Each axis's figure is the largest over the ranks, as `metrics.jsonl` reports max
 
 from __future__ import annotations
 
+from plait.estimate.context import context_bytes, forward_passes
 from plait.estimate.layout import Workload, StageShare, stages, vocab_shard
 from plait.estimate.memory import state_bytes
 from plait.models.config import GPTConfig
@@ -40,13 +41,29 @@ def dp_traffic(params: int, layout: Workload) -> Traffic:
     --reshard-after-forward false the forward's gather serves the backward too: 2(n-1)/n·Ψ·b.
     """
     out: Traffic = {}
-    n, m, per = layout.dp, layout.grad_accum, state_bytes(layout.precision)
+    n, m, per, axis = layout.sync, layout.grad_accum, state_bytes(layout.precision), layout.sync_axis
     grads, weights = params * layout.reduce_bytes, params * per.param
     if layout.zero == 0:
-        _add(out, "dp", "all_reduce", grads, n)
+        _add(out, axis, "all_reduce", grads, n)
         return out
-    _add(out, "dp", "reduce_scatter", grads, n, times=m if layout.zero >= 2 else 1)
-    _add(out, "dp", "all_gather", weights, n, times=zero3_gathers(layout) * m if layout.zero == 3 else 1)
+    _add(out, axis, "reduce_scatter", grads, n, times=m if layout.zero >= 2 else 1)
+    _add(out, axis, "all_gather", weights, n, times=zero3_gathers(layout) * m if layout.zero == 3 else 1)
+    return out
+
+
+def cp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffic:
+    """Context parallelism's traffic on one rank of `stage`, per step: every layer's
+    attention, forward (again when recomputed) and backward, every micro-batch
+    (estimate/context.py: the ring's sends and receives, or Ulysses' all-to-alls)."""
+    out: Traffic = {}
+    if layout.cp == 1:
+        return out
+    per = context_bytes(layout.cp_kind, layout.cp, batch=layout.micro_batch, seq=layout.seq_len,
+                        heads=config.n_heads // layout.tp, kv_heads=max(1, config.n_kv_heads // layout.tp),
+                        head_dim=config.head_dim, bytes_per_value=layout.compute_bytes)
+    wire = stage.layers * layout.grad_accum * (forward_passes(layout.recompute) * per["forward"] + per["backward"])
+    for op in (("send", "recv") if layout.cp_kind == "ring" else ("all_to_all",)):
+        out.setdefault("cp", {})[op] = wire
     return out
 
 
@@ -141,7 +158,8 @@ def estimate_comm(config: GPTConfig, layout: Workload) -> Traffic:
     per_rank = []
     for stage in stages(config, layout.tp, layout.pp, layout.virtual_stages):
         traffic = dp_traffic(stage.params, layout)
-        for extra in (tp_traffic(config, layout, stage), pp_traffic(config, layout, stage)):
+        for extra in (tp_traffic(config, layout, stage), pp_traffic(config, layout, stage),
+                      cp_traffic(config, layout, stage)):
             traffic.update(extra)
         per_rank.append(traffic)
     return merge_max(per_rank)
@@ -164,10 +182,10 @@ def naive_comm(config: GPTConfig | None, layout: Workload,
         mine = estimate_comm(config, layout)
     else:
         mine = dp_traffic(params or 0, layout)
-    if layout.dp > 1:
-        n, grad = layout.dp, layout.reduce_bytes
-        out["dp"] = _naive("Ψ·b·N·(N−1)", (params or 0) * grad * n * (n - 1),
-                           _group_total(mine, "dp", n))
+    if layout.sync > 1:
+        n, grad = layout.sync, layout.reduce_bytes
+        out[layout.sync_axis] = _naive("Ψ·b·N·(N−1)", (params or 0) * grad * n * (n - 1),
+                                       _group_total(mine, layout.sync_axis, n))
     if config is None:
         return out
     m = layout.grad_accum

@@ -11,7 +11,7 @@ from typing import Any
 
 from plait.errors import PlaitError
 from plait.models.config import GPTConfig
-from plait.rules import check_pipeline_cut
+from plait.rules import check_context_split, check_pipeline_cut
 
 
 def check_language_run(config: Any, shape: GPTConfig) -> None:
@@ -24,6 +24,7 @@ def check_language_run(config: Any, shape: GPTConfig) -> None:
     if config.sync_bn:
         raise PlaitError(f"--sync-bn shares BatchNorm statistics, and --model {spec} has no BatchNorm",
                          hint="drop --sync-bn, or train a ResNet (--model resnet18 --data digits)")
+    check_context_split(config.seq_len, config.cp, config.tp, config.sp, shape.n_heads, config.cp_kind)
     if config.tp > 1:
         shape.check_split(config.tp, config.sp, config.seq_len)
     if config.pp > 1:

@@ -16,9 +16,9 @@ from plait.models.resnet_config import PRESETS, get_resnet, is_resnet
 
 def check(config: Any) -> None:
     get_resnet(config.model)  # raises naming the presets, or the override that is wrong
-    if config.tp > 1 or config.pp > 1:
+    if config.tp > 1 or config.pp > 1 or config.cp > 1:
         raise PlaitError(f"--model {config.model} is trained data-parallel only (DDP or --zero), not with "
-                         "--tp or --pp", hint="drop --tp and --pp; use --nproc for more data-parallel ranks")
+                         "--tp, --pp or --cp", hint="drop --tp, --pp and --cp; use --nproc for more data-parallel ranks")
     if config.data == "stdlib":
         raise PlaitError(f"--model {config.model} classifies images, and --data is the text corpus 'stdlib'",
                          hint="give --data digits, or a folder of class folders (root/cat/*.png)")

@@ -55,7 +55,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The attention core: softmax(q·kᵀ/√d, causal)·v, by SDPA."""
+    """The attention core: softmax(q·kᵀ/√d, causal)·v, by SDPA. Grouped K/V heads arrive
+    unexpanded (so that context parallelism moves n_kv_heads, not n_heads) and are repeated here."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
@@ -82,10 +87,6 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        group = q.shape[1] // k.shape[1]
-        if group > 1:
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
         out = self.attention_core(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -152,11 +153,16 @@ class GPT(nn.Module):
             else:
                 nn.init.normal_(param, std=0.02)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`position_ids` (1, seq): the tokens' positions when they are not 0..seq-1 (a context-
+        parallel rank holds two chunks of the sequence: plait.parallel.context)."""
         seq = idx.shape[1]
         if seq > self.config.max_seq_len:
             raise ValueError(f"sequence of {seq} tokens exceeds max_seq_len {self.config.max_seq_len}")
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        if position_ids is None:
+            cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        else:  # (1, seq, head_dim / 2) broadcasts over the heads as (1, 1, seq, head_dim / 2)
+            cos, sin = self.rope_cos[position_ids].unsqueeze(1), self.rope_sin[position_ids].unsqueeze(1)
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x, cos, sin)

@@ -62,11 +62,21 @@ class GPTAdapter:
         model.config.check_split(tp, sp)  # one home: the shape's own check, shared with the estimator
         return GPT_PLAN
 
+    def context_attention(self, model: nn.Module, context: Any) -> None:
+        """Context parallelism (plait.parallel.context): every block's attention core becomes
+        `context.attend` while a training step has it engaged, the core it replaces otherwise."""
+        for block in model.blocks:
+            block.attn.attention_core = functools.partial(_context_core, block.attn.attention_core, context)
+
     def after_tensor_parallel(self, model: nn.Module, axis: Axis, sp: bool) -> None:
         """Sampling needs the whole vocabulary; under SP, any sequence length when not training."""
         model.gather_vocab = functools.partial(gather_vocab, axis=axis)
         if sp:
             _pad_to_tp(model, axis)
+
+
+def _context_core(fallback: Any, context: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return context.attend(q, k, v) if context.active else fallback(q, k, v)
 
 
 def _pad_to_tp(model: nn.Module, axis: Axis) -> None:

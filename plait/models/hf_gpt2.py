@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.models import hf_context
 from plait.models.hf_hooks import check_splits, split_sequence_around
 from plait.models.hf_stages import causal_masks
 from plait.parallel.seam import Parts
@@ -88,6 +89,11 @@ class GPT2Adapter:
         inner = config.n_inner or 4 * config.n_embd
         check_splits(model, tp, [("n_head", config.n_head), ("n_inner", inner)])
         return {**GPT2_PLAN, **SEQUENCE_NORMS} if sp else dict(GPT2_PLAN)
+
+    def context_attention(self, model: nn.Module, context: Any) -> None:
+        """Context parallelism through transformers' attention-function seam (models/hf_context.py);
+        the learned position table reads the global positions the model is given."""
+        hf_context.context_attention(model, context)
 
     def after_tensor_parallel(self, model: nn.Module, axis: Axis, sp: bool) -> None:
         """Attention cuts c_attn's (now local) output by `split_size`: make it the local width.

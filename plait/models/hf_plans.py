@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from plait.errors import PlaitError
-from plait.models import hf_stages
+from plait.models import hf_context, hf_stages
 from plait.models.hf_hooks import split_sequence_around
 from plait.models.hf_styles import check_config, for_sequence_parallel, plait_plan
 from plait.parallel.seam import GenericAdapter, Parts, StageView
@@ -82,6 +82,10 @@ class DeclaredPlanAdapter:
             plan = for_sequence_parallel(model, plan, blocks)
         check_config(model, plan, tp)
         return plan
+
+    def context_attention(self, model: nn.Module, context: Any) -> None:
+        """Context parallelism through transformers' attention-function seam (models/hf_context.py)."""
+        hf_context.context_attention(model, context)
 
     def after_tensor_parallel(self, model: nn.Module, axis: Axis, sp: bool) -> None:
         """With SP the blocks run on sequence slices: split before the first, gather after the last."""

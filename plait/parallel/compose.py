@@ -6,13 +6,16 @@ recomputation, the reduce dtype, a tensor-parallel plan, SyncBatchNorm.
 
 The order is the one every strategy assumes of the others, and any product of them runs:
 
-0. make every BatchNorm a SyncBatchNorm over dp, if asked; mark the blocks that recompute
-   their activations in backward, if asked (the model's adapter names its blocks);
+0. make every BatchNorm a SyncBatchNorm over dp, if asked; route attention through context
+   parallelism over cp (plait.parallel.context); mark the blocks that recompute their
+   activations in backward, if asked (the model's adapter names its blocks);
 1. shard layers across the tensor-parallel ranks (the whole model, so that every rank
    takes its slice of the same initial weights);
 2. cut the result into pipeline stages and keep this rank's (`apply_pipeline`);
 3. replicate or shard what is left across the data-parallel ranks: plain data parallelism
-   (ZeRO stage 0) or ZeRO stages 1-3, over the stages when pipelined.
+   (ZeRO stage 0) or ZeRO stages 1-3, over the stages when pipelined. The cp ranks hold
+   different tokens of the same samples, so they join the dp ranks here (the mesh's dp_cp
+   axis): the gradients are averaged, and ZeRO's shards cut, over dp × cp.
 
 Each step reads the one before from the model itself (the tensor-parallel axis, the
 pipeline's chunks), so the loss, the gradient norm and checkpoints need no other record.
@@ -30,6 +33,7 @@ from torch import nn
 from plait.errors import PlaitError
 from plait.parallel.clip import clip_grad_norm
 from plait.parallel.compiled import apply_compile
+from plait.parallel.context.plan import apply_context_parallel
 from plait.parallel.data.sync import apply_data_parallel, grad_sync
 from plait.parallel.masters import MasterOptimizer
 from plait.parallel.pipeline.runner import apply_pipeline
@@ -41,7 +45,7 @@ from plait.parallel.tensor.plan import apply_tensor_parallel, tensor_parallel_of
 from plait.parallel.zero.stages import apply_zero, zero_of
 from plait.parallel.zero.optim import ZeroOptimizer
 from plait.rules import OPTIMIZER_KERNELS, RECOMPUTE, check_choice, check_compile, check_recompute
-from plait.runtime.mesh import Mesh
+from plait.runtime.mesh import SYNC, Mesh
 
 __all__ = ["ParallelConfig", "build_optimizer", "clip_grad_norm", "parallelize"]
 
@@ -81,6 +85,8 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = No
     if config.sync_bn and mesh.size("dp") > 1 and convert_sync_batchnorm(model, mesh.axis("dp")) == 0:
         raise PlaitError(f"sync_bn is set, and {type(model).__name__} has no BatchNorm layers",
                          hint="drop sync_bn (or --sync-bn): there are no batch statistics to share")
+    if mesh.size("cp") > 1:  # before recompute, which wraps the attention this replaces
+        apply_context_parallel(model, mesh.axis("cp"), layout.cp_kind, adapter)
     if config.recompute != "none":
         apply_recompute(model, config.recompute, adapter)
     cut = is_pipeline(model)  # stages from apply_pipeline: only DP or ZeRO is left to apply
@@ -102,10 +108,10 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = No
         model = apply_pipeline(model, mesh, virtual_stages=layout.virtual_stages, adapter=adapter)
     model.to(mesh.device)
     if layout.zero == 0:
-        apply_data_parallel(model, mesh.axis("dp"), bucket_mb=config.bucket_mb, reduce_dtype=config.reduce_dtype)
+        apply_data_parallel(model, mesh.axis(SYNC), bucket_mb=config.bucket_mb, reduce_dtype=config.reduce_dtype)
     else:
         units = adapter.blocks(model) if layout.zero == 3 and not is_pipeline(model) else None
-        apply_zero(model, mesh.axis("dp"), stage=layout.zero, offload=layout.offload, bucket_mb=config.bucket_mb,
+        apply_zero(model, mesh.axis(SYNC), stage=layout.zero, offload=layout.offload, bucket_mb=config.bucket_mb,
                    units=units, reduce_dtype=config.reduce_dtype, prefetch=layout.prefetch,
                    reshard_after_forward=layout.reshard_after_forward)
     return model

@@ -16,7 +16,7 @@ from torch import nn
 
 from plait.parallel.pipeline.split import logical_parameters
 from plait.parallel.tensor.layers import shard_of
-from plait.runtime.mesh import Mesh
+from plait.runtime.mesh import SYNC, Mesh
 
 VIEW_ATTR = "_plait_checkpoint_view"  # a strategy that shards tensors (ZeRO) puts its own view here
 
@@ -48,10 +48,12 @@ def param_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh)
     a split one by every tp rank (each its own block, at its offset along the split dimension).
     """
     named = list(logical_parameters(model))
-    writers = dp_writers([(name, param.numel()) for name, param, replica in named if not replica], mesh.size("dp"))
+    # The replicas' writers are spread over every rank that holds the same ones: dp × cp.
+    sync = mesh.axis(SYNC)
+    writers = dp_writers([(name, param.numel()) for name, param, replica in named if not replica], sync.size)
     pieces = []
     for name, param, replica in named:
-        dp_writer = writers.get(name) == mesh.rank("dp")
+        dp_writer = writers.get(name) == sync.rank
         owned = dp_writer and not replica and writes_its_tp_part(param, mesh)
         pieces += [Piece(f"model/{name}", view, offsets, full, owned)
                    for view, offsets, full in placement(param, param.detach())]

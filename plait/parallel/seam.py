@@ -29,6 +29,10 @@ What is asked, and by whom:
   divisible...).
 - `after_tensor_parallel(model, axis, sp)`: the family's fix-up once the layers are
   swapped (e.g. sampling that gathers the vocabulary, a forward that keeps its contract).
+- `context_attention(model, context)`: route the model's attention through
+  `context.attend(q, k, v, causal, scale)` while `context.active` (a training step under
+  context parallelism, plait.parallel.context.plan), its own attention otherwise. The
+  model's forward must take `position_ids` (the tokens' global positions).
 
 The protocol is structural: an adapter need not import this module, and may answer only
 some questions (a missing method means "I don't know": the strategy that needed it says
@@ -115,6 +119,10 @@ class FullAdapter(ModelAdapter, Protocol):
 
     def after_tensor_parallel(self, model: nn.Module, axis: Axis, sp: bool) -> None:
         """Anything the family must change once its layers are split over `axis`."""
+        ...
+
+    def context_attention(self, model: nn.Module, context: Any) -> None:
+        """Route the attention through `context.attend` while `context.active`."""
         ...
 
 

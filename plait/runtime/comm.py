@@ -6,7 +6,7 @@ under a ring algorithm. That is what lets a test assert that DDP moves exactly
 
 Ring costs per rank, with S the bytes of the full tensor and n ranks in the group:
 - all-reduce: 2(n-1)/n·S (a reduce-scatter then an all-gather, each moving (n-1)/n·S)
-- all-gather, reduce-scatter: (n-1)/n·S
+- all-gather, reduce-scatter, all-to-all: (n-1)/n·S
 - broadcast, reduce, send: S (recv puts nothing on the wire; it is counted as what arrives)
 - scatter, gather: (n-1)/n·S at the root, which sends (receives) every other rank's part
 """
@@ -25,7 +25,8 @@ from plait.errors import PlaitError
 from plait.runtime.inject import maybe_inject
 from plait.wire import ring_bytes as ring_wire_bytes  # one formula, shared with estimate/
 
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv", "reduce", "scatter", "gather")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv", "reduce", "scatter",
+       "gather")
 TRAIN = "train"  # traffic that trains the model
 TELEMETRY = "telemetry"  # traffic that only gathers numbers for the report
 CONTROL = "control"  # a few numbers every rank must agree on (are this step's gradients finite?)
@@ -218,6 +219,18 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, axis: Axis, async_o
         return Handle(None, axis, "reduce_scatter")
     axis.ledger.record(axis.name, "reduce_scatter", _nbytes(full), axis.size, purpose)
     return _run(axis, "reduce_scatter", lambda: dist.reduce_scatter_single(
+        output, full, group=axis.group, async_op=async_op), async_op)
+
+
+def all_to_all(output: torch.Tensor, full: torch.Tensor, axis: Axis, async_op: bool = False,
+               purpose: str = TRAIN) -> Handle:
+    """Cut `full` into n equal parts along dim 0 and send part j to rank j; `output` gets the
+    parts every rank sent this one, in rank order."""
+    if axis.size == 1:
+        output.copy_(full.reshape(output.shape))
+        return Handle(None, axis, "all_to_all")
+    axis.ledger.record(axis.name, "all_to_all", _nbytes(full), axis.size, purpose)
+    return _run(axis, "all_to_all", lambda: dist.all_to_all_single(
         output, full, group=axis.group, async_op=async_op), async_op)
 
 

@@ -22,7 +22,11 @@ from plait.runtime.comm import Axis, Ledger
 from plait.runtime.env import ProcessEnv, choose_backend, detect
 from plait.runtime.recorder import FlightRecorder
 
-AXES = GRID  # the mesh's axes besides "world"
+# The gradients' axis: dp and cp together. Context-parallel ranks hold different tokens of
+# the same samples, so they sum gradients (and split ZeRO's shards) with the data-parallel
+# ranks, as torchtitan's dp-shard-cp does. With cp = 1 it is the dp axis itself.
+SYNC = "dp_cp"
+AXES = (*GRID, SYNC)  # the mesh's axes besides "world"
 
 
 @dataclass
@@ -98,6 +102,7 @@ def init_mesh(layout: Layout | None = None, *, backend: str | None = None, timeo
     ledger = Ledger()
     if not env.distributed:
         axes = {name: Axis(name, 1, 0, None, ledger, 0) for name in (*AXES, "world")}
+        axes[SYNC] = axes["dp"]
         return Mesh(layout, env, None, device, ledger, axes)
     chosen = choose_backend(backend, torch.cuda.is_available(), dist.is_mpi_available())
     if not dist.is_initialized():
@@ -109,13 +114,30 @@ def init_mesh(layout: Layout | None = None, *, backend: str | None = None, timeo
     from torch.distributed.device_mesh import init_device_mesh
 
     sizes = tuple(size for _, size in layout.grid)
-    device_mesh = init_device_mesh(device.type, sizes, mesh_dim_names=AXES)
+    device_mesh = init_device_mesh(device.type, sizes, mesh_dim_names=GRID)
     coords = layout.coords(env.rank)
     axes = {name: Axis(name, size, coords[name], device_mesh.get_group(name), ledger, env.rank)
             for name, size in layout.grid}
+    axes[SYNC] = sync_axis(layout, env.rank, axes["dp"], ledger)
     axes["world"] = Axis("world", env.world_size, env.rank, dist.group.WORLD, ledger, env.rank)
     ledger.recorder = flight_recorder(env, axes)
     return Mesh(layout, env, chosen, device, ledger, axes, device_mesh)
+
+
+def sync_axis(layout: Layout, rank: int, dp: Axis, ledger: Ledger) -> Axis:
+    """The dp × cp ranks that share this rank's pp and tp indices (collective: every rank
+    makes every group, in one order). With cp = 1 that is the dp axis."""
+    if layout.cp == 1:
+        return dp
+    mine, coords = None, layout.coords(rank)
+    for pp_index in range(layout.pp):
+        for tp_index in range(layout.tp):
+            ranks = [r for r in range(layout.world) if layout.coords(r)["pp"] == pp_index
+                     and layout.coords(r)["tp"] == tp_index]
+            group = dist.new_group(ranks)
+            if (pp_index, tp_index) == (coords["pp"], coords["tp"]):
+                mine = Axis(SYNC, len(ranks), ranks.index(rank), group, ledger, rank)
+    return mine
 
 
 def flight_recorder(env: ProcessEnv, axes: dict[str, Axis]) -> FlightRecorder:

@@ -55,6 +55,12 @@ class TrainConfig:
     tp: int = field(default=1, metadata={"help": "tensor-parallel degree (Megatron-style)"})
     sp: bool = field(default=False, metadata={"help": "sequence parallelism in the norm regions (needs --tp > 1)"})
     pp: int = field(default=1, metadata={"help": "pipeline-parallel degree"})
+    cp: int = field(default=1, metadata={
+        "help": "context-parallel degree: each rank holds 2 of each sequence's 2·cp chunks; attention runs over "
+                "the cp ranks (docs/context.md)"})
+    cp_kind: str = field(default="ring", metadata={
+        "help": "context parallelism's attention: ring (K/V passed round the cp ranks) or ulysses "
+                "(all-to-all to head shards; needs heads divisible by cp)"})
     schedule: str = field(default="1f1b", metadata={"help": "pipeline schedule: gpipe, 1f1b, interleaved or zb-h1"})
     virtual_stages: int = field(default=1, metadata={"help": "model chunks per pipeline rank (interleaved)"})
     precision: str = field(default="fp32", metadata={
@@ -117,8 +123,8 @@ class TrainConfig:
 
     def layout_choices(self) -> dict[str, Any]:
         """The layout's fields besides dp, as the flags give them."""
-        return dict(tp=self.tp, pp=self.pp, zero=self.zero, offload=self.offload, sp=self.sp,
-                    schedule=self.schedule, virtual_stages=self.virtual_stages, prefetch=self.prefetch,
+        return dict(tp=self.tp, pp=self.pp, cp=self.cp, cp_kind=self.cp_kind, zero=self.zero, offload=self.offload,
+                    sp=self.sp, schedule=self.schedule, virtual_stages=self.virtual_stages, prefetch=self.prefetch,
                     reshard_after_forward=self.reshard_after_forward)
 
     @property
@@ -183,7 +189,7 @@ def resolve_layout(config: TrainConfig) -> TrainConfig:
                              hint="drop --nproc: the launcher decides the process count")
     dp = config.dp
     if dp is None and nproc is None:
-        dp = 2 if config.tp * config.pp == 1 else 1  # the demo: two data-parallel processes
+        dp = 2 if config.tp * config.pp * config.cp == 1 else 1  # the demo: two data-parallel processes
     choices = config.layout_choices()
     if nproc is None:
         layout = Layout(dp=dp, **choices)

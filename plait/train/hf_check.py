@@ -31,7 +31,24 @@ def check_hf_run(config: Any) -> HFModelDir:
                              f"{hf.vocab_size:,} of config.json", hint="use the tokenizer the model was made for, "
                              f"or set vocab_size to {vocab} or more in config.json")
     _check_data(hf, config.data, spec)
+    if config.cp > 1:
+        check_context_config(hf, config.seq_len, spec)
     return hf
+
+
+def check_context_config(hf: HFModelDir, seq_len: int, spec: str) -> None:
+    """What context parallelism cannot honour, read from config.json: attention dropout, and a
+    sliding window shorter than the sequence (the ring attends to the whole causal past)."""
+    for field in ("attention_dropout", "attn_pdrop"):
+        rate = hf.config.get(field) or 0.0
+        if rate > 0:
+            raise PlaitError(f"--model {spec}: {field} = {rate}; attention dropout is not built under context "
+                             "parallelism", hint=f"set {field} to 0 in {hf.path / 'config.json'}, or drop --cp")
+    window = hf.config.get("sliding_window")
+    if window and hf.config.get("use_sliding_window", True) and window < seq_len:
+        raise PlaitError(f"--model {spec} attends within a sliding window of {window} tokens, shorter than --seq-len "
+                         f"{seq_len}; context parallelism attends to the whole causal past",
+                         hint=f"use --seq-len {window} or less, or drop --cp")
 
 
 def check_causal_lm(hf: HFModelDir, spec: str) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from plait.runtime import comm
-from plait.runtime.mesh import AXES, Mesh
+from plait.runtime.mesh import AXES, SYNC, Mesh
 from plait.train.measure import MeasurePolicy
 
 COMM_KEYS = [(axis, op) for axis in AXES for op in comm.OPS]
@@ -77,7 +77,7 @@ class Metrics:
         """Mean loss over dp ranks; max over all ranks for time, memory and traffic."""
         device = self.mesh.device  # NCCL reduces device tensors only
         loss = torch.tensor([local["loss"]], dtype=torch.float64, device=device)
-        comm.all_reduce(loss, self.mesh.axis("dp"), purpose=comm.TELEMETRY)
+        comm.all_reduce(loss, self.mesh.axis(SYNC), purpose=comm.TELEMETRY)  # dp × cp: equal token counts
         maxed = torch.tensor([local["step_time_s"], *(local[k] for k in MEM_KEYS),
                               *(local["comm"].get(a, {}).get(o, 0.0) for a, o in COMM_KEYS)], dtype=torch.float64,
                              device=device)
@@ -89,7 +89,7 @@ class Metrics:
             if wire:
                 comm_out.setdefault(axis, {})[op] = round(wire)
         units = self.units_per_step
-        return {"step": step + 1, "loss": loss.item() / self.mesh.size("dp"), "lr": lr,
+        return {"step": step + 1, "loss": loss.item() / self.mesh.size(SYNC), "lr": lr,
                 "grad_norm": local["grad_norm"], self.unit: units, "step_time_s": step_time,
                 f"{self.unit}_per_s": units / step_time, "mem": dict(zip(MEM_KEYS, map(int, mem))), "comm": comm_out}
 

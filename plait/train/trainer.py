@@ -25,6 +25,7 @@ import torch
 from plait.api import parallelize
 from plait.errors import EXIT_PREEMPTED, PlaitError, Preempted
 from plait.parallel.compose import ParallelConfig, adamw_kernel, build_optimizer
+from plait.parallel.context.plan import engaged, shard_batch
 from plait.parallel.data.sync import no_sync
 from plait.parallel.pipeline.runner import PipelineRunner
 from plait.parallel.precision import StepGuard, param_dtype, reduce_dtype_of
@@ -127,21 +128,29 @@ class Trainer:
             loss = self.runner.step([x for x, _ in batches], [t for _, t in batches], self.loss_fn)
             return loss, self.runner.last_stats.peak_saved_bytes
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
-        for k, (inputs, targets) in enumerate(batches):
-            # Only the last micro-batch synchronises: the others just accumulate locally.
-            with contextlib.nullcontext() if k == len(batches) - 1 else no_sync(self.model):
-                with self.meter.track(self.model) if full else contextlib.nullcontext():
-                    outputs = self.model(inputs)
-                loss = self.loss_fn(outputs, targets)
-                (loss / len(batches)).backward()
-            loss_sum += loss.detach()
+        with engaged(self.model):  # context parallelism on for forward, backward and recomputation
+            for k, (inputs, targets) in enumerate(batches):
+                loss_sum += self._micro_step(inputs, targets, k == len(batches) - 1, len(batches), full)
         # The loss is read back once per step (one host sync), and not at all under --measure off.
         mean = (loss_sum / len(batches)).item() if self.measure.reads_loss(full) else None
         return mean, self.meter.last if full else 0
 
+    def _micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, last: bool, count: int,
+                    full: bool) -> torch.Tensor:
+        """One micro-batch's forward and backward; its loss, detached."""
+        # Only the last micro-batch synchronises: the others just accumulate locally.
+        with contextlib.nullcontext() if last else no_sync(self.model):
+            with self.meter.track(self.model) if full else contextlib.nullcontext():
+                outputs = self.model(inputs)
+            loss = self.loss_fn(outputs, targets)
+            (loss / count).backward()
+        return loss.detach()
+
     def _batch(self, split: Any, indices: list[int], step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The micro-batch's inputs and targets on this rank's device: under context
+        parallelism, only this cp rank's tokens of each sequence (plait.parallel.context)."""
         inputs, targets = self.task.batch(split, indices, step)
-        return inputs.to(self.mesh.device), targets.to(self.mesh.device)
+        return shard_batch(self.model, inputs.to(self.mesh.device), targets.to(self.mesh.device))
 
     # -- the whole run -----------------------------------------------------------------------
     def run(self, progress: Any = None) -> None:

@@ -1,0 +1,59 @@
+"""What context parallelism puts on the wire and how much of it the step waits for.
+
+Per attention layer and micro-batch, on every cp rank (all are alike: the head-tail split
+balances them), with b sequences, s tokens, h_kv K/V heads of d values, e bytes per value:
+one rank's K/V block is KV = 2·b·(s/cp)·h_kv·d·e bytes.
+
+Ring (plait.parallel.context.ring):
+  forward   (cp−1) sends of KV (and as many receives);
+  backward  (cp−1) sends of KV again, plus cp sends of the block's dK, dV accumulators
+            (w bytes per value: fp32, or fp64 for fp64) which end at the block's owner.
+Ulysses (plait.parallel.context.ulysses): an all-to-all each for q, k, v and the output,
+  forward, and the same four backward: (cp−1)/cp·b·(s/cp)·d·e·(2·h + 2·h_kv') bytes each
+  way, where h_kv' is h_kv when cp divides it, else h (K/V heads repeated up to the heads).
+Recomputation reruns the forward's traffic once more (full: the block; selective: the core).
+
+The ring's sends are posted before each step's attention and waited for after it, so the
+step waits only for what the attention does not cover: per pass, the transfer time of the
+cp−1 blocks minus the attention compute of the cp−1 steps that overlap them. Ulysses'
+all-to-alls sit between the projections and the attention: they are all exposed.
+"""
+
+from __future__ import annotations
+
+from plait.wire import ring_bytes
+
+
+def kv_block_bytes(batch: int, seq: int, cp: int, kv_heads: int, head_dim: int, bytes_per_value: int) -> float:
+    """One rank's K and V for one layer: 2·b·(s/cp)·h_kv·d·e."""
+    return 2.0 * batch * (seq // cp) * kv_heads * head_dim * bytes_per_value
+
+
+def context_bytes(kind: str, cp: int, *, batch: int, seq: int, heads: int, kv_heads: int, head_dim: int,
+                  bytes_per_value: int, wide_bytes: int = 4) -> dict[str, float]:
+    """{"forward", "backward"}: bytes one rank sends (ring: each also receives as much; Ulysses:
+    the all-to-all's wire bytes) for one layer and one micro-batch."""
+    if cp == 1:
+        return {"forward": 0.0, "backward": 0.0}
+    if kind == "ring":
+        block = kv_block_bytes(batch, seq, cp, kv_heads, head_dim, bytes_per_value)
+        grads = kv_block_bytes(batch, seq, cp, kv_heads, head_dim, wide_bytes)
+        return {"forward": (cp - 1) * block, "backward": (cp - 1) * block + cp * grads}
+    travelling_kv = kv_heads if kv_heads % cp == 0 else heads
+    per_head = batch * (seq // cp) * head_dim * bytes_per_value
+    one_way = sum(ring_bytes("all_to_all", per_head * n, cp) for n in (heads, travelling_kv, travelling_kv, heads))
+    return {"forward": one_way, "backward": one_way}
+
+
+def forward_passes(recompute: str) -> int:
+    """How many times each layer's attention forward runs per micro-batch."""
+    return 1 if recompute == "none" else 2
+
+
+def ring_exposed_s(transfer_s: float, attention_s: float, cp: int) -> float:
+    """Seconds of one pass's ring transfers the step waits for: `transfer_s` (all cp−1
+    blocks) less the attention compute of the cp−1 steps that run while they travel
+    (`attention_s` is the whole pass's, over cp steps)."""
+    if cp == 1:
+        return 0.0
+    return max(0.0, transfer_s - attention_s * (cp - 1) / cp)

@@ -1,0 +1,126 @@
+"""apply_context_parallel: the model's attention over the cp ranks, its positions the global ones.
+
+Each cp rank holds 2 of the sequence's 2·cp chunks (plait.parallel.context.chunks), for
+every layer: embeddings, MLPs, norms and the loss see local tokens only, so their
+activations shrink by cp. Attention alone needs the whole sequence; the model's adapter
+(plait.parallel.seam) routes it through `ContextParallel.attend` (ring or Ulysses), and a
+forward pre-hook on the model gives it the global positions of its tokens, which RoPE and
+learned position tables read.
+
+Context parallelism is *engaged* around a training step's forward and backward (the
+trainer does it, `engaged(model)`); outside it, evaluation and sampling run whole sequences
+through the model's own attention, unchanged. Within it the model refuses what the split
+cannot honour rather than dropping it: an attention mask (padding, documents) or position
+ids of the caller's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.errors import PlaitError
+from plait.parallel.context.chunks import local_positions, shard_sequence
+from plait.parallel.context.ring import ring_attention
+from plait.parallel.context.ulysses import ulysses_attention
+from plait.rules import CP_KINDS, check_choice
+from plait.runtime.comm import Axis
+
+CONTEXT_ATTR = "plait_context"  # set on a model by apply_context_parallel
+
+
+class ContextParallel:
+    """What a model under context parallelism holds: the cp axis, the attention kind, and
+    whether a training step has engaged it."""
+
+    def __init__(self, axis: Axis, kind: str):
+        check_choice("cp-kind", kind, CP_KINDS)
+        self.axis, self.kind, self.active = axis, kind, False
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+               scale: float | None = None) -> torch.Tensor:
+        """Attention of this rank's queries (batch, heads, local, head_dim) to the whole
+        sequence's keys and values (batch, kv_heads, local, head_dim), by the chosen kind."""
+        if self.kind == "ulysses":
+            if q.shape[1] % self.axis.size:
+                raise PlaitError(f"--cp-kind ulysses splits attention heads over cp: {q.shape[1]} heads (per tp "
+                                 f"rank) are not divisible by cp={self.axis.size}",
+                                 hint="use --cp-kind ring, or a cp that divides the heads")
+            return ulysses_attention(q, k, v, self.axis, causal, scale)
+        return ring_attention(q, k, v, self.axis, causal, scale)
+
+    def positions(self, local: int, device: torch.device) -> torch.Tensor:
+        """(1, local): the global positions of this rank's `local` tokens."""
+        seq = local * self.axis.size
+        return local_positions(seq, self.axis.rank, self.axis.size).to(device).unsqueeze(0)
+
+
+def apply_context_parallel(model: nn.Module, axis: Axis, kind: str = "ring", adapter: Any = None) -> nn.Module:
+    """Route `model`'s attention through context parallelism over `axis` (in place).
+
+    The adapter's `context_attention(model, context)` replaces the attention; a model whose
+    adapter has none is refused with one line rather than trained wrong."""
+    if axis.size == 1:
+        return model
+    setup = getattr(adapter, "context_attention", None)
+    if not callable(setup):
+        raise PlaitError(f"cp {axis.size} needs to know where {type(model).__name__}'s attention is, and its "
+                         f"adapter {type(adapter).__name__} does not say",
+                         hint="context parallelism trains plait's GPT and transformers' causal LMs; drop --cp")
+    context = ContextParallel(axis, kind)
+    setup(model, context)
+    model.register_forward_pre_hook(_global_positions(context), with_kwargs=True)
+    setattr(model, CONTEXT_ATTR, context)
+    return model
+
+
+def context_of(model: nn.Module) -> ContextParallel | None:
+    return getattr(model, CONTEXT_ATTR, None)
+
+
+@contextlib.contextmanager
+def engaged(model: nn.Module) -> Iterator[None]:
+    """Context parallelism on for what runs inside: forward, backward and any recomputation."""
+    context = context_of(model)
+    if context is None:
+        yield
+        return
+    context.active = True
+    try:
+        yield
+    finally:
+        context.active = False
+
+
+def shard_batch(model: nn.Module, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """This cp rank's tokens of each (batch, seq, ...) tensor: inputs and targets alike."""
+    context = context_of(model)
+    if context is None:
+        return tensors
+    seq = tensors[0].shape[1]
+    if seq % (2 * context.axis.size):
+        raise PlaitError(f"cp {context.axis.size} cuts each sequence into {2 * context.axis.size} chunks: "
+                         f"a sequence of {seq} tokens does not divide",
+                         hint=f"give a --seq-len divisible by {2 * context.axis.size}")
+    return tuple(shard_sequence(t, context.axis.rank, context.axis.size, dim=1) for t in tensors)
+
+
+def _global_positions(context: ContextParallel) -> Any:
+    """The model's forward pre-hook: while engaged, position_ids = this rank's global positions."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
+        if not context.active:
+            return None
+        for name in ("attention_mask", "position_ids"):
+            if kwargs.get(name) is not None:
+                raise PlaitError(f"the caller's {name} (padding, packed documents) cannot be honoured across cp "
+                                 "ranks: context parallelism makes the positions and the causal mask itself",
+                                 hint="train whole, unpadded sequences under cp, or drop --cp")
+        ids = args[0] if args else kwargs.get("input_ids")
+        return args, {**kwargs, "position_ids": context.positions(ids.shape[1], ids.device)}
+
+    return hook

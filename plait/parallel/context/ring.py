@@ -1,0 +1,190 @@
+"""Ring attention: each cp rank holds a slice of the sequence; K and V travel round the ring.
+
+Forward: rank r starts with its own K/V block. At each of the cp steps it posts the send of
+the block it holds to rank r+1 and the receive of the next one from rank r−1, attends its
+queries to the block it holds (this compute hides the transfer), then waits. Each step's
+partial result is merged into the running one by their log-sum-exp (the online softmax), so
+the output is exactly softmax(q·kᵀ)·v over the whole sequence. It saves q, k, v (its own
+slices), the output and the log-sum-exp: O(seq / cp) memory per rank, never the whole K/V.
+
+Backward: the ring again. K/V travel as in forward, and beside them the gradient
+accumulators for that block (dK, dV in fp32): each rank adds what its queries contribute and
+passes them on; after cp steps they reach the block's owner. With the final output O and
+log-sum-exp L the gradient of one block is exact on its own (P = exp(q·kᵀ·scale − L),
+D = rowsum(dO·O)), which is what lets blocks be differentiated one at a time.
+
+Causal attention uses the head-tail split (plait.parallel.context.chunks): a query chunk
+attends to an earlier key chunk whole, to its own chunk under the causal mask, and to a later
+one not at all, so each step costs at most two small attention calls per query chunk.
+Grouped K/V heads (GQA) travel unexpanded; they are expanded per call and their gradients
+summed back, so the ring moves n_kv_heads, not n_heads.
+
+`ring_attention(q, k, v, axis, causal)`: q (batch, heads, local, head_dim); k, v (batch,
+kv_heads, local, head_dim); the local tokens in head-tail order. Every transfer goes through
+plait.runtime.comm, so the ledger shows the cp axis's sends.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from plait.parallel.context.chunks import chunk_ids
+from plait.runtime import comm
+from plait.runtime.comm import Axis
+
+
+def block_pairs(query_chunk: int, owner: int, cp: int, causal: bool) -> tuple[list[int], int | None]:
+    """Which halves of `owner`'s K/V block a query chunk attends to: (halves attended whole,
+    the half attended under the causal mask, if any). Chunk numbers are global."""
+    if not causal:
+        return [0, 1], None
+    whole, masked = [], None
+    for half, key_chunk in enumerate(chunk_ids(owner, cp)):
+        if key_chunk < query_chunk:
+            whole.append(half)
+        elif key_chunk == query_chunk:
+            masked = half
+    return whole, masked
+
+
+def _keys(block: torch.Tensor, halves: list[int]) -> torch.Tensor:
+    """The halves of a (…, local, d) block along the sequence, as one tensor (a view when whole)."""
+    if halves == [0, 1]:
+        return block
+    return block.chunk(2, dim=-2)[halves[0]]
+
+
+def _expand(x: torch.Tensor, group: int) -> torch.Tensor:
+    return x.repeat_interleave(group, dim=1) if group > 1 else x
+
+
+def wide(dtype: torch.dtype) -> torch.dtype:
+    """What the softmax, the merge and the gradient accumulators run in: fp32, or fp64 for fp64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, masked: bool) -> torch.Tensor:
+    """q·kᵀ·scale in fp32 (at least), the upper triangle at −inf for the causal diagonal block."""
+    s = torch.matmul(q, k.transpose(-1, -2)).to(wide(q.dtype)) * scale
+    if masked:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+           masked: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block: (softmax(q·kᵀ·scale)·v in fp32, its log-sum-exp per query)."""
+    s = _scores(q, k, scale, masked)
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)).to(v.dtype), v).to(s.dtype)
+    return out, lse
+
+
+def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
+                    delta: torch.Tensor, scale: float, masked: bool) -> tuple[torch.Tensor, ...]:
+    """One block's exact (dq, dk, dv) in fp32, from the final log-sum-exp and rowsum(dO·O)."""
+    q, k, v = q.to(dout.dtype), k.to(dout.dtype), v.to(dout.dtype)
+    p = torch.exp(_scores(q, k, scale, masked) - lse.unsqueeze(-1))
+    dv = torch.matmul(p.transpose(-1, -2), dout)
+    ds = p * (torch.matmul(dout, v.transpose(-1, -2)) - delta.unsqueeze(-1))
+    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv
+
+
+def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor,
+          block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two partial softmax results over disjoint keys as one, weighted by their log-sum-exp."""
+    if out is None:
+        return block_out, block_lse
+    new = torch.logaddexp(lse, block_lse)
+    return out * torch.exp(lse - new).unsqueeze(-1) + block_out * torch.exp(block_lse - new).unsqueeze(-1), new
+
+
+class _Pass:
+    """One step's transfer round the ring: send what this rank holds to the next rank,
+    receive the next block from the previous one; `wait` returns the received block."""
+
+    def __init__(self, tensor: torch.Tensor, axis: Axis):
+        self.received = torch.empty_like(tensor)
+        nxt, prev = (axis.rank + 1) % axis.size, (axis.rank - 1) % axis.size
+        self.handles = [comm.send(tensor, axis, nxt), comm.recv(self.received, axis, prev)]
+
+    def wait(self) -> torch.Tensor:
+        for handle in self.handles:
+            handle.wait()
+        return self.received
+
+
+class RingAttention(torch.autograd.Function):
+    """Forward: attention over the whole sequence, K/V passed round the cp ring.
+    Backward: the ring again, dK/dV travelling with their block back to its owner."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: Axis, causal: bool,
+                scale: float) -> torch.Tensor:
+        cp, rank, group = axis.size, axis.rank, q.shape[1] // k.shape[1]
+        queries, query_chunks = q.chunk(2, dim=2), chunk_ids(rank, cp)
+        outs: list[Any] = [None, None]
+        lses: list[Any] = [None, None]
+        block = torch.stack([k, v])
+        for step in range(cp):
+            transfer = _Pass(block, axis) if step < cp - 1 else None
+            owner = (rank - step) % cp
+            keys, values = _expand(block[0], group), _expand(block[1], group)
+            for i, query in enumerate(queries):
+                whole, masked = block_pairs(query_chunks[i], owner, cp, causal)
+                for halves, is_masked in ((whole, False), ([masked] if masked is not None else [], True)):
+                    if halves:
+                        o, s = attend(query, _keys(keys, halves), _keys(values, halves), scale, is_masked)
+                        outs[i], lses[i] = merge(outs[i], lses[i], o, s)
+            if transfer is not None:
+                block = transfer.wait()
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.axis, ctx.causal, ctx.scale = axis, causal, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        axis, causal, scale = ctx.axis, ctx.causal, ctx.scale
+        cp, rank, group = axis.size, axis.rank, q.shape[1] // k.shape[1]
+        dout = dout.to(out.dtype)
+        delta = (dout * out).sum(-1)
+        dq = torch.zeros_like(out)
+        query_chunks = chunk_ids(rank, cp)
+        parts = list(zip(q.chunk(2, dim=2), dout.chunk(2, dim=2), lse.chunk(2, dim=2), delta.chunk(2, dim=2),
+                         dq.chunk(2, dim=2)))
+        block, returning = torch.stack([k, v]), None
+        for step in range(cp):
+            transfer = _Pass(block, axis) if step < cp - 1 else None
+            owner = (rank - step) % cp
+            keys, values = _expand(block[0], group), _expand(block[1], group)
+            grads = torch.zeros((2, *keys.shape), dtype=out.dtype, device=q.device)  # dK, dV, expanded
+            for i, (query, d_out, l, d, d_q) in enumerate(parts):
+                whole, masked = block_pairs(query_chunks[i], owner, cp, causal)
+                for halves, is_masked in ((whole, False), ([masked] if masked is not None else [], True)):
+                    if halves:
+                        gq, gk, gv = attend_backward(query, _keys(keys, halves), _keys(values, halves), d_out, l, d,
+                                                     scale, is_masked)
+                        d_q += gq
+                        _keys(grads[0], halves).add_(gk)
+                        _keys(grads[1], halves).add_(gv)
+            if group > 1:  # the expanded heads' gradients, summed back onto their K/V head
+                grads = grads.unflatten(2, (-1, group)).sum(3)
+            if returning is not None:
+                grads += returning.wait()  # what the ranks before added to this same block
+            returning = _Pass(grads, axis)  # on to the next rank; after cp passes, home
+            if transfer is not None:
+                block = transfer.wait()
+        home = returning.wait()
+        return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: Axis, causal: bool = True,
+                   scale: float | None = None) -> torch.Tensor:
+    """Attention of this rank's queries to every rank's keys (see the module docstring)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return RingAttention.apply(q, k, v, axis, causal, scale)

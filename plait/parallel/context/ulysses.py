@@ -1,0 +1,87 @@
+"""Ulysses: trade sequence shards for head shards, attend to the whole sequence, trade back.
+
+Each cp rank holds its head-tail slice of the sequence for every head. One all-to-all per
+tensor gives it the whole sequence for heads/cp of them (DeepSpeed-Ulysses); it runs plain
+SDPA there, then one all-to-all takes the output back to sequence shards. The sequence
+arrives in the ranks' order (rank 0's two chunks, rank 1's, ...) and is put back in
+position order before attention, so the causal mask is the ordinary one.
+
+It needs heads divisible by cp. K/V heads that cp does not divide are repeated up to the
+query heads first (GQA): more bytes, the same result. Each all-to-all is an autograd function
+whose backward is the reverse all-to-all; every one goes through plait.runtime.comm.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from plait.parallel.context.chunks import natural_order, rank_order
+from plait.runtime import comm
+from plait.runtime.comm import Axis
+
+
+def _to_heads(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """(b, h, local, d) sequence shard -> (b, h/cp, cp·local, d), the sequence in rank order."""
+    b, h, n, d = x.shape
+    parts = x.reshape(b, axis.size, h // axis.size, n, d).transpose(0, 1).contiguous()
+    out = torch.empty_like(parts)
+    comm.all_to_all(out, parts, axis)
+    return out.permute(1, 2, 0, 3, 4).reshape(b, h // axis.size, axis.size * n, d)
+
+
+def _to_sequence(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """(b, h/cp, cp·local, d) in rank order -> (b, h, local, d): this rank's tokens, every head."""
+    b, h, total, d = x.shape
+    n = total // axis.size
+    parts = x.reshape(b, h, axis.size, n, d).permute(2, 0, 1, 3, 4).contiguous()
+    out = torch.empty_like(parts)
+    comm.all_to_all(out, parts, axis)
+    return out.transpose(0, 1).reshape(b, axis.size * h, n, d)
+
+
+class SequenceToHeads(torch.autograd.Function):
+    """Forward: sequence shards -> head shards (all-to-all). Backward: head shards -> sequence shards."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, axis: Axis) -> torch.Tensor:
+        ctx.axis = axis
+        return _to_heads(x, axis)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _to_sequence(grad.contiguous(), ctx.axis), None
+
+
+class HeadsToSequence(torch.autograd.Function):
+    """Forward: head shards -> sequence shards (all-to-all). Backward: sequence shards -> head shards."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, axis: Axis) -> torch.Tensor:
+        ctx.axis = axis
+        return _to_sequence(x, axis)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _to_heads(grad.contiguous(), ctx.axis), None
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: Axis, causal: bool = True,
+                      scale: float | None = None) -> torch.Tensor:
+    """Attention of this rank's tokens to the whole sequence, by head shards. Shapes as
+    plait.parallel.context.ring.ring_attention's."""
+    heads, kv_heads, cp = q.shape[1], k.shape[1], axis.size
+    if kv_heads % cp:  # repeat K/V heads up to the query heads, which cp divides
+        k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+    seq = q.shape[2] * cp
+    order, back = natural_order(seq, cp).to(q.device), rank_order(seq, cp).to(q.device)
+    q, k, v = (SequenceToHeads.apply(t, axis).index_select(2, order) for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    return HeadsToSequence.apply(out.index_select(2, back).contiguous(), axis)

@@ -1,0 +1,96 @@
+"""Context parallelism without a world: the head-tail split, the estimator's formulas, and
+every refusal `plait train --cp` prints before spawning (one line and a hint)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from plait.cli import main
+from plait.estimate import estimate_layout
+from plait.estimate.context import context_bytes, ring_exposed_s
+from plait.models.config import get_preset
+from plait.parallel.context.chunks import local_positions, natural_order, rank_order, shard_sequence
+
+
+def test_rank_i_holds_chunks_i_and_its_mirror_and_every_rank_has_equal_causal_work() -> None:
+    assert local_positions(16, 0, 4).tolist() == [0, 1, 14, 15]
+    assert local_positions(16, 3, 4).tolist() == [6, 7, 8, 9]
+    pairs = [sum(p + 1 for p in local_positions(32, rank, 4).tolist()) for rank in range(4)]
+    assert len(set(pairs)) == 1  # keys each rank's queries attend to under the causal mask
+    ordered = rank_order(16, 4)
+    assert torch.equal(ordered[natural_order(16, 4)], torch.arange(16))
+    x = torch.arange(32).view(2, 16)
+    assert torch.equal(torch.cat([shard_sequence(x, r, 4) for r in range(4)], dim=1)[:, natural_order(16, 4)], x)
+
+
+def test_ring_bytes_per_layer_are_the_kv_block_times_the_passes() -> None:
+    # b 2, s 16, cp 4: a rank's K/V block is 2·2·4·h_kv 2·d 8·4 bytes = 1 KiB.
+    ring = context_bytes("ring", 4, batch=2, seq=16, heads=4, kv_heads=2, head_dim=8, bytes_per_value=4)
+    assert ring == {"forward": 3 * 1024, "backward": 3 * 1024 + 4 * 1024}
+    # Ulysses: q, k, v, out of b·(s/cp)·d·e = 256 bytes per head, (cp−1)/cp of them on the wire;
+    # 2 K/V heads do not divide by cp 4, so they travel repeated to the 4 heads.
+    ulysses = context_bytes("ulysses", 4, batch=2, seq=16, heads=4, kv_heads=2, head_dim=8, bytes_per_value=4)
+    assert ulysses == {"forward": 3 / 4 * 256 * 16, "backward": 3 / 4 * 256 * 16}
+    assert context_bytes("ring", 1, batch=2, seq=16, heads=4, kv_heads=2, head_dim=8, bytes_per_value=4) == {
+        "forward": 0.0, "backward": 0.0}
+    assert ring_exposed_s(1.0, 2.0, 2) == 0.0 and ring_exposed_s(1.0, 1.0, 2) == 0.5
+
+
+def test_the_estimate_halves_activations_and_syncs_over_dp_times_cp() -> None:
+    small = get_preset("small")
+    one = estimate_layout(small, hardware="cpu", micro_batch=2, seq_len=512, dp=2)
+    cp = estimate_layout(small, hardware="cpu", micro_batch=2, seq_len=512, cp=2)
+    tables = 2 * small.max_seq_len * small.head_dim // 2 * 4 * small.n_layers  # RoPE's cos/sin, kept whole
+    ratio = (cp["memory"]["activations"] - tables) / (one["memory"]["activations"] - tables)
+    assert ratio == pytest.approx(0.5, rel=0.02), ratio
+    assert set(cp["comm"]) == {"dp_cp", "cp"} and cp["comm"]["dp_cp"] == one["comm"]["dp"]
+    block = 2 * 2 * 256 * small.n_kv_heads * small.head_dim * 4  # 2·b·(s/cp)·h_kv·d·e
+    per_layer = block + (block + 2 * block)  # forward; backward (K/V again, then dK/dV to 2 ranks)
+    assert cp["comm"]["cp"] == {"send": small.n_layers * per_layer, "recv": small.n_layers * per_layer}
+    assert cp["time"]["cp_s"] >= 0.0
+
+
+def _one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("plait: error: ") and lines[1].startswith("  hint: "), lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--cp", "2", "--seq-len", "30"], "--seq-len 30 is not divisible by 2·cp = 4"),
+    (["--cp", "2", "--pp", "2"], "--cp 2 with --pp 2: context parallelism across pipeline stages is not built yet"),
+    (["--cp", "8", "--cp-kind", "ulysses", "--seq-len", "64"],
+     "--cp-kind ulysses splits attention heads over cp: 4 heads per tp rank are not divisible by cp=8"),
+    (["--cp", "2", "--tp", "4", "--sp", "--seq-len", "36"], "--sp splits each cp rank's 18 tokens over tp=4"),
+    (["--cp", "2", "--cp-kind", "striped"], "unknown --cp-kind 'striped'"),
+])
+def test_a_split_the_model_cannot_take_is_refused_in_one_line(flags: list[str], words: str, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    line = _one_line(["train", "--model", "tiny", *flags, "--out", str(tmp_path)], capsys)
+    assert words in line, line
+
+
+def test_a_resnet_is_refused_context_parallelism(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = _one_line(["train", "--model", "resnet18", "--data", "digits", "--cp", "2", "--out", str(tmp_path)], capsys)
+    assert "is trained data-parallel only (DDP or --zero), not with --tp, --pp or --cp" in line
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("sliding_window", 8, "attends within a sliding window of 8 tokens, shorter than --seq-len 16"),
+    ("attention_dropout", 0.1, "attention_dropout = 0.1; attention dropout is not built under context parallelism"),
+])
+def test_what_the_ring_cannot_honour_in_a_transformers_config_is_refused(
+        field: str, value: float, words: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    transformers = pytest.importorskip("transformers")
+    transformers.MistralConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                               **{"sliding_window": None, field: value}).save_pretrained(tmp_path / "model")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def f(x):\n    return x\n" * 200)
+    line = _one_line(["train", "--model", f"hf:{tmp_path / 'model'}", "--data", str(corpus), "--cp", "2",
+                      "--seq-len", "16", "--out", str(tmp_path / "o")], capsys)
+    assert words in line, line

@@ -1,0 +1,89 @@
+"""Context parallelism trains the same model as one process: plait's GPT, transformers'
+Llama and GPT-2 under cp 4, cp 2 × dp 2 (ring and Ulysses), cp 2 × tp 2 + SP and cp 2 × dp 2
+with ZeRO-3, through the real Trainer; one attention layer against SDPA; the ring's and
+the all-to-all's bytes against the formula; a checkpoint moved between cp degrees. One
+4-rank world (tests/worlds/context_world.py) runs everything."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from plait.estimate.context import context_bytes
+from tests.parity import PARAM_ATOL, assert_losses_close
+from tests.worldlib import run_world
+
+transformers = pytest.importorskip("transformers")
+
+B, H, SEQ, D = 2, 4, 16, 8  # the attention check's shape (tests/worlds/context_world.py)
+LAYOUTS = ("cp4", "cp2-dp2", "ulysses-cp2-dp2", "cp2-tp2-sp", "cp2-dp2-zero3")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("context")
+    transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=64).save_pretrained(root / "llama")
+    transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0
+                            ).save_pretrained(root / "gpt2")
+    corpus = root / "corpus.txt"
+    corpus.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(600)))
+    _, reports = run_world("context_world.py", 4, root / "world", str(root / "world"), str(corpus),
+                           str(root / "llama"), str(root / "gpt2"))
+    return reports
+
+
+@pytest.mark.parametrize("run", ["ring-cp4", "ring-cp2", "ulysses-cp2"])
+def test_one_attention_layer_matches_sdpa_on_the_whole_sequence(world: list[dict[str, Any]], run: str) -> None:
+    for rank in world:
+        for case, found in rank["attention"][run].items():
+            assert max(found["errors"]) < 1e-12, (run, case, found["errors"])  # fp64: output, dq, dk, dv
+
+
+@pytest.mark.parametrize("run", ["ring-cp4", "ring-cp2", "ulysses-cp2"])
+def test_the_ledger_counts_the_formulas_bytes(world: list[dict[str, Any]], run: str) -> None:
+    """fp64 tensors; per rank, one layer, forward and forward + backward, by kind."""
+    kind, cp = run.split("-cp")
+    for case, found in world[0]["attention"][run].items():
+        kv_heads = int(case.split("-")[0][2:])
+        formula = context_bytes(kind, int(cp), batch=B, seq=SEQ, heads=H, kv_heads=kv_heads, head_dim=D,
+                                bytes_per_value=8, wide_bytes=8)
+        if kind == "ring":
+            assert found["forward"] == {"send": formula["forward"], "recv": formula["forward"]}, case
+            total = formula["forward"] + formula["backward"]
+            assert found["total"] == {"send": total, "recv": total}, case
+        else:
+            assert found["forward"] == {"all_to_all": formula["forward"]}, case
+            assert found["total"] == {"all_to_all": formula["forward"] + formula["backward"]}, case
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama", "gpt2"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_trains_the_same_model_as_one_process(world: list[dict[str, Any]], family: str,
+                                                          layout: str) -> None:
+    found = world[0][family]
+    assert_losses_close(found[layout]["losses"], found["one"]["losses"])
+    assert found[layout]["excess"] <= PARAM_ATOL, found[layout]["excess"]
+    for rank in world[1:]:
+        assert rank[family][layout]["losses"] == found[layout]["losses"]
+
+
+def test_a_checkpoint_moves_between_cp_degrees_and_layouts(world: list[dict[str, Any]]) -> None:
+    """Saved after step 1 at cp 2 × dp 2; step 2 at cp 4 and at tp 2 × dp 2 is one process's step 2."""
+    expected = world[0]["gpt"]["one"]["losses"][1:]
+    for layout in ("cp4", "tp2-dp2"):
+        assert_losses_close(world[0]["resumed"][layout], expected)
+
+
+def test_what_the_split_cannot_honour_is_refused_in_one_line(world: list[dict[str, Any]]) -> None:
+    refused = world[0]["refusals"]
+    assert refused["ulysses_heads"] == ("--cp-kind ulysses splits attention heads over cp: 3 heads (per tp rank) "
+                                        "are not divisible by cp=2 (hint: use --cp-kind ring, or a cp that divides "
+                                        "the heads)")
+    assert refused["mask"] == ("the caller's attention_mask (padding, packed documents) cannot be honoured across "
+                               "cp ranks: context parallelism makes the positions and the causal mask itself (hint: "
+                               "train whole, unpadded sequences under cp, or drop --cp)")
