@@ -28,6 +28,8 @@ _EXPORTS = {
     "PipelineRunner": "plait.parallel.pipeline.runner",
     "full_parameters": "plait.parallel.zero.stages",
     "no_sync": "plait.parallel.data.sync",
+    "context_engaged": "plait.parallel.context.plan",
+    "shard_batch": "plait.parallel.context.plan",
     "SyncBatchNorm": "plait.parallel.data.syncbn",
     "convert_sync_batchnorm": "plait.parallel.data.syncbn",
     "shard_indices": "plait.train.data",

@@ -86,9 +86,6 @@ def check_layout(layout: Any) -> None:
                              hint=f"drop --{axis}; use dp, tp, pp and ZeRO")
     check_choice("schedule", layout.schedule, SCHEDULES)
     check_choice("cp-kind", layout.cp_kind, CP_KINDS)
-    if layout.cp > 1 and layout.pp > 1:
-        raise PlaitError(f"--cp {layout.cp} with --pp {layout.pp}: context parallelism across pipeline stages "
-                         "is not built yet", hint="use cp with dp, tp and ZeRO; or pp without cp")
     if layout.zero not in ZERO_STAGES or isinstance(layout.zero, bool):
         raise PlaitError(f"--zero must be 0, 1, 2 or 3, got {layout.zero!r}",
                          hint="0 is plain data parallelism; 1-3 shard more and more state")

@@ -62,7 +62,6 @@ def _one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 
 @pytest.mark.parametrize("flags, words", [
     (["--cp", "2", "--seq-len", "30"], "--seq-len 30 is not divisible by 2·cp = 4"),
-    (["--cp", "2", "--pp", "2"], "--cp 2 with --pp 2: context parallelism across pipeline stages is not built yet"),
     (["--cp", "8", "--cp-kind", "ulysses", "--seq-len", "64"],
      "--cp-kind ulysses splits attention heads over cp: 4 heads per tp rank are not divisible by cp=8"),
     (["--cp", "2", "--tp", "4", "--sp", "--seq-len", "36"], "--sp splits each cp rank's 18 tokens over tp=4"),

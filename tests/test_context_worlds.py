@@ -1,6 +1,6 @@
 """Context parallelism trains the same model as one process: plait's GPT, transformers'
-Llama and GPT-2 under cp 4, cp 2 × dp 2 (ring and Ulysses), cp 2 × tp 2 + SP and cp 2 × dp 2
-with ZeRO-3, through the real Trainer; one attention layer against SDPA; the ring's and
+Llama and GPT-2 under cp 4, cp 2 × dp 2 (ring and Ulysses), cp 2 × tp 2 + SP, cp 2 × dp 2
+with ZeRO-3 and cp 2 × pp 2, through the real Trainer; one attention layer against SDPA; the ring's and
 the all-to-all's bytes against the formula; a checkpoint moved between cp degrees. One
 4-rank world (tests/worlds/context_world.py) runs everything."""
 
@@ -18,7 +18,7 @@ from tests.worldlib import run_world
 transformers = pytest.importorskip("transformers")
 
 B, H, SEQ, D = 2, 4, 16, 8  # the attention check's shape (tests/worlds/context_world.py)
-LAYOUTS = ("cp4", "cp2-dp2", "ulysses-cp2-dp2", "cp2-tp2-sp", "cp2-dp2-zero3")
+LAYOUTS = ("cp4", "cp2-dp2", "ulysses-cp2-dp2", "cp2-tp2-sp", "cp2-dp2-zero3", "cp2-pp2")
 
 
 @pytest.fixture(scope="module")

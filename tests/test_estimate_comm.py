@@ -29,9 +29,10 @@ def test_ring_formulas() -> None:
     assert ring_bytes("all_reduce", s, 4) == 2 * 3 / 4 * s
     assert ring_bytes("all_gather", s, 4) == ring_bytes("reduce_scatter", s, 4) == 3 / 4 * s
     assert ring_bytes("broadcast", s, 4) == ring_bytes("send", s, 2) == ring_bytes("recv", s, 2) == s
+    assert ring_bytes("all_to_all", s, 4) == 3 / 4 * s  # each rank keeps its own quarter
     assert ring_bytes("all_reduce", s, 1) == 0.0
     with pytest.raises(ValueError):
-        ring_bytes("all_to_all", s, 4)
+        ring_bytes("all_to_one", s, 4)
 
 
 def test_ring_formulas_agree_with_the_ledger() -> None:

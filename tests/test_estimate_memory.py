@@ -258,7 +258,7 @@ def test_params_only_leaves_activations_unknown() -> None:
     assert result["memory"]["activations"] is None
     assert result["memory"]["params"] == 14e9
     assert result["time"] is None
-    with pytest.raises(PlaitError, match="tensor and pipeline parallelism need the model's shape"):
+    with pytest.raises(PlaitError, match="tensor, pipeline and context parallelism need the model's shape"):
         estimate_layout(None, params=7e9, tp=2)
 
 

@@ -69,9 +69,12 @@ def test_collective_time_is_latency_plus_bandwidth() -> None:
 
 
 def test_which_axes_leave_the_node() -> None:
-    assert inter_node(Workload(dp=2, tp=4), 8) == {"tp": False, "dp": False, "pp": False, "world": False}
-    assert inter_node(Workload(dp=4, tp=8, pp=2), 8) == {"tp": False, "dp": True, "pp": True, "world": True}
-    assert inter_node(Workload(dp=1, tp=8, pp=4), 8) == {"tp": False, "dp": False, "pp": True, "world": True}
+    assert inter_node(Workload(dp=2, tp=4), 8) == {"tp": False, "cp": False, "dp": False, "pp": False, "world": False}
+    assert inter_node(Workload(dp=4, tp=8, pp=2), 8) == {"tp": False, "cp": False, "dp": True, "pp": True, "world": True}
+    assert inter_node(Workload(dp=1, tp=8, pp=4), 8) == {"tp": False, "cp": False, "dp": False, "pp": True, "world": True}
+    # cp ranks sit between tp and dp: cp 2 × tp 4 fills a node, so dp leaves it
+    assert inter_node(Workload(dp=2, cp=2, tp=4, seq_len=64), 8) == {"tp": False, "cp": False, "dp": True, "pp": True,
+                                                                  "world": True}
 
 
 def test_inter_node_dp_is_slower() -> None:

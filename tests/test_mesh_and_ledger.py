@@ -37,8 +37,6 @@ def test_degree_below_one_is_refused():
 def test_axes_not_built_yet_are_refused_not_ignored():
     with pytest.raises(PlaitError, match="--ep 2: expert parallelism is not built yet"):
         Layout(ep=2)
-    with pytest.raises(PlaitError, match="--cp 2 with --pp 2: context parallelism across pipeline stages is not built"):
-        Layout(cp=2, pp=2)
     with pytest.raises(PlaitError, match=r"unknown --cp-kind 'striped' \(hint: choose one of: ring, ulysses\)"):
         Layout(cp=2, cp_kind="striped")
 

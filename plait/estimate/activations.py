@@ -31,6 +31,11 @@ elements, once per rank). That is everything plait's ActivationMeter sees, since
 the model's forward only; the loss's fp32 logits and log-softmax are counted by
 memory.py as a buffer on the last stage.
 
+Under context parallelism every per-token figure counts this rank's tokens only (s/cp per
+sequence); Ulysses runs the same SDPA on whole sequences of h/cp heads, so it saves the same
+bytes per token; ring attention keeps K/V unexpanded and its output in fp32 (e(h + 2·kv) + 4h
+in place of 4eh).
+
 Tensor parallelism divides what lives inside the column/row-parallel region (attention
 and MLP); the norms stay replicated unless sequence parallelism shards them too, in which
 case (as in the paper) the linear layers keep only their sequence shard and everything is
@@ -46,6 +51,7 @@ MASK_BYTES = 1  # a dropout mask is one byte per element
 LSE_BYTES = 4  # SDPA's log-sum-exp is fp32 whatever the input dtype
 ID_BYTES = 8  # int64 token ids, kept by the embedding for its backward
 NORM_BYTES = 4  # RMSNorm computes in fp32 whatever the model's dtype
+RING_OUT_BYTES = 4  # ring attention keeps its output in fp32 (fp64 for fp64) for the backward
 
 
 def korthikanti_layer_bytes(config: GPTConfig, layout: Workload) -> float:
@@ -73,6 +79,12 @@ def llama_layer_bytes(config: GPTConfig, layout: Workload) -> float:
     o_proj_copy = h if a // layout.tp > 1 else 0  # one head per rank: reshape is a view
     replicated = 2 * rmsnorm_bytes(h, e)
     sharded = e * (4 * h + o_proj_copy + 4 * f) + LSE_BYTES * a
+    if layout.cp > 1 and layout.cp_kind == "ring":
+        # Ring attention keeps K and V as the model made them (kv_dim wide: GQA saves here)
+        # and its output in fp32 for the backward's merge: q, k, v, out = e(h + 2kv) + 4h.
+        sharded += e * (h + 2 * config.kv_dim) + RING_OUT_BYTES * h - e * 4 * h
+        if layout.recompute == "selective":
+            return _combine(replicated, sharded - RING_OUT_BYTES * h - LSE_BYTES * a, layout, e * h)
     if layout.recompute == "selective":
         # Recomputing the attention core drops SDPA's output and log-sum-exp; q, k, v stay
         # as the recomputation's inputs. SDPA already recomputes the a·s² matrix, so this

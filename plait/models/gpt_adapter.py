@@ -52,6 +52,9 @@ class GPTAdapter:
         if embed is not None:
             x = embed(x)
         cos, sin = stage.held("rope_cos")[:seq], stage.held("rope_sin")[:seq]
+        positions = stage.context_positions(seq, x.device)
+        if positions is not None:  # a context-parallel rank's two chunks of the sequence
+            cos, sin = stage.held("rope_cos")[positions].unsqueeze(1), stage.held("rope_sin")[positions].unsqueeze(1)
         for block in stage.held_blocks():
             x = block(x, cos, sin)
         if stage.is_last:

@@ -70,7 +70,8 @@ class GPT2Adapter:
         """
         wte = stage.held("transformer.wte")
         seq = x.shape[1] * (1 if wte is not None else stage.seq_split)
-        positions = torch.arange(seq, device=x.device).unsqueeze(0)
+        positions = stage.context_positions(seq, x.device)
+        positions = torch.arange(seq, device=x.device).unsqueeze(0) if positions is None else positions
         if wte is not None:
             x = stage.held("transformer.drop")(wte(x) + stage.held("transformer.wpe")(positions))
         blocks = stage.held_blocks()

@@ -102,7 +102,8 @@ def run_stage(stage: StageView, x: torch.Tensor, parts: Parts, config: Any) -> t
     # Under sequence parallelism hidden states between stages hold seq / tp positions.
     seq = x.shape[1] * (1 if stage.is_first else stage.seq_split)
     rotary = next(stage.held(name) for name in parts.shared if name.rsplit(".", 1)[-1] == ROTARY)
-    positions = torch.arange(seq, device=x.device).unsqueeze(0)
+    positions = stage.context_positions(seq, x.device)  # a context-parallel rank's global ones
+    positions = torch.arange(seq, device=x.device).unsqueeze(0) if positions is None else positions
     whole = x[:, :1].expand(x.shape[0], seq, x.shape[-1])  # the shape the masks are made for
     kinds = layer_kinds(config)
     angles = _angles(rotary, whole, positions, set(kinds))
@@ -163,6 +164,9 @@ class WholeModel:
 
     def held_blocks(self) -> list[nn.Module]:
         return list(self.model.get_submodule(self.parts.blocks))
+
+    def context_positions(self, seq: int, device: torch.device) -> None:
+        return None  # the probe runs whole sequences
 
 
 def check_cut(model: nn.Module, parts: Parts, config: Any) -> None:

@@ -53,6 +53,10 @@ from plait.errors import PlaitError
 from plait.parallel.zero.shard import find_units
 from plait.runtime.comm import Axis
 
+# Where a model (and, after the pipeline cut, its list of stages and each stage) keeps its
+# context parallelism (plait.parallel.context.plan.ContextParallel).
+CONTEXT_ATTR = "plait_context"
+
 
 @dataclass(frozen=True)
 class Parts:
@@ -86,6 +90,10 @@ class StageView(Protocol):
 
     def held(self, name: str) -> Any:
         """The piece (module or buffer) of `Parts` named `name`, or None where another stage holds it."""
+        ...
+
+    def context_positions(self, seq: int, device: torch.device) -> torch.Tensor | None:
+        """(1, seq) global positions under engaged context parallelism, else None."""
         ...
 
     def held_blocks(self) -> list[nn.Module]:

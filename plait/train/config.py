@@ -82,6 +82,9 @@ class TrainConfig:
     reshard_after_forward: bool = field(default=True, metadata={
         "help": "ZeRO-3: free a unit's gathered weights after its forward and gather them again for backward; "
                 "false keeps them until backward (one gather less per unit, the whole model held at once)"})
+    memory_limit: float = field(default=0.0, metadata={
+        "help": "GiB per rank: refuse, before any process starts, a run whose estimated memory per rank "
+                "(plait estimate) is larger, naming a --cp that fits (0: no limit)"})
     nproc: int | None = field(default=None, metadata={"help": "local processes to spawn (default: the layout's product)"})
     backend: str = field(default="auto", metadata={"help": "auto (nccl with CUDA, else gloo), nccl, gloo or mpi"})
     timeout_s: float = field(default=300.0, metadata={"help": "a collective waiting longer than this fails, naming itself"})

@@ -25,7 +25,7 @@ import torch
 from plait.api import parallelize
 from plait.errors import EXIT_PREEMPTED, PlaitError, Preempted
 from plait.parallel.compose import ParallelConfig, adamw_kernel, build_optimizer
-from plait.parallel.context.plan import engaged, shard_batch
+from plait.parallel.context.plan import context_engaged, shard_batch
 from plait.parallel.data.sync import no_sync
 from plait.parallel.pipeline.runner import PipelineRunner
 from plait.parallel.precision import StepGuard, param_dtype, reduce_dtype_of
@@ -125,10 +125,11 @@ class Trainer:
         """The step's mean loss (None when not read back) and the bytes saved for backward."""
         if self.runner is not None:  # the schedule runs every micro-batch; gradients reduced at its end
             self.runner.measure = full  # the barrier and the timeline's all-gather
-            loss = self.runner.step([x for x, _ in batches], [t for _, t in batches], self.loss_fn)
+            with context_engaged(self.model):
+                loss = self.runner.step([x for x, _ in batches], [t for _, t in batches], self.loss_fn)
             return loss, self.runner.last_stats.peak_saved_bytes
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
-        with engaged(self.model):  # context parallelism on for forward, backward and recomputation
+        with context_engaged(self.model):  # context parallelism on for forward, backward and recomputation
             for k, (inputs, targets) in enumerate(batches):
                 loss_sum += self._micro_step(inputs, targets, k == len(batches) - 1, len(batches), full)
         # The loss is read back once per step (one host sync), and not at all under --measure off.

@@ -5,8 +5,8 @@ argv: OUT CORPUS LLAMA_DIR GPT2_DIR.
    whole sequence, causal and not, with 4, 2 and 1 K/V heads: the output and dq, dk, dv of
    this rank's tokens; the ledger's cp traffic of one forward and backward.
 2. The real Trainer (what `plait train --cp N` runs) on plait's GPT, transformers' Llama and
-   GPT-2 under cp 4, cp 2 × dp 2 (ring and Ulysses), cp 2 × tp 2 + SP and cp 2 × dp 2 with
-   ZeRO-3; rank 0 alone trains the same global batch in one process. Losses every step,
+   GPT-2 under cp 4, cp 2 × dp 2 (ring and Ulysses), cp 2 × tp 2 + SP, cp 2 × dp 2 with
+   ZeRO-3 and cp 2 × pp 2 (1F1B); rank 0 alone trains the same global batch in one process. Losses every step,
    final weights against the one-process run's, elementwise.
 3. A checkpoint written at cp 2 × dp 2 resumed at cp 4 and at tp 2 × dp 2 (the GPT).
 4. Refusals at run time: Ulysses with heads cp does not divide, a caller's attention mask.
@@ -27,7 +27,7 @@ from plait.errors import PlaitError
 from plait.families import family_of
 from plait.layout import Layout
 from plait.parallel.context.chunks import shard_sequence
-from plait.parallel.context.plan import ContextParallel, engaged
+from plait.parallel.context.plan import ContextParallel, context_engaged
 from plait.runtime.env import ProcessEnv
 from plait.runtime.mesh import init_mesh
 from plait.train.config import TrainConfig
@@ -43,6 +43,7 @@ LAYOUTS = {
     "ulysses-cp2-dp2": dict(cp=2, dp=2, grad_accum=1, cp_kind="ulysses"),
     "cp2-tp2-sp": dict(cp=2, tp=2, sp=True, dp=1, grad_accum=2),
     "cp2-dp2-zero3": dict(cp=2, dp=2, grad_accum=1, zero=3),
+    "cp2-pp2": dict(cp=2, pp=2, dp=1, grad_accum=2),
 }
 
 
@@ -130,7 +131,7 @@ def refusals(mesh: Any, gpt_base: TrainConfig) -> dict[str, str]:
     trainer = Trainer(config, mesh, family_of(config).task(config))
     ids = torch.zeros(2, 8, dtype=torch.long)
     try:
-        with engaged(trainer.model):
+        with context_engaged(trainer.model):
             trainer.model(ids, attention_mask=torch.ones(2, 8))
     except PlaitError as exc:
         found["mask"] = str(exc)

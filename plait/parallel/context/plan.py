@@ -8,7 +8,7 @@ forward pre-hook on the model gives it the global positions of its tokens, which
 learned position tables read.
 
 Context parallelism is *engaged* around a training step's forward and backward (the
-trainer does it, `engaged(model)`); outside it, evaluation and sampling run whole sequences
+trainer does it, `context_engaged(model)`); outside it, evaluation and sampling run whole sequences
 through the model's own attention, unchanged. Within it the model refuses what the split
 cannot honour rather than dropping it: an attention mask (padding, documents) or position
 ids of the caller's own.
@@ -27,10 +27,10 @@ from plait.errors import PlaitError
 from plait.parallel.context.chunks import local_positions, shard_sequence
 from plait.parallel.context.ring import ring_attention
 from plait.parallel.context.ulysses import ulysses_attention
+from plait.parallel.seam import CONTEXT_ATTR
 from plait.rules import CP_KINDS, check_choice
 from plait.runtime.comm import Axis
 
-CONTEXT_ATTR = "plait_context"  # set on a model by apply_context_parallel
 
 
 class ContextParallel:
@@ -83,7 +83,7 @@ def context_of(model: nn.Module) -> ContextParallel | None:
 
 
 @contextlib.contextmanager
-def engaged(model: nn.Module) -> Iterator[None]:
+def context_engaged(model: nn.Module) -> Iterator[None]:
     """Context parallelism on for what runs inside: forward, backward and any recomputation."""
     context = context_of(model)
     if context is None:

@@ -29,6 +29,7 @@ from plait.parallel.pipeline.p2p import (BufferPool, Channels, Key, add_from_pee
                                           sum_tied_grads)
 from plait.parallel.pipeline.execute import LossFn, PipelineStats, StageWork, StepRun
 from plait.parallel.pipeline.held import PIPELINE_ATTR
+from plait.parallel.seam import CONTEXT_ATTR
 from plait.parallel.pipeline.split import (PipelineStage, check_split, rank_stages, split_stages,
                                            tied_copies)
 from plait.parallel.pipeline.schedule import Schedule, build_schedule, validate
@@ -63,6 +64,8 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, *, virtual_stages: int | None =
     if info is not None:
         setattr(held, TP_ATTR, info)  # the loss and the gradient norm look for it here
     setattr(held, PIPELINE_ATTR, mesh.axis("pp"))
+    if getattr(model, CONTEXT_ATTR, None) is not None:  # engaged, and the batch sharded, through the list
+        setattr(held, CONTEXT_ATTR, getattr(model, CONTEXT_ATTR))
     return held
 
 

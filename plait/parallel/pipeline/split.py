@@ -36,7 +36,7 @@ from torch import nn
 
 from plait.errors import PlaitError
 from plait.balance import balanced_counts
-from plait.parallel.seam import Parts, adapter_of, pipeline_parts
+from plait.parallel.seam import CONTEXT_ATTR, Parts, adapter_of, pipeline_parts
 from plait.rules import check_pipeline_cut
 
 BLOCKS = "blocks"  # where a stage keeps the blocks of a model that is itself a Sequential
@@ -57,6 +57,8 @@ class PipelineStage(nn.Module):
         # Under sequence parallelism hidden states hold seq / tp positions; rope needs seq.
         self.seq_split = seq_split
         self.parts, self._adapter = parts, adapter
+        # Context parallelism (plait.parallel.context), applied to the whole model before the cut.
+        self.context = getattr(model, CONTEXT_ATTR, None)
         self._blocks_at = parts.blocks or BLOCKS
         first, last = self.is_first, self.is_last
         tied = _tied(model, parts)  # {id of a tied weight: the full model's name of it}
@@ -97,6 +99,13 @@ class PipelineStage(nn.Module):
     def held_blocks(self) -> list[nn.Module]:
         """This stage's blocks, in forward order."""
         return list(_get(self, self._blocks_at))
+
+    def context_positions(self, seq: int, device: torch.device) -> torch.Tensor | None:
+        """(1, seq): the global positions of this rank's `seq` tokens while context parallelism
+        is engaged; None otherwise (the positions are 0..seq-1)."""
+        if self.context is None or not self.context.active:
+            return None
+        return self.context.positions(seq, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._adapter.run_stage(self, x)
