@@ -3,14 +3,16 @@
     python benchmarks/context.py                       # updates benchmarks/RESULTS.md
     python benchmarks/context.py --seq-lens 512 1024 --no-write
 
-For each sequence length (doubling), plait's GPT (`small`'s width, --layers blocks) trains
+For each sequence length (doubling), plait's GPT (`small` with 8 heads / 4 KV heads, --layers
+blocks) trains
 --steps AdamW steps on one micro-batch of one sequence: in one process on every core, and
 under cp = 2 and 4 (ring and Ulysses) with the cores split between the ranks (cp 4
 oversubscribes a 2-core machine: its times are not comparable, its memory is). Per run:
 - activations: the bytes autograd saves in one forward (ActivationMeter), the largest rank's,
   beside plait estimate's figure for the same layout;
 - step time: the median step (forward, backward, the gradient all-reduce over dp × cp,
-  AdamW), the slowest rank's, beside the estimate's (the `cpu` hardware preset);
+  AdamW), the slowest rank's, beside the estimate's on this machine's calibrated profile
+  (the one `plait train` predicts with, measured per rank's thread count);
 - the ring's balance: each rank's seconds inside the attention kernels (forward and
   backward, not waiting for a transfer), slowest over fastest; and the seconds spent waiting
   for transfers (the exposed ring).
@@ -39,7 +41,7 @@ def model_config(args: argparse.Namespace, seq: int) -> Any:
 
     from plait.models.config import get_preset
 
-    return replace(get_preset("small"), n_layers=args.layers, max_seq_len=seq)
+    return replace(get_preset("small"), n_heads=8, n_kv_heads=4, n_layers=args.layers, max_seq_len=seq)
 
 
 class KernelClock:
@@ -75,6 +77,7 @@ def one_run(args: argparse.Namespace, seq: int, cp: int, kind: str, clock: Kerne
     import torch
     import torch.nn.functional as F
 
+    from plait.bench.machine import machine_hardware
     from plait.bench.meter import ActivationMeter
     from plait.layout import Layout
     from plait.models.gpt import build_gpt
@@ -107,15 +110,19 @@ def one_run(args: argparse.Namespace, seq: int, cp: int, kind: str, clock: Kerne
                          -statistics.median(kernels), statistics.median(waits)], dtype=torch.float64)
     if cp > 1:
         comm.all_reduce(mine, mesh.axis("world"), op="max")
+    hardware, _ = machine_hardware(mesh, config, micro_batch=1, seq_len=seq, tp=1, precision="fp32",
+                                optimizer_kernel="fused")
     return {"step_s": mine[0].item(), "activations": mine[1].item(), "kernel_max_s": mine[2].item(),
-            "kernel_min_s": -mine[3].item(), "wait_s": mine[4].item()}
+            "kernel_min_s": -mine[3].item(), "wait_s": mine[4].item(),
+            "predicted": predicted(config, seq, cp, kind if cp > 1 else "ring", hardware)}
 
 
-def predicted(args: argparse.Namespace, seq: int, cp: int, kind: str) -> dict[str, float]:
+def predicted(config: Any, seq: int, cp: int, kind: str, hardware: Any) -> dict[str, float]:
+    """plait estimate's figures for the run, on this machine's calibrated profile (plait train's)."""
     from plait.estimate import estimate_layout
 
-    result = estimate_layout(model_config(args, seq), hardware="cpu", cp=cp, cp_kind=kind, micro_batch=1,
-                             seq_len=seq, precision="fp32")
+    result = estimate_layout(config, hardware=hardware, cp=cp, cp_kind=kind, micro_batch=1, seq_len=seq,
+                             precision="fp32")
     return {"activations": result["memory"]["activations"], "step_s": result["time"]["step_s"],
             "cp_s": result["time"]["cp_s"]}
 
@@ -130,8 +137,7 @@ def worker(args: argparse.Namespace) -> None:
     for seq in args.seq_lens:
         for kind in (KINDS if world > 1 else ("none",)):
             measured = one_run(args, seq, world, kind, clock)
-            rows.append({"seq": seq, "cp": world, "kind": kind, **measured,
-                         "predicted": predicted(args, seq, world, kind if world > 1 else "ring")})
+            rows.append({"seq": seq, "cp": world, "kind": kind, **measured})
     if int(os.environ.get("RANK", "0")) == 0:
         Path(args.result).write_text(json.dumps(rows))
 
@@ -162,10 +168,11 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
         "cp 4 four 1-thread ranks on 2 cores (oversubscribed: its times are not comparable, its memory is)",
         f"- date: {datetime.date.today().isoformat()}; load average (1 min) at the end: {os.getloadavg()[0]:.1f} "
         f"on {os.cpu_count()} cores",
-        f"- model: `small`'s width (384, 6 heads / 2 KV heads), {args.layers} layers, one sequence per step, fp32, "
+        f"- model: `small` with 8 heads / 4 KV heads (so that Ulysses' cp 4 splits whole heads), {args.layers} "
+        "layers, one sequence per step, fp32, "
         f"AdamW; median of {args.steps} steps after {args.warmup} warm-up",
         "- activations: bytes saved for backward in one forward, the largest rank's (MiB), and its share of one "
-        "process's (goal: within 5% of 1/cp); predicted = plait estimate",
+        "process's (goal: within 5% of 1/cp); predicted = plait estimate (activations; step time on this machine's calibrated profile, as plait train predicts)",
         "- kernel balance: slowest rank's seconds inside the attention kernels over the fastest's (goal ≤ 1.05); "
         "wait: seconds per step a rank waited for ring transfers (the exposed ring)",
         "",
@@ -193,7 +200,7 @@ def main() -> None:
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     finish("context", parser.parse_args(), worker, drive, table)
 

@@ -43,9 +43,15 @@ def test_the_estimate_halves_activations_and_syncs_over_dp_times_cp() -> None:
     small = get_preset("small")
     one = estimate_layout(small, hardware="cpu", micro_batch=2, seq_len=512, dp=2)
     cp = estimate_layout(small, hardware="cpu", micro_batch=2, seq_len=512, cp=2)
-    tables = 2 * small.max_seq_len * small.head_dim // 2 * 4 * small.n_layers  # RoPE's cos/sin, kept whole
-    ratio = (cp["memory"]["activations"] - tables) / (one["memory"]["activations"] - tables)
-    assert ratio == pytest.approx(0.5, rel=0.02), ratio
+    ulysses = estimate_layout(small, hardware="cpu", micro_batch=2, seq_len=512, cp=2, cp_kind="ulysses")
+    tables = small.max_seq_len * small.head_dim * 4  # RoPE's cos and sin, kept whole
+    ratio = (ulysses["memory"]["activations"] - tables) / (one["memory"]["activations"] - tables)
+    assert ratio == pytest.approx(0.5, rel=1e-3), ratio  # the same bytes per token, half the tokens
+    # The ring keeps K/V unexpanded (kv_dim, not h) and its output in fp32: 8(h − kv) fp32 bytes
+    # less per token and layer than SDPA's expanded q, k, v, out.
+    tokens = 2 * 512 // 2
+    saved = small.n_layers * tokens * 8 * (small.d_model - small.kv_dim)
+    assert ulysses["memory"]["activations"] - cp["memory"]["activations"] == saved
     assert set(cp["comm"]) == {"dp_cp", "cp"} and cp["comm"]["dp_cp"] == one["comm"]["dp"]
     block = 2 * 2 * 256 * small.n_kv_heads * small.head_dim * 4  # 2·b·(s/cp)·h_kv·d·e
     per_layer = block + (block + 2 * block)  # forward; backward (K/V again, then dK/dV to 2 ranks)

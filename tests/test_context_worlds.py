@@ -18,7 +18,8 @@ from tests.worldlib import run_world
 transformers = pytest.importorskip("transformers")
 
 B, H, SEQ, D = 2, 4, 16, 8  # the attention check's shape (tests/worlds/context_world.py)
-LAYOUTS = ("cp4", "cp2-dp2", "ulysses-cp2-dp2", "cp2-tp2-sp", "cp2-dp2-zero3", "cp2-pp2")
+LAYOUTS = ("cp4", "cp2-dp2", "ulysses-cp2-dp2", "cp2-tp2-sp", "cp2-dp2-zero3", "cp2-pp2", "cp2-dp2-recompute")
+BF16_RTOL = 2e-3  # tests/test_precision_worlds.py's bar: 16-bit sums in another order
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +31,14 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
                             embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0
                             ).save_pretrained(root / "gpt2")
+    shape = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64)
+    transformers.Qwen3Config(**shape, head_dim=8).save_pretrained(root / "qwen3")  # per-head q/k norms
+    transformers.MistralConfig(**shape, sliding_window=16).save_pretrained(root / "mistral")  # a window = seq
     corpus = root / "corpus.txt"
     corpus.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(600)))
     _, reports = run_world("context_world.py", 4, root / "world", str(root / "world"), str(corpus),
-                           str(root / "llama"), str(root / "gpt2"))
+                           str(root / "llama"), str(root / "gpt2"), str(root / "qwen3"), str(root / "mistral"))
     return reports
 
 
@@ -45,18 +50,20 @@ def test_one_attention_layer_matches_sdpa_on_the_whole_sequence(world: list[dict
 
 
 @pytest.mark.parametrize("run", ["ring-cp4", "ring-cp2", "ulysses-cp2"])
-def test_the_ledger_counts_the_formulas_bytes(world: list[dict[str, Any]], run: str) -> None:
+def test_the_ledger_counts_the_formulas_collectives_and_bytes(world: list[dict[str, Any]], run: str) -> None:
     """fp64 tensors; per rank, one layer, forward and forward + backward, by kind."""
     kind, cp = run.split("-cp")
     for case, found in world[0]["attention"][run].items():
         kv_heads = int(case.split("-")[0][2:])
         formula = context_bytes(kind, int(cp), batch=B, seq=SEQ, heads=H, kv_heads=kv_heads, head_dim=D,
                                 bytes_per_value=8, wide_bytes=8)
-        if kind == "ring":
+        if kind == "ring":  # forward cp−1 transfers; backward cp−1 more of K/V and cp of dK/dV
+            assert found["calls"] == {"send": 3 * int(cp) - 2, "recv": 3 * int(cp) - 2}, case
             assert found["forward"] == {"send": formula["forward"], "recv": formula["forward"]}, case
             total = formula["forward"] + formula["backward"]
             assert found["total"] == {"send": total, "recv": total}, case
-        else:
+        else:  # q, k, v to heads and the output back; the same four reversed in backward
+            assert found["calls"] == {"all_to_all": 8}, case
             assert found["forward"] == {"all_to_all": formula["forward"]}, case
             assert found["total"] == {"all_to_all": formula["forward"] + formula["backward"]}, case
 
@@ -70,6 +77,18 @@ def test_every_layout_trains_the_same_model_as_one_process(world: list[dict[str,
     assert found[layout]["excess"] <= PARAM_ATOL, found[layout]["excess"]
     for rank in world[1:]:
         assert rank[family][layout]["losses"] == found[layout]["losses"]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+def test_other_transformers_families_train_the_same_model_under_cp(world: list[dict[str, Any]], family: str) -> None:
+    found = world[0][family]
+    assert_losses_close(found["cp2-dp2"]["losses"], found["one"]["losses"])
+    assert found["cp2-dp2"]["excess"] <= PARAM_ATOL, found["cp2-dp2"]["excess"]
+
+
+def test_bf16_under_cp_trains_as_one_process_in_bf16(world: list[dict[str, Any]]) -> None:
+    found = world[0]["bf16"]
+    assert_losses_close(found["cp2-dp2"]["losses"], found["one"]["losses"], rtol=BF16_RTOL)
 
 
 def test_a_checkpoint_moves_between_cp_degrees_and_layouts(world: list[dict[str, Any]]) -> None:

@@ -57,7 +57,7 @@ def _pages() -> list:
 def test_the_tutorial_has_its_ladder() -> None:
     names = [p.name for p in sorted(TUTORIAL.glob("*.md"))]
     assert names == ["1-one-process.md", "2-data-parallel.md", "3-zero.md", "4-tensor.md", "5-pipeline.md",
-                     "6-3d.md"]
+                     "6-3d.md", "7-context.md"]
     for page in TUTORIAL.glob("*.md"):
         assert sh_commands(page), f"{page.name} has no ```sh commands"
         for image in re.findall(r"\]\((\.\./img/[^)]+)\)", page.read_text()):

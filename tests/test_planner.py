@@ -25,12 +25,13 @@ def test_every_row_is_a_valid_layout() -> None:
     rows = plan(cfg, gpus=16, gpus_per_node=8, hardware="a100-80gb", global_batch=64, seq_len=2048)
     assert rows
     for r in rows:
-        assert r["dp"] * r["tp"] * r["pp"] == 16
+        assert r["dp"] * r["tp"] * r["pp"] * r["cp"] == 16
         assert cfg.n_heads % r["tp"] == 0 and cfg.n_kv_heads % r["tp"] == 0
+        assert r["cp_kind"] == "ring" or cfg.n_heads // r["tp"] % r["cp"] == 0  # Ulysses splits whole heads
         assert r["tp"] <= 8 and r["pp"] <= cfg.n_layers
         assert r["dp"] * r["micro_batch"] * r["grad_accum"] == 64
         assert r["memory_bytes"] <= get_hardware("a100-80gb").usable_bytes
-        assert r["zero"] == 0 or r["dp"] > 1  # one replica has nothing to shard
+        assert r["zero"] == 0 or r["dp"] * r["cp"] > 1  # one replica has nothing to shard
     times = [r["step_s"] for r in rows]
     assert times == sorted(times)
 
@@ -112,3 +113,13 @@ def test_plan_cli_bad_input(argv: list[str], message: str) -> None:
     assert message in err.value.message
     if "model" in message:
         assert "llama-7b" in err.value.hint  # lists the valid names
+
+
+def test_a_long_sequence_is_planned_with_context_parallelism() -> None:
+    """128K tokens of llama-7b on 8 GPUs, one sequence per step: data parallelism has nothing to
+    split, and the fastest layouts that fit split the sequence (cp, with ZeRO-3 over dp·cp)."""
+    rows = plan(get_preset("llama-7b"), gpus=8, gpus_per_node=8, hardware="h100-sxm", global_batch=1,
+                seq_len=131072)
+    assert (rows[0]["cp"], rows[0]["cp_kind"], rows[0]["zero"]) == (8, "ring", 3)
+    assert all(r["dp"] == 1 for r in rows)
+    assert min(r["step_s"] for r in rows if r["cp"] == 1) > rows[0]["step_s"]  # tp 8 alone is slower

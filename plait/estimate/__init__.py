@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from plait.errors import PlaitError
+from plait.estimate.context import per_layer as context_per_layer
 from plait.estimate.traffic import dp_traffic, estimate_comm, naive_comm
 from plait.estimate.hardware import Hardware, resolve_hardware
 from plait.estimate.layout import Workload
@@ -93,9 +94,12 @@ def estimate_layout(config: GPTConfig | None, work: Workload | None = None, *, h
     memory = estimate_memory(config, work)
     step = estimate_time(config, work, hw, node)
     notes = [f"busiest rank: pipeline stage {memory.stage} of {work.pp}"]
-    return _report(config.num_params(), work, hw, node, memory.as_dict(),
-                   estimate_comm(config, work), naive_comm(config, work),
-                   step.as_dict(), notes)
+    report = _report(config.num_params(), work, hw, node, memory.as_dict(),
+                     estimate_comm(config, work), naive_comm(config, work),
+                     step.as_dict(), notes)
+    if work.cp > 1:
+        report["context"] = context_per_layer(config, work)
+    return report
 
 
 def estimate_by_size(params: int, work: Workload, *, hardware: str | Hardware = "cpu",

@@ -21,6 +21,8 @@ all-to-alls sit between the projections and the attention: they are all exposed.
 
 from __future__ import annotations
 
+from typing import Any
+
 from plait.wire import ring_bytes
 
 
@@ -43,6 +45,23 @@ def context_bytes(kind: str, cp: int, *, batch: int, seq: int, heads: int, kv_he
     per_head = batch * (seq // cp) * head_dim * bytes_per_value
     one_way = sum(ring_bytes("all_to_all", per_head * n, cp) for n in (heads, travelling_kv, travelling_kv, heads))
     return {"forward": one_way, "backward": one_way}
+
+
+def per_layer(config: Any, layout: Any) -> dict[str, Any] | None:
+    """What one rank's cp traffic is made of, for the report: the bytes of one layer's forward
+    and backward (one micro-batch), and how many of each a step runs on the busiest rank
+    (its layers × micro-batches, forwards again under recomputation). None without cp."""
+    if layout.cp == 1:
+        return None
+    from plait.estimate.layout import stages
+
+    per = context_bytes(layout.cp_kind, layout.cp, batch=layout.micro_batch, seq=layout.seq_len,
+                        heads=config.n_heads // layout.tp, kv_heads=max(1, config.n_kv_heads // layout.tp),
+                        head_dim=config.head_dim, bytes_per_value=layout.compute_bytes)
+    layers = max(stage.layers for stage in stages(config, layout.tp, layout.pp, layout.virtual_stages))
+    return {"kind": layout.cp_kind, "cp": layout.cp, "op": "send" if layout.cp_kind == "ring" else "all_to_all",
+            "forward": per["forward"], "backward": per["backward"], "layers": layers,
+            "micro_batches": layout.grad_accum, "forwards": forward_passes(layout.recompute)}
 
 
 def forward_passes(recompute: str) -> int:

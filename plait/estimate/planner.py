@@ -2,8 +2,9 @@
 
 A layout is valid when plait train would run it (plait.rules: tp divides the heads, the
 key/value heads, the vocabulary and the MLP width) and tp stays inside one node; pp is at
-most the number of layers; dp·tp·pp is the GPU count; and the global batch is
-dp·micro_batch·grad_accum. ZeRO stages 2 and 3 are tried only where dp > 1 (with one
+most the number of layers; context parallelism (ring, and Ulysses where cp divides the
+heads) at every cp that 2·cp divides the sequence for; dp·cp·tp·pp is the GPU count; and
+the global batch is dp·micro_batch·grad_accum. ZeRO stages 2 and 3 are tried only where dp > 1 (with one
 replica there is nothing to shard over); mixed precision needs ZeRO 1 or more, even on one
 replica, for its fp32 masters; sequence parallelism with and without where tp > 1 divides
 the sequence; recomputation off and full. The survivors are ranked by predicted step time,
@@ -19,6 +20,7 @@ from plait.errors import PlaitError
 from plait.estimate.hardware import GIB, Hardware, resolve_hardware
 from plait.estimate.layout import Workload
 from plait.layout import Layout
+from plait.rules import CP_KINDS
 from plait.estimate.memory import estimate_memory
 from plait.estimate.time import estimate_time
 from plait.models.config import GPTConfig
@@ -85,28 +87,34 @@ def candidates(request: PlanRequest) -> Iterator[Workload]:
         for pp in divisors(request.gpus // tp):
             if pp > request.config.n_layers:
                 continue
-            dp = Layout.fill(request.gpus, tp=tp, pp=pp).dp  # the one home of dp = world / (tp·pp)
-            if request.global_batch % dp:
-                continue
-            yield from _variants(request, dp, tp, pp)
+            for cp in divisors(request.gpus // (tp * pp)):
+                if request.seq_len % (2 * cp):
+                    continue
+                dp = Layout.fill(request.gpus, tp=tp, pp=pp, cp=cp).dp  # the one home of dp = world / (tp·pp·cp)
+                if request.global_batch % dp:
+                    continue
+                for kind in CP_KINDS if cp > 1 else CP_KINDS[:1]:
+                    yield from _variants(request, dp, tp, pp, cp, kind)
 
 
-def _variants(request: PlanRequest, dp: int, tp: int, pp: int) -> Iterator[Workload]:
+def _variants(request: PlanRequest, dp: int, tp: int, pp: int, cp: int = 1, cp_kind: str = "ring"
+              ) -> Iterator[Workload]:
     per_replica = request.global_batch // dp
     micro_batches = [b for b in divisors(per_replica) if b <= MAX_MICRO_BATCH]
-    zeros = zero_stages(request.precision, dp)
-    sps = (False, True) if tp > 1 and request.seq_len % tp == 0 else (False,)
+    zeros = zero_stages(request.precision, dp * cp)
+    sps = (False, True) if tp > 1 and request.seq_len % (tp * cp) == 0 else (False,)
     for zero in zeros:
         for micro_batch in micro_batches:
             for recompute in request.recompute:
                 for sp in sps:
                     try:  # combinations plait train refuses (zb-h1 with recompute) are skipped
-                        layout = Workload(dp=dp, tp=tp, pp=pp, zero=zero,
-                                        offload=request.offload and zero > 0,
-                                        precision=request.precision, micro_batch=micro_batch,
-                                        grad_accum=per_replica // micro_batch,
-                                        seq_len=request.seq_len, recompute=recompute,
-                                        schedule=request.schedule, sp=sp)
+                        layout = Workload(dp=dp, tp=tp, pp=pp, cp=cp, cp_kind=cp_kind, zero=zero,
+                                          offload=request.offload and zero > 0,
+                                          precision=request.precision, micro_batch=micro_batch,
+                                          grad_accum=per_replica // micro_batch,
+                                          seq_len=request.seq_len, recompute=recompute,
+                                          schedule=request.schedule, sp=sp)
+                        layout.check_model(request.config)  # Ulysses' heads, SP's share of the sequence
                     except PlaitError:
                         continue
                     yield layout
@@ -115,7 +123,8 @@ def _variants(request: PlanRequest, dp: int, tp: int, pp: int) -> Iterator[Workl
 def _row(layout: Workload, memory: float, request: PlanRequest) -> dict[str, object]:
     step = estimate_time(request.config, layout, request.hardware, request.gpus_per_node)
     return {
-        "dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "zero": layout.zero,
+        "dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "cp_kind": layout.cp_kind,
+        "zero": layout.zero,
         "micro_batch": layout.micro_batch, "grad_accum": layout.grad_accum,
         "recompute": layout.recompute, "sp": layout.sp, "offload": layout.offload,
         "memory_bytes": memory, "step_s": step.step_s, "tokens_per_s": step.tokens_per_s,

@@ -37,11 +37,19 @@ def table(rows: list[list[str]], right: set[int] | None = None) -> list[str]:
     return lines
 
 
+def cp_text(layout: dict[str, Any]) -> str:
+    """" cp=2" (" cp=2 ulysses") when context parallelism is on, else nothing."""
+    if layout.get("cp", 1) == 1:
+        return ""
+    return f" cp={layout['cp']}" + (" ulysses" if layout.get("cp_kind") == "ulysses" else "")
+
+
 def format_estimate(result: dict[str, Any], model_name: str) -> str:
     """The breakdown `plait estimate` prints."""
     lay, mem = result["layout"], result["memory"]
     head = (f"{model_name} ({human_count(result['model']['params'])} params): "
-            f"dp={lay['dp']} tp={lay['tp']} pp={lay['pp']} zero={lay['zero']}"
+            f"dp={lay['dp']} tp={lay['tp']} pp={lay['pp']}"
+            f"{cp_text(lay)} zero={lay['zero']}"
             f"{' offload' if lay['offload'] else ''}{' sp' if lay['sp'] else ''}, "
             f"{lay['precision']}, micro-batch {lay['micro_batch']} x {lay['grad_accum']}, "
             f"seq {lay['seq_len'] or '?'}, recompute {lay['recompute']}, {lay['hardware']}")
@@ -96,13 +104,14 @@ def _time_lines(step: dict[str, float] | None) -> list[str]:
 
 def format_plan(rows: list[dict[str, Any]], title: str) -> str:
     """The ranking `plait plan` prints."""
-    header = ["#", "dp", "tp", "pp", "zero", "sp", "micro", "accum", "recompute",
+    header = ["#", "dp", "tp", "pp", "cp", "zero", "sp", "micro", "accum", "recompute",
               "mem/GPU", "step", "tokens/s", "MFU"]
     body = [header]
     for i, r in enumerate(rows, 1):
-        body.append([str(i), str(r["dp"]), str(r["tp"]), str(r["pp"]),
+        cp = f"{r['cp']}{' ulysses' if r['cp_kind'] == 'ulysses' else ''}" if r.get("cp", 1) > 1 else "1"
+        body.append([str(i), str(r["dp"]), str(r["tp"]), str(r["pp"]), cp,
                      f"{r['zero']}{'+off' if r['offload'] else ''}", "yes" if r["sp"] else "no",
                      str(r["micro_batch"]), str(r["grad_accum"]), str(r["recompute"]),
                      human_bytes(r["memory_bytes"]), f"{r['step_s']:.3g} s",
                      f"{r['tokens_per_s']:,.0f}", f"{r['mfu']:.1%}"])
-    return "\n".join([title, ""] + table(body, right={0, 1, 2, 3, 6, 7, 9, 10, 11, 12}))
+    return "\n".join([title, ""] + table(body, right={0, 1, 2, 3, 7, 8, 10, 11, 12, 13}))

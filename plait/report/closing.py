@@ -87,6 +87,8 @@ def closing_report(summary: dict[str, Any], out: str) -> str:
         f"optimizer {human_bytes(mem['optim'])}, activations {human_bytes(mem['activations_peak'])} "
         f"(process peak {human_bytes(summary['peak_process_bytes'])})",
     ]
+    if (summary.get("predicted") or {}).get("context"):
+        lines.append(context_line(summary["predicted"]["context"], summary["comm_per_step"]))
     if summary.get("predicted"):
         lines += predicted_vs_measured(summary)
     if summary.get("sample"):
@@ -94,6 +96,18 @@ def closing_report(summary: dict[str, Any], out: str) -> str:
         lines.append(f"  sample      {sample}")
     lines.append(f"  outputs     {out}/metrics.jsonl, summary.json, model.safetensors")
     return "\n".join(lines)
+
+
+def context_line(formula: dict[str, Any], measured: dict[str, dict[str, float]]) -> str:
+    """Context parallelism's bytes per layer: the ledger's cp figure over the layers,
+    micro-batches and passes that made it, beside the formula (docs/context.md)."""
+    per_step = measured.get("cp", {}).get(formula["op"], 0.0)
+    runs = formula["layers"] * formula["micro_batches"]
+    per_layer = formula["forwards"] * formula["forward"] + formula["backward"]
+    return (f"  context     cp={formula['cp']} {formula['kind']}: {formula['op']} per layer and micro-batch "
+            f"measured {human_bytes(per_step / runs)}, formula {human_bytes(per_layer)} "
+            f"(forward {human_bytes(formula['forward'])} × {formula['forwards']}, backward "
+            f"{human_bytes(formula['backward'])})")
 
 
 def predicted_vs_measured(summary: dict[str, Any]) -> list[str]:

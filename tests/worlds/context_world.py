@@ -1,6 +1,6 @@
 """Context-parallel world: 4 ranks, one spawn, every check of plait.parallel.context.
 
-argv: OUT CORPUS LLAMA_DIR GPT2_DIR.
+argv: OUT CORPUS LLAMA_DIR GPT2_DIR [MORE_DIRS...] (other transformers families: cp 2 × dp 2 only).
 1. One attention layer (fp64) at cp 4 (ring) and cp 2 (ring, Ulysses) against SDPA on the
    whole sequence, causal and not, with 4, 2 and 1 K/V heads: the output and dq, dk, dv of
    this rank's tokens; the ledger's cp traffic of one forward and backward.
@@ -44,7 +44,9 @@ LAYOUTS = {
     "cp2-tp2-sp": dict(cp=2, tp=2, sp=True, dp=1, grad_accum=2),
     "cp2-dp2-zero3": dict(cp=2, dp=2, grad_accum=1, zero=3),
     "cp2-pp2": dict(cp=2, pp=2, dp=1, grad_accum=2),
+    "cp2-dp2-recompute": dict(cp=2, dp=2, grad_accum=1, recompute="full"),
 }
+MORE_LAYOUTS = ("cp2-dp2",)  # the other transformers families
 
 
 def attention_errors(mesh: Any, kind: str) -> dict[str, Any]:
@@ -72,8 +74,16 @@ def attention_errors(mesh: Any, kind: str) -> dict[str, Any]:
             errors += [(m.grad - shard_sequence(t.grad, axis.rank, axis.size, 2)).abs().max().item()
                        for m, t in zip(mine, (q, k, v))]
             found[f"kv{kv_heads}-{'causal' if causal else 'full'}"] = {
-                "errors": errors, "forward": forward.get("cp", {}), "total": both.get("cp", {})}
+                "errors": errors, "forward": forward.get("cp", {}), "total": both.get("cp", {}),
+                "calls": calls_since(mesh.ledger, before)}
     return found
+
+
+def calls_since(ledger: Any, before: dict) -> dict[str, int]:
+    """{op: collectives on the cp axis} recorded after `before`."""
+    calls = {key[2]: tally.calls - (before[key].calls if key in before else 0)
+             for key, tally in ledger.tallies.items() if key[1] == "cp"}
+    return {op: n for op, n in calls.items() if n}
 
 
 def train(config: TrainConfig, mesh: Any) -> tuple[list[float], dict[str, torch.Tensor] | None]:
@@ -90,14 +100,15 @@ def excess(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor])
     return max(((weights[k] - v).abs() - PARAM_RTOL * v.abs()).max().item() for k, v in reference.items())
 
 
-def family_runs(base: TrainConfig, out: Path, rank: int) -> dict[str, Any]:
+def family_runs(base: TrainConfig, out: Path, rank: int, layouts: tuple[str, ...] = tuple(LAYOUTS)) -> dict[str, Any]:
     found: dict[str, Any] = {}
     reference = None
     if rank == 0:
         one = init_mesh(env=ProcessEnv("single", 0, 1, 0, "127.0.0.1", 29500))
         losses, reference = train(replace(base, grad_accum=2, nproc=1, dp=1, out=str(out / "one")), one)
         found["one"] = {"losses": losses}
-    for name, fields in LAYOUTS.items():
+    for name in layouts:
+        fields = LAYOUTS[name]
         config = replace(base, **fields, nproc=4, out=str(out / name))
         losses, weights = train(config, init_mesh(config.layout))
         found[name] = {"losses": losses}
@@ -139,7 +150,7 @@ def refusals(mesh: Any, gpt_base: TrainConfig) -> dict[str, str]:
 
 
 def main() -> None:
-    out, corpus, llama, gpt2 = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    out, corpus, llama, gpt2, more = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:]
     torch.set_num_threads(1)
     rank, report = int(os.environ["RANK"]), {}
     report["attention"] = {"ring-cp4": attention_errors(init_mesh(Layout(cp=4)), "ring")}
@@ -152,6 +163,10 @@ def main() -> None:
              "gpt2": TrainConfig(model=f"hf:{gpt2}", **common)}
     for name, base in bases.items():
         report[name] = family_runs(base, out / name, rank)
+    for directory in more:
+        name = Path(directory).name
+        report[name] = family_runs(TrainConfig(model=f"hf:{directory}", **common), out / name, rank, MORE_LAYOUTS)
+    report["bf16"] = family_runs(replace(bases["gpt"], precision="bf16"), out / "bf16", rank, ("cp2-dp2",))
     report["resumed"] = resumed(bases["gpt"], out / "resume", rank)
     report["refusals"] = refusals(cp2, bases["gpt"])
     save_report(report)

@@ -15,7 +15,11 @@ D = rowsum(dO·O)), which is what lets blocks be differentiated one at a time.
 
 Causal attention uses the head-tail split (plait.parallel.context.chunks): a query chunk
 attends to an earlier key chunk whole, to its own chunk under the causal mask, and to a later
-one not at all, so each step costs at most two small attention calls per query chunk.
+one not at all, so each step costs at most two small attention calls per query chunk. Each
+call is, on a CPU, torch's flash-attention kernel and its backward (they return and take the
+log-sum-exp the merge needs); on other devices the plain matmul/softmax ops, exact but
+unfused (torch's CUDA kernels that return the log-sum-exp pad it in their own layouts, not
+used yet).
 Grouped K/V heads (GQA) travel unexpanded; they are expanded per call and their gradients
 summed back, so the ring moves n_kv_heads, not n_heads.
 
