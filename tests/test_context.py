@@ -99,3 +99,43 @@ def test_what_the_ring_cannot_honour_in_a_transformers_config_is_refused(
     line = _one_line(["train", "--model", f"hf:{tmp_path / 'model'}", "--data", str(corpus), "--cp", "2",
                       "--seq-len", "16", "--out", str(tmp_path / "o")], capsys)
     assert words in line, line
+
+
+def test_layers_whose_mask_the_ring_does_not_build_are_refused() -> None:
+    from types import SimpleNamespace
+
+    from plait.errors import PlaitError
+    from plait.models.hf_context import check_layer_kinds
+
+    class Llama4Like(torch.nn.Module):
+        config = SimpleNamespace(layer_types=["full_attention", "chunked_attention"])
+
+    with pytest.raises(PlaitError, match="Llama4Like has chunked_attention layers, whose mask context parallelism "
+                                         "does not build"):
+        check_layer_kinds(Llama4Like())
+    Llama4Like.config = SimpleNamespace(layer_types=["sliding_attention", "full_attention"])
+    check_layer_kinds(Llama4Like())  # the ring's causal mask, and the window checked against the sequence
+
+
+def test_memory_limit_refuses_a_model_it_cannot_estimate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = _one_line(["train", "--model", "resnet18", "--data", "digits", "--memory-limit", "1", "--out",
+                      str(tmp_path)], capsys)
+    assert "--memory-limit compares plait estimate's memory per rank, and it has no transformer shape" in line
+
+
+def test_memory_limit_names_the_cp_that_fits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's long-sequence demo: one process would need 0.59 GiB; cp 2 fits 0.5."""
+    argv = ["train", "--model", "small,max_seq_len=2048", "--seq-len", "2048", "--micro-batch", "1",
+            "--memory-limit", "0.5", "--out", str(tmp_path)]
+    assert main([*argv, "--nproc", "1"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "plait: error: dp=1 tp=1 pp=1 needs an estimated 0.59 GiB per rank, more than --memory-limit 0.5 GiB",
+        "  hint: add --cp 2 (--nproc 2): each rank then holds 1/2 of every sequence"]
+    from plait.train.config import build_config
+    from plait.train.memory_limit import check_memory_limit
+    from plait.families import family_of
+    from plait.models.config import get_preset
+
+    config = build_config({}, {"model": "small,max_seq_len=2048", "seq_len": 2048, "micro_batch": 1, "cp": 2,
+                               "nproc": 2, "memory_limit": 0.5}, family_of)
+    check_memory_limit(config, get_preset("small,max_seq_len=2048"))  # fits: no error

@@ -42,17 +42,17 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return reports
 
 
-@pytest.mark.parametrize("run", ["ring-cp4", "ring-cp2", "ulysses-cp2"])
+@pytest.mark.parametrize("run", ["ring-cp4", "ring-cp2", "ring-plain-cp2", "ulysses-cp2"])
 def test_one_attention_layer_matches_sdpa_on_the_whole_sequence(world: list[dict[str, Any]], run: str) -> None:
     for rank in world:
         for case, found in rank["attention"][run].items():
             assert max(found["errors"]) < 1e-12, (run, case, found["errors"])  # fp64: output, dq, dk, dv
 
 
-@pytest.mark.parametrize("run", ["ring-cp4", "ring-cp2", "ulysses-cp2"])
+@pytest.mark.parametrize("run", ["ring-cp4", "ring-cp2", "ring-plain-cp2", "ulysses-cp2"])
 def test_the_ledger_counts_the_formulas_collectives_and_bytes(world: list[dict[str, Any]], run: str) -> None:
     """fp64 tensors; per rank, one layer, forward and forward + backward, by kind."""
-    kind, cp = run.split("-cp")
+    kind, cp = run.replace("-plain", "").split("-cp")
     for case, found in world[0]["attention"][run].items():
         kv_heads = int(case.split("-")[0][2:])
         formula = context_bytes(kind, int(cp), batch=B, seq=SEQ, heads=H, kv_heads=kv_heads, head_dim=D,
@@ -103,6 +103,13 @@ def test_what_the_split_cannot_honour_is_refused_in_one_line(world: list[dict[st
     assert refused["ulysses_heads"] == ("--cp-kind ulysses splits attention heads over cp: 3 heads (per tp rank) "
                                         "are not divisible by cp=2 (hint: use --cp-kind ring, or a cp that divides "
                                         "the heads)")
+    assert refused["not_engaged"] == (
+        "shard_batch gave this rank its chunks of each sequence, and the model runs without context parallelism "
+        "engaged: its attention would see those chunks only (hint: run the forward and backward inside "
+        "plait.context_engaged(model))")
+    assert refused["unsharded"] == ("under context parallelism each rank runs its 4 tokens of every sequence "
+                                    "(shard_batch), and the model got 8 (hint: pass the model what "
+                                    "plait.shard_batch returns)")
     assert refused["mask"] == ("the caller's attention_mask (padding, packed documents) cannot be honoured across "
                                "cp ranks: context parallelism makes the positions and the causal mask itself (hint: "
                                "train whole, unpadded sequences under cp, or drop --cp)")

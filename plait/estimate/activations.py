@@ -87,9 +87,10 @@ def llama_layer_bytes(config: GPTConfig, layout: Workload) -> float:
             return _combine(replicated, sharded - RING_OUT_BYTES * h - LSE_BYTES * a, layout, e * h)
     if layout.recompute == "selective":
         # Recomputing the attention core drops SDPA's output and log-sum-exp; q, k, v stay
-        # as the recomputation's inputs. SDPA already recomputes the a·s² matrix, so this
-        # buys little for our block: prefer "full".
-        sharded -= (e * h if o_proj_copy else 0) + LSE_BYTES * a
+        # as the recomputation's inputs, K/V as the model made them (the core repeats grouped
+        # heads itself). SDPA already recomputes the a·s² matrix, so this buys little for our
+        # block: prefer "full".
+        sharded -= (e * h if o_proj_copy else 0) + LSE_BYTES * a + e * 2 * (h - config.kv_dim)
     return _combine(replicated, sharded, layout, e * h)
 
 

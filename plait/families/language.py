@@ -29,37 +29,7 @@ def check_language_run(config: Any, shape: GPTConfig) -> None:
         shape.check_split(config.tp, config.sp, config.seq_len)
     if config.pp > 1:
         check_pipeline_cut(shape.n_layers, config.pp, config.virtual_stages)
-    check_memory_limit(config, shape)
     check_corpus(config.data)
-
-
-def check_memory_limit(config: Any, shape: GPTConfig) -> None:
-    """--memory-limit GIB: the estimate of the busiest rank's memory (plait estimate's, on the
-    same layout and batch) must fit before any process starts; the hint names the smallest
-    context-parallel degree whose estimate does."""
-    if not config.memory_limit:
-        return
-    limit = config.memory_limit * 2**30
-    mine = predicted_total(config, shape, config.layout)
-    if mine <= limit:
-        return
-    fits = next((cp for cp in (2, 4, 8, 16) if config.seq_len % (2 * cp * config.cp) == 0
-                 and predicted_total(config, shape, config.layout.replace(cp=cp * config.cp)) <= limit), None)
-    hint = (f"add --cp {fits * config.cp} (--nproc {config.layout.world * fits}): each rank then holds "
-            f"1/{fits * config.cp} of every sequence" if fits else "shorten --seq-len or --micro-batch, or use --zero")
-    raise PlaitError(f"{config.layout.describe()} needs an estimated {mine / 2**30:.2f} GiB per rank, more than "
-                     f"--memory-limit {config.memory_limit:g} GiB", hint=hint)
-
-
-def predicted_total(config: Any, shape: GPTConfig, layout: Any) -> float:
-    """plait estimate's device total per rank for `layout` with the run's batch and options."""
-    from plait.estimate import estimate_layout
-    from plait.estimate.layout import Workload
-
-    work = Workload.of(layout, precision=config.precision, micro_batch=config.micro_batch,
-                       grad_accum=config.grad_accum, seq_len=config.seq_len, recompute=config.recompute,
-                       reduce_dtype=config.reduce_dtype)
-    return float(estimate_layout(shape, work, hardware="cpu")["memory"]["total"])
 
 
 def check_corpus(source: str) -> None:

@@ -27,11 +27,16 @@ UNSUPPORTED = {"softcap": "logit soft-capping", "s_aux": "attention sinks"}
 
 def context_attention(model: nn.Module, context: Any) -> None:
     """Register `model`'s context-parallel attention and mask functions and select them."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError:
+        raise PlaitError("context parallelism reaches a transformers model through its AttentionInterface and "
+                         "AttentionMaskInterface, which this transformers version lacks",
+                         hint="pip install -U 'transformers>=4.56'") from None
     config = model.config
+    check_layer_kinds(model)
     own = config._attn_implementation or "sdpa"
     if own not in ALL_ATTENTION_FUNCTIONS or own not in ALL_MASK_ATTENTION_FUNCTIONS:
         raise PlaitError(f"context parallelism replaces {type(model).__name__}'s attention through transformers' "
@@ -75,6 +80,19 @@ def context_forward(context: Any, module: nn.Module, query: torch.Tensor, key: t
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     out = context.attend(query, key, value, causal=causal, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+def check_layer_kinds(model: nn.Module) -> None:
+    """Layers whose mask is neither causal nor a sliding window (chunked attention...): the
+    ring builds the causal mask only, so they are refused rather than made causal."""
+    config = model.config
+    kinds = getattr(config, "layer_types", None) or []
+    other = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+    if other or getattr(config, "attention_chunk_size", None):
+        what = other[0] if other else "chunked_attention"
+        raise PlaitError(f"{type(model).__name__} has {what} layers, whose mask context parallelism does not build "
+                         "(it builds the causal mask, and refuses a sliding window shorter than the sequence)",
+                         hint="drop --cp")
 
 
 def check_dropout(model: nn.Module) -> None:

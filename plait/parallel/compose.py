@@ -33,7 +33,7 @@ from torch import nn
 from plait.errors import PlaitError
 from plait.parallel.clip import clip_grad_norm
 from plait.parallel.compiled import apply_compile
-from plait.parallel.context.plan import apply_context_parallel
+from plait.parallel.context.plan import apply_context_parallel, context_of
 from plait.parallel.data.sync import apply_data_parallel, grad_sync
 from plait.parallel.masters import MasterOptimizer
 from plait.parallel.pipeline.runner import apply_pipeline
@@ -85,7 +85,10 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = No
     if config.sync_bn and mesh.size("dp") > 1 and convert_sync_batchnorm(model, mesh.axis("dp")) == 0:
         raise PlaitError(f"sync_bn is set, and {type(model).__name__} has no BatchNorm layers",
                          hint="drop sync_bn (or --sync-bn): there are no batch statistics to share")
-    if mesh.size("cp") > 1:  # before recompute, which wraps the attention this replaces
+    if mesh.size("cp") > 1 and context_of(model) is None:  # before recompute, which wraps the attention
+        if is_pipeline(model):
+            raise PlaitError("context parallelism is applied to the whole model, before the pipeline cut",
+                             hint="pass the whole model to parallelize: it cuts the stages itself")
         apply_context_parallel(model, mesh.axis("cp"), layout.cp_kind, adapter)
     if config.recompute != "none":
         apply_recompute(model, config.recompute, adapter)

@@ -248,6 +248,32 @@ def recv(tensor: torch.Tensor, axis: Axis, src: int, purpose: str = TRAIN) -> Ha
     return _run(axis, "recv", lambda: dist.irecv(tensor, src=peer, group=axis.group), True, peer)
 
 
+def send_recv(tensor: torch.Tensor, received: torch.Tensor, axis: Axis, dst: int, src: int,
+              purpose: str = TRAIN) -> Handle:
+    """Send `tensor` to the rank whose index along `axis` is `dst` and receive `received`
+    from `src`, posted together (returns at once; wait before reading or reusing either).
+
+    One batched pair rather than a send then a receive: where both peers are each other's
+    `dst` and `src` (a ring of two) NCCL may hold a large send until its receive is posted,
+    and two separate sends would then wait on each other."""
+    axis.ledger.record(axis.name, "send", _nbytes(tensor), axis.size, purpose)
+    axis.ledger.record(axis.name, "recv", _nbytes(received), axis.size, purpose)
+    to, sender = dist.get_global_rank(axis.group, dst), dist.get_global_rank(axis.group, src)
+    ops = [dist.P2POp(dist.isend, tensor, to, axis.group), dist.P2POp(dist.irecv, received, sender, axis.group)]
+    return _run(axis, "send_recv", lambda: _Works(dist.batch_isend_irecv(ops)), True, to)
+
+
+class _Works:
+    """Several in-flight works waited as one."""
+
+    def __init__(self, works: list[Any]):
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
 def reduce(tensor: torch.Tensor, axis: Axis, dst: int = 0, op: str = "sum",
            purpose: str = TRAIN) -> None:
     """Sum (or max/min) `tensor` over the axis into the rank whose index is `dst`; the

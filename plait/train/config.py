@@ -233,6 +233,11 @@ def validate(config: TrainConfig, family: FamilyChecks, *, local_limit: int | No
                          hint="use fewer processes, or launch across nodes with torchrun or srun")
     check_strategies(config)
     family.check(config)
+    if config.memory_limit:
+        from plait.train.memory_limit import check_memory_limit
+
+        shape = getattr(family, "shape", None)
+        check_memory_limit(config, shape(config.model) if callable(shape) else None)
     check_outputs(config)
     if config.min_nproc is not None and config.nproc is not None and config.min_nproc > config.nproc:
         raise PlaitError(f"--min-nproc {config.min_nproc} is more than --nproc {config.nproc}",

@@ -1,7 +1,8 @@
 """Context-parallel world: 4 ranks, one spawn, every check of plait.parallel.context.
 
 argv: OUT CORPUS LLAMA_DIR GPT2_DIR [MORE_DIRS...] (other transformers families: cp 2 × dp 2 only).
-1. One attention layer (fp64) at cp 4 (ring) and cp 2 (ring, Ulysses) against SDPA on the
+1. One attention layer (fp64) at cp 4 (ring) and cp 2 (ring with the CPU's fused kernels and
+   with the plain ops other devices run, Ulysses) against SDPA on the
    whole sequence, causal and not, with 4, 2 and 1 K/V heads: the output and dq, dk, dv of
    this rank's tokens; the ledger's cp traffic of one forward and backward.
 2. The real Trainer (what `plait train --cp N` runs) on plait's GPT, transformers' Llama and
@@ -26,8 +27,9 @@ import torch.nn.functional as F
 from plait.errors import PlaitError
 from plait.families import family_of
 from plait.layout import Layout
+from plait.parallel.context import ring
 from plait.parallel.context.chunks import shard_sequence
-from plait.parallel.context.plan import ContextParallel, context_engaged
+from plait.parallel.context.plan import ContextParallel, context_engaged, shard_batch
 from plait.runtime.env import ProcessEnv
 from plait.runtime.mesh import init_mesh
 from plait.train.config import TrainConfig
@@ -146,6 +148,17 @@ def refusals(mesh: Any, gpt_base: TrainConfig) -> dict[str, str]:
             trainer.model(ids, attention_mask=torch.ones(2, 8))
     except PlaitError as exc:
         found["mask"] = str(exc)
+    mine, _ = shard_batch(trainer.model, ids, ids)
+    try:
+        trainer.model(mine)  # not engaged: attention would see this rank's chunks only
+    except PlaitError as exc:
+        found["not_engaged"] = str(exc)
+    try:
+        with context_engaged(trainer.model):
+            shard_batch(trainer.model, ids, ids)
+            trainer.model(ids)  # the whole sequence while engaged
+    except PlaitError as exc:
+        found["unsharded"] = str(exc)
     return found
 
 
@@ -157,6 +170,9 @@ def main() -> None:
     cp2 = init_mesh(Layout(cp=2, dp=2))
     report["attention"]["ring-cp2"] = attention_errors(cp2, "ring")
     report["attention"]["ulysses-cp2"] = attention_errors(cp2, "ulysses")
+    ring.PLAIN_OPS = True  # the plain matmul/softmax path other devices run
+    report["attention"]["ring-plain-cp2"] = attention_errors(cp2, "ring")
+    ring.PLAIN_OPS = False
     common = dict(data=corpus, steps=2, micro_batch=2, seq_len=16, eval_every=0, eval_samples=4, sample_tokens=0,
                   warmup_steps=1, lr=1e-3)
     bases = {"gpt": TrainConfig(model="tiny", **common), "llama": TrainConfig(model=f"hf:{llama}", **common),

@@ -40,6 +40,7 @@ class ContextParallel:
     def __init__(self, axis: Axis, kind: str):
         check_choice("cp-kind", kind, CP_KINDS)
         self.axis, self.kind, self.active = axis, kind, False
+        self.sharded: int | None = None  # tokens per sequence shard_batch last gave this rank
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                scale: float | None = None) -> torch.Tensor:
@@ -93,7 +94,7 @@ def context_engaged(model: nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
-        context.active = False
+        context.active, context.sharded = False, None
 
 
 def shard_batch(model: nn.Module, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -106,6 +107,7 @@ def shard_batch(model: nn.Module, *tensors: torch.Tensor) -> tuple[torch.Tensor,
         raise PlaitError(f"cp {context.axis.size} cuts each sequence into {2 * context.axis.size} chunks: "
                          f"a sequence of {seq} tokens does not divide",
                          hint=f"give a --seq-len divisible by {2 * context.axis.size}")
+    context.sharded = seq // context.axis.size
     return tuple(shard_sequence(t, context.axis.rank, context.axis.size, dim=1) for t in tensors)
 
 
@@ -113,14 +115,22 @@ def _global_positions(context: ContextParallel) -> Any:
     """The model's forward pre-hook: while engaged, position_ids = this rank's global positions."""
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
+        ids = args[0] if args else kwargs.get("input_ids")
         if not context.active:
+            if context.sharded is not None:
+                raise PlaitError("shard_batch gave this rank its chunks of each sequence, and the model runs "
+                                 "without context parallelism engaged: its attention would see those chunks only",
+                                 hint="run the forward and backward inside plait.context_engaged(model)")
             return None
+        if context.sharded is not None and ids.shape[1] != context.sharded:
+            raise PlaitError(f"under context parallelism each rank runs its {context.sharded} tokens of every "
+                             f"sequence (shard_batch), and the model got {ids.shape[1]}",
+                             hint="pass the model what plait.shard_batch returns")
         for name in ("attention_mask", "position_ids"):
             if kwargs.get(name) is not None:
                 raise PlaitError(f"the caller's {name} (padding, packed documents) cannot be honoured across cp "
                                  "ranks: context parallelism makes the positions and the causal mask itself",
                                  hint="train whole, unpadded sequences under cp, or drop --cp")
-        ids = args[0] if args else kwargs.get("input_ids")
         return args, {**kwargs, "position_ids": context.positions(ids.shape[1], ids.device)}
 
     return hook

@@ -40,6 +40,7 @@ from plait.runtime import comm
 from plait.runtime.comm import Axis
 
 
+PLAIN_OPS = False  # True: the plain ops on a CPU too (what other devices run), for the tests
 _CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
@@ -69,6 +70,18 @@ def _expand(x: torch.Tensor, group: int) -> torch.Tensor:
     return x.repeat_interleave(group, dim=1) if group > 1 else x
 
 
+def fused(device: torch.device) -> bool:
+    """Whether a block runs torch's fused CPU flash kernels (else the plain ops; the tests
+    run both)."""
+    return device.type == "cpu" and not PLAIN_OPS
+
+
+def expansion(q: torch.Tensor, k: torch.Tensor) -> int:
+    """How many times each K/V head is repeated before a block's attention: never on a CPU,
+    whose flash kernel takes grouped heads as they are; q's heads per K/V head elsewhere."""
+    return 1 if fused(q.device) else q.shape[1] // k.shape[1]
+
+
 def wide(dtype: torch.dtype) -> torch.dtype:
     """What the softmax, the merge and the gradient accumulators run in: fp32, or fp64 for fp64."""
     return torch.promote_types(dtype, torch.float32)
@@ -87,7 +100,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     """One block: (softmax(q·kᵀ·scale)·v in fp32, its log-sum-exp per query). On a CPU, torch's
     flash kernel, which returns the log-sum-exp the merge needs (10× the plain ops' speed);
     elsewhere the plain ops."""
-    if q.device.type == "cpu":
+    if fused(q.device):
         out, lse = _CPU_FLASH(q, k, v, 0.0, masked, scale=scale)
         return out.to(wide(q.dtype)), lse.to(wide(q.dtype))
     s = _scores(q, k, scale, masked)
@@ -97,10 +110,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
 
 def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, out: torch.Tensor,
-                    lse: torch.Tensor, delta: torch.Tensor, scale: float, masked: bool) -> tuple[torch.Tensor, ...]:
+                    lse: torch.Tensor, delta: torch.Tensor | None, scale: float, masked: bool
+                    ) -> tuple[torch.Tensor, ...]:
     """One block's exact (dq, dk, dv) in fp32, from the final output and log-sum-exp (so
     rowsum(dO·O) = `delta` is the whole row's). On a CPU, torch's flash backward kernel."""
-    if q.device.type == "cpu":
+    if fused(q.device):
         grads = _CPU_FLASH_BACKWARD(dout.to(q.dtype), q, k, v, out.to(q.dtype), lse, 0.0, masked, scale=scale)
         return tuple(g.to(dout.dtype) for g in grads)
     q, k, v = q.to(dout.dtype), k.to(dout.dtype), v.to(dout.dtype)
@@ -121,16 +135,16 @@ def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.T
 
 class _Pass:
     """One step's transfer round the ring: send what this rank holds to the next rank,
-    receive the next block from the previous one; `wait` returns the received block."""
+    receive the next block from the previous one (one batched pair: plait.runtime.comm.
+    send_recv); `wait` returns the received block."""
 
     def __init__(self, tensor: torch.Tensor, axis: Axis):
         self.received = torch.empty_like(tensor)
         nxt, prev = (axis.rank + 1) % axis.size, (axis.rank - 1) % axis.size
-        self.handles = [comm.send(tensor, axis, nxt), comm.recv(self.received, axis, prev)]
+        self.handle = comm.send_recv(tensor, self.received, axis, nxt, prev)
 
     def wait(self) -> torch.Tensor:
-        for handle in self.handles:
-            handle.wait()
+        self.handle.wait()
         return self.received
 
 
@@ -141,7 +155,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: Axis, causal: bool,
                 scale: float) -> torch.Tensor:
-        cp, rank, group = axis.size, axis.rank, q.shape[1] // k.shape[1]
+        cp, rank, group = axis.size, axis.rank, expansion(q, k)
         queries, query_chunks = q.chunk(2, dim=2), chunk_ids(rank, cp)
         outs: list[Any] = [None, None]
         lses: list[Any] = [None, None]
@@ -167,13 +181,14 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         axis, causal, scale = ctx.axis, ctx.causal, ctx.scale
-        cp, rank, group = axis.size, axis.rank, q.shape[1] // k.shape[1]
+        cp, rank, group = axis.size, axis.rank, expansion(q, k)
         dout = dout.to(out.dtype)
-        delta = (dout * out).sum(-1)
+        # rowsum(dO·O) per query: the plain ops' backward needs it; the CPU kernel computes its own.
+        deltas = (None, None) if fused(q.device) else (dout * out).sum(-1).chunk(2, dim=2)
         dq = torch.zeros_like(out)
         query_chunks = chunk_ids(rank, cp)
         parts = list(zip(q.chunk(2, dim=2), dout.chunk(2, dim=2), out.chunk(2, dim=2), lse.chunk(2, dim=2),
-                         delta.chunk(2, dim=2), dq.chunk(2, dim=2)))
+                         deltas, dq.chunk(2, dim=2)))
         block, returning = torch.stack([k, v]), None
         for step in range(cp):
             transfer = _Pass(block, axis) if step < cp - 1 else None
