@@ -34,6 +34,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import finish, machine, new_parser, run_world  # noqa: E402
 
 KINDS = ("ring", "ulysses")
+READING = """Reading it: activations per rank are 1/cp of one process's: exactly for Ulysses (the same
+SDPA, on whole sequences of h/cp heads), 4.3% below for the ring, which keeps K/V as the model
+made them (4 K/V heads, where SDPA keeps them repeated to 8) — the estimate predicts both
+(within 0.8%, the RoPE tables it counts whole). The head-tail split keeps the ranks' attention
+kernels within a few percent of each other at cp 2 (cp 4's ranks share 2 cores, so its
+balance and times measure the oversubscription too). Time: at the longest sequence cp 2 on two
+1-thread ranks is at or below one process on both cores; the ring's exposed transfer (wait)
+stays a few percent of the step, and what cp 2 adds at short sequences is mostly fixed cost:
+the gradient all-reduce over dp × cp, and AdamW over the whole model on each rank's one
+thread (ZeRO over dp × cp would shard it). Step times on this shared machine vary by ±10%
+from run to run; compare within a row."""
 
 
 def model_config(args: argparse.Namespace, seq: int) -> Any:
@@ -92,7 +103,7 @@ def one_run(args: argparse.Namespace, seq: int, cp: int, kind: str, clock: Kerne
     optimizer = build_optimizer(model, torch.optim.AdamW, lr=1e-4)
     ids = torch.randint(0, config.vocab_size, (1, seq + 1), generator=torch.Generator().manual_seed(0))
     inputs, targets = shard_batch(model, ids[:, :-1], ids[:, 1:])
-    meter, times, kernels, waits = ActivationMeter(), [], [], []
+    meter, times, kernels, waits, updates = ActivationMeter(), [], [], [], []
     for step in range(args.warmup + args.steps):
         clock.reset()
         start = time.perf_counter()
@@ -100,20 +111,23 @@ def one_run(args: argparse.Namespace, seq: int, cp: int, kind: str, clock: Kerne
             with meter.track(model):
                 logits = model(inputs)
             F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+        update = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
+            updates.append(time.perf_counter() - update)
             kernels.append(clock.kernels)
             waits.append(clock.waits)
     mine = torch.tensor([statistics.median(times), float(meter.peak), statistics.median(kernels),
-                         -statistics.median(kernels), statistics.median(waits)], dtype=torch.float64)
+                         -statistics.median(kernels), statistics.median(waits), statistics.median(updates)],
+                        dtype=torch.float64)
     if cp > 1:
         comm.all_reduce(mine, mesh.axis("world"), op="max")
     hardware, _ = machine_hardware(mesh, config, micro_batch=1, seq_len=seq, tp=1, precision="fp32",
                                 optimizer_kernel="fused")
     return {"step_s": mine[0].item(), "activations": mine[1].item(), "kernel_max_s": mine[2].item(),
-            "kernel_min_s": -mine[3].item(), "wait_s": mine[4].item(),
+            "kernel_min_s": -mine[3].item(), "wait_s": mine[4].item(), "update_s": mine[5].item(),
             "predicted": predicted(config, seq, cp, kind if cp > 1 else "ring", hardware)}
 
 
@@ -174,11 +188,12 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
         "- activations: bytes saved for backward in one forward, the largest rank's (MiB), and its share of one "
         "process's (goal: within 5% of 1/cp); predicted = plait estimate (activations; step time on this machine's calibrated profile, as plait train predicts)",
         "- kernel balance: slowest rank's seconds inside the attention kernels over the fastest's (goal ≤ 1.05); "
-        "wait: seconds per step a rank waited for ring transfers (the exposed ring)",
+        "wait: seconds per step a rank waited for ring transfers (the exposed ring); AdamW: the update's seconds "
+        "(every cp rank updates the whole model on its one thread, where cp 1 uses both cores)",
         "",
         "| seq | cp | kind | act. MiB | predicted | share × cp | s/step | predicted | vs cp 1 | kernel balance | "
-        "wait s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "wait s | AdamW s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: (r["seq"], r["cp"], r["kind"])):
         base = one[r["seq"]]
@@ -188,17 +203,18 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
                      f"{mib(r['predicted']['activations'])} | {share:.3f} | {r['step_s']:.3f} | "
                      f"{r['predicted']['step_s']:.3f} | {r['step_s'] / base['step_s']:.2f} | "
                      f"{'' if balance is None else f'{balance:.3f}'} | "
-                     f"{r['wait_s']:.3f} |" if r["kind"] == "ring" else
+                     f"{r['wait_s']:.3f} | {r['update_s']:.3f} |" if r["kind"] == "ring" else
                      f"| {r['seq']} | {r['cp']} | {r['kind']} | {mib(r['activations'])} | "
                      f"{mib(r['predicted']['activations'])} | {share:.3f} | {r['step_s']:.3f} | "
-                     f"{r['predicted']['step_s']:.3f} | {r['step_s'] / base['step_s']:.2f} | | |")
-    return "\n".join(lines)
+                     f"{r['predicted']['step_s']:.3f} | {r['step_s'] / base['step_s']:.2f} | | | "
+                     f"{r['update_s']:.3f} |")
+    return "\n".join(lines + ["", READING])
 
 
 def main() -> None:
     parser = new_parser(__doc__)
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)

@@ -139,3 +139,30 @@ def test_memory_limit_names_the_cp_that_fits(tmp_path: Path, capsys: pytest.Capt
     config = build_config({}, {"model": "small,max_seq_len=2048", "seq_len": 2048, "micro_batch": 1, "cp": 2,
                                "nproc": 2, "memory_limit": 0.5}, family_of)
     check_memory_limit(config, get_preset("small,max_seq_len=2048"))  # fits: no error
+
+
+@pytest.mark.slow  # make test runs the same Trainer in tests/test_context_worlds.py; this adds argv and the spawn
+def test_the_command_trains_a_transformers_model_under_cp_as_one_process(tmp_path: Path) -> None:
+    import json
+
+    from tests.parity import assert_losses_close
+    from tests.worldlib import run_plait
+
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=64).save_pretrained(tmp_path / "llama")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(400)))
+    common = ["train", "--model", f"hf:{tmp_path / 'llama'}", "--data", str(corpus), "--steps", "3",
+              "--micro-batch", "2", "--seq-len", "32", "--eval-every", "0", "--eval-samples", "4",
+              "--sample-tokens", "0", "--no-report", "--warmup-steps", "1", "--lr", "1e-3"]
+    losses = {}
+    for name, flags in {"one": ["--nproc", "1"], "cp2": ["--nproc", "2", "--cp", "2"],
+                        "ulysses": ["--nproc", "2", "--cp", "2", "--cp-kind", "ulysses"]}.items():
+        proc = run_plait(*common, *flags, "--out", str(tmp_path / name))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        losses[name] = [json.loads(line)["loss"] for line in lines]
+    assert_losses_close(losses["cp2"], losses["one"])
+    assert_losses_close(losses["ulysses"], losses["one"])

@@ -79,6 +79,13 @@ def test_every_layout_trains_the_same_model_as_one_process(world: list[dict[str,
         assert rank[family][layout]["losses"] == found[layout]["losses"]
 
 
+@pytest.mark.parametrize("layout", ["cp2-dp2-zero1", "cp2-dp2-zero2"])
+def test_zero_1_and_2_shard_over_dp_times_cp_and_train_the_same_model(world: list[dict[str, Any]], layout: str) -> None:
+    found = world[0]["gpt"]
+    assert_losses_close(found[layout]["losses"], found["one"]["losses"])
+    assert found[layout]["excess"] <= PARAM_ATOL, found[layout]["excess"]
+
+
 @pytest.mark.parametrize("family", ["qwen3", "mistral"])
 def test_other_transformers_families_train_the_same_model_under_cp(world: list[dict[str, Any]], family: str) -> None:
     found = world[0][family]

@@ -62,6 +62,11 @@ def format_estimate(result: dict[str, Any], model_name: str) -> str:
     rows.append(["  fits", f"{'yes' if result['fits'] else 'NO'} ({usable} usable)"])
     lines += table(rows) + ["", "communication per GPU per step (wire bytes, ring)"]
     lines += _comm_lines(result)
+    if result.get("context"):
+        c = result["context"]
+        lines.append(f"  cp per layer and micro-batch ({c['kind']}, {c['op']}): forward {human_bytes(c['forward'])}, "
+                     f"backward {human_bytes(c['backward'])}; × {c['layers']} layers × {c['micro_batches']} "
+                     f"micro-batch(es), forward {c['forwards']}×")
     lines += ["", "time per step"] + _time_lines(result["time"])
     lines += ["", "assumptions"] + [f"  - {note}" for note in result["assumptions"]]
     return "\n".join(lines)

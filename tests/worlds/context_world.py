@@ -47,8 +47,11 @@ LAYOUTS = {
     "cp2-dp2-zero3": dict(cp=2, dp=2, grad_accum=1, zero=3),
     "cp2-pp2": dict(cp=2, pp=2, dp=1, grad_accum=2),
     "cp2-dp2-recompute": dict(cp=2, dp=2, grad_accum=1, recompute="full"),
+    "cp2-dp2-zero1": dict(cp=2, dp=2, grad_accum=1, zero=1),
+    "cp2-dp2-zero2": dict(cp=2, dp=2, grad_accum=1, zero=2),
 }
 MORE_LAYOUTS = ("cp2-dp2",)  # the other transformers families
+GPT_ONLY = ("cp2-dp2-zero1", "cp2-dp2-zero2")
 
 
 def attention_errors(mesh: Any, kind: str) -> dict[str, Any]:
@@ -178,7 +181,7 @@ def main() -> None:
     bases = {"gpt": TrainConfig(model="tiny", **common), "llama": TrainConfig(model=f"hf:{llama}", **common),
              "gpt2": TrainConfig(model=f"hf:{gpt2}", **common)}
     for name, base in bases.items():
-        report[name] = family_runs(base, out / name, rank)
+        report[name] = family_runs(base, out / name, rank, (*LAYOUTS, *GPT_ONLY) if name == "gpt" else tuple(LAYOUTS))
     for directory in more:
         name = Path(directory).name
         report[name] = family_runs(TrainConfig(model=f"hf:{directory}", **common), out / name, rank, MORE_LAYOUTS)

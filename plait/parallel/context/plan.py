@@ -115,13 +115,16 @@ def _global_positions(context: ContextParallel) -> Any:
     """The model's forward pre-hook: while engaged, position_ids = this rank's global positions."""
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
-        ids = args[0] if args else kwargs.get("input_ids")
+        ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
         if not context.active:
             if context.sharded is not None:
                 raise PlaitError("shard_batch gave this rank its chunks of each sequence, and the model runs "
                                  "without context parallelism engaged: its attention would see those chunks only",
                                  hint="run the forward and backward inside plait.context_engaged(model)")
             return None
+        if ids is None:
+            raise PlaitError(f"{type(module).__name__} was called without input_ids or inputs_embeds under context "
+                             "parallelism, so its tokens' positions are unknown", hint="pass the token ids")
         if context.sharded is not None and ids.shape[1] != context.sharded:
             raise PlaitError(f"under context parallelism each rank runs its {context.sharded} tokens of every "
                              f"sequence (shard_batch), and the model got {ids.shape[1]}",

@@ -43,30 +43,27 @@ def _to_sequence(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     return out.transpose(0, 1).reshape(b, axis.size * h, n, d)
 
 
-class SequenceToHeads(torch.autograd.Function):
-    """Forward: sequence shards -> head shards (all-to-all). Backward: head shards -> sequence shards."""
+class Trade(torch.autograd.Function):
+    """One all-to-all (`there`) whose backward is the reverse one (`back`)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, axis: Axis) -> torch.Tensor:
-        ctx.axis = axis
-        return _to_heads(x, axis)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return _to_sequence(grad.contiguous(), ctx.axis), None
-
-
-class HeadsToSequence(torch.autograd.Function):
-    """Forward: head shards -> sequence shards (all-to-all). Backward: sequence shards -> head shards."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, axis: Axis) -> torch.Tensor:
-        ctx.axis = axis
-        return _to_sequence(x, axis)
+    def forward(ctx: Any, x: torch.Tensor, axis: Axis, there: Any, back: Any) -> torch.Tensor:
+        ctx.axis, ctx.back = axis, back
+        return there(x, axis)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return _to_heads(grad.contiguous(), ctx.axis), None
+        return ctx.back(grad.contiguous(), ctx.axis), None, None, None
+
+
+def to_heads(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """Sequence shards -> head shards (backward: head shards -> sequence shards)."""
+    return Trade.apply(x, axis, _to_heads, _to_sequence)
+
+
+def to_sequence(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """Head shards -> sequence shards (backward: sequence shards -> head shards)."""
+    return Trade.apply(x, axis, _to_sequence, _to_heads)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: Axis, causal: bool = True,
@@ -78,10 +75,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: A
         k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
     seq = q.shape[2] * cp
     order, back = natural_order(seq, cp).to(q.device), rank_order(seq, cp).to(q.device)
-    q, k, v = (SequenceToHeads.apply(t, axis).index_select(2, order) for t in (q, k, v))
+    q, k, v = (to_heads(t, axis).index_select(2, order) for t in (q, k, v))
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
-    return HeadsToSequence.apply(out.index_select(2, back).contiguous(), axis)
+    return to_sequence(out.index_select(2, back).contiguous(), axis)
