@@ -52,7 +52,7 @@ CASES = {  # name: (flags, the reference's accumulation)
     "tp2-fp16-selective": (["--nproc", "2", "--tp", "2", "--precision", "fp16", "--recompute", "selective"], 1),
     "zero1-tp2-sp-4ranks": (["--nproc", "4", "--tp", "2", "--sp", "--zero", "1"], 2),
 }
-FAST = ("dp2", "zero3", "tp2-sp", "pp2-1f1b")
+FAST = ("dp2", "zero3")  # make test's time: tp 2 + sp and pp 2 (1F1B) compiled are make test-all's
 
 
 FIRST: dict[str, dict] = {}  # case -> its run's compile summary, for the cache test

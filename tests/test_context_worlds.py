@@ -2,7 +2,8 @@
 Llama and GPT-2 under cp 4, cp 2 × dp 2 (ring and Ulysses), cp 2 × tp 2 + SP, cp 2 × dp 2
 with ZeRO-3 and cp 2 × pp 2, through the real Trainer; one attention layer against SDPA; the ring's and
 the all-to-all's bytes against the formula; a checkpoint moved between cp degrees. One
-4-rank world (tests/worlds/context_world.py) runs everything."""
+4-rank world (tests/worlds/context_world.py) runs everything; a second one, in make test-all,
+adds full recompute, ZeRO-1 and -2, bf16, Qwen3 and Mistral."""
 
 from __future__ import annotations
 
@@ -18,12 +19,13 @@ from tests.worldlib import run_world
 transformers = pytest.importorskip("transformers")
 
 B, H, SEQ, D = 2, 4, 16, 8  # the attention check's shape (tests/worlds/context_world.py)
-LAYOUTS = ("cp4", "cp2-dp2", "ulysses-cp2-dp2", "cp2-tp2-sp", "cp2-dp2-zero3", "cp2-pp2", "cp2-dp2-recompute")
+LAYOUTS = ("cp4", "cp2-dp2", "ulysses-cp2-dp2", "cp2-tp2-sp", "cp2-dp2-zero3", "cp2-pp2")
 BF16_RTOL = 2e-3  # tests/test_precision_worlds.py's bar: 16-bit sums in another order
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Local transformers directories (config.json only) and a corpus."""
     root = tmp_path_factory.mktemp("context")
     transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2,
@@ -35,11 +37,24 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
                  num_key_value_heads=2, max_position_embeddings=64)
     transformers.Qwen3Config(**shape, head_dim=8).save_pretrained(root / "qwen3")  # per-head q/k norms
     transformers.MistralConfig(**shape, sliding_window=16).save_pretrained(root / "mistral")  # a window = seq
-    corpus = root / "corpus.txt"
-    corpus.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(600)))
-    _, reports = run_world("context_world.py", 4, root / "world", str(root / "world"), str(corpus),
-                           str(root / "llama"), str(root / "gpt2"), str(root / "qwen3"), str(root / "mistral"))
+    (root / "corpus.txt").write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(600)))
+    return root
+
+
+def _world(root: Path, name: str, *extras: str) -> list[dict[str, Any]]:
+    _, reports = run_world("context_world.py", 4, root / name, str(root / name), str(root / "corpus.txt"),
+                           str(root / "llama"), str(root / "gpt2"), *extras)
     return reports
+
+
+@pytest.fixture(scope="module")
+def world(models: Path) -> list[dict[str, Any]]:
+    return _world(models, "world")
+
+
+@pytest.fixture(scope="module")
+def extra(models: Path) -> list[dict[str, Any]]:
+    return _world(models, "extra", "--extras", str(models / "qwen3"), str(models / "mistral"))
 
 
 @pytest.mark.parametrize("run", ["ring-cp4", "ring-cp2", "ring-plain-cp2", "ulysses-cp2"])
@@ -79,22 +94,28 @@ def test_every_layout_trains_the_same_model_as_one_process(world: list[dict[str,
         assert rank[family][layout]["losses"] == found[layout]["losses"]
 
 
-@pytest.mark.parametrize("layout", ["cp2-dp2-zero1", "cp2-dp2-zero2"])
-def test_zero_1_and_2_shard_over_dp_times_cp_and_train_the_same_model(world: list[dict[str, Any]], layout: str) -> None:
-    found = world[0]["gpt"]
+@pytest.mark.slow
+@pytest.mark.parametrize("family, layout", [("gpt", "cp2-dp2-zero1"), ("gpt", "cp2-dp2-zero2"),
+                                            ("gpt", "cp2-dp2-recompute"), ("llama", "cp2-dp2-recompute"),
+                                            ("gpt2", "cp2-dp2-recompute")])
+def test_zero_1_2_and_recompute_under_cp_train_the_same_model(extra: list[dict[str, Any]], family: str,
+                                                             layout: str) -> None:
+    found = extra[0][family]
     assert_losses_close(found[layout]["losses"], found["one"]["losses"])
     assert found[layout]["excess"] <= PARAM_ATOL, found[layout]["excess"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "mistral"])
-def test_other_transformers_families_train_the_same_model_under_cp(world: list[dict[str, Any]], family: str) -> None:
-    found = world[0][family]
+def test_other_transformers_families_train_the_same_model_under_cp(extra: list[dict[str, Any]], family: str) -> None:
+    found = extra[0][family]
     assert_losses_close(found["cp2-dp2"]["losses"], found["one"]["losses"])
     assert found["cp2-dp2"]["excess"] <= PARAM_ATOL, found["cp2-dp2"]["excess"]
 
 
-def test_bf16_under_cp_trains_as_one_process_in_bf16(world: list[dict[str, Any]]) -> None:
-    found = world[0]["bf16"]
+@pytest.mark.slow
+def test_bf16_under_cp_trains_as_one_process_in_bf16(extra: list[dict[str, Any]]) -> None:
+    found = extra[0]["bf16"]
     assert_losses_close(found["cp2-dp2"]["losses"], found["one"]["losses"], rtol=BF16_RTOL)
 
 

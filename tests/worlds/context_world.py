@@ -1,6 +1,9 @@
 """Context-parallel world: 4 ranks, one spawn, every check of plait.parallel.context.
 
-argv: OUT CORPUS LLAMA_DIR GPT2_DIR [MORE_DIRS...] (other transformers families: cp 2 × dp 2 only).
+argv: OUT CORPUS LLAMA_DIR GPT2_DIR, for `make test`'s checks below; or
+OUT CORPUS LLAMA_DIR GPT2_DIR --extras MORE_DIRS... for `make test-all`'s: full recompute (the
+three families), ZeRO-1 and -2 (the GPT), bf16 (the GPT), other transformers families at
+cp 2 × dp 2.
 1. One attention layer (fp64) at cp 4 (ring) and cp 2 (ring with the CPU's fused kernels and
    with the plain ops other devices run, Ulysses) against SDPA on the
    whole sequence, causal and not, with 4, 2 and 1 K/V heads: the output and dq, dk, dv of
@@ -46,12 +49,13 @@ LAYOUTS = {
     "cp2-tp2-sp": dict(cp=2, tp=2, sp=True, dp=1, grad_accum=2),
     "cp2-dp2-zero3": dict(cp=2, dp=2, grad_accum=1, zero=3),
     "cp2-pp2": dict(cp=2, pp=2, dp=1, grad_accum=2),
+}
+EXTRA = {
     "cp2-dp2-recompute": dict(cp=2, dp=2, grad_accum=1, recompute="full"),
     "cp2-dp2-zero1": dict(cp=2, dp=2, grad_accum=1, zero=1),
     "cp2-dp2-zero2": dict(cp=2, dp=2, grad_accum=1, zero=2),
 }
-MORE_LAYOUTS = ("cp2-dp2",)  # the other transformers families
-GPT_ONLY = ("cp2-dp2-zero1", "cp2-dp2-zero2")
+ALL = {**LAYOUTS, **EXTRA}
 
 
 def attention_errors(mesh: Any, kind: str) -> dict[str, Any]:
@@ -113,7 +117,7 @@ def family_runs(base: TrainConfig, out: Path, rank: int, layouts: tuple[str, ...
         losses, reference = train(replace(base, grad_accum=2, nproc=1, dp=1, out=str(out / "one")), one)
         found["one"] = {"losses": losses}
     for name in layouts:
-        fields = LAYOUTS[name]
+        fields = ALL[name]
         config = replace(base, **fields, nproc=4, out=str(out / name))
         losses, weights = train(config, init_mesh(config.layout))
         found[name] = {"losses": losses}
@@ -133,6 +137,19 @@ def resumed(base: TrainConfig, out: Path, rank: int) -> dict[str, Any]:
         losses, _ = train(config, init_mesh(config.layout))
         found[name] = losses
     return found
+
+
+def extra_runs(bases: dict[str, TrainConfig], common: dict[str, Any], more: list[str], out: Path,
+               rank: int) -> dict[str, Any]:
+    """make test-all's: recompute for every family, ZeRO-1/2 and bf16 for the GPT, more families."""
+    report = {name: family_runs(base, out / name, rank, ("cp2-dp2-recompute",) if name != "gpt" else
+                                ("cp2-dp2-recompute", "cp2-dp2-zero1", "cp2-dp2-zero2"))
+              for name, base in bases.items()}
+    for directory in more:
+        report[Path(directory).name] = family_runs(TrainConfig(model=f"hf:{directory}", **common),
+                                                   out / Path(directory).name, rank, ("cp2-dp2",))
+    report["bf16"] = family_runs(replace(bases["gpt"], precision="bf16"), out / "bf16", rank, ("cp2-dp2",))
+    return report
 
 
 def refusals(mesh: Any, gpt_base: TrainConfig) -> dict[str, str]:
@@ -166,9 +183,16 @@ def refusals(mesh: Any, gpt_base: TrainConfig) -> dict[str, str]:
 
 
 def main() -> None:
-    out, corpus, llama, gpt2, more = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:]
+    out, corpus, llama, gpt2, extras = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:]
     torch.set_num_threads(1)
     rank, report = int(os.environ["RANK"]), {}
+    common = dict(data=corpus, steps=2, micro_batch=2, seq_len=16, eval_every=0, eval_samples=4, sample_tokens=0,
+                  warmup_steps=1, lr=1e-3)
+    bases = {"gpt": TrainConfig(model="tiny", **common), "llama": TrainConfig(model=f"hf:{llama}", **common),
+             "gpt2": TrainConfig(model=f"hf:{gpt2}", **common)}
+    if extras:
+        save_report(extra_runs(bases, common, extras[1:], out, rank))
+        return
     report["attention"] = {"ring-cp4": attention_errors(init_mesh(Layout(cp=4)), "ring")}
     cp2 = init_mesh(Layout(cp=2, dp=2))
     report["attention"]["ring-cp2"] = attention_errors(cp2, "ring")
@@ -176,16 +200,8 @@ def main() -> None:
     ring.PLAIN_OPS = True  # the plain matmul/softmax path other devices run
     report["attention"]["ring-plain-cp2"] = attention_errors(cp2, "ring")
     ring.PLAIN_OPS = False
-    common = dict(data=corpus, steps=2, micro_batch=2, seq_len=16, eval_every=0, eval_samples=4, sample_tokens=0,
-                  warmup_steps=1, lr=1e-3)
-    bases = {"gpt": TrainConfig(model="tiny", **common), "llama": TrainConfig(model=f"hf:{llama}", **common),
-             "gpt2": TrainConfig(model=f"hf:{gpt2}", **common)}
     for name, base in bases.items():
-        report[name] = family_runs(base, out / name, rank, (*LAYOUTS, *GPT_ONLY) if name == "gpt" else tuple(LAYOUTS))
-    for directory in more:
-        name = Path(directory).name
-        report[name] = family_runs(TrainConfig(model=f"hf:{directory}", **common), out / name, rank, MORE_LAYOUTS)
-    report["bf16"] = family_runs(replace(bases["gpt"], precision="bf16"), out / "bf16", rank, ("cp2-dp2",))
+        report[name] = family_runs(base, out / name, rank)
     report["resumed"] = resumed(bases["gpt"], out / "resume", rank)
     report["refusals"] = refusals(cp2, bases["gpt"])
     save_report(report)
