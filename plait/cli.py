@@ -141,8 +141,7 @@ def train_parser() -> argparse.ArgumentParser:
         prog="plait train",
         description="Train a model with plait's parallelism: plait's GPT, a ResNet (--model resnet18) or a local "
                     "Hugging Face model (--model hf:DIR). With no flags: the demo (small GPT, 2 processes).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    )  # each flag's help names its default itself (its argparse default is None: "not given")
     parser.add_argument("--config", metavar="FILE.toml", help="TOML file of defaults; flags override it")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     for f in fields(TrainConfig):
