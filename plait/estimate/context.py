@@ -47,6 +47,14 @@ def context_bytes(kind: str, cp: int, *, batch: int, seq: int, heads: int, kv_he
     return {"forward": one_way, "backward": one_way}
 
 
+def layer_bytes(config: Any, layout: Any) -> dict[str, float]:
+    """`context_bytes` of one layer of `config` under `layout` (a Workload): its heads and K/V
+    heads per tp rank, its micro-batch and sequence, the layout's dtype."""
+    return context_bytes(layout.cp_kind, layout.cp, batch=layout.micro_batch, seq=layout.seq_len,
+                         heads=config.n_heads // layout.tp, kv_heads=max(1, config.n_kv_heads // layout.tp),
+                         head_dim=config.head_dim, bytes_per_value=layout.compute_bytes)
+
+
 def per_layer(config: Any, layout: Any) -> dict[str, Any] | None:
     """What one rank's cp traffic is made of, for the report: the bytes of one layer's forward
     and backward (one micro-batch), and how many of each a step runs on the busiest rank
@@ -55,9 +63,7 @@ def per_layer(config: Any, layout: Any) -> dict[str, Any] | None:
         return None
     from plait.estimate.layout import stages
 
-    per = context_bytes(layout.cp_kind, layout.cp, batch=layout.micro_batch, seq=layout.seq_len,
-                        heads=config.n_heads // layout.tp, kv_heads=max(1, config.n_kv_heads // layout.tp),
-                        head_dim=config.head_dim, bytes_per_value=layout.compute_bytes)
+    per = layer_bytes(config, layout)
     layers = max(stage.layers for stage in stages(config, layout.tp, layout.pp, layout.virtual_stages))
     return {"kind": layout.cp_kind, "cp": layout.cp, "op": "send" if layout.cp_kind == "ring" else "all_to_all",
             "forward": per["forward"], "backward": per["backward"], "layers": layers,

@@ -88,8 +88,6 @@ def candidates(request: PlanRequest) -> Iterator[Workload]:
             if pp > request.config.n_layers:
                 continue
             for cp in divisors(request.gpus // (tp * pp)):
-                if request.seq_len % (2 * cp):
-                    continue
                 dp = Layout.fill(request.gpus, tp=tp, pp=pp, cp=cp).dp  # the one home of dp = world / (tp·pp·cp)
                 if request.global_batch % dp:
                     continue
@@ -102,7 +100,7 @@ def _variants(request: PlanRequest, dp: int, tp: int, pp: int, cp: int = 1, cp_k
     per_replica = request.global_batch // dp
     micro_batches = [b for b in divisors(per_replica) if b <= MAX_MICRO_BATCH]
     zeros = zero_stages(request.precision, dp * cp)
-    sps = (False, True) if tp > 1 and request.seq_len % (tp * cp) == 0 else (False,)
+    sps = (False, True) if tp > 1 else (False,)  # check_model refuses a sequence SP cannot split
     for zero in zeros:
         for micro_batch in micro_batches:
             for recompute in request.recompute:

@@ -37,11 +37,14 @@ def table(rows: list[list[str]], right: set[int] | None = None) -> list[str]:
     return lines
 
 
+def cp_label(layout: dict[str, Any]) -> str:
+    """"2" ("2 ulysses"): the cp degree and a kind other than the default ring."""
+    return f"{layout.get('cp', 1)}{' ulysses' if layout.get('cp_kind') == 'ulysses' else ''}"
+
+
 def cp_text(layout: dict[str, Any]) -> str:
     """" cp=2" (" cp=2 ulysses") when context parallelism is on, else nothing."""
-    if layout.get("cp", 1) == 1:
-        return ""
-    return f" cp={layout['cp']}" + (" ulysses" if layout.get("cp_kind") == "ulysses" else "")
+    return f" cp={cp_label(layout)}" if layout.get("cp", 1) > 1 else ""
 
 
 def format_estimate(result: dict[str, Any], model_name: str) -> str:
@@ -113,8 +116,7 @@ def format_plan(rows: list[dict[str, Any]], title: str) -> str:
               "mem/GPU", "step", "tokens/s", "MFU"]
     body = [header]
     for i, r in enumerate(rows, 1):
-        cp = f"{r['cp']}{' ulysses' if r['cp_kind'] == 'ulysses' else ''}" if r.get("cp", 1) > 1 else "1"
-        body.append([str(i), str(r["dp"]), str(r["tp"]), str(r["pp"]), cp,
+        body.append([str(i), str(r["dp"]), str(r["tp"]), str(r["pp"]), cp_label(r),
                      f"{r['zero']}{'+off' if r['offload'] else ''}", "yes" if r["sp"] else "no",
                      str(r["micro_batch"]), str(r["grad_accum"]), str(r["recompute"]),
                      human_bytes(r["memory_bytes"]), f"{r['step_s']:.3g} s",

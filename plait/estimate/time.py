@@ -39,7 +39,7 @@ from plait.estimate.traffic import ring_bytes, tp_collectives, tp_traffic, zero3
 from plait.estimate.hardware import Hardware
 from plait.estimate.layout import Workload, StageShare, stages
 from plait.estimate.memory import BUCKET_BYTES, shard, state_bytes
-from plait.estimate.context import context_bytes, forward_passes, ring_exposed_s
+from plait.estimate.context import forward_passes, layer_bytes, ring_exposed_s
 from plait.estimate.ops import attention_time, micro_batch_compute_s, optimizer_s, stage_pieces, stage_tensors
 from plait.models.config import GPTConfig
 
@@ -160,9 +160,7 @@ def cp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
     cp = layout.cp
     if cp == 1:
         return 0.0
-    heads, kv_heads = config.n_heads // layout.tp, max(1, config.n_kv_heads // layout.tp)
-    per = context_bytes(layout.cp_kind, cp, batch=layout.micro_batch, seq=layout.seq_len, heads=heads,
-                        kv_heads=kv_heads, head_dim=config.head_dim, bytes_per_value=layout.compute_bytes)
+    per = layer_bytes(config, layout)
     latency, bandwidth = hw.link(cp, inter)
     forwards = forward_passes(layout.recompute)
     if layout.cp_kind == "ulysses":

@@ -13,7 +13,7 @@ Each axis's figure is the largest over the ranks, as `metrics.jsonl` reports max
 
 from __future__ import annotations
 
-from plait.estimate.context import context_bytes, forward_passes
+from plait.estimate.context import forward_passes, layer_bytes
 from plait.estimate.layout import Workload, StageShare, stages, vocab_shard
 from plait.estimate.memory import state_bytes
 from plait.models.config import GPTConfig
@@ -58,9 +58,7 @@ def cp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
     out: Traffic = {}
     if layout.cp == 1:
         return out
-    per = context_bytes(layout.cp_kind, layout.cp, batch=layout.micro_batch, seq=layout.seq_len,
-                        heads=config.n_heads // layout.tp, kv_heads=max(1, config.n_kv_heads // layout.tp),
-                        head_dim=config.head_dim, bytes_per_value=layout.compute_bytes)
+    per = layer_bytes(config, layout)
     wire = stage.layers * layout.grad_accum * (forward_passes(layout.recompute) * per["forward"] + per["backward"])
     for op in (("send", "recv") if layout.cp_kind == "ring" else ("all_to_all",)):
         out.setdefault("cp", {})[op] = wire

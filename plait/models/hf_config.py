@@ -37,6 +37,19 @@ SIZES = {"layers": ("num_hidden_layers", "n_layer", "num_layers"), "hidden": ("h
          "heads": ("num_attention_heads", "n_head"), "positions": ("max_position_embeddings", "n_positions")}
 
 
+# Where transformers' configs keep the attention's dropout rate (Llama's, GPT-2's spelling).
+ATTENTION_DROPOUT = ("attention_dropout", "attn_pdrop")
+
+
+def attention_dropout(config: dict[str, Any]) -> tuple[str, float] | None:
+    """(field, rate) of a config's attention dropout when it is on, else None."""
+    for field in ATTENTION_DROPOUT:
+        rate = config.get(field) or 0.0
+        if rate > 0:
+            return field, rate
+    return None
+
+
 def is_hf(spec: str) -> bool:
     """True for a `--model` that names a Hugging Face directory (hf:DIR)."""
     return spec.startswith(PREFIX)

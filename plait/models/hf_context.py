@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from plait.errors import PlaitError
+from plait.models.hf_config import ATTENTION_DROPOUT, attention_dropout
 
 UNSUPPORTED = {"softcap": "logit soft-capping", "s_aux": "attention sinks"}
 
@@ -97,9 +98,8 @@ def check_layer_kinds(model: nn.Module) -> None:
 
 def check_dropout(model: nn.Module) -> None:
     """Attention dropout in the config (Llama's attention_dropout, GPT-2's attn_pdrop)."""
-    config = model.config
-    for field in ("attention_dropout", "attn_pdrop"):
-        rate = getattr(config, field, 0.0) or 0.0
-        if rate > 0:
-            raise PlaitError(f"{type(model).__name__}: {field} = {rate}; attention dropout is not built under "
-                             "context parallelism", hint=f"set {field} to 0 in the model's config, or drop --cp")
+    dropout = attention_dropout({field: getattr(model.config, field, None) for field in ATTENTION_DROPOUT})
+    if dropout:
+        field, rate = dropout
+        raise PlaitError(f"{type(model).__name__}: {field} = {rate}; attention dropout is not built under "
+                         "context parallelism", hint=f"set {field} to 0 in the model's config, or drop --cp")

@@ -30,7 +30,7 @@ from torch import nn
 
 from plait.models import hf_context
 from plait.models.hf_hooks import check_splits, split_sequence_around
-from plait.models.hf_stages import causal_masks
+from plait.models.hf_stages import causal_masks, stage_positions
 from plait.parallel.seam import Parts
 from plait.runtime.comm import Axis
 
@@ -70,8 +70,7 @@ class GPT2Adapter:
         """
         wte = stage.held("transformer.wte")
         seq = x.shape[1] * (1 if wte is not None else stage.seq_split)
-        positions = stage.context_positions(seq, x.device)
-        positions = torch.arange(seq, device=x.device).unsqueeze(0) if positions is None else positions
+        positions = stage_positions(stage, seq, x.device)
         if wte is not None:
             x = stage.held("transformer.drop")(wte(x) + stage.held("transformer.wpe")(positions))
         blocks = stage.held_blocks()

@@ -102,8 +102,7 @@ def run_stage(stage: StageView, x: torch.Tensor, parts: Parts, config: Any) -> t
     # Under sequence parallelism hidden states between stages hold seq / tp positions.
     seq = x.shape[1] * (1 if stage.is_first else stage.seq_split)
     rotary = next(stage.held(name) for name in parts.shared if name.rsplit(".", 1)[-1] == ROTARY)
-    positions = stage.context_positions(seq, x.device)  # a context-parallel rank's global ones
-    positions = torch.arange(seq, device=x.device).unsqueeze(0) if positions is None else positions
+    positions = stage_positions(stage, seq, x.device)
     whole = x[:, :1].expand(x.shape[0], seq, x.shape[-1])  # the shape the masks are made for
     kinds = layer_kinds(config)
     angles = _angles(rotary, whole, positions, set(kinds))
@@ -115,6 +114,13 @@ def run_stage(stage: StageView, x: torch.Tensor, parts: Parts, config: Any) -> t
         for name in parts.last:
             x = _first(stage.held(name)(x))
     return x
+
+
+def stage_positions(stage: StageView, seq: int, device: torch.device) -> torch.Tensor:
+    """(1, seq): the positions of a stage's tokens, 0..seq-1, or under engaged context
+    parallelism this rank's global ones."""
+    positions = stage.context_positions(seq, device)
+    return torch.arange(seq, device=device).unsqueeze(0) if positions is None else positions
 
 
 def _first(out: Any) -> torch.Tensor:

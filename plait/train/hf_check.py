@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from plait.errors import PlaitError
-from plait.models.hf_config import HFModelDir, read_hf_dir
+from plait.models.hf_config import HFModelDir, attention_dropout, read_hf_dir
 
 
 def check_hf_run(config: Any) -> HFModelDir:
@@ -39,11 +39,11 @@ def check_hf_run(config: Any) -> HFModelDir:
 def check_context_config(hf: HFModelDir, seq_len: int, spec: str) -> None:
     """What context parallelism cannot honour, read from config.json: attention dropout, and a
     sliding window shorter than the sequence (the ring attends to the whole causal past)."""
-    for field in ("attention_dropout", "attn_pdrop"):
-        rate = hf.config.get(field) or 0.0
-        if rate > 0:
-            raise PlaitError(f"--model {spec}: {field} = {rate}; attention dropout is not built under context "
-                             "parallelism", hint=f"set {field} to 0 in {hf.path / 'config.json'}, or drop --cp")
+    dropout = attention_dropout(hf.config)
+    if dropout:
+        field, rate = dropout
+        raise PlaitError(f"--model {spec}: {field} = {rate}; attention dropout is not built under context "
+                         "parallelism", hint=f"set {field} to 0 in {hf.path / 'config.json'}, or drop --cp")
     window = hf.config.get("sliding_window")
     if window and hf.config.get("use_sliding_window", True) and window < seq_len:
         raise PlaitError(f"--model {spec} attends within a sliding window of {window} tokens, shorter than --seq-len "

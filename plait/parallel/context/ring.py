@@ -45,18 +45,18 @@ _CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def block_pairs(query_chunk: int, owner: int, cp: int, causal: bool) -> tuple[list[int], int | None]:
-    """Which halves of `owner`'s K/V block a query chunk attends to: (halves attended whole,
-    the half attended under the causal mask, if any). Chunk numbers are global."""
+def block_calls(query_chunk: int, owner: int, cp: int, causal: bool) -> list[tuple[list[int], bool]]:
+    """The attention calls a query chunk makes against `owner`'s K/V block: (the block's
+    halves it reads, whether under the causal mask), at most two. Chunk numbers are global."""
     if not causal:
-        return [0, 1], None
-    whole, masked = [], None
+        return [([0, 1], False)]
+    whole, masked = [], []
     for half, key_chunk in enumerate(chunk_ids(owner, cp)):
         if key_chunk < query_chunk:
             whole.append(half)
         elif key_chunk == query_chunk:
-            masked = half
-    return whole, masked
+            masked.append(half)
+    return [(halves, is_masked) for halves, is_masked in ((whole, False), (masked, True)) if halves]
 
 
 def _keys(block: torch.Tensor, halves: list[int]) -> torch.Tensor:
@@ -165,11 +165,9 @@ class RingAttention(torch.autograd.Function):
             owner = (rank - step) % cp
             keys, values = _expand(block[0], group), _expand(block[1], group)
             for i, query in enumerate(queries):
-                whole, masked = block_pairs(query_chunks[i], owner, cp, causal)
-                for halves, is_masked in ((whole, False), ([masked] if masked is not None else [], True)):
-                    if halves:
-                        o, s = attend(query, _keys(keys, halves), _keys(values, halves), scale, is_masked)
-                        outs[i], lses[i] = merge(outs[i], lses[i], o, s)
+                for halves, masked in block_calls(query_chunks[i], owner, cp, causal):
+                    o, s = attend(query, _keys(keys, halves), _keys(values, halves), scale, masked)
+                    outs[i], lses[i] = merge(outs[i], lses[i], o, s)
             if transfer is not None:
                 block = transfer.wait()
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
@@ -196,14 +194,12 @@ class RingAttention(torch.autograd.Function):
             keys, values = _expand(block[0], group), _expand(block[1], group)
             grads = torch.zeros((2, *keys.shape), dtype=out.dtype, device=q.device)  # dK, dV, expanded
             for i, (query, d_out, o, l, d, d_q) in enumerate(parts):
-                whole, masked = block_pairs(query_chunks[i], owner, cp, causal)
-                for halves, is_masked in ((whole, False), ([masked] if masked is not None else [], True)):
-                    if halves:
-                        gq, gk, gv = attend_backward(query, _keys(keys, halves), _keys(values, halves), d_out, o, l,
-                                                     d, scale, is_masked)
-                        d_q += gq
-                        _keys(grads[0], halves).add_(gk)
-                        _keys(grads[1], halves).add_(gv)
+                for halves, masked in block_calls(query_chunks[i], owner, cp, causal):
+                    gq, gk, gv = attend_backward(query, _keys(keys, halves), _keys(values, halves), d_out, o, l, d,
+                                                 scale, masked)
+                    d_q += gq
+                    _keys(grads[0], halves).add_(gk)
+                    _keys(grads[1], halves).add_(gv)
             if group > 1:  # the expanded heads' gradients, summed back onto their K/V head
                 grads = grads.unflatten(2, (-1, group)).sum(3)
             if returning is not None:
