@@ -38,7 +38,7 @@ class Layout:
     tp: int = 1  # tensor-parallel ranks (Megatron-style)
     pp: int = 1  # pipeline stages' ranks
     cp: int = 1  # context-parallel ranks: each holds 2 of the sequence's 2·cp chunks (head and tail)
-    ep: int = 1  # expert-parallel ranks, carved out of dp (not built yet: refused above 1)
+    ep: int = 1  # expert-parallel ranks, carved out of dp: ep consecutive dp ranks split the experts
     zero: int = 0  # 0: DDP; 1: shard optimizer states; 2: + gradients; 3: + parameters
     offload: bool = False  # optimizer states and step in CPU memory (needs zero >= 1)
     sp: bool = False  # sequence parallelism outside the tensor-parallel regions (needs tp > 1)
@@ -74,12 +74,14 @@ class Layout:
         """The layout of `world` processes: dp, when not given, takes what the other axes
         leave (the one place dp = world / (tp·pp·cp) is computed). `what` names the world
         in messages ("--nproc", "--gpus")."""
-        others = cls(**choices)  # checks tp, pp, cp and the choices first
+        # Checks tp, pp, cp and the choices first; dp holds ep's place (ep must divide dp).
+        others = cls(**{"dp": choices.get("ep", 1), **choices})
         if dp is None:
-            if world % others.world:
+            rest = others.world // others.dp
+            if world % rest:
                 raise PlaitError(f"{what} {world} is not divisible by {_others(others)}",
                                  hint="choose tp and pp whose product divides the number of processes")
-            dp = world // others.world
+            dp = world // rest
         layout = replace(others, dp=dp)
         layout.check_world(world, what)
         return layout

@@ -35,7 +35,6 @@ ZERO_STAGES = (0, 1, 2, 3)
 # torch's multi-tensor foreach path, or its per-tensor loop.
 OPTIMIZER_KERNELS = ("fused", "foreach", "loop")
 # Axes the layout names but training does not run yet: refused, never ignored.
-NOT_BUILT = {"ep": "expert parallelism"}
 # Context parallelism's attention kinds (plait.parallel.context): K/V passed round a ring of
 # send/recv, or all-to-all from sequence shards to head shards (DeepSpeed-Ulysses).
 CP_KINDS = ("ring", "ulysses")
@@ -80,12 +79,9 @@ def check_layout(layout: Any) -> None:
     """Everything a `plait.layout.Layout` must satisfy on its own (no model, no batch)."""
     for axis in ("dp", "tp", "pp", "cp", "ep", "virtual_stages"):
         check_whole(axis.replace("_", "-"), getattr(layout, axis))
-    for axis, what in NOT_BUILT.items():
-        if getattr(layout, axis) > 1:
-            raise PlaitError(f"--{axis} {getattr(layout, axis)}: {what} is not built yet",
-                             hint=f"drop --{axis}; use dp, tp, pp and ZeRO")
     check_choice("schedule", layout.schedule, SCHEDULES)
     check_choice("cp-kind", layout.cp_kind, CP_KINDS)
+    check_expert_axis(layout)
     if layout.zero not in ZERO_STAGES or isinstance(layout.zero, bool):
         raise PlaitError(f"--zero must be 0, 1, 2 or 3, got {layout.zero!r}",
                          hint="0 is plain data parallelism; 1-3 shard more and more state")
@@ -99,6 +95,30 @@ def check_layout(layout: Any) -> None:
         check_split_backward(layout.schedule, zero=layout.zero)
     check_zero3_gathers(layout.zero, layout.prefetch, layout.reshard_after_forward, layout.pp)
     check_virtual_stages(layout.pp, layout.schedule, layout.virtual_stages)
+
+
+def check_expert_axis(layout: Any) -> None:
+    """ep folds into dp: ep consecutive dp ranks split the experts, so ep must divide dp.
+    What it is not built with yet is refused by name."""
+    if layout.ep == 1:
+        return
+    if layout.dp % layout.ep:
+        raise PlaitError(f"--ep {layout.ep} does not divide dp = {layout.dp}: expert parallelism is carved out "
+                         "of the data-parallel ranks", hint=f"choose --ep among {divisors(layout.dp)}")
+    for axis, value, what in (("cp", layout.cp, "context parallelism"), ("zero", layout.zero, "ZeRO")):
+        if value > (axis == "cp"):
+            raise PlaitError(f"--ep {layout.ep} with --{axis} {value}: expert parallelism with {what} is not built yet",
+                             hint=f"drop --{axis}, or use --ep 1 (the experts replicated)")
+
+
+def check_experts_split(experts: int, ep: int) -> None:
+    """Each ep rank holds experts / ep whole experts."""
+    if experts == 0 and ep > 1:
+        raise PlaitError(f"--ep {ep} splits the experts, and the model has none",
+                         hint="train a mixture of experts (e.g. --model tiny-moe), or drop --ep")
+    if experts and experts % ep:
+        raise PlaitError(f"experts = {experts} is not divisible by --ep {ep}",
+                         hint=f"each ep rank holds experts / ep whole experts: choose --ep among {divisors(experts)}")
 
 
 def check_zero3_gathers(zero: int, prefetch: Any, reshard_after_forward: bool, pp: int) -> None:

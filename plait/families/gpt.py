@@ -13,6 +13,7 @@ from typing import Any
 from plait.errors import PlaitError
 from plait.families.language import check_language_run
 from plait.families.record import Family
+from plait.rules import check_experts_split
 from plait.models.config import PRESETS, TRAINABLE, GPTConfig, get_preset, preset_name
 
 
@@ -33,6 +34,7 @@ def check(config: Any) -> None:
         raise PlaitError(f"model preset {config.model!r} is shape-only (for estimates)",
                          hint=f"train one of: {', '.join(TRAINABLE)}; use `plait estimate --model {config.model}`")
     check_language_run(config, shape)
+    check_experts_split(shape.experts, config.ep)
 
 
 def task(config: Any) -> Any:

@@ -32,6 +32,16 @@ class GPTConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     arch: str = "llama"
+    # Mixture of experts (plait.models.moe): 0 experts is a dense model.
+    experts: int = 0  # routed experts in each MoE block
+    top_k: int = 2  # experts each token is sent to
+    shared_experts: int = 0  # experts every token passes through as well (one SwiGLU of shared·hidden units)
+    moe_every: int = 1  # every moe_every-th block is an MoE block (the others keep the dense MLP)
+    expert_hidden: int = 0  # each expert's SwiGLU width (0: ffn_hidden)
+    router: str = "softmax"  # softmax top-k with the auxiliary loss, or sigmoid with a bias (no auxiliary loss)
+    aux_loss_coef: float = 0.01  # weight of the load-balancing loss (softmax router)
+    bias_rate: float = 0.001  # sigmoid router: how far each step moves an expert's bias towards balance
+    capacity_factor: float = 0.0  # 0: dropless; else each expert takes at most factor·tokens·top_k/experts
 
     def __post_init__(self) -> None:
         """Shapes that cannot build a model are refused here, naming the field."""
@@ -44,6 +54,33 @@ class GPTConfig:
         if self.n_heads % self.n_kv_heads:
             raise PlaitError(f"n_heads = {self.n_heads} is not divisible by n_kv_heads = {self.n_kv_heads}",
                              hint="each key/value head serves n_heads / n_kv_heads query heads")
+        check_experts(self)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    def moe_layer(self, index: int) -> bool:
+        """Whether block `index` (from 0) is an MoE block: every moe_every-th, counting from 1."""
+        return self.is_moe and (index + 1) % self.moe_every == 0
+
+    @property
+    def moe_layers(self) -> int:
+        return sum(self.moe_layer(i) for i in range(self.n_layers))
+
+    @property
+    def expert_width(self) -> int:
+        """Hidden units of one expert's SwiGLU."""
+        return self.expert_hidden or self.ffn_hidden
+
+    def expert_params(self) -> int:
+        """Parameters of one routed expert (gate, up and down projections)."""
+        return 3 * self.d_model * self.expert_width
+
+    def moe_mlp_params(self) -> int:
+        """An MoE block's feed-forward: the router, every routed expert, the shared experts."""
+        return (self.d_model * self.experts + self.experts * self.expert_params()
+                + self.shared_experts * self.expert_params())
 
     @property
     def head_dim(self) -> int:
@@ -65,6 +102,19 @@ class GPTConfig:
         mlp = 3 * h * f
         norms = 2 * h
         return attn + mlp + norms
+
+    def block_params(self, index: int) -> int:
+        """Parameters of block `index`: a dense block, or one whose MLP is the MoE's (the
+        router's bias is a buffer-like parameter, not counted: it is never trained)."""
+        if not self.moe_layer(index):
+            return self.layer_params()
+        return self.layer_params() - 3 * self.d_model * self.ffn_hidden + self.moe_mlp_params()
+
+    def active_params(self) -> int:
+        """Parameters one token passes through: every dense weight, and of each MoE block the
+        router, top_k routed experts and the shared ones (what FLOPs per token follow)."""
+        idle = (self.experts - self.top_k) * self.expert_params() * self.moe_layers
+        return self.num_params() - idle
 
     def embedding_params(self) -> int:
         """Token embedding, output head (unless tied), final norm, learned positions."""
@@ -91,10 +141,33 @@ class GPTConfig:
             check_divides(what, size, tp, why, pad)
         if seq_len is not None:
             check_sequence_split(seq_len, tp, sp)
+        if self.is_moe and tp > 1:
+            raise PlaitError(f"--tp {tp} with a mixture of experts is not built yet",
+                             hint="use --ep and dp for an MoE model (docs/moe.md)")
 
     def num_params(self) -> int:
         """Exact parameter count of the model this config builds (tied weights counted once)."""
-        return self.n_layers * self.layer_params() + self.embedding_params()
+        return sum(self.block_params(i) for i in range(self.n_layers)) + self.embedding_params()
+
+
+ROUTERS = ("softmax", "sigmoid")
+
+
+def check_experts(config: GPTConfig) -> None:
+    """An MoE shape that cannot route is refused here, naming the field."""
+    if config.experts == 0:
+        return
+    if config.experts < 0 or config.top_k < 1 or config.moe_every < 1 or config.shared_experts < 0:
+        raise PlaitError("experts, top_k and moe_every must be positive (shared_experts at least 0)",
+                         hint="e.g. --model tiny-moe,experts=8,top_k=2")
+    if config.top_k > config.experts:
+        raise PlaitError(f"top_k = {config.top_k} is more than experts = {config.experts}",
+                         hint=f"each token goes to top_k distinct experts: choose top_k <= {config.experts}")
+    if config.router not in ROUTERS:
+        raise PlaitError(f"router {config.router!r} is not one of {', '.join(ROUTERS)}",
+                         hint="softmax: top-k with the load-balancing loss; sigmoid: auxiliary-loss-free bias")
+    if config.capacity_factor < 0 or config.aux_loss_coef < 0 or config.bias_rate < 0:
+        raise PlaitError("capacity_factor, aux_loss_coef and bias_rate must be at least 0")
 
 
 PRESETS: dict[str, GPTConfig] = {
@@ -124,9 +197,22 @@ PRESETS: dict[str, GPTConfig] = {
     ),
 }
 
-# Presets small enough to allocate and train on a CPU.
-TRAINABLE = ("tiny", "small")
+PRESETS.update({
+    # Mixtures of experts: tiny-moe is trained by the tests, small-moe by the MoE demo.
+    "tiny-moe": GPTConfig(experts=4, top_k=2, shared_experts=1, expert_hidden=64),
+    "small-moe": GPTConfig(
+        vocab_size=256, n_layers=6, d_model=384, n_heads=6, n_kv_heads=2,
+        ffn_hidden=1024, max_seq_len=512, experts=8, top_k=2, expert_hidden=512, moe_every=2,
+    ),
+    # Shape-only: Mixtral 8x7B's shape, for estimates and planning.
+    "mixtral-8x7b": GPTConfig(
+        vocab_size=32000, n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8,
+        ffn_hidden=14336, max_seq_len=4096, tie_embeddings=False, rope_theta=1e6, experts=8, top_k=2,
+    ),
+})
 
+# Presets small enough to allocate and train on a CPU.
+TRAINABLE = ("tiny", "small", "tiny-moe", "small-moe")
 
 def get_preset(name: str, **overrides: object) -> GPTConfig:
     """Look up a preset by name, with an error that lists the names that exist.

@@ -15,6 +15,7 @@ from torch import nn
 
 from plait.models.config import GPTConfig
 from plait.models.gpt_adapter import GPTAdapter
+from plait.models.moe import MoE
 
 TEMPERATURE = 0.8  # sampling temperature of the run's closing sample
 
@@ -105,14 +106,15 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP is a
+    mixture of experts in the blocks the config names (GPTConfig.moe_layer)."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, index: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.attn = Attention(config)
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.mlp = SwiGLU(config)
+        self.mlp: nn.Module = MoE(config) if config.moe_layer(index) else SwiGLU(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -128,7 +130,7 @@ class GPT(nn.Module):
             raise ValueError(f"GPT builds arch='llama' only, not {config.arch!r} (shape-only)")
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -148,7 +150,9 @@ class GPT(nn.Module):
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
                 nn.init.ones_(param)
-            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            elif name.endswith("expert_bias"):
+                nn.init.zeros_(param)
+            elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
                 nn.init.normal_(param, std=residual_std)
             else:
                 nn.init.normal_(param, std=0.02)

@@ -9,6 +9,7 @@ the axes that split the gradient.
     TP: its slice of each split parameter          tp (split parameters only: the
                                                    others are whole on every tp rank)
     PP: its stages                                 pp
+    EP: its experts of each experts module         ep (expert parameters only)
 
 Plain data parallelism holds the whole averaged gradient on every dp rank, so nothing is
 summed over dp. A pipeline's copy of a tied embedding is left out (the first stage counts
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from plait.parallel.expert.plan import expert_axis
+from plait.parallel.expert.shard import expert_shard_of
 from plait.parallel.pipeline.held import pipeline_axis
 from plait.parallel.pipeline.split import logical_parameters
 from plait.parallel.tensor.plan import tensor_parallel_of
@@ -45,6 +48,7 @@ class GradientSquares:
     values: torch.Tensor  # (pieces,) float64
     counted: torch.Tensor  # (pieces,) bool: in the norm (a pipeline's tied copy is not)
     split: torch.Tensor  # (pieces,) bool: a tensor-parallel slice
+    experts: torch.Tensor  # (pieces,) bool: this ep rank's experts (the other ep ranks hold the rest)
     scaled: list[torch.Tensor]  # what clipping multiplies
 
 
@@ -68,7 +72,8 @@ def gradient_squares(model: nn.Module) -> GradientSquares:
     values = torch.stack(norms).square() if norms else torch.zeros(0, dtype=torch.float64, device=device)
     counted = torch.tensor([c for *_, c in held], dtype=torch.bool, device=device)
     split = torch.tensor([tp and shard_of(p) is not None for _, p, _, _ in held], dtype=torch.bool, device=device)
-    return GradientSquares([name for name, *_ in held], values, counted, split, scaled)
+    experts = torch.tensor([expert_shard_of(p) is not None for _, p, _, _ in held], dtype=torch.bool, device=device)
+    return GradientSquares([name for name, *_ in held], values, counted, split, experts, scaled)
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float, squares: GradientSquares | None = None) -> float:
@@ -93,10 +98,18 @@ def global_norm(model: nn.Module, squares: GradientSquares) -> float:
     kept = torch.where(squares.counted, squares.values, torch.zeros_like(squares.values))
     # [squares of tp-split gradients, squares of the rest]; one number when nothing is split.
     # A rank may hold no gradient (its ZeRO shards all padding); its zeros still join in.
+    ep_axis = expert_axis(model)
+    if ep_axis is not None and ep_axis.size > 1:  # experts are whole on every tp rank (tp is not built with them)
+        experts = kept[squares.experts].sum()
+        comm.all_reduce(experts, ep_axis)
+        kept = torch.where(squares.experts, torch.zeros_like(kept), kept)
+    else:
+        experts = torch.zeros((), dtype=kept.dtype, device=kept.device)
     if tp_axis is not None:
         total = torch.stack([kept[squares.split].sum(), kept[~squares.split].sum()])
     else:
         total = kept.sum().reshape(1)
+    total[-1] += experts
     if sync is not None and sync.axis.size > 1:
         comm.all_reduce(total, sync.axis)
     if tp_axis is not None:

@@ -12,7 +12,9 @@ The order is the one every strategy assumes of the others, and any product of th
 1. shard layers across the tensor-parallel ranks (the whole model, so that every rank
    takes its slice of the same initial weights);
 2. cut the result into pipeline stages and keep this rank's (`apply_pipeline`);
-3. replicate or shard what is left across the data-parallel ranks: plain data parallelism
+3. split the experts of a mixture of experts over the ep ranks (plait.parallel.expert: each
+   keeps experts / ep and dispatches tokens by all-to-all), ep being carved out of dp;
+4. replicate or shard what is left across the data-parallel ranks: plain data parallelism
    (ZeRO stage 0) or ZeRO stages 1-3, over the stages when pipelined. The cp ranks hold
    different tokens of the same samples, so they join the dp ranks here (the mesh's dp_cp
    axis): the gradients are averaged, and ZeRO's shards cut, over dp × cp.
@@ -35,6 +37,7 @@ from plait.parallel.clip import clip_grad_norm
 from plait.parallel.compiled import apply_compile
 from plait.parallel.context.plan import apply_context_parallel, context_of
 from plait.parallel.data.sync import apply_data_parallel, grad_sync
+from plait.parallel.expert.plan import apply_expert_parallel, expert_axis
 from plait.parallel.masters import MasterOptimizer
 from plait.parallel.pipeline.runner import apply_pipeline
 from plait.parallel.pipeline.split import is_pipeline
@@ -45,7 +48,7 @@ from plait.parallel.tensor.plan import apply_tensor_parallel, tensor_parallel_of
 from plait.parallel.zero.stages import apply_zero, zero_of
 from plait.parallel.zero.optim import ZeroOptimizer
 from plait.rules import OPTIMIZER_KERNELS, RECOMPUTE, check_choice, check_compile, check_recompute
-from plait.runtime.mesh import SYNC, Mesh
+from plait.runtime.mesh import EXPERT, EXPERT_SYNC, SYNC, Mesh
 
 __all__ = ["ParallelConfig", "build_optimizer", "clip_grad_norm", "parallelize"]
 
@@ -110,8 +113,11 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = No
     if mesh.size("pp") > 1 and not cut:
         model = apply_pipeline(model, mesh, virtual_stages=layout.virtual_stages, adapter=adapter)
     model.to(mesh.device)
+    if mesh.size(EXPERT) > 1 and expert_axis(model) is None:
+        apply_expert_parallel(model, mesh.axis(EXPERT))
     if layout.zero == 0:
-        apply_data_parallel(model, mesh.axis(SYNC), bucket_mb=config.bucket_mb, reduce_dtype=config.reduce_dtype)
+        apply_data_parallel(model, mesh.axis(SYNC), bucket_mb=config.bucket_mb, reduce_dtype=config.reduce_dtype,
+                            expert_axis=mesh.axis(EXPERT_SYNC))
     else:
         units = adapter.blocks(model) if layout.zero == 3 and not is_pipeline(model) else None
         apply_zero(model, mesh.axis(SYNC), stage=layout.zero, offload=layout.offload, bucket_mb=config.bucket_mb,

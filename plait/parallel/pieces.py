@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from plait.parallel.expert.shard import expert_shard_of
 from plait.parallel.pipeline.split import logical_parameters
 from plait.parallel.tensor.layers import shard_of
-from plait.runtime.mesh import SYNC, Mesh
+from plait.runtime.mesh import EXPERT, EXPERT_SYNC, SYNC, Mesh
 
 VIEW_ATTR = "_plait_checkpoint_view"  # a strategy that shards tensors (ZeRO) puts its own view here
 
@@ -48,12 +49,19 @@ def param_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh)
     a split one by every tp rank (each its own block, at its offset along the split dimension).
     """
     named = list(logical_parameters(model))
-    # The replicas' writers are spread over every rank that holds the same ones: dp × cp.
-    sync = mesh.axis(SYNC)
-    writers = dp_writers([(name, param.numel()) for name, param, replica in named if not replica], sync.size)
+    # The replicas' writers are spread over every rank that holds the same ones: dp × cp;
+    # for an expert-parallel block, the edp ranks (each ep rank writes its own experts).
+    sync, edp = mesh.axis(SYNC), mesh.axis(EXPERT_SYNC)
+    writers = dp_writers([(name, param.numel()) for name, param, replica in named
+                          if not replica and expert_shard_of(param) is None], sync.size)
+    expert_writers = dp_writers([(name, param.numel()) for name, param, _ in named
+                                 if expert_shard_of(param) is not None], edp.size)
     pieces = []
     for name, param, replica in named:
-        dp_writer = writers.get(name) == sync.rank
+        if expert_shard_of(param) is not None:
+            dp_writer = expert_writers[name] == edp.rank
+        else:
+            dp_writer = writers.get(name) == sync.rank
         owned = dp_writer and not replica and writes_its_tp_part(param, mesh)
         pieces += [Piece(f"model/{name}", view, offsets, full, owned)
                    for view, offsets, full in placement(param, param.detach())]
@@ -64,7 +72,8 @@ def param_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh)
                 pieces += [Piece(f"optim/{name}/{key}", view, offsets, full, owned)
                            for view, offsets, full in placement(param, value)]
             else:  # a per-parameter scalar (Adam's step): the same on every shard
-                owned_scalar = dp_writer and not replica and mesh.rank("tp") == 0
+                owned_scalar = dp_writer and not replica and mesh.rank("tp") == 0 and (
+                    expert_shard_of(param) is None or mesh.rank(EXPERT) == 0)
                 pieces.append(Piece(f"optim/{name}/{key}", value, (0,) * value.ndim, tuple(value.shape), owned_scalar))
     return pieces
 
@@ -94,6 +103,9 @@ def placement(param: torch.Tensor, block: torch.Tensor, at: tuple[int, ...] | No
     each of its parts. One part, except for a fused tensor-parallel slice (GPT-2's q|k|v),
     whose parts lie apart in the full tensor (`Shard.blocks`)."""
     offsets = tuple(at) if at is not None else (0,) * param.ndim
+    experts = expert_shard_of(param)
+    if experts is not None:  # this ep rank's experts: a block along the first dimension
+        return [(block, (offsets[0] + experts.offset, *offsets[1:]), experts.full_shape)]
     shard = shard_of(param)
     if shard is None:
         return [(block, offsets, tuple(param.shape))]

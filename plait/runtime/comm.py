@@ -13,6 +13,7 @@ Ring costs per rank, with S the bytes of the full tensor and n ranks in the grou
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -55,11 +56,14 @@ class Ledger:
     tallies: dict[tuple[str, str, str], Tally] = field(default_factory=lambda: defaultdict(Tally))
     recorder: Any = None  # a recorder.FlightRecorder once the mesh has a store; names stuck ranks
 
-    def record(self, axis: str, op: str, payload: int, n: int, purpose: str = TRAIN) -> None:
+    def record(self, axis: str, op: str, payload: int, n: int, purpose: str = TRAIN,
+               wire: float | None = None) -> None:
+        """`wire`: the bytes this rank sent, where the ring formula does not give them (an
+        all-to-all with uneven parts sends what it does not keep)."""
         tally = self.tallies[(purpose, axis, op)]
         tally.calls += 1
         tally.payload += payload
-        tally.wire += ring_wire_bytes(op, payload, n)
+        tally.wire += ring_wire_bytes(op, payload, n) if wire is None else wire
 
     def wire(self, purpose: str = TRAIN) -> dict[str, dict[str, float]]:
         """{axis: {op: wire bytes}} so far, for one purpose."""
@@ -232,6 +236,21 @@ def all_to_all(output: torch.Tensor, full: torch.Tensor, axis: Axis, async_op: b
     axis.ledger.record(axis.name, "all_to_all", _nbytes(full), axis.size, purpose)
     return _run(axis, "all_to_all", lambda: dist.all_to_all_single(
         output, full, group=axis.group, async_op=async_op), async_op)
+
+
+def all_to_all_uneven(output: torch.Tensor, full: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                      axis: Axis, purpose: str = TRAIN) -> None:
+    """Send `full`'s rows in_splits[j] (in order) to rank j; `output` gets out_splits[j] rows
+    from each rank j, in rank order. Any part may be empty. The ledger counts the rows this
+    rank sent to the others: the payload, less the part it keeps."""
+    if axis.size == 1:
+        output.copy_(full.reshape(output.shape))
+        return
+    row = math.prod(full.shape[1:]) * full.element_size()
+    sent = (sum(in_splits) - in_splits[axis.rank]) * row
+    axis.ledger.record(axis.name, "all_to_all", _nbytes(full), axis.size, purpose, wire=sent)
+    _run(axis, "all_to_all", lambda: dist.all_to_all_single(
+        output, full, output_split_sizes=out_splits, input_split_sizes=in_splits, group=axis.group), False)
 
 
 def send(tensor: torch.Tensor, axis: Axis, dst: int, purpose: str = TRAIN) -> Handle:

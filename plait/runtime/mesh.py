@@ -26,7 +26,11 @@ from plait.runtime.recorder import FlightRecorder
 # the same samples, so they sum gradients (and split ZeRO's shards) with the data-parallel
 # ranks, as torchtitan's dp-shard-cp does. With cp = 1 it is the dp axis itself.
 SYNC = "dp_cp"
-AXES = (*GRID, SYNC)  # the mesh's axes besides "world"
+# Expert parallelism folds into dp: consecutive dp ranks, ep at a time, split the experts
+# ("ep"); the dp ranks that hold the same experts ("edp", dp / ep of them) average their
+# gradients. Both are the dp axis's subgroups; with ep = 1, "ep" has one rank and "edp" is dp.
+EXPERT, EXPERT_SYNC = "ep", "edp"
+AXES = (*GRID, SYNC, EXPERT, EXPERT_SYNC)  # the mesh's axes besides "world"
 
 
 @dataclass
@@ -102,7 +106,7 @@ def init_mesh(layout: Layout | None = None, *, backend: str | None = None, timeo
     ledger = Ledger()
     if not env.distributed:
         axes = {name: Axis(name, 1, 0, None, ledger, 0) for name in (*AXES, "world")}
-        axes[SYNC] = axes["dp"]
+        axes[SYNC] = axes[EXPERT_SYNC] = axes["dp"]
         return Mesh(layout, env, None, device, ledger, axes)
     chosen = choose_backend(backend, torch.cuda.is_available(), dist.is_mpi_available())
     if not dist.is_initialized():
@@ -119,6 +123,7 @@ def init_mesh(layout: Layout | None = None, *, backend: str | None = None, timeo
     axes = {name: Axis(name, size, coords[name], device_mesh.get_group(name), ledger, env.rank)
             for name, size in layout.grid}
     axes[SYNC] = sync_axis(layout, env.rank, axes["dp"], ledger)
+    axes.update(expert_axes(layout, env.rank, axes["dp"], ledger))
     axes["world"] = Axis("world", env.world_size, env.rank, dist.group.WORLD, ledger, env.rank)
     ledger.recorder = flight_recorder(env, axes)
     return Mesh(layout, env, chosen, device, ledger, axes, device_mesh)
@@ -137,6 +142,29 @@ def sync_axis(layout: Layout, rank: int, dp: Axis, ledger: Ledger) -> Axis:
             group = dist.new_group(ranks)
             if (pp_index, tp_index) == (coords["pp"], coords["tp"]):
                 mine = Axis(SYNC, len(ranks), ranks.index(rank), group, ledger, rank)
+    return mine
+
+
+def expert_axes(layout: Layout, rank: int, dp: Axis, ledger: Ledger) -> dict[str, Axis]:
+    """The ep and edp subgroups of this rank's dp axis (collective: every rank makes every
+    group, in one order). dp index i is ep rank i % ep of block i // ep, and edp rank i // ep."""
+    if layout.ep == 1:
+        return {EXPERT: Axis(EXPERT, 1, 0, None, ledger, rank), EXPERT_SYNC: replace(dp, name=EXPERT_SYNC)}
+    mine: dict[str, Axis] = {}
+    coords = layout.coords(rank)
+    for pp_index in range(layout.pp):
+        for cp_index in range(layout.cp):
+            for tp_index in range(layout.tp):
+                line = [r for r in range(layout.world) if (layout.coords(r)["pp"], layout.coords(r)["cp"],
+                                                           layout.coords(r)["tp"]) == (pp_index, cp_index, tp_index)]
+                here = (pp_index, cp_index, tp_index) == (coords["pp"], coords["cp"], coords["tp"])
+                groups = {EXPERT: [line[b * layout.ep:(b + 1) * layout.ep] for b in range(layout.dp // layout.ep)],
+                          EXPERT_SYNC: [line[j::layout.ep] for j in range(layout.ep)]}
+                for name, members in groups.items():
+                    for ranks in members:
+                        group = dist.new_group(ranks)
+                        if here and rank in ranks:
+                            mine[name] = Axis(name, len(ranks), ranks.index(rank), group, ledger, rank)
     return mine
 
 

@@ -61,6 +61,9 @@ class TrainConfig:
     cp_kind: str = field(default="ring", metadata={
         "help": "context parallelism's attention: ring (K/V passed round the cp ranks) or ulysses "
                 "(all-to-all to head shards; needs heads divisible by cp)"})
+    ep: int = field(default=1, metadata={
+        "help": "expert-parallel degree, carved out of dp: each group of ep data-parallel ranks splits a mixture "
+                "of experts' experts, tokens travelling by all-to-all (docs/moe.md)"})
     schedule: str = field(default="1f1b", metadata={"help": "pipeline schedule: gpipe, 1f1b, interleaved or zb-h1"})
     virtual_stages: int = field(default=1, metadata={"help": "model chunks per pipeline rank (interleaved)"})
     precision: str = field(default="fp32", metadata={
@@ -126,7 +129,7 @@ class TrainConfig:
 
     def layout_choices(self) -> dict[str, Any]:
         """The layout's fields besides dp, as the flags give them."""
-        return dict(tp=self.tp, pp=self.pp, cp=self.cp, cp_kind=self.cp_kind, zero=self.zero, offload=self.offload,
+        return dict(tp=self.tp, pp=self.pp, cp=self.cp, cp_kind=self.cp_kind, ep=self.ep, zero=self.zero, offload=self.offload,
                     sp=self.sp, schedule=self.schedule, virtual_stages=self.virtual_stages, prefetch=self.prefetch,
                     reshard_after_forward=self.reshard_after_forward)
 

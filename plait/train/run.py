@@ -147,9 +147,12 @@ def save_timeline(trainer: Trainer, out: Path) -> None:
 def final_weights(trainer: Trainer) -> dict[str, torch.Tensor] | None:
     """The whole model's weights for the main rank to write (every rank takes part:
     collective under TP and ZeRO-3; other ranks may get them too, or None). A pipeline's
-    stages live on different ranks: they are assembled the way a checkpoint is, through its
-    pieces, written to a scratch directory and read back."""
-    if trainer.runner is not None:
+    stages live on different ranks, and so do an expert-parallel model's experts: they are
+    assembled the way a checkpoint is, through its pieces, written to a scratch directory
+    and read back."""
+    from plait.parallel.expert.plan import expert_axis
+
+    if trainer.runner is not None or expert_axis(trainer.model) is not None:
         return _assembled_from_pieces(trainer)
     from plait.parallel.tensor.plan import gather_full_params
     from plait.parallel.zero.stages import full_parameters

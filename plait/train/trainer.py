@@ -27,11 +27,12 @@ from plait.errors import EXIT_PREEMPTED, PlaitError, Preempted
 from plait.parallel.compose import ParallelConfig, adamw_kernel, build_optimizer
 from plait.parallel.context.plan import context_engaged, shard_batch
 from plait.parallel.data.sync import no_sync
+from plait.parallel.expert.plan import after_step, moe_blocks, set_aux_scale
 from plait.parallel.pipeline.runner import PipelineRunner
 from plait.parallel.precision import StepGuard, param_dtype, reduce_dtype_of
 from plait.bench.meter import ActivationMeter, model_state_bytes
 from plait.runtime import comm
-from plait.runtime.mesh import Mesh
+from plait.runtime.mesh import SYNC, Mesh
 from plait.train import checkpoint, checkpoint_read
 from plait.train.config import TrainConfig
 from plait.train.data import StepSampler
@@ -74,6 +75,7 @@ class Trainer:
                                          weight_decay=config.weight_decay,
                                          **adamw_kernel(config.optimizer_kernel, mesh.device))
         self.runner = PipelineRunner(self.model, mesh) if mesh.size("pp") > 1 else None
+        self.moe = bool(moe_blocks(self.model))  # a mixture of experts: its routing is counted each step
         # The loss scale (fp16) and the all-ranks verdict on each step's gradients.
         self.guard = StepGuard(config.precision, mesh.axis("world"), mesh.device,
                                skip_nonfinite=config.skip_nonfinite, loss_scale=config.loss_scale)
@@ -101,9 +103,13 @@ class Trainer:
         lr = lr_at(step, config)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        self._sync()  # a CUDA step is timed from an idle device to an idle device
         before, start = self.mesh.ledger.snapshot(), time.perf_counter()
         batches = [self._batch(self.train_split, indices, step) for indices in self.sampler.micro_batches(step)]
+        if self.moe:  # the balancing loss's gradient is scaled as the main loss's is
+            set_aux_scale(self.model, self.guard.scaler.scale / len(batches))
         loss, activations = self.forward_backward(batches, full)
+        self._sync()
         update_start, scale = time.perf_counter(), self.guard.scaler.scale
         grad_norm = self.guard.clip(step, self.model, self.optimizer, loss,
                                     config.grad_clip if config.grad_clip > 0 else math.inf)
@@ -111,6 +117,8 @@ class Trainer:
             self.async_saves.before_update()  # a background save's copy of the weights is complete
             self.optimizer.step()
         self.guard.after_step(stepped=grad_norm is not None)
+        routing = after_step(self.model, self.mesh.axis(SYNC)) if self.moe else {}  # the sigmoid router's bias moves
+        self._sync()  # else the update's kernels are still running when its time is read
         self.update_times.append(time.perf_counter() - update_start)
         states = model_state_bytes(self.model, self.optimizer) if full else {}
         self.optimizer.zero_grad()
@@ -119,7 +127,13 @@ class Trainer:
         record = self.metrics.step_record(step, lr, local, full)
         record.setdefault("grad_norm", None)  # --measure off keeps none; the line still names it
         record.update(loss_scale=scale, skipped=grad_norm is None, skipped_steps=self.guard.scaler.skipped)
+        if routing:
+            record["moe"] = routing
         return record
+
+    def _sync(self) -> None:
+        if self.mesh.device.type == "cuda":
+            torch.cuda.synchronize(self.mesh.device)
 
     def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]], full: bool) -> tuple[Any, int]:
         """The step's mean loss (None when not read back) and the bytes saved for backward."""

@@ -11,6 +11,11 @@ micro-batch: gradients simply accumulate in the buckets, and one all-reduce per 
 the sum. This is the same contract torch's DistributedDataParallel offers, written small
 enough to read.
 
+Under expert parallelism (plait.parallel.expert) an expert's parameters are held by the dp
+ranks of one edp group only: their buckets are averaged over that axis, divided by the
+whole dp (each expert's gradient already sums what every ep rank's tokens sent it), and
+they start from their edp rank 0's copy rather than dp rank 0's.
+
 Buffers that a forward changes (BatchNorm's running statistics) would drift apart, each
 rank averaging its own micro-batches. As torch DDP's `broadcast_buffers=True` does, rank 0's
 are broadcast before a forward that follows a synchronised training forward (so once per
@@ -29,6 +34,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from plait.parallel.data.syncbn import SyncBatchNorm
+from plait.parallel.expert.shard import expert_shard_of
 from plait.runtime import comm
 from plait.runtime.comm import Axis, Handle
 
@@ -46,6 +52,8 @@ class Bucket:
     ready: int = 0
     handle: Handle | None = None
     wire: torch.Tensor | None = None  # the bucket in --reduce-dtype, while it is reduced
+    axis: Axis | None = None  # the ranks that average it, when not the GradSync's (experts: edp)
+    divisor: int = 0  # what the sum is divided by, when not the axis's size (experts: dp)
 
 
 @dataclass
@@ -115,8 +123,8 @@ class GradSync:
         wire = bucket.flat
         if self.reduce_dtype not in (None, wire.dtype):
             wire = bucket.wire = wire.to(self.reduce_dtype)
-        wire.div_(self.axis.size)
-        bucket.handle = comm.all_reduce(wire, self.axis, async_op=True)
+        wire.div_(bucket.divisor or self.axis.size)
+        bucket.handle = comm.all_reduce(wire, bucket.axis or self.axis, async_op=True)
         self.events.append(("launch" if self._in_backward else "launch_late", bucket.index))
 
     def _wait_all(self) -> None:
@@ -174,18 +182,27 @@ def _bucket(index: int, params: list[nn.Parameter]) -> Bucket:
 
 
 def apply_data_parallel(model: nn.Module, axis: Axis, *, bucket_mb: float = 25.0,
-                        reduce_dtype: torch.dtype | None = None) -> nn.Module:
+                        reduce_dtype: torch.dtype | None = None, expert_axis: Axis | None = None) -> nn.Module:
     """Make `model` average its gradients over `axis` after every backward (in place).
 
     Parameters and buffers are first broadcast from the axis's rank 0, so every replica
-    starts identical even if the ranks built the model with different seeds.
+    starts identical even if the ranks built the model with different seeds. Expert-parallel
+    parameters are averaged over `expert_axis` instead (see the module docstring).
     """
     if axis.size == 1:
         return model
+    experts = {p for p in model.parameters() if expert_shard_of(p) is not None}
+    if experts and expert_axis is None:
+        raise ValueError("expert-parallel parameters need the edp axis (expert_axis)")
     for tensor in [*model.parameters(), *model.buffers()]:
-        comm.broadcast(tensor.data, axis, purpose="setup")
+        comm.broadcast(tensor.data, expert_axis if tensor in experts else axis, purpose="setup")
     params = [p for p in model.parameters() if p.requires_grad]
-    sync = GradSync(axis, make_buckets(params, int(bucket_mb * 2**20)), reduce_dtype=reduce_dtype)
+    bucket_bytes = int(bucket_mb * 2**20)
+    buckets = make_buckets([p for p in params if p not in experts], bucket_bytes)
+    for bucket in make_buckets([p for p in params if p in experts], bucket_bytes):
+        bucket.index, bucket.axis, bucket.divisor = len(buckets), expert_axis, axis.size
+        buckets.append(bucket)
+    sync = GradSync(axis, buckets, reduce_dtype=reduce_dtype)
     for param in params:
         param.register_post_accumulate_grad_hook(sync.on_grad_ready)
     setattr(model, ATTR, sync)

@@ -1,0 +1,187 @@
+"""A mixture-of-experts feed-forward: a router picks top_k experts per token.
+
+    MoE(x) = shared(x) + Σ_k weight_k · expert_{index_k}(x)
+
+The pieces keep transformers' layout (Mixtral, Qwen2-MoE), so one expert-parallel strategy
+(plait.parallel.expert) serves both: the router is `gate`, a linear layer to one score per
+expert; the routed experts are one module, `experts`, whose weights are 3-D parameters
+(`gate_up_proj` (E, 2·hidden, d), `down_proj` (E, d, hidden)) and whose forward takes
+(tokens, expert indices, weights). Expert parallelism slices those parameters along their
+first dimension and wraps that forward with the all-to-all; nothing here knows about it.
+
+Two routers (`GPTConfig.router`):
+
+- **softmax** (Switch, Mixtral): top_k of softmax(scores), renormalised, plus a
+  load-balancing loss E·Σ_e f_e·P_e (f_e: the share of the token's assignments that went to
+  expert e, P_e: e's mean probability). It is computed per sequence and averaged, so that it
+  is the same sum whatever the layout splits the batch into, and it reaches the gradients
+  through `AuxLoss` (the block's output is unchanged; its backward adds the loss's
+  gradient), so any layout, pipelines included, needs no second loss to carry.
+- **sigmoid** (DeepSeek-V3's auxiliary-loss-free balancing): top_k of sigmoid(scores) +
+  bias picks the experts, the unbiased scores weight them; after each optimizer step the
+  bias moves by `bias_rate` towards balance, from the tokens each expert received over the
+  whole step (every micro-batch, every rank: plait.parallel.expert.update_router_bias).
+
+Dropless by default. With a capacity factor, an expert takes at most
+ceil(factor · tokens · top_k / experts) assignments of a forward; the rest get weight 0
+(they still pass through the expert, and add nothing) and are counted as dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.models.config import GPTConfig
+from plait.parallel.expert.dispatch import combine
+
+
+class AuxLoss(torch.autograd.Function):
+    """Identity on `out`; in backward, `weight` as the gradient of the auxiliary loss.
+
+    `weight` is the loss's coefficient times the scale of this backward (1 / micro-batches,
+    the fp16 loss scale), which the trainer sets on each MoE block before a step."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, aux: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.weight = weight
+        ctx.aux_shape, ctx.aux_dtype = aux.shape, aux.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return grad, torch.full(ctx.aux_shape, ctx.weight, dtype=ctx.aux_dtype, device=grad.device), None
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as two 3-D parameters; forward(x, index, weight) -> (tokens, d).
+
+    Assignments are sorted by expert, each expert runs one matrix product over its
+    contiguous rows (an expert with no tokens runs nothing), and the outputs are weighted
+    and summed per token in a fixed order, so the result depends only on the routing."""
+
+    def __init__(self, experts: int, d_model: int, hidden: int):
+        super().__init__()
+        self.num_experts, self.hidden = experts, hidden
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * hidden, d_model))
+        self.down_proj = nn.Parameter(torch.empty(experts, d_model, hidden))
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x (tokens, d); index and weight (tokens, k): each token's experts (local numbers) and weights."""
+        tokens, k = index.shape
+        flat = index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        rows = self.grouped(x[order // k], counts)
+        per_assignment = torch.empty_like(rows)
+        per_assignment[order] = rows
+        return combine(per_assignment, weight)
+
+    def grouped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Each expert's SwiGLU over its run of `rows` (sorted by expert, counts[e] rows each)."""
+        outs = []
+        for e, chunk in enumerate(rows.split(counts)):  # an empty chunk too: the graph stays whole
+            gate, up = (chunk @ self.gate_up_proj[e].t()).chunk(2, dim=-1)
+            outs.append((F.silu(gate) * up) @ self.down_proj[e].t())
+        return torch.cat(outs)
+
+
+class SharedExpert(nn.Module):
+    """The experts every token passes through, as one SwiGLU of shared·hidden units."""
+
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(d_model, hidden, bias=False)
+        self.up_proj = nn.Linear(d_model, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """Router, routed experts, shared experts; (batch, seq, d) -> (batch, seq, d).
+
+    Keeps what the closing report shows: the tokens each expert received (summed over the
+    training forwards since the last `take_counts`), the last auxiliary loss, dropped
+    assignments. A forward rerun by recomputation inside backward is not counted again."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.top_k, self.router = config.top_k, config.router
+        self.capacity_factor, self.bias_rate = config.capacity_factor, config.bias_rate
+        self.aux_weight = config.aux_loss_coef  # × the backward's scale (set_aux_scale)
+        self.aux_loss_coef = config.aux_loss_coef
+        self.gate = nn.Linear(config.d_model, config.experts, bias=False)
+        # The sigmoid router's balancing bias: moved by counts after each step, never by
+        # gradients; a parameter so checkpoints carry it whatever the layout.
+        self.expert_bias = nn.Parameter(torch.zeros(config.experts), requires_grad=False)
+        self.experts = Experts(config.experts, config.d_model, config.expert_width)
+        hidden = config.shared_experts * config.expert_width
+        self.shared_expert = SharedExpert(config.d_model, hidden) if hidden else None
+        self.register_buffer("tokens_per_expert", torch.zeros(config.experts, dtype=torch.float64), persistent=False)
+        self.register_buffer("dropped", torch.zeros((), dtype=torch.float64), persistent=False)
+        self.last_aux = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, d = x.shape
+        flat = x.reshape(-1, d)
+        scores = self.gate(flat)
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32))  # 16-bit weights route in fp32
+        index, weight, probs = self.route(scores)
+        if self.capacity_factor > 0:
+            weight = self._drop_over_capacity(index, weight)
+        out = self.experts(flat, index, weight.to(x.dtype)).view(batch, seq, d)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x)
+        if self.counting():
+            self.tokens_per_expert += torch.bincount(index.reshape(-1), minlength=probs.shape[-1]).double()
+        if self.router == "softmax" and self.aux_loss_coef > 0 and torch.is_grad_enabled():
+            aux = self._balance_loss(index, probs.view(batch, seq, -1))
+            self.last_aux = aux.detach()
+            out = AuxLoss.apply(out, aux, self.aux_weight)
+        return out
+
+    def route(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(each token's top_k experts, their weights, the router's probabilities), in fp32."""
+        if self.router == "sigmoid":
+            probs = torch.sigmoid(scores)
+            index = torch.topk(probs + self.expert_bias.float(), self.top_k, dim=-1).indices
+            weight = probs.gather(-1, index)
+        else:
+            probs = torch.softmax(scores, dim=-1)
+            weight, index = torch.topk(probs, self.top_k, dim=-1)
+        return index, weight / weight.sum(dim=-1, keepdim=True), probs
+
+    def _balance_loss(self, index: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """Mean over sequences of E·Σ_e f_e·P_e, from this forward's routing."""
+        batch, seq, experts = probs.shape
+        chosen = F.one_hot(index.view(batch, seq * self.top_k), experts).to(probs.dtype)
+        share = chosen.mean(dim=1)  # (batch, E): f_e, the share of each sequence's assignments
+        return (experts * (share * probs.mean(dim=1)).sum(dim=-1)).mean()
+
+    def _drop_over_capacity(self, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Weight 0 for assignments past an expert's capacity (in token order, first k first)."""
+        experts = self.gate.out_features
+        capacity = math.ceil(self.capacity_factor * index.numel() / experts)
+        flat = index.t().reshape(-1)  # every token's first choice before any second choice
+        seen = torch.cumsum(F.one_hot(flat, experts), dim=0).gather(1, flat[:, None]).squeeze(1)
+        keep = (seen <= capacity).view(index.shape[1], -1).t()
+        if self.counting():
+            self.dropped += (~keep).sum().double()
+        return weight * keep
+
+    def counting(self) -> bool:
+        """A training forward counts its routing once: not a no-grad probe or evaluation,
+        not recomputation's second forward inside backward."""
+        return self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+
+    def take_counts(self) -> torch.Tensor:
+        """The tokens each expert received since the last call (this rank's), and reset them."""
+        counts = self.tokens_per_expert.clone()
+        self.tokens_per_expert.zero_()
+        return counts

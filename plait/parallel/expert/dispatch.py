@@ -1,0 +1,110 @@
+"""The experts' forward across the ep ranks: counts, tokens out, experts, tokens back.
+
+For each MoE forward, on every ep rank:
+
+1. sort this rank's (token, choice) assignments by expert; experts are numbered so that
+   ep rank r holds experts r·E/ep ... (r+1)·E/ep - 1, so that order is also by destination;
+2. one small all-to-all of the counts per expert (E integers), so that each rank knows how
+   many rows it will receive from each other rank, per local expert; reading them is the
+   one host sync of the layer (all_to_all_single needs the split sizes on the host);
+3. all-to-all of the rows with those split sizes; the local experts run on what arrived,
+   grouped by expert (the experts module's own forward, given local indices and weight 1);
+4. the reverse all-to-all brings each row's output home, where the weighted sum over the
+   token's top_k choices is made as on one process.
+
+Any part may be empty: a rank that sends or receives no rows still joins every collective,
+and its empty rows stay in the autograd graph so that its backward joins the two reverse
+all-to-alls too (a rank that skipped them would hang the others). Every collective goes
+through plait.runtime.comm, so the ledger counts the bytes each rank actually sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from plait.estimate.experts import dispatch_bytes
+from plait.runtime import comm
+from plait.runtime.comm import Axis
+
+
+class AllToAllRows(torch.autograd.Function):
+    """Rows out by `in_splits`, in by `out_splits`; backward sends the gradients the other way."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, out_splits: list[int], in_splits: list[int], axis: Axis) -> torch.Tensor:
+        ctx.splits, ctx.axis = (out_splits, in_splits), axis
+        out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
+        comm.all_to_all_uneven(out, rows.contiguous(), out_splits, in_splits, axis)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        comm.all_to_all_uneven(back, grad.contiguous(), in_splits, out_splits, ctx.axis)
+        return back, None, None, None
+
+
+class ExpertDispatch:
+    """Stands in for an experts module's forward(x, index, weight) under expert parallelism;
+    `local_forward` is the module's own forward over the experts this rank holds."""
+
+    def __init__(self, local_forward: Callable[..., torch.Tensor], axis: Axis, experts: int):
+        self.local_forward, self.axis, self.experts = local_forward, axis, experts
+        self.formula = 0.0  # the bytes the formula gives for the training routing since `take_formula`
+
+    def __call__(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ep, local = self.axis.size, self.experts // self.axis.size
+        tokens, k = index.shape
+        flat = index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.experts)
+        arriving = torch.empty_like(counts)
+        comm.all_to_all(arriving, counts, self.axis)  # E/ep counts to each rank: its experts' share of ours
+        arriving = arriving.view(ep, local)
+        sizes = torch.stack([counts.view(ep, local).sum(1), arriving.sum(1)]).tolist()  # the host sync
+        send, receive = sizes
+        if torch.is_grad_enabled():
+            self.formula += routed_bytes(send, receive, self.axis, x, self.experts, backward=not recomputing())
+        rows = AllToAllRows.apply(x[order // k], receive, send, self.axis)
+        experts_of_rows = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(arriving.reshape(-1))
+        out = self.local_forward(rows, experts_of_rows[:, None], rows.new_ones((rows.shape[0], 1)))
+        out = out + rows[:, :1] * 0  # no rows arrived: the output still leads back to the all-to-all
+        back = AllToAllRows.apply(out, send, receive, self.axis)
+        per_assignment = torch.empty_like(back)
+        per_assignment[order] = back
+        return combine(per_assignment, weight)
+
+
+def recomputing() -> bool:
+    """Whether this forward runs inside a backward (activation recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def routed_bytes(send: list[int], receive: list[int], axis: Axis, x: torch.Tensor, experts: int,
+                 backward: bool) -> float:
+    """What one dispatch puts on the wire from this rank, by the formula on its routing
+    (plait.estimate.experts.dispatch_bytes) with the rows it actually sends and returns."""
+    me = axis.rank
+    return dispatch_bytes(sum(send) - send[me], sum(receive) - receive[me], x.shape[-1] * x.element_size(),
+                          experts, axis.size, backward)
+
+
+def take_formula(model: torch.nn.Module) -> float:
+    """The formula's bytes of every dispatch in `model` since the last call, and reset them."""
+    total = 0.0
+    for module in model.modules():
+        dispatch = module.__dict__.get("forward")
+        if isinstance(dispatch, ExpertDispatch):
+            total, dispatch.formula = total + dispatch.formula, 0.0
+    return total
+
+
+def combine(per_assignment: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(tokens·k, d) expert outputs -> (tokens, d): weighted and summed over each token's k
+    choices, in one fixed order (plait's MoE combines the same way on one process)."""
+    tokens, k = weight.shape
+    return (per_assignment.view(tokens, k, per_assignment.shape[-1]) * weight.unsqueeze(-1).to(per_assignment.dtype)).sum(dim=1)

@@ -1,0 +1,109 @@
+"""apply_expert_parallel: each ep rank keeps experts / ep of every experts module, and its
+forward becomes the all-to-all dispatch (plait.parallel.expert.dispatch).
+
+What an MoE model must offer, found by duck typing so that plait's GPT and transformers'
+MoE classes (Mixtral, Qwen2-MoE: the same layout) take the same path:
+
+- an **experts module**: a module with `num_experts`, whose parameters with a first
+  dimension of num_experts hold one slice per expert (`gate_up_proj`, `down_proj`, their
+  biases), and whose forward is (tokens (n, d), expert indices (n, k), weights (n, k)) ->
+  (n, d);
+- optionally, **MoE blocks** with `take_counts()` (the tokens each expert received since the
+  last call), `aux_weight`/`aux_loss_coef` (the balancing loss's weight in backward), and
+  for the sigmoid router `expert_bias` and `bias_rate`: `set_aux_scale` and `after_step`
+  use them, whatever the layout.
+
+ep folds into dp (plait.runtime.mesh: the ep and edp axes). Expert parameters are averaged
+over edp, the dp ranks holding the same experts, and divided by dp, not dp / ep: each
+expert's gradient already sums what the tokens of all ep ranks sent it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.errors import PlaitError
+from plait.parallel.expert.dispatch import ExpertDispatch, take_formula
+from plait.parallel.expert.shard import EXPERT_ATTR, ExpertShard
+from plait.rules import check_experts_split
+from plait.runtime import comm
+from plait.runtime.comm import Axis
+
+ATTR = "_plait_expert_parallel"
+
+
+def experts_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's experts modules (see the module docstring)."""
+    return [m for m in model.modules() if isinstance(getattr(m, "num_experts", None), int)
+            and any(p.ndim >= 2 and p.shape[0] == m.num_experts for p in m.parameters(recurse=False))]
+
+
+def moe_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules that route and count (plait's MoE), in forward order."""
+    return [m for m in model.modules() if callable(getattr(m, "take_counts", None))]
+
+
+def apply_expert_parallel(model: nn.Module, axis: Axis) -> int:
+    """Keep this ep rank's experts of every experts module and dispatch their tokens over
+    `axis`; returns how many experts modules were split. Call it on the whole model, every
+    rank built from the same seed, before data parallelism (which must know the marks)."""
+    found = experts_modules(model)
+    if not found:
+        raise PlaitError(f"ep {axis.size} needs experts, and {type(model).__name__} has no experts module",
+                         hint="an experts module has num_experts and (experts, ...) parameters; see docs/moe.md")
+    for module in found:
+        experts = module.num_experts
+        check_experts_split(experts, axis.size)
+        local = experts // axis.size
+        start = axis.rank * local
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.ndim >= 1 and param.shape[0] == experts:
+                kept = nn.Parameter(param.detach()[start:start + local].clone(), requires_grad=param.requires_grad)
+                setattr(kept, EXPERT_ATTR, ExpertShard(axis.rank, axis.size, tuple(param.shape)))
+                setattr(module, name, kept)
+        module.forward = ExpertDispatch(module.forward, axis, experts)
+    setattr(model, ATTR, axis)
+    return len(found)
+
+
+def expert_axis(model: nn.Module) -> Axis | None:
+    """The ep axis of a model (or of any of its pipeline stages) split by apply_expert_parallel."""
+    for module in model.modules():
+        axis = getattr(module, ATTR, None)
+        if axis is not None:
+            return axis
+    return None
+
+
+def set_aux_scale(model: nn.Module, scale: float) -> None:
+    """The balancing loss's gradient weight for the next backward: its coefficient × `scale`
+    (1 / micro-batches per step, × the fp16 loss scale), as the main loss is scaled."""
+    for block in moe_blocks(model):
+        block.aux_weight = block.aux_loss_coef * scale
+
+
+@torch.no_grad()
+def after_step(model: nn.Module, sync: Axis) -> dict[str, Any]:
+    """After each optimizer step: the tokens each expert received this step, summed over the
+    micro-batches and over `sync` (the ranks holding other samples), so every rank sees the
+    whole batch's routing; the sigmoid router's bias moves towards balance by it (the same
+    update on every rank, once per step whatever the accumulation). Returns what the step's
+    record shows: tokens per expert per MoE layer, the balancing loss, dropped assignments."""
+    blocks = moe_blocks(model)
+    if not blocks:
+        return {}
+    counts = torch.stack([block.take_counts() for block in blocks])
+    dropped = torch.stack([block.dropped for block in blocks])
+    both = torch.cat([counts, dropped[:, None]], dim=1)
+    comm.all_reduce(both, sync)
+    counts, dropped = both[:, :-1], both[:, -1]
+    for block, seen in zip(blocks, counts):
+        block.dropped.zero_()
+        if getattr(block, "router", "") == "sigmoid" and block.bias_rate > 0:
+            block.expert_bias.add_(block.bias_rate * torch.sign(seen.mean() - seen).to(block.expert_bias.dtype))
+    aux = [float(block.last_aux) for block in blocks if getattr(block, "router", "") == "softmax"]
+    return {"tokens_per_expert": counts.tolist(), "dropped": float(dropped.sum()),
+            "aux_loss": sum(aux) / len(aux) if aux else None, "alltoall_formula": take_formula(model)}

@@ -1,0 +1,126 @@
+"""Mixture of experts without a world: the experts' grouped compute against a per-token loop,
+the routers, the balancing loss's gradient, capacity, the parameter counts, and every
+refusal `plait train --ep` prints before spawning (one line and a hint)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from plait.cli import main
+from plait.errors import PlaitError
+from plait.layout import Layout
+from plait.models.config import get_preset
+from plait.models.gpt import build_gpt
+from plait.models.moe import MoE, Experts
+from plait.estimate.experts import dispatch_bytes, uniform_rows
+
+
+def _one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("plait: error: ") and lines[1].startswith("  hint: "), lines
+    return lines[0]
+
+
+def test_the_grouped_experts_equal_a_loop_over_tokens_in_fp64() -> None:
+    torch.manual_seed(0)
+    experts = Experts(4, 8, 6).double()
+    for p in experts.parameters():
+        torch.nn.init.normal_(p)
+    x, index, weight = torch.randn(10, 8, dtype=torch.float64), torch.randint(0, 4, (10, 2)), torch.rand(10, 2)
+    index[:, 1] = (index[:, 0] + 1) % 4  # distinct choices, expert 3 possibly empty
+    expected = torch.zeros(10, 8, dtype=torch.float64)
+    for t in range(10):
+        for j in range(2):
+            gate, up = (x[t] @ experts.gate_up_proj[index[t, j]].t()).chunk(2)
+            expected[t] += weight[t, j] * ((F.silu(gate) * up) @ experts.down_proj[index[t, j]].t())
+    assert (experts(x, index, weight.double()) - expected).abs().max().item() < 1e-12
+
+
+def test_the_balancing_loss_reaches_the_gradients_as_if_added_to_the_loss() -> None:
+    config = get_preset("tiny-moe", aux_loss_coef=0.3, shared_experts=0)
+    torch.manual_seed(0)
+    moe = MoE(config).double()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(2, 8, config.d_model, dtype=torch.float64)
+    moe(x).sum().backward()  # AuxLoss: the output untouched, coef · aux's gradient added
+    injected = [p.grad.clone() for p in moe.parameters() if p.requires_grad]
+    moe.zero_grad()
+    moe.aux_loss_coef = 0.0  # now add it by hand
+    out = moe(x)
+    index, _, probs = moe.route(moe.gate(x.reshape(-1, config.d_model)))
+    (out.sum() + 0.3 * moe._balance_loss(index, probs.view(2, 8, -1))).backward()
+    for a, b in zip(injected, [p.grad for p in moe.parameters() if p.requires_grad]):
+        torch.testing.assert_close(a, b.to(a.dtype), rtol=1e-6, atol=1e-9)
+
+
+def test_the_sigmoid_router_picks_by_score_plus_bias_and_weighs_by_score() -> None:
+    moe = MoE(get_preset("tiny-moe", router="sigmoid", top_k=1))
+    scores = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    moe.expert_bias.data = torch.tensor([0.0, 0.0, 0.0, 5.0])
+    index, weight, probs = moe.route(scores)
+    assert index.tolist() == [[3]] and weight.tolist() == [[1.0]]  # renormalised over the one choice
+    assert probs[0, 3].item() == pytest.approx(torch.sigmoid(torch.tensor(-1.0)).item())
+
+
+def test_a_capacity_factor_drops_and_counts_what_exceeds_it() -> None:
+    moe = MoE(get_preset("tiny-moe", top_k=1, capacity_factor=1.0))
+    moe.train()
+    index = torch.zeros(8, 1, dtype=torch.long)  # all 8 to expert 0; capacity 1.0 · 8 / 4 = 2
+    with torch.enable_grad():
+        kept = moe._drop_over_capacity(index, torch.ones(8, 1))
+    assert kept.flatten().tolist() == [1, 1, 0, 0, 0, 0, 0, 0]
+    assert moe.dropped.item() == 6
+
+
+def test_the_parameter_counts_follow_the_experts() -> None:
+    config = get_preset("tiny-moe")
+    model = build_gpt(config, 0)
+    assert config.num_params() == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    idle = (config.experts - config.top_k) * config.expert_params() * config.moe_layers
+    assert config.active_params() == config.num_params() - idle
+    dense = get_preset("tiny")
+    assert dense.num_params() == sum(p.numel() for p in build_gpt(dense, 0).parameters())
+    assert get_preset("small-moe").moe_layers == 3  # every second of 6 blocks
+
+
+def test_the_dispatch_formula() -> None:
+    # forward: (ep-1)/ep of 8E bytes of counts, and the rows both ways; backward the rows again
+    assert dispatch_bytes(3, 5, 256, 8, 4, backward=False) == 0.75 * 64 + 8 * 256
+    assert dispatch_bytes(3, 5, 256, 8, 4, backward=True) == 0.75 * 64 + 2 * 8 * 256
+    assert uniform_rows(64, 2, 4) == 96.0
+
+
+@pytest.mark.parametrize("model, words", [
+    ("tiny-moe,top_k=5", "top_k = 5 is more than experts = 4"),
+    ("tiny-moe,router=hash", "router 'hash' is not one of softmax, sigmoid"),
+])
+def test_a_shape_that_cannot_route_is_refused(model: str, words: str) -> None:
+    with pytest.raises(PlaitError, match=words):
+        get_preset(model)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--model", "tiny-moe", "--nproc", "4", "--ep", "3"], "--ep 3 does not divide dp = 4"),
+    (["--model", "tiny-moe,experts=6", "--nproc", "4", "--ep", "4"], "experts = 6 is not divisible by --ep 4"),
+    (["--model", "tiny", "--nproc", "2", "--ep", "2"], "--ep 2 splits the experts, and the model has none"),
+    (["--model", "tiny-moe", "--nproc", "2", "--ep", "2", "--zero", "1"],
+     "--ep 2 with --zero 1: expert parallelism with ZeRO is not built yet"),
+    (["--model", "tiny-moe", "--nproc", "2", "--tp", "2"], "--tp 2 with a mixture of experts is not built yet"),
+    (["--model", "tiny-moe,top_k=9"], "top_k = 9 is more than experts = 4"),
+])
+def test_a_bad_expert_layout_is_refused_in_one_line(flags: list[str], words: str, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    line = _one_line(["train", *flags, "--out", str(tmp_path)], capsys)
+    assert words in line, line
+
+
+def test_the_layout_record_folds_ep_into_dp() -> None:
+    layout = Layout.fill(8, ep=4)
+    assert (layout.dp, layout.ep, layout.world) == (8, 4, 8)
+    assert "ep=4" in layout.describe()
