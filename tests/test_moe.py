@@ -15,7 +15,7 @@ from plait.errors import PlaitError
 from plait.layout import Layout
 from plait.models.config import get_preset
 from plait.models.gpt import build_gpt
-from plait.models.moe import MoE, Experts
+from plait.models.moe import MoE, Experts, balance_loss
 from plait.estimate.experts import dispatch_bytes, uniform_rows
 
 
@@ -54,7 +54,7 @@ def test_the_balancing_loss_reaches_the_gradients_as_if_added_to_the_loss() -> N
     moe.aux_loss_coef = 0.0  # now add it by hand
     out = moe(x)
     index, _, probs = moe.route(moe.gate(x.reshape(-1, config.d_model)))
-    (out.sum() + 0.3 * moe._balance_loss(index, probs.view(2, 8, -1))).backward()
+    (out.sum() + 0.3 * balance_loss(index, probs.view(2, 8, -1), moe.top_k)).backward()
     for a, b in zip(injected, [p.grad for p in moe.parameters() if p.requires_grad]):
         torch.testing.assert_close(a, b.to(a.dtype), rtol=1e-6, atol=1e-9)
 
@@ -124,3 +124,21 @@ def test_the_layout_record_folds_ep_into_dp() -> None:
     layout = Layout.fill(8, ep=4)
     assert (layout.dp, layout.ep, layout.world) == (8, 4, 8)
     assert "ep=4" in layout.describe()
+
+
+def test_a_transformers_moe_whose_layout_plait_does_not_know_is_refused_in_one_line() -> None:
+    transformers = pytest.importorskip("transformers")
+    from plait.models.hf_experts import declared_experts
+
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2)
+    model = transformers.MixtralForCausalLM(config)
+    with pytest.raises(PlaitError, match="declares no base_model_ep_plan"):
+        declared_experts(model, {})
+    with pytest.raises(PlaitError, match="uses 'ep_router', which plait does not split"):
+        declared_experts(model, {"model.layers.*.mlp.gate": "ep_router"})
+    with pytest.raises(PlaitError, match=r"MixtralTopKRouter\) has no num_experts"):
+        del model.model.layers[0].mlp.gate.num_experts
+        declared_experts(model, {"model.layers.*.mlp.gate": "ep_dispatch_experts"})
+    assert declared_experts(model, {"model.layers.*.mlp.experts": "ep_dispatch_experts"}) == \
+        [model.model.layers[0].mlp.experts]

@@ -10,17 +10,31 @@ from typing import Any
 
 import pytest
 
-from tests.parity import PARAM_ATOL, assert_losses_close
-from tests.worldlib import run_world
+from tests.parity import PARAM_ATOL, PARAM_RTOL, assert_losses_close
+from tests.worldlib import run_plait, run_world
+
+transformers = pytest.importorskip("transformers")
 
 LAYOUTS = ("ep2", "ep4", "ep2-pp2")
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A corpus and two local transformers MoE directories (config.json only)."""
     root = tmp_path_factory.mktemp("moe")
     (root / "corpus.txt").write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(600)))
-    _, reports = run_world("moe_world.py", 4, root / "out", str(root / "out"), str(root / "corpus.txt"))
+    shape = dict(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, num_experts_per_tok=2)
+    transformers.MixtralConfig(**shape, num_local_experts=4).save_pretrained(root / "mixtral")
+    transformers.Qwen2MoeConfig(**shape, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                output_router_logits=True, router_aux_loss_coef=0.05).save_pretrained(root / "qwen2_moe")
+    return root
+
+
+@pytest.fixture(scope="module")
+def world(root: Path) -> list[dict[str, Any]]:
+    _, reports = run_world("moe_world.py", 4, root / "out", str(root / "out"), str(root / "corpus.txt"),
+                           str(root / "mixtral"), str(root / "qwen2_moe"))
     return reports
 
 
@@ -34,6 +48,31 @@ def test_expert_parallel_trains_the_one_process_model(world: list[dict[str, Any]
     for rank in holding_layer0:  # every rank saw the same (global) routing, the one process's
         assert rank[router][layout]["routing"][0]["tokens_per_expert"][:1] == \
             found["one"]["routing"][0]["tokens_per_expert"][:1]
+
+
+@pytest.mark.parametrize("family, layout", [("mixtral", "ep2"), ("mixtral", "ep2-pp2"), ("qwen2_moe", "ep2"),
+                                            ("qwen2_moe", "ep4")])
+def test_transformers_moe_models_train_the_one_process_model(world: list[dict[str, Any]], family: str,
+                                                              layout: str) -> None:
+    found = world[0][family]
+    assert_losses_close(found[layout]["losses"], found["one"]["losses"])
+    assert found[layout]["excess"] <= PARAM_ATOL, found[layout]["excess"]
+    routing = found[layout]["routing"][0]
+    assert sum(routing["tokens_per_expert"][0]) == 8 * 16 * 2  # every token's two choices, counted once
+    assert (routing["aux_loss"] is not None) == (family == "qwen2_moe")  # output_router_logits in its config
+
+
+def test_an_expert_parallel_checkpoint_exports_to_from_pretrained(world: list[dict[str, Any]], root: Path) -> None:
+    from safetensors.torch import load_file
+
+    out = root / "out" / "mixtral"
+    checkpoint = next((out / "ep2" / "checkpoints").glob("step-*"))
+    done = run_plait("ckpt", "export", str(checkpoint), "--hf", str(root / "exported"))
+    assert done.returncode == 0, done.stderr
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(root / "exported").state_dict()
+    reference = load_file(str(out / "one.safetensors"))
+    for name, value in reference.items():
+        assert ((loaded[name] - value).abs() - PARAM_RTOL * value.abs()).max().item() <= PARAM_ATOL, name
 
 
 def test_the_sigmoid_router_bias_moved_and_the_softmax_router_has_a_balancing_loss(

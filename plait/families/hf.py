@@ -16,6 +16,8 @@ from plait.models.hf_config import PREFIX, is_hf, read_hf_dir
 
 
 def check(config: Any) -> None:
+    from plait.rules import check_experts_split
+
     from plait.train.hf_check import check_hf_run
 
     hf = check_hf_run(config)  # a causal LM's directory, its tokenizer and the data agree
@@ -24,6 +26,9 @@ def check(config: Any) -> None:
         hf.shape()  # raises, naming the sizes its config.json lacks
     if shape is not None:
         check_language_run(config, shape)
+        check_experts_split(shape.experts, config.ep)
+    elif config.ep > 1:
+        hf.shape()  # raises, naming the sizes its config.json lacks
     else:
         check_corpus(config.data)
 

@@ -65,6 +65,12 @@ class GPTAdapter:
         model.config.check_split(tp, sp)  # one home: the shape's own check, shared with the estimator
         return GPT_PLAN
 
+    def expert_modules(self, model: nn.Module) -> list[nn.Module]:
+        """Every MoE block's routed experts (plait.models.moe.Experts), in forward order."""
+        from plait.models.moe import Experts
+
+        return [m for m in model.modules() if isinstance(m, Experts)]
+
     def context_attention(self, model: nn.Module, context: Any) -> None:
         """Context parallelism (plait.parallel.context): every block's attention core becomes
         `context.attend` while a training step has it engaged, the core it replaces otherwise."""

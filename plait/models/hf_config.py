@@ -102,9 +102,23 @@ class HFModelDir:
                              n_kv_heads=int(c.get("num_key_value_heads") or heads),
                              ffn_hidden=int(c.get("intermediate_size") or 4 * hidden), max_seq_len=sizes["positions"],
                              tie_embeddings=bool(c.get("tie_word_embeddings", False)), rope_theta=float(rope),
-                             norm_eps=float(c.get("rms_norm_eps", 1e-6)))
+                             norm_eps=float(c.get("rms_norm_eps", 1e-6)), **self.experts(hidden))
         except (TypeError, ValueError) as exc:
             raise PlaitError(f"--model {spec}: {CONFIG} has a size that is not a number ({exc})") from None
+
+    def experts(self, hidden: int) -> dict[str, Any]:
+        """A mixture of experts' fields of GPTConfig, from the names transformers' MoE configs
+        use (Mixtral's num_local_experts, Qwen2-MoE's num_experts, moe_intermediate_size,
+        shared_expert_intermediate_size, decoder_sparse_step); {} for a dense model."""
+        c = self.config
+        experts = int(c.get("num_local_experts") or c.get("num_experts") or c.get("n_routed_experts") or 0)
+        if not experts:
+            return {}
+        width = int(c.get("moe_intermediate_size") or c.get("intermediate_size") or 4 * hidden)
+        shared = int(c.get("shared_expert_intermediate_size") or 0)
+        return dict(experts=experts, top_k=int(c.get("num_experts_per_tok") or 2), expert_hidden=width,
+                    shared_experts=max(1, round(shared / width)) if shared else 0,
+                    moe_every=int(c.get("decoder_sparse_step") or 1))
 
     def shape_or_none(self) -> GPTConfig | None:
         """`shape()`, or None for a config that does not name a decoder's sizes."""

@@ -83,6 +83,12 @@ class DeclaredPlanAdapter:
         check_config(model, plan, tp)
         return plan
 
+    def expert_modules(self, model: nn.Module) -> list[nn.Module]:
+        """The experts modules its declared ep plan names (plait.models.hf_experts), checked."""
+        from plait.models.hf_experts import declared_experts
+
+        return declared_experts(model, declared(model, "ep"))
+
     def context_attention(self, model: nn.Module, context: Any) -> None:
         """Context parallelism through transformers' attention-function seam (models/hf_context.py)."""
         hf_context.context_attention(model, context)

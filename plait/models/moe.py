@@ -57,6 +57,15 @@ class AuxLoss(torch.autograd.Function):
         return grad, torch.full(ctx.aux_shape, ctx.weight, dtype=ctx.aux_dtype, device=grad.device), None
 
 
+def balance_loss(index: torch.Tensor, probs: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Mean over sequences of E·Σ_e f_e·P_e, from one forward's routing: `index` (tokens, k)
+    the chosen experts, `probs` (batch, seq, E) the router's probabilities."""
+    batch, seq, experts = probs.shape
+    chosen = F.one_hot(index.reshape(batch, seq * top_k), experts).to(probs.dtype)
+    share = chosen.mean(dim=1)  # (batch, E): f_e, the share of each sequence's assignments
+    return (experts * (share * probs.mean(dim=1)).sum(dim=-1)).mean()
+
+
 class Experts(nn.Module):
     """E SwiGLU experts as two 3-D parameters; forward(x, index, weight) -> (tokens, d).
 
@@ -141,7 +150,7 @@ class MoE(nn.Module):
         if self.counting():
             self.tokens_per_expert += torch.bincount(index.reshape(-1), minlength=probs.shape[-1]).double()
         if self.router == "softmax" and self.aux_loss_coef > 0 and torch.is_grad_enabled():
-            aux = self._balance_loss(index, probs.view(batch, seq, -1))
+            aux = balance_loss(index, probs.view(batch, seq, -1), self.top_k)
             self.last_aux = aux.detach()
             out = AuxLoss.apply(out, aux, self.aux_weight)
         return out
@@ -156,13 +165,6 @@ class MoE(nn.Module):
             probs = torch.softmax(scores, dim=-1)
             weight, index = torch.topk(probs, self.top_k, dim=-1)
         return index, weight / weight.sum(dim=-1, keepdim=True), probs
-
-    def _balance_loss(self, index: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        """Mean over sequences of E·Σ_e f_e·P_e, from this forward's routing."""
-        batch, seq, experts = probs.shape
-        chosen = F.one_hot(index.view(batch, seq * self.top_k), experts).to(probs.dtype)
-        share = chosen.mean(dim=1)  # (batch, E): f_e, the share of each sequence's assignments
-        return (experts * (share * probs.mean(dim=1)).sum(dim=-1)).mean()
 
     def _drop_over_capacity(self, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Weight 0 for assignments past an expert's capacity (in token order, first k first)."""

@@ -11,9 +11,9 @@ The order is the one every strategy assumes of the others, and any product of th
    activations in backward, if asked (the model's adapter names its blocks);
 1. shard layers across the tensor-parallel ranks (the whole model, so that every rank
    takes its slice of the same initial weights);
-2. cut the result into pipeline stages and keep this rank's (`apply_pipeline`);
-3. split the experts of a mixture of experts over the ep ranks (plait.parallel.expert: each
-   keeps experts / ep and dispatches tokens by all-to-all), ep being carved out of dp;
+2. split the experts of a mixture of experts over the ep ranks (plait.parallel.expert: each
+   keeps experts / ep and dispatches tokens by all-to-all; ep is carved out of dp);
+3. cut the result into pipeline stages and keep this rank's (`apply_pipeline`);
 4. replicate or shard what is left across the data-parallel ranks: plain data parallelism
    (ZeRO stage 0) or ZeRO stages 1-3, over the stages when pipelined. The cp ranks hold
    different tokens of the same samples, so they join the dp ranks here (the mesh's dp_cp
@@ -110,11 +110,14 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = No
         # first (NCCL sends device memory); without TP only this rank's stages move.
         model.to(mesh.device)
         apply_tensor_parallel(model, mesh.axis("tp"), plan=config.tp_plan, sp=layout.sp, adapter=adapter)
+    if mesh.size(EXPERT) > 1 and expert_axis(model) is None:
+        if cut:
+            raise PlaitError("expert parallelism is applied to the whole model, before the pipeline cut",
+                             hint="pass the whole model to parallelize: it cuts the stages itself")
+        apply_expert_parallel(model, mesh.axis(EXPERT), adapter)
     if mesh.size("pp") > 1 and not cut:
         model = apply_pipeline(model, mesh, virtual_stages=layout.virtual_stages, adapter=adapter)
     model.to(mesh.device)
-    if mesh.size(EXPERT) > 1 and expert_axis(model) is None:
-        apply_expert_parallel(model, mesh.axis(EXPERT))
     if layout.zero == 0:
         apply_data_parallel(model, mesh.axis(SYNC), bucket_mb=config.bucket_mb, reduce_dtype=config.reduce_dtype,
                             expert_axis=mesh.axis(EXPERT_SYNC))

@@ -48,9 +48,13 @@ class HFTask(LanguageTask):
         self._tokenizer: Any = None
 
     def build_model(self, seed: int) -> nn.Module:
+        from plait.models.hf_experts import declared_experts, install_routing_stats
         from plait.models.hf_load import build_hf_model
+        from plait.models.hf_plans import declared
 
         model = build_hf_model(self.hf, seed)
+        if declared(model, "ep"):  # a mixture of experts: its routing is counted for the report
+            install_routing_stats(model, declared_experts(model, declared(model, "ep")))
         self.num_params = sum(p.numel() for p in model.parameters())  # a tied head counted once
         return model
 

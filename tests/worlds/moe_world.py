@@ -1,11 +1,12 @@
 """Expert-parallel world: 4 ranks, one spawn, the checks of plait.parallel.expert.
 
-argv: OUT CORPUS.
+argv: OUT CORPUS MIXTRAL_DIR QWEN2_MOE_DIR.
 1. The real Trainer (what `plait train --ep N` runs) on plait's MoE GPT, both routers
    (softmax with the balancing loss; sigmoid with the bias), under ep 2 × (dp 4), ep 4 and
-   ep 2 × pp 2 (1F1B, accumulation 2); rank 0 alone trains the same global batch in one
-   process (accumulation 4). Losses every step, final weights elementwise, the sigmoid
-   router's biases.
+   ep 2 × pp 2 (1F1B, accumulation 2); on transformers' Mixtral (ep 2, ep 2 × pp 2; its
+   ep 2 run writes a checkpoint, exported by the test) and Qwen2-MoE (shared expert, the
+   balancing loss on: ep 2, ep 4). Rank 0 alone trains the same global batch in one process
+   (accumulation 4). Losses every step, final weights elementwise, the sigmoid router's biases.
 2. One forward and backward of an MoE layer at ep 4: the ledger's ep bytes against the
    formula on the routing that happened; the collectives per layer.
 3. A router forced to send every token to expert 0 (top_k 1): the ranks holding the other
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from plait.families import family_of
 from plait.layout import Layout
@@ -58,7 +60,9 @@ def excess(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor])
     return max(((weights[k] - v).abs() - PARAM_RTOL * v.abs()).max().item() for k, v in reference.items())
 
 
-def family_runs(base: TrainConfig, out: Path, rank: int) -> dict[str, Any]:
+def family_runs(base: TrainConfig, out: Path, rank: int, layouts: tuple[str, ...] = tuple(LAYOUTS),
+                 saved: str = "") -> dict[str, Any]:
+    """One process on rank 0, then each layout; `saved` names a layout that checkpoints its last step."""
     found: dict[str, Any] = {}
     reference = None
     if rank == 0:
@@ -66,7 +70,9 @@ def family_runs(base: TrainConfig, out: Path, rank: int) -> dict[str, Any]:
         losses, reference, routing = train(replace(base, grad_accum=4, nproc=1, dp=1, out=str(out / "one")), one)
         found["one"] = {"losses": losses, "routing": routing}
         found["bias"] = [v.tolist() for k, v in reference.items() if k.endswith("expert_bias")]
-    for name, fields in LAYOUTS.items():
+        save_file({k: v.contiguous() for k, v in reference.items()}, str(out / "one.safetensors"))
+    for name in layouts:
+        fields = {**LAYOUTS[name], **({"save_every": base.steps} if name == saved else {})}
         config = replace(base, **fields, nproc=4, out=str(out / name))
         losses, weights, routing = train(config, init_mesh(config.layout))
         found[name] = {"losses": losses, "routing": routing}
@@ -115,7 +121,7 @@ def resumed(base: TrainConfig, out: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    out, corpus = Path(sys.argv[1]), sys.argv[2]
+    out, corpus, mixtral, qwen2_moe = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
     rank, report = int(os.environ["RANK"]), {}
     common = dict(data=corpus, steps=2, micro_batch=2, seq_len=16, eval_every=0, eval_samples=4, sample_tokens=0,
@@ -123,6 +129,10 @@ def main() -> None:
     bases = {name: TrainConfig(model=model, **common) for name, model in MODELS.items()}
     for name, base in bases.items():
         report[name] = family_runs(base, out / name, rank)
+    report["mixtral"] = family_runs(TrainConfig(model=f"hf:{mixtral}", **common), out / "mixtral", rank,
+                                    ("ep2", "ep2-pp2"), saved="ep2")
+    report["qwen2_moe"] = family_runs(TrainConfig(model=f"hf:{qwen2_moe}", **common), out / "qwen2_moe", rank,
+                                      ("ep2", "ep4"))
     report["layer"] = one_layer(rank)
     report["forced"] = forced(bases["softmax"], out)
     report["resumed"] = resumed(bases["softmax"], out)

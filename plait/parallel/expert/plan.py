@@ -35,10 +35,15 @@ from plait.runtime.comm import Axis
 ATTR = "_plait_expert_parallel"
 
 
-def experts_modules(model: nn.Module) -> list[nn.Module]:
-    """The model's experts modules (see the module docstring)."""
+def experts_modules(model: nn.Module, adapter: Any = None) -> list[nn.Module]:
+    """The model's experts modules: the adapter's answer (`expert_modules`: plait's GPT, a
+    transformers model's declared ep plan), else any module with num_experts and 3-D
+    parameters with num_experts first (see the module docstring)."""
+    named = getattr(adapter, "expert_modules", None)
+    if callable(named):
+        return named(model)
     return [m for m in model.modules() if isinstance(getattr(m, "num_experts", None), int)
-            and any(p.ndim >= 2 and p.shape[0] == m.num_experts for p in m.parameters(recurse=False))]
+            and any(p.ndim >= 3 and p.shape[0] == m.num_experts for p in m.parameters(recurse=False))]
 
 
 def moe_blocks(model: nn.Module) -> list[nn.Module]:
@@ -46,11 +51,12 @@ def moe_blocks(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if callable(getattr(m, "take_counts", None))]
 
 
-def apply_expert_parallel(model: nn.Module, axis: Axis) -> int:
+def apply_expert_parallel(model: nn.Module, axis: Axis, adapter: Any = None) -> int:
     """Keep this ep rank's experts of every experts module and dispatch their tokens over
     `axis`; returns how many experts modules were split. Call it on the whole model, every
-    rank built from the same seed, before data parallelism (which must know the marks)."""
-    found = experts_modules(model)
+    rank built from the same seed, before the pipeline cut and data parallelism (which
+    must know the marks)."""
+    found = experts_modules(model, adapter)
     if not found:
         raise PlaitError(f"ep {axis.size} needs experts, and {type(model).__name__} has no experts module",
                          hint="an experts module has num_experts and (experts, ...) parameters; see docs/moe.md")
@@ -64,8 +70,9 @@ def apply_expert_parallel(model: nn.Module, axis: Axis) -> int:
                 kept = nn.Parameter(param.detach()[start:start + local].clone(), requires_grad=param.requires_grad)
                 setattr(kept, EXPERT_ATTR, ExpertShard(axis.rank, axis.size, tuple(param.shape)))
                 setattr(module, name, kept)
+        module.num_experts = local  # what it holds now (transformers' grouped kernels size by it)
         module.forward = ExpertDispatch(module.forward, axis, experts)
-    setattr(model, ATTR, axis)
+        setattr(module, ATTR, axis)  # on the experts module: a pipeline stage holding it finds it
     return len(found)
 
 
@@ -104,6 +111,7 @@ def after_step(model: nn.Module, sync: Axis) -> dict[str, Any]:
         block.dropped.zero_()
         if getattr(block, "router", "") == "sigmoid" and block.bias_rate > 0:
             block.expert_bias.add_(block.bias_rate * torch.sign(seen.mean() - seen).to(block.expert_bias.dtype))
-    aux = [float(block.last_aux) for block in blocks if getattr(block, "router", "") == "softmax"]
+    aux = [float(block.last_aux) for block in blocks if getattr(block, "aux_loss_coef", 0) > 0
+           and getattr(block, "router", "") == "softmax"]
     return {"tokens_per_expert": counts.tolist(), "dropped": float(dropped.sum()),
             "aux_loss": sum(aux) / len(aux) if aux else None, "alltoall_formula": take_formula(model)}
