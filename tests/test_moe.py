@@ -109,8 +109,8 @@ def test_a_shape_that_cannot_route_is_refused(model: str, words: str) -> None:
     (["--model", "tiny-moe", "--nproc", "4", "--ep", "3"], "--ep 3 does not divide dp = 4"),
     (["--model", "tiny-moe,experts=6", "--nproc", "4", "--ep", "4"], "experts = 6 is not divisible by --ep 4"),
     (["--model", "tiny", "--nproc", "2", "--ep", "2"], "--ep 2 splits the experts, and the model has none"),
-    (["--model", "tiny-moe", "--nproc", "2", "--ep", "2", "--zero", "1"],
-     "--ep 2 with --zero 1: expert parallelism with ZeRO is not built yet"),
+    (["--model", "tiny-moe", "--nproc", "4", "--ep", "2", "--cp", "2"],
+     "--ep 2 with --cp 2: expert parallelism with context parallelism is not built yet"),
     (["--model", "tiny-moe", "--nproc", "2", "--tp", "2"], "--tp 2 with a mixture of experts is not built yet"),
     (["--model", "tiny-moe,top_k=9"], "top_k = 9 is more than experts = 4"),
 ])
@@ -142,3 +142,35 @@ def test_a_transformers_moe_whose_layout_plait_does_not_know_is_refused_in_one_l
         declared_experts(model, {"model.layers.*.mlp.gate": "ep_dispatch_experts"})
     assert declared_experts(model, {"model.layers.*.mlp.experts": "ep_dispatch_experts"}) == \
         [model.model.layers[0].mlp.experts]
+
+
+def test_the_estimate_holds_experts_over_ep_and_counts_flops_by_active_parameters() -> None:
+    from plait.estimate import estimate_layout
+
+    config = get_preset("tiny-moe")
+    experts = config.moe_layers * config.experts * config.expert_params()
+    dense_part = config.num_params() - experts
+    work = dict(dp=4, micro_batch=2, seq_len=32, hardware="cpu")
+    for ep in (1, 2, 4):
+        result = estimate_layout(config, ep=ep, **work)
+        assert result["memory"]["params"] == (dense_part + experts // ep) * 4
+        rows = 2 * 32 * config.top_k * (ep - 1) / ep  # uniform routing: all but the 1/ep kept
+        per_layer = (ep - 1) / ep * 8 * config.experts + 2 * rows * config.d_model * 4 + 2 * rows * config.d_model * 4
+        assert result["comm"].get("ep", {}).get("all_to_all", 0.0) == pytest.approx(config.moe_layers * per_layer)
+        edp = 4 // ep
+        assert result["comm"].get("edp", {}).get("all_reduce", 0.0) == pytest.approx(
+            2 * (edp - 1) / edp * experts // ep * 4 if ep > 1 else 0.0)
+    active = sum(config.active_block_params(i) for i in range(config.n_layers)) + config.vocab_size * config.d_model
+    flops = estimate_layout(config, ep=2, **work)["time"]["flops_per_token"]
+    assert flops == 6 * active + 3 * 4 * config.n_layers * config.d_model * 32
+    assert estimate_layout(config, ep=2, **work)["model"]["active_params"] == config.active_params()
+
+
+def test_the_closing_report_shows_the_routing_and_the_all_to_all() -> None:
+    from plait.report.closing import experts_line
+
+    line = experts_line({"per_layer": [{"min": 10, "mean": 16, "max": 25}], "aux_loss_first": 1.2,
+                         "aux_loss_last": 1.01, "dropped": 3, "alltoall_measured": 2048.0,
+                         "alltoall_formula": 2048.0}, {"comm": {"ep": {"all_to_all": 1024.0}}})
+    assert "tokens per expert min/mean/max by MoE layer: 10/16/25; balancing loss 1.200 -> 1.010; dropped 3" in line
+    assert "measured 2.0 KiB, formula on this routing 2.0 KiB, predicted (uniform routing) 1.0 KiB" in line

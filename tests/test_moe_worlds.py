@@ -91,9 +91,11 @@ def test_the_ledger_counts_the_formula_on_the_routing_that_happened(world: list[
         assert layer["formula"] > 0
         # per MoE layer: forward 3 (counts, rows out, rows back), backward 2 (the reverse of each)
         assert layer["calls"] == {"all_to_all": 5 * layer["moe_layers"]}
-    for rank in world:  # in training: the step's ep bytes against the formula on its routing
-        for step, routing in enumerate(rank["softmax"]["ep2"]["routing"]):
-            assert routing["alltoall_formula"] > 0, step
+    for rank in world:  # in training (both micro-batches, forward and backward): each step's ep bytes
+        for layout in ("ep2", "ep2-pp2"):
+            for step, routing in enumerate(rank["softmax"][layout]["routing"]):
+                assert routing["alltoall_formula"] > 0, step
+                assert routing["alltoall_measured"] == pytest.approx(routing["alltoall_formula"], rel=1e-12), step
 
 
 def test_ranks_that_receive_no_tokens_train_on(world: list[dict[str, Any]]) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 from plait.errors import PlaitError
 from plait.estimate.context import per_layer as context_per_layer
+from plait.estimate.experts import ASSUMPTIONS as EXPERT_ASSUMPTIONS, summary as experts_summary
 from plait.estimate.traffic import dp_traffic, estimate_comm, naive_comm
 from plait.estimate.hardware import Hardware, resolve_hardware
 from plait.estimate.layout import Workload
@@ -99,6 +100,10 @@ def estimate_layout(config: GPTConfig | None, work: Workload | None = None, *, h
                      step.as_dict(), notes)
     if work.cp > 1:
         report["context"] = context_per_layer(config, work)
+    if config.is_moe:
+        report["model"]["active_params"] = config.active_params()
+        report["experts"] = experts_summary(config, work)
+        report["assumptions"] += list(EXPERT_ASSUMPTIONS)
     return report
 
 

@@ -73,8 +73,9 @@ def korthikanti_layer_bytes(config: GPTConfig, layout: Workload) -> float:
 
 
 def llama_layer_bytes(config: GPTConfig, layout: Workload) -> float:
-    """One block of our model: saved bytes per micro-batch (see the module docstring)."""
-    h, f, a = config.d_model, config.ffn_hidden, config.n_heads
+    """One block of our model: saved bytes per micro-batch (see the module docstring); an
+    MoE block counted by the hidden units a token's experts compute (GPTConfig.mlp_width)."""
+    h, f, a = config.d_model, config.mlp_width(), config.n_heads
     e = layout.compute_bytes
     o_proj_copy = h if a // layout.tp > 1 else 0  # one head per rank: reshape is a view
     replicated = 2 * rmsnorm_bytes(h, e)

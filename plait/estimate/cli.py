@@ -41,7 +41,7 @@ def estimate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--params", type=float, help="a model known only by its size, e.g. 7e9")
     parser.add_argument("--reduce-dtype", default="", help="dtype gradients are reduced in over dp: fp32, bf16 "
                         "or fp16 (default: the gradients' own)")
-    for flag in ("--dp", "--tp", "--pp", "--cp", "--micro-batch", "--grad-accum"):
+    for flag in ("--dp", "--tp", "--pp", "--cp", "--ep", "--micro-batch", "--grad-accum"):
         parser.add_argument(flag, type=int, default=1)
     parser.add_argument("--cp-kind", default="ring", help="context parallelism's attention: ring or ulysses")
     parser.add_argument("--gpus", type=int, help="check that dp x tp x pp x cp uses this many GPUs")
@@ -83,7 +83,8 @@ def estimate_main(argv: list[str], shape_of: ShapeOf) -> int:
     hardware = resolve_hardware(args.hardware, args.hardware_file)
     config = _model(args.model, shape_of) if args.model or args.params is None else None
     result = estimate_layout(
-        config, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, cp_kind=args.cp_kind, zero=args.zero, offload=args.offload,
+        config, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, cp_kind=args.cp_kind, ep=args.ep, zero=args.zero,
+        offload=args.offload,
         precision=args.precision, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
         seq_len=args.seq_len, recompute=args.recompute, schedule=args.schedule,
         virtual_stages=args.virtual_stages, sp=args.sp, reduce_dtype=args.reduce_dtype, prefetch=args.prefetch,
@@ -121,7 +122,7 @@ def _model(name: str | None, shape_of: ShapeOf) -> GPTConfig:
 def _check_gpus(gpus: int, args: argparse.Namespace) -> None:
     from plait.layout import Layout
 
-    Layout(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, cp_kind=args.cp_kind).check_world(gpus, "--gpus")
+    Layout(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, cp_kind=args.cp_kind, ep=args.ep).check_world(gpus, "--gpus")
 
 
 def _emit(data: Any, as_json: bool, text: Any) -> None:

@@ -15,6 +15,8 @@ gives s = r = tokens · top_k · (ep-1)/ep.
 
 from __future__ import annotations
 
+from typing import Any
+
 from plait.wire import ring_bytes
 
 COUNT_BYTES = 8  # the counts travel as int64
@@ -31,3 +33,31 @@ def uniform_rows(tokens: int, top_k: int, ep: int) -> float:
     """Assignments a rank sends to (and, by symmetry, receives from) other ep ranks when the
     router spreads them evenly: all but the 1/ep that stay."""
     return tokens * top_k * (ep - 1) / ep
+
+
+def layer_alltoall(config: Any, layout: Any) -> dict[str, float]:
+    """One MoE block's dispatch bytes per rank and micro-batch under uniform routing:
+    {"forward": counts + rows out and back, "backward": the rows' gradients}."""
+    rows = uniform_rows(layout.tokens_per_micro_batch, config.top_k, layout.ep)
+    row_bytes = config.d_model * layout.compute_bytes
+    forward = dispatch_bytes(rows, rows, row_bytes, config.experts, layout.ep, backward=False)
+    return {"forward": forward, "backward": 2 * rows * row_bytes}
+
+
+ASSUMPTIONS = (
+    "MoE: each ep rank holds experts / ep routed experts of every MoE block, synced over the "
+    "dp / ep ranks holding the same ones (axis edp); FLOPs follow the active parameters (the "
+    "router, top_k routed and the shared experts of each MoE block); activations count a token's "
+    "top_k + shared experts' widths as its MLP",
+    "ep all-to-all per MoE block and micro-batch, uniform routing: counts (ep−1)/ep·8E, then "
+    "t·k·(ep−1)/ep rows of d values out and as many back, forward (again when recomputed); the "
+    "rows' gradients both ways backward",
+)
+
+
+def summary(config: Any, layout: Any) -> dict[str, Any]:
+    """What `plait estimate` says of the experts: the shape, and one MoE block's all-to-all."""
+    per = layer_alltoall(config, layout) if layout.ep > 1 else {"forward": 0.0, "backward": 0.0}
+    return {"experts": config.experts, "top_k": config.top_k, "shared": config.shared_experts,
+            "moe_layers": config.moe_layers, "ep": layout.ep, "experts_per_rank": config.experts // layout.ep,
+            "alltoall_forward": per["forward"], "alltoall_backward": per["backward"]}

@@ -17,6 +17,7 @@ from typing import Any
 from plait.balance import balanced_counts
 from plait.layout import Layout
 from plait.models.config import GPTConfig
+from plait.rules import check_experts_split
 from plait.rules import (DTYPE_BYTES, PRECISIONS, RECOMPUTE, REDUCE_DTYPES, SCHEDULES,  # noqa: F401
                          check_context_split, check_microbatches, check_pipeline_cut, check_precision, check_recompute, check_whole,
                          default_reduce_dtype)
@@ -88,6 +89,7 @@ class Workload(Layout):
         check_context_split(self.seq_len, self.cp, self.tp, self.sp, config.n_heads, self.cp_kind)
         config.check_split(self.tp, self.sp, self.seq_len)
         check_pipeline_cut(config.n_layers, self.pp, self.virtual_stages)
+        check_experts_split(config.experts, self.ep)
 
 
 @dataclass(frozen=True)
@@ -97,9 +99,11 @@ class StageShare:
     index: int
     pp: int
     layers: int
-    block_params: int  # one transformer block's parameters on this rank
+    block_params: int  # one transformer block's parameters on this rank (an average, with experts / ep)
     params: int  # everything this rank holds: blocks, plus embedding or head
     replicated_params: int  # not sharded by tp (norms): their grads need a tp sync under SP
+    expert_params: int = 0  # of `params`, the routed experts this ep rank holds (synced over dp / ep)
+    moe_layers: float = 0.0  # MoE blocks among its layers (moe_every spreads them evenly)
 
     @property
     def first(self) -> bool:
@@ -121,7 +125,8 @@ def block_split(config: GPTConfig) -> tuple[int, int]:
         sharded = h * (h + 2 * kv) + (h + 2 * kv) + h * h + 2 * h * f + f
         return sharded, config.layer_params() - sharded
     sharded = 2 * h * h + 2 * h * kv + 3 * h * f
-    return sharded, config.layer_params() - sharded
+    average = round(sum(config.block_params(i) for i in range(config.n_layers)) / config.n_layers)
+    return sharded, average - sharded  # an MoE block's router and experts counted as whole
 
 
 def vocab_shard(config: GPTConfig, tp: int) -> int:
@@ -129,8 +134,13 @@ def vocab_shard(config: GPTConfig, tp: int) -> int:
     return config.vocab_size // tp
 
 
+def held_experts(config: GPTConfig, ep: int) -> float:
+    """Routed-expert parameters one ep rank holds per block, averaged over the blocks."""
+    return config.moe_layers * config.experts // ep * config.expert_params() / config.n_layers
+
+
 @functools.lru_cache(maxsize=4096)
-def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1) -> tuple[StageShare, ...]:
+def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1, ep: int = 1) -> tuple[StageShare, ...]:
     """Every pipeline rank's share of the model on one of its tp ranks.
 
     The first rank holds the token embedding (and GPT-2's learned positions); the last
@@ -138,7 +148,9 @@ def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1) -> tupl
     rank keeps its own copy of the embedding matrix for the head, as plait's pipeline does.
     """
     sharded, replicated = block_split(config)
-    block = sharded // tp + replicated
+    experts = held_experts(config, ep)  # MoE blocks: experts / ep each (tp is not built with experts)
+    block = sharded // tp + replicated - round(config.moe_layers * config.experts * config.expert_params()
+                                               / config.n_layers) + round(experts)
     h = config.d_model
     table = vocab_shard(config, tp) * h
     first = table + (config.max_seq_len * h if config.arch == "gpt2" else 0)
@@ -155,5 +167,7 @@ def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1) -> tupl
             params += first
         if index == pp - 1:
             params, repl = params + norm + head, repl + norm
-        out.append(StageShare(index, pp, layers, block, params, repl))
+        moe = layers * config.moe_layers / config.n_layers
+        held = round(layers * experts) if ep > 1 else 0  # ep 1: the experts sync with the rest, over dp
+        out.append(StageShare(index, pp, layers, block, params, repl, held, moe))
     return tuple(out)

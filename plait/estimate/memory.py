@@ -75,26 +75,29 @@ class Memory:
         return asdict(self)
 
 
-def model_states(params: int, unit_params: int, layout: Workload, per: StateBytes | None = None) -> Memory:
+def model_states(params: int, unit_params: int, layout: Workload, per: StateBytes | None = None,
+                 experts: int = 0) -> Memory:
     """Weights, gradients and optimizer state of `params` parameters under ZeRO: the ZeRO
     paper's (p + g + K)Ψ, each term / dp once its stage shards it (a shard is a flat buffer's
     1/dp, rounded up). `per` gives other bytes per parameter (another optimizer's K);
-    by default Adam's at the layout's precision (`state_bytes`)."""
+    by default Adam's at the layout's precision (`state_bytes`). `experts` of the `params`
+    are an ep rank's routed experts, which ZeRO shards over the dp / ep ranks holding them."""
     per = per or state_bytes(layout.precision)
     n, zero = layout.sync, layout.zero
+    sharded = shard(params - experts, n) + (shard(experts, n // layout.ep) if experts else 0)
     weights = params * per.param
     grads = params * per.grad
     optim = params * per.optim
     if zero >= 1:
-        optim = shard(params, n) * per.optim
+        optim = sharded * per.optim
     if zero >= 2:
-        grads = shard(params, n) * per.grad
+        grads = sharded * per.grad
     if zero >= 3:
-        weights = shard(params, n) * per.param + unit_params * per.param
+        weights = sharded * per.param + unit_params * per.param
     if layout.offload and layout.precision == "fp32":
         # The step runs on the host, on its own fp32 copy of the shard (the device keeps its
         # weights): plait's ZeRO offload holds master + m + v there, 12 bytes, as in 16-bit.
-        optim += shard(params, n) * 4
+        optim += sharded * 4
     host = optim if layout.offload else 0.0
     return Memory(params=weights, grads=grads, optim=optim, host=host)
 
@@ -166,7 +169,7 @@ def device_total(memory: Memory) -> Memory:
 
 def stage_memory(config: GPTConfig, layout: Workload, stage: StageShare) -> Memory:
     """Every kind of bytes on one rank of one pipeline stage."""
-    memory = model_states(stage.params, gathered_params(config, layout, stage), layout)
+    memory = model_states(stage.params, gathered_params(config, layout, stage), layout, experts=stage.expert_params)
     memory.activations = stage_activation_bytes(config, layout, stage)
     memory.buffers = stage_buffers(config, layout, stage)
     memory.stage = stage.index
@@ -175,7 +178,7 @@ def stage_memory(config: GPTConfig, layout: Workload, stage: StageShare) -> Memo
 
 def estimate_memory(config: GPTConfig, layout: Workload) -> Memory:
     """The busiest rank's memory: the stage with the largest device total."""
-    ranks = stages(config, layout.tp, layout.pp, layout.virtual_stages)
+    ranks = stages(config, layout.tp, layout.pp, layout.virtual_stages, layout.ep)
     return max((stage_memory(config, layout, s) for s in ranks), key=lambda m: m.total)
 
 

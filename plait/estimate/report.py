@@ -47,12 +47,19 @@ def cp_text(layout: dict[str, Any]) -> str:
     return f" cp={cp_label(layout)}" if layout.get("cp", 1) > 1 else ""
 
 
+def ep_text(layout: dict[str, Any]) -> str:
+    """" ep=4" when expert parallelism is on, else nothing."""
+    return f" ep={layout['ep']}" if layout.get("ep", 1) > 1 else ""
+
+
 def format_estimate(result: dict[str, Any], model_name: str) -> str:
     """The breakdown `plait estimate` prints."""
     lay, mem = result["layout"], result["memory"]
-    head = (f"{model_name} ({human_count(result['model']['params'])} params): "
+    active = result["model"].get("active_params")
+    params = human_count(result["model"]["params"]) + (f", {human_count(active)} active" if active else "")
+    head = (f"{model_name} ({params} params): "
             f"dp={lay['dp']} tp={lay['tp']} pp={lay['pp']}"
-            f"{cp_text(lay)} zero={lay['zero']}"
+            f"{cp_text(lay)}{ep_text(lay)} zero={lay['zero']}"
             f"{' offload' if lay['offload'] else ''}{' sp' if lay['sp'] else ''}, "
             f"{lay['precision']}, micro-batch {lay['micro_batch']} x {lay['grad_accum']}, "
             f"seq {lay['seq_len'] or '?'}, recompute {lay['recompute']}, {lay['hardware']}")
@@ -70,6 +77,11 @@ def format_estimate(result: dict[str, Any], model_name: str) -> str:
         lines.append(f"  cp per layer and micro-batch ({c['kind']}, {c['op']}): forward {human_bytes(c['forward'])}, "
                      f"backward {human_bytes(c['backward'])}; × {c['layers']} layers × {c['micro_batches']} "
                      f"micro-batch(es), forward {c['forwards']}×")
+    if result.get("experts"):
+        e = result["experts"]
+        lines.append(f"  experts {e['experts']} (top {e['top_k']}, {e['shared']} shared) in {e['moe_layers']} MoE "
+                     f"blocks, {e['experts_per_rank']} per ep rank; ep all-to-all per MoE block and micro-batch: "
+                     f"forward {human_bytes(e['alltoall_forward'])}, backward {human_bytes(e['alltoall_backward'])}")
     lines += ["", "time per step"] + _time_lines(result["time"])
     lines += ["", "assumptions"] + [f"  - {note}" for note in result["assumptions"]]
     return "\n".join(lines)
@@ -97,6 +109,7 @@ def _time_lines(step: dict[str, float] | None) -> list[str]:
         ["  compute", f"{step['compute_s']:.4g} s"],
         ["  tensor parallel", f"{step['tp_s']:.4g} s"],
         ["  context parallel (exposed)", f"{step.get('cp_s', 0):.4g} s"],
+        ["  expert all-to-alls", f"{step.get('ep_s', 0):.4g} s"],
         ["  pipeline sends", f"{step['pp_s']:.4g} s"],
         ["  pipeline bubble", f"{step['bubble_s']:.4g} s"],
         ["  data parallel (exposed)", f"{step['dp_s']:.4g} s"],

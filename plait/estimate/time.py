@@ -40,6 +40,7 @@ from plait.estimate.hardware import Hardware
 from plait.estimate.layout import Workload, StageShare, stages
 from plait.estimate.memory import BUCKET_BYTES, shard, state_bytes
 from plait.estimate.context import forward_passes, layer_bytes, ring_exposed_s
+from plait.estimate.experts import layer_alltoall
 from plait.estimate.ops import attention_time, micro_batch_compute_s, optimizer_s, stage_pieces, stage_tensors
 from plait.models.config import GPTConfig
 
@@ -84,14 +85,16 @@ class StepTime:
     optimizer_s: float = 0.0
     overhead_s: float = 0.0
     cp_s: float = 0.0  # context parallelism's transfers the step waits for (the ring's exposed part)
+    ep_s: float = 0.0  # expert parallelism's all-to-alls (the dispatch waits for them)
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
 
 
 def matmul_params(config: GPTConfig) -> int:
-    """Ψ for FLOPs: the blocks plus the output head, not the embedding lookup."""
-    return config.n_layers * config.layer_params() + config.vocab_size * config.d_model
+    """Ψ for FLOPs: the blocks plus the output head, not the embedding lookup; of an MoE
+    block, what a token passes through (its top_k and shared experts)."""
+    return sum(config.active_block_params(i) for i in range(config.n_layers)) + config.vocab_size * config.d_model
 
 
 def flops_per_token(config: GPTConfig, seq_len: int, recompute: str = "none") -> tuple[float, float]:
@@ -106,7 +109,8 @@ def flops_per_token(config: GPTConfig, seq_len: int, recompute: str = "none") ->
 def stage_flops_per_token(config: GPTConfig, layout: Workload, stage: StageShare) -> float:
     """Hardware FLOPs one rank of `stage` spends per token (its layers, /tp, plus the head)."""
     h, s = config.d_model, layout.seq_len
-    block, attn = config.layer_params(), 4 * h * s
+    block = sum(config.active_block_params(i) for i in range(config.n_layers)) / config.n_layers
+    attn = 4 * h * s
     factor = {"none": (6, 3), "selective": (6, 4), "full": (8, 4)}[layout.recompute]
     total = stage.layers * (factor[0] * block + factor[1] * attn)
     if stage.last:
@@ -172,6 +176,19 @@ def cp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
     return stage.layers * (forwards * forward + backward)
 
 
+def ep_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: bool) -> float:
+    """Expert parallelism's all-to-alls per micro-batch on `stage`, whole (the dispatch waits
+    for them): per MoE block, three forward (counts, rows out, rows back; again when
+    recomputed) and two backward, uniform routing (estimate/experts.py)."""
+    if layout.ep == 1 or not stage.moe_layers:
+        return 0.0
+    latency, bandwidth = hw.link(layout.ep, inter)
+    per = layer_alltoall(config, layout)
+    forwards = forward_passes(layout.recompute)
+    one_layer = forwards * (3 * latency + per["forward"] / bandwidth) + 2 * latency + per["backward"] / bandwidth
+    return stage.moe_layers * one_layer
+
+
 def dp_exposed_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: bool,
                  compute_mb: float, forward_share: float) -> float:
     """Data-parallel seconds left after overlap with compute (see module docstring).
@@ -223,12 +240,13 @@ def estimate_time(config: GPTConfig, layout: Workload, hw: Hardware, gpus_per_no
     offload and the loop's own overhead."""
     links = inter_node(layout, gpus_per_node)
     per_stage = []
-    for stage in stages(config, layout.tp, layout.pp, layout.virtual_stages):
+    for stage in stages(config, layout.tp, layout.pp, layout.virtual_stages, layout.ep):
         compute = micro_batch_compute_s(config, layout, stage, hw)
         per_stage.append((compute, tp_s(config, layout, stage, hw, links["tp"]),
-                          pp_s(config, layout, stage, hw, links["pp"]), cp_s(config, layout, stage, hw, links["cp"]),
+                          pp_s(config, layout, stage, hw, links["pp"]),
+                          cp_s(config, layout, stage, hw, links["cp"]), ep_s(config, layout, stage, hw, links["dp"]),
                           stage))
-    compute, tp, pp, cp, stage = max(per_stage, key=lambda row: sum(row[:4]))
+    compute, tp, pp, cp, ep, stage = max(per_stage, key=lambda row: sum(row[:5]))
     dp = dp_exposed_s(stage.params, stage.block_params, layout, hw, links["dp"], compute,
                       _forward_share(layout.recompute))
     model, hardware = flops_per_token(config, layout.seq_len, layout.recompute)
@@ -237,7 +255,7 @@ def estimate_time(config: GPTConfig, layout: Workload, hw: Hardware, gpus_per_no
                                                   stage_pieces(stage, layout))
     step += clip_s(layout, hw, links)
     return _assemble(layout, hw, model, hardware, (compute, tp, pp), dp,
-                     offload_s(stage.params, layout, hw), step, overhead_s(layout, hw, gpus_per_node), cp)
+                     offload_s(stage.params, layout, hw), step, overhead_s(layout, hw, gpus_per_node), cp, ep)
 
 
 def clip_s(layout: Workload, hw: Hardware, links: dict[str, bool]) -> float:
@@ -300,16 +318,16 @@ def bubble_micro_batches(layout: Workload) -> float:
 
 def _assemble(layout: Workload, hw: Hardware, model: float, hardware: float,
               micro_batch: tuple[float, float, float], dp: float, offload: float,
-              optimizer: float = 0.0, overhead: float = 0.0, cp: float = 0.0) -> StepTime:
+              optimizer: float = 0.0, overhead: float = 0.0, cp: float = 0.0, ep: float = 0.0) -> StepTime:
     """Pipeline slots x micro-batch time, plus what is not overlapped, -> StepTime."""
     compute, tp, pp = micro_batch
     m = layout.grad_accum
     bubble_slots = bubble_micro_batches(layout)
-    per_mb = compute + tp + pp + cp
+    per_mb = compute + tp + pp + cp + ep
     step = (m + bubble_slots) * per_mb + dp + offload + optimizer + overhead
     tokens_per_s = layout.global_batch * layout.seq_len / step
     mfu = model * tokens_per_s / (layout.world * hw.peak_flops(layout.precision))
     return StepTime(flops_per_token=model, hardware_flops_per_token=hardware, compute_s=m * compute,
                     tp_s=m * tp, pp_s=m * pp, bubble_s=bubble_slots * per_mb, dp_s=dp,
                     offload_s=offload, step_s=step, tokens_per_s=tokens_per_s, mfu=mfu,
-                    optimizer_s=optimizer, overhead_s=overhead, cp_s=m * cp)
+                    optimizer_s=optimizer, overhead_s=overhead, cp_s=m * cp, ep_s=m * ep)

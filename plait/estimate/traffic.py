@@ -14,6 +14,7 @@ Each axis's figure is the largest over the ranks, as `metrics.jsonl` reports max
 from __future__ import annotations
 
 from plait.estimate.context import forward_passes, layer_bytes
+from plait.estimate.experts import layer_alltoall
 from plait.estimate.layout import Workload, StageShare, stages, vocab_shard
 from plait.estimate.memory import state_bytes
 from plait.models.config import GPTConfig
@@ -29,7 +30,7 @@ def _add(traffic: Traffic, axis: str, op: str, payload: float, n: int, times: fl
         axis_ops[op] = axis_ops.get(op, 0.0) + wire
 
 
-def dp_traffic(params: int, layout: Workload) -> Traffic:
+def dp_traffic(params: int, layout: Workload, experts: int = 0) -> Traffic:
     """Data-parallel traffic for a rank holding `params` parameters.
 
     Plain DP and ZeRO-1 sync once per optimizer step: accumulation runs the other
@@ -39,16 +40,36 @@ def dp_traffic(params: int, layout: Workload) -> Traffic:
     shard (m times per step); ZeRO-3 also gathers each unit's weights before its forward
     and again before its backward, every micro-batch: 3(n-1)/n·Ψ·b when m = 1; with
     --reshard-after-forward false the forward's gather serves the backward too: 2(n-1)/n·Ψ·b.
+    `experts` of the `params` (an ep rank's routed experts) sync over the dp / ep ranks
+    that hold the same ones (the axis "edp").
     """
     out: Traffic = {}
-    n, m, per, axis = layout.sync, layout.grad_accum, state_bytes(layout.precision), layout.sync_axis
+    n, axis = layout.sync, layout.sync_axis
+    _sync_traffic(out, params - experts, layout, axis, n)
+    if experts:
+        _sync_traffic(out, experts, layout, "edp", n // layout.ep)
+    return out
+
+
+def _sync_traffic(out: Traffic, params: int, layout: Workload, axis: str, n: int) -> None:
+    m, per = layout.grad_accum, state_bytes(layout.precision)
     grads, weights = params * layout.reduce_bytes, params * per.param
     if layout.zero == 0:
         _add(out, axis, "all_reduce", grads, n)
-        return out
+        return
     _add(out, axis, "reduce_scatter", grads, n, times=m if layout.zero >= 2 else 1)
     _add(out, axis, "all_gather", weights, n, times=zero3_gathers(layout) * m if layout.zero == 3 else 1)
-    return out
+
+
+def ep_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffic:
+    """Expert parallelism's all-to-alls on one rank of `stage`, per step, with uniform
+    routing: every MoE block's dispatch, forward (again when recomputed) and backward,
+    every micro-batch (estimate/experts.py)."""
+    if layout.ep == 1 or not stage.moe_layers:
+        return {}
+    per = layer_alltoall(config, layout)
+    wire = stage.moe_layers * layout.grad_accum * (forward_passes(layout.recompute) * per["forward"] + per["backward"])
+    return {"ep": {"all_to_all": wire}}
 
 
 def cp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffic:
@@ -154,10 +175,10 @@ def merge_max(parts: list[Traffic]) -> Traffic:
 def estimate_comm(config: GPTConfig, layout: Workload) -> Traffic:
     """`{axis: {op: bytes}}` per rank per optimizer step, largest over ranks."""
     per_rank = []
-    for stage in stages(config, layout.tp, layout.pp, layout.virtual_stages):
-        traffic = dp_traffic(stage.params, layout)
+    for stage in stages(config, layout.tp, layout.pp, layout.virtual_stages, layout.ep):
+        traffic = dp_traffic(stage.params, layout, stage.expert_params)
         for extra in (tp_traffic(config, layout, stage), pp_traffic(config, layout, stage),
-                      cp_traffic(config, layout, stage)):
+                      cp_traffic(config, layout, stage), ep_traffic(config, layout, stage)):
             traffic.update(extra)
         per_rank.append(traffic)
     return merge_max(per_rank)
@@ -175,7 +196,7 @@ def naive_comm(config: GPTConfig | None, layout: Workload,
     """
     out: dict[str, dict[str, object]] = {}
     if config is not None:
-        all_stages = stages(config, layout.tp, layout.pp, layout.virtual_stages)
+        all_stages = stages(config, layout.tp, layout.pp, layout.virtual_stages, layout.ep)
         params = max(s.params for s in all_stages)
         mine = estimate_comm(config, layout)
     else:

@@ -110,6 +110,21 @@ class GPTConfig:
             return self.layer_params()
         return self.layer_params() - 3 * self.d_model * self.ffn_hidden + self.moe_mlp_params()
 
+    def active_block_params(self, index: int) -> int:
+        """Parameters one token passes through in block `index`: a dense block's all; an MoE
+        block's attention, norms, router, top_k routed experts and the shared ones."""
+        if not self.moe_layer(index):
+            return self.layer_params()
+        return (self.layer_params() - 3 * self.d_model * self.ffn_hidden + self.d_model * self.experts
+                + (self.top_k + self.shared_experts) * self.expert_params())
+
+    def mlp_width(self) -> int:
+        """Hidden units a token's MLP computes, averaged over the blocks (an MoE block's: its
+        top_k and shared experts' widths), for the activations' estimate."""
+        widths = [(self.top_k + self.shared_experts) * self.expert_width if self.moe_layer(i) else self.ffn_hidden
+                  for i in range(self.n_layers)]
+        return sum(widths) // self.n_layers
+
     def active_params(self) -> int:
         """Parameters one token passes through: every dense weight, and of each MoE block the
         router, top_k routed experts and the shared ones (what FLOPs per token follow)."""

@@ -87,6 +87,8 @@ def closing_report(summary: dict[str, Any], out: str) -> str:
         f"optimizer {human_bytes(mem['optim'])}, activations {human_bytes(mem['activations_peak'])} "
         f"(process peak {human_bytes(summary['peak_process_bytes'])})",
     ]
+    if summary.get("experts"):
+        lines.append(experts_line(summary["experts"], summary.get("predicted") or {}))
     if (summary.get("predicted") or {}).get("context"):
         lines.append(context_line(summary["predicted"]["context"], summary["comm_per_step"]))
     if summary.get("predicted"):
@@ -96,6 +98,23 @@ def closing_report(summary: dict[str, Any], out: str) -> str:
         lines.append(f"  sample      {sample}")
     lines.append(f"  outputs     {out}/metrics.jsonl, summary.json, model.safetensors")
     return "\n".join(lines)
+
+
+def experts_line(experts: dict[str, Any], predicted: dict[str, Any]) -> str:
+    """A mixture of experts' routing and all-to-all (docs/moe.md): tokens per expert per MoE
+    layer over the run (min/mean/max), the balancing loss, dropped assignments; the last
+    step's ep bytes measured, by the formula on its routing, and predicted (uniform routing)."""
+    layers = ", ".join(f"{p['min']:.0f}/{p['mean']:.0f}/{p['max']:.0f}" for p in experts["per_layer"])
+    line = f"  experts     tokens per expert min/mean/max by MoE layer: {layers}"
+    if experts.get("aux_loss_last") is not None:
+        line += f"; balancing loss {experts['aux_loss_first']:.3f} -> {experts['aux_loss_last']:.3f}"
+    line += f"; dropped {experts['dropped']:.0f}"
+    if experts["alltoall_measured"] or experts["alltoall_formula"]:
+        uniform = predicted.get("comm", {}).get("ep", {}).get("all_to_all")
+        line += (f"\n              ep all-to-all/step measured {human_bytes(experts['alltoall_measured'])}, "
+                 f"formula on this routing {human_bytes(experts['alltoall_formula'])}"
+                 + (f", predicted (uniform routing) {human_bytes(uniform)}" if uniform else ""))
+    return line
 
 
 def context_line(formula: dict[str, Any], measured: dict[str, dict[str, float]]) -> str:

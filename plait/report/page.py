@@ -37,9 +37,9 @@ def figures(records: list[dict[str, Any]], summary: dict[str, Any]) -> dict[str,
         if name != "val_loss":
             out[name] = plots.metric_figure(name, label, summary.get("evaluations", {}))
     out["memory"] = plots.memory_figure(summary)
-    comm = plots.comm_figure(summary)
-    if comm is not None:
-        out["comm"] = comm
+    for name, figure in (("comm", plots.comm_figure(summary)), ("experts", plots.experts_figure(summary))):
+        if figure is not None:
+            out[name] = figure
     return out
 
 
@@ -70,6 +70,7 @@ _CAPTIONS = {
     "memory": "Memory per rank by kind: `plait estimate`'s prediction beside what the run held (max over ranks).",
     "comm": "Bytes on the wire per step on each mesh axis, predicted and measured (busiest rank).",
     "timeline": "The pipeline schedule of the last step, as the ranks timed it.",
+    "experts": "Tokens each expert received over the run, by MoE layer (every rank's, summed).",
 }
 
 

@@ -119,3 +119,22 @@ def comm_figure(summary: dict[str, Any]) -> Figure | None:
     ax.set_title("wire bytes per axis")
     fig.tight_layout()
     return fig
+
+
+def experts_figure(summary: dict[str, Any]) -> Figure | None:
+    """Tokens each expert received over the run, one group of bars per MoE layer; None
+    without experts. An even router draws level bars; a collapsed one, a single tall bar."""
+    totals = (summary.get("experts") or {}).get("tokens_per_expert")
+    if not totals:
+        return None
+    fig, ax = _figure()
+    experts, width = len(totals[0]), 0.8 / len(totals)
+    for layer, counts in enumerate(totals):
+        ax.bar([e + layer * width for e in range(experts)], counts, width, label=f"MoE layer {layer}")
+    ax.set_xlabel("expert")
+    ax.set_ylabel("tokens (assignments) over the run")
+    ax.set_title("tokens per expert")
+    if len(totals) <= 8:
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    return fig

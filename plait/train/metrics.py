@@ -122,7 +122,7 @@ class Metrics:
         layout = described["layout"]
         param_bytes = described["num_params"] * described["reduce_bytes"]
         dp, median = layout["dp"], self.median_step_time()
-        pure_dp = dp > 1 and layout["world_size"] == dp and not layout["zero"]
+        pure_dp = dp > 1 and layout["world_size"] == dp and not layout["zero"] and layout.get("ep", 1) == 1
         return {
             **{k: v for k, v in described.items() if k != "reduce_bytes"},
             "steps": len(history), "loss_first": history[0]["loss"], "loss_last": history[-1]["loss"],
@@ -140,7 +140,24 @@ class Metrics:
             "peak_process_bytes": int(extras["peak_process_bytes"]),
             "telemetry_bytes": sum(sum(ops.values()) for ops in self.mesh.ledger.wire(comm.TELEMETRY).values()),
             "worlds": world_segments(history),
+            **({"experts": expert_summary(history)} if any("moe" in r for r in history) else {}),
         }
+
+
+def expert_summary(history: list[dict[str, Any]]) -> dict[str, Any]:
+    """A mixture of experts' routing over the run (the steps' "moe" records, every rank's
+    tokens summed): tokens per expert per MoE layer (this rank's layers), min / mean / max
+    per layer, the balancing loss first and last, dropped assignments, and the last step's
+    ep all-to-all bytes measured beside the formula on that step's routing (rank 0's both)."""
+    steps = [r["moe"] for r in history if "moe" in r]
+    totals = [list(map(sum, zip(*layer))) for layer in zip(*(s["tokens_per_expert"] for s in steps))]
+    aux = [s["aux_loss"] for s in steps if s.get("aux_loss") is not None]
+    return {"tokens_per_expert": totals,
+            "per_layer": [{"min": min(t), "mean": sum(t) / len(t), "max": max(t)} for t in totals],
+            "aux_loss_first": aux[0] if aux else None, "aux_loss_last": aux[-1] if aux else None,
+            "dropped": sum(s["dropped"] for s in steps),
+            "alltoall_measured": steps[-1].get("alltoall_measured", 0.0),
+            "alltoall_formula": steps[-1].get("alltoall_formula", 0.0)}
 
 
 def world_segments(history: list[dict[str, Any]]) -> list[dict[str, int]]:

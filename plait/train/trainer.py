@@ -27,7 +27,7 @@ from plait.errors import EXIT_PREEMPTED, PlaitError, Preempted
 from plait.parallel.compose import ParallelConfig, adamw_kernel, build_optimizer
 from plait.parallel.context.plan import context_engaged, shard_batch
 from plait.parallel.data.sync import no_sync
-from plait.parallel.expert.plan import after_step, moe_blocks, set_aux_scale
+from plait.parallel.expert.plan import after_step, begin_step, moe_blocks, set_aux_scale
 from plait.parallel.pipeline.runner import PipelineRunner
 from plait.parallel.precision import StepGuard, param_dtype, reduce_dtype_of
 from plait.bench.meter import ActivationMeter, model_state_bytes
@@ -105,6 +105,8 @@ class Trainer:
             group["lr"] = lr
         self._sync()  # a CUDA step is timed from an idle device to an idle device
         before, start = self.mesh.ledger.snapshot(), time.perf_counter()
+        if self.moe:
+            begin_step(self.model)  # the formula of this step's routing starts with the ledger's snapshot
         batches = [self._batch(self.train_split, indices, step) for indices in self.sampler.micro_batches(step)]
         if self.moe:  # the balancing loss's gradient is scaled as the main loss's is
             set_aux_scale(self.model, self.guard.scaler.scale / len(batches))
@@ -127,8 +129,8 @@ class Trainer:
         record = self.metrics.step_record(step, lr, local, full)
         record.setdefault("grad_norm", None)  # --measure off keeps none; the line still names it
         record.update(loss_scale=scale, skipped=grad_norm is None, skipped_steps=self.guard.scaler.skipped)
-        if routing:
-            record["moe"] = routing
+        if routing:  # this rank's ep bytes beside the formula on its routing (the world's comm is a max)
+            record["moe"] = {**routing, "alltoall_measured": local["comm"].get("ep", {}).get("all_to_all", 0.0)}
         return record
 
     def _sync(self) -> None:

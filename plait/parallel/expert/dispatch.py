@@ -54,7 +54,7 @@ class ExpertDispatch:
 
     def __init__(self, local_forward: Callable[..., torch.Tensor], axis: Axis, experts: int):
         self.local_forward, self.axis, self.experts = local_forward, axis, experts
-        self.formula = 0.0  # the bytes the formula gives for the training routing since `take_formula`
+        self.formula = 0.0  # the bytes the formula gives for the routing since `take_formula`
 
     def __call__(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ep, local = self.axis.size, self.experts // self.axis.size
@@ -67,8 +67,8 @@ class ExpertDispatch:
         arriving = arriving.view(ep, local)
         sizes = torch.stack([counts.view(ep, local).sum(1), arriving.sum(1)]).tolist()  # the host sync
         send, receive = sizes
-        if torch.is_grad_enabled():
-            self.formula += routed_bytes(send, receive, self.axis, x, self.experts, backward=not recomputing())
+        backward = torch.is_grad_enabled() and not recomputing()  # a no-grad probe or evaluation: forward only
+        self.formula += routed_bytes(send, receive, self.axis, x, self.experts, backward=backward)
         rows = AllToAllRows.apply(x[order // k], receive, send, self.axis)
         experts_of_rows = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(arriving.reshape(-1))
         out = self.local_forward(rows, experts_of_rows[:, None], rows.new_ones((rows.shape[0], 1)))

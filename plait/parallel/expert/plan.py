@@ -92,6 +92,11 @@ def set_aux_scale(model: nn.Module, scale: float) -> None:
         block.aux_weight = block.aux_loss_coef * scale
 
 
+def begin_step(model: nn.Module) -> None:
+    """Start a step's count of the all-to-all formula (what ran before it, evaluation say, is dropped)."""
+    take_formula(model)
+
+
 @torch.no_grad()
 def after_step(model: nn.Module, sync: Axis) -> dict[str, Any]:
     """After each optimizer step: the tokens each expert received this step, summed over the
