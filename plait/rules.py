@@ -99,16 +99,16 @@ def check_layout(layout: Any) -> None:
 
 def check_expert_axis(layout: Any) -> None:
     """ep folds into dp: ep consecutive dp ranks split the experts, so ep must divide dp.
-    What it is not built with yet is refused by name."""
+    ZeRO shards expert parameters over edp; context parallelism is not built with experts
+    yet (its ranks would share the experts' gradients), and is refused by name."""
     if layout.ep == 1:
         return
     if layout.dp % layout.ep:
         raise PlaitError(f"--ep {layout.ep} does not divide dp = {layout.dp}: expert parallelism is carved out "
                          "of the data-parallel ranks", hint=f"choose --ep among {divisors(layout.dp)}")
-    for axis, value, what in (("cp", layout.cp, "context parallelism"), ("zero", layout.zero, "ZeRO")):
-        if value > (axis == "cp"):
-            raise PlaitError(f"--ep {layout.ep} with --{axis} {value}: expert parallelism with {what} is not built yet",
-                             hint=f"drop --{axis}, or use --ep 1 (the experts replicated)")
+    if layout.cp > 1:
+        raise PlaitError(f"--ep {layout.ep} with --cp {layout.cp}: expert parallelism with context parallelism "
+                         "is not built yet", hint="drop --cp, or use --ep 1 (the experts replicated)")
 
 
 def check_experts_split(experts: int, ep: int) -> None:

@@ -35,8 +35,10 @@ def test_degree_below_one_is_refused():
 
 
 def test_combinations_not_built_yet_are_refused_not_ignored():
-    with pytest.raises(PlaitError, match="--ep 2 with --zero 3: expert parallelism with ZeRO is not built yet"):
-        Layout(dp=2, ep=2, zero=3)
+    with pytest.raises(PlaitError, match="--ep 2 with --cp 2: expert parallelism with context parallelism is not "
+                                         "built yet"):
+        Layout(dp=2, ep=2, cp=2)
+    assert Layout(dp=2, ep=2, zero=3).zero == 3  # ZeRO shards the experts over edp
     with pytest.raises(PlaitError, match="--ep 2 does not divide dp = 3"):
         Layout(dp=3, ep=2)
     with pytest.raises(PlaitError, match=r"unknown --cp-kind 'striped' \(hint: choose one of: ring, ulysses\)"):

@@ -9,11 +9,16 @@ the axes that split the gradient.
     TP: its slice of each split parameter          tp (split parameters only: the
                                                    others are whole on every tp rank)
     PP: its stages                                 pp
-    EP: its experts of each experts module         ep (expert parameters only)
+    EP: its experts of each experts module         ep (expert parameters only; not
+                                                   under ZeRO, see below)
 
 Plain data parallelism holds the whole averaged gradient on every dp rank, so nothing is
-summed over dp. A pipeline's copy of a tied embedding is left out (the first stage counts
-that weight) but is scaled like the rest, so the copies stay equal. The sums are float64
+summed over dp. Under ZeRO an expert's gradient is cut over the edp ranks holding that
+expert, and the ep ranks hold the other experts: the ranks of dp (edp × ep of them) own
+every expert's gradient once between them, so the sum over dp covers experts too.
+
+A pipeline's copy of a tied embedding is left out (the first stage counts that weight) but
+is scaled like the rest, so the copies stay equal. The sums are float64
 and each all-reduce is one or two numbers: training traffic, in the ledger like the rest.
 """
 
@@ -98,13 +103,7 @@ def global_norm(model: nn.Module, squares: GradientSquares) -> float:
     kept = torch.where(squares.counted, squares.values, torch.zeros_like(squares.values))
     # [squares of tp-split gradients, squares of the rest]; one number when nothing is split.
     # A rank may hold no gradient (its ZeRO shards all padding); its zeros still join in.
-    ep_axis = expert_axis(model)
-    if ep_axis is not None and ep_axis.size > 1:  # experts are whole on every tp rank (tp is not built with them)
-        experts = kept[squares.experts].sum()
-        comm.all_reduce(experts, ep_axis)
-        kept = torch.where(squares.experts, torch.zeros_like(kept), kept)
-    else:
-        experts = torch.zeros((), dtype=kept.dtype, device=kept.device)
+    kept, experts = _experts_over_ep(model, squares, kept)
     if tp_axis is not None:
         total = torch.stack([kept[squares.split].sum(), kept[~squares.split].sum()])
     else:
@@ -117,3 +116,20 @@ def global_norm(model: nn.Module, squares: GradientSquares) -> float:
     if pp_axis is not None and pp_axis.size > 1:
         comm.all_reduce(total, pp_axis)
     return math.sqrt(total.sum().item())
+
+
+def _experts_over_ep(model: nn.Module, squares: GradientSquares,
+                     kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the squares left to sum as before, the experts' squares summed over ep already).
+
+    Data parallelism holds every expert of its ep rank whole, the other ep ranks the other
+    experts: their squares are summed over ep (experts are whole on every tp rank: tp is not
+    built with them). Under ZeRO the sum over dp covers them (module docstring): nothing moves.
+    """
+    ep_axis = expert_axis(model)
+    none = torch.zeros((), dtype=kept.dtype, device=kept.device)
+    if ep_axis is None or ep_axis.size == 1 or zero_of(model) is not None:
+        return kept, none
+    experts = kept[squares.experts].sum()
+    comm.all_reduce(experts, ep_axis)
+    return torch.where(squares.experts, torch.zeros_like(kept), kept), experts

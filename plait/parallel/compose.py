@@ -125,7 +125,7 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = No
         units = adapter.blocks(model) if layout.zero == 3 and not is_pipeline(model) else None
         apply_zero(model, mesh.axis(SYNC), stage=layout.zero, offload=layout.offload, bucket_mb=config.bucket_mb,
                    units=units, reduce_dtype=config.reduce_dtype, prefetch=layout.prefetch,
-                   reshard_after_forward=layout.reshard_after_forward)
+                   reshard_after_forward=layout.reshard_after_forward, expert_axis=mesh.axis(EXPERT_SYNC))
     return model
 
 

@@ -2,7 +2,10 @@
 gather each unit's weights just before it runs and free them after.
 
 `ZeroSync` is what `apply_zero` (stages.py) attaches to a model; autograd and the module
-hooks call it. The shards it moves are shard.py's flat groups.
+hooks call it. The shards it moves are shard.py's flat groups, each over its own axis (dp,
+or edp for experts). At stage 3 a unit holding both kinds is two groups, the expert one the
+other's companion: the unit's hooks gather, show and free both; each group's gradient is
+reduced on its own, as soon as autograd has accumulated it.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ class ZeroSync:
     def __init__(self, axis: Axis, stage: int, groups: list[FlatGroup], root: FlatGroup | None = None,
                  offload: bool = False):
         self.axis, self.stage, self.groups, self.root, self.offload = axis, stage, groups, root, offload
+        companions = {id(g.companion) for g in groups if g.companion is not None}
+        self.units = [g for g in groups if id(g) not in companions]  # stage 3: what the hooks name
+        self._leads = {g.index for g in self.units if g is not root}  # units counted as gathered
         self.enabled = True  # what no_sync switches off (stage 1 only: see the module docstring)
         self.names: dict[nn.Parameter, str] = {}  # each parameter's name in the unsharded model
         self.replicas: set[nn.Parameter] = set()  # a pipeline's copy of a tied weight: not written, not normed
@@ -53,7 +59,7 @@ class ZeroSync:
         self._in_flight: list[FlatGroup] = []
         self._launched: set[int] = set()  # groups reduced in this backward
         self._order: list[FlatGroup] = []  # stage 3: units in the order this forward ran them
-        self._last_order = [g for g in groups if g is not root]  # ... and the last forward
+        self._last_order = [g for g in self.units if g is not root]  # ... and the last forward
         self._kept: set[int] = set()  # stage 3: units left gathered after forward (kept, or unannounced)
         self._placeholder = torch.empty(0, device=groups[0].flat.device if groups else "cpu")
         self._held: dict[int, int] = {}  # stage 3: bytes of each unit gathered right now
@@ -102,7 +108,7 @@ class ZeroSync:
         return self.enabled or self.stage >= 2
 
     def _launch(self, group: FlatGroup) -> None:
-        group.launch_reduce(self.axis, self.reduce_dtype)
+        group.launch_reduce(self.reduce_dtype)
         self._launched.add(group.index)
         self.events.append(("reduce_scatter" if self._callback_queued else "reduce_scatter_late", group.index))
         self._in_flight.append(group)
@@ -194,23 +200,31 @@ class ZeroSync:
     def gather_params(self) -> None:
         """Stages 1-2, after the optimizer step: all-gather the updated shards in place."""
         if self.stage < 3:
-            handles = [comm.all_gather(g.flat, g.shard, self.axis, async_op=True) for g in self.groups]
+            handles = [comm.all_gather(g.flat, g.shard, g.axis, async_op=True) for g in self.groups]
             for handle in handles:
                 handle.wait()
 
     # -- stage 3: gather before use, free after, prefetch the next --------------------------------
     def _gather(self, group: FlatGroup, wait: bool = True, purpose: str = comm.TRAIN) -> None:
-        if group.gather(self.axis, wait, purpose):
-            self.events.append(("all_gather", group.index))
-            self._held[group.index] = group.flat.untyped_storage().nbytes()
-            self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
-            units = len(self._held) - (self.root is not None and self.root.index in self._held)
-            self.peak_gathered_units = max(self.peak_gathered_units, units)
+        """Gather a unit: `group` and its companion, both started before either is waited on."""
+        for one in group.together():
+            if one.gather(False, purpose):
+                self.events.append(("all_gather", one.index))
+                self._held[one.index] = one.flat.untyped_storage().nbytes()
+        for one in group.together():
+            one.gather(wait, purpose)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+        self.peak_gathered_units = max(self.peak_gathered_units, len(self._leads & self._held.keys()))
 
     def _free(self, group: FlatGroup) -> None:
+        """Free one group (its gradient is in: its companion may still be needed)."""
         if self.stage == 3:
             group.free(self._placeholder)
             self._held.pop(group.index, None)
+
+    def _free_unit(self, group: FlatGroup) -> None:
+        for one in group.together():
+            self._free(one)
 
     @property
     def gathered_bytes(self) -> int:
@@ -223,7 +237,8 @@ class ZeroSync:
         if group is None:
             return
         self._gather(group)
-        group.show()
+        for one in group.together():
+            one.show()
         if group is not self.root:
             self._order.append(group)
         self._prefetch(([self.root] if self.root else []) + self._last_order, group)
@@ -236,9 +251,9 @@ class ZeroSync:
             # Kept (for its backward, which frees it once its gradient is in) when told so and a
             # backward will come; kept too when its backward cannot be announced (until backward ends).
             if wrapped and (self.reshard_after_forward or not torch.is_grad_enabled()):
-                self._free(group)
+                self._free_unit(group)
             else:
-                self._kept.add(group.index)
+                self._kept.update(one.index for one in group.together())
         if is_root:  # the whole forward is done: free what was prefetched but never ran
             self._last_order = self._order or self._last_order
             for other in self.groups:
@@ -251,7 +266,8 @@ class ZeroSync:
         self._queue_backward_end()
         self._gather(group)
         with torch.enable_grad():  # backward runs without grad mode; these views must reach `flat`
-            group.show()  # a block that recomputes its forward in backward reads its weights again
+            for one in group.together():  # a block that recomputes its forward in backward reads
+                one.show()  # its weights again
         self._prefetch(([self.root] if self.root else []) + self._order[::-1], group)
 
     def _prefetch(self, sequence: list[FlatGroup], group: FlatGroup) -> None:

@@ -24,8 +24,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.parallel.expert.shard import expert_shard_of
 from plait.parallel.pieces import Piece, param_pieces, placement, writes_its_tp_part
+from plait.parallel.pipeline.split import logical_parameters
 from plait.parallel.zero.shard import FlatGroup, owned_pieces
+from plait.runtime.mesh import EXPERT
 
 
 @dataclass
@@ -178,12 +181,13 @@ def checkpoint_pieces(model: nn.Module, optimizer: ZeroOptimizer, mesh: Any) -> 
 
     Whole parameters (stages 1-2) are written as data parallelism writes them; shards
     (stage-3 parameters, optimizer state, fp32 masters) as the blocks each dp rank owns,
-    placed in the logical tensor through any tensor-parallel slice. A tensor that tensor
-    parallelism does not split is written by tp rank 0 only, a pipeline's copy of a tied
-    weight by nobody (it is loaded). So a checkpoint moves between any layouts.
+    placed in the logical tensor through any tensor-parallel or expert-parallel slice (an
+    expert shard's blocks sit at its experts' offset in the tensor of all experts). A tensor
+    that tensor parallelism does not split is written by tp rank 0 only, a pipeline's copy
+    of a tied weight by nobody (it is loaded). So a checkpoint moves between any layouts.
     """
     sync = optimizer.sync
-    pieces = param_pieces(model, optimizer, mesh) if sync.stage < 3 else []
+    pieces = param_pieces(model, optimizer, mesh) if sync.stage < 3 else _frozen_pieces(model, optimizer, mesh)
     optimizer.init_state()
     for part in optimizer.slices:
         group, lo = part.group, part.group.owned()[0]
@@ -192,6 +196,9 @@ def checkpoint_pieces(model: nn.Module, optimizer: ZeroOptimizer, mesh: Any) -> 
             param, first = group.params[index], start - offsets[index]
             name, shape = sync.names[param], tuple(param.shape)
             writes = param not in sync.replicas and writes_its_tp_part(param, mesh)
+            # every ep rank holds a first element of its experts: one writes the shared scalars
+            writes_scalar = writes and first == 0 and mesh.rank("tp") == 0 and (
+                expert_shard_of(param) is None or mesh.rank(EXPERT) == 0)
             flat = {f"optim/{name}/{k}": v for k, v in optimizer.state[piece].items() if isinstance(v, torch.Tensor)}
             if part.holds_more():
                 flat[f"optim/{name}/master"] = piece.detach()
@@ -199,13 +206,21 @@ def checkpoint_pieces(model: nn.Module, optimizer: ZeroOptimizer, mesh: Any) -> 
                 flat[f"model/{name}"] = group.owned_param()[start - lo:stop - lo]
             for key, tensor in flat.items():
                 if tensor.ndim == 0:  # e.g. Adam's step: the same on every piece, written once
-                    pieces.append(Piece(key, tensor, (), (), writes and first == 0 and mesh.rank("tp") == 0))
+                    pieces.append(Piece(key, tensor, (), (), writes_scalar))
                     continue
                 for block, lengths, f in flat_blocks(shape, first, first + stop - start):
                     view = tensor[f - first:f - first + math.prod(lengths)].view(lengths)
                     pieces += [Piece(key, part, where, full, writes)
                                for part, where, full in placement(param, view, block)]
     return pieces
+
+
+def _frozen_pieces(model: nn.Module, optimizer: ZeroOptimizer, mesh: Any) -> list[Any]:
+    """Stage 3 shards the trainable parameters only: the others (the sigmoid router's bias,
+    moved by counts, not gradients) stay whole on every rank, written as data parallelism
+    writes them."""
+    frozen = {f"model/{name}" for name, param, _ in logical_parameters(model) if not param.requires_grad}
+    return [piece for piece in param_pieces(model, optimizer, mesh) if piece.name in frozen] if frozen else []
 
 
 # -- measured and predicted --------------------------------------------------------------------------

@@ -2,7 +2,10 @@
 
 Every group of parameters (a bucket at stages 1-2, a unit at stage 3) is one flat buffer,
 padded at its end to a multiple of n, cut into n equal contiguous shards; rank r owns shard
-r. The padding exists only so that reduce-scatter and all-gather see equal sizes: it is zero,
+r. Each group knows its axis, the n ranks that share it: the dp (× cp) ranks, or for
+expert-parallel parameters the edp ranks, which hold the same experts (a group holds one
+kind only; stage 3 pairs a unit's two groups as companions, gathered and freed together).
+The padding exists only so that reduce-scatter and all-gather see equal sizes: it is zero,
 its gradient is zero, and the optimizer never sees it (its pieces stop at the last real
 element), so it cannot leak into results.
 
@@ -17,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from plait.errors import PlaitError
+from plait.parallel.expert.shard import expert_shard_of
 from plait.runtime import comm
 from plait.runtime.comm import Axis, Handle
 
@@ -60,11 +65,13 @@ class FlatGroup:
 
     index: int
     params: list[nn.Parameter]  # the model's parameters, in flat order (shapes kept at stage 3)
-    n: int
-    rank: int
+    axis: Axis  # the n ranks sharing this group's shards: dp (× cp), or edp for experts
     flat: torch.Tensor  # all n shards: the whole parameters (stages 1-2) or the gathered unit (3)
     shard: torch.Tensor  # this rank's shard: a view of `flat` (1-2), a registered Parameter (3)
     module: nn.Module | None = None  # stage 3: where `shard` is registered
+    shard_name: str = ""  # stage 3: ... and under which name
+    divisor: int = 0  # what the gradient sum is divided by, when not n (experts: the whole dp)
+    companion: "FlatGroup | None" = None  # stage 3: the same unit's expert group, gathered with this one
     locations: list[Location] = field(default_factory=list)  # stage 3: where the params are read
     gathered: bool = True
     gathering: Handle | None = None
@@ -73,6 +80,18 @@ class FlatGroup:
     grad_shard: torch.Tensor | None = None  # this rank's averaged gradient
     ready: int = 0
     pending: tuple[torch.Tensor, Handle] | None = None  # a reduce-scatter in flight
+
+    @property
+    def n(self) -> int:
+        return self.axis.size
+
+    @property
+    def rank(self) -> int:
+        return self.axis.rank
+
+    def together(self) -> list["FlatGroup"]:
+        """This group and its companion: what stage 3 gathers, shows and frees as one unit."""
+        return [self] if self.companion is None else [self, self.companion]
 
     @property
     def sizes(self) -> list[int]:
@@ -104,14 +123,16 @@ class FlatGroup:
         self.grad_views = self.split(self.grad)
 
     # -- gradients ------------------------------------------------------------------------------
-    def launch_reduce(self, axis: Axis, dtype: torch.dtype | None = None) -> None:
+    def launch_reduce(self, dtype: torch.dtype | None = None) -> None:
         """Reduce-scatter `grad`, pre-divided so the sum is the mean (as DDP), asynchronously;
-        in `dtype` on the wire when given (--reduce-dtype), rounded back once it arrives."""
+        in `dtype` on the wire when given (--reduce-dtype), rounded back once it arrives.
+        An expert group sums over edp but divides by dp: each expert's gradient already
+        holds what every ep rank's tokens sent it."""
         assert self.grad is not None
         wire = self.grad if dtype in (None, self.grad.dtype) else self.grad.to(dtype)
-        wire.div_(axis.size)
+        wire.div_(self.divisor or self.n)
         out = torch.empty(self.size, dtype=wire.dtype, device=wire.device)
-        self.pending = (out, comm.reduce_scatter(out, wire, axis, async_op=True))
+        self.pending = (out, comm.reduce_scatter(out, wire, self.axis, async_op=True))
 
     def finish_reduce(self, stage: int) -> None:
         """Keep this rank's reduced shard; from stage 2 on, drop the whole gradient."""
@@ -142,14 +163,15 @@ class FlatGroup:
             self.shard.grad = None
 
     # -- stage 3: the gathered parameters -----------------------------------------------------
-    def gather(self, axis: Axis, wait: bool = True, purpose: str = comm.TRAIN) -> bool:
+    def gather(self, wait: bool = True, purpose: str = comm.TRAIN) -> bool:
         """All-gather the shards into `flat` (in the background unless `wait`); True if it started one."""
         started = not self.gathered
         if started:
             self.flat.untyped_storage().resize_(self.size * self.n * self.flat.element_size())
             # Through .data, an alias with its own version counter: the views autograd saved in
             # forward stay valid for backward although their memory was refilled.
-            self.gathering = comm.all_gather(self.flat.data, self.shard.data, axis, async_op=True, purpose=purpose)
+            self.gathering = comm.all_gather(self.flat.data, self.shard.data, self.axis, async_op=True,
+                                             purpose=purpose)
             self.gathered = True
         if wait and self.gathering is not None:
             self.gathering.wait()
@@ -179,6 +201,42 @@ class FlatGroup:
 
 
 # -- which parameters go together -----------------------------------------------------------------
+@dataclass(frozen=True)
+class ShardAxes:
+    """The ranks that share each parameter's shards.
+
+    An expert-parallel parameter (plait.parallel.expert's mark) is held alike only by the
+    edp ranks, so its groups are cut over `experts` (edp); every other parameter's over
+    `dense` (dp × cp). Both kinds divide their gradient sum by dense's size: an expert's
+    gradient already sums what the tokens of every ep rank sent it, so its mean is over all
+    dp ranks' samples. The two kinds never share a group, each group having one axis.
+    """
+
+    dense: Axis
+    experts: Axis | None = None
+    marked: frozenset[int] = frozenset()  # ids of the expert-parallel parameters
+
+    @classmethod
+    def of_model(cls, model: nn.Module, dense: Axis, experts: Axis | None) -> "ShardAxes":
+        marked = frozenset(id(p) for p in model.parameters() if expert_shard_of(p) is not None)
+        if marked and experts is None:
+            raise PlaitError("ZeRO needs the edp axis for expert-parallel parameters",
+                             hint="pass expert_axis=mesh.axis('edp') to apply_zero (parallelize does)")
+        return cls(dense, experts if marked else None, marked)
+
+    def is_expert(self, tensor: torch.Tensor) -> bool:
+        return id(tensor) in self.marked
+
+    def axis(self, tensor: torch.Tensor) -> Axis:
+        """Where `tensor` is sharded, and broadcast from at setup."""
+        return self.experts if self.experts is not None and self.is_expert(tensor) else self.dense
+
+    def kinds(self, params: Sequence[nn.Parameter]) -> list[list[nn.Parameter]]:
+        """`params` split into [dense, experts], order kept, empty kinds left out."""
+        split = ([p for p in params if not self.is_expert(p)], [p for p in params if self.is_expert(p)])
+        return [kind for kind in split if kind]
+
+
 def bucket_params(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
     """Stages 1-2: parameters in backward order (reverse of registration), in buckets of one dtype."""
     buckets: list[list[nn.Parameter]] = []

@@ -17,6 +17,13 @@ its forward and freed after it, gathered again just before its backward
 (`GatherForBackward`), and its gradient is reduce-scattered as soon as autograd has
 accumulated it; the next unit is prefetched while the current one computes.
 
+Expert parallelism (plait.parallel.expert) folds into dp: each ep rank holds other experts,
+and the edp ranks hold the same ones. Expert parameters therefore go into groups of their
+own, cut over edp (their reduce-scatter summing over edp and dividing by dp, as DDP's
+expert buckets do), broadcast at setup from edp rank 0; a stage-3 unit holding both kinds
+is two groups (shards registered as `plait_shard` and `plait_expert_shard`) gathered and
+freed together. Every other parameter is sharded over the dp × cp ranks as above.
+
 Files: stages.py (this: setup and the public functions), hooks.py (`ZeroSync`, what
 autograd and the module hooks call), shard.py (packing and cutting flat buffers),
 optim.py (the sharded optimizer, checkpoint pieces, the formulas).
@@ -45,40 +52,45 @@ from plait.parallel.pipeline.split import is_pipeline, logical_parameters, tied_
 from plait.parallel.zero.hooks import ZeroSync
 from plait.parallel.pieces import VIEW_ATTR
 from plait.parallel.zero.optim import checkpoint_pieces
-from plait.parallel.zero.shard import FlatGroup, bucket_params, find_units, pack, unit_owners
+from plait.parallel.zero.shard import FlatGroup, ShardAxes, bucket_params, find_units, pack, unit_owners
 from plait.runtime import comm
 from plait.runtime.comm import Axis
 
 log = logging.getLogger(__name__)
 SHARD_PARAM = "plait_shard"  # stage 3: the name under which a unit's shard is registered
+EXPERT_SHARD_PARAM = "plait_expert_shard"  # ... and its expert parameters' shard (cut over edp)
 
 
 def apply_zero(model: nn.Module, axis: Axis, *, stage: int, offload: bool = False, bucket_mb: float = 25.0,
                units: Sequence[nn.Module] | None = None, reduce_dtype: torch.dtype | None = None,
-               prefetch: int = 1, reshard_after_forward: bool = True) -> nn.Module:
+               prefetch: int = 1, reshard_after_forward: bool = True, expert_axis: Axis | None = None) -> nn.Module:
     """Shard `model`'s states over `axis` with ZeRO `stage` 1, 2 or 3 (in place).
 
     Build the optimizer with plait.build_optimizer, which returns the sharded one (its state
     in CPU memory when `offload`). Parameters and buffers are first broadcast from the axis's
-    rank 0, as apply_data_parallel does. Stage 3's units are the children of every module
-    list (`find_units`) unless `units` names them; `prefetch` units are gathered ahead of the
-    one computing, and `reshard_after_forward=False` keeps each unit gathered from its forward
-    to its backward (one gather less, the whole model held at the turn).
+    rank 0, as apply_data_parallel does; expert-parallel parameters are sharded over, and
+    broadcast from rank 0 of, `expert_axis` (the edp ranks: see the module docstring).
+    Stage 3's units are the children of every module list (`find_units`) unless `units`
+    names them; `prefetch` units are gathered ahead of the one computing, and
+    `reshard_after_forward=False` keeps each unit gathered from its forward to its backward
+    (one gather less, the whole model held at the turn).
     """
     rules.check_zero3_gathers(stage, prefetch, reshard_after_forward, 2 if is_pipeline(model) else 1)
     if stage not in (1, 2, 3):
         raise PlaitError(f"apply_zero takes stage 1, 2 or 3, got {stage}", hint="stage 0 is apply_data_parallel")
     if getattr(model, ATTR, None) is not None:
         raise PlaitError("this model already has data parallelism or ZeRO applied", hint="apply one of them, once")
-    check_backend(axis, stage, next(model.parameters()).device)
+    axes = ShardAxes.of_model(model, axis, expert_axis)
+    for each in [axis] + ([axes.experts] if axes.experts is not None else []):
+        check_backend(each, stage, next(model.parameters()).device)
     for tensor in [*model.parameters(), *model.buffers()]:
-        comm.broadcast(tensor.data, axis, purpose="setup")
+        comm.broadcast(tensor.data, axes.axis(tensor), purpose="setup")
     logical = logical_parameters(model)
     chunks = list(model) if is_pipeline(model) else [model]
     chunk_of = {p: k for k, chunk in enumerate(chunks) for p in chunk.parameters()}
     alone = tied_copies(model)
-    sync = (_shard_units(model, axis, units, chunks, alone) if stage == 3
-            else _shard_buckets(chunks, axis, stage, bucket_mb, alone))
+    sync = (_shard_units(model, axes, units, chunks, alone) if stage == 3
+            else _shard_buckets(chunks, axes, stage, bucket_mb, alone))
     sync.offload, sync.tied, sync.reduce_dtype = offload, alone, reduce_dtype
     sync.prefetch, sync.reshard_after_forward = prefetch, reshard_after_forward
     sync.names = {p: name for name, p, _ in logical}
@@ -93,8 +105,10 @@ def apply_zero(model: nn.Module, axis: Axis, *, stage: int, offload: bool = Fals
     setattr(model, VIEW_ATTR, checkpoint_pieces)
     if not is_pipeline(model):
         follow_rank0_buffers(model, axis)
-    log.info("ZeRO-%d over %d dp ranks: %d %s%s", stage, axis.size, len(sync.groups),
-             "units" if stage == 3 else "buckets", ", optimizer offloaded to CPU" if offload else "")
+    log.info("ZeRO-%d over %d dp ranks%s: %d %s%s", stage, axis.size,
+             f" (experts over {axes.experts.size} edp ranks)" if axes.experts is not None else "",
+             len(sync.units) if stage == 3 else len(sync.groups), "units" if stage == 3 else "buckets",
+             ", optimizer offloaded to CPU" if offload else "")
     return model
 
 
@@ -104,23 +118,26 @@ def zero_of(model: nn.Module) -> ZeroSync | None:
     return sync if isinstance(sync, ZeroSync) else None
 
 
-def _shard_buckets(chunks: list[nn.Module], axis: Axis, stage: int, bucket_mb: float,
+def _shard_buckets(chunks: list[nn.Module], axes: ShardAxes, stage: int, bucket_mb: float,
                    alone: list[nn.Parameter]) -> ZeroSync:
     """Stages 1-2: parameters become views of whole flat buckets; each rank owns a slice.
 
-    Buckets never span two pipeline chunks (each chunk's backward reduces its own), and a
-    copy of a tied weight is a bucket of its own, cut alike on both pipeline ranks.
+    Buckets never span two pipeline chunks (each chunk's backward reduces its own) nor two
+    kinds (expert parameters are cut over edp), and a copy of a tied weight is a bucket of
+    its own, cut alike on both pipeline ranks.
     """
     params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
     buckets, alone_ids = [[p] for p in alone], {id(p) for p in alone}
     for chunk in chunks:
         rest = [p for p in chunk.parameters() if p.requires_grad and id(p) not in alone_ids]
-        buckets += bucket_params(rest, int(bucket_mb * 2**20)) if rest else []
+        buckets += [b for kind in axes.kinds(rest) for b in bucket_params(kind, int(bucket_mb * 2**20))]
     groups = []
     for index, members in enumerate(buckets):
+        axis = axes.axis(members[0])
         flat = pack(members, axis.size)
         size = flat.numel() // axis.size
-        group = FlatGroup(index, members, axis.size, axis.rank, flat, flat[axis.rank * size:(axis.rank + 1) * size])
+        group = FlatGroup(index, members, axis, flat, flat[axis.rank * size:(axis.rank + 1) * size],
+                          divisor=axes.dense.size)
         for param, view in zip(members, group.split(flat)):
             param.data = view
         if stage == 1:  # whole gradients live for good; stage 2 makes them only during backward
@@ -128,15 +145,17 @@ def _shard_buckets(chunks: list[nn.Module], axis: Axis, stage: int, bucket_mb: f
             for param, view in zip(members, group.grad_views):
                 param.grad = view
         groups.append(group)
-    sync = ZeroSync(axis, stage, groups)
+    sync = ZeroSync(axes.dense, stage, groups)
     for param in params:
         param.register_post_accumulate_grad_hook(sync.on_grad_ready)
     return sync
 
 
-def _shard_units(model: nn.Module, axis: Axis, units: Sequence[nn.Module] | None, chunks: list[nn.Module],
+def _shard_units(model: nn.Module, axes: ShardAxes, units: Sequence[nn.Module] | None, chunks: list[nn.Module],
                  alone: list[nn.Parameter]) -> ZeroSync:
-    """Stage 3: each unit's parameters become one shard Parameter, plus views gathered on demand.
+    """Stage 3: each unit's parameters become one shard Parameter (two when the unit holds
+    expert parameters too: a group per kind, the second the first's companion), plus views
+    gathered on demand.
 
     `chunks` are the modules a forward calls: the model, or each pipeline stage, whose
     hooks gather the root unit and end the forward. A copy of a tied weight is a unit of
@@ -155,38 +174,47 @@ def _shard_units(model: nn.Module, axis: Axis, units: Sequence[nn.Module] | None
     owner, where = unit_owners(model, modules)
     groups: list[FlatGroup] = []
     for k, module in [(-1, model), *enumerate(modules)]:
-        members = [p for p, unit in owner.items() if unit == k]
-        if members:
-            groups.append(_unit_group(len(groups), members, axis, module))
-            slot = {p: i for i, p in enumerate(members)}
-            groups[-1].locations = [(m, name, slot[p]) for m, name, p in where if owner[p] == k]
-            for m, name, _ in groups[-1].locations:
-                del m._parameters[name]
+        unit = [_unit_group(len(groups) + i, kind, axes, module, where)
+                for i, kind in enumerate(axes.kinds([p for p, u in owner.items() if u == k]))]
+        if len(unit) == 2:
+            unit[0].companion = unit[1]
+        groups += unit
     root = groups[0] if groups and groups[0].module is model else None
-    sync = ZeroSync(axis, 3, groups, root)
+    sync = ZeroSync(axes.dense, 3, groups, root)
     for group in groups:
         sync._free(group)
         group.flat.register_post_accumulate_grad_hook(lambda t, g=group: sync.on_unit_grad(g))
+    for group in sync.units:  # a companion is gathered and freed by its unit's hooks
         if group is not root:
             group.module.register_forward_pre_hook(lambda m, a, g=group: sync.pre_forward(g, False))
             group.module.register_forward_hook(lambda m, a, out, g=group: sync.post_forward(g, out, False))
     for chunk in chunks:
         inside = set(chunk.modules())
-        mine = root if root is not None and any(m in inside for m, _, _ in root.locations) else None
+        held = [m for g in root.together() for m, _, _ in g.locations] if root is not None else []
+        mine = root if any(m in inside for m in held) else None
         chunk.register_forward_pre_hook(lambda m, a, g=mine: sync.pre_forward(g, True))
         chunk.register_forward_hook(lambda m, a, out, g=mine: sync.post_forward(g, out, True))
     return sync
 
 
-def _unit_group(index: int, members: list[nn.Parameter], axis: Axis, module: nn.Module) -> FlatGroup:
-    """Pack a unit; keep this rank's shard as a Parameter; the originals keep only their shape."""
+def _unit_group(index: int, members: list[nn.Parameter], axes: ShardAxes, module: nn.Module,
+                where: list[tuple[nn.Module, str, nn.Parameter]]) -> FlatGroup:
+    """Pack one kind of a unit's parameters; keep this rank's shard as a Parameter of
+    `module`; the originals keep only their shape, and leave the modules that held them
+    (`where`: every registration), whose attributes the gathered views fill in."""
+    axis = axes.axis(members[0])
     flat = pack(members, axis.size).requires_grad_()
     size = flat.numel() // axis.size
     shard = nn.Parameter(flat.detach()[axis.rank * size:(axis.rank + 1) * size].clone())
-    module.register_parameter(SHARD_PARAM, shard)
+    name = EXPERT_SHARD_PARAM if axes.is_expert(members[0]) else SHARD_PARAM
+    module.register_parameter(name, shard)
+    slot = {id(p): i for i, p in enumerate(members)}
+    locations = [(m, attr, slot[id(p)]) for m, attr, p in where if id(p) in slot]
+    for m, attr, _ in locations:
+        del m._parameters[attr]
     for param in members:
         _keep_shape_only(param)
-    return FlatGroup(index, members, axis.size, axis.rank, flat, shard, module)
+    return FlatGroup(index, members, axis, flat, shard, module, name, axes.dense.size, locations=locations)
 
 
 def _keep_shape_only(param: nn.Parameter) -> None:
@@ -212,7 +240,7 @@ def full_parameters(model: nn.Module) -> Iterator[nn.Module]:
         for module, name, i in group.locations:
             module.__dict__.pop(name, None)
             module._parameters[name] = group.params[i]
-        del group.module._parameters[SHARD_PARAM]
+        del group.module._parameters[group.shard_name]
     try:
         yield model
     finally:
@@ -222,7 +250,7 @@ def full_parameters(model: nn.Module) -> Iterator[nn.Module]:
                 module._parameters.pop(name, None)
             for param in group.params:
                 _keep_shape_only(param)
-            group.module.register_parameter(SHARD_PARAM, group.shard)
+            group.module.register_parameter(group.shard_name, group.shard)
             sync._free(group)
 
 
