@@ -24,6 +24,7 @@ restarted, even when its ranks died of the signal (still starting, before their 
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -249,3 +250,17 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             proc.kill()
     for proc in procs:
         proc.wait()
+
+
+def max_local_processes() -> int:
+    """How many processes one machine may run: one per GPU, or a few per CPU core."""
+    return local_gpus() or max(8, 4 * (os.cpu_count() or 1))
+
+
+def local_gpus() -> int:
+    """NVIDIA GPUs this process may use, without importing torch (the check runs before
+    spawning): CUDA_VISIBLE_DEVICES when set, else the driver's device files."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    return len(glob.glob("/dev/nvidia[0-9]*"))

@@ -11,7 +11,6 @@ change.
 from __future__ import annotations
 
 import functools
-import glob
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -24,6 +23,7 @@ from plait.layout import Layout
 from plait.train.config_check import check_values
 from plait.train.elastic import fit_world
 from plait.train.restart import resolve_auto
+from plait.runtime.launch import max_local_processes
 
 try:
     import tomllib
@@ -210,20 +210,6 @@ def _launched_world_size() -> int | None:
         if name in os.environ:
             return int(os.environ[name])
     return None
-
-
-def max_local_processes() -> int:
-    """How many processes one machine may run: one per GPU, or a few per CPU core."""
-    return local_gpus() or max(8, 4 * (os.cpu_count() or 1))
-
-
-def local_gpus() -> int:
-    """NVIDIA GPUs this process may use, without importing torch (the check runs before
-    spawning): CUDA_VISIBLE_DEVICES when set, else the driver's device files."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    return len(glob.glob("/dev/nvidia[0-9]*"))
 
 
 def validate(config: TrainConfig, family: FamilyChecks, *, local_limit: int | None = None) -> None:

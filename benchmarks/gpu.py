@@ -1,0 +1,373 @@
+"""plait on one CUDA GPU: correctness of the one-rank paths, speed against a plain torch loop,
+predicted vs measured, ZeRO-3 offload, nn.DataParallel / DDP overhead.
+
+    python3 benchmarks/gpu.py --parts correct,speed,predict --log-dir $OUT
+    python3 benchmarks/gpu.py --parts offload,dp --log-dir $OUT
+
+Every plait row is a `plait train --nproc 1` subprocess (stdout and stderr appended to
+LOG_DIR/runs.log); its numbers come from its summary.json. The plain loop is plait's GPT built
+from the same seed, trained by a dozen lines in a child process: forward under bf16 autocast
+(fp32 weights), cross-entropy in fp32, backward, clipping, fused AdamW, synchronize; random
+tokens. Step times are medians after the first (warm-up/compile) steps. MFU counts plait's
+model FLOPs per token (plait.estimate.time.flops_per_token, no recompute) over 989 TFLOP/s.
+Prints a compact table last; writes LOG_DIR/results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+PEAK_TFLOPS = 989.0  # H100 SXM dense bf16
+TINY = ["--model", "tiny", "--seq-len", "64", "--micro-batch", "4", "--eval-samples", "4", "--eval-every", "0",
+        "--sample-tokens", "16", "--no-report"]
+# About 1.04 B parameters: llama-1b's shape (a shape-only preset, so spelled over `small`) with a 32 k vocabulary (the corpus is bytes; the vocabulary only sizes the head).
+BIG = ("small,vocab_size=32000,n_layers=16,d_model=2048,n_heads=32,n_kv_heads=8,ffn_hidden=8192,max_seq_len=2048,"
+       "rope_theta=500000")
+BIG_SHAPE = ["--seq-len", "2048", "--micro-batch", "8"]
+LOG: Path = Path(".")
+RESULTS: dict[str, Any] = {}
+
+
+def log(text: str) -> None:
+    print(text, flush=True)
+    with open(LOG / "runs.log", "a") as f:
+        f.write(text + "\n")
+
+
+def sh(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 600) -> tuple[int, str]:
+    log(f"$ {' '.join(cmd)}")
+    start = time.time()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+        rc, out = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc, out = 124, f"TIMEOUT after {timeout}s\n{exc.stdout or ''}{exc.stderr or ''}"
+    with open(LOG / "runs.log", "a") as f:
+        f.write(out + f"\n[rc={rc}, {time.time() - start:.1f}s]\n\n")
+    return rc, out
+
+
+def plait_train(name: str, flags: list[str], out: str | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
+    out = out or tempfile.mkdtemp(prefix=f"gpu-{name}-")
+    rc, text = sh([sys.executable, "-m", "plait", "train", "--nproc", "1", "--out", out, *flags], env=env)
+    row: dict[str, Any] = {"rc": rc, "out": out}
+    summary = Path(out) / "summary.json"
+    if rc == 0 and summary.exists():
+        s = json.loads(summary.read_text())
+        row.update(loss_first=s["loss_first"], loss_last=s["loss_last"], step_s=s["step_time_s_median"],
+                   tokens_s=s.get("tokens_per_s"), peak=s["peak_process_bytes"], summary=s,
+                   optimizer_s=(s.get("step_time") or {}).get("measured", {}).get("optimizer"))
+        row["losses"] = [json.loads(line)["loss"] for line in open(Path(out) / "metrics.jsonl")
+                         if '"loss"' in line and '"step"' in line]
+    else:
+        row["error"] = text[-1500:]
+        log(text[-3000:])
+    log(f"[{name}] " + json.dumps({k: v for k, v in row.items() if k not in ("summary", "losses", "error")}))
+    return row
+
+
+# -- 1. correctness ------------------------------------------------------------------------------
+def part_correct() -> None:
+    rows: dict[str, Any] = {}
+    base = [*TINY, "--steps", "20"]
+    rows["fp32 (cpu, same machine)"] = plait_train("cpu", base, env={"CUDA_VISIBLE_DEVICES": ""})
+    rows["fp32"] = plait_train("fp32", base)
+    for name, extra in {"zero 1": ["--zero", "1"], "zero 2": ["--zero", "2"], "zero 3": ["--zero", "3"],
+                        "zero 1 offload": ["--zero", "1", "--offload"],
+                        "zero 3 offload": ["--zero", "3", "--offload"],
+                        "recompute full": ["--recompute", "full"], "recompute selective": ["--recompute", "selective"],
+                        "bf16 zero 1": ["--precision", "bf16", "--zero", "1"],
+                        "fp16 zero 1": ["--precision", "fp16", "--zero", "1"],
+                        "optimizer foreach": ["--optimizer-kernel", "foreach"],
+                        "compile": ["--compile"],
+                        "grad-accum 2": ["--grad-accum", "2", "--micro-batch", "2"]}.items():
+        rows[name] = plait_train(name.replace(" ", "-"), [*base, *extra])
+    # checkpoint: 20 steps saving every 10, then resume from step 10 into a new --out
+    full = tempfile.mkdtemp(prefix="gpu-ckpt-")
+    rows["save every 10"] = plait_train("save", [*base, "--save-every", "10", "--keep-checkpoints", "0"], out=full)
+    steps = sorted(glob.glob(f"{full}/**/step-00000010", recursive=True))
+    if steps:
+        rows["resume from step 10"] = r = plait_train("resume", [*base, "--resume", steps[0]])
+        saved = rows["save every 10"].get("losses", [])
+        r["resume_match"] = bool(r.get("losses")) and saved[10:] == r["losses"][-10:]
+        log(f"resume: saved {saved[10:]}\n        resumed {r.get('losses')}")
+    else:
+        rows["resume from step 10"] = {"rc": -1, "error": "no step-00000010 checkpoint under " + full}
+    # a Hugging Face model: the test suite's tiny Llama (config.json, safetensors, tokenizer.json)
+    try:
+        sys.path.insert(0, str(ROOT))
+        from tests.test_hf_cli import corpus_text, write_model_dir
+
+        root = Path(tempfile.mkdtemp(prefix="gpu-hf-"))
+        model = write_model_dir(root)
+        (root / "corpus.txt").write_text(corpus_text())
+        hf = ["--model", f"hf:{model}", "--data", str(root / "corpus.txt"), "--seq-len", "32", "--micro-batch", "4",
+              "--steps", "20", "--eval-samples", "4", "--eval-every", "0", "--sample-tokens", "8", "--no-report"]
+        rows["hf: tiny llama"] = plait_train("hf", hf)
+        rows["hf: tiny llama bf16 zero 1"] = plait_train("hf-bf16", [*hf, "--precision", "bf16", "--zero", "1"])
+        rows["hf: tiny llama (cpu)"] = plait_train("hf-cpu", hf, env={"CUDA_VISIBLE_DEVICES": ""})
+    except Exception as exc:  # noqa: BLE001
+        rows["hf: tiny llama"] = {"rc": -1, "error": repr(exc)}
+    cnn = ["--model", "resnet18,width=16", "--data", "digits", "--micro-batch", "64", "--steps", "20", "--lr", "0.01",
+           "--warmup-steps", "5", "--eval-every", "0", "--no-report"]
+    rows["resnet18 w16 digits"] = plait_train("resnet", cnn)
+    rows["resnet18 w16 digits (cpu)"] = plait_train("resnet-cpu", cnn, env={"CUDA_VISIBLE_DEVICES": ""})
+    RESULTS["correct"] = {k: {kk: vv for kk, vv in v.items() if kk not in ("summary", "error")} for k, v in rows.items()}
+
+
+# -- 2. speed ------------------------------------------------------------------------------------
+def matmul_ceiling() -> float:
+    import torch
+
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(20):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        a @ b
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return 2 * 8192 ** 3 / statistics.median(times) / 1e12
+
+
+def plain_loop(spec: str, micro_batch: int, seq_len: int, steps: int, compiled: bool, wrap: str = "none",
+               precision: str = "bf16") -> dict[str, Any]:
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import gpu, json; "
+            f"print('RESULT ' + json.dumps(gpu.plain_worker({spec!r}, {micro_batch}, {seq_len}, {steps}, {compiled}, "
+            f"{wrap!r}, {precision!r})))")
+    rc, out = sh([sys.executable, "-c", code], env={"TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp()})
+    for line in out.splitlines():
+        if line.startswith("RESULT "):
+            row = json.loads(line[7:])
+            log(f"[plain {spec} compiled={compiled} wrap={wrap}] {row}")
+            return row
+    log(out[-3000:])
+    return {"rc": rc, "error": out[-1000:]}
+
+
+def plain_worker(spec: str, micro_batch: int, seq_len: int, steps: int, compiled: bool, wrap: str,
+                 precision: str) -> dict[str, Any]:
+    import contextlib
+
+    import torch
+    import torch.nn.functional as F
+
+    from plait.models.config import get_preset
+    from plait.models.gpt import build_gpt
+
+    device = torch.device("cuda", 0)
+    torch.manual_seed(0)
+    model = build_gpt(get_preset(spec), 0).to(device)
+    if compiled:
+        for block in model.blocks:
+            block.forward = torch.compile(block.forward)
+    if wrap == "dp":
+        model = torch.nn.DataParallel(model)
+    elif wrap == "ddp":
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    vocab = get_preset(spec).vocab_size
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if precision == "bf16" else contextlib.nullcontext
+    times, updates = [], []
+    for _ in range(steps):
+        batch = torch.randint(0, vocab, (micro_batch, seq_len + 1))
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        batch = batch.to(device)
+        with autocast():
+            logits = model(batch[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()).backward()
+        torch.cuda.synchronize()
+        update_start = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        updates.append(time.perf_counter() - update_start)
+    warm = 3 if compiled else 1
+    median = statistics.median(times[warm:])
+    return {"step_s": median, "tokens_s": micro_batch * seq_len / median, "peak": torch.cuda.max_memory_allocated(),
+            "first_s": times[0], "optimizer_s": statistics.median(updates[warm:])}
+
+
+def flops_per_token(spec: str, seq_len: int) -> float:
+    from plait.estimate.time import flops_per_token as f
+    from plait.models.config import get_preset
+
+    return f(get_preset(spec), seq_len)[0]
+
+
+def part_speed(steps: int) -> None:
+    ceiling = matmul_ceiling()
+    fpt = flops_per_token(BIG, 2048)
+    rows: dict[str, Any] = {}
+    flags = ["--model", BIG, *BIG_SHAPE, "--steps", str(steps), "--precision", "bf16", "--zero", "1",
+             "--eval-every", "0", "--eval-samples", "8", "--sample-tokens", "8", "--no-report", "--warmup-steps", "2"]
+    rows["plait eager"] = plait_train("big-eager", flags)
+    rows["plait eager, --measure light"] = plait_train("big-light", [*flags, "--measure", "light"])
+    rows["plait --compile"] = plait_train("big-compile", [*flags, "--compile"])
+    rows["plain eager (autocast)"] = plain_loop(BIG, 8, 2048, steps, False)
+    rows["plain compiled (autocast)"] = plain_loop(BIG, 8, 2048, steps, True)
+    for row in rows.values():
+        if "tokens_s" in row and row["tokens_s"]:
+            row["tflops"] = fpt * row["tokens_s"] / 1e12
+            row["mfu"] = row["tflops"] / PEAK_TFLOPS
+    RESULTS["speed"] = {"matmul_tflops": ceiling, "flops_per_token": fpt,
+                        "rows": {k: {kk: vv for kk, vv in v.items() if kk not in ("summary", "error", "losses")}
+                                 for k, v in rows.items()},
+                        "predicted": {k: v["summary"].get("step_time") for k, v in rows.items() if "summary" in v},
+                        "predicted_mem": {k: (v["summary"]["predicted"].get("memory"), v["summary"].get("mem"))
+                                          for k, v in rows.items() if "summary" in v}}
+
+
+# -- 3. predicted vs measured ----------------------------------------------------------------
+def part_predict() -> None:
+    shape = ["--model", BIG, "--seq-len", "2048", "--micro-batch", "8", "--zero", "1", "--precision", "bf16", "--json"]
+    rc, out = sh([sys.executable, "-m", "plait", "estimate", *shape, "--hardware", "h100-sxm"])
+    hw = str(LOG / "h100-calibrated.toml")
+    rc2, out2 = sh([sys.executable, "-m", "plait", "calibrate", "--nproc", "1", "--out", hw, "--model", BIG, "--micro-batch", "8",
+                    "--seq-len", "2048", "--precision", "bf16", "--no-cache"])
+    rc3, out3 = sh([sys.executable, "-m", "plait", "estimate", *shape, "--hardware-file", hw])
+    RESULTS["predict"] = {"preset": _json(out), "calibrate_rc": rc2, "calibrated": _json(out3)}
+    log(out2[-2000:])
+
+
+def _json(text: str) -> Any:
+    start = text.find("{")
+    try:
+        return json.loads(text[start:])
+    except ValueError:
+        return {"raw": text[-2000:]}
+
+
+# -- 4. ZeRO-3 offload ---------------------------------------------------------------------
+def part_offload(steps: int) -> None:
+    # About 5.1 B parameters (llama-7b's layers, 24 of them): fp32 master + Adam m, v = 61 GB, plus bf16
+    # weights and gradients 20 GB: more than the GPU holds without offload.
+    spec = ("small,vocab_size=32000,n_layers=24,d_model=4096,n_heads=32,n_kv_heads=32,ffn_hidden=11008,"
+            "max_seq_len=2048,tie_embeddings=false")
+    shape = ["--model", spec, "--seq-len", "2048", "--micro-batch", "4", "--precision", "bf16", "--zero", "3",
+             "--offload", "--recompute", "full"]
+    flags = [*shape, "--steps", str(steps), "--eval-every", "0", "--eval-samples", "4", "--sample-tokens", "4",
+             "--no-report", "--warmup-steps", "1"]
+    rc, est = sh([sys.executable, "-m", "plait", "estimate", *shape, "--hardware", "h100-sxm", "--json"])
+    row = plait_train("offload", flags, env={"PLAIT_CALIBRATION": "off"})
+    fpt = flops_per_token(spec, 2048)
+    if row.get("tokens_s"):
+        row["tflops"] = fpt * row["tokens_s"] / 1e12
+        row["host_peak"] = _host_peak(row)
+    RESULTS["offload"] = {"spec": spec, "estimate": _json(est), "flops_per_token": fpt,
+                          "row": {k: v for k, v in row.items() if k not in ("summary", "error")},
+                          "measured_mem": row.get("summary", {}).get("mem")}
+
+
+def _host_peak(row: dict[str, Any]) -> Any:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # the largest child so far
+
+
+# -- 5. DataParallel / DDP / plait overhead on a small model --------------------------------
+def part_dp(steps: int) -> None:
+    spec, mb, seq = "small", 8, 512
+    rows = {w: plain_loop(spec, mb, seq, steps, False, wrap=w, precision="fp32") for w in ("none", "dp", "ddp")}
+    rows["plait"] = plait_train("dp-small", ["--model", spec, "--micro-batch", str(mb), "--seq-len", str(seq),
+                                             "--steps", str(steps), "--eval-every", "0", "--eval-samples", "4",
+                                             "--sample-tokens", "4", "--no-report", "--measure", "light"])
+    RESULTS["dp"] = {k: {kk: vv for kk, vv in v.items() if kk not in ("summary", "error", "losses")}
+                     for k, v in rows.items()}
+
+
+def table() -> str:
+    lines = []
+    gib = 2 ** 30
+    if "correct" in RESULTS:
+        lines += ["| path (tiny GPT unless named) | rc | loss first | loss last | s/step | peak GiB |", "|---|---|---|---|---|---|"]
+        for k, r in RESULTS["correct"].items():
+            extra = f" resume_match={r['resume_match']}" if "resume_match" in r else ""
+            if "loss_first" in r:
+                lines.append(f"| {k}{extra} | {r['rc']} | {r['loss_first']:.4f} | {r['loss_last']:.4f} | "
+                             f"{r['step_s']:.4f} | {r['peak'] / gib:.2f} |")
+            else:
+                lines.append(f"| {k}{extra} | {r['rc']} | | | | |")
+    if "speed" in RESULTS:
+        s = RESULTS["speed"]
+        lines += ["", f"matmul 8192^3 bf16: {s['matmul_tflops']:.0f} TFLOP/s; model FLOPs/token {s['flops_per_token']:.3e}",
+                  "| 1.04 B GPT, bf16, 8x2048 | s/step | optimizer s | tokens/s | TFLOP/s | MFU (989) | peak GiB |",
+                  "|---|---|---|---|---|---|---|"]
+        for k, r in s["rows"].items():
+            if "tokens_s" in r and r["tokens_s"]:
+                lines.append(f"| {k} | {r['step_s']:.4f} | {r.get('optimizer_s') or 0:.4f} | {r['tokens_s']:,.0f} | {r['tflops']:.0f} | {r['mfu']:.1%} | "
+                             f"{r['peak'] / gib:.1f} |")
+            else:
+                lines.append(f"| {k} | failed rc={r.get('rc')} | | | | |")
+        for k, p in s["predicted"].items():
+            if p:
+                lines.append(f"predicted/measured {k}: step {p['predicted']['step']:.4f}/{p['measured']['step']:.4f} "
+                             f"optim {p['predicted']['optimizer']:.4f}/{p['measured']['optimizer']:.4f} ({p['hardware']})")
+    if "predict" in RESULTS:
+        for k in ("preset", "calibrated"):
+            t = RESULTS["predict"][k]
+            try:
+                lines.append(f"estimate {k}: step {t['time']['step_s']:.4f}s mem total {t['memory']['total'] / gib:.1f} GiB")
+            except (KeyError, TypeError):
+                lines.append(f"estimate {k}: {str(t)[:300]}")
+    if "offload" in RESULTS:
+        o = RESULTS["offload"]
+        lines.append(f"offload {o['spec']}: {json.dumps({k: v for k, v in o['row'].items() if k != 'losses'})}")
+        lines.append(f"  measured mem {o['measured_mem']}")
+    if "dp" in RESULTS:
+        lines += ["", "| small GPT fp32 8x512 | s/step | tokens/s |", "|---|---|---|"]
+        for k, r in RESULTS["dp"].items():
+            lines.append(f"| {k} | {r.get('step_s', float('nan')):.4f} | {r.get('tokens_s') or 0:,.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    global LOG
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default="correct,speed,predict")
+    parser.add_argument("--log-dir", default=os.environ.get("OUT", "runs/gpu"))
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    LOG = Path(args.log_dir)
+    LOG.mkdir(parents=True, exist_ok=True)
+    parts = args.parts.split(",")
+    for part in parts:
+        start = time.time()
+        try:
+            {"correct": part_correct, "speed": lambda: part_speed(args.steps), "predict": part_predict,
+             "offload": lambda: part_offload(max(3, args.steps // 10)), "dp": lambda: part_dp(args.steps)}[part]()
+        except Exception as exc:  # noqa: BLE001
+            import traceback
+
+            log(f"part {part} failed: {traceback.format_exc()}")
+            RESULTS.setdefault("failed", {})[part] = repr(exc)
+        log(f"part {part}: {time.time() - start:.0f}s")
+        (LOG / "results.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+    print(table())
+
+
+if __name__ == "__main__":
+    main()
