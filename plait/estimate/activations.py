@@ -44,6 +44,7 @@ divided by t. Full recompute keeps only each block's input.
 
 from __future__ import annotations
 
+from plait.estimate.experts import saved_bytes_per_token
 from plait.estimate.layout import Workload, StageShare
 from plait.models.config import GPTConfig
 
@@ -79,7 +80,7 @@ def llama_layer_bytes(config: GPTConfig, layout: Workload) -> float:
     e = layout.compute_bytes
     o_proj_copy = h if a // layout.tp > 1 else 0  # one head per rank: reshape is a view
     replicated = 2 * rmsnorm_bytes(h, e)
-    sharded = e * (4 * h + o_proj_copy + 4 * f) + LSE_BYTES * a
+    sharded = e * (4 * h + o_proj_copy + 4 * f) + LSE_BYTES * a + saved_bytes_per_token(config, layout)
     if layout.cp > 1 and layout.cp_kind == "ring":
         # Ring attention keeps K and V as the model made them (kv_dim wide: GQA saves here)
         # and its output in fp32 for the backward's merge: q, k, v, out = e(h + 2kv) + 4h.

@@ -66,6 +66,17 @@ def balance_loss(index: torch.Tensor, probs: torch.Tensor, top_k: int) -> torch.
     return (experts * (share * probs.mean(dim=1)).sum(dim=-1)).mean()
 
 
+def grouped_mm_fits(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether torch's grouped matrix product takes these tensors: on a CPU (the one place it
+    is measured here: benchmarks/moe.py), fp32/bf16/fp16, every row 16-byte aligned."""
+    if not hasattr(F, "grouped_mm") or rows.device.type != "cpu" or rows.dtype not in GROUPED_DTYPES:
+        return False
+    return all(size * rows.element_size() % 16 == 0 for w in weights for size in w.shape[1:])
+
+
+GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 class Experts(nn.Module):
     """E SwiGLU experts as two 3-D parameters; forward(x, index, weight) -> (tokens, d).
 
@@ -91,9 +102,15 @@ class Experts(nn.Module):
         return combine(per_assignment, weight)
 
     def grouped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Each expert's SwiGLU over its run of `rows` (sorted by expert, counts[e] rows each)."""
+        """Each expert's SwiGLU over its run of `rows` (sorted by expert, counts[e] rows each):
+        two grouped matrix products where torch has them for these tensors, else one product
+        per expert (an empty one too, so that the autograd graph stays whole)."""
+        if grouped_mm_fits(rows, self.gate_up_proj, self.down_proj):
+            ends = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
+            gate, up = F.grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+            return F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
         outs = []
-        for e, chunk in enumerate(rows.split(counts)):  # an empty chunk too: the graph stays whole
+        for e, chunk in enumerate(rows.split(counts)):
             gate, up = (chunk @ self.gate_up_proj[e].t()).chunk(2, dim=-1)
             outs.append((F.silu(gate) * up) @ self.down_proj[e].t())
         return torch.cat(outs)
