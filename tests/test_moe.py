@@ -174,3 +174,12 @@ def test_the_closing_report_shows_the_routing_and_the_all_to_all() -> None:
                          "alltoall_formula": 2048.0}, {"comm": {"ep": {"all_to_all": 1024.0}}})
     assert "tokens per expert min/mean/max by MoE layer: 10/16/25; balancing loss 1.200 -> 1.010; dropped 3" in line
     assert "measured 2.0 KiB, formula on this routing 2.0 KiB, predicted (uniform routing) 1.0 KiB" in line
+
+
+def test_plait_plan_proposes_expert_parallelism_for_a_mixture_of_experts() -> None:
+    from plait.estimate.planner import plan
+
+    rows = plan(get_preset("mixtral-8x7b"), gpus=16, global_batch=64, seq_len=4096, top=20)
+    assert rows[0]["ep"] > 1  # 47 B parameters fit 16 GPUs only with the experts split
+    assert all(r["ep"] == 1 or (r["dp"] % r["ep"] == 0 and 8 % r["ep"] == 0 and r["tp"] == 1) for r in rows)
+    assert all(r["ep"] == 1 for r in plan(get_preset("small"), gpus=4, global_batch=8, seq_len=256))

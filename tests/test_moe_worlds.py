@@ -32,6 +32,33 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def extra(root: Path) -> list[dict[str, Any]]:
+    _, reports = run_world("moe_world.py", 4, root / "extra", str(root / "extra"), str(root / "corpus.txt"),
+                           str(root / "mixtral"), str(root / "qwen2_moe"), "--extras")
+    return reports
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("layout", ["ep2-recompute", "ep2-selective", "ep2-zero1"])
+def test_expert_parallel_with_recompute_and_zero1_trains_the_one_process_model(
+        extra: list[dict[str, Any]], router: str, layout: str) -> None:
+    found = extra[0][router]
+    assert_losses_close(found[layout]["losses"], found["one"]["losses"])
+    assert found[layout]["excess"] <= PARAM_ATOL, found[layout]["excess"]
+    for rank in extra:  # recomputation reruns the dispatch: its bytes are in the formula, counted once
+        for routing in rank[router][layout]["routing"]:
+            assert routing["alltoall_measured"] == pytest.approx(routing["alltoall_formula"], rel=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_expert_parallel_in_bf16_trains_the_one_process_model(extra: list[dict[str, Any]], router: str) -> None:
+    found = extra[0][f"{router}-bf16"]
+    assert_losses_close(found["ep2-zero1"]["losses"], found["one"]["losses"], rtol=2e-3)
+
+
+@pytest.fixture(scope="module")
 def world(root: Path) -> list[dict[str, Any]]:
     _, reports = run_world("moe_world.py", 4, root / "out", str(root / "out"), str(root / "corpus.txt"),
                            str(root / "mixtral"), str(root / "qwen2_moe"))

@@ -3,7 +3,8 @@
 A layout is valid when plait train would run it (plait.rules: tp divides the heads, the
 key/value heads, the vocabulary and the MLP width) and tp stays inside one node; pp is at
 most the number of layers; context parallelism (ring, and Ulysses where cp divides the
-heads) at every cp that 2·cp divides the sequence for; dp·cp·tp·pp is the GPU count; and
+heads) at every cp that 2·cp divides the sequence for; for a mixture of experts, expert
+parallelism at every ep that divides both dp and the experts (without cp); dp·cp·tp·pp is the GPU count; and
 the global batch is dp·micro_batch·grad_accum. ZeRO stages 2 and 3 are tried only where dp > 1 (with one
 replica there is nothing to shard over); mixed precision needs ZeRO 1 or more, even on one
 replica, for its fp32 masters; sequence parallelism with and without where tp > 1 divides
@@ -14,6 +15,7 @@ then by memory.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from itertools import product
 from dataclasses import dataclass
 
 from plait.errors import PlaitError
@@ -101,27 +103,24 @@ def _variants(request: PlanRequest, dp: int, tp: int, pp: int, cp: int = 1, cp_k
     micro_batches = [b for b in divisors(per_replica) if b <= MAX_MICRO_BATCH]
     zeros = zero_stages(request.precision, dp * cp)
     sps = (False, True) if tp > 1 else (False,)  # check_model refuses a sequence SP cannot split
-    for zero in zeros:
-        for micro_batch in micro_batches:
-            for recompute in request.recompute:
-                for sp in sps:
-                    try:  # combinations plait train refuses (zb-h1 with recompute) are skipped
-                        layout = Workload(dp=dp, tp=tp, pp=pp, cp=cp, cp_kind=cp_kind, zero=zero,
-                                          offload=request.offload and zero > 0,
-                                          precision=request.precision, micro_batch=micro_batch,
-                                          grad_accum=per_replica // micro_batch,
-                                          seq_len=request.seq_len, recompute=recompute,
-                                          schedule=request.schedule, sp=sp)
-                        layout.check_model(request.config)  # Ulysses' heads, SP's share of the sequence
-                    except PlaitError:
-                        continue
-                    yield layout
+    experts = request.config.experts
+    eps = [e for e in divisors(dp) if experts % e == 0] if experts and cp == 1 else [1]
+    for zero, micro_batch, recompute, sp, ep in product(zeros, micro_batches, request.recompute, sps, eps):
+        try:  # combinations plait train refuses (zb-h1 with recompute, tp with experts) are skipped
+            layout = Workload(dp=dp, tp=tp, pp=pp, cp=cp, cp_kind=cp_kind, ep=ep, zero=zero,
+                              offload=request.offload and zero > 0, precision=request.precision,
+                              micro_batch=micro_batch, grad_accum=per_replica // micro_batch,
+                              seq_len=request.seq_len, recompute=recompute, schedule=request.schedule, sp=sp)
+            layout.check_model(request.config)  # Ulysses' heads, SP's share of the sequence
+        except PlaitError:
+            continue
+        yield layout
 
 
 def _row(layout: Workload, memory: float, request: PlanRequest) -> dict[str, object]:
     step = estimate_time(request.config, layout, request.hardware, request.gpus_per_node)
     return {
-        "dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "cp_kind": layout.cp_kind,
+        "dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "cp_kind": layout.cp_kind, "ep": layout.ep,
         "zero": layout.zero,
         "micro_batch": layout.micro_batch, "grad_accum": layout.grad_accum,
         "recompute": layout.recompute, "sp": layout.sp, "offload": layout.offload,

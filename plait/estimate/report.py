@@ -125,13 +125,13 @@ def _time_lines(step: dict[str, float] | None) -> list[str]:
 
 def format_plan(rows: list[dict[str, Any]], title: str) -> str:
     """The ranking `plait plan` prints."""
-    header = ["#", "dp", "tp", "pp", "cp", "zero", "sp", "micro", "accum", "recompute",
+    header = ["#", "dp", "tp", "pp", "cp", "ep", "zero", "sp", "micro", "accum", "recompute",
               "mem/GPU", "step", "tokens/s", "MFU"]
     body = [header]
     for i, r in enumerate(rows, 1):
-        body.append([str(i), str(r["dp"]), str(r["tp"]), str(r["pp"]), cp_label(r),
+        body.append([str(i), str(r["dp"]), str(r["tp"]), str(r["pp"]), cp_label(r), str(r.get("ep", 1)),
                      f"{r['zero']}{'+off' if r['offload'] else ''}", "yes" if r["sp"] else "no",
                      str(r["micro_batch"]), str(r["grad_accum"]), str(r["recompute"]),
                      human_bytes(r["memory_bytes"]), f"{r['step_s']:.3g} s",
                      f"{r['tokens_per_s']:,.0f}", f"{r['mfu']:.1%}"])
-    return "\n".join([title, ""] + table(body, right={0, 1, 2, 3, 7, 8, 10, 11, 12, 13}))
+    return "\n".join([title, ""] + table(body, right={0, 1, 2, 3, 5, 8, 9, 11, 12, 13, 14}))

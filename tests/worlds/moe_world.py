@@ -12,6 +12,7 @@ argv: OUT CORPUS MIXTRAL_DIR QWEN2_MOE_DIR.
 3. A router forced to send every token to expert 0 (top_k 1): the ranks holding the other
    experts receive nothing, and training goes on.
 4. A checkpoint written at ep 2 resumed at ep 1 and ep 4.
+With --extras (make test-all): full and selective recompute, ZeRO-1, and bf16, both routers.
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ LAYOUTS = {
     "ep4": dict(dp=4, ep=4, grad_accum=1),
     "ep2-pp2": dict(pp=2, dp=2, ep=2, grad_accum=2),
 }
+EXTRA = {  # make test-all's
+    "ep2-recompute": dict(dp=4, ep=2, grad_accum=1, recompute="full"),
+    "ep2-selective": dict(dp=4, ep=2, grad_accum=1, recompute="selective"),
+    "ep2-zero1": dict(dp=4, ep=2, grad_accum=1, zero=1),
+}
+LAYOUTS.update(EXTRA)
 MODELS = {"softmax": "tiny-moe", "sigmoid": "tiny-moe,router=sigmoid,bias_rate=0.01"}
 
 
@@ -60,7 +67,7 @@ def excess(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor])
     return max(((weights[k] - v).abs() - PARAM_RTOL * v.abs()).max().item() for k, v in reference.items())
 
 
-def family_runs(base: TrainConfig, out: Path, rank: int, layouts: tuple[str, ...] = tuple(LAYOUTS),
+def family_runs(base: TrainConfig, out: Path, rank: int, layouts: tuple[str, ...] = ("ep2", "ep4", "ep2-pp2"),
                  saved: str = "") -> dict[str, Any]:
     """One process on rank 0, then each layout; `saved` names a layout that checkpoints its last step."""
     found: dict[str, Any] = {}
@@ -122,11 +129,19 @@ def resumed(base: TrainConfig, out: Path) -> dict[str, Any]:
 
 def main() -> None:
     out, corpus, mixtral, qwen2_moe = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    extras = sys.argv[5:] == ["--extras"]
     torch.set_num_threads(1)
     rank, report = int(os.environ["RANK"]), {}
     common = dict(data=corpus, steps=2, micro_batch=2, seq_len=16, eval_every=0, eval_samples=4, sample_tokens=0,
                   warmup_steps=1, lr=1e-3)
     bases = {name: TrainConfig(model=model, **common) for name, model in MODELS.items()}
+    if extras:  # full and selective recompute, ZeRO-1, and bf16 (ZeRO-1: fp32 masters), both routers
+        for name, base in bases.items():
+            report[name] = family_runs(base, out / name, rank, tuple(EXTRA))
+            report[f"{name}-bf16"] = family_runs(replace(base, precision="bf16"), out / f"{name}-bf16", rank,
+                                                 ("ep2-zero1",))
+        save_report(report)
+        return
     for name, base in bases.items():
         report[name] = family_runs(base, out / name, rank)
     report["mixtral"] = family_runs(TrainConfig(model=f"hf:{mixtral}", **common), out / "mixtral", rank,
