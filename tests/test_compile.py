@@ -52,7 +52,7 @@ CASES = {  # name: (flags, the reference's accumulation)
     "tp2-fp16-selective": (["--nproc", "2", "--tp", "2", "--precision", "fp16", "--recompute", "selective"], 1),
     "zero1-tp2-sp-4ranks": (["--nproc", "4", "--tp", "2", "--sp", "--zero", "1"], 2),
 }
-FAST = ("dp2", "zero3")  # make test's time: tp 2 + sp and pp 2 (1F1B) compiled are make test-all's
+FAST = ("zero3",)  # make test's time: dp 2, tp 2 + sp, pp 2 (1F1B) compiled and the cache's rerun are make test-all's
 
 
 FIRST: dict[str, dict] = {}  # case -> its run's compile summary, for the cache test
@@ -77,6 +77,7 @@ def test_compiled_layout_trains_the_same_model_as_one_process(case, reference, c
            f"{compiled['graph_breaks']} graph break(s)" in stdout
 
 
+@pytest.mark.slow
 def test_a_later_run_finds_every_graph_in_the_cache(cache, tmp_path):
     """The restart's case: a run after the dp2 one, on the same cache, compiles nothing. The
     ZeRO-3 case is such a run (its blocks' graph is dp2's: the gathers stay outside it);

@@ -19,16 +19,8 @@ LAYOUTS = ("ep2", "ep4", "ep2-pp2")
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A corpus and two local transformers MoE directories (config.json only)."""
-    root = tmp_path_factory.mktemp("moe")
-    (root / "corpus.txt").write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(600)))
-    shape = dict(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=64, num_experts_per_tok=2)
-    transformers.MixtralConfig(**shape, num_local_experts=4).save_pretrained(root / "mixtral")
-    transformers.Qwen2MoeConfig(**shape, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                                output_router_logits=True, router_aux_loss_coef=0.05).save_pretrained(root / "qwen2_moe")
-    return root
+def root(moe_root: Path) -> Path:
+    return moe_root
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +51,8 @@ def test_expert_parallel_in_bf16_trains_the_one_process_model(extra: list[dict[s
 
 
 @pytest.fixture(scope="module")
-def world(root: Path) -> list[dict[str, Any]]:
-    _, reports = run_world("moe_world.py", 4, root / "out", str(root / "out"), str(root / "corpus.txt"),
-                           str(root / "mixtral"), str(root / "qwen2_moe"))
-    return reports
+def world(moe_world: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return moe_world
 
 
 @pytest.mark.parametrize("router", ["softmax", "sigmoid"])

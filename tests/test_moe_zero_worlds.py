@@ -12,18 +12,15 @@ import pytest
 from plait.errors import PlaitError
 from plait.layout import Layout
 from tests.parity import PARAM_ATOL, assert_losses_close
-from tests.worldlib import run_world
 
 LAYOUTS = ("ep2-zero1", "ep2-zero2", "ep2-zero3", "ep4-zero3")
 NORM_RTOL = 1e-6  # fp64 sums of the same squares in another order (clipping is on: the norms are > 1)
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    root = tmp_path_factory.mktemp("moe-zero")
-    (root / "corpus.txt").write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(600)))
-    _, reports = run_world("moe_zero_world.py", 4, root / "out", str(root / "out"), str(root / "corpus.txt"))
-    return reports
+def world(moe_world: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ZeRO checks run inside tests/worlds/moe_world.py's spawn (one world for both files)."""
+    return [rank["zero"] for rank in moe_world]
 
 
 @pytest.mark.parametrize("router", ["softmax", "sigmoid"])

@@ -12,6 +12,7 @@ argv: OUT CORPUS MIXTRAL_DIR QWEN2_MOE_DIR.
 3. A router forced to send every token to expert 0 (top_k 1): the ranks holding the other
    experts receive nothing, and training goes on.
 4. A checkpoint written at ep 2 resumed at ep 1 and ep 4.
+5. ZeRO 1-3 with ep (tests/worlds/moe_zero_world.py's checks, in this one spawn).
 With --extras (make test-all): full and selective recompute, ZeRO-1, and bf16, both routers.
 """
 
@@ -39,6 +40,7 @@ from plait.train.run import final_weights
 from plait.train.trainer import Trainer
 from tests.parity import PARAM_RTOL
 from tests.worldlib import save_report
+from tests.worlds.moe_zero_world import run_all
 
 LAYOUTS = {
     "ep2": dict(dp=4, ep=2, grad_accum=1),
@@ -151,6 +153,7 @@ def main() -> None:
     report["layer"] = one_layer(rank)
     report["forced"] = forced(bases["softmax"], out)
     report["resumed"] = resumed(bases["softmax"], out)
+    report["zero"] = run_all(out / "zero", corpus, rank)  # tests/worlds/moe_zero_world.py's checks, this spawn
     save_report(report)
 
 

@@ -83,17 +83,21 @@ def resumed(base: TrainConfig, out: Path) -> dict[str, Any]:
     return found
 
 
-def main() -> None:
-    out, corpus = Path(sys.argv[1]), sys.argv[2]
-    torch.set_num_threads(1)
-    rank, report = int(os.environ["RANK"]), {}
+def run_all(out: Path, corpus: str, rank: int) -> dict[str, Any]:
+    """Every check of this world; tests/worlds/moe_world.py runs it in its own spawn."""
+    report: dict[str, Any] = {}
     common = dict(data=corpus, steps=2, micro_batch=2, seq_len=16, eval_every=0, eval_samples=4, sample_tokens=0,
                   warmup_steps=1, lr=1e-3)
     bases = {name: TrainConfig(model=model, **common) for name, model in MODELS.items()}
     for name, base in bases.items():
         report[name] = family_runs(base, out / name, rank, save=name == "sigmoid")
     report["resumed"] = resumed(bases["sigmoid"], out / "sigmoid")
-    save_report(report)
+    return report
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    save_report(run_all(Path(sys.argv[1]), sys.argv[2], int(os.environ["RANK"])))
 
 
 if __name__ == "__main__":
