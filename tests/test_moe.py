@@ -111,7 +111,7 @@ def test_a_shape_that_cannot_route_is_refused(model: str, words: str) -> None:
     (["--model", "tiny", "--nproc", "2", "--ep", "2"], "--ep 2 splits the experts, and the model has none"),
     (["--model", "tiny-moe", "--nproc", "4", "--ep", "2", "--cp", "2"],
      "--ep 2 with --cp 2: expert parallelism with context parallelism is not built yet"),
-    (["--model", "tiny-moe", "--nproc", "2", "--tp", "2"], "--tp 2 with a mixture of experts is not built yet"),
+    (["--model", "tiny-moe", "--nproc", "2", "--tp", "2", "--sp"], "--sp with a mixture of experts is not built yet"),
     (["--model", "tiny-moe,top_k=9"], "top_k = 9 is more than experts = 4"),
 ])
 def test_a_bad_expert_layout_is_refused_in_one_line(flags: list[str], words: str, tmp_path: Path,

@@ -15,7 +15,10 @@ from tests.worldlib import run_plait, run_world
 
 transformers = pytest.importorskip("transformers")
 
-LAYOUTS = ("ep2", "ep4", "ep2-pp2")
+LAYOUTS = ("ep2", "ep4", "ep2-pp2", "ep2-tp2")
+# tp's row-parallel layers sum in another order; AdamW turns last-bit gradient differences of
+# near-zero components into ~1e-5 (tests/parity.py; tests/test_cli_strategies.py holds tp to 2e-5)
+TP_PARAM_ATOL = 2e-5
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +63,8 @@ def world(moe_world: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def test_expert_parallel_trains_the_one_process_model(world: list[dict[str, Any]], router: str, layout: str) -> None:
     found = world[0][router]
     assert_losses_close(found[layout]["losses"], found["one"]["losses"])
-    assert found[layout]["excess"] <= PARAM_ATOL, found[layout]["excess"]
+    atol = TP_PARAM_ATOL if "tp" in layout else PARAM_ATOL
+    assert found[layout]["excess"] <= atol, (found[layout]["excess"], found[layout]["worst"])
     holding_layer0 = world[:2] if "pp" in layout else world  # pp: ranks 2 and 3 hold the second stage
     for rank in holding_layer0:  # every rank saw the same (global) routing, the one process's
         assert rank[router][layout]["routing"][0]["tokens_per_expert"][:1] == \

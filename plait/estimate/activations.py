@@ -44,7 +44,7 @@ divided by t. Full recompute keeps only each block's input.
 
 from __future__ import annotations
 
-from plait.estimate.experts import saved_bytes_per_token
+from plait.estimate.experts import dense_and_expert_widths, saved_bytes_per_token
 from plait.estimate.layout import Workload, StageShare
 from plait.models.config import GPTConfig
 
@@ -74,13 +74,15 @@ def korthikanti_layer_bytes(config: GPTConfig, layout: Workload) -> float:
 
 
 def llama_layer_bytes(config: GPTConfig, layout: Workload) -> float:
-    """One block of our model: saved bytes per micro-batch (see the module docstring); an
-    MoE block counted by the hidden units a token's experts compute (GPTConfig.mlp_width)."""
-    h, f, a = config.d_model, config.mlp_width(), config.n_heads
+    """One block of our model: saved bytes per micro-batch (see the module docstring),
+    averaged over the blocks; an MoE block's MLP (whole on every tp rank) by the widths of a
+    token's experts, plus what its routing keeps (estimate/experts.py)."""
+    h, a = config.d_model, config.n_heads
+    f, moe = dense_and_expert_widths(config)
     e = layout.compute_bytes
     o_proj_copy = h if a // layout.tp > 1 else 0  # one head per rank: reshape is a view
-    replicated = 2 * rmsnorm_bytes(h, e)
-    sharded = e * (4 * h + o_proj_copy + 4 * f) + LSE_BYTES * a + saved_bytes_per_token(config, layout)
+    replicated = 2 * rmsnorm_bytes(h, e) + e * 4 * moe + saved_bytes_per_token(config, layout)
+    sharded = e * (4 * h + o_proj_copy + 4 * f) + LSE_BYTES * a
     if layout.cp > 1 and layout.cp_kind == "ring":
         # Ring attention keeps K and V as the model made them (kv_dim wide: GQA saves here)
         # and its output in fp32 for the backward's merge: q, k, v, out = e(h + 2kv) + 4h.

@@ -124,9 +124,10 @@ def block_split(config: GPTConfig) -> tuple[int, int]:
     if config.arch == "gpt2":
         sharded = h * (h + 2 * kv) + (h + 2 * kv) + h * h + 2 * h * f + f
         return sharded, config.layer_params() - sharded
-    sharded = 2 * h * h + 2 * h * kv + 3 * h * f
+    dense = (config.n_layers - config.moe_layers) / config.n_layers  # an MoE block's MLP stays whole over tp
+    sharded = 2 * h * h + 2 * h * kv + round(3 * h * f * dense)
     average = round(sum(config.block_params(i) for i in range(config.n_layers)) / config.n_layers)
-    return sharded, average - sharded  # an MoE block's router and experts counted as whole
+    return sharded, average - sharded
 
 
 def vocab_shard(config: GPTConfig, tp: int) -> int:

@@ -99,11 +99,13 @@ def tp_collectives(layout: Workload, stage: StageShare) -> dict[str, int]:
     all-gathers and one more reduce-scatter (the backward re-gathers stay: the rerun keeps
     sequence shards too). Around the blocks: the vocab-parallel embedding leaves a region
     (first stage), the head enters one (last stage, whose saved input SP gathers again too).
+    An MoE block (whole on every tp rank, no SP) has attention's collectives only.
     """
     blocks, first, last = stage.layers, int(stage.first), int(stage.last)
     full = layout.recompute == "full"
-    if not layout.sp:
-        return {"all_reduce": blocks * (5 if full else 4) + first + last}
+    if not layout.sp:  # an MoE block's MLP stays whole on every tp rank: its attention's two (three) only
+        moe = round(stage.moe_layers)
+        return {"all_reduce": (blocks - moe) * (5 if full else 4) + moe * (3 if full else 2) + first + last}
     return {"all_gather": blocks * (8 if full else 6) + first + 2 * last,
             "reduce_scatter": blocks * (5 if full else 4) + first + last}
 

@@ -118,13 +118,6 @@ class GPTConfig:
         return (self.layer_params() - 3 * self.d_model * self.ffn_hidden + self.d_model * self.experts
                 + (self.top_k + self.shared_experts) * self.expert_params())
 
-    def mlp_width(self) -> int:
-        """Hidden units a token's MLP computes, averaged over the blocks (an MoE block's: its
-        top_k and shared experts' widths), for the activations' estimate."""
-        widths = [(self.top_k + self.shared_experts) * self.expert_width if self.moe_layer(i) else self.ffn_hidden
-                  for i in range(self.n_layers)]
-        return sum(widths) // self.n_layers
-
     def active_params(self) -> int:
         """Parameters one token passes through: every dense weight, and of each MoE block the
         router, top_k routed experts and the shared ones (what FLOPs per token follow)."""
@@ -156,9 +149,10 @@ class GPTConfig:
             check_divides(what, size, tp, why, pad)
         if seq_len is not None:
             check_sequence_split(seq_len, tp, sp)
-        if self.is_moe and tp > 1:
-            raise PlaitError(f"--tp {tp} with a mixture of experts is not built yet",
-                             hint="use --ep and dp for an MoE model (docs/moe.md)")
+        if self.is_moe and tp > 1 and sp:
+            raise PlaitError(f"--sp with a mixture of experts is not built yet (tp {tp} keeps each MoE block whole "
+                             "on every tp rank, which needs the whole sequence)",
+                             hint="drop --sp: tp splits attention and the dense blocks, the experts stay whole")
 
     def num_params(self) -> int:
         """Exact parameter count of the model this config builds (tied weights counted once)."""

@@ -35,6 +35,18 @@ GPT_PLAN: dict[str, str] = {
 }
 
 
+def moe_plan(config: Any) -> dict[str, str]:
+    """GPT_PLAN with the MLP entries named block by block, the dense blocks' only: an MoE
+    block stays whole on every tp rank (its router and experts replicated, its tokens the
+    same on each: no region, so its input's gradient is not summed over tp)."""
+    plan = {k: v for k, v in GPT_PLAN.items() if not k.startswith("blocks.*.mlp.") and k != "blocks.*.mlp"}
+    for i in range(config.n_layers):
+        if not config.moe_layer(i):
+            plan.update({k.replace("blocks.*.", f"blocks.{i}."): v for k, v in GPT_PLAN.items()
+                         if k.startswith("blocks.*.mlp.") or k == "blocks.*.mlp"})
+    return plan
+
+
 class GPTAdapter:
     """plait's GPT: embedding, blocks, final norm and head; rope tables every stage keeps."""
 
@@ -63,7 +75,9 @@ class GPTAdapter:
 
     def tensor_plan(self, model: nn.Module, tp: int, sp: bool) -> dict[str, str]:
         model.config.check_split(tp, sp)  # one home: the shape's own check, shared with the estimator
-        return GPT_PLAN
+        if not model.config.is_moe:
+            return GPT_PLAN
+        return moe_plan(model.config)
 
     def expert_modules(self, model: nn.Module) -> list[nn.Module]:
         """Every MoE block's routed experts (plait.models.moe.Experts), in forward order."""

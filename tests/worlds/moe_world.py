@@ -2,8 +2,8 @@
 
 argv: OUT CORPUS MIXTRAL_DIR QWEN2_MOE_DIR.
 1. The real Trainer (what `plait train --ep N` runs) on plait's MoE GPT, both routers
-   (softmax with the balancing loss; sigmoid with the bias), under ep 2 × (dp 4), ep 4 and
-   ep 2 × pp 2 (1F1B, accumulation 2); on transformers' Mixtral (ep 2, ep 2 × pp 2; its
+   (softmax with the balancing loss; sigmoid with the bias), under ep 2 × (dp 4), ep 4,
+   ep 2 × pp 2 (1F1B, accumulation 2) and ep 2 × tp 2 (the experts whole on each tp rank); on transformers' Mixtral (ep 2, ep 2 × pp 2; its
    ep 2 run writes a checkpoint, exported by the test) and Qwen2-MoE (shared expert, the
    balancing loss on: ep 2, ep 4). Rank 0 alone trains the same global batch in one process
    (accumulation 4). Losses every step, final weights elementwise, the sigmoid router's biases.
@@ -46,6 +46,7 @@ LAYOUTS = {
     "ep2": dict(dp=4, ep=2, grad_accum=1),
     "ep4": dict(dp=4, ep=4, grad_accum=1),
     "ep2-pp2": dict(pp=2, dp=2, ep=2, grad_accum=2),
+    "ep2-tp2": dict(tp=2, dp=2, ep=2, grad_accum=2),
 }
 EXTRA = {  # make test-all's
     "ep2-recompute": dict(dp=4, ep=2, grad_accum=1, recompute="full"),
@@ -69,7 +70,8 @@ def excess(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor])
     return max(((weights[k] - v).abs() - PARAM_RTOL * v.abs()).max().item() for k, v in reference.items())
 
 
-def family_runs(base: TrainConfig, out: Path, rank: int, layouts: tuple[str, ...] = ("ep2", "ep4", "ep2-pp2"),
+def family_runs(base: TrainConfig, out: Path, rank: int,
+                 layouts: tuple[str, ...] = ("ep2", "ep4", "ep2-pp2", "ep2-tp2"),
                  saved: str = "") -> dict[str, Any]:
     """One process on rank 0, then each layout; `saved` names a layout that checkpoints its last step."""
     found: dict[str, Any] = {}
@@ -87,6 +89,8 @@ def family_runs(base: TrainConfig, out: Path, rank: int, layouts: tuple[str, ...
         found[name] = {"losses": losses, "routing": routing}
         if rank == 0:
             found[name]["excess"] = excess(weights, reference)
+            found[name]["worst"] = max(reference, key=lambda k: ((weights[k] - reference[k]).abs()
+                                                                  - PARAM_RTOL * reference[k].abs()).max().item())
     return found
 
 
