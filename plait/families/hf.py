@@ -8,8 +8,6 @@ plans its config declares (plait/models/hf_plans.py) or GPT-2's hand-written ada
 
 from __future__ import annotations
 
-from plait.errors import PlaitError
-
 from typing import Any
 
 from plait.families.language import check_corpus, check_language_run
@@ -29,10 +27,6 @@ def check(config: Any) -> None:
     if shape is not None:
         check_language_run(config, shape)
         check_experts_split(shape.experts, config.ep)
-        if shape.is_moe and config.tp > 1:
-            raise PlaitError(f"--tp {config.tp} with a transformers mixture of experts is not built yet: its declared "
-                             "tp plan splits the experts (packed_colwise, moe_tp_experts)",
-                             hint="train it with --ep and dp (docs/moe.md); plait's own MoE GPT takes --tp")
     elif config.ep > 1:
         hf.shape()  # raises, naming the sizes its config.json lacks
     else:

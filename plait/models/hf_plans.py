@@ -71,8 +71,10 @@ class DeclaredPlanAdapter:
         return hf_stages.run_stage(stage, x, self._parts, self._config)
 
     def tensor_plan(self, model: nn.Module, tp: int, sp: bool) -> dict[str, str]:
-        """The declared tp_plan in plait's styles; PlaitError for a style or a size plait cannot split."""
-        plan = plait_plan(model, declared(model, "tp"))
+        """The declared tp_plan in plait's styles; PlaitError for a style or a size plait cannot split.
+        A mixture of experts' experts (what its ep plan dispatches) stay whole on every tp rank:
+        their entries are left out, as plait's own MoE blocks are (docs/moe.md)."""
+        plan = plait_plan(model, without_experts(declared(model, "tp"), declared(model, "ep")))
         if not plan:
             raise PlaitError(f"tensor parallelism needs a plan for a {type(model).__name__}: it declares no tp_plan",
                              hint='pass ParallelConfig(tp_plan={"layer.name": "column" | "row" | "vocab" | '
@@ -97,6 +99,13 @@ class DeclaredPlanAdapter:
         """With SP the blocks run on sequence slices: split before the first, gather after the last."""
         if sp and axis.size > 1:
             split_sequence_around(list(model.get_submodule(_blocks_for_sp(model))), axis)
+
+
+def without_experts(tp_plan: dict[str, Any], ep_plan: dict[str, Any]) -> dict[str, Any]:
+    """`tp_plan` less the entries at or under the experts modules `ep_plan` dispatches."""
+    experts = [pattern for pattern, style in ep_plan.items() if style == "ep_dispatch_experts"]
+    return {key: style for key, style in tp_plan.items()
+            if not any(key == e or key.startswith(e + ".") for e in experts)}
 
 
 def block_list(model: nn.Module) -> str | None:
