@@ -71,9 +71,10 @@ def test_expert_parallel_trains_the_one_process_model(world: list[dict[str, Any]
             found["one"]["routing"][0]["tokens_per_expert"][:1]
 
 
-@pytest.mark.parametrize("family, layout", [("mixtral", "ep2"), ("mixtral", "ep2-pp2"), ("mixtral", "ep2-tp2"),
-                                            ("qwen2_moe", "ep2"), ("qwen2_moe", "ep4"), ("qwen2_moe", "ep2-tp2"),
-                                            ("qwen2_moe", "ep2-zero3")])
+@pytest.mark.parametrize("family, layout", [
+    ("mixtral", "ep2"), ("mixtral", "ep2-pp2"), ("mixtral", "ep2-tp2"), ("mixtral", "ep2-zero3"),
+    ("qwen2_moe", "ep2"), ("qwen2_moe", "ep4"), ("qwen2_moe", "ep2-pp2"), ("qwen2_moe", "ep2-tp2"),
+    ("qwen2_moe", "ep2-zero3")])
 def test_transformers_moe_models_train_the_one_process_model(world: list[dict[str, Any]], family: str,
                                                               layout: str) -> None:
     found = world[0][family]

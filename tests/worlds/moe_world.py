@@ -4,9 +4,9 @@ argv: OUT CORPUS MIXTRAL_DIR QWEN2_MOE_DIR.
 1. The real Trainer (what `plait train --ep N` runs) on plait's MoE GPT, both routers
    (softmax with the balancing loss; sigmoid with the bias), under ep 2 × (dp 4), ep 4,
    ep 2 × pp 2 (1F1B, accumulation 2) and ep 2 × tp 2 (the experts whole on each tp rank); on
-   transformers' Mixtral (ep 2, ep 2 × pp 2, ep 2 × tp 2; its ep 2 run writes a checkpoint,
-   exported by the test) and Qwen2-MoE (shared expert, the balancing loss on: ep 2, ep 4,
-   ep 2 × tp 2, ep 2 with ZeRO-3). Rank 0 alone trains the same global batch in one process
+   transformers' Mixtral (ep 2, ep 2 × pp 2, ep 2 × tp 2, ep 2 with ZeRO-3; its ep 2 run writes
+   a checkpoint, exported by the test) and Qwen2-MoE (shared expert, the balancing loss on:
+   ep 2, ep 4, ep 2 × pp 2, ep 2 × tp 2, ep 2 with ZeRO-3). Rank 0 alone trains the same global batch in one process
    (accumulation 4). Losses every step, final weights elementwise, the sigmoid router's biases.
 2. One forward and backward of an MoE layer at ep 4: the ledger's ep bytes against the
    formula on the routing that happened; the collectives per layer.
@@ -153,9 +153,9 @@ def main() -> None:
     for name, base in bases.items():
         report[name] = family_runs(base, out / name, rank)
     report["mixtral"] = family_runs(TrainConfig(model=f"hf:{mixtral}", **common), out / "mixtral", rank,
-                                    ("ep2", "ep2-pp2", "ep2-tp2"), saved="ep2")
+                                    ("ep2", "ep2-pp2", "ep2-tp2", "ep2-zero3"), saved="ep2")
     report["qwen2_moe"] = family_runs(TrainConfig(model=f"hf:{qwen2_moe}", **common), out / "qwen2_moe", rank,
-                                      ("ep2", "ep4", "ep2-tp2", "ep2-zero3"))
+                                      ("ep2", "ep4", "ep2-pp2", "ep2-tp2", "ep2-zero3"))
     report["layer"] = one_layer(rank)
     report["forced"] = forced(bases["softmax"], out)
     report["resumed"] = resumed(bases["softmax"], out)
