@@ -47,9 +47,11 @@ def test_expert_parallel_with_recompute_and_zero1_trains_the_one_process_model(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("router", ["softmax", "sigmoid"])
-def test_expert_parallel_in_bf16_trains_the_one_process_model(extra: list[dict[str, Any]], router: str) -> None:
-    found = extra[0][f"{router}-bf16"]
+def test_expert_parallel_in_16_bits_trains_the_one_process_model(extra: list[dict[str, Any]], router: str,
+                                                                 precision: str) -> None:
+    found = extra[0][f"{router}-{precision}"]
     assert_losses_close(found["ep2-zero1"]["losses"], found["one"]["losses"], rtol=2e-3)
 
 

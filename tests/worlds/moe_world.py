@@ -14,7 +14,7 @@ argv: OUT CORPUS MIXTRAL_DIR QWEN2_MOE_DIR.
    experts receive nothing, and training goes on.
 4. A checkpoint written at ep 2 resumed at ep 1 and ep 4.
 5. ZeRO 1-3 with ep (tests/worlds/moe_zero_world.py's checks, in this one spawn).
-With --extras (make test-all): full and selective recompute, ZeRO-1, and bf16, both routers.
+With --extras (make test-all): full and selective recompute, ZeRO-1, bf16 and fp16, both routers.
 """
 
 from __future__ import annotations
@@ -143,11 +143,12 @@ def main() -> None:
     common = dict(data=corpus, steps=2, micro_batch=2, seq_len=16, eval_every=0, eval_samples=4, sample_tokens=0,
                   warmup_steps=1, lr=1e-3)
     bases = {name: TrainConfig(model=model, **common) for name, model in MODELS.items()}
-    if extras:  # full and selective recompute, ZeRO-1, and bf16 (ZeRO-1: fp32 masters), both routers
+    if extras:  # full and selective recompute, ZeRO-1, bf16 and fp16 (ZeRO-1: fp32 masters), both routers
         for name, base in bases.items():
             report[name] = family_runs(base, out / name, rank, tuple(EXTRA))
-            report[f"{name}-bf16"] = family_runs(replace(base, precision="bf16"), out / f"{name}-bf16", rank,
-                                                 ("ep2-zero1",))
+            for precision in ("bf16", "fp16"):
+                report[f"{name}-{precision}"] = family_runs(replace(base, precision=precision),
+                                                            out / f"{name}-{precision}", rank, ("ep2-zero1",))
         save_report(report)
         return
     for name, base in bases.items():
