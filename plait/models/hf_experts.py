@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.errors import PlaitError
-from plait.models.moe import AuxLoss, balance_loss
+from plait.models.moe import AuxLoss, RoutingCounts, balance_loss, counts_routing
 
 DISPATCH, SPLIT = "ep_dispatch_experts", "grouped_gemm"
 HINT = "plait splits experts declared as base_model_ep_plan {'...experts': 'ep_dispatch_experts', " \
@@ -66,7 +66,7 @@ def _check_experts(name: str, key: str, module: nn.Module, splits: list[str]) ->
         raise PlaitError(f"{name}.{key}.forward does not take (hidden_states, top_k_index, top_k_weights)", hint=HINT)
 
 
-class RoutingStats(nn.Module):
+class RoutingStats(RoutingCounts):
     """Counts a transformers MoE block's routing (the tokens each expert received, this rank's,
     since the last `take_counts`), and adds the balancing loss when the config asks for it."""
 
@@ -74,24 +74,15 @@ class RoutingStats(nn.Module):
     bias_rate = 0.0
 
     def __init__(self, experts: int, top_k: int, aux_loss_coef: float):
-        super().__init__()
+        super().__init__(experts)
         self.top_k, self.aux_loss_coef, self.aux_weight = top_k, aux_loss_coef, aux_loss_coef
-        self.register_buffer("tokens_per_expert", torch.zeros(experts, dtype=torch.float64), persistent=False)
-        self.register_buffer("dropped", torch.zeros((), dtype=torch.float64), persistent=False)
-        self.last_aux = torch.zeros(())
         self.batch = 1
-
-    def take_counts(self) -> torch.Tensor:
-        counts = self.tokens_per_expert.clone()
-        self.tokens_per_expert.zero_()
-        return counts
 
     def seen(self, logits: torch.Tensor, scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """The router's output passes through: counted, and carrying the balancing loss."""
-        training = self.training and torch.is_grad_enabled()
-        if training and torch._C._current_graph_task_id() == -1:
+        if counts_routing(self):
             self.tokens_per_expert += torch.bincount(index.reshape(-1), minlength=logits.shape[-1]).double()
-        if training and self.aux_loss_coef > 0:
+        if self.training and torch.is_grad_enabled() and self.aux_loss_coef > 0:
             probs = F.softmax(logits.float(), dim=-1).view(self.batch, -1, logits.shape[-1])
             aux = balance_loss(index, probs, self.top_k)
             self.last_aux = aux.detach()

@@ -37,7 +37,31 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.models.config import GPTConfig
-from plait.parallel.expert.dispatch import combine
+from plait.parallel.expert.dispatch import combine, recomputing
+
+
+def counts_routing(module: nn.Module) -> bool:
+    """Whether this forward's routing counts: a training forward, once; not a no-grad probe or
+    evaluation, not recomputation's second forward inside backward."""
+    return module.training and torch.is_grad_enabled() and not recomputing()
+
+
+class RoutingCounts(nn.Module):
+    """What a routing module keeps for the report and the sigmoid router's bias: the tokens
+    each expert received (this rank's, summed over the training forwards since the last
+    `take_counts`), dropped assignments, the last balancing loss."""
+
+    def __init__(self, experts: int):
+        super().__init__()
+        self.register_buffer("tokens_per_expert", torch.zeros(experts, dtype=torch.float64), persistent=False)
+        self.register_buffer("dropped", torch.zeros((), dtype=torch.float64), persistent=False)
+        self.last_aux = torch.zeros(())
+
+    def take_counts(self) -> torch.Tensor:
+        """The tokens each expert received since the last call, and reset them."""
+        counts = self.tokens_per_expert.clone()
+        self.tokens_per_expert.zero_()
+        return counts
 
 
 class AuxLoss(torch.autograd.Function):
@@ -129,7 +153,7 @@ class SharedExpert(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class MoE(nn.Module):
+class MoE(RoutingCounts):
     """Router, routed experts, shared experts; (batch, seq, d) -> (batch, seq, d).
 
     Keeps what the closing report shows: the tokens each expert received (summed over the
@@ -137,7 +161,7 @@ class MoE(nn.Module):
     assignments. A forward rerun by recomputation inside backward is not counted again."""
 
     def __init__(self, config: GPTConfig):
-        super().__init__()
+        super().__init__(config.experts)
         self.top_k, self.router = config.top_k, config.router
         self.capacity_factor, self.bias_rate = config.capacity_factor, config.bias_rate
         self.aux_weight = config.aux_loss_coef  # × the backward's scale (set_aux_scale)
@@ -149,9 +173,6 @@ class MoE(nn.Module):
         self.experts = Experts(config.experts, config.d_model, config.expert_width)
         hidden = config.shared_experts * config.expert_width
         self.shared_expert = SharedExpert(config.d_model, hidden) if hidden else None
-        self.register_buffer("tokens_per_expert", torch.zeros(config.experts, dtype=torch.float64), persistent=False)
-        self.register_buffer("dropped", torch.zeros((), dtype=torch.float64), persistent=False)
-        self.last_aux = torch.zeros(())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, d = x.shape
@@ -164,7 +185,7 @@ class MoE(nn.Module):
         out = self.experts(flat, index, weight.to(x.dtype)).view(batch, seq, d)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
-        if self.counting():
+        if counts_routing(self):
             self.tokens_per_expert += torch.bincount(index.reshape(-1), minlength=probs.shape[-1]).double()
         if self.router == "softmax" and self.aux_loss_coef > 0 and torch.is_grad_enabled():
             aux = balance_loss(index, probs.view(batch, seq, -1), self.top_k)
@@ -190,17 +211,7 @@ class MoE(nn.Module):
         flat = index.t().reshape(-1)  # every token's first choice before any second choice
         seen = torch.cumsum(F.one_hot(flat, experts), dim=0).gather(1, flat[:, None]).squeeze(1)
         keep = (seen <= capacity).view(index.shape[1], -1).t()
-        if self.counting():
+        if counts_routing(self):
             self.dropped += (~keep).sum().double()
         return weight * keep
 
-    def counting(self) -> bool:
-        """A training forward counts its routing once: not a no-grad probe or evaluation,
-        not recomputation's second forward inside backward."""
-        return self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
-
-    def take_counts(self) -> torch.Tensor:
-        """The tokens each expert received since the last call (this rank's), and reset them."""
-        counts = self.tokens_per_expert.clone()
-        self.tokens_per_expert.zero_()
-        return counts
