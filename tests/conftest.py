@@ -37,3 +37,13 @@ def moe_world(moe_root):
     _, reports = run_world("moe_world.py", 4, moe_root / "out", str(moe_root / "out"), str(moe_root / "corpus.txt"),
                            str(moe_root / "mixtral"), str(moe_root / "qwen2_moe"))
     return reports
+
+
+@pytest.fixture(scope="session")
+def moe_extra(moe_root):
+    """tests/worlds/moe_world.py --extras on 4 ranks (make test-all's MoE checks)."""
+    from tests.worldlib import run_world
+
+    _, reports = run_world("moe_world.py", 4, moe_root / "extra", str(moe_root / "extra"), str(moe_root / "corpus.txt"),
+                           str(moe_root / "mixtral"), str(moe_root / "qwen2_moe"), "--extras")
+    return reports

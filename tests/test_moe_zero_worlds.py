@@ -12,6 +12,7 @@ import pytest
 from plait.errors import PlaitError
 from plait.layout import Layout
 from tests.parity import PARAM_ATOL, assert_losses_close
+from tests.worlds.moe_zero_world import FAST
 
 LAYOUTS = ("ep2-zero1", "ep2-zero2", "ep2-zero3", "ep4-zero3")
 NORM_RTOL = 1e-6  # fp64 sums of the same squares in another order (clipping is on: the norms are > 1)
@@ -23,10 +24,15 @@ def world(moe_world: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [rank["zero"] for rank in moe_world]
 
 
-@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_expert_parallel_zero_trains_the_one_process_model(world: list[dict[str, Any]], router: str,
-                                                           layout: str) -> None:
+CASES = [(router, layout) for router in ("softmax", "sigmoid") for layout in LAYOUTS]
+
+
+@pytest.mark.parametrize("router, layout", [c if c[1] in FAST[c[0]] else pytest.param(*c, marks=pytest.mark.slow)
+                                            for c in CASES])
+def test_expert_parallel_zero_trains_the_one_process_model(world: list[dict[str, Any]], request: pytest.FixtureRequest,
+                                                           router: str, layout: str) -> None:
+    if layout not in FAST[router]:  # make test-all's: the --extras world
+        world = [rank["zero"] for rank in request.getfixturevalue("moe_extra")]
     found = world[0][router]
     assert_losses_close(found[layout]["losses"], found["one"]["losses"])
     assert found[layout]["excess"] <= PARAM_ATOL, found[layout]["excess"]
@@ -35,7 +41,7 @@ def test_expert_parallel_zero_trains_the_one_process_model(world: list[dict[str,
     assert min(found["one"]["norms"]) > 1.0  # so clipping scaled every step's update by it
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", FAST["softmax"])
 def test_expert_groups_are_cut_over_edp_and_every_element_is_owned_once(world: list[dict[str, Any]],
                                                                         layout: str) -> None:
     ep = int(layout[2])

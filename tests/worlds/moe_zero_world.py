@@ -36,6 +36,9 @@ LAYOUTS = {
     "ep4-zero3": dict(dp=4, ep=4, zero=3),
 }
 SAVES = "ep2-zero3"  # the layout whose run also writes a checkpoint after each step
+# make test's runs, by router; make test-all's (--extras) the rest
+FAST = {"softmax": ("ep2-zero1", "ep2-zero3", "ep4-zero3"), "sigmoid": ("ep2-zero3",)}
+EXTRA = {"softmax": ("ep2-zero2",), "sigmoid": ("ep2-zero1", "ep2-zero2", "ep4-zero3")}
 MODELS = {"softmax": "tiny-moe", "sigmoid": "tiny-moe,router=sigmoid,bias_rate=0.01"}
 
 
@@ -58,15 +61,16 @@ def excess(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor])
     return max(((weights[k] - v).abs() - PARAM_RTOL * v.abs()).max().item() for k, v in reference.items())
 
 
-def family_runs(base: TrainConfig, out: Path, rank: int, save: bool = False) -> dict[str, Any]:
+def family_runs(base: TrainConfig, out: Path, rank: int, layouts: tuple[str, ...], save: bool = False
+                ) -> dict[str, Any]:
     found: dict[str, Any] = {}
     reference = None
     if rank == 0:
         one = init_mesh(env=ProcessEnv("single", 0, 1, 0, "127.0.0.1", 29500))
         found["one"], reference = train(replace(base, grad_accum=4, nproc=1, dp=1, out=str(out / "one")), one)
         found["one"]["numel"] = sum(v.numel() for k, v in reference.items() if not k.endswith("expert_bias"))
-    for name, fields in LAYOUTS.items():
-        config = replace(base, **fields, nproc=4, out=str(out / name), save_every=int(save and name == SAVES))
+    for name in layouts:
+        config = replace(base, **LAYOUTS[name], nproc=4, out=str(out / name), save_every=int(save and name == SAVES))
         found[name], weights = train(config, init_mesh(config.layout))
         if rank == 0:
             found[name]["excess"] = excess(weights, reference)
@@ -83,15 +87,18 @@ def resumed(base: TrainConfig, out: Path) -> dict[str, Any]:
     return found
 
 
-def run_all(out: Path, corpus: str, rank: int) -> dict[str, Any]:
-    """Every check of this world; tests/worlds/moe_world.py runs it in its own spawn."""
+def run_all(out: Path, corpus: str, rank: int, extras: bool = False) -> dict[str, Any]:
+    """Every check of this world (make test's, or with `extras` make test-all's other
+    layouts); tests/worlds/moe_world.py runs it in its own spawn."""
     report: dict[str, Any] = {}
     common = dict(data=corpus, steps=2, micro_batch=2, seq_len=16, eval_every=0, eval_samples=4, sample_tokens=0,
                   warmup_steps=1, lr=1e-3)
     bases = {name: TrainConfig(model=model, **common) for name, model in MODELS.items()}
     for name, base in bases.items():
-        report[name] = family_runs(base, out / name, rank, save=name == "sigmoid")
-    report["resumed"] = resumed(bases["sigmoid"], out / "sigmoid")
+        report[name] = family_runs(base, out / name, rank, (EXTRA if extras else FAST)[name],
+                                   save=name == "sigmoid" and not extras)
+    if not extras:
+        report["resumed"] = resumed(bases["sigmoid"], out / "sigmoid")
     return report
 
 
