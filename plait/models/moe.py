@@ -91,9 +91,15 @@ def balance_loss(index: torch.Tensor, probs: torch.Tensor, top_k: int) -> torch.
 
 
 def grouped_mm_fits(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether torch's grouped matrix product takes these tensors: on a CPU (the one place it
-    is measured here: benchmarks/moe.py), fp32/bf16/fp16, every row 16-byte aligned."""
-    if not hasattr(F, "grouped_mm") or rows.device.type != "cpu" or rows.dtype not in GROUPED_DTYPES:
+    """Whether torch's grouped matrix product takes these tensors: on a CPU fp32/bf16/fp16, on a
+    Hopper or newer GPU bf16 (where it was measured: benchmarks/moe.py, RESULTS.md "GPU"), every
+    row 16-byte aligned."""
+    if not hasattr(F, "grouped_mm") or rows.dtype not in GROUPED_DTYPES:
+        return False
+    if rows.device.type == "cuda":
+        if rows.dtype != torch.bfloat16 or torch.cuda.get_device_capability(rows.device) < (9, 0):
+            return False
+    elif rows.device.type != "cpu":
         return False
     return all(size * rows.element_size() % 16 == 0 for w in weights for size in w.shape[1:])
 
@@ -119,22 +125,22 @@ class Experts(nn.Module):
         tokens, k = index.shape
         flat = index.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
         rows = self.grouped(x[order // k], counts)
         per_assignment = torch.empty_like(rows)
         per_assignment[order] = rows
         return combine(per_assignment, weight)
 
-    def grouped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def grouped(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Each expert's SwiGLU over its run of `rows` (sorted by expert, counts[e] rows each):
         two grouped matrix products where torch has them for these tensors, else one product
         per expert (an empty one too, so that the autograd graph stays whole)."""
-        if grouped_mm_fits(rows, self.gate_up_proj, self.down_proj):
-            ends = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
+        if grouped_mm_fits(rows, self.gate_up_proj, self.down_proj):  # no host sync: the ends stay on the device
+            ends = counts.cumsum(0).to(torch.int32)
             gate, up = F.grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
             return F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
         outs = []
-        for e, chunk in enumerate(rows.split(counts)):
+        for e, chunk in enumerate(rows.split(counts.tolist())):
             gate, up = (chunk @ self.gate_up_proj[e].t()).chunk(2, dim=-1)
             outs.append((F.silu(gate) * up) @ self.down_proj[e].t())
         return torch.cat(outs)
