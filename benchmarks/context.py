@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import finish, machine, new_parser, run_world  # noqa: E402
+from common import finish, machine, new_parser, run_world, time_calls  # noqa: E402
 
 KINDS = ("ring", "ulysses")
 READING = """Reading it: activations per rank are 1/cp of one process's: exactly for Ulysses (the same
@@ -68,16 +68,7 @@ class KernelClock:
         self._wrap(ring._Pass, "wait", "waits")
 
     def _wrap(self, owner: Any, name: str, field: str) -> None:
-        original = getattr(owner, name)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                setattr(self, field, getattr(self, field) + time.perf_counter() - start)
-
-        setattr(owner, name, timed)
+        time_calls(owner, name, lambda seconds: setattr(self, field, getattr(self, field) + seconds))
 
     def reset(self) -> None:
         self.kernels = self.waits = 0.0

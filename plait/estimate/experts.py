@@ -10,23 +10,14 @@ Pure arithmetic. One dispatch (one MoE layer, one forward) from one rank of an e
 where s and r are the (token, choice) assignments this rank sends to experts held elsewhere
 and receives from other ranks. On the routing that happened (the ledger's check, measured
 by plait.parallel.expert.dispatch) s and r are counted; for a prediction, uniform routing
-gives s = r = tokens · top_k · (ep-1)/ep.
+gives s = r = tokens · top_k · (ep-1)/ep. The formula lives in plait/wire.py (dispatch_bytes).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from plait.wire import ring_bytes
-
-COUNT_BYTES = 8  # the counts travel as int64
-
-
-def dispatch_bytes(sent_rows: float, received_rows: float, row_bytes: int, experts: int, ep: int,
-                   backward: bool) -> float:
-    """Bytes one rank puts on the wire for one dispatch: forward, plus backward when `backward`."""
-    rows = (sent_rows + received_rows) * row_bytes
-    return ring_bytes("all_to_all", experts * COUNT_BYTES, ep) + rows * (2 if backward else 1)
+from plait.wire import dispatch_bytes  # the formula's one home, shared with the ledger's check
 
 
 def uniform_rows(tokens: int, top_k: int, ep: int) -> float:

@@ -149,9 +149,8 @@ def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1, ep: int
     rank keeps its own copy of the embedding matrix for the head, as plait's pipeline does.
     """
     sharded, replicated = block_split(config)
-    experts = held_experts(config, ep)  # MoE blocks: experts / ep each (tp is not built with experts)
-    block = sharded // tp + replicated - round(config.moe_layers * config.experts * config.expert_params()
-                                               / config.n_layers) + round(experts)
+    experts = held_experts(config, ep)  # MoE blocks: experts / ep each, whole on every tp rank
+    block = sharded // tp + replicated - round(held_experts(config, 1)) + round(experts)  # all experts -> ours
     h = config.d_model
     table = vocab_shard(config, tp) * h
     first = table + (config.max_seq_len * h if config.arch == "gpt2" else 0)

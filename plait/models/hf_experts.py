@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.errors import PlaitError
-from plait.models.moe import AuxLoss, RoutingCounts, balance_loss, counts_routing
+from plait.models.moe import RoutingCounts
 
 DISPATCH, SPLIT = "ep_dispatch_experts", "grouped_gemm"
 HINT = "plait splits experts declared as base_model_ep_plan {'...experts': 'ep_dispatch_experts', " \
@@ -74,20 +74,16 @@ class RoutingStats(RoutingCounts):
     bias_rate = 0.0
 
     def __init__(self, experts: int, top_k: int, aux_loss_coef: float):
-        super().__init__(experts)
-        self.top_k, self.aux_loss_coef, self.aux_weight = top_k, aux_loss_coef, aux_loss_coef
+        super().__init__(experts, top_k, aux_loss_coef)
         self.batch = 1
 
     def seen(self, logits: torch.Tensor, scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """The router's output passes through: counted, and carrying the balancing loss."""
-        if counts_routing(self):
-            self.tokens_per_expert += torch.bincount(index.reshape(-1), minlength=logits.shape[-1]).double()
-        if self.training and torch.is_grad_enabled() and self.aux_loss_coef > 0:
-            probs = F.softmax(logits.float(), dim=-1).view(self.batch, -1, logits.shape[-1])
-            aux = balance_loss(index, probs, self.top_k)
-            self.last_aux = aux.detach()
-            scores = AuxLoss.apply(scores, aux, self.aux_weight)
-        return scores
+        self.count(index)
+        if not self.training or self.aux_loss_coef <= 0:  # no probabilities to compute
+            return scores
+        probs = F.softmax(logits.float(), dim=-1).view(self.batch, -1, logits.shape[-1])
+        return self.with_balance_loss(scores, index, probs)
 
 
 def install_routing_stats(model: nn.Module, experts_modules: list[nn.Module]) -> int:

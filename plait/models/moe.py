@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.models.config import GPTConfig
-from plait.parallel.expert.dispatch import combine, recomputing
+from plait.parallel.expert.dispatch import by_expert, combine, recomputing
 
 
 def counts_routing(module: nn.Module) -> bool:
@@ -49,13 +49,29 @@ def counts_routing(module: nn.Module) -> bool:
 class RoutingCounts(nn.Module):
     """What a routing module keeps for the report and the sigmoid router's bias: the tokens
     each expert received (this rank's, summed over the training forwards since the last
-    `take_counts`), dropped assignments, the last balancing loss."""
+    `take_counts`), dropped assignments, the last balancing loss; and that loss's weight
+    (`aux_weight`: its coefficient × the backward's scale, plait.parallel.expert.set_aux_scale)."""
 
-    def __init__(self, experts: int):
+    def __init__(self, experts: int, top_k: int, aux_loss_coef: float):
         super().__init__()
+        self.top_k, self.aux_loss_coef, self.aux_weight = top_k, aux_loss_coef, aux_loss_coef
         self.register_buffer("tokens_per_expert", torch.zeros(experts, dtype=torch.float64), persistent=False)
         self.register_buffer("dropped", torch.zeros((), dtype=torch.float64), persistent=False)
         self.last_aux = torch.zeros(())
+
+    def count(self, index: torch.Tensor) -> None:
+        """Add one forward's choices (tokens, k) to the counts, if this forward counts."""
+        if counts_routing(self):
+            self.tokens_per_expert += torch.bincount(index.reshape(-1), minlength=len(self.tokens_per_expert)).double()
+
+    def with_balance_loss(self, out: torch.Tensor, index: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """`out`, carrying the balancing loss's gradient (probs (batch, seq, E)) when it has a
+        weight and a backward will run; the loss is kept for the report."""
+        if self.aux_loss_coef <= 0 or not torch.is_grad_enabled():
+            return out
+        aux = balance_loss(index, probs, self.top_k)
+        self.last_aux = aux.detach()
+        return AuxLoss.apply(out, aux, self.aux_weight)
 
     def take_counts(self) -> torch.Tensor:
         """The tokens each expert received since the last call, and reset them."""
@@ -90,6 +106,9 @@ def balance_loss(index: torch.Tensor, probs: torch.Tensor, top_k: int) -> torch.
     return (experts * (share * probs.mean(dim=1)).sum(dim=-1)).mean()
 
 
+GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def grouped_mm_fits(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether torch's grouped matrix product takes these tensors: on a CPU fp32/bf16/fp16, on a
     Hopper or newer GPU bf16 (where it was measured: benchmarks/moe.py, RESULTS.md "GPU"), every
@@ -104,32 +123,23 @@ def grouped_mm_fits(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
     return all(size * rows.element_size() % 16 == 0 for w in weights for size in w.shape[1:])
 
 
-GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
 class Experts(nn.Module):
     """E SwiGLU experts as two 3-D parameters; forward(x, index, weight) -> (tokens, d).
 
-    Assignments are sorted by expert, each expert runs one matrix product over its
-    contiguous rows (an expert with no tokens runs nothing), and the outputs are weighted
-    and summed per token in a fixed order, so the result depends only on the routing."""
+    Assignments are sorted by expert, each expert runs over its contiguous rows (an expert
+    with no tokens has an empty run), and the outputs are weighted and summed per token in a
+    fixed order, so the result depends only on the routing."""
 
     def __init__(self, experts: int, d_model: int, hidden: int):
         super().__init__()
-        self.num_experts, self.hidden = experts, hidden
+        self.num_experts = experts
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * hidden, d_model))
         self.down_proj = nn.Parameter(torch.empty(experts, d_model, hidden))
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x (tokens, d); index and weight (tokens, k): each token's experts (local numbers) and weights."""
-        tokens, k = index.shape
-        flat = index.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
-        rows = self.grouped(x[order // k], counts)
-        per_assignment = torch.empty_like(rows)
-        per_assignment[order] = rows
-        return combine(per_assignment, weight)
+        rows, counts, order = by_expert(x, index, self.gate_up_proj.shape[0])
+        return combine(self.grouped(rows, counts), order, weight)
 
     def grouped(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Each expert's SwiGLU over its run of `rows` (sorted by expert, counts[e] rows each):
@@ -167,11 +177,8 @@ class MoE(RoutingCounts):
     assignments. A forward rerun by recomputation inside backward is not counted again."""
 
     def __init__(self, config: GPTConfig):
-        super().__init__(config.experts)
-        self.top_k, self.router = config.top_k, config.router
-        self.capacity_factor, self.bias_rate = config.capacity_factor, config.bias_rate
-        self.aux_weight = config.aux_loss_coef  # × the backward's scale (set_aux_scale)
-        self.aux_loss_coef = config.aux_loss_coef
+        super().__init__(config.experts, config.top_k, config.aux_loss_coef)
+        self.router, self.capacity_factor, self.bias_rate = config.router, config.capacity_factor, config.bias_rate
         self.gate = nn.Linear(config.d_model, config.experts, bias=False)
         # The sigmoid router's balancing bias: moved by counts after each step, never by
         # gradients; a parameter so checkpoints carry it whatever the layout.
@@ -191,13 +198,8 @@ class MoE(RoutingCounts):
         out = self.experts(flat, index, weight.to(x.dtype)).view(batch, seq, d)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
-        if counts_routing(self):
-            self.tokens_per_expert += torch.bincount(index.reshape(-1), minlength=probs.shape[-1]).double()
-        if self.router == "softmax" and self.aux_loss_coef > 0 and torch.is_grad_enabled():
-            aux = balance_loss(index, probs.view(batch, seq, -1), self.top_k)
-            self.last_aux = aux.detach()
-            out = AuxLoss.apply(out, aux, self.aux_weight)
-        return out
+        self.count(index)
+        return self.with_balance_loss(out, index, probs.view(batch, seq, -1)) if self.router == "softmax" else out
 
     def route(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(each token's top_k experts, their weights, the router's probabilities), in fp32."""

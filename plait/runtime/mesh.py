@@ -134,15 +134,7 @@ def sync_axis(layout: Layout, rank: int, dp: Axis, ledger: Ledger) -> Axis:
     makes every group, in one order). With cp = 1 that is the dp axis."""
     if layout.cp == 1:
         return dp
-    mine, coords = None, layout.coords(rank)
-    for pp_index in range(layout.pp):
-        for tp_index in range(layout.tp):
-            ranks = [r for r in range(layout.world) if layout.coords(r)["pp"] == pp_index
-                     and layout.coords(r)["tp"] == tp_index]
-            group = dist.new_group(ranks)
-            if (pp_index, tp_index) == (coords["pp"], coords["tp"]):
-                mine = Axis(SYNC, len(ranks), ranks.index(rank), group, ledger, rank)
-    return mine
+    return _axis_of(SYNC, lines(layout, ("dp", "cp")), rank, ledger)
 
 
 def expert_axes(layout: Layout, rank: int, dp: Axis, ledger: Ledger) -> dict[str, Axis]:
@@ -150,21 +142,29 @@ def expert_axes(layout: Layout, rank: int, dp: Axis, ledger: Ledger) -> dict[str
     group, in one order). dp index i is ep rank i % ep of block i // ep, and edp rank i // ep."""
     if layout.ep == 1:
         return {EXPERT: Axis(EXPERT, 1, 0, None, ledger, rank), EXPERT_SYNC: replace(dp, name=EXPERT_SYNC)}
-    mine: dict[str, Axis] = {}
-    coords = layout.coords(rank)
-    for pp_index in range(layout.pp):
-        for cp_index in range(layout.cp):
-            for tp_index in range(layout.tp):
-                line = [r for r in range(layout.world) if (layout.coords(r)["pp"], layout.coords(r)["cp"],
-                                                           layout.coords(r)["tp"]) == (pp_index, cp_index, tp_index)]
-                here = (pp_index, cp_index, tp_index) == (coords["pp"], coords["cp"], coords["tp"])
-                groups = {EXPERT: [line[b * layout.ep:(b + 1) * layout.ep] for b in range(layout.dp // layout.ep)],
-                          EXPERT_SYNC: [line[j::layout.ep] for j in range(layout.ep)]}
-                for name, members in groups.items():
-                    for ranks in members:
-                        group = dist.new_group(ranks)
-                        if here and rank in ranks:
-                            mine[name] = Axis(name, len(ranks), ranks.index(rank), group, ledger, rank)
+    ep, dp_lines = layout.ep, lines(layout, ("dp",))
+    return {EXPERT: _axis_of(EXPERT, [line[b:b + ep] for line in dp_lines for b in range(0, len(line), ep)],
+                             rank, ledger),
+            EXPERT_SYNC: _axis_of(EXPERT_SYNC, [line[j::ep] for line in dp_lines for j in range(ep)], rank, ledger)}
+
+
+def lines(layout: Layout, across: tuple[str, ...]) -> list[list[int]]:
+    """The groups of ranks that differ only along the grid axes `across` (the others fixed),
+    each in rank order, the groups in one order on every rank."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for r in range(layout.world):
+        coords = layout.coords(r)
+        groups.setdefault(tuple(coords[a] for a in GRID if a not in across), []).append(r)
+    return list(groups.values())
+
+
+def _axis_of(name: str, groups: list[list[int]], rank: int, ledger: Ledger) -> Axis:
+    """Make every group (collective, in the same order on every rank); this rank's as an Axis."""
+    mine = None
+    for ranks in groups:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = Axis(name, len(ranks), ranks.index(rank), group, ledger, rank)
     return mine
 
 

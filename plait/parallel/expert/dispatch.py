@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from plait.estimate.experts import dispatch_bytes
 from plait.runtime import comm
 from plait.runtime.comm import Axis
+from plait.wire import dispatch_bytes
 
 
 class AllToAllRows(torch.autograd.Function):
@@ -58,25 +58,18 @@ class ExpertDispatch:
 
     def __call__(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ep, local = self.axis.size, self.experts // self.axis.size
-        tokens, k = index.shape
-        flat = index.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.experts)
+        outgoing, counts, order = by_expert(x, index, self.experts)
         arriving = torch.empty_like(counts)
         comm.all_to_all(arriving, counts, self.axis)  # E/ep counts to each rank: its experts' share of ours
         arriving = arriving.view(ep, local)
-        sizes = torch.stack([counts.view(ep, local).sum(1), arriving.sum(1)]).tolist()  # the host sync
-        send, receive = sizes
+        send, receive = torch.stack([counts.view(ep, local).sum(1), arriving.sum(1)]).tolist()  # the host sync
         backward = torch.is_grad_enabled() and not recomputing()  # a no-grad probe or evaluation: forward only
         self.formula += routed_bytes(send, receive, self.axis, x, self.experts, backward=backward)
-        rows = AllToAllRows.apply(x[order // k], receive, send, self.axis)
+        rows = AllToAllRows.apply(outgoing, receive, send, self.axis)
         experts_of_rows = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(arriving.reshape(-1))
         out = self.local_forward(rows, experts_of_rows[:, None], rows.new_ones((rows.shape[0], 1)))
         out = out + rows[:, :1] * 0  # no rows arrived: the output still leads back to the all-to-all
-        back = AllToAllRows.apply(out, send, receive, self.axis)
-        per_assignment = torch.empty_like(back)
-        per_assignment[order] = back
-        return combine(per_assignment, weight)
+        return combine(AllToAllRows.apply(out, send, receive, self.axis), order, weight)
 
 
 def recomputing() -> bool:
@@ -103,8 +96,20 @@ def take_formula(model: torch.nn.Module) -> float:
     return total
 
 
-def combine(per_assignment: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """(tokens·k, d) expert outputs -> (tokens, d): weighted and summed over each token's k
-    choices, in one fixed order (plait's MoE combines the same way on one process)."""
+def by_expert(x: torch.Tensor, index: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each (token, choice) assignment's row of `x` (tokens, d), sorted by expert (stable, so
+    in token order within an expert); the count per expert; the order, for `combine`."""
+    flat = index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    return x[order // index.shape[1]], torch.bincount(flat, minlength=experts), order
+
+
+def combine(rows: torch.Tensor, order: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The experts' output rows, in `by_expert`'s order, -> (tokens, d): put back in token
+    order, weighted and summed over each token's k choices, in one fixed order (plait's MoE
+    combines the same way on one process)."""
     tokens, k = weight.shape
-    return (per_assignment.view(tokens, k, per_assignment.shape[-1]) * weight.unsqueeze(-1).to(per_assignment.dtype)).sum(dim=1)
+    per_assignment = torch.empty_like(rows)
+    per_assignment[order] = rows
+    weighted = per_assignment.view(tokens, k, rows.shape[-1]) * weight.unsqueeze(-1).to(rows.dtype)
+    return weighted.sum(dim=1)
