@@ -73,7 +73,35 @@ def test_a_model_that_declares_no_plan_gets_no_adapter_and_one_line() -> None:
     with pytest.raises(PlaitError, match="tensor parallelism needs a plan for a Qwen3ForCausalLM: "
                                          "it declares no tp_plan"):
         DeclaredPlanAdapter().tensor_plan(model, 2, False)
-    with pytest.raises(PlaitError, match="pp needs to know how to cut Qwen3ForCausalLM: it declares no pp_plan"):
+
+
+def test_a_model_laid_out_as_its_siblings_is_cut_as_inferred(caplog: pytest.LogCaptureFixture) -> None:
+    """No pp plan (or only the head's, as OLMoE and PhiMoE declare): the embedding, the one
+    list of layers and the final norm under the base model, and the head, are the cut; the
+    stages in a row are the model, and the log says the cut was inferred."""
+    model = qwen3()
+    model._pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    adapter = DeclaredPlanAdapter()
+    with caplog.at_level("INFO", logger="plait.models.hf_plans"):
+        parts = adapter.parts(model)
+    assert (parts.blocks, parts.first, parts.last) == ("model.layers", ("model.embed_tokens",), ("model.norm", "lm_head"))
+    assert "declares no pp_plan; cutting it as inferred: model.embed_tokens, model.layers, model.norm, lm_head" \
+        in caplog.text
+    ids = torch.randint(0, 64, (2, 12))
+    x = ids
+    for stage in split_stages(model, 2, adapter=adapter):
+        x = stage(x)
+    assert torch.equal(x, model(input_ids=ids).logits)
+
+
+def test_a_model_not_laid_out_as_its_siblings_is_refused_for_pp() -> None:
+    model = qwen3()
+    model._pp_plan = {}
+    embedding = model.model.embed_tokens
+    del model.model.embed_tokens
+    model.model.embed_tokens = embedding  # registered last: the base model no longer starts with it
+    with pytest.raises(PlaitError, match="pp needs to know how to cut Qwen3ForCausalLM: it declares no pp_plan, "
+                                         "and it is not an embedding, one list of layers and a final norm"):
         split_stages(model, 2, adapter=DeclaredPlanAdapter())
 
 
@@ -101,13 +129,25 @@ def test_qwen3_stages_in_a_row_are_the_model(v: int) -> None:
     assert len(adapter.blocks(model)) == 4
 
 
-def test_a_forward_that_does_more_than_its_pieces_is_refused_for_pp() -> None:
-    """Gemma2 caps its logits in its forward, which its pp_plan cannot say: plait checks the
-    pieces in a row against the forward on a few tokens, and refuses."""
+def test_what_the_forward_does_after_the_head_runs_on_the_last_stage() -> None:
+    """Gemma2 caps its logits in its forward, which its pp_plan cannot say: the last stage runs
+    the head through that forward, so the stages in a row are the model, cap included."""
     torch.manual_seed(0)
     config = transformers.Gemma2Config(**{**SHAPE, "head_dim": 4}, final_logit_softcapping=0.5)
     model = transformers.Gemma2ForCausalLM(config)
-    with pytest.raises(PlaitError, match="pp: Gemma2ForCausalLM's forward does more than its pp_plan's pieces"):
+    ids = torch.randint(0, 64, (2, 12))
+    x = ids
+    for stage in split_stages(model, 2, adapter=adapter_for(model)):
+        x = stage(x)
+    assert torch.equal(x, model(input_ids=ids).logits) and x.abs().max() <= 0.5
+
+
+def test_a_forward_that_does_more_than_its_pieces_is_refused_for_pp() -> None:
+    """A base model whose forward does more than its pieces in a row (here a hook doubling its
+    output) is checked on a few tokens against the model's own forward, and refused."""
+    model = qwen3()
+    model.model.register_forward_hook(lambda module, args, out: out.__class__(last_hidden_state=2 * out[0]))
+    with pytest.raises(PlaitError, match="pp: Qwen3ForCausalLM's forward does more than its pp_plan's pieces"):
         split_stages(model, 2, adapter=adapter_for(model))
 
 

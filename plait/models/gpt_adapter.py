@@ -73,6 +73,13 @@ class GPTAdapter:
             x = stage.held("lm_head")(stage.held("norm")(x))
         return x
 
+    def probe_input(self, model: nn.Module, tokens: int) -> tuple[tuple, dict]:
+        """The batch a split is checked on before training (plait.parallel.probe): ids spread
+        over the vocabulary, so every tensor-parallel rank's rows are read."""
+        vocab, device = model.config.vocab_size, model.embed.weight.device
+        ids = (torch.arange(tokens, device=device) * max(1, vocab // tokens) + 1) % vocab
+        return (ids.unsqueeze(0),), {}
+
     def tensor_plan(self, model: nn.Module, tp: int, sp: bool) -> dict[str, str]:
         model.config.check_split(tp, sp)  # one home: the shape's own check, shared with the estimator
         if not model.config.is_moe:

@@ -31,6 +31,7 @@ from torch import nn
 from plait.models import hf_context
 from plait.models.hf_hooks import check_splits, split_sequence_around
 from plait.models.hf_stages import causal_masks, stage_positions
+from plait.models.hf_styles import probe_input
 from plait.parallel.seam import Parts
 from plait.runtime.comm import Axis
 
@@ -82,6 +83,10 @@ class GPT2Adapter:
         if stage.is_last:
             x = stage.held("lm_head")(stage.held("transformer.ln_f")(x))
         return x
+
+    def probe_input(self, model: nn.Module, tokens: int) -> tuple[tuple, dict]:
+        """The batch a split is checked on before training (plait.parallel.probe)."""
+        return probe_input(model, tokens)
 
     def tensor_plan(self, model: nn.Module, tp: int, sp: bool) -> dict[str, str]:
         """The tp plan in GPT-2's names; each rank must hold whole heads and MLP columns."""

@@ -21,6 +21,7 @@ the head; across pipeline ranks the split makes two copies whose gradients are s
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -29,9 +30,11 @@ from torch import nn
 from plait.errors import PlaitError
 from plait.models import hf_context, hf_stages
 from plait.models.hf_hooks import split_sequence_around
-from plait.models.hf_styles import check_config, for_sequence_parallel, plait_plan
+from plait.models.hf_styles import check_config, for_sequence_parallel, plait_plan, probe_input
 from plait.parallel.seam import GenericAdapter, Parts, StageView
 from plait.runtime.comm import Axis
+
+log = logging.getLogger(__name__)
 
 
 def declares_plans(model: nn.Module) -> bool:
@@ -45,6 +48,8 @@ class DeclaredPlanAdapter:
     def __init__(self) -> None:
         self._parts: Parts | None = None
         self._config: Any = None
+        self._head: hf_stages.OwnHead | None = None
+        self._maskless: frozenset[str] = frozenset()
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         """The repeated blocks: the pp plan's module list (else the tp plan's), else the generic answer."""
@@ -54,21 +59,30 @@ class DeclaredPlanAdapter:
     def parts(self, model: nn.Module) -> Parts:
         """The cut `pp_plan` declares, checked on a few tokens against the model's own forward."""
         plan = declared(model, "pp")
-        if not plan:
-            raise PlaitError(f"pp needs to know how to cut {type(model).__name__}: it declares no pp_plan",
-                             hint=hf_stages.HINT)
+        if not hf_stages.names_a_list(model, plan):  # none, or the head's alone (OLMoE, PhiMoE)
+            plan = hf_stages.inferred_plan(model)
+            if not plan:
+                raise PlaitError(f"pp needs to know how to cut {type(model).__name__}: it declares no pp_plan, "
+                                 "and it is not an embedding, one list of layers and a final norm",
+                                 hint=hf_stages.HINT)
+            log.info("pp: %s declares no pp_plan; cutting it as inferred: %s", type(model).__name__, ", ".join(plan))
         config = _text_config(model)
-        hf_stages.check_kinds(model, config)
         parts = hf_stages.declared_parts(model, plan)
-        hf_stages.check_cut(model, parts, config)
-        self._parts, self._config = parts, config
+        maskless = hf_stages.check_kinds(model, config, parts.blocks)
+        head = hf_stages.OwnHead(model)
+        hf_stages.check_cut(model, parts, config, head, maskless)
+        self._parts, self._config, self._head, self._maskless = parts, config, head, maskless
         return parts
 
     def run_stage(self, stage: StageView, x: torch.Tensor) -> torch.Tensor:
         """Ids or hidden states in; hidden states or logits out (models/hf_stages.py)."""
         if self._parts is None:
             raise PlaitError("run_stage before parts(): cut the model with this adapter first")
-        return hf_stages.run_stage(stage, x, self._parts, self._config)
+        return hf_stages.run_stage(stage, x, self._parts, self._config, self._head, self._maskless)
+
+    def probe_input(self, model: nn.Module, tokens: int) -> tuple[tuple, dict]:
+        """The batch a split is checked on before training (plait.parallel.probe)."""
+        return probe_input(model, tokens)
 
     def tensor_plan(self, model: nn.Module, tp: int, sp: bool) -> dict[str, str]:
         """The declared tp_plan in plait's styles; PlaitError for a style or a size plait cannot split.

@@ -16,25 +16,36 @@ says slide (else all of them when `config.sliding_window` is set), made inside t
 a stage passes only hidden states on. A family without a `rotary_emb`, or with a layer type
 plait makes no mask for, is refused for pp > 1 in one line.
 
-A declaration says where to cut, not everything the forward does between the pieces (a
-logit soft-cap, a scaled embedding...). So before the first cut plait runs the pieces in a
-row, as the stages will, on a few tokens, and refuses the pipeline in one line unless the
-logits are exactly the model's own.
+The pieces outside the base model (the head) run through the causal LM's own forward, with
+the base model standing in as the hidden states the stage made (`OwnHead`): what that
+forward does after the head (Gemma 2's logit soft-cap, Cohere's logit scale) runs on the
+last stage as the model does it, read from the model, not from a list of families.
+
+A model that declares no pp plan but is laid out as its declared siblings are (one list of
+layers between an embedding and a final norm, under the base model) is cut the same way
+(`inferred_plan`); the log says so.
+
+A declaration says where to cut, not everything the forward does between the pieces. So
+before the first cut plait runs the pieces in a row, as the stages will, on a few tokens,
+and refuses the pipeline in one line unless the logits are exactly the model's own.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any
 
 import torch
 from torch import nn
 
 from plait.errors import PlaitError
-from plait.models.hf_styles import probe_ids, quiet
+from plait.models.hf_styles import probe_ids
+from plait.parallel.probe import quiet
 from plait.parallel.seam import Parts, StageView
 from plait.parallel.tensor.plan import tensor_parallel_of
 
+log = logging.getLogger(__name__)
 ROTARY = "rotary_emb"
 HINT = ("train it with pp 1 (dp, ZeRO and tp need no cut), or give parallelize an adapter whose "
         "parts() and run_stage() say how (plait.parallel.seam)")
@@ -94,8 +105,69 @@ def layer_kinds(config: Any) -> list[str]:
     return ["sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
 
 
-def run_stage(stage: StageView, x: torch.Tensor, parts: Parts, config: Any) -> torch.Tensor:
-    """Ids or hidden states (batch, seq, hidden) in; hidden states or logits out."""
+class OwnHead:
+    """The causal LM's own forward after its base model, run on the last stage: the base model
+    stands in as the hidden states the stage made, the held head is the model's, so whatever
+    the forward does around the head (a soft-cap, a scale) runs as the model does it."""
+
+    def __init__(self, model: nn.Module):
+        self.cls, self.prefix = type(model), getattr(model, "base_model_prefix", "")
+        # the model's own attributes (config, logit_scale...), without its modules and parameters
+        self.state = {key: value for key, value in vars(model).items() if key not in ("_modules", "_parameters")}
+        self.router_flag = "output_router_logits" in inspect.signature(self.cls.forward).parameters
+
+    def wraps(self, name: str) -> bool:
+        """Whether the piece `name` runs inside the model's own forward (outside its base model)."""
+        return bool(self.prefix) and not name.startswith(f"{self.prefix}.")
+
+    def __call__(self, stage: StageView, names: tuple[str, ...], hidden: torch.Tensor) -> torch.Tensor:
+        shell = object.__new__(self.cls)
+        vars(shell).update(self.state)
+        vars(shell).update(_parameters={}, _modules={self.prefix: _Hidden(hidden),
+                                                      **{name: stage.held(name) for name in names}})
+        extra = {"output_router_logits": False} if self.router_flag else {}
+        return _first(getattr(self.cls.forward(shell, use_cache=False, **extra), "logits", None))
+
+
+class _Hidden(nn.Module):
+    """Stands in for a base model: returns the hidden states it was given."""
+
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__()
+        self.hidden = hidden
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        from transformers.modeling_outputs import MoeModelOutputWithPast  # every field a forward reads
+
+        return MoeModelOutputWithPast(last_hidden_state=self.hidden)
+
+
+def names_a_list(model: nn.Module, plan: dict[str, Any]) -> bool:
+    """Whether `plan` names a module list of `model` (the layers a pipeline cuts)."""
+    modules = dict(model.named_modules())
+    return any(isinstance(modules.get(key), nn.ModuleList) for key in plan)
+
+
+def inferred_plan(model: nn.Module) -> dict[str, Any]:
+    """The pp plan of a model that declares none, as its declared siblings' read: the base
+    model's children with parameters (an embedding, one list of layers, a final norm) and the
+    head. {} unless the base model's first such child is the input embedding."""
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else None
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if not isinstance(base, nn.Module) or head is None:
+        return {}
+    pieces = [name for name, child in base.named_children() if any(True for _ in child.parameters())]
+    if not pieces or base.get_submodule(pieces[0]) is not embedding:
+        return {}
+    tops = [name for name, child in model.named_children() if child is head]
+    return {**{f"{prefix}.{name}": None for name in pieces}, **{name: None for name in tops}}
+
+
+def run_stage(stage: StageView, x: torch.Tensor, parts: Parts, config: Any, head: OwnHead | None = None,
+              maskless: frozenset[str] = frozenset()) -> torch.Tensor:
+    """Ids or hidden states (batch, seq, hidden) in; hidden states or logits out. `head`: the
+    model's own forward around its head; `maskless`: the layer types given no mask."""
     if stage.is_first:
         for name in parts.first:
             x = _first(stage.held(name)(x))
@@ -106,13 +178,16 @@ def run_stage(stage: StageView, x: torch.Tensor, parts: Parts, config: Any) -> t
     whole = x[:, :1].expand(x.shape[0], seq, x.shape[-1])  # the shape the masks are made for
     kinds = layer_kinds(config)
     angles = _angles(rotary, whole, positions, set(kinds))
-    masks = causal_masks(config, whole, positions, set(kinds))
+    masks = {**causal_masks(config, whole, positions, set(kinds) - maskless), **dict.fromkeys(maskless)}
     for i, block in enumerate(stage.held_blocks(), start=stage.first_layer):
         x = _first(block(x, attention_mask=masks[kinds[i]], position_ids=positions,
                          position_embeddings=angles[kinds[i]], use_cache=False))
     if stage.is_last:
-        for name in parts.last:
+        inside = tuple(name for name in parts.last if head is None or not head.wraps(name))
+        for name in inside:
             x = _first(stage.held(name)(x))
+        if len(inside) < len(parts.last):
+            x = head(stage, tuple(name for name in parts.last if name not in inside), x)
     return x
 
 
@@ -148,12 +223,33 @@ def causal_masks(config: Any, whole: torch.Tensor, positions: torch.Tensor, kind
                              **{cache: None}) for kind in kinds}
 
 
-def check_kinds(model: nn.Module, config: Any) -> None:
-    """pp only makes full and sliding-window causal masks: one line for any other layer type."""
-    other = sorted(set(layer_kinds(config)) - {"full_attention", "sliding_attention"})
-    if other:
-        raise PlaitError(f"pp: {type(model).__name__} has {other[0]} layers, and plait's stages make only "
-                         "full and sliding-window causal masks", hint=HINT)
+MADE = ("full_attention", "sliding_attention")  # the layer types whose masks a stage makes
+
+
+def check_kinds(model: nn.Module, config: Any, blocks: str) -> frozenset[str]:
+    """The layer types beyond full and sliding attention (linear attention...) to which the
+    model's own forward gives no mask on an unpadded batch, as plait's batches are: a stage
+    gives them none either. One line for a type that gets one, which a stage cannot make."""
+    other = sorted(set(layer_kinds(config)) - set(MADE))
+    if not other:
+        return frozenset()
+    given: dict[str, list[Any]] = {kind: [] for kind in other}
+    kinds = layer_kinds(config)
+    handles = [block.register_forward_pre_hook(
+        lambda module, args, kwargs, kind=kinds[i]: given.get(kind, []).append(
+            kwargs.get("attention_mask", "positional") if len(args) < 2 else "positional"), with_kwargs=True)
+        for i, block in enumerate(model.get_submodule(blocks))]
+    try:
+        with quiet(model):
+            model(input_ids=probe_ids(model, 4))
+    finally:
+        for handle in handles:
+            handle.remove()
+    for kind in other:
+        if any(mask is not None for mask in given[kind]):
+            raise PlaitError(f"pp: {type(model).__name__}'s {kind} layers take a mask its own forward makes, and "
+                             "plait's stages make only full and sliding-window causal masks", hint=HINT)
+    return frozenset(other)
 
 
 class WholeModel:
@@ -175,15 +271,17 @@ class WholeModel:
         return None  # the probe runs whole sequences
 
 
-def check_cut(model: nn.Module, parts: Parts, config: Any) -> None:
+def check_cut(model: nn.Module, parts: Parts, config: Any, head: OwnHead | None = None,
+              maskless: frozenset[str] = frozenset()) -> None:
     """Refuse the cut unless its pieces, run in a row as the stages run them, give exactly the
     model's own logits on a few tokens (a multiple of tp under sequence parallelism)."""
     info = tensor_parallel_of(model)
     ids = probe_ids(model, 4 * (info.axis.size if info is not None and info.sp else 1))
     with quiet(model):
         own = getattr(model(input_ids=ids), "logits", None)
-        staged = run_stage(WholeModel(model, parts), ids, parts, config)
+        staged = run_stage(WholeModel(model, parts), ids, parts, config, head, maskless)
     if own is None or own.shape != staged.shape or not torch.equal(own, staged):
         raise PlaitError(f"pp: {type(model).__name__}'s forward does more than its pp_plan's pieces in a row "
                          "(on a few test tokens its logits differ from the stages'), so plait cannot cut it",
                          hint=HINT)
+    log.info("pp: %s's pieces in a row give its own logits on a %d-token probe", type(model).__name__, ids.shape[1])

@@ -35,9 +35,7 @@ whole sequence.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -46,6 +44,7 @@ from torch import nn
 
 from plait.errors import PlaitError
 from plait.models.hf_hooks import check_splits
+from plait.parallel.probe import quiet
 from plait.parallel.tensor.plan import first_input_name
 from plait.parallel.tensor.styles import COLUMNS, ROWS, parse_style
 
@@ -178,22 +177,14 @@ def _sp_refusal(model: nn.Module, why: str) -> PlaitError:
                       hint="drop --sp (tensor parallelism alone splits it as it declares)")
 
 
-@contextlib.contextmanager
-def quiet(model: nn.Module) -> Iterator[None]:
-    """A probe forward: no gradients, no dropout (nor the random numbers it would draw), and
-    every module's training flag back as it was afterwards."""
-    modes = [(module, module.training) for module in model.modules()]
-    model.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        for module, mode in modes:
-            module.training = mode
-
-
 def probe_ids(model: nn.Module, length: int) -> torch.Tensor:
-    """(1, length) token ids for a probe forward, on the model's device."""
+    """(1, length) token ids for a probe forward, on the model's device, spread over the
+    vocabulary (every tensor-parallel rank's rows are read)."""
     vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
     device = next(model.parameters()).device
-    return (torch.arange(length, device=device) % vocab).unsqueeze(0)
+    return ((torch.arange(length, device=device) * max(1, vocab // length) + 1) % vocab).unsqueeze(0)
+
+
+def probe_input(model: nn.Module, length: int) -> tuple[tuple, dict]:
+    """The (args, kwargs) of a transformers causal LM's probe forward (plait.parallel.probe)."""
+    return (), {"input_ids": probe_ids(model, length)}

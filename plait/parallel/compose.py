@@ -13,6 +13,8 @@ The order is the one every strategy assumes of the others, and any product of th
    takes its slice of the same initial weights);
 2. split the experts of a mixture of experts over the ep ranks (plait.parallel.expert: each
    keeps experts / ep and dispatches tokens by all-to-all; ep is carved out of dp);
+   then check what 0-2 split against the whole model on a few tokens, recorded before any
+   of it (plait.parallel.probe): a split that would train another model is refused here;
 3. cut the result into pipeline stages and keep this rank's (`apply_pipeline`);
 4. replicate or shard what is left across the data-parallel ranks: plain data parallelism
    (ZeRO stage 0) or ZeRO stages 1-3, over the stages when pipelined. The cp ranks hold
@@ -37,10 +39,13 @@ from plait.parallel.clip import clip_grad_norm
 from plait.parallel.compiled import apply_compile
 from plait.parallel.context.plan import apply_context_parallel, context_of
 from plait.parallel.data.sync import apply_data_parallel, grad_sync
+from plait.parallel.expert.dispatch import take_formula
 from plait.parallel.expert.plan import apply_expert_parallel, expert_axis
+from plait.parallel import probe
 from plait.parallel.masters import MasterOptimizer
 from plait.parallel.pipeline.runner import apply_pipeline
 from plait.parallel.pipeline.split import is_pipeline
+from plait.parallel.probe import probe_tokens
 from plait.parallel.recompute import apply_recompute
 from plait.parallel.seam import ModelAdapter, adapter_of
 from plait.parallel.data.syncbn import convert_sync_batchnorm
@@ -85,6 +90,9 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = No
     config, layout = config or ParallelConfig(), mesh.layout
     check_recompute(layout, config.recompute)
     adapter = adapter_of(model, adapter)
+    splits = _splits_to_check(model, mesh)
+    tokens = probe_tokens(mesh.size("tp") if layout.sp else 1, mesh.size("cp"))
+    whole = probe.record(model, adapter, tokens) if splits else None  # before any split: the one-process model
     if config.sync_bn and mesh.size("dp") > 1 and convert_sync_batchnorm(model, mesh.axis("dp")) == 0:
         raise PlaitError(f"sync_bn is set, and {type(model).__name__} has no BatchNorm layers",
                          hint="drop sync_bn (or --sync-bn): there are no batch statistics to share")
@@ -115,6 +123,8 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = No
             raise PlaitError("expert parallelism is applied to the whole model, before the pipeline cut",
                              hint="pass the whole model to parallelize: it cuts the stages itself")
         apply_expert_parallel(model, mesh.axis(EXPERT), adapter)
+    probe.check(model, whole, mesh.axis("world"), tp=mesh.axis("tp"), sp=layout.sp, what=splits)
+    take_formula(model)  # the probe's expert dispatches are set-up, as its ledger entries are
     if mesh.size("pp") > 1 and not cut:
         model = apply_pipeline(model, mesh, virtual_stages=layout.virtual_stages, adapter=adapter)
     model.to(mesh.device)
@@ -127,6 +137,22 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = No
                    units=units, reduce_dtype=config.reduce_dtype, prefetch=layout.prefetch,
                    reshard_after_forward=layout.reshard_after_forward, expert_axis=mesh.axis(EXPERT_SYNC))
     return model
+
+
+def _splits_to_check(model: nn.Module, mesh: Mesh) -> str:
+    """The splits this call applies that change what a forward computes inside the model
+    ("tp 2 + sp, ep 2"), which the probe checks; "" when none (the pipeline's cut has its own
+    check, data parallelism and ZeRO hold the model whole in each forward)."""
+    if is_pipeline(model):
+        return ""
+    layout, applied = mesh.layout, []
+    if mesh.size("cp") > 1 and context_of(model) is None:
+        applied.append(f"cp {mesh.size('cp')} ({layout.cp_kind})")
+    if mesh.size("tp") > 1 and tensor_parallel_of(model) is None:
+        applied.append(f"tp {mesh.size('tp')}" + (" + sp" if layout.sp else ""))
+    if mesh.size(EXPERT) > 1 and expert_axis(model) is None:
+        applied.append(f"ep {mesh.size(EXPERT)}")
+    return ", ".join(applied)
 
 
 def adamw_kernel(kernel: str, device: torch.device) -> dict[str, Any]:

@@ -79,6 +79,19 @@ class Ledger:
     def snapshot(self) -> dict[tuple[str, str, str], Tally]:
         return {key: Tally(t.calls, t.payload, t.wire) for key, t in self.tallies.items()}
 
+    def move_since(self, snapshot: dict[tuple[str, str, str], Tally], purpose: str) -> None:
+        """Count what was recorded for training after `snapshot` as `purpose` instead (a check
+        before training runs the training code, and sends what that sends)."""
+        for (p, axis, op), tally in list(self.tallies.items()):
+            before = snapshot.get((p, axis, op), Tally())
+            if p != TRAIN or tally.calls == before.calls:
+                continue
+            moved = self.tallies[(purpose, axis, op)]
+            moved.calls += tally.calls - before.calls
+            moved.payload += tally.payload - before.payload
+            moved.wire += tally.wire - before.wire
+            tally.calls, tally.payload, tally.wire = before.calls, before.payload, before.wire
+
     def since(self, snapshot: dict[tuple[str, str, str], Tally],
               purpose: str = TRAIN) -> dict[str, dict[str, float]]:
         """{axis: {op: wire bytes}} recorded after `snapshot` was taken."""

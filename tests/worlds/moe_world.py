@@ -35,6 +35,7 @@ from plait.models.config import get_preset
 from plait.models.gpt import build_gpt
 from plait.parallel.compose import parallelize
 from plait.parallel.expert.dispatch import take_formula
+from plait.runtime import comm
 from plait.runtime.env import ProcessEnv
 from plait.runtime.mesh import init_mesh
 from plait.train.config import TrainConfig
@@ -106,7 +107,7 @@ def one_layer(rank: int) -> dict[str, Any]:
     before = mesh.ledger.snapshot()
     model(ids).sum().backward()
     calls = {key[2]: tally.calls - (before[key].calls if key in before else 0)
-             for key, tally in mesh.ledger.tallies.items() if key[1] == "ep"}
+             for key, tally in mesh.ledger.tallies.items() if key[:2] == (comm.TRAIN, "ep")}
     return {"measured": mesh.ledger.since(before).get("ep", {}), "formula": take_formula(model), "calls": calls,
             "moe_layers": get_preset("tiny-moe").moe_layers}
 

@@ -9,7 +9,9 @@ checkpoints:
   rank holds its slice of every part (`Shard.fused`).
 - `RowParallelLinear`: columns of W (input features) split; input sharded, output summed.
 - `VocabParallelEmbedding`: rows of the table (tokens) split; each rank looks up the tokens it
-  owns, writes zeros for the others, and the ranks' outputs are summed.
+  owns, writes zeros for the others, and the ranks' outputs are summed. An nn.Embedding
+  subclass whose forward does more than the lookup (Gemma scales it by sqrt(hidden)) is
+  split in place instead (`split_embedding_in_place`), so its own arithmetic still runs.
 
 A column layer followed by a row layer needs one collective each way: the column's input
 enters the region (`copy_to_region`, or an all-gather with sequence parallelism) and the
@@ -30,13 +32,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.errors import PlaitError
 from plait.parallel.tensor import regions
 from plait.parallel.tensor.slices import SHARD_ATTR, Shard, shard_of, shard_param
 from plait.runtime import comm
 from plait.runtime.comm import Axis
 
 __all__ = ["SHARD_ATTR", "ColumnParallelLinear", "RowParallelLinear", "Shard", "VocabParallelEmbedding",
-           "enter_region", "is_conv1d", "layout_of", "leave_region", "shard_of", "shard_param", "sum_grad_over"]
+           "enter_region", "is_conv1d", "layout_of", "leave_region", "overrides_forward", "shard_of", "shard_param",
+           "split_embedding_in_place", "sum_grad_over"]
 
 class WeightLayout(NamedTuple):
     """A dense layer's sizes, and which dimension of its stored weight indexes the outputs."""
@@ -245,11 +249,73 @@ class VocabParallelEmbedding(nn.Module):
         return cls(shard_param(embedding.weight, 0, axis, memo), axis, padding_idx=embedding.padding_idx, **options)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        local = ids - self.start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        rows = F.embedding(local.masked_fill(outside, 0), self.weight, padding_idx=self.local_padding)
-        rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
-        return leave_region(rows, self.axis, self.sequence_parallel)
+        local, outside = owned_ids(ids, self.start, self.weight.shape[0])
+        rows = F.embedding(local, self.weight, padding_idx=self.local_padding)
+        return sum_owned_rows(rows, outside, self.axis, self.sequence_parallel)
 
     def extra_repr(self) -> str:
         return f"local={tuple(self.weight.shape)}, tp={self.axis.size}, sp={self.sequence_parallel}"
+
+
+def owned_ids(ids: torch.Tensor, start: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids as rows of this rank's slice, 0 where another rank owns the token; where that is)."""
+    local = ids - start
+    outside = (local < 0) | (local >= rows)
+    return local.masked_fill(outside, 0), outside
+
+
+def sum_owned_rows(rows: torch.Tensor, outside: torch.Tensor, axis: Axis, sequence_parallel: bool) -> torch.Tensor:
+    """Zeros for the tokens another rank owns, then the ranks' rows summed: each token's row
+    comes from its owner alone, whatever per-token arithmetic made it."""
+    return leave_region(rows.masked_fill(outside.unsqueeze(-1), 0.0), axis, sequence_parallel)
+
+
+def overrides_forward(module: nn.Module, base: type) -> bool:
+    """Whether `module`'s class is a subclass of `base` whose forward is its own (arithmetic
+    around the base's: Gemma's scaled embedding), which a replacement layer would drop."""
+    return isinstance(module, base) and getattr(type(module), "forward", None) is not base.forward
+
+
+class _InPlaceVocab:
+    """The forward hooks of an embedding split in place: the ids become this rank's rows
+    before the module's own forward; its output (its arithmetic included) is zeroed for the
+    tokens other ranks own and summed after."""
+
+    def __init__(self, start: int, rows: int, axis: Axis, sequence_parallel: bool, input_name: str | None):
+        self.start, self.rows, self.axis, self.sequence_parallel = start, rows, axis, sequence_parallel
+        self.input_name, self.outside = input_name, []  # one entry per forward in flight
+
+    def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        ids = args[0] if args else kwargs.get(self.input_name or "")
+        if not isinstance(ids, torch.Tensor):
+            raise PlaitError(f"{type(module).__name__} was called without its token ids",
+                             hint="a split embedding reads the ids as the first argument of its forward")
+        local, outside = owned_ids(ids, self.start, self.rows)
+        self.outside.append(outside)
+        return ((local, *args[1:]), kwargs) if args else (args, {**kwargs, self.input_name: local})
+
+    def after(self, module: nn.Module, args: tuple, out: Any) -> torch.Tensor:
+        outside = self.outside.pop()
+        if not isinstance(out, torch.Tensor) or out.shape[:-1] != outside.shape:
+            raise PlaitError(f"{type(module).__name__}'s forward does not return one row per token, so "
+                             "plait cannot split its vocabulary", hint="leave it out of the tp plan")
+        return sum_owned_rows(out, outside, self.axis, self.sequence_parallel)
+
+
+def split_embedding_in_place(embedding: nn.Embedding, axis: Axis, memo: dict[int, nn.Parameter], *,
+                             sequence_parallel: bool = False, input_name: str | None = None) -> nn.Embedding:
+    """`embedding` (an nn.Embedding subclass with its own forward) holding this rank's rows of
+    the table, its class, buffers and forward kept: hooks around that forward do what
+    `VocabParallelEmbedding` does around F.embedding. Exact for any per-token arithmetic
+    (a scale, a norm), since only the owner's row of each token survives the sum. `input_name`:
+    the forward's ids argument, when called by keyword."""
+    weight = shard_param(embedding.weight, 0, axis, memo)
+    start, padding = axis.rank * weight.shape[0], embedding.padding_idx
+    embedding.weight = weight
+    embedding.num_embeddings = weight.shape[0]
+    local = None if padding is None else padding - start
+    embedding.padding_idx = local if local is not None and 0 <= local < weight.shape[0] else None
+    hooks = _InPlaceVocab(start, weight.shape[0], axis, sequence_parallel, input_name)
+    embedding.register_forward_pre_hook(hooks.before, with_kwargs=True)
+    embedding.register_forward_hook(hooks.after)
+    return embedding

@@ -29,7 +29,8 @@ from plait.errors import PlaitError
 from plait.parallel.seam import adapter_of, tensor_plan
 from plait.parallel.tensor.entry import SharedEntry
 from plait.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, Shard,
-                                          VocabParallelEmbedding, enter_region, shard_of, sum_grad_over)
+                                          VocabParallelEmbedding, enter_region, overrides_forward, shard_of,
+                                          split_embedding_in_place, sum_grad_over)
 from plait.parallel.tensor.loss import vocab_parallel_cross_entropy
 from plait.runtime import comm
 from plait.runtime.comm import Axis
@@ -111,6 +112,8 @@ def _swap_layers(model: nn.Module, styles: dict[str, str], axis: Axis, sp: bool,
         elif style in ROWS:
             _replace(model, name, RowParallelLinear.from_dense(module, axis, memo, sequence_parallel=sp,
                                                                split_input=style == "row_split", entry=entry))
+        elif style == "vocab" and overrides_forward(module, nn.Embedding):  # keep its own arithmetic
+            split_embedding_in_place(module, axis, memo, sequence_parallel=sp, input_name=first_input_name(module))
         elif style == "vocab" and isinstance(module, nn.Embedding):
             _replace(model, name, VocabParallelEmbedding.from_dense(module, axis, memo, sequence_parallel=sp))
         elif style in (*COLUMNS, "vocab"):

@@ -35,7 +35,7 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from plait.errors import PlaitError
-from plait.parallel.tensor.layers import is_conv1d, layout_of
+from plait.parallel.tensor.layers import is_conv1d, layout_of, overrides_forward
 
 STYLES = ("column", "column_gather", "row", "row_split", "vocab", "region", "sequence", "grad_sum")
 COLUMNS = ("column", "column_gather")  # styles whose layer enters the region from a whole input
@@ -106,6 +106,11 @@ def _check_kind(name: str, module: nn.Module, style: str) -> None:
     if style in KINDS and not any(fits[kind] for kind in KINDS[style]):
         raise PlaitError(f"tensor-parallel plan: {name} is a {type(module).__name__}, "
                          f"but style {style!r} needs {' or '.join(KINDS[style])}")
+    if style in KINDS and fits["Linear"] and overrides_forward(module, nn.Linear):
+        # plait's column and row layers replace the module: its own forward would be dropped
+        raise PlaitError(f"tensor-parallel plan: {name} is a {type(module).__name__}, whose forward does more "
+                         f"than nn.Linear's, and style {style!r} would replace it",
+                         hint=f"leave {name} out of the tp plan (it then stays whole on every rank)")
 
 
 def _split_size(module: nn.Module, style: str) -> tuple[str, int]:

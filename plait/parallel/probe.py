@@ -1,0 +1,277 @@
+"""A split is checked against the whole model before it trains: exact or refused, never drifting.
+
+A plan says which modules to split, not everything a model does: a module subclass with its
+own arithmetic (Gemma's scaled embedding), a layer reading what the split changed... Those
+would train a different model in silence. So `parallelize` runs the whole model once on a
+probe batch of a few tokens before tensor, expert and context parallelism touch it
+(`record`), and the split model on the same batch after (`check`):
+
+- the split model's output is compared with the whole model's, as this rank should hold it
+  (its sequence positions under cp and SP, the vocabulary gathered over tp), within the
+  split's tolerance (`TOLERANCE`, by the model's dtype);
+- where it differs, or the split model raises, the module whose output first differs (or
+  that raised) is found from every module's output, in the order the whole model ran them;
+- the ranks agree on the verdict (one all-reduce), so every rank refuses with the same one
+  line, or none does.
+
+The probe costs one forward of the whole model and one of the split model, on
+`PROBE_TOKENS` tokens (more when cp or SP must divide them), without gradients, dropout,
+compilation or the random numbers training draws; its collectives are counted as set-up,
+not training. A model whose adapter gives no probe input (`probe_input`) is not checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.errors import PlaitError
+from plait.parallel.compiled import eager
+from plait.parallel.context.chunks import shard_sequence
+from plait.parallel.context.plan import context_engaged, context_of, shard_batch
+from plait.parallel.tensor.ops import all_gather_stacked
+from plait.runtime import comm
+from plait.runtime.comm import Axis
+
+log = logging.getLogger(__name__)
+
+PROBE_TOKENS = 8
+SETUP = "setup"  # the ledger's purpose for what the probe sends
+# Relative error allowed between the split and the whole model: a split changes the order of
+# sums (1e-6 in fp32 here), never the model; a 16-bit model rounds each sum to its precision.
+TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+NOT_FOUND = 1 << 30
+
+
+@dataclass
+class Probe:
+    """The whole model's outputs on the probe batch: every module's, in the order they ran."""
+
+    inputs: tuple[tuple, dict]
+    tokens: int
+    order: list[str] = field(default_factory=list)  # module names, each call once, as they finished
+    kinds: dict[str, str] = field(default_factory=dict)  # module name -> its class in the whole model
+    outputs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    final: torch.Tensor | None = None
+    seconds: float = 0.0
+
+
+def probe_tokens(tp_sp: int, cp: int) -> int:
+    """Tokens per probe sequence: a few, divisible by the SP degree and by cp's 2·cp chunks."""
+    return math.lcm(PROBE_TOKENS, tp_sp, 2 * cp)
+
+
+def record(model: nn.Module, adapter: Any, tokens: int) -> Probe | None:
+    """The whole model on a probe batch of `tokens` tokens (None: the adapter gives no input)."""
+    make = getattr(adapter, "probe_input", None)
+    if not callable(make):
+        return None
+    start = time.perf_counter()
+    probe = Probe(inputs=make(model, tokens), tokens=tokens)
+    probe.kinds = {name or "(the model)": type(module).__name__ for name, module in model.named_modules()}
+    with _watching(model, probe.order, probe.outputs), quiet(model):
+        probe.final = _output(model(*probe.inputs[0], **probe.inputs[1]))
+    probe.seconds = time.perf_counter() - start
+    return probe
+
+
+def check(model: nn.Module, probe: Probe | None, world: Axis, *, tp: Axis, sp: bool, what: str) -> None:
+    """Refuse, on every rank alike, a split model whose output on the probe batch is not the
+    whole model's (see the module docstring). `what` names the split ("tp 2 + sp")."""
+    if probe is None:
+        return
+    start, before = time.perf_counter(), world.ledger.snapshot()
+    order: list[str] = []
+    outputs: dict[str, list[torch.Tensor]] = {}
+    failed: list[str] = []  # the innermost module that raised, and the error's first line
+    context = context_of(model)
+    try:
+        with _watching(model, order, outputs, failed), quiet(model), context_engaged(model):
+            args, kwargs = _sharded_inputs(model, probe.inputs) if context is not None else probe.inputs
+            final = _output(model(*args, **kwargs))
+        views = _Views(probe.tokens, context, tp, sp)
+        final = views.gathered(final, probe.final)
+        worst = _error(final, views.local(probe.final, final) if final is not None else None)
+        first = NOT_FOUND if worst <= _tolerance(probe.final) else _first_different(probe, outputs, views)
+    except Exception as error:  # noqa: BLE001 - any failure of the split model is a verdict
+        failed.append(f"{type(error).__name__}: {_first_line(error)}")
+        first = _index_of(failed[0], probe.order) if len(failed) > 1 else len(probe.order)
+    verdict = torch.tensor([first], dtype=torch.int64)
+    comm.all_reduce(verdict, world, op="min", purpose=SETUP)
+    world.ledger.move_since(before, SETUP)
+    seconds = probe.seconds + time.perf_counter() - start
+    if int(verdict) < NOT_FOUND:
+        raise _refusal(model, probe, int(verdict), failed, what)
+    log.info("%s checked against the whole model on a %d-token probe in %.2f s", what, probe.tokens, seconds)
+
+
+@contextlib.contextmanager
+def quiet(model: nn.Module) -> Iterator[None]:
+    """A probe forward: eval mode (no dropout), no gradients, compiled blocks run eagerly, and
+    the random generators as they were, so training draws what one process draws."""
+    modes = [(module, module.training) for module in model.modules()]
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    model.eval()
+    try:
+        with torch.no_grad(), eager(), torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        for module, mode in modes:
+            module.training = mode
+
+
+@contextlib.contextmanager
+def _watching(model: nn.Module, order: list[str], outputs: dict[str, list[torch.Tensor]],
+              failed: list[str] | None = None) -> Iterator[None]:
+    """Record each module's output tensor as it finishes; `failed` gets the innermost module
+    running when an exception escapes."""
+    running: list[str] = []
+
+    def enter(name: str) -> Any:
+        return lambda *_: running.append(name)
+
+    def leave(name: str) -> Any:
+        def hook(module: nn.Module, args: Any, out: Any) -> None:
+            running.pop()
+            tensor = _output(out)
+            if isinstance(tensor, torch.Tensor):
+                order.append(name)
+                outputs.setdefault(name, []).append(tensor.detach().float().cpu())
+        return hook
+
+    handles = []
+    for name, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(enter(name or "(the model)")))
+        handles.append(module.register_forward_hook(leave(name or "(the model)")))
+    try:
+        yield
+    except Exception:
+        if failed is not None and running:
+            failed.insert(0, running[-1])
+        raise
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _output(out: Any) -> torch.Tensor | None:
+    """The tensor a module returned: itself, its `.logits`, `.last_hidden_state`, or the first of a tuple."""
+    if isinstance(out, torch.Tensor):
+        return out
+    for key in ("logits", "last_hidden_state"):
+        value = getattr(out, key, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    return None
+
+
+def _sharded_inputs(model: nn.Module, inputs: tuple[tuple, dict]) -> tuple[tuple, dict]:
+    """Under cp, this rank's tokens of every (batch, seq) input, as a training step gives them."""
+    args, kwargs = inputs
+    names = [key for key, value in kwargs.items() if isinstance(value, torch.Tensor)]
+    sharded = shard_batch(model, *args, *(kwargs[key] for key in names))
+    return tuple(sharded[:len(args)]), {**kwargs, **dict(zip(names, sharded[len(args):]))}
+
+
+class _Views:
+    """How this rank should hold a whole-model tensor: its cp tokens, its SP slice of those,
+    and (for a vocabulary split without a gather) its output gathered over tp."""
+
+    def __init__(self, tokens: int, context: Any, tp: Axis, sp: bool):
+        self.tokens, self.context, self.tp, self.sp = tokens, context, tp, sp
+
+    def local(self, whole: torch.Tensor | None, split: torch.Tensor) -> torch.Tensor | None:
+        """`whole` as this rank holds it when that has `split`'s shape, else None (not comparable)."""
+        for view in self._candidates(whole) if whole is not None else ():
+            if view.shape == split.shape:
+                return view
+        return None
+
+    def gathered(self, split: torch.Tensor | None, whole: torch.Tensor | None) -> torch.Tensor | None:
+        """The model's final output gathered over tp where its last dimension is split (a
+        vocabulary-parallel head that leaves the gather to the loss), cropped to the whole size."""
+        if split is None or whole is None or self.tp.size == 1:
+            return split
+        if split.shape[-1] < whole.shape[-1] <= split.shape[-1] * self.tp.size:
+            pieces = all_gather_stacked(split.contiguous(), self.tp, SETUP)
+            return torch.cat(list(pieces), dim=-1)[..., :whole.shape[-1]]
+        return split
+
+    def _candidates(self, whole: torch.Tensor) -> Iterator[torch.Tensor]:
+        yield whole
+        if whole.dim() < 2 or whole.shape[1] != self.tokens:
+            return
+        local = whole
+        if self.context is not None:
+            local = shard_sequence(whole, self.context.axis.rank, self.context.axis.size, dim=1)
+            yield local
+        if self.sp and self.tp.size > 1:
+            yield local.chunk(self.tp.size, dim=1)[self.tp.rank]
+
+
+def _first_different(probe: Probe, outputs: dict[str, list[torch.Tensor]], views: _Views) -> int:
+    """The index (in the whole model's order) of the first module whose output differs."""
+    seen: dict[str, int] = {}
+    for index, name in enumerate(probe.order):
+        call = seen[name] = seen.get(name, -1) + 1
+        whole = probe.outputs[name][call]
+        mine = outputs.get(name, [])
+        if call >= len(mine):
+            continue
+        local = views.local(whole, mine[call])
+        if local is not None and _error(mine[call], local) > _tolerance(whole):
+            return index
+    return len(probe.order)  # the output differs, and no module's output alone says where
+
+
+def _error(split: torch.Tensor | None, whole: torch.Tensor | None) -> float:
+    """max |split - whole| relative to the largest |whole|; infinite when not comparable."""
+    if split is None or whole is None or split.shape != whole.shape:
+        return math.inf
+    split, whole = split.float().cpu(), whole.float().cpu()
+    scale = whole.abs().max().item() or 1.0
+    return (split - whole).abs().max().item() / scale
+
+
+def _tolerance(whole: torch.Tensor | None) -> float:
+    return TOLERANCE.get(getattr(whole, "dtype", torch.float32), 1e-4)
+
+
+def _index_of(name: str, order: list[str]) -> int:
+    """A module of the split model in the whole model's order (or its nearest parent)."""
+    while name:
+        if name in order:
+            return order.index(name)
+        name = name.rpartition(".")[0]
+    return len(order)
+
+
+def _first_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0][:200] if lines else ""
+
+
+def _refusal(model: nn.Module, probe: Probe, index: int, failed: list[str], what: str) -> PlaitError:
+    name, tokens = type(model).__name__, f"a probe of {probe.tokens} tokens"
+    hint = ("train it without that split, or give parallelize a plan or an adapter that leaves the module whole "
+            "(docs/tensor.md, plait.parallel.seam)")
+    module = probe.order[index] if index < len(probe.order) else None
+    where = f"{module} ({probe.kinds.get(module, '?')})" if module else "the model"
+    if failed and failed[-1]:
+        return PlaitError(f"{what}: {name} fails on {tokens} in {where}: {failed[-1]}; plait refuses to train "
+                          "it split", hint=hint)
+    if module is None:
+        return PlaitError(f"{what} trains another model than {name}: on {tokens} its output differs from one "
+                          "process's", hint=hint)
+    return PlaitError(f"{what} trains another model than {name}: on {tokens} the output of {where} is the "
+                      "first to differ from one process's", hint=hint)

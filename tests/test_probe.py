@@ -1,0 +1,68 @@
+"""Exact or refused: a split that would train another model stops before training, in one line.
+
+tests/worlds/probe_world.py plants one defect per axis (tp, cp, ep, a user's tp plan) on 2
+ranks; plait.parallelize must refuse each on every rank with the same one line, naming the
+module whose output first differs from the whole model's, while the same models without
+the defect pass. The full-model matrix of families is tests/test_hf_sweep.py's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from torch import nn
+
+from plait.errors import PlaitError
+from plait.parallel.tensor.styles import resolve_plan
+from tests.worldlib import run_world
+
+pytest.importorskip("transformers")
+
+# the module each planted defect must be named by: the first whose output differs
+FIRST_DIFFERENT = {"gemma-tp": "model.embed_tokens (GemmaTextScaledWordEmbedding)",
+                   "gemma2-tp": "model.embed_tokens (Gemma2TextScaledWordEmbedding)",
+                   "gemma3_text-tp": "model.embed_tokens (Gemma3TextScaledWordEmbedding)",
+                   "llama-cp": "model.rotary_emb (LlamaRotaryEmbedding)",
+                   "gpt-cp": "blocks.0.attn.o_proj",  # the attention core is no module: its projection
+                   "mixtral-ep": "model.layers.0.mlp.experts",
+                   "gpt-moe-ep": "blocks.0.mlp.experts",
+                   "llama-plan": "model.layers.0.mlp.up_proj"}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    _, reports = run_world("probe_world.py", 2, tmp_path_factory.mktemp("probe"))
+    return reports
+
+
+@pytest.mark.parametrize("case", sorted(FIRST_DIFFERENT))
+def test_a_planted_defect_is_refused_in_one_line_naming_the_module(world: list[dict[str, Any]], case: str) -> None:
+    lines = [rank["defect"][case].get("refused") for rank in world]
+    assert lines[0] is not None, f"{case}: the split trained: {world[0]['defect'][case]}"
+    assert lines[0] == lines[1], "every rank refuses with the same line"
+    assert "\n" not in lines[0]
+    assert ("trains another model than" in lines[0] or " fails on a probe" in lines[0]), lines[0]
+    assert FIRST_DIFFERENT[case] in lines[0], lines[0]
+
+
+def test_the_same_models_without_the_defect_pass(world: list[dict[str, Any]]) -> None:
+    for rank in world:
+        for case, verdict in rank["clean"].items():
+            assert "refused" not in verdict, (case, verdict)
+            assert verdict["seconds"] > 0
+
+
+class Scaled(nn.Linear):
+    """A linear layer with arithmetic of its own, which a column or row layer would drop."""
+
+    def forward(self, x):  # noqa: ANN001, ANN201
+        return super().forward(x) * 2
+
+
+def test_a_linear_subclass_with_its_own_forward_is_refused_for_column_and_row() -> None:
+    model = nn.Sequential(Scaled(4, 4), nn.Linear(4, 4))
+    for style in ("column", "row"):
+        with pytest.raises(PlaitError, match=r"0 is a Scaled, whose forward does more than nn.Linear's"):
+            resolve_plan(model, {"0": style})
+    assert resolve_plan(model, {"1": "row"}) == {"1": "row"}
