@@ -110,7 +110,7 @@ def check(model: nn.Module, probe: Probe | None, world: Axis, *, tp: Axis, sp: b
     seconds = probe.seconds + time.perf_counter() - start
     if int(verdict) < NOT_FOUND:
         raise _refusal(model, probe, int(verdict), failed, what)
-    log.info("%s checked against the whole model on a %d-token probe in %.2f s", what, probe.tokens, seconds)
+    log.info("%s checked against the whole model on a probe of %d tokens in %.2f s", what, probe.tokens, seconds)
 
 
 @contextlib.contextmanager
