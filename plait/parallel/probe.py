@@ -11,13 +11,20 @@ probe batch of a few tokens before tensor, expert and context parallelism touch 
   split's tolerance (`TOLERANCE`, by the model's dtype);
 - where it differs, or the split model raises, the module whose output first differs (or
   that raised) is found from every module's output, in the order the whole model ran them;
+- the gradients of the small parameters (norms, biases, learned scalars: up to
+  `SMALL_PARAMETER` elements) of a fixed random weighing of the output are compared too. A
+  replicated parameter acting on a split activation (Apertus's learned activation scalars
+  after a column-split projection) gets a partial gradient on each tp rank: where their sum
+  over tp is the whole model's gradient and nothing sums it, plait sums it (a measured fix,
+  logged); a gradient that differs otherwise is refused;
 - the ranks agree on the verdict (one all-reduce), so every rank refuses with the same one
   line, or none does.
 
-The probe costs one forward of the whole model and one of the split model, on
-`PROBE_TOKENS` tokens (more when cp or SP must divide them), without gradients, dropout,
-compilation or the random numbers training draws; its collectives are counted as set-up,
-not training. A model whose adapter gives no probe input (`probe_input`) is not checked.
+The probe costs one forward and backward of the whole model and of the split model, on
+`PROBE_TOKENS` tokens (more when cp or SP must divide them), without dropout, compilation or
+the random numbers training draws, and leaves no gradient behind; its collectives are counted
+as set-up, not training. A model whose adapter gives no probe input (`probe_input`) is not
+checked.
 """
 
 from __future__ import annotations
@@ -31,12 +38,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from plait.errors import PlaitError
 from plait.parallel.compiled import eager
 from plait.parallel.context.chunks import shard_sequence
 from plait.parallel.context.plan import context_engaged, context_of, shard_batch
+from plait.parallel.tensor.layers import sum_grad_over
 from plait.parallel.tensor.ops import all_gather_stacked
 from plait.runtime import comm
 from plait.runtime.comm import Axis
@@ -44,6 +53,7 @@ from plait.runtime.comm import Axis
 log = logging.getLogger(__name__)
 
 PROBE_TOKENS = 8
+SMALL_PARAMETER = 1 << 22  # gradients compared for parameters up to this size (norms, biases, scalars)
 SETUP = "setup"  # the ledger's purpose for what the probe sends
 # Relative error allowed between the split and the whole model: a split changes the order of
 # sums (1e-6 in fp32 here), never the model; a 16-bit model rounds each sum to its precision.
@@ -61,6 +71,8 @@ class Probe:
     kinds: dict[str, str] = field(default_factory=dict)  # module name -> its class in the whole model
     outputs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     final: torch.Tensor | None = None
+    weights: torch.Tensor | None = None  # the fixed weights of the output whose gradient is taken
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)  # small parameters' gradients, by name
     seconds: float = 0.0
 
 
@@ -77,15 +89,24 @@ def record(model: nn.Module, adapter: Any, tokens: int) -> Probe | None:
     start = time.perf_counter()
     probe = Probe(inputs=make(model, tokens), tokens=tokens)
     probe.kinds = {name or "(the model)": type(module).__name__ for name, module in model.named_modules()}
-    with _watching(model, probe.order, probe.outputs), quiet(model):
-        probe.final = _output(model(*probe.inputs[0], **probe.inputs[1]))
+    small = {name: param for name, param in model.named_parameters()
+             if param.requires_grad and param.numel() <= SMALL_PARAMETER}
+    with _watching(model, probe.order, probe.outputs), quiet(model, grad=bool(small)):
+        final = _output(model(*probe.inputs[0], **probe.inputs[1]))
+        if final is not None and final.requires_grad:
+            probe.weights = torch.randn(final.shape, generator=torch.Generator().manual_seed(0))
+            grads = torch.autograd.grad(_weighted(final, probe.weights), list(small.values()), allow_unused=True)
+            probe.grads = {name: _plain(grad, param) for (name, param), grad in zip(small.items(), grads)}
+    probe.final = final.detach() if final is not None else None
     probe.seconds = time.perf_counter() - start
     return probe
 
 
 def check(model: nn.Module, probe: Probe | None, world: Axis, *, tp: Axis, sp: bool, what: str) -> None:
     """Refuse, on every rank alike, a split model whose output on the probe batch is not the
-    whole model's (see the module docstring). `what` names the split ("tp 2 + sp")."""
+    whole model's, or whose small parameters' gradients are not (see the module docstring);
+    a replicated parameter whose gradient is partial over tp gets it summed. `what` names the
+    split ("tp 2 + sp")."""
     if probe is None:
         return
     start, before = time.perf_counter(), world.ledger.snapshot()
@@ -93,35 +114,106 @@ def check(model: nn.Module, probe: Probe | None, world: Axis, *, tp: Axis, sp: b
     outputs: dict[str, list[torch.Tensor]] = {}
     failed: list[str] = []  # the innermost module that raised, and the error's first line
     context = context_of(model)
+    views = _Views(probe.tokens, context, tp, sp)
+    flags = torch.zeros(len(probe.grads), dtype=torch.int64)
     try:
-        with _watching(model, order, outputs, failed), quiet(model), context_engaged(model):
+        with _watching(model, order, outputs, failed), quiet(model, grad=bool(probe.grads)), context_engaged(model):
             args, kwargs = _sharded_inputs(model, probe.inputs) if context is not None else probe.inputs
             final = _output(model(*args, **kwargs))
-        views = _Views(probe.tokens, context, tp, sp)
-        final = views.gathered(final, probe.final)
+            flags = _grad_flags(model, probe, final, views)
+        final = views.gathered(final.detach() if final is not None else None, probe.final)
         worst = _error(final, views.local(probe.final, final) if final is not None else None)
         first = NOT_FOUND if worst <= _tolerance(probe.final) else _first_different(probe, outputs, views)
     except Exception as error:  # noqa: BLE001 - any failure of the split model is a verdict
         failed.append(f"{type(error).__name__}: {_first_line(error)}")
         first = _index_of(failed[0], probe.order) if len(failed) > 1 else len(probe.order)
-    verdict = torch.tensor([first], dtype=torch.int64)
-    comm.all_reduce(verdict, world, op="min", purpose=SETUP)
+    verdict = torch.cat([torch.tensor([-first]), flags])  # one max over the world: the least index, the worst flag
+    comm.all_reduce(verdict, world, op="max", purpose=SETUP)
     world.ledger.move_since(before, SETUP)
+    first, flags = -int(verdict[0]), verdict[1:].tolist()
+    if first < NOT_FOUND:
+        raise _refusal(model, probe, first, failed, what)
+    _sum_partial_grads(model, probe, flags, tp, what)
     seconds = probe.seconds + time.perf_counter() - start
-    if int(verdict) < NOT_FOUND:
-        raise _refusal(model, probe, int(verdict), failed, what)
     log.info("%s checked against the whole model on a probe of %d tokens in %.2f s", what, probe.tokens, seconds)
 
 
+OK, PARTIAL, DIFFERENT = 0, 1, 2  # a small parameter's gradient after the split
+
+
+def _grad_flags(model: nn.Module, probe: Probe, final: torch.Tensor | None, views: "_Views") -> torch.Tensor:
+    """Per small parameter of the whole model (probe.grads' order): OK where the split model's
+    gradient is the whole model's, PARTIAL where only its sum over tp is (the parameter acts
+    on a split activation and nothing sums its gradient), DIFFERENT otherwise. Parameters the
+    split cut (other shapes) are the split's own business, checked through the output."""
+    flags = torch.zeros(len(probe.grads), dtype=torch.int64)
+    weights = views.weights_for(probe.weights, final)
+    if weights is None or not final.requires_grad:
+        return flags
+    params = dict(model.named_parameters())
+    names = [name for name, whole in probe.grads.items()
+             if name in params and params[name].requires_grad and params[name].shape == whole.shape]
+    if not names:  # every small parameter was split (or there are none): the output says it all
+        return flags
+    grads = torch.autograd.grad(_weighted(final, weights), [params[name] for name in names], allow_unused=True)
+    mine = [_plain(grad, params[name]) for name, grad in zip(names, grads)]
+    if views.context is not None:  # each cp rank holds some tokens: their sum is the whole batch's
+        mine = _summed(mine, views.context.axis)
+    summed = _summed(mine, views.tp) if views.tp.size > 1 else mine
+    index = {name: i for i, name in enumerate(probe.grads)}
+    for name, local, total in zip(names, mine, summed):
+        whole, tolerance = probe.grads[name], _tolerance(probe.final)
+        if _error(local, whole) > tolerance:
+            flags[index[name]] = PARTIAL if _error(total, whole) <= tolerance else DIFFERENT
+    return flags
+
+
+def _sum_partial_grads(model: nn.Module, probe: Probe, flags: list[int], tp: Axis, what: str) -> None:
+    """Refuse a parameter whose gradient differs; sum over tp those whose gradient is partial."""
+    names = list(probe.grads)
+    different = [name for name, flag in zip(names, flags) if flag == DIFFERENT]
+    if different:
+        raise PlaitError(f"{what} trains another model than {type(model).__name__}: on a probe of {probe.tokens} "
+                         f"tokens the gradient of {different[0]} differs from one process's",
+                         hint="train it without that split, or give parallelize a plan or an adapter that leaves "
+                              "the module whole (docs/tensor.md, plait.parallel.seam)")
+    partial = [name for name, flag in zip(names, flags) if flag == PARTIAL]
+    params = dict(model.named_parameters())
+    for name in partial:
+        sum_grad_over(params[name], tp)
+    if partial:
+        log.info("%s: %s act on split activations and the plan does not sum their gradients over tp: "
+                 "plait sums them (measured on the probe)", what, ", ".join(partial))
+
+
+def _weighted(output: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The scalar whose gradient the probe compares: the output weighed by fixed random weights."""
+    return (output.float() * weights.to(output.device)).sum()
+
+
+def _plain(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(param.shape) if grad is None else grad.detach().float().cpu()
+
+
+def _summed(tensors: list[torch.Tensor], axis: Axis) -> list[torch.Tensor]:
+    """Each tensor summed over `axis`, in one all-reduce."""
+    if not tensors:
+        return tensors
+    flat = torch.cat([t.flatten() for t in tensors])
+    comm.all_reduce(flat, axis, purpose=SETUP)
+    return [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+
+
 @contextlib.contextmanager
-def quiet(model: nn.Module) -> Iterator[None]:
-    """A probe forward: eval mode (no dropout), no gradients, compiled blocks run eagerly, and
-    the random generators as they were, so training draws what one process draws."""
+def quiet(model: nn.Module, grad: bool = False) -> Iterator[None]:
+    """A probe forward: eval mode (no dropout), no gradients (unless `grad`), compiled blocks
+    run eagerly, and the random generators as they were, so training draws what one process
+    draws."""
     modes = [(module, module.training) for module in model.modules()]
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     model.eval()
     try:
-        with torch.no_grad(), eager(), torch.random.fork_rng(devices=devices):
+        with torch.set_grad_enabled(grad), eager(), torch.random.fork_rng(devices=devices):
             yield
     finally:
         for module, mode in modes:
@@ -207,6 +299,16 @@ class _Views:
             return torch.cat(list(pieces), dim=-1)[..., :whole.shape[-1]]
         return split
 
+    def weights_for(self, weights: torch.Tensor | None, split: torch.Tensor | None) -> torch.Tensor | None:
+        """The whole output's weights as this rank's output holds them: its tokens, and its
+        slice of a vocabulary split over tp (padded with zeros to tp equal slices)."""
+        if weights is None or split is None:
+            return None
+        if self.tp.size > 1 and split.shape[-1] < weights.shape[-1] <= split.shape[-1] * self.tp.size:
+            padded = F.pad(weights, (0, split.shape[-1] * self.tp.size - weights.shape[-1]))
+            weights = padded.chunk(self.tp.size, dim=-1)[self.tp.rank]
+        return self.local(weights, split)
+
     def _candidates(self, whole: torch.Tensor) -> Iterator[torch.Tensor]:
         yield whole
         if whole.dim() < 2 or whole.shape[1] != self.tokens:
@@ -235,7 +337,8 @@ def _first_different(probe: Probe, outputs: dict[str, list[torch.Tensor]], views
 
 
 def _error(split: torch.Tensor | None, whole: torch.Tensor | None) -> float:
-    """max |split - whole| relative to the largest |whole|; infinite when not comparable."""
+    """max |split - whole| relative to the largest |whole| (absolute where whole is all zeros:
+    an unused parameter's gradient); infinite when not comparable."""
     if split is None or whole is None or split.shape != whole.shape:
         return math.inf
     split, whole = split.float().cpu(), whole.float().cpu()
