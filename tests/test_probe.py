@@ -27,7 +27,8 @@ FIRST_DIFFERENT = {"gemma-tp": "model.embed_tokens (GemmaTextScaledWordEmbedding
                    "gpt-cp": "blocks.0.attn.o_proj",  # the attention core is no module: its projection
                    "mixtral-ep": "model.layers.0.mlp.experts",
                    "gpt-moe-ep": "blocks.0.mlp.experts",
-                   "llama-plan": "model.layers.0.mlp.up_proj"}
+                   "llama-plan": "model.layers.0.mlp.up_proj",
+                   "llama-grad": "the gradient of model.layers.0.input_layernorm.weight differs"}
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,9 @@ refuse it on every rank with one line naming the first module whose output diffe
   embedding is split;
 - cp 2: the model's global positions dropped (each rank's rotary angles start at 0);
 - ep 2: every expert's output doubled on the ranks that receive dispatched rows;
-- tp 2 with a user plan splitting a norm's scale by rows ("row" on a linear the model
-  reads whole): a split plait applies exactly, which is not the model.
+- tp 2 with a user plan splitting the MLP wrongly (its up projection as a row layer, which
+  reads a split input), and one summing a whole norm's gradient over tp (its forward is
+  the model's, its gradient twice the model's).
 
 And the same models without the defects pass, so the probe is not a blanket refusal; each
 pass reports the probe's cost (seconds, from the log line's clock).
@@ -28,6 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import plait
 from plait.errors import PlaitError
+from plait.models.adapters import adapter_for
 from plait.models.config import get_preset
 from plait.models.gpt import GPT
 from tests.worldlib import save_report
@@ -97,6 +99,10 @@ def main() -> None:
     layers = "model.layers.*"
     wrong = {f"{layers}.mlp.gate_proj": "column", f"{layers}.mlp.up_proj": "row"}  # up_proj reads a whole input
     report["defect"]["llama-plan"] = attempt(lambda: hf("llama"), dict(tp=2), wrong)
+    llama = hf("llama")
+    declared = adapter_for(llama).tensor_plan(llama, 2, False)  # in plait's styles
+    summed_twice = {**declared, f"{layers}.input_layernorm": "grad_sum"}  # a whole norm's gradient summed over tp
+    report["defect"]["llama-grad"] = attempt(lambda: hf("llama"), dict(tp=2), summed_twice)
     save_report(report)
 
 
