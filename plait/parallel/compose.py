@@ -123,7 +123,7 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = No
             raise PlaitError("expert parallelism is applied to the whole model, before the pipeline cut",
                              hint="pass the whole model to parallelize: it cuts the stages itself")
         apply_expert_parallel(model, mesh.axis(EXPERT), adapter)
-    probe.check(model, whole, mesh.axis("world"), tp=mesh.axis("tp"), sp=layout.sp, what=splits)
+    probe.check(model, whole, mesh.axis("world"), tp=mesh.axis("tp"), sp=layout.sp, what=splits, device=mesh.device)
     take_formula(model)  # the probe's expert dispatches are set-up, as its ledger entries are
     if mesh.size("pp") > 1 and not cut:
         model = apply_pipeline(model, mesh, virtual_stages=layout.virtual_stages, adapter=adapter)

@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 PROBE_TOKENS = 8
 SMALL_PARAMETER = 1 << 22  # gradients compared for parameters up to this size (norms, biases, scalars)
-SETUP = "setup"  # the ledger's purpose for what the probe sends
+SETUP = comm.SETUP  # the ledger's purpose for what the probe sends
 # Relative error allowed between the split and the whole model: a split changes the order of
 # sums (1e-6 in fp32 here), never the model; a 16-bit model rounds each sum to its precision.
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8, torch.bfloat16: 3e-2, torch.float16: 5e-3}
@@ -102,7 +102,8 @@ def record(model: nn.Module, adapter: Any, tokens: int) -> Probe | None:
     return probe
 
 
-def check(model: nn.Module, probe: Probe | None, world: Axis, *, tp: Axis, sp: bool, what: str) -> None:
+def check(model: nn.Module, probe: Probe | None, world: Axis, *, tp: Axis, sp: bool, what: str,
+          device: torch.device) -> None:
     """Refuse, on every rank alike, a split model whose output on the probe batch is not the
     whole model's, or whose small parameters' gradients are not (see the module docstring);
     a replicated parameter whose gradient is partial over tp gets it summed. `what` names the
@@ -114,7 +115,7 @@ def check(model: nn.Module, probe: Probe | None, world: Axis, *, tp: Axis, sp: b
     outputs: dict[str, list[torch.Tensor]] = {}
     failed: list[str] = []  # the innermost module that raised, and the error's first line
     context = context_of(model)
-    views = _Views(probe.tokens, context, tp, sp)
+    views = _Views(probe.tokens, context, tp, sp, device)
     flags = torch.zeros(len(probe.grads), dtype=torch.int64)
     try:
         with _watching(model, order, outputs, failed), quiet(model, grad=bool(probe.grads)), context_engaged(model):
@@ -127,10 +128,11 @@ def check(model: nn.Module, probe: Probe | None, world: Axis, *, tp: Axis, sp: b
     except Exception as error:  # noqa: BLE001 - any failure of the split model is a verdict
         failed.append(f"{type(error).__name__}: {_first_line(error)}")
         first = _index_of(failed[0], probe.order) if len(failed) > 1 else len(probe.order)
-    verdict = torch.cat([torch.tensor([-first]), flags])  # one max over the world: the least index, the worst flag
-    comm.all_reduce(verdict, world, op="max", purpose=SETUP)
+    # one max over the world: the least index, the worst flag of each parameter
+    verdict = torch.cat([torch.tensor([-first]), flags]).to(device)
+    comm.all_reduce(verdict, world, op="max", purpose=comm.CONTROL)
     world.ledger.move_since(before, SETUP)
-    first, flags = -int(verdict[0]), verdict[1:].tolist()
+    first, flags = -int(verdict[0]), verdict[1:].cpu().tolist()
     if first < NOT_FOUND:
         raise _refusal(model, probe, first, failed, what)
     _sum_partial_grads(model, probe, flags, tp, what)
@@ -158,8 +160,8 @@ def _grad_flags(model: nn.Module, probe: Probe, final: torch.Tensor | None, view
     grads = torch.autograd.grad(_weighted(final, weights), [params[name] for name in names], allow_unused=True)
     mine = [_plain(grad, params[name]) for name, grad in zip(names, grads)]
     if views.context is not None:  # each cp rank holds some tokens: their sum is the whole batch's
-        mine = _summed(mine, views.context.axis)
-    summed = _summed(mine, views.tp) if views.tp.size > 1 else mine
+        mine = _summed(mine, views.context.axis, views.device)
+    summed = _summed(mine, views.tp, views.device) if views.tp.size > 1 else mine
     index = {name: i for i, name in enumerate(probe.grads)}
     for name, local, total in zip(names, mine, summed):
         whole, tolerance = probe.grads[name], _tolerance(probe.final)
@@ -195,12 +197,13 @@ def _plain(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor:
     return torch.zeros(param.shape) if grad is None else grad.detach().float().cpu()
 
 
-def _summed(tensors: list[torch.Tensor], axis: Axis) -> list[torch.Tensor]:
-    """Each tensor summed over `axis`, in one all-reduce."""
+def _summed(tensors: list[torch.Tensor], axis: Axis, device: torch.device) -> list[torch.Tensor]:
+    """Each (CPU) tensor summed over `axis`, in one all-reduce on `device`."""
     if not tensors:
         return tensors
-    flat = torch.cat([t.flatten() for t in tensors])
+    flat = torch.cat([t.flatten() for t in tensors]).to(device)
     comm.all_reduce(flat, axis, purpose=SETUP)
+    flat = flat.cpu()
     return [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
 
@@ -279,8 +282,8 @@ class _Views:
     """How this rank should hold a whole-model tensor: its cp tokens, its SP slice of those,
     and (for a vocabulary split without a gather) its output gathered over tp."""
 
-    def __init__(self, tokens: int, context: Any, tp: Axis, sp: bool):
-        self.tokens, self.context, self.tp, self.sp = tokens, context, tp, sp
+    def __init__(self, tokens: int, context: Any, tp: Axis, sp: bool, device: torch.device):
+        self.tokens, self.context, self.tp, self.sp, self.device = tokens, context, tp, sp, device
 
     def local(self, whole: torch.Tensor | None, split: torch.Tensor) -> torch.Tensor | None:
         """`whole` as this rank holds it when that has `split`'s shape, else None (not comparable)."""

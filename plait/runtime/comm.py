@@ -30,6 +30,7 @@ OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", 
        "gather")
 TRAIN = "train"  # traffic that trains the model
 TELEMETRY = "telemetry"  # traffic that only gathers numbers for the report
+SETUP = "setup"  # what a run sends once before training (the model's broadcast, shapes, checks)
 CONTROL = "control"  # a few numbers every rank must agree on (are this step's gradients finite?)
 
 

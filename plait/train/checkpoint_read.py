@@ -147,7 +147,7 @@ def verify_shared(reader: Reader, mesh: Mesh) -> None:
         except Exception:  # noqa: BLE001 - reported below, on every rank
             first_bad[0] = i
             break
-    comm.all_reduce(first_bad, world, op="min", purpose="setup")
+    comm.all_reduce(first_bad, world, op="min", purpose=comm.SETUP)
     if first_bad.item() < len(files):
         file = reader.path / files[first_bad.item()]
         try:

@@ -195,7 +195,7 @@ def apply_data_parallel(model: nn.Module, axis: Axis, *, bucket_mb: float = 25.0
     if experts and expert_axis is None:
         raise ValueError("expert-parallel parameters need the edp axis (expert_axis)")
     for tensor in [*model.parameters(), *model.buffers()]:
-        comm.broadcast(tensor.data, expert_axis if tensor in experts else axis, purpose="setup")
+        comm.broadcast(tensor.data, expert_axis if tensor in experts else axis, purpose=comm.SETUP)
     params = [p for p in model.parameters() if p.requires_grad]
     bucket_bytes = int(bucket_mb * 2**20)
     buckets = make_buckets([p for p in params if p not in experts], bucket_bytes)

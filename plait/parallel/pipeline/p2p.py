@@ -28,7 +28,7 @@ from plait.runtime.comm import Axis, Handle
 
 Key = tuple[str, int, int]  # ("act" or "grad", micro-batch, stage the message is for)
 Shape = tuple[tuple[int, ...], torch.dtype]
-SETUP = "setup"  # ledger purpose of the one-off shape messages
+SETUP = comm.SETUP  # ledger purpose of the one-off shape messages
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
 _META_LEN = 2 + 8  # ndim, dtype code, up to 8 dimensions
 

@@ -84,7 +84,7 @@ def apply_zero(model: nn.Module, axis: Axis, *, stage: int, offload: bool = Fals
     for each in [axis] + ([axes.experts] if axes.experts is not None else []):
         check_backend(each, stage, next(model.parameters()).device)
     for tensor in [*model.parameters(), *model.buffers()]:
-        comm.broadcast(tensor.data, axes.axis(tensor), purpose="setup")
+        comm.broadcast(tensor.data, axes.axis(tensor), purpose=comm.SETUP)
     logical = logical_parameters(model)
     chunks = list(model) if is_pipeline(model) else [model]
     chunk_of = {p: k for k, chunk in enumerate(chunks) for p in chunk.parameters()}
@@ -261,7 +261,7 @@ def check_backend(axis: Axis, stage: int, device: torch.device | str = "cpu") ->
     backend = str(torch.distributed.get_backend(axis.group))
     require_reduce_scatter(backend, stage)
     try:  # a one-element probe: a backend without reduce_scatter fails here, not mid-backward
-        comm.reduce_scatter(torch.zeros(1, device=device), torch.zeros(axis.size, device=device), axis, purpose="setup")
+        comm.reduce_scatter(torch.zeros(1, device=device), torch.zeros(axis.size, device=device), axis, purpose=comm.SETUP)
     except (comm.CommError, RuntimeError) as exc:  # a CommError is a PlaitError, not a RuntimeError
         require_reduce_scatter(backend, stage, reason=str(exc).splitlines()[0])
 
