@@ -123,10 +123,13 @@ class OwnHead:
     def __call__(self, stage: StageView, names: tuple[str, ...], hidden: torch.Tensor) -> torch.Tensor:
         shell = object.__new__(self.cls)
         vars(shell).update(self.state)
-        vars(shell).update(_parameters={}, _modules={self.prefix: _Hidden(hidden),
-                                                      **{name: stage.held(name) for name in names}})
+        held = {name: stage.held(name) for name in names}
+        vars(shell).update(_parameters={}, _modules={self.prefix: _Hidden(hidden), **held},
+                           training=next(iter(held.values())).training)  # train or eval, as the stage runs
         extra = {"output_router_logits": False} if self.router_flag else {}
-        return _first(getattr(self.cls.forward(shell, use_cache=False, **extra), "logits", None))
+        out = self.cls.forward(shell, use_cache=False, **extra)
+        logits = getattr(out, "logits", None)
+        return _first(out) if logits is None else logits  # return_dict=False: the logits come first
 
 
 class _Hidden(nn.Module):
@@ -154,7 +157,8 @@ def inferred_plan(model: nn.Module) -> dict[str, Any]:
     head. {} unless the base model's first such child is the input embedding."""
     prefix = getattr(model, "base_model_prefix", "")
     base = getattr(model, prefix, None) if prefix else None
-    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    embedding = getattr(model, "get_input_embeddings", lambda: None)()
     if not isinstance(base, nn.Module) or head is None:
         return {}
     pieces = [name for name, child in base.named_children() if any(True for _ in child.parameters())]
@@ -241,7 +245,7 @@ def check_kinds(model: nn.Module, config: Any, blocks: str) -> frozenset[str]:
         for i, block in enumerate(model.get_submodule(blocks))]
     try:
         with quiet(model):
-            model(input_ids=probe_ids(model, 4))
+            model(input_ids=probe_ids(model, _probe_length(model)))
     finally:
         for handle in handles:
             handle.remove()
@@ -271,15 +275,26 @@ class WholeModel:
         return None  # the probe runs whole sequences
 
 
+def _probe_length(model: nn.Module) -> int:
+    """A few tokens, a multiple of tp under sequence parallelism (the model may be split already)."""
+    info = tensor_parallel_of(model)
+    return 4 * (info.axis.size if info is not None and info.sp else 1)
+
+
 def check_cut(model: nn.Module, parts: Parts, config: Any, head: OwnHead | None = None,
               maskless: frozenset[str] = frozenset()) -> None:
     """Refuse the cut unless its pieces, run in a row as the stages run them, give exactly the
     model's own logits on a few tokens (a multiple of tp under sequence parallelism)."""
-    info = tensor_parallel_of(model)
-    ids = probe_ids(model, 4 * (info.axis.size if info is not None and info.sp else 1))
+    ids = probe_ids(model, _probe_length(model))
     with quiet(model):
         own = getattr(model(input_ids=ids), "logits", None)
-        staged = run_stage(WholeModel(model, parts), ids, parts, config, head, maskless)
+        try:
+            staged = run_stage(WholeModel(model, parts), ids, parts, config, head, maskless)
+        except Exception as error:  # noqa: BLE001 - pieces that cannot run in a row are a refusal too
+            lines = str(error).strip().splitlines()
+            raise PlaitError(f"pp: {type(model).__name__}'s pp_plan pieces fail when run in a row on a few test "
+                             f"tokens ({type(error).__name__}: {lines[0][:160] if lines else ''}), so plait cannot "
+                             "cut it", hint=HINT) from None
     if own is None or own.shape != staged.shape or not torch.equal(own, staged):
         raise PlaitError(f"pp: {type(model).__name__}'s forward does more than its pp_plan's pieces in a row "
                          "(on a few test tokens its logits differ from the stages'), so plait cannot cut it",

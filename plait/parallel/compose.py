@@ -28,6 +28,7 @@ pipeline's chunks), so the loss, the gradient norm and checkpoints need no other
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,8 @@ from plait.parallel.zero.stages import apply_zero, zero_of
 from plait.parallel.zero.optim import ZeroOptimizer
 from plait.rules import OPTIMIZER_KERNELS, RECOMPUTE, check_choice, check_compile, check_recompute
 from plait.runtime.mesh import EXPERT, EXPERT_SYNC, SYNC, Mesh
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ParallelConfig", "build_optimizer", "clip_grad_norm", "parallelize"]
 
@@ -90,7 +93,7 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = No
     config, layout = config or ParallelConfig(), mesh.layout
     check_recompute(layout, config.recompute)
     adapter = adapter_of(model, adapter)
-    splits = _splits_to_check(model, mesh)
+    splits = _splits_to_check(model, mesh) if _on_device_for_probe(model, mesh.device) else ""
     tokens = probe_tokens(mesh.size("tp") if layout.sp else 1, mesh.size("cp"))
     whole = probe.record(model, adapter, tokens) if splits else None  # before any split: the one-process model
     if config.sync_bn and mesh.size("dp") > 1 and convert_sync_batchnorm(model, mesh.axis("dp")) == 0:
@@ -153,6 +156,22 @@ def _splits_to_check(model: nn.Module, mesh: Mesh) -> str:
     if mesh.size(EXPERT) > 1 and expert_axis(model) is None:
         applied.append(f"ep {mesh.size(EXPERT)}")
     return ", ".join(applied)
+
+
+def _on_device_for_probe(model: nn.Module, device: torch.device) -> bool:
+    """The probe's collectives run on the mesh's device (NCCL sends device memory), so the
+    whole model moves there first, as tensor parallelism moves it anyway; a model that does not
+    fit there whole (it would only after the pipeline cut) is not probed, and the log says so."""
+    if device.type == "cpu" or all(param.device == device for param in model.parameters()):
+        return True
+    whole = sum(param.numel() * param.element_size() for param in model.parameters())
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+    if 2 * whole > free:
+        log.warning("the split is not checked against the whole model: %.1f GiB of parameters do not fit on %s "
+                    "whole (the pipeline cuts them later)", whole / 2**30, device)
+        return False
+    model.to(device)
+    return True
 
 
 def adamw_kernel(kernel: str, device: torch.device) -> dict[str, Any]:

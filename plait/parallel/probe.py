@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 
 PROBE_TOKENS = 8
 SMALL_PARAMETER = 1 << 22  # gradients compared for parameters up to this size (norms, biases, scalars)
+GRADIENT_FLOOR = 1e-3  # of the largest small gradient: below it, a gradient is rounding noise
 SETUP = comm.SETUP  # the ledger's purpose for what the probe sends
 # Relative error allowed between the split and the whole model: a split changes the order of
 # sums (1e-6 in fp32 here), never the model; a 16-bit model rounds each sum to its precision.
@@ -73,12 +74,14 @@ class Probe:
     final: torch.Tensor | None = None
     weights: torch.Tensor | None = None  # the fixed weights of the output whose gradient is taken
     grads: dict[str, torch.Tensor] = field(default_factory=dict)  # small parameters' gradients, by name
+    dtype: torch.dtype = torch.float32  # the model's: what its outputs' rounding is measured against
     seconds: float = 0.0
 
 
 def probe_tokens(tp_sp: int, cp: int) -> int:
-    """Tokens per probe sequence: a few, divisible by the SP degree and by cp's 2·cp chunks."""
-    return math.lcm(PROBE_TOKENS, tp_sp, 2 * cp)
+    """Tokens per probe sequence: a few, divisible into cp's 2·cp chunks and each cp rank's
+    tokens into the SP degree's slices."""
+    return math.lcm(PROBE_TOKENS, 2 * cp, cp * tp_sp)
 
 
 def record(model: nn.Module, adapter: Any, tokens: int) -> Probe | None:
@@ -87,7 +90,7 @@ def record(model: nn.Module, adapter: Any, tokens: int) -> Probe | None:
     if not callable(make):
         return None
     start = time.perf_counter()
-    probe = Probe(inputs=make(model, tokens), tokens=tokens)
+    probe = Probe(inputs=make(model, tokens), tokens=tokens, dtype=_dtype(model))
     probe.kinds = {name or "(the model)": type(module).__name__ for name, module in model.named_modules()}
     small = {name: param for name, param in model.named_parameters()
              if param.requires_grad and param.numel() <= SMALL_PARAMETER}
@@ -119,12 +122,13 @@ def check(model: nn.Module, probe: Probe | None, world: Axis, *, tp: Axis, sp: b
     flags = torch.zeros(len(probe.grads), dtype=torch.int64)
     try:
         with _watching(model, order, outputs, failed), quiet(model, grad=bool(probe.grads)), context_engaged(model):
-            args, kwargs = _sharded_inputs(model, probe.inputs) if context is not None else probe.inputs
+            args, kwargs = _on(_device_of(model), probe.inputs)
+            args, kwargs = _sharded_inputs(model, (args, kwargs)) if context is not None else (args, kwargs)
             final = _output(model(*args, **kwargs))
             flags = _grad_flags(model, probe, final, views)
         final = views.gathered(final.detach() if final is not None else None, probe.final)
         worst = _error(final, views.local(probe.final, final) if final is not None else None)
-        first = NOT_FOUND if worst <= _tolerance(probe.final) else _first_different(probe, outputs, views)
+        first = NOT_FOUND if worst <= _tolerance(probe.dtype) else _first_different(probe, outputs, views)
     except Exception as error:  # noqa: BLE001 - any failure of the split model is a verdict
         failed.append(f"{type(error).__name__}: {_first_line(error)}")
         first = _index_of(failed[0], probe.order) if len(failed) > 1 else len(probe.order)
@@ -163,10 +167,13 @@ def _grad_flags(model: nn.Module, probe: Probe, final: torch.Tensor | None, view
         mine = _summed(mine, views.context.axis, views.device)
     summed = _summed(mine, views.tp, views.device) if views.tp.size > 1 else mine
     index = {name: i for i, name in enumerate(probe.grads)}
+    # a gradient that is 0 in theory (a key bias: softmax ignores a constant shift) is rounding
+    # noise in both runs: errors are measured against a floor of the gradients' own scale
+    floor = GRADIENT_FLOOR * max((grad.abs().max().item() for grad in probe.grads.values()), default=0.0)
     for name, local, total in zip(names, mine, summed):
-        whole, tolerance = probe.grads[name], _tolerance(probe.final)
-        if _error(local, whole) > tolerance:
-            flags[index[name]] = PARTIAL if _error(total, whole) <= tolerance else DIFFERENT
+        whole, tolerance = probe.grads[name], _tolerance(probe.dtype)
+        if _error(local, whole, floor) > tolerance:
+            flags[index[name]] = PARTIAL if _error(total, whole, floor) <= tolerance else DIFFERENT
     return flags
 
 
@@ -239,7 +246,7 @@ def _watching(model: nn.Module, order: list[str], outputs: dict[str, list[torch.
             tensor = _output(out)
             if isinstance(tensor, torch.Tensor):
                 order.append(name)
-                outputs.setdefault(name, []).append(tensor.detach().float().cpu())
+                outputs.setdefault(name, []).append(tensor.detach().cpu())
         return hook
 
     handles = []
@@ -255,6 +262,16 @@ def _watching(model: nn.Module, order: list[str], outputs: dict[str, list[torch.
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next((param.device for param in model.parameters()), torch.device("cpu"))
+
+
+def _on(device: torch.device, inputs: tuple[tuple, dict]) -> tuple[tuple, dict]:
+    """The probe's (args, kwargs) with their tensors on `device` (the split model may have moved)."""
+    move = lambda value: value.to(device) if isinstance(value, torch.Tensor) else value  # noqa: E731
+    return tuple(move(a) for a in inputs[0]), {key: move(value) for key, value in inputs[1].items()}
 
 
 def _output(out: Any) -> torch.Tensor | None:
@@ -334,23 +351,29 @@ def _first_different(probe: Probe, outputs: dict[str, list[torch.Tensor]], views
         if call >= len(mine):
             continue
         local = views.local(whole, mine[call])
-        if local is not None and _error(mine[call], local) > _tolerance(whole):
+        if local is not None and _error(mine[call], local) > _tolerance(probe.dtype):
             return index
     return len(probe.order)  # the output differs, and no module's output alone says where
 
 
-def _error(split: torch.Tensor | None, whole: torch.Tensor | None) -> float:
-    """max |split - whole| relative to the largest |whole| (absolute where whole is all zeros:
-    an unused parameter's gradient); infinite when not comparable."""
+def _error(split: torch.Tensor | None, whole: torch.Tensor | None, floor: float = 0.0) -> float:
+    """max |split - whole| relative to the largest |whole| (or `floor`, when larger; absolute
+    where both are 0); infinite when not comparable."""
     if split is None or whole is None or split.shape != whole.shape:
         return math.inf
     split, whole = split.float().cpu(), whole.float().cpu()
-    scale = whole.abs().max().item() or 1.0
+    scale = max(whole.abs().max().item(), floor) or 1.0
     return (split - whole).abs().max().item() / scale
 
 
-def _tolerance(whole: torch.Tensor | None) -> float:
-    return TOLERANCE.get(getattr(whole, "dtype", torch.float32), 1e-4)
+def _tolerance(dtype: torch.dtype) -> float:
+    return TOLERANCE.get(dtype, 1e-4)
+
+
+def _dtype(model: nn.Module) -> torch.dtype:
+    """The model's parameters' dtype (the least precise, when mixed)."""
+    dtypes = {param.dtype for param in model.parameters() if param.is_floating_point()}
+    return max(dtypes, key=lambda dtype: TOLERANCE.get(dtype, 1e-4), default=torch.float32)
 
 
 def _index_of(name: str, order: list[str]) -> int:
