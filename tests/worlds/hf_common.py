@@ -24,3 +24,21 @@ def train(model: torch.nn.Module, batches: list[torch.Tensor], optimizer: Any, c
         optimizer.zero_grad()
         losses.append(loss.item())
     return {"losses": losses, "backward_tp_all_reduces": backward_all_reduces}
+
+
+def pipeline_steps(stages: Any, mesh: Any, batches: list[torch.Tensor], micro_batches: int, loss_fn: Any,
+                   optimizer: Any) -> dict[str, Any]:
+    """Steps of a 1F1B pipeline over `stages`: each batch's rows cut into `micro_batches`,
+    next-token targets; the losses, and the parameters this rank's stages hold, by the whole
+    model's names (a tied head's copy left out)."""
+    from plait import PipelineRunner
+    from plait.parallel.pipeline.split import logical_parameters
+
+    runner, losses = PipelineRunner(stages, mesh, "1f1b"), []
+    for rows in batches:
+        micro = rows.chunk(micro_batches)
+        losses.append(float(runner.step([m[:, :-1] for m in micro], [m[:, 1:] for m in micro], loss_fn)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"losses": losses, "held": {name: param for name, param, replica in logical_parameters(stages)
+                                        if not replica}}

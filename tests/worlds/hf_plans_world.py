@@ -26,12 +26,12 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
                           Phi3ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 import plait
-from plait.parallel.pipeline.split import logical_parameters
 from plait.parallel.tensor.layers import shard_of
 from plait.parallel.tensor.plan import gather_full_params
 from plait.parallel.tensor.ops import all_gather_stacked
 from plait.runtime import comm
 from tests.worldlib import save_report
+from tests.worlds.hf_common import pipeline_steps
 
 SEED, STEPS, BATCH, ACCUM, SEQ, LR = 0, 3, 4, 2, 16, 1e-3
 # Adam divides each update by sqrt(v) + eps: a last-bit difference in a near-zero gradient
@@ -132,15 +132,8 @@ def pipelined(batches: list[torch.Tensor], family: str) -> dict[str, Any]:
     mesh = plait.init_mesh(pp=2, schedule="1f1b")
     stages = plait.parallelize(build(family), mesh, plait.ParallelConfig())
     optimizer = plait.build_optimizer(stages, torch.optim.AdamW, **ADAM)
-    runner = plait.PipelineRunner(stages, mesh, "1f1b")
-    losses = []
-    for rows in batches:
-        micro = rows.chunk(ACCUM)
-        losses.append(runner.step([m[:, :-1] for m in micro], [m[:, 1:] for m in micro], loss_fn))
-        optimizer.step()
-        optimizer.zero_grad()
-    held = {name: param for name, param, replica in logical_parameters(stages) if not replica}
-    return {"losses": losses, "params": named(held)}
+    out = pipeline_steps(stages, mesh, batches, ACCUM, loss_fn, optimizer)
+    return {"losses": out["losses"], "params": named(out["held"])}
 
 
 def whole_grads(model: torch.nn.Module, mesh: Any) -> dict[str, torch.Tensor]:

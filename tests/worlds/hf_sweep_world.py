@@ -47,11 +47,11 @@ from transformers.utils import logging as hf_logging
 import plait
 from plait.errors import PlaitError
 from plait.parallel.expert.shard import expert_shard_of
-from plait.parallel.pipeline.split import logical_parameters
 from plait.parallel.tensor.ops import all_gather_stacked
 from plait.parallel.tensor.plan import gather_full_params
 from plait.runtime import comm
 from tests.worldlib import save_report
+from tests.worlds.hf_common import pipeline_steps
 
 SEED, STEPS, BATCH, ACCUM, SEQ, VOCAB = 0, 3, 4, 2, 16, 128
 ADAM = dict(lr=1e-3, weight_decay=0.0, eps=1e-6)  # eps 1e-6: see tests/worlds/hf_plans_world.py
@@ -200,15 +200,8 @@ def pipelined(family: str, batches: list[torch.Tensor]) -> dict[str, Any]:
     try:
         stages = plait.parallelize(build(family), mesh, plait.ParallelConfig())
         optimizer = plait.build_optimizer(stages, torch.optim.AdamW, **ADAM)
-        runner = plait.PipelineRunner(stages, mesh, "1f1b")
-        losses = []
-        for rows in batches:
-            micro = rows.chunk(ACCUM)
-            losses.append(float(runner.step([m[:, :-1] for m in micro], [m[:, 1:] for m in micro], loss_fn)))
-            optimizer.step()
-            optimizer.zero_grad()
-        held = {name: param for name, param, replica in logical_parameters(stages) if not replica}
-        return {"losses": losses, "params": detached(held), "whole": False}
+        out = pipeline_steps(stages, mesh, batches, ACCUM, loss_fn, optimizer)
+        return {"losses": out["losses"], "params": detached(out["held"]), "whole": False}
     finally:
         quiet(mesh)
 
