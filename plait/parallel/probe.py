@@ -8,7 +8,7 @@ probe batch of a few tokens before tensor, expert and context parallelism touch 
 
 - the split model's output is compared with the whole model's, as this rank should hold it
   (its sequence positions under cp and SP, the vocabulary gathered over tp), within the
-  split's tolerance (`TOLERANCE`, by the model's dtype);
+  split's tolerance (probe_views.TOLERANCE, by the model's dtype);
 - where it differs, or the split model raises, the module whose output first differs (or
   that raised) is found from every module's output, in the order the whole model ran them;
 - the gradients of the small parameters (norms, biases, learned scalars: up to
@@ -38,15 +38,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from plait.errors import PlaitError
 from plait.parallel.compiled import eager
-from plait.parallel.context.chunks import shard_sequence
 from plait.parallel.context.plan import context_engaged, context_of, shard_batch
 from plait.parallel.tensor.layers import sum_grad_over
-from plait.parallel.tensor.ops import all_gather_stacked
+from plait.parallel.probe_views import RankView, dtype_of, relative_error, tolerance
 from plait.runtime import comm
 from plait.runtime.comm import Axis
 
@@ -56,9 +54,6 @@ PROBE_TOKENS = 8
 SMALL_PARAMETER = 1 << 22  # gradients compared for parameters up to this size (norms, biases, scalars)
 GRADIENT_FLOOR = 1e-3  # of the largest small gradient: below it, a gradient is rounding noise
 SETUP = comm.SETUP  # the ledger's purpose for what the probe sends
-# Relative error allowed between the split and the whole model: a split changes the order of
-# sums (1e-6 in fp32 here), never the model; a 16-bit model rounds each sum to its precision.
-TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 NOT_FOUND = 1 << 30
 
 
@@ -90,7 +85,7 @@ def record(model: nn.Module, adapter: Any, tokens: int) -> Probe | None:
     if not callable(make):
         return None
     start = time.perf_counter()
-    probe = Probe(inputs=make(model, tokens), tokens=tokens, dtype=_dtype(model))
+    probe = Probe(inputs=make(model, tokens), tokens=tokens, dtype=dtype_of(model))
     probe.kinds = {name or "(the model)": type(module).__name__ for name, module in model.named_modules()}
     small = {name: param for name, param in model.named_parameters()
              if param.requires_grad and param.numel() <= SMALL_PARAMETER}
@@ -118,7 +113,7 @@ def check(model: nn.Module, probe: Probe | None, world: Axis, *, tp: Axis, sp: b
     outputs: dict[str, list[torch.Tensor]] = {}
     failed: list[str] = []  # the innermost module that raised, and the error's first line
     context = context_of(model)
-    views = _Views(probe.tokens, context, tp, sp, device)
+    views = RankView(probe.tokens, context, tp, sp, device)
     flags = torch.zeros(len(probe.grads), dtype=torch.int64)
     try:
         with _watching(model, order, outputs, failed), quiet(model, grad=bool(probe.grads)), context_engaged(model):
@@ -127,8 +122,8 @@ def check(model: nn.Module, probe: Probe | None, world: Axis, *, tp: Axis, sp: b
             final = _output(model(*args, **kwargs))
             flags = _grad_flags(model, probe, final, views)
         final = views.gathered(final.detach() if final is not None else None, probe.final)
-        worst = _error(final, views.local(probe.final, final) if final is not None else None)
-        first = NOT_FOUND if worst <= _tolerance(probe.dtype) else _first_different(probe, outputs, views)
+        worst = relative_error(final, views.local(probe.final, final) if final is not None else None)
+        first = NOT_FOUND if worst <= tolerance(probe.dtype) else _first_different(probe, outputs, views)
     except Exception as error:  # noqa: BLE001 - any failure of the split model is a verdict
         failed.append(f"{type(error).__name__}: {_first_line(error)}")
         first = _index_of(failed[0], probe.order) if len(failed) > 1 else len(probe.order)
@@ -147,7 +142,7 @@ def check(model: nn.Module, probe: Probe | None, world: Axis, *, tp: Axis, sp: b
 OK, PARTIAL, DIFFERENT = 0, 1, 2  # a small parameter's gradient after the split
 
 
-def _grad_flags(model: nn.Module, probe: Probe, final: torch.Tensor | None, views: "_Views") -> torch.Tensor:
+def _grad_flags(model: nn.Module, probe: Probe, final: torch.Tensor | None, views: RankView) -> torch.Tensor:
     """Per small parameter of the whole model (probe.grads' order): OK where the split model's
     gradient is the whole model's, PARTIAL where only its sum over tp is (the parameter acts
     on a split activation and nothing sums its gradient), DIFFERENT otherwise. Parameters the
@@ -171,9 +166,9 @@ def _grad_flags(model: nn.Module, probe: Probe, final: torch.Tensor | None, view
     # noise in both runs: errors are measured against a floor of the gradients' own scale
     floor = GRADIENT_FLOOR * max((grad.abs().max().item() for grad in probe.grads.values()), default=0.0)
     for name, local, total in zip(names, mine, summed):
-        whole, tolerance = probe.grads[name], _tolerance(probe.dtype)
-        if _error(local, whole, floor) > tolerance:
-            flags[index[name]] = PARTIAL if _error(total, whole, floor) <= tolerance else DIFFERENT
+        whole, bar = probe.grads[name], tolerance(probe.dtype)
+        if relative_error(local, whole, floor) > bar:
+            flags[index[name]] = PARTIAL if relative_error(total, whole, floor) <= bar else DIFFERENT
     return flags
 
 
@@ -295,53 +290,7 @@ def _sharded_inputs(model: nn.Module, inputs: tuple[tuple, dict]) -> tuple[tuple
     return tuple(sharded[:len(args)]), {**kwargs, **dict(zip(names, sharded[len(args):]))}
 
 
-class _Views:
-    """How this rank should hold a whole-model tensor: its cp tokens, its SP slice of those,
-    and (for a vocabulary split without a gather) its output gathered over tp."""
-
-    def __init__(self, tokens: int, context: Any, tp: Axis, sp: bool, device: torch.device):
-        self.tokens, self.context, self.tp, self.sp, self.device = tokens, context, tp, sp, device
-
-    def local(self, whole: torch.Tensor | None, split: torch.Tensor) -> torch.Tensor | None:
-        """`whole` as this rank holds it when that has `split`'s shape, else None (not comparable)."""
-        for view in self._candidates(whole) if whole is not None else ():
-            if view.shape == split.shape:
-                return view
-        return None
-
-    def gathered(self, split: torch.Tensor | None, whole: torch.Tensor | None) -> torch.Tensor | None:
-        """The model's final output gathered over tp where its last dimension is split (a
-        vocabulary-parallel head that leaves the gather to the loss), cropped to the whole size."""
-        if split is None or whole is None or self.tp.size == 1:
-            return split
-        if split.shape[-1] < whole.shape[-1] <= split.shape[-1] * self.tp.size:
-            pieces = all_gather_stacked(split.contiguous(), self.tp, SETUP)
-            return torch.cat(list(pieces), dim=-1)[..., :whole.shape[-1]]
-        return split
-
-    def weights_for(self, weights: torch.Tensor | None, split: torch.Tensor | None) -> torch.Tensor | None:
-        """The whole output's weights as this rank's output holds them: its tokens, and its
-        slice of a vocabulary split over tp (padded with zeros to tp equal slices)."""
-        if weights is None or split is None:
-            return None
-        if self.tp.size > 1 and split.shape[-1] < weights.shape[-1] <= split.shape[-1] * self.tp.size:
-            padded = F.pad(weights, (0, split.shape[-1] * self.tp.size - weights.shape[-1]))
-            weights = padded.chunk(self.tp.size, dim=-1)[self.tp.rank]
-        return self.local(weights, split)
-
-    def _candidates(self, whole: torch.Tensor) -> Iterator[torch.Tensor]:
-        yield whole
-        if whole.dim() < 2 or whole.shape[1] != self.tokens:
-            return
-        local = whole
-        if self.context is not None:
-            local = shard_sequence(whole, self.context.axis.rank, self.context.axis.size, dim=1)
-            yield local
-        if self.sp and self.tp.size > 1:
-            yield local.chunk(self.tp.size, dim=1)[self.tp.rank]
-
-
-def _first_different(probe: Probe, outputs: dict[str, list[torch.Tensor]], views: _Views) -> int:
+def _first_different(probe: Probe, outputs: dict[str, list[torch.Tensor]], views: RankView) -> int:
     """The index (in the whole model's order) of the first module whose output differs."""
     seen: dict[str, int] = {}
     for index, name in enumerate(probe.order):
@@ -351,29 +300,9 @@ def _first_different(probe: Probe, outputs: dict[str, list[torch.Tensor]], views
         if call >= len(mine):
             continue
         local = views.local(whole, mine[call])
-        if local is not None and _error(mine[call], local) > _tolerance(probe.dtype):
+        if local is not None and relative_error(mine[call], local) > tolerance(probe.dtype):
             return index
     return len(probe.order)  # the output differs, and no module's output alone says where
-
-
-def _error(split: torch.Tensor | None, whole: torch.Tensor | None, floor: float = 0.0) -> float:
-    """max |split - whole| relative to the largest |whole| (or `floor`, when larger; absolute
-    where both are 0); infinite when not comparable."""
-    if split is None or whole is None or split.shape != whole.shape:
-        return math.inf
-    split, whole = split.float().cpu(), whole.float().cpu()
-    scale = max(whole.abs().max().item(), floor) or 1.0
-    return (split - whole).abs().max().item() / scale
-
-
-def _tolerance(dtype: torch.dtype) -> float:
-    return TOLERANCE.get(dtype, 1e-4)
-
-
-def _dtype(model: nn.Module) -> torch.dtype:
-    """The model's parameters' dtype (the least precise, when mixed)."""
-    dtypes = {param.dtype for param in model.parameters() if param.is_floating_point()}
-    return max(dtypes, key=lambda dtype: TOLERANCE.get(dtype, 1e-4), default=torch.float32)
 
 
 def _index_of(name: str, order: list[str]) -> int:
