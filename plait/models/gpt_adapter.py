@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.parallel.probe import spread_ids
 from plait.parallel.seam import Parts, StageView
 from plait.parallel.tensor.loss import gather_vocab
 from plait.runtime.comm import Axis
@@ -76,9 +77,7 @@ class GPTAdapter:
     def probe_input(self, model: nn.Module, tokens: int) -> tuple[tuple, dict]:
         """The batch a split is checked on before training (plait.parallel.probe): ids spread
         over the vocabulary, so every tensor-parallel rank's rows are read."""
-        vocab, device = model.config.vocab_size, model.embed.weight.device
-        ids = (torch.arange(tokens, device=device) * max(1, vocab // tokens) + 1) % vocab
-        return (ids.unsqueeze(0),), {}
+        return (spread_ids(model.config.vocab_size, tokens, model.embed.weight.device),), {}
 
     def tensor_plan(self, model: nn.Module, tp: int, sp: bool) -> dict[str, str]:
         model.config.check_split(tp, sp)  # one home: the shape's own check, shared with the estimator

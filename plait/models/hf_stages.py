@@ -41,7 +41,7 @@ from torch import nn
 
 from plait.errors import PlaitError
 from plait.models.hf_styles import probe_ids
-from plait.parallel.probe import quiet
+from plait.parallel.probe import first_line, quiet
 from plait.parallel.seam import Parts, StageView
 from plait.parallel.tensor.plan import tensor_parallel_of
 
@@ -291,10 +291,9 @@ def check_cut(model: nn.Module, parts: Parts, config: Any, head: OwnHead | None 
         try:
             staged = run_stage(WholeModel(model, parts), ids, parts, config, head, maskless)
         except Exception as error:  # noqa: BLE001 - pieces that cannot run in a row are a refusal too
-            lines = str(error).strip().splitlines()
             raise PlaitError(f"pp: {type(model).__name__}'s pp_plan pieces fail when run in a row on a few test "
-                             f"tokens ({type(error).__name__}: {lines[0][:160] if lines else ''}), so plait cannot "
-                             "cut it", hint=HINT) from None
+                             f"tokens ({type(error).__name__}: {first_line(error)}), so plait cannot cut it",
+                             hint=HINT) from None
     if own is None or own.shape != staged.shape or not torch.equal(own, staged):
         raise PlaitError(f"pp: {type(model).__name__}'s forward does more than its pp_plan's pieces in a row "
                          "(on a few test tokens its logits differ from the stages'), so plait cannot cut it",

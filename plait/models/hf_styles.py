@@ -44,7 +44,7 @@ from torch import nn
 
 from plait.errors import PlaitError
 from plait.models.hf_hooks import check_splits
-from plait.parallel.probe import quiet
+from plait.parallel.probe import quiet, spread_ids
 from plait.parallel.tensor.plan import first_input_name
 from plait.parallel.tensor.styles import COLUMNS, ROWS, parse_style
 
@@ -181,8 +181,7 @@ def probe_ids(model: nn.Module, length: int) -> torch.Tensor:
     """(1, length) token ids for a probe forward, on the model's device, spread over the
     vocabulary (every tensor-parallel rank's rows are read)."""
     vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
-    device = next(model.parameters()).device
-    return ((torch.arange(length, device=device) * max(1, vocab // length) + 1) % vocab).unsqueeze(0)
+    return spread_ids(vocab, length, next(model.parameters()).device)
 
 
 def probe_input(model: nn.Module, length: int) -> tuple[tuple, dict]:

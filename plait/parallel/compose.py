@@ -46,7 +46,6 @@ from plait.parallel import probe
 from plait.parallel.masters import MasterOptimizer
 from plait.parallel.pipeline.runner import apply_pipeline
 from plait.parallel.pipeline.split import is_pipeline
-from plait.parallel.probe import probe_tokens
 from plait.parallel.recompute import apply_recompute
 from plait.parallel.seam import ModelAdapter, adapter_of
 from plait.parallel.data.syncbn import convert_sync_batchnorm
@@ -93,8 +92,10 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = No
     config, layout = config or ParallelConfig(), mesh.layout
     check_recompute(layout, config.recompute)
     adapter = adapter_of(model, adapter)
-    splits = _splits_to_check(model, mesh) if _on_device_for_probe(model, mesh.device) else ""
-    tokens = probe_tokens(mesh.size("tp") if layout.sp else 1, mesh.size("cp"))
+    splits = _splits_to_check(model, mesh)
+    if splits and not _on_device_for_probe(model, mesh.device):
+        splits = ""
+    tokens = probe.probe_tokens(mesh.size("tp") if layout.sp else 1, mesh.size("cp"))
     whole = probe.record(model, adapter, tokens) if splits else None  # before any split: the one-process model
     if config.sync_bn and mesh.size("dp") > 1 and convert_sync_batchnorm(model, mesh.axis("dp")) == 0:
         raise PlaitError(f"sync_bn is set, and {type(model).__name__} has no BatchNorm layers",
@@ -127,7 +128,8 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = No
                              hint="pass the whole model to parallelize: it cuts the stages itself")
         apply_expert_parallel(model, mesh.axis(EXPERT), adapter)
     probe.check(model, whole, mesh.axis("world"), tp=mesh.axis("tp"), sp=layout.sp, what=splits, device=mesh.device)
-    take_formula(model)  # the probe's expert dispatches are set-up, as its ledger entries are
+    if whole is not None:
+        take_formula(model)  # the probe's expert dispatches are set-up, as its ledger entries are
     if mesh.size("pp") > 1 and not cut:
         model = apply_pipeline(model, mesh, virtual_stages=layout.virtual_stages, adapter=adapter)
     model.to(mesh.device)

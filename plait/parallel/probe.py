@@ -73,6 +73,11 @@ class Probe:
     seconds: float = 0.0
 
 
+def spread_ids(vocab: int, tokens: int, device: torch.device) -> torch.Tensor:
+    """(1, tokens) ids spread over the vocabulary, so every tensor-parallel rank's rows are read."""
+    return ((torch.arange(tokens, device=device) * max(1, vocab // tokens) + 1) % vocab).unsqueeze(0)
+
+
 def probe_tokens(tp_sp: int, cp: int) -> int:
     """Tokens per probe sequence: a few, divisible into cp's 2·cp chunks and each cp rank's
     tokens into the SP degree's slices."""
@@ -125,7 +130,7 @@ def check(model: nn.Module, probe: Probe | None, world: Axis, *, tp: Axis, sp: b
         worst = relative_error(final, views.local(probe.final, final) if final is not None else None)
         first = NOT_FOUND if worst <= tolerance(probe.dtype) else _first_different(probe, outputs, views)
     except Exception as error:  # noqa: BLE001 - any failure of the split model is a verdict
-        failed.append(f"{type(error).__name__}: {_first_line(error)}")
+        failed.append(f"{type(error).__name__}: {first_line(error)}")
         first = _index_of(failed[0], probe.order) if len(failed) > 1 else len(probe.order)
     # one max over the world: the least index, the worst flag of each parameter
     verdict = torch.cat([torch.tensor([-first]), flags]).to(device)
@@ -314,7 +319,7 @@ def _index_of(name: str, order: list[str]) -> int:
     return len(order)
 
 
-def _first_line(error: Exception) -> str:
+def first_line(error: Exception) -> str:
     lines = str(error).strip().splitlines()
     return lines[0][:200] if lines else ""
 

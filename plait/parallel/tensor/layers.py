@@ -240,8 +240,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.weight, self.axis, self.sequence_parallel = weight, axis, sequence_parallel
         self.start = axis.rank * weight.shape[0]
-        local = None if padding_idx is None else padding_idx - self.start
-        self.local_padding = local if local is not None and 0 <= local < weight.shape[0] else None
+        self.local_padding = local_padding(padding_idx, self.start, weight.shape[0])
 
     @classmethod
     def from_dense(cls, embedding: nn.Embedding, axis: Axis, memo: dict[int, nn.Parameter],
@@ -255,6 +254,12 @@ class VocabParallelEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"local={tuple(self.weight.shape)}, tp={self.axis.size}, sp={self.sequence_parallel}"
+
+
+def local_padding(padding_idx: int | None, start: int, rows: int) -> int | None:
+    """nn.Embedding's padding row as a row of this rank's slice; None when another rank holds it."""
+    local = None if padding_idx is None else padding_idx - start
+    return local if local is not None and 0 <= local < rows else None
 
 
 def owned_ids(ids: torch.Tensor, start: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,11 +315,10 @@ def split_embedding_in_place(embedding: nn.Embedding, axis: Axis, memo: dict[int
     (a scale, a norm), since only the owner's row of each token survives the sum. `input_name`:
     the forward's ids argument, when called by keyword."""
     weight = shard_param(embedding.weight, 0, axis, memo)
-    start, padding = axis.rank * weight.shape[0], embedding.padding_idx
+    start = axis.rank * weight.shape[0]
     embedding.weight = weight
     embedding.num_embeddings = weight.shape[0]
-    local = None if padding is None else padding - start
-    embedding.padding_idx = local if local is not None and 0 <= local < weight.shape[0] else None
+    embedding.padding_idx = local_padding(embedding.padding_idx, start, weight.shape[0])
     hooks = _InPlaceVocab(start, weight.shape[0], axis, sequence_parallel, input_name)
     embedding.register_forward_pre_hook(hooks.before, with_kwargs=True)
     embedding.register_forward_hook(hooks.after)
