@@ -45,9 +45,9 @@ class GradientSquares:
     """Each gradient piece this rank holds, squared and summed in fp64: one read of every
     gradient per step, shared by the step guard's finite check (a piece's sum is finite only
     if every element is: squares of 16- or 32-bit values cannot overflow fp64) and the
-    clipping norm. `torch.linalg.vector_norm` accumulates in fp64 as it reads, without the
-    fp64 copy and the squared copy of each gradient that `g.double().pow(2).sum()` makes:
-    on a CPU those fresh buffers cost page faults, 3-4x the time of the read itself."""
+    clipping norm. `piece_norms` accumulates in fp64 as it reads, without the fp64 copy and
+    the squared copy of each gradient that `g.double().pow(2).sum()` makes: on a CPU those
+    fresh buffers cost page faults, 3-4x the time of the read itself."""
 
     names: list[str]  # in the model's order, as `named_grads` gives them
     values: torch.Tensor  # (pieces,) float64
@@ -73,12 +73,27 @@ def gradient_squares(model: nn.Module) -> GradientSquares:
     held = held_gradients(model)
     scaled = sync.owned_grads() if sync is not None else [grad for _, _, grad, _ in held]
     device = held[0][2].device if held else next(model.parameters()).device
-    norms = [torch.linalg.vector_norm(grad.detach(), dtype=torch.float64) for _, _, grad, _ in held]
+    norms = piece_norms([grad.detach() for _, _, grad, _ in held])
     values = torch.stack(norms).square() if norms else torch.zeros(0, dtype=torch.float64, device=device)
     counted = torch.tensor([c for *_, c in held], dtype=torch.bool, device=device)
     split = torch.tensor([tp and shard_of(p) is not None for _, p, _, _ in held], dtype=torch.bool, device=device)
     experts = torch.tensor([expert_shard_of(p) is not None for _, p, _, _ in held], dtype=torch.bool, device=device)
     return GradientSquares([name for name, *_ in held], values, counted, split, experts, scaled)
+
+
+def piece_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's L2 norm in fp64, one multi-tensor launch per dtype on a GPU (a 1 B model
+    has ~150 gradient pieces: one reduction each cost more launches than reading). The fp64
+    result keeps the check exact (a norm is finite only if every element is) and the norm
+    the same whichever way a layout cuts the pieces; on a CPU torch runs it per tensor."""
+    norms: list[torch.Tensor | None] = [None] * len(grads)
+    by_dtype: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, grad in enumerate(grads):
+        by_dtype.setdefault((grad.device, grad.dtype), []).append(i)
+    for indices in by_dtype.values():
+        for i, norm in zip(indices, torch._foreach_norm([grads[i] for i in indices], 2, dtype=torch.float64)):
+            norms[i] = norm
+    return norms  # type: ignore[return-value]
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float, squares: GradientSquares | None = None) -> float:

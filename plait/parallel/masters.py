@@ -23,6 +23,35 @@ from torch import nn
 from plait.parallel.data.sync import grad_sync
 
 
+def step_scaled(inner: torch.optim.Optimizer, grads: list[torch.Tensor], scale: float, fold: bool = True) -> None:
+    """`inner.step()` on `grads` times `scale` (the loss scale's inverse and the clip factor);
+    `fold=False` when `inner` also steps gradients that must not be scaled.
+
+    torch's fused Adam, AdamW and SGD divide each gradient by a `grad_scale` tensor in the
+    same pass that reads it for the update (GradScaler's hook): the scale costs no pass of
+    its own there. Any other optimizer gets one multi-tensor multiply first. Dividing by
+    1/scale in fp32 rounds differently from multiplying by scale, by an fp32 ulp of the
+    gradient: far below what the update's own arithmetic rounds away.
+    """
+    if scale == 1.0:
+        inner.step()
+    elif fold and _folds_grad_scale(inner) and grads:
+        inner.grad_scale = torch.full((), 1.0 / scale, dtype=torch.float32, device=grads[0].device)
+        try:
+            inner.step()
+        finally:
+            del inner.grad_scale
+    else:
+        torch._foreach_mul_(grads, scale)
+        inner.step()
+
+
+def _folds_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
+    """torch's fused kernels of Adam, AdamW and SGD take a gradient scale."""
+    fused = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD))
+    return fused and all(group.get("fused") for group in optimizer.param_groups)
+
+
 class _MasterState(Mapping):
     """`optimizer.state` keyed by the model's parameters: the inner state of each master, plus
     the master itself. Read live, so loading into these tensors loads the optimizer."""
@@ -64,11 +93,10 @@ class MasterOptimizer(torch.optim.Optimizer):
                 loss = closure()
         for param, master in self.masters.items():
             master.grad = None if param.grad is None else param.grad.to(torch.float32, copy=True)
-            if master.grad is not None and self.grad_scale != 1.0:
-                master.grad.mul_(self.grad_scale)
-        self.inner.step()
-        for param, master in self.masters.items():
-            param.copy_(master)
+        step_scaled(self.inner, [m.grad for m in self.masters.values() if m.grad is not None], self.grad_scale)
+        params, masters = list(self.masters), list(self.masters.values())
+        torch._foreach_copy_(params, masters)  # rounded back into the 16-bit weights, one multi-tensor pass
+        for master in masters:
             master.grad = None
         self.grad_scale = 1.0
         return loss

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from plait.parallel.expert.shard import expert_shard_of
+from plait.parallel.masters import step_scaled
 from plait.parallel.pieces import Piece, param_pieces, placement, writes_its_tp_part
 from plait.parallel.pipeline.split import logical_parameters
 from plait.parallel.zero.shard import FlatGroup, owned_pieces
@@ -108,11 +109,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 loss = closure()
         for part in self.slices:
             part.bind_grads()
-            if self.grad_scale not in (None, 1.0) and part.holds_more():
-                for piece in part.pieces:
-                    if piece.grad is not None:
-                        piece.grad.mul_(self.grad_scale)
-        self.inner.step()
+        # 16-bit parameters: every piece's gradient is an fp32 copy, unscaled and clipped by
+        # the fused kernel as it reads it (masters.step_scaled); fp32 was clipped in place
+        grads = [p.grad for part in self.slices if part.holds_more() for p in part.pieces if p.grad is not None]
+        step_scaled(self.inner, grads, 1.0 if self.grad_scale is None else self.grad_scale,
+                    fold=all(part.holds_more() for part in self.slices))
         self.grad_scale = None if self.grad_scale is None else 1.0
         for part in self.slices:
             part.write_back()
