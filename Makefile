@@ -44,7 +44,7 @@ $(STAMP): pyproject.toml Makefile
 	else \
 	    $(PY) -m pip install --quiet "torch==$(TORCH)"; \
 	fi
-	$(PY) -m pip install --quiet -e ".[test,hf,vision]"
+	$(PY) -m pip install --quiet -e ".[test,hf,vision,fp8]"
 	@touch $(STAMP)
 
 clean:

@@ -23,7 +23,12 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 # Schedules that split each backward into I (input grad) and W (weight grad).
 SPLIT_BACKWARD = ("zb-h1",)
 # Parameter and gradient dtypes training runs (16-bit ones keep fp32 masters: plait.parallel.precision).
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+# fp8: the blocks' linear layers multiply in float8 (torchao's float8 training), scaled per
+# tensor or per row; everything else is bf16 with fp32 masters (plait.parallel.fp8).
+FP8_SCALINGS = ("tensorwise", "rowwise")
+# The oldest CUDA devices with float8 matrix units (Ada and Hopper: compute capability 8.9).
+FP8_MIN_CAPABILITY = (8, 9)
 # Activation recomputation policies training runs (plait.parallel.recompute).
 RECOMPUTE = ("none", "selective", "full")
 # The dtypes data parallelism may reduce gradients in (--reduce-dtype), and their sizes.
@@ -183,11 +188,35 @@ def check_precision(precision: str, reduce_dtype: str = "") -> None:
         check_choice("reduce-dtype", reduce_dtype, REDUCE_DTYPES)
 
 
+def check_fp8(layout: Any, scaling: str) -> None:
+    """fp8's scaling, and the splits it trains exactly: a tensor-parallel shard would scale by
+    its own amax, not the whole tensor's, so tp (± sp) with fp8 is refused rather than run
+    as another model (dp, ZeRO, pp and ep see whole weights and whole rows)."""
+    check_choice("fp8-scaling", scaling, FP8_SCALINGS)
+    if layout.tp > 1:
+        raise PlaitError(f"--precision fp8 with --tp {layout.tp}: each tp rank would scale its shard by the shard's "
+                         "own largest value, not the whole tensor's, and train another model than one process",
+                         hint="use --tp 1 with fp8 (dp, --zero, --pp and --ep compose with it), or --precision bf16")
+
+
+def check_fp8_device(device: str, capability: tuple[int, int] | None, have_torchao: bool) -> None:
+    """fp8 needs torchao (the optional extra plait[fp8]) and a device with float8 matrix
+    products: a CUDA device of compute capability 8.9 or more, or the CPU, where torch runs
+    them exactly but slowly (for tests). Said in one line, before spawning."""
+    if not have_torchao:
+        raise PlaitError("--precision fp8 needs torchao, which is not installed",
+                         hint="pip install 'plait[fp8]' (torchao), or use --precision bf16")
+    if device == "cuda" and capability is not None and capability < FP8_MIN_CAPABILITY:
+        major, minor = capability
+        raise PlaitError(f"--precision fp8: this GPU (compute capability {major}.{minor}) has no float8 matrix units",
+                         hint="fp8 needs compute capability 8.9 or more (Ada, Hopper); use --precision bf16")
+
+
 def default_reduce_dtype(precision: str) -> str:
     """The gradients' own dtype: fp32 sums of 16-bit gradients double the wire bytes and, at
     the dp sizes measured (docs/precision.md), change the loss less than the layouts'
-    own summation order does."""
-    return precision
+    own summation order does. fp8's gradients are bf16 (only the products are float8)."""
+    return "bf16" if precision == "fp8" else precision
 
 
 def check_microbatches(schedule: str, pp: int, microbatches: int) -> None:

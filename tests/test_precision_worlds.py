@@ -24,7 +24,7 @@ BF16_RTOL = 2e-3
 def world(tmp_path_factory: Any) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("precision")
     _, reports = run_world("precision_world.py", 2, out, str(out / "runs"), "parity", "faults", "resume",
-                           timeout=600)
+                           "fp8", timeout=600)
     return reports
 
 
@@ -43,6 +43,22 @@ def test_fp16_and_bf16_without_zero_match_one_process_on_dp_tp_and_pp(world):
                 assert run["mem"][kind] == pytest.approx(run["predicted"]["memory"][kind], rel=0.01), (layout, kind)
             assert run["mem"]["optim"] == 6 * run["mem"]["params"], (layout, precision)
     assert report["dp2-bf16"]["losses"] != report["dp2-fp16"]["losses"]  # two precisions really ran
+
+
+def test_fp8_trains_the_one_process_model_on_dp_zero_and_pp_and_tp_is_refused(world):
+    report = world[0]
+    one, bf16 = report["fp8-phase-one-fp8"]["losses"], report["fp8-phase-one-bf16"]["losses"]
+    # float8 really ran: the same model in bf16 gives other losses, within fp8's rounding of them
+    assert one != bf16 and one == pytest.approx(bf16, rel=2e-3)
+    assert report["fp8-phase-one-rowwise"]["losses"] not in (one, bf16)
+    # each dp rank casts whole micro-batches and whole weights, as the one process does: the same bits
+    for zero in (0, 1, 3):
+        assert report[f"dp2-zero{zero}-fp8"]["losses"] == one, zero
+    assert report["dp2-fp8-rowwise"]["losses"] == report["fp8-phase-one-rowwise"]["losses"]
+    # pp: the stages' bf16 gradients summed in another order (as bf16's own pp parity)
+    assert_losses_close(report["pp2-fp8"]["losses"], one, rtol=BF16_RTOL)
+    assert report["pp2-fp8"]["losses"][0] == one[0]
+    assert report["tp2-fp8"].startswith("--precision fp8 with --tp 2: each tp rank would scale its shard")
 
 
 def test_reduce_dtype_fp32_doubles_the_gradient_bytes_as_predicted(world):

@@ -40,6 +40,7 @@ class Hardware:
     memory_gb_s: float = 1000.0  # device memory bandwidth: element-wise work on activations
     stream_gb_s: float = 0.0  # the update's pass over gradients and states (ops.py bytes); 0: memory_gb_s
     attention_efficiency: float = 0.4  # fraction of peak a fused attention core reaches
+    peak_fp8_tflops: float = 0.0  # dense float8 tensor-core peak; 0: no float8 units (fp8 runs at bf16's)
     op_overhead_us: float = 0.0  # fixed cost of one launched op (eager dispatch, not hidden)
     view_overhead_us: float = 0.0  # fixed cost of a view (reshape, transpose)
     step_overhead_us: float = 0.0  # the training loop's own cost per step (data, bookkeeping)
@@ -89,7 +90,10 @@ class Hardware:
         return self.latency(inter_node), self.bandwidth(inter_node)
 
     def peak_flops(self, precision: str) -> float:
-        """Peak FLOP/s for matmuls in `precision` (fp32, or 16-bit for bf16/fp16)."""
+        """Peak FLOP/s for matmuls in `precision`: fp32, 16-bit for bf16/fp16, float8 for the
+        products `--precision fp8` runs in float8 (the 16-bit peak on a device without them)."""
+        if precision == "fp8" and self.peak_fp8_tflops:
+            return self.peak_fp8_tflops * 1e12
         tflops = self.peak_fp32_tflops if precision == "fp32" else self.peak_bf16_tflops
         return tflops * 1e12
 
@@ -112,7 +116,7 @@ class Hardware:
 
 
 _MAY_BE_ZERO = {"op_overhead_us", "view_overhead_us", "step_overhead_us", "optimizer_tensor_us", "grad_tensor_us",
-                "stream_gb_s"}
+                "stream_gb_s", "peak_fp8_tflops"}
 
 # Large bf16 GEMMs reach ~80% of the datasheet peak on A100 and V100 and ~70% on H100
 # (cuBLAS at 8192³, as published by the vendors and reproduced widely); a fused attention
@@ -134,19 +138,20 @@ PRESETS: dict[str, Hardware] = {
                           memory_gb_s=2039.0, **_AMPERE, **_GPU_DEFAULTS),
     # NVLink 4 (900 GB/s both ways), NDR IB (400 Gb/s per GPU), PCIe 5.
     "h100-sxm": Hardware("h100-sxm", 989.0, 67.0, 80.0, 450.0, 50.0, pcie_gb_s=64.0,
-                         memory_gb_s=3350.0, **_HOPPER, **_GPU_DEFAULTS),
+                         memory_gb_s=3350.0, peak_fp8_tflops=1979.0, **_HOPPER, **_GPU_DEFAULTS),
     # No NVLink switch: GPUs in a box talk over PCIe 5.
     "h100-pcie": Hardware("h100-pcie", 756.0, 51.0, 80.0, 64.0, 25.0, pcie_gb_s=64.0,
-                          memory_gb_s=2000.0, **_HOPPER, **_GPU_DEFAULTS),
+                          memory_gb_s=2000.0, peak_fp8_tflops=1513.0, **_HOPPER, **_GPU_DEFAULTS),
     # H100's compute with 141 GB of HBM3e.
     "h200": Hardware("h200", 989.0, 67.0, 141.0, 450.0, 50.0, pcie_gb_s=64.0, memory_gb_s=4800.0,
-                     **_HOPPER, **_GPU_DEFAULTS),
+                     peak_fp8_tflops=1979.0, **_HOPPER, **_GPU_DEFAULTS),
     # Consumer cards: 16-bit tensor figure with fp32 accumulation (what torch uses); no
     # NVLink, peers talk over PCIe 4; a 100 Gb/s NIC assumed between boxes.
     "rtx3090": Hardware("rtx3090", 71.0, 35.6, 24.0, 25.0, 12.5, gpus_per_node=4,
                         reserved_gib=1.0, memory_gb_s=936.0, **_AMPERE, step_overhead_us=1000.0),
     "rtx4090": Hardware("rtx4090", 165.2, 82.6, 24.0, 25.0, 12.5, gpus_per_node=4,
-                        reserved_gib=1.0, memory_gb_s=1008.0, **_AMPERE, step_overhead_us=1000.0),
+                        reserved_gib=1.0, memory_gb_s=1008.0, **_AMPERE, step_overhead_us=1000.0,
+                        peak_fp8_tflops=330.3),
     # The 2-core AMD EPYC VM plait was written on (AVX2 only, 23.5 GiB RAM), measured on
     # 2026-11-22 with torch 2.13 on 2 threads: the best 1024x1024 fp32 matmuls of several
     # runs reached 160-175 GFLOP/s (40-70 while another job shared the cores); bf16 matmuls, with no AVX512-bf16 to use, ran at ~1.3 GFLOP/s

@@ -65,8 +65,14 @@ def dtype_bytes(precision: str) -> int:
 
 
 def gemm_key(g: Gemm, precision: str) -> str:
-    """How a measured GEMM is named in a hardware file: 'fp32 2048x384x1152'."""
-    return f"{'fp32' if precision == 'fp32' else 'bf16'} {g.m}x{g.k}x{g.n}"
+    """How a measured GEMM is named in a hardware file: 'fp32 2048x384x1152' (fp8's products
+    have their own rates: a bf16 measurement does not stand for them)."""
+    return f"{precision if precision in ('fp32', 'fp8') else 'bf16'} {g.m}x{g.k}x{g.n}"
+
+
+def outer_precision(precision: str) -> str:
+    """The precision of what `--precision fp8` leaves in bf16 (the head, attention, norms)."""
+    return "bf16" if precision == "fp8" else precision
 
 
 def block_gemms(config: GPTConfig, tokens: int, tp: int) -> list[Gemm]:
@@ -104,12 +110,13 @@ def attention_s(config: GPTConfig, layout: Workload, passes: float) -> tuple[flo
     """(FLOPs, key) of the attention core for `passes` forward-equivalents on one block."""
     tokens = layout.tokens_per_micro_batch  # this rank's queries, each against the whole sequence
     flops = 4.0 * tokens * layout.seq_len * config.d_model / layout.tp * passes
-    return flops, attention_key(config, layout.micro_batch, layout.seq_len, layout.tp, layout.precision)
+    return flops, attention_key(config, layout.micro_batch, layout.seq_len, layout.tp,
+                                outer_precision(layout.precision))
 
 
 def attention_time(config: GPTConfig, layout: Workload, hw: Hardware, passes: float) -> float:
     flops, key = attention_s(config, layout, passes)
-    rate = hw.gemm_tflops(key) * 1e12 or hw.peak_flops(layout.precision) * hw.attention_efficiency
+    rate = hw.gemm_tflops(key) * 1e12 or hw.peak_flops(outer_precision(layout.precision)) * hw.attention_efficiency
     return flops / rate
 
 
@@ -146,7 +153,7 @@ def micro_batch_compute_s(config: GPTConfig, layout: Workload, stage: StageShare
     total += elementwise_s(config, layout, hw, layers, stage.last, True)
     if stage.last:
         head = head_gemm(config, tokens, layout.tp)
-        total += sum(gemm_s(x, layout.precision, hw) for x in (head, *head.backward()))
+        total += sum(gemm_s(x, outer_precision(layout.precision), hw) for x in (head, *head.backward()))
     return total
 
 

@@ -41,7 +41,8 @@ from plait.estimate.layout import Workload, StageShare, stages
 from plait.estimate.memory import BUCKET_BYTES, shard, state_bytes
 from plait.estimate.context import forward_passes, layer_bytes, ring_exposed_s
 from plait.estimate.experts import layer_alltoall
-from plait.estimate.ops import attention_time, micro_batch_compute_s, optimizer_s, stage_pieces, stage_tensors
+from plait.estimate.ops import (attention_time, micro_batch_compute_s, optimizer_s, outer_precision, stage_pieces,
+                                stage_tensors)
 from plait.models.config import GPTConfig
 
 HOST_ADAM_BYTES = 28  # read weight, grad, m, v; write weight, m, v (fp32)
@@ -326,7 +327,8 @@ def _assemble(layout: Workload, hw: Hardware, model: float, hardware: float,
     per_mb = compute + tp + pp + cp + ep
     step = (m + bubble_slots) * per_mb + dp + offload + optimizer + overhead
     tokens_per_s = layout.global_batch * layout.seq_len / step
-    mfu = model * tokens_per_s / (layout.world * hw.peak_flops(layout.precision))
+    # MFU against the 16-bit peak for fp8 too, as torchtitan reports it: fp8's gain shows as MFU above bf16's
+    mfu = model * tokens_per_s / (layout.world * hw.peak_flops(outer_precision(layout.precision)))
     return StepTime(flops_per_token=model, hardware_flops_per_token=hardware, compute_s=m * compute,
                     tp_s=m * tp, pp_s=m * pp, bubble_s=bubble_slots * per_mb, dp_s=dp,
                     offload_s=offload, step_s=step, tokens_per_s=tokens_per_s, mfu=mfu,

@@ -38,6 +38,7 @@ from torch import nn
 from plait.errors import PlaitError
 from plait.parallel.clip import clip_grad_norm
 from plait.parallel.compiled import apply_compile
+from plait.parallel.fp8 import apply_fp8
 from plait.parallel.context.plan import apply_context_parallel, context_of
 from plait.parallel.data.sync import apply_data_parallel, grad_sync
 from plait.parallel.expert.dispatch import take_formula
@@ -52,7 +53,8 @@ from plait.parallel.data.syncbn import convert_sync_batchnorm
 from plait.parallel.tensor.plan import apply_tensor_parallel, tensor_parallel_of
 from plait.parallel.zero.stages import apply_zero, zero_of
 from plait.parallel.zero.optim import ZeroOptimizer
-from plait.rules import OPTIMIZER_KERNELS, RECOMPUTE, check_choice, check_compile, check_recompute
+from plait.rules import (FP8_SCALINGS, OPTIMIZER_KERNELS, RECOMPUTE, check_choice, check_compile, check_fp8,
+                         check_recompute)
 from plait.runtime.mesh import EXPERT, EXPERT_SYNC, SYNC, Mesh
 
 log = logging.getLogger(__name__)
@@ -71,11 +73,14 @@ class ParallelConfig:
     tp_plan: dict[str, str] | None = None  # {module-name pattern: style} for tp > 1 (default: the adapter's)
     sync_bn: bool = False  # BatchNorm statistics over the whole dp group (plait's SyncBatchNorm)
     compile: bool = False  # torch.compile each block's forward (plait.parallel.compiled)
+    fp8: str = ""  # the blocks' linears multiply in float8 with this scaling (plait.parallel.fp8); "": not
 
     def __post_init__(self) -> None:
         if self.bucket_mb <= 0:
             raise PlaitError(f"--bucket-mb must be positive, got {self.bucket_mb}")
         check_choice("recompute", self.recompute, RECOMPUTE)
+        if self.fp8:
+            check_choice("fp8-scaling", self.fp8, FP8_SCALINGS)
 
 
 def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = None,
@@ -130,6 +135,12 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = No
     probe.check(model, whole, mesh.axis("world"), tp=mesh.axis("tp"), sp=layout.sp, what=splits, device=mesh.device)
     if whole is not None:
         take_formula(model)  # the probe's expert dispatches are set-up, as its ledger entries are
+    if config.fp8:  # after the probe, which checks the splits against the whole bf16 model
+        check_fp8(layout, config.fp8)
+        if cut:
+            raise PlaitError("fp8 is applied to the whole model's blocks, before the pipeline cut",
+                             hint="pass the whole model to parallelize: it cuts the stages itself")
+        apply_fp8(adapter.blocks(model), config.fp8, mesh.device)
     if mesh.size("pp") > 1 and not cut:
         model = apply_pipeline(model, mesh, virtual_stages=layout.virtual_stages, adapter=adapter)
     model.to(mesh.device)

@@ -35,7 +35,8 @@ from plait.runtime.comm import Axis
 
 __all__ = ["DTYPES", "PRECISIONS", "LossScaler", "StepGuard", "param_dtype", "reduce_dtype_of", "scale_grad"]
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "fp8": torch.bfloat16}  # fp8: bf16 weights and gradients, float8 products (plait.parallel.fp8)
 INITIAL_SCALE = 2.0**16  # torch's GradScaler starts here too
 GROWTH_INTERVAL = 1000  # clean steps before the scale doubles (Megatron's window)
 NAME_BYTES = 200  # a parameter name travels between ranks as this many code points

@@ -67,8 +67,11 @@ class TrainConfig:
     schedule: str = field(default="1f1b", metadata={"help": "pipeline schedule: gpipe, 1f1b, interleaved or zb-h1"})
     virtual_stages: int = field(default=1, metadata={"help": "model chunks per pipeline rank (interleaved)"})
     precision: str = field(default="fp32", metadata={
-        "help": "fp32, bf16 or fp16: 16-bit weights and gradients, fp32 master weights and Adam state; "
-                "fp16 with dynamic loss scaling"})
+        "help": "fp32, bf16, fp16 or fp8: 16-bit weights and gradients, fp32 master weights and Adam state; "
+                "fp16 with dynamic loss scaling; fp8 is bf16 whose block linears multiply in float8 "
+                "(torchao; docs/precision.md)"})
+    fp8_scaling: str = field(default="tensorwise", metadata={
+        "help": "fp8: each float8 cast scaled by its tensor's largest value (tensorwise) or its row's (rowwise)"})
     reduce_dtype: str = field(default="", metadata={
         "help": "dtype gradients are reduced in over dp: fp32, bf16 or fp16 (default: the gradients' own)"})
     loss_scale: float = field(default=65536.0, metadata={
@@ -247,11 +250,38 @@ def check_strategies(config: TrainConfig) -> None:
     layout = config.layout
     rules.check_recompute(layout, config.recompute)
     rules.check_precision(config.precision, config.reduce_dtype)
+    if config.precision == "fp8":
+        check_fp8_launch(config)
     rules.check_microbatches(layout.schedule, layout.pp, config.grad_accum)
     rules.check_choice("optimizer-kernel", config.optimizer_kernel, rules.OPTIMIZER_KERNELS)
     if config.compile:
         rules.check_compile(layout.schedule, layout.pp)
         check_compile_toolchain(config)
+
+
+def check_fp8_launch(config: TrainConfig) -> None:
+    """fp8's layout, torchao and the device's float8 units, before spawning: the GPU's compute
+    capability is read from nvidia-smi (torch is not imported here); each rank checks its own
+    device again (plait.parallel.fp8)."""
+    import importlib.util
+
+    rules.check_fp8(config.layout, config.fp8_scaling)
+    gpu = config.backend == "nccl" or (config.backend == "auto" and os.path.exists("/dev/nvidiactl"))
+    rules.check_fp8_device("cuda" if gpu else "cpu", _gpu_capability() if gpu else None,
+                           importlib.util.find_spec("torchao") is not None)
+
+
+def _gpu_capability() -> tuple[int, int] | None:
+    """The first GPU's compute capability as nvidia-smi reports it; None if it cannot say."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout.split()
+        major, minor = out[0].split(".")
+        return int(major), int(minor)
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        return None
 
 
 def check_compile_toolchain(config: TrainConfig) -> None:

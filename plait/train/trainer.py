@@ -57,7 +57,8 @@ def lr_at(step: int, config: TrainConfig) -> float:
 def parallel_config(config: TrainConfig) -> ParallelConfig:
     """What `parallelize` takes besides the layout (which the mesh carries)."""
     return ParallelConfig(bucket_mb=config.bucket_mb, recompute=config.recompute, sync_bn=config.sync_bn,
-                          reduce_dtype=reduce_dtype_of(config.precision, config.reduce_dtype), compile=config.compile)
+                          reduce_dtype=reduce_dtype_of(config.precision, config.reduce_dtype), compile=config.compile,
+                          fp8=config.fp8_scaling if config.precision == "fp8" else "")
 
 
 class Trainer:

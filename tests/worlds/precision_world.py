@@ -4,6 +4,7 @@ argv: OUT PHASE...; phases:
   parity   fp16 and bf16 (no ZeRO) on dp 2, tp 2 and pp 2; bf16 dp 2 reduced in fp32
   faults   an inf on one tp rank (fp16: skipped everywhere, scale halves); a nan on one pp
            rank (fp32: every rank stops naming it; --skip-nonfinite: skipped everywhere)
+  fp8      fp8 (tensorwise and rowwise) on dp 2 (ZeRO 0, 1, 3) and pp 2; tp 2 refused
   resume   fp16 dp 2 resumed to the bit, scale included; an fp32 checkpoint resumed in fp16
            (no ZeRO and ZeRO-1) builds its masters from the fp32 weights
 """
@@ -44,6 +45,31 @@ def parity(out: Path, rank: int) -> dict[str, Any]:
             for zero in (0, 1):
                 report[f"dp2-bf16-reduce-fp32-zero{zero}"] = public(train(
                     mesh, str(out / name), precision="bf16", reduce_dtype="fp32", zero=zero, steps=1))
+    return report
+
+
+def fp8(out: Path, rank: int) -> dict[str, Any]:
+    """fp8 (bf16 whose block linears multiply in float8) on dp 2 (ZeRO 0, 1, 3) and pp 2 against
+    one process; bf16 beside it, to show float8 really ran; tp 2 refused."""
+    report: dict[str, Any] = {}
+    if rank == 0:
+        one = single_mesh()
+        for precision in ("fp8", "bf16"):
+            report[f"fp8-phase-one-{precision}"] = public(train(one, str(out / f"one-{precision}"), precision=precision,
+                                                      grad_accum=2, steps=3))
+        report["fp8-phase-one-rowwise"] = public(train(one, str(out / "one-rowwise"), precision="fp8",
+                                                 fp8_scaling="rowwise", grad_accum=2, steps=3))
+    dp = init_mesh(dp=2)
+    for zero in (0, 1, 3):
+        report[f"dp2-zero{zero}-fp8"] = public(train(dp, str(out / f"dp{zero}"), precision="fp8", zero=zero, steps=3))
+    report["dp2-fp8-rowwise"] = public(train(dp, str(out / "dp-rowwise"), precision="fp8", fp8_scaling="rowwise",
+                                             steps=3))
+    report["pp2-fp8"] = public(train(init_mesh(pp=2), str(out / "pp"), precision="fp8", grad_accum=2, steps=3))
+    try:
+        train(init_mesh(tp=2), str(out / "tp"), precision="fp8", steps=1)
+        report["tp2-fp8"] = "no error"
+    except PlaitError as exc:
+        report["tp2-fp8"] = str(exc)
     return report
 
 
@@ -106,7 +132,8 @@ def main() -> None:
     mesh = init_mesh(dp=2)
     report: dict[str, Any] = {}
     for phase in sys.argv[2:]:
-        report.update({"parity": parity, "faults": faults, "resume": resume}[phase](out / phase, mesh.global_rank))
+        report.update({"parity": parity, "faults": faults, "resume": resume, "fp8": fp8}[phase](out / phase,
+                                                                                              mesh.global_rank))
     save_report(report)
     mesh.close()
 
