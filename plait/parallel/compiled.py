@@ -5,7 +5,10 @@ compiled graphs small and identical across blocks, so one compilation serves the
 keeps plait's machinery outside them: the strategies' module hooks (ZeRO-3's gathers,
 the pipeline's stage calls) run around the block, in eager, because only the block's own
 `forward` is replaced, not its `__call__`. What runs inside is the block's arithmetic and,
-under tensor parallelism, its autograd Functions and their collectives.
+under tensor parallelism, its autograd Functions and their collectives. Recomputation inside
+a block (`--recompute full` or `selective`) is torch's non-reentrant checkpoint, which Dynamo
+traces as one higher-order op, so the block stays one graph; an autograd Function whose
+backward calls `torch.autograd.grad` would break it (tests/test_recompute_compile.py).
 
 Compiled graphs are cached on disk (`cache_dir`: Inductor's FX graph cache, under plait's
 cache directory unless TORCHINDUCTOR_CACHE_DIR says otherwise), so a restarted world, or the

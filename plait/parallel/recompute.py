@@ -14,13 +14,18 @@
   batch: BatchNorm layers inside the block would update their running statistics twice, so
   their buffers are put back as they were once the recomputation ends.
 * **selective** (Korthikanti et al. 2022): keep everything but the attention core, the
-  softmax and its two score products, and rerun only that in backward. `RecomputeCore`
-  saves q, k and v and nothing the core makes; its backward reruns the core and
-  differentiates it, so gradients are bit-identical to no recomputation (the core is
-  deterministic). A model offers its core as an `attention_core` attribute (plait's GPT
-  does); this module wraps it. The core has no weights and no collectives, so every
-  strategy composes with it unchanged. SDPA already recomputes the a·s² matrix itself, so
-  what selective saves here is SDPA's output and log-sum-exp (plait estimate's numbers).
+  softmax and its two score products, and rerun only that in backward. `SelectiveCore`
+  runs the core inside non-reentrant `torch.utils.checkpoint`, which keeps q, k and v and
+  nothing the core makes, and reruns the core in backward; gradients are bit-identical to
+  no recomputation (the core draws no random numbers; CUDA's fp32 SDPA backward is itself
+  bit-stable only under `torch.use_deterministic_algorithms`). Checkpoint,
+  not a hand-written autograd Function, because torch.compile traces it as one higher-
+  order op: a compiled block (`--compile`) stays one graph, where a Function whose
+  backward calls `torch.autograd.grad` breaks it in two. A model offers its core as an
+  `attention_core` attribute (plait's GPT does); this module wraps it. The core has no
+  weights and no collectives, so every strategy composes with it unchanged. SDPA already
+  recomputes the a·s² matrix itself, so what selective saves here is SDPA's output and
+  log-sum-exp (plait estimate's numbers).
 """
 
 from __future__ import annotations
@@ -44,34 +49,21 @@ _SUBCLASSES: dict[type, type] = {}
 STATS_ATTR = "plait_running_stats"  # whether a recomputing block holds BatchNorm statistics
 
 
-class RecomputeCore(torch.autograd.Function):
-    """Forward: the core's output, saving only its inputs. Backward: the core again, differentiated."""
-
-    @staticmethod
-    def forward(ctx: Any, core: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
-        ctx.core = core
-        ctx.save_for_backward(*inputs)
-        return core(*inputs)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
-        with torch.enable_grad():
-            out = ctx.core(*inputs)
-        wanted = [t for t in inputs if t.requires_grad]
-        grads = iter(torch.autograd.grad(out, wanted, grad))
-        return (None, *(next(grads) if t.requires_grad else None for t in inputs))
-
-
 class SelectiveCore:
-    """A model's attention core that recomputes itself in backward (when grad is on)."""
+    """A model's attention core that recomputes itself in backward (when grad is on).
+
+    Forward: the core under checkpoint, which saves its inputs (q, k, v) only. Backward: the
+    core again, differentiated. No RNG state is kept for the rerun (a copy of the generators'
+    state per call, for nothing): the core must draw no random numbers, and SDPA without
+    dropout draws none.
+    """
 
     def __init__(self, core: Callable[..., torch.Tensor]):
         self.core = core
 
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-            return RecomputeCore.apply(self.core, *inputs)
+            return checkpoint(self.core, *inputs, use_reentrant=False, preserve_rng_state=False)
         return self.core(*inputs)
 
 
