@@ -37,13 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.models.config import GPTConfig
-from plait.parallel.expert.dispatch import by_expert, combine, recomputing
-
-
-def counts_routing(module: nn.Module) -> bool:
-    """Whether this forward's routing counts: a training forward, once; not a no-grad probe or
-    evaluation, not recomputation's second forward inside backward."""
-    return module.training and torch.is_grad_enabled() and not recomputing()
+from plait.parallel.expert.dispatch import by_expert, combine, tally
+from plait.parallel.expert.ops import add_unless_recomputing, grouped_mm_loop
 
 
 class RoutingCounts(nn.Module):
@@ -61,8 +56,15 @@ class RoutingCounts(nn.Module):
 
     def count(self, index: torch.Tensor) -> None:
         """Add one forward's choices (tokens, k) to the counts, if this forward counts."""
-        if counts_routing(self):
-            self.tokens_per_expert += torch.bincount(index.reshape(-1), minlength=len(self.tokens_per_expert)).double()
+        self.add_if_counted(self.tokens_per_expert, tally(index.reshape(-1), len(self.tokens_per_expert)).double())
+
+    def add_if_counted(self, total: torch.Tensor, amount: torch.Tensor) -> None:
+        """total += amount if this forward's routing counts: a training forward, once; not a
+        no-grad probe or evaluation, not recomputation's second forward inside backward. That
+        last is asked when the addition runs (plait.parallel.expert.ops), not when
+        torch.compile traces the block, which it does once for both."""
+        if self.training and torch.is_grad_enabled():
+            add_unless_recomputing(total, amount)
 
     def with_balance_loss(self, out: torch.Tensor, index: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """`out`, carrying the balancing loss's gradient (probs (batch, seq, E)) when it has a
@@ -112,11 +114,15 @@ GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def grouped_mm_fits(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether torch's grouped matrix product takes these tensors: on a CPU fp32/bf16/fp16, on a
     Hopper or newer GPU bf16 (where it was measured: benchmarks/moe.py, RESULTS.md "GPU"), every
-    row 16-byte aligned."""
+    row 16-byte aligned; and under torch.compile bf16 only, the one dtype its shape function
+    takes in torch 2.13 (any other fails the compilation)."""
     if not hasattr(F, "grouped_mm") or rows.dtype not in GROUPED_DTYPES:
         return False
+    if torch.compiler.is_compiling() and rows.dtype != torch.bfloat16:
+        return False
     if rows.device.type == "cuda":
-        if rows.dtype != torch.bfloat16 or torch.cuda.get_device_capability(rows.device) < (9, 0):
+        # the properties, not get_device_capability: torch.compile folds them to constants
+        if rows.dtype != torch.bfloat16 or torch.cuda.get_device_properties(rows.device).major < 9:
             return False
     elif rows.device.type != "cpu":
         return False
@@ -143,17 +149,14 @@ class Experts(nn.Module):
 
     def grouped(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Each expert's SwiGLU over its run of `rows` (sorted by expert, counts[e] rows each):
-        two grouped matrix products where torch has them for these tensors, else one product
-        per expert (an empty one too, so that the autograd graph stays whole)."""
-        if grouped_mm_fits(rows, self.gate_up_proj, self.down_proj):  # no host sync: the ends stay on the device
-            ends = counts.cumsum(0).to(torch.int32)
-            gate, up = F.grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-            return F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
-        outs = []
-        for e, chunk in enumerate(rows.split(counts.tolist())):
-            gate, up = (chunk @ self.gate_up_proj[e].t()).chunk(2, dim=-1)
-            outs.append((F.silu(gate) * up) @ self.down_proj[e].t())
-        return torch.cat(outs)
+        two grouped matrix products, torch's where it takes these tensors, else a loop of one
+        product per expert (plait.parallel.expert.ops: an empty one too, so that the autograd
+        graph stays whole). The runs' ends stay on the device: no host sync for torch's, and
+        the loop reads them inside its op, so a compiled block is one graph either way."""
+        ends = counts.cumsum(0).to(torch.int32)
+        mm = F.grouped_mm if grouped_mm_fits(rows, self.gate_up_proj, self.down_proj) else grouped_mm_loop
+        gate, up = mm(rows, self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+        return mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
 
 
 class SharedExpert(nn.Module):
@@ -219,7 +222,6 @@ class MoE(RoutingCounts):
         flat = index.t().reshape(-1)  # every token's first choice before any second choice
         seen = torch.cumsum(F.one_hot(flat, experts), dim=0).gather(1, flat[:, None]).squeeze(1)
         keep = (seen <= capacity).view(index.shape[1], -1).t()
-        if counts_routing(self):
-            self.dropped += (~keep).sum().double()
+        self.add_if_counted(self.dropped, (~keep).sum().double())
         return weight * keep
 

@@ -6,7 +6,10 @@ For each MoE forward, on every ep rank:
    ep rank r holds experts r·E/ep ... (r+1)·E/ep - 1, so that order is also by destination;
 2. one small all-to-all of the counts per expert (E integers), so that each rank knows how
    many rows it will receive from each other rank, per local expert; reading them is the
-   one host sync of the layer (all_to_all_single needs the split sizes on the host);
+   one host sync of the layer (all_to_all_single needs the split sizes on the host). The
+   copy to the host starts as soon as the counts have arrived (on a GPU, non-blocking into
+   pinned memory), and the rows are permuted into expert order before it is waited for, so
+   the device has that work queued while the host waits;
 3. all-to-all of the rows with those split sizes; the local experts run on what arrived,
    grouped by expert (the experts module's own forward, given local indices and weight 1);
 4. the reverse all-to-all brings each row's output home, where the weighted sum over the
@@ -25,6 +28,7 @@ from typing import Any
 
 import torch
 
+from plait.parallel.expert.ops import recomputing
 from plait.runtime import comm
 from plait.runtime.comm import Axis
 from plait.wire import dispatch_bytes
@@ -58,23 +62,41 @@ class ExpertDispatch:
 
     def __call__(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ep, local = self.axis.size, self.experts // self.axis.size
-        outgoing, counts, order = by_expert(x, index, self.experts)
+        order, counts = sort_by_expert(index, self.experts)
         arriving = torch.empty_like(counts)
         comm.all_to_all(arriving, counts, self.axis)  # E/ep counts to each rank: its experts' share of ours
         arriving = arriving.view(ep, local)
-        send, receive = torch.stack([counts.view(ep, local).sum(1), arriving.sum(1)]).tolist()  # the host sync
+        sizes = HostCopy(torch.stack([counts.view(ep, local).sum(1), arriving.sum(1)]))
+        outgoing = x[order // index.shape[1]]  # needs no sizes: queued while they travel to the host
+        send, receive = sizes.tolist()  # the host sync
         backward = torch.is_grad_enabled() and not recomputing()  # a no-grad probe or evaluation: forward only
         self.formula += routed_bytes(send, receive, self.axis, x, self.experts, backward=backward)
         rows = AllToAllRows.apply(outgoing, receive, send, self.axis)
-        experts_of_rows = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(arriving.reshape(-1))
+        experts_of_rows = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(
+            arriving.reshape(-1), output_size=rows.shape[0])  # the size given: no second sync
         out = self.local_forward(rows, experts_of_rows[:, None], rows.new_ones((rows.shape[0], 1)))
         out = out + rows[:, :1] * 0  # no rows arrived: the output still leads back to the all-to-all
         return combine(AllToAllRows.apply(out, send, receive, self.axis), order, weight)
 
 
-def recomputing() -> bool:
-    """Whether this forward runs inside a backward (activation recomputation)."""
-    return torch._C._current_graph_task_id() != -1
+class HostCopy:
+    """A device tensor's copy to the host, started now and read later (`tolist`), so that the
+    device work queued in between is not held up by the read. On a GPU the copy goes
+    non-blocking into pinned memory, and an event marks its end: the read waits for the copy
+    only, not for the work queued after it. On a CPU the tensor is on the host already."""
+
+    def __init__(self, values: torch.Tensor):
+        self.values, self.done = values, None
+        if values.device.type == "cuda":
+            self.values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.values.copy_(values, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+    def tolist(self) -> list:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.values.tolist()
 
 
 def routed_bytes(send: list[int], receive: list[int], axis: Axis, x: torch.Tensor, experts: int,
@@ -99,9 +121,21 @@ def take_formula(model: torch.nn.Module) -> float:
 def by_expert(x: torch.Tensor, index: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each (token, choice) assignment's row of `x` (tokens, d), sorted by expert (stable, so
     in token order within an expert); the count per expert; the order, for `combine`."""
+    order, counts = sort_by_expert(index, experts)
+    return x[order // index.shape[1]], counts, order
+
+
+def sort_by_expert(index: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The assignments of `index` (tokens, k) in expert order (stable), and the count per expert."""
     flat = index.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    return x[order // index.shape[1]], torch.bincount(flat, minlength=experts), order
+    return torch.argsort(flat, stable=True), tally(flat, experts)
+
+
+def tally(flat: torch.Tensor, experts: int) -> torch.Tensor:
+    """How many entries of `flat` name each expert: bincount's answer, its size fixed by
+    `experts` rather than by the largest entry, which bincount reads on the host (a sync on a
+    GPU, a graph break under torch.compile)."""
+    return torch.zeros(experts, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
 
 
 def combine(rows: torch.Tensor, order: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
