@@ -3,6 +3,7 @@ predicted vs measured, ZeRO-3 offload, nn.DataParallel / DDP overhead.
 
     python3 benchmarks/gpu.py --parts correct,speed,predict --log-dir $OUT
     python3 benchmarks/gpu.py --parts offload,dp --log-dir $OUT
+    python3 benchmarks/gpu.py --parts update,moe,selective --steps 200 --log-dir $OUT   # fp8, the update, MoE
 
 Every plait row is a `plait train --nproc 1` subprocess (stdout and stderr appended to
 LOG_DIR/runs.log); its numbers come from its summary.json. The plain loop is plait's GPT built
@@ -52,7 +53,8 @@ def sh(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 600) 
     start = time.time()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+                                  str(ROOT), os.environ.get("PYTHONPATH")])), **(env or {})})
         rc, out = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as exc:
         rc, out = 124, f"TIMEOUT after {timeout}s\n{exc.stdout or ''}{exc.stderr or ''}"
@@ -299,6 +301,74 @@ def part_dp(steps: int) -> None:
                      for k, v in rows.items()}
 
 
+# -- 6. the GPU issue: the 16-bit update, fp8, selective recompute compiled, MoE vs dense -------------
+def part_update_fp8(steps: int) -> None:
+    """The 1 B model compiled: the plain loop (20 steps), plait bf16 and fp8 tensorwise over
+    `steps` steps (their losses are the curves compared)."""
+    fpt = flops_per_token(BIG, 2048)
+    base, rows = UPDATE_BASE, UPDATE_ROWS
+    rows["plain compiled (autocast)"] = plain_loop(BIG, 8, 2048, 20, True)
+    _flush()
+    rows["plait bf16 --compile"] = plait_train("u-bf16", [*base, "--steps", str(steps)])
+    _flush(rows)
+    rows["plait fp8 tensorwise --compile"] = plait_train("u-fp8", [*base, "--steps", str(steps), "--precision", "fp8"])
+    _mfu(rows, fpt)
+    UPDATE_ROWS.update(rows)
+
+
+UPDATE_ROWS: dict[str, Any] = {}
+UPDATE_BASE = ["--model", BIG, *BIG_SHAPE, "--precision", "bf16", "--zero", "1", "--compile", "--measure", "light",
+               "--eval-every", "0", "--eval-samples", "8", "--sample-tokens", "8", "--no-report", "--warmup-steps", "20"]
+
+
+def part_rowwise() -> None:
+    """fp8 with a scale per row, 20 steps (after `update`, in the same table)."""
+    UPDATE_ROWS["plait fp8 rowwise --compile"] = plait_train("u-fp8-row", [*UPDATE_BASE, "--steps", "20", "--precision",
+                                                                           "fp8", "--fp8-scaling", "rowwise"])
+    _mfu(UPDATE_ROWS, flops_per_token(BIG, 2048))
+
+
+def _mfu(rows: dict[str, Any], fpt: float) -> None:
+    for row in rows.values():
+        if row.get("tokens_s"):
+            row["tflops"] = fpt * row["tokens_s"] / 1e12
+            row["mfu"] = row["tflops"] / PEAK_TFLOPS
+    _flush(rows)
+
+
+def _flush(rows: dict[str, Any] | None = None) -> None:
+    if rows is not None:
+        RESULTS["update_fp8"] = {k: {kk: vv for kk, vv in v.items() if kk not in ("summary", "error")}
+                                 for k, v in rows.items()}
+    (LOG / "results.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+
+
+def part_selective() -> None:
+    """--recompute selective under --compile on the tiny GPT: dynamo's graph breaks counted from
+    its log, and the losses against eager selective."""
+    flags = [*TINY, "--steps", "10", "--precision", "bf16", "--zero", "1", "--recompute", "selective"]
+    eager = plait_train("sel-eager", flags)
+    rc, out = sh([sys.executable, "-m", "plait", "train", "--nproc", "1", "--out", tempfile.mkdtemp(), *flags,
+                  "--compile"], env={"TORCH_LOGS": "graph_breaks"})
+    breaks = sum(1 for line in out.splitlines() if "graph break" in line.lower())
+    RESULTS["selective"] = {"rc": rc, "graph_breaks": breaks, "eager_losses": eager.get("losses"),
+                            "tail": out[-800:]}
+
+
+def part_moe(steps: int) -> None:
+    """small-moe against small (the same active parameters), bf16, 16 x 1024 tokens, eager and compiled."""
+    rows: dict[str, Any] = {}
+    for compiled in (False, True):
+        for spec in ("small-moe,max_seq_len=1024", "small,max_seq_len=1024"):
+            name = f"{spec.split(',')[0]}{' --compile' if compiled else ''}"
+            rows[name] = plait_train(name.replace(" ", ""), [
+                "--model", spec, "--steps", str(steps), "--seq-len", "1024", "--micro-batch", "16", "--precision", "bf16",
+                "--zero", "1", "--measure", "light", "--eval-every", "0", "--eval-samples", "4", "--sample-tokens", "4",
+                "--no-report", *(["--compile"] if compiled else [])])
+    RESULTS["moe"] = {k: {kk: vv for kk, vv in v.items() if kk not in ("summary", "error", "losses")}
+                      for k, v in rows.items()}
+
+
 def table() -> str:
     lines = []
     gib = 2 ** 30
@@ -337,6 +407,30 @@ def table() -> str:
         o = RESULTS["offload"]
         lines.append(f"offload {o['spec']}: {json.dumps({k: v for k, v in o['row'].items() if k != 'losses'})}")
         lines.append(f"  measured mem {o['measured_mem']}")
+    if "update_fp8" in RESULTS:
+        lines += ["", "| 1.04 B, 8x2048, compiled | steps | s/step | optimizer s | tokens/s | MFU (989) | loss first | loss last |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for k, r in RESULTS["update_fp8"].items():
+            if r.get("tokens_s"):
+                losses = r.get("losses") or [r.get("loss_first"), r.get("loss_last")]
+                lines.append(f"| {k} | {len(r.get('losses') or []) or ''} | {r['step_s']:.4f} | {r.get('optimizer_s') or 0:.4f} | "
+                             f"{r['tokens_s']:,.0f} | {r.get('mfu', 0):.1%} | {losses[0]} | {losses[-1]} |")
+            else:
+                lines.append(f"| {k} | failed rc={r.get('rc')} | | | | | | |")
+        curves = RESULTS["update_fp8"]
+        a = curves.get("plait bf16 --compile", {}).get("losses")
+        b = curves.get("plait fp8 tensorwise --compile", {}).get("losses")
+        if a and b:
+            worst = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+            tail = sum(b[-20:]) / sum(a[-20:])
+            lines.append(f"fp8 vs bf16 loss: worst step {worst:.3%}, last-20 mean ratio {tail:.4f}")
+    if "selective" in RESULTS:
+        r = RESULTS["selective"]
+        lines.append(f"selective+compile: rc {r['rc']}, graph breaks {r['graph_breaks']}")
+    if "moe" in RESULTS:
+        lines += ["", "| MoE vs dense, bf16, 16x1024 | s/step | tokens/s |", "|---|---|---|"]
+        for k, r in RESULTS["moe"].items():
+            lines.append(f"| {k} | {r.get('step_s') or float('nan'):.4f} | {r.get('tokens_s') or 0:,.0f} |")
     if "dp" in RESULTS:
         lines += ["", "| small GPT fp32 8x512 | s/step | tokens/s |", "|---|---|---|"]
         for k, r in RESULTS["dp"].items():
@@ -358,7 +452,9 @@ def main() -> None:
         start = time.time()
         try:
             {"correct": part_correct, "speed": lambda: part_speed(args.steps), "predict": part_predict,
-             "offload": lambda: part_offload(max(3, args.steps // 10)), "dp": lambda: part_dp(args.steps)}[part]()
+             "offload": lambda: part_offload(max(3, args.steps // 10)), "dp": lambda: part_dp(args.steps),
+             "update": lambda: part_update_fp8(args.steps), "selective": part_selective,
+             "moe": lambda: part_moe(10), "rowwise": part_rowwise}[part]()
         except Exception as exc:  # noqa: BLE001
             import traceback
 
