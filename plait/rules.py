@@ -188,7 +188,7 @@ def check_precision(precision: str, reduce_dtype: str = "") -> None:
         check_choice("reduce-dtype", reduce_dtype, REDUCE_DTYPES)
 
 
-def check_fp8(layout: Any, scaling: str) -> None:
+def check_fp8(layout: Any, scaling: str = FP8_SCALINGS[0]) -> None:
     """fp8's scaling, and the splits it trains exactly: a tensor-parallel shard would scale by
     its own amax, not the whole tensor's, so tp (± sp) with fp8 is refused rather than run
     as another model (dp, ZeRO, pp and ep see whole weights and whole rows)."""

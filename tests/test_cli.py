@@ -109,7 +109,7 @@ def test_every_config_field_is_a_flag():
     (["--nproc", "4", "--pp", "2", "--zero", "2", "--schedule", "zb-h1"], "--zero 2 cannot run the zb-h1 schedule"),
     (["--reduce-dtype", "fp8"], "unknown --reduce-dtype 'fp8'"),
     (["--loss-scale", "0.5"], "--loss-scale must be at least 1, got 0.5"),
-    (["--precision", "fp8"], "unknown --precision 'fp8'"),
+    (["--precision", "fp4"], "unknown --precision 'fp4'"),
     (["--model", "tiny,heads=4"], "model 'tiny,heads=4': 'heads=4' is not FIELD=VALUE for a GPTConfig field"),
     (["--model", "tiny,n_kv_heads=3"], "n_kv_heads"),
 ])

@@ -53,7 +53,7 @@ def test_hardware_file(tmp_path, capsys) -> None:
     (["--model", "tiny", "--dp", "2", "--tp", "2", "--gpus", "8"],
      "layout dp=2 × tp=2 × pp=1 = 4 does not match --gpus 8", "product is 8"),
     (["--model", "tiny", "--tp", "3"], "n_heads = 4 is not divisible by tp=3", "tp among 1, 2, 4"),
-    (["--model", "tiny", "--precision", "fp8"], "unknown --precision 'fp8'", "fp32, bf16, fp16"),
+    (["--model", "tiny", "--precision", "fp4"], "unknown --precision 'fp4'", "fp32, bf16, fp16, fp8"),
     (["--model", "tiny", "--params", "1e6"], "not both", "--model"),
     ([], "no model given", "--model"),
 ])

@@ -267,7 +267,7 @@ def test_params_only_leaves_activations_unknown() -> None:
     (dict(zero=4), "--zero must be 0, 1, 2 or 3"),
     (dict(offload=True), "--offload needs a ZeRO stage"),
     (dict(sp=True), "--sp splits the sequence across tensor-parallel ranks, and --tp is 1"),
-    (dict(precision="fp8"), "unknown --precision 'fp8'"),
+    (dict(precision="fp4"), "unknown --precision 'fp4'"),
     (dict(dp=0), "--dp must be a whole number of at least 1"),
     (dict(tp=3), "n_heads = 32 is not divisible by tp=3"),
     (dict(pp=33), "is more than the model's 32 layers"),

@@ -62,13 +62,14 @@ def test_one_home_for_each_choice() -> None:
     from plait.parallel import precision
 
     assert precision.PRECISIONS is rules.PRECISIONS
-    assert rules.PRECISIONS == ("fp32", "bf16", "fp16") and rules.RECOMPUTE == ("none", "selective", "full")
+    assert rules.PRECISIONS == ("fp32", "bf16", "fp16", "fp8") and rules.RECOMPUTE == ("none", "selective", "full")
 
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(model="tiny,vocab_size=255", tp=2), "vocab_size = 255 is not divisible by tp=2"),
     (dict(model="tiny", tp=2, sp=True, seq_len=31), "--sp needs the sequence length divisible by tp"),
-    (dict(model="tiny", precision="fp8"), "unknown --precision 'fp8'"),
+    (dict(model="tiny", precision="fp4"), "unknown --precision 'fp4'"),
+    (dict(model="tiny", precision="fp8", tp=2), "--precision fp8 with --tp 2"),
     (dict(model="tiny", precision="fp16", reduce_dtype="fp64"), "unknown --reduce-dtype 'fp64'"),
     (dict(model="tiny", recompute="attention"), "unknown --recompute 'attention'"),
     (dict(model="tiny", pp=2, zero=2, schedule="zb-h1", grad_accum=2), "--zero 2 cannot run the zb-h1 schedule"),

@@ -19,7 +19,7 @@ from plait.layout import Layout
 from plait.models.config import GPTConfig
 from plait.rules import check_experts_split
 from plait.rules import (DTYPE_BYTES, PRECISIONS, RECOMPUTE, REDUCE_DTYPES, SCHEDULES,  # noqa: F401
-                         check_context_split, check_microbatches, check_pipeline_cut, check_precision, check_recompute, check_whole,
+                         check_context_split, check_fp8, check_microbatches, check_pipeline_cut, check_precision, check_recompute, check_whole,
                          default_reduce_dtype)
 
 
@@ -39,6 +39,8 @@ class Workload(Layout):
         for name in ("micro_batch", "grad_accum", "seq_len"):
             check_whole(name.replace("_", "-"), getattr(self, name))
         check_precision(self.precision, self.reduce_dtype)
+        if self.precision == "fp8":
+            check_fp8(self)
         check_recompute(self, self.recompute)
         check_microbatches(self.schedule, self.pp, self.grad_accum)
 

@@ -62,8 +62,11 @@ def divisors(n: int) -> list[int]:
 
 
 def tp_degrees(request: PlanRequest) -> list[int]:
-    """tp values that split the heads, kv heads and MLP evenly and fit in one node."""
+    """tp values that split the heads, kv heads and MLP evenly and fit in one node (fp8: tp 1,
+    plait.rules.check_fp8)."""
     c = request.config
+    if request.precision == "fp8":
+        return [1]
     return [t for t in divisors(request.gpus) if t <= request.gpus_per_node and _splits(c, t)]
 
 
