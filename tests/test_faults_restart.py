@@ -5,15 +5,18 @@ never failed (faults are injected with PLAIT_INJECT, see plait/runtime/inject.py
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
-import time
-
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
+from plait.errors import EXIT_PREEMPTED
 from tests import slurmlib
 from tests.slurmlib import launcher_env
 from tests.worldlib import ROOT, run_plait
@@ -120,6 +123,44 @@ def test_sigterm_saves_at_one_step_on_every_rank_and_resume_ends_with_the_same_b
     assert [r["loss"] for r in records(tmp_path)] == [r["loss"] for r in records(reference)]
 
 
+def test_sigterm_to_the_whole_job_step_is_one_preemption(tmp_path):
+    """A scheduler signals the spawner and every rank at once, and the spawner passes the signal
+    on: each rank gets SIGTERM twice, the second after its handler took the first. That is one
+    preemption: every rank saves at one step and the job exits 75 (not 143, its ranks killed
+    by the repeat and nothing saved)."""
+    job = subprocess.Popen([sys.executable, "-m", "plait", "train", *RUN, "--steps", "1000", "--nproc", "2",
+                            "--out", str(tmp_path)], cwd=ROOT, env=launcher_env(), stderr=subprocess.PIPE, text=True)
+    try:
+        metrics, deadline = tmp_path / "metrics.jsonl", time.monotonic() + 120
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+            time.sleep(0.05)  # both ranks are training: their handlers are in place
+        ranks = [int(pid) for pid in Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text().split()]
+        assert len(ranks) == 2, ranks
+        for pid in ranks:
+            os.kill(pid, signal.SIGTERM)
+        while any(catches(pid, signal.SIGTERM) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.005)  # the ranks took it (a second copy at once would merge with the first)
+        job.send_signal(signal.SIGTERM)  # the spawner's copy, passed on to the ranks
+        _, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == EXIT_PREEMPTED, err
+    assert "exited with code" not in err and err.count("plait: preempted by SIGTERM: every rank stopped") == 1, err
+    latest = (tmp_path / "checkpoints" / "latest").resolve()
+    assert latest.is_dir() and latest.name.startswith("step-"), err
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` now (/proc's SigCgt mask); False once it exited."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(int(mask, 16) >> (sig - 1) & 1)
+
+
 def test_under_srun_sigterm_to_one_rank_stops_the_job_at_one_step_and_it_resumes_exactly(reference, tmp_path):
     """The same under a real Slurm (a one-node cluster on localhost): srun's job exits 75 with
     every rank saved at step 7, and the requeued job (`--resume auto`, here srun by hand)
@@ -152,14 +193,15 @@ def test_a_stopped_rank_is_named_by_every_rank_and_the_spawner(tmp_path, monkeyp
     assert proc.returncode == 2, proc.stderr
     stopped_at = float(re.search(r"rank 2 sends itself SIGSTOP at step 3 \(t=([\d.]+)\)", proc.stderr).group(1))
     for rank in (0, 1, 3):
-        # Rank 0's progress bar ends no line, so another rank's message may follow it on the same one.
-        found = re.search(rf"plait: error: rank {rank}: [^\n]*", proc.stderr)
+        # Each error starts a line of its own, even with rank 0's bar drawn on that stderr (runtime/console.py).
+        found = re.search(rf"^plait: error: rank {rank}: [^\n]*", proc.stderr, re.MULTILINE)
         line = found.group(0) if found else ""
         assert line, f"rank {rank} printed no error line:\n{proc.stderr}"
         assert "on the dp group (4 ranks) (step 3) failed" in line, line
         assert "rank 2 never entered all_reduce #" in line and "on the dp group at step 3" in line, line
         assert "the last collective it finished was all_reduce #" in line, line
-    assert "plait: stuck or dead: rank 2 (its process is stopped), named by rank(s) 0, 1, 3" in proc.stderr
+    assert re.search(r"^plait: stuck or dead: rank 2 \(its process is stopped\), named by rank\(s\) 0, 1, 3", proc.stderr,
+                     re.MULTILINE), proc.stderr
     print(f"rank 2 named {ended - stopped_at:.1f} s after it stopped")  # shown with pytest -s
     assert ended - stopped_at < 30  # --timeout 15, then the diagnosis and the summary
 

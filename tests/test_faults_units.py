@@ -303,19 +303,28 @@ def wait_for_ready(out, nproc, attempt=0):
         time.sleep(0.05)
 
 
-def test_the_first_signal_raises_the_flag_and_the_second_acts_at_once():
+def test_a_repeat_of_the_signal_is_the_same_preemption_and_the_other_signal_acts_at_once():
+    """The spawner (or torchrun's agent) passes on the SIGTERM its ranks already got: one
+    preemption. SIGTERM after a SIGUSR1 warning (the time limit is here) ends the process."""
     from plait.train.preempt import Preemption
 
-    before = signal.getsignal(signal.SIGUSR1)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     preemption = Preemption().install()
     try:
         signal.raise_signal(signal.SIGUSR1)
         assert preemption.received == signal.SIGUSR1
-        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # a second SIGTERM or SIGUSR1 ends the process
-        assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+        assert signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN  # ignored by the OS, even inside a collective
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        signal.raise_signal(signal.SIGUSR1)  # the repeat: this test process is still here
+        assert preemption.received == signal.SIGUSR1
     finally:
         preemption.uninstall()
-    assert signal.getsignal(signal.SIGUSR1) == before
+    assert signal.getsignal(signal.SIGTERM) == before[signal.SIGTERM]
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN  # a late repeat, as the rank leaves with 75
+    signal.signal(signal.SIGUSR1, before[signal.SIGUSR1])
+    quiet = Preemption().install()
+    quiet.uninstall()  # no signal came: every handler is put back
+    assert {sig: signal.getsignal(sig) for sig in before} == before
 
 
 def test_the_world_sizes_that_keep_a_global_batch():

@@ -40,6 +40,7 @@ from typing import Any
 from pathlib import Path
 
 from plait.errors import EXIT_INPUT, EXIT_PREEMPTED
+from plait.runtime import console
 
 POLL_S = 0.05
 REPORT_S = 8.0  # how long the other ranks may take to report a failed collective
@@ -95,14 +96,18 @@ def _names(numbers: Any) -> str:
 
 class _forwarded_signals:
     """While the job runs, SIGTERM and SIGUSR1 to the spawner go to every live rank (they
-    decide together where to stop); the spawner keeps watching until they have."""
+    decide together where to stop); the spawner keeps watching until they have.
+
+    When a scheduler signals the whole job step, each rank gets the signal twice (directly,
+    and from here): plait.train.preempt takes repeats of one signal as one preemption. The
+    spawner, too, ignores a late repeat once the job has ended (its exit code is decided)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
         self.previous: dict[int, Any] = {}
-        self.received = False
+        self.received: set[int] = set()
 
     def __enter__(self) -> "_forwarded_signals":
         if threading.current_thread() is threading.main_thread():
@@ -112,10 +117,10 @@ class _forwarded_signals:
 
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if sig in self.received else handler)
 
     def _forward(self, signum: int, frame: Any) -> None:
-        self.received = True
+        self.received.add(signum)
         for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signum)
@@ -153,8 +158,9 @@ def _watch(procs: list[subprocess.Popen], faults: Path) -> tuple[int, bool, set[
                 _wait_for_reports(procs, faults)
                 notes = _notes(faults)
                 failed = [(r, p.poll()) for r, p in enumerate(procs) if p.poll() not in (None, 0)] or failed
-            _report(failed, sum(proc.poll() is None for proc in procs))
-            _name_culprits(notes, procs)
+            mark = console.mark_in(faults)  # rank 0's bar may have left its line open
+            _report(failed, sum(proc.poll() is None for proc in procs), mark)
+            _name_culprits(notes, procs, mark)
             _stop(procs)
             restartable = bool(notes) or any(code != EXIT_INPUT for _, code in failed)
             culprits = {rank for note in notes for rank in note["culprits"]} or first
@@ -190,19 +196,19 @@ def _notes(faults: Path) -> list[dict]:
     return notes
 
 
-def _name_culprits(notes: list[dict], procs: list[subprocess.Popen]) -> None:
+def _name_culprits(notes: list[dict], procs: list[subprocess.Popen], mark: Path | None = None) -> None:
     """One line naming the ranks the others waited for, and what each of those was doing."""
     if not notes:
         return
     culprits = sorted({rank for note in notes for rank in note["culprits"]})
     reporters = ", ".join(str(note["rank"]) for note in notes)
     if not culprits:
-        print(f"plait: ranks {reporters} saw a collective fail, but every rank had entered it "
-              f"(first report: {notes[0]['message']})", file=sys.stderr, flush=True)
+        console.say(f"plait: ranks {reporters} saw a collective fail, but every rank had entered it "
+                    f"(first report: {notes[0]['message']})", mark)
         return
     states = [f"rank {r}{_process_state(procs[r])}" for r in culprits if r < len(procs)]
-    print(f"plait: stuck or dead: {', '.join(states)}, named by rank(s) {reporters}: {notes[0]['finding']}",
-          file=sys.stderr, flush=True)
+    console.say(f"plait: stuck or dead: {', '.join(states)}, named by rank(s) {reporters}: {notes[0]['finding']}",
+                mark)
 
 
 def _process_state(proc: subprocess.Popen) -> str:
@@ -222,10 +228,10 @@ def _is_stopped(proc: subprocess.Popen) -> bool:
     return state in ("T", "t")
 
 
-def _report(failed: list[tuple[int, int]], still_running: int) -> None:
+def _report(failed: list[tuple[int, int]], still_running: int, mark: Path | None = None) -> None:
     which = ", ".join(f"rank {rank} exited with code {_describe(code)}" for rank, code in failed)
     tail = f"; stopping the other {still_running} rank(s)" if still_running else ""
-    print(f"plait: {which}{tail} (the failing rank's error is above)", file=sys.stderr, flush=True)
+    console.say(f"plait: {which}{tail} (the failing rank's error is above)", mark)
 
 
 def _describe(code: int) -> str:

@@ -9,9 +9,14 @@ with the background saves' state), and when any is up, all of them save at that 
 leave with EXIT_PREEMPTED (plait.errors). `--resume auto` then continues
 exactly where they stopped.
 
-The first signal puts the default action back: a second one ends the process at once, even
-inside a collective or a write, and the checkpoint being written is simply not published
-(the previous one stays whole, plait.train.checkpoint).
+A signal often arrives twice: a scheduler signals the whole job step (the spawner or
+torchrun's agent and every rank at once) and the spawner or agent then passes it on to the
+ranks again. Such a burst is one preemption, so after the first signal this rank ignores
+that same signal until it exits, even inside a collective or a write (the OS drops it); what
+escalates after a grace period is the scheduler's SIGKILL (Slurm's KillWait). The other
+signal (SIGTERM after a SIGUSR1 warning: the time limit is here) still ends the process at
+once, and the checkpoint being written is then simply not published (the previous one stays
+whole, plait.train.checkpoint).
 """
 
 from __future__ import annotations
@@ -39,14 +44,16 @@ class Preemption:
         return self
 
     def uninstall(self) -> None:
+        """Put the previous handlers back; but a preempted rank keeps ignoring its signal while
+        it leaves with EXIT_PREEMPTED: the copy the spawner passes on may still be on its way."""
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if sig == self.received else handler)
         self._previous.clear()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.received = signum
-        for sig in SIGNALS:  # the second signal acts at once
-            signal.signal(sig, signal.SIG_DFL)
+        for sig in SIGNALS:  # a repeat of this signal is the same preemption; the other acts at once
+            signal.signal(sig, signal.SIG_IGN if sig == signum else signal.SIG_DFL)
 
     @staticmethod
     def name(number: int) -> str:
