@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from torch import nn
 
 from plait.errors import PlaitError
+from plait.layout import Layout
 from plait.parallel.clip import clip_grad_norm
 from plait.parallel.compiled import apply_compile
 from plait.parallel.fp8 import apply_fp8
@@ -62,6 +63,9 @@ log = logging.getLogger(__name__)
 __all__ = ["ParallelConfig", "build_optimizer", "clip_grad_norm", "parallelize"]
 
 
+_LAYOUT_FIELDS = frozenset(f.name for f in fields(Layout))  # the mesh carries these, not ParallelConfig
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """What the strategies need besides the layout (which the mesh carries: plait.layout)."""
@@ -74,6 +78,19 @@ class ParallelConfig:
     sync_bn: bool = False  # BatchNorm statistics over the whole dp group (plait's SyncBatchNorm)
     compile: bool = False  # torch.compile each block's forward (plait.parallel.compiled)
     fp8: str = ""  # the blocks' linears multiply in float8 with this scaling (plait.parallel.fp8); "": not
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "ParallelConfig":
+        # Code written for the earlier API passed the layout here (ParallelConfig(zero=3)): say
+        # where those fields live now, before the generated __init__ raises a bare TypeError.
+        moved = [name for name in kwargs if name in _LAYOUT_FIELDS]
+        if moved:
+            given = ", ".join(f"{name}={kwargs[name]!r}" for name in moved)
+            raise PlaitError(f"ParallelConfig({given}): {' and '.join(moved)} "
+                             f"{'is a layout field' if len(moved) == 1 else 'are layout fields'}, carried by the mesh",
+                             hint=f"pass {'it' if len(moved) == 1 else 'them'} to plait.init_mesh({given}) (or in the "
+                                  f"plait.Layout(...) given to init_mesh); ParallelConfig keeps "
+                                  f"{', '.join(f.name for f in fields(cls))}")
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         if self.bucket_mb <= 0:
