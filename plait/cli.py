@@ -62,11 +62,11 @@ def _print_error(exc: PlaitError, debug: bool) -> None:
 
 
 def say(text: str) -> None:
-    """Write `text` and its newline to stderr in one call. The ranks of a job share one
-    stderr: `print` writes the text and the newline separately, so two ranks failing at once
-    could splice one's line onto the other's; one write of a short line to a pipe is atomic."""
-    sys.stderr.write(text + "\n")
-    sys.stderr.flush()
+    """Write `text` and its newline to stderr in one call, on a line of its own even when rank
+    0's progress bar is drawn on the same stderr (plait.runtime.console)."""
+    from plait.runtime import console
+
+    console.say(text)
 
 
 def _dispatch(argv: list[str]) -> int:

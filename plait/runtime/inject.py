@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from typing import Any, Callable
 
 from plait.errors import PlaitError
+from plait.runtime import console
 
 VARIABLE = "PLAIT_INJECT"
 HANG = "HANG"
@@ -54,9 +54,8 @@ def maybe_inject(rank: int, step: int, before: Callable[[], Any] | None = None, 
             if before is not None:
                 before()
             name = sig if sig == HANG else sig.name
-            print(f"plait: injected fault: rank {rank} sends itself {name} at step {step}"
-                  f"{' while saving' if phase == 'save' else ''} "
-                  f"(t={time.time():.3f})", file=sys.stderr, flush=True)
+            console.say(f"plait: injected fault: rank {rank} sends itself {name} at step {step}"
+                        f"{' while saving' if phase == 'save' else ''} (t={time.time():.3f})")
             if sig == HANG:
                 while True:
                     time.sleep(3600)

@@ -13,6 +13,8 @@ import logging
 import os
 import sys
 
+from plait.runtime import console
+
 LEVELS = ("debug", "info", "warning", "error")
 _HANDLER_NAME = "plait-rank"
 
@@ -25,6 +27,17 @@ class RankFormatter(logging.Formatter):
         super().__init__(f"{prefix}%(name)s: %(message)s")
 
 
+class LineHandler(logging.StreamHandler):
+    """Each record in one write, on a line of its own: rank 0's progress bar may hold the
+    line of the stderr every rank shares (plait.runtime.console)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            console.say(self.format(record), stream=self.stream)
+        except Exception:  # noqa: BLE001 - logging's own rule: a failed record never stops the run
+            self.handleError(record)
+
+
 def setup_logging(level: str = "warning", rank: int | None = None) -> logging.Logger:
     """Send the `plait` loggers' records at `level` and above to stderr, once per process."""
     if rank is None:
@@ -33,7 +46,7 @@ def setup_logging(level: str = "warning", rank: int | None = None) -> logging.Lo
     logger.setLevel(level.upper())
     for handler in [h for h in logger.handlers if h.get_name() == _HANDLER_NAME]:
         logger.removeHandler(handler)  # called again (tests, a second run): replace, never double
-    handler = logging.StreamHandler(sys.stderr)
+    handler = LineHandler(sys.stderr)
     handler.set_name(_HANDLER_NAME)
     handler.setFormatter(RankFormatter(rank))
     logger.addHandler(handler)

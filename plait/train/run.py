@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from plait.estimate.layout import Workload
 from plait.parallel.compiled import cache_dir, compile_stats, is_compiled
 from plait.parallel.precision import reduce_dtype_of
 from plait.report import report_after_training
-from plait.runtime import comm
+from plait.runtime import comm, console
 from plait.runtime.env import set_cpu_threads
 from plait.runtime.mesh import Mesh, init_mesh
 from plait.train.checkpoint_read import RUN_ATTACHED, RUN_WEIGHTS
@@ -118,9 +119,12 @@ def describe_run(trainer: Trainer, predicted: dict[str, Any]) -> dict[str, Any]:
 
 
 def _progress_bar(steps: int) -> Any:
+    """Rank 0's bar, drawn through console.BarStream: the other ranks and the spawner, writing
+    to the same stderr, then know to start their lines on a fresh one."""
     from tqdm import tqdm
 
-    return tqdm(total=steps, desc="train", unit="step", mininterval=1.0, dynamic_ncols=True)
+    return tqdm(total=steps, desc="train", unit="step", mininterval=1.0, dynamic_ncols=True,
+                file=console.BarStream(sys.stderr))
 
 
 def _on_step(record: dict[str, Any], bar: Any, board: TensorBoardLog | None, unit: str) -> None:
