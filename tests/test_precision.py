@@ -191,3 +191,33 @@ def test_one_read_of_the_gradients_gives_the_finite_check_and_the_norm():
     assert first_nonfinite(model) == "the gradient of 1.weight"
     model[0].bias.grad[2] = float("-inf")
     assert first_nonfinite(model) == "the gradient of 0.bias"
+
+
+@pytest.mark.parametrize("kernel", ["fused", "foreach"])
+def test_the_clip_factor_is_applied_once_inside_the_fused_kernel_or_by_one_multiply(kernel, monkeypatch):
+    """masters.step_scaled: fused AdamW divides by 1/factor as it reads each gradient (no pass
+    of its own); the foreach kernel gets one multi-tensor multiply. Both step the masters as
+    an fp32 AdamW stepped on the scaled gradients does."""
+    from plait.parallel import masters
+
+    torch.manual_seed(0)
+    weights = [torch.randn(16, 8), torch.randn(8)]
+    grads = [torch.randn_like(w) for w in weights]
+    factor = 0.37
+    params = [torch.nn.Parameter(w.to(torch.bfloat16)) for w in weights]
+    optimizer = MasterOptimizer([{"params": params}], torch.optim.AdamW, lr=1e-2, **{kernel: True})
+    reference = [torch.nn.Parameter(p.detach().float()) for p in params]
+    plain = torch.optim.AdamW(reference, lr=1e-2)
+    multiplies = []
+    real = torch._foreach_mul_
+    monkeypatch.setattr(torch, "_foreach_mul_", lambda *a: multiplies.append(a[1]) or real(*a))
+    for _ in range(3):
+        for p, r, g in zip(params, reference, grads):
+            p.grad, r.grad = g.to(torch.bfloat16), g.to(torch.bfloat16).float() * factor
+        optimizer.grad_scale = factor
+        optimizer.step()
+        plain.step()
+    assert multiplies.count(factor) == (0 if kernel == "fused" else 3)  # foreach AdamW multiplies by its own too
+    for master, r in zip(optimizer.masters.values(), reference):
+        torch.testing.assert_close(master, r, rtol=1e-6, atol=1e-7)
+    assert masters._folds_grad_scale(optimizer.inner) == (kernel == "fused")
