@@ -12,7 +12,39 @@ os.environ.setdefault("PLAIT_CALIBRATION", "off")
 os.environ.setdefault("PLAIT_REPORT", "off")
 
 
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+
+
+def _gpus() -> int:
+    """NVIDIA GPUs on this machine, counted without torch (nothing may touch CUDA before the
+    variable below is set)."""
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+# The suite's worlds run up to 8 ranks, and NCCL puts one rank on one GPU. On a machine with
+# fewer GPUs than that (one, typically) every test process runs on the CPU with Gloo, as CI
+# does, and the CPU facts some tests assert (the `cpu` preset, a C++ compiler for --compile)
+# hold; the GPU paths are benchmarks/gpu.py's (`--parts correct`). PLAIT_TEST_GPU=1 keeps the GPUs.
+GPUS = _gpus()
+if 0 < GPUS < 8 and os.environ.get("PLAIT_TEST_GPU") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
 import pytest  # noqa: E402
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "" and GPUS:
+        return (f"plait: {GPUS} GPU(s), fewer than the suite's 8-rank worlds: every test runs on the CPU with Gloo "
+                "(benchmarks/gpu.py checks the GPU paths; PLAIT_TEST_GPU=1 keeps the GPUs)")
+    return None
 
 
 @pytest.fixture(scope="session")

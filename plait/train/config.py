@@ -266,7 +266,7 @@ def check_fp8_launch(config: TrainConfig) -> None:
     import importlib.util
 
     rules.check_fp8(config.layout, config.fp8_scaling)
-    gpu = config.backend == "nccl" or (config.backend == "auto" and os.path.exists("/dev/nvidiactl"))
+    gpu = ranks_on_gpu(config)
     rules.check_fp8_device("cuda" if gpu else "cpu", _gpu_capability() if gpu else None,
                            importlib.util.find_spec("torchao") is not None)
 
@@ -285,13 +285,20 @@ def _gpu_capability() -> tuple[int, int] | None:
 
 
 def check_compile_toolchain(config: TrainConfig) -> None:
-    """--compile on a CPU run needs Inductor's C++ compiler: said before spawning. Whether the
-    ranks will run on a GPU is guessed without importing torch (an NVIDIA driver present and
-    a backend that may use it); the ranks check again on the device they run on."""
+    """--compile on a CPU run needs Inductor's C++ compiler: said before spawning (`ranks_on_gpu`
+    guesses the device); the ranks check again on the device they run on."""
     from plait.runtime.env import cxx_compiler
 
-    gpu = config.backend == "nccl" or (config.backend == "auto" and os.path.exists("/dev/nvidiactl"))
-    rules.check_compile_toolchain("cuda" if gpu else "cpu", *cxx_compiler())
+    rules.check_compile_toolchain("cuda" if ranks_on_gpu(config) else "cpu", *cxx_compiler())
+
+
+def ranks_on_gpu(config: TrainConfig) -> bool:
+    """Whether the ranks will run on a GPU, guessed without importing torch: the nccl backend,
+    or auto with a GPU this process may use (CUDA_VISIBLE_DEVICES honoured, so a GPU machine
+    told to hide its GPUs is checked as the CPU machine it then is)."""
+    from plait.runtime.launch import local_gpus
+
+    return config.backend == "nccl" or (config.backend == "auto" and local_gpus() > 0)
 
 
 def check_outputs(config: TrainConfig) -> None:
