@@ -60,16 +60,3 @@ def size_range(spec: str, factor: int = 2) -> list[int]:
     while sizes[-1] * factor <= stop:
         sizes.append(sizes[-1] * factor)
     return sizes
-
-
-def ring_time(op: str, size: float, n: int, latency_s: float, bandwidth: float) -> float:
-    """α-β time of `op`: ring steps·α + factor·S/β (steps: 2(n-1) for all-reduce, n-1 for
-    the others that cross every rank, 1 for a send)."""
-    if n <= 1:
-        return 0.0
-    steps = {"all_reduce": 2 * (n - 1), "send_recv": 1, "send": 1, "recv": 1}.get(op, n - 1)
-    return steps * latency_s + busbw_factor(_canon(op), n) * size / bandwidth
-
-
-def _canon(op: str) -> str:
-    return "send_recv" if op in ("send", "recv") else op

@@ -107,18 +107,6 @@ def flops_per_token(config: GPTConfig, seq_len: int, recompute: str = "none") ->
     return float(model), float(model + extra)
 
 
-def stage_flops_per_token(config: GPTConfig, layout: Workload, stage: StageShare) -> float:
-    """Hardware FLOPs one rank of `stage` spends per token (its layers, /tp, plus the head)."""
-    h, s = config.d_model, layout.seq_len
-    block = sum(config.active_block_params(i) for i in range(config.n_layers)) / config.n_layers
-    attn = 4 * h * s
-    factor = {"none": (6, 3), "selective": (6, 4), "full": (8, 4)}[layout.recompute]
-    total = stage.layers * (factor[0] * block + factor[1] * attn)
-    if stage.last:
-        total += 6 * config.vocab_size * h
-    return total / layout.tp
-
-
 def collective_s(op: str, payload: float, n: int, hw: Hardware, inter: bool, count: float = 1) -> float:
     """Time of `count` ring collectives moving `payload` bytes in total."""
     if n <= 1 or payload <= 0:
