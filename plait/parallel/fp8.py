@@ -26,7 +26,6 @@ refused (plait.rules.check_fp8).
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from collections.abc import Iterable
 
@@ -35,14 +34,10 @@ from torch import nn
 
 from plait.errors import PlaitError
 from plait.rules import check_fp8_device
+from plait.runtime.env import have_torchao
 
 log = logging.getLogger(__name__)
 TILE = 16  # float8 matrix products need both dimensions of the weight in multiples of 16
-
-
-def have_torchao() -> bool:
-    """Whether torchao is installed (found without importing it)."""
-    return importlib.util.find_spec("torchao") is not None
 
 
 def check_device(device: torch.device) -> None:

@@ -156,3 +156,11 @@ def cxx_compiler() -> tuple[str, bool]:
     it is on the PATH."""
     name = os.environ.get("CXX") or "g++"
     return name, shutil.which(name) is not None
+
+
+def have_torchao() -> bool:
+    """Whether torchao (plait[fp8]) is installed, found without importing it: the launcher asks
+    before spawning, where nothing imports torch, and each rank asks again."""
+    import importlib.util
+
+    return importlib.util.find_spec("torchao") is not None
