@@ -18,6 +18,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -38,36 +39,39 @@ def fake_backward(model: nn.Module, weights: list[torch.Tensor]) -> None:
     loss.backward()
 
 
-def plait_update(spec: str, zero: int, steps: int) -> float:
-    mesh = init_mesh(zero=zero, env=ProcessEnv("single", 0, 1, 0, "127.0.0.1", 29500))
-    model = parallelize(build_gpt(get_preset(spec), 0).to(torch.bfloat16), mesh, ParallelConfig())
-    optimizer = build_optimizer(model, torch.optim.AdamW, lr=1e-4, weight_decay=0.1, fused=True)
-    guard = StepGuard("bf16", mesh.axis("world"), mesh.device)
+def median_update_ms(model: nn.Module, optimizer: torch.optim.Optimizer, update: Callable[[int], None],
+                     steps: int) -> float:
+    """The median of `update(step)`, timed after gradients made by `fake_backward` (2 warm-up steps)."""
     weights = [torch.randn_like(p) for p in model.parameters()]
     times = []
     for step in range(steps):
         optimizer.zero_grad()
         fake_backward(model, weights)
         start = time.perf_counter()
-        guard.step(step, model, optimizer, 1.0, 1.0)
+        update(step)
         times.append(time.perf_counter() - start)
-    mesh.close()
     return statistics.median(times[2:]) * 1e3
+
+
+def plait_update(spec: str, zero: int, steps: int) -> float:
+    mesh = init_mesh(zero=zero, env=ProcessEnv("single", 0, 1, 0, "127.0.0.1", 29500))
+    model = parallelize(build_gpt(get_preset(spec), 0).to(torch.bfloat16), mesh, ParallelConfig())
+    optimizer = build_optimizer(model, torch.optim.AdamW, lr=1e-4, weight_decay=0.1, fused=True)
+    guard = StepGuard("bf16", mesh.axis("world"), mesh.device)
+    ms = median_update_ms(model, optimizer, lambda step: guard.step(step, model, optimizer, 1.0, 1.0), steps)
+    mesh.close()
+    return ms
 
 
 def plain_update(spec: str, steps: int) -> float:
     model = build_gpt(get_preset(spec), 0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
-    weights = [torch.randn_like(p) for p in model.parameters()]
-    times = []
-    for _ in range(steps):
-        optimizer.zero_grad()
-        fake_backward(model, weights)
-        start = time.perf_counter()
+
+    def update(_: int) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[2:]) * 1e3
+
+    return median_update_ms(model, optimizer, update, steps)
 
 
 def main() -> None:

@@ -28,13 +28,16 @@ from tests.worldlib import save_report
 LAYOUTS = {"dp2": {"dp": 2}, "tp2": {"tp": 2}, "pp2": {"pp": 2}}
 
 
+def one_process(out: Path, runs: dict[str, dict[str, Any]], **common: Any) -> dict[str, Any]:
+    """Rank 0 alone trains each named run: the one-process references of a phase."""
+    one = single_mesh()
+    return {name: public(train(one, str(out / name), **common, **fields)) for name, fields in runs.items()}
+
+
 def parity(out: Path, rank: int) -> dict[str, Any]:
     report: dict[str, Any] = {}
     if rank == 0:
-        one = single_mesh()
-        for precision in ("fp16", "bf16"):
-            report[f"one-{precision}"] = public(train(one, str(out / f"one-{precision}"), precision=precision,
-                                                      grad_accum=2, steps=2))
+        report.update(one_process(out, {f"one-{p}": {"precision": p} for p in ("fp16", "bf16")}, grad_accum=2, steps=2))
     for name, degrees in LAYOUTS.items():
         mesh = init_mesh(**degrees)
         accum = 1 if name == "dp2" else 2
@@ -53,12 +56,10 @@ def fp8(out: Path, rank: int) -> dict[str, Any]:
     one process; bf16 beside it, to show float8 really ran; tp 2 refused."""
     report: dict[str, Any] = {}
     if rank == 0:
-        one = single_mesh()
-        for precision in ("fp8", "bf16"):
-            report[f"fp8-phase-one-{precision}"] = public(train(one, str(out / f"one-{precision}"), precision=precision,
-                                                      grad_accum=2, steps=3))
-        report["fp8-phase-one-rowwise"] = public(train(one, str(out / "one-rowwise"), precision="fp8",
-                                                 fp8_scaling="rowwise", grad_accum=2, steps=3))
+        report.update(one_process(out, {"fp8-phase-one-fp8": {"precision": "fp8"},
+                                        "fp8-phase-one-bf16": {"precision": "bf16"},
+                                        "fp8-phase-one-rowwise": {"precision": "fp8", "fp8_scaling": "rowwise"}},
+                                  grad_accum=2, steps=3))
     dp = init_mesh(dp=2)
     for zero in (0, 1, 3):
         report[f"dp2-zero{zero}-fp8"] = public(train(dp, str(out / f"dp{zero}"), precision="fp8", zero=zero, steps=3))
