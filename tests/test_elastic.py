@@ -11,7 +11,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.parity import assert_losses_close, assert_params_close
-from tests.worldlib import run_plait
+from tests.worldlib import run_plait_fresh
 
 # Global batch 8: micro-batch 2 × dp 4, or × dp 2 with --grad-accum 2.
 RUN = ["--model", "tiny", "--micro-batch", "2", "--seq-len", "16", "--eval-every", "0", "--sample-tokens", "0",
@@ -30,7 +30,7 @@ def weights(out):
 def reference(tmp_path_factory):
     """dp 4 from start to end, never interrupted."""
     out = tmp_path_factory.mktemp("dp4")
-    proc = run_plait("train", *RUN, "--nproc", "4", "--out", str(out), timeout=300)
+    proc = run_plait_fresh("train", *RUN, "--nproc", "4", "--out", str(out), timeout=300)
     assert proc.returncode == 0, proc.stderr
     return out
 
@@ -46,7 +46,7 @@ def test_a_rank_that_keeps_failing_shrinks_the_world_under_zero3(reference, tmp_
     step 5): the spawner takes it as lost and continues on 2 ranks, the largest world from
     --min-nproc that keeps the global batch; ZeRO-3's shards are re-cut from the checkpoint."""
     monkeypatch.setenv("PLAIT_INJECT", "0:3:7:KILL,1:3:6:KILL")
-    proc = run_plait("train", *RUN, "--nproc", "4", "--zero", "3", "--max-restarts", "2", "--min-nproc", "2",
+    proc = run_plait_fresh("train", *RUN, "--nproc", "4", "--zero", "3", "--max-restarts", "2", "--min-nproc", "2",
                      "--out", str(tmp_path), timeout=400)
     assert proc.returncode == 0, proc.stderr
     assert ("plait: rank(s) 3 failed in two worlds in a row: taken as lost; the world restarts on 2 process(es) "
@@ -63,7 +63,7 @@ def test_a_rank_that_keeps_failing_shrinks_the_world_under_zero3(reference, tmp_
                                  {"first_step": 6, "last_step": 12, "world_size": 2, "grad_accum": 2}]
     assert ("  elastic     steps 1-5 on 4 process(es) (grad-accum 1), steps 6-12 on 2 process(es) (grad-accum 2), "
             "the same global batch") in proc.stdout
-    report = run_plait("report", str(tmp_path))
+    report = run_plait_fresh("report", str(tmp_path))
     assert report.returncode == 0, report.stderr
     assert ("- world size changed (elastic restart): steps 1-5 on 4 process(es) (grad-accum 1), steps 6-12 on 2 "
             "process(es) (grad-accum 2), the same global batch") in (tmp_path / "report.md").read_text()
@@ -77,16 +77,16 @@ def test_a_run_grows_onto_more_ranks_with_tp_fixed_and_a_size_that_cannot_keep_t
     test_cli_strategies.py's."""
     monkeypatch.setenv("PLAIT_INJECT", "0:1:7:KILL")
     tp = ["--tp", "2", "--grad-accum", "4"]
-    first = run_plait("train", *RUN, *tp, "--nproc", "2", "--out", str(tmp_path), timeout=300)
+    first = run_plait_fresh("train", *RUN, *tp, "--nproc", "2", "--out", str(tmp_path), timeout=300)
     assert first.returncode == 137, first.stderr  # no --max-restarts: the job ends, step 5 saved
     monkeypatch.delenv("PLAIT_INJECT")
-    refused = run_plait("train", *RUN, "--nproc", "3", "--resume", "auto", "--out", str(tmp_path), timeout=60)
+    refused = run_plait_fresh("train", *RUN, "--nproc", "3", "--resume", "auto", "--out", str(tmp_path), timeout=60)
     assert refused.returncode == 2
     assert ("plait: error: 3 process(es) (dp=3) cannot keep the global batch of 8 samples that step-00000005 was "
             "trained with, at --micro-batch 2\n  hint: world sizes that can: 1, 2, 4 (or change --micro-batch)"
             ) in refused.stderr
     assert "Traceback" not in refused.stderr and not (tmp_path / "checkpoints" / "step-00000006").exists()
-    grown = run_plait("train", *RUN, *tp, "--nproc", "4", "--resume", "auto", "--out", str(tmp_path), timeout=300)
+    grown = run_plait_fresh("train", *RUN, *tp, "--nproc", "4", "--resume", "auto", "--out", str(tmp_path), timeout=300)
     assert grown.returncode == 0, grown.stderr
     assert ("step-00000005 was written by 2 process(es) (dp=1); this world has 4 (dp=2): --grad-accum 2 keeps the "
             "global batch of 8") in grown.stderr
@@ -107,10 +107,10 @@ def test_the_other_pairings_of_size_and_strategy(reference, tmp_path, monkeypatc
     (n0, accum0), (n1, accum1) = before, after
     flags = [*RUN, *flags, "--grad-accum", str(accum0), "--out", str(tmp_path)]
     monkeypatch.setenv("PLAIT_INJECT", "0:1:7:KILL")
-    first = run_plait("train", *flags, "--nproc", str(n0), timeout=300)
+    first = run_plait_fresh("train", *flags, "--nproc", str(n0), timeout=300)
     assert first.returncode == 137, first.stderr
     monkeypatch.delenv("PLAIT_INJECT")
-    second = run_plait("train", *flags, "--nproc", str(n1), "--resume", "auto", timeout=300)
+    second = run_plait_fresh("train", *flags, "--nproc", str(n1), "--resume", "auto", timeout=300)
     assert second.returncode == 0, second.stderr
     assert [(r["world_size"], r["grad_accum"]) for r in records(tmp_path)] == [(n0, accum0)] * 5 + [(n1, accum1)] * 7
     assert_same_model(tmp_path, reference, loss_rtol=rtol, param_atol=atol)

@@ -19,7 +19,7 @@ import pytest
 from plait.errors import EXIT_PREEMPTED
 from tests import slurmlib
 from tests.slurmlib import launcher_env
-from tests.worldlib import ROOT, run_plait
+from tests.worldlib import ROOT, run_plait_fresh
 
 RUN = ["--model", "tiny", "--micro-batch", "2", "--seq-len", "16", "--eval-every", "0",
        "--sample-tokens", "0", "--warmup-steps", "2"]
@@ -34,7 +34,7 @@ def records(out):
 def reference(tmp_path_factory):
     """One uninterrupted run; `--resume auto` with nothing saved yet starts it fresh."""
     out = tmp_path_factory.mktemp("reference")
-    proc = run_plait("train", *RUN, *STEPS, "--resume", "auto", "--out", str(out), timeout=300)
+    proc = run_plait_fresh("train", *RUN, *STEPS, "--resume", "auto", "--out", str(out), timeout=300)
     assert proc.returncode == 0, proc.stderr
     return out
 
@@ -42,7 +42,7 @@ def reference(tmp_path_factory):
 @pytest.mark.slow  # make test restarts a killed world below, with the rank killed mid-save (--async-save)
 def test_a_killed_rank_restarts_the_world_and_ends_with_the_same_bytes(reference, tmp_path, monkeypatch):
     monkeypatch.setenv("PLAIT_INJECT", "0:1:7:KILL")  # rank 1 dies as step 7 begins, first world only
-    proc = run_plait("train", *RUN, *STEPS, "--max-restarts", "1", "--out", str(tmp_path), timeout=300)
+    proc = run_plait_fresh("train", *RUN, *STEPS, "--max-restarts", "1", "--out", str(tmp_path), timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "rank 1 exited with code -9 (SIGKILL)" in proc.stderr
     assert "plait: restarting the world (1 of 1)" in proc.stderr
@@ -62,7 +62,7 @@ def test_a_world_that_dies_after_its_last_save_ends_well(reference, tmp_path, mo
     step-00000012 was written: the restarted world finds the finished run and writes its
     outputs from that checkpoint; `--resume auto` by hand on a finished run does the same."""
     monkeypatch.setenv("PLAIT_INJECT", "0:1:13:KILL")
-    proc = run_plait("train", *RUN, *STEPS, "--max-restarts", "1", "--out", str(tmp_path), timeout=300)
+    proc = run_plait_fresh("train", *RUN, *STEPS, "--max-restarts", "1", "--out", str(tmp_path), timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "rank 1 sends itself SIGKILL at step 13" in proc.stderr
     assert "plait: restarting the world (1 of 1)" in proc.stderr
@@ -73,7 +73,7 @@ def test_a_world_that_dies_after_its_last_save_ends_well(reference, tmp_path, mo
     assert summary["steps"] == 12 and summary["val_loss"] == json.loads((reference / "summary.json").read_text())["val_loss"]
     monkeypatch.delenv("PLAIT_INJECT")
     (tmp_path / "model.safetensors").unlink()
-    again = run_plait("train", *RUN, *STEPS, "--resume", "auto", "--out", str(tmp_path), timeout=300)
+    again = run_plait_fresh("train", *RUN, *STEPS, "--resume", "auto", "--out", str(tmp_path), timeout=300)
     assert again.returncode == 0, again.stderr
     assert (tmp_path / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
 
@@ -85,7 +85,7 @@ def test_an_async_save_killed_mid_write_leaves_the_previous_checkpoint_and_resum
     restarted world resumes it and, saving in the background too, ends with the same bytes
     and losses as the synchronous reference."""
     monkeypatch.setenv("PLAIT_INJECT", "0:1:10:KILL:save")
-    proc = run_plait("train", *RUN, *STEPS, "--async-save", "--max-restarts", "1", "--out", str(tmp_path), timeout=300)
+    proc = run_plait_fresh("train", *RUN, *STEPS, "--async-save", "--max-restarts", "1", "--out", str(tmp_path), timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "rank 1 sends itself SIGKILL at step 10 while saving" in proc.stderr
     assert "plait: restarting the world (1 of 1)" in proc.stderr
@@ -100,7 +100,7 @@ def test_an_async_save_killed_mid_write_leaves_the_previous_checkpoint_and_resum
                                                              "step-00000012"]
     assert (checkpoints / "latest").resolve().name == "step-00000012"
     for step in ("00000010", "00000012"):  # what the background writes produced loads like any checkpoint
-        assert run_plait("ckpt", "inspect", str(checkpoints / f"step-{step}")).returncode == 0
+        assert run_plait_fresh("ckpt", "inspect", str(checkpoints / f"step-{step}")).returncode == 0
 
 
 def test_sigterm_saves_at_one_step_on_every_rank_and_resume_ends_with_the_same_bytes(reference, tmp_path,
@@ -108,7 +108,7 @@ def test_sigterm_saves_at_one_step_on_every_rank_and_resume_ends_with_the_same_b
     """SIGTERM reaches rank 1 alone, as step 7 begins: both ranks finish step 7, save it,
     and exit with 75; `--resume auto` continues from there to the reference's bytes."""
     monkeypatch.setenv("PLAIT_INJECT", "0:1:7:TERM")
-    proc = run_plait("train", *RUN, *STEPS, "--max-restarts", "1", "--out", str(tmp_path), timeout=300)
+    proc = run_plait_fresh("train", *RUN, *STEPS, "--max-restarts", "1", "--out", str(tmp_path), timeout=300)
     assert proc.returncode == 75, proc.stderr
     assert "plait: restarting the world" not in proc.stderr  # a preempted job is not restarted
     assert (f"plait: preempted by SIGTERM: every rank stopped after step 7 of 12 and saved "
@@ -117,7 +117,7 @@ def test_sigterm_saves_at_one_step_on_every_rank_and_resume_ends_with_the_same_b
     assert (tmp_path / "checkpoints" / "latest").resolve().name == "step-00000007"
     assert [r["step"] for r in records(tmp_path)] == list(range(1, 8))
     monkeypatch.delenv("PLAIT_INJECT")
-    again = run_plait("train", *RUN, *STEPS, "--resume", "auto", "--out", str(tmp_path), timeout=300)
+    again = run_plait_fresh("train", *RUN, *STEPS, "--resume", "auto", "--out", str(tmp_path), timeout=300)
     assert again.returncode == 0, again.stderr
     assert (tmp_path / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
     assert [r["loss"] for r in records(tmp_path)] == [r["loss"] for r in records(reference)]
@@ -187,7 +187,7 @@ def test_under_srun_sigterm_to_one_rank_stops_the_job_at_one_step_and_it_resumes
 
 def test_a_stopped_rank_is_named_by_every_rank_and_the_spawner(tmp_path, monkeypatch):
     monkeypatch.setenv("PLAIT_INJECT", "0:2:3:STOP")  # rank 2 of 4 freezes as step 3 begins
-    proc = run_plait("train", *RUN, "--steps", "5", "--nproc", "4", "--timeout", "10", "--out", str(tmp_path),
+    proc = run_plait_fresh("train", *RUN, "--steps", "5", "--nproc", "4", "--timeout", "10", "--out", str(tmp_path),
                      timeout=300)
     ended = time.time()
     assert proc.returncode == 2, proc.stderr
@@ -212,10 +212,10 @@ def test_soak_five_random_kills_end_with_the_same_bytes(tmp_path, monkeypatch):
     steps = sorted(rng.sample(range(2, 20), 5))  # rising, so each restarted world reaches its kill
     spec = ",".join(f"{attempt}:{rng.randrange(4)}:{step}:KILL" for attempt, step in enumerate(steps))
     flags = [*RUN, "--steps", "20", "--save-every", "3", "--nproc", "4"]
-    clean = run_plait("train", *flags, "--out", str(tmp_path / "clean"), timeout=600)
+    clean = run_plait_fresh("train", *flags, "--out", str(tmp_path / "clean"), timeout=600)
     assert clean.returncode == 0, clean.stderr
     monkeypatch.setenv("PLAIT_INJECT", spec)
-    proc = run_plait("train", *flags, "--max-restarts", "5", "--out", str(tmp_path / "soak"), timeout=900)
+    proc = run_plait_fresh("train", *flags, "--max-restarts", "5", "--out", str(tmp_path / "soak"), timeout=900)
     assert proc.returncode == 0, (spec, proc.stderr)
     assert proc.stderr.count("plait: restarting the world") == 5, spec
     assert (tmp_path / "soak" / "model.safetensors").read_bytes() == (tmp_path / "clean" / "model.safetensors").read_bytes()

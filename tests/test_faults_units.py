@@ -232,7 +232,9 @@ RANK_SCRIPT = """
 import os, signal, sys, time
 from pathlib import Path
 out, rank, attempt = Path(sys.argv[1]), int(os.environ["RANK"]), int(os.environ["PLAIT_RESTART"])
-(out / f"world{attempt}-rank{rank}").write_text(os.environ["WORLD_SIZE"] + " " + " ".join(sys.argv[2:]))
+note = out / f".world{attempt}-rank{rank}"  # renamed once written: a rank stopped mid-write leaves no half file
+note.write_text(os.environ["WORLD_SIZE"] + " " + " ".join(sys.argv[2:]))
+note.rename(out / note.name[1:])
 if sys.argv[2] == "fail-rank-3" and rank == 3 and attempt < 2:
     sys.exit(1)
 if sys.argv[2] in ("sigterm", "no-handler"):

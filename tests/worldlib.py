@@ -4,10 +4,12 @@ Spawning costs seconds (mostly `import torch`), so a world script checks many th
 once and writes one JSON file per rank; the test then asserts on those numbers. Scripts live
 in tests/worlds/. Their ranks are forked from a pool process that imported torch and plait
 once for the whole session (tests/zygote.py), each rank with the environment plait's
-spawner gives it; a world expected to fail runs under `plait launch` itself, whose messages
-about failing ranks are what such tests read (the spawner's own tests, test_launch*.py,
-test_faults*, always use real processes). PLAIT_TEST_POOL=0 runs every world under
-`plait launch`.
+spawner gives it. The `plait` command itself runs from the same pool (run_plait), its
+spawner forking its ranks from the pre-imported command; a world expected to fail runs
+that way under `plait launch`, whose messages about failing ranks are what such tests read.
+The tests of the process boundary itself (launchers, faults, restarts, elastic worlds) run
+new interpreters (run_plait_fresh). PLAIT_TEST_POOL=0 runs every world under `plait launch`
+and every command in new interpreters.
 """
 
 from __future__ import annotations
@@ -34,12 +36,14 @@ def run_world(script: str, nproc: int, out: Path, *args: str, timeout: float = 3
     """Run tests/worlds/`script` on `nproc` ranks; return the process and each rank's report."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PLAIT_TEST_OUT": str(out), "PYTHONPATH": str(ROOT)}
-    pool = Pool.get() if expect_ok and os.environ.get("PLAIT_TEST_POOL", "1") != "0" else None
+    pool = Pool.get() if os.environ.get("PLAIT_TEST_POOL", "1") != "0" else None
+    launch = ["launch", "--nproc", str(nproc), str(WORLDS / script), *args]
     if pool is not None and pool.serves(env):
-        proc = pool.run_world(str(WORLDS / script), list(args), nproc, env, timeout)
+        proc = (pool.run_world(str(WORLDS / script), list(args), nproc, env, timeout) if expect_ok
+                else pool.run_cli(launch, env, ROOT, timeout))
     else:
-        cmd = [sys.executable, "-m", "plait", "launch", "--nproc", str(nproc), str(WORLDS / script), *args]
-        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run([sys.executable, "-m", "plait", *launch], env=env, cwd=ROOT, capture_output=True,
+                              text=True, timeout=timeout)
     if expect_ok:
         assert proc.returncode == 0, f"world {script} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     reports = []
@@ -71,7 +75,7 @@ class Pool:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(path)
         self.stream = self.sock.makefile("rw")
-        self.worlds = 0
+        self.runs = 0
         atexit.register(self.close)
 
     @classmethod
@@ -96,21 +100,38 @@ class Pool:
         with the spawner's variables, stopped all when one fails (its exit code is the world's)."""
         from plait.runtime.launch import free_port, rank_env
 
-        self.worlds += 1
-        logs = self.dir / f"world{self.worlds}"
-        logs.mkdir()
+        logs = self._logs()
         port, faults = free_port(), tempfile.mkdtemp(prefix="plait-faults-")
         pids = []
         for rank in range(nproc):
             rank_vars = {**rank_env(rank, nproc, port), **env, "PLAIT_FAULT_DIR": faults, "PLAIT_RESTART": "0"}
             pids.append(self.ask({"run": script, "argv": args, "env": rank_vars, "cwd": str(ROOT),
                                   "log": str(logs / f"rank{rank}")})["pid"])
+        return self._finish([script, *args], pids, logs, [f"rank{r}" for r in range(nproc)], timeout)
+
+    def run_cli(self, args: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+        """`python -m plait ARGS` forked from the pool; its spawner forks its ranks from it
+        (tests/zygote.WarmPopen)."""
+        logs = self._logs()
+        pid = self.ask({"module": "plait", "argv": args, "env": env, "cwd": str(cwd), "log": str(logs / "plait")})["pid"]
+        return self._finish([sys.executable, "-m", "plait", *args], [pid], logs, ["plait"], timeout)
+
+    def _logs(self) -> Path:
+        self.runs += 1
+        logs = self.dir / f"run{self.runs}"
+        logs.mkdir()
+        return logs
+
+    def _finish(self, args: list[str], pids: list[int], logs: Path, names: list[str],
+                timeout: float) -> subprocess.CompletedProcess:
+        """Wait for `pids`; their exit code and output as subprocess.run(capture_output=True,
+        text=True) gives them, or its TimeoutExpired."""
         code = self._wait(pids, time.time() + timeout)
-        stdout = "".join((logs / f"rank{r}.stdout").read_text() for r in range(nproc))
-        stderr = "".join((logs / f"rank{r}.stderr").read_text() for r in range(nproc))
+        stdout = "".join((logs / f"{name}.stdout").read_text() for name in names)
+        stderr = "".join((logs / f"{name}.stderr").read_text() for name in names)
         if code is None:
-            raise subprocess.TimeoutExpired(script, timeout, stdout, stderr)
-        return subprocess.CompletedProcess([script, *args], code, stdout, stderr)
+            raise subprocess.TimeoutExpired(args, timeout, stdout, stderr)
+        return subprocess.CompletedProcess(args, code, stdout, stderr)
 
     def _wait(self, pids: list[int], deadline: float) -> int | None:
         """The world's exit code (the first failure's), or None when it ran past `deadline`."""
@@ -153,12 +174,30 @@ def save_report(report: dict[str, Any]) -> None:
 
 def run_plait(*args: str, timeout: float = 300, cwd: Path | None = None,
               env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run the `plait` CLI as a user would (python -m plait ...)."""
+    """Run the `plait` CLI as a user would (python -m plait ...), forked from the session's pool
+    with its ranks (tests/zygote.py): the command's own code, spawner included, runs as it
+    would from a shell, without an `import torch` per process."""
+    env = _cli_env(env_extra)
+    pool = Pool.get() if os.environ.get("PLAIT_TEST_POOL", "1") != "0" else None
+    if pool is not None and pool.serves(env):
+        return pool.run_cli(list(args), env, cwd or ROOT, timeout)
+    return run_plait_fresh(*args, timeout=timeout, cwd=cwd, env_extra=env_extra)
+
+
+def run_plait_fresh(*args: str, timeout: float = 300, cwd: Path | None = None,
+                    env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """run_plait in new interpreters (the command and each rank exec'd): for the tests of the
+    process boundary itself (launchers, faults, restarts, elastic worlds)."""
+    return subprocess.run([sys.executable, "-m", "plait", *args], env=_cli_env(env_extra), cwd=cwd or ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _cli_env(env_extra: dict[str, str] | None) -> dict[str, str]:
+    """The environment of a command typed in a shell: none of a launcher's rank variables."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PLAIT_SPAWNED"):
         env.pop(name, None)
-    return subprocess.run([sys.executable, "-m", "plait", *args], env=env, cwd=cwd or ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    return env
 
 
 def split_slow(names: Iterable[str], fast: Collection[str]) -> list[Any]:

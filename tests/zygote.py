@@ -9,13 +9,21 @@ after CUDA starts is refused). Each rank is its own forked process with the envi
 request names, so a failing or hanging case cannot poison the next: every case starts from
 this same untouched parent.
 
+The same pool runs the `plait` command itself (tests/worldlib.run_plait): the forked process
+is `python -m plait ARGS`, and the ranks its spawner starts are forked from it in turn
+(WarmPopen) instead of exec'ing a new interpreter. The spawner's own code (watching the
+ranks, naming failures, restarting, forwarding signals) runs unchanged; only the 3-4 s
+import per rank is gone. Before the spawner forks, the parent has run no tensor op either
+(plait's command line loads torch only in ranks).
+
 Protocol (one JSON line each way over a Unix socket, one request at a time):
-    {"run": script, "argv": [...], "env": {...}, "cwd": dir, "log": prefix} -> {"pid": n}
+    {"run": script | "module": name, "argv": [...], "env": {...}, "cwd": dir, "log": prefix}
+                                                                          -> {"pid": n}
     {"poll": pid}                                                         -> {"code": int | null}
-The rank's stdout and stderr go to `prefix`.stdout and `prefix`.stderr; its exit code is
+The process's stdout and stderr go to `prefix`.stdout and `prefix`.stderr; its exit code is
 the script's, 1 for an uncaught exception (printed as Python prints it). The client signals
-ranks itself (`os.killpg`: each rank leads its own process group) and polls here, the
-parent, for their exit.
+processes itself (`os.killpg`: each leads its own process group, its ranks in it) and polls
+here, the parent, for their exit.
 
     python -m tests.zygote SOCKET     (tests/worldlib.py starts it, once per test session)
 """
@@ -24,11 +32,17 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
+import signal
 import socket
+import subprocess
 import sys
 import traceback
+from typing import Any
 
-PRELOAD = ("torch", "numpy", "plait.train.trainer", "plait.runtime.mesh", "plait.families")
+# torch._dynamo too: building any torch optimizer imports it (Optimizer.__init__ is wrapped by
+# torch._disable_dynamo), 1.4 s of each rank's start that the pool pays once instead.
+PRELOAD = ("torch", "torch._dynamo", "numpy", "plait.train.trainer", "plait.runtime.mesh", "plait.families")
 OPEN: list[socket.socket] = []  # the parent's sockets, which a rank closes first
 
 
@@ -58,30 +72,43 @@ def _answer(request: dict) -> dict:
         return {"code": None if pid == 0 else os.waitstatus_to_exitcode(status)}
     pid = os.fork()
     if pid == 0:
-        _rank(request)  # never returns
+        try:
+            _rank(request)  # never returns
+        finally:
+            os._exit(1)  # reached only when the child failed before running anything
     return {"pid": pid}
 
 
 def _rank(request: dict) -> None:
-    """The forked child: become the rank the request describes, run its script, exit."""
+    """The forked child: become the process the request describes, run it, exit."""
+    for sock in OPEN:  # the fds themselves: the parent's stream objects still refer to them
+        os.close(sock.fileno())
+    os.setpgid(0, 0)
+    out = os.open(request["log"] + ".stdout", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    err = os.open(request["log"] + ".stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    os.chdir(request["cwd"])
+    if "module" in request:
+        subprocess.Popen = WarmPopen  # this process's spawner forks its ranks from here
+        _run_main(request["env"], request["cwd"], lambda: runpy.run_module(request["module"], run_name="__main__",
+                                                                             alter_sys=True), request["argv"])
+    script = request["run"]
+    _run_main(request["env"], os.path.dirname(script), lambda: runpy.run_path(script, run_name="__main__"),
+              request["argv"], argv0=script)
+
+
+def _run_main(env: dict[str, str], path0: str, run: Any, argv: list[str], argv0: str = "") -> None:
+    """Run `run` as a new interpreter's __main__ would with `env`, `argv` and sys.path[0] =
+    `path0`; exit with its code (never returns)."""
     code = 1
     try:
-        for sock in OPEN:  # the fds themselves: the parent's stream objects still refer to them
-            os.close(sock.fileno())
-        os.setpgid(0, 0)
-        out = os.open(request["log"] + ".stdout", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        err = os.open(request["log"] + ".stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(out, 1)
-        os.dup2(err, 2)
         os.environ.clear()
-        os.environ.update(request["env"])
-        os.chdir(request["cwd"])
-        script = request["run"]
-        sys.argv = [script, *request["argv"]]
-        sys.path[0] = os.path.dirname(script)  # as `python script` sets it
-        import runpy
-
-        runpy.run_path(script, run_name="__main__")
+        os.environ.update(env)
+        sys.argv = [argv0, *argv]
+        sys.path[0] = path0
+        sys.path[1:1] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+        run()
         code = 0
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
@@ -91,6 +118,49 @@ def _rank(request: dict) -> None:
         traceback.print_exc()
     finally:
         _exit(code)
+
+
+class WarmPopen(subprocess.Popen):
+    """subprocess.Popen whose `python -m plait ...` and `python script.py ...` children are
+    forked from this process (torch imported, nothing run) rather than exec'd; any other
+    command starts as usual.
+
+    The child is what exec would give: default signal handlers (the spawner's forwarding
+    handler is not inherited), the environment and arguments asked for, stdout and stderr
+    shared with the parent. Python's own Popen machinery (poll, wait, kill, send_signal)
+    works on it unchanged, since it is a plain child process."""
+
+    def _execute_child(self, args: Any, executable: Any, preexec_fn: Any, close_fds: Any, pass_fds: Any,
+                       cwd: Any, env: Any, *rest: Any) -> None:
+        pipes = rest[3:9]  # p2cread ... errwrite: -1 when stdin/out/err are inherited
+        plain = list(pipes) == [-1] * 6 and preexec_fn is None and cwd is None and env is not None
+        main = _python_main(list(args)) if plain else None
+        if main is None:
+            return super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env, *rest)
+        sys.stdout.flush()  # else the child would write the parent's unflushed lines again
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            for sig in (signal.SIGTERM, signal.SIGUSR1):
+                signal.signal(sig, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            env = {k.decode() if isinstance(k, bytes) else k: v.decode() if isinstance(v, bytes) else v
+                   for k, v in env.items()}
+            path0, run, argv0, argv = main
+            _run_main(env, path0, run, argv, argv0)
+        self.pid = pid
+        self._child_created = True
+
+
+def _python_main(args: list[str]) -> tuple[str, Any, str, list[str]] | None:
+    """(sys.path[0], how to run it, argv[0], the rest) for `python -m plait ...` and
+    `python script.py ...`, the two commands plait's spawner starts; None for anything else."""
+    if len(args) >= 3 and args[:3] == [sys.executable, "-m", "plait"]:
+        return os.getcwd(), lambda: runpy.run_module("plait", run_name="__main__", alter_sys=True), "", args[3:]
+    if len(args) >= 2 and args[0] == sys.executable and args[1].endswith(".py") and os.path.isfile(args[1]):
+        script = os.path.abspath(args[1])
+        return os.path.dirname(script), lambda: runpy.run_path(script, run_name="__main__"), args[1], args[2:]
+    return None
 
 
 def _exit(code: int) -> None:
