@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.worldlib import run_plait
+
 ROOT = Path(__file__).resolve().parent.parent
 TUTORIAL = ROOT / "docs" / "tutorial"
 SHORT = ["--steps", "2", "--model", "tiny", "--seq-len", "32", "--eval-every", "0", "--sample-tokens", "0",
@@ -73,7 +75,10 @@ def test_every_command_of_the_page_runs(page: Path, tmp_path: Path) -> None:
     env["PYTHONPATH"] = str(ROOT)
     for command in sh_commands(page):
         argv = shortened(command, tmp_path)
-        proc = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        if argv[1:3] == ["-m", "plait"]:  # from the session's pool, as the other tests' commands
+            proc = run_plait(*argv[3:], cwd=tmp_path, timeout=600)
+        else:
+            proc = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
         if "train" in argv:
             out = Path(argv[argv.index("--out") + 1]) if "--out" in argv else tmp_path / "runs/latest"

@@ -63,7 +63,11 @@ def sweep(tmp_path_factory: pytest.TempPathFactory, families: list[str]) -> list
 
 
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def quick(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """The QUICK families' sweep; under make test-all, which sweeps every family anyway, that
+    whole sweep (the same cases, one spawn instead of two)."""
+    if any(item.module is request.module and item.get_closest_marker("slow") for item in request.session.items):
+        return request.getfixturevalue("world")
     return sweep(tmp_path_factory, QUICK)
 
 

@@ -60,6 +60,7 @@ class Pool:
     # Variables read when torch or plait is imported, which the pool imported already with
     # its own: a world whose environment differs in one of them runs under `plait launch`.
     READ_AT_IMPORT = ("TORCH", "PYTORCH", "OMP", "MKL", "KMP", "ATEN", "CUDA", "NCCL", "GLOO", "PLAIT_LOG")
+    READ_WHEN_USED = ("TORCHINDUCTOR_CACHE_DIR",)  # Inductor reads it at each compile (its cache_dir())
 
     def __init__(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="plait-pool-"))
@@ -86,7 +87,7 @@ class Pool:
 
     def serves(self, env: dict[str, str]) -> bool:
         """Whether a world with `env` can start from the pool's imports."""
-        names = {k for k in {**env, **self.env} if k.startswith(self.READ_AT_IMPORT)}
+        names = {k for k in {**env, **self.env} if k.startswith(self.READ_AT_IMPORT) and k not in self.READ_WHEN_USED}
         return all(env.get(k) == self.env.get(k) for k in names)
 
     def ask(self, request: dict[str, Any]) -> dict[str, Any]:
