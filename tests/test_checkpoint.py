@@ -18,7 +18,8 @@ from plait.models.gpt import build_gpt
 from plait.runtime.env import ProcessEnv
 from plait.runtime.mesh import init_mesh
 from plait.train import checkpoint
-from plait.train.checkpoint_read import Reader, describe, load, resolve
+from plait.train.checkpoint_read import Reader, describe, load
+from plait.train.restart import resolve
 from tests.parity import assert_losses_close
 from tests.worldlib import ROOT, run_plait, split_slow
 

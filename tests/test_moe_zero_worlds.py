@@ -49,7 +49,7 @@ def test_expert_groups_are_cut_over_edp_and_every_element_is_owned_once(world: l
     kinds = {(axis, n) for axis, n, _ in groups}
     assert kinds == {("dp", 4), ("edp", 4 // ep)}, groups
     if layout.endswith("zero3"):  # each MoE block: two groups, two registered shards
-        assert {(axis, name) for axis, _, name in groups} == {("dp", "plait_shard"), ("edp", "plait_expert_shard")}
+        assert {(axis, name) for axis, _, name in groups} == {("dp", "plait_shard"), ("edp", "plait_edp_shard")}
     owned = sum(rank["softmax"][layout]["owned"] for rank in world)
     assert owned == world[0]["softmax"]["one"]["numel"]
 

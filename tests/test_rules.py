@@ -59,9 +59,6 @@ def test_one_home_for_each_choice() -> None:
     assert recompute.POLICIES is layout.RECOMPUTE is rules.RECOMPUTE
     assert layout.PRECISIONS is rules.PRECISIONS and layout.REDUCE_DTYPES is rules.REDUCE_DTYPES
     assert "check_split" in gpt_adapter.GPTAdapter.tensor_plan.__code__.co_names  # the shape's own check, as estimate's
-    from plait.parallel import precision
-
-    assert precision.PRECISIONS is rules.PRECISIONS
     assert rules.PRECISIONS == ("fp32", "bf16", "fp16", "fp8") and rules.RECOMPUTE == ("none", "selective", "full")
 
 

@@ -15,6 +15,8 @@ ledger (plait/runtime/comm.py) counts per rank, so factor·S is what the ledger 
 
 from __future__ import annotations
 
+from plait.wire import ring_bytes
+
 PRIMITIVES = ("broadcast", "scatter", "reduce", "gather", "all_gather", "reduce_scatter",
               "all_reduce", "send_recv")
 
@@ -24,14 +26,13 @@ FACTOR_TEXT = {"all_reduce": "2(n-1)/n", "all_gather": "(n-1)/n", "reduce_scatte
 
 
 def busbw_factor(op: str, n: int) -> float:
-    """nccl-tests' bus-bandwidth factor of `op` on n ranks."""
+    """nccl-tests' bus-bandwidth factor of `op` on n ranks: the bytes per byte of S that the
+    ring formula (plait.wire, which the ledger counts with) puts through each rank's link."""
     if op not in FACTOR_TEXT:
         raise ValueError(f"unknown collective {op!r}")
-    if op == "all_reduce":
-        return 2 * (n - 1) / n
-    if FACTOR_TEXT[op] == "(n-1)/n":
-        return (n - 1) / n
-    return 1.0
+    if n <= 1:
+        return float(FACTOR_TEXT[op] == "1")
+    return ring_bytes("send" if op == "send_recv" else op, 1.0, n)
 
 
 def bandwidths(op: str, size: float, seconds: float, n: int) -> tuple[float, float]:

@@ -28,12 +28,12 @@ import torch
 from torch import nn
 
 from plait.errors import PlaitError
-from plait.rules import PRECISIONS, check_precision, default_reduce_dtype  # noqa: F401
+from plait.rules import check_precision, default_reduce_dtype
 from plait.parallel.clip import GradientSquares, clip_grad_norm, gradient_squares, held_gradients
 from plait.runtime import comm
 from plait.runtime.comm import Axis
 
-__all__ = ["DTYPES", "PRECISIONS", "LossScaler", "StepGuard", "param_dtype", "reduce_dtype_of", "scale_grad"]
+__all__ = ["DTYPES", "LossScaler", "StepGuard", "param_dtype", "reduce_dtype_of", "scale_grad"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp8": torch.bfloat16}  # fp8: bf16 weights and gradients, float8 products (plait.parallel.fp8)

@@ -110,30 +110,6 @@ class ModelAdapter(Protocol):
         ...
 
 
-class FullAdapter(ModelAdapter, Protocol):
-    """An adapter that answers every question the strategies ask (plait's GPT, a transformers model's plans)."""
-
-    def parts(self, model: nn.Module) -> Parts:
-        """Where the pipeline cuts `model`."""
-        ...
-
-    def run_stage(self, stage: StageView, x: torch.Tensor) -> torch.Tensor:
-        """One pipeline stage's forward: ids or hidden states in, hidden states or logits out."""
-        ...
-
-    def tensor_plan(self, model: nn.Module, tp: int, sp: bool) -> dict[str, str]:
-        """{module-name pattern: style} splitting `model` over tp ranks (PlaitError if it cannot)."""
-        ...
-
-    def after_tensor_parallel(self, model: nn.Module, axis: Axis, sp: bool) -> None:
-        """Anything the family must change once its layers are split over `axis`."""
-        ...
-
-    def context_attention(self, model: nn.Module, context: Any) -> None:
-        """Route the attention through `context.attend` while `context.active`."""
-        ...
-
-
 class GenericAdapter:
     """For a model plait knows nothing about: the children of its module lists and
     Sequentials are its blocks; an nn.Sequential is cut between its children."""

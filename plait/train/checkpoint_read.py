@@ -20,7 +20,7 @@ from plait.runtime import comm
 from plait.runtime.mesh import Mesh
 from plait.parallel.pieces import Piece, local_pieces
 from plait.train.checkpoint import FORMAT, init_optimizer_state, sha256
-from plait.train.restart import resolve  # noqa: F401 - where a checkpoint is; torch-free, read before spawning
+from plait.train.restart import resolve  # where a checkpoint is (torch-free, also read before spawning)
 
 
 class Reader:
@@ -241,4 +241,4 @@ def _from_outputs(run: Path) -> TrainedModel:
                         summary.get("model", "?"))
 
 
-__all__ = ["Piece", "Reader", "TrainedModel", "describe", "export", "load", "model_weights", "resolve", "trained_model"]
+__all__ = ["Piece", "Reader", "TrainedModel", "describe", "export", "load", "model_weights", "trained_model"]

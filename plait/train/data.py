@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from plait.errors import PlaitError
-from plait.train.tokens import (RAW_LIMIT, STDLIB, TOKENS, check_tokens, corpus_files,  # noqa: F401
+from plait.train.tokens import (RAW_LIMIT, STDLIB, TOKENS, check_tokens, corpus_files,
                                is_prepared, raw_files)
 
 def load_corpus(source: str = STDLIB, max_bytes: int = RAW_LIMIT) -> torch.Tensor:

@@ -58,7 +58,7 @@ from plait.runtime.comm import Axis
 
 log = logging.getLogger(__name__)
 SHARD_PARAM = "plait_shard"  # stage 3: the name under which a unit's shard is registered
-EXPERT_SHARD_PARAM = "plait_expert_shard"  # ... and its expert parameters' shard (cut over edp)
+EXPERT_SHARD_PARAM = "plait_edp_shard"  # ... and its expert parameters' shard (cut over edp)
 
 
 def apply_zero(model: nn.Module, axis: Axis, *, stage: int, offload: bool = False, bucket_mb: float = 25.0,
