@@ -21,7 +21,7 @@ Expert parallelism (plait.parallel.expert) folds into dp: each ep rank holds oth
 and the edp ranks hold the same ones. Expert parameters therefore go into groups of their
 own, cut over edp (their reduce-scatter summing over edp and dividing by dp, as DDP's
 expert buckets do), broadcast at setup from edp rank 0; a stage-3 unit holding both kinds
-is two groups (shards registered as `plait_shard` and `plait_expert_shard`) gathered and
+is two groups (shards registered as `plait_shard` and `plait_edp_shard`) gathered and
 freed together. Every other parameter is sharded over the dp × cp ranks as above.
 
 Files: stages.py (this: setup and the public functions), hooks.py (`ZeroSync`, what
