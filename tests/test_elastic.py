@@ -1,7 +1,11 @@
 """Elastic restarts: a run that loses ranks continues on the world it has, and one given more
 ranks uses them; either way it trains the same model as the run that never changed size
 (same global batch, same samples at every step; only the reduction order differs, so the
-losses and weights agree to the parity tests' tolerances, tests/parity.py)."""
+losses and weights agree to the parity tests' tolerances, tests/parity.py).
+
+The runs a fault ends (a rank killed by PLAIT_INJECT) or the spawner restarts start new
+interpreters (run_plait_fresh); the uninterrupted reference, the resumes on another world
+size, a refusal and a report run from the session's pool (run_plait)."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.parity import assert_losses_close, assert_params_close
-from tests.worldlib import run_plait_fresh
+from tests.worldlib import run_plait, run_plait_fresh
 
 # Global batch 8: micro-batch 2 × dp 4, or × dp 2 with --grad-accum 2.
 RUN = ["--model", "tiny", "--micro-batch", "2", "--seq-len", "16", "--eval-every", "0", "--sample-tokens", "0",
@@ -30,7 +34,7 @@ def weights(out):
 def reference(tmp_path_factory):
     """dp 4 from start to end, never interrupted."""
     out = tmp_path_factory.mktemp("dp4")
-    proc = run_plait_fresh("train", *RUN, "--nproc", "4", "--out", str(out), timeout=300)
+    proc = run_plait("train", *RUN, "--nproc", "4", "--out", str(out), timeout=300)
     assert proc.returncode == 0, proc.stderr
     return out
 
@@ -63,7 +67,7 @@ def test_a_rank_that_keeps_failing_shrinks_the_world_under_zero3(reference, tmp_
                                  {"first_step": 6, "last_step": 12, "world_size": 2, "grad_accum": 2}]
     assert ("  elastic     steps 1-5 on 4 process(es) (grad-accum 1), steps 6-12 on 2 process(es) (grad-accum 2), "
             "the same global batch") in proc.stdout
-    report = run_plait_fresh("report", str(tmp_path))
+    report = run_plait("report", str(tmp_path))
     assert report.returncode == 0, report.stderr
     assert ("- world size changed (elastic restart): steps 1-5 on 4 process(es) (grad-accum 1), steps 6-12 on 2 "
             "process(es) (grad-accum 2), the same global batch") in (tmp_path / "report.md").read_text()
@@ -80,13 +84,13 @@ def test_a_run_grows_onto_more_ranks_with_tp_fixed_and_a_size_that_cannot_keep_t
     first = run_plait_fresh("train", *RUN, *tp, "--nproc", "2", "--out", str(tmp_path), timeout=300)
     assert first.returncode == 137, first.stderr  # no --max-restarts: the job ends, step 5 saved
     monkeypatch.delenv("PLAIT_INJECT")
-    refused = run_plait_fresh("train", *RUN, "--nproc", "3", "--resume", "auto", "--out", str(tmp_path), timeout=60)
+    refused = run_plait("train", *RUN, "--nproc", "3", "--resume", "auto", "--out", str(tmp_path), timeout=60)
     assert refused.returncode == 2
     assert ("plait: error: 3 process(es) (dp=3) cannot keep the global batch of 8 samples that step-00000005 was "
             "trained with, at --micro-batch 2\n  hint: world sizes that can: 1, 2, 4 (or change --micro-batch)"
             ) in refused.stderr
     assert "Traceback" not in refused.stderr and not (tmp_path / "checkpoints" / "step-00000006").exists()
-    grown = run_plait_fresh("train", *RUN, *tp, "--nproc", "4", "--resume", "auto", "--out", str(tmp_path), timeout=300)
+    grown = run_plait("train", *RUN, *tp, "--nproc", "4", "--resume", "auto", "--out", str(tmp_path), timeout=300)
     assert grown.returncode == 0, grown.stderr
     assert ("step-00000005 was written by 2 process(es) (dp=1); this world has 4 (dp=2): --grad-accum 2 keeps the "
             "global batch of 8") in grown.stderr
@@ -110,7 +114,7 @@ def test_the_other_pairings_of_size_and_strategy(reference, tmp_path, monkeypatc
     first = run_plait_fresh("train", *flags, "--nproc", str(n0), timeout=300)
     assert first.returncode == 137, first.stderr
     monkeypatch.delenv("PLAIT_INJECT")
-    second = run_plait_fresh("train", *flags, "--nproc", str(n1), "--resume", "auto", timeout=300)
+    second = run_plait("train", *flags, "--nproc", str(n1), "--resume", "auto", timeout=300)
     assert second.returncode == 0, second.stderr
     assert [(r["world_size"], r["grad_accum"]) for r in records(tmp_path)] == [(n0, accum0)] * 5 + [(n1, accum1)] * 7
     assert_same_model(tmp_path, reference, loss_rtol=rtol, param_atol=atol)

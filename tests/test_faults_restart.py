@@ -1,6 +1,10 @@
 """Faults in real worlds: a stuck rank is named by every rank and by the spawner; a killed
 rank's world restarts from the latest checkpoint and ends with the same bytes as a run that
-never failed (faults are injected with PLAIT_INJECT, see plait/runtime/inject.py)."""
+never failed (faults are injected with PLAIT_INJECT, see plait/runtime/inject.py).
+
+Every faulted run starts new interpreters (run_plait_fresh): the fault is the process's. The
+uninterrupted references, the resumes after a fault and the checkpoint inspections run
+from the session's pool (run_plait)."""
 
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import pytest
 from plait.errors import EXIT_PREEMPTED
 from tests import slurmlib
 from tests.slurmlib import launcher_env
-from tests.worldlib import ROOT, run_plait_fresh
+from tests.worldlib import ROOT, run_plait, run_plait_fresh
 
 RUN = ["--model", "tiny", "--micro-batch", "2", "--seq-len", "16", "--eval-every", "0",
        "--sample-tokens", "0", "--warmup-steps", "2"]
@@ -34,7 +38,7 @@ def records(out):
 def reference(tmp_path_factory):
     """One uninterrupted run; `--resume auto` with nothing saved yet starts it fresh."""
     out = tmp_path_factory.mktemp("reference")
-    proc = run_plait_fresh("train", *RUN, *STEPS, "--resume", "auto", "--out", str(out), timeout=300)
+    proc = run_plait("train", *RUN, *STEPS, "--resume", "auto", "--out", str(out), timeout=300)
     assert proc.returncode == 0, proc.stderr
     return out
 
@@ -73,7 +77,7 @@ def test_a_world_that_dies_after_its_last_save_ends_well(reference, tmp_path, mo
     assert summary["steps"] == 12 and summary["val_loss"] == json.loads((reference / "summary.json").read_text())["val_loss"]
     monkeypatch.delenv("PLAIT_INJECT")
     (tmp_path / "model.safetensors").unlink()
-    again = run_plait_fresh("train", *RUN, *STEPS, "--resume", "auto", "--out", str(tmp_path), timeout=300)
+    again = run_plait("train", *RUN, *STEPS, "--resume", "auto", "--out", str(tmp_path), timeout=300)
     assert again.returncode == 0, again.stderr
     assert (tmp_path / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
 
@@ -100,7 +104,7 @@ def test_an_async_save_killed_mid_write_leaves_the_previous_checkpoint_and_resum
                                                              "step-00000012"]
     assert (checkpoints / "latest").resolve().name == "step-00000012"
     for step in ("00000010", "00000012"):  # what the background writes produced loads like any checkpoint
-        assert run_plait_fresh("ckpt", "inspect", str(checkpoints / f"step-{step}")).returncode == 0
+        assert run_plait("ckpt", "inspect", str(checkpoints / f"step-{step}")).returncode == 0
 
 
 def test_sigterm_saves_at_one_step_on_every_rank_and_resume_ends_with_the_same_bytes(reference, tmp_path,
@@ -117,7 +121,7 @@ def test_sigterm_saves_at_one_step_on_every_rank_and_resume_ends_with_the_same_b
     assert (tmp_path / "checkpoints" / "latest").resolve().name == "step-00000007"
     assert [r["step"] for r in records(tmp_path)] == list(range(1, 8))
     monkeypatch.delenv("PLAIT_INJECT")
-    again = run_plait_fresh("train", *RUN, *STEPS, "--resume", "auto", "--out", str(tmp_path), timeout=300)
+    again = run_plait("train", *RUN, *STEPS, "--resume", "auto", "--out", str(tmp_path), timeout=300)
     assert again.returncode == 0, again.stderr
     assert (tmp_path / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
     assert [r["loss"] for r in records(tmp_path)] == [r["loss"] for r in records(reference)]
@@ -212,7 +216,7 @@ def test_soak_five_random_kills_end_with_the_same_bytes(tmp_path, monkeypatch):
     steps = sorted(rng.sample(range(2, 20), 5))  # rising, so each restarted world reaches its kill
     spec = ",".join(f"{attempt}:{rng.randrange(4)}:{step}:KILL" for attempt, step in enumerate(steps))
     flags = [*RUN, "--steps", "20", "--save-every", "3", "--nproc", "4"]
-    clean = run_plait_fresh("train", *flags, "--out", str(tmp_path / "clean"), timeout=600)
+    clean = run_plait("train", *flags, "--out", str(tmp_path / "clean"), timeout=600)
     assert clean.returncode == 0, clean.stderr
     monkeypatch.setenv("PLAIT_INJECT", spec)
     proc = run_plait_fresh("train", *flags, "--max-restarts", "5", "--out", str(tmp_path / "soak"), timeout=900)

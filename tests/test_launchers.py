@@ -6,7 +6,6 @@ Skipped, saying why, where slurm-wlm or openmpi-bin is not installed (.ci/run in
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import pytest
 from tests import slurmlib
 from tests.parity import assert_losses_close
 from tests.slurmlib import launcher_env
-from tests.worldlib import ROOT, run_plait_fresh
+from tests.worldlib import ROOT, run_plait
 
 TRAIN = ["train", "--model", "tiny", "--steps", "3", "--micro-batch", "2", "--seq-len", "16", "--eval-every", "0",
          "--sample-tokens", "0", "--warmup-steps", "1", "--tp", "2"]
@@ -30,7 +29,7 @@ def losses(out):
 def spawned(tmp_path_factory):
     """The same layout (dp 2 × tp 2) under plait's spawner: the losses to match."""
     out = tmp_path_factory.mktemp("spawned")
-    proc = run_plait_fresh(*TRAIN, "--nproc", "4", "--out", str(out), timeout=300)
+    proc = run_plait(*TRAIN, "--nproc", "4", "--out", str(out), timeout=300)
     assert proc.returncode == 0, proc.stderr
     return losses(out)
 
