@@ -50,7 +50,8 @@ def train(mesh: Mesh, out: str, before_step: Callable[[Trainer, int], None] | No
         trainer.guard.clip = guarded  # type: ignore[method-assign]
     trainer.run()
     summary, history = finish(trainer), trainer.metrics.history
-    return {"losses": [r["loss"] for r in history], "scales": [r["loss_scale"] for r in history],
+    return {"losses": [r["loss"] for r in history], "grad_norms": [r["grad_norm"] for r in history],
+            "scales": [r["loss_scale"] for r in history],
             "skipped": [r["skipped"] for r in history], "mem": history[-1]["mem"],
             "comm": history[-1]["comm"], "predicted": summary["predicted"], "summary_scale":
             summary["loss_scale"], "skipped_steps": summary["skipped_steps"], "trainer": trainer}
