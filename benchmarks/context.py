@@ -83,7 +83,8 @@ def one_run(args: argparse.Namespace, seq: int, cp: int, kind: str, clock: Kerne
     from plait.bench.meter import ActivationMeter
     from plait.layout import Layout
     from plait.models.gpt import build_gpt
-    from plait.parallel.compose import build_optimizer, parallelize
+    from plait.api import parallelize
+    from plait.parallel.compose import build_optimizer
     from plait.parallel.context.plan import context_engaged, shard_batch
     from plait.runtime import comm
     from plait.runtime.mesh import init_mesh

@@ -60,7 +60,8 @@ def one_run(args: Any, model_name: str, ep: int, plain: bool, clock: AllToAllClo
     from plait.layout import Layout
     from plait.models.config import get_preset
     from plait.models.gpt import build_gpt
-    from plait.parallel.compose import adamw_kernel, build_optimizer, parallelize
+    from plait.api import parallelize
+    from plait.parallel.compose import adamw_kernel, build_optimizer
     from plait.runtime import comm
     from plait.runtime.mesh import init_mesh
 

@@ -28,7 +28,8 @@ from torch import nn  # noqa: E402
 
 from plait.models.config import get_preset  # noqa: E402
 from plait.models.gpt import build_gpt  # noqa: E402
-from plait.parallel.compose import ParallelConfig, build_optimizer, parallelize  # noqa: E402
+from plait.api import parallelize  # noqa: E402
+from plait.parallel.compose import ParallelConfig, build_optimizer  # noqa: E402
 from plait.parallel.precision import StepGuard  # noqa: E402
 from plait.runtime.env import ProcessEnv  # noqa: E402
 from plait.runtime.mesh import init_mesh  # noqa: E402

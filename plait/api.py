@@ -1,6 +1,6 @@
 """The public entry points that need to know model families: above `parallel/` and `models/`.
 
-`plait.parallelize` is `plait.parallel.compose.parallelize` with the adapter of a model plait
+`plait.parallelize` is `plait.parallel.compose.apply_layout` with the adapter of a model plait
 did not build (plait.models.adapters: a transformers model split by the plans it declares,
 or GPT-2 by its hand-written adapter), so a user passes their model as it is. Imports go downward
 only: this module reads both packages, neither reads it.
@@ -24,8 +24,8 @@ __all__ = ["apply_pipeline", "parallelize"]
 def parallelize(model: nn.Module, mesh: Mesh, config: compose.ParallelConfig | None = None,
                 adapter: Any = None) -> nn.Module:
     """Apply the configured strategies to `model`; return what this rank trains (the model,
-    or with pp > 1 this rank's pipeline stages). See plait.parallel.compose.parallelize."""
-    return compose.parallelize(model, mesh, config, adapter=adapter or adapter_for(model))
+    or with pp > 1 this rank's pipeline stages). See plait.parallel.compose.apply_layout."""
+    return compose.apply_layout(model, mesh, config, adapter=adapter or adapter_for(model))
 
 
 def apply_pipeline(model: nn.Module, mesh: Mesh, *, virtual_stages: int | None = None,

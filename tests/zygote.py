@@ -14,7 +14,10 @@ is `python -m plait ARGS`, and the ranks its spawner starts are forked from it i
 (WarmPopen) instead of exec'ing a new interpreter. The spawner's own code (watching the
 ranks, naming failures, restarting, forwarding signals) runs unchanged; only the 3-4 s
 import per rank is gone. Before the spawner forks, the parent has run no tensor op either
-(plait's command line loads torch only in ranks).
+(plait's command line loads torch only in ranks). One difference from exec remains: forked
+processes share the parent's string-hash seed, so an order that follows a set of strings is
+the same on every rank here, where real ranks could disagree; the launcher, fault and
+elastic tests run real processes (tests/worldlib.run_plait_fresh) and would see that.
 
 Protocol (one JSON line each way over a Unix socket, one request at a time):
     {"run": script | "module": name, "argv": [...], "env": {...}, "cwd": dir, "log": prefix}

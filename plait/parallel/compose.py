@@ -1,4 +1,4 @@
-"""`parallelize`: apply the strategies the mesh's layout names, in one fixed order.
+"""`apply_layout` (under `plait.parallelize`): apply the strategies the mesh's layout names, in one fixed order.
 
 The layout (plait.layout: degrees, ZeRO stage and offload, SP, the pipeline's virtual
 stages) comes with the mesh; `ParallelConfig` holds what is not a layout: bucket size,
@@ -60,7 +60,7 @@ from plait.runtime.mesh import EXPERT, EXPERT_SYNC, SYNC, Mesh
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ParallelConfig", "build_optimizer", "clip_grad_norm", "parallelize"]
+__all__ = ["ParallelConfig", "build_optimizer", "apply_layout", "clip_grad_norm"]
 
 
 _LAYOUT_FIELDS = frozenset(f.name for f in fields(Layout))  # the mesh carries these, not ParallelConfig
@@ -100,9 +100,10 @@ class ParallelConfig:
             check_choice("fp8-scaling", self.fp8, FP8_SCALINGS)
 
 
-def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = None,
-                adapter: ModelAdapter | None = None) -> nn.Module:
+def apply_layout(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = None,
+                 adapter: ModelAdapter | None = None) -> nn.Module:
     """Apply the strategies of `mesh.layout` to `model`; return what this rank trains.
+    (`plait.parallelize` is the public entry: it first finds a transformers model's adapter.)
 
     That is `model` itself (moved to this rank's device, changed in place), or with pp > 1
     the ModuleList of this rank's pipeline stages, for a `PipelineRunner`. Stages already

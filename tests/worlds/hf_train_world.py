@@ -3,8 +3,8 @@
 argv: OUT CORPUS DIR... (local transformers directories: Qwen3, Mistral). For each, the real
 Trainer (what `plait train` runs on every rank, its family record plait.families.hf) trains
 3 AdamW steps under tp 2, pp 2 and dp 2 × ZeRO-3, and rank 0 alone trains the same global
-batch in one process with 2 micro-batches. Each run reports its losses and, on rank 0, its
-final weights' largest difference from the one-process run's.
+batch in one process with 2 micro-batches. Each run reports its losses and gradient norms
+and, on rank 0, its final weights' largest difference from the one-process run's.
 """
 
 from __future__ import annotations
@@ -28,10 +28,13 @@ from tests.worldlib import save_report
 LAYOUTS = {"tp2": dict(tp=2, grad_accum=2), "pp2": dict(pp=2, grad_accum=2), "zero3": dict(dp=2, zero=3)}
 
 
-def run(config: TrainConfig, mesh: Any) -> tuple[list[float], dict[str, torch.Tensor] | None]:
+def run(config: TrainConfig, mesh: Any) -> tuple[dict[str, list[float]], dict[str, torch.Tensor] | None]:
+    """The run's losses and gradient norms per step, and its final weights (rank 0)."""
     trainer = Trainer(config, mesh, family_of(config).task(config))
     trainer.run()
-    return [r["loss"] for r in trainer.metrics.history], final_weights(trainer)
+    history = trainer.metrics.history
+    return {"losses": [r["loss"] for r in history], "grad_norms": [r["grad_norm"] for r in history]}, \
+        final_weights(trainer)
 
 
 def max_rel(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
@@ -50,13 +53,11 @@ def main() -> None:
         found: dict[str, Any] = {}
         if rank == 0:
             one = init_mesh(env=ProcessEnv("single", 0, 1, 0, "127.0.0.1", 29500))
-            losses, reference = run(replace(base, grad_accum=2, out=str(out / name / "one")), one)
-            found["one"] = {"losses": losses}
+            found["one"], reference = run(replace(base, grad_accum=2, out=str(out / name / "one")), one)
         for layout, fields in LAYOUTS.items():
             config = replace(base, **{"dp": 1, **fields}, nproc=2, out=str(out / name / layout))
             mesh = init_mesh(config.layout)
-            losses, weights = run(config, mesh)
-            found[layout] = {"losses": losses}
+            found[layout], weights = run(config, mesh)
             if rank == 0:
                 found[layout]["max_rel"] = max_rel(weights, reference)
         report[name] = found

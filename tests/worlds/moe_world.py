@@ -33,7 +33,7 @@ from plait.families import family_of
 from plait.layout import Layout
 from plait.models.config import get_preset
 from plait.models.gpt import build_gpt
-from plait.parallel.compose import parallelize
+from plait.api import parallelize
 from plait.parallel.expert.dispatch import take_formula
 from plait.runtime import comm
 from plait.runtime.env import ProcessEnv

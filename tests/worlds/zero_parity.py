@@ -80,11 +80,12 @@ def run_fsdp2(mesh: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
                                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
                                 lr=0.5, momentum=0.9, weight_decay=0.1)
     n, r = mesh.size("dp"), mesh.rank("dp")
-    out: dict[str, Any] = {"losses": []}
+    out: dict[str, Any] = {"losses": [], "norms": []}
     for rows in batches("gpt"):
         loss = loss_fn(model, rows[r * len(rows) // n:(r + 1) * len(rows) // n], "gpt")
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        out["norms"].append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
         optimizer.step()
         optimizer.zero_grad()
         mean = loss.detach().clone()
@@ -170,6 +171,7 @@ def main() -> None:
         ours = final["gpt-sgd-z3-accum1"]
         report["fsdp2"] = {"losses": fsdp["losses"], "ours": runs["gpt-sgd-z3-accum1"]["losses"],
                            "loss_excess": loss_excess(runs["gpt-sgd-z3-accum1"]["losses"], fsdp["losses"]),
+                           "norm_excess": loss_excess(runs["gpt-sgd-z3-accum1"]["norms"], fsdp["norms"]),
                            "param_excess": param_excess(ours, fsdp_params)}
         report["backend_error"] = backend_error(mesh)
         report["checkpoints"] = checkpoints(mesh, Path(sys.argv[2]))
