@@ -36,9 +36,9 @@ def run_world(script: str, nproc: int, out: Path, *args: str, timeout: float = 3
     """Run tests/worlds/`script` on `nproc` ranks; return the process and each rank's report."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PLAIT_TEST_OUT": str(out), "PYTHONPATH": str(ROOT)}
-    pool = Pool.get() if os.environ.get("PLAIT_TEST_POOL", "1") != "0" else None
+    pool = Pool.serving(env)
     launch = ["launch", "--nproc", str(nproc), str(WORLDS / script), *args]
-    if pool is not None and pool.serves(env):
+    if pool is not None:
         proc = (pool.run_world(str(WORLDS / script), list(args), nproc, env, timeout) if expect_ok
                 else pool.run_cli(launch, env, ROOT, timeout))
     else:
@@ -85,6 +85,14 @@ class Pool:
             cls._instance = Pool()
         return cls._instance
 
+    @classmethod
+    def serving(cls, env: dict[str, str]) -> "Pool | None":
+        """The pool, when it is on (PLAIT_TEST_POOL is not 0) and can start a process with `env`."""
+        if os.environ.get("PLAIT_TEST_POOL", "1") == "0":
+            return None
+        pool = cls.get()
+        return pool if pool.serves(env) else None
+
     def serves(self, env: dict[str, str]) -> bool:
         """Whether a world with `env` can start from the pool's imports."""
         names = {k for k in {**env, **self.env} if k.startswith(self.READ_AT_IMPORT) and k not in self.READ_WHEN_USED}
@@ -106,7 +114,7 @@ class Pool:
         pids = []
         for rank in range(nproc):
             rank_vars = {**rank_env(rank, nproc, port), **env, "PLAIT_FAULT_DIR": faults, "PLAIT_RESTART": "0"}
-            pids.append(self.ask({"run": script, "argv": args, "env": rank_vars, "cwd": str(ROOT),
+            pids.append(self.ask({"command": [sys.executable, script, *args], "env": rank_vars, "cwd": str(ROOT),
                                   "log": str(logs / f"rank{rank}")})["pid"])
         return self._finish([script, *args], pids, logs, [f"rank{r}" for r in range(nproc)], timeout)
 
@@ -114,8 +122,9 @@ class Pool:
         """`python -m plait ARGS` forked from the pool; its spawner forks its ranks from it
         (tests/zygote.WarmPopen)."""
         logs = self._logs()
-        pid = self.ask({"module": "plait", "argv": args, "env": env, "cwd": str(cwd), "log": str(logs / "plait")})["pid"]
-        return self._finish([sys.executable, "-m", "plait", *args], [pid], logs, ["plait"], timeout)
+        command = [sys.executable, "-m", "plait", *args]
+        pid = self.ask({"command": command, "env": env, "cwd": str(cwd), "log": str(logs / "plait")})["pid"]
+        return self._finish(command, [pid], logs, ["plait"], timeout)
 
     def _logs(self) -> Path:
         self.runs += 1
@@ -179,8 +188,8 @@ def run_plait(*args: str, timeout: float = 300, cwd: Path | None = None,
     with its ranks (tests/zygote.py): the command's own code, spawner included, runs as it
     would from a shell, without an `import torch` per process."""
     env = _cli_env(env_extra)
-    pool = Pool.get() if os.environ.get("PLAIT_TEST_POOL", "1") != "0" else None
-    if pool is not None and pool.serves(env):
+    pool = Pool.serving(env)
+    if pool is not None:
         return pool.run_cli(list(args), env, cwd or ROOT, timeout)
     return run_plait_fresh(*args, timeout=timeout, cwd=cwd, env_extra=env_extra)
 

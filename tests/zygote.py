@@ -20,7 +20,7 @@ the same on every rank here, where real ranks could disagree; the launcher, faul
 elastic tests run real processes (tests/worldlib.run_plait_fresh) and would see that.
 
 Protocol (one JSON line each way over a Unix socket, one request at a time):
-    {"run": script | "module": name, "argv": [...], "env": {...}, "cwd": dir, "log": prefix}
+    {"command": [python, script.py | "-m", "plait", ...], "env": {...}, "cwd": dir, "log": prefix}
                                                                           -> {"pid": n}
     {"poll": pid}                                                         -> {"code": int | null}
 The process's stdout and stderr go to `prefix`.stdout and `prefix`.stderr; its exit code is
@@ -92,16 +92,14 @@ def _rank(request: dict) -> None:
     os.dup2(out, 1)
     os.dup2(err, 2)
     os.chdir(request["cwd"])
-    if "module" in request:
-        subprocess.Popen = WarmPopen  # this process's spawner forks its ranks from here
-        _run_main(request["env"], request["cwd"], lambda: runpy.run_module(request["module"], run_name="__main__",
-                                                                             alter_sys=True), request["argv"])
-    script = request["run"]
-    _run_main(request["env"], os.path.dirname(script), lambda: runpy.run_path(script, run_name="__main__"),
-              request["argv"], argv0=script)
+    main = _python_main(request["command"])
+    if main is None:
+        raise ValueError(f"the pool runs `python -m plait ...` or `python script.py ...`, not {request['command']}")
+    subprocess.Popen = WarmPopen  # a spawner here forks its ranks from this process
+    _run_main(request["env"], *main)
 
 
-def _run_main(env: dict[str, str], path0: str, run: Any, argv: list[str], argv0: str = "") -> None:
+def _run_main(env: dict[str, str], path0: str, run: Any, argv0: str, argv: list[str]) -> None:
     """Run `run` as a new interpreter's __main__ would with `env`, `argv` and sys.path[0] =
     `path0`; exit with its code (never returns)."""
     code = 1
@@ -149,15 +147,15 @@ class WarmPopen(subprocess.Popen):
             signal.signal(signal.SIGINT, signal.default_int_handler)
             env = {k.decode() if isinstance(k, bytes) else k: v.decode() if isinstance(v, bytes) else v
                    for k, v in env.items()}
-            path0, run, argv0, argv = main
-            _run_main(env, path0, run, argv, argv0)
+            _run_main(env, *main)
         self.pid = pid
         self._child_created = True
 
 
 def _python_main(args: list[str]) -> tuple[str, Any, str, list[str]] | None:
     """(sys.path[0], how to run it, argv[0], the rest) for `python -m plait ...` and
-    `python script.py ...`, the two commands plait's spawner starts; None for anything else."""
+    `python script.py ...`, the two commands plait's spawner starts (and the pool's own
+    requests); None for anything else."""
     if len(args) >= 3 and args[:3] == [sys.executable, "-m", "plait"]:
         return os.getcwd(), lambda: runpy.run_module("plait", run_name="__main__", alter_sys=True), "", args[3:]
     if len(args) >= 2 and args[0] == sys.executable and args[1].endswith(".py") and os.path.isfile(args[1]):
