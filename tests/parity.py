@@ -27,6 +27,14 @@ def assert_losses_close(actual: Sequence[float], expected: Sequence[float], rtol
                                torch.tensor(expected, dtype=torch.float64), rtol=rtol, atol=0.0)
 
 
+def assert_grad_norms_close(actual: Sequence[float], expected: Sequence[float], rtol: float) -> None:
+    """Each step's whole-gradient norm, before the clip. Every parity row compares it besides
+    losses and weights: clipping and AdamW's division by sqrt(v) hide a gradient's scale from
+    both (a reduction that sums where it should average trains the same losses), the norm
+    does not. `rtol` is the row's: 16-bit gradients summed in another order differ more."""
+    assert_losses_close(actual, expected, rtol=rtol)
+
+
 def assert_scale_close(actual: Sequence[float], expected: Sequence[float], rtol: float = GRAD_RTOL) -> None:
     a, b = torch.tensor(actual, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64)
     assert a.shape == b.shape, (a.shape, b.shape)
