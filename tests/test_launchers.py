@@ -5,10 +5,15 @@ Skipped, saying why, where slurm-wlm or openmpi-bin is not installed (.ci/run in
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+from pathlib import Path
 
 import pytest
 
@@ -64,12 +69,50 @@ def test_mpirun_trains_like_the_spawner(spawned, tmp_path):
 
 @pytest.mark.slow
 def test_under_torchrun_a_hung_rank_is_named_through_the_agents_store(tmp_path):
-    """torchrun's agent hosts the store, so even a hung rank 0 is named by the others."""
+    """torchrun's agent hosts the store, so even a hung rank 0 is named by the others.
+
+    The test stops reading once rank 1 has named it and ends the job itself: a hung rank
+    finishes no step, so it never acts on the SIGTERM the agent then sends, and torchrun
+    (2.13) waits a fixed 30 s before its SIGKILL on this path, whatever --shutdown-timeout says."""
     env = launcher_env(PLAIT_INJECT="0:0:2:HANG")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", env["MASTER_PORT"],
            "-m", "plait", *TRAIN[:-2], "--steps", "4", "--timeout", "5", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0
-    line = next(line for line in proc.stderr.splitlines() if line.startswith("plait: error: rank 1: "))
+    line = first_line_starting(cmd, env, "plait: error: rank 1: ", timeout=300)
     assert "rank 0 never entered all_reduce #" in line and "on the dp group at step 2" in line, line
     assert "rank 0 is at step 2, the last collective it finished was all_reduce #" in line, line
+
+
+def first_line_starting(cmd: list[str], env: dict[str, str], prefix: str, timeout: float) -> str:
+    """The first stderr line of `cmd` that starts with `prefix`; then the job is killed, its
+    workers first (torchrun starts each in a session of its own)."""
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    timer = threading.Timer(timeout, kill_tree, (proc.pid,))
+    timer.start()
+    seen = []
+    try:
+        for line in proc.stderr:
+            seen.append(line)
+            if line.startswith(prefix):
+                return line
+        raise AssertionError(f"no line starting {prefix!r} (rc {proc.wait()}):\n{''.join(seen)[-3000:]}")
+    finally:
+        timer.cancel()
+        kill_tree(proc.pid)
+        proc.wait()
+        proc.stderr.close()
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process below it (found by their parents in /proc)."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            child, parent = int(stat.parent.name), int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            parents.setdefault(parent, []).append(child)
+    todo, tree = [pid], []
+    while todo:
+        tree.append(todo.pop())
+        todo.extend(parents.get(tree[-1], []))
+    for member in reversed(tree):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(member, signal.SIGKILL)
