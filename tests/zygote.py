@@ -33,6 +33,7 @@ here, the parent, for their exit.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import runpy
@@ -46,6 +47,8 @@ from typing import Any
 # torch._dynamo too: building any torch optimizer imports it (Optimizer.__init__ is wrapped by
 # torch._disable_dynamo), 1.4 s of each rank's start that the pool pays once instead.
 PRELOAD = ("torch", "torch._dynamo", "numpy", "plait.train.trainer", "plait.runtime.mesh", "plait.families")
+# transformers' model code when it is installed: 1.7 s of each rank that loads an `hf:` model.
+PRELOAD_IF_INSTALLED = ("transformers.modeling_utils",)
 OPEN: list[socket.socket] = []  # the parent's sockets, which a rank closes first
 
 
@@ -53,6 +56,9 @@ def main() -> None:
     path = sys.argv[1]
     for name in PRELOAD:
         __import__(name)
+    for name in PRELOAD_IF_INSTALLED:
+        with contextlib.suppress(ImportError):
+            __import__(name)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path + ".tmp")
     os.rename(path + ".tmp", path)  # the client waits for this name: it appears once we listen
