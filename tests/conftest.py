@@ -40,7 +40,7 @@ if 0 < GPUS < 8 and os.environ.get("PLAIT_TEST_GPU") != "1":
 import pytest  # noqa: E402
 
 # The MoE worlds' fixtures, shared by two test files and computed once per session.
-pytest_plugins = ["tests.moe_fixtures"]
+pytest_plugins = ["tests.moe_fixtures", "tests.matrix"]
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:

@@ -134,7 +134,7 @@ FROM_3D = {
 
 
 # Four 8-process runs: the long matrix (`make test-all`). `make test` trains dp × tp × pp in
-# tests/test_cli_strategies.py.
+# the parity matrix (tests/matrix.py).
 @pytest.fixture(scope="module")
 def saved_3d(tmp_path_factory):
     out = tmp_path_factory.mktemp("run3d")

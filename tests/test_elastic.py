@@ -78,7 +78,7 @@ def test_a_run_grows_onto_more_ranks_with_tp_fixed_and_a_size_that_cannot_keep_t
     """tp 2 × dp 1 on 2 ranks (--grad-accum 4), killed at step 7; a world of 3 (dp 3) cannot
     keep the global batch and is refused; then 4 ranks: tp 2 × dp 2 with half the
     accumulation. TP sums in another order than the dp 4 reference: its tolerances are
-    test_cli_strategies.py's."""
+    the parity matrix's (tests/matrix.py)."""
     monkeypatch.setenv("PLAIT_INJECT", "0:1:7:KILL")
     tp = ["--tp", "2", "--grad-accum", "4"]
     first = run_plait_fresh("train", *RUN, *tp, "--nproc", "2", "--out", str(tmp_path), timeout=300)

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 LAYOUTS = ("ep2", "ep4", "ep2-pp2", "ep2-tp2")
 # tp's row-parallel layers sum in another order; AdamW turns last-bit gradient differences of
-# near-zero components into ~1e-5 (tests/parity.py; tests/test_cli_strategies.py holds tp to 2e-5)
+# near-zero components into ~1e-5 (tests/parity.py; tests/matrix.py holds tp to 2e-5)
 TP_PARAM_ATOL = 2e-5
 
 

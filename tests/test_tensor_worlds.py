@@ -23,7 +23,7 @@ PLAIT_RUNS = {"tp_only": (False, True), "sp": (True, True), "sp_no_regather": (T
 
 
 # tp 4 (and dp 2 × tp 2 inside it) is the long matrix (`make test-all`); `make test` trains
-# dp × tp through `plait train` (tests/test_cli_strategies.py).
+# dp × tp through `plait train` (the parity matrix, tests/matrix.py).
 @pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)])
 def world(request: Any, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     tp = request.param

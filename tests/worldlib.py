@@ -229,6 +229,10 @@ class Runs:
         self._make = make
         self._done: dict[Any, Any] = {}
 
+    def computed(self) -> list[Any]:
+        """The keys run so far, in the order they ran."""
+        return list(self._done)
+
     def __getitem__(self, key: Any) -> Any:
         if key not in self._done:
             self._done[key] = self._make(key)
