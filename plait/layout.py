@@ -44,6 +44,7 @@ class Layout:
     sp: bool = False  # sequence parallelism outside the tensor-parallel regions (needs tp > 1)
     schedule: str = "1f1b"  # pipeline schedule: gpipe, 1f1b, interleaved, zb-h1
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved)
+    stage_layers: tuple[int, ...] = ()  # blocks in each of the pp·v stages, in stage order (): plait's cut
     prefetch: int = 1  # ZeRO-3: units gathered ahead of the one running (0: gather on demand)
     reshard_after_forward: bool = True  # ZeRO-3: free a unit after its forward, gather it again for backward
     cp_kind: str = "ring"  # context parallelism's attention: ring (send/recv of K/V) or ulysses (all-to-all)
@@ -106,6 +107,7 @@ class Layout:
         extras = [f"zero={self.zero}" if self.zero else "", "offload" if self.offload else "",
                   "sp" if self.sp else "", f"schedule={self.schedule}" if self.pp > 1 else "",
                   f"virtual-stages={self.virtual_stages}" if self.virtual_stages > 1 else "",
+                  f"stage-layers={','.join(map(str, self.stage_layers))}" if self.stage_layers else "",
                   f"prefetch={self.prefetch}" if self.prefetch != 1 else "",
                   "no-reshard-after-forward" if not self.reshard_after_forward else "",
                   f"cp-kind={self.cp_kind}" if self.cp > 1 and self.cp_kind != "ring" else ""]

@@ -100,6 +100,45 @@ def check_layout(layout: Any) -> None:
         check_split_backward(layout.schedule, zero=layout.zero)
     check_zero3_gathers(layout.zero, layout.prefetch, layout.reshard_after_forward, layout.pp)
     check_virtual_stages(layout.pp, layout.schedule, layout.virtual_stages)
+    check_stage_layers(layout.stage_layers, layout.pp, layout.virtual_stages)
+
+
+def parse_stage_layers(text: Any) -> tuple[int, ...]:
+    """"3,4,4,3" (the flag) -> (3, 4, 4, 3); "" -> () (plait's own cut)."""
+    if not isinstance(text, str):
+        raise PlaitError(f"--stage-layers must be comma-separated block counts, got {text!r}",
+                         hint='e.g. --stage-layers 3,4,4,3 (in TOML: stage_layers = "3,4,4,3")')
+    if not text.strip():
+        return ()
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise PlaitError(f"--stage-layers must be comma-separated block counts, got {text!r}",
+                         hint="e.g. --stage-layers 3,4,4,3") from None
+
+
+def check_stage_layers(counts: tuple[int, ...], pp: int, virtual_stages: int) -> None:
+    """--stage-layers: the blocks of each of the pp·v chunks, in the order stages are numbered
+    (chunk c of rank r is stage c·pp + r). A chunk at either end may hold none, so that the
+    first holds only the embedding and the last only the head and the loss; a chunk between
+    them holding none would only pass activations on, and is refused."""
+    if not counts:
+        return
+    stages = pp * virtual_stages
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in counts):
+        raise PlaitError(f"--stage-layers must be whole numbers of blocks, 0 or more, got {','.join(map(str, counts))}",
+                         hint="e.g. --stage-layers 3,4,4,3")
+    if pp == 1:
+        raise PlaitError("--stage-layers cuts the blocks into pipeline stages, and --pp is 1",
+                         hint="add --pp 2 (or more), or drop --stage-layers")
+    if len(counts) != stages:
+        raise PlaitError(f"--stage-layers gives {len(counts)} block counts, and the layout has pp={pp} × "
+                         f"virtual stages {virtual_stages} = {stages} stages", hint=f"give {stages} numbers")
+    if 0 in counts[1:-1]:
+        raise PlaitError(f"--stage-layers {','.join(map(str, counts))} leaves a middle stage without a block",
+                         hint="only the first stage (the embedding alone) or the last (the head alone) may hold 0")
+    if sum(counts) == 0:
+        raise PlaitError("--stage-layers gives no stage a block", hint="give the model's layers to the stages")
 
 
 def check_expert_axis(layout: Any) -> None:
@@ -226,10 +265,15 @@ def check_microbatches(schedule: str, pp: int, microbatches: int) -> None:
                          f"to be a multiple of pp={pp}", hint=f"set --grad-accum to a multiple of {pp}")
 
 
-def check_pipeline_cut(n_layers: int, pp: int, virtual_stages: int = 1) -> None:
+def check_pipeline_cut(n_layers: int, pp: int, virtual_stages: int = 1, stage_layers: tuple[int, ...] = ()) -> None:
     """pp·v stages cut from a model's `n_layers` blocks: each stage needs one, and
-    interleaving cuts equal chunks."""
+    interleaving cuts equal chunks; or the cut --stage-layers gives, which must count them all."""
     v, stages = virtual_stages, pp * virtual_stages
+    if stage_layers:
+        if sum(stage_layers) != n_layers:
+            raise PlaitError(f"--stage-layers {','.join(map(str, stage_layers))} gives {sum(stage_layers)} blocks, "
+                             f"and the model has {n_layers}", hint=f"give {stages} numbers that sum to {n_layers}")
+        return
     if stages > n_layers:
         raise PlaitError(f"pp={pp} x virtual stages {v} = {stages} stages is more than the model's {n_layers} "
                          "layers: every stage needs a layer", hint=f"use at most {n_layers} pipeline stages")

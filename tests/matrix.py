@@ -139,6 +139,7 @@ class Row:
 
 
 SHORT = {"--nproc": "n{}", "--grad-accum": "ga{}", "--virtual-stages": "v{}", "--schedule": "{}", "--precision": "{}",
+         "--stage-layers": "layers{}",
          "--recompute": "recompute-{}", "--reshard-after-forward": "reshard-{}"}
 
 
@@ -178,8 +179,18 @@ ROWS = rows(
     # Two chunks per pipeline rank: each chunk's backward reduces only its own groups.
     *(Row("gpt-4-layers", f"--nproc 4 --dp 2 --pp 2 --grad-accum 2 --schedule interleaved --virtual-stages 2 "
           f"--zero {zero}", micro_batches=4,
-          unpriced="parameters: 624,128 B measured, 492,928 B predicted" if zero == 3 else "")
+          unpriced="parameters: 492,928 B measured, 624,128 B predicted" if zero == 3 else "")
       for zero in (2, 3)),
+    # Uneven stages (--stage-layers), a chunk at either end holding no block: the first only
+    # the embedding, the last only the head and the loss.
+    Row("gpt-4-layers", "--nproc 2 --pp 2 --grad-accum 2 --schedule interleaved --virtual-stages 2 "
+        "--stage-layers 0,2,2,0", micro_batches=2, tier=TEST),
+    Row("gpt-4-layers", "--nproc 4 --dp 2 --pp 2 --zero 1 --grad-accum 2 --stage-layers 1,3", micro_batches=4),
+    Row("gpt-4-layers", "--nproc 4 --dp 2 --pp 2 --zero 3 --grad-accum 2 --stage-layers 0,4", micro_batches=4),
+    Row("qwen3", "--nproc 2 --pp 2 --grad-accum 2 --schedule interleaved --virtual-stages 2 --stage-layers 0,2,2,0",
+        micro_batches=2, unpriced="activations: 348,288 B measured, 256,448 B predicted"),
+    Row("llama", "--nproc 2 --pp 2 --grad-accum 2 --stage-layers 0,2", micro_batches=2,
+        unpriced="activations: 154,240 B measured, 171,648 B predicted"),
     # 16-bit weights and gradients with fp32 masters, against one process in the same precision.
     Row("gpt", "--nproc 2 --zero 2 --grad-accum 2", "--offload --precision bf16", micro_batches=4),
     Row("gpt", "--nproc 8 --dp 2 --tp 2 --pp 2 --zero 3 --sp --grad-accum 2", "--precision bf16", micro_batches=4),
@@ -200,12 +211,12 @@ ROWS = rows(
     Row("llama", "--nproc 4 --dp 2 --tp 2 --grad-accum 2", micro_batches=4,
         unpriced="tp all-reduce: 81,928 B measured, 82,688 B predicted"),
     Row("llama", "--nproc 4 --pp 2 --cp 2 --grad-accum 2", micro_batches=2,
-        unpriced="activations: 45,504 B measured, 75,776 B predicted"),
+        unpriced="activations: 75,776 B measured, 45,504 B predicted"),
     Row("qwen3", "--nproc 4 --tp 2 --pp 2 --grad-accum 2 --schedule interleaved --virtual-stages 2",
-        micro_batches=2, unpriced="activations: 175,808 B measured, 221,248 B predicted"),
+        micro_batches=2, unpriced="activations: 221,248 B measured, 175,808 B predicted"),
     Row("resnet", "--nproc 2", micro_batches=2),
     Row("resnet", "--nproc 2 --zero 3", "--recompute full", micro_batches=2,
-        unpriced="parameters: 89,100 B measured, 222,948 B predicted"),
+        unpriced="parameters: 222,948 B measured, 89,100 B predicted"),
 )
 
 
@@ -245,6 +256,7 @@ def compare(row: Row, run: Run, reference: Run) -> None:
     """The one comparison: losses, gradient norms (steps a loss scale skipped have none), held-out
     losses and final weights, at the row's bar."""
     loss, norm, weight, atol = row.tolerance
+    assert run.summary["layout"]["precision"] == reference.summary["layout"]["precision"] == row.precision
     assert_losses_close([m["loss"] for m in run.metrics], [m["loss"] for m in reference.metrics], rtol=loss)
     norms = [(m["grad_norm"], r["grad_norm"]) for m, r in zip(run.metrics, reference.metrics)
              if m["grad_norm"] is not None and r["grad_norm"] is not None]

@@ -100,9 +100,9 @@ def test_send_order_lists_every_message_once_in_the_senders_order():
 @pytest.mark.parametrize("kwargs,words", [
     ({"pp": 4}, "more than the model's 2 layers"),
     ({"pp": 2, "virtual_stages": 2}, "more than the model's 2 layers"),
-    ({"pp": 2, "balance": [2]}, "1 block counts but the layout has 2 stages"),
-    ({"pp": 2, "balance": [2, 0]}, "at least one block"),
-    ({"pp": 2, "balance": [1, 2]}, "sum to"),
+    ({"pp": 2, "balance": [2]}, "1 block counts, and the layout has pp=2 × virtual stages 1 = 2 stages"),
+    ({"pp": 3, "balance": [1, 0, 1]}, "leaves a middle stage without a block"),
+    ({"pp": 2, "balance": [1, 2]}, "gives 3 blocks, and the model has 2"),
 ])
 def test_bad_splits_say_what_to_change(kwargs, words):
     with pytest.raises(PlaitError, match=words) as info:

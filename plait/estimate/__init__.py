@@ -15,16 +15,18 @@ from plait.estimate.context import per_layer as context_per_layer
 from plait.estimate.experts import ASSUMPTIONS as EXPERT_ASSUMPTIONS, summary as experts_summary
 from plait.estimate.traffic import dp_traffic, estimate_comm, naive_comm
 from plait.estimate.hardware import Hardware, resolve_hardware
-from plait.estimate.layout import Workload
+from plait.estimate.layout import Workload, layout_stages
 from plait.estimate.memory import (
     FRAGMENTATION,
     estimate_memory,
     estimate_memory_params_only,
+    memory_per_stage,
 )
 from plait.estimate.time import (
     ASSUMPTIONS as TIME_ASSUMPTIONS,
     estimate_time,
     estimate_time_params_only,
+    micro_batch_s_per_stage,
 )
 from plait.models.config import GPTConfig
 
@@ -36,7 +38,8 @@ MEMORY_ASSUMPTIONS = (
     "also the grads, ZeRO-3 also the weights, holding the root unit and two blocks whole",
     "busiest rank = the pipeline stage with the largest device total; the first stage "
     "holds the embedding, the last the final norm and head (and, with tied embeddings and "
-    "pp > 1, its own copy of the embedding); blocks cut to balance parameters, as plait does",
+    "pp > 1, its own copy of the embedding); blocks cut to balance parameters, as plait does, or as "
+    "--stage-layers gives; per rank, the schedule runs at the slowest rank's micro-batch time",
     "activations per block of our model: e·(9h + 4f) + 8(h + 1) + 4a bytes per token (e = 4 "
     "fp32, 2 bf16/fp16, the model held in that dtype; the norms keep x and rsqrt in fp32); "
     "selective recompute drops the attention core's output and log-sum-exp; GPT-2: Korthikanti et al. "
@@ -98,6 +101,8 @@ def estimate_layout(config: GPTConfig | None, work: Workload | None = None, *, h
     report = _report(config.num_params(), work, hw, node, memory.as_dict(),
                      estimate_comm(config, work), naive_comm(config, work),
                      step.as_dict(), notes)
+    if work.pp > 1:
+        report["stages"] = per_stage(config, work, hw, node)
     if work.cp > 1:
         report["context"] = context_per_layer(config, work)
     if config.is_moe:
@@ -105,6 +110,19 @@ def estimate_layout(config: GPTConfig | None, work: Workload | None = None, *, h
         report["experts"] = experts_summary(config, work)
         report["assumptions"] += list(EXPERT_ASSUMPTIONS)
     return report
+
+
+def per_stage(config: GPTConfig, work: Workload, hw: Hardware, node: int) -> list[dict[str, Any]]:
+    """Each pipeline rank's blocks (per chunk), memory on the device and micro-batch time."""
+    v, pp = work.virtual_stages, work.pp
+    times = micro_batch_s_per_stage(config, work, hw, node)
+    rows = []
+    for stage, memory, seconds in zip(layout_stages(config, work), memory_per_stage(config, work), times):
+        chunks = ([work.stage_layers[chunk * pp + stage.index] for chunk in range(v)] if work.stage_layers
+                  else [stage.layers // v] * v)
+        rows.append({"stage": stage.index, "blocks": chunks, "memory_total": memory.total,
+                     "micro_batch_s": seconds})
+    return rows
 
 
 def estimate_by_size(params: int, work: Workload, *, hardware: str | Hardware = "cpu",

@@ -14,7 +14,7 @@ from typing import Any
 from plait.errors import PlaitError
 from plait.estimate import estimate_layout
 from plait.estimate.hardware import PRESETS as HARDWARE, resolve_hardware
-from plait.rules import PRECISIONS, RECOMPUTE, SCHEDULES
+from plait.rules import PRECISIONS, RECOMPUTE, SCHEDULES, parse_stage_layers
 from plait.estimate.planner import plan
 from plait.estimate.report import format_estimate, format_plan, human_bytes
 from plait.models.config import PRESETS as MODELS, GPTConfig
@@ -53,6 +53,8 @@ def estimate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--recompute", default="none", help=f"one of {', '.join(RECOMPUTE)}")
     parser.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)}")
     parser.add_argument("--virtual-stages", type=int, default=1, help="chunks per rank (interleaved)")
+    parser.add_argument("--stage-layers", default="", help="blocks in each of the pp × virtual-stages stages, in "
+                        "stage order, e.g. 3,4,4,3; the first and the last may be 0 (default: plait's cut)")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     return parser
 
@@ -66,6 +68,8 @@ def plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--global-batch", type=int, required=True, help="sequences per step")
     parser.add_argument("--schedule", default="1f1b", help="gpipe or 1f1b")
     parser.add_argument("--offload", action="store_true", help="also consider optimizer offload")
+    parser.add_argument("--stage-layers", default="", help="a fixed pipeline cut, blocks per stage (e.g. 7,9,9,7): "
+                        "only layouts with that many stages (default: plait's cut for each pp)")
     parser.add_argument("--top", type=int, default=10, help="how many layouts to show")
     return parser
 
@@ -87,7 +91,8 @@ def estimate_main(argv: list[str], shape_of: ShapeOf) -> int:
         offload=args.offload,
         precision=args.precision, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
         seq_len=args.seq_len, recompute=args.recompute, schedule=args.schedule,
-        virtual_stages=args.virtual_stages, sp=args.sp, reduce_dtype=args.reduce_dtype, prefetch=args.prefetch,
+        virtual_stages=args.virtual_stages, stage_layers=parse_stage_layers(args.stage_layers), sp=args.sp,
+        reduce_dtype=args.reduce_dtype, prefetch=args.prefetch,
         reshard_after_forward=args.reshard_after_forward == "true", hardware=hardware,
         gpus_per_node=args.gpus_per_node, params=args.params)
     name = args.model or f"a {args.params:.3g}-parameter model"
@@ -103,7 +108,7 @@ def plan_main(argv: list[str], shape_of: ShapeOf) -> int:
     rows = plan(config, gpus=args.gpus, global_batch=args.global_batch, hardware=hardware,
                 gpus_per_node=args.gpus_per_node, seq_len=args.seq_len,
                 precision=args.precision, schedule=args.schedule, offload=args.offload,
-                top=args.top)
+                top=args.top, stage_layers=parse_stage_layers(args.stage_layers))
     seq = args.seq_len or config.max_seq_len
     title = (f"{args.model} on {args.gpus} x {hardware.name} "
              f"({args.gpus_per_node or hardware.gpus_per_node} per node, "

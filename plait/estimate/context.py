@@ -61,10 +61,10 @@ def per_layer(config: Any, layout: Any) -> dict[str, Any] | None:
     (its layers × micro-batches, forwards again under recomputation). None without cp."""
     if layout.cp == 1:
         return None
-    from plait.estimate.layout import stages
+    from plait.estimate.layout import layout_stages
 
     per = layer_bytes(config, layout)
-    layers = max(stage.layers for stage in stages(config, layout.tp, layout.pp, layout.virtual_stages))
+    layers = max(stage.layers for stage in layout_stages(config, layout))
     return {"kind": layout.cp_kind, "cp": layout.cp, "op": "send" if layout.cp_kind == "ring" else "all_to_all",
             "forward": per["forward"], "backward": per["backward"], "layers": layers,
             "micro_batches": layout.grad_accum, "forwards": forward_passes(layout.recompute)}

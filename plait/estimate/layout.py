@@ -90,7 +90,7 @@ class Workload(Layout):
         pipeline cut of its layers, as `plait train` checks them."""
         check_context_split(self.seq_len, self.cp, self.tp, self.sp, config.n_heads, self.cp_kind)
         config.check_split(self.tp, self.sp, self.seq_len)
-        check_pipeline_cut(config.n_layers, self.pp, self.virtual_stages)
+        check_pipeline_cut(config.n_layers, self.pp, self.virtual_stages, self.stage_layers)
         check_experts_split(config.experts, self.ep)
 
 
@@ -142,13 +142,20 @@ def held_experts(config: GPTConfig, ep: int) -> float:
     return config.moe_layers * config.experts // ep * config.expert_params() / config.n_layers
 
 
+def layout_stages(config: GPTConfig, layout: Layout) -> tuple[StageShare, ...]:
+    """`stages` of the layout's cut."""
+    return stages(config, layout.tp, layout.pp, layout.virtual_stages, layout.ep, layout.stage_layers)
+
+
 @functools.lru_cache(maxsize=4096)
-def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1, ep: int = 1) -> tuple[StageShare, ...]:
+def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1, ep: int = 1,
+           stage_layers: tuple[int, ...] = ()) -> tuple[StageShare, ...]:
     """Every pipeline rank's share of the model on one of its tp ranks.
 
     The first rank holds the token embedding (and GPT-2's learned positions); the last
     holds the final norm and the output head. With tied embeddings and pp > 1 the last
     rank keeps its own copy of the embedding matrix for the head, as plait's pipeline does.
+    With --stage-layers a rank holds the blocks of its chunks (stage c·pp + r is rank r's).
     """
     sharded, replicated = block_split(config)
     experts = held_experts(config, ep)  # MoE blocks: experts / ep each, whole on every tp rank
@@ -158,7 +165,9 @@ def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1, ep: int
     first = table + (config.max_seq_len * h if config.arch == "gpt2" else 0)
     norm = 2 * h if config.arch == "gpt2" else h
     head = table if (not config.tie_embeddings or pp > 1) else 0
-    if virtual_stages > 1 or pp == 1:  # interleaving cuts equal chunks, v per rank
+    if stage_layers:
+        counts = [sum(stage_layers[chunk * pp + rank] for chunk in range(virtual_stages)) for rank in range(pp)]
+    elif virtual_stages > 1 or pp == 1:  # interleaving cuts equal chunks, v per rank
         counts = [config.n_layers // pp] * pp
     else:  # the cut plait's pipeline makes (parallel/pipeline/split.py: default_balance)
         counts = balanced_counts([block] * config.n_layers, pp, first_extra=first, last_extra=norm + head)

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from plait.estimate.activations import loss_bytes, stage_activation_bytes
-from plait.estimate.layout import Workload, StageShare, stages, vocab_shard
+from plait.estimate.layout import Workload, StageShare, layout_stages, vocab_shard
 from plait.models.config import GPTConfig
 
 ADAM_K = 12  # fp32 master weights + Adam m + Adam v, bytes per parameter
@@ -178,8 +178,12 @@ def stage_memory(config: GPTConfig, layout: Workload, stage: StageShare) -> Memo
 
 def estimate_memory(config: GPTConfig, layout: Workload) -> Memory:
     """The busiest rank's memory: the stage with the largest device total."""
-    ranks = stages(config, layout.tp, layout.pp, layout.virtual_stages, layout.ep)
-    return max((stage_memory(config, layout, s) for s in ranks), key=lambda m: m.total)
+    return max(memory_per_stage(config, layout), key=lambda m: m.total)
+
+
+def memory_per_stage(config: GPTConfig, layout: Workload) -> list[Memory]:
+    """Each pipeline rank's memory, in stage order (one entry without a pipeline)."""
+    return [stage_memory(config, layout, s) for s in layout_stages(config, layout)]
 
 
 def estimate_memory_params_only(params: int, layout: Workload) -> Memory:

@@ -22,7 +22,7 @@ from plait.errors import PlaitError
 from plait.estimate.hardware import GIB, Hardware, resolve_hardware
 from plait.estimate.layout import Workload
 from plait.layout import Layout
-from plait.rules import CP_KINDS
+from plait.rules import CP_KINDS, check_pipeline_cut, check_stage_layers
 from plait.estimate.memory import estimate_memory
 from plait.estimate.time import estimate_time
 from plait.models.config import GPTConfig
@@ -44,6 +44,7 @@ class PlanRequest:
     schedule: str = "1f1b"
     recompute: tuple[str, ...] = ("none", "full")
     offload: bool = False
+    stage_layers: tuple[int, ...] = ()  # a fixed cut: only layouts with that many pipeline stages
 
     def __post_init__(self) -> None:
         for name in ("gpus", "gpus_per_node", "global_batch", "seq_len"):
@@ -90,7 +91,7 @@ def candidates(request: PlanRequest) -> Iterator[Workload]:
     """Every valid layout for the request (before asking whether it fits)."""
     for tp in tp_degrees(request):
         for pp in divisors(request.gpus // tp):
-            if pp > request.config.n_layers:
+            if pp > request.config.n_layers or (request.stage_layers and pp != len(request.stage_layers)):
                 continue
             for cp in divisors(request.gpus // (tp * pp)):
                 dp = Layout.fill(request.gpus, tp=tp, pp=pp, cp=cp).dp  # the one home of dp = world / (tp·pp·cp)
@@ -113,7 +114,8 @@ def _variants(request: PlanRequest, dp: int, tp: int, pp: int, cp: int = 1, cp_k
             layout = Workload(dp=dp, tp=tp, pp=pp, cp=cp, cp_kind=cp_kind, ep=ep, zero=zero,
                               offload=request.offload and zero > 0, precision=request.precision,
                               micro_batch=micro_batch, grad_accum=per_replica // micro_batch,
-                              seq_len=request.seq_len, recompute=recompute, schedule=request.schedule, sp=sp)
+                              seq_len=request.seq_len, recompute=recompute, schedule=request.schedule, sp=sp,
+                              stage_layers=request.stage_layers)
             layout.check_model(request.config)  # Ulysses' heads, SP's share of the sequence
         except PlaitError:
             continue
@@ -157,12 +159,16 @@ def plan_layouts(request: PlanRequest, top: int | None = None) -> list[dict[str,
 
 def plan(config: GPTConfig, *, gpus: int, global_batch: int, hardware: str | Hardware = "h100-sxm",
          gpus_per_node: int | None = None, seq_len: int | None = None, precision: str = "bf16",
-         schedule: str = "1f1b", offload: bool = False, top: int | None = None
-         ) -> list[dict[str, object]]:
-    """Rank every layout of `config` on `gpus` GPUs that fits; see `plan_layouts`."""
+         schedule: str = "1f1b", offload: bool = False, top: int | None = None,
+         stage_layers: tuple[int, ...] = ()) -> list[dict[str, object]]:
+    """Rank every layout of `config` on `gpus` GPUs that fits; see `plan_layouts`.
+    `stage_layers` fixes the pipeline cut (and so pp: one number per stage)."""
     hw = resolve_hardware(hardware)
+    if stage_layers:
+        check_pipeline_cut(config.n_layers, len(stage_layers), 1, stage_layers)
+        check_stage_layers(stage_layers, len(stage_layers), 1)
     request = PlanRequest(config=config, gpus=gpus, gpus_per_node=gpus_per_node or hw.gpus_per_node,
                           hardware=hw, global_batch=global_batch,
                           seq_len=seq_len or config.max_seq_len, precision=precision,
-                          schedule=schedule, offload=offload)
+                          schedule=schedule, offload=offload, stage_layers=tuple(stage_layers))
     return plan_layouts(request, top)

@@ -83,6 +83,8 @@ def format_estimate(result: dict[str, Any], model_name: str) -> str:
                      f"blocks, {e['experts_per_rank']} per ep rank; ep all-to-all per MoE block and micro-batch: "
                      f"forward {human_bytes(e['alltoall_forward'])}, backward {human_bytes(e['alltoall_backward'])}")
     lines += ["", "time per step"] + _time_lines(result["time"])
+    if result.get("stages"):
+        lines += ["", "per pipeline stage (rank)"] + _stage_lines(result["stages"])
     lines += ["", "assumptions"] + [f"  - {note}" for note in result["assumptions"]]
     return "\n".join(lines)
 
@@ -99,6 +101,17 @@ def _comm_lines(result: dict[str, Any]) -> list[str]:
     if len(rows) == 1:
         return ["  none (one GPU)"]
     return table(rows, right={2, 3, 4})
+
+
+def _stage_lines(stages: list[dict[str, Any]]) -> list[str]:
+    """Each rank's blocks (chunk by chunk), memory and micro-batch time; the slowest marked,
+    since the schedule, its bubble included, runs at its pace."""
+    slowest = max(stages, key=lambda row: row["micro_batch_s"])["stage"]
+    rows = [["  stage", "blocks", "memory", "micro-batch", ""]]
+    for row in stages:
+        rows.append([f"  {row['stage']}", "+".join(map(str, row["blocks"])), human_bytes(row["memory_total"]),
+                     f"{row['micro_batch_s']:.4g} s", "slowest: sets the pace" if row["stage"] == slowest else ""])
+    return table(rows, right={2, 3})
 
 
 def _time_lines(step: dict[str, float] | None) -> list[str]:

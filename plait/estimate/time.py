@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 
 from plait.estimate.traffic import ring_bytes, tp_collectives, tp_traffic, zero3_gathers
 from plait.estimate.hardware import Hardware
-from plait.estimate.layout import Workload, StageShare, stages
+from plait.estimate.layout import Workload, StageShare, layout_stages
 from plait.estimate.memory import BUCKET_BYTES, shard, state_bytes
 from plait.estimate.context import forward_passes, layer_bytes, ring_exposed_s
 from plait.estimate.experts import layer_alltoall
@@ -228,14 +228,7 @@ def estimate_time(config: GPTConfig, layout: Workload, hw: Hardware, gpus_per_no
     """Step time of the busiest pipeline stage, with the bubble, DP sync, the optimizer,
     offload and the loop's own overhead."""
     links = inter_node(layout, gpus_per_node)
-    per_stage = []
-    for stage in stages(config, layout.tp, layout.pp, layout.virtual_stages, layout.ep):
-        compute = micro_batch_compute_s(config, layout, stage, hw)
-        per_stage.append((compute, tp_s(config, layout, stage, hw, links["tp"]),
-                          pp_s(config, layout, stage, hw, links["pp"]),
-                          cp_s(config, layout, stage, hw, links["cp"]), ep_s(config, layout, stage, hw, links["dp"]),
-                          stage))
-    compute, tp, pp, cp, ep, stage = max(per_stage, key=lambda row: sum(row[:5]))
+    compute, tp, pp, cp, ep, stage = max(_micro_batch_parts(config, layout, hw, links), key=_micro_batch_total)
     dp = dp_exposed_s(stage.params, stage.block_params, layout, hw, links["dp"], compute,
                       _forward_share(layout.recompute))
     model, hardware = flops_per_token(config, layout.seq_len, layout.recompute)
@@ -245,6 +238,28 @@ def estimate_time(config: GPTConfig, layout: Workload, hw: Hardware, gpus_per_no
     step += clip_s(layout, hw, links)
     return _assemble(layout, hw, model, hardware, (compute, tp, pp), dp,
                      offload_s(stage.params, layout, hw), step, overhead_s(layout, hw, gpus_per_node), cp, ep)
+
+
+def _micro_batch_parts(config: GPTConfig, layout: Workload, hw: Hardware,
+                       links: dict[str, bool]) -> list[tuple[float, float, float, float, float, StageShare]]:
+    """Each pipeline rank's (compute, tp, pp, cp, ep) seconds of one micro-batch, and its share."""
+    return [(micro_batch_compute_s(config, layout, stage, hw), tp_s(config, layout, stage, hw, links["tp"]),
+             pp_s(config, layout, stage, hw, links["pp"]), cp_s(config, layout, stage, hw, links["cp"]),
+             ep_s(config, layout, stage, hw, links["dp"]), stage) for stage in layout_stages(config, layout)]
+
+
+def micro_batch_s_per_stage(config: GPTConfig, layout: Workload, hw: Hardware, gpus_per_node: int) -> list[float]:
+    """Seconds of one micro-batch's forward and backward on each pipeline rank, in stage
+    order: the slowest sets the pace of the whole schedule, bubble included."""
+    links = inter_node(layout, gpus_per_node)
+    return [_micro_batch_total(row) for row in _micro_batch_parts(config, layout, hw, links)]
+
+
+def _micro_batch_total(row: tuple[float, float, float, float, float, StageShare]) -> float:
+    """compute + tp + pp + cp + ep, added in that order as `_assemble` adds them (not `sum`,
+    which Python 3.12 compensates: the torch-free runs must print the same digits)."""
+    compute, tp, pp, cp, ep, _ = row
+    return compute + tp + pp + cp + ep
 
 
 def clip_s(layout: Workload, hw: Hardware, links: dict[str, bool]) -> float:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from plait.estimate.context import forward_passes, layer_bytes
 from plait.estimate.experts import layer_alltoall
-from plait.estimate.layout import Workload, StageShare, stages, vocab_shard
+from plait.estimate.layout import Workload, StageShare, layout_stages, vocab_shard
 from plait.estimate.memory import state_bytes
 from plait.models.config import GPTConfig
 from plait.wire import ring_bytes  # the ring formula's one home, shared with runtime/
@@ -177,7 +177,7 @@ def merge_max(parts: list[Traffic]) -> Traffic:
 def estimate_comm(config: GPTConfig, layout: Workload) -> Traffic:
     """`{axis: {op: bytes}}` per rank per optimizer step, largest over ranks."""
     per_rank = []
-    for stage in stages(config, layout.tp, layout.pp, layout.virtual_stages, layout.ep):
+    for stage in layout_stages(config, layout):
         traffic = dp_traffic(stage.params, layout, stage.expert_params)
         for extra in (tp_traffic(config, layout, stage), pp_traffic(config, layout, stage),
                       cp_traffic(config, layout, stage), ep_traffic(config, layout, stage)):
@@ -198,7 +198,7 @@ def naive_comm(config: GPTConfig | None, layout: Workload,
     """
     out: dict[str, dict[str, object]] = {}
     if config is not None:
-        all_stages = stages(config, layout.tp, layout.pp, layout.virtual_stages, layout.ep)
+        all_stages = layout_stages(config, layout)
         params = max(s.params for s in all_stages)
         mine = estimate_comm(config, layout)
     else:

@@ -11,7 +11,7 @@ from typing import Any
 
 from plait.errors import PlaitError
 from plait.models.config import GPTConfig
-from plait.rules import check_context_split, check_pipeline_cut
+from plait.rules import check_context_split, check_pipeline_cut, parse_stage_layers
 
 
 def check_language_run(config: Any, shape: GPTConfig) -> None:
@@ -28,7 +28,7 @@ def check_language_run(config: Any, shape: GPTConfig) -> None:
     if config.tp > 1:
         shape.check_split(config.tp, config.sp, config.seq_len)
     if config.pp > 1:
-        check_pipeline_cut(shape.n_layers, config.pp, config.virtual_stages)
+        check_pipeline_cut(shape.n_layers, config.pp, config.virtual_stages, parse_stage_layers(config.stage_layers))
     check_corpus(config.data)
 
 

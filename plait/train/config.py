@@ -66,6 +66,10 @@ class TrainConfig:
                 "of experts' experts, tokens travelling by all-to-all (docs/moe.md)"})
     schedule: str = field(default="1f1b", metadata={"help": "pipeline schedule: gpipe, 1f1b, interleaved or zb-h1"})
     virtual_stages: int = field(default=1, metadata={"help": "model chunks per pipeline rank (interleaved)"})
+    stage_layers: str = field(default="", metadata={
+        "help": "blocks in each of the pp × virtual-stages stages, in stage order, e.g. 3,4,4,3; the first "
+                "and the last may be 0 (the embedding alone, the head alone); empty: plait's cut, balanced by "
+                "parameters (docs/pipeline.md)"})
     precision: str = field(default="fp32", metadata={
         "help": "fp32, bf16, fp16 or fp8: 16-bit weights and gradients, fp32 master weights and Adam state; "
                 "fp16 with dynamic loss scaling; fp8 is bf16 whose block linears multiply in float8 "
@@ -134,7 +138,8 @@ class TrainConfig:
         """The layout's fields besides dp, as the flags give them."""
         return dict(tp=self.tp, pp=self.pp, cp=self.cp, cp_kind=self.cp_kind, ep=self.ep, zero=self.zero, offload=self.offload,
                     sp=self.sp, schedule=self.schedule, virtual_stages=self.virtual_stages, prefetch=self.prefetch,
-                    reshard_after_forward=self.reshard_after_forward)
+                    reshard_after_forward=self.reshard_after_forward,
+                    stage_layers=rules.parse_stage_layers(self.stage_layers))
 
     @property
     def global_batch(self) -> int:

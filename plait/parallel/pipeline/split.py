@@ -11,7 +11,8 @@ checkpoints and gradients are named as the whole model names them.
 
 Where the cuts go: with one stage per rank, the blocks are split into contiguous runs that
 minimise the largest stage's parameter count (the first pieces counted on the first stage,
-the last ones on the last), or follow an explicit `balance` list of block counts. With
+the last ones on the last), or follow an explicit `balance` list of block counts
+(--stage-layers), where the first and the last stage may hold none. With
 `virtual_stages = v > 1` there are v·pp stages of equal size, placed round robin
 (stage = chunk·pp + rank, as in `schedule.py`), so each rank holds v non-adjacent chunks.
 
@@ -34,10 +35,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.errors import PlaitError
 from plait.balance import balanced_counts
 from plait.parallel.seam import CONTEXT_ATTR, Parts, adapter_of, pipeline_parts
-from plait.rules import check_pipeline_cut
+from plait.rules import check_pipeline_cut, check_stage_layers
 
 BLOCKS = "blocks"  # where a stage keeps the blocks of a model that is itself a Sequential
 
@@ -230,11 +230,11 @@ def logical_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter, bool]]
 
 def check_split(n_layers: int, pp: int, *, virtual_stages: int = 1, balance: Sequence[int] | None = None) -> None:
     """Raise PlaitError unless `n_layers` blocks can be cut into pp·v stages (no model needed,
-    so a config can be checked before any process starts); the rule is plait.rules'."""
-    if balance is not None:
-        _check_counts(list(balance), pp * virtual_stages, n_layers)
-        return
-    check_pipeline_cut(n_layers, pp, virtual_stages)
+    so a config can be checked before any process starts); the rules are plait.rules'
+    (`balance` is --stage-layers: the first and the last stage may hold no block)."""
+    counts = tuple(balance or ())
+    check_stage_layers(counts, pp, virtual_stages)
+    check_pipeline_cut(n_layers, pp, virtual_stages, counts)
 
 
 def rank_stages(stages: Sequence[nn.Module], rank: int, pp: int) -> nn.ModuleList:
@@ -259,16 +259,3 @@ def _numel(module: nn.Module) -> int:
     from plait.parallel.tensor.layers import shard_of
 
     return sum(math.prod(shard_of(p).full_shape) if shard_of(p) else p.numel() for p in module.parameters())
-
-
-def _check_counts(counts: list[int], stages: int, n: int) -> None:
-    if len(counts) != stages:
-        raise PlaitError(f"balance gives {len(counts)} block counts but the layout has {stages} stages",
-                         hint="give one block count per stage (pp × virtual stages numbers)")
-    if sum(counts) != n or min(counts) < 1:
-        raise PlaitError(f"balance {counts} must give every stage at least one block and sum to "
-                         f"the model's {n} layers", hint=f"e.g. {_even(n, stages)}")
-
-
-def _even(n: int, stages: int) -> list[int]:
-    return [n // stages + (i < n % stages) for i in range(stages)]
