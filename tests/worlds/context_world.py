@@ -38,7 +38,7 @@ from plait.runtime.mesh import init_mesh
 from plait.train.config import TrainConfig
 from plait.train.run import final_weights
 from plait.train.trainer import Trainer
-from tests.parity import PARAM_RTOL
+from tests.parity import weight_excess
 from tests.worldlib import save_report
 
 B, H, SEQ, D = 2, 4, 16, 8
@@ -101,14 +101,6 @@ def train(config: TrainConfig, mesh: Any) -> tuple[list[float], dict[str, torch.
     return [r["loss"] for r in trainer.metrics.history], final_weights(trainer)
 
 
-def excess(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
-    """max(|a − b| − rtol·|b|) over every weight: at most the parity atol (tests/parity.py) when
-    they agree. Elementwise, since Adam turns a gradient that is exactly 0 in theory (GPT-2's
-    key bias: softmax ignores a shift shared by every key) into ±lr-sized noise either way."""
-    assert weights.keys() == reference.keys(), sorted(set(weights) ^ set(reference))
-    return max(((weights[k] - v).abs() - PARAM_RTOL * v.abs()).max().item() for k, v in reference.items())
-
-
 def family_runs(base: TrainConfig, out: Path, rank: int, layouts: tuple[str, ...] = tuple(LAYOUTS)) -> dict[str, Any]:
     found: dict[str, Any] = {}
     reference = None
@@ -122,7 +114,7 @@ def family_runs(base: TrainConfig, out: Path, rank: int, layouts: tuple[str, ...
         losses, weights = train(config, init_mesh(config.layout))
         found[name] = {"losses": losses}
         if rank == 0:
-            found[name]["excess"] = excess(weights, reference)
+            found[name]["excess"] = weight_excess(weights, reference)
     return found
 
 

@@ -41,7 +41,7 @@ from plait.runtime.mesh import init_mesh
 from plait.train.config import TrainConfig
 from plait.train.run import final_weights
 from plait.train.trainer import Trainer
-from tests.parity import PARAM_RTOL
+from tests.parity import PARAM_RTOL, weight_excess
 from tests.worldlib import save_report
 from tests.worlds.moe_zero_world import run_all
 
@@ -68,12 +68,6 @@ def train(config: TrainConfig, mesh: Any) -> tuple[list[float], dict[str, torch.
     return [r["loss"] for r in history], final_weights(trainer), [r.get("moe") for r in history]
 
 
-def excess(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
-    """max(|a − b| − rtol·|b|) over every weight (tests/parity.py's elementwise bar)."""
-    assert weights.keys() == reference.keys(), sorted(set(weights) ^ set(reference))
-    return max(((weights[k] - v).abs() - PARAM_RTOL * v.abs()).max().item() for k, v in reference.items())
-
-
 def family_runs(base: TrainConfig, out: Path, rank: int,
                  layouts: tuple[str, ...] = ("ep2", "ep4", "ep2-pp2", "ep2-tp2"),
                  saved: str = "") -> dict[str, Any]:
@@ -92,7 +86,7 @@ def family_runs(base: TrainConfig, out: Path, rank: int,
         losses, weights, routing = train(config, init_mesh(config.layout))
         found[name] = {"losses": losses, "routing": routing}
         if rank == 0:
-            found[name]["excess"] = excess(weights, reference)
+            found[name]["excess"] = weight_excess(weights, reference)
             found[name]["worst"] = max(reference, key=lambda k: ((weights[k] - reference[k]).abs()
                                                                   - PARAM_RTOL * reference[k].abs()).max().item())
     return found

@@ -26,7 +26,7 @@ from plait.runtime.mesh import init_mesh
 from plait.train.config import TrainConfig
 from plait.train.run import final_weights
 from plait.train.trainer import Trainer
-from tests.parity import PARAM_RTOL
+from tests.parity import weight_excess
 from tests.worldlib import save_report
 
 LAYOUTS = {
@@ -55,12 +55,6 @@ def train(config: TrainConfig, mesh: Any) -> tuple[dict[str, Any], dict[str, tor
     return found, final_weights(trainer)
 
 
-def excess(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
-    """max(|a − b| − rtol·|b|) over every weight (tests/parity.py's elementwise bar)."""
-    assert weights.keys() == reference.keys(), sorted(set(weights) ^ set(reference))
-    return max(((weights[k] - v).abs() - PARAM_RTOL * v.abs()).max().item() for k, v in reference.items())
-
-
 def family_runs(base: TrainConfig, out: Path, rank: int, layouts: tuple[str, ...], save: bool = False
                 ) -> dict[str, Any]:
     found: dict[str, Any] = {}
@@ -73,7 +67,7 @@ def family_runs(base: TrainConfig, out: Path, rank: int, layouts: tuple[str, ...
         config = replace(base, **LAYOUTS[name], nproc=4, out=str(out / name), save_every=int(save and name == SAVES))
         found[name], weights = train(config, init_mesh(config.layout))
         if rank == 0:
-            found[name]["excess"] = excess(weights, reference)
+            found[name]["excess"] = weight_excess(weights, reference)
     return found
 
 

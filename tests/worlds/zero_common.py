@@ -192,12 +192,5 @@ def run_reference(*, kind: str = "gpt", optim: str = "adamw", dtype: torch.dtype
     return out, {k: v.detach().float().clone() for k, v in model.state_dict().items()}
 
 
-def param_excess(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
-                 rtol: float = RTOL, atol: float = ATOL) -> float:
-    """max(|got - want| - atol - rtol·|want|) over every element: <= 0 means allclose."""
-    assert got.keys() == want.keys(), (sorted(got), sorted(want))
-    return max(((got[k] - want[k]).abs() - atol - rtol * want[k].abs()).max().item() for k in want)
-
-
 def loss_excess(got: list[float], want: list[float], rtol: float = RTOL) -> float:
     return max(abs(a - b) - rtol * abs(b) for a, b in zip(got, want))

@@ -16,13 +16,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from zero_common import (ATOL, CLIP, RTOL, batches, build, full_state, loss_excess, loss_fn, make_model,
-                         param_excess, run_plait, run_reference, train)
+                         run_plait, run_reference, train)
 from zero_trainer import trainer_runs
 
 import plait
 from plait.errors import PlaitError
 from plait.parallel.zero.stages import apply_zero
-from tests.parity import PARAM_ATOL, PARAM_RTOL
+from tests.parity import PARAM_ATOL, PARAM_RTOL, weight_excess
 from tests.worldlib import save_report
 
 BF16 = torch.bfloat16
@@ -113,7 +113,7 @@ def checkpoints(mesh: Any, root: Path) -> dict[str, Any]:
         checkpoint_read.load(path, model, optimizer, mesh)
         last = train(mesh, model, optimizer, batches("gpt")[2:])
         name = f"sgd z{before}->z{after}{'+offload' if offload else ''}"
-        out[name] = {"param_excess": param_excess(full_state(model), ref_params),
+        out[name] = {"param_excess": weight_excess(full_state(model), ref_params, RTOL, ATOL),
                      "loss_excess": loss_excess(last["losses"], ref["losses"][2:])}
     whole, _ = run_plait(mesh, stage=3)
     model, optimizer = build(mesh, stage=3)
@@ -160,9 +160,9 @@ def main() -> None:
         # Adam turns fp32 summation-order noise into parameter noise where a gradient nearly
         # cancels (torch DDP too): its parameters are held to tests/parity.py's bar, SGD's to 1e-7.
         if numbers["optim"] == "adamw" and "bf16" not in name:
-            numbers["param_excess"] = param_excess(params, ref_params, PARAM_RTOL, PARAM_ATOL)
+            numbers["param_excess"] = weight_excess(params, ref_params, PARAM_RTOL, PARAM_ATOL)
         elif numbers["optim"] == "sgd":
-            numbers["param_excess"] = param_excess(params, ref_params, tol["param_rtol"], tol["param_atol"])
+            numbers["param_excess"] = weight_excess(params, ref_params, tol["param_rtol"], tol["param_atol"])
         runs[name] = numbers
         final[name] = params
     report: dict[str, Any] = {"n": mesh.size("dp"), "runs": runs}
@@ -172,7 +172,7 @@ def main() -> None:
         report["fsdp2"] = {"losses": fsdp["losses"], "ours": runs["gpt-sgd-z3-accum1"]["losses"],
                            "loss_excess": loss_excess(runs["gpt-sgd-z3-accum1"]["losses"], fsdp["losses"]),
                            "norm_excess": loss_excess(runs["gpt-sgd-z3-accum1"]["norms"], fsdp["norms"]),
-                           "param_excess": param_excess(ours, fsdp_params)}
+                           "param_excess": weight_excess(ours, fsdp_params, RTOL, ATOL)}
         report["backend_error"] = backend_error(mesh)
         report["checkpoints"] = checkpoints(mesh, Path(sys.argv[2]))
     report["trainer"] = trainer_runs(mesh, Path(sys.argv[2]).parent / "trainer")  # last: it patches the trainer
