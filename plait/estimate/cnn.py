@@ -152,6 +152,12 @@ def _block(kind: str, cin: int, width: int, stride: int, h: int, w: int) -> Bloc
     return Block(convs, shortcut)
 
 
+def block_params(block: Block) -> int:
+    """A block's parameters: its convolutions' weights (bias-free) and each one's BatchNorm
+    scale and shift."""
+    return sum(c.cin * c.cout * c.k * c.k + 2 * c.cout for c in block.all_convs)
+
+
 def final_channels(config: ResNetConfig) -> int:
     return config.width * 2 ** (len(config.layers) - 1) * config.expansion
 

@@ -146,10 +146,16 @@ def gathered_params(config: GPTConfig, layout: Workload, stage: StageShare) -> i
     if config.tie_embeddings and layout.pp > 1:
         table = vocab_shard(config, layout.tp) * config.d_model
         units = ([table] if stage.first else []) + units + ([table] if stage.last else [])
-    root = stage.params - sum(units)
+    return gathered_at_once(stage.params, units, layout)
+
+
+def gathered_at_once(params: int, units: list[int], layout: Workload) -> int:
+    """ZeRO-3's whole parameters at the peak, for a model of `params` whose units (in run
+    order) hold `units` of them: the root (what no unit holds) throughout, plus the unit
+    running and the `prefetch` after it; everything with --reshard-after-forward false."""
     if not layout.reshard_after_forward:
-        return stage.params
-    window = 1 + layout.prefetch
+        return params
+    root, window = params - sum(units), 1 + layout.prefetch
     return root + max((sum(units[i:i + window]) for i in range(max(1, len(units) - window + 1))), default=0)
 
 
@@ -186,9 +192,10 @@ def memory_per_stage(config: GPTConfig, layout: Workload) -> list[Memory]:
     return [stage_memory(config, layout, s) for s in layout_stages(config, layout)]
 
 
-def estimate_memory_params_only(params: int, layout: Workload) -> Memory:
-    """Model states for a model known only by its size: no activations, no gathered unit."""
-    memory = model_states(params, 0, layout)
+def estimate_memory_params_only(params: int, layout: Workload, gathered: int = 0) -> Memory:
+    """Model states for a model known only by its size (and, under ZeRO-3, what it holds
+    `gathered` at once, when the caller knows its units): no activations."""
+    memory = model_states(params, gathered, layout)
     memory.activations = None
     memory.buffers = buffers(params, layout)
     return device_total(memory)

@@ -27,19 +27,23 @@ from typing import Any
 from plait.estimate import cnn
 from plait.estimate.hardware import Hardware, resolve_hardware
 from plait.estimate.layout import Workload
-from plait.estimate.memory import device_total
+from plait.estimate.memory import device_total, gathered_at_once, model_states
 from plait.estimate.time import estimate_time_measured_compute
 from plait.estimate.traffic import Traffic, ring_bytes
 from plait.models.resnet_config import ResNetConfig
 
 
-def batchnorm_traffic(channels: Sequence[int], dp: int, grad_accum: int, sync_bn: bool) -> Traffic:
-    """{"dp": {op: wire bytes}} of the BatchNorm layers with `channels` features each."""
+def batchnorm_traffic(channels: Sequence[int], dp: int, grad_accum: int, sync_bn: bool,
+                      recomputed: Sequence[int] = ()) -> Traffic:
+    """{"dp": {op: wire bytes}} of the BatchNorm layers with `channels` features each;
+    `recomputed` are those whose forward runs again in backward (a block's, under full
+    recomputation), all-reducing its statistics again."""
     if dp <= 1 or not channels:
         return {}
     if sync_bn:
         per_micro = sum(ring_bytes("all_reduce", (2 * c + 1) * 4, dp) + ring_bytes("all_reduce", 2 * c * 4, dp)
                         for c in channels)
+        per_micro += sum(ring_bytes("all_reduce", (2 * c + 1) * 4, dp) for c in recomputed)
         return {"dp": {"all_reduce": per_micro * grad_accum}}
     return {"dp": {"broadcast": sum(ring_bytes("broadcast", 8 * c + 8, dp) for c in channels)}}
 
@@ -49,8 +53,9 @@ def estimate_cnn(config: ResNetConfig, work: Workload, *, params: int, height: i
                  ) -> dict[str, Any]:
     """Predict one data-parallel layout of a ResNet on `height`×`width` images, per rank.
 
-    Not counted: ZeRO-3's gathered block (a ResNet's blocks are its units), and
-    recomputation's second SyncBatchNorm forward (it all-reduces again).
+    Under ZeRO-3 its blocks are the units gathered whole (`gathered_at_once`, as for any
+    model); under full recomputation each block's SyncBatchNorm forward, run again in
+    backward, all-reduces its statistics again.
     """
     from plait.estimate import estimate_by_size
 
@@ -58,6 +63,9 @@ def estimate_cnn(config: ResNetConfig, work: Workload, *, params: int, height: i
     node = gpus_per_node or hw.gpus_per_node
     report = estimate_by_size(params, work, hardware=hw, gpus_per_node=node, seq_len=1)
     memory = report["memory"]
+    if work.zero == 3:
+        units = [cnn.block_params(block) for block in cnn.blocks(config, height, width)]
+        memory["params"] = model_states(params, gathered_at_once(params, units, work), work).params
     memory["activations"] = cnn.activation_bytes(config, height, width, work.micro_batch, work.precision,
                                                  work.recompute)
     report["memory"] = device_total_of(memory)
@@ -67,11 +75,16 @@ def estimate_cnn(config: ResNetConfig, work: Workload, *, params: int, height: i
     report["time"] = estimate_time_measured_compute(params, tensors, compute, cnn.training_flops(config, height, width),
                                                     work, hw, node, batchnorm_collectives(config, work, sync_bn)
                                                     ).as_dict()
-    for op, wire in batchnorm_traffic(batchnorm_channels(config), work.dp, work.grad_accum, sync_bn).get("dp", {}).items():
+    recomputed = batchnorm_channels(config)[1:] if work.recompute == "full" else []  # the blocks', not the stem's
+    traffic = batchnorm_traffic(batchnorm_channels(config), work.dp, work.grad_accum, sync_bn, recomputed)
+    for op, wire in traffic.get("dp", {}).items():
         ops = report["comm"].setdefault("dp", {})
         ops[op] = ops.get(op, 0.0) + wire
     report["assumptions"] = [a for a in report["assumptions"] if "activations, TP and PP unknown" not in a and
                              "FLOPs per token taken as 6" not in a]
+    if work.zero == 3:
+        report["assumptions"].insert(0, "ZeRO-3's units are the ResNet's blocks: the stem and head whole throughout, "
+                                        "plus the block running and the prefetched ones")
     report["assumptions"].insert(0, "a ResNet: activations and compute from its convolutions (plait/estimate/cnn.py), "
                                     "each convolution costed as the GEMM it lowers to plus the library's fixed costs")
     return report
@@ -84,8 +97,10 @@ def batchnorm_collectives(config: ResNetConfig, work: Workload, sync_bn: bool) -
     if work.dp <= 1:
         return []
     if sync_bn:
+        again = [("all_reduce", (2 * c + 1) * 4, work.grad_accum)
+                 for c in batchnorm_channels(config)[1:]] if work.recompute == "full" else []
         return [(op, size * 4, work.grad_accum) for c in batchnorm_channels(config)
-                for op, size in (("all_reduce", 2 * c + 1), ("all_reduce", 2 * c))]
+                for op, size in (("all_reduce", 2 * c + 1), ("all_reduce", 2 * c))] + again
     return [("broadcast", 8 * c + 8, 1) for c in batchnorm_channels(config)]
 
 
