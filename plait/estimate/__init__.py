@@ -121,7 +121,7 @@ def per_stage(config: GPTConfig, work: Workload, hw: Hardware, node: int) -> lis
         chunks = ([work.stage_layers[chunk * pp + stage.index] for chunk in range(v)] if work.stage_layers
                   else [stage.layers // v] * v)
         rows.append({"stage": stage.index, "blocks": chunks, "memory_total": memory.total,
-                     "micro_batch_s": seconds})
+                     "memory": memory.as_dict(), "micro_batch_s": seconds})
     return rows
 
 

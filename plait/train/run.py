@@ -99,7 +99,13 @@ def prediction(trainer: Trainer) -> dict[str, Any]:
     hardware, source = run_hardware(trainer)
     result = trainer.task.prediction(work, hardware)
     result["hardware_source"] = source
+    if result.get("stages"):  # measured: each kind's largest rank (Metrics); predicted alike, per kind
+        for kind in MEASURED_KINDS:
+            result["memory"][kind] = max(row["memory"][kind] for row in result["stages"])
     return result
+
+
+MEASURED_KINDS = ("params", "grads", "optim", "activations")
 
 
 def describe_run(trainer: Trainer, predicted: dict[str, Any]) -> dict[str, Any]:
