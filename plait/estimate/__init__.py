@@ -20,6 +20,7 @@ from plait.estimate.memory import (
     FRAGMENTATION,
     estimate_memory,
     estimate_memory_params_only,
+    chunk_layers,
     memory_per_stage,
 )
 from plait.estimate.time import (
@@ -114,13 +115,10 @@ def estimate_layout(config: GPTConfig | None, work: Workload | None = None, *, h
 
 def per_stage(config: GPTConfig, work: Workload, hw: Hardware, node: int) -> list[dict[str, Any]]:
     """Each pipeline rank's blocks (per chunk), memory on the device and micro-batch time."""
-    v, pp = work.virtual_stages, work.pp
     times = micro_batch_s_per_stage(config, work, hw, node)
     rows = []
     for stage, memory, seconds in zip(layout_stages(config, work), memory_per_stage(config, work), times):
-        chunks = ([work.stage_layers[chunk * pp + stage.index] for chunk in range(v)] if work.stage_layers
-                  else [stage.layers // v] * v)
-        rows.append({"stage": stage.index, "blocks": chunks, "memory_total": memory.total,
+        rows.append({"stage": stage.index, "blocks": chunk_layers(work, stage), "memory_total": memory.total,
                      "memory": memory.as_dict(), "micro_batch_s": seconds})
     return rows
 

@@ -140,23 +140,37 @@ def gathered_params(config: GPTConfig, layout: Workload, stage: StageShare) -> i
 
     Units are the blocks; with tied embeddings cut by a pipeline (pp > 1) the embedding
     (first stage) and the head's copy (last stage) are units too, at the ends of the run.
-    Everything else (the final norm, an untied embedding or head) is the root.
+    Everything else (the final norm, an untied embedding or head) is the root. A rank's
+    chunks (v > 1) each run their own units: the prefetch does not reach across chunks.
     """
-    units = [stage.block_params] * stage.layers
-    if config.tie_embeddings and layout.pp > 1:
-        table = vocab_shard(config, layout.tp) * config.d_model
-        units = ([table] if stage.first else []) + units + ([table] if stage.last else [])
-    return gathered_at_once(stage.params, units, layout)
+    table = vocab_shard(config, layout.tp) * config.d_model if config.tie_embeddings and layout.pp > 1 else 0
+    chunks = []
+    for chunk, blocks in enumerate(chunk_layers(layout, stage)):
+        first = stage.first and chunk == 0
+        last = stage.last and chunk == layout.virtual_stages - 1
+        chunks.append(([table] if first and table else []) + [stage.block_params] * blocks
+                      + ([table] if last and table else []))
+    return gathered_at_once(stage.params, chunks, layout)
 
 
-def gathered_at_once(params: int, units: list[int], layout: Workload) -> int:
+def chunk_layers(layout: Workload, stage: StageShare) -> list[int]:
+    """The blocks of each of `stage`'s chunks, in chunk order."""
+    v, pp = layout.virtual_stages, layout.pp
+    if layout.stage_layers:
+        return [layout.stage_layers[chunk * pp + stage.index] for chunk in range(v)]
+    return [stage.layers // v] * v
+
+
+def gathered_at_once(params: int, chunks: list[list[int]], layout: Workload) -> int:
     """ZeRO-3's whole parameters at the peak, for a model of `params` whose units (in run
-    order) hold `units` of them: the root (what no unit holds) throughout, plus the unit
-    running and the `prefetch` after it; everything with --reshard-after-forward false."""
+    order, chunk by chunk) hold `chunks` of them: the root (what no unit holds) throughout,
+    plus the unit running and the `prefetch` after it in its chunk; everything with
+    --reshard-after-forward false."""
     if not layout.reshard_after_forward:
         return params
-    root, window = params - sum(units), 1 + layout.prefetch
-    return root + max((sum(units[i:i + window]) for i in range(max(1, len(units) - window + 1))), default=0)
+    root, window = params - sum(map(sum, chunks)), 1 + layout.prefetch
+    return root + max((sum(units[i:i + window]) for units in chunks
+                       for i in range(max(1, len(units) - window + 1))), default=0)
 
 
 def device_total(memory: Memory) -> Memory:

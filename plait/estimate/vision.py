@@ -65,7 +65,7 @@ def estimate_cnn(config: ResNetConfig, work: Workload, *, params: int, height: i
     memory = report["memory"]
     if work.zero == 3:
         units = [cnn.block_params(block) for block in cnn.blocks(config, height, width)]
-        memory["params"] = model_states(params, gathered_at_once(params, units, work), work).params
+        memory["params"] = model_states(params, gathered_at_once(params, [units], work), work).params
     memory["activations"] = cnn.activation_bytes(config, height, width, work.micro_batch, work.precision,
                                                  work.recompute)
     report["memory"] = device_total_of(memory)
