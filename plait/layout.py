@@ -51,6 +51,7 @@ class Layout:
 
     def __post_init__(self) -> None:
         rules.check_layout(self)
+        object.__setattr__(self, "stage_layers", tuple(self.stage_layers))  # hashable, whatever list it came as
 
     @property
     def world(self) -> int:

@@ -122,6 +122,9 @@ def check_stage_layers(counts: tuple[int, ...], pp: int, virtual_stages: int) ->
     (chunk c of rank r is stage c·pp + r). A chunk at either end may hold none, so that the
     first holds only the embedding and the last only the head and the loss; a chunk between
     them holding none would only pass activations on, and is refused."""
+    if not isinstance(counts, (tuple, list)):
+        raise PlaitError(f"--stage-layers must be a list of block counts, got {counts!r}",
+                         hint='e.g. --stage-layers 3,4,4,3 (in Python: stage_layers=(3, 4, 4, 3))')
     if not counts:
         return
     stages = pp * virtual_stages
@@ -129,8 +132,8 @@ def check_stage_layers(counts: tuple[int, ...], pp: int, virtual_stages: int) ->
         raise PlaitError(f"--stage-layers must be whole numbers of blocks, 0 or more, got {','.join(map(str, counts))}",
                          hint="e.g. --stage-layers 3,4,4,3")
     if pp == 1:
-        raise PlaitError("--stage-layers cuts the blocks into pipeline stages, and --pp is 1",
-                         hint="add --pp 2 (or more), or drop --stage-layers")
+        raise PlaitError("--stage-layers cuts the blocks into pipeline stages, and there is one",
+                         hint="give two or more stages (--pp 2 or more), or drop --stage-layers")
     if len(counts) != stages:
         raise PlaitError(f"--stage-layers gives {len(counts)} block counts, and the layout has pp={pp} × "
                          f"virtual stages {virtual_stages} = {stages} stages", hint=f"give {stages} numbers")

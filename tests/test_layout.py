@@ -78,7 +78,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("estimate", ("plait.estimate",)),
     ("shapes", ("plait.models.config", "plait.models.resnet_config", "plait.models.hf_config")),
     ("runtime", ("plait.runtime",)),
-    ("base", ("plait", "plait.errors", "plait.wire", "plait.balance", "plait.rules", "plait.layout")),
+    ("base", ("plait", "plait.errors", "plait.wire", "plait.balance", "plait.interleave", "plait.rules",
+              "plait.layout")),
 ]
 # What a layer must not reach even below it: the seams. The strategies know no model, not
 # even a shape; the estimator is pure arithmetic (no torch.distributed, no strategy).

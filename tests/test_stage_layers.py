@@ -24,7 +24,7 @@ FOUR = ["--model", "tiny,n_layers=4", "--steps", "4", "--micro-batch", "2", "--s
     (["--nproc", "2", "--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--stage-layers", "1,0,2,1"],
      "--stage-layers 1,0,2,1 leaves a middle stage without a block"),
     (["--nproc", "2", "--pp", "2", "--stage-layers", "1,2"], "--stage-layers 1,2 gives 3 blocks, and the model has 4"),
-    (["--nproc", "2", "--stage-layers", "4"], "--stage-layers cuts the blocks into pipeline stages, and --pp is 1"),
+    (["--nproc", "2", "--stage-layers", "4"], "--stage-layers cuts the blocks into pipeline stages, and there is one"),
     (["--nproc", "2", "--pp", "2", "--stage-layers", "two,two"], "--stage-layers must be comma-separated block counts"),
     (["--nproc", "2", "--pp", "2", "--stage-layers=-1,5"], "--stage-layers must be whole numbers of blocks"),
 ])
@@ -58,6 +58,26 @@ def test_estimate_prices_each_stage_and_the_slowest_sets_the_pace(capsys):
     assert main([*argv[:-1], "--stage-layers", "0,4,5,5,5,5,4,4"]) == 0
     text = capsys.readouterr().out
     assert "per pipeline stage (rank)" in text and "0+5" in text and "slowest: sets the pace" in text
+
+
+def test_a_cut_given_through_the_api_is_checked_and_kept():
+    """Layout(stage_layers=...) takes a list or a tuple (kept as a tuple, so the layout hashes)
+    and refuses anything else in one PlaitError; the planner keeps a cut whose end stages hold
+    no block even where pp is then more than the model's layers."""
+    import dataclasses
+
+    from plait.errors import PlaitError
+    from plait.estimate.planner import plan
+    from plait.layout import Layout
+    from plait.models.config import get_preset
+
+    assert Layout(pp=2, stage_layers=[1, 3]).stage_layers == (1, 3)
+    for bad in (5, "3,4"):
+        with pytest.raises(PlaitError, match="--stage-layers must be a list of block counts"):
+            Layout(pp=2, stage_layers=bad)
+    two_layers = dataclasses.replace(get_preset("tiny"), n_layers=2)
+    rows = plan(two_layers, gpus=4, global_batch=8, hardware="cpu", stage_layers=(0, 1, 1, 0), seq_len=32)
+    assert rows and {row["pp"] for row in rows} == {4}
 
 
 def test_plan_takes_a_fixed_cut(capsys):

@@ -44,6 +44,7 @@ divided by t. Full recompute keeps only each block's input.
 
 from __future__ import annotations
 
+from plait.interleave import rank_order
 from plait.estimate.experts import dense_and_expert_widths, saved_bytes_per_token
 from plait.estimate.layout import Workload, StageShare
 from plait.models.config import GPTConfig
@@ -179,6 +180,28 @@ def in_flight(layout: Workload, stage: StageShare) -> float:
 
 def stage_activation_bytes(config: GPTConfig, layout: Workload, stage: StageShare) -> float:
     """Peak activation bytes on one rank of `stage`."""
+    if layout.stage_layers and layout.schedule == "interleaved":
+        return uneven_interleaved_peak(config, layout, stage) + rope_table_bytes(config, layout)
     per_micro_batch = stage.layers * layer_bytes(config, layout)
     per_micro_batch += stage_extra_bytes(config, layout, stage)
     return in_flight(layout, stage) * per_micro_batch + rope_table_bytes(config, layout)
+
+
+def uneven_interleaved_peak(config: GPTConfig, layout: Workload, stage: StageShare) -> float:
+    """The peak over the rank's own interleaved order (plait.interleave, the order the
+    runner's schedule follows) when its chunks hold different numbers of blocks: each
+    chunk-forward adds that chunk's blocks (and the first or last stage's extras), each
+    backward frees them, so which chunks are in flight at once is the schedule's answer."""
+    p, v, r = layout.pp, layout.virtual_stages, stage.index
+    per_block = layer_bytes(config, layout)
+    extras = stage_extra_bytes(config, layout, stage)
+    chunk_bytes = []
+    for chunk in range(v):
+        blocks = layout.stage_layers[chunk * p + r]
+        at_end = (stage.first and chunk == 0) or (stage.last and chunk == v - 1)
+        chunk_bytes.append(blocks * per_block + (extras if at_end else 0.0))
+    held = peak = 0.0
+    for kind, _, chunk in rank_order(p, layout.grad_accum, v, r):
+        held += chunk_bytes[chunk] if kind == "F" else -chunk_bytes[chunk]
+        peak = max(peak, held)
+    return peak

@@ -206,10 +206,9 @@ def memory_per_stage(config: GPTConfig, layout: Workload) -> list[Memory]:
     return [stage_memory(config, layout, s) for s in layout_stages(config, layout)]
 
 
-def estimate_memory_params_only(params: int, layout: Workload, gathered: int = 0) -> Memory:
-    """Model states for a model known only by its size (and, under ZeRO-3, what it holds
-    `gathered` at once, when the caller knows its units): no activations."""
-    memory = model_states(params, gathered, layout)
+def estimate_memory_params_only(params: int, layout: Workload) -> Memory:
+    """Model states for a model known only by its size: no activations, no gathered unit."""
+    memory = model_states(params, 0, layout)
     memory.activations = None
     memory.buffers = buffers(params, layout)
     return device_total(memory)

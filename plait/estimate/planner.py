@@ -91,8 +91,8 @@ def candidates(request: PlanRequest) -> Iterator[Workload]:
     """Every valid layout for the request (before asking whether it fits)."""
     for tp in tp_degrees(request):
         for pp in divisors(request.gpus // tp):
-            if pp > request.config.n_layers or (request.stage_layers and pp != len(request.stage_layers)):
-                continue
+            if (pp != len(request.stage_layers) if request.stage_layers else pp > request.config.n_layers):
+                continue  # a given cut fixes pp (its end stages may hold no block); else a block per stage
             for cp in divisors(request.gpus // (tp * pp)):
                 dp = Layout.fill(request.gpus, tp=tp, pp=pp, cp=cp).dp  # the one home of dp = world / (tp·pp·cp)
                 if request.global_batch % dp:

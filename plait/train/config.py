@@ -68,8 +68,8 @@ class TrainConfig:
     virtual_stages: int = field(default=1, metadata={"help": "model chunks per pipeline rank (interleaved)"})
     stage_layers: str = field(default="", metadata={
         "help": "blocks in each of the pp × virtual-stages stages, in stage order, e.g. 3,4,4,3; the first "
-                "and the last may be 0 (the embedding alone, the head alone); empty: plait's cut, balanced by "
-                "parameters (docs/pipeline.md)"})
+                "and the last may be 0 (the embedding alone, the head alone); empty: plait's cut (balanced by "
+                "parameters; equal chunks when interleaved) (docs/pipeline.md)"})
     precision: str = field(default="fp32", metadata={
         "help": "fp32, bf16, fp16 or fp8: 16-bit weights and gradients, fp32 master weights and Adam state; "
                 "fp16 with dynamic loss scaling; fp8 is bf16 whose block linears multiply in float8 "

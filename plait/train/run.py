@@ -102,6 +102,7 @@ def prediction(trainer: Trainer) -> dict[str, Any]:
     if result.get("stages"):  # measured: each kind's largest rank (Metrics); predicted alike, per kind
         for kind in MEASURED_KINDS:
             result["memory"][kind] = max(row["memory"][kind] for row in result["stages"])
+        # Its total and stage stay the busiest rank's (plait estimate's figure), not these kinds' sum.
     return result
 
 

@@ -48,7 +48,7 @@ __all__ = ["PipelineRunner", "PipelineStage", "PipelineStats", "apply_pipeline",
 def apply_pipeline(model: nn.Module, mesh: Mesh, *, virtual_stages: int | None = None,
                    balance: Sequence[int] | None = None, adapter: Any = None) -> nn.ModuleList:
     """This rank's stages of `model` (v chunks, in chunk order: the layout's virtual stages
-    unless given), moved to its device.
+    and cut (--stage-layers) unless given), moved to its device.
 
     Tensor parallelism, if any, is applied to the whole model before (its layers are cut
     as they are); data parallelism or ZeRO to the returned ModuleList after: the stages of
@@ -56,6 +56,8 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, *, virtual_stages: int | None =
     runs (plait.parallel.seam; default: the model class's, or an nn.Sequential's children).
     """
     pp, virtual_stages = mesh.size("pp"), virtual_stages or mesh.layout.virtual_stages
+    if balance is None and mesh.layout.stage_layers and virtual_stages == mesh.layout.virtual_stages:
+        balance = mesh.layout.stage_layers  # the layout's cut (--stage-layers), as its estimate prices it
     info = tensor_parallel_of(model)
     seq_split = info.axis.size if info is not None and info.sp else 1
     stages = split_stages(model, pp, virtual_stages=virtual_stages, balance=balance, seq_split=seq_split,

@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Callable
 
 from plait.errors import PlaitError
-from plait.parallel.pipeline.action import Action, Kind
+from plait.interleave import rank_order
+from plait.parallel.pipeline.action import Action
 from plait.parallel.pipeline.timeline import Slot, Timeline
 from plait.rules import SCHEDULES, check_choice, check_microbatches, check_virtual_stages  # noqa: F401
 
@@ -64,28 +65,10 @@ def interleaved_1f1b(pp: int, m: int, v: int) -> Schedule:
     return [_interleaved_rank(pp, m, v, rank) for rank in range(pp)]
 
 
-def _interleaved_unit(k: int, pp: int, v: int, backward: bool) -> tuple[int, int]:
-    """(micro-batch, chunk) of a rank's k-th forward (or backward, chunks reversed)."""
-    group, within = divmod(k, pp * v)
-    chunk = within // pp
-    return group * pp + within % pp, (v - 1 - chunk) if backward else chunk
-
-
 def _interleaved_rank(pp: int, m: int, v: int, rank: int) -> list[Action]:
-    total = m * v
-    # Enough forwards to fill every later stage of this rank's chunks: (v-1) groups of pp
-    # for the later chunks, plus two per downstream rank (the forward and the backward
-    # that must cross it before this rank's first backward arrives).
-    warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, total)
-
-    def step(kind: Kind, k: int) -> Action:
-        mb, chunk = _interleaved_unit(k, pp, v, backward=kind == "B")
-        return Action(kind, mb, chunk)
-
-    order = [step("F", k) for k in range(warmup)]
-    for i in range(total - warmup):
-        order += [step("F", warmup + i), step("B", i)]
-    return order + [step("B", k) for k in range(total - warmup, total)]
+    """The rank's actions in Megatron's interleaved order (plait.interleave: one definition,
+    which the estimator reads too)."""
+    return [Action(kind, mb, chunk) for kind, mb, chunk in rank_order(pp, m, v, rank)]
 
 
 def zero_bubble_h1(pp: int, m: int) -> Schedule:

@@ -13,7 +13,7 @@ Where the cuts go: with one stage per rank, the blocks are split into contiguous
 minimise the largest stage's parameter count (the first pieces counted on the first stage,
 the last ones on the last), or follow an explicit `balance` list of block counts
 (--stage-layers), where the first and the last stage may hold none. With
-`virtual_stages = v > 1` there are v·pp stages of equal size, placed round robin
+`virtual_stages = v > 1` there are v·pp stages, of equal size unless `balance` says, placed round robin
 (stage = chunk·pp + rank, as in `schedule.py`), so each rank holds v non-adjacent chunks.
 
 Tied embeddings: a parameter held by both a first piece and a last one (the embedding that
@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from plait.balance import balanced_counts
+from plait.errors import PlaitError
 from plait.parallel.seam import CONTEXT_ATTR, Parts, adapter_of, pipeline_parts
 from plait.rules import check_pipeline_cut, check_stage_layers
 
@@ -177,7 +178,11 @@ def split_stages(model: nn.Module, pp: int, *, virtual_stages: int = 1, balance:
     parts = pipeline_parts(model, adapter, pp)
     blocks = _blocks_of(model, parts)
     check_split(len(blocks), pp, virtual_stages=v, balance=balance)
-    counts = list(balance) if balance is not None else default_balance(model, pp, v, parts)
+    if balance and ((balance[0] == 0 and not parts.first) or (balance[-1] == 0 and not parts.last)):
+        raise PlaitError(f"--stage-layers {','.join(map(str, balance))} leaves an end stage with no block, and "
+                         "this model has no embedding or head to put there",
+                         hint="give the first and the last stage at least one block each")
+    counts = list(balance) if balance else default_balance(model, pp, v, parts)
     starts = [sum(counts[:i]) for i in range(len(counts))]
     return [PipelineStage(model, parts, adapter, i, pp * v, starts[i], counts[i], untie=pp > 1, seq_split=seq_split)
             for i in range(pp * v)]
