@@ -15,12 +15,12 @@ from plait.estimate.context import per_layer as context_per_layer
 from plait.estimate.experts import ASSUMPTIONS as EXPERT_ASSUMPTIONS, summary as experts_summary
 from plait.estimate.traffic import dp_traffic, estimate_comm, naive_comm
 from plait.estimate.hardware import Hardware, resolve_hardware
-from plait.estimate.layout import Workload, layout_stages
+from plait.estimate.layout import Workload, chunk_layers, layout_stages
 from plait.estimate.memory import (
     FRAGMENTATION,
-    estimate_memory,
+    Memory,
+    busiest,
     estimate_memory_params_only,
-    chunk_layers,
     memory_per_stage,
 )
 from plait.estimate.time import (
@@ -96,14 +96,15 @@ def estimate_layout(config: GPTConfig | None, work: Workload | None = None, *, h
     if config is None:
         return _params_only(_whole(params), work, hw, node, timed=timed)
     work.check_model(config)
-    memory = estimate_memory(config, work)
+    per_rank = memory_per_stage(config, work)
+    memory = busiest(per_rank)
     step = estimate_time(config, work, hw, node)
     notes = [f"busiest rank: pipeline stage {memory.stage} of {work.pp}"]
     report = _report(config.num_params(), work, hw, node, memory.as_dict(),
                      estimate_comm(config, work), naive_comm(config, work),
                      step.as_dict(), notes)
     if work.pp > 1:
-        report["stages"] = per_stage(config, work, hw, node)
+        report["stages"] = per_stage(config, work, hw, node, per_rank)
     if work.cp > 1:
         report["context"] = context_per_layer(config, work)
     if config.is_moe:
@@ -113,11 +114,13 @@ def estimate_layout(config: GPTConfig | None, work: Workload | None = None, *, h
     return report
 
 
-def per_stage(config: GPTConfig, work: Workload, hw: Hardware, node: int) -> list[dict[str, Any]]:
-    """Each pipeline rank's blocks (per chunk), memory on the device and micro-batch time."""
+def per_stage(config: GPTConfig, work: Workload, hw: Hardware, node: int,
+              per_rank: list[Memory]) -> list[dict[str, Any]]:
+    """Each pipeline rank's blocks (per chunk), memory on the device (`per_rank`, in stage
+    order) and micro-batch time."""
     times = micro_batch_s_per_stage(config, work, hw, node)
     rows = []
-    for stage, memory, seconds in zip(layout_stages(config, work), memory_per_stage(config, work), times):
+    for stage, memory, seconds in zip(layout_stages(config, work), per_rank, times):
         rows.append({"stage": stage.index, "blocks": chunk_layers(work, stage), "memory_total": memory.total,
                      "memory": memory.as_dict(), "micro_batch_s": seconds})
     return rows

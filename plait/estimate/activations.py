@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from plait.interleave import rank_order
 from plait.estimate.experts import dense_and_expert_widths, saved_bytes_per_token
-from plait.estimate.layout import Workload, StageShare
+from plait.estimate.layout import Workload, StageShare, chunk_ends, chunk_layers
 from plait.models.config import GPTConfig
 
 MASK_BYTES = 1  # a dropout mask is one byte per element
@@ -192,16 +192,12 @@ def uneven_interleaved_peak(config: GPTConfig, layout: Workload, stage: StageSha
     runner's schedule follows) when its chunks hold different numbers of blocks: each
     chunk-forward adds that chunk's blocks (and the first or last stage's extras), each
     backward frees them, so which chunks are in flight at once is the schedule's answer."""
-    p, v, r = layout.pp, layout.virtual_stages, stage.index
     per_block = layer_bytes(config, layout)
     extras = stage_extra_bytes(config, layout, stage)
-    chunk_bytes = []
-    for chunk in range(v):
-        blocks = layout.stage_layers[chunk * p + r]
-        at_end = (stage.first and chunk == 0) or (stage.last and chunk == v - 1)
-        chunk_bytes.append(blocks * per_block + (extras if at_end else 0.0))
+    chunk_bytes = [blocks * per_block + (extras if any(chunk_ends(layout, stage, chunk)) else 0.0)
+                   for chunk, blocks in enumerate(chunk_layers(layout, stage))]
     held = peak = 0.0
-    for kind, _, chunk in rank_order(p, layout.grad_accum, v, r):
+    for kind, _, chunk in rank_order(layout.pp, layout.grad_accum, layout.virtual_stages, stage.index):
         held += chunk_bytes[chunk] if kind == "F" else -chunk_bytes[chunk]
         peak = max(peak, held)
     return peak

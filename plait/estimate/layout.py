@@ -142,6 +142,25 @@ def held_experts(config: GPTConfig, ep: int) -> float:
     return config.moe_layers * config.experts // ep * config.expert_params() / config.n_layers
 
 
+def rank_chunks(stage_layers: tuple[int, ...], pp: int, virtual_stages: int, rank: int) -> list[int]:
+    """The blocks of each of pipeline rank `rank`'s chunks under the cut `stage_layers`:
+    chunk c of rank r is stage c·pp + r (the schedule's round robin)."""
+    return [stage_layers[chunk * pp + rank] for chunk in range(virtual_stages)]
+
+
+def chunk_layers(layout: Layout, stage: StageShare) -> list[int]:
+    """The blocks of each of `stage`'s chunks, in chunk order (equal without a given cut)."""
+    if layout.stage_layers:
+        return rank_chunks(layout.stage_layers, layout.pp, layout.virtual_stages, stage.index)
+    return [stage.layers // layout.virtual_stages] * layout.virtual_stages
+
+
+def chunk_ends(layout: Layout, stage: StageShare, chunk: int) -> tuple[bool, bool]:
+    """Whether `stage`'s chunk `chunk` is the model's first stage (the embedding) and its last
+    (the final norm and head)."""
+    return stage.first and chunk == 0, stage.last and chunk == layout.virtual_stages - 1
+
+
 def layout_stages(config: GPTConfig, layout: Layout) -> tuple[StageShare, ...]:
     """`stages` of the layout's cut."""
     return stages(config, layout.tp, layout.pp, layout.virtual_stages, layout.ep, layout.stage_layers)
@@ -166,7 +185,7 @@ def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1, ep: int
     norm = 2 * h if config.arch == "gpt2" else h
     head = table if (not config.tie_embeddings or pp > 1) else 0
     if stage_layers:
-        counts = [sum(stage_layers[chunk * pp + rank] for chunk in range(virtual_stages)) for rank in range(pp)]
+        counts = [sum(rank_chunks(stage_layers, pp, virtual_stages, rank)) for rank in range(pp)]
     elif virtual_stages > 1 or pp == 1:  # interleaving cuts equal chunks, v per rank
         counts = [config.n_layers // pp] * pp
     else:  # the cut plait's pipeline makes (parallel/pipeline/split.py: default_balance)

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from plait.estimate.activations import loss_bytes, stage_activation_bytes
-from plait.estimate.layout import Workload, StageShare, layout_stages, vocab_shard
+from plait.estimate.layout import Workload, StageShare, chunk_ends, chunk_layers, layout_stages, vocab_shard
 from plait.models.config import GPTConfig
 
 ADAM_K = 12  # fp32 master weights + Adam m + Adam v, bytes per parameter
@@ -146,19 +146,10 @@ def gathered_params(config: GPTConfig, layout: Workload, stage: StageShare) -> i
     table = vocab_shard(config, layout.tp) * config.d_model if config.tie_embeddings and layout.pp > 1 else 0
     chunks = []
     for chunk, blocks in enumerate(chunk_layers(layout, stage)):
-        first = stage.first and chunk == 0
-        last = stage.last and chunk == layout.virtual_stages - 1
+        first, last = chunk_ends(layout, stage, chunk)
         chunks.append(([table] if first and table else []) + [stage.block_params] * blocks
                       + ([table] if last and table else []))
     return gathered_at_once(stage.params, chunks, layout)
-
-
-def chunk_layers(layout: Workload, stage: StageShare) -> list[int]:
-    """The blocks of each of `stage`'s chunks, in chunk order."""
-    v, pp = layout.virtual_stages, layout.pp
-    if layout.stage_layers:
-        return [layout.stage_layers[chunk * pp + stage.index] for chunk in range(v)]
-    return [stage.layers // v] * v
 
 
 def gathered_at_once(params: int, chunks: list[list[int]], layout: Workload) -> int:
@@ -198,7 +189,12 @@ def stage_memory(config: GPTConfig, layout: Workload, stage: StageShare) -> Memo
 
 def estimate_memory(config: GPTConfig, layout: Workload) -> Memory:
     """The busiest rank's memory: the stage with the largest device total."""
-    return max(memory_per_stage(config, layout), key=lambda m: m.total)
+    return busiest(memory_per_stage(config, layout))
+
+
+def busiest(per_rank: list[Memory]) -> Memory:
+    """The rank with the largest device total."""
+    return max(per_rank, key=lambda m: m.total)
 
 
 def memory_per_stage(config: GPTConfig, layout: Workload) -> list[Memory]:

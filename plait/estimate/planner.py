@@ -22,7 +22,7 @@ from plait.errors import PlaitError
 from plait.estimate.hardware import GIB, Hardware, resolve_hardware
 from plait.estimate.layout import Workload
 from plait.layout import Layout
-from plait.rules import CP_KINDS, check_pipeline_cut, check_stage_layers
+from plait.rules import CP_KINDS, check_pipeline_cut
 from plait.estimate.memory import estimate_memory
 from plait.estimate.time import estimate_time
 from plait.models.config import GPTConfig
@@ -166,7 +166,6 @@ def plan(config: GPTConfig, *, gpus: int, global_batch: int, hardware: str | Har
     hw = resolve_hardware(hardware)
     if stage_layers:
         check_pipeline_cut(config.n_layers, len(stage_layers), 1, stage_layers)
-        check_stage_layers(stage_layers, len(stage_layers), 1)
     request = PlanRequest(config=config, gpus=gpus, gpus_per_node=gpus_per_node or hw.gpus_per_node,
                           hardware=hw, global_batch=global_batch,
                           seq_len=seq_len or config.max_seq_len, precision=precision,

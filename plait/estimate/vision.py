@@ -75,8 +75,8 @@ def estimate_cnn(config: ResNetConfig, work: Workload, *, params: int, height: i
     report["time"] = estimate_time_measured_compute(params, tensors, compute, cnn.training_flops(config, height, width),
                                                     work, hw, node, batchnorm_collectives(config, work, sync_bn)
                                                     ).as_dict()
-    recomputed = batchnorm_channels(config)[1:] if work.recompute == "full" else []  # the blocks', not the stem's
-    traffic = batchnorm_traffic(batchnorm_channels(config), work.dp, work.grad_accum, sync_bn, recomputed)
+    traffic = batchnorm_traffic(batchnorm_channels(config), work.dp, work.grad_accum, sync_bn,
+                                recomputed_channels(config, work))
     for op, wire in traffic.get("dp", {}).items():
         ops = report["comm"].setdefault("dp", {})
         ops[op] = ops.get(op, 0.0) + wire
@@ -97,11 +97,16 @@ def batchnorm_collectives(config: ResNetConfig, work: Workload, sync_bn: bool) -
     if work.dp <= 1:
         return []
     if sync_bn:
-        again = [("all_reduce", (2 * c + 1) * 4, work.grad_accum)
-                 for c in batchnorm_channels(config)[1:]] if work.recompute == "full" else []
+        again = [("all_reduce", (2 * c + 1) * 4, work.grad_accum) for c in recomputed_channels(config, work)]
         return [(op, size * 4, work.grad_accum) for c in batchnorm_channels(config)
                 for op, size in (("all_reduce", 2 * c + 1), ("all_reduce", 2 * c))] + again
     return [("broadcast", 8 * c + 8, 1) for c in batchnorm_channels(config)]
+
+
+def recomputed_channels(config: ResNetConfig, work: Workload) -> list[int]:
+    """The BatchNorm layers whose forward runs again in backward: every block's under full
+    recomputation (the stem's is outside the blocks), none otherwise."""
+    return batchnorm_channels(config)[1:] if work.recompute == "full" else []
 
 
 def batchnorm_channels(config: ResNetConfig) -> list[int]:
