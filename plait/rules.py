@@ -270,9 +270,11 @@ def check_microbatches(schedule: str, pp: int, microbatches: int) -> None:
 
 def check_pipeline_cut(n_layers: int, pp: int, virtual_stages: int = 1, stage_layers: tuple[int, ...] = ()) -> None:
     """pp·v stages cut from a model's `n_layers` blocks: each stage needs one, and
-    interleaving cuts equal chunks; or the cut --stage-layers gives, which must count them all."""
+    interleaving cuts equal chunks; or the cut --stage-layers gives (`check_stage_layers`),
+    which must count them all."""
     v, stages = virtual_stages, pp * virtual_stages
     if stage_layers:
+        check_stage_layers(stage_layers, pp, virtual_stages)
         if sum(stage_layers) != n_layers:
             raise PlaitError(f"--stage-layers {','.join(map(str, stage_layers))} gives {sum(stage_layers)} blocks, "
                              f"and the model has {n_layers}", hint=f"give {stages} numbers that sum to {n_layers}")

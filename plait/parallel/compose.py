@@ -160,8 +160,7 @@ def apply_layout(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = N
                              hint="pass the whole model to parallelize: it cuts the stages itself")
         apply_fp8(adapter.blocks(model), config.fp8, mesh.device)
     if mesh.size("pp") > 1 and not cut:
-        model = apply_pipeline(model, mesh, virtual_stages=layout.virtual_stages,
-                               balance=layout.stage_layers or None, adapter=adapter)
+        model = apply_pipeline(model, mesh, virtual_stages=layout.virtual_stages, adapter=adapter)
     model.to(mesh.device)
     if layout.zero == 0:
         apply_data_parallel(model, mesh.axis(SYNC), bucket_mb=config.bucket_mb, reduce_dtype=config.reduce_dtype,

@@ -89,6 +89,9 @@ def compile_summary(first_step_s: float, median_s: float) -> dict[str, Any]:
             "cache_dir": str(cache_dir()), **compile_stats()}
 
 
+MEASURED_KINDS = ("params", "grads", "optim", "activations")  # the memory kinds Metrics measures per rank
+
+
 def prediction(trainer: Trainer) -> dict[str, Any]:
     """What `plait estimate` says this very run costs, on this run's own hardware profile (its
     --hardware-file, else this machine's calibration: collective, see plait.train.timing)."""
@@ -104,9 +107,6 @@ def prediction(trainer: Trainer) -> dict[str, Any]:
             result["memory"][kind] = max(row["memory"][kind] for row in result["stages"])
         # Its total and stage stay the busiest rank's (plait estimate's figure), not these kinds' sum.
     return result
-
-
-MEASURED_KINDS = ("params", "grads", "optim", "activations")
 
 
 def describe_run(trainer: Trainer, predicted: dict[str, Any]) -> dict[str, Any]:

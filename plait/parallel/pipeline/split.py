@@ -38,7 +38,7 @@ from torch import nn
 from plait.balance import balanced_counts
 from plait.errors import PlaitError
 from plait.parallel.seam import CONTEXT_ATTR, Parts, adapter_of, pipeline_parts
-from plait.rules import check_pipeline_cut, check_stage_layers
+from plait.rules import check_pipeline_cut
 
 BLOCKS = "blocks"  # where a stage keeps the blocks of a model that is itself a Sequential
 
@@ -237,9 +237,7 @@ def check_split(n_layers: int, pp: int, *, virtual_stages: int = 1, balance: Seq
     """Raise PlaitError unless `n_layers` blocks can be cut into pp·v stages (no model needed,
     so a config can be checked before any process starts); the rules are plait.rules'
     (`balance` is --stage-layers: the first and the last stage may hold no block)."""
-    counts = tuple(balance or ())
-    check_stage_layers(counts, pp, virtual_stages)
-    check_pipeline_cut(n_layers, pp, virtual_stages, counts)
+    check_pipeline_cut(n_layers, pp, virtual_stages, tuple(balance or ()))
 
 
 def rank_stages(stages: Sequence[nn.Module], rank: int, pp: int) -> nn.ModuleList:
