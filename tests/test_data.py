@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 
@@ -66,8 +68,21 @@ def test_windows_are_next_token_pairs():
     assert train.num_samples == 9
 
 
+# The default corpus's bytes: the committed loss curves (tests/golden/) hold on any machine
+# because these do. Changing the shipped file changes every curve, and must change this too.
+EMBEDDED_6b222c9a7ac7e21b6d85bb8b6160a9bf0315c5be573276ca359a1f55b8daf486256 = "6b222c9a7ac7e21b6d85bb8b6160a9bf0315c5be573276ca359a1f55b8daf486"
+
+
+def test_the_embedded_corpus_is_the_same_frozen_text_on_every_machine():
+    corpus = load_corpus()
+    text = bytes(corpus.tolist())
+    assert len(corpus) == 1_290_636 and hashlib.sha256(text).hexdigest() == EMBEDDED_6b222c9a7ac7e21b6d85bb8b6160a9bf0315c5be573276ca359a1f55b8daf486256
+    assert b"def " in text and b"# " in text  # plait's Python source and its documentation
+    assert torch.equal(load_corpus(max_bytes=1000), corpus[:1000])
+
+
 def test_stdlib_corpus_is_real_python_and_deterministic():
-    a, b = load_corpus(max_bytes=200_000), load_corpus(max_bytes=200_000)
+    a, b = load_corpus("stdlib", max_bytes=200_000), load_corpus("stdlib", max_bytes=200_000)
     assert len(a) == 200_000 and torch.equal(a, b)
     assert b"def " in bytes(a[:200_000].tolist())
 

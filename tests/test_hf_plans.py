@@ -30,7 +30,9 @@ def qwen3(**extra: object) -> nn.Module:
 def test_qwen3_declared_styles_in_plaits_words() -> None:
     model = qwen3()
     plan = adapter_for(model).tensor_plan(model, 2, False)
-    assert plan == {"lm_head": "column_gather+share", "model.embed_tokens": "vocab",
+    # transformers 5.17 declares no plan for the embedding; later releases split its rows
+    embedding = {"model.embed_tokens": "vocab"} if "model.embed_tokens" in declared(model, "tp") else {}
+    assert plan == {"lm_head": "column_gather+share", **embedding,
                     **{f"{LAYER}.self_attn.{p}_proj": "column+share" for p in "qkv"},
                     f"{LAYER}.self_attn.q_norm": "grad_sum", f"{LAYER}.self_attn.k_norm": "grad_sum",
                     f"{LAYER}.self_attn.o_proj": "row", f"{LAYER}.mlp.gate_proj": "column+share",

@@ -35,9 +35,9 @@ def check_language_run(config: Any, shape: GPTConfig) -> None:
 def check_corpus(source: str) -> None:
     """--data exists and can be used whole: a prepared corpus passes its cheap checks, raw
     text is small enough to hold (the full checksum waits for the ranks: plait/train/tokens.py)."""
-    from plait.train.tokens import STDLIB, check_tokens, is_prepared, raw_files
+    from plait.train.tokens import BUILTIN, check_tokens, is_prepared, raw_files
 
     if is_prepared(source):
         check_tokens(source, full=False)
-    elif source != STDLIB:
+    elif source not in BUILTIN:
         raw_files(source)

@@ -19,8 +19,10 @@ def check(config: Any) -> None:
     if config.tp > 1 or config.pp > 1 or config.cp > 1:
         raise PlaitError(f"--model {config.model} is trained data-parallel only (DDP or --zero), not with "
                          "--tp, --pp or --cp", hint="drop --tp, --pp and --cp; use --nproc for more data-parallel ranks")
-    if config.data == "stdlib":
-        raise PlaitError(f"--model {config.model} classifies images, and --data is the text corpus 'stdlib'",
+    from plait.train.tokens import BUILTIN
+
+    if config.data in BUILTIN:
+        raise PlaitError(f"--model {config.model} classifies images, and --data is the text corpus {config.data!r}",
                          hint="give --data digits, or a folder of class folders (root/cat/*.png)")
 
 

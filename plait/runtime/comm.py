@@ -192,6 +192,11 @@ def settle_after_failure(exc: BaseException) -> None:
         recorder.linger()
 
 
+# torch 2.13 names the one-tensor gather and reduce-scatter `*_single` and deprecates the older
+# names; torch 2.11 (pyproject allows >= 2.4) has only the older ones. Same arguments in both.
+_ALL_GATHER_ONE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_ONE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -225,7 +230,7 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, axis: Axis, async_op: 
         output.copy_(shard.reshape(output.shape))
         return Handle(None, axis, "all_gather")
     axis.ledger.record(axis.name, "all_gather", _nbytes(output), axis.size, purpose)
-    return _run(axis, "all_gather", lambda: dist.all_gather_single(
+    return _run(axis, "all_gather", lambda: _ALL_GATHER_ONE(
         output, shard, group=axis.group, async_op=async_op), async_op)
 
 
@@ -236,7 +241,7 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, axis: Axis, async_o
         output.copy_(full.reshape(output.shape))
         return Handle(None, axis, "reduce_scatter")
     axis.ledger.record(axis.name, "reduce_scatter", _nbytes(full), axis.size, purpose)
-    return _run(axis, "reduce_scatter", lambda: dist.reduce_scatter_single(
+    return _run(axis, "reduce_scatter", lambda: _REDUCE_SCATTER_ONE(
         output, full, group=axis.group, async_op=async_op), async_op)
 
 

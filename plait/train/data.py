@@ -1,10 +1,13 @@
 """Data: a byte-level corpus that needs no download, and a sampler that is layout-free.
 
-The default corpus is the source of Python's own standard library, read from the running
-interpreter: real text, a few megabytes, present wherever Python is. Tokens are bytes
-(vocabulary 256), so no tokenizer has to be trained or fetched. It is the first 8 MiB of
-those files; raw text given with `--data` is read whole, up to 8 MiB (larger is refused,
-never cut). A corpus of any size is tokenized once by `plait data prepare` and mapped by
+The default corpus, `embedded`, ships inside plait (plait/train/corpus.txt.gz, 1.3 MB of
+text): plait's own documentation and Python source as of one commit, frozen, so that a seed
+trains the same model on every machine. (It was made once with `git ls-files 'docs/*.md'
+'plait/*.py' | LC_ALL=C sort | xargs cat | gzip -9n`; the files have moved on since, the
+corpus has not.) `stdlib`, the running interpreter's standard library (its first 8 MiB of
+.py files), is larger but differs between Python versions, so a curve trained on it differs
+too. Tokens are bytes (vocabulary 256), so no tokenizer has to be trained or fetched. Raw
+text given with `--data` is read whole, up to 8 MiB (larger is refused, never cut). A corpus of any size is tokenized once by `plait data prepare` and mapped by
 every rank (plait/train/tokens.py), with any tokenizer.
 
 Sampling is what makes parity testable. Each epoch is one permutation of the samples, fixed
@@ -26,21 +29,25 @@ from pathlib import Path
 import torch
 
 from plait.errors import PlaitError
-from plait.train.tokens import (RAW_LIMIT, STDLIB, TOKENS, check_tokens, corpus_files,
-                               is_prepared, raw_files)
+from plait.train.tokens import (EMBEDDED, EMBEDDED_FILE, RAW_LIMIT, STDLIB, TOKENS, check_tokens,
+                               corpus_files, is_prepared, open_corpus_file, raw_files)
 
-def load_corpus(source: str = STDLIB, max_bytes: int = RAW_LIMIT) -> torch.Tensor:
-    """The corpus as a tensor of token ids: `source` is "stdlib" (its first `max_bytes`), a
-    text file or directory (at most `max_bytes`, else an error), or a prepared directory."""
+def load_corpus(source: str = EMBEDDED, max_bytes: int = RAW_LIMIT) -> torch.Tensor:
+    """The corpus as a tensor of token ids: `source` is "embedded" or "stdlib" (its first
+    `max_bytes`), a text file or directory (at most `max_bytes`, else an error), or a
+    prepared directory."""
     if is_prepared(source):
         return map_tokens(source)
-    if source == STDLIB:
-        files: Iterable[Path] = corpus_files(Path(sysconfig.get_paths()["stdlib"]), {".py"})
+    if source == EMBEDDED:
+        files: Iterable[Path] = [EMBEDDED_FILE]
+    elif source == STDLIB:
+        files = corpus_files(Path(sysconfig.get_paths()["stdlib"]), {".py"})
     else:
         files = raw_files(source, max_bytes)
     chunks, total = [], 0
     for path in files:
-        data = path.read_bytes()[: max_bytes - total]
+        with open_corpus_file(path) as handle:
+            data = handle.read(max_bytes - total)
         chunks.append(data)
         total += len(data)
         if total >= max_bytes:

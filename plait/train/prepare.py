@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from plait.errors import PlaitError
-from plait.train.tokens import (INDEX, TOKENIZER, TOKENS, VERIFIED, TokenIndex, dtype_for, edges_digest,
-                                write_index)
+from plait.train.tokens import (BUILTIN, INDEX, TOKENIZER, TOKENS, VERIFIED, TokenIndex, dtype_for, edges_digest,
+                                open_corpus_file, write_index)
 
 TEXT_CHUNK = 1 << 20  # characters per encode call (a chunk ends at a line break)
 BYTES_CHUNK = 1 << 22
@@ -34,16 +34,19 @@ LITTLE_ENDIAN = {"uint16": "<u2", "uint32": "<u4"}  # the file's byte order on a
 
 
 def source_files(source: str) -> list[Path]:
-    """The files of `--data`, in the order plait reads them: 'stdlib', a file or a directory."""
+    """The files of `--data`, in the order plait reads them: 'embedded', 'stdlib', a file or a
+    directory."""
     import sysconfig
 
-    from plait.train.tokens import STDLIB, TEXT_SUFFIXES, corpus_files
+    from plait.train.tokens import EMBEDDED, EMBEDDED_FILE, STDLIB, TEXT_SUFFIXES, corpus_files
 
+    if source == EMBEDDED:
+        return [EMBEDDED_FILE]
     if source == STDLIB:
         return list(corpus_files(Path(sysconfig.get_paths()["stdlib"]), {".py"}))
     path = Path(source)
     if not path.exists():
-        raise PlaitError(f"--data {source} does not exist", hint="give a text file, a directory, or 'stdlib'")
+        raise PlaitError(f"--data {source} does not exist", hint="give a text file, a directory, 'embedded' or 'stdlib'")
     return list(corpus_files(path, TEXT_SUFFIXES)) if path.is_dir() else [path]
 
 
@@ -68,7 +71,7 @@ def load_tokenizer(spec: str) -> tuple[Any, Path | None]:
 
 def _byte_chunks(files: list[Path]) -> Iterator[np.ndarray]:
     for path in files:
-        with open(path, "rb") as handle:
+        with open_corpus_file(path) as handle:
             while chunk := handle.read(BYTES_CHUNK):
                 yield np.frombuffer(chunk, dtype=np.uint8)
 
@@ -76,7 +79,7 @@ def _byte_chunks(files: list[Path]) -> Iterator[np.ndarray]:
 def _text_chunks(files: list[Path]) -> Iterator[str]:
     """About TEXT_CHUNK characters at a time, each ending at a line break (or a file's end)."""
     for path in files:
-        with open(path, encoding="utf-8", errors="replace", newline="") as handle:
+        with io.TextIOWrapper(open_corpus_file(path), encoding="utf-8", errors="replace", newline="") as handle:
             while True:
                 lines = handle.readlines(TEXT_CHUNK)
                 if not lines:
@@ -137,7 +140,7 @@ def prepare(tokenizer_spec: str, source: str, out: str) -> TokenIndex:
         (directory / TOKENIZER).unlink(missing_ok=True)
     index = TokenIndex(dtype=dtype, count=count, vocab_size=vocab,
                        tokenizer="bytes" if tokenizer_file is None else str(tokenizer_file.resolve()),
-                       source=source if source == "stdlib" else str(Path(source).resolve()),
+                       source=source if source in BUILTIN else str(Path(source).resolve()),
                        sha256=digest.hexdigest(), edges_sha256=edges)
     write_index(directory, index)
     return index
@@ -150,7 +153,7 @@ def data_main(argv: list[str]) -> int:
     prep = sub.add_parser("prepare", help="tokenize a corpus once into a memory-mapped token file")
     prep.add_argument("--tokenizer", required=True,
                       help="'bytes' (vocabulary 256), or a directory holding tokenizer.json, or the file")
-    prep.add_argument("--data", required=True, help="a text file, a directory of text files, or 'stdlib'")
+    prep.add_argument("--data", required=True, help="a text file, a directory of text files, 'embedded' or 'stdlib'")
     prep.add_argument("--out", required=True, help="the directory to write (then: plait train --data OUT)")
     prep.add_argument("--debug", action="store_true", help="show tracebacks")
     args = parser.parse_args(argv)

@@ -16,7 +16,7 @@ so that it costs little per rank and nothing per step:
   page resident), once at prepare, and at the first load after the file changed, on the
   node's first rank: the result is remembered in verified.json beside it (size, mtime, hash).
 
-Raw text (`--data FILE|DIR`, and the default corpus, Python's own standard library) is named
+Raw text (`--data FILE|DIR`, and the two built-in corpora, `embedded` and `stdlib`) is named
 here too: which files a source holds and whether they fit the 8 MiB every rank reads whole.
 
 torch-free: `plait train` checks a corpus (and fits the model's vocabulary to a prepared
@@ -25,6 +25,7 @@ one) before any process starts, without importing torch.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -217,7 +218,10 @@ def text_codec(source: str) -> TextCodec:
 
 
 # -- raw text: what `--data` may name besides a prepared corpus (checked before spawning) --------
-STDLIB = "stdlib"
+EMBEDDED = "embedded"  # the corpus plait ships: the same bytes on every machine (the default)
+EMBEDDED_FILE = Path(__file__).with_name("corpus.txt.gz")
+STDLIB = "stdlib"  # the running Python's own source: larger, but it differs between Python versions
+BUILTIN = (EMBEDDED, STDLIB)
 SKIP_DIRS = {"test", "tests", "site-packages", "idle_test", "__pycache__"}
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst"}
 RAW_LIMIT = 8 * 2**20  # raw text is read whole by every rank: beyond this, `plait data prepare`
@@ -233,12 +237,17 @@ def corpus_files(root: Path, suffixes: set[str]) -> Iterator[Path]:
                 yield Path(dirpath) / name
 
 
+def open_corpus_file(path: Path) -> BinaryIO:
+    """A corpus file's bytes: the shipped corpus is stored gzipped, any other file as it is."""
+    return gzip.open(path, "rb") if path == EMBEDDED_FILE else open(path, "rb")
+
+
 def raw_files(source: str, max_bytes: int = RAW_LIMIT) -> list[Path]:
     """The files of a raw-text `--data`, refused when more than `max_bytes` in all: every rank
     would hold it in memory, so a larger corpus is prepared and mapped instead (never cut)."""
     path = Path(source)
     if not path.exists():
-        raise PlaitError(f"corpus {source!r} does not exist", hint="give a text file, a directory, or 'stdlib'")
+        raise PlaitError(f"corpus {source!r} does not exist", hint="give a text file, a directory, 'embedded' or 'stdlib'")
     files = list(corpus_files(path, TEXT_SUFFIXES)) if path.is_dir() else [path]
     total = sum(f.stat().st_size for f in files)
     if total > max_bytes:
