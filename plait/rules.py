@@ -241,13 +241,20 @@ def check_fp8(layout: Any, scaling: str = FP8_SCALINGS[0]) -> None:
                          hint="use --tp 1 with fp8 (dp, --zero, --pp and --ep compose with it), or --precision bf16")
 
 
-def check_fp8_device(device: str, capability: tuple[int, int] | None, have_torchao: bool) -> None:
+def check_fp8_device(device: str, capability: tuple[int, int] | None, have_torchao: bool,
+                     scaling: str = FP8_SCALINGS[0], torch_release: tuple[int, int] | None = None) -> None:
     """fp8 needs torchao (the optional extra plait[fp8]) and a device with float8 matrix
     products: a CUDA device of compute capability 8.9 or more, or the CPU, where torch runs
-    them exactly but slowly (for tests). Said in one line, before spawning."""
+    them exactly but slowly (for tests). Row-wise scales on the CPU need torch 2.13: torch
+    2.11's CPU product takes one scale per tensor and fails mid-step. Said in one line, before
+    spawning."""
     if not have_torchao:
         raise PlaitError("--precision fp8 needs torchao, which is not installed",
                          hint="pip install 'plait[fp8]' (torchao), or use --precision bf16")
+    if device == "cpu" and scaling == "rowwise" and torch_release is not None and torch_release < (2, 13):
+        raise PlaitError(f"--fp8-scaling rowwise on the CPU needs torch 2.13 or later: torch "
+                         f"{torch_release[0]}.{torch_release[1]} multiplies float8 on the CPU with one scale per tensor",
+                         hint="use --fp8-scaling tensorwise on this torch, or install torch 2.13")
     if device == "cuda" and capability is not None and capability < FP8_MIN_CAPABILITY:
         major, minor = capability
         raise PlaitError(f"--precision fp8: this GPU (compute capability {major}.{minor}) has no float8 matrix units",

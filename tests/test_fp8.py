@@ -31,6 +31,11 @@ def test_devices_without_float8_units_or_torchao_are_refused_in_one_line():
     with pytest.raises(PlaitError, match="needs torchao, which is not installed") as err:
         check_fp8_device("cpu", None, False)
     assert "plait[fp8]" in err.value.hint
+    check_fp8_device("cpu", None, True, "rowwise", (2, 13))
+    check_fp8_device("cuda", (9, 0), True, "rowwise", (2, 11))  # the GPU's product takes row scales
+    with pytest.raises(PlaitError, match="rowwise on the CPU needs torch 2.13 or later: torch 2.11 multiplies") as err:
+        check_fp8_device("cpu", None, True, "rowwise", (2, 11))
+    assert "--fp8-scaling tensorwise" in err.value.hint
 
 
 def test_tensor_parallelism_and_unknown_scalings_are_refused():

@@ -51,11 +51,14 @@ def test_fp8_trains_the_one_process_model_on_dp_zero_and_pp_and_tp_is_refused(wo
     one, bf16 = report["fp8-phase-one-fp8"]["losses"], report["fp8-phase-one-bf16"]["losses"]
     # float8 really ran: the same model in bf16 gives other losses, within fp8's rounding of them
     assert one != bf16 and one == pytest.approx(bf16, rel=2e-3)
-    assert report["fp8-phase-one-rowwise"]["losses"] not in (one, bf16)
     # each dp rank casts whole micro-batches and whole weights, as the one process does: the same bits
     for zero in (0, 1, 3):
         assert report[f"dp2-zero{zero}-fp8"]["losses"] == one, zero
-    assert report["dp2-fp8-rowwise"]["losses"] == report["fp8-phase-one-rowwise"]["losses"]
+    if isinstance(report["dp2-fp8-rowwise"], str):  # torch before 2.13 on the CPU: refused in one line
+        assert report["dp2-fp8-rowwise"].startswith("--fp8-scaling rowwise on the CPU needs torch 2.13 or later")
+    else:
+        assert report["fp8-phase-one-rowwise"]["losses"] not in (one, bf16)
+        assert report["dp2-fp8-rowwise"]["losses"] == report["fp8-phase-one-rowwise"]["losses"]
     # pp: the stages' bf16 gradients summed in another order (as bf16's own pp parity)
     assert_losses_close(report["pp2-fp8"]["losses"], one, rtol=BF16_RTOL)
     assert report["pp2-fp8"]["losses"][0] == one[0]
@@ -100,8 +103,8 @@ def test_skip_nonfinite_skips_on_every_rank(world):
 def test_an_fp16_run_resumes_to_the_bit_scale_included(world):
     for report in world:
         whole, again = report["resume"]["whole"], report["resume"]["again"]
-        assert whole["skipped"] == [False, True, False, False]  # 65536 overflows once here: the scale moved
-        assert whole["scales"][2:] == again["scales"] == [32768.0, 32768.0]
+        assert whole["skipped"] == [True, False, False, False]  # 131072 overflows once here: the scale moved
+        assert whole["scales"][2:] == again["scales"] == [65536.0, 65536.0]
         assert again["losses"] == whole["losses"][2:]
         assert again["skipped_steps"] == whole["skipped_steps"] == 1
         assert report["resume"]["bitwise"] is True

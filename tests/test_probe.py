@@ -17,12 +17,13 @@ from plait.errors import PlaitError
 from plait.parallel.tensor.styles import resolve_plan
 from tests.worldlib import run_world
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
-# transformers before 5.2x declares Mixtral's experts in an older layout ('ep_router',
-# 'moe_tp_experts'), which plait refuses in one line rather than split (docs/moe.md): there
-# the clean Mixtral case is that refusal, and its planted defect has nothing to plant into.
-OLD_MOE_LAYOUT = "ep_dispatch_experts" not in str(getattr(transformers.MixtralConfig(), "base_model_ep_plan", ""))
+from tests.hf_versions import declares_dispatched_experts, older_moe_reason  # noqa: E402
+
+# Under the older MoE layout the clean Mixtral case is plait's one-line refusal, and its
+# planted defect has nothing to plant into.
+OLD_MOE_LAYOUT = not declares_dispatched_experts()
 
 # the module each planted defect must be named by: the first whose output differs
 FIRST_DIFFERENT = {"gemma-tp": "model.embed_tokens (GemmaTextScaledWordEmbedding)",
@@ -45,8 +46,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("case", sorted(FIRST_DIFFERENT))
 def test_a_planted_defect_is_refused_in_one_line_naming_the_module(world: list[dict[str, Any]], case: str) -> None:
     if case == "mixtral-ep" and OLD_MOE_LAYOUT:
-        pytest.skip(f"transformers {transformers.__version__} declares Mixtral's experts in the older layout, "
-                    "which plait refuses before any probe (see the clean case)")
+        pytest.skip(older_moe_reason())
     lines = [rank["defect"][case].get("refused") for rank in world]
     assert lines[0] is not None, f"{case}: the split trained: {world[0]['defect'][case]}"
     assert lines[0] == lines[1], "every rank refuses with the same line"

@@ -34,16 +34,17 @@ from torch import nn
 
 from plait.errors import PlaitError
 from plait.rules import check_fp8_device
-from plait.runtime.env import have_torchao
+from plait.runtime.env import have_torchao, torch_release
 
 log = logging.getLogger(__name__)
 TILE = 16  # float8 matrix products need both dimensions of the weight in multiples of 16
 
 
-def check_device(device: torch.device) -> None:
-    """The rank's own check (the launcher's guessed the device): torchao and float8 units."""
+def check_device(device: torch.device, scaling: str) -> None:
+    """The rank's own check (the launcher's guessed the device): torchao, float8 units, and a
+    CPU product that takes `scaling`'s scales."""
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    check_fp8_device(device.type, capability, have_torchao())
+    check_fp8_device(device.type, capability, have_torchao(), scaling, torch_release())
 
 
 def converts(module: nn.Module) -> bool:
@@ -54,7 +55,7 @@ def converts(module: nn.Module) -> bool:
 def apply_fp8(blocks: Iterable[nn.Module], scaling: str, device: torch.device) -> int:
     """Swap each convertible linear inside `blocks` for torchao's Float8Linear, in place, the
     weight and bias kept as they are; returns how many were swapped (logged)."""
-    check_device(device)
+    check_device(device, scaling)
     config, convert, float8_linear = _torchao(scaling)
     swapped = kept = 0
     for block in blocks:

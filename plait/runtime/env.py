@@ -158,6 +158,18 @@ def cxx_compiler() -> tuple[str, bool]:
     return name, shutil.which(name) is not None
 
 
+def torch_release() -> tuple[int, int] | None:
+    """The installed torch's (major, minor), read without importing it; None if unreadable."""
+    import importlib.metadata
+    import re
+
+    try:
+        found = re.match(r"(\d+)\.(\d+)", importlib.metadata.version("torch"))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return (int(found[1]), int(found[2])) if found else None
+
+
 def have_torchao() -> bool:
     """Whether torchao (plait[fp8]) is installed, found without importing it: the launcher asks
     before spawning, where nothing imports torch, and each rank asks again."""

@@ -268,11 +268,12 @@ def check_fp8_launch(config: TrainConfig) -> None:
     """fp8's layout, torchao and the device's float8 units, before spawning: the GPU's compute
     capability is read from nvidia-smi (torch is not imported here); each rank checks its own
     device again (plait.parallel.fp8)."""
-    from plait.runtime.env import have_torchao
+    from plait.runtime.env import have_torchao, torch_release
 
     rules.check_fp8(config.layout, config.fp8_scaling)
     gpu = ranks_on_gpu(config)
-    rules.check_fp8_device("cuda" if gpu else "cpu", _gpu_capability() if gpu else None, have_torchao())
+    rules.check_fp8_device("cuda" if gpu else "cpu", _gpu_capability() if gpu else None, have_torchao(),
+                           config.fp8_scaling, torch_release())
 
 
 def _gpu_capability() -> tuple[int, int] | None:

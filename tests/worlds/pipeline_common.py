@@ -106,9 +106,9 @@ def train_torch(config: GPTConfig, mesh: Any, schedule: str, v: int, data: torch
         full = step.flatten(0, 1)  # torch cuts the batch back into the same m micro-batches
         kwargs: dict[str, Any] = {}
         if any(s.is_last for s in stages):
-            kwargs = {"target": full[:, 1:], "losses": (step_losses := [])}
-        if rank == 0:
-            sched.step(full[:, :-1], **kwargs)
+            kwargs = {"target": full[:, 1:].contiguous(), "losses": (step_losses := [])}
+        if rank == 0:  # contiguous: torch 2.11's stages check the strides they inferred
+            sched.step(full[:, :-1].contiguous(), **kwargs)
         else:
             sched.step(**kwargs)
         opt.step()

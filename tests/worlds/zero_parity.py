@@ -22,6 +22,7 @@ from zero_trainer import trainer_runs
 import plait
 from plait.errors import PlaitError
 from plait.parallel.zero.stages import apply_zero
+from plait.runtime import comm
 from tests.parity import PARAM_ATOL, PARAM_RTOL, weight_excess
 from tests.worldlib import save_report
 
@@ -128,18 +129,18 @@ def checkpoints(mesh: Any, root: Path) -> dict[str, Any]:
 
 def backend_error(mesh: Any) -> str:
     """The message apply_zero gives when the backend cannot reduce-scatter (simulated here)."""
-    real = dist.reduce_scatter_single
+    real = comm._REDUCE_SCATTER_ONE
 
     def missing(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("ProcessGroupGloo does not support reduce_scatter")
 
-    dist.reduce_scatter_single = missing
+    comm._REDUCE_SCATTER_ONE = missing
     try:
         apply_zero(make_model("mlp"), mesh.axis("dp"), stage=2)
     except PlaitError as exc:
         return str(exc)
     finally:
-        dist.reduce_scatter_single = real
+        comm._REDUCE_SCATTER_ONE = real
     return "no error"
 
 
