@@ -73,6 +73,27 @@ def torchtitan_rows() -> list[tuple]:
     return out
 
 
+# plait's own runs on a GPU (benchmarks/RESULTS.md, GPU section): the measured step beside the
+# preset's prediction. (name, model spec, workload, preset, measured s/step). The offload row's
+# host AdamW rate (hardware.py, host_mem_gb_s) was taken from this very run, so it checks that
+# the model adds its parts up, not that it generalises: another host's rate is `plait calibrate`'s.
+OFFLOAD_5B = ("small,vocab_size=32000,n_layers=24,d_model=4096,n_heads=32,n_kv_heads=32,ffn_hidden=11008,"
+              "max_seq_len=2048,tie_embeddings=false")
+MEASURED_RUNS = (
+    ("5.12 B, ZeRO-3 --offload, bf16, full recompute, 4 x 2048 tokens, 1 H100 (2026-11-25)", OFFLOAD_5B,
+     Workload(dp=1, zero=3, offload=True, precision="bf16", micro_batch=4, seq_len=2048, recompute="full"),
+     "h100-sxm", 11.60),
+)
+
+
+def measured_rows() -> list[tuple]:
+    """(name, measured s/step, predicted s/step) of MEASURED_RUNS."""
+    from plait.models.config import get_preset
+
+    return [(name, measured, estimate_time(get_preset(spec), layout, get_hardware(hw), 8).step_s)
+            for name, spec, layout, hw, measured in MEASURED_RUNS]
+
+
 def tables() -> str:
     lines = ["| params (B) | t | p | GPUs | published TFLOP/s | plait TFLOP/s | plait / published |",
              "|---|---|---|---|---|---|---|"]
@@ -82,6 +103,8 @@ def tables() -> str:
               "|---|---|---|---|---|---|"]
     lines += [f"| {name} | {g} | {pub:,} | {pred:,.0f} | {pred / pub:.2f} | {mfu:.0%} |"
               for name, g, pub, pred, mfu in torchtitan_rows()]
+    lines += ["", "| plait's own run | measured s/step | predicted s/step | predicted / measured |", "|---|---|---|---|"]
+    lines += [f"| {name} | {m:.2f} | {p:.2f} | {p / m:.2f} |" for name, m, p in measured_rows()]
     return "\n".join(lines)
 
 

@@ -34,6 +34,7 @@ from plait.estimate.ops import (
     gemm_key,
     head_gemm,
 )
+from plait.estimate.time import HOST_ADAM_BYTES
 from plait.models.config import GPTConfig
 from plait.runtime import comm
 from plait.runtime.mesh import Mesh
@@ -202,6 +203,20 @@ def keep_heap_like_training() -> None:
         libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
     except (OSError, AttributeError):
         pass
+
+
+def measure_host_update(mesh: Mesh, params: int, optimizer_kernel: str, reps: int) -> float:
+    """GB/s of AdamW on this host's CPU over `params` fp32 parameters, counted as the 28 bytes
+    a parameter the time model charges (plait.estimate.time.HOST_ADAM_BYTES): the rate an
+    offloaded optimizer steps at. Every rank of the node steps at once, as under offload."""
+    sizes = [min(UPDATE_CHUNK, params - start) for start in range(0, params, UPDATE_CHUNK)]
+    host = [torch.nn.Parameter(torch.ones(n)) for n in sizes]
+    for p in host:
+        p.grad = torch.full_like(p, 1e-3)
+    optimizer = torch.optim.AdamW(host, lr=1e-3, weight_decay=0.1, **adamw_kernel(optimizer_kernel, torch.device("cpu")))
+    keep_heap_like_training()
+    seconds = _slowest(mesh, [_median_s(optimizer.step, reps)])[0]
+    return HOST_ADAM_BYTES * params / seconds / 1e9
 
 
 def _flat_update(mesh: Mesh, params: int, optimizer_kernel: str) -> Callable[[], None]:

@@ -78,6 +78,8 @@ def calibrate(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len: int, 
     rates.update(cal.measure_attention(mesh, config, micro_batch, seq_len, tp_sizes, precision, reps))
     memory = cal.measure_memory(mesh, micro_batch * seq_len * config.d_model, 9 * config.n_layers + 3, reps,
                                 params=config.num_params(), optimizer_kernel=optimizer_kernel)
+    memory["host_mem_gb_s"] = cal.measure_host_update(mesh, min(config.num_params(), cal.STREAM_CAP),
+                                                      optimizer_kernel, reps)
     links = cal.measure_links(mesh, (2 if quick else 16) * 2**20, reps) if mesh.env.world_size > 1 else ()
     facts = machine_facts(mesh, optimizer_kernel)
     base = base_preset(facts["gpu"])
@@ -92,7 +94,7 @@ def calibrate(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len: int, 
         n, latency, gb_s = links[-1]
         fields.update(intra_node_latency_us=latency, intra_node_gb_s=gb_s)
     if mesh.device.type == "cpu":
-        fields.update(host_mem_gb_s=memory["memory_gb_s"], pcie_gb_s=memory["memory_gb_s"],
+        fields.update(pcie_gb_s=memory["memory_gb_s"],
                       gpus_per_node=max(base.gpus_per_node, mesh.env.world_size))
         if links:
             fields.update(inter_node_latency_us=links[-1][1], inter_node_gb_s=links[-1][2])

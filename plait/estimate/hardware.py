@@ -36,7 +36,7 @@ class Hardware:
     compute_efficiency: float = 0.75
     reserved_gib: float = 2.0  # CUDA context, cuBLAS workspace, NCCL buffers: never ours
     pcie_gb_s: float = 25.0  # host <-> device, used by optimizer offload
-    host_mem_gb_s: float = 50.0  # CPU memory bandwidth, bounds the offloaded Adam step
+    host_mem_gb_s: float = 13.5  # the host's AdamW for optimizer offload, in GB/s of its 28 bytes a parameter
     memory_gb_s: float = 1000.0  # device memory bandwidth: element-wise work on activations
     stream_gb_s: float = 0.0  # the update's pass over gradients and states (ops.py bytes); 0: memory_gb_s
     attention_efficiency: float = 0.4  # fraction of peak a fused attention core reaches
@@ -124,6 +124,12 @@ _MAY_BE_ZERO = {"op_overhead_us", "view_overhead_us", "step_overhead_us", "optim
 # hide behind the work on a GPU: no per-op cost. 1 ms per step for the training loop.
 _GPU_DEFAULTS = dict(intra_node_latency_us=3.0, inter_node_latency_us=8.0, gpus_per_node=8,
                      step_overhead_us=1000.0)
+# The host's AdamW under offload (the fp32 master, m and v live in CPU memory and the CPU
+# steps them) is not memory-bound: torch's CPU AdamW moved 13.5 GB/s of its 28 bytes a
+# parameter on a 16-core H100 host (5.12 B parameters, ZeRO-3 offload: a 10.91 s update of
+# which ~0.3 s was PCIe; benchmarks/RESULTS.md, GPU section, 2026-11-25), where the host's
+# memory would allow ~100. A GPU's share of a DGX-class host is about as many cores.
+# `plait calibrate` measures it on the host at hand.
 _AMPERE = dict(compute_efficiency=0.8, attention_efficiency=0.5)
 _HOPPER = dict(compute_efficiency=0.7, attention_efficiency=0.35)
 

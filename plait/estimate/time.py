@@ -45,7 +45,7 @@ from plait.estimate.ops import (attention_time, micro_batch_compute_s, optimizer
                                 stage_tensors)
 from plait.models.config import GPTConfig
 
-HOST_ADAM_BYTES = 28  # read weight, grad, m, v; write weight, m, v (fp32)
+HOST_ADAM_BYTES = 28  # read weight, grad, m, v; write weight, m, v (fp32): host_mem_gb_s's unit
 TELEMETRY_BYTES = 8 * 64  # the loop's per-step max-reduction of time, memory and traffic
 
 ASSUMPTIONS = (
@@ -211,7 +211,8 @@ def dp_exposed_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: 
 
 
 def offload_s(params: int, layout: Workload, hw: Hardware) -> float:
-    """PCIe round trip of the shard plus the host Adam step."""
+    """PCIe round trip of the shard plus the host's AdamW over it (the CPU's measured rate:
+    plait.estimate.hardware, `host_mem_gb_s`)."""
     if not layout.offload:
         return 0.0
     part = shard(params, layout.sync)
