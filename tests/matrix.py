@@ -72,20 +72,24 @@ FAMILIES = {
 # rows showed on this machine (2026-11-27) is in brackets; tests/parity.py says why weights
 # after AdamW get an atol.
 # - dp, zero, ep, cp, pp: the same sums in another order (a ring, a reduce-scatter, a tied
-#   embedding's two halves). [losses 5e-8, norms 2e-7, weights 2.3e-6]
+#   embedding's two halves). [losses 5e-8, norms 2e-7, weights 2.3e-6 on the stdlib corpus;
+#   5.8e-6 on the shipped one (one element of 16,384, moe/n2-ep2): which components have
+#   near-zero gradients, and so how far AdamW carries a last-bit difference, is the data's]
 # - tp: matmuls cut along their reduction; AdamW turns last-bit gradient differences of
-#   near-zero components into up to ~1e-5 of weight. [losses 1e-7, norms 1e-7, weights 1.9e-5]
+#   near-zero components into up to a few 1e-5 of weight. [losses 1e-7, norms 1e-7, weights
+#   1.9e-5 on the stdlib corpus; 2.4e-5 on the shipped one (one element of 12,288, the
+#   tp2-sp rows), on torch 2.13 and 2.11 alike]
 # - compile: Inductor fuses and reorders the block's arithmetic.
 # - bf16, fp16: 16-bit sums in another order (tests/test_precision_worlds.py's bar). The
 #   weights are 16-bit roundings of fp32 masters, and a component whose gradient rounds to
 #   the other sign moves by up to lr per AdamW step (lr 2e-3 × 4 steps).
 TOLERANCE = {
-    "dp": (1e-5, 1e-4, 1e-5, 5e-6),
-    "zero": (1e-5, 1e-4, 1e-5, 5e-6),
-    "ep": (1e-5, 1e-4, 1e-5, 5e-6),
-    "cp": (1e-5, 1e-4, 1e-5, 5e-6),
-    "pp": (1e-5, 1e-4, 1e-5, 5e-6),
-    "tp": (1e-5, 1e-4, 1e-4, 2e-5),
+    "dp": (1e-5, 1e-4, 1e-5, 1e-5),
+    "zero": (1e-5, 1e-4, 1e-5, 1e-5),
+    "ep": (1e-5, 1e-4, 1e-5, 1e-5),
+    "cp": (1e-5, 1e-4, 1e-5, 1e-5),
+    "pp": (1e-5, 1e-4, 1e-5, 1e-5),
+    "tp": (1e-5, 1e-4, 1e-4, 5e-5),
     "compile": (1e-4, 1e-3, 1e-4, 2e-5),
     "bf16": (2e-3, 1e-2, 2e-2, 1e-2),
     "fp16": (2e-3, 1e-2, 2e-2, 1e-2),
