@@ -19,6 +19,7 @@ plait/rules.py and its costs in plait/estimate/.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -41,6 +42,7 @@ class Layout:
     ep: int = 1  # expert-parallel ranks, carved out of dp: ep consecutive dp ranks split the experts
     zero: int = 0  # 0: DDP; 1: shard optimizer states; 2: + gradients; 3: + parameters
     offload: bool = False  # optimizer states and step in CPU memory (needs zero >= 1)
+    dp_shard: int = 0  # ZeRO inside groups of this many dp·cp ranks, replicas across them (0: all of them)
     sp: bool = False  # sequence parallelism outside the tensor-parallel regions (needs tp > 1)
     schedule: str = "1f1b"  # pipeline schedule: gpipe, 1f1b, interleaved, zb-h1
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved)
@@ -57,6 +59,16 @@ class Layout:
     def world(self) -> int:
         """Processes the layout needs: the product of the grid's degrees."""
         return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def zero_ranks(self) -> int:
+        """Ranks that split ZeRO's shards: a --dp-shard group, or every dp·cp rank."""
+        return self.dp_shard or self.dp * self.cp
+
+    @property
+    def replicas(self) -> int:
+        """Copies of each ZeRO shard: the --dp-shard groups (1 without it)."""
+        return self.dp * self.cp // self.zero_ranks
 
     @property
     def grid(self) -> tuple[tuple[str, int], ...]:
@@ -76,8 +88,10 @@ class Layout:
         """The layout of `world` processes: dp, when not given, takes what the other axes
         leave (the one place dp = world / (tp·pp·cp) is computed). `what` names the world
         in messages ("--nproc", "--gpus")."""
-        # Checks tp, pp, cp and the choices first; dp holds ep's place (ep must divide dp).
-        others = cls(**{"dp": choices.get("ep", 1), **choices})
+        # Checks tp, pp, cp and the choices first; dp holds a place that ep and dp_shard divide.
+        divides = [v for v in (choices.get("ep", 1), choices.get("dp_shard") or 1)
+                   if isinstance(v, int) and not isinstance(v, bool) and v >= 1]  # a bad one is refused below
+        others = cls(**{"dp": math.lcm(*divides), **choices})
         if dp is None:
             rest = others.world // others.dp
             if world % rest:
@@ -105,7 +119,8 @@ class Layout:
         """"dp=2 tp=1 pp=1", plus whatever else is switched on (the reports' one line)."""
         degrees = [f"{axis}={getattr(self, axis)}" for axis in ("dp", "tp", "pp")]
         degrees += [f"{axis}={getattr(self, axis)}" for axis in ("cp", "ep") if getattr(self, axis) > 1]
-        extras = [f"zero={self.zero}" if self.zero else "", "offload" if self.offload else "",
+        extras = [f"zero={self.zero}" if self.zero else "", f"dp-shard={self.dp_shard}" if self.dp_shard else "",
+                  "offload" if self.offload else "",
                   "sp" if self.sp else "", f"schedule={self.schedule}" if self.pp > 1 else "",
                   f"virtual-stages={self.virtual_stages}" if self.virtual_stages > 1 else "",
                   f"stage-layers={','.join(map(str, self.stage_layers))}" if self.stage_layers else "",

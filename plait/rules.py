@@ -90,6 +90,7 @@ def check_layout(layout: Any) -> None:
     if layout.zero not in ZERO_STAGES or isinstance(layout.zero, bool):
         raise PlaitError(f"--zero must be 0, 1, 2 or 3, got {layout.zero!r}",
                          hint="0 is plain data parallelism; 1-3 shard more and more state")
+    check_dp_shard(layout)
     if layout.offload and layout.zero == 0:
         raise PlaitError("--offload needs a ZeRO stage: it moves the sharded optimizer to the CPU",
                          hint="add --zero 1 (or 2 or 3)")
@@ -101,6 +102,25 @@ def check_layout(layout: Any) -> None:
     check_zero3_gathers(layout.zero, layout.prefetch, layout.reshard_after_forward, layout.pp)
     check_virtual_stages(layout.pp, layout.schedule, layout.virtual_stages)
     check_stage_layers(layout.stage_layers, layout.pp, layout.virtual_stages)
+
+
+def check_dp_shard(layout: Any) -> None:
+    """--dp-shard N (hybrid sharding): ZeRO inside groups of N of the dp·cp ranks, whole
+    replicas across the groups. 0 (the default) shards over all of them."""
+    if layout.dp_shard == 0 and not isinstance(layout.dp_shard, bool):
+        return
+    check_whole("dp-shard", layout.dp_shard)
+    if layout.zero == 0:
+        raise PlaitError(f"--dp-shard {layout.dp_shard} shards ZeRO's states inside groups of data ranks, and --zero is 0",
+                         hint="add --zero 1, 2 or 3 (or drop --dp-shard: plain data parallelism replicates everything)")
+    ranks = layout.dp * layout.cp
+    if ranks % layout.dp_shard:
+        raise PlaitError(f"--dp-shard {layout.dp_shard} does not divide the {ranks} data-parallel ranks (dp × cp)",
+                         hint=f"choose one of {divisors(ranks)}")
+    if layout.ep > 1:
+        raise PlaitError(f"--dp-shard with --ep {layout.ep}: expert parameters are sharded over their own edp "
+                         "ranks, which --dp-shard does not group",
+                         hint="drop --dp-shard (plain ZeRO shards experts over edp), or --ep")
 
 
 def parse_stage_layers(text: Any) -> tuple[int, ...]:

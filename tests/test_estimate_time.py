@@ -69,12 +69,19 @@ def test_collective_time_is_latency_plus_bandwidth() -> None:
 
 
 def test_which_axes_leave_the_node() -> None:
-    assert inter_node(Workload(dp=2, tp=4), 8) == {"tp": False, "cp": False, "dp": False, "pp": False, "world": False}
-    assert inter_node(Workload(dp=4, tp=8, pp=2), 8) == {"tp": False, "cp": False, "dp": True, "pp": True, "world": True}
-    assert inter_node(Workload(dp=1, tp=8, pp=4), 8) == {"tp": False, "cp": False, "dp": False, "pp": True, "world": True}
+    def links(**degrees: int) -> dict[str, bool]:
+        found = inter_node(Workload(**degrees), 8)
+        return {axis: found[axis] for axis in ("tp", "cp", "dp", "pp", "world")}
+
+    assert links(dp=2, tp=4) == {"tp": False, "cp": False, "dp": False, "pp": False, "world": False}
+    assert links(dp=4, tp=8, pp=2) == {"tp": False, "cp": False, "dp": True, "pp": True, "world": True}
+    assert links(dp=1, tp=8, pp=4) == {"tp": False, "cp": False, "dp": False, "pp": True, "world": True}
     # cp ranks sit between tp and dp: cp 2 × tp 4 fills a node, so dp leaves it
-    assert inter_node(Workload(dp=2, cp=2, tp=4, seq_len=64), 8) == {"tp": False, "cp": False, "dp": True, "pp": True,
-                                                                  "world": True}
+    assert links(dp=2, cp=2, tp=4, seq_len=64) == {"tp": False, "cp": False, "dp": True, "pp": True, "world": True}
+    # --dp-shard 4 with tp 2: a shard group is 8 neighbouring ranks, one node; its replicas span nodes
+    hybrid = inter_node(Workload(dp=16, tp=2, zero=3, dp_shard=4), 8)
+    assert (hybrid["dp_shard"], hybrid["dp_replicate"], hybrid["dp"]) == (False, True, True)
+    assert inter_node(Workload(dp=16, tp=2, zero=3), 8)["dp_shard"] is True  # plain ZeRO: all 32 ranks
 
 
 def test_inter_node_dp_is_slower() -> None:

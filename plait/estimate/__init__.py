@@ -27,6 +27,7 @@ from plait.estimate.time import (
     ASSUMPTIONS as TIME_ASSUMPTIONS,
     estimate_time,
     estimate_time_params_only,
+    inter_node,
     micro_batch_s_per_stage,
 )
 from plait.models.config import GPTConfig
@@ -167,6 +168,17 @@ def _params_only(params: int, layout: Workload, hw: Hardware, node: int,
     return report
 
 
+# The ledger's axis names that are subgroups of the data-parallel ranks, by the inter_node key
+# whose span bounds theirs (ranks numbered tp fastest, then cp, then dp).
+_DATA_AXES = {"dp_cp": "dp", "edp": "dp"}
+
+
+def axis_links(comm: dict[str, Any], inter: dict[str, bool]) -> dict[str, str]:
+    """The link each axis's groups ride: "node" (NVLink, or the PCIe within one box) when a
+    group's ranks share a node, "network" when they span nodes (the NICs)."""
+    return {axis: "network" if inter.get(_DATA_AXES.get(axis, axis), inter["world"]) else "node" for axis in comm}
+
+
 def _report(params: int, layout: Workload, hw: Hardware, node: int, memory: dict[str, Any],
             comm: dict[str, dict[str, float]], naive: dict[str, Any],
             step: dict[str, float] | None, notes: list[str]) -> dict[str, Any]:
@@ -179,6 +191,7 @@ def _report(params: int, layout: Workload, hw: Hardware, node: int, memory: dict
         "fits": memory["total"] <= hw.usable_bytes,
         "device_usable_bytes": hw.usable_bytes,
         "comm": comm,
+        "links": axis_links(comm, inter_node(layout, node)),
         "naive_comm": naive,
         "time": step,
         "assumptions": [*notes, *MEMORY_ASSUMPTIONS, *COMM_ASSUMPTIONS, *TIME_ASSUMPTIONS],

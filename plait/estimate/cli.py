@@ -47,6 +47,8 @@ def estimate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpus", type=int, help="check that dp x tp x pp x cp uses this many GPUs")
     parser.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3")
     parser.add_argument("--offload", action="store_true", help="optimizer state in CPU memory")
+    parser.add_argument("--dp-shard", type=int, default=0, help="hybrid sharding: ZeRO inside groups of N "
+                        "data-parallel ranks, replicas across them (0: all ranks)")
     parser.add_argument("--prefetch", type=int, default=1, help="ZeRO-3: units gathered ahead of the one computing")
     parser.add_argument("--reshard-after-forward", default="true", choices=("true", "false"),
                         help="ZeRO-3: false keeps each unit gathered from forward to backward")
@@ -88,7 +90,7 @@ def estimate_main(argv: list[str], shape_of: ShapeOf) -> int:
     config = _model(args.model, shape_of) if args.model or args.params is None else None
     result = estimate_layout(
         config, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, cp_kind=args.cp_kind, ep=args.ep, zero=args.zero,
-        offload=args.offload,
+        offload=args.offload, dp_shard=args.dp_shard,
         precision=args.precision, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
         seq_len=args.seq_len, recompute=args.recompute, schedule=args.schedule,
         virtual_stages=args.virtual_stages, stage_layers=parse_stage_layers(args.stage_layers), sp=args.sp,

@@ -75,6 +75,12 @@ class Workload(Layout):
         return "dp_cp" if self.cp > 1 else "dp"
 
     @property
+    def shard_axis(self) -> str:
+        """The ledger's name for the ranks splitting ZeRO's shards: a --dp-shard group
+        (plait.runtime.mesh.SHARD), or the whole sync group."""
+        return "dp_shard" if self.replicas > 1 else self.sync_axis
+
+    @property
     def compute_bytes(self) -> int:
         """Bytes per element of parameters, activations and gradients on the device."""
         return 4 if self.precision == "fp32" else 2

@@ -83,7 +83,7 @@ def model_states(params: int, unit_params: int, layout: Workload, per: StateByte
     by default Adam's at the layout's precision (`state_bytes`). `experts` of the `params`
     are an ep rank's routed experts, which ZeRO shards over the dp / ep ranks holding them."""
     per = per or state_bytes(layout.precision)
-    n, zero = layout.sync, layout.zero
+    n, zero = layout.zero_ranks, layout.zero
     sharded = shard(params - experts, n) + (shard(experts, n // layout.ep) if experts else 0)
     weights = params * per.param
     grads = params * per.grad
@@ -111,7 +111,7 @@ def buffers(params: int, layout: Workload) -> float:
     one is reduced. Under accumulation, plait's no_sync keeps them whole, unreduced, until
     the last micro-batch: then all of them are there.
     """
-    if layout.sync == 1 or layout.zero < 2:
+    if layout.zero_ranks == 1 or layout.zero < 2:
         return 0.0
     whole = params * state_bytes(layout.precision).grad
     return whole if layout.grad_accum > 1 else min(2 * BUCKET_BYTES, whole)

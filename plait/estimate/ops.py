@@ -183,4 +183,4 @@ def stage_pieces(stage: StageShare, layout: Workload) -> int:
     """Gradient pieces one rank checks and clips: every tensor, or under ZeRO the pieces of
     the parameters its shard overlaps (about 1/dp of them, plus one cut at each end)."""
     tensors = model_tensors(stage)
-    return -(-tensors // layout.sync) + 1 if layout.zero else tensors
+    return -(-tensors // layout.zero_ranks) + 1 if layout.zero else tensors

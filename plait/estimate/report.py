@@ -90,17 +90,18 @@ def format_estimate(result: dict[str, Any], model_name: str) -> str:
 
 
 def _comm_lines(result: dict[str, Any]) -> list[str]:
-    rows = [["  axis", "op", "bytes", "seed's naive total", "plait total"]]
+    rows = [["  axis", "link", "op", "bytes", "seed's naive total", "plait total"]]
+    links = result.get("links", {})
     for axis, ops in result["comm"].items():
         naive = result["naive_comm"].get(axis, {})
         for i, (op, wire) in enumerate(ops.items()):
             extra = ["", ""]
             if i == 0 and naive:
                 extra = [human_bytes(naive["naive_bytes"]), human_bytes(naive["plait_bytes"])]
-            rows.append(["  " + axis, op, human_bytes(wire), *extra])
+            rows.append(["  " + axis, links.get(axis, "") if i == 0 else "", op, human_bytes(wire), *extra])
     if len(rows) == 1:
         return ["  none (one GPU)"]
-    return table(rows, right={2, 3, 4})
+    return table(rows, right={3, 4, 5})
 
 
 def _stage_lines(stages: list[dict[str, Any]]) -> list[str]:

@@ -119,6 +119,8 @@ def collective_s(op: str, payload: float, n: int, hw: Hardware, inter: bool, cou
 def inter_node(layout: Workload, gpus_per_node: int) -> dict[str, bool]:
     """Whether each axis's group (and the whole world) spans nodes, with ranks numbered tp fastest."""
     span = {"tp": layout.tp, "cp": layout.tp * layout.cp, "dp": layout.tp * layout.cp * layout.dp,
+            "ep": layout.tp * layout.cp * layout.ep,
+            "dp_shard": layout.tp * layout.zero_ranks, "dp_replicate": layout.tp * layout.cp * layout.dp,
             "pp": layout.world, "world": layout.world}
     return {axis: size > gpus_per_node for axis, size in span.items()}
 
@@ -179,13 +181,31 @@ def ep_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
 
 
 def dp_exposed_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: bool,
-                 compute_mb: float, forward_share: float) -> float:
+                 compute_mb: float, forward_share: float, replicate_inter: bool = False) -> float:
     """Data-parallel seconds left after overlap with compute (see module docstring).
 
     With a pipeline, plait reduces the gradients after the last action of the schedule,
-    so nothing overlaps them there.
+    so nothing overlaps them there. Under --dp-shard, ZeRO's collectives run over the shard
+    group (`inter`: whether it spans nodes) and each reduced shard is then summed over its
+    replicas (`replicate_inter`), whole: the rank waits for it before the next bucket.
     """
-    n, m, per = layout.sync, layout.grad_accum, state_bytes(layout.precision)
+    if layout.zero and layout.replicas > 1:
+        return (_dp_sync_s(params, unit, layout, hw, inter, compute_mb, forward_share, layout.zero_ranks)
+                + _replicate_s(params, layout, hw, replicate_inter))
+    return _dp_sync_s(params, unit, layout, hw, inter, compute_mb, forward_share, layout.sync)
+
+
+def _replicate_s(params: int, layout: Workload, hw: Hardware, inter: bool) -> float:
+    """--dp-shard's all-reduces of the reduced shards over the replicas, per step."""
+    grads = shard(params, layout.zero_ranks) * state_bytes(layout.precision).grad
+    times = layout.grad_accum if layout.zero >= 2 else 1
+    return times * collective_s("all_reduce", grads, layout.replicas, hw, inter, max(1.0, grads / BUCKET_BYTES))
+
+
+def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: bool,
+               compute_mb: float, forward_share: float, n: int) -> float:
+    """dp_exposed_s over a group of n ranks."""
+    m, per = layout.grad_accum, state_bytes(layout.precision)
     if n == 1:
         return 0.0
     grads, weights = params * per.grad, params * per.param
@@ -215,7 +235,7 @@ def offload_s(params: int, layout: Workload, hw: Hardware) -> float:
     plait.estimate.hardware, `host_mem_gb_s`)."""
     if not layout.offload:
         return 0.0
-    part = shard(params, layout.sync)
+    part = shard(params, layout.zero_ranks)
     pcie = 2 * part * state_bytes(layout.precision).param / (hw.pcie_gb_s * 1e9)
     return pcie + part * HOST_ADAM_BYTES / (hw.host_mem_gb_s * 1e9)
 
@@ -230,10 +250,10 @@ def estimate_time(config: GPTConfig, layout: Workload, hw: Hardware, gpus_per_no
     offload and the loop's own overhead."""
     links = inter_node(layout, gpus_per_node)
     compute, tp, pp, cp, ep, stage = max(_micro_batch_parts(config, layout, hw, links), key=_micro_batch_total)
-    dp = dp_exposed_s(stage.params, stage.block_params, layout, hw, links["dp"], compute,
-                      _forward_share(layout.recompute))
+    dp = dp_exposed_s(stage.params, stage.block_params, layout, hw, links["dp_shard"], compute,
+                      _forward_share(layout.recompute), links["dp_replicate"])
     model, hardware = flops_per_token(config, layout.seq_len, layout.recompute)
-    updated = shard(stage.params, layout.sync) if layout.zero else stage.params
+    updated = shard(stage.params, layout.zero_ranks) if layout.zero else stage.params
     step = 0.0 if layout.offload else optimizer_s(updated, stage_tensors(stage, layout), hw,
                                                   stage_pieces(stage, layout))
     step += clip_s(layout, hw, links)
@@ -246,7 +266,7 @@ def _micro_batch_parts(config: GPTConfig, layout: Workload, hw: Hardware,
     """Each pipeline rank's (compute, tp, pp, cp, ep) seconds of one micro-batch, and its share."""
     return [(micro_batch_compute_s(config, layout, stage, hw), tp_s(config, layout, stage, hw, links["tp"]),
              pp_s(config, layout, stage, hw, links["pp"]), cp_s(config, layout, stage, hw, links["cp"]),
-             ep_s(config, layout, stage, hw, links["dp"]), stage) for stage in layout_stages(config, layout)]
+             ep_s(config, layout, stage, hw, links["ep"]), stage) for stage in layout_stages(config, layout)]
 
 
 def micro_batch_s_per_stage(config: GPTConfig, layout: Workload, hw: Hardware, gpus_per_node: int) -> list[float]:
@@ -266,7 +286,8 @@ def _micro_batch_total(row: tuple[float, float, float, float, float, StageShare]
 def clip_s(layout: Workload, hw: Hardware, links: dict[str, bool]) -> float:
     """All-reduces of a few bytes around the update: the step guard's verdict over every
     rank, and the gradient norm over ZeRO's dp group, tp and pp."""
-    groups = [("world", layout.world), ("dp", layout.sync if layout.zero else 1), ("tp", layout.tp), ("pp", layout.pp)]
+    groups = [("world", layout.world), ("dp_shard", layout.zero_ranks if layout.zero else 1), ("tp", layout.tp),
+              ("pp", layout.pp)]
     return sum(collective_s("all_reduce", 16, n, hw, links[axis]) for axis, n in groups)
 
 
@@ -282,9 +303,9 @@ def estimate_time_params_only(params: int, layout: Workload, hw: Hardware,
     """Step time of a model known only by its size: 6Ψ per token, DP/ZeRO traffic only."""
     rate = hw.peak_flops(layout.precision) * hw.compute_efficiency
     compute = layout.tokens_per_micro_batch * 6 * params / rate
-    inter = inter_node(layout, gpus_per_node)["dp"]
-    dp = dp_exposed_s(params, 0, layout, hw, inter, compute, 1 / 3)
-    step = 0.0 if layout.offload else optimizer_s(shard(params, layout.dp) if layout.zero else params,
+    links = inter_node(layout, gpus_per_node)
+    dp = dp_exposed_s(params, 0, layout, hw, links["dp_shard"], compute, 1 / 3, links["dp_replicate"])
+    step = 0.0 if layout.offload else optimizer_s(shard(params, layout.zero_ranks) if layout.zero else params,
                                                   2, hw)
     return _assemble(layout, hw, 6.0 * params, 6.0 * params, (compute, 0.0, 0.0), dp,
                      offload_s(params, layout, hw), step, overhead_s(layout, hw, gpus_per_node))
@@ -298,10 +319,10 @@ def estimate_time_measured_compute(params: int, tensors: int, compute_s: float, 
     `tensors` parameter tensors: DP/ZeRO traffic, offload and the update as for any model,
     plus `blocking_dp`: (op, payload bytes, calls per step) of collectives over dp that the
     step waits for (BatchNorm's). A "token" of the result is one sample (seq_len 1)."""
-    inter = inter_node(layout, gpus_per_node)["dp"]
-    dp = dp_exposed_s(params, 0, layout, hw, inter, compute_s, 1 / 3)
-    dp += sum(collective_s(op, payload, layout.dp, hw, inter) * calls for op, payload, calls in blocking_dp)
-    owned = shard(params, layout.dp) if layout.zero else params
+    links = inter_node(layout, gpus_per_node)
+    dp = dp_exposed_s(params, 0, layout, hw, links["dp_shard"], compute_s, 1 / 3, links["dp_replicate"])
+    dp += sum(collective_s(op, payload, layout.dp, hw, links["dp"]) * calls for op, payload, calls in blocking_dp)
+    owned = shard(params, layout.zero_ranks) if layout.zero else params
     step = 0.0 if layout.offload else optimizer_s(owned, tensors, hw)
     return _assemble(layout, hw, flops_per_sample, flops_per_sample, (compute_s, 0.0, 0.0), dp,
                      offload_s(params, layout, hw), step, overhead_s(layout, hw, gpus_per_node))

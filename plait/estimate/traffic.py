@@ -16,7 +16,7 @@ from __future__ import annotations
 from plait.estimate.context import forward_passes, layer_bytes
 from plait.estimate.experts import layer_alltoall
 from plait.estimate.layout import Workload, StageShare, layout_stages, vocab_shard
-from plait.estimate.memory import state_bytes
+from plait.estimate.memory import shard, state_bytes
 from plait.models.config import GPTConfig
 from plait.wire import ring_bytes  # the ring formula's one home, shared with runtime/
 
@@ -44,8 +44,11 @@ def dp_traffic(params: int, layout: Workload, experts: int = 0) -> Traffic:
     that hold the same ones (the axis "edp").
     """
     out: Traffic = {}
-    n, axis = layout.sync, layout.sync_axis
+    n, axis = layout.zero_ranks if layout.zero else layout.sync, layout.shard_axis
     _sync_traffic(out, params - experts, layout, axis, n)
+    if layout.replicas > 1:  # --dp-shard: each reduced shard summed over its replicas, every reduce-scatter
+        _add(out, "dp_replicate", "all_reduce", shard(params - experts, n) * layout.reduce_bytes, layout.replicas,
+             times=layout.grad_accum if layout.zero >= 2 else 1)
     if experts:
         _sync_traffic(out, experts, layout, "edp", n // layout.ep)
     return out
@@ -154,7 +157,7 @@ def pp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
     count = pp_messages(layout, stage) * layout.grad_accum
     if config.tie_embeddings and (stage.first or stage.last):
         table = vocab_shard(config, layout.tp) * config.d_model
-        table = -(-table // layout.dp) if layout.zero else table
+        table = -(-table // layout.zero_ranks) if layout.zero else table
         tied = table * state_bytes(layout.precision).grad
         _add(out, "pp", "send", tied, 2)
         _add(out, "pp", "recv", tied, 2)

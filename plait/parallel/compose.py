@@ -56,7 +56,7 @@ from plait.parallel.zero.stages import apply_zero, zero_of
 from plait.parallel.zero.optim import ZeroOptimizer
 from plait.rules import (FP8_SCALINGS, OPTIMIZER_KERNELS, RECOMPUTE, check_choice, check_compile, check_fp8,
                          check_recompute)
-from plait.runtime.mesh import EXPERT, EXPERT_SYNC, SYNC, Mesh
+from plait.runtime.mesh import EXPERT, EXPERT_SYNC, REPLICATE, SHARD, SYNC, Mesh
 
 log = logging.getLogger(__name__)
 
@@ -167,9 +167,10 @@ def apply_layout(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = N
                             expert_axis=mesh.axis(EXPERT_SYNC))
     else:
         units = adapter.blocks(model) if layout.zero == 3 and not is_pipeline(model) else None
-        apply_zero(model, mesh.axis(SYNC), stage=layout.zero, offload=layout.offload, bucket_mb=config.bucket_mb,
+        apply_zero(model, mesh.axis(SHARD), stage=layout.zero, offload=layout.offload, bucket_mb=config.bucket_mb,
                    units=units, reduce_dtype=config.reduce_dtype, prefetch=layout.prefetch,
-                   reshard_after_forward=layout.reshard_after_forward, expert_axis=mesh.axis(EXPERT_SYNC))
+                   reshard_after_forward=layout.reshard_after_forward, expert_axis=mesh.axis(EXPERT_SYNC),
+                   replicate_axis=mesh.axis(REPLICATE))
     return model
 
 

@@ -30,7 +30,12 @@ SYNC = "dp_cp"
 # ("ep"); the dp ranks that hold the same experts ("edp", dp / ep of them) average their
 # gradients. Both are the dp axis's subgroups; with ep = 1, "ep" has one rank and "edp" is dp.
 EXPERT, EXPERT_SYNC = "ep", "edp"
-AXES = (*GRID, SYNC, EXPERT, EXPERT_SYNC)  # the mesh's axes besides "world"
+# Hybrid sharding (--dp-shard N) cuts the dp × cp ranks into groups of N consecutive ones that
+# split ZeRO's shards ("dp_shard"), and the ranks N apart hold the same shard ("dp_replicate",
+# which sums the shards' gradients). Without it "dp_shard" is the dp × cp axis itself (so the
+# ledger keeps its name) and "dp_replicate" has one rank.
+SHARD, REPLICATE = "dp_shard", "dp_replicate"
+AXES = (*GRID, SYNC, EXPERT, EXPERT_SYNC, SHARD, REPLICATE)  # the mesh's axes besides "world"
 
 
 @dataclass
@@ -65,7 +70,7 @@ class Mesh:
         """The same groups under another strategy choice (another ZeRO stage, schedule,
         SP...): the degrees must stay, since the groups are built for them."""
         layout = self.layout.replace(**changes)
-        if layout.grid != self.layout.grid:
+        if layout.grid != self.layout.grid or layout.zero_ranks != self.layout.zero_ranks:
             raise PlaitError(f"a mesh built for {self.layout.describe()} cannot take {layout.describe()}",
                              hint="make a new mesh (init_mesh) for other degrees")
         return replace(self, layout=layout)
@@ -106,7 +111,7 @@ def init_mesh(layout: Layout | None = None, *, backend: str | None = None, timeo
     ledger = Ledger()
     if not env.distributed:
         axes = {name: Axis(name, 1, 0, None, ledger, 0) for name in (*AXES, "world")}
-        axes[SYNC] = axes[EXPERT_SYNC] = axes["dp"]
+        axes[SYNC] = axes[EXPERT_SYNC] = axes[SHARD] = axes["dp"]
         return Mesh(layout, env, None, device, ledger, axes)
     chosen = choose_backend(backend, torch.cuda.is_available(), dist.is_mpi_available())
     if not dist.is_initialized():
@@ -124,6 +129,7 @@ def init_mesh(layout: Layout | None = None, *, backend: str | None = None, timeo
             for name, size in layout.grid}
     axes[SYNC] = sync_axis(layout, env.rank, axes["dp"], ledger)
     axes.update(expert_axes(layout, env.rank, axes["dp"], ledger))
+    axes.update(hybrid_axes(layout, env.rank, axes[SYNC], ledger))
     axes["world"] = Axis("world", env.world_size, env.rank, dist.group.WORLD, ledger, env.rank)
     ledger.recorder = flight_recorder(env, axes)
     return Mesh(layout, env, chosen, device, ledger, axes, device_mesh)
@@ -146,6 +152,19 @@ def expert_axes(layout: Layout, rank: int, dp: Axis, ledger: Ledger) -> dict[str
     return {EXPERT: _axis_of(EXPERT, [line[b:b + ep] for line in dp_lines for b in range(0, len(line), ep)],
                              rank, ledger),
             EXPERT_SYNC: _axis_of(EXPERT_SYNC, [line[j::ep] for line in dp_lines for j in range(ep)], rank, ledger)}
+
+
+def hybrid_axes(layout: Layout, rank: int, sync: Axis, ledger: Ledger) -> dict[str, Axis]:
+    """ZeRO's shard and replicate groups of this rank's dp × cp axis (collective: every rank
+    makes every group, in one order). The axis's rank i is shard rank i % N of group i // N,
+    and replicate rank i // N."""
+    n = layout.zero_ranks
+    if n == sync.size:
+        return {SHARD: sync, REPLICATE: Axis(REPLICATE, 1, 0, None, ledger, rank)}
+    sync_lines = lines(layout, ("dp", "cp"))
+    return {SHARD: _axis_of(SHARD, [line[b:b + n] for line in sync_lines for b in range(0, len(line), n)],
+                            rank, ledger),
+            REPLICATE: _axis_of(REPLICATE, [line[j::n] for line in sync_lines for j in range(n)], rank, ledger)}
 
 
 def lines(layout: Layout, across: tuple[str, ...]) -> list[list[int]]:

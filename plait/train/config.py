@@ -87,6 +87,8 @@ class TrainConfig:
                 "or full (keep each block's input, run the block again in backward)"})
     zero: int = field(default=0, metadata={"help": "ZeRO stage: 0 DDP, 1 optimizer states, 2 + gradients, 3 + parameters"})
     offload: bool = field(default=False, metadata={"help": "optimizer states and step in CPU memory (needs --zero)"})
+    dp_shard: int = field(default=0, metadata={
+        "help": "hybrid sharding: ZeRO inside groups of N data-parallel ranks (dp × cp), replicas across the groups (needs --zero; 0: all ranks)"})
     prefetch: int = field(default=1, metadata={
         "help": "ZeRO-3: units whose weights are gathered ahead of the one computing (0: gather on demand)"})
     reshard_after_forward: bool = field(default=True, metadata={
@@ -136,7 +138,8 @@ class TrainConfig:
 
     def layout_choices(self) -> dict[str, Any]:
         """The layout's fields besides dp, as the flags give them."""
-        return dict(tp=self.tp, pp=self.pp, cp=self.cp, cp_kind=self.cp_kind, ep=self.ep, zero=self.zero, offload=self.offload,
+        return dict(tp=self.tp, pp=self.pp, cp=self.cp, cp_kind=self.cp_kind, ep=self.ep, zero=self.zero,
+                    dp_shard=self.dp_shard, offload=self.offload,
                     sp=self.sp, schedule=self.schedule, virtual_stages=self.virtual_stages, prefetch=self.prefetch,
                     reshard_after_forward=self.reshard_after_forward,
                     stage_layers=rules.parse_stage_layers(self.stage_layers))

@@ -196,7 +196,8 @@ def checkpoint_pieces(model: nn.Module, optimizer: ZeroOptimizer, mesh: Any) -> 
         for (index, start, stop), piece in zip(owned_pieces(group.sizes, group.n, group.rank), part.pieces):
             param, first = group.params[index], start - offsets[index]
             name, shape = sync.names[param], tuple(param.shape)
-            writes = param not in sync.replicas and writes_its_tp_part(param, mesh)
+            writes = (param not in sync.replicas and writes_its_tp_part(param, mesh)
+                      and (group.replicate is None or group.replicate.rank == 0))  # --dp-shard: one copy
             # every ep rank holds a first element of its experts: one writes the shared scalars
             writes_scalar = writes and first == 0 and mesh.rank("tp") == 0 and (
                 expert_shard_of(param) is None or mesh.rank(EXPERT) == 0)

@@ -71,6 +71,7 @@ class FlatGroup:
     module: nn.Module | None = None  # stage 3: where `shard` is registered
     shard_name: str = ""  # stage 3: ... and under which name
     divisor: int = 0  # what the gradient sum is divided by, when not n (experts: the whole dp)
+    replicate: Axis | None = None  # --dp-shard: the ranks holding the same shard, whose gradients it sums
     companion: "FlatGroup | None" = None  # stage 3: the same unit's expert group, gathered with this one
     locations: list[Location] = field(default_factory=list)  # stage 3: where the params are read
     gathered: bool = True
@@ -140,6 +141,8 @@ class FlatGroup:
         out, handle = self.pending
         handle.wait()
         self.pending = None
+        if self.replicate is not None and self.replicate.size > 1:  # the other shard groups' samples
+            comm.all_reduce(out, self.replicate)
         out = out.to(self.grad.dtype)
         if stage == 1:  # the whole buffer stays (the paper's 4Ψ): its owned slice holds the mean
             own = self.grad[self.rank * self.size:(self.rank + 1) * self.size]
@@ -215,14 +218,30 @@ class ShardAxes:
     dense: Axis
     experts: Axis | None = None
     marked: frozenset[int] = frozenset()  # ids of the expert-parallel parameters
+    replicate: Axis | None = None  # --dp-shard: dense's copies, which sum its shards' gradients
 
     @classmethod
-    def of_model(cls, model: nn.Module, dense: Axis, experts: Axis | None) -> "ShardAxes":
+    def of_model(cls, model: nn.Module, dense: Axis, experts: Axis | None,
+                 replicate: Axis | None = None) -> "ShardAxes":
         marked = frozenset(id(p) for p in model.parameters() if expert_shard_of(p) is not None)
         if marked and experts is None:
             raise PlaitError("ZeRO needs the edp axis for expert-parallel parameters",
                              hint="pass expert_axis=mesh.axis('edp') to apply_zero (parallelize does)")
-        return cls(dense, experts if marked else None, marked)
+        if marked and replicate is not None and replicate.size > 1:
+            raise PlaitError("hybrid sharding does not group expert-parallel parameters",
+                             hint="drop replicate_axis (--dp-shard), or expert parallelism")
+        return cls(dense, experts if marked else None, marked,
+                   replicate if replicate is not None and replicate.size > 1 else None)
+
+    @property
+    def mean_over(self) -> int:
+        """What every gradient sum is divided by: all the dp × cp ranks (--dp-shard: the shard
+        group's ranks times its replicas)."""
+        return self.dense.size * (self.replicate.size if self.replicate is not None else 1)
+
+    def replicate_of(self, tensor: torch.Tensor) -> Axis | None:
+        """The ranks that hold `tensor`'s shards again (--dp-shard); None for experts and plain ZeRO."""
+        return None if self.is_expert(tensor) else self.replicate
 
     def is_expert(self, tensor: torch.Tensor) -> bool:
         return id(tensor) in self.marked

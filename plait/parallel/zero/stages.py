@@ -24,6 +24,13 @@ expert buckets do), broadcast at setup from edp rank 0; a stage-3 unit holding b
 is two groups (shards registered as `plait_shard` and `plait_edp_shard`) gathered and
 freed together. Every other parameter is sharded over the dp × cp ranks as above.
 
+Hybrid sharding (--dp-shard N) shards over a group of N of the dp × cp ranks instead (the
+mesh's "dp_shard" axis) and keeps a whole copy of the states in each group. The ranks that
+hold the same shard ("dp_replicate") sum it after each reduce-scatter, and every gradient
+sum is divided by all dp × cp ranks, so the mean is the one process's. Setup broadcasts
+over both axes, so every copy starts alike; a checkpoint takes each shard from its first
+replica.
+
 Files: stages.py (this: setup and the public functions), hooks.py (`ZeroSync`, what
 autograd and the module hooks call), shard.py (packing and cutting flat buffers),
 optim.py (the sharded optimizer, checkpoint pieces, the formulas).
@@ -63,7 +70,8 @@ EXPERT_SHARD_PARAM = "plait_edp_shard"  # ... and its expert parameters' shard (
 
 def apply_zero(model: nn.Module, axis: Axis, *, stage: int, offload: bool = False, bucket_mb: float = 25.0,
                units: Sequence[nn.Module] | None = None, reduce_dtype: torch.dtype | None = None,
-               prefetch: int = 1, reshard_after_forward: bool = True, expert_axis: Axis | None = None) -> nn.Module:
+               prefetch: int = 1, reshard_after_forward: bool = True, expert_axis: Axis | None = None,
+               replicate_axis: Axis | None = None) -> nn.Module:
     """Shard `model`'s states over `axis` with ZeRO `stage` 1, 2 or 3 (in place).
 
     Build the optimizer with plait.build_optimizer, which returns the sharded one (its state
@@ -73,18 +81,21 @@ def apply_zero(model: nn.Module, axis: Axis, *, stage: int, offload: bool = Fals
     Stage 3's units are the children of every module list (`find_units`) unless `units`
     names them; `prefetch` units are gathered ahead of the one computing, and
     `reshard_after_forward=False` keeps each unit gathered from its forward to its backward
-    (one gather less, the whole model held at the turn).
+    (one gather less, the whole model held at the turn). `replicate_axis` (hybrid sharding,
+    --dp-shard): `axis` is then one group of shard ranks, and the ranks of `replicate_axis`
+    hold the same shards, summing their gradients after each reduce-scatter.
     """
     rules.check_zero3_gathers(stage, prefetch, reshard_after_forward, 2 if is_pipeline(model) else 1)
     if stage not in (1, 2, 3):
         raise PlaitError(f"apply_zero takes stage 1, 2 or 3, got {stage}", hint="stage 0 is apply_data_parallel")
     if getattr(model, ATTR, None) is not None:
         raise PlaitError("this model already has data parallelism or ZeRO applied", hint="apply one of them, once")
-    axes = ShardAxes.of_model(model, axis, expert_axis)
+    axes = ShardAxes.of_model(model, axis, expert_axis, replicate_axis)
     for each in [axis] + ([axes.experts] if axes.experts is not None else []):
         check_backend(each, stage, next(model.parameters()).device)
-    for tensor in [*model.parameters(), *model.buffers()]:
-        comm.broadcast(tensor.data, axes.axis(tensor), purpose=comm.SETUP)
+    for tensor in [*model.parameters(), *model.buffers()]:  # over the replicas too: every rank alike
+        for over in filter(None, (axes.replicate_of(tensor), axes.axis(tensor))):
+            comm.broadcast(tensor.data, over, purpose=comm.SETUP)
     logical = logical_parameters(model)
     chunks = list(model) if is_pipeline(model) else [model]
     chunk_of = {p: k for k, chunk in enumerate(chunks) for p in chunk.parameters()}
@@ -104,8 +115,10 @@ def apply_zero(model: nn.Module, axis: Axis, *, stage: int, offload: bool = Fals
     setattr(model, ATTR, sync)
     setattr(model, VIEW_ATTR, checkpoint_pieces)
     if not is_pipeline(model):
-        follow_rank0_buffers(model, axis)
-    log.info("ZeRO-%d over %d dp ranks%s: %d %s%s", stage, axis.size,
+        for over in filter(None, (axis, axes.replicate)):  # the shard group's rank 0, then the replicas' first
+            follow_rank0_buffers(model, over)
+    log.info("ZeRO-%d over %d dp ranks%s%s: %d %s%s", stage, axis.size,
+             f" × {axes.replicate.size} replicas" if axes.replicate is not None else "",
              f" (experts over {axes.experts.size} edp ranks)" if axes.experts is not None else "",
              len(sync.units) if stage == 3 else len(sync.groups), "units" if stage == 3 else "buckets",
              ", optimizer offloaded to CPU" if offload else "")
@@ -137,7 +150,7 @@ def _shard_buckets(chunks: list[nn.Module], axes: ShardAxes, stage: int, bucket_
         flat = pack(members, axis.size)
         size = flat.numel() // axis.size
         group = FlatGroup(index, members, axis, flat, flat[axis.rank * size:(axis.rank + 1) * size],
-                          divisor=axes.dense.size)
+                          divisor=axes.mean_over, replicate=axes.replicate_of(members[0]))
         for param, view in zip(members, group.split(flat)):
             param.data = view
         if stage == 1:  # whole gradients live for good; stage 2 makes them only during backward
@@ -214,7 +227,8 @@ def _unit_group(index: int, members: list[nn.Parameter], axes: ShardAxes, module
         del m._parameters[attr]
     for param in members:
         _keep_shape_only(param)
-    return FlatGroup(index, members, axis, flat, shard, module, name, axes.dense.size, locations=locations)
+    return FlatGroup(index, members, axis, flat, shard, module, name, axes.mean_over,
+                     replicate=axes.replicate_of(members[0]), locations=locations)
 
 
 def _keep_shape_only(param: nn.Parameter) -> None:
