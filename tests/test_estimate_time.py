@@ -14,6 +14,7 @@ from plait.estimate.time import (
     flops_per_token,
     inter_node,
     matmul_params,
+    micro_batch_s_per_stage,
 )
 from plait.models.config import get_preset
 
@@ -47,17 +48,30 @@ def test_one_gpu_large_gemms_run_at_the_gemm_efficiency() -> None:
     assert 0.5 * H100.compute_efficiency < step.mfu < H100.compute_efficiency
 
 
-@pytest.mark.parametrize("schedule, v, expected", [
-    ("1f1b", 1, 3 / (8 + 3)), ("gpipe", 1, 3 / (8 + 3)), ("interleaved", 2, 3 / (2 * 8 + 3)),
-    ("zb-h1", 1, 1 / (8 + 1)),
-])
-def test_bubble_fraction(schedule: str, v: int, expected: float) -> None:
+@pytest.mark.parametrize("schedule, v, slots", [("1f1b", 1, 3), ("gpipe", 1, 3), ("interleaved", 2, 1.5), ("zb-h1", 1, 1)])
+def test_bubble_slots_cost_the_other_stages_micro_batch(schedule: str, v: int, slots: float) -> None:
+    """(p-1) slots for 1F1B and GPipe, (p-1)/v interleaved, (p-1)/3 ZB-H1; each slot the mean
+    micro-batch of the stages besides the slowest (here the last, which holds the head): at
+    most the classical fraction slots / (m + slots)."""
     cfg = get_preset("llama-7b")
     layout = Workload(pp=4, grad_accum=8, precision="bf16", seq_len=1024, schedule=schedule,
                     virtual_stages=v)
     step = estimate_time(cfg, layout, H100, 8)
+    stages = micro_batch_s_per_stage(cfg, layout, H100, 8)
+    others = [t for t in stages if t != max(stages)]
+    assert len(others) == 3 and step.bubble_s == pytest.approx(slots * sum(others) / 3)
     pipeline = step.step_s - step.dp_s - step.offload_s - step.optimizer_s - step.overhead_s
-    assert step.bubble_s / pipeline == pytest.approx(expected)
+    assert 0.9 * slots / (8 + slots) < step.bubble_s / pipeline <= slots / (8 + slots)
+
+
+def test_a_lopsided_cut_idles_less_than_its_slowest_stage_would() -> None:
+    """--stage-layers 0,6: the first stage holds only the embedding, so filling and draining
+    the pipeline costs almost nothing beyond the second stage's m micro-batches."""
+    cfg = get_preset("small,n_layers=6")
+    layout = Workload(pp=2, grad_accum=4, seq_len=128, micro_batch=4, stage_layers=(0, 6))
+    first, second = micro_batch_s_per_stage(cfg, layout, H100, 8)
+    step = estimate_time(cfg, layout, H100, 8)
+    assert first < 0.05 * second and step.bubble_s == pytest.approx(first)
 
 
 def test_collective_time_is_latency_plus_bandwidth() -> None:

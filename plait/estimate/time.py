@@ -24,11 +24,14 @@ Assumptions, each visible in `ASSUMPTIONS`:
   the schedule's last action). ZeRO-1/2's weight all-gather after the step is exposed.
   ZeRO-3 prefetches: its gathers overlap forward and backward compute, except the first
   unit. Tensor-parallel collectives and pipeline sends are not overlapped.
-* The pipeline bubble is (p-1)/(m+p-1) of the step for GPipe and 1F1B,
-  (p-1)/(v·m+p-1) interleaved, and a third of 1F1B's for ZB-H1.
+* The pipeline runs m micro-batches at the slowest stage's pace, plus p-1 bubble slots for
+  GPipe and 1F1B, (p-1)/v interleaved and a third of that for ZB-H1: (p-1)/(m+p-1) of the
+  step with even stages. A slot costs the mean micro-batch of the stages besides the
+  slowest (the fill and drain run through them), so a lopsided cut idles less than its
+  slowest stage would (benchmarks/RESULTS.md, uneven pipeline stages).
 * Offload ships the gradient shard to the host and the updated weights back over PCIe,
-  and runs Adam there at host memory speed (28 bytes per parameter touched); nothing
-  overlaps it. The device optimizer step itself is not timed.
+  and runs AdamW there at the host's measured rate (28 bytes per parameter touched);
+  nothing overlaps it. The device optimizer step itself is not timed.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ ASSUMPTIONS = (
     "with pp > 1); ZeRO-1/2 weight all-gather exposed; ZeRO-3 gathers prefetched; TP and "
     "PP traffic not overlapped",
     "pipeline bubble (p−1)/(m+p−1) for gpipe and 1f1b, (p−1)/(v·m+p−1) interleaved, "
-    "a third of 1f1b's for zb-h1",
+    "a third of 1f1b's for zb-h1, each slot the other stages' mean micro-batch",
 )
 
 
@@ -249,7 +252,8 @@ def estimate_time(config: GPTConfig, layout: Workload, hw: Hardware, gpus_per_no
     """Step time of the busiest pipeline stage, with the bubble, DP sync, the optimizer,
     offload and the loop's own overhead."""
     links = inter_node(layout, gpus_per_node)
-    compute, tp, pp, cp, ep, stage = max(_micro_batch_parts(config, layout, hw, links), key=_micro_batch_total)
+    rows = _micro_batch_parts(config, layout, hw, links)
+    compute, tp, pp, cp, ep, stage = max(rows, key=_micro_batch_total)
     dp = dp_exposed_s(stage.params, stage.block_params, layout, hw, links["dp_shard"], compute,
                       _forward_share(layout.recompute), links["dp_replicate"])
     model, hardware = flops_per_token(config, layout.seq_len, layout.recompute)
@@ -258,7 +262,23 @@ def estimate_time(config: GPTConfig, layout: Workload, hw: Hardware, gpus_per_no
                                                   stage_pieces(stage, layout))
     step += clip_s(layout, hw, links)
     return _assemble(layout, hw, model, hardware, (compute, tp, pp), dp,
-                     offload_s(stage.params, layout, hw), step, overhead_s(layout, hw, gpus_per_node), cp, ep)
+                     offload_s(stage.params, layout, hw), step, overhead_s(layout, hw, gpus_per_node), cp, ep,
+                     bubble_per_slot=_other_stages_mean(rows))
+
+
+def _other_stages_mean(rows: list[tuple[float, float, float, float, float, StageShare]]) -> float | None:
+    """The mean micro-batch time of the pipeline ranks besides the slowest: what one bubble
+    slot costs. The schedule fills and drains through the other stages while the slowest
+    sets the pace of the rest, so with even stages a slot is a micro-batch of any of them,
+    and with a lopsided cut (an end stage holding only the embedding) far less. None
+    without a pipeline. Added in stage order (not `sum`: see _micro_batch_total)."""
+    if len(rows) < 2:
+        return None
+    totals = [_micro_batch_total(row) for row in rows]
+    others = 0.0
+    for total in totals:
+        others += total
+    return (others - max(totals)) / (len(totals) - 1)
 
 
 def _micro_batch_parts(config: GPTConfig, layout: Workload, hw: Hardware,
@@ -344,17 +364,21 @@ def bubble_micro_batches(layout: Workload) -> float:
 
 def _assemble(layout: Workload, hw: Hardware, model: float, hardware: float,
               micro_batch: tuple[float, float, float], dp: float, offload: float,
-              optimizer: float = 0.0, overhead: float = 0.0, cp: float = 0.0, ep: float = 0.0) -> StepTime:
-    """Pipeline slots x micro-batch time, plus what is not overlapped, -> StepTime."""
+              optimizer: float = 0.0, overhead: float = 0.0, cp: float = 0.0, ep: float = 0.0,
+              bubble_per_slot: float | None = None) -> StepTime:
+    """m micro-batches of the slowest stage and the bubble's slots (`bubble_per_slot`
+    seconds each: the other stages' mean micro-batch; the slowest's when not given), plus
+    what is not overlapped, -> StepTime."""
     compute, tp, pp = micro_batch
     m = layout.grad_accum
     bubble_slots = bubble_micro_batches(layout)
     per_mb = compute + tp + pp + cp + ep
-    step = (m + bubble_slots) * per_mb + dp + offload + optimizer + overhead
+    bubble = bubble_slots * (per_mb if bubble_per_slot is None else bubble_per_slot)
+    step = m * per_mb + bubble + dp + offload + optimizer + overhead
     tokens_per_s = layout.global_batch * layout.seq_len / step
     # MFU against the 16-bit peak for fp8 too, as torchtitan reports it: fp8's gain shows as MFU above bf16's
     mfu = model * tokens_per_s / (layout.world * hw.peak_flops(outer_precision(layout.precision)))
     return StepTime(flops_per_token=model, hardware_flops_per_token=hardware, compute_s=m * compute,
-                    tp_s=m * tp, pp_s=m * pp, bubble_s=bubble_slots * per_mb, dp_s=dp,
+                    tp_s=m * tp, pp_s=m * pp, bubble_s=bubble, dp_s=dp,
                     offload_s=offload, step_s=step, tokens_per_s=tokens_per_s, mfu=mfu,
                     optimizer_s=optimizer, overhead_s=overhead, cp_s=m * cp, ep_s=m * ep)
