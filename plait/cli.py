@@ -214,7 +214,7 @@ def _smaller_worlds(config: Any) -> list[int]:
         return []
     layout = config.layout
     sizes = world_sizes(config.global_batch, config.micro_batch, tp=layout.tp, pp=layout.pp, cp=layout.cp,
-                        schedule=layout.schedule, up_to=config.nproc)
+                        schedule=layout.schedule, up_to=config.nproc, ep=layout.ep, dp_shard=layout.dp_shard)
     return [n for n in sizes if n >= config.min_nproc]
 
 

@@ -84,3 +84,27 @@ def test_a_checkpoint_written_under_dp_shard_resumes_under_plain_zero3_and_under
         final = [{k: v.flatten().tolist() for k, v in load_file(tmp_path / run / "model.safetensors").items()}
                  for run in (name, "hybrid")]
         assert_params_close(*final)
+
+
+def test_an_elastic_world_keeps_only_sizes_the_shard_groups_divide():
+    from plait.train.elastic import world_sizes
+
+    assert world_sizes(16, 2, up_to=8) == [1, 2, 4, 8]
+    assert world_sizes(16, 2, up_to=8, dp_shard=2) == [2, 4, 8]
+    assert world_sizes(16, 2, up_to=8, dp_shard=4) == [4, 8]
+    assert world_sizes(16, 2, up_to=8, cp=2, dp_shard=4) == [4, 8]  # dp·cp ranks: dp 2 and 4 of cp 2
+
+
+def test_a_model_known_by_size_is_priced_with_its_shard_groups():
+    from plait.estimate import estimate_by_size
+
+    result = estimate_by_size(10_000_000, Workload(dp=4, zero=3, dp_shard=2), hardware="h100-sxm")
+    assert set(result["comm"]) == {"dp_shard", "dp_replicate"}
+    assert result["memory"]["optim"] == pytest.approx(10_000_000 * 8 / 2, rel=1e-3)  # fp32 Adam m, v over 2
+
+
+def test_a_resnet_refuses_hybrid_sharding_in_one_line(capsys):
+    assert main(["train", "--model", "resnet18,width=8", "--data", "digits", "--nproc", "4", "--zero", "1",
+                 "--dp-shard", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "with --dp-shard: its BatchNorm buffers follow rank 0 over both hybrid axes" in err and err.count("error:") == 1

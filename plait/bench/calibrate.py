@@ -44,7 +44,8 @@ from plait.parallel.compose import adamw_kernel
 
 # Raised whenever what is measured, or how, changes: machine.py keys its cache on it.
 # 2: the update (norm, clipping, AdamW) timed at the model's size; per-piece check costs.
-METHOD_VERSION = 2
+# 3: the host's AdamW (host_mem_gb_s, for offload) measured, on at least HOST_UPDATE_MIN parameters.
+METHOD_VERSION = 3
 
 
 def _median_s(fn: Callable[[], Any], reps: int) -> float:
@@ -181,6 +182,7 @@ def measure_memory(mesh: Mesh, elements: int, tensors: int, reps: int, params: i
             "optimizer_tensor_us": step / DISPATCH_TENSORS * 1e6, "grad_tensor_us": checks / DISPATCH_TENSORS * 1e6}
 
 
+HOST_UPDATE_MIN = 1 << 22  # the host's AdamW timed on at least this many parameters: a rate, not overheads
 STREAM_CAP = 1 << 24  # parameters in the timed update (64 MiB each state): past any cache, bounded
 UPDATE_CHUNK = 1 << 20  # parameters per tensor there, about a large weight of a model this size
 

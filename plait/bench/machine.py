@@ -78,8 +78,8 @@ def calibrate(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len: int, 
     rates.update(cal.measure_attention(mesh, config, micro_batch, seq_len, tp_sizes, precision, reps))
     memory = cal.measure_memory(mesh, micro_batch * seq_len * config.d_model, 9 * config.n_layers + 3, reps,
                                 params=config.num_params(), optimizer_kernel=optimizer_kernel)
-    memory["host_mem_gb_s"] = cal.measure_host_update(mesh, min(config.num_params(), cal.STREAM_CAP),
-                                                      optimizer_kernel, reps)
+    host_params = max(min(config.num_params(), cal.STREAM_CAP), cal.HOST_UPDATE_MIN)
+    memory["host_mem_gb_s"] = cal.measure_host_update(mesh, host_params, optimizer_kernel, reps)
     links = cal.measure_links(mesh, (2 if quick else 16) * 2**20, reps) if mesh.env.world_size > 1 else ()
     facts = machine_facts(mesh, optimizer_kernel)
     base = base_preset(facts["gpu"])

@@ -134,7 +134,8 @@ def estimate_by_size(params: int, work: Workload, *, hardware: str | Hardware = 
     for: a CNN, a user's family, a transformers config without the usual sizes). Untimed
     unless `seq_len` gives the samples' length."""
     return estimate_layout(None, params=params, hardware=hardware, gpus_per_node=gpus_per_node, dp=work.dp,
-                           zero=work.zero, offload=work.offload, precision=work.precision,
+                           zero=work.zero, dp_shard=work.dp_shard, prefetch=work.prefetch,
+                           reshard_after_forward=work.reshard_after_forward, offload=work.offload, precision=work.precision,
                            micro_batch=work.micro_batch, grad_accum=work.grad_accum,
                            reduce_dtype=work.reduce_dtype, seq_len=seq_len)
 

@@ -111,7 +111,7 @@ def buffers(params: int, layout: Workload) -> float:
     one is reduced. Under accumulation, plait's no_sync keeps them whole, unreduced, until
     the last micro-batch: then all of them are there.
     """
-    if layout.zero_ranks == 1 or layout.zero < 2:
+    if layout.sync == 1 or layout.zero < 2:
         return 0.0
     whole = params * state_bytes(layout.precision).grad
     return whole if layout.grad_accum > 1 else min(2 * BUCKET_BYTES, whole)

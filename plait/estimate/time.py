@@ -62,10 +62,10 @@ ASSUMPTIONS = (
     "measured), plus fixed costs per tensor and the verdict's and norm's all-reduces; "
     "loop overhead = step_overhead_us + two telemetry all-reduces",
     "ring collective time = steps·latency + wire bytes / link bandwidth; a group uses the "
-    "intra-node link when it fits in one node (ranks numbered tp fastest, then dp, then pp)",
+    "intra-node link when it fits in one node (ranks numbered tp fastest, then cp, then dp, then pp)",
     "DP gradient reduction overlaps the last backward except the last bucket (not at all "
-    "with pp > 1); ZeRO-1/2 weight all-gather exposed; ZeRO-3 gathers prefetched; TP and "
-    "PP traffic not overlapped",
+    "with pp > 1); ZeRO-1/2 weight all-gather exposed; ZeRO-3 gathers prefetched; --dp-shard's "
+    "all-reduce of each shard over its replicas exposed; TP and PP traffic not overlapped",
     "pipeline bubble (p−1)/(m+p−1) for gpipe and 1f1b, (p−1)/(v·m+p−1) interleaved, "
     "a third of 1f1b's for zb-h1, each slot the other stages' mean micro-batch",
 )
@@ -199,10 +199,12 @@ def dp_exposed_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: 
 
 
 def _replicate_s(params: int, layout: Workload, hw: Hardware, inter: bool) -> float:
-    """--dp-shard's all-reduces of the reduced shards over the replicas, per step."""
-    grads = shard(params, layout.zero_ranks) * state_bytes(layout.precision).grad
+    """--dp-shard's all-reduces of the reduced shards over the replicas, per step: one per
+    bucket (or unit) of the whole gradient, each a 1/N shard of it."""
+    whole = params * state_bytes(layout.precision).grad
     times = layout.grad_accum if layout.zero >= 2 else 1
-    return times * collective_s("all_reduce", grads, layout.replicas, hw, inter, max(1.0, grads / BUCKET_BYTES))
+    return times * collective_s("all_reduce", shard(params, layout.zero_ranks) * state_bytes(layout.precision).grad,
+                                layout.replicas, hw, inter, max(1.0, whole / BUCKET_BYTES))
 
 
 def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: bool,

@@ -206,10 +206,10 @@ def naive_comm(config: GPTConfig | None, layout: Workload,
         mine = estimate_comm(config, layout)
     else:
         mine = dp_traffic(params or 0, layout)
-    if layout.sync > 1:
+    if layout.sync > 1:  # all N data ranks, however --dp-shard groups them (both its axes counted)
         n, grad = layout.sync, layout.reduce_bytes
-        out[layout.sync_axis] = _naive("Ψ·b·N·(N−1)", (params or 0) * grad * n * (n - 1),
-                                       _group_total(mine, layout.sync_axis, n))
+        sent = n * sum(sum(mine.get(axis, {}).values()) for axis in dict.fromkeys((layout.shard_axis, layout.sync_axis, "dp_replicate")))
+        out[layout.shard_axis] = _naive("Ψ·b·N·(N−1)", (params or 0) * grad * n * (n - 1), sent)
     if config is None:
         return out
     m = layout.grad_accum

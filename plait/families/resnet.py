@@ -21,6 +21,10 @@ def check(config: Any) -> None:
                          "--tp, --pp or --cp", hint="drop --tp, --pp and --cp; use --nproc for more data-parallel ranks")
     from plait.train.tokens import BUILTIN
 
+    if config.dp_shard:
+        raise PlaitError(f"--model {config.model} with --dp-shard: its BatchNorm buffers follow rank 0 over both "
+                         "hybrid axes, which the ResNet estimate does not price yet",
+                         hint="drop --dp-shard (plain --zero shards over every data rank)")
     if config.data in BUILTIN:
         raise PlaitError(f"--model {config.model} classifies images, and --data is the text corpus {config.data!r}",
                          hint="give --data digits, or a folder of class folders (root/cat/*.png)")

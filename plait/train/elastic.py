@@ -72,13 +72,13 @@ def scheduled_accumulation(global_batch: int, micro_batch: int, dp: int, schedul
 
 
 def world_sizes(global_batch: int, micro_batch: int, *, tp: int = 1, pp: int = 1, cp: int = 1,
-                schedule: str = "1f1b", up_to: int | None = None) -> list[int]:
+                schedule: str = "1f1b", up_to: int | None = None, ep: int = 1, dp_shard: int = 0) -> list[int]:
     """Every world size (at most `up_to`) that keeps the global batch with this micro-batch
     and these fixed degrees: tp·pp·cp·dp for each dp that leaves a whole --grad-accum the
-    pipeline schedule accepts."""
+    pipeline schedule accepts, that ep divides, and whose dp·cp ranks --dp-shard's groups divide."""
     fixed = tp * pp * cp
     return [dp * fixed for dp in range(1, global_batch // micro_batch + 1)
-            if (up_to is None or dp * fixed <= up_to)
+            if (up_to is None or dp * fixed <= up_to) and dp % ep == 0 and (dp * cp) % (dp_shard or 1) == 0
             and scheduled_accumulation(global_batch, micro_batch, dp, schedule, pp) is not None]
 
 
@@ -94,7 +94,7 @@ def fit_world(config: Any) -> Any:  # TrainConfig -> TrainConfig (config.py impo
     accum = scheduled_accumulation(saved.global_batch, config.micro_batch, layout.dp, layout.schedule, layout.pp)
     if accum is None:
         sizes = world_sizes(saved.global_batch, config.micro_batch, tp=layout.tp, pp=layout.pp, cp=layout.cp,
-                            schedule=layout.schedule)
+                            schedule=layout.schedule, ep=layout.ep, dp_shard=layout.dp_shard)
         raise PlaitError(
             f"{layout.world} process(es) (dp={layout.dp}) cannot keep the global batch of {saved.global_batch} "
             f"samples that {saved.path.name} was trained with, at --micro-batch {config.micro_batch}",

@@ -239,7 +239,7 @@ def corpus_files(root: Path, suffixes: set[str]) -> Iterator[Path]:
 
 def open_corpus_file(path: Path) -> BinaryIO:
     """A corpus file's bytes: the shipped corpus is stored gzipped, any other file as it is."""
-    return gzip.open(path, "rb") if path == EMBEDDED_FILE else open(path, "rb")
+    return gzip.open(path, "rb") if path.resolve() == EMBEDDED_FILE.resolve() else open(path, "rb")
 
 
 def raw_files(source: str, max_bytes: int = RAW_LIMIT) -> list[Path]:
