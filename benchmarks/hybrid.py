@@ -24,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zero  # noqa: E402
-from common import new_parser, run_world, torch_version, write_section  # noqa: E402
+from common import finish, new_parser, run_world, torch_version  # noqa: E402
 
 # variant: (plait's layout fields, or None for torch's own; FSDP2's mesh: None = 1-D over dp)
 VARIANTS = {"plait z3": {"zero": 3}, "plait z3 --dp-shard": {"zero": 3, "dp_shard": 0},
@@ -159,16 +159,14 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker or "RANK" in os.environ:
-        result = time_world(args)
-        if args.result and os.environ.get("RANK", "0") == "0":
-            Path(args.result).write_text(json.dumps(result))
-        return
-    text = table(measure(args), args)
-    print(text)
-    if not args.no_write:
-        write_section("hybrid", text)
+    finish("hybrid", parser.parse_args(), worker, measure, table)
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Inside a world: time the variant; rank 0 writes the result for the driver."""
+    result = time_world(args)
+    if args.result and os.environ.get("RANK", "0") == "0":
+        Path(args.result).write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
