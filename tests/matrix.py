@@ -172,7 +172,6 @@ COMPILED_SP = (*COMPILED, ("tp all_gather", "a compiled block keeps a region's g
 ROUTED = (("ep all_to_all", "its bytes follow the routing that happened; the estimate assumes even routing"),
           ("dp all_reduce", "the routers' per-expert token counts, reduced over dp every step, are not in the estimate"))
 HF_ACTIVATIONS = (("activations", "a transformers model's saved tensors, its shape read as plait's GPT's"),)
-HF_ROOT_GATHER = "a transformers model's root unit (its embedding, final norm) stays gathered from forward to backward; the estimate gathers it twice"
 HF_LOSS = (("tp all_reduce", "the estimate counts the vocabulary-parallel loss's 3 fp32 per token"),
            ("tp all_gather", "the declared plan gathers the logits (b·s·V fp32 per micro-batch) for the plain loss"))
 
@@ -194,9 +193,8 @@ ROWS = rows(
     Row("gpt", "--nproc 4 --zero 1 --dp-shard 2", micro_batches=4),
     Row("gpt", "--nproc 4 --zero 2 --dp-shard 2 --grad-accum 2", micro_batches=8),
     Row("gpt", "--nproc 4 --dp 2 --pp 2 --zero 2 --dp-shard 1 --grad-accum 2", micro_batches=4),
-    Row("llama", "--nproc 4 --cp 2 --zero 3 --dp-shard 2", micro_batches=2,
-        unpriced=(("dp_shard all_gather", HF_ROOT_GATHER),)),
-    Row("llama", "--nproc 4 --cp 2 --zero 3", micro_batches=2, unpriced=(("dp_cp all_gather", HF_ROOT_GATHER),)),
+    Row("llama", "--nproc 4 --cp 2 --zero 3 --dp-shard 2", micro_batches=2),
+    Row("llama", "--nproc 4 --cp 2 --zero 3", micro_batches=2),
     # Two chunks per pipeline rank: each chunk's backward reduces only its own groups.
     *(Row("gpt-4-layers", f"--nproc 4 --dp 2 --pp 2 --grad-accum 2 --schedule interleaved --virtual-stages 2 "
           f"--zero {zero}", micro_batches=4) for zero in (2, 3)),

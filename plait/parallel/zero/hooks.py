@@ -11,6 +11,7 @@ reduced on its own, as soon as autograd has accumulated it.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -284,9 +285,20 @@ class ZeroSync:
 
 
 def _wrap_outputs(output: Any, sync: ZeroSync, group: FlatGroup) -> tuple[Any, bool]:
-    """Route the unit's tensor outputs through GatherForBackward; False if their shape is unknown."""
+    """Route the unit's tensor outputs through GatherForBackward; False if their shape is unknown.
+
+    A mapping's tensor values are routed in place: a transformers model returns a ModelOutput
+    (logits, loss, and non-tensor entries such as its cache), and its root unit is then freed
+    after forward and gathered again for backward like any other, not held in between."""
     if isinstance(output, torch.Tensor):
         return (GatherForBackward.apply(sync, group, output)[0] if output.requires_grad else output), True
+    if isinstance(output, Mapping):
+        if any(isinstance(v, (tuple, list, Mapping)) for v in output.values()):  # nested: its tensors unknown
+            return output, False
+        keys = [k for k, v in output.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+        for key, tensor in zip(keys, GatherForBackward.apply(sync, group, *(output[k] for k in keys)) if keys else ()):
+            output[key] = tensor
+        return output, True
     if not isinstance(output, (tuple, list)) or not all(isinstance(o, torch.Tensor) or o is None for o in output):
         return output, False
     slots = [i for i, o in enumerate(output) if o is not None and o.requires_grad]
