@@ -211,11 +211,7 @@ def measure_host_update(mesh: Mesh, params: int, optimizer_kernel: str, reps: in
     """GB/s of AdamW on this host's CPU over `params` fp32 parameters, counted as the 28 bytes
     a parameter the time model charges (plait.estimate.time.HOST_ADAM_BYTES): the rate an
     offloaded optimizer steps at. Every rank of the node steps at once, as under offload."""
-    sizes = [min(UPDATE_CHUNK, params - start) for start in range(0, params, UPDATE_CHUNK)]
-    host = [torch.nn.Parameter(torch.ones(n)) for n in sizes]
-    for p in host:
-        p.grad = torch.full_like(p, 1e-3)
-    optimizer = torch.optim.AdamW(host, lr=1e-3, weight_decay=0.1, **adamw_kernel(optimizer_kernel, torch.device("cpu")))
+    _, optimizer = _flat_adamw(params, torch.device("cpu"), optimizer_kernel)
     keep_heap_like_training()
     seconds = _slowest(mesh, [_median_s(optimizer.step, reps)])[0]
     return HOST_ADAM_BYTES * params / seconds / 1e9
@@ -225,12 +221,19 @@ def _flat_update(mesh: Mesh, params: int, optimizer_kernel: str) -> Callable[[],
     """The guarded update (finite check, clipping, AdamW) over `params` parameters cut into
     UPDATE_CHUNK-sized tensors: the optimizer states are as large as the model's, so their
     pass runs past the caches at the speed it will in training."""
+    return _guarded_update(mesh, *_flat_adamw(params, mesh.device, optimizer_kernel))
+
+
+def _flat_adamw(params: int, device: torch.device, optimizer_kernel: str) -> tuple[torch.nn.ParameterList,
+                                                                                  torch.optim.AdamW]:
+    """`params` parameters on `device` in UPDATE_CHUNK-sized tensors, each with a gradient,
+    and the AdamW (with the run's kernel) that steps them: what the timed updates run."""
     sizes = [min(UPDATE_CHUNK, params - start) for start in range(0, params, UPDATE_CHUNK)]
-    holder = torch.nn.ParameterList(torch.nn.Parameter(torch.ones(n, device=mesh.device)) for n in sizes)
+    holder = torch.nn.ParameterList(torch.nn.Parameter(torch.ones(n, device=device)) for n in sizes)
     for p in holder:
         p.grad = torch.full_like(p, 1e-3)
-    return _guarded_update(mesh, holder, torch.optim.AdamW(holder.parameters(), lr=1e-3, weight_decay=0.1,
-                                                           **adamw_kernel(optimizer_kernel, mesh.device)))
+    return holder, torch.optim.AdamW(holder.parameters(), lr=1e-3, weight_decay=0.1,
+                                     **adamw_kernel(optimizer_kernel, device))
 
 
 def _gradient_checks(mesh: Mesh, model: torch.nn.Module) -> Callable[[], None]:

@@ -192,25 +192,24 @@ def dp_exposed_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: 
     group (`inter`: whether it spans nodes) and each reduced shard is then summed over its
     replicas (`replicate_inter`), whole: the rank waits for it before the next bucket.
     """
-    if layout.zero and layout.replicas > 1:
-        return (_dp_sync_s(params, unit, layout, hw, inter, compute_mb, forward_share, layout.zero_ranks)
-                + _replicate_s(params, layout, hw, replicate_inter))
-    return _dp_sync_s(params, unit, layout, hw, inter, compute_mb, forward_share, layout.sync)
+    return (_dp_sync_s(params, unit, layout, hw, inter, compute_mb, forward_share)
+            + _replicate_s(params, layout, hw, replicate_inter))
 
 
 def _replicate_s(params: int, layout: Workload, hw: Hardware, inter: bool) -> float:
     """--dp-shard's all-reduces of the reduced shards over the replicas, per step: one per
-    bucket (or unit) of the whole gradient, each a 1/N shard of it."""
-    whole = params * state_bytes(layout.precision).grad
+    bucket (or unit) of the whole gradient, each a 1/N shard of it (nothing with one replica)."""
+    grad = state_bytes(layout.precision).grad
     times = layout.grad_accum if layout.zero >= 2 else 1
-    return times * collective_s("all_reduce", shard(params, layout.zero_ranks) * state_bytes(layout.precision).grad,
-                                layout.replicas, hw, inter, max(1.0, whole / BUCKET_BYTES))
+    return times * collective_s("all_reduce", shard(params, layout.zero_ranks) * grad, layout.replicas, hw, inter,
+                                max(1.0, params * grad / BUCKET_BYTES))
 
 
 def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: bool,
-               compute_mb: float, forward_share: float, n: int) -> float:
-    """dp_exposed_s over a group of n ranks."""
-    m, per = layout.grad_accum, state_bytes(layout.precision)
+               compute_mb: float, forward_share: float) -> float:
+    """dp_exposed_s over the ranks that reduce and gather together: the dp × cp ranks, or a
+    --dp-shard group (Layout.zero_ranks is both)."""
+    n, m, per = layout.zero_ranks, layout.grad_accum, state_bytes(layout.precision)
     if n == 1:
         return 0.0
     grads, weights = params * per.grad, params * per.param

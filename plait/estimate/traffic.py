@@ -44,7 +44,7 @@ def dp_traffic(params: int, layout: Workload, experts: int = 0) -> Traffic:
     that hold the same ones (the axis "edp").
     """
     out: Traffic = {}
-    n, axis = layout.zero_ranks if layout.zero else layout.sync, layout.shard_axis
+    n, axis = layout.zero_ranks, layout.shard_axis  # the dp × cp ranks, or a --dp-shard group
     _sync_traffic(out, params - experts, layout, axis, n)
     if layout.replicas > 1:  # --dp-shard: each reduced shard summed over its replicas, every reduce-scatter
         _add(out, "dp_replicate", "all_reduce", shard(params - experts, n) * layout.reduce_bytes, layout.replicas,
@@ -208,7 +208,8 @@ def naive_comm(config: GPTConfig | None, layout: Workload,
         mine = dp_traffic(params or 0, layout)
     if layout.sync > 1:  # all N data ranks, however --dp-shard groups them (both its axes counted)
         n, grad = layout.sync, layout.reduce_bytes
-        sent = n * sum(sum(mine.get(axis, {}).values()) for axis in dict.fromkeys((layout.shard_axis, layout.sync_axis, "dp_replicate")))
+        axes = dict.fromkeys((layout.shard_axis, layout.sync_axis, "dp_replicate"))
+        sent = sum(_group_total(mine, axis, n) for axis in axes)
         out[layout.shard_axis] = _naive("Ψ·b·N·(N−1)", (params or 0) * grad * n * (n - 1), sent)
     if config is None:
         return out

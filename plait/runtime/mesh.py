@@ -148,10 +148,8 @@ def expert_axes(layout: Layout, rank: int, dp: Axis, ledger: Ledger) -> dict[str
     group, in one order). dp index i is ep rank i % ep of block i // ep, and edp rank i // ep."""
     if layout.ep == 1:
         return {EXPERT: Axis(EXPERT, 1, 0, None, ledger, rank), EXPERT_SYNC: replace(dp, name=EXPERT_SYNC)}
-    ep, dp_lines = layout.ep, lines(layout, ("dp",))
-    return {EXPERT: _axis_of(EXPERT, [line[b:b + ep] for line in dp_lines for b in range(0, len(line), ep)],
-                             rank, ledger),
-            EXPERT_SYNC: _axis_of(EXPERT_SYNC, [line[j::ep] for line in dp_lines for j in range(ep)], rank, ledger)}
+    blocks, strides = blocks_and_strides(lines(layout, ("dp",)), layout.ep)
+    return {EXPERT: _axis_of(EXPERT, blocks, rank, ledger), EXPERT_SYNC: _axis_of(EXPERT_SYNC, strides, rank, ledger)}
 
 
 def hybrid_axes(layout: Layout, rank: int, sync: Axis, ledger: Ledger) -> dict[str, Axis]:
@@ -161,10 +159,15 @@ def hybrid_axes(layout: Layout, rank: int, sync: Axis, ledger: Ledger) -> dict[s
     n = layout.zero_ranks
     if n == sync.size:
         return {SHARD: sync, REPLICATE: Axis(REPLICATE, 1, 0, None, ledger, rank)}
-    sync_lines = lines(layout, ("dp", "cp"))
-    return {SHARD: _axis_of(SHARD, [line[b:b + n] for line in sync_lines for b in range(0, len(line), n)],
-                            rank, ledger),
-            REPLICATE: _axis_of(REPLICATE, [line[j::n] for line in sync_lines for j in range(n)], rank, ledger)}
+    blocks, strides = blocks_and_strides(lines(layout, ("dp", "cp")), n)
+    return {SHARD: _axis_of(SHARD, blocks, rank, ledger), REPLICATE: _axis_of(REPLICATE, strides, rank, ledger)}
+
+
+def blocks_and_strides(groups: list[list[int]], size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Each group cut into blocks of `size` consecutive ranks, and the ranks `size` apart (one
+    from each block): the two subgroups ep / edp and dp_shard / dp_replicate are made of."""
+    return ([group[b:b + size] for group in groups for b in range(0, len(group), size)],
+            [group[j::size] for group in groups for j in range(size)])
 
 
 def lines(layout: Layout, across: tuple[str, ...]) -> list[list[int]]:
