@@ -21,7 +21,7 @@ from plait.train import checkpoint
 from plait.train.checkpoint_read import Reader, describe, load
 from plait.train.restart import resolve
 from tests.parity import assert_losses_close
-from tests.worldlib import ROOT, run_plait, split_slow
+from tests.worldlib import ROOT, run_losses, run_plait, split_slow
 
 TRAIN = ["--model", "tiny", "--steps", "6", "--micro-batch", "4", "--seq-len", "32", "--eval-every", "0",
          "--sample-tokens", "0", "--warmup-steps", "2"]
@@ -40,10 +40,6 @@ def trained(config_name="tiny", **overrides):
     return model, opt
 
 
-def losses(out):
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A dp=2 run of 6 steps that checkpoints at steps 3 and 6."""
@@ -57,7 +53,7 @@ def test_resume_on_the_same_layout_is_exact_to_the_bit(saved, tmp_path):
     proc = run_plait("train", *TRAIN, "--nproc", "2", "--out", str(tmp_path),
                      "--resume", str(saved / "checkpoints" / "step-00000003"))
     assert proc.returncode == 0, proc.stderr
-    assert losses(tmp_path) == losses(saved)[3:]
+    assert run_losses(tmp_path) == run_losses(saved)[3:]
 
 
 EXACT = {
@@ -83,7 +79,7 @@ def test_each_strategy_resumes_to_the_bit(tmp_path, case):
     proc = run_plait("train", *TRAIN, *layout, "--steps", "4", "--out", str(resumed),
                      "--resume", str(whole / "checkpoints" / "step-00000002"))
     assert proc.returncode == 0, proc.stderr
-    assert losses(resumed) == losses(whole)[2:]
+    assert run_losses(resumed) == run_losses(whole)[2:]
 
 
 # Each layout keeps the global batch of 8 sequences; TP and PP sum in another order (1e-4).
@@ -102,7 +98,7 @@ def test_resume_on_another_layout_continues_the_same_run(saved, tmp_path, case):
     proc = run_plait("train", *TRAIN, *layout, "--out", str(tmp_path),
                      "--resume", str(saved / "checkpoints" / "step-00000003"))
     assert proc.returncode == 0, proc.stderr
-    assert_losses_close(losses(tmp_path), losses(saved)[3:], rtol=rtol)
+    assert_losses_close(run_losses(tmp_path), run_losses(saved)[3:], rtol=rtol)
 
 
 TO_DP = {"pp2->dp2": ["--pp", "2", "--grad-accum", "2"], "tp2->dp2": ["--tp", "2", "--micro-batch", "8"]}
@@ -117,7 +113,7 @@ def test_a_model_parallel_checkpoint_resumes_as_data_parallel(saved, tmp_path, c
     assert "written by 2 rank(s)" in describe(first)
     proc = run_plait("train", *TRAIN, "--nproc", "2", "--out", str(tmp_path / "second"), "--resume", str(first))
     assert proc.returncode == 0, proc.stderr
-    assert_losses_close(losses(first) + losses(tmp_path / "second"), losses(saved), rtol=1e-4)
+    assert_losses_close(run_losses(first) + run_losses(tmp_path / "second"), run_losses(saved), rtol=1e-4)
 
 
 # The issue's pairs: a run on every axis at once, (dp2, tp2, pp2) with ZeRO-3 and SP, with
@@ -164,9 +160,9 @@ def test_a_3d_checkpoint_resumes_on_any_layout(saved_3d, tmp_path, case):
                      "--resume", str(saved_3d / "checkpoints" / "step-00000003"))
     assert proc.returncode == 0, proc.stderr
     if case == "3d->3d":
-        assert losses(tmp_path) == losses(saved_3d)[3:]
+        assert run_losses(tmp_path) == run_losses(saved_3d)[3:]
     else:
-        assert_losses_close(losses(tmp_path), losses(saved_3d)[3:], rtol=1e-5)
+        assert_losses_close(run_losses(tmp_path), run_losses(saved_3d)[3:], rtol=1e-5)
 
 
 def test_latest_keep_inspect_and_export(saved, tmp_path):

@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from safetensors.torch import load_file
 
 from plait.cli import main
 from plait.estimate import estimate_layout
 from plait.estimate.layout import Workload
 from plait.models.config import get_preset
 from tests.parity import assert_losses_close, assert_params_close
-from tests.worldlib import run_plait
+from tests.worldlib import run_losses, run_plait, run_weights
 
 TINY = ["--model", "tiny", "--steps", "4", "--micro-batch", "2", "--seq-len", "16", "--eval-every", "0",
         "--sample-tokens", "0", "--warmup-steps", "1", "--no-report"]
@@ -66,10 +65,6 @@ def test_estimate_prints_the_link_each_axis_rides(capsys):
     assert json.loads(capsys.readouterr().out)["links"] == {"dp": "network", "tp": "node"}
 
 
-def losses(out):
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_a_checkpoint_written_under_dp_shard_resumes_under_plain_zero3_and_under_dp(tmp_path):
     """Each shard was written once (by its first replica); resumed at step 2 on plain ZeRO-3
     over 4 ranks and on plain dp 2, both runs continue as the hybrid one did."""
@@ -80,10 +75,8 @@ def test_a_checkpoint_written_under_dp_shard_resumes_under_plain_zero3_and_under
     for name, layout in (("zero3", ["--nproc", "4", "--zero", "3"]), ("dp", ["--nproc", "2", "--grad-accum", "2"])):
         resumed = run_plait("train", *TINY, *layout, "--resume", str(step2), "--out", str(tmp_path / name))
         assert resumed.returncode == 0, resumed.stderr
-        assert_losses_close(losses(tmp_path / name), losses(tmp_path / "hybrid")[2:])
-        final = [{k: v.flatten().tolist() for k, v in load_file(tmp_path / run / "model.safetensors").items()}
-                 for run in (name, "hybrid")]
-        assert_params_close(*final)
+        assert_losses_close(run_losses(tmp_path / name), run_losses(tmp_path / "hybrid")[2:])
+        assert_params_close(run_weights(tmp_path / name), run_weights(tmp_path / "hybrid"))
 
 
 def test_an_elastic_world_keeps_only_sizes_the_shard_groups_divide():

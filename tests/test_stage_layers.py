@@ -12,7 +12,7 @@ import pytest
 
 from plait.cli import main
 from tests.parity import assert_losses_close, assert_params_close
-from tests.worldlib import run_plait
+from tests.worldlib import run_losses, run_plait, run_weights
 
 FOUR = ["--model", "tiny,n_layers=4", "--steps", "4", "--micro-batch", "2", "--seq-len", "16", "--eval-every", "0",
         "--sample-tokens", "0", "--warmup-steps", "1", "--no-report"]
@@ -99,13 +99,5 @@ def test_a_checkpoint_from_uneven_stages_resumes_under_even_ones(tmp_path):
                         "--resume", str(tmp_path / "uneven" / "checkpoints" / "step-00000002"),
                         "--out", str(tmp_path / "even"))
     assert resumed.returncode == 0, resumed.stderr
-
-    def losses(out):
-        return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-    assert_losses_close(losses(tmp_path / "even"), losses(tmp_path / "uneven")[2:])
-    from safetensors.torch import load_file
-
-    final = [{k: v.flatten().tolist() for k, v in load_file(tmp_path / run / "model.safetensors").items()}
-             for run in ("even", "uneven")]
-    assert_params_close(*final)
+    assert_losses_close(run_losses(tmp_path / "even"), run_losses(tmp_path / "uneven")[2:])
+    assert_params_close(run_weights(tmp_path / "even"), run_weights(tmp_path / "uneven"))

@@ -176,6 +176,18 @@ class Pool:
             self.proc.wait()
 
 
+def run_losses(out: Path) -> list[float]:
+    """Every step's loss of the `plait train` run in `out` (its metrics.jsonl)."""
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_weights(out: Path) -> dict[str, list[float]]:
+    """The final weights the `plait train` run in `out` wrote, flattened by name."""
+    from safetensors.torch import load_file
+
+    return {k: v.flatten().tolist() for k, v in load_file(out / "model.safetensors").items()}
+
+
 def save_report(report: dict[str, Any]) -> None:
     """Called inside a world script: write this rank's findings for the test to read."""
     path = Path(os.environ["PLAIT_TEST_OUT"]) / f"rank{os.environ.get('RANK', '0')}.json"
