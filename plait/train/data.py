@@ -21,7 +21,6 @@ run can resume from (epoch, position) alone.
 from __future__ import annotations
 
 import hashlib
-import sysconfig
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +28,8 @@ from pathlib import Path
 import torch
 
 from plait.errors import PlaitError
-from plait.train.tokens import (EMBEDDED, EMBEDDED_FILE, RAW_LIMIT, STDLIB, TOKENS, check_tokens,
-                               corpus_files, is_prepared, open_corpus_file, raw_files)
+from plait.train.tokens import (EMBEDDED, RAW_LIMIT, TOKENS, builtin_files, check_tokens, is_prepared,
+                               open_corpus_file, raw_files)
 
 def load_corpus(source: str = EMBEDDED, max_bytes: int = RAW_LIMIT) -> torch.Tensor:
     """The corpus as a tensor of token ids: `source` is "embedded" or "stdlib" (its first
@@ -38,11 +37,8 @@ def load_corpus(source: str = EMBEDDED, max_bytes: int = RAW_LIMIT) -> torch.Ten
     prepared directory."""
     if is_prepared(source):
         return map_tokens(source)
-    if source == EMBEDDED:
-        files: Iterable[Path] = [EMBEDDED_FILE]
-    elif source == STDLIB:
-        files = corpus_files(Path(sysconfig.get_paths()["stdlib"]), {".py"})
-    else:
+    files: Iterable[Path] | None = builtin_files(source)
+    if files is None:
         files = raw_files(source, max_bytes)
     chunks, total = [], 0
     for path in files:

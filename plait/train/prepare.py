@@ -36,14 +36,11 @@ LITTLE_ENDIAN = {"uint16": "<u2", "uint32": "<u4"}  # the file's byte order on a
 def source_files(source: str) -> list[Path]:
     """The files of `--data`, in the order plait reads them: 'embedded', 'stdlib', a file or a
     directory."""
-    import sysconfig
+    from plait.train.tokens import TEXT_SUFFIXES, builtin_files, corpus_files
 
-    from plait.train.tokens import EMBEDDED, EMBEDDED_FILE, STDLIB, TEXT_SUFFIXES, corpus_files
-
-    if source == EMBEDDED:
-        return [EMBEDDED_FILE]
-    if source == STDLIB:
-        return list(corpus_files(Path(sysconfig.get_paths()["stdlib"]), {".py"}))
+    builtin = builtin_files(source)
+    if builtin is not None:
+        return list(builtin)
     path = Path(source)
     if not path.exists():
         raise PlaitError(f"--data {source} does not exist", hint="give a text file, a directory, 'embedded' or 'stdlib'")

@@ -237,6 +237,18 @@ def corpus_files(root: Path, suffixes: set[str]) -> Iterator[Path]:
                 yield Path(dirpath) / name
 
 
+def builtin_files(source: str) -> Iterator[Path] | None:
+    """The files of a built-in corpus, in the order plait reads them ('embedded': the shipped
+    file; 'stdlib': the running interpreter's .py sources, lazily); None for any other source."""
+    if source == EMBEDDED:
+        return iter([EMBEDDED_FILE])
+    if source == STDLIB:
+        import sysconfig
+
+        return corpus_files(Path(sysconfig.get_paths()["stdlib"]), {".py"})
+    return None
+
+
 def open_corpus_file(path: Path) -> BinaryIO:
     """A corpus file's bytes: the shipped corpus is stored gzipped, any other file as it is."""
     return gzip.open(path, "rb") if path.resolve() == EMBEDDED_FILE.resolve() else open(path, "rb")
