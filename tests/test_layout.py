@@ -84,6 +84,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 # What a layer must not reach even below it: the seams. The strategies know no model, not
 # even a shape; the estimator is pure arithmetic (no torch.distributed, no strategy).
 SEAMS = {"parallel": ("plait.models",), "estimate": ("plait.runtime", "plait.parallel")}
+# What a layer must not import itself, though it may reach it through a module below: the loop
+# (and the families' tasks beside it) runs whatever parallelize applied through the executor
+# (plait.parallel.executor) and its step hooks, never a strategy's own module.
+STRATEGIES = tuple(f"plait.parallel.{name}" for name in ("data", "zero", "tensor", "pipeline", "context", "expert"))
+DIRECT_SEAMS = {"train": STRATEGIES, "families": STRATEGIES}
 
 
 def layer_of(module: str) -> int:
@@ -121,6 +126,29 @@ def upward(graph: dict[str, set[str]]) -> list[str]:
             elif any(other.startswith(p) for p in SEAMS.get(LAYERS[mine][0], ())):
                 found.append(f"{module} ({LAYERS[mine][0]}) reaches {other} across a seam")
     return found
+
+
+def direct_crossings(graph: dict[str, set[str]]) -> list[str]:
+    """Every (module, what it imports itself) that crosses its layer's direct seam."""
+    found = []
+    for module, imported in sorted(graph.items()):
+        banned = DIRECT_SEAMS.get(LAYERS[layer_of(module)][0], ())
+        found += [f"{module} imports {other}" for other in sorted(imported)
+                  if any(other == p or other.startswith(p + ".") for p in banned)]
+    return found
+
+
+def test_the_loop_imports_no_strategy() -> None:
+    assert direct_crossings(imports()) == []
+
+
+def test_a_strategy_imported_by_the_loop_is_found() -> None:
+    """A planted import of expert parallelism in the trainer; the executor may import it."""
+    graph = {"plait.train.trainer": {"plait.parallel.executor", "plait.parallel.expert.plan"},
+             "plait.parallel.executor": {"plait.parallel.expert.plan"}, "plait.parallel.expert.plan": set()}
+    assert direct_crossings(graph) == ["plait.train.trainer imports plait.parallel.expert.plan"]
+    assert direct_crossings({"plait.train.run": {"plait.parallel.expert"}}) == [
+        "plait.train.run imports plait.parallel.expert"]
 
 
 def test_every_module_has_a_layer() -> None:

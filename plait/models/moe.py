@@ -20,7 +20,8 @@ Two routers (`GPTConfig.router`):
 - **sigmoid** (DeepSeek-V3's auxiliary-loss-free balancing): top_k of sigmoid(scores) +
   bias picks the experts, the unbiased scores weight them; after each optimizer step the
   bias moves by `bias_rate` towards balance, from the tokens each expert received over the
-  whole step (every micro-batch, every rank: plait.parallel.expert.update_router_bias).
+  whole step (every micro-batch, every rank: `after_routing`, which the executor's expert
+  hooks call with the counts summed over the data ranks).
 
 Dropless by default. With a capacity factor, an expert takes at most
 ceil(factor · tokens · top_k / experts) assignments of a forward; the rest get weight 0
@@ -214,6 +215,14 @@ class MoE(RoutingCounts):
             probs = torch.softmax(scores, dim=-1)
             weight, index = torch.topk(probs, self.top_k, dim=-1)
         return index, weight / weight.sum(dim=-1, keepdim=True), probs
+
+    @torch.no_grad()
+    def after_routing(self, seen: torch.Tensor) -> None:
+        """After each optimizer step, the tokens each expert received over the whole step
+        (every micro-batch and data rank): the sigmoid router's bias moves `bias_rate`
+        towards balance, up for the experts below the mean, down for those above it."""
+        if self.router == "sigmoid" and self.bias_rate > 0:
+            self.expert_bias.add_(self.bias_rate * torch.sign(seen.mean() - seen).to(self.expert_bias.dtype))
 
     def _drop_over_capacity(self, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Weight 0 for assignments past an expert's capacity (in token order, first k first)."""

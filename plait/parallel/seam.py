@@ -161,3 +161,8 @@ def tensor_plan(model: nn.Module, adapter: Any, tp: int, sp: bool) -> dict[str, 
                          hint='pass ParallelConfig(tp_plan={"layer.name": "column" | "row" | "vocab" | '
                               '"region", ...}) or an adapter with tensor_plan(); see docs/tensor.md')
     return plan(model, tp, sp)
+
+
+def logits_of(outputs: Any) -> torch.Tensor:
+    """The logits of a model's output: a tensor, or an object with `.logits` (transformers)."""
+    return getattr(outputs, "logits", outputs)

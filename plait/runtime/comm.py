@@ -354,3 +354,18 @@ def barrier(axis: Axis) -> None:
     if axis.size == 1:
         return
     _run(axis, "barrier", lambda: dist.barrier(group=axis.group), False)
+
+
+def gather_objects(payload: Any, axis: Axis, dst: int = 0, purpose: str = "checkpoint") -> list[Any] | None:
+    """Rank `dst` receives every rank's picklable `payload` (tensors on the CPU), in rank
+    order; the others get None. For what has no common shape across ranks (the pieces of a
+    model each rank holds). Counted as the tensors' bytes this rank sends, as a gather's S."""
+    if axis.size == 1:
+        return [payload]
+    sent = sum(_nbytes(t) for item in payload for t in (item if isinstance(item, (tuple, list)) else (item,))
+               if isinstance(t, torch.Tensor))
+    axis.ledger.record(axis.name, "gather", sent * axis.size, axis.size, purpose)
+    peer = dist.get_global_rank(axis.group, dst)
+    received: list[Any] | None = [None] * axis.size if axis.rank == dst else None
+    _run(axis, "gather", lambda: dist.gather_object(payload, received, dst=peer, group=axis.group), False)
+    return received

@@ -17,7 +17,6 @@ its exact parameter count is the built model's.
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +26,9 @@ from torch import nn
 
 from plait.estimate.layout import Workload
 from plait.models.hf_config import COMPANIONS, CONFIG, TOKENIZER, read_hf_dir
-from plait.parallel.tensor.plan import lm_loss
 from plait.train.config import TrainConfig
 from plait.train.data import corpus_digest, load_corpus, train_val_split
-from plait.train.inference import logits_of
+from plait.parallel.seam import logits_of
 from plait.train.task import LanguageTask
 from plait.train.tokens import TextCodec, is_prepared, text_codec
 
@@ -84,15 +82,13 @@ class HFTask(LanguageTask):
         ids = list(encode_texts(self.tokenizer(), text_chunks(text)))
         return torch.from_numpy(np.concatenate(ids).astype(np.int64)) if ids else torch.zeros(0, dtype=torch.int64)
 
-    def loss_fn(self, model: nn.Module) -> Any:
+    def loss_fn(self, executor: Any) -> Any:
         """Cross-entropy on the output's logits. Under tensor parallelism they may be this
         rank's slice of the vocabulary (plait's vocabulary-parallel loss) or, gathered for
         the user's code, the whole of it (the plain loss): their width says which."""
-        sliced, whole = super().loss_fn(model), functools.partial(lm_loss, axis=None)
-
         def loss(outputs: Any, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
             logits = logits_of(outputs)
-            return (whole if logits.shape[-1] == self.hf.vocab_size else sliced)(logits, targets, reduction=reduction)
+            return executor.token_loss(logits, targets, reduction, sliced=logits.shape[-1] != self.hf.vocab_size)
 
         return loss
 

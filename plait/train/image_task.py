@@ -39,7 +39,7 @@ class ClassificationTask:
         images, labels = split.batch(indices, step)
         return images.to(param_dtype(self.config.precision)), labels
 
-    def loss_fn(self, model: nn.Module) -> Any:
+    def loss_fn(self, executor: Any) -> Any:
         return lambda logits, labels, reduction="mean": F.cross_entropy(logits.float(), labels, reduction=reduction)
 
     def units_per_sample(self) -> int:

@@ -1,18 +1,13 @@
-"""Forward passes without a backward, through any layout: evaluation, and the closing sample.
+"""Evaluation and the closing sample, for any task and any layout.
 
 Both must run on every rank alike: under tensor parallelism or ZeRO-3 a forward is
-collective, and a pipeline's forward crosses its stages. What is evaluated and how it is
-scored is the task's (plait.train.task); this module only deals the held-out samples out
-and adds up what the task reports per sample:
-
-- the task names how many held-out samples it scores (the same for every layout); dp rank r
-  takes samples r, r + dp, ...; every rank runs the same number of micro-batches of the
-  same shape (a pipeline agrees on shapes once), the short ones padded with sample 0 whose
-  rows are left out of the sums; the sums are added over dp;
-- a language model's next-token logits at the end of a context, whole over the
-  vocabulary, on every rank: padded to a multiple of tp under sequence parallelism (causal
-  attention never lets a position see the padding after it), gathered over tp when the head
-  keeps them split, sent from the last pipeline stage to the others.
+collective, and a pipeline's forward crosses its stages; the executor
+(plait.parallel.executor) runs those forwards. What is evaluated and how it is scored is the
+task's (plait.train.task); this module only deals the held-out samples out and adds up what
+the task reports per sample: the task names how many held-out samples it scores (the same
+for every layout); dp rank r takes samples r, r + dp, ...; every rank runs the same number
+of micro-batches of the same shape (a pipeline agrees on shapes once), the short ones
+padded with sample 0 whose rows are left out of the sums; the sums are added over dp.
 """
 
 from __future__ import annotations
@@ -20,28 +15,18 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from plait.parallel.compiled import eager
-from plait.parallel.pipeline.runner import PipelineRunner
-from plait.parallel.tensor.loss import gather_vocab
-from plait.parallel.tensor.plan import tensor_parallel_of
+from plait.parallel.executor import Executor
 from plait.runtime import comm
 from plait.runtime.mesh import Mesh
-
-
-def logits_of(outputs: Any) -> torch.Tensor:
-    """The logits of a model's output: a tensor, or an object with `.logits` (transformers)."""
-    return getattr(outputs, "logits", outputs)
 
 
 class Inference:
     """The trained model called forward only, for any task and any layout."""
 
-    def __init__(self, model: nn.Module, runner: PipelineRunner | None, mesh: Mesh, task: Any, loss_fn: Any,
-                 micro_batch: int):
-        self.model, self.runner, self.mesh, self.task = model, runner, mesh, task
+    def __init__(self, executor: Executor, mesh: Mesh, task: Any, loss_fn: Any, micro_batch: int):
+        self.executor, self.model, self.mesh, self.task = executor, executor.model, mesh, task
         self.loss_fn, self.micro_batch = loss_fn, micro_batch
 
     # -- evaluation ------------------------------------------------------------------------
@@ -67,8 +52,7 @@ class Inference:
         mine = list(range(self.mesh.rank("dp"), count, dp))
         micro, per_rank = self.micro_batch, -(-count // dp)
         batches = -(-per_rank // micro)
-        if self.runner is not None:
-            batches += -batches % self.runner.microbatch_multiple
+        batches += -batches % self.executor.eval_multiple
         out = []
         for b in range(batches):
             indices = mine[b * micro:(b + 1) * micro]
@@ -78,37 +62,12 @@ class Inference:
 
     def _rows(self, batches: list[tuple[int, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """(batches, micro-batch, columns): the task's per-sample sums of every micro-batch."""
-        width = len(self.task.eval_columns)
 
         def rows(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
             return self.task.eval_sums(outputs, targets, self.loss_fn).double()
 
-        if self.runner is not None:
-            return self.runner.eval_rows([x for _, x, _ in batches], [t for _, _, t in batches], rows, width)
-        return torch.stack([rows(self.model(x), t) for _, x, t in batches]).to(self.mesh.device)
+        return self.executor.eval_rows([(x, t) for _, x, t in batches], rows, len(self.task.eval_columns))
 
-    # -- sampling --------------------------------------------------------------------------
-    @torch.no_grad()
-    @eager()
     def next_logits(self, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        """Whole-vocabulary logits after the last position of `ids` (batch, seq), on every rank."""
-        info = tensor_parallel_of(self.model)
-        multiple = info.axis.size if info is not None and info.sp else 1
-        length = ids.shape[1]
-        padded = F.pad(ids, (0, -length % multiple))
-        self.model.eval()
-        try:
-            if self.runner is not None:
-                logits = self.runner.last_logits(padded, position=length - 1)
-            else:
-                logits = logits_of(self.model(padded))[:, length - 1]
-        finally:
-            self.model.train()
-        if logits is not None and info is not None and logits.shape[-1] != vocab_size:
-            logits = gather_vocab(logits, info.axis)  # the head keeps them split by vocabulary
-        if self.runner is None:
-            return logits
-        whole = logits.float() if logits is not None else torch.zeros((ids.shape[0], vocab_size),
-                                                                       device=self.mesh.device)
-        comm.broadcast(whole, self.mesh.axis("pp"), src=self.mesh.size("pp") - 1, purpose=comm.TELEMETRY)
-        return whole
+        """Whole-vocabulary logits after the last position of `ids`, on every rank (collective)."""
+        return self.executor.next_logits(ids, vocab_size)

@@ -114,9 +114,11 @@ class Metrics:
         comm.all_reduce(values, self.mesh.axis("world"), op="max", purpose=comm.TELEMETRY)
         return {"peak_process_bytes": values[0].item(), "optimizer_s": values[1].item()}
 
-    def summary(self, described: dict[str, Any], extras: dict[str, float]) -> dict[str, Any]:
+    def summary(self, described: dict[str, Any], extras: dict[str, float],
+                hooked: dict[str, Any] | None = None) -> dict[str, Any]:
         """What summary.json and the closing report show. `described` is the run's own
-        description (model, layout, task, prediction...); the rest comes from the lines."""
+        description (model, layout, task, prediction...); `hooked`, what the step hooks sum
+        up (a mixture of experts' routing: plait.parallel.executor); the rest comes from the lines."""
         history, evaluations = self.history, self.evaluations()
         final = evaluations[max(evaluations)]
         layout = described["layout"]
@@ -140,24 +142,8 @@ class Metrics:
             "peak_process_bytes": int(extras["peak_process_bytes"]),
             "telemetry_bytes": sum(sum(ops.values()) for ops in self.mesh.ledger.wire(comm.TELEMETRY).values()),
             "worlds": world_segments(history),
-            **({"experts": expert_summary(history)} if any("moe" in r for r in history) else {}),
+            **(hooked or {}),
         }
-
-
-def expert_summary(history: list[dict[str, Any]]) -> dict[str, Any]:
-    """A mixture of experts' routing over the run (the steps' "moe" records, every rank's
-    tokens summed): tokens per expert per MoE layer (this rank's layers), min / mean / max
-    per layer, the balancing loss first and last, dropped assignments, and the last step's
-    ep all-to-all bytes measured beside the formula on that step's routing (rank 0's both)."""
-    steps = [r["moe"] for r in history if "moe" in r]
-    totals = [list(map(sum, zip(*layer))) for layer in zip(*(s["tokens_per_expert"] for s in steps))]
-    aux = [s["aux_loss"] for s in steps if s.get("aux_loss") is not None]
-    return {"tokens_per_expert": totals,
-            "per_layer": [{"min": min(t), "mean": sum(t) / len(t), "max": max(t)} for t in totals],
-            "aux_loss_first": aux[0] if aux else None, "aux_loss_last": aux[-1] if aux else None,
-            "dropped": sum(s["dropped"] for s in steps),
-            "alltoall_measured": steps[-1].get("alltoall_measured", 0.0),
-            "alltoall_formula": steps[-1].get("alltoall_formula", 0.0)}
 
 
 def world_segments(history: list[dict[str, Any]]) -> list[dict[str, int]]:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from plait.errors import PlaitError
-from plait.train.tokens import (BUILTIN, INDEX, TOKENIZER, TOKENS, VERIFIED, TokenIndex, dtype_for, edges_digest,
+from plait.train.tokens import (BUILTIN, TOKENIZER, TOKENS, VERIFIED, TokenIndex, dtype_for, edges_digest,
                                 open_corpus_file, write_index)
 
 TEXT_CHUNK = 1 << 20  # characters per encode call (a chunk ends at a line break)

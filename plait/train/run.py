@@ -23,7 +23,7 @@ from plait.parallel.precision import reduce_dtype_of
 from plait.report import report_after_training
 from plait.runtime import comm, console
 from plait.runtime.env import set_cpu_threads
-from plait.runtime.mesh import Mesh, init_mesh
+from plait.runtime.mesh import init_mesh
 from plait.train.checkpoint_read import RUN_ATTACHED, RUN_WEIGHTS
 from plait.train.config import TrainConfig
 from plait.train.logs import setup_logging
@@ -65,7 +65,7 @@ def finish(trainer: Trainer) -> dict[str, Any]:
     extras = trainer.metrics.gather_extras(trainer.update_times)
     described = describe_run(trainer, prediction(trainer))
     weights = final_weights(trainer)
-    summary = trainer.metrics.summary(described, extras)
+    summary = trainer.metrics.summary(described, extras, trainer.executor.summary(trainer.metrics.history))
     summary["step_time"] = step_time_parts(summary["predicted"], summary["step_time_s_median"], extras["optimizer_s"])
     summary.update(sample=sample, config=config.to_dict(), restarts=trainer.restarts)
     if is_compiled(trainer.model) and len(trainer.metrics.history) > trainer.metrics.kept:
@@ -148,53 +148,15 @@ def _on_step(record: dict[str, Any], bar: Any, board: TensorBoardLog | None, uni
 
 def save_timeline(trainer: Trainer, out: Path) -> None:
     """The last step's measured pipeline timeline, as timeline.json for `plait report`."""
-    timeline = trainer.runner.last_timeline if trainer.runner is not None else None
+    timeline = trainer.executor.timeline()
     if timeline is not None:
-        from plait.parallel.pipeline.timeline import timeline_to_dict
-
-        (out / "timeline.json").write_text(json.dumps(timeline_to_dict(timeline)) + "\n")
+        (out / "timeline.json").write_text(json.dumps(timeline) + "\n")
 
 
 def final_weights(trainer: Trainer) -> dict[str, torch.Tensor] | None:
-    """The whole model's weights for the main rank to write (every rank takes part:
-    collective under TP and ZeRO-3; other ranks may get them too, or None). A pipeline's
-    stages live on different ranks, and so do an expert-parallel model's experts: they are
-    assembled the way a checkpoint is, through its pieces, written to a scratch directory
-    and read back."""
-    from plait.parallel.expert.plan import expert_axis
-
-    if trainer.runner is not None or expert_axis(trainer.model) is not None:
-        return _assembled_from_pieces(trainer)
-    from plait.parallel.tensor.plan import gather_full_params
-    from plait.parallel.zero.stages import full_parameters
-
-    with full_parameters(trainer.model) as model:
-        weights = gather_full_params(model)
-    return _tied_once(weights, model)
-
-
-def _tied_once(weights: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A parameter shared by two names (a head tied to the embedding) is written once."""
-    seen: dict[int, str] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in seen and name in weights and name != seen[id(param)]:
-            weights.pop(name)
-        seen.setdefault(id(param), name)
-    return weights
-
-
-def _assembled_from_pieces(trainer: Trainer) -> dict[str, torch.Tensor] | None:
-    from plait.train import checkpoint
-    from plait.train.checkpoint_read import Reader, model_weights
-
-    scratch = Path(trainer.config.out) / ".final-weights"
-    path = checkpoint.save(scratch, len(trainer.metrics.history), trainer.model, trainer.optimizer, trainer.mesh,
-                           {}, keep=1, only="model/")
-    if not trainer.mesh.is_main:
-        return None
-    weights = model_weights(Reader(path))
-    shutil.rmtree(scratch)
-    return weights
+    """The whole model's weights for the main rank to write, tied ones once (None on the
+    other ranks; every rank takes part): the executor's one in-memory route for any layout."""
+    return trainer.executor.whole_weights(trainer.optimizer)
 
 
 def write_outputs(summary: dict[str, Any], weights: dict[str, torch.Tensor] | None, out: Path,

@@ -9,7 +9,8 @@ nor the report ever asks which task it has:
   `plait.parallelize` find it) and `num_params`;
 - the data: `load()` gives the train and validation splits and a fingerprint every rank
   compares; `batch(split, indices, step)` stacks samples (and augments them, for images);
-- the objective: `loss_fn(model)` gives loss(outputs, targets, reduction=...);
+- the objective: `loss_fn(executor)` gives loss(outputs, targets, reduction=...) (the executor,
+  plait.parallel.executor, offers the next-token loss under any layout: `token_loss`);
 - evaluation: `eval_count(val)` held-out samples, `eval_sums(outputs, targets, loss_fn)`
   one row of `eval_columns` per sample (the evaluator adds the rows of every rank, whatever
   the layout), `eval_metrics(totals)` the metrics it reports (`metric_labels` names them
@@ -35,7 +36,6 @@ from torch import nn
 from plait.estimate.layout import Workload
 from plait.models.config import get_preset
 from plait.models.gpt import TEMPERATURE, build_gpt, sample_next
-from plait.parallel.tensor.plan import tp_loss_fn
 from plait.train.config import TrainConfig
 from plait.train.data import corpus_digest, load_corpus, train_val_split
 from plait.train.tokens import TextCodec, text_codec
@@ -56,7 +56,7 @@ class Task(Protocol):
     def adapter(self, model: nn.Module) -> Any: ...
     def load(self) -> tuple[Any, Any, int]: ...
     def batch(self, split: Any, indices: list[int], step: int) -> tuple[torch.Tensor, torch.Tensor]: ...
-    def loss_fn(self, model: nn.Module) -> Any: ...
+    def loss_fn(self, executor: Any) -> Any: ...
     def units_per_sample(self) -> int: ...
     def batch_text(self, global_batch: int) -> str: ...
     def eval_count(self, val: Any) -> int: ...
@@ -92,8 +92,8 @@ class LanguageTask:
     def batch(self, split: Any, indices: list[int], step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return split.batch(indices)
 
-    def loss_fn(self, model: nn.Module) -> Any:
-        return tp_loss_fn(model)
+    def loss_fn(self, executor: Any) -> Any:
+        return executor.token_loss
 
     def units_per_sample(self) -> int:
         return self.config.seq_len

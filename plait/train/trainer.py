@@ -2,19 +2,19 @@
 
 Every rank runs this same code. `__init__` builds what a step needs: the task's model
 from the seed, split by `parallelize` as the layout says, the optimizer, the step guard,
-the data. Then each step is forward and backward over the micro-batches (the pipeline's
-schedule, or a plain loop that syncs gradients on the last micro-batch only), the step
-guard's all-ranks verdict and clipping, `optimizer.step()`, `zero_grad()`; between steps,
+the data. Then each step is forward and backward over the micro-batches (the executor's:
+the pipeline's schedule, or a plain loop that syncs gradients on the last micro-batch only,
+with the hooks the strategies add), the step guard's all-ranks verdict and clipping, `optimizer.step()`, `zero_grad()`; between steps,
 the line of metrics, a checkpoint when due, and one small all-reduce on which every rank
 agrees whether to stop (a preemption signal, plait.train.preempt) and whether a background
 save can be published. What a sample is, the loss and the metrics are the task's
 (plait.train.task); measurements go to the metrics component (plait.train.metrics),
 evaluation and sampling to plait.train.inference, checkpoints to plait.train.checkpoint.
+The loop imports no strategy: what `parallelize` applied runs through plait.parallel.executor.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from pathlib import Path
@@ -25,14 +25,11 @@ import torch
 from plait.api import parallelize
 from plait.errors import EXIT_PREEMPTED, PlaitError, Preempted
 from plait.parallel.compose import ParallelConfig, adamw_kernel, build_optimizer
-from plait.parallel.context.plan import context_engaged, shard_batch
-from plait.parallel.data.sync import no_sync
-from plait.parallel.expert.plan import after_step, begin_step, moe_blocks, set_aux_scale
-from plait.parallel.pipeline.runner import PipelineRunner
+from plait.parallel.executor import Executor
 from plait.parallel.precision import StepGuard, param_dtype, reduce_dtype_of
 from plait.bench.meter import ActivationMeter, model_state_bytes
 from plait.runtime import comm
-from plait.runtime.mesh import SYNC, Mesh
+from plait.runtime.mesh import Mesh
 from plait.train import checkpoint, checkpoint_read
 from plait.train.config import TrainConfig
 from plait.train.data import StepSampler
@@ -75,18 +72,17 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, torch.optim.AdamW, lr=config.lr, betas=(0.9, 0.95),
                                          weight_decay=config.weight_decay,
                                          **adamw_kernel(config.optimizer_kernel, mesh.device))
-        self.runner = PipelineRunner(self.model, mesh) if mesh.size("pp") > 1 else None
-        self.moe = bool(moe_blocks(self.model))  # a mixture of experts: its routing is counted each step
+        self.executor = Executor(self.model, mesh)  # micro-batches, step hooks, forward-only passes
         # The loss scale (fp16) and the all-ranks verdict on each step's gradients.
         self.guard = StepGuard(config.precision, mesh.axis("world"), mesh.device,
                                skip_nonfinite=config.skip_nonfinite, loss_scale=config.loss_scale)
-        self.loss_fn = self.guard.loss_fn(task.loss_fn(self.model))
+        self.loss_fn = self.guard.loss_fn(task.loss_fn(self.executor))
         self.train_split, self.val_split, digest = task.load()
         self._check_same_corpus(digest)
         self.sampler = StepSampler(self.train_split.num_samples, config.global_batch, mesh.rank("dp"),
                                    mesh.size("dp"), config.micro_batch, config.seed)
         task.eval_count(self.val_split)  # a held-out split too small to score fails now, not after training
-        self.inference = Inference(self.model, self.runner, mesh, task, self.loss_fn, config.micro_batch)
+        self.inference = Inference(self.executor, mesh, task, self.loss_fn, config.micro_batch)
         self.measure = MeasurePolicy(config.measure, config.steps)
         self.metrics = Metrics(config.out, mesh, self.measure, task.unit,
                                config.global_batch * task.units_per_sample(), tuple(task.metric_labels))
@@ -106,12 +102,11 @@ class Trainer:
             group["lr"] = lr
         self._sync()  # a CUDA step is timed from an idle device to an idle device
         before, start = self.mesh.ledger.snapshot(), time.perf_counter()
-        if self.moe:
-            begin_step(self.model)  # the formula of this step's routing starts with the ledger's snapshot
-        batches = [self._batch(self.train_split, indices, step) for indices in self.sampler.micro_batches(step)]
-        if self.moe:  # the balancing loss's gradient is scaled as the main loss's is
-            set_aux_scale(self.model, self.guard.scaler.scale / len(batches))
-        loss, activations = self.forward_backward(batches, full)
+        batches = [self.executor.batch(*self.task.batch(self.train_split, indices, step))
+                   for indices in self.sampler.micro_batches(step)]
+        self.executor.begin_step(self.guard.scaler.scale, len(batches))  # e.g. the balancing loss's scale
+        loss, activations = self.executor.forward_backward(batches, self.loss_fn, measure=full, meter=self.meter,
+                                                           read_loss=self.measure.reads_loss(full))
         self._sync()
         update_start, scale = time.perf_counter(), self.guard.scaler.scale
         grad_norm = self.guard.clip(step, self.model, self.optimizer, loss,
@@ -120,7 +115,7 @@ class Trainer:
             self.async_saves.before_update()  # a background save's copy of the weights is complete
             self.optimizer.step()
         self.guard.after_step(stepped=grad_norm is not None)
-        routing = after_step(self.model, self.mesh.axis(SYNC)) if self.moe else {}  # the sigmoid router's bias moves
+        extra = self.executor.end_step(self.mesh.ledger.since(before))  # e.g. the experts' routing counts
         self._sync()  # else the update's kernels are still running when its time is read
         self.update_times.append(time.perf_counter() - update_start)
         states = model_state_bytes(self.model, self.optimizer) if full else {}
@@ -129,46 +124,12 @@ class Trainer:
                  **states, "activations_peak": activations, "comm": self.mesh.ledger.since(before)}
         record = self.metrics.step_record(step, lr, local, full)
         record.setdefault("grad_norm", None)  # --measure off keeps none; the line still names it
-        record.update(loss_scale=scale, skipped=grad_norm is None, skipped_steps=self.guard.scaler.skipped)
-        if routing:  # this rank's ep bytes beside the formula on its routing (the world's comm is a max)
-            record["moe"] = {**routing, "alltoall_measured": local["comm"].get("ep", {}).get("all_to_all", 0.0)}
+        record.update(loss_scale=scale, skipped=grad_norm is None, skipped_steps=self.guard.scaler.skipped, **extra)
         return record
 
     def _sync(self) -> None:
         if self.mesh.device.type == "cuda":
             torch.cuda.synchronize(self.mesh.device)
-
-    def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]], full: bool) -> tuple[Any, int]:
-        """The step's mean loss (None when not read back) and the bytes saved for backward."""
-        if self.runner is not None:  # the schedule runs every micro-batch; gradients reduced at its end
-            self.runner.measure = full  # the barrier and the timeline's all-gather
-            with context_engaged(self.model):
-                loss = self.runner.step([x for x, _ in batches], [t for _, t in batches], self.loss_fn)
-            return loss, self.runner.last_stats.peak_saved_bytes
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
-        with context_engaged(self.model):  # context parallelism on for forward, backward and recomputation
-            for k, (inputs, targets) in enumerate(batches):
-                loss_sum += self._micro_step(inputs, targets, k == len(batches) - 1, len(batches), full)
-        # The loss is read back once per step (one host sync), and not at all under --measure off.
-        mean = (loss_sum / len(batches)).item() if self.measure.reads_loss(full) else None
-        return mean, self.meter.last if full else 0
-
-    def _micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, last: bool, count: int,
-                    full: bool) -> torch.Tensor:
-        """One micro-batch's forward and backward; its loss, detached."""
-        # Only the last micro-batch synchronises: the others just accumulate locally.
-        with contextlib.nullcontext() if last else no_sync(self.model):
-            with self.meter.track(self.model) if full else contextlib.nullcontext():
-                outputs = self.model(inputs)
-            loss = self.loss_fn(outputs, targets)
-            (loss / count).backward()
-        return loss.detach()
-
-    def _batch(self, split: Any, indices: list[int], step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """The micro-batch's inputs and targets on this rank's device: under context
-        parallelism, only this cp rank's tokens of each sequence (plait.parallel.context)."""
-        inputs, targets = self.task.batch(split, indices, step)
-        return shard_batch(self.model, inputs.to(self.mesh.device), targets.to(self.mesh.device))
 
     # -- the whole run -----------------------------------------------------------------------
     def run(self, progress: Any = None) -> None:

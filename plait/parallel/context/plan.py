@@ -27,6 +27,7 @@ from plait.errors import PlaitError
 from plait.parallel.context.chunks import local_positions, shard_sequence
 from plait.parallel.context.ring import ring_attention
 from plait.parallel.context.ulysses import ulysses_attention
+from plait.parallel.hooks import StepHooks
 from plait.parallel.seam import CONTEXT_ATTR
 from plait.rules import CP_KINDS, check_choice
 from plait.runtime.comm import Axis
@@ -137,3 +138,17 @@ def _global_positions(context: ContextParallel) -> Any:
         return args, {**kwargs, "position_ids": context.positions(ids.shape[1], ids.device)}
 
     return hook
+
+
+class ContextHooks(StepHooks):
+    """Context parallelism's part in each step: this cp rank's tokens of every batch, and
+    the attention routed through the cp group while a step's forwards and backwards run."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return shard_batch(self.model, inputs, targets)  # type: ignore[return-value]
+
+    def engaged(self) -> contextlib.AbstractContextManager[None]:
+        return context_engaged(self.model)

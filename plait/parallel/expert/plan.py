@@ -10,8 +10,8 @@ MoE classes (Mixtral, Qwen2-MoE: the same layout) take the same path:
   (n, d);
 - optionally, **MoE blocks** with `take_counts()` (the tokens each expert received since the
   last call), `aux_weight`/`aux_loss_coef` (the balancing loss's weight in backward), and
-  for the sigmoid router `expert_bias` and `bias_rate`: `set_aux_scale` and `after_step`
-  use them, whatever the layout.
+  `after_routing(counts)`, the block's own rule on the step's routing (the sigmoid
+  router's bias): `set_aux_scale` and `after_step` use them, whatever the layout.
 
 ep folds into dp (plait.runtime.mesh: the ep and edp axes). Expert parameters are averaged
 over edp, the dp ranks holding the same experts, and divided by dp, not dp / ep: each
@@ -28,9 +28,11 @@ from torch import nn
 from plait.errors import PlaitError
 from plait.parallel.expert.dispatch import ExpertDispatch, take_formula
 from plait.parallel.expert.shard import EXPERT_ATTR, ExpertShard
+from plait.parallel.hooks import StepHooks
 from plait.rules import check_experts_split
 from plait.runtime import comm
 from plait.runtime.comm import Axis
+from plait.runtime.mesh import EXPERT, SYNC, Mesh
 
 ATTR = "_plait_expert_parallel"
 
@@ -101,9 +103,10 @@ def begin_step(model: nn.Module) -> None:
 def after_step(model: nn.Module, sync: Axis) -> dict[str, Any]:
     """After each optimizer step: the tokens each expert received this step, summed over the
     micro-batches and over `sync` (the ranks holding other samples), so every rank sees the
-    whole batch's routing; the sigmoid router's bias moves towards balance by it (the same
-    update on every rank, once per step whatever the accumulation). Returns what the step's
-    record shows: tokens per expert per MoE layer, the balancing loss, dropped assignments."""
+    whole batch's routing; a block that balances itself by them (the sigmoid router's bias:
+    `after_routing`, the model's own rule) moves the same way on every rank, once per step
+    whatever the accumulation. Returns what the step's record shows: tokens per expert per
+    MoE layer, the balancing loss, dropped assignments."""
     blocks = moe_blocks(model)
     if not blocks:
         return {}
@@ -114,9 +117,46 @@ def after_step(model: nn.Module, sync: Axis) -> dict[str, Any]:
     counts, dropped = both[:, :-1], both[:, -1]
     for block, seen in zip(blocks, counts):
         block.dropped.zero_()
-        if getattr(block, "router", "") == "sigmoid" and block.bias_rate > 0:
-            block.expert_bias.add_(block.bias_rate * torch.sign(seen.mean() - seen).to(block.expert_bias.dtype))
+        if hasattr(block, "after_routing"):
+            block.after_routing(seen)
     aux = [float(block.last_aux) for block in blocks if getattr(block, "aux_loss_coef", 0) > 0
            and getattr(block, "router", "") == "softmax"]
     return {"tokens_per_expert": counts.tolist(), "dropped": float(dropped.sum()),
             "aux_loss": sum(aux) / len(aux) if aux else None, "alltoall_formula": take_formula(model)}
+
+
+class ExpertHooks(StepHooks):
+    """A mixture of experts' part in each step (at any ep, 1 included): the balancing loss's
+    gradient scaled as the main loss's is, the step's routing counted over the data ranks into
+    its record beside the ep bytes the ledger measured, and the run's routing summed up."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh):
+        self.model, self.sync = model, mesh.axis(SYNC)
+
+    def begin_step(self, loss_scale: float, micro_batches: int) -> None:
+        begin_step(self.model)  # the formula of this step's routing starts with the ledger's snapshot
+        set_aux_scale(self.model, loss_scale / micro_batches)
+
+    def end_step(self, step_comm: dict[str, Any]) -> dict[str, Any]:
+        routing = after_step(self.model, self.sync)
+        # This rank's ep bytes beside the formula on its routing (the world's comm is a max).
+        return {"moe": {**routing, "alltoall_measured": step_comm.get(EXPERT, {}).get("all_to_all", 0.0)}}
+
+    def summary(self, history: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"experts": expert_summary(history)} if any("moe" in r for r in history) else {}
+
+
+def expert_summary(history: list[dict[str, Any]]) -> dict[str, Any]:
+    """A mixture of experts' routing over the run (the steps' "moe" records, every rank's
+    tokens summed): tokens per expert per MoE layer (this rank's layers), min / mean / max
+    per layer, the balancing loss first and last, dropped assignments, and the last step's
+    ep all-to-all bytes measured beside the formula on that step's routing (rank 0's both)."""
+    steps = [r["moe"] for r in history if "moe" in r]
+    totals = [list(map(sum, zip(*layer))) for layer in zip(*(s["tokens_per_expert"] for s in steps))]
+    aux = [s["aux_loss"] for s in steps if s.get("aux_loss") is not None]
+    return {"tokens_per_expert": totals,
+            "per_layer": [{"min": min(t), "mean": sum(t) / len(t), "max": max(t)} for t in totals],
+            "aux_loss_first": aux[0] if aux else None, "aux_loss_last": aux[-1] if aux else None,
+            "dropped": sum(s["dropped"] for s in steps),
+            "alltoall_measured": steps[-1].get("alltoall_measured", 0.0),
+            "alltoall_formula": steps[-1].get("alltoall_formula", 0.0)}

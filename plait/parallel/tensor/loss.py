@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from plait.runtime import comm
 from plait.runtime.comm import Axis
@@ -75,3 +76,12 @@ def gather_vocab(local_logits: torch.Tensor, axis: Axis, purpose: str = "eval") 
         return local_logits
     stacked = all_gather_stacked(local_logits.movedim(-1, 0), axis, purpose)
     return stacked.flatten(0, 1).movedim(0, -1)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, *, axis: Axis | None = None,
+            reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross-entropy of (batch, seq, V or V/tp) logits against (batch, seq) ids."""
+    flat, ids = logits.flatten(0, -2).float(), targets.flatten()
+    if axis is None or axis.size == 1:
+        return F.cross_entropy(flat, ids, reduction=reduction)
+    return vocab_parallel_cross_entropy(flat, ids, axis, reduction)

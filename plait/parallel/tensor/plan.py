@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from plait.errors import PlaitError
@@ -31,7 +30,7 @@ from plait.parallel.tensor.entry import SharedEntry
 from plait.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, Shard,
                                           VocabParallelEmbedding, enter_region, overrides_forward, shard_of,
                                           split_embedding_in_place, sum_grad_over)
-from plait.parallel.tensor.loss import vocab_parallel_cross_entropy
+from plait.parallel.tensor.loss import lm_loss, vocab_parallel_cross_entropy
 from plait.runtime import comm
 from plait.runtime.comm import Axis
 from plait.parallel.tensor.ops import all_gather_stacked, register_axis
@@ -152,15 +151,6 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 # -- what the trainer calls instead of the dense versions -------------------------------------
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor, *, axis: Axis | None = None,
-            reduction: str = "mean") -> torch.Tensor:
-    """Next-token cross-entropy of (batch, seq, V or V/tp) logits against (batch, seq) ids."""
-    flat, ids = logits.flatten(0, -2).float(), targets.flatten()
-    if axis is None or axis.size == 1:
-        return F.cross_entropy(flat, ids, reduction=reduction)
-    return vocab_parallel_cross_entropy(flat, ids, axis, reduction)
-
-
 def tp_loss_fn(model: nn.Module) -> Callable[..., torch.Tensor]:
     """`lm_loss` bound to the model's TP axis: loss_fn(logits, targets, reduction="mean")."""
     info = tensor_parallel_of(model)

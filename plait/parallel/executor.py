@@ -1,0 +1,207 @@
+"""The executor: how a step's micro-batches, an evaluation and a sample run through whatever
+`parallelize` applied, so that the training loop never asks which strategies it has.
+
+The loop (plait.train.trainer) keeps the step in plain sight: the micro-batches, the
+guard's verdict, `optimizer.step()`, `zero_grad()`. What differs by layout lives here:
+
+- **the micro-batch loop**: the pipeline's schedule (every micro-batch, gradients reduced at
+  its end), or a plain loop that syncs gradients on the last micro-batch only;
+- **step hooks** the strategies and models contribute (`StepHooks`): context parallelism
+  keeps this cp rank's tokens of each batch and is engaged through forward and backward; a
+  mixture of experts scales its balancing loss, counts its routing into the step's record
+  and sums it up for the run;
+- **forward-only passes**: evaluation's per-sample rows, and the next-token logits sampling
+  needs (padded to tp under sequence parallelism, gathered over the vocabulary when the head
+  keeps it split, sent from the last pipeline stage to the others);
+- **the whole weights**, by one in-memory route for every layout: the pieces a checkpoint
+  would write (plait.parallel.pieces), gathered on the main rank and assembled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.errors import PlaitError
+from plait.parallel.compiled import eager
+from plait.parallel.context.plan import ContextHooks, context_of
+from plait.parallel.data.sync import no_sync
+from plait.parallel.expert.plan import ExpertHooks, moe_blocks
+from plait.parallel.hooks import StepHooks
+from plait.parallel.pieces import local_pieces
+from plait.parallel.pipeline.runner import PipelineRunner
+from plait.parallel.pipeline.timeline import timeline_to_dict
+from plait.parallel.seam import logits_of
+from plait.parallel.tensor.loss import gather_vocab, lm_loss
+from plait.parallel.tensor.plan import tensor_parallel_of
+from plait.runtime import comm
+from plait.runtime.mesh import Mesh
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+LossFn = Callable[..., torch.Tensor]
+
+
+def step_hooks(model: nn.Module, mesh: Mesh) -> list[StepHooks]:
+    """What the applied strategies and the model add to each step, in the order they run."""
+    hooks: list[StepHooks] = []
+    if context_of(model) is not None:
+        hooks.append(ContextHooks(model))
+    if moe_blocks(model):
+        hooks.append(ExpertHooks(model, mesh))
+    return hooks
+
+
+class Executor:
+    """Runs steps, evaluations and samples of `model` (what `parallelize` returned) on `mesh`."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh):
+        self.model, self.mesh = model, mesh
+        self.runner = PipelineRunner(model, mesh) if mesh.size("pp") > 1 else None
+        self.hooks = step_hooks(model, mesh)
+
+    # -- a training step ---------------------------------------------------------------------
+    def token_loss(self, logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean", *,
+                   sliced: bool = True) -> torch.Tensor:
+        """Next-token cross-entropy of (batch, seq, V) logits, or of the vocabulary slice a
+        tensor-parallel head keeps (the ranks then exchange three floats per token).
+        `sliced=False`: the logits are whole whatever the layout (gathered for the user's code)."""
+        info = tensor_parallel_of(self.model) if sliced else None
+        return lm_loss(logits, targets, axis=info.axis if info else None, reduction=reduction)
+
+    def batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> Batch:
+        """A micro-batch on this rank's device, as the hooks keep it (cp: this rank's tokens)."""
+        batch = (inputs.to(self.mesh.device), targets.to(self.mesh.device))
+        for hook in self.hooks:
+            batch = hook.batch(*batch)
+        return batch
+
+    def begin_step(self, loss_scale: float, micro_batches: int) -> None:
+        for hook in self.hooks:
+            hook.begin_step(loss_scale, micro_batches)
+
+    def forward_backward(self, batches: Sequence[Batch], loss_fn: LossFn, *, measure: bool, read_loss: bool,
+                         meter: Any) -> tuple[float | None, int]:
+        """Forward and backward every micro-batch: the step's mean loss (None when not read
+        back: one host sync a step, none under --measure off) and the bytes saved for backward
+        (`meter` tracks them in a plain loop when `measure`; the pipeline counts its own)."""
+        with self._engaged():
+            if self.runner is not None:
+                self.runner.measure = measure  # the barrier and the timeline's all-gather
+                loss = self.runner.step([x for x, _ in batches], [t for _, t in batches], loss_fn)
+                return loss, self.runner.last_stats.peak_saved_bytes
+            loss_sum = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
+            for k, (inputs, targets) in enumerate(batches):
+                # Only the last micro-batch synchronises gradients: the others accumulate locally.
+                with contextlib.nullcontext() if k == len(batches) - 1 else no_sync(self.model):
+                    with meter.track(self.model) if measure else contextlib.nullcontext():
+                        outputs = self.model(inputs)
+                    loss = loss_fn(outputs, targets)
+                    (loss / len(batches)).backward()
+                loss_sum += loss.detach()
+        mean = (loss_sum / len(batches)).item() if read_loss else None
+        return mean, meter.last if measure else 0
+
+    def end_step(self, step_comm: dict[str, Any]) -> dict[str, Any]:
+        """After the optimizer step: what the hooks add to the step's record."""
+        record: dict[str, Any] = {}
+        for hook in self.hooks:
+            record.update(hook.end_step(step_comm))
+        return record
+
+    def summary(self, history: list[dict[str, Any]]) -> dict[str, Any]:
+        """What the hooks add to the run's summary, from the steps' records."""
+        out: dict[str, Any] = {}
+        for hook in self.hooks:
+            out.update(hook.summary(history))
+        return out
+
+    @contextlib.contextmanager
+    def _engaged(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for hook in self.hooks:
+                stack.enter_context(hook.engaged())
+            yield
+
+    # -- forward only --------------------------------------------------------------------------
+    @property
+    def eval_multiple(self) -> int:
+        """What an evaluation's micro-batch count must be a multiple of (the interleaved schedule's pp)."""
+        return self.runner.microbatch_multiple if self.runner is not None else 1
+
+    def eval_rows(self, batches: Sequence[Batch], rows: Callable[[Any, torch.Tensor], torch.Tensor],
+                  width: int) -> torch.Tensor:
+        """(batches, micro-batch, width): `rows(outputs, targets)` of every micro-batch, on every rank."""
+        if self.runner is not None:
+            return self.runner.eval_rows([x for x, _ in batches], [t for _, t in batches], rows, width)
+        return torch.stack([rows(self.model(x), t) for x, t in batches]).to(self.mesh.device)
+
+    @torch.no_grad()
+    @eager()
+    def next_logits(self, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Whole-vocabulary logits after the last position of `ids` (batch, seq), on every rank.
+        Causal attention never lets a position see the padding sequence parallelism adds after it."""
+        info = tensor_parallel_of(self.model)
+        multiple = info.axis.size if info is not None and info.sp else 1
+        length = ids.shape[1]
+        padded = F.pad(ids, (0, -length % multiple))
+        self.model.eval()
+        try:
+            if self.runner is not None:
+                logits = self.runner.last_logits(padded, position=length - 1)
+            else:
+                logits = logits_of(self.model(padded))[:, length - 1]
+        finally:
+            self.model.train()
+        if logits is not None and info is not None and logits.shape[-1] != vocab_size:
+            logits = gather_vocab(logits, info.axis)  # the head keeps them split by vocabulary
+        if self.runner is None:
+            return logits
+        whole = logits.float() if logits is not None else torch.zeros((ids.shape[0], vocab_size),
+                                                                       device=self.mesh.device)
+        comm.broadcast(whole, self.mesh.axis("pp"), src=self.mesh.size("pp") - 1, purpose=comm.TELEMETRY)
+        return whole
+
+    # -- what a run keeps --------------------------------------------------------------------
+    def timeline(self) -> dict | None:
+        """The last measured pipeline step's timeline as plain data (None without a pipeline)."""
+        timeline = self.runner.last_timeline if self.runner is not None else None
+        return timeline_to_dict(timeline) if timeline is not None else None
+
+    def whole_weights(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor] | None:
+        """The whole model's weights by their logical names on the main rank (None elsewhere;
+        collective). Every layout describes what this rank holds as checkpoint pieces; each
+        piece is written by one rank, so gathering the written ones covers every tensor once."""
+        return whole_weights(self.model, optimizer, self.mesh)
+
+
+def whole_weights(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh) -> dict[str, torch.Tensor] | None:
+    """See `Executor.whole_weights`: owned model pieces gathered to world rank 0, assembled."""
+    mine = [(piece.name.removeprefix("model/"), piece.tensor.detach().cpu().clone(), piece.offsets, piece.full_shape)
+            for piece in local_pieces(model, optimizer, mesh) if piece.owned and piece.name.startswith("model/")]
+    gathered = comm.gather_objects(mine, mesh.axis("world"), purpose=comm.TELEMETRY)
+    if gathered is None:
+        return None
+    return assemble([piece for pieces in gathered for piece in pieces])
+
+
+def assemble(pieces: Sequence[tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]]) -> dict[str, torch.Tensor]:
+    """{name: the full tensor} from (name, block, offsets, full shape) pieces that tile it."""
+    out: dict[str, torch.Tensor] = {}
+    covered: dict[str, int] = {}
+    for name, block, offsets, full_shape in sorted(pieces, key=lambda p: (p[0], p[2])):
+        full = out.setdefault(name, block.new_empty(full_shape))
+        region = functools.reduce(lambda t, d: t.narrow(d, offsets[d], block.shape[d]), range(block.ndim), full)
+        region.copy_(block)
+        covered[name] = covered.get(name, 0) + block.numel()
+    short = [name for name, tensor in out.items() if covered[name] != tensor.numel()]
+    if short:  # a layout whose pieces miss or repeat a block: never hand back uninitialised memory
+        raise PlaitError(f"the whole weights of {', '.join(short[:3])} were assembled from pieces covering "
+                         f"{covered[short[0]]} of {out[short[0]].numel()} elements",
+                         hint="a strategy's checkpoint pieces do not tile its tensors; report it with the layout")
+    return out
