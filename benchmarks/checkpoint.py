@@ -42,9 +42,9 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     import plait
-    from plait.models.config import get_preset
-    from plait.models.gpt import build_gpt
-    from plait.train import checkpoint, checkpoint_read
+    from plait.models.gpt.config import get_preset
+    from plait.models.gpt.model import build_gpt
+    from plait.train.checkpoint import read as checkpoint_read, write as checkpoint
     from plait.runtime.env import set_cpu_threads
 
     mesh = plait.init_mesh()
@@ -99,11 +99,11 @@ def training_worker(args: argparse.Namespace) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     import plait
-    from plait.models.config import get_preset
-    from plait.models.gpt import build_gpt
+    from plait.models.gpt.config import get_preset
+    from plait.models.gpt.model import build_gpt
     from plait.runtime import comm
     from plait.runtime.env import set_cpu_threads
-    from plait.train import checkpoint
+    from plait.train.checkpoint import write as checkpoint
 
     if os.environ.get("WORLD_SIZE") == "1":  # DCP needs a process group even for one rank (plait does not)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=0,

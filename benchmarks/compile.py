@@ -58,8 +58,8 @@ def plain_worker(model_name: str, micro_batch: int, seq_len: int, steps: int, co
     import torch
     import torch.nn.functional as F
 
-    from plait.models.config import get_preset
-    from plait.models.gpt import build_gpt
+    from plait.models.gpt.config import get_preset
+    from plait.models.gpt.model import build_gpt
 
     torch.manual_seed(0)
     model = build_gpt(get_preset(model_name), 0)

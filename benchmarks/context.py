@@ -50,7 +50,7 @@ from run to run; compare within a row."""
 def model_config(args: argparse.Namespace, seq: int) -> Any:
     from dataclasses import replace
 
-    from plait.models.config import get_preset
+    from plait.models.gpt.config import get_preset
 
     return replace(get_preset("small"), n_heads=8, n_kv_heads=4, n_layers=args.layers, max_seq_len=seq)
 
@@ -82,7 +82,7 @@ def one_run(args: argparse.Namespace, seq: int, cp: int, kind: str, clock: Kerne
     from plait.bench.machine import machine_hardware
     from plait.bench.meter import ActivationMeter
     from plait.layout import Layout
-    from plait.models.gpt import build_gpt
+    from plait.models.gpt.model import build_gpt
     from plait.api import parallelize
     from plait.parallel.compose import build_optimizer
     from plait.parallel.context.plan import context_engaged, shard_batch

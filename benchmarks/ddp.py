@@ -32,8 +32,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
 
     import plait
-    from plait.models.config import get_preset
-    from plait.models.gpt import build_gpt
+    from plait.models.gpt.config import get_preset
+    from plait.models.gpt.model import build_gpt
     from plait.runtime.env import set_cpu_threads
 
     mesh = plait.init_mesh()

@@ -171,8 +171,8 @@ def plain_worker(spec: str, micro_batch: int, seq_len: int, steps: int, compiled
     import torch
     import torch.nn.functional as F
 
-    from plait.models.config import get_preset
-    from plait.models.gpt import build_gpt
+    from plait.models.gpt.config import get_preset
+    from plait.models.gpt.model import build_gpt
 
     device = torch.device("cuda", 0)
     torch.manual_seed(0)
@@ -215,7 +215,7 @@ def plain_worker(spec: str, micro_batch: int, seq_len: int, steps: int, compiled
 
 def flops_per_token(spec: str, seq_len: int) -> float:
     from plait.estimate.time import flops_per_token as f
-    from plait.models.config import get_preset
+    from plait.models.gpt.config import get_preset
 
     return f(get_preset(spec), seq_len)[0]
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from plait.estimate.hardware import get_hardware  # noqa: E402
 from plait.estimate.layout import Workload  # noqa: E402
 from plait.estimate.time import estimate_time  # noqa: E402
-from plait.models.config import GPTConfig  # noqa: E402
+from plait.models.gpt.config import GPTConfig  # noqa: E402
 
 # (billions of params, heads, hidden, layers, t, p, GPUs, batch, TFLOP/s per GPU, % of peak)
 NARAYANAN_TABLE_1 = (
@@ -88,7 +88,7 @@ MEASURED_RUNS = (
 
 def measured_rows() -> list[tuple]:
     """(name, measured s/step, predicted s/step) of MEASURED_RUNS."""
-    from plait.models.config import get_preset
+    from plait.models.gpt.config import get_preset
 
     return [(name, measured, estimate_time(get_preset(spec), layout, get_hardware(hw), 8).step_s)
             for name, spec, layout, hw, measured in MEASURED_RUNS]

@@ -35,8 +35,8 @@ def build(name: str, mesh: Any, args: argparse.Namespace) -> tuple[Any, Any]:
     import torch
 
     import plait
-    from plait.models.config import get_preset
-    from plait.models.gpt import build_gpt
+    from plait.models.gpt.config import get_preset
+    from plait.models.gpt.model import build_gpt
 
     model = build_gpt(get_preset(args.model), 0)
     if name.startswith("plait"):

@@ -42,9 +42,9 @@ def worker(args: argparse.Namespace) -> None:
     """One rank: the demo trainer, its steps timed per measure mode; rank 0 writes the medians."""
     from plait.families import family_of
     from plait.runtime.mesh import init_mesh
-    from plait.train.config import build_config
+    from plait.train.config.settings import build_config
     from plait.runtime.env import set_cpu_threads
-    from plait.train.trainer import Trainer
+    from plait.train.loop.trainer import Trainer
 
     flags = {"model": args.model, "pp": args.pp, "grad_accum": args.grad_accum, "micro_batch": args.micro_batch,
              "seq_len": args.seq_len, "steps": 10_000, "out": args.out}
@@ -77,7 +77,7 @@ def _time_the_telemetry(trainer) -> list[float]:
     """Wrap the code that only measures (the gathers, the storage walk, the pipeline's
     barrier and timeline) to add its seconds to a counter: a figure less noisy than a
     difference of two step times on a busy machine. The saved-tensor hooks are not in it."""
-    import plait.train.trainer as trainer_module
+    import plait.train.loop.trainer as trainer_module
 
     spent = [0.0]
 

@@ -58,8 +58,8 @@ def one_run(args: Any, model_name: str, ep: int, plain: bool, clock: AllToAllClo
     import torch.nn.functional as F
 
     from plait.layout import Layout
-    from plait.models.config import get_preset
-    from plait.models.gpt import build_gpt
+    from plait.models.gpt.config import get_preset
+    from plait.models.gpt.model import build_gpt
     from plait.api import parallelize
     from plait.parallel.compose import adamw_kernel, build_optimizer
     from plait.runtime import comm
@@ -135,7 +135,7 @@ def forwarded(args: Any) -> list[str]:
 
 
 def table(rows: list[dict], args: Any) -> str:
-    from plait.models.config import get_preset
+    from plait.models.gpt.config import get_preset
 
     moe, dense_params = get_preset(MOE), get_preset(DENSE).num_params()
     dense = {r["world"]: r["step_s"] for r in rows if r["model"] == DENSE and r["how"] == "plait"}

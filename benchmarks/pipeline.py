@@ -92,7 +92,7 @@ class PlaitSide:
         import torch
 
         import plait
-        from plait.models.gpt import build_gpt
+        from plait.models.gpt.model import build_gpt
         from plait.parallel.pipeline.runner import PipelineRunner, apply_pipeline
 
         self.mesh, self.config = mesh, model_config(args)
@@ -129,7 +129,7 @@ class TorchSide:
             PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
         )
 
-        from plait.models.gpt import build_gpt
+        from plait.models.gpt.model import build_gpt
         from plait.parallel.pipeline.split import rank_stages, split_stages
 
         pp, rank = mesh.size("pp"), mesh.rank("pp")
@@ -194,7 +194,7 @@ def loss_fn(logits: Any, targets: Any) -> Any:
 def model_config(args: argparse.Namespace) -> Any:
     import dataclasses
 
-    from plait.models.config import get_preset
+    from plait.models.gpt.config import get_preset
 
     return dataclasses.replace(get_preset(args.model), n_layers=args.layers, tie_embeddings=False)
 

@@ -38,8 +38,8 @@ def _plait(precision: str, mesh: Any, args: argparse.Namespace, reduce_dtype: st
     import torch
 
     import plait
-    from plait.models.config import get_preset
-    from plait.models.gpt import build_gpt
+    from plait.models.gpt.config import get_preset
+    from plait.models.gpt.model import build_gpt
     from plait.parallel.precision import StepGuard, param_dtype, reduce_dtype_of
 
     model = build_gpt(get_preset(args.model), 0).to(param_dtype(precision))
@@ -51,8 +51,8 @@ def _plait(precision: str, mesh: Any, args: argparse.Namespace, reduce_dtype: st
 def _torch(precision: str, args: argparse.Namespace) -> tuple[Any, Any, Any]:
     import torch
 
-    from plait.models.config import get_preset
-    from plait.models.gpt import build_gpt
+    from plait.models.gpt.config import get_preset
+    from plait.models.gpt.model import build_gpt
 
     model = torch.nn.parallel.DistributedDataParallel(build_gpt(get_preset(args.model), 0))
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if precision == "fp16" else None
@@ -164,7 +164,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     import plait
-    from plait.models.config import get_preset
+    from plait.models.gpt.config import get_preset
     from plait.runtime.env import set_cpu_threads
 
     mesh = plait.init_mesh()

@@ -38,9 +38,9 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     import plait
-    from plait.models.config import get_preset
-    from plait.models.gpt import build_gpt
-    from plait.train import checkpoint, checkpoint_read
+    from plait.models.gpt.config import get_preset
+    from plait.models.gpt.model import build_gpt
+    from plait.train.checkpoint import read as checkpoint_read, write as checkpoint
     from plait.runtime.env import set_cpu_threads
 
     set_cpu_threads(NPROC)  # as plait train does: 8 processes share the cores, one thread each here

@@ -42,7 +42,7 @@ for the gap on a model this small on a CPU (not profiled)."""
 
 def bench_config(args: argparse.Namespace) -> Any:
     """`small` with 8 heads and 4 KV heads, so that tp = 4 splits whole heads."""
-    from plait.models.config import get_preset
+    from plait.models.gpt.config import get_preset
 
     return replace(get_preset("small"), n_heads=8, n_kv_heads=4, n_layers=args.layers)
 
@@ -78,7 +78,7 @@ def build(variant: str, config: Any, mesh: Any) -> tuple[Any, Any]:
 
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from plait.models.gpt import build_gpt
+    from plait.models.gpt.model import build_gpt
     from plait.parallel.tensor.plan import apply_tensor_parallel
     from tests.worlds.tensor_common import build_native
 
@@ -118,7 +118,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     import plait
-    from plait.models.gpt import build_gpt
+    from plait.models.gpt.model import build_gpt
     from plait.estimate.activations import llama_layer_bytes, rope_table_bytes
     from plait.estimate.layout import Workload
     from plait.runtime.env import set_cpu_threads

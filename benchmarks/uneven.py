@@ -36,7 +36,7 @@ def flags(args, cut: str) -> list[str]:
 def predicted_stages(args, cut: str, hardware) -> list[float]:
     """The estimate's micro-batch seconds per pipeline rank, on the run's calibrated profile."""
     from plait.estimate import estimate_layout
-    from plait.models.config import get_preset
+    from plait.models.gpt.config import get_preset
 
     result = estimate_layout(get_preset(f"{args.model},n_layers=6"), hardware=hardware, pp=2,
                              stage_layers=tuple(int(c) for c in cut.split(",")), grad_accum=args.grad_accum,

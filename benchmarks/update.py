@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from plait.models.config import get_preset  # noqa: E402
-from plait.models.gpt import build_gpt  # noqa: E402
+from plait.models.gpt.config import get_preset  # noqa: E402
+from plait.models.gpt.model import build_gpt  # noqa: E402
 from plait.api import parallelize  # noqa: E402
 from plait.parallel.compose import ParallelConfig, build_optimizer  # noqa: E402
 from plait.parallel.precision import StepGuard  # noqa: E402

@@ -33,8 +33,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
 
     import plait
-    from plait.models.resnet import build_resnet
-    from plait.models.resnet_config import get_resnet
+    from plait.models.resnet.model import build_resnet
+    from plait.models.resnet.config import get_resnet
     from plait.runtime.env import set_cpu_threads
 
     mesh = plait.init_mesh()

@@ -51,8 +51,8 @@ def build(name: str, mesh: Any, args: argparse.Namespace) -> tuple[Any, Any]:
     import torch
 
     import plait
-    from plait.models.config import get_preset
-    from plait.models.gpt import build_gpt
+    from plait.models.gpt.config import get_preset
+    from plait.models.gpt.model import build_gpt
 
     model = build_gpt(get_preset(args.model), 0)
     if name in PLAIT:
@@ -141,8 +141,8 @@ def step_without_zero_grad(model: Any, optimizer: Any, batch: Any) -> None:
 
 
 def build_gpt_params(args: argparse.Namespace) -> list[Any]:
-    from plait.models.config import get_preset
-    from plait.models.gpt import build_gpt
+    from plait.models.gpt.config import get_preset
+    from plait.models.gpt.model import build_gpt
 
     return list(build_gpt(get_preset(args.model), 0).parameters())
 
@@ -176,8 +176,8 @@ def warm_up_runtime() -> None:
     import torch
     import torch.nn.functional as F
 
-    from plait.models.config import get_preset
-    from plait.models.gpt import build_gpt
+    from plait.models.gpt.config import get_preset
+    from plait.models.gpt.model import build_gpt
 
     model = build_gpt(get_preset("tiny"), 0)
     optimizer = torch.optim.AdamW(model.parameters())

@@ -32,7 +32,7 @@ _EXPORTS = {
     "shard_batch": "plait.parallel.context.plan",
     "SyncBatchNorm": "plait.parallel.data.syncbn",
     "convert_sync_batchnorm": "plait.parallel.data.syncbn",
-    "shard_indices": "plait.train.data",
+    "shard_indices": "plait.train.data.corpus",
     "PlaitError": "plait.errors",
 }
 

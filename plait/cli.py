@@ -82,7 +82,7 @@ def _dispatch(argv: list[str]) -> int:
     if command == "ckpt":
         return cmd_ckpt(rest)
     if command == "data":
-        from plait.train.prepare import data_main
+        from plait.train.data.prepare import data_main
 
         return data_main(rest)
     if command == "estimate":
@@ -135,7 +135,7 @@ def train_parser() -> argparse.ArgumentParser:
     """One flag per TrainConfig field, so the dataclass is the one place options are defined;
     `--model`'s help lists the registered families (plait.families)."""
     from plait.families import registered
-    from plait.train.config import TrainConfig
+    from plait.train.config.settings import TrainConfig
 
     parser = argparse.ArgumentParser(
         prog="plait train",
@@ -161,14 +161,14 @@ def train_parser() -> argparse.ArgumentParser:
 
 
 def _flag_type(annotation: Any) -> Any:
-    # Flags arrive as text: train/config_check.py converts and range-checks them with the
+    # Flags arrive as text: train/config/check.py converts and range-checks them with the
     # TOML values, so a wrong one is one PlaitError naming the flag, like a wrong TOML value.
     return str
 
 
 def cmd_train(argv: list[str]) -> int:
     from plait.families import family_of, import_families
-    from plait.train.config import build_config, load_toml, validate
+    from plait.train.config.settings import build_config, load_toml, validate
 
     file_values = load_toml(_config_file(argv)) if _config_file(argv) else {}
     import_families(_flag(argv, "--imports") or file_values.get("imports", ""))  # their families join --help
@@ -178,12 +178,12 @@ def cmd_train(argv: list[str]) -> int:
     family = family_of(config)
     validate(config, family)
     if _inside_job() or config.nproc == 1:
-        from plait.train.run import train
+        from plait.train.loop.run import train
 
         train(config, family)
         return 0
     from plait.runtime.launch import spawn
-    from plait.train.restart import warn_restarts_without_saves
+    from plait.train.checkpoint.restart import warn_restarts_without_saves
 
     warn_restarts_without_saves(config.max_restarts, config.save_every)
     command = [sys.executable, "-m", "plait", "train"]
@@ -194,10 +194,10 @@ def cmd_train(argv: list[str]) -> int:
 
 def _restart_argv(argv: list[str], config: Any, nproc: int) -> list[str]:
     """A restarted world's flags: the same, resumed; on another size, its --nproc and
-    --grad-accum (plait.train.elastic keeps the global batch)."""
+    --grad-accum (plait.train.checkpoint.elastic keeps the global batch)."""
     from plait.layout import Layout
-    from plait.train.elastic import accumulation
-    from plait.train.restart import restart_argv
+    from plait.train.checkpoint.elastic import accumulation
+    from plait.train.checkpoint.restart import restart_argv
 
     if nproc == config.nproc:
         return restart_argv(argv, config.out)
@@ -208,7 +208,7 @@ def _restart_argv(argv: list[str], config: Any, nproc: int) -> list[str]:
 def _smaller_worlds(config: Any) -> list[int]:
     """The world sizes from --min-nproc to --nproc that keep the run's global batch (none
     without --min-nproc: the spawner then never shrinks the world)."""
-    from plait.train.elastic import world_sizes
+    from plait.train.checkpoint.elastic import world_sizes
 
     if config.min_nproc is None:
         return []
@@ -285,12 +285,12 @@ def cmd_ckpt(argv: list[str]) -> int:
     for p in (inspect, exporter):
         p.add_argument("--debug", action="store_true", help="show tracebacks")
     args = parser.parse_args(argv)
-    from plait.train import checkpoint_read
+    from plait.train.checkpoint import read as checkpoint_read
 
     if args.action == "inspect":
         print(checkpoint_read.describe(args.path))
     elif args.hf:
-        from plait.train.hf_export import export_hf
+        from plait.families.hf.export import export_hf
 
         out, count = export_hf(args.path, args.hf)
         print(f"wrote {count} tensors, config.json and the model's files to {out} "

@@ -6,7 +6,7 @@
 
 A layout is the degrees of the named axes (pp, dp, cp, ep, tp) and the choices that go with
 them: ZeRO's stage and offload, sequence parallelism, the pipeline schedule and its virtual
-stages. `plait train` makes one from its flags (plait.train.config), the Python API from
+stages. `plait train` makes one from its flags (plait.train.config.settings), the Python API from
 `init_mesh`'s arguments, `plait estimate` from its own flags (plait.estimate.layout.Workload
 extends it with the batch and precision); the mesh builds its groups from `grid`, the
 strategies read `mesh.layout`, and reports describe it with `describe`. Its rules live in

@@ -13,13 +13,13 @@ import torch
 from safetensors.torch import load_file
 
 from plait.errors import PlaitError
-from plait.models.config import get_preset
-from plait.models.gpt import build_gpt
+from plait.models.gpt.config import get_preset
+from plait.models.gpt.model import build_gpt
 from plait.runtime.env import ProcessEnv
 from plait.runtime.mesh import init_mesh
-from plait.train import checkpoint
-from plait.train.checkpoint_read import Reader, describe, load
-from plait.train.restart import resolve
+from plait.train.checkpoint import write as checkpoint
+from plait.train.checkpoint.read import Reader, describe, load
+from plait.train.checkpoint.restart import resolve
 from tests.parity import assert_losses_close
 from tests.worldlib import ROOT, run_losses, run_plait, split_slow
 

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from plait.cli import main, train_parser
 from plait.errors import PlaitError
-from plait.train.config import TrainConfig, build_config, load_toml
+from plait.train.config.settings import TrainConfig, build_config, load_toml
 from tests.golden import check
 from tests.parity import assert_losses_close, assert_params_close
 from tests.worldlib import Runs, run_plait, run_world
@@ -160,8 +160,8 @@ def test_debug_shows_the_traceback(tmp_path):
 
 def test_model_file_loads_without_plait(single):
     # model.safetensors is a plain file: torch alone can load it into a fresh GPT.
-    from plait.models.config import get_preset
-    from plait.models.gpt import build_gpt
+    from plait.models.gpt.config import get_preset
+    from plait.models.gpt.model import build_gpt
 
     *_, params = single[2]
     model = build_gpt(get_preset("tiny"), seed=99)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from plait.errors import PlaitError
 from plait.families import family_of
-from plait.train.config import TrainConfig, build_config, field_names, load_toml, validate
+from plait.train.config.settings import TrainConfig, build_config, field_names, load_toml, validate
 
 NAMES = [n for n in field_names() if n not in ("out", "data")]  # out is a temp dir; data is read later
 NEAR = st.integers(-2, 8)  # small integers reach the deeper layout checks

@@ -9,7 +9,7 @@ from plait.runtime import console, launch
 
 
 def test_an_error_line_never_lands_on_the_bar_line(tmp_path, monkeypatch, capsys):
-    from plait.train.run import _progress_bar
+    from plait.train.loop.run import _progress_bar
 
     monkeypatch.setenv(console.FOLDER_ENV, str(tmp_path))  # the world's scratch folder, as the spawner sets it
     bar = _progress_bar(10)
@@ -42,7 +42,7 @@ def test_a_log_line_starts_a_line_of_its_own(tmp_path, monkeypatch, capsys):
     import logging
     import sys
 
-    from plait.train.logs import setup_logging
+    from plait.train.observe.logs import setup_logging
 
     monkeypatch.setenv(console.FOLDER_ENV, str(tmp_path))
     bar = console.BarStream(sys.stderr)

@@ -11,7 +11,7 @@ import torch
 from plait.cli import main
 from plait.estimate import estimate_layout
 from plait.estimate.context import context_bytes, ring_exposed_s
-from plait.models.config import get_preset
+from plait.models.gpt.config import get_preset
 from plait.parallel.context.chunks import local_positions, natural_order, rank_order, shard_sequence
 
 
@@ -105,7 +105,7 @@ def test_layers_whose_mask_the_ring_does_not_build_are_refused() -> None:
     from types import SimpleNamespace
 
     from plait.errors import PlaitError
-    from plait.models.hf_context import check_layer_kinds
+    from plait.models.hf.context import check_layer_kinds
 
     class Llama4Like(torch.nn.Module):
         config = SimpleNamespace(layer_types=["full_attention", "chunked_attention"])
@@ -131,10 +131,10 @@ def test_memory_limit_names_the_cp_that_fits(tmp_path: Path, capsys: pytest.Capt
     assert capsys.readouterr().err.splitlines() == [
         "plait: error: dp=1 tp=1 pp=1 needs an estimated 0.59 GiB per rank, more than --memory-limit 0.5 GiB",
         "  hint: add --cp 2 (--nproc 2): each rank then holds 1/2 of every sequence"]
-    from plait.train.config import build_config
-    from plait.train.memory_limit import check_memory_limit
+    from plait.train.config.settings import build_config
+    from plait.train.config.memory_limit import check_memory_limit
     from plait.families import family_of
-    from plait.models.config import get_preset
+    from plait.models.gpt.config import get_preset
 
     config = build_config({}, {"model": "small,max_seq_len=2048", "seq_len": 2048, "micro_batch": 1, "cp": 2,
                                "nproc": 2, "memory_limit": 0.5}, family_of)

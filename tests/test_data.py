@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from plait.errors import PlaitError
-from plait.train.data import StepSampler, load_corpus, shard_indices, train_val_split
+from plait.train.data.corpus import StepSampler, load_corpus, shard_indices, train_val_split
 
 
 def step_samples(n, global_batch, dp, micro, step, seed=3):

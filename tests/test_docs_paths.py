@@ -3,7 +3,7 @@
 Read as text (no plait or torch import): README.md, docs/**/*.md and benchmarks/RESULTS.md; the paths
 may be under plait/, tests/, benchmarks/ or examples/.
 Checked, wherever they appear:
-- `plait/...` paths (a file, a folder ending in `/`, or a glob like `plait/models/hf_*.py`);
+- `plait/...` paths (a file, a folder ending in `/`, or a glob like `plait/models/hf/*.py`);
 - `tests/...py` and `benchmarks/...py` paths;
 - backticked names and partial paths (`launch.py`, `parallel/clip.py`, `pipeline*.py`): some
   file under plait/, benchmarks/ or tests/ ends with that name or path;
@@ -89,7 +89,7 @@ def test_the_checks_catch_a_stale_name() -> None:
     text = ("`plait/parallel/zero_optim.py` and `plait/parallel/nothing/` and `tensor_cost.py`,\n"
             "`parallel/nowhere.py`, `plait/models/nope_*.py`, plait.parallel.zero_shard.pack,\n"
             "plait.parallel.zero.optim.no_such_name; fine: `plait/parallel/zero/optim.py`, `launch.py`,\n"
-            "`pipeline/split.py`, `plait/models/hf_*.py`, `plait/parallel/tensor/`, plait.parallelize\n")
+            "`pipeline/split.py`, `plait/models/hf/*.py`, `plait/parallel/tensor/`, plait.parallelize\n")
     assert sorted(name for _, name in missing_names(text, files)) == sorted([
         "plait/parallel/zero_optim.py", "plait/parallel/nothing/", "tensor_cost.py", "parallel/nowhere.py",
         "plait/models/nope_*.py", "plait.parallel.zero_shard.pack", "plait.parallel.zero.optim.no_such_name"])

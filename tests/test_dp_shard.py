@@ -14,7 +14,7 @@ import pytest
 from plait.cli import main
 from plait.estimate import estimate_layout
 from plait.estimate.layout import Workload
-from plait.models.config import get_preset
+from plait.models.gpt.config import get_preset
 from tests.parity import assert_losses_close, assert_params_close
 from tests.worldlib import run_losses, run_plait, run_weights
 
@@ -80,7 +80,7 @@ def test_a_checkpoint_written_under_dp_shard_resumes_under_plain_zero3_and_under
 
 
 def test_an_elastic_world_keeps_only_sizes_the_shard_groups_divide():
-    from plait.train.elastic import world_sizes
+    from plait.train.checkpoint.elastic import world_sizes
 
     assert world_sizes(16, 2, up_to=8) == [1, 2, 4, 8]
     assert world_sizes(16, 2, up_to=8, dp_shard=2) == [2, 4, 8]

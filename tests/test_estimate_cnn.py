@@ -23,8 +23,8 @@ from plait.estimate.cnn import (
     training_gemms,
 )
 from plait.estimate.hardware import get_hardware
-from plait.models.resnet import build_resnet
-from plait.models.resnet_config import get_resnet
+from plait.models.resnet.model import build_resnet
+from plait.models.resnet.config import get_resnet
 from plait.parallel.recompute import apply_recompute
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -17,7 +17,7 @@ from plait.estimate.traffic import (
     tp_traffic,
 )
 from plait.estimate.layout import Workload, stages
-from plait.models.config import get_preset
+from plait.models.gpt.config import get_preset
 
 LEDGER_AXES = {"dp", "tp", "pp"}
 LEDGER_OPS = {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv"}

@@ -29,10 +29,10 @@ from plait.estimate.memory import (
     seed_rule_bytes,
     state_bytes,
 )
-from plait.models.config import GPTConfig, get_preset
+from plait.models.gpt.config import GPTConfig, get_preset
 from plait.rules import RECOMPUTE
 
-HAS_GPT = importlib.util.find_spec("plait.models.gpt") is not None
+HAS_GPT = importlib.util.find_spec("plait.models.gpt.model") is not None
 
 
 # -- model states: ZeRO (Rajbhandari et al. 2019), Figure 1 / Table 1 --------------------------
@@ -144,7 +144,7 @@ def _measure_saved(config: GPTConfig, batch: int, seq: int, dtype_name: str, wit
     import torch
     import torch.nn.functional as F
 
-    from plait.models.gpt import build_gpt
+    from plait.models.gpt.model import build_gpt
 
     model = build_gpt(config, seed=0).to(getattr(torch, dtype_name))
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -171,7 +171,7 @@ SHAPES = {
 }
 
 
-@pytest.mark.skipif(not HAS_GPT, reason="plait/models/gpt.py not written yet")
+@pytest.mark.skipif(not HAS_GPT, reason="plait/models/gpt/model.py not written yet")
 @pytest.mark.parametrize("name", list(SHAPES))
 @pytest.mark.parametrize("precision, dtype", [("fp32", "float32"), ("bf16", "bfloat16")])
 @pytest.mark.parametrize("batch, seq", [(2, 64), (3, 100)])
@@ -186,7 +186,7 @@ def test_our_block_matches_saved_tensors(name: str, precision: str, dtype: str, 
     assert predicted == measured  # in fact the count is exact
 
 
-@pytest.mark.skipif(not HAS_GPT, reason="plait/models/gpt.py not written yet")
+@pytest.mark.skipif(not HAS_GPT, reason="plait/models/gpt/model.py not written yet")
 def test_loss_keeps_fp32_log_softmax() -> None:
     """The loss adds its fp32 log-softmax (4 bytes per logit); memory.py books the loss
     (with the logits and their fp32 copy) as a buffer on the last stage."""

@@ -16,7 +16,7 @@ from plait.estimate.time import (
     matmul_params,
     micro_batch_s_per_stage,
 )
-from plait.models.config import get_preset
+from plait.models.gpt.config import get_preset
 
 H100 = get_hardware("h100-sxm")
 

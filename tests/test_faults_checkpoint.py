@@ -11,8 +11,8 @@ import safetensors.torch
 import torch
 
 from plait.errors import PlaitError
-from plait.train import checkpoint
-from plait.train.checkpoint_read import Reader, load
+from plait.train.checkpoint import write as checkpoint
+from plait.train.checkpoint.read import Reader, load
 from tests.test_checkpoint import single_mesh, trained
 
 

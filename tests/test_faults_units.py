@@ -19,8 +19,8 @@ from plait.runtime import launch
 from plait.runtime.inject import parse
 from plait.runtime import recorder as recorder_module
 from plait.runtime.recorder import KEY, Entry, FlightRecorder
-from plait.train.config import TrainConfig
-from plait.train.restart import resolve_auto, restart_argv, restart_count, warn_restarts_without_saves
+from plait.train.config.settings import TrainConfig
+from plait.train.checkpoint.restart import resolve_auto, restart_argv, restart_count, warn_restarts_without_saves
 
 
 class DictStore:
@@ -308,7 +308,7 @@ def wait_for_ready(out, nproc, attempt=0):
 def test_a_repeat_of_the_signal_is_the_same_preemption_and_the_other_signal_acts_at_once():
     """The spawner (or torchrun's agent) passes on the SIGTERM its ranks already got: one
     preemption. SIGTERM after a SIGUSR1 warning (the time limit is here) ends the process."""
-    from plait.train.preempt import Preemption
+    from plait.train.checkpoint.preempt import Preemption
 
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     preemption = Preemption().install()
@@ -330,7 +330,7 @@ def test_a_repeat_of_the_signal_is_the_same_preemption_and_the_other_signal_acts
 
 
 def test_the_world_sizes_that_keep_a_global_batch():
-    from plait.train.elastic import accumulation, world_sizes
+    from plait.train.checkpoint.elastic import accumulation, world_sizes
 
     assert world_sizes(8, 2) == [1, 2, 4]
     assert world_sizes(8, 2, tp=2, up_to=4) == [2, 4]
@@ -340,7 +340,7 @@ def test_the_world_sizes_that_keep_a_global_batch():
 
 def test_min_nproc_above_nproc_is_refused_before_spawning():
     from plait.families import family_of
-    from plait.train.config import build_config, validate
+    from plait.train.config.settings import build_config, validate
 
     config = build_config({}, {"nproc": "2", "min_nproc": "3"}, family_of)
     with pytest.raises(PlaitError, match="--min-nproc 3 is more than --nproc 2"):

@@ -49,8 +49,8 @@ def test_tensor_parallelism_and_unknown_scalings_are_refused():
 def test_the_blocks_linears_convert_and_the_head_and_odd_shapes_stay_bf16():
     from torchao.float8.float8_linear import Float8Linear
 
-    from plait.models.gpt import GPT
-    from plait.models.config import GPTConfig
+    from plait.models.gpt.model import GPT
+    from plait.models.gpt.config import GPTConfig
     from plait.parallel.fp8 import apply_fp8
     from plait.parallel.seam import adapter_of
 
@@ -77,7 +77,7 @@ def test_the_blocks_linears_convert_and_the_head_and_odd_shapes_stay_bf16():
 
 def test_the_estimate_runs_the_block_products_at_the_float8_peak_and_reports_mfu_against_bf16():
     from plait.estimate.time import estimate_time
-    from plait.models.config import GPTConfig
+    from plait.models.gpt.config import GPTConfig
 
     config = GPTConfig(vocab_size=32000, d_model=2048, n_heads=32, n_kv_heads=8, n_layers=16, ffn_hidden=8192,
                        max_seq_len=2048)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from plait.errors import PlaitError
-from plait.models.config import PRESETS, get_preset
-from plait.models.gpt import build_gpt
+from plait.models.gpt.config import PRESETS, get_preset
+from plait.models.gpt.model import build_gpt
 
 
 @pytest.mark.parametrize("name", ["tiny", "small"])

@@ -105,7 +105,7 @@ def test_first_loss_matches_transformers_on_the_same_batch(setup: dict[str, Path
     import torch.nn.functional as F
     from tokenizers import Tokenizer
 
-    from plait.train.data import StepSampler, train_val_split
+    from plait.train.data.corpus import StepSampler, train_val_split
 
     ids = Tokenizer.from_file(str(setup["dir"] / "tokenizer.json")).encode(corpus_text(), add_special_tokens=False).ids
     train, _ = train_val_split(torch.tensor(ids), SEQ)
@@ -200,7 +200,7 @@ def test_bad_model_dirs_fail_with_one_line_and_a_hint(setup: dict[str, Path], tm
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     import shutil
 
-    from plait.train.prepare import prepare
+    from plait.train.data.prepare import prepare
 
     cases = bad_dirs(tmp_path, setup["dir"])
     shutil.copyfile(setup["dir"] / "model.safetensors", tmp_path / "shards" / "model-00001-of-00002.safetensors")
@@ -218,7 +218,7 @@ def test_bad_model_dirs_fail_with_one_line_and_a_hint(setup: dict[str, Path], tm
 
 
 def test_export_hf_of_a_plait_gpt_checkpoint_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from plait.train.checkpoint import FORMAT
+    from plait.train.checkpoint.write import FORMAT
 
     step = tmp_path / "step-00000001"
     step.mkdir()
@@ -231,7 +231,7 @@ def test_export_hf_of_a_plait_gpt_checkpoint_says_so(tmp_path: Path, capsys: pyt
 
 
 def test_estimate_reads_the_shape_from_config_json(setup: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
-    from plait.models.hf_config import model_shape
+    from plait.models.hf.config import model_shape
 
     shape = model_shape(f"hf:{setup['dir']}")
     assert (shape.n_layers, shape.d_model, shape.n_heads, shape.n_kv_heads, shape.vocab_size) == (2, 32, 4, 2, 320)
@@ -247,8 +247,8 @@ def test_without_weights_every_rank_starts_from_the_seed(tmp_path: Path) -> None
     gives another model), whatever its layout; with them, DIR's weights."""
     import torch
 
-    from plait.models.hf_config import read_hf_dir
-    from plait.models.hf_load import build_hf_model
+    from plait.models.hf.config import read_hf_dir
+    from plait.models.hf.load import build_hf_model
 
     transformers.GPT2Config(vocab_size=256, n_embd=16, n_layer=1, n_head=2, n_positions=32).save_pretrained(tmp_path)
     hf = read_hf_dir(f"hf:{tmp_path}")
@@ -265,10 +265,10 @@ def test_raw_text_is_tokenized_as_data_prepare_would(setup: dict[str, Path], tmp
     import torch
 
     from plait.families import family_of
-    from plait.train.config import build_config, validate
-    from plait.train.data import map_tokens
-    from plait.train.hf_task import HFTask
-    from plait.train.prepare import prepare
+    from plait.train.config.settings import build_config, validate
+    from plait.train.data.corpus import map_tokens
+    from plait.families.hf.task import HFTask
+    from plait.train.data.prepare import prepare
 
     prepared = tmp_path / "prepared"
     prepare(str(setup["dir"]), str(setup["corpus"]), str(prepared))

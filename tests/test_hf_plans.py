@@ -10,7 +10,7 @@ from torch import nn
 
 from plait.errors import PlaitError
 from plait.models.adapters import adapter_for
-from plait.models.hf_plans import DeclaredPlanAdapter, declared
+from plait.models.hf.plans import DeclaredPlanAdapter, declared
 from plait.parallel.pipeline.split import split_stages
 from plait.parallel.tensor.entry import SharedEntry
 from plait.parallel.tensor.plan import parse_style, resolve_plan
@@ -84,7 +84,7 @@ def test_a_model_laid_out_as_its_siblings_is_cut_as_inferred(caplog: pytest.LogC
     model = qwen3()
     model._pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
     adapter = DeclaredPlanAdapter()
-    with caplog.at_level("INFO", logger="plait.models.hf_plans"):
+    with caplog.at_level("INFO", logger="plait.models.hf.plans"):
         parts = adapter.parts(model)
     assert (parts.blocks, parts.first, parts.last) == ("model.layers", ("model.embed_tokens",), ("model.norm", "lm_head"))
     assert "declares no pp_plan; cutting it as inferred: model.embed_tokens, model.layers, model.norm, lm_head" \

@@ -76,7 +76,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("models", ("plait.models",)),
     ("parallel", ("plait.parallel",)),
     ("estimate", ("plait.estimate",)),
-    ("shapes", ("plait.models.config", "plait.models.resnet_config", "plait.models.hf_config")),
+    ("shapes", ("plait.models.gpt.config", "plait.models.resnet.config", "plait.models.hf.config")),
     ("runtime", ("plait.runtime",)),
     ("base", ("plait", "plait.errors", "plait.wire", "plait.balance", "plait.interleave", "plait.rules",
               "plait.layout")),
@@ -144,11 +144,11 @@ def test_the_loop_imports_no_strategy() -> None:
 
 def test_a_strategy_imported_by_the_loop_is_found() -> None:
     """A planted import of expert parallelism in the trainer; the executor may import it."""
-    graph = {"plait.train.trainer": {"plait.parallel.executor", "plait.parallel.expert.plan"},
+    graph = {"plait.train.loop.trainer": {"plait.parallel.executor", "plait.parallel.expert.plan"},
              "plait.parallel.executor": {"plait.parallel.expert.plan"}, "plait.parallel.expert.plan": set()}
-    assert direct_crossings(graph) == ["plait.train.trainer imports plait.parallel.expert.plan"]
-    assert direct_crossings({"plait.train.run": {"plait.parallel.expert"}}) == [
-        "plait.train.run imports plait.parallel.expert"]
+    assert direct_crossings(graph) == ["plait.train.loop.trainer imports plait.parallel.expert.plan"]
+    assert direct_crossings({"plait.train.loop.run": {"plait.parallel.expert"}}) == [
+        "plait.train.loop.run imports plait.parallel.expert"]
 
 
 def test_every_module_has_a_layer() -> None:
@@ -162,17 +162,17 @@ def test_imports_only_go_down_through_any_chain() -> None:
 def test_an_upward_chain_is_found_however_long() -> None:
     """A planted chain: a base module imports a runtime one that imports the trainer."""
     graph = {"plait.rules": {"plait.runtime.comm"}, "plait.runtime.comm": {"plait.runtime.env"},
-             "plait.runtime.env": {"plait.train.trainer"}, "plait.train.trainer": set()}
+             "plait.runtime.env": {"plait.train.loop.trainer"}, "plait.train.loop.trainer": set()}
     assert upward(graph) == [
         "plait.rules (base) reaches plait.runtime.comm (runtime)",
         "plait.rules (base) reaches plait.runtime.env (runtime)",
-        "plait.rules (base) reaches plait.train.trainer (train)",
-        "plait.runtime.comm (runtime) reaches plait.train.trainer (train)",
-        "plait.runtime.env (runtime) reaches plait.train.trainer (train)"]
+        "plait.rules (base) reaches plait.train.loop.trainer (train)",
+        "plait.runtime.comm (runtime) reaches plait.train.loop.trainer (train)",
+        "plait.runtime.env (runtime) reaches plait.train.loop.trainer (train)"]
     # the strategies reaching a model's shape through the estimator, as pipeline/split.py did
     assert upward({"plait.parallel.pipeline.split": {"plait.estimate.layout"},
-                   "plait.estimate.layout": {"plait.models.config"}, "plait.models.config": set()}) == [
-        "plait.parallel.pipeline.split (parallel) reaches plait.models.config across a seam"]
+                   "plait.estimate.layout": {"plait.models.gpt.config"}, "plait.models.gpt.config": set()}) == [
+        "plait.parallel.pipeline.split (parallel) reaches plait.models.gpt.config across a seam"]
 
 
 def test_no_import_cycles_between_modules() -> None:

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from plait.cli import main
 from plait.errors import PlaitError
 from plait.layout import Layout
-from plait.models.config import get_preset
-from plait.models.gpt import build_gpt
-from plait.models.moe import MoE, Experts, balance_loss
+from plait.models.gpt.config import get_preset
+from plait.models.gpt.model import build_gpt
+from plait.models.gpt.moe import MoE, Experts, balance_loss
 from plait.estimate.experts import dispatch_bytes, uniform_rows
 
 
@@ -128,7 +128,7 @@ def test_the_layout_record_folds_ep_into_dp() -> None:
 
 def test_a_transformers_moe_whose_layout_plait_does_not_know_is_refused_in_one_line() -> None:
     transformers = pytest.importorskip("transformers")
-    from plait.models.hf_experts import declared_experts
+    from plait.models.hf.experts import declared_experts
 
     config = transformers.MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
                                         num_attention_heads=2, num_key_value_heads=1, num_local_experts=2)

@@ -19,9 +19,9 @@ import torch._dynamo
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from plait.models import moe as moe_module
-from plait.models.config import get_preset
-from plait.models.gpt import build_gpt
+from plait.models.gpt import moe as moe_module
+from plait.models.gpt.config import get_preset
+from plait.models.gpt.model import build_gpt
 from plait.parallel.expert.ops import grouped_mm_loop
 from plait.parallel.recompute import apply_recompute
 

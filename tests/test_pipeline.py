@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 import plait
 from plait.errors import PlaitError
-from plait.models.config import get_preset
-from plait.models.gpt import build_gpt
+from plait.models.gpt.config import get_preset
+from plait.models.gpt.model import build_gpt
 from plait.balance import balanced_counts
 from plait.parallel.pipeline.runner import PipelineRunner, apply_pipeline, check_pipeline, split_stages
 from plait.parallel.pipeline.p2p import send_order

@@ -17,7 +17,7 @@ def plan_main(argv: list[str]) -> int:
 from plait.estimate.hardware import GIB, get_hardware
 from plait.estimate.memory import estimate_memory
 from plait.estimate.planner import PlanRequest, candidates, plan
-from plait.models.config import get_preset
+from plait.models.gpt.config import get_preset
 
 
 def test_every_row_is_a_valid_layout() -> None:

@@ -16,8 +16,8 @@ from plait.errors import PlaitError
 from plait.estimate import estimate_layout
 from plait.estimate.activations import stage_activation_bytes
 from plait.estimate.layout import Workload, stages
-from plait.models.config import get_preset
-from plait.models.gpt import build_gpt
+from plait.models.gpt.config import get_preset
+from plait.models.gpt.model import build_gpt
 from plait.parallel.compose import build_optimizer
 from plait.parallel.masters import MasterOptimizer
 from plait.parallel.precision import LossScaler, scale_grad

@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from plait.errors import PlaitError
-from plait.models.config import get_preset
-from plait.models.gpt import build_gpt
+from plait.models.gpt.config import get_preset
+from plait.models.gpt.model import build_gpt
 from plait.parallel.recompute import apply_recompute
-from plait.train.config import TrainConfig, check_strategies
+from plait.train.config.settings import TrainConfig, check_strategies
 from plait.bench.meter import ActivationMeter
 
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from plait.bench.meter import ActivationMeter
-from plait.models.config import get_preset
-from plait.models.gpt import build_gpt
+from plait.models.gpt.config import get_preset
+from plait.models.gpt.model import build_gpt
 from plait.parallel.compiled import apply_compile, compile_stats
 from plait.parallel.recompute import apply_recompute
 

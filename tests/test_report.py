@@ -13,9 +13,9 @@ from plait.errors import PlaitError
 from plait.parallel.pipeline.schedule import build_schedule, simulate
 from plait.parallel.pipeline.timeline import timeline_from_dict, timeline_to_dict
 from plait.report.page import figures, read_run
-from plait.train.logs import setup_logging
-from plait.train.measure import MeasurePolicy
-from plait.train.tboard import scalars
+from plait.train.observe.logs import setup_logging
+from plait.train.loop.measure import MeasurePolicy
+from plait.train.observe.tboard import scalars
 from tests.worldlib import run_plait
 
 SHORT = ["--model", "tiny", "--steps", "5", "--micro-batch", "2", "--seq-len", "32", "--eval-every", "2",

@@ -12,9 +12,9 @@ from plait import rules
 from plait.errors import PlaitError
 from plait.estimate import estimate_layout
 from plait.estimate.planner import plan
-from plait.models.config import TRAINABLE, get_preset
+from plait.models.gpt.config import TRAINABLE, get_preset
 from plait.families import family_of
-from plait.train.config import TrainConfig, check_strategies
+from plait.train.config.settings import TrainConfig, check_strategies
 
 
 def train_checks(config: TrainConfig) -> None:
@@ -53,7 +53,7 @@ def test_one_home_for_each_choice() -> None:
     from plait.estimate import layout
     from plait.parallel import recompute
     from plait.parallel.pipeline import schedule
-    from plait.models import gpt_adapter
+    from plait.models.gpt import adapter as gpt_adapter
 
     assert schedule.SCHEDULES is layout.SCHEDULES is rules.SCHEDULES
     assert recompute.POLICIES is layout.RECOMPUTE is rules.RECOMPUTE
@@ -83,7 +83,7 @@ def test_estimate_and_train_refuse_alike(kwargs: dict, message: str) -> None:
 
 def _flags(*argv: str) -> TrainConfig:
     from plait.cli import train_parser
-    from plait.train.config import build_config
+    from plait.train.config.settings import build_config
 
     given = {k: v for k, v in vars(train_parser().parse_args(list(argv))).items() if k not in ("config", "debug")}
     return build_config({}, given)

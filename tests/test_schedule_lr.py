@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from plait.train.config import TrainConfig
-from plait.train.trainer import lr_at
+from plait.train.config.settings import TrainConfig
+from plait.train.loop.trainer import lr_at
 
 
 def test_warmup_then_cosine_to_the_floor():

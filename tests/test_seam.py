@@ -14,8 +14,8 @@ from torch import nn
 import plait
 from plait.errors import PlaitError
 from plait.models.adapters import adapter_for
-from plait.models.config import get_preset
-from plait.models.gpt import build_gpt
+from plait.models.gpt.config import get_preset
+from plait.models.gpt.model import build_gpt
 from plait.parallel.pipeline.split import logical_parameters, split_stages, tied_copies
 
 transformers = pytest.importorskip("transformers")

@@ -69,7 +69,7 @@ def test_a_cut_given_through_the_api_is_checked_and_kept():
     from plait.errors import PlaitError
     from plait.estimate.planner import plan
     from plait.layout import Layout
-    from plait.models.config import get_preset
+    from plait.models.gpt.config import get_preset
 
     assert Layout(pp=2, stage_layers=[1, 3]).stage_layers == (1, 3)
     for bad in (5, "3,4"):

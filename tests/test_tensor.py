@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.errors import PlaitError
-from plait.models.config import get_preset
-from plait.models.gpt import build_gpt
-from plait.models.gpt_adapter import GPT_PLAN
+from plait.models.gpt.config import get_preset
+from plait.models.gpt.model import build_gpt
+from plait.models.gpt.adapter import GPT_PLAN
 from plait.parallel.tensor.plan import apply_tensor_parallel, lm_loss, resolve_plan, tp_loss_fn
 from plait.estimate.layout import Workload, stages
 from plait.estimate.traffic import tp_traffic

@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from plait.errors import PlaitError
-from plait.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, Shard, layout_of
+from plait.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, layout_of, tensor_placement
 from plait.parallel.tensor.plan import parse_style, resolve_plan
 from plait.runtime.comm import Axis, Ledger
 
 transformers = pytest.importorskip("transformers")
 from transformers.pytorch_utils import Conv1D  # noqa: E402
 
-from plait.models.hf_gpt2 import GPT2_PLAN, GPT2Adapter  # noqa: E402
+from plait.models.hf.gpt2 import GPT2_PLAN, GPT2Adapter  # noqa: E402
 
 TP, E = 2, 8
 
@@ -81,11 +81,11 @@ def test_fused_split_gives_each_rank_its_q_k_v_slices(kind: str) -> None:
 def test_fused_shards_join_back_into_the_full_tensor() -> None:
     full = torch.arange(4 * 12, dtype=torch.float32).reshape(4, 12)
     for dim, fused in ((1, 3), (0, 2), (1, 1)):
-        shards = [Shard(dim, rank, TP, tuple(full.shape), fused) for rank in range(TP)]
+        shards = [tensor_placement("tp", dim, rank, TP, tuple(full.shape), fused) for rank in range(TP)]
         stacked = torch.stack([shard.take(full) for shard in shards])
         torch.testing.assert_close(shards[0].join(stacked), full)
     with pytest.raises(PlaitError, match="3 blocks per rank"):
-        Shard(1, 1, TP, (4, 12), 3).offset  # noqa: B018 - not one block: see Shard.blocks
+        tensor_placement("tp", 1, 1, TP, (4, 12), 3).offsets  # noqa: B018 - not one block: see Placement.blocks
 
 
 @pytest.mark.parametrize("dim, fused", [(1, 3), (0, 2), (1, 1)])
@@ -96,17 +96,18 @@ def test_any_block_of_a_slice_is_placed_in_the_full_tensor(dim: int, fused: int)
     if dim == 0:
         full = full.reshape(12, 4)
     for rank in range(TP):
-        shard = Shard(dim, rank, TP, tuple(full.shape), fused)
+        shard = tensor_placement("tp", dim, rank, TP, tuple(full.shape), fused)
         local = shard.take(full)
         for lo in range(local.shape[dim]):
             for hi in range(lo + 1, local.shape[dim] + 1):
                 block = local.narrow(dim, lo, hi - lo)
                 at = tuple(lo if d == dim else 0 for d in range(2))
                 covered = 0
-                for start, length, where in shard.blocks(at, tuple(block.shape)):
-                    expected = full.narrow(dim, where[dim], length)
-                    torch.testing.assert_close(block.narrow(dim, start, length), expected)
-                    covered += length
+                for starts, lengths, where in shard.blocks(at, tuple(block.shape)):
+                    expected = full.narrow(dim, where[dim], lengths[dim])
+                    torch.testing.assert_close(block.narrow(dim, starts[dim], lengths[dim]), expected)
+                    assert where[1 - dim] == 0 and lengths[1 - dim] == full.shape[1 - dim]
+                    covered += lengths[dim]
                 assert covered == hi - lo
 
 

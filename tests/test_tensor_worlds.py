@@ -14,7 +14,7 @@ import pytest
 from plait.estimate.activations import llama_layer_bytes, rope_table_bytes
 from plait.estimate.layout import Workload, stages
 from plait.estimate.traffic import tp_traffic
-from plait.models.config import GPTConfig
+from plait.models.gpt.config import GPTConfig
 from tests.parity import assert_losses_close
 from tests.worldlib import run_world
 

@@ -20,7 +20,7 @@ def estimate_main(argv: list[str]) -> int:
 from plait.estimate.hardware import get_hardware, hardware_toml, load_hardware
 from plait.estimate.layout import Workload, stages
 from plait.estimate.ops import Gemm, gemm_key, gemm_s, micro_batch_compute_s, optimizer_s
-from plait.models.config import get_preset
+from plait.models.gpt.config import get_preset
 from tests.worldlib import ROOT, run_world
 
 CPU = get_hardware("cpu")
@@ -118,8 +118,8 @@ def test_train_uses_a_cached_calibration_of_this_machine(tmp_path: Path, monkeyp
 
     from plait.bench.machine import cache_path, machine_facts
     from plait.runtime.mesh import init_mesh
-    from plait.train.config import TrainConfig
-    from plait.train.timing import run_hardware
+    from plait.train.config.settings import TrainConfig
+    from plait.train.observe.timing import run_hardware
 
     monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("PLAIT_CALIBRATION", raising=False)

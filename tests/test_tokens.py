@@ -17,10 +17,10 @@ import torch
 from plait.cli import main as plait_main
 from plait.errors import PlaitError
 from plait.families import family_of
-from plait.train.config import build_config, validate
-from plait.train.data import RAW_LIMIT, StepSampler, load_corpus, raw_files, train_val_split
-from plait.train.prepare import prepare
-from plait.train.tokens import INDEX, TOKENS, VERIFIED, check_tokens, model_for_data, text_codec
+from plait.train.config.settings import build_config, validate
+from plait.train.data.corpus import RAW_LIMIT, StepSampler, load_corpus, raw_files, train_val_split
+from plait.train.data.prepare import prepare
+from plait.train.data.tokens import INDEX, TOKENS, VERIFIED, check_tokens, model_for_data, text_codec
 from tests.worldlib import run_plait
 
 SEQ = 1024
@@ -173,7 +173,7 @@ def test_bpe_corpus_prepared_and_trained_with_the_model_following_its_vocabulary
 
 
 def test_the_sampler_reads_its_step_from_the_permutation_as_shard_indices_deals_it() -> None:
-    from plait.train.data import shard_indices
+    from plait.train.data.corpus import shard_indices
 
     for dp, micro, accum in ((1, 4, 1), (2, 2, 2), (4, 1, 3)):
         sampler = StepSampler(1000, global_batch=dp * micro * accum, dp_rank=dp - 1, dp_size=dp,
@@ -188,7 +188,7 @@ def test_the_sampler_reads_its_step_from_the_permutation_as_shard_indices_deals_
 def test_a_vocabulary_over_65536_is_stored_and_mapped_as_uint32(tmp_path: Path) -> None:
     import hashlib
 
-    from plait.train.tokens import TokenIndex, dtype_for, edges_digest, write_index
+    from plait.train.data.tokens import TokenIndex, dtype_for, edges_digest, write_index
 
     assert (dtype_for(256), dtype_for(65536), dtype_for(65537)) == ("uint16", "uint16", "uint32")
     ids = np.arange(70_000, 70_000 + 5000, dtype="<u4")

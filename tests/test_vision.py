@@ -11,14 +11,14 @@ from torch import nn
 
 from plait.errors import PlaitError
 from plait.estimate.vision import batchnorm_traffic
-from plait.models.resnet import build_resnet
-from plait.models.resnet_config import ResNetConfig, get_resnet
+from plait.models.resnet.model import build_resnet
+from plait.models.resnet.config import ResNetConfig, get_resnet
 from plait.parallel.recompute import apply_recompute
 from plait.parallel.data.syncbn import convert_sync_batchnorm, sync_bn_wire_bytes
 from plait.runtime.comm import Axis, Ledger
 from plait.families import family_of
-from plait.train.config import TrainConfig, validate
-from plait.train.images import image_splits, load_images
+from plait.train.config.settings import TrainConfig, validate
+from plait.train.data.images import image_splits, load_images
 
 TINY = ResNetConfig("basic", (1, 1), width=4, in_channels=1, num_classes=10)
 
@@ -124,7 +124,7 @@ def test_sync_bn_is_refused_for_a_model_without_batchnorm():
 def test_without_the_vision_extra_one_line_says_how(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
-    from plait.train.images import load_images
+    from plait.train.data.images import load_images
 
     monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # as if scikit-learn were missing
     with pytest.raises(PlaitError, match="--data digits needs the scikit-learn package") as err:

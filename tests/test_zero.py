@@ -17,8 +17,8 @@ from torch import nn
 
 import plait
 from plait.errors import PlaitError
-from plait.models.config import get_preset
-from plait.models.gpt import build_gpt
+from plait.models.gpt.config import get_preset
+from plait.models.gpt.model import build_gpt
 from plait.parallel.clip import clip_grad_norm
 from plait.parallel.zero.stages import apply_zero, full_parameters, require_reduce_scatter, zero_of
 from plait.estimate.memory import StateBytes

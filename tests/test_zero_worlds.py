@@ -27,7 +27,7 @@ import pytest
 from plait.estimate.layout import Workload, stages
 from plait.estimate.memory import StateBytes, gathered_params
 from plait.estimate.traffic import dp_traffic
-from plait.models.config import get_preset
+from plait.models.gpt.config import get_preset
 from tests.worlds.zero_common import padded_state_bytes, paper_states
 from plait.runtime.comm import ring_wire_bytes
 from tests.worldlib import run_world

@@ -19,8 +19,8 @@ from torch import nn
 
 from plait.errors import PlaitError
 from plait.families import Family, register
-from plait.train.image_task import ClassificationTask
-from plait.train.images import image_digest, image_splits, load_images
+from plait.families.resnet.task import ClassificationTask
+from plait.train.data.images import image_digest, image_splits, load_images
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class MLP(nn.Module):
 
 
 class DigitsTask(ClassificationTask):
-    """The task (plait.train.task.Task): the MLP on digits; a classifier's batch, loss and
+    """The task (plait.train.loop.task.Task): the MLP on digits; a classifier's batch, loss and
     evaluation (top-1 accuracy) come with plait's ClassificationTask."""
 
     def __init__(self, config: Any):

@@ -46,7 +46,7 @@ from typing import Any
 
 # torch._dynamo too: building any torch optimizer imports it (Optimizer.__init__ is wrapped by
 # torch._disable_dynamo), 1.4 s of each rank's start that the pool pays once instead.
-PRELOAD = ("torch", "torch._dynamo", "numpy", "plait.train.trainer", "plait.runtime.mesh", "plait.families")
+PRELOAD = ("torch", "torch._dynamo", "numpy", "plait.train.loop.trainer", "plait.runtime.mesh", "plait.families")
 # transformers' model code when it is installed: 1.7 s of each rank that loads an `hf:` model.
 PRELOAD_IF_INSTALLED = ("transformers.modeling_utils",)
 OPEN: list[socket.socket] = []  # the parent's sockets, which a rank closes first

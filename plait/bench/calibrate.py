@@ -35,7 +35,7 @@ from plait.estimate.ops import (
     head_gemm,
 )
 from plait.estimate.time import HOST_ADAM_BYTES
-from plait.models.config import GPTConfig
+from plait.models.gpt.config import GPTConfig
 from plait.runtime import comm
 from plait.runtime.mesh import Mesh
 from plait.runtime.subgroups import first_ranks_axes, group_sizes
@@ -270,7 +270,7 @@ DISPATCH_TENSORS = 2 * TENSORS_PER_BLOCK + 1  # tied embedding and head, final n
 def measure_dispatch(mesh: Mesh, reps: int, optimizer_kernel: str = "fused") -> tuple[float, float, float]:
     """Seconds of DISPATCH_MODEL's forward + backward (under the activation meter that
     `plait train` runs every forward in), of its AdamW step, and of its gradient checks."""
-    from plait.models.gpt import build_gpt
+    from plait.models.gpt.model import build_gpt
     from plait.bench.meter import ActivationMeter
 
     meter = ActivationMeter()

@@ -40,7 +40,7 @@ def calibrate_main(argv: list[str]) -> int:
         raise PlaitError(f"bad --tp {args.tp!r}", hint="a comma list of degrees, e.g. 1,2") from None
     if args.nproc < 1 or args.precision not in ("fp32", "bf16") or min(tps) < 1:
         raise PlaitError("--nproc must be 1 or more, --precision fp32 or bf16, --tp degrees 1 or more")
-    from plait.models.config import get_preset
+    from plait.models.gpt.config import get_preset
 
     config = get_preset(args.model)
     if "RANK" not in os.environ and args.nproc > 1:

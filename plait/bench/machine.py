@@ -21,7 +21,7 @@ import torch
 
 from plait.bench import calibrate as cal
 from plait.estimate.hardware import Hardware, get_hardware, hardware_toml, load_hardware
-from plait.models.config import GPTConfig
+from plait.models.gpt.config import GPTConfig
 from plait.runtime import comm
 from plait.runtime.env import cache_root
 from plait.runtime.mesh import Mesh

@@ -30,7 +30,7 @@ from plait.estimate.time import (
     inter_node,
     micro_batch_s_per_stage,
 )
-from plait.models.config import GPTConfig
+from plait.models.gpt.config import GPTConfig
 
 __all__ = ["estimate_by_size", "estimate_layout", "Workload"]
 

@@ -5,7 +5,7 @@ Two blocks are counted:
 * GPT-2's, as Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
   Transformer Models") count it: s·b·h·(34 + 5·a·s/h) bytes per layer in 16-bit, because
   the eager attention of the time kept the a·s·s softmax, its dropout mask and output.
-* Ours (plait/models/gpt.py). It calls SDPA, whose CPU and flash kernels keep only a
+* Ours (plait/models/gpt/model.py). It calls SDPA, whose CPU and flash kernels keep only a
   log-sum-exp per (head, query) and recompute the attention matrix in backward, so no a·s²
   term appears. Listing what each op saves (deduplicated by storage; the test in
   tests/test_estimate_memory.py checks it with saved_tensors_hooks), per token per layer:
@@ -47,7 +47,7 @@ from __future__ import annotations
 from plait.interleave import rank_order
 from plait.estimate.experts import dense_and_expert_widths, saved_bytes_per_token
 from plait.estimate.layout import Workload, StageShare, chunk_ends, chunk_layers
-from plait.models.config import GPTConfig
+from plait.models.gpt.config import GPTConfig
 
 MASK_BYTES = 1  # a dropout mask is one byte per element
 LSE_BYTES = 4  # SDPA's log-sum-exp is fp32 whatever the input dtype

@@ -17,7 +17,7 @@ from plait.estimate.hardware import PRESETS as HARDWARE, resolve_hardware
 from plait.rules import PRECISIONS, RECOMPUTE, SCHEDULES, parse_stage_layers
 from plait.estimate.planner import plan
 from plait.estimate.report import format_estimate, format_plan, human_bytes
-from plait.models.config import PRESETS as MODELS, GPTConfig
+from plait.models.gpt.config import PRESETS as MODELS, GPTConfig
 
 
 def _common(parser: argparse.ArgumentParser, precision: str | None) -> None:

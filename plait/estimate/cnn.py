@@ -1,6 +1,6 @@
 """A ResNet's activation memory, FLOPs and compute time per micro-batch: torch-free arithmetic.
 
-**What autograd saves** in one training forward (plait/models/resnet.py, listed with
+**What autograd saves** in one training forward (plait/models/resnet/model.py, listed with
 saved_tensors_hooks and checked against plait.bench.meter.ActivationMeter, which counts
 each storage once and leaves the parameters out):
 
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from plait.estimate.hardware import Hardware
 from plait.estimate.ops import Gemm, dtype_bytes, gemm_s
-from plait.models.resnet_config import ResNetConfig
+from plait.models.resnet.config import ResNetConfig
 
 BN_STATS = 4  # save_mean, save_invstd, running_mean, running_var: C values each
 # Elements read plus written per output element, (forward, backward). BatchNorm reads its
@@ -128,7 +128,7 @@ def stem(config: ResNetConfig, height: int, width: int) -> Conv:
 
 
 def blocks(config: ResNetConfig, height: int, width: int) -> list[Block]:
-    """Every block with its shapes, as plait.models.resnet.ResNet builds them."""
+    """Every block with its shapes, as plait.models.resnet.model.ResNet builds them."""
     out, cin, (h, w) = [], config.width, (height, width)
     for stage, count in enumerate(config.layers):
         planes = config.width * 2**stage

@@ -16,7 +16,7 @@ from typing import Any
 
 from plait.balance import balanced_counts
 from plait.layout import Layout
-from plait.models.config import GPTConfig
+from plait.models.gpt.config import GPTConfig
 from plait.rules import check_experts_split
 from plait.rules import (DTYPE_BYTES, PRECISIONS, RECOMPUTE, REDUCE_DTYPES, SCHEDULES,  # noqa: F401
                          check_context_split, check_fp8, check_microbatches, check_pipeline_cut, check_precision, check_recompute, check_whole,

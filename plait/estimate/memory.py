@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 from plait.estimate.activations import loss_bytes, stage_activation_bytes
 from plait.estimate.layout import Workload, StageShare, chunk_ends, chunk_layers, layout_stages, vocab_shard
-from plait.models.config import GPTConfig
+from plait.models.gpt.config import GPTConfig
 
 ADAM_K = 12  # fp32 master weights + Adam m + Adam v, bytes per parameter
 FRAGMENTATION = 0.10  # allowance on device bytes, see `device_total`

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from plait.estimate.hardware import Hardware
 from plait.estimate.layout import Workload, StageShare
-from plait.models.config import GPTConfig
+from plait.models.gpt.config import GPTConfig
 
 EW_FWD = (39, 1, 5)  # elements per token per block: coefficients of h, kv, f
 EW_BWD = (87, 8, 9)

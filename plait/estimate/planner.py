@@ -25,7 +25,7 @@ from plait.layout import Layout
 from plait.rules import CP_KINDS, check_pipeline_cut
 from plait.estimate.memory import estimate_memory
 from plait.estimate.time import estimate_time
-from plait.models.config import GPTConfig
+from plait.models.gpt.config import GPTConfig
 
 MAX_MICRO_BATCH = 64  # larger micro-batches only add memory once the GPU is saturated
 

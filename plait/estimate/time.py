@@ -46,7 +46,7 @@ from plait.estimate.context import forward_passes, layer_bytes, ring_exposed_s
 from plait.estimate.experts import layer_alltoall
 from plait.estimate.ops import (attention_time, micro_batch_compute_s, optimizer_s, outer_precision, stage_pieces,
                                 stage_tensors)
-from plait.models.config import GPTConfig
+from plait.models.gpt.config import GPTConfig
 
 HOST_ADAM_BYTES = 28  # read weight, grad, m, v; write weight, m, v (fp32): host_mem_gb_s's unit
 TELEMETRY_BYTES = 8 * 64  # the loop's per-step max-reduction of time, memory and traffic

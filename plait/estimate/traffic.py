@@ -17,7 +17,7 @@ from plait.estimate.context import forward_passes, layer_bytes
 from plait.estimate.experts import layer_alltoall
 from plait.estimate.layout import Workload, StageShare, layout_stages, vocab_shard
 from plait.estimate.memory import shard, state_bytes
-from plait.models.config import GPTConfig
+from plait.models.gpt.config import GPTConfig
 from plait.wire import ring_bytes  # the ring formula's one home, shared with runtime/
 
 Traffic = dict[str, dict[str, float]]

@@ -1,6 +1,6 @@
 """What a CNN costs beyond its parameter count: BatchNorm's traffic, and the whole estimate.
 
-`estimate_cnn` is `estimate_layout`'s answer for a ResNet (plait/models/resnet.py): model
+`estimate_cnn` is `estimate_layout`'s answer for a ResNet (plait/models/resnet/model.py): model
 states and DP/ZeRO traffic from its parameter count, activations and compute time from its
 convolutions (plait/estimate/cnn.py), and BatchNorm's own traffic (below).
 
@@ -30,7 +30,7 @@ from plait.estimate.layout import Workload
 from plait.estimate.memory import device_total, gathered_at_once, model_states
 from plait.estimate.time import estimate_time_measured_compute
 from plait.estimate.traffic import Traffic, ring_bytes
-from plait.models.resnet_config import ResNetConfig
+from plait.models.resnet.config import ResNetConfig
 
 
 def batchnorm_traffic(channels: Sequence[int], dp: int, grad_accum: int, sync_bn: bool,

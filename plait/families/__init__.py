@@ -16,7 +16,9 @@ import importlib
 from typing import Any
 
 from plait.errors import PlaitError
-from plait.families import gpt, hf, resnet
+from plait.families.gpt import record as gpt
+from plait.families.hf import record as hf
+from plait.families.resnet import record as resnet
 from plait.families.record import Family
 
 __all__ = ["Family", "family_for", "family_of", "import_families", "register", "registered", "shape_of"]

@@ -1,7 +1,7 @@
 """What every language-model family checks before spawning: its shape against the layout.
 
 The GPT presets and a Hugging Face directory both describe a decoder by a `GPTConfig`
-(plait.models.config); the checks that read only that shape and the run's options live
+(plait.models.gpt.config); the checks that read only that shape and the run's options live
 here once, and each family adds its own (a preset's trainability, a directory's tokenizer).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from plait.errors import PlaitError
-from plait.models.config import GPTConfig
+from plait.models.gpt.config import GPTConfig
 from plait.rules import check_context_split, check_pipeline_cut, parse_stage_layers
 
 
@@ -34,8 +34,8 @@ def check_language_run(config: Any, shape: GPTConfig) -> None:
 
 def check_corpus(source: str) -> None:
     """--data exists and can be used whole: a prepared corpus passes its cheap checks, raw
-    text is small enough to hold (the full checksum waits for the ranks: plait/train/tokens.py)."""
-    from plait.train.tokens import BUILTIN, check_tokens, is_prepared, raw_files
+    text is small enough to hold (the full checksum waits for the ranks: plait/train/data/tokens.py)."""
+    from plait.train.data.tokens import BUILTIN, check_tokens, is_prepared, raw_files
 
     if is_prepared(source):
         check_tokens(source, full=False)

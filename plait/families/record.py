@@ -2,7 +2,7 @@
 
 torchtitan's model spec is the idea: a family says how `--model` names it, how that name
 becomes a checked config, what the estimator reads of its shape, and which training task
-(plait.train.task) builds, feeds and scores it. The task in turn names the model's adapter
+(plait.train.loop.task) builds, feeds and scores it. The task in turn names the model's adapter
 (plait.parallel.seam) for the strategies. Nothing else in plait branches on the family:
 the CLI finds the record by the `--model` text (`plait.families.family_for`), validation
 calls its `check`, the rank's run calls its `task`.
@@ -31,12 +31,12 @@ def _no_shape(spec: str) -> None:
 
 @dataclass(frozen=True)
 class Family:
-    """One model family (see the module docstring); `config` is a plait.train.config.TrainConfig."""
+    """One model family (see the module docstring); `config` is a plait.train.config.settings.TrainConfig."""
 
     name: str  # the family's own name ("gpt", "resnet", "hf")
     models: str  # what `--model` takes, for --help and error hints: "tiny, small (,field=value)"
     matches: Callable[[str], bool]  # whether a `--model` text names this family
-    task: Callable[[Any], Any]  # config -> the training task (plait.train.task.Task); ranks only
+    task: Callable[[Any], Any]  # config -> the training task (plait.train.loop.task.Task); ranks only
     check: Callable[[Any], None]  # config -> None, or one PlaitError naming the fix (before spawning)
     resolve: Callable[[Any], Any] = _unchanged  # config -> config, e.g. the vocabulary following the data
     shape: Callable[[str], Any] = _no_shape  # `--model` -> the estimator's shape (a GPTConfig), or None

@@ -7,8 +7,8 @@ package:
 
 - a transformers model that declares a tensor- or pipeline-parallel plan (`tp_plan`,
   `pp_plan`: every Llama-like causal LM of transformers 5) gets `DeclaredPlanAdapter`, which
-  answers from those declarations alone (plait/models/hf_plans.py);
-- GPT-2, which declares nothing, gets its hand-written adapter (plait/models/hf_gpt2.py);
+  answers from those declarations alone (plait/models/hf/plans.py);
+- GPT-2, which declares nothing, gets its hand-written adapter (plait/models/hf/gpt2.py);
 - anything else gets None: the generic answers (data parallelism and ZeRO for any module).
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-HAND_WRITTEN = {"GPT2LMHeadModel": "plait.models.hf_gpt2:GPT2Adapter"}  # transformers class -> adapter
+HAND_WRITTEN = {"GPT2LMHeadModel": "plait.models.hf.gpt2:GPT2Adapter"}  # transformers class -> adapter
 
 
 def adapter_for(model: nn.Module) -> Any | None:
@@ -27,7 +27,7 @@ def adapter_for(model: nn.Module) -> Any | None:
     classes = [cls for cls in type(model).__mro__ if cls.__module__.startswith("transformers.")]
     if not classes:
         return None
-    from plait.models.hf_plans import DeclaredPlanAdapter, declares_plans
+    from plait.models.hf.plans import DeclaredPlanAdapter, declares_plans
 
     if declares_plans(model):
         return DeclaredPlanAdapter()

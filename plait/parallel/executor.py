@@ -1,7 +1,7 @@
 """The executor: how a step's micro-batches, an evaluation and a sample run through whatever
 `parallelize` applied, so that the training loop never asks which strategies it has.
 
-The loop (plait.train.trainer) keeps the step in plain sight: the micro-batches, the
+The loop (plait.train.loop.trainer) keeps the step in plain sight: the micro-batches, the
 guard's verdict, `optimizer.step()`, `zero_grad()`. What differs by layout lives here:
 
 - **the micro-batch loop**: the pipeline's schedule (every micro-batch, gradients reduced at

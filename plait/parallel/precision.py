@@ -135,7 +135,7 @@ class StepGuard:
         --skip-nonfinite); raises on every rank otherwise. `loss` is None when the step did
         not read it back (`--measure off`): a non-finite loss makes non-finite gradients, so
         the gradients alone still decide. Then `optimizer.step()` (if not None) and
-        `after_step`: the loop shows them (plait.train.trainer)."""
+        `after_step`: the loop shows them (plait.train.loop.trainer)."""
         squares = gradient_squares(model)  # read once: the finite check and the norm share it
         bad = "the loss" if loss is not None and not math.isfinite(loss) else first_nonfinite(model, squares)
         verdict = agree_on_nonfinite(bad, self.world, self.device)

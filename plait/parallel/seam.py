@@ -37,7 +37,7 @@ What is asked, and by whom:
 The protocol is structural: an adapter need not import this module, and may answer only
 some questions (a missing method means "I don't know": the strategy that needed it says
 so in one PlaitError). Subclassing `GenericAdapter` gives the generic answers for the rest.
-What a sample is, the loss and the metrics are the training task's (plait.train.task), not
+What a sample is, the loss and the metrics are the training task's (plait.train.loop.task), not
 the strategies'.
 """
 

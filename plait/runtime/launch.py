@@ -99,7 +99,7 @@ class _forwarded_signals:
     decide together where to stop); the spawner keeps watching until they have.
 
     When a scheduler signals the whole job step, each rank gets the signal twice (directly,
-    and from here): plait.train.preempt takes repeats of one signal as one preemption. The
+    and from here): plait.train.checkpoint.preempt takes repeats of one signal as one preemption. The
     spawner, too, ignores a late repeat once the job has ended (its exit code is decided)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)

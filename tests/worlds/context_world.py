@@ -35,9 +35,9 @@ from plait.parallel.context.chunks import shard_sequence
 from plait.parallel.context.plan import ContextParallel, context_engaged, shard_batch
 from plait.runtime.env import ProcessEnv
 from plait.runtime.mesh import init_mesh
-from plait.train.config import TrainConfig
-from plait.train.run import final_weights
-from plait.train.trainer import Trainer
+from plait.train.config.settings import TrainConfig
+from plait.train.loop.run import final_weights
+from plait.train.loop.trainer import Trainer
 from tests.parity import weight_excess
 from tests.worldlib import save_report
 

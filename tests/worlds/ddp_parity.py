@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import plait
-from plait.models.config import get_preset
-from plait.models.gpt import build_gpt
+from plait.models.gpt.config import get_preset
+from plait.models.gpt.model import build_gpt
 from plait.parallel.data.sync import grad_sync
 from tests.worldlib import save_report
 

@@ -33,13 +33,13 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 import plait
-from plait.models.hf_gpt2 import GPT2Adapter
+from plait.models.hf.gpt2 import GPT2Adapter
 from plait.parallel import seam
 from plait.parallel.tensor.plan import gather_full_params
 from plait.parallel.tensor import regions
 from plait.runtime import comm
-from plait.train.checkpoint import save
-from plait.train.checkpoint_read import Reader, model_weights
+from plait.train.checkpoint.write import save
+from plait.train.checkpoint.read import Reader, model_weights
 from tests.worldlib import save_report
 from tests.worlds.hf_common import train
 

@@ -1,7 +1,7 @@
 """transformers models split by the plans they declare, through plait's API, on 2 ranks. One spawn.
 
 No plan and no adapter from the user: `plait.parallelize` reads the model's own `tp_plan`
-and `pp_plan` (plait/models/hf_plans.py). Each family is built from the same seed, trained a
+and `pp_plan` (plait/models/hf/plans.py). Each family is built from the same seed, trained a
 few AdamW steps with gradient accumulation 2 on the same global batches, and compared with
 one process training the whole batch:
 
@@ -26,7 +26,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
                           Phi3ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 import plait
-from plait.models.hf_plans import declared
+from plait.models.hf.plans import declared
 from plait.parallel.tensor.layers import shard_of
 from plait.parallel.tensor.plan import gather_full_params
 from plait.parallel.tensor.ops import all_gather_stacked

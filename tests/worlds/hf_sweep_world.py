@@ -46,7 +46,7 @@ from transformers.utils import logging as hf_logging
 
 import plait
 from plait.errors import PlaitError
-from plait.parallel.expert.shard import expert_shard_of
+from plait.parallel.placement import placement_of
 from plait.parallel.tensor.ops import all_gather_stacked
 from plait.parallel.tensor.plan import gather_full_params
 from plait.runtime import comm
@@ -217,10 +217,10 @@ def expert_parallel(family: str, batches: list[torch.Tensor]) -> dict[str, Any]:
         losses = [dp_mean(loss, mesh) for loss in train(model, half, optimizer, sync=plait.no_sync)]
         whole = {}
         for name, param in model.named_parameters():
-            shard = expert_shard_of(param)
+            placement = placement_of(param)
             tensor = param.detach()
-            if shard is not None:  # (ep, experts / ep, ...) in ep-rank order: the experts in order
-                tensor = all_gather_stacked(tensor.contiguous(), mesh.axis("ep"), comm.TELEMETRY).flatten(0, 1)
+            if placement.split("ep") is not None:  # every ep rank's experts, joined in ep-rank order
+                tensor = placement.join(all_gather_stacked(tensor.contiguous(), mesh.axis("ep"), comm.TELEMETRY), "ep")
             whole[name] = tensor.clone()
         return {"losses": losses, "params": whole, "whole": True}
     finally:

@@ -1,7 +1,7 @@
 """`plait train --model hf:DIR` in miniature, for families plait has no code for: 2 ranks.
 
 argv: OUT CORPUS DIR... (local transformers directories: Qwen3, Mistral). For each, the real
-Trainer (what `plait train` runs on every rank, its family record plait.families.hf) trains
+Trainer (what `plait train` runs on every rank, its family record plait.families.hf.record) trains
 3 AdamW steps under tp 2, pp 2 and dp 2 × ZeRO-3, and rank 0 alone trains the same global
 batch in one process with 2 micro-batches. Each run reports its losses and gradient norms
 and, on rank 0, its final weights' largest difference from the one-process run's.
@@ -20,9 +20,9 @@ import torch
 from plait.families import family_of
 from plait.runtime.env import ProcessEnv
 from plait.runtime.mesh import init_mesh
-from plait.train.config import TrainConfig
-from plait.train.run import final_weights
-from plait.train.trainer import Trainer
+from plait.train.config.settings import TrainConfig
+from plait.train.loop.run import final_weights
+from plait.train.loop.trainer import Trainer
 from tests.worldlib import save_report
 
 LAYOUTS = {"tp2": dict(tp=2, grad_accum=2), "pp2": dict(pp=2, grad_accum=2), "zero3": dict(dp=2, zero=3)}

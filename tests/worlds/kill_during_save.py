@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
-from plait.models.config import get_preset
-from plait.models.gpt import build_gpt
+from plait.models.gpt.config import get_preset
+from plait.models.gpt.model import build_gpt
 from plait.runtime.env import ProcessEnv
 from plait.runtime.mesh import init_mesh
-from plait.train import checkpoint
+from plait.train.checkpoint import write as checkpoint
 
 root = Path(sys.argv[1])
 mesh = init_mesh(env=ProcessEnv("single", 0, 1, 0, "127.0.0.1", 29500))

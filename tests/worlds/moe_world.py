@@ -31,16 +31,16 @@ from safetensors.torch import save_file
 
 from plait.families import family_of
 from plait.layout import Layout
-from plait.models.config import get_preset
-from plait.models.gpt import build_gpt
+from plait.models.gpt.config import get_preset
+from plait.models.gpt.model import build_gpt
 from plait.api import parallelize
 from plait.parallel.expert.dispatch import take_formula
 from plait.runtime import comm
 from plait.runtime.env import ProcessEnv
 from plait.runtime.mesh import init_mesh
-from plait.train.config import TrainConfig
-from plait.train.run import final_weights
-from plait.train.trainer import Trainer
+from plait.train.config.settings import TrainConfig
+from plait.train.loop.run import final_weights
+from plait.train.loop.trainer import Trainer
 from tests.hf_versions import declares_dispatched_experts
 from tests.parity import PARAM_RTOL, weight_excess
 from tests.worldlib import save_report

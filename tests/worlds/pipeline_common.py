@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import plait
-from plait.models.config import GPTConfig, get_preset
-from plait.models.gpt import build_gpt
+from plait.models.gpt.config import GPTConfig, get_preset
+from plait.models.gpt.model import build_gpt
 from plait.parallel.pipeline.runner import PipelineRunner, apply_pipeline, split_stages
 from plait.parallel.pipeline.split import rank_stages
 from plait.runtime import comm

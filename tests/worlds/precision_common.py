@@ -12,9 +12,9 @@ import torch
 from plait.families import family_of
 from plait.runtime.env import ProcessEnv
 from plait.runtime.mesh import Mesh, init_mesh
-from plait.train.config import TrainConfig
-from plait.train.run import finish
-from plait.train.trainer import Trainer
+from plait.train.config.settings import TrainConfig
+from plait.train.loop.run import finish
+from plait.train.loop.trainer import Trainer
 
 BASE = TrainConfig(model="tiny", steps=3, micro_batch=2, seq_len=32, warmup_steps=1, eval_every=0, eval_samples=4,
                    sample_tokens=0, loss_scale=1024.0)

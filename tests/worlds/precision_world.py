@@ -21,7 +21,7 @@ import torch
 from plait.errors import PlaitError
 from plait.runtime.env import torch_release
 from plait.runtime.mesh import init_mesh
-from plait.train import checkpoint, checkpoint_read
+from plait.train.checkpoint import read as checkpoint_read, write as checkpoint
 
 from tests.worlds.precision_common import config, poison, public, same, single_mesh, snapshot, train, trainer_for
 from tests.worldlib import save_report

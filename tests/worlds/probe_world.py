@@ -30,8 +30,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import plait
 from plait.errors import PlaitError
 from plait.models.adapters import adapter_for
-from plait.models.config import get_preset
-from plait.models.gpt import GPT
+from plait.models.gpt.config import get_preset
+from plait.models.gpt.model import GPT
 from tests.worldlib import save_report
 
 torch.set_num_threads(1)

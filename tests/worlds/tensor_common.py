@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.models.config import GPTConfig
-from plait.models.gpt import build_gpt
+from plait.models.gpt.config import GPTConfig
+from plait.models.gpt.model import build_gpt
 
 SEED, STEPS, LR = 0, 3, 0.5
 

@@ -22,8 +22,8 @@ import torch
 import tensor_common as common
 from tensor_layer_checks import all_layer_errors
 from plait.errors import PlaitError
-from plait.models.config import get_preset
-from plait.models.gpt import GPT, build_gpt
+from plait.models.gpt.config import get_preset
+from plait.models.gpt.model import GPT, build_gpt
 from plait.parallel.data.sync import apply_data_parallel
 from plait.parallel.clip import clip_grad_norm
 from plait.parallel.tensor.plan import apply_tensor_parallel, gather_full_params, tp_loss_fn

@@ -15,12 +15,12 @@ import torch
 
 from plait.bench import machine
 from plait.families import family_of
-from plait.models.config import get_preset
+from plait.models.gpt.config import get_preset
 from plait.runtime import comm
 from plait.runtime.mesh import init_mesh
-from plait.train.config import TrainConfig
-from plait.train.run import finish
-from plait.train.trainer import Trainer
+from plait.train.config.settings import TrainConfig
+from plait.train.loop.run import finish
+from plait.train.loop.trainer import Trainer
 from tests.worldlib import save_report
 
 

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import plait
-from plait.models.resnet import build_resnet
-from plait.models.resnet_config import ResNetConfig
+from plait.models.resnet.model import build_resnet
+from plait.models.resnet.config import ResNetConfig
 from plait.parallel.data.syncbn import SyncBatchNorm
 from tests.worldlib import save_report
 

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import plait
-from plait.models.config import get_preset
-from plait.models.gpt import build_gpt
+from plait.models.gpt.config import get_preset
+from plait.models.gpt.model import build_gpt
 from plait.parallel.clip import clip_grad_norm
 from plait.parallel.zero.stages import full_parameters, zero_of
 from plait.parallel.zero.optim import zero_state_bytes

@@ -102,7 +102,7 @@ def checkpoints(mesh: Any, root: Path) -> dict[str, Any]:
     AdamW (0-dim step counters too) resumes under the same layout and must match the run
     that never stopped.
     """
-    from plait.train import checkpoint, checkpoint_read
+    from plait.train.checkpoint import read as checkpoint_read, write as checkpoint
 
     out: dict[str, Any] = {}
     ref, ref_params = run_reference(optim="sgd")

@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-import plait.train.trainer as trainer_module
+import plait.train.loop.trainer as trainer_module
 from plait.bench.meter import model_state_bytes
 from plait.families import family_of
 from plait.parallel.zero.optim import ZeroOptimizer, zero_state_bytes
-from plait.train.config import TrainConfig
+from plait.train.config.settings import TrainConfig
 
 
 def train(config: TrainConfig, mesh: Any, stage: int, offload: bool) -> list[dict[str, Any]]:

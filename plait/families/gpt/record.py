@@ -1,0 +1,53 @@
+"""plait's own GPT (plait/models/gpt/model.py) as a family: `--model tiny`, `--model small,n_layers=4`.
+
+A preset names a `GPTConfig` (plait/models/gpt/config.py), any field overridable after the name.
+The shape-only presets (llama-7b...) exist for `plait estimate`; training refuses them. On a
+prepared corpus the vocabulary follows the data unless the user set it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from plait.errors import PlaitError
+from plait.families.language import check_language_run
+from plait.families.record import Family
+from plait.rules import check_experts_split
+from plait.models.gpt.config import PRESETS, TRAINABLE, GPTConfig, get_preset, preset_name
+
+
+def matches(model: str) -> bool:
+    return preset_name(model) in PRESETS
+
+
+def resolve(config: Any) -> Any:
+    """The vocabulary follows a prepared corpus (plait.train.data.tokens.model_for_data)."""
+    from plait.train.data.tokens import model_for_data
+
+    return replace(config, model=model_for_data(config.model, config.data))
+
+
+def check(config: Any) -> None:
+    shape = get_preset(config.model)  # raises naming the presets, or the override that is wrong
+    if preset_name(config.model) not in TRAINABLE:
+        raise PlaitError(f"model preset {config.model!r} is shape-only (for estimates)",
+                         hint=f"train one of: {', '.join(TRAINABLE)}; use `plait estimate --model {config.model}`")
+    check_language_run(config, shape)
+    check_experts_split(shape.experts, config.ep)
+
+
+def task(config: Any) -> Any:
+    from plait.families.gpt.task import LanguageTask
+
+    return LanguageTask(config)
+
+
+def shape(model: str) -> GPTConfig:
+    return get_preset(model)
+
+
+FAMILY = Family(
+    name="gpt", models=f"plait's GPT: {', '.join(TRAINABLE)} (e.g. tiny,n_layers=4; "
+                       f"shape-only for plait estimate: {', '.join(p for p in PRESETS if p not in TRAINABLE)})",
+    matches=matches, task=task, check=check, resolve=resolve, shape=shape)

@@ -1,0 +1,122 @@
+"""Language modelling with a Hugging Face model (`--model hf:DIR`): LanguageTask, adapted.
+
+What differs from plait's GPT, and nothing else:
+- the model is DIR's transformers model (plait.models.hf.load), from its weights or the seed;
+- text is tokenized with DIR/tokenizer.json when there is one (raw `--data` here, on every
+  rank, the same way `plait data prepare --tokenizer DIR` would), else read as bytes;
+- the model returns an output object: the loss reads its `.logits` (one place, `logits_of`),
+  so the trainer's loop, evaluation and the pipeline runner need no change;
+- the model's adapter (what tensor and pipeline parallelism ask of it) is read from the
+  plans its config declares (plait.models.adapters);
+- checkpoints carry DIR's config.json (and its generation config and tokenizer files), so that
+  `plait ckpt export --hf` can write a directory transformers loads, from the checkpoint alone.
+
+The model's shape for estimates and the report is read from config.json (hf_config.shape);
+its exact parameter count is the built model's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from plait.estimate.layout import Workload
+from plait.models.hf.config import COMPANIONS, CONFIG, TOKENIZER, read_hf_dir
+from plait.train.config.settings import TrainConfig
+from plait.train.data.corpus import corpus_digest, load_corpus, train_val_split
+from plait.parallel.seam import logits_of
+from plait.families.gpt.task import LanguageTask
+from plait.train.data.tokens import TextCodec, is_prepared, text_codec
+
+ATTACHED = "hf"  # the checkpoint's folder for the model directory's files
+
+
+class HFTask(LanguageTask):
+    """Next-token prediction with a local Hugging Face model."""
+
+    def __init__(self, config: TrainConfig):
+        self.config = config
+        self.hf = read_hf_dir(config.model)
+        self.model_config = self.hf.shape_or_none()  # None: a decoder whose sizes plait cannot read
+        self.num_params = self.model_config.num_params() if self.model_config else 0  # exact once built
+        self._tokenizer: Any = None
+
+    def build_model(self, seed: int) -> nn.Module:
+        from plait.models.hf.experts import declared_experts, install_routing_stats
+        from plait.models.hf.load import build_hf_model
+        from plait.models.hf.plans import declared
+
+        model = build_hf_model(self.hf, seed)
+        if declared(model, "ep"):  # a mixture of experts: its routing is counted for the report
+            install_routing_stats(model, declared_experts(model, declared(model, "ep")))
+        self.num_params = sum(p.numel() for p in model.parameters())  # a tied head counted once
+        return model
+
+    def adapter(self, model: nn.Module) -> Any:
+        from plait.models.adapters import adapter_for
+
+        return adapter_for(model)
+
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None and self.hf.tokenizer is not None:
+            from plait.train.data.prepare import load_tokenizer
+
+            self._tokenizer, _ = load_tokenizer(str(self.hf.tokenizer))
+        return self._tokenizer
+
+    def load(self) -> tuple[Any, Any, int]:
+        tokens = load_corpus(self.config.data)
+        if self.hf.tokenizer is not None and not is_prepared(self.config.data):
+            tokens = self._encode(tokens)
+        return (*train_val_split(tokens, self.config.seq_len), corpus_digest(tokens))
+
+    def _encode(self, raw: torch.Tensor) -> torch.Tensor:
+        """Raw text's bytes -> the tokenizer's ids, in chunks ending at line breaks."""
+        from plait.train.data.prepare import encode_texts, text_chunks
+
+        text = bytes(raw.numpy()).decode("utf-8", errors="replace")
+        ids = list(encode_texts(self.tokenizer(), text_chunks(text)))
+        return torch.from_numpy(np.concatenate(ids).astype(np.int64)) if ids else torch.zeros(0, dtype=torch.int64)
+
+    def loss_fn(self, executor: Any) -> Any:
+        """Cross-entropy on the output's logits. Under tensor parallelism they may be this
+        rank's slice of the vocabulary (plait's vocabulary-parallel loss) or, gathered for
+        the user's code, the whole of it (the plain loss): their width says which."""
+        def loss(outputs: Any, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+            logits = logits_of(outputs)
+            return executor.token_loss(logits, targets, reduction, sliced=logits.shape[-1] != self.hf.vocab_size)
+
+        return loss
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.vocab_size
+
+    def context_length(self) -> int:
+        return self.hf.size("positions") or self.config.seq_len
+
+    def prediction(self, work: Workload, hardware: Any) -> dict[str, Any]:
+        """The estimate of its shape, or (a config that names no sizes) of its parameter count."""
+        if self.model_config is not None:
+            return super().prediction(work, hardware)
+        from plait.estimate import estimate_by_size
+
+        return estimate_by_size(self.num_params, work, hardware=hardware)
+
+    def codec(self) -> TextCodec:
+        tokenizer = self.tokenizer()
+        return TextCodec(tokenizer) if tokenizer is not None else text_codec(self.config.data)
+
+    def attachments(self) -> dict[str, Path]:
+        """The files a checkpoint carries: DIR's config.json and its companions when present,
+        and the run's tokenizer.json (DIR's, else the prepared corpus's)."""
+        files = {f"{ATTACHED}/{CONFIG}": self.hf.path / CONFIG}
+        tokenizer = self.hf.tokenizer or (Path(self.config.data) / TOKENIZER if is_prepared(self.config.data) else None)
+        for name, path in [*((n, self.hf.path / n) for n in COMPANIONS), (TOKENIZER, tokenizer)]:
+            if path is not None and path.is_file():
+                files[f"{ATTACHED}/{name}"] = path
+        return files

@@ -1,0 +1,274 @@
+"""Model shapes, kept free of torch so that `estimate/` can use them as pure arithmetic.
+
+A preset is a name for a `GPTConfig`. `tiny` and `small` are trained by the tests and the
+demo; the larger ones exist so that `plait estimate` and `plait plan` can talk about the
+models people actually train, without ever allocating them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from plait.errors import PlaitError
+from plait.rules import check_divides, check_sequence_split
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of a decoder-only transformer.
+
+    `arch="llama"` is our block (RMSNorm, RoPE, SwiGLU, no biases); `arch="gpt2"` describes
+    a GPT-2 block (LayerNorm, learned positions, GELU MLP, biases) for estimates only.
+    """
+
+    vocab_size: int = 256
+    n_layers: int = 2
+    d_model: int = 64
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_hidden: int = 192
+    max_seq_len: int = 128
+    tie_embeddings: bool = True
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    arch: str = "llama"
+    # Mixture of experts (plait.models.gpt.moe): 0 experts is a dense model.
+    experts: int = 0  # routed experts in each MoE block
+    top_k: int = 2  # experts each token is sent to
+    shared_experts: int = 0  # experts every token passes through as well (one SwiGLU of shared·hidden units)
+    moe_every: int = 1  # every moe_every-th block is an MoE block (the others keep the dense MLP)
+    expert_hidden: int = 0  # each expert's SwiGLU width (0: ffn_hidden)
+    router: str = "softmax"  # softmax top-k with the auxiliary loss, or sigmoid with a bias (no auxiliary loss)
+    aux_loss_coef: float = 0.01  # weight of the load-balancing loss (softmax router)
+    bias_rate: float = 0.001  # sigmoid router: how far each step moves an expert's bias towards balance
+    capacity_factor: float = 0.0  # 0: dropless; else each expert takes at most factor·tokens·top_k/experts
+
+    def __post_init__(self) -> None:
+        """Shapes that cannot build a model are refused here, naming the field."""
+        for name in ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise PlaitError(f"model field {name} must be at least 1, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise PlaitError(f"d_model = {self.d_model} is not divisible by n_heads = {self.n_heads}",
+                             hint="each head takes d_model / n_heads features")
+        if self.n_heads % self.n_kv_heads:
+            raise PlaitError(f"n_heads = {self.n_heads} is not divisible by n_kv_heads = {self.n_kv_heads}",
+                             hint="each key/value head serves n_heads / n_kv_heads query heads")
+        check_experts(self)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    def moe_layer(self, index: int) -> bool:
+        """Whether block `index` (from 0) is an MoE block: every moe_every-th, counting from 1."""
+        return self.is_moe and (index + 1) % self.moe_every == 0
+
+    @property
+    def moe_layers(self) -> int:
+        return sum(self.moe_layer(i) for i in range(self.n_layers))
+
+    @property
+    def expert_width(self) -> int:
+        """Hidden units of one expert's SwiGLU."""
+        return self.expert_hidden or self.ffn_hidden
+
+    def expert_params(self) -> int:
+        """Parameters of one routed expert (gate, up and down projections)."""
+        return 3 * self.d_model * self.expert_width
+
+    def moe_mlp_params(self) -> int:
+        """An MoE block's feed-forward: the router, every routed expert, the shared experts."""
+        return (self.d_model * self.experts + self.experts * self.expert_params()
+                + self.shared_experts * self.expert_params())
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    def layer_params(self) -> int:
+        """Parameters of one transformer block."""
+        h, f, kv = self.d_model, self.ffn_hidden, self.kv_dim
+        if self.arch == "gpt2":
+            attn = h * (h + 2 * kv) + (h + 2 * kv) + h * h + h
+            mlp = 2 * h * f + f + h
+            norms = 2 * 2 * h
+            return attn + mlp + norms
+        attn = 2 * h * h + 2 * h * kv
+        mlp = 3 * h * f
+        norms = 2 * h
+        return attn + mlp + norms
+
+    def block_params(self, index: int) -> int:
+        """Parameters of block `index`: a dense block, or one whose MLP is the MoE's (the
+        router's bias is a buffer-like parameter, not counted: it is never trained)."""
+        if not self.moe_layer(index):
+            return self.layer_params()
+        return self.layer_params() - 3 * self.d_model * self.ffn_hidden + self.moe_mlp_params()
+
+    def active_block_params(self, index: int) -> int:
+        """Parameters one token passes through in block `index`: a dense block's all; an MoE
+        block's attention, norms, router, top_k routed experts and the shared ones."""
+        if not self.moe_layer(index):
+            return self.layer_params()
+        return (self.layer_params() - 3 * self.d_model * self.ffn_hidden + self.d_model * self.experts
+                + (self.top_k + self.shared_experts) * self.expert_params())
+
+    def active_params(self) -> int:
+        """Parameters one token passes through: every dense weight, and of each MoE block the
+        router, top_k routed experts and the shared ones (what FLOPs per token follow)."""
+        idle = (self.experts - self.top_k) * self.expert_params() * self.moe_layers
+        return self.num_params() - idle
+
+    def embedding_params(self) -> int:
+        """Token embedding, output head (unless tied), final norm, learned positions."""
+        h = self.d_model
+        total = self.vocab_size * h
+        if not self.tie_embeddings:
+            total += self.vocab_size * h
+        if self.arch == "gpt2":
+            total += self.max_seq_len * h + 2 * h
+        else:
+            total += h
+        return total
+
+    def check_split(self, tp: int, sp: bool = False, seq_len: int | None = None) -> None:
+        """The decoder splits whole heads, whole KV heads, the vocabulary and the MLP evenly
+        over tp; under SP the sequence too. The vocabulary is not padded: pad it in the model
+        instead (`--model NAME,vocab_size=N`). The family's own limits: the layout's rules
+        are plait.rules'."""
+        for what, size, why in (("n_heads", self.n_heads, "each rank holds whole attention heads"),
+                                ("n_kv_heads", self.n_kv_heads, "each rank holds whole key/value heads"),
+                                ("vocab_size", self.vocab_size, "each rank holds V/tp rows of the vocabulary"),
+                                ("ffn_hidden", self.ffn_hidden, "each rank holds ffn_hidden/tp MLP units")):
+            pad = f", or pad the vocabulary to {size + (-size % tp)}" if what == "vocab_size" else ""
+            check_divides(what, size, tp, why, pad)
+        if seq_len is not None:
+            check_sequence_split(seq_len, tp, sp)
+        if self.is_moe and tp > 1 and sp:
+            raise PlaitError(f"--sp with a mixture of experts is not built yet (tp {tp} keeps each MoE block whole "
+                             "on every tp rank, which needs the whole sequence)",
+                             hint="drop --sp: tp splits attention and the dense blocks, the experts stay whole")
+
+    def num_params(self) -> int:
+        """Exact parameter count of the model this config builds (tied weights counted once)."""
+        return sum(self.block_params(i) for i in range(self.n_layers)) + self.embedding_params()
+
+
+ROUTERS = ("softmax", "sigmoid")
+
+
+def check_experts(config: GPTConfig) -> None:
+    """An MoE shape that cannot route is refused here, naming the field."""
+    if config.experts == 0:
+        return
+    if config.experts < 0 or config.top_k < 1 or config.moe_every < 1 or config.shared_experts < 0:
+        raise PlaitError("experts, top_k and moe_every must be positive (shared_experts at least 0)",
+                         hint="e.g. --model tiny-moe,experts=8,top_k=2")
+    if config.top_k > config.experts:
+        raise PlaitError(f"top_k = {config.top_k} is more than experts = {config.experts}",
+                         hint=f"each token goes to top_k distinct experts: choose top_k <= {config.experts}")
+    if config.router not in ROUTERS:
+        raise PlaitError(f"router {config.router!r} is not one of {', '.join(ROUTERS)}",
+                         hint="softmax: top-k with the load-balancing loss; sigmoid: auxiliary-loss-free bias")
+    if config.capacity_factor < 0 or config.aux_loss_coef < 0 or config.bias_rate < 0:
+        raise PlaitError("capacity_factor, aux_loss_coef and bias_rate must be at least 0")
+
+
+PRESETS: dict[str, GPTConfig] = {
+    # Trained by the tests: well under a million parameters, fast on one CPU core.
+    "tiny": GPTConfig(),
+    # Trained by the demo: about 9.5 M parameters, byte-level vocabulary.
+    "small": GPTConfig(
+        vocab_size=256, n_layers=6, d_model=384, n_heads=6, n_kv_heads=2,
+        ffn_hidden=1024, max_seq_len=512,
+    ),
+    # Shape-only presets for estimates and planning.
+    "gpt2-124m": GPTConfig(
+        vocab_size=50257, n_layers=12, d_model=768, n_heads=12, n_kv_heads=12,
+        ffn_hidden=3072, max_seq_len=1024, arch="gpt2",
+    ),
+    "llama-1b": GPTConfig(
+        vocab_size=128256, n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8,
+        ffn_hidden=8192, max_seq_len=8192, rope_theta=500000.0,
+    ),
+    "llama-7b": GPTConfig(
+        vocab_size=32000, n_layers=32, d_model=4096, n_heads=32, n_kv_heads=32,
+        ffn_hidden=11008, max_seq_len=4096, tie_embeddings=False,
+    ),
+    "llama-70b": GPTConfig(
+        vocab_size=32000, n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8,
+        ffn_hidden=28672, max_seq_len=4096, tie_embeddings=False,
+    ),
+}
+
+PRESETS.update({
+    # Mixtures of experts: tiny-moe is trained by the tests, small-moe by the MoE demo.
+    "tiny-moe": GPTConfig(experts=4, top_k=2, shared_experts=1, expert_hidden=64),
+    "small-moe": GPTConfig(
+        vocab_size=256, n_layers=6, d_model=384, n_heads=6, n_kv_heads=2,
+        ffn_hidden=1024, max_seq_len=512, experts=8, top_k=2, expert_hidden=512, moe_every=2,
+    ),
+    # Shape-only: Mixtral 8x7B's shape, for estimates and planning.
+    "mixtral-8x7b": GPTConfig(
+        vocab_size=32000, n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8,
+        ffn_hidden=14336, max_seq_len=4096, tie_embeddings=False, rope_theta=1e6, experts=8, top_k=2,
+    ),
+})
+
+# Presets small enough to allocate and train on a CPU.
+TRAINABLE = ("tiny", "small", "tiny-moe", "small-moe")
+
+def get_preset(name: str, **overrides: object) -> GPTConfig:
+    """Look up a preset by name, with an error that lists the names that exist.
+
+    `name` may carry overrides of the preset's fields: "tiny,n_kv_heads=4,n_layers=4"
+    (what `--model` accepts), for a variant without a new preset.
+    """
+    base, _, spec = name.partition(",")
+    if base not in PRESETS:
+        raise PlaitError(
+            f"unknown model preset {base!r}",
+            hint=f"choose one of: {', '.join(PRESETS)}",
+        )
+    overrides = {**parse_overrides(spec, name), **overrides} if spec else overrides
+    config = PRESETS[base]
+    try:
+        return replace(config, **overrides) if overrides else config
+    except (ValueError, ZeroDivisionError) as exc:
+        raise PlaitError(f"model {name!r}: {exc}") from None
+
+
+def preset_name(name: str) -> str:
+    """The preset a model spec starts from ("tiny" for "tiny,n_layers=4")."""
+    return name.partition(",")[0]
+
+
+def parse_overrides(spec: str, name: str) -> dict[str, object]:
+    """"n_layers=4,tie_embeddings=false" -> typed values for GPTConfig's fields."""
+    kinds = {f.name: f.type for f in fields(GPTConfig)}
+    out: dict[str, object] = {}
+    for item in filter(None, spec.split(",")):
+        key, eq, text = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not eq or key not in kinds:
+            raise PlaitError(f"model {name!r}: {item!r} is not FIELD=VALUE for a GPTConfig field",
+                             hint=f"fields: {', '.join(kinds)}")
+        out[key] = _typed(kinds[key], text.strip(), name, key)
+    return out
+
+
+def _typed(kind: object, text: str, name: str, key: str) -> object:
+    kind = getattr(kind, "__name__", kind)
+    try:
+        if kind == "bool":
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(text)
+            return text.lower() in ("true", "1")
+        return {"int": int, "float": float}.get(str(kind), str)(text)
+    except ValueError:
+        raise PlaitError(f"model {name!r}: {key}={text!r} is not a valid {kind}") from None

@@ -1,0 +1,186 @@
+"""A local Hugging Face model directory (`--model hf:DIR`), read without torch or transformers.
+
+    DIR/config.json                       required: the architecture (model_type, sizes): any
+                                          causal LM transformers builds (plait.families.hf.check)
+    DIR/model.safetensors                 optional: the weights to start from; or
+    DIR/model.safetensors.index.json      with the shards it names (model-00001-of-00002...)
+    DIR/generation_config.json            optional, like tokenizer_config.json and
+                                          special_tokens_map.json: carried into the export
+    DIR/tokenizer.json                    optional: else the corpus is bytes (vocabulary ≥ 256)
+
+Everything here is JSON and file names, so `plait train` checks the directory, and `plait
+estimate` sizes the model, before any process starts. `shape()` describes the model as a
+GPTConfig (the shape every memory and time formula of `plait estimate` reads), from the
+sizes decoder configs name under a few common spellings; a config that names none of them
+has no shape (data parallelism and ZeRO need none; the estimate is then by parameter count).
+Building the model itself is plait.models.hf.load's. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from plait.errors import PlaitError
+from plait.models.gpt.config import GPTConfig, get_preset
+
+PREFIX = "hf:"
+CONFIG, WEIGHTS, WEIGHTS_INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
+GENERATION, TOKENIZER = "generation_config.json", "tokenizer.json"
+# Carried, when DIR has them, into checkpoints and the export: what from_pretrained and
+# AutoTokenizer read beside the weights.
+COMPANIONS = (GENERATION, "tokenizer_config.json", "special_tokens_map.json")
+# The sizes a decoder's config.json names, each under the spellings transformers' configs use.
+SIZES = {"layers": ("num_hidden_layers", "n_layer", "num_layers"), "hidden": ("hidden_size", "n_embd", "d_model"),
+         "heads": ("num_attention_heads", "n_head"), "positions": ("max_position_embeddings", "n_positions")}
+
+
+# Where transformers' configs keep the attention's dropout rate (Llama's, GPT-2's spelling).
+ATTENTION_DROPOUT = ("attention_dropout", "attn_pdrop")
+
+
+def attention_dropout(config: dict[str, Any]) -> tuple[str, float] | None:
+    """(field, rate) of a config's attention dropout when it is on, else None."""
+    for field in ATTENTION_DROPOUT:
+        rate = config.get(field) or 0.0
+        if rate > 0:
+            return field, rate
+    return None
+
+
+def is_hf(spec: str) -> bool:
+    """True for a `--model` that names a Hugging Face directory (hf:DIR)."""
+    return spec.startswith(PREFIX)
+
+
+@dataclass(frozen=True)
+class HFModelDir:
+    """What a Hugging Face model directory holds (see the module docstring)."""
+
+    path: Path
+    config: dict[str, Any]
+    weights: tuple[Path, ...]  # empty: train from a seeded random initialisation
+    tokenizer: Path | None
+
+    @property
+    def model_type(self) -> str:
+        return str(self.config["model_type"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config["vocab_size"])
+
+    def size(self, what: str) -> int | None:
+        """A size by its meaning ("layers", "hidden", "heads", "positions"), or None."""
+        for key in SIZES[what]:
+            if isinstance(self.config.get(key), int):
+                return int(self.config[key])
+        return None
+
+    def shape(self) -> GPTConfig:
+        """The model's shape in plait's terms, for estimates, reports and layout checks: a
+        GPT-2 block for gpt2, a Llama block (RMSNorm, RoPE, SwiGLU) for any other decoder."""
+        c, spec = self.config, f"{PREFIX}{self.path}"
+        sizes = {what: self.size(what) for what in SIZES}
+        missing = [SIZES[what][0] for what, size in sizes.items() if size is None]
+        if missing:
+            raise PlaitError(f"--model {spec}: {CONFIG} names no {', '.join(missing)} (model_type "
+                             f"{self.model_type!r}), so plait knows only its parameter count",
+                             hint="train it with data parallelism or ZeRO; tensor and pipeline parallelism "
+                                  "and the shape-based estimates need these sizes")
+        hidden, heads = sizes["hidden"], sizes["heads"]
+        try:
+            if self.model_type == "gpt2":
+                return GPTConfig(vocab_size=self.vocab_size, n_layers=sizes["layers"], d_model=hidden, n_heads=heads,
+                                 n_kv_heads=heads, ffn_hidden=int(c.get("n_inner") or 4 * hidden),
+                                 max_seq_len=sizes["positions"], tie_embeddings=bool(c.get("tie_word_embeddings", True)),
+                                 arch="gpt2")
+            rope = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+            return GPTConfig(vocab_size=self.vocab_size, n_layers=sizes["layers"], d_model=hidden, n_heads=heads,
+                             n_kv_heads=int(c.get("num_key_value_heads") or heads),
+                             ffn_hidden=int(c.get("intermediate_size") or 4 * hidden), max_seq_len=sizes["positions"],
+                             tie_embeddings=bool(c.get("tie_word_embeddings", False)), rope_theta=float(rope),
+                             norm_eps=float(c.get("rms_norm_eps", 1e-6)), **self.experts(hidden))
+        except (TypeError, ValueError) as exc:
+            raise PlaitError(f"--model {spec}: {CONFIG} has a size that is not a number ({exc})") from None
+
+    def experts(self, hidden: int) -> dict[str, Any]:
+        """A mixture of experts' fields of GPTConfig, from the names transformers' MoE configs
+        use (Mixtral's num_local_experts, Qwen2-MoE's num_experts, moe_intermediate_size,
+        shared_expert_intermediate_size, decoder_sparse_step); {} for a dense model."""
+        c = self.config
+        experts = int(c.get("num_local_experts") or c.get("num_experts") or c.get("n_routed_experts") or 0)
+        if not experts:
+            return {}
+        width = int(c.get("moe_intermediate_size") or c.get("intermediate_size") or 4 * hidden)
+        shared = int(c.get("shared_expert_intermediate_size") or 0)
+        return dict(experts=experts, top_k=int(c.get("num_experts_per_tok") or 2), expert_hidden=width,
+                    shared_experts=max(1, round(shared / width)) if shared else 0,
+                    moe_every=int(c.get("decoder_sparse_step") or 1))
+
+    def shape_or_none(self) -> GPTConfig | None:
+        """`shape()`, or None for a config that does not name a decoder's sizes."""
+        try:
+            return self.shape()
+        except PlaitError:
+            return None
+
+
+def read_hf_dir(spec: str) -> HFModelDir:
+    """The directory `spec` ("hf:DIR") names, checked: one PlaitError naming what is wrong."""
+    path = Path(spec.removeprefix(PREFIX)).expanduser()
+    if not path.is_dir():
+        raise PlaitError(f"--model {spec}: {path} is not a directory",
+                         hint="give hf:DIR, a local directory holding config.json (nothing is downloaded)")
+    config = _read_config(path, spec)
+    if not isinstance(config.get("model_type"), str):
+        raise PlaitError(f"--model {spec}: {path / CONFIG} names no model_type",
+                         hint="write the config with save_pretrained: it records which transformers class to build")
+    if not isinstance(config.get("vocab_size"), int) or config["vocab_size"] < 1:
+        raise PlaitError(f"--model {spec}: {path / CONFIG} has no positive integer vocab_size")
+    tokenizer = path / TOKENIZER
+    return HFModelDir(path=path, config=config, weights=_weight_files(path, spec),
+                      tokenizer=tokenizer if tokenizer.is_file() else None)
+
+
+def _read_config(path: Path, spec: str) -> dict[str, Any]:
+    file = path / CONFIG
+    if not file.is_file():
+        raise PlaitError(f"--model {spec}: {file} is missing",
+                         hint="a Hugging Face model directory needs its config.json (write it with "
+                              "config.save_pretrained(DIR), or copy it from the model's repository)")
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise PlaitError(f"--model {spec}: {file} is not readable JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise PlaitError(f"--model {spec}: {file} is not a JSON object")
+    return config
+
+
+def _weight_files(path: Path, spec: str) -> tuple[Path, ...]:
+    """model.safetensors, or the shards its index names (each must be there), or none."""
+    if (path / WEIGHTS).is_file():
+        return (path / WEIGHTS,)
+    index = path / WEIGHTS_INDEX
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as exc:
+            raise PlaitError(f"--model {spec}: {index} is not a safetensors index ({exc})") from None
+        missing = [name for name in shards if not (path / name).is_file()]
+        if missing:
+            raise PlaitError(f"--model {spec}: {index} names shards that are not there: {', '.join(missing)}",
+                             hint="copy every shard beside the index, or remove the index to start from random weights")
+        return tuple(path / name for name in shards)
+    if any(path.glob("*.safetensors")):
+        raise PlaitError(f"--model {spec}: {path} holds *.safetensors shards without {WEIGHTS_INDEX}",
+                         hint="copy the index beside the shards (it says which tensor is in which file)")
+    return ()
+
+
+def model_shape(spec: str) -> GPTConfig:
+    """The shape of any `--model` a language model can be: a preset (with overrides) or hf:DIR."""
+    return read_hf_dir(spec).shape() if is_hf(spec) else get_preset(spec)

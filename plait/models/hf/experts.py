@@ -1,0 +1,104 @@
+"""A transformers mixture of experts, read from the expert-parallel plan its config declares.
+
+transformers 5 stores an MoE layer's routed experts as one module whose weights are 3-D
+(`gate_up_proj` (E, 2·hidden, d), `down_proj` (E, d, hidden)) and whose forward takes
+(tokens, top_k_index, top_k_weights); the router is `mlp.gate`. The config says which modules
+those are in `base_model_ep_plan`: "ep_dispatch_experts" for the experts module and
+"grouped_gemm" for each parameter split by expert. plait's expert parallelism
+(plait.parallel.expert) needs exactly that, so any class declaring it trains unchanged, and
+one that declares something else is refused in one line naming what differs.
+
+Routing statistics: a `RoutingStats` module added to each MoE block counts the tokens each
+expert received (a forward hook on the router), for the closing report; with
+`output_router_logits` set in the config it also adds plait's per-sequence balancing loss
+(plait.models.gpt.moe.MoE's formula) with `router_aux_loss_coef`, since transformers' batch-level
+loss is not the same sum when a layout splits the batch.
+"""
+
+from __future__ import annotations
+
+import inspect
+from fnmatch import fnmatchcase
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.errors import PlaitError
+from plait.models.gpt.moe import RoutingCounts
+
+DISPATCH, SPLIT = "ep_dispatch_experts", "grouped_gemm"
+HINT = "plait splits experts declared as base_model_ep_plan {'...experts': 'ep_dispatch_experts', " \
+       "'...experts.gate_up_proj' / 'down_proj': 'grouped_gemm'} (transformers 5's MoE layout); see docs/moe.md"
+
+
+def declared_experts(model: nn.Module, plan: dict[str, Any]) -> list[nn.Module]:
+    """The experts modules `plan` (the model's composed ep_plan) names, each checked."""
+    name = type(model).__name__
+    if not plan:
+        raise PlaitError(f"expert parallelism needs {name}'s experts, and its config declares no base_model_ep_plan",
+                         hint=HINT)
+    unknown = sorted({style for style in plan.values() if style not in (DISPATCH, SPLIT)})
+    if unknown:
+        raise PlaitError(f"{name}'s ep plan uses {', '.join(map(repr, unknown))}, which plait does not split",
+                         hint=HINT)
+    modules = dict(model.named_modules())
+    found = [(key, module) for pattern, style in plan.items() if style == DISPATCH
+             for key, module in modules.items() if key and fnmatchcase(key, pattern)]
+    if not found:
+        raise PlaitError(f"{name}'s ep plan names no module this model has", hint=HINT)
+    splits = [pattern for pattern, style in plan.items() if style == SPLIT]
+    for key, module in found:
+        _check_experts(name, key, module, splits)
+    return [module for _, module in found]
+
+
+def _check_experts(name: str, key: str, module: nn.Module, splits: list[str]) -> None:
+    experts = getattr(module, "num_experts", None)
+    if not isinstance(experts, int):
+        raise PlaitError(f"{name}.{key} ({type(module).__name__}) has no num_experts", hint=HINT)
+    for param_name, param in module.named_parameters(recurse=False):
+        if any(fnmatchcase(f"{key}.{param_name}", pattern) for pattern in splits) and param.shape[0] != experts:
+            raise PlaitError(f"{name}.{key}.{param_name} has shape {tuple(param.shape)}, not {experts} experts first",
+                             hint=HINT)
+    if len(inspect.signature(module.forward).parameters) < 3:
+        raise PlaitError(f"{name}.{key}.forward does not take (hidden_states, top_k_index, top_k_weights)", hint=HINT)
+
+
+class RoutingStats(RoutingCounts):
+    """Counts a transformers MoE block's routing (the tokens each expert received, this rank's,
+    since the last `take_counts`), and adds the balancing loss when the config asks for it."""
+
+    router = "softmax"
+    bias_rate = 0.0
+
+    def __init__(self, experts: int, top_k: int, aux_loss_coef: float):
+        super().__init__(experts, top_k, aux_loss_coef)
+        self.batch = 1
+
+    def seen(self, logits: torch.Tensor, scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The router's output passes through: counted, and carrying the balancing loss."""
+        self.count(index)
+        if not self.training or self.aux_loss_coef <= 0:  # no probabilities to compute
+            return scores
+        probs = F.softmax(logits.float(), dim=-1).view(self.batch, -1, logits.shape[-1])
+        return self.with_balance_loss(scores, index, probs)
+
+
+def install_routing_stats(model: nn.Module, experts_modules: list[nn.Module]) -> int:
+    """A RoutingStats on each MoE block holding one of `experts_modules` (its `gate` the router)."""
+    config = getattr(model, "config", None)
+    coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if getattr(
+        config, "output_router_logits", False) else 0.0
+    installed = 0
+    for block in model.modules():
+        experts, gate = getattr(block, "experts", None), getattr(block, "gate", None)
+        if experts is None or gate is None or not any(experts is m for m in experts_modules):
+            continue
+        stats = RoutingStats(experts.num_experts, int(getattr(gate, "top_k", 1)), coef)
+        block.add_module("plait_routing", stats)
+        block.register_forward_pre_hook(lambda m, args, s=stats: setattr(s, "batch", args[0].shape[0]))
+        gate.register_forward_hook(lambda m, args, out, s=stats: (out[0], s.seen(*out), out[2]))
+        installed += 1
+    return installed

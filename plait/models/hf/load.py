@@ -1,0 +1,108 @@
+"""Build a transformers model from a local directory, and write one back: offline, always.
+
+`build_hf_model` gives the `AutoModelForCausalLM` of DIR/config.json, with DIR's safetensors
+weights when it has them, else initialised from the seed: torch's generator is seeded just
+before transformers initialises, so every rank, whatever its layout, starts from the same
+weights. The model is returned as it is (its own class and parameter names): strategies
+pick their adapter by that class, and checkpoints keep its names.
+
+`write_hf_dir` is the reverse, for `plait ckpt export --hf`: config.json, the weights as one
+model.safetensors under transformers' names (a tied head is stored once, as
+`save_pretrained` does, and re-tied by `from_pretrained`), generation_config.json and
+tokenizer.json when the run had them. It is written under a temporary name and renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.errors import PlaitError
+from plait.models.hf.config import CONFIG, WEIGHTS, HFModelDir
+
+
+def _transformers() -> Any:
+    """transformers, kept offline and quiet (no hub lookups, no progress bars)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    try:
+        import transformers
+    except ImportError:
+        raise PlaitError("--model hf:DIR needs the `transformers` library", hint="pip install 'plait[hf]'") from None
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    return transformers
+
+
+def build_hf_model(hf: HFModelDir, seed: int) -> nn.Module:
+    """DIR's causal language model in training mode, from its weights or from `seed`."""
+    transformers = _transformers()
+    auto = transformers.AutoModelForCausalLM
+    torch.manual_seed(seed)  # also for any weight the files lack: the same on every rank
+    try:
+        if hf.weights:
+            model, info = auto.from_pretrained(str(hf.path), local_files_only=True, output_loading_info=True)
+            _say_what_was_not_loaded(hf, info)
+        else:
+            config = transformers.AutoConfig.from_pretrained(str(hf.path), local_files_only=True)
+            model = auto.from_config(config)
+    except PlaitError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - transformers and safetensors raise their own types
+        raise PlaitError(f"--model hf:{hf.path}: transformers cannot build it: {type(exc).__name__}: {exc}",
+                         hint="check config.json and the safetensors files (load them with from_pretrained)") from None
+    model.config.use_cache = False  # training keeps no key/value cache
+    return model.float().train()  # from_pretrained returns eval mode; the trainer casts to --precision
+
+
+def _say_what_was_not_loaded(hf: HFModelDir, info: dict) -> None:
+    """Weights of the wrong shape are refused; weights the files lack start from the seed,
+    and the user is told which (only rank 0 speaks)."""
+    mismatched = info.get("mismatched_keys") or []
+    if mismatched:
+        raise PlaitError(f"--model hf:{hf.path}: {len(mismatched)} tensor(s) in the safetensors files have another "
+                         f"shape than config.json gives, e.g. {list(mismatched)[0]}",
+                         hint="the weights belong to another config.json; use the pair that was saved together")
+    missing = sorted(info.get("missing_keys") or [])
+    if missing and os.environ.get("RANK", "0") == "0":
+        print(f"plait: note: --model hf:{hf.path}: {len(missing)} weight(s) not in its files start from the seed: "
+              f"{', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}", flush=True)
+
+
+def write_hf_dir(out: str | Path, config: dict, weights: dict[str, torch.Tensor],
+                 extra: dict[str, Path]) -> Path:
+    """DIR for `from_pretrained(DIR)`: config.json, model.safetensors and the `extra` files
+    (generation config, tokenizer) by their names; atomic (temporary directory, rename)."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise PlaitError(f"--hf {out} exists and is not a directory", hint="choose a new directory name")
+    tmp, old = out.with_name(f".{out.name}.tmp-{os.getpid()}"), out.with_name(f".{out.name}.old-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        # transformers reads a safetensors file only when its metadata says it holds torch tensors.
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        for name, path in extra.items():
+            shutil.copyfile(path, tmp / name)
+        if out.exists():
+            os.rename(out, old)
+        os.rename(tmp, out)
+    except OSError as exc:
+        raise PlaitError(f"--hf {out} could not be written: {exc.strerror or exc}",
+                         hint="choose a directory you can write to, with space for the weights") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+__all__ = ["build_hf_model", "write_hf_dir"]

@@ -1,0 +1,162 @@
+"""What the strategies ask of a transformers model, answered from the plans it declares.
+
+transformers 5 causal LMs declare how their layers split across ranks (`model.tp_plan`) and
+which pieces a pipeline may hold (`model.pp_plan`), composed from `config.base_model_tp_plan`
+/ `base_model_pp_plan` and the class's own `_tp_plan` / `_pp_plan` (the head). plait reads
+those declarations instead of a list of families: every causal LM that declares them (Llama,
+Mistral, Qwen2, Qwen3, Gemma 3, Phi-3, OLMo 2...) trains under every strategy with no family code,
+and what plait cannot honour is refused in one line (never skipped).
+
+- `tensor_plan`: the declared styles in plait's (models/hf/styles.py), the config's sizes
+  checked; under sequence parallelism the embedding and head stay whole and the blocks' norms
+  get their gradients summed.
+- `after_tensor_parallel`: with SP, the blocks run on sequence slices (split before the
+  first, gathered after the last); without, nothing: the head's gather is its own style.
+- `blocks`, `parts`, `run_stage`: the block list and the cut from `pp_plan`, and a stage that
+  makes positions, rotary angles and masks itself (models/hf/stages.py).
+
+Tied embeddings need nothing here: under tp one vocabulary shard serves the embedding and
+the head; across pipeline ranks the split makes two copies whose gradients are summed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.errors import PlaitError
+from plait.models.hf import context as hf_context, stages as hf_stages
+from plait.models.hf.hooks import split_sequence_around
+from plait.models.hf.styles import check_config, for_sequence_parallel, plait_plan, probe_input
+from plait.parallel.seam import GenericAdapter, Parts, StageView
+from plait.runtime.comm import Axis
+
+log = logging.getLogger(__name__)
+
+
+def declares_plans(model: nn.Module) -> bool:
+    """Whether `model` declares a tensor- or pipeline-parallel plan."""
+    return bool(declared(model, "tp") or declared(model, "pp"))
+
+
+class DeclaredPlanAdapter:
+    """Any transformers causal LM, split as its own tp_plan and pp_plan say."""
+
+    def __init__(self) -> None:
+        self._parts: Parts | None = None
+        self._config: Any = None
+        self._head: hf_stages.OwnHead | None = None
+        self._maskless: frozenset[str] = frozenset()
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The repeated blocks: the pp plan's module list (else the tp plan's), else the generic answer."""
+        name = block_list(model)
+        return list(model.get_submodule(name)) if name else GenericAdapter().blocks(model)
+
+    def parts(self, model: nn.Module) -> Parts:
+        """The cut `pp_plan` declares, checked on a few tokens against the model's own forward."""
+        plan = declared(model, "pp")
+        if not hf_stages.names_a_list(model, plan):  # none, or the head's alone (OLMoE, PhiMoE)
+            plan = hf_stages.inferred_plan(model)
+            if not plan:
+                raise PlaitError(f"pp needs to know how to cut {type(model).__name__}: it declares no pp_plan, "
+                                 "and it is not an embedding, one list of layers and a final norm",
+                                 hint=hf_stages.HINT)
+            log.info("pp: %s declares no pp_plan; cutting it as inferred: %s", type(model).__name__, ", ".join(plan))
+        config = _text_config(model)
+        parts = hf_stages.declared_parts(model, plan)
+        maskless = hf_stages.check_kinds(model, config, parts.blocks)
+        head = hf_stages.OwnHead(model)
+        hf_stages.check_cut(model, parts, config, head, maskless)
+        self._parts, self._config, self._head, self._maskless = parts, config, head, maskless
+        return parts
+
+    def run_stage(self, stage: StageView, x: torch.Tensor) -> torch.Tensor:
+        """Ids or hidden states in; hidden states or logits out (models/hf/stages.py)."""
+        if self._parts is None:
+            raise PlaitError("run_stage before parts(): cut the model with this adapter first")
+        return hf_stages.run_stage(stage, x, self._parts, self._config, self._head, self._maskless)
+
+    def probe_input(self, model: nn.Module, tokens: int) -> tuple[tuple, dict]:
+        """The batch a split is checked on before training (plait.parallel.probe)."""
+        return probe_input(model, tokens)
+
+    def tensor_plan(self, model: nn.Module, tp: int, sp: bool) -> dict[str, str]:
+        """The declared tp_plan in plait's styles; PlaitError for a style or a size plait cannot split.
+        A mixture of experts' experts (what its ep plan dispatches) stay whole on every tp rank:
+        their entries are left out, as plait's own MoE blocks are (docs/moe.md)."""
+        plan = plait_plan(model, without_experts(declared(model, "tp"), declared(model, "ep")))
+        if not plan:
+            raise PlaitError(f"tensor parallelism needs a plan for a {type(model).__name__}: it declares no tp_plan",
+                             hint='pass ParallelConfig(tp_plan={"layer.name": "column" | "row" | "vocab" | '
+                                  '"region", ...}); see docs/tensor.md')
+        if sp:
+            blocks = _blocks_for_sp(model)
+            plan = for_sequence_parallel(model, plan, blocks)
+        check_config(model, plan, tp)
+        return plan
+
+    def expert_modules(self, model: nn.Module) -> list[nn.Module]:
+        """The experts modules its declared ep plan names (plait.models.hf.experts), checked."""
+        from plait.models.hf.experts import declared_experts
+
+        return declared_experts(model, declared(model, "ep"))
+
+    def context_attention(self, model: nn.Module, context: Any) -> None:
+        """Context parallelism through transformers' attention-function seam (models/hf/context.py)."""
+        hf_context.context_attention(model, context)
+
+    def after_tensor_parallel(self, model: nn.Module, axis: Axis, sp: bool) -> None:
+        """With SP the blocks run on sequence slices: split before the first, gather after the last."""
+        if sp and axis.size > 1:
+            split_sequence_around(list(model.get_submodule(_blocks_for_sp(model))), axis)
+
+
+def without_experts(tp_plan: dict[str, Any], ep_plan: dict[str, Any]) -> dict[str, Any]:
+    """`tp_plan` less the entries at or under the experts modules `ep_plan` dispatches."""
+    experts = [pattern for pattern, style in ep_plan.items() if style == "ep_dispatch_experts"]
+    return {key: style for key, style in tp_plan.items()
+            if not any(key == e or key.startswith(e + ".") for e in experts)}
+
+
+def block_list(model: nn.Module) -> str | None:
+    """The name of the model's block list: the ModuleList of the pp plan, else the one the tp
+    plan's patterns reach into ("model.layers" of "model.layers.*.mlp.up_proj")."""
+    modules = dict(model.named_modules())
+    lists = [key for key in declared(model, "pp") if isinstance(modules.get(key), nn.ModuleList)]
+    if not lists:
+        lists = [name for name, module in modules.items() if isinstance(module, nn.ModuleList)
+                 and any(pattern.startswith(f"{name}.*.") for pattern in declared(model, "tp"))]
+    return lists[0] if len(lists) == 1 else None
+
+
+def _blocks_for_sp(model: nn.Module) -> str:
+    name = block_list(model)
+    if name is None:
+        raise PlaitError(f"sequence parallelism: plait cannot tell {type(model).__name__}'s blocks from its plans",
+                         hint="drop --sp, or give parallelize an adapter (plait.parallel.seam)")
+    return name
+
+
+def _text_config(model: nn.Module) -> Any:
+    config = model.config
+    return config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+
+
+def declared(model: nn.Module, kind: str) -> dict[str, Any]:
+    """The full plan `model` declares ("tp" or "pp"), as transformers 5 composes it on the model
+    (`model.tp_plan`); older transformers only keeps the pieces, composed the same way here:
+    the base model's plan from its config (prefixed with where the base model sits) and the
+    class's own (the head's)."""
+    plan = getattr(model, f"{kind}_plan", None)
+    if isinstance(plan, dict):
+        return dict(plan)
+    config = getattr(model, "config", None)
+    base = getattr(config, f"base_model_{kind}_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "")
+    inner = prefix and isinstance(getattr(model, prefix, None), nn.Module)
+    composed = {(f"{prefix}.{key}" if inner else key): value for key, value in base.items()}
+    return {**composed, **(getattr(type(model), f"_{kind}_plan", None) or {})}

@@ -1,0 +1,301 @@
+"""A transformers model's declared pipeline plan: where plait cuts it, and how a stage runs.
+
+transformers declares the pieces a pipeline may hold (`model.pp_plan`, e.g. {"model.embed_tokens":
+(["input_ids"], ["inputs_embeds"]), "model.layers": (["hidden_states", "attention_mask"],
+["hidden_states"]), "model.norm": ..., "lm_head": ...}). plait reads it as a cut (`Parts`):
+
+- the piece that is a ModuleList is the block list; the plan's pieces registered before it
+  run on the first stage, those after it on the last;
+- the base model's other modules, which the plan leaves out, must hold no parameters (the
+  rotary embedding): every stage keeps them. One with parameters is refused in one line.
+
+A stage does what the base model's forward does around its own layers: positions 0..s-1,
+rotary angles from the shared `rotary_emb` (one set per layer type where it takes one, as
+Gemma3's does), and causal masks, sliding-window ones for the layers `config.layer_types`
+says slide (else all of them when `config.sliding_window` is set), made inside the stage, so
+a stage passes only hidden states on. A family without a `rotary_emb`, or with a layer type
+plait makes no mask for, is refused for pp > 1 in one line.
+
+The pieces outside the base model (the head) run through the causal LM's own forward, with
+the base model standing in as the hidden states the stage made (`OwnHead`): what that
+forward does after the head (Gemma 2's logit soft-cap, Cohere's logit scale) runs on the
+last stage as the model does it, read from the model, not from a list of families.
+
+A model that declares no pp plan but is laid out as its declared siblings are (one list of
+layers between an embedding and a final norm, under the base model) is cut the same way
+(`inferred_plan`); the log says so.
+
+A declaration says where to cut, not everything the forward does between the pieces. So
+before the first cut plait runs the pieces in a row, as the stages will, on a few tokens,
+and refuses the pipeline in one line unless the logits are exactly the model's own.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.errors import PlaitError
+from plait.models.hf.styles import probe_ids
+from plait.parallel.probe import first_line, quiet
+from plait.parallel.seam import Parts, StageView
+from plait.parallel.tensor.plan import tensor_parallel_of
+
+log = logging.getLogger(__name__)
+ROTARY = "rotary_emb"
+HINT = ("train it with pp 1 (dp, ZeRO and tp need no cut), or give parallelize an adapter whose "
+        "parts() and run_stage() say how (plait.parallel.seam)")
+
+
+def declared_parts(model: nn.Module, plan: dict[str, Any]) -> Parts:
+    """The cut the pp plan declares (see the module docstring); PlaitError where it cannot be."""
+    name, modules = type(model).__name__, dict(model.named_modules())
+    order = {key: i for i, key in enumerate(modules)}
+    placed = sorted((key for key in plan if key in modules), key=order.get)
+    lists = [key for key in placed if isinstance(modules[key], nn.ModuleList)]
+    if len(lists) != 1:
+        raise PlaitError(f"pp: {name}'s pp_plan names {len(lists)} module lists ({', '.join(lists) or 'none'}); "
+                         "plait cuts one list of blocks", hint=HINT)
+    blocks = lists[0]
+    shared = _unplaced(model, set(placed))
+    if not any(key.rsplit(".", 1)[-1] == ROTARY for key in shared):
+        raise PlaitError(f"pp: {name} has no {ROTARY} beside its layers, and plait's stages make the "
+                         "positions a layer reads from one", hint=HINT)
+    return Parts(blocks=blocks, first=tuple(k for k in placed if order[k] < order[blocks]),
+                 last=tuple(k for k in placed if order[k] > order[blocks]), shared=tuple(shared))
+
+
+def _unplaced(model: nn.Module, placed: set[str]) -> list[str]:
+    """The modules no piece of the plan holds, outermost first; each must be parameter-free."""
+    out: list[str] = []
+    stack: list[tuple[str, nn.Module]] = [("", model)]
+    while stack:
+        prefix, module = stack.pop(0)
+        if any(True for _ in module.parameters(recurse=False)):
+            raise _unplaced_error(model, prefix or "the model itself")
+        for child_name, child in module.named_children():
+            full = f"{prefix}{child_name}"
+            if full in placed:
+                continue
+            if any(key.startswith(f"{full}.") for key in placed):
+                stack.append((f"{full}.", child))
+            elif any(True for _ in child.parameters()):
+                raise _unplaced_error(model, full)
+            else:
+                out.append(full)
+    return out
+
+
+def _unplaced_error(model: nn.Module, where: str) -> PlaitError:
+    return PlaitError(f"pp: {type(model).__name__}'s pp_plan places no stage for {where}, which holds parameters",
+                      hint=HINT)
+
+
+def layer_kinds(config: Any) -> list[str]:
+    """The attention each layer runs: as `config.layer_types` says, else sliding everywhere
+    when the config sets a window (Mistral), else full."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types)
+    sliding = getattr(config, "sliding_window", None) is not None
+    return ["sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
+
+
+class OwnHead:
+    """The causal LM's own forward after its base model, run on the last stage: the base model
+    stands in as the hidden states the stage made, the held head is the model's, so whatever
+    the forward does around the head (a soft-cap, a scale) runs as the model does it."""
+
+    def __init__(self, model: nn.Module):
+        self.cls, self.prefix = type(model), getattr(model, "base_model_prefix", "")
+        # the model's own attributes (config, logit_scale...), without its modules and parameters
+        self.state = {key: value for key, value in vars(model).items() if key not in ("_modules", "_parameters")}
+        self.router_flag = "output_router_logits" in inspect.signature(self.cls.forward).parameters
+
+    def wraps(self, name: str) -> bool:
+        """Whether the piece `name` runs inside the model's own forward (outside its base model)."""
+        return bool(self.prefix) and not name.startswith(f"{self.prefix}.")
+
+    def __call__(self, stage: StageView, names: tuple[str, ...], hidden: torch.Tensor) -> torch.Tensor:
+        shell = object.__new__(self.cls)
+        vars(shell).update(self.state)
+        held = {name: stage.held(name) for name in names}
+        vars(shell).update(_parameters={}, _modules={self.prefix: _Hidden(hidden), **held},
+                           training=next(iter(held.values())).training)  # train or eval, as the stage runs
+        extra = {"output_router_logits": False} if self.router_flag else {}
+        out = self.cls.forward(shell, use_cache=False, **extra)
+        logits = getattr(out, "logits", None)
+        return _first(out) if logits is None else logits  # return_dict=False: the logits come first
+
+
+class _Hidden(nn.Module):
+    """Stands in for a base model: returns the hidden states it was given."""
+
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__()
+        self.hidden = hidden
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        from transformers.modeling_outputs import MoeModelOutputWithPast  # every field a forward reads
+
+        return MoeModelOutputWithPast(last_hidden_state=self.hidden)
+
+
+def names_a_list(model: nn.Module, plan: dict[str, Any]) -> bool:
+    """Whether `plan` names a module list of `model` (the layers a pipeline cuts)."""
+    modules = dict(model.named_modules())
+    return any(isinstance(modules.get(key), nn.ModuleList) for key in plan)
+
+
+def inferred_plan(model: nn.Module) -> dict[str, Any]:
+    """The pp plan of a model that declares none, as its declared siblings' read: the base
+    model's children with parameters (an embedding, one list of layers, a final norm) and the
+    head. {} unless the base model's first such child is the input embedding."""
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else None
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    embedding = getattr(model, "get_input_embeddings", lambda: None)()
+    if not isinstance(base, nn.Module) or head is None:
+        return {}
+    pieces = [name for name, child in base.named_children() if any(True for _ in child.parameters())]
+    if not pieces or base.get_submodule(pieces[0]) is not embedding:
+        return {}
+    tops = [name for name, child in model.named_children() if child is head]
+    return {**{f"{prefix}.{name}": None for name in pieces}, **{name: None for name in tops}}
+
+
+def run_stage(stage: StageView, x: torch.Tensor, parts: Parts, config: Any, head: OwnHead | None = None,
+              maskless: frozenset[str] = frozenset()) -> torch.Tensor:
+    """Ids or hidden states (batch, seq, hidden) in; hidden states or logits out. `head`: the
+    model's own forward around its head; `maskless`: the layer types given no mask."""
+    if stage.is_first:
+        for name in parts.first:
+            x = _first(stage.held(name)(x))
+    # Under sequence parallelism hidden states between stages hold seq / tp positions.
+    seq = x.shape[1] * (1 if stage.is_first else stage.seq_split)
+    rotary = next(stage.held(name) for name in parts.shared if name.rsplit(".", 1)[-1] == ROTARY)
+    positions = stage_positions(stage, seq, x.device)
+    whole = x[:, :1].expand(x.shape[0], seq, x.shape[-1])  # the shape the masks are made for
+    kinds = layer_kinds(config)
+    angles = _angles(rotary, whole, positions, set(kinds))
+    masks = {**causal_masks(config, whole, positions, set(kinds) - maskless), **dict.fromkeys(maskless)}
+    for i, block in enumerate(stage.held_blocks(), start=stage.first_layer):
+        x = _first(block(x, attention_mask=masks[kinds[i]], position_ids=positions,
+                         position_embeddings=angles[kinds[i]], use_cache=False))
+    if stage.is_last:
+        inside = tuple(name for name in parts.last if head is None or not head.wraps(name))
+        for name in inside:
+            x = _first(stage.held(name)(x))
+        if len(inside) < len(parts.last):
+            x = head(stage, tuple(name for name in parts.last if name not in inside), x)
+    return x
+
+
+def stage_positions(stage: StageView, seq: int, device: torch.device) -> torch.Tensor:
+    """(1, seq): the positions of a stage's tokens, 0..seq-1, or under engaged context
+    parallelism this rank's global ones."""
+    positions = stage.context_positions(seq, device)
+    return torch.arange(seq, device=device).unsqueeze(0) if positions is None else positions
+
+
+def _first(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _angles(rotary: nn.Module, whole: torch.Tensor, positions: torch.Tensor, kinds: set[str]) -> dict[str, Any]:
+    """cos and sin per layer type: one set for all, or one each where the rotary module takes
+    the layer type (different bases for local and global layers)."""
+    if "layer_type" in inspect.signature(rotary.forward).parameters:
+        return {kind: rotary(whole, positions, layer_type=kind) for kind in kinds}
+    angles = rotary(whole, positions)
+    return {kind: angles for kind in kinds}
+
+
+def causal_masks(config: Any, whole: torch.Tensor, positions: torch.Tensor, kinds: set[str]) -> dict[str, Any]:
+    """The masks the base model makes (None where attention can be told `is_causal`)."""
+    from transformers import masking_utils  # only with a transformers model in hand
+
+    make = {"full_attention": masking_utils.create_causal_mask,
+            "sliding_attention": masking_utils.create_sliding_window_causal_mask}
+    # transformers 5.24 names the cache `cache`; earlier versions `past_key_values`
+    cache = "cache" if "cache" in inspect.signature(make["full_attention"]).parameters else "past_key_values"
+    return {kind: make[kind](config=config, inputs_embeds=whole, attention_mask=None, position_ids=positions,
+                             **{cache: None}) for kind in kinds}
+
+
+MADE = ("full_attention", "sliding_attention")  # the layer types whose masks a stage makes
+
+
+def check_kinds(model: nn.Module, config: Any, blocks: str) -> frozenset[str]:
+    """The layer types beyond full and sliding attention (linear attention...) to which the
+    model's own forward gives no mask on an unpadded batch, as plait's batches are: a stage
+    gives them none either. One line for a type that gets one, which a stage cannot make."""
+    other = sorted(set(layer_kinds(config)) - set(MADE))
+    if not other:
+        return frozenset()
+    given: dict[str, list[Any]] = {kind: [] for kind in other}
+    kinds = layer_kinds(config)
+    handles = [block.register_forward_pre_hook(
+        lambda module, args, kwargs, kind=kinds[i]: given.get(kind, []).append(
+            kwargs.get("attention_mask", "positional") if len(args) < 2 else "positional"), with_kwargs=True)
+        for i, block in enumerate(model.get_submodule(blocks))]
+    try:
+        with quiet(model):
+            model(input_ids=probe_ids(model, _probe_length(model)))
+    finally:
+        for handle in handles:
+            handle.remove()
+    for kind in other:
+        if any(mask is not None for mask in given[kind]):
+            raise PlaitError(f"pp: {type(model).__name__}'s {kind} layers take a mask its own forward makes, and "
+                             "plait's stages make only full and sliding-window causal masks", hint=HINT)
+    return frozenset(other)
+
+
+class WholeModel:
+    """The StageView of one stage holding every piece: the pieces run in a row."""
+
+    index, num_stages, first_layer, seq_split = 0, 1, 0, 1
+    is_first = is_last = True
+
+    def __init__(self, model: nn.Module, parts: Parts):
+        self.model, self.parts = model, parts
+
+    def held(self, name: str) -> Any:
+        return self.model.get_submodule(name)
+
+    def held_blocks(self) -> list[nn.Module]:
+        return list(self.model.get_submodule(self.parts.blocks))
+
+    def context_positions(self, seq: int, device: torch.device) -> None:
+        return None  # the probe runs whole sequences
+
+
+def _probe_length(model: nn.Module) -> int:
+    """A few tokens, a multiple of tp under sequence parallelism (the model may be split already)."""
+    info = tensor_parallel_of(model)
+    return 4 * (info.axis.size if info is not None and info.sp else 1)
+
+
+def check_cut(model: nn.Module, parts: Parts, config: Any, head: OwnHead | None = None,
+              maskless: frozenset[str] = frozenset()) -> None:
+    """Refuse the cut unless its pieces, run in a row as the stages run them, give exactly the
+    model's own logits on a few tokens (a multiple of tp under sequence parallelism)."""
+    ids = probe_ids(model, _probe_length(model))
+    with quiet(model):
+        own = getattr(model(input_ids=ids), "logits", None)
+        try:
+            staged = run_stage(WholeModel(model, parts), ids, parts, config, head, maskless)
+        except Exception as error:  # noqa: BLE001 - pieces that cannot run in a row are a refusal too
+            raise PlaitError(f"pp: {type(model).__name__}'s pp_plan pieces fail when run in a row on a few test "
+                             f"tokens ({type(error).__name__}: {first_line(error)}), so plait cannot cut it",
+                             hint=HINT) from None
+    if own is None or own.shape != staged.shape or not torch.equal(own, staged):
+        raise PlaitError(f"pp: {type(model).__name__}'s forward does more than its pp_plan's pieces in a row "
+                         "(on a few test tokens its logits differ from the stages'), so plait cannot cut it",
+                         hint=HINT)
+    log.info("pp: %s's pieces in a row give its own logits on a %d-token probe", type(model).__name__, ids.shape[1])

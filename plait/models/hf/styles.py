@@ -1,0 +1,189 @@
+"""A transformers model's declared tensor-parallel plan, in plait's styles.
+
+transformers declares how each layer of a family splits (`model.tp_plan`, e.g. Qwen3's
+{"model.layers.*.self_attn.q_proj": "colwise", ..., "lm_head": "colwise_gather_output"}),
+for its own DTensor-based tensor parallelism. plait reads the same words and splits with its
+own layers (plait.parallel.tensor):
+
+| transformers                     | plait                 | why                                           |
+|----------------------------------|-----------------------|-----------------------------------------------|
+| colwise                          | column+share          | output features split; readers of one input   |
+|                                  |                       | enter the region once (tensor/entry.py)       |
+| colwise_gather_output, colwise_rep | column_gather+share | the same, output all-gathered whole (the head)|
+| rowwise                          | row                   | input features split, output summed           |
+| rowwise_split_input, rowwise_rep | row_split             | whole input, each rank keeps its slice        |
+| embedding_rowwise                | vocab                 | the embedding split by vocabulary rows        |
+| replicated_with_grad_allreduce   | grad_sum              | kept whole, gradients summed (per-head norms) |
+| packed_colwise (a 2-D nn.Linear) | column:2+share        | gate|up packed in one output: each rank gets  |
+|                                  |                       | its slice of both halves                      |
+| sequence_parallel                | sequence              | gradients summed under SP                     |
+
+Anything else (MoE experts, expert parallelism, MLA's kv_a_proj, local_*, an entry naming a
+parameter rather than a module...) is refused in one line naming the pattern and the style:
+a split plait cannot honour is never skipped silently.
+
+Under sequence parallelism the embedding and the head stay whole (the model computes
+positions and masks from the embedding's output, which must then hold the whole sequence),
+and the layers run on sequence slices (hf_hooks.split_sequence_around). The attention and
+the MLP then read their input's shape on a slice, so each child of a block holding column
+layers becomes a "region", entered (all-gathered) from its first input; one probe forward
+checks that every column layer in it reads exactly that input (else SP is refused), and
+finds the parameters of the blocks that run outside the regions, on a sequence slice (the
+layer norms): they are marked "sequence". Those inside a region (a per-head q_norm) see the
+whole sequence.
+"""
+
+from __future__ import annotations
+
+import functools
+from fnmatch import fnmatchcase
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.errors import PlaitError
+from plait.models.hf.hooks import check_splits
+from plait.parallel.probe import quiet, spread_ids
+from plait.parallel.tensor.plan import first_input_name
+from plait.parallel.tensor.styles import COLUMNS, ROWS, parse_style
+
+DECLARED: dict[str, str] = {  # transformers' style -> plait's
+    "colwise": "column+share",
+    "colwise_gather_output": "column_gather+share",
+    "colwise_rep": "column_gather+share",
+    "rowwise": "row",
+    "rowwise_split_input": "row_split",
+    "rowwise_rep": "row_split",
+    "embedding_rowwise": "vocab",
+    "replicated_with_grad_allreduce": "grad_sum",
+    "packed_colwise": "column:2+share",
+    "sequence_parallel": "sequence",
+}
+
+
+def refuse(model: nn.Module, pattern: str, style: str, why: str = "") -> PlaitError:
+    """The one line a declared split plait cannot honour gets."""
+    name = type(model).__name__
+    return PlaitError(f"{name} declares tp_plan[{pattern!r}] = {style!r}{why}: plait cannot split it that way",
+                      hint=f"plait reads the styles {', '.join(DECLARED)}; train {name} with tp 1 (dp, ZeRO "
+                           "and pp need no tp plan), or pass ParallelConfig(tp_plan=...) in plait's styles "
+                           "(docs/tensor.md)")
+
+
+def plait_plan(model: nn.Module, declared: dict[str, str]) -> dict[str, str]:
+    """{pattern: plait style} for a declared {pattern: transformers style}; PlaitError if any
+    entry cannot be honoured. Patterns that match nothing in this model (a layer its config
+    leaves out) split nothing and are dropped."""
+    modules = dict(model.named_modules())
+    plan: dict[str, str] = {}
+    for pattern, style in declared.items():
+        hits = [module for name, module in modules.items() if name and fnmatchcase(name, pattern)]
+        if not hits:
+            if any(fnmatchcase(name, pattern) for name, _ in model.named_parameters()):
+                raise refuse(model, pattern, style, " (a parameter, not a module)")
+            continue
+        mapped = DECLARED.get(style)
+        if mapped is None or (style == "packed_colwise" and not all(isinstance(m, nn.Linear) for m in hits)):
+            raise refuse(model, pattern, style)
+        plan[pattern] = mapped
+    return plan
+
+
+def check_config(model: nn.Module, plan: dict[str, str], tp: int) -> None:
+    """One error naming the config value tp does not divide: each rank must hold whole heads,
+    whole KV heads, 1/tp of the MLP and (when split) of the vocabulary."""
+    config = getattr(model, "config", None)
+    styles = {parse_style(style)[0] for style in plan.values()}
+    wanted: list[str] = []
+    if "column" in styles:  # split outputs are read as this rank's heads
+        wanted += ["num_attention_heads", "num_key_value_heads"]
+    if styles & {*COLUMNS, *ROWS}:
+        wanted.append("intermediate_size")
+    if "vocab" in styles:
+        wanted.append("vocab_size")
+    sizes = [(what, getattr(config, what, None)) for what in wanted]
+    check_splits(model, tp, [(what, size) for what, size in sizes if isinstance(size, int)])
+
+
+def for_sequence_parallel(model: nn.Module, plan: dict[str, str], blocks: str) -> dict[str, str]:
+    """The plan under SP (see the module docstring): what lies outside the blocks stays whole
+    (the embedding, the head);
+    each child of a block holding column layers (the attention, the MLP) is a region, entered
+    once from its first input, so the module reads the whole sequence's shape; the blocks'
+    parameters that run outside those regions (the norms) get their gradients summed."""
+    inside = {pattern: style for pattern, style in plan.items() if pattern.startswith(f"{blocks}.")}
+    styles = {name: parse_style(style)[0] for pattern, style in inside.items()
+              for name, _ in model.named_modules() if fnmatchcase(name, pattern)}
+    regions = _regions(model, styles, blocks)
+    outside = _probe_regions(model, styles, regions, blocks)
+    return {**inside, **{name: "region" for name in regions}, **{name: "sequence" for name in outside}}
+
+
+def _regions(model: nn.Module, styles: dict[str, str], blocks: str) -> list[str]:
+    """The children of the blocks that hold column layers; a column layer that is itself a
+    child of its block has no module around it to enter, and is refused."""
+    depth = blocks.count(".") + 2  # "model.layers" -> "model.layers.0.self_attn" has 3 dots
+    regions = set()
+    for name, style in styles.items():
+        if style in COLUMNS and name.startswith(f"{blocks}."):
+            if name.count(".") < depth + 1:
+                raise _sp_refusal(model, f"{name} sits in its block with no module around it to enter")
+            regions.add(".".join(name.split(".")[:depth + 1]))
+    return sorted(regions)
+
+
+def _probe_regions(model: nn.Module, styles: dict[str, str], regions: list[str], blocks: str) -> list[str]:
+    """One probe forward: every column layer of a region must read the region's own input
+    (else entering at the region would be wrong); returns the blocks' modules with parameters,
+    not split nor summed by the plan, that ran outside every region (on a sequence slice)."""
+    active: list[tuple[str, Any]] = []
+    outside: set[str] = set()
+    wrong: list[str] = []
+
+    def enter(module: nn.Module, args: tuple, kwargs: dict, name: str) -> None:
+        active.append((name, args[0] if args else kwargs.get(first_input_name(module) or "")))
+
+    def leave(*_: Any) -> None:  # a forward hook: returning something would replace the output
+        active.pop()
+
+    def column(module: nn.Module, args: tuple, name: str) -> None:
+        if active and args and args[0] is not active[-1][1]:
+            wrong.append(f"{name} reads another tensor than {active[-1][0]}'s input")
+
+    handles = []
+    for name, module in model.named_modules():
+        if name in regions:
+            handles.append(module.register_forward_pre_hook(functools.partial(enter, name=name), with_kwargs=True))
+            handles.append(module.register_forward_hook(leave))
+        elif styles.get(name) in COLUMNS:
+            handles.append(module.register_forward_pre_hook(functools.partial(column, name=name)))
+        elif name.startswith(f"{blocks}.") and name not in styles and any(True for _ in module.parameters(False)):
+            handles.append(module.register_forward_pre_hook(
+                lambda *_, name=name: None if active else outside.add(name)))
+    try:
+        with quiet(model):
+            model(input_ids=probe_ids(model, 4))
+    finally:
+        for handle in handles:
+            handle.remove()
+    if wrong:
+        raise _sp_refusal(model, wrong[0])
+    return sorted(outside)
+
+
+def _sp_refusal(model: nn.Module, why: str) -> PlaitError:
+    return PlaitError(f"sequence parallelism: in {type(model).__name__}, {why}",
+                      hint="drop --sp (tensor parallelism alone splits it as it declares)")
+
+
+def probe_ids(model: nn.Module, length: int) -> torch.Tensor:
+    """(1, length) token ids for a probe forward, on the model's device, spread over the
+    vocabulary (every tensor-parallel rank's rows are read)."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
+    return spread_ids(vocab, length, next(model.parameters()).device)
+
+
+def probe_input(model: nn.Module, length: int) -> tuple[tuple, dict]:
+    """The (args, kwargs) of a transformers causal LM's probe forward (plait.parallel.probe)."""
+    return (), {"input_ids": probe_ids(model, length)}

@@ -1,0 +1,114 @@
+"""Elastic restarts: a run resumed on a world of another size trains the same model.
+
+A checkpoint is layout-free and the sampler hands out the same global batch at every step
+whatever the dp degree (plait.train.data.corpus), so a run that lost a node can continue on the
+ranks it still has, and one given more can use them. What must not change is the global
+batch: it is the optimizer's step. So when a resumed run's dp differs from its checkpoint's,
+
+- tp, pp and the other choices stay as the flags give them, and dp follows the world
+  (plait.layout.Layout.fill, as for any run);
+- --grad-accum is recomputed so that micro-batch × grad-accum × dp is the checkpoint's
+  global batch; a world on which no whole number of micro-batches does that is refused
+  before any step, naming the world sizes that can.
+
+Only the reduction order differs from the run that never changed size (the losses agree to
+rounding). Torch-free: the CLI checks a restart before spawning, and the spawner asks
+`world_sizes` which smaller world it may restart on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from plait import rules
+from plait.errors import PlaitError
+from plait.train.checkpoint.restart import resolve
+
+
+@dataclass(frozen=True)
+class SavedBatch:
+    """What a checkpoint says of the run that wrote it: its world, dp and global batch."""
+
+    path: Path
+    world_size: int
+    dp: int
+    global_batch: int
+
+
+def saved_batch(checkpoint: str | Path) -> SavedBatch | None:
+    """The checkpoint's world and global batch, read from its index (None: written without
+    the trainer's config, e.g. by the Python API's own save)."""
+    path = resolve(checkpoint)
+    index = json.loads((path / "index.json").read_text())
+    saved = index.get("trainer", {}).get("config")
+    if not saved:
+        return None
+    dp = int(index.get("layout", {}).get("dp") or saved.get("dp") or 1)
+    return SavedBatch(path, int(index["world_size"]), dp,
+                      int(saved["micro_batch"]) * int(saved["grad_accum"]) * dp)
+
+
+def accumulation(global_batch: int, micro_batch: int, dp: int) -> int | None:
+    """The --grad-accum that makes micro_batch × it × dp the global batch, or None."""
+    per_rank, left = divmod(global_batch, micro_batch * dp)
+    return per_rank if per_rank >= 1 and left == 0 else None
+
+
+def scheduled_accumulation(global_batch: int, micro_batch: int, dp: int, schedule: str, pp: int) -> int | None:
+    """`accumulation`, when the pipeline schedule accepts that many micro-batches, else None."""
+    accum = accumulation(global_batch, micro_batch, dp)
+    if accum is None:
+        return None
+    try:
+        rules.check_microbatches(schedule, pp, accum)
+    except PlaitError:
+        return None
+    return accum
+
+
+def world_sizes(global_batch: int, micro_batch: int, *, tp: int = 1, pp: int = 1, cp: int = 1,
+                schedule: str = "1f1b", up_to: int | None = None, ep: int = 1, dp_shard: int = 0) -> list[int]:
+    """Every world size (at most `up_to`) that keeps the global batch with this micro-batch
+    and these fixed degrees: tp·pp·cp·dp for each dp that leaves a whole --grad-accum the
+    pipeline schedule accepts, that ep divides, and whose dp·cp ranks --dp-shard's groups divide."""
+    fixed = tp * pp * cp
+    return [dp * fixed for dp in range(1, global_batch // micro_batch + 1)
+            if (up_to is None or dp * fixed <= up_to) and dp % ep == 0 and (dp * cp) % (dp_shard or 1) == 0
+            and scheduled_accumulation(global_batch, micro_batch, dp, schedule, pp) is not None]
+
+
+def fit_world(config: Any) -> Any:  # TrainConfig -> TrainConfig (config.py imports this module)
+    """A resumed run whose dp differs from its checkpoint's keeps the checkpoint's global
+    batch through --grad-accum (and says so), or is refused naming the world sizes that could."""
+    if not config.resume:
+        return config
+    saved = saved_batch(config.resume)
+    if saved is None or saved.dp == config.dp:
+        return config
+    layout = config.layout
+    accum = scheduled_accumulation(saved.global_batch, config.micro_batch, layout.dp, layout.schedule, layout.pp)
+    if accum is None:
+        sizes = world_sizes(saved.global_batch, config.micro_batch, tp=layout.tp, pp=layout.pp, cp=layout.cp,
+                            schedule=layout.schedule, ep=layout.ep, dp_shard=layout.dp_shard)
+        raise PlaitError(
+            f"{layout.world} process(es) (dp={layout.dp}) cannot keep the global batch of {saved.global_batch} "
+            f"samples that {saved.path.name} was trained with, at --micro-batch {config.micro_batch}",
+            hint=f"world sizes that can: {', '.join(map(str, sizes)) or 'none at this micro-batch'}"
+                 " (or change --micro-batch)")
+    _say(config, f"plait: elastic resume: {saved.path.name} was written by {saved.world_size} process(es) "
+                 f"(dp={saved.dp}); this world has {layout.world} (dp={layout.dp}): --grad-accum {accum} keeps the "
+                 f"global batch of {saved.global_batch}")
+    return replace(config, grad_accum=accum)
+
+
+def _say(config: Any, line: str) -> None:
+    """Said once per world: by rank 0, or by a run that trains in this very process (not by
+    the spawner before it starts the ranks, which say it)."""
+    rank = os.environ.get("RANK")
+    if rank == "0" or (rank is None and config.nproc == 1):
+        print(line, file=sys.stderr, flush=True)

@@ -1,0 +1,174 @@
+"""One rank's whole life: join the job, train, write the outputs, report, leave.
+
+The outputs are always enough to give the model back: OUT/model.safetensors (the whole
+model's weights, tied ones once) and the task's attached files beside them (a Hugging Face
+model's config.json and tokenizer), which `plait ckpt export OUT --hf DIR` reads when the run
+saved no checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from plait.estimate.layout import Workload
+from plait.parallel.compiled import cache_dir, compile_stats, is_compiled
+from plait.parallel.precision import reduce_dtype_of
+from plait.report import report_after_training
+from plait.runtime import comm, console
+from plait.runtime.env import set_cpu_threads
+from plait.runtime.mesh import init_mesh
+from plait.train.checkpoint.read import RUN_ATTACHED, RUN_WEIGHTS
+from plait.train.config.settings import TrainConfig
+from plait.train.observe.logs import setup_logging
+from plait.report.closing import closing_report
+from plait.train.observe.tboard import TensorBoardLog
+from plait.train.observe.timing import run_hardware, step_time_parts
+from plait.train.loop.trainer import Trainer
+
+
+
+def train(config: TrainConfig, family: Any) -> dict[str, Any]:
+    """Run `plait train` on this rank; rank 0 writes outputs and prints the report."""
+    setup_logging(config.log_level)
+    mesh = init_mesh(config.layout, backend=config.backend, timeout_s=config.timeout_s)
+    try:
+        set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", mesh.env.world_size)))
+        trainer = Trainer(config, mesh, family.task(config))
+        bar = _progress_bar(config.steps) if mesh.is_main else None
+        board = TensorBoardLog(config.out) if config.tensorboard and mesh.is_main else None
+        try:
+            trainer.run(progress=(lambda r: _on_step(r, bar, board, trainer.task.unit)) if bar else None)
+        finally:
+            if board:
+                board.close()
+            if bar:
+                bar.close()
+        return finish(trainer)
+    finally:
+        mesh.close()
+
+
+def finish(trainer: Trainer) -> dict[str, Any]:
+    """What every run ends with, on every rank (several steps are collective): the sample,
+    the prediction, the weights, the summary (returned); then on the main rank the files and
+    the closing report."""
+    config, mesh = trainer.config, trainer.mesh
+    comm.mark_step(mesh.ledger, config.steps + 1)  # the closing phase: named so by timeouts, and by PLAIT_INJECT
+    sample = trainer.sample()  # every rank: with tensor parallelism or ZeRO-3 a forward is collective
+    extras = trainer.metrics.gather_extras(trainer.update_times)
+    described = describe_run(trainer, prediction(trainer))
+    weights = final_weights(trainer)
+    summary = trainer.metrics.summary(described, extras, trainer.executor.summary(trainer.metrics.history))
+    summary["step_time"] = step_time_parts(summary["predicted"], summary["step_time_s_median"], extras["optimizer_s"])
+    summary.update(sample=sample, config=config.to_dict(), restarts=trainer.restarts)
+    if is_compiled(trainer.model) and len(trainer.metrics.history) > trainer.metrics.kept:
+        first = trainer.metrics.history[trainer.metrics.kept]  # this world's first step, where it compiled
+        summary["compile"] = compile_summary(first["step_time_s"], summary["step_time_s_median"])
+    if not mesh.is_main:
+        return summary
+    out = Path(config.out)
+    write_outputs(summary, weights, out, trainer.task.attachments())
+    save_timeline(trainer, out)
+    print(closing_report(summary, config.out), flush=True)
+    if not config.no_report and os.environ.get("PLAIT_REPORT", "on") != "off":
+        print(report_after_training(out), flush=True)
+    return summary
+
+
+def compile_summary(first_step_s: float, median_s: float) -> dict[str, Any]:
+    """What compiling cost this world: the first step's excess over the median (compilation
+    happens there, forward and backward), the graphs, the graph breaks and the cache's answers."""
+    return {"seconds": max(0.0, first_step_s - median_s), "first_step_s": first_step_s,
+            "cache_dir": str(cache_dir()), **compile_stats()}
+
+
+MEASURED_KINDS = ("params", "grads", "optim", "activations")  # the memory kinds Metrics measures per rank
+
+
+def prediction(trainer: Trainer) -> dict[str, Any]:
+    """What `plait estimate` says this very run costs, on this run's own hardware profile (its
+    --hardware-file, else this machine's calibration: collective, see plait.train.observe.timing)."""
+    config = trainer.config
+    work = Workload.of(trainer.mesh.layout, precision=config.precision, micro_batch=config.micro_batch,
+                       grad_accum=config.grad_accum, seq_len=config.seq_len, recompute=config.recompute,
+                       reduce_dtype=config.reduce_dtype)
+    hardware, source = run_hardware(trainer)
+    result = trainer.task.prediction(work, hardware)
+    result["hardware_source"] = source
+    if result.get("stages"):  # measured: each kind's largest rank (Metrics); predicted alike, per kind
+        for kind in MEASURED_KINDS:
+            result["memory"][kind] = max(row["memory"][kind] for row in result["stages"])
+        # Its total and stage stay the busiest rank's (plait estimate's figure), not these kinds' sum.
+    return result
+
+
+def describe_run(trainer: Trainer, predicted: dict[str, Any]) -> dict[str, Any]:
+    """The run as the summary names it: model, layout, task, batch, precision state, prediction."""
+    config, mesh, task = trainer.config, trainer.mesh, trainer.task
+    layout = {**mesh.layout.as_dict(), "recompute": config.recompute, "sync_bn": config.sync_bn,
+              "precision": config.precision, "world_size": mesh.env.world_size, "launcher": mesh.env.launcher,
+              "backend": mesh.backend or "none"}
+    return {
+        "model": config.model, "num_params": task.num_params, "layout": layout,
+        "global_batch": config.global_batch, "seq_len": config.seq_len,
+        "task": {"unit": task.unit, "batch": task.batch_text(config.global_batch), "metrics": task.metric_labels},
+        "resumed_from": trainer.resumed_from, "loss_scale": trainer.guard.scaler.scale,
+        "skipped_steps": trainer.guard.scaler.skipped, "predicted": predicted,
+        "reduce_bytes": reduce_dtype_of(config.precision, config.reduce_dtype).itemsize,
+    }
+
+
+def _progress_bar(steps: int) -> Any:
+    """Rank 0's bar, drawn through console.BarStream: the other ranks and the spawner, writing
+    to the same stderr, then know to start their lines on a fresh one."""
+    from tqdm import tqdm
+
+    return tqdm(total=steps, desc="train", unit="step", mininterval=1.0, dynamic_ncols=True,
+                file=console.BarStream(sys.stderr))
+
+
+def _on_step(record: dict[str, Any], bar: Any, board: TensorBoardLog | None, unit: str) -> None:
+    postfix = {f"{unit[:3]}/s": f"{record[f'{unit}_per_s']:,.0f}"}
+    if record.get("loss") is not None:  # --measure off reads no loss between the measured steps
+        postfix["loss"] = f"{record['loss']:.3f}"
+    if "val_loss" in record:
+        postfix["val"] = f"{record['val_loss']:.3f}"
+    bar.set_postfix(postfix, refresh=False)
+    bar.update(record["step"] - bar.n)  # a resumed run starts past 0
+    if board:
+        board.write(record)
+
+
+def save_timeline(trainer: Trainer, out: Path) -> None:
+    """The last step's measured pipeline timeline, as timeline.json for `plait report`."""
+    timeline = trainer.executor.timeline()
+    if timeline is not None:
+        (out / "timeline.json").write_text(json.dumps(timeline) + "\n")
+
+
+def final_weights(trainer: Trainer) -> dict[str, torch.Tensor] | None:
+    """The whole model's weights for the main rank to write, tied ones once (None on the
+    other ranks; every rank takes part): the executor's one in-memory route for any layout."""
+    return trainer.executor.whole_weights(trainer.optimizer)
+
+
+def write_outputs(summary: dict[str, Any], weights: dict[str, torch.Tensor] | None, out: Path,
+                  attachments: dict[str, Path]) -> None:
+    """summary.json, the trained weights (one plain safetensors file, tied weights once) and
+    the task's attached files, so that the run's own outputs can always be exported."""
+    from safetensors.torch import save_file
+
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if weights is not None:
+        save_file({k: v.contiguous().cpu() for k, v in weights.items()}, str(out / RUN_WEIGHTS))
+    for name, source in attachments.items():
+        target = out / RUN_ATTACHED / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, target)
