@@ -53,11 +53,6 @@ from plait.errors import PlaitError
 from plait.parallel.zero.shard import find_units
 from plait.runtime.comm import Axis
 
-# Where a model (and, after the pipeline cut, its list of stages and each stage) keeps its
-# context parallelism (plait.parallel.context.plan.ContextParallel).
-CONTEXT_ATTR = "plait_context"
-
-
 @dataclass(frozen=True)
 class Parts:
     """Where a pipeline cuts a model, by the model's own module (or buffer) names.

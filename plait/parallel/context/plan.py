@@ -28,7 +28,7 @@ from plait.parallel.context.chunks import local_positions, shard_sequence
 from plait.parallel.context.ring import ring_attention
 from plait.parallel.context.ulysses import ulysses_attention
 from plait.parallel.hooks import StepHooks
-from plait.parallel.seam import CONTEXT_ATTR
+from plait.parallel.applied import applied, applied_of
 from plait.rules import CP_KINDS, check_choice
 from plait.runtime.comm import Axis
 
@@ -76,12 +76,12 @@ def apply_context_parallel(model: nn.Module, axis: Axis, kind: str = "ring", ada
     context = ContextParallel(axis, kind)
     setup(model, context)
     model.register_forward_pre_hook(_global_positions(context), with_kwargs=True)
-    setattr(model, CONTEXT_ATTR, context)
+    applied(model).context = context
     return model
 
 
 def context_of(model: nn.Module) -> ContextParallel | None:
-    return getattr(model, CONTEXT_ATTR, None)
+    return applied_of(model).context
 
 
 @contextlib.contextmanager

@@ -28,13 +28,12 @@ from torch import nn
 from plait.errors import PlaitError
 from plait.parallel.expert.dispatch import ExpertDispatch, take_formula
 from plait.parallel.expert.shard import EXPERT_ATTR, ExpertShard
+from plait.parallel.applied import applied, applied_of
 from plait.parallel.hooks import StepHooks
 from plait.rules import check_experts_split
 from plait.runtime import comm
 from plait.runtime.comm import Axis
 from plait.runtime.mesh import EXPERT, SYNC, Mesh
-
-ATTR = "_plait_expert_parallel"
 
 
 def experts_modules(model: nn.Module, adapter: Any = None) -> list[nn.Module]:
@@ -74,17 +73,13 @@ def apply_expert_parallel(model: nn.Module, axis: Axis, adapter: Any = None) -> 
                 setattr(module, name, kept)
         module.num_experts = local  # what it holds now (transformers' grouped kernels size by it)
         module.forward = ExpertDispatch(module.forward, axis, experts)
-        setattr(module, ATTR, axis)  # on the experts module: a pipeline stage holding it finds it
+    applied(model).experts = axis
     return len(found)
 
 
 def expert_axis(model: nn.Module) -> Axis | None:
-    """The ep axis of a model (or of any of its pipeline stages) split by apply_expert_parallel."""
-    for module in model.modules():
-        axis = getattr(module, ATTR, None)
-        if axis is not None:
-            return axis
-    return None
+    """The ep axis of a model (or of the stage list cut from it) split by apply_expert_parallel."""
+    return applied_of(model).experts
 
 
 def set_aux_scale(model: nn.Module, scale: float) -> None:

@@ -28,13 +28,11 @@ from plait.parallel.data.sync import grad_sync, no_sync
 from plait.parallel.pipeline.p2p import (BufferPool, Channels, Key, add_from_peer, agree_shapes, send_order,
                                           sum_tied_grads)
 from plait.parallel.pipeline.execute import LossFn, PipelineStats, StageWork, StepRun
-from plait.parallel.pipeline.held import PIPELINE_ATTR
-from plait.parallel.seam import CONTEXT_ATTR
+from plait.parallel.applied import hand_over
 from plait.parallel.pipeline.split import (PipelineStage, check_split, rank_stages, split_stages,
                                            tied_copies)
 from plait.parallel.pipeline.schedule import Schedule, build_schedule, validate
 from plait.parallel.pipeline.timeline import Slot, Timeline
-from plait.parallel.tensor.plan import ATTR as TP_ATTR
 from plait.parallel.tensor.plan import tensor_parallel_of
 from plait.parallel.zero.stages import zero_of
 from plait.rules import SPLIT_BACKWARD, check_microbatches, check_split_backward
@@ -63,11 +61,8 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, *, virtual_stages: int | None =
     stages = split_stages(model, pp, virtual_stages=virtual_stages, balance=balance, seq_split=seq_split,
                           adapter=adapter)
     held = rank_stages(stages, mesh.rank("pp"), pp).to(mesh.device)
-    if info is not None:
-        setattr(held, TP_ATTR, info)  # the loss and the gradient norm look for it here
-    setattr(held, PIPELINE_ATTR, mesh.axis("pp"))
-    if getattr(model, CONTEXT_ATTR, None) is not None:  # engaged, and the batch sharded, through the list
-        setattr(held, CONTEXT_ATTR, getattr(model, CONTEXT_ATTR))
+    # The stage list carries what was applied to the whole model (tp, cp, ep): the same record.
+    hand_over(model, held).pipeline = mesh.axis("pp")
     return held
 
 

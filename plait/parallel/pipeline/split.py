@@ -37,7 +37,8 @@ from torch import nn
 
 from plait.balance import balanced_counts
 from plait.errors import PlaitError
-from plait.parallel.seam import CONTEXT_ATTR, Parts, adapter_of, pipeline_parts
+from plait.parallel.applied import applied_of
+from plait.parallel.seam import Parts, adapter_of, pipeline_parts
 from plait.rules import check_pipeline_cut
 
 BLOCKS = "blocks"  # where a stage keeps the blocks of a model that is itself a Sequential
@@ -59,7 +60,7 @@ class PipelineStage(nn.Module):
         self.seq_split = seq_split
         self.parts, self._adapter = parts, adapter
         # Context parallelism (plait.parallel.context), applied to the whole model before the cut.
-        self.context = getattr(model, CONTEXT_ATTR, None)
+        self.context = applied_of(model).context
         self._blocks_at = parts.blocks or BLOCKS
         first, last = self.is_first, self.is_last
         tied = _tied(model, parts)  # {id of a tied weight: the full model's name of it}

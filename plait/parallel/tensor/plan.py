@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from plait.errors import PlaitError
+from plait.parallel.applied import applied, applied_of
 from plait.parallel.seam import adapter_of, tensor_plan
 from plait.parallel.tensor.entry import SharedEntry
 from plait.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, Shard,
@@ -42,7 +43,6 @@ __all__ = ["STYLES", "ColumnParallelLinear", "RowParallelLinear", "Shard", "Voca
            "tensor_parallel_of", "tp_loss_fn", "vocab_parallel_cross_entropy"]
 
 log = logging.getLogger(__name__)
-ATTR = "_plait_tensor_parallel"
 
 @dataclass(frozen=True)
 class TensorParallel:
@@ -55,7 +55,7 @@ class TensorParallel:
 
 
 def tensor_parallel_of(model: nn.Module) -> TensorParallel | None:
-    return getattr(model, ATTR, None)
+    return applied_of(model).tensor
 
 
 # -- applying it ------------------------------------------------------------------------------
@@ -78,7 +78,7 @@ def apply_tensor_parallel(model: nn.Module, axis: Axis, *, plan: dict[str, str] 
         plan = tensor_plan(model, adapter, axis.size, sp)
     styles = resolve_plan(model, plan)
     sp = sp and axis.size > 1
-    setattr(model, ATTR, TensorParallel(axis, sp, regather, styles))
+    applied(model).tensor = TensorParallel(axis, sp, regather, styles)
     register_axis(axis)  # the collectives' custom ops find it by name (ops.py)
     if axis.size == 1:
         return model

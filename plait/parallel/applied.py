@@ -1,0 +1,55 @@
+"""What `parallelize` applied to a model (or to this rank's pipeline stages): one record.
+
+Each strategy writes its part here when it is applied, and every consumer reads it: the
+loss and the vocabulary gather read the tensor-parallel part, the step hooks the context and
+expert parts, the gradient norm the pp axis and ZeRO, the optimizer and `no_sync` the
+gradient sync, checkpoints the pieces' view. The pipeline cut hands the same record to the
+stage list it returns, so nothing is copied field by field and nothing is forgotten. Imports
+nothing of the strategies': each field holds that strategy's own object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from plait.runtime.comm import Axis
+
+ATTR = "_plait_applied"
+
+
+@dataclass
+class Applied:
+    """One model's (or stage list's) applied strategies; None where a strategy was not applied."""
+
+    tensor: Any = None  # plait.parallel.tensor.plan.TensorParallel
+    context: Any = None  # plait.parallel.context.plan.ContextParallel
+    experts: Axis | None = None  # the ep axis the experts modules are split over
+    pipeline: Axis | None = None  # the pp axis of a stage list (None: a whole model)
+    grad_sync: Any = None  # plait.parallel.data.sync.GradSync (data parallelism, ZeRO 0)
+    zero: Any = None  # plait.parallel.zero.stages.ZeroSync (ZeRO 1-3)
+    pieces: Callable[..., Any] | None = None  # a strategy's own checkpoint view (ZeRO's), else the placements'
+
+
+def applied(module: nn.Module) -> Applied:
+    """The record of `module`, made empty on first use (a strategy about to write its part)."""
+    record = module.__dict__.get(ATTR)
+    if record is None:
+        record = Applied()
+        module.__dict__[ATTR] = record  # not a submodule, not a buffer: plain state
+    return record
+
+
+def applied_of(module: nn.Module) -> Applied:
+    """The record of `module` to read: an empty one (nothing applied) if no strategy wrote any."""
+    return module.__dict__.get(ATTR) or Applied()
+
+
+def hand_over(source: nn.Module, target: nn.Module) -> Applied:
+    """`target` (the stage list cut from `source`) carries `source`'s record itself, not a copy."""
+    record = applied(source)
+    target.__dict__[ATTR] = record
+    return record
