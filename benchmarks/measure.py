@@ -94,9 +94,9 @@ def _time_the_telemetry(trainer) -> list[float]:
 
     timed(trainer.metrics, "_gathered")
     timed(trainer_module, "model_state_bytes")
-    if trainer.runner is not None:
-        timed(trainer.runner, "_gather_timeline")
-        timed(trainer.runner, "_barrier")
+    if trainer.executor.runner is not None:
+        timed(trainer.executor.runner, "_gather_timeline")
+        timed(trainer.executor.runner, "_barrier")
     return spent
 
 

@@ -149,6 +149,16 @@ class TrainConfig:
         """Samples per optimizer step, over all ranks (after resolve_layout has set dp)."""
         return self.micro_batch * self.grad_accum * (self.dp or 1)
 
+    def parallel_config(self) -> Any:
+        """What `parallelize` takes besides the layout (which the mesh carries); on the ranks only
+        (it imports torch)."""
+        from plait.parallel.compose import ParallelConfig
+        from plait.parallel.precision import reduce_dtype_of
+
+        return ParallelConfig(bucket_mb=self.bucket_mb, recompute=self.recompute, sync_bn=self.sync_bn,
+                              reduce_dtype=reduce_dtype_of(self.precision, self.reduce_dtype), compile=self.compile,
+                              fp8=self.fp8_scaling if self.precision == "fp8" else "")
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -24,9 +24,9 @@ import torch
 
 from plait.api import parallelize
 from plait.errors import EXIT_PREEMPTED, PlaitError, Preempted
-from plait.parallel.compose import ParallelConfig, adamw_kernel, build_optimizer
+from plait.parallel.compose import adamw_kernel, build_optimizer
 from plait.parallel.executor import Executor
-from plait.parallel.precision import StepGuard, param_dtype, reduce_dtype_of
+from plait.parallel.precision import StepGuard, param_dtype
 from plait.bench.meter import ActivationMeter, model_state_bytes
 from plait.runtime import comm
 from plait.runtime.mesh import Mesh
@@ -51,13 +51,6 @@ def lr_at(step: int, config: TrainConfig) -> float:
     return floor + (config.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def parallel_config(config: TrainConfig) -> ParallelConfig:
-    """What `parallelize` takes besides the layout (which the mesh carries)."""
-    return ParallelConfig(bucket_mb=config.bucket_mb, recompute=config.recompute, sync_bn=config.sync_bn,
-                          reduce_dtype=reduce_dtype_of(config.precision, config.reduce_dtype), compile=config.compile,
-                          fp8=config.fp8_scaling if config.precision == "fp8" else "")
-
-
 class Trainer:
     """Builds the model, optimizer and data for this rank, then trains."""
 
@@ -68,7 +61,7 @@ class Trainer:
         # The full model is built from the seed on every rank, then split: the same initial
         # weights whatever the layout. With pp > 1 parallelize returns this rank's stages.
         model = task.build_model(config.seed).to(param_dtype(config.precision))  # fp32 masters: the optimizer's
-        self.model = parallelize(model, mesh, parallel_config(config), adapter=task.adapter(model))
+        self.model = parallelize(model, mesh, config.parallel_config(), adapter=task.adapter(model))
         self.optimizer = build_optimizer(self.model, torch.optim.AdamW, lr=config.lr, betas=(0.9, 0.95),
                                          weight_decay=config.weight_decay,
                                          **adamw_kernel(config.optimizer_kernel, mesh.device))
