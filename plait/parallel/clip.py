@@ -2,20 +2,23 @@
 
 One function for every layout, because the norm is one sum whichever strategies split it:
 each rank adds the squares of the gradient it holds, then the partial sums are added over
-the axes that split the gradient.
+the axes that split the gradient. Which axes those are, each parameter's placement says
+(plait/parallel/placement.py): an axis that splits it sums its squares; an axis that
+replicates it holds the same averaged gradient on each rank, and is not summed over (that
+would count it again), unless ZeRO cuts it there.
 
     what a rank holds                              summed over
-    ZeRO: its shard of every (averaged) gradient   dp
-    TP: its slice of each split parameter          tp (split parameters only: the
-                                                   others are whole on every tp rank)
-    PP: its stages                                 pp
-    EP: its experts of each experts module         ep (expert parameters only; not
+    ZeRO: its shard of every (averaged) gradient   dp (the axis ZeRO cuts each gradient over)
+    a split: its part of each parameter split      each axis that splits it (tp: its slice
+             over an axis                          of a split layer; ep: its experts; not
                                                    under ZeRO, see below)
+    PP: its stages                                 pp
 
 Plain data parallelism holds the whole averaged gradient on every dp rank, so nothing is
 summed over dp. Under ZeRO an expert's gradient is cut over the edp ranks holding that
 expert, and the ep ranks hold the other experts: the ranks of dp (edp × ep of them) own
-every expert's gradient once between them, so the sum over dp covers experts too.
+every expert's gradient once between them, so the sum over dp covers an axis carved out of
+dp (`placement.INSIDE_DATA`) too.
 
 A pipeline's copy of a tied embedding is left out (the first stage counts that weight) but
 is scaled like the rest, so the copies stay equal. The sums are float64
@@ -31,13 +34,13 @@ import torch
 from torch import nn
 
 from plait.parallel.expert.plan import expert_axis
-from plait.parallel.expert.shard import expert_shard_of
 from plait.parallel.pipeline.held import pipeline_axis
 from plait.parallel.pipeline.split import logical_parameters
+from plait.parallel.placement import INSIDE_DATA, placement_of
 from plait.parallel.tensor.plan import tensor_parallel_of
-from plait.parallel.tensor.layers import shard_of
 from plait.parallel.zero.stages import zero_of
 from plait.runtime import comm
+from plait.runtime.comm import Axis
 
 
 @dataclass
@@ -52,8 +55,7 @@ class GradientSquares:
     names: list[str]  # in the model's order, as `named_grads` gives them
     values: torch.Tensor  # (pieces,) float64
     counted: torch.Tensor  # (pieces,) bool: in the norm (a pipeline's tied copy is not)
-    split: torch.Tensor  # (pieces,) bool: a tensor-parallel slice
-    experts: torch.Tensor  # (pieces,) bool: this ep rank's experts (the other ep ranks hold the rest)
+    splits: dict[str, torch.Tensor]  # {axis: (pieces,) bool}: the pieces it splits (its other ranks hold the rest)
     scaled: list[torch.Tensor]  # what clipping multiplies
 
 
@@ -68,17 +70,26 @@ def held_gradients(model: nn.Module) -> list[tuple[str, nn.Parameter, torch.Tens
 
 def gradient_squares(model: nn.Module) -> GradientSquares:
     """Sum of squares of each gradient piece this rank holds (see `GradientSquares`)."""
-    sync, info = zero_of(model), tensor_parallel_of(model)
-    tp = info is not None and info.axis.size > 1
+    sync = zero_of(model)
     held = held_gradients(model)
     scaled = sync.owned_grads() if sync is not None else [grad for _, _, grad, _ in held]
     device = held[0][2].device if held else next(model.parameters()).device
     norms = piece_norms([grad.detach() for _, _, grad, _ in held])
     values = torch.stack(norms).square() if norms else torch.zeros(0, dtype=torch.float64, device=device)
     counted = torch.tensor([c for *_, c in held], dtype=torch.bool, device=device)
-    split = torch.tensor([tp and shard_of(p) is not None for _, p, _, _ in held], dtype=torch.bool, device=device)
-    experts = torch.tensor([expert_shard_of(p) is not None for _, p, _, _ in held], dtype=torch.bool, device=device)
-    return GradientSquares([name for name, *_ in held], values, counted, split, experts, scaled)
+    axes = split_axes(model)
+    placements = [placement_of(p) for _, p, _, _ in held] if axes else []
+    splits = {axis: torch.tensor([p.split(axis) is not None for p in placements], dtype=torch.bool, device=device)
+              for axis in axes}
+    return GradientSquares([name for name, *_ in held], values, counted, splits, scaled)
+
+
+def split_axes(model: nn.Module) -> dict[str, Axis]:
+    """{name: axis} of the axes the model's strategies split parameters over (a placement
+    names them), those of more than one rank: tensor parallelism's, expert parallelism's."""
+    info = tensor_parallel_of(model)
+    found = [info.axis if info is not None else None, expert_axis(model)]
+    return {axis.name: axis for axis in found if axis is not None and axis.size > 1}
 
 
 def piece_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -113,38 +124,48 @@ def clip_grad_norm(model: nn.Module, max_norm: float, squares: GradientSquares |
 
 def global_norm(model: nn.Module, squares: GradientSquares) -> float:
     """sqrt of the sum, over all ranks and without double counting, of the pieces' squares."""
-    sync, info, pp_axis = zero_of(model), tensor_parallel_of(model), pipeline_axis(model)
-    tp_axis = info.axis if info is not None and info.axis.size > 1 else None
+    sync, pp_axis, axes = zero_of(model), pipeline_axis(model), split_axes(model)
     kept = torch.where(squares.counted, squares.values, torch.zeros_like(squares.values))
-    # [squares of tp-split gradients, squares of the rest]; one number when nothing is split.
     # A rank may hold no gradient (its ZeRO shards all padding); its zeros still join in.
-    kept, experts = _experts_over_ep(model, squares, kept)
-    if tp_axis is not None:
-        total = torch.stack([kept[squares.split].sum(), kept[~squares.split].sum()])
-    else:
-        total = kept.sum().reshape(1)
-    total[-1] += experts
+    kept, early = _inside_data(squares, kept, axes, zero=sync is not None)
+    # [squares split over each axis outside dp (tp), the rest]; one number when none splits.
+    outside = [name for name in axes if name not in INSIDE_DATA]
+    total = _partial_sums(kept, [squares.splits[name] for name in outside])
+    total[-1] += early
     if sync is not None and sync.axis.size > 1:
         comm.all_reduce(total, sync.axis)
-    if tp_axis is not None:
-        comm.all_reduce(total[:1], tp_axis)
+    for i, name in enumerate(outside):
+        comm.all_reduce(total[i:i + 1], axes[name])
     if pp_axis is not None and pp_axis.size > 1:
         comm.all_reduce(total, pp_axis)
     return math.sqrt(total.sum().item())
 
 
-def _experts_over_ep(model: nn.Module, squares: GradientSquares,
-                     kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the squares left to sum as before, the experts' squares summed over ep already).
+def _partial_sums(kept: torch.Tensor, masks: list[torch.Tensor]) -> torch.Tensor:
+    """The squares of the pieces each mask marks, then of the pieces none marks."""
+    if not masks:
+        return kept.sum().reshape(1)
+    if len(masks) > 1 and bool((torch.stack(masks).sum(0) > 1).any()):
+        raise NotImplementedError("a gradient split over two axes outside dp needs a sum over both")
+    rest = ~torch.stack(masks).any(0)
+    return torch.stack([*(kept[mask].sum() for mask in masks), kept[rest].sum()])
+
+
+def _inside_data(squares: GradientSquares, kept: torch.Tensor, axes: dict[str, Axis],
+                 zero: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the squares left to sum as before, those split over an axis carved out of dp, summed
+    over it already).
 
     Data parallelism holds every expert of its ep rank whole, the other ep ranks the other
     experts: their squares are summed over ep (experts are whole on every tp rank: tp is not
     built with them). Under ZeRO the sum over dp covers them (module docstring): nothing moves.
     """
-    ep_axis = expert_axis(model)
-    none = torch.zeros((), dtype=kept.dtype, device=kept.device)
-    if ep_axis is None or ep_axis.size == 1 or zero_of(model) is not None:
-        return kept, none
-    experts = kept[squares.experts].sum()
-    comm.all_reduce(experts, ep_axis)
-    return torch.where(squares.experts, torch.zeros_like(kept), kept), experts
+    early = torch.zeros((), dtype=kept.dtype, device=kept.device)
+    if zero:
+        return kept, early
+    for name in [name for name in axes if name in INSIDE_DATA]:
+        mask = squares.splits[name]
+        part = kept[mask].sum()
+        comm.all_reduce(part, axes[name])
+        kept, early = torch.where(mask, torch.zeros_like(kept), kept), early + part
+    return kept, early

@@ -3,7 +3,7 @@
 A piece is a rectangular block of a logical tensor (by its unsharded name and full shape):
 its offsets per dimension, and whether this rank is the one that writes it. Strategies
 describe their shards here (ZeRO installs its own view on the model under VIEW_ATTR);
-plait.train.checkpoint writes and reads the pieces without knowing any layout. This lives
+plait.train.checkpoint.write writes and reads the pieces without knowing any layout. This lives
 below both, so a strategy never imports the trainer.
 """
 
@@ -14,10 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from plait.parallel.expert.shard import expert_shard_of
 from plait.parallel.pipeline.split import logical_parameters
-from plait.parallel.tensor.layers import shard_of
-from plait.runtime.mesh import EXPERT, EXPERT_SYNC, SYNC, Mesh
+from plait.parallel.placement import WHOLE_ON, placement_of
+from plait.runtime.mesh import Mesh
 
 VIEW_ATTR = "_plait_checkpoint_view"  # a strategy that shards tensors (ZeRO) puts its own view here
 
@@ -42,40 +41,43 @@ def local_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh)
 
 
 def param_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh) -> list[Piece]:
-    """Parameters and their optimizer state, whole or as tensor-parallel blocks.
+    """Parameters and their optimizer state, each as the blocks its placement gives.
 
-    Every tensor is written exactly once: replicas across dp by one dp rank (`dp_writers`
-    spreads them); a tensor that tensor parallelism does not split, also only by tp rank 0;
-    a split one by every tp rank (each its own block, at its offset along the split dimension).
+    Every tensor is written exactly once: of the ranks holding the same copy (its placement's
+    replicate axis), by one (`dp_writers` spreads them); of an axis that splits it, by every
+    rank (each its own block, at its offset); of tp keeping it whole, by tp rank 0 alone.
     """
     named = list(logical_parameters(model))
-    # The replicas' writers are spread over every rank that holds the same ones: dp × cp;
-    # for an expert-parallel block, the edp ranks (each ep rank writes its own experts).
-    sync, edp = mesh.axis(SYNC), mesh.axis(EXPERT_SYNC)
-    writers = dp_writers([(name, param.numel()) for name, param, replica in named
-                          if not replica and expert_shard_of(param) is None], sync.size)
-    expert_writers = dp_writers([(name, param.numel()) for name, param, _ in named
-                                 if expert_shard_of(param) is not None], edp.size)
+    placed = {name: placement_of(param) for name, param, _ in named}
+    writers = replica_writers([(name, param.numel(), placed[name].replicate) for name, param, replica in named
+                               if not replica], mesh)
     pieces = []
     for name, param, replica in named:
-        if expert_shard_of(param) is not None:
-            dp_writer = expert_writers[name] == edp.rank
-        else:
-            dp_writer = writers.get(name) == sync.rank
-        owned = dp_writer and not replica and writes_its_tp_part(param, mesh)
+        over = placed[name].replicate
+        dp_writer = writers.get(name) == mesh.rank(over)
+        owned = dp_writer and not replica and writes_its_part(param, mesh)
         pieces += [Piece(f"model/{name}", view, offsets, full, owned)
-                   for view, offsets, full in placement(param, param.detach())]
+                   for view, offsets, full in logical_blocks(param, param.detach())]
         for key, value in sorted(optimizer.state.get(param, {}).items()):
             if not isinstance(value, torch.Tensor):
                 continue
             if value.shape == param.shape:
                 pieces += [Piece(f"optim/{name}/{key}", view, offsets, full, owned)
-                           for view, offsets, full in placement(param, value)]
-            else:  # a per-parameter scalar (Adam's step): the same on every shard
-                owned_scalar = dp_writer and not replica and mesh.rank("tp") == 0 and (
-                    expert_shard_of(param) is None or mesh.rank(EXPERT) == 0)
+                           for view, offsets, full in logical_blocks(param, value)]
+            else:  # a per-parameter scalar (Adam's step): the same on every part
+                owned_scalar = dp_writer and not replica and writes_scalars(param, mesh)
                 pieces.append(Piece(f"optim/{name}/{key}", value, (0,) * value.ndim, tuple(value.shape), owned_scalar))
     return pieces
+
+
+def replica_writers(sizes: list[tuple[str, int, str]], mesh: Mesh) -> dict[str, int]:
+    """{parameter: the rank of its replicate axis that writes it}, from (name, elements,
+    replicate axis): each axis's parameters spread over that axis's ranks (`dp_writers`), so
+    the dp × cp ranks share the dense tensors and the edp ranks their experts."""
+    writers: dict[str, int] = {}
+    for over in dict.fromkeys(axis for _, _, axis in sizes):
+        writers.update(dp_writers([(name, numel) for name, numel, axis in sizes if axis == over], mesh.size(over)))
+    return writers
 
 
 def dp_writers(sizes: list[tuple[str, int]], dp: int) -> dict[str, int]:
@@ -90,24 +92,34 @@ def dp_writers(sizes: list[tuple[str, int]], dp: int) -> dict[str, int]:
     return writers
 
 
-def writes_its_tp_part(param: torch.Tensor, mesh: Mesh) -> bool:
-    """Whether this rank writes its tensor-parallel part of `param`: every tp rank its own
-    slice of a split parameter, tp rank 0 alone a parameter tensor parallelism keeps whole."""
-    return shard_of(param) is not None or mesh.rank("tp") == 0
+def writes_its_part(param: torch.Tensor, mesh: Mesh) -> bool:
+    """Whether this rank writes its part of `param` (its copies aside): every rank of an axis
+    that splits it writes its own; of an axis holding it whole (tp), rank 0 alone."""
+    placement = placement_of(param)
+    return all(mesh.rank(axis) == 0 for axis in WHOLE_ON if placement.split(axis) is None)
 
 
-def placement(param: torch.Tensor, block: torch.Tensor, at: tuple[int, ...] | None = None
-              ) -> list[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
+def writes_scalars(param: torch.Tensor, mesh: Mesh) -> bool:
+    """Whether this rank writes `param`'s per-parameter scalars (Adam's step), the same on
+    every part: rank 0 of every axis that splits it or holds it whole (its copies aside)."""
+    return all(mesh.rank(axis) == 0 for axis in dict.fromkeys((*WHOLE_ON, *placement_of(param).axes)))
+
+
+def logical_blocks(param: torch.Tensor, block: torch.Tensor, at: tuple[int, ...] | None = None
+                   ) -> list[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
     """Where `block`, a block of this rank's `param` at offsets `at` (default: the whole of
     it), sits in the logical tensor: (a view of it, its offsets there, the full shape) for
-    each of its parts. One part, except for a fused tensor-parallel slice (GPT-2's q|k|v),
-    whose parts lie apart in the full tensor (`Shard.blocks`)."""
+    each of its parts. One part, except for a fused split (GPT-2's q|k|v), whose parts lie
+    apart in the full tensor (`Placement.blocks`)."""
+    placement = placement_of(param)
     offsets = tuple(at) if at is not None else (0,) * param.ndim
-    experts = expert_shard_of(param)
-    if experts is not None:  # this ep rank's experts: a block along the first dimension
-        return [(block, (offsets[0] + experts.offset, *offsets[1:]), experts.full_shape)]
-    shard = shard_of(param)
-    if shard is None:
-        return [(block, offsets, tuple(param.shape))]
-    return [(block.narrow(shard.dim, start, length), where, shard.full_shape)
-            for start, length, where in shard.blocks(offsets, tuple(block.shape))]
+    return [(_narrow(block, starts, lengths), where, placement.full_shape)
+            for starts, lengths, where in placement.blocks(offsets, tuple(block.shape))]
+
+
+def _narrow(block: torch.Tensor, starts: tuple[int, ...], lengths: tuple[int, ...]) -> torch.Tensor:
+    """`block` cut to `lengths` from `starts`, dimension by dimension (itself where whole)."""
+    for dim, (start, length) in enumerate(zip(starts, lengths)):
+        if (start, length) != (0, block.shape[dim]):
+            block = block.narrow(dim, start, length)
+    return block

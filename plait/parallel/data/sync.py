@@ -11,10 +11,12 @@ micro-batch: gradients simply accumulate in the buckets, and one all-reduce per 
 the sum. This is the same contract torch's DistributedDataParallel offers, written small
 enough to read.
 
-Under expert parallelism (plait.parallel.expert) an expert's parameters are held by the dp
-ranks of one edp group only: their buckets are averaged over that axis, divided by the
-whole dp (each expert's gradient already sums what every ep rank's tokens sent it), and
-they start from their edp rank 0's copy rather than dp rank 0's.
+Each parameter is averaged over the ranks its placement replicates it over
+(plait/parallel/placement.py), and buckets never mix two such axes. Most parameters are
+replicated over the whole data axis; an expert-parallel one (plait.parallel.expert) only
+over the dp ranks of one edp group: its buckets are averaged over that axis, divided by the
+whole dp (each expert's gradient already sums what every ep rank's tokens sent it), and it
+starts from its edp rank 0's copy rather than dp rank 0's.
 
 Buffers that a forward changes (BatchNorm's running statistics) would drift apart, each
 rank averaging its own micro-batches. As torch DDP's `broadcast_buffers=True` does, rank 0's
@@ -34,9 +36,10 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from plait.parallel.data.syncbn import SyncBatchNorm
-from plait.parallel.expert.shard import expert_shard_of
+from plait.parallel.placement import placement_of
 from plait.runtime import comm
 from plait.runtime.comm import Axis, Handle
+from plait.runtime.mesh import EXPERT_SYNC, SYNC
 
 ATTR = "_plait_grad_sync"
 
@@ -53,7 +56,7 @@ class Bucket:
     handle: Handle | None = None
     wire: torch.Tensor | None = None  # the bucket in --reduce-dtype, while it is reduced
     axis: Axis | None = None  # the ranks that average it, when not the GradSync's (experts: edp)
-    divisor: int = 0  # what the sum is divided by, when not the axis's size (experts: dp)
+    divisor: int = 0  # what the sum is divided by, when not the axis's size (every bucket's: dp)
 
 
 @dataclass
@@ -186,28 +189,37 @@ def apply_data_parallel(model: nn.Module, axis: Axis, *, bucket_mb: float = 25.0
     """Make `model` average its gradients over `axis` after every backward (in place).
 
     Parameters and buffers are first broadcast from the axis's rank 0, so every replica
-    starts identical even if the ranks built the model with different seeds. Expert-parallel
-    parameters are averaged over `expert_axis` instead (see the module docstring).
+    starts identical even if the ranks built the model with different seeds. A parameter
+    whose placement replicates it over the edp axis (expert parallelism) is broadcast and
+    averaged over `expert_axis` instead (see the module docstring).
     """
     if axis.size == 1:
         return model
-    experts = {p for p in model.parameters() if expert_shard_of(p) is not None}
-    if experts and expert_axis is None:
-        raise ValueError("expert-parallel parameters need the edp axis (expert_axis)")
+    axes = {SYNC: axis, EXPERT_SYNC: expert_axis}
+    over = replicated_over(model, axes)
     for tensor in [*model.parameters(), *model.buffers()]:
-        comm.broadcast(tensor.data, expert_axis if tensor in experts else axis, purpose=comm.SETUP)
+        comm.broadcast(tensor.data, axes[over.get(tensor, SYNC)], purpose=comm.SETUP)
     params = [p for p in model.parameters() if p.requires_grad]
-    bucket_bytes = int(bucket_mb * 2**20)
-    buckets = make_buckets([p for p in params if p not in experts], bucket_bytes)
-    for bucket in make_buckets([p for p in params if p in experts], bucket_bytes):
-        bucket.index, bucket.axis, bucket.divisor = len(buckets), expert_axis, axis.size
-        buckets.append(bucket)
+    buckets: list[Bucket] = []
+    for name in dict.fromkeys([SYNC, *over.values()]):  # the data axis's buckets first
+        for bucket in make_buckets([p for p in params if over[p] == name], int(bucket_mb * 2**20)):
+            bucket.index, bucket.axis, bucket.divisor = len(buckets), axes[name], axis.size
+            buckets.append(bucket)
     sync = GradSync(axis, buckets, reduce_dtype=reduce_dtype)
     for param in params:
         param.register_post_accumulate_grad_hook(sync.on_grad_ready)
     setattr(model, ATTR, sync)
     follow_rank0_buffers(model, axis)
     return model
+
+
+def replicated_over(model: nn.Module, axes: dict[str, Axis | None]) -> dict[nn.Parameter, str]:
+    """{parameter: its placement's replicate axis}, each of which `axes` must give."""
+    over = {param: placement_of(param).replicate for param in model.parameters()}
+    for name in set(over.values()):
+        if axes.get(name) is None:
+            raise ValueError(f"parameters replicated over {name} need that axis (expert_axis for edp)")
+    return over
 
 
 def running_buffers(model: nn.Module) -> list[torch.Tensor]:

@@ -27,9 +27,10 @@ from torch import nn
 
 from plait.errors import PlaitError
 from plait.parallel.expert.dispatch import ExpertDispatch, take_formula
-from plait.parallel.expert.shard import EXPERT_ATTR, ExpertShard
+from plait.parallel.expert.shard import expert_placement
 from plait.parallel.applied import applied, applied_of
 from plait.parallel.hooks import StepHooks
+from plait.parallel.placement import place
 from plait.rules import check_experts_split
 from plait.runtime import comm
 from plait.runtime.comm import Axis
@@ -69,7 +70,7 @@ def apply_expert_parallel(model: nn.Module, axis: Axis, adapter: Any = None) -> 
         for name, param in list(module.named_parameters(recurse=False)):
             if param.ndim >= 1 and param.shape[0] == experts:
                 kept = nn.Parameter(param.detach()[start:start + local].clone(), requires_grad=param.requires_grad)
-                setattr(kept, EXPERT_ATTR, ExpertShard(axis.rank, axis.size, tuple(param.shape)))
+                place(kept, expert_placement(axis.rank, axis.size, tuple(param.shape)))
                 setattr(module, name, kept)
         module.num_experts = local  # what it holds now (transformers' grouped kernels size by it)
         module.forward = ExpertDispatch(module.forward, axis, experts)

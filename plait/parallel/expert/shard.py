@@ -1,35 +1,18 @@
-"""Where this rank's experts sit among all of them: the mark an expert-parallel parameter carries.
+"""Expert parallelism's placement rule: where this ep rank's experts sit among all of them.
 
-An experts module's 3-D parameters (experts, ...) keep experts / ep of their first
-dimension on each ep rank. The mark says which, so that gradient sync (over the ranks that
-hold the same experts), the gradient norm (summed over the ranks that hold others) and
-checkpoints (each block at its offset in the full tensor) need no other record. Imports
-nothing of plait's, so every strategy may read it.
+An experts module's parameters (experts, ...) keep experts / ep of their first dimension on
+each ep rank, and the edp ranks hold the same ones: split over "ep" along dimension 0,
+replicated over "edp" (plait/parallel/placement.py). Gradient sync, ZeRO, the gradient norm
+and checkpoints read that placement as they read any other; none asks "is this an expert?".
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from plait.parallel.placement import Placement, Split
+from plait.runtime.mesh import EXPERT, EXPERT_SYNC
 
-import torch
+def expert_placement(rank: int, parts: int, full_shape: tuple[int, ...]) -> Placement:
+    """The rule: ep rank `rank` of `parts` holds its block of the first dimension (the
+    experts), replicated over the edp ranks, which hold the same experts."""
+    return Placement(tuple(full_shape), (Split(EXPERT, 0, rank, parts),), replicate=EXPERT_SYNC)
 
-EXPERT_ATTR = "plait_expert_shard"
-
-
-@dataclass(frozen=True)
-class ExpertShard:
-    """This ep rank's block of a parameter whose first dimension counts experts."""
-
-    rank: int  # this rank's index along ep
-    parts: int  # ep
-    full_shape: tuple[int, ...]
-
-    @property
-    def offset(self) -> int:
-        """The first expert this rank holds."""
-        return self.rank * self.full_shape[0] // self.parts
-
-
-def expert_shard_of(param: torch.Tensor) -> ExpertShard | None:
-    """The mark of an expert-parallel parameter, or None for one every ep rank holds whole."""
-    return getattr(param, EXPERT_ATTR, None)

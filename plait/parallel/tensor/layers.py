@@ -1,12 +1,12 @@
 """Megatron-style parallel layers, each built from the dense layer it replaces.
 
-A layer keeps only this rank's slice of the dense weight and remembers where that slice sits
-(`Shard`, in slices.py), so the full tensor can be gathered back for parity checks and
-checkpoints:
+A layer keeps only this rank's slice of the dense weight, marked with its placement
+(slices.py, plait/parallel/placement.py), so the full tensor can be gathered back for parity
+checks and checkpoints:
 
 - `ColumnParallelLinear`: rows of W (output features) split; input replicated, output sharded.
   A fused layer whose output is k equal parts (GPT-2's q|k|v) is split part by part, so each
-  rank holds its slice of every part (`Shard.fused`).
+  rank holds its slice of every part (`Split.fused`).
 - `RowParallelLinear`: columns of W (input features) split; input sharded, output summed.
 - `VocabParallelEmbedding`: rows of the table (tokens) split; each rank looks up the tokens it
   owns, writes zeros for the others, and the ranks' outputs are summed. An nn.Embedding
@@ -34,13 +34,13 @@ from torch import nn
 
 from plait.errors import PlaitError
 from plait.parallel.tensor import regions
-from plait.parallel.tensor.slices import SHARD_ATTR, Shard, shard_of, shard_param
+from plait.parallel.tensor.slices import shard_of, shard_param, tensor_placement
 from plait.runtime import comm
 from plait.runtime.comm import Axis
 
-__all__ = ["SHARD_ATTR", "ColumnParallelLinear", "RowParallelLinear", "Shard", "VocabParallelEmbedding",
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "enter_region", "is_conv1d", "layout_of", "leave_region", "overrides_forward", "shard_of", "shard_param",
-           "split_embedding_in_place", "sum_grad_over"]
+           "split_embedding_in_place", "sum_grad_over", "tensor_placement"]
 
 class WeightLayout(NamedTuple):
     """A dense layer's sizes, and which dimension of its stored weight indexes the outputs."""

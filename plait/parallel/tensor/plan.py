@@ -28,7 +28,7 @@ from plait.errors import PlaitError
 from plait.parallel.applied import applied, applied_of
 from plait.parallel.seam import adapter_of, tensor_plan
 from plait.parallel.tensor.entry import SharedEntry
-from plait.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, Shard,
+from plait.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear,
                                           VocabParallelEmbedding, enter_region, overrides_forward, shard_of,
                                           split_embedding_in_place, sum_grad_over)
 from plait.parallel.tensor.loss import lm_loss, vocab_parallel_cross_entropy
@@ -38,7 +38,7 @@ from plait.parallel.tensor.ops import all_gather_stacked, register_axis
 from plait.parallel.tensor.styles import (COLUMNS, ROWS, SPLIT, STYLES, check_divisible, parse_style, resolve_plan,
                                           shares_entry)
 
-__all__ = ["STYLES", "ColumnParallelLinear", "RowParallelLinear", "Shard", "VocabParallelEmbedding",
+__all__ = ["STYLES", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "apply_tensor_parallel", "gather_full_params", "lm_loss", "parse_style", "resolve_plan", "shard_of",
            "tensor_parallel_of", "tp_loss_fn", "vocab_parallel_cross_entropy"]
 

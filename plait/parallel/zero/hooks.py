@@ -2,10 +2,11 @@
 gather each unit's weights just before it runs and free them after.
 
 `ZeroSync` is what `apply_zero` (stages.py) attaches to a model; autograd and the module
-hooks call it. The shards it moves are shard.py's flat groups, each over its own axis (dp,
-or edp for experts). At stage 3 a unit holding both kinds is two groups, the expert one the
-other's companion: the unit's hooks gather, show and free both; each group's gradient is
-reduced on its own, as soon as autograd has accumulated it.
+hooks call it. The shards it moves are shard.py's flat groups, each over its own axis (the
+one its parameters' placement replicates them over: dp, or edp for experts). At stage 3 a
+unit holding both kinds is two groups, the expert one the other's companion: the unit's
+hooks gather, show and free both; each group's gradient is reduced on its own, as soon as
+autograd has accumulated it.
 """
 
 from __future__ import annotations

@@ -24,12 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.parallel.expert.shard import expert_shard_of
 from plait.parallel.masters import step_scaled
-from plait.parallel.pieces import Piece, param_pieces, placement, writes_its_tp_part
+from plait.parallel.pieces import Piece, logical_blocks, param_pieces, writes_its_part, writes_scalars
 from plait.parallel.pipeline.split import logical_parameters
 from plait.parallel.zero.shard import FlatGroup, owned_pieces
-from plait.runtime.mesh import EXPERT
 
 
 @dataclass
@@ -178,14 +176,14 @@ def flat_blocks(shape: Sequence[int], start: int, stop: int) -> list[tuple[tuple
 
 
 def checkpoint_pieces(model: nn.Module, optimizer: ZeroOptimizer, mesh: Any) -> list[Any]:
-    """plait.train.checkpoint's view of a ZeRO model: every tensor by its unsharded name and shape.
+    """plait.train.checkpoint.write's view of a ZeRO model: every tensor by its unsharded name and shape.
 
     Whole parameters (stages 1-2) are written as data parallelism writes them; shards
     (stage-3 parameters, optimizer state, fp32 masters) as the blocks each dp rank owns,
-    placed in the logical tensor through any tensor-parallel or expert-parallel slice (an
-    expert shard's blocks sit at its experts' offset in the tensor of all experts). A tensor
-    that tensor parallelism does not split is written by tp rank 0 only, a pipeline's copy
-    of a tied weight by nobody (it is loaded). So a checkpoint moves between any layouts.
+    placed in the logical tensor through the parameter's placement (an expert shard's blocks
+    sit at its experts' offset in the tensor of all experts). A tensor that tensor
+    parallelism does not split is written by tp rank 0 only, a pipeline's copy of a tied
+    weight by nobody (it is loaded). So a checkpoint moves between any layouts.
     """
     sync = optimizer.sync
     pieces = param_pieces(model, optimizer, mesh) if sync.stage < 3 else _frozen_pieces(model, optimizer, mesh)
@@ -196,11 +194,10 @@ def checkpoint_pieces(model: nn.Module, optimizer: ZeroOptimizer, mesh: Any) -> 
         for (index, start, stop), piece in zip(owned_pieces(group.sizes, group.n, group.rank), part.pieces):
             param, first = group.params[index], start - offsets[index]
             name, shape = sync.names[param], tuple(param.shape)
-            writes = (param not in sync.replicas and writes_its_tp_part(param, mesh)
+            writes = (param not in sync.replicas and writes_its_part(param, mesh)
                       and (group.replicate is None or group.replicate.rank == 0))  # --dp-shard: one copy
-            # every ep rank holds a first element of its experts: one writes the shared scalars
-            writes_scalar = writes and first == 0 and mesh.rank("tp") == 0 and (
-                expert_shard_of(param) is None or mesh.rank(EXPERT) == 0)
+            # every part's rank holds a first element of its part: one writes the shared scalars
+            writes_scalar = writes and first == 0 and writes_scalars(param, mesh)
             flat = {f"optim/{name}/{k}": v for k, v in optimizer.state[piece].items() if isinstance(v, torch.Tensor)}
             if part.holds_more():
                 flat[f"optim/{name}/master"] = piece.detach()
@@ -213,7 +210,7 @@ def checkpoint_pieces(model: nn.Module, optimizer: ZeroOptimizer, mesh: Any) -> 
                 for block, lengths, f in flat_blocks(shape, first, first + stop - start):
                     view = tensor[f - first:f - first + math.prod(lengths)].view(lengths)
                     pieces += [Piece(key, part, where, full, writes)
-                               for part, where, full in placement(param, view, block)]
+                               for part, where, full in logical_blocks(param, view, block)]
     return pieces
 
 

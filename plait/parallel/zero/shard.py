@@ -2,9 +2,10 @@
 
 Every group of parameters (a bucket at stages 1-2, a unit at stage 3) is one flat buffer,
 padded at its end to a multiple of n, cut into n equal contiguous shards; rank r owns shard
-r. Each group knows its axis, the n ranks that share it: the dp (× cp) ranks, or for
-expert-parallel parameters the edp ranks, which hold the same experts (a group holds one
-kind only; stage 3 pairs a unit's two groups as companions, gathered and freed together).
+r. Each group knows its axis, the n ranks that share it: the ranks its parameters' placement
+replicates them over (plait/parallel/placement.py): the dp (× cp) ranks, or the edp ranks
+for expert-parallel parameters, which hold the same experts. A group holds parameters of one
+replicate axis only; stage 3 chains a unit's groups as companions, gathered and freed together.
 The padding exists only so that reduce-scatter and all-gather see equal sizes: it is zero,
 its gradient is zero, and the optimizer never sees it (its pieces stop at the last real
 element), so it cannot leak into results.
@@ -21,9 +22,10 @@ import torch
 from torch import nn
 
 from plait.errors import PlaitError
-from plait.parallel.expert.shard import expert_shard_of
+from plait.parallel.placement import placement_of
 from plait.runtime import comm
 from plait.runtime.comm import Axis, Handle
+from plait.runtime.mesh import EXPERT_SYNC, SYNC
 
 Location = tuple[nn.Module, str, int]  # (module, attribute, index into FlatGroup.params)
 
@@ -72,7 +74,7 @@ class FlatGroup:
     shard_name: str = ""  # stage 3: ... and under which name
     divisor: int = 0  # what the gradient sum is divided by, when not n (experts: the whole dp)
     replicate: Axis | None = None  # --dp-shard: the ranks holding the same shard, whose gradients it sums
-    companion: "FlatGroup | None" = None  # stage 3: the same unit's expert group, gathered with this one
+    companion: "FlatGroup | None" = None  # stage 3: the same unit's next group (another axis), gathered with it
     locations: list[Location] = field(default_factory=list)  # stage 3: where the params are read
     gathered: bool = True
     gathering: Handle | None = None
@@ -91,8 +93,8 @@ class FlatGroup:
         return self.axis.rank
 
     def together(self) -> list["FlatGroup"]:
-        """This group and its companion: what stage 3 gathers, shows and frees as one unit."""
-        return [self] if self.companion is None else [self, self.companion]
+        """This group and its companions: what stage 3 gathers, shows and frees as one unit."""
+        return [self] if self.companion is None else [self, *self.companion.together()]
 
     @property
     def sizes(self) -> list[int]:
@@ -206,32 +208,40 @@ class FlatGroup:
 # -- which parameters go together -----------------------------------------------------------------
 @dataclass(frozen=True)
 class ShardAxes:
-    """The ranks that share each parameter's shards.
+    """The ranks that share each parameter's shards: those its placement replicates it over.
 
-    An expert-parallel parameter (plait.parallel.expert's mark) is held alike only by the
-    edp ranks, so its groups are cut over `experts` (edp); every other parameter's over
-    `dense` (dp × cp). Both kinds divide their gradient sum by dense's size: an expert's
-    gradient already sums what the tokens of every ep rank sent it, so its mean is over all
-    dp ranks' samples. The two kinds never share a group, each group having one axis.
+    Most parameters are replicated over the data axis, and their groups are cut over `dense`
+    (the dp × cp ranks, or one --dp-shard group of them); an expert-parallel parameter's
+    placement replicates it over edp only, so its groups are cut over those ranks. Every group
+    divides its gradient sum by all the dp × cp ranks: an expert's gradient already sums what
+    the tokens of every ep rank sent it, so its mean too is over every sample. Parameters
+    replicated over different axes never share a group, each group having one axis.
     """
 
-    dense: Axis
-    experts: Axis | None = None
-    marked: frozenset[int] = frozenset()  # ids of the expert-parallel parameters
+    over: dict[str, Axis]  # each replicate axis present -> the ranks its groups are cut over; SYNC first
+    replicated: dict[int, str]  # id(parameter) -> its placement's replicate axis
     replicate: Axis | None = None  # --dp-shard: dense's copies, which sum its shards' gradients
 
     @classmethod
     def of_model(cls, model: nn.Module, dense: Axis, experts: Axis | None,
                  replicate: Axis | None = None) -> "ShardAxes":
-        marked = frozenset(id(p) for p in model.parameters() if expert_shard_of(p) is not None)
-        if marked and experts is None:
-            raise PlaitError("ZeRO needs the edp axis for expert-parallel parameters",
+        """`dense` cuts the data axis's parameters, `experts` the edp axis's (when any)."""
+        replicated = {id(p): placement_of(p).replicate for p in model.parameters()}
+        given = {SYNC: dense, EXPERT_SYNC: experts}
+        names = [SYNC, *dict.fromkeys(name for name in replicated.values() if name != SYNC)]
+        missing = [name for name in names if given.get(name) is None]
+        if missing:
+            raise PlaitError(f"ZeRO needs the {missing[0]} axis for the parameters replicated over it",
                              hint="pass expert_axis=mesh.axis('edp') to apply_zero (parallelize does)")
-        if marked and replicate is not None and replicate.size > 1:
-            raise PlaitError("hybrid sharding does not group expert-parallel parameters",
-                             hint="drop replicate_axis (--dp-shard), or expert parallelism")
-        return cls(dense, experts if marked else None, marked,
-                   replicate if replicate is not None and replicate.size > 1 else None)
+        hybrid = replicate if replicate is not None and replicate.size > 1 else None
+        if hybrid is not None and len(names) > 1:
+            raise PlaitError(f"hybrid sharding does not group parameters replicated over {names[1]} "
+                             "(expert-parallel ones)", hint="drop replicate_axis (--dp-shard), or expert parallelism")
+        return cls({name: given[name] for name in names}, replicated, hybrid)
+
+    @property
+    def dense(self) -> Axis:
+        return self.over[SYNC]
 
     @property
     def mean_over(self) -> int:
@@ -239,20 +249,21 @@ class ShardAxes:
         group's ranks times its replicas)."""
         return self.dense.size * (self.replicate.size if self.replicate is not None else 1)
 
-    def replicate_of(self, tensor: torch.Tensor) -> Axis | None:
-        """The ranks that hold `tensor`'s shards again (--dp-shard); None for experts and plain ZeRO."""
-        return None if self.is_expert(tensor) else self.replicate
+    def replicated_over(self, tensor: torch.Tensor) -> str:
+        """`tensor`'s replicate axis (a buffer's: the data axis)."""
+        return self.replicated.get(id(tensor), SYNC)
 
-    def is_expert(self, tensor: torch.Tensor) -> bool:
-        return id(tensor) in self.marked
+    def replicate_of(self, tensor: torch.Tensor) -> Axis | None:
+        """The ranks that hold `tensor`'s shards again (--dp-shard, for the data axis's groups)."""
+        return self.replicate if self.replicated_over(tensor) == SYNC else None
 
     def axis(self, tensor: torch.Tensor) -> Axis:
         """Where `tensor` is sharded, and broadcast from at setup."""
-        return self.experts if self.experts is not None and self.is_expert(tensor) else self.dense
+        return self.over[self.replicated_over(tensor)]
 
     def kinds(self, params: Sequence[nn.Parameter]) -> list[list[nn.Parameter]]:
-        """`params` split into [dense, experts], order kept, empty kinds left out."""
-        split = ([p for p in params if not self.is_expert(p)], [p for p in params if self.is_expert(p)])
+        """`params` split by replicate axis (the data axis's first), order kept, empty ones left out."""
+        split = [[p for p in params if self.replicated_over(p) == name] for name in self.over]
         return [kind for kind in split if kind]
 
 

@@ -17,12 +17,13 @@ its forward and freed after it, gathered again just before its backward
 (`GatherForBackward`), and its gradient is reduce-scattered as soon as autograd has
 accumulated it; the next unit is prefetched while the current one computes.
 
-Expert parallelism (plait.parallel.expert) folds into dp: each ep rank holds other experts,
-and the edp ranks hold the same ones. Expert parameters therefore go into groups of their
-own, cut over edp (their reduce-scatter summing over edp and dividing by dp, as DDP's
-expert buckets do), broadcast at setup from edp rank 0; a stage-3 unit holding both kinds
-is two groups (shards registered as `plait_shard` and `plait_edp_shard`) gathered and
-freed together. Every other parameter is sharded over the dp × cp ranks as above.
+Each parameter is sharded over the ranks its placement replicates it over
+(plait/parallel/placement.py): the dp × cp ranks as above, or, for expert parallelism
+(plait.parallel.expert), which folds into dp, the edp ranks that hold the same experts.
+Parameters of each replicate axis go into groups of their own, cut over that axis (an
+expert group's reduce-scatter sums over edp and divides by dp, as DDP's expert buckets do),
+broadcast at setup from its rank 0; a stage-3 unit holding several kinds is one group per
+axis (shards registered as `plait_shard`, `plait_edp_shard`) gathered and freed together.
 
 Hybrid sharding (--dp-shard N) shards over a group of N of the dp × cp ranks instead (the
 mesh's "dp_shard" axis) and keeps a whole copy of the states in each group. The ranks that
@@ -62,10 +63,10 @@ from plait.parallel.zero.optim import checkpoint_pieces
 from plait.parallel.zero.shard import FlatGroup, ShardAxes, bucket_params, find_units, pack, unit_owners
 from plait.runtime import comm
 from plait.runtime.comm import Axis
+from plait.runtime.mesh import SYNC
 
 log = logging.getLogger(__name__)
 SHARD_PARAM = "plait_shard"  # stage 3: the name under which a unit's shard is registered
-EXPERT_SHARD_PARAM = "plait_edp_shard"  # ... and its expert parameters' shard (cut over edp)
 
 
 def apply_zero(model: nn.Module, axis: Axis, *, stage: int, offload: bool = False, bucket_mb: float = 25.0,
@@ -91,7 +92,7 @@ def apply_zero(model: nn.Module, axis: Axis, *, stage: int, offload: bool = Fals
     if getattr(model, ATTR, None) is not None:
         raise PlaitError("this model already has data parallelism or ZeRO applied", hint="apply one of them, once")
     axes = ShardAxes.of_model(model, axis, expert_axis, replicate_axis)
-    for each in [axis] + ([axes.experts] if axes.experts is not None else []):
+    for each in axes.over.values():
         check_backend(each, stage, next(model.parameters()).device)
     for tensor in [*model.parameters(), *model.buffers()]:  # over the replicas too: every rank alike
         for over in filter(None, (axes.replicate_of(tensor), axes.axis(tensor))):
@@ -117,9 +118,10 @@ def apply_zero(model: nn.Module, axis: Axis, *, stage: int, offload: bool = Fals
     if not is_pipeline(model):
         for over in filter(None, (axis, axes.replicate)):  # the shard group's rank 0, then the replicas' first
             follow_rank0_buffers(model, over)
+    others = "".join(f" (those replicated over {name}: {over.size} ranks)" for name, over in axes.over.items()
+                     if name != SYNC)
     log.info("ZeRO-%d over %d dp ranks%s%s: %d %s%s", stage, axis.size,
-             f" × {axes.replicate.size} replicas" if axes.replicate is not None else "",
-             f" (experts over {axes.experts.size} edp ranks)" if axes.experts is not None else "",
+             f" × {axes.replicate.size} replicas" if axes.replicate is not None else "", others,
              len(sync.units) if stage == 3 else len(sync.groups), "units" if stage == 3 else "buckets",
              ", optimizer offloaded to CPU" if offload else "")
     return model
@@ -136,8 +138,8 @@ def _shard_buckets(chunks: list[nn.Module], axes: ShardAxes, stage: int, bucket_
     """Stages 1-2: parameters become views of whole flat buckets; each rank owns a slice.
 
     Buckets never span two pipeline chunks (each chunk's backward reduces its own) nor two
-    kinds (expert parameters are cut over edp), and a copy of a tied weight is a bucket of
-    its own, cut alike on both pipeline ranks.
+    replicate axes (expert parameters are cut over edp), and a copy of a tied weight is a
+    bucket of its own, cut alike on both pipeline ranks.
     """
     params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
     buckets, alone_ids = [[p] for p in alone], {id(p) for p in alone}
@@ -166,9 +168,9 @@ def _shard_buckets(chunks: list[nn.Module], axes: ShardAxes, stage: int, bucket_
 
 def _shard_units(model: nn.Module, axes: ShardAxes, units: Sequence[nn.Module] | None, chunks: list[nn.Module],
                  alone: list[nn.Parameter]) -> ZeroSync:
-    """Stage 3: each unit's parameters become one shard Parameter (two when the unit holds
-    expert parameters too: a group per kind, the second the first's companion), plus views
-    gathered on demand.
+    """Stage 3: each unit's parameters become one shard Parameter per replicate axis (two when
+    the unit holds expert parameters too: a group per axis, each the previous one's
+    companion), plus views gathered on demand.
 
     `chunks` are the modules a forward calls: the model, or each pipeline stage, whose
     hooks gather the root unit and end the forward. A copy of a tied weight is a unit of
@@ -189,8 +191,8 @@ def _shard_units(model: nn.Module, axes: ShardAxes, units: Sequence[nn.Module] |
     for k, module in [(-1, model), *enumerate(modules)]:
         unit = [_unit_group(len(groups) + i, kind, axes, module, where)
                 for i, kind in enumerate(axes.kinds([p for p, u in owner.items() if u == k]))]
-        if len(unit) == 2:
-            unit[0].companion = unit[1]
+        for group, companion in zip(unit, unit[1:]):
+            group.companion = companion
         groups += unit
     root = groups[0] if groups and groups[0].module is model else None
     sync = ZeroSync(axes.dense, 3, groups, root)
@@ -212,14 +214,14 @@ def _shard_units(model: nn.Module, axes: ShardAxes, units: Sequence[nn.Module] |
 
 def _unit_group(index: int, members: list[nn.Parameter], axes: ShardAxes, module: nn.Module,
                 where: list[tuple[nn.Module, str, nn.Parameter]]) -> FlatGroup:
-    """Pack one kind of a unit's parameters; keep this rank's shard as a Parameter of
+    """Pack one replicate axis's parameters of a unit; keep this rank's shard as a Parameter of
     `module`; the originals keep only their shape, and leave the modules that held them
     (`where`: every registration), whose attributes the gathered views fill in."""
     axis = axes.axis(members[0])
     flat = pack(members, axis.size).requires_grad_()
     size = flat.numel() // axis.size
     shard = nn.Parameter(flat.detach()[axis.rank * size:(axis.rank + 1) * size].clone())
-    name = EXPERT_SHARD_PARAM if axes.is_expert(members[0]) else SHARD_PARAM
+    name = shard_param_name(axes.replicated_over(members[0]))
     module.register_parameter(name, shard)
     slot = {id(p): i for i, p in enumerate(members)}
     locations = [(m, attr, slot[id(p)]) for m, attr, p in where if id(p) in slot]
@@ -229,6 +231,12 @@ def _unit_group(index: int, members: list[nn.Parameter], axes: ShardAxes, module
         _keep_shape_only(param)
     return FlatGroup(index, members, axis, flat, shard, module, name, axes.mean_over,
                      replicate=axes.replicate_of(members[0]), locations=locations)
+
+
+def shard_param_name(replicated_over: str) -> str:
+    """Where a unit registers its shard of the parameters replicated over that axis:
+    `plait_shard` for the data axis's, `plait_edp_shard` for the experts'."""
+    return SHARD_PARAM if replicated_over == SYNC else f"plait_{replicated_over}_shard"
 
 
 def _keep_shape_only(param: nn.Parameter) -> None:
