@@ -2,8 +2,8 @@
 
 Each strategy writes its part here when it is applied, and every consumer reads it: the
 loss and the vocabulary gather read the tensor-parallel part, the step hooks the context and
-expert parts, the gradient norm the pp axis and ZeRO, the optimizer and `no_sync` the
-gradient sync, checkpoints the pieces' view. The pipeline cut hands the same record to the
+expert parts, the gradient norm the pp axis and ZeRO, the optimizer and `no_sync` what
+syncs the gradients, checkpoints the pieces' view. The pipeline cut hands the same record to the
 stage list it returns, so nothing is copied field by field and nothing is forgotten. Imports
 nothing of the strategies': each field holds that strategy's own object.
 """
@@ -29,8 +29,7 @@ class Applied:
     context: Any = None  # plait.parallel.context.plan.ContextParallel
     experts: Axis | None = None  # the ep axis the experts modules are split over
     pipeline: Axis | None = None  # the pp axis of a stage list (None: a whole model)
-    grad_sync: Any = None  # plait.parallel.data.sync.GradSync (data parallelism, ZeRO 0)
-    zero: Any = None  # plait.parallel.zero.stages.ZeroSync (ZeRO 1-3)
+    grad_sync: Any = None  # what syncs the gradients: data/sync.GradSync (ZeRO 0) or zero/stages.ZeroSync (1-3)
     pieces: Callable[..., Any] | None = None  # a strategy's own checkpoint view (ZeRO's), else the placements'
 
 

@@ -2,7 +2,7 @@
 
 A piece is a rectangular block of a logical tensor (by its unsharded name and full shape):
 its offsets per dimension, and whether this rank is the one that writes it. Strategies
-describe their shards here (ZeRO installs its own view on the model under VIEW_ATTR);
+describe their shards here (ZeRO records its own view in the model's applied record);
 plait.train.checkpoint.write writes and reads the pieces without knowing any layout. This lives
 below both, so a strategy never imports the trainer.
 """
@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from plait.parallel.applied import applied_of
 from plait.parallel.pipeline.split import logical_parameters
 from plait.parallel.placement import WHOLE_ON, placement_of
 from plait.runtime.mesh import Mesh
 
-VIEW_ATTR = "_plait_checkpoint_view"  # a strategy that shards tensors (ZeRO) puts its own view here
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class Piece:
 
 def local_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh) -> list[Piece]:
     """The model's and optimizer's tensors as pieces; a strategy may override the view."""
-    view = getattr(model, VIEW_ATTR, None)
+    view = applied_of(model).pieces
     if view is not None:
         return view(model, optimizer, mesh)
     return param_pieces(model, optimizer, mesh)

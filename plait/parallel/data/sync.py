@@ -35,13 +35,13 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
+from plait.parallel.applied import applied, applied_of
 from plait.parallel.data.syncbn import SyncBatchNorm
 from plait.parallel.placement import placement_of
 from plait.runtime import comm
 from plait.runtime.comm import Axis, Handle
 from plait.runtime.mesh import EXPERT_SYNC, SYNC
 
-ATTR = "_plait_grad_sync"
 
 
 @dataclass
@@ -208,7 +208,7 @@ def apply_data_parallel(model: nn.Module, axis: Axis, *, bucket_mb: float = 25.0
     sync = GradSync(axis, buckets, reduce_dtype=reduce_dtype)
     for param in params:
         param.register_post_accumulate_grad_hook(sync.on_grad_ready)
-    setattr(model, ATTR, sync)
+    applied(model).grad_sync = sync
     follow_rank0_buffers(model, axis)
     return model
 
@@ -255,7 +255,7 @@ def follow_rank0_buffers(model: nn.Module, axis: Axis) -> int:
             _broadcast_coalesced(buffers, axis)
 
     def after(module: nn.Module, args: object, out: object) -> None:
-        sync = getattr(module, ATTR, None)
+        sync = applied_of(module).grad_sync
         state["sync_next"] = torch.is_grad_enabled() and (sync is None or sync.enabled)
 
     model.register_forward_pre_hook(before)
@@ -264,8 +264,8 @@ def follow_rank0_buffers(model: nn.Module, axis: Axis) -> int:
 
 
 def grad_sync(model: nn.Module) -> GradSync | None:
-    """The GradSync attached by `apply_data_parallel`, if any."""
-    return getattr(model, ATTR, None)
+    """What syncs `model`'s gradients (apply_data_parallel's GradSync, or ZeRO's ZeroSync), if any."""
+    return applied_of(model).grad_sync
 
 
 @contextlib.contextmanager

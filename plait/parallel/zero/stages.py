@@ -55,10 +55,10 @@ from torch import nn
 
 from plait import rules
 from plait.errors import PlaitError
-from plait.parallel.data.sync import ATTR, follow_rank0_buffers
+from plait.parallel.applied import applied
+from plait.parallel.data.sync import follow_rank0_buffers, grad_sync
 from plait.parallel.pipeline.split import is_pipeline, logical_parameters, tied_copies
 from plait.parallel.zero.hooks import ZeroSync
-from plait.parallel.pieces import VIEW_ATTR
 from plait.parallel.zero.optim import checkpoint_pieces
 from plait.parallel.zero.shard import FlatGroup, ShardAxes, bucket_params, find_units, pack, unit_owners
 from plait.runtime import comm
@@ -89,7 +89,7 @@ def apply_zero(model: nn.Module, axis: Axis, *, stage: int, offload: bool = Fals
     rules.check_zero3_gathers(stage, prefetch, reshard_after_forward, 2 if is_pipeline(model) else 1)
     if stage not in (1, 2, 3):
         raise PlaitError(f"apply_zero takes stage 1, 2 or 3, got {stage}", hint="stage 0 is apply_data_parallel")
-    if getattr(model, ATTR, None) is not None:
+    if grad_sync(model) is not None:
         raise PlaitError("this model already has data parallelism or ZeRO applied", hint="apply one of them, once")
     axes = ShardAxes.of_model(model, axis, expert_axis, replicate_axis)
     for each in axes.over.values():
@@ -113,8 +113,8 @@ def apply_zero(model: nn.Module, axis: Axis, *, stage: int, offload: bool = Fals
         if len(members) != 1 or members[0] is not weight:
             raise PlaitError("a ZeRO-3 unit holds a pipeline copy of the tied embedding with other parameters",
                              hint="leave units=None, or give the embedding and the head units of their own")
-    setattr(model, ATTR, sync)
-    setattr(model, VIEW_ATTR, checkpoint_pieces)
+    record = applied(model)
+    record.grad_sync, record.pieces = sync, checkpoint_pieces
     if not is_pipeline(model):
         for over in filter(None, (axis, axes.replicate)):  # the shard group's rank 0, then the replicas' first
             follow_rank0_buffers(model, over)
@@ -129,7 +129,7 @@ def apply_zero(model: nn.Module, axis: Axis, *, stage: int, offload: bool = Fals
 
 def zero_of(model: nn.Module) -> ZeroSync | None:
     """The ZeRO machinery attached by `apply_zero`, if any."""
-    sync = getattr(model, ATTR, None)
+    sync = grad_sync(model)
     return sync if isinstance(sync, ZeroSync) else None
 
 
