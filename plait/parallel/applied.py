@@ -4,14 +4,15 @@ Each strategy writes its part here when it is applied, and every consumer reads 
 loss and the vocabulary gather read the tensor-parallel part, the step hooks the context and
 expert parts, the gradient norm the pp axis and ZeRO, the optimizer and `no_sync` what
 syncs the gradients, checkpoints the pieces' view. The pipeline cut hands the same record to the
-stage list it returns, so nothing is copied field by field and nothing is forgotten. Imports
+stage list it returns (all its fields at once, with the pp axis), so nothing is copied
+field by field and nothing is forgotten. Imports
 nothing of the strategies': each field holds that strategy's own object.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import nn
@@ -44,11 +45,15 @@ def applied(module: nn.Module) -> Applied:
 
 def applied_of(module: nn.Module) -> Applied:
     """The record of `module` to read: an empty one (nothing applied) if no strategy wrote any."""
+    if not isinstance(module, nn.Module):  # e.g. code written for loss_fn(model) given the executor
+        raise TypeError(f"what parallelize applied is recorded on the model, and this is a {type(module).__name__}")
     return module.__dict__.get(ATTR) or Applied()
 
 
-def hand_over(source: nn.Module, target: nn.Module) -> Applied:
-    """`target` (the stage list cut from `source`) carries `source`'s record itself, not a copy."""
-    record = applied(source)
+def hand_over(source: nn.Module, target: nn.Module, pipeline: Axis) -> Applied:
+    """`target`, the stage list cut from `source` over `pipeline`, gets `source`'s record with
+    its pp axis: every field at once (nothing is copied by hand, nothing forgotten), in a record
+    of its own, so that what is applied to the stages later does not mark the whole model."""
+    record = replace(applied(source), pipeline=pipeline)
     target.__dict__[ATTR] = record
     return record

@@ -181,27 +181,45 @@ class Executor:
 
 
 def whole_weights(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh) -> dict[str, torch.Tensor] | None:
-    """See `Executor.whole_weights`: owned model pieces gathered to world rank 0, assembled."""
-    mine = [(piece.name.removeprefix("model/"), piece.tensor.detach().cpu().clone(), piece.offsets, piece.full_shape)
+    """See `Executor.whole_weights`: the owned model pieces of each rank in turn, sent to world
+    rank 0 and put in place there as they arrive (it holds the model and one rank's share)."""
+    mine = [(piece.name.removeprefix("model/"), piece.tensor.detach().to("cpu", copy=True), piece.offsets,
+             piece.full_shape)
             for piece in local_pieces(model, optimizer, mesh) if piece.owned and piece.name.startswith("model/")]
-    gathered = comm.gather_objects(mine, mesh.axis("world"), purpose=comm.TELEMETRY)
-    if gathered is None:
-        return None
-    return assemble([piece for pieces in gathered for piece in pieces])
+    whole = Assembly()
+    comm.gather_objects(mine, mesh.axis("world"), whole.add)
+    return whole.finish() if mesh.axis("world").rank == 0 else None
 
 
-def assemble(pieces: Sequence[tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]]) -> dict[str, torch.Tensor]:
-    """{name: the full tensor} from (name, block, offsets, full shape) pieces that tile it."""
-    out: dict[str, torch.Tensor] = {}
-    covered: dict[str, int] = {}
-    for name, block, offsets, full_shape in sorted(pieces, key=lambda p: (p[0], p[2])):
-        full = out.setdefault(name, block.new_empty(full_shape))
-        region = functools.reduce(lambda t, d: t.narrow(d, offsets[d], block.shape[d]), range(block.ndim), full)
-        region.copy_(block)
-        covered[name] = covered.get(name, 0) + block.numel()
-    short = [name for name, tensor in out.items() if covered[name] != tensor.numel()]
-    if short:  # a layout whose pieces miss or repeat a block: never hand back uninitialised memory
-        raise PlaitError(f"the whole weights of {', '.join(short[:3])} were assembled from pieces covering "
-                         f"{covered[short[0]]} of {out[short[0]].numel()} elements",
-                         hint="a strategy's checkpoint pieces do not tile its tensors; report it with the layout")
-    return out
+Piece = tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]  # (name, block, offsets, full shape)
+
+
+class Assembly:
+    """Whole tensors put together from the blocks that tile them, added in any order."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.covered: dict[str, int] = {}
+        self.seen: set[tuple[str, tuple[int, ...]]] = set()
+
+    def add(self, pieces: Sequence[Piece]) -> None:
+        for name, block, offsets, full_shape in pieces:
+            if (name, tuple(offsets)) in self.seen:  # two ranks wrote one block: a layout's pieces are wrong
+                raise PlaitError(f"the whole weights of {name} got its block at {tuple(offsets)} twice",
+                                 hint="a strategy's checkpoint pieces do not tile its tensors; report it with the layout")
+            self.seen.add((name, tuple(offsets)))
+            if name not in self.tensors:
+                self.tensors[name] = block.new_empty(full_shape)
+            full = self.tensors[name]
+            region = functools.reduce(lambda t, d: t.narrow(d, offsets[d], block.shape[d]), range(block.ndim), full)
+            region.copy_(block)
+            self.covered[name] = self.covered.get(name, 0) + block.numel()
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """The tensors, each checked whole: never uninitialised memory handed back as weights."""
+        short = [name for name, tensor in self.tensors.items() if self.covered[name] != tensor.numel()]
+        if short:
+            raise PlaitError(f"the whole weights of {', '.join(short[:3])} were assembled from pieces covering "
+                             f"{self.covered[short[0]]} of {self.tensors[short[0]].numel()} elements",
+                             hint="a strategy's checkpoint pieces do not tile its tensors; report it with the layout")
+        return dict(sorted(self.tensors.items()))

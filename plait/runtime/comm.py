@@ -17,6 +17,7 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -356,16 +357,37 @@ def barrier(axis: Axis) -> None:
     _run(axis, "barrier", lambda: dist.barrier(group=axis.group), False)
 
 
-def gather_objects(payload: Any, axis: Axis, dst: int = 0, purpose: str = "checkpoint") -> list[Any] | None:
-    """Rank `dst` receives every rank's picklable `payload` (tensors on the CPU), in rank
-    order; the others get None. For what has no common shape across ranks (the pieces of a
-    model each rank holds). Counted as the tensors' bytes this rank sends, as a gather's S."""
+
+def gather_objects(payload: list[Any], axis: Axis, consume: Callable[[list[Any]], None], dst: int = 0,
+                   purpose: str = "checkpoint") -> None:
+    """Rank `dst` calls `consume` on every rank's picklable `payload` (a list; tensors on the
+    CPU), in rank order, one rank's at a time: it never holds more than one other rank's
+    share (a gather would pad every share to the largest and hold them all at once). For what
+    has no common shape across ranks (the pieces of a model each rank holds). Counted as the
+    tensors' bytes each rank sends, as a gather's S would be summed."""
+    tensors = [t for item in payload for t in (item if isinstance(item, (tuple, list)) else (item,))
+               if isinstance(t, torch.Tensor)]
+    if any(t.device.type != "cpu" for t in tensors):
+        raise ValueError("gather_objects sends CPU tensors: move them first (pickled device tensors land on "
+                         "the receiver's device of the same index)")
+    if axis.size == 1 or axis.rank == dst:
+        consume(payload)
     if axis.size == 1:
-        return [payload]
-    sent = sum(_nbytes(t) for item in payload for t in (item if isinstance(item, (tuple, list)) else (item,))
-               if isinstance(t, torch.Tensor))
-    axis.ledger.record(axis.name, "gather", sent * axis.size, axis.size, purpose)
+        return
+    axis.ledger.record(axis.name, "gather", sum(_nbytes(t) for t in tensors) * axis.size, axis.size, purpose)
     peer = dist.get_global_rank(axis.group, dst)
-    received: list[Any] | None = [None] * axis.size if axis.rank == dst else None
-    _run(axis, "gather", lambda: dist.gather_object(payload, received, dst=peer, group=axis.group), False)
-    return received
+    if axis.rank != dst:
+        _run(axis, "send", lambda: _done(dist.send_object_list([payload], dst=peer, group=axis.group)), False, peer)
+        return
+    for rank in range(axis.size):
+        if rank != dst:
+            received: list[Any] = [None]
+            source = dist.get_global_rank(axis.group, rank)
+            _run(axis, "recv", lambda: _done(dist.recv_object_list(received, src=source, group=axis.group)), False,
+                 source)
+            consume(received[0])
+
+
+def _done(_: Any) -> None:
+    """A blocking call's result (send_object_list answers with a count, not a work): nothing to wait on."""
+    return None

@@ -55,7 +55,7 @@ class Bucket:
     ready: int = 0
     handle: Handle | None = None
     wire: torch.Tensor | None = None  # the bucket in --reduce-dtype, while it is reduced
-    axis: Axis | None = None  # the ranks that average it, when not the GradSync's (experts: edp)
+    axis: Axis | None = None  # the ranks that average it: its parameters' replicate axis (dp_cp, or edp)
     divisor: int = 0  # what the sum is divided by, when not the axis's size (every bucket's: dp)
 
 

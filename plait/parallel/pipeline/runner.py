@@ -62,7 +62,7 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, *, virtual_stages: int | None =
                           adapter=adapter)
     held = rank_stages(stages, mesh.rank("pp"), pp).to(mesh.device)
     # The stage list carries what was applied to the whole model (tp, cp, ep): the same record.
-    hand_over(model, held).pipeline = mesh.axis("pp")
+    hand_over(model, held, mesh.axis("pp"))
     return held
 
 

@@ -72,7 +72,7 @@ class FlatGroup:
     shard: torch.Tensor  # this rank's shard: a view of `flat` (1-2), a registered Parameter (3)
     module: nn.Module | None = None  # stage 3: where `shard` is registered
     shard_name: str = ""  # stage 3: ... and under which name
-    divisor: int = 0  # what the gradient sum is divided by, when not n (experts: the whole dp)
+    divisor: int = 0  # what the gradient sum is divided by, when not n (every group's: the whole dp × cp)
     replicate: Axis | None = None  # --dp-shard: the ranks holding the same shard, whose gradients it sums
     companion: "FlatGroup | None" = None  # stage 3: the same unit's next group (another axis), gathered with it
     locations: list[Location] = field(default_factory=list)  # stage 3: where the params are read
