@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import nn
 
+from plait.errors import PlaitError
 from plait.runtime.comm import Axis
 
 ATTR = "_plait_applied"
@@ -46,7 +47,9 @@ def applied(module: nn.Module) -> Applied:
 def applied_of(module: nn.Module) -> Applied:
     """The record of `module` to read: an empty one (nothing applied) if no strategy wrote any."""
     if not isinstance(module, nn.Module):  # e.g. code written for loss_fn(model) given the executor
-        raise TypeError(f"what parallelize applied is recorded on the model, and this is a {type(module).__name__}")
+        raise PlaitError(f"what parallelize applied is recorded on the model, and this is a {type(module).__name__}",
+                         hint="a task's loss_fn(executor) gets the executor: its token_loss is the next-token loss "
+                              "under any layout (plait.parallel.executor)")
     return module.__dict__.get(ATTR) or Applied()
 
 
