@@ -120,7 +120,7 @@ def test_layers_whose_mask_the_ring_does_not_build_are_refused() -> None:
 def test_memory_limit_refuses_a_model_it_cannot_estimate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     line = _one_line(["train", "--model", "resnet18", "--data", "digits", "--memory-limit", "1", "--out",
                       str(tmp_path)], capsys)
-    assert "--memory-limit compares plait estimate's memory per rank, and it has no transformer shape" in line
+    assert "--memory-limit compares plait estimate's memory per rank, and it has no estimate for --model resnet18" in line
 
 
 def test_memory_limit_names_the_cp_that_fits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -134,11 +134,10 @@ def test_memory_limit_names_the_cp_that_fits(tmp_path: Path, capsys: pytest.Capt
     from plait.train.config.settings import build_config
     from plait.train.config.memory_limit import check_memory_limit
     from plait.families import family_of
-    from plait.models.gpt.config import get_preset
 
     config = build_config({}, {"model": "small,max_seq_len=2048", "seq_len": 2048, "micro_batch": 1, "cp": 2,
                                "nproc": 2, "memory_limit": 0.5}, family_of)
-    check_memory_limit(config, get_preset("small,max_seq_len=2048"))  # fits: no error
+    check_memory_limit(config, family_of(config).memory)  # fits: no error
 
 
 @pytest.mark.slow  # make test runs the same Trainer in tests/test_context_worlds.py; this adds argv and the spawn

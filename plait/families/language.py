@@ -41,3 +41,19 @@ def check_corpus(source: str) -> None:
         check_tokens(source, full=False)
     elif source not in BUILTIN:
         raw_files(source)
+
+
+def estimated_memory(shape_of: Any) -> Any:
+    """A language family's price of a layout for --memory-limit: plait estimate's device total
+    per rank for the run's batch and options, with the family's shape of --model."""
+
+    def memory(config: Any, layout: Any) -> float:
+        from plait.estimate import estimate_layout
+        from plait.estimate.layout import Workload
+
+        work = Workload.of(layout, precision=config.precision, micro_batch=config.micro_batch,
+                           grad_accum=config.grad_accum, seq_len=config.seq_len, recompute=config.recompute,
+                           reduce_dtype=config.reduce_dtype)
+        return float(estimate_layout(shape_of(config.model), work, hardware="cpu")["memory"]["total"])
+
+    return memory

@@ -40,6 +40,7 @@ class Family:
     check: Callable[[Any], None]  # config -> None, or one PlaitError naming the fix (before spawning)
     resolve: Callable[[Any], Any] = _unchanged  # config -> config, e.g. the vocabulary following the data
     shape: Callable[[str], Any] = _no_shape  # `--model` -> the estimator's shape (a GPTConfig), or None
+    memory: Callable[[Any, Any], float] | None = None  # (config, layout) -> estimated bytes per rank (--memory-limit)
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():

@@ -95,6 +95,10 @@ class LanguageTask:
 
         return estimate_layout(self.model_config, work, hardware=hardware)
 
+    def calibration_shape(self) -> tuple[Any, int] | None:
+        """The shape the calibration times GEMMs at: this model's, at the run's sequence length."""
+        return (self.model_config, self.config.seq_len) if self.model_config is not None else None
+
     def codec(self) -> TextCodec:
         """Text <-> ids for the prompt and the sample: bytes, or the prepared corpus's tokenizer."""
         return text_codec(self.config.data)

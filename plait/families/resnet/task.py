@@ -64,6 +64,10 @@ class ClassificationTask:
     def sample(self, next_logits: Any, device: torch.device) -> str:
         return ""  # a classifier has no text to show
 
+    def calibration_shape(self) -> None:
+        """No decoder to time: the calibration's smallest preset gives the machine's rates."""
+        return None
+
     def attachments(self) -> dict[str, Any]:
         return {}  # its checkpoint is its tensors alone
 

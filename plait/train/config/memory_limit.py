@@ -9,46 +9,38 @@ Torch-free: it runs where `plait train` validates its options.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from plait.errors import PlaitError
-from plait.models.gpt.config import GPTConfig
 
 CP_TRIED = (2, 4, 8, 16)  # the degrees the hint may name, times the run's own cp
 
+MemoryOf = Callable[[Any, Any], float]  # (config, layout) -> estimated device bytes per rank: the family's
 
-def check_memory_limit(config: Any, shape: Any) -> None:
-    """Refuse the run when its estimated memory per rank exceeds --memory-limit."""
+
+def check_memory_limit(config: Any, memory: MemoryOf | None) -> None:
+    """Refuse the run when its estimated memory per rank exceeds --memory-limit. `memory` is
+    the family's price of a layout (plait.families.record.Family.memory); None: it has none."""
     if not config.memory_limit:
         return
-    if not isinstance(shape, GPTConfig):
-        raise PlaitError(f"--memory-limit compares plait estimate's memory per rank, and it has no transformer "
-                         f"shape for --model {config.model}", hint="drop --memory-limit")
+    if memory is None:
+        raise PlaitError(f"--memory-limit compares plait estimate's memory per rank, and it has no estimate "
+                         f"for --model {config.model}", hint="drop --memory-limit")
     limit = config.memory_limit * 2**30
-    mine = predicted_total(config, shape, config.layout)
+    mine = memory(config, config.layout)
     if mine <= limit:
         return
-    fits = next((cp for cp in CP_TRIED if fitting(config, shape, cp * config.cp, limit)), None)
+    fits = next((cp for cp in CP_TRIED if fitting(config, memory, cp * config.cp, limit)), None)
     hint = (f"add --cp {fits * config.cp} (--nproc {config.layout.world * fits}): each rank then holds "
             f"1/{fits * config.cp} of every sequence" if fits else "shorten --seq-len or --micro-batch, or use --zero")
     raise PlaitError(f"{config.layout.describe()} needs an estimated {mine / 2**30:.2f} GiB per rank, more than "
                      f"--memory-limit {config.memory_limit:g} GiB", hint=hint)
 
 
-def fitting(config: Any, shape: GPTConfig, cp: int, limit: float) -> bool:
+def fitting(config: Any, memory: MemoryOf, cp: int, limit: float) -> bool:
     """Whether the run at context-parallel degree `cp` is one plait trains and fits `limit`."""
     try:
-        return predicted_total(config, shape, config.layout.replace(cp=cp)) <= limit
+        return memory(config, config.layout.replace(cp=cp)) <= limit
     except PlaitError:  # a degree the model or the sequence cannot take
         return False
-
-
-def predicted_total(config: Any, shape: GPTConfig, layout: Any) -> float:
-    """plait estimate's device total per rank for `layout` with the run's batch and options."""
-    from plait.estimate import estimate_layout
-    from plait.estimate.layout import Workload
-
-    work = Workload.of(layout, precision=config.precision, micro_batch=config.micro_batch,
-                       grad_accum=config.grad_accum, seq_len=config.seq_len, recompute=config.recompute,
-                       reduce_dtype=config.reduce_dtype)
-    return float(estimate_layout(shape, work, hardware="cpu")["memory"]["total"])

@@ -246,8 +246,7 @@ def validate(config: TrainConfig, family: FamilyChecks, *, local_limit: int | No
     if config.memory_limit:
         from plait.train.config.memory_limit import check_memory_limit
 
-        shape = getattr(family, "shape", None)
-        check_memory_limit(config, shape(config.model) if callable(shape) else None)
+        check_memory_limit(config, getattr(family, "memory", None))
     check_outputs(config)
     if config.min_nproc is not None and config.nproc is not None and config.min_nproc > config.nproc:
         raise PlaitError(f"--min-nproc {config.min_nproc} is more than --nproc {config.nproc}",

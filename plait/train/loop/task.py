@@ -17,7 +17,9 @@ nor the report ever asks which task it has:
   for the report);
 - what throughput counts (`unit`, `units_per_sample`), how a batch reads (`batch_text`),
   a closing `sample(next_logits)` (a language task's text; "" for others), the prediction
-  `plait estimate` makes of it, and the files a checkpoint carries (`attachments`).
+  `plait estimate` makes of it, the files a checkpoint carries (`attachments`), and the decoder
+  shape and sequence length the machine's calibration times GEMMs at (`calibration_shape`; None:
+  the smallest preset's, e.g. for a CNN, which reads only the machine's bandwidths and fixed costs).
 
 `LanguageTask` (plait.families.gpt.task) is plait's GPT on a corpus; `HFTask`
 (plait.families.hf.task) a Hugging Face model; `ImageTask` (plait.families.resnet.task) a ResNet. Which one trains `--model` is its
@@ -60,3 +62,4 @@ class Task(Protocol):
     def sample(self, next_logits: NextLogits, device: torch.device) -> str: ...
     def prediction(self, work: Workload, hardware: Any) -> dict[str, Any]: ...
     def attachments(self) -> dict[str, Path]: ...
+    def calibration_shape(self) -> tuple[Any, int] | None: ...

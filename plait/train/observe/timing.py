@@ -14,12 +14,12 @@ import os
 from typing import Any
 
 from plait.estimate.hardware import Hardware, load_hardware
-from plait.models.gpt.config import GPTConfig, get_preset
+from plait.models.gpt.config import get_preset
 
 
 def run_hardware(trainer: Any) -> tuple[Hardware, str]:
     """The profile this run's prediction uses, and where it came from (collective)."""
-    config, shape = trainer.config, trainer.task.model_config
+    config = trainer.config
     if config.hardware_file:
         return load_hardware(config.hardware_file), f"hardware file {config.hardware_file}"
     from plait.bench.machine import base_preset, device_name, machine_hardware
@@ -27,12 +27,9 @@ def run_hardware(trainer: Any) -> tuple[Hardware, str]:
     if os.environ.get("PLAIT_CALIBRATION") == "off":  # e.g. a test suite that never reads the time
         preset = base_preset(device_name(trainer.mesh))
         return preset, f"{preset.name} preset (PLAIT_CALIBRATION=off)"
-    if not isinstance(shape, GPTConfig):
-        # Calibration times a transformer's GEMMs; another model (a CNN) reads the machine's
-        # bandwidths, fixed costs and links from it, measured on the smallest preset.
-        shape, seq_len = get_preset("tiny"), 32
-    else:
-        seq_len = config.seq_len
+    # Calibration times a transformer's GEMMs, at the task's shape; another model (a CNN) reads
+    # the machine's bandwidths, fixed costs and links from it, measured on the smallest preset.
+    shape, seq_len = trainer.task.calibration_shape() or (get_preset("tiny"), 32)
     return machine_hardware(trainer.mesh, shape, micro_batch=config.micro_batch, seq_len=seq_len,
                             tp=trainer.mesh.size("tp"), precision=config.precision,
                             optimizer_kernel=config.optimizer_kernel)
