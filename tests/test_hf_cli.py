@@ -19,6 +19,7 @@ and a hint.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -231,15 +232,39 @@ def test_export_hf_of_a_plait_gpt_checkpoint_says_so(tmp_path: Path, capsys: pyt
 
 
 def test_estimate_reads_the_shape_from_config_json(setup: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
-    from plait.models.hf.config import model_shape
+    from plait.families import shape_of
 
-    shape = model_shape(f"hf:{setup['dir']}")
+    shape = shape_of(f"hf:{setup['dir']}")
     assert (shape.n_layers, shape.d_model, shape.n_heads, shape.n_kv_heads, shape.vocab_size) == (2, 32, 4, 2, 320)
     summary = json.loads((setup["first"] / "summary.json").read_text())
     assert summary["num_params"] == shape.num_params() == 2 * (2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 64 + 64) + 320 * 32 + 32
     assert main(["estimate", "--model", f"hf:{setup['dir']}", "--dp", "2", "--json"]) == 0
     predicted = json.loads(capsys.readouterr().out)
     assert predicted["memory"]["params"] == summary["num_params"] * 4  # fp32, replicated
+
+
+def test_the_shape_counts_the_mlp_the_model_builds(tmp_path: Path) -> None:
+    """A relu² MLP (Nemotron: up and down, no gate) has two matrices, which config.json does not
+    say: read as Llama-shaped it would count three. The shape counts what transformers builds
+    on the meta device, and so do the estimate's parameters and FLOPs."""
+    import torch
+    import transformers
+
+    from plait.estimate.time import flops_per_token
+    from plait.families import shape_of
+
+    config = transformers.NemotronConfig(vocab_size=256, hidden_size=64, intermediate_size=512, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                         tie_word_embeddings=False)
+    config.save_pretrained(tmp_path / "nemotron")
+    with torch.device("meta"):
+        built = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+    shape = shape_of(f"hf:{tmp_path / 'nemotron'}")
+    llama_reading = replace(shape, mlp_matrices=3)
+    assert shape.mlp_matrices == 2 and shape.mlp_params == 2 * 64 * 512
+    assert abs(shape.num_params() / built - 1) < 0.01  # its LayerNorms' biases are all that differ
+    assert llama_reading.num_params() - shape.num_params() == 2 * 64 * 512  # one d·f matrix per block, 2 blocks
+    assert flops_per_token(llama_reading, 64)[0] - flops_per_token(shape, 64)[0] == 6 * 2 * 64 * 512
 
 
 def test_without_weights_every_rank_starts_from_the_seed(tmp_path: Path) -> None:

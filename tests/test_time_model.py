@@ -131,7 +131,7 @@ def test_train_uses_a_cached_calibration_of_this_machine(tmp_path: Path, monkeyp
     torch.set_num_threads(1)  # as one of two ranks on this machine (and far quicker under load)
     mesh = init_mesh()
     trainer = SimpleNamespace(config=TrainConfig(model="tiny", micro_batch=2, seq_len=32), mesh=mesh,
-                              task=SimpleNamespace(model_config=get_preset("tiny")))
+                              task=SimpleNamespace(calibration_shape=lambda: (get_preset("tiny"), 32)))
     first, source = run_hardware(trainer)
     assert source.startswith("quick calibration") and cache_path(machine_facts(mesh)).exists()
     assert first.gemm_tflops("fp32 64x64x192") > 0 and first.name.startswith("calibrated")

@@ -133,7 +133,7 @@ def block_split(config: GPTConfig) -> tuple[int, int]:
         sharded = h * (h + 2 * kv) + (h + 2 * kv) + h * h + 2 * h * f + f
         return sharded, config.layer_params() - sharded
     dense = (config.n_layers - config.moe_layers) / config.n_layers  # an MoE block's MLP stays whole over tp
-    sharded = 2 * h * h + 2 * h * kv + round(3 * h * f * dense)
+    sharded = 2 * h * h + 2 * h * kv + round(config.mlp_params * dense)
     average = round(sum(config.block_params(i) for i in range(config.n_layers)) / config.n_layers)
     return sharded, average - sharded
 

@@ -81,9 +81,9 @@ def block_gemms(config: GPTConfig, tokens: int, tp: int) -> list[Gemm]:
     if config.arch == "gpt2":
         return [Gemm(tokens, h, (h + 2 * kv) // tp), Gemm(tokens, h // tp, h),
                 Gemm(tokens, h, f // tp), Gemm(tokens, f // tp, h)]
+    up = [Gemm(tokens, h, f // tp)] * (config.mlp_params // (h * f) - 1)  # gate and up, or up alone (relu², GELU)
     return [Gemm(tokens, h, h // tp), Gemm(tokens, h, kv // tp), Gemm(tokens, h, kv // tp),
-            Gemm(tokens, h // tp, h), Gemm(tokens, h, f // tp), Gemm(tokens, h, f // tp),
-            Gemm(tokens, f // tp, h)]
+            Gemm(tokens, h // tp, h), *up, Gemm(tokens, f // tp, h)]
 
 
 def head_gemm(config: GPTConfig, tokens: int, tp: int) -> Gemm:

@@ -40,7 +40,11 @@ def task(config: Any) -> Any:
 
 
 def shape(model: str) -> Any:
-    return read_hf_dir(model).shape()
+    """The estimator's shape: config.json's sizes, and the MLP's matrices counted on the model
+    transformers builds from it on the meta device (torch is imported here, not before)."""
+    from plait.models.hf.load import measured_shape
+
+    return measured_shape(read_hf_dir(model))
 
 
 FAMILY = Family(name="hf", models=f"{PREFIX}DIR, a local Hugging Face causal LM (config.json; weights and "

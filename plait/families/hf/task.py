@@ -26,6 +26,7 @@ from torch import nn
 
 from plait.estimate.layout import Workload
 from plait.models.hf.config import COMPANIONS, CONFIG, TOKENIZER, read_hf_dir
+from plait.models.hf.load import measured_shape
 from plait.train.config.settings import TrainConfig
 from plait.train.data.corpus import corpus_digest, load_corpus, train_val_split
 from plait.parallel.seam import logits_of
@@ -41,7 +42,8 @@ class HFTask(LanguageTask):
     def __init__(self, config: TrainConfig):
         self.config = config
         self.hf = read_hf_dir(config.model)
-        self.model_config = self.hf.shape_or_none()  # None: a decoder whose sizes plait cannot read
+        # None: a decoder whose sizes plait cannot read; else the shape of the model itself (its MLP's matrices)
+        self.model_config = measured_shape(self.hf) if self.hf.shape_or_none() is not None else None
         self.num_params = self.model_config.num_params() if self.model_config else 0  # exact once built
         self._tokenizer: Any = None
 

@@ -32,6 +32,7 @@ class GPTConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     arch: str = "llama"
+    mlp_matrices: int = 0  # the dense MLP's weight matrices: 0 is the arch's (llama SwiGLU 3, gpt2 2); 2 for relu²/GELU
     # Mixture of experts (plait.models.gpt.moe): 0 experts is a dense model.
     experts: int = 0  # routed experts in each MoE block
     top_k: int = 2  # experts each token is sent to
@@ -55,6 +56,14 @@ class GPTConfig:
             raise PlaitError(f"n_heads = {self.n_heads} is not divisible by n_kv_heads = {self.n_kv_heads}",
                              hint="each key/value head serves n_heads / n_kv_heads query heads")
         check_experts(self)
+        if self.mlp_matrices not in (0, 2, 3):
+            raise PlaitError(f"mlp_matrices must be 2 (up, down) or 3 (gate, up, down), got {self.mlp_matrices}")
+
+    @property
+    def mlp_params(self) -> int:
+        """The dense MLP's weights: 2 or 3 matrices of d_model × ffn_hidden."""
+        matrices = self.mlp_matrices or (2 if self.arch == "gpt2" else 3)
+        return matrices * self.d_model * self.ffn_hidden
 
     @property
     def is_moe(self) -> bool:
@@ -95,11 +104,11 @@ class GPTConfig:
         h, f, kv = self.d_model, self.ffn_hidden, self.kv_dim
         if self.arch == "gpt2":
             attn = h * (h + 2 * kv) + (h + 2 * kv) + h * h + h
-            mlp = 2 * h * f + f + h
+            mlp = self.mlp_params + f + h
             norms = 2 * 2 * h
             return attn + mlp + norms
         attn = 2 * h * h + 2 * h * kv
-        mlp = 3 * h * f
+        mlp = self.mlp_params
         norms = 2 * h
         return attn + mlp + norms
 
@@ -108,14 +117,14 @@ class GPTConfig:
         router's bias is a buffer-like parameter, not counted: it is never trained)."""
         if not self.moe_layer(index):
             return self.layer_params()
-        return self.layer_params() - 3 * self.d_model * self.ffn_hidden + self.moe_mlp_params()
+        return self.layer_params() - self.mlp_params + self.moe_mlp_params()
 
     def active_block_params(self, index: int) -> int:
         """Parameters one token passes through in block `index`: a dense block's all; an MoE
         block's attention, norms, router, top_k routed experts and the shared ones."""
         if not self.moe_layer(index):
             return self.layer_params()
-        return (self.layer_params() - 3 * self.d_model * self.ffn_hidden + self.d_model * self.experts
+        return (self.layer_params() - self.mlp_params + self.d_model * self.experts
                 + (self.top_k + self.shared_experts) * self.expert_params())
 
     def active_params(self) -> int:

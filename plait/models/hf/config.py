@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.errors import PlaitError
-from plait.models.gpt.config import GPTConfig, get_preset
+from plait.models.gpt.config import GPTConfig
 
 PREFIX = "hf:"
 CONFIG, WEIGHTS, WEIGHTS_INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
@@ -179,8 +179,3 @@ def _weight_files(path: Path, spec: str) -> tuple[Path, ...]:
         raise PlaitError(f"--model {spec}: {path} holds *.safetensors shards without {WEIGHTS_INDEX}",
                          hint="copy the index beside the shards (it says which tensor is in which file)")
     return ()
-
-
-def model_shape(spec: str) -> GPTConfig:
-    """The shape of any `--model` a language model can be: a preset (with overrides) or hf:DIR."""
-    return read_hf_dir(spec).shape() if is_hf(spec) else get_preset(spec)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from plait.errors import PlaitError
+from plait.models.gpt.config import GPTConfig
 from plait.models.hf.config import CONFIG, WEIGHTS, HFModelDir
 
 
@@ -106,3 +108,39 @@ def write_hf_dir(out: str | Path, config: dict, weights: dict[str, torch.Tensor]
 
 
 __all__ = ["build_hf_model", "write_hf_dir"]
+
+
+def measured_shape(hf: HFModelDir) -> GPTConfig:
+    """config.json's shape (HFModelDir.shape) with what only the model itself says: how many
+    weight matrices its MLP has (SwiGLU's three; relu² and GELU's two), read off the model
+    transformers builds from the config on the meta device (no memory, no weights). Without
+    transformers installed, config.json's reading stands: a Llama-like MLP."""
+    shape = hf.shape()
+    if shape.arch == "gpt2":
+        return shape  # GPT-2's block is described whole by its arch
+    try:
+        transformers = _transformers()
+    except PlaitError:
+        return shape
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(hf.path), local_files_only=True)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # noqa: BLE001 - transformers raises its own types
+        raise PlaitError(f"--model hf:{hf.path}: transformers cannot build it: {type(exc).__name__}: {exc}",
+                         hint="check config.json (AutoModelForCausalLM.from_config must accept it)") from None
+    matrices = _mlp_matrices(model, shape)
+    return replace(shape, mlp_matrices=matrices) if matrices else shape
+
+
+def _mlp_matrices(model: nn.Module, shape: GPTConfig) -> int:
+    """The weight matrices of the first dense block's MLP, counted in d_model × ffn_hidden
+    units (a fused gate|up counts two); 0 when there is no dense block or no `mlp` module."""
+    layers = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, default=None)
+    dense = [block for i, block in enumerate(layers or []) if not shape.moe_layer(i)]
+    mlp = getattr(dense[0], "mlp", None) if dense else None
+    if mlp is None:
+        return 0
+    weights = sum(p.numel() for p in mlp.parameters() if p.ndim == 2)
+    matrices = round(weights / (shape.d_model * shape.ffn_hidden))
+    return matrices if matrices in (2, 3) else 0
