@@ -84,12 +84,36 @@ def _gpu_presets():
 
 def test_gpu_presets_against_published_runs() -> None:
     """Narayanan et al. 2021 Table 1 from 7.5 B up within 15% (the two smallest rows are
-    over-predicted: docs/estimate.md); torchtitan's Llama 3 8B within 35% on the SXM preset."""
+    over-predicted: docs/estimate.md); torchtitan's Llama 3 8B within 40% on the SXM preset
+    (their GPUs were capped at 500 W: the capped preset's rows are within 15%). What FSDP's
+    communication costs shows in the scaling from 8 GPUs to 128 (one node to 16): published
+    0.973, predicted within 5% of it (per-block gathers and reduce-scatters; charged a ring
+    latency per 25 MiB bucket, the estimate gave 0.906)."""
     module = _gpu_presets()
     for size, _, _, _, published, predicted in module.megatron_rows():
         assert abs(predicted / published - 1) <= (0.15 if size >= 7.5 else 0.30), size
-    for name, _, published, predicted, _ in module.torchtitan_rows():
-        assert abs(predicted / published - 1) <= (0.35 if name == "h100-sxm" else 0.15), name
+    rows = module.torchtitan_rows()
+    for name, _, published, predicted, _ in rows:
+        assert abs(predicted / published - 1) <= (0.40 if name == "h100-sxm" else 0.15), name
+    for hardware in {name for name, *_ in rows}:
+        (_, _, pub8, pred8, _), (_, _, pub128, pred128, _) = [r for r in rows if r[0] == hardware]
+        assert abs((pred128 / pred8) / (pub128 / pub8) - 1) <= 0.05, hardware
+
+
+def test_table_2_of_narayanan_et_al() -> None:
+    """GPT-3 175 B on 384-1536 A100s: PTD-P (t 8, p 12) within 10% of each published figure;
+    ZeRO-3 without model parallelism collapses with scale as published (1536 GPUs' throughput
+    over 384's within 10% of 44/144), though its level is over-predicted about 1.5×
+    (docs/estimate.md: every gather and reduce-scatter hidden behind the compute, which
+    DeepSpeed's runs did not achieve)."""
+    rows = _gpu_presets().table_2_rows()
+    for name, gpus, published, predicted in rows:
+        if name.startswith("t 8"):
+            assert abs(predicted / published - 1) <= 0.10, (name, gpus, predicted)
+    zero3 = {gpus: (published, predicted) for name, gpus, published, predicted in rows if name.startswith("ZeRO")}
+    published_fall, predicted_fall = zero3[1536][0] / zero3[384][0], zero3[1536][1] / zero3[384][1]
+    assert abs(predicted_fall / published_fall - 1) <= 0.10, (published_fall, predicted_fall)
+    assert all(1.3 <= predicted / published <= 1.7 for published, predicted in zero3.values())  # the known error
 
 
 def test_the_presets_predict_plaits_own_gpu_runs() -> None:

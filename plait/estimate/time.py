@@ -213,7 +213,9 @@ def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: bo
     if n == 1:
         return 0.0
     grads, weights = params * per.grad, params * per.param
-    buckets = max(1.0, grads / BUCKET_BYTES)
+    # One collective per 25 MiB bucket; ZeRO-3 reduces and gathers per unit (a block) instead,
+    # whatever its size: a 175 B model's 96 blocks are 96 collectives a pass, not 13,000 buckets.
+    buckets = max(1.0, params / unit) if layout.zero == 3 and unit else max(1.0, grads / BUCKET_BYTES)
     overlap = layout.pp == 1
     fwd = compute_mb * forward_share if overlap else 0.0
     bwd = compute_mb - fwd if overlap else 0.0
@@ -230,8 +232,12 @@ def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: bo
     if layout.prefetch == 0:
         return m * gather * zero3_gathers(layout) + reduce
     first = collective_s("all_gather", unit * per.param, n, hw, inter)
-    backward = max(first, gather - bwd) if layout.reshard_after_forward else 0.0
-    return m * (max(first, gather - fwd) + backward) + reduce
+    regather = gather if layout.reshard_after_forward else 0.0
+    # A backward's gathers and the step's reduce-scatters share the links and the one backward
+    # that hides them: what the window cannot hold is exposed once, not hidden twice.
+    reduce_all = collective_s(op, grads, n, hw, inter, buckets)
+    last_backward = max(last + (first if regather else 0.0), regather + reduce_all - bwd)
+    return m * max(first, gather - fwd) + (m - 1) * max(first, regather - bwd) * (regather > 0) + last_backward
 
 
 def offload_s(params: int, layout: Workload, hw: Hardware) -> float:
