@@ -103,6 +103,56 @@ def torchtitan_rows() -> list[tuple]:
     return out
 
 
+# More published runs, each with its own definition of the figure: "hfu" counts the recomputed
+# forward (Megatron's Eq. 3; BLOOM's logs), "mfu" counts only the model's 6Ψ + 12·L·h·s (PaLM,
+# llm-foundry, Nemotron), each against the GPU's dense 16-bit peak (A100 312, H100 989 TFLOP/s).
+def _mpt(d_model: int, layers: int, heads: int) -> GPTConfig:
+    """llm-foundry's MPT: GELU MLP of 4·d (two matrices), no biases, tied head, vocabulary 50 368."""
+    return GPTConfig(vocab_size=50368, n_layers=layers, d_model=d_model, n_heads=heads, n_kv_heads=heads,
+                     ffn_hidden=4 * d_model, max_seq_len=2048, mlp_matrices=2, tie_embeddings=True)
+
+
+BLOOM_176B = GPTConfig(vocab_size=250880, n_layers=70, d_model=14336, n_heads=112, n_kv_heads=112,
+                       ffn_hidden=4 * 14336, max_seq_len=2048, arch="gpt2", tie_embeddings=True)
+NEMOTRON_4_15B = GPTConfig(vocab_size=256000, n_layers=32, d_model=6144, n_heads=48, n_kv_heads=8, ffn_hidden=24576,
+                           max_seq_len=4096, mlp_matrices=2, tie_embeddings=False)
+# (source, model, hardware, GPUs, layout, figure kind, published %, or TFLOP/s for "hfu-tflops")
+PUBLISHED = (
+    ("BLOOM tr11 (bigscience): tp 4, pp 12, dp 8, ZeRO-1, micro 2, batch 2048, full recompute", BLOOM_176B,
+     "a100-80gb", 384, Workload(dp=8, tp=4, pp=12, zero=1, precision="bf16", micro_batch=2, grad_accum=128,
+                                seq_len=2048, recompute="full"), "hfu-tflops", 149.8),
+    ("llm-foundry MPT-7B: FSDP full shard, micro 6, batch 48, no recompute", _mpt(4096, 32, 32), "h100-sxm", 8,
+     Workload(dp=8, zero=3, precision="bf16", micro_batch=6, grad_accum=1, seq_len=2048), "mfu", 46.44),
+    ("llm-foundry MPT-30B: FSDP full shard, micro 14, batch 1344, full recompute", _mpt(7168, 48, 64), "h100-sxm", 32,
+     Workload(dp=32, zero=3, precision="bf16", micro_batch=14, grad_accum=3, seq_len=2048, recompute="full"),
+     "mfu", 43.92),
+    ("llm-foundry MPT-70B: FSDP full shard, micro 8, batch 2048, full recompute", _mpt(8192, 80, 64), "h100-sxm", 64,
+     Workload(dp=64, zero=3, precision="bf16", micro_batch=8, grad_accum=4, seq_len=2048, recompute="full"),
+     "mfu", 42.57),
+    ("llm-foundry MPT-70B: FSDP full shard, micro 8, batch 2048, full recompute", _mpt(8192, 80, 64), "a100-80gb",
+     64, Workload(dp=64, zero=3, precision="bf16", micro_batch=8, grad_accum=4, seq_len=2048, recompute="full"),
+     "mfu", 53.33),
+    *((f"Nemotron-4 15B (arXiv 2402.16819): tp 8 + sp, dp {dp}, batch {4 * dp}, micro 1, ZeRO-1 (assumed), "
+       f"selective recompute (assumed)", NEMOTRON_4_15B, "h100-sxm", 8 * dp,
+       Workload(dp=dp, tp=8, sp=True, zero=1, precision="bf16", micro_batch=1, grad_accum=4, seq_len=4096,
+                recompute="selective"), "mfu", published)
+      for dp, published in ((96, 34.3), (192, 33.3), (288, 30.5))),
+)
+
+
+def published_rows() -> list[tuple]:
+    """(source, hardware, GPUs, kind, published, predicted) for PUBLISHED: the prediction in the
+    row's own definition (a percentage of the dense 16-bit peak, or hardware TFLOP/s per GPU)."""
+    out = []
+    for source, config, hardware, gpus, layout, kind, published in PUBLISHED:
+        assert layout.world == gpus, source
+        step = estimate_time(config, layout, get_hardware(hardware), 8)
+        predicted = (step.hardware_flops_per_token * step.tokens_per_s / gpus / 1e12 if kind == "hfu-tflops"
+                     else 100 * step.mfu)
+        out.append((source, hardware, gpus, kind, published, predicted))
+    return out
+
+
 # plait's own runs on a GPU (benchmarks/RESULTS.md, GPU section): the measured step beside the
 # preset's prediction. (name, model spec, workload, preset, measured s/step). The offload row's
 # host AdamW rate (hardware.py, host_mem_gb_s) was taken from this very run, so it checks that
@@ -132,6 +182,10 @@ def tables() -> str:
     lines += ["", "| GPT-3 175 B (Table 2) | GPUs | published TFLOP/s | plait TFLOP/s | plait / published |",
               "|---|---|---|---|---|"]
     lines += [f"| {name} | {g} | {pub} | {pred:.0f} | {pred / pub:.2f} |" for name, g, pub, pred in table_2_rows()]
+    lines += ["", "| published run | hardware | GPUs | figure | published | plait | plait / published |",
+              "|---|---|---|---|---|---|---|"]
+    lines += [f"| {src} | {hw} | {g} | {kind} | {pub} | {pred:.1f} | {pred / pub:.2f} |"
+              for src, hw, g, kind, pub, pred in published_rows()]
     lines += ["", "| hardware | GPUs | published tokens/s/GPU | plait tokens/s/GPU | plait / published | plait MFU (of 989) |",
               "|---|---|---|---|---|---|"]
     lines += [f"| {name} | {g} | {pub:,} | {pred:,.0f} | {pred / pub:.2f} | {mfu:.0%} |"
@@ -148,5 +202,5 @@ if __name__ == "__main__":
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from common import write_section
 
-        write_section("gpu-presets", "## GPU presets vs published throughput\n\n- command: "
+        write_section("gpu-presets", "## Published runs: predicted vs published\n\n- command: "
                       "`python benchmarks/gpu_presets.py --write` (arithmetic, no GPU)\n\n" + text)

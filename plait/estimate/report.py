@@ -133,6 +133,7 @@ def _time_lines(step: dict[str, float] | None) -> list[str]:
         ["  step", f"{step['step_s']:.4g} s"],
         ["  tokens/s", f"{step['tokens_per_s']:,.0f}"],
         ["  MFU", f"{step['mfu']:.1%}"],
+        ["  HFU (with recompute)", f"{step.get('hfu', step['mfu']):.1%}"],
     ]
     return table(rows)
 

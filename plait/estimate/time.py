@@ -64,7 +64,8 @@ ASSUMPTIONS = (
     "ring collective time = steps·latency + wire bytes / link bandwidth; a group uses the "
     "intra-node link when it fits in one node (ranks numbered tp fastest, then cp, then dp, then pp)",
     "DP gradient reduction overlaps the last backward except the last bucket (not at all "
-    "with pp > 1); ZeRO-1/2 weight all-gather exposed; ZeRO-3 gathers prefetched; --dp-shard's "
+    "with pp > 1); ZeRO-1/2 weight all-gather exposed; ZeRO-3 gathers prefetched, one per block, "
+    "its backward's gathers and reduce-scatters hidden in one backward; --dp-shard's "
     "all-reduce of each shard over its replicas exposed; TP and PP traffic not overlapped",
     "pipeline bubble (p−1)/(m+p−1) for gpipe and 1f1b, (p−1)/(v·m+p−1) interleaved, "
     "a third of 1f1b's for zb-h1, each slot the other stages' mean micro-batch",
@@ -90,6 +91,7 @@ class StepTime:
     overhead_s: float = 0.0
     cp_s: float = 0.0  # context parallelism's transfers the step waits for (the ring's exposed part)
     ep_s: float = 0.0  # expert parallelism's all-to-alls (the dispatch waits for them)
+    hfu: float = 0.0  # hardware FLOPs utilisation: MFU's FLOPs plus what recompute redoes (Megatron's Eq. 3 counts these)
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -384,8 +386,9 @@ def _assemble(layout: Workload, hw: Hardware, model: float, hardware: float,
     step = m * per_mb + bubble + dp + offload + optimizer + overhead
     tokens_per_s = layout.global_batch * layout.seq_len / step
     # MFU against the 16-bit peak for fp8 too, as torchtitan reports it: fp8's gain shows as MFU above bf16's
-    mfu = model * tokens_per_s / (layout.world * hw.peak_flops(outer_precision(layout.precision)))
+    peak = layout.world * hw.peak_flops(outer_precision(layout.precision))
+    mfu, hfu = model * tokens_per_s / peak, hardware * tokens_per_s / peak
     return StepTime(flops_per_token=model, hardware_flops_per_token=hardware, compute_s=m * compute,
                     tp_s=m * tp, pp_s=m * pp, bubble_s=bubble, dp_s=dp,
                     offload_s=offload, step_s=step, tokens_per_s=tokens_per_s, mfu=mfu,
-                    optimizer_s=optimizer, overhead_s=overhead, cp_s=m * cp, ep_s=m * ep)
+                    optimizer_s=optimizer, overhead_s=overhead, cp_s=m * cp, ep_s=m * ep, hfu=hfu)
