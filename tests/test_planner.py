@@ -1,4 +1,5 @@
-"""The planner: every valid layout, only those that fit, fastest first; and `plait plan`."""
+"""The planner: what it searches, only layouts that fit, fastest first; pruning that never
+drops a layout that would rank; `plait plan` and its --explain."""
 
 from __future__ import annotations
 
@@ -9,21 +10,24 @@ import pytest
 
 from plait.errors import PlaitError
 from plait.estimate.cli import plan_main as plan_with
+from plait.estimate.hardware import GIB, get_hardware
+from plait.estimate.layout import Workload, layout_stages
+from plait.estimate.memory import estimate_memory, stage_memory
+from plait.estimate.planner import (SEARCHED_SCHEDULES, Costs, PlanRequest, candidates, plan, plan_layouts,
+                                    plan_request, shapes, tails)
+from plait.estimate.time import estimate_time
 from plait.families import shape_of
+from plait.models.gpt.config import get_preset
 
 
 def plan_main(argv: list[str]) -> int:
     return plan_with(argv, shape_of)
-from plait.estimate.hardware import GIB, get_hardware
-from plait.estimate.memory import estimate_memory
-from plait.estimate.planner import PlanRequest, candidates, plan
-from plait.models.gpt.config import get_preset
 
 
 def test_every_row_is_a_valid_layout() -> None:
     cfg = get_preset("llama-7b")
-    rows = plan(cfg, gpus=16, gpus_per_node=8, hardware="a100-80gb", global_batch=64, seq_len=2048)
-    assert rows
+    rows = plan(cfg, gpus=16, gpus_per_node=8, hardware="a100-80gb", global_batch=64, seq_len=2048, top=60)
+    assert len(rows) == 60
     for r in rows:
         assert r["dp"] * r["tp"] * r["pp"] * r["cp"] == 16
         assert cfg.n_heads % r["tp"] == 0 and cfg.n_kv_heads % r["tp"] == 0
@@ -32,6 +36,10 @@ def test_every_row_is_a_valid_layout() -> None:
         assert r["dp"] * r["micro_batch"] * r["grad_accum"] == 64
         assert r["memory_bytes"] <= get_hardware("a100-80gb").usable_bytes
         assert r["zero"] == 0 or r["dp"] * r["cp"] > 1  # one replica has nothing to shard
+        assert r["dp_shard"] == 0 or (r["zero"] and r["dp"] * r["cp"] % r["dp_shard"] == 0)
+        assert r["schedule"] in SEARCHED_SCHEDULES and (r["virtual_stages"] > 1) == (r["schedule"] == "interleaved")
+        if r["schedule"] == "zb-h1" and r["pp"] > 1:
+            assert r["recompute"] == "none" and r["zero"] <= 1  # plait.rules.check_split_backward
     times = [r["step_s"] for r in rows]
     assert times == sorted(times)
 
@@ -39,7 +47,7 @@ def test_every_row_is_a_valid_layout() -> None:
 def test_tp_stays_inside_a_node() -> None:
     request = PlanRequest(config=get_preset("llama-70b"), gpus=16, gpus_per_node=2,
                           hardware=get_hardware("h100-sxm"), global_batch=32, seq_len=1024)
-    assert {layout.tp for layout in candidates(request)} == {1, 2}
+    assert {layout.tp for layout in shapes(request)} == {1, 2}
 
 
 def test_tp_divides_heads() -> None:
@@ -49,15 +57,107 @@ def test_tp_divides_heads() -> None:
     assert {layout.tp for layout in candidates(request)} == {1, 2}
 
 
+def test_the_search_covers_schedules_virtual_stages_and_recompute() -> None:
+    """llama-70b's 80 layers on 16 GPUs: interleaving where pp·v divides them (v 4 only up to
+    pp 4), zb-h1 without recomputation, every recompute policy, gpipe only when asked."""
+    request = PlanRequest(config=get_preset("llama-70b"), gpus=16, gpus_per_node=8,
+                          hardware=get_hardware("h100-sxm"), global_batch=32, seq_len=1024)
+    found = list(shapes(request))
+    piped = [layout for layout in found if layout.pp > 1]
+    assert {layout.schedule for layout in piped} == {"1f1b", "interleaved", "zb-h1"}
+    assert {(layout.pp, layout.virtual_stages) for layout in piped if layout.schedule == "interleaved"} == {
+        (2, 2), (4, 2), (8, 2), (2, 4), (4, 4)}
+    assert all(layout.grad_accum % layout.pp == 0 for layout in piped if layout.schedule == "interleaved")
+    assert {layout.recompute for layout in found} == {"none", "selective", "full"}
+    assert {layout.recompute for layout in piped if layout.schedule == "zb-h1"} == {"none"}
+    assert {layout.schedule for layout in found if layout.pp == 1} == {"1f1b"}  # alike without a pipeline
+    gpipe = PlanRequest(config=get_preset("llama-70b"), gpus=16, gpus_per_node=8, hardware=get_hardware("h100-sxm"),
+                        global_batch=32, seq_len=1024, schedules=("gpipe",))
+    assert {layout.schedule for layout in shapes(gpipe)} == {"gpipe"}
+
+
+def test_hybrid_sharding_groups_span_whole_nodes() -> None:
+    """dp_shard: the dp·cp ranks of 1, 2, 4 nodes (a node holds 8 / tp of them), below all 32."""
+    request = PlanRequest(config=get_preset("llama-7b"), gpus=64, gpus_per_node=8,
+                          hardware=get_hardware("h100-sxm"), global_batch=64, seq_len=4096)
+    shape = Workload(dp=16, tp=2, cp=2, precision="bf16", micro_batch=1, grad_accum=4, seq_len=4096)
+    options = {(layout.zero, layout.dp_shard) for layout in tails(request, shape)}
+    assert options == {(0, 0)} | {(zero, n) for zero in (1, 2, 3) for n in (0, 4, 8, 16)}
+    wide = Workload(dp=8, tp=8, precision="bf16", micro_batch=1, grad_accum=8, seq_len=4096)
+    assert {layout.dp_shard for layout in tails(request, wide)} == {0, 2, 4}  # one rank a node: 2, 4 nodes
+
+
+PRUNED_CASES = [  # (model, GPUs, global batch, sequence, hardware, offload, top)
+    ("tiny", 4, 8, 64, "cpu", False),
+    ("small", 8, 16, 256, "cpu", True),
+    ("gpt2-124m,vocab_size=50304", 8, 32, 1024, "rtx4090", False),
+    ("mixtral-8x7b", 16, 64, 4096, "h100-sxm", False),
+    ("llama-70b", 16, 32, 4096, "h100-sxm", False),
+]
+
+
+@pytest.mark.parametrize("model, gpus, batch, seq, hardware, offload", PRUNED_CASES)
+def test_the_pruned_search_ranks_as_the_exhaustive_one(model: str, gpus: int, batch: int, seq: int, hardware: str,
+                                                        offload: bool) -> None:
+    request = plan_request(get_preset(model), gpus=gpus, global_batch=batch, seq_len=seq, hardware=hardware,
+                           offload=offload)
+    every = plan_layouts(request, exhaustive=True)
+    for top in (1, 10):
+        assert plan_layouts(request, top) == every[:top]
+
+
+def test_the_bounds_hold_on_every_layout() -> None:
+    """What the pruning stands on, held on each of small's layouts: the core and the step
+    bound never exceed estimate_time's step (the bound equals it with a pipeline), the
+    shape's memory bound and the first stage never exceed estimate_memory's busiest rank."""
+    request = plan_request(get_preset("small"), gpus=8, global_batch=16, seq_len=256, hardware="cpu", offload=True)
+    costs, checked, piped = Costs(request), 0, 0
+    for shape in shapes(request):
+        core, memory_floor = costs.core(shape), costs.memory_bound(shape)
+        for layout in tails(request, shape):
+            step = estimate_time(request.config, layout, request.hardware, request.gpus_per_node).step_s
+            bound, memory = costs.step_bound(layout, core), estimate_memory(request.config, layout).total
+            assert core.s <= bound <= step * (1 + 1e-12)
+            if layout.pp > 1:
+                assert bound == pytest.approx(step, rel=1e-12)
+                piped += 1
+            first = stage_memory(request.config, layout, layout_stages(request.config, layout)[0]).total
+            assert memory_floor <= memory * (1 + 1e-12) and first <= memory
+            checked += 1
+    assert checked > 3000 and piped > 1000
+
+
+def test_why_heavier_recompute_and_zero_are_not_pruned_as_slower() -> None:
+    """The claims the planner does not rely on, in this time model. Without a pipeline a longer
+    backward hides more of ZeRO-3's sync: llama-7b's selective recomputation costs 12.7 ms of
+    compute and no step time. And ZeRO-1 shards the update: faster than ZeRO-0."""
+    config, hw = get_preset("llama-7b"), get_hardware("h100-sxm")
+    base = Workload(dp=8, tp=2, sp=True, zero=3, precision="bf16", micro_batch=4, grad_accum=1, seq_len=2048)
+    plain, selective = (estimate_time(config, base.replace(recompute=r), hw, 8) for r in ("none", "selective"))
+    assert selective.compute_s - plain.compute_s == pytest.approx(0.0127, abs=5e-4)
+    assert selective.step_s == pytest.approx(plain.step_s, rel=1e-12)
+    zero0, zero1 = (estimate_time(config, base.replace(zero=z), hw, 8) for z in (0, 1))
+    assert zero1.optimizer_s < zero0.optimizer_s and zero1.step_s < zero0.step_s
+
+
 def test_top_limits_the_list() -> None:
     rows = plan(get_preset("tiny"), gpus=2, hardware="cpu", global_batch=8, seq_len=64, top=3)
     assert len(rows) == 3
 
 
+def test_schedule_restricts_the_search() -> None:
+    cfg = get_preset("llama-7b")
+    for schedule, allowed in (("1f1b", {"1f1b"}), ("gpipe,zb-h1", {"gpipe", "zb-h1"}), (None, set(SEARCHED_SCHEDULES))):
+        rows = plan(cfg, gpus=16, global_batch=32, seq_len=2048, schedule=schedule, top=200)
+        assert {r["schedule"] for r in rows if r["pp"] > 1} <= allowed
+    assert {r["schedule"] for r in plan(cfg, gpus=16, global_batch=32, seq_len=2048, top=200) if r["pp"] > 1} == {
+        "1f1b", "interleaved", "zb-h1"}
+
+
 def test_nothing_fits_names_the_smallest_need() -> None:
     cfg = get_preset("llama-70b")
     with pytest.raises(PlaitError) as err:
-        plan(cfg, gpus=2, gpus_per_node=2, hardware="rtx3090", global_batch=2, seq_len=4096)
+        plan(cfg, gpus=2, gpus_per_node=2, hardware="rtx3090", global_batch=2, seq_len=4096, top=10)
     match = re.match(r"nothing fits: the smallest layout needs ([\d.]+) GiB per GPU", err.value.message)
     assert match, err.value.message
     request = PlanRequest(config=cfg, gpus=2, gpus_per_node=2, hardware=get_hardware("rtx3090"),
@@ -71,14 +171,15 @@ def test_no_valid_layout_at_all() -> None:
     # tiny on 3 GPUs: tp must divide 4 heads (tp = 1), pp <= 2 layers (pp = 1), so dp = 3,
     # which does not divide a global batch of 4.
     with pytest.raises(PlaitError, match="no layout of 3 GPUs fits"):
-        plan(get_preset("tiny"), gpus=3, hardware="cpu", global_batch=4)
+        plan(get_preset("tiny"), gpus=3, hardware="cpu", global_batch=4, top=5)
 
 
 def test_bad_plan_requests() -> None:
     with pytest.raises(PlaitError, match="--gpus must be a whole number of at least 1"):
         plan(get_preset("tiny"), gpus=0, global_batch=4)
-    with pytest.raises(PlaitError, match="plan searches the gpipe and 1f1b schedules only"):
-        plan(get_preset("tiny"), gpus=2, global_batch=4, schedule="interleaved")
+    with pytest.raises(PlaitError, match="unknown --schedule 'pipedream'") as err:
+        plan(get_preset("tiny"), gpus=2, global_batch=4, schedule="1f1b,pipedream")
+    assert "zb-h1" in err.value.hint
 
 
 # -- plait plan ------------------------------------------------------------------------------
@@ -88,7 +189,7 @@ def test_plan_cli_table(capsys) -> None:
                       "--top", "5"])
     out = capsys.readouterr().out
     assert code == 0
-    assert "llama-70b on 64 x h100-sxm" in out
+    assert "llama-70b on 64 x h100-sxm" in out and "schedule" in out.splitlines()[2]
     assert len([line for line in out.splitlines() if re.match(r"\s*\d+\s+\d+\s+\d+", line)]) == 5
 
 
@@ -97,6 +198,53 @@ def test_plan_cli_json(capsys) -> None:
                "--seq-len", "128", "--precision", "fp32", "--json", "--top", "2"])
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 2 and rows[0]["step_s"] <= rows[1]["step_s"]
+    assert {"schedule", "virtual_stages", "dp_shard"} <= set(rows[0])
+
+
+EXPLAINED = ["--model", "llama-70b", "--gpus", "16", "--hardware", "h100-sxm", "--global-batch", "32",
+             "--seq-len", "4096", "--top", "3", "--explain"]
+
+
+def test_explain_says_why_the_first_layout_wins(capsys) -> None:
+    """llama-70b on 16 H100s: the best interleaves 4 chunks a rank with full recomputation;
+    the text names its bubble, what it waits for, recompute's cost, its headroom, and each
+    choice's absence: slower, or nothing fits."""
+    assert plan_main(EXPLAINED) == 0
+    text = capsys.readouterr().out.split("why #1 wins: ", 1)[1]
+    assert text.startswith("dp=1 tp=4 pp=4 zero=0 sp, interleaved x4, micro-batch 1 x 32, recompute full")
+    for part in ("of which recompute", "bubble", "% of the step)", "communication it waits for: tp", "headroom",
+                 "the best layout with", "no interleaving: ", "no sp: "):
+        assert part in text
+    assert re.search(r"pp = 1: nothing fits \(the smallest needs [\d.]+ GiB\)", text)
+    assert "no interleaving: 10.4 s, 6.0% slower (dp=1 tp=4 pp=4 zero=0 sp, 1f1b, micro-batch 1 x 32" in text
+    assert len(text.splitlines()) <= 12
+
+
+def test_explain_in_json_holds_the_restricted_bests(capsys) -> None:
+    """Each alternative is the exhaustive ranking's first layout without that choice; where none
+    fits, the smallest is the least memory of the candidates without it."""
+    request = plan_request(get_preset("llama-70b"), gpus=16, global_batch=32, seq_len=4096, hardware="h100-sxm")
+    every = plan_layouts(request, exhaustive=True)
+    plan_main(EXPLAINED[:-1] + ["--explain", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    why, best = out["explain"], out["layouts"][0]
+    assert why["layout"] == best == every[0]
+    assert set(why["exposed_s"]) == {"tp", "pp", "cp", "ep", "dp", "offload"}
+    assert why["bubble_share"] == pytest.approx(why["time"]["bubble_s"] / best["step_s"])
+    assert why["headroom_bytes"] == pytest.approx(get_hardware("h100-sxm").usable_bytes - best["memory_bytes"])
+    assert why["recompute_s"] > 0.2 * why["time"]["compute_s"]  # full recompute: a forward more
+    keep = {"no interleaving": lambda r: r["virtual_stages"] == 1, "no sp": lambda r: not r["sp"],
+            "pp = 1": lambda r: r["pp"] == 1, "tp = 1": lambda r: r["tp"] == 1,
+            "no recompute": lambda r: r["recompute"] == "none"}
+    assert [other["label"] for other in why["without"]] == ["pp = 1", "tp = 1", "no interleaving", "no recompute",
+                                                           "no sp"]
+    for other in why["without"]:
+        first = next((row for row in every if keep[other["label"]](row)), None)
+        assert other["layout"] == first
+        if first:
+            assert other["slower"] == pytest.approx(first["step_s"] / best["step_s"] - 1)
+    alone = min(estimate_memory(request.config, layout).total for layout in candidates(request) if layout.pp == 1)
+    assert why["without"][0]["smallest_bytes"] == alone
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -106,11 +254,15 @@ def test_plan_cli_json(capsys) -> None:
     (["--gpus", "8", "--global-batch", "8"], "no model given"),
     (["--model", "llama-70b", "--gpus", "1", "--global-batch", "1", "--hardware", "rtx4090"],
      "nothing fits: the smallest layout needs"),
+    (["--model", "llama-70b", "--gpus", "1", "--global-batch", "1", "--hardware", "rtx4090", "--explain"],
+     "nothing fits: the smallest layout needs"),
+    (["--model", "tiny", "--gpus", "2", "--global-batch", "4", "--schedule", "1f1b,pipedream"],
+     "unknown --schedule 'pipedream'"),
 ])
 def test_plan_cli_bad_input(argv: list[str], message: str) -> None:
     with pytest.raises(PlaitError) as err:
         plan_main(argv)
-    assert message in err.value.message
+    assert message in err.value.message and "\n" not in err.value.message and err.value.hint
     if "model" in message:
         assert "llama-7b" in err.value.hint  # lists the valid names
 

@@ -15,8 +15,8 @@ from plait.errors import PlaitError
 from plait.estimate import estimate_layout
 from plait.estimate.hardware import PRESETS as HARDWARE, resolve_hardware
 from plait.rules import PRECISIONS, RECOMPUTE, SCHEDULES, parse_stage_layers
-from plait.estimate.planner import plan
-from plait.estimate.report import format_estimate, format_plan, human_bytes
+from plait.estimate.planner import explain, plan_layouts, plan_request
+from plait.estimate.report import format_estimate, format_explain, format_plan, human_bytes
 from plait.models.gpt.config import PRESETS as MODELS, GPTConfig
 
 
@@ -68,8 +68,11 @@ def plan_parser() -> argparse.ArgumentParser:
     _common(parser, "bf16")  # every ZeRO stage >= 1 is tried
     parser.add_argument("--gpus", type=int, required=True)
     parser.add_argument("--global-batch", type=int, required=True, help="sequences per step")
-    parser.add_argument("--schedule", default="1f1b", help="gpipe or 1f1b")
+    parser.add_argument("--schedule", default="", help="search only these schedules, comma-separated, e.g. 1f1b or "
+                        "1f1b,zb-h1 (default: 1f1b, interleaved and zb-h1; gpipe only when named)")
     parser.add_argument("--offload", action="store_true", help="also consider optimizer offload")
+    parser.add_argument("--explain", action="store_true", help="say why the first layout wins: its bubble, the "
+                        "communication it waits for, recompute, memory headroom, and the best without each choice")
     parser.add_argument("--stage-layers", default="", help="a fixed pipeline cut, blocks per stage (e.g. 7,9,9,7): "
                         "only layouts with that many stages (default: plait's cut for each pp)")
     parser.add_argument("--top", type=int, default=10, help="how many layouts to show")
@@ -103,20 +106,24 @@ def estimate_main(argv: list[str], shape_of: ShapeOf) -> int:
 
 
 def plan_main(argv: list[str], shape_of: ShapeOf) -> int:
-    """`plait plan ARGS`: print the fastest layouts that fit."""
+    """`plait plan ARGS`: print the fastest layouts that fit (and, with --explain, why the first wins)."""
     args = plan_parser().parse_args(argv)
     hardware = resolve_hardware(args.hardware, args.hardware_file)
     config = _model(args.model, shape_of)
-    rows = plan(config, gpus=args.gpus, global_batch=args.global_batch, hardware=hardware,
-                gpus_per_node=args.gpus_per_node, seq_len=args.seq_len,
-                precision=args.precision, schedule=args.schedule, offload=args.offload,
-                top=args.top, stage_layers=parse_stage_layers(args.stage_layers))
-    seq = args.seq_len or config.max_seq_len
+    request = plan_request(config, gpus=args.gpus, global_batch=args.global_batch, hardware=hardware,
+                           gpus_per_node=args.gpus_per_node, seq_len=args.seq_len, precision=args.precision,
+                           schedule=args.schedule, offload=args.offload,
+                           stage_layers=parse_stage_layers(args.stage_layers))
+    rows = plan_layouts(request, args.top)
+    why = explain(request) if args.explain else None
     title = (f"{args.model} on {args.gpus} x {hardware.name} "
-             f"({args.gpus_per_node or hardware.gpus_per_node} per node, "
-             f"{human_bytes(hardware.usable_bytes)} usable each), global batch "
-             f"{args.global_batch} x {seq} tokens, {args.precision}: top {len(rows)} by step time")
-    _emit(rows, args.json, lambda: format_plan(rows, title))
+             f"({request.gpus_per_node} per node, {human_bytes(hardware.usable_bytes)} usable each), global batch "
+             f"{args.global_batch} x {request.seq_len} tokens, {args.precision}: top {len(rows)} by step time")
+    if why is None:
+        _emit(rows, args.json, lambda: format_plan(rows, title))
+    else:
+        _emit({"layouts": rows, "explain": why}, args.json,
+              lambda: format_plan(rows, title) + "\n\n" + format_explain(why))
     return 0
 
 

@@ -1,38 +1,87 @@
-"""Enumerate every layout of a model on a number of GPUs, keep those that fit, rank them.
+"""Search the layouts of a model on a number of GPUs, keep those that fit, rank them.
 
-A layout is valid when plait train would run it (plait.rules: tp divides the heads, the
-key/value heads, the vocabulary and the MLP width) and tp stays inside one node; pp is at
-most the number of layers; context parallelism (ring, and Ulysses where cp divides the
-heads) at every cp that 2·cp divides the sequence for; for a mixture of experts, expert
-parallelism at every ep that divides both dp and the experts (without cp); dp·cp·tp·pp is the GPU count; and
-the global batch is dp·micro_batch·grad_accum. ZeRO stages 2 and 3 are tried only where dp > 1 (with one
-replica there is nothing to shard over); mixed precision needs ZeRO 1 or more, even on one
-replica, for its fp32 masters; sequence parallelism with and without where tp > 1 divides
-the sequence; recomputation off and full. The survivors are ranked by predicted step time,
-then by memory.
+What it searches, every option `plait train` runs (plait.rules and the model's own checks,
+`Workload.check_model`, decide what is valid, as they do for training):
+* tp dividing the heads, the KV heads, the vocabulary and the MLP width, inside one node;
+  pp up to the layers (or the stages of a given cut); cp where 2·cp divides the sequence
+  (ring, and Ulysses where cp divides the heads per tp rank); for a mixture of experts, ep
+  dividing dp and the experts (without cp); dp what they leave, dividing the global batch.
+* the schedule: 1f1b, interleaved with 2 and 4 virtual stages (where pp·v divides the
+  layers and pp the micro-batches), zb-h1 (no recomputation, ZeRO 0-1); gpipe only when
+  asked, since it idles as 1f1b does and holds m micro-batches instead of p. One schedule
+  without a pipeline, where all of them run alike.
+* the micro-batch (dividing a replica's share of the batch, at most 64), sequence
+  parallelism on and off, recomputation none, selective and full.
+* ZeRO 0-3 (0 alone with one dp·cp rank); for ZeRO >= 1 hybrid sharding (`dp_shard`) off or
+  over the dp·cp ranks of 1, 2, 4 and 8 nodes (a node holds gpus_per_node / tp of them);
+  with --offload, each ZeRO layout with and without it.
+The survivors are ranked by predicted step time, then memory (then the layout's fields).
+
+How it prunes. A *shape* is every choice but ZeRO's stage, dp_shard and offload (its
+*tails*). None of those three changes a micro-batch's time on any stage or the bubble, so
+a shape fixes the *core* of the step, m × the slowest stage's micro-batch + the bubble, and
+estimate_time only adds non-negative terms to it (the exposed dp sync, offload, the update,
+the loop). Each rule below drops only layouts that cannot rank in the top k:
+1. Shapes are taken in increasing core; once a core exceeds the k-th best step found, no
+   layout of that shape or of any later one can be faster: the search ends.
+2. A shape whose first or last stage's activations and buffers (which no ZeRO option
+   changes), with the fragmentation allowance, already exceed the device is skipped:
+   every tail's memory includes them.
+3. A tail's step is bounded below before its memory is estimated: the core plus the dp
+   sync that no overlap hides, offload, the update and the loop (exact with a pipeline,
+   where plait overlaps nothing). Above the k-th best, it is dropped.
+4. A tail whose first stage alone exceeds the device does not fit.
+The bounds are checked against estimate_time and estimate_memory on every layout of small
+requests (tests/test_planner.py), and the rows returned are estimated afresh by them.
+
+Claims it does not rely on: heavier recomputation (none -> selective -> full) only adds to
+the core, but without a pipeline a longer backward hides more of the dp sync (ZeRO-3's
+gathers most), so it is not always slower in this time model: rule 1 drops it when its
+core is too slow. ZeRO's stages are not ordered in time either: stage 1 shards the update
+(faster than 0), and stage 3 hides gathers behind compute that stages 1 and 2 expose.
+
+What is costed once (class Costs): a stage's compute depends on tp, cp, sp, the micro-batch,
+the recomputation and its blocks, not on pp, the schedule, dp or ZeRO; pipeline stages alike
+(the middle ones) are costed once per layout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from itertools import product
-from dataclasses import dataclass
+import functools
+import heapq
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 
 from plait.errors import PlaitError
+from plait.estimate.activations import stage_activation_bytes
 from plait.estimate.hardware import GIB, Hardware, resolve_hardware
-from plait.estimate.layout import Workload
+from plait.estimate.layout import StageShare, Workload, layout_stages, stages
+from plait.estimate.memory import Memory, device_total, estimate_memory, shard, stage_buffers, stage_memory
+from plait.estimate.ops import micro_batch_compute_s, optimizer_s, stage_pieces, stage_tensors
+from plait.estimate.time import (bubble_micro_batches, clip_s, cp_s, dp_exposed_s, ep_s, estimate_time,
+                                 inter_node, offload_s, overhead_s, pp_s, tp_s)
 from plait.layout import Layout
-from plait.rules import CP_KINDS, check_pipeline_cut
-from plait.estimate.memory import estimate_memory
-from plait.estimate.time import estimate_time
 from plait.models.gpt.config import GPTConfig
+from plait.rules import CP_KINDS, RECOMPUTE, SCHEDULES, check_choice, check_pipeline_cut
 
 MAX_MICRO_BATCH = 64  # larger micro-batches only add memory once the GPU is saturated
+SEARCHED_SCHEDULES = ("1f1b", "interleaved", "zb-h1")  # gpipe: 1f1b's bubble in more memory
+VIRTUAL_STAGES = (2, 4)  # chunks per rank under the interleaved schedule
+SHARD_NODES = (1, 2, 4, 8)  # dp_shard groups: the dp·cp ranks of this many nodes
+SLACK = 1e-9  # relative: bounds and estimates may differ in the last bits of their sums
+HIDDEN = 1e30  # seconds of compute: enough to hide every transfer that overlap can hide
+
+Keep = Callable[[Workload], bool]
+
+
+def _any(layout: Workload) -> bool:
+    return True
 
 
 @dataclass(frozen=True)
 class PlanRequest:
-    """What to plan for: a model, a cluster and a batch."""
+    """What to plan for: a model, a cluster and a batch, and what the search may use."""
 
     config: GPTConfig
     gpus: int
@@ -41,8 +90,8 @@ class PlanRequest:
     global_batch: int
     seq_len: int
     precision: str = "bf16"
-    schedule: str = "1f1b"
-    recompute: tuple[str, ...] = ("none", "full")
+    schedules: tuple[str, ...] = SEARCHED_SCHEDULES
+    recompute: tuple[str, ...] = RECOMPUTE
     offload: bool = False
     stage_layers: tuple[int, ...] = ()  # a fixed cut: only layouts with that many pipeline stages
 
@@ -53,9 +102,19 @@ class PlanRequest:
                 flag = name.replace("_", "-")
                 raise PlaitError(f"--{flag} must be a whole number of at least 1, got {value!r}",
                                  hint=f"pass --{flag} 1 or more")
-        if self.schedule == "interleaved":
-            raise PlaitError("plan searches the gpipe and 1f1b schedules only",
-                             hint="use --schedule 1f1b, then try interleaving with plait estimate")
+        if not self.schedules:
+            raise PlaitError("--schedule names no schedule", hint=f"choose among: {', '.join(SCHEDULES)}")
+        for schedule in self.schedules:
+            check_choice("schedule", schedule, SCHEDULES)
+
+
+def schedules_of(schedule: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """--schedule as a restriction: "1f1b" or "1f1b,zb-h1" (or a tuple); None or "": the
+    searched three."""
+    if not schedule:
+        return SEARCHED_SCHEDULES
+    names = schedule.split(",") if isinstance(schedule, str) else schedule
+    return tuple(dict.fromkeys(name.strip() for name in names))
 
 
 def divisors(n: int) -> list[int]:
@@ -87,8 +146,23 @@ def zero_stages(precision: str, dp: int) -> tuple[int, ...]:
     return (0, 1, 2, 3) if dp > 1 else (0,)
 
 
-def candidates(request: PlanRequest) -> Iterator[Workload]:
-    """Every valid layout for the request (before asking whether it fits)."""
+def pipelines(request: PlanRequest, pp: int) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) to try at `pp`: one schedule without a pipeline (1f1b where
+    allowed); interleaving at each of VIRTUAL_STAGES, except under a given cut, which fixes
+    one chunk per rank."""
+    if pp == 1:
+        return [("1f1b" if "1f1b" in request.schedules else request.schedules[0], 1)]
+    out: list[tuple[str, int]] = []
+    for schedule in request.schedules:
+        if schedule != "interleaved":
+            out.append((schedule, 1))
+        elif not request.stage_layers:
+            out += [(schedule, v) for v in VIRTUAL_STAGES if request.config.n_layers % (pp * v) == 0]
+    return out
+
+
+def _grids(request: PlanRequest) -> Iterator[tuple[int, int, int, str, int, int]]:
+    """(tp, pp, cp, cp kind, ep, dp) whose product is the GPU count and whose dp divides the batch."""
     for tp in tp_degrees(request):
         for pp in divisors(request.gpus // tp):
             if (pp != len(request.stage_layers) if request.stage_layers else pp > request.config.n_layers):
@@ -97,77 +171,382 @@ def candidates(request: PlanRequest) -> Iterator[Workload]:
                 dp = Layout.fill(request.gpus, tp=tp, pp=pp, cp=cp).dp  # the one home of dp = world / (tp·pp·cp)
                 if request.global_batch % dp:
                     continue
+                experts = request.config.experts
+                eps = [e for e in divisors(dp) if experts % e == 0] if experts and cp == 1 else [1]
                 for kind in CP_KINDS if cp > 1 else CP_KINDS[:1]:
-                    yield from _variants(request, dp, tp, pp, cp, kind)
+                    for ep in eps:
+                        yield tp, pp, cp, kind, ep, dp
 
 
-def _variants(request: PlanRequest, dp: int, tp: int, pp: int, cp: int = 1, cp_kind: str = "ring"
-              ) -> Iterator[Workload]:
-    per_replica = request.global_batch // dp
-    micro_batches = [b for b in divisors(per_replica) if b <= MAX_MICRO_BATCH]
-    zeros = zero_stages(request.precision, dp * cp)
-    sps = (False, True) if tp > 1 else (False,)  # check_model refuses a sequence SP cannot split
-    experts = request.config.experts
-    eps = [e for e in divisors(dp) if experts % e == 0] if experts and cp == 1 else [1]
-    for zero, micro_batch, recompute, sp, ep in product(zeros, micro_batches, request.recompute, sps, eps):
-        try:  # combinations plait train refuses (zb-h1 with recompute, tp with experts) are skipped
-            layout = Workload(dp=dp, tp=tp, pp=pp, cp=cp, cp_kind=cp_kind, ep=ep, zero=zero,
-                              offload=request.offload and zero > 0, precision=request.precision,
-                              micro_batch=micro_batch, grad_accum=per_replica // micro_batch,
-                              seq_len=request.seq_len, recompute=recompute, schedule=request.schedule, sp=sp,
-                              stage_layers=request.stage_layers)
-            layout.check_model(request.config)  # Ulysses' heads, SP's share of the sequence
-        except PlaitError:
-            continue
-        yield layout
+def shapes(request: PlanRequest) -> Iterator[Workload]:
+    """Every valid layout with ZeRO 0, no dp_shard and no offload: one per shape."""
+    for tp, pp, cp, kind, ep, dp in _grids(request):
+        per_replica = request.global_batch // dp
+        micro_batches = [b for b in divisors(per_replica) if b <= MAX_MICRO_BATCH]
+        sps = (False, True) if tp > 1 else (False,)
+        for schedule, v in pipelines(request, pp):
+            for micro_batch in micro_batches:
+                for recompute in request.recompute:
+                    for sp in sps:
+                        try:  # what plait train refuses (zb-h1 with recompute, a cut the layers do not allow)
+                            layout = Workload(
+                                dp=dp, tp=tp, pp=pp, cp=cp, cp_kind=kind, ep=ep, precision=request.precision,
+                                micro_batch=micro_batch, grad_accum=per_replica // micro_batch,
+                                seq_len=request.seq_len, recompute=recompute, schedule=schedule,
+                                virtual_stages=v, sp=sp, stage_layers=request.stage_layers)
+                            layout.check_model(request.config)  # Ulysses' heads, SP's share of the sequence
+                        except PlaitError:
+                            continue
+                        yield layout
 
 
-def _row(layout: Workload, memory: float, request: PlanRequest) -> dict[str, object]:
+def shard_groups(request: PlanRequest, shape: Workload) -> tuple[int, ...]:
+    """dp_shard sizes to try: the dp·cp ranks of SHARD_NODES nodes (tp varies fastest, so a
+    node holds gpus_per_node / tp of them), where such a group divides them and leaves two
+    replicas or more. None with expert parallelism (plait.rules.check_dp_shard)."""
+    if shape.ep > 1:
+        return ()
+    node = max(1, request.gpus_per_node // shape.tp)
+    return tuple(n for n in (node * k for k in SHARD_NODES) if 2 <= n < shape.sync and shape.sync % n == 0)
+
+
+def tails(request: PlanRequest, shape: Workload) -> Iterator[Workload]:
+    """The shape with each ZeRO stage, dp_shard and offload plait train runs."""
+    for zero in zero_stages(request.precision, shape.sync):
+        for dp_shard in (0, *shard_groups(request, shape)) if zero else (0,):
+            for offload in (False, True) if request.offload and zero else (False,):
+                try:  # zb-h1 runs ZeRO 0-1 only
+                    yield replace(shape, zero=zero, dp_shard=dp_shard, offload=offload)
+                except PlaitError:
+                    continue
+
+
+def candidates(request: PlanRequest) -> Iterator[Workload]:
+    """Every valid layout for the request (before asking whether it fits)."""
+    for shape in shapes(request):
+        yield from tails(request, shape)
+
+
+@dataclass(frozen=True)
+class Core:
+    """A shape's step without its tail: m micro-batches of the slowest stage and the bubble."""
+
+    s: float
+    slowest: tuple[StageShare, ...]  # the slowest stage first; others within SLACK of it (a near tie)
+
+
+class Costs:
+    """The bounds the search prunes with. The parts of a core come from time.py's own
+    functions, each computed once per distinct input: a stage's compute keyed by what
+    ops.micro_batch_compute_s reads (tp, cp, sp, micro-batch, recomputation, blocks, last
+    stage or not), its tp, cp and ep time by those and the stage's share; tests/test_planner.py
+    holds every bound to estimate_time and estimate_memory."""
+
+    def __init__(self, request: PlanRequest) -> None:
+        self.request = request
+        self._compute: dict[tuple, float] = {}
+        self._comm: dict[tuple, float] = {}
+
+    def core(self, shape: Workload) -> Core:
+        """estimate_time's m·(compute + tp + pp + cp + ep) of the slowest stage + bubble."""
+        links = inter_node(shape, self.request.gpus_per_node)
+        alike = alike_stages(self.request.config, shape.tp, shape.pp, shape.virtual_stages, shape.ep,
+                             shape.stage_layers)
+        rows = [(self._micro_batch_s(shape, stage, links), count, stage) for stage, count in alike]
+        slowest, _, stage = max(rows, key=lambda row: row[0])
+        tied = tuple(other for total, _, other in rows if other is not stage and total >= slowest * (1 - SLACK))
+        bubble, others = 0.0, 0.0
+        if shape.pp > 1:  # a slot: the other stages' mean micro-batch (time.py's _assemble)
+            for total, count, _ in rows:  # not `sum`, which Python 3.12 compensates
+                others += total * count
+            bubble = bubble_micro_batches(shape) * (others - slowest) / (shape.pp - 1)
+        return Core(shape.grad_accum * slowest + bubble, (stage, *tied))
+
+    def _micro_batch_s(self, shape: Workload, stage: StageShare, links: dict[str, bool]) -> float:
+        """One micro-batch on `stage`: compute + tp + pp + cp + ep, in estimate_time's order."""
+        hw = self.request.hardware
+        key = (shape.tp, shape.cp, shape.sp, shape.micro_batch, shape.recompute, stage.layers, stage.last)
+        if key not in self._compute:
+            self._compute[key] = micro_batch_compute_s(self.request.config, shape, stage, hw)
+        comm = (*key, shape.cp_kind, shape.ep, _stage_key(stage))
+        if comm not in self._comm:
+            self._comm[comm] = (tp_s(self.request.config, shape, stage, hw, links["tp"]),
+                                cp_s(self.request.config, shape, stage, hw, links["cp"]),
+                                ep_s(self.request.config, shape, stage, hw, links["ep"]))
+        tp, cp, ep = self._comm[comm]
+        return self._compute[key] + tp + pp_s(self.request.config, shape, stage, hw, links["pp"]) + cp + ep
+
+    def step_bound(self, tail: Workload, core: Core) -> float:
+        """The core plus what estimate_time adds for this tail (rule 3): the update, offload,
+        the loop, and the dp sync behind HIDDEN seconds of compute. dp_exposed_s only falls as
+        the compute it overlaps grows (each term is max(floor, transfer - compute)), so that
+        is its least: a lower bound of the step, and exact with a pipeline, where nothing
+        overlaps (the least over the stages that may be the slowest, if they tie)."""
+        return min(self._tail_s(tail, core.s, stage) for stage in core.slowest)
+
+    def _tail_s(self, tail: Workload, core_s: float, stage: StageShare) -> float:
+        hw, gpn = self.request.hardware, self.request.gpus_per_node
+        links = inter_node(tail, gpn)
+        dp = dp_exposed_s(stage.params, stage.block_params, tail, hw, links["dp_shard"], HIDDEN, 0.5,
+                          links["dp_replicate"])
+        updated = shard(stage.params, tail.zero_ranks) if tail.zero else stage.params
+        update = 0.0 if tail.offload else optimizer_s(updated, stage_tensors(stage, tail), hw,
+                                                      stage_pieces(stage, tail))
+        update += clip_s(tail, hw, links)
+        return core_s + dp + offload_s(stage.params, tail, hw) + update + overhead_s(tail, hw, gpn)
+
+    def memory_bound(self, shape: Workload) -> float:
+        """The first and the last stage's activations and pipeline/loss buffers, with the
+        fragmentation allowance: bytes no ZeRO option removes (the shape's ZeRO 0 adds no
+        gradient buffer)."""
+        ends = layout_stages(self.request.config, shape)
+        return max(device_total(Memory(activations=stage_activation_bytes(self.request.config, shape, stage),
+                                       buffers=stage_buffers(self.request.config, shape, stage))).total
+                   for stage in {ends[0], ends[-1]})
+
+
+def _stage_key(stage: StageShare) -> tuple:
+    """What sets a stage's costs, its index aside (beyond being the first or the last)."""
+    return (stage.layers, stage.params, stage.replicated_params, stage.expert_params, stage.moe_layers,
+            stage.first, stage.last)
+
+
+@functools.lru_cache(maxsize=4096)
+def alike_stages(config: GPTConfig, tp: int, pp: int, v: int, ep: int,
+             stage_layers: tuple[int, ...]) -> list[tuple[StageShare, int]]:
+    """The layout's stages grouped by `_stage_key`, in stage order: the first of each group
+    (so the slowest is the first slowest stage, as estimate_time picks it) and its size."""
+    groups: dict[tuple, list] = {}
+    for stage in stages(config, tp, pp, v, ep, stage_layers):
+        groups.setdefault(_stage_key(stage), [stage, 0])[1] += 1
+    return [(stage, count) for stage, count in groups.values()]
+
+
+class Search:
+    """The request's shapes in increasing core, and what is known of the layouts met so far."""
+
+    def __init__(self, request: PlanRequest) -> None:
+        self.request, self.costs = request, Costs(request)
+        cored = [(self.costs.core(shape), i, shape) for i, shape in enumerate(shapes(request))]
+        self.shapes = sorted(cored, key=lambda row: (row[0].s, row[1]))
+        self._bound: dict[Workload, float] = {}
+        self._step: dict[Workload, float | None] = {}
+        self._memory: dict[Workload, float] = {}
+
+    def best(self, k: int, shape_ok: Keep = _any, tail_ok: Keep = _any) -> list[Workload]:
+        """Every layout that may be among the k fastest that fit, ties at the k-th included
+        (rules 1-4 of the module docstring), of those `shape_ok` and `tail_ok` keep."""
+        found: list[tuple[float, Workload]] = []
+        kth: list[float] = []  # the k smallest steps found, negated: a max-heap
+        bound = math.inf
+        for core, _, shape in self.shapes:
+            if core.s > bound * (1 + SLACK):
+                break
+            if not shape_ok(shape) or self._shape_memory(shape) > self.request.hardware.usable_bytes:
+                continue
+            for tail in filter(tail_ok, tails(self.request, shape)):
+                step = self._fits_in(tail, core, bound)
+                if step is not None:
+                    found.append((step, tail))
+                    heapq.heappush(kth, -step)
+                    if len(kth) > k:
+                        heapq.heappop(kth)
+                    bound = -kth[0] if len(kth) == k else bound
+        return [tail for step, tail in found if step <= bound * (1 + SLACK)]
+
+    def counts(self) -> dict[str, int]:
+        """How much of the space the searches so far have touched: shapes costed, layouts bounded
+        (rule 3), layouts whose memory was estimated."""
+        return {"shapes": len(self.shapes), "bounded": len(self._bound), "estimated": len(self._step)}
+
+    def _shape_memory(self, shape: Workload) -> float:
+        if shape not in self._memory:
+            self._memory[shape] = self.costs.memory_bound(shape)
+        return self._memory[shape]
+
+    def _fits_in(self, tail: Workload, core: Core, bound: float) -> float | None:
+        """`tail`'s step if it may beat `bound` (rule 3) and fits (rule 4, then the estimate)."""
+        if tail not in self._bound:
+            self._bound[tail] = self.costs.step_bound(tail, core)
+        if self._bound[tail] > bound * (1 + SLACK):
+            return None
+        if tail not in self._step:
+            self._step[tail] = self._evaluate(tail, core)
+        return self._step[tail]
+
+    def _evaluate(self, tail: Workload, core: Core) -> float | None:
+        """None if it does not fit; else its step: the bound with a pipeline (exact there, when
+        one stage is the slowest), else estimate_time's (without one, a single stage: cheap)."""
+        config, usable = self.request.config, self.request.hardware.usable_bytes
+        if _first_stage_bytes(config, tail) > usable or estimate_memory(config, tail).total > usable:
+            return None
+        if tail.pp > 1 and len(core.slowest) == 1:
+            return self._bound[tail]
+        return estimate_time(config, tail, self.request.hardware, self.request.gpus_per_node).step_s
+
+    def smallest(self, shape_ok: Keep = _any, tail_ok: Keep = _any) -> float | None:
+        """The least memory a layout needs (None: there is none), shapes in the order of rule 2's
+        bound, up to the first whose bound is above the least found."""
+        least, config = math.inf, self.request.config
+        bounded = sorted((self._shape_memory(shape), i, shape) for _, i, shape in self.shapes if shape_ok(shape))
+        for lower, _, shape in bounded:
+            if lower >= least:
+                break
+            for tail in filter(tail_ok, tails(self.request, shape)):
+                if _first_stage_bytes(config, tail) < least:
+                    least = min(least, estimate_memory(config, tail).total)
+        return None if least == math.inf else least
+
+
+def _first_stage_bytes(config: GPTConfig, layout: Workload) -> float:
+    """The first pipeline rank's memory: at most the busiest rank's (rule 4)."""
+    return stage_memory(config, layout, layout_stages(config, layout)[0]).total
+
+
+@functools.lru_cache(maxsize=2)
+def search_for(request: PlanRequest) -> Search:
+    """One search per request, shared by the ranking and its explanation."""
+    return Search(request)
+
+
+def row_of(layout: Workload, request: PlanRequest, memory: float | None = None) -> dict[str, object]:
+    """A layout's line of the plan, from estimate_memory and estimate_time themselves."""
     step = estimate_time(request.config, layout, request.hardware, request.gpus_per_node)
-    return {
-        "dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "cp_kind": layout.cp_kind, "ep": layout.ep,
-        "zero": layout.zero,
-        "micro_batch": layout.micro_batch, "grad_accum": layout.grad_accum,
-        "recompute": layout.recompute, "sp": layout.sp, "offload": layout.offload,
-        "memory_bytes": memory, "step_s": step.step_s, "tokens_per_s": step.tokens_per_s,
-        "mfu": step.mfu,
-    }
+    memory = estimate_memory(request.config, layout).total if memory is None else memory
+    return {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "cp_kind": layout.cp_kind,
+            "ep": layout.ep, "zero": layout.zero, "dp_shard": layout.dp_shard, "micro_batch": layout.micro_batch,
+            "grad_accum": layout.grad_accum, "recompute": layout.recompute, "sp": layout.sp,
+            "offload": layout.offload, "schedule": layout.schedule, "virtual_stages": layout.virtual_stages,
+            "memory_bytes": memory, "step_s": step.step_s, "tokens_per_s": step.tokens_per_s, "mfu": step.mfu}
 
 
-def plan_layouts(request: PlanRequest, top: int | None = None) -> list[dict[str, object]]:
-    """The layouts that fit, fastest first; PlaitError if none does."""
-    usable = request.hardware.usable_bytes
-    rows, smallest = [], None
-    for layout in candidates(request):
-        total = estimate_memory(request.config, layout).total
-        smallest = total if smallest is None else min(smallest, total)
-        if total <= usable:
-            rows.append(_row(layout, total, request))
-    if smallest is None:
-        raise PlaitError(
-            f"no layout of {request.gpus} GPUs fits this model and a global batch of "
-            f"{request.global_batch}",
-            hint="make the global batch a multiple of the data-parallel degree, or change --gpus")
+def rank_key(row: dict[str, object]) -> tuple:
+    """Step time, then memory, then the layout's fields: equal rows sort alike however found."""
+    return row["step_s"], row["memory_bytes"], tuple(str(value) for value in row.values())
+
+
+def ranked(request: PlanRequest, layouts: list[Workload]) -> list[tuple[dict[str, object], Workload]]:
+    """(row, layout) pairs, fastest first by `rank_key`."""
+    return sorted(((row_of(layout, request), layout) for layout in layouts), key=lambda pair: rank_key(pair[0]))
+
+
+def plan_layouts(request: PlanRequest, top: int | None = None, exhaustive: bool = False) -> list[dict[str, object]]:
+    """The `top` fastest layouts that fit (every one for top None or 0); PlaitError if none
+    does. `exhaustive` estimates every candidate: the reference the pruning is held to."""
+    if exhaustive or not top:
+        usable, rows = request.hardware.usable_bytes, []
+        for layout in candidates(request):
+            memory = estimate_memory(request.config, layout).total
+            if memory <= usable:
+                rows.append(row_of(layout, request, memory))
+        rows.sort(key=rank_key)
+    else:
+        rows = [row for row, _ in ranked(request, search_for(request).best(top))]
     if not rows:
-        raise PlaitError(
-            f"nothing fits: the smallest layout needs {smallest / GIB:.1f} GiB per GPU "
-            f"and {request.hardware.name} has {usable / GIB:.1f} GiB usable",
-            hint="use more GPUs, GPUs with more memory, --offload, or a shorter --seq-len")
-    rows.sort(key=lambda r: (r["step_s"], r["memory_bytes"]))
+        raise _nothing_fits(request, search_for(request))
     return rows[:top] if top else rows
+
+
+def _nothing_fits(request: PlanRequest, search: Search) -> PlaitError:
+    smallest = search.smallest()
+    if smallest is None:
+        return PlaitError(
+            f"no layout of {request.gpus} GPUs fits this model and a global batch of {request.global_batch}",
+            hint="make the global batch a multiple of the data-parallel degree, or change --gpus")
+    usable = request.hardware.usable_bytes
+    return PlaitError(
+        f"nothing fits: the smallest layout needs {smallest / GIB:.1f} GiB per GPU "
+        f"and {request.hardware.name} has {usable / GIB:.1f} GiB usable",
+        hint="use more GPUs, GPUs with more memory, --offload, or a shorter --seq-len")
+
+
+def plan_request(config: GPTConfig, *, gpus: int, global_batch: int, hardware: str | Hardware = "h100-sxm",
+                 gpus_per_node: int | None = None, seq_len: int | None = None, precision: str = "bf16",
+                 schedule: str | tuple[str, ...] | None = None, offload: bool = False,
+                 stage_layers: tuple[int, ...] = ()) -> PlanRequest:
+    """The request `plan` answers, checked (`schedule` restricts the search: `schedules_of`)."""
+    hw = resolve_hardware(hardware)
+    if stage_layers:
+        check_pipeline_cut(config.n_layers, len(stage_layers), 1, stage_layers)
+    return PlanRequest(config=config, gpus=gpus, gpus_per_node=gpus_per_node or hw.gpus_per_node,
+                       hardware=hw, global_batch=global_batch, seq_len=seq_len or config.max_seq_len,
+                       precision=precision, schedules=schedules_of(schedule), offload=offload,
+                       stage_layers=tuple(stage_layers))
 
 
 def plan(config: GPTConfig, *, gpus: int, global_batch: int, hardware: str | Hardware = "h100-sxm",
          gpus_per_node: int | None = None, seq_len: int | None = None, precision: str = "bf16",
-         schedule: str = "1f1b", offload: bool = False, top: int | None = None,
+         schedule: str | tuple[str, ...] | None = None, offload: bool = False, top: int | None = None,
          stage_layers: tuple[int, ...] = ()) -> list[dict[str, object]]:
-    """Rank every layout of `config` on `gpus` GPUs that fits; see `plan_layouts`.
-    `stage_layers` fixes the pipeline cut (and so pp: one number per stage)."""
-    hw = resolve_hardware(hardware)
-    if stage_layers:
-        check_pipeline_cut(config.n_layers, len(stage_layers), 1, stage_layers)
-    request = PlanRequest(config=config, gpus=gpus, gpus_per_node=gpus_per_node or hw.gpus_per_node,
-                          hardware=hw, global_batch=global_batch,
-                          seq_len=seq_len or config.max_seq_len, precision=precision,
-                          schedule=schedule, offload=offload, stage_layers=tuple(stage_layers))
+    """Rank the layouts of `config` on `gpus` GPUs that fit; see `plan_layouts`. `schedule`
+    restricts the schedules searched ("1f1b", "1f1b,zb-h1"; default: 1f1b, interleaved and
+    zb-h1); `stage_layers` fixes the pipeline cut (and so pp: one number per stage)."""
+    request = plan_request(config, gpus=gpus, global_batch=global_batch, hardware=hardware,
+                           gpus_per_node=gpus_per_node, seq_len=seq_len, precision=precision, schedule=schedule,
+                           offload=offload, stage_layers=stage_layers)
     return plan_layouts(request, top)
+
+
+@dataclass(frozen=True)
+class Without:
+    """One distinctive choice of the best layout: the search restricted to layouts without it
+    (`shape_ok` judges the shape, `tail_ok` its ZeRO options)."""
+
+    label: str
+    shape_ok: Keep = _any
+    tail_ok: Keep = _any
+
+
+def distinctive(best: Workload) -> list[Without]:
+    """What sets `best` apart from the simplest layout, each as a restriction to its absence."""
+    choices = [
+        (best.pp > 1, Without("pp = 1", lambda w: w.pp == 1)),
+        (best.tp > 1, Without("tp = 1", lambda w: w.tp == 1)),
+        (best.cp > 1, Without("cp = 1", lambda w: w.cp == 1)),
+        (best.ep > 1, Without("ep = 1", lambda w: w.ep == 1)),
+        (best.virtual_stages > 1, Without("no interleaving", lambda w: w.virtual_stages == 1)),
+        (best.pp > 1 and best.schedule == "zb-h1", Without("no zb-h1", lambda w: w.pp == 1 or w.schedule != "zb-h1")),
+        (best.recompute != "none", Without("no recompute", lambda w: w.recompute == "none")),
+        (best.sp, Without("no sp", lambda w: not w.sp)),
+        (best.zero == 3, Without("ZeRO 0-2", tail_ok=lambda w: w.zero < 3)),
+        (0 < best.zero < 3, Without("no ZeRO", tail_ok=lambda w: w.zero == 0)),
+        (best.dp_shard > 0, Without("ZeRO over all dp·cp ranks", tail_ok=lambda w: w.dp_shard == 0)),
+        (best.offload, Without("no offload", tail_ok=lambda w: not w.offload)),
+    ]
+    return [without for applies, without in choices if applies]
+
+
+def explain(request: PlanRequest) -> dict[str, object]:
+    """Why the best layout wins: its step's parts (the bubble, the communication it waits
+    for by axis, what recomputation adds), its memory headroom, and the best layout without
+    each of its distinctive choices (how much slower, or the memory the smallest would need)."""
+    search = search_for(request)
+    found = search.best(1)
+    if not found:
+        raise _nothing_fits(request, search)
+    row, best = ranked(request, found)[0]
+    step = estimate_time(request.config, best, request.hardware, request.gpus_per_node)
+    plain = estimate_time(request.config, replace(best, recompute="none"), request.hardware, request.gpus_per_node)
+    usable = request.hardware.usable_bytes
+    return {
+        "layout": row, "time": step.as_dict(), "bubble_share": step.bubble_s / step.step_s,
+        "exposed_s": {"tp": step.tp_s, "pp": step.pp_s, "cp": step.cp_s, "ep": step.ep_s, "dp": step.dp_s,
+                      "offload": step.offload_s},
+        "recompute_s": step.compute_s - plain.compute_s,
+        "memory_bytes": row["memory_bytes"], "usable_bytes": usable, "headroom_bytes": usable - row["memory_bytes"],
+        "without": [other for other in (_compare(request, search, without, step.step_s)
+                                        for without in distinctive(best)) if other is not None],
+    }
+
+
+def _compare(request: PlanRequest, search: Search, without: Without, best_s: float) -> dict[str, object] | None:
+    """The best layout under `without`'s restriction and how much slower it is; or, when
+    none fits, the least memory one would need; None when the request allows no such layout
+    (a given cut fixes pp, a --schedule names one)."""
+    found = search.best(1, without.shape_ok, without.tail_ok)
+    if not found:
+        smallest = search.smallest(without.shape_ok, without.tail_ok)
+        return None if smallest is None else {"label": without.label, "layout": None, "slower": None,
+                                              "smallest_bytes": smallest}
+    row = ranked(request, found)[0][0]
+    return {"label": without.label, "layout": row, "slower": row["step_s"] / best_s - 1, "smallest_bytes": None}

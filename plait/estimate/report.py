@@ -138,15 +138,63 @@ def _time_lines(step: dict[str, float] | None) -> list[str]:
     return table(rows)
 
 
+def zero_label(row: dict[str, Any]) -> str:
+    """"3" ("3/8": ZeRO-3 inside groups of 8 dp·cp ranks; "+off": the optimizer offloaded)."""
+    shard = f"/{row['dp_shard']}" if row.get("dp_shard") else ""
+    return f"{row['zero']}{shard}{'+off' if row['offload'] else ''}"
+
+
+def schedule_label(row: dict[str, Any]) -> str:
+    """"1f1b", "interleaved x2" (virtual stages), "-" without a pipeline."""
+    if row["pp"] == 1:
+        return "-"
+    schedule = row.get("schedule", "1f1b")
+    return f"{schedule} x{row['virtual_stages']}" if row.get("virtual_stages", 1) > 1 else schedule
+
+
+def layout_text(row: dict[str, Any]) -> str:
+    """A plan row's layout in one phrase: "dp=8 tp=2 pp=8 cp=2 zero=1 sp, 1f1b, micro-batch 1 x 64, recompute none"."""
+    pipeline = f", {schedule_label(row)}" if row["pp"] > 1 else ""
+    return (f"dp={row['dp']} tp={row['tp']} pp={row['pp']}{cp_text(row)}{ep_text(row)} zero={zero_label(row)}"
+            f"{' sp' if row['sp'] else ''}{pipeline}, micro-batch {row['micro_batch']} x {row['grad_accum']}, "
+            f"recompute {row['recompute']}")
+
+
 def format_plan(rows: list[dict[str, Any]], title: str) -> str:
     """The ranking `plait plan` prints."""
-    header = ["#", "dp", "tp", "pp", "cp", "ep", "zero", "sp", "micro", "accum", "recompute",
+    header = ["#", "dp", "tp", "pp", "cp", "ep", "zero", "schedule", "sp", "micro", "accum", "recompute",
               "mem/GPU", "step", "tokens/s", "MFU"]
     body = [header]
     for i, r in enumerate(rows, 1):
         body.append([str(i), str(r["dp"]), str(r["tp"]), str(r["pp"]), cp_label(r), str(r.get("ep", 1)),
-                     f"{r['zero']}{'+off' if r['offload'] else ''}", "yes" if r["sp"] else "no",
+                     zero_label(r), schedule_label(r), "yes" if r["sp"] else "no",
                      str(r["micro_batch"]), str(r["grad_accum"]), str(r["recompute"]),
                      human_bytes(r["memory_bytes"]), f"{r['step_s']:.3g} s",
                      f"{r['tokens_per_s']:,.0f}", f"{r['mfu']:.1%}"])
-    return "\n".join([title, ""] + table(body, right={0, 1, 2, 3, 5, 8, 9, 11, 12, 13, 14}))
+    return "\n".join([title, ""] + table(body, right={0, 1, 2, 3, 5, 9, 10, 12, 13, 14, 15}))
+
+
+def format_explain(why: dict[str, Any]) -> str:
+    """`plait plan --explain`: why the first layout wins, in a few lines."""
+    step, best = why["time"], why["layout"]
+    waits = {axis: seconds for axis, seconds in why["exposed_s"].items() if seconds > 0}
+    exposed = ", ".join(f"{axis} {seconds:.3g} s ({seconds / step['step_s']:.1%})" for axis, seconds in waits.items())
+    lines = [f"why #1 wins: {layout_text(best)}: {step['step_s']:.3g} s a step, MFU {step['mfu']:.1%}",
+             f"  compute {step['compute_s']:.3g} s, of which recompute {why['recompute_s']:.3g} s; "
+             f"bubble {step['bubble_s']:.3g} s ({why['bubble_share']:.1%} of the step)",
+             f"  communication it waits for: {exposed or 'none'}",
+             f"  memory {human_bytes(why['memory_bytes'])} of {human_bytes(why['usable_bytes'])} usable: "
+             f"{human_bytes(why['headroom_bytes'])} headroom"]
+    if why["without"]:
+        lines.append("  the best layout with")
+    for other in why["without"]:
+        lines.append(f"    {other['label']}: {_alternative(other)}")
+    return "\n".join(lines)
+
+
+def _alternative(other: dict[str, Any]) -> str:
+    """"9.1 s, 21.0% slower (LAYOUT)", or why nothing of that kind fits."""
+    if other["layout"] is None:
+        return f"nothing fits (the smallest needs {human_bytes(other['smallest_bytes'])})"
+    slower = f"{other['slower']:.1%} slower" if other["slower"] >= 0.0005 else "as fast (within 0.05%)"
+    return f"{other['layout']['step_s']:.3g} s, {slower} ({layout_text(other['layout'])})"
