@@ -153,6 +153,53 @@ def published_rows() -> list[tuple]:
     return out
 
 
+def published_layouts() -> list[tuple[str, GPTConfig, str, Workload]]:
+    """(run, model, hardware preset, the published layout) of every run above with a layout:
+    Table 1's, Table 2's PTD-P ones, and PUBLISHED."""
+    out = []
+    for size, heads, h, layers, t, p, gpus, batch, _, _ in NARAYANAN_TABLE_1:
+        config = GPTConfig(vocab_size=51200, n_layers=layers, d_model=h, n_heads=heads, n_kv_heads=heads,
+                           ffn_hidden=4 * h, max_seq_len=2048, arch="gpt2")
+        dp = gpus // (t * p)
+        out.append((f"Narayanan Table 1, {size} B", config, "a100-80gb",
+                    Workload(dp=dp, tp=t, pp=p, precision="bf16", micro_batch=1, grad_accum=batch // dp, seq_len=2048,
+                             recompute="full", schedule="1f1b")))
+    for gpus, _ in NARAYANAN_TABLE_2_PTDP:
+        dp = gpus // 96
+        out.append((f"Narayanan Table 2, 175 B, {gpus} GPUs", GPT3_175B, "a100-80gb",
+                    Workload(dp=dp, tp=8, pp=12, precision="bf16", micro_batch=1, grad_accum=1536 // dp, seq_len=2048,
+                             recompute="full", schedule="interleaved", virtual_stages=2)))
+    out += [(source.split(":")[0], config, hardware, layout) for source, config, hardware, _, layout, _, _ in PUBLISHED]
+    return out
+
+
+def planner_rows(max_gpus: int | None = None) -> list[tuple]:
+    """(run, hardware, GPUs, the published layout's predicted tokens/s, plan's best tokens/s,
+    plan's best layout, whether the published layout fits by the estimate): `plait plan` over
+    the same model, hardware, GPU count, global batch and sequence."""
+    from plait.estimate.memory import estimate_memory
+    from plait.estimate.planner import plan
+
+    out = []
+    for name, config, hardware, layout in published_layouts():
+        if max_gpus and layout.world > max_gpus:
+            continue
+        hw = get_hardware(hardware)
+        published = estimate_time(config, layout, hw, 8).tokens_per_s
+        best = plan(config, gpus=layout.world, global_batch=layout.global_batch, seq_len=layout.seq_len,
+                    hardware=hw, gpus_per_node=8, top=1)[0]
+        fits = estimate_memory(config, layout).total <= hw.usable_bytes
+        out.append((name, hardware, layout.world, published, best["tokens_per_s"], _layout_text(best), fits))
+    return out
+
+
+def _layout_text(row: dict) -> str:
+    schedule = f" {row['schedule']}" + (f" v{row['virtual_stages']}" if row["virtual_stages"] > 1 else "")
+    shard = f"/{row['dp_shard']}" if row["dp_shard"] else ""
+    return (f"dp {row['dp']} tp {row['tp']} pp {row['pp']} cp {row['cp']}{schedule if row['pp'] > 1 else ''}, "
+            f"ZeRO {row['zero']}{shard}, micro {row['micro_batch']}, recompute {row['recompute']}")
+
+
 # plait's own runs on a GPU (benchmarks/RESULTS.md, GPU section): the measured step beside the
 # preset's prediction. (name, model spec, workload, preset, measured s/step). The offload row's
 # host AdamW rate (hardware.py, host_mem_gb_s) was taken from this very run, so it checks that
@@ -190,6 +237,11 @@ def tables() -> str:
               "|---|---|---|---|---|---|"]
     lines += [f"| {name} | {g} | {pub:,} | {pred:,.0f} | {pred / pub:.2f} | {mfu:.0%} |"
               for name, g, pub, pred, mfu in torchtitan_rows()]
+    lines += ["", "| published layout (plait plan over the same GPUs, batch, sequence) | hardware | GPUs | "
+              "published layout, predicted tokens/s | plan's best, predicted tokens/s | best / published | plan's best |",
+              "|---|---|---|---|---|---|---|"]
+    lines += [f"| {name}{'' if fits else ' (does not fit by the estimate)'} | {hw} | {g} | {pub:,.0f} | {best:,.0f} | "
+              f"{best / pub:.2f} | {text} |" for name, hw, g, pub, best, text, fits in planner_rows()]
     lines += ["", "| plait's own run | measured s/step | predicted s/step | predicted / measured |", "|---|---|---|---|"]
     lines += [f"| {name} | {m:.2f} | {p:.2f} | {p / m:.2f} |" for name, m, p in measured_rows()]
     return "\n".join(lines)
