@@ -85,3 +85,17 @@ def test_an_unknown_model_names_every_family() -> None:
         family_for("gpt5")
     for words in ("plait's GPT: tiny, small", "resnet18", "hf:DIR"):
         assert words in info.value.hint
+
+
+def test_a_two_matrix_mlp_is_estimated_but_not_trained_as_plaits_gpt(tmp_path, capsys) -> None:
+    """mlp_matrices=2 prices a GELU or relu² MLP (plait estimate), which plait's GPT does not
+    build: training it is refused in one line, before the estimate and the model disagree."""
+    from plait.cli import main
+    from plait.models.gpt.config import get_preset
+
+    assert get_preset("tiny,mlp_matrices=2").num_params() == get_preset("tiny").num_params() - 2 * 64 * 192
+    assert main(["train", "--model", "tiny,mlp_matrices=2", "--steps", "1", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == ("plait: error: --model tiny,mlp_matrices=2: mlp_matrices=2 describes a GELU or relu² MLP for "
+                      "plait estimate, and plait's GPT trains a SwiGLU MLP (three matrices)")
+    assert err[1].startswith("  hint: drop mlp_matrices") and len(err) == 2

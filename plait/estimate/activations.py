@@ -83,7 +83,10 @@ def llama_layer_bytes(config: GPTConfig, layout: Workload) -> float:
     e = layout.compute_bytes
     o_proj_copy = h if a // layout.tp > 1 else 0  # one head per rank: reshape is a view
     replicated = 2 * rmsnorm_bytes(h, e) + e * 4 * moe + saved_bytes_per_token(config, layout)
-    sharded = e * (4 * h + o_proj_copy + 4 * f) + LSE_BYTES * a
+    # SwiGLU keeps gate, up, silu(gate) and their product (4f); a two-matrix MLP (GELU, relu²)
+    # keeps up's output and the activation's, which feeds down (2f: relu² squares relu's output in place of a copy).
+    mlp = 2 if config.mlp_matrices == 2 else 4
+    sharded = e * (4 * h + o_proj_copy + mlp * f) + LSE_BYTES * a
     if layout.cp > 1 and layout.cp_kind == "ring":
         # Ring attention keeps K and V as the model made them (kv_dim wide: GQA saves here)
         # and its output in fp32 for the backward's merge: q, k, v, out = e(h + 2kv) + 4h.

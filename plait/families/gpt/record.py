@@ -33,6 +33,10 @@ def check(config: Any) -> None:
     if preset_name(config.model) not in TRAINABLE:
         raise PlaitError(f"model preset {config.model!r} is shape-only (for estimates)",
                          hint=f"train one of: {', '.join(TRAINABLE)}; use `plait estimate --model {config.model}`")
+    if shape.mlp_matrices == 2:  # the estimate would price a model plait's GPT does not build
+        raise PlaitError(f"--model {config.model}: mlp_matrices=2 describes a GELU or relu² MLP for plait estimate, "
+                         "and plait's GPT trains a SwiGLU MLP (three matrices)",
+                         hint="drop mlp_matrices (or set it to 3) to train; train a two-matrix model as hf:DIR")
     check_language_run(config, shape)
     check_experts_split(shape.experts, config.ep)
 
