@@ -250,7 +250,10 @@ def test_zero2_buckets_and_accumulation() -> None:
     acc = estimate_memory(cfg, Workload(dp=8, zero=2, precision="bf16", seq_len=256, grad_accum=4))
     loss = loss_bytes(cfg, Workload(precision="bf16", seq_len=256))
     assert one.buffers - loss == 2 * BUCKET_BYTES
-    assert acc.buffers - loss == cfg.num_params() * 2  # no_sync keeps gradients whole
+    # Each backward reduce-scatters and drops its whole gradients (no_sync holds ZeRO-1's only)
+    assert acc.buffers == one.buffers
+    unit = estimate_memory(cfg, Workload(dp=8, zero=3, precision="bf16", seq_len=256, grad_accum=4))
+    assert unit.buffers - loss == 2 * cfg.layer_params() * 2  # ZeRO-3: two blocks' bf16 gradients in flight
 
 
 def test_params_only_leaves_activations_unknown() -> None:

@@ -206,17 +206,17 @@ EXPLAINED = ["--model", "llama-70b", "--gpus", "16", "--hardware", "h100-sxm", "
 
 
 def test_explain_says_why_the_first_layout_wins(capsys) -> None:
-    """llama-70b on 16 H100s: the best interleaves 4 chunks a rank with full recomputation;
-    the text names its bubble, what it waits for, recompute's cost, its headroom, and each
-    choice's absence: slower, or nothing fits."""
+    """llama-70b on 16 H100s: the best is ZeRO-3 over dp 2 × cp 2 with tp 4 and full
+    recomputation; the text names its bubble, what it waits for, recompute's cost, its
+    headroom, and each choice's absence: slower, as fast, or nothing fits."""
     assert plan_main(EXPLAINED) == 0
     text = capsys.readouterr().out.split("why #1 wins: ", 1)[1]
-    assert text.startswith("dp=1 tp=4 pp=4 zero=0 sp, interleaved x4, micro-batch 1 x 32, recompute full")
+    assert text.startswith("dp=2 tp=4 pp=1 cp=2 zero=3 sp, micro-batch 4 x 4, recompute full")
     for part in ("of which recompute", "bubble", "% of the step)", "communication it waits for: tp", "headroom",
-                 "the best layout with", "no interleaving: ", "no sp: "):
+                 "the best layout with", "cp = 1: ", "no sp: ", "ZeRO 0-2: "):
         assert part in text
-    assert re.search(r"pp = 1: nothing fits \(the smallest needs [\d.]+ GiB\)", text)
-    assert "no interleaving: 10.4 s, 6.0% slower (dp=1 tp=4 pp=4 zero=0 sp, 1f1b, micro-batch 1 x 32" in text
+    assert re.search(r"no recompute: nothing fits \(the smallest needs [\d.]+ GiB\)", text)
+    assert "ZeRO 0-2: 9.79 s, 3.9% slower (dp=1 tp=4 pp=4 zero=0 sp, interleaved x4, micro-batch 1 x 32" in text
     assert len(text.splitlines()) <= 12
 
 
@@ -233,17 +233,15 @@ def test_explain_in_json_holds_the_restricted_bests(capsys) -> None:
     assert why["bubble_share"] == pytest.approx(why["time"]["bubble_s"] / best["step_s"])
     assert why["headroom_bytes"] == pytest.approx(get_hardware("h100-sxm").usable_bytes - best["memory_bytes"])
     assert why["recompute_s"] > 0.2 * why["time"]["compute_s"]  # full recompute: a forward more
-    keep = {"no interleaving": lambda r: r["virtual_stages"] == 1, "no sp": lambda r: not r["sp"],
-            "pp = 1": lambda r: r["pp"] == 1, "tp = 1": lambda r: r["tp"] == 1,
-            "no recompute": lambda r: r["recompute"] == "none"}
-    assert [other["label"] for other in why["without"]] == ["pp = 1", "tp = 1", "no interleaving", "no recompute",
-                                                           "no sp"]
+    keep = {"no sp": lambda r: not r["sp"], "cp = 1": lambda r: r["cp"] == 1, "tp = 1": lambda r: r["tp"] == 1,
+            "no recompute": lambda r: r["recompute"] == "none", "ZeRO 0-2": lambda r: r["zero"] < 3}
+    assert [other["label"] for other in why["without"]] == ["tp = 1", "cp = 1", "no recompute", "no sp", "ZeRO 0-2"]
     for other in why["without"]:
         first = next((row for row in every if keep[other["label"]](row)), None)
         assert other["layout"] == first
         if first:
             assert other["slower"] == pytest.approx(first["step_s"] / best["step_s"] - 1)
-    alone = min(estimate_memory(request.config, layout).total for layout in candidates(request) if layout.pp == 1)
+    alone = min(estimate_memory(request.config, layout).total for layout in candidates(request) if layout.tp == 1)
     assert why["without"][0]["smallest_bytes"] == alone
 
 

@@ -108,23 +108,26 @@ def buffers(params: int, layout: Workload) -> float:
     Plain DP and ZeRO-1 reduce gradients in place in their buckets (plait's .grad tensors
     are views into them), so they need nothing extra. ZeRO-2/3 keep only a gradient shard,
     so whole gradients exist a bucket at a time during backward: one being filled while
-    one is reduced. Under accumulation, plait's no_sync keeps them whole, unreduced, until
-    the last micro-batch: then all of them are there.
+    one is reduced (parallel/zero/hooks.py: IN_FLIGHT). Every backward reduce-scatters and
+    drops them, accumulating or not: no_sync holds only ZeRO-1's.
     """
     if layout.sync == 1 or layout.zero < 2:
         return 0.0
-    whole = params * state_bytes(layout.precision).grad
-    return whole if layout.grad_accum > 1 else min(2 * BUCKET_BYTES, whole)
+    return min(2 * BUCKET_BYTES, params * state_bytes(layout.precision).grad)
 
 
 def stage_buffers(config: GPTConfig, layout: Workload, stage: StageShare) -> float:
-    """`buffers`, plus the pipeline's receive buffers and the loss on the last stage.
+    """`buffers` (for ZeRO-3 two units' whole gradients, not two buckets), plus the pipeline's
+    receive buffers and the loss on the last stage.
 
     A stage keeps one receive buffer for activations and one for gradients (b·s·h each, a
     sequence shard under SP); the last stage's loss holds logits, their fp32 copy and
     the fp32 log-softmax for one micro-batch.
     """
     total = buffers(stage.params, layout)
+    if layout.zero == 3 and layout.sync > 1 and stage.block_params:  # ZeRO-3 reduces a unit (block) at a time
+        grad = state_bytes(layout.precision).grad
+        total = min(2 * stage.block_params * grad, stage.params * grad)
     if layout.pp > 1:
         message = layout.tokens_per_micro_batch * config.d_model * layout.compute_bytes
         total += 2 * (message / layout.tp if layout.sp else message)
