@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -355,7 +355,6 @@ def barrier(axis: Axis) -> None:
     if axis.size == 1:
         return
     _run(axis, "barrier", lambda: dist.barrier(group=axis.group), False)
-
 
 
 def gather_objects(payload: list[Any], axis: Axis, consume: Callable[[list[Any]], None], dst: int = 0,
