@@ -4,6 +4,7 @@ predicted vs measured, ZeRO-3 offload, nn.DataParallel / DDP overhead.
     python3 benchmarks/gpu.py --parts correct,speed,predict --log-dir $OUT
     python3 benchmarks/gpu.py --parts offload,dp --log-dir $OUT
     python3 benchmarks/gpu.py --parts update,moe,selective --steps 200 --log-dir $OUT   # fp8, the update, MoE
+    python3 benchmarks/gpu.py --parts sweep,shapes --steps 20 --log-dir $OUT   # rates by size, calibration by shape
 
 Every plait row is a `plait train --nproc 1` subprocess (stdout and stderr appended to
 LOG_DIR/runs.log); its numbers come from its summary.json. The plain loop is plait's GPT built
@@ -34,8 +35,9 @@ sys.path.insert(0, str(ROOT))
 PEAK_TFLOPS = 989.0  # H100 SXM dense bf16
 TINY = ["--model", "tiny", "--seq-len", "64", "--micro-batch", "4", "--eval-samples", "4", "--eval-every", "0",
         "--sample-tokens", "16", "--no-report"]
+# GPU_BIG=spec swaps in a small model for a dry run of the script on a CPU.
 # About 1.04 B parameters: llama-1b's shape (a shape-only preset, so spelled over `small`) with a 32 k vocabulary (the corpus is bytes; the vocabulary only sizes the head).
-BIG = ("small,vocab_size=32000,n_layers=16,d_model=2048,n_heads=32,n_kv_heads=8,ffn_hidden=8192,max_seq_len=2048,"
+BIG = os.environ.get("GPU_BIG") or ("small,vocab_size=32000,n_layers=16,d_model=2048,n_heads=32,n_kv_heads=8,ffn_hidden=8192,max_seq_len=2048,"
        "rope_theta=500000")
 BIG_SHAPE = ["--seq-len", "2048", "--micro-batch", "8"]
 LOG: Path = Path(".")
@@ -284,6 +286,67 @@ def part_offload(steps: int) -> None:
                           "measured_mem": row.get("summary", {}).get("mem")}
 
 
+# -- 6. shapes: rates by size, and a calibration taken on one model predicting another -------------
+SWEEP_M = (1024, 2048, 4096, 8192, 16384)
+SWEEP_KN = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+def part_sweep() -> None:
+    """bf16 GEMM TFLOP/s over m (tokens) x k x n, causal attention forward + backward by
+    sequence, heads and head size, an add's GB/s by size, the update's and the host AdamW's
+    by parameters: the tables the time model's GPU presets and interpolation rest on."""
+    import torch
+
+    from plait.bench import calibrate as cal
+    from plait.estimate.ops import Gemm
+    from plait.runtime.mesh import init_mesh
+
+    mesh = init_mesh(backend="auto")
+    scale = 1 if torch.cuda.is_available() else 64  # a CPU dry run of the script: tiny shapes
+    gemms = {f"{m}x{k}x{n}": Gemm(m // scale, k // scale, max(1, n // scale)) for m in SWEEP_M
+             for k in SWEEP_KN[2:8] for n in SWEEP_KN}
+    rates = cal.measure_gemms(mesh, {f"bf16 {k}": g for k, g in gemms.items()}, "bf16", 10)
+    attention = {}
+    for seq in (512 // scale, 1024, 2048, 4096, 8192)[:5 if scale == 1 else 1]:
+        for heads in (4, 8, 16, 32, 64):
+            for dim in (64, 128):
+                batch = max(1, 16384 // scale // seq)
+                run = cal._attention_run(mesh, (batch, heads, seq, dim), "bf16")
+                t = cal._median_rounds(mesh, [run], 5)[0]
+                attention[f"b{batch} a{heads} s{seq} d{dim}"] = 12.0 * batch * seq * seq * heads * dim / t / 1e12
+                torch.cuda.empty_cache()
+    memory = cal.measure_bandwidth(mesh, [1 << e for e in range(12, 29 if scale == 1 else 21, 2)], 10)
+    stream = {n: cal.measure_stream(mesh, n // scale, "fused", 5) for n in (1 << 20, 1 << 22, 1 << 24, 1 << 26)}
+    host = {n: cal.measure_host_update(mesh, n // scale, "fused", 3) for n in (1 << 22, 1 << 24, 1 << 26)}
+    RESULTS["sweep"] = {"gemm_bf16_tflops": {k.split()[1]: v for k, v in rates.items()},
+                        "attention_bf16_tflops": attention, "add_gb_s_by_bytes": dict(memory),
+                        "update_gb_s_by_params": stream, "host_adamw_gb_s_by_params": host}
+    mesh.close()
+
+
+def part_shapes(steps: int) -> None:
+    """A fresh cache, calibrated on `small`; then `small` and the 1 B model train and their
+    closing reports predict each from that cache (which measures and adds what it lacks at
+    the 1 B sizes). Both must come within 15% of the measured step."""
+    cache = tempfile.mkdtemp(prefix="plait-cache-")
+    env = {"PLAIT_CACHE_DIR": cache}
+    small = ["--model", "small", "--seq-len", "512", "--micro-batch", "8"]
+    common = ["--precision", "bf16", "--zero", "1", "--steps", str(steps), "--eval-every", "0", "--eval-samples", "4",
+              "--sample-tokens", "4", "--no-report", "--warmup-steps", "2"]
+    rc, out = sh([sys.executable, "-m", "plait", "calibrate", "--nproc", "1", "--out", str(LOG / "small.toml"),
+                  "--model", "small", "--micro-batch", "8", "--seq-len", "512", "--precision", "bf16"], env=env)
+    log(out[-1500:])
+    rows = {"small": plait_train("shape-small", [*small, *common], env=env),
+            "small --measure light": plait_train("shape-small-light", [*small, *common, "--measure", "light"], env=env),
+            "1b": plait_train("shape-1b", ["--model", BIG, *BIG_SHAPE, *common], env=env),
+            "1b again (cache holds its sizes)": plait_train("shape-1b-2", ["--model", BIG, *BIG_SHAPE, *common], env=env)}
+    for name in glob.glob(f"{cache}/hardware-*.toml"):
+        shutil.copy(name, LOG / "cache-after.toml")
+    RESULTS["shapes"] = {k: {"step_s": v.get("step_s"), "optimizer_s": v.get("optimizer_s"),
+                             "step_time": v.get("summary", {}).get("step_time"), "rc": v["rc"],
+                             "error": v.get("error")} for k, v in rows.items()}
+
+
 def _host_peak(row: dict[str, Any]) -> Any:
     import resource
 
@@ -372,6 +435,16 @@ def part_moe(steps: int) -> None:
 def table() -> str:
     lines = []
     gib = 2 ** 30
+    if "shapes" in RESULTS:
+        lines += ["| run, calibrated on small | measured s/step | predicted s/step | ratio | optimizer measured / predicted |",
+                  "|---|---|---|---|---|"]
+        for k, r in RESULTS["shapes"].items():
+            t = r.get("step_time") or {}
+            if t:
+                lines.append(f"| {k} | {t['measured']['step']:.4f} | {t['predicted']['step']:.4f} | {t['ratio']:.3f} | "
+                             f"{t['measured']['optimizer']:.4f} / {t['predicted']['optimizer']:.4f} |")
+            else:
+                lines.append(f"| {k} | rc {r['rc']} | | | |")
     if "correct" in RESULTS:
         lines += ["| path (tiny GPT unless named) | rc | loss first | loss last | s/step | peak GiB |", "|---|---|---|---|---|---|"]
         for k, r in RESULTS["correct"].items():
@@ -454,7 +527,8 @@ def main() -> None:
             {"correct": part_correct, "speed": lambda: part_speed(args.steps), "predict": part_predict,
              "offload": lambda: part_offload(max(3, args.steps // 10)), "dp": lambda: part_dp(args.steps),
              "update": lambda: part_update_fp8(args.steps), "selective": part_selective,
-             "moe": lambda: part_moe(10), "rowwise": part_rowwise}[part]()
+             "moe": lambda: part_moe(10), "rowwise": part_rowwise, "sweep": part_sweep,
+             "shapes": lambda: part_shapes(args.steps)}[part]()
         except Exception as exc:  # noqa: BLE001
             import traceback
 

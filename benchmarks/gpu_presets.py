@@ -117,6 +117,13 @@ BLOOM_176B = GPTConfig(vocab_size=250880, n_layers=70, d_model=14336, n_heads=11
 NEMOTRON_4_15B = GPTConfig(vocab_size=256000, n_layers=32, d_model=6144, n_heads=48, n_kv_heads=8, ffn_hidden=24576,
                            max_seq_len=4096, mlp_matrices=2, tie_embeddings=False)
 # (source, model, hardware, GPUs, layout, figure kind, published %, or TFLOP/s for "hfu-tflops")
+def megatron_bucket_mb(dp: int) -> float:
+    """Megatron-Core's default gradient bucket: max(40 M, 1 M x dp) parameters (DDPConfig.bucket_size,
+    "larger DP sizes need larger buckets to ensure collectives do not become latency-bound"), of fp32
+    gradients (its grad buffer under bf16), in MiB: plait train --bucket-mb gives the same."""
+    return max(40_000_000, 1_000_000 * dp) * 4 / 2**20
+
+
 PUBLISHED = (
     ("BLOOM tr11 (bigscience): tp 4, pp 12, dp 8, ZeRO-1, micro 2, batch 2048, full recompute", BLOOM_176B,
      "a100-80gb", 384, Workload(dp=8, tp=4, pp=12, zero=1, precision="bf16", micro_batch=2, grad_accum=128,
@@ -135,7 +142,7 @@ PUBLISHED = (
     *((f"Nemotron-4 15B (arXiv 2402.16819): tp 8 + sp, dp {dp}, batch {4 * dp}, micro 1, ZeRO-1 (assumed), "
        f"selective recompute (assumed)", NEMOTRON_4_15B, "h100-sxm", 8 * dp,
        Workload(dp=dp, tp=8, sp=True, zero=1, precision="bf16", micro_batch=1, grad_accum=4, seq_len=4096,
-                recompute="selective"), "mfu", published)
+                recompute="selective", bucket_mb=megatron_bucket_mb(dp)), "mfu", published)
       for dp, published in ((96, 34.3), (192, 33.3), (288, 30.5))),
 )
 
@@ -206,10 +213,15 @@ def _layout_text(row: dict) -> str:
 # the model adds its parts up, not that it generalises: another host's rate is `plait calibrate`'s.
 OFFLOAD_5B = ("small,vocab_size=32000,n_layers=24,d_model=4096,n_heads=32,n_kv_heads=32,ffn_hidden=11008,"
               "max_seq_len=2048,tie_embeddings=false")
+# The 1.04 B GPT of RESULTS.md's GPU section (llama-1b's shape, 32 k vocabulary), eager.
+GPT_1B = ("small,vocab_size=32000,n_layers=16,d_model=2048,n_heads=32,n_kv_heads=8,ffn_hidden=8192,"
+          "max_seq_len=2048,rope_theta=500000")
 MEASURED_RUNS = (
     ("5.12 B, ZeRO-3 --offload, bf16, full recompute, 4 x 2048 tokens, 1 H100 (2026-11-25)", OFFLOAD_5B,
      Workload(dp=1, zero=3, offload=True, precision="bf16", micro_batch=4, seq_len=2048, recompute="full"),
      "h100-sxm", 11.60),
+    ("1.04 B GPT, bf16, ZeRO-1, 8 x 2048 tokens, eager, 1 H200 (2026-11-27)", GPT_1B,
+     Workload(dp=1, zero=1, precision="bf16", micro_batch=8, seq_len=2048), "h200", 0.280),
 )
 
 

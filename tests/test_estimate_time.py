@@ -43,7 +43,9 @@ def test_one_gpu_large_gemms_run_at_the_gemm_efficiency() -> None:
     from plait.estimate.ops import Gemm, gemm_s
 
     g = Gemm(8192, 8192, 8192)
-    assert gemm_s(g, "bf16", H100) == pytest.approx(g.flops / (989e12 * H100.compute_efficiency))
+    ramp = H100.gemm_fixed_us * 1e-6  # a product's ramp and tail (hardware.GEMM_RAMP_US): 1% of this one
+    assert gemm_s(g, "bf16", H100) == pytest.approx(g.flops / (989e12 * H100.compute_efficiency) + ramp)
+    assert 0 < ramp < 0.01 * gemm_s(g, "bf16", H100)
     step = estimate_time(get_preset("llama-1b"), Workload(precision="bf16", seq_len=2048, micro_batch=4), H100, 8)
     assert 0.5 * H100.compute_efficiency < step.mfu < H100.compute_efficiency
 
@@ -83,19 +85,22 @@ def test_collective_time_is_latency_plus_bandwidth() -> None:
 
 
 def test_which_axes_leave_the_node() -> None:
-    def links(**degrees: int) -> dict[str, bool]:
+    """0 for a group inside one node, else how many of its ranks share each node (ranks
+    numbered tp fastest, then cp, dp, pp): what NCCL's ring and tree latencies depend on."""
+    def links(**degrees: int) -> dict[str, int]:
         found = inter_node(Workload(**degrees), 8)
         return {axis: found[axis] for axis in ("tp", "cp", "dp", "pp", "world")}
 
-    assert links(dp=2, tp=4) == {"tp": False, "cp": False, "dp": False, "pp": False, "world": False}
-    assert links(dp=4, tp=8, pp=2) == {"tp": False, "cp": False, "dp": True, "pp": True, "world": True}
-    assert links(dp=1, tp=8, pp=4) == {"tp": False, "cp": False, "dp": False, "pp": True, "world": True}
+    assert links(dp=2, tp=4) == {"tp": 0, "cp": 0, "dp": 0, "pp": 0, "world": 0}
+    assert links(dp=4, tp=8, pp=2) == {"tp": 0, "cp": 0, "dp": 1, "pp": 1, "world": 8}
+    assert links(dp=1, tp=8, pp=4) == {"tp": 0, "cp": 0, "dp": 0, "pp": 1, "world": 8}
+    assert links(dp=8, tp=2, pp=2)["dp"] == 4  # dp ranks 2 apart: four of them in each node
     # cp ranks sit between tp and dp: cp 2 × tp 4 fills a node, so dp leaves it
-    assert links(dp=2, cp=2, tp=4, seq_len=64) == {"tp": False, "cp": False, "dp": True, "pp": True, "world": True}
+    assert links(dp=2, cp=2, tp=4, seq_len=64) == {"tp": 0, "cp": 0, "dp": 1, "pp": 1, "world": 8}
     # --dp-shard 4 with tp 2: a shard group is 8 neighbouring ranks, one node; its replicas span nodes
     hybrid = inter_node(Workload(dp=16, tp=2, zero=3, dp_shard=4), 8)
-    assert (hybrid["dp_shard"], hybrid["dp_replicate"], hybrid["dp"]) == (False, True, True)
-    assert inter_node(Workload(dp=16, tp=2, zero=3), 8)["dp_shard"] is True  # plain ZeRO: all 32 ranks
+    assert (hybrid["dp_shard"], hybrid["dp_replicate"], hybrid["dp"]) == (0, 1, 4)
+    assert inter_node(Workload(dp=16, tp=2, zero=3), 8)["dp_shard"] == 4  # plain ZeRO: all 32 ranks
 
 
 def test_inter_node_dp_is_slower() -> None:
@@ -176,3 +181,33 @@ def test_toml_full_table_and_errors(tmp_path) -> None:
         load_hardware(tmp_path / "empty.toml")
     with pytest.raises(PlaitError, match="cannot read hardware file"):
         load_hardware(tmp_path / "missing.toml")
+
+
+def test_collectives_across_nodes_are_priced_as_nccl_prices_them() -> None:
+    """A ring pays the network's latency only where it crosses nodes; an all-reduce takes the
+    double binary tree when that is faster (NCCL's tuning model, src/graph/tuning.cc)."""
+    h100 = get_hardware("h100-sxm")
+    near, far, bw = 3e-6, 8e-6, 50e9
+    # 16 ranks, 8 a node: one of the all-gather's 15 steps crosses the network (N - 1 = 1)
+    wire = 15 / 16 * 64e6 / bw
+    assert collective_s("all_gather", 64e6, 16, h100, 8) == pytest.approx(14 * near + 1 * far + wire)
+    # a large all-reduce over 16 ranks on 2 nodes: the ring (its latency is small beside the tree's bandwidth)
+    wire = 2 * 15 / 16 * 1e9 / bw
+    assert collective_s("all_reduce", 1e9, 16, h100, 8) == pytest.approx(2 * (14 * near + 1 * far) + wire)
+    # 8 bytes over 2,304 GPUs (288 nodes): the tree, 2·(7·near + 9·far) and the bytes at 0.9
+    tree = 2 * (7 * near + 9 * far) + 2 * 2303 / 2304 * 8 / (0.9 * bw)
+    assert collective_s("all_reduce", 8, 2304, h100, 8) == pytest.approx(tree)
+    assert collective_s("all_reduce", 8, 2304, h100, 8) < 2 * 2303 * far / 100  # not 4,606 network steps
+    # one rank a node (True): every ring step crosses, as before
+    assert collective_s("reduce_scatter", 1e6, 4, h100, True) == pytest.approx(3 * far + 3 / 4 * 1e6 / bw)
+
+
+def test_the_estimate_follows_the_runs_gradient_buckets() -> None:
+    """--bucket-mb: one collective per bucket, so larger buckets pay fewer latencies (a
+    Megatron-Core run's max(40 M, 1 M x dp) parameters, not plait's 25 MiB); zero refused."""
+    config, hw = get_preset("llama-7b"), get_hardware("h100-sxm")
+    base = Workload(dp=64, zero=1, precision="bf16", micro_batch=1, grad_accum=4, seq_len=2048)
+    small, large = (estimate_time(config, base.replace(bucket_mb=mb), hw, 8) for mb in (25.0, 400.0))
+    assert large.dp_s < small.dp_s and large.compute_s == small.compute_s
+    with pytest.raises(PlaitError, match="--bucket-mb must be a positive number"):
+        base.replace(bucket_mb=0)

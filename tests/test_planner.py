@@ -130,14 +130,16 @@ def test_the_bounds_hold_on_every_layout() -> None:
 def test_why_heavier_recompute_and_zero_are_not_pruned_as_slower() -> None:
     """The claims the planner does not rely on, in this time model. Without a pipeline a longer
     backward hides more of ZeRO-3's sync: llama-7b's selective recomputation costs 12.7 ms of
-    compute and no step time. And ZeRO-1 shards the update: faster than ZeRO-0."""
+    compute and under a third of that in step time. And ZeRO-1 shards the update: its
+    optimizer step is four times faster than ZeRO-0's, yet its step is not, here (by 3%: the
+    weights' gather is exposed, and ZeRO-0's all-reduce may take NCCL's tree)."""
     config, hw = get_preset("llama-7b"), get_hardware("h100-sxm")
     base = Workload(dp=8, tp=2, sp=True, zero=3, precision="bf16", micro_batch=4, grad_accum=1, seq_len=2048)
     plain, selective = (estimate_time(config, base.replace(recompute=r), hw, 8) for r in ("none", "selective"))
     assert selective.compute_s - plain.compute_s == pytest.approx(0.0127, abs=5e-4)
-    assert selective.step_s == pytest.approx(plain.step_s, rel=1e-12)
+    assert 0 <= selective.step_s - plain.step_s < (selective.compute_s - plain.compute_s) / 3
     zero0, zero1 = (estimate_time(config, base.replace(zero=z), hw, 8) for z in (0, 1))
-    assert zero1.optimizer_s < zero0.optimizer_s and zero1.step_s < zero0.step_s
+    assert zero1.optimizer_s < zero0.optimizer_s / 4 and zero0.step_s < zero1.step_s < zero0.step_s * 1.05
 
 
 def test_top_limits_the_list() -> None:
@@ -150,7 +152,7 @@ def test_schedule_restricts_the_search() -> None:
     for schedule, allowed in (("1f1b", {"1f1b"}), ("gpipe,zb-h1", {"gpipe", "zb-h1"}), (None, set(SEARCHED_SCHEDULES))):
         rows = plan(cfg, gpus=16, global_batch=32, seq_len=2048, schedule=schedule, top=200)
         assert {r["schedule"] for r in rows if r["pp"] > 1} <= allowed
-    assert {r["schedule"] for r in plan(cfg, gpus=16, global_batch=32, seq_len=2048, top=200) if r["pp"] > 1} == {
+    assert {r["schedule"] for r in plan(cfg, gpus=16, global_batch=32, seq_len=2048, top=2000) if r["pp"] > 1} == {
         "1f1b", "interleaved", "zb-h1"}
 
 
@@ -216,7 +218,7 @@ def test_explain_says_why_the_first_layout_wins(capsys) -> None:
                  "the best layout with", "cp = 1: ", "no sp: ", "ZeRO 0-2: "):
         assert part in text
     assert re.search(r"no recompute: nothing fits \(the smallest needs [\d.]+ GiB\)", text)
-    assert "ZeRO 0-2: 9.79 s, 3.9% slower (dp=1 tp=4 pp=4 zero=0 sp, interleaved x4, micro-batch 1 x 32" in text
+    assert "ZeRO 0-2: 10 s, 5.1% slower (dp=1 tp=2 pp=8 zero=0 sp, interleaved x2, micro-batch 1 x 32" in text
     assert len(text.splitlines()) <= 12
 
 

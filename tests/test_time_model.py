@@ -17,9 +17,10 @@ from plait.families import shape_of
 
 def estimate_main(argv: list[str]) -> int:
     return estimate_with(argv, shape_of)
-from plait.estimate.hardware import get_hardware, hardware_toml, load_hardware
+from plait.errors import PlaitError
+from plait.estimate.hardware import get_hardware, hardware_toml, load_hardware, sized_rate
 from plait.estimate.layout import Workload, stages
-from plait.estimate.ops import Gemm, gemm_key, gemm_s, micro_batch_compute_s, optimizer_s
+from plait.estimate.ops import Gemm, fit_gemm_line, gemm_key, gemm_s, micro_batch_compute_s, optimizer_s
 from plait.models.gpt.config import get_preset
 from tests.worldlib import ROOT, run_world
 
@@ -62,8 +63,58 @@ def test_measured_gemm_changes_the_compute() -> None:
     assert micro_batch_compute_s(cfg, layout, stage, slow) > micro_batch_compute_s(cfg, layout, stage, CALIBRATED)
 
 
+def test_a_rate_keyed_by_size_is_read_between_and_beyond_the_sizes_it_was_taken_at() -> None:
+    """An op's time is linear in its size between two measured sizes and, beyond the largest,
+    grows at the last two sizes' marginal rate; below the smallest, the smallest's rate holds.
+    A profile with no table keeps its one figure."""
+    table = ((1_000_000, 1.0), (4_000_000, 2.0))  # times 1 and 2 (in size / rate)
+    assert sized_rate(table, 2_500_000) == pytest.approx(2_500_000 / 1_500_000)  # time 1.5
+    assert sized_rate(table, 10_000_000) == pytest.approx(10_000_000 / 4_000_000)  # 2 + 6 / 3 (marginal 3)
+    assert sized_rate(table, 1_000) == 1.0 and sized_rate(table, 4_000_000) == 2.0 and sized_rate((), 5) == 0.0
+    hw = replace(CPU, memory_by_size=((1 << 20, 4.0), (1 << 24, 6.0)), stream_by_size=((1 << 20, 2.0),))
+    assert hw.memory_rate(1 << 20) == 4e9 and hw.memory_rate(1 << 24) == 6e9 and CPU.memory_rate(1) == 8.8e9
+    assert hw.stream_rate(1 << 30) == 2e9 and CPU.stream_rate(1 << 30) == CPU.stream_bytes_per_s
+
+
+def test_a_gemm_no_one_measured_is_priced_by_the_line_through_those_measured() -> None:
+    """time = fixed + FLOPs / rate, fitted on relative errors: ten shapes made on 10 µs and
+    500 TFLOP/s give both back; one size alone gives its rate and no fixed part. A preset
+    charges the line at peak·efficiency plus its ramp."""
+    shapes = [Gemm(m, k, n) for m in (1024, 4096) for k in (512, 4096) for n in (256, 2048, 8192)][:10]
+    measured = {gemm_key(g, "bf16"): g.flops / (10e-6 + g.flops / 500e12) / 1e12 for g in shapes}
+    assert fit_gemm_line(measured) == pytest.approx((500.0, 10.0), rel=1e-6)
+    assert fit_gemm_line({"bf16 64x64x64": 3.0}) == (pytest.approx(3.0), 0.0)
+    h100, g = get_hardware("h100-sxm"), Gemm(4096, 4096, 4096)
+    assert gemm_s(g, "bf16", h100) == pytest.approx(g.flops / (989e12 * 0.7) + h100.gemm_fixed_us * 1e-6)
+
+
+def test_a_gpu_overlaps_host_costs_with_device_work_and_a_cpu_adds_them() -> None:
+    """The update's per-tensor costs and a micro-batch's per-op costs are host work: on a
+    GPU (queues_kernels) the longer of host and device counts, on a CPU their sum."""
+    cpu = replace(CALIBRATED, stream_gb_s=100.0)
+    gpu = replace(cpu, queues_kernels=True)
+    streamed, fixed = 100e6 / 100e9, 10 * (40 + 15) * 1e-6
+    assert optimizer_s(1_000_000, 10, cpu) == pytest.approx(streamed + fixed)
+    assert optimizer_s(1_000_000, 10, gpu) == pytest.approx(max(streamed, fixed))
+    cfg, layout = get_preset("tiny"), Workload(micro_batch=8, seq_len=128)
+    stage = stages(cfg, 1, 1, 1)[0]
+    summed = micro_batch_compute_s(cfg, layout, stage, cpu)
+    device = micro_batch_compute_s(cfg, layout, stage, replace(cpu, op_overhead_us=0.0, view_overhead_us=0.0))
+    assert micro_batch_compute_s(cfg, layout, stage, gpu) == pytest.approx(max(device, summed - device))
+    assert micro_batch_compute_s(cfg, layout, stage, gpu) < summed
+
+
+def test_queues_kernels_is_true_or_false() -> None:
+    with pytest.raises(PlaitError, match="queues_kernels must be true or false"):
+        replace(CPU, queues_kernels=1)
+
+
 def test_calibration_file_round_trips_through_hardware_file(tmp_path: Path, capsys) -> None:
     path = tmp_path / "hw.toml"
+    sized = replace(CALIBRATED, memory_by_size=((4096, 2.5), (1 << 20, 7.0)), stream_by_size=((1 << 20, 3.5),),
+                    queues_kernels=True, gemm_fixed_us=12.5)
+    path.write_text(hardware_toml(sized, {"plait calibration of": "a test"}))
+    assert load_hardware(path) == sized
     path.write_text(hardware_toml(CALIBRATED, {"plait calibration of": "a test"}))
     assert load_hardware(path) == CALIBRATED
     assert estimate_main(["--model", "tiny", "--dp", "2", "--precision", "fp32", "--micro-batch", "8",
@@ -119,7 +170,7 @@ def test_table_2_of_narayanan_et_al() -> None:
 # Each published run's prediction/published ratio: within 10% where the model holds, else the
 # band it is known to err in (docs/estimate.md says why), so that a change moving either shows.
 PUBLISHED_BANDS = {"BLOOM": (1.20, 1.32), "MPT-7B": (1.05, 1.15), "MPT-30B": (0.90, 1.10), "MPT-70B": (0.90, 1.10),
-                   "Nemotron-4 15B": (0.40, 0.70)}
+                   "Nemotron-4 15B": (0.80, 1.00)}
 
 
 def test_published_runs_each_in_their_own_definition() -> None:
@@ -165,7 +216,10 @@ def test_prediction_holds_on_this_machine_after_calibration(tmp_path: Path) -> N
 
 
 def test_train_uses_a_cached_calibration_of_this_machine(tmp_path: Path, monkeypatch) -> None:
-    """No cache: a quick calibration, saved under the user cache dir; the next run reads it."""
+    """No cache: a quick calibration, saved under the user cache dir; the next run reads it.
+    A larger model's run finds the cache lacking its GEMM shapes, its activation's bandwidth
+    and its update's rate: they are measured and added beside the small model's, each keyed
+    by its size, and a third run reads them all."""
     from types import SimpleNamespace
 
     from plait.bench.machine import cache_path, machine_facts
@@ -189,6 +243,14 @@ def test_train_uses_a_cached_calibration_of_this_machine(tmp_path: Path, monkeyp
     assert first.gemm_tflops("fp32 64x64x192") > 0 and first.name.startswith("calibrated")
     again, source = run_hardware(trainer)
     assert source.startswith("cached calibration") and again == first
+    larger = SimpleNamespace(config=TrainConfig(model="small", micro_batch=8, seq_len=128), mesh=mesh,
+                             task=SimpleNamespace(calibration_shape=lambda: (get_preset("small"), 128)))
+    grown, source = run_hardware(larger)
+    assert source.endswith("(+ what it lacked at this model's sizes)"), source
+    assert [n for n, _ in grown.memory_by_size] == [2 * 32 * 64 * 4, 8 * 128 * 384 * 4]  # an activation's bytes
+    assert [n for n, _ in grown.stream_by_size] == [get_preset("tiny").num_params(), get_preset("small").num_params()]
+    assert set(first.gemm) < set(grown.gemm) and grown.gemm_tflops("fp32 1024x384x384") > 0
+    assert run_hardware(larger) == (grown, f"cached calibration {cache_path(machine_facts(mesh))}")
     monkeypatch.setenv("PLAIT_CALIBRATION", "off")
     assert run_hardware(trainer)[0].name == "cpu"
     torch.set_num_threads(threads)

@@ -16,6 +16,7 @@ Each timing is the median of several runs; across ranks the slowest counts.
 from __future__ import annotations
 
 import ctypes
+import math
 import statistics
 import time
 from typing import Any, Callable
@@ -45,7 +46,9 @@ from plait.parallel.compose import adamw_kernel
 # Raised whenever what is measured, or how, changes: machine.py keys its cache on it.
 # 2: the update (norm, clipping, AdamW) timed at the model's size; per-piece check costs.
 # 3: the host's AdamW (host_mem_gb_s, for offload) measured, on at least HOST_UPDATE_MIN parameters.
-METHOD_VERSION = 3
+# 4: rates keyed by the size they were taken at (adds, the update); GPU timings queued; the update on
+#    the run's precision path (16-bit weights over fp32 masters).
+METHOD_VERSION = 4
 
 
 def _median_s(fn: Callable[[], Any], reps: int) -> float:
@@ -116,13 +119,22 @@ def measure_gemms(mesh: Mesh, gemms: dict[str, Gemm], precision: str, reps: int)
     """{key: TFLOP/s} of each GEMM shape, slowest rank."""
     dtype, device = _dtype(precision), mesh.device
 
+    queued = queue_depth(device)
+
     def gemm(g: Gemm) -> Callable[[], Any]:
         a = torch.randn(g.m, g.k, dtype=dtype, device=device)
         b = torch.randn(g.k, g.n, dtype=dtype, device=device)
-        return lambda: (torch.mm(a, b), _sync(mesh))
+        return lambda: ([torch.mm(a, b) for _ in range(queued)], _sync(mesh))
 
     times = _slowest(mesh, _median_rounds(mesh, [gemm(g) for g in gemms.values()], reps))
-    return {key: g.flops / t / 1e12 for (key, g), t in zip(gemms.items(), times)}
+    return {key: queued * g.flops / t / 1e12 for (key, g), t in zip(gemms.items(), times)}
+
+
+def queue_depth(device: torch.device) -> int:
+    """Ops issued before each sync when timing one: on a GPU, several, so that the time is
+    the device's rate in a stream of kernels (as in training) rather than one launch's round
+    trip to the host and back; on a CPU, where nothing queues, one."""
+    return 8 if device.type == "cuda" else 1
 
 
 def measure_attention(mesh: Mesh, config: GPTConfig, micro_batch: int, seq_len: int,
@@ -153,37 +165,68 @@ def _attention_run(mesh: Mesh, shape: tuple[int, ...], precision: str) -> Callab
 
 
 def measure_memory(mesh: Mesh, elements: int, tensors: int, reps: int, params: int = 0,
-                   optimizer_kernel: str = "fused") -> dict[str, float]:
-    """Bandwidth of an allocating add on `elements` floats (an activation's size) and of the
-    guarded update over `params` parameters (its rate in the bytes the time model counts);
-    the loop's walk over `tensors` parameter-like tensors (its per-step bookkeeping); and
-    the fixed costs of ops, views, optimizer tensors and gradient checks (`measure_dispatch`).
-    The updates run AdamW with the kernel the run will (plait.parallel.compose.adamw_kernel)."""
+                   optimizer_kernel: str = "fused", spread: int = 1, precision: str = "fp32") -> dict[str, Any]:
+    """Bandwidth of allocating adds of `elements` floats (an activation's size; with `spread`
+    > 1 also that size divided and multiplied by it) and of the guarded update over `params`
+    parameters (its rate in the bytes the time model counts), each keyed by the size it was
+    taken at; the loop's walk over `tensors` parameter-like tensors (its per-step
+    bookkeeping); and the fixed costs of ops, views, optimizer tensors and gradient checks
+    (`measure_dispatch`). The update runs AdamW with the kernel the run will
+    (plait.parallel.compose.adamw_kernel), on weights of the run's precision."""
     device = mesh.device
-    x, y = (torch.randn(elements, device=device) for _ in range(2))
     many = [torch.ones(4, device=device) for _ in range(3 * tensors)]
-    add = _median_s(lambda: (torch.add(x, y), _sync(mesh)), reps)  # allocating, as eager ops do
     walk = _median_s(lambda: storage_bytes(many), reps)
     one = torch.ones(1, device=device)
     view = _median_s(lambda: [one.view(-1) for _ in range(100)], reps) / 100
     block, step, checks = measure_dispatch(mesh, reps, optimizer_kernel)
-    streamed = min(params, STREAM_CAP)
-    if device.type == "cpu":
-        keep_heap_like_training()
-    update = _median_s(_flat_update(mesh, streamed, optimizer_kernel), reps) if streamed else 0.0
-    add, walk, view, block, step, checks, update = _slowest(mesh, [add, walk, view, block, step, checks, update])
+    walk, view, block, step, checks = _slowest(mesh, [walk, view, block, step, checks])
     op = max(0.0, block - view * DISPATCH_VIEWS) / DISPATCH_OPS
-    per_tensor = (step + checks) / DISPATCH_TENSORS
-    pieces = -(-streamed // UPDATE_CHUNK)
-    net = max(update - pieces * per_tensor, 1e-9)
-    stream = {"stream_gb_s": UPDATE_BYTES * streamed / net / 1e9} if streamed else {}
-    return {**stream, "memory_gb_s": 3 * elements * 4 / add / 1e9, "op_overhead_us": op * 1e6,
+    sizes = sorted({max(1, elements // spread), elements, elements * spread})
+    memory = measure_bandwidth(mesh, sizes, reps)
+    streamed = min(params, stream_cap(device))
+    stream = (streamed, measure_stream(mesh, streamed, optimizer_kernel, reps, precision)) if streamed else None
+    return {**({"stream_gb_s": stream[1], "stream_by_size": (stream,)} if stream else {}),
+            "memory_gb_s": dict(memory)[elements * 4], "memory_by_size": memory, "op_overhead_us": op * 1e6,
             "view_overhead_us": view * 1e6, "step_overhead_us": walk * 1e6,
             "optimizer_tensor_us": step / DISPATCH_TENSORS * 1e6, "grad_tensor_us": checks / DISPATCH_TENSORS * 1e6}
 
 
+def measure_bandwidth(mesh: Mesh, sizes: list[int], reps: int) -> tuple[tuple[int, float], ...]:
+    """((bytes written, GB/s read + written), ...) of an allocating fp32 add, as eager ops
+    do, at each of `sizes` elements, queued as `queue_depth` says; the slowest rank counts."""
+    queued = queue_depth(mesh.device)
+
+    def adds(elements: int) -> Callable[[], Any]:
+        x, y = (torch.randn(elements, device=mesh.device) for _ in range(2))
+        return lambda: ([torch.add(x, y) for _ in range(queued)], _sync(mesh))
+
+    times = _slowest(mesh, _median_rounds(mesh, [adds(n) for n in sizes], reps))
+    return tuple((n * 4, 3 * n * 4 * queued / t / 1e9) for n, t in zip(sizes, times))
+
+
+def measure_stream(mesh: Mesh, params: int, optimizer_kernel: str, reps: int, precision: str = "fp32") -> float:
+    """GB/s (in ops.py's UPDATE_BYTES a parameter) of the guarded update over `params`
+    parameters in UPDATE_CHUNK-sized tensors, slowest rank, on the path the run's precision
+    takes: fp32 weights clipped in place, or 16-bit weights whose fp32 masters step with the
+    clip factor folded in (plait.parallel.masters), which moves other bytes at other speeds
+    (the 1 B GPT's bf16 update ran twice the fp32 one's rate a parameter on an H200). The
+    chunks' fixed costs stay in:
+    on a CPU they are a fraction of a percent of this size's pass, and on a GPU the host
+    launches them while the device works, so subtracting them would be wrong there."""
+    if mesh.device.type == "cpu":
+        keep_heap_like_training()
+    update = _slowest(mesh, [_median_s(_flat_update(mesh, params, optimizer_kernel, precision), reps)])[0]
+    return UPDATE_BYTES * params / update / 1e9
+
+
+def stream_cap(device: torch.device) -> int:
+    """Parameters the timed update steps at most: past any cache (a GPU's L2 is 50-60 MB,
+    so 256 MiB a state there), and bounded in time on a CPU (64 MiB a state)."""
+    return STREAM_CAP * (4 if device.type == "cuda" else 1)
+
+
 HOST_UPDATE_MIN = 1 << 22  # the host's AdamW timed on at least this many parameters: a rate, not overheads
-STREAM_CAP = 1 << 24  # parameters in the timed update (64 MiB each state): past any cache, bounded
+STREAM_CAP = 1 << 24  # parameters in the timed update on a CPU (see stream_cap)
 UPDATE_CHUNK = 1 << 20  # parameters per tensor there, about a large weight of a model this size
 
 
@@ -217,43 +260,58 @@ def measure_host_update(mesh: Mesh, params: int, optimizer_kernel: str, reps: in
     return HOST_ADAM_BYTES * params / seconds / 1e9
 
 
-def _flat_update(mesh: Mesh, params: int, optimizer_kernel: str) -> Callable[[], None]:
+def _flat_update(mesh: Mesh, params: int, optimizer_kernel: str, precision: str = "fp32") -> Callable[[], None]:
     """The guarded update (finite check, clipping, AdamW) over `params` parameters cut into
     UPDATE_CHUNK-sized tensors: the optimizer states are as large as the model's, so their
     pass runs past the caches at the speed it will in training."""
-    return _guarded_update(mesh, *_flat_adamw(params, mesh.device, optimizer_kernel))
+    return _guarded_update(mesh, *_flat_adamw(params, mesh.device, optimizer_kernel, precision))
 
 
-def _flat_adamw(params: int, device: torch.device, optimizer_kernel: str) -> tuple[torch.nn.ParameterList,
-                                                                                  torch.optim.AdamW]:
-    """`params` parameters on `device` in UPDATE_CHUNK-sized tensors, each with a gradient,
-    and the AdamW (with the run's kernel) that steps them: what the timed updates run."""
+def _flat_adamw(params: int, device: torch.device, optimizer_kernel: str,
+                precision: str = "fp32") -> tuple[torch.nn.ParameterList, torch.optim.Optimizer]:
+    """`params` parameters on `device` in UPDATE_CHUNK-sized tensors of the precision's dtype,
+    each with a gradient, and the AdamW (with the run's kernel; over fp32 masters for 16-bit
+    weights, as plait.parallel.compose.build_optimizer builds it) that steps them."""
+    from plait.parallel.masters import MasterOptimizer
+    from plait.parallel.precision import param_dtype
+
+    dtype = param_dtype(precision)
     sizes = [min(UPDATE_CHUNK, params - start) for start in range(0, params, UPDATE_CHUNK)]
-    holder = torch.nn.ParameterList(torch.nn.Parameter(torch.ones(n, device=device)) for n in sizes)
+    holder = torch.nn.ParameterList(torch.nn.Parameter(torch.ones(n, device=device, dtype=dtype)) for n in sizes)
     for p in holder:
         p.grad = torch.full_like(p, 1e-3)
-    return holder, torch.optim.AdamW(holder.parameters(), lr=1e-3, weight_decay=0.1,
-                                     **adamw_kernel(optimizer_kernel, device))
+    kwargs = dict(lr=1e-3, weight_decay=0.1, **adamw_kernel(optimizer_kernel, device))
+    if dtype == torch.float32:
+        return holder, torch.optim.AdamW(holder.parameters(), **kwargs)
+    return holder, MasterOptimizer([{"params": list(holder.parameters())}], torch.optim.AdamW, **kwargs)
 
 
-def _gradient_checks(mesh: Mesh, model: torch.nn.Module) -> Callable[[], None]:
+def _gradient_checks(mesh: Mesh, model: torch.nn.Module,
+                     optimizer: torch.optim.Optimizer | None = None) -> Callable[[], None]:
     """The step guard's work before the update, minus its all-reduce, as it runs it: one
-    read of the gradients for the finite check and the clipping norm, then the clipping
-    (plait/parallel/precision.py, clip.py)."""
+    read of the gradients for the finite check and the clipping norm, then the clipping,
+    in place for fp32 weights, or as the masters' gradient scale for 16-bit ones
+    (plait/parallel/precision.py: StepGuard.clip, clip.py)."""
     from plait.parallel.clip import clip_grad_norm, gradient_squares
     from plait.parallel.precision import first_nonfinite
+
+    folds = getattr(optimizer, "grad_scale", None) is not None
 
     def run() -> None:
         squares = gradient_squares(model)
         first_nonfinite(model, squares)
-        clip_grad_norm(model, 1.0, squares)
+        if folds:
+            clip_grad_norm(model, math.inf, squares)
+            optimizer.grad_scale = 0.5  # a clip factor that is not 1, as a clipped step has
+        else:
+            clip_grad_norm(model, 1.0, squares)
         _sync(mesh)
 
     return run
 
 
 def _guarded_update(mesh: Mesh, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
-    checks = _gradient_checks(mesh, model)
+    checks = _gradient_checks(mesh, model, optimizer)
     return lambda: (checks(), optimizer.step(), _sync(mesh))
 
 

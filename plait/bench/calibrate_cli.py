@@ -65,7 +65,7 @@ def _rank_main(args: argparse.Namespace, config: object, tps: list[int]) -> int:
         hw = machine.calibrate(mesh, config, micro_batch=args.micro_batch, seq_len=args.seq_len,
                                tp_sizes=tps, precision=args.precision, quick=args.quick)
         if mesh.is_main:
-            facts = machine.machine_facts(mesh)
+            facts = machine.machine_facts(mesh, precision=args.precision)
             machine.save(hw, Path(args.out), facts)
             if not args.no_cache:
                 machine.save(hw, machine.cache_path(facts), facts)

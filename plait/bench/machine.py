@@ -21,6 +21,7 @@ import torch
 
 from plait.bench import calibrate as cal
 from plait.estimate.hardware import Hardware, get_hardware, hardware_toml, load_hardware
+from plait.estimate.ops import Gemm, fit_gemm_line, gemm_key
 from plait.models.gpt.config import GPTConfig
 from plait.runtime import comm
 from plait.runtime.env import cache_root
@@ -43,14 +44,14 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_facts(mesh: Mesh, optimizer_kernel: str = "fused") -> dict[str, str]:
-    """What a calibration depends on, the method's version and the AdamW kernel it timed
-    included: a cache taken by an older method (fewer fields, other definitions) or for
-    another kernel is not read."""
+def machine_facts(mesh: Mesh, optimizer_kernel: str = "fused", precision: str = "fp32") -> dict[str, str]:
+    """What a calibration depends on, the method's version, the AdamW kernel and the
+    precision it timed included: a cache taken by an older method (fewer fields, other
+    definitions), for another kernel or for another precision's update is not read."""
     local = os.environ.get("LOCAL_WORLD_SIZE", str(mesh.env.world_size))
     return {"host": socket.gethostname(), "cpu": cpu_name(), "gpu": device_name(mesh),
             "torch": torch.__version__, "local_ranks": local, "threads": str(torch.get_num_threads()),
-            "method": str(cal.METHOD_VERSION), "optimizer": optimizer_kernel}
+            "method": str(cal.METHOD_VERSION), "optimizer": optimizer_kernel, "precision": precision}
 
 
 def cache_path(facts: dict[str, str]) -> Path:
@@ -77,28 +78,42 @@ def calibrate(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len: int, 
     rates = cal.measure_gemms(mesh, gemms, precision, reps)
     rates.update(cal.measure_attention(mesh, config, micro_batch, seq_len, tp_sizes, precision, reps))
     memory = cal.measure_memory(mesh, micro_batch * seq_len * config.d_model, 9 * config.n_layers + 3, reps,
-                                params=config.num_params(), optimizer_kernel=optimizer_kernel)
+                                params=config.num_params(), optimizer_kernel=optimizer_kernel,
+                                spread=1 if quick else 8, precision=precision)
     host_params = max(min(config.num_params(), cal.STREAM_CAP), cal.HOST_UPDATE_MIN)
     memory["host_mem_gb_s"] = cal.measure_host_update(mesh, host_params, optimizer_kernel, reps)
     links = cal.measure_links(mesh, (2 if quick else 16) * 2**20, reps) if mesh.env.world_size > 1 else ()
-    facts = machine_facts(mesh, optimizer_kernel)
+    facts = machine_facts(mesh, optimizer_kernel, precision)
     base = base_preset(facts["gpu"])
-    peak = max((r for k, r in rates.items() if not k.startswith("attn")), default=0.0)
-    peak_field = "peak_fp32_tflops" if precision == "fp32" else "peak_bf16_tflops"
     fields: dict[str, object] = {
-        "name": f"calibrated {facts['host']}", peak_field: peak, "compute_efficiency": 1.0,
-        "gemm": tuple(sorted(rates.items())), "links": links, **memory}
+        "name": f"calibrated {facts['host']}", "compute_efficiency": 1.0, "gemm": tuple(sorted(rates.items())),
+        "links": links, **memory, **gemm_line(rates, precision, memory["op_overhead_us"], mesh.device.type)}
+    peak = max(fields["peak_fp32_tflops" if precision == "fp32" else "peak_bf16_tflops"], 1e-9)
     if attention and rates.get(attention[0]):
         fields["attention_efficiency"] = min(1.0, rates[attention[0]] / peak)
     if links:
         n, latency, gb_s = links[-1]
         fields.update(intra_node_latency_us=latency, intra_node_gb_s=gb_s)
+    fields["queues_kernels"] = mesh.device.type == "cuda"
     if mesh.device.type == "cpu":
         fields.update(pcie_gb_s=memory["memory_gb_s"],
                       gpus_per_node=max(base.gpus_per_node, mesh.env.world_size))
         if links:
             fields.update(inter_node_latency_us=links[-1][1], inter_node_gb_s=links[-1][2])
     return replace(base, **fields)
+
+
+def gemm_line(rates: dict[str, float], precision: str, op_overhead_us: float, device: str) -> dict[str, float]:
+    """The peak and fixed cost that price a GEMM shape the calibration did not measure: the
+    line through the measured ones (plait.estimate.ops.fit_gemm_line). On a CPU their times
+    hold each op's dispatch, which ops.gemm_s adds on its own; on a GPU the queued timings
+    do not."""
+    dtype = gemm_key(Gemm(1, 1, 1), precision).split()[0]  # how its GEMMs are keyed: fp32, bf16 or fp8
+    tflops, fixed_us = fit_gemm_line({k: r for k, r in rates.items() if k.split()[0] == dtype})
+    if device == "cpu":
+        fixed_us = max(0.0, fixed_us - op_overhead_us)
+    peak_field = "peak_fp32_tflops" if precision == "fp32" else "peak_bf16_tflops"
+    return {peak_field: tflops, "gemm_fixed_us": fixed_us}
 
 
 def save(hw: Hardware, path: Path, facts: dict[str, str]) -> None:
@@ -111,27 +126,68 @@ def save(hw: Hardware, path: Path, facts: dict[str, str]) -> None:
 
 def machine_hardware(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len: int, tp: int,
                      precision: str, optimizer_kernel: str = "fused") -> tuple[Hardware, str]:
-    """This machine's profile for the closing prediction, and where it came from."""
-    facts = machine_facts(mesh, optimizer_kernel)
+    """This machine's profile for the closing prediction, and where it came from.
+
+    A cached calibration is read for what it measured at this run's sizes: the GEMM and
+    attention shapes, an activation's bytes and the update's parameters. What it lacks is
+    measured now and added to the cache, so that a calibration taken on a small model is
+    never stretched over a large one."""
+    facts = machine_facts(mesh, optimizer_kernel, precision)
     path = cache_path(facts)
     cached = _load_or_none(path)
-    _, gemms = cal.model_shapes(config, micro_batch, seq_len, [tp], precision)
-    missing = {k: g for k, g in gemms.items() if cached is None or not cached.gemm_tflops(k)}
-    need = torch.tensor([float(cached is None), float(bool(missing))], device=mesh.device)
+    attention, gemms = cal.model_shapes(config, micro_batch, seq_len, [tp], precision)
+    activation = micro_batch * seq_len * config.d_model
+    streamed = min(config.num_params(), cal.stream_cap(mesh.device))
+    lacks = _lacks(cached, gemms, attention, activation * 4, streamed)
+    need = torch.tensor([float(cached is None), *map(float, lacks)], device=mesh.device)
     comm.all_reduce(need, mesh.axis("world"), op="max", purpose=comm.TELEMETRY)
     if need[0].item():
         hw = calibrate(mesh, config, micro_batch=micro_batch, seq_len=seq_len, tp_sizes=[tp],
                        precision=precision, quick=True, optimizer_kernel=optimizer_kernel)
         source = f"quick calibration, cached in {path}"
-    elif need[1].item():
-        attention = cal.measure_attention(mesh, config, micro_batch, seq_len, [tp], precision, 3)
-        rates = {**dict(cached.gemm), **cal.measure_gemms(mesh, gemms, precision, 3), **attention}
-        hw, source = replace(cached, gemm=tuple(sorted(rates.items()))), f"cached calibration {path} (+ this model's GEMMs)"
+    elif need[1:].any().item():
+        hw = _add_sizes(mesh, cached, config, [bool(x) for x in need[1:].tolist()], gemms,
+                        (micro_batch, seq_len, tp, precision), activation, streamed, optimizer_kernel)
+        source = f"cached calibration {path} (+ what it lacked at this model's sizes)"
     else:
         return cached, f"cached calibration {path}"
     if mesh.is_main:
         save(hw, path, facts)
     return hw, source
+
+
+def _near(table: tuple[tuple[int, float], ...], size: int) -> bool:
+    """A size measured within a factor of two of `size`: close enough to interpolate from."""
+    return any(size / 2 <= row[0] <= size * 2 for row in table)
+
+
+def _lacks(cached: Hardware | None, gemms: dict[str, object], attention: list[str], activation_bytes: int,
+           streamed: int) -> tuple[bool, bool, bool]:
+    """What a cached profile has not measured for this run: (GEMM or attention shapes, an
+    activation's bandwidth, the update's rate)."""
+    if cached is None:
+        return True, True, True
+    shapes = any(not cached.gemm_tflops(k) for k in [*gemms, *attention])
+    return shapes, not _near(cached.memory_by_size, activation_bytes), bool(streamed) and not _near(
+        cached.stream_by_size, streamed)
+
+
+def _add_sizes(mesh: Mesh, cached: Hardware, config: GPTConfig, lacks: list[bool], gemms: dict[str, object],
+               shape: tuple[int, int, int, str], activation: int, streamed: int, optimizer_kernel: str) -> Hardware:
+    """`cached` with what it lacked measured and added (every rank calls this)."""
+    micro_batch, seq_len, tp, precision = shape
+    add: dict[str, object] = {}
+    if lacks[0]:
+        rates = {**dict(cached.gemm), **cal.measure_gemms(mesh, gemms, precision, 3),
+                 **cal.measure_attention(mesh, config, micro_batch, seq_len, [tp], precision, 3)}
+        add["gemm"] = tuple(sorted(rates.items()))
+        add.update(gemm_line(rates, precision, cached.op_overhead_us, mesh.device.type))
+    if lacks[1]:
+        add["memory_by_size"] = (*cached.memory_by_size, *cal.measure_bandwidth(mesh, [activation], 3))
+    if lacks[2]:
+        rate = cal.measure_stream(mesh, streamed, optimizer_kernel, 3, precision)
+        add["stream_by_size"] = (*cached.stream_by_size, (streamed, rate))
+    return replace(cached, **add)
 
 
 def _load_or_none(path: Path) -> Hardware | None:

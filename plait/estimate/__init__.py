@@ -137,7 +137,7 @@ def estimate_by_size(params: int, work: Workload, *, hardware: str | Hardware = 
                            zero=work.zero, dp_shard=work.dp_shard, prefetch=work.prefetch,
                            reshard_after_forward=work.reshard_after_forward, offload=work.offload, precision=work.precision,
                            micro_batch=work.micro_batch, grad_accum=work.grad_accum,
-                           reduce_dtype=work.reduce_dtype, seq_len=seq_len)
+                           reduce_dtype=work.reduce_dtype, bucket_mb=work.bucket_mb, seq_len=seq_len)
 
 
 def _whole(params: object) -> int:

@@ -50,6 +50,8 @@ def estimate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dp-shard", type=int, default=0, help="hybrid sharding: ZeRO inside groups of N "
                         "data-parallel ranks, replicas across them (0: all ranks)")
     parser.add_argument("--prefetch", type=int, default=1, help="ZeRO-3: units gathered ahead of the one computing")
+    parser.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket, MiB: one all-reduce or "
+                        "reduce-scatter each (plait train --bucket-mb)")
     parser.add_argument("--reshard-after-forward", default="true", choices=("true", "false"),
                         help="ZeRO-3: false keeps each unit gathered from forward to backward")
     parser.add_argument("--recompute", default="none", help=f"one of {', '.join(RECOMPUTE)}")
@@ -97,7 +99,7 @@ def estimate_main(argv: list[str], shape_of: ShapeOf) -> int:
         precision=args.precision, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
         seq_len=args.seq_len, recompute=args.recompute, schedule=args.schedule,
         virtual_stages=args.virtual_stages, stage_layers=parse_stage_layers(args.stage_layers), sp=args.sp,
-        reduce_dtype=args.reduce_dtype, prefetch=args.prefetch,
+        reduce_dtype=args.reduce_dtype, prefetch=args.prefetch, bucket_mb=args.bucket_mb,
         reshard_after_forward=args.reshard_after_forward == "true", hardware=hardware,
         gpus_per_node=args.gpus_per_node, params=args.params)
     name = args.model or f"a {args.params:.3g}-parameter model"

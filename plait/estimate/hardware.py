@@ -9,6 +9,7 @@ is limited by.
 
 from __future__ import annotations
 
+import math
 from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -42,22 +43,38 @@ class Hardware:
     attention_efficiency: float = 0.4  # fraction of peak a fused attention core reaches
     peak_fp8_tflops: float = 0.0  # dense float8 tensor-core peak; 0: no float8 units (fp8 runs at bf16's)
     op_overhead_us: float = 0.0  # fixed cost of one launched op (eager dispatch, not hidden)
+    # A GEMM of no measured shape costs its FLOPs at peak·compute_efficiency plus this: the
+    # ramp and tail of a product too small to fill the device (GEMM_RAMP_US below).
+    gemm_fixed_us: float = 0.0
     view_overhead_us: float = 0.0  # fixed cost of a view (reshape, transpose)
     step_overhead_us: float = 0.0  # the training loop's own cost per step (data, bookkeeping)
     optimizer_tensor_us: float = 0.0  # fixed cost per parameter tensor of an optimizer step
     grad_tensor_us: float = 0.0  # fixed cost per gradient piece of the finite check and clipping
+    # A GPU's host queues kernels ahead of the device: the update's fixed per-tensor costs
+    # (host launches) overlap its pass over the states instead of adding to it.
+    queues_kernels: bool = False
     # Measured by `plait calibrate`: TFLOP/s per GEMM or attention shape ("fp32 MxKxN"),
     # and (group size, µs per ring step, GB/s bus bandwidth) of the collectives in a node.
     gemm: tuple[tuple[str, float], ...] = ()
     links: tuple[tuple[int, float, float], ...] = ()
+    # Rates keyed by the size they were measured at, read between sizes by interpolation
+    # (`memory_rate`, `stream_rate`): an element-wise op's GB/s by the bytes it writes, and
+    # the update's GB/s by the parameters it steps. A rate taken on a small model is not
+    # reused for a large one: the calibration measures the size it lacks.
+    memory_by_size: tuple[tuple[int, float], ...] = ()
+    stream_by_size: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # One order for the measured tables, so that equal profiles compare equal.
-        object.__setattr__(self, "gemm", tuple(sorted(tuple(row) for row in self.gemm)))
-        object.__setattr__(self, "links", tuple(sorted(tuple(row) for row in self.links)))
+        for table in _TABLES:
+            object.__setattr__(self, table, tuple(sorted(tuple(row) for row in getattr(self, table))))
+        if not isinstance(self.queues_kernels, bool):
+            raise PlaitError(f"hardware {self.name!r}: queues_kernels must be true or false, "
+                             f"got {self.queues_kernels!r}",
+                             hint="true for a GPU (its host queues kernels ahead), false for a CPU")
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("name", "gemm", "links"):
+            if f.name in ("name", "queues_kernels") or f.name in _TABLES:
                 continue
             low_ok = f.name in _MAY_BE_ZERO and value == 0
             if not isinstance(value, (int, float)) or isinstance(value, bool) or (value <= 0 and not low_ok):
@@ -73,6 +90,17 @@ class Hardware:
     @property
     def memory_bytes_per_s(self) -> float:
         return self.memory_gb_s * 1e9
+
+    def memory_rate(self, op_bytes: float) -> float:
+        """Bytes/s of an element-wise op that writes `op_bytes`: the measured rate at that size
+        (log-interpolated between measured sizes, the nearest end's beyond them), else
+        memory_gb_s. Small ops reach less of the bandwidth than large ones on every device."""
+        return (sized_rate(self.memory_by_size, op_bytes) or self.memory_gb_s) * 1e9
+
+    def stream_rate(self, params: float) -> float:
+        """Bytes/s of the update over `params` parameters (ops.py's bytes): the rate measured at
+        the nearest sizes, else `stream_bytes_per_s`."""
+        return (sized_rate(self.stream_by_size, params) * 1e9) or self.stream_bytes_per_s
 
     @property
     def stream_bytes_per_s(self) -> float:
@@ -115,15 +143,44 @@ class Hardware:
         return (self.inter_node_latency_us if inter_node else self.intra_node_latency_us) * 1e-6
 
 
-_MAY_BE_ZERO = {"op_overhead_us", "view_overhead_us", "step_overhead_us", "optimizer_tensor_us", "grad_tensor_us",
+_TABLES = ("gemm", "links", "memory_by_size", "stream_by_size")
+
+
+def sized_rate(table: tuple[tuple[int, float], ...], size: float) -> float:
+    """The rate of `table` ((size, rate) rows, sorted) at `size`, 0.0 for an empty table.
+
+    An op costs a fixed part plus its size over a rate, so its time is taken as linear in
+    size: between the two measured sizes around `size`, and beyond the largest at the
+    marginal rate of the last two (a large op amortises the fixed part that a measured one
+    still paid). Below the smallest measured size the smallest's rate holds."""
+    if not table:
+        return 0.0
+    if size <= table[0][0] or len(table) == 1:
+        return table[0][1] if size <= table[0][0] else table[-1][1]
+    times = [(n, n / rate) for n, rate in table]
+    for (low, low_t), (high, high_t) in zip(times, times[1:]):
+        if size <= high:
+            return size / (low_t + (size - low) * (high_t - low_t) / (high - low))
+    (before, before_t), (last, last_t) = times[-2], times[-1]
+    marginal = (last - before) / (last_t - before_t) if last_t > before_t else table[-1][1]
+    return size / (last_t + (size - last) / max(marginal, table[-1][1]))
+
+
+_MAY_BE_ZERO = {"op_overhead_us", "gemm_fixed_us",
+                "view_overhead_us", "step_overhead_us", "optimizer_tensor_us", "grad_tensor_us",
                 "stream_gb_s", "peak_fp8_tflops"}
 
+# A GEMM's time is its FLOPs at peak·compute_efficiency plus a fixed ramp: fitted
+# (ops.fit_gemm_line) to 270 bf16 shapes (m 1k-16k, k 512-16k, n 128-32k) queued on an H200
+# (benchmarks/RESULTS.md, GPU section, 2026-11-27): 13.5 µs and 686 TFLOP/s, the 0.69 of peak
+# that _HOPPER's efficiency says. The other GPUs take the same ramp, unmeasured.
+GEMM_RAMP_US = 13.5
 # Large bf16 GEMMs reach ~80% of the datasheet peak on A100 and V100 and ~70% on H100
 # (cuBLAS at 8192³, as published by the vendors and reproduced widely); a fused attention
 # core (FlashAttention-2, forward + backward) ~50% on A100 and ~35% on H100. Kernel launches
 # hide behind the work on a GPU: no per-op cost. 1 ms per step for the training loop.
 _GPU_DEFAULTS = dict(intra_node_latency_us=3.0, inter_node_latency_us=8.0, gpus_per_node=8,
-                     step_overhead_us=1000.0)
+                     step_overhead_us=1000.0, queues_kernels=True, gemm_fixed_us=GEMM_RAMP_US)
 # The host's AdamW under offload (the fp32 master, m and v live in CPU memory and the CPU
 # steps them) is not memory-bound: torch's CPU AdamW moved 13.5 GB/s of its 28 bytes a
 # parameter on a 16-core H100 host (5.12 B parameters, ZeRO-3 offload: a 10.91 s update of
@@ -154,10 +211,11 @@ PRESETS: dict[str, Hardware] = {
     # Consumer cards: 16-bit tensor figure with fp32 accumulation (what torch uses); no
     # NVLink, peers talk over PCIe 4; a 100 Gb/s NIC assumed between boxes.
     "rtx3090": Hardware("rtx3090", 71.0, 35.6, 24.0, 25.0, 12.5, gpus_per_node=4,
-                        reserved_gib=1.0, memory_gb_s=936.0, **_AMPERE, step_overhead_us=1000.0),
+                        reserved_gib=1.0, memory_gb_s=936.0, **_AMPERE, step_overhead_us=1000.0,
+                        queues_kernels=True),
     "rtx4090": Hardware("rtx4090", 165.2, 82.6, 24.0, 25.0, 12.5, gpus_per_node=4,
                         reserved_gib=1.0, memory_gb_s=1008.0, **_AMPERE, step_overhead_us=1000.0,
-                        peak_fp8_tflops=330.3),
+                        peak_fp8_tflops=330.3, queues_kernels=True),
     # The 2-core AMD EPYC VM plait was written on (AVX2 only, 23.5 GiB RAM), measured on
     # 2026-11-22 with torch 2.13 on 2 threads: the best 1024x1024 fp32 matmuls of several
     # runs reached 160-175 GFLOP/s (40-70 while another job shared the cores); bf16 matmuls, with no AVX512-bf16 to use, ran at ~1.3 GFLOP/s
@@ -248,9 +306,14 @@ def _measured_tables(table: dict[str, object]) -> None:
         if isinstance(table.get("links"), dict):
             table["links"] = tuple(sorted((int(k), float(v["latency_us"]), float(v["gb_s"]))
                                           for k, v in table["links"].items()))
+        for sized in ("memory_by_size", "stream_by_size"):
+            if isinstance(table.get(sized), dict):
+                table[sized] = tuple(sorted((int(k), float(v)) for k, v in table[sized].items()))
     except (TypeError, ValueError, KeyError) as exc:
-        raise PlaitError(f"bad [hardware.gemm] or [hardware.links] entry: {exc}",
-                         hint='gemm: "fp32 MxKxN" = TFLOP/s; links: "2" = {latency_us = .., gb_s = ..}') from None
+        raise PlaitError(f"bad [hardware.gemm], [hardware.links], [hardware.memory_by_size] or "
+                         f"[hardware.stream_by_size] entry: {exc}",
+                         hint='gemm: "fp32 MxKxN" = TFLOP/s; links: "2" = {latency_us = .., gb_s = ..}; '
+                              'memory_by_size: "bytes" = GB/s; stream_by_size: "parameters" = GB/s') from None
 
 
 def hardware_toml(hw: Hardware, header: dict[str, str] | None = None) -> str:
@@ -259,16 +322,21 @@ def hardware_toml(hw: Hardware, header: dict[str, str] | None = None) -> str:
     lines.append("[hardware]")
     for f in fields(Hardware):
         value = getattr(hw, f.name)
-        if f.name not in ("gemm", "links"):
+        if f.name not in _TABLES:
             lines.append(f"{f.name} = {_toml_value(value)}")
     lines.append("\n[hardware.gemm]")
     lines += [f'"{key}" = {rate!r}' for key, rate in hw.gemm]
     lines.append("\n[hardware.links]")
     lines += [f'"{n}" = {{ latency_us = {lat!r}, gb_s = {bw!r} }}' for n, lat, bw in hw.links]
+    for sized in ("memory_by_size", "stream_by_size"):
+        lines.append(f"\n[hardware.{sized}]")
+        lines += [f'"{size}" = {rate!r}' for size, rate in getattr(hw, sized)]
     return "\n".join(lines) + "\n"
 
 
 def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     return repr(value)

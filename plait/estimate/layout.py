@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from plait.balance import balanced_counts
+from plait.errors import PlaitError
 from plait.layout import Layout
 from plait.models.gpt.config import GPTConfig
 from plait.rules import check_experts_split
@@ -33,11 +34,15 @@ class Workload(Layout):
     seq_len: int = 1024
     recompute: str = "none"
     reduce_dtype: str = ""  # "" = default_reduce_dtype(precision)
+    bucket_mb: float = 25.0  # a gradient bucket (--bucket-mb): one all-reduce or reduce-scatter each
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("micro_batch", "grad_accum", "seq_len"):
             check_whole(name.replace("_", "-"), getattr(self, name))
+        if not isinstance(self.bucket_mb, (int, float)) or isinstance(self.bucket_mb, bool) or self.bucket_mb <= 0:
+            raise PlaitError(f"--bucket-mb must be a positive number, got {self.bucket_mb!r}",
+                             hint="plait's default is 25 (MiB); Megatron-Core's is max(40M, 1M x dp) parameters")
         check_precision(self.precision, self.reduce_dtype)
         if self.precision == "fp8":
             check_fp8(self)
@@ -51,6 +56,10 @@ class Workload(Layout):
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def bucket_bytes(self) -> float:
+        return self.bucket_mb * 2**20
 
     @property
     def global_batch(self) -> int:

@@ -28,7 +28,7 @@ from plait.models.gpt.config import GPTConfig
 
 ADAM_K = 12  # fp32 master weights + Adam m + Adam v, bytes per parameter
 FRAGMENTATION = 0.10  # allowance on device bytes, see `device_total`
-BUCKET_BYTES = 25 * 2**20  # plait's default gradient bucket (--bucket-mb 25)
+BUCKET_BYTES = 25 * 2**20  # plait's default gradient bucket (--bucket-mb 25; Workload.bucket_mb)
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ def buffers(params: int, layout: Workload) -> float:
     """
     if layout.sync == 1 or layout.zero < 2:
         return 0.0
-    return min(2 * BUCKET_BYTES, params * state_bytes(layout.precision).grad)
+    return min(2 * layout.bucket_bytes, params * state_bytes(layout.precision).grad)
 
 
 def stage_buffers(config: GPTConfig, layout: Workload, stage: StageShare) -> float:

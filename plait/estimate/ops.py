@@ -10,7 +10,8 @@ Every cost is max(FLOPs / rate, bytes / memory bandwidth) + a fixed cost per lau
 * Attention core (QKᵀ, softmax, ·V, fused as torch's scaled_dot_product_attention is):
   4·T·s·h/t FLOPs forward, twice that backward, at the measured attention rate, else
   peak · attention_efficiency.
-* Element-wise (norms, RoPE, SiLU·mul, residual adds, the loss's softmax): memory-bound.
+* Element-wise (norms, RoPE, SiLU·mul, residual adds, the loss's softmax): memory-bound, at
+  the bandwidth measured for an op of one activation's size (small ops reach less of it).
   Elements read plus written per token per block, counted over plait's GPT with a torch
   dispatch hook (fp32, tiny and variants): forward 39h + kv + 5f, backward 87h + 8kv + 9f;
   around the blocks 8h + 3.25V forward, 23h + 6.5V backward. Forward launches 33 compute
@@ -19,16 +20,20 @@ Every cost is max(FLOPs / rate, bytes / memory bandwidth) + a fixed cost per lau
   parameter) gives each piece's fp64 sum of squares, which serves both the finite check and
   the clipping norm; clipping scales the gradients in place (8); torch's AdamW (per-tensor
   loop) moves 84; zeroing writes 4.
-  Bytes over `stream_gb_s`, which `plait calibrate` measures on this very update at the
-  model's size, so the rate also pays for what the byte count leaves out (temporaries).
+  Bytes over the update's rate, which `plait calibrate` measures on this very update at the
+  model's size (up to a cap past the caches) and keys by that size, so the rate also pays for
+  what the byte count leaves out (temporaries).
   Fixed costs: `optimizer_tensor_us` per tensor AdamW steps, `grad_tensor_us` per gradient
   piece checked and clipped (under ZeRO the optimizer steps a flat shard, but the checks
-  walk each parameter's owned piece). The verdict and the norm are all-reduced (time.py).
+  walk each parameter's owned piece). On a GPU these host costs overlap the device's pass
+  (the longer of the two counts); on a CPU they add. The verdict and the norm are
+  all-reduced (time.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from plait.estimate.hardware import Hardware
 from plait.estimate.layout import Workload, StageShare
@@ -96,8 +101,35 @@ def gemm_s(g: Gemm, precision: str, hw: Hardware) -> float:
     if measured:
         return g.flops / (measured * 1e12)
     moved = (g.m * g.k + g.k * g.n + g.m * g.n) * dtype_bytes(precision)
-    compute = g.flops / (hw.peak_flops(precision) * hw.compute_efficiency)
+    compute = g.flops / (hw.peak_flops(precision) * hw.compute_efficiency) + hw.gemm_fixed_us * 1e-6
     return max(compute, moved / hw.memory_bytes_per_s) + hw.op_overhead_us * 1e-6
+
+
+def fit_gemm_line(measured: dict[str, float]) -> tuple[float, float]:
+    """(TFLOP/s, fixed µs) of the line time = fixed + FLOPs / rate through measured GEMMs
+    ({"bf16 MxKxN": TFLOP/s}), by least squares on their relative errors: what a shape no one
+    measured is charged, so that a calibration read for another model's GEMMs interpolates
+    between the sizes it saw instead of handing the largest one's rate to every shape. With
+    fewer than two sizes, or a line that will not fit: their mean rate and no fixed part."""
+    points = []
+    for key, tflops in measured.items():
+        m, k, n = (int(x) for x in key.split()[1].split("x"))
+        flops = 2.0 * m * k * n
+        points.append((flops, flops / (tflops * 1e12)))
+    through_origin = (sum(f for f, _ in points) / sum(t for _, t in points) / 1e12, 0.0) if points else (0.0, 0.0)
+    if len({f for f, _ in points}) < 2:
+        return through_origin
+    # Weighted by 1/t², so that a small GEMM's error counts as much as a large one's.
+    weighted = [(1.0 / t ** 2, f, t) for f, t in points]
+    sw = sum(w for w, _, _ in weighted)
+    swf, swt = sum(w * f for w, f, _ in weighted), sum(w * t for w, _, t in weighted)
+    sff, sft = sum(w * f * f for w, f, _ in weighted), sum(w * f * t for w, f, t in weighted)
+    det = sw * sff - swf ** 2
+    slope = (sw * sft - swf * swt) / det if det else 0.0
+    fixed = (swt - slope * swf) / sw
+    if slope <= 0 or fixed < 0:
+        return through_origin
+    return 1.0 / slope / 1e12, fixed * 1e6
 
 
 def attention_key(config: GPTConfig, micro_batch: int, seq: int, tp: int, precision: str) -> str:
@@ -135,14 +167,30 @@ def elementwise_s(config: GPTConfig, layout: Workload, hw: Hardware, layers: flo
         per_token += oh * h + ov * config.vocab_size / t
         count, cheap = count + OPS_OUTER[backward][0], cheap + OPS_OUTER[backward][1]
     moved = per_token * tokens * dtype_bytes(layout.precision)
-    return moved / hw.memory_bytes_per_s + count * hw.op_overhead_us * 1e-6 + cheap * hw.view_overhead_us * 1e-6
+    op_bytes = tokens * replicated * dtype_bytes(layout.precision)  # one activation: the typical op's write
+    return moved / hw.memory_rate(op_bytes) + count * hw.op_overhead_us * 1e-6 + cheap * hw.view_overhead_us * 1e-6
 
 
 def micro_batch_compute_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware) -> float:
-    """Forward + backward (+ recompute) of one micro-batch on one rank of `stage`."""
+    """Forward + backward (+ recompute) of one micro-batch on one rank of `stage`.
+
+    On a CPU the ops' fixed costs add to their work. A GPU's host queues kernels while the
+    device runs earlier ones, so the pass takes the longer of the device's work and the
+    host's dispatch: a large model's launches hide, a tiny one is bound by its host."""
+    total = _work_and_dispatch_s(config, layout, stage, hw)
+    if not hw.queues_kernels or not (hw.op_overhead_us or hw.view_overhead_us):
+        return total
+    device = _work_and_dispatch_s(config, layout, stage, replace(hw, op_overhead_us=0.0, view_overhead_us=0.0))
+    return max(device, total - device)
+
+
+def _work_and_dispatch_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware) -> float:
+    """micro_batch_compute_s's sum of every op's work and fixed cost."""
     tokens = layout.tokens_per_micro_batch
-    fwd = sum(gemm_s(g, layout.precision, hw) for g in block_gemms(config, tokens, layout.tp))
-    bwd = sum(gemm_s(x, layout.precision, hw) for g in block_gemms(config, tokens, layout.tp)
+    # math.fsum, not sum: Python 3.12's sum compensates and 3.10's does not, and the torch-free
+    # estimate must print the same digits on both.
+    fwd = math.fsum(gemm_s(g, layout.precision, hw) for g in block_gemms(config, tokens, layout.tp))
+    bwd = math.fsum(gemm_s(x, layout.precision, hw) for g in block_gemms(config, tokens, layout.tp)
               for x in g.backward())
     again = {"none": 0.0, "selective": 0.0, "full": 1.0}[layout.recompute]
     attn_passes = 3 + {"none": 0, "selective": 1, "full": 1}[layout.recompute]
@@ -153,7 +201,7 @@ def micro_batch_compute_s(config: GPTConfig, layout: Workload, stage: StageShare
     total += elementwise_s(config, layout, hw, layers, stage.last, True)
     if stage.last:
         head = head_gemm(config, tokens, layout.tp)
-        total += sum(gemm_s(x, outer_precision(layout.precision), hw) for x in (head, *head.backward()))
+        total += math.fsum(gemm_s(x, outer_precision(layout.precision), hw) for x in (head, *head.backward()))
     return total
 
 
@@ -163,8 +211,9 @@ def optimizer_s(params: int, tensors: int, hw: Hardware, pieces: int | None = No
     `pieces` gradient pieces checked and clipped (as many as the tensors unless told)."""
     moved = params * (UPDATE_BYTES + ZERO_GRAD_BYTES)
     pieces = tensors if pieces is None else pieces
-    fixed = tensors * hw.optimizer_tensor_us + pieces * hw.grad_tensor_us
-    return moved / hw.stream_bytes_per_s + fixed * 1e-6
+    fixed = (tensors * hw.optimizer_tensor_us + pieces * hw.grad_tensor_us) * 1e-6
+    streamed = moved / hw.stream_rate(params)
+    return max(streamed, fixed) if hw.queues_kernels else streamed + fixed
 
 
 def model_tensors(stage: StageShare) -> int:

@@ -8,9 +8,11 @@ Assumptions, each visible in `ASSUMPTIONS`:
   recompute adds one forward, 2Ψ + 4·L·h·s; selective recompute adds the attention
   core's forward, 4·L·h·s. MFU counts only the 6Ψ + 12·L·h·s.
 * Compute is costed operation by operation (plait/estimate/ops.py): each GEMM on a roofline
-  of its shape (or at its measured rate, from `plait calibrate`), the attention core at its
-  rate, element-wise work by the bytes it moves, each op's fixed launch cost. A model known
-  only by its size runs at `compute_efficiency` of the peak.
+  of its shape with a fixed ramp (or at its measured rate, from `plait calibrate`), the
+  attention core at its rate, element-wise work by the bytes it moves at the bandwidth of
+  its size, each op's fixed launch cost (on a GPU the host's launches overlap the device's
+  work: the longer counts). A model known only by its size runs at `compute_efficiency` of
+  the peak.
 * The update (finite check, clipping, AdamW, zeroing) costs its bytes over the calibrated
   update bandwidth plus fixed costs per tensor, and tiny all-reduces (the verdict over every
   rank, the norm); the loop costs `step_overhead_us` plus two telemetry all-reduces.
@@ -36,12 +38,13 @@ Assumptions, each visible in `ASSUMPTIONS`:
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from plait.estimate.traffic import ring_bytes, tp_collectives, tp_traffic, zero3_gathers
 from plait.estimate.hardware import Hardware
 from plait.estimate.layout import Workload, StageShare, layout_stages
-from plait.estimate.memory import BUCKET_BYTES, shard, state_bytes
+from plait.estimate.memory import shard, state_bytes
 from plait.estimate.context import forward_passes, layer_bytes, ring_exposed_s
 from plait.estimate.experts import layer_alltoall
 from plait.estimate.ops import (attention_time, micro_batch_compute_s, optimizer_s, outer_precision, stage_pieces,
@@ -54,12 +57,13 @@ TELEMETRY_BYTES = 8 * 64  # the loop's per-step max-reduction of time, memory an
 ASSUMPTIONS = (
     "FLOPs per token 6Ψ + 12·L·h·s (PaLM convention, causal mask not discounted); "
     "full recompute adds 2Ψ + 4·L·h·s, selective 4·L·h·s; MFU counts neither",
-    "compute per operation: GEMMs on a roofline of their shape (peak·compute_efficiency, "
-    "memory bandwidth) or at their calibrated rate, attention at attention_efficiency, "
-    "element-wise work memory-bound (bytes counted on plait's GPT), a fixed cost per op",
+    "compute per operation: GEMMs on a roofline of their shape (peak·compute_efficiency plus "
+    "a fixed ramp, memory bandwidth) or at their calibrated rate, attention at attention_efficiency, "
+    "element-wise work memory-bound at the bandwidth measured for its size (bytes counted on "
+    "plait's GPT), a fixed cost per op: added on a CPU, overlapped with the device's work on a GPU",
     "update (norm + clipping + AdamW + zeroing: 100 B per fp32 parameter) over the update's "
-    "bandwidth (stream_gb_s, measured on that update at the model's size; memory_gb_s where not "
-    "measured), plus fixed costs per tensor and the verdict's and norm's all-reduces; "
+    "rate (measured on that update at the model's size, keyed by it; memory_gb_s where not "
+    "measured), plus fixed costs per tensor (overlapped on a GPU) and the verdict's and norm's all-reduces; "
     "loop overhead = step_overhead_us + two telemetry all-reduces",
     "ring collective time = steps·latency + wire bytes / link bandwidth; a group uses the "
     "intra-node link when it fits in one node (ranks numbered tp fastest, then cp, then dp, then pp)",
@@ -112,22 +116,50 @@ def flops_per_token(config: GPTConfig, seq_len: int, recompute: str = "none") ->
     return float(model), float(model + extra)
 
 
-def collective_s(op: str, payload: float, n: int, hw: Hardware, inter: bool, count: float = 1) -> float:
-    """Time of `count` ring collectives moving `payload` bytes in total."""
+def collective_s(op: str, payload: float, n: int, hw: Hardware, inter: int | bool, count: float = 1) -> float:
+    """Time of `count` collectives on n ranks moving `payload` bytes in total, as NCCL's own
+    tuning model prices them (src/graph/tuning.cc): a ring pays the network's latency only on
+    the steps that cross nodes (2(N-1) of an all-reduce's 2(n-1) on N nodes, N-1 of a gather's
+    or scatter's) and the link's on the rest; an all-reduce may instead take the double
+    binary tree, 2·((ranks per node - 1)·intra + ⌈log2 N⌉·inter) latency at 0.9 of the
+    bandwidth, whichever is faster (NCCL picks so). `inter` is 0 (or False) for a group inside
+    one node, else how many of its ranks share each node (True: one)."""
     if n <= 1 or payload <= 0:
         return 0.0
     steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1, "all_to_all": n - 1}.get(op, 1)
-    latency, bandwidth = hw.link(n, inter)
-    return count * steps * latency + ring_bytes(op, payload, n) / bandwidth
+    latency, bandwidth = hw.link(n, bool(inter))
+    wire = ring_bytes(op, payload, n) / bandwidth
+    if not inter or op not in ("all_reduce", "all_gather", "reduce_scatter"):
+        return count * steps * latency + wire
+    per_node = max(1, min(n, int(inter)))
+    nodes = -(-n // per_node)
+    crossings = min(steps, 2 * (nodes - 1) if op == "all_reduce" else nodes - 1)
+    near = hw.latency(False)
+    ring = count * ((steps - crossings) * near + crossings * latency) + wire
+    if op != "all_reduce":
+        return ring
+    tree = count * 2 * ((per_node - 1) * near + math.ceil(math.log2(nodes)) * latency) + wire / TREE_BANDWIDTH
+    return min(ring, tree)
 
 
-def inter_node(layout: Workload, gpus_per_node: int) -> dict[str, bool]:
-    """Whether each axis's group (and the whole world) spans nodes, with ranks numbered tp fastest."""
-    span = {"tp": layout.tp, "cp": layout.tp * layout.cp, "dp": layout.tp * layout.cp * layout.dp,
-            "ep": layout.tp * layout.cp * layout.ep,
-            "dp_shard": layout.tp * layout.zero_ranks, "dp_replicate": layout.tp * layout.cp * layout.dp,
-            "pp": layout.world, "world": layout.world}
-    return {axis: size > gpus_per_node for axis, size in span.items()}
+TREE_BANDWIDTH = 0.9  # NCCL's tree all-reduce runs at 0.9 of the ring's bus bandwidth (its tuning model)
+
+
+def inter_node(layout: Workload, gpus_per_node: int) -> dict[str, int]:
+    """For each axis's group (and the whole world): 0 when its ranks share one node, else how
+    many of them share each node, with ranks numbered tp fastest, then cp, dp, pp."""
+    t, c = layout.tp, layout.cp
+    groups = {"tp": (1, t), "cp": (t, c), "dp": (t * c, layout.dp), "ep": (t * c, layout.ep),
+              "dp_shard": (t, layout.zero_ranks), "dp_replicate": (t * layout.zero_ranks, layout.replicas),
+              "pp": (t * c * layout.dp, layout.pp), "world": (1, layout.world)}
+    return {axis: _ranks_per_node(stride, size, gpus_per_node) for axis, (stride, size) in groups.items()}
+
+
+def _ranks_per_node(stride: int, size: int, gpus_per_node: int) -> int:
+    """0 if a group of `size` ranks `stride` apart fits in one node, else its ranks per node."""
+    if stride * size <= gpus_per_node:
+        return 0
+    return max(1, min(size, gpus_per_node // stride))
 
 
 def tp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: bool) -> float:
@@ -204,7 +236,7 @@ def _replicate_s(params: int, layout: Workload, hw: Hardware, inter: bool) -> fl
     grad = state_bytes(layout.precision).grad
     times = layout.grad_accum if layout.zero >= 2 else 1
     return times * collective_s("all_reduce", shard(params, layout.zero_ranks) * grad, layout.replicas, hw, inter,
-                                max(1.0, params * grad / BUCKET_BYTES))
+                                max(1.0, params * grad / layout.bucket_bytes))
 
 
 def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: bool,
@@ -215,14 +247,15 @@ def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: bo
     if n == 1:
         return 0.0
     grads, weights = params * per.grad, params * per.param
-    # One collective per 25 MiB bucket; ZeRO-3 reduces and gathers per unit (a block) instead,
-    # whatever its size: a 175 B model's 96 blocks are 96 collectives a pass, not 13,000 buckets.
-    buckets = max(1.0, params / unit) if layout.zero == 3 and unit else max(1.0, grads / BUCKET_BYTES)
+    # One collective per bucket (--bucket-mb, 25 MiB by default); ZeRO-3 reduces and gathers per
+    # unit (a block) instead, whatever its size: a 175 B model's 96 blocks are 96 collectives a
+    # pass, not 13,000 buckets.
+    buckets = max(1.0, params / unit) if layout.zero == 3 and unit else max(1.0, grads / layout.bucket_bytes)
     overlap = layout.pp == 1
     fwd = compute_mb * forward_share if overlap else 0.0
     bwd = compute_mb - fwd if overlap else 0.0
     op = "all_reduce" if layout.zero == 0 else "reduce_scatter"
-    last = collective_s(op, min(grads, BUCKET_BYTES), n, hw, inter)
+    last = collective_s(op, min(grads, layout.bucket_bytes), n, hw, inter)
     reduce = max(last, collective_s(op, grads, n, hw, inter, buckets) - bwd)
     if layout.zero == 0:
         return reduce
@@ -317,7 +350,7 @@ def clip_s(layout: Workload, hw: Hardware, links: dict[str, bool]) -> float:
     rank, and the gradient norm over ZeRO's dp group, tp and pp."""
     groups = [("world", layout.world), ("dp_shard", layout.zero_ranks if layout.zero else 1), ("tp", layout.tp),
               ("pp", layout.pp)]
-    return sum(collective_s("all_reduce", 16, n, hw, links[axis]) for axis, n in groups)
+    return math.fsum(collective_s("all_reduce", 16, n, hw, links[axis]) for axis, n in groups)
 
 
 def overhead_s(layout: Workload, hw: Hardware, gpus_per_node: int) -> float:
@@ -350,7 +383,7 @@ def estimate_time_measured_compute(params: int, tensors: int, compute_s: float, 
     step waits for (BatchNorm's). A "token" of the result is one sample (seq_len 1)."""
     links = inter_node(layout, gpus_per_node)
     dp = dp_exposed_s(params, 0, layout, hw, links["dp_shard"], compute_s, 1 / 3, links["dp_replicate"])
-    dp += sum(collective_s(op, payload, layout.dp, hw, links["dp"]) * calls for op, payload, calls in blocking_dp)
+    dp += math.fsum(collective_s(op, payload, layout.dp, hw, links["dp"]) * calls for op, payload, calls in blocking_dp)
     owned = shard(params, layout.zero_ranks) if layout.zero else params
     step = 0.0 if layout.offload else optimizer_s(owned, tensors, hw)
     return _assemble(layout, hw, flops_per_sample, flops_per_sample, (compute_s, 0.0, 0.0), dp,
