@@ -116,14 +116,17 @@ BLOOM_176B = GPTConfig(vocab_size=250880, n_layers=70, d_model=14336, n_heads=11
                        ffn_hidden=4 * 14336, max_seq_len=2048, arch="gpt2", tie_embeddings=True)
 NEMOTRON_4_15B = GPTConfig(vocab_size=256000, n_layers=32, d_model=6144, n_heads=48, n_kv_heads=8, ffn_hidden=24576,
                            max_seq_len=4096, mlp_matrices=2, tie_embeddings=False)
-# (source, model, hardware, GPUs, layout, figure kind, published %, or TFLOP/s for "hfu-tflops")
+
+
 def megatron_bucket_mb(dp: int) -> float:
-    """Megatron-Core's default gradient bucket: max(40 M, 1 M x dp) parameters (DDPConfig.bucket_size,
-    "larger DP sizes need larger buckets to ensure collectives do not become latency-bound"), of fp32
-    gradients (its grad buffer under bf16), in MiB: plait train --bucket-mb gives the same."""
-    return max(40_000_000, 1_000_000 * dp) * 4 / 2**20
+    """Megatron-Core's default gradient bucket, max(40 M, 1 M x dp) parameters (DDPConfig.bucket_size:
+    "larger DP sizes need larger buckets to ensure collectives do not become latency-bound"), as
+    plait's --bucket-mb: MiB of the bucket's gradients in their own dtype, bf16. Megatron reduces
+    them in fp32 under bf16 (accumulate_allreduce_grads_in_fp32): the rows say --reduce-dtype fp32."""
+    return max(40_000_000, 1_000_000 * dp) * 2 / 2**20
 
 
+# (source, model, hardware, GPUs, layout, figure kind, published %, or TFLOP/s for "hfu-tflops")
 PUBLISHED = (
     ("BLOOM tr11 (bigscience): tp 4, pp 12, dp 8, ZeRO-1, micro 2, batch 2048, full recompute", BLOOM_176B,
      "a100-80gb", 384, Workload(dp=8, tp=4, pp=12, zero=1, precision="bf16", micro_batch=2, grad_accum=128,
@@ -140,9 +143,9 @@ PUBLISHED = (
      64, Workload(dp=64, zero=3, precision="bf16", micro_batch=8, grad_accum=4, seq_len=2048, recompute="full"),
      "mfu", 53.33),
     *((f"Nemotron-4 15B (arXiv 2402.16819): tp 8 + sp, dp {dp}, batch {4 * dp}, micro 1, ZeRO-1 (assumed), "
-       f"selective recompute (assumed)", NEMOTRON_4_15B, "h100-sxm", 8 * dp,
+       f"selective recompute (assumed), Megatron-Core's buckets, fp32 reduce", NEMOTRON_4_15B, "h100-sxm", 8 * dp,
        Workload(dp=dp, tp=8, sp=True, zero=1, precision="bf16", micro_batch=1, grad_accum=4, seq_len=4096,
-                recompute="selective", bucket_mb=megatron_bucket_mb(dp)), "mfu", published)
+                recompute="selective", bucket_mb=megatron_bucket_mb(dp), reduce_dtype="fp32"), "mfu", published)
       for dp, published in ((96, 34.3), (192, 33.3), (288, 30.5))),
 )
 

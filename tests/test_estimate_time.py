@@ -96,7 +96,7 @@ def test_which_axes_leave_the_node() -> None:
     assert links(dp=1, tp=8, pp=4) == {"tp": 0, "cp": 0, "dp": 0, "pp": 1, "world": 8}
     assert links(dp=8, tp=2, pp=2)["dp"] == 4  # dp ranks 2 apart: four of them in each node
     # cp ranks sit between tp and dp: cp 2 × tp 4 fills a node, so dp leaves it
-    assert links(dp=2, cp=2, tp=4, seq_len=64) == {"tp": 0, "cp": 0, "dp": 1, "pp": 1, "world": 8}
+    assert links(dp=2, cp=2, tp=4, seq_len=64) == {"tp": 0, "cp": 0, "dp": 1, "pp": 0, "world": 8}  # pp 1: one rank
     # --dp-shard 4 with tp 2: a shard group is 8 neighbouring ranks, one node; its replicas span nodes
     hybrid = inter_node(Workload(dp=16, tp=2, zero=3, dp_shard=4), 8)
     assert (hybrid["dp_shard"], hybrid["dp_replicate"], hybrid["dp"]) == (0, 1, 4)
@@ -194,8 +194,8 @@ def test_collectives_across_nodes_are_priced_as_nccl_prices_them() -> None:
     # a large all-reduce over 16 ranks on 2 nodes: the ring (its latency is small beside the tree's bandwidth)
     wire = 2 * 15 / 16 * 1e9 / bw
     assert collective_s("all_reduce", 1e9, 16, h100, 8) == pytest.approx(2 * (14 * near + 1 * far) + wire)
-    # 8 bytes over 2,304 GPUs (288 nodes): the tree, 2·(7·near + 9·far) and the bytes at 0.9
-    tree = 2 * (7 * near + 9 * far) + 2 * 2303 / 2304 * 8 / (0.9 * bw)
+    # 8 bytes over 2,304 GPUs (288 nodes): the tree, 2·(7·near + ⌊log2 288⌋ = 8·far), 2S at 0.9
+    tree = 2 * (7 * near + 8 * far) + 2 * 8 / (0.9 * bw)
     assert collective_s("all_reduce", 8, 2304, h100, 8) == pytest.approx(tree)
     assert collective_s("all_reduce", 8, 2304, h100, 8) < 2 * 2303 * far / 100  # not 4,606 network steps
     # one rank a node (True): every ring step crosses, as before

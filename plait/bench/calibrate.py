@@ -124,7 +124,12 @@ def measure_gemms(mesh: Mesh, gemms: dict[str, Gemm], precision: str, reps: int)
     def gemm(g: Gemm) -> Callable[[], Any]:
         a = torch.randn(g.m, g.k, dtype=dtype, device=device)
         b = torch.randn(g.k, g.n, dtype=dtype, device=device)
-        return lambda: ([torch.mm(a, b) for _ in range(queued)], _sync(mesh))
+        def run() -> None:
+            for _ in range(queued):  # each product dropped at once: one output alive, as in training
+                torch.mm(a, b)
+            _sync(mesh)
+
+        return run
 
     times = _slowest(mesh, _median_rounds(mesh, [gemm(g) for g in gemms.values()], reps))
     return {key: queued * g.flops / t / 1e12 for (key, g), t in zip(gemms.items(), times)}
@@ -198,7 +203,12 @@ def measure_bandwidth(mesh: Mesh, sizes: list[int], reps: int) -> tuple[tuple[in
 
     def adds(elements: int) -> Callable[[], Any]:
         x, y = (torch.randn(elements, device=mesh.device) for _ in range(2))
-        return lambda: ([torch.add(x, y) for _ in range(queued)], _sync(mesh))
+        def run() -> None:
+            for _ in range(queued):
+                torch.add(x, y)
+            _sync(mesh)
+
+        return run
 
     times = _slowest(mesh, _median_rounds(mesh, [adds(n) for n in sizes], reps))
     return tuple((n * 4, 3 * n * 4 * queued / t / 1e9) for n, t in zip(sizes, times))

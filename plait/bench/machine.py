@@ -21,7 +21,7 @@ import torch
 
 from plait.bench import calibrate as cal
 from plait.estimate.hardware import Hardware, get_hardware, hardware_toml, load_hardware
-from plait.estimate.ops import Gemm, fit_gemm_line, gemm_key
+from plait.estimate.ops import Gemm, activation_op_bytes, fit_gemm_line, gemm_key
 from plait.models.gpt.config import GPTConfig
 from plait.runtime import comm
 from plait.runtime.env import cache_root
@@ -77,7 +77,8 @@ def calibrate(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len: int, 
     attention, gemms = cal.model_shapes(config, micro_batch, seq_len, tp_sizes, precision)
     rates = cal.measure_gemms(mesh, gemms, precision, reps)
     rates.update(cal.measure_attention(mesh, config, micro_batch, seq_len, tp_sizes, precision, reps))
-    memory = cal.measure_memory(mesh, micro_batch * seq_len * config.d_model, 9 * config.n_layers + 3, reps,
+    activation = int(activation_op_bytes(config.d_model, micro_batch * seq_len, 1, False, precision)) // 4
+    memory = cal.measure_memory(mesh, activation, 9 * config.n_layers + 3, reps,
                                 params=config.num_params(), optimizer_kernel=optimizer_kernel,
                                 spread=1 if quick else 8, precision=precision)
     host_params = max(min(config.num_params(), cal.STREAM_CAP), cal.HOST_UPDATE_MIN)
@@ -87,7 +88,7 @@ def calibrate(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len: int, 
     base = base_preset(facts["gpu"])
     fields: dict[str, object] = {
         "name": f"calibrated {facts['host']}", "compute_efficiency": 1.0, "gemm": tuple(sorted(rates.items())),
-        "links": links, **memory, **gemm_line(rates, precision, memory["op_overhead_us"], mesh.device.type)}
+        "links": links, **memory, **gemm_line(rates, precision, memory["op_overhead_us"], mesh.device.type, base)}
     peak = max(fields["peak_fp32_tflops" if precision == "fp32" else "peak_bf16_tflops"], 1e-9)
     if attention and rates.get(attention[0]):
         fields["attention_efficiency"] = min(1.0, rates[attention[0]] / peak)
@@ -103,17 +104,27 @@ def calibrate(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len: int, 
     return replace(base, **fields)
 
 
-def gemm_line(rates: dict[str, float], precision: str, op_overhead_us: float, device: str) -> dict[str, float]:
+def gemm_line(rates: dict[str, float], precision: str, op_overhead_us: float, device: str,
+              base: Hardware) -> dict[str, float]:
     """The peak and fixed cost that price a GEMM shape the calibration did not measure: the
-    line through the measured ones (plait.estimate.ops.fit_gemm_line). On a CPU their times
-    hold each op's dispatch, which ops.gemm_s adds on its own; on a GPU the queued timings
-    do not."""
+    line through the measured ones (plait.estimate.ops.fit_gemm_line), on a GPU never above
+    the device's datasheet peak. On a CPU the measured times hold each op's dispatch, which
+    ops.gemm_s adds on its own; on a GPU the queued timings do not. Where no line can be
+    trusted (the shapes all of a size), a GPU keeps its preset's rate and ramp and a CPU
+    (whose rate changes little with size) the best rate measured."""
     dtype = gemm_key(Gemm(1, 1, 1), precision).split()[0]  # how its GEMMs are keyed: fp32, bf16 or fp8
-    tflops, fixed_us = fit_gemm_line({k: r for k, r in rates.items() if k.split()[0] == dtype})
-    if device == "cpu":
-        fixed_us = max(0.0, fixed_us - op_overhead_us)
+    mine = {k: r for k, r in rates.items() if k.split()[0] == dtype}
     peak_field = "peak_fp32_tflops" if precision == "fp32" else "peak_bf16_tflops"
-    return {peak_field: tflops, "gemm_fixed_us": fixed_us}
+    line = fit_gemm_line(mine)
+    if line is None:
+        if device == "cpu":
+            return {peak_field: max(mine.values(), default=getattr(base, peak_field)), "gemm_fixed_us": 0.0}
+        return {peak_field: base.peak_flops(precision) / 1e12 * base.compute_efficiency,
+                "gemm_fixed_us": base.gemm_fixed_us}
+    tflops, fixed_us = line
+    if device == "cpu":
+        return {peak_field: tflops, "gemm_fixed_us": max(0.0, fixed_us - op_overhead_us)}
+    return {peak_field: min(tflops, base.peak_flops(precision) / 1e12), "gemm_fixed_us": fixed_us}
 
 
 def save(hw: Hardware, path: Path, facts: dict[str, str]) -> None:
@@ -136,9 +147,13 @@ def machine_hardware(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len
     path = cache_path(facts)
     cached = _load_or_none(path)
     attention, gemms = cal.model_shapes(config, micro_batch, seq_len, [tp], precision)
-    activation = micro_batch * seq_len * config.d_model
-    streamed = min(config.num_params(), cal.stream_cap(mesh.device))
-    lacks = _lacks(cached, gemms, attention, activation * 4, streamed)
+    layout = mesh.layout
+    # The sizes the time model will read, keyed as it reads them (ops.elementwise_s, ops.optimizer_s):
+    # one activation's write on this rank, and the parameters this rank updates.
+    op_bytes = activation_op_bytes(config.d_model, micro_batch * seq_len // layout.cp, tp, layout.sp, precision)
+    owned = config.num_params() // (tp * layout.pp) // (layout.zero_ranks if layout.zero else 1)
+    streamed = min(max(owned, 1), cal.stream_cap(mesh.device))
+    lacks = _lacks(cached, gemms, attention, op_bytes, streamed)
     need = torch.tensor([float(cached is None), *map(float, lacks)], device=mesh.device)
     comm.all_reduce(need, mesh.axis("world"), op="max", purpose=comm.TELEMETRY)
     if need[0].item():
@@ -147,7 +162,7 @@ def machine_hardware(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len
         source = f"quick calibration, cached in {path}"
     elif need[1:].any().item():
         hw = _add_sizes(mesh, cached, config, [bool(x) for x in need[1:].tolist()], gemms,
-                        (micro_batch, seq_len, tp, precision), activation, streamed, optimizer_kernel)
+                        (micro_batch, seq_len, tp, precision), max(1, int(op_bytes) // 4), streamed, optimizer_kernel)
         source = f"cached calibration {path} (+ what it lacked at this model's sizes)"
     else:
         return cached, f"cached calibration {path}"
@@ -174,20 +189,31 @@ def _lacks(cached: Hardware | None, gemms: dict[str, object], attention: list[st
 
 def _add_sizes(mesh: Mesh, cached: Hardware, config: GPTConfig, lacks: list[bool], gemms: dict[str, object],
                shape: tuple[int, int, int, str], activation: int, streamed: int, optimizer_kernel: str) -> Hardware:
-    """`cached` with what it lacked measured and added (every rank calls this)."""
+    """`cached` with what it lacked measured and merged in by key (every rank calls this; a
+    size this rank had is replaced, not written twice)."""
     micro_batch, seq_len, tp, precision = shape
     add: dict[str, object] = {}
     if lacks[0]:
-        rates = {**dict(cached.gemm), **cal.measure_gemms(mesh, gemms, precision, 3),
-                 **cal.measure_attention(mesh, config, micro_batch, seq_len, [tp], precision, 3)}
+        attention = cal.measure_attention(mesh, config, micro_batch, seq_len, [tp], precision, 3)
+        rates = {**dict(cached.gemm), **cal.measure_gemms(mesh, gemms, precision, 3), **attention}
         add["gemm"] = tuple(sorted(rates.items()))
-        add.update(gemm_line(rates, precision, cached.op_overhead_us, mesh.device.type))
+        add.update(gemm_line(rates, precision, cached.op_overhead_us, mesh.device.type,
+                             base_preset(device_name(mesh))))
+        peak = add["peak_fp32_tflops" if precision == "fp32" else "peak_bf16_tflops"]
+        first = next(iter(attention.values()), 0.0)
+        if first and peak:
+            add["attention_efficiency"] = min(1.0, first / peak)
     if lacks[1]:
-        add["memory_by_size"] = (*cached.memory_by_size, *cal.measure_bandwidth(mesh, [activation], 3))
+        add["memory_by_size"] = _merged(cached.memory_by_size, cal.measure_bandwidth(mesh, [activation], 3))
     if lacks[2]:
         rate = cal.measure_stream(mesh, streamed, optimizer_kernel, 3, precision)
-        add["stream_by_size"] = (*cached.stream_by_size, (streamed, rate))
+        add["stream_by_size"] = _merged(cached.stream_by_size, ((streamed, rate),))
     return replace(cached, **add)
+
+
+def _merged(table: tuple[tuple[int, float], ...], rows: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+    """`table` with `rows` in it, one row per size (a new measurement replaces an old one)."""
+    return tuple(sorted({**dict(table), **dict(rows)}.items()))
 
 
 def _load_or_none(path: Path) -> Hardware | None:

@@ -49,8 +49,9 @@ MEMORY_ASSUMPTIONS = (
     "in-flight micro-batches: 1 without a pipeline, m for GPipe, p − r for 1F1B, "
     "p(1 + (p−1)/(pv)) on the first rank interleaved",
     "buffers: the loss (logits, fp32 copy, fp32 log-softmax) on the last stage; two b·s·h "
-    "pipeline receive buffers; under ZeRO-2/3 two whole 25 MiB gradient buckets, or all "
-    "gradients whole while accumulating; none for plain DP (grads are views into buckets)",
+    "pipeline receive buffers; under ZeRO-2 two whole gradient buckets (--bucket-mb, 25 MiB by "
+    "default), under ZeRO-3 two blocks' gradients, each backward; none for plain DP or ZeRO-1 "
+    "(grads are views into buckets)",
     f"fragmentation allowance {FRAGMENTATION:.0%} of device bytes (caching allocator "
     "rounding and reuse); hardware.reserved_gib set aside for the CUDA context and NCCL",
 )

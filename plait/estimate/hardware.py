@@ -68,6 +68,13 @@ class Hardware:
         # One order for the measured tables, so that equal profiles compare equal.
         for table in _TABLES:
             object.__setattr__(self, table, tuple(sorted(tuple(row) for row in getattr(self, table))))
+        for table in ("memory_by_size", "stream_by_size"):
+            for size, rate in getattr(self, table):
+                if not (isinstance(size, int) and size > 0 and isinstance(rate, (int, float))
+                        and math.isfinite(rate) and rate > 0):
+                    raise PlaitError(f"hardware {self.name!r}: [hardware.{table}] needs a positive size and "
+                                     f"a positive finite rate, got {size!r} = {rate!r}",
+                                     hint="sizes in bytes (memory) or parameters (stream), rates in GB/s")
         if not isinstance(self.queues_kernels, bool):
             raise PlaitError(f"hardware {self.name!r}: queues_kernels must be true or false, "
                              f"got {self.queues_kernels!r}",
@@ -92,14 +99,14 @@ class Hardware:
         return self.memory_gb_s * 1e9
 
     def memory_rate(self, op_bytes: float) -> float:
-        """Bytes/s of an element-wise op that writes `op_bytes`: the measured rate at that size
-        (log-interpolated between measured sizes, the nearest end's beyond them), else
-        memory_gb_s. Small ops reach less of the bandwidth than large ones on every device."""
+        """Bytes/s of an element-wise op that writes `op_bytes`: the rate measured at that size
+        (read between and beyond the measured sizes by `sized_rate`), else memory_gb_s. Small
+        ops reach less of the bandwidth than large ones on every device."""
         return (sized_rate(self.memory_by_size, op_bytes) or self.memory_gb_s) * 1e9
 
     def stream_rate(self, params: float) -> float:
         """Bytes/s of the update over `params` parameters (ops.py's bytes): the rate measured at
-        the nearest sizes, else `stream_bytes_per_s`."""
+        that size (read by `sized_rate`), else `stream_bytes_per_s`."""
         return (sized_rate(self.stream_by_size, params) * 1e9) or self.stream_bytes_per_s
 
     @property
@@ -152,7 +159,8 @@ def sized_rate(table: tuple[tuple[int, float], ...], size: float) -> float:
     An op costs a fixed part plus its size over a rate, so its time is taken as linear in
     size: between the two measured sizes around `size`, and beyond the largest at the
     marginal rate of the last two (a large op amortises the fixed part that a measured one
-    still paid). Below the smallest measured size the smallest's rate holds."""
+    still paid), the whole rate rising at most to EXTRAPOLATED times the largest size's (two
+    noisy rows must not promise any speed). Below the smallest measured size its rate holds."""
     if not table:
         return 0.0
     if size <= table[0][0] or len(table) == 1:
@@ -163,7 +171,11 @@ def sized_rate(table: tuple[tuple[int, float], ...], size: float) -> float:
             return size / (low_t + (size - low) * (high_t - low_t) / (high - low))
     (before, before_t), (last, last_t) = times[-2], times[-1]
     marginal = (last - before) / (last_t - before_t) if last_t > before_t else table[-1][1]
-    return size / (last_t + (size - last) / max(marginal, table[-1][1]))
+    beyond = size / (last_t + (size - last) / max(marginal, table[-1][1]))
+    return min(beyond, EXTRAPOLATED * table[-1][1])
+
+
+EXTRAPOLATED = 2.0  # beyond the largest measured size, a rate rises to at most this times its rate there
 
 
 _MAY_BE_ZERO = {"op_overhead_us", "gemm_fixed_us",
@@ -212,10 +224,10 @@ PRESETS: dict[str, Hardware] = {
     # NVLink, peers talk over PCIe 4; a 100 Gb/s NIC assumed between boxes.
     "rtx3090": Hardware("rtx3090", 71.0, 35.6, 24.0, 25.0, 12.5, gpus_per_node=4,
                         reserved_gib=1.0, memory_gb_s=936.0, **_AMPERE, step_overhead_us=1000.0,
-                        queues_kernels=True),
+                        queues_kernels=True, gemm_fixed_us=GEMM_RAMP_US),
     "rtx4090": Hardware("rtx4090", 165.2, 82.6, 24.0, 25.0, 12.5, gpus_per_node=4,
                         reserved_gib=1.0, memory_gb_s=1008.0, **_AMPERE, step_overhead_us=1000.0,
-                        peak_fp8_tflops=330.3, queues_kernels=True),
+                        peak_fp8_tflops=330.3, queues_kernels=True, gemm_fixed_us=GEMM_RAMP_US),
     # The 2-core AMD EPYC VM plait was written on (AVX2 only, 23.5 GiB RAM), measured on
     # 2026-11-22 with torch 2.13 on 2 threads: the best 1024x1024 fp32 matmuls of several
     # runs reached 160-175 GFLOP/s (40-70 while another job shared the cores); bf16 matmuls, with no AVX512-bf16 to use, ran at ~1.3 GFLOP/s

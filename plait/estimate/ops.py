@@ -98,38 +98,51 @@ def head_gemm(config: GPTConfig, tokens: int, tp: int) -> Gemm:
 def gemm_s(g: Gemm, precision: str, hw: Hardware) -> float:
     """One GEMM: measured rate of its shape if known, else the roofline."""
     measured = hw.gemm_tflops(gemm_key(g, precision))
-    if measured:
-        return g.flops / (measured * 1e12)
+    if measured:  # a CPU's timing holds its dispatch; a GPU's queued one does not: its host launch is added
+        return g.flops / (measured * 1e12) + (hw.op_overhead_us * 1e-6 if hw.queues_kernels else 0.0)
     moved = (g.m * g.k + g.k * g.n + g.m * g.n) * dtype_bytes(precision)
     compute = g.flops / (hw.peak_flops(precision) * hw.compute_efficiency) + hw.gemm_fixed_us * 1e-6
     return max(compute, moved / hw.memory_bytes_per_s) + hw.op_overhead_us * 1e-6
 
 
-def fit_gemm_line(measured: dict[str, float]) -> tuple[float, float]:
+def fit_gemm_line(measured: dict[str, float]) -> tuple[float, float] | None:
     """(TFLOP/s, fixed µs) of the line time = fixed + FLOPs / rate through measured GEMMs
     ({"bf16 MxKxN": TFLOP/s}), by least squares on their relative errors: what a shape no one
     measured is charged, so that a calibration read for another model's GEMMs interpolates
-    between the sizes it saw instead of handing the largest one's rate to every shape. With
-    fewer than two sizes, or a line that will not fit: their mean rate and no fixed part."""
+    between the sizes it saw instead of handing the largest one's rate to every shape.
+
+    None where no line can be trusted: fewer than FIT_SPAN between the smallest and the
+    largest product's FLOPs (a model's launch-bound GEMMs, all of a size, set a rate by their
+    noise: 0.8 to 374 TFLOP/s over six seeds of 3% noise on `tiny`'s shapes), or a fit with
+    no positive rate or a negative fixed part."""
     points = []
     for key, tflops in measured.items():
         m, k, n = (int(x) for x in key.split()[1].split("x"))
         flops = 2.0 * m * k * n
         points.append((flops, flops / (tflops * 1e12)))
-    through_origin = (sum(f for f, _ in points) / sum(t for _, t in points) / 1e12, 0.0) if points else (0.0, 0.0)
-    if len({f for f, _ in points}) < 2:
-        return through_origin
+    if not points or max(f for f, _ in points) < FIT_SPAN * min(f for f, _ in points):
+        return None
     # Weighted by 1/t², so that a small GEMM's error counts as much as a large one's.
     weighted = [(1.0 / t ** 2, f, t) for f, t in points]
-    sw = sum(w for w, _, _ in weighted)
-    swf, swt = sum(w * f for w, f, _ in weighted), sum(w * t for w, _, t in weighted)
-    sff, sft = sum(w * f * f for w, f, _ in weighted), sum(w * f * t for w, f, t in weighted)
+    sw = math.fsum(w for w, _, _ in weighted)
+    swf, swt = math.fsum(w * f for w, f, _ in weighted), math.fsum(w * t for w, _, t in weighted)
+    sff, sft = math.fsum(w * f * f for w, f, _ in weighted), math.fsum(w * f * t for w, f, t in weighted)
     det = sw * sff - swf ** 2
     slope = (sw * sft - swf * swt) / det if det else 0.0
     fixed = (swt - slope * swf) / sw
     if slope <= 0 or fixed < 0:
-        return through_origin
+        return None
     return 1.0 / slope / 1e12, fixed * 1e6
+
+
+FIT_SPAN = 10.0  # the largest measured GEMM's FLOPs over the smallest's, at least, to fit a line
+
+
+def activation_op_bytes(d_model: int, tokens: int, tp: int, sp: bool, precision: str) -> float:
+    """What one element-wise op on an activation writes on a rank (tokens this rank computes,
+    the hidden width, cut by tp under sp): the size memory_rate is read at, and the size the
+    calibration measures the bandwidth at."""
+    return tokens * (d_model / tp if sp else d_model) * dtype_bytes(precision)
 
 
 def attention_key(config: GPTConfig, micro_batch: int, seq: int, tp: int, precision: str) -> str:
@@ -167,7 +180,7 @@ def elementwise_s(config: GPTConfig, layout: Workload, hw: Hardware, layers: flo
         per_token += oh * h + ov * config.vocab_size / t
         count, cheap = count + OPS_OUTER[backward][0], cheap + OPS_OUTER[backward][1]
     moved = per_token * tokens * dtype_bytes(layout.precision)
-    op_bytes = tokens * replicated * dtype_bytes(layout.precision)  # one activation: the typical op's write
+    op_bytes = activation_op_bytes(h, tokens, t, layout.sp, layout.precision)  # the typical op's write
     return moved / hw.memory_rate(op_bytes) + count * hw.op_overhead_us * 1e-6 + cheap * hw.view_overhead_us * 1e-6
 
 

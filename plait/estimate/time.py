@@ -121,8 +121,9 @@ def collective_s(op: str, payload: float, n: int, hw: Hardware, inter: int | boo
     tuning model prices them (src/graph/tuning.cc): a ring pays the network's latency only on
     the steps that cross nodes (2(N-1) of an all-reduce's 2(n-1) on N nodes, N-1 of a gather's
     or scatter's) and the link's on the rest; an all-reduce may instead take the double
-    binary tree, 2·((ranks per node - 1)·intra + ⌈log2 N⌉·inter) latency at 0.9 of the
-    bandwidth, whichever is faster (NCCL picks so). `inter` is 0 (or False) for a group inside
+    binary tree, 2·((ranks per node - 1)·intra + ⌊log2 N⌋·inter) latency with 2S through each
+    link at 0.9 of its bandwidth, whichever is faster (NCCL picks so). A cross-node ring's
+    steps inside a node take the preset's intra-node latency, not a calibrated group's. `inter` is 0 (or False) for a group inside
     one node, else how many of its ranks share each node (True: one)."""
     if n <= 1 or payload <= 0:
         return 0.0
@@ -138,11 +139,12 @@ def collective_s(op: str, payload: float, n: int, hw: Hardware, inter: int | boo
     ring = count * ((steps - crossings) * near + crossings * latency) + wire
     if op != "all_reduce":
         return ring
-    tree = count * 2 * ((per_node - 1) * near + math.ceil(math.log2(nodes)) * latency) + wire / TREE_BANDWIDTH
+    depth = nodes.bit_length() - 1  # NCCL's log2i: the floor
+    tree = count * 2 * ((per_node - 1) * near + depth * latency) + 2 * payload / (TREE_BANDWIDTH * bandwidth)
     return min(ring, tree)
 
 
-TREE_BANDWIDTH = 0.9  # NCCL's tree all-reduce runs at 0.9 of the ring's bus bandwidth (its tuning model)
+TREE_BANDWIDTH = 0.9  # NCCL's tree all-reduce: each rank's link at 0.9 of the ring's bus bandwidth, 2S through it
 
 
 def inter_node(layout: Workload, gpus_per_node: int) -> dict[str, int]:
@@ -156,8 +158,9 @@ def inter_node(layout: Workload, gpus_per_node: int) -> dict[str, int]:
 
 
 def _ranks_per_node(stride: int, size: int, gpus_per_node: int) -> int:
-    """0 if a group of `size` ranks `stride` apart fits in one node, else its ranks per node."""
-    if stride * size <= gpus_per_node:
+    """0 if a group of `size` ranks `stride` apart fits in one node (or is one rank), else its
+    ranks per node."""
+    if size <= 1 or stride * size <= gpus_per_node:
         return 0
     return max(1, min(size, gpus_per_node // stride))
 
@@ -235,8 +238,8 @@ def _replicate_s(params: int, layout: Workload, hw: Hardware, inter: bool) -> fl
     bucket (or unit) of the whole gradient, each a 1/N shard of it (nothing with one replica)."""
     grad = state_bytes(layout.precision).grad
     times = layout.grad_accum if layout.zero >= 2 else 1
-    return times * collective_s("all_reduce", shard(params, layout.zero_ranks) * grad, layout.replicas, hw, inter,
-                                max(1.0, params * grad / layout.bucket_bytes))
+    return times * collective_s("all_reduce", shard(params, layout.zero_ranks) * layout.reduce_bytes, layout.replicas,
+                                hw, inter, max(1.0, params * grad / layout.bucket_bytes))
 
 
 def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: bool,
@@ -246,16 +249,18 @@ def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: bo
     n, m, per = layout.zero_ranks, layout.grad_accum, state_bytes(layout.precision)
     if n == 1:
         return 0.0
-    grads, weights = params * per.grad, params * per.param
+    # Buckets hold the gradients in their own dtype; the wire carries them in the reduce dtype
+    # (--reduce-dtype fp32 doubles a 16-bit run's bytes, as traffic.py counts them).
+    held, grads, weights = params * per.grad, params * layout.reduce_bytes, params * per.param
     # One collective per bucket (--bucket-mb, 25 MiB by default); ZeRO-3 reduces and gathers per
     # unit (a block) instead, whatever its size: a 175 B model's 96 blocks are 96 collectives a
     # pass, not 13,000 buckets.
-    buckets = max(1.0, params / unit) if layout.zero == 3 and unit else max(1.0, grads / layout.bucket_bytes)
+    buckets = max(1.0, params / unit) if layout.zero == 3 and unit else max(1.0, held / layout.bucket_bytes)
     overlap = layout.pp == 1
     fwd = compute_mb * forward_share if overlap else 0.0
     bwd = compute_mb - fwd if overlap else 0.0
     op = "all_reduce" if layout.zero == 0 else "reduce_scatter"
-    last = collective_s(op, min(grads, layout.bucket_bytes), n, hw, inter)
+    last = collective_s(op, min(held, layout.bucket_bytes) * layout.reduce_bytes / per.grad, n, hw, inter)
     reduce = max(last, collective_s(op, grads, n, hw, inter, buckets) - bwd)
     if layout.zero == 0:
         return reduce

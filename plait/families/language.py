@@ -53,7 +53,7 @@ def estimated_memory(shape_of: Any) -> Any:
 
         work = Workload.of(layout, precision=config.precision, micro_batch=config.micro_batch,
                            grad_accum=config.grad_accum, seq_len=config.seq_len, recompute=config.recompute,
-                           reduce_dtype=config.reduce_dtype)
+                           reduce_dtype=config.reduce_dtype, bucket_mb=config.bucket_mb)
         return float(estimate_layout(shape_of(config.model), work, hardware="cpu")["memory"]["total"])
 
     return memory
