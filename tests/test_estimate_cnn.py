@@ -151,3 +151,15 @@ def test_cpu_convolutions_pay_a_fixed_cost_per_call():
     assert small < large < 2 * small
     free = micro_batch_compute_s(config, 8, 8, 2, "fp32", replace(cpu, op_overhead_us=0.0))
     assert free < small / 3
+
+
+def test_a_gpu_overlaps_a_resnets_launches_with_its_work_and_a_cpu_adds_them():
+    """The same fixed costs: summed with the work on a CPU profile, the longer of the two on a
+    GPU's (queues_kernels), as for a transformer."""
+    config = get_resnet("resnet18,width=16", in_channels=1, num_classes=10)
+    cpu = replace(get_hardware("cpu"), op_overhead_us=30.0)
+    gpu = replace(cpu, queues_kernels=True)
+    summed = micro_batch_compute_s(config, 8, 8, 4, "fp32", cpu)
+    device = micro_batch_compute_s(config, 8, 8, 4, "fp32", replace(cpu, op_overhead_us=0.0))
+    assert micro_batch_compute_s(config, 8, 8, 4, "fp32", gpu) == pytest.approx(max(device, summed - device))
+    assert micro_batch_compute_s(config, 8, 8, 4, "fp32", gpu) < summed

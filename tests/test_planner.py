@@ -275,3 +275,13 @@ def test_a_long_sequence_is_planned_with_context_parallelism() -> None:
     assert (rows[0]["cp"], rows[0]["cp_kind"], rows[0]["zero"]) == (8, "ring", 3)
     assert all(r["dp"] == 1 for r in rows)
     assert min(r["step_s"] for r in rows if r["cp"] == 1) > rows[0]["step_s"]  # tp 8 alone is slower
+
+
+def test_the_plan_prices_the_runs_gradient_buckets() -> None:
+    """--bucket-mb reaches every layout the planner prices (larger buckets, fewer latencies:
+    never a slower plan), and a bucket of no size is refused in one line."""
+    cfg = get_preset("llama-7b")
+    default, large = (plan(cfg, gpus=64, global_batch=256, top=1, bucket_mb=mb)[0] for mb in (25.0, 400.0))
+    assert large["step_s"] <= default["step_s"]
+    with pytest.raises(PlaitError, match="--bucket-mb must be a positive number"):
+        plan(cfg, gpus=64, global_batch=256, bucket_mb=0.0)

@@ -48,7 +48,9 @@ from plait.parallel.compose import adamw_kernel
 # 3: the host's AdamW (host_mem_gb_s, for offload) measured, on at least HOST_UPDATE_MIN parameters.
 # 4: rates keyed by the size they were taken at (adds, the update); GPU timings queued; the update on
 #    the run's precision path (16-bit weights over fp32 masters).
-METHOD_VERSION = 4
+# 5: sizes keyed as the time model reads them (one op's write on a rank in the run's dtype, the
+#    parameters a rank steps); attention queued on a GPU too.
+METHOD_VERSION = 5
 
 
 def _median_s(fn: Callable[[], Any], reps: int) -> float:
@@ -155,15 +157,18 @@ def measure_attention(mesh: Mesh, config: GPTConfig, micro_batch: int, seq_len: 
         out[attention_key(config, micro_batch, seq_len, tp, precision)] = 0.0
     times = _median_rounds(mesh, runs, reps)
     for key, f, t in zip(list(out), flops, _slowest(mesh, times)):
-        out[key] = f / t / 1e12
+        out[key] = queue_depth(mesh.device) * f / t / 1e12
     return out
 
 
 def _attention_run(mesh: Mesh, shape: tuple[int, ...], precision: str) -> Callable[[], None]:
+    """queue_depth(device) forward + backward passes of the causal attention core, then a sync."""
     q, k, v = (torch.randn(shape, dtype=_dtype(precision), device=mesh.device, requires_grad=True) for _ in range(3))
+    queued = queue_depth(mesh.device)
 
     def run() -> None:
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        for _ in range(queued):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
         _sync(mesh)
 
     return run

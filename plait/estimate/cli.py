@@ -31,6 +31,8 @@ def _common(parser: argparse.ArgumentParser, precision: str | None) -> None:
     parser.add_argument("--hardware-file", help="TOML file with a [hardware] table (overrides)")
     parser.add_argument("--gpus-per-node", type=int, help="default: the hardware preset's")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket, MiB: one all-reduce or "
+                        "reduce-scatter each (plait train --bucket-mb)")
 
 
 def estimate_parser() -> argparse.ArgumentParser:
@@ -50,8 +52,6 @@ def estimate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dp-shard", type=int, default=0, help="hybrid sharding: ZeRO inside groups of N "
                         "data-parallel ranks, replicas across them (0: all ranks)")
     parser.add_argument("--prefetch", type=int, default=1, help="ZeRO-3: units gathered ahead of the one computing")
-    parser.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket, MiB: one all-reduce or "
-                        "reduce-scatter each (plait train --bucket-mb)")
     parser.add_argument("--reshard-after-forward", default="true", choices=("true", "false"),
                         help="ZeRO-3: false keeps each unit gathered from forward to backward")
     parser.add_argument("--recompute", default="none", help=f"one of {', '.join(RECOMPUTE)}")
@@ -115,7 +115,7 @@ def plan_main(argv: list[str], shape_of: ShapeOf) -> int:
     request = plan_request(config, gpus=args.gpus, global_batch=args.global_batch, hardware=hardware,
                            gpus_per_node=args.gpus_per_node, seq_len=args.seq_len, precision=args.precision,
                            schedule=args.schedule, offload=args.offload,
-                           stage_layers=parse_stage_layers(args.stage_layers))
+                           stage_layers=parse_stage_layers(args.stage_layers), bucket_mb=args.bucket_mb)
     rows = plan_layouts(request, args.top)
     why = explain(request) if args.explain else None
     title = (f"{args.model} on {args.gpus} x {hardware.name} "

@@ -11,6 +11,7 @@ the pipeline cut dividing its layers) run in `check_model`, the family's checks.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -22,6 +23,14 @@ from plait.rules import check_experts_split
 from plait.rules import (DTYPE_BYTES, PRECISIONS, RECOMPUTE, REDUCE_DTYPES, SCHEDULES,  # noqa: F401
                          check_context_split, check_fp8, check_microbatches, check_pipeline_cut, check_precision, check_recompute, check_whole,
                          default_reduce_dtype)
+
+
+def check_bucket_mb(bucket_mb: object) -> None:
+    """A gradient bucket is a positive, finite number of MiB."""
+    if (not isinstance(bucket_mb, (int, float)) or isinstance(bucket_mb, bool) or not math.isfinite(bucket_mb)
+            or bucket_mb <= 0):
+        raise PlaitError(f"--bucket-mb must be a positive number, got {bucket_mb!r}",
+                         hint="plait's default is 25 (MiB); Megatron-Core's is max(40M, 1M x dp) parameters")
 
 
 @dataclass(frozen=True)
@@ -40,9 +49,7 @@ class Workload(Layout):
         super().__post_init__()
         for name in ("micro_batch", "grad_accum", "seq_len"):
             check_whole(name.replace("_", "-"), getattr(self, name))
-        if not isinstance(self.bucket_mb, (int, float)) or isinstance(self.bucket_mb, bool) or self.bucket_mb <= 0:
-            raise PlaitError(f"--bucket-mb must be a positive number, got {self.bucket_mb!r}",
-                             hint="plait's default is 25 (MiB); Megatron-Core's is max(40M, 1M x dp) parameters")
+        check_bucket_mb(self.bucket_mb)
         check_precision(self.precision, self.reduce_dtype)
         if self.precision == "fp8":
             check_fp8(self)

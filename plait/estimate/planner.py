@@ -56,7 +56,7 @@ from dataclasses import dataclass, replace
 from plait.errors import PlaitError
 from plait.estimate.activations import stage_activation_bytes
 from plait.estimate.hardware import GIB, Hardware, resolve_hardware
-from plait.estimate.layout import StageShare, Workload, layout_stages, stages
+from plait.estimate.layout import StageShare, Workload, check_bucket_mb, layout_stages, stages
 from plait.estimate.memory import Memory, device_total, estimate_memory, shard, stage_buffers, stage_memory
 from plait.estimate.ops import micro_batch_compute_s, optimizer_s, stage_pieces, stage_tensors
 from plait.estimate.time import (bubble_micro_batches, clip_s, cp_s, dp_exposed_s, ep_s, estimate_time,
@@ -94,6 +94,7 @@ class PlanRequest:
     recompute: tuple[str, ...] = RECOMPUTE
     offload: bool = False
     stage_layers: tuple[int, ...] = ()  # a fixed cut: only layouts with that many pipeline stages
+    bucket_mb: float = 25.0  # the gradient buckets the run will use (--bucket-mb)
 
     def __post_init__(self) -> None:
         for name in ("gpus", "gpus_per_node", "global_batch", "seq_len"):
@@ -102,6 +103,7 @@ class PlanRequest:
                 flag = name.replace("_", "-")
                 raise PlaitError(f"--{flag} must be a whole number of at least 1, got {value!r}",
                                  hint=f"pass --{flag} 1 or more")
+        check_bucket_mb(self.bucket_mb)
         if not self.schedules:
             raise PlaitError("--schedule names no schedule", hint=f"choose among: {', '.join(SCHEDULES)}")
         for schedule in self.schedules:
@@ -193,7 +195,8 @@ def shapes(request: PlanRequest) -> Iterator[Workload]:
                                 dp=dp, tp=tp, pp=pp, cp=cp, cp_kind=kind, ep=ep, precision=request.precision,
                                 micro_batch=micro_batch, grad_accum=per_replica // micro_batch,
                                 seq_len=request.seq_len, recompute=recompute, schedule=schedule,
-                                virtual_stages=v, sp=sp, stage_layers=request.stage_layers)
+                                virtual_stages=v, sp=sp, stage_layers=request.stage_layers,
+                                bucket_mb=request.bucket_mb)
                             layout.check_model(request.config)  # Ulysses' heads, SP's share of the sequence
                         except PlaitError:
                             continue
@@ -463,7 +466,7 @@ def _nothing_fits(request: PlanRequest, search: Search) -> PlaitError:
 def plan_request(config: GPTConfig, *, gpus: int, global_batch: int, hardware: str | Hardware = "h100-sxm",
                  gpus_per_node: int | None = None, seq_len: int | None = None, precision: str = "bf16",
                  schedule: str | tuple[str, ...] | None = None, offload: bool = False,
-                 stage_layers: tuple[int, ...] = ()) -> PlanRequest:
+                 stage_layers: tuple[int, ...] = (), bucket_mb: float = 25.0) -> PlanRequest:
     """The request `plan` answers, checked (`schedule` restricts the search: `schedules_of`)."""
     hw = resolve_hardware(hardware)
     if stage_layers:
@@ -471,19 +474,19 @@ def plan_request(config: GPTConfig, *, gpus: int, global_batch: int, hardware: s
     return PlanRequest(config=config, gpus=gpus, gpus_per_node=gpus_per_node or hw.gpus_per_node,
                        hardware=hw, global_batch=global_batch, seq_len=seq_len or config.max_seq_len,
                        precision=precision, schedules=schedules_of(schedule), offload=offload,
-                       stage_layers=tuple(stage_layers))
+                       stage_layers=tuple(stage_layers), bucket_mb=bucket_mb)
 
 
 def plan(config: GPTConfig, *, gpus: int, global_batch: int, hardware: str | Hardware = "h100-sxm",
          gpus_per_node: int | None = None, seq_len: int | None = None, precision: str = "bf16",
          schedule: str | tuple[str, ...] | None = None, offload: bool = False, top: int | None = None,
-         stage_layers: tuple[int, ...] = ()) -> list[dict[str, object]]:
+         stage_layers: tuple[int, ...] = (), bucket_mb: float = 25.0) -> list[dict[str, object]]:
     """Rank the layouts of `config` on `gpus` GPUs that fit; see `plan_layouts`. `schedule`
     restricts the schedules searched ("1f1b", "1f1b,zb-h1"; default: 1f1b, interleaved and
     zb-h1); `stage_layers` fixes the pipeline cut (and so pp: one number per stage)."""
     request = plan_request(config, gpus=gpus, global_batch=global_batch, hardware=hardware,
                            gpus_per_node=gpus_per_node, seq_len=seq_len, precision=precision, schedule=schedule,
-                           offload=offload, stage_layers=stage_layers)
+                           offload=offload, stage_layers=stage_layers, bucket_mb=bucket_mb)
     return plan_layouts(request, top)
 
 
