@@ -43,6 +43,8 @@ OPTIMIZER_KERNELS = ("fused", "foreach", "loop")
 # Context parallelism's attention kinds (plait.parallel.context): K/V passed round a ring of
 # send/recv, or all-to-all from sequence shards to head shards (DeepSpeed-Ulysses).
 CP_KINDS = ("ring", "ulysses")
+# A gradient bucket's default size, MiB (--bucket-mb): one all-reduce or reduce-scatter each.
+BUCKET_MB = 25.0
 
 
 def check_choice(flag: str, value: object, choices: tuple) -> None:
@@ -60,6 +62,14 @@ def check_whole(flag: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise PlaitError(f"--{flag} must be a whole number of at least 1, got {value!r}",
                          hint=f"pass --{flag} 1 or more")
+
+
+def check_bucket_mb(bucket_mb: Any) -> None:
+    """A gradient bucket is a positive, finite number of MiB."""
+    if (not isinstance(bucket_mb, (int, float)) or isinstance(bucket_mb, bool) or not math.isfinite(bucket_mb)
+            or bucket_mb <= 0):
+        raise PlaitError(f"--bucket-mb must be a positive number, got {bucket_mb!r}",
+                         hint="plait's default is 25 (MiB); Megatron-Core's is max(40M, 1M x dp) parameters")
 
 
 def check_context_split(seq_len: int, cp: int, tp: int = 1, sp: bool = False, heads: int | None = None,

@@ -121,20 +121,13 @@ def measure_gemms(mesh: Mesh, gemms: dict[str, Gemm], precision: str, reps: int)
     """{key: TFLOP/s} of each GEMM shape, slowest rank."""
     dtype, device = _dtype(precision), mesh.device
 
-    queued = queue_depth(device)
-
-    def gemm(g: Gemm) -> Callable[[], Any]:
+    def gemm(g: Gemm) -> Callable[[], None]:
         a = torch.randn(g.m, g.k, dtype=dtype, device=device)
         b = torch.randn(g.k, g.n, dtype=dtype, device=device)
-        def run() -> None:
-            for _ in range(queued):  # each product dropped at once: one output alive, as in training
-                torch.mm(a, b)
-            _sync(mesh)
-
-        return run
+        return _queued(mesh, lambda: torch.mm(a, b))
 
     times = _slowest(mesh, _median_rounds(mesh, [gemm(g) for g in gemms.values()], reps))
-    return {key: queued * g.flops / t / 1e12 for (key, g), t in zip(gemms.items(), times)}
+    return {key: queue_depth(device) * g.flops / t / 1e12 for (key, g), t in zip(gemms.items(), times)}
 
 
 def queue_depth(device: torch.device) -> int:
@@ -142,6 +135,19 @@ def queue_depth(device: torch.device) -> int:
     the device's rate in a stream of kernels (as in training) rather than one launch's round
     trip to the host and back; on a CPU, where nothing queues, one."""
     return 8 if device.type == "cuda" else 1
+
+
+def _queued(mesh: Mesh, op: Callable[[], Any]) -> Callable[[], None]:
+    """A timing run: `op` queue_depth times, each result dropped at once (one output alive, as
+    in training), then a sync. Its time over queue_depth is one op's."""
+    queued = queue_depth(mesh.device)
+
+    def run() -> None:
+        for _ in range(queued):
+            op()
+        _sync(mesh)
+
+    return run
 
 
 def measure_attention(mesh: Mesh, config: GPTConfig, micro_batch: int, seq_len: int,
@@ -162,16 +168,9 @@ def measure_attention(mesh: Mesh, config: GPTConfig, micro_batch: int, seq_len: 
 
 
 def _attention_run(mesh: Mesh, shape: tuple[int, ...], precision: str) -> Callable[[], None]:
-    """queue_depth(device) forward + backward passes of the causal attention core, then a sync."""
+    """Forward + backward passes of the causal attention core, queued (`_queued`)."""
     q, k, v = (torch.randn(shape, dtype=_dtype(precision), device=mesh.device, requires_grad=True) for _ in range(3))
-    queued = queue_depth(mesh.device)
-
-    def run() -> None:
-        for _ in range(queued):
-            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-        _sync(mesh)
-
-    return run
+    return _queued(mesh, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward())
 
 
 def measure_memory(mesh: Mesh, elements: int, tensors: int, reps: int, params: int = 0,
@@ -204,19 +203,12 @@ def measure_memory(mesh: Mesh, elements: int, tensors: int, reps: int, params: i
 def measure_bandwidth(mesh: Mesh, sizes: list[int], reps: int) -> tuple[tuple[int, float], ...]:
     """((bytes written, GB/s read + written), ...) of an allocating fp32 add, as eager ops
     do, at each of `sizes` elements, queued as `queue_depth` says; the slowest rank counts."""
-    queued = queue_depth(mesh.device)
-
-    def adds(elements: int) -> Callable[[], Any]:
+    def adds(elements: int) -> Callable[[], None]:
         x, y = (torch.randn(elements, device=mesh.device) for _ in range(2))
-        def run() -> None:
-            for _ in range(queued):
-                torch.add(x, y)
-            _sync(mesh)
-
-        return run
+        return _queued(mesh, lambda: torch.add(x, y))
 
     times = _slowest(mesh, _median_rounds(mesh, [adds(n) for n in sizes], reps))
-    return tuple((n * 4, 3 * n * 4 * queued / t / 1e9) for n, t in zip(sizes, times))
+    return tuple((n * 4, 3 * n * 4 * queue_depth(mesh.device) / t / 1e9) for n, t in zip(sizes, times))
 
 
 def measure_stream(mesh: Mesh, params: int, optimizer_kernel: str, reps: int, precision: str = "fp32") -> float:
@@ -225,9 +217,9 @@ def measure_stream(mesh: Mesh, params: int, optimizer_kernel: str, reps: int, pr
     takes: fp32 weights clipped in place, or 16-bit weights whose fp32 masters step with the
     clip factor folded in (plait.parallel.masters), which moves other bytes at other speeds
     (the 1 B GPT's bf16 update ran twice the fp32 one's rate a parameter on an H200). The
-    chunks' fixed costs stay in:
-    on a CPU they are a fraction of a percent of this size's pass, and on a GPU the host
-    launches them while the device works, so subtracting them would be wrong there."""
+    chunks' fixed costs stay in: on a CPU they are a fraction of a percent of this size's
+    pass, and on a GPU the host launches them while the device works, so subtracting them
+    would be wrong there."""
     if mesh.device.type == "cpu":
         keep_heap_like_training()
     update = _slowest(mesh, [_median_s(_flat_update(mesh, params, optimizer_kernel, precision), reps)])[0]

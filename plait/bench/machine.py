@@ -89,7 +89,7 @@ def calibrate(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len: int, 
     fields: dict[str, object] = {
         "name": f"calibrated {facts['host']}", "compute_efficiency": 1.0, "gemm": tuple(sorted(rates.items())),
         "links": links, **memory, **gemm_line(rates, precision, memory["op_overhead_us"], mesh.device.type, base)}
-    peak = max(fields["peak_fp32_tflops" if precision == "fp32" else "peak_bf16_tflops"], 1e-9)
+    peak = max(fields[peak_field(precision)], 1e-9)
     if attention and rates.get(attention[0]):
         fields["attention_efficiency"] = min(1.0, rates[attention[0]] / peak)
     if links:
@@ -114,17 +114,21 @@ def gemm_line(rates: dict[str, float], precision: str, op_overhead_us: float, de
     (whose rate changes little with size) the best rate measured."""
     dtype = gemm_key(Gemm(1, 1, 1), precision).split()[0]  # how its GEMMs are keyed: fp32, bf16 or fp8
     mine = {k: r for k, r in rates.items() if k.split()[0] == dtype}
-    peak_field = "peak_fp32_tflops" if precision == "fp32" else "peak_bf16_tflops"
+    field = peak_field(precision)
     line = fit_gemm_line(mine)
     if line is None:
         if device == "cpu":
-            return {peak_field: max(mine.values(), default=getattr(base, peak_field)), "gemm_fixed_us": 0.0}
-        return {peak_field: base.peak_flops(precision) / 1e12 * base.compute_efficiency,
-                "gemm_fixed_us": base.gemm_fixed_us}
+            return {field: max(mine.values(), default=getattr(base, field)), "gemm_fixed_us": 0.0}
+        return {field: base.peak_flops(precision) / 1e12 * base.compute_efficiency, "gemm_fixed_us": base.gemm_fixed_us}
     tflops, fixed_us = line
     if device == "cpu":
-        return {peak_field: tflops, "gemm_fixed_us": max(0.0, fixed_us - op_overhead_us)}
-    return {peak_field: min(tflops, base.peak_flops(precision) / 1e12), "gemm_fixed_us": fixed_us}
+        return {field: tflops, "gemm_fixed_us": max(0.0, fixed_us - op_overhead_us)}
+    return {field: min(tflops, base.peak_flops(precision) / 1e12), "gemm_fixed_us": fixed_us}
+
+
+def peak_field(precision: str) -> str:
+    """The Hardware field a calibration's measured peak goes to: fp32's, or the 16-bit one."""
+    return "peak_fp32_tflops" if precision == "fp32" else "peak_bf16_tflops"
 
 
 def save(hw: Hardware, path: Path, facts: dict[str, str]) -> None:
@@ -199,7 +203,7 @@ def _add_sizes(mesh: Mesh, cached: Hardware, config: GPTConfig, lacks: list[bool
         add["gemm"] = tuple(sorted(rates.items()))
         add.update(gemm_line(rates, precision, cached.op_overhead_us, mesh.device.type,
                              base_preset(device_name(mesh))))
-        peak = add["peak_fp32_tflops" if precision == "fp32" else "peak_bf16_tflops"]
+        peak = add[peak_field(precision)]
         first = next(iter(attention.values()), 0.0)
         if first and peak:
             add["attention_efficiency"] = min(1.0, first / peak)

@@ -175,7 +175,7 @@ def _params_only(params: int, layout: Workload, hw: Hardware, node: int,
 _DATA_AXES = {"dp_cp": "dp", "edp": "dp"}
 
 
-def axis_links(comm: dict[str, Any], inter: dict[str, bool]) -> dict[str, str]:
+def axis_links(comm: dict[str, Any], inter: dict[str, int]) -> dict[str, str]:
     """The link each axis's groups ride: "node" (NVLink, or the PCIe within one box) when a
     group's ranks share a node, "network" when they span nodes (the NICs)."""
     return {axis: "network" if inter.get(_DATA_AXES.get(axis, axis), inter["world"]) else "node" for axis in comm}

@@ -14,7 +14,7 @@ from typing import Any
 from plait.errors import PlaitError
 from plait.estimate import estimate_layout
 from plait.estimate.hardware import PRESETS as HARDWARE, resolve_hardware
-from plait.rules import PRECISIONS, RECOMPUTE, SCHEDULES, parse_stage_layers
+from plait.rules import BUCKET_MB, PRECISIONS, RECOMPUTE, SCHEDULES, parse_stage_layers
 from plait.estimate.planner import explain, plan_layouts, plan_request
 from plait.estimate.report import format_estimate, format_explain, format_plan, human_bytes
 from plait.models.gpt.config import PRESETS as MODELS, GPTConfig
@@ -31,7 +31,7 @@ def _common(parser: argparse.ArgumentParser, precision: str | None) -> None:
     parser.add_argument("--hardware-file", help="TOML file with a [hardware] table (overrides)")
     parser.add_argument("--gpus-per-node", type=int, help="default: the hardware preset's")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket, MiB: one all-reduce or "
+    parser.add_argument("--bucket-mb", type=float, default=BUCKET_MB, help="gradient bucket, MiB: one all-reduce or "
                         "reduce-scatter each (plait train --bucket-mb)")
 
 

@@ -40,10 +40,10 @@ recompute runs the blocks' forward a second time, in backward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from plait.estimate.hardware import Hardware
-from plait.estimate.ops import Gemm, dtype_bytes, gemm_s
+from plait.estimate.ops import Gemm, dtype_bytes, gemm_s, host_overlapped
 from plait.models.resnet.config import ResNetConfig
 
 BN_STATS = 4  # save_mean, save_invstd, running_mean, running_var: C values each
@@ -321,13 +321,9 @@ def micro_batch_compute_s(config: ResNetConfig, height: int, width: int, micro_b
     """Seconds of forward + backward of one micro-batch (the blocks' forward twice under
     recompute="full"; any other policy recomputes nothing in a ResNet), without the update.
     On a GPU the host's launches overlap the device's work, the longer counting, as for a
-    transformer (plait.estimate.ops.micro_batch_compute_s)."""
-    total = _work_and_dispatch_s(config, height, width, micro_batch, precision, hw, recompute)
-    if not hw.queues_kernels or not hw.op_overhead_us:
-        return total
-    device = _work_and_dispatch_s(config, height, width, micro_batch, precision,
-                                  replace(hw, op_overhead_us=0.0, view_overhead_us=0.0), recompute)
-    return max(device, total - device)
+    transformer (plait.estimate.ops.host_overlapped)."""
+    return host_overlapped(hw, lambda profile: _work_and_dispatch_s(config, height, width, micro_batch, precision,
+                                                                    profile, recompute))
 
 
 def _work_and_dispatch_s(config: ResNetConfig, height: int, width: int, micro_batch: int,

@@ -68,7 +68,7 @@ class Hardware:
         # One order for the measured tables, so that equal profiles compare equal.
         for table in _TABLES:
             object.__setattr__(self, table, tuple(sorted(tuple(row) for row in getattr(self, table))))
-        for table in ("memory_by_size", "stream_by_size"):
+        for table in _SIZED:
             for size, rate in getattr(self, table):
                 if not (isinstance(size, int) and size > 0 and isinstance(rate, (int, float))
                         and math.isfinite(rate) and rate > 0):
@@ -150,7 +150,8 @@ class Hardware:
         return (self.inter_node_latency_us if inter_node else self.intra_node_latency_us) * 1e-6
 
 
-_TABLES = ("gemm", "links", "memory_by_size", "stream_by_size")
+_SIZED = ("memory_by_size", "stream_by_size")  # (size, GB/s) rows, read by sized_rate
+_TABLES = ("gemm", "links", *_SIZED)
 
 
 def sized_rate(table: tuple[tuple[int, float], ...], size: float) -> float:
@@ -163,8 +164,8 @@ def sized_rate(table: tuple[tuple[int, float], ...], size: float) -> float:
     noisy rows must not promise any speed). Below the smallest measured size its rate holds."""
     if not table:
         return 0.0
-    if size <= table[0][0] or len(table) == 1:
-        return table[0][1] if size <= table[0][0] else table[-1][1]
+    if len(table) == 1 or size <= table[0][0]:
+        return table[0][1]
     times = [(n, n / rate) for n, rate in table]
     for (low, low_t), (high, high_t) in zip(times, times[1:]):
         if size <= high:
@@ -318,7 +319,7 @@ def _measured_tables(table: dict[str, object]) -> None:
         if isinstance(table.get("links"), dict):
             table["links"] = tuple(sorted((int(k), float(v["latency_us"]), float(v["gb_s"]))
                                           for k, v in table["links"].items()))
-        for sized in ("memory_by_size", "stream_by_size"):
+        for sized in _SIZED:
             if isinstance(table.get(sized), dict):
                 table[sized] = tuple(sorted((int(k), float(v)) for k, v in table[sized].items()))
     except (TypeError, ValueError, KeyError) as exc:
@@ -340,7 +341,7 @@ def hardware_toml(hw: Hardware, header: dict[str, str] | None = None) -> str:
     lines += [f'"{key}" = {rate!r}' for key, rate in hw.gemm]
     lines.append("\n[hardware.links]")
     lines += [f'"{n}" = {{ latency_us = {lat!r}, gb_s = {bw!r} }}' for n, lat, bw in hw.links]
-    for sized in ("memory_by_size", "stream_by_size"):
+    for sized in _SIZED:
         lines.append(f"\n[hardware.{sized}]")
         lines += [f'"{size}" = {rate!r}' for size, rate in getattr(hw, sized)]
     return "\n".join(lines) + "\n"

@@ -11,26 +11,16 @@ the pipeline cut dividing its layers) run in `check_model`, the family's checks.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from plait.balance import balanced_counts
-from plait.errors import PlaitError
 from plait.layout import Layout
 from plait.models.gpt.config import GPTConfig
-from plait.rules import check_experts_split
+from plait.rules import BUCKET_MB, check_bucket_mb, check_experts_split
 from plait.rules import (DTYPE_BYTES, PRECISIONS, RECOMPUTE, REDUCE_DTYPES, SCHEDULES,  # noqa: F401
                          check_context_split, check_fp8, check_microbatches, check_pipeline_cut, check_precision, check_recompute, check_whole,
                          default_reduce_dtype)
-
-
-def check_bucket_mb(bucket_mb: object) -> None:
-    """A gradient bucket is a positive, finite number of MiB."""
-    if (not isinstance(bucket_mb, (int, float)) or isinstance(bucket_mb, bool) or not math.isfinite(bucket_mb)
-            or bucket_mb <= 0):
-        raise PlaitError(f"--bucket-mb must be a positive number, got {bucket_mb!r}",
-                         hint="plait's default is 25 (MiB); Megatron-Core's is max(40M, 1M x dp) parameters")
 
 
 @dataclass(frozen=True)
@@ -43,7 +33,7 @@ class Workload(Layout):
     seq_len: int = 1024
     recompute: str = "none"
     reduce_dtype: str = ""  # "" = default_reduce_dtype(precision)
-    bucket_mb: float = 25.0  # a gradient bucket (--bucket-mb): one all-reduce or reduce-scatter each
+    bucket_mb: float = BUCKET_MB  # a gradient bucket (--bucket-mb): one all-reduce or reduce-scatter each
 
     def __post_init__(self) -> None:
         super().__post_init__()

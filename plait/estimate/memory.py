@@ -25,10 +25,11 @@ from dataclasses import asdict, dataclass
 from plait.estimate.activations import loss_bytes, stage_activation_bytes
 from plait.estimate.layout import Workload, StageShare, chunk_ends, chunk_layers, layout_stages, vocab_shard
 from plait.models.gpt.config import GPTConfig
+from plait.rules import BUCKET_MB
 
 ADAM_K = 12  # fp32 master weights + Adam m + Adam v, bytes per parameter
 FRAGMENTATION = 0.10  # allowance on device bytes, see `device_total`
-BUCKET_BYTES = 25 * 2**20  # plait's default gradient bucket (--bucket-mb 25; Workload.bucket_mb)
+BUCKET_BYTES = int(BUCKET_MB * 2**20)  # plait's default gradient bucket (--bucket-mb; Workload.bucket_mb)
 
 
 @dataclass(frozen=True)

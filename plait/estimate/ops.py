@@ -33,6 +33,7 @@ Every cost is max(FLOPs / rate, bytes / memory bandwidth) + a fixed cost per lau
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from plait.estimate.hardware import Hardware
@@ -190,10 +191,17 @@ def micro_batch_compute_s(config: GPTConfig, layout: Workload, stage: StageShare
     On a CPU the ops' fixed costs add to their work. A GPU's host queues kernels while the
     device runs earlier ones, so the pass takes the longer of the device's work and the
     host's dispatch: a large model's launches hide, a tiny one is bound by its host."""
-    total = _work_and_dispatch_s(config, layout, stage, hw)
+    return host_overlapped(hw, lambda profile: _work_and_dispatch_s(config, layout, stage, profile))
+
+
+def host_overlapped(hw: Hardware, cost: Callable[[Hardware], float]) -> float:
+    """`cost(hw)`, a pass's work plus each op's fixed cost, as the device runs it: summed on a
+    CPU; on a GPU (queues_kernels) the longer of the device's work (the cost with no fixed
+    costs) and the host's dispatch (the rest). The rule for every model's micro-batch."""
+    total = cost(hw)
     if not hw.queues_kernels or not (hw.op_overhead_us or hw.view_overhead_us):
         return total
-    device = _work_and_dispatch_s(config, layout, stage, replace(hw, op_overhead_us=0.0, view_overhead_us=0.0))
+    device = cost(replace(hw, op_overhead_us=0.0, view_overhead_us=0.0))
     return max(device, total - device)
 
 
@@ -204,7 +212,7 @@ def _work_and_dispatch_s(config: GPTConfig, layout: Workload, stage: StageShare,
     # estimate must print the same digits on both.
     fwd = math.fsum(gemm_s(g, layout.precision, hw) for g in block_gemms(config, tokens, layout.tp))
     bwd = math.fsum(gemm_s(x, layout.precision, hw) for g in block_gemms(config, tokens, layout.tp)
-              for x in g.backward())
+                    for x in g.backward())
     again = {"none": 0.0, "selective": 0.0, "full": 1.0}[layout.recompute]
     attn_passes = 3 + {"none": 0, "selective": 1, "full": 1}[layout.recompute]
     layers = stage.layers

@@ -56,14 +56,14 @@ from dataclasses import dataclass, replace
 from plait.errors import PlaitError
 from plait.estimate.activations import stage_activation_bytes
 from plait.estimate.hardware import GIB, Hardware, resolve_hardware
-from plait.estimate.layout import StageShare, Workload, check_bucket_mb, layout_stages, stages
+from plait.estimate.layout import StageShare, Workload, layout_stages, stages
 from plait.estimate.memory import Memory, device_total, estimate_memory, shard, stage_buffers, stage_memory
 from plait.estimate.ops import micro_batch_compute_s, optimizer_s, stage_pieces, stage_tensors
 from plait.estimate.time import (bubble_micro_batches, clip_s, cp_s, dp_exposed_s, ep_s, estimate_time,
                                  inter_node, offload_s, overhead_s, pp_s, tp_s)
 from plait.layout import Layout
 from plait.models.gpt.config import GPTConfig
-from plait.rules import CP_KINDS, RECOMPUTE, SCHEDULES, check_choice, check_pipeline_cut
+from plait.rules import BUCKET_MB, CP_KINDS, RECOMPUTE, SCHEDULES, check_bucket_mb, check_choice, check_pipeline_cut
 
 MAX_MICRO_BATCH = 64  # larger micro-batches only add memory once the GPU is saturated
 SEARCHED_SCHEDULES = ("1f1b", "interleaved", "zb-h1")  # gpipe: 1f1b's bubble in more memory
@@ -94,7 +94,7 @@ class PlanRequest:
     recompute: tuple[str, ...] = RECOMPUTE
     offload: bool = False
     stage_layers: tuple[int, ...] = ()  # a fixed cut: only layouts with that many pipeline stages
-    bucket_mb: float = 25.0  # the gradient buckets the run will use (--bucket-mb)
+    bucket_mb: float = BUCKET_MB  # the gradient buckets the run will use (--bucket-mb)
 
     def __post_init__(self) -> None:
         for name in ("gpus", "gpus_per_node", "global_batch", "seq_len"):
@@ -265,7 +265,7 @@ class Costs:
             bubble = bubble_micro_batches(shape) * (others - slowest) / (shape.pp - 1)
         return Core(shape.grad_accum * slowest + bubble, (stage, *tied))
 
-    def _micro_batch_s(self, shape: Workload, stage: StageShare, links: dict[str, bool]) -> float:
+    def _micro_batch_s(self, shape: Workload, stage: StageShare, links: dict[str, int]) -> float:
         """One micro-batch on `stage`: compute + tp + pp + cp + ep, in estimate_time's order."""
         hw = self.request.hardware
         key = (shape.tp, shape.cp, shape.sp, shape.micro_batch, shape.recompute, stage.layers, stage.last)
@@ -466,7 +466,7 @@ def _nothing_fits(request: PlanRequest, search: Search) -> PlaitError:
 def plan_request(config: GPTConfig, *, gpus: int, global_batch: int, hardware: str | Hardware = "h100-sxm",
                  gpus_per_node: int | None = None, seq_len: int | None = None, precision: str = "bf16",
                  schedule: str | tuple[str, ...] | None = None, offload: bool = False,
-                 stage_layers: tuple[int, ...] = (), bucket_mb: float = 25.0) -> PlanRequest:
+                 stage_layers: tuple[int, ...] = (), bucket_mb: float = BUCKET_MB) -> PlanRequest:
     """The request `plan` answers, checked (`schedule` restricts the search: `schedules_of`)."""
     hw = resolve_hardware(hardware)
     if stage_layers:
@@ -480,7 +480,7 @@ def plan_request(config: GPTConfig, *, gpus: int, global_batch: int, hardware: s
 def plan(config: GPTConfig, *, gpus: int, global_batch: int, hardware: str | Hardware = "h100-sxm",
          gpus_per_node: int | None = None, seq_len: int | None = None, precision: str = "bf16",
          schedule: str | tuple[str, ...] | None = None, offload: bool = False, top: int | None = None,
-         stage_layers: tuple[int, ...] = (), bucket_mb: float = 25.0) -> list[dict[str, object]]:
+         stage_layers: tuple[int, ...] = (), bucket_mb: float = BUCKET_MB) -> list[dict[str, object]]:
     """Rank the layouts of `config` on `gpus` GPUs that fit; see `plan_layouts`. `schedule`
     restricts the schedules searched ("1f1b", "1f1b,zb-h1"; default: 1f1b, interleaved and
     zb-h1); `stage_layers` fixes the pipeline cut (and so pp: one number per stage)."""

@@ -123,8 +123,9 @@ def collective_s(op: str, payload: float, n: int, hw: Hardware, inter: int | boo
     or scatter's) and the link's on the rest; an all-reduce may instead take the double
     binary tree, 2·((ranks per node - 1)·intra + ⌊log2 N⌋·inter) latency with 2S through each
     link at 0.9 of its bandwidth, whichever is faster (NCCL picks so). A cross-node ring's
-    steps inside a node take the preset's intra-node latency, not a calibrated group's. `inter` is 0 (or False) for a group inside
-    one node, else how many of its ranks share each node (True: one)."""
+    steps inside a node take the preset's intra-node latency, not a calibrated group's.
+    `inter` is 0 (or False) for a group inside one node, else how many of its ranks share
+    each node (True: one; `inter_node` gives it per axis)."""
     if n <= 1 or payload <= 0:
         return 0.0
     steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1, "all_to_all": n - 1}.get(op, 1)
@@ -165,7 +166,7 @@ def _ranks_per_node(stride: int, size: int, gpus_per_node: int) -> int:
     return max(1, min(size, gpus_per_node // stride))
 
 
-def tp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: bool) -> float:
+def tp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: int) -> float:
     """Tensor-parallel seconds per micro-batch on `stage` (never overlapped)."""
     t = layout.tp
     if t == 1:
@@ -177,7 +178,7 @@ def tp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
     return steps * latency + wire / bandwidth
 
 
-def pp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: bool) -> float:
+def pp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: int) -> float:
     """Seconds of sends per micro-batch on `stage` (activations forward, gradients back)."""
     if layout.pp == 1:
         return 0.0
@@ -188,7 +189,7 @@ def pp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
     return sends * (latency + message / bandwidth)
 
 
-def cp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: bool) -> float:
+def cp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: int) -> float:
     """Context parallelism's seconds per micro-batch on `stage` that compute does not hide
     (estimate/context.py): the ring's transfers beyond each pass's attention, or Ulysses'
     all-to-alls whole."""
@@ -207,7 +208,7 @@ def cp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
     return stage.layers * (forwards * forward + backward)
 
 
-def ep_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: bool) -> float:
+def ep_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: int) -> float:
     """Expert parallelism's all-to-alls per micro-batch on `stage`, whole (the dispatch waits
     for them): per MoE block, three forward (counts, rows out, rows back; again when
     recomputed) and two backward, uniform routing (estimate/experts.py)."""
@@ -220,8 +221,8 @@ def ep_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
     return stage.moe_layers * one_layer
 
 
-def dp_exposed_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: bool,
-                 compute_mb: float, forward_share: float, replicate_inter: bool = False) -> float:
+def dp_exposed_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: int,
+                 compute_mb: float, forward_share: float, replicate_inter: int = 0) -> float:
     """Data-parallel seconds left after overlap with compute (see module docstring).
 
     With a pipeline, plait reduces the gradients after the last action of the schedule,
@@ -233,7 +234,7 @@ def dp_exposed_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: 
             + _replicate_s(params, layout, hw, replicate_inter))
 
 
-def _replicate_s(params: int, layout: Workload, hw: Hardware, inter: bool) -> float:
+def _replicate_s(params: int, layout: Workload, hw: Hardware, inter: int) -> float:
     """--dp-shard's all-reduces of the reduced shards over the replicas, per step: one per
     bucket (or unit) of the whole gradient, each a 1/N shard of it (nothing with one replica)."""
     grad = state_bytes(layout.precision).grad
@@ -242,7 +243,7 @@ def _replicate_s(params: int, layout: Workload, hw: Hardware, inter: bool) -> fl
                                 hw, inter, max(1.0, params * grad / layout.bucket_bytes))
 
 
-def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: bool,
+def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: int,
                compute_mb: float, forward_share: float) -> float:
     """dp_exposed_s over the ranks that reduce and gather together: the dp × cp ranks, or a
     --dp-shard group (Layout.zero_ranks is both)."""
@@ -329,7 +330,7 @@ def _other_stages_mean(rows: list[tuple[float, float, float, float, float, Stage
 
 
 def _micro_batch_parts(config: GPTConfig, layout: Workload, hw: Hardware,
-                       links: dict[str, bool]) -> list[tuple[float, float, float, float, float, StageShare]]:
+                       links: dict[str, int]) -> list[tuple[float, float, float, float, float, StageShare]]:
     """Each pipeline rank's (compute, tp, pp, cp, ep) seconds of one micro-batch, and its share."""
     return [(micro_batch_compute_s(config, layout, stage, hw), tp_s(config, layout, stage, hw, links["tp"]),
              pp_s(config, layout, stage, hw, links["pp"]), cp_s(config, layout, stage, hw, links["cp"]),
@@ -350,7 +351,7 @@ def _micro_batch_total(row: tuple[float, float, float, float, float, StageShare]
     return compute + tp + pp + cp + ep
 
 
-def clip_s(layout: Workload, hw: Hardware, links: dict[str, bool]) -> float:
+def clip_s(layout: Workload, hw: Hardware, links: dict[str, int]) -> float:
     """All-reduces of a few bytes around the update: the step guard's verdict over every
     rank, and the gradient norm over ZeRO's dp group, tp and pp."""
     groups = [("world", layout.world), ("dp_shard", layout.zero_ranks if layout.zero else 1), ("tp", layout.tp),

@@ -54,8 +54,8 @@ from plait.parallel.data.syncbn import convert_sync_batchnorm
 from plait.parallel.tensor.plan import apply_tensor_parallel, tensor_parallel_of
 from plait.parallel.zero.stages import apply_zero, zero_of
 from plait.parallel.zero.optim import ZeroOptimizer
-from plait.rules import (FP8_SCALINGS, OPTIMIZER_KERNELS, RECOMPUTE, check_choice, check_compile, check_fp8,
-                         check_recompute)
+from plait.rules import (BUCKET_MB, FP8_SCALINGS, OPTIMIZER_KERNELS, RECOMPUTE, check_bucket_mb, check_choice,
+                         check_compile, check_fp8, check_recompute)
 from plait.runtime.mesh import EXPERT, EXPERT_SYNC, REPLICATE, SHARD, SYNC, Mesh
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ _LAYOUT_FIELDS = frozenset(f.name for f in fields(Layout))  # the mesh carries t
 class ParallelConfig:
     """What the strategies need besides the layout (which the mesh carries: plait.layout)."""
 
-    bucket_mb: float = 25.0  # size of a gradient bucket: one all-reduce (or reduce-scatter) per bucket
+    bucket_mb: float = BUCKET_MB  # size of a gradient bucket: one all-reduce (or reduce-scatter) per bucket
     recompute: str = "none"  # "full": keep each block's input only, rerun the block in backward;
     # "selective": rerun only the attention core
     reduce_dtype: torch.dtype | None = None  # gradients cross dp in this dtype (None: their own)
@@ -93,8 +93,7 @@ class ParallelConfig:
         return super().__new__(cls)
 
     def __post_init__(self) -> None:
-        if self.bucket_mb <= 0:
-            raise PlaitError(f"--bucket-mb must be positive, got {self.bucket_mb}")
+        check_bucket_mb(self.bucket_mb)
         check_choice("recompute", self.recompute, RECOMPUTE)
         if self.fp8:
             check_choice("fp8-scaling", self.fp8, FP8_SCALINGS)

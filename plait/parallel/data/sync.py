@@ -38,6 +38,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from plait.parallel.applied import applied, applied_of
 from plait.parallel.data.syncbn import SyncBatchNorm
 from plait.parallel.placement import placement_of
+from plait.rules import BUCKET_MB
 from plait.runtime import comm
 from plait.runtime.comm import Axis, Handle
 from plait.runtime.mesh import EXPERT_SYNC, SYNC
@@ -184,7 +185,7 @@ def _bucket(index: int, params: list[nn.Parameter]) -> Bucket:
     return Bucket(index, params, flat, views)
 
 
-def apply_data_parallel(model: nn.Module, axis: Axis, *, bucket_mb: float = 25.0,
+def apply_data_parallel(model: nn.Module, axis: Axis, *, bucket_mb: float = BUCKET_MB,
                         reduce_dtype: torch.dtype | None = None, expert_axis: Axis | None = None) -> nn.Module:
     """Make `model` average its gradients over `axis` after every backward (in place).
 

@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 SHARD_PARAM = "plait_shard"  # stage 3: the name under which a unit's shard is registered
 
 
-def apply_zero(model: nn.Module, axis: Axis, *, stage: int, offload: bool = False, bucket_mb: float = 25.0,
+def apply_zero(model: nn.Module, axis: Axis, *, stage: int, offload: bool = False, bucket_mb: float = rules.BUCKET_MB,
                units: Sequence[nn.Module] | None = None, reduce_dtype: torch.dtype | None = None,
                prefetch: int = 1, reshard_after_forward: bool = True, expert_axis: Axis | None = None,
                replicate_axis: Axis | None = None) -> nn.Module:

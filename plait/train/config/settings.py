@@ -50,7 +50,7 @@ class TrainConfig:
     seed: int = field(default=0, metadata={"help": "seeds the weights, the data order and the sample"})
     eval_every: int = field(default=60, metadata={"help": "steps between held-out evaluations (0: only at the end)"})
     eval_samples: int = field(default=32, metadata={"help": "held-out sequences per evaluation"})
-    bucket_mb: float = field(default=25.0, metadata={"help": "gradient bucket size for data parallelism"})
+    bucket_mb: float = field(default=rules.BUCKET_MB, metadata={"help": "gradient bucket size for data parallelism"})
     dp: int | None = field(default=None, metadata={"help": "data-parallel degree (default: what tp and pp leave)"})
     tp: int = field(default=1, metadata={"help": "tensor-parallel degree (Megatron-style)"})
     sp: bool = field(default=False, metadata={"help": "sequence parallelism in the norm regions (needs --tp > 1)"})
