@@ -5,6 +5,7 @@ predicted vs measured, ZeRO-3 offload, nn.DataParallel / DDP overhead.
     python3 benchmarks/gpu.py --parts offload,dp --log-dir $OUT
     python3 benchmarks/gpu.py --parts update,moe,selective --steps 200 --log-dir $OUT   # fp8, the update, MoE
     python3 benchmarks/gpu.py --parts sweep,shapes --steps 20 --log-dir $OUT   # rates by size, calibration by shape
+    python3 benchmarks/gpu.py --parts hostcopy,offload --steps 40 --log-dir $OUT   # offload's host step
 
 Every plait row is a `plait train --nproc 1` subprocess (stdout and stderr appended to
 LOG_DIR/runs.log); its numbers come from its summary.json. The plain loop is plait's GPT built
@@ -347,6 +348,56 @@ def part_shapes(steps: int) -> None:
                              "error": v.get("error")} for k, v in rows.items()}
 
 
+def part_hostcopy() -> None:
+    """Offload's host step, piece by piece, at 64 Mi to 1 Gi parameters: the bf16 gradient into
+    the host's fp32 copy as plait did before (a blocking `.to`, a fresh tensor each step) and as
+    it does now (plait.parallel.zero.optim.copy_in_chunks into a kept pinned buffer); the
+    host's fused AdamW on it; the fp32 master back into the bf16 shard, both ways. Seconds,
+    the median of 3 after one warm-up."""
+    import torch
+
+    from plait.parallel.zero.optim import copy_in_chunks
+
+    cuda = torch.cuda.is_available()
+    device, scale = ("cuda", 1) if cuda else ("cpu", 64)
+    rows = {}
+    for n in (1 << 26, 1 << 28, 1 << 30):
+        n //= scale
+        grad = torch.full((n,), 1e-3, dtype=torch.bfloat16, device=device)
+        shard = torch.ones(n, dtype=torch.bfloat16, device=device)
+        master = torch.ones(n, pin_memory=cuda)
+        kept = torch.empty(n, pin_memory=cuda)
+        weight = torch.nn.Parameter(master)
+        optimizer = torch.optim.AdamW([weight], lr=1e-3, fused=True)
+
+        def timed(fn: Any) -> float:
+            fn()
+            samples = []
+            for _ in range(3):
+                if cuda:
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                fn()
+                if cuda:
+                    torch.cuda.synchronize()
+                samples.append(time.perf_counter() - start)
+            return statistics.median(samples)
+
+        weight.grad = kept
+        rows[n] = {"grad in, fresh .to (before)": timed(lambda: grad.to("cpu", torch.float32)),
+                   "grad in, chunked into kept pinned (now)": timed(lambda: copy_in_chunks(kept, grad)),
+                   "host fused AdamW": timed(optimizer.step),
+                   "master out, one non-blocking copy_ (before)":
+                       timed(lambda: shard.copy_(master, non_blocking=cuda)),
+                   "master out, chunked (now)": timed(lambda: copy_in_chunks(shard, master))}
+        rows[n]["host AdamW GB/s (28 B a parameter)"] = 28 * n / rows[n]["host fused AdamW"] / 1e9
+        log(f"hostcopy {n}: {rows[n]}")
+        del grad, shard, master, kept, weight, optimizer
+        if cuda:
+            torch.cuda.empty_cache()
+    RESULTS["hostcopy"] = rows
+
+
 def _host_peak(row: dict[str, Any]) -> Any:
     import resource
 
@@ -528,7 +579,7 @@ def main() -> None:
              "offload": lambda: part_offload(max(3, args.steps // 10)), "dp": lambda: part_dp(args.steps),
              "update": lambda: part_update_fp8(args.steps), "selective": part_selective,
              "moe": lambda: part_moe(10), "rowwise": part_rowwise, "sweep": part_sweep,
-             "shapes": lambda: part_shapes(args.steps)}[part]()
+             "shapes": lambda: part_shapes(args.steps), "hostcopy": part_hostcopy}[part]()
         except Exception as exc:  # noqa: BLE001
             import traceback
 

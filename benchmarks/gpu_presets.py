@@ -212,17 +212,17 @@ def _layout_text(row: dict) -> str:
 
 # plait's own runs on a GPU (benchmarks/RESULTS.md, GPU section): the measured step beside the
 # preset's prediction. (name, model spec, workload, preset, measured s/step). The offload row's
-# host AdamW rate (hardware.py, host_mem_gb_s) was taken from this very run, so it checks that
-# the model adds its parts up, not that it generalises: another host's rate is `plait calibrate`'s.
+# host AdamW rate (hardware.py, host_mem_gb_s) was measured on that host by itself (AdamW alone,
+# benchmarks/gpu.py --parts hostcopy), not fitted to the step.
 OFFLOAD_5B = ("small,vocab_size=32000,n_layers=24,d_model=4096,n_heads=32,n_kv_heads=32,ffn_hidden=11008,"
               "max_seq_len=2048,tie_embeddings=false")
 # The 1.04 B GPT of RESULTS.md's GPU section (llama-1b's shape, 32 k vocabulary), eager.
 GPT_1B = ("small,vocab_size=32000,n_layers=16,d_model=2048,n_heads=32,n_kv_heads=8,ffn_hidden=8192,"
           "max_seq_len=2048,rope_theta=500000")
 MEASURED_RUNS = (
-    ("5.12 B, ZeRO-3 --offload, bf16, full recompute, 4 x 2048 tokens, 1 H100 (2026-11-25)", OFFLOAD_5B,
+    ("5.12 B, ZeRO-3 --offload, bf16, full recompute, 4 x 2048 tokens, 1 H200 (2026-11-27)", OFFLOAD_5B,
      Workload(dp=1, zero=3, offload=True, precision="bf16", micro_batch=4, seq_len=2048, recompute="full"),
-     "h100-sxm", 11.60),
+     "h200", 2.684),
     ("1.04 B GPT, bf16, ZeRO-1, 8 x 2048 tokens, eager, 1 H200 (2026-11-27)", GPT_1B,
      Workload(dp=1, zero=1, precision="bf16", micro_batch=8, seq_len=2048), "h200", 0.280),
 )

@@ -68,7 +68,9 @@ def test_offload_moves_optimizer_to_host() -> None:
     cfg = get_preset("llama-7b")
     on = estimate_layout(cfg, dp=8, zero=2, offload=True, precision="bf16", seq_len=512)
     off = estimate_layout(cfg, dp=8, zero=2, precision="bf16", seq_len=512)
-    assert on["memory"]["host"] == on["memory"]["optim"] == off["memory"]["optim"]
+    assert on["memory"]["optim"] == off["memory"]["optim"]
+    shard_params = off["memory"]["optim"] / 12  # master + m + v, fp32: the host also keeps the gradient's fp32 copy
+    assert on["memory"]["host"] == pytest.approx(off["memory"]["optim"] + 4 * shard_params)
     device_gap = off["memory"]["total"] - on["memory"]["total"]
     assert device_gap == pytest.approx(1.1 * off["memory"]["optim"])  # plus its 10% allowance
 

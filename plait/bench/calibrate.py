@@ -50,7 +50,8 @@ from plait.parallel.compose import adamw_kernel
 #    the run's precision path (16-bit weights over fp32 masters).
 # 5: sizes keyed as the time model reads them (one op's write on a rank in the run's dtype, the
 #    parameters a rank steps); attention queued on a GPU too.
-METHOD_VERSION = 5
+# 6: on a GPU the update timed in four tensors (update_chunk): the device's pass, not the host's.
+METHOD_VERSION = 6
 
 
 def _median_s(fn: Callable[[], Any], reps: int) -> float:
@@ -213,16 +214,16 @@ def measure_bandwidth(mesh: Mesh, sizes: list[int], reps: int) -> tuple[tuple[in
 
 def measure_stream(mesh: Mesh, params: int, optimizer_kernel: str, reps: int, precision: str = "fp32") -> float:
     """GB/s (in ops.py's UPDATE_BYTES a parameter) of the guarded update over `params`
-    parameters in UPDATE_CHUNK-sized tensors, slowest rank, on the path the run's precision
+    parameters in `update_chunk`-sized tensors, slowest rank, on the path the run's precision
     takes: fp32 weights clipped in place, or 16-bit weights whose fp32 masters step with the
     clip factor folded in (plait.parallel.masters), which moves other bytes at other speeds
     (the 1 B GPT's bf16 update ran twice the fp32 one's rate a parameter on an H200). The
-    chunks' fixed costs stay in: on a CPU they are a fraction of a percent of this size's
-    pass, and on a GPU the host launches them while the device works, so subtracting them
-    would be wrong there."""
+    tensors' fixed costs are nothing to subtract: on a CPU they are a fraction of a percent
+    of this size's pass, and on a GPU the few tensors leave the device's pass alone to time."""
     if mesh.device.type == "cpu":
         keep_heap_like_training()
-    update = _slowest(mesh, [_median_s(_flat_update(mesh, params, optimizer_kernel, precision), reps)])[0]
+    chunk = update_chunk(mesh.device, params)
+    update = _slowest(mesh, [_median_s(_flat_update(mesh, params, optimizer_kernel, precision, chunk), reps)])[0]
     return UPDATE_BYTES * params / update / 1e9
 
 
@@ -232,6 +233,20 @@ def stream_cap(device: torch.device) -> int:
     return STREAM_CAP * (4 if device.type == "cuda" else 1)
 
 
+def update_chunk(device: torch.device, params: int) -> int:
+    """Parameters per tensor in the timed update. On a CPU, UPDATE_CHUNK: a large weight of a
+    model this size. On a GPU, a quarter of the update each: there the host launches each
+    tensor's kernels while the device runs earlier ones, and the time model charges those
+    per-tensor costs apart (ops.optimizer_s takes the longer of the two), so the timing must
+    be the device's pass. In 1 Mi tensors it was the host's: 64 Mi bf16 parameters took 47 ps
+    each where the 1 B GPT's whole update took 20 (H200, benchmarks/RESULTS.md, GPU section),
+    and read beyond its sizes that rate predicted 46 ms for a 21 ms update."""
+    if device.type == "cpu":
+        return UPDATE_CHUNK
+    return max(UPDATE_CHUNK, -(-params // GPU_UPDATE_TENSORS))
+
+
+GPU_UPDATE_TENSORS = 4
 HOST_UPDATE_MIN = 1 << 22  # the host's AdamW timed on at least this many parameters: a rate, not overheads
 STREAM_CAP = 1 << 24  # parameters in the timed update on a CPU (see stream_cap)
 UPDATE_CHUNK = 1 << 20  # parameters per tensor there, about a large weight of a model this size
@@ -267,23 +282,24 @@ def measure_host_update(mesh: Mesh, params: int, optimizer_kernel: str, reps: in
     return HOST_ADAM_BYTES * params / seconds / 1e9
 
 
-def _flat_update(mesh: Mesh, params: int, optimizer_kernel: str, precision: str = "fp32") -> Callable[[], None]:
+def _flat_update(mesh: Mesh, params: int, optimizer_kernel: str, precision: str = "fp32",
+                 chunk: int = UPDATE_CHUNK) -> Callable[[], None]:
     """The guarded update (finite check, clipping, AdamW) over `params` parameters cut into
     UPDATE_CHUNK-sized tensors: the optimizer states are as large as the model's, so their
     pass runs past the caches at the speed it will in training."""
-    return _guarded_update(mesh, *_flat_adamw(params, mesh.device, optimizer_kernel, precision))
+    return _guarded_update(mesh, *_flat_adamw(params, mesh.device, optimizer_kernel, precision, chunk))
 
 
-def _flat_adamw(params: int, device: torch.device, optimizer_kernel: str,
-                precision: str = "fp32") -> tuple[torch.nn.ParameterList, torch.optim.Optimizer]:
-    """`params` parameters on `device` in UPDATE_CHUNK-sized tensors of the precision's dtype,
+def _flat_adamw(params: int, device: torch.device, optimizer_kernel: str, precision: str = "fp32",
+                chunk: int = UPDATE_CHUNK) -> tuple[torch.nn.ParameterList, torch.optim.Optimizer]:
+    """`params` parameters on `device` in `chunk`-sized tensors of the precision's dtype,
     each with a gradient, and the AdamW (with the run's kernel; over fp32 masters for 16-bit
     weights, as plait.parallel.compose.build_optimizer builds it) that steps them."""
     from plait.parallel.masters import MasterOptimizer
     from plait.parallel.precision import param_dtype
 
     dtype = param_dtype(precision)
-    sizes = [min(UPDATE_CHUNK, params - start) for start in range(0, params, UPDATE_CHUNK)]
+    sizes = [min(chunk, params - start) for start in range(0, params, chunk)]
     holder = torch.nn.ParameterList(torch.nn.Parameter(torch.ones(n, device=device, dtype=dtype)) for n in sizes)
     for p in holder:
         p.grad = torch.full_like(p, 1e-3)

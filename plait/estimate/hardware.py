@@ -37,7 +37,7 @@ class Hardware:
     compute_efficiency: float = 0.75
     reserved_gib: float = 2.0  # CUDA context, cuBLAS workspace, NCCL buffers: never ours
     pcie_gb_s: float = 25.0  # host <-> device, used by optimizer offload
-    host_mem_gb_s: float = 13.5  # the host's AdamW for optimizer offload, in GB/s of its 28 bytes a parameter
+    host_mem_gb_s: float = 120.0  # the host's AdamW for optimizer offload, in GB/s of its 28 bytes a parameter
     memory_gb_s: float = 1000.0  # device memory bandwidth: element-wise work on activations
     stream_gb_s: float = 0.0  # the update's pass over gradients and states (ops.py bytes); 0: memory_gb_s
     attention_efficiency: float = 0.4  # fraction of peak a fused attention core reaches
@@ -195,11 +195,11 @@ GEMM_RAMP_US = 13.5
 _GPU_DEFAULTS = dict(intra_node_latency_us=3.0, inter_node_latency_us=8.0, gpus_per_node=8,
                      step_overhead_us=1000.0, queues_kernels=True, gemm_fixed_us=GEMM_RAMP_US)
 # The host's AdamW under offload (the fp32 master, m and v live in CPU memory and the CPU
-# steps them) is not memory-bound: torch's CPU AdamW moved 13.5 GB/s of its 28 bytes a
-# parameter on a 16-core H100 host (5.12 B parameters, ZeRO-3 offload: a 10.91 s update of
-# which ~0.3 s was PCIe; benchmarks/RESULTS.md, GPU section, 2026-11-25), where the host's
-# memory would allow ~100. A GPU's share of a DGX-class host is about as many cores.
-# `plait calibrate` measures it on the host at hand.
+# steps them): torch's fused CPU AdamW moved 112-133 GB/s of its 28 bytes a parameter at 256 Mi
+# to 1 Gi parameters on a 16-core H200 host (benchmarks/RESULTS.md, GPU section, offload's
+# host step), about the host memory's speed; a GPU's share of a DGX-class host is about as
+# many cores. (The 13.5 GB/s an offload step reached before was its copies allocating fresh
+# host memory and converting on the CPU, not AdamW.) `plait calibrate` measures the host at hand.
 _AMPERE = dict(compute_efficiency=0.8, attention_efficiency=0.5)
 _HOPPER = dict(compute_efficiency=0.7, attention_efficiency=0.35)
 

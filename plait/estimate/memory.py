@@ -60,7 +60,8 @@ def shard(count: int, n: int) -> int:
 
 @dataclass
 class Memory:
-    """Bytes on one rank. `host` is the part of `optim` that lives in CPU memory."""
+    """Bytes on one rank. `host` is what offload keeps in CPU memory: all of `optim`, plus
+    the fp32 copy of the gradient shard the host steps on."""
 
     params: float = 0.0
     grads: float = 0.0
@@ -99,7 +100,9 @@ def model_states(params: int, unit_params: int, layout: Workload, per: StateByte
         # The step runs on the host, on its own fp32 copy of the shard (the device keeps its
         # weights): plait's ZeRO offload holds master + m + v there, 12 bytes, as in 16-bit.
         optim += sharded * 4
-    host = optim if layout.offload else 0.0
+    # Offload: the optimizer lives on the host, which steps on an fp32 copy of the gradient
+    # shard (plait/parallel/zero/optim.py keeps it between steps).
+    host = optim + sharded * 4 if layout.offload else 0.0
     return Memory(params=weights, grads=grads, optim=optim, host=host)
 
 
@@ -175,7 +178,7 @@ def device_total(memory: Memory) -> Memory:
     and cannot always reuse a freed activation block for a differently sized tensor, so
     reserved memory runs a few to ~20% above what tensors occupy; 10% is a middle guess.
     """
-    device = memory.params + memory.grads + memory.optim - memory.host + memory.buffers
+    device = memory.params + memory.grads + (0.0 if memory.host else memory.optim) + memory.buffers
     device += memory.activations or 0.0
     memory.fragmentation = FRAGMENTATION * device
     memory.total = device + memory.fragmentation

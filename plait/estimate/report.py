@@ -67,7 +67,7 @@ def format_estimate(result: dict[str, Any], model_name: str) -> str:
     rows = [["  " + key, human_bytes(mem[key])] for key in MEMORY_ROWS]
     rows.append(["  total on device", human_bytes(mem["total"])])
     if mem["host"]:
-        rows.append(["  of which optim on host", human_bytes(mem["host"])])
+        rows.append(["  on the host (optim + fp32 grad copy)", human_bytes(mem["host"])])
     usable = human_bytes(result["device_usable_bytes"])
     rows.append(["  fits", f"{'yes' if result['fits'] else 'NO'} ({usable} usable)"])
     lines += table(rows) + ["", "communication per GPU per step (wire bytes, ring)"]

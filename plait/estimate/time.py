@@ -32,8 +32,9 @@ Assumptions, each visible in `ASSUMPTIONS`:
   slowest (the fill and drain run through them), so a lopsided cut idles less than its
   slowest stage would (benchmarks/RESULTS.md, uneven pipeline stages).
 * Offload ships the gradient shard to the host and the updated weights back over PCIe,
-  and runs AdamW there at the host's measured rate (28 bytes per parameter touched);
-  nothing overlaps it. The device optimizer step itself is not timed.
+  in fp32 (4 bytes a parameter each way), and runs AdamW there at the host's measured rate
+  (28 bytes per parameter touched); nothing overlaps it. The device optimizer step itself
+  is not timed.
 """
 
 from __future__ import annotations
@@ -283,12 +284,17 @@ def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: in
 
 def offload_s(params: int, layout: Workload, hw: Hardware) -> float:
     """PCIe round trip of the shard plus the host's AdamW over it (the CPU's measured rate:
-    plait.estimate.hardware, `host_mem_gb_s`)."""
+    plait.estimate.hardware, `host_mem_gb_s`). The gradient goes out and the weights come back
+    in fp32 whatever the precision: plait converts on the GPU and moves fp32 across
+    (plait/parallel/zero/optim.py, copy_in_chunks), so that the host does no conversion."""
     if not layout.offload:
         return 0.0
     part = shard(params, layout.zero_ranks)
-    pcie = 2 * part * state_bytes(layout.precision).param / (hw.pcie_gb_s * 1e9)
+    pcie = 2 * part * OFFLOAD_WIRE_BYTES / (hw.pcie_gb_s * 1e9)
     return pcie + part * HOST_ADAM_BYTES / (hw.host_mem_gb_s * 1e9)
+
+
+OFFLOAD_WIRE_BYTES = 4  # a parameter's fp32 gradient out, or its fp32 master back, over PCIe
 
 
 def _forward_share(recompute: str) -> float:

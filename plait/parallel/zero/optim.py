@@ -11,6 +11,12 @@ per original parameter. It suits elementwise optimizers (SGD, Adam, AdamW, ...),
 that need whole matrices. With parameters in bf16/fp16 (mixed precision) or with `offload`,
 the pieces are views of an fp32 master copy of the shard (in CPU memory, pinned when CUDA is
 present, for offload); the step copies the gradient in and the parameters back out.
+
+Those copies reuse buffers and convert on the GPU. A step that allocated its host gradient
+afresh paid for the pages as well as the bytes, and torch converts a blocking device-to-host
+copy on the CPU, through a second fresh tensor. The 5 B offload run's update moved 13.5 GB/s
+of AdamW that way (benchmarks/RESULTS.md, GPU section), where the host's AdamW alone runs at
+~100 GB/s.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ class OwnedSlice:
     pieces: list[nn.Parameter]
     bounds: list[tuple[int, int]]  # each piece's [start, stop) within the owned range
     master: torch.Tensor | None
+    offloaded: bool = False  # the master lives in host memory and the host steps it
+    grad_copy: torch.Tensor | None = None  # offload: the fp32 gradient the host steps on, kept between steps
 
     @classmethod
     def of(cls, group: FlatGroup, offload: bool) -> "OwnedSlice":
@@ -49,22 +57,37 @@ class OwnedSlice:
             master = master.pin_memory() if offload and torch.cuda.is_available() else master
             base = master
         bounds = [(start - lo, stop - lo) for _, start, stop in owned_pieces(group.sizes, group.n, group.rank)]
-        return cls(group, [nn.Parameter(base[start:stop]) for start, stop in bounds], bounds, master)
+        return cls(group, [nn.Parameter(base[start:stop]) for start, stop in bounds], bounds, master, offload)
 
     def bind_grads(self) -> None:
         grad = self.group.owned_grad()
         if self.master is not None and not self.holds_more():  # fp32 offload: a plain copy, kept fresh
             self.master.copy_(self.group.owned_param())  # so weights loaded into the model count
-        if grad is not None and self.master is not None:  # blocking: the CPU step reads it next
-            grad = grad.to(self.master.device, torch.float32)
+        if grad is not None and self.master is not None:
+            grad = self.master_grad(grad)
         for piece, (start, stop) in zip(self.pieces, self.bounds):
             piece.grad = None if grad is None else grad[start:stop]
+
+    def master_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """`grad` in fp32 where the master lives, ready for the step to read: the gradient
+        itself when it already is; on the device, a transient copy its allocator recycles; on
+        the host (offload), a copy into `grad_copy` (allocated once, pinned beside CUDA,
+        converted on the GPU a chunk at a time, then waited for)."""
+        if grad.device == self.master.device and grad.dtype == torch.float32:
+            return grad
+        if not self.offloaded:
+            return grad.to(torch.float32)
+        if self.grad_copy is None:
+            self.grad_copy = torch.empty(self.master.shape, dtype=torch.float32, device=self.master.device,
+                                         pin_memory=self.master.is_pinned())
+        copy_in_chunks(self.grad_copy, grad)
+        return self.grad_copy
 
     def write_back(self) -> None:
         """Mixed precision or offload: the stepped master, rounded back into the shard."""
         if self.master is not None:
-            self.group.owned_param().copy_(self.master, non_blocking=self.master.is_pinned())
-            self.unbind_grads()  # the fp32 gradient copy was needed only for the step
+            copy_in_chunks(self.group.owned_param(), self.master)
+            self.unbind_grads()
 
     def unbind_grads(self) -> None:
         for piece in self.pieces:
@@ -73,6 +96,24 @@ class OwnedSlice:
     def holds_more(self) -> bool:
         """True if the master is more than a copy: fp32 behind 16-bit parameters."""
         return self.master is not None and self.group.flat.dtype != torch.float32
+
+
+COPY_CHUNK = 1 << 26  # elements a device-host copy converts at once: 256 MiB of fp32 scratch on the GPU
+
+
+def copy_in_chunks(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src) across devices and dtypes without host-side conversion or a whole-size
+    scratch tensor. Between a pinned host buffer and a GPU, a non-blocking copy converts on the
+    GPU (torch converts blocking ones on the CPU, through a fresh pageable tensor), and each
+    chunk's scratch is at most COPY_CHUNK elements. Returns once dst may be read on the host."""
+    pinned = dst.is_pinned() or src.is_pinned()
+    if not pinned:
+        dst.copy_(src)
+        return
+    for start in range(0, src.numel(), COPY_CHUNK):
+        dst[start:start + COPY_CHUNK].copy_(src[start:start + COPY_CHUNK], non_blocking=True)
+    if dst.device.type == "cpu":  # the host reads it next: wait for the device's copies
+        torch.cuda.current_stream(src.device).synchronize()
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
