@@ -58,7 +58,7 @@ def megatron_rows() -> list[tuple]:
                            ffn_hidden=4 * h, max_seq_len=2048, arch="gpt2")
         dp = gpus // (t * p)
         layout = Workload(dp=dp, tp=t, pp=p, precision="bf16", micro_batch=1, grad_accum=batch // dp,
-                        seq_len=2048, recompute="full", schedule="1f1b")
+                        seq_len=2048, recompute="full", schedule="1f1b", stack="megatron-2021")
         step = estimate_time(config, layout, hw, 8)
         out.append((size, t, p, gpus, published, step.hardware_flops_per_token * step.tokens_per_s / gpus / 1e12))
     return out
@@ -72,7 +72,8 @@ def table_2_rows() -> list[tuple]:
     for gpus, published in NARAYANAN_TABLE_2_PTDP:
         dp = gpus // 96
         layout = Workload(dp=dp, tp=8, pp=12, precision="bf16", micro_batch=1, grad_accum=1536 // dp, seq_len=2048,
-                          recompute="full", schedule="interleaved", virtual_stages=2)
+                          recompute="full", schedule="interleaved", virtual_stages=2,
+                          stack="megatron-2021")
         out.append(("t 8, p 12 (interleaved)", gpus, published, _tflops(layout, hw, gpus)))
     for gpus, micro, published in NARAYANAN_TABLE_2_ZERO3:
         layout = Workload(dp=gpus, zero=3, precision="bf16", micro_batch=micro, grad_accum=1536 // gpus // micro,
@@ -128,9 +129,10 @@ def megatron_bucket_mb(dp: int) -> float:
 
 # (source, model, hardware, GPUs, layout, figure kind, published %, or TFLOP/s for "hfu-tflops")
 PUBLISHED = (
-    ("BLOOM tr11 (bigscience): tp 4, pp 12, dp 8, ZeRO-1, micro 2, batch 2048, full recompute", BLOOM_176B,
+    ("BLOOM tr11 (bigscience): tp 4, pp 12, dp 8, ZeRO-1, micro 2, batch 2048, full recompute, "
+     "--stack megatron-deepspeed", BLOOM_176B,
      "a100-80gb", 384, Workload(dp=8, tp=4, pp=12, zero=1, precision="bf16", micro_batch=2, grad_accum=128,
-                                seq_len=2048, recompute="full"), "hfu-tflops", 149.8),
+                                seq_len=2048, recompute="full", stack="megatron-deepspeed"), "hfu-tflops", 149.8),
     ("llm-foundry MPT-7B: FSDP full shard, micro 6, batch 48, no recompute", _mpt(4096, 32, 32), "h100-sxm", 8,
      Workload(dp=8, zero=3, precision="bf16", micro_batch=6, grad_accum=1, seq_len=2048), "mfu", 46.44),
     ("llm-foundry MPT-30B: FSDP full shard, micro 14, batch 1344, full recompute", _mpt(7168, 48, 64), "h100-sxm", 32,
@@ -143,9 +145,11 @@ PUBLISHED = (
      64, Workload(dp=64, zero=3, precision="bf16", micro_batch=8, grad_accum=4, seq_len=2048, recompute="full"),
      "mfu", 53.33),
     *((f"Nemotron-4 15B (arXiv 2402.16819): tp 8 + sp, dp {dp}, batch {4 * dp}, micro 1, ZeRO-1 (assumed), "
-       f"selective recompute (assumed), Megatron-Core's buckets, fp32 reduce", NEMOTRON_4_15B, "h100-sxm", 8 * dp,
+       f"selective recompute (assumed), Megatron-Core's buckets, fp32 reduce, --stack megatron-core", NEMOTRON_4_15B,
+       "h100-sxm", 8 * dp,
        Workload(dp=dp, tp=8, sp=True, zero=1, precision="bf16", micro_batch=1, grad_accum=4, seq_len=4096,
-                recompute="selective", bucket_mb=megatron_bucket_mb(dp), reduce_dtype="fp32"), "mfu", published)
+                recompute="selective", bucket_mb=megatron_bucket_mb(dp), reduce_dtype="fp32", stack="megatron-core"),
+       "mfu", published)
       for dp, published in ((96, 34.3), (192, 33.3), (288, 30.5))),
 )
 
@@ -173,12 +177,13 @@ def published_layouts() -> list[tuple[str, GPTConfig, str, Workload]]:
         dp = gpus // (t * p)
         out.append((f"Narayanan Table 1, {size} B", config, "a100-80gb",
                     Workload(dp=dp, tp=t, pp=p, precision="bf16", micro_batch=1, grad_accum=batch // dp, seq_len=2048,
-                             recompute="full", schedule="1f1b")))
+                             recompute="full", schedule="1f1b", stack="megatron-2021")))
     for gpus, _ in NARAYANAN_TABLE_2_PTDP:
         dp = gpus // 96
         out.append((f"Narayanan Table 2, 175 B, {gpus} GPUs", GPT3_175B, "a100-80gb",
                     Workload(dp=dp, tp=8, pp=12, precision="bf16", micro_batch=1, grad_accum=1536 // dp, seq_len=2048,
-                             recompute="full", schedule="interleaved", virtual_stages=2)))
+                             recompute="full", schedule="interleaved", virtual_stages=2,
+                          stack="megatron-2021")))
     out += [(source.split(":")[0], config, hardware, layout) for source, config, hardware, _, layout, _, _ in PUBLISHED]
     return out
 
@@ -197,7 +202,7 @@ def planner_rows(max_gpus: int | None = None) -> list[tuple]:
         hw = get_hardware(hardware)
         published = estimate_time(config, layout, hw, 8).tokens_per_s
         best = plan(config, gpus=layout.world, global_batch=layout.global_batch, seq_len=layout.seq_len,
-                    hardware=hw, gpus_per_node=8, top=1)[0]
+                    hardware=hw, gpus_per_node=8, top=1, stack=layout.stack, bucket_mb=layout.bucket_mb)[0]
         fits = estimate_memory(config, layout).total <= hw.usable_bytes
         out.append((name, hardware, layout.world, published, best["tokens_per_s"], _layout_text(best), fits))
     return out

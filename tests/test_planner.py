@@ -218,7 +218,7 @@ def test_explain_says_why_the_first_layout_wins(capsys) -> None:
                  "the best layout with", "cp = 1: ", "no sp: ", "ZeRO 0-2: "):
         assert part in text
     assert re.search(r"no recompute: nothing fits \(the smallest needs [\d.]+ GiB\)", text)
-    assert "ZeRO 0-2: 10 s, 5.1% slower (dp=1 tp=2 pp=8 zero=0 sp, interleaved x2, micro-batch 1 x 32" in text
+    assert "ZeRO 0-2: 10.2 s, 6.7% slower (dp=1 tp=4 pp=4 zero=0 sp, interleaved x4, micro-batch 2 x 16" in text
     assert len(text.splitlines()) <= 12
 
 

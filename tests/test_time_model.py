@@ -141,15 +141,15 @@ def _gpu_presets():
 
 
 def test_gpu_presets_against_published_runs() -> None:
-    """Narayanan et al. 2021 Table 1 from 7.5 B up within 15% (the two smallest rows are
-    over-predicted: docs/estimate.md); torchtitan's Llama 3 8B within 40% on the SXM preset
+    """Narayanan et al. 2021 Table 1, all ten rows within 10%, priced as Megatron-LM ran them
+    (--stack megatron-2021); torchtitan's Llama 3 8B within 40% on the SXM preset
     (their GPUs were capped at 500 W: the capped preset's rows are within 15%). What FSDP's
     communication costs shows in the scaling from 8 GPUs to 128 (one node to 16): published
     0.973, predicted within 5% of it (per-block gathers and reduce-scatters; charged a ring
     latency per 25 MiB bucket, the estimate gave 0.906)."""
     module = _gpu_presets()
     for size, _, _, _, published, predicted in module.megatron_rows():
-        assert abs(predicted / published - 1) <= (0.15 if size >= 7.5 else 0.30), size
+        assert abs(predicted / published - 1) <= 0.10, (size, predicted, published)
     rows = module.torchtitan_rows()
     for name, _, published, predicted, _ in rows:
         assert abs(predicted / published - 1) <= (0.40 if name == "h100-sxm" else 0.15), name
@@ -176,8 +176,8 @@ def test_table_2_of_narayanan_et_al() -> None:
 
 # Each published run's prediction/published ratio: within 10% where the model holds, else the
 # band it is known to err in (docs/estimate.md says why), so that a change moving either shows.
-PUBLISHED_BANDS = {"BLOOM": (1.20, 1.32), "MPT-7B": (1.05, 1.15), "MPT-30B": (0.90, 1.10), "MPT-70B": (0.90, 1.10),
-                   "Nemotron-4 15B": (0.70, 0.90)}
+PUBLISHED_BANDS = {"BLOOM": (1.10, 1.22), "MPT-7B": (1.05, 1.15), "MPT-30B": (0.90, 1.10), "MPT-70B": (0.90, 1.10),
+                   "Nemotron-4 15B": (0.75, 0.95)}
 
 
 def test_published_runs_each_in_their_own_definition() -> None:
@@ -195,11 +195,13 @@ def test_the_planner_matches_or_beats_each_published_layout_on_paper() -> None:
     and sequence predicts at least the published layout's throughput where that layout fits
     by the estimate; where the estimate says it does not fit (llm-foundry's MPT: the
     activations of a GELU MLP are over-counted, docs/estimate.md), the best layout that does
-    fit is within 1% of it. By how much, and with which layout, is benchmarks/RESULTS.md's."""
+    fit is within 2% of it (its micro-batch 3, two a step, pays a gradient accumulation the
+    published micro-batch 6 does not). By how much, and with which layout, is
+    benchmarks/RESULTS.md's."""
     rows = _gpu_presets().planner_rows(max_gpus=512)
     assert len(rows) >= 9
     for name, hardware, gpus, published, best, layout, fits in rows:
-        assert best >= published * (1 - 1e-9 if fits else 0.99), (name, hardware, best, published, layout)
+        assert best >= published * (1 - 1e-9 if fits else 0.98), (name, hardware, best, published, layout)
 
 
 def test_the_presets_predict_plaits_own_gpu_runs() -> None:

@@ -102,6 +102,8 @@ def estimate_layout(config: GPTConfig | None, work: Workload | None = None, *, h
     memory = busiest(per_rank)
     step = estimate_time(config, work, hw, node)
     notes = [f"busiest rank: pipeline stage {memory.stage} of {work.pp}"]
+    if work.stack != "plait":
+        notes.append(f"time as {work.stack} runs it: {work.software.source} (memory and traffic as plait's)")
     report = _report(config.num_params(), work, hw, node, memory.as_dict(),
                      estimate_comm(config, work), naive_comm(config, work),
                      step.as_dict(), notes)

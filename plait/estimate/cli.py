@@ -17,6 +17,7 @@ from plait.estimate.hardware import PRESETS as HARDWARE, resolve_hardware
 from plait.rules import BUCKET_MB, PRECISIONS, RECOMPUTE, SCHEDULES, parse_stage_layers
 from plait.estimate.planner import explain, plan_layouts, plan_request
 from plait.estimate.report import format_estimate, format_explain, format_plan, human_bytes
+from plait.estimate.stacks import STACKS
 from plait.models.gpt.config import PRESETS as MODELS, GPTConfig
 
 
@@ -33,6 +34,9 @@ def _common(parser: argparse.ArgumentParser, precision: str | None) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--bucket-mb", type=float, default=BUCKET_MB, help="gradient bucket, MiB: one all-reduce or "
                         "reduce-scatter each (plait train --bucket-mb)")
+    parser.add_argument("--stack", default="plait", help=f"the framework that runs it: {', '.join(STACKS)} "
+                        "(its attention and element-wise kernels, and what its data parallelism overlaps; "
+                        "docs/estimate.md)")
 
 
 def estimate_parser() -> argparse.ArgumentParser:
@@ -99,7 +103,7 @@ def estimate_main(argv: list[str], shape_of: ShapeOf) -> int:
         precision=args.precision, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
         seq_len=args.seq_len, recompute=args.recompute, schedule=args.schedule,
         virtual_stages=args.virtual_stages, stage_layers=parse_stage_layers(args.stage_layers), sp=args.sp,
-        reduce_dtype=args.reduce_dtype, prefetch=args.prefetch, bucket_mb=args.bucket_mb,
+        reduce_dtype=args.reduce_dtype, prefetch=args.prefetch, bucket_mb=args.bucket_mb, stack=args.stack,
         reshard_after_forward=args.reshard_after_forward == "true", hardware=hardware,
         gpus_per_node=args.gpus_per_node, params=args.params)
     name = args.model or f"a {args.params:.3g}-parameter model"
@@ -115,7 +119,8 @@ def plan_main(argv: list[str], shape_of: ShapeOf) -> int:
     request = plan_request(config, gpus=args.gpus, global_batch=args.global_batch, hardware=hardware,
                            gpus_per_node=args.gpus_per_node, seq_len=args.seq_len, precision=args.precision,
                            schedule=args.schedule, offload=args.offload,
-                           stage_layers=parse_stage_layers(args.stage_layers), bucket_mb=args.bucket_mb)
+                           stage_layers=parse_stage_layers(args.stage_layers), bucket_mb=args.bucket_mb,
+                           stack=args.stack)
     rows = plan_layouts(request, args.top)
     why = explain(request) if args.explain else None
     title = (f"{args.model} on {args.gpus} x {hardware.name} "

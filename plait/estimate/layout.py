@@ -17,7 +17,8 @@ from typing import Any
 from plait.balance import balanced_counts
 from plait.layout import Layout
 from plait.models.gpt.config import GPTConfig
-from plait.rules import BUCKET_MB, check_bucket_mb, check_experts_split
+from plait.estimate.stacks import STACKS, Stack
+from plait.rules import BUCKET_MB, check_bucket_mb, check_choice, check_experts_split
 from plait.rules import (DTYPE_BYTES, PRECISIONS, RECOMPUTE, REDUCE_DTYPES, SCHEDULES,  # noqa: F401
                          check_context_split, check_fp8, check_microbatches, check_pipeline_cut, check_precision, check_recompute, check_whole,
                          default_reduce_dtype)
@@ -34,9 +35,11 @@ class Workload(Layout):
     recompute: str = "none"
     reduce_dtype: str = ""  # "" = default_reduce_dtype(precision)
     bucket_mb: float = BUCKET_MB  # a gradient bucket (--bucket-mb): one all-reduce or reduce-scatter each
+    stack: str = "plait"  # the framework that runs it (--stack): plait.estimate.stacks
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_choice("stack", self.stack, tuple(STACKS))
         for name in ("micro_batch", "grad_accum", "seq_len"):
             check_whole(name.replace("_", "-"), getattr(self, name))
         check_bucket_mb(self.bucket_mb)
@@ -53,6 +56,11 @@ class Workload(Layout):
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def software(self) -> Stack:
+        """The framework's facts the time model reads (plait.estimate.stacks)."""
+        return STACKS[self.stack]
 
     @property
     def bucket_bytes(self) -> float:

@@ -16,6 +16,9 @@ Every cost is max(FLOPs / rate, bytes / memory bandwidth) + a fixed cost per lau
   dispatch hook (fp32, tiny and variants): forward 39h + kv + 5f, backward 87h + 8kv + 9f;
   around the blocks 8h + 3.25V forward, 23h + 6.5V backward. Forward launches 33 compute
   ops and 44 views per block (backward 61 and 76); around the blocks 9 + 9 and 19 + 13.
+* Gradient accumulation: each micro-batch after the first adds its gradients into the kept
+  ones (autograd's +=: 3 × the gradient's bytes a parameter, or the stack's figure), over
+  what the rank keeps between micro-batches: m - 1 additions a step, counted in its compute.
 * The update, as the step guard runs it: one read of every gradient (4 bytes per fp32
   parameter) gives each piece's fp64 sum of squares, which serves both the finite check and
   the clipping norm; clipping scales the gradients in place (8); torch's AdamW (per-tensor
@@ -38,6 +41,7 @@ from dataclasses import dataclass, replace
 
 from plait.estimate.hardware import Hardware
 from plait.estimate.layout import Workload, StageShare
+from plait.estimate.stacks import EAGER_SCORE_PASSES, MEGATRON_EW
 from plait.models.gpt.config import GPTConfig
 
 EW_FWD = (39, 1, 5)  # elements per token per block: coefficients of h, kv, f
@@ -161,9 +165,23 @@ def attention_s(config: GPTConfig, layout: Workload, passes: float) -> tuple[flo
 
 
 def attention_time(config: GPTConfig, layout: Workload, hw: Hardware, passes: float) -> float:
+    """The attention core of one block for `passes` forward-equivalents (one forward, the
+    backward's two, and any recompute's): fused, at its measured rate or attention_efficiency
+    of peak; eager (`--stack`), its products as GEMMs plus its passes over the scores."""
     flops, key = attention_s(config, layout, passes)
-    rate = hw.gemm_tflops(key) * 1e12 or hw.peak_flops(outer_precision(layout.precision)) * hw.attention_efficiency
-    return flops / rate
+    peak = hw.peak_flops(outer_precision(layout.precision))
+    if layout.software.attention == "eager":
+        return flops / (peak * hw.compute_efficiency) + eager_scores_s(config, layout, hw, passes - 3)
+    return flops / (hw.gemm_tflops(key) * 1e12 or peak * hw.attention_efficiency)
+
+
+def eager_scores_s(config: GPTConfig, layout: Workload, hw: Hardware, recomputed: float) -> float:
+    """Eager attention's memory-bound passes over one block's a·s·s scores on one rank:
+    stacks.EAGER_SCORE_PASSES per forward (again for each recomputed one) and backward."""
+    forward, backward = EAGER_SCORE_PASSES[layout.software.dropout]
+    scores = layout.tokens_per_micro_batch * (config.n_heads // layout.tp) * layout.seq_len
+    size = scores * dtype_bytes(layout.precision)
+    return size * (forward * (1 + recomputed) + backward) / hw.memory_rate(size)
 
 
 def elementwise_s(config: GPTConfig, layout: Workload, hw: Hardware, layers: float,
@@ -171,9 +189,9 @@ def elementwise_s(config: GPTConfig, layout: Workload, hw: Hardware, layers: flo
     """Memory-bound work: bytes moved over bandwidth, plus each op's fixed cost."""
     h, kv, f, t = config.d_model, config.kv_dim, config.ffn_hidden, layout.tp
     tokens = layout.tokens_per_micro_batch
-    a, b, c = EW_BWD if backward else EW_FWD
+    a, sliced, b, c = elementwise_counts(layout)[backward]
     replicated = h / t if layout.sp else h  # norms and residuals run on every tp rank
-    per_token = layers * (a * replicated + b * kv / t + c * f / t)
+    per_token = layers * (a * replicated + sliced * h / t + b * kv / t + c * f / t)
     ops, views = OPS_BLOCK[backward]
     count, cheap = layers * ops, layers * views
     if outer:
@@ -183,6 +201,15 @@ def elementwise_s(config: GPTConfig, layout: Workload, hw: Hardware, layers: flo
     moved = per_token * tokens * dtype_bytes(layout.precision)
     op_bytes = activation_op_bytes(h, tokens, t, layout.sp, layout.precision)  # the typical op's write
     return moved / hw.memory_rate(op_bytes) + count * hw.op_overhead_us * 1e-6 + cheap * hw.view_overhead_us * 1e-6
+
+
+def elementwise_counts(layout: Workload) -> tuple[tuple[float, float, float, float], ...]:
+    """(forward, backward) elements per token per block as (replicated h, h/t, kv/t, f/t)
+    coefficients: plait's GPT (EW_FWD, EW_BWD), or the stack's (stacks.MEGATRON_EW)."""
+    software = layout.software
+    if software.elementwise == "megatron":
+        return MEGATRON_EW[software.dropout]
+    return ((EW_FWD[0], 0, *EW_FWD[1:]), (EW_BWD[0], 0, *EW_BWD[1:]))
 
 
 def micro_batch_compute_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware) -> float:
@@ -224,6 +251,22 @@ def _work_and_dispatch_s(config: GPTConfig, layout: Workload, stage: StageShare,
         head = head_gemm(config, tokens, layout.tp)
         total += math.fsum(gemm_s(x, outer_precision(layout.precision), hw) for x in (head, *head.backward()))
     return total
+
+
+def accumulate_s(layout: Workload, stage: StageShare, hw: Hardware) -> float:
+    """A step's additions of each further micro-batch's gradients into those kept from the
+    earlier ones (m - 1 of them): memory-bound, over the gradients the rank keeps between
+    micro-batches (its shard under ZeRO-2/3, whose hooks reduce-scatter each backward), at
+    the stack's bytes per parameter (stacks.Stack.accumulate_bytes), plus one op per tensor.
+    A step-level term, not a micro-batch's: it depends on the ZeRO stage, which no
+    micro-batch's time does (the planner's bounds rest on that)."""
+    m = layout.grad_accum
+    per = layout.software.accumulate_bytes
+    per = 3 * dtype_bytes(layout.precision) if per is None else per
+    if m == 1 or not per:
+        return 0.0
+    kept = -(-stage.params // layout.zero_ranks) if layout.zero >= 2 else stage.params
+    return (m - 1) * (kept * per / hw.memory_rate(kept * per / 3) + model_tensors(stage) * hw.op_overhead_us * 1e-6)
 
 
 def optimizer_s(params: int, tensors: int, hw: Hardware, pieces: int | None = None) -> float:

@@ -27,9 +27,10 @@ the loop). Each rule below drops only layouts that cannot rank in the top k:
 2. A shape whose first or last stage's activations and buffers (which no ZeRO option
    changes), with the fragmentation allowance, already exceed the device is skipped:
    every tail's memory includes them.
-3. A tail's step is bounded below before its memory is estimated: the core plus the dp
-   sync that no overlap hides, offload, the update and the loop (exact with a pipeline,
-   where plait overlaps nothing). Above the k-th best, it is dropped.
+3. A tail's step is bounded below before its memory is estimated: the core plus the
+   gradient accumulation (ZeRO-2/3 add into shards), the dp sync that no overlap hides,
+   offload, the update and the loop (exact with a pipeline, where plait overlaps nothing).
+   Above the k-th best, it is dropped.
 4. A tail whose first stage alone exceeds the device does not fit.
 The bounds are checked against estimate_time and estimate_memory on every layout of small
 requests (tests/test_planner.py), and the rows returned are estimated afresh by them.
@@ -58,11 +59,12 @@ from plait.estimate.activations import stage_activation_bytes
 from plait.estimate.hardware import GIB, Hardware, resolve_hardware
 from plait.estimate.layout import StageShare, Workload, layout_stages, stages
 from plait.estimate.memory import Memory, device_total, estimate_memory, shard, stage_buffers, stage_memory
-from plait.estimate.ops import micro_batch_compute_s, optimizer_s, stage_pieces, stage_tensors
+from plait.estimate.ops import accumulate_s, micro_batch_compute_s, optimizer_s, stage_pieces, stage_tensors
 from plait.estimate.time import (bubble_micro_batches, clip_s, cp_s, dp_exposed_s, ep_s, estimate_time,
                                  inter_node, offload_s, overhead_s, pp_s, tp_s)
 from plait.layout import Layout
 from plait.models.gpt.config import GPTConfig
+from plait.estimate.stacks import STACKS
 from plait.rules import BUCKET_MB, CP_KINDS, RECOMPUTE, SCHEDULES, check_bucket_mb, check_choice, check_pipeline_cut
 
 MAX_MICRO_BATCH = 64  # larger micro-batches only add memory once the GPU is saturated
@@ -95,6 +97,7 @@ class PlanRequest:
     offload: bool = False
     stage_layers: tuple[int, ...] = ()  # a fixed cut: only layouts with that many pipeline stages
     bucket_mb: float = BUCKET_MB  # the gradient buckets the run will use (--bucket-mb)
+    stack: str = "plait"  # the framework every layout is priced as running on (--stack)
 
     def __post_init__(self) -> None:
         for name in ("gpus", "gpus_per_node", "global_batch", "seq_len"):
@@ -104,6 +107,7 @@ class PlanRequest:
                 raise PlaitError(f"--{flag} must be a whole number of at least 1, got {value!r}",
                                  hint=f"pass --{flag} 1 or more")
         check_bucket_mb(self.bucket_mb)
+        check_choice("stack", self.stack, tuple(STACKS))
         if not self.schedules:
             raise PlaitError("--schedule names no schedule", hint=f"choose among: {', '.join(SCHEDULES)}")
         for schedule in self.schedules:
@@ -196,7 +200,7 @@ def shapes(request: PlanRequest) -> Iterator[Workload]:
                                 micro_batch=micro_batch, grad_accum=per_replica // micro_batch,
                                 seq_len=request.seq_len, recompute=recompute, schedule=schedule,
                                 virtual_stages=v, sp=sp, stage_layers=request.stage_layers,
-                                bucket_mb=request.bucket_mb)
+                                bucket_mb=request.bucket_mb, stack=request.stack)
                             layout.check_model(request.config)  # Ulysses' heads, SP's share of the sequence
                         except PlaitError:
                             continue
@@ -296,7 +300,8 @@ class Costs:
         update = 0.0 if tail.offload else optimizer_s(updated, stage_tensors(stage, tail), hw,
                                                       stage_pieces(stage, tail))
         update += clip_s(tail, hw, links)
-        return core_s + dp + offload_s(stage.params, tail, hw) + update + overhead_s(tail, hw, gpn)
+        return (core_s + accumulate_s(tail, stage, hw) + dp + offload_s(stage.params, tail, hw) + update
+                + overhead_s(tail, hw, gpn))
 
     def memory_bound(self, shape: Workload) -> float:
         """The first and the last stage's activations and pipeline/loss buffers, with the
@@ -420,6 +425,7 @@ def row_of(layout: Workload, request: PlanRequest, memory: float | None = None) 
             "ep": layout.ep, "zero": layout.zero, "dp_shard": layout.dp_shard, "micro_batch": layout.micro_batch,
             "grad_accum": layout.grad_accum, "recompute": layout.recompute, "sp": layout.sp,
             "offload": layout.offload, "schedule": layout.schedule, "virtual_stages": layout.virtual_stages,
+            "stack": layout.stack,
             "memory_bytes": memory, "step_s": step.step_s, "tokens_per_s": step.tokens_per_s, "mfu": step.mfu}
 
 
@@ -466,7 +472,7 @@ def _nothing_fits(request: PlanRequest, search: Search) -> PlaitError:
 def plan_request(config: GPTConfig, *, gpus: int, global_batch: int, hardware: str | Hardware = "h100-sxm",
                  gpus_per_node: int | None = None, seq_len: int | None = None, precision: str = "bf16",
                  schedule: str | tuple[str, ...] | None = None, offload: bool = False,
-                 stage_layers: tuple[int, ...] = (), bucket_mb: float = BUCKET_MB) -> PlanRequest:
+                 stage_layers: tuple[int, ...] = (), bucket_mb: float = BUCKET_MB, stack: str = "plait") -> PlanRequest:
     """The request `plan` answers, checked (`schedule` restricts the search: `schedules_of`)."""
     hw = resolve_hardware(hardware)
     if stage_layers:
@@ -474,19 +480,20 @@ def plan_request(config: GPTConfig, *, gpus: int, global_batch: int, hardware: s
     return PlanRequest(config=config, gpus=gpus, gpus_per_node=gpus_per_node or hw.gpus_per_node,
                        hardware=hw, global_batch=global_batch, seq_len=seq_len or config.max_seq_len,
                        precision=precision, schedules=schedules_of(schedule), offload=offload,
-                       stage_layers=tuple(stage_layers), bucket_mb=bucket_mb)
+                       stage_layers=tuple(stage_layers), bucket_mb=bucket_mb, stack=stack)
 
 
 def plan(config: GPTConfig, *, gpus: int, global_batch: int, hardware: str | Hardware = "h100-sxm",
          gpus_per_node: int | None = None, seq_len: int | None = None, precision: str = "bf16",
          schedule: str | tuple[str, ...] | None = None, offload: bool = False, top: int | None = None,
-         stage_layers: tuple[int, ...] = (), bucket_mb: float = BUCKET_MB) -> list[dict[str, object]]:
+         stage_layers: tuple[int, ...] = (), bucket_mb: float = BUCKET_MB,
+         stack: str = "plait") -> list[dict[str, object]]:
     """Rank the layouts of `config` on `gpus` GPUs that fit; see `plan_layouts`. `schedule`
     restricts the schedules searched ("1f1b", "1f1b,zb-h1"; default: 1f1b, interleaved and
     zb-h1); `stage_layers` fixes the pipeline cut (and so pp: one number per stage)."""
     request = plan_request(config, gpus=gpus, global_batch=global_batch, hardware=hardware,
                            gpus_per_node=gpus_per_node, seq_len=seq_len, precision=precision, schedule=schedule,
-                           offload=offload, stage_layers=stage_layers, bucket_mb=bucket_mb)
+                           offload=offload, stage_layers=stage_layers, bucket_mb=bucket_mb, stack=stack)
     return plan_layouts(request, top)
 
 

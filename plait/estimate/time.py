@@ -31,6 +31,10 @@ Assumptions, each visible in `ASSUMPTIONS`:
   step with even stages. A slot costs the mean micro-batch of the stages besides the
   slowest (the fill and drain run through them), so a lopsided cut idles less than its
   slowest stage would (benchmarks/RESULTS.md, uneven pipeline stages).
+* `--stack` (stacks.py) prices the layout as another framework runs it: its attention and
+  element-wise kernels, its gradient accumulation, and what its data parallelism overlaps
+  (Megatron-LM of 2021 reduced after the schedule; Megatron-Core gathers ZeRO-1's weights
+  behind the next forward).
 * Offload ships the gradient shard to the host and the updated weights back over PCIe,
   in fp32 (4 bytes a parameter each way), and runs AdamW there at the host's measured rate
   (28 bytes per parameter touched); nothing overlaps it. The device optimizer step itself
@@ -48,8 +52,8 @@ from plait.estimate.layout import Workload, StageShare, layout_stages
 from plait.estimate.memory import shard, state_bytes
 from plait.estimate.context import forward_passes, layer_bytes, ring_exposed_s
 from plait.estimate.experts import layer_alltoall
-from plait.estimate.ops import (attention_time, micro_batch_compute_s, optimizer_s, outer_precision, stage_pieces,
-                                stage_tensors)
+from plait.estimate.ops import (accumulate_s, attention_time, micro_batch_compute_s, optimizer_s, outer_precision,
+                                stage_pieces, stage_tensors)
 from plait.models.gpt.config import GPTConfig
 
 HOST_ADAM_BYTES = 28  # read weight, grad, m, v; write weight, m, v (fp32): host_mem_gb_s's unit
@@ -61,7 +65,9 @@ ASSUMPTIONS = (
     "compute per operation: GEMMs on a roofline of their shape (peak·compute_efficiency plus "
     "a fixed ramp, memory bandwidth) or at their calibrated rate, attention at attention_efficiency, "
     "element-wise work memory-bound at the bandwidth measured for its size (bytes counted on "
-    "plait's GPT), a fixed cost per op: added on a CPU, overlapped with the device's work on a GPU",
+    "plait's GPT, or the --stack's), a fixed cost per op: added on a CPU, overlapped with the device's work "
+    "on a GPU; each micro-batch after the first adds its gradients into the kept ones (3 × their bytes a "
+    "parameter, or the --stack's)",
     "update (norm + clipping + AdamW + zeroing: 100 B per fp32 parameter) over the update's "
     "rate (measured on that update at the model's size, keyed by it; memory_gb_s where not "
     "measured), plus fixed costs per tensor (overlapped on a GPU) and the verdict's and norm's all-reduces; "
@@ -258,7 +264,7 @@ def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: in
     # unit (a block) instead, whatever its size: a 175 B model's 96 blocks are 96 collectives a
     # pass, not 13,000 buckets.
     buckets = max(1.0, params / unit) if layout.zero == 3 and unit else max(1.0, held / layout.bucket_bytes)
-    overlap = layout.pp == 1
+    overlap = layout.pp == 1 and layout.software.dp_overlap
     fwd = compute_mb * forward_share if overlap else 0.0
     bwd = compute_mb - fwd if overlap else 0.0
     op = "all_reduce" if layout.zero == 0 else "reduce_scatter"
@@ -268,6 +274,9 @@ def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: in
         return reduce
     gather = collective_s("all_gather", weights, n, hw, inter, buckets)
     if layout.zero in (1, 2):
+        if layout.software.gather_overlap and overlap:  # behind the next step's first forward, but its first bucket
+            first = collective_s("all_gather", min(held, layout.bucket_bytes) * per.param / per.grad, n, hw, inter)
+            return reduce + max(first, gather - compute_mb * forward_share)
         return reduce + gather
     # ZeRO-3: every micro-batch gathers in forward and (unless kept) again in backward,
     # hidden behind the compute when prefetched, exposed whole when gathered on demand.
@@ -317,7 +326,7 @@ def estimate_time(config: GPTConfig, layout: Workload, hw: Hardware, gpus_per_no
     step += clip_s(layout, hw, links)
     return _assemble(layout, hw, model, hardware, (compute, tp, pp), dp,
                      offload_s(stage.params, layout, hw), step, overhead_s(layout, hw, gpus_per_node), cp, ep,
-                     bubble_per_slot=_other_stages_mean(rows))
+                     bubble_per_slot=_other_stages_mean(rows), accumulate=accumulate_s(layout, stage, hw))
 
 
 def _other_stages_mean(rows: list[tuple[float, float, float, float, float, StageShare]]) -> float | None:
@@ -419,21 +428,21 @@ def bubble_micro_batches(layout: Workload) -> float:
 def _assemble(layout: Workload, hw: Hardware, model: float, hardware: float,
               micro_batch: tuple[float, float, float], dp: float, offload: float,
               optimizer: float = 0.0, overhead: float = 0.0, cp: float = 0.0, ep: float = 0.0,
-              bubble_per_slot: float | None = None) -> StepTime:
+              bubble_per_slot: float | None = None, accumulate: float = 0.0) -> StepTime:
     """m micro-batches of the slowest stage and the bubble's slots (`bubble_per_slot`
     seconds each: the other stages' mean micro-batch; the slowest's when not given), plus
-    what is not overlapped, -> StepTime."""
+    what is not overlapped, -> StepTime. `accumulate` (ops.accumulate_s) counts as compute."""
     compute, tp, pp = micro_batch
     m = layout.grad_accum
     bubble_slots = bubble_micro_batches(layout)
     per_mb = compute + tp + pp + cp + ep
     bubble = bubble_slots * (per_mb if bubble_per_slot is None else bubble_per_slot)
-    step = m * per_mb + bubble + dp + offload + optimizer + overhead
+    step = m * per_mb + accumulate + bubble + dp + offload + optimizer + overhead
     tokens_per_s = layout.global_batch * layout.seq_len / step
     # MFU against the 16-bit peak for fp8 too, as torchtitan reports it: fp8's gain shows as MFU above bf16's
     peak = layout.world * hw.peak_flops(outer_precision(layout.precision))
     mfu, hfu = model * tokens_per_s / peak, hardware * tokens_per_s / peak
-    return StepTime(flops_per_token=model, hardware_flops_per_token=hardware, compute_s=m * compute,
+    return StepTime(flops_per_token=model, hardware_flops_per_token=hardware, compute_s=m * compute + accumulate,
                     tp_s=m * tp, pp_s=m * pp, bubble_s=bubble, dp_s=dp,
                     offload_s=offload, step_s=step, tokens_per_s=tokens_per_s, mfu=mfu,
                     optimizer_s=optimizer, overhead_s=overhead, cp_s=m * cp, ep_s=m * ep, hfu=hfu)

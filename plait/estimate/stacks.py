@@ -1,0 +1,83 @@
+"""The framework that runs a layout, as far as its cost depends on it (`--stack`).
+
+Two runs of one layout on one machine differ in time when their frameworks launch other
+kernels or overlap other work. The time model reads four such facts:
+
+* `attention`: "fused", one kernel that never writes the a·s·s scores (SDPA, FlashAttention;
+  plait's GPT); or "eager", QKᵀ, the softmax, its dropout and ·V as separate kernels, each
+  pass over the scores a memory-bound read or write (GPT-2 and Megatron-LM before
+  FlashAttention).
+* `dropout`: whether attention and hidden dropout run: their masks are written and read.
+* `elementwise`: whose norms, activations and residual adds. "plait" counts plait's own GPT
+  op by op (ops.py, measured with a dispatch hook); "megatron" counts Megatron-LM's GPT,
+  whose LayerNorm, bias-GeLU and bias-dropout-add are each one fused kernel.
+* `dp_overlap`: whether gradients are reduced behind backward, bucket by bucket (plait,
+  PyTorch DDP, Megatron-Core's --overlap-grad-reduce), or in one collective after it
+  (Megatron-LM of 2021: `allreduce_gradients()` after the schedule, in megatron/training.py).
+* `gather_overlap`: whether ZeRO-1/2's updated weights are all-gathered behind the next
+  step's forward, bucket by bucket (Megatron-Core's --overlap-param-gather), or after the
+  step (plait).
+* `accumulate_bytes`: what adding each further micro-batch's gradient into the kept one
+  moves, per parameter. None is autograd's `+=` in the gradient's own dtype (read both,
+  write one: plait); Megatron-LM of 2021 adds fp16 gradients into fp16 `main_grad` (6);
+  DeepSpeed's bf16 optimizer adds bf16 gradients into fp32 (2 + 4 + 4 = 10); Megatron-Core
+  fuses the addition into the weight-gradient GEMM (0).
+
+plait's own is the default. The others are there so that a published run is priced as it
+ran (benchmarks/gpu_presets.py), and so that a user can ask what a layout costs elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Stack:
+    name: str
+    attention: str  # "fused" or "eager"
+    dropout: bool
+    elementwise: str  # "plait" or "megatron"
+    dp_overlap: bool
+    gather_overlap: bool
+    accumulate_bytes: float | None
+    source: str
+
+
+STACKS: dict[str, Stack] = {s.name: s for s in (
+    Stack("plait", "fused", False, "plait", True, False, None,
+          "plait's GPT: SDPA, no dropout, buckets reduced behind backward"),
+    Stack("megatron-2021", "eager", True, "megatron", False, False, 6.0,
+          "Megatron-LM as of Narayanan et al. 2021 (commit a8d172b, April 2021): baddbmm, the fused "
+          "scale-mask-softmax, dropout 0.1 (its default), bmm; apex LayerNorm, bias-GeLU and "
+          "bias-dropout-add fused; gradients added into fp16 main_grad; the local DDP all-reduces "
+          "that buffer after the schedule"),
+    Stack("megatron-deepspeed", "eager", True, "megatron", False, False, 10.0,
+          "BigScience's Megatron-DeepSpeed (BLOOM, 2022): Megatron-LM's GPT of 2021 (no dropout "
+          "flags in tr11's script: its default 0.1) under DeepSpeed's pipeline engine, which "
+          "reduces gradients after the schedule; its bf16 optimizer adds them into fp32"),
+    Stack("megatron-core", "fused", False, "megatron", True, True, 0.0,
+          "Megatron-Core with Transformer Engine: fused attention, fused norms and activations, "
+          "no dropout, gradient accumulation fused into the GEMMs, --overlap-grad-reduce and "
+          "--overlap-param-gather"),
+)}
+
+# Megatron-LM's GPT block, elements read plus written per token on one tensor-parallel rank
+# (each 2 bytes in 16-bit), as (replicated h, h/t, kv/t, f/t) coefficients like ops.EW_FWD:
+#   forward: LayerNorm ×2 (2h each), bias-dropout-add ×2 (x, residual, out, and a one-byte
+#     mask: 3.5h each; 3h without dropout); the QKV bias added after the GEMM (2(h + 2kv)/t);
+#     the attention output's permute to [s, b, h] (2h/t); bias-GeLU (2f/t).
+#   backward: bias-dropout-add ×2 (grad, mask, out and the bias's sum: 3.5h; 2h without
+#     dropout), the residual's two gradients summed ×2 (3h), LayerNorm ×2 (grad, input, out,
+#     then both again for the weight's: 5h); the QKV bias's sum ((h + 2kv)/t), the split's
+#     backward writing q, k, v's gradients into one tensor (2(h + 2kv)/t), the permute's
+#     (2h/t); bias-GeLU's (grad, input, out, the bias's sum: 4f/t).
+MEGATRON_EW = {True: ((11.0, 4, 4, 2), (23.0, 5, 6, 4)), False: ((10.0, 4, 4, 2), (20.0, 5, 6, 4))}
+
+# Passes over the a·s·s scores per token of eager attention, in score elements of the
+# activation dtype (a/t heads × s keys per query): forward, the baddbmm's write, the
+# softmax's read and write, dropout's read, write and one-byte mask, the ·V's read (6.5; 4
+# without dropout); backward, the ·V's two products (the scores' gradient written, the
+# probabilities read), dropout's backward (2.5), the softmax's (grad, output, its gradient:
+# 3), QKᵀ's two products reading the gradient (2): 9.5, 7 without dropout.
+EAGER_SCORE_PASSES = {True: (6.5, 9.5), False: (4.0, 7.0)}

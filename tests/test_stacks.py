@@ -1,0 +1,112 @@
+"""--stack: one layout priced as another framework runs it (plait/estimate/stacks.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from plait.errors import PlaitError
+from plait.estimate import estimate_layout
+from plait.estimate.hardware import get_hardware
+from plait.estimate.layout import Workload, layout_stages
+from plait.estimate.ops import accumulate_s, attention_time, elementwise_s
+from plait.estimate.planner import plan
+from plait.estimate.stacks import STACKS
+from plait.estimate.time import collective_s, estimate_time, inter_node
+from plait.models.gpt.config import GPTConfig
+
+A100 = get_hardware("a100-80gb")
+GPT = GPTConfig(vocab_size=51200, n_layers=4, d_model=1024, n_heads=16, n_kv_heads=16, ffn_hidden=4096,
+                max_seq_len=2048, arch="gpt2")
+
+
+def work(stack: str, **fields: object) -> Workload:
+    return Workload(**{"dp": 1, "tp": 2, "precision": "bf16", "micro_batch": 2, "seq_len": 2048,
+                       "recompute": "full", "stack": stack, **fields})
+
+
+def test_eager_attention_pays_its_passes_over_the_scores() -> None:
+    """Megatron-LM's attention of 2021 writes the a·s·s scores and passes over them: 6.5
+    times forward and 9.5 backward with dropout, each pass 2 bytes a score at the memory's
+    bandwidth; its two products run as GEMMs. A fused kernel never writes them."""
+    eager, fused = work("megatron-2021"), work("plait")
+    scores = 2 * 2048 * (16 // 2) * 2048  # micro-batch × tokens × heads on a tp rank × keys
+    passes = 6.5 * 2 + 9.5  # a forward, the recomputed forward, a backward
+    flops = 4.0 * 2 * 2048 * 2048 * 1024 / 2 * 4  # QKᵀ and ·V: four forward-equivalents
+    want = flops / (312e12 * A100.compute_efficiency) + scores * 2 * passes / (A100.memory_gb_s * 1e9)
+    assert attention_time(GPT, eager, A100, 4) == pytest.approx(want, rel=1e-12)
+    assert attention_time(GPT, fused, A100, 4) == pytest.approx(flops / (312e12 * A100.attention_efficiency))
+    no_dropout = attention_time(GPT, work("megatron-core"), A100, 4)  # fused again: dropout changes nothing
+    assert no_dropout == attention_time(GPT, fused, A100, 4)
+
+
+def test_megatron_fuses_what_plaits_gpt_runs_op_by_op() -> None:
+    """Per token per block on a tp rank, forward: Megatron's fused LayerNorms and
+    bias-dropout-adds move 11 h (each rank, without SP), its QKV bias, the attention output's
+    permute and bias-GeLU 4h/t + 4kv/t + 2f/t; plait's GPT (EW_FWD) 39h + kv/t + 5f/t."""
+    h, t, tokens = 1024, 2, 2 * 2048
+    megatron = elementwise_s(GPT, work("megatron-2021"), A100, 1, False, False)
+    want = (11 * h + 4 * h / t + 4 * h / t + 2 * 4096 / t) * tokens * 2 / (A100.memory_gb_s * 1e9)
+    assert megatron == pytest.approx(want, rel=1e-12)
+    plait = elementwise_s(GPT, work("plait"), A100, 1, False, False)
+    assert plait == pytest.approx((39 * h + h / t + 5 * 4096 / t) * tokens * 2 / (A100.memory_gb_s * 1e9), rel=1e-12)
+    with_sp = elementwise_s(GPT, work("megatron-2021", sp=True), A100, 1, False, False)
+    assert with_sp == pytest.approx(megatron - 11 * (h - h / t) * tokens * 2 / (A100.memory_gb_s * 1e9), rel=1e-12)
+
+
+def test_reducing_after_backward_exposes_the_whole_reduction() -> None:
+    """Megatron-LM's DDP of 2021 all-reduced after the schedule: the step waits for all of it.
+    plait's buckets hide behind the last backward, all but the last one."""
+    after = work("megatron-2021", dp=8, tp=1, recompute="none")
+    behind = replace(after, stack="plait")
+    stage = layout_stages(GPT, after)[0]
+    grads = stage.params * after.reduce_bytes
+    buckets = max(1.0, stage.params * 2 / after.bucket_bytes)
+    whole = collective_s("all_reduce", grads, 8, A100, inter_node(after, 8)["dp"], buckets)
+    assert estimate_time(GPT, after, A100, 8).dp_s == pytest.approx(whole, rel=1e-12)
+    assert estimate_time(GPT, behind, A100, 8).dp_s < 0.5 * whole
+
+
+def test_megatron_core_gathers_zero_1_weights_behind_the_next_forward() -> None:
+    """--overlap-param-gather: ZeRO-1's all-gather hides behind the first forward, but its
+    first bucket; plait gathers after the step, exposed."""
+    gpt = replace(GPT, n_layers=24)
+    core = Workload(dp=64, zero=1, precision="bf16", micro_batch=4, seq_len=2048, stack="megatron-core")
+    step_core, step_plait = (estimate_time(gpt, w, A100, 8) for w in (core, replace(core, stack="plait")))
+    assert step_core.dp_s < step_plait.dp_s
+    stage = layout_stages(gpt, core)[0]
+    first = collective_s("all_gather", core.bucket_bytes, 64, A100, inter_node(core, 8)["dp"])
+    assert step_core.dp_s >= first
+    assert step_plait.dp_s - step_core.dp_s <= collective_s("all_gather", stage.params * 2, 64, A100, True,
+                                                           max(1.0, stage.params * 2 / core.bucket_bytes))
+
+
+def test_the_stack_reaches_the_report_the_planner_and_refuses_a_name_it_does_not_know() -> None:
+    report = estimate_layout(GPT, work("megatron-2021"), hardware="a100-80gb")
+    assert report["layout"]["stack"] == "megatron-2021"
+    assert any("as megatron-2021 runs it" in note for note in report["assumptions"])
+    plain = estimate_layout(GPT, work("plait"), hardware="a100-80gb")
+    assert report["time"]["step_s"] != plain["time"]["step_s"]
+    best = plan(GPT, gpus=8, global_batch=16, seq_len=2048, hardware="a100-80gb", top=1, stack="megatron-core")[0]
+    assert best["stack"] == "megatron-core"
+    with pytest.raises(PlaitError, match="unknown --stack 'deepspeed'") as err:
+        work("deepspeed")
+    assert all(name in err.value.hint for name in STACKS)
+
+
+def test_each_further_micro_batch_adds_its_gradients_into_the_kept_ones() -> None:
+    """autograd's += in the gradient's dtype (plait: 3 × 2 bytes a bf16 parameter), DeepSpeed's
+    bf16 optimizer into fp32 (10), Megatron-Core fused into the GEMM (0); the first of the m
+    micro-batches adds nothing. The step's compute holds it."""
+    layout = work("plait", grad_accum=4)
+    stage = layout_stages(GPT, layout)[0]
+    one = stage.params * 6 / (A100.memory_gb_s * 1e9)
+    assert accumulate_s(layout, stage, A100) == pytest.approx(3 * one, rel=1e-12)
+    assert accumulate_s(replace(layout, stack="megatron-deepspeed"), stage, A100) == pytest.approx(3 * one * 10 / 6)
+    assert accumulate_s(replace(layout, stack="megatron-core"), stage, A100) == 0.0
+    assert accumulate_s(replace(layout, grad_accum=1), stage, A100) == 0.0
+    sharded = replace(layout, dp=4, zero=2)  # ZeRO-2's hooks reduce-scatter each backward: the shard accumulates
+    assert accumulate_s(sharded, stage, A100) == pytest.approx(3 * -(-stage.params // 4) * 6 / (A100.memory_gb_s * 1e9))
+    four, one_mb = (estimate_time(GPT, replace(layout, grad_accum=m), A100, 8) for m in (4, 1))
+    assert four.compute_s - 4 * one_mb.compute_s == pytest.approx(3 * one, rel=1e-9)
