@@ -22,6 +22,7 @@ from plait.models.gpt.model import build_gpt
 from plait.parallel.clip import clip_grad_norm
 from plait.parallel.zero.stages import apply_zero, full_parameters, require_reduce_scatter, zero_of
 from plait.estimate.memory import StateBytes
+from plait.parallel.zero import optim as zero_optim
 from plait.parallel.zero.optim import ZeroOptimizer, zero_state_bytes
 from tests.worlds.zero_common import padded_state_bytes, paper_states
 from plait.parallel.zero.shard import find_units, owned_pieces, owned_range, shard_size, unit_owners
@@ -197,6 +198,20 @@ def test_offload_steps_on_one_kept_fp32_gradient_copy_and_trains_as_without_it()
     assert all(c is not None and c.dtype == torch.float32 for c in copies[0])
     assert all(a is b for a, b in zip(*copies))
     assert [c.numel() for c in copies[0]] == [part.master.numel() for part in optimizer.slices]
+
+
+def test_offload_copies_convert_whole_in_chunks_and_on_one_device_in_one_copy(monkeypatch) -> None:
+    """The chunked copy covers every element across chunk edges (bf16 -> fp32 and back); on
+    one device, the CPU's included, offload's copies are one plain copy (a CUDA machine
+    training a CPU model must not reach for a CUDA stream)."""
+    monkeypatch.setattr(zero_optim, "COPY_CHUNK", 3)
+    src = torch.randn(10).to(torch.bfloat16)
+    dst = torch.empty(10)
+    zero_optim.copy_chunks(dst, src)
+    assert torch.equal(dst, src.float())
+    back = torch.empty(10, dtype=torch.bfloat16)
+    zero_optim.copy_in_chunks(back, dst)
+    assert torch.equal(back, src)
 
 def _step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     rows = torch.randint(0, 256, (2, 9))

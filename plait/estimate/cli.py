@@ -125,7 +125,9 @@ def plan_main(argv: list[str], shape_of: ShapeOf) -> int:
     why = explain(request) if args.explain else None
     title = (f"{args.model} on {args.gpus} x {hardware.name} "
              f"({request.gpus_per_node} per node, {human_bytes(hardware.usable_bytes)} usable each), global batch "
-             f"{args.global_batch} x {request.seq_len} tokens, {args.precision}: top {len(rows)} by step time")
+             f"{args.global_batch} x {request.seq_len} tokens, {args.precision}"
+             f"{'' if args.stack == 'plait' else ', priced as ' + args.stack + ' runs each layout'}"
+             f": top {len(rows)} by step time")
     if why is None:
         _emit(rows, args.json, lambda: format_plan(rows, title))
     else:

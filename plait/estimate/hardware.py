@@ -192,7 +192,7 @@ GEMM_RAMP_US = 13.5
 # 686 TFLOP/s is 0.87 of what an 8192³ product reaches on Hopper (772-797, RESULTS.md). The
 # best large 16-bit GEMMs reach ~80% of the datasheet peak on A100 and V100 (cuBLAS at 8192³,
 # as published by the vendors); their line is taken at the same 0.87 of that, 0.70, unmeasured.
-# Narayanan et al.'s Table 1 bears it out: at 0.80 its rows from 39 B up came 1.09-1.18x fast
+# Narayanan et al.'s Table 1 bears it out: at 0.80 its rows from 39 B up came 1.06-1.15x fast
 # once Megatron's kernels were counted as it ran them (stacks.py). A fused attention core
 # (FlashAttention-2, forward + backward) reaches ~50% on A100 and ~35% on H100. Kernel launches
 # hide behind the work on a GPU: no per-op cost. 1 ms per step for the training loop.

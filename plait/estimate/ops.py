@@ -17,8 +17,9 @@ Every cost is max(FLOPs / rate, bytes / memory bandwidth) + a fixed cost per lau
   around the blocks 8h + 3.25V forward, 23h + 6.5V backward. Forward launches 33 compute
   ops and 44 views per block (backward 61 and 76); around the blocks 9 + 9 and 19 + 13.
 * Gradient accumulation: each micro-batch after the first adds its gradients into the kept
-  ones (autograd's +=: 3 × the gradient's bytes a parameter, or the stack's figure), over
-  what the rank keeps between micro-batches: m - 1 additions a step, counted in its compute.
+  ones (autograd's +=: 3 × the gradient's bytes a parameter, m - 1 times a step; or the
+  stack's figure, m times, into its own buffer), over what the rank keeps between
+  micro-batches, counted in the step's compute.
 * The update, as the step guard runs it: one read of every gradient (4 bytes per fp32
   parameter) gives each piece's fp64 sum of squares, which serves both the finite check and
   the clipping norm; clipping scales the gradients in place (8); torch's AdamW (per-tensor
@@ -164,24 +165,26 @@ def attention_s(config: GPTConfig, layout: Workload, passes: float) -> tuple[flo
                                 outer_precision(layout.precision))
 
 
-def attention_time(config: GPTConfig, layout: Workload, hw: Hardware, passes: float) -> float:
-    """The attention core of one block for `passes` forward-equivalents (one forward, the
-    backward's two, and any recompute's): fused, at its measured rate or attention_efficiency
-    of peak; eager (`--stack`), its products as GEMMs plus its passes over the scores."""
-    flops, key = attention_s(config, layout, passes)
+def attention_time(config: GPTConfig, layout: Workload, hw: Hardware, forwards: float,
+                   backwards: float = 0.0) -> float:
+    """The attention core of one block, run `forwards` times forward (a recompute's included)
+    and `backwards` times backward (two forwards' FLOPs each): fused, at its measured rate or
+    attention_efficiency of peak; eager (`--stack`), its products as GEMMs plus its passes over
+    the scores."""
+    flops, key = attention_s(config, layout, forwards + 2 * backwards)
     peak = hw.peak_flops(outer_precision(layout.precision))
     if layout.software.attention == "eager":
-        return flops / (peak * hw.compute_efficiency) + eager_scores_s(config, layout, hw, passes - 3)
+        return flops / (peak * hw.compute_efficiency) + eager_scores_s(config, layout, hw, forwards, backwards)
     return flops / (hw.gemm_tflops(key) * 1e12 or peak * hw.attention_efficiency)
 
 
-def eager_scores_s(config: GPTConfig, layout: Workload, hw: Hardware, recomputed: float) -> float:
+def eager_scores_s(config: GPTConfig, layout: Workload, hw: Hardware, forwards: float, backwards: float) -> float:
     """Eager attention's memory-bound passes over one block's a·s·s scores on one rank:
-    stacks.EAGER_SCORE_PASSES per forward (again for each recomputed one) and backward."""
+    stacks.EAGER_SCORE_PASSES for each forward and each backward."""
     forward, backward = EAGER_SCORE_PASSES[layout.software.dropout]
     scores = layout.tokens_per_micro_batch * (config.n_heads // layout.tp) * layout.seq_len
     size = scores * dtype_bytes(layout.precision)
-    return size * (forward * (1 + recomputed) + backward) / hw.memory_rate(size)
+    return size * (forward * forwards + backward * backwards) / hw.memory_rate(size)
 
 
 def elementwise_s(config: GPTConfig, layout: Workload, hw: Hardware, layers: float,
@@ -241,9 +244,9 @@ def _work_and_dispatch_s(config: GPTConfig, layout: Workload, stage: StageShare,
     bwd = math.fsum(gemm_s(x, layout.precision, hw) for g in block_gemms(config, tokens, layout.tp)
                     for x in g.backward())
     again = {"none": 0.0, "selective": 0.0, "full": 1.0}[layout.recompute]
-    attn_passes = 3 + {"none": 0, "selective": 1, "full": 1}[layout.recompute]
+    attn_forwards = 1 + {"none": 0, "selective": 1, "full": 1}[layout.recompute]
     layers = stage.layers
-    total = layers * ((1 + again) * fwd + bwd) + layers * attention_time(config, layout, hw, attn_passes)
+    total = layers * ((1 + again) * fwd + bwd) + layers * attention_time(config, layout, hw, attn_forwards, 1)
     # The loss's softmax and the final norm: counted on the last stage, where they run.
     total += elementwise_s(config, layout, hw, layers * (1 + again), stage.last, False)
     total += elementwise_s(config, layout, hw, layers, stage.last, True)
@@ -254,19 +257,22 @@ def _work_and_dispatch_s(config: GPTConfig, layout: Workload, stage: StageShare,
 
 
 def accumulate_s(layout: Workload, stage: StageShare, hw: Hardware) -> float:
-    """A step's additions of each further micro-batch's gradients into those kept from the
-    earlier ones (m - 1 of them): memory-bound, over the gradients the rank keeps between
-    micro-batches (its shard under ZeRO-2/3, whose hooks reduce-scatter each backward), at
-    the stack's bytes per parameter (stacks.Stack.accumulate_bytes), plus one op per tensor.
+    """A step's additions of each micro-batch's gradients into those kept between them (m - 1
+    under autograd, m into a framework's own buffer): memory-bound, over the gradients the
+    rank keeps (its shard under ZeRO-2/3, whose hooks reduce-scatter each backward), at the
+    stack's bytes per parameter (stacks.Stack.accumulate_bytes), plus one op per tensor.
     A step-level term, not a micro-batch's: it depends on the ZeRO stage, which no
     micro-batch's time does (the planner's bounds rest on that)."""
-    m = layout.grad_accum
     per = layout.software.accumulate_bytes
+    # autograd's first micro-batch writes the gradient, later ones add to it; a framework's
+    # own buffer (Megatron's main_grad, DeepSpeed's fp32 gradients) takes every micro-batch's
+    adds = layout.grad_accum - 1 if per is None else layout.grad_accum
     per = 3 * dtype_bytes(layout.precision) if per is None else per
-    if m == 1 or not per:
+    if not adds or not per:
         return 0.0
     kept = -(-stage.params // layout.zero_ranks) if layout.zero >= 2 else stage.params
-    return (m - 1) * (kept * per / hw.memory_rate(kept * per / 3) + model_tensors(stage) * hw.op_overhead_us * 1e-6)
+    launches = stage_tensors(stage, layout) * hw.op_overhead_us * 1e-6
+    return adds * (kept * per / hw.memory_rate(kept * per / 3) + launches)
 
 
 def optimizer_s(params: int, tensors: int, hw: Hardware, pieces: int | None = None) -> float:

@@ -1,7 +1,7 @@
 """The framework that runs a layout, as far as its cost depends on it (`--stack`).
 
 Two runs of one layout on one machine differ in time when their frameworks launch other
-kernels or overlap other work. The time model reads four such facts:
+kernels or overlap other work. The time model reads these facts:
 
 * `attention`: "fused", one kernel that never writes the a·s·s scores (SDPA, FlashAttention;
   plait's GPT); or "eager", QKᵀ, the softmax, its dropout and ·V as separate kernels, each
@@ -14,14 +14,16 @@ kernels or overlap other work. The time model reads four such facts:
 * `dp_overlap`: whether gradients are reduced behind backward, bucket by bucket (plait,
   PyTorch DDP, Megatron-Core's --overlap-grad-reduce), or in one collective after it
   (Megatron-LM of 2021: `allreduce_gradients()` after the schedule, in megatron/training.py).
+  Without it, data parallelism overlaps nothing: ZeRO-3's gathers are exposed too.
 * `gather_overlap`: whether ZeRO-1/2's updated weights are all-gathered behind the next
   step's forward, bucket by bucket (Megatron-Core's --overlap-param-gather), or after the
   step (plait).
 * `accumulate_bytes`: what adding each further micro-batch's gradient into the kept one
   moves, per parameter. None is autograd's `+=` in the gradient's own dtype (read both,
-  write one: plait); Megatron-LM of 2021 adds fp16 gradients into fp16 `main_grad` (6);
-  DeepSpeed's bf16 optimizer adds bf16 gradients into fp32 (2 + 4 + 4 = 10); Megatron-Core
-  fuses the addition into the weight-gradient GEMM (0).
+  write one, for every micro-batch but the first: plait); Megatron-LM of 2021 adds each
+  micro-batch's fp16 gradients into fp16 `main_grad` (6); DeepSpeed's bf16 optimizer adds
+  bf16 gradients into fp32 (2 + 4 + 4 = 10); Megatron-Core fuses the addition into the
+  weight-gradient GEMM (0).
 
 plait's own is the default. The others are there so that a published run is priced as it
 ran (benchmarks/gpu_presets.py), and so that a user can ask what a layout costs elsewhere.

@@ -211,7 +211,8 @@ def cp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
         return stage.layers * (forwards + 1) * one_way
     attention = attention_time(config, layout, hw, 1)  # one forward of one layer's attention
     forward = ring_exposed_s((cp - 1) * latency + per["forward"] / bandwidth, attention, cp)
-    backward = ring_exposed_s((2 * cp - 1) * latency + per["backward"] / bandwidth, 2 * attention, cp)
+    backward = ring_exposed_s((2 * cp - 1) * latency + per["backward"] / bandwidth,
+                              attention_time(config, layout, hw, 0, 1), cp)
     return stage.layers * (forwards * forward + backward)
 
 

@@ -9,14 +9,14 @@ in shard.py; what ZeRO costs (memory per stage, bytes on the wire) is plait/esti
 steps the shard in place and parameter groups (e.g. no weight decay on norms) still apply
 per original parameter. It suits elementwise optimizers (SGD, Adam, AdamW, ...), not those
 that need whole matrices. With parameters in bf16/fp16 (mixed precision) or with `offload`,
-the pieces are views of an fp32 master copy of the shard (in CPU memory, pinned when CUDA is
-present, for offload); the step copies the gradient in and the parameters back out.
+the pieces are views of an fp32 master copy of the shard (in CPU memory, pinned when the
+model is on a GPU, for offload); the step copies the gradient in and the parameters back out.
 
 Those copies reuse buffers and convert on the GPU. A step that allocated its host gradient
 afresh paid for the pages as well as the bytes, and torch converts a blocking device-to-host
 copy on the CPU, through a second fresh tensor. The 5 B offload run's update moved 13.5 GB/s
 of AdamW that way (benchmarks/RESULTS.md, GPU section), where the host's AdamW alone runs at
-~100 GB/s.
+112-133 GB/s.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class OwnedSlice:
         master = None
         if offload or base.dtype != torch.float32:
             master = base.to("cpu" if offload else base.device, torch.float32, copy=True)
-            master = master.pin_memory() if offload and torch.cuda.is_available() else master
+            master = master.pin_memory() if offload and base.is_cuda else master  # pinned for a GPU's DMA
             base = master
         bounds = [(start - lo, stop - lo) for _, start, stop in owned_pieces(group.sizes, group.n, group.rank)]
         return cls(group, [nn.Parameter(base[start:stop]) for start, stop in bounds], bounds, master, offload)
@@ -71,7 +71,7 @@ class OwnedSlice:
     def master_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """`grad` in fp32 where the master lives, ready for the step to read: the gradient
         itself when it already is; on the device, a transient copy its allocator recycles; on
-        the host (offload), a copy into `grad_copy` (allocated once, pinned beside CUDA,
+        the host (offload), a copy into `grad_copy` (allocated once, pinned like the master,
         converted on the GPU a chunk at a time, then waited for)."""
         if grad.device == self.master.device and grad.dtype == torch.float32:
             return grad
@@ -103,17 +103,23 @@ COPY_CHUNK = 1 << 26  # elements a device-host copy converts at once: 256 MiB of
 
 def copy_in_chunks(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst.copy_(src) across devices and dtypes without host-side conversion or a whole-size
-    scratch tensor. Between a pinned host buffer and a GPU, a non-blocking copy converts on the
-    GPU (torch converts blocking ones on the CPU, through a fresh pageable tensor), and each
-    chunk's scratch is at most COPY_CHUNK elements. Returns once dst may be read on the host."""
-    pinned = dst.is_pinned() or src.is_pinned()
-    if not pinned:
+    scratch tensor. Between a host buffer and a GPU, a non-blocking copy converts on the GPU
+    (torch converts blocking ones on the CPU, through a fresh pageable tensor), and each
+    chunk's scratch is at most COPY_CHUNK elements. Returns once dst may be read on the host.
+    Tensors on one device, the CPU's included, take one plain copy."""
+    gpu = src if src.is_cuda else dst
+    if not gpu.is_cuda or dst.device == src.device:
         dst.copy_(src)
         return
+    copy_chunks(dst, src, non_blocking=True)
+    if not dst.is_cuda:  # the host reads it next: wait for the device's copies
+        torch.cuda.current_stream(gpu.device).synchronize()
+
+
+def copy_chunks(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
+    """dst.copy_(src), COPY_CHUNK elements at a time (flat tensors of one size)."""
     for start in range(0, src.numel(), COPY_CHUNK):
-        dst[start:start + COPY_CHUNK].copy_(src[start:start + COPY_CHUNK], non_blocking=True)
-    if dst.device.type == "cpu":  # the host reads it next: wait for the device's copies
-        torch.cuda.current_stream(src.device).synchronize()
+        dst[start:start + COPY_CHUNK].copy_(src[start:start + COPY_CHUNK], non_blocking=non_blocking)
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
