@@ -189,7 +189,7 @@ def test_published_runs_each_in_their_own_definition() -> None:
         assert low <= predicted / published <= high, (source, hardware, predicted, published)
 
 
-@pytest.mark.slow  # plait plan over nine published runs: ~10 s of search
+@pytest.mark.slow  # plait plan over the published runs on up to 512 GPUs: ~20 s of search
 def test_the_planner_matches_or_beats_each_published_layout_on_paper() -> None:
     """For each published run on up to 512 GPUs, `plait plan` over the same model, GPUs, batch
     and sequence predicts at least the published layout's throughput where that layout fits
