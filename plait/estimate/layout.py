@@ -17,7 +17,7 @@ from typing import Any
 from plait.balance import balanced_counts
 from plait.layout import Layout
 from plait.models.gpt.config import GPTConfig
-from plait.estimate.stacks import STACKS, Stack
+from plait.estimate.stacks import STACKS, Stack, check_stack
 from plait.rules import BUCKET_MB, check_bucket_mb, check_choice, check_experts_split
 from plait.rules import (DTYPE_BYTES, PRECISIONS, RECOMPUTE, REDUCE_DTYPES, SCHEDULES,  # noqa: F401
                          check_context_split, check_fp8, check_microbatches, check_pipeline_cut, check_precision, check_recompute, check_whole,
@@ -40,6 +40,7 @@ class Workload(Layout):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_choice("stack", self.stack, tuple(STACKS))
+        check_stack(self)
         for name in ("micro_batch", "grad_accum", "seq_len"):
             check_whole(name.replace("_", "-"), getattr(self, name))
         check_bucket_mb(self.bucket_mb)

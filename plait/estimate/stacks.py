@@ -27,11 +27,31 @@ kernels or overlap other work. The time model reads these facts:
 
 plait's own is the default. The others are there so that a published run is priced as it
 ran (benchmarks/gpu_presets.py), and so that a user can ask what a layout costs elsewhere.
+Each also says what it can run (`Reach`): a layout it cannot is refused in one line, so an
+estimate never prices, and `plait plan --stack` never proposes, what that framework could
+not train.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+from plait.errors import PlaitError
+
+
+@dataclass(frozen=True)
+class Reach:
+    """What a framework runs, of what plait's layouts name (plait runs all of it)."""
+
+    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1")
+    zero: tuple[int, ...] = (0, 1, 2, 3)
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    sp: bool = True
+    cp_kinds: tuple[str, ...] = ("ring", "ulysses")
+    ep: bool = True
+    dp_shard: bool = True
+    offload: bool = True
 
 
 @dataclass(frozen=True)
@@ -44,6 +64,19 @@ class Stack:
     gather_overlap: bool
     accumulate_bytes: float | None
     source: str
+    reach: Reach = field(default_factory=Reach)
+
+
+# Megatron-LM of 2021 had neither a distributed optimizer, sequence parallelism nor selective
+# recompute (all 2022), nor context or expert parallelism; DeepSpeed's pipeline engine runs
+# 1F1B, and BLOOM's bf16 optimizer is its ZeRO-1; Megatron-Core adds the distributed optimizer
+# (ZeRO-1), SP, selective recompute, ring context parallelism and experts.
+_MEGATRON_2021 = Reach(schedules=("1f1b", "interleaved"), zero=(0,), recompute=("none", "full"), sp=False,
+                       cp_kinds=(), ep=False, dp_shard=False, offload=False)
+_MEGATRON_DEEPSPEED = Reach(schedules=("1f1b",), zero=(0, 1), recompute=("none", "full"), sp=False, cp_kinds=(),
+                            ep=False, dp_shard=False, offload=False)
+_MEGATRON_CORE = Reach(schedules=("1f1b", "interleaved"), zero=(0, 1), cp_kinds=("ring",), dp_shard=False,
+                       offload=False)
 
 
 STACKS: dict[str, Stack] = {s.name: s for s in (
@@ -53,16 +86,35 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
           "Megatron-LM as of Narayanan et al. 2021 (commit a8d172b, April 2021): baddbmm, the fused "
           "scale-mask-softmax, dropout 0.1 (its default), bmm; apex LayerNorm, bias-GeLU and "
           "bias-dropout-add fused; gradients added into fp16 main_grad; the local DDP all-reduces "
-          "that buffer after the schedule"),
+          "that buffer after the schedule", _MEGATRON_2021),
     Stack("megatron-deepspeed", "eager", True, "megatron", False, False, 10.0,
           "BigScience's Megatron-DeepSpeed (BLOOM, 2022): Megatron-LM's GPT of 2021 (no dropout "
           "flags in tr11's script: its default 0.1) under DeepSpeed's pipeline engine, which "
-          "reduces gradients after the schedule; its bf16 optimizer adds them into fp32"),
+          "reduces gradients after the schedule; its bf16 optimizer adds them into fp32", _MEGATRON_DEEPSPEED),
     Stack("megatron-core", "fused", False, "megatron", True, True, 0.0,
           "Megatron-Core with Transformer Engine: fused attention, fused norms and activations, "
           "no dropout, gradient accumulation fused into the GEMMs, --overlap-grad-reduce and "
-          "--overlap-param-gather"),
+          "--overlap-param-gather", _MEGATRON_CORE),
 )}
+
+
+def check_stack(layout: Any) -> None:
+    """A layout the named framework cannot run is refused in one line (Workload runs this)."""
+    stack = STACKS[layout.stack]
+    reach = stack.reach
+    lacks = [what for what, runs in (
+        (f"the {layout.schedule} schedule", layout.pp == 1 or layout.schedule in reach.schedules),
+        (f"ZeRO stage {layout.zero}", layout.zero in reach.zero),
+        (f"{layout.recompute} recomputation", layout.recompute in reach.recompute),
+        ("sequence parallelism", reach.sp or not layout.sp),
+        (f"{layout.cp_kind} context parallelism", layout.cp == 1 or layout.cp_kind in reach.cp_kinds),
+        ("expert parallelism", reach.ep or layout.ep == 1),
+        ("--dp-shard", reach.dp_shard or not layout.dp_shard),
+        ("--offload", reach.offload or not layout.offload)) if not runs]
+    if lacks:
+        raise PlaitError(f"--stack {stack.name} has no {lacks[0]}",
+                         hint="price this layout on --stack plait, or change it to one that framework runs")
+
 
 # Megatron-LM's GPT block, elements read plus written per token on one tensor-parallel rank
 # (each 2 bytes in 16-bit), as (replicated h, h/t, kv/t, f/t) coefficients like ops.EW_FWD:
