@@ -39,8 +39,6 @@ class Workload(Layout):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_choice("stack", self.stack, tuple(STACKS))
-        check_stack(self)
         for name in ("micro_batch", "grad_accum", "seq_len"):
             check_whole(name.replace("_", "-"), getattr(self, name))
         check_bucket_mb(self.bucket_mb)
@@ -49,6 +47,8 @@ class Workload(Layout):
             check_fp8(self)
         check_recompute(self, self.recompute)
         check_microbatches(self.schedule, self.pp, self.grad_accum)
+        check_choice("stack", self.stack, tuple(STACKS))
+        check_stack(self)  # last: a value no framework knows gets its own message first
 
     @classmethod
     def of(cls, layout: Layout, **work: Any) -> "Workload":
