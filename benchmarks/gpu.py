@@ -356,9 +356,12 @@ def part_hostcopy() -> None:
     the median of 3 after one warm-up."""
     import torch
 
+    from plait.bench.calibrate import _median_s
+    from plait.estimate.time import HOST_ADAM_BYTES
     from plait.parallel.zero.optim import copy_in_chunks
 
     cuda = torch.cuda.is_available()
+    done = torch.cuda.synchronize if cuda else (lambda: None)
     device, scale = ("cuda", 1) if cuda else ("cpu", 64)
     rows = {}
     for n in (1 << 26, 1 << 28, 1 << 30):
@@ -370,18 +373,8 @@ def part_hostcopy() -> None:
         weight = torch.nn.Parameter(master)
         optimizer = torch.optim.AdamW([weight], lr=1e-3, fused=True)
 
-        def timed(fn: Any) -> float:
-            fn()
-            samples = []
-            for _ in range(3):
-                if cuda:
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-                fn()
-                if cuda:
-                    torch.cuda.synchronize()
-                samples.append(time.perf_counter() - start)
-            return statistics.median(samples)
+        def timed(fn: Any) -> float:  # each call waited for, so the next starts on an idle device
+            return _median_s(lambda: (fn(), done()), 3)
 
         weight.grad = kept
         rows[n] = {"grad in, fresh .to (before)": timed(lambda: grad.to("cpu", torch.float32)),
@@ -390,7 +383,7 @@ def part_hostcopy() -> None:
                    "master out, one non-blocking copy_ (before)":
                        timed(lambda: shard.copy_(master, non_blocking=cuda)),
                    "master out, chunked (now)": timed(lambda: copy_in_chunks(shard, master))}
-        rows[n]["host AdamW GB/s (28 B a parameter)"] = 28 * n / rows[n]["host fused AdamW"] / 1e9
+        rows[n]["host AdamW GB/s (28 B a parameter)"] = HOST_ADAM_BYTES * n / rows[n]["host fused AdamW"] / 1e9
         log(f"hostcopy {n}: {rows[n]}")
         del grad, shard, master, kept, weight, optimizer
         if cuda:

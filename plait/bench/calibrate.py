@@ -285,8 +285,8 @@ def measure_host_update(mesh: Mesh, params: int, optimizer_kernel: str, reps: in
 def _flat_update(mesh: Mesh, params: int, optimizer_kernel: str, precision: str = "fp32",
                  chunk: int = UPDATE_CHUNK) -> Callable[[], None]:
     """The guarded update (finite check, clipping, AdamW) over `params` parameters cut into
-    UPDATE_CHUNK-sized tensors: the optimizer states are as large as the model's, so their
-    pass runs past the caches at the speed it will in training."""
+    `chunk`-sized tensors: the optimizer states are as large as the model's, so their pass
+    runs past the caches at the speed it will in training."""
     return _guarded_update(mesh, *_flat_adamw(params, mesh.device, optimizer_kernel, precision, chunk))
 
 

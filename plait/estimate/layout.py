@@ -18,7 +18,7 @@ from plait.balance import balanced_counts
 from plait.layout import Layout
 from plait.models.gpt.config import GPTConfig
 from plait.estimate.stacks import STACKS, Stack, check_stack
-from plait.rules import BUCKET_MB, check_bucket_mb, check_choice, check_experts_split
+from plait.rules import BUCKET_MB, check_bucket_mb, check_experts_split
 from plait.rules import (DTYPE_BYTES, PRECISIONS, RECOMPUTE, REDUCE_DTYPES, SCHEDULES,  # noqa: F401
                          check_context_split, check_fp8, check_microbatches, check_pipeline_cut, check_precision, check_recompute, check_whole,
                          default_reduce_dtype)
@@ -47,7 +47,6 @@ class Workload(Layout):
             check_fp8(self)
         check_recompute(self, self.recompute)
         check_microbatches(self.schedule, self.pp, self.grad_accum)
-        check_choice("stack", self.stack, tuple(STACKS))
         check_stack(self)  # last: a value no framework knows gets its own message first
 
     @classmethod

@@ -64,7 +64,7 @@ from plait.estimate.time import (bubble_micro_batches, clip_s, cp_s, dp_exposed_
                                  inter_node, offload_s, overhead_s, pp_s, tp_s)
 from plait.layout import Layout
 from plait.models.gpt.config import GPTConfig
-from plait.estimate.stacks import STACKS
+from plait.estimate.stacks import check_stack_name
 from plait.rules import BUCKET_MB, CP_KINDS, RECOMPUTE, SCHEDULES, check_bucket_mb, check_choice, check_pipeline_cut
 
 MAX_MICRO_BATCH = 64  # larger micro-batches only add memory once the GPU is saturated
@@ -107,7 +107,7 @@ class PlanRequest:
                 raise PlaitError(f"--{flag} must be a whole number of at least 1, got {value!r}",
                                  hint=f"pass --{flag} 1 or more")
         check_bucket_mb(self.bucket_mb)
-        check_choice("stack", self.stack, tuple(STACKS))
+        check_stack_name(self.stack)
         if not self.schedules:
             raise PlaitError("--schedule names no schedule", hint=f"choose among: {', '.join(SCHEDULES)}")
         for schedule in self.schedules:
@@ -472,7 +472,8 @@ def _nothing_fits(request: PlanRequest, search: Search) -> PlaitError:
 def plan_request(config: GPTConfig, *, gpus: int, global_batch: int, hardware: str | Hardware = "h100-sxm",
                  gpus_per_node: int | None = None, seq_len: int | None = None, precision: str = "bf16",
                  schedule: str | tuple[str, ...] | None = None, offload: bool = False,
-                 stage_layers: tuple[int, ...] = (), bucket_mb: float = BUCKET_MB, stack: str = "plait") -> PlanRequest:
+                 stage_layers: tuple[int, ...] = (), bucket_mb: float = BUCKET_MB,
+                 stack: str = "plait") -> PlanRequest:
     """The request `plan` answers, checked (`schedule` restricts the search: `schedules_of`)."""
     hw = resolve_hardware(hardware)
     if stage_layers:

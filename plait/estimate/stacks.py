@@ -38,17 +38,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plait.errors import PlaitError
+from plait.rules import CP_KINDS, RECOMPUTE, SCHEDULES, ZERO_STAGES, check_choice
 
 
 @dataclass(frozen=True)
 class Reach:
     """What a framework runs, of what plait's layouts name (plait runs all of it)."""
 
-    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1")
-    zero: tuple[int, ...] = (0, 1, 2, 3)
-    recompute: tuple[str, ...] = ("none", "selective", "full")
+    schedules: tuple[str, ...] = SCHEDULES
+    zero: tuple[int, ...] = ZERO_STAGES
+    recompute: tuple[str, ...] = RECOMPUTE
     sp: bool = True
-    cp_kinds: tuple[str, ...] = ("ring", "ulysses")
+    cp_kinds: tuple[str, ...] = CP_KINDS
     ep: bool = True
     dp_shard: bool = True
     offload: bool = True
@@ -98,8 +99,15 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
 )}
 
 
+def check_stack_name(name: str) -> None:
+    """--stack names one of STACKS."""
+    check_choice("stack", name, tuple(STACKS))
+
+
 def check_stack(layout: Any) -> None:
-    """A layout the named framework cannot run is refused in one line (Workload runs this)."""
+    """A known stack, and a layout its framework can run, each refused in one line otherwise
+    (Workload runs this)."""
+    check_stack_name(layout.stack)
     stack = STACKS[layout.stack]
     reach = stack.reach
     lacks = [what for what, runs in (
