@@ -6,6 +6,7 @@ predicted vs measured, ZeRO-3 offload, nn.DataParallel / DDP overhead.
     python3 benchmarks/gpu.py --parts update,moe,selective --steps 200 --log-dir $OUT   # fp8, the update, MoE
     python3 benchmarks/gpu.py --parts sweep,shapes --steps 20 --log-dir $OUT   # rates by size, calibration by shape
     python3 benchmarks/gpu.py --parts hostcopy,offload --steps 40 --log-dir $OUT   # offload's host step
+    python3 benchmarks/gpu.py --parts profile,gemmdata --log-dir $OUT   # the 1 B step's kernels by kind; GEMM rates by data
 
 Every plait row is a `plait train --nproc 1` subprocess (stdout and stderr appended to
 LOG_DIR/runs.log); its numbers come from its summary.json. The plain loop is plait's GPT built
@@ -348,6 +349,148 @@ def part_shapes(steps: int) -> None:
                              "error": v.get("error")} for k, v in rows.items()}
 
 
+# Attention first: cuDNN's SDPA kernels carry "sm90_" in their names, as the GEMMs do.
+KERNEL_KINDS = (("attention", ("flash", "fmha", "attention", "sdpa")),
+                ("gemm", ("gemm", "cutlass", "nvjet", "xmma", "sm90_", "sm80_")),
+                ("norm", ("norm",)), ("softmax/loss", ("softmax", "cross_entropy", "nll", "log_softmax")))
+
+
+def kernel_kind(name: str) -> str:
+    """A CUDA kernel's share of the step the time model prices apart: GEMMs, attention,
+    normalisation, the loss; everything else is element-wise (or copies)."""
+    lowered = name.lower()
+    return next((kind for kind, marks in KERNEL_KINDS if any(m in lowered for m in marks)), "other")
+
+
+def part_profile() -> None:
+    """One forward and backward of the 1 B GPT in bf16 weights (as `--precision bf16` holds
+    them), under torch.profiler: the device time of its kernels by kind, and the 30 longest.
+    What the time model's compute (GEMMs, attention, element-wise) should add up to."""
+    import torch
+    import torch.nn.functional as F
+
+    from plait.models.gpt.config import get_preset
+    from plait.models.gpt.model import build_gpt
+
+    cuda = torch.cuda.is_available()  # a CPU dry run (GPU_BIG=tiny) times CPU ops instead
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    torch.manual_seed(0)
+    config = get_preset(BIG)
+    model = build_gpt(config, 0).to(device=device, dtype=torch.bfloat16)
+    seq = min(2048, config.max_seq_len)
+
+    def step() -> None:
+        batch = torch.randint(0, config.vocab_size, (8, seq + 1), device=device)
+        logits = model(batch[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()).backward()
+        model.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(5):
+        step()
+    sync()
+    wall = (time.perf_counter() - start) / 5
+    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+    with torch.profiler.profile(activities=[activity]) as prof:
+        for _ in range(3):
+            step()
+        sync()
+    kernels = [(e.key, (e.self_device_time_total if cuda else e.self_cpu_time_total) / 3 / 1e6, e.count // 3)
+               for e in prof.key_averages() if (e.self_device_time_total if cuda else e.self_cpu_time_total) > 0]
+    kinds: dict[str, float] = {}
+    for name, seconds, _ in kernels:
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + seconds
+    top = sorted(kernels, key=lambda k: -k[1])[:30]
+    RESULTS["profile"] = {"wall_s": wall, "device_s": sum(kinds.values()), "by_kind_s": kinds,
+                          "top": [{"kernel": n[:160], "s": t, "calls": c} for n, t, c in top]}
+    log(json.dumps(RESULTS["profile"], indent=1))
+
+
+def part_gemmdata() -> None:
+    """The 1 B GPT's GEMM shapes timed as `plait calibrate` times them (torch.mm of two
+    row-major randn matrices, queued eight deep) and as training runs them (F.linear against
+    an (n, k) weight of init scale), with other queue depths and data: which of these moves
+    the rate. The profile ran these shapes at about 780 TFLOP/s in the step where calibration
+    measured 600-700."""
+    import torch
+    import torch.nn.functional as F
+
+    from plait.bench.calibrate import _median_s
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    scale = 1 if device.type == "cuda" else 64
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    shapes = {"16384x2048x2048": (16384, 2048, 2048), "16384x2048x8192": (16384, 2048, 8192),
+              "16384x8192x2048": (16384, 8192, 2048), "16384x2048x32000": (16384, 2048, 32000),
+              "2048x16384x8192": (2048, 16384, 8192), "8192x8192x8192": (8192, 8192, 8192)}
+
+    def timed(op, depth: int) -> float:
+        def run() -> None:
+            for _ in range(depth):
+                op()
+            sync()
+        return _median_s(run, 7) / depth
+
+    rows: dict[str, dict[str, float]] = {}
+    for name, (m, k, n) in shapes.items():
+        m, k, n = m // scale, k // scale, n // scale
+        flops = 2.0 * m * k * n
+        x = torch.randn(m, k, dtype=torch.bfloat16, device=device)
+        b = torch.randn(k, n, dtype=torch.bfloat16, device=device)
+        w = (torch.randn(n, k, device=device) * 0.02).to(torch.bfloat16)
+        small_b = (torch.randn(k, n, device=device) * 0.02).to(torch.bfloat16)
+        zeros = torch.zeros_like(x)
+        variants = {"mm randn NN q8": (lambda: torch.mm(x, b), 8),
+                    "mm randn NN q32": (lambda: torch.mm(x, b), 32),
+                    "mm randn*0.02 NN q8": (lambda: torch.mm(x, small_b), 8),
+                    "linear randn*0.02 TN q8": (lambda: F.linear(x, w), 8),
+                    "linear randn*0.02 TN q32": (lambda: F.linear(x, w), 32),
+                    "mm zeros NN q8": (lambda: torch.mm(zeros, b), 8)}
+        rows[name] = {label: flops / timed(op, depth) / 1e12 for label, (op, depth) in variants.items()}
+        log(f"{name}: " + ", ".join(f"{k} {v:.0f}" for k, v in rows[name].items()))
+        del x, b, w, small_b, zeros
+    RESULTS["gemmdata"] = rows
+    RESULTS["gemm_between_adds"] = _gemm_between_adds(shapes, scale, device)
+
+
+def _gemm_between_adds(shapes: dict[str, tuple[int, int, int]], scale: int, device: Any) -> dict[str, dict[str, float]]:
+    """Each shape's TFLOP/s timed by CUDA events around each GEMM alone, 32 in a row, against
+    the same GEMMs each followed by a memory-bound add about as long (as a training step
+    alternates them): whether a GPU held at its power limit by GEMMs back to back runs them
+    slower than a step does."""
+    import torch
+    import torch.nn.functional as F
+
+    if device.type != "cuda":
+        return {}
+    big = torch.randn(1 << 28, device=device)  # a 1 GiB fp32 add: about 0.8 ms at 4 TB/s
+    rows = {}
+    for name, (m, k, n) in shapes.items():
+        x = torch.randn(m // scale, k // scale, dtype=torch.bfloat16, device=device)
+        w = (torch.randn(n // scale, k // scale, device=device) * 0.02).to(torch.bfloat16)
+        flops = 2.0 * x.shape[0] * x.shape[1] * w.shape[0]
+        row = {}
+        for label, between in (("alone", False), ("between adds", True)):
+            pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(32)]
+            for _ in range(2):  # the second pass is timed
+                for start, end in pairs:
+                    start.record()
+                    F.linear(x, w)
+                    end.record()
+                    if between:
+                        big.add(1.0)
+                torch.cuda.synchronize()
+            row[label] = flops * len(pairs) / (sum(s.elapsed_time(e) for s, e in pairs) / 1e3) / 1e12
+        rows[name] = row
+        log(f"{name}: " + ", ".join(f"{k} {v:.0f}" for k, v in row.items()))
+        del x, w
+    return rows
+
+
 def part_hostcopy() -> None:
     """Offload's host step, piece by piece, at 64 Mi to 1 Gi parameters: the bf16 gradient into
     the host's fp32 copy as plait did before (a blocking `.to`, a fresh tensor each step) and as
@@ -572,7 +715,8 @@ def main() -> None:
              "offload": lambda: part_offload(max(3, args.steps // 10)), "dp": lambda: part_dp(args.steps),
              "update": lambda: part_update_fp8(args.steps), "selective": part_selective,
              "moe": lambda: part_moe(10), "rowwise": part_rowwise, "sweep": part_sweep,
-             "shapes": lambda: part_shapes(args.steps), "hostcopy": part_hostcopy}[part]()
+             "shapes": lambda: part_shapes(args.steps), "hostcopy": part_hostcopy,
+             "profile": part_profile, "gemmdata": part_gemmdata}[part]()
         except Exception as exc:  # noqa: BLE001
             import traceback
 

@@ -40,7 +40,8 @@ def test_tied_head_counted_once() -> None:
 
 def test_one_gpu_large_gemms_run_at_the_gemm_efficiency() -> None:
     """No communication, no bubble: a big GEMM is compute-bound at peak·compute_efficiency,
-    and the whole step's MFU stays below that (attention, element-wise work, optimizer)."""
+    and the whole step's MFU stays below that (attention, element-wise work, optimizer), though
+    not far: a 1 B GPT ran eager at 37-41% MFU on an H100 and an H200 (RESULTS.md, GPU)."""
     from plait.estimate.ops import Gemm, gemm_s
 
     g = Gemm(8192, 8192, 8192)
@@ -48,7 +49,7 @@ def test_one_gpu_large_gemms_run_at_the_gemm_efficiency() -> None:
     assert gemm_s(g, "bf16", H100) == pytest.approx(g.flops / (989e12 * H100.compute_efficiency) + ramp)
     assert 0 < ramp < 0.01 * gemm_s(g, "bf16", H100)
     step = estimate_time(get_preset("llama-1b"), Workload(precision="bf16", seq_len=2048, micro_batch=4), H100, 8)
-    assert 0.5 * H100.compute_efficiency < step.mfu < H100.compute_efficiency
+    assert 0.4 * H100.compute_efficiency < step.mfu < H100.compute_efficiency
 
 
 @pytest.mark.parametrize("schedule, v, slots", [("1f1b", 1, 3), ("gpipe", 1, 3), ("interleaved", 2, 1.5), ("zb-h1", 1, 1)])

@@ -51,7 +51,8 @@ from plait.parallel.compose import adamw_kernel
 # 5: sizes keyed as the time model reads them (one op's write on a rank in the run's dtype, the
 #    parameters a rank steps); attention queued on a GPU too.
 # 6: on a GPU the update timed in four tensors (update_chunk): the device's pass, not the host's.
-METHOD_VERSION = 6
+# 7: on a GPU the update timed up to 256 Mi parameters (stream_cap), as far as its free memory allows.
+METHOD_VERSION = 7
 
 
 def _median_s(fn: Callable[[], Any], reps: int) -> float:
@@ -228,9 +229,15 @@ def measure_stream(mesh: Mesh, params: int, optimizer_kernel: str, reps: int, pr
 
 
 def stream_cap(device: torch.device) -> int:
-    """Parameters the timed update steps at most: past any cache (a GPU's L2 is 50-60 MB,
-    so 256 MiB a state there), and bounded in time on a CPU (64 MiB a state)."""
-    return STREAM_CAP * (4 if device.type == "cuda" else 1)
+    """Parameters the timed update steps at most. On a CPU, bounded in time (64 MiB a
+    state). On a GPU, 256 Mi parameters where a quarter of the free memory holds their
+    weights, gradients, masters and moments: a rate read beyond the largest size timed is
+    the last two sizes' marginal, and with 64 Mi the largest, the 1 B GPT's update was
+    predicted at 12.5 ms for a measured 19.4 (H200, benchmarks/RESULTS.md, GPU section)."""
+    if device.type != "cuda":
+        return STREAM_CAP
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(STREAM_CAP, min(GPU_STREAM_CAP, free // 4 // GPU_UPDATE_STATE_BYTES))
 
 
 def update_chunk(device: torch.device, params: int) -> int:
@@ -247,6 +254,8 @@ def update_chunk(device: torch.device, params: int) -> int:
 
 
 GPU_UPDATE_TENSORS = 4
+GPU_STREAM_CAP = 1 << 28  # parameters in the timed update on a GPU, where memory allows
+GPU_UPDATE_STATE_BYTES = 20  # a parameter's bytes there at most: 16-bit weight and grad, fp32 master, m, v
 HOST_UPDATE_MIN = 1 << 22  # the host's AdamW timed on at least this many parameters: a rate, not overheads
 STREAM_CAP = 1 << 24  # parameters in the timed update on a CPU (see stream_cap)
 UPDATE_CHUNK = 1 << 20  # parameters per tensor there, about a large weight of a model this size

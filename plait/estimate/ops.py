@@ -14,7 +14,10 @@ Every cost is max(FLOPs / rate, bytes / memory bandwidth) + a fixed cost per lau
   the bandwidth measured for an op of one activation's size (small ops reach less of it).
   Elements read plus written per token per block, counted over plait's GPT with a torch
   dispatch hook (fp32, tiny and variants): forward 39h + kv + 5f, backward 87h + 8kv + 9f;
-  around the blocks 8h + 3.25V forward, 23h + 6.5V backward. Forward launches 33 compute
+  around the blocks 8h + 3.25V forward, 23h + 6.5V backward. In 16-bit the norms run in
+  fp32 (x.float(), x², the mean, the scaling, back to 16-bit), so a block moves more: counted
+  in 2-byte units, forward 59h + 3kv + 5f, backward 133h + 11kv + 9f
+  (tests/test_elementwise_census.py holds both sets to the hook's count). Forward launches 33 compute
   ops and 44 views per block (backward 61 and 76); around the blocks 9 + 9 and 19 + 13.
 * Gradient accumulation: each micro-batch after the first adds its gradients into the kept
   ones (autograd's +=: 3 × the gradient's bytes a parameter, m - 1 times a step; or the
@@ -47,6 +50,8 @@ from plait.models.gpt.config import GPTConfig
 
 EW_FWD = (39, 1, 5)  # elements per token per block: coefficients of h, kv, f
 EW_BWD = (87, 8, 9)
+EW_FWD_16 = (59, 3, 5)  # the same in 16-bit, in 2-byte units: the norms' fp32 passes included
+EW_BWD_16 = (133, 11, 9)
 EW_OUTER = ((8, 3.25), (23, 6.5))  # around the blocks: (h, V) forward, backward
 OPS_BLOCK = ((33, 44), (61, 76))  # (compute ops, views) per block: forward, backward
 OPS_OUTER = ((9, 9), (19, 13))
@@ -208,11 +213,13 @@ def elementwise_s(config: GPTConfig, layout: Workload, hw: Hardware, layers: flo
 
 def elementwise_counts(layout: Workload) -> tuple[tuple[float, float, float, float], ...]:
     """(forward, backward) elements per token per block as (replicated h, h/t, kv/t, f/t)
-    coefficients: plait's GPT (EW_FWD, EW_BWD), or the stack's (stacks.MEGATRON_EW)."""
+    coefficients: plait's GPT (EW_FWD, EW_BWD; in 16-bit EW_FWD_16, EW_BWD_16, whose norms
+    pass over fp32 copies), or the stack's (stacks.MEGATRON_EW, whose fused norms do not)."""
     software = layout.software
     if software.elementwise == "megatron":
         return MEGATRON_EW[software.dropout]
-    return ((EW_FWD[0], 0, *EW_FWD[1:]), (EW_BWD[0], 0, *EW_BWD[1:]))
+    forward, backward = (EW_FWD_16, EW_BWD_16) if dtype_bytes(layout.precision) == 2 else (EW_FWD, EW_BWD)
+    return ((forward[0], 0, *forward[1:]), (backward[0], 0, *backward[1:]))
 
 
 def micro_batch_compute_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware) -> float:
