@@ -58,7 +58,7 @@ def worker(args: argparse.Namespace) -> None:
 def bench_schedule(mesh: Any, args: argparse.Namespace, name: str, v: int) -> dict[str, Any]:
     import torch
 
-    from plait.parallel.pipeline.schedule import build_schedule, simulate
+    from plait.schedule.build import build_schedule, simulate
 
     pp, m = mesh.size("pp"), args.microbatches
     sides = {"plait": PlaitSide(mesh, args, name, v)}

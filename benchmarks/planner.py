@@ -6,7 +6,8 @@ Llama 2 70B (the `llama-70b` preset), Llama 3.1 405B (126 layers, hidden 16384, 
 heads, MLP 53248, vocabulary 128256) and Nemotron-4 340B (96 layers, hidden 18432, 96 heads,
 8 KV heads, relu² MLP 73728, vocabulary 256000), at their published sequences and batches.
 Pure arithmetic, one process. `--previous REF` also times the planner of git commit REF on
-each row, in a process of its own, for at most `--limit` seconds.
+each row (that commit's plait/, extracted to /tmp), in a process of its own, for at most
+`--limit` seconds.
 
     python benchmarks/planner.py                          # writes its section of RESULTS.md
     python benchmarks/planner.py --previous 3b54779 --no-write
@@ -42,15 +43,12 @@ MODELS = {
 }
 GPUS = (512, 6144, 16384)
 PREVIOUS = """
-import sys, time, importlib.util
-spec = importlib.util.spec_from_file_location("previous_planner", sys.argv[1])
-module = importlib.util.module_from_spec(spec)
-sys.modules["previous_planner"] = module
-spec.loader.exec_module(module)
+import sys, time
+from plait.estimate.planner import plan
 from plait.families import shape_of
 start = time.perf_counter()
-module.plan(shape_of(sys.argv[2]), gpus=int(sys.argv[3]), global_batch=int(sys.argv[4]), seq_len=int(sys.argv[5]),
-            hardware="h100-sxm", top=10)
+plan(shape_of(sys.argv[1]), gpus=int(sys.argv[2]), global_batch=int(sys.argv[3]), seq_len=int(sys.argv[4]),
+     hardware="h100-sxm", top=10)
 print(time.perf_counter() - start)
 """
 
@@ -70,13 +68,16 @@ def plan_row(model: str, gpus: int, seq: int, batch: int) -> dict:
 
 
 def previous_s(ref: str, model: str, gpus: int, seq: int, batch: int, limit: int) -> str:
-    """The planner of commit `ref` on the same request, in its own process: seconds, or '> limit'."""
-    old = Path(f"/tmp/plait-planner-{ref}.py")
-    old.write_text(subprocess.run(["git", "show", f"{ref}:plait/estimate/planner.py"], cwd=ROOT, check=True,
-                                  capture_output=True, text=True).stdout)
+    """The planner of commit `ref` on the same request, in its own process over that commit's
+    whole tree (its planner reads its own time model): seconds, or '> limit'."""
+    tree = Path(f"/tmp/plait-planner-{ref}")
+    if not tree.exists():
+        tree.mkdir(parents=True)
+        archive = subprocess.run(["git", "archive", ref, "plait"], cwd=ROOT, check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
     try:
-        proc = subprocess.run([sys.executable, "-c", PREVIOUS, str(old), model, str(gpus), str(batch), str(seq)],
-                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, "-c", PREVIOUS, model, str(gpus), str(batch), str(seq)],
+                              cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True,
                               timeout=limit)
     except subprocess.TimeoutExpired:
         return f"> {limit}"

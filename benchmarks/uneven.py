@@ -45,10 +45,10 @@ def predicted_stages(args, cut: str, hardware) -> list[float]:
 
 
 READING = """
-Reading it: the step grows with the larger stage (1.48× the even cut's at 0,6, where one rank
-runs all six blocks), and the prediction follows it within 5%. A bubble slot is priced at the
-mean micro-batch of the stages besides the slowest: the pipeline fills and drains through
-them while the slowest sets the pace. Priced at the slowest stage's micro-batch, as before
+Reading it: the step grows with the larger stage (1.54× the even cut's at 0,6, where one rank
+runs all six blocks), and the prediction follows it within 6%. The estimate runs the 1F1B schedule
+with each rank's micro-batch (plait/estimate/pipeline.py): the slowest rank sets the pace and
+the others' fill and drain is the bubble. Priced at the slowest stage's micro-batch, as before
 2026-11-27, the same runs were predicted at 0.92, 1.01, 1.14 and 1.22 of measured (0,6: a
 first stage holding only the embedding was charged a whole block-heavy slot).
 """

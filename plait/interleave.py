@@ -1,7 +1,7 @@
 """The order in which a rank of an interleaved pipeline runs its chunks (Megatron's).
 
 Torch-free and at the bottom, so that the schedule the runner executes
-(plait/parallel/pipeline/schedule.py) and the estimator that prices its peak of held
+(plait/schedule/build.py) and the estimator that prices its peak of held
 activations (plait/estimate/activations.py) read one definition of it.
 """
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from plait.errors import PlaitError
 
-# The pipeline schedules (plait.parallel.pipeline.schedule builds each one).
+# The pipeline schedules (plait.schedule.build builds each one).
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 # Schedules that split each backward into I (input grad) and W (weight grad).
 SPLIT_BACKWARD = ("zb-h1",)

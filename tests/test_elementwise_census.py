@@ -70,7 +70,9 @@ def census(spec: str, dtype: torch.dtype) -> tuple[float, float]:
 
 
 def priced(spec: str, precision: str) -> tuple[float, float]:
-    """(forward, backward) bytes per token of one block as the estimate counts them."""
+    """(forward, backward) bytes per token of one block as the estimate counts them: the
+    constants are rounded from a fit over shapes like these (within 2.4% of each), so 3%
+    catches a coefficient moved by a few units."""
     config = get_preset(spec)
     size = 4 if precision == "fp32" else 2
     work = Workload(seq_len=TOKENS, micro_batch=1, precision=precision)
@@ -89,7 +91,7 @@ def test_block_bytes_match_the_hook_count(precision: str, dtype: torch.dtype) ->
     for spec in SHAPES:
         counted, estimated = census(spec, dtype), priced(spec, precision)
         for label, real, model in zip(("forward", "backward"), counted, estimated):
-            assert model == pytest.approx(real, rel=0.06), f"{precision} {label} of {spec}: {model} vs {real}"
+            assert model == pytest.approx(real, rel=0.03), f"{precision} {label} of {spec}: {model} vs {real}"
 
 
 def test_bf16_block_moves_half_again_the_fp32_count_in_2_byte_units() -> None:

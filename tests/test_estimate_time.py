@@ -53,10 +53,13 @@ def test_one_gpu_large_gemms_run_at_the_gemm_efficiency() -> None:
 
 
 @pytest.mark.parametrize("schedule, v, slots", [("1f1b", 1, 3), ("gpipe", 1, 3), ("interleaved", 2, 1.5), ("zb-h1", 1, 1)])
-def test_bubble_slots_cost_the_other_stages_micro_batch(schedule: str, v: int, slots: float) -> None:
-    """(p-1) slots for 1F1B and GPipe, (p-1)/v interleaved, (p-1)/3 ZB-H1; each slot the mean
-    micro-batch of the stages besides the slowest (here the last, which holds the head): at
-    most the classical fraction slots / (m + slots)."""
+def test_the_schedule_run_gives_the_textbook_bubble_when_the_head_sets_the_pace(schedule: str, v: int,
+                                                                              slots: float) -> None:
+    """llama-7b on 4 stages: the first three alike, the last (the head) the slowest. Running
+    each schedule (plait.estimate.pipeline) leaves idle the other stages' fill and drain:
+    (p-1) of their micro-batches for 1F1B and GPipe, (p-1)/v interleaved, (p-1)/3 for ZB-H1,
+    whose deferred weight gradients fill the rest; at most the classical fraction
+    slots / (m + slots) of the pipeline's time."""
     cfg = get_preset("llama-7b")
     layout = Workload(pp=4, grad_accum=8, precision="bf16", seq_len=1024, schedule=schedule,
                     virtual_stages=v)

@@ -79,7 +79,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("shapes", ("plait.models.gpt.config", "plait.models.resnet.config", "plait.models.hf.config")),
     ("runtime", ("plait.runtime",)),
     ("base", ("plait", "plait.errors", "plait.wire", "plait.balance", "plait.interleave", "plait.rules",
-              "plait.layout")),
+              "plait.layout", "plait.schedule")),
 ]
 # What a layer must not reach even below it: the seams. The strategies know no model, not
 # even a shape; the estimator is pure arithmetic (no torch.distributed, no strategy).

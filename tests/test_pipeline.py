@@ -22,7 +22,7 @@ from plait.balance import balanced_counts
 from plait.parallel.pipeline.runner import PipelineRunner, apply_pipeline, check_pipeline, split_stages
 from plait.parallel.pipeline.p2p import send_order
 from plait.parallel.pipeline.split import rank_stages
-from plait.parallel.pipeline.schedule import build_schedule, simulate
+from plait.schedule.build import build_schedule, simulate
 from plait.runtime.comm import Axis, Ledger
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from plait.parallel.pipeline.schedule import build_schedule, simulate
+from plait.schedule.build import build_schedule, simulate
 from tests.parity import assert_losses_close
 from tests.worldlib import run_world, split_slow
 from tests.worlds.pipeline_world import last_rank_reversed

@@ -13,7 +13,7 @@ from plait.estimate.cli import plan_main as plan_with
 from plait.estimate.hardware import GIB, get_hardware
 from plait.estimate.layout import Workload, layout_stages
 from plait.estimate.memory import estimate_memory, stage_memory
-from plait.estimate.planner import (SEARCHED_SCHEDULES, Costs, PlanRequest, candidates, plan, plan_layouts,
+from plait.estimate.planner import (SEARCHED_SCHEDULES, Costs, PlanRequest, Search, candidates, plan, plan_layouts,
                                     plan_request, shapes, tails)
 from plait.estimate.time import estimate_time
 from plait.families import shape_of
@@ -106,12 +106,32 @@ def test_the_pruned_search_ranks_as_the_exhaustive_one(model: str, gpus: int, ba
         assert plan_layouts(request, top) == every[:top]
 
 
+def test_schedules_alike_in_cost_are_each_run_for_their_own_span() -> None:
+    """GPipe and 1F1B share every shape's micro-batch costs and lower bound, yet their spans
+    differ on an uneven cut: the search runs each schedule for its own (small with 7 blocks,
+    cut 5,2, on 2 GPUs; a span cached by the costs alone once ranked GPipe's in 1F1B's place
+    and missed the best layouts)."""
+    request = plan_request(get_preset("small,n_layers=7"), gpus=2, global_batch=8, seq_len=128, hardware="cpu",
+                           schedule="gpipe,1f1b", stage_layers=(5, 2))
+    every = plan_layouts(request, exhaustive=True)
+    assert {row["schedule"] for row in every} == {"gpipe", "1f1b"}
+    assert plan_layouts(request, 3) == every[:3]
+    for row in every[:3]:
+        layout = Workload(pp=2, micro_batch=row["micro_batch"], grad_accum=row["grad_accum"], seq_len=128,
+                          schedule=row["schedule"], stage_layers=(5, 2), zero=row["zero"], sp=row["sp"],
+                          recompute=row["recompute"], precision="bf16")
+        assert row["step_s"] == pytest.approx(
+            estimate_time(request.config, layout, request.hardware, request.gpus_per_node).step_s, rel=1e-12)
+
+
 def test_the_bounds_hold_on_every_layout() -> None:
     """What the pruning stands on, held on each of small's layouts: the core and the step
-    bound never exceed estimate_time's step (the bound equals it with a pipeline), the
-    shape's memory bound and the first stage never exceed estimate_memory's busiest rank."""
+    bound never exceed estimate_time's step (with a pipeline the core is the schedule's lower
+    bound, and the bound with the schedule's span run equals the step), the shape's memory
+    bound and the first stage never exceed estimate_memory's busiest rank."""
     request = plan_request(get_preset("small"), gpus=8, global_batch=16, seq_len=256, hardware="cpu", offload=True)
-    costs, checked, piped = Costs(request), 0, 0
+    search, checked, piped = Search(request), 0, 0
+    costs = search.costs
     for shape in shapes(request):
         core, memory_floor = costs.core(shape), costs.memory_bound(shape)
         for layout in tails(request, shape):
@@ -119,7 +139,8 @@ def test_the_bounds_hold_on_every_layout() -> None:
             bound, memory = costs.step_bound(layout, core), estimate_memory(request.config, layout).total
             assert core.s <= bound <= step * (1 + 1e-12)
             if layout.pp > 1:
-                assert bound == pytest.approx(step, rel=1e-12)
+                exact = costs.step_bound(layout, core, search.span(layout, core))
+                assert exact == pytest.approx(step, rel=1e-12)
                 piped += 1
             first = stage_memory(request.config, layout, layout_stages(request.config, layout)[0]).total
             assert memory_floor <= memory * (1 + 1e-12) and first <= memory

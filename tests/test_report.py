@@ -10,8 +10,8 @@ import pytest
 from PIL import Image
 
 from plait.errors import PlaitError
-from plait.parallel.pipeline.schedule import build_schedule, simulate
-from plait.parallel.pipeline.timeline import timeline_from_dict, timeline_to_dict
+from plait.schedule.build import build_schedule, simulate
+from plait.schedule.timeline import timeline_from_dict, timeline_to_dict
 from plait.report.page import figures, read_run
 from plait.train.observe.logs import setup_logging
 from plait.train.loop.measure import MeasurePolicy

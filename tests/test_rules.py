@@ -55,7 +55,7 @@ def test_every_planned_layout_passes_train_validation(model: str, precision: str
 def test_one_home_for_each_choice() -> None:
     from plait.estimate import layout
     from plait.parallel import recompute
-    from plait.parallel.pipeline import schedule
+    from plait.schedule import build as schedule
     from plait.models.gpt import adapter as gpt_adapter
 
     assert schedule.SCHEDULES is layout.SCHEDULES is rules.SCHEDULES

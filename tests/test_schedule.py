@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from plait.errors import PlaitError
-from plait.parallel.pipeline.schedule import (
+from plait.schedule.build import (
     Action,
     build_schedule,
     gpipe,

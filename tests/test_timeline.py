@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from plait.errors import PlaitError
-from plait.parallel.pipeline.schedule import build_schedule, gpipe, simulate
-from plait.parallel.pipeline.timeline import render_png, render_text
+from plait.schedule.build import build_schedule, gpipe, simulate
+from plait.schedule.timeline import render_png, render_text
 
 
 def test_gpipe_text_figure() -> None:

@@ -60,8 +60,9 @@ from plait.estimate.hardware import GIB, Hardware, resolve_hardware
 from plait.estimate.layout import StageShare, Workload, layout_stages, stages
 from plait.estimate.memory import Memory, device_total, estimate_memory, shard, stage_buffers, stage_memory
 from plait.estimate.ops import accumulate_s, micro_batch_compute_s, optimizer_s, stage_pieces, stage_tensors
-from plait.estimate.time import (bubble_micro_batches, clip_s, cp_s, dp_exposed_s, ep_s, estimate_time,
-                                 inter_node, offload_s, overhead_s, pp_s, tp_s)
+from plait.estimate.pipeline import lower_bound
+from plait.estimate.time import (chunk_weights, clip_s, cp_s, dp_exposed_s, ep_s, estimate_time, forward_fraction,
+                                 inter_node, offload_s, overhead_s, pipeline_span, pp_s, tp_s)
 from plait.layout import Layout
 from plait.models.gpt.config import GPTConfig
 from plait.estimate.stacks import check_stack_name
@@ -236,10 +237,14 @@ def candidates(request: PlanRequest) -> Iterator[Workload]:
 
 @dataclass(frozen=True)
 class Core:
-    """A shape's step without its tail: m micro-batches of the slowest stage and the bubble."""
+    """A shape's step without its tail: m micro-batches of the slowest stage and the bubble.
+    `s` is exact without a pipeline, and with one a lower bound (pipeline.lower_bound): the
+    schedule itself runs only for the shapes that reach an estimate (Search.span)."""
 
     s: float
     slowest: tuple[StageShare, ...]  # the slowest stage first; others within SLACK of it (a near tie)
+    stage_s: tuple[float, ...] = ()  # each pipeline rank's micro-batch, in stage order
+    shares: tuple[StageShare, ...] = ()  # each pipeline rank's share of the model
 
 
 class Costs:
@@ -255,19 +260,22 @@ class Costs:
         self._comm: dict[tuple, float] = {}
 
     def core(self, shape: Workload) -> Core:
-        """estimate_time's m·(compute + tp + pp + cp + ep) of the slowest stage + bubble."""
+        """estimate_time's m·(compute + tp + pp + cp + ep) of the slowest stage, and with a
+        pipeline a lower bound of the span its schedule adds the bubble to."""
+        config = self.request.config
         links = inter_node(shape, self.request.gpus_per_node)
-        alike = alike_stages(self.request.config, shape.tp, shape.pp, shape.virtual_stages, shape.ep,
-                             shape.stage_layers)
+        alike = alike_stages(config, shape.tp, shape.pp, shape.virtual_stages, shape.ep, shape.stage_layers)
         rows = [(self._micro_batch_s(shape, stage, links), count, stage) for stage, count in alike]
         slowest, _, stage = max(rows, key=lambda row: row[0])
         tied = tuple(other for total, _, other in rows if other is not stage and total >= slowest * (1 - SLACK))
-        bubble, others = 0.0, 0.0
-        if shape.pp > 1:  # a slot: the other stages' mean micro-batch (time.py's _assemble)
-            for total, count, _ in rows:  # not `sum`, which Python 3.12 compensates
-                others += total * count
-            bubble = bubble_micro_batches(shape) * (others - slowest) / (shape.pp - 1)
-        return Core(shape.grad_accum * slowest + bubble, (stage, *tied))
+        if shape.pp == 1:
+            return Core(shape.grad_accum * slowest, (stage, *tied))
+        by_key = {_stage_key(share): total for total, _, share in rows}
+        shares = stages(config, shape.tp, shape.pp, shape.virtual_stages, shape.ep, shape.stage_layers)
+        stage_s = tuple(by_key[_stage_key(share)] for share in shares)
+        floor = lower_bound(shape.schedule, shape.pp, shape.grad_accum, shape.virtual_stages, list(stage_s),
+                            forward_fraction(shape.recompute), [chunk_weights(shape, share) for share in shares])
+        return Core(floor, (stage, *tied), stage_s, shares)
 
     def _micro_batch_s(self, shape: Workload, stage: StageShare, links: dict[str, int]) -> float:
         """One micro-batch on `stage`: compute + tp + pp + cp + ep, in estimate_time's order."""
@@ -283,13 +291,14 @@ class Costs:
         tp, cp, ep = self._comm[comm]
         return self._compute[key] + tp + pp_s(self.request.config, shape, stage, hw, links["pp"]) + cp + ep
 
-    def step_bound(self, tail: Workload, core: Core) -> float:
-        """The core plus what estimate_time adds for this tail (rule 3): the update, offload,
-        the loop, and the dp sync behind HIDDEN seconds of compute. dp_exposed_s only falls as
-        the compute it overlaps grows (each term is max(floor, transfer - compute)), so that
-        is its least: a lower bound of the step, and exact with a pipeline, where nothing
-        overlaps (the least over the stages that may be the slowest, if they tie)."""
-        return min(self._tail_s(tail, core.s, stage) for stage in core.slowest)
+    def step_bound(self, tail: Workload, core: Core, span: float | None = None) -> float:
+        """The core (or, given, the schedule's `span`) plus what estimate_time adds for this
+        tail (rule 3): the update, offload, the loop, and the dp sync behind HIDDEN seconds of
+        compute. dp_exposed_s only falls as the compute it overlaps grows (each term is
+        max(floor, transfer - compute)), so that is its least: a lower bound of the step, and
+        exact with a pipeline and its span, where nothing overlaps (the least over the stages
+        that may be the slowest, if they tie)."""
+        return min(self._tail_s(tail, core.s if span is None else span, stage) for stage in core.slowest)
 
     def _tail_s(self, tail: Workload, core_s: float, stage: StageShare) -> float:
         hw, gpn = self.request.hardware, self.request.gpus_per_node
@@ -340,6 +349,7 @@ class Search:
         self._bound: dict[Workload, float] = {}
         self._step: dict[Workload, float | None] = {}
         self._memory: dict[Workload, float] = {}
+        self._span: dict[tuple, float] = {}
 
     def best(self, k: int, shape_ok: Keep = _any, tail_ok: Keep = _any) -> list[Workload]:
         """Every layout that may be among the k fastest that fit, ties at the k-th included
@@ -389,8 +399,16 @@ class Search:
         if _first_stage_bytes(config, tail) > usable or estimate_memory(config, tail).total > usable:
             return None
         if tail.pp > 1 and len(core.slowest) == 1:
-            return self._bound[tail]
+            return self.costs.step_bound(tail, core, self.span(tail, core))
         return estimate_time(config, tail, self.request.hardware, self.request.gpus_per_node).step_s
+
+    def span(self, tail: Workload, core: Core) -> float:
+        """The pipeline's span as estimate_time runs its schedule (time.pipeline_span), once per
+        shape: the tails (ZeRO's stage, dp_shard, offload) change no micro-batch."""
+        key = (core, tail.schedule, tail.virtual_stages, tail.grad_accum, tail.recompute, tail.stage_layers)
+        if key not in self._span:  # the core alone: two schedules' shapes may share its costs and bound
+            self._span[key] = pipeline_span(tail, list(core.stage_s), list(core.shares))
+        return self._span[key]
 
     def smallest(self, shape_ok: Keep = _any, tail_ok: Keep = _any) -> float | None:
         """The least memory a layout needs (None: there is none), shapes in the order of rule 2's

@@ -26,11 +26,11 @@ Assumptions, each visible in `ASSUMPTIONS`:
   the schedule's last action). ZeRO-1/2's weight all-gather after the step is exposed.
   ZeRO-3 prefetches: its gathers overlap forward and backward compute, except the first
   unit. Tensor-parallel collectives and pipeline sends are not overlapped.
-* The pipeline runs m micro-batches at the slowest stage's pace, plus p-1 bubble slots for
-  GPipe and 1F1B, (p-1)/v interleaved and a third of that for ZB-H1: (p-1)/(m+p-1) of the
-  step with even stages. A slot costs the mean micro-batch of the stages besides the
-  slowest (the fill and drain run through them), so a lopsided cut idles less than its
-  slowest stage would (benchmarks/RESULTS.md, uneven pipeline stages).
+* A pipeline step runs the schedule the runner executes (pipeline.py): each rank's actions
+  in its order, each costing its share of that rank's micro-batch, each started once its
+  inputs exist. Its span less the slowest rank's m micro-batches is the bubble: (p-1)/(m+p-1)
+  of the step for GPipe and 1F1B with even stages, (p-1)/v slots interleaved, ZB-H1's
+  deferred weight gradients filling the rest; what a lopsided or uneven cut does, it does.
 * `--stack` (stacks.py) prices the layout as another framework runs it: its attention and
   element-wise kernels, its gradient accumulation, and what its data parallelism overlaps
   (Megatron-LM of 2021 reduced after the schedule; Megatron-Core gathers ZeRO-1's weights
@@ -48,8 +48,9 @@ from dataclasses import asdict, dataclass
 
 from plait.estimate.traffic import ring_bytes, tp_collectives, tp_traffic, zero3_gathers
 from plait.estimate.hardware import Hardware
-from plait.estimate.layout import Workload, StageShare, layout_stages
+from plait.estimate.layout import Workload, StageShare, chunk_layers, layout_stages
 from plait.estimate.memory import shard, state_bytes
+from plait.estimate.pipeline import makespan
 from plait.estimate.context import forward_passes, layer_bytes, ring_exposed_s
 from plait.estimate.experts import layer_alltoall
 from plait.estimate.ops import (accumulate_s, attention_time, micro_batch_compute_s, optimizer_s, outer_precision,
@@ -78,8 +79,10 @@ ASSUMPTIONS = (
     "with pp > 1); ZeRO-1/2 weight all-gather exposed; ZeRO-3 gathers prefetched, one per block, "
     "its backward's gathers and reduce-scatters hidden in one backward; --dp-shard's "
     "all-reduce of each shard over its replicas exposed; TP and PP traffic not overlapped",
-    "pipeline bubble (p−1)/(m+p−1) for gpipe and 1f1b, (p−1)/(v·m+p−1) interleaved, "
-    "a third of 1f1b's for zb-h1, each slot the other stages' mean micro-batch",
+    "pipeline: the schedule run action by action, each a share of its rank's micro-batch (forward "
+    "a third, a quarter with full recompute; ZB-H1's weight gradients a forward) scaled by its "
+    "chunk's blocks; the bubble is the span's idle time (even stages: (p−1)/(m+p−1) for gpipe "
+    "and 1f1b, (p−1)/v slots interleaved)",
 )
 
 
@@ -307,7 +310,7 @@ def offload_s(params: int, layout: Workload, hw: Hardware) -> float:
 OFFLOAD_WIRE_BYTES = 4  # a parameter's fp32 gradient out, or its fp32 master back, over PCIe
 
 
-def _forward_share(recompute: str) -> float:
+def forward_fraction(recompute: str) -> float:
     """Fraction of a micro-batch's compute that is its (first) forward pass."""
     return {"none": 1 / 3, "selective": 1 / 3, "full": 1 / 4}[recompute]
 
@@ -319,7 +322,7 @@ def estimate_time(config: GPTConfig, layout: Workload, hw: Hardware, gpus_per_no
     rows = _micro_batch_parts(config, layout, hw, links)
     compute, tp, pp, cp, ep, stage = max(rows, key=_micro_batch_total)
     dp = dp_exposed_s(stage.params, stage.block_params, layout, hw, links["dp_shard"], compute,
-                      _forward_share(layout.recompute), links["dp_replicate"])
+                      forward_fraction(layout.recompute), links["dp_replicate"])
     model, hardware = flops_per_token(config, layout.seq_len, layout.recompute)
     updated = shard(stage.params, layout.zero_ranks) if layout.zero else stage.params
     step = 0.0 if layout.offload else optimizer_s(updated, stage_tensors(stage, layout), hw,
@@ -327,22 +330,28 @@ def estimate_time(config: GPTConfig, layout: Workload, hw: Hardware, gpus_per_no
     step += clip_s(layout, hw, links)
     return _assemble(layout, hw, model, hardware, (compute, tp, pp), dp,
                      offload_s(stage.params, layout, hw), step, overhead_s(layout, hw, gpus_per_node), cp, ep,
-                     bubble_per_slot=_other_stages_mean(rows), accumulate=accumulate_s(layout, stage, hw))
+                     span=pipeline_span(layout, [_micro_batch_total(row) for row in rows],
+                                        [row[-1] for row in rows]),
+                     accumulate=accumulate_s(layout, stage, hw))
 
 
-def _other_stages_mean(rows: list[tuple[float, float, float, float, float, StageShare]]) -> float | None:
-    """The mean micro-batch time of the pipeline ranks besides the slowest: what one bubble
-    slot costs. The schedule fills and drains through the other stages while the slowest
-    sets the pace of the rest, so with even stages a slot is a micro-batch of any of them,
-    and with a lopsided cut (an end stage holding only the embedding) far less. None
-    without a pipeline. Added in stage order (not `sum`: see _micro_batch_total)."""
-    if len(rows) < 2:
-        return None
-    totals = [_micro_batch_total(row) for row in rows]
-    others = 0.0
-    for total in totals:
-        others += total
-    return (others - max(totals)) / (len(totals) - 1)
+def pipeline_span(layout: Workload, stage_s: list[float], shares: list[StageShare]) -> float:
+    """Seconds of the schedule's m micro-batches, bubble included, given each pipeline rank's
+    micro-batch (`stage_s`, in stage order) and its share of the model (for its chunks'
+    blocks): pipeline.makespan over the schedule the runner executes."""
+    if layout.pp == 1:
+        return layout.grad_accum * stage_s[0]
+    return makespan(layout.schedule, layout.pp, layout.grad_accum, layout.virtual_stages, stage_s,
+                    forward_fraction(layout.recompute),
+                    [chunk_weights(layout, share) for share in shares] if shares else None)
+
+
+def chunk_weights(layout: Workload, stage: StageShare) -> list[float]:
+    """Each of `stage`'s chunks' share of its work: its blocks over the rank's (equal for a
+    rank that holds none)."""
+    layers = chunk_layers(layout, stage)
+    total = sum(layers)
+    return [n / total for n in layers] if total else [1.0 / len(layers)] * len(layers)
 
 
 def _micro_batch_parts(config: GPTConfig, layout: Workload, hw: Hardware,
@@ -412,32 +421,19 @@ def estimate_time_measured_compute(params: int, tensors: int, compute_s: float, 
                      offload_s(params, layout, hw), step, overhead_s(layout, hw, gpus_per_node))
 
 
-def bubble_micro_batches(layout: Workload) -> float:
-    """Idle time of a pipeline step, in micro-batch times: p - 1 for GPipe and 1F1B,
-    (p - 1)/v interleaved, and (p - 1)/3 for ZB-H1, whose deferred weight gradients (a
-    third of a micro-batch's work when backward is twice forward) fill the rest."""
-    p = layout.pp
-    if p == 1:
-        return 0.0
-    if layout.schedule == "interleaved":
-        return (p - 1) / layout.virtual_stages
-    if layout.schedule == "zb-h1":
-        return (p - 1) / 3
-    return float(p - 1)
-
-
 def _assemble(layout: Workload, hw: Hardware, model: float, hardware: float,
               micro_batch: tuple[float, float, float], dp: float, offload: float,
               optimizer: float = 0.0, overhead: float = 0.0, cp: float = 0.0, ep: float = 0.0,
-              bubble_per_slot: float | None = None, accumulate: float = 0.0) -> StepTime:
-    """m micro-batches of the slowest stage and the bubble's slots (`bubble_per_slot`
-    seconds each: the other stages' mean micro-batch; the slowest's when not given), plus
-    what is not overlapped, -> StepTime. `accumulate` (ops.accumulate_s) counts as compute."""
+              span: float | None = None, accumulate: float = 0.0) -> StepTime:
+    """The schedule's span (`span`: m micro-batches and the bubble; when not given, stages
+    alike: pipeline_span of the slowest's micro-batch on every rank), plus what is not
+    overlapped, -> StepTime. `accumulate` (ops.accumulate_s) counts as compute."""
     compute, tp, pp = micro_batch
     m = layout.grad_accum
-    bubble_slots = bubble_micro_batches(layout)
     per_mb = compute + tp + pp + cp + ep
-    bubble = bubble_slots * (per_mb if bubble_per_slot is None else bubble_per_slot)
+    if span is None:
+        span = pipeline_span(layout, [per_mb] * layout.pp, [])
+    bubble = max(0.0, span - m * per_mb)
     step = m * per_mb + accumulate + bubble + dp + offload + optimizer + overhead
     tokens_per_s = layout.global_batch * layout.seq_len / step
     # MFU against the 16-bit peak for fp8 too, as torchtitan reports it: fp8's gain shows as MFU above bf16's

@@ -36,7 +36,7 @@ from plait.parallel.expert.plan import ExpertHooks, moe_blocks
 from plait.parallel.hooks import StepHooks
 from plait.parallel.pieces import local_pieces
 from plait.parallel.pipeline.runner import PipelineRunner
-from plait.parallel.pipeline.timeline import timeline_to_dict
+from plait.schedule.timeline import timeline_to_dict
 from plait.parallel.seam import logits_of
 from plait.parallel.tensor.loss import gather_vocab, lm_loss
 from plait.parallel.tensor.plan import tensor_parallel_of

@@ -53,7 +53,7 @@ def write_page(run_dir: Path) -> Path:
         fig.savefig(images / f"{name}.png", format="png", dpi=100)
     timeline = run_dir / "timeline.json"
     if timeline.is_file():
-        from plait.parallel.pipeline.timeline import render_png, timeline_from_dict
+        from plait.schedule.timeline import render_png, timeline_from_dict
 
         measured = timeline_from_dict(json.loads(timeline.read_text()))
         render_png(measured, images / "timeline.png",

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 import plait
-from plait.parallel.pipeline.action import Action
-from plait.parallel.pipeline.schedule import Schedule, build_schedule
+from plait.schedule.action import Action
+from plait.schedule.build import Schedule, build_schedule
 from tests.worldlib import save_report
 from tests.worlds.pipeline_common import (
     MICRO, SEQ, batches, gpt_config, loss_fn, max_param_diff, param_error, train_plait, train_reference, train_torch,

@@ -33,8 +33,8 @@ from torch import nn
 
 from plait.errors import PlaitError
 from plait.parallel.pipeline.p2p import Channels, Key
-from plait.parallel.pipeline.action import Action
-from plait.parallel.pipeline.timeline import Slot
+from plait.schedule.action import Action
+from plait.schedule.timeline import Slot
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

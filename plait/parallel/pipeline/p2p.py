@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from plait.errors import PlaitError
-from plait.parallel.pipeline.schedule import Schedule
+from plait.schedule.build import Schedule
 from plait.runtime import comm
 from plait.runtime.comm import Axis, Handle
 

@@ -5,7 +5,7 @@
     loss = runner.step(micro_inputs, micro_targets, loss_fn)    # every pp rank, once per step
     plait.clip_grad_norm(stages, 1.0); optimizer.step(); optimizer.zero_grad()
 
-The schedule is data (`schedule.py`); the runner walks this rank's list of actions and does
+The schedule is data (plait/schedule/build.py); the runner walks this rank's list of actions and does
 what each says. Everything else is bookkeeping around that loop: activations and gradients
 cross stage boundaries as point-to-point messages (`comm.py`), each action is
 timed so the bubble can be measured, and after the last action the step's gradients are
@@ -31,8 +31,8 @@ from plait.parallel.pipeline.execute import LossFn, PipelineStats, StageWork, St
 from plait.parallel.applied import hand_over
 from plait.parallel.pipeline.split import (PipelineStage, check_split, rank_stages, split_stages,
                                            tied_copies)
-from plait.parallel.pipeline.schedule import Schedule, build_schedule, validate
-from plait.parallel.pipeline.timeline import Slot, Timeline
+from plait.schedule.build import Schedule, build_schedule, validate
+from plait.schedule.timeline import Slot, Timeline
 from plait.parallel.tensor.plan import tensor_parallel_of
 from plait.parallel.zero.stages import zero_of
 from plait.rules import SPLIT_BACKWARD, check_microbatches, check_split_backward

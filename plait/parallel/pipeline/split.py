@@ -14,7 +14,7 @@ minimise the largest stage's parameter count (the first pieces counted on the fi
 the last ones on the last), or follow an explicit `balance` list of block counts
 (--stage-layers), where the first and the last stage may hold none. With
 `virtual_stages = v > 1` there are v·pp stages, of equal size unless `balance` says, placed round robin
-(stage = chunk·pp + rank, as in `schedule.py`), so each rank holds v non-adjacent chunks.
+(stage = chunk·pp + rank, as in plait/schedule/build.py), so each rank holds v non-adjacent chunks.
 
 Tied embeddings: a parameter held by both a first piece and a last one (the embedding that
 the head multiplies by). When those stages live on different ranks (pp > 1) the last stage

@@ -15,8 +15,8 @@ from typing import Callable
 
 from plait.errors import PlaitError
 from plait.interleave import rank_order
-from plait.parallel.pipeline.action import Action
-from plait.parallel.pipeline.timeline import Slot, Timeline
+from plait.schedule.action import Action
+from plait.schedule.timeline import Slot, Timeline
 from plait.rules import SCHEDULES, check_choice, check_microbatches, check_virtual_stages  # noqa: F401
 
 Schedule = list[list[Action]]
@@ -117,7 +117,7 @@ def validate(schedule: Schedule, pp: int, m: int, v: int = 1) -> None:
     if len(schedule) != pp:
         raise PlaitError(f"schedule has {len(schedule)} rank lists but pp={pp}")
     _check_coverage(schedule, pp, m, v)
-    _execute(schedule, pp, v, lambda action: 1.0)
+    execute(schedule, pp, v, lambda action, rank: 1.0)
 
 
 def _check_coverage(schedule: Schedule, pp: int, m: int, v: int) -> None:
@@ -152,8 +152,10 @@ def _coverage_problem(seen: dict[tuple[str, int, int], list[int]], mb: int, stag
     return ""
 
 
-def _needs(act: Action, stage: int, last_stage: int) -> list[tuple[str, int, int]]:
-    """Results this action must wait for: (what, micro-batch, stage) keys."""
+def inputs(act: Action, stage: int, last_stage: int) -> list[tuple[str, int, int]]:
+    """Results this action must wait for: (what, micro-batch, stage) keys. A forward waits
+    for the stage before's forward; a backward (or input gradient) for the stage after's
+    gradient and its own forward; a weight gradient for its input gradient."""
     mb = act.microbatch
     if act.kind == "F":
         return [("F", mb, stage - 1)] if stage > 0 else []
@@ -166,27 +168,35 @@ def _needs(act: Action, stage: int, last_stage: int) -> list[tuple[str, int, int
 Done = dict[tuple[str, int, int], float]  # (what, micro-batch, stage) -> time it finished
 
 
-def _execute(schedule: Schedule, pp: int, v: int,
-             cost: Callable[[Action], float]) -> list[list[Slot]]:
-    """Run every rank's list in order, each action starting once its inputs exist."""
+def execute(schedule: Schedule, pp: int, v: int,
+            cost: Callable[[Action, int], float]) -> list[list[Slot]]:
+    """Run every rank's list in order, each action starting once its inputs exist and its rank
+    is free, `cost(action, rank)` seconds long: the timing the estimator prices a pipeline
+    step with (plait.estimate.pipeline), and `simulate`'s.
+
+    A rank runs until an input is missing, then waits on that input; producing it wakes the
+    ranks waiting on it. Each action is looked at a bounded number of times, so a 64-rank
+    schedule of tens of thousands of actions takes a fraction of a second."""
     done: Done = {}
     rows: list[list[Slot]] = [[] for _ in schedule]
-    progressed = True
-    while progressed:
-        progressed = False
-        for rank, actions in enumerate(schedule):
-            while len(rows[rank]) < len(actions):
-                act = actions[len(rows[rank])]
-                stage = act.stage(rank, pp)
-                needs = _needs(act, stage, pp * v - 1)
-                if any(key not in done for key in needs):
-                    break
-                free = rows[rank][-1].end if rows[rank] else 0.0
-                start = max([free] + [done[key] for key in needs])
-                rows[rank].append(Slot(act, start, start + cost(act)))
-                what = "grad" if act.kind in "BI" else act.kind
-                done[(what, act.microbatch, stage)] = rows[rank][-1].end
-                progressed = True
+    waiting: dict[tuple[str, int, int], list[int]] = {}
+    ready = list(range(len(schedule)))
+    while ready:
+        rank = ready.pop()
+        actions, row = schedule[rank], rows[rank]
+        while len(row) < len(actions):
+            act = actions[len(row)]
+            stage = act.stage(rank, pp)
+            needs = inputs(act, stage, pp * v - 1)
+            missing = next((key for key in needs if key not in done), None)
+            if missing is not None:
+                waiting.setdefault(missing, []).append(rank)
+                break
+            start = max([row[-1].end if row else 0.0] + [done[key] for key in needs])
+            row.append(Slot(act, start, start + cost(act, rank)))
+            made = ("grad" if act.kind in "BI" else act.kind, act.microbatch, stage)
+            done[made] = row[-1].end
+            ready.extend(waiting.pop(made, ()))
     _raise_if_stuck(schedule, rows, pp, v, done)
     return rows
 
@@ -197,7 +207,7 @@ def _raise_if_stuck(schedule: Schedule, rows: list[list[Slot]], pp: int, v: int,
     for rank, actions in enumerate(schedule):
         if len(rows[rank]) < len(actions):
             act = actions[len(rows[rank])]
-            missing = [k for k in _needs(act, act.stage(rank, pp), pp * v - 1) if k not in done]
+            missing = [k for k in inputs(act, act.stage(rank, pp), pp * v - 1) if k not in done]
             waits = ", ".join(f"{what} of micro-batch {mb} on stage {s}" for what, mb, s in missing)
             stuck.append(f"rank {rank} at {act.label(v)} (waits for {waits})")
     if stuck:
@@ -214,5 +224,5 @@ def simulate(schedule: Schedule, pp: int, v: int = 1, cost_f: float = 1.0, cost_
     across schedules: only the idle time differs.
     """
     costs = {"F": cost_f, "B": cost_b, "I": cost_i, "W": cost_w}
-    rows = _execute(schedule, pp, v, lambda action: costs[action.kind] / v)
+    rows = execute(schedule, pp, v, lambda action, rank: costs[action.kind] / v)
     return Timeline(pp=pp, v=v, rows=tuple(tuple(row) for row in rows))

@@ -1,6 +1,6 @@
 """A timed pipeline schedule, its bubble and memory figures, and two ways to draw it.
 
-`simulate` in `schedule.py` produces a `Timeline`; this module measures it (makespan,
+`simulate` in build.py produces a `Timeline`; this module measures it (makespan,
 bubble fraction, activations held) and draws it as text or as a PNG, the classic picture
 of a pipeline with ranks as rows and time running to the right.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from plait.errors import PlaitError
-from plait.parallel.pipeline.action import Action
+from plait.schedule.action import Action
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
