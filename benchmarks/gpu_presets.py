@@ -145,10 +145,10 @@ PUBLISHED = (
      64, Workload(dp=64, zero=3, precision="bf16", micro_batch=8, grad_accum=4, seq_len=2048, recompute="full"),
      "mfu", 53.33),
     *((f"Nemotron-4 15B (arXiv 2402.16819): tp 8 + sp, dp {dp}, batch {4 * dp}, micro 1, ZeRO-1 (assumed), "
-       f"selective recompute (assumed), Megatron-Core's buckets, fp32 reduce, --stack megatron-core", NEMOTRON_4_15B,
+       f"selective recompute (assumed), Megatron-Core's buckets, fp32 reduce, --stack nemo", NEMOTRON_4_15B,
        "h100-sxm", 8 * dp,
        Workload(dp=dp, tp=8, sp=True, zero=1, precision="bf16", micro_batch=1, grad_accum=4, seq_len=4096,
-                recompute="selective", bucket_mb=megatron_bucket_mb(dp), reduce_dtype="fp32", stack="megatron-core"),
+                recompute="selective", bucket_mb=megatron_bucket_mb(dp), reduce_dtype="fp32", stack="nemo"),
        "mfu", published)
       for dp, published in ((96, 34.3), (192, 33.3), (288, 30.5))),
 )

@@ -137,3 +137,25 @@ def test_each_further_micro_batch_adds_its_gradients_into_the_kept_ones() -> Non
     assert accumulate_s(sharded, stage, A100) == pytest.approx(3 * -(-stage.params // 4) * 6 / (A100.memory_gb_s * 1e9))
     four, one_mb = (estimate_time(GPT, replace(layout, grad_accum=m), A100, 8) for m in (4, 1))
     assert four.compute_s - 4 * one_mb.compute_s == pytest.approx(3 * one, rel=1e-9)
+
+
+def test_transformer_engine_overlaps_tp_with_the_gemms_it_feeds() -> None:
+    """`--stack nemo` (NeMo's ub_tp_comm_overlap): with sequence parallelism each all-gather
+    and reduce-scatter is cut in tp pieces, moved while the GEMM works on the one before, so
+    a micro-batch waits for max(its tp time / tp, what outlasts its GEMMs); without SP,
+    and on megatron-core, it waits for all of it."""
+    from plait.estimate.ops import block_gemm_s
+    from plait.estimate.time import tp_s
+
+    h100 = get_hardware("h100-sxm")
+    layout = work("nemo", tp=8, sp=True, micro_batch=1, recompute="selective")
+    stage = layout_stages(GPT, layout)[0]
+    links = inter_node(layout, 8)["tp"]
+    whole = tp_s(GPT, replace(layout, stack="megatron-core"), stage, h100, links)
+    forward, backward = block_gemm_s(GPT, layout, h100)
+    hidden = tp_s(GPT, layout, stage, h100, links)
+    assert hidden == pytest.approx(max(whole / 8, whole - stage.layers * (forward + backward)), rel=1e-12)
+    assert whole / 8 <= hidden < whole
+    assert tp_s(GPT, replace(layout, sp=False), stage, h100, links) == pytest.approx(
+        tp_s(GPT, replace(layout, sp=False, stack="megatron-core"), stage, h100, links), rel=1e-12)
+    assert STACKS["nemo"].tp_overlap and not STACKS["megatron-core"].tp_overlap

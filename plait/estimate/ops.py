@@ -242,14 +242,21 @@ def host_overlapped(hw: Hardware, cost: Callable[[Hardware], float]) -> float:
     return max(device, total - device)
 
 
-def _work_and_dispatch_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware) -> float:
-    """micro_batch_compute_s's sum of every op's work and fixed cost."""
+def block_gemm_s(config: GPTConfig, layout: Workload, hw: Hardware) -> tuple[float, float]:
+    """(forward, backward) seconds of one block's GEMMs in one micro-batch on one tp rank."""
     tokens = layout.tokens_per_micro_batch
     # math.fsum, not sum: Python 3.12's sum compensates and 3.10's does not, and the torch-free
     # estimate must print the same digits on both.
     fwd = math.fsum(gemm_s(g, layout.precision, hw) for g in block_gemms(config, tokens, layout.tp))
     bwd = math.fsum(gemm_s(x, layout.precision, hw) for g in block_gemms(config, tokens, layout.tp)
                     for x in g.backward())
+    return fwd, bwd
+
+
+def _work_and_dispatch_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware) -> float:
+    """micro_batch_compute_s's sum of every op's work and fixed cost."""
+    tokens = layout.tokens_per_micro_batch
+    fwd, bwd = block_gemm_s(config, layout, hw)
     again = {"none": 0.0, "selective": 0.0, "full": 1.0}[layout.recompute]
     attn_forwards = 1 + {"none": 0, "selective": 1, "full": 1}[layout.recompute]
     layers = stage.layers

@@ -18,6 +18,10 @@ kernels or overlap other work. The time model reads these facts:
 * `gather_overlap`: whether ZeRO-1/2's updated weights are all-gathered behind the next
   step's forward, bucket by bucket (Megatron-Core's --overlap-param-gather), or after the
   step (plait).
+* `tp_overlap`: whether tensor parallelism's all-gathers and reduce-scatters (with sequence
+  parallelism) run beside the GEMMs they feed, each cut in pieces so that one moves while
+  the GEMM works on another (Transformer Engine's userbuffers: NeMo's ub_tp_comm_overlap,
+  Megatron-LM's --tp-comm-overlap), or between them (plait; Megatron-Core by default).
 * `accumulate_bytes`: what adding each further micro-batch's gradient into the kept one
   moves, per parameter. None is autograd's `+=` in the gradient's own dtype (read both,
   write one, for every micro-batch but the first: plait); Megatron-LM of 2021 adds each
@@ -66,6 +70,7 @@ class Stack:
     accumulate_bytes: float | None
     source: str
     reach: Reach = field(default_factory=Reach)
+    tp_overlap: bool = False
 
 
 # Megatron-LM of 2021 had neither a distributed optimizer, sequence parallelism nor selective
@@ -96,6 +101,12 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
           "Megatron-Core with Transformer Engine: fused attention, fused norms and activations, "
           "no dropout, gradient accumulation fused into the GEMMs, --overlap-grad-reduce and "
           "--overlap-param-gather", _MEGATRON_CORE),
+    Stack("nemo", "fused", False, "megatron", True, True, 0.0,
+          "NeMo on Megatron-Core and Transformer Engine, as NVIDIA's launcher trains Nemotron-4 15B "
+          "(NeMo-Framework-Launcher, conf/training/nemotron/nemotron_15b.yaml: mcore_gpt, "
+          "transformer_engine, ub_tp_comm_overlap, overlap_grad_sync, overlap_param_sync, "
+          "distributed_fused_adam): megatron-core's kernels and overlaps, and tp's collectives "
+          "overlapped with the GEMMs they feed (with sequence parallelism)", _MEGATRON_CORE, tp_overlap=True),
 )}
 
 

@@ -53,8 +53,8 @@ from plait.estimate.memory import shard, state_bytes
 from plait.estimate.pipeline import makespan
 from plait.estimate.context import forward_passes, layer_bytes, ring_exposed_s
 from plait.estimate.experts import layer_alltoall
-from plait.estimate.ops import (accumulate_s, attention_time, micro_batch_compute_s, optimizer_s, outer_precision,
-                                stage_pieces, stage_tensors)
+from plait.estimate.ops import (accumulate_s, attention_time, block_gemm_s, micro_batch_compute_s, optimizer_s,
+                                outer_precision, stage_pieces, stage_tensors)
 from plait.models.gpt.config import GPTConfig
 
 HOST_ADAM_BYTES = 28  # read weight, grad, m, v; write weight, m, v (fp32): host_mem_gb_s's unit
@@ -177,7 +177,12 @@ def _ranks_per_node(stride: int, size: int, gpus_per_node: int) -> int:
 
 
 def tp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: int) -> float:
-    """Tensor-parallel seconds per micro-batch on `stage` (never overlapped)."""
+    """Tensor-parallel seconds per micro-batch on `stage` that the step waits for: all of
+    them (plait runs each collective between its GEMMs), or, on a stack that overlaps them
+    with sequence parallelism (Transformer Engine's userbuffers, `Stack.tp_overlap`), what
+    the GEMMs they feed cannot hide: each collective is cut in tp pieces, each moved while
+    the GEMM works on the one before, so the first piece shows, and whatever outlasts the
+    GEMMs."""
     t = layout.tp
     if t == 1:
         return 0.0
@@ -185,7 +190,13 @@ def tp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
     steps = sum(count * (2 * (t - 1) if op == "all_reduce" else t - 1)
                 for op, count in tp_collectives(layout, stage).items())
     latency, bandwidth = hw.link(t, inter)
-    return steps * latency + wire / bandwidth
+    total = steps * latency + wire / bandwidth
+    if not (layout.software.tp_overlap and layout.sp):
+        return total
+    forward, backward = block_gemm_s(config, layout, hw)
+    again = 1.0 if layout.recompute == "full" else 0.0
+    gemms = stage.layers * ((1.0 + again) * forward + backward)
+    return max(total / t, total - gemms)
 
 
 def pp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: int) -> float:
