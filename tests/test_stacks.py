@@ -140,22 +140,40 @@ def test_each_further_micro_batch_adds_its_gradients_into_the_kept_ones() -> Non
 
 
 def test_transformer_engine_overlaps_tp_with_the_gemms_it_feeds() -> None:
-    """`--stack nemo` (NeMo's ub_tp_comm_overlap): with sequence parallelism each all-gather
-    and reduce-scatter is cut in tp pieces, moved while the GEMM works on the one before, so
-    a micro-batch waits for max(its tp time / tp, what outlasts its GEMMs); without SP,
-    and on megatron-core, it waits for all of it."""
+    """`--stack nemo` (NeMo's ub_tp_comm_overlap): with sequence parallelism a block's
+    all-gathers and reduce-scatters (6 and 4 a block; 8 and 5 with full recompute) are cut in
+    tp pieces, moved while the GEMM works on the one before, so a micro-batch waits for the
+    larger of their time / tp and what outlasts the blocks' GEMMs (the recomputed forward's
+    included); the embedding's, head's, loss's and norms' collectives stay exposed. Without
+    SP, and on megatron-core, it waits for all of it."""
     from plait.estimate.ops import block_gemm_s
     from plait.estimate.time import tp_s
 
     h100 = get_hardware("h100-sxm")
-    layout = work("nemo", tp=8, sp=True, micro_batch=1, recompute="selective")
-    stage = layout_stages(GPT, layout)[0]
-    links = inter_node(layout, 8)["tp"]
-    whole = tp_s(GPT, replace(layout, stack="megatron-core"), stage, h100, links)
-    forward, backward = block_gemm_s(GPT, layout, h100)
-    hidden = tp_s(GPT, layout, stage, h100, links)
-    assert hidden == pytest.approx(max(whole / 8, whole - stage.layers * (forward + backward)), rel=1e-12)
-    assert whole / 8 <= hidden < whole
-    assert tp_s(GPT, replace(layout, sp=False), stage, h100, links) == pytest.approx(
-        tp_s(GPT, replace(layout, sp=False, stack="megatron-core"), stage, h100, links), rel=1e-12)
+    latency, bandwidth = h100.link(8, 0)
+    one = 7 * latency + 7 / 8 * (1 * 2048 * 1024 * 2) / bandwidth  # one collective of b·s·h bf16 over 8 ranks
+    for recompute, per_block, again in (("selective", 10, 0), ("full", 13, 1)):
+        layout = work("nemo", tp=8, sp=True, micro_batch=1, recompute=recompute)
+        stage = layout_stages(GPT, layout)[0]
+        whole = tp_s(GPT, replace(layout, stack="megatron-core"), stage, h100, 0)
+        blocks = stage.layers * per_block * one
+        forward, backward = block_gemm_s(GPT, layout, replace(h100, op_overhead_us=0.0))
+        gemms = stage.layers * ((1 + again) * forward + backward)
+        expected = whole - blocks + max(blocks / 8, blocks - gemms)
+        assert tp_s(GPT, layout, stage, h100, 0) == pytest.approx(expected, rel=1e-12), recompute
+        assert whole - blocks < expected < whole
+        assert tp_s(GPT, replace(layout, sp=False), stage, h100, 0) == pytest.approx(
+            tp_s(GPT, replace(layout, sp=False, stack="megatron-core"), stage, h100, 0), rel=1e-12)
+        assert tp_s(GPT, layout, stage, h100, 2) == tp_s(GPT, replace(layout, stack="megatron-core"), stage, h100, 2)
     assert STACKS["nemo"].tp_overlap and not STACKS["megatron-core"].tp_overlap
+
+
+def test_the_planner_prunes_on_nemo_as_it_ranks() -> None:
+    """The planner's cached tp times follow the stack: on `--stack nemo` the pruned search
+    ranks as the exhaustive one."""
+    from plait.estimate.planner import plan_layouts, plan_request
+
+    request = plan_request(GPT, gpus=16, global_batch=32, seq_len=2048, hardware="h100-sxm", stack="nemo")
+    every = plan_layouts(request, exhaustive=True)
+    assert any(row["tp"] > 1 and row["sp"] for row in every)
+    assert plan_layouts(request, 5) == every[:5]

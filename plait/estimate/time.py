@@ -25,16 +25,18 @@ Assumptions, each visible in `ASSUMPTIONS`:
   last bucket is always exposed (with a pipeline nothing overlaps it: plait reduces after
   the schedule's last action). ZeRO-1/2's weight all-gather after the step is exposed.
   ZeRO-3 prefetches: its gathers overlap forward and backward compute, except the first
-  unit. Tensor-parallel collectives and pipeline sends are not overlapped.
+  unit. Pipeline sends are not overlapped, nor are tensor-parallel collectives, but on a
+  stack that overlaps them (`Stack.tp_overlap`, with sequence parallelism inside a node),
+  where a block's collectives hide behind its GEMMs but for their first piece (tp_s).
 * A pipeline step runs the schedule the runner executes (pipeline.py): each rank's actions
   in its order, each costing its share of that rank's micro-batch, each started once its
   inputs exist. Its span less the slowest rank's m micro-batches is the bubble: (p-1)/(m+p-1)
   of the step for GPipe and 1F1B with even stages, (p-1)/v slots interleaved, ZB-H1's
   deferred weight gradients filling the rest; what a lopsided or uneven cut does, it does.
 * `--stack` (stacks.py) prices the layout as another framework runs it: its attention and
-  element-wise kernels, its gradient accumulation, and what its data parallelism overlaps
-  (Megatron-LM of 2021 reduced after the schedule; Megatron-Core gathers ZeRO-1's weights
-  behind the next forward).
+  element-wise kernels, its gradient accumulation, and what its data and tensor parallelism
+  overlap (Megatron-LM of 2021 reduced after the schedule; Megatron-Core gathers ZeRO-1's
+  weights behind the next forward; NeMo's Transformer Engine overlaps tp with the GEMMs).
 * Offload ships the gradient shard to the host and the updated weights back over PCIe,
   in fp32 (4 bytes a parameter each way), and runs AdamW there at the host's measured rate
   (28 bytes per parameter touched); nothing overlaps it. The device optimizer step itself
@@ -44,7 +46,7 @@ Assumptions, each visible in `ASSUMPTIONS`:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from plait.estimate.traffic import ring_bytes, tp_collectives, tp_traffic, zero3_gathers
 from plait.estimate.hardware import Hardware
@@ -78,7 +80,9 @@ ASSUMPTIONS = (
     "DP gradient reduction overlaps the last backward except the last bucket (not at all "
     "with pp > 1); ZeRO-1/2 weight all-gather exposed; ZeRO-3 gathers prefetched, one per block, "
     "its backward's gathers and reduce-scatters hidden in one backward; --dp-shard's "
-    "all-reduce of each shard over its replicas exposed; TP and PP traffic not overlapped",
+    "all-reduce of each shard over its replicas exposed; PP traffic not overlapped; TP traffic "
+    "not overlapped but on a --stack that overlaps it (nemo: with SP inside a node, a block's "
+    "collectives behind its GEMMs but for a tp-th of them)",
     "pipeline: the schedule run action by action, each a share of its rank's micro-batch (forward "
     "a third, a quarter with full recompute; ZB-H1's weight gradients a forward) scaled by its "
     "chunk's blocks; the bubble is the span's idle time (even stages: (p−1)/(m+p−1) for gpipe "
@@ -178,25 +182,35 @@ def _ranks_per_node(stride: int, size: int, gpus_per_node: int) -> int:
 
 def tp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: int) -> float:
     """Tensor-parallel seconds per micro-batch on `stage` that the step waits for: all of
-    them (plait runs each collective between its GEMMs), or, on a stack that overlaps them
-    with sequence parallelism (Transformer Engine's userbuffers, `Stack.tp_overlap`), what
-    the GEMMs they feed cannot hide: each collective is cut in tp pieces, each moved while
-    the GEMM works on the one before, so the first piece shows, and whatever outlasts the
-    GEMMs."""
+    them (plait runs each collective between its GEMMs), or, on a stack that overlaps the
+    blocks' collectives with the GEMMs they feed (Transformer Engine's userbuffers,
+    `Stack.tp_overlap`, with sequence parallelism inside a node), what those GEMMs cannot
+    hide: each collective is cut in tp pieces, each moved while the GEMM works on the one
+    before, so the first piece shows, and whatever outlasts the GEMMs. The embedding's, the
+    head's, the loss's and the norms' collectives are never overlapped."""
     t = layout.tp
     if t == 1:
         return 0.0
     wire = sum(tp_traffic(config, layout, stage).get("tp", {}).values()) / layout.grad_accum
-    steps = sum(count * (2 * (t - 1) if op == "all_reduce" else t - 1)
-                for op, count in tp_collectives(layout, stage).items())
-    latency, bandwidth = hw.link(t, inter)
-    total = steps * latency + wire / bandwidth
-    if not (layout.software.tp_overlap and layout.sp):
+    total = _collectives_s(tp_collectives(layout, stage), wire, t, hw, inter)
+    if not (layout.software.tp_overlap and layout.sp and inter == 0):
         return total
-    forward, backward = block_gemm_s(config, layout, hw)
+    blocks = replace(stage, index=1, pp=3)  # the stage's blocks, without an end's collectives
+    counts = tp_collectives(layout, blocks)
+    act = layout.tokens_per_micro_batch * config.d_model * layout.compute_bytes
+    block_s = _collectives_s(counts, sum(ring_bytes(op, act, t) * n for op, n in counts.items()), t, hw, inter)
+    forward, backward = block_gemm_s(config, layout, replace(hw, op_overhead_us=0.0))
     again = 1.0 if layout.recompute == "full" else 0.0
     gemms = stage.layers * ((1.0 + again) * forward + backward)
-    return max(total / t, total - gemms)
+    return total - block_s + max(block_s / t, block_s - gemms)
+
+
+def _collectives_s(counts: dict[str, int], wire: float, t: int, hw: Hardware, inter: int) -> float:
+    """Seconds of `counts` ring collectives over t ranks moving `wire` bytes a rank in all:
+    each ring step's latency, and the bytes over the link's bandwidth."""
+    steps = sum(count * (2 * (t - 1) if op == "all_reduce" else t - 1) for op, count in counts.items())
+    latency, bandwidth = hw.link(t, inter)
+    return steps * latency + wire / bandwidth
 
 
 def pp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: int) -> float:
