@@ -253,14 +253,25 @@ def block_gemm_s(config: GPTConfig, layout: Workload, hw: Hardware) -> tuple[flo
     return fwd, bwd
 
 
+def blocks_rerun(layout: Workload) -> float:
+    """Forwards of the blocks' GEMMs run again in backward: one under full recomputation."""
+    return {"none": 0.0, "selective": 0.0, "full": 1.0}[layout.recompute]
+
+
+def stage_gemm_s(config: GPTConfig, layout: Workload, layers: float, hw: Hardware) -> float:
+    """Seconds of `layers` blocks' GEMMs in one micro-batch on one tp rank: forward, the
+    recomputed forward, backward."""
+    fwd, bwd = block_gemm_s(config, layout, hw)
+    return layers * ((1 + blocks_rerun(layout)) * fwd + bwd)
+
+
 def _work_and_dispatch_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware) -> float:
     """micro_batch_compute_s's sum of every op's work and fixed cost."""
     tokens = layout.tokens_per_micro_batch
-    fwd, bwd = block_gemm_s(config, layout, hw)
-    again = {"none": 0.0, "selective": 0.0, "full": 1.0}[layout.recompute]
+    again = blocks_rerun(layout)
     attn_forwards = 1 + {"none": 0, "selective": 1, "full": 1}[layout.recompute]
     layers = stage.layers
-    total = layers * ((1 + again) * fwd + bwd) + layers * attention_time(config, layout, hw, attn_forwards, 1)
+    total = stage_gemm_s(config, layout, layers, hw) + layers * attention_time(config, layout, hw, attn_forwards, 1)
     # The loss's softmax and the final norm: counted on the last stage, where they run.
     total += elementwise_s(config, layout, hw, layers * (1 + again), stage.last, False)
     total += elementwise_s(config, layout, hw, layers, stage.last, True)

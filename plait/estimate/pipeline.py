@@ -31,7 +31,7 @@ import functools
 from dataclasses import dataclass
 
 from plait.schedule.action import Action
-from plait.schedule.build import build_schedule, execute, inputs
+from plait.schedule.build import build_schedule, execute, inputs, output
 
 FULL_ACTIONS = 6144  # actions timed one by one at most; beyond, the steady state's pace
 
@@ -66,7 +66,7 @@ def compiled(schedule: str, pp: int, m: int, v: int) -> Compiled:
         needs = inputs(action, stage, pp * v - 1)
         found = [index[key] for key in needs] + ([last_on_rank[rank]] if rank in last_on_rank else [])
         waits.append(tuple(found + [len(order)] * (3 - len(found))))  # at most 3: an I's gradient, forward, rank
-        index[("grad" if action.kind in "BI" else action.kind, action.microbatch, stage)] = i
+        index[output(action, stage)] = i
         last_on_rank[rank] = i
     return Compiled(tuple(r for _, r in order), tuple(a.kind for a, _ in order),
                     tuple(a.chunk for a, _ in order), tuple(waits))

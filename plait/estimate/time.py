@@ -55,8 +55,8 @@ from plait.estimate.memory import shard, state_bytes
 from plait.estimate.pipeline import makespan
 from plait.estimate.context import forward_passes, layer_bytes, ring_exposed_s
 from plait.estimate.experts import layer_alltoall
-from plait.estimate.ops import (accumulate_s, attention_time, block_gemm_s, micro_batch_compute_s, optimizer_s,
-                                outer_precision, stage_pieces, stage_tensors)
+from plait.estimate.ops import (accumulate_s, attention_time, micro_batch_compute_s, optimizer_s, outer_precision,
+                                stage_gemm_s, stage_pieces, stage_tensors)
 from plait.models.gpt.config import GPTConfig
 
 HOST_ADAM_BYTES = 28  # read weight, grad, m, v; write weight, m, v (fp32): host_mem_gb_s's unit
@@ -195,13 +195,10 @@ def tp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
     total = _collectives_s(tp_collectives(layout, stage), wire, t, hw, inter)
     if not (layout.software.tp_overlap and layout.sp and inter == 0):
         return total
-    blocks = replace(stage, index=1, pp=3)  # the stage's blocks, without an end's collectives
-    counts = tp_collectives(layout, blocks)
+    counts = tp_collectives(layout, stage, ends=False)
     act = layout.tokens_per_micro_batch * config.d_model * layout.compute_bytes
     block_s = _collectives_s(counts, sum(ring_bytes(op, act, t) * n for op, n in counts.items()), t, hw, inter)
-    forward, backward = block_gemm_s(config, layout, replace(hw, op_overhead_us=0.0))
-    again = 1.0 if layout.recompute == "full" else 0.0
-    gemms = stage.layers * ((1.0 + again) * forward + backward)
+    gemms = stage_gemm_s(config, layout, stage.layers, replace(hw, op_overhead_us=0.0))
     return total - block_s + max(block_s / t, block_s - gemms)
 
 

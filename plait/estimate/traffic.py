@@ -89,8 +89,9 @@ def cp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
     return out
 
 
-def tp_collectives(layout: Workload, stage: StageShare) -> dict[str, int]:
-    """Collectives of b·s·h activations per micro-batch on one rank of `stage`.
+def tp_collectives(layout: Workload, stage: StageShare, ends: bool = True) -> dict[str, int]:
+    """Collectives of b·s·h activations per micro-batch on one rank of `stage` (its blocks'
+    alone without `ends`: what an overlapping stack hides, time.tp_s).
 
     Per block: two all-reduces forward (leaving attention's and the MLP's row-parallel
     layers) and two backward (entering the column-parallel ones). Sequence parallelism
@@ -104,7 +105,7 @@ def tp_collectives(layout: Workload, stage: StageShare) -> dict[str, int]:
     (first stage), the head enters one (last stage, whose saved input SP gathers again too).
     An MoE block (whole on every tp rank, no SP) has attention's collectives only.
     """
-    blocks, first, last = stage.layers, int(stage.first), int(stage.last)
+    blocks, first, last = stage.layers, int(ends and stage.first), int(ends and stage.last)
     full = layout.recompute == "full"
     if not layout.sp:  # an MoE block's MLP stays whole on every tp rank: its attention's two (three) only
         moe = round(stage.moe_layers)

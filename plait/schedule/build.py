@@ -165,6 +165,12 @@ def inputs(act: Action, stage: int, last_stage: int) -> list[tuple[str, int, int
     return upstream + [("F", mb, stage)]
 
 
+def output(act: Action, stage: int) -> tuple[str, int, int]:
+    """What `act` on `stage` makes, as `inputs` names it: a forward its activation, a backward
+    or input gradient the gradient the stage before waits for, a weight gradient its own."""
+    return ("grad" if act.kind in "BI" else act.kind, act.microbatch, stage)
+
+
 Done = dict[tuple[str, int, int], float]  # (what, micro-batch, stage) -> time it finished
 
 
@@ -194,7 +200,7 @@ def execute(schedule: Schedule, pp: int, v: int,
                 break
             start = max([row[-1].end if row else 0.0] + [done[key] for key in needs])
             row.append(Slot(act, start, start + cost(act, rank)))
-            made = ("grad" if act.kind in "BI" else act.kind, act.microbatch, stage)
+            made = output(act, stage)
             done[made] = row[-1].end
             ready.extend(waiting.pop(made, ()))
     _raise_if_stuck(schedule, rows, pp, v, done)
