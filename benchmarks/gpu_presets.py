@@ -8,6 +8,9 @@ recomputed forward. And torchtitan's Llama 3.1 8B FSDP runs on H100 (benchmarks/
 llama3_h100_202412_torchtitan.md in pytorch/torchtitan: local batch 2, sequence 8192,
 selective activation checkpointing, bf16, no torch.compile, no Float8).
 
+Also every bf16 row of llm-foundry's MPT benchmark table (benchmarks/published/llm_foundry_mpt.csv),
+summarised per GPU.
+
 What the papers do not state, assumed here and the same for every row: micro-batch 1 and the
 plain 1F1B schedule for Megatron; FSDP as ZeRO-3 with prefetch for torchtitan. Nothing is fitted
 per row: every number comes from the presets in plait/estimate/hardware.py.
@@ -127,15 +130,27 @@ def megatron_bucket_mb(dp: int) -> float:
     return max(40_000_000, 1_000_000 * dp) * 2 / 2**20
 
 
+# Machines of published runs that no preset describes, each a preset with what its source says
+# differs. BLOOM's Jean Zay nodes had 8 A100 80GB and "4 OmniPath links" (100 Gb/s each, the
+# BLOOM paper, arXiv 2211.05100, section 3.4.1; tr11's README): 50 GB/s a node, 6.25 a GPU's
+# share, where a DGX A100 has a 200 Gb/s HDR NIC a GPU.
+MACHINES = {"a100-80gb jean-zay": replace(get_hardware("a100-80gb"), name="a100-80gb jean-zay", inter_node_gb_s=6.25)}
+
+
+def machine(name: str) -> object:
+    """A published run's machine: a stand-in of MACHINES, else the preset of that name."""
+    return MACHINES.get(name) or get_hardware(name)
+
+
 # (source, model, hardware, GPUs, layout, figure kind, published %, or TFLOP/s for "hfu-tflops")
 PUBLISHED = (
     ("BLOOM tr11 (bigscience): tp 4, pp 12, dp 8, ZeRO-1, micro 2, batch 2048, full recompute, "
      "--stack megatron-deepspeed", BLOOM_176B,
-     "a100-80gb", 384, Workload(dp=8, tp=4, pp=12, zero=1, precision="bf16", micro_batch=2, grad_accum=128,
+     "a100-80gb jean-zay", 384, Workload(dp=8, tp=4, pp=12, zero=1, precision="bf16", micro_batch=2, grad_accum=128,
                                 seq_len=2048, recompute="full", stack="megatron-deepspeed"), "hfu-tflops", 149.8),
     ("llm-foundry MPT-7B: FSDP full shard, micro 6, batch 48, no recompute", _mpt(4096, 32, 32), "h100-sxm", 8,
      Workload(dp=8, zero=3, precision="bf16", micro_batch=6, grad_accum=1, seq_len=2048), "mfu", 46.44),
-    ("llm-foundry MPT-30B: FSDP full shard, micro 14, batch 1344, full recompute", _mpt(7168, 48, 64), "h100-sxm", 32,
+    ("llm-foundry MPT-30B: FSDP full shard, micro 14, batch 1344, full recompute", _mpt(7168, 48, 56), "h100-sxm", 32,
      Workload(dp=32, zero=3, precision="bf16", micro_batch=14, grad_accum=3, seq_len=2048, recompute="full"),
      "mfu", 43.92),
     ("llm-foundry MPT-70B: FSDP full shard, micro 8, batch 2048, full recompute", _mpt(8192, 80, 64), "h100-sxm", 64,
@@ -160,7 +175,7 @@ def published_rows() -> list[tuple]:
     out = []
     for source, config, hardware, gpus, layout, kind, published in PUBLISHED:
         assert layout.world == gpus, source
-        step = estimate_time(config, layout, get_hardware(hardware), 8)
+        step = estimate_time(config, layout, machine(hardware), 8)
         predicted = (step.hardware_flops_per_token * step.tokens_per_s / gpus / 1e12 if kind == "hfu-tflops"
                      else 100 * step.mfu)
         out.append((source, hardware, gpus, kind, published, predicted))
@@ -199,7 +214,7 @@ def planner_rows(max_gpus: int | None = None) -> list[tuple]:
     for name, config, hardware, layout in published_layouts():
         if max_gpus and layout.world > max_gpus:
             continue
-        hw = get_hardware(hardware)
+        hw = machine(hardware)
         published = estimate_time(config, layout, hw, 8).tokens_per_s
         best = plan(config, gpus=layout.world, global_batch=layout.global_batch, seq_len=layout.seq_len,
                     hardware=hw, gpus_per_node=8, top=1, stack=layout.stack, bucket_mb=layout.bucket_mb)[0]
@@ -233,6 +248,55 @@ MEASURED_RUNS = (
 )
 
 
+# llm-foundry's whole benchmark table (bf16; benchmarks/published/llm_foundry_mpt.csv, its source
+# and commit in the file's head), each row priced as it ran: FSDP's FULL_SHARD as ZeRO-3 and
+# SHARD_GRAD_OP as ZeRO-2, each reducing and gathering per wrapped block (llm-foundry wraps each
+# MPT block: --bucket-mb of one block), activation checkpointing as full recompute. The model
+# shapes are llm-foundry's yamls (scripts/train/yamls/pretrain/mpt-*.yaml): (d_model, layers, heads).
+MPT_SHAPES = {"125m": (768, 12, 12), "350m": (1024, 24, 16), "760m": (1536, 24, 12), "1b": (2048, 24, 16),
+              "3b": (2560, 32, 20), "7b": (4096, 32, 32), "13b": (5120, 40, 40), "30b": (7168, 48, 56),
+              "70b": (8192, 80, 64)}
+LLM_FOUNDRY_GPUS = {"h100_80gb": "h100-sxm", "a100_80gb": "a100-80gb", "a100_40gb": "a100-40gb"}
+LLM_FOUNDRY_CSV = Path(__file__).resolve().parent / "published" / "llm_foundry_mpt.csv"
+
+
+def llm_foundry_rows() -> list[dict]:
+    """Every row of llm-foundry's table: its run, the published MFU (%), plait's, and the two
+    parameter counts (the table's and the model's, which must agree)."""
+    import csv
+
+    lines = [line for line in LLM_FOUNDRY_CSV.read_text().splitlines() if not line.startswith("#")]
+    out = []
+    for row in csv.DictReader(lines):
+        d, layers, heads = MPT_SHAPES[row["model"]]
+        config = replace(_mpt(d, layers, heads), max_seq_len=int(row["seq_len"]))
+        layout = Workload(dp=int(row["gpus"]), zero=3 if row["sharding"] == "FULL_SHARD" else 2, precision="bf16",
+                          micro_batch=int(row["micro_batch"]), grad_accum=int(row["grad_accum"]),
+                          seq_len=int(row["seq_len"]), recompute="full" if row["checkpointing"] == "true" else "none",
+                          bucket_mb=12 * d * d * 2 / 2**20)
+        hw = get_hardware(LLM_FOUNDRY_GPUS[row["gpu"]])
+        step = estimate_time(config, layout, hw, 8)
+        # Their MFU: (6·n_params + 12·L·d·s) FLOPs a token, n_params the table's count, which holds
+        # the runs' learned position embeddings (seq_len × d: 41% of 125m at 65,536 tokens).
+        flops = 6 * int(row["params"]) + 12 * layers * d * int(row["seq_len"])
+        predicted = 100 * step.tokens_per_s * flops / (layout.world * hw.peak_flops("bf16"))
+        out.append({**row, "hardware": hw.name, "published": float(row["mfu"]), "predicted": predicted,
+                    "model_params": config.num_params() + int(row["seq_len"]) * d})
+    return out
+
+
+def llm_foundry_summary() -> list[tuple]:
+    """(hardware, rows, median, first and third quartiles, rows within 10%, lowest, highest) of
+    plait / published over llm_foundry_rows, per GPU."""
+    rows, out = llm_foundry_rows(), []
+    for hardware in dict.fromkeys(r["hardware"] for r in rows):
+        ratios = sorted(r["predicted"] / r["published"] for r in rows if r["hardware"] == hardware)
+        n = len(ratios)
+        out.append((hardware, n, ratios[n // 2], ratios[n // 4], ratios[(3 * n) // 4],
+                    sum(abs(x - 1) <= 0.10 for x in ratios), ratios[0], ratios[-1]))
+    return out
+
+
 def measured_rows() -> list[tuple]:
     """(name, measured s/step, predicted s/step) of MEASURED_RUNS."""
     from plait.models.gpt.config import get_preset
@@ -253,6 +317,10 @@ def tables() -> str:
               "|---|---|---|---|---|---|---|"]
     lines += [f"| {src} | {hw} | {g} | {kind} | {pub} | {pred:.1f} | {pred / pub:.2f} |"
               for src, hw, g, kind, pub, pred in published_rows()]
+    lines += ["", "| llm-foundry's whole table (bf16, MFU in its definition) | rows | median plait / published | "
+              "middle half | within 10% | lowest | highest |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {hw} | {n} | {med:.2f} | {q1:.2f}-{q3:.2f} | {within} | {low:.2f} | {high:.2f} |"
+              for hw, n, med, q1, q3, within, low, high in llm_foundry_summary()]
     lines += ["", "| hardware | GPUs | published tokens/s/GPU | plait tokens/s/GPU | plait / published | plait MFU (of 989) |",
               "|---|---|---|---|---|---|"]
     lines += [f"| {name} | {g} | {pub:,} | {pred:,.0f} | {pred / pub:.2f} | {mfu:.0%} |"

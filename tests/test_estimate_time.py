@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from plait.errors import PlaitError
@@ -191,21 +193,36 @@ def test_toml_full_table_and_errors(tmp_path) -> None:
 
 def test_collectives_across_nodes_are_priced_as_nccl_prices_them() -> None:
     """A ring pays the network's latency only where it crosses nodes; an all-reduce takes the
-    double binary tree when that is faster (NCCL's tuning model, src/graph/tuning.cc)."""
+    double binary tree when that is faster (NCCL's tuning model, src/graph/tuning.cc). A
+    group with k ranks in each node crosses on k NICs at once (a ring channel per NIC:
+    busBw = nChannels · bwInter), up to the node's own links; an all-to-all does not
+    aggregate NICs."""
     h100 = get_hardware("h100-sxm")
-    near, far, bw = 3e-6, 8e-6, 50e9
+    near, far, nic = 3e-6, 8e-6, 50e9
+    eight = 8 * nic  # 8 ranks a node: the node's 8 NICs, 400 GB/s (under NVLink's 450)
     # 16 ranks, 8 a node: one of the all-gather's 15 steps crosses the network (N - 1 = 1)
-    wire = 15 / 16 * 64e6 / bw
+    wire = 15 / 16 * 64e6 / eight
     assert collective_s("all_gather", 64e6, 16, h100, 8) == pytest.approx(14 * near + 1 * far + wire)
     # a large all-reduce over 16 ranks on 2 nodes: the ring (its latency is small beside the tree's bandwidth)
-    wire = 2 * 15 / 16 * 1e9 / bw
+    wire = 2 * 15 / 16 * 1e9 / eight
     assert collective_s("all_reduce", 1e9, 16, h100, 8) == pytest.approx(2 * (14 * near + 1 * far) + wire)
     # 8 bytes over 2,304 GPUs (288 nodes): the tree, 2·(7·near + ⌊log2 288⌋ = 8·far), 2S at 0.9
-    tree = 2 * (7 * near + 8 * far) + 2 * 8 / (0.9 * bw)
+    tree = 2 * (7 * near + 8 * far) + 2 * 8 / (0.9 * eight)
     assert collective_s("all_reduce", 8, 2304, h100, 8) == pytest.approx(tree)
     assert collective_s("all_reduce", 8, 2304, h100, 8) < 2 * 2303 * far / 100  # not 4,606 network steps
-    # one rank a node (True): every ring step crosses, as before
-    assert collective_s("reduce_scatter", 1e6, 4, h100, True) == pytest.approx(3 * far + 3 / 4 * 1e6 / bw)
+    # one rank a node (True): every ring step crosses, on that rank's own NIC
+    assert collective_s("reduce_scatter", 1e6, 4, h100, True) == pytest.approx(3 * far + 3 / 4 * 1e6 / nic)
+    # 2 ranks a node: two NICs; an all-to-all over the same ranks: its own NIC alone
+    assert collective_s("all_gather", 1e9, 8, h100, 2) == pytest.approx(4 * near + 3 * far + 7 / 8 * 1e9 / (2 * nic))
+    assert collective_s("all_to_all", 1e9, 8, h100, 2) == pytest.approx(7 * far + 7 / 8 * 1e9 / nic)
+    # NVIDIA's figure for DGX A100 (8 HDR NICs a node, NVIDIA/nccl#812): 192 GB/s of all-reduce
+    # bus bandwidth across nodes; the preset's 8 x 25 GB/s is that within 5%
+    a100 = get_hardware("a100-80gb")
+    seconds = collective_s("all_reduce", 8e9, 64, a100, 8) - 2 * (56 * near + 7 * far)
+    assert 2 * 63 / 64 * 8e9 / seconds == pytest.approx(192e9, rel=0.05)
+    # never past the node's own links: 8 NICs of 50 GB/s against an intra-node link of 300
+    slow_nvlink = replace(h100, intra_node_gb_s=300.0)
+    assert collective_s("all_gather", 1e9, 16, slow_nvlink, 8) == pytest.approx(14 * near + far + 15 / 16 * 1e9 / 300e9)
 
 
 def test_the_estimate_follows_the_runs_gradient_buckets() -> None:

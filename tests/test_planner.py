@@ -150,15 +150,17 @@ def test_the_bounds_hold_on_every_layout() -> None:
 
 def test_why_heavier_recompute_and_zero_are_not_pruned_as_slower() -> None:
     """The claims the planner does not rely on, in this time model. Without a pipeline a longer
-    backward hides more of ZeRO-3's sync: llama-7b's selective recomputation on 32 GPUs costs
-    12.7 ms of compute and under a third of that in step time. And ZeRO-1 shards the update:
-    its optimizer step is four times faster than ZeRO-0's, yet its step is not, here (by 1%:
-    the weights' gather is exposed, and ZeRO-0's all-reduce may take NCCL's tree)."""
+    backward hides more of ZeRO-3's sync: llama-7b's selective recomputation on 32 GPUs, one
+    1,024-token sequence each, costs 1.6 ms of compute and nothing of the step, whose sync is
+    exposed. And ZeRO-1 shards the update: on 128 GPUs at tp 8 its optimizer step is four
+    times faster than ZeRO-0's, yet its step is not (by 1.5%: the weights' gather is exposed,
+    on each rank's own NIC, and ZeRO-0's all-reduce may take NCCL's tree)."""
     config, hw = get_preset("llama-7b"), get_hardware("h100-sxm")
-    base = Workload(dp=16, tp=2, sp=True, zero=3, precision="bf16", micro_batch=4, grad_accum=1, seq_len=2048)
+    base = Workload(dp=32, zero=3, precision="bf16", micro_batch=1, grad_accum=1, seq_len=1024)
     plain, selective = (estimate_time(config, base.replace(recompute=r), hw, 8) for r in ("none", "selective"))
-    assert selective.compute_s - plain.compute_s == pytest.approx(0.0127, abs=5e-4)
-    assert 0 <= selective.step_s - plain.step_s < (selective.compute_s - plain.compute_s) / 3
+    assert selective.compute_s - plain.compute_s == pytest.approx(0.0016, abs=1e-4)
+    assert plain.dp_s > 0.01 and 0 <= selective.step_s - plain.step_s < (selective.compute_s - plain.compute_s) / 3
+    base = Workload(dp=16, tp=8, sp=True, precision="bf16", micro_batch=4, grad_accum=1, seq_len=2048)
     zero0, zero1 = (estimate_time(config, base.replace(zero=z), hw, 8) for z in (0, 1))
     assert zero1.optimizer_s < zero0.optimizer_s / 4 and zero0.step_s < zero1.step_s < zero0.step_s * 1.05
 
@@ -229,17 +231,17 @@ EXPLAINED = ["--model", "llama-70b", "--gpus", "16", "--hardware", "h100-sxm", "
 
 
 def test_explain_says_why_the_first_layout_wins(capsys) -> None:
-    """llama-70b on 16 H100s: the best is ZeRO-3 over dp 2 × cp 2 with tp 4 and full
+    """llama-70b on 16 H100s: the best is ZeRO-3 over dp 2 × cp 4 with tp 2 and full
     recomputation; the text names its bubble, what it waits for, recompute's cost, its
     headroom, and each choice's absence: slower, as fast, or nothing fits."""
     assert plan_main(EXPLAINED) == 0
     text = capsys.readouterr().out.split("why #1 wins: ", 1)[1]
-    assert text.startswith("dp=2 tp=4 pp=1 cp=2 zero=3 sp, micro-batch 4 x 4, recompute full")
+    assert text.startswith("dp=2 tp=2 pp=1 cp=4 zero=3 sp, micro-batch 2 x 8, recompute full")
     for part in ("of which recompute", "bubble", "% of the step)", "communication it waits for: tp", "headroom",
                  "the best layout with", "cp = 1: ", "no sp: ", "ZeRO 0-2: "):
         assert part in text
     assert re.search(r"no recompute: nothing fits \(the smallest needs [\d.]+ GiB\)", text)
-    assert "ZeRO 0-2: 10.5 s, 6.7% slower (dp=1 tp=4 pp=4 zero=0 sp, interleaved x4, micro-batch 2 x 16" in text
+    assert "ZeRO 0-2: 10.5 s, 9.7% slower (dp=1 tp=4 pp=4 zero=0 sp, interleaved x4, micro-batch 2 x 16" in text
     assert len(text.splitlines()) <= 12
 
 
@@ -299,10 +301,11 @@ def test_a_long_sequence_is_planned_with_context_parallelism() -> None:
 
 
 def test_the_plan_prices_the_runs_gradient_buckets() -> None:
-    """--bucket-mb reaches every layout the planner prices (larger buckets, fewer latencies:
-    never a slower plan), and a bucket of no size is refused in one line."""
+    """--bucket-mb reaches every layout the planner prices (here the best is ZeRO-3 over 64
+    GPUs, whose last bucket, exposed after the backward, grows with it: a slower plan by a
+    millisecond), and a bucket of no size is refused in one line."""
     cfg = get_preset("llama-7b")
     default, large = (plan(cfg, gpus=64, global_batch=256, top=1, bucket_mb=mb)[0] for mb in (25.0, 400.0))
-    assert large["step_s"] <= default["step_s"]
+    assert large["zero"] == default["zero"] == 3 and 0 < large["step_s"] - default["step_s"] < 0.002
     with pytest.raises(PlaitError, match="--bucket-mb must be a positive number"):
         plan(cfg, gpus=64, global_batch=256, bucket_mb=0.0)

@@ -124,6 +124,13 @@ class Hardware:
             return latency_us * 1e-6, gb_s * 1e9
         return self.latency(inter_node), self.bandwidth(inter_node)
 
+    def ring_bandwidth(self, ranks_per_node: int) -> float:
+        """Bytes/s through each rank of a ring that spans nodes with `ranks_per_node` of its
+        ranks in each: that many ranks' shares of the node's NICs (each rank's ring channels
+        cross on all of them; the node's other groups use the rest), up to the link inside
+        the node that every other hop of the ring takes."""
+        return min(max(1, ranks_per_node) * self.bandwidth(True), self.bandwidth(False))
+
     def peak_flops(self, precision: str) -> float:
         """Peak FLOP/s for matmuls in `precision`: fp32, 16-bit for bf16/fp16, float8 for the
         products `--precision fp8` runs in float8 (the 16-bit peak on a device without them)."""
@@ -226,11 +233,12 @@ PRESETS: dict[str, Hardware] = {
     "h200": Hardware("h200", 989.0, 67.0, 141.0, 450.0, 50.0, pcie_gb_s=64.0, memory_gb_s=4800.0,
                      peak_fp8_tflops=1979.0, **_HOPPER, **_GPU_DEFAULTS),
     # Consumer cards: 16-bit tensor figure with fp32 accumulation (what torch uses); no
-    # NVLink, peers talk over PCIe 4; a 100 Gb/s NIC assumed between boxes.
-    "rtx3090": Hardware("rtx3090", 71.0, 35.6, 24.0, 25.0, 12.5, gpus_per_node=4,
+    # NVLink, peers talk over PCIe 4; one 100 Gb/s NIC assumed between boxes of four, so a
+    # GPU's share of it is a quarter.
+    "rtx3090": Hardware("rtx3090", 71.0, 35.6, 24.0, 25.0, 3.125, gpus_per_node=4,
                         reserved_gib=1.0, memory_gb_s=936.0, **_AMPERE, step_overhead_us=1000.0,
                         queues_kernels=True, gemm_fixed_us=GEMM_RAMP_US),
-    "rtx4090": Hardware("rtx4090", 165.2, 82.6, 24.0, 25.0, 12.5, gpus_per_node=4,
+    "rtx4090": Hardware("rtx4090", 165.2, 82.6, 24.0, 25.0, 3.125, gpus_per_node=4,
                         reserved_gib=1.0, memory_gb_s=1008.0, **_AMPERE, step_overhead_us=1000.0,
                         peak_fp8_tflops=330.3, queues_kernels=True, gemm_fixed_us=GEMM_RAMP_US),
     # The 2-core AMD EPYC VM plait was written on (AVX2 only, 23.5 GiB RAM), measured on

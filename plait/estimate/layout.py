@@ -99,6 +99,17 @@ class Workload(Layout):
         """Bytes per element of parameters, activations and gradients on the device."""
         return 4 if self.precision == "fp32" else 2
 
+    def hidden_bytes(self, d_model: int) -> int:
+        """One micro-batch's hidden states on one rank, b·s/cp·h in the compute dtype: what a
+        tensor-parallel collective moves for a block's input or output."""
+        return self.tokens_per_micro_batch * d_model * self.compute_bytes
+
+    def stage_message_bytes(self, d_model: int) -> float:
+        """What a pipeline stage sends per micro-batch, each way: its hidden states, a tp-th of
+        them under sequence parallelism (each tp rank sends its own slice)."""
+        whole = self.hidden_bytes(d_model)
+        return whole / self.tp if self.sp else whole
+
     @property
     def reduce_bytes(self) -> int:
         """Bytes per element of a gradient on the data-parallel wire."""

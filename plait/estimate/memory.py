@@ -133,8 +133,7 @@ def stage_buffers(config: GPTConfig, layout: Workload, stage: StageShare) -> flo
         grad = state_bytes(layout.precision).grad
         total = min(2 * stage.block_params * grad, stage.params * grad)
     if layout.pp > 1:
-        message = layout.tokens_per_micro_batch * config.d_model * layout.compute_bytes
-        total += 2 * (message / layout.tp if layout.sp else message)
+        total += 2 * layout.stage_message_bytes(config.d_model)
     if stage.last:
         total += loss_bytes(config, layout)
     return total

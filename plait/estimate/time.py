@@ -139,16 +139,23 @@ def collective_s(op: str, payload: float, n: int, hw: Hardware, inter: int | boo
     link at 0.9 of its bandwidth, whichever is faster (NCCL picks so). A cross-node ring's
     steps inside a node take the preset's intra-node latency, not a calibrated group's.
     `inter` is 0 (or False) for a group inside one node, else how many of its ranks share
-    each node (True: one; `inter_node` gives it per axis)."""
+    each node (True: one; `inter_node` gives it per axis).
+
+    Across nodes a ring runs one channel per NIC, each at that NIC's bandwidth (tuning.cc:
+    busBw = nChannels · bwInter), and only one hop a node crosses the network; so a group
+    with k ranks in each node moves its bytes on those k ranks' NICs together, k times one
+    rank's share of the node's network, up to the node's own links (`Hardware.ring_bandwidth`).
+    A point-to-point message or an all-to-all's crosses on the sender's own NIC."""
     if n <= 1 or payload <= 0:
         return 0.0
     steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1, "all_to_all": n - 1}.get(op, 1)
     latency, bandwidth = hw.link(n, bool(inter))
-    wire = ring_bytes(op, payload, n) / bandwidth
     if not inter or op not in ("all_reduce", "all_gather", "reduce_scatter"):
-        return count * steps * latency + wire
+        return count * steps * latency + ring_bytes(op, payload, n) / bandwidth
     per_node = max(1, min(n, int(inter)))
     nodes = -(-n // per_node)
+    bandwidth = hw.ring_bandwidth(per_node)
+    wire = ring_bytes(op, payload, n) / bandwidth
     crossings = min(steps, 2 * (nodes - 1) if op == "all_reduce" else nodes - 1)
     near = hw.latency(False)
     ring = count * ((steps - crossings) * near + crossings * latency) + wire
@@ -196,7 +203,7 @@ def tp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
     if not (layout.software.tp_overlap and layout.sp and inter == 0):
         return total
     counts = tp_collectives(layout, stage, ends=False)
-    act = layout.tokens_per_micro_batch * config.d_model * layout.compute_bytes
+    act = layout.hidden_bytes(config.d_model)
     block_s = _collectives_s(counts, sum(ring_bytes(op, act, t) * n for op, n in counts.items()), t, hw, inter)
     gemms = stage_gemm_s(config, layout, stage.layers, replace(hw, op_overhead_us=0.0))
     return total - block_s + max(block_s / t, block_s - gemms)
@@ -214,8 +221,7 @@ def pp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
     """Seconds of sends per micro-batch on `stage` (activations forward, gradients back)."""
     if layout.pp == 1:
         return 0.0
-    message = layout.tokens_per_micro_batch * config.d_model * layout.compute_bytes
-    message = message / layout.tp if layout.sp else message
+    message = layout.stage_message_bytes(config.d_model)
     sends = (layout.virtual_stages - stage.last) + (layout.virtual_stages - stage.first)
     latency, bandwidth = hw.link(2, inter)
     return sends * (latency + message / bandwidth)

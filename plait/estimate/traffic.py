@@ -124,7 +124,7 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
     """
     out: Traffic = {}
     t, m = layout.tp, layout.grad_accum
-    act = layout.tokens_per_micro_batch * config.d_model * layout.compute_bytes
+    act = layout.hidden_bytes(config.d_model)
     for op, count in tp_collectives(layout, stage).items():
         _add(out, "tp", op, act, t, times=m * count)
     if stage.last:
@@ -153,8 +153,7 @@ def pp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
     out: Traffic = {}
     if layout.pp == 1:
         return out
-    message = layout.tokens_per_micro_batch * config.d_model * layout.compute_bytes
-    message = message / layout.tp if layout.sp else message
+    message = layout.stage_message_bytes(config.d_model)
     count = pp_messages(layout, stage) * layout.grad_accum
     if config.tie_embeddings and (stage.first or stage.last):
         table = vocab_shard(config, layout.tp) * config.d_model
@@ -215,7 +214,7 @@ def naive_comm(config: GPTConfig | None, layout: Workload,
     if config is None:
         return out
     m = layout.grad_accum
-    act = layout.tokens_per_micro_batch * config.d_model * layout.compute_bytes
+    act = layout.hidden_bytes(config.d_model)
     if layout.tp > 1:
         n, layers = layout.tp, all_stages[0].layers
         out["tp"] = _naive("Σ_layers out·b·N·(N−1), once per micro-batch",
