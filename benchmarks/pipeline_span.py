@@ -23,9 +23,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import new_parser, write_section  # noqa: E402
-from gpu_presets import BLOOM_176B, GPT3_175B, NARAYANAN_TABLE_1  # noqa: E402
+from gpu_presets import BLOOM_176B, GPT3_175B, NARAYANAN_TABLE_1, machine  # noqa: E402
 from plait.estimate import pipeline  # noqa: E402
-from plait.estimate.hardware import get_hardware  # noqa: E402
 from plait.estimate.layout import Workload  # noqa: E402
 from plait.estimate.time import estimate_time, micro_batch_s_per_stage  # noqa: E402
 from plait.families import shape_of  # noqa: E402
@@ -54,7 +53,7 @@ def rows() -> list[tuple[str, str, GPTConfig, Workload]]:
     out.append(("GPT-3 175 B, t 8, p 12 interleaved ×2, 384 GPUs", "a100-80gb", GPT3_175B,
                 Workload(dp=4, tp=8, pp=12, precision="bf16", micro_batch=1, grad_accum=384, seq_len=2048,
                          recompute="full", schedule="interleaved", virtual_stages=2, stack="megatron-2021")))
-    out.append(("BLOOM-176B, tp 4, pp 12, 1F1B", "a100-80gb", BLOOM_176B,
+    out.append(("BLOOM-176B, tp 4, pp 12, 1F1B", "a100-80gb jean-zay", BLOOM_176B,
                 Workload(dp=8, tp=4, pp=12, zero=1, precision="bf16", micro_batch=2, grad_accum=128, seq_len=2048,
                          recompute="full", schedule="1f1b", stack="megatron-deepspeed")))
     llama = shape_of("llama-70b")
@@ -72,7 +71,7 @@ def rows() -> list[tuple[str, str, GPTConfig, Workload]]:
 
 
 def measure(name: str, hardware: str, config: GPTConfig, layout: Workload) -> dict:
-    hw = get_hardware(hardware)
+    hw = machine(hardware)
     stage_s = micro_batch_s_per_stage(config, layout, hw, 8)
     pipeline.compiled.cache_clear()
     start = time.perf_counter()
@@ -96,13 +95,15 @@ def table(results: list[dict]) -> str:
 
 READING = """
 Reading it: where the stages are alike and the slowest is the last (the head), as in every
-published layout here, running the schedule gives the closed form's bubble to four digits:
-the last rank sets the pace, and the others' fill and drain is the bubble. They part where the
+published layout here, running the schedule gives the closed form's bubble to four digits
+(BLOOM's, whose stages hold 5, 6, ..., 6, 5 blocks, within 0.3%): the last rank sets the
+pace, and the others' fill and drain is the bubble. They part where the
 closed form's assumptions do not hold. A heavy first stage runs back to back once the first
 gradient returns, so it idles less than its neighbours' mean would say (0.57×). ZB-H1 with
 fewer micro-batches than stages has no bubble to fill with its weight gradients (1.67×). An
 interleaved cut whose chunks differ leaves even the slowest rank idle between them (2.47×).
-Running a 64-stage schedule the first time costs a quarter of a second; it is cached after.
+Running a 64-stage schedule the first time costs a quarter of a second to a second, as the
+machine goes (the last column); it is cached after.
 """
 
 

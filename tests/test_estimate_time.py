@@ -11,9 +11,11 @@ from plait.estimate import estimate_layout
 from plait.estimate.hardware import PRESETS, Hardware, get_hardware, load_hardware
 from plait.estimate.layout import Workload, layout_stages
 from plait.estimate.ops import accumulate_s
+from plait.estimate.traffic import tp_collectives, tp_traffic
 from plait.estimate.time import (
     collective_s,
     estimate_time,
+    tp_s,
     flops_per_token,
     inter_node,
     matmul_params,
@@ -218,11 +220,28 @@ def test_collectives_across_nodes_are_priced_as_nccl_prices_them() -> None:
     # NVIDIA's figure for DGX A100 (8 HDR NICs a node, NVIDIA/nccl#812): 192 GB/s of all-reduce
     # bus bandwidth across nodes; the preset's 8 x 25 GB/s is that within 5%
     a100 = get_hardware("a100-80gb")
-    seconds = collective_s("all_reduce", 8e9, 64, a100, 8) - 2 * (56 * near + 7 * far)
+    seconds = collective_s("all_reduce", 8e9, 64, a100, 8) - 2 * (56 * a100.latency(False) + 7 * a100.latency(True))
     assert 2 * 63 / 64 * 8e9 / seconds == pytest.approx(192e9, rel=0.05)
     # never past the node's own links: 8 NICs of 50 GB/s against an intra-node link of 300
     slow_nvlink = replace(h100, intra_node_gb_s=300.0)
     assert collective_s("all_gather", 1e9, 16, slow_nvlink, 8) == pytest.approx(14 * near + far + 15 / 16 * 1e9 / 300e9)
+
+
+def test_tensor_parallelism_across_nodes_is_priced_as_any_ring() -> None:
+    """tp 16 over two 8-GPU nodes: its all-gathers and reduce-scatters cost what collective_s
+    charges those collectives (the network's latency where a step crosses, the bytes on the
+    node's eight NICs), not every step at the network's latency on one NIC."""
+    config = get_preset("llama-7b")
+    layout = Workload(dp=1, tp=16, sp=True, precision="bf16", micro_batch=1, seq_len=4096)
+    stage = layout_stages(config, layout)[0]
+    counts = tp_collectives(layout, stage)
+    act = layout.hidden_bytes(config.d_model)
+    expected = sum(collective_s(op, act * count, 16, H100, 8, count) for op, count in counts.items())
+    expected += tp_traffic(config, layout, stage)["tp"]["all_reduce"] / (8 * 50e9)  # the loss's sums: bytes only
+    assert set(counts) == {"all_gather", "reduce_scatter"}
+    assert tp_s(config, layout, stage, H100, 8) == pytest.approx(expected)
+    one_nic = sum(count * 15 * 8e-6 + count * 15 / 16 * act / 50e9 for count in counts.values())
+    assert tp_s(config, layout, stage, H100, 8) < one_nic / 4
 
 
 def test_the_estimate_follows_the_runs_gradient_buckets() -> None:

@@ -215,8 +215,9 @@ _AMPERE = dict(compute_efficiency=0.7, attention_efficiency=0.5)
 _HOPPER = dict(compute_efficiency=0.7, attention_efficiency=0.35)
 
 PRESETS: dict[str, Hardware] = {
-    # V100 has no bf16 units: the 16-bit figure is fp16's. NVLink 2 (6 x 25 GB/s), EDR IB.
-    "v100": Hardware("v100", 125.0, 15.7, 32.0, 150.0, 12.5, pcie_gb_s=16.0, memory_gb_s=900.0,
+    # V100 has no bf16 units: the 16-bit figure is fp16's. NVLink 2 (6 x 25 GB/s); a DGX-1's
+    # four 100 Gb/s EDR NICs for its eight GPUs: 6.25 GB/s a GPU.
+    "v100": Hardware("v100", 125.0, 15.7, 32.0, 150.0, 6.25, pcie_gb_s=16.0, memory_gb_s=900.0,
                      **_AMPERE, **_GPU_DEFAULTS),
     # NVLink 3 (600 GB/s both ways), HDR IB (200 Gb/s per GPU), PCIe 4.
     "a100-40gb": Hardware("a100-40gb", 312.0, 19.5, 40.0, 300.0, 25.0, pcie_gb_s=32.0,

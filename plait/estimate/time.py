@@ -19,8 +19,11 @@ Assumptions, each visible in `ASSUMPTIONS`:
 * A ring collective on n ranks takes steps·α + wire_bytes/bandwidth, where steps is
   2(n-1) for all-reduce, n-1 for all-gather and reduce-scatter, 1 for a send; α and the
   bandwidth are the intra-node link's if the group fits in one node (ranks are numbered tp
-  fastest, then dp, then pp), the inter-node link's otherwise; a calibrated hardware file
-  gives them per group size.
+  fastest, then cp, then dp, then pp; a calibrated hardware file gives them per group
+  size). A group that spans nodes is priced as NCCL's tuning model prices it: the network's
+  α only on the steps that cross nodes, its bytes on the NICs of its ranks in each node
+  (k ranks a node: k times a GPU's share of the network, up to the node's link), an
+  all-reduce's double binary tree when faster; an all-to-all or a send on one NIC.
 * Data-parallel gradient reduction overlaps the last micro-batch's backward; only the
   last bucket is always exposed (with a pipeline nothing overlaps it: plait reduces after
   the schedule's last action). ZeRO-1/2's weight all-gather after the step is exposed.
@@ -76,7 +79,9 @@ ASSUMPTIONS = (
     "measured), plus fixed costs per tensor (overlapped on a GPU) and the verdict's and norm's all-reduces; "
     "loop overhead = step_overhead_us + two telemetry all-reduces",
     "ring collective time = steps·latency + wire bytes / link bandwidth; a group uses the "
-    "intra-node link when it fits in one node (ranks numbered tp fastest, then cp, then dp, then pp)",
+    "intra-node link when it fits in one node (ranks numbered tp fastest, then cp, then dp, then pp); "
+    "across nodes the network's latency only on the steps that cross, the bytes on the NICs of the "
+    "group's k ranks a node (k x inter_node_gb_s, up to the node's link); all-to-all and sends on one NIC",
     "DP gradient reduction overlaps the last backward except the last bucket (not at all "
     "with pp > 1); ZeRO-1/2 weight all-gather exposed; ZeRO-3 gathers prefetched, one per block, "
     "its backward's gathers and reduce-scatters hidden in one backward; --dp-shard's "
@@ -148,22 +153,33 @@ def collective_s(op: str, payload: float, n: int, hw: Hardware, inter: int | boo
     A point-to-point message or an all-to-all's crosses on the sender's own NIC."""
     if n <= 1 or payload <= 0:
         return 0.0
-    steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1, "all_to_all": n - 1}.get(op, 1)
     latency, bandwidth = hw.link(n, bool(inter))
-    if not inter or op not in ("all_reduce", "all_gather", "reduce_scatter"):
-        return count * steps * latency + ring_bytes(op, payload, n) / bandwidth
+    if not inter or op not in RINGS:
+        return count * ring_latency_s(op, n, hw, inter) + ring_bytes(op, payload, n) / bandwidth
     per_node = max(1, min(n, int(inter)))
-    nodes = -(-n // per_node)
     bandwidth = hw.ring_bandwidth(per_node)
-    wire = ring_bytes(op, payload, n) / bandwidth
-    crossings = min(steps, 2 * (nodes - 1) if op == "all_reduce" else nodes - 1)
-    near = hw.latency(False)
-    ring = count * ((steps - crossings) * near + crossings * latency) + wire
+    ring = count * ring_latency_s(op, n, hw, inter) + ring_bytes(op, payload, n) / bandwidth
     if op != "all_reduce":
         return ring
+    nodes = -(-n // per_node)
     depth = nodes.bit_length() - 1  # NCCL's log2i: the floor
-    tree = count * 2 * ((per_node - 1) * near + depth * latency) + 2 * payload / (TREE_BANDWIDTH * bandwidth)
+    tree = count * 2 * ((per_node - 1) * hw.latency(False) + depth * latency) + 2 * payload / (TREE_BANDWIDTH * bandwidth)
     return min(ring, tree)
+
+
+RINGS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def ring_latency_s(op: str, n: int, hw: Hardware, inter: int | bool) -> float:
+    """One collective's latency on n ranks: a step's latency for each of its steps, the
+    network's only on the steps that cross nodes when a ring spans them (collective_s)."""
+    steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1, "all_to_all": n - 1}.get(op, 1)
+    latency = hw.link(n, bool(inter))[0]
+    if not inter or op not in RINGS:
+        return steps * latency
+    nodes = -(-n // max(1, min(n, int(inter))))
+    crossings = min(steps, 2 * (nodes - 1) if op == "all_reduce" else nodes - 1)
+    return (steps - crossings) * hw.latency(False) + crossings * latency
 
 
 TREE_BANDWIDTH = 0.9  # NCCL's tree all-reduce: each rank's link at 0.9 of the ring's bus bandwidth, 2S through it
@@ -211,10 +227,12 @@ def tp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
 
 def _collectives_s(counts: dict[str, int], wire: float, t: int, hw: Hardware, inter: int) -> float:
     """Seconds of `counts` ring collectives over t ranks moving `wire` bytes a rank in all:
-    each ring step's latency, and the bytes over the link's bandwidth."""
-    steps = sum(count * (2 * (t - 1) if op == "all_reduce" else t - 1) for op, count in counts.items())
-    latency, bandwidth = hw.link(t, inter)
-    return steps * latency + wire / bandwidth
+    each ring step's latency, and the bytes over the link's bandwidth; across nodes, priced
+    as collective_s prices a ring (the network's latency where a step crosses, the bytes on
+    the group's NICs)."""
+    latency = sum(count * ring_latency_s(op, t, hw, inter) for op, count in counts.items())
+    bandwidth = hw.ring_bandwidth(inter) if inter else hw.link(t, False)[1]
+    return latency + wire / bandwidth
 
 
 def pp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: int) -> float:
