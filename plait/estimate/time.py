@@ -156,8 +156,7 @@ def collective_s(op: str, payload: float, n: int, hw: Hardware, inter: int | boo
     latency, bandwidth = hw.link(n, bool(inter))
     if not inter or op not in RINGS:
         return count * ring_latency_s(op, n, hw, inter) + ring_bytes(op, payload, n) / bandwidth
-    per_node = max(1, min(n, int(inter)))
-    bandwidth = hw.ring_bandwidth(per_node)
+    per_node, bandwidth = ranks_a_node(n, inter), ring_link_bandwidth(n, hw, inter)
     ring = count * ring_latency_s(op, n, hw, inter) + ring_bytes(op, payload, n) / bandwidth
     if op != "all_reduce":
         return ring
@@ -170,6 +169,17 @@ def collective_s(op: str, payload: float, n: int, hw: Hardware, inter: int | boo
 RINGS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
+def ranks_a_node(n: int, inter: int | bool) -> int:
+    """How many of a cross-node group's n ranks share each node (`inter`: True for one)."""
+    return max(1, min(n, int(inter)))
+
+
+def ring_link_bandwidth(n: int, hw: Hardware, inter: int | bool) -> float:
+    """Bytes/s through each rank of a ring on n ranks: the node's link (calibrated per group
+    size where measured) inside a node, its ranks' NICs across nodes (Hardware.ring_bandwidth)."""
+    return hw.ring_bandwidth(ranks_a_node(n, inter)) if inter else hw.link(n, False)[1]
+
+
 def ring_latency_s(op: str, n: int, hw: Hardware, inter: int | bool) -> float:
     """One collective's latency on n ranks: a step's latency for each of its steps, the
     network's only on the steps that cross nodes when a ring spans them (collective_s)."""
@@ -177,7 +187,7 @@ def ring_latency_s(op: str, n: int, hw: Hardware, inter: int | bool) -> float:
     latency = hw.link(n, bool(inter))[0]
     if not inter or op not in RINGS:
         return steps * latency
-    nodes = -(-n // max(1, min(n, int(inter))))
+    nodes = -(-n // ranks_a_node(n, inter))
     crossings = min(steps, 2 * (nodes - 1) if op == "all_reduce" else nodes - 1)
     return (steps - crossings) * hw.latency(False) + crossings * latency
 
@@ -231,8 +241,7 @@ def _collectives_s(counts: dict[str, int], wire: float, t: int, hw: Hardware, in
     as collective_s prices a ring (the network's latency where a step crosses, the bytes on
     the group's NICs)."""
     latency = sum(count * ring_latency_s(op, t, hw, inter) for op, count in counts.items())
-    bandwidth = hw.ring_bandwidth(inter) if inter else hw.link(t, False)[1]
-    return latency + wire / bandwidth
+    return latency + wire / ring_link_bandwidth(t, hw, inter)
 
 
 def pp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: int) -> float:
