@@ -3,9 +3,9 @@ ranks uses them; either way it trains the same model as the run that never chang
 (same global batch, same samples at every step; only the reduction order differs, so the
 losses and weights agree to the parity tests' tolerances, tests/parity.py).
 
-The runs a fault ends (a rank killed by PLAIT_INJECT) or the spawner restarts start new
-interpreters (run_plait_fresh); the uninterrupted reference, the resumes on another world
-size, a refusal and a report run from the session's pool (run_plait)."""
+Every run comes from the session's pool (run_plait), the faulted ones too: a rank killed by
+PLAIT_INJECT is a forked process of its own, which dies and is restarted as an exec'd one
+would be (tests/test_faults_restart.py says why that tests the same thing)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.parity import assert_losses_close, assert_params_close
-from tests.worldlib import run_plait, run_plait_fresh
+from tests.worldlib import run_plait
 
 # Global batch 8: micro-batch 2 × dp 4, or × dp 2 with --grad-accum 2.
 RUN = ["--model", "tiny", "--micro-batch", "2", "--seq-len", "16", "--eval-every", "0", "--sample-tokens", "0",
@@ -50,7 +50,7 @@ def test_a_rank_that_keeps_failing_shrinks_the_world_under_zero3(reference, tmp_
     step 5): the spawner takes it as lost and continues on 2 ranks, the largest world from
     --min-nproc that keeps the global batch; ZeRO-3's shards are re-cut from the checkpoint."""
     monkeypatch.setenv("PLAIT_INJECT", "0:3:7:KILL,1:3:6:KILL")
-    proc = run_plait_fresh("train", *RUN, "--nproc", "4", "--zero", "3", "--max-restarts", "2", "--min-nproc", "2",
+    proc = run_plait("train", *RUN, "--nproc", "4", "--zero", "3", "--max-restarts", "2", "--min-nproc", "2",
                      "--out", str(tmp_path), timeout=400)
     assert proc.returncode == 0, proc.stderr
     assert ("plait: rank(s) 3 failed in two worlds in a row: taken as lost; the world restarts on 2 process(es) "
@@ -81,7 +81,7 @@ def test_a_run_grows_onto_more_ranks_with_tp_fixed_and_a_size_that_cannot_keep_t
     the parity matrix's (tests/matrix.py)."""
     monkeypatch.setenv("PLAIT_INJECT", "0:1:7:KILL")
     tp = ["--tp", "2", "--grad-accum", "4"]
-    first = run_plait_fresh("train", *RUN, *tp, "--nproc", "2", "--out", str(tmp_path), timeout=300)
+    first = run_plait("train", *RUN, *tp, "--nproc", "2", "--out", str(tmp_path), timeout=300)
     assert first.returncode == 137, first.stderr  # no --max-restarts: the job ends, step 5 saved
     monkeypatch.delenv("PLAIT_INJECT")
     refused = run_plait("train", *RUN, "--nproc", "3", "--resume", "auto", "--out", str(tmp_path), timeout=60)
@@ -111,7 +111,7 @@ def test_the_other_pairings_of_size_and_strategy(reference, tmp_path, monkeypatc
     (n0, accum0), (n1, accum1) = before, after
     flags = [*RUN, *flags, "--grad-accum", str(accum0), "--out", str(tmp_path)]
     monkeypatch.setenv("PLAIT_INJECT", "0:1:7:KILL")
-    first = run_plait_fresh("train", *flags, "--nproc", str(n0), timeout=300)
+    first = run_plait("train", *flags, "--nproc", str(n0), timeout=300)
     assert first.returncode == 137, first.stderr
     monkeypatch.delenv("PLAIT_INJECT")
     second = run_plait("train", *flags, "--nproc", str(n1), "--resume", "auto", timeout=300)

@@ -2,9 +2,12 @@
 rank's world restarts from the latest checkpoint and ends with the same bytes as a run that
 never failed (faults are injected with PLAIT_INJECT, see plait/runtime/inject.py).
 
-Every faulted run starts new interpreters (run_plait_fresh): the fault is the process's. The
-uninterrupted references, the resumes after a fault and the checkpoint inspections run
-from the session's pool (run_plait)."""
+Every run here comes from the session's pool (run_plait): the command is forked with torch
+imported, and its spawner forks each rank. A rank is still a process of its own, so a fault
+is the process's: killed, stopped or signalled, it exits or hangs as an exec'd rank would,
+and the spawner sees it through the same waits and /proc reads. The process boundary itself
+(exec'd ranks under srun, and a scheduler's SIGTERM to the whole job) is tested with new
+interpreters below and in tests/test_launchers.py."""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import pytest
 from plait.errors import EXIT_PREEMPTED
 from tests import slurmlib
 from tests.slurmlib import launcher_env
-from tests.worldlib import ROOT, run_plait, run_plait_fresh
+from tests.worldlib import ROOT, run_plait
 
 RUN = ["--model", "tiny", "--micro-batch", "2", "--seq-len", "16", "--eval-every", "0",
        "--sample-tokens", "0", "--warmup-steps", "2"]
@@ -46,7 +49,7 @@ def reference(tmp_path_factory):
 @pytest.mark.slow  # make test restarts a killed world below, with the rank killed mid-save (--async-save)
 def test_a_killed_rank_restarts_the_world_and_ends_with_the_same_bytes(reference, tmp_path, monkeypatch):
     monkeypatch.setenv("PLAIT_INJECT", "0:1:7:KILL")  # rank 1 dies as step 7 begins, first world only
-    proc = run_plait_fresh("train", *RUN, *STEPS, "--max-restarts", "1", "--out", str(tmp_path), timeout=300)
+    proc = run_plait("train", *RUN, *STEPS, "--max-restarts", "1", "--out", str(tmp_path), timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "rank 1 exited with code -9 (SIGKILL)" in proc.stderr
     assert "plait: restarting the world (1 of 1)" in proc.stderr
@@ -66,7 +69,7 @@ def test_a_world_that_dies_after_its_last_save_ends_well(reference, tmp_path, mo
     step-00000012 was written: the restarted world finds the finished run and writes its
     outputs from that checkpoint; `--resume auto` by hand on a finished run does the same."""
     monkeypatch.setenv("PLAIT_INJECT", "0:1:13:KILL")
-    proc = run_plait_fresh("train", *RUN, *STEPS, "--max-restarts", "1", "--out", str(tmp_path), timeout=300)
+    proc = run_plait("train", *RUN, *STEPS, "--max-restarts", "1", "--out", str(tmp_path), timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "rank 1 sends itself SIGKILL at step 13" in proc.stderr
     assert "plait: restarting the world (1 of 1)" in proc.stderr
@@ -89,7 +92,7 @@ def test_an_async_save_killed_mid_write_leaves_the_previous_checkpoint_and_resum
     restarted world resumes it and, saving in the background too, ends with the same bytes
     and losses as the synchronous reference."""
     monkeypatch.setenv("PLAIT_INJECT", "0:1:10:KILL:save")
-    proc = run_plait_fresh("train", *RUN, *STEPS, "--async-save", "--max-restarts", "1", "--out", str(tmp_path), timeout=300)
+    proc = run_plait("train", *RUN, *STEPS, "--async-save", "--max-restarts", "1", "--out", str(tmp_path), timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "rank 1 sends itself SIGKILL at step 10 while saving" in proc.stderr
     assert "plait: restarting the world (1 of 1)" in proc.stderr
@@ -112,7 +115,7 @@ def test_sigterm_saves_at_one_step_on_every_rank_and_resume_ends_with_the_same_b
     """SIGTERM reaches rank 1 alone, as step 7 begins: both ranks finish step 7, save it,
     and exit with 75; `--resume auto` continues from there to the reference's bytes."""
     monkeypatch.setenv("PLAIT_INJECT", "0:1:7:TERM")
-    proc = run_plait_fresh("train", *RUN, *STEPS, "--max-restarts", "1", "--out", str(tmp_path), timeout=300)
+    proc = run_plait("train", *RUN, *STEPS, "--max-restarts", "1", "--out", str(tmp_path), timeout=300)
     assert proc.returncode == 75, proc.stderr
     assert "plait: restarting the world" not in proc.stderr  # a preempted job is not restarted
     assert (f"plait: preempted by SIGTERM: every rank stopped after step 7 of 12 and saved "
@@ -191,7 +194,7 @@ def test_under_srun_sigterm_to_one_rank_stops_the_job_at_one_step_and_it_resumes
 
 def test_a_stopped_rank_is_named_by_every_rank_and_the_spawner(tmp_path, monkeypatch):
     monkeypatch.setenv("PLAIT_INJECT", "0:2:3:STOP")  # rank 2 of 4 freezes as step 3 begins
-    proc = run_plait_fresh("train", *RUN, "--steps", "5", "--nproc", "4", "--timeout", "10", "--out", str(tmp_path),
+    proc = run_plait("train", *RUN, "--steps", "5", "--nproc", "4", "--timeout", "10", "--out", str(tmp_path),
                      timeout=300)
     ended = time.time()
     assert proc.returncode == 2, proc.stderr
@@ -219,7 +222,7 @@ def test_soak_five_random_kills_end_with_the_same_bytes(tmp_path, monkeypatch):
     clean = run_plait("train", *flags, "--out", str(tmp_path / "clean"), timeout=600)
     assert clean.returncode == 0, clean.stderr
     monkeypatch.setenv("PLAIT_INJECT", spec)
-    proc = run_plait_fresh("train", *flags, "--max-restarts", "5", "--out", str(tmp_path / "soak"), timeout=900)
+    proc = run_plait("train", *flags, "--max-restarts", "5", "--out", str(tmp_path / "soak"), timeout=900)
     assert proc.returncode == 0, (spec, proc.stderr)
     assert proc.stderr.count("plait: restarting the world") == 5, spec
     assert (tmp_path / "soak" / "model.safetensors").read_bytes() == (tmp_path / "clean" / "model.safetensors").read_bytes()

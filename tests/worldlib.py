@@ -7,8 +7,9 @@ once for the whole session (tests/zygote.py), each rank with the environment pla
 spawner gives it. The `plait` command itself runs from the same pool (run_plait), its
 spawner forking its ranks from the pre-imported command; a world expected to fail runs
 that way under `plait launch`, whose messages about failing ranks are what such tests read.
-The tests of the process boundary itself (launchers, faults, restarts, elastic worlds) run
-new interpreters (run_plait_fresh). PLAIT_TEST_POOL=0 runs every world under `plait launch`
+Faulted, restarted and elastic runs use the pool too (a forked rank dies or hangs as an
+exec'd one would); the launcher tests and the whole-job signal tests start their own
+interpreters. PLAIT_TEST_POOL=0 runs every world under `plait launch`
 and every command in new interpreters.
 """
 
@@ -208,8 +209,8 @@ def run_plait(*args: str, timeout: float = 300, cwd: Path | None = None,
 
 def run_plait_fresh(*args: str, timeout: float = 300, cwd: Path | None = None,
                     env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """run_plait in new interpreters (the command and each rank exec'd): for the tests of the
-    process boundary itself (launchers, faults, restarts, elastic worlds)."""
+    """run_plait in new interpreters (the command and each rank exec'd): run_plait's fallback
+    when the pool is off (PLAIT_TEST_POOL=0) or cannot start."""
     return subprocess.run([sys.executable, "-m", "plait", *args], env=_cli_env(env_extra), cwd=cwd or ROOT,
                           capture_output=True, text=True, timeout=timeout)
 

@@ -39,6 +39,7 @@ Every cost is max(FLOPs / rate, bytes / memory bandwidth) + a fixed cost per lau
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -244,12 +245,17 @@ def host_overlapped(hw: Hardware, cost: Callable[[Hardware], float]) -> float:
 
 def block_gemm_s(config: GPTConfig, layout: Workload, hw: Hardware) -> tuple[float, float]:
     """(forward, backward) seconds of one block's GEMMs in one micro-batch on one tp rank."""
-    tokens = layout.tokens_per_micro_batch
+    return _block_gemm_s(config, layout.tokens_per_micro_batch, layout.tp, layout.precision, hw)
+
+
+@functools.lru_cache(maxsize=4096)
+def _block_gemm_s(config: GPTConfig, tokens: int, tp: int, precision: str, hw: Hardware) -> tuple[float, float]:
+    """block_gemm_s, remembered: a plan prices thousands of layouts that share a few shapes
+    (every argument is a frozen value, so equal arguments give equal seconds)."""
     # math.fsum, not sum: Python 3.12's sum compensates and 3.10's does not, and the torch-free
     # estimate must print the same digits on both.
-    fwd = math.fsum(gemm_s(g, layout.precision, hw) for g in block_gemms(config, tokens, layout.tp))
-    bwd = math.fsum(gemm_s(x, layout.precision, hw) for g in block_gemms(config, tokens, layout.tp)
-                    for x in g.backward())
+    fwd = math.fsum(gemm_s(g, precision, hw) for g in block_gemms(config, tokens, tp))
+    bwd = math.fsum(gemm_s(x, precision, hw) for g in block_gemms(config, tokens, tp) for x in g.backward())
     return fwd, bwd
 
 

@@ -7,6 +7,7 @@ touches torch.distributed, so it can be tested by feeding it each launcher's var
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -158,8 +159,11 @@ def cxx_compiler() -> tuple[str, bool]:
     return name, shutil.which(name) is not None
 
 
+@functools.cache
 def torch_release() -> tuple[int, int] | None:
-    """The installed torch's (major, minor), read without importing it; None if unreadable."""
+    """The installed torch's (major, minor), read without importing it; None if unreadable.
+    Read once a process: the packages' metadata is parsed from disk (a few ms), and a plan's
+    layouts are each checked against it."""
     import importlib.metadata
     import re
 
@@ -170,9 +174,10 @@ def torch_release() -> tuple[int, int] | None:
     return (int(found[1]), int(found[2])) if found else None
 
 
+@functools.cache
 def have_torchao() -> bool:
     """Whether torchao (plait[fp8]) is installed, found without importing it: the launcher asks
-    before spawning, where nothing imports torch, and each rank asks again."""
+    before spawning, where nothing imports torch, and each rank asks again (once a process)."""
     import importlib.util
 
     return importlib.util.find_spec("torchao") is not None
