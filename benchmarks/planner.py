@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import new_parser, write_section  # noqa: E402
 from plait.estimate.layout import stages  # noqa: E402
+from plait.estimate.ops import _block_gemm_s  # noqa: E402
 from plait.estimate.planner import alike_stages, explain, plan_layouts, plan_request, search_for  # noqa: E402
 from plait.estimate.report import layout_text  # noqa: E402
 from plait.families import shape_of  # noqa: E402
@@ -55,7 +56,7 @@ print(time.perf_counter() - start)
 
 def plan_row(model: str, gpus: int, seq: int, batch: int) -> dict:
     """Time the ranking and the explanation of one request, from cold caches."""
-    for cache in (search_for, alike_stages, stages):
+    for cache in (search_for, alike_stages, stages, _block_gemm_s):
         cache.cache_clear()
     request = plan_request(shape_of(model), gpus=gpus, global_batch=batch, seq_len=seq, hardware="h100-sxm")
     start = time.perf_counter()
