@@ -3,9 +3,11 @@ ranks uses them; either way it trains the same model as the run that never chang
 (same global batch, same samples at every step; only the reduction order differs, so the
 losses and weights agree to the parity tests' tolerances, tests/parity.py).
 
-Every run comes from the session's pool (run_plait), the faulted ones too: a rank killed by
+The runs come from the session's pool (run_plait), the faulted ones too: a rank killed by
 PLAIT_INJECT is a forked process of its own, which dies and is restarted as an exec'd one
-would be (tests/test_faults_restart.py says why that tests the same thing)."""
+would be (tests/test_faults_restart.py says why that tests the same thing). The slow tier's
+resizes start their killed worlds in new interpreters, so that a world of exec'd ranks
+hands its checkpoint to a pooled one, as a real restart with another hash seed would."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.parity import assert_losses_close, assert_params_close
-from tests.worldlib import run_plait
+from tests.worldlib import run_plait, run_plait_fresh
 
 # Global batch 8: micro-batch 2 × dp 4, or × dp 2 with --grad-accum 2.
 RUN = ["--model", "tiny", "--micro-batch", "2", "--seq-len", "16", "--eval-every", "0", "--sample-tokens", "0",
@@ -111,7 +113,7 @@ def test_the_other_pairings_of_size_and_strategy(reference, tmp_path, monkeypatc
     (n0, accum0), (n1, accum1) = before, after
     flags = [*RUN, *flags, "--grad-accum", str(accum0), "--out", str(tmp_path)]
     monkeypatch.setenv("PLAIT_INJECT", "0:1:7:KILL")
-    first = run_plait("train", *flags, "--nproc", str(n0), timeout=300)
+    first = run_plait_fresh("train", *flags, "--nproc", str(n0), timeout=300)  # exec'd: see the module's note
     assert first.returncode == 137, first.stderr
     monkeypatch.delenv("PLAIT_INJECT")
     second = run_plait("train", *flags, "--nproc", str(n1), "--resume", "auto", timeout=300)

@@ -16,8 +16,9 @@ ranks, naming failures, restarting, forwarding signals) runs unchanged; only the
 import per rank is gone. Before the spawner forks, the parent has run no tensor op either
 (plait's command line loads torch only in ranks). One difference from exec remains: forked
 processes share the parent's string-hash seed, so an order that follows a set of strings is
-the same on every rank here, where real ranks could disagree; the launcher tests and the
-whole-job signal tests exec real processes and would see that.
+the same on every rank here, where real ranks could disagree; the launcher tests, the
+whole-job signal tests and the slow tier's killed-rank restart and elastic resizes exec real
+processes and would see that.
 
 Protocol (one JSON line each way over a Unix socket, one request at a time):
     {"command": [python, script.py | "-m", "plait", ...], "env": {...}, "cwd": dir, "log": prefix}
