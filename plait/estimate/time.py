@@ -153,16 +153,14 @@ def collective_s(op: str, payload: float, n: int, hw: Hardware, inter: int | boo
     A point-to-point message or an all-to-all's crosses on the sender's own NIC."""
     if n <= 1 or payload <= 0:
         return 0.0
-    latency, bandwidth = hw.link(n, bool(inter))
-    if not inter or op not in RINGS:
-        return count * ring_latency_s(op, n, hw, inter) + ring_bytes(op, payload, n) / bandwidth
-    per_node, bandwidth = ranks_a_node(n, inter), ring_link_bandwidth(n, hw, inter)
+    bandwidth = ring_link_bandwidth(n, hw, inter) if op in RINGS else hw.link(n, bool(inter))[1]
     ring = count * ring_latency_s(op, n, hw, inter) + ring_bytes(op, payload, n) / bandwidth
-    if op != "all_reduce":
+    if op != "all_reduce" or not inter:
         return ring
-    nodes = -(-n // per_node)
-    depth = nodes.bit_length() - 1  # NCCL's log2i: the floor
-    tree = count * 2 * ((per_node - 1) * hw.latency(False) + depth * latency) + 2 * payload / (TREE_BANDWIDTH * bandwidth)
+    per_node = ranks_a_node(n, inter)
+    depth = (-(-n // per_node)).bit_length() - 1  # NCCL's log2i of the node count: the floor
+    hops = (per_node - 1) * hw.latency(False) + depth * hw.link(n, True)[0]
+    tree = count * 2 * hops + 2 * payload / (TREE_BANDWIDTH * bandwidth)
     return min(ring, tree)
 
 
