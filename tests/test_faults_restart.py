@@ -2,8 +2,8 @@
 rank's world restarts from the latest checkpoint and ends with the same bytes as a run that
 never failed (faults are injected with PLAIT_INJECT, see plait/runtime/inject.py).
 
-Every run here comes from the session's pool (run_plait): the command is forked with torch
-imported, and its spawner forks each rank. A rank is still a process of its own, so a fault
+The runs here come from the session's pool (run_plait) unless they test the exec boundary
+(below): the command is forked with torch imported, and its spawner forks each rank. A rank is still a process of its own, so a fault
 is the process's: killed, stopped or signalled, it exits or hangs as an exec'd rank would,
 and the spawner sees it through the same waits and /proc reads. The process boundary itself
 (exec'd ranks under srun, a scheduler's SIGTERM to the whole job, and a killed rank's

@@ -8,8 +8,8 @@ spawner gives it. The `plait` command itself runs from the same pool (run_plait)
 spawner forking its ranks from the pre-imported command; a world expected to fail runs
 that way under `plait launch`, whose messages about failing ranks are what such tests read.
 Faulted, restarted and elastic runs use the pool too (a forked rank dies or hangs as an
-exec'd one would); the launcher tests and the whole-job signal tests start their own
-interpreters. PLAIT_TEST_POOL=0 runs every world under `plait launch`
+exec'd one would); the launcher tests, the whole-job signal tests and the slow tier's
+killed-rank restart and elastic resizes start new interpreters. PLAIT_TEST_POOL=0 runs every world under `plait launch`
 and every command in new interpreters.
 """
 
@@ -210,7 +210,9 @@ def run_plait(*args: str, timeout: float = 300, cwd: Path | None = None,
 def run_plait_fresh(*args: str, timeout: float = 300, cwd: Path | None = None,
                     env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """run_plait in new interpreters (the command and each rank exec'd): run_plait's fallback
-    when the pool is off (PLAIT_TEST_POOL=0) or cannot start."""
+    when the pool is off (PLAIT_TEST_POOL=0) or cannot start, and the runs that must cross
+    the exec boundary (a slow killed-rank restart and elastic resizes, whose bytes are held
+    against pooled references)."""
     return subprocess.run([sys.executable, "-m", "plait", *args], env=_cli_env(env_extra), cwd=cwd or ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
