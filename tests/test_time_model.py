@@ -207,7 +207,7 @@ def test_llm_foundrys_whole_table() -> None:
     70 B parameters, 512 to 65,536 tokens), each priced as it ran and compared in the table's
     own MFU. The shapes are right: each model's parameters, with the runs' learned position
     embeddings, are the table's to 0.1%. On H100s the model holds: the median within 3% and
-    three rows in four or more within 10% (56 of 70). On A100s (80 and 40 GB) it is under, median 0.80-0.90: the
+    56 of the 70 rows within 10%, a count the test holds. On A100s (80 and 40 GB) it is under, median 0.80-0.90: the
     A100's GEMM line (70% of peak, a transfer from Hopper) is the known error, which
     Narayanan et al.'s and BLOOM's A100 rows bear out as it stands (docs/estimate.md)."""
     module = _gpu_presets()
@@ -216,7 +216,7 @@ def test_llm_foundrys_whole_table() -> None:
     assert all(int(r["params"]) == pytest.approx(r["model_params"], rel=1e-3) for r in rows)
     summary = {hw: (n, median, within) for hw, n, median, _, _, within, _, _ in module.llm_foundry_summary()}
     n, median, within = summary["h100-sxm"]
-    assert n == 70 and abs(median - 1) <= 0.03 and within >= 0.75 * n
+    assert n == 70 and abs(median - 1) <= 0.03 and within >= 56  # today's count: a row that leaves must say why
     for a100 in ("a100-80gb", "a100-40gb"):
         assert 0.80 <= summary[a100][1] <= 0.90, (a100, summary[a100])
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -111,7 +112,8 @@ class Pool:
         from plait.runtime.launch import free_port, rank_env
 
         logs = self._logs()
-        port, faults = free_port(), tempfile.mkdtemp(prefix="plait-faults-")
+        port, faults = free_port(), str(logs / "faults")  # removed with the pool's directory
+        os.mkdir(faults)
         pids = []
         for rank in range(nproc):
             rank_vars = {**rank_env(rank, nproc, port), **env, "PLAIT_FAULT_DIR": faults, "PLAIT_RESTART": "0"}
@@ -172,9 +174,11 @@ class Pool:
                 pass
 
     def close(self) -> None:
+        """Stop the zygote and remove its directory (socket, logs, the worlds' fault notes)."""
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def run_losses(out: Path) -> list[float]:
