@@ -120,3 +120,45 @@ def test_the_other_pairings_of_size_and_strategy(reference, tmp_path, monkeypatc
     assert second.returncode == 0, second.stderr
     assert [(r["world_size"], r["grad_accum"]) for r in records(tmp_path)] == [(n0, accum0)] * 5 + [(n1, accum1)] * 7
     assert_same_model(tmp_path, reference, loss_rtol=rtol, param_atol=atol)
+
+
+def _saved(tmp_path, **settings):
+    """A checkpoint's index as `plait train` writes it (what fit_world reads of it): dp 2,
+    micro-batch 2, grad-accum 2, so a global batch of 8."""
+    path = tmp_path / "step-00000002"
+    path.mkdir()
+    config = {"micro_batch": 2, "grad_accum": 2, "dp": 2, "seed": 0, "seq_len": 16, **settings}
+    (path / "index.json").write_text(json.dumps({"step": 2, "world_size": 2, "layout": {"dp": 2},
+                                                 "trainer": {"config": config}}))
+    return path
+
+
+def _resumed(path, capsys, **flags):
+    from plait.train.config.settings import build_config
+
+    config = build_config({}, {"model": "tiny", "seq_len": 16, "resume": str(path), **flags})
+    return config, capsys.readouterr().err
+
+
+def test_a_resume_keeps_the_global_batch_on_the_same_dp_and_refuses_other_samples(tmp_path, capsys, monkeypatch):
+    """Not only an elastic resume: one on the same dp with another --micro-batch or --grad-accum
+    keeps the checkpoint's global batch (said in one line), and a changed seed or sequence
+    length, which would train on other samples, is refused."""
+    from plait.errors import PlaitError
+
+    monkeypatch.setenv("RANK", "0")  # rank 0 of the world says it
+    path = _saved(tmp_path)
+    config, said = _resumed(path, capsys, nproc=2, micro_batch=2, grad_accum=2)
+    assert config.grad_accum == 2 and said == ""
+    config, said = _resumed(path, capsys, nproc=2, micro_batch=2)  # --grad-accum left at its default, 1
+    assert config.grad_accum == 2
+    assert ("plait: resume: step-00000002 was trained with a global batch of 8 samples; at --micro-batch 2 on dp=2, "
+            "--grad-accum 2 keeps it") in said
+    config, _ = _resumed(path, capsys, nproc=2, micro_batch=4)
+    assert config.grad_accum == 1
+    with pytest.raises(PlaitError, match="cannot keep the global batch of 8 samples"):
+        _resumed(path, capsys, nproc=2, micro_batch=3)
+    with pytest.raises(PlaitError, match="--seed 1 differs from the 0 that step-00000002 was trained with"):
+        _resumed(path, capsys, nproc=2, micro_batch=2, grad_accum=2, seed=1)
+    with pytest.raises(PlaitError, match="--seq-len 32 differs from the 16"):
+        _resumed(path, capsys, nproc=2, micro_batch=2, grad_accum=2, seq_len=32)

@@ -12,8 +12,11 @@ batch: it is the optimizer's step. So when a resumed run's dp differs from its c
   before any step, naming the world sizes that can.
 
 Only the reduction order differs from the run that never changed size (the losses agree to
-rounding). Torch-free: the CLI checks a restart before spawning, and the spawner asks
-`world_sizes` which smaller world it may restart on.
+rounding). The same holds when only --micro-batch or --grad-accum changed: the global batch
+is the checkpoint's whatever the flags say. What else decides which samples a step trains on,
+the seed (it shuffles the data) and the sequence length (it cuts the samples), cannot change
+on a resume: one that changes either is refused. Torch-free: the CLI checks a restart before
+spawning, and the spawner asks `world_sizes` which smaller world it may restart on.
 """
 
 from __future__ import annotations
@@ -32,12 +35,19 @@ from plait.train.checkpoint.restart import resolve
 
 @dataclass(frozen=True)
 class SavedBatch:
-    """What a checkpoint says of the run that wrote it: its world, dp and global batch."""
+    """What a checkpoint says of the run that wrote it: its world, dp, global batch, and the
+    settings that decide its samples (SAMPLE_SETTINGS)."""
 
     path: Path
     world_size: int
     dp: int
     global_batch: int
+    samples: dict[str, Any]
+
+
+# Besides the global batch, what decides the samples of each step (plait.train.data.corpus):
+# the seed shuffles them, the sequence length cuts them.
+SAMPLE_SETTINGS = ("seed", "seq_len")
 
 
 def saved_batch(checkpoint: str | Path) -> SavedBatch | None:
@@ -49,8 +59,8 @@ def saved_batch(checkpoint: str | Path) -> SavedBatch | None:
     if not saved:
         return None
     dp = int(index.get("layout", {}).get("dp") or saved.get("dp") or 1)
-    return SavedBatch(path, int(index["world_size"]), dp,
-                      int(saved["micro_batch"]) * int(saved["grad_accum"]) * dp)
+    return SavedBatch(path, int(index["world_size"]), dp, int(saved["micro_batch"]) * int(saved["grad_accum"]) * dp,
+                      {name: saved[name] for name in SAMPLE_SETTINGS if name in saved})
 
 
 def accumulation(global_batch: int, micro_batch: int, dp: int) -> int | None:
@@ -83,14 +93,18 @@ def world_sizes(global_batch: int, micro_batch: int, *, tp: int = 1, pp: int = 1
 
 
 def fit_world(config: Any) -> Any:  # TrainConfig -> TrainConfig (config.py imports this module)
-    """A resumed run whose dp differs from its checkpoint's keeps the checkpoint's global
-    batch through --grad-accum (and says so), or is refused naming the world sizes that could."""
+    """A resumed run keeps its checkpoint's samples: the same seed and sequence length, or it is
+    refused; and the checkpoint's global batch through --grad-accum when dp or the micro-batch
+    changed (said in one line), or it is refused naming the world sizes that could."""
     if not config.resume:
         return config
     saved = saved_batch(config.resume)
-    if saved is None or saved.dp == config.dp:
+    if saved is None:
         return config
+    check_same_samples(config, saved)
     layout = config.layout
+    if saved.dp == layout.dp and config.micro_batch * config.grad_accum * layout.dp == saved.global_batch:
+        return config
     accum = scheduled_accumulation(saved.global_batch, config.micro_batch, layout.dp, layout.schedule, layout.pp)
     if accum is None:
         sizes = world_sizes(saved.global_batch, config.micro_batch, tp=layout.tp, pp=layout.pp, cp=layout.cp,
@@ -100,10 +114,26 @@ def fit_world(config: Any) -> Any:  # TrainConfig -> TrainConfig (config.py impo
             f"samples that {saved.path.name} was trained with, at --micro-batch {config.micro_batch}",
             hint=f"world sizes that can: {', '.join(map(str, sizes)) or 'none at this micro-batch'}"
                  " (or change --micro-batch)")
-    _say(config, f"plait: elastic resume: {saved.path.name} was written by {saved.world_size} process(es) "
-                 f"(dp={saved.dp}); this world has {layout.world} (dp={layout.dp}): --grad-accum {accum} keeps the "
-                 f"global batch of {saved.global_batch}")
+    if saved.dp != layout.dp:
+        _say(config, f"plait: elastic resume: {saved.path.name} was written by {saved.world_size} process(es) "
+                     f"(dp={saved.dp}); this world has {layout.world} (dp={layout.dp}): --grad-accum {accum} keeps "
+                     f"the global batch of {saved.global_batch}")
+    else:
+        _say(config, f"plait: resume: {saved.path.name} was trained with a global batch of {saved.global_batch} "
+                     f"samples; at --micro-batch {config.micro_batch} on dp={layout.dp}, --grad-accum {accum} keeps it")
     return replace(config, grad_accum=accum)
+
+
+def check_same_samples(config: Any, saved: SavedBatch) -> None:
+    """A resume that changes the seed or the sequence length would train the rest of the run
+    on other samples than the run it continues: refused in one line."""
+    for name, value in saved.samples.items():
+        given = getattr(config, name)
+        if given != value:
+            flag = "--" + name.replace("_", "-")
+            raise PlaitError(f"{flag} {given} differs from the {value} that {saved.path.name} was trained with; "
+                             "the resumed run would train on other samples than the run it continues",
+                             hint=f"resume with {flag} {value}, or start a new run without --resume")
 
 
 def _say(config: Any, line: str) -> None:
