@@ -218,6 +218,31 @@ def test_bad_model_dirs_fail_with_one_line_and_a_hint(setup: dict[str, Path], tm
         assert words in lines[0], (case, err)
 
 
+def test_dropout_or_router_noise_trains_on_one_process_only(setup: dict[str, Path], tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """GPT-2's defaults (three dropouts of 0.1) on 2 processes would draw the same masks on both
+    dp ranks: refused in one line naming the fields, not the classifier heads' dropout, which
+    a causal LM never runs; on one process it trains. Mixtral's router noise likewise."""
+    from plait.families.hf.check import check_random_draws
+    from plait.models.hf.config import read_hf_dir
+
+    transformers.GPT2Config(vocab_size=256, n_embd=16, n_layer=1, n_head=2, n_positions=32).save_pretrained(
+        tmp_path / "gpt2")
+    code = main(["train", "--model", f"hf:{tmp_path / 'gpt2'}", "--data", str(setup["corpus"]), "--nproc", "2",
+                 "--seq-len", str(SEQ), "--out", str(tmp_path / "o")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 2, lines
+    assert lines[0].startswith(f"plait: error: --model hf:{tmp_path / 'gpt2'}: attn_pdrop = 0.1, embd_pdrop = 0.1, "
+                               "resid_pdrop = 0.1; random draws in the training forward"), lines
+    assert "summary_first_dropout" not in lines[0] and "or train on one process (--nproc 1)" in lines[1]
+    check_random_draws(read_hf_dir(f"hf:{tmp_path / 'gpt2'}"), 1, "gpt2")  # one process: the reference itself
+    config = json.loads((setup["dir"] / "config.json").read_text())
+    (tmp_path / "noisy").mkdir()
+    (tmp_path / "noisy" / "config.json").write_text(json.dumps({**config, "router_jitter_noise": 0.01}))
+    with pytest.raises(Exception, match="router_jitter_noise = 0.01; random draws"):
+        check_random_draws(read_hf_dir(f"hf:{tmp_path / 'noisy'}"), 4, "noisy")
+
+
 def test_export_hf_of_a_plait_gpt_checkpoint_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from plait.train.checkpoint.write import FORMAT
 

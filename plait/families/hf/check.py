@@ -8,7 +8,8 @@ torch-free (the spawner runs it). The rules, each one PlaitError naming the fix:
   must fit config.json's vocab_size (a model may have more rows than tokens, never fewer);
 - without it, raw text is bytes: vocab_size must be at least 256;
 - a prepared corpus (`plait data prepare`) must have been tokenized as the model reads
-  text: its ids must fit vocab_size, and when DIR has a tokenizer, with that tokenizer.
+  text: its ids must fit vocab_size, and when DIR has a tokenizer, with that tokenizer;
+- dropout and router noise train only in one process (`check_random_draws`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from plait.errors import PlaitError
-from plait.models.hf.config import HFModelDir, attention_dropout, read_hf_dir
+from plait.models.hf.config import HFModelDir, random_draws, read_hf_dir
 
 
 def check_hf_run(config: Any) -> HFModelDir:
@@ -31,19 +32,29 @@ def check_hf_run(config: Any) -> HFModelDir:
                              f"{hf.vocab_size:,} of config.json", hint="use the tokenizer the model was made for, "
                              f"or set vocab_size to {vocab} or more in config.json")
     _check_data(hf, config.data, spec)
+    check_random_draws(hf, config.layout.world, spec)
     if config.cp > 1:
         check_context_config(hf, config.seq_len, spec)
     return hf
 
 
+def check_random_draws(hf: HFModelDir, world: int, spec: str) -> None:
+    """Dropout masks and router noise are drawn from each rank's generator, seeded alike: dp
+    ranks draw the same masks for different samples, tp and cp ranks masks for their own
+    shards, so no layout of more than one process trains the one-process model. Refused
+    there (the split probe cannot see it: it runs the model in eval mode)."""
+    draws = random_draws(hf.config)
+    if world > 1 and draws:
+        fields = ", ".join(f"{field} = {rate:g}" for field, rate in draws)
+        raise PlaitError(f"--model {spec}: {fields}; random draws in the training forward (dropout, router noise) "
+                         f"are drawn alike on every rank, so {world} processes would not train the one-process model",
+                         hint=f"set them to 0 in {hf.path / 'config.json'}, or train on one process (--nproc 1)")
+
+
 def check_context_config(hf: HFModelDir, seq_len: int, spec: str) -> None:
-    """What context parallelism cannot honour, read from config.json: attention dropout, and a
-    sliding window shorter than the sequence (the ring attends to the whole causal past)."""
-    dropout = attention_dropout(hf.config)
-    if dropout:
-        field, rate = dropout
-        raise PlaitError(f"--model {spec}: {field} = {rate}; attention dropout is not built under context "
-                         "parallelism", hint=f"set {field} to 0 in {hf.path / 'config.json'}, or drop --cp")
+    """What context parallelism cannot honour, read from config.json: a sliding window shorter
+    than the sequence (the ring attends to the whole causal past). Attention dropout is
+    check_random_draws's, for every layout of more than one process."""
     window = hf.config.get("sliding_window")
     if window and hf.config.get("use_sliding_window", True) and window < seq_len:
         raise PlaitError(f"--model {spec} attends within a sliding window of {window} tokens, shorter than --seq-len "

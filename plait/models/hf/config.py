@@ -50,6 +50,25 @@ def attention_dropout(config: dict[str, Any]) -> tuple[str, float] | None:
     return None
 
 
+# Fields of transformers' configs that only heads other than the causal LM's read (sequence
+# classification, GPT-2's double heads): their dropout never runs in `plait train`.
+UNUSED_DROPOUT = ("classifier_dropout", "summary_first_dropout")
+# A random draw in the training forward besides dropout: Mixtral's and PhiMoE's router noise.
+ROUTER_NOISE = ("router_jitter_noise",)
+
+
+def random_draws(config: dict[str, Any]) -> list[tuple[str, float]]:
+    """(field, rate) of every random draw the config turns on in a training forward: each
+    dropout (any field spelled with "dropout" or "pdrop": attention, hidden, residual,
+    embedding, activation...) and router noise, when above 0."""
+    out = []
+    for field, value in config.items():
+        random = ("dropout" in field or "pdrop" in field or field in ROUTER_NOISE) and field not in UNUSED_DROPOUT
+        if random and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            out.append((field, float(value)))
+    return out
+
+
 def is_hf(spec: str) -> bool:
     """True for a `--model` that names a Hugging Face directory (hf:DIR)."""
     return spec.startswith(PREFIX)
