@@ -305,6 +305,17 @@ def check_microbatches(schedule: str, pp: int, microbatches: int) -> None:
                          f"to be a multiple of pp={pp}", hint=f"set --grad-accum to a multiple of {pp}")
 
 
+def check_sync_bn_accumulation(sync_bn: bool, dp: int, grad_accum: int) -> None:
+    """SyncBN normalises each global micro-batch as one: under accumulation on dp ranks that is
+    every rank's k-th micro-batch together, which the one-process run (its micro-batch k a
+    contiguous slice of the global batch) never normalises; so that split is refused."""
+    if sync_bn and dp > 1 and grad_accum > 1:
+        raise PlaitError(f"--sync-bn with --grad-accum {grad_accum} on dp={dp} would normalise each rank's k-th "
+                         "micro-batch together, a grouping no one-process run has, so it would not train the "
+                         "one-process model", hint=f"give --grad-accum 1 with a {grad_accum}× larger --micro-batch, "
+                                                   "or use fewer data ranks")
+
+
 def check_pipeline_cut(n_layers: int, pp: int, virtual_stages: int = 1, stage_layers: tuple[int, ...] = ()) -> None:
     """pp·v stages cut from a model's `n_layers` blocks: each stage needs one, and
     interleaving cuts equal chunks; or the cut --stage-layers gives (`check_stage_layers`),

@@ -121,6 +121,16 @@ def test_sync_bn_is_refused_for_a_model_without_batchnorm():
         checked(TrainConfig(model="tiny", sync_bn=True, nproc=2, dp=2, out="/tmp/plait-vision-check"))
 
 
+def test_sync_bn_under_accumulation_on_data_ranks_is_refused():
+    """Each rank's k-th micro-batch normalised together is no one-process grouping; with one
+    data rank, or without accumulation, the same flags are the one-process run."""
+    resnet = dict(model="resnet18,width=4", data="digits", sync_bn=True, out="/tmp/plait-vision-check")
+    with pytest.raises(PlaitError, match="--sync-bn with --grad-accum 2 on dp=2 would normalise each rank's k-th"):
+        checked(TrainConfig(**resnet, nproc=2, dp=2, micro_batch=16, grad_accum=2))
+    checked(TrainConfig(**resnet, nproc=2, dp=2, micro_batch=32, grad_accum=1))
+    checked(TrainConfig(**resnet, nproc=1, dp=1, micro_batch=16, grad_accum=2))
+
+
 def test_without_the_vision_extra_one_line_says_how(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 

@@ -270,6 +270,7 @@ def check_strategies(config: TrainConfig) -> None:
     if config.precision == "fp8":
         check_fp8_launch(config)
     rules.check_microbatches(layout.schedule, layout.pp, config.grad_accum)
+    rules.check_sync_bn_accumulation(config.sync_bn, layout.dp, config.grad_accum)
     rules.check_choice("optimizer-kernel", config.optimizer_kernel, rules.OPTIMIZER_KERNELS)
     if config.compile:
         rules.check_compile(layout.schedule, layout.pp)
