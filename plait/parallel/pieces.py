@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from plait.parallel.applied import applied_of
-from plait.parallel.pipeline.split import logical_parameters
+from plait.parallel.pipeline.split import is_pipeline, logical_parameters
 from plait.parallel.placement import WHOLE_ON, placement_of
 from plait.runtime.mesh import Mesh
 
@@ -30,14 +30,46 @@ class Piece:
     offsets: tuple[int, ...]
     full_shape: tuple[int, ...]
     owned: bool = True  # False: a replica; another rank writes it, this rank still loads it
+    buffer: bool = False  # a persistent buffer (BatchNorm's running statistics), not a parameter
 
 
 def local_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh) -> list[Piece]:
-    """The model's and optimizer's tensors as pieces; a strategy may override the view."""
+    """The model's and optimizer's tensors as pieces (a strategy may override the view of the
+    parameters), and the model's persistent buffers."""
     view = applied_of(model).pieces
-    if view is not None:
-        return view(model, optimizer, mesh)
-    return param_pieces(model, optimizer, mesh)
+    pieces = view(model, optimizer, mesh) if view is not None else param_pieces(model, optimizer, mesh)
+    return pieces + buffer_pieces(model, mesh)
+
+
+# The axes whose ranks hold the same buffers: every one but pp, whose stages hold their own.
+BUFFER_REPLICAS = ("dp", "cp", "tp")
+
+
+def buffer_pieces(model: nn.Module, mesh: Mesh) -> list[Piece]:
+    """Each buffer a state_dict keeps (BatchNorm's running mean, variance and count), whole,
+    written by the rank that is 0 on every axis but pp, loaded by all. No strategy splits a
+    buffer, and the data ranks hold the same ones (SyncBN computes them alike; without it rank
+    0's are broadcast, as torch DDP does), so that rank's are the run's."""
+    owned = all(mesh.rank(axis) == 0 for axis in BUFFER_REPLICAS)
+    return [Piece(f"model/{name}", buffer, (0,) * buffer.ndim, tuple(buffer.shape), owned, buffer=True)
+            for name, buffer in logical_buffers(model)]
+
+
+def logical_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(full-model name, buffer) of each persistent buffer this rank holds, named as
+    `logical_parameters` names parameters (a pipeline stage's by the whole model's names)."""
+    if not is_pipeline(model):
+        return persistent_buffers(model)
+    return [(stage.global_name(name), buffer) for stage in model for name, buffer in persistent_buffers(stage)]
+
+
+def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, buffer) of the buffers `module.state_dict()` holds: not those registered with
+    persistent=False (RoPE's tables, masks), which the model rebuilds."""
+    return [(f"{prefix}.{name}" if prefix else name, buffer)
+            for prefix, owner in module.named_modules()
+            for name, buffer in owner.named_buffers(recurse=False)
+            if name not in owner._non_persistent_buffers_set]
 
 
 def param_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh) -> list[Piece]:

@@ -107,6 +107,8 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, m
     verify_shared(reader, mesh)
     init_optimizer_state(model, optimizer)
     for piece in local_pieces(model, optimizer, mesh):
+        if piece.buffer and piece.name not in reader.tensors:
+            continue  # written before checkpoints held buffers: the model keeps its own
         block = reader.read_block(_source(reader, piece.name), piece.offsets, tuple(piece.tensor.shape),
                                   piece.full_shape)
         with torch.no_grad():
