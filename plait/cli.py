@@ -287,6 +287,9 @@ def cmd_ckpt(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     from plait.train.checkpoint import read as checkpoint_read
 
+    if args.action == "export" and not (args.hf or args.to):
+        raise PlaitError(f"{'--hf' if args.hf is not None else '--to'} needs a name",
+                         hint="--to FILE.safetensors, or --hf DIR")
     if args.action == "inspect":
         print(checkpoint_read.describe(args.path))
     elif args.hf:

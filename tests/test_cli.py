@@ -112,6 +112,9 @@ def test_every_config_field_is_a_flag():
     (["--precision", "fp4"], "unknown --precision 'fp4'"),
     (["--model", "tiny,heads=4"], "model 'tiny,heads=4': 'heads=4' is not FIELD=VALUE for a GPTConfig field"),
     (["--model", "tiny,n_kv_heads=3"], "n_kv_heads"),
+    (["--prompt", ""], "--prompt is empty: the closing sample continues it"),
+    (["--prompt", "\udcff"], "--prompt is not valid UTF-8 text"),
+    (["--sample-tokens", "99999999"], "--sample-tokens must be at most 10000, got 99999999"),
 ])
 def test_bad_input_is_one_clear_line(flags, message, tmp_path, capsys, monkeypatch):
     """Through `plait.cli.main`, which `python -m plait` calls, in this process: validation
@@ -206,3 +209,43 @@ def test_an_error_and_its_hint_reach_stderr_in_one_write(monkeypatch):
 
     _print_error(PlaitError("the corpus is empty", hint="give --data a file"), debug=False)
     assert stderr.calls == ["plait: error: rank 1: the corpus is empty\n  hint: give --data a file\n"]
+
+
+def test_what_would_lose_a_users_files_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    """A fresh run onto another run's checkpoints (it replaced and pruned them), an export over
+    a directory holding other files (it was replaced whole) or with an empty name (a file called
+    None), a config file whose keys sat beside its [train] table or twice (dropped), and a
+    spawner asked for a thousand processes: each is one line, nothing written. A re-export
+    over an earlier export, and a run that resumes, still go."""
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    run = ["train", *COMMON, "--nproc", "1", "--steps", "2", "--sample-tokens", "0", "--no-report"]
+    assert main([*run, "--save-every", "2", "--out", str(tmp_path / "a")]) == 0
+    capsys.readouterr()
+
+    def refused(argv, words):
+        assert main(argv) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 2 and lines[0].startswith("plait: error: ") and words in lines[0], lines
+
+    refused([*run, "--out", str(tmp_path / "a")], f"--out {tmp_path / 'a'} holds another run's checkpoints")
+    assert main([*run, "--out", str(tmp_path / "a"), "--resume", "auto"]) == 0
+    capsys.readouterr()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    checkpoint = str(tmp_path / "a" / "checkpoints" / "step-00000002")
+    refused(["ckpt", "export", checkpoint, "--to", str(tmp_path / "mine")], "is a directory")
+    refused(["ckpt", "export", checkpoint, "--to", ""], "--to needs a name")
+    refused(["ckpt", "export", checkpoint, "--hf", ""], "--hf needs a name")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+    assert main(["ckpt", "export", checkpoint, "--to", str(tmp_path / "w.safetensors")]) == 0
+    assert not list(tmp_path.glob(".w.safetensors.tmp-*"))
+    for name, text, words in (("beside.toml", "steps = 3\n[train]\nlr = 1e-3\n", "keys outside its [train] table"),
+                              ("twice.toml", "[train]\nmicro-batch = 4\nmicro_batch = 2\n", "gives micro_batch twice")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(PlaitError, match=words.replace("[", "\\[").replace("]", "\\]")):
+            load_toml(str(tmp_path / name))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name)
+    refused(["launch", "--nproc", "1000", str(tmp_path / "x.py")], "--nproc 1000 is more than this machine allows")
+    refused(["bench", "collectives", "--nproc", "1000"], "--nproc 1000 is more than this machine allows")

@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 from pathlib import Path
 
-from plait.errors import EXIT_INPUT, EXIT_PREEMPTED
+from plait.errors import EXIT_INPUT, EXIT_PREEMPTED, PlaitError
 from plait.runtime import console
 
 POLL_S = 0.05
@@ -69,6 +69,7 @@ def spawn(command: Sequence[str], nproc: int, max_restarts: int = 0,
           restart_command: Callable[[int], Sequence[str]] | None = None, sizes: Sequence[int] = ()) -> int:
     """Run `command` as ranks 0..nproc-1 and return the job's exit code; restart lost worlds
     (on fewer ranks, one of `sizes`, when a rank keeps failing)."""
+    check_local_nproc(nproc)
     attempt, failing = 0, set()
     with _forwarded_signals() as live:
         while True:
@@ -261,6 +262,15 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 def max_local_processes() -> int:
     """How many processes one machine may run: one per GPU, or a few per CPU core."""
     return local_gpus() or max(8, 4 * (os.cpu_count() or 1))
+
+
+def check_local_nproc(nproc: int, limit: int | None = None) -> None:
+    """The spawner starts at most `max_local_processes()` ranks on this machine (`limit` in
+    its place): a typo of --nproc 1000 is one line, not a thousand processes."""
+    limit = max_local_processes() if limit is None else limit
+    if nproc > limit:
+        raise PlaitError(f"--nproc {nproc} is more than this machine allows ({limit})",
+                         hint="use fewer processes, or launch across nodes with torchrun or srun")
 
 
 def local_gpus() -> int:

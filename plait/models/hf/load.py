@@ -86,6 +86,12 @@ def write_hf_dir(out: str | Path, config: dict, weights: dict[str, torch.Tensor]
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise PlaitError(f"--hf {out} exists and is not a directory", hint="choose a new directory name")
+    # The directory is replaced whole: only an earlier export of these same files may be there.
+    others = sorted(p.name for p in out.iterdir() if p.name not in {CONFIG, WEIGHTS, *extra}) if out.is_dir() else []
+    if others:
+        raise PlaitError(f"--hf {out} holds files an export does not write ({', '.join(others[:3])}"
+                         f"{', ...' if len(others) > 3 else ''}), which replacing it would delete",
+                         hint="choose a new directory name, or empty that one first")
     tmp, old = out.with_name(f".{out.name}.tmp-{os.getpid()}"), out.with_name(f".{out.name}.old-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:

@@ -8,6 +8,7 @@ read), a tensor the checkpoint lacks, or one of another shape.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,8 +192,19 @@ def export(path: str | Path, to: str | Path) -> int:
     """Write the model's tensors, whole, to one plain safetensors file; returns the tensor count."""
     from safetensors.torch import save_file
 
+    to = Path(to)
+    if to.is_dir():
+        raise PlaitError(f"--to {to} is a directory", hint=f"give a file name, e.g. {to / 'model.safetensors'}")
     trained = trained_model(path)
-    save_file(trained.weights, str(to), metadata={"step": str(trained.step), "source": str(trained.source)})
+    tmp = to.with_name(f".{to.name}.tmp-{os.getpid()}")  # written whole, then renamed: never half a file at `to`
+    try:
+        save_file(trained.weights, str(tmp), metadata={"step": str(trained.step), "source": str(trained.source)})
+        os.replace(tmp, to)
+    except OSError as exc:
+        raise PlaitError(f"--to {to} could not be written: {exc.strerror or exc}",
+                         hint="choose a file in a directory you can write to") from None
+    finally:
+        tmp.unlink(missing_ok=True)
     return len(trained.weights)
 
 

@@ -23,7 +23,7 @@ RANGES: dict[str, tuple[float, float | None, bool]] = {
     "seed": (0, 2**63 - 1, True), "eval_every": (0, None, True), "eval_samples": (1, None, True),
     "bucket_mb": (0, None, False), "nproc": (1, None, True), "loss_scale": (1, None, True),
     "timeout_s": (0, None, False), "save_every": (0, None, True), "keep_checkpoints": (0, None, True),
-    "sample_tokens": (0, None, True), "max_restarts": (0, None, True),
+    "sample_tokens": (0, 10_000, True), "max_restarts": (0, None, True),
     "min_nproc": (1, None, True), "prefetch": (0, None, True),
 }
 BOOL_WORDS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}

@@ -23,7 +23,7 @@ from plait.layout import Layout
 from plait.train.config.check import check_values
 from plait.train.checkpoint.elastic import fit_world
 from plait.train.checkpoint.restart import resolve_auto
-from plait.runtime.launch import max_local_processes
+from plait.runtime.launch import check_local_nproc
 
 try:
     import tomllib
@@ -174,10 +174,22 @@ def load_toml(path: str) -> dict[str, Any]:
             raw = tomllib.load(handle)
     except FileNotFoundError:
         raise PlaitError(f"config file {path} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
+    except IsADirectoryError:
+        raise PlaitError(f"config file {path} is a directory", hint="give a .toml file") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise PlaitError(f"config file {path} is not valid TOML: {exc}") from None
-    raw = raw.get("train", raw)
-    values = {key.replace("-", "_"): value for key, value in raw.items()}
+    if "train" in raw:  # the [train] table, or the top level: never both (one would be dropped)
+        if not isinstance(raw["train"], dict) or len(raw) > 1:
+            raise PlaitError(f"config file {path} has keys outside its [train] table, or a `train` that is not "
+                             "a table", hint="put every key under [train], or none")
+        raw = raw["train"]
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name in values:
+            raise PlaitError(f"config file {path} gives {name} twice (as {name} and {name.replace('_', '-')})",
+                             hint="keep one of the two spellings")
+        values[name] = value
     unknown = sorted(set(values) - set(field_names()))
     if unknown:
         raise PlaitError(f"config file {path} has unknown keys: {', '.join(unknown)}",
@@ -237,10 +249,8 @@ def validate(config: TrainConfig, family: FamilyChecks, *, local_limit: int | No
     """Every check that needs no process group; raises PlaitError naming the fix. The
     layout's rules ran when it was made (plait.rules); the model's are its family's."""
     check_values(config.to_dict(), TrainConfig, "flag")  # every range once more: a config made in code too
-    limit = local_limit if local_limit is not None else max_local_processes()
-    if config.nproc is not None and _launched_world_size() is None and config.nproc > limit:
-        raise PlaitError(f"--nproc {config.nproc} is more than this machine allows ({limit})",
-                         hint="use fewer processes, or launch across nodes with torchrun or srun")
+    if config.nproc is not None and _launched_world_size() is None:
+        check_local_nproc(config.nproc, local_limit)
     check_strategies(config)
     family.check(config)
     if config.memory_limit:
@@ -258,6 +268,34 @@ def validate(config: TrainConfig, family: FamilyChecks, *, local_limit: int | No
 
         resolve(config.resume)  # fails now, with the reason, if there is nothing to resume
     check_writable(config.out)
+    check_fresh_out(config)
+    check_prompt(config.prompt, config.sample_tokens)
+
+
+def check_prompt(prompt: str, sample_tokens: int) -> None:
+    """The closing sample continues --prompt: checked now, not after the training, when a
+    crash there would lose the run's outputs."""
+    if not sample_tokens:
+        return
+    if not prompt:
+        raise PlaitError("--prompt is empty: the closing sample continues it", hint="give some text, or --sample-tokens 0")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PlaitError("--prompt is not valid UTF-8 text", hint="give UTF-8 text, or --sample-tokens 0") from None
+
+
+def check_fresh_out(config: TrainConfig) -> None:
+    """A run that does not resume writes its checkpoints beside no other run's: it would
+    replace those of the same steps, and --keep-checkpoints would prune by step across both
+    runs, deleting the new run's own."""
+    if config.resume:
+        return
+    saved = sorted((Path(config.out) / "checkpoints").glob("step-*"))
+    if saved:
+        raise PlaitError(f"--out {config.out} holds another run's checkpoints ({saved[-1].name}); a new run there "
+                         "would replace and prune them",
+                         hint="continue that run with --resume auto, or give another --out")
 
 
 def check_strategies(config: TrainConfig) -> None:
