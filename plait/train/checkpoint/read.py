@@ -107,18 +107,34 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, m
     reader = Reader(path, verify=False)
     verify_shared(reader, mesh)
     init_optimizer_state(model, optimizer)
+    loaded = set()
     for piece in local_pieces(model, optimizer, mesh):
         if piece.buffer and piece.name not in reader.tensors:
             continue  # written before checkpoints held buffers: the model keeps its own
+        loaded.add(piece.name)
         block = reader.read_block(_source(reader, piece.name), piece.offsets, tuple(piece.tensor.shape),
                                   piece.full_shape)
         with torch.no_grad():
             piece.tensor.copy_(block.to(piece.tensor.device, piece.tensor.dtype))
+    check_every_weight_used(reader, loaded, mesh)
     if reader.index["world_size"] == mesh.env.world_size:
         state = reader.rng_state(mesh.global_rank)
         if state is not None:
             torch.set_rng_state(state)
     return {**reader.index["trainer"], "step": reader.index["step"], "path": str(reader.path)}
+
+
+def check_every_weight_used(reader: Reader, loaded: set[str], mesh: Mesh) -> None:
+    """Every model tensor of the checkpoint went into some rank's model: a checkpoint of a
+    larger model (more layers) loaded into a smaller one would otherwise drop the rest
+    without a word. One all-reduce of a flag per tensor, so every rank raises alike."""
+    names = sorted(name for name in reader.tensors if name.startswith("model/"))
+    used = torch.tensor([name in loaded for name in names], dtype=torch.int32, device=mesh.device)
+    comm.all_reduce(used, mesh.axis("world"), op="max", purpose=comm.SETUP)
+    unused = [name.removeprefix("model/") for name, flag in zip(names, used.tolist()) if not flag]
+    if unused:
+        raise PlaitError(f"checkpoint {reader.path} holds {len(unused)} tensor(s) this model has no place for, e.g. "
+                         f"{unused[0]}: it was written by another model", hint="resume with the model that wrote it")
 
 
 def _source(reader: Reader, name: str) -> str:
