@@ -237,6 +237,13 @@ def test_what_would_lose_a_users_files_is_refused_in_one_line(tmp_path, monkeypa
     checkpoint = str(tmp_path / "a" / "checkpoints" / "step-00000002")
     refused([*run, "--model", "tiny,n_layers=1", "--resume", checkpoint, "--out", str(tmp_path / "b")],
             "holds 9 tensor(s) this model has no place for, e.g. blocks.1.")  # a smaller model dropped them
+    for text, words in (("{bad", "is damaged: Expecting property name"), ("[1]", "is damaged: it has no valid format, step"),
+                        ("\udcff", "is damaged")):
+        damaged = tmp_path / "damaged" / "step-00000001"
+        damaged.mkdir(parents=True, exist_ok=True)
+        (damaged / "index.json").write_bytes(text.encode("utf-8", "surrogateescape"))
+        refused(["ckpt", "inspect", str(damaged)], f"checkpoint index {damaged / 'index.json'} {words}")
+        refused([*run, "--resume", str(damaged), "--out", str(tmp_path / "c")], words)
     refused(["ckpt", "export", checkpoint, "--to", str(tmp_path / "mine")], "is a directory")
     refused(["ckpt", "export", checkpoint, "--to", ""], "--to needs a name")
     refused(["ckpt", "export", checkpoint, "--hf", ""], "--hf needs a name")

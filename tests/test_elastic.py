@@ -128,8 +128,9 @@ def _saved(tmp_path, **settings):
     path = tmp_path / "step-00000002"
     path.mkdir()
     config = {"micro_batch": 2, "grad_accum": 2, "dp": 2, "seed": 0, "seq_len": 16, **settings}
-    (path / "index.json").write_text(json.dumps({"step": 2, "world_size": 2, "layout": {"dp": 2},
-                                                 "trainer": {"config": config}}))
+    (path / "index.json").write_text(json.dumps({"format": "plait-checkpoint/1", "step": 2, "world_size": 2,
+                                                 "layout": {"dp": 2}, "trainer": {"config": config},
+                                                 "files": {}, "tensors": {}}))
     return path
 
 

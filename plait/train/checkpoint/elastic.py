@@ -21,7 +21,6 @@ spawning, and the spawner asks `world_sizes` which smaller world it may restart 
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from dataclasses import dataclass, replace
@@ -30,7 +29,7 @@ from typing import Any
 
 from plait import rules
 from plait.errors import PlaitError
-from plait.train.checkpoint.restart import resolve
+from plait.train.checkpoint.restart import read_index, resolve
 
 
 @dataclass(frozen=True)
@@ -54,7 +53,7 @@ def saved_batch(checkpoint: str | Path) -> SavedBatch | None:
     """The checkpoint's world and global batch, read from its index (None: written without
     the trainer's config, e.g. by the Python API's own save)."""
     path = resolve(checkpoint)
-    index = json.loads((path / "index.json").read_text())
+    index = read_index(path)
     saved = index.get("trainer", {}).get("config")
     if not saved:
         return None

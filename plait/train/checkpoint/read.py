@@ -21,7 +21,7 @@ from plait.runtime import comm
 from plait.runtime.mesh import Mesh
 from plait.parallel.pieces import Piece, local_pieces
 from plait.train.checkpoint.write import FORMAT, init_optimizer_state, sha256
-from plait.train.checkpoint.restart import resolve  # where a checkpoint is (torch-free, also read before spawning)
+from plait.train.checkpoint.restart import read_index, resolve  # torch-free, also read before spawning
 
 
 class Reader:
@@ -29,7 +29,7 @@ class Reader:
 
     def __init__(self, path: str | Path, verify: bool = True):
         self.path = resolve(path)
-        self.index = json.loads((self.path / "index.json").read_text())
+        self.index = read_index(self.path)
         if self.index.get("format") != FORMAT:
             raise PlaitError(f"{self.path / 'index.json'} is not a {FORMAT} checkpoint")
         if verify:

@@ -7,10 +7,12 @@ a rank and restarted ends with the same weights, to the bit, as one that never f
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from plait.errors import PlaitError
 
@@ -36,6 +38,29 @@ def resolve(path: str | Path) -> Path:
         raise PlaitError(f"checkpoint {path} is incomplete: {path / 'index.json'} is missing",
                          hint="it was probably interrupted while saving; use the run's latest checkpoint")
     raise PlaitError(f"no checkpoint found in {path}", hint="give a step-N directory or a run's --out")
+
+
+# What every index.json holds, and the type of each (plait.train.checkpoint.write writes them).
+INDEX_FIELDS = {"format": str, "step": int, "world_size": int, "files": dict, "tensors": dict}
+
+
+def read_index(path: Path) -> dict[str, Any]:
+    """A checkpoint directory's index.json, or one error saying it is damaged (not JSON, not
+    UTF-8, or without the fields every index holds)."""
+    file = path / "index.json"
+    try:
+        index = json.loads(file.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise PlaitError(f"checkpoint index {file} cannot be read: {exc.strerror or exc}",
+                         hint="check the file's permissions and the file system") from None
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError both are
+        raise PlaitError(f"checkpoint index {file} is damaged: {exc}", hint="use an older checkpoint") from None
+    wrong = [name for name, kind in INDEX_FIELDS.items() if not isinstance(index, dict)
+             or not isinstance(index.get(name), kind)]
+    if wrong:
+        raise PlaitError(f"checkpoint index {file} is damaged: it has no valid {', '.join(wrong)}",
+                         hint="use an older checkpoint")
+    return index
 
 
 def resolve_auto(config):  # TrainConfig -> TrainConfig (no import: config.py imports this module)
