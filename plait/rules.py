@@ -72,6 +72,16 @@ def check_bucket_mb(bucket_mb: Any) -> None:
                          hint="plait's default is 25 (MiB); Megatron-Core's is max(40M, 1M x dp) parameters")
 
 
+def given_or(value: int | None, default: int, flag: str) -> int:
+    """A count the caller may leave out (None: `default`), never 0 or negative, which would
+    otherwise fall back to the default without a word."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlaitError(f"{flag} must be at least 1, got {value!r}", hint=f"leave {flag} out for {default}")
+    return value
+
+
 def check_context_split(seq_len: int, cp: int, tp: int = 1, sp: bool = False, heads: int | None = None,
                         kind: str = "ring") -> None:
     """Context parallelism's cuts: 2·cp equal chunks of each sequence; under SP, each cp rank's

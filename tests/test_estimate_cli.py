@@ -47,6 +47,22 @@ def test_hardware_file(tmp_path, capsys) -> None:
     assert json.loads(capsys.readouterr().out)["layout"]["hardware"] == "lab-a100"
 
 
+@pytest.mark.parametrize("table, message", [
+    ("memory_gb_s = nan", "memory_gb_s must be a positive number, got nan"),
+    ("gemm = 5", "gemm must be a list of rows, got 5"),
+    ('links = "x"', "links must be a list of rows, got 'x'"),
+])
+def test_a_bad_hardware_file_is_one_error(table: str, message: str, tmp_path) -> None:
+    """Values a TOML file can hold that are no hardware: refused, not a NaN step or a TypeError."""
+    path = tmp_path / "hw.toml"
+    path.write_text(f"[hardware]\n{table}\n")
+    with pytest.raises(PlaitError, match=message):
+        estimate_main(["--model", "tiny", "--dp", "2", "--hardware-file", str(path)])
+    path.write_bytes(b"\xff[hardware]\n")
+    with pytest.raises(PlaitError, match="cannot read hardware file"):
+        estimate_main(["--model", "tiny", "--hardware-file", str(path)])
+
+
 @pytest.mark.parametrize("argv, message, hint", [
     (["--model", "gpt5"], "unknown --model 'gpt5'", "llama-7b"),
     (["--model", "tiny", "--hardware", "abacus"], "unknown hardware 'abacus'", "h100-sxm"),
@@ -56,6 +72,9 @@ def test_hardware_file(tmp_path, capsys) -> None:
     (["--model", "tiny", "--precision", "fp4"], "unknown --precision 'fp4'", "fp32, bf16, fp16, fp8"),
     (["--model", "tiny", "--params", "1e6"], "not both", "--model"),
     ([], "no model given", "--model"),
+    (["--model", "tiny", "--seq-len", "0"], "--seq-len must be at least 1, got 0", "leave --seq-len out"),
+    (["--model", "tiny", "--dp", "4", "--gpus-per-node", "-3"], "--gpus-per-node must be at least 1, got -3", "8"),
+    (["--params", "nan", "--dp", "2"], "--params must be a positive number, got nan", "--params 7e9"),
 ])
 def test_bad_input(argv: list[str], message: str, hint: str) -> None:
     with pytest.raises(PlaitError) as err:

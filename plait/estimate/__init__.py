@@ -8,9 +8,11 @@ presets (hardware), each with the reasoning that produced it.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from plait.errors import PlaitError
+from plait.rules import given_or
 from plait.estimate.context import per_layer as context_per_layer
 from plait.estimate.experts import ASSUMPTIONS as EXPERT_ASSUMPTIONS, summary as experts_summary
 from plait.estimate.traffic import dp_traffic, estimate_comm, naive_comm
@@ -85,14 +87,14 @@ def estimate_layout(config: GPTConfig | None, work: Workload | None = None, *, h
     only model states and DP/ZeRO traffic can be predicted; activations, TP and PP are None.
     """
     hw = resolve_hardware(hardware)
-    node = gpus_per_node or hw.gpus_per_node
+    node = given_or(gpus_per_node, hw.gpus_per_node, "--gpus-per-node")
     if (config is None) == (params is None):
         raise PlaitError("give a model or a parameter count, not both" if config else
                          "nothing to estimate", hint="name a --model, or give --params N")
     timed = work is not None or fields.get("seq_len") is not None
     if work is None:
         default_seq = config.max_seq_len if config else 1
-        work = Workload(**{**fields, "seq_len": fields.get("seq_len") or default_seq})
+        work = Workload(**{**fields, "seq_len": given_or(fields.get("seq_len"), default_seq, "--seq-len")})
     elif fields:
         raise PlaitError(f"estimate_layout takes a Workload or its fields, not both: {', '.join(sorted(fields))}")
     if config is None:
@@ -144,7 +146,7 @@ def estimate_by_size(params: int, work: Workload, *, hardware: str | Hardware = 
 
 
 def _whole(params: object) -> int:
-    if isinstance(params, bool) or not isinstance(params, (int, float)) or params < 1:
+    if isinstance(params, bool) or not isinstance(params, (int, float)) or not math.isfinite(params) or params < 1:
         raise PlaitError(f"--params must be a positive number, got {params!r}",
                          hint="give the parameter count, e.g. --params 7e9")
     return int(params)

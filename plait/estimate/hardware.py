@@ -67,7 +67,11 @@ class Hardware:
     def __post_init__(self) -> None:
         # One order for the measured tables, so that equal profiles compare equal.
         for table in _TABLES:
-            object.__setattr__(self, table, tuple(sorted(tuple(row) for row in getattr(self, table))))
+            rows = getattr(self, table)
+            if not isinstance(rows, (list, tuple)) or not all(isinstance(row, (list, tuple)) for row in rows):
+                raise PlaitError(f"hardware {self.name!r}: {table} must be a list of rows, got {rows!r}",
+                                 hint=f"write {table} as rows, e.g. {table} = [[\"name\", 1.0]]")
+            object.__setattr__(self, table, tuple(sorted(tuple(row) for row in rows)))
         for table in _SIZED:
             for size, rate in getattr(self, table):
                 if not (isinstance(size, int) and size > 0 and isinstance(rate, (int, float))
@@ -84,7 +88,8 @@ class Hardware:
             if f.name in ("name", "queues_kernels") or f.name in _TABLES:
                 continue
             low_ok = f.name in _MAY_BE_ZERO and value == 0
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or (value <= 0 and not low_ok):
+            if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+                    or (value <= 0 and not low_ok)):
                 raise PlaitError(
                     f"hardware {self.name!r}: {f.name} must be a positive number, got {value!r}",
                     hint="fix the value in the [hardware] table",
@@ -281,7 +286,7 @@ def load_hardware(path: str | Path, base: str | None = None) -> Hardware:
     tomllib = _toml_reader()
     try:
         table = tomllib.loads(path.read_text()).get("hardware")
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise PlaitError(f"cannot read hardware file {str(path)!r}: {exc}",
                          hint="give a readable TOML file with a [hardware] table") from exc
     if not isinstance(table, dict):

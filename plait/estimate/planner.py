@@ -66,7 +66,8 @@ from plait.estimate.time import (chunk_weights, clip_s, cp_s, dp_exposed_s, ep_s
 from plait.layout import Layout
 from plait.models.gpt.config import GPTConfig
 from plait.estimate.stacks import check_stack_name
-from plait.rules import BUCKET_MB, CP_KINDS, RECOMPUTE, SCHEDULES, check_bucket_mb, check_choice, check_pipeline_cut
+from plait.rules import (BUCKET_MB, CP_KINDS, RECOMPUTE, SCHEDULES, check_bucket_mb, check_choice, check_pipeline_cut,
+                         given_or)
 
 MAX_MICRO_BATCH = 64  # larger micro-batches only add memory once the GPU is saturated
 SEARCHED_SCHEDULES = ("1f1b", "interleaved", "zb-h1")  # gpipe: 1f1b's bubble in more memory
@@ -496,8 +497,10 @@ def plan_request(config: GPTConfig, *, gpus: int, global_batch: int, hardware: s
     hw = resolve_hardware(hardware)
     if stage_layers:
         check_pipeline_cut(config.n_layers, len(stage_layers), 1, stage_layers)
-    return PlanRequest(config=config, gpus=gpus, gpus_per_node=gpus_per_node or hw.gpus_per_node,
-                       hardware=hw, global_batch=global_batch, seq_len=seq_len or config.max_seq_len,
+    return PlanRequest(config=config, gpus=gpus, gpus_per_node=given_or(gpus_per_node, hw.gpus_per_node,
+                                                                        "--gpus-per-node"),
+                       hardware=hw, global_batch=global_batch,
+                       seq_len=given_or(seq_len, config.max_seq_len, "--seq-len"),
                        precision=precision, schedules=schedules_of(schedule), offload=offload,
                        stage_layers=tuple(stage_layers), bucket_mb=bucket_mb, stack=stack)
 
