@@ -143,8 +143,8 @@ def _resumed(path, capsys, **flags):
 
 def test_a_resume_keeps_the_global_batch_on_the_same_dp_and_refuses_other_samples(tmp_path, capsys, monkeypatch):
     """Not only an elastic resume: one on the same dp with another --micro-batch or --grad-accum
-    keeps the checkpoint's global batch (said in one line), and a changed seed or sequence
-    length, which would train on other samples, is refused."""
+    keeps the checkpoint's global batch (said in one line); a changed seed or sequence length,
+    which trains on other samples from there on, is said in one line too."""
     from plait.errors import PlaitError
 
     monkeypatch.setenv("RANK", "0")  # rank 0 of the world says it
@@ -159,7 +159,18 @@ def test_a_resume_keeps_the_global_batch_on_the_same_dp_and_refuses_other_sample
     assert config.grad_accum == 1
     with pytest.raises(PlaitError, match="cannot keep the global batch of 8 samples"):
         _resumed(path, capsys, nproc=2, micro_batch=3)
-    with pytest.raises(PlaitError, match="--seed 1 differs from the 0 that step-00000002 was trained with"):
-        _resumed(path, capsys, nproc=2, micro_batch=2, grad_accum=2, seed=1)
-    with pytest.raises(PlaitError, match="--seq-len 32 differs from the 16"):
-        _resumed(path, capsys, nproc=2, micro_batch=2, grad_accum=2, seq_len=32)
+    _, said = _resumed(path, capsys, nproc=2, micro_batch=2, grad_accum=2, seed=1)
+    assert said == ("plait: resume: --seed 1 differs from the 0 that step-00000002 was trained with: the samples "
+                    "from step 3 on are not those the run would have trained on\n")
+    _, said = _resumed(path, capsys, nproc=2, micro_batch=2, grad_accum=2, seq_len=32)
+    assert "plait: resume: --seq-len 32 differs from the 16" in said
+
+
+def test_a_sync_bn_run_shrinks_only_to_worlds_without_accumulation():
+    """SyncBN refuses accumulation on more than one data rank, so the spawner's smaller worlds
+    (and the refusal's hint) leave those sizes out: batch 64 at micro-batch 16 runs on 4
+    ranks, or on 1 with accumulation, not on 2."""
+    from plait.train.checkpoint.elastic import world_sizes
+
+    assert world_sizes(64, 16) == [1, 2, 4]
+    assert world_sizes(64, 16, sync_bn=True) == [1, 4]

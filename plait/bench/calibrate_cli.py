@@ -44,8 +44,9 @@ def calibrate_main(argv: list[str]) -> int:
 
     config = get_preset(args.model)
     if "RANK" not in os.environ and args.nproc > 1:
-        from plait.runtime.launch import spawn
+        from plait.runtime.launch import check_local_nproc, spawn
 
+        check_local_nproc(args.nproc)  # NCCL puts one rank on one GPU
         return spawn([sys.executable, "-m", "plait", "calibrate", *argv], args.nproc)
     return _rank_main(args, config, tps)
 

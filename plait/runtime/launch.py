@@ -69,7 +69,7 @@ def spawn(command: Sequence[str], nproc: int, max_restarts: int = 0,
           restart_command: Callable[[int], Sequence[str]] | None = None, sizes: Sequence[int] = ()) -> int:
     """Run `command` as ranks 0..nproc-1 and return the job's exit code; restart lost worlds
     (on fewer ranks, one of `sizes`, when a rank keeps failing)."""
-    check_local_nproc(nproc)
+    check_local_nproc(nproc, cpu_process_limit())
     attempt, failing = 0, set()
     with _forwarded_signals() as live:
         while True:
@@ -260,13 +260,19 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def max_local_processes() -> int:
-    """How many processes one machine may run: one per GPU, or a few per CPU core."""
-    return local_gpus() or max(8, 4 * (os.cpu_count() or 1))
+    """How many ranks one machine may train with: one per GPU (NCCL), or a few per CPU core."""
+    return local_gpus() or cpu_process_limit()
+
+
+def cpu_process_limit() -> int:
+    """How many processes the spawner starts on one machine whatever they run (a script under
+    `plait launch` may use Gloo beside a GPU): a few per CPU core."""
+    return max(8, 4 * (os.cpu_count() or 1))
 
 
 def check_local_nproc(nproc: int, limit: int | None = None) -> None:
-    """The spawner starts at most `max_local_processes()` ranks on this machine (`limit` in
-    its place): a typo of --nproc 1000 is one line, not a thousand processes."""
+    """At most `limit` processes on this machine (`max_local_processes()` by default): a typo
+    of --nproc 1000 is one line, not a thousand processes."""
     limit = max_local_processes() if limit is None else limit
     if nproc > limit:
         raise PlaitError(f"--nproc {nproc} is more than this machine allows ({limit})",

@@ -14,8 +14,9 @@ batch: it is the optimizer's step. So when a resumed run's dp differs from its c
 Only the reduction order differs from the run that never changed size (the losses agree to
 rounding). The same holds when only --micro-batch or --grad-accum changed: the global batch
 is the checkpoint's whatever the flags say. What else decides which samples a step trains on,
-the seed (it shuffles the data) and the sequence length (it cuts the samples), cannot change
-on a resume: one that changes either is refused. Torch-free: the CLI checks a restart before
+the seed (it shuffles the data) and the sequence length (it cuts the samples), may change on
+purpose (a longer context, another order after a loss spike), never silently: rank 0 says
+that the samples from there on are another run's. Torch-free: the CLI checks a restart before
 spawning, and the spawner asks `world_sizes` which smaller world it may restart on.
 """
 
@@ -42,6 +43,7 @@ class SavedBatch:
     dp: int
     global_batch: int
     samples: dict[str, Any]
+    step: int
 
 
 # Besides the global batch, what decides the samples of each step (plait.train.data.corpus):
@@ -59,7 +61,7 @@ def saved_batch(checkpoint: str | Path) -> SavedBatch | None:
         return None
     dp = int(index.get("layout", {}).get("dp") or saved.get("dp") or 1)
     return SavedBatch(path, int(index["world_size"]), dp, int(saved["micro_batch"]) * int(saved["grad_accum"]) * dp,
-                      {name: saved[name] for name in SAMPLE_SETTINGS if name in saved})
+                      {name: saved[name] for name in SAMPLE_SETTINGS if name in saved}, int(index["step"]))
 
 
 def accumulation(global_batch: int, micro_batch: int, dp: int) -> int | None:
@@ -81,33 +83,41 @@ def scheduled_accumulation(global_batch: int, micro_batch: int, dp: int, schedul
 
 
 def world_sizes(global_batch: int, micro_batch: int, *, tp: int = 1, pp: int = 1, cp: int = 1,
-                schedule: str = "1f1b", up_to: int | None = None, ep: int = 1, dp_shard: int = 0) -> list[int]:
+                schedule: str = "1f1b", up_to: int | None = None, ep: int = 1, dp_shard: int = 0,
+                sync_bn: bool = False) -> list[int]:
     """Every world size (at most `up_to`) that keeps the global batch with this micro-batch
     and these fixed degrees: tp·pp·cp·dp for each dp that leaves a whole --grad-accum the
-    pipeline schedule accepts, that ep divides, and whose dp·cp ranks --dp-shard's groups divide."""
+    pipeline schedule accepts (and, with --sync-bn, none above 1 on more than one data rank:
+    rules.check_sync_bn_accumulation), that ep divides, and whose dp·cp ranks --dp-shard's
+    groups divide."""
     fixed = tp * pp * cp
+
+    def accepted(dp: int) -> bool:
+        accum = scheduled_accumulation(global_batch, micro_batch, dp, schedule, pp)
+        return accum is not None and not (sync_bn and dp > 1 and accum > 1)
+
     return [dp * fixed for dp in range(1, global_batch // micro_batch + 1)
             if (up_to is None or dp * fixed <= up_to) and dp % ep == 0 and (dp * cp) % (dp_shard or 1) == 0
-            and scheduled_accumulation(global_batch, micro_batch, dp, schedule, pp) is not None]
+            and accepted(dp)]
 
 
 def fit_world(config: Any) -> Any:  # TrainConfig -> TrainConfig (config.py imports this module)
-    """A resumed run keeps its checkpoint's samples: the same seed and sequence length, or it is
-    refused; and the checkpoint's global batch through --grad-accum when dp or the micro-batch
-    changed (said in one line), or it is refused naming the world sizes that could."""
+    """A resumed run keeps its checkpoint's global batch through --grad-accum when dp or the
+    micro-batch changed (said in one line), or it is refused naming the world sizes that
+    could; another seed or sequence length is said in one line (`say_other_samples`)."""
     if not config.resume:
         return config
     saved = saved_batch(config.resume)
     if saved is None:
         return config
-    check_same_samples(config, saved)
+    say_other_samples(config, saved)
     layout = config.layout
     if saved.dp == layout.dp and config.micro_batch * config.grad_accum * layout.dp == saved.global_batch:
         return config
     accum = scheduled_accumulation(saved.global_batch, config.micro_batch, layout.dp, layout.schedule, layout.pp)
     if accum is None:
         sizes = world_sizes(saved.global_batch, config.micro_batch, tp=layout.tp, pp=layout.pp, cp=layout.cp,
-                            schedule=layout.schedule, ep=layout.ep, dp_shard=layout.dp_shard)
+                            schedule=layout.schedule, ep=layout.ep, dp_shard=layout.dp_shard, sync_bn=config.sync_bn)
         raise PlaitError(
             f"{layout.world} process(es) (dp={layout.dp}) cannot keep the global batch of {saved.global_batch} "
             f"samples that {saved.path.name} was trained with, at --micro-batch {config.micro_batch}",
@@ -123,16 +133,16 @@ def fit_world(config: Any) -> Any:  # TrainConfig -> TrainConfig (config.py impo
     return replace(config, grad_accum=accum)
 
 
-def check_same_samples(config: Any, saved: SavedBatch) -> None:
-    """A resume that changes the seed or the sequence length would train the rest of the run
-    on other samples than the run it continues: refused in one line."""
+def say_other_samples(config: Any, saved: SavedBatch) -> None:
+    """A resume that changes the seed or the sequence length trains the rest of the run on
+    other samples than the run it continues would have: a choice a user may make (a longer
+    context), said in one line so that it is never a silent one."""
     for name, value in saved.samples.items():
         given = getattr(config, name)
         if given != value:
             flag = "--" + name.replace("_", "-")
-            raise PlaitError(f"{flag} {given} differs from the {value} that {saved.path.name} was trained with; "
-                             "the resumed run would train on other samples than the run it continues",
-                             hint=f"resume with {flag} {value}, or start a new run without --resume")
+            _say(config, f"plait: resume: {flag} {given} differs from the {value} that {saved.path.name} was trained "
+                         f"with: the samples from step {saved.step + 1} on are not those the run would have trained on")
 
 
 def _say(config: Any, line: str) -> None:

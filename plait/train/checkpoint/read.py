@@ -107,16 +107,20 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, m
     reader = Reader(path, verify=False)
     verify_shared(reader, mesh)
     init_optimizer_state(model, optimizer)
-    loaded = set()
+    loaded, refusal = set(), None
     for piece in local_pieces(model, optimizer, mesh):
         if piece.buffer and piece.name not in reader.tensors:
             continue  # written before checkpoints held buffers: the model keeps its own
         loaded.add(piece.name)
-        block = reader.read_block(_source(reader, piece.name), piece.offsets, tuple(piece.tensor.shape),
-                                  piece.full_shape)
+        try:
+            block = reader.read_block(_source(reader, piece.name), piece.offsets, tuple(piece.tensor.shape),
+                                      piece.full_shape)
+        except PlaitError as exc:  # another model's checkpoint: said once every rank knows (check_fits)
+            refusal = refusal or exc
+            continue
         with torch.no_grad():
             piece.tensor.copy_(block.to(piece.tensor.device, piece.tensor.dtype))
-    check_every_weight_used(reader, loaded, mesh)
+    check_fits(reader, loaded, refusal, mesh)
     if reader.index["world_size"] == mesh.env.world_size:
         state = reader.rng_state(mesh.global_rank)
         if state is not None:
@@ -124,14 +128,24 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, m
     return {**reader.index["trainer"], "step": reader.index["step"], "path": str(reader.path)}
 
 
-def check_every_weight_used(reader: Reader, loaded: set[str], mesh: Mesh) -> None:
-    """Every model tensor of the checkpoint went into some rank's model: a checkpoint of a
-    larger model (more layers) loaded into a smaller one would otherwise drop the rest
-    without a word. One all-reduce of a flag per tensor, so every rank raises alike."""
+def check_fits(reader: Reader, loaded: set[str], refusal: PlaitError | None, mesh: Mesh) -> None:
+    """The checkpoint and the model fit each other, agreed by every rank in one all-reduce (a
+    flag per model tensor of the checkpoint, and one for a rank that could not load): no
+    tensor this model needs is missing or of another shape (a smaller model's checkpoint; only
+    the ranks needing it knew), and every model tensor of the checkpoint went into some rank's
+    model (a larger model's checkpoint in fewer layers would drop the rest without a word).
+    Every rank raises alike, none is left waiting in the next collective."""
     names = sorted(name for name in reader.tensors if name.startswith("model/"))
-    used = torch.tensor([name in loaded for name in names], dtype=torch.int32, device=mesh.device)
-    comm.all_reduce(used, mesh.axis("world"), op="max", purpose=comm.SETUP)
-    unused = [name.removeprefix("model/") for name, flag in zip(names, used.tolist()) if not flag]
+    flags = torch.tensor([name in loaded for name in names] + [refusal is not None], dtype=torch.int32,
+                         device=mesh.device)
+    comm.all_reduce(flags, mesh.axis("world"), op="max", purpose=comm.SETUP)
+    *used, refused = flags.tolist()
+    if refusal is not None:
+        raise refusal
+    if refused:
+        raise PlaitError(f"checkpoint {reader.path} does not fit this model: another rank's error names the tensor",
+                         hint="it was written by another model; check --model")
+    unused = [name.removeprefix("model/") for name, flag in zip(names, used) if not flag]
     if unused:
         raise PlaitError(f"checkpoint {reader.path} holds {len(unused)} tensor(s) this model has no place for, e.g. "
                          f"{unused[0]}: it was written by another model", hint="resume with the model that wrote it")
@@ -206,6 +220,7 @@ def _layout_text(layout: dict[str, Any]) -> str:
 
 def export(path: str | Path, to: str | Path) -> int:
     """Write the model's tensors, whole, to one plain safetensors file; returns the tensor count."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     to = Path(to)
@@ -216,8 +231,8 @@ def export(path: str | Path, to: str | Path) -> int:
     try:
         save_file(trained.weights, str(tmp), metadata={"step": str(trained.step), "source": str(trained.source)})
         os.replace(tmp, to)
-    except OSError as exc:
-        raise PlaitError(f"--to {to} could not be written: {exc.strerror or exc}",
+    except (OSError, SafetensorError) as exc:  # safetensors reports a missing or read-only directory itself
+        raise PlaitError(f"--to {to} could not be written: {getattr(exc, 'strerror', None) or exc}",
                          hint="choose a file in a directory you can write to") from None
     finally:
         tmp.unlink(missing_ok=True)

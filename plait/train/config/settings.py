@@ -289,13 +289,13 @@ def check_fresh_out(config: TrainConfig) -> None:
     """A run that does not resume writes its checkpoints beside no other run's: it would
     replace those of the same steps, and --keep-checkpoints would prune by step across both
     runs, deleting the new run's own."""
-    if config.resume:
+    from plait.train.checkpoint.restart import has_checkpoint
+
+    if config.resume or not has_checkpoint(config.out):  # --resume auto's test, and the restarts'
         return
-    saved = sorted((Path(config.out) / "checkpoints").glob("step-*"))
-    if saved:
-        raise PlaitError(f"--out {config.out} holds another run's checkpoints ({saved[-1].name}); a new run there "
-                         "would replace and prune them",
-                         hint="continue that run with --resume auto, or give another --out")
+    latest = (Path(config.out) / "checkpoints" / "latest").resolve().name
+    raise PlaitError(f"--out {config.out} holds another run's checkpoints (latest: {latest}); a new run there "
+                     "would replace and prune them", hint="continue that run with --resume auto, or give another --out")
 
 
 def check_strategies(config: TrainConfig) -> None:
