@@ -5,23 +5,28 @@ carriage return and leaves the cursor at its end, so a line another process writ
 (rank 1's error, the spawner's "rank 1 exited ...") would continue the bar's line. So the
 bar draws through `BarStream`, which marks in the world's scratch folder (PLAIT_FAULT_DIR,
 made by plait's spawner) that it left a line open; `say` starts its line with a newline
-when the mark is there, and takes the mark away (removing a file is atomic: of two
-processes saying something at once, one adds the newline). Without that folder (one
-process, torchrun) there is no mark: the bar is closed, with its newline, before the
-process's own error is printed.
+when the mark is there, and takes the mark away. Both hold a lock on a file beside the mark
+(flock) from looking at the mark until their text is flushed: without it, a rank that found
+no mark could write just after the bar's next redraw (tqdm redraws from its own thread) and
+continue its line. Without that folder (one process, torchrun) there is no mark: the bar is
+closed, with its newline, before the process's own error is printed.
 
 No torch here: the spawner and the CLI import this.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
 FOLDER_ENV = "PLAIT_FAULT_DIR"  # the spawner's scratch folder for this world (plait.runtime.launch)
 MARK = "line-open"  # the file there that says the bar's line is not finished
+LOCK = "console.lock"  # the file beside it that the bar and `say` lock while they write
 
 
 def mark_in(folder: str | Path | None) -> Path | None:
@@ -42,12 +47,16 @@ class BarStream:
     def write(self, text: str) -> int:
         if self.mark is None or not text:
             return self.stream.write(text)
-        if text.endswith("\n"):  # closed (tqdm's close): the line is finished
+        with _locked(self.mark):
+            if text.endswith("\n"):  # closed (tqdm's close): the line is finished
+                written = self.stream.write(text)
+                self.stream.flush()
+                _quietly(self.mark.unlink, missing_ok=True)
+                return written
+            _quietly(self.mark.touch)
             written = self.stream.write(text)
-            _quietly(self.mark.unlink, missing_ok=True)
+            self.stream.flush()  # stderr holds a line without its newline: out now, under the lock
             return written
-        _quietly(self.mark.touch)  # before the write: a line said meanwhile gets a newline too many, never too few
-        return self.stream.write(text)
 
     def flush(self) -> None:
         self.stream.flush()
@@ -71,8 +80,43 @@ def say(text: str, mark: Path | None = None, stream: TextIO | None = None) -> No
     write of a short line to a pipe is atomic."""
     mark = mark if mark is not None else _job_mark()
     stream = stream if stream is not None else sys.stderr
-    stream.write(_fresh_line(mark) + text + "\n")
-    stream.flush()
+    with _locked(mark):
+        stream.write(_fresh_line(mark) + text + "\n")
+        stream.flush()
+
+
+LOCK_WAIT_S = 1.0  # a holder stopped (SIGSTOP) mid-write never makes another process wait longer
+
+
+@contextlib.contextmanager
+def _locked(mark: Path | None) -> Iterator[None]:
+    """The job's console lock (an flock on LOCK beside `mark`), held for the block: waited for
+    at most LOCK_WAIT_S, then the block runs without it (the lock orders lines, it must never
+    hang a process). Nothing without a mark, or where the folder is gone or flock is missing."""
+    handle = None
+    if mark is not None:
+        try:
+            import fcntl
+
+            handle = open(mark.parent / LOCK, "a")
+            deadline = time.monotonic() + LOCK_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.001)
+        except (OSError, ImportError):
+            if handle is not None:
+                handle.close()
+            handle = None
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.close()  # closing the file releases its lock
 
 
 def _fresh_line(mark: Path | None) -> str:
