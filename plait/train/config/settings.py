@@ -22,7 +22,7 @@ from plait.errors import PlaitError
 from plait.layout import Layout
 from plait.train.config.check import check_values
 from plait.train.checkpoint.elastic import fit_world
-from plait.train.checkpoint.restart import resolve_auto
+from plait.train.checkpoint.restart import has_checkpoint, resolve, resolve_auto
 from plait.runtime.launch import check_local_nproc
 
 try:
@@ -264,8 +264,6 @@ def validate(config: TrainConfig, family: FamilyChecks, *, local_limit: int | No
     if config.save_every < 0 or config.keep_checkpoints < 0:
         raise PlaitError("--save-every and --keep-checkpoints cannot be negative")
     if config.resume:
-        from plait.train.checkpoint.restart import resolve
-
         resolve(config.resume)  # fails now, with the reason, if there is nothing to resume
     check_writable(config.out)
     check_fresh_out(config)
@@ -289,8 +287,6 @@ def check_fresh_out(config: TrainConfig) -> None:
     """A run that does not resume writes its checkpoints beside no other run's: it would
     replace those of the same steps, and --keep-checkpoints would prune by step across both
     runs, deleting the new run's own."""
-    from plait.train.checkpoint.restart import has_checkpoint
-
     if config.resume or not has_checkpoint(config.out):  # --resume auto's test, and the restarts'
         return
     latest = (Path(config.out) / "checkpoints" / "latest").resolve().name
