@@ -22,10 +22,12 @@ __all__ = ["apply_pipeline", "parallelize"]
 
 
 def parallelize(model: nn.Module, mesh: Mesh, config: compose.ParallelConfig | None = None,
-                adapter: Any = None) -> nn.Module:
+                adapter: Any = None, source: Any = None) -> nn.Module:
     """Apply the configured strategies to `model`; return what this rank trains (the model,
-    or with pp > 1 this rank's pipeline stages). See plait.parallel.compose.apply_layout."""
-    return compose.apply_layout(model, mesh, config, adapter=adapter or adapter_for(model))
+    or with pp > 1 this rank's pipeline stages). A model on the meta device is filled from
+    `source` (a tensor's name -> its values), this rank's part only. See
+    plait.parallel.compose.apply_layout."""
+    return compose.apply_layout(model, mesh, config, adapter=adapter or adapter_for(model), source=source)
 
 
 def apply_pipeline(model: nn.Module, mesh: Mesh, *, virtual_stages: int | None = None,

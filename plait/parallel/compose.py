@@ -42,15 +42,19 @@ from plait.parallel.compiled import apply_compile
 from plait.parallel.fp8 import apply_fp8
 from plait.parallel.context.plan import apply_context_parallel, context_of
 from plait.parallel.data.sync import apply_data_parallel, grad_sync
+from plait.parallel.deferred import is_meta
 from plait.parallel.expert.dispatch import take_formula
 from plait.parallel.expert.plan import apply_expert_parallel, expert_axis
 from plait.parallel import probe
 from plait.parallel.masters import MasterOptimizer
+from plait.parallel.materialize import Source, materialize
+from plait.parallel.probe_copy import reduced_copy
 from plait.parallel.pipeline.runner import apply_pipeline
 from plait.parallel.pipeline.split import is_pipeline
 from plait.parallel.recompute import apply_recompute
 from plait.parallel.seam import ModelAdapter, adapter_of
 from plait.parallel.data.syncbn import convert_sync_batchnorm
+from plait.parallel.tensor.layers import sum_grad_over
 from plait.parallel.tensor.plan import apply_tensor_parallel, tensor_parallel_of
 from plait.parallel.zero.stages import apply_zero, zero_of
 from plait.parallel.zero.optim import ZeroOptimizer
@@ -100,7 +104,7 @@ class ParallelConfig:
 
 
 def apply_layout(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = None,
-                 adapter: ModelAdapter | None = None) -> nn.Module:
+                 adapter: ModelAdapter | None = None, source: Source | None = None) -> nn.Module:
     """Apply the strategies of `mesh.layout` to `model`; return what this rank trains.
     (`plait.parallelize` is the public entry: it first finds a transformers model's adapter.)
 
@@ -110,11 +114,24 @@ def apply_layout(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = N
     `adapter` tells the strategies what the model is made of (plait.parallel.seam: its
     blocks, where to cut it, its tp plan); by default the model's class says, or its module
     lists do. `config.tp_plan`, when given, replaces the adapter's plan.
+
+    A model on the meta device (plait.parallel.deferred) is cut as it is, and then this
+    rank's part of each tensor is filled from `source` (a name -> the whole tensor), on the
+    device, before data parallelism or ZeRO: no rank ever holds the whole model. Its split is
+    checked on a copy cut to one block of each kind (plait.parallel.probe_copy).
     """
     config, layout = config or ParallelConfig(), mesh.layout
     check_recompute(layout, config.recompute)
     adapter = adapter_of(model, adapter)
+    meta = is_meta(model)
+    if meta and source is None:
+        raise PlaitError(f"{type(model).__name__} is on the meta device, and parallelize was given no source "
+                         "of its weights", hint="pass source=, a function from a tensor's name to its values "
+                                                "(e.g. the draw_named of plait.parallel.deferred.build_deferred)")
     splits = _splits_to_check(model, mesh)
+    if splits and meta:
+        _check_on_a_copy(model, mesh, config, adapter, source, splits)
+        splits = ""
     if splits and not _on_device_for_probe(model, mesh.device):
         splits = ""
     tokens = probe.probe_tokens(mesh.size("tp") if layout.sp else 1, mesh.size("cp"))
@@ -142,7 +159,8 @@ def apply_layout(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = N
                              hint="pass the whole model to parallelize: it cuts the stages itself")
         # TP broadcasts the whole model over tp before slicing it, so it moves to the device
         # first (NCCL sends device memory); without TP only this rank's stages move.
-        model.to(mesh.device)
+        if not meta:
+            model.to(mesh.device)
         apply_tensor_parallel(model, mesh.axis("tp"), plan=config.tp_plan, sp=layout.sp, adapter=adapter)
     if mesh.size(EXPERT) > 1 and expert_axis(model) is None:
         if cut:
@@ -160,6 +178,8 @@ def apply_layout(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = N
         apply_fp8(adapter.blocks(model), config.fp8, mesh.device)
     if mesh.size("pp") > 1 and not cut:
         model = apply_pipeline(model, mesh, virtual_stages=layout.virtual_stages, adapter=adapter)
+    if meta:
+        materialize(model, mesh.device, source)
     model.to(mesh.device)
     if layout.zero == 0:
         apply_data_parallel(model, mesh.axis(SYNC), bucket_mb=config.bucket_mb, reduce_dtype=config.reduce_dtype,
@@ -171,6 +191,31 @@ def apply_layout(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = N
                    reshard_after_forward=layout.reshard_after_forward, expert_axis=mesh.axis(EXPERT_SYNC),
                    replicate_axis=mesh.axis(REPLICATE))
     return model
+
+
+def _check_on_a_copy(model: nn.Module, mesh: Mesh, config: ParallelConfig, adapter: ModelAdapter,
+                     source: Source, splits: str) -> None:
+    """The probe's check of cp, tp and ep on a copy of the meta model with one block of each
+    kind, filled from `source` under the model's names; the parameters whose gradient the
+    check finds partial over tp are summed in every block of their kind of the model too."""
+    twin = reduced_copy(model, adapter)
+    materialize(twin.model, mesh.device, lambda name: source(twin.original(name)))
+    tokens = probe.probe_tokens(mesh.size("tp") if mesh.layout.sp else 1, mesh.size("cp"))
+    whole = probe.record(twin.model, adapter, tokens)
+    if mesh.size("cp") > 1:
+        apply_context_parallel(twin.model, mesh.axis("cp"), mesh.layout.cp_kind, adapter)
+    if mesh.size("tp") > 1:
+        apply_tensor_parallel(twin.model, mesh.axis("tp"), plan=config.tp_plan, sp=mesh.layout.sp, adapter=adapter)
+    if mesh.size(EXPERT) > 1:
+        apply_expert_parallel(twin.model, mesh.axis(EXPERT), adapter)
+    partial = probe.check(twin.model, whole, mesh.axis("world"), tp=mesh.axis("tp"), sp=mesh.layout.sp,
+                          what=splits, device=mesh.device)
+    params = dict(model.named_parameters())
+    for name in partial:
+        for alike in twin.alike(twin.original(name)):
+            sum_grad_over(params[alike], mesh.axis("tp"))
+    if whole is not None:
+        take_formula(twin.model)  # the probe's expert dispatches are set-up, as its ledger entries are
 
 
 def _splits_to_check(model: nn.Module, mesh: Mesh) -> str:

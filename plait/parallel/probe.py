@@ -106,13 +106,13 @@ def record(model: nn.Module, adapter: Any, tokens: int) -> Probe | None:
 
 
 def check(model: nn.Module, probe: Probe | None, world: Axis, *, tp: Axis, sp: bool, what: str,
-          device: torch.device) -> None:
+          device: torch.device) -> list[str]:
     """Refuse, on every rank alike, a split model whose output on the probe batch is not the
     whole model's, or whose small parameters' gradients are not (see the module docstring);
     a replicated parameter whose gradient is partial over tp gets it summed. `what` names the
-    split ("tp 2 + sp")."""
+    split ("tp 2 + sp"). Returns the names of those parameters."""
     if probe is None:
-        return
+        return []
     start, before = time.perf_counter(), world.ledger.snapshot()
     order: list[str] = []
     outputs: dict[str, list[torch.Tensor]] = {}
@@ -139,9 +139,10 @@ def check(model: nn.Module, probe: Probe | None, world: Axis, *, tp: Axis, sp: b
     first, flags = -int(verdict[0]), verdict[1:].cpu().tolist()
     if first < NOT_FOUND:
         raise _refusal(model, probe, first, failed, what)
-    _sum_partial_grads(model, probe, flags, tp, what)
+    partial = _sum_partial_grads(model, probe, flags, tp, what)
     seconds = probe.seconds + time.perf_counter() - start
     log.info("%s checked against the whole model on a probe of %d tokens in %.2f s", what, probe.tokens, seconds)
+    return partial
 
 
 OK, PARTIAL, DIFFERENT = 0, 1, 2  # a small parameter's gradient after the split
@@ -177,7 +178,7 @@ def _grad_flags(model: nn.Module, probe: Probe, final: torch.Tensor | None, view
     return flags
 
 
-def _sum_partial_grads(model: nn.Module, probe: Probe, flags: list[int], tp: Axis, what: str) -> None:
+def _sum_partial_grads(model: nn.Module, probe: Probe, flags: list[int], tp: Axis, what: str) -> list[str]:
     """Refuse a parameter whose gradient differs; sum over tp those whose gradient is partial."""
     names = list(probe.grads)
     different = [name for name, flag in zip(names, flags) if flag == DIFFERENT]
@@ -193,6 +194,7 @@ def _sum_partial_grads(model: nn.Module, probe: Probe, flags: list[int], tp: Axi
     if partial:
         log.info("%s: %s act on split activations and the plan does not sum their gradients over tp: "
                  "plait sums them (measured on the probe)", what, ", ".join(partial))
+    return partial
 
 
 def _weighted(output: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -14,9 +14,11 @@ tokenizer.json when the run had them. It is written under a temporary name and r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -53,7 +55,8 @@ def build_hf_model(hf: HFModelDir, seed: int) -> nn.Module:
             _say_what_was_not_loaded(hf, info)
         else:
             config = transformers.AutoConfig.from_pretrained(str(hf.path), local_files_only=True)
-            model = auto.from_config(config)
+            with _initialised_even_on_meta():
+                model = auto.from_config(config)
     except PlaitError:
         raise
     except Exception as exc:  # noqa: BLE001 - transformers and safetensors raise their own types
@@ -61,6 +64,25 @@ def build_hf_model(hf: HFModelDir, seed: int) -> nn.Module:
                          hint="check config.json and the safetensors files (load them with from_pretrained)") from None
     model.config.use_cache = False  # training keeps no key/value cache
     return model.float().train()  # from_pretrained returns eval mode; the trainer casts to --precision
+
+
+@contextlib.contextmanager
+def _initialised_even_on_meta() -> Iterator[None]:
+    """transformers skips `_init_weights` when it sees the meta device (it expects weights to
+    be loaded); plait's meta build (plait.parallel.deferred) records that initialisation, so
+    the weights drawn later are `from_config`'s. Elsewhere this changes nothing: the check it
+    quiets answers None for the host already."""
+    import transformers.modeling_utils as utils
+
+    check = getattr(utils, "get_torch_context_manager_or_global_device", None)
+    if check is None:  # another release: its own rule stands (the meta build then says so)
+        yield
+        return
+    utils.get_torch_context_manager_or_global_device = lambda: None
+    try:
+        yield
+    finally:
+        utils.get_torch_context_manager_or_global_device = check
 
 
 def _say_what_was_not_loaded(hf: HFModelDir, info: dict) -> None:

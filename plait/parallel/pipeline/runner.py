@@ -37,6 +37,7 @@ from plait.parallel.tensor.plan import tensor_parallel_of
 from plait.parallel.zero.stages import zero_of
 from plait.rules import SPLIT_BACKWARD, check_microbatches, check_split_backward
 from plait.runtime import comm
+from plait.parallel.deferred import is_meta
 from plait.runtime.mesh import Mesh
 
 __all__ = ["PipelineRunner", "PipelineStage", "PipelineStats", "apply_pipeline", "check_pipeline",
@@ -60,7 +61,9 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, *, virtual_stages: int | None =
     seq_split = info.axis.size if info is not None and info.sp else 1
     stages = split_stages(model, pp, virtual_stages=virtual_stages, balance=balance, seq_split=seq_split,
                           adapter=adapter)
-    held = rank_stages(stages, mesh.rank("pp"), pp).to(mesh.device)
+    held = rank_stages(stages, mesh.rank("pp"), pp)
+    if not is_meta(held):  # a meta model's stages are materialised on the device by parallelize
+        held.to(mesh.device)
     # The stage list carries what was applied to the whole model (tp, cp, ep): the same record.
     hand_over(model, held, mesh.axis("pp"))
     return held

@@ -73,6 +73,9 @@ def _as_linear_weight(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
     return weight.t() if transposed else weight
 
 
+SUMS_GRAD = "plait_sums_grad"  # the hook sum_grad_over set on a parameter
+
+
 def sum_grad_over(param: nn.Parameter, axis: Axis) -> None:
     """Sum `param`'s gradient over `axis` in backward, before it is accumulated.
 
@@ -87,9 +90,9 @@ def sum_grad_over(param: nn.Parameter, axis: Axis) -> None:
         comm.all_reduce(total, axis)
         return total
 
-    if not getattr(param, "plait_sums_grad", None):
+    if not getattr(param, SUMS_GRAD, None):
         param.register_hook(hook)
-        param.plait_sums_grad = hook  # ZeRO-3 puts it on the views it gathers (zero/shard.py: FlatGroup.show)
+        setattr(param, SUMS_GRAD, hook)  # ZeRO-3 puts it on the views it gathers (zero/shard.py: FlatGroup.show)
 
 
 def enter_region(x: torch.Tensor, axis: Axis, sequence_parallel: bool, regather: bool = True) -> torch.Tensor:

@@ -84,7 +84,8 @@ def apply_tensor_parallel(model: nn.Module, axis: Axis, *, plan: dict[str, str] 
         return model
     check_divisible(model, styles, axis.size)
     for tensor in [*model.parameters(), *model.buffers()]:
-        comm.broadcast(tensor.data, axis, purpose=comm.SETUP)  # the slices come from one model
+        if not tensor.is_meta:  # a meta model's slices are filled later, from one source on every rank
+            comm.broadcast(tensor.data, axis, purpose=comm.SETUP)  # the slices come from one model
     _swap_layers(model, styles, axis, sp, regather)
     fix_up = getattr(adapter, "after_tensor_parallel", None)
     if callable(fix_up):

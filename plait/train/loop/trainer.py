@@ -15,6 +15,7 @@ The loop imports no strategy: what `parallelize` applied runs through plait.para
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from pathlib import Path
@@ -25,7 +26,9 @@ import torch
 from plait.api import parallelize
 from plait.errors import EXIT_PREEMPTED, PlaitError, Preempted
 from plait.parallel.compose import adamw_kernel, build_optimizer
+from plait.parallel.deferred import build_deferred
 from plait.parallel.executor import Executor
+from plait.parallel.materialize import Source
 from plait.parallel.precision import StepGuard, param_dtype
 from plait.bench.meter import ActivationMeter, model_state_bytes
 from plait.runtime import comm
@@ -39,6 +42,24 @@ from plait.train.observe.metrics import Metrics
 from plait.train.checkpoint.preempt import Preemption
 from plait.train.checkpoint.restart import restart_count
 from plait.train.loop.task import Task
+
+log = logging.getLogger(__name__)
+
+
+def build_on_meta(task: Task, seed: int) -> tuple[torch.nn.Module, Source | None]:
+    """The task's model on the meta device, and the source of its one-process weights (the
+    seed's draws replayed a tensor at a time: plait.parallel.deferred); a task that says it
+    cannot (`meta_build = False`), or a build that cannot be replayed, is built whole (source
+    None), as before, and the log says why."""
+    torch.manual_seed(seed)
+    if getattr(task, "meta_build", True):
+        try:
+            model, deferred = build_deferred(lambda: task.build_model(seed))
+            return model, deferred.draw_named
+        except PlaitError as why:
+            log.info("the model is built whole on every rank: %s", why.message)
+            torch.manual_seed(seed)
+    return task.build_model(seed), None
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
@@ -57,11 +78,13 @@ class Trainer:
     def __init__(self, config: TrainConfig, mesh: Mesh, task: Task):
         mesh = mesh.with_layout(**config.layout.as_dict())  # the run's layout on the mesh's groups (same degrees)
         self.config, self.mesh, self.task = config, mesh, task
-        torch.manual_seed(config.seed)
-        # The full model is built from the seed on every rank, then split: the same initial
-        # weights whatever the layout. With pp > 1 parallelize returns this rank's stages.
-        model = task.build_model(config.seed).to(param_dtype(config.precision))  # fp32 masters: the optimizer's
-        self.model = parallelize(model, mesh, config.parallel_config(), adapter=task.adapter(model))
+        # The model is built on the meta device, split, and only then given values: each rank
+        # draws each tensor whole from the seed, as one process would, and keeps its part, so
+        # the initial weights are the same whatever the layout. With pp > 1 parallelize
+        # returns this rank's stages.
+        model, source = build_on_meta(task, config.seed)
+        model = model.to(param_dtype(config.precision))  # fp32 masters: the optimizer's
+        self.model = parallelize(model, mesh, config.parallel_config(), adapter=task.adapter(model), source=source)
         self.optimizer = build_optimizer(self.model, torch.optim.AdamW, lr=config.lr, betas=(0.9, 0.95),
                                          weight_decay=config.weight_decay,
                                          **adamw_kernel(config.optimizer_kernel, mesh.device))

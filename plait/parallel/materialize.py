@@ -1,0 +1,89 @@
+"""Give a model split on the meta device its values: each rank allocates only what it holds.
+
+`parallelize` cuts a model built on the meta device (plait.parallel.deferred) as it would cut
+a real one: tensor and expert parallelism replace layers by their slices, the pipeline keeps
+this rank's stages. Nothing has memory yet. `materialize` then walks what this rank holds,
+by the whole model's names (a pipeline stage's "layers.0" is the model's "layers.4"), asks
+a source for each tensor whole, keeps the part the parameter's placement says this rank
+holds (plait.parallel.placement: the one record of how a parameter is split), and puts it on
+the device. One tensor is whole at a time, so a rank's peak is its share plus the largest
+tensor, never the model.
+
+A source is a function from a name to the whole tensor on the host: the seed's replay
+(`Deferred.draw_named`), a safetensors file's slices, a checkpoint. Tied parameters (one
+Parameter under two names) are filled once and stay tied; the attributes strategies set on
+a parameter (its placement, its gradient hooks) move to the new one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from plait.errors import PlaitError
+from plait.parallel.pipeline.split import is_pipeline
+from plait.parallel.placement import placement_of
+from plait.parallel.tensor.layers import SUMS_GRAD
+
+Source = Callable[[str], torch.Tensor]
+
+
+def logical_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(the whole model's name, tensor) for every parameter and buffer this rank holds,
+    non-persistent buffers (rotary tables) included; a tied one once, by its first name."""
+    if not is_pipeline(model):
+        return _named(model, lambda name: name)
+    out, seen = [], set()
+    for stage in model:
+        for name, tensor in _named(stage, lambda name, stage=stage: stage.replica_of.get(name, stage.global_name(name))):
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                out.append((name, tensor))
+    return out
+
+
+def _named(module: nn.Module, rename: Callable[[str], str]) -> list[tuple[str, torch.Tensor]]:
+    return [(rename(name), tensor) for name, tensor in [*module.named_parameters(), *module.named_buffers()]]
+
+
+def materialize(model: nn.Module, device: torch.device, source: Source) -> int:
+    """Replace every meta parameter and buffer of `model` by this rank's part of `source(name)`
+    on `device`, in its dtype; return the bytes allocated. Parameters stay Parameters (same
+    requires_grad and attributes) wherever the model holds them."""
+    replaced: dict[int, torch.Tensor] = {}
+    for name, tensor in logical_tensors(model):
+        if tensor.is_meta:
+            replaced[id(tensor)] = _filled(tensor, name, source, device)
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for key, tensor in table.items():
+                if tensor is not None and id(tensor) in replaced:
+                    table[key] = replaced[id(tensor)]
+    left = [name for name, tensor in logical_tensors(model) if tensor.is_meta]
+    if left:
+        raise PlaitError(f"{len(left)} tensor(s) stayed on the meta device, e.g. {left[0]}",
+                         hint="a module holds it outside its parameters and buffers; build this model whole")
+    return sum(t.numel() * t.element_size() for t in replaced.values())
+
+
+def _filled(tensor: torch.Tensor, name: str, source: Source, device: torch.device) -> torch.Tensor:
+    """This rank's part of `name`'s whole tensor, as `tensor` (meta) is shaped and typed."""
+    whole = source(name)
+    placement = placement_of(tensor) if isinstance(tensor, nn.Parameter) else None
+    part = placement.take(whole) if placement is not None and placement.splits else whole
+    if tuple(part.shape) != tuple(tensor.shape):
+        raise PlaitError(f"{name}: the source gives {tuple(whole.shape)}, of which this rank's part is "
+                         f"{tuple(part.shape)}, and the split model holds {tuple(tensor.shape)}",
+                         hint="the weights belong to another config; use the pair that was saved together")
+    part = part.to(device=device, dtype=tensor.dtype).contiguous()
+    del whole
+    if not isinstance(tensor, nn.Parameter):
+        return part
+    param = nn.Parameter(part, requires_grad=tensor.requires_grad)
+    param.__dict__.update(tensor.__dict__)  # placement, gradient hooks a strategy set
+    hook = param.__dict__.get(SUMS_GRAD)
+    if hook is not None:  # a tensor hook lives with the tensor: set it on the new one too
+        param.register_hook(hook)
+    return param
