@@ -47,12 +47,12 @@ from plait.parallel.expert.dispatch import take_formula
 from plait.parallel.expert.plan import apply_expert_parallel, expert_axis
 from plait.parallel import probe
 from plait.parallel.masters import MasterOptimizer
-from plait.parallel.materialize import Source, materialize
-from plait.parallel.probe_copy import reduced_copy
+from plait.parallel.materialize import Source, materialize, placeholders
+from plait.parallel.probe_copy import ReducedCopy, reduced_copy, register_stand_in
 from plait.parallel.pipeline.runner import apply_pipeline
 from plait.parallel.pipeline.split import is_pipeline
 from plait.parallel.recompute import apply_recompute
-from plait.parallel.seam import ModelAdapter, adapter_of
+from plait.parallel.seam import ModelAdapter, adapter_of, tensor_plan
 from plait.parallel.data.syncbn import convert_sync_batchnorm
 from plait.parallel.tensor.layers import sum_grad_over
 from plait.parallel.tensor.plan import apply_tensor_parallel, tensor_parallel_of
@@ -129,8 +129,10 @@ def apply_layout(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = N
                          "of its weights", hint="pass source=, a function from a tensor's name to its values "
                                                 "(e.g. the draw_named of plait.parallel.deferred.build_deferred)")
     splits = _splits_to_check(model, mesh)
-    if splits and meta:
-        _check_on_a_copy(model, mesh, config, adapter, source, splits)
+    tp_plan = config.tp_plan
+    if meta and (splits or (mesh.size("pp") > 1 and not is_pipeline(model))):
+        twin = _stand_in(model, mesh, adapter, source)
+        tp_plan = _check_on_a_copy(model, twin, mesh, config, adapter, splits) if splits else tp_plan
         splits = ""
     if splits and not _on_device_for_probe(model, mesh.device):
         splits = ""
@@ -161,7 +163,7 @@ def apply_layout(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = N
         # first (NCCL sends device memory); without TP only this rank's stages move.
         if not meta:
             model.to(mesh.device)
-        apply_tensor_parallel(model, mesh.axis("tp"), plan=config.tp_plan, sp=layout.sp, adapter=adapter)
+        apply_tensor_parallel(model, mesh.axis("tp"), plan=tp_plan, sp=layout.sp, adapter=adapter)
     if mesh.size(EXPERT) > 1 and expert_axis(model) is None:
         if cut:
             raise PlaitError("expert parallelism is applied to the whole model, before the pipeline cut",
@@ -178,7 +180,10 @@ def apply_layout(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = N
         apply_fp8(adapter.blocks(model), config.fp8, mesh.device)
     if mesh.size("pp") > 1 and not cut:
         model = apply_pipeline(model, mesh, virtual_stages=layout.virtual_stages, adapter=adapter)
-    if meta:
+    fill = None  # ZeRO-3 fills its shards from the source itself: no rank holds its share whole
+    if meta and layout.zero == 3:
+        fill = placeholders(model, mesh.device, source)
+    elif meta:
         materialize(model, mesh.device, source)
     model.to(mesh.device)
     if layout.zero == 0:
@@ -189,23 +194,34 @@ def apply_layout(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = N
         apply_zero(model, mesh.axis(SHARD), stage=layout.zero, offload=layout.offload, bucket_mb=config.bucket_mb,
                    units=units, reduce_dtype=config.reduce_dtype, prefetch=layout.prefetch,
                    reshard_after_forward=layout.reshard_after_forward, expert_axis=mesh.axis(EXPERT_SYNC),
-                   replicate_axis=mesh.axis(REPLICATE))
+                   replicate_axis=mesh.axis(REPLICATE), fill=fill)
     return model
 
 
-def _check_on_a_copy(model: nn.Module, mesh: Mesh, config: ParallelConfig, adapter: ModelAdapter,
-                     source: Source, splits: str) -> None:
-    """The probe's check of cp, tp and ep on a copy of the meta model with one block of each
-    kind, filled from `source` under the model's names; the parameters whose gradient the
-    check finds partial over tp are summed in every block of their kind of the model too."""
+def _stand_in(model: nn.Module, mesh: Mesh, adapter: ModelAdapter, source: Source) -> ReducedCopy:
+    """A copy of the meta model with one block of each kind, filled from `source` under the
+    model's names, that runs the checks needing a forward in its place (plait.parallel.probe_copy)."""
     twin = reduced_copy(model, adapter)
     materialize(twin.model, mesh.device, lambda name: source(twin.original(name)))
+    register_stand_in(model, twin.model)
+    return twin
+
+
+def _check_on_a_copy(model: nn.Module, twin: ReducedCopy, mesh: Mesh, config: ParallelConfig,
+                     adapter: ModelAdapter, splits: str) -> dict[str, str] | None:
+    """The probe's check of cp, tp and ep on the meta model's stand-in; the parameters whose
+    gradient it finds partial over tp are summed in every block of their kind of the model
+    too. Returns the tp plan for the model: the one found on the whole stand-in (an SP plan's
+    regions are found by a forward), widened to every block."""
     tokens = probe.probe_tokens(mesh.size("tp") if mesh.layout.sp else 1, mesh.size("cp"))
     whole = probe.record(twin.model, adapter, tokens)
+    plan = config.tp_plan
+    if mesh.size("tp") > 1 and plan is None:
+        plan = tensor_plan(twin.model, adapter, mesh.size("tp"), mesh.layout.sp)
     if mesh.size("cp") > 1:
         apply_context_parallel(twin.model, mesh.axis("cp"), mesh.layout.cp_kind, adapter)
     if mesh.size("tp") > 1:
-        apply_tensor_parallel(twin.model, mesh.axis("tp"), plan=config.tp_plan, sp=mesh.layout.sp, adapter=adapter)
+        apply_tensor_parallel(twin.model, mesh.axis("tp"), plan=plan, sp=mesh.layout.sp, adapter=adapter)
     if mesh.size(EXPERT) > 1:
         apply_expert_parallel(twin.model, mesh.axis(EXPERT), adapter)
     partial = probe.check(twin.model, whole, mesh.axis("world"), tp=mesh.axis("tp"), sp=mesh.layout.sp,
@@ -216,6 +232,7 @@ def _check_on_a_copy(model: nn.Module, mesh: Mesh, config: ParallelConfig, adapt
             sum_grad_over(params[alike], mesh.axis("tp"))
     if whole is not None:
         take_formula(twin.model)  # the probe's expert dispatches are set-up, as its ledger entries are
+    return twin.widen(plan) if plan is not None and config.tp_plan is None else config.tp_plan
 
 
 def _splits_to_check(model: nn.Module, mesh: Mesh) -> str:

@@ -118,6 +118,7 @@ class _Recorder(TorchDispatchMode):
         self.constants: list[torch.Tensor] = []  # keeps the host tensors an op read alive
         # Every storage made is kept alive, so its address (the key) is never given to another.
         self.alive: list[torch.Tensor] = []
+        self.scratch = torch.empty(0, dtype=torch.uint8)  # what random draws run on (_draw_scratch)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -188,9 +189,14 @@ class _Recorder(TorchDispatchMode):
 
     def _draw_scratch(self, func: Any, args: tuple, kwargs: dict) -> None:
         """Run a random op once on host tensors shaped as its meta arguments (values do not
-        matter: only the generator's advance does, which depends on shapes and dtypes)."""
+        matter: only the generator's advance does, which depends on shapes and dtypes). The
+        tensor drawn into is a view of one reused buffer: a fresh tensor per draw leaves the
+        host allocator holding about the model's size in freed pieces it never returns."""
+        target = args[0] if args and isinstance(args[0], torch.Tensor) and args[0].is_meta else None
 
         def scratch(value: Any) -> Any:
+            if value is target:
+                return self._scratch_view(value)
             if isinstance(value, torch.Tensor) and value.is_meta:
                 return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype).fill_(0.5)
             return value
@@ -198,6 +204,16 @@ class _Recorder(TorchDispatchMode):
         with torch.utils._python_dispatch._disable_current_modes():
             func(*tree_map(scratch, args), **tree_map(scratch, {**kwargs, "device": torch.device("cpu")}
                                                         if "device" in kwargs else kwargs))
+
+    def _scratch_view(self, like: torch.Tensor) -> torch.Tensor:
+        """A host tensor with `like`'s shape, strides and offset, in the reused scratch buffer."""
+        extent = like.storage_offset() + sum((n - 1) * st for n, st in zip(like.shape, like.stride())) + 1
+        needed = extent * like.element_size() if like.numel() else 0
+        if self.scratch.numel() < needed:
+            self.scratch = torch.empty(0, dtype=torch.uint8)  # the old one goes before the new one comes
+            self.scratch = torch.empty(needed, dtype=torch.uint8)
+        flat = self.scratch[:needed].view(like.dtype) if needed else torch.empty(0, dtype=like.dtype)
+        return flat.as_strided(like.shape, like.stride(), like.storage_offset())
 
 
 def _reads_itself(func: Any, args: tuple, target: torch.Tensor) -> bool:
@@ -239,9 +255,20 @@ class Deferred:
         return self._draw(_ref(tensor, self._histories))
 
     def _draw(self, ref: Ref) -> torch.Tensor:
-        """Replays leave torch's generator as they found it (the run seeds its own draws)."""
+        """Replays leave torch's generator as they found it (the run seeds its own draws). A
+        tensor that is its whole storage is returned as replayed, without a copy."""
         with torch.random.fork_rng(devices=[]), torch.no_grad():
-            return self._view(self._replay(ref.key, ref.version, {}), ref).clone()
+            base = self._replay(ref.key, ref.version, {})
+            view = self._view(base, ref)
+            whole = view.is_contiguous() and view.storage_offset() == 0 and \
+                view.numel() * view.element_size() == base.untyped_storage().nbytes()
+            return view if whole and not self._is_constant(base) else view.clone()
+
+    def _is_constant(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is a host value the build read (an op that returns its input can
+        hand one back): the caller must get a copy, or a later draw would see its changes."""
+        key = tensor.untyped_storage()._cdata
+        return any(c.untyped_storage()._cdata == key for c in self._constants)
 
     def _replay(self, key: int, version: int, memo: dict) -> torch.Tensor:
         """The storage `key` after its first `version` entries, as a flat byte-exact tensor

@@ -9,10 +9,14 @@ holds (plait.parallel.placement: the one record of how a parameter is split), an
 the device. One tensor is whole at a time, so a rank's peak is its share plus the largest
 tensor, never the model.
 
+ZeRO-3 keeps less than that share: `placeholders` gives each parameter a handle with its
+shape and one element of memory instead, and returns what draws a handle's part, from
+which ZeRO fills only its shard (plait.parallel.zero.stages).
+
 A source is a function from a name to the whole tensor on the host: the seed's replay
-(`Deferred.draw_named`), a safetensors file's slices, a checkpoint. Tied parameters (one
-Parameter under two names) are filled once and stay tied; the attributes strategies set on
-a parameter (its placement, its gradient hooks) move to the new one.
+(`Deferred.draw_named`), a safetensors file, a checkpoint. Tied parameters (one Parameter
+under two names) are filled once and stay tied; the attributes strategies set on a
+parameter (its placement, its gradient hooks) move to the new one.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from plait.parallel.placement import placement_of
 from plait.parallel.tensor.layers import SUMS_GRAD
 
 Source = Callable[[str], torch.Tensor]
+Fill = Callable[[nn.Parameter], torch.Tensor]  # a placeholder parameter -> this rank's part, whole, on its device
 
 
 def logical_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -52,24 +57,55 @@ def materialize(model: nn.Module, device: torch.device, source: Source) -> int:
     """Replace every meta parameter and buffer of `model` by this rank's part of `source(name)`
     on `device`, in its dtype; return the bytes allocated. Parameters stay Parameters (same
     requires_grad and attributes) wherever the model holds them."""
-    replaced: dict[int, torch.Tensor] = {}
+    made = _replace(model, lambda name, tensor: _parameter(tensor, _part(tensor, name, source, device)))
+    return sum(t.numel() * t.element_size() for t in made.values())
+
+
+def placeholders(model: nn.Module, device: torch.device, source: Source) -> Fill:
+    """Fill `model`'s meta buffers and frozen parameters (ZeRO shards only what trains); make
+    each other meta parameter a handle (its shape and dtype, one element of memory); return
+    what gives a handle's part (this rank's, whole) on `device`."""
+    names: dict[int, str] = {}
+
+    def handle(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if not isinstance(tensor, nn.Parameter) or not tensor.requires_grad:
+            return _parameter(tensor, _part(tensor, name, source, device))
+        param = _parameter(tensor, torch.zeros((), dtype=tensor.dtype, device=device))
+        param.data = param.data.expand(tensor.shape)
+        names[id(param)] = name
+        return param
+
+    _replace(model, handle)
+
+    def fill(param: nn.Parameter) -> torch.Tensor:
+        if id(param) not in names:
+            raise PlaitError("a parameter to fill is not one of the model's placeholders",
+                             hint="fill the parameters placeholders() made")
+        return _part(param, names[id(param)], source, device)
+
+    return fill
+
+
+def _replace(model: nn.Module, make: Callable[[str, torch.Tensor], torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Swap each meta tensor for `make(name, tensor)` wherever a module holds it; a tied one once."""
+    made: dict[int, torch.Tensor] = {}
     for name, tensor in logical_tensors(model):
         if tensor.is_meta:
-            replaced[id(tensor)] = _filled(tensor, name, source, device)
+            made[id(tensor)] = make(name, tensor)
     for module in model.modules():
         for table in (module._parameters, module._buffers):
             for key, tensor in table.items():
-                if tensor is not None and id(tensor) in replaced:
-                    table[key] = replaced[id(tensor)]
+                if tensor is not None and id(tensor) in made:
+                    table[key] = made[id(tensor)]
     left = [name for name, tensor in logical_tensors(model) if tensor.is_meta]
     if left:
         raise PlaitError(f"{len(left)} tensor(s) stayed on the meta device, e.g. {left[0]}",
                          hint="a module holds it outside its parameters and buffers; build this model whole")
-    return sum(t.numel() * t.element_size() for t in replaced.values())
+    return made
 
 
-def _filled(tensor: torch.Tensor, name: str, source: Source, device: torch.device) -> torch.Tensor:
-    """This rank's part of `name`'s whole tensor, as `tensor` (meta) is shaped and typed."""
+def _part(tensor: torch.Tensor, name: str, source: Source, device: torch.device) -> torch.Tensor:
+    """This rank's part of `name`'s whole tensor, shaped and typed as `tensor`, on `device`."""
     whole = source(name)
     placement = placement_of(tensor) if isinstance(tensor, nn.Parameter) else None
     part = placement.take(whole) if placement is not None and placement.splits else whole
@@ -77,12 +113,15 @@ def _filled(tensor: torch.Tensor, name: str, source: Source, device: torch.devic
         raise PlaitError(f"{name}: the source gives {tuple(whole.shape)}, of which this rank's part is "
                          f"{tuple(part.shape)}, and the split model holds {tuple(tensor.shape)}",
                          hint="the weights belong to another config; use the pair that was saved together")
-    part = part.to(device=device, dtype=tensor.dtype).contiguous()
-    del whole
-    if not isinstance(tensor, nn.Parameter):
-        return part
-    param = nn.Parameter(part, requires_grad=tensor.requires_grad)
-    param.__dict__.update(tensor.__dict__)  # placement, gradient hooks a strategy set
+    return part.to(device=device, dtype=tensor.dtype).contiguous()
+
+
+def _parameter(like: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """`data` as `like` was: a Parameter with its requires_grad, attributes and gradient hook."""
+    if not isinstance(like, nn.Parameter):
+        return data
+    param = nn.Parameter(data, requires_grad=like.requires_grad)
+    param.__dict__.update(like.__dict__)  # placement, gradient hooks a strategy set
     hook = param.__dict__.get(SUMS_GRAD)
     if hook is not None:  # a tensor hook lives with the tensor: set it on the new one too
         param.register_hook(hook)

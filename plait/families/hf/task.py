@@ -46,10 +46,9 @@ class HFTask(LanguageTask):
         self.model_config = measured_shape(self.hf) if self.hf.shape_or_none() is not None else None
         self.num_params = self.model_config.num_params() if self.model_config else 0  # exact once built
         self._tokenizer: Any = None
-        # Built whole on every rank, then split: the declared plans' checks (the pipeline cut,
-        # SP's regions) run the whole model's forward, which a meta model cannot. Its meta
-        # build itself draws from_config's weights exactly (tests/test_deferred.py).
-        self.meta_build = False
+        # From the seed: built on the meta device, each rank filling its share (plait.parallel.
+        # deferred). Pretrained weights are still loaded whole by from_pretrained, then split.
+        self.meta_build = not self.hf.weights
 
     def build_model(self, seed: int) -> nn.Module:
         from plait.models.hf.experts import declared_experts, install_routing_stats

@@ -31,6 +31,7 @@ from plait.errors import PlaitError
 from plait.models.hf import context as hf_context, stages as hf_stages
 from plait.models.hf.hooks import split_sequence_around
 from plait.models.hf.styles import check_config, for_sequence_parallel, plait_plan, probe_input
+from plait.parallel.probe_copy import stand_in
 from plait.parallel.seam import GenericAdapter, Parts, StageView
 from plait.runtime.comm import Axis
 
@@ -68,10 +69,10 @@ class DeclaredPlanAdapter:
             log.info("pp: %s declares no pp_plan; cutting it as inferred: %s", type(model).__name__, ", ".join(plan))
         config = _text_config(model)
         parts = hf_stages.declared_parts(model, plan)
-        maskless = hf_stages.check_kinds(model, config, parts.blocks)
-        head = hf_stages.OwnHead(model)
-        hf_stages.check_cut(model, parts, config, head, maskless)
-        self._parts, self._config, self._head, self._maskless = parts, config, head, maskless
+        real = stand_in(model)  # a meta model's checks run a copy with values (plait.parallel.probe_copy)
+        maskless = hf_stages.check_kinds(real, config, parts.blocks)
+        hf_stages.check_cut(real, parts, config, hf_stages.OwnHead(real), maskless)
+        self._parts, self._config, self._head, self._maskless = parts, config, hf_stages.OwnHead(model), maskless
         return parts
 
     def run_stage(self, stage: StageView, x: torch.Tensor) -> torch.Tensor:

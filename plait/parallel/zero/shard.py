@@ -15,7 +15,8 @@ The optimizer that steps a shard is in optim.py.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -59,6 +60,21 @@ def pack(params: Sequence[nn.Parameter], n: int) -> torch.Tensor:
     flat = torch.zeros(shard_size(numel, n) * n, dtype=params[0].dtype, device=params[0].device)
     flat[:numel].copy_(torch.cat([p.detach().reshape(-1) for p in params]))
     return flat
+
+
+def filled_shard(params: Sequence[nn.Parameter], n: int, rank: int,
+                 whole: Callable[[nn.Parameter], torch.Tensor]) -> torch.Tensor:
+    """Rank `rank`'s shard of what `pack(params, n)` would hold, without the buffer: each
+    parameter that reaches into the shard is asked of `whole` (its values, whole) in turn and
+    its part copied in, so one parameter is whole at a time. The padding is zero, as pack's."""
+    sizes = [p.numel() for p in params]
+    size = shard_size(sum(sizes), n)
+    shard = torch.zeros(size, dtype=params[0].dtype, device=params[0].device)
+    starts = list(itertools.accumulate([0, *sizes]))
+    for index, start, stop in owned_pieces(sizes, n, rank):
+        values = whole(params[index]).reshape(-1)
+        shard[start - rank * size:stop - rank * size].copy_(values[start - starts[index]:stop - starts[index]])
+    return shard
 
 
 @dataclass

@@ -60,7 +60,9 @@ from plait.parallel.data.sync import follow_rank0_buffers, grad_sync
 from plait.parallel.pipeline.split import is_pipeline, logical_parameters, tied_copies
 from plait.parallel.zero.hooks import ZeroSync
 from plait.parallel.zero.optim import checkpoint_pieces
-from plait.parallel.zero.shard import FlatGroup, ShardAxes, bucket_params, find_units, pack, unit_owners
+from plait.parallel.materialize import Fill
+from plait.parallel.zero.shard import (FlatGroup, ShardAxes, bucket_params, filled_shard, find_units, pack,
+                                       shard_size, unit_owners)
 from plait.runtime import comm
 from plait.runtime.comm import Axis
 from plait.runtime.mesh import SYNC
@@ -72,7 +74,7 @@ SHARD_PARAM = "plait_shard"  # stage 3: the name under which a unit's shard is r
 def apply_zero(model: nn.Module, axis: Axis, *, stage: int, offload: bool = False, bucket_mb: float = rules.BUCKET_MB,
                units: Sequence[nn.Module] | None = None, reduce_dtype: torch.dtype | None = None,
                prefetch: int = 1, reshard_after_forward: bool = True, expert_axis: Axis | None = None,
-               replicate_axis: Axis | None = None) -> nn.Module:
+               replicate_axis: Axis | None = None, fill: Fill | None = None) -> nn.Module:
     """Shard `model`'s states over `axis` with ZeRO `stage` 1, 2 or 3 (in place).
 
     Build the optimizer with plait.build_optimizer, which returns the sharded one (its state
@@ -85,23 +87,32 @@ def apply_zero(model: nn.Module, axis: Axis, *, stage: int, offload: bool = Fals
     (one gather less, the whole model held at the turn). `replicate_axis` (hybrid sharding,
     --dp-shard): `axis` is then one group of shard ranks, and the ranks of `replicate_axis`
     hold the same shards, summing their gradients after each reduce-scatter.
+
+    `fill` (stage 3; plait.parallel.materialize.placeholders): the parameters are handles
+    with a shape and no values, and each rank fills only its shards, a parameter whole at a
+    time, from what `fill` gives: no rank ever holds a unit whole at setup, and nothing is
+    broadcast (every rank fills from the same source).
     """
     rules.check_zero3_gathers(stage, prefetch, reshard_after_forward, 2 if is_pipeline(model) else 1)
     if stage not in (1, 2, 3):
         raise PlaitError(f"apply_zero takes stage 1, 2 or 3, got {stage}", hint="stage 0 is apply_data_parallel")
     if grad_sync(model) is not None:
         raise PlaitError("this model already has data parallelism or ZeRO applied", hint="apply one of them, once")
+    if fill is not None and stage != 3:
+        raise PlaitError(f"ZeRO-{stage} holds whole parameters: it cannot fill shards from placeholders",
+                         hint="materialize the model (plait.parallel.materialize), then apply_zero")
     axes = ShardAxes.of_model(model, axis, expert_axis, replicate_axis)
     for each in axes.over.values():
         check_backend(each, stage, next(model.parameters()).device)
-    for tensor in [*model.parameters(), *model.buffers()]:  # over the replicas too: every rank alike
+    filled = list(model.buffers()) if fill is not None else [*model.parameters(), *model.buffers()]
+    for tensor in filled:  # over the replicas too: every rank alike
         for over in filter(None, (axes.replicate_of(tensor), axes.axis(tensor))):
             comm.broadcast(tensor.data, over, purpose=comm.SETUP)
     logical = logical_parameters(model)
     chunks = list(model) if is_pipeline(model) else [model]
     chunk_of = {p: k for k, chunk in enumerate(chunks) for p in chunk.parameters()}
     alone = tied_copies(model)
-    sync = (_shard_units(model, axes, units, chunks, alone) if stage == 3
+    sync = (_shard_units(model, axes, units, chunks, alone, fill) if stage == 3
             else _shard_buckets(chunks, axes, stage, bucket_mb, alone))
     sync.offload, sync.tied, sync.reduce_dtype = offload, alone, reduce_dtype
     sync.prefetch, sync.reshard_after_forward = prefetch, reshard_after_forward
@@ -167,7 +178,7 @@ def _shard_buckets(chunks: list[nn.Module], axes: ShardAxes, stage: int, bucket_
 
 
 def _shard_units(model: nn.Module, axes: ShardAxes, units: Sequence[nn.Module] | None, chunks: list[nn.Module],
-                 alone: list[nn.Parameter]) -> ZeroSync:
+                 alone: list[nn.Parameter], fill: Fill | None = None) -> ZeroSync:
     """Stage 3: each unit's parameters become one shard Parameter per replicate axis (two when
     the unit holds expert parameters too: a group per axis, each the previous one's
     companion), plus views gathered on demand.
@@ -189,7 +200,7 @@ def _shard_units(model: nn.Module, axes: ShardAxes, units: Sequence[nn.Module] |
     owner, where = unit_owners(model, modules)
     groups: list[FlatGroup] = []
     for k, module in [(-1, model), *enumerate(modules)]:
-        unit = [_unit_group(len(groups) + i, kind, axes, module, where)
+        unit = [_unit_group(len(groups) + i, kind, axes, module, where, fill)
                 for i, kind in enumerate(axes.kinds([p for p, u in owner.items() if u == k]))]
         for group, companion in zip(unit, unit[1:]):
             group.companion = companion
@@ -213,14 +224,20 @@ def _shard_units(model: nn.Module, axes: ShardAxes, units: Sequence[nn.Module] |
 
 
 def _unit_group(index: int, members: list[nn.Parameter], axes: ShardAxes, module: nn.Module,
-                where: list[tuple[nn.Module, str, nn.Parameter]]) -> FlatGroup:
+                where: list[tuple[nn.Module, str, nn.Parameter]], fill: Fill | None = None) -> FlatGroup:
     """Pack one replicate axis's parameters of a unit; keep this rank's shard as a Parameter of
     `module`; the originals keep only their shape, and leave the modules that held them
-    (`where`: every registration), whose attributes the gathered views fill in."""
+    (`where`: every registration), whose attributes the gathered views fill in. With `fill`
+    the shard is filled from it, and the gathered buffer is never written at setup."""
     axis = axes.axis(members[0])
-    flat = pack(members, axis.size).requires_grad_()
-    size = flat.numel() // axis.size
-    shard = nn.Parameter(flat.detach()[axis.rank * size:(axis.rank + 1) * size].clone())
+    if fill is None:
+        flat = pack(members, axis.size).requires_grad_()
+        size = flat.numel() // axis.size
+        shard = nn.Parameter(flat.detach()[axis.rank * size:(axis.rank + 1) * size].clone())
+    else:  # torch.empty: its pages are never touched before _free drops them
+        size = shard_size(sum(p.numel() for p in members), axis.size)
+        flat = torch.empty(size * axis.size, dtype=members[0].dtype, device=members[0].device).requires_grad_()
+        shard = nn.Parameter(filled_shard(members, axis.size, axis.rank, fill))
     name = shard_param_name(axes.replicated_over(members[0]))
     module.register_parameter(name, shard)
     slot = {id(p): i for i, p in enumerate(members)}
