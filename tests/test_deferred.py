@@ -12,7 +12,7 @@ from plait.models.gpt.config import get_preset
 from plait.models.gpt.model import GPT, build_gpt
 from plait.models.resnet.config import get_resnet
 from plait.models.resnet.model import ResNet
-from plait.parallel.deferred import build_deferred, is_meta
+from plait.parallel.deferred import CannotDefer, build_deferred, is_meta
 from plait.parallel.materialize import materialize
 from plait.parallel.placement import Placement, Split, place, placement_of
 from plait.parallel.probe_copy import reduced_copy
@@ -86,7 +86,7 @@ class _ReadsItsDraw(nn.Module):
 
 
 def test_a_build_that_reads_values_on_the_host_is_refused_in_one_line():
-    with pytest.raises(PlaitError, match="cannot be built on the meta device") as refused:
+    with pytest.raises(CannotDefer, match="cannot be built on the meta device") as refused:
         build_deferred(_ReadsItsDraw)
     assert "whole" in refused.value.hint
 
@@ -133,3 +133,55 @@ def test_the_probes_copy_keeps_one_block_of_each_kind_under_the_models_names():
     whole = build_gpt(config, seed=2)
     assert torch.equal(twin.model.blocks[1].mlp.experts.down_proj, whole.blocks[1].mlp.experts.down_proj)
     assert is_meta(meta)  # the model itself is untouched
+
+
+def test_a_draw_is_the_callers_own_copy():
+    """A later draw of the same tensor (the probe's copy and the model each draw theirs) is
+    not changed by what the first caller did to its draw."""
+    meta, deferred = build_deferred(lambda: build_gpt(get_preset("tiny"), seed=4))
+    first = deferred.draw_named("embed.weight")
+    expected = first.clone()
+    first.add_(1.0)
+    assert torch.equal(deferred.draw_named("embed.weight"), expected)
+    assert torch.equal(deferred.draw_named("rope_cos"), deferred.draw_named("rope_cos"))
+
+
+def test_placeholders_fill_frozen_parameters_and_buffers_and_leave_handles():
+    """ZeRO-3's way: a trainable parameter becomes a one-element handle with its shape, and
+    the fill gives its values; frozen parameters (MoE's balancing bias) and buffers are filled."""
+    from plait.parallel.materialize import placeholders
+
+    config = get_preset("tiny-moe")
+    whole = build_gpt(config, seed=9)
+    meta, deferred = build_deferred(lambda: build_gpt(config, seed=9))
+    fill = placeholders(meta, torch.device("cpu"), deferred.draw_named)
+    assert not is_meta(meta)
+    q = meta.blocks[0].attn.q_proj.weight
+    assert q.shape == whole.blocks[0].attn.q_proj.weight.shape and q.untyped_storage().nbytes() == 4
+    assert torch.equal(fill(q), whole.blocks[0].attn.q_proj.weight)
+    bias = meta.blocks[0].mlp.expert_bias
+    assert not bias.requires_grad and torch.equal(bias, whole.blocks[0].mlp.expert_bias)
+    assert torch.equal(meta.rope_sin, whole.rope_sin)
+    with pytest.raises(PlaitError, match="not one of the model's placeholders"):
+        fill(nn.Parameter(torch.zeros(2)))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8])
+def test_a_shard_filled_a_parameter_at_a_time_is_the_packed_buffers(n):
+    """filled_shard gives each rank what pack then cutting gives, padding included."""
+    from plait.parallel.zero.shard import filled_shard, pack
+
+    torch.manual_seed(n)
+    params = [nn.Parameter(torch.randn(shape)) for shape in [(3, 5), (7,), (2, 2, 2), (1,)]]
+    flat = pack(params, n)
+    size = flat.numel() // n
+    asked = []
+
+    def whole(param: nn.Parameter) -> torch.Tensor:
+        asked.append(param)
+        return param.detach()
+
+    for rank in range(n):
+        asked.clear()
+        assert torch.equal(filled_shard(params, n, rank, whole), flat[rank * size:(rank + 1) * size])
+        assert len(asked) <= len(params)  # only the parameters that reach into the shard

@@ -48,7 +48,7 @@ from plait.parallel.expert.plan import apply_expert_parallel, expert_axis
 from plait.parallel import probe
 from plait.parallel.masters import MasterOptimizer
 from plait.parallel.materialize import Source, materialize, placeholders
-from plait.parallel.probe_copy import ReducedCopy, reduced_copy, register_stand_in
+from plait.parallel.probe_copy import ReducedCopy, drop_stand_in, reduced_copy, register_stand_in
 from plait.parallel.pipeline.runner import apply_pipeline
 from plait.parallel.pipeline.split import is_pipeline
 from plait.parallel.recompute import apply_recompute
@@ -128,7 +128,7 @@ def apply_layout(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = N
         raise PlaitError(f"{type(model).__name__} is on the meta device, and parallelize was given no source "
                          "of its weights", hint="pass source=, a function from a tensor's name to its values "
                                                 "(e.g. the draw_named of plait.parallel.deferred.build_deferred)")
-    splits = _splits_to_check(model, mesh)
+    splits, built = _splits_to_check(model, mesh), model
     tp_plan = config.tp_plan
     if meta and (splits or (mesh.size("pp") > 1 and not is_pipeline(model))):
         twin = _stand_in(model, mesh, adapter, source)
@@ -185,6 +185,7 @@ def apply_layout(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = N
         fill = placeholders(model, mesh.device, source)
     elif meta:
         materialize(model, mesh.device, source)
+    drop_stand_in(built)  # the checks that needed it have run
     model.to(mesh.device)
     if layout.zero == 0:
         apply_data_parallel(model, mesh.axis(SYNC), bucket_mb=config.bucket_mb, reduce_dtype=config.reduce_dtype,

@@ -44,6 +44,19 @@ _OVERWRITES = {aten.uniform_.default, aten.normal_.default, aten.fill_.Scalar, a
                aten.bernoulli_.float}
 
 
+class CannotDefer(PlaitError):
+    """This build cannot be replayed from the meta device; the caller builds the model whole."""
+
+
+_RECORDING: list[bool] = []  # one entry per build_deferred running (not a setting: a fact of the call stack)
+
+
+def recording() -> bool:
+    """Whether a meta build is running: a family whose build loads weights leaves that to
+    its source then (plait.models.hf.weights), building from its config alone."""
+    return bool(_RECORDING)
+
+
 @dataclass(frozen=True)
 class Ref:
     """A meta tensor as an op saw it: its storage, the storage's version then, and the view."""
@@ -123,7 +136,7 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if kwargs.get("generator") is not None:
-            raise PlaitError("a model's initialisation draws from its own torch.Generator",
+            raise CannotDefer("a model's initialisation draws from its own torch.Generator",
                              hint="it is built whole instead (the meta build replays torch's default generator)")
         written = self._written(func, args, kwargs)
         rng = torch.random.get_rng_state() if _random(func) else None
@@ -176,7 +189,7 @@ class _Recorder(TorchDispatchMode):
             if isinstance(value, torch.Tensor):
                 if value.is_meta:
                     if value.untyped_storage()._cdata not in self.histories:
-                        raise PlaitError(f"a model's initialisation read a meta tensor made outside its build ({func})",
+                        raise CannotDefer(f"a model's initialisation read a meta tensor made outside its build ({func})",
                                          hint="it is built whole instead")
                     return _ref(value, self.histories)
                 constant = value.detach().clone()  # a host value the build read (a table, a scalar)
@@ -321,18 +334,21 @@ def build_deferred(build: Callable[[], nn.Module]) -> tuple[nn.Module, Deferred]
     where that build leaves it. Raises PlaitError when the build does something that cannot
     be replayed; the caller then builds the model whole."""
     recorder = _Recorder()
+    _RECORDING.append(True)
     try:
         with _OnMeta(), recorder:
             model = build()
-    except PlaitError:
+    except PlaitError:  # the recorder's own are CannotDefer; any other is the build's verdict on its input
         raise
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
-        raise PlaitError(f"the model cannot be built on the meta device: {type(exc).__name__}: {exc}",
-                         hint="it is built whole instead") from None
+        raise CannotDefer(f"the model cannot be built on the meta device: {type(exc).__name__}: {exc}",
+                          hint="it is built whole instead") from None
+    finally:
+        _RECORDING.pop()
     unknown = [name for name, t in _tensors(model) if not (t.is_meta and t.untyped_storage()._cdata in recorder.histories)]
     if unknown:
-        raise PlaitError(f"the meta build left {unknown[0]} off the meta device or out of its record",
-                         hint="it is built whole instead")
+        raise CannotDefer(f"the meta build left {unknown[0]} off the meta device or out of its record",
+                          hint="it is built whole instead")
     return model, Deferred(recorder.histories, recorder.constants, model)
 
 

@@ -105,13 +105,20 @@ def _replace(model: nn.Module, make: Callable[[str, torch.Tensor], torch.Tensor]
 
 
 def _part(tensor: torch.Tensor, name: str, source: Source, device: torch.device) -> torch.Tensor:
-    """This rank's part of `name`'s whole tensor, shaped and typed as `tensor`, on `device`."""
-    whole = source(name)
+    """This rank's part of `name`'s whole tensor, shaped and typed as `tensor`, on `device`. A
+    source that reads blocks (`block(name, offsets, lengths)`: a file's slices) is asked for
+    the part alone, where the part is one block of the whole."""
     placement = placement_of(tensor) if isinstance(tensor, nn.Parameter) else None
-    part = placement.take(whole) if placement is not None and placement.splits else whole
+    reads_blocks = callable(getattr(source, "block", None))
+    if reads_blocks and placement is not None and placement.splits and all(s.fused == 1 for s in placement.splits):
+        part = source.block(name, placement.offsets, placement.local_shape)  # type: ignore[attr-defined]
+        shown = f"a block {tuple(part.shape)}"
+    else:
+        whole = source(name)
+        part = placement.take(whole) if placement is not None and placement.splits else whole
+        shown = f"{tuple(whole.shape)}, of which this rank's part is {tuple(part.shape)}"
     if tuple(part.shape) != tuple(tensor.shape):
-        raise PlaitError(f"{name}: the source gives {tuple(whole.shape)}, of which this rank's part is "
-                         f"{tuple(part.shape)}, and the split model holds {tuple(tensor.shape)}",
+        raise PlaitError(f"{name}: the source gives {shown}, and the split model holds {tuple(tensor.shape)}",
                          hint="the weights belong to another config; use the pair that was saved together")
     return part.to(device=device, dtype=tensor.dtype).contiguous()
 

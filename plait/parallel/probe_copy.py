@@ -99,6 +99,11 @@ def register_stand_in(model: nn.Module, twin: nn.Module) -> None:
     _STAND_INS[model] = twin
 
 
+def drop_stand_in(model: nn.Module) -> None:
+    """Release the copy made for `model` (its memory: a block of each kind, the embedding, the head)."""
+    _STAND_INS.pop(model, None)
+
+
 def stand_in(model: nn.Module) -> nn.Module:
     """The model a forward check runs: `model`, or for a meta model the copy registered for it."""
     if not is_meta(model):

@@ -46,9 +46,9 @@ class HFTask(LanguageTask):
         self.model_config = measured_shape(self.hf) if self.hf.shape_or_none() is not None else None
         self.num_params = self.model_config.num_params() if self.model_config else 0  # exact once built
         self._tokenizer: Any = None
-        # From the seed: built on the meta device, each rank filling its share (plait.parallel.
-        # deferred). Pretrained weights are still loaded whole by from_pretrained, then split.
-        self.meta_build = not self.hf.weights
+        # Built on the meta device, each rank filling its share (plait.parallel.deferred): from
+        # the seed, or reading its slices of the safetensors files (`weights`).
+        self.meta_build = True
 
     def build_model(self, seed: int) -> nn.Module:
         from plait.models.hf.experts import declared_experts, install_routing_stats
@@ -60,6 +60,15 @@ class HFTask(LanguageTask):
             install_routing_stats(model, declared_experts(model, declared(model, "ep")))
         self.num_params = sum(p.numel() for p in model.parameters())  # a tied head counted once
         return model
+
+    def weights(self, model: nn.Module, seed: Any) -> Any:
+        """Where the meta-built `model`'s tensors come from: DIR's safetensors files (each rank
+        reading its slices; the seed for what they lack), or the seed alone."""
+        if not self.hf.weights:
+            return seed
+        from plait.models.hf.weights import SafetensorsWeights
+
+        return SafetensorsWeights(self.hf, model, seed)
 
     def adapter(self, model: nn.Module) -> Any:
         from plait.models.adapters import adapter_for

@@ -29,6 +29,7 @@ from torch import nn
 from plait.errors import PlaitError
 from plait.models.gpt.config import GPTConfig
 from plait.models.hf.config import CONFIG, WEIGHTS, HFModelDir
+from plait.parallel.deferred import recording
 
 
 def _transformers() -> Any:
@@ -50,7 +51,7 @@ def build_hf_model(hf: HFModelDir, seed: int) -> nn.Module:
     auto = transformers.AutoModelForCausalLM
     torch.manual_seed(seed)  # also for any weight the files lack: the same on every rank
     try:
-        if hf.weights:
+        if hf.weights and not recording():  # on the meta path each rank reads its slices later (weights.py)
             model, info = auto.from_pretrained(str(hf.path), local_files_only=True, output_loading_info=True)
             _say_what_was_not_loaded(hf, info)
         else:

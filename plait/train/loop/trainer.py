@@ -26,7 +26,7 @@ import torch
 from plait.api import parallelize
 from plait.errors import EXIT_PREEMPTED, PlaitError, Preempted
 from plait.parallel.compose import adamw_kernel, build_optimizer
-from plait.parallel.deferred import build_deferred
+from plait.parallel.deferred import CannotDefer, build_deferred
 from plait.parallel.executor import Executor
 from plait.parallel.materialize import Source
 from plait.parallel.precision import StepGuard, param_dtype
@@ -47,16 +47,18 @@ log = logging.getLogger(__name__)
 
 
 def build_on_meta(task: Task, seed: int) -> tuple[torch.nn.Module, Source | None]:
-    """The task's model on the meta device, and the source of its one-process weights (the
-    seed's draws replayed a tensor at a time: plait.parallel.deferred); a task that says it
-    cannot (`meta_build = False`), or a build that cannot be replayed, is built whole (source
-    None), as before, and the log says why."""
+    """The task's model on the meta device, and the source of its weights: the seed's draws
+    replayed a tensor at a time (plait.parallel.deferred), or what the task's `weights` makes
+    of them (a pretrained model's files). A task that says it cannot (`meta_build = False`),
+    or a build that cannot be replayed, is built whole (source None), as before, and the log
+    says why."""
     torch.manual_seed(seed)
     if getattr(task, "meta_build", True):
         try:
             model, deferred = build_deferred(lambda: task.build_model(seed))
-            return model, deferred.draw_named
-        except PlaitError as why:
+            weights = getattr(task, "weights", None)
+            return model, weights(model, deferred.draw_named) if callable(weights) else deferred.draw_named
+        except CannotDefer as why:
             log.info("the model is built whole on every rank: %s", why.message)
             torch.manual_seed(seed)
     return task.build_model(seed), None

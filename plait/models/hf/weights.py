@@ -1,0 +1,106 @@
+"""hf:DIR's safetensors files as the source of a meta-built model's weights: each rank reads only its slices.
+
+A pretrained model on the meta path is built from its config on the meta device (its seeded
+initialisation recorded: plait.parallel.deferred), cut by parallelize, and then each tensor
+a rank holds is read from the file that holds it (`model.safetensors`, or the shard
+`model.safetensors.index.json` names): only the block the rank's placement says it holds,
+through safetensors' slice reads of the mapped file, converted to the model's dtype per
+block. A tensor the files lack starts from the seed, and the user is told which (as
+`from_pretrained` does). Before any of it, every rank compares the files' headers with the
+model's names and shapes alike, so a refusal is every rank's:
+
+- a tensor of another shape: refused by name;
+- a key the model does not name (a checkpoint transformers converts as it loads, such as
+  per-expert weights it fuses): this path cannot honour it, and the model is built whole by
+  `from_pretrained` instead (`CannotDefer`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.errors import PlaitError
+from plait.models.hf.config import HFModelDir
+from plait.parallel.deferred import CannotDefer
+
+Source = Callable[[str], torch.Tensor]
+
+
+class SafetensorsWeights:
+    """Tensors by the model's names from DIR's safetensors files (a block of one on request),
+    else from `seed` (the meta build's replay)."""
+
+    def __init__(self, hf: HFModelDir, model: nn.Module, seed: Source):
+        from safetensors import safe_open
+
+        self.spec, self.seed = f"hf:{hf.path}", seed
+        self.files: dict[Path, Any] = {}
+        self.where: dict[str, Path] = {}
+        for path in hf.weights:
+            handle = self._open(safe_open, path)
+            self.files[path] = handle
+            for key in handle.keys():
+                self.where[key] = path
+        self._check(model)
+
+    def _open(self, safe_open: Any, path: Path) -> Any:
+        try:
+            return safe_open(str(path), framework="pt")
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own types
+            raise PlaitError(f"--model {self.spec}: {path.name} is not a readable safetensors file "
+                             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
+                             hint="check the file (load it with safetensors), or remove it to start from the seed"
+                             ) from None
+
+    def _check(self, model: nn.Module) -> None:
+        """Every rank alike, from the headers: shapes, keys the model does not name, and a
+        note for the tensors the files lack."""
+        named = _state(model)
+        unexpected = sorted(set(self.where) - set(named))
+        if unexpected:
+            raise CannotDefer(f"--model {self.spec}: its files hold {len(unexpected)} tensor(s) the model does not "
+                              f"name, e.g. {unexpected[0]} (a layout transformers converts as it loads)",
+                              hint="it is loaded whole by from_pretrained on every rank instead")
+        for name, tensor in named.items():
+            if name in self.where:
+                shape = tuple(self.files[self.where[name]].get_slice(name).get_shape())
+                if shape != tuple(tensor.shape):
+                    raise PlaitError(f"--model {self.spec}: {name} has shape {shape} in {self.where[name].name}, "
+                                     f"and config.json gives {tuple(tensor.shape)}",
+                                     hint="the weights belong to another config.json; use the pair that was "
+                                          "saved together")
+        missing = sorted(set(named) - set(self.where))
+        if missing and os.environ.get("RANK", "0") == "0":
+            print(f"plait: note: --model {self.spec}: {len(missing)} weight(s) not in its files start from the seed: "
+                  f"{', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}", flush=True)
+
+    def __call__(self, name: str) -> torch.Tensor:
+        """The whole tensor `name`."""
+        return self.block(name, None, None)
+
+    def block(self, name: str, offsets: tuple[int, ...] | None, lengths: tuple[int, ...] | None) -> torch.Tensor:
+        """The block of `name` at `offsets` of `lengths` (None: the whole tensor), read alone."""
+        path = self.where.get(name)
+        if path is None:
+            whole = self.seed(name)
+            return whole if offsets is None else whole[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
+        if offsets is None:
+            return self.files[path].get_tensor(name)
+        return self.files[path].get_slice(name)[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint of `model` may hold: its parameters (a tied one by its first name,
+    as save_pretrained keeps it) and persistent buffers."""
+    out = dict(model.named_parameters())
+    for prefix, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = buffer
+    return out

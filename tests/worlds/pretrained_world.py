@@ -1,0 +1,104 @@
+"""A pretrained `hf:DIR` (its safetensors sharded into three files) on the meta path: 4 ranks.
+
+argv: OUT CORPUS DIR... (local transformers directories with weights). For each, the real
+Trainer trains 2 AdamW steps under every layout of LAYOUTS, and rank 0 alone trains the same
+global batch in one process. Each run reports its losses and gradient norms, on rank 0 its
+final weights' largest difference from the one-process run's, and what each rank read of
+the files: the elements of every block it asked for, by tensor (plait.models.hf.weights), and whether
+the model came through the meta path at all (a checkpoint transformers converts as it loads
+is built whole).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from plait.families import family_of
+from plait.models.hf import weights as hf_weights
+from plait.runtime.env import ProcessEnv
+from plait.runtime.mesh import init_mesh
+from plait.train.config.settings import TrainConfig
+from plait.train.loop import trainer as trainer_module
+from plait.train.loop.run import final_weights
+from plait.train.loop.trainer import Trainer
+from tests.worldlib import save_report
+
+LAYOUTS = {
+    "dp4": dict(dp=4),
+    "zero3": dict(dp=4, zero=3),
+    "tp2+sp": dict(dp=2, tp=2, sp=True),
+    "pp2 uneven": dict(dp=2, pp=2, stage_layers="1,2"),
+    "cp2": dict(dp=2, cp=2),
+}
+MOE_LAYOUTS = {"ep2": dict(dp=4, ep=2), "ep2 zero3": dict(dp=4, ep=2, zero=3)}
+READ: dict[str, list[int]] = {}  # elements of each block this rank read from the files, by tensor
+SOURCES: list[str] = []
+
+
+def _counting(block: Any) -> Any:
+    def counted(self: Any, name: str, offsets: Any, lengths: Any) -> torch.Tensor:
+        out = block(self, name, offsets, lengths)
+        if name in self.where:
+            READ.setdefault(name, []).append(out.numel())
+        return out
+    return counted
+
+
+def _recording_source(build: Any) -> Any:
+    def built(task: Any, seed: int) -> Any:
+        model, source = build(task, seed)
+        SOURCES.append(type(source).__name__ if source is not None else "whole")
+        return model, source
+    return built
+
+
+def run(config: TrainConfig, mesh: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
+    READ.clear()
+    SOURCES.clear()
+    trainer = Trainer(config, mesh, family_of(config).task(config))
+    read = {name: list(sizes) for name, sizes in READ.items()}
+    trainer.run()
+    history = trainer.metrics.history
+    return {"losses": [r["loss"] for r in history], "grad_norms": [r["grad_norm"] for r in history],
+            "read": read, "source": SOURCES[0]}, final_weights(trainer)
+
+
+def max_rel(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    assert weights.keys() == reference.keys(), sorted(set(weights) ^ set(reference))
+    return max(((weights[k] - v).abs().max() / v.abs().max().clamp_min(1e-12)).item() for k, v in reference.items())
+
+
+def main() -> None:
+    out, corpus, dirs = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    torch.set_num_threads(1)
+    hf_weights.SafetensorsWeights.block = _counting(hf_weights.SafetensorsWeights.block)
+    trainer_module.build_on_meta = _recording_source(trainer_module.build_on_meta)
+    rank, report = int(os.environ["RANK"]), {}
+    for directory in dirs:
+        name = Path(directory).name
+        base = TrainConfig(model=f"hf:{directory}", data=corpus, steps=2, micro_batch=1, seq_len=16, eval_every=0,
+                           eval_samples=4, sample_tokens=0, warmup_steps=1, lr=1e-3, nproc=1, dp=1)
+        found: dict[str, Any] = {}
+        if rank == 0:
+            one = init_mesh(env=ProcessEnv("single", 0, 1, 0, "127.0.0.1", 29500))
+            found["one"], reference = run(replace(base, grad_accum=4, out=str(out / name / "one")), one)
+        layouts = MOE_LAYOUTS if "moe" in name else LAYOUTS
+        for layout, fields in layouts.items():
+            accum = 4 // fields["dp"]
+            config = replace(base, **fields, grad_accum=accum, nproc=4, out=str(out / name / layout))
+            mesh = init_mesh(config.layout)
+            found[layout], weights = run(config, mesh)
+            if rank == 0:
+                found[layout]["max_rel"] = max_rel(weights, reference)
+        report[name] = found
+    save_report(report)
+
+
+if __name__ == "__main__":
+    main()
