@@ -283,6 +283,8 @@ def cmd_ckpt(argv: list[str]) -> int:
     target.add_argument("--to", help="the .safetensors file to write")
     target.add_argument("--hf", metavar="OUT", help="the directory to write for transformers' from_pretrained(OUT) "
                                                     "(a --model hf:DIR run's checkpoint)")
+    exporter.add_argument("--max-shard-size", help="--hf: cut the weights into safetensors files of at most this size, "
+                                                   "with model.safetensors.index.json (default 50GB, transformers')")
     for p in (inspect, exporter):
         p.add_argument("--debug", action="store_true", help="show tracebacks")
     args = parser.parse_args(argv)
@@ -291,12 +293,17 @@ def cmd_ckpt(argv: list[str]) -> int:
     if args.action == "export" and not (args.hf or args.to):
         raise PlaitError(f"{'--hf' if args.hf is not None else '--to'} needs a name",
                          hint="--to FILE.safetensors, or --hf DIR")
+    if args.action == "export" and args.to and args.max_shard_size is not None:
+        raise PlaitError("--max-shard-size cuts an --hf export into files; --to writes one file",
+                         hint="drop --max-shard-size, or export with --hf DIR")
     if args.action == "inspect":
         print(checkpoint_read.describe(args.path))
     elif args.hf:
-        from plait.families.hf.export import export_hf
+        from plait.families.hf.export import DEFAULT_MAX_SHARD, export_hf
+        from plait.train.config.check import parse_bytes
 
-        out, count = export_hf(args.path, args.hf)
+        size = parse_bytes(args.max_shard_size) if args.max_shard_size is not None else DEFAULT_MAX_SHARD
+        out, count = export_hf(args.path, args.hf, size)
         print(f"wrote {count} tensors, config.json and the model's files to {out} "
               f"(load it with transformers.AutoModelForCausalLM.from_pretrained)")
     else:

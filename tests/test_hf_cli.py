@@ -171,6 +171,31 @@ def test_a_run_without_checkpoints_exports_from_its_own_outputs(resumed: Runs, t
     assert (out / "tokenizer.json").is_file()
 
 
+def test_weights_above_the_shard_size_are_written_and_exported_as_transformers_shards(setup: dict[str, Path],
+                                                                                      tmp_path: Path) -> None:
+    """--max-shard-size: the run's weights, gathered a few tensors at a time under tp 2, land in
+    shards with model.safetensors.index.json; the export cuts them again, and
+    from_pretrained loads the run's bytes."""
+    import torch
+
+    from plait.train.checkpoint.shards import read_weights
+
+    run = tmp_path / "sharded"
+    proc = run_plait("train", "--model", f"hf:{setup['dir']}", "--data", str(setup["corpus"]), *TRAIN, "--nproc", "2",
+                     "--tp", "2", "--max-shard-size", "20KB", "--out", str(run))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    index = json.loads((run / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 3 and not (run / "model.safetensors").exists()
+    assert f"model.safetensors.index.json ({len(shards)} shards)" in proc.stdout
+    trained = read_weights(run)
+    out = tmp_path / "exported"
+    assert main(["ckpt", "export", str(run), "--hf", str(out), "--max-shard-size", "30KB"]) == 0
+    assert (out / "model.safetensors.index.json").is_file()
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(out)).state_dict()
+    assert set(trained) <= set(exported) and all(torch.equal(exported[name], trained[name]) for name in trained)
+
+
 # -- bad input: one line and a hint, before any process starts ---------------------------------------
 def bad_dirs(root: Path, model: Path) -> dict[str, tuple[str, str]]:
     """{case: (--model, words the error must hold)}."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -179,6 +180,11 @@ class Executor:
         piece is written by one rank, so gathering the written ones covers every tensor once."""
         return whole_weights(self.model, optimizer, self.mesh)
 
+    def weights_in_groups(self, optimizer: torch.optim.Optimizer, budget: int | None
+                          ) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], Iterator[dict[str, torch.Tensor]]]:
+        """The whole weights a few tensors at a time on the main rank (see `weights_in_groups`)."""
+        return weights_in_groups(self.model, optimizer, self.mesh, budget)
+
 
 def whole_weights(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh) -> dict[str, torch.Tensor] | None:
     """See `Executor.whole_weights`: the owned model pieces of each rank in turn, sent to world
@@ -189,6 +195,44 @@ def whole_weights(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh
     whole = Assembly()
     comm.gather_objects(mine, mesh.axis("world"), whole.add)
     return whole.finish() if mesh.axis("world").rank == 0 else None
+
+
+def weights_in_groups(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh, budget: int | None
+                      ) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], Iterator[dict[str, torch.Tensor]]]:
+    """The whole model's weights a group at a time, for writing them out without assembling
+    the model anywhere (collective): the plan, every tensor's (name, shape, dtype) in name
+    order, and an iterator every rank must drain, giving on world rank 0 the next few whole
+    tensors (at most `budget` bytes of them, or one larger tensor; None: the largest tensor's
+    bytes) and {} elsewhere. Each group is gathered to rank 0 from the ranks that own its
+    pieces, one rank's at a time."""
+    world = mesh.axis("world")
+    owned = [piece for piece in local_pieces(model, optimizer, mesh)
+             if piece.owned and piece.name.startswith("model/")]
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    comm.gather_objects([(p.name.removeprefix("model/"), tuple(p.full_shape), p.tensor.dtype) for p in owned], world,
+                        lambda rows: shapes.update((name, (shape, dtype)) for name, shape, dtype in rows))
+    plan = comm.broadcast_object(sorted((name, shape, dtype) for name, (shape, dtype) in shapes.items()), world)
+    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for _, shape, dtype in plan]
+    budget = max(sizes, default=0) if budget is None else budget
+    groups: list[list[str]] = [[]]
+    size = 0
+    for (name, _, _), nbytes in zip(plan, sizes):
+        if groups[-1] and size + nbytes > budget:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+
+    def gathered() -> Iterator[dict[str, torch.Tensor]]:
+        for names in groups:
+            wanted = set(names)
+            mine = [(p.name.removeprefix("model/"), p.tensor.detach().to("cpu", copy=True), p.offsets, p.full_shape)
+                    for p in owned if p.name.removeprefix("model/") in wanted]
+            whole = Assembly()
+            comm.gather_objects(mine, world, whole.add)
+            yield whole.finish() if world.rank == 0 else {}
+
+    return plan, gathered()
 
 
 Piece = tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]  # (name, block, offsets, full shape)

@@ -96,8 +96,16 @@ def closing_report(summary: dict[str, Any], out: str) -> str:
     if summary.get("sample"):
         sample = summary["sample"].replace("\n", "\n              ")
         lines.append(f"  sample      {sample}")
-    lines.append(f"  outputs     {out}/metrics.jsonl, summary.json, model.safetensors")
+    lines.append(f"  outputs     {out}/metrics.jsonl, summary.json, {weights_text(summary.get('weights'))}")
     return "\n".join(lines)
+
+
+def weights_text(files: list[str] | None) -> str:
+    """The weights' files as the closing line names them: one file, or the index and its shards."""
+    shards = [name for name in files or [] if name.startswith("model-")]
+    if not shards:
+        return "model.safetensors"
+    return f"model.safetensors.index.json ({len(shards)} shards)"
 
 
 def experts_line(experts: dict[str, Any], predicted: dict[str, Any]) -> str:

@@ -13,6 +13,8 @@ Ring costs per rank, with S the bytes of the full tensor and n ranks in the grou
 
 from __future__ import annotations
 
+import pickle
+
 import math
 import re
 from collections import defaultdict
@@ -355,6 +357,18 @@ def barrier(axis: Axis) -> None:
     if axis.size == 1:
         return
     _run(axis, "barrier", lambda: dist.barrier(group=axis.group), False)
+
+
+def broadcast_object(value: Any, axis: Axis, src: int = 0, purpose: str = "checkpoint") -> Any:
+    """`value` from the rank whose index along `axis` is `src`, on every rank (a picklable plan;
+    small: it is pickled whole). Counted as its pickled bytes broadcast."""
+    if axis.size == 1:
+        return value
+    box = [value if axis.rank == src else None]
+    axis.ledger.record(axis.name, "broadcast", len(pickle.dumps(value)) if axis.rank == src else 0, axis.size, purpose)
+    group_src = dist.get_global_rank(axis.group, src)
+    _run(axis, "broadcast", lambda: _done(dist.broadcast_object_list(box, src=group_src, group=axis.group)), False)
+    return box[0]
 
 
 def gather_objects(payload: list[Any], axis: Axis, consume: Callable[[list[Any]], None], dst: int = 0,

@@ -6,21 +6,16 @@ before transformers initialises, so every rank, whatever its layout, starts from
 weights. The model is returned as it is (its own class and parameter names): strategies
 pick their adapter by that class, and checkpoints keep its names.
 
-`write_hf_dir` is the reverse, for `plait ckpt export --hf`: config.json, the weights as one
-model.safetensors under transformers' names (a tied head is stored once, as
-`save_pretrained` does, and re-tied by `from_pretrained`), generation_config.json and
-tokenizer.json when the run had them. It is written under a temporary name and renamed.
+The reverse, a directory `from_pretrained` reads, is `plait ckpt export --hf`
+(plait/families/hf/export.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import shutil
 from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,7 +23,7 @@ from torch import nn
 
 from plait.errors import PlaitError
 from plait.models.gpt.config import GPTConfig
-from plait.models.hf.config import CONFIG, WEIGHTS, HFModelDir
+from plait.models.hf.config import HFModelDir
 from plait.parallel.deferred import recording
 
 
@@ -100,43 +95,7 @@ def _say_what_was_not_loaded(hf: HFModelDir, info: dict) -> None:
               f"{', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}", flush=True)
 
 
-def write_hf_dir(out: str | Path, config: dict, weights: dict[str, torch.Tensor],
-                 extra: dict[str, Path]) -> Path:
-    """DIR for `from_pretrained(DIR)`: config.json, model.safetensors and the `extra` files
-    (generation config, tokenizer) by their names; atomic (temporary directory, rename)."""
-    from safetensors.torch import save_file
-
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise PlaitError(f"--hf {out} exists and is not a directory", hint="choose a new directory name")
-    # The directory is replaced whole: only an earlier export of these same files may be there.
-    others = sorted(p.name for p in out.iterdir() if p.name not in {CONFIG, WEIGHTS, *extra}) if out.is_dir() else []
-    if others:
-        raise PlaitError(f"--hf {out} holds files an export does not write ({', '.join(others[:3])}"
-                         f"{', ...' if len(others) > 3 else ''}), which replacing it would delete",
-                         hint="choose a new directory name, or empty that one first")
-    tmp, old = out.with_name(f".{out.name}.tmp-{os.getpid()}"), out.with_name(f".{out.name}.old-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
-        (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        # transformers reads a safetensors file only when its metadata says it holds torch tensors.
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        for name, path in extra.items():
-            shutil.copyfile(path, tmp / name)
-        if out.exists():
-            os.rename(out, old)
-        os.rename(tmp, out)
-    except OSError as exc:
-        raise PlaitError(f"--hf {out} could not be written: {exc.strerror or exc}",
-                         hint="choose a directory you can write to, with space for the weights") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
-    return out
-
-
-__all__ = ["build_hf_model", "write_hf_dir"]
+__all__ = ["build_hf_model"]
 
 
 def measured_shape(hf: HFModelDir) -> GPTConfig:

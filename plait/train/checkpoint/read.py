@@ -8,7 +8,7 @@ read), a tensor the checkpoint lacks, or one of another shape.
 from __future__ import annotations
 
 import json
-import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from plait.errors import PlaitError
 from plait.runtime import comm
 from plait.runtime.mesh import Mesh
 from plait.parallel.pieces import Piece, local_pieces
+from plait.train.checkpoint.shards import LazyWeights, has_weights, read_weights, write_streamed
 from plait.train.checkpoint.write import FORMAT, init_optimizer_state, sha256
 from plait.train.checkpoint.restart import read_index, resolve  # torch-free, also read before spawning
 
@@ -219,29 +220,30 @@ def _layout_text(layout: dict[str, Any]) -> str:
 
 
 def export(path: str | Path, to: str | Path) -> int:
-    """Write the model's tensors, whole, to one plain safetensors file; returns the tensor count."""
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
-
+    """Write the model's tensors, whole, to one plain safetensors file, a tensor at a time
+    (written under a temporary name, then renamed); returns the tensor count."""
     to = Path(to)
     if to.is_dir():
         raise PlaitError(f"--to {to} is a directory", hint=f"give a file name, e.g. {to / 'model.safetensors'}")
     trained = trained_model(path)
-    tmp = to.with_name(f".{to.name}.tmp-{os.getpid()}")  # written whole, then renamed: never half a file at `to`
+    if not to.parent.is_dir():
+        raise PlaitError(f"--to {to} could not be written: {to.parent} is not a directory",
+                         hint="choose a file in a directory you can write to")
     try:
-        save_file(trained.weights, str(tmp), metadata={"step": str(trained.step), "source": str(trained.source)})
-        os.replace(tmp, to)
-    except (OSError, SafetensorError) as exc:  # safetensors reports a missing or read-only directory itself
-        raise PlaitError(f"--to {to} could not be written: {getattr(exc, 'strerror', None) or exc}",
+        write_streamed(to.parent, trained.weights, max_bytes=2**63, single=to.name,
+                       metadata={"step": str(trained.step), "source": str(trained.source)})
+    except OSError as exc:
+        raise PlaitError(f"--to {to} could not be written: {exc.strerror or exc}",
                          hint="choose a file in a directory you can write to") from None
-    finally:
-        tmp.unlink(missing_ok=True)
     return len(trained.weights)
 
 
-def model_weights(reader: Reader) -> dict[str, torch.Tensor]:
-    """{parameter name: whole tensor} of the model in a checkpoint (its optimizer state left out)."""
-    return {name.removeprefix("model/"): reader.full(name) for name in reader.tensors if name.startswith("model/")}
+def model_weights(reader: Reader) -> LazyWeights:
+    """{parameter name: whole tensor} of the model in a checkpoint (its optimizer state left
+    out), each assembled from its pieces only when asked."""
+    shapes = {name.removeprefix("model/"): (tuple(entry["shape"]), getattr(torch, entry["dtype"]))
+              for name, entry in reader.tensors.items() if name.startswith("model/")}
+    return LazyWeights(shapes, lambda name: reader.full(f"model/{name}"))
 
 
 # What a finished run leaves in its --out (plait/train/loop/run.py writes them): the weights, and
@@ -253,7 +255,7 @@ RUN_WEIGHTS, RUN_ATTACHED = "model.safetensors", "attached"
 class TrainedModel:
     """A model to export: whole weights by parameter name, and the files that came with them."""
 
-    weights: dict[str, torch.Tensor]
+    weights: Mapping[str, torch.Tensor]  # read a tensor at a time (LazyWeights)
     files: dict[str, Path]  # name as the task attached it ("hf/config.json") -> where it is now
     step: int | str
     source: Path
@@ -268,7 +270,7 @@ def trained_model(path: str | Path) -> TrainedModel:
     try:
         reader = Reader(path)
     except PlaitError:
-        if not (run / RUN_WEIGHTS).is_file():
+        if not has_weights(run):
             raise
         return _from_outputs(run)
     files = {name: reader.path / name for name in reader.index["files"] if "/" in name}
@@ -277,13 +279,10 @@ def trained_model(path: str | Path) -> TrainedModel:
 
 
 def _from_outputs(run: Path) -> TrainedModel:
-    from safetensors.torch import load_file
-
     attached = run / RUN_ATTACHED
     files = {str(f.relative_to(attached)): f for f in sorted(attached.rglob("*")) if f.is_file()}
     summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").is_file() else {}
-    return TrainedModel(load_file(str(run / RUN_WEIGHTS)), files, summary.get("steps", "final"), run / RUN_WEIGHTS,
-                        summary.get("model", "?"))
+    return TrainedModel(read_weights(run), files, summary.get("steps", "final"), run, summary.get("model", "?"))
 
 
 __all__ = ["Piece", "Reader", "TrainedModel", "describe", "export", "load", "model_weights", "trained_model"]

@@ -10,6 +10,7 @@ relate fields to each other stay in config.validate.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import fields
 from typing import Any
 
@@ -26,6 +27,19 @@ RANGES: dict[str, tuple[float, float | None, bool]] = {
     "sample_tokens": (0, 10_000, True), "max_restarts": (0, None, True),
     "min_nproc": (1, None, True), "prefetch": (0, None, True),
 }
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(text: str | int, flag: str = "--max-shard-size") -> int:
+    """Bytes from "5GB", "500MB", "2GiB" or a plain count (transformers' units); one error otherwise."""
+    match = re.fullmatch(r"\s*(\d+)\s*([KMGT]I?B|B)?\s*", str(text), flags=re.IGNORECASE)
+    size = int(match.group(1)) * _UNITS[(match.group(2) or "").upper()] if match else 0
+    if size <= 0:
+        raise PlaitError(f"{flag} {text!r} is not a size", hint=f"give bytes with a unit, e.g. {flag} 5GB (or 500MB)")
+    return size
+
+
 BOOL_WORDS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
 

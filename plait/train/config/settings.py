@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from plait import rules
 from plait.errors import PlaitError
 from plait.layout import Layout
-from plait.train.config.check import check_values
+from plait.train.config.check import check_values, parse_bytes
 from plait.train.checkpoint.elastic import fit_world
 from plait.train.checkpoint.restart import has_checkpoint, resolve, resolve_auto
 from plait.runtime.launch import check_local_nproc
@@ -103,6 +103,10 @@ class TrainConfig:
     out: str = field(default="runs/latest", metadata={"help": "where metrics.jsonl, summary.json and the model go"})
     save_every: int = field(default=0, metadata={"help": "write a checkpoint every N steps and at the end (0: never)"})
     keep_checkpoints: int = field(default=3, metadata={"help": "how many checkpoints to keep (0: all)"})
+    max_shard_size: str = field(default="50GB", metadata={
+        "help": "the trained weights in --out are cut into safetensors files of at most this size, with "
+                "model.safetensors.index.json, as transformers writes them (its default, 50GB; units KB, MB, GB, "
+                "KiB, MiB, GiB)"})
     optimizer_kernel: str = field(default="fused", metadata={
         "help": "AdamW's kernel: fused (one kernel over every tensor, where torch has one for the device; else "
                 "foreach on GPUs, loop on CPUs), foreach, or loop (torch's per-tensor loop)"})
@@ -263,6 +267,7 @@ def validate(config: TrainConfig, family: FamilyChecks, *, local_limit: int | No
                          hint="--min-nproc is the smallest world the spawner may restart on")
     if config.save_every < 0 or config.keep_checkpoints < 0:
         raise PlaitError("--save-every and --keep-checkpoints cannot be negative")
+    parse_bytes(config.max_shard_size)
     if config.resume:
         resolve(config.resume)  # fails now, with the reason, if there is nothing to resume
     check_writable(config.out)

@@ -1,9 +1,11 @@
 """One rank's whole life: join the job, train, write the outputs, report, leave.
 
-The outputs are always enough to give the model back: OUT/model.safetensors (the whole
-model's weights, tied ones once) and the task's attached files beside them (a Hugging Face
-model's config.json and tokenizer), which `plait ckpt export OUT --hf DIR` reads when the run
-saved no checkpoint.
+The outputs are always enough to give the model back: the whole model's weights in OUT, as
+transformers writes them (OUT/model.safetensors, or above --max-shard-size its shards with
+model.safetensors.index.json; tied ones once), and the task's attached files beside them (a
+Hugging Face model's config.json and tokenizer), which `plait ckpt export OUT --hf DIR` reads
+when the run saved no checkpoint. The weights are written a few tensors at a time, gathered
+from the ranks that hold them: no rank assembles the model.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from plait.report import report_after_training
 from plait.runtime import comm, console
 from plait.runtime.env import set_cpu_threads
 from plait.runtime.mesh import init_mesh
-from plait.train.checkpoint.read import RUN_ATTACHED, RUN_WEIGHTS
+from plait.train.checkpoint.read import RUN_ATTACHED
+from plait.train.checkpoint.shards import Entry, ShardWriter
+from plait.train.config.check import parse_bytes
 from plait.train.config.settings import TrainConfig
 from plait.train.observe.logs import setup_logging
 from plait.report.closing import closing_report
@@ -64,7 +68,7 @@ def finish(trainer: Trainer) -> dict[str, Any]:
     sample = trainer.sample()  # every rank: with tensor parallelism or ZeRO-3 a forward is collective
     extras = trainer.metrics.gather_extras(trainer.update_times)
     described = describe_run(trainer, prediction(trainer))
-    weights = final_weights(trainer)
+    written = write_weights(trainer, Path(config.out))  # every rank: each group is gathered to the main rank
     summary = trainer.metrics.summary(described, extras, trainer.executor.summary(trainer.metrics.history))
     summary["step_time"] = step_time_parts(summary["predicted"], summary["step_time_s_median"], extras["optimizer_s"])
     summary.update(sample=sample, config=config.to_dict(), restarts=trainer.restarts)
@@ -74,7 +78,7 @@ def finish(trainer: Trainer) -> dict[str, Any]:
     if not mesh.is_main:
         return summary
     out = Path(config.out)
-    write_outputs(summary, weights, out, trainer.task.attachments())
+    write_outputs(summary, written, out, trainer.task.attachments())
     save_timeline(trainer, out)
     print(closing_report(summary, config.out), flush=True)
     if not config.no_report and os.environ.get("PLAIT_REPORT", "on") != "off":
@@ -153,21 +157,38 @@ def save_timeline(trainer: Trainer, out: Path) -> None:
         (out / "timeline.json").write_text(json.dumps(timeline) + "\n")
 
 
+def write_weights(trainer: Trainer, out: Path) -> list[Path]:
+    """The trained weights into `out` as sharded safetensors (checkpoint/shards.py), gathered a
+    few tensors at a time, never more bytes than the largest tensor's, to the main rank,
+    which writes them as they come (collective; the files written, on the main rank)."""
+    plan, groups = trainer.executor.weights_in_groups(trainer.optimizer, budget=None)
+    writer = None
+    if trainer.mesh.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        writer = ShardWriter(out, [Entry(name, shape, dtype) for name, shape, dtype in plan],
+                             parse_bytes(trainer.config.max_shard_size))
+    try:
+        for group in groups:
+            for name, tensor in group.items():
+                writer.write(name, tensor)  # type: ignore[union-attr]
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    return writer.close() if writer is not None else []
+
+
 def final_weights(trainer: Trainer) -> dict[str, torch.Tensor] | None:
     """The whole model's weights for the main rank to write, tied ones once (None on the
     other ranks; every rank takes part): the executor's one in-memory route for any layout."""
     return trainer.executor.whole_weights(trainer.optimizer)
 
 
-def write_outputs(summary: dict[str, Any], weights: dict[str, torch.Tensor] | None, out: Path,
-                  attachments: dict[str, Path]) -> None:
-    """summary.json, the trained weights (one plain safetensors file, tied weights once) and
-    the task's attached files, so that the run's own outputs can always be exported."""
-    from safetensors.torch import save_file
-
+def write_outputs(summary: dict[str, Any], weights: list[Path], out: Path, attachments: dict[str, Path]) -> None:
+    """summary.json (naming the weights' files, written already: write_weights) and the task's
+    attached files, so that the run's own outputs can always be exported."""
+    summary["weights"] = [path.name for path in weights]
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if weights is not None:
-        save_file({k: v.contiguous().cpu() for k, v in weights.items()}, str(out / RUN_WEIGHTS))
     for name, source in attachments.items():
         target = out / RUN_ATTACHED / name
         target.parent.mkdir(parents=True, exist_ok=True)

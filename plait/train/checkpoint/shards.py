@@ -1,0 +1,224 @@
+"""Weights written as transformers writes a large model, a tensor at a time: sharded safetensors.
+
+A model above `--max-shard-size` (transformers' default, 50 GB) becomes
+`model-00001-of-0000N.safetensors`... with `model.safetensors.index.json` naming the file of
+each tensor; a smaller one stays one `model.safetensors`. `from_pretrained` reads either.
+
+Nothing here holds more than one tensor: the plan (every tensor's name, shape and dtype) is
+known before any byte is written, so each file's header is written first and each tensor's
+bytes are appended as they arrive, in the plan's order, then dropped. That is what lets a run
+write its weights without assembling the model on one rank (plait/train/loop/run.py gathers
+one group of tensors at a time) and an export stream them out of a checkpoint. The format is
+the published safetensors layout (an 8-byte little-endian header length, a JSON header of
+dtypes, shapes and byte ranges, the bytes); the files are read back by the safetensors
+library. Every file is written under a temporary name and renamed once complete, the index
+last.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from plait.errors import PlaitError
+
+SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+           torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of the plan: its name, shape and dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+def plan_files(entries: list[Entry], max_bytes: int) -> list[list[Entry]]:
+    """The tensors cut into files of at most `max_bytes` each, in order (a larger tensor alone)."""
+    files: list[list[Entry]] = [[]]
+    size = 0
+    for entry in entries:
+        if files[-1] and size + entry.nbytes > max_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(entry)
+        size += entry.nbytes
+    return files if files[0] else []
+
+
+def file_names(count: int) -> list[str]:
+    return [SINGLE] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+class ShardWriter:
+    """Writes `entries` into `directory` as one or more safetensors files, a tensor at a time:
+    `write(name, tensor)` in the entries' order, then `close()` (renames, index)."""
+
+    def __init__(self, directory: str | Path, entries: list[Entry], max_bytes: int,
+                 metadata: dict[str, str] | None = None, single: str = SINGLE):
+        self.directory, self.single = Path(directory), single
+        for entry in entries:
+            if entry.dtype not in _DTYPES:
+                raise PlaitError(f"{entry.name}: safetensors has no dtype {entry.dtype}",
+                                 hint="cast the weights to a float or integer dtype first")
+        planned = plan_files(entries, max_bytes)
+        self.files = list(zip([single] if len(planned) == 1 else file_names(len(planned)), planned))
+        self.metadata = {"format": "pt", **(metadata or {})}
+        self.queue = [(name, entry) for name, chunk in self.files for entry in chunk]
+        self.done: list[Path] = []
+        self.current: tuple[str, object] | None = None
+        self.position = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Append `name`'s bytes; names come in the entries' order, shapes and dtypes as planned."""
+        file, entry = self.queue[self.position]
+        if name != entry.name or tuple(tensor.shape) != entry.shape or tensor.dtype != entry.dtype:
+            raise PlaitError(f"the weights' writer expected {entry.name} {entry.shape} {entry.dtype}, got {name} "
+                             f"{tuple(tensor.shape)} {tensor.dtype}", hint="report it with the layout")
+        if self.current is None or self.current[0] != file:
+            self._start(file)
+        handle = self.current[1]
+        data = tensor.detach().to("cpu").contiguous()
+        handle.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()) if data.numel() else b"")  # type: ignore[attr-defined]
+        self.position += 1
+
+    def _start(self, file: str) -> None:
+        self._finish_file()
+        entries = dict(self.files)[file]
+        header, offset = {"__metadata__": self.metadata}, 0
+        for entry in entries:
+            header[entry.name] = {"dtype": _DTYPES[entry.dtype], "shape": list(entry.shape),
+                                  "data_offsets": [offset, offset + entry.nbytes]}
+            offset += entry.nbytes
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+        handle = open(self.directory / f".{file}.tmp-{os.getpid()}", "wb")
+        handle.write(struct.pack("<Q", len(encoded)))
+        handle.write(encoded)
+        self.current = (file, handle)
+
+    def _finish_file(self) -> None:
+        if self.current is None:
+            return
+        file, handle = self.current
+        handle.flush()  # type: ignore[attr-defined]
+        os.fsync(handle.fileno())  # type: ignore[attr-defined]
+        handle.close()  # type: ignore[attr-defined]
+        os.replace(self.directory / f".{file}.tmp-{os.getpid()}", self.directory / file)
+        self.done.append(self.directory / file)
+        self.current = None
+
+    def close(self) -> list[Path]:
+        """Finish the last file and write the index (when there are several); the paths written."""
+        if self.position != len(self.queue):
+            raise PlaitError(f"the weights' writer got {self.position} of {len(self.queue)} tensors",
+                             hint="report it with the layout")
+        self._finish_file()
+        if self.single == SINGLE:  # an earlier write of the other form would shadow this one
+            (self.directory / (INDEX if len(self.files) == 1 else SINGLE)).unlink(missing_ok=True)
+        if len(self.files) > 1:
+            index = {"metadata": {"total_size": sum(e.nbytes for _, chunk in self.files for e in chunk)},
+                     "weight_map": {e.name: file for file, chunk in self.files for e in chunk}}
+            tmp = self.directory / f".{INDEX}.tmp-{os.getpid()}"
+            tmp.write_text(json.dumps(index, indent=2) + "\n")
+            os.replace(tmp, self.directory / INDEX)
+            self.done.append(self.directory / INDEX)
+        return self.done
+
+    def abort(self) -> None:
+        """Drop the file being written (the finished ones stay: each is whole)."""
+        if self.current is not None:
+            self.current[1].close()  # type: ignore[attr-defined]
+            (self.directory / f".{self.current[0]}.tmp-{os.getpid()}").unlink(missing_ok=True)
+            self.current = None
+
+
+def write_streamed(directory: str | Path, weights: Mapping[str, torch.Tensor], max_bytes: int,
+                   metadata: dict[str, str] | None = None, single: str = SINGLE) -> list[Path]:
+    """`weights` (a LazyWeights reads each tensor only when asked) written a tensor at a time."""
+    writer = ShardWriter(directory, entries_of(weights), max_bytes, metadata, single)
+    try:
+        for entry in writer.queue:
+            writer.write(entry[1].name, weights[entry[1].name])
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.close()
+
+
+def entries_of(weights: Mapping[str, torch.Tensor]) -> list[Entry]:
+    """The plan of `weights`, in name order: from its own record when lazy, else its tensors."""
+    if isinstance(weights, LazyWeights):
+        return weights.entries()
+    return [Entry(name, tuple(t.shape), t.dtype) for name, t in sorted(weights.items())]
+
+
+class LazyWeights(Mapping[str, torch.Tensor]):
+    """Whole tensors by name whose shapes and dtypes are known, each read only when asked:
+    a checkpoint's (assembled from its pieces) or a run's output files."""
+
+    def __init__(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], read: Callable[[str], torch.Tensor]):
+        self._shapes, self._read = dict(sorted(shapes.items())), read
+
+    def entries(self) -> list[Entry]:
+        return [Entry(name, shape, dtype) for name, (shape, dtype) in self._shapes.items()]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._shapes:
+            raise KeyError(name)
+        return self._read(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._shapes)
+
+    def __len__(self) -> int:
+        return len(self._shapes)
+
+
+_FROM_CODE = {code: dtype for dtype, code in _DTYPES.items()}
+
+
+def read_weights(directory: str | Path) -> LazyWeights:
+    """The weights in `directory` (one file or an index's shards), each read when asked."""
+    from safetensors import safe_open
+
+    files = weight_files(directory)
+    handles = {path: safe_open(str(path), framework="pt") for path in set(files.values())}
+    shapes = {}
+    for name, path in files.items():
+        piece = handles[path].get_slice(name)
+        shapes[name] = (tuple(piece.get_shape()), _FROM_CODE.get(piece.get_dtype(), torch.float32))
+    return LazyWeights(shapes, lambda name: handles[files[name]].get_tensor(name))
+
+
+def weight_files(directory: str | Path) -> dict[str, Path]:
+    """{tensor name: its file} of the weights in `directory` (one file or an index's shards)."""
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    if (directory / INDEX).is_file():
+        try:
+            weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+            raise PlaitError(f"{directory / INDEX} is not a safetensors index ({type(exc).__name__})",
+                             hint="write the weights again") from None
+        return {name: directory / file for name, file in weight_map.items()}
+    with safe_open(str(directory / SINGLE), framework="pt") as handle:
+        return {name: directory / SINGLE for name in handle.keys()}
+
+
+def has_weights(directory: str | Path) -> bool:
+    return (Path(directory) / SINGLE).is_file() or (Path(directory) / INDEX).is_file()

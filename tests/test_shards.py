@@ -1,0 +1,86 @@
+"""Sharded safetensors written a tensor at a time (plait/train/checkpoint/shards.py): what
+transformers writes for a large model, read back by safetensors, and refused when misused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from plait.errors import PlaitError
+from plait.train.checkpoint.shards import (INDEX, SINGLE, Entry, LazyWeights, ShardWriter, plan_files, read_weights,
+                                           write_streamed)
+from plait.train.config.check import parse_bytes
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {"a.weight": torch.randn(6, 4), "b.bias": torch.randn(3).bfloat16(), "c.count": torch.arange(5),
+            "d.empty": torch.zeros(0, 2), "e.half": torch.randn(2, 2).half(), "f.flag": torch.tensor([True, False]),
+            "g.scalar": torch.tensor(7)}  # BatchNorm's num_batches_tracked is 0-dim
+
+
+@pytest.mark.parametrize("max_bytes, files", [(10**9, 1), (100, 2), (1, 7)])
+def test_streamed_weights_read_back_equal_with_an_index_when_sharded(tmp_path, max_bytes, files):
+    written = write_streamed(tmp_path, _tensors(), max_bytes)
+    shards = sorted(p.name for p in tmp_path.glob("model*.safetensors"))
+    if files == 1:
+        assert shards == [SINGLE] and not (tmp_path / INDEX).exists()
+    else:
+        assert shards == [f"model-{i:05d}-of-{files:05d}.safetensors" for i in range(1, files + 1)]
+        index = json.loads((tmp_path / INDEX).read_text())
+        assert set(index["weight_map"]) == set(_tensors())
+        assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in _tensors().values())
+    assert len(written) == files + (files > 1)
+    back = read_weights(tmp_path)
+    assert list(back) == sorted(_tensors())
+    for name, tensor in _tensors().items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+    assert not list(tmp_path.glob(".*tmp*"))  # no temporary file left
+
+
+def test_a_rewrite_in_one_file_removes_the_earlier_index(tmp_path):
+    write_streamed(tmp_path, _tensors(), 1)
+    write_streamed(tmp_path, _tensors(), 10**9)
+    assert not (tmp_path / INDEX).exists() and torch.equal(read_weights(tmp_path)["a.weight"], _tensors()["a.weight"])
+
+
+def test_files_hold_at_most_the_size_or_one_larger_tensor():
+    entries = [Entry(n, (k,), torch.float32) for n, k in [("a", 10), ("b", 10), ("c", 100), ("d", 1)]]
+    assert [[e.name for e in f] for f in plan_files(entries, 80)] == [["a", "b"], ["c"], ["d"]]
+
+
+def test_the_writer_refuses_a_tensor_out_of_order_or_of_another_shape(tmp_path):
+    writer = ShardWriter(tmp_path, [Entry("a", (2,), torch.float32), Entry("b", (2,), torch.float32)], 10**9)
+    with pytest.raises(PlaitError, match="expected a"):
+        writer.write("b", torch.zeros(2))
+    with pytest.raises(PlaitError, match="expected a"):
+        writer.write("a", torch.zeros(3))
+    writer.write("a", torch.zeros(2))
+    with pytest.raises(PlaitError, match="got 1 of 2 tensors"):
+        writer.close()
+    writer.abort()
+    assert not list(tmp_path.iterdir())
+
+
+def test_lazy_weights_read_only_what_is_asked():
+    asked = []
+    lazy = LazyWeights({"b": ((2,), torch.float32), "a": ((1,), torch.int64)},
+                       lambda name: asked.append(name) or torch.zeros(2 if name == "b" else 1))
+    assert list(lazy) == ["a", "b"] and len(lazy) == 2 and asked == []
+    assert lazy["b"].shape == (2,) and asked == ["b"]
+    with pytest.raises(KeyError):
+        lazy["c"]
+
+
+@pytest.mark.parametrize("text, size", [("5GB", 5 * 10**9), ("500MB", 5 * 10**8), ("2GiB", 2 * 2**30), ("64kb", 64000),
+                                        ("1234", 1234), (" 3 MiB ", 3 * 2**20)])
+def test_sizes_are_read_as_transformers_reads_them(text, size):
+    assert parse_bytes(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "0", "-5GB", "5XB", "GB", "1.5GB", "five"])
+def test_a_size_that_is_not_one_is_one_line(text):
+    with pytest.raises(PlaitError, match="is not a size"):
+        parse_bytes(text)
