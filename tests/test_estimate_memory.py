@@ -298,3 +298,31 @@ def test_model_or_params_not_both() -> None:
         estimate_layout(None)
     with pytest.raises(PlaitError, match="--params must be a positive number"):
         estimate_layout(None, params=-5)
+
+
+def test_the_peak_adds_the_largest_transient_of_setup_or_of_the_outputs() -> None:
+    """tiny (vocabulary 256 × width 64, tied, two blocks of 49,280 parameters): the largest
+    tensor is the embedding, 16,384 elements. Without a split, setup draws it whole in fp32
+    and keeps it (2 × 4 bytes each), more than the outputs' group and one rank's pieces of
+    it (2 × 4 in fp32). Under tp 2 the split check's copy (the embedding and both blocks,
+    115,008 parameters, fp32) comes on top; in bf16 the copy is 2 bytes a parameter."""
+    from plait.estimate.memory import largest_tensor, stand_in_params, transient_bytes
+
+    config = get_preset("tiny")
+    assert largest_tensor(config) == 256 * 64
+    assert stand_in_params(config) == 16_448 + 2 * 49_280
+    assert transient_bytes(config, Workload(dp=2)) == 2 * 4 * 16_384
+    assert transient_bytes(config, Workload(tp=2)) == 2 * 4 * 16_384 + 4 * 115_008
+    assert transient_bytes(config, Workload(tp=2, precision="bf16")) == 2 * 4 * 16_384 + 2 * 115_008
+    memory = estimate_layout(config, Workload(tp=2, seq_len=64), hardware="cpu")["memory"]
+    assert memory["peak"] == memory["total"] + memory["transient"] == memory["total"] + 2 * 4 * 16_384 + 4 * 115_008
+
+
+def test_the_copy_keeps_one_block_of_each_kind_and_at_least_two() -> None:
+    """An MoE every second block: one dense and one MoE block; all MoE: two MoE blocks."""
+    from plait.estimate.memory import stand_in_params
+
+    mixed = get_preset("tiny-moe,n_layers=4,moe_every=2")
+    assert stand_in_params(mixed) == mixed.embedding_params() + mixed.block_params(0) + mixed.block_params(1)
+    every = get_preset("tiny-moe,n_layers=4")
+    assert stand_in_params(every) == every.embedding_params() + 2 * every.block_params(0)

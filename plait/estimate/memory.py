@@ -72,6 +72,8 @@ class Memory:
     host: float = 0.0
     total: float = 0.0  # what must fit on the device
     stage: int = 0
+    transient: float = 0.0  # the largest short-lived bytes of setup or of writing the outputs (`transient_bytes`)
+    peak: float = 0.0  # total + transient: at most this on the rank, at any moment of the run
 
     def as_dict(self) -> dict[str, float | int | None]:
         return asdict(self)
@@ -181,6 +183,7 @@ def device_total(memory: Memory) -> Memory:
     device += memory.activations or 0.0
     memory.fragmentation = FRAGMENTATION * device
     memory.total = device + memory.fragmentation
+    memory.peak = memory.total + memory.transient
     return memory
 
 
@@ -189,8 +192,44 @@ def stage_memory(config: GPTConfig, layout: Workload, stage: StageShare) -> Memo
     memory = model_states(stage.params, gathered_params(config, layout, stage), layout, experts=stage.expert_params)
     memory.activations = stage_activation_bytes(config, layout, stage)
     memory.buffers = stage_buffers(config, layout, stage)
+    memory.transient = transient_bytes(config, layout)
     memory.stage = stage.index
     return device_total(memory)
+
+
+def largest_tensor(config: GPTConfig) -> int:
+    """Elements of the model's largest single tensor: the embedding (or head), a dense MLP's
+    or attention's matrix, GPT-2's fused q|k|v, or an MoE block's experts (one 3-D tensor)."""
+    h = config.d_model
+    sizes = [config.vocab_size * h, h * config.ffn_hidden, h * h, h * (h + 2 * config.kv_dim)]
+    if config.is_moe:
+        sizes.append(config.experts * 2 * config.expert_width * h)
+    return max(sizes)
+
+
+def stand_in_params(config: GPTConfig) -> int:
+    """The probe's copy of a model no rank holds whole (plait/parallel/probe_copy.py): the
+    embedding and head, and the first block of each kind, at least two."""
+    kinds = {config.moe_layer(i): config.block_params(i) for i in range(config.n_layers)}
+    blocks = sorted(kinds.values(), reverse=True) + [max(kinds.values())] * max(0, 2 - len(kinds))
+    return config.embedding_params() + sum(blocks[:max(len(kinds), min(2, config.n_layers))])
+
+
+def transient_bytes(config: GPTConfig, layout: Workload) -> float:
+    """The largest short-lived bytes beyond a rank's steady state (on the host, where a GPU's
+    rank keeps them), the most of:
+
+    - setup (plait/parallel/materialize.py): one tensor drawn whole in fp32, and the part of
+      it the rank keeps; with tp, cp or ep, also the split check's copy (`stand_in_params`) in
+      the weights' dtype;
+    - the outputs: the main rank holds one group of whole tensors (at most the largest
+      tensor's bytes) and one rank's pieces of it (plait/train/loop/run.py: write_weights).
+    """
+    largest = largest_tensor(config)
+    setup = 2 * 4 * largest
+    if layout.tp > 1 or layout.cp > 1 or layout.ep > 1:
+        setup += stand_in_params(config) * state_bytes(layout.precision).param
+    return float(max(setup, 2 * largest * state_bytes(layout.precision).param))
 
 
 def estimate_memory(config: GPTConfig, layout: Workload) -> Memory:

@@ -67,6 +67,9 @@ def format_estimate(result: dict[str, Any], model_name: str) -> str:
     lines = [head, "", "memory per GPU (busiest rank)"]
     rows = [["  " + key, human_bytes(mem[key])] for key in MEMORY_ROWS]
     rows.append(["  total on device", human_bytes(mem["total"])])
+    if mem.get("transient"):
+        rows.append(["  + transient", human_bytes(mem["transient"])])
+        rows.append(["  peak", human_bytes(mem["peak"])])
     if mem["host"]:
         rows.append(["  on the host (optim + fp32 grad copy)", human_bytes(mem["host"])])
     usable = human_bytes(result["device_usable_bytes"])

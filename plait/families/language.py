@@ -44,8 +44,9 @@ def check_corpus(source: str) -> None:
 
 
 def estimated_memory(shape_of: Any) -> Any:
-    """A language family's price of a layout for --memory-limit: plait estimate's device total
-    per rank for the run's batch and options, with the family's shape of --model."""
+    """A language family's price of a layout for --memory-limit: plait estimate's peak per
+    rank (its device total and the largest transient of setup or of writing the outputs)
+    for the run's batch and options, with the family's shape of --model."""
 
     def memory(config: Any, layout: Any) -> float:
         from plait.estimate import estimate_layout
@@ -54,6 +55,7 @@ def estimated_memory(shape_of: Any) -> Any:
         work = Workload.of(layout, precision=config.precision, micro_batch=config.micro_batch,
                            grad_accum=config.grad_accum, seq_len=config.seq_len, recompute=config.recompute,
                            reduce_dtype=config.reduce_dtype, bucket_mb=config.bucket_mb)
-        return float(estimate_layout(shape_of(config.model), work, hardware="cpu")["memory"]["total"])
+        memory = estimate_layout(shape_of(config.model), work, hardware="cpu")["memory"]
+        return float(memory.get("peak") or memory["total"])
 
     return memory

@@ -85,7 +85,7 @@ def closing_report(summary: dict[str, Any], out: str) -> str:
     lines += [
         f"  memory/rank params {human_bytes(mem['params'])}, grads {human_bytes(mem['grads'])}, "
         f"optimizer {human_bytes(mem['optim'])}, activations {human_bytes(mem['activations_peak'])} "
-        f"(process peak {human_bytes(summary['peak_process_bytes'])})",
+        f"({process_peak_text(summary)})",
     ]
     if summary.get("experts"):
         lines.append(experts_line(summary["experts"], summary.get("predicted") or {}))
@@ -98,6 +98,21 @@ def closing_report(summary: dict[str, Any], out: str) -> str:
         lines.append(f"  sample      {sample}")
     lines.append(f"  outputs     {out}/metrics.jsonl, summary.json, {weights_text(summary.get('weights'))}")
     return "\n".join(lines)
+
+
+def process_peak_text(summary: dict[str, Any]) -> str:
+    """The measured process peak, and beside it what the run added to the process it started
+    as (the most over ranks) against the estimate's peak per rank (states, activations,
+    buffers and the largest transient of setup or of writing the outputs)."""
+    text = f"process peak {human_bytes(summary['peak_process_bytes'])}"
+    peaks, starts = summary.get("peak_process_bytes_by_rank") or [], summary.get("start_process_bytes_by_rank") or []
+    predicted = ((summary.get("predicted") or {}).get("memory") or {}).get("peak")
+    if peaks and len(starts) == len(peaks):
+        added = max(peak - start for peak, start in zip(peaks, starts))
+        text += f"; the run added at most {human_bytes(added)} to a rank"
+        if predicted:
+            text += f", estimated at most {human_bytes(predicted)}"
+    return text
 
 
 def weights_text(files: list[str] | None) -> str:

@@ -1,8 +1,8 @@
 """--memory-limit GIB: refuse, before any process starts, a run the estimate says will not fit.
 
-The figure is plait estimate's device total for the busiest rank (model states, activations,
-buffers, fragmentation) on the run's own layout and batch, the same one the closing report
-sets beside what the run measured. When it is over the limit, the hint names the smallest
+The figure is plait estimate's peak for the busiest rank (model states, activations, buffers,
+fragmentation, and the largest transient of setup or of writing the outputs) on the run's own
+layout and batch, the same one the closing report sets beside what the run measured. When it is over the limit, the hint names the smallest
 context-parallel degree whose estimate fits: a long sequence is what one rank cannot hold.
 Torch-free: it runs where `plait train` validates its options.
 """

@@ -67,7 +67,7 @@ def finish(trainer: Trainer) -> dict[str, Any]:
     comm.mark_step(mesh.ledger, config.steps + 1)  # the closing phase: named so by timeouts, and by PLAIT_INJECT
     sample = trainer.sample()  # every rank: with tensor parallelism or ZeRO-3 a forward is collective
     written = write_weights(trainer, Path(config.out))  # every rank: each group is gathered to the main rank
-    extras = trainer.metrics.gather_extras(trainer.update_times)  # the process peak includes that writing
+    extras = trainer.metrics.gather_extras(trainer.update_times, trainer.start_bytes)  # the peak includes that writing
     described = describe_run(trainer, prediction(trainer))
     summary = trainer.metrics.summary(described, extras, trainer.executor.summary(trainer.metrics.history))
     summary["step_time"] = step_time_parts(summary["predicted"], summary["step_time_s_median"], extras["optimizer_s"])

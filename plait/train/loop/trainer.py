@@ -30,7 +30,7 @@ from plait.parallel.deferred import CannotDefer, build_deferred
 from plait.parallel.executor import Executor
 from plait.parallel.materialize import Source
 from plait.parallel.precision import StepGuard, param_dtype
-from plait.bench.meter import ActivationMeter, model_state_bytes
+from plait.bench.meter import ActivationMeter, model_state_bytes, peak_process_bytes
 from plait.runtime import comm
 from plait.runtime.mesh import Mesh
 from plait.train.checkpoint import read as checkpoint_read, write as checkpoint
@@ -80,6 +80,7 @@ class Trainer:
     def __init__(self, config: TrainConfig, mesh: Mesh, task: Task):
         mesh = mesh.with_layout(**config.layout.as_dict())  # the run's layout on the mesh's groups (same degrees)
         self.config, self.mesh, self.task = config, mesh, task
+        self.start_bytes = peak_process_bytes(mesh.device)  # the process before the model: what the peak adds to
         # The model is built on the meta device, split, and only then given values: each rank
         # draws each tensor whole from the seed, as one process would, and keeps its part, so
         # the initial weights are the same whatever the layout. With pp > 1 parallelize

@@ -103,18 +103,21 @@ class Metrics:
         times = [r["step_time_s"] for r in self.history[1:]] or [self.history[0]["step_time_s"]]
         return statistics.median(times)
 
-    def gather_extras(self, update_times: list[float]) -> dict[str, Any]:
+    def gather_extras(self, update_times: list[float], start_bytes: int = 0) -> dict[str, Any]:
         """The few numbers the summary needs from every rank (collective): each rank's process
-        peak (and their max), and the optimizer's median time (the max over ranks)."""
+        peak and its peak before the model was built (`start_bytes`), and the optimizer's
+        median time (the max over ranks)."""
         from plait.bench.meter import peak_process_bytes
 
         times = update_times[1:] or update_times or [0.0]
         world = self.mesh.axis("world")
-        values = torch.zeros(world.size + 1, dtype=torch.float64, device=self.mesh.device)
-        values[world.rank], values[-1] = peak_process_bytes(self.mesh.device), statistics.median(times)
+        values = torch.zeros(2 * world.size + 1, dtype=torch.float64, device=self.mesh.device)
+        values[world.rank], values[world.size + world.rank] = peak_process_bytes(self.mesh.device), start_bytes
+        values[-1] = statistics.median(times)
         comm.all_reduce(values, world, op="max", purpose=comm.TELEMETRY)  # each slot: one rank's, zeros elsewhere
-        peaks = [int(v) for v in values[:-1].tolist()]
-        return {"peak_process_bytes": max(peaks), "peak_process_bytes_by_rank": peaks, "optimizer_s": values[-1].item()}
+        peaks, starts = [int(v) for v in values[:world.size].tolist()], [int(v) for v in values[world.size:-1].tolist()]
+        return {"peak_process_bytes": max(peaks), "peak_process_bytes_by_rank": peaks,
+                "start_process_bytes_by_rank": starts, "optimizer_s": values[-1].item()}
 
     def summary(self, described: dict[str, Any], extras: dict[str, float],
                 hooked: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -143,6 +146,7 @@ class Metrics:
             "measure": self.measure.mode,
             "peak_process_bytes": int(extras["peak_process_bytes"]),
             "peak_process_bytes_by_rank": extras.get("peak_process_bytes_by_rank", []),
+            "start_process_bytes_by_rank": extras.get("start_process_bytes_by_rank", []),
             "telemetry_bytes": sum(sum(ops.values()) for ops in self.mesh.ledger.wire(comm.TELEMETRY).values()),
             "worlds": world_segments(history),
             **(hooked or {}),
