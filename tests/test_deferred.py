@@ -185,3 +185,39 @@ def test_a_shard_filled_a_parameter_at_a_time_is_the_packed_buffers(n):
         asked.clear()
         assert torch.equal(filled_shard(params, n, rank, whole), flat[rank * size:(rank + 1) * size])
         assert len(asked) <= len(params)  # only the parameters that reach into the shard
+
+
+def test_the_trainer_builds_whole_what_cannot_be_replayed_and_says_so(caplog):
+    """build_on_meta: a task whose build reads a drawn value on the host gets its model built
+    whole (no source), with one log line; a task that opts out (meta_build = False) too."""
+    import logging
+
+    from plait.train.loop.trainer import build_on_meta
+
+    class Task:
+        meta_build = True
+
+        def build_model(self, seed: int) -> nn.Module:
+            torch.manual_seed(seed)
+            return _ReadsItsDraw()
+
+    with caplog.at_level(logging.INFO, logger="plait.train.loop.trainer"):
+        model, source = build_on_meta(Task(), seed=1)
+    assert source is None and not is_meta(model)
+    torch.manual_seed(1)
+    assert torch.equal(model.weight, torch.randn(3))  # the whole build's draw, from the seed
+    assert any("built whole on every rank" in r.getMessage() for r in caplog.records)
+    Task.meta_build = False
+    model, source = build_on_meta(Task(), seed=1)
+    assert source is None and not is_meta(model)
+
+
+def test_a_meta_model_without_a_source_is_refused_by_parallelize():
+    import plait
+    from plait.runtime.env import ProcessEnv
+    from plait.runtime.mesh import init_mesh
+
+    meta, _ = build_deferred(lambda: build_gpt(get_preset("tiny"), seed=0))
+    mesh = init_mesh(env=ProcessEnv("single", 0, 1, 0, "127.0.0.1", 29500))
+    with pytest.raises(PlaitError, match="on the meta device, and parallelize was given no source"):
+        plait.parallelize(meta, mesh)

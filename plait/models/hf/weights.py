@@ -6,7 +6,10 @@ a rank holds is read from the file that holds it (`model.safetensors`, or the sh
 `model.safetensors.index.json` names): only the block the rank's placement says it holds,
 through safetensors' slice reads of the mapped file, converted to the model's dtype per
 block. A tensor the files lack starts from the seed, and the user is told which (as
-`from_pretrained` does). Before any of it, every rank compares the files' headers with the
+`from_pretrained` does). A file is opened for each read and closed after it: the pages a
+read touches of the mapped file count in the process's resident memory while the mapping
+lives (a block of columns touches nearly every page of its tensor), so keeping every file
+open would hold all the pages a rank ever read. Before any of it, every rank compares the files' headers with the
 model's names and shapes alike, so a refusal is every rank's:
 
 - a tensor of another shape: refused by name;
@@ -40,13 +43,12 @@ class SafetensorsWeights:
         from safetensors import safe_open
 
         self.spec, self.seed = f"hf:{hf.path}", seed
-        self.files: dict[Path, Any] = {}
         self.where: dict[str, Path] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
         for path in hf.weights:
-            handle = self._open(safe_open, path)
-            self.files[path] = handle
-            for key in handle.keys():
-                self.where[key] = path
+            with self._open(safe_open, path) as handle:
+                for key in handle.keys():
+                    self.where[key], self.shapes[key] = path, tuple(handle.get_slice(key).get_shape())
         self._check(model)
 
     def _open(self, safe_open: Any, path: Path) -> Any:
@@ -69,7 +71,7 @@ class SafetensorsWeights:
                               hint="it is loaded whole by from_pretrained on every rank instead")
         for name, tensor in named.items():
             if name in self.where:
-                shape = tuple(self.files[self.where[name]].get_slice(name).get_shape())
+                shape = self.shapes[name]
                 if shape != tuple(tensor.shape):
                     raise PlaitError(f"--model {self.spec}: {name} has shape {shape} in {self.where[name].name}, "
                                      f"and config.json gives {tuple(tensor.shape)}",
@@ -86,13 +88,16 @@ class SafetensorsWeights:
 
     def block(self, name: str, offsets: tuple[int, ...] | None, lengths: tuple[int, ...] | None) -> torch.Tensor:
         """The block of `name` at `offsets` of `lengths` (None: the whole tensor), read alone."""
+        from safetensors import safe_open
+
         path = self.where.get(name)
         if path is None:
             whole = self.seed(name)
             return whole if offsets is None else whole[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
-        if offsets is None:
-            return self.files[path].get_tensor(name)
-        return self.files[path].get_slice(name)[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
+        with safe_open(str(path), framework="pt") as handle:  # closed after the read: see the module docstring
+            if offsets is None:
+                return handle.get_tensor(name)
+            return handle.get_slice(name)[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
 
 
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -192,16 +192,24 @@ _FROM_CODE = {code: dtype for dtype, code in _DTYPES.items()}
 
 
 def read_weights(directory: str | Path) -> LazyWeights:
-    """The weights in `directory` (one file or an index's shards), each read when asked."""
+    """The weights in `directory` (one file or an index's shards), each read when asked. A
+    file is opened for each read and closed after it: the pages a read touches of a mapped
+    file stay in the process's resident memory while the mapping lives."""
     from safetensors import safe_open
 
     files = weight_files(directory)
-    handles = {path: safe_open(str(path), framework="pt") for path in set(files.values())}
     shapes = {}
-    for name, path in files.items():
-        piece = handles[path].get_slice(name)
-        shapes[name] = (tuple(piece.get_shape()), _FROM_CODE.get(piece.get_dtype(), torch.float32))
-    return LazyWeights(shapes, lambda name: handles[files[name]].get_tensor(name))
+    for path in set(files.values()):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                piece = handle.get_slice(name)
+                shapes[name] = (tuple(piece.get_shape()), _FROM_CODE.get(piece.get_dtype(), torch.float32))
+
+    def read(name: str) -> torch.Tensor:
+        with safe_open(str(files[name]), framework="pt") as handle:
+            return handle.get_tensor(name)
+
+    return LazyWeights({name: shapes[name] for name in files}, read)
 
 
 def weight_files(directory: str | Path) -> dict[str, Path]:
