@@ -98,9 +98,10 @@ def table(results: dict, args: argparse.Namespace) -> str:
             ratio = max(r[0] / r[1] for r in rows if r[1] > 0)
             lines.append(f"| {layout} | {way} | {peak:,.0f} | {rows[0][0]:,.0f} | {held:,.0f} | {ratio:.2f} | "
                          f"{max(r[2] for r in rows):.1f} |")
-    lines += ["", "Under ZeRO-3 the held parameters are the shards; the meta build still fills each rank's "
-              "whole tp × pp share before ZeRO shards it, so its peak there is the share, not the shard "
-              "(ZeRO-3 allocating only its shards is the next step)."]
+    lines += ["", "Under ZeRO-3 the held parameters are the shards, filled a parameter at a time: no rank holds "
+              "its share whole. What the meta peak holds beyond them: one tensor drawn whole (the 125 MiB "
+              "embedding) and its part, and under tp the split check's copy (the embedding, the head and two "
+              "blocks, 364 MiB), both freed before the first step."]
     return "\n".join(lines)
 
 

@@ -86,7 +86,6 @@ class Entry:
 class History:
     """Everything that filled one storage, in order; `start`: the last whole overwrite."""
 
-    nbytes: int
     entries: list[Entry] = field(default_factory=list)
     start: int = 0
 
@@ -178,8 +177,7 @@ class _Recorder(TorchDispatchMode):
             if key in self.histories:
                 continue  # a view, or an op that returned its input
             self.alive.append(tensor)
-            self.histories[key] = History(tensor.untyped_storage().nbytes(),
-                                          [Entry(func, *refs, rng=rng, output=index)])
+            self.histories[key] = History([Entry(func, *refs, rng=rng, output=index)])
             # How the storage was made: replays that start later allocate it the same way.
             self.histories[key].entries[0].target = Ref(key, 0, tuple(tensor.shape), tuple(tensor.stride()),
                                                         tensor.storage_offset(), tensor.dtype)
