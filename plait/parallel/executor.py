@@ -204,7 +204,7 @@ def weights_in_groups(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: 
     order, and an iterator every rank must drain, giving on world rank 0 the next few whole
     tensors (at most `budget` bytes of them, or one larger tensor; None: the largest tensor's
     bytes) and {} elsewhere. Each group is gathered to rank 0 from the ranks that own its
-    pieces, one rank's at a time."""
+    pieces, a piece at a time, each sent as a tensor."""
     world = mesh.axis("world")
     owned = [piece for piece in local_pieces(model, optimizer, mesh)
              if piece.owned and piece.name.startswith("model/")]
@@ -223,14 +223,32 @@ def weights_in_groups(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: 
         groups[-1].append(name)
         size += nbytes
 
+    # Who holds which pieces, known to rank 0 once; then each piece travels as a tensor (no
+    # pickle: the receiver holds one piece-sized buffer beside the group, not two copies).
+    held: list[list[tuple[str, tuple[int, ...], tuple[int, ...]]]] = []  # per rank: (name, offsets, block shape)
+    comm.gather_objects([(p.name.removeprefix("model/"), tuple(p.offsets), tuple(p.tensor.shape)) for p in owned],
+                        world, held.append)
+    full = {name: (shape, dtype) for name, shape, dtype in plan}
+
     def gathered() -> Iterator[dict[str, torch.Tensor]]:
         for names in groups:
             wanted = set(names)
-            mine = [(p.name.removeprefix("model/"), p.tensor.detach().to("cpu", copy=True), p.offsets, p.full_shape)
-                    for p in owned if p.name.removeprefix("model/") in wanted]
+            if world.rank != 0:
+                for piece in owned:
+                    if piece.name.removeprefix("model/") in wanted:
+                        comm.send(piece.tensor.detach().contiguous(), world, 0, purpose="checkpoint").wait()
+                yield {}
+                continue
             whole = Assembly()
-            comm.gather_objects(mine, world, whole.add)
-            yield whole.finish() if world.rank == 0 else {}
+            whole.add([(p.name.removeprefix("model/"), p.tensor.detach().to("cpu"), p.offsets, p.full_shape)
+                       for p in owned if p.name.removeprefix("model/") in wanted])
+            for rank in range(1, world.size):
+                for name, offsets, shape in held[rank]:
+                    if name in wanted:
+                        block = torch.empty(shape, dtype=full[name][1], device=mesh.device)
+                        comm.recv(block, world, rank, purpose="checkpoint").wait()
+                        whole.add([(name, block.to("cpu"), offsets, full[name][0])])
+            yield whole.finish()
 
     return plan, gathered()
 
