@@ -84,3 +84,11 @@ def test_sizes_are_read_as_transformers_reads_them(text, size):
 def test_a_size_that_is_not_one_is_one_line(text):
     with pytest.raises(PlaitError, match="is not a size"):
         parse_bytes(text)
+
+
+def test_a_rewrite_in_fewer_shards_leaves_none_of_the_earlier_ones(tmp_path):
+    write_streamed(tmp_path, _tensors(), 1)  # seven shards
+    write_streamed(tmp_path, _tensors(), 100)  # two
+    assert sorted(p.name for p in tmp_path.glob("model*.safetensors")) == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert torch.equal(read_weights(tmp_path)["g.scalar"], torch.tensor(7))

@@ -24,6 +24,7 @@ import struct
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -79,7 +80,7 @@ class ShardWriter:
         self.metadata = {"format": "pt", **(metadata or {})}
         self.queue = [(name, entry) for name, chunk in self.files for entry in chunk]
         self.done: list[Path] = []
-        self.current: tuple[str, object] | None = None
+        self.current: tuple[str, BinaryIO] | None = None  # the file being written, under its temporary name
         self.position = 0
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
@@ -90,10 +91,16 @@ class ShardWriter:
                              f"{tuple(tensor.shape)} {tensor.dtype}", hint="report it with the layout")
         if self.current is None or self.current[0] != file:
             self._start(file)
-        handle = self.current[1]
         data = tensor.detach().to("cpu").contiguous()
-        handle.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()) if data.numel() else b"")  # type: ignore[attr-defined]
+        self._handle().write(memoryview(data.reshape(-1).view(torch.uint8).numpy()) if data.numel() else b"")
         self.position += 1
+
+    def _handle(self) -> BinaryIO:
+        assert self.current is not None
+        return self.current[1]
+
+    def _temporary(self, file: str) -> Path:
+        return self.directory / f".{file}.tmp-{os.getpid()}"
 
     def _start(self, file: str) -> None:
         self._finish_file()
@@ -105,7 +112,7 @@ class ShardWriter:
             offset += entry.nbytes
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-        handle = open(self.directory / f".{file}.tmp-{os.getpid()}", "wb")
+        handle = open(self._temporary(file), "wb")
         handle.write(struct.pack("<Q", len(encoded)))
         handle.write(encoded)
         self.current = (file, handle)
@@ -114,10 +121,10 @@ class ShardWriter:
         if self.current is None:
             return
         file, handle = self.current
-        handle.flush()  # type: ignore[attr-defined]
-        os.fsync(handle.fileno())  # type: ignore[attr-defined]
-        handle.close()  # type: ignore[attr-defined]
-        os.replace(self.directory / f".{file}.tmp-{os.getpid()}", self.directory / file)
+        handle.flush()
+        os.fsync(handle.fileno())
+        handle.close()
+        os.replace(self._temporary(file), self.directory / file)
         self.done.append(self.directory / file)
         self.current = None
 
@@ -127,8 +134,12 @@ class ShardWriter:
             raise PlaitError(f"the weights' writer got {self.position} of {len(self.queue)} tensors",
                              hint="report it with the layout")
         self._finish_file()
-        if self.single == SINGLE:  # an earlier write of the other form would shadow this one
-            (self.directory / (INDEX if len(self.files) == 1 else SINGLE)).unlink(missing_ok=True)
+        if self.single == SINGLE:  # an earlier write's other files would shadow or confuse this one
+            written = {self.directory / file for file, _ in self.files}
+            stale = [self.directory / (INDEX if len(self.files) == 1 else SINGLE),
+                     *(p for p in self.directory.glob("model-*-of-*.safetensors") if p not in written)]
+            for path in stale:
+                path.unlink(missing_ok=True)
         if len(self.files) > 1:
             index = {"metadata": {"total_size": sum(e.nbytes for _, chunk in self.files for e in chunk)},
                      "weight_map": {e.name: file for file, chunk in self.files for e in chunk}}
@@ -141,8 +152,8 @@ class ShardWriter:
     def abort(self) -> None:
         """Drop the file being written (the finished ones stay: each is whole)."""
         if self.current is not None:
-            self.current[1].close()  # type: ignore[attr-defined]
-            (self.directory / f".{self.current[0]}.tmp-{os.getpid()}").unlink(missing_ok=True)
+            self.current[1].close()
+            self._temporary(self.current[0]).unlink(missing_ok=True)
             self.current = None
 
 
