@@ -180,24 +180,21 @@ class Executor:
         piece is written by one rank, so gathering the written ones covers every tensor once."""
         return whole_weights(self.model, optimizer, self.mesh)
 
-    def weights_in_groups(self, optimizer: torch.optim.Optimizer, budget: int | None
+    def weights_in_groups(self, optimizer: torch.optim.Optimizer, budget: float | None
                           ) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], Iterator[dict[str, torch.Tensor]]]:
         """The whole weights a few tensors at a time on the main rank (see `weights_in_groups`)."""
         return weights_in_groups(self.model, optimizer, self.mesh, budget)
 
 
 def whole_weights(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh) -> dict[str, torch.Tensor] | None:
-    """See `Executor.whole_weights`: the owned model pieces of each rank in turn, sent to world
-    rank 0 and put in place there as they arrive (it holds the model and one rank's share)."""
-    mine = [(piece.name.removeprefix("model/"), piece.tensor.detach().to("cpu", copy=True), piece.offsets,
-             piece.full_shape)
-            for piece in local_pieces(model, optimizer, mesh) if piece.owned and piece.name.startswith("model/")]
-    whole = Assembly()
-    comm.gather_objects(mine, mesh.axis("world"), whole.add)
-    return whole.finish() if mesh.axis("world").rank == 0 else None
+    """See `Executor.whole_weights`: `weights_in_groups` in one group, every tensor at once
+    (rank 0 holds the model)."""
+    _, groups = weights_in_groups(model, optimizer, mesh, budget=math.inf)
+    whole = {name: tensor for group in groups for name, tensor in group.items()}
+    return whole if mesh.axis("world").rank == 0 else None
 
 
-def weights_in_groups(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh, budget: int | None
+def weights_in_groups(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh, budget: float | None
                       ) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], Iterator[dict[str, torch.Tensor]]]:
     """The whole model's weights a group at a time, for writing them out without assembling
     the model anywhere (collective): the plan, every tensor's (name, shape, dtype) in name
@@ -208,27 +205,14 @@ def weights_in_groups(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: 
     world = mesh.axis("world")
     owned = [piece for piece in local_pieces(model, optimizer, mesh)
              if piece.owned and piece.name.startswith("model/")]
-    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    comm.gather_objects([(p.name.removeprefix("model/"), tuple(p.full_shape), p.tensor.dtype) for p in owned], world,
-                        lambda rows: shapes.update((name, (shape, dtype)) for name, shape, dtype in rows))
-    plan = comm.broadcast_object(sorted((name, shape, dtype) for name, (shape, dtype) in shapes.items()), world)
-    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for _, shape, dtype in plan]
-    budget = max(sizes, default=0) if budget is None else budget
-    groups: list[list[str]] = [[]]
-    size = 0
-    for (name, _, _), nbytes in zip(plan, sizes):
-        if groups[-1] and size + nbytes > budget:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += nbytes
-
-    # Who holds which pieces, known to rank 0 once; then each piece travels as a tensor (no
-    # pickle: the receiver holds one piece-sized buffer beside the group, not two copies).
-    held: list[list[tuple[str, tuple[int, ...], tuple[int, ...]]]] = []  # per rank: (name, offsets, block shape)
-    comm.gather_objects([(p.name.removeprefix("model/"), tuple(p.offsets), tuple(p.tensor.shape)) for p in owned],
-                        world, held.append)
-    full = {name: (shape, dtype) for name, shape, dtype in plan}
+    # Who holds which pieces, known to rank 0 in one round; then each piece travels as a tensor
+    # (no pickle: the receiver holds one piece-sized buffer beside the group, not two copies).
+    held: list[list[tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...], torch.dtype]]] = []
+    comm.gather_objects([(p.name.removeprefix("model/"), tuple(p.offsets), tuple(p.tensor.shape), tuple(p.full_shape),
+                          p.tensor.dtype) for p in owned], world, held.append)
+    full = {name: (shape, dtype) for pieces in held for name, _, _, shape, dtype in pieces}
+    plan = comm.broadcast_object(sorted((name, shape, dtype) for name, (shape, dtype) in full.items()), world)
+    groups = _groups(plan, budget)
 
     def gathered() -> Iterator[dict[str, torch.Tensor]]:
         for names in groups:
@@ -243,14 +227,30 @@ def weights_in_groups(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: 
             whole.add([(p.name.removeprefix("model/"), p.tensor.detach().to("cpu"), p.offsets, p.full_shape)
                        for p in owned if p.name.removeprefix("model/") in wanted])
             for rank in range(1, world.size):
-                for name, offsets, shape in held[rank]:
+                for name, offsets, shape, full_shape, dtype in held[rank]:
                     if name in wanted:
-                        block = torch.empty(shape, dtype=full[name][1], device=mesh.device)
+                        block = torch.empty(shape, dtype=dtype, device=mesh.device)
                         comm.recv(block, world, rank, purpose="checkpoint").wait()
-                        whole.add([(name, block.to("cpu"), offsets, full[name][0])])
+                        whole.add([(name, block.to("cpu"), offsets, full_shape)])
             yield whole.finish()
 
     return plan, gathered()
+
+
+def _groups(plan: list[tuple[str, tuple[int, ...], torch.dtype]], budget: float | None) -> list[list[str]]:
+    """The plan's names cut into consecutive groups of at most `budget` bytes (a larger tensor
+    alone; None: the largest tensor's bytes)."""
+    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for _, shape, dtype in plan]
+    budget = max(sizes, default=0) if budget is None else budget
+    groups: list[list[str]] = [[]]
+    size = 0
+    for (name, _, _), nbytes in zip(plan, sizes):
+        if groups[-1] and size + nbytes > budget:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    return groups
 
 
 Piece = tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]  # (name, block, offsets, full shape)
