@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from plait.errors import PlaitError
-from plait.parallel.meta_record import CannotDefer, Entry, History, OnMeta, Recorder, Ref, ref_of
+from plait.parallel.meta_record import CannotDefer, Entry, History, OnMeta, Recorder, Ref, covers, ref_of
 
 __all__ = ["CannotDefer", "Deferred", "build_deferred", "is_meta", "recording"]
 
@@ -80,9 +80,7 @@ class Deferred:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             base = self._replay(ref.key, ref.version, {})
             view = self._view(base, ref)
-            whole = view.is_contiguous() and view.storage_offset() == 0 and \
-                view.numel() * view.element_size() == base.untyped_storage().nbytes()
-            return view if whole and not self._is_constant(base) else view.clone()
+            return view if covers(view) and not self._is_constant(base) else view.clone()
 
     def _is_constant(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` is a host value the build read (an op that returns its input can

@@ -74,7 +74,7 @@ def ref_of(t: torch.Tensor, histories: dict[int, History]) -> Ref:
     return Ref(key, len(histories[key].entries), tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
 
 
-def _covers(t: torch.Tensor) -> bool:
+def covers(t: torch.Tensor) -> bool:
     """Whether `t` views every byte of its storage, once each."""
     return (t.storage_offset() == 0 and t.is_contiguous()
             and t.numel() * t.element_size() == t.untyped_storage().nbytes())
@@ -128,7 +128,7 @@ class Recorder(TorchDispatchMode):
             history = self.histories.get(target.untyped_storage()._cdata)
             if history is None:
                 continue  # a tensor made outside the build (not on meta): not the model's
-            if func in _OVERWRITES and _covers(target) and not _reads_itself(func, args, target):
+            if func in _OVERWRITES and covers(target) and not _reads_itself(func, args, target):
                 history.start = len(history.entries)
             history.entries.append(Entry(func, *refs, rng=rng, target=ref_of(target, self.histories)))
         if not written:

@@ -21,7 +21,6 @@ model's names and shapes alike, so a refusal is every rank's:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +30,8 @@ from torch import nn
 from plait.errors import PlaitError
 from plait.models.hf.config import HFModelDir
 from plait.parallel.deferred import CannotDefer
-
-Source = Callable[[str], torch.Tensor]
+from plait.parallel.materialize import Source
+from plait.parallel.pieces import persistent_buffers
 
 
 class SafetensorsWeights:
@@ -91,21 +90,15 @@ class SafetensorsWeights:
         from safetensors import safe_open
 
         path = self.where.get(name)
+        block = None if offsets is None else tuple(slice(o, o + n) for o, n in zip(offsets, lengths))
         if path is None:
             whole = self.seed(name)
-            return whole if offsets is None else whole[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
+            return whole if block is None else whole[block]
         with safe_open(str(path), framework="pt") as handle:  # closed after the read: see the module docstring
-            if offsets is None:
-                return handle.get_tensor(name)
-            return handle.get_slice(name)[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
+            return handle.get_tensor(name) if block is None else handle.get_slice(name)[block]
 
 
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:
     """What a checkpoint of `model` may hold: its parameters (a tied one by its first name,
     as save_pretrained keeps it) and persistent buffers."""
-    out = dict(model.named_parameters())
-    for prefix, module in model.named_modules():
-        for name, buffer in module.named_buffers(recurse=False):
-            if name not in module._non_persistent_buffers_set:
-                out[f"{prefix}.{name}" if prefix else name] = buffer
-    return out
+    return {**dict(model.named_parameters()), **dict(persistent_buffers(model))}
