@@ -92,3 +92,12 @@ def test_a_rewrite_in_fewer_shards_leaves_none_of_the_earlier_ones(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("model*.safetensors")) == [
         "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     assert torch.equal(read_weights(tmp_path)["g.scalar"], torch.tensor(7))
+
+
+def test_one_file_named_beside_other_weights_leaves_them_alone(tmp_path):
+    """`plait ckpt export --to DIR/model.safetensors` writes one file of that name and removes
+    nothing of what DIR held (another run's shards and index)."""
+    write_streamed(tmp_path, _tensors(), 100)  # two shards and an index
+    write_streamed(tmp_path, _tensors(), 2**63, single=SINGLE, replaces=False)
+    assert (tmp_path / INDEX).is_file() and len(list(tmp_path.glob("model-*-of-*.safetensors"))) == 2
+    assert (tmp_path / SINGLE).is_file()

@@ -230,7 +230,7 @@ def export(path: str | Path, to: str | Path) -> int:
         raise PlaitError(f"--to {to} could not be written: {to.parent} is not a directory",
                          hint="choose a file in a directory you can write to")
     try:
-        write_streamed(to.parent, trained.weights, max_bytes=2**63, single=to.name,
+        write_streamed(to.parent, trained.weights, max_bytes=2**63, single=to.name, replaces=False,
                        metadata={"step": str(trained.step), "source": str(trained.source)})
     except OSError as exc:
         raise PlaitError(f"--to {to} could not be written: {exc.strerror or exc}",

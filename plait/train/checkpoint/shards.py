@@ -66,11 +66,13 @@ def file_names(count: int) -> list[str]:
 
 class ShardWriter:
     """Writes `entries` into `directory` as one or more safetensors files, a tensor at a time:
-    `write(name, tensor)` in the entries' order, then `close()` (renames, index)."""
+    `write(name, tensor)` in the entries' order, then `close()` (renames, index). `single`
+    names the file when there is one; `replaces`: the directory's weights are these, and an
+    earlier write's other files (its index, its shards of another count) are removed."""
 
     def __init__(self, directory: str | Path, entries: list[Entry], max_bytes: int,
-                 metadata: dict[str, str] | None = None, single: str = SINGLE):
-        self.directory, self.single = Path(directory), single
+                 metadata: dict[str, str] | None = None, single: str = SINGLE, replaces: bool = True):
+        self.directory, self.replaces = Path(directory), replaces
         for entry in entries:
             if entry.dtype not in _DTYPES:
                 raise PlaitError(f"{entry.name}: safetensors has no dtype {entry.dtype}",
@@ -134,7 +136,7 @@ class ShardWriter:
             raise PlaitError(f"the weights' writer got {self.position} of {len(self.queue)} tensors",
                              hint="report it with the layout")
         self._finish_file()
-        if self.single == SINGLE:  # an earlier write's other files would shadow or confuse this one
+        if self.replaces:  # an earlier write's other files would shadow or confuse this one
             written = {self.directory / file for file, _ in self.files}
             stale = [self.directory / (INDEX if len(self.files) == 1 else SINGLE),
                      *(p for p in self.directory.glob("model-*-of-*.safetensors") if p not in written)]
@@ -158,9 +160,10 @@ class ShardWriter:
 
 
 def write_streamed(directory: str | Path, weights: Mapping[str, torch.Tensor], max_bytes: int,
-                   metadata: dict[str, str] | None = None, single: str = SINGLE) -> list[Path]:
+                   metadata: dict[str, str] | None = None, single: str = SINGLE,
+                   replaces: bool = True) -> list[Path]:
     """`weights` (a LazyWeights reads each tensor only when asked) written a tensor at a time."""
-    writer = ShardWriter(directory, entries_of(weights), max_bytes, metadata, single)
+    writer = ShardWriter(directory, entries_of(weights), max_bytes, metadata, single, replaces)
     try:
         for entry in writer.queue:
             writer.write(entry[1].name, weights[entry[1].name])
