@@ -9,7 +9,6 @@ and, on rank 0, its final weights' largest difference from the one-process run's
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -18,12 +17,11 @@ from typing import Any
 import torch
 
 from plait.families import family_of
-from plait.runtime.env import ProcessEnv
-from plait.runtime.mesh import init_mesh
 from plait.train.config.settings import TrainConfig
 from plait.train.loop.run import final_weights
 from plait.train.loop.trainer import Trainer
 from tests.worldlib import save_report
+from tests.worlds.hf_common import against_one_process
 
 LAYOUTS = {"tp2": dict(tp=2, grad_accum=2), "pp2": dict(pp=2, grad_accum=2), "zero3": dict(dp=2, zero=3)}
 
@@ -37,30 +35,17 @@ def run(config: TrainConfig, mesh: Any) -> tuple[dict[str, list[float]], dict[st
         final_weights(trainer)
 
 
-def max_rel(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
-    assert weights.keys() == reference.keys(), sorted(set(weights) ^ set(reference))
-    return max(((weights[k] - v).abs().max() / v.abs().max()).item() for k, v in reference.items())
-
-
 def main() -> None:
     out, corpus, dirs = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
     torch.set_num_threads(1)
-    rank, report = int(os.environ["RANK"]), {}
+    report = {}
     for directory in dirs:
-        name = Path(directory).name
         base = TrainConfig(model=f"hf:{directory}", data=corpus, steps=2, micro_batch=2, seq_len=16, eval_every=0,
                            eval_samples=4, sample_tokens=0, warmup_steps=1, lr=1e-3, nproc=1, dp=1)
-        found: dict[str, Any] = {}
-        if rank == 0:
-            one = init_mesh(env=ProcessEnv("single", 0, 1, 0, "127.0.0.1", 29500))
-            found["one"], reference = run(replace(base, grad_accum=2, out=str(out / name / "one")), one)
-        for layout, fields in LAYOUTS.items():
-            config = replace(base, **{"dp": 1, **fields}, nproc=2, out=str(out / name / layout))
-            mesh = init_mesh(config.layout)
-            found[layout], weights = run(config, mesh)
-            if rank == 0:
-                found[layout]["max_rel"] = max_rel(weights, reference)
-        report[name] = found
+        name = Path(directory).name
+        configs = {layout: replace(base, **{"dp": 1, **fields}, nproc=2, out=str(out / name / layout))
+                   for layout, fields in LAYOUTS.items()}
+        report[name] = against_one_process(run, replace(base, grad_accum=2, out=str(out / name / "one")), configs)
     save_report(report)
 
 

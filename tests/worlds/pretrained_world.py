@@ -11,7 +11,6 @@ is built whole).
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -21,13 +20,12 @@ import torch
 
 from plait.families import family_of
 from plait.models.hf import weights as hf_weights
-from plait.runtime.env import ProcessEnv
-from plait.runtime.mesh import init_mesh
 from plait.train.config.settings import TrainConfig
 from plait.train.loop import trainer as trainer_module
 from plait.train.loop.run import final_weights
 from plait.train.loop.trainer import Trainer
 from tests.worldlib import save_report
+from tests.worlds.hf_common import against_one_process
 
 LAYOUTS = {
     "dp4": dict(dp=4),
@@ -69,34 +67,20 @@ def run(config: TrainConfig, mesh: Any) -> tuple[dict[str, Any], dict[str, torch
             "read": read, "source": SOURCES[0]}, final_weights(trainer)
 
 
-def max_rel(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
-    assert weights.keys() == reference.keys(), sorted(set(weights) ^ set(reference))
-    return max(((weights[k] - v).abs().max() / v.abs().max().clamp_min(1e-12)).item() for k, v in reference.items())
-
-
 def main() -> None:
     out, corpus, dirs = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
     torch.set_num_threads(1)
     hf_weights.SafetensorsWeights.block = _counting(hf_weights.SafetensorsWeights.block)
     trainer_module.build_on_meta = _recording_source(trainer_module.build_on_meta)
-    rank, report = int(os.environ["RANK"]), {}
+    report = {}
     for directory in dirs:
         name = Path(directory).name
         base = TrainConfig(model=f"hf:{directory}", data=corpus, steps=2, micro_batch=1, seq_len=16, eval_every=0,
                            eval_samples=4, sample_tokens=0, warmup_steps=1, lr=1e-3, nproc=1, dp=1)
-        found: dict[str, Any] = {}
-        if rank == 0:
-            one = init_mesh(env=ProcessEnv("single", 0, 1, 0, "127.0.0.1", 29500))
-            found["one"], reference = run(replace(base, grad_accum=4, out=str(out / name / "one")), one)
         layouts = MOE_LAYOUTS if "moe" in name else LAYOUTS
-        for layout, fields in layouts.items():
-            accum = 4 // fields["dp"]
-            config = replace(base, **fields, grad_accum=accum, nproc=4, out=str(out / name / layout))
-            mesh = init_mesh(config.layout)
-            found[layout], weights = run(config, mesh)
-            if rank == 0:
-                found[layout]["max_rel"] = max_rel(weights, reference)
-        report[name] = found
+        configs = {layout: replace(base, **fields, grad_accum=4 // fields["dp"], nproc=4, out=str(out / name / layout))
+                   for layout, fields in layouts.items()}
+        report[name] = against_one_process(run, replace(base, grad_accum=4, out=str(out / name / "one")), configs)
     save_report(report)
 
 
