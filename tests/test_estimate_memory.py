@@ -3,6 +3,7 @@ measurement of what autograd really saves on plait's own model."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from dataclasses import replace
 
@@ -255,7 +256,12 @@ def test_zero2_buckets_and_accumulation() -> None:
     # Each backward reduce-scatters and drops its whole gradients (no_sync holds ZeRO-1's only)
     assert acc.buffers == one.buffers
     unit = estimate_memory(cfg, Workload(dp=8, zero=3, precision="bf16", seq_len=256, grad_accum=4))
-    assert unit.buffers - loss == 2 * cfg.layer_params() * 2  # ZeRO-3: two blocks' bf16 gradients in flight
+    # ZeRO-3: two blocks' bf16 gradients in flight, and the root's (the final norm) through the whole backward
+    assert unit.buffers - loss == (2 * cfg.layer_params() + cfg.d_model) * 2
+    tied = dataclasses.replace(cfg, tie_embeddings=True)
+    table = cfg.vocab_size * cfg.d_model
+    held = estimate_memory(tied, Workload(dp=8, zero=3, precision="bf16", seq_len=256, grad_accum=4))
+    assert held.buffers - loss == (2 * cfg.layer_params() + cfg.d_model + table) * 2  # a tied table is the root's
 
 
 def test_params_only_leaves_activations_unknown() -> None:

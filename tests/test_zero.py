@@ -8,6 +8,7 @@ tests/test_zero_worlds.py checks the same code across 2 and 4 processes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
 import pytest
@@ -21,11 +22,13 @@ from plait.models.gpt.config import get_preset
 from plait.models.gpt.model import build_gpt
 from plait.parallel.clip import clip_grad_norm
 from plait.parallel.zero.stages import apply_zero, full_parameters, require_reduce_scatter, zero_of
-from plait.estimate.memory import StateBytes
+from plait.estimate.layout import Workload, stages
+from plait.estimate.memory import StateBytes, gathered_params, zero3_grad_buffers, zero3_units
 from plait.parallel.zero import optim as zero_optim
 from plait.parallel.zero.optim import ZeroOptimizer, zero_state_bytes
 from tests.worlds.zero_common import padded_state_bytes, paper_states
-from plait.parallel.zero.shard import find_units, owned_pieces, owned_range, shard_size, unit_owners
+from plait.parallel.zero.shard import (edge_units, find_units, owned_pieces, owned_range, shard_size, unit_owners,
+                                       with_edges)
 from plait.runtime.comm import Axis, Ledger
 
 
@@ -113,6 +116,34 @@ def test_tied_and_shared_parameters_belong_to_the_root() -> None:
     two = nn.ModuleList([nn.Sequential(shared), nn.Sequential(shared)])
     owner, _ = unit_owners(two, list(two))
     assert owner[shared.weight] == -1
+
+
+def test_untied_matrices_outside_the_lists_are_units_of_their_own() -> None:
+    """An untied embedding and head (a CNN's stem and head) are units, around the blocks in run
+    order; a tied table and the norms stay in the root."""
+    untied = build_gpt(dataclasses.replace(get_preset("tiny"), tie_embeddings=False), 0)
+    assert with_edges(untied, list(untied.blocks)) == [untied.embed, *untied.blocks, untied.lm_head]
+    tied = build_gpt(get_preset("tiny"), 0)
+    assert edge_units(tied, list(tied.blocks)) == []
+    from tests.worlds.zero_common import UserMLP
+    mlp = UserMLP()
+    assert with_edges(mlp, find_units(mlp)) == [mlp.inp, mlp.layers[0], mlp.layers[2], mlp.out]
+
+
+def test_stage_3_holds_an_untied_table_only_around_its_use_as_the_estimate_says() -> None:
+    """The gathered peak is a table and one block (the first, prefetched; or the head and the
+    last), not both tables for the whole step; the estimate's gathered weights and whole gradients say the same."""
+    config = dataclasses.replace(get_preset("tiny"), n_layers=4, tie_embeddings=False, vocab_size=2048)
+    model = build_gpt(config, 0)
+    _train(model, 3, steps=1)
+    sync = zero_of(model)
+    assert sync is not None and sync.root is not None and sync.root.module is model and len(sync.root.params) == 1
+    (share,) = stages(config, 1, 1)
+    table, block, norm = config.vocab_size * config.d_model, config.layer_params(), config.d_model
+    assert sync.peak_gathered_bytes == 4 * (norm + table + block)
+    assert sync.peak_gathered_bytes == 4 * gathered_params(config, Workload(zero=3), share)
+    assert zero3_grad_buffers(share.params, zero3_units(config, Workload(zero=3), share),
+                              Workload(zero=3, precision="fp32")) == 4 * (norm + table + block)
 
 
 # -- the machinery on one rank ---------------------------------------------------------------------

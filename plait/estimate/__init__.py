@@ -39,7 +39,8 @@ __all__ = ["estimate_by_size", "estimate_layout", "Workload"]
 MEMORY_ASSUMPTIONS = (
     "model states per parameter: bf16/fp16 2 weight + 2 grad + 12 optimizer (fp32 master, "
     "Adam m, v); fp32 4 + 4 + 8 (Adam m, v); ZeRO-1 shards the optimizer over dp, ZeRO-2 "
-    "also the grads, ZeRO-3 also the weights, holding the root unit and two blocks whole",
+    "also the grads, ZeRO-3 also the weights, holding the root unit (a tied table, the norms) "
+    "and two units (blocks, an untied embedding or head) whole",
     "busiest rank = the pipeline stage with the largest device total; the first stage "
     "holds the embedding, the last the final norm and head (and, with tied embeddings and "
     "pp > 1, its own copy of the embedding); blocks cut to balance parameters, as plait does, or as "

@@ -123,17 +123,16 @@ def buffers(params: int, layout: Workload) -> float:
 
 
 def stage_buffers(config: GPTConfig, layout: Workload, stage: StageShare) -> float:
-    """`buffers` (for ZeRO-3 two units' whole gradients, not two buckets), plus the pipeline's
-    receive buffers and the loss on the last stage.
+    """`buffers` (for ZeRO-3 whole gradients a unit at a time, not two buckets), plus the
+    pipeline's receive buffers and the loss on the last stage.
 
     A stage keeps one receive buffer for activations and one for gradients (b·s·h each, a
     sequence shard under SP); the last stage's loss holds logits, their fp32 copy and
     the fp32 log-softmax for one micro-batch.
     """
     total = buffers(stage.params, layout)
-    if layout.zero == 3 and layout.sync > 1 and stage.block_params:  # ZeRO-3 reduces a unit (block) at a time
-        grad = state_bytes(layout.precision).grad
-        total = min(2 * stage.block_params * grad, stage.params * grad)
+    if layout.zero == 3 and layout.sync > 1 and stage.block_params:
+        total = zero3_grad_buffers(stage.params, zero3_units(config, layout, stage), layout)
     if layout.pp > 1:
         total += 2 * layout.stage_message_bytes(config.d_model)
     if stage.last:
@@ -141,23 +140,31 @@ def stage_buffers(config: GPTConfig, layout: Workload, stage: StageShare) -> flo
     return total
 
 
-def gathered_params(config: GPTConfig, layout: Workload, stage: StageShare) -> int:
-    """What plait's ZeRO-3 holds whole at once on `stage`: the root unit for the whole
-    forward and backward, plus the unit running and the `prefetch` units gathered ahead of
-    it; with --reshard-after-forward false, every unit at the turn from forward to backward.
+def zero3_units(config: GPTConfig, layout: Workload, stage: StageShare) -> list[list[int]]:
+    """The parameters of each ZeRO-3 unit on `stage`, in run order, chunk by chunk
+    (plait/parallel/zero/shard.py: find_units and with_edges).
 
-    Units are the blocks; with tied embeddings cut by a pipeline (pp > 1) the embedding
-    (first stage) and the head's copy (last stage) are units too, at the ends of the run.
-    Everything else (the final norm, an untied embedding or head) is the root. A rank's
-    chunks (v > 1) each run their own units: the prefetch does not reach across chunks.
+    Units are the blocks, and the embedding and the head when each is its own matrix: untied,
+    or tied and cut apart by a pipeline (the first stage's table, the last stage's copy).
+    A tied table on one rank, the final norm and anything else is the root. A rank's
+    chunks (v > 1) each run their own units.
     """
-    table = vocab_shard(config, layout.tp) * config.d_model if config.tie_embeddings and layout.pp > 1 else 0
+    table = vocab_shard(config, layout.tp) * config.d_model
+    apart = not config.tie_embeddings or layout.pp > 1
     chunks = []
     for chunk, blocks in enumerate(chunk_layers(layout, stage)):
         first, last = chunk_ends(layout, stage, chunk)
-        chunks.append(([table] if first and table else []) + [stage.block_params] * blocks
-                      + ([table] if last and table else []))
-    return gathered_at_once(stage.params, chunks, layout)
+        chunks.append(([table] if first and apart else []) + [stage.block_params] * blocks
+                      + ([table] if last and apart else []))
+    return chunks
+
+
+def gathered_params(config: GPTConfig, layout: Workload, stage: StageShare) -> int:
+    """What plait's ZeRO-3 holds whole at once on `stage`: the root unit for the whole
+    forward and backward, plus the unit running and the `prefetch` units gathered ahead of
+    it (`zero3_units`); with --reshard-after-forward false, every unit at the turn from
+    forward to backward. The prefetch does not reach across chunks."""
+    return gathered_at_once(stage.params, zero3_units(config, layout, stage), layout)
 
 
 def gathered_at_once(params: int, chunks: list[list[int]], layout: Workload) -> int:
@@ -167,7 +174,19 @@ def gathered_at_once(params: int, chunks: list[list[int]], layout: Workload) -> 
     --reshard-after-forward false."""
     if not layout.reshard_after_forward:
         return params
-    root, window = params - sum(map(sum, chunks)), 1 + layout.prefetch
+    return _root_and_window(params, chunks, 1 + layout.prefetch)
+
+
+def zero3_grad_buffers(params: int, chunks: list[list[int]], layout: Workload) -> float:
+    """ZeRO-3's whole gradients at the peak: the root's, accumulated over the whole backward,
+    and two adjacent units' (one filling while the one before it is reduced:
+    plait/parallel/zero/hooks.py, IN_FLIGHT)."""
+    return float(_root_and_window(params, chunks, 2) * state_bytes(layout.precision).grad)
+
+
+def _root_and_window(params: int, chunks: list[list[int]], window: int) -> int:
+    """The root (what no unit holds) plus the most `window` neighbouring units of one chunk hold."""
+    root = params - sum(map(sum, chunks))
     return root + max((sum(units[i:i + window]) for units in chunks
                        for i in range(max(1, len(units) - window + 1))), default=0)
 

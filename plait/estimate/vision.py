@@ -53,8 +53,8 @@ def estimate_cnn(config: ResNetConfig, work: Workload, *, params: int, height: i
                  ) -> dict[str, Any]:
     """Predict one data-parallel layout of a ResNet on `height`×`width` images, per rank.
 
-    Under ZeRO-3 its blocks are the units gathered whole (`gathered_at_once`, as for any
-    model); under full recomputation each block's SyncBatchNorm forward, run again in
+    Under ZeRO-3 its stem, blocks and head are the units gathered whole (`gathered_at_once`,
+    as for any model); under full recomputation each block's SyncBatchNorm forward, run again in
     backward, all-reduces its statistics again.
     """
     from plait.estimate import estimate_by_size
@@ -64,7 +64,9 @@ def estimate_cnn(config: ResNetConfig, work: Workload, *, params: int, height: i
     report = estimate_by_size(params, work, hardware=hw, gpus_per_node=node, seq_len=1)
     memory = report["memory"]
     if work.zero == 3:
-        units = [cnn.block_params(block) for block in cnn.blocks(config, height, width)]
+        stem, head = cnn.stem(config, height, width), (cnn.final_channels(config) + 1) * config.num_classes
+        units = ([stem.cin * stem.cout * stem.k**2]
+                 + [cnn.block_params(block) for block in cnn.blocks(config, height, width)] + [head])
         memory["params"] = model_states(params, gathered_at_once(params, [units], work), work).params
     memory["activations"] = cnn.activation_bytes(config, height, width, work.micro_batch, work.precision,
                                                  work.recompute)
@@ -83,8 +85,8 @@ def estimate_cnn(config: ResNetConfig, work: Workload, *, params: int, height: i
     report["assumptions"] = [a for a in report["assumptions"] if "activations, TP and PP unknown" not in a and
                              "FLOPs per token taken as 6" not in a]
     if work.zero == 3:
-        report["assumptions"].insert(0, "ZeRO-3's units are the ResNet's blocks: the stem and head whole throughout, "
-                                        "plus the block running and the prefetched ones")
+        report["assumptions"].insert(0, "ZeRO-3's units are the ResNet's stem, blocks and head: the BatchNorms outside "
+                                        "the blocks whole throughout, plus the unit running and the prefetched ones")
     report["assumptions"].insert(0, "a ResNet: activations and compute from its convolutions (plait/estimate/cnn.py), "
                                     "each convolution costed as the GEMM it lowers to plus the library's fixed costs")
     return report

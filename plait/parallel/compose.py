@@ -56,6 +56,7 @@ from plait.parallel.seam import ModelAdapter, adapter_of, tensor_plan
 from plait.parallel.data.syncbn import convert_sync_batchnorm
 from plait.parallel.tensor.layers import sum_grad_over
 from plait.parallel.tensor.plan import apply_tensor_parallel, tensor_parallel_of
+from plait.parallel.zero.shard import with_edges
 from plait.parallel.zero.stages import apply_zero, zero_of
 from plait.parallel.zero.optim import ZeroOptimizer
 from plait.rules import (BUCKET_MB, FP8_SCALINGS, OPTIMIZER_KERNELS, RECOMPUTE, check_bucket_mb, check_choice,
@@ -191,7 +192,7 @@ def apply_layout(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = N
         apply_data_parallel(model, mesh.axis(SYNC), bucket_mb=config.bucket_mb, reduce_dtype=config.reduce_dtype,
                             expert_axis=mesh.axis(EXPERT_SYNC))
     else:
-        units = adapter.blocks(model) if layout.zero == 3 and not is_pipeline(model) else None
+        units = with_edges(model, adapter.blocks(model)) if layout.zero == 3 and not is_pipeline(model) else None
         apply_zero(model, mesh.axis(SHARD), stage=layout.zero, offload=layout.offload, bucket_mb=config.bucket_mb,
                    units=units, reduce_dtype=config.reduce_dtype, prefetch=layout.prefetch,
                    reshard_after_forward=layout.reshard_after_forward, expert_axis=mesh.axis(EXPERT_SYNC),

@@ -63,7 +63,7 @@ class ZeroSync:
         self._order: list[FlatGroup] = []  # stage 3: units in the order this forward ran them
         self._last_order = [g for g in self.units if g is not root]  # ... and the last forward
         self._kept: set[int] = set()  # stage 3: units left gathered after forward (kept, or unannounced)
-        self._placeholder = torch.empty(0, device=groups[0].flat.device if groups else "cpu")
+        self._placeholders: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # a freed unit's attributes
         self._held: dict[int, int] = {}  # stage 3: bytes of each unit gathered right now
         self.peak_gathered_bytes = 0  # the most held at once since the meter last read it
         self.peak_gathered_units = 0  # the most units (the root aside) held at once: tests read it
@@ -221,7 +221,8 @@ class ZeroSync:
     def _free(self, group: FlatGroup) -> None:
         """Free one group (its gradient is in: its companion may still be needed)."""
         if self.stage == 3:
-            group.free(self._placeholder)
+            key = (group.flat.dtype, group.flat.device)  # its dtype: code may read `head.weight.dtype`
+            group.free(self._placeholders.setdefault(key, torch.empty(0, dtype=key[0], device=key[1])))
             self._held.pop(group.index, None)
 
     def _free_unit(self, group: FlatGroup) -> None:

@@ -319,6 +319,45 @@ def find_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
+def edge_units(model: nn.Module, units: Sequence[nn.Module]) -> list[nn.Module]:
+    """The matrices outside `units`: each leaf module (an embedding, a head, a CNN's stem)
+    holding a trainable parameter of two or more dimensions that no other module holds.
+
+    Without them these belong to the root unit, which stays gathered for the whole forward
+    and backward with its whole gradient: an untied embedding and head are often the
+    largest tensors of a language model (two of 128 k × 8 k at 70 B). As units of their own
+    each is gathered only around its forward and its backward, and its gradient is reduced
+    as soon as it is in. A tied weight (one parameter, two modules) stays in the root;
+    vectors (the final norm) stay there too, where they cost no collective of their own.
+    """
+    inside = {m for unit in units for m in unit.modules()}
+    holders: dict[int, int] = {}
+    for module in model.modules():
+        for param in module._parameters.values():
+            if param is not None:
+                holders[id(param)] = holders.get(id(param), 0) + 1
+    edges = []
+    for module in model.modules():
+        own = [p for p in module._parameters.values() if p is not None and p.requires_grad]
+        if (module is model or module in inside or next(module.children(), None) is not None or not own
+                or any(holders[id(p)] > 1 for p in own) or all(p.dim() < 2 for p in own)):
+            continue
+        edges.append(module)
+    return edges
+
+
+def with_edges(model: nn.Module, blocks: Sequence[nn.Module]) -> list[nn.Module]:
+    """`blocks` (in the order the forward runs them) with `edge_units` around them: those the
+    model registers before its first block ahead (an embedding, a stem), the rest after (a
+    head). The prefetch follows this order until a forward has shown the real one."""
+    edges = edge_units(model, blocks)
+    if not blocks:
+        return edges
+    order = {m: i for i, m in enumerate(model.modules())}
+    first = min(order[b] for b in blocks)
+    return [e for e in edges if order[e] < first] + list(blocks) + [e for e in edges if order[e] > first]
+
+
 Registration = tuple[nn.Module, str, nn.Parameter]
 
 

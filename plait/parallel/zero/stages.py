@@ -12,7 +12,8 @@ Stages 1-2 pack parameters into buckets in backward order, as DDP does, and laun
 reduce-scatter asynchronously once all its gradients are in, so communication overlaps the
 rest of backward. The optimizer steps only the owned shard, then the updated parameters are
 all-gathered back in place. Stage 3 packs parameters by unit (each child of a module list,
-e.g. a transformer block, plus a root unit for the rest): a unit is all-gathered just before
+e.g. a transformer block; each untied matrix outside them, e.g. the embedding and the head;
+and a root unit for the rest, e.g. the final norm): a unit is all-gathered just before
 its forward and freed after it, gathered again just before its backward
 (`GatherForBackward`), and its gradient is reduce-scattered as soon as autograd has
 accumulated it; the next unit is prefetched while the current one computes.
@@ -62,7 +63,7 @@ from plait.parallel.zero.hooks import ZeroSync
 from plait.parallel.zero.optim import checkpoint_pieces
 from plait.parallel.materialize import Fill
 from plait.parallel.zero.shard import (FlatGroup, ShardAxes, bucket_params, filled_shard, find_units, pack,
-                                       shard_size, unit_owners)
+                                       shard_size, unit_owners, with_edges)
 from plait.runtime import comm
 from plait.runtime.comm import Axis
 from plait.runtime.mesh import SYNC
@@ -81,8 +82,9 @@ def apply_zero(model: nn.Module, axis: Axis, *, stage: int, offload: bool = Fals
     in CPU memory when `offload`). Parameters and buffers are first broadcast from the axis's
     rank 0, as apply_data_parallel does; expert-parallel parameters are sharded over, and
     broadcast from rank 0 of, `expert_axis` (the edp ranks: see the module docstring).
-    Stage 3's units are the children of every module list (`find_units`) unless `units`
-    names them; `prefetch` units are gathered ahead of the one computing, and
+    Stage 3's units are the children of every module list (`find_units`) and the matrices
+    outside them (`with_edges`: an untied embedding, a head) unless `units` names them;
+    `prefetch` units are gathered ahead of the one computing, and
     `reshard_after_forward=False` keeps each unit gathered from its forward to its backward
     (one gather less, the whole model held at the turn). `replicate_axis` (hybrid sharding,
     --dp-shard): `axis` is then one group of shard ranks, and the ranks of `replicate_axis`
@@ -187,7 +189,8 @@ def _shard_units(model: nn.Module, axes: ShardAxes, units: Sequence[nn.Module] |
     hooks gather the root unit and end the forward. A copy of a tied weight is a unit of
     its own (the module reading it), cut alike on both pipeline ranks that hold one.
     """
-    modules = list(units) if units is not None else [u for chunk in chunks for u in find_units(chunk)]
+    modules = (list(units) if units is not None
+               else [u for chunk in chunks for u in with_edges(chunk, find_units(chunk))])
     alone_ids = {id(p) for p in alone}
     modules += [m for chunk in chunks for m in chunk.modules()
                 if any(id(p) in alone_ids for p in m.parameters(recurse=False)) and m not in modules]
