@@ -132,6 +132,8 @@ def drive(args: argparse.Namespace) -> dict:
     results: dict = {"layouts": {}}
     try:
         for name, layout in LAYOUTS.items():
+            if args.only and not any(word in name for word in args.only):
+                continue
             empty = train(code, models["empty"], models["corpus"], layout, work / "empty")
             big = train(code, models["big"], models["corpus"], layout, work / "big")
             row = {"empty": empty, "big": big}
@@ -204,6 +206,7 @@ def main() -> None:
     parser = new_parser(__doc__)
     parser.add_argument("--code", default=".", help="the plait checkout to run (default: this one)")
     parser.add_argument("--label", default="after", help="the table's name (before / after)")
+    parser.add_argument("--only", action="append", help="run only the layouts whose name holds this (repeatable)")
     parser.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "plait-bench-models"))
     args = parser.parse_args()
     results = drive(args)

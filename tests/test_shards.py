@@ -4,13 +4,16 @@ transformers writes for a large model, read back by safetensors, and refused whe
 from __future__ import annotations
 
 import json
+import math
+import tempfile
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from plait.errors import PlaitError
-from plait.train.checkpoint.shards import (INDEX, SINGLE, Entry, LazyWeights, ShardWriter, plan_files, read_weights,
-                                           write_streamed)
+from plait.train.checkpoint.shards import (INDEX, SINGLE, Entry, LazyWeights, ShardWriter, contiguous_runs, plan_files,
+                                           read_weights, write_streamed)
 from plait.train.config.check import parse_bytes
 
 
@@ -101,3 +104,50 @@ def test_one_file_named_beside_other_weights_leaves_them_alone(tmp_path):
     write_streamed(tmp_path, _tensors(), 2**63, single=SINGLE, replaces=False)
     assert (tmp_path / INDEX).is_file() and len(list(tmp_path.glob("model-*-of-*.safetensors"))) == 2
     assert (tmp_path / SINGLE).is_file()
+
+
+def _tiles(shape: tuple[int, ...], cuts: list[list[int]]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(offsets, block shape) of the grid `cuts` makes of `shape` (each dimension's cut points)."""
+    spans = [list(zip([0, *c], [*c, n])) for c, n in zip(cuts, shape)]
+    grid = [[]]
+    for dim in spans:
+        grid = [g + [span] for g in grid for span in dim if span[1] > span[0]]
+    return [(tuple(a for a, _ in g), tuple(b - a for a, b in g)) for g in grid]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=3).flatmap(
+    lambda shape: st.tuples(st.just(tuple(shape)),
+                            st.tuples(*(st.lists(st.integers(1, max(1, n - 1)), max_size=2, unique=True).map(sorted)
+                                        for n in shape)),
+                            st.randoms(use_true_random=False))))
+def test_blocks_written_in_any_order_make_the_whole_tensor(case):
+    """A tensor cut into any grid of blocks (tp's rows or columns, ZeRO's row ranges, both),
+    written block by block in any order where each lies, reads back as the whole tensor, and
+    the runs of each block cover its elements exactly once."""
+    shape, cuts, rng = case
+    whole = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    after = torch.randn(2, 3)
+    tiles = _tiles(shape, [[c for c in cut if c < n] for cut, n in zip(cuts, shape)])
+    rng.shuffle(tiles)
+    for offsets, block in tiles:
+        covered = sorted(i for at, _, length in contiguous_runs(shape, block, offsets) for i in range(at, at + length))
+        region = whole[tuple(slice(o, o + b) for o, b in zip(offsets, block))]
+        assert covered == sorted(region.reshape(-1).long().tolist())
+    with tempfile.TemporaryDirectory() as directory:
+        writer = ShardWriter(directory, [Entry("a", shape, torch.float32), Entry("b", (2, 3), torch.float32)], 10**9)
+        for offsets, block in tiles:
+            writer.write_block("a", whole[tuple(slice(o, o + b) for o, b in zip(offsets, block))], offsets, shape)
+        writer.write("b", after)
+        writer.close()
+        back = read_weights(directory)
+        assert torch.equal(back["a"], whole) and torch.equal(back["b"], after)
+
+
+def test_a_block_written_twice_or_a_tensor_left_short_is_refused(tmp_path):
+    writer = ShardWriter(tmp_path, [Entry("a", (4, 2), torch.float32)], 10**9)
+    writer.write_block("a", torch.ones(2, 2), (0, 0), (4, 2))
+    with pytest.raises(PlaitError, match="block at \\(0, 0\\) twice"):
+        writer.write_block("a", torch.ones(2, 2), (0, 0), (4, 2))
+    with pytest.raises(PlaitError, match="got 0 of 1 tensors whole"):
+        writer.close()

@@ -241,14 +241,14 @@ def transient_bytes(config: GPTConfig, layout: Workload) -> float:
     - setup (plait/parallel/materialize.py): one tensor drawn whole in fp32, and the part of
       it the rank keeps; with tp, cp or ep, also the split check's copy (`stand_in_params`) in
       the weights' dtype;
-    - the outputs: the main rank holds one group of whole tensors (at most the largest
-      tensor's bytes) and one rank's pieces of it (plait/train/loop/run.py: write_weights).
+    - the outputs: the main rank holds one other rank's block of a tensor, at most the
+      largest tensor (plait/train/loop/run.py: write_weights writes each block in place).
     """
     largest = largest_tensor(config)
     setup = 2 * 4 * largest
     if layout.tp > 1 or layout.cp > 1 or layout.ep > 1:
         setup += stand_in_params(config) * state_bytes(layout.precision).param
-    return float(max(setup, 2 * largest * state_bytes(layout.precision).param))
+    return float(max(setup, largest * state_bytes(layout.precision).param))
 
 
 def estimate_memory(config: GPTConfig, layout: Workload) -> Memory:

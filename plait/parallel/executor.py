@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -180,77 +179,65 @@ class Executor:
         piece is written by one rank, so gathering the written ones covers every tensor once."""
         return whole_weights(self.model, optimizer, self.mesh)
 
-    def weights_in_groups(self, optimizer: torch.optim.Optimizer, budget: float | None
-                          ) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], Iterator[dict[str, torch.Tensor]]]:
-        """The whole weights a few tensors at a time on the main rank (see `weights_in_groups`)."""
-        return weights_in_groups(self.model, optimizer, self.mesh, budget)
+    def weight_blocks(self, optimizer: torch.optim.Optimizer
+                      ) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], Iterator[Piece]]:
+        """The whole weights as the blocks the ranks hold, a block at a time on the main rank
+        (see `weight_blocks`)."""
+        return weight_blocks(self.model, optimizer, self.mesh)
 
 
 def whole_weights(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh) -> dict[str, torch.Tensor] | None:
-    """See `Executor.whole_weights`: `weights_in_groups` in one group, every tensor at once
-    (rank 0 holds the model)."""
-    _, groups = weights_in_groups(model, optimizer, mesh, budget=math.inf)
-    whole = {name: tensor for group in groups for name, tensor in group.items()}
-    return whole if mesh.axis("world").rank == 0 else None
+    """See `Executor.whole_weights`: `weight_blocks` assembled (rank 0 holds the model)."""
+    _, blocks = weight_blocks(model, optimizer, mesh)
+    whole = Assembly()
+    for block in blocks:
+        whole.add([block])
+    return whole.finish() if mesh.axis("world").rank == 0 else None
 
 
-def weights_in_groups(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh, budget: float | None
-                      ) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], Iterator[dict[str, torch.Tensor]]]:
-    """The whole model's weights a group at a time, for writing them out without assembling
-    the model anywhere (collective): the plan, every tensor's (name, shape, dtype) in name
-    order, and an iterator every rank must drain, giving on world rank 0 the next few whole
-    tensors (at most `budget` bytes of them, or one larger tensor; None: the largest tensor's
-    bytes) and {} elsewhere. Each group is gathered to rank 0 from the ranks that own its
-    pieces, a piece at a time, each sent as a tensor."""
+def weight_blocks(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh
+                  ) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], Iterator[Piece]]:
+    """The whole model's weights as the blocks that tile them, for writing them out without
+    assembling even one tensor (collective): the plan, every tensor's (name, shape, dtype) in
+    name order, and an iterator every rank must drain, giving on world rank 0 each tensor's
+    blocks in the plan's order, as (name, block, offsets, whole shape), and nothing elsewhere.
+    Rank 0's own blocks come first, then each other rank's, sent as a tensor and received
+    into a buffer of its size: rank 0 holds one block beyond its share."""
     world = mesh.axis("world")
-    owned = [piece for piece in local_pieces(model, optimizer, mesh)
-             if piece.owned and piece.name.startswith("model/")]
-    # Who holds which pieces, known to rank 0 in one round; then each piece travels as a tensor
-    # (no pickle: the receiver holds one piece-sized buffer beside the group, not two copies).
-    held: list[list[tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...], torch.dtype]]] = []
-    comm.gather_objects([(p.name.removeprefix("model/"), tuple(p.offsets), tuple(p.tensor.shape), tuple(p.full_shape),
-                          p.tensor.dtype) for p in owned], world, held.append)
-    full = {name: (shape, dtype) for pieces in held for name, _, _, shape, dtype in pieces}
+    owned: dict[str, list[Any]] = {}
+    for piece in local_pieces(model, optimizer, mesh):
+        if piece.owned and piece.name.startswith("model/"):
+            owned.setdefault(piece.name.removeprefix("model/"), []).append(piece)
+    # Who holds which blocks, known to rank 0 in one round; then each block travels as a tensor
+    # (no pickle: the receiver holds one block-sized buffer, not two copies).
+    held: list[dict[str, list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], torch.dtype]]]] = []
+
+    def by_name(pieces: list[tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...], torch.dtype]]) -> None:
+        table: dict[str, list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], torch.dtype]]] = {}
+        for name, *rest in pieces:
+            table.setdefault(name, []).append(tuple(rest))  # type: ignore[arg-type]
+        held.append(table)
+
+    comm.gather_objects([(name, tuple(p.offsets), tuple(p.tensor.shape), tuple(p.full_shape), p.tensor.dtype)
+                         for name, pieces in owned.items() for p in pieces], world, by_name)
+    full = {name: (blocks[0][2], blocks[0][3]) for table in held for name, blocks in table.items()}
     plan = comm.broadcast_object(sorted((name, shape, dtype) for name, (shape, dtype) in full.items()), world)
-    groups = _groups(plan, budget)
 
-    def gathered() -> Iterator[dict[str, torch.Tensor]]:
-        for names in groups:
-            wanted = set(names)
+    def blocks() -> Iterator[Piece]:
+        for name, _, _ in plan:
             if world.rank != 0:
-                for piece in owned:
-                    if piece.name.removeprefix("model/") in wanted:
-                        comm.send(piece.tensor.detach().contiguous(), world, 0, purpose="checkpoint").wait()
-                yield {}
+                for piece in owned.get(name, []):
+                    comm.send(piece.tensor.detach().contiguous(), world, 0, purpose="checkpoint").wait()
                 continue
-            whole = Assembly()
-            whole.add([(p.name.removeprefix("model/"), p.tensor.detach().to("cpu"), p.offsets, p.full_shape)
-                       for p in owned if p.name.removeprefix("model/") in wanted])
+            for piece in owned.get(name, []):
+                yield name, piece.tensor.detach().to("cpu"), tuple(piece.offsets), tuple(piece.full_shape)
             for rank in range(1, world.size):
-                for name, offsets, shape, full_shape, dtype in held[rank]:
-                    if name in wanted:
-                        block = torch.empty(shape, dtype=dtype, device=mesh.device)
-                        comm.recv(block, world, rank, purpose="checkpoint").wait()
-                        whole.add([(name, block.to("cpu"), offsets, full_shape)])
-            yield whole.finish()
+                for offsets, shape, full_shape, dtype in held[rank].get(name, []):
+                    block = torch.empty(shape, dtype=dtype, device=mesh.device)
+                    comm.recv(block, world, rank, purpose="checkpoint").wait()
+                    yield name, block.to("cpu"), offsets, full_shape
 
-    return plan, gathered()
-
-
-def _groups(plan: list[tuple[str, tuple[int, ...], torch.dtype]], budget: float | None) -> list[list[str]]:
-    """The plan's names cut into consecutive groups of at most `budget` bytes (a larger tensor
-    alone; None: the largest tensor's bytes)."""
-    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for _, shape, dtype in plan]
-    budget = max(sizes, default=0) if budget is None else budget
-    groups: list[list[str]] = [[]]
-    size = 0
-    for (name, _, _), nbytes in zip(plan, sizes):
-        if groups[-1] and size + nbytes > budget:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += nbytes
-    return groups
+    return plan, blocks()
 
 
 Piece = tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]  # (name, block, offsets, full shape)

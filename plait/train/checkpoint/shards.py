@@ -4,11 +4,12 @@ A model above `--max-shard-size` (transformers' default, 50 GB) becomes
 `model-00001-of-0000N.safetensors`... with `model.safetensors.index.json` naming the file of
 each tensor; a smaller one stays one `model.safetensors`. `from_pretrained` reads either.
 
-Nothing here holds more than one tensor: the plan (every tensor's name, shape and dtype) is
-known before any byte is written, so each file's header is written first and each tensor's
-bytes are appended as they arrive, in the plan's order, then dropped. That is what lets a run
-write its weights without assembling the model on one rank (plait/train/loop/run.py gathers
-one group of tensors at a time) and an export stream them out of a checkpoint. The format is
+Nothing here holds more than one block of a tensor: the plan (every tensor's name, shape and
+dtype) is known before any byte is written, so each file's header is written first, and each
+block of a tensor is written where it lies in the file as it arrives, in the plan's order of
+tensors, then dropped. That is what lets a run write its weights without assembling even one
+tensor (plait/train/loop/run.py receives each rank's blocks in turn) and an export stream
+them out of a checkpoint. The format is
 the published safetensors layout (an 8-byte little-endian header length, a JSON header of
 dtypes, shapes and byte ranges, the bytes); the files are read back by the safetensors
 library. Every file is written under a temporary name and renamed once complete, the index
@@ -17,6 +18,7 @@ last.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -84,18 +86,38 @@ class ShardWriter:
         self.done: list[Path] = []
         self.current: tuple[str, BinaryIO] | None = None  # the file being written, under its temporary name
         self.position = 0
+        self._starts: dict[str, int] = {}  # the current file's tensors: where each one's bytes begin
+        self._covered = 0  # elements of the tensor being filled that its blocks have written
+        self._seen: set[tuple[int, ...]] = set()  # ... and those blocks' offsets
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Append `name`'s bytes; names come in the entries' order, shapes and dtypes as planned."""
+        """Write `name` whole; names come in the entries' order, shapes and dtypes as planned."""
+        self.write_block(name, tensor, (0,) * tensor.ndim, tuple(tensor.shape))
+
+    def write_block(self, name: str, block: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, ...]) -> None:
+        """Write one block of `name` (of whole `shape`, at `offsets` in it) where it lies in the
+        file, so that a tensor split over ranks never needs assembling: tensors come in the
+        entries' order, a tensor's blocks in any order, and the next tensor may start once
+        the blocks cover this one."""
         file, entry = self.queue[self.position]
-        if name != entry.name or tuple(tensor.shape) != entry.shape or tensor.dtype != entry.dtype:
+        if name != entry.name or tuple(shape) != entry.shape or block.dtype != entry.dtype:
             raise PlaitError(f"the weights' writer expected {entry.name} {entry.shape} {entry.dtype}, got {name} "
-                             f"{tuple(tensor.shape)} {tensor.dtype}", hint="report it with the layout")
+                             f"{tuple(shape)} {block.dtype}", hint="report it with the layout")
+        if tuple(offsets) in self._seen:  # two ranks wrote one block: a layout's pieces are wrong
+            raise PlaitError(f"the weights of {name} got its block at {tuple(offsets)} twice",
+                             hint="a strategy's checkpoint pieces do not tile its tensors; report it with the layout")
         if self.current is None or self.current[0] != file:
             self._start(file)
-        data = tensor.detach().to("cpu").contiguous()
-        self._handle().write(memoryview(data.reshape(-1).view(torch.uint8).numpy()) if data.numel() else b"")
-        self.position += 1
+        data = block.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+        handle, size = self._handle(), block.element_size()
+        for at, start, length in contiguous_runs(entry.shape, tuple(block.shape), tuple(offsets)):
+            handle.seek(self._starts[name] + at * size)
+            handle.write(memoryview(data[start * size:(start + length) * size]))
+        self._seen.add(tuple(offsets))
+        self._covered += block.numel()
+        if self._covered >= math.prod(entry.shape):
+            self.position += 1
+            self._covered, self._seen = 0, set()
 
     def _handle(self) -> BinaryIO:
         assert self.current is not None
@@ -117,6 +139,7 @@ class ShardWriter:
         handle = open(self._temporary(file), "wb")
         handle.write(struct.pack("<Q", len(encoded)))
         handle.write(encoded)
+        self._starts = {entry.name: 8 + len(encoded) + header[entry.name]["data_offsets"][0] for entry in entries}
         self.current = (file, handle)
 
     def _finish_file(self) -> None:
@@ -132,8 +155,8 @@ class ShardWriter:
 
     def close(self) -> list[Path]:
         """Finish the last file and write the index (when there are several); the paths written."""
-        if self.position != len(self.queue):
-            raise PlaitError(f"the weights' writer got {self.position} of {len(self.queue)} tensors",
+        if self.position != len(self.queue) or self._covered:
+            raise PlaitError(f"the weights' writer got {self.position} of {len(self.queue)} tensors whole",
                              hint="report it with the layout")
         self._finish_file()
         if self.replaces:  # an earlier write's other files would shadow or confuse this one
@@ -157,6 +180,22 @@ class ShardWriter:
             self.current[1].close()
             self._temporary(self.current[0]).unlink(missing_ok=True)
             self.current = None
+
+
+def contiguous_runs(shape: tuple[int, ...], block: tuple[int, ...], offsets: tuple[int, ...]
+                    ) -> Iterator[tuple[int, int, int]]:
+    """Where a block of a row-major tensor of `shape` lies, as (element offset in the tensor,
+    element offset in the block, length) runs: one run when the block is whole rows, else
+    one for each index of the dimensions before its last cut one."""
+    cut = max((d for d in range(len(shape)) if block[d] != shape[d]), default=-1)
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    if cut < 0:
+        yield 0, 0, math.prod(shape)
+        return
+    run = block[cut] * strides[cut]
+    first = sum(o * s for o, s in zip(offsets, strides))
+    for k, index in enumerate(itertools.product(*(range(n) for n in block[:cut]))):
+        yield first + sum(i * s for i, s in zip(index, strides)), k * run, run
 
 
 def write_streamed(directory: str | Path, weights: Mapping[str, torch.Tensor], max_bytes: int,

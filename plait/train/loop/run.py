@@ -158,19 +158,19 @@ def save_timeline(trainer: Trainer, out: Path) -> None:
 
 
 def write_weights(trainer: Trainer, out: Path) -> list[Path]:
-    """The trained weights into `out` as sharded safetensors (checkpoint/shards.py), gathered a
-    few tensors at a time, never more bytes than the largest tensor's, to the main rank,
-    which writes them as they come (collective; the files written, on the main rank)."""
-    plan, groups = trainer.executor.weights_in_groups(trainer.optimizer, budget=None)
+    """The trained weights into `out` as sharded safetensors (checkpoint/shards.py), sent to the
+    main rank a block at a time (each rank's part of each tensor), which writes each block
+    where it lies in the file: no tensor is ever assembled (collective; the files written, on
+    the main rank)."""
+    plan, blocks = trainer.executor.weight_blocks(trainer.optimizer)
     writer = None
     if trainer.mesh.is_main:
         out.mkdir(parents=True, exist_ok=True)
         writer = ShardWriter(out, [Entry(name, shape, dtype) for name, shape, dtype in plan],
                              parse_bytes(trainer.config.max_shard_size))
     try:
-        for group in groups:
-            for name, tensor in group.items():
-                writer.write(name, tensor)  # type: ignore[union-attr]
+        for name, block, offsets, shape in blocks:
+            writer.write_block(name, block, offsets, shape)  # type: ignore[union-attr]
     except BaseException:
         if writer is not None:
             writer.abort()
