@@ -73,7 +73,8 @@ class Memory:
     total: float = 0.0  # what must fit on the device
     stage: int = 0
     transient: float = 0.0  # the largest short-lived bytes of setup or of writing the outputs (`transient_bytes`)
-    peak: float = 0.0  # total + transient: at most this on the rank, at any moment of the run
+    peak: float = 0.0  # total + transient: at most this on the rank, at any moment, where the device is the host
+    host_peak: float = 0.0  # beside a GPU (which holds `total`): host + transient, in the rank's host memory
 
     def as_dict(self) -> dict[str, float | int | None]:
         return asdict(self)
@@ -203,6 +204,7 @@ def device_total(memory: Memory) -> Memory:
     memory.fragmentation = FRAGMENTATION * device
     memory.total = device + memory.fragmentation
     memory.peak = memory.total + memory.transient
+    memory.host_peak = memory.host + memory.transient  # setup draws and the outputs pass through the host
     return memory
 
 

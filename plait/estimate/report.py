@@ -69,7 +69,8 @@ def format_estimate(result: dict[str, Any], model_name: str) -> str:
     rows.append(["  total on device", human_bytes(mem["total"])])
     if mem.get("transient"):
         rows.append(["  + transient", human_bytes(mem["transient"])])
-        rows.append(["  peak", human_bytes(mem["peak"])])
+        rows.append(["  peak (CPU)", human_bytes(mem["peak"])])  # the device's memory is the host's
+        rows.append(["  host peak (GPU)", human_bytes(mem.get("host_peak") or mem["transient"])])  # beside `total`
     if mem["host"]:
         rows.append(["  on the host (optim + fp32 grad copy)", human_bytes(mem["host"])])
     usable = human_bytes(result["device_usable_bytes"])
