@@ -2,9 +2,10 @@
 files (sharded into three, with their index), and every layout trains the one-process model.
 
 One 4-rank world (tests/worlds/pretrained_world.py) trains a Llama with its own weights under
-dp, ZeRO-3, tp + sp, pp with uneven stages and cp 2, and a GPT-OSS (a mixture of experts whose
-checkpoint names its tensors as the model does) under ep 2 and ep 2 × ZeRO-3, each
-against one process."""
+dp, ZeRO-3, tp + sp, pp with uneven stages and cp 2, and two mixtures of experts under ep 2
+and ep 2 × ZeRO-3, each against one process: a GPT-OSS, whose checkpoint names its tensors
+as the model does, and a Mixtral, whose checkpoint keeps each expert's matrices apart
+(transformers fuses them as it loads; plait reads each rank's experts by blocks)."""
 
 from __future__ import annotations
 
@@ -48,15 +49,19 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     moe = transformers.GptOssForCausalLM(transformers.GptOssConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2,
                                                                    head_dim=8, sliding_window=8))
     _save_in_three(moe, root / "moe_gptoss")
+    mixtral = transformers.MixtralForCausalLM(transformers.MixtralConfig(**SHAPE, num_local_experts=4,
+                                                                         num_experts_per_tok=2))
+    _save_in_three(mixtral, root / "moe_mixtral")
     corpus = root / "corpus.txt"
     corpus.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(600)))
-    return {"llama": root / "llama", "moe_gptoss": root / "moe_gptoss", "corpus": corpus, "root": root}
+    return {"llama": root / "llama", "moe_gptoss": root / "moe_gptoss", "moe_mixtral": root / "moe_mixtral",
+            "corpus": corpus, "root": root}
 
 
 @pytest.fixture(scope="module")
 def world(dirs: dict[str, Path]) -> list[dict[str, Any]]:
     _, reports = run_world("pretrained_world.py", 4, dirs["root"] / "world", str(dirs["root"] / "world"),
-                           str(dirs["corpus"]), str(dirs["llama"]), str(dirs["moe_gptoss"]))
+                           str(dirs["corpus"]), str(dirs["llama"]), str(dirs["moe_gptoss"]), str(dirs["moe_mixtral"]))
     return reports
 
 
@@ -73,9 +78,10 @@ def test_a_pretrained_llama_in_three_files_trains_as_one_process(world, layout):
     _check(world, "llama", layout)
 
 
+@pytest.mark.parametrize("family", ["moe_gptoss", "moe_mixtral"])
 @pytest.mark.parametrize("layout", MOE_LAYOUTS)
-def test_a_pretrained_mixture_of_experts_trains_as_one_process_under_ep(world, layout):
-    _check(world, "moe_gptoss", layout)
+def test_a_pretrained_mixture_of_experts_trains_as_one_process_under_ep(world, layout, family):
+    _check(world, family, layout)
 
 
 def test_the_one_process_run_starts_from_the_files_weights(world, dirs):
@@ -107,3 +113,18 @@ def test_each_rank_reads_only_its_slices(world):
     first_stage = [report["llama"]["pp2 uneven"]["read"] for report in world[:2]]  # pp rank 0: ranks 0-1 (dp 2)
     last_stage = [report["llama"]["pp2 uneven"]["read"] for report in world[2:]]
     assert all(q not in read for read in first_stage) and all(read[q] == whole[q] for read in last_stage)
+
+
+def test_each_ep_rank_reads_only_its_experts_of_a_converted_checkpoint(world):
+    """Mixtral's files keep one matrix per expert; the last block is in no probe copy, so what
+    a rank read of its experts is what it holds: under ep 2, two of the four experts' three
+    matrices, and the two ep ranks between them all four. One process reads all four."""
+    def experts(read: list[str]) -> set[int]:
+        prefix = "model.layers.2.block_sparse_moe.experts."
+        return {int(key[len(prefix):].split(".")[0]) for key in read if key.startswith(prefix)}
+
+    assert experts(world[0]["moe_mixtral"]["one"]["sliced"]) == {0, 1, 2, 3}
+    held = [experts(report["moe_mixtral"]["ep2"]["sliced"]) for report in world]
+    assert all(len(mine) == 2 for mine in held) and set().union(*held) == {0, 1, 2, 3}, held
+    mine = [k for k in world[0]["moe_mixtral"]["ep2"]["sliced"] if k.startswith("model.layers.2.block_sparse_moe.")]
+    assert len(mine) == 2 * 3  # w1, w2 and w3 of each of its two experts

@@ -36,6 +36,7 @@ LAYOUTS = {
 }
 MOE_LAYOUTS = {"ep2": dict(dp=4, ep=2), "ep2 zero3": dict(dp=4, ep=2, zero=3)}
 READ: dict[str, list[int]] = {}  # elements of each block this rank read from the files, by tensor
+SLICED: set[str] = set()  # the file keys read for a fused tensor's block (a converted checkpoint's experts)
 SOURCES: list[str] = []
 
 
@@ -45,6 +46,13 @@ def _counting(block: Any) -> Any:
         if name in self.where:
             READ.setdefault(name, []).append(out.numel())
         return out
+    return counted
+
+
+def _counting_slices(read: Any) -> Any:
+    def counted(self: Any, key: str, block: Any) -> torch.Tensor:
+        SLICED.add(key)
+        return read(self, key, block)
     return counted
 
 
@@ -59,18 +67,21 @@ def _recording_source(build: Any) -> Any:
 def run(config: TrainConfig, mesh: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
     READ.clear()
     SOURCES.clear()
+    SLICED.clear()
     trainer = Trainer(config, mesh, family_of(config).task(config))
     read = {name: list(sizes) for name, sizes in READ.items()}
+    sliced = sorted(SLICED)
     trainer.run()
     history = trainer.metrics.history
     return {"losses": [r["loss"] for r in history], "grad_norms": [r["grad_norm"] for r in history],
-            "read": read, "source": SOURCES[0]}, final_weights(trainer)
+            "read": read, "sliced": sliced, "source": SOURCES[0]}, final_weights(trainer)
 
 
 def main() -> None:
     out, corpus, dirs = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
     torch.set_num_threads(1)
     hf_weights.SafetensorsWeights.block = _counting(hf_weights.SafetensorsWeights.block)
+    hf_weights.SafetensorsWeights._slice = _counting_slices(hf_weights.SafetensorsWeights._slice)
     trainer_module.build_on_meta = _recording_source(trainer_module.build_on_meta)
     report = {}
     for directory in dirs:

@@ -13,9 +13,10 @@ open would hold all the pages a rank ever read. Before any of it, every rank com
 model's names and shapes alike, so a refusal is every rank's:
 
 - a tensor of another shape: refused by name;
-- a key the model does not name (a checkpoint transformers converts as it loads, such as
-  per-expert weights it fuses): this path cannot honour it, and the model is built whole by
-  `from_pretrained` instead (`CannotDefer`).
+- a key the model does not name: transformers may rename or fuse it as it loads (per-expert
+  weights stacked into one tensor): such keys are read by blocks through the same
+  declarations (converted.py); a conversion that reading cannot honour, or a key no
+  conversion names, leaves the model to be built whole by `from_pretrained` (`CannotDefer`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch import nn
 
 from plait.errors import PlaitError
 from plait.models.hf.config import HFModelDir
+from plait.models.hf.converted import Fused, conversions
 from plait.parallel.deferred import CannotDefer
 from plait.parallel.materialize import Source
 from plait.parallel.pieces import persistent_buffers
@@ -48,6 +50,8 @@ class SafetensorsWeights:
             with self._open(safe_open, path) as handle:
                 for key in handle.keys():
                     self.where[key], self.shapes[key] = path, tuple(handle.get_slice(key).get_shape())
+        self.key: dict[str, str] = {name: name for name in self.where}  # the model's name -> its key in the files
+        self.fused: dict[str, Fused] = {}  # the model's tensors the files keep in pieces (converted.py)
         self._check(model)
 
     def _open(self, safe_open: Any, path: Path) -> Any:
@@ -63,20 +67,23 @@ class SafetensorsWeights:
         """Every rank alike, from the headers: shapes, keys the model does not name, and a
         note for the tensors the files lack."""
         named = _state(model)
-        unexpected = sorted(set(self.where) - set(named))
-        if unexpected:
-            raise CannotDefer(f"--model {self.spec}: its files hold {len(unexpected)} tensor(s) the model does not "
-                              f"name, e.g. {unexpected[0]} (a layout transformers converts as it loads)",
-                              hint="it is loaded whole by from_pretrained on every rank instead")
+        if set(self.where) - set(named):  # keys transformers renames or fuses as it loads
+            renamed, self.fused = conversions(model, sorted(self.where), self.shapes, named, self.spec)
+            self.key = renamed
+            unexpected = sorted(set(renamed) - set(named)) + sorted(set(self.fused) - set(named))
+            if unexpected:
+                raise CannotDefer(f"--model {self.spec}: its files hold {len(unexpected)} tensor(s) the model does "
+                                  f"not name, e.g. {unexpected[0]}",
+                                  hint="it is loaded whole by from_pretrained on every rank instead")
         for name, tensor in named.items():
-            if name in self.where:
-                shape = self.shapes[name]
-                if shape != tuple(tensor.shape):
-                    raise PlaitError(f"--model {self.spec}: {name} has shape {shape} in {self.where[name].name}, "
-                                     f"and config.json gives {tuple(tensor.shape)}",
-                                     hint="the weights belong to another config.json; use the pair that was "
-                                          "saved together")
-        missing = sorted(set(named) - set(self.where))
+            shape = self.fused[name].shape if name in self.fused else self.shapes.get(self.key.get(name, ""))
+            if shape is not None and shape != tuple(tensor.shape):
+                where = self.where[self.key[name]].name if name in self.key else "its files"
+                raise PlaitError(f"--model {self.spec}: {name} has shape {shape} in {where}, "
+                                 f"and config.json gives {tuple(tensor.shape)}",
+                                 hint="the weights belong to another config.json; use the pair that was "
+                                      "saved together")
+        missing = sorted(set(named) - set(self.key) - set(self.fused))
         if missing and os.environ.get("RANK", "0") == "0":
             print(f"plait: note: --model {self.spec}: {len(missing)} weight(s) not in its files start from the seed: "
                   f"{', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}", flush=True)
@@ -89,13 +96,23 @@ class SafetensorsWeights:
         """The block of `name` at `offsets` of `lengths` (None: the whole tensor), read alone."""
         from safetensors import safe_open
 
-        path = self.where.get(name)
+        if name in self.fused:
+            fused = self.fused[name]
+            return fused.block(offsets or (0,) * len(fused.shape), lengths or fused.shape, self._slice)
+        key = self.key.get(name)
         block = None if offsets is None else tuple(slice(o, o + n) for o, n in zip(offsets, lengths))
-        if path is None:
+        if key is None:
             whole = self.seed(name)
             return whole if block is None else whole[block]
-        with safe_open(str(path), framework="pt") as handle:  # closed after the read: see the module docstring
-            return handle.get_tensor(name) if block is None else handle.get_slice(name)[block]
+        with safe_open(str(self.where[key]), framework="pt") as handle:  # closed after the read: see the docstring
+            return handle.get_tensor(key) if block is None else handle.get_slice(key)[block]
+
+    def _slice(self, key: str, block: tuple[slice, ...]) -> torch.Tensor:
+        """A slice of the file's tensor `key`, read alone."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.where[key]), framework="pt") as handle:
+            return handle.get_slice(key)[block]
 
 
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:
