@@ -10,6 +10,7 @@ as the model does, and a Mixtral, whose checkpoint keeps each expert's matrices 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -128,3 +129,19 @@ def test_each_ep_rank_reads_only_its_experts_of_a_converted_checkpoint(world):
     assert all(len(mine) == 2 for mine in held) and set().union(*held) == {0, 1, 2, 3}, held
     mine = [k for k in world[0]["moe_mixtral"]["ep2"]["sliced"] if k.startswith("model.layers.2.block_sparse_moe.")]
     assert len(mine) == 2 * 3  # w1, w2 and w3 of each of its two experts
+
+
+def test_a_resume_reads_only_this_ranks_slices_of_the_checkpoint(world, dirs):
+    """Resuming tp 2 + sp from its own checkpoint, each rank reads half of each split weight
+    (and of its Adam moments), and all of a norm's scale and of the embedding (Llama's plan
+    leaves it whole): 69% of the checkpoint, never all of it."""
+    q, norm = "model.layers.2.self_attn.q_proj.weight", "model.layers.2.input_layernorm.weight"
+    index = json.loads((dirs["root"] / "world" / "llama" / "resume" / "checkpoints" / "step-00000001" /
+                        "index.json").read_text())
+    whole = sum(math.prod(t["shape"]) for t in index["tensors"].values())
+    for report in world:
+        read = report["resumed_tp2+sp"]
+        assert sum(read[f"model/{q}"]) == 32 * 32 // 2, read.get(f"model/{q}")
+        assert sum(read[f"optim/{q}/exp_avg"]) == 32 * 32 // 2
+        assert sum(read[f"model/{norm}"]) == 32
+        assert 0.6 * whole < sum(map(sum, read.values())) < 0.75 * whole

@@ -20,6 +20,8 @@ import torch
 
 from plait.families import family_of
 from plait.models.hf import weights as hf_weights
+from plait.runtime.mesh import init_mesh
+from plait.train.checkpoint.read import Reader
 from plait.train.config.settings import TrainConfig
 from plait.train.loop import trainer as trainer_module
 from plait.train.loop.run import final_weights
@@ -37,6 +39,7 @@ LAYOUTS = {
 MOE_LAYOUTS = {"ep2": dict(dp=4, ep=2), "ep2 zero3": dict(dp=4, ep=2, zero=3)}
 READ: dict[str, list[int]] = {}  # elements of each block this rank read from the files, by tensor
 SLICED: set[str] = set()  # the file keys read for a fused tensor's block (a converted checkpoint's experts)
+RESUMED: dict[str, list[int]] = {}  # elements of each piece read from a checkpoint while resuming, by key
 SOURCES: list[str] = []
 
 
@@ -54,6 +57,27 @@ def _counting_slices(read: Any) -> Any:
         SLICED.add(key)
         return read(self, key, block)
     return counted
+
+
+def _counting_resume(copy: Any) -> Any:
+    def counted(self: Any, piece: dict[str, Any], out: torch.Tensor, offsets: Any) -> int:
+        elements = copy(self, piece, out, offsets)
+        if elements:
+            RESUMED.setdefault(piece["key"].split("@")[0], []).append(elements)  # the tensor's name
+        return elements
+    return counted
+
+
+def resumed_reads(config: TrainConfig) -> dict[str, list[int]]:
+    """Train 2 steps saving each, then resume the same layout from step 1: the elements this
+    rank read of each checkpoint tensor while resuming."""
+    Trainer(replace(config, save_every=1), init_mesh(config.layout), family_of(config).task(config)).run()
+    RESUMED.clear()
+    resumed = replace(config, resume=str(Path(config.out) / "checkpoints" / "step-00000001"),
+                      out=str(Path(config.out) / "resumed"))
+    trainer = Trainer(resumed, init_mesh(config.layout), family_of(config).task(config))
+    trainer.resume()
+    return {name: list(sizes) for name, sizes in RESUMED.items()}
 
 
 def _recording_source(build: Any) -> Any:
@@ -82,6 +106,7 @@ def main() -> None:
     torch.set_num_threads(1)
     hf_weights.SafetensorsWeights.block = _counting(hf_weights.SafetensorsWeights.block)
     hf_weights.SafetensorsWeights._slice = _counting_slices(hf_weights.SafetensorsWeights._slice)
+    Reader._copy_overlap = _counting_resume(Reader._copy_overlap)
     trainer_module.build_on_meta = _recording_source(trainer_module.build_on_meta)
     report = {}
     for directory in dirs:
@@ -92,6 +117,8 @@ def main() -> None:
         configs = {layout: replace(base, **fields, grad_accum=4 // fields["dp"], nproc=4, out=str(out / name / layout))
                    for layout, fields in layouts.items()}
         report[name] = against_one_process(run, replace(base, grad_accum=4, out=str(out / name / "one")), configs)
+        if name == "llama":
+            report["resumed_tp2+sp"] = resumed_reads(replace(configs["tp2+sp"], out=str(out / name / "resume")))
     save_report(report)
 
 

@@ -35,7 +35,6 @@ class Reader:
             raise PlaitError(f"{self.path / 'index.json'} is not a {FORMAT} checkpoint")
         if verify:
             self.verify()
-        self._handles: dict[str, Any] = {}
 
     def verify(self, names: list[str] | None = None) -> None:
         """Every file (or those named) present, of the recorded size and sha256."""
@@ -80,23 +79,25 @@ class Reader:
             return 0
         src = tuple(slice(low - p, h - p) for low, h, p in zip(lo, hi, piece["offsets"]))
         dst = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, offsets))
-        block = self._file(piece["file"]).get_slice(piece["key"])[src] if out.ndim else self._file(
-            piece["file"]).get_tensor(piece["key"])
+        with self._file(piece["file"]) as handle:
+            block = handle.get_slice(piece["key"])[src] if out.ndim else handle.get_tensor(piece["key"])
         out[dst] = block
         return block.numel()
 
     def _file(self, name: str) -> Any:
+        """One of the checkpoint's files, opened for one read and closed after it: the pages a
+        read touches of a mapped file stay in the process's resident memory while it is open,
+        so a resume that kept every file open would end holding every page it read."""
         from safetensors import safe_open
 
-        if name not in self._handles:
-            self._handles[name] = safe_open(str(self.path / name), framework="pt")
-        return self._handles[name]
+        return safe_open(str(self.path / name), framework="pt")
 
     def rng_state(self, rank: int) -> torch.Tensor | None:
         file = f"rank{rank:05d}.safetensors"
         if file not in self.index["files"]:
             return None
-        return self._file(file).get_tensor(f"rng/rank{rank}")
+        with self._file(file) as handle:
+            return handle.get_tensor(f"rng/rank{rank}")
 
     def full(self, name: str) -> torch.Tensor:
         shape = tuple(self.tensors[name]["shape"])
