@@ -44,7 +44,7 @@ $(STAMP): pyproject.toml Makefile
 	else \
 	    $(PY) -m pip install --quiet "torch==$(TORCH)"; \
 	fi
-	$(PY) -m pip install --quiet -e ".[test,hf,vision,fp8]"
+	$(PY) -m pip install --quiet -e ".[test,hf,vision,fp8,data]"
 	@touch $(STAMP)
 
 clean:

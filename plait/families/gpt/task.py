@@ -38,7 +38,7 @@ class LanguageTask:
 
     def load(self) -> tuple[Any, Any, int]:
         tokens = load_corpus(self.config.data)
-        return (*train_val_split(tokens, self.config.seq_len), corpus_digest(tokens))
+        return (*train_val_split(tokens, self.config.seq_len, seed=self.config.seed), corpus_digest(tokens))
 
     def batch(self, split: Any, indices: list[int], step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return split.batch(indices)

@@ -86,7 +86,7 @@ class HFTask(LanguageTask):
         tokens = load_corpus(self.config.data)
         if self.hf.tokenizer is not None and not is_prepared(self.config.data):
             tokens = self._encode(tokens)
-        return (*train_val_split(tokens, self.config.seq_len), corpus_digest(tokens))
+        return (*train_val_split(tokens, self.config.seq_len, seed=self.config.seed), corpus_digest(tokens))
 
     def _encode(self, raw: torch.Tensor) -> torch.Tensor:
         """Raw text's bytes -> the tokenizer's ids, in chunks ending at line breaks."""

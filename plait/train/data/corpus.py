@@ -24,12 +24,14 @@ import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 from plait.errors import PlaitError
-from plait.train.data.tokens import (EMBEDDED, RAW_LIMIT, TOKENS, builtin_files, check_tokens, is_prepared,
-                               open_corpus_file, raw_files)
+from plait.train.data.tokens import (DOCUMENTS, EMBEDDED, RAW_LIMIT, TOKENS, builtin_files, check_tokens,
+                                     is_prepared, open_corpus_file, raw_files)
 
 def load_corpus(source: str = EMBEDDED, max_bytes: int = RAW_LIMIT) -> torch.Tensor:
     """The corpus as a tensor of token ids: `source` is "embedded" or "stdlib" (its first
@@ -57,12 +59,29 @@ def map_tokens(directory: str) -> torch.Tensor:
     """A prepared corpus's token file, mapped (not read): pages load as batches touch them.
 
     Its sha256 rides along as `plait_digest`, so that comparing corpora across ranks reads
-    the index, not every token."""
+    the index, not every token; a corpus of records carries its documents' ends as
+    `plait_documents` (documents.bin, mapped too)."""
     index = check_tokens(directory)
     dtype = {"uint16": torch.uint16, "uint32": torch.uint32}[index.dtype]
     tokens = torch.from_file(str(Path(directory) / TOKENS), shared=False, size=index.count, dtype=dtype)
     tokens.plait_digest = int.from_bytes(bytes.fromhex(index.sha256)[:8], "little") >> 2
+    if index.documents:
+        tokens.plait_documents = document_ends(Path(directory), index)
     return tokens
+
+
+def document_ends(directory: Path, index: Any) -> np.ndarray:
+    """Each document's end in the token file, checked against the index (count, order, last end)."""
+    path = directory / DOCUMENTS
+    if not path.is_file() or path.stat().st_size != 8 * index.documents:
+        raise PlaitError(f"{path} is missing or not {index.documents:,} document ends",
+                         hint=f"prepare the corpus again with `plait data prepare ... --out {directory}`")
+    ends = np.memmap(path, dtype="<u8", mode="r")
+    if int(ends[-1]) != index.count or bool((np.diff(ends.astype(np.int64)) <= 0).any()):
+        raise PlaitError(f"{path} does not end each document after the last (its ends are not increasing to "
+                         f"{index.count:,})", hint=f"prepare the corpus again with `plait data prepare ... --out "
+                                                  f"{directory}`")
+    return ends
 
 
 def corpus_digest(tokens: torch.Tensor) -> int:
@@ -90,8 +109,80 @@ class Split:
         return rows[:, :-1], rows[:, 1:]
 
 
-def train_val_split(tokens: torch.Tensor, seq_len: int, val_fraction: float = 0.05) -> tuple[Split, Split]:
-    """The last `val_fraction` of the corpus is held out for evaluation."""
+class DocumentSplit:
+    """Fixed-length windows over some documents of a corpus, as if they were one stream:
+    sample i is the stream's tokens [i·seq, i·seq + seq + 1), read from each document run it
+    crosses (`runs`: (start, end) in the token file, consecutive documents merged)."""
+
+    def __init__(self, tokens: torch.Tensor, runs: np.ndarray, seq_len: int):
+        self.corpus, self.seq_len = tokens, seq_len
+        self.starts = runs[:, 0].astype(np.int64)
+        self.ends = np.cumsum(runs[:, 1] - runs[:, 0]).astype(np.int64)  # each run's end in the stream
+
+    def __len__(self) -> int:
+        return int(self.ends[-1]) if len(self.ends) else 0
+
+    @property
+    def tokens(self) -> "DocumentSplit":
+        return self  # what callers measure with len()
+
+    @property
+    def num_samples(self) -> int:
+        return max(0, (len(self) - 1) // self.seq_len)
+
+    def window(self, lo: int, hi: int) -> torch.Tensor:
+        """The stream's tokens [lo, hi)."""
+        k, pieces = int(np.searchsorted(self.ends, lo, side="right")), []
+        while lo < hi:
+            begin = int(self.ends[k - 1]) if k else 0
+            take = min(hi, int(self.ends[k])) - lo
+            at = int(self.starts[k]) + lo - begin
+            pieces.append(self.corpus[at:at + take])
+            lo, k = lo + take, k + 1
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+    def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and next-token targets, each (len(indices), seq_len), as int64."""
+        rows = torch.stack([self.window(i * self.seq_len, i * self.seq_len + self.seq_len + 1)
+                            for i in indices]).long()
+        return rows[:, :-1], rows[:, 1:]
+
+
+def held_out_documents(count: int, fraction: float, seed: int) -> np.ndarray:
+    """Which of `count` documents are held out: those whose hash of (seed, index) falls under
+    `fraction`, so the choice is the same on every rank and every run with this seed, and
+    never depends on where a document sits in the stream; at least one either side."""
+    with np.errstate(over="ignore"):  # splitmix64: wrapping arithmetic is the point
+        x = np.arange(count, dtype=np.uint64) + np.uint64(seed % 2**64) * np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+    score = (x >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+    held = score < fraction
+    if count >= 2 and not held.any():
+        held[int(score.argmin())] = True
+    if count >= 2 and held.all():
+        held[int(score.argmax())] = False
+    return held
+
+
+def document_runs(ends: np.ndarray, chosen: np.ndarray) -> np.ndarray:
+    """(start, end) in the token file of each run of consecutive chosen documents."""
+    starts = np.concatenate([[0], ends[:-1].astype(np.int64)])
+    edges = np.diff(np.concatenate([[0], chosen.astype(np.int8), [0]]))
+    first, last = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1) - 1
+    return np.stack([starts[first], ends[last].astype(np.int64)], axis=1) if len(first) else np.zeros((0, 2), np.int64)
+
+
+def train_val_split(tokens: torch.Tensor, seq_len: int, val_fraction: float = 0.05,
+                    seed: int = 0) -> tuple[Split | DocumentSplit, Split | DocumentSplit]:
+    """Held out for evaluation: whole documents of a corpus of records (`held_out_documents`,
+    stable under `seed`), else the last `val_fraction` of the stream."""
+    ends = getattr(tokens, "plait_documents", None)
+    if ends is not None:
+        held = held_out_documents(len(ends), val_fraction, seed)
+        return (DocumentSplit(tokens, document_runs(ends, ~held), seq_len),
+                DocumentSplit(tokens, document_runs(ends, held), seq_len))
     cut = int(len(tokens) * (1 - val_fraction))
     return Split(tokens[:cut], seq_len), Split(tokens[cut:], seq_len)
 

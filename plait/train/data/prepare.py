@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
+import json
 import os
 import shutil
 from collections.abc import Iterable, Iterator
@@ -25,8 +26,9 @@ from typing import Any
 import numpy as np
 
 from plait.errors import PlaitError
-from plait.train.data.tokens import (BUILTIN, TOKENIZER, TOKENS, VERIFIED, TokenIndex, dtype_for, edges_digest,
-                                open_corpus_file, write_index)
+from plait.train.data.records import Documents, is_records
+from plait.train.data.tokens import (BUILTIN, DOCUMENTS, TOKENIZER, TOKENS, VERIFIED, TokenIndex, dtype_for,
+                                     edges_digest, open_corpus_file, write_index)
 
 TEXT_CHUNK = 1 << 20  # characters per encode call (a chunk ends at a line break)
 BYTES_CHUNK = 1 << 22
@@ -103,44 +105,201 @@ def encode_texts(tokenizer: Any, texts: Iterable[str], batch: int = 8) -> Iterat
         yield from (np.asarray(e.ids) for e in tokenizer.encode_batch(pending, add_special_tokens=False))
 
 
-def prepare(tokenizer_spec: str, source: str, out: str) -> TokenIndex:
-    """Tokenize `source` into `out` (tokens.bin, index.json, tokenizer.json); return the index."""
-    files = source_files(source)
+def prepare(tokenizer_spec: str, source: str, out: str, text_field: str = "text", workers: int = 1,
+            eos: str | None = None) -> TokenIndex:
+    """Tokenize `source` into `out` (tokens.bin, index.json, tokenizer.json, and documents.bin
+    for records); return the index. Text is one stream, as it always was; records (jsonl,
+    parquet, a datasets folder) are documents, each followed by the end-of-document id."""
+    if workers < 1:
+        raise PlaitError(f"--workers {workers}: give 1 or more", hint="--workers 2 tokenizes in two processes")
+    records = source not in BUILTIN and Path(source).exists() and is_records(Path(source))
+    files = [] if records else source_files(source)
     tokenizer, tokenizer_file = load_tokenizer(tokenizer_spec)
+    eos_id = end_of_document(tokenizer, tokenizer_file, eos) if records else None
     vocab = 256 if tokenizer is None else tokenizer.get_vocab_size(with_added_tokens=True)
+    if eos_id is not None and tokenizer is None:
+        vocab = max(vocab, eos_id + 1)  # bytes: the end-of-document id is a token of its own
     dtype = dtype_for(vocab)
-    directory = Path(out)
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / f".{TOKENS}.{os.getpid()}"
-    digest, count = hashlib.sha256(), 0
-    chunks = _byte_chunks(files) if tokenizer is None else encode_texts(tokenizer, _text_chunks(files))
+    directory = _out_directory(out)
+    tokens = _Stream(directory / TOKENS, LITTLE_ENDIAN[dtype])
+    ends = _Stream(directory / DOCUMENTS, "<u8") if records else None
+    documents = Documents(Path(source), text_field) if records else None
     try:
-        with open(tmp, "wb") as handle:
-            for ids in chunks:
-                data = ids.astype(LITTLE_ENDIAN[dtype]).tobytes()
-                handle.write(data)
-                digest.update(data)
-                count += len(ids)
-            if count == 0:
-                raise PlaitError(f"--data {source} holds no text", hint="point --data at files with text in them")
-            handle.flush()
-            os.fsync(handle.fileno())
-        with open(tmp, "rb") as handle:
-            edges = edges_digest(handle, count * np.dtype(dtype).itemsize)
+        if documents is not None and ends is not None:
+            for ids in document_ids(documents, tokenizer_file, eos_id, workers):
+                tokens.write(ids)
+                ends.write(np.asarray([tokens.count], dtype=np.uint64))
+        else:
+            for ids in (_byte_chunks(files) if tokenizer is None else encode_texts(tokenizer, _text_chunks(files))):
+                tokens.write(ids)
+        if tokens.count == 0:
+            raise PlaitError(f"--data {source} holds no text", hint="point --data at files with text in them")
+        edges = tokens.finish()
         (directory / VERIFIED).unlink(missing_ok=True)
-        os.replace(tmp, directory / TOKENS)
+        tokens.publish()
+        if ends is not None:
+            ends.finish()
+            ends.publish()
+        else:
+            (directory / DOCUMENTS).unlink(missing_ok=True)
     finally:
-        tmp.unlink(missing_ok=True)
+        tokens.discard()
+        if ends is not None:
+            ends.discard()
     if tokenizer_file is not None:
         shutil.copyfile(tokenizer_file, directory / TOKENIZER)
     else:
         (directory / TOKENIZER).unlink(missing_ok=True)
-    index = TokenIndex(dtype=dtype, count=count, vocab_size=vocab,
+    index = TokenIndex(dtype=dtype, count=tokens.count, vocab_size=vocab,
                        tokenizer="bytes" if tokenizer_file is None else str(tokenizer_file.resolve()),
                        source=source if source in BUILTIN else str(Path(source).resolve()),
-                       sha256=digest.hexdigest(), edges_sha256=edges)
+                       sha256=tokens.digest.hexdigest(), edges_sha256=edges,
+                       documents=ends.count if ends is not None else 0, eos=eos_id,
+                       documents_sha256=ends.digest.hexdigest() if ends is not None else "",
+                       bad_records=documents.bad.count if documents is not None else 0)
     write_index(directory, index)
+    _write_skipped(directory, documents.bad if documents is not None else None)
     return index
+
+
+SKIPPED = "skipped.txt"  # the records prepare skipped, one a line (the first NAMED), beside index.json
+
+
+def _write_skipped(directory: Path, bad: Any) -> None:
+    """The skipped records, named, kept beside the corpus so that what was left out stays known."""
+    path = directory / SKIPPED
+    if bad is None or not bad.count:
+        path.unlink(missing_ok=True)
+        return
+    more = [f"... and {bad.count - len(bad.named):,} more"] if bad.count > len(bad.named) else []
+    path.write_text("\n".join([*bad.named, *more]) + "\n")
+
+
+def _out_directory(out: str) -> Path:
+    """`--out`, created; refused when it names a file."""
+    directory = Path(out)
+    if directory.exists() and not directory.is_dir():
+        raise PlaitError(f"--out {out} is a file", hint="give a directory to write the prepared corpus into")
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+class _Stream:
+    """An array file written under a temporary name, hashed as it goes, renamed once whole."""
+
+    def __init__(self, path: Path, dtype: str):
+        self.path, self.dtype = path, dtype
+        self.tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        self.handle = open(self.tmp, "wb")
+        self.digest, self.count = hashlib.sha256(), 0
+
+    def write(self, ids: np.ndarray) -> None:
+        data = ids.astype(self.dtype).tobytes()
+        self.handle.write(data)
+        self.digest.update(data)
+        self.count += len(ids)
+
+    def finish(self) -> str:
+        """Flush to disk; the hash of its edges (tokens.py: edges_digest)."""
+        self.handle.flush()
+        os.fsync(self.handle.fileno())
+        self.handle.close()
+        with open(self.tmp, "rb") as handle:
+            return edges_digest(handle, self.count * np.dtype(self.dtype).itemsize)
+
+    def publish(self) -> None:
+        os.replace(self.tmp, self.path)
+
+    def discard(self) -> None:
+        self.handle.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def end_of_document(tokenizer: Any, tokenizer_file: Path | None, eos: str | None) -> int:
+    """The id written after each document: `--eos` (an id, or a token of the vocabulary), else
+    the tokenizer's own end-of-sequence token (tokenizer_config.json's eos_token beside its
+    tokenizer.json), else for bytes 256, one past the bytes."""
+    if eos is not None and eos.isdigit():
+        return int(eos)
+    if tokenizer is None:
+        if eos is not None:
+            raise PlaitError(f"--eos {eos!r}: with --tokenizer bytes give an id (256 or more keeps it apart "
+                             "from every byte)", hint="drop --eos: bytes end each document with 256")
+        return 256
+    token = eos if eos is not None else _configured_eos(tokenizer_file)
+    if token is None:
+        raise PlaitError(f"--tokenizer {tokenizer_file}: no end-of-sequence token is configured beside it "
+                         f"(tokenizer_config.json's eos_token)", hint="name one with --eos TOKEN or --eos ID")
+    found = tokenizer.token_to_id(token)
+    if found is None:
+        raise PlaitError(f"--eos {token!r} is not a token of {tokenizer_file}", hint="give a token it has, or an id")
+    return int(found)
+
+
+def _configured_eos(tokenizer_file: Path | None) -> str | None:
+    if tokenizer_file is None:
+        return None
+    try:
+        config = json.loads((tokenizer_file.parent / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    token = config.get("eos_token") if isinstance(config, dict) else None
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) and token else None
+
+
+DOCS_PER_BATCH, CHARS_PER_BATCH = 1024, 1 << 20  # documents encoded at a time
+
+
+def _batches(documents: Iterable[str]) -> Iterator[list[str]]:
+    batch, chars = [], 0
+    for text in documents:
+        batch.append(text)
+        chars += len(text)
+        if len(batch) == DOCS_PER_BATCH or chars >= CHARS_PER_BATCH:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+def document_ids(documents: Iterable[str], tokenizer_file: Path | None, eos: int, workers: int
+                 ) -> Iterator[np.ndarray]:
+    """Each document's ids followed by `eos`, in order: encoded a batch at a time, by `workers`
+    processes (each batch's result comes back in the order it was sent)."""
+    batches = _batches(documents)
+    if workers == 1:
+        _start_worker(tokenizer_file, eos)
+        for batch in batches:
+            yield from _encode(batch)
+        return
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")  # a fork would copy the tokenizer's threads
+    with context.Pool(workers, initializer=_start_worker, initargs=(tokenizer_file, eos)) as pool:
+        for encoded in pool.imap(_encode, batches):
+            yield from encoded
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _start_worker(tokenizer_file: Path | None, eos: int) -> None:
+    tokenizer = None
+    if tokenizer_file is not None:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    _WORKER.update(tokenizer=tokenizer, eos=np.asarray([eos], dtype=np.int64))
+
+
+def _encode(batch: list[str]) -> list[np.ndarray]:
+    tokenizer, eos = _WORKER["tokenizer"], _WORKER["eos"]
+    if tokenizer is None:
+        return [np.concatenate([np.frombuffer(text.encode("utf-8"), dtype=np.uint8), eos]) for text in batch]
+    return [np.concatenate([np.asarray(e.ids, dtype=np.int64), eos])
+            for e in tokenizer.encode_batch(batch, add_special_tokens=False)]
 
 
 def data_main(argv: list[str]) -> int:
@@ -150,11 +309,26 @@ def data_main(argv: list[str]) -> int:
     prep = sub.add_parser("prepare", help="tokenize a corpus once into a memory-mapped token file")
     prep.add_argument("--tokenizer", required=True,
                       help="'bytes' (vocabulary 256), or a directory holding tokenizer.json, or the file")
-    prep.add_argument("--data", required=True, help="a text file, a directory of text files, 'embedded' or 'stdlib'")
+    prep.add_argument("--data", required=True,
+                      help="a text file or directory of them, 'embedded' or 'stdlib' (one stream); or records: "
+                           ".jsonl, .jsonl.gz, .parquet, a datasets save_to_disk folder, or a directory of them "
+                           "(each record one document, followed by the end-of-document id)")
     prep.add_argument("--out", required=True, help="the directory to write (then: plait train --data OUT)")
+    prep.add_argument("--field", default="text", help="records: the field holding each document's text (default text)")
+    prep.add_argument("--workers", type=int, default=1, help="records: processes that tokenize (default 1)")
+    prep.add_argument("--eos", default=None,
+                      help="records: the id or token after each document (default: the tokenizer's eos_token "
+                           "from tokenizer_config.json; 256 for bytes)")
     prep.add_argument("--debug", action="store_true", help="show tracebacks")
     args = parser.parse_args(argv)
-    index = prepare(args.tokenizer, args.data, args.out)
-    print(f"wrote {index.count:,} tokens ({index.dtype}, vocabulary {index.vocab_size:,}) to "
+    if not args.out.strip() or not args.data.strip():
+        raise PlaitError("--data and --out must name something", hint="e.g. --data corpus.jsonl --out data/corpus")
+    index = prepare(args.tokenizer, args.data, args.out, args.field, args.workers, args.eos)
+    documents = f" in {index.documents:,} documents (each ended by id {index.eos})" if index.documents else ""
+    print(f"wrote {index.count:,} tokens{documents} ({index.dtype}, vocabulary {index.vocab_size:,}) to "
           f"{Path(args.out) / TOKENS}; sha256 {index.sha256[:16]}…; train with: plait train --data {args.out}")
+    if index.bad_records:
+        named = (Path(args.out) / SKIPPED).read_text().splitlines()
+        print(f"skipped {index.bad_records:,} bad record(s), named in {Path(args.out) / SKIPPED}: "
+              f"{', '.join(named[:3])}{', ...' if index.bad_records > 3 else ''}")
     return 0

@@ -4,7 +4,10 @@
 
     tokens.bin      the token ids, little-endian uint16 (vocabulary ≤ 65,536) or uint32
     index.json      dtype, count, vocab_size, tokenizer, source, sha256 of tokens.bin, and
-                    sha256 of its first and last EDGE bytes
+                    sha256 of its first and last EDGE bytes; for records (jsonl, parquet, a
+                    datasets folder), the number of documents, the EOS id after each, and
+                    the records skipped
+    documents.bin   records only: each document's end offset in tokens.bin, little-endian uint64
     tokenizer.json  a copy of the tokenizer, when one was used (to print samples as text)
 
 Every rank maps tokens.bin (`plait.train.data.corpus.load_corpus`) rather than reading it, so a
@@ -38,6 +41,7 @@ from plait.errors import PlaitError
 
 FORMAT, VERSION = "plait-tokens", 1
 INDEX, TOKENS, TOKENIZER, VERIFIED = "index.json", "tokens.bin", "tokenizer.json", "verified.json"
+DOCUMENTS = "documents.bin"  # each document's end in tokens.bin, little-endian uint64 (records only)
 EDGE = 1 << 16  # bytes at each end of the token file hashed by the cheap check
 CHUNK = 1 << 20  # the full hash reads into one buffer of this size, reused
 ITEMSIZE = {"uint16": 2, "uint32": 4}
@@ -56,6 +60,10 @@ class TokenIndex:
     edges_sha256: str
     format: str = FORMAT
     version: int = VERSION
+    documents: int = 0  # records, each followed by `eos`; their ends are in documents.bin (0: a text stream)
+    eos: int | None = None  # the id after each document
+    documents_sha256: str = ""
+    bad_records: int = 0  # records skipped, each named when prepared (plait/train/data/records.py)
 
     @property
     def nbytes(self) -> int:
@@ -257,9 +265,15 @@ def open_corpus_file(path: Path) -> BinaryIO:
 def raw_files(source: str, max_bytes: int = RAW_LIMIT) -> list[Path]:
     """The files of a raw-text `--data`, refused when more than `max_bytes` in all: every rank
     would hold it in memory, so a larger corpus is prepared and mapped instead (never cut)."""
+    from plait.train.data.records import is_records
+
     path = Path(source)
     if not path.exists():
         raise PlaitError(f"corpus {source!r} does not exist", hint="give a text file, a directory, 'embedded' or 'stdlib'")
+    if is_records(path):  # read as text, its JSON or parquet bytes would be the corpus
+        raise PlaitError(f"--data {source} holds records (jsonl, parquet or a datasets folder): prepare them first, "
+                         f"each record one document", hint=f"plait data prepare --tokenizer bytes --data {source} "
+                                                           f"--out DIR, then --data DIR")
     files = list(corpus_files(path, TEXT_SUFFIXES)) if path.is_dir() else [path]
     total = sum(f.stat().st_size for f in files)
     if total > max_bytes:

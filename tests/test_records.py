@@ -1,0 +1,168 @@
+"""Corpora of records (plait/train/data/records.py, prepare.py): jsonl, jsonl.gz, parquet and a
+`datasets` folder prepare to the same bytes, each record one document ended by EOS; bad
+records are named, never dropped in silence; held-out documents are whole and stable."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from plait.errors import PlaitError
+from plait.train.data.corpus import (DocumentSplit, document_runs, held_out_documents, map_tokens,
+                                     train_val_split)
+from plait.train.data.prepare import SKIPPED, data_main, prepare
+from plait.train.data.tokens import DOCUMENTS, INDEX, TOKENS, raw_files
+
+pa = pytest.importorskip("pyarrow")
+import pyarrow.parquet  # noqa: E402
+
+TEXTS = ["hello world", "a second, longer document\nwith two lines", "naïve café ☕", "x" * 300, "last one"]
+
+
+def write_all_formats(root: Path, texts: list[str]) -> dict[str, Path]:
+    """The same records as jsonl, jsonl.gz, parquet and a save_to_disk folder (written as
+    `datasets` writes it: Arrow stream files named by state.json)."""
+    root.mkdir(parents=True, exist_ok=True)
+    rows = [{"id": i, "text": t} for i, t in enumerate(texts)]
+    lines = "".join(json.dumps(r) + "\n" for r in rows)
+    (root / "a.jsonl").write_text(lines)
+    with gzip.open(root / "a.jsonl.gz", "wt") as f:
+        f.write(lines)
+    table = pa.table({"id": [r["id"] for r in rows], "text": [r["text"] for r in rows]})
+    pyarrow.parquet.write_table(table, root / "a.parquet", row_group_size=2)
+    folder = root / "saved"
+    folder.mkdir()
+    halves = [table.slice(0, 3), table.slice(3)]
+    for k, part in enumerate(halves):
+        with pa.OSFile(str(folder / f"data-{k:05d}-of-00002.arrow"), "wb") as sink:
+            with pa.ipc.new_stream(sink, part.schema) as writer:
+                writer.write_table(part, max_chunksize=2)
+    (folder / "state.json").write_text(json.dumps({"_data_files": [{"filename": f"data-{k:05d}-of-00002.arrow"}
+                                                                   for k in range(2)]}))
+    (folder / "dataset_info.json").write_text("{}")
+    return {"jsonl": root / "a.jsonl", "jsonl.gz": root / "a.jsonl.gz", "parquet": root / "a.parquet",
+            "datasets": folder}
+
+
+def bpe_with_eos(directory: Path) -> int:
+    """A byte-level BPE tokenizer with an end-of-sequence token its tokenizer_config.json names."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, show_progress=False, special_tokens=["</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(TEXTS * 20, trainer)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    return tokenizer.token_to_id("</s>")
+
+
+def _files(directory: Path) -> tuple[bytes, bytes]:
+    return (directory / TOKENS).read_bytes(), (directory / DOCUMENTS).read_bytes()
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
+def test_every_format_prepares_to_the_same_bytes_each_record_a_document(tmp_path, tokenizer):
+    sources = write_all_formats(tmp_path / "in", TEXTS)
+    spec, eos = "bytes", 256
+    if tokenizer == "bpe":
+        eos = bpe_with_eos(tmp_path / "tok")
+        spec = str(tmp_path / "tok")
+    prepared = {kind: tmp_path / kind for kind in sources}
+    for kind, source in sources.items():
+        index = prepare(spec, str(source), str(prepared[kind]))
+        assert (index.documents, index.eos, index.bad_records) == (len(TEXTS), eos, 0)
+    first = _files(prepared["jsonl"])
+    for kind in sources:
+        assert _files(prepared[kind]) == first, kind
+    dtype = json.loads((prepared["jsonl"] / INDEX).read_text())["dtype"]
+    ids = np.frombuffer(first[0], dtype="<u2" if dtype == "uint16" else "<u4")
+    ends = np.frombuffer(first[1], dtype="<u8").astype(np.int64)
+    starts = np.concatenate([[0], ends[:-1]])
+    for text, start, end in zip(TEXTS, starts, ends):
+        doc = ids[start:end]
+        assert doc[-1] == eos and eos not in doc[:-1]
+        if tokenizer == "bytes":
+            assert bytes(doc[:-1].astype(np.uint8)) == text.encode()
+
+
+def test_two_workers_write_what_one_writes(tmp_path):
+    source = write_all_formats(tmp_path / "in", TEXTS * 300)["jsonl"]
+    bpe_with_eos(tmp_path / "tok")
+    prepare(str(tmp_path / "tok"), str(source), str(tmp_path / "one"), workers=1)
+    prepare(str(tmp_path / "tok"), str(source), str(tmp_path / "two"), workers=2)
+    assert _files(tmp_path / "one") == _files(tmp_path / "two")
+
+
+def test_bad_records_are_counted_and_named_and_the_rest_kept(tmp_path, capsys):
+    source = tmp_path / "mixed.jsonl"
+    source.write_bytes(b'{"text": "good"}\nnot json\n[1, 2]\n{"other": "x"}\n{"text": 5}\n{"text": ""}\n\n'
+                       b'\xff\xfe{"text": "bad bytes"}\n{"text": "also good"}\n')
+    assert data_main(["prepare", "--tokenizer", "bytes", "--data", str(source), "--out", str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out
+    assert "skipped 6 bad record(s)" in printed and f"{source}:2 (not JSON)" in printed
+    named = (tmp_path / "out" / SKIPPED).read_text().splitlines()
+    assert named == [f"{source}:2 (not JSON)", f"{source}:3 (a JSON list, not an object)",
+                     f"{source}:4 (no field 'text')", f"{source}:5 (field 'text' is int, not a string)",
+                     f"{source}:6 (empty document)", f"{source}:8 (not UTF-8)"]
+    index = json.loads((tmp_path / "out" / INDEX).read_text())
+    assert (index["documents"], index["bad_records"]) == (2, 6)
+
+
+def test_a_file_with_nothing_usable_is_refused_naming_it(tmp_path):
+    sources = write_all_formats(tmp_path / "in", TEXTS)
+    with pytest.raises(PlaitError, match=r"a\.parquet holds no usable record: 5 bad, e\.g\. .*row 4 \(no field 'body'\)"):
+        prepare("bytes", str(sources["parquet"]), str(tmp_path / "out"), text_field="body")
+    with pytest.raises(PlaitError, match=r"holds no usable record: 5 bad.*field 'id' is int"):
+        prepare("bytes", str(sources["datasets"]), str(tmp_path / "out"), text_field="id")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(PlaitError, match="holds no usable record \\(it is empty\\)"):
+        prepare("bytes", str(empty), str(tmp_path / "out"))
+    assert not (tmp_path / "out" / TOKENS).exists()  # nothing that looks prepared is left
+
+
+def test_records_are_refused_as_raw_text_and_bad_options_in_one_line(tmp_path):
+    source = write_all_formats(tmp_path / "in", TEXTS)["jsonl"]
+    with pytest.raises(PlaitError, match="holds records .* prepare them first"):
+        raw_files(str(source))
+    with pytest.raises(PlaitError, match="--workers 0"):
+        prepare("bytes", str(source), str(tmp_path / "out"), workers=0)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(PlaitError, match="is a file"):
+        prepare("bytes", str(source), str(tmp_path / "file"))
+    with pytest.raises(PlaitError, match="no end-of-sequence token"):
+        tok = tmp_path / "tok"
+        bpe_with_eos(tok)
+        (tok / "tokenizer_config.json").unlink()
+        prepare(str(tok), str(source), str(tmp_path / "out"))
+
+
+def test_held_out_documents_are_whole_stable_under_the_seed_and_never_the_tail(tmp_path):
+    texts = [f"doc {i} " + "w" * (i % 13) for i in range(400)]
+    source = write_all_formats(tmp_path / "in", texts)["jsonl"]
+    prepare("bytes", str(source), str(tmp_path / "out"))
+    tokens = map_tokens(str(tmp_path / "out"))
+    ends = tokens.plait_documents.astype(np.int64)
+    held = held_out_documents(len(ends), 0.05, seed=3)
+    assert np.array_equal(held, held_out_documents(len(ends), 0.05, seed=3))
+    assert not np.array_equal(held, held_out_documents(len(ends), 0.05, seed=4))
+    assert 8 <= held.sum() <= 35 and held[:200].any()  # about 5%, spread over the stream
+    train, val = train_val_split(tokens, 16, seed=3)
+    assert isinstance(train, DocumentSplit) and len(train) + len(val) == len(tokens)
+    starts = np.concatenate([[0], ends[:-1]])
+    held_tokens = torch.cat([tokens[int(s):int(e)] for s, e, h in zip(starts, ends, held) if h])
+    assert torch.equal(val.window(0, len(val)), held_tokens)  # the held-out stream is exactly those documents
+    inputs, targets = train.batch([0, 3, train.num_samples - 1])
+    stream = train.window(0, len(train))
+    assert torch.equal(inputs[1], stream[48:64].long()) and torch.equal(targets[1], stream[49:65].long())
+    assert document_runs(np.array([3, 5, 9, 12], dtype=np.uint64), np.array([True, True, False, True])).tolist() == \
+        [[0, 5], [9, 12]]
