@@ -277,7 +277,7 @@ def document_ids(documents: Iterable[str], tokenizer_file: Path | None, eos: int
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")  # a fork would copy the tokenizer's threads
-    with context.Pool(workers, initializer=_start_worker, initargs=(tokenizer_file, eos)) as pool:
+    with context.Pool(workers, initializer=_start_worker, initargs=(tokenizer_file, eos, True)) as pool:
         for encoded in pool.imap(_encode, batches):
             yield from encoded
 
@@ -285,7 +285,11 @@ def document_ids(documents: Iterable[str], tokenizer_file: Path | None, eos: int
 _WORKER: dict[str, Any] = {}
 
 
-def _start_worker(tokenizer_file: Path | None, eos: int) -> None:
+def _start_worker(tokenizer_file: Path | None, eos: int, one_thread: bool = False) -> None:
+    """Load the tokenizer once per process. A pool's workers each encode on one thread: the
+    processes are the parallelism, while the main one reads and writes beside them."""
+    if one_thread:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     tokenizer = None
     if tokenizer_file is not None:
         from tokenizers import Tokenizer
