@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -184,3 +185,94 @@ def test_training_on_documents_is_layout_free_and_evaluates_the_held_out_ones(tm
     assert_losses_close(run_losses(tmp_path / "two"), run_losses(tmp_path / "one"), rtol=1e-5)
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert summary["config"]["model"].endswith("vocab_size=257") and 0 < summary["val_loss"] < 10
+
+
+# -- blends ----------------------------------------------------------------------------------------
+def test_blend_specs_parse_and_bad_ones_are_one_line():
+    from plait.train.data.tokens import BlendPart, blend_parts
+
+    assert blend_parts("data/web") is None and blend_parts("embedded") is None
+    assert blend_parts("0.7:a,0.3:b") == [BlendPart(0.7, "a"), BlendPart(0.3, "b")]
+    assert blend_parts("2:a") == [BlendPart(2.0, "a")]
+    for bad, why in (("0.7:a,b", "every corpus as WEIGHT:CORPUS"), ("0:a,1:b", "positive weight"),
+                     ("1:a,1:a", "names a corpus twice"), ("0.5:,0.5:b", "positive weight and a corpus")):
+        with pytest.raises(PlaitError, match=why):
+            blend_parts(bad)
+
+
+def _constant_split(token: int, samples: int, seq: int = 4) -> "Any":
+    from plait.train.data.corpus import Split
+
+    return Split(torch.full((samples * seq + 1,), token, dtype=torch.int64), seq)
+
+
+def test_a_blend_over_1000_steps_holds_its_weights_on_any_layout():
+    """Every row of 1,000 steps of 8 sequences, counted by the corpus it came from: within 0.5%
+    of 0.6 / 0.3 / 0.1; dp 2 deals the same rows to its ranks as one process with two micro-batches."""
+    from plait.train.data.blend import BlendSplit
+    from plait.train.data.corpus import StepSampler
+
+    blend = BlendSplit([_constant_split(1, 37), _constant_split(2, 11), _constant_split(3, 5)], [6, 3, 1],
+                       seed=0, shuffle=True)
+    one = StepSampler(blend.num_samples, 8, 0, 1, 4, 0, ordered=True)
+    dp = [StepSampler(blend.num_samples, 8, r, 2, 4, 0, ordered=True) for r in range(2)]
+    seen = torch.zeros(4, dtype=torch.float64)
+    for step in range(1000):
+        rows = [i for micro in one.micro_batches(step) for i in micro]
+        assert rows == [i for sampler in dp for micro in sampler.micro_batches(step) for i in micro]
+        inputs, _ = blend.batch(rows)
+        seen += torch.bincount(inputs[:, 0], minlength=4)
+    shares = (seen[1:] / seen.sum()).tolist()
+    assert all(abs(got - want) < 0.005 for got, want in zip(shares, [0.6, 0.3, 0.1])), shares
+    assert blend.realised(8000) == pytest.approx(shares, abs=1e-12)
+    assert [blend.counts(n) for n in (0, 1, 2)] == [[0, 0, 0], [1, 0, 0], [1, 1, 0]]
+
+
+def test_each_corpus_deals_its_samples_once_an_epoch_and_the_held_out_blend_never_repeats():
+    from plait.train.data.blend import BlendSplit
+
+    a, b = _constant_split(1, 10), _constant_split(2, 10)
+    a.tokens[:] = torch.arange(len(a.tokens))  # sample j of corpus a starts with 4j
+    blend = BlendSplit([a, b], [1, 1], seed=3, shuffle=True)
+    firsts = [int(blend.batch([n])[0][0, 0]) for n in range(40)]
+    from_a = [f // 4 for f in firsts if f % 4 == 0 and f > 1 or f == 0]
+    assert sorted(from_a[:10]) == list(range(10)) and sorted(from_a[10:20]) == list(range(10))
+    held = BlendSplit([a, _constant_split(2, 3)], [1, 1], seed=3, shuffle=False)
+    assert held.num_samples == 7 and held.counts(held.num_samples) == [4, 3]
+
+
+def test_a_blend_trains_resumes_exactly_and_reports_its_shares(tmp_path):
+    from tests.worldlib import run_losses, run_plait
+
+    prepare("bytes", str(write_all_formats(tmp_path / "a", [f"web page {i} " * 9 for i in range(200)])["jsonl"]),
+            str(tmp_path / "web"))
+    prepare("bytes", str(write_all_formats(tmp_path / "b", [f"def f{i}(): pass\n" * 4 for i in range(200)])["jsonl"]),
+            str(tmp_path / "code"))
+    data = f"0.7:{tmp_path / 'web'},0.3:{tmp_path / 'code'}"
+    common = ["--data", data, "--model", "tiny", "--steps", "4", "--seq-len", "32", "--micro-batch", "4",
+              "--nproc", "1", "--eval-every", "0", "--eval-samples", "4", "--sample-tokens", "0"]
+    whole = run_plait("train", *common, "--save-every", "2", "--out", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr
+    resumed = run_plait("train", *common, "--out", str(tmp_path / "resumed"),
+                        "--resume", str(tmp_path / "whole" / "checkpoints" / "step-00000002"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert run_losses(tmp_path / "resumed") == run_losses(tmp_path / "whole")[2:]
+    assert "data blend  " in whole.stdout and "(asked 70.0%)" in whole.stdout
+    blend = json.loads((tmp_path / "whole" / "summary.json").read_text())["blend"]
+    assert blend["samples"] == 16 and [p["weight"] for p in blend["parts"]] == pytest.approx([0.7, 0.3])
+
+
+def test_a_blend_of_different_tokens_is_refused_naming_both(tmp_path):
+    from plait.families.language import check_corpus
+
+    prepare("bytes", str(write_all_formats(tmp_path / "a", TEXTS)["jsonl"]), str(tmp_path / "records"))
+    text = tmp_path / "plain.txt"
+    text.write_text("some plain text " * 50)
+    with pytest.raises(PlaitError, match="blends corpora of different tokens: .*vocabulary 257.*vocabulary 256"):
+        check_corpus(f"1:{tmp_path / 'records'},1:{text}")
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "a.jsonl").write_text('{"text": "x"}\n')
+    (mixed / "notes.txt").write_text("y")
+    with pytest.raises(PlaitError, match="holds records and text files"):
+        prepare("bytes", str(mixed), str(tmp_path / "out"))

@@ -35,8 +35,14 @@ def check_language_run(config: Any, shape: GPTConfig) -> None:
 def check_corpus(source: str) -> None:
     """--data exists and can be used whole: a prepared corpus passes its cheap checks, raw
     text is small enough to hold (the full checksum waits for the ranks: plait/train/data/tokens.py)."""
-    from plait.train.data.tokens import BUILTIN, check_tokens, is_prepared, raw_files
+    from plait.train.data.tokens import BUILTIN, blend_parts, check_blend, check_tokens, is_prepared, raw_files
 
+    parts = blend_parts(source)
+    if parts:  # each part as a corpus of its own, then alike
+        for part in parts:
+            check_corpus(part.source)
+        check_blend(source)
+        return
     if is_prepared(source):
         check_tokens(source, full=False)
     elif source not in BUILTIN:

@@ -89,6 +89,8 @@ def closing_report(summary: dict[str, Any], out: str) -> str:
     ]
     if summary.get("experts"):
         lines.append(experts_line(summary["experts"], summary.get("predicted") or {}))
+    if summary.get("blend"):
+        lines.append(blend_line(summary["blend"]))
     if (summary.get("predicted") or {}).get("context"):
         lines.append(context_line(summary["predicted"]["context"], summary["comm_per_step"]))
     if summary.get("predicted"):
@@ -113,6 +115,13 @@ def process_peak_text(summary: dict[str, Any]) -> str:
         if predicted:
             text += f", estimated at most {human_bytes(predicted)}"
     return text
+
+
+def blend_line(blend: dict[str, Any]) -> str:
+    """A blend's realised share of each corpus over the run's sequences, beside the asked one."""
+    parts = ", ".join(f"{part['source']} {100 * part['realised']:.1f}% (asked {100 * part['weight']:.1f}%)"
+                      for part in blend["parts"])
+    return f"  data blend  {parts} of {blend['samples']:,} sequences"
 
 
 def weights_text(files: list[str] | None) -> str:

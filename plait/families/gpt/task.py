@@ -13,7 +13,7 @@ from plait.estimate.layout import Workload
 from plait.models.gpt.config import get_preset
 from plait.models.gpt.model import TEMPERATURE, build_gpt, sample_next
 from plait.train.config.settings import TrainConfig
-from plait.train.data.corpus import corpus_digest, load_corpus, train_val_split
+from plait.train.data.blend import language_splits
 from plait.train.data.tokens import TextCodec, text_codec
 from plait.train.loop.task import NextLogits
 
@@ -37,8 +37,7 @@ class LanguageTask:
         return None  # plait's GPT names its own (GPT.plait_adapter)
 
     def load(self) -> tuple[Any, Any, int]:
-        tokens = load_corpus(self.config.data)
-        return (*train_val_split(tokens, self.config.seq_len, seed=self.config.seed), corpus_digest(tokens))
+        return language_splits(self.config.data, self.config.seq_len, self.config.seed)
 
     def batch(self, split: Any, indices: list[int], step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return split.batch(indices)
@@ -57,7 +56,7 @@ class LanguageTask:
         from plait.errors import PlaitError
 
         if val.num_samples == 0:
-            raise PlaitError(f"the held-out split ({len(val.tokens)} tokens) has no sequence of "
+            raise PlaitError(f"the held-out split ({len(val)} tokens) has no sequence of "
                              f"{self.config.seq_len} tokens", hint="lower --seq-len, or give a larger --data")
         return min(val.num_samples, self.config.eval_samples)
 

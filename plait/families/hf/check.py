@@ -84,8 +84,14 @@ def tokenizer_vocab(hf: HFModelDir) -> int:
 
 
 def _check_data(hf: HFModelDir, data: str, spec: str) -> None:
-    from plait.train.data.tokens import TOKENIZER, is_prepared, read_index
+    from plait.train.data.tokens import TOKENIZER, blend_parts, is_prepared, lead_source, read_index
 
+    parts = blend_parts(data)
+    if parts and hf.tokenizer is not None and not all(is_prepared(p.source) for p in parts):
+        raw = next(p.source for p in parts if not is_prepared(p.source))
+        raise PlaitError(f"--data blends {raw}, raw text, and --model {spec} reads its tokenizer's ids",
+                         hint=f"prepare it first: plait data prepare --tokenizer {hf.path} --data {raw} --out DIR")
+    data = lead_source(data)  # a blend's parts share their tokens (plait.families.language.check_corpus)
     if not is_prepared(data):
         if hf.tokenizer is None and hf.vocab_size < 256:
             raise PlaitError(f"--model {spec} has no tokenizer.json, so --data is read as bytes (256 ids), and "

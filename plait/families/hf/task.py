@@ -28,10 +28,11 @@ from plait.estimate.layout import Workload
 from plait.models.hf.config import COMPANIONS, CONFIG, TOKENIZER, read_hf_dir
 from plait.models.hf.load import measured_shape
 from plait.train.config.settings import TrainConfig
+from plait.train.data.blend import language_splits
 from plait.train.data.corpus import corpus_digest, load_corpus, train_val_split
 from plait.parallel.seam import logits_of
 from plait.families.gpt.task import LanguageTask
-from plait.train.data.tokens import TextCodec, is_prepared, text_codec
+from plait.train.data.tokens import TextCodec, blend_parts, is_prepared, text_codec
 
 ATTACHED = "hf"  # the checkpoint's folder for the model directory's files
 
@@ -83,6 +84,8 @@ class HFTask(LanguageTask):
         return self._tokenizer
 
     def load(self) -> tuple[Any, Any, int]:
+        if blend_parts(self.config.data):  # its parts are prepared corpora (plait.families.hf.check)
+            return language_splits(self.config.data, self.config.seq_len, self.config.seed)
         tokens = load_corpus(self.config.data)
         if self.hf.tokenizer is not None and not is_prepared(self.config.data):
             tokens = self._encode(tokens)

@@ -37,7 +37,7 @@ class TrainConfig:
 
     model: str = field(default="small", metadata={"help": "the model, named as its family takes it (the list follows)"})
     imports: str = field(default="", metadata={"help": "Python modules to import on every rank first, comma-separated: each may register a model family (docs/models.md)"})
-    data: str = field(default="embedded", metadata={"help": "corpus: 'embedded' (the text plait ships, the same on every machine), 'stdlib' (this Python's own source), a text file or directory (up to 8 MiB), or a directory from `plait data prepare`; for a ResNet: 'digits' or a folder of class folders"})
+    data: str = field(default="embedded", metadata={"help": "corpus: 'embedded' (the text plait ships, the same on every machine), 'stdlib' (this Python's own source), a text file or directory (up to 8 MiB), or a directory from `plait data prepare`, or a blend of corpora: WEIGHT:CORPUS,... (e.g. 0.7:data/web,0.3:data/code: every batch in those shares); for a ResNet: 'digits' or a folder of class folders"})
     steps: int = field(default=120, metadata={"help": "optimizer steps"})
     micro_batch: int = field(default=8, metadata={"help": "sequences per rank per forward/backward"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})

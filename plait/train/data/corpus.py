@@ -98,6 +98,9 @@ class Split:
     tokens: torch.Tensor
     seq_len: int
 
+    def __len__(self) -> int:
+        return len(self.tokens)
+
     @property
     def num_samples(self) -> int:
         return max(0, (len(self.tokens) - 1) // self.seq_len)
@@ -121,10 +124,6 @@ class DocumentSplit:
 
     def __len__(self) -> int:
         return int(self.ends[-1]) if len(self.ends) else 0
-
-    @property
-    def tokens(self) -> "DocumentSplit":
-        return self  # what callers measure with len()
 
     @property
     def num_samples(self) -> int:
@@ -213,7 +212,8 @@ def shard_indices(n: int, mesh: object, seed: int, epoch: int, block: int = 1) -
 
 @dataclass(frozen=True)
 class StepSampler:
-    """Which samples each micro-batch of each step holds, on one dp rank."""
+    """Which samples each micro-batch of each step holds, on one dp rank. `ordered`: the split
+    shuffles within itself (a blend), so step s simply takes samples [s·G, (s+1)·G)."""
 
     num_samples: int
     global_batch: int
@@ -221,6 +221,7 @@ class StepSampler:
     dp_size: int
     micro_batch: int
     seed: int
+    ordered: bool = False
 
     def __post_init__(self) -> None:
         if self.global_batch % (self.dp_size * self.micro_batch):
@@ -243,6 +244,10 @@ class StepSampler:
         """This rank's sample indices for `step`, cut into micro-batches."""
         epoch, pos = self.position(step)
         local = self.global_batch // self.dp_size
+        if self.ordered:
+            start = (step * self.dp_size + self.dp_rank) * local
+            return [list(range(start + i, start + min(i + self.micro_batch, local))) for i in range(0, local,
+                                                                                                   self.micro_batch)]
         # shard_indices(..., block=local)[pos·local : (pos+1)·local], read straight from the
         # permutation: a large corpus's epoch is never turned into a Python list per step.
         start = (pos * self.dp_size + self.dp_rank) * local

@@ -113,6 +113,14 @@ def prepare(tokenizer_spec: str, source: str, out: str, text_field: str = "text"
     if workers < 1:
         raise PlaitError(f"--workers {workers}: give 1 or more", hint="--workers 2 tokenizes in two processes")
     records = source not in BUILTIN and Path(source).exists() and is_records(Path(source))
+    if records and Path(source).is_dir():
+        from plait.train.data.tokens import TEXT_SUFFIXES, corpus_files
+
+        text = next(corpus_files(Path(source), TEXT_SUFFIXES), None)
+        if text is not None:  # one kind a corpus: records would leave the text files out
+            raise PlaitError(f"--data {source} holds records and text files (e.g. {text})",
+                             hint="prepare each kind into a corpus of its own, then blend them: "
+                                  "--data 0.5:DIR_A,0.5:DIR_B")
     files = [] if records else source_files(source)
     tokenizer, tokenizer_file = load_tokenizer(tokenizer_spec)
     eos_id = end_of_document(tokenizer, tokenizer_file, eos) if records else None

@@ -173,6 +173,68 @@ def write_index(directory: Path, index: TokenIndex) -> None:
     os.replace(tmp, directory / INDEX)
 
 
+@dataclass(frozen=True)
+class BlendPart:
+    """One corpus of a blend (`--data 0.7:DIR_A,0.3:DIR_B`) and its share of every batch."""
+
+    weight: float
+    source: str
+
+
+def blend_parts(source: str) -> list[BlendPart] | None:
+    """The parts of a blend, or None when `source` is one corpus: a blend is comma-separated
+    WEIGHT:CORPUS items (weights positive; they need not sum to 1: they are normalised)."""
+    items = source.split(",")
+    if not all(_weighted(item) for item in items):
+        if len(items) > 1 and any(_weighted(item) for item in items):
+            raise PlaitError(f"--data {source}: a blend names every corpus as WEIGHT:CORPUS",
+                             hint="e.g. --data 0.7:data/web,0.3:data/code")
+        return None
+    parts = []
+    for item in items:
+        weight, _, corpus = item.partition(":")
+        if not float(weight) > 0 or not corpus.strip():
+            raise PlaitError(f"--data {source}: {item!r} needs a positive weight and a corpus",
+                             hint="e.g. --data 0.7:data/web,0.3:data/code")
+        parts.append(BlendPart(float(weight), corpus.strip()))
+    if len({p.source for p in parts}) != len(parts):
+        raise PlaitError(f"--data {source} names a corpus twice", hint="give each corpus once, with its whole weight")
+    return parts
+
+
+def _weighted(item: str) -> bool:
+    weight, colon, _ = item.partition(":")
+    try:
+        return bool(colon) and float(weight) == float(weight)  # a number (not nan) before the colon
+    except ValueError:
+        return False
+
+
+def lead_source(source: str) -> str:
+    """The corpus whose tokenizer and vocabulary stand for `--data`: itself, or a blend's
+    first part (every part shares them: checked by `check_blend`)."""
+    parts = blend_parts(source)
+    return parts[0].source if parts else source
+
+
+def check_blend(source: str) -> None:
+    """A blend's parts read alike: one vocabulary and one tokenizer, else refused naming both."""
+    parts = blend_parts(source) or []
+    seen = {(data_vocab(p.source), _tokenizer_of(p.source)): p.source for p in parts}
+    if len(seen) > 1:
+        (a_key, a), (b_key, b) = list(seen.items())[:2]
+        raise PlaitError(f"--data blends corpora of different tokens: {a} (vocabulary {a_key[0]}, {a_key[1]}) and "
+                         f"{b} (vocabulary {b_key[0]}, {b_key[1]})",
+                         hint="prepare every part with the same --tokenizer (and the same kind: records or text)")
+
+
+def _tokenizer_of(source: str) -> str:
+    if not is_prepared(source):
+        return "bytes"
+    path = Path(source) / TOKENIZER
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:12] if path.is_file() else "bytes"
+
+
 def data_vocab(source: str) -> int:
     """The vocabulary a corpus's ids come from: its tokenizer's, or 256 for bytes."""
     return read_index(source).vocab_size if is_prepared(source) else 256
@@ -186,6 +248,7 @@ def model_for_data(model: str, source: str) -> str:
     """
     from plait.models.gpt.config import get_preset, parse_overrides
 
+    source = lead_source(source)
     vocab = data_vocab(source)
     _, _, spec = model.partition(",")
     if "vocab_size" not in (parse_overrides(spec, model) if spec else {}) and is_prepared(source):
@@ -217,6 +280,7 @@ class TextCodec:
 
 def text_codec(source: str) -> TextCodec:
     """The codec of `--data`: the prepared corpus's tokenizer.json when it has one."""
+    source = lead_source(source)
     path = Path(source) / TOKENIZER
     if not (is_prepared(source) and path.is_file()):
         return TextCodec()

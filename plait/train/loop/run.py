@@ -126,7 +126,24 @@ def describe_run(trainer: Trainer, predicted: dict[str, Any]) -> dict[str, Any]:
         "resumed_from": trainer.resumed_from, "loss_scale": trainer.guard.scaler.scale,
         "skipped_steps": trainer.guard.scaler.skipped, "predicted": predicted,
         "reduce_bytes": reduce_dtype_of(config.precision, config.reduce_dtype).itemsize,
+        **blend_summary(trainer),
     }
+
+
+def blend_summary(trainer: Trainer) -> dict[str, Any]:
+    """{"blend": each corpus's asked and realised share of the run's sequences} for a blended
+    --data (plait.train.data.blend), else nothing."""
+    from plait.train.data.tokens import blend_parts
+
+    parts = blend_parts(trainer.config.data)
+    realised = getattr(trainer.train_split, "realised", None)
+    if not parts or realised is None:
+        return {}
+    samples = trainer.config.steps * trainer.config.global_batch
+    total = sum(p.weight for p in parts)
+    return {"blend": {"samples": samples, "parts": [
+        {"source": p.source, "weight": p.weight / total, "realised": share}
+        for p, share in zip(parts, realised(samples))]}}
 
 
 def _progress_bar(steps: int) -> Any:

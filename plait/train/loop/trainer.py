@@ -99,7 +99,8 @@ class Trainer:
         self.train_split, self.val_split, digest = task.load()
         self._check_same_corpus(digest)
         self.sampler = StepSampler(self.train_split.num_samples, config.global_batch, mesh.rank("dp"),
-                                   mesh.size("dp"), config.micro_batch, config.seed)
+                                   mesh.size("dp"), config.micro_batch, config.seed,
+                                   ordered=getattr(self.train_split, "ordered", False))
         task.eval_count(self.val_split)  # a held-out split too small to score fails now, not after training
         self.inference = Inference(self.executor, mesh, task, self.loss_fn, config.micro_batch)
         self.measure = MeasurePolicy(config.measure, config.steps)
