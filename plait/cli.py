@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 import traceback
 from dataclasses import fields
 from typing import Any
@@ -260,14 +261,27 @@ def cmd_launch(argv: list[str]) -> int:
     )
     parser.add_argument("--nproc", type=int, required=True, help="number of processes")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
-    parser.add_argument("script", help="a Python file, or -m MODULE")
+    parser.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m MODULE does")
+    parser.add_argument("script", nargs="?", help="a Python file (or, after -m MODULE, its first argument)")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     args = parser.parse_args(argv)
     if args.nproc < 1:
         raise PlaitError(f"--nproc must be at least 1, got {args.nproc}")
-    from plait.runtime.launch import spawn
+    from plait.runtime.launch import check_local_nproc, spawn
 
-    return spawn([sys.executable, args.script, *args.args], args.nproc)
+    check_local_nproc(args.nproc)
+    rest = ([args.script] if args.script is not None else []) + args.args
+    if rest[:1] == ["-m"] and args.module is None and len(rest) > 1:  # plait launch --nproc 2 -- -m MODULE
+        args.module, rest = rest[1], rest[2:]
+    if args.module is not None:
+        command = [sys.executable, "-m", args.module, *rest]
+    elif args.script is None:
+        raise PlaitError("plait launch needs a script or -m MODULE", hint="e.g. plait launch --nproc 2 train.py")
+    elif not Path(args.script).is_file():
+        raise PlaitError(f"{args.script} is not a file", hint="give a Python file, or -m MODULE for a module")
+    else:
+        command = [sys.executable, args.script, *args.args]
+    return spawn(command, args.nproc)
 
 
 # -- plait ckpt ------------------------------------------------------------------------------------

@@ -21,6 +21,20 @@ class PlaitError(Exception):
         return self.message
 
 
+def check_writable_file(path: str, flag: str) -> None:
+    """A command's output FILE, checked before any work: a name, not a directory, in a
+    directory that exists (a measurement is not thrown away for a typo at its end)."""
+    import os
+
+    if not path.strip():
+        raise PlaitError(f"{flag} is empty", hint=f"name the file to write, e.g. {flag} out.json")
+    if os.path.isdir(path):
+        raise PlaitError(f"{flag} {path} is a directory", hint=f"name a file in it, e.g. {flag} {os.path.join(path, 'out')}")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise PlaitError(f"{flag} {path}: its directory {parent} does not exist", hint="create it first")
+
+
 # The exit codes plait's commands and ranks end with, named once (the CLI, the spawner and
 # the docs read them here).
 EXIT_CRASH = 1  # anything else: a bug, or a fault the run did not expect

@@ -11,7 +11,8 @@ import os
 import sys
 from pathlib import Path
 
-from plait.errors import PlaitError
+from plait.errors import PlaitError, check_writable_file
+from plait.runtime.env import BACKENDS
 
 
 def calibrate_parser() -> argparse.ArgumentParser:
@@ -40,6 +41,12 @@ def calibrate_main(argv: list[str]) -> int:
         raise PlaitError(f"bad --tp {args.tp!r}", hint="a comma list of degrees, e.g. 1,2") from None
     if args.nproc < 1 or args.precision not in ("fp32", "bf16") or min(tps) < 1:
         raise PlaitError("--nproc must be 1 or more, --precision fp32 or bf16, --tp degrees 1 or more")
+    for flag, value in (("--micro-batch", args.micro_batch), ("--seq-len", args.seq_len)):
+        if value < 1:
+            raise PlaitError(f"{flag} {value}: give 1 or more", hint=f"e.g. {flag} 8")
+    if args.backend not in ("auto", *BACKENDS):
+        raise PlaitError(f"--backend {args.backend!r} is not one plait runs", hint=f"choose from: auto, {', '.join(BACKENDS)}")
+    check_writable_file(args.out, "--out")  # before measuring, not after
     from plait.models.gpt.config import get_preset
 
     config = get_preset(args.model)

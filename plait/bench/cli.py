@@ -12,7 +12,8 @@ import os
 import sys
 from typing import Any
 
-from plait.errors import PlaitError
+from plait.errors import PlaitError, check_writable_file
+from plait.runtime.env import BACKENDS
 from plait.estimate.collectives import PRIMITIVES, size_range
 
 
@@ -51,6 +52,12 @@ def _options(argv: list[str]) -> argparse.Namespace:
     for op in (*args.op_list, *args.corrupt_list):
         if op not in PRIMITIVES:
             raise PlaitError(f"unknown op {op!r}", hint=f"choose from: {', '.join(PRIMITIVES)}")
+    if args.iters < 0:
+        raise PlaitError(f"--iters {args.iters}: give 0 (3 to 20 by size) or more", hint="e.g. --iters 10")
+    if args.backend not in ("auto", *BACKENDS):
+        raise PlaitError(f"--backend {args.backend!r} is not one plait runs", hint=f"choose from: auto, {', '.join(BACKENDS)}")
+    if args.out:
+        check_writable_file(args.out, "--out")
     if args.nproc < 2 or any(g < 2 or g > args.nproc for g in args.group_list or []):
         raise PlaitError(f"--nproc {args.nproc} / --groups {args.groups}: a group needs 2 to N ranks",
                          hint="give --nproc 2 or more, and group sizes between 2 and it")

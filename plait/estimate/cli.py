@@ -114,6 +114,8 @@ def estimate_main(argv: list[str], shape_of: ShapeOf) -> int:
 def plan_main(argv: list[str], shape_of: ShapeOf) -> int:
     """`plait plan ARGS`: print the fastest layouts that fit (and, with --explain, why the first wins)."""
     args = plan_parser().parse_args(argv)
+    if args.top < 1:
+        raise PlaitError(f"--top {args.top}: show 1 layout or more", hint="e.g. --top 10")
     hardware = resolve_hardware(args.hardware, args.hardware_file)
     config = _model(args.model, shape_of)
     request = plan_request(config, gpus=args.gpus, global_batch=args.global_batch, hardware=hardware,

@@ -17,14 +17,38 @@ def read_run(run_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     for path in (metrics, summary):
         if not path.is_file():
             raise PlaitError(f"{path} does not exist", hint="give the --out directory of a finished `plait train`")
+    records = [_record(metrics, number, line) for number, line in enumerate(_text(metrics).splitlines(), 1)
+               if line.strip()]
     try:
-        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        data = json.loads(summary.read_text())
+        data = json.loads(_text(summary))
     except json.JSONDecodeError as err:
-        raise PlaitError(f"{run_dir} holds a file that is not JSON: {err}") from None
+        raise PlaitError(f"{summary} is not JSON ({err.msg} at line {err.lineno})", hint=DAMAGED) from None
+    if not isinstance(data, dict) or not isinstance(data.get("task"), dict):
+        raise PlaitError(f"{summary} is not a plait run's summary (it has no task)", hint=DAMAGED)
     if not records:
         raise PlaitError(f"{metrics} has no steps", hint="the run stopped before its first step")
     return records, data
+
+
+DAMAGED = "the file was cut short or edited: train again with --out here, or restore the file"
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise PlaitError(f"{path} is not UTF-8 text", hint=DAMAGED) from None
+
+
+def _record(path: Path, number: int, line: str) -> dict[str, Any]:
+    """One line of metrics.jsonl: a JSON object with the step it records."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise PlaitError(f"{path}:{number} is not JSON ({err.msg})", hint=DAMAGED) from None
+    if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+        raise PlaitError(f"{path}:{number} is not a step's record (no step number)", hint=DAMAGED)
+    return record
 
 
 def figures(records: list[dict[str, Any]], summary: dict[str, Any]) -> dict[str, Any]:
@@ -48,7 +72,11 @@ def write_page(run_dir: Path) -> Path:
     records, summary = read_run(run_dir)
     images = run_dir / "report"
     images.mkdir(exist_ok=True)
-    drawn = figures(records, summary)
+    try:
+        drawn = figures(records, summary)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a summary or record missing a field
+        raise PlaitError(f"{run_dir}: summary.json or metrics.jsonl lacks what the report draws "
+                         f"({type(exc).__name__}: {exc})", hint=DAMAGED) from None
     for name, fig in drawn.items():
         fig.savefig(images / f"{name}.png", format="png", dpi=100)
     timeline = run_dir / "timeline.json"

@@ -121,6 +121,9 @@ def first_host(nodelist: str) -> str:
     return prefix + first
 
 
+BACKENDS = ("nccl", "gloo", "mpi")  # what --backend names besides "auto"
+
+
 def choose_backend(requested: str | None, cuda_available: bool, mpi_available: bool) -> str:
     """NCCL with CUDA, else Gloo; an explicit choice must be one this torch build has."""
     if requested in (None, "", "auto"):
@@ -131,7 +134,7 @@ def choose_backend(requested: str | None, cuda_available: bool, mpi_available: b
     if requested == "mpi" and not mpi_available:
         raise PlaitError("backend mpi is not built into this PyTorch",
                          hint="under mpirun plait reads ranks from MPI's variables and uses gloo/nccl; drop --backend mpi")
-    if requested not in ("nccl", "gloo", "mpi"):
+    if requested not in BACKENDS:
         raise PlaitError(f"unknown backend {requested!r}", hint="choose nccl, gloo, mpi or auto")
     return requested
 

@@ -116,7 +116,11 @@ class HFModelDir:
                                  n_kv_heads=heads, ffn_hidden=int(c.get("n_inner") or 4 * hidden),
                                  max_seq_len=sizes["positions"], tie_embeddings=bool(c.get("tie_word_embeddings", True)),
                                  arch="gpt2")
-            rope = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+            parameters = c.get("rope_parameters") or {}
+            if not isinstance(parameters, dict):
+                raise PlaitError(f"--model {spec}: {CONFIG}'s rope_parameters is a {type(parameters).__name__}, "
+                                 f"not a table", hint='write it as transformers does, e.g. {"rope_theta": 10000.0}')
+            rope = c.get("rope_theta") or parameters.get("rope_theta", 10000.0)
             return GPTConfig(vocab_size=self.vocab_size, n_layers=sizes["layers"], d_model=hidden, n_heads=heads,
                              n_kv_heads=int(c.get("num_key_value_heads") or heads),
                              ffn_hidden=int(c.get("intermediate_size") or 4 * hidden), max_seq_len=sizes["positions"],

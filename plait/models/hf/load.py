@@ -56,7 +56,7 @@ def build_hf_model(hf: HFModelDir, seed: int) -> nn.Module:
     except PlaitError:
         raise
     except Exception as exc:  # noqa: BLE001 - transformers and safetensors raise their own types
-        raise PlaitError(f"--model hf:{hf.path}: transformers cannot build it: {type(exc).__name__}: {exc}",
+        raise PlaitError(f"--model hf:{hf.path}: transformers cannot build it: {_first_line(exc)}",
                          hint="check config.json and the safetensors files (load them with from_pretrained)") from None
     model.config.use_cache = False  # training keeps no key/value cache
     return model.float().train()  # from_pretrained returns eval mode; the trainer casts to --precision
@@ -115,7 +115,7 @@ def measured_shape(hf: HFModelDir) -> GPTConfig:
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(config)
     except Exception as exc:  # noqa: BLE001 - transformers raises its own types
-        raise PlaitError(f"--model hf:{hf.path}: transformers cannot build it: {type(exc).__name__}: {exc}",
+        raise PlaitError(f"--model hf:{hf.path}: transformers cannot build it: {_first_line(exc)}",
                          hint="check config.json (AutoModelForCausalLM.from_config must accept it)") from None
     matrices = _mlp_matrices(model, shape)
     return replace(shape, mlp_matrices=matrices) if matrices else shape
@@ -132,3 +132,9 @@ def _mlp_matrices(model: nn.Module, shape: GPTConfig) -> int:
     weights = sum(p.numel() for p in mlp.parameters() if p.ndim == 2)
     matrices = round(weights / (shape.d_model * shape.ffn_hidden))
     return matrices if matrices in (2, 3) else 0
+
+
+def _first_line(exc: BaseException) -> str:
+    """An exception's kind and the first line of its message: plait's errors are one line."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"

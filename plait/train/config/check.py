@@ -15,6 +15,8 @@ from dataclasses import fields
 from typing import Any
 
 from plait.errors import PlaitError
+from plait.rules import AUGMENTS, FP8_SCALINGS
+from plait.runtime.env import BACKENDS
 
 # field: (lowest allowed, highest allowed or None, whether the lowest itself is allowed)
 RANGES: dict[str, tuple[float, float | None, bool]] = {
@@ -27,6 +29,11 @@ RANGES: dict[str, tuple[float, float | None, bool]] = {
     "sample_tokens": (0, 10_000, True), "max_restarts": (0, None, True),
     "min_nproc": (1, None, True), "prefetch": (0, None, True),
 }
+# field: the values it takes (text fields with a fixed set: a typo is refused, never ignored)
+CHOICES: dict[str, tuple[str, ...]] = {
+    "backend": ("auto", *BACKENDS), "fp8_scaling": FP8_SCALINGS, "augment": ("auto", *AUGMENTS),
+}
+NAMED = ("model", "data", "out")  # text fields that name something: never empty (an empty path is the cwd)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -64,6 +71,11 @@ def check_values(values: dict[str, Any], config_type: type, source: str) -> dict
             continue
         value = _typed(name, value, kind, source)
         _in_range(name, value, source)
+        if name in NAMED and isinstance(value, str) and not value.strip():
+            raise PlaitError(f"{_label(name, source)} is empty", hint=f"name the {name.replace('_', ' ')} to use")
+        if name in CHOICES and value not in CHOICES[name]:
+            raise PlaitError(f"{_label(name, source)} {value!r} is not one of: {', '.join(CHOICES[name])}",
+                             hint=f"e.g. {_label(name, source)} {CHOICES[name][0]}")
         checked[name] = value
     return checked
 

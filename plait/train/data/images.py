@@ -25,13 +25,13 @@ from typing import Any
 import torch
 
 from plait.errors import PlaitError
+from plait.rules import AUGMENTS
 
 DIGITS = "digits"
 SPLIT_SEED = 0
 VAL_FRACTION = 0.1
 FOLDER_SIZE = 32
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
-AUGMENTS = ("none", "crop", "crop,flip")
 
 
 @dataclass(frozen=True)

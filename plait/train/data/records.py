@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,15 @@ PARQUET = ".parquet"
 DATASET_STATE = "state.json"  # what save_to_disk writes beside its .arrow files
 ROWS = 1024  # records read at a time from parquet and Arrow
 NAMED = 20  # bad records named one by one (the rest are counted)
+
+
+def readable(path: Path) -> Path:
+    """`path`, refused in one line when it is a link that points nowhere (it would fail later,
+    raw, when read)."""
+    if path.is_symlink() and not path.exists():
+        raise PlaitError(f"--data: {path} is a link to {os.readlink(path)}, which does not exist",
+                         hint="remove the link, or restore what it points to")
+    return path
 
 
 def record_kind(path: Path) -> str | None:
@@ -57,8 +67,6 @@ def is_records(path: Path) -> bool:
 
 def record_sources(root: Path) -> Iterator[Path]:
     """The record files and `datasets` folders under a directory, sorted, depth first."""
-    import os
-
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
         if here != root and (here / DATASET_STATE).is_file():
@@ -68,7 +76,7 @@ def record_sources(root: Path) -> Iterator[Path]:
         dirnames[:] = sorted(dirnames)
         for name in sorted(filenames):
             if record_kind(here / name) in ("jsonl", "parquet"):
-                yield here / name
+                yield readable(here / name)
 
 
 @dataclass

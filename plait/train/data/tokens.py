@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 from plait.errors import PlaitError
+from plait.train.data.records import is_records, readable
 
 FORMAT, VERSION = "plait-tokens", 1
 INDEX, TOKENS, TOKENIZER, VERIFIED = "index.json", "tokens.bin", "tokenizer.json", "verified.json"
@@ -306,7 +307,7 @@ def corpus_files(root: Path, suffixes: set[str]) -> Iterator[Path]:
         dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
         for name in sorted(filenames):
             if Path(name).suffix in suffixes:
-                yield Path(dirpath) / name
+                yield readable(Path(dirpath) / name)
 
 
 def builtin_files(source: str) -> Iterator[Path] | None:
@@ -329,8 +330,6 @@ def open_corpus_file(path: Path) -> BinaryIO:
 def raw_files(source: str, max_bytes: int = RAW_LIMIT) -> list[Path]:
     """The files of a raw-text `--data`, refused when more than `max_bytes` in all: every rank
     would hold it in memory, so a larger corpus is prepared and mapped instead (never cut)."""
-    from plait.train.data.records import is_records
-
     path = Path(source)
     if not path.exists():
         raise PlaitError(f"corpus {source!r} does not exist", hint="give a text file, a directory, 'embedded' or 'stdlib'")
