@@ -39,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_PREEMPTED
     except KeyboardInterrupt:
         return 130
+    except OSError as exc:  # a path the input named: too long, not permitted, a full disk
+        what = f"{exc.filename}: " if exc.filename else ""
+        _print_error(PlaitError(f"{what}{exc.strerror or exc}", hint="check the path, its permissions and the "
+                                                                     "free space"), debug)
+        return EXIT_INPUT
     except Exception as exc:  # noqa: BLE001 - the last line of defence prints, never hides
         where = f"rank {os.environ['RANK']}: " if "RANK" in os.environ else ""
         if debug:

@@ -125,8 +125,14 @@ def schedules_of(schedule: str | tuple[str, ...] | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(name.strip() for name in names))
 
 
+MAX_GPUS = 1 << 20  # a planned job's largest GPU count: above it a typo, not a cluster
+MAX_GLOBAL_BATCH = 1 << 24  # ... and its largest global batch in sequences
+
+
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Every divisor of n, ascending, by trial division up to √n."""
+    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return low + [n // d for d in reversed(low) if d * d != n]
 
 
 def tp_degrees(request: PlanRequest) -> list[int]:
@@ -495,6 +501,10 @@ def plan_request(config: GPTConfig, *, gpus: int, global_batch: int, hardware: s
                  stack: str = "plait") -> PlanRequest:
     """The request `plan` answers, checked (`schedule` restricts the search: `schedules_of`)."""
     hw = resolve_hardware(hardware)
+    for flag, value, most in (("--gpus", gpus, MAX_GPUS), ("--global-batch", global_batch, MAX_GLOBAL_BATCH)):
+        if value > most:
+            raise PlaitError(f"{flag} {value:,} is more than plait plans for ({most:,})",
+                             hint=f"plan the job you will run, e.g. {flag} 1024")
     if stage_layers:
         check_pipeline_cut(config.n_layers, len(stage_layers), 1, stage_layers)
     return PlanRequest(config=config, gpus=gpus, gpus_per_node=given_or(gpus_per_node, hw.gpus_per_node,

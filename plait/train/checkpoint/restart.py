@@ -57,10 +57,40 @@ def read_index(path: Path) -> dict[str, Any]:
         raise PlaitError(f"checkpoint index {file} is damaged: {exc}", hint="use an older checkpoint") from None
     wrong = [name for name, kind in INDEX_FIELDS.items() if not isinstance(index, dict)
              or not isinstance(index.get(name), kind)]
-    if wrong:
-        raise PlaitError(f"checkpoint index {file} is damaged: it has no valid {', '.join(wrong)}",
-                         hint="use an older checkpoint")
+    problem = f"it has no valid {', '.join(wrong)}" if wrong else _entry_problem(index)
+    if problem:
+        raise PlaitError(f"checkpoint index {file} is damaged: {problem}", hint="use an older checkpoint")
     return index
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _whole_list(value: Any) -> bool:
+    return isinstance(value, list) and all(_whole(v) for v in value)
+
+
+def _entry_problem(index: dict[str, Any]) -> str | None:
+    """What is wrong inside a checkpoint index's files and tensors (None: nothing): each file
+    its size and hash, each tensor its shape, dtype and pieces, each piece in a listed file."""
+    for name, info in index["files"].items():
+        if not (isinstance(info, dict) and _whole(info.get("bytes")) and isinstance(info.get("sha256"), str)):
+            return f"file {name} has no valid size and sha256"
+    for field in ("layout", "trainer"):
+        if not isinstance(index.get(field, {}), dict):
+            return f"its {field} is not a table"
+    for name, entry in index["tensors"].items():
+        if not (isinstance(entry, dict) and _whole_list(entry.get("shape")) and isinstance(entry.get("dtype"), str)
+                and isinstance(entry.get("pieces"), list)):
+            return f"tensor {name} has no valid shape, dtype and pieces"
+        for piece in entry["pieces"]:
+            if not (isinstance(piece, dict) and piece.get("file") in index["files"]
+                    and isinstance(piece.get("key"), str) and _whole_list(piece.get("offsets"))
+                    and _whole_list(piece.get("lengths"))
+                    and len(piece["offsets"]) == len(piece["lengths"]) == len(entry["shape"])):
+                return f"a piece of tensor {name} is not a block of it in one of its files"
+    return None
 
 
 def resolve_auto(config):  # TrainConfig -> TrainConfig (no import: config.py imports this module)

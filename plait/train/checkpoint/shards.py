@@ -26,7 +26,7 @@ import struct
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 
@@ -248,36 +248,57 @@ def read_weights(directory: str | Path) -> LazyWeights:
     """The weights in `directory` (one file or an index's shards), each read when asked. A
     file is opened for each read and closed after it: the pages a read touches of a mapped
     file stay in the process's resident memory while the mapping lives."""
-    from safetensors import safe_open
-
     files = weight_files(directory)
     shapes = {}
-    for path in set(files.values()):
-        with safe_open(str(path), framework="pt") as handle:
+    for path in sorted(set(files.values())):
+        with _opened(path) as handle:
             for name in handle.keys():
                 piece = handle.get_slice(name)
                 shapes[name] = (tuple(piece.get_shape()), _FROM_CODE.get(piece.get_dtype(), torch.float32))
+    missing = sorted(set(files) - set(shapes))
+    if missing:
+        raise PlaitError(f"{files[missing[0]]} holds no tensor {missing[0]!r}, which its index names there",
+                         hint="write the weights again")
 
     def read(name: str) -> torch.Tensor:
-        with safe_open(str(files[name]), framework="pt") as handle:
-            return handle.get_tensor(name)
+        with _opened(files[name]) as handle:
+            try:
+                return handle.get_tensor(name)
+            except Exception as exc:  # noqa: BLE001 - safetensors raises its own types
+                raise PlaitError(f"{files[name]}: {name} cannot be read ({type(exc).__name__})",
+                                 hint="the file is damaged: write the weights again") from None
 
     return LazyWeights({name: shapes[name] for name in files}, read)
 
 
-def weight_files(directory: str | Path) -> dict[str, Path]:
-    """{tensor name: its file} of the weights in `directory` (one file or an index's shards)."""
+def _opened(path: Path) -> Any:
+    """safetensors' handle on `path`, or one PlaitError naming the file."""
     from safetensors import safe_open
 
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own types, the OS others
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise PlaitError(f"{path} is not a readable safetensors file ({reason})",
+                         hint="the file is missing or damaged: write the weights again") from None
+
+
+def weight_files(directory: str | Path) -> dict[str, Path]:
+    """{tensor name: its file} of the weights in `directory` (one file or an index's shards)."""
     directory = Path(directory)
     if (directory / INDEX).is_file():
+        bad = PlaitError(f"{directory / INDEX} is not a safetensors index (a weight_map of tensor names to the "
+                         f"files beside it)", hint="write the weights again")
         try:
             weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-            raise PlaitError(f"{directory / INDEX} is not a safetensors index ({type(exc).__name__})",
-                             hint="write the weights again") from None
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            raise bad from None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(name, str) and isinstance(file, str) and file and Path(file).name == file
+                for name, file in weight_map.items()):
+            raise bad
         return {name: directory / file for name, file in weight_map.items()}
-    with safe_open(str(directory / SINGLE), framework="pt") as handle:
+    with _opened(directory / SINGLE) as handle:
         return {name: directory / SINGLE for name in handle.keys()}
 
 

@@ -84,16 +84,33 @@ def is_prepared(source: str) -> bool:
 def read_index(directory: str | Path) -> TokenIndex:
     """index.json, checked for the fields and types plait needs; errors name the file."""
     path = Path(directory) / INDEX
+    again = "prepare the corpus again with `plait data prepare`"
     try:
         raw = json.loads(path.read_text())
         index = TokenIndex(**{k: raw[k] for k in TokenIndex.__dataclass_fields__ if k in raw})
     except (OSError, ValueError, TypeError) as exc:
-        raise PlaitError(f"{path} is not a readable plait token index ({exc})",
-                         hint="prepare the corpus again with `plait data prepare`") from None
-    if index.format != FORMAT or index.dtype not in ITEMSIZE or index.count < 0:
+        raise PlaitError(f"{path} is not a readable plait token index ({type(exc).__name__})", hint=again) from None
+    wrong = next((name for name, kind in _INDEX_KINDS.items() if not kind(getattr(index, name))), None)
+    if wrong is not None:
+        raise PlaitError(f"{path} is not a plait token index ({wrong} = {getattr(index, wrong)!r})", hint=again)
+    if index.format != FORMAT or index.dtype not in ITEMSIZE:
         raise PlaitError(f"{path} is not a plait token index (format {index.format!r}, dtype {index.dtype!r})",
-                         hint="prepare the corpus again with `plait data prepare`")
+                         hint=again)
     return index
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+_INDEX_KINDS = {  # each field of index.json and what it must be
+    "dtype": lambda v: isinstance(v, str), "count": _count, "vocab_size": lambda v: _count(v) and v > 0,
+    "tokenizer": lambda v: isinstance(v, str), "source": lambda v: isinstance(v, str),
+    "sha256": lambda v: isinstance(v, str), "edges_sha256": lambda v: isinstance(v, str),
+    "format": lambda v: isinstance(v, str), "version": _count, "documents": _count,
+    "eos": lambda v: v is None or _count(v), "documents_sha256": lambda v: isinstance(v, str),
+    "bad_records": _count,
+}
 
 
 def edges_digest(handle: BinaryIO, size: int) -> str:
