@@ -112,13 +112,17 @@ def new_parser(doc: str | None) -> argparse.ArgumentParser:
     return parser
 
 
+def publish(name: str, text: str, args: argparse.Namespace) -> None:
+    """Print a benchmark's table, and put it in RESULTS.md as section `name` unless --no-write."""
+    print(text)
+    if not args.no_write:
+        write_section(name, text)
+
+
 def finish(name: str, args: argparse.Namespace, worker, drive, table) -> None:
     """Inside a world, run `worker`; outside, spawn the worlds (`drive`), print the table and
     put it in RESULTS.md unless --no-write."""
     if args.worker:
         worker(args)
         return
-    text = table(drive(args), args)
-    print(text)
-    if not args.no_write:
-        write_section(name, text)
+    publish(name, table(drive(args), args), args)

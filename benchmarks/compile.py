@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, new_parser, train_summary, write_section  # noqa: E402
+from common import machine, new_parser, publish, train_summary  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUTS = {"1 process": ["--nproc", "1"], "dp 2": ["--nproc", "2"], "ZeRO-3 × 2": ["--nproc", "2", "--zero", "3"],
@@ -140,10 +140,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=12)
     args = parser.parse_args()
-    text = table(measure(args), args)
-    print(text)
-    if not args.no_write:
-        write_section("compile", text)
+    publish("compile", table(measure(args), args), args)
 
 
 if __name__ == "__main__":

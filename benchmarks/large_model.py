@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, new_parser, write_section  # noqa: E402
+from common import machine, new_parser, publish  # noqa: E402
 
 LAYOUTS = {
     "tp 2 × pp 2 × dp 2": ["--tp", "2", "--pp", "2"],
@@ -209,11 +209,7 @@ def main() -> None:
     parser.add_argument("--only", action="append", help="run only the layouts whose name holds this (repeatable)")
     parser.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "plait-bench-models"))
     args = parser.parse_args()
-    results = drive(args)
-    text = table(results, args)
-    print(text)
-    if not args.no_write:
-        write_section(f"large_model_{args.label}", text)
+    publish(f"large_model_{args.label}", table(drive(args), args), args)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import resource
 import subprocess
 import sys
 import sysconfig
@@ -30,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, new_parser, write_section  # noqa: E402
+from common import machine, new_parser, publish  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = 4096
@@ -161,13 +160,17 @@ def table(result: dict, args) -> str:
         peak = f"{run['peak_mib']:,.0f}"
         lines.append(f"| `plait data prepare --workers {workers}` | {run['tokens']:,} | {run['seconds']:.1f} | "
                      f"{run['rate']:,.0f} | {run['rate'] / result['library']:.2f} | {peak} |")
-    if result.get("big"):
-        big = result["big"]
-        lines += ["", f"On a {result['big_mb']:,} MB jsonl ({result['big_records']:,} records, {big['tokens']:,} "
-                  f"tokens, `--workers 2`): {big['seconds']:.0f} s, {big['tokens'] / big['seconds']:,.0f} tokens/s, "
-                  f"peak resident memory {big['peak_mib']:,.0f} MiB (the largest process: the main one or a "
-                  f"worker), as on the {result['mb']} MB file."]
-    return "\n".join(lines)
+    return "\n".join(lines + (["", memory_line(result)] if result.get("big") else []))
+
+
+def memory_line(result: dict) -> str:
+    """The 1 GB file's time and peak memory, beside the small file's."""
+    big = result["big"]
+    rate = big["tokens"] / big["seconds"]
+    return (f"On a {result['big_mb']:,} MB jsonl ({result['big_records']:,} records, {big['tokens']:,} tokens, "
+            f"`--workers 2`): {big['seconds']:.0f} s, {rate:,.0f} tokens/s, peak resident memory "
+            f"{big['peak_mib']:,.0f} MiB (the largest process: the main one or a worker), as on the "
+            f"{result['mb']} MB file.")
 
 
 def main() -> None:
@@ -175,10 +178,7 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=64, help="MB of jsonl for the rates")
     parser.add_argument("--big-mb", type=int, default=1000, help="MB of jsonl for the memory figure (0: skip)")
     args = parser.parse_args()
-    text = table(drive(args), args)
-    print(text)
-    if not args.no_write:
-        write_section("prepare_throughput", text)
+    publish("prepare_throughput", table(drive(args), args), args)
 
 
 if __name__ == "__main__":
