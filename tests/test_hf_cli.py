@@ -266,6 +266,11 @@ def test_dropout_or_router_noise_trains_on_one_process_only(setup: dict[str, Pat
     (tmp_path / "noisy" / "config.json").write_text(json.dumps({**config, "router_jitter_noise": 0.01}))
     with pytest.raises(Exception, match="router_jitter_noise = 0.01; random draws"):
         check_random_draws(read_hf_dir(f"hf:{tmp_path / 'noisy'}"), 4, "noisy")
+    (tmp_path / "nested").mkdir()  # a nested table's dropout, and layer drop, are draws too
+    (tmp_path / "nested" / "config.json").write_text(json.dumps(
+        {**config, "text_config": {"attention_dropout": 0.1}, "attn_config": {"attn_pdrop": 0.0}, "layerdrop": 0.2}))
+    with pytest.raises(Exception, match="text_config.attention_dropout = 0.1, layerdrop = 0.2; random draws"):
+        check_random_draws(read_hf_dir(f"hf:{tmp_path / 'nested'}"), 2, "nested")
 
 
 def test_export_hf_of_a_plait_gpt_checkpoint_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

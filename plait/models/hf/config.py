@@ -57,15 +57,21 @@ UNUSED_DROPOUT = ("classifier_dropout", "summary_first_dropout")
 ROUTER_NOISE = ("router_jitter_noise",)
 
 
-def random_draws(config: dict[str, Any]) -> list[tuple[str, float]]:
+def random_draws(config: dict[str, Any], prefix: str = "") -> list[tuple[str, float]]:
     """(field, rate) of every random draw the config turns on in a training forward: each
     dropout (any field spelled with "dropout" or "pdrop": attention, hidden, residual,
-    embedding, activation...) and router noise, when above 0."""
+    embedding, activation...), layer drop (a whole block skipped at random) and router noise,
+    when above 0; at any depth, for the tables a config nests (a multimodal model's
+    text_config, DBRX's attn_config), named by their path (text_config.attention_dropout)."""
     out = []
     for field, value in config.items():
-        random = ("dropout" in field or "pdrop" in field or field in ROUTER_NOISE) and field not in UNUSED_DROPOUT
+        if isinstance(value, dict):
+            out += random_draws(value, f"{prefix}{field}.")
+            continue
+        random = (("dropout" in field or "pdrop" in field or "layerdrop" in field or field in ROUTER_NOISE)
+                  and field not in UNUSED_DROPOUT)
         if random and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-            out.append((field, float(value)))
+            out.append((f"{prefix}{field}", float(value)))
     return out
 
 
