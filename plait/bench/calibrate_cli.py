@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from plait.errors import PlaitError, check_writable_file
-from plait.runtime.env import BACKENDS
+from plait.runtime.env import check_backend_name
 
 
 def calibrate_parser() -> argparse.ArgumentParser:
@@ -44,8 +44,7 @@ def calibrate_main(argv: list[str]) -> int:
     for flag, value in (("--micro-batch", args.micro_batch), ("--seq-len", args.seq_len)):
         if value < 1:
             raise PlaitError(f"{flag} {value}: give 1 or more", hint=f"e.g. {flag} 8")
-    if args.backend not in ("auto", *BACKENDS):
-        raise PlaitError(f"--backend {args.backend!r} is not one plait runs", hint=f"choose from: auto, {', '.join(BACKENDS)}")
+    check_backend_name(args.backend)
     check_writable_file(args.out, "--out")  # before measuring, not after
     from plait.models.gpt.config import get_preset
 

@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from plait.errors import PlaitError, check_writable_file
-from plait.runtime.env import BACKENDS
+from plait.runtime.env import check_backend_name
 from plait.estimate.collectives import PRIMITIVES, size_range
 
 
@@ -54,8 +54,7 @@ def _options(argv: list[str]) -> argparse.Namespace:
             raise PlaitError(f"unknown op {op!r}", hint=f"choose from: {', '.join(PRIMITIVES)}")
     if args.iters < 0:
         raise PlaitError(f"--iters {args.iters}: give 0 (3 to 20 by size) or more", hint="e.g. --iters 10")
-    if args.backend not in ("auto", *BACKENDS):
-        raise PlaitError(f"--backend {args.backend!r} is not one plait runs", hint=f"choose from: auto, {', '.join(BACKENDS)}")
+    check_backend_name(args.backend)
     if args.out:
         check_writable_file(args.out, "--out")
     if args.nproc < 2 or any(g < 2 or g > args.nproc for g in args.group_list or []):

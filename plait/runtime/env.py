@@ -124,6 +124,13 @@ def first_host(nodelist: str) -> str:
 BACKENDS = ("nccl", "gloo", "mpi")  # what --backend names besides "auto"
 
 
+def check_backend_name(requested: str, flag: str = "--backend") -> None:
+    """A --backend names one plait runs (auto, or one of BACKENDS): checked before spawning,
+    so a typo is one line rather than a world that starts and fails."""
+    if requested not in ("auto", *BACKENDS):
+        raise PlaitError(f"{flag} {requested!r} is not one plait runs", hint=f"choose from: auto, {', '.join(BACKENDS)}")
+
+
 def choose_backend(requested: str | None, cuda_available: bool, mpi_available: bool) -> str:
     """NCCL with CUDA, else Gloo; an explicit choice must be one this torch build has."""
     if requested in (None, "", "auto"):

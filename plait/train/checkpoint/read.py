@@ -20,7 +20,7 @@ from plait.errors import PlaitError
 from plait.runtime import comm
 from plait.runtime.mesh import Mesh
 from plait.parallel.pieces import Piece, local_pieces
-from plait.train.checkpoint.shards import LazyWeights, has_weights, read_weights, write_streamed
+from plait.train.checkpoint.shards import LazyWeights, has_weights, open_safetensors, read_weights, write_streamed
 from plait.train.checkpoint.write import FORMAT, init_optimizer_state, sha256
 from plait.train.checkpoint.restart import read_index, resolve  # torch-free, also read before spawning
 
@@ -88,9 +88,7 @@ class Reader:
         """One of the checkpoint's files, opened for one read and closed after it: the pages a
         read touches of a mapped file stay in the process's resident memory while it is open,
         so a resume that kept every file open would end holding every page it read."""
-        from safetensors import safe_open
-
-        return safe_open(str(self.path / name), framework="pt")
+        return open_safetensors(self.path / name)
 
     def rng_state(self, rank: int) -> torch.Tensor | None:
         file = f"rank{rank:05d}.safetensors"

@@ -251,7 +251,7 @@ def read_weights(directory: str | Path) -> LazyWeights:
     files = weight_files(directory)
     shapes = {}
     for path in sorted(set(files.values())):
-        with _opened(path) as handle:
+        with open_safetensors(path) as handle:
             for name in handle.keys():
                 piece = handle.get_slice(name)
                 shapes[name] = (tuple(piece.get_shape()), _FROM_CODE.get(piece.get_dtype(), torch.float32))
@@ -261,7 +261,7 @@ def read_weights(directory: str | Path) -> LazyWeights:
                          hint="write the weights again")
 
     def read(name: str) -> torch.Tensor:
-        with _opened(files[name]) as handle:
+        with open_safetensors(files[name]) as handle:
             try:
                 return handle.get_tensor(name)
             except Exception as exc:  # noqa: BLE001 - safetensors raises its own types
@@ -271,7 +271,7 @@ def read_weights(directory: str | Path) -> LazyWeights:
     return LazyWeights({name: shapes[name] for name in files}, read)
 
 
-def _opened(path: Path) -> Any:
+def open_safetensors(path: Path) -> Any:
     """safetensors' handle on `path`, or one PlaitError naming the file."""
     from safetensors import safe_open
 
@@ -298,7 +298,7 @@ def weight_files(directory: str | Path) -> dict[str, Path]:
                 for name, file in weight_map.items()):
             raise bad
         return {name: directory / file for name, file in weight_map.items()}
-    with _opened(directory / SINGLE) as handle:
+    with open_safetensors(directory / SINGLE) as handle:
         return {name: directory / SINGLE for name in handle.keys()}
 
 

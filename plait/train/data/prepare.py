@@ -27,8 +27,9 @@ import numpy as np
 
 from plait.errors import PlaitError
 from plait.train.data.records import Documents, is_records
-from plait.train.data.tokens import (BUILTIN, DOCUMENTS, TOKENIZER, TOKENS, VERIFIED, TokenIndex, dtype_for,
-                                     edges_digest, open_corpus_file, write_index)
+from plait.train.data.tokens import (BUILTIN, DOCUMENTS, TEXT_SUFFIXES, TOKENIZER, TOKENS, VERIFIED, TokenIndex,
+                                     builtin_files, corpus_files, dtype_for, edges_digest, open_corpus_file,
+                                     write_index)
 
 TEXT_CHUNK = 1 << 20  # characters per encode call (a chunk ends at a line break)
 BYTES_CHUNK = 1 << 22
@@ -38,8 +39,6 @@ LITTLE_ENDIAN = {"uint16": "<u2", "uint32": "<u4"}  # the file's byte order on a
 def source_files(source: str) -> list[Path]:
     """The files of `--data`, in the order plait reads them: 'embedded', 'stdlib', a file or a
     directory."""
-    from plait.train.data.tokens import TEXT_SUFFIXES, builtin_files, corpus_files
-
     builtin = builtin_files(source)
     if builtin is not None:
         return list(builtin)
@@ -114,8 +113,6 @@ def prepare(tokenizer_spec: str, source: str, out: str, text_field: str = "text"
         raise PlaitError(f"--workers {workers}: give 1 or more", hint="--workers 2 tokenizes in two processes")
     records = source not in BUILTIN and Path(source).exists() and is_records(Path(source))
     if records and Path(source).is_dir():
-        from plait.train.data.tokens import TEXT_SUFFIXES, corpus_files
-
         text = next(corpus_files(Path(source), TEXT_SUFFIXES), None)
         if text is not None:  # one kind a corpus: records would leave the text files out
             raise PlaitError(f"--data {source} holds records and text files (e.g. {text})",
