@@ -1,4 +1,4 @@
-"""`plait` on the command line: train, launch, ckpt, data, report, estimate, plan, bench, calibrate.
+"""`plait` on the command line: train, eval, launch, ckpt, data, report, estimate, plan, bench, calibrate.
 
 Errors caused by the input print one line and a hint; a traceback appears only with
 `--debug`. This module imports torch only once a rank actually trains, so the spawner
@@ -83,6 +83,8 @@ def _dispatch(argv: list[str]) -> int:
     command, rest = argv[0], argv[1:]
     if command == "train":
         return cmd_train(rest)
+    if command == "eval":
+        return cmd_eval(rest)
     if command == "launch":
         return cmd_launch(rest)
     if command == "ckpt":
@@ -124,6 +126,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="plait", description="Train PyTorch models across many processes.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("train", help="train plait's GPT (the demo, by default), a ResNet or a local Hugging Face model on N processes")
+    sub.add_parser("eval", help="a language model's mean loss and perplexity over every document of a corpus, any layout")
     sub.add_parser("launch", help="run your own script as N local processes (like torchrun)")
     sub.add_parser("ckpt", help="inspect a checkpoint, or export it (one safetensors file, or a Hugging Face directory)")
     sub.add_parser("data", help="prepare a corpus: tokenize it once into a file every rank maps")
@@ -164,6 +167,59 @@ def train_parser() -> argparse.ArgumentParser:
         else:
             parser.add_argument(*names, dest=f.name, type=_flag_type(f.type), default=None, help=help_text)
     return parser
+
+
+def eval_parser() -> argparse.ArgumentParser:
+    """`plait eval`: train's flags that apply to scoring a corpus, and --json."""
+    from plait.train.config.settings import TrainConfig
+    from plait.train.loop.evaluate import EVAL_FIELDS
+
+    parser = argparse.ArgumentParser(
+        prog="plait eval",
+        description="The mean next-token loss over every loss-carrying token of every document of --data, and its "
+                    "perplexity, under any layout: the same figure for every layout.")
+    parser.add_argument("--json", action="store_true", help="print one JSON object: loss, perplexity, tokens, documents")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    helps = {"model": "a preset, hf:DIR (its weights), or a finished run's --out (the weights it wrote)",
+             "packing": "how documents become sequences: best-fit (default when the corpus has documents: each "
+                        "scored whole) or concat", "doc_mask": "attention inside each document (default true when "
+                                                              "the corpus has documents)"}
+    for f in fields(TrainConfig):
+        if f.name not in EVAL_FIELDS:
+            continue
+        names = [f"--{f.name.replace('_', '-')}"] + (["--timeout"] if f.name == "timeout_s" else [])
+        text = helps.get(f.name, f.metadata.get("help", ""))
+        if str(f.type) == "bool":
+            parser.add_argument(*names, dest=f.name, action="store_const", const=True, default=None, help=text)
+        else:
+            parser.add_argument(*names, dest=f.name, type=str, default=None, help=f"{text} (default: {f.default})")
+    return parser
+
+
+def cmd_eval(argv: list[str]) -> int:
+    from plait.families import family_of, import_families
+    from plait.train.config.settings import build_config, validate
+    from plait.train.loop.evaluate import eval_config, eval_line, evaluate, run_model_spec
+
+    import_families(_flag(argv, "--imports") or "")
+    args = eval_parser().parse_args(argv)
+    flags = {k: v for k, v in vars(args).items() if k not in ("json", "debug")}
+    if flags.get("model") is None:
+        raise PlaitError("plait eval needs --model", hint="e.g. plait eval --model runs/latest --data data/corpus")
+    flags["model"], run_dir = run_model_spec(flags["model"])
+    config = eval_config(build_config({}, flags, family_of))
+    family = family_of(config)
+    validate(config, family)
+    if _inside_job() or config.nproc == 1:
+        import json
+
+        result = evaluate(config, family, run_dir)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(json.dumps(result) if args.json else eval_line(result))
+        return 0
+    from plait.runtime.launch import spawn
+
+    return spawn([sys.executable, "-m", "plait", "eval", *argv], config.nproc)
 
 
 def _flag_type(annotation: Any) -> Any:

@@ -44,6 +44,10 @@ OPTIMIZER_KERNELS = ("fused", "foreach", "loop")
 # Context parallelism's attention kinds (plait.parallel.context): K/V passed round a ring of
 # send/recv, or all-to-all from sequence shards to head shards (DeepSpeed-Ulysses).
 CP_KINDS = ("ring", "ulysses")
+# How documents become training sequences (plait.train.data.packing): windows over the stream,
+# or whole documents placed by best-fit decreasing; and what `plait data prepare --format` reads.
+PACKINGS = ("concat", "best-fit")
+DATA_FORMATS = ("text", "completion", "chat")
 # A gradient bucket's default size, MiB (--bucket-mb): one all-reduce or reduce-scatter each.
 BUCKET_MB = 25.0
 

@@ -140,4 +140,5 @@ def test_what_the_split_cannot_honour_is_refused_in_one_line(world: list[dict[st
                                     "plait.shard_batch returns)")
     assert refused["mask"] == ("the caller's attention_mask (padding, packed documents) cannot be honoured across "
                                "cp ranks: context parallelism makes the positions and the causal mask itself (hint: "
-                               "train whole, unpadded sequences under cp, or drop --cp)")
+                               "give packed documents as plait's Packed batches (--doc-mask), train whole, unpadded "
+                               "sequences under cp, or drop --cp)")

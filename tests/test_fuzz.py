@@ -59,10 +59,13 @@ def stubbed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """Nothing the commands would start runs: no processes, no training, no measurement."""
     import plait.bench.calibrate_cli as calibrate
     import plait.runtime.launch as launch
+    import plait.train.loop.evaluate as evaluate
     import plait.train.loop.run as run
 
     monkeypatch.setattr(launch, "spawn", lambda *a, **k: 0)
     monkeypatch.setattr(run, "train", lambda *a, **k: None)
+    monkeypatch.setattr(evaluate, "evaluate", lambda *a, **k: {"loss": 1.0, "perplexity": 2.7, "tokens": 1,
+                                                              "documents": 1, "pieces": 1, "data": "d"})
     monkeypatch.setattr(calibrate, "_rank_main", lambda *a, **k: 0)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "file.txt").write_text("some text\n" * 10)
@@ -85,6 +88,8 @@ def _check(argv: list[str], capsys: pytest.CaptureFixture) -> None:
 def _parser_of(command: str) -> argparse.ArgumentParser:
     if command == "train":
         return cli.train_parser()
+    if command == "eval":
+        return cli.eval_parser()
     if command == "estimate":
         from plait.estimate.cli import estimate_parser
 
@@ -103,7 +108,7 @@ def _parser_of(command: str) -> argparse.ArgumentParser:
         return collectives_parser()
     if command == "data prepare":
         parser = argparse.ArgumentParser()
-        for flag in ("--tokenizer", "--data", "--out", "--field", "--workers", "--eos"):
+        for flag in ("--tokenizer", "--data", "--out", "--field", "--workers", "--eos", "--format"):
             parser.add_argument(flag)
         return parser
     raise KeyError(command)
@@ -112,7 +117,8 @@ def _parser_of(command: str) -> argparse.ArgumentParser:
 REQUIRED = {"calibrate": ["--out", "hw.toml"], "data prepare": ["--tokenizer", "bytes", "--data", "file.txt",
                                                                  "--out", "prepared"],
             "plan": ["--model", "tiny", "--gpus", "2", "--global-batch", "16"], "estimate": ["--model", "tiny"],
-            "train": ["--nproc", "1", "--out", "run"], "bench collectives": []}
+            "train": ["--nproc", "1", "--out", "run"], "bench collectives": [],
+            "eval": ["--model", "tiny", "--data", "file.txt", "--nproc", "1"]}
 
 
 def _cases() -> list[tuple[str, str]]:

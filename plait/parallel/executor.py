@@ -34,6 +34,7 @@ from plait.parallel.context.plan import ContextHooks, context_of
 from plait.parallel.data.sync import no_sync
 from plait.parallel.expert.plan import ExpertHooks, moe_blocks
 from plait.parallel.hooks import StepHooks
+from plait.parallel.packed import loss_tokens, run_model
 from plait.parallel.pieces import local_pieces
 from plait.parallel.pipeline.runner import PipelineRunner
 from plait.schedule.timeline import timeline_to_dict
@@ -41,9 +42,9 @@ from plait.parallel.seam import logits_of
 from plait.parallel.tensor.loss import gather_vocab, lm_loss
 from plait.parallel.tensor.plan import tensor_parallel_of
 from plait.runtime import comm
-from plait.runtime.mesh import Mesh
+from plait.runtime.mesh import SYNC, Mesh
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[Any, torch.Tensor]  # (token ids, images or packed documents: plait.parallel.packed; targets)
 LossFn = Callable[..., torch.Tensor]
 
 
@@ -74,7 +75,7 @@ class Executor:
         info = tensor_parallel_of(self.model) if sliced else None
         return lm_loss(logits, targets, axis=info.axis if info else None, reduction=reduction)
 
-    def batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> Batch:
+    def batch(self, inputs: Any, targets: torch.Tensor) -> Batch:
         """A micro-batch on this rank's device, as the hooks keep it (cp: this rank's tokens)."""
         batch = (inputs.to(self.mesh.device), targets.to(self.mesh.device))
         for hook in self.hooks:
@@ -86,10 +87,15 @@ class Executor:
             hook.begin_step(loss_scale, micro_batches)
 
     def forward_backward(self, batches: Sequence[Batch], loss_fn: LossFn, *, measure: bool, read_loss: bool,
-                         meter: Any) -> tuple[float | None, int]:
+                         meter: Any, per_token: bool = False) -> tuple[float | None, int]:
         """Forward and backward every micro-batch: the step's mean loss (None when not read
         back: one host sync a step, none under --measure off) and the bytes saved for backward
-        (`meter` tracks them in a plain loop when `measure`; the pipeline counts its own)."""
+        (`meter` tracks them in a plain loop when `measure`; the pipeline counts its own).
+        `per_token`: some targets carry no loss (documents' ends, prompts), so micro-batches and
+        ranks hold different numbers of loss tokens; the loss is then their sum over the count
+        the whole step holds (`per_token_loss`), the same as one process's mean."""
+        if per_token:
+            loss_fn = self.per_token_loss(batches, loss_fn)
         with self._engaged():
             if self.runner is not None:
                 self.runner.measure = measure  # the barrier and the timeline's all-gather
@@ -100,12 +106,26 @@ class Executor:
                 # Only the last micro-batch synchronises gradients: the others accumulate locally.
                 with contextlib.nullcontext() if k == len(batches) - 1 else no_sync(self.model):
                     with meter.track(self.model) if measure else contextlib.nullcontext():
-                        outputs = self.model(inputs)
+                        outputs = run_model(self.model, inputs)
                     loss = loss_fn(outputs, targets)
                     (loss / len(batches)).backward()
                 loss_sum += loss.detach()
         mean = (loss_sum / len(batches)).item() if read_loss else None
         return mean, meter.last if measure else 0
+
+    def per_token_loss(self, batches: Sequence[Batch], loss_fn: LossFn) -> LossFn:
+        """`loss_fn` as each micro-batch's summed loss over the step's loss tokens on every dp × cp
+        rank (one all-reduce of one number), times what the executor and the gradient sync
+        divide by (the micro-batches, the dp × cp ranks): every token weighs the same wherever
+        it lies, as in one process's mean."""
+        count = sum((loss_tokens(t) for _, t in batches), torch.zeros((), dtype=torch.float64)).to(self.mesh.device)
+        comm.all_reduce(count, self.mesh.axis(SYNC), purpose=comm.CONTROL)
+        scale = len(batches) * self.mesh.size(SYNC) / count.clamp(min=1)
+
+        def summed(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+            return loss_fn(outputs, targets, reduction="sum") * scale.to(torch.float32)
+
+        return summed
 
     def end_step(self, step_comm: dict[str, Any]) -> dict[str, Any]:
         """After the optimizer step: what the hooks add to the step's record."""
@@ -139,7 +159,7 @@ class Executor:
         """(batches, micro-batch, width): `rows(outputs, targets)` of every micro-batch, on every rank."""
         if self.runner is not None:
             return self.runner.eval_rows([x for x, _ in batches], [t for _, t in batches], rows, width)
-        return torch.stack([rows(self.model(x), t) for x, t in batches]).to(self.mesh.device)
+        return torch.stack([rows(run_model(self.model, x), t) for x, t in batches]).to(self.mesh.device)
 
     @torch.no_grad()
     @eager()

@@ -95,6 +95,11 @@ class StageView(Protocol):
         """This stage's blocks, in forward order."""
         ...
 
+    # The micro-batch's packed documents (plait.parallel.packed.Packed: positions restarting at
+    # each document, document numbers), which every stage's attention and positions read; None
+    # for plain sequences.
+    packed: Any
+
 
 @runtime_checkable
 class ModelAdapter(Protocol):

@@ -15,6 +15,7 @@ from plait.models.gpt.model import TEMPERATURE, build_gpt, sample_next
 from plait.train.config.settings import TrainConfig
 from plait.train.data.blend import language_splits
 from plait.train.data.tokens import TextCodec, text_codec
+from plait.parallel.packed import IGNORE
 from plait.train.loop.task import NextLogits
 
 
@@ -37,9 +38,16 @@ class LanguageTask:
         return None  # plait's GPT names its own (GPT.plait_adapter)
 
     def load(self) -> tuple[Any, Any, int]:
-        return language_splits(self.config.data, self.config.seq_len, self.config.seed)
+        config = self.config
+        return language_splits(config.data, config.seq_len, config.seed, config.packing, config.doc_mask)
 
-    def batch(self, split: Any, indices: list[int], step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def corpus(self) -> torch.Tensor:
+        """`--data` as token ids, whole (what `plait eval` scores)."""
+        from plait.train.data.corpus import load_corpus
+
+        return load_corpus(self.config.data)
+
+    def batch(self, split: Any, indices: list[int], step: int) -> tuple[Any, torch.Tensor]:
         return split.batch(indices)
 
     def loss_fn(self, executor: Any) -> Any:
@@ -61,9 +69,9 @@ class LanguageTask:
         return min(val.num_samples, self.config.eval_samples)
 
     def eval_sums(self, outputs: Any, targets: torch.Tensor, loss_fn: Any) -> torch.Tensor:
-        """Per sequence: its summed next-token loss and its token count."""
+        """Per sequence: its summed next-token loss and how many of its targets carry the loss."""
         losses = loss_fn(outputs, targets, reduction="none").view(targets.shape[0], -1).double()
-        counts = torch.full_like(losses[:, 0], float(targets[0].numel()))
+        counts = (targets != IGNORE).sum(dim=1).double()
         return torch.stack([losses.sum(dim=1), counts], dim=1)
 
     def eval_metrics(self, totals: dict[str, float]) -> dict[str, float]:

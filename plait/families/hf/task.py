@@ -30,6 +30,7 @@ from plait.models.hf.load import measured_shape
 from plait.train.config.settings import TrainConfig
 from plait.train.data.blend import language_splits
 from plait.train.data.corpus import corpus_digest, load_corpus, train_val_split
+from plait.train.data.packing import packing_for
 from plait.parallel.seam import logits_of
 from plait.families.gpt.task import LanguageTask
 from plait.train.data.tokens import TextCodec, blend_parts, is_prepared, text_codec
@@ -84,12 +85,19 @@ class HFTask(LanguageTask):
         return self._tokenizer
 
     def load(self) -> tuple[Any, Any, int]:
-        if blend_parts(self.config.data):  # its parts are prepared corpora (plait.families.hf.check)
-            return language_splits(self.config.data, self.config.seq_len, self.config.seed)
+        config = self.config
+        if blend_parts(config.data):  # its parts are prepared corpora (plait.families.hf.check)
+            return language_splits(config.data, config.seq_len, config.seed, config.packing, config.doc_mask)
+        tokens = self.corpus()
+        packing = packing_for(tokens, config.packing, config.doc_mask)
+        return (*train_val_split(tokens, config.seq_len, seed=config.seed, packing=packing), corpus_digest(tokens))
+
+    def corpus(self) -> torch.Tensor:
+        """`--data` as the model's token ids, whole (what `plait eval` scores)."""
         tokens = load_corpus(self.config.data)
         if self.hf.tokenizer is not None and not is_prepared(self.config.data):
             tokens = self._encode(tokens)
-        return (*train_val_split(tokens, self.config.seq_len, seed=self.config.seed), corpus_digest(tokens))
+        return tokens
 
     def _encode(self, raw: torch.Tensor) -> torch.Tensor:
         """Raw text's bytes -> the tokenizer's ids, in chunks ending at line breaks."""

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.models.gpt.rope import rope_angles
 from plait.parallel.probe import spread_ids
 from plait.parallel.seam import Parts, StageView
 from plait.parallel.tensor.loss import gather_vocab
@@ -57,6 +58,8 @@ class GPTAdapter:
     def parts(self, model: nn.Module) -> Parts:
         return Parts(blocks="blocks", first=("embed",), last=("norm", "lm_head"), shared=("rope_cos", "rope_sin"))
 
+    takes_document_ids = True  # GPT.forward(ids, position_ids, document_ids): plait.parallel.packed
+
     def run_stage(self, stage: StageView, x: torch.Tensor) -> torch.Tensor:
         """Token ids or hidden states (batch, seq, d_model) in; hidden states or logits out."""
         embed = stage.held("embed")
@@ -64,12 +67,12 @@ class GPTAdapter:
         seq = x.shape[1] * (1 if embed is not None else stage.seq_split)
         if embed is not None:
             x = embed(x)
-        cos, sin = stage.held("rope_cos")[:seq], stage.held("rope_sin")[:seq]
-        positions = stage.context_positions(seq, x.device)
-        if positions is not None:  # a context-parallel rank's two chunks of the sequence
-            cos, sin = stage.held("rope_cos")[positions].unsqueeze(1), stage.held("rope_sin")[positions].unsqueeze(1)
+        packed = stage.packed  # packed documents: their own positions, attention inside each
+        # else, under context parallelism, this rank's two chunks of the sequence
+        positions = packed.positions if packed is not None else stage.context_positions(seq, x.device)
+        cos, sin = rope_angles(stage.held("rope_cos"), stage.held("rope_sin"), seq, positions)
         for block in stage.held_blocks():
-            x = block(x, cos, sin)
+            x = block(x, cos, sin) if packed is None else block(x, cos, sin, packed.documents)
         if stage.is_last:
             x = stage.held("lm_head")(stage.held("norm")(x))
         return x
@@ -104,8 +107,11 @@ class GPTAdapter:
             _pad_to_tp(model, axis)
 
 
-def _context_core(fallback: Any, context: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return context.attend(q, k, v) if context.active else fallback(q, k, v)
+def _context_core(fallback: Any, context: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  documents: torch.Tensor | None = None) -> torch.Tensor:
+    if context.active:
+        return context.attend(q, k, v, documents=documents)
+    return fallback(q, k, v) if documents is None else fallback(q, k, v, documents)
 
 
 def _pad_to_tp(model: nn.Module, axis: Axis) -> None:

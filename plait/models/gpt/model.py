@@ -16,6 +16,8 @@ from torch import nn
 from plait.models.gpt.config import GPTConfig
 from plait.models.gpt.adapter import GPTAdapter
 from plait.models.gpt.moe import MoE
+from plait.models.gpt.rope import apply_rope, rope_angles, rope_tables
+from plait.parallel.packed import block_causal
 
 TEMPERATURE = 0.8  # sampling temperature of the run's closing sample
 
@@ -38,31 +40,19 @@ class RMSNorm(nn.Module):
         return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of every (position, frequency) pair, shape (max_seq_len, head_dim // 2)."""
-    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), freqs)
-    return angles.cos().float(), angles.sin().float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each (even, odd) pair of x's last dimension by its position's angle.
-
-    x is (batch, heads, seq, head_dim); cos and sin are (seq, head_dim // 2).
-    """
-    even, odd = x[..., 0::2], x[..., 1::2]
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-    return rotated.flatten(-2)
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     documents: torch.Tensor | None = None) -> torch.Tensor:
     """The attention core: softmax(q·kᵀ/√d, causal)·v, by SDPA. Grouped K/V heads arrive
-    unexpanded (so that context parallelism moves n_kv_heads, not n_heads) and are repeated here."""
+    unexpanded (so that context parallelism moves n_kv_heads, not n_heads) and are repeated here.
+    `documents` (batch, seq): packed documents' numbers; a query then sees its own document only
+    (a boolean block mask: SDPA's masked kernel on a CPU)."""
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if documents is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal(documents, documents, True))
 
 
 class Attention(nn.Module):
@@ -80,7 +70,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.d_model, config.kv_dim, bias=False)
         self.o_proj = nn.Linear(config.d_model, config.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         # Heads are read from the projection's width, so a tensor-parallel shard that holds
         # fewer heads runs this same code.
@@ -88,7 +79,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.attention_core(q, k, v)
+        out = self.attention_core(q, k, v) if documents is None else self.attention_core(q, k, v, documents)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -116,8 +107,13 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp: nn.Module = MoE(config) if config.moe_layer(index) else SwiGLU(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        # Only packed documents add an argument: a plan that names the attention's inputs
+        # (torch's PrepareModuleInput) sees the three it always had.
+        attended = self.attn(self.attn_norm(x), cos, sin) if documents is None else \
+            self.attn(self.attn_norm(x), cos, sin, documents)
+        x = x + attended
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -157,19 +153,19 @@ class GPT(nn.Module):
             else:
                 nn.init.normal_(param, std=0.02)
 
-    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """`position_ids` (1, seq): the tokens' positions when they are not 0..seq-1 (a context-
-        parallel rank holds two chunks of the sequence: plait.parallel.context)."""
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`position_ids` (1 or batch, seq): the tokens' positions when they are not 0..seq-1 (a
+        context-parallel rank holds two chunks of the sequence: plait.parallel.context; packed
+        documents restart at 0). `document_ids` (batch, whole seq): packed documents' numbers
+        (plait.parallel.packed); attention then stays inside each document."""
         seq = idx.shape[1]
         if seq > self.config.max_seq_len:
             raise ValueError(f"sequence of {seq} tokens exceeds max_seq_len {self.config.max_seq_len}")
-        if position_ids is None:
-            cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
-        else:  # (1, seq, head_dim / 2) broadcasts over the heads as (1, 1, seq, head_dim / 2)
-            cos, sin = self.rope_cos[position_ids].unsqueeze(1), self.rope_sin[position_ids].unsqueeze(1)
+        cos, sin = rope_angles(self.rope_cos, self.rope_sin, seq, position_ids)
         x = self.embed(idx)
         for block in self.blocks:
-            x = block(x, cos, sin)
+            x = block(x, cos, sin) if document_ids is None else block(x, cos, sin, document_ids)
         return self.lm_head(self.norm(x))
 
     @torch.no_grad()

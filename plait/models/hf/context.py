@@ -79,7 +79,7 @@ def context_forward(context: Any, module: nn.Module, query: torch.Tensor, key: t
             raise PlaitError(f"{type(module).__name__} uses {what}, which context parallelism does not build",
                              hint="drop --cp")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    out = context.attend(query, key, value, causal=causal, scale=scaling)
+    out = context.attend(query, key, value, causal=causal, scale=scaling, documents=context.documents)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -197,8 +197,15 @@ def run_stage(stage: StageView, x: torch.Tensor, parts: Parts, config: Any, head
 
 def stage_positions(stage: StageView, seq: int, device: torch.device) -> torch.Tensor:
     """(1, seq): the positions of a stage's tokens, 0..seq-1, or under engaged context
-    parallelism this rank's global ones."""
+    parallelism this rank's global ones; (batch, seq) for packed documents, restarting at each
+    (the masks transformers makes from them keep attention inside each document)."""
+    packed = getattr(stage, "packed", None)
     positions = stage.context_positions(seq, device)
+    if packed is not None and positions is not None:
+        raise PlaitError("packed documents under cp × pp: a transformers model's pipeline stages cannot hand the "
+                         "ring the documents", hint="drop --pp or --cp, or train plait's GPT, or give --doc-mask false")
+    if packed is not None:
+        return packed.positions
     return torch.arange(seq, device=device).unsqueeze(0) if positions is None else positions
 
 
@@ -261,6 +268,7 @@ class WholeModel:
 
     index, num_stages, first_layer, seq_split = 0, 1, 0, 1
     is_first = is_last = True
+    packed = None  # the probe runs plain sequences
 
     def __init__(self, model: nn.Module, parts: Parts):
         self.model, self.parts = model, parts

@@ -28,6 +28,7 @@ from plait.parallel.context.chunks import local_positions, shard_sequence
 from plait.parallel.context.ring import ring_attention
 from plait.parallel.context.ulysses import ulysses_attention
 from plait.parallel.hooks import StepHooks
+from plait.parallel.packed import Packed, takes_documents
 from plait.parallel.applied import applied, applied_of
 from plait.rules import CP_KINDS, check_choice
 from plait.runtime.comm import Axis
@@ -42,18 +43,22 @@ class ContextParallel:
         check_choice("cp-kind", kind, CP_KINDS)
         self.axis, self.kind, self.active = axis, kind, False
         self.sharded: int | None = None  # tokens per sequence shard_batch last gave this rank
+        # The running forward's packed documents (batch, whole seq), for a model whose forward
+        # does not take them (transformers'): its attention function reads them here.
+        self.documents: torch.Tensor | None = None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-               scale: float | None = None) -> torch.Tensor:
+               scale: float | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of this rank's queries (batch, heads, local, head_dim) to the whole
-        sequence's keys and values (batch, kv_heads, local, head_dim), by the chosen kind."""
+        sequence's keys and values (batch, kv_heads, local, head_dim), by the chosen kind.
+        `documents` (batch, whole seq): packed documents' numbers; a query sees its own only."""
         if self.kind == "ulysses":
             if q.shape[1] % self.axis.size:
                 raise PlaitError(f"--cp-kind ulysses splits attention heads over cp: {q.shape[1]} heads (per tp "
                                  f"rank) are not divisible by cp={self.axis.size}",
                                  hint="use --cp-kind ring, or a cp that divides the heads")
-            return ulysses_attention(q, k, v, self.axis, causal, scale)
-        return ring_attention(q, k, v, self.axis, causal, scale)
+            return ulysses_attention(q, k, v, self.axis, causal, scale, documents)
+        return ring_attention(q, k, v, self.axis, causal, scale, documents)
 
     def positions(self, local: int, device: torch.device) -> torch.Tensor:
         """(1, local): the global positions of this rank's `local` tokens."""
@@ -95,11 +100,13 @@ def context_engaged(model: nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
-        context.active, context.sharded = False, None
+        context.active, context.sharded, context.documents = False, None, None
 
 
-def shard_batch(model: nn.Module, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """This cp rank's tokens of each (batch, seq, ...) tensor: inputs and targets alike."""
+def shard_batch(model: nn.Module, *tensors: Any) -> tuple[Any, ...]:
+    """This cp rank's tokens of each (batch, seq, ...) tensor: inputs and targets alike. Packed
+    documents (plait.parallel.packed) keep their document numbers whole: the attention reads
+    the documents of keys other ranks hold."""
     context = context_of(model)
     if context is None:
         return tensors
@@ -109,7 +116,12 @@ def shard_batch(model: nn.Module, *tensors: torch.Tensor) -> tuple[torch.Tensor,
                          f"a sequence of {seq} tokens does not divide",
                          hint=f"give a --seq-len divisible by {2 * context.axis.size}")
     context.sharded = seq // context.axis.size
-    return tuple(shard_sequence(t, context.axis.rank, context.axis.size, dim=1) for t in tensors)
+
+    def mine(t: torch.Tensor) -> torch.Tensor:
+        return shard_sequence(t, context.axis.rank, context.axis.size, dim=1)
+
+    return tuple(Packed(mine(t.ids), mine(t.positions), t.documents) if isinstance(t, Packed) else mine(t)
+                 for t in tensors)
 
 
 def _global_positions(context: ContextParallel) -> Any:
@@ -117,6 +129,9 @@ def _global_positions(context: ContextParallel) -> Any:
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
         ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        if not context.active and not takes_documents(module) and "document_ids" in kwargs:
+            # whole sequences (evaluation): the model finds the documents in the positions
+            return args, {k: v for k, v in kwargs.items() if k != "document_ids"}
         if not context.active:
             if context.sharded is not None:
                 raise PlaitError("shard_batch gave this rank its chunks of each sequence, and the model runs "
@@ -130,11 +145,18 @@ def _global_positions(context: ContextParallel) -> Any:
             raise PlaitError(f"under context parallelism each rank runs its {context.sharded} tokens of every "
                              f"sequence (shard_batch), and the model got {ids.shape[1]}",
                              hint="pass the model what plait.shard_batch returns")
+        if kwargs.get("document_ids") is not None:  # packed documents, sharded by shard_batch
+            if takes_documents(module):
+                return None  # their positions are the caller's; the model hands its attention the documents
+            context.documents = kwargs["document_ids"]  # for the attention function (plait.models.hf.context)
+            return args, {k: v for k, v in kwargs.items() if k != "document_ids"}
+        context.documents = None
         for name in ("attention_mask", "position_ids"):
             if kwargs.get(name) is not None:
-                raise PlaitError(f"the caller's {name} (padding, packed documents) cannot be honoured across cp "
-                                 "ranks: context parallelism makes the positions and the causal mask itself",
-                                 hint="train whole, unpadded sequences under cp, or drop --cp")
+                raise PlaitError(f"the caller's {name} (padding, packed documents) cannot be honoured across "
+                                 "cp ranks: context parallelism makes the positions and the causal mask itself",
+                                 hint="give packed documents as plait's Packed batches (--doc-mask), train whole, "
+                                      "unpadded sequences under cp, or drop --cp")
         return args, {**kwargs, "position_ids": context.positions(ids.shape[1], ids.device)}
 
     return hook
@@ -147,7 +169,7 @@ class ContextHooks(StepHooks):
     def __init__(self, model: nn.Module):
         self.model = model
 
-    def batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, inputs: Any, targets: torch.Tensor) -> tuple[Any, torch.Tensor]:
         return shard_batch(self.model, inputs, targets)  # type: ignore[return-value]
 
     def engaged(self) -> contextlib.AbstractContextManager[None]:

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from plait.parallel.context.chunks import chunk_ids
+from plait.parallel.packed import block_causal
 from plait.runtime import comm
 from plait.runtime.comm import Axis
 
@@ -70,16 +71,28 @@ def _expand(x: torch.Tensor, group: int) -> torch.Tensor:
     return x.repeat_interleave(group, dim=1) if group > 1 else x
 
 
-def fused(device: torch.device) -> bool:
+def fused(device: torch.device, documents: torch.Tensor | None = None) -> bool:
     """Whether a block runs torch's fused CPU flash kernels (else the plain ops; the tests
-    run both)."""
-    return device.type == "cpu" and not PLAIN_OPS
+    run both). Packed documents' masks take the plain ops: the kernel knows only causal."""
+    return device.type == "cpu" and not PLAIN_OPS and documents is None
 
 
-def expansion(q: torch.Tensor, k: torch.Tensor) -> int:
+def expansion(q: torch.Tensor, k: torch.Tensor, documents: torch.Tensor | None = None) -> int:
     """How many times each K/V head is repeated before a block's attention: never on a CPU,
     whose flash kernel takes grouped heads as they are; q's heads per K/V head elsewhere."""
-    return 1 if fused(q.device) else q.shape[1] // k.shape[1]
+    return 1 if fused(q.device, documents) else q.shape[1] // k.shape[1]
+
+
+def allowed_keys(documents: torch.Tensor | None, query_chunk: int, owner: int, halves: list[int], cp: int,
+                 chunk: int, masked: bool) -> torch.Tensor | None:
+    """(batch, 1, chunk, keys): which of `owner`'s keys (its `halves`) each query of
+    `query_chunk` may see, by packed documents' numbers (batch, whole seq); None without them."""
+    if documents is None:
+        return None
+    mine = documents[:, query_chunk * chunk:(query_chunk + 1) * chunk]
+    theirs = torch.cat([documents[:, c * chunk:(c + 1) * chunk] for c in (chunk_ids(owner, cp)[h] for h in halves)],
+                       dim=1)
+    return block_causal(mine, theirs, masked)
 
 
 def wide(dtype: torch.dtype) -> torch.dtype:
@@ -87,38 +100,44 @@ def wide(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, masked: bool) -> torch.Tensor:
-    """q·kᵀ·scale in fp32 (at least), the upper triangle at −inf for the causal diagonal block."""
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, masked: bool,
+            allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """q·kᵀ·scale in fp32 (at least), the upper triangle at −inf for the causal diagonal block,
+    or −inf wherever `allowed` (documents, the diagonal included) says no."""
     s = torch.matmul(q, k.transpose(-1, -2)).to(wide(q.dtype)) * scale
+    if allowed is not None:
+        return s.masked_fill(~allowed, float("-inf"))
     if masked:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     return s
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-           masked: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, masked: bool,
+           allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One block: (softmax(q·kᵀ·scale)·v in fp32, its log-sum-exp per query). On a CPU, torch's
     flash kernel, which returns the log-sum-exp the merge needs (10× the plain ops' speed);
-    elsewhere the plain ops."""
-    if fused(q.device):
+    elsewhere, and under documents' masks (`allowed`), the plain ops. A query that may see no
+    key of the block gets 0 and a log-sum-exp of −inf: the merge gives it no weight."""
+    if fused(q.device, allowed):
         out, lse = _CPU_FLASH(q, k, v, 0.0, masked, scale=scale)
         return out.to(wide(q.dtype)), lse.to(wide(q.dtype))
-    s = _scores(q, k, scale, masked)
+    s = _scores(q, k, scale, masked, allowed)
     lse = torch.logsumexp(s, dim=-1)
-    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)).to(v.dtype), v).to(s.dtype)
+    finite = lse.masked_fill(lse == float("-inf"), 0.0)
+    out = torch.matmul(torch.exp(s - finite.unsqueeze(-1)).to(v.dtype), v).to(s.dtype)
     return out, lse
 
 
 def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, out: torch.Tensor,
-                    lse: torch.Tensor, delta: torch.Tensor | None, scale: float, masked: bool
-                    ) -> tuple[torch.Tensor, ...]:
+                    lse: torch.Tensor, delta: torch.Tensor | None, scale: float, masked: bool,
+                    allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """One block's exact (dq, dk, dv) in fp32, from the final output and log-sum-exp (so
     rowsum(dO·O) = `delta` is the whole row's). On a CPU, torch's flash backward kernel."""
-    if fused(q.device):
+    if fused(q.device, allowed):
         grads = _CPU_FLASH_BACKWARD(dout.to(q.dtype), q, k, v, out.to(q.dtype), lse, 0.0, masked, scale=scale)
         return tuple(g.to(dout.dtype) for g in grads)
     q, k, v = q.to(dout.dtype), k.to(dout.dtype), v.to(dout.dtype)
-    p = torch.exp(_scores(q, k, scale, masked) - lse.unsqueeze(-1))
+    p = torch.exp(_scores(q, k, scale, masked, allowed) - lse.unsqueeze(-1))
     dv = torch.matmul(p.transpose(-1, -2), dout)
     ds = p * (torch.matmul(dout, v.transpose(-1, -2)) - delta.unsqueeze(-1))
     return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv
@@ -130,7 +149,9 @@ def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.T
     if out is None:
         return block_out, block_lse
     new = torch.logaddexp(lse, block_lse)
-    return out * torch.exp(lse - new).unsqueeze(-1) + block_out * torch.exp(block_lse - new).unsqueeze(-1), new
+    finite = new.masked_fill(new == float("-inf"), 0.0)  # no key seen yet by either: weights 0, not nan
+    return (out * torch.exp(lse - finite).unsqueeze(-1) + block_out * torch.exp(block_lse - finite).unsqueeze(-1),
+            new)
 
 
 class _Pass:
@@ -154,9 +175,9 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: Axis, causal: bool,
-                scale: float) -> torch.Tensor:
-        cp, rank, group = axis.size, axis.rank, expansion(q, k)
-        queries, query_chunks = q.chunk(2, dim=2), chunk_ids(rank, cp)
+                scale: float, documents: torch.Tensor | None) -> torch.Tensor:
+        cp, rank, group = axis.size, axis.rank, expansion(q, k, documents)
+        queries, query_chunks, chunk = q.chunk(2, dim=2), chunk_ids(rank, cp), q.shape[2] // 2
         outs: list[Any] = [None, None]
         lses: list[Any] = [None, None]
         block = torch.stack([k, v])
@@ -166,23 +187,26 @@ class RingAttention(torch.autograd.Function):
             keys, values = _expand(block[0], group), _expand(block[1], group)
             for i, query in enumerate(queries):
                 for halves, masked in block_calls(query_chunks[i], owner, cp, causal):
-                    o, s = attend(query, _keys(keys, halves), _keys(values, halves), scale, masked)
+                    allowed = allowed_keys(documents, query_chunks[i], owner, halves, cp, chunk, masked)
+                    if allowed is not None and not bool(allowed.any()):
+                        continue  # no query here shares a document with those keys
+                    o, s = attend(query, _keys(keys, halves), _keys(values, halves), scale, masked, allowed)
                     outs[i], lses[i] = merge(outs[i], lses[i], o, s)
             if transfer is not None:
                 block = transfer.wait()
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.axis, ctx.causal, ctx.scale = axis, causal, scale
+        ctx.axis, ctx.causal, ctx.scale, ctx.documents = axis, causal, scale, documents
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        axis, causal, scale = ctx.axis, ctx.causal, ctx.scale
-        cp, rank, group = axis.size, axis.rank, expansion(q, k)
+        axis, causal, scale, documents = ctx.axis, ctx.causal, ctx.scale, ctx.documents
+        cp, rank, group, chunk = axis.size, axis.rank, expansion(q, k, documents), q.shape[2] // 2
         dout = dout.to(out.dtype)
         # rowsum(dO·O) per query: the plain ops' backward needs it; the CPU kernel computes its own.
-        deltas = (None, None) if fused(q.device) else (dout * out).sum(-1).chunk(2, dim=2)
+        deltas = (None, None) if fused(q.device, documents) else (dout * out).sum(-1).chunk(2, dim=2)
         dq = torch.zeros_like(out)
         query_chunks = chunk_ids(rank, cp)
         parts = list(zip(q.chunk(2, dim=2), dout.chunk(2, dim=2), out.chunk(2, dim=2), lse.chunk(2, dim=2),
@@ -195,8 +219,11 @@ class RingAttention(torch.autograd.Function):
             grads = torch.zeros((2, *keys.shape), dtype=out.dtype, device=q.device)  # dK, dV, expanded
             for i, (query, d_out, o, l, d, d_q) in enumerate(parts):
                 for halves, masked in block_calls(query_chunks[i], owner, cp, causal):
+                    allowed = allowed_keys(documents, query_chunks[i], owner, halves, cp, chunk, masked)
+                    if allowed is not None and not bool(allowed.any()):
+                        continue
                     gq, gk, gv = attend_backward(query, _keys(keys, halves), _keys(values, halves), d_out, o, l, d,
-                                                 scale, masked)
+                                                 scale, masked, allowed)
                     d_q += gq
                     _keys(grads[0], halves).add_(gk)
                     _keys(grads[1], halves).add_(gv)
@@ -208,11 +235,14 @@ class RingAttention(torch.autograd.Function):
             if transfer is not None:
                 block = transfer.wait()
         home = returning.wait()
-        return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: Axis, causal: bool = True,
-                   scale: float | None = None) -> torch.Tensor:
-    """Attention of this rank's queries to every rank's keys (see the module docstring)."""
+                   scale: float | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of this rank's queries to every rank's keys (see the module docstring).
+    `documents` (batch, whole seq): packed documents' numbers, the same on every cp rank."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return RingAttention.apply(q, k, v, axis, causal, scale)
+    if documents is not None and not causal:
+        raise ValueError("packed documents' masks are causal")
+    return RingAttention.apply(q, k, v, axis, causal, scale, documents)

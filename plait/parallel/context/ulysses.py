@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from plait.parallel.context.chunks import natural_order, rank_order
+from plait.parallel.packed import block_causal
 from plait.runtime import comm
 from plait.runtime.comm import Axis
 
@@ -67,9 +68,10 @@ def to_sequence(x: torch.Tensor, axis: Axis) -> torch.Tensor:
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: Axis, causal: bool = True,
-                      scale: float | None = None) -> torch.Tensor:
+                      scale: float | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of this rank's tokens to the whole sequence, by head shards. Shapes as
-    plait.parallel.context.ring.ring_attention's."""
+    plait.parallel.context.ring.ring_attention's; `documents` (batch, whole seq, in sequence
+    order): packed documents' numbers, whose block-causal mask the whole sequence takes."""
     heads, kv_heads, cp = q.shape[1], k.shape[1], axis.size
     if kv_heads % cp:  # repeat K/V heads up to the query heads, which cp divides
         k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
@@ -80,5 +82,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: A
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    if documents is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal(documents, documents, causal), scale=scale)
     return to_sequence(out.index_select(2, back).contiguous(), axis)

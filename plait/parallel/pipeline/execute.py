@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from plait.errors import PlaitError
+from plait.parallel.packed import Packed
 from plait.parallel.pipeline.p2p import Channels, Key
 from plait.schedule.action import Action
 from plait.schedule.timeline import Slot
@@ -256,8 +257,14 @@ class StepRun:
 
     def _F(self, act: Action, incoming: torch.Tensor | None) -> None:
         stage = act.stage(self.rank, self.pp)
-        x = self.inputs[act.microbatch].to(self.device) if incoming is None else incoming
-        out, state = self.work[act.chunk].forward(x, grad_input=incoming is not None and torch.is_grad_enabled())
+        inputs, module = self.inputs[act.microbatch], self.work[act.chunk].module
+        if isinstance(inputs, Packed):  # every stage's attention and positions read the documents
+            module.packed, inputs = inputs.to(self.device), inputs.ids
+        x = inputs.to(self.device) if incoming is None else incoming
+        try:
+            out, state = self.work[act.chunk].forward(x, grad_input=incoming is not None and torch.is_grad_enabled())
+        finally:
+            module.packed = None  # a recomputation reads what the blocks were given, not this
         if stage == self.num_stages - 1:
             loss = self.loss_fn(out, self.targets[act.microbatch].to(out.device))
             self.losses.append(loss.detach())

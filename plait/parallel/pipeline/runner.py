@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from plait.errors import PlaitError
+from plait.parallel.packed import Packed
 from plait.parallel.data.sync import grad_sync, no_sync
 from plait.parallel.pipeline.p2p import (BufferPool, Channels, Key, add_from_peer, agree_shapes, send_order,
                                           sum_tied_grads)
@@ -226,7 +227,9 @@ class PipelineRunner:
             self._plans[key] = _Plan(schedule, send_order(schedule, self.pp, self.v))
         return self._plans[key]
 
-    def _agree(self, first_input: torch.Tensor) -> dict:
+    def _agree(self, first_input: Any) -> dict:
+        if isinstance(first_input, Packed):  # the shapes are the ids' (the documents change no shape)
+            first_input = first_input.ids
         device = self.mesh.device.type
         autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         key = (tuple(first_input.shape), first_input.dtype, autocast)

@@ -38,6 +38,7 @@ from torch import nn
 from plait.balance import balanced_counts
 from plait.errors import PlaitError
 from plait.parallel.applied import applied_of
+from plait.parallel.packed import Packed
 from plait.parallel.seam import Parts, adapter_of, pipeline_parts
 from plait.rules import check_pipeline_cut
 
@@ -61,6 +62,7 @@ class PipelineStage(nn.Module):
         self.parts, self._adapter = parts, adapter
         # Context parallelism (plait.parallel.context), applied to the whole model before the cut.
         self.context = applied_of(model).context
+        self.packed: Packed | None = None  # the running micro-batch's documents (set by the step's run)
         self._blocks_at = parts.blocks or BLOCKS
         first, last = self.is_first, self.is_last
         tied = _tied(model, parts)  # {id of a tied weight: the full model's name of it}

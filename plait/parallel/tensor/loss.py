@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from plait.parallel.packed import IGNORE
 from plait.runtime import comm
 from plait.runtime.comm import Axis
 from plait.parallel.tensor.ops import all_gather_stacked
@@ -56,15 +57,18 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tens
                                  reduction: str = "mean") -> torch.Tensor:
     """F.cross_entropy for logits (tokens, V/t) sharded over `axis` by vocabulary rows.
 
-    `targets` holds global token ids (tokens,). `reduction` is "mean", "sum" or "none", as in
-    torch. With one rank on the axis this is exactly F.cross_entropy.
+    `targets` holds global token ids (tokens,), IGNORE (-100) where a token carries no loss.
+    `reduction` is "mean" (over the loss-carrying tokens), "sum" or "none", as in torch. With one
+    rank on the axis this is exactly F.cross_entropy.
     """
     if axis.size == 1:
         return torch.nn.functional.cross_entropy(local_logits, targets, reduction=reduction)
-    losses = _VocabParallelCrossEntropy.apply(local_logits, targets, axis)
+    carries = targets != IGNORE  # as torch's ignore_index: no loss, no gradient
+    losses = _VocabParallelCrossEntropy.apply(local_logits, targets.masked_fill(~carries, 0), axis)
+    losses = losses.masked_fill(~carries, 0.0)
     if reduction == "none":
         return losses
-    return losses.sum() if reduction == "sum" else losses.mean()
+    return losses.sum() if reduction == "sum" else losses.sum() / carries.sum()
 
 
 def gather_vocab(local_logits: torch.Tensor, axis: Axis, purpose: str = "eval") -> torch.Tensor:

@@ -15,7 +15,7 @@ from dataclasses import fields
 from typing import Any
 
 from plait.errors import PlaitError
-from plait.rules import AUGMENTS, FP8_SCALINGS
+from plait.rules import AUGMENTS, FP8_SCALINGS, PACKINGS
 from plait.runtime.env import BACKENDS
 
 # field: (lowest allowed, highest allowed or None, whether the lowest itself is allowed)
@@ -32,6 +32,7 @@ RANGES: dict[str, tuple[float, float | None, bool]] = {
 # field: the values it takes (text fields with a fixed set: a typo is refused, never ignored)
 CHOICES: dict[str, tuple[str, ...]] = {
     "backend": ("auto", *BACKENDS), "fp8_scaling": FP8_SCALINGS, "augment": ("auto", *AUGMENTS),
+    "packing": ("auto", *PACKINGS), "doc_mask": ("auto", "true", "false"),
 }
 NAMED = ("model", "data", "out")  # text fields that name something: never empty (an empty path is the cwd)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,

@@ -38,6 +38,13 @@ class TrainConfig:
     model: str = field(default="small", metadata={"help": "the model, named as its family takes it (the list follows)"})
     imports: str = field(default="", metadata={"help": "Python modules to import on every rank first, comma-separated: each may register a model family (docs/models.md)"})
     data: str = field(default="embedded", metadata={"help": "corpus: 'embedded' (the text plait ships, the same on every machine), 'stdlib' (this Python's own source), a text file or directory (up to 8 MiB), or a directory from `plait data prepare`, or a blend of corpora: WEIGHT:CORPUS,... (e.g. 0.7:data/web,0.3:data/code: every batch in those shares); for a ResNet: 'digits' or a folder of class folders"})
+    packing: str = field(default="auto", metadata={
+        "help": "how documents become sequences: concat (windows over the stream, documents end to end) or "
+                "best-fit (whole documents per sequence, padded; longer ones cut into sequence-long pieces); "
+                "auto: best-fit for completion and chat data, concat for text (docs/data.md)"})
+    doc_mask: str = field(default="auto", metadata={
+        "help": "true: attention stays inside each document and positions restart at each; auto: true for "
+                "completion and chat data, false for text"})
     steps: int = field(default=120, metadata={"help": "optimizer steps"})
     micro_batch: int = field(default=8, metadata={"help": "sequences per rank per forward/backward"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})

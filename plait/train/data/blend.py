@@ -27,6 +27,7 @@ import torch
 
 from plait.errors import PlaitError
 from plait.train.data.corpus import corpus_digest, epoch_permutation, load_corpus, train_val_split
+from plait.train.data.packing import packing_for, stack_rows
 from plait.train.data.tokens import BlendPart, blend_parts
 
 PERIOD = 10_000  # the samples over which the shares are whole numbers
@@ -109,13 +110,17 @@ class BlendSplit:
             self._permutations[corpus] = held
         return int(held[1][within])
 
-    def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, indices: list[int]) -> tuple[Any, torch.Tensor]:
         """Inputs and next-token targets of global samples `indices`, each (len, seq_len)."""
         rows = []
         for n in indices:
             corpus, k = self.locate(n)
             rows.append(self.parts[corpus].batch([self._sample(corpus, k)]))
-        return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+        return stack_rows(rows)
+
+    @property
+    def per_token(self) -> bool:
+        return any(getattr(part, "per_token", False) for part in self.parts)
 
     def realised(self, samples: int) -> list[float]:
         """Each corpus's share of the first `samples` samples."""
@@ -123,22 +128,31 @@ class BlendSplit:
         return [c / max(1, samples) for c in counts]
 
 
-def language_splits(data: str, seq_len: int, seed: int) -> tuple[Any, Any, int]:
+def language_splits(data: str, seq_len: int, seed: int, packing: str = "auto",
+                    doc_mask: str = "auto") -> tuple[Any, Any, int]:
     """A language task's (training split, held-out split, corpus fingerprint) of `--data`: one
-    corpus (plait.train.data.corpus: train_val_split), or a blend of several (`load_blend`)."""
+    corpus (plait.train.data.corpus: train_val_split), or a blend of several (`load_blend`),
+    its documents packed as `--packing` and `--doc-mask` say (plait.train.data.packing)."""
     parts = blend_parts(data)
     if parts:
-        return load_blend(parts, seq_len, seed)
+        return load_blend(parts, seq_len, seed, packing, doc_mask)
     tokens = load_corpus(data)
-    return (*train_val_split(tokens, seq_len, seed=seed), corpus_digest(tokens))
+    return (*train_val_split(tokens, seq_len, seed=seed, packing=packing_for(tokens, packing, doc_mask)),
+            corpus_digest(tokens))
 
 
-def load_blend(parts: list[BlendPart], seq_len: int, seed: int) -> tuple[BlendSplit, BlendSplit, int]:
+def load_blend(parts: list[BlendPart], seq_len: int, seed: int, packing: str = "auto",
+               doc_mask: str = "auto") -> tuple[BlendSplit, BlendSplit, int]:
     """Training and held-out blends of `parts`, and a fingerprint of the corpora and their shares."""
-    trains, vals, digest = [], [], hashlib.sha256()
+    trains, vals, digest, kinds = [], [], hashlib.sha256(), set()
     for part in parts:
         tokens = load_corpus(part.source)
-        train, val = train_val_split(tokens, seq_len, seed=seed)
+        packed = packing_for(tokens, packing, doc_mask)
+        kinds.add(packed)
+        if len(kinds) > 1:
+            raise PlaitError(f"--data blends corpora packed differently ({' and '.join(sorted(map(str, kinds)))}): a "
+                             "batch's sequences must all be one kind", hint="give --packing and --doc-mask explicitly")
+        train, val = train_val_split(tokens, seq_len, seed=seed, packing=packed)
         if train.num_samples == 0:
             raise PlaitError(f"--data blends {part.source}, which gives no training sequence of {seq_len} tokens",
                              hint="lower --seq-len, or give that corpus more text")

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from plait.errors import PlaitError
-from plait.train.data.tokens import (DOCUMENTS, EMBEDDED, RAW_LIMIT, TOKENS, builtin_files, check_tokens,
+from plait.parallel.packed import Packed
+from plait.train.data.tokens import (DOCUMENTS, EMBEDDED, LOSS_MASK, RAW_LIMIT, TOKENS, builtin_files, check_tokens,
                                      is_prepared, open_corpus_file, raw_files)
 
 def load_corpus(source: str = EMBEDDED, max_bytes: int = RAW_LIMIT) -> torch.Tensor:
@@ -67,7 +68,20 @@ def map_tokens(directory: str) -> torch.Tensor:
     tokens.plait_digest = int.from_bytes(bytes.fromhex(index.sha256)[:8], "little") >> 2
     if index.documents:
         tokens.plait_documents = document_ends(Path(directory), index)
+        tokens.plait_eos = index.eos
+        tokens.plait_format = index.data_format
+    if index.loss_mask:
+        tokens.plait_loss_mask = loss_mask(Path(directory), index)
     return tokens
+
+
+def loss_mask(directory: Path, index: Any) -> torch.Tensor:
+    """Which tokens carry the loss (loss_mask.bin, one byte each, mapped), checked for its size."""
+    path = directory / LOSS_MASK
+    if not path.is_file() or path.stat().st_size != index.count:
+        raise PlaitError(f"{path} is missing or not one byte for each of the {index.count:,} tokens",
+                         hint=f"prepare the corpus again with `plait data prepare ... --out {directory}`")
+    return torch.from_file(str(path), shared=False, size=index.count, dtype=torch.uint8)
 
 
 def document_ends(directory: Path, index: Any) -> np.ndarray:
@@ -115,12 +129,20 @@ class Split:
 class DocumentSplit:
     """Fixed-length windows over some documents of a corpus, as if they were one stream:
     sample i is the stream's tokens [i·seq, i·seq + seq + 1), read from each document run it
-    crosses (`runs`: (start, end) in the token file, consecutive documents merged)."""
+    crosses (`runs`: (start, end) in the token file, consecutive documents merged).
 
-    def __init__(self, tokens: torch.Tensor, runs: np.ndarray, seq_len: int):
+    `--packing concat` (plait.train.data.packing): with `doc_mask`, positions restart at each
+    document (`document_starts`: each one's first token in the stream) and attention stays
+    inside it; `carries` (the corpus's loss mask) makes the prompts' targets IGNORE."""
+
+    def __init__(self, tokens: torch.Tensor, runs: np.ndarray, seq_len: int, *,
+                 document_starts: np.ndarray | None = None, doc_mask: bool = False,
+                 carries: torch.Tensor | None = None):
         self.corpus, self.seq_len = tokens, seq_len
         self.starts = runs[:, 0].astype(np.int64)
         self.ends = np.cumsum(runs[:, 1] - runs[:, 0]).astype(np.int64)  # each run's end in the stream
+        self.document_starts, self.doc_mask, self.carries = document_starts, doc_mask, carries
+        self.per_token = doc_mask or carries is not None
 
     def __len__(self) -> int:
         return int(self.ends[-1]) if len(self.ends) else 0
@@ -129,22 +151,38 @@ class DocumentSplit:
     def num_samples(self) -> int:
         return max(0, (len(self) - 1) // self.seq_len)
 
-    def window(self, lo: int, hi: int) -> torch.Tensor:
-        """The stream's tokens [lo, hi)."""
+    def window(self, lo: int, hi: int, source: torch.Tensor | None = None) -> torch.Tensor:
+        """The stream's tokens [lo, hi) (or the same stretch of `source`, one value per token)."""
+        source = self.corpus if source is None else source
         k, pieces = int(np.searchsorted(self.ends, lo, side="right")), []
         while lo < hi:
             begin = int(self.ends[k - 1]) if k else 0
             take = min(hi, int(self.ends[k])) - lo
             at = int(self.starts[k]) + lo - begin
-            pieces.append(self.corpus[at:at + take])
+            pieces.append(source[at:at + take])
             lo, k = lo + take, k + 1
         return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
-    def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and next-token targets, each (len(indices), seq_len), as int64."""
-        rows = torch.stack([self.window(i * self.seq_len, i * self.seq_len + self.seq_len + 1)
-                            for i in indices]).long()
-        return rows[:, :-1], rows[:, 1:]
+    def batch(self, indices: list[int]) -> tuple[Any, torch.Tensor]:
+        """Inputs and next-token targets, each (len(indices), seq_len), as int64; under
+        `doc_mask` the inputs are packed documents (plait.parallel.packed.Packed)."""
+        from plait.train.data.packing import masked_targets, window_positions
+
+        spans = [(i * self.seq_len, i * self.seq_len + self.seq_len + 1) for i in indices]
+        rows = torch.stack([self.window(lo, hi) for lo, hi in spans]).long()
+        inputs, targets = rows[:, :-1], rows[:, 1:]
+        if not self.per_token:
+            return inputs, targets
+        carries = None
+        if self.carries is not None:
+            carries = torch.stack([self.window(lo + 1, hi, self.carries) for lo, hi in spans]).bool()
+        if not self.doc_mask:
+            return inputs, masked_targets(targets, carries, None)
+        assert self.document_starts is not None
+        where = [window_positions(self.document_starts, lo, self.seq_len) for lo, _ in spans]
+        positions = torch.from_numpy(np.stack([w[0] for w in where]))
+        ends = torch.from_numpy(np.stack([w[1] for w in where]))
+        return Packed.of(inputs, positions), masked_targets(targets, carries, ends)
 
 
 def held_out_documents(count: int, fraction: float, seed: int) -> np.ndarray:
@@ -174,16 +212,36 @@ def document_runs(ends: np.ndarray, chosen: np.ndarray) -> np.ndarray:
 
 
 def train_val_split(tokens: torch.Tensor, seq_len: int, val_fraction: float = 0.05,
-                    seed: int = 0) -> tuple[Split | DocumentSplit, Split | DocumentSplit]:
+                    seed: int = 0, packing: Any = None) -> tuple[Any, Any]:
     """Held out for evaluation: whole documents of a corpus of records (`held_out_documents`,
-    stable under `seed`), else the last `val_fraction` of the stream."""
+    stable under `seed`), else the last `val_fraction` of the stream. `packing`
+    (plait.train.data.packing.Packing; default concat without masks) says how documents
+    become sequences."""
     ends = getattr(tokens, "plait_documents", None)
-    if ends is not None:
-        held = held_out_documents(len(ends), val_fraction, seed)
-        return (DocumentSplit(tokens, document_runs(ends, ~held), seq_len),
-                DocumentSplit(tokens, document_runs(ends, held), seq_len))
-    cut = int(len(tokens) * (1 - val_fraction))
-    return Split(tokens[:cut], seq_len), Split(tokens[cut:], seq_len)
+    if ends is None:
+        if packing is not None and packing.per_token:
+            raise PlaitError("this corpus is one stream of text, without the document boundaries that "
+                             "--packing best-fit and --doc-mask need", hint="prepare records with `plait data prepare`")
+        cut = int(len(tokens) * (1 - val_fraction))
+        return Split(tokens[:cut], seq_len), Split(tokens[cut:], seq_len)
+    held = held_out_documents(len(ends), val_fraction, seed)
+    return tuple(document_split(tokens, ends, chosen, seq_len, packing) for chosen in (~held, held))  # type: ignore
+
+
+def document_split(tokens: torch.Tensor, ends: np.ndarray, chosen: np.ndarray, seq_len: int, packing: Any) -> Any:
+    """The `chosen` documents of a corpus of records as sequences, by `packing`."""
+    from plait.train.data.packing import BestFitSplit
+
+    carries = getattr(tokens, "plait_loss_mask", None)
+    bounds = np.concatenate([[0], ends.astype(np.int64)])
+    starts, lengths = bounds[:-1][chosen], np.diff(bounds)[chosen]
+    if packing is not None and packing.kind == "best-fit":
+        pad = int(getattr(tokens, "plait_eos", None) or 0)
+        return BestFitSplit(tokens, starts, lengths, seq_len, packing.doc_mask, carries, pad)
+    doc_mask = packing is not None and packing.doc_mask
+    stream_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if doc_mask else None
+    return DocumentSplit(tokens, document_runs(ends, chosen), seq_len, document_starts=stream_starts,
+                         doc_mask=doc_mask, carries=carries)
 
 
 def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:

@@ -26,8 +26,9 @@ from typing import Any
 import numpy as np
 
 from plait.errors import PlaitError
-from plait.train.data.records import Documents, is_records
-from plait.train.data.tokens import (BUILTIN, DOCUMENTS, TEXT_SUFFIXES, TOKENIZER, TOKENS, VERIFIED, TokenIndex,
+from plait.rules import DATA_FORMATS
+from plait.train.data.records import FIELDS, Documents, first_keys, format_of, is_records
+from plait.train.data.tokens import (BUILTIN, DOCUMENTS, LOSS_MASK, TEXT_SUFFIXES, TOKENIZER, TOKENS, VERIFIED, TokenIndex,
                                      builtin_files, corpus_files, dtype_for, edges_digest, open_corpus_file,
                                      write_index)
 
@@ -105,13 +106,23 @@ def encode_texts(tokenizer: Any, texts: Iterable[str], batch: int = 8) -> Iterat
 
 
 def prepare(tokenizer_spec: str, source: str, out: str, text_field: str = "text", workers: int = 1,
-            eos: str | None = None) -> TokenIndex:
+            eos: str | None = None, data_format: str = "auto") -> TokenIndex:
     """Tokenize `source` into `out` (tokens.bin, index.json, tokenizer.json, and documents.bin
-    for records); return the index. Text is one stream, as it always was; records (jsonl,
-    parquet, a datasets folder) are documents, each followed by the end-of-document id."""
+    for records, loss_mask.bin for completion and chat records); return the index. Text is one
+    stream, as it always was; records (jsonl, parquet, a datasets folder) are documents, each
+    followed by the end-of-document id. `data_format` "auto": the first record's keys choose."""
     if workers < 1:
         raise PlaitError(f"--workers {workers}: give 1 or more", hint="--workers 2 tokenizes in two processes")
+    if data_format not in ("auto", *DATA_FORMATS):
+        raise PlaitError(f"--format {data_format!r} is not one of: auto, {', '.join(DATA_FORMATS)}",
+                         hint="e.g. --format completion")
     records = source not in BUILTIN and Path(source).exists() and is_records(Path(source))
+    if not records and data_format in FIELDS:
+        raise PlaitError(f"--format {data_format} reads records (jsonl, parquet, a datasets folder), and --data "
+                         f"{source} is text", hint="give records with prompt/completion or messages, or drop --format")
+    if records and data_format == "auto":
+        data_format = format_of(first_keys(Path(source)), text_field)
+    data_format = data_format if records else "text"
     if records and Path(source).is_dir():
         text = next(corpus_files(Path(source), TEXT_SUFFIXES), None)
         if text is not None:  # one kind a corpus: records would leave the text files out
@@ -120,6 +131,7 @@ def prepare(tokenizer_spec: str, source: str, out: str, text_field: str = "text"
                                   "--data 0.5:DIR_A,0.5:DIR_B")
     files = [] if records else source_files(source)
     tokenizer, tokenizer_file = load_tokenizer(tokenizer_spec)
+    template = chat_template(tokenizer_file) if data_format == "chat" else None
     eos_id = end_of_document(tokenizer, tokenizer_file, eos) if records else None
     vocab = 256 if tokenizer is None else tokenizer.get_vocab_size(with_added_tokens=True)
     if eos_id is not None and tokenizer is None:
@@ -128,12 +140,15 @@ def prepare(tokenizer_spec: str, source: str, out: str, text_field: str = "text"
     directory = _out_directory(out)
     tokens = _Stream(directory / TOKENS, LITTLE_ENDIAN[dtype])
     ends = _Stream(directory / DOCUMENTS, "<u8") if records else None
-    documents = Documents(Path(source), text_field) if records else None
+    carries = _Stream(directory / LOSS_MASK, "u1") if data_format in FIELDS else None
+    documents = Documents(Path(source), text_field, data_format) if records else None
     try:
         if documents is not None and ends is not None:
-            for ids in document_ids(documents, tokenizer_file, eos_id, workers):
+            for ids, mask in document_ids(documents, tokenizer_file, eos_id, workers, data_format, template):
                 tokens.write(ids)
                 ends.write(np.asarray([tokens.count], dtype=np.uint64))
+                if carries is not None:
+                    carries.write(mask)
         else:
             for ids in (_byte_chunks(files) if tokenizer is None else encode_texts(tokenizer, _text_chunks(files))):
                 tokens.write(ids)
@@ -142,15 +157,16 @@ def prepare(tokenizer_spec: str, source: str, out: str, text_field: str = "text"
         edges = tokens.finish()
         (directory / VERIFIED).unlink(missing_ok=True)
         tokens.publish()
-        if ends is not None:
-            ends.finish()
-            ends.publish()
-        else:
-            (directory / DOCUMENTS).unlink(missing_ok=True)
+        for stream, name in ((ends, DOCUMENTS), (carries, LOSS_MASK)):
+            if stream is not None:
+                stream.finish()
+                stream.publish()
+            else:
+                (directory / name).unlink(missing_ok=True)
     finally:
-        tokens.discard()
-        if ends is not None:
-            ends.discard()
+        for stream in (tokens, ends, carries):
+            if stream is not None:
+                stream.discard()
     if tokenizer_file is not None:
         shutil.copyfile(tokenizer_file, directory / TOKENIZER)
     else:
@@ -161,7 +177,8 @@ def prepare(tokenizer_spec: str, source: str, out: str, text_field: str = "text"
                        sha256=tokens.digest.hexdigest(), edges_sha256=edges,
                        documents=ends.count if ends is not None else 0, eos=eos_id,
                        documents_sha256=ends.digest.hexdigest() if ends is not None else "",
-                       bad_records=documents.bad.count if documents is not None else 0)
+                       bad_records=documents.bad.count if documents is not None else 0,
+                       data_format=data_format, loss_mask=carries is not None)
     write_index(directory, index)
     _write_skipped(directory, documents.bad if documents is not None else None)
     return index
@@ -269,20 +286,22 @@ def _batches(documents: Iterable[str]) -> Iterator[list[str]]:
         yield batch
 
 
-def document_ids(documents: Iterable[str], tokenizer_file: Path | None, eos: int, workers: int
-                 ) -> Iterator[np.ndarray]:
-    """Each document's ids followed by `eos`, in order: encoded a batch at a time, by `workers`
-    processes (each batch's result comes back in the order it was sent)."""
+def document_ids(documents: Iterable[Any], tokenizer_file: Path | None, eos: int, workers: int,
+                 data_format: str = "text", template: Any = None) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
+    """Each document's ids followed by `eos`, and (completion, chat) which of them carry the
+    loss, in order: encoded a batch at a time, by `workers` processes (each batch's result
+    comes back in the order it was sent)."""
     batches = _batches(documents)
+    setup = (tokenizer_file, eos, data_format, template)
     if workers == 1:
-        _start_worker(tokenizer_file, eos)
+        _start_worker(*setup)
         for batch in batches:
             yield from _encode(batch)
         return
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")  # a fork would copy the tokenizer's threads
-    with context.Pool(workers, initializer=_start_worker, initargs=(tokenizer_file, eos, True)) as pool:
+    with context.Pool(workers, initializer=_start_worker, initargs=(*setup, True)) as pool:
         for encoded in pool.imap(_encode, batches):
             yield from encoded
 
@@ -290,7 +309,8 @@ def document_ids(documents: Iterable[str], tokenizer_file: Path | None, eos: int
 _WORKER: dict[str, Any] = {}
 
 
-def _start_worker(tokenizer_file: Path | None, eos: int, one_thread: bool = False) -> None:
+def _start_worker(tokenizer_file: Path | None, eos: int, data_format: str = "text", template: Any = None,
+                  one_thread: bool = False) -> None:
     """Load the tokenizer once per process. A pool's workers each encode on one thread: the
     processes are the parallelism, while the main one reads and writes beside them."""
     if one_thread:
@@ -300,15 +320,111 @@ def _start_worker(tokenizer_file: Path | None, eos: int, one_thread: bool = Fals
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    _WORKER.update(tokenizer=tokenizer, eos=np.asarray([eos], dtype=np.int64))
+    _WORKER.update(tokenizer=tokenizer, eos=np.asarray([eos], dtype=np.int64), format=data_format, template=template)
 
 
-def _encode(batch: list[str]) -> list[np.ndarray]:
-    tokenizer, eos = _WORKER["tokenizer"], _WORKER["eos"]
+def _encode(batch: list[Any]) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    tokenizer, eos, data_format = _WORKER["tokenizer"], _WORKER["eos"], _WORKER["format"]
+    if data_format == "completion":
+        return [_completion(tokenizer, prompt, completion, eos) for prompt, completion in batch]
+    if data_format == "chat":
+        return [_chat(tokenizer, _WORKER["template"], messages, eos) for messages in batch]
     if tokenizer is None:
-        return [np.concatenate([np.frombuffer(text.encode("utf-8"), dtype=np.uint8), eos]) for text in batch]
-    return [np.concatenate([np.asarray(e.ids, dtype=np.int64), eos])
+        return [(np.concatenate([np.frombuffer(text.encode("utf-8"), dtype=np.uint8), eos]), None) for text in batch]
+    return [(np.concatenate([np.asarray(e.ids, dtype=np.int64), eos]), None)
             for e in tokenizer.encode_batch(batch, add_special_tokens=False)]
+
+
+def _ids(tokenizer: Any, text: str) -> np.ndarray:
+    if tokenizer is None:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+    return np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+
+def _completion(tokenizer: Any, prompt: str, completion: str, eos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """encode(prompt) + encode(completion) + [eos]; the loss on the completion and the eos."""
+    asked, answer = _ids(tokenizer, prompt), _ids(tokenizer, completion)
+    mask = np.concatenate([np.zeros(len(asked), np.uint8), np.ones(len(answer) + 1, np.uint8)])
+    return np.concatenate([asked, answer, eos]), mask
+
+
+def _chat(tokenizer: Any, template: "ChatTemplate", messages: list[dict[str, str]],
+          eos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The chat rendered by its template + [eos]; the loss on the tokens of assistant turns
+    (their text up to the next turn, the template's end-of-turn mark included) and the eos."""
+    text, spans = template.render(messages)
+    encoding = tokenizer.encode(text, add_special_tokens=False)
+    starts = np.asarray([start for start, _ in encoding.offsets], dtype=np.int64)
+    mask = np.zeros(len(starts), dtype=np.uint8)
+    for lo, hi in spans:
+        mask[(starts >= lo) & (starts < hi)] = 1
+    return np.concatenate([np.asarray(encoding.ids, dtype=np.int64), eos]), np.concatenate([mask, [1]]).astype(np.uint8)
+
+
+class ChatTemplate:
+    """A tokenizer's chat template (tokenizer_config.json's `chat_template`, or
+    chat_template.jinja beside it), rendered by transformers' own renderer.
+
+    `render(messages)` gives the text and each assistant turn's span in it: the chat rendered
+    up to the turn with the generation prompt, then with the turn, must each begin the whole
+    rendering (a template that rewrites earlier turns cannot say which text is whose)."""
+
+    def __init__(self, source: str, text: str, specials: dict[str, str]):
+        self.source, self.text, self.specials = source, text, specials
+
+    def _render(self, messages: list[dict[str, str]], prompt: bool) -> str:
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        rendered, _ = render_jinja_template([messages], chat_template=self.text, add_generation_prompt=prompt,
+                                            **self.specials)
+        return rendered[0]
+
+    def render(self, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+        whole = self._render(messages, False)
+        spans = []
+        for i, turn in enumerate(messages):
+            if turn["role"] != "assistant":
+                continue
+            before, through = self._render(messages[:i], True), self._render(messages[:i + 1], False)
+            if not (whole.startswith(through) and through.startswith(before)):
+                raise PlaitError(f"the chat template of {self.source} does not render a chat turn by turn (turn {i} "
+                                 "changes the text before it), so the assistant's tokens cannot be told apart",
+                                 hint="prepare these chats with another tokenizer's template, or as --format text")
+            spans.append((len(before), len(through)))
+        return whole, spans
+
+    def __reduce__(self) -> Any:  # sent to spawned workers as its text
+        return ChatTemplate, (self.source, self.text, self.specials)
+
+
+def chat_template(tokenizer_file: Path | None) -> ChatTemplate:
+    """The chat template beside `tokenizer_file`, and the special tokens templates read."""
+    if tokenizer_file is None:
+        raise PlaitError("--format chat renders each chat with a tokenizer's chat template, and --tokenizer bytes has "
+                         "none", hint="give --tokenizer DIR holding tokenizer.json and a chat template")
+    directory = tokenizer_file.parent
+    config: dict[str, Any] = {}
+    try:
+        loaded = json.loads((directory / "tokenizer_config.json").read_text())
+        config = loaded if isinstance(loaded, dict) else {}
+    except (OSError, ValueError):
+        pass
+    text = config.get("chat_template")
+    if isinstance(text, list):  # named templates: the default one
+        text = next((t.get("template") for t in text if isinstance(t, dict) and t.get("name") == "default"), None)
+    jinja = directory / "chat_template.jinja"
+    if not isinstance(text, str) and jinja.is_file():
+        text = jinja.read_text()
+    if not isinstance(text, str) or not text.strip():
+        raise PlaitError(f"--format chat: {directory} has no chat template (tokenizer_config.json's chat_template, "
+                         "or chat_template.jinja)", hint="give a tokenizer directory with one, or --format completion")
+    specials = {}
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = config.get(name)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            specials[name] = value
+    return ChatTemplate(str(directory), text, specials)
 
 
 def data_main(argv: list[str]) -> int:
@@ -328,11 +444,19 @@ def data_main(argv: list[str]) -> int:
     prep.add_argument("--eos", default=None,
                       help="records: the id or token after each document (default: the tokenizer's eos_token "
                            "from tokenizer_config.json; 256 for bytes)")
+    prep.add_argument("--format", default="auto", dest="data_format",
+                      help="records: text (the --field), completion (prompt and completion: the loss on the "
+                           "completion), chat (messages, rendered by the tokenizer's chat template: the loss on "
+                           "assistant turns); auto: from the first record's keys")
     prep.add_argument("--debug", action="store_true", help="show tracebacks")
     args = parser.parse_args(argv)
     if not args.out.strip() or not args.data.strip():
         raise PlaitError("--data and --out must name something", hint="e.g. --data corpus.jsonl --out data/corpus")
-    index = prepare(args.tokenizer, args.data, args.out, args.field, args.workers, args.eos)
+    index = prepare(args.tokenizer, args.data, args.out, args.field, args.workers, args.eos, args.data_format)
+    if index.documents:
+        chosen = "from the first record's keys" if args.data_format == "auto" else "as --format says"
+        carried = {"completion": ": the loss on each completion and its end", "chat": ": the loss on assistant turns"}
+        print(f"records read as {index.data_format} ({chosen}){carried.get(index.data_format, '')}")
     documents = f" in {index.documents:,} documents (each ended by id {index.eos})" if index.documents else ""
     print(f"wrote {index.count:,} tokens{documents} ({index.dtype}, vocabulary {index.vocab_size:,}) to "
           f"{Path(args.out) / TOKENS}; sha256 {index.sha256[:16]}…; train with: plait train --data {args.out}")

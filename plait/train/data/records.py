@@ -96,55 +96,91 @@ class Bad:
         return ", ".join(self.named[:shown]) + more
 
 
-class Documents:
-    """The documents of `--data PATH` (records), in order; `bad` holds what was skipped."""
+FIELDS = {"completion": ("prompt", "completion"), "chat": ("messages",)}  # each fine-tuning format's fields
+ROLES = ("system", "user", "assistant", "tool", "developer")
 
-    def __init__(self, path: Path, text_field: str = "text"):
-        self.path, self.field = path, text_field
+
+class Documents:
+    """The documents of `--data PATH` (records), in order; `bad` holds what was skipped.
+
+    `data_format`: "text" yields each record's `text_field` (a string); "completion" its
+    (prompt, completion) strings; "chat" its `messages`, a list of {"role", "content"}
+    with at least one assistant turn (the turns the loss falls on)."""
+
+    def __init__(self, path: Path, text_field: str = "text", data_format: str = "text"):
+        self.path, self.format = path, data_format
+        self.fields = FIELDS.get(data_format, (text_field,))
+        self.field = ", ".join(self.fields)
         self.bad = Bad()
         self.files = [path] if record_kind(path) is not None else list(record_sources(path))
         if not self.files:
             raise PlaitError(f"--data {path} holds no jsonl, parquet or datasets records",
                              hint="give .jsonl, .jsonl.gz or .parquet files, or a folder written by save_to_disk")
 
-    def __iter__(self) -> Iterator[str]:
+    def __iter__(self) -> Iterator[Any]:
         for source in self.files:
             usable, bad_before = 0, self.bad.count
-            for where, value in self._values(source):
-                text = self._text(where, value)
-                if text is not None:
+            for where, values in self._values(source):
+                document = self._document(where, values)
+                if document is not None:
                     usable += 1
-                    yield text
+                    yield document
             if usable == 0:
                 bad = self.bad.count - bad_before
                 raise PlaitError(f"--data {source} holds no usable record"
                                  + (f": {bad} bad, e.g. {self.bad.named[-1] if self.bad.named else ''}" if bad else
                                     " (it is empty)"),
-                                 hint=f"check its records' {self.field!r} field, or name another with --field")
+                                 hint=f"check its records' {self.field} field(s)" + (
+                                     ", or name another with --field" if self.format == "text" else
+                                     f", or give --format text"))
 
-    def _text(self, where: str, value: Any) -> str | None:
+    def _document(self, where: str, values: tuple[Any, ...]) -> Any:
         """The document a record holds, or None (counted as bad, with the reason)."""
-        if value is _MISSING:
-            self.bad.add(where, f"no field {self.field!r}")
-        elif not isinstance(value, str):
-            self.bad.add(where, f"field {self.field!r} is {type(value).__name__}, not a string")
-        elif not value:
-            self.bad.add(where, "empty document")
-        else:
-            return value
-        return None
+        for name, value in zip(self.fields, values):
+            if value is _MISSING:
+                self.bad.add(where, f"no field {name!r}")
+                return None
+        if self.format == "chat":
+            return self._messages(where, values[0])
+        texts = []
+        for name, value in zip(self.fields, values):
+            if not isinstance(value, str):
+                self.bad.add(where, f"field {name!r} is {type(value).__name__}, not a string")
+                return None
+            texts.append(value)
+        if not texts[-1]:
+            self.bad.add(where, "empty document" if self.format == "text" else "empty completion")
+            return None
+        return texts[0] if self.format == "text" else tuple(texts)
 
-    def _values(self, source: Path) -> Iterator[tuple[str, Any]]:
+    def _messages(self, where: str, value: Any) -> list[dict[str, str]] | None:
+        if not isinstance(value, list) or not value:
+            self.bad.add(where, "messages is not a non-empty list")
+            return None
+        turns = []
+        for i, turn in enumerate(value):
+            role = turn.get("role") if isinstance(turn, dict) else None
+            content = turn.get("content") if isinstance(turn, dict) else None
+            if role not in ROLES or not isinstance(content, str):
+                self.bad.add(where, f"message {i} is not {{role: {'|'.join(ROLES)}, content: string}}")
+                return None
+            turns.append({"role": role, "content": content})
+        if not any(t["role"] == "assistant" for t in turns):
+            self.bad.add(where, "no assistant turn (nothing would carry the loss)")
+            return None
+        return turns
+
+    def _values(self, source: Path) -> Iterator[tuple[str, tuple[Any, ...]]]:
         kind = record_kind(source)
         if kind == "jsonl":
             yield from self._jsonl(source)
         elif kind == "parquet":
-            yield from _arrow_values(source, self.field, _parquet_batches(source, self.field))
+            yield from _arrow_values(source, self.fields, _parquet_batches(source, self.fields))
         else:
             for file in dataset_files(source):
-                yield from _arrow_values(file, self.field, _stream_batches(file, self.field))
+                yield from _arrow_values(file, self.fields, _stream_batches(file, self.fields))
 
-    def _jsonl(self, path: Path) -> Iterator[tuple[str, Any]]:
+    def _jsonl(self, path: Path) -> Iterator[tuple[str, tuple[Any, ...]]]:
         opener = gzip.open if path.name.lower().endswith(".gz") else open
         try:
             with opener(path, "rb") as handle:
@@ -165,9 +201,61 @@ class Documents:
                     if not isinstance(record, dict):
                         self.bad.add(where, f"a JSON {type(record).__name__}, not an object")
                         continue
-                    yield where, record.get(self.field, _MISSING)
+                    self._same_format(where, record)
+                    yield where, tuple(record.get(name, _MISSING) for name in self.fields)
         except (OSError, EOFError) as exc:  # a truncated gzip, a file that vanished
             raise PlaitError(f"--data {path} cannot be read: {exc}", hint="check the file") from None
+
+    def _same_format(self, where: str, record: dict[str, Any]) -> None:
+        """Refuse a record of another format than the corpus's: prompts and chats mixed with
+        text, or with each other, would train on what no one meant."""
+        other = format_of(record.keys(), "text" if self.format != "text" else self.fields[0])
+        if other != self.format and not any(name in record for name in self.fields):
+            raise PlaitError(f"--data mixes record formats: {where} is a {other} record, the corpus is {self.format} "
+                             f"(from its first record)", hint="prepare each format into a corpus of its own, or "
+                                                              "give --format to read one field set from every record")
+
+
+def format_of(keys: Any, text_field: str = "text") -> str:
+    """The format a record's keys (or a table's columns) say: chat for `messages`, completion
+    for `prompt` and `completion`, else text."""
+    keys = set(keys)
+    if "messages" in keys:
+        return "chat"
+    if {"prompt", "completion"} <= keys:
+        return "completion"
+    return "text"
+
+
+def first_keys(path: Path) -> list[str]:
+    """The keys of the first record of `--data PATH` (a jsonl line's, a table's columns)."""
+    files = [path] if record_kind(path) is not None else list(record_sources(path))
+    for source in files:
+        kind = record_kind(source)
+        if kind == "jsonl":
+            opener = gzip.open if source.name.lower().endswith(".gz") else open
+            try:
+                with opener(source, "rb") as handle:
+                    for raw in handle:
+                        try:
+                            record = json.loads(raw)
+                        except ValueError:
+                            continue
+                        if isinstance(record, dict):
+                            return list(record)
+            except (OSError, EOFError):
+                continue
+        else:
+            pa = _pyarrow()
+            try:
+                if kind == "parquet":
+                    return list(pa.parquet.ParquetFile(str(source)).schema_arrow.names)
+                first = dataset_files(source)[0]
+                with pa.memory_map(str(first), "r") as stream:
+                    return list(pa.ipc.open_stream(stream).schema.names)
+            except (OSError, IndexError, pa.ArrowException):
+                continue
+    return []
 
 
 _MISSING = object()
@@ -199,43 +287,43 @@ def _pyarrow() -> Any:
     return pyarrow
 
 
-def _parquet_batches(path: Path, column: str) -> Iterator[Any]:
+def _parquet_batches(path: Path, columns: tuple[str, ...]) -> Iterator[Any]:
     pa = _pyarrow()
     try:
         handle = pa.parquet.ParquetFile(str(path))
     except (OSError, pa.ArrowException) as exc:
         raise PlaitError(f"--data {path} is not a readable parquet file ({exc})", hint="check the file") from None
-    if column not in handle.schema_arrow.names:
-        yield None  # every row lacks the field
+    if not set(columns) <= set(handle.schema_arrow.names):
+        yield None  # every row lacks a field
         return
-    yield from handle.iter_batches(batch_size=ROWS, columns=[column])
+    yield from handle.iter_batches(batch_size=ROWS, columns=list(columns))
 
 
-def _stream_batches(path: Path, column: str) -> Iterator[Any]:
+def _stream_batches(path: Path, columns: tuple[str, ...]) -> Iterator[Any]:
     pa = _pyarrow()
     try:
         with pa.memory_map(str(path), "r") as source:
             reader = pa.ipc.open_stream(source)
-            if column not in reader.schema.names:
+            if not set(columns) <= set(reader.schema.names):
                 yield None
                 return
             for batch in reader:
-                yield batch.select([column])
+                yield batch.select(list(columns))
     except pa.ArrowException as exc:
         raise PlaitError(f"--data {path} is not a readable Arrow stream ({exc})", hint="check the file") from None
 
 
-def _arrow_values(path: Path, column: str, batches: Iterator[Any]) -> Iterator[tuple[str, Any]]:
-    """(file:row, the field's value) of each row; a file without the column yields each row as missing."""
+def _arrow_values(path: Path, columns: tuple[str, ...], batches: Iterator[Any]) -> Iterator[tuple[str, tuple]]:
+    """(file:row, the fields' values) of each row; a file without the columns yields each row as missing."""
     row = 0
     for batch in batches:
         if batch is None:
             count = _row_count(path)
             for row in range(count):
-                yield f"{path}:row {row}", _MISSING
+                yield f"{path}:row {row}", (_MISSING,) * len(columns)
             return
-        for value in batch.column(0).to_pylist():
-            yield f"{path}:row {row}", value
+        for values in zip(*(batch.column(i).to_pylist() for i in range(len(columns)))):
+            yield f"{path}:row {row}", tuple(values)
             row += 1
 
 

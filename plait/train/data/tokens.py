@@ -38,11 +38,13 @@ from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 from plait.errors import PlaitError
+from plait.rules import DATA_FORMATS
 from plait.train.data.records import is_records, readable
 
 FORMAT, VERSION = "plait-tokens", 1
 INDEX, TOKENS, TOKENIZER, VERIFIED = "index.json", "tokens.bin", "tokenizer.json", "verified.json"
 DOCUMENTS = "documents.bin"  # each document's end in tokens.bin, little-endian uint64 (records only)
+LOSS_MASK = "loss_mask.bin"  # one byte per token: 1 where it carries the loss (completion and chat data)
 EDGE = 1 << 16  # bytes at each end of the token file hashed by the cheap check
 CHUNK = 1 << 20  # the full hash reads into one buffer of this size, reused
 ITEMSIZE = {"uint16": 2, "uint32": 4}
@@ -65,6 +67,8 @@ class TokenIndex:
     eos: int | None = None  # the id after each document
     documents_sha256: str = ""
     bad_records: int = 0  # records skipped, each named when prepared (plait/train/data/records.py)
+    data_format: str = "text"  # text | completion | chat (plait data prepare --format)
+    loss_mask: bool = False  # loss_mask.bin beside the tokens: which of them carry the loss
 
     @property
     def nbytes(self) -> int:
@@ -109,7 +113,7 @@ _INDEX_KINDS = {  # each field of index.json and what it must be
     "sha256": lambda v: isinstance(v, str), "edges_sha256": lambda v: isinstance(v, str),
     "format": lambda v: isinstance(v, str), "version": _count, "documents": _count,
     "eos": lambda v: v is None or _count(v), "documents_sha256": lambda v: isinstance(v, str),
-    "bad_records": _count,
+    "bad_records": _count, "data_format": lambda v: v in DATA_FORMATS, "loss_mask": lambda v: isinstance(v, bool),
 }
 
 

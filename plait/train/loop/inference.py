@@ -34,6 +34,12 @@ class Inference:
     @eager()
     def evaluate(self, split: Any) -> dict[str, float]:
         """The task's metrics over its held-out samples (eval mode: running statistics)."""
+        return self.task.eval_metrics(self.totals(split))
+
+    @torch.no_grad()
+    @eager()
+    def totals(self, split: Any) -> dict[str, float]:
+        """The task's `eval_columns` summed over its held-out samples, on every rank."""
         batches = self._eval_batches(split)
         self.model.eval()
         try:
@@ -44,7 +50,7 @@ class Inference:
                             dtype=torch.float64, device=self.mesh.device)
         totals = (rows * real.unsqueeze(-1)).sum(dim=(0, 1))
         comm.all_reduce(totals, self.mesh.axis("dp"), purpose=comm.TELEMETRY)
-        return self.task.eval_metrics(dict(zip(self.task.eval_columns, totals.tolist())))
+        return dict(zip(self.task.eval_columns, totals.tolist()))
 
     def _eval_batches(self, split: Any) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """(real samples, inputs, targets) of this rank's micro-batches, padded alike on all ranks."""

@@ -126,7 +126,8 @@ class Trainer:
                    for indices in self.sampler.micro_batches(step)]
         self.executor.begin_step(self.guard.scaler.scale, len(batches))  # e.g. the balancing loss's scale
         loss, activations = self.executor.forward_backward(batches, self.loss_fn, measure=full, meter=self.meter,
-                                                           read_loss=self.measure.reads_loss(full))
+                                                           read_loss=self.measure.reads_loss(full),
+                                                           per_token=getattr(self.train_split, "per_token", False))
         self._sync()
         update_start, scale = time.perf_counter(), self.guard.scaler.scale
         grad_norm = self.guard.clip(step, self.model, self.optimizer, loss,

@@ -1,0 +1,112 @@
+"""Packed documents: a batch's token ids with each token's position in its own document.
+
+A row of a batch may hold several documents end to end (plait's packing, `--doc-mask`).
+Attention must then stay inside each document and positions restart at each one, or a token
+would see the end of another text and a document's position would depend on where it was
+packed. `Packed` carries that through every layout as one record:
+
+- `positions` (batch, seq): each token's position in its document, 0 where one begins. This
+  is transformers' own convention: given `position_ids` and no mask, its models find the
+  documents where the positions do not run on by one, and mask attention to each;
+- `documents` (batch, seq): each token's document number along its row, derived from the
+  positions once, on the whole row. Context parallelism shards the ids and the positions but
+  keeps this whole, so a rank knows the document of every key its ring or all-to-all brings
+  in without sending a word more.
+
+The loss side needs nothing here: a target that carries no loss is `IGNORE` (-100, torch's
+and transformers' ignore index), and the losses skip it.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from plait.parallel.applied import applied_of
+
+IGNORE = -100  # a target that carries no loss: F.cross_entropy's ignore_index, transformers' label
+
+
+def document_numbers(positions: torch.Tensor) -> torch.Tensor:
+    """(batch, seq) positions -> each token's document number along its row: a new document
+    begins wherever a position does not follow the one before by one."""
+    step = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1)
+    return (step != 1).cumsum(-1)
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Token ids of packed documents (see the module docstring)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    documents: torch.Tensor
+
+    @classmethod
+    def of(cls, ids: torch.Tensor, positions: torch.Tensor) -> "Packed":
+        return cls(ids, positions, document_numbers(positions))
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.ids.shape
+
+    def to(self, device: Any) -> "Packed":
+        return Packed(self.ids.to(device), self.positions.to(device), self.documents.to(device))
+
+    def rows(self, index: slice) -> "Packed":
+        """Some rows of the batch (a micro-batch's)."""
+        return Packed(self.ids[index], self.positions[index], self.documents[index])
+
+
+def takes_documents(model: Any) -> bool:
+    """Whether the model's forward takes `document_ids` (plait's GPT); otherwise its own
+    forward finds the documents in `position_ids` (transformers')."""
+    from plait.parallel.seam import adapter_of
+
+    return bool(getattr(adapter_of(model), "takes_document_ids", False))
+
+
+def run_model(model: Any, inputs: Any) -> Any:
+    """`model(inputs)`, or for packed documents their ids with the positions (and, where the
+    model takes them, the documents): every forward the executor runs goes through here.
+
+    A transformers model finds the documents in the positions only when it keeps no cache
+    (a cache means generation, where positions run on), so it is told `use_cache=False`.
+    Under context parallelism its rank holds two chunks of each row, whose positions cannot
+    say where documents begin: it is given the whole rows' documents too, which context
+    parallelism's hook takes off the call for its attention (plait.parallel.context.plan)."""
+    if not isinstance(inputs, Packed):
+        return model(inputs)
+    if takes_documents(model):
+        return model(inputs.ids, position_ids=inputs.positions, document_ids=inputs.documents)
+    extra: dict[str, Any] = {"use_cache": False} if _takes(model, "use_cache") else {}
+    if applied_of(model).context is not None:
+        extra["document_ids"] = inputs.documents
+    return model(inputs.ids, position_ids=inputs.positions, **extra)
+
+
+@functools.lru_cache(maxsize=None)
+def _parameters(cls: type) -> frozenset[str]:
+    return frozenset(inspect.signature(cls.forward).parameters)
+
+
+def _takes(model: Any, name: str) -> bool:
+    return name in _parameters(type(model))
+
+
+def loss_tokens(targets: torch.Tensor) -> torch.Tensor:
+    """How many of `targets` carry the loss (not IGNORE), as a float64 scalar."""
+    return (targets != IGNORE).sum().to(torch.float64)
+
+
+def block_causal(documents_q: torch.Tensor, documents_k: torch.Tensor, causal_diagonal: bool) -> torch.Tensor:
+    """(batch, 1, q, k) booleans: a query may see a key of its own document (and, with
+    `causal_diagonal`, only a key at or before it: q and k are the same run of positions)."""
+    allowed = documents_q.unsqueeze(-1) == documents_k.unsqueeze(-2)
+    if causal_diagonal:
+        allowed = allowed & torch.ones(allowed.shape[-2:], dtype=torch.bool, device=allowed.device).tril()
+    return allowed.unsqueeze(1)
