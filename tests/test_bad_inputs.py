@@ -101,3 +101,39 @@ def test_an_hf_config_with_a_malformed_rope_table_is_one_line(capsys, tmp_path):
     capsys.readouterr()  # save_pretrained's progress
     _refused(capsys, ["train", "--model", f"hf:{tmp_path / 'm'}", "--steps", "1", "--nproc", "1", "--out",
                       str(tmp_path / "o")], "rope_parameters")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (TRAIN + ["--cp-kind", "ulysses"], "--cp-kind ulysses does nothing in this run: it needs --cp 2 or more"),
+    (TRAIN + ["--fp8-scaling", "rowwise"], "--fp8-scaling rowwise does nothing in this run: it needs --precision fp8"),
+    (TRAIN + ["--loss-scale", "1024"], "--loss-scale 1024.0 does nothing in this run: it needs --precision fp16"),
+    (TRAIN + ["--prefetch", "2"], "--prefetch tune ZeRO-3's weight gathers, and --zero is 0"),
+    (TRAIN + ["--schedule", "gpipe"], "--schedule gpipe does nothing in this run: it needs --pp 2 or more"),
+    (TRAIN + ["--reduce-dtype", "bf16"], "--reduce-dtype bf16 does nothing in this run: it needs data-parallel"),
+    (TRAIN + ["--min-nproc", "1"], "--min-nproc 1 does nothing in this run: it needs --max-restarts 1 or more"),
+    (TRAIN + ["--keep-checkpoints", "5"], "--keep-checkpoints 5 does nothing in this run: it needs --save-every N"),
+    (TRAIN + ["--async-save"], "--async-save true does nothing in this run: it needs --save-every N"),
+    (TRAIN + ["--augment", "crop"], "--augment crop does nothing for --model tiny"),
+    (["train", "--model", "resnet18", "--data", "digits", "--steps", "1", "--nproc", "1", "--packing", "concat"],
+     "--packing concat does nothing for --model resnet18 (resnet models do not read it)"),
+    (["train", "--model", "resnet18", "--data", "digits", "--steps", "1", "--nproc", "1", "--prompt", "x"],
+     "--prompt x does nothing for --model resnet18"),
+])
+def test_a_flag_that_does_not_apply_is_refused_not_ignored(capsys, tmp_path, monkeypatch, argv, says):
+    monkeypatch.chdir(tmp_path)
+    _refused(capsys, argv, says)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_flags_that_apply_are_taken(monkeypatch, tmp_path):
+    """The same flags where they mean something pass the check (nothing is started)."""
+    import plait.runtime.launch as launch
+
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: 0)
+    monkeypatch.chdir(tmp_path)
+    base = ["train", "--model", "tiny", "--steps", "1", "--nproc", "2"]
+    for extra in (["--cp", "2", "--cp-kind", "ulysses"], ["--zero", "3", "--prefetch", "2"],
+                  ["--pp", "2", "--schedule", "gpipe", "--grad-accum", "2"], ["--dp", "2", "--reduce-dtype", "bf16"],
+                  ["--save-every", "1", "--keep-checkpoints", "5", "--async-save"],
+                  ["--max-restarts", "1", "--min-nproc", "1"]):
+        assert main(base + extra) == 0, extra

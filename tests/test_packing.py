@@ -232,3 +232,21 @@ def test_plait_eval_equals_transformers_loss_on_each_document_alone(llama_and_co
         result = json.loads(proc.stdout.strip().splitlines()[-1])
         assert result["tokens"] == count and result["documents"] == len(records)
         assert abs(result["loss"] - expected) < 1e-5 * expected, (layout, result, expected)
+
+
+def test_packed_training_resumes_exactly_after_an_epoch(tmp_path):
+    from tests.worldlib import run_losses
+
+    rows = [{"prompt": f"q{i} " * (1 + i % 4), "completion": f" a{i}" * (1 + i % 3)} for i in range(24)]
+    prepare("bytes", str(_jsonl(tmp_path / "c.jsonl", rows)), str(tmp_path / "c"))
+    common = ["--data", str(tmp_path / "c"), "--model", "tiny", "--steps", "6", "--seq-len", "32", "--micro-batch",
+              "4", "--nproc", "1", "--eval-every", "0", "--eval-samples", "2", "--sample-tokens", "0"]
+    whole = run_plait("train", *common, "--save-every", "4", "--out", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    resumed = run_plait("train", *common, "--out", str(tmp_path / "resumed"),
+                        "--resume", str(tmp_path / "whole" / "checkpoints" / "step-00000004"))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert run_losses(tmp_path / "resumed") == run_losses(tmp_path / "whole")[4:]
+    tokens = map_tokens(str(tmp_path / "c"))
+    train, _ = train_val_split(tokens, 32, seed=0, packing=Packing("best-fit", True))
+    assert 4 <= train.num_samples < 16, train.num_samples  # so the resume crosses an epoch's end

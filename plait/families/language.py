@@ -13,6 +13,9 @@ from plait.errors import PlaitError
 from plait.models.gpt.config import GPTConfig
 from plait.rules import check_context_split, check_pipeline_cut, parse_stage_layers
 
+# What a language model reads of the settings only some families read (plait.train.config.applies).
+LANGUAGE_READS = frozenset({"packing", "doc_mask", "prompt"})
+
 
 def check_language_run(config: Any, shape: GPTConfig) -> None:
     """--seq-len within the model's positions, tp splitting its heads and widths (and the

@@ -41,6 +41,9 @@ class Family:
     resolve: Callable[[Any], Any] = _unchanged  # config -> config, e.g. the vocabulary following the data
     shape: Callable[[str], Any] = _no_shape  # `--model` -> the estimator's shape (a GPTConfig), or None
     memory: Callable[[Any, Any], float] | None = None  # (config, layout) -> estimated bytes per rank (--memory-limit)
+    # The settings only some families read (plait.train.config.applies: FAMILY_FIELDS) that this
+    # one does: another given a value is refused. None: the family reads them all.
+    reads: frozenset[str] | None = None
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():

@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 from plait.errors import PlaitError
-from plait.families.language import check_language_run, estimated_memory
+from plait.families.language import LANGUAGE_READS, check_language_run, estimated_memory
 from plait.families.record import Family
 from plait.rules import check_experts_split
 from plait.models.gpt.config import PRESETS, TRAINABLE, GPTConfig, get_preset, preset_name
@@ -54,4 +54,5 @@ def shape(model: str) -> GPTConfig:
 FAMILY = Family(
     name="gpt", models=f"plait's GPT: {', '.join(TRAINABLE)} (e.g. tiny,n_layers=4; "
                        f"shape-only for plait estimate: {', '.join(p for p in PRESETS if p not in TRAINABLE)})",
-    matches=matches, task=task, check=check, resolve=resolve, shape=shape, memory=estimated_memory(shape))
+    matches=matches, task=task, check=check, resolve=resolve, shape=shape, memory=estimated_memory(shape),
+    reads=LANGUAGE_READS)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from plait.families.language import check_corpus, check_language_run, estimated_memory
+from plait.families.language import LANGUAGE_READS, check_corpus, check_language_run, estimated_memory
 from plait.families.record import Family
 from plait.models.hf.config import PREFIX, is_hf, read_hf_dir
 
@@ -49,4 +49,4 @@ def shape(model: str) -> Any:
 
 FAMILY = Family(name="hf", models=f"{PREFIX}DIR, a local Hugging Face causal LM (config.json; weights and "
                                   "tokenizer.json optional)",
-                matches=is_hf, task=task, check=check, shape=shape, memory=estimated_memory(shape))
+                matches=is_hf, task=task, check=check, shape=shape, memory=estimated_memory(shape), reads=LANGUAGE_READS)

@@ -37,4 +37,4 @@ def task(config: Any) -> Any:
 
 
 FAMILY = Family(name="resnet", models=f"ResNets on images: {', '.join(PRESETS)} (e.g. resnet18,width=16)",
-                matches=is_resnet, task=task, check=check)
+                matches=is_resnet, task=task, check=check, reads=frozenset({"augment", "sync_bn"}))

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from plait import rules
 from plait.errors import PlaitError
 from plait.layout import Layout
+from plait.train.config.applies import check_applies
 from plait.train.config.check import check_values, parse_bytes
 from plait.train.checkpoint.elastic import fit_world
 from plait.train.checkpoint.restart import has_checkpoint, resolve, resolve_auto
@@ -264,6 +265,7 @@ def validate(config: TrainConfig, family: FamilyChecks, *, local_limit: int | No
         check_local_nproc(config.nproc, local_limit)
     check_strategies(config)
     family.check(config)
+    check_applies(config, family)
     if config.memory_limit:
         from plait.train.config.memory_limit import check_memory_limit
 
