@@ -71,3 +71,29 @@ def test_backend_choice():
     assert "under mpirun" in err.value.hint
     with pytest.raises(PlaitError, match="unknown backend 'tcp'"):
         choose_backend("tcp", cuda_available=False, mpi_available=False)
+
+
+def test_the_spawners_ranks_meet_through_the_worlds_file_and_others_through_the_master():
+    spawned = detect({"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "1234", "PLAIT_SPAWNED": "1",
+                      "PLAIT_STORE_FILE": "/tmp/world/store"})
+    assert spawned.init_method == "file:///tmp/world/store"
+    torchrun = detect({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234",
+                       "PLAIT_STORE_FILE": "/tmp/world/store"})  # not plait's spawner: its variable is not read
+    assert torchrun.init_method == "tcp://10.0.0.1:1234"
+
+
+def test_four_spawned_jobs_on_one_machine_at_once_never_collide(tmp_path):
+    """Each world meets through its own file, not a port picked free and released before its
+    rank 0 binds it (another job could take it in between: EADDRINUSE)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.worldlib import run_plait
+
+    def job(k: int) -> int:
+        return run_plait("train", "--model", "tiny", "--steps", "2", "--nproc", "2", "--seq-len", "32",
+                         "--sample-tokens", "0", "--eval-every", "0", "--no-report", "--out", str(tmp_path / f"job{k}"),
+                         timeout=300).returncode
+
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(job, range(4))) == [0, 0, 0, 0]
+    assert all((tmp_path / f"job{k}" / "summary.json").is_file() for k in range(4))

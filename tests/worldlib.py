@@ -109,14 +109,16 @@ class Pool:
                   timeout: float) -> subprocess.CompletedProcess:
         """What `plait launch --nproc N script args` does for a world that succeeds: the ranks
         with the spawner's variables, stopped all when one fails (its exit code is the world's)."""
-        from plait.runtime.launch import free_port, rank_env
+        from plait.runtime.env import STORE_ENV
+        from plait.runtime.launch import STORE_NAME, free_port, rank_env
 
         logs = self._logs()
         port, faults = free_port(), str(logs / "faults")  # removed with the pool's directory
         os.mkdir(faults)
         pids = []
         for rank in range(nproc):
-            rank_vars = {**rank_env(rank, nproc, port), **env, "PLAIT_FAULT_DIR": faults, "PLAIT_RESTART": "0"}
+            rank_vars = {**rank_env(rank, nproc, port), **env, "PLAIT_FAULT_DIR": faults, "PLAIT_RESTART": "0",
+                         STORE_ENV: os.path.join(faults, STORE_NAME)}
             pids.append(self.ask({"command": [sys.executable, script, *args], "env": rank_vars, "cwd": str(ROOT),
                                   "log": str(logs / f"rank{rank}")})["pid"])
         return self._finish([script, *args], pids, logs, [f"rank{r}" for r in range(nproc)], timeout)

@@ -30,10 +30,21 @@ class ProcessEnv:
     local_rank: int
     master_addr: str
     master_port: int
+    # plait's own spawner: a file in the world's own directory the ranks meet through (torch's
+    # FileStore), so no port is picked, released and handed on for another job to take first.
+    store_file: str = ""
+
+    @property
+    def init_method(self) -> str:
+        """Where the ranks meet: the world's store file, or the master's TCP address."""
+        return f"file://{self.store_file}" if self.store_file else f"tcp://{self.master_addr}:{self.master_port}"
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+
+STORE_ENV = "PLAIT_STORE_FILE"  # the spawner's per-world rendezvous file (ProcessEnv.store_file)
 
 
 def detect(environ: Mapping[str, str] | None = None) -> ProcessEnv:
@@ -78,6 +89,7 @@ def _from_torchrun(env: Mapping[str, str], launcher: str) -> ProcessEnv:
         local_rank=_int(env, "LOCAL_RANK", 0),
         master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
         master_port=_int(env, "MASTER_PORT", DEFAULT_PORT),
+        store_file=env.get(STORE_ENV, "") if launcher == "spawn" else "",
     )
 
 

@@ -1,8 +1,10 @@
 """plait's own local spawner: start N copies of a command as one job, and never hang.
 
-It does what torchrun's simplest mode does, without importing torch: pick a free port, start
-N processes with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT set, and watch
-them. When one exits with an error, the others are stopped at once (they would otherwise
+It does what torchrun's simplest mode does, without importing torch: start N processes with
+RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT set, and watch them. The ranks meet
+through a file in the world's own directory (PLAIT_STORE_FILE: torch's FileStore), not a TCP
+port: a port picked free, released and handed on could be taken by another job in between,
+so two spawners on one machine never collide. When one exits with an error, the others are stopped at once (they would otherwise
 wait forever in a collective), and the job exits with that rank's code.
 
 A rank whose collective failed leaves a note in a scratch folder (PLAIT_FAULT_DIR): what
@@ -41,8 +43,10 @@ from pathlib import Path
 
 from plait.errors import EXIT_INPUT, EXIT_PREEMPTED, PlaitError
 from plait.runtime import console
+from plait.runtime.env import STORE_ENV
 
 POLL_S = 0.05
+STORE_NAME = "store"  # the world's rendezvous file, in its own directory (a restart gets a fresh one)
 REPORT_S = 8.0  # how long the other ranks may take to report a failed collective
 RESTART_ENV = "PLAIT_RESTART"  # how many restarts came before this world (0: the first)
 
@@ -131,9 +135,9 @@ def _run_world(command: Sequence[str], nproc: int, attempt: int,
                live: list[subprocess.Popen]) -> tuple[int, bool, set[int]]:
     """One world, from start to its end: (exit code, whether a restart could help, the ranks
     that failed first)."""
-    port = free_port()
+    port = free_port()  # read by what ranks run (MASTER_PORT), not by their rendezvous: the store file
     faults = Path(tempfile.mkdtemp(prefix="plait-faults-"))
-    extra = {"PLAIT_FAULT_DIR": str(faults), RESTART_ENV: str(attempt)}
+    extra = {"PLAIT_FAULT_DIR": str(faults), RESTART_ENV: str(attempt), STORE_ENV: str(faults / STORE_NAME)}
     procs = [subprocess.Popen(list(command), env={**rank_env(rank, nproc, port), **extra}) for rank in range(nproc)]
     live[:] = procs
     try:

@@ -116,7 +116,7 @@ def init_mesh(layout: Layout | None = None, *, backend: str | None = None, timeo
     chosen = choose_backend(backend, torch.cuda.is_available(), dist.is_mpi_available())
     if not dist.is_initialized():
         dist.init_process_group(
-            backend=chosen, init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            backend=chosen, init_method=env.init_method,
             rank=env.rank, world_size=env.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )

@@ -265,7 +265,6 @@ def validate(config: TrainConfig, family: FamilyChecks, *, local_limit: int | No
         check_local_nproc(config.nproc, local_limit)
     check_strategies(config)
     family.check(config)
-    check_applies(config, family)
     if config.memory_limit:
         from plait.train.config.memory_limit import check_memory_limit
 
@@ -279,6 +278,7 @@ def validate(config: TrainConfig, family: FamilyChecks, *, local_limit: int | No
     parse_bytes(config.max_shard_size)
     if config.resume:
         resolve(config.resume)  # fails now, with the reason, if there is nothing to resume
+    check_applies(config, family)  # after the specific refusals (they name the fix better), before --out is made
     check_writable(config.out)
     check_fresh_out(config)
     check_prompt(config.prompt, config.sample_tokens)
