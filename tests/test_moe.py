@@ -78,6 +78,25 @@ def test_a_capacity_factor_drops_and_counts_what_exceeds_it() -> None:
     assert moe.dropped.item() == 6
 
 
+def test_evaluation_routes_every_token_so_no_grouping_or_padding_changes_a_score() -> None:
+    """Held-out samples are dealt over dp and short micro-batches padded: under a capacity
+    factor, the tokens sharing a forward would change what is dropped. In eval mode nothing
+    is, so each sample's output is its own whatever rides beside it; training still drops."""
+    torch.manual_seed(0)
+    moe = MoE(get_preset("tiny-moe", capacity_factor=0.5))
+    for param in moe.parameters():
+        torch.nn.init.normal_(param, std=0.2)
+    x = torch.randn(2, 8, moe.gate.in_features)
+    pad = x[:1].expand(3, -1, -1)  # copies of sample 0, as evaluation pads
+    moe.eval()
+    with torch.no_grad():
+        alone, padded = moe(x), moe(torch.cat([x, pad]))[:2]
+    torch.testing.assert_close(padded, alone, rtol=1e-5, atol=1e-5)
+    moe.train()
+    with torch.no_grad():
+        assert (moe(x) - moe(torch.cat([x, pad]))[:2]).abs().max() > 1e-2  # the capacity binds in training
+
+
 def test_the_parameter_counts_follow_the_experts() -> None:
     config = get_preset("tiny-moe")
     model = build_gpt(config, 0)
@@ -187,3 +206,12 @@ def test_plait_plan_proposes_expert_parallelism_for_a_mixture_of_experts() -> No
     assert split["step_s"] <= best["step_s"] * 1.01 and split["memory_bytes"] < best["memory_bytes"]
     assert all(r["ep"] == 1 or (r["dp"] % r["ep"] == 0 and 8 % r["ep"] == 0 and r["tp"] == 1) for r in rows)
     assert all(r["ep"] == 1 for r in plan(get_preset("small"), gpus=4, global_batch=8, seq_len=256))
+
+
+def test_a_capacity_factor_under_cp_is_refused_before_spawning() -> None:
+    from plait.families import family_of
+    from plait.train.config.settings import build_config, validate
+
+    config = build_config({}, {"model": "tiny-moe,capacity_factor=1.0", "cp": "2", "nproc": "2"}, family_of)
+    with pytest.raises(PlaitError, match="under cp 2 a rank holds part of each sequence"):
+        validate(config, family_of(config))

@@ -39,6 +39,10 @@ def check(config: Any) -> None:
                          hint="drop mlp_matrices (or set it to 3) to train; train a two-matrix model as hf:DIR")
     check_language_run(config, shape)
     check_experts_split(shape.experts, config.ep)
+    if shape.is_moe and shape.capacity_factor > 0 and config.cp > 1:
+        raise PlaitError(f"--model {config.model}: an expert's capacity counts the tokens of one forward, and under "
+                         f"cp {config.cp} a rank holds part of each sequence, so it would drop other tokens than one "
+                         "process", hint="drop --cp, or train dropless (capacity_factor=0)")
 
 
 def task(config: Any) -> Any:

@@ -24,8 +24,12 @@ Two routers (`GPTConfig.router`):
   hooks call with the counts summed over the data ranks).
 
 Dropless by default. With a capacity factor, an expert takes at most
-ceil(factor · tokens · top_k / experts) assignments of a forward; the rest get weight 0
-(they still pass through the expert, and add nothing) and are counted as dropped.
+ceil(factor · tokens · top_k / experts) assignments of a training forward; the rest get weight
+0 (they still pass through the expert, and add nothing) and are counted as dropped. In eval
+mode every token is routed: which tokens share a forward (the held-out samples dealt over dp,
+a short micro-batch's padding) would otherwise change what is dropped, and the score with it.
+Training's forwards hold the same samples on every layout (the layout-free sampler), so
+their drops are the same.
 """
 
 from __future__ import annotations
@@ -197,7 +201,7 @@ class MoE(RoutingCounts):
         scores = self.gate(flat)
         scores = scores.to(torch.promote_types(scores.dtype, torch.float32))  # 16-bit weights route in fp32
         index, weight, probs = self.route(scores)
-        if self.capacity_factor > 0:
+        if self.capacity_factor > 0 and self.training:
             weight = self._drop_over_capacity(index, weight)
         out = self.experts(flat, index, weight.to(x.dtype)).view(batch, seq, d)
         if self.shared_expert is not None:
