@@ -78,3 +78,15 @@ def test_a_linear_subclass_with_its_own_forward_is_refused_for_column_and_row() 
         with pytest.raises(PlaitError, match=r"0 is a Scaled, whose forward does more than nn.Linear's"):
             resolve_plan(model, {"0": style})
     assert resolve_plan(model, {"1": "row"}) == {"1": "row"}
+
+
+def test_a_lone_ranks_failure_in_the_probe_ends_every_rank_at_once(tmp_path) -> None:
+    """Not after the collective timeout (120 s here) that the other rank would wait out."""
+    import time
+
+    start = time.perf_counter()
+    proc, _ = run_world("probe_lone.py", 2, tmp_path, expect_ok=False, timeout=200)
+    seconds = time.perf_counter() - start
+    assert proc.returncode != 0 and seconds < 60, (proc.returncode, seconds)
+    assert "RuntimeError: a fault of rank 1's split MLP" in proc.stderr, proc.stderr[-1500:]
+    assert "fails on a probe of 8 tokens in blocks.0" in proc.stderr

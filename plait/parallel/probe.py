@@ -18,7 +18,8 @@ probe batch of a few tokens before tensor, expert and context parallelism touch 
   over tp is the whole model's gradient and nothing sums it, plait sums it (a measured fix,
   logged); a gradient that differs otherwise is refused;
 - the ranks agree on the verdict (one all-reduce), so every rank refuses with the same one
-  line, or none does.
+  line, or none does; a rank whose split model raises refuses at once instead (the others
+  may be waiting in a collective of that forward): it ends, and the launcher stops the rest.
 
 The probe costs one forward and backward of the whole model and of the split model, on
 `PROBE_TOKENS` tokens (more when cp or SP must divide them), without dropout, compilation or
@@ -130,8 +131,13 @@ def check(model: nn.Module, probe: Probe | None, world: Axis, *, tp: Axis, sp: b
         worst = relative_error(final, views.local(probe.final, final) if final is not None else None)
         first = NOT_FOUND if worst <= tolerance(probe.dtype) else _first_different(probe, outputs, views)
     except Exception as error:  # noqa: BLE001 - any failure of the split model is a verdict
+        # Refused here, not after agreeing: the other ranks may be inside a collective of the
+        # forward this rank left, and would wait for it until the timeout. The rank ends with
+        # its one line; the launcher then stops the others at once.
         failed.append(f"{type(error).__name__}: {first_line(error)}")
         first = _index_of(failed[0], probe.order) if len(failed) > 1 else len(probe.order)
+        world.ledger.move_since(before, SETUP)
+        raise _refusal(model, probe, first, failed, what) from None
     # one max over the world: the least index, the worst flag of each parameter
     verdict = torch.cat([torch.tensor([-first]), flags]).to(device)
     comm.all_reduce(verdict, world, op="max", purpose=comm.CONTROL)
