@@ -11,8 +11,11 @@ probe batch of a few tokens before tensor, expert and context parallelism touch 
   split's tolerance (probe_views.TOLERANCE, by the model's dtype);
 - where it differs, or the split model raises, the module whose output first differs (or
   that raised) is found from every module's output, in the order the whole model ran them;
-- the gradients of the small parameters (norms, biases, learned scalars: up to
-  `SMALL_PARAMETER` elements) of a fixed random weighing of the output are compared too. A
+- the gradients of every parameter the split leaves whole, of a fixed random weighing of the
+  output, are compared too: a small one (norms, biases, learned scalars: up to
+  `SMALL_PARAMETER` elements) element by element, a larger one (an embedding or a head left
+  whole) through `PROJECTIONS` fixed random ±1 projections, so that any difference moves
+  them and none escapes while no large gradient is kept or moved whole. A
   replicated parameter acting on a split activation (Apertus's learned activation scalars
   after a column-split projection) gets a partial gradient on each tp rank: where their sum
   over tp is the whole model's gradient and nothing sums it, plait sums it (a measured fix,
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import zlib
 import math
 import time
 from collections.abc import Iterator
@@ -52,7 +56,9 @@ from plait.runtime.comm import Axis
 log = logging.getLogger(__name__)
 
 PROBE_TOKENS = 8
-SMALL_PARAMETER = 1 << 22  # gradients compared for parameters up to this size (norms, biases, scalars)
+SMALL_PARAMETER = 1 << 22  # gradients compared element by element up to this size (norms, biases, scalars)
+PROJECTIONS = 4  # a larger parameter's gradient is compared through this many random ±1 projections
+PROJECTION_CHUNK = 1 << 20  # elements projected at a time
 GRADIENT_FLOOR = 1e-3  # of the largest small gradient: below it, a gradient is rounding noise
 SETUP = comm.SETUP  # the ledger's purpose for what the probe sends
 NOT_FOUND = 1 << 30
@@ -69,7 +75,8 @@ class Probe:
     outputs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     final: torch.Tensor | None = None
     weights: torch.Tensor | None = None  # the fixed weights of the output whose gradient is taken
-    grads: dict[str, torch.Tensor] = field(default_factory=dict)  # small parameters' gradients, by name
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)  # gradients (or projections: `signature`), by name
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # each compared parameter's shape
     dtype: torch.dtype = torch.float32  # the model's: what its outputs' rounding is measured against
     seconds: float = 0.0
 
@@ -93,14 +100,14 @@ def record(model: nn.Module, adapter: Any, tokens: int) -> Probe | None:
     start = time.perf_counter()
     probe = Probe(inputs=make(model, tokens), tokens=tokens, dtype=dtype_of(model))
     probe.kinds = {name or "(the model)": type(module).__name__ for name, module in model.named_modules()}
-    small = {name: param for name, param in model.named_parameters()
-             if param.requires_grad and param.numel() <= SMALL_PARAMETER}
-    with _watching(model, probe.order, probe.outputs), quiet(model, grad=bool(small)):
+    trained = {name: param for name, param in model.named_parameters() if param.requires_grad}
+    with _watching(model, probe.order, probe.outputs), quiet(model, grad=bool(trained)):
         final = _output(model(*probe.inputs[0], **probe.inputs[1]))
         if final is not None and final.requires_grad:
             probe.weights = torch.randn(final.shape, generator=torch.Generator().manual_seed(0))
-            grads = torch.autograd.grad(_weighted(final, probe.weights), list(small.values()), allow_unused=True)
-            probe.grads = {name: _plain(grad, param) for (name, param), grad in zip(small.items(), grads)}
+            grads = torch.autograd.grad(_weighted(final, probe.weights), list(trained.values()), allow_unused=True)
+            probe.grads = {name: signature(grad, param, name) for (name, param), grad in zip(trained.items(), grads)}
+            probe.shapes = {name: tuple(param.shape) for name, param in trained.items()}
     probe.final = final.detach() if final is not None else None
     probe.seconds = time.perf_counter() - start
     return probe
@@ -164,21 +171,24 @@ def _grad_flags(model: nn.Module, probe: Probe, final: torch.Tensor | None, view
     if weights is None or not final.requires_grad:
         return flags
     params = dict(model.named_parameters())
-    names = [name for name, whole in probe.grads.items()
-             if name in params and params[name].requires_grad and params[name].shape == whole.shape]
-    if not names:  # every small parameter was split (or there are none): the output says it all
+    names = [name for name in probe.grads
+             if name in params and params[name].requires_grad and tuple(params[name].shape) == probe.shapes[name]]
+    if not names:  # every parameter was split (or there are none): the output says it all
         return flags
     grads = torch.autograd.grad(_weighted(final, weights), [params[name] for name in names], allow_unused=True)
-    mine = [_plain(grad, params[name]) for name, grad in zip(names, grads)]
+    mine = [signature(grad, params[name], name) for name, grad in zip(names, grads)]
     if views.context is not None:  # each cp rank holds some tokens: their sum is the whole batch's
         mine = _summed(mine, views.context.axis, views.device)
     summed = _summed(mine, views.tp, views.device) if views.tp.size > 1 else mine
     index = {name: i for i, name in enumerate(probe.grads)}
     # a gradient that is 0 in theory (a key bias: softmax ignores a constant shift) is rounding
-    # noise in both runs: errors are measured against a floor of the gradients' own scale
-    floor = GRADIENT_FLOOR * max((grad.abs().max().item() for grad in probe.grads.values()), default=0.0)
+    # noise in both runs: errors are measured against a floor of the gradients' own scale (the
+    # elements', and the projections' apart: a projection adds up a whole gradient)
+    floors = {projected: GRADIENT_FLOOR * max((grad.abs().max().item() for name, grad in probe.grads.items()
+                                               if _projected(probe, name) == projected), default=0.0)
+              for projected in (False, True)}
     for name, local, total in zip(names, mine, summed):
-        whole, bar = probe.grads[name], tolerance(probe.dtype)
+        whole, bar, floor = probe.grads[name], tolerance(probe.dtype), floors[_projected(probe, name)]
         if relative_error(local, whole, floor) > bar:
             flags[index[name]] = PARTIAL if relative_error(total, whole, floor) <= bar else DIFFERENT
     return flags
@@ -210,6 +220,37 @@ def _weighted(output: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 def _plain(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor:
     return torch.zeros(param.shape) if grad is None else grad.detach().float().cpu()
+
+
+def signature(grad: torch.Tensor | None, param: torch.Tensor, name: str) -> torch.Tensor:
+    """A parameter's gradient as the probe compares it: whole up to SMALL_PARAMETER elements,
+    else its PROJECTIONS projections onto fixed pseudo-random ±1 vectors (seeded by the name,
+    made on the gradient's device a chunk at a time): linear, so a tp sum of partial gradients
+    is the sum of their projections, and any difference moves them."""
+    if param.numel() <= SMALL_PARAMETER:
+        return _plain(grad, param)
+    if grad is None:
+        return torch.zeros(PROJECTIONS, dtype=torch.float64)
+    flat = grad.detach().reshape(-1)
+    keys = torch.arange(PROJECTIONS, device=flat.device, dtype=torch.int64) * 7919 + zlib.crc32(name.encode()) % 65521
+    out = torch.zeros(PROJECTIONS, dtype=torch.float64, device=flat.device)
+    for start in range(0, flat.numel(), PROJECTION_CHUNK):
+        piece = flat[start:start + PROJECTION_CHUNK].double()
+        index = torch.arange(start, start + piece.numel(), device=flat.device, dtype=torch.int64)
+        out += _signs(index, keys) @ piece
+    return out.cpu()
+
+
+def _signs(index: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """(keys, index) of ±1 from an integer hash (every product stays below 2^63)."""
+    x = (index[None, :] % (1 << 31) * 1103515245 + index[None, :] // (1 << 31) + keys[:, None] * 12345) & 0x7FFFFFFF
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & 0x7FFFFFFF
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & 0x7FFFFFFF
+    return ((x ^ (x >> 16)) & 1).double() * 2 - 1
+
+
+def _projected(probe: Probe, name: str) -> bool:
+    return math.prod(probe.shapes[name]) > SMALL_PARAMETER
 
 
 def _summed(tensors: list[torch.Tensor], axis: Axis, device: torch.device) -> list[torch.Tensor]:

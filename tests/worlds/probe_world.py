@@ -103,6 +103,11 @@ def main() -> None:
     declared = adapter_for(llama).tensor_plan(llama, 2, False)  # in plait's styles
     summed_twice = {**declared, f"{layers}.input_layernorm": "grad_sum"}  # a whole norm's gradient summed over tp
     report["defect"]["llama-grad"] = attempt(lambda: hf("llama"), dict(tp=2), summed_twice)
+    import plait.parallel.probe as probe
+
+    with planted(probe, "SMALL_PARAMETER", 0):  # every gradient compared through its projections
+        report["defect"]["llama-grad-projected"] = attempt(lambda: hf("llama"), dict(tp=2), summed_twice)
+        report["clean"]["llama-tp-projected"] = attempt(lambda: hf("llama"), dict(tp=2))
     save_report(report)
 
 
