@@ -215,3 +215,23 @@ def test_a_capacity_factor_under_cp_is_refused_before_spawning() -> None:
     config = build_config({}, {"model": "tiny-moe,capacity_factor=1.0", "cp": "2", "nproc": "2"}, family_of)
     with pytest.raises(PlaitError, match="under cp 2 a rank holds part of each sequence"):
         validate(config, family_of(config))
+
+
+def test_an_ep_plan_plait_cannot_split_is_refused_only_when_the_run_splits_experts(tmp_path: Path) -> None:
+    """A transformers MoE declaring a style plait does not split trains on one process (its
+    routing left uncounted) and is refused, in one line, at ep 2."""
+    transformers = pytest.importorskip("transformers")
+    from dataclasses import replace
+
+    from plait.families.hf.task import HFTask
+    from plait.train.config.settings import TrainConfig
+
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2)
+    config.base_model_ep_plan = {"layers.*.mlp.gate": "ep_router"}
+    config.save_pretrained(tmp_path / "mixtral")
+    run = TrainConfig(model=f"hf:{tmp_path / 'mixtral'}", nproc=1)
+    model = HFTask(run).build_model(0)
+    assert sum(p.numel() for p in model.parameters()) > 0
+    with pytest.raises(PlaitError, match="uses 'ep_router', which plait does not split"):
+        HFTask(replace(run, ep=2, dp=2, nproc=2)).build_model(0)

@@ -323,3 +323,36 @@ def test_calibrate_command_writes_a_file_estimate_reads(tmp_path: Path) -> None:
     proc = run_plait("estimate", "--model", "tiny", "--dp", "2", "--precision", "fp32", "--micro-batch", "8",
                      "--seq-len", "128", "--hardware-file", str(out), "--json")
     assert json.loads(proc.stdout)["layout"]["hardware"] == hw.name
+
+
+def test_a_calibration_taken_on_a_busy_machine_is_not_cached_and_is_named(tmp_path: Path, monkeypatch) -> None:
+    """Repeats of a GEMM's timing half a median apart (measured: 1.3-3x under two CPU burners,
+    under 0.2 when quiet): the profile serves this run, says so, and is not cached."""
+    from types import SimpleNamespace
+
+    import plait.bench.calibrate as cal
+    from plait.bench.machine import cache_path, machine_facts
+    from plait.runtime.mesh import init_mesh
+    from plait.train.config.settings import TrainConfig
+    from plait.train.observe.timing import run_hardware
+
+    monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("PLAIT_CALIBRATION", raising=False)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    measure = cal.measure_gemms
+
+    def busy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        cal.SPREADS.add([0.010, 0.011, 0.030, 0.031])  # a burner took the core half the time
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(cal, "measure_gemms", busy)
+    mesh = init_mesh()
+    trainer = SimpleNamespace(config=TrainConfig(model="tiny", micro_batch=2, seq_len=32), mesh=mesh,
+                              task=SimpleNamespace(calibration_shape=lambda: (get_preset("tiny"), 32)))
+    hw, source = run_hardware(trainer)
+    assert source.startswith("a NOISY calibration (repeats of one timing") and "not cached" in source, source
+    assert hw.name.startswith("calibrated") and not cache_path(machine_facts(mesh)).exists()
+    monkeypatch.setattr(cal, "measure_gemms", measure)
+    assert run_hardware(trainer)[1].startswith("quick calibration")  # quiet again: measured and cached
+    assert cache_path(machine_facts(mesh)).exists()

@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from collections.abc import Callable, Collection, Iterable
@@ -79,12 +80,16 @@ class Pool:
         self.sock.connect(path)
         self.stream = self.sock.makefile("rw")
         self.runs = 0
+        self.lock = threading.Lock()  # one request and its answer at a time: tests may run commands from threads
         atexit.register(self.close)
+
+    _starting = threading.Lock()
 
     @classmethod
     def get(cls) -> "Pool":
-        if cls._instance is None:
-            cls._instance = Pool()
+        with cls._starting:
+            if cls._instance is None:
+                cls._instance = Pool()
         return cls._instance
 
     @classmethod
@@ -101,9 +106,10 @@ class Pool:
         return all(env.get(k) == self.env.get(k) for k in names)
 
     def ask(self, request: dict[str, Any]) -> dict[str, Any]:
-        self.stream.write(json.dumps(request) + "\n")
-        self.stream.flush()
-        return json.loads(self.stream.readline())
+        with self.lock:
+            self.stream.write(json.dumps(request) + "\n")
+            self.stream.flush()
+            return json.loads(self.stream.readline())
 
     def run_world(self, script: str, args: list[str], nproc: int, env: dict[str, str],
                   timeout: float) -> subprocess.CompletedProcess:
@@ -132,8 +138,9 @@ class Pool:
         return self._finish(command, [pid], logs, ["plait"], timeout)
 
     def _logs(self) -> Path:
-        self.runs += 1
-        logs = self.dir / f"run{self.runs}"
+        with self.lock:
+            self.runs += 1
+            logs = self.dir / f"run{self.runs}"
         logs.mkdir()
         return logs
 

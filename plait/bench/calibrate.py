@@ -55,6 +55,30 @@ from plait.parallel.compose import adamw_kernel
 METHOD_VERSION = 7
 
 
+class Spreads:
+    """How much the repeats of each compute timing (the GEMMs, attention) disagreed, for telling
+    a busy machine's calibration from a quiet one's: the spread of their middle half over their
+    median, for every timing long enough to mean it (one slow repeat, a page fault or a
+    collection, moves none)."""
+
+    MIN_S = 1e-3  # shorter timings jitter on any machine
+
+    def __init__(self) -> None:
+        self.seen: list[float] = []
+
+    def add(self, times: list[float]) -> None:
+        middle = statistics.median(times)
+        if len(times) >= 3 and middle >= self.MIN_S:
+            low, _, high = statistics.quantiles(times, n=4, method="inclusive")
+            self.seen.append((high - low) / middle)
+
+    def worst(self) -> float:
+        return max(self.seen, default=0.0)
+
+
+SPREADS = Spreads()  # this process's timings since the calibration began (plait.bench.machine resets it)
+
+
 def _median_s(fn: Callable[[], Any], reps: int) -> float:
     fn()  # warm-up: allocations, kernel selection
     times = []
@@ -65,7 +89,7 @@ def _median_s(fn: Callable[[], Any], reps: int) -> float:
     return statistics.median(times)
 
 
-def _median_rounds(mesh: Mesh, fns: list[Callable[[], Any]], rounds: int) -> list[float]:
+def _median_rounds(mesh: Mesh, fns: list[Callable[[], Any]], rounds: int, watched: bool = False) -> list[float]:
     """Median seconds of each of `fns` over `rounds` passes through all of them, ranks in step.
 
     Interleaving (rather than one shape's repetitions back to back) spreads a passing
@@ -81,6 +105,9 @@ def _median_rounds(mesh: Mesh, fns: list[Callable[[], Any]], rounds: int) -> lis
             start = time.perf_counter()
             fn()
             seen.append(time.perf_counter() - start)
+    if watched:  # the compute timings: two ranks sharing the memory bus spread the bandwidth ones anyway
+        for seen in times:
+            SPREADS.add(seen)
     return [statistics.median(seen) for seen in times]
 
 
@@ -128,7 +155,7 @@ def measure_gemms(mesh: Mesh, gemms: dict[str, Gemm], precision: str, reps: int)
         b = torch.randn(g.k, g.n, dtype=dtype, device=device)
         return _queued(mesh, lambda: torch.mm(a, b))
 
-    times = _slowest(mesh, _median_rounds(mesh, [gemm(g) for g in gemms.values()], reps))
+    times = _slowest(mesh, _median_rounds(mesh, [gemm(g) for g in gemms.values()], reps, watched=True))
     return {key: queue_depth(device) * g.flops / t / 1e12 for (key, g), t in zip(gemms.items(), times)}
 
 
@@ -163,7 +190,7 @@ def measure_attention(mesh: Mesh, config: GPTConfig, micro_batch: int, seq_len: 
         runs.append(_attention_run(mesh, shape, precision))
         flops.append(3 * 4.0 * micro_batch * seq_len * seq_len * heads * config.head_dim)
         out[attention_key(config, micro_batch, seq_len, tp, precision)] = 0.0
-    times = _median_rounds(mesh, runs, reps)
+    times = _median_rounds(mesh, runs, reps, watched=True)
     for key, f, t in zip(list(out), flops, _slowest(mesh, times)):
         out[key] = queue_depth(mesh.device) * f / t / 1e12
     return out

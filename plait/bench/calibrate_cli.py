@@ -65,14 +65,21 @@ def _rank_main(args: argparse.Namespace, config: object, tps: list[int]) -> int:
     mesh = init_mesh(backend=args.backend)
     try:
         set_cpu_threads(mesh.env.world_size)
+        from plait.bench import calibrate as cal
+
+        cal.SPREADS.seen.clear()
         hw = machine.calibrate(mesh, config, micro_batch=args.micro_batch, seq_len=args.seq_len,
                                tp_sizes=tps, precision=args.precision, quick=args.quick)
+        busy = machine.noisy(mesh)
         if mesh.is_main:
             facts = machine.machine_facts(mesh, precision=args.precision)
             machine.save(hw, Path(args.out), facts)
-            if not args.no_cache:
+            if not args.no_cache and not busy:
                 machine.save(hw, machine.cache_path(facts), facts)
             print(describe(hw, args.out), flush=True)
+            if busy:
+                print(f"plait: the machine was busy while measuring ({busy}): {args.out} is written as asked, "
+                      "but not cached as this machine's calibration; measure again when it is quiet", flush=True)
         return 0
     finally:
         mesh.close()

@@ -160,6 +160,7 @@ def machine_hardware(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len
     lacks = _lacks(cached, gemms, attention, op_bytes, streamed)
     need = torch.tensor([float(cached is None), *map(float, lacks)], device=mesh.device)
     comm.all_reduce(need, mesh.axis("world"), op="max", purpose=comm.TELEMETRY)
+    cal.SPREADS.seen.clear()
     if need[0].item():
         hw = calibrate(mesh, config, micro_batch=micro_batch, seq_len=seq_len, tp_sizes=[tp],
                        precision=precision, quick=True, optimizer_kernel=optimizer_kernel)
@@ -170,9 +171,26 @@ def machine_hardware(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len
         source = f"cached calibration {path} (+ what it lacked at this model's sizes)"
     else:
         return cached, f"cached calibration {path}"
+    busy = noisy(mesh)
+    if busy:
+        return hw, f"a NOISY calibration ({busy}), not cached: the prediction rests on a busy machine's timings"
     if mesh.is_main:
         save(hw, path, facts)
     return hw, source
+
+
+NOISY_SPREAD = 0.5  # a timing whose repeats differ by half its median: something else ran
+
+
+def noisy(mesh: Mesh) -> str | None:
+    """Why the calibration just taken cannot be trusted, or None: the repeats of one of its
+    timings (a millisecond or more) disagreed by more than NOISY_SPREAD of their median, on
+    any rank (collective). The timings themselves are the evidence: a load average lags by a
+    minute and counts this job's own ranks."""
+    worst = torch.tensor([cal.SPREADS.worst()], dtype=torch.float64, device=mesh.device)
+    comm.all_reduce(worst, mesh.axis("world"), op="max", purpose=comm.TELEMETRY)
+    spread = worst.item()
+    return f"repeats of one timing {spread:.0%} apart" if spread > NOISY_SPREAD else None
 
 
 def _near(table: tuple[tuple[int, float], ...], size: int) -> bool:

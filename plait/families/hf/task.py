@@ -17,6 +17,7 @@ its exact parameter count is the built model's.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from plait.errors import PlaitError
 from plait.estimate.layout import Workload
 from plait.models.hf.config import COMPANIONS, CONFIG, TOKENIZER, read_hf_dir
 from plait.models.hf.load import measured_shape
@@ -35,6 +37,7 @@ from plait.parallel.seam import logits_of
 from plait.families.gpt.task import LanguageTask
 from plait.train.data.tokens import TextCodec, blend_parts, is_prepared, text_codec
 
+log = logging.getLogger(__name__)
 ATTACHED = "hf"  # the checkpoint's folder for the model directory's files
 
 
@@ -59,7 +62,15 @@ class HFTask(LanguageTask):
 
         model = build_hf_model(self.hf, seed)
         if declared(model, "ep"):  # a mixture of experts: its routing is counted for the report
-            install_routing_stats(model, declared_experts(model, declared(model, "ep")))
+            try:
+                experts = declared_experts(model, declared(model, "ep"))
+            except PlaitError as why:
+                if self.config.ep > 1:
+                    raise
+                # a plan is refused only where the run uses it: without ep, only the counts are lost
+                log.info("the experts' routing is not counted for the report: %s", why.message)
+            else:
+                install_routing_stats(model, experts)
         self.num_params = sum(p.numel() for p in model.parameters())  # a tied head counted once
         return model
 
