@@ -31,8 +31,8 @@ def main(argv: list[str] | None = None) -> int:
             # host first waits a few seconds for the other ranks to read what they need).
             sys.modules["plait.runtime.comm"].settle_after_failure(exc)
             sys.stdout.flush()
-            os._exit(EXIT_INPUT)
-        return EXIT_INPUT
+            os._exit(getattr(exc, "exit_code", EXIT_INPUT))
+        return getattr(exc, "exit_code", EXIT_INPUT)  # bad input, or a stop a restart can mend (EXIT_CORRUPT)
     except Preempted as stop:
         if stop.message:  # said once, by the main rank
             say(f"plait: {stop.message}")

@@ -39,6 +39,7 @@ def check_writable_file(path: str, flag: str) -> None:
 # the docs read them here).
 EXIT_CRASH = 1  # anything else: a bug, or a fault the run did not expect
 EXIT_INPUT = 2  # bad input (a PlaitError): starting again would fail the same way
+EXIT_CORRUPT = 3  # replicas that should be equal are not (--check-replicas): restart from a checked checkpoint
 EXIT_PREEMPTED = 75  # SIGTERM/SIGUSR1 honoured: saved at a step boundary; continue with --resume auto
 # (75 is EX_TEMPFAIL in sysexits.h: a temporary failure, to be retried.)
 

@@ -35,6 +35,7 @@ from plait.parallel.data.sync import no_sync
 from plait.parallel.expert.plan import ExpertHooks, moe_blocks
 from plait.parallel.hooks import StepHooks
 from plait.parallel.packed import loss_tokens, run_model
+from plait.parallel import replicas
 from plait.parallel.pieces import local_pieces
 from plait.parallel.pipeline.runner import PipelineRunner
 from plait.schedule.timeline import timeline_to_dict
@@ -186,6 +187,15 @@ class Executor:
                                                                        device=self.mesh.device)
         comm.broadcast(whole, self.mesh.axis("pp"), src=self.mesh.size("pp") - 1, purpose=comm.TELEMETRY)
         return whole
+
+    # -- replicas ------------------------------------------------------------------------------
+    def check_replicas(self, optimizer: torch.optim.Optimizer, step: int) -> int:
+        """Every block several ranks hold compared by hash (plait.parallel.replicas; collective)."""
+        return replicas.check_replicas(self.model, optimizer, self.mesh, step)
+
+    def flip_bit(self, optimizer: torch.optim.Optimizer) -> str:
+        """--inject bitflip: one bit of this rank's first weight block flipped, in place."""
+        return replicas.flip_bit(self.model, optimizer, self.mesh)
 
     # -- what a run keeps --------------------------------------------------------------------
     def timeline(self) -> dict | None:

@@ -7,6 +7,9 @@ instead while RANK writes the checkpoint of step STEP, after its tensors are in 
 before the checkpoint is published (in the background thread under --async-save).
 
 Read at each step's start; nothing happens unless the variable is set.
+
+`--inject bitflip:rank=R,step=S` (`parse_bitflip`) rehearses silent data corruption instead:
+plait.parallel.replicas flips one bit of a weight, which --check-replicas must catch.
 """
 
 from __future__ import annotations
@@ -60,3 +63,20 @@ def maybe_inject(rank: int, step: int, before: Callable[[], Any] | None = None, 
                 while True:
                     time.sleep(3600)
             os.kill(os.getpid(), sig)
+
+
+def parse_bitflip(spec: str) -> tuple[int, int]:
+    """"bitflip:rank=R,step=S" -> (R, S); one PlaitError otherwise."""
+    try:
+        kind, _, rest = spec.partition(":")
+        fields = dict(item.split("=", 1) for item in rest.split(","))
+        if kind != "bitflip" or set(fields) != {"rank", "step"}:
+            raise ValueError
+        rank, step = int(fields["rank"]), int(fields["step"])
+        if rank < 0 or step < 1:
+            raise ValueError
+    except ValueError:
+        raise PlaitError(f"--inject {spec!r} is not bitflip:rank=R,step=S",
+                         hint="e.g. --inject bitflip:rank=1,step=3 flips one bit of a weight on rank 1 as step 3 "
+                              "begins") from None
+    return rank, step

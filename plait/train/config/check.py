@@ -27,7 +27,7 @@ RANGES: dict[str, tuple[float, float | None, bool]] = {
     "bucket_mb": (0, None, False), "nproc": (1, None, True), "loss_scale": (1, None, True),
     "timeout_s": (0, None, False), "save_every": (0, None, True), "keep_checkpoints": (0, None, True),
     "sample_tokens": (0, 10_000, True), "max_restarts": (0, None, True),
-    "min_nproc": (1, None, True), "prefetch": (0, None, True),
+    "min_nproc": (1, None, True), "prefetch": (0, None, True), "check_replicas": (0, None, True),
 }
 # field: the values it takes (text fields with a fixed set: a typo is refused, never ignored)
 CHOICES: dict[str, tuple[str, ...]] = {

@@ -24,6 +24,7 @@ from plait.train.config.applies import check_applies
 from plait.train.config.check import check_values, parse_bytes
 from plait.train.checkpoint.elastic import fit_world
 from plait.train.checkpoint.restart import has_checkpoint, resolve, resolve_auto
+from plait.runtime.inject import parse_bitflip
 from plait.runtime.launch import check_local_nproc
 
 try:
@@ -128,6 +129,13 @@ class TrainConfig:
     min_nproc: int | None = field(default=None, metadata={
         "help": "with --max-restarts: a rank that fails in two worlds in a row is taken as lost, and the world "
                 "restarts smaller, down to this many processes (dp and --grad-accum follow; default: never smaller)"})
+    check_replicas: int = field(default=0, metadata={
+        "help": "every N steps, and before each checkpoint, the ranks holding copies of a block of weights or "
+                "optimizer state compare a hash of it: a mismatch (silent data corruption) names the ranks and "
+                "stops the run, which --max-restarts resumes from the last checked checkpoint (0: never)"})
+    inject: str = field(default="", metadata={
+        "help": "rehearse a fault: bitflip:rank=R,step=S flips one bit of a weight on rank R as step S begins "
+                "(caught by --check-replicas)"})
     measure: str = field(default="full", metadata={
         "help": "per-step measurement: full (all-rank loss, memory, traffic, pipeline timeline), light "
                 "(this rank's loss and time, no collective), off (time only); first and last steps always full"})
@@ -282,6 +290,8 @@ def validate(config: TrainConfig, family: FamilyChecks, *, local_limit: int | No
     check_writable(config.out)
     check_fresh_out(config)
     check_prompt(config.prompt, config.sample_tokens)
+    if config.inject:
+        parse_bitflip(config.inject)
 
 
 def check_prompt(prompt: str, sample_tokens: int) -> None:

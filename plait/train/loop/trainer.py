@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,9 @@ from plait.parallel.executor import Executor
 from plait.parallel.materialize import Source
 from plait.parallel.precision import StepGuard, param_dtype
 from plait.bench.meter import ActivationMeter, model_state_bytes, peak_process_bytes
-from plait.runtime import comm
+from plait.runtime import comm, console
+from plait.runtime.inject import parse_bitflip
+from plait.runtime.launch import RESTART_ENV
 from plait.runtime.mesh import Mesh
 from plait.train.checkpoint import read as checkpoint_read, write as checkpoint
 from plait.train.config.settings import TrainConfig
@@ -163,7 +166,11 @@ class Trainer:
         self.preemption.install()
         try:
             for step in range(start, self.config.steps):
+                self._maybe_flip_bit(step + 1)
                 record = self.train_step(step)
+                if self._should_check(step + 1):
+                    agreed = self.executor.check_replicas(self.optimizer, step + 1)
+                    log.info("step %d: the %d blocks held by several ranks agree", step + 1, agreed)
                 # A restarted world's steps say so, and which world (elastic restarts) ran them.
                 record.update(restart=self.restarts, world_size=self.mesh.env.world_size,
                               grad_accum=self.config.grad_accum)
@@ -183,6 +190,20 @@ class Trainer:
                              f"{self.config.out} holds none of its metrics: there is nothing to train or report",
                              hint=f"raise --steps to train further, or export it: plait ckpt export "
                                   f"{self.resumed_from} --to FILE.safetensors")
+
+    def _should_check(self, done: int) -> bool:
+        """--check-replicas N: every N steps, and before each checkpoint (a saved one is a checked one)."""
+        every = self.config.check_replicas
+        return every > 0 and (done % every == 0 or self._should_save(done))
+
+    def _maybe_flip_bit(self, step: int) -> None:
+        """--inject bitflip:rank=R,step=S, in the first world only (a restart resumes clean)."""
+        if not self.config.inject or os.environ.get(RESTART_ENV, "0") != "0":
+            return
+        rank, at = parse_bitflip(self.config.inject)
+        if (rank, at) == (self.mesh.env.rank, step):
+            name = self.executor.flip_bit(self.optimizer)
+            console.say(f"plait: injected fault: rank {rank} flips one bit of {name} as step {step} begins")
 
     def _should_evaluate(self, done: int) -> bool:
         every = self.config.eval_every
