@@ -250,3 +250,26 @@ def test_packed_training_resumes_exactly_after_an_epoch(tmp_path):
     tokens = map_tokens(str(tmp_path / "c"))
     train, _ = train_val_split(tokens, 32, seed=0, packing=Packing("best-fit", True))
     assert 4 <= train.num_samples < 16, train.num_samples  # so the resume crosses an epoch's end
+
+
+def test_a_model_that_lets_packed_documents_see_each_other_is_refused(tmp_path):
+    """Qwen3-Next's linear-attention layers carry their state along the sequence whatever the
+    positions say: the check before training finds a packed document scoring otherwise than
+    alone, and --doc-mask is refused in one line (Llama, beside it, passes and trains)."""
+    rows = [{"prompt": f"q{i} ", "completion": f" a{i}"} for i in range(40)]
+    prepare("bytes", str(_jsonl(tmp_path / "c.jsonl", rows)), str(tmp_path / "c"))
+    shape = dict(vocab_size=257, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=8, max_position_embeddings=64)
+    transformers.AutoConfig.for_model(
+        "qwen3_next", **shape, num_hidden_layers=4, num_experts=4, shared_expert_intermediate_size=48,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+        num_experts_per_tok=2, moe_intermediate_size=32).save_pretrained(tmp_path / "qwen3_next")
+    transformers.LlamaConfig(**shape, num_hidden_layers=2).save_pretrained(tmp_path / "llama")
+    common = ["--data", str(tmp_path / "c"), "--steps", "1", "--seq-len", "32", "--micro-batch", "2", "--nproc", "1",
+              "--eval-every", "0", "--eval-samples", "2", "--sample-tokens", "0", "--no-report"]
+    refused = run_plait("train", "--model", f"hf:{tmp_path / 'qwen3_next'}", *common, "--out", str(tmp_path / "q"))
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "--doc-mask: --model hf:" in refused.stderr and "does not keep packed documents apart" in refused.stderr
+    assert "hint: train it with --doc-mask false" in refused.stderr
+    passed = run_plait("train", "--model", f"hf:{tmp_path / 'llama'}", *common, "--out", str(tmp_path / "l"))
+    assert passed.returncode == 0, passed.stderr[-2000:]

@@ -122,6 +122,10 @@ class BlendSplit:
     def per_token(self) -> bool:
         return any(getattr(part, "per_token", False) for part in self.parts)
 
+    @property
+    def doc_mask(self) -> bool:
+        return any(getattr(part, "doc_mask", False) for part in self.parts)
+
     def realised(self, samples: int) -> list[float]:
         """Each corpus's share of the first `samples` samples."""
         counts = self.counts(samples)

@@ -16,8 +16,11 @@ from typing import Any
 
 import torch
 
+from plait.errors import PlaitError
 from plait.parallel.compiled import eager
 from plait.parallel.executor import Executor
+from plait.parallel.packed import IGNORE, Packed
+from plait.parallel.probe_views import dtype_of, relative_error, tolerance
 from plait.runtime import comm
 from plait.runtime.mesh import Mesh
 
@@ -51,6 +54,52 @@ class Inference:
         totals = (rows * real.unsqueeze(-1)).sum(dim=(0, 1))
         comm.all_reduce(totals, self.mesh.axis("dp"), purpose=comm.TELEMETRY)
         return dict(zip(self.task.eval_columns, totals.tolist()))
+
+    @torch.no_grad()
+    @eager()
+    def check_documents(self, seq_len: int, vocab: int) -> float:
+        """--doc-mask's promise, held to the model as it is split, before it trains: three
+        documents packed in one sequence score every token as each document does alone at the
+        start of a sequence. A model that carries state along its sequence whatever the
+        positions say (linear attention), or that ignores position ids, fails it and is
+        refused in one line rather than train on documents that see each other. Returns the
+        relative difference found (collective: every rank runs the same four rows)."""
+        quarter = max(1, seq_len // 4)
+        lengths = [seq_len - 2 * quarter, quarter, quarter]
+        starts = [0, lengths[0], lengths[0] + lengths[1]]
+        ids = torch.randint(0, vocab, (seq_len,), generator=torch.Generator().manual_seed(0))
+        positions = torch.cat([torch.arange(n) for n in lengths])
+        packed_targets = torch.full((seq_len,), IGNORE, dtype=torch.long)
+        batches: list[tuple[Any, torch.Tensor]] = []
+        for start, n in zip(starts, lengths):
+            packed_targets[start:start + n - 1] = ids[start + 1:start + n]
+            alone = torch.cat([ids[start:start + n], ids[:seq_len - n]])  # the document first, anything after
+            targets = torch.full((seq_len,), IGNORE, dtype=torch.long)
+            targets[:n - 1] = ids[start + 1:start + n]
+            batches.append((alone[None], targets[None]))
+        batches.insert(0, (Packed.of(ids[None], positions[None]), packed_targets[None]))
+        batches += batches[-1:] * (-len(batches) % self.executor.eval_multiple)
+        batches = [(x.to(self.mesh.device), t.to(self.mesh.device)) for x, t in batches]
+
+        def losses(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+            return self.loss_fn(outputs, targets, reduction="none").view(targets.shape[0], -1).double()
+
+        self.model.eval()
+        try:
+            rows = self.executor.eval_rows(batches, losses, seq_len)[:, 0].cpu()
+        finally:
+            self.model.train()
+        packed = torch.cat([rows[0, start:start + n - 1] for start, n in zip(starts, lengths)])
+        alone = torch.cat([rows[1 + k, :n - 1] for k, n in enumerate(lengths)])
+        error = relative_error(packed, alone)
+        if error > tolerance(dtype_of(self.model)):
+            raise PlaitError(f"--doc-mask: --model {self.task.config.model} does not keep packed documents apart: on a probe "
+                             f"of 3 documents in one sequence, a document's loss differs from its run alone by "
+                             f"{error:.1e} (relative), as a model that carries state along its sequence (linear "
+                             "attention) or ignores position ids does",
+                             hint="train it with --doc-mask false (its documents then see each other, as with "
+                                  "--packing concat), or train another model")
+        return error
 
     def _eval_batches(self, split: Any) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """(real samples, inputs, targets) of this rank's micro-batches, padded alike on all ranks."""

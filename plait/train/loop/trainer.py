@@ -106,6 +106,8 @@ class Trainer:
                                    ordered=getattr(self.train_split, "ordered", False))
         task.eval_count(self.val_split)  # a held-out split too small to score fails now, not after training
         self.inference = Inference(self.executor, mesh, task, self.loss_fn, config.micro_batch)
+        if getattr(self.train_split, "doc_mask", False):  # packed documents must not see each other: checked
+            self.inference.check_documents(config.seq_len, task.vocab_size)
         self.measure = MeasurePolicy(config.measure, config.steps)
         self.metrics = Metrics(config.out, mesh, self.measure, task.unit,
                                config.global_batch * task.units_per_sample(), tuple(task.metric_labels))
