@@ -273,3 +273,21 @@ def test_a_model_that_lets_packed_documents_see_each_other_is_refused(tmp_path):
     assert "hint: train it with --doc-mask false" in refused.stderr
     passed = run_plait("train", "--model", f"hf:{tmp_path / 'llama'}", *common, "--out", str(tmp_path / "l"))
     assert passed.returncode == 0, passed.stderr[-2000:]
+
+
+def test_the_gpus_flexattention_block_mask_is_the_cpus_boolean_one():
+    """On a GPU documents are masked by FlexAttention's block mask (compiled there; the CPU has
+    no FlexAttention backward): its forward on this CPU, eager, equals SDPA's boolean mask."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from plait.parallel.packed import block_causal, flex_block_mask
+
+    gen = torch.Generator().manual_seed(0)
+    documents = document_numbers(torch.cat([torch.arange(n) for n in (20, 1, 30, 13)])[None]).expand(2, -1)
+    q, k, v = (torch.randn(2, 4, 64, 16, generator=gen) for _ in range(3))
+    with torch.no_grad():
+        flex = flex_attention(q, k, v, block_mask=flex_block_mask(documents, 64))
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=block_causal(documents, documents,
+                                                                                                True))
+    torch.testing.assert_close(flex, sdpa, rtol=1e-5, atol=1e-5)
+    assert flex_block_mask(documents.clone(), 64) is flex_block_mask(documents, 64)  # one mask for a forward's layers

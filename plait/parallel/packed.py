@@ -103,6 +103,46 @@ def loss_tokens(targets: torch.Tensor) -> torch.Tensor:
     return (targets != IGNORE).sum().to(torch.float64)
 
 
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor,
+                       scale: float | None = None) -> torch.Tensor:
+    """Causal attention inside each packed document, over whole sequences (batch, heads, seq,
+    head_dim), K/V heads already as many as q's: on a GPU, FlexAttention with a block mask
+    (blocks no document spans are skipped, no seq × seq mask is made), compiled once;
+    elsewhere SDPA with a boolean block mask (the CPU has no FlexAttention backward)."""
+    if q.device.type == "cuda" and not FLEX_OFF:
+        return _flex()(q, k, v, block_mask=flex_block_mask(documents, q.shape[-2]), scale=scale)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=block_causal(documents, documents, True),
+                                                            scale=scale)
+
+
+FLEX_OFF = False  # True: SDPA's boolean mask on a GPU too
+_MASKS: list[tuple[torch.Tensor, Any]] = []  # the last documents and their block mask: one per forward's layers
+
+
+def flex_block_mask(documents: torch.Tensor, seq: int) -> Any:
+    """FlexAttention's block mask of `documents` (batch, seq): a query sees the keys of its own
+    document at or before it. Made once for all the layers of a forward (the last one kept)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if _MASKS and _MASKS[0][0].shape == documents.shape and torch.equal(_MASKS[0][0], documents):
+        return _MASKS[0][1]
+
+    def same_document(batch: Any, head: Any, query: Any, key: Any) -> Any:
+        return (documents[batch, query] == documents[batch, key]) & (key <= query)
+
+    mask = create_block_mask(same_document, documents.shape[0], None, seq, seq, device=documents.device)
+    _MASKS[:] = [(documents.clone(), mask)]
+    return mask
+
+
+@functools.lru_cache(maxsize=1)
+def _flex() -> Any:
+    """flex_attention, compiled (its eager form materialises the scores)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
 def block_causal(documents_q: torch.Tensor, documents_k: torch.Tensor, causal_diagonal: bool) -> torch.Tensor:
     """(batch, 1, q, k) booleans: a query may see a key of its own document (and, with
     `causal_diagonal`, only a key at or before it: q and k are the same run of positions)."""

@@ -17,7 +17,7 @@ from plait.models.gpt.config import GPTConfig
 from plait.models.gpt.adapter import GPTAdapter
 from plait.models.gpt.moe import MoE
 from plait.models.gpt.rope import apply_rope, rope_angles, rope_tables
-from plait.parallel.packed import block_causal
+from plait.parallel.packed import document_attention
 
 TEMPERATURE = 0.8  # sampling temperature of the run's closing sample
 
@@ -45,14 +45,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """The attention core: softmax(q·kᵀ/√d, causal)·v, by SDPA. Grouped K/V heads arrive
     unexpanded (so that context parallelism moves n_kv_heads, not n_heads) and are repeated here.
     `documents` (batch, seq): packed documents' numbers; a query then sees its own document only
-    (a boolean block mask: SDPA's masked kernel on a CPU)."""
+    (FlexAttention's block mask on a GPU, SDPA with a boolean mask elsewhere: plait.parallel.packed)."""
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
     if documents is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal(documents, documents, True))
+    return document_attention(q, k, v, documents)
 
 
 class Attention(nn.Module):

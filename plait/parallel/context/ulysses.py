@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from plait.parallel.context.chunks import natural_order, rank_order
-from plait.parallel.packed import block_causal
+from plait.parallel.packed import document_attention
 from plait.runtime import comm
 from plait.runtime.comm import Axis
 
@@ -72,6 +72,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: A
     """Attention of this rank's tokens to the whole sequence, by head shards. Shapes as
     plait.parallel.context.ring.ring_attention's; `documents` (batch, whole seq, in sequence
     order): packed documents' numbers, whose block-causal mask the whole sequence takes."""
+    if documents is not None and not causal:
+        raise ValueError("packed documents' masks are causal")
     heads, kv_heads, cp = q.shape[1], k.shape[1], axis.size
     if kv_heads % cp:  # repeat K/V heads up to the query heads, which cp divides
         k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
@@ -85,5 +87,5 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: A
     if documents is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal(documents, documents, causal), scale=scale)
+        out = document_attention(q, k, v, documents, scale)
     return to_sequence(out.index_select(2, back).contiguous(), axis)
