@@ -83,6 +83,10 @@ class ParallelConfig:
     sync_bn: bool = False  # BatchNorm statistics over the whole dp group (plait's SyncBatchNorm)
     compile: bool = False  # torch.compile each block's forward (plait.parallel.compiled)
     fp8: str = ""  # the blocks' linears multiply in float8 with this scaling (plait.parallel.fp8); "": not
+    # The loss reads the head's logits split by vocabulary over tp (plait train's does): a head
+    # the model's plan gathers whole stays split, sparing the gather and V/tp logits per rank.
+    # False keeps the model's own (whole logits, for code that reads them).
+    split_logits: bool = False
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "ParallelConfig":
         # Code written for the earlier API passed the layout here (ParallelConfig(zero=3)): say
@@ -164,6 +168,8 @@ def apply_layout(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = N
         # first (NCCL sends device memory); without TP only this rank's stages move.
         if not meta:
             model.to(mesh.device)
+        if tp_plan is None and config.split_logits:
+            tp_plan = tensor_plan(model, adapter, mesh.size("tp"), layout.sp, split_logits=True)
         apply_tensor_parallel(model, mesh.axis("tp"), plan=tp_plan, sp=layout.sp, adapter=adapter)
     if mesh.size(EXPERT) > 1 and expert_axis(model) is None:
         if cut:
@@ -219,7 +225,7 @@ def _check_on_a_copy(model: nn.Module, twin: ReducedCopy, mesh: Mesh, config: Pa
     whole = probe.record(twin.model, adapter, tokens)
     plan = config.tp_plan
     if mesh.size("tp") > 1 and plan is None:
-        plan = tensor_plan(twin.model, adapter, mesh.size("tp"), mesh.layout.sp)
+        plan = tensor_plan(twin.model, adapter, mesh.size("tp"), mesh.layout.sp, config.split_logits)
     if mesh.size("cp") > 1:
         apply_context_parallel(twin.model, mesh.axis("cp"), mesh.layout.cp_kind, adapter)
     if mesh.size("tp") > 1:

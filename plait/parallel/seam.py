@@ -153,14 +153,18 @@ def pipeline_parts(model: nn.Module, adapter: Any, pp: int) -> Parts:
     return parts
 
 
-def tensor_plan(model: nn.Module, adapter: Any, tp: int, sp: bool) -> dict[str, str]:
-    """The adapter's tensor-parallel plan for `model`; one PlaitError when it has none."""
+def tensor_plan(model: nn.Module, adapter: Any, tp: int, sp: bool, split_logits: bool = False) -> dict[str, str]:
+    """The adapter's tensor-parallel plan for `model`; one PlaitError when it has none.
+    `split_logits`: the loss reads logits split by vocabulary (plait's own), so a head the plan
+    gathers whole stays split where the adapter can say so (`split_head`)."""
     plan = getattr(adapter, "tensor_plan", None)
     if not callable(plan):
         raise PlaitError(f"tensor parallelism needs a plan for a {type(model).__name__}",
                          hint='pass ParallelConfig(tp_plan={"layer.name": "column" | "row" | "vocab" | '
                               '"region", ...}) or an adapter with tensor_plan(); see docs/tensor.md')
-    return plan(model, tp, sp)
+    made = plan(model, tp, sp)
+    split_head = getattr(adapter, "split_head", None)
+    return split_head(model, made) if split_logits and callable(split_head) else made
 
 
 def logits_of(outputs: Any) -> torch.Tensor:

@@ -30,6 +30,7 @@ from torch import nn
 from plait.errors import PlaitError
 from plait.models.hf import context as hf_context, stages as hf_stages
 from plait.models.hf.hooks import split_sequence_around
+from plait.parallel.tensor.styles import parse_style
 from plait.models.hf.styles import check_config, for_sequence_parallel, plait_plan, probe_input
 from plait.parallel.probe_copy import stand_in
 from plait.parallel.seam import GenericAdapter, Parts, StageView
@@ -100,6 +101,21 @@ class DeclaredPlanAdapter:
         check_config(model, plan, tp)
         return plan
 
+    def split_head(self, model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+        """`plan` with the head split by vocabulary (its logits left split: plait's vocab-parallel
+        loss reads them) where it gathers them whole; kept as declared where the head shares its
+        weight with an embedding the plan does not split by vocabulary."""
+        head = getattr(model, "get_output_embeddings", lambda: None)()
+        name = next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
+        if name is None or name not in plan or _base(plan[name]) != "column_gather":
+            return plan
+        embedding = getattr(model, "get_input_embeddings", lambda: None)()
+        if embedding is not None and getattr(embedding, "weight", None) is getattr(head, "weight", None):
+            embedded = next((n for n, m in model.named_modules() if m is embedding), None)
+            if embedded not in plan or _base(plan[embedded]) != "vocab":
+                return plan
+        return {**plan, name: "vocab"}
+
     def expert_modules(self, model: nn.Module) -> list[nn.Module]:
         """The experts modules its declared ep plan names (plait.models.hf.experts), checked."""
         from plait.models.hf.experts import declared_experts
@@ -161,3 +177,8 @@ def declared(model: nn.Module, kind: str) -> dict[str, Any]:
     inner = prefix and isinstance(getattr(model, prefix, None), nn.Module)
     composed = {(f"{prefix}.{key}" if inner else key): value for key, value in base.items()}
     return {**composed, **(getattr(type(model), f"_{kind}_plan", None) or {})}
+
+
+def _base(style: str) -> str:
+    """A plait style's kind, without its fusion or its "+share" ("column_gather+share" -> "column_gather")."""
+    return parse_style(style.split("+")[0])[0]

@@ -177,7 +177,8 @@ class TrainConfig:
 
         return ParallelConfig(bucket_mb=self.bucket_mb, recompute=self.recompute, sync_bn=self.sync_bn,
                               reduce_dtype=reduce_dtype_of(self.precision, self.reduce_dtype), compile=self.compile,
-                              fp8=self.fp8_scaling if self.precision == "fp8" else "")
+                              fp8=self.fp8_scaling if self.precision == "fp8" else "",
+                              split_logits=True)  # the loss reads vocabulary slices (parallel/tensor/loss.py)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,0 +1,33 @@
+"""A transformers model under `plait train --tp 2` keeps its head's logits split by vocabulary,
+as plait's GPT does (plait's vocab-parallel loss reads them): the head's all-gather of whole
+logits is gone (4 GiB of fp32 logits a micro-batch on every tp rank at a 128 k vocabulary and
+8 k tokens), and the ledger's tp traffic is the prediction's, to the clip's one float."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.worldlib import run_plait
+
+transformers = pytest.importorskip("transformers")
+
+SHAPE = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+CLIP = 8  # the gradient norm's squares summed over tp: one float64, which the prediction leaves out (as for the GPT)
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_the_ledger_under_tp_is_the_prediction_and_no_logits_are_gathered(tmp_path: Path, family: str) -> None:
+    extra = dict(num_local_experts=4, num_experts_per_tok=2) if family == "mixtral" else {}
+    transformers.AutoConfig.for_model(family, **SHAPE, **extra).save_pretrained(tmp_path / family)
+    proc = run_plait("train", "--model", f"hf:{tmp_path / family}", "--tp", "2", "--nproc", "2", "--steps", "2",
+                     "--seq-len", "32", "--micro-batch", "2", "--sample-tokens", "8", "--eval-every", "0", "--no-report",
+                     "--out", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    measured, predicted = summary["comm_per_step"]["tp"], summary["predicted"]["comm"]["tp"]
+    assert set(measured) == set(predicted) == {"all_reduce"}, (measured, predicted)  # no all_gather of logits
+    assert measured["all_reduce"] - predicted["all_reduce"] == CLIP
