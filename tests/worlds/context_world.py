@@ -58,17 +58,21 @@ EXTRA = {
 ALL = {**LAYOUTS, **EXTRA}
 
 
+def attention_inputs(kv_heads: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """q, k, v (fp64, needing gradients) and the output's gradient, drawn from `gen`."""
+    q = torch.randn(B, H, SEQ, D, dtype=torch.float64, generator=gen, requires_grad=True)
+    k = torch.randn(B, kv_heads, SEQ, D, dtype=torch.float64, generator=gen, requires_grad=True)
+    v = torch.randn(B, kv_heads, SEQ, D, dtype=torch.float64, generator=gen, requires_grad=True)
+    return q, k, v, torch.randn(B, H, SEQ, D, dtype=torch.float64, generator=gen)
+
+
 def attention_errors(mesh: Any, kind: str) -> dict[str, Any]:
     """Max |error| of the output and the three gradients, over every case, and the traffic."""
     axis, found = mesh.axis("cp"), {}
     context = ContextParallel(axis, kind)
     for kv_heads in (4, 2, 1):
         for causal in (True, False):
-            gen = torch.Generator().manual_seed(kv_heads)
-            q = torch.randn(B, H, SEQ, D, dtype=torch.float64, generator=gen, requires_grad=True)
-            k = torch.randn(B, kv_heads, SEQ, D, dtype=torch.float64, generator=gen, requires_grad=True)
-            v = torch.randn(B, kv_heads, SEQ, D, dtype=torch.float64, generator=gen, requires_grad=True)
-            grad = torch.randn(B, H, SEQ, D, dtype=torch.float64, generator=gen)
+            q, k, v, grad = attention_inputs(kv_heads, torch.Generator().manual_seed(kv_heads))
             group = H // kv_heads
             ref = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
                                                  is_causal=causal)

@@ -36,9 +36,9 @@ from plait.train.config.settings import TrainConfig
 from plait.train.loop.run import final_weights
 from plait.train.loop.trainer import Trainer
 from tests.parity import weight_excess
+from tests.worlds.context_world import B, D, H, SEQ, attention_inputs
 from tests.worldlib import save_report
 
-B, H, SEQ, D = 2, 4, 16, 8
 LAYOUTS = {
     "dp2-tp2-sp": dict(dp=2, tp=2, sp=True, grad_accum=1),
     "cp2-dp2": dict(cp=2, dp=2, grad_accum=1),
@@ -69,10 +69,7 @@ def attention_errors(mesh: Any, kind: str) -> dict[str, list[float]]:
     for kv_heads in (4, 2, 1):
         gen = torch.Generator().manual_seed(kv_heads)
         docs = documents(gen)
-        q = torch.randn(B, H, SEQ, D, dtype=torch.float64, generator=gen, requires_grad=True)
-        k = torch.randn(B, kv_heads, SEQ, D, dtype=torch.float64, generator=gen, requires_grad=True)
-        v = torch.randn(B, kv_heads, SEQ, D, dtype=torch.float64, generator=gen, requires_grad=True)
-        grad = torch.randn(B, H, SEQ, D, dtype=torch.float64, generator=gen)
+        q, k, v, grad = attention_inputs(kv_heads, gen)
         group = H // kv_heads
         ref = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
                                              attn_mask=block_causal(docs, docs, True))
