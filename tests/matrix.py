@@ -172,8 +172,6 @@ COMPILED_SP = (*COMPILED, ("tp all_gather", "a compiled block keeps a region's g
 ROUTED = (("ep all_to_all", "its bytes follow the routing that happened; the estimate assumes even routing"),
           ("dp all_reduce", "the routers' per-expert token counts, reduced over dp every step, are not in the estimate"))
 HF_ACTIVATIONS = (("activations", "a transformers model's saved tensors, its shape read as plait's GPT's"),)
-HF_QK_NORMS = (("tp all_reduce", "Qwen3's per-head q/k norms have their gradients summed over tp (grad_sum): "
-                                 "not in the estimate"),)
 
 ROWS = rows(
     # Each strategy, and each product of them, on plait's GPT.
@@ -233,7 +231,7 @@ ROWS = rows(
     Row("llama", "--nproc 4 --dp 2 --tp 2 --grad-accum 2", micro_batches=4),
     Row("llama", "--nproc 4 --pp 2 --cp 2 --grad-accum 2", micro_batches=2),
     Row("qwen3", "--nproc 4 --tp 2 --pp 2 --grad-accum 2 --schedule interleaved --virtual-stages 2",
-        micro_batches=2, unpriced=HF_QK_NORMS),
+        micro_batches=2),
     Row("resnet", "--nproc 2", micro_batches=2),
     Row("resnet", "--nproc 2 --zero 3", "--recompute full", micro_batches=2),
 )

@@ -19,9 +19,13 @@ SHAPE = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_la
 CLIP = 8  # the gradient norm's squares summed over tp: one float64, which the prediction leaves out (as for the GPT)
 
 
-@pytest.mark.parametrize("family", ["llama", "mixtral"])
+EXTRA = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+         "qwen3": dict(head_dim=8)}  # per-head q/k norms: their gradients summed over tp, priced
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral", "qwen3"])
 def test_the_ledger_under_tp_is_the_prediction_and_no_logits_are_gathered(tmp_path: Path, family: str) -> None:
-    extra = dict(num_local_experts=4, num_experts_per_tok=2) if family == "mixtral" else {}
+    extra = EXTRA.get(family, {})
     transformers.AutoConfig.for_model(family, **SHAPE, **extra).save_pretrained(tmp_path / family)
     proc = run_plait("train", "--model", f"hf:{tmp_path / family}", "--tp", "2", "--nproc", "2", "--steps", "2",
                      "--seq-len", "32", "--micro-batch", "2", "--sample-tokens", "8", "--eval-every", "0", "--no-report",

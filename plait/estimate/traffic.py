@@ -118,9 +118,10 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
     """Megatron tensor-parallel traffic on one rank of `stage`, per step.
 
     Besides `tp_collectives`: the vocab-parallel cross-entropy all-reduces three fp32
-    numbers per token (max, sum of exponentials, target logit), and under SP the norm
-    weights' gradients, which each rank computed from its own sequence shard, are summed
-    (as each micro-batch's backward produces them).
+    numbers per token (max, sum of exponentials, target logit); per-head q/k norms (a
+    transformers family's `qk_norm`) sum their weights' gradients; and
+    under SP the norm weights' gradients, which each rank computed from its own sequence
+    shard, are summed (as each micro-batch's backward produces them).
     """
     out: Traffic = {}
     t, m = layout.tp, layout.grad_accum
@@ -129,6 +130,9 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
         _add(out, "tp", op, act, t, times=m * count)
     if stage.last:
         _add(out, "tp", "all_reduce", layout.tokens_per_micro_batch * 4, t, times=3 * m)
+    if config.qk_norm == "head":  # each block's per-head q and k norm weights: their gradients summed
+        grad_bytes = state_bytes(layout.precision).grad
+        _add(out, "tp", "all_reduce", 2 * config.head_dim * grad_bytes, t, times=m * stage.layers)
     if layout.sp:
         grad_bytes = state_bytes(layout.precision).grad
         _add(out, "tp", "all_reduce", stage.replicated_params * grad_bytes, t, times=m)

@@ -33,6 +33,10 @@ class GPTConfig:
     norm_eps: float = 1e-5
     arch: str = "llama"
     mlp_matrices: int = 0  # the dense MLP's weight matrices: 0 is the arch's (llama SwiGLU 3, gpt2 2); 2 for relu²/GELU
+    # q/k norms in the attention (a transformers family's, read off the model): "head" over each
+    # head (Qwen3: whole on every tp rank, their gradients summed over tp); "" none, or a kind the
+    # estimate does not price (OLMo2's over every head, whose gathers it leaves out)
+    qk_norm: str = ""
     # Mixture of experts (plait.models.gpt.moe): 0 experts is a dense model.
     experts: int = 0  # routed experts in each MoE block
     top_k: int = 2  # experts each token is sent to

@@ -118,7 +118,19 @@ def measured_shape(hf: HFModelDir) -> GPTConfig:
         raise PlaitError(f"--model hf:{hf.path}: transformers cannot build it: {_first_line(exc)}",
                          hint="check config.json (AutoModelForCausalLM.from_config must accept it)") from None
     matrices = _mlp_matrices(model, shape)
-    return replace(shape, mlp_matrices=matrices) if matrices else shape
+    shape = replace(shape, mlp_matrices=matrices) if matrices else shape
+    return replace(shape, qk_norm=_qk_norm(model, shape))
+
+
+def _qk_norm(model: nn.Module, shape: GPTConfig) -> str:
+    """"head" when the first block's attention normalises q and k head by head (its q_norm's
+    weight is one head wide: GPTConfig.qk_norm), else ""."""
+    layers = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, default=None)
+    attention = getattr(layers[0], "self_attn", None) if layers else None
+    weight = getattr(getattr(attention, "q_norm", None), "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        return ""
+    return "head" if weight.numel() == shape.head_dim else ""
 
 
 def _mlp_matrices(model: nn.Module, shape: GPTConfig) -> int:
