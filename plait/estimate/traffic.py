@@ -5,8 +5,9 @@ prediction can be compared with `metrics.jsonl`'s `comm` key by key. With S the 
 the full tensor and n ranks in the group, a ring moves per rank
   all_reduce 2(n-1)/n·S;  all_gather, reduce_scatter (n-1)/n·S;  broadcast, send, recv S
   (and, for the benchmark's rooted ops: scatter, gather (n-1)/n·S at the root; reduce S).
-Left out: the scalar all-reduces of gradient clipping (a few bytes per step) and what the
-ledger files as telemetry (the logged loss, timings).
+The gradient norm's few fp64 sums per step are in (`clip_traffic`); left out is what the
+ledger files as telemetry (the logged loss, timings) or as control (the step guard's
+agreement, the per-token loss's count).
 
 Each axis's figure is the largest over the ranks, as `metrics.jsonl` reports max over ranks.
 """
@@ -189,8 +190,25 @@ def estimate_comm(config: GPTConfig, layout: Workload) -> Traffic:
         for extra in (tp_traffic(config, layout, stage), pp_traffic(config, layout, stage),
                       cp_traffic(config, layout, stage), ep_traffic(config, layout, stage)):
             traffic.update(extra)
+        clip_traffic(traffic, config, layout)
         per_rank.append(traffic)
     return merge_max(per_rank)
+
+
+def clip_traffic(out: Traffic, config: GPTConfig, layout: Workload) -> None:
+    """The gradient norm's sums, once per step in fp64 (plait.parallel.clip.global_norm): one
+    number per axis that splits parameters outside the data ranks (tp) plus the rest; those
+    all summed over ZeRO's shard ranks and over pp; the tp-split one over tp; without ZeRO,
+    the experts' over ep."""
+    numbers = 2 if layout.tp > 1 else 1
+    if layout.zero and layout.zero_ranks > 1:
+        _add(out, layout.shard_axis, "all_reduce", 8 * numbers, layout.zero_ranks)
+    if layout.tp > 1:
+        _add(out, "tp", "all_reduce", 8, layout.tp)
+    if layout.pp > 1:
+        _add(out, "pp", "all_reduce", 8 * numbers, layout.pp)
+    if not layout.zero and config.is_moe and layout.ep > 1:
+        _add(out, "ep", "all_reduce", 8, layout.ep)
 
 
 def naive_comm(config: GPTConfig | None, layout: Workload,
