@@ -119,8 +119,10 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
     """Megatron tensor-parallel traffic on one rank of `stage`, per step.
 
     Besides `tp_collectives`: the vocab-parallel cross-entropy all-reduces three fp32
-    numbers per token (max, sum of exponentials, target logit); per-head q/k norms (a
-    transformers family's `qk_norm`) sum their weights' gradients; and
+    numbers per token (max, sum of exponentials, target logit); q/k norms (a transformers
+    family's `qk_norm`) sum their per-head weights' gradients, or, over every head, have q, k
+    and v gathered whole in forward and o_proj's input gradient gathered in backward (its
+    slice of a whole input); and
     under SP the norm weights' gradients, which each rank computed from its own sequence
     shard, are summed (as each micro-batch's backward produces them).
     """
@@ -134,6 +136,10 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
     if config.qk_norm == "head":  # each block's per-head q and k norm weights: their gradients summed
         grad_bytes = state_bytes(layout.precision).grad
         _add(out, "tp", "all_reduce", 2 * config.head_dim * grad_bytes, t, times=m * stage.layers)
+    elif config.qk_norm == "full":  # q, k and v gathered whole forward; o_proj's input gradient gathered backward
+        width = 2 * config.n_heads * config.head_dim + 2 * config.kv_dim
+        _add(out, "tp", "all_gather", layout.tokens_per_micro_batch * width * layout.compute_bytes, t,
+             times=m * stage.layers)
     if layout.sp:
         grad_bytes = state_bytes(layout.precision).grad
         _add(out, "tp", "all_reduce", stage.replicated_params * grad_bytes, t, times=m)

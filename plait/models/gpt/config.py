@@ -33,9 +33,9 @@ class GPTConfig:
     norm_eps: float = 1e-5
     arch: str = "llama"
     mlp_matrices: int = 0  # the dense MLP's weight matrices: 0 is the arch's (llama SwiGLU 3, gpt2 2); 2 for relu²/GELU
-    # q/k norms in the attention (a transformers family's, read off the model): "head" over each
-    # head (Qwen3: whole on every tp rank, their gradients summed over tp); "" none, or a kind the
-    # estimate does not price (OLMo2's over every head, whose gathers it leaves out)
+    # q/k norms in the attention (a transformers family's, read off the model): "" none; "head"
+    # over each head (Qwen3: whole on every tp rank, their gradients summed over tp); "full" over
+    # every head at once (OLMo2: its plan gathers q, k and v whole and o_proj takes its slice)
     qk_norm: str = ""
     # Mixture of experts (plait.models.gpt.moe): 0 experts is a dense model.
     experts: int = 0  # routed experts in each MoE block

@@ -123,14 +123,16 @@ def measured_shape(hf: HFModelDir) -> GPTConfig:
 
 
 def _qk_norm(model: nn.Module, shape: GPTConfig) -> str:
-    """"head" when the first block's attention normalises q and k head by head (its q_norm's
-    weight is one head wide: GPTConfig.qk_norm), else ""."""
+    """What the first block's attention normalises q and k over (GPTConfig.qk_norm), from the
+    width of its q_norm's weight: one head ("head"), every head ("full"), or none ("")."""
     layers = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, default=None)
     attention = getattr(layers[0], "self_attn", None) if layers else None
     weight = getattr(getattr(attention, "q_norm", None), "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
         return ""
-    return "head" if weight.numel() == shape.head_dim else ""
+    if weight.numel() == shape.head_dim:
+        return "head"
+    return "full" if weight.numel() == shape.n_heads * shape.head_dim else ""
 
 
 def _mlp_matrices(model: nn.Module, shape: GPTConfig) -> int:
