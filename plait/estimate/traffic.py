@@ -118,7 +118,8 @@ def tp_collectives(layout: Workload, stage: StageShare, ends: bool = True) -> di
 def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffic:
     """Megatron tensor-parallel traffic on one rank of `stage`, per step.
 
-    Besides `tp_collectives`: the vocab-parallel cross-entropy all-reduces three fp32
+    Besides `tp_collectives` (without the embedding's and the head's where they stay whole,
+    `vocab_split` false): the vocab-parallel cross-entropy all-reduces three fp32
     numbers per token (max, sum of exponentials, target logit); q/k norms (a transformers
     family's `qk_norm`) sum their per-head weights' gradients, or, over every head, have q, k
     and v gathered whole in forward and o_proj's input gradient gathered in backward (its
@@ -129,9 +130,10 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
     out: Traffic = {}
     t, m = layout.tp, layout.grad_accum
     act = layout.hidden_bytes(config.d_model)
-    for op, count in tp_collectives(layout, stage).items():
+    split_ends = config.vocab_split  # else whole on every tp rank (plait's GPT-2 adapter: tied, models/hf/gpt2.py)
+    for op, count in tp_collectives(layout, stage, ends=split_ends).items():
         _add(out, "tp", op, act, t, times=m * count)
-    if stage.last:
+    if stage.last and split_ends:
         _add(out, "tp", "all_reduce", layout.tokens_per_micro_batch * 4, t, times=3 * m)
     if config.qk_norm == "head":  # each block's per-head q and k norm weights: their gradients summed
         grad_bytes = state_bytes(layout.precision).grad

@@ -37,6 +37,9 @@ class GPTConfig:
     # over each head (Qwen3: whole on every tp rank, their gradients summed over tp); "full" over
     # every head at once (OLMo2: its plan gathers q, k and v whole and o_proj takes its slice)
     qk_norm: str = ""
+    # Under tp the embedding and the head are split by vocabulary (plait's GPT, Megatron, a
+    # transformers plan); False: both whole on every tp rank (plait's GPT-2 adapter: tied)
+    vocab_split: bool = True
     # Mixture of experts (plait.models.gpt.moe): 0 experts is a dense model.
     experts: int = 0  # routed experts in each MoE block
     top_k: int = 2  # experts each token is sent to

@@ -104,8 +104,8 @@ def measured_shape(hf: HFModelDir) -> GPTConfig:
     transformers builds from the config on the meta device (no memory, no weights). Without
     transformers installed, config.json's reading stands: a Llama-like MLP."""
     shape = hf.shape()
-    if shape.arch == "gpt2":
-        return shape  # GPT-2's block is described whole by its arch
+    if shape.arch == "gpt2":  # GPT-2's block is described whole by its arch; its adapter keeps
+        return replace(shape, vocab_split=False)  # the tied embedding and head whole under tp
     try:
         transformers = _transformers()
     except PlaitError:
