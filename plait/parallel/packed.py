@@ -57,10 +57,6 @@ class Packed:
     def to(self, device: Any) -> "Packed":
         return Packed(self.ids.to(device), self.positions.to(device), self.documents.to(device))
 
-    def rows(self, index: slice) -> "Packed":
-        """Some rows of the batch (a micro-batch's)."""
-        return Packed(self.ids[index], self.positions[index], self.documents[index])
-
 
 def takes_documents(model: Any) -> bool:
     """Whether the model's forward takes `document_ids` (plait's GPT); otherwise its own

@@ -52,8 +52,9 @@ def check_replicas(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mes
     """Compare every block held by several ranks (collective); the number of blocks compared,
     or ReplicaMismatch naming the first that differs."""
     pieces = local_pieces(model, optimizer, mesh)
-    names = {_key(p): p.name for p in pieces}
-    mine = torch.tensor([[_key(p), _hash(p.tensor)] for p in pieces] or [[0, 0]], dtype=torch.int64)
+    keys = [_key(p) for p in pieces]
+    names = dict(zip(keys, (p.name for p in pieces)))
+    mine = torch.tensor([[key, _hash(p.tensor)] for key, p in zip(keys, pieces)] or [[0, 0]], dtype=torch.int64)
     world = mesh.axis("world")
     counts = torch.zeros(world.size, dtype=torch.int64, device=mesh.device)
     counts[world.rank] = len(pieces)

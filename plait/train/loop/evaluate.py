@@ -28,7 +28,7 @@ import numpy as np
 from plait.errors import PlaitError
 from plait.runtime.mesh import init_mesh
 from plait.train.config.settings import TrainConfig
-from plait.train.loop.trainer import build_on_meta
+from plait.train.loop.trainer import build_parallel
 
 EVAL_FIELDS = ("model", "imports", "data", "seq_len", "micro_batch", "packing", "doc_mask", "seed", "dp", "tp", "sp",
                "pp", "cp", "cp_kind", "ep", "schedule", "virtual_stages", "stage_layers", "precision", "zero",
@@ -89,9 +89,7 @@ def whole_corpus(task: Any, config: TrainConfig) -> tuple[Any, int]:
 def evaluate(config: TrainConfig, family: Any, run_dir: Path | None) -> dict[str, Any]:
     """The loss over the whole corpus on this rank's share of the layout (collective); the
     result on every rank."""
-    from plait.api import parallelize
     from plait.parallel.executor import Executor
-    from plait.parallel.precision import param_dtype
     from plait.runtime.env import set_cpu_threads
     from plait.train.loop.inference import Inference
     from plait.train.observe.logs import setup_logging
@@ -110,10 +108,7 @@ def evaluate(config: TrainConfig, family: Any, run_dir: Path | None) -> dict[str
             files = RunFiles(run_dir)
             task.meta_build = True
             task.weights = lambda model, seed: SafetensorsWeights(files, model, seed)  # type: ignore[method-assign]
-        model, source = build_on_meta(task, config.seed)
-        model = model.to(param_dtype(config.precision))
-        model = parallelize(model, mesh, config.parallel_config(), adapter=task.adapter(model), source=source)
-        executor = Executor(model, mesh)
+        executor = Executor(build_parallel(task, config, mesh), mesh)
         split, documents = whole_corpus(task, config)
         if split.num_samples == 0:
             raise PlaitError(f"--data {config.data} holds no sequence of {config.seq_len} tokens",

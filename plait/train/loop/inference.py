@@ -12,6 +12,8 @@ padded with sample 0 whose rows are left out of the sums; the sums are added ove
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -44,11 +46,8 @@ class Inference:
     def totals(self, split: Any) -> dict[str, float]:
         """The task's `eval_columns` summed over its held-out samples, on every rank."""
         batches = self._eval_batches(split)
-        self.model.eval()
-        try:
+        with self._eval_mode():
             rows = self._rows(batches)
-        finally:
-            self.model.train()
         real = torch.tensor([[r < n for r in range(self.micro_batch)] for n, _, _ in batches],
                             dtype=torch.float64, device=self.mesh.device)
         totals = (rows * real.unsqueeze(-1)).sum(dim=(0, 1))
@@ -84,11 +83,8 @@ class Inference:
         def losses(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
             return self.loss_fn(outputs, targets, reduction="none").view(targets.shape[0], -1).double()
 
-        self.model.eval()
-        try:
+        with self._eval_mode():
             rows = self.executor.eval_rows(batches, losses, seq_len)[:, 0].cpu()
-        finally:
-            self.model.train()
         packed = torch.cat([rows[0, start:start + n - 1] for start, n in zip(starts, lengths)])
         alone = torch.cat([rows[1 + k, :n - 1] for k, n in enumerate(lengths)])
         error = relative_error(packed, alone)
@@ -100,6 +96,15 @@ class Inference:
                              hint="train it with --doc-mask false (its documents then see each other, as with "
                                   "--packing concat), or train another model")
         return error
+
+    @contextlib.contextmanager
+    def _eval_mode(self) -> Iterator[None]:
+        """Eval mode (no dropout, BatchNorm's running statistics) for what runs inside, then training's."""
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.train()
 
     def _eval_batches(self, split: Any) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """(real samples, inputs, targets) of this rank's micro-batches, padded alike on all ranks."""

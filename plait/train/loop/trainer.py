@@ -67,6 +67,18 @@ def build_on_meta(task: Task, seed: int) -> tuple[torch.nn.Module, Source | None
     return task.build_model(seed), None
 
 
+def build_parallel(task: Task, config: TrainConfig, mesh: Mesh) -> torch.nn.Module:
+    """The task's model as this rank holds it under the run's layout (train's and eval's).
+
+    Built on the meta device, split, and only then given values: each rank draws each tensor
+    whole from the seed (or reads it from the task's weights), as one process would, and
+    keeps its part, so the initial weights are the same whatever the layout. With pp > 1
+    parallelize returns this rank's stages."""
+    model, source = build_on_meta(task, config.seed)
+    model = model.to(param_dtype(config.precision))  # fp32 masters: the optimizer's
+    return parallelize(model, mesh, config.parallel_config(), adapter=task.adapter(model), source=source)
+
+
 def lr_at(step: int, config: TrainConfig) -> float:
     """Linear warm-up to `lr`, then cosine decay to `lr · min_lr_ratio` at the last step."""
     if step < config.warmup_steps:
@@ -84,13 +96,7 @@ class Trainer:
         mesh = mesh.with_layout(**config.layout.as_dict())  # the run's layout on the mesh's groups (same degrees)
         self.config, self.mesh, self.task = config, mesh, task
         self.start_bytes = peak_process_bytes(mesh.device)  # the process before the model: what the peak adds to
-        # The model is built on the meta device, split, and only then given values: each rank
-        # draws each tensor whole from the seed, as one process would, and keeps its part, so
-        # the initial weights are the same whatever the layout. With pp > 1 parallelize
-        # returns this rank's stages.
-        model, source = build_on_meta(task, config.seed)
-        model = model.to(param_dtype(config.precision))  # fp32 masters: the optimizer's
-        self.model = parallelize(model, mesh, config.parallel_config(), adapter=task.adapter(model), source=source)
+        self.model = build_parallel(task, config, mesh)
         self.optimizer = build_optimizer(self.model, torch.optim.AdamW, lr=config.lr, betas=(0.9, 0.95),
                                          weight_decay=config.weight_decay,
                                          **adamw_kernel(config.optimizer_kernel, mesh.device))
