@@ -500,7 +500,7 @@ def part_hostcopy() -> None:
     import torch
 
     from plait.bench.calibrate import _median_s
-    from plait.estimate.time import HOST_ADAM_BYTES
+    from plait.estimate.exposed import HOST_ADAM_BYTES
     from plait.parallel.zero.optim import copy_in_chunks
 
     cuda = torch.cuda.is_available()

@@ -13,7 +13,8 @@ from plait.estimate.layout import Workload, layout_stages
 from plait.estimate.ops import accumulate_s, attention_time, elementwise_s
 from plait.estimate.planner import plan
 from plait.estimate.stacks import STACKS
-from plait.estimate.time import collective_s, estimate_time, inter_node
+from plait.estimate.network import collective_s, inter_node
+from plait.estimate.time import estimate_time
 from plait.models.gpt.config import GPTConfig
 
 A100 = get_hardware("a100-80gb")
@@ -147,7 +148,7 @@ def test_transformer_engine_overlaps_tp_with_the_gemms_it_feeds() -> None:
     included); the embedding's, head's, loss's and norms' collectives stay exposed. Without
     SP, and on megatron-core, it waits for all of it."""
     from plait.estimate.ops import block_gemm_s
-    from plait.estimate.time import tp_s
+    from plait.estimate.exposed import tp_s
 
     h100 = get_hardware("h100-sxm")
     latency, bandwidth = h100.link(8, 0)

@@ -35,7 +35,7 @@ from plait.estimate.ops import (
     gemm_key,
     head_gemm,
 )
-from plait.estimate.time import HOST_ADAM_BYTES
+from plait.estimate.exposed import HOST_ADAM_BYTES
 from plait.models.gpt.config import GPTConfig
 from plait.runtime import comm
 from plait.runtime.mesh import Mesh
@@ -310,7 +310,7 @@ def keep_heap_like_training() -> None:
 
 def measure_host_update(mesh: Mesh, params: int, optimizer_kernel: str, reps: int) -> float:
     """GB/s of AdamW on this host's CPU over `params` fp32 parameters, counted as the 28 bytes
-    a parameter the time model charges (plait.estimate.time.HOST_ADAM_BYTES): the rate an
+    a parameter the time model charges (plait.estimate.exposed.HOST_ADAM_BYTES): the rate an
     offloaded optimizer steps at. Every rank of the node steps at once, as under offload."""
     _, optimizer = _flat_adamw(params, torch.device("cpu"), optimizer_kernel)
     keep_heap_like_training()

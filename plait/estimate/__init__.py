@@ -29,9 +29,9 @@ from plait.estimate.time import (
     ASSUMPTIONS as TIME_ASSUMPTIONS,
     estimate_time,
     estimate_time_params_only,
-    inter_node,
     micro_batch_s_per_stage,
 )
+from plait.estimate.network import inter_node
 from plait.models.gpt.config import GPTConfig
 
 __all__ = ["estimate_by_size", "estimate_layout", "Workload"]
@@ -44,7 +44,7 @@ MEMORY_ASSUMPTIONS = (
     "busiest rank = the pipeline stage with the largest device total; the first stage "
     "holds the embedding, the last the final norm and head (and, with tied embeddings and "
     "pp > 1, its own copy of the embedding); blocks cut to balance parameters, as plait does, or as "
-    "--stage-layers gives; per rank, the schedule runs at the slowest rank's micro-batch time",
+    "--stage-layers gives; the step is the slowest rank's path through the schedule",
     "activations per block of our model: e·(9h + 4f) + 8(h + 1) + 4a bytes per token (e = 4 "
     "fp32, 2 bf16/fp16, the model held in that dtype; the norms keep x and rsqrt in fp32); "
     "selective recompute drops the attention core's output and log-sum-exp; GPT-2: Korthikanti et al. "

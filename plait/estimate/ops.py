@@ -288,12 +288,18 @@ def _work_and_dispatch_s(config: GPTConfig, layout: Workload, stage: StageShare,
 
 
 def accumulate_s(layout: Workload, stage: StageShare, hw: Hardware) -> float:
-    """A step's additions of each micro-batch's gradients into those kept between them (m - 1
-    under autograd, m into a framework's own buffer): memory-bound, over the gradients the
-    rank keeps (its shard under ZeRO-2/3, whose hooks reduce-scatter each backward), at the
-    stack's bytes per parameter (stacks.Stack.accumulate_bytes), plus one op per tensor.
-    A step-level term, not a micro-batch's: it depends on the ZeRO stage, which no
-    micro-batch's time does (the planner's bounds rest on that)."""
+    """A step's additions of each micro-batch's gradients into those kept between them, on a
+    rank holding `stage`: over the gradients it keeps (its shard under ZeRO-2/3, whose hooks
+    reduce-scatter each backward). A step-level term, not a micro-batch's: it depends on the
+    ZeRO stage, which no micro-batch's time does (the planner's bounds rest on that)."""
+    kept = -(-stage.params // layout.zero_ranks) if layout.zero >= 2 else stage.params
+    return accumulate_params_s(layout, kept, stage_tensors(stage, layout), hw)
+
+
+def accumulate_params_s(layout: Workload, kept: int, tensors: int, hw: Hardware) -> float:
+    """The additions of a step's micro-batches' gradients into `kept` kept ones in `tensors`
+    tensors (m - 1 under autograd, m into a framework's own buffer): memory-bound, at the
+    stack's bytes per parameter (stacks.Stack.accumulate_bytes), plus one op per tensor."""
     per = layout.software.accumulate_bytes
     # autograd's first micro-batch writes the gradient, later ones add to it; a framework's
     # own buffer (Megatron's main_grad, DeepSpeed's fp32 gradients) takes every micro-batch's
@@ -301,8 +307,7 @@ def accumulate_s(layout: Workload, stage: StageShare, hw: Hardware) -> float:
     per = 3 * dtype_bytes(layout.precision) if per is None else per
     if not adds or not per:
         return 0.0
-    kept = -(-stage.params // layout.zero_ranks) if layout.zero >= 2 else stage.params
-    launches = stage_tensors(stage, layout) * hw.op_overhead_us * 1e-6
+    launches = tensors * hw.op_overhead_us * 1e-6
     return adds * (kept * per / hw.memory_rate(kept * per / 3) + launches)
 
 

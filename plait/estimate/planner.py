@@ -18,22 +18,25 @@ What it searches, every option `plait train` runs (plait.rules and the model's o
 The survivors are ranked by predicted step time, then memory (then the layout's fields).
 
 How it prunes. A *shape* is every choice but ZeRO's stage, dp_shard and offload (its
-*tails*). None of those three changes a micro-batch's time on any stage or the bubble, so
-a shape fixes the *core* of the step, m × the slowest stage's micro-batch + the bubble, and
-estimate_time only adds non-negative terms to it (the exposed dp sync, offload, the update,
-the loop). Each rule below drops only layouts that cannot rank in the top k:
+*tails*). None of those three changes a micro-batch's time on any stage or the schedule's
+ends, so a shape fixes the *core* of the step, m × the slowest stage's micro-batch + the
+bubble and the messages (time.assemble's latest schedule end), and the assembly only adds
+non-negative terms to it: the slowest rank's path is at least the latest end plus that
+rank's tail (the exposed dp sync, offload, the update), then the clip and the loop. Each rule below drops only layouts that cannot rank in the top k:
 1. Shapes are taken in increasing core; once a core exceeds the k-th best step found, no
    layout of that shape or of any later one can be faster: the search ends.
 2. A shape whose first or last stage's activations and buffers (which no ZeRO option
    changes), with the fragmentation allowance, already exceed the device is skipped:
    every tail's memory includes them.
-3. A tail's step is bounded below before its memory is estimated: the core plus the
-   gradient accumulation (ZeRO-2/3 add into shards), the dp sync that no overlap hides,
-   offload, the update and the loop (exact with a pipeline, where plait overlaps nothing).
-   Above the k-th best, it is dropped.
+3. A tail's step is bounded below before its memory is estimated: the core plus the least,
+   over the kinds of stage, of a rank's tail (the gradient accumulation, ZeRO-2/3 adding
+   into shards; the dp sync that no overlap hides; offload; the update), then the clip and
+   the loop. Above the k-th best, it is dropped.
 4. A tail whose first stage alone exceeds the device does not fit.
 The bounds are checked against estimate_time and estimate_memory on every layout of small
-requests (tests/test_planner.py), and the rows returned are estimated afresh by them.
+requests (tests/test_planner.py); the layouts that reach an estimate are assembled by
+time.estimate_time itself, from the search's cached parts, and the rows returned are
+estimated afresh by it.
 
 Claims it does not rely on: heavier recomputation (none -> selective -> full) only adds to
 the core, but without a pipeline a longer backward hides more of the dp sync (ZeRO-3's
@@ -59,10 +62,12 @@ from plait.estimate.activations import stage_activation_bytes
 from plait.estimate.hardware import GIB, Hardware, resolve_hardware
 from plait.estimate.layout import StageShare, Workload, layout_stages, stages
 from plait.estimate.memory import Memory, device_total, estimate_memory, shard, stage_buffers, stage_memory
-from plait.estimate.ops import accumulate_s, micro_batch_compute_s, optimizer_s, stage_pieces, stage_tensors
+from plait.estimate.exposed import clip_s, cp_s, ep_s, message_s, overhead_s, tp_s
+from plait.estimate.network import inter_node
+from plait.estimate.ops import micro_batch_compute_s
 from plait.estimate.pipeline import lower_bound
-from plait.estimate.time import (chunk_weights, clip_s, cp_s, dp_exposed_s, ep_s, estimate_time, forward_fraction,
-                                 inter_node, offload_s, overhead_s, pipeline_span, pp_s, tp_s)
+from plait.estimate.time import (MicroBatchParts, RankCost, chunk_weights, estimate_time, forward_fraction,
+                                 rank_tail)
 from plait.layout import Layout
 from plait.models.gpt.config import GPTConfig
 from plait.estimate.stacks import check_stack_name
@@ -246,78 +251,69 @@ def candidates(request: PlanRequest) -> Iterator[Workload]:
 class Core:
     """A shape's step without its tail: m micro-batches of the slowest stage and the bubble.
     `s` is exact without a pipeline, and with one a lower bound (pipeline.lower_bound): the
-    schedule itself runs only for the shapes that reach an estimate (Search.span)."""
+    schedule itself runs only for the layouts that reach an estimate."""
 
     s: float
-    slowest: tuple[StageShare, ...]  # the slowest stage first; others within SLACK of it (a near tie)
-    stage_s: tuple[float, ...] = ()  # each pipeline rank's micro-batch, in stage order
-    shares: tuple[StageShare, ...] = ()  # each pipeline rank's share of the model
+    stages: tuple[StageShare, ...]  # one of each kind of stage: the tails' bound is the least of theirs
 
 
 class Costs:
-    """The bounds the search prunes with. The parts of a core come from time.py's own
-    functions, each computed once per distinct input: a stage's compute keyed by what
+    """The bounds the search prunes with, from time.py's and exposed.py's own functions, each
+    computed once per distinct input: a stage's compute keyed by what
     ops.micro_batch_compute_s reads (tp, cp, sp, micro-batch, recomputation, blocks, last
-    stage or not), its tp, cp and ep time by those and the stage's share; tests/test_planner.py
-    holds every bound to estimate_time and estimate_memory."""
+    stage or not), its tp, cp and ep time by those and the stage's share. The layouts that
+    reach an estimate are assembled by time.estimate_time from the same cached parts;
+    tests/test_planner.py holds every bound to estimate_time and estimate_memory."""
 
     def __init__(self, request: PlanRequest) -> None:
         self.request = request
         self._compute: dict[tuple, float] = {}
-        self._comm: dict[tuple, float] = {}
+        self._comm: dict[tuple, tuple[float, float, float]] = {}
 
     def core(self, shape: Workload) -> Core:
-        """estimate_time's m·(compute + tp + pp + cp + ep) of the slowest stage, and with a
-        pipeline a lower bound of the span its schedule adds the bubble to."""
-        config = self.request.config
+        """m micro-batches of the slowest stage, and with a pipeline a lower bound of the
+        schedule's span, its messages included."""
+        config, hw = self.request.config, self.request.hardware
         links = inter_node(shape, self.request.gpus_per_node)
         alike = alike_stages(config, shape.tp, shape.pp, shape.virtual_stages, shape.ep, shape.stage_layers)
-        rows = [(self._micro_batch_s(shape, stage, links), count, stage) for stage, count in alike]
-        slowest, _, stage = max(rows, key=lambda row: row[0])
-        tied = tuple(other for total, _, other in rows if other is not stage and total >= slowest * (1 - SLACK))
+        parts = self.parts(shape, links)
+        kinds = tuple(stage for stage, _ in alike)
         if shape.pp == 1:
-            return Core(shape.grad_accum * slowest, (stage, *tied))
-        by_key = {_stage_key(share): total for total, _, share in rows}
+            return Core(shape.grad_accum * RankCost(*parts(kinds[0])).micro_batch, kinds)
+        by_key = {_stage_key(stage): RankCost(*parts(stage)).micro_batch for stage in kinds}
         shares = stages(config, shape.tp, shape.pp, shape.virtual_stages, shape.ep, shape.stage_layers)
-        stage_s = tuple(by_key[_stage_key(share)] for share in shares)
-        floor = lower_bound(shape.schedule, shape.pp, shape.grad_accum, shape.virtual_stages, list(stage_s),
-                            forward_fraction(shape.recompute), [chunk_weights(shape, share) for share in shares])
-        return Core(floor, (stage, *tied), stage_s, shares)
+        floor = lower_bound(shape.schedule, shape.pp, shape.grad_accum, shape.virtual_stages,
+                            [by_key[_stage_key(share)] for share in shares], forward_fraction(shape.recompute),
+                            [chunk_weights(shape, share) for share in shares],
+                            message_s(config, shape, hw, links["pp"]))
+        return Core(floor, kinds)
 
-    def _micro_batch_s(self, shape: Workload, stage: StageShare, links: dict[str, int]) -> float:
-        """One micro-batch on `stage`: compute + tp + pp + cp + ep, in estimate_time's order."""
-        hw = self.request.hardware
-        key = (shape.tp, shape.cp, shape.sp, shape.micro_batch, shape.recompute, stage.layers, stage.last)
-        if key not in self._compute:
-            self._compute[key] = micro_batch_compute_s(self.request.config, shape, stage, hw)
-        comm = (*key, shape.cp_kind, shape.ep, _stage_key(stage))
-        if comm not in self._comm:
-            self._comm[comm] = (tp_s(self.request.config, shape, stage, hw, links["tp"]),
-                                cp_s(self.request.config, shape, stage, hw, links["cp"]),
-                                ep_s(self.request.config, shape, stage, hw, links["ep"]))
-        tp, cp, ep = self._comm[comm]
-        return self._compute[key] + tp + pp_s(self.request.config, shape, stage, hw, links["pp"]) + cp + ep
+    def parts(self, shape: Workload, links: dict[str, int]) -> MicroBatchParts:
+        """time.micro_batch_parts for `shape`, each part cached across the shapes that share it."""
+        config, hw = self.request.config, self.request.hardware
 
-    def step_bound(self, tail: Workload, core: Core, span: float | None = None) -> float:
-        """The core (or, given, the schedule's `span`) plus what estimate_time adds for this
-        tail (rule 3): the update, offload, the loop, and the dp sync behind HIDDEN seconds of
-        compute. dp_exposed_s only falls as the compute it overlaps grows (each term is
-        max(floor, transfer - compute)), so that is its least: a lower bound of the step, and
-        exact with a pipeline and its span, where nothing overlaps (the least over the stages
-        that may be the slowest, if they tie)."""
-        return min(self._tail_s(tail, core.s if span is None else span, stage) for stage in core.slowest)
+        def cached(stage: StageShare) -> tuple[float, float, float, float]:
+            key = (shape.tp, shape.cp, shape.sp, shape.micro_batch, shape.recompute, stage.layers, stage.last)
+            if key not in self._compute:
+                self._compute[key] = micro_batch_compute_s(config, shape, stage, hw)
+            comm = (*key, shape.cp_kind, shape.ep, _stage_key(stage), shape.stack)
+            if comm not in self._comm:
+                self._comm[comm] = (tp_s(config, shape, stage, hw, links["tp"]),
+                                    cp_s(config, shape, stage, hw, links["cp"]),
+                                    ep_s(config, shape, stage, hw, links["ep"]))
+            return (self._compute[key], *self._comm[comm])
+        return cached
 
-    def _tail_s(self, tail: Workload, core_s: float, stage: StageShare) -> float:
+    def step_bound(self, tail: Workload, core: Core) -> float:
+        """The core plus the least tail any rank may add (rule 3), and the clip and the loop:
+        the step is the slowest rank's path, at least the latest schedule end plus that
+        rank's tail. A tail's dp sync is taken behind HIDDEN seconds of compute: dp_exposed_s
+        only falls as the compute it overlaps grows (each term is max(floor, transfer -
+        compute)), so that is its least."""
         hw, gpn = self.request.hardware, self.request.gpus_per_node
         links = inter_node(tail, gpn)
-        dp = dp_exposed_s(stage.params, stage.block_params, tail, hw, links["dp_shard"], HIDDEN, 0.5,
-                          links["dp_replicate"])
-        updated = shard(stage.params, tail.zero_ranks) if tail.zero else stage.params
-        update = 0.0 if tail.offload else optimizer_s(updated, stage_tensors(stage, tail), hw,
-                                                      stage_pieces(stage, tail))
-        update += clip_s(tail, hw, links)
-        return (core_s + accumulate_s(tail, stage, hw) + dp + offload_s(stage.params, tail, hw) + update
-                + overhead_s(tail, hw, gpn))
+        least = min(sum(rank_tail(tail, stage, hw, links, HIDDEN, 0.5).values()) for stage in core.stages)
+        return core.s + least + clip_s(tail, hw, links) + overhead_s(tail, hw, gpn)
 
     def memory_bound(self, shape: Workload) -> float:
         """The first and the last stage's activations and pipeline/loss buffers, with the
@@ -356,7 +352,6 @@ class Search:
         self._bound: dict[Workload, float] = {}
         self._step: dict[Workload, float | None] = {}
         self._memory: dict[Workload, float] = {}
-        self._span: dict[tuple, float] = {}
 
     def best(self, k: int, shape_ok: Keep = _any, tail_ok: Keep = _any) -> list[Workload]:
         """Every layout that may be among the k fastest that fit, ties at the k-th included
@@ -400,22 +395,13 @@ class Search:
         return self._step[tail]
 
     def _evaluate(self, tail: Workload, core: Core) -> float | None:
-        """None if it does not fit; else its step: the bound with a pipeline (exact there, when
-        one stage is the slowest), else estimate_time's (without one, a single stage: cheap)."""
-        config, usable = self.request.config, self.request.hardware.usable_bytes
+        """None if it does not fit; else its step, estimate_time's own assembly of the
+        search's cached parts."""
+        config, usable, hw = self.request.config, self.request.hardware.usable_bytes, self.request.hardware
         if _first_stage_bytes(config, tail) > usable or estimate_memory(config, tail).total > usable:
             return None
-        if tail.pp > 1 and len(core.slowest) == 1:
-            return self.costs.step_bound(tail, core, self.span(tail, core))
-        return estimate_time(config, tail, self.request.hardware, self.request.gpus_per_node).step_s
-
-    def span(self, tail: Workload, core: Core) -> float:
-        """The pipeline's span as estimate_time runs its schedule (time.pipeline_span), once per
-        shape: the tails (ZeRO's stage, dp_shard, offload) change no micro-batch."""
-        key = (core, tail.schedule, tail.virtual_stages, tail.grad_accum, tail.recompute, tail.stage_layers)
-        if key not in self._span:  # the core alone: two schedules' shapes may share its costs and bound
-            self._span[key] = pipeline_span(tail, list(core.stage_s), list(core.shares))
-        return self._span[key]
+        links = inter_node(tail, self.request.gpus_per_node)
+        return estimate_time(config, tail, hw, self.request.gpus_per_node, self.costs.parts(tail, links)).step_s
 
     def smallest(self, shape_ok: Keep = _any, tail_ok: Keep = _any) -> float | None:
         """The least memory a layout needs (None: there is none), shapes in the order of rule 2's

@@ -89,7 +89,8 @@ def format_estimate(result: dict[str, Any], model_name: str) -> str:
                      f"forward {human_bytes(e['alltoall_forward'])}, backward {human_bytes(e['alltoall_backward'])}")
     lines += ["", "time per step"] + _time_lines(result["time"])
     if result.get("stages"):
-        lines += ["", "per pipeline stage (rank)"] + _stage_lines(result["stages"])
+        critical = (result["time"] or {}).get("critical_rank", 0)
+        lines += ["", "per pipeline stage (rank)"] + _stage_lines(result["stages"], critical)
     lines += ["", "assumptions"] + [f"  - {note}" for note in result["assumptions"]]
     return "\n".join(lines)
 
@@ -109,14 +110,17 @@ def _comm_lines(result: dict[str, Any]) -> list[str]:
     return table(rows, right={3, 4, 5})
 
 
-def _stage_lines(stages: list[dict[str, Any]]) -> list[str]:
+def _stage_lines(stages: list[dict[str, Any]], critical: int) -> list[str]:
     """Each rank's blocks (chunk by chunk), memory and micro-batch time; the slowest marked,
-    since the schedule, its bubble included, runs at its pace."""
+    since the schedule, its bubble included, runs at its pace, and the rank whose path (its
+    schedule's end and its own tail) sets the step."""
     slowest = max(stages, key=lambda row: row["micro_batch_s"])["stage"]
     rows = [["  stage", "blocks", "memory", "micro-batch", ""]]
     for row in stages:
+        marks = ["slowest: sets the pace"] * (row["stage"] == slowest) + ["its path sets the step"] * (
+            row["stage"] == critical)
         rows.append([f"  {row['stage']}", "+".join(map(str, row["blocks"])), human_bytes(row["memory_total"]),
-                     f"{row['micro_batch_s']:.4g} s", "slowest: sets the pace" if row["stage"] == slowest else ""])
+                     f"{row['micro_batch_s']:.4g} s", "; ".join(marks)])
     return table(rows, right={2, 3})
 
 
@@ -129,7 +133,7 @@ def _time_lines(step: dict[str, float] | None) -> list[str]:
         ["  tensor parallel", f"{step['tp_s']:.4g} s"],
         ["  context parallel (exposed)", f"{step.get('cp_s', 0):.4g} s"],
         ["  expert all-to-alls", f"{step.get('ep_s', 0):.4g} s"],
-        ["  pipeline sends", f"{step['pp_s']:.4g} s"],
+        ["  pipeline messages (waited for)", f"{step['pp_s']:.4g} s"],
         ["  pipeline bubble", f"{step['bubble_s']:.4g} s"],
         ["  data parallel (exposed)", f"{step['dp_s']:.4g} s"],
         ["  offload", f"{step['offload_s']:.4g} s"],

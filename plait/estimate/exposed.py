@@ -1,0 +1,185 @@
+"""What each axis costs one rank, beyond its compute: the seconds the step waits for.
+
+Each function prices one part of a rank's step (estimate/time.py assembles them): the
+collectives inside a micro-batch (tp, cp, ep), a pipeline message on the schedule's edges,
+the data-parallel sync left after overlap, offload, the clip's and the loop's all-reduces.
+Every transfer is priced by the network model (network.py); what overlaps what is said in
+each function, and in time.py's ASSUMPTIONS.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from plait.estimate.context import forward_passes, layer_bytes, ring_exposed_s
+from plait.estimate.experts import layer_alltoall
+from plait.estimate.hardware import Hardware
+from plait.estimate.layout import StageShare, Workload
+from plait.estimate.memory import shard, state_bytes
+from plait.estimate.network import collective_s, collectives_s, inter_node
+from plait.estimate.ops import attention_time, stage_gemm_s
+from plait.estimate.traffic import ring_bytes, tp_collectives, tp_traffic, zero3_gathers
+from plait.models.gpt.config import GPTConfig
+
+HOST_ADAM_BYTES = 28  # read weight, grad, m, v; write weight, m, v (fp32): host_mem_gb_s's unit
+TELEMETRY_BYTES = 8 * 64  # the loop's per-step max-reduction of time, memory and traffic
+
+
+def tp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: int) -> float:
+    """Tensor-parallel seconds per micro-batch on `stage` that the step waits for: all of
+    them (plait runs each collective between its GEMMs), or, on a stack that overlaps the
+    blocks' collectives with the GEMMs they feed (Transformer Engine's userbuffers,
+    `Stack.tp_overlap`, with sequence parallelism inside a node), what those GEMMs cannot
+    hide: each collective is cut in tp pieces, each moved while the GEMM works on the one
+    before, so the first piece shows, and whatever outlasts the GEMMs. The embedding's, the
+    head's, the loss's and the norms' collectives are never overlapped."""
+    t = layout.tp
+    if t == 1:
+        return 0.0
+    wire = sum(tp_traffic(config, layout, stage).get("tp", {}).values()) / layout.grad_accum
+    total = collectives_s(tp_collectives(layout, stage), wire, t, hw, inter)
+    if not (layout.software.tp_overlap and layout.sp and inter == 0):
+        return total
+    counts = tp_collectives(layout, stage, ends=False)
+    act = layout.hidden_bytes(config.d_model)
+    block_s = collectives_s(counts, sum(ring_bytes(op, act, t) * n for op, n in counts.items()), t, hw, inter)
+    gemms = stage_gemm_s(config, layout, stage.layers, replace(hw, op_overhead_us=0.0))
+    return total - block_s + max(block_s / t, block_s - gemms)
+
+
+def message_s(config: GPTConfig, layout: Workload, hw: Hardware, inter: int) -> float:
+    """One pipeline message (a stage's activations forward, or their gradient back): the delay
+    on each edge of the schedule that crosses ranks. plait posts sends without waiting
+    (plait/parallel/pipeline/p2p.py), so a message costs the receiver its wait, not the
+    sender its time."""
+    if layout.pp == 1:
+        return 0.0
+    latency, bandwidth = hw.link(2, inter)
+    return latency + layout.stage_message_bytes(config.d_model) / bandwidth
+
+
+def cp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: int) -> float:
+    """Context parallelism's seconds per micro-batch on `stage` that compute does not hide
+    (estimate/context.py): the ring's transfers beyond each pass's attention, or Ulysses'
+    all-to-alls whole."""
+    cp = layout.cp
+    if cp == 1:
+        return 0.0
+    per = layer_bytes(config, layout)
+    latency, bandwidth = hw.link(cp, inter)
+    forwards = forward_passes(layout.recompute)
+    if layout.cp_kind == "ulysses":
+        one_way = 4 * (cp - 1) * latency + per["forward"] / bandwidth
+        return stage.layers * (forwards + 1) * one_way
+    attention = attention_time(config, layout, hw, 1)  # one forward of one layer's attention
+    forward = ring_exposed_s((cp - 1) * latency + per["forward"] / bandwidth, attention, cp)
+    backward = ring_exposed_s((2 * cp - 1) * latency + per["backward"] / bandwidth,
+                              attention_time(config, layout, hw, 0, 1), cp)
+    return stage.layers * (forwards * forward + backward)
+
+
+def ep_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: int) -> float:
+    """Expert parallelism's all-to-alls per micro-batch on `stage`, whole (the dispatch waits
+    for them): per MoE block, three forward (counts, rows out, rows back; again when
+    recomputed) and two backward, uniform routing (estimate/experts.py)."""
+    if layout.ep == 1 or not stage.moe_layers:
+        return 0.0
+    latency, bandwidth = hw.link(layout.ep, inter)
+    per = layer_alltoall(config, layout)
+    forwards = forward_passes(layout.recompute)
+    one_layer = forwards * (3 * latency + per["forward"] / bandwidth) + 2 * latency + per["backward"] / bandwidth
+    return stage.moe_layers * one_layer
+
+
+def dp_exposed_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: int,
+                 compute_mb: float, forward_share: float, replicate_inter: int = 0) -> float:
+    """Data-parallel seconds left after overlap with compute (see module docstring).
+
+    With a pipeline, plait reduces the gradients after the last action of the schedule,
+    so nothing overlaps them there. Under --dp-shard, ZeRO's collectives run over the shard
+    group (`inter`: whether it spans nodes) and each reduced shard is then summed over its
+    replicas (`replicate_inter`), whole: the rank waits for it before the next bucket.
+    """
+    return (_dp_sync_s(params, unit, layout, hw, inter, compute_mb, forward_share)
+            + _replicate_s(params, layout, hw, replicate_inter))
+
+
+def _replicate_s(params: int, layout: Workload, hw: Hardware, inter: int) -> float:
+    """--dp-shard's all-reduces of the reduced shards over the replicas, per step: one per
+    bucket (or unit) of the whole gradient, each a 1/N shard of it (nothing with one replica)."""
+    grad = state_bytes(layout.precision).grad
+    times = layout.grad_accum if layout.zero >= 2 else 1
+    return times * collective_s("all_reduce", shard(params, layout.zero_ranks) * layout.reduce_bytes, layout.replicas,
+                                hw, inter, max(1.0, params * grad / layout.bucket_bytes))
+
+
+def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: int,
+               compute_mb: float, forward_share: float) -> float:
+    """dp_exposed_s over the ranks that reduce and gather together: the dp × cp ranks, or a
+    --dp-shard group (Layout.zero_ranks is both)."""
+    n, m, per = layout.zero_ranks, layout.grad_accum, state_bytes(layout.precision)
+    if n == 1:
+        return 0.0
+    # Buckets hold the gradients in their own dtype; the wire carries them in the reduce dtype
+    # (--reduce-dtype fp32 doubles a 16-bit run's bytes, as traffic.py counts them).
+    held, grads, weights = params * per.grad, params * layout.reduce_bytes, params * per.param
+    # One collective per bucket (--bucket-mb, 25 MiB by default); ZeRO-3 reduces and gathers per
+    # unit (a block) instead, whatever its size: a 175 B model's 96 blocks are 96 collectives a
+    # pass, not 13,000 buckets.
+    buckets = max(1.0, params / unit) if layout.zero == 3 and unit else max(1.0, held / layout.bucket_bytes)
+    overlap = layout.pp == 1 and layout.software.dp_overlap
+    fwd = compute_mb * forward_share if overlap else 0.0
+    bwd = compute_mb - fwd if overlap else 0.0
+    op = "all_reduce" if layout.zero == 0 else "reduce_scatter"
+    last = collective_s(op, min(held, layout.bucket_bytes) * layout.reduce_bytes / per.grad, n, hw, inter)
+    reduce = max(last, collective_s(op, grads, n, hw, inter, buckets) - bwd)
+    if layout.zero == 0:
+        return reduce
+    gather = collective_s("all_gather", weights, n, hw, inter, buckets)
+    if layout.zero in (1, 2):
+        if layout.software.gather_overlap and overlap:  # behind the next step's first forward, but its first bucket
+            first = collective_s("all_gather", min(held, layout.bucket_bytes) * per.param / per.grad, n, hw, inter)
+            return reduce + max(first, gather - compute_mb * forward_share)
+        return reduce + gather
+    # ZeRO-3: every micro-batch gathers in forward and (unless kept) again in backward,
+    # hidden behind the compute when prefetched, exposed whole when gathered on demand.
+    if layout.prefetch == 0:
+        return m * gather * zero3_gathers(layout) + reduce
+    first = collective_s("all_gather", unit * per.param, n, hw, inter)
+    regather = gather if layout.reshard_after_forward else 0.0
+    # A backward's gathers and the step's reduce-scatters share the links and the one backward
+    # that hides them: what the window cannot hold is exposed once, not hidden twice.
+    reduce_all = collective_s(op, grads, n, hw, inter, buckets)
+    last_backward = max(last + (first if regather else 0.0), regather + reduce_all - bwd)
+    return m * max(first, gather - fwd) + (m - 1) * max(first, regather - bwd) * (regather > 0) + last_backward
+
+
+def offload_s(params: int, layout: Workload, hw: Hardware) -> float:
+    """PCIe round trip of the shard plus the host's AdamW over it (the CPU's measured rate:
+    plait.estimate.hardware, `host_mem_gb_s`). The gradient goes out and the weights come back
+    in fp32 whatever the precision: plait converts on the GPU and moves fp32 across
+    (plait/parallel/zero/optim.py, copy_in_chunks), so that the host does no conversion."""
+    if not layout.offload:
+        return 0.0
+    part = shard(params, layout.zero_ranks)
+    pcie = 2 * part * OFFLOAD_WIRE_BYTES / (hw.pcie_gb_s * 1e9)
+    return pcie + part * HOST_ADAM_BYTES / (hw.host_mem_gb_s * 1e9)
+
+
+OFFLOAD_WIRE_BYTES = 4  # a parameter's fp32 gradient out, or its fp32 master back, over PCIe
+
+
+def clip_s(layout: Workload, hw: Hardware, links: dict[str, int]) -> float:
+    """All-reduces of a few bytes around the update: the step guard's verdict over every
+    rank, and the gradient norm over ZeRO's dp group, tp and pp."""
+    groups = [("world", layout.world), ("dp_shard", layout.zero_ranks if layout.zero else 1), ("tp", layout.tp),
+              ("pp", layout.pp)]
+    return math.fsum(collective_s("all_reduce", 16, n, hw, links[axis]) for axis, n in groups)
+
+
+def overhead_s(layout: Workload, hw: Hardware, gpus_per_node: int) -> float:
+    """The loop's own cost: bookkeeping, and its telemetry all-reduces over every rank."""
+    telemetry = collective_s("all_reduce", TELEMETRY_BYTES, layout.world, hw,
+                             inter_node(layout, gpus_per_node)["world"], count=2)
+    return hw.step_overhead_us * 1e-6 + telemetry

@@ -1,0 +1,83 @@
+"""One assembly of the step (plait/estimate/time.py): every estimate is each rank's record
+of named parts, assembled as the slowest rank's path, with pipeline messages as delays on the
+schedule's edges; the planner assembles its layouts through the same function."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.estimate.exposed import clip_s, overhead_s
+from plait.estimate.hardware import get_hardware
+from plait.estimate.layout import Workload
+from plait.estimate.network import inter_node
+from plait.estimate.ops import accumulate_params_s
+from plait.estimate.pipeline import makespan, rank_ends
+from plait.estimate.time import RankCost, StepCosts, assemble, estimate_time_params_only
+from plait.models.gpt.config import get_preset
+from plait.estimate.planner import plan_request, search_for
+from plait.estimate.time import estimate_time
+
+CPU, H100 = get_hardware("cpu"), get_hardware("h100-sxm")
+THIRD = 1 / 3
+
+
+def test_a_message_is_a_delay_on_the_edge_not_time_of_either_rank() -> None:
+    """1F1B on 2 ranks, one micro-batch: F on rank 0, its activations d later, F and B on
+    rank 1, the gradient d later, B on rank 0. Rank 1 ends d + its own work after rank 0's
+    forward; rank 0 ends a second d and its backward later."""
+    f0, b0, f1, b1, d = 1.0, 2.0, 3.0, 6.0, 0.5
+    ends = rank_ends("1f1b", 2, 1, 1, [f0 + b0, f1 + b1], THIRD, edge_s=d)
+    assert ends == pytest.approx((f0 + d + f1 + b1 + d + b0, f0 + d + f1 + b1), rel=1e-12)
+    assert makespan("1f1b", 2, 1, 1, [3.0, 9.0], THIRD, edge_s=0.0) == pytest.approx(f0 + f1 + b1 + b0)
+
+
+def test_the_step_is_the_slowest_ranks_path_with_its_own_tail() -> None:
+    """Under 1F1B rank 0 ends last, yet rank 1's update is long: the step is rank 1's path (its
+    end, then its own tail), not the latest end plus the slowest stage's tail, and its parts
+    add up. With the long update on rank 0 instead, rank 0's path is the step."""
+    layout = Workload(pp=2, grad_accum=4)
+    ranks = (RankCost(3.0, update=1.0), RankCost(6.0, update=10.0))
+    step = assemble(layout, CPU, StepCosts(ranks, model_flops=1.0, hardware_flops=1.0, clip=0.25, overhead=0.5))
+    ends = rank_ends("1f1b", 2, 4, 1, [3.0, 6.0], THIRD)
+    assert ends[0] > ends[1] and ends[1] + 10.0 > ends[0] + 1.0 and step.critical_rank == 1
+    assert step.step_s == pytest.approx(ends[1] + 10.0 + 0.25 + 0.5, rel=1e-12)
+    parts = step.compute_s + step.bubble_s + step.pp_s + step.optimizer_s + step.overhead_s
+    assert parts == pytest.approx(step.step_s, rel=1e-12)
+    swapped = assemble(layout, CPU, StepCosts((RankCost(3.0, update=10.0), RankCost(6.0, update=1.0)), 1.0, 1.0))
+    assert swapped.critical_rank == 0 and swapped.step_s == pytest.approx(ends[0] + 10.0, rel=1e-12)
+
+
+def test_the_messages_share_is_what_the_path_waits_for_them() -> None:
+    """The same ranks with and without a message's delay: the step grows by the delay the
+    critical path waits (two edges per micro-batch's fill and drain at most), shown as pp_s."""
+    layout = Workload(pp=2, grad_accum=4)
+    ranks = (RankCost(3.0), RankCost(3.0))
+    quiet, loud = (assemble(layout, CPU, StepCosts(ranks, 1.0, 1.0, message=d)) for d in (0.0, 0.1))
+    assert quiet.pp_s == 0.0 and loud.pp_s == pytest.approx(loud.step_s - quiet.step_s, rel=1e-12)
+    assert 0.2 - 1e-12 <= loud.pp_s <= 2 * 4 * 0.1
+
+
+def test_a_model_known_by_its_size_pays_the_clip_and_the_accumulation() -> None:
+    """The params-only estimate (and the CNN's, which shares it) once left out the clip's
+    all-reduces and the adds of accumulated gradients that the GPT's estimate pays."""
+    layout = Workload(dp=8, zero=1, micro_batch=2, grad_accum=4, seq_len=512, precision="bf16")
+    one = estimate_time_params_only(10**9, layout.replace(grad_accum=1), H100, 8)
+    four = estimate_time_params_only(10**9, layout, H100, 8)
+    links = inter_node(layout, 8)
+    adds = accumulate_params_s(layout, 10**9, 2, H100)
+    assert adds > 0 and four.compute_s == pytest.approx(4 * one.compute_s + adds, rel=1e-12)
+    clip = clip_s(layout, H100, links)
+    assert clip > 0 and four.optimizer_s > clip
+    assert four.step_s == pytest.approx(four.compute_s + four.dp_s + four.optimizer_s + overhead_s(layout, H100, 8),
+                                        rel=1e-12)
+
+
+def test_the_planner_ranks_with_the_estimates_own_assembly() -> None:
+    """The planner's rows are estimate_time's steps: on small over 4 CPU ranks, each of the
+    top layouts, pipelines among them, is the assembly of its record."""
+    request = plan_request(get_preset("small"), gpus=4, global_batch=16, seq_len=128, hardware="cpu")
+    search = search_for(request)
+    found = search.best(5) + search.best(5, lambda w: w.pp > 1)
+    assert any(layout.pp > 1 for layout in found)
+    for layout in found:
+        assert search._step[layout] == estimate_time(request.config, layout, request.hardware, 2).step_s
