@@ -47,11 +47,13 @@ def test_the_estimate_halves_activations_and_syncs_over_dp_times_cp() -> None:
     tables = small.max_seq_len * small.head_dim * 4  # RoPE's cos and sin, kept whole
     ratio = (ulysses["memory"]["activations"] - tables) / (one["memory"]["activations"] - tables)
     assert ratio == pytest.approx(0.5, rel=1e-3), ratio  # the same bytes per token, half the tokens
-    # The ring keeps K/V unexpanded (kv_dim, not h) and its output in fp32: 8(h − kv) fp32 bytes
-    # less per token and layer than SDPA's expanded q, k, v, out.
+    # The ring keeps K/V unexpanded and its output in fp32, as SDPA keeps grouped K/V: in fp32
+    # the same bytes; in bf16 the ring's fp32 output is 2h bytes more a token and layer.
+    assert ulysses["memory"]["activations"] == cp["memory"]["activations"]
     tokens = 2 * 512 // 2
-    saved = small.n_layers * tokens * 8 * (small.d_model - small.kv_dim)
-    assert ulysses["memory"]["activations"] - cp["memory"]["activations"] == saved
+    ring16, ulysses16 = (estimate_layout(small, hardware="cpu", micro_batch=2, seq_len=512, cp=2, cp_kind=kind,
+                                         precision="bf16")["memory"]["activations"] for kind in ("ring", "ulysses"))
+    assert ring16 - ulysses16 == small.n_layers * tokens * 2 * small.d_model
     assert set(cp["comm"]) == {"dp_cp", "cp"} and cp["comm"]["dp_cp"] == one["comm"]["dp"]
     block = 2 * 2 * 256 * small.n_kv_heads * small.head_dim * 4  # 2·b·(s/cp)·h_kv·d·e
     per_layer = block + (block + 2 * block)  # forward; backward (K/V again, then dK/dV to 2 ranks)
@@ -125,19 +127,19 @@ def test_memory_limit_refuses_a_model_it_cannot_estimate(tmp_path: Path, capsys:
 
 
 def test_memory_limit_names_the_cp_that_fits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The README's long-sequence demo: one process would need 0.60 GiB (its peak); cp 2 fits 0.5."""
+    """The README's long-sequence demo: one process would need 0.48 GiB (its peak); cp 2 fits 0.4."""
     argv = ["train", "--model", "small,max_seq_len=2048", "--seq-len", "2048", "--micro-batch", "1",
-            "--memory-limit", "0.5", "--out", str(tmp_path)]
+            "--memory-limit", "0.4", "--out", str(tmp_path)]
     assert main([*argv, "--nproc", "1"]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        "plait: error: dp=1 tp=1 pp=1 needs an estimated 0.60 GiB per rank, more than --memory-limit 0.5 GiB",
+        "plait: error: dp=1 tp=1 pp=1 needs an estimated 0.48 GiB per rank, more than --memory-limit 0.4 GiB",
         "  hint: add --cp 2 (--nproc 2): each rank then holds 1/2 of every sequence"]
     from plait.train.config.settings import build_config
     from plait.train.config.memory_limit import check_memory_limit
     from plait.families import family_of
 
     config = build_config({}, {"model": "small,max_seq_len=2048", "seq_len": 2048, "micro_batch": 1, "cp": 2,
-                               "nproc": 2, "memory_limit": 0.5}, family_of)
+                               "nproc": 2, "memory_limit": 0.4}, family_of)
     check_memory_limit(config, family_of(config).memory)  # fits: no error
 
 

@@ -126,18 +126,26 @@ def test_korthikanti_coefficients() -> None:
 
 
 def test_our_block_formula() -> None:
-    """e·(9h + 4f) + 8(h + 1) + 4a bytes per token (the norms' x and rsqrt in fp32); TP splits
-    all but the norms' 8(h + 1) + 4eh."""
+    """e·(7h + 2kv + 3f) + 8 + 4a bytes per token for plait's lean block (each norm's input and
+    fp32 reciprocal rms; K/V grouped; gate, up and their product); TP splits all but the norms'
+    8 + 4eh. A transformers block (lean_blocks false) keeps autograd's intermediates:
+    e·(9h + 4f) + 8(h + 1) + 4a, the norms' fp32 copies and silu's output."""
     cfg = get_preset("llama-7b")
-    h, f, a, tokens = cfg.d_model, cfg.ffn_hidden, cfg.n_heads, 4096
+    h, f, a, kv, tokens = cfg.d_model, cfg.ffn_hidden, cfg.n_heads, cfg.kv_dim, 4096
     bf16 = Workload(precision="bf16", seq_len=4096)
-    assert llama_layer_bytes(cfg, bf16) == tokens * (2 * (9 * h + 4 * f) + 8 * (h + 1) + 4 * a)
-    assert llama_layer_bytes(cfg, replace(bf16, precision="fp32")) == tokens * (4 * (11 * h + 4 * f + 2) + 4 * a)
+    assert llama_layer_bytes(cfg, bf16) == tokens * (2 * (7 * h + 2 * kv + 3 * f) + 8 + 4 * a)
+    assert llama_layer_bytes(cfg, replace(bf16, precision="fp32")) == tokens * (4 * (7 * h + 2 * kv + 3 * f) + 8 + 4 * a)
     tp4 = replace(bf16, tp=4)
-    assert llama_layer_bytes(cfg, tp4) == tokens * (8 * (h + 1) + 2 * 4 * h + (2 * (5 * h + 4 * f) + 4 * a) / 4)
+    assert llama_layer_bytes(cfg, tp4) == tokens * (8 + 2 * 4 * h + (2 * (3 * h + 2 * kv + 3 * f) + 4 * a) / 4)
     sp4 = replace(tp4, sp=True)
     assert llama_layer_bytes(cfg, sp4) == pytest.approx(llama_layer_bytes(cfg, bf16) / 4)
     assert llama_layer_bytes(cfg, replace(bf16, recompute="full")) == tokens * 2 * h
+    eager = replace(cfg, lean_blocks=False)
+    assert llama_layer_bytes(eager, bf16) == tokens * (2 * (9 * h + 4 * f) + 8 * (h + 1) + 4 * a)
+    assert llama_layer_bytes(eager, replace(bf16, precision="fp32")) == tokens * (4 * (11 * h + 4 * f + 2) + 4 * a)
+    assert llama_layer_bytes(eager, tp4) == tokens * (8 * (h + 1) + 2 * 4 * h + (2 * (5 * h + 4 * f) + 4 * a) / 4)
+    grouped = replace(cfg, n_kv_heads=8)  # 4 query heads to a K/V head: K and V a quarter as wide
+    assert llama_layer_bytes(cfg, bf16) - llama_layer_bytes(grouped, bf16) == tokens * 2 * 2 * (h - h // 4)
     assert layer_bytes(GPT2_LIKE, bf16) == korthikanti_layer_bytes(GPT2_LIKE, bf16)
 
 
@@ -211,7 +219,7 @@ def test_tp_and_sp_split_our_block_as_theory_says() -> None:
         return llama_layer_bytes(config, Workload(tp=t, sp=sp, precision="fp32", micro_batch=b, seq_len=s))
 
     outside = s * b * (2 * rmsnorm_bytes(h, 4))
-    assert block() == s * b * (4 * (11 * h + 4 * f + 2) + 4 * a)
+    assert block() == s * b * (4 * (7 * h + 2 * config.kv_dim + 3 * f) + 8 + 4 * a)
     for t in (2, 4):
         assert block(t) == pytest.approx(outside + (block() - outside) / t)
         assert block(t, sp=True) == pytest.approx(block() / t)

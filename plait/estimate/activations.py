@@ -7,23 +7,27 @@ Two blocks are counted:
   the eager attention of the time kept the a·s·s softmax, its dropout mask and output.
 * Ours (plait/models/gpt/model.py). It calls SDPA, whose CPU and flash kernels keep only a
   log-sum-exp per (head, query) and recompute the attention matrix in backward, so no a·s²
-  term appears. Listing what each op saves (deduplicated by storage; the test in
-  tests/test_estimate_memory.py checks it with saved_tensors_hooks), per token per layer:
+  term appears; its norms and SwiGLU keep only their inputs (plait/models/gpt/lean.py) and
+  grouped K/V heads stay grouped (SDPA's enable_gqa). Listing what each op saves
+  (deduplicated by storage; the test in tests/test_estimate_memory.py checks it with
+  saved_tensors_hooks), per token per layer:
 
-    RMSNorm, twice  x and rsqrt (one value) in fp32 (the norm computes
-                    in fp32 whatever the dtype), x·rsqrt and the normed
-                    output in the model's dtype                          2·(4(h + 1) + 2eh) bytes
-    attention       q after RoPE; k and v after repeat_interleave to
-                    n_heads (so GQA saves no memory here); SDPA's output 4h elements
+    RMSNorm, twice  its input and the fp32 reciprocal rms (one value); its
+                    output, kept by the projections it feeds               2·(2eh + 4) bytes
+    attention       q after RoPE, k and v (kv_dim wide each), SDPA's
+                    output                                               2h + 2kv elements
                     the (b, s, h) copy reshape makes for o_proj (a view,
                     not a copy, when a rank holds a single head)         h elements
                     SDPA's log-sum-exp, always fp32                      4·a bytes
-    SwiGLU          gate output (silu's input), silu output, up output,
-                    their product (down's input)                         4f elements
+    SwiGLU          gate and up outputs, their gated product (down's
+                    input)                                               3f elements
 
-  = e·(9h + 4f) + 8(h + 1) + 4a bytes per token, e = 4 in fp32 and 2 in bf16/fp16 (the
-  model itself in that dtype, as the (2+2+12)Ψ mixed-precision accounting assumes); in
-  fp32 that is e·(11h + 4f + 2) + 4a.
+  = e·(7h + 2kv + 3f) + 8 + 4a bytes per token, e = 4 in fp32 and 2 in bf16/fp16 (the model
+  itself in that dtype, as the (2+2+12)Ψ mixed-precision accounting assumes).
+
+  A transformers model (GPTConfig.lean_blocks false) keeps autograd's intermediates: each
+  norm its fp32 input and normalised values (4(h + 1) + 2eh: in fp32 its input is its own
+  copy), K and V repeated to n_heads, silu's output (4f): e·(9h + 4f) + 8(h + 1) + 4a.
 
 Outside the blocks the forward keeps the int64 token ids (embedding) and the final norm's
 4(h + 1) + 2eh bytes, and RoPE's multiplications keep the cos and sin tables (max_seq_len·head_dim
@@ -33,8 +37,9 @@ memory.py as a buffer on the last stage.
 
 Under context parallelism every per-token figure counts this rank's tokens only (s/cp per
 sequence); Ulysses runs the same SDPA on whole sequences of h/cp heads, so it saves the same
-bytes per token; ring attention keeps K/V unexpanded and its output in fp32 (e(h + 2·kv) + 4h
-in place of 4eh).
+bytes per token (K/V repeated to the query heads where cp does not divide their heads);
+ring attention keeps K/V unexpanded and its output in fp32 (e(h + 2·kv) + 4h in place of
+the SDPA's q, k, v and output).
 
 Tensor parallelism divides what lives inside the column/row-parallel region (attention
 and MLP); the norms stay replicated unless sequence parallelism shards them too, in which
@@ -78,33 +83,47 @@ def llama_layer_bytes(config: GPTConfig, layout: Workload) -> float:
     """One block of our model: saved bytes per micro-batch (see the module docstring),
     averaged over the blocks; an MoE block's MLP (whole on every tp rank) by the widths of a
     token's experts, plus what its routing keeps (estimate/experts.py)."""
-    h, a = config.d_model, config.n_heads
+    h, a, lean = config.d_model, config.n_heads, config.lean_blocks
     f, moe = dense_and_expert_widths(config)
     e = layout.compute_bytes
     o_proj_copy = h if a // layout.tp > 1 else 0  # one head per rank: reshape is a view
-    replicated = 2 * rmsnorm_bytes(h, e) + e * 4 * moe + saved_bytes_per_token(config, layout)
-    # SwiGLU keeps gate, up, silu(gate) and their product (4f); a two-matrix MLP (GELU, relu²)
-    # keeps up's output and the activation's, which feeds down (2f: relu² squares relu's output in place of a copy).
-    mlp = 2 if config.mlp_matrices == 2 else 4
-    sharded = e * (4 * h + o_proj_copy + mlp * f) + LSE_BYTES * a
+    # SwiGLU keeps gate, up and their product (3f; and silu's output, 4f, outside plait's lean
+    # block); a two-matrix MLP (GELU, relu²) keeps up's output and the activation's, which
+    # feeds down (2f: relu² squares relu's output in place of a copy).
+    swiglu = 3 if lean else 4
+    mlp = 2 if config.mlp_matrices == 2 else swiglu
+    replicated = 2 * rmsnorm_bytes(h, e, lean) + e * swiglu * moe + saved_bytes_per_token(config, layout)
+    attention = 2 * h + 2 * kv_kept(config, layout) if lean else 4 * h  # q, k, v, out
+    sharded = e * (attention + o_proj_copy + mlp * f) + LSE_BYTES * a
     if layout.cp > 1 and layout.cp_kind == "ring":
         # Ring attention keeps K and V as the model made them (kv_dim wide: GQA saves here)
         # and its output in fp32 for the backward's merge: q, k, v, out = e(h + 2kv) + 4h.
-        sharded += e * (h + 2 * config.kv_dim) + RING_OUT_BYTES * h - e * 4 * h
+        sharded += e * (h + 2 * config.kv_dim) + RING_OUT_BYTES * h - e * attention
         if layout.recompute == "selective":
             return _combine(replicated, sharded - RING_OUT_BYTES * h - LSE_BYTES * a, layout, e * h)
     if layout.recompute == "selective":
         # Recomputing the attention core drops SDPA's output and log-sum-exp; q, k, v stay
-        # as the recomputation's inputs, K/V as the model made them (the core repeats grouped
-        # heads itself). SDPA already recomputes the a·s² matrix, so this buys little for our
-        # block: prefer "full".
-        sharded -= (e * h if o_proj_copy else 0) + LSE_BYTES * a + e * 2 * (h - config.kv_dim)
+        # as the recomputation's inputs, K/V as the model made them (repeated ones, outside the
+        # lean block, are the core's own). SDPA already recomputes the a·s² matrix, so this
+        # buys little for our block: prefer "full".
+        dropped = 0 if lean else e * 2 * (h - config.kv_dim)
+        sharded -= (e * h if o_proj_copy else 0) + LSE_BYTES * a + dropped
     return _combine(replicated, sharded, layout, e * h)
 
 
-def rmsnorm_bytes(h: int, e: int) -> float:
-    """One RMSNorm's saved bytes per token: x and rsqrt in fp32, x·rsqrt and the output in e bytes."""
-    return NORM_BYTES * (h + 1) + 2 * e * h
+def kv_kept(config: GPTConfig, layout: Workload) -> int:
+    """K's (or V's) elements per token SDPA keeps in plait's block: kv_dim, or h where Ulysses
+    repeats the heads because cp does not divide a tp rank's K/V heads."""
+    if layout.cp > 1 and layout.cp_kind == "ulysses" and (config.n_kv_heads // layout.tp) % layout.cp:
+        return config.d_model
+    return config.kv_dim
+
+
+def rmsnorm_bytes(h: int, e: int, lean: bool = True) -> float:
+    """One RMSNorm's saved bytes per token, its output (kept by the projections it feeds)
+    included: plait's lean norm keeps its input and the fp32 reciprocal rms; autograd's keeps
+    the fp32 input and rsqrt, and x·rsqrt in e bytes."""
+    return 2 * e * h + NORM_BYTES if lean else NORM_BYTES * (h + 1) + 2 * e * h
 
 
 def _combine(replicated: float, sharded: float, layout: Workload, block_input: float) -> float:
@@ -135,7 +154,7 @@ def stage_extra_bytes(config: GPTConfig, layout: Workload, stage: StageShare) ->
     if stage.first:
         total += ID_BYTES * tokens
     if stage.last:
-        norm = e * (2 * h) if config.arch == "gpt2" else rmsnorm_bytes(h, e)
+        norm = e * (2 * h) if config.arch == "gpt2" else rmsnorm_bytes(h, e, config.lean_blocks)
         total += tokens * (norm / t if layout.sp else norm)
     return total
 

@@ -13,12 +13,13 @@ Every cost is max(FLOPs / rate, bytes / memory bandwidth) + a fixed cost per lau
 * Element-wise (norms, RoPE, SiLU·mul, residual adds, the loss's softmax): memory-bound, at
   the bandwidth measured for an op of one activation's size (small ops reach less of it).
   Elements read plus written per token per block, counted over plait's GPT with a torch
-  dispatch hook (fp32, tiny and variants): forward 39h + kv + 5f, backward 87h + 8kv + 9f;
-  around the blocks 8h + 3.25V forward, 23h + 6.5V backward. In 16-bit the norms run in
-  fp32 (x.float(), x², the mean, the scaling, back to 16-bit), so a block moves more: counted
-  in 2-byte units, forward 59h + 3kv + 5f, backward 133h + 11kv + 9f
-  (tests/test_elementwise_census.py holds both sets to the hook's count). Forward launches 33 compute
-  ops and 44 views per block (backward 61 and 76); around the blocks 9 + 9 and 19 + 13.
+  dispatch hook (fp32, small variants): forward 31h + 9kv + 5f, backward 69h + 16kv + 11f
+  (the norms' and SwiGLU's backward recompute what their forward did not keep:
+  plait/models/gpt/lean.py); around the blocks 8h + 3.25V forward, 23h + 6.5V backward. In
+  16-bit the norms run in fp32 (x.float(), x², the mean, the scaling, back to 16-bit), so a
+  block moves more: counted in 2-byte units, forward 53h + 9kv + 5f, backward 119h + 16kv + 11f
+  (tests/test_elementwise_census.py holds both sets to the hook's count). Forward launches 31 compute
+  ops and 36 views per block (backward 49 and 69); around the blocks 9 + 9 and 19 + 13.
 * Gradient accumulation: each micro-batch after the first adds its gradients into the kept
   ones (autograd's +=: 3 × the gradient's bytes a parameter, m - 1 times a step; or the
   stack's figure, m times, into its own buffer), over what the rank keeps between
@@ -49,12 +50,12 @@ from plait.estimate.layout import Workload, StageShare
 from plait.estimate.stacks import EAGER_SCORE_PASSES, MEGATRON_EW
 from plait.models.gpt.config import GPTConfig
 
-EW_FWD = (39, 1, 5)  # elements per token per block: coefficients of h, kv, f
-EW_BWD = (87, 8, 9)
-EW_FWD_16 = (59, 3, 5)  # the same in 16-bit, in 2-byte units: the norms' fp32 passes included
-EW_BWD_16 = (133, 11, 9)
+EW_FWD = (31, 9, 5)  # elements per token per block: coefficients of h, kv, f
+EW_BWD = (69, 16, 11)
+EW_FWD_16 = (53, 9, 5)  # the same in 16-bit, in 2-byte units: the norms' fp32 passes included
+EW_BWD_16 = (119, 16, 11)
 EW_OUTER = ((8, 3.25), (23, 6.5))  # around the blocks: (h, V) forward, backward
-OPS_BLOCK = ((33, 44), (61, 76))  # (compute ops, views) per block: forward, backward
+OPS_BLOCK = ((31, 36), (49, 69))  # (compute ops, views) per block: forward, backward
 OPS_OUTER = ((9, 9), (19, 13))
 ADAM_BYTES = 84  # per fp32 parameter
 NORM_BYTES, CLIP_BYTES, ZERO_GRAD_BYTES = 4, 8, 4

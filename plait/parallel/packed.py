@@ -102,13 +102,15 @@ def loss_tokens(targets: torch.Tensor) -> torch.Tensor:
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor,
                        scale: float | None = None) -> torch.Tensor:
     """Causal attention inside each packed document, over whole sequences (batch, heads, seq,
-    head_dim), K/V heads already as many as q's: on a GPU, FlexAttention with a block mask
-    (blocks no document spans are skipped, no seq × seq mask is made), compiled once;
-    elsewhere SDPA with a boolean block mask (the CPU has no FlexAttention backward)."""
+    head_dim), K/V heads as many as q's or a divisor of them (each shared by its group of query
+    heads): on a GPU, FlexAttention with a block mask (blocks no document spans are skipped, no
+    seq × seq mask is made), compiled once; elsewhere SDPA with a boolean block mask (the CPU
+    has no FlexAttention backward)."""
+    grouped = k.shape[1] != q.shape[1]
     if q.device.type == "cuda" and not FLEX_OFF:
-        return _flex()(q, k, v, block_mask=flex_block_mask(documents, q.shape[-2]), scale=scale)
+        return _flex()(q, k, v, block_mask=flex_block_mask(documents, q.shape[-2]), scale=scale, enable_gqa=grouped)
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=block_causal(documents, documents, True),
-                                                            scale=scale)
+                                                            scale=scale, enable_gqa=grouped)
 
 
 FLEX_OFF = False  # True: SDPA's boolean mask on a GPU too

@@ -40,6 +40,10 @@ class GPTConfig:
     # Under tp the embedding and the head are split by vocabulary (plait's GPT, Megatron, a
     # transformers plan); False: both whole on every tp rank (plait's GPT-2 adapter: tied)
     vocab_split: bool = True
+    # What a block keeps for backward: True, plait's GPT (its norms and SwiGLU keep only their
+    # inputs, grouped K/V heads stay grouped: plait.models.gpt.lean); False, autograd's
+    # intermediates (a transformers model: fp32 norm copies, silu's output, K/V repeated)
+    lean_blocks: bool = True
     # Mixture of experts (plait.models.gpt.moe): 0 experts is a dense model.
     experts: int = 0  # routed experts in each MoE block
     top_k: int = 2  # experts each token is sent to

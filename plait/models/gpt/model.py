@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.models.gpt.config import GPTConfig
+from plait.models.gpt.lean import gated_silu, rms_norm
 from plait.models.gpt.adapter import GPTAdapter
 from plait.models.gpt.moe import MoE
 from plait.models.gpt.rope import apply_rope, rope_angles, rope_tables
@@ -27,7 +28,8 @@ class RMSNorm(nn.Module):
 
     The rms runs in fp32 whatever the weights' dtype, as Llama's does: in fp16 the backward
     of rsqrt (mean(x²)^-1.5 for activations of ~0.02) overflows 65504. In fp32 the casts
-    are no-ops, the same operations in the same order.
+    are no-ops, the same operations in the same order. Backward recomputes the normalised
+    values from the input and the rms (plait.models.gpt.lean): no fp32 copies are kept.
     """
 
     def __init__(self, dim: int, eps: float):
@@ -36,22 +38,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wide = x.float()
-        return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return rms_norm(x, self.weight, self.eps)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      documents: torch.Tensor | None = None) -> torch.Tensor:
     """The attention core: softmax(q·kᵀ/√d, causal)·v, by SDPA. Grouped K/V heads arrive
-    unexpanded (so that context parallelism moves n_kv_heads, not n_heads) and are repeated here.
+    unexpanded (so that context parallelism moves n_kv_heads, not n_heads) and stay so: SDPA
+    shares each among its group of query heads (enable_gqa), so backward keeps n_kv_heads too.
     `documents` (batch, seq): packed documents' numbers; a query then sees its own document only
     (FlexAttention's block mask on a GPU, SDPA with a boolean mask elsewhere: plait.parallel.packed)."""
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
     if documents is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
     return document_attention(q, k, v, documents)
 
 
@@ -93,7 +91,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(config.ffn_hidden, config.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(gated_silu(self.gate_proj(x), self.up_proj(x)))
 
 
 class Block(nn.Module):

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.models.gpt.config import GPTConfig
+from plait.models.gpt.lean import gated_silu
 from plait.parallel.expert.dispatch import by_expert, combine, tally
 from plait.parallel.expert.ops import add_unless_recomputing, grouped_mm_loop
 
@@ -161,7 +162,7 @@ class Experts(nn.Module):
         ends = counts.cumsum(0).to(torch.int32)
         mm = F.grouped_mm if grouped_mm_fits(rows, self.gate_up_proj, self.down_proj) else grouped_mm_loop
         gate, up = mm(rows, self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-        return mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
+        return mm(gated_silu(gate, up), self.down_proj.transpose(1, 2), offs=ends)
 
 
 class SharedExpert(nn.Module):
@@ -174,7 +175,7 @@ class SharedExpert(nn.Module):
         self.down_proj = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(gated_silu(self.gate_proj(x), self.up_proj(x)))
 
 
 class MoE(RoutingCounts):

@@ -80,12 +80,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: A
     seq = q.shape[2] * cp
     order, back = natural_order(seq, cp).to(q.device), rank_order(seq, cp).to(q.device)
     q, k, v = (to_heads(t, axis).index_select(2, order) for t in (q, k, v))
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    grouped = k.shape[1] != q.shape[1]  # grouped K/V heads stay so: each shared by its group of query heads
     if documents is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=grouped)
     else:
         out = document_attention(q, k, v, documents, scale)
     return to_sequence(out.index_select(2, back).contiguous(), axis)
