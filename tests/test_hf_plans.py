@@ -47,13 +47,16 @@ def test_qwen3_declared_styles_in_plaits_words() -> None:
         parse_style("sequence+whole")
 
 
-def test_under_sequence_parallelism_the_ends_stay_whole_and_the_norms_sum_once() -> None:
-    """Embedding and head whole; attention and MLP entered as regions (they read their input's
-    shape); the layer norms, which see a slice, summed; q_norm, inside a region, only by its
-    own declared style."""
+def test_under_sequence_parallelism_the_ends_read_the_whole_sequence_and_the_norms_sum_once() -> None:
+    """Embedding and head split as without SP, on the whole sequence ("+whole", and the head's
+    logits split for plait's loss); attention and MLP entered as regions (they read their
+    input's shape); the layer norms, which see a slice, summed; q_norm, inside a region, only
+    by its own declared style."""
     model = qwen3()
     plan = adapter_for(model).tensor_plan(model, 2, True)
-    assert "lm_head" not in plan and "model.embed_tokens" not in plan
+    assert plan["lm_head"] == "column_gather+share+whole"
+    assert plan.get("model.embed_tokens", "vocab+whole") == "vocab+whole"  # declared from 5.18 on
+    assert DeclaredPlanAdapter().split_head(model, plan)["lm_head"] == "vocab+whole"
     assert plan["model.layers.2.self_attn"] == plan["model.layers.2.mlp"] == "region"
     sequence = {name for name, style in plan.items() if style == "sequence"}
     assert sequence == {f"model.layers.{i}.{norm}" for i in range(4)

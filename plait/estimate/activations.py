@@ -26,8 +26,9 @@ Two blocks are counted:
   fp32 that is e·(11h + 4f + 2) + 4a.
 
 Outside the blocks the forward keeps the int64 token ids (embedding) and the final norm's
-4(h + 1) + 2eh bytes, and RoPE's multiplications keep the cos and sin tables (max_seq_len·head_dim
-elements, once per rank). That is everything plait's ActivationMeter sees, since it wraps
+4(h + 1) + 2eh bytes (a sequence shard of them under SP, unless the final norm reads the whole
+sequence: `GPTConfig.whole_sequence_ends`), and RoPE's multiplications keep the cos and sin
+tables (max_seq_len·head_dim elements, once per rank). That is everything plait's ActivationMeter sees, since it wraps
 the model's forward only; the loss's fp32 logits and log-softmax are counted by
 memory.py as a buffer on the last stage.
 
@@ -128,7 +129,8 @@ def layer_bytes(config: GPTConfig, layout: Workload) -> float:
 
 def stage_extra_bytes(config: GPTConfig, layout: Workload, stage: StageShare) -> float:
     """Saved outside the blocks, per micro-batch: token ids on the first stage, the final
-    norm on the last (split by t only under SP)."""
+    norm on the last (split by t only under SP, and only where SP cuts the sequence before it:
+    not with `whole_sequence_ends`, whose final norm and head read the whole sequence)."""
     tokens, e, t = layout.tokens_per_micro_batch, layout.compute_bytes, layout.tp
     h = config.d_model
     total = 0.0
@@ -136,7 +138,7 @@ def stage_extra_bytes(config: GPTConfig, layout: Workload, stage: StageShare) ->
         total += ID_BYTES * tokens
     if stage.last:
         norm = e * (2 * h) if config.arch == "gpt2" else rmsnorm_bytes(h, e)
-        total += tokens * (norm / t if layout.sp else norm)
+        total += tokens * (norm / t if layout.sp and not config.whole_sequence_ends else norm)
     return total
 
 

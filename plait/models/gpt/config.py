@@ -40,6 +40,11 @@ class GPTConfig:
     # Under tp the embedding and the head are split by vocabulary (plait's GPT, Megatron, a
     # transformers plan); False: both whole on every tp rank (plait's GPT-2 adapter: tied)
     vocab_split: bool = True
+    # Under SP, where the sequence is cut: False at the embedding's output, so the final norm and
+    # the head's entry run on slices too (plait's GPT, Megatron); True at the first block's input
+    # and gathered at the last block's output, so the embedding, the final norm and the head see
+    # the whole sequence (a transformers model, whose own code around its blocks needs it whole)
+    whole_sequence_ends: bool = False
     # Mixture of experts (plait.models.gpt.moe): 0 experts is a dense model.
     experts: int = 0  # routed experts in each MoE block
     top_k: int = 2  # experts each token is sent to
