@@ -132,6 +132,19 @@ def test_pp_tied_embeddings_swap_gradients() -> None:
                                                     "recv": 2 * message + table}
 
 
+def test_a_whole_tied_table_is_swapped_and_held_whole_under_tp() -> None:
+    """GPT-2's tied embedding and head stay whole on every tp rank (vocab_split false): each
+    stage holds all V rows and the pipeline's two copies swap the whole gradient."""
+    split = replace(get_preset("tiny"), arch="gpt2", n_kv_heads=4)
+    whole = replace(split, vocab_split=False)
+    layout = Workload(tp=2, pp=2, micro_batch=2, seq_len=32, precision="fp32")
+    table = split.vocab_size * split.d_model
+    first_split, first_whole = stages(split, 2, 2)[0], stages(whole, 2, 2)[0]
+    assert first_whole.params - first_split.params == table // 2
+    swapped = pp_traffic(whole, layout, first_whole)["pp"]["send"] - pp_traffic(split, layout, first_split)["pp"]["send"]
+    assert swapped == table // 2 * 4
+
+
 def test_keys_are_the_ledgers() -> None:
     result = estimate_layout(get_preset("llama-70b"), dp=2, tp=8, pp=4, zero=1, sp=True,
                              grad_accum=8, precision="bf16", seq_len=2048)

@@ -169,8 +169,9 @@ def final_norm_params(config: GPTConfig) -> int:
 
 
 def vocab_shard(config: GPTConfig, tp: int) -> int:
-    """Rows of a vocab-parallel embedding on one rank (check_model makes tp divide the vocabulary)."""
-    return config.vocab_size // tp
+    """Rows of the embedding (and head) on one rank: V/tp split by vocabulary (check_model makes
+    tp divide the vocabulary), all V where they stay whole on every tp rank (`vocab_split` false)."""
+    return config.vocab_size // tp if config.vocab_split else config.vocab_size
 
 
 def held_experts(config: GPTConfig, ep: int) -> float:
