@@ -229,6 +229,9 @@ ROWS = rows(
     Row("moe", "--nproc 2 --ep 2", micro_batches=2, unpriced=ROUTED),
     Row("moe", "--nproc 4 --ep 2 --zero 1", micro_batches=4, unpriced=ROUTED),
     Row("llama", "--nproc 4 --dp 2 --tp 2 --grad-accum 2", micro_batches=4),
+    # SP cuts a transformers model's sequence at its blocks alone: the final norm keeps the whole
+    # sequence (priced), which tips the blocks' known excess (priced as plait's GPT's) past 10%
+    Row("llama", "--nproc 2 --tp 2 --sp --grad-accum 2", micro_batches=2, unpriced=HF_ACTIVATIONS),
     Row("llama", "--nproc 4 --pp 2 --cp 2 --grad-accum 2", micro_batches=2),
     Row("qwen3", "--nproc 4 --tp 2 --pp 2 --grad-accum 2 --schedule interleaved --virtual-stages 2",
         micro_batches=2),

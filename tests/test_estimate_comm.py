@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,28 @@ def test_sp_moves_the_same_activation_bytes_plus_regathers() -> None:
     assert sum(traffic.values()) - regathers - norms == pytest.approx(plain)
 
 
+def test_sp_cut_at_the_blocks_keeps_the_ends_on_the_whole_sequence() -> None:
+    """A transformers model under SP (whole_sequence_ends): its embedding and head all-reduce as
+    without SP, the first stage gathers its blocks' input slices again in backward, the last
+    gathers its blocks' output in forward, and the final norm sums nothing. Per pp stage."""
+    gpt = replace(get_preset("llama-7b"), n_layers=4)
+    hf = replace(gpt, whole_sequence_ends=True)
+    layout = Workload(tp=4, pp=2, seq_len=512, precision="bf16", sp=True)
+    act, ring, h = 512 * gpt.d_model * 2, 3 / 4, gpt.d_model
+    first, last = stages(gpt, 4, 2)
+    loss = 2 * ring * 3 * 512 * 4
+    norms = 2 * ring * 2 * 2 * h * 2  # two blocks' two norms, bf16 gradients
+    assert tp_traffic(hf, layout, first)["tp"] == pytest.approx(
+        {"all_gather": ring * (6 * 2 + 1) * act, "reduce_scatter": ring * 4 * 2 * act,
+         "all_reduce": 2 * ring * act + norms})
+    assert tp_traffic(hf, layout, last)["tp"] == pytest.approx(
+        {"all_gather": ring * (6 * 2 + 1) * act, "reduce_scatter": ring * 4 * 2 * act,
+         "all_reduce": 2 * ring * act + loss + norms})
+    gpt_last = tp_traffic(gpt, layout, last)["tp"]  # the GPT's head re-gathers and reduce-scatters instead
+    assert gpt_last["all_gather"] == pytest.approx(ring * (6 * 2 + 2) * act)
+    assert gpt_last["all_reduce"] == pytest.approx(loss + norms + 2 * ring * h * 2)
+
+
 def test_pp_send_and_recv_per_boundary() -> None:
     cfg = get_preset("llama-7b")  # untied: no embedding-gradient swap
     layout = Workload(pp=4, micro_batch=1, seq_len=256, grad_accum=8, precision="bf16")
@@ -107,6 +130,19 @@ def test_pp_tied_embeddings_swap_gradients() -> None:
     first = stages(cfg, 1, 2)[0]
     assert pp_traffic(cfg, layout, first)["pp"] == {"send": 2 * message + table,
                                                     "recv": 2 * message + table}
+
+
+def test_a_whole_tied_table_is_swapped_and_held_whole_under_tp() -> None:
+    """GPT-2's tied embedding and head stay whole on every tp rank (vocab_split false): each
+    stage holds all V rows and the pipeline's two copies swap the whole gradient."""
+    split = replace(get_preset("tiny"), arch="gpt2", n_kv_heads=4)
+    whole = replace(split, vocab_split=False)
+    layout = Workload(tp=2, pp=2, micro_batch=2, seq_len=32, precision="fp32")
+    table = split.vocab_size * split.d_model
+    first_split, first_whole = stages(split, 2, 2)[0], stages(whole, 2, 2)[0]
+    assert first_whole.params - first_split.params == table // 2
+    swapped = pp_traffic(whole, layout, first_whole)["pp"]["send"] - pp_traffic(split, layout, first_split)["pp"]["send"]
+    assert swapped == table // 2 * 4
 
 
 def test_keys_are_the_ledgers() -> None:

@@ -3,7 +3,7 @@ the adapter read from its declared tp_plan and pp_plan gives every layout. Each 
 process on every step's loss (rtol 1e-4: TP and PP change the summation order).
 
 One 2-rank spawn (tests/worlds/hf_pipeline_world.py small): pp 2 (1F1B, interleaved, zb-h1,
-tied embeddings, full recomputation), tp 2 (± sp, a Qwen2, tied embeddings; the head split by vocabulary without sp), the refusal of a model plait cannot cut. The 8-rank
+tied embeddings, full recomputation), tp 2 (± sp, a Qwen2, tied embeddings; the head split by vocabulary), the refusal of a model plait cannot cut. The 8-rank
 dp 2 × tp 2 × pp 2 with ZeRO-1 (and with ZeRO-3, SP, recompute, tied embeddings) is `slow`
 (about a minute and a half on 2 busy cores).
 """
@@ -49,7 +49,7 @@ def test_tensor_parallel_by_the_adapters_plan_matches_one_process(small: list[di
         assert_losses_close(report[run]["losses"], report[reference]["losses"], rtol=1e-4)
         assert_losses_close([report[run]["labels_loss"]], [report[reference]["labels_loss"]], rtol=1e-5)
         assert report[run]["logits_shape"] == [4, 16, 128]
-        assert report[run]["head_rows"] == (128 if run == "tp_sp" else 64)  # split by vocabulary, gathered whole
+        assert report[run]["head_rows"] == 64  # split by vocabulary, gathered whole (under SP too)
 
 
 def test_one_tp_all_reduce_per_region_in_backward(small: list[dict[str, Any]]) -> None:

@@ -14,7 +14,7 @@ from plait.models.hf.plans import DeclaredPlanAdapter, declared
 from plait.parallel.pipeline.split import split_stages
 from plait.parallel.tensor.entry import SharedEntry
 from plait.parallel.tensor.plan import parse_style, resolve_plan
-from plait.parallel.tensor.styles import shares_entry
+from plait.parallel.tensor.styles import shares_entry, whole_sequence
 
 transformers = pytest.importorskip("transformers")
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -41,15 +41,22 @@ def test_qwen3_declared_styles_in_plaits_words() -> None:
     assert parse_style("column:2+share") == ("column", 2) and shares_entry("column_gather+share")
     with pytest.raises(PlaitError, match="'row\\+share' is not a style"):
         parse_style("row+share")
+    assert parse_style("column_gather+share+whole") == ("column_gather", 1)
+    assert shares_entry("column_gather+share+whole") and whole_sequence("vocab+whole")
+    with pytest.raises(PlaitError, match="'sequence\\+whole' is not a style"):
+        parse_style("sequence+whole")
 
 
-def test_under_sequence_parallelism_the_ends_stay_whole_and_the_norms_sum_once() -> None:
-    """Embedding and head whole; attention and MLP entered as regions (they read their input's
-    shape); the layer norms, which see a slice, summed; q_norm, inside a region, only by its
-    own declared style."""
+def test_under_sequence_parallelism_the_ends_read_the_whole_sequence_and_the_norms_sum_once() -> None:
+    """Embedding and head split as without SP, on the whole sequence ("+whole", and the head's
+    logits split for plait's loss); attention and MLP entered as regions (they read their
+    input's shape); the layer norms, which see a slice, summed; q_norm, inside a region, only
+    by its own declared style."""
     model = qwen3()
     plan = adapter_for(model).tensor_plan(model, 2, True)
-    assert "lm_head" not in plan and "model.embed_tokens" not in plan
+    assert plan["lm_head"] == "column_gather+share+whole"
+    assert plan.get("model.embed_tokens", "vocab+whole") == "vocab+whole"  # declared from 5.18 on
+    assert DeclaredPlanAdapter().split_head(model, plan)["lm_head"] == "vocab+whole"
     assert plan["model.layers.2.self_attn"] == plan["model.layers.2.mlp"] == "region"
     sequence = {name for name, style in plan.items() if style == "sequence"}
     assert sequence == {f"model.layers.{i}.{norm}" for i in range(4)

@@ -30,8 +30,9 @@ Two blocks are counted:
   copy), K and V repeated to n_heads, silu's output (4f): e·(9h + 4f) + 8(h + 1) + 4a.
 
 Outside the blocks the forward keeps the int64 token ids (embedding) and the final norm's
-4(h + 1) + 2eh bytes, and RoPE's multiplications keep the cos and sin tables (max_seq_len·head_dim
-elements, once per rank). That is everything plait's ActivationMeter sees, since it wraps
+4(h + 1) + 2eh bytes (a sequence shard of them under SP, unless the final norm reads the whole
+sequence: `GPTConfig.whole_sequence_ends`), and RoPE's multiplications keep the cos and sin
+tables (max_seq_len·head_dim elements, once per rank). That is everything plait's ActivationMeter sees, since it wraps
 the model's forward only; the loss's fp32 logits and log-softmax are counted by
 memory.py as a buffer on the last stage.
 
@@ -147,7 +148,8 @@ def layer_bytes(config: GPTConfig, layout: Workload) -> float:
 
 def stage_extra_bytes(config: GPTConfig, layout: Workload, stage: StageShare) -> float:
     """Saved outside the blocks, per micro-batch: token ids on the first stage, the final
-    norm on the last (split by t only under SP)."""
+    norm on the last (split by t only under SP, and only where SP cuts the sequence before it:
+    not with `whole_sequence_ends`, whose final norm and head read the whole sequence)."""
     tokens, e, t = layout.tokens_per_micro_batch, layout.compute_bytes, layout.tp
     h = config.d_model
     total = 0.0
@@ -155,7 +157,7 @@ def stage_extra_bytes(config: GPTConfig, layout: Workload, stage: StageShare) ->
         total += ID_BYTES * tokens
     if stage.last:
         norm = e * (2 * h) if config.arch == "gpt2" else rmsnorm_bytes(h, e, config.lean_blocks)
-        total += tokens * (norm / t if layout.sp else norm)
+        total += tokens * (norm / t if layout.sp and not config.whole_sequence_ends else norm)
     return total
 
 
@@ -170,8 +172,8 @@ def rope_table_bytes(config: GPTConfig, layout: Workload) -> float:
 def loss_bytes(config: GPTConfig, layout: Workload) -> float:
     """Peak of the loss on the last stage, per micro-batch: the logits in the compute
     dtype, their fp32 copy and the fp32 log-softmax cross_entropy keeps for backward,
-    over this rank's vocab shard."""
-    shard = -(-config.vocab_size // layout.tp)
+    over this rank's vocab shard (the whole vocabulary where the head stays whole, `vocab_split` false)."""
+    shard = -(-config.vocab_size // layout.tp) if config.vocab_split else config.vocab_size
     return float(layout.tokens_per_micro_batch * shard * (layout.compute_bytes + 4 + 4))
 
 

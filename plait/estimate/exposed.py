@@ -19,7 +19,7 @@ from plait.estimate.layout import StageShare, Workload
 from plait.estimate.memory import shard, state_bytes
 from plait.estimate.network import collective_s, collectives_s, inter_node
 from plait.estimate.ops import attention_time, stage_gemm_s
-from plait.estimate.traffic import ring_bytes, tp_collectives, tp_traffic, zero3_gathers
+from plait.estimate.traffic import ring_bytes, sequence_ends, tp_collectives, tp_traffic, zero3_gathers
 from plait.models.gpt.config import GPTConfig
 
 HOST_ADAM_BYTES = 28  # read weight, grad, m, v; write weight, m, v (fp32): host_mem_gb_s's unit
@@ -38,7 +38,7 @@ def tp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
     if t == 1:
         return 0.0
     wire = sum(tp_traffic(config, layout, stage).get("tp", {}).values()) / layout.grad_accum
-    total = collectives_s(tp_collectives(layout, stage), wire, t, hw, inter)
+    total = collectives_s(stage_tp_collectives(config, layout, stage), wire, t, hw, inter)
     if not (layout.software.tp_overlap and layout.sp and inter == 0):
         return total
     counts = tp_collectives(layout, stage, ends=False)
@@ -46,6 +46,15 @@ def tp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
     block_s = collectives_s(counts, sum(ring_bytes(op, act, t) * n for op, n in counts.items()), t, hw, inter)
     gemms = stage_gemm_s(config, layout, stage.layers, replace(hw, op_overhead_us=0.0))
     return total - block_s + max(block_s / t, block_s - gemms)
+
+
+def stage_tp_collectives(config: GPTConfig, layout: Workload, stage: StageShare) -> dict[str, int]:
+    """The b·s·h collectives one micro-batch runs on `stage`, as traffic.tp_traffic counts their
+    bytes: the ends' only where the vocabulary is split, and where SP cuts the sequence at the
+    blocks alone, the ends whole and the sequence's cut and gather around the blocks."""
+    counts = tp_collectives(layout, stage, ends=config.vocab_split, whole_ends=config.whole_sequence_ends)
+    gathers = sequence_ends(config, layout, stage)
+    return {**counts, "all_gather": counts.get("all_gather", 0) + gathers} if gathers else counts
 
 
 def message_s(config: GPTConfig, layout: Workload, hw: Hardware, inter: int) -> float:

@@ -163,9 +163,15 @@ def block_split(config: GPTConfig) -> tuple[int, int]:
     return sharded, average - sharded
 
 
+def final_norm_params(config: GPTConfig) -> int:
+    """The final norm's weights (and GPT-2's LayerNorm biases), on the last stage, whole on every tp rank."""
+    return 2 * config.d_model if config.arch == "gpt2" else config.d_model
+
+
 def vocab_shard(config: GPTConfig, tp: int) -> int:
-    """Rows of a vocab-parallel embedding on one rank (check_model makes tp divide the vocabulary)."""
-    return config.vocab_size // tp
+    """Rows of the embedding (and head) on one rank: V/tp split by vocabulary (check_model makes
+    tp divide the vocabulary), all V where they stay whole on every tp rank (`vocab_split` false)."""
+    return config.vocab_size // tp if config.vocab_split else config.vocab_size
 
 
 def held_experts(config: GPTConfig, ep: int) -> float:
@@ -213,7 +219,7 @@ def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1, ep: int
     h = config.d_model
     table = vocab_shard(config, tp) * h
     first = table + (config.max_seq_len * h if config.arch == "gpt2" else 0)
-    norm = 2 * h if config.arch == "gpt2" else h
+    norm = final_norm_params(config)
     head = table if (not config.tie_embeddings or pp > 1) else 0
     if stage_layers:
         counts = [sum(rank_chunks(stage_layers, pp, virtual_stages, rank)) for rank in range(pp)]

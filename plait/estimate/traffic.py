@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from plait.estimate.context import forward_passes, layer_bytes
 from plait.estimate.experts import layer_alltoall
-from plait.estimate.layout import Workload, StageShare, layout_stages, vocab_shard
+from plait.estimate.layout import Workload, StageShare, final_norm_params, layout_stages, vocab_shard
 from plait.estimate.memory import shard, state_bytes
 from plait.models.gpt.config import GPTConfig
 from plait.wire import ring_bytes  # the ring formula's one home, shared with runtime/
@@ -90,7 +90,8 @@ def cp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
     return out
 
 
-def tp_collectives(layout: Workload, stage: StageShare, ends: bool = True) -> dict[str, int]:
+def tp_collectives(layout: Workload, stage: StageShare, ends: bool = True,
+                   whole_ends: bool = False) -> dict[str, int]:
     """Collectives of b·s·h activations per micro-batch on one rank of `stage` (its blocks'
     alone without `ends`: what an overlapping stack hides, time.tp_s).
 
@@ -105,34 +106,53 @@ def tp_collectives(layout: Workload, stage: StageShare, ends: bool = True) -> di
     sequence shards too). Around the blocks: the vocab-parallel embedding leaves a region
     (first stage), the head enters one (last stage, whose saved input SP gathers again too).
     An MoE block (whole on every tp rank, no SP) has attention's collectives only.
+    With `whole_ends` (GPTConfig.whole_sequence_ends) the embedding and the head read the
+    whole sequence under SP too: one all-reduce each, as without SP (the sequence's own cut
+    and gather around the blocks are `sequence_ends`).
     """
     blocks, first, last = stage.layers, int(ends and stage.first), int(ends and stage.last)
     full = layout.recompute == "full"
     if not layout.sp:  # an MoE block's MLP stays whole on every tp rank: its attention's two (three) only
         moe = round(stage.moe_layers)
         return {"all_reduce": (blocks - moe) * (5 if full else 4) + moe * (3 if full else 2) + first + last}
+    if whole_ends:
+        return {"all_gather": blocks * (8 if full else 6), "reduce_scatter": blocks * (5 if full else 4),
+                "all_reduce": first + last}
     return {"all_gather": blocks * (8 if full else 6) + first + 2 * last,
             "reduce_scatter": blocks * (5 if full else 4) + first + last}
+
+
+def sequence_ends(config: GPTConfig, layout: Workload, stage: StageShare) -> int:
+    """All-gathers of b·s·h per micro-batch where SP cuts the sequence at the blocks alone
+    (`whole_sequence_ends`): the first block keeps its slice of the input (gathered again in
+    backward), the last gathers its output whole (nothing in backward: each rank keeps its
+    slice of the gradient). Once per forward, full recompute or not: the hooks sit on the
+    blocks' calls, outside the recomputed forward (parallel/recompute.py)."""
+    if not (layout.sp and config.whole_sequence_ends):
+        return 0
+    return int(stage.first) + int(stage.last)
 
 
 def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffic:
     """Megatron tensor-parallel traffic on one rank of `stage`, per step.
 
     Besides `tp_collectives` (without the embedding's and the head's where they stay whole,
-    `vocab_split` false): the vocab-parallel cross-entropy all-reduces three fp32
+    `vocab_split` false) and `sequence_ends`: the vocab-parallel cross-entropy all-reduces three fp32
     numbers per token (max, sum of exponentials, target logit); q/k norms (a transformers
     family's `qk_norm`) sum their per-head weights' gradients, or, over every head, have q, k
     and v gathered whole in forward and o_proj's input gradient gathered in backward (its
     slice of a whole input); and
     under SP the norm weights' gradients, which each rank computed from its own sequence
-    shard, are summed (as each micro-batch's backward produces them).
+    shard, are summed (as each micro-batch's backward produces them): the final norm's too,
+    unless it runs on the whole sequence (`whole_sequence_ends`).
     """
     out: Traffic = {}
     t, m = layout.tp, layout.grad_accum
     act = layout.hidden_bytes(config.d_model)
     split_ends = config.vocab_split  # else whole on every tp rank (plait's GPT-2 adapter: tied, models/hf/gpt2.py)
-    for op, count in tp_collectives(layout, stage, ends=split_ends).items():
+    for op, count in tp_collectives(layout, stage, ends=split_ends, whole_ends=config.whole_sequence_ends).items():
         _add(out, "tp", op, act, t, times=m * count)
+    _add(out, "tp", "all_gather", act, t, times=m * sequence_ends(config, layout, stage))
     if stage.last and split_ends:
         _add(out, "tp", "all_reduce", layout.tokens_per_micro_batch * 4, t, times=3 * m)
     if config.qk_norm == "head":  # each block's per-head q and k norm weights: their gradients summed
@@ -144,7 +164,8 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
              times=m * stage.layers)
     if layout.sp:
         grad_bytes = state_bytes(layout.precision).grad
-        _add(out, "tp", "all_reduce", stage.replicated_params * grad_bytes, t, times=m)
+        whole = final_norm_params(config) if stage.last and config.whole_sequence_ends else 0
+        _add(out, "tp", "all_reduce", (stage.replicated_params - whole) * grad_bytes, t, times=m)
     return out
 
 

@@ -50,7 +50,7 @@ LAYER = "model.layers.*"
 HAND = {f"{LAYER}.self_attn": "region", f"{LAYER}.mlp": "region",
         **{f"{LAYER}.self_attn.{p}_proj": "column" for p in "qkv"}, f"{LAYER}.self_attn.o_proj": "row",
         f"{LAYER}.mlp.gate_proj": "column", f"{LAYER}.mlp.up_proj": "column", f"{LAYER}.mlp.down_proj": "row"}
-HAND_VOCAB = {"model.embed_tokens": "vocab", "lm_head": "column_gather"}  # the old adapter's, without SP
+HAND_VOCAB = {"model.embed_tokens": "vocab", "lm_head": "column_gather"}  # the old adapter's
 HAND_SP = {f"{LAYER}.input_layernorm": "sequence", f"{LAYER}.post_attention_layernorm": "sequence"}
 torch.set_num_threads(1)
 
@@ -61,11 +61,12 @@ def build(family: str) -> torch.nn.Module:
     return model_class(config_class(**SHAPE, **extra))
 
 
-def hand_vocab() -> dict[str, str]:
+def hand_vocab(sp: bool = False) -> dict[str, str]:
     """HAND_VOCAB as far as the installed transformers declares it: 5.17 declares no plan for
-    the embedding (it stays whole), later releases split its rows."""
+    the embedding (it stays whole), later releases split its rows. Under SP they read the
+    whole sequence ("+whole"): only the blocks run on sequence slices."""
     declared_plan = declared(build("llama"), "tp")
-    return {key: style for key, style in HAND_VOCAB.items() if key in declared_plan}
+    return {key: style + ("+whole" if sp else "") for key, style in HAND_VOCAB.items() if key in declared_plan}
 
 
 def data() -> list[torch.Tensor]:
@@ -173,7 +174,8 @@ def main() -> None:
                        "declared": tensor_parallel(batches, "llama"),
                        "hand": tensor_parallel(batches, "llama", {**HAND, **hand_vocab()}),
                        "declared_sp": tensor_parallel(batches, "llama", sp=True),
-                       "hand_sp": tensor_parallel(batches, "llama", {**HAND, **HAND_SP}, sp=True)}
+                       "hand_sp": tensor_parallel(batches, "llama", {**HAND, **HAND_SP, **hand_vocab(sp=True)},
+                                                  sp=True)}
     save_report(report)
 
 

@@ -37,10 +37,11 @@ def check(config: Any) -> None:
         raise PlaitError(f"--model {config.model}: mlp_matrices=2 describes a GELU or relu² MLP for plait estimate, "
                          "and plait's GPT trains a SwiGLU MLP (three matrices)",
                          hint="drop mlp_matrices (or set it to 3) to train; train a two-matrix model as hf:DIR")
-    if shape.qk_norm or not shape.vocab_split:
-        raise PlaitError(f"--model {config.model}: qk_norm and vocab_split describe a transformers family for "
-                         "plait estimate; plait's GPT has no q/k norms and splits its vocabulary under tp",
-                         hint="drop qk_norm and vocab_split to train it")
+    if shape.qk_norm or not shape.vocab_split or shape.whole_sequence_ends or not shape.lean_blocks:
+        raise PlaitError(f"--model {config.model}: qk_norm, vocab_split, whole_sequence_ends and lean_blocks "
+                         "describe a transformers family for plait estimate; plait's GPT has no q/k norms, splits "
+                         "its vocabulary under tp and its sequence at the embedding under sp, and keeps lean blocks",
+                         hint="drop qk_norm, vocab_split, whole_sequence_ends and lean_blocks to train it")
     check_language_run(config, shape)
     check_experts_split(shape.experts, config.ep)
     if shape.is_moe and shape.capacity_factor > 0 and config.cp > 1:

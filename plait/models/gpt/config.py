@@ -44,6 +44,11 @@ class GPTConfig:
     # inputs, grouped K/V heads stay grouped: plait.models.gpt.lean); False, autograd's
     # intermediates (a transformers model: fp32 norm copies, silu's output, K/V repeated)
     lean_blocks: bool = True
+    # Under SP, where the sequence is cut: False at the embedding's output, so the final norm and
+    # the head's entry run on slices too (plait's GPT, Megatron); True at the first block's input
+    # and gathered at the last block's output, so the embedding, the final norm and the head see
+    # the whole sequence (a transformers model, whose own code around its blocks needs it whole)
+    whole_sequence_ends: bool = False
     # Mixture of experts (plait.models.gpt.moe): 0 experts is a dense model.
     experts: int = 0  # routed experts in each MoE block
     top_k: int = 2  # experts each token is sent to

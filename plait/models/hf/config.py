@@ -106,7 +106,10 @@ class HFModelDir:
 
     def shape(self) -> GPTConfig:
         """The model's shape in plait's terms, for estimates, reports and layout checks: a
-        GPT-2 block for gpt2, a Llama block (RMSNorm, RoPE, SwiGLU) for any other decoder."""
+        GPT-2 block for gpt2, a Llama block (RMSNorm, RoPE, SwiGLU) for any other decoder.
+        Under SP its sequence is cut at its blocks alone (`whole_sequence_ends`): the model's
+        own code around them needs the whole (models/hf/hooks.py: split_sequence_around). Its
+        blocks keep what autograd keeps (`lean_blocks` false: fp32 norm copies, silu's output)."""
         c, spec = self.config, f"{PREFIX}{self.path}"
         sizes = {what: self.size(what) for what in SIZES}
         missing = [SIZES[what][0] for what, size in sizes.items() if size is None]
@@ -121,7 +124,7 @@ class HFModelDir:
                 return GPTConfig(vocab_size=self.vocab_size, n_layers=sizes["layers"], d_model=hidden, n_heads=heads,
                                  n_kv_heads=heads, ffn_hidden=int(c.get("n_inner") or 4 * hidden),
                                  max_seq_len=sizes["positions"], tie_embeddings=bool(c.get("tie_word_embeddings", True)),
-                                 arch="gpt2")
+                                 arch="gpt2", whole_sequence_ends=True, lean_blocks=False)
             parameters = c.get("rope_parameters") or {}
             if not isinstance(parameters, dict):
                 raise PlaitError(f"--model {spec}: {CONFIG}'s rope_parameters is a {type(parameters).__name__}, "
@@ -131,7 +134,8 @@ class HFModelDir:
                              n_kv_heads=int(c.get("num_key_value_heads") or heads),
                              ffn_hidden=int(c.get("intermediate_size") or 4 * hidden), max_seq_len=sizes["positions"],
                              tie_embeddings=bool(c.get("tie_word_embeddings", False)), rope_theta=float(rope),
-                             norm_eps=float(c.get("rms_norm_eps", 1e-6)), **self.experts(hidden))
+                             norm_eps=float(c.get("rms_norm_eps", 1e-6)), whole_sequence_ends=True, lean_blocks=False,
+                             **self.experts(hidden))
         except (TypeError, ValueError) as exc:
             raise PlaitError(f"--model {spec}: {CONFIG} has a size that is not a number ({exc})") from None
 

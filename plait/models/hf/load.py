@@ -103,7 +103,7 @@ def measured_shape(hf: HFModelDir) -> GPTConfig:
     weight matrices its MLP has (SwiGLU's three; relu² and GELU's two), read off the model
     transformers builds from the config on the meta device (no memory, no weights). Without
     transformers installed, config.json's reading stands: a Llama-like MLP."""
-    shape = replace(hf.shape(), lean_blocks=False)  # transformers' blocks keep autograd's intermediates
+    shape = hf.shape()
     if shape.arch == "gpt2":  # GPT-2's block is described whole by its arch; its adapter keeps
         return replace(shape, vocab_split=False)  # the tied embedding and head whole under tp
     try:

@@ -8,8 +8,8 @@ Mistral, Qwen2, Qwen3, Gemma 3, Phi-3, OLMo 2...) trains under every strategy wi
 and what plait cannot honour is refused in one line (never skipped).
 
 - `tensor_plan`: the declared styles in plait's (models/hf/styles.py), the config's sizes
-  checked; under sequence parallelism the embedding and head stay whole and the blocks' norms
-  get their gradients summed.
+  checked; under sequence parallelism the embedding and head keep their split and read the
+  whole sequence ("+whole") and the blocks' norms get their gradients summed.
 - `after_tensor_parallel`: with SP, the blocks run on sequence slices (split before the
   first, gathered after the last); without, nothing: the head's gather is its own style.
 - `blocks`, `parts`, `run_stage`: the block list and the cut from `pp_plan`, and a stage that
@@ -30,7 +30,7 @@ from torch import nn
 from plait.errors import PlaitError
 from plait.models.hf import context as hf_context, stages as hf_stages
 from plait.models.hf.hooks import split_sequence_around
-from plait.parallel.tensor.styles import parse_style
+from plait.parallel.tensor.styles import WHOLE, parse_style, whole_sequence
 from plait.models.hf.styles import check_config, for_sequence_parallel, plait_plan, probe_input
 from plait.parallel.probe_copy import stand_in
 from plait.parallel.seam import GenericAdapter, Parts, StageView
@@ -114,7 +114,7 @@ class DeclaredPlanAdapter:
             embedded = next((n for n, m in model.named_modules() if m is embedding), None)
             if embedded not in plan or _base(plan[embedded]) != "vocab":
                 return plan
-        return {**plan, name: "vocab"}
+        return {**plan, name: "vocab" + (WHOLE if whole_sequence(plan[name]) else "")}  # under SP, as declared
 
     def expert_modules(self, model: nn.Module) -> list[nn.Module]:
         """The experts modules its declared ep plan names (plait.models.hf.experts), checked."""

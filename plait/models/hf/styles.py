@@ -22,9 +22,13 @@ Anything else (MoE experts, expert parallelism, MLA's kv_a_proj, local_*, an ent
 parameter rather than a module...) is refused in one line naming the pattern and the style:
 a split plait cannot honour is never skipped silently.
 
-Under sequence parallelism the embedding and the head stay whole (the model computes
-positions and masks from the embedding's output, which must then hold the whole sequence),
-and the layers run on sequence slices (hf_hooks.split_sequence_around). The attention and
+Under sequence parallelism only the blocks run on sequence slices (hf_hooks.split_sequence_around:
+split entering the first, gathered leaving the last): the model computes positions and masks
+from the embedding's output, which must then hold the whole sequence, and runs its final norm
+and head on what the last block returns. The embedding and the head keep their split by
+vocabulary and read the whole sequence ("+whole": the embedding's output all-reduced, the
+head's input gradient too, as without SP), so no rank holds the whole vocabulary's weights or
+logits. The attention and
 the MLP then read their input's shape on a slice, so each child of a block holding column
 layers becomes a "region", entered (all-gathered) from its first input; one probe forward
 checks that every column layer in it reads exactly that input (else SP is refused), and
@@ -46,7 +50,7 @@ from plait.errors import PlaitError
 from plait.models.hf.hooks import check_splits
 from plait.parallel.probe import quiet, spread_ids
 from plait.parallel.tensor.plan import first_input_name
-from plait.parallel.tensor.styles import COLUMNS, ROWS, parse_style
+from plait.parallel.tensor.styles import COLUMNS, ROWS, SPLIT, WHOLE, parse_style
 
 DECLARED: dict[str, str] = {  # transformers' style -> plait's
     "colwise": "column+share",
@@ -107,8 +111,8 @@ def check_config(model: nn.Module, plan: dict[str, str], tp: int) -> None:
 
 
 def for_sequence_parallel(model: nn.Module, plan: dict[str, str], blocks: str) -> dict[str, str]:
-    """The plan under SP (see the module docstring): what lies outside the blocks stays whole
-    (the embedding, the head);
+    """The plan under SP (see the module docstring): what lies outside the blocks keeps its
+    split and reads the whole sequence (the embedding and the head: "+whole");
     each child of a block holding column layers (the attention, the MLP) is a region, entered
     once from its first input, so the module reads the whole sequence's shape; the blocks'
     parameters that run outside those regions (the norms) get their gradients summed."""
@@ -117,7 +121,17 @@ def for_sequence_parallel(model: nn.Module, plan: dict[str, str], blocks: str) -
               for name, _ in model.named_modules() if fnmatchcase(name, pattern)}
     regions = _regions(model, styles, blocks)
     outside = _probe_regions(model, styles, regions, blocks)
-    return {**inside, **{name: "region" for name in regions}, **{name: "sequence" for name in outside}}
+    return {**_around_blocks(plan, blocks), **inside, **{name: "region" for name in regions},
+            **{name: "sequence" for name in outside}}
+
+
+def _around_blocks(plan: dict[str, str], blocks: str) -> dict[str, str]:
+    """The plan's entries outside the blocks, which run on the whole sequence: a split layer
+    (the embedding, the head) enters and leaves as without SP ("+whole"); a "sequence" mark
+    has nothing to sum there, and is dropped."""
+    around = {pattern: style for pattern, style in plan.items() if not pattern.startswith(f"{blocks}.")}
+    return {pattern: style + WHOLE if parse_style(style)[0] in SPLIT else style
+            for pattern, style in around.items() if parse_style(style)[0] != "sequence"}
 
 
 def _regions(model: nn.Module, styles: dict[str, str], blocks: str) -> list[str]:

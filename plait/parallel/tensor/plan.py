@@ -4,8 +4,9 @@ A plan maps module-name patterns (shell style, `*` matches any run of characters
 (plait.parallel.tensor.styles holds the table): "column" and "row" split a linear layer's
 outputs or inputs, "vocab" an embedding's (or a head's) vocabulary rows, "region" makes an
 attention or MLP enter the region once for its column layers, "sequence" sums the gradients
-of what runs on a chunk of the sequence under SP; "column_gather", "row_split", "grad_sum"
-and the "+share" entries are the styles transformers' declared plans need (docs/tensor.md).
+of what runs on a chunk of the sequence under SP; "column_gather", "row_split", "grad_sum",
+the "+share" entries and the "+whole" layers (the whole sequence under SP too) are the styles
+transformers' declared plans need (docs/tensor.md).
 
 `apply_tensor_parallel(model, axis, plan=..., sp=...)` swaps the layers in place. The full
 model must already exist on every rank (built from the seed): each rank keeps its slice, so
@@ -36,7 +37,7 @@ from plait.runtime import comm
 from plait.runtime.comm import Axis
 from plait.parallel.tensor.ops import all_gather_stacked, register_axis
 from plait.parallel.tensor.styles import (COLUMNS, ROWS, SPLIT, STYLES, check_divisible, parse_style, resolve_plan,
-                                          shares_entry)
+                                          shares_entry, whole_sequence)
 
 __all__ = ["STYLES", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "apply_tensor_parallel", "gather_full_params", "lm_loss", "parse_style", "resolve_plan", "shard_of",
@@ -103,6 +104,7 @@ def _swap_layers(model: nn.Module, styles: dict[str, str], axis: Axis, sp: bool,
         module = model.get_submodule(name)
         style, fused = parse_style(value)
         enters = not any(name.startswith(region + ".") for region in regions)
+        split_sp = sp and not whole_sequence(value)  # a "+whole" layer enters and leaves as without SP
         if style == "region":
             hook = functools.partial(_enter_hook, axis=axis, sp=sp, regather=regather, name=first_input_name(module))
             module.register_forward_pre_hook(hook, with_kwargs=True)
@@ -110,15 +112,16 @@ def _swap_layers(model: nn.Module, styles: dict[str, str], axis: Axis, sp: bool,
             for param in module.parameters():
                 sum_grad_over(param, axis)
         elif style in ROWS:
-            _replace(model, name, RowParallelLinear.from_dense(module, axis, memo, sequence_parallel=sp,
+            _replace(model, name, RowParallelLinear.from_dense(module, axis, memo, sequence_parallel=split_sp,
                                                                split_input=style == "row_split", entry=entry))
         elif style == "vocab" and overrides_forward(module, nn.Embedding):  # keep its own arithmetic
-            split_embedding_in_place(module, axis, memo, sequence_parallel=sp, input_name=first_input_name(module))
+            split_embedding_in_place(module, axis, memo, sequence_parallel=split_sp,
+                                     input_name=first_input_name(module))
         elif style == "vocab" and isinstance(module, nn.Embedding):
-            _replace(model, name, VocabParallelEmbedding.from_dense(module, axis, memo, sequence_parallel=sp))
+            _replace(model, name, VocabParallelEmbedding.from_dense(module, axis, memo, sequence_parallel=split_sp))
         elif style in (*COLUMNS, "vocab"):
             _replace(model, name, ColumnParallelLinear.from_dense(
-                module, axis, memo, sequence_parallel=sp, enters=enters, regather=regather, fused=fused,
+                module, axis, memo, sequence_parallel=split_sp, enters=enters, regather=regather, fused=fused,
                 gather_output=style == "column_gather", entry=entry if shares_entry(value) else None))
 
 

@@ -26,6 +26,10 @@ A plan maps module-name patterns (shell style, `*` matches any run of characters
 A column style may end in "+share" ("column+share", "column:2+share", "column_gather+share"):
 column layers that read the very same tensor in one forward then enter the region once
 between them (plait.parallel.tensor.entry), the traffic of a "region" mark without one.
+A style that splits a weight may end in "+whole" ("vocab+whole", "column_gather+share+whole"):
+under SP the layer still reads and writes the whole sequence, so it enters and leaves its
+region as without SP (a transformers model's embedding and head, around blocks that alone
+run on sequence slices: plait.models.hf.styles).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ STYLES = ("column", "column_gather", "row", "row_split", "vocab", "region", "seq
 COLUMNS = ("column", "column_gather")  # styles whose layer enters the region from a whole input
 ROWS = ("row", "row_split")
 SPLIT = (*COLUMNS, *ROWS, "vocab")  # styles that cut a layer's weight
-SHARE = "+share"
+SHARE, WHOLE = "+share", "+whole"
 KINDS = {"column": ("Linear", "Conv1D"), "column_gather": ("Linear", "Conv1D"), "row": ("Linear", "Conv1D"),
          "row_split": ("Linear", "Conv1D"), "vocab": ("Embedding", "Linear")}
 
@@ -50,17 +54,23 @@ def parse_style(value: str) -> tuple[str, int]:
     """A plan's value -> (style, fused parts): "column" -> ("column", 1), "column:3" -> ("column", 3).
 
     Only a column layer may be fused: its output is k equal parts (q|k|v) that each split by t.
-    A trailing "+share" (column styles only) is read by `shares_entry`, not here.
+    A trailing "+share" (column styles only) is read by `shares_entry`, a trailing "+whole"
+    (styles that split a weight) by `whole_sequence`, not here.
     """
     text = str(value)
-    base = text.removesuffix(SHARE)
+    whole = text.removesuffix(WHOLE)
+    base = whole.removesuffix(SHARE)
     style, _, parts = base.partition(":")
     if style not in STYLES:
         raise PlaitError(f"tensor-parallel plan: unknown style {value!r}",
                          hint=f"styles are {', '.join(STYLES)}; a fused column layer is \"column:k\"")
-    if base != text and style not in COLUMNS:
+    if base != whole and style not in COLUMNS:
         raise PlaitError(f"tensor-parallel plan: {value!r} is not a style",
                          hint=f'only a column layer ({", ".join(COLUMNS)}) shares its entry: "column{SHARE}"')
+    if whole != text and style not in SPLIT:
+        raise PlaitError(f"tensor-parallel plan: {value!r} is not a style",
+                         hint=f'only a layer whose weight is split ({", ".join(SPLIT)}) reads the whole '
+                              f'sequence under SP: "vocab{WHOLE}"')
     if not parts:
         return style, 1
     if style != "column" or not parts.isdigit() or int(parts) < 1:
@@ -73,7 +83,13 @@ def parse_style(value: str) -> tuple[str, int]:
 def shares_entry(value: str) -> bool:
     """Whether a column layer of this style shares its region entry with the other column
     layers that read the same input (plait.parallel.tensor.entry)."""
-    return str(value).endswith(SHARE)
+    return str(value).removesuffix(WHOLE).endswith(SHARE)
+
+
+def whole_sequence(value: str) -> bool:
+    """Whether a layer of this style reads and writes the whole sequence under SP: it enters
+    and leaves its region as without SP (an all-reduce, not a reduce-scatter or all-gather)."""
+    return str(value).endswith(WHOLE)
 
 
 def resolve_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
