@@ -7,6 +7,10 @@ is 14.5h of the 52h bytes a token autograd kept (plait/estimate/activations.py c
 Each op here is one autograd function that saves its inputs (and the norm's one fp32 number
 a token) and recomputes the rest in backward, as Megatron's and Transformer Engine's fused
 kernels do: the same forward, bit for bit, in less memory.
+
+Under torch.compile the plain ops run instead: Inductor's partitioner chooses itself what a
+compiled graph keeps for backward (recomputing cheap element-wise work), and the graph stays
+the one a model of plain ops compiles to, whatever wraps the block's weights.
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ class _RMSNorm(torch.autograd.Function):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x²) + eps) · weight, the rms in fp32 whatever x's dtype."""
+    if torch.compiler.is_compiling():
+        wide = x.float()
+        return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
     return _RMSNorm.apply(x, weight, eps)
 
 
@@ -68,4 +75,6 @@ class _GatedSiLU(torch.autograd.Function):
 
 def gated_silu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) · up, SwiGLU's gate, keeping only gate and up for backward."""
+    if torch.compiler.is_compiling():
+        return F.silu(gate) * up
     return _GatedSiLU.apply(gate, up)
