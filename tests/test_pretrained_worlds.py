@@ -133,8 +133,8 @@ def test_each_ep_rank_reads_only_its_experts_of_a_converted_checkpoint(world):
 
 def test_a_resume_reads_only_this_ranks_slices_of_the_checkpoint(world, dirs):
     """Resuming tp 2 + sp from its own checkpoint, each rank reads half of each split weight
-    (and of its Adam moments), and all of a norm's scale and of the embedding (Llama's plan
-    leaves it whole): 69% of the checkpoint, never all of it."""
+    (and of its Adam moments; the embedding and the head are split too) and all of a norm's
+    scale: half the checkpoint and a little more, never all of it."""
     q, norm = "model.layers.2.self_attn.q_proj.weight", "model.layers.2.input_layernorm.weight"
     index = json.loads((dirs["root"] / "world" / "llama" / "resume" / "checkpoints" / "step-00000001" /
                         "index.json").read_text())
@@ -144,4 +144,4 @@ def test_a_resume_reads_only_this_ranks_slices_of_the_checkpoint(world, dirs):
         assert sum(read[f"model/{q}"]) == 32 * 32 // 2, read.get(f"model/{q}")
         assert sum(read[f"optim/{q}/exp_avg"]) == 32 * 32 // 2
         assert sum(read[f"model/{norm}"]) == 32
-        assert 0.6 * whole < sum(map(sum, read.values())) < 0.75 * whole
+        assert 0.5 * whole < sum(map(sum, read.values())) < 0.55 * whole

@@ -21,6 +21,7 @@ from plait.errors import PlaitError
 from plait.estimate.hardware import get_hardware, hardware_toml, load_hardware, sized_rate
 from plait.estimate.layout import Workload, stages
 from plait.estimate.ops import Gemm, fit_gemm_line, gemm_key, gemm_s, micro_batch_compute_s, optimizer_s
+from plait.estimate.memory import estimate_memory
 from plait.estimate.time import estimate_time
 from plait.models.gpt.config import get_preset
 from tests.worldlib import ROOT, run_world
@@ -182,7 +183,7 @@ WITHIN_10 = (0.90, 1.10)
 PUBLISHED_BANDS = {("BLOOM", ""): WITHIN_10, ("MPT-7B", ""): WITHIN_10, ("MPT-30B", ""): WITHIN_10,
                    ("MPT-70B", "h100-sxm"): WITHIN_10, ("MPT-70B", "a100-80gb"): (0.85, 0.90),
                    ("Nemotron-4 15B (arXiv 2402.16819): tp 8 + sp, dp 288", ""): (1.05, 1.20),
-                   ("Nemotron-4 15B", ""): WITHIN_10}
+                   ("Nemotron-4 15B", ""): WITHIN_10, ("Llama 3 405B", ""): WITHIN_10}
 
 
 def test_published_runs_each_in_their_own_definition() -> None:
@@ -191,7 +192,7 @@ def test_published_runs_each_in_their_own_definition() -> None:
     a DGX A100's eight 200 Gb/s NICs it would be 13% over."""
     module = _gpu_presets()
     rows = module.published_rows()
-    assert len(rows) == 8
+    assert len(rows) == 10
     for source, hardware, gpus, kind, published, predicted in rows:
         low, high = next(band for (name, preset), band in PUBLISHED_BANDS.items()
                          if name in source and preset in ("", hardware))
@@ -200,6 +201,29 @@ def test_published_runs_each_in_their_own_definition() -> None:
     assert machine == "a100-80gb jean-zay" and module.machine(machine).inter_node_gb_s == 4 * 12.5 / 8
     dgx = estimate_time(config, layout, get_hardware("a100-80gb"), 8)
     assert dgx.hardware_flops_per_token * dgx.tokens_per_s / gpus / 1e12 / published == pytest.approx(1.13, abs=0.01)
+
+
+# Published layouts the estimate says do not fit the GPUs they ran on, and why (docs/estimate.md).
+NOT_FITTING = {
+    "llm-foundry MPT-7B": "micro-batch 6 of 2,048 tokens without recompute: 78.8 GiB estimated, 1% over the 78 "
+                          "usable; MPT's fused LayerNorm and GELU keep less than the block plait prices",
+    "Llama 3 405B (arXiv 2407.21783) on 8192": "32 micro-batches a step: plait's interleaved schedule keeps "
+                                               "p(1 + (p-1)/(pv)) of them in flight on the first rank, where Meta's "
+                                               "sets how many run per round; at 16 a step (16,384 GPUs) it fits",
+}
+
+
+def test_the_largest_published_layouts_fit_where_they_ran() -> None:
+    """Every published layout the suite holds fits its GPUs by the estimate, without recompute
+    where the run used none, but those NOT_FITTING names: Llama 3 405B on 16,384 H100s (tp 8,
+    pp 16, no recompute) among them, at 77.9 of 78 GiB, where plait's block once kept 52h
+    bytes a token for Meta's ~34h (fp32 norm copies, silu's output, K/V repeated: 115 GiB)."""
+    module = _gpu_presets()
+    out = set()
+    for name, config, hardware, layout in module.published_layouts():
+        if estimate_memory(config, layout).total > module.machine(hardware).usable_bytes:
+            out.add(name if "Llama 3" not in name else f"{name} on {layout.world}")
+    assert out == set(NOT_FITTING), out
 
 
 def test_llm_foundrys_whole_table() -> None:
@@ -225,8 +249,8 @@ def test_llm_foundrys_whole_table() -> None:
 def test_the_planner_matches_or_beats_each_published_layout_on_paper() -> None:
     """For each published run on up to 512 GPUs, `plait plan` over the same model, GPUs, batch
     and sequence predicts at least the published layout's throughput where that layout fits
-    by the estimate; where the estimate says it does not fit (llm-foundry's MPT: the
-    activations of a GELU MLP are over-counted, docs/estimate.md), the best layout that does
+    by the estimate; where the estimate says it does not fit (llm-foundry's MPT-7B, by 1%: the
+    blocks priced as plait runs them keep more than MPT's fused ones, docs/estimate.md), the best layout that does
     fit is within 2% of it (its micro-batch 3, two a step, pays a gradient accumulation the
     published micro-batch 6 does not). By how much, and with which layout, is
     benchmarks/RESULTS.md's."""

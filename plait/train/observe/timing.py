@@ -42,7 +42,7 @@ def step_time_parts(predicted: dict[str, Any], measured_step: float, optimizer_s
     if not t or "compute_s" not in t:
         return {}
     parts = {"compute": t["compute_s"], "exposed_comm": t["tp_s"] + t["pp_s"] + t["dp_s"] + t["offload_s"]
-             + t.get("cp_s", 0.0),
+             + t.get("cp_s", 0.0) + t.get("ep_s", 0.0),
              "bubble": t["bubble_s"], "optimizer": t["optimizer_s"], "overhead": t["overhead_s"],
              "step": t["step_s"]}
     measured = {"optimizer": optimizer_s, "step": measured_step,

@@ -1,0 +1,184 @@
+"""Does `plait plan` rank layouts as this machine measures them?
+
+For each world size: `plait calibrate` on this machine (the model's shapes at every tp the
+plan may pick), `plait plan --hardware-file` for the model, GPUs, global batch and sequence,
+then every one of its top layouts trained with `plait train --hardware-file`, the layouts
+taking turns `--repeats` times so that a slow minute lands on different layouts. A layout's
+measured step is the median over its repeats of each run's median step (first step
+excluded). Then, per world: the first pick against the fastest measured, each prediction
+against its measurement, and Spearman's rank correlation of predicted and measured steps.
+
+Goals (the cost model's): the first pick within 5% of the fastest measured, every prediction
+within 10%, a rank correlation of at least 0.8.
+
+    python benchmarks/planner_measured.py --repeats 3          # writes RESULTS.md
+    python benchmarks/planner_measured.py --worlds 2 --no-write
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, new_parser, write_section  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "zero", "micro_batch", "grad_accum")
+
+
+def plait(*args: str, capture: bool = False) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "plait", *args], check=True, cwd=ROOT, env=env, text=True,
+                          stdout=subprocess.PIPE if capture else subprocess.DEVNULL)
+    return proc.stdout if capture else ""
+
+
+def calibrate(model: str, world: int, micro: int, seq: int, out: Path) -> Path:
+    """This machine's hardware file for `world` ranks: GEMMs at every tp dividing the world."""
+    path = out / f"hw-{world}.toml"
+    tps = [str(t) for t in range(1, world + 1) if world % t == 0]
+    plait("calibrate", "--nproc", str(world), "--model", model, "--micro-batch", str(micro), "--seq-len", str(seq),
+          "--tp", ",".join(tps), "--out", str(path), "--no-cache")
+    return path
+
+
+def plan(model: str, world: int, batch: int, seq: int, hw: Path, top: int) -> list[dict]:
+    text = plait("plan", "--model", model, "--gpus", str(world), "--global-batch", str(batch), "--seq-len", str(seq),
+                 "--hardware-file", str(hw), "--gpus-per-node", str(world), "--top", str(top), "--json", capture=True)
+    return json.loads(text)["layouts"]
+
+
+def train_flags(row: dict) -> list[str]:
+    """`plait train`'s flags for a plan row."""
+    flags = [f"--{name.replace('_', '-')}={row[name]}" for name in LAYOUT_FLAGS]
+    flags += [f"--recompute={row['recompute']}"]
+    if row["sp"]:
+        flags.append("--sp")
+    if row["cp"] > 1:
+        flags.append(f"--cp-kind={row['cp_kind']}")
+    if row["pp"] > 1:
+        flags += [f"--schedule={row['schedule']}"]
+        if row["virtual_stages"] > 1:
+            flags.append(f"--virtual-stages={row['virtual_stages']}")
+    if row["dp_shard"]:
+        flags.append(f"--dp-shard={row['dp_shard']}")
+    return flags
+
+
+def train(model: str, row: dict, seq: int, steps: int, hw: Path, out: Path) -> dict:
+    world = row["dp"] * row["tp"] * row["pp"] * row["cp"]
+    plait("train", "--model", model, "--seq-len", str(seq), "--steps", str(steps), "--eval-every", "0",
+          "--eval-samples", "16", "--sample-tokens", "0", "--no-report", "--hardware-file", str(hw),
+          "--nproc", str(world), "--out", str(out), *train_flags(row))
+    return json.loads((out / "summary.json").read_text())["step_time"]
+
+
+def label(row: dict) -> str:
+    parts = [f"dp{row['dp']}", f"tp{row['tp']}"] + [f"{k}{row[k]}" for k in ("pp", "cp") if row[k] > 1]
+    if row["cp"] > 1:
+        parts[-1] += f" {row['cp_kind']}"
+    if row["pp"] > 1:
+        parts.append(row["schedule"] + (f" v{row['virtual_stages']}" if row["virtual_stages"] > 1 else ""))
+    parts += [f"zero{row['zero']}", f"mb{row['micro_batch']}x{row['grad_accum']}"]
+    parts += ["sp"] * bool(row["sp"]) + ([f"rc {row['recompute']}"] if row["recompute"] != "none" else [])
+    return " ".join(parts)
+
+
+def ranks(values: list[float]) -> list[float]:
+    """Average ranks (ties share the mean of their places), 1-based."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation: Pearson's over the ranks."""
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+def world_result(rows: list[dict], measured: dict[int, list[float]]) -> dict:
+    steps = [statistics.median(measured[i]) for i in range(len(rows))]
+    predicted = [row["step_s"] for row in rows]
+    fastest = min(steps)
+    return {"rows": rows, "measured": steps, "each": [measured[i] for i in range(len(rows))],
+            "first_over_fastest": steps[0] / fastest - 1, "rank_correlation": spearman(predicted, steps),
+            "worst_ratio": max(abs(p / m - 1) for p, m in zip(predicted, steps))}
+
+
+def table(world: int, result: dict) -> list[str]:
+    lines = [f"**{world} ranks**: first pick {result['first_over_fastest']:+.1%} against the fastest measured; "
+             f"rank correlation {result['rank_correlation']:.2f}; worst prediction {result['worst_ratio']:.0%} off.",
+             "", "| plan's rank | layout | predicted s | measured s (median) | predicted / measured | each run |",
+             "|---|---|---|---|---|---|"]
+    for i, (row, step, each) in enumerate(zip(result["rows"], result["measured"], result["each"])):
+        runs = ", ".join(f"{s:.3f}" for s in each)
+        lines.append(f"| {i + 1} | {label(row)} | {row['step_s']:.3f} | {step:.3f} | {row['step_s'] / step:.2f} | "
+                     f"{runs} |")
+    return lines
+
+
+def main() -> None:
+    parser = new_parser(__doc__)
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--worlds", type=int, nargs="*", default=[2, 4])
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--top", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=str(ROOT / "runs" / "bench-planner-measured"))
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines: list[str] = []
+    summary = {}
+    for world in args.worlds:
+        hw = calibrate(args.model, world, args.global_batch // world, args.seq_len, out)
+        rows = plan(args.model, world, args.global_batch, args.seq_len, hw, args.top)
+        measured: dict[int, list[float]] = {i: [] for i in range(len(rows))}
+        for repeat in range(args.repeats):
+            for i, row in enumerate(rows):
+                step = train(args.model, row, args.seq_len, args.steps, hw, out / f"w{world}-{i}-{repeat}")
+                measured[i].append(step["measured"]["step"])
+        result = world_result(rows, measured)
+        summary[world] = {k: result[k] for k in ("first_over_fastest", "rank_correlation", "worst_ratio")}
+        lines += table(world, result) + [""]
+        print("\n".join(table(world, result)), flush=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if not args.no_write:
+        load = os.getloadavg()[0]
+        write_section("planner-measured", "\n".join([
+            "## The planner's ranking against this machine's measurements",
+            "",
+            f"- command: `python benchmarks/planner_measured.py --repeats {args.repeats} --steps {args.steps}`",
+            f"- machine: {machine()}, Gloo; date: {time.strftime('%Y-%m-%d')}; load average (1 min) at the end: "
+            f"{load:.1f}",
+            f"- model {args.model}, global batch {args.global_batch} x {args.seq_len} tokens, fp32; per world: "
+            "`plait calibrate --nproc N` (every tp dividing N), `plait plan --hardware-file --top "
+            f"{args.top}`, each layout trained {args.repeats} times taking turns, measured = the median of the "
+            "runs' median steps",
+            "- goals: first pick within 5% of the fastest measured, every prediction within 10%, rank "
+            "correlation at least 0.8",
+            "", *lines]))
+
+
+if __name__ == "__main__":
+    main()
