@@ -40,18 +40,21 @@ def plait(*args: str, capture: bool = False) -> str:
 
 
 def calibrate(model: str, world: int, micro: int, seq: int, out: Path) -> Path:
-    """This machine's hardware file for `world` ranks: GEMMs at every tp dividing the world."""
+    """This machine's hardware file for `world` ranks: GEMMs at every tp, ring attention at
+    every cp, dividing the world."""
     path = out / f"hw-{world}.toml"
-    tps = [str(t) for t in range(1, world + 1) if world % t == 0]
+    degrees = ",".join(str(t) for t in range(1, world + 1) if world % t == 0)
     plait("calibrate", "--nproc", str(world), "--model", model, "--micro-batch", str(micro), "--seq-len", str(seq),
-          "--tp", ",".join(tps), "--out", str(path), "--no-cache")
+          "--tp", degrees, "--cp", degrees, "--out", str(path), "--no-cache")
     return path
 
 
 def plan(model: str, world: int, batch: int, seq: int, hw: Path, top: int) -> list[dict]:
     text = plait("plan", "--model", model, "--gpus", str(world), "--global-batch", str(batch), "--seq-len", str(seq),
-                 "--hardware-file", str(hw), "--gpus-per-node", str(world), "--top", str(top), "--json", capture=True)
-    return json.loads(text)["layouts"]
+                 "--hardware-file", str(hw), "--gpus-per-node", str(world), "--top", str(top), "--precision", "fp32",
+                 "--json", capture=True)
+    found = json.loads(text)
+    return found["layouts"] if isinstance(found, dict) else found
 
 
 def train_flags(row: dict) -> list[str]:
@@ -73,7 +76,7 @@ def train_flags(row: dict) -> list[str]:
 
 def train(model: str, row: dict, seq: int, steps: int, hw: Path, out: Path) -> dict:
     world = row["dp"] * row["tp"] * row["pp"] * row["cp"]
-    plait("train", "--model", model, "--seq-len", str(seq), "--steps", str(steps), "--eval-every", "0",
+    plait("train", "--model", model, "--seq-len", str(seq), "--steps", str(steps), "--eval-every", "0", "--precision", "fp32",
           "--eval-samples", "16", "--sample-tokens", "0", "--no-report", "--hardware-file", str(hw),
           "--nproc", str(world), "--out", str(out), *train_flags(row))
     return json.loads((out / "summary.json").read_text())["step_time"]

@@ -81,3 +81,36 @@ def test_the_planner_ranks_with_the_estimates_own_assembly() -> None:
     assert any(layout.pp > 1 for layout in found)
     for layout in found:
         assert search._step[layout] == estimate_time(request.config, layout, request.hardware, 2).step_s
+
+
+def test_a_host_that_runs_its_own_collectives_hides_nothing_behind_compute() -> None:
+    """On a CPU (Gloo's collectives on the cores that compute) every transfer the step needs is
+    exposed: ZeRO-3's gathers make it slower than ZeRO-1, as measured on 2 CPU ranks
+    (benchmarks/planner_measured.py), where the GPU overlap model had it faster; on a GPU
+    preset ZeRO-3's prefetched gathers still hide behind compute."""
+    small = get_preset("small")
+    one, three = (Workload(dp=2, zero=z, micro_batch=8, seq_len=128) for z in (1, 3))
+    cpu_one, cpu_three = (estimate_time(small, w, CPU, 2) for w in (one, three))
+    assert cpu_three.step_s > cpu_one.step_s and cpu_three.dp_s > cpu_one.dp_s
+    big = get_preset("llama-7b")
+    gpu = [estimate_time(big, Workload(dp=8, zero=z, micro_batch=2, seq_len=2048, precision="bf16"), H100, 8)
+           for z in (1, 3)]
+    assert gpu[1].dp_s < gpu[0].dp_s  # prefetched gathers behind compute
+
+
+def test_ring_attention_runs_at_its_own_measured_rate() -> None:
+    """cp's small attention calls: a hardware file that measured one rank's ring compute
+    (plait calibrate --cp) prices a ring layout's attention at that rate; without it, at the
+    whole core's."""
+    from dataclasses import replace
+
+    from plait.estimate.ops import attention_key, attention_time, ring_key
+
+    small = get_preset("small")
+    ring = Workload(cp=2, micro_batch=16, seq_len=128)
+    core = attention_key(small, 16, 128, 1, "fp32")
+    measured = replace(CPU, gemm=((core, 0.06), (ring_key(small, 128, 1, 2, "fp32"), 0.03)))
+    whole = replace(CPU, gemm=((core, 0.06),))
+    assert attention_time(small, ring, measured, 1) == pytest.approx(2 * attention_time(small, ring, whole, 1))
+    ulysses = ring.replace(cp_kind="ulysses")
+    assert attention_time(small, ulysses, measured, 1) == attention_time(small, ulysses, whole, 1)

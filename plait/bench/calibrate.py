@@ -34,6 +34,7 @@ from plait.estimate.ops import (
     block_gemms,
     gemm_key,
     head_gemm,
+    ring_key,
 )
 from plait.estimate.exposed import HOST_ADAM_BYTES
 from plait.models.gpt.config import GPTConfig
@@ -129,8 +130,9 @@ def _sync(mesh: Mesh) -> None:
 
 
 def model_shapes(config: GPTConfig, micro_batch: int, seq_len: int, tp_sizes: list[int],
-                 precision: str) -> tuple[list[str], dict[str, Gemm]]:
-    """Attention keys and {key: Gemm} of every GEMM the model runs, for each tp degree."""
+                 precision: str, cp_sizes: list[int] = ()) -> tuple[list[str], dict[str, Gemm]]:
+    """Attention keys (the whole core's first, then ring attention's at each cp > 1) and
+    {key: Gemm} of every GEMM the model runs, for each tp degree."""
     tokens = micro_batch * seq_len
     gemms: dict[str, Gemm] = {}
     attention = []
@@ -139,7 +141,8 @@ def model_shapes(config: GPTConfig, micro_batch: int, seq_len: int, tp_sizes: li
         for g in forward + [x for g in forward for x in g.backward()]:
             gemms[gemm_key(g, precision)] = g
         attention.append(attention_key(config, micro_batch, seq_len, tp, precision))
-    return sorted(set(attention)), gemms
+    rings = [ring_key(config, seq_len, tp, cp, precision) for tp in tp_sizes for cp in cp_sizes if cp > 1]
+    return sorted(set(attention)) + sorted(set(rings)), gemms
 
 
 def _dtype(precision: str) -> torch.dtype:
@@ -180,16 +183,22 @@ def _queued(mesh: Mesh, op: Callable[[], Any]) -> Callable[[], None]:
 
 
 def measure_attention(mesh: Mesh, config: GPTConfig, micro_batch: int, seq_len: int,
-                      tp_sizes: list[int], precision: str, reps: int) -> dict[str, float]:
+                      tp_sizes: list[int], precision: str, reps: int, cp_sizes: list[int] = ()) -> dict[str, float]:
     """{key: TFLOP/s} of causal scaled-dot-product attention, forward + backward, counted as
-    3 · 4·b·s²·h/t FLOPs (the model's convention: no discount for the mask)."""
+    3 · 4·b·s²·h/t FLOPs (the model's convention: no discount for the mask); and, for each cp
+    > 1, of one rank's ring attention compute (`_ring_run`), counted as 3 · 4·b·(s/cp)·s·h/t."""
     out, runs, flops = {}, [], []
     for tp in sorted(set(tp_sizes)):
         heads = max(1, config.n_heads // tp)
+        kv_heads = max(1, config.n_kv_heads // tp)
         shape = (micro_batch, heads, seq_len, config.head_dim)
         runs.append(_attention_run(mesh, shape, precision))
         flops.append(3 * 4.0 * micro_batch * seq_len * seq_len * heads * config.head_dim)
         out[attention_key(config, micro_batch, seq_len, tp, precision)] = 0.0
+        for cp in sorted({cp for cp in cp_sizes if cp > 1 and seq_len % (2 * cp) == 0}):
+            runs.append(_ring_run(mesh, shape, kv_heads, cp, precision))
+            flops.append(3 * 4.0 * micro_batch * (seq_len // cp) * seq_len * heads * config.head_dim)
+            out[ring_key(config, seq_len, tp, cp, precision)] = 0.0
     times = _median_rounds(mesh, runs, reps, watched=True)
     for key, f, t in zip(list(out), flops, _slowest(mesh, times)):
         out[key] = queue_depth(mesh.device) * f / t / 1e12
@@ -200,6 +209,36 @@ def _attention_run(mesh: Mesh, shape: tuple[int, ...], precision: str) -> Callab
     """Forward + backward passes of the causal attention core, queued (`_queued`)."""
     q, k, v = (torch.randn(shape, dtype=_dtype(precision), device=mesh.device, requires_grad=True) for _ in range(3))
     return _queued(mesh, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward())
+
+
+class _Held:
+    """A ring 'transfer' that stays on this rank: the block arriving is the one sent (its
+    shape is all the compute depends on)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def wait(self) -> torch.Tensor:
+        return self.tensor
+
+
+def _ring_run(mesh: Mesh, shape: tuple[int, ...], kv_heads: int, cp: int, precision: str) -> Callable[[], None]:
+    """One rank's forward and backward of ring attention over cp ranks (plait.parallel.context.
+    ring's own loops: its calls on blocks of s/(2cp) tokens, merges and accumulations), the
+    transfers left out (time.cp_s prices them), queued (`_queued`)."""
+    from plait.parallel.context.ring import ring_backward, ring_forward
+
+    batch, heads, seq, head_dim = shape
+    dtype, device = _dtype(precision), mesh.device
+    q = torch.randn(batch, heads, seq // cp, head_dim, dtype=dtype, device=device)
+    k, v = (torch.randn(batch, kv_heads, seq // cp, head_dim, dtype=dtype, device=device) for _ in range(2))
+    scale = head_dim ** -0.5
+
+    def run() -> None:
+        out, lse = ring_forward(q, k, v, cp, 0, _Held, True, scale, None)
+        ring_backward(q, k, v, out, lse, torch.ones_like(out), cp, 0, _Held, True, scale, None)
+
+    return _queued(mesh, run)
 
 
 def measure_memory(mesh: Mesh, elements: int, tensors: int, reps: int, params: int = 0,

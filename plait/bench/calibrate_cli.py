@@ -26,6 +26,7 @@ def calibrate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--tp", default="1,2", help="tensor-parallel degrees whose shard shapes to measure")
+    parser.add_argument("--cp", default="1", help="context-parallel degrees whose ring attention to measure")
     parser.add_argument("--precision", default="fp32", help="fp32 or bf16")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (what plait train does)")
     parser.add_argument("--no-cache", action="store_true", help="do not also store it as this machine's calibration")
@@ -35,12 +36,9 @@ def calibrate_parser() -> argparse.ArgumentParser:
 
 def calibrate_main(argv: list[str]) -> int:
     args = calibrate_parser().parse_args(argv)
-    try:
-        tps = sorted({int(t) for t in args.tp.split(",")})
-    except ValueError:
-        raise PlaitError(f"bad --tp {args.tp!r}", hint="a comma list of degrees, e.g. 1,2") from None
-    if args.nproc < 1 or args.precision not in ("fp32", "bf16") or min(tps) < 1:
-        raise PlaitError("--nproc must be 1 or more, --precision fp32 or bf16, --tp degrees 1 or more")
+    tps, cps = _degrees("--tp", args.tp), _degrees("--cp", args.cp)
+    if args.nproc < 1 or args.precision not in ("fp32", "bf16"):
+        raise PlaitError("--nproc must be 1 or more, --precision fp32 or bf16")
     for flag, value in (("--micro-batch", args.micro_batch), ("--seq-len", args.seq_len)):
         if value < 1:
             raise PlaitError(f"{flag} {value}: give 1 or more", hint=f"e.g. {flag} 8")
@@ -54,10 +52,21 @@ def calibrate_main(argv: list[str]) -> int:
 
         check_local_nproc(args.nproc)  # NCCL puts one rank on one GPU
         return spawn([sys.executable, "-m", "plait", "calibrate", *argv], args.nproc)
-    return _rank_main(args, config, tps)
+    return _rank_main(args, config, tps, cps)
 
 
-def _rank_main(args: argparse.Namespace, config: object, tps: list[int]) -> int:
+def _degrees(flag: str, text: str) -> list[int]:
+    """A comma list of degrees, each 1 or more."""
+    try:
+        degrees = sorted({int(t) for t in text.split(",")})
+    except ValueError:
+        raise PlaitError(f"bad {flag} {text!r}", hint="a comma list of degrees, e.g. 1,2") from None
+    if min(degrees) < 1:
+        raise PlaitError(f"bad {flag} {text!r}: degrees are 1 or more", hint="e.g. 1,2")
+    return degrees
+
+
+def _rank_main(args: argparse.Namespace, config: object, tps: list[int], cps: list[int]) -> int:
     from plait.bench import machine
     from plait.runtime.mesh import init_mesh
     from plait.runtime.env import set_cpu_threads
@@ -69,7 +78,7 @@ def _rank_main(args: argparse.Namespace, config: object, tps: list[int]) -> int:
 
         cal.SPREADS.seen.clear()
         hw = machine.calibrate(mesh, config, micro_batch=args.micro_batch, seq_len=args.seq_len,
-                               tp_sizes=tps, precision=args.precision, quick=args.quick)
+                               tp_sizes=tps, precision=args.precision, quick=args.quick, cp_sizes=cps)
         busy = machine.noisy(mesh)
         if mesh.is_main:
             facts = machine.machine_facts(mesh, precision=args.precision)

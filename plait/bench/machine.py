@@ -71,12 +71,14 @@ def base_preset(gpu: str) -> Hardware:
 
 
 def calibrate(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len: int, tp_sizes: list[int],
-              precision: str, quick: bool = False, optimizer_kernel: str = "fused") -> Hardware:
-    """Measure everything the time model uses; every rank calls this."""
+              precision: str, quick: bool = False, optimizer_kernel: str = "fused",
+              cp_sizes: list[int] = ()) -> Hardware:
+    """Measure everything the time model uses (ring attention's compute at each cp in
+    `cp_sizes`); every rank calls this."""
     reps = 3 if quick else 11  # rounds: a full calibration spreads over enough time to ride out a slow second
-    attention, gemms = cal.model_shapes(config, micro_batch, seq_len, tp_sizes, precision)
+    attention, gemms = cal.model_shapes(config, micro_batch, seq_len, tp_sizes, precision, cp_sizes)
     rates = cal.measure_gemms(mesh, gemms, precision, reps)
-    rates.update(cal.measure_attention(mesh, config, micro_batch, seq_len, tp_sizes, precision, reps))
+    rates.update(cal.measure_attention(mesh, config, micro_batch, seq_len, tp_sizes, precision, reps, cp_sizes))
     activation = int(activation_op_bytes(config.d_model, micro_batch * seq_len, 1, False, precision)) // 4
     memory = cal.measure_memory(mesh, activation, 9 * config.n_layers + 3, reps,
                                 params=config.num_params(), optimizer_kernel=optimizer_kernel,

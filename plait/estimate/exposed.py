@@ -81,11 +81,23 @@ def cp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
     if layout.cp_kind == "ulysses":
         one_way = 4 * (cp - 1) * latency + per["forward"] / bandwidth
         return stage.layers * (forwards + 1) * one_way
-    attention = attention_time(config, layout, hw, 1)  # one forward of one layer's attention
+    # one forward (and one backward) of one layer's attention hides the transfers, where the
+    # machine computes while its links move bytes (overlaps_comm)
+    attention = attention_time(config, layout, hw, 1) if overlaps_comm(hw) else 0.0
     forward = ring_exposed_s((cp - 1) * latency + per["forward"] / bandwidth, attention, cp)
     backward = ring_exposed_s((2 * cp - 1) * latency + per["backward"] / bandwidth,
-                              attention_time(config, layout, hw, 0, 1), cp)
+                              attention_time(config, layout, hw, 0, 1) if overlaps_comm(hw) else 0.0, cp)
     return stage.layers * (forwards * forward + backward)
+
+
+def overlaps_comm(hw: Hardware) -> bool:
+    """Whether compute goes on while a collective moves bytes: a GPU's kernels run beside
+    NCCL's on their own streams, but a host that runs its own collectives (a CPU under Gloo,
+    each rank on its own cores) has nothing left to compute with while its cores copy and
+    wait: there, every transfer the step needs is exposed. Measured on 2 CPU ranks
+    (benchmarks/planner_measured.py): ZeRO-3's gathers, which the overlap model hid, made its
+    step 4% slower than ZeRO-1's."""
+    return hw.queues_kernels
 
 
 def ep_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: int) -> float:
@@ -137,12 +149,15 @@ def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: in
     # unit (a block) instead, whatever its size: a 175 B model's 96 blocks are 96 collectives a
     # pass, not 13,000 buckets.
     buckets = max(1.0, params / unit) if layout.zero == 3 and unit else max(1.0, held / layout.bucket_bytes)
-    overlap = layout.pp == 1 and layout.software.dp_overlap
+    overlap = layout.pp == 1 and layout.software.dp_overlap and overlaps_comm(hw)
     fwd = compute_mb * forward_share if overlap else 0.0
     bwd = compute_mb - fwd if overlap else 0.0
     op = "all_reduce" if layout.zero == 0 else "reduce_scatter"
     last = collective_s(op, min(held, layout.bucket_bytes) * layout.reduce_bytes / per.grad, n, hw, inter)
-    reduce = max(last, collective_s(op, grads, n, hw, inter, buckets) - bwd)
+    # DP and ZeRO-1 reduce once, behind the last backward; ZeRO-2 and -3 reduce-scatter every
+    # micro-batch (traffic.py counts m of them), each behind its own backward
+    times = m if layout.zero >= 2 else 1
+    reduce = times * max(last, collective_s(op, grads, n, hw, inter, buckets) - bwd)
     if layout.zero == 0:
         return reduce
     gather = collective_s("all_gather", weights, n, hw, inter, buckets)
@@ -157,11 +172,11 @@ def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: in
         return m * gather * zero3_gathers(layout) + reduce
     first = collective_s("all_gather", unit * per.param, n, hw, inter)
     regather = gather if layout.reshard_after_forward else 0.0
-    # A backward's gathers and the step's reduce-scatters share the links and the one backward
-    # that hides them: what the window cannot hold is exposed once, not hidden twice.
+    # A backward's gathers and its micro-batch's reduce-scatters share the links and the one
+    # backward that hides them: what the window cannot hold is exposed once, not hidden twice.
     reduce_all = collective_s(op, grads, n, hw, inter, buckets)
-    last_backward = max(last + (first if regather else 0.0), regather + reduce_all - bwd)
-    return m * max(first, gather - fwd) + (m - 1) * max(first, regather - bwd) * (regather > 0) + last_backward
+    backward = max(last + (first if regather else 0.0), regather + reduce_all - bwd)
+    return m * max(first, gather - fwd) + m * backward
 
 
 def offload_s(params: int, layout: Workload, hw: Hardware) -> float:

@@ -164,6 +164,14 @@ def attention_key(config: GPTConfig, micro_batch: int, seq: int, tp: int, precis
     return f"attn {dtype} b{micro_batch} a{config.n_heads // tp} s{seq} d{config.head_dim}"
 
 
+def ring_key(config: GPTConfig, seq: int, tp: int, cp: int, precision: str) -> str:
+    """How one rank's compute of ring attention over cp ranks is named (its calls on blocks of
+    s/(2cp) tokens, their merges and accumulations; the transfers are priced apart), by what
+    sets its rate, the blocks' shape, not the batch: 'ring fp32 a3 s128 d64 cp2'."""
+    dtype = "fp32" if precision == "fp32" else "bf16"
+    return f"ring {dtype} a{config.n_heads // tp} s{seq} d{config.head_dim} cp{cp}"
+
+
 def attention_s(config: GPTConfig, layout: Workload, passes: float) -> tuple[float, float]:
     """(FLOPs, key) of the attention core for `passes` forward-equivalents on one block."""
     tokens = layout.tokens_per_micro_batch  # this rank's queries, each against the whole sequence
@@ -182,6 +190,10 @@ def attention_time(config: GPTConfig, layout: Workload, hw: Hardware, forwards: 
     peak = hw.peak_flops(outer_precision(layout.precision))
     if layout.software.attention == "eager":
         return flops / (peak * hw.compute_efficiency) + eager_scores_s(config, layout, hw, forwards, backwards)
+    if layout.cp > 1 and layout.cp_kind == "ring":  # its small calls and merges, at their measured rate
+        ring = hw.gemm_tflops(ring_key(config, layout.seq_len, layout.tp, layout.cp, outer_precision(layout.precision)))
+        if ring:
+            return flops / (ring * 1e12)
     return flops / (hw.gemm_tflops(key) * 1e12 or peak * hw.attention_efficiency)
 
 

@@ -31,6 +31,7 @@ plait.runtime.comm, so the ledger shows the cp axis's sends.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -169,6 +170,72 @@ class _Pass:
         return self.received
 
 
+Send = Callable[[torch.Tensor], Any]  # starts a tensor's trip to the next rank; `.wait()` gives the one arriving
+
+
+def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, rank: int, send: Send, causal: bool,
+                 scale: float, documents: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's forward round the ring: (output, log-sum-exp), in the wide dtype."""
+    group = expansion(q, k, documents)
+    queries, query_chunks, chunk = q.chunk(2, dim=2), chunk_ids(rank, cp), q.shape[2] // 2
+    outs: list[Any] = [None, None]
+    lses: list[Any] = [None, None]
+    block = torch.stack([k, v])
+    for step in range(cp):
+        transfer = send(block) if step < cp - 1 else None
+        owner = (rank - step) % cp
+        keys, values = _expand(block[0], group), _expand(block[1], group)
+        for i, query in enumerate(queries):
+            for halves, masked in block_calls(query_chunks[i], owner, cp, causal):
+                allowed = allowed_keys(documents, query_chunks[i], owner, halves, cp, chunk, masked)
+                if allowed is not None and not bool(allowed.any()):
+                    continue  # no query here shares a document with those keys
+                o, s = attend(query, _keys(keys, halves), _keys(values, halves), scale, masked, allowed)
+                outs[i], lses[i] = merge(outs[i], lses[i], o, s)
+        if transfer is not None:
+            block = transfer.wait()
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                  dout: torch.Tensor, cp: int, rank: int, send: Send, causal: bool, scale: float,
+                  documents: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One rank's backward round the ring: dq, and dK, dV of its own block (wide dtype)."""
+    group, chunk = expansion(q, k, documents), q.shape[2] // 2
+    dout = dout.to(out.dtype)
+    # rowsum(dO·O) per query: the plain ops' backward needs it; the CPU kernel computes its own.
+    deltas = (None, None) if fused(q.device, documents) else (dout * out).sum(-1).chunk(2, dim=2)
+    dq = torch.zeros_like(out)
+    query_chunks = chunk_ids(rank, cp)
+    parts = list(zip(q.chunk(2, dim=2), dout.chunk(2, dim=2), out.chunk(2, dim=2), lse.chunk(2, dim=2),
+                     deltas, dq.chunk(2, dim=2)))
+    block, returning = torch.stack([k, v]), None
+    for step in range(cp):
+        transfer = send(block) if step < cp - 1 else None
+        owner = (rank - step) % cp
+        keys, values = _expand(block[0], group), _expand(block[1], group)
+        grads = torch.zeros((2, *keys.shape), dtype=out.dtype, device=q.device)  # dK, dV, expanded
+        for i, (query, d_out, o, l, d, d_q) in enumerate(parts):
+            for halves, masked in block_calls(query_chunks[i], owner, cp, causal):
+                allowed = allowed_keys(documents, query_chunks[i], owner, halves, cp, chunk, masked)
+                if allowed is not None and not bool(allowed.any()):
+                    continue
+                gq, gk, gv = attend_backward(query, _keys(keys, halves), _keys(values, halves), d_out, o, l, d,
+                                             scale, masked, allowed)
+                d_q += gq
+                _keys(grads[0], halves).add_(gk)
+                _keys(grads[1], halves).add_(gv)
+        if group > 1:  # the expanded heads' gradients, summed back onto their K/V head
+            grads = grads.unflatten(2, (-1, group)).sum(3)
+        if returning is not None:
+            grads += returning.wait()  # what the ranks before added to this same block
+        returning = send(grads)  # on to the next rank; after cp passes, home
+        if transfer is not None:
+            block = transfer.wait()
+    home = returning.wait()
+    return dq, home[0], home[1]
+
+
 class RingAttention(torch.autograd.Function):
     """Forward: attention over the whole sequence, K/V passed round the cp ring.
     Backward: the ring again, dK/dV travelling with their block back to its owner."""
@@ -176,25 +243,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: Axis, causal: bool,
                 scale: float, documents: torch.Tensor | None) -> torch.Tensor:
-        cp, rank, group = axis.size, axis.rank, expansion(q, k, documents)
-        queries, query_chunks, chunk = q.chunk(2, dim=2), chunk_ids(rank, cp), q.shape[2] // 2
-        outs: list[Any] = [None, None]
-        lses: list[Any] = [None, None]
-        block = torch.stack([k, v])
-        for step in range(cp):
-            transfer = _Pass(block, axis) if step < cp - 1 else None
-            owner = (rank - step) % cp
-            keys, values = _expand(block[0], group), _expand(block[1], group)
-            for i, query in enumerate(queries):
-                for halves, masked in block_calls(query_chunks[i], owner, cp, causal):
-                    allowed = allowed_keys(documents, query_chunks[i], owner, halves, cp, chunk, masked)
-                    if allowed is not None and not bool(allowed.any()):
-                        continue  # no query here shares a document with those keys
-                    o, s = attend(query, _keys(keys, halves), _keys(values, halves), scale, masked, allowed)
-                    outs[i], lses[i] = merge(outs[i], lses[i], o, s)
-            if transfer is not None:
-                block = transfer.wait()
-        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        out, lse = ring_forward(q, k, v, axis.size, axis.rank, lambda t: _Pass(t, axis), causal, scale, documents)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.axis, ctx.causal, ctx.scale, ctx.documents = axis, causal, scale, documents
         return out.to(q.dtype)
@@ -202,40 +251,10 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        axis, causal, scale, documents = ctx.axis, ctx.causal, ctx.scale, ctx.documents
-        cp, rank, group, chunk = axis.size, axis.rank, expansion(q, k, documents), q.shape[2] // 2
-        dout = dout.to(out.dtype)
-        # rowsum(dO·O) per query: the plain ops' backward needs it; the CPU kernel computes its own.
-        deltas = (None, None) if fused(q.device, documents) else (dout * out).sum(-1).chunk(2, dim=2)
-        dq = torch.zeros_like(out)
-        query_chunks = chunk_ids(rank, cp)
-        parts = list(zip(q.chunk(2, dim=2), dout.chunk(2, dim=2), out.chunk(2, dim=2), lse.chunk(2, dim=2),
-                         deltas, dq.chunk(2, dim=2)))
-        block, returning = torch.stack([k, v]), None
-        for step in range(cp):
-            transfer = _Pass(block, axis) if step < cp - 1 else None
-            owner = (rank - step) % cp
-            keys, values = _expand(block[0], group), _expand(block[1], group)
-            grads = torch.zeros((2, *keys.shape), dtype=out.dtype, device=q.device)  # dK, dV, expanded
-            for i, (query, d_out, o, l, d, d_q) in enumerate(parts):
-                for halves, masked in block_calls(query_chunks[i], owner, cp, causal):
-                    allowed = allowed_keys(documents, query_chunks[i], owner, halves, cp, chunk, masked)
-                    if allowed is not None and not bool(allowed.any()):
-                        continue
-                    gq, gk, gv = attend_backward(query, _keys(keys, halves), _keys(values, halves), d_out, o, l, d,
-                                                 scale, masked, allowed)
-                    d_q += gq
-                    _keys(grads[0], halves).add_(gk)
-                    _keys(grads[1], halves).add_(gv)
-            if group > 1:  # the expanded heads' gradients, summed back onto their K/V head
-                grads = grads.unflatten(2, (-1, group)).sum(3)
-            if returning is not None:
-                grads += returning.wait()  # what the ranks before added to this same block
-            returning = _Pass(grads, axis)  # on to the next rank; after cp passes, home
-            if transfer is not None:
-                block = transfer.wait()
-        home = returning.wait()
-        return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None, None, None
+        axis = ctx.axis
+        dq, dk, dv = ring_backward(q, k, v, out, lse, dout, axis.size, axis.rank, lambda t: _Pass(t, axis),
+                                   ctx.causal, ctx.scale, ctx.documents)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: Axis, causal: bool = True,
