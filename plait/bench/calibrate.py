@@ -53,7 +53,8 @@ from plait.parallel.compose import adamw_kernel
 #    parameters a rank steps); attention queued on a GPU too.
 # 6: on a GPU the update timed in four tensors (update_chunk): the device's pass, not the host's.
 # 7: on a GPU the update timed up to 256 Mi parameters (stream_cap), as far as its free memory allows.
-METHOD_VERSION = 7
+# 8: all-gather's and reduce-scatter's own bus bandwidth (op_links); ring attention's compute per cp.
+METHOD_VERSION = 8
 
 
 class Spreads:
@@ -466,4 +467,28 @@ def measure_links(mesh: Mesh, large: int, reps: int) -> tuple[tuple[int, float, 
         step = small_t / (2 * (n - 1))
         wire = 2 * (n - 1) / n * large
         rows.append((n, step * 1e6, wire / max(large_t - 2 * (n - 1) * step, 1e-9) / 1e9))
+    return tuple(rows)
+
+
+def measure_op_links(mesh: Mesh, large: int, reps: int, links: tuple[tuple[int, float, float], ...]
+                     ) -> tuple[tuple[str, int, float], ...]:
+    """(op, n, GB/s busbw) of all-gather and reduce-scatter on the first n ranks, each n (their
+    step latency taken as the all-reduce's, `links`): ZeRO's collectives, which Gloo on a CPU
+    runs at a third of its all-reduce's rate."""
+    world = mesh.env.world_size
+    axes = first_ranks_axes(group_sizes(world), mesh.ledger, mesh.global_rank, world)
+    step_us = {n: latency for n, latency, _ in links}
+    rows = []
+    for n, axis in axes.items():
+        gather_t = scatter_t = 0.0
+        if axis is not None:
+            full = torch.zeros(large // 4 // n * n, dtype=torch.float32, device=mesh.device)
+            shard = torch.zeros(full.numel() // n, dtype=torch.float32, device=mesh.device)
+            gather_t = _median_s(lambda: comm.all_gather(full, shard, axis, purpose=comm.TELEMETRY), reps)
+            scatter_t = _median_s(lambda: comm.reduce_scatter(shard, full, axis, purpose=comm.TELEMETRY), reps)
+        gather_t, scatter_t = _slowest(mesh, [gather_t, scatter_t])
+        wire = (n - 1) / n * large
+        steps = (n - 1) * step_us.get(n, 0.0) * 1e-6
+        rows += [(op, n, wire / max(t - steps, 1e-9) / 1e9)
+                 for op, t in (("all_gather", gather_t), ("reduce_scatter", scatter_t))]
     return tuple(rows)

@@ -37,13 +37,13 @@ def tp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
     t = layout.tp
     if t == 1:
         return 0.0
-    wire = sum(tp_traffic(config, layout, stage).get("tp", {}).values()) / layout.grad_accum
+    wire = {op: moved / layout.grad_accum for op, moved in tp_traffic(config, layout, stage).get("tp", {}).items()}
     total = collectives_s(stage_tp_collectives(config, layout, stage), wire, t, hw, inter)
     if not (layout.software.tp_overlap and layout.sp and inter == 0):
         return total
     counts = tp_collectives(layout, stage, ends=False)
     act = layout.hidden_bytes(config.d_model)
-    block_s = collectives_s(counts, sum(ring_bytes(op, act, t) * n for op, n in counts.items()), t, hw, inter)
+    block_s = collectives_s(counts, {op: ring_bytes(op, act, t) * n for op, n in counts.items()}, t, hw, inter)
     gemms = stage_gemm_s(config, layout, stage.layers, replace(hw, op_overhead_us=0.0))
     return total - block_s + max(block_s / t, block_s - gemms)
 

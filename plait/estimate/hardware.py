@@ -57,6 +57,9 @@ class Hardware:
     # and (group size, µs per ring step, GB/s bus bandwidth) of the collectives in a node.
     gemm: tuple[tuple[str, float], ...] = ()
     links: tuple[tuple[int, float, float], ...] = ()
+    # (op, group size, GB/s bus bandwidth) of the ring collectives whose bandwidth is not the
+    # all-reduce's: Gloo's all-gather and reduce-scatter on a CPU move a third of its bytes a second
+    op_links: tuple[tuple[str, int, float], ...] = ()
     # Rates keyed by the size they were measured at, read between sizes by interpolation
     # (`memory_rate`, `stream_rate`): an element-wise op's GB/s by the bytes it writes, and
     # the update's GB/s by the parameters it steps. A rate taken on a small model is not
@@ -129,6 +132,14 @@ class Hardware:
             return latency_us * 1e-6, gb_s * 1e9
         return self.latency(inter_node), self.bandwidth(inter_node)
 
+    def op_bandwidth(self, op: str, n: int) -> float:
+        """Bytes/s of `op` on n ranks inside a node where it was measured apart from the
+        all-reduce (the nearest measured group size), else 0.0."""
+        rows = [row for row in self.op_links if row[0] == op]
+        if not rows:
+            return 0.0
+        return min(rows, key=lambda row: (abs(row[1] - n), -row[1]))[2] * 1e9
+
     def ring_bandwidth(self, ranks_per_node: int) -> float:
         """Bytes/s through each rank of a ring that spans nodes with `ranks_per_node` of its
         ranks in each: that many ranks' shares of the node's NICs (each rank's ring channels
@@ -163,7 +174,7 @@ class Hardware:
 
 
 _SIZED = ("memory_by_size", "stream_by_size")  # (size, GB/s) rows, read by sized_rate
-_TABLES = ("gemm", "links", *_SIZED)
+_TABLES = ("gemm", "links", "op_links", *_SIZED)
 
 
 def sized_rate(table: tuple[tuple[int, float], ...], size: float) -> float:
@@ -337,14 +348,18 @@ def _measured_tables(table: dict[str, object]) -> None:
         if isinstance(table.get("links"), dict):
             table["links"] = tuple(sorted((int(k), float(v["latency_us"]), float(v["gb_s"]))
                                           for k, v in table["links"].items()))
+        if isinstance(table.get("op_links"), dict):
+            table["op_links"] = tuple(sorted((str(k).split()[0], int(str(k).split()[1]), float(v))
+                                             for k, v in table["op_links"].items()))
         for sized in _SIZED:
             if isinstance(table.get(sized), dict):
                 table[sized] = tuple(sorted((int(k), float(v)) for k, v in table[sized].items()))
     except (TypeError, ValueError, KeyError) as exc:
-        raise PlaitError(f"bad [hardware.gemm], [hardware.links], [hardware.memory_by_size] or "
-                         f"[hardware.stream_by_size] entry: {exc}",
+        raise PlaitError(f"bad [hardware.gemm], [hardware.links], [hardware.op_links], [hardware.memory_by_size] "
+                         f"or [hardware.stream_by_size] entry: {exc}",
                          hint='gemm: "fp32 MxKxN" = TFLOP/s; links: "2" = {latency_us = .., gb_s = ..}; '
-                              'memory_by_size: "bytes" = GB/s; stream_by_size: "parameters" = GB/s') from None
+                              'op_links: "all_gather 2" = GB/s; memory_by_size: "bytes" = GB/s; '
+                              'stream_by_size: "parameters" = GB/s') from None
 
 
 def hardware_toml(hw: Hardware, header: dict[str, str] | None = None) -> str:
@@ -359,6 +374,8 @@ def hardware_toml(hw: Hardware, header: dict[str, str] | None = None) -> str:
     lines += [f'"{key}" = {rate!r}' for key, rate in hw.gemm]
     lines.append("\n[hardware.links]")
     lines += [f'"{n}" = {{ latency_us = {lat!r}, gb_s = {bw!r} }}' for n, lat, bw in hw.links]
+    lines.append("\n[hardware.op_links]")
+    lines += [f'"{op} {n}" = {bw!r}' for op, n, bw in hw.op_links]
     for sized in _SIZED:
         lines.append(f"\n[hardware.{sized}]")
         lines += [f'"{size}" = {rate!r}' for size, rate in getattr(hw, sized)]

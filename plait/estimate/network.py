@@ -43,7 +43,7 @@ def collective_s(op: str, payload: float, n: int, hw: Hardware, inter: int | boo
     A point-to-point message or an all-to-all's crosses on the sender's own NIC."""
     if n <= 1 or payload <= 0:
         return 0.0
-    bandwidth = ring_link_bandwidth(n, hw, inter) if op in RINGS else hw.link(n, bool(inter))[1]
+    bandwidth = ring_link_bandwidth(n, hw, inter, op) if op in RINGS else hw.link(n, bool(inter))[1]
     ring = count * ring_latency_s(op, n, hw, inter) + ring_bytes(op, payload, n) / bandwidth
     if op != "all_reduce" or not inter:
         return ring
@@ -62,10 +62,13 @@ def ranks_a_node(n: int, inter: int | bool) -> int:
     return max(1, min(n, int(inter)))
 
 
-def ring_link_bandwidth(n: int, hw: Hardware, inter: int | bool) -> float:
+def ring_link_bandwidth(n: int, hw: Hardware, inter: int | bool, op: str = "all_reduce") -> float:
     """Bytes/s through each rank of a ring on n ranks: the node's link (calibrated per group
-    size where measured) inside a node, its ranks' NICs across nodes (Hardware.ring_bandwidth)."""
-    return hw.ring_bandwidth(ranks_a_node(n, inter)) if inter else hw.link(n, False)[1]
+    size where measured, and per op where an op was measured apart: Hardware.op_bandwidth)
+    inside a node, its ranks' NICs across nodes (Hardware.ring_bandwidth)."""
+    if inter:
+        return hw.ring_bandwidth(ranks_a_node(n, inter))
+    return hw.op_bandwidth(op, n) or hw.link(n, False)[1]
 
 
 def ring_latency_s(op: str, n: int, hw: Hardware, inter: int | bool) -> float:
@@ -101,10 +104,10 @@ def _ranks_per_node(stride: int, size: int, gpus_per_node: int) -> int:
     return max(1, min(size, gpus_per_node // stride))
 
 
-def collectives_s(counts: dict[str, int], wire: float, t: int, hw: Hardware, inter: int) -> float:
-    """Seconds of `counts` ring collectives over t ranks moving `wire` bytes a rank in all:
-    each ring step's latency, and the bytes over the link's bandwidth; across nodes, priced
-    as collective_s prices a ring (the network's latency where a step crosses, the bytes on
-    the group's NICs)."""
+def collectives_s(counts: dict[str, int], wire: dict[str, float], t: int, hw: Hardware, inter: int) -> float:
+    """Seconds of `counts` ring collectives over t ranks moving `wire` bytes a rank (by op):
+    each ring step's latency, and each op's bytes over its link's bandwidth; across nodes,
+    priced as collective_s prices a ring (the network's latency where a step crosses, the
+    bytes on the group's NICs)."""
     latency = sum(count * ring_latency_s(op, t, hw, inter) for op, count in counts.items())
-    return latency + wire / ring_link_bandwidth(t, hw, inter)
+    return latency + sum(moved / ring_link_bandwidth(t, hw, inter, op) for op, moved in wire.items())
