@@ -171,11 +171,12 @@ def main() -> None:
         write_section("planner-measured", "\n".join([
             "## The planner's ranking against this machine's measurements",
             "",
-            f"- command: `python benchmarks/planner_measured.py --repeats {args.repeats} --steps {args.steps}`",
+            f"- command: `python benchmarks/planner_measured.py --worlds {' '.join(map(str, args.worlds))} "
+            f"--repeats {args.repeats} --steps {args.steps}`",
             f"- machine: {machine()}, Gloo; date: {time.strftime('%Y-%m-%d')}; load average (1 min) at the end: "
             f"{load:.1f}",
             f"- model {args.model}, global batch {args.global_batch} x {args.seq_len} tokens, fp32; per world: "
-            "`plait calibrate --nproc N` (every tp dividing N), `plait plan --hardware-file --top "
+            "`plait calibrate --nproc N` (every tp and cp dividing N), `plait plan --hardware-file --top "
             f"{args.top}`, each layout trained {args.repeats} times taking turns, measured = the median of the "
             "runs' median steps",
             "- goals: first pick within 5% of the fastest measured, every prediction within 10%, rank "
