@@ -153,8 +153,9 @@ def machine_hardware(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len
     facts = machine_facts(mesh, optimizer_kernel, precision)
     path = cache_path(facts)
     cached = _load_or_none(path)
-    attention, gemms = cal.model_shapes(config, micro_batch, seq_len, [tp], precision)
     layout = mesh.layout
+    rings = [layout.cp] if layout.cp > 1 and layout.cp_kind == "ring" else []  # its ring's compute, measured
+    attention, gemms = cal.model_shapes(config, micro_batch, seq_len, [tp], precision, rings)
     # The sizes the time model will read, keyed as it reads them (ops.elementwise_s, ops.optimizer_s):
     # one activation's write on this rank, and the parameters this rank updates.
     op_bytes = activation_op_bytes(config.d_model, micro_batch * seq_len // layout.cp, tp, layout.sp, precision)
@@ -166,11 +167,12 @@ def machine_hardware(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len
     cal.SPREADS.seen.clear()
     if need[0].item():
         hw = calibrate(mesh, config, micro_batch=micro_batch, seq_len=seq_len, tp_sizes=[tp],
-                       precision=precision, quick=True, optimizer_kernel=optimizer_kernel)
+                       precision=precision, quick=True, optimizer_kernel=optimizer_kernel, cp_sizes=rings)
         source = f"quick calibration, cached in {path}"
     elif need[1:].any().item():
         hw = _add_sizes(mesh, cached, config, [bool(x) for x in need[1:].tolist()], gemms,
-                        (micro_batch, seq_len, tp, precision), max(1, int(op_bytes) // 4), streamed, optimizer_kernel)
+                        (micro_batch, seq_len, tp, precision), max(1, int(op_bytes) // 4), streamed, optimizer_kernel,
+                        rings)
         source = f"cached calibration {path} (+ what it lacked at this model's sizes)"
     else:
         return cached, f"cached calibration {path}"
@@ -213,13 +215,14 @@ def _lacks(cached: Hardware | None, gemms: dict[str, object], attention: list[st
 
 
 def _add_sizes(mesh: Mesh, cached: Hardware, config: GPTConfig, lacks: list[bool], gemms: dict[str, object],
-               shape: tuple[int, int, int, str], activation: int, streamed: int, optimizer_kernel: str) -> Hardware:
+               shape: tuple[int, int, int, str], activation: int, streamed: int, optimizer_kernel: str,
+               rings: list[int]) -> Hardware:
     """`cached` with what it lacked measured and merged in by key (every rank calls this; a
     size this rank had is replaced, not written twice)."""
     micro_batch, seq_len, tp, precision = shape
     add: dict[str, object] = {}
     if lacks[0]:
-        attention = cal.measure_attention(mesh, config, micro_batch, seq_len, [tp], precision, 3)
+        attention = cal.measure_attention(mesh, config, micro_batch, seq_len, [tp], precision, 3, rings)
         rates = {**dict(cached.gemm), **cal.measure_gemms(mesh, gemms, precision, 3), **attention}
         add["gemm"] = tuple(sorted(rates.items()))
         add.update(gemm_line(rates, precision, cached.op_overhead_us, mesh.device.type,
