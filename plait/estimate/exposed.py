@@ -83,10 +83,11 @@ def cp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
         return stage.layers * (forwards + 1) * one_way
     # one forward (and one backward) of one layer's attention hides the transfers, where the
     # machine computes while its links move bytes (overlaps_comm)
-    attention = attention_time(config, layout, hw, 1) if overlaps_comm(hw) else 0.0
-    forward = ring_exposed_s((cp - 1) * latency + per["forward"] / bandwidth, attention, cp)
+    hides = overlaps_comm(hw)
+    forward = ring_exposed_s((cp - 1) * latency + per["forward"] / bandwidth,
+                             attention_time(config, layout, hw, 1) if hides else 0.0, cp)
     backward = ring_exposed_s((2 * cp - 1) * latency + per["backward"] / bandwidth,
-                              attention_time(config, layout, hw, 0, 1) if overlaps_comm(hw) else 0.0, cp)
+                              attention_time(config, layout, hw, 0, 1) if hides else 0.0, cp)
     return stage.layers * (forwards * forward + backward)
 
 

@@ -275,9 +275,8 @@ class Costs:
         schedule's span, its messages included."""
         config, hw = self.request.config, self.request.hardware
         links = inter_node(shape, self.request.gpus_per_node)
-        alike = alike_stages(config, shape.tp, shape.pp, shape.virtual_stages, shape.ep, shape.stage_layers)
+        kinds = alike_stages(config, shape.tp, shape.pp, shape.virtual_stages, shape.ep, shape.stage_layers)
         parts = self.parts(shape, links)
-        kinds = tuple(stage for stage, _ in alike)
         if shape.pp == 1:
             return Core(shape.grad_accum * RankCost(*parts(kinds[0])).micro_batch, kinds)
         by_key = {_stage_key(stage): RankCost(*parts(stage)).micro_batch for stage in kinds}
@@ -333,13 +332,13 @@ def _stage_key(stage: StageShare) -> tuple:
 
 @functools.lru_cache(maxsize=4096)
 def alike_stages(config: GPTConfig, tp: int, pp: int, v: int, ep: int,
-             stage_layers: tuple[int, ...]) -> list[tuple[StageShare, int]]:
-    """The layout's stages grouped by `_stage_key`, in stage order: the first of each group
-    (so the slowest is the first slowest stage, as estimate_time picks it) and its size."""
-    groups: dict[tuple, list] = {}
+                 stage_layers: tuple[int, ...]) -> tuple[StageShare, ...]:
+    """One of each kind of the layout's stages (grouped by `_stage_key`), in stage order:
+    what the core's parts and the tails' bound are costed on, once per kind."""
+    kinds: dict[tuple, StageShare] = {}
     for stage in stages(config, tp, pp, v, ep, stage_layers):
-        groups.setdefault(_stage_key(stage), [stage, 0])[1] += 1
-    return [(stage, count) for stage, count in groups.values()]
+        kinds.setdefault(_stage_key(stage), stage)
+    return tuple(kinds.values())
 
 
 class Search:
