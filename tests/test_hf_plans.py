@@ -64,7 +64,7 @@ def test_under_sequence_parallelism_the_ends_read_the_whole_sequence_and_the_nor
     assert plan[f"{LAYER}.self_attn.q_norm"] == "grad_sum"
 
 
-@pytest.mark.parametrize("style", ["moe_tp_experts", "local_colwise", "embedding_colwise"])
+@pytest.mark.parametrize("style", ["mla_kv_a_proj", "local_colwise", "embedding_colwise"])
 def test_a_style_plait_cannot_honour_is_refused_in_one_line(style: str) -> None:
     model = qwen3()
     model._tp_plan = {**model.tp_plan, f"{LAYER}.mlp": style}
@@ -203,3 +203,69 @@ def test_column_layers_share_one_entry_per_input() -> None:
     entry.clear()
     entry.enter(x, make)
     assert len(calls) == 5
+
+
+def llama4(**extra: object) -> nn.Module:
+    """A tiny Llama 4 text model: a dense layer, then an MoE one (experts packed (E, h, 2·d))."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama4_text", vocab_size=64, hidden_size=32, intermediate_size=16,
+                                  intermediate_size_mlp=32, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=1,
+                                  interleave_moe_layer_step=2, **extra)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def test_llama4s_packed_experts_are_split_by_parameter() -> None:
+    """Its declared parameter entries become parameter styles, its experts module "experts";
+    under SP its MoE, which flattens its tokens, is a region that runs whole."""
+    model = llama4()
+    plan = adapter_for(model).tensor_plan(model, 2, False)
+    experts = "model.layers.*.feed_forward.experts"
+    assert plan[experts] == "experts"
+    assert plan[f"{experts}.gate_up_proj"] == "param_row:2" and plan[f"{experts}.down_proj"] == "param_column"
+    styles = resolve_plan(model, plan)
+    assert styles["model.layers.1.feed_forward.experts.gate_up_proj"] == "param_row:2"  # a parameter's name
+    sp = adapter_for(model).tensor_plan(model, 2, True)
+    assert sp["model.layers.1.feed_forward"] == "region+whole"  # the MoE reshapes its tokens
+    assert sp["model.layers.0.feed_forward"] == "region"  # the dense MLP reads them as they come
+
+
+def test_experts_with_no_parameter_split_are_refused() -> None:
+    """Summing every rank's whole output would add it tp times."""
+    model = llama4()
+    model._tp_plan = {key: style for key, style in model.tp_plan.items() if not key.endswith("_proj")
+                      or "experts" not in key}
+    with pytest.raises(PlaitError, match="'moe_tp_experts' with no parameter of model.layers.1.feed_forward.experts "
+                                         "split: plait cannot split it that way"):
+        adapter_for(model).tensor_plan(model, 2, False)
+
+
+def test_a_parameter_style_names_the_dimension_tp_must_divide() -> None:
+    from plait.parallel.tensor.styles import check_divisible
+
+    model = llama4()
+    styles = {"model.layers.1.feed_forward.experts.gate_up_proj": "param_row:2"}  # (4, 32, 2·16)
+    check_divisible(model, styles, 4)
+    with pytest.raises(PlaitError, match=r"gate_up_proj.shape\[2\] = 32 \(2 packed parts\) is not divisible by "
+                                         r"tp=32 × 2"):
+        check_divisible(model, styles, 32)
+    with pytest.raises(PlaitError, match="'param_row:x' is not a style"):
+        parse_style("param_row:x")
+    assert parse_style("param_column:2") == ("param_column", 2)
+
+
+def test_an_unsplit_attention_reads_the_whole_sequence_under_sp() -> None:
+    """HunYuan's plan splits only the embedding and the head: under SP its blocks are found
+    from the inferred cut, its attention (a forward taking positions) is "gathered", and its
+    norms and MLP run on sequence slices, their gradients summed."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("hunyuan_v1_dense", vocab_size=64, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = AutoModelForCausalLM.from_config(config)
+    plan = adapter_for(model).tensor_plan(model, 2, True)
+    assert {name for name, style in plan.items() if style == "gathered"} == \
+        {"model.layers.0.self_attn", "model.layers.1.self_attn"}
+    assert plan["model.layers.0.mlp.gate_proj"] == plan["model.layers.1.input_layernorm"] == "sequence"

@@ -122,6 +122,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "deepseek_v3": dict(num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
                         n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
                         qk_nope_head_dim=8, v_head_dim=8, **MOE),
+    # Llama 4's text model: experts packed as (E, hidden, 2·d) and run densely on every token,
+    # scaled by a sigmoid of the router's top scores; a dense layer, then an MoE one; a layer
+    # without rotary angles; attention chunks of 8 tokens (shorter than the sequence)
+    "llama4_text": dict(intermediate_size=32, intermediate_size_mlp=64, num_local_experts=4, num_experts_per_tok=2,
+                        interleave_moe_layer_step=2, no_rope_layers=[1, 0], attention_chunk_size=8),
 }
 # PhiMoE's router samples in training (sparsemixer: Gumbel noise among the experts within
 # router_jitter_noise of the best, and a random midpoint mask in backward), like dropout: the
@@ -145,7 +150,8 @@ def build(family: str) -> torch.nn.Module:
 
 def plans(model: torch.nn.Module) -> dict[str, bool]:
     return {"tp": bool(getattr(model, "tp_plan", None)), "pp": bool(getattr(model, "pp_plan", None)),
-            "ep": bool(getattr(model.config, "base_model_ep_plan", None) or getattr(model, "ep_plan", None))}
+            "ep": bool(getattr(model.config, "base_model_ep_plan", None) or getattr(model, "ep_plan", None)
+                       or "moe_tp_experts" in (getattr(model, "tp_plan", None) or {}).values())}
 
 
 def applies(mode: str, declared: dict[str, bool]) -> bool:

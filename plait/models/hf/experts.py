@@ -33,10 +33,15 @@ HINT = "plait splits experts declared as base_model_ep_plan {'...experts': 'ep_d
        "'...experts.gate_up_proj' / 'down_proj': 'grouped_gemm'} (transformers 5's MoE layout); see docs/moe.md"
 
 
-def declared_experts(model: nn.Module, plan: dict[str, Any]) -> list[nn.Module]:
-    """The experts modules `plan` (the model's composed ep_plan) names, each checked."""
+def declared_experts(model: nn.Module, plan: dict[str, Any], tp_plan: dict[str, Any] | None = None) -> list[nn.Module]:
+    """The experts modules `plan` (the model's composed ep_plan) names, each checked; with no
+    ep plan, those its tp plan names "moe_tp_experts" whose forward takes their rows alone,
+    every expert on every token (Llama 4's: `dense_experts`)."""
     name = type(model).__name__
     if not plan:
+        found = dense_experts(model, tp_plan or {})
+        if found:
+            return found
         raise PlaitError(f"expert parallelism needs {name}'s experts, and its config declares no base_model_ep_plan",
                          hint=HINT)
     unknown = sorted({style for style in plan.values() if style not in (DISPATCH, SPLIT)})
@@ -52,6 +57,23 @@ def declared_experts(model: nn.Module, plan: dict[str, Any]) -> list[nn.Module]:
     for key, module in found:
         _check_experts(name, key, module, splits)
     return [module for _, module in found]
+
+
+def dense_experts(model: nn.Module, tp_plan: dict[str, Any]) -> list[nn.Module]:
+    """The modules `tp_plan` marks "moe_tp_experts" that hold num_experts and weights with one
+    slice per expert first, and whose forward takes one argument: rows (E·T, d), every expert
+    given every token (the router's scores applied to the rows, zero for the experts not
+    chosen). plait.parallel.expert.dispatch.DenseExpertDispatch keeps that layout exactly."""
+    patterns = [pattern for pattern, style in tp_plan.items() if style == "moe_tp_experts"]
+    found = []
+    for key, module in model.named_modules():
+        if not key or not any(fnmatchcase(key, pattern) for pattern in patterns):
+            continue
+        experts = getattr(module, "num_experts", None)
+        sliced = [p for p in module.parameters(recurse=False) if p.ndim == 3 and p.shape[0] == experts]
+        if isinstance(experts, int) and sliced and len(inspect.signature(module.forward).parameters) == 1:
+            found.append(module)
+    return found
 
 
 def _check_experts(name: str, key: str, module: nn.Module, splits: list[str]) -> None:

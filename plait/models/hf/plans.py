@@ -120,7 +120,7 @@ class DeclaredPlanAdapter:
         """The experts modules its declared ep plan names (plait.models.hf.experts), checked."""
         from plait.models.hf.experts import declared_experts
 
-        return declared_experts(model, declared(model, "ep"))
+        return declared_experts(model, declared(model, "ep"), declared(model, "tp"))
 
     def context_attention(self, model: nn.Module, context: Any) -> None:
         """Context parallelism through transformers' attention-function seam (models/hf/context.py)."""
@@ -141,12 +141,15 @@ def without_experts(tp_plan: dict[str, Any], ep_plan: dict[str, Any]) -> dict[st
 
 def block_list(model: nn.Module) -> str | None:
     """The name of the model's block list: the ModuleList of the pp plan, else the one the tp
-    plan's patterns reach into ("model.layers" of "model.layers.*.mlp.up_proj")."""
+    plan's patterns reach into ("model.layers" of "model.layers.*.mlp.up_proj"), else the
+    one of the cut inferred for a model that declares no pp plan (models/hf/stages.py)."""
     modules = dict(model.named_modules())
     lists = [key for key in declared(model, "pp") if isinstance(modules.get(key), nn.ModuleList)]
     if not lists:
         lists = [name for name, module in modules.items() if isinstance(module, nn.ModuleList)
                  and any(pattern.startswith(f"{name}.*.") for pattern in declared(model, "tp"))]
+    if not lists:  # laid out as its siblings (HunYuan's plans split only the embedding and the head)
+        lists = [key for key in hf_stages.inferred_plan(model) if isinstance(modules.get(key), nn.ModuleList)]
     return lists[0] if len(lists) == 1 else None
 
 

@@ -111,7 +111,8 @@ class OwnHead:
     the forward does around the head (a soft-cap, a scale) runs as the model does it."""
 
     def __init__(self, model: nn.Module):
-        self.cls, self.prefix = type(model), getattr(model, "base_model_prefix", "")
+        self.cls = type(model)
+        self.prefix = _base_name(model, getattr(model, "get_input_embeddings", lambda: None)())
         # the model's own attributes (config, logit_scale...), without its modules and parameters
         self.state = {key: value for key, value in vars(model).items() if key not in ("_modules", "_parameters")}
         self.router_flag = "output_router_logits" in inspect.signature(self.cls.forward).parameters
@@ -155,10 +156,10 @@ def inferred_plan(model: nn.Module) -> dict[str, Any]:
     """The pp plan of a model that declares none, as its declared siblings' read: the base
     model's children with parameters (an embedding, one list of layers, a final norm) and the
     head. {} unless the base model's first such child is the input embedding."""
-    prefix = getattr(model, "base_model_prefix", "")
-    base = getattr(model, prefix, None) if prefix else None
     head = getattr(model, "get_output_embeddings", lambda: None)()
     embedding = getattr(model, "get_input_embeddings", lambda: None)()
+    prefix = _base_name(model, embedding)
+    base = getattr(model, prefix, None) if prefix else None
     if not isinstance(base, nn.Module) or head is None:
         return {}
     pieces = [name for name, child in base.named_children() if any(True for _ in child.parameters())]
@@ -166,6 +167,18 @@ def inferred_plan(model: nn.Module) -> dict[str, Any]:
         return {}
     tops = [name for name, child in model.named_children() if child is head]
     return {**{f"{prefix}.{name}": None for name in pieces}, **{name: None for name in tops}}
+
+
+def _base_name(model: nn.Module, embedding: Any) -> str:
+    """Where the base model sits: `base_model_prefix`, or where that names nothing (Llama 4's
+    text model keeps the multimodal model's "language_model" but sits at "model") the one
+    child holding the input embedding."""
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and isinstance(getattr(model, prefix, None), nn.Module):
+        return prefix
+    holders = [name for name, child in model.named_children()
+               if embedding is not None and any(m is embedding for m in child.modules())]
+    return holders[0] if len(holders) == 1 else ""
 
 
 def run_stage(stage: StageView, x: torch.Tensor, parts: Parts, config: Any, head: OwnHead | None = None,
@@ -227,14 +240,15 @@ def causal_masks(config: Any, whole: torch.Tensor, positions: torch.Tensor, kind
     from transformers import masking_utils  # only with a transformers model in hand
 
     make = {"full_attention": masking_utils.create_causal_mask,
-            "sliding_attention": masking_utils.create_sliding_window_causal_mask}
+            "sliding_attention": masking_utils.create_sliding_window_causal_mask,
+            "chunked_attention": masking_utils.create_chunked_causal_mask}
     # transformers 5.24 names the cache `cache`; earlier versions `past_key_values`
     cache = "cache" if "cache" in inspect.signature(make["full_attention"]).parameters else "past_key_values"
     return {kind: make[kind](config=config, inputs_embeds=whole, attention_mask=None, position_ids=positions,
                              **{cache: None}) for kind in kinds}
 
 
-MADE = ("full_attention", "sliding_attention")  # the layer types whose masks a stage makes
+MADE = ("full_attention", "sliding_attention", "chunked_attention")  # the layer types whose masks a stage makes
 
 
 def check_kinds(model: nn.Module, config: Any, blocks: str) -> frozenset[str]:

@@ -17,10 +17,16 @@ own layers (plait.parallel.tensor):
 | packed_colwise (a 2-D nn.Linear) | column:2+share        | gate|up packed in one output: each rank gets  |
 |                                  |                       | its slice of both halves                      |
 | sequence_parallel                | sequence              | gradients summed under SP                     |
+| moe_tp_experts                   | experts               | every expert's hidden units split (its        |
+|                                  |                       | parameters' entries): inputs enter, the output|
+|                                  |                       | is summed (parallel/tensor/experts.py)        |
+| colwise, rowwise on a parameter  | param_column, param_row | dimension -2 (a 1-D parameter's only one),  |
+| packed_colwise, packed_rowwise   | param_column:2, param_row:2 | or the last; packed: gate|up cut alike  |
 
-Anything else (MoE experts, expert parallelism, MLA's kv_a_proj, local_*, an entry naming a
-parameter rather than a module...) is refused in one line naming the pattern and the style:
-a split plait cannot honour is never skipped silently.
+A mixture of experts whose config also declares an ep plan keeps its experts whole under tp
+(their entries are left out: expert parallelism splits them). Anything else (MLA's
+kv_a_proj, local_*, a parameter entry in another style...) is refused in one line naming
+the pattern and the style: a split plait cannot honour is never skipped silently.
 
 Under sequence parallelism only the blocks run on sequence slices (hf_hooks.split_sequence_around:
 split entering the first, gathered leaving the last): the model computes positions and masks
@@ -34,12 +40,17 @@ layers becomes a "region", entered (all-gathered) from its first input; one prob
 checks that every column layer in it reads exactly that input (else SP is refused), and
 finds the parameters of the blocks that run outside the regions, on a sequence slice (the
 layer norms): they are marked "sequence". Those inside a region (a per-head q_norm) see the
-whole sequence.
+whole sequence. A region whose column layers read its input reshaped (Llama 4's MoE
+flattens its tokens) runs whole ("region+whole": its row layers sum whole, and it keeps this
+rank's chunk leaving). A child the plan leaves whole that mixes tokens (an attention no
+entry splits: its forward takes a mask or positions) reads the whole sequence too
+("gathered"), every rank computing all of it.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -50,7 +61,7 @@ from plait.errors import PlaitError
 from plait.models.hf.hooks import check_splits
 from plait.parallel.probe import quiet, spread_ids
 from plait.parallel.tensor.plan import first_input_name
-from plait.parallel.tensor.styles import COLUMNS, ROWS, SPLIT, WHOLE, parse_style
+from plait.parallel.tensor.styles import COLUMNS, PARAMS, ROWS, SPLIT, WHOLE, parse_style
 
 DECLARED: dict[str, str] = {  # transformers' style -> plait's
     "colwise": "column+share",
@@ -63,6 +74,13 @@ DECLARED: dict[str, str] = {  # transformers' style -> plait's
     "replicated_with_grad_allreduce": "grad_sum",
     "packed_colwise": "column:2+share",
     "sequence_parallel": "sequence",
+    "moe_tp_experts": "experts",
+}
+PARAM_DECLARED: dict[str, str] = {  # transformers' style on a parameter -> plait's (the dimension it cuts)
+    "colwise": "param_column",
+    "rowwise": "param_row",
+    "packed_colwise": "param_column:2",
+    "packed_rowwise": "param_row:2",
 }
 
 
@@ -76,22 +94,40 @@ def refuse(model: nn.Module, pattern: str, style: str, why: str = "") -> PlaitEr
 
 
 def plait_plan(model: nn.Module, declared: dict[str, str]) -> dict[str, str]:
-    """{pattern: plait style} for a declared {pattern: transformers style}; PlaitError if any
-    entry cannot be honoured. Patterns that match nothing in this model (a layer its config
-    leaves out) split nothing and are dropped."""
+    """{pattern: plait style} for a declared {pattern: transformers style} (a pattern naming
+    parameters gets a parameter style); PlaitError if any entry cannot be honoured. Patterns
+    that match nothing in this model (a layer its config leaves out) split nothing and are
+    dropped."""
     modules = dict(model.named_modules())
     plan: dict[str, str] = {}
     for pattern, style in declared.items():
         hits = [module for name, module in modules.items() if name and fnmatchcase(name, pattern)]
         if not hits:
             if any(fnmatchcase(name, pattern) for name, _ in model.named_parameters()):
-                raise refuse(model, pattern, style, " (a parameter, not a module)")
+                if style not in PARAM_DECLARED:
+                    raise refuse(model, pattern, style, " (a parameter)")
+                plan[pattern] = PARAM_DECLARED[style]
             continue
         mapped = DECLARED.get(style)
         if mapped is None or (style == "packed_colwise" and not all(isinstance(m, nn.Linear) for m in hits)):
             raise refuse(model, pattern, style)
         plan[pattern] = mapped
+    _check_experts_split(model, plan)
     return plan
+
+
+def _check_experts_split(model: nn.Module, plan: dict[str, str]) -> None:
+    """An "experts" module sums its ranks' outputs: each must hold a split of its parameters
+    (a parameter entry under it), else every rank's whole output would be added tp times."""
+    params = [name for name, _ in model.named_parameters()]
+    split = [name for pattern, style in plan.items() if parse_style(style)[0] in PARAMS
+             for name in params if fnmatchcase(name, pattern)]
+    for pattern, style in plan.items():
+        if style != "experts":
+            continue
+        for name, _ in model.named_modules():
+            if name and fnmatchcase(name, pattern) and not any(p.startswith(f"{name}.") for p in split):
+                raise refuse(model, pattern, "moe_tp_experts", f" with no parameter of {name} split")
 
 
 def check_config(model: nn.Module, plan: dict[str, str], tp: int) -> None:
@@ -120,9 +156,35 @@ def for_sequence_parallel(model: nn.Module, plan: dict[str, str], blocks: str) -
     styles = {name: parse_style(style)[0] for pattern, style in inside.items()
               for name, _ in model.named_modules() if fnmatchcase(name, pattern)}
     regions = _regions(model, styles, blocks)
-    outside = _probe_regions(model, styles, regions, blocks)
-    return {**_around_blocks(plan, blocks), **inside, **{name: "region" for name in regions},
+    gathered = _unsplit_attention(model, styles, blocks)
+    outside, reshaped = _probe_regions(model, styles, regions + gathered, blocks)
+    return {**_around_blocks(plan, blocks), **inside,
+            **{name: "region" + (WHOLE if name in reshaped else "") for name in regions},
+            **{name: "gathered" for name in gathered},
             **{name: "sequence" for name in outside}}
+
+
+MIXES_TOKENS = ("attention_mask", "position_embeddings", "position_ids")  # a forward taking one reads the sequence
+
+
+def _unsplit_attention(model: nn.Module, styles: dict[str, str], blocks: str) -> list[str]:
+    """The children of the blocks that the plan leaves whole (no style at or under them) and
+    that mix tokens, as an attention does (their forward takes a mask or positions): under SP
+    they read the whole sequence, gathered ("gathered"), where a norm runs on its slice."""
+    depth = blocks.count(".") + 2
+    found = []
+    for name, module in model.named_modules():
+        if not name.startswith(f"{blocks}.") or name.count(".") != depth:
+            continue
+        if any(key == name or key.startswith(f"{name}.") for key in styles):
+            continue
+        try:
+            takes = inspect.signature(module.forward).parameters
+        except (TypeError, ValueError):
+            continue
+        if any(True for _ in module.parameters()) and any(word in takes for word in MIXES_TOKENS):
+            found.append(name)
+    return found
 
 
 def _around_blocks(plan: dict[str, str], blocks: str) -> dict[str, str]:
@@ -147,12 +209,16 @@ def _regions(model: nn.Module, styles: dict[str, str], blocks: str) -> list[str]
     return sorted(regions)
 
 
-def _probe_regions(model: nn.Module, styles: dict[str, str], regions: list[str], blocks: str) -> list[str]:
-    """One probe forward: every column layer of a region must read the region's own input
-    (else entering at the region would be wrong); returns the blocks' modules with parameters,
-    not split nor summed by the plan, that ran outside every region (on a sequence slice)."""
+def _probe_regions(model: nn.Module, styles: dict[str, str], regions: list[str],
+                   blocks: str) -> tuple[list[str], set[str]]:
+    """One probe forward: every column layer of a region must read the region's own input, or
+    that input reshaped (Llama 4's MoE flattens its tokens: the region then runs whole,
+    "region+whole"), else entering at the region would be wrong. Returns the blocks' modules
+    with parameters, not split nor summed by the plan, that ran outside every region (on a
+    sequence slice), and the regions whose input is read reshaped."""
     active: list[tuple[str, Any]] = []
     outside: set[str] = set()
+    reshaped: set[str] = set()
     wrong: list[str] = []
 
     def enter(module: nn.Module, args: tuple, kwargs: dict, name: str) -> None:
@@ -162,7 +228,11 @@ def _probe_regions(model: nn.Module, styles: dict[str, str], regions: list[str],
         active.pop()
 
     def column(module: nn.Module, args: tuple, name: str) -> None:
-        if active and args and args[0] is not active[-1][1]:
+        if not active or not args or args[0] is active[-1][1]:
+            return
+        if _reshaped(args[0], active[-1][1]):
+            reshaped.add(active[-1][0])
+        else:
             wrong.append(f"{name} reads another tensor than {active[-1][0]}'s input")
 
     handles = []
@@ -183,7 +253,13 @@ def _probe_regions(model: nn.Module, styles: dict[str, str], regions: list[str],
             handle.remove()
     if wrong:
         raise _sp_refusal(model, wrong[0])
-    return sorted(outside)
+    return sorted(outside), reshaped
+
+
+def _reshaped(x: Any, source: Any) -> bool:
+    """Whether `x` is `source` reshaped: the same elements of the same storage."""
+    return isinstance(x, torch.Tensor) and isinstance(source, torch.Tensor) and x.numel() == source.numel() \
+        and x.data_ptr() == source.data_ptr() and x.is_contiguous() and source.is_contiguous()
 
 
 def _sp_refusal(model: nn.Module, why: str) -> PlaitError:

@@ -113,7 +113,7 @@ def take_formula(model: torch.nn.Module) -> float:
     total = 0.0
     for module in model.modules():
         dispatch = module.__dict__.get("forward")
-        if isinstance(dispatch, ExpertDispatch):
+        if isinstance(dispatch, (ExpertDispatch, DenseExpertDispatch)):
             total, dispatch.formula = total + dispatch.formula, 0.0
     return total
 
@@ -147,3 +147,47 @@ def combine(rows: torch.Tensor, order: torch.Tensor, weight: torch.Tensor) -> to
     per_assignment[order] = rows
     weighted = per_assignment.view(tokens, k, rows.shape[-1]) * weight.unsqueeze(-1).to(rows.dtype)
     return weighted.sum(dim=1)
+
+
+class AllToAllEqual(torch.autograd.Function):
+    """Equal parts of dim 0 to each rank, and back in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, axis: Axis) -> torch.Tensor:
+        ctx.axis = axis
+        out = torch.empty_like(rows)
+        comm.all_to_all(out, rows.contiguous(), axis)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        back = torch.empty_like(grad)
+        comm.all_to_all(back, grad.contiguous(), ctx.axis)
+        return back, None
+
+
+class DenseExpertDispatch:
+    """Stands in for the forward of an experts module that runs every expert on every token
+    (Llama 4: rows (E·T, d), expert-major, the router's scores already applied to them, the
+    weights of every other expert's rows zero) under expert parallelism. Each ep rank holds
+    E / ep experts: one all-to-all sends each expert's rows to the rank holding it, the local
+    experts run on every rank's tokens at once, and one more brings the outputs home. No
+    counts and no host sync (every part is T rows per expert), but the bytes are those of
+    every expert on every token, E / top_k times a sparse dispatch's: the layout the model
+    computes in, kept exactly. Every ep rank must bring the same T (plait's batches do)."""
+
+    def __init__(self, local_forward: Callable[..., torch.Tensor], axis: Axis, experts: int):
+        self.local_forward, self.axis, self.experts = local_forward, axis, experts
+        self.formula = 0.0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ep, local = self.axis.size, self.experts // self.axis.size
+        tokens = x.shape[0] // self.experts
+        arrived = AllToAllEqual.apply(x.reshape(self.experts * tokens, -1), self.axis)  # (ep sources, local, T, d)
+        mine = arrived.view(ep, local, tokens, -1).transpose(0, 1).reshape(local * ep * tokens, -1)
+        out = self.local_forward(mine)  # each local expert over every rank's T tokens
+        back = out.view(local, ep, tokens, -1).transpose(0, 1).reshape(ep * local * tokens, -1)
+        backward = torch.is_grad_enabled() and not recomputing()
+        away = (ep - 1) * local * tokens  # rows sent to other ranks, and as many returned
+        self.formula += dispatch_bytes(away, away, x.shape[-1] * x.element_size(), 0, ep, backward)
+        return AllToAllEqual.apply(back, self.axis).view(x.shape[0], *out.shape[1:])

@@ -7,7 +7,8 @@ MoE classes (Mixtral, Qwen2-MoE: the same layout) take the same path:
 - an **experts module**: a module with `num_experts`, whose parameters with a first
   dimension of num_experts hold one slice per expert (`gate_up_proj`, `down_proj`, their
   biases), and whose forward is (tokens (n, d), expert indices (n, k), weights (n, k)) ->
-  (n, d);
+  (n, d), or (rows (E·n, d), every expert's rows for every token, expert-major) -> (E·n, d)
+  (Llama 4's, dispatched densely: dispatch.DenseExpertDispatch);
 - optionally, **MoE blocks** with `take_counts()` (the tokens each expert received since the
   last call), `aux_weight`/`aux_loss_coef` (the balancing loss's weight in backward), and
   `after_routing(counts)`, the block's own rule on the step's routing (the sigmoid
@@ -20,17 +21,18 @@ expert's gradient already sums what the tokens of all ep ranks sent it.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 from torch import nn
 
 from plait.errors import PlaitError
-from plait.parallel.expert.dispatch import ExpertDispatch, take_formula
+from plait.parallel.expert.dispatch import DenseExpertDispatch, ExpertDispatch, take_formula
 from plait.parallel.expert.shard import expert_placement
 from plait.parallel.applied import applied, applied_of
 from plait.parallel.hooks import StepHooks
-from plait.parallel.placement import place
+from plait.parallel.placement import place, placement_of
 from plait.rules import check_experts_split
 from plait.runtime import comm
 from plait.runtime.comm import Axis
@@ -46,6 +48,15 @@ def experts_modules(model: nn.Module, adapter: Any = None) -> list[nn.Module]:
         return named(model)
     return [m for m in model.modules() if isinstance(getattr(m, "num_experts", None), int)
             and any(p.ndim >= 3 and p.shape[0] == m.num_experts for p in m.parameters(recurse=False))]
+
+
+def takes_rows_only(module: nn.Module) -> bool:
+    """Whether an experts module's forward takes its rows alone (every expert on every token),
+    not (tokens, indices, weights)."""
+    try:
+        return len(inspect.signature(module.forward).parameters) == 1
+    except (TypeError, ValueError):
+        return False
 
 
 def moe_blocks(model: nn.Module) -> list[nn.Module]:
@@ -65,6 +76,9 @@ def apply_expert_parallel(model: nn.Module, axis: Axis, adapter: Any = None) -> 
     for module in found:
         experts = module.num_experts
         check_experts_split(experts, axis.size)
+        if any(placement_of(p).split("tp") is not None for p in module.parameters(recurse=False)):
+            raise PlaitError(f"{type(module).__name__}'s experts are split by tp already, and ep would split "
+                             "them again", hint="train it with tp or with ep, not both")
         local = experts // axis.size
         start = axis.rank * local
         for name, param in list(module.named_parameters(recurse=False)):
@@ -73,7 +87,8 @@ def apply_expert_parallel(model: nn.Module, axis: Axis, adapter: Any = None) -> 
                 place(kept, expert_placement(axis.rank, axis.size, tuple(param.shape)))
                 setattr(module, name, kept)
         module.num_experts = local  # what it holds now (transformers' grouped kernels size by it)
-        module.forward = ExpertDispatch(module.forward, axis, experts)
+        dispatch = DenseExpertDispatch if takes_rows_only(module) else ExpertDispatch
+        module.forward = dispatch(module.forward, axis, experts)
     applied(model).experts = axis
     return len(found)
 

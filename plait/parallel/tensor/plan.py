@@ -28,16 +28,18 @@ from torch import nn
 from plait.errors import PlaitError
 from plait.parallel.applied import applied, applied_of
 from plait.parallel.seam import adapter_of, tensor_plan
+from plait.parallel.tensor import regions
 from plait.parallel.tensor.entry import SharedEntry
-from plait.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear,
-                                          VocabParallelEmbedding, enter_region, overrides_forward, shard_of,
+from plait.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                          enter_region, overrides_forward, shard_of, shard_param,
                                           split_embedding_in_place, sum_grad_over)
 from plait.parallel.tensor.loss import lm_loss, vocab_parallel_cross_entropy
 from plait.runtime import comm
 from plait.runtime.comm import Axis
 from plait.parallel.tensor.ops import all_gather_stacked, register_axis
-from plait.parallel.tensor.styles import (COLUMNS, ROWS, SPLIT, STYLES, check_divisible, parse_style, resolve_plan,
-                                          shares_entry, whole_sequence)
+from plait.parallel.tensor.experts import split_experts
+from plait.parallel.tensor.styles import (COLUMNS, PARAMS, ROWS, SPLIT, STYLES, check_divisible, param_split_dim,
+                                          parse_style, resolve_plan, shares_entry, whole_sequence)
 
 __all__ = ["STYLES", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "apply_tensor_parallel", "gather_full_params", "lm_loss", "parse_style", "resolve_plan", "shard_of",
@@ -91,21 +93,36 @@ def apply_tensor_parallel(model: nn.Module, axis: Axis, *, plan: dict[str, str] 
     fix_up = getattr(adapter, "after_tensor_parallel", None)
     if callable(fix_up):
         fix_up(model, axis, sp)
-    log.info("tensor parallel over %d ranks%s: %d layers split", axis.size,
-             " with sequence parallelism" if sp else "", sum(parse_style(s)[0] in SPLIT for s in styles.values()))
+    split = sum(parse_style(style)[0] in (*SPLIT, *PARAMS) for style in styles.values())
+    log.info("tensor parallel over %d ranks%s: %d layers and parameters split", axis.size,
+             " with sequence parallelism" if sp else "", split)
     return model
 
 
 def _swap_layers(model: nn.Module, styles: dict[str, str], axis: Axis, sp: bool, regather: bool) -> None:
-    regions = [name for name, style in styles.items() if style == "region"]
+    regions = [name for name, style in styles.items() if parse_style(style)[0] == "region"]
+    whole = [name for name in regions if whole_sequence(styles[name])]  # run as without SP inside
     memo: dict[int, nn.Parameter] = {}
     entry = SharedEntry()  # the "+share" column layers' one entry per input (tensor/entry.py)
     for name, value in styles.items():
-        module = model.get_submodule(name)
         style, fused = parse_style(value)
         enters = not any(name.startswith(region + ".") for region in regions)
-        split_sp = sp and not whole_sequence(value)  # a "+whole" layer enters and leaves as without SP
-        if style == "region":
+        if style in PARAMS:
+            owner, _, attribute = name.rpartition(".")
+            module = model.get_submodule(owner)
+            param = getattr(module, attribute)
+            setattr(module, attribute, shard_param(param, param_split_dim(param, value), axis, memo, fused))
+            continue
+        module = model.get_submodule(name)
+        # a "+whole" layer, or one inside a "region+whole", enters and leaves as without SP
+        split_sp = sp and not whole_sequence(value) and not any(name.startswith(w + ".") for w in whole)
+        if style == "experts":
+            split_experts(module, name, axis, enters=enters, sp=sp)
+        elif style == "region" and sp and whole_sequence(value):
+            WholeRegion(module, axis).install()
+        elif style == "gathered" and sp:
+            WholeRegion(module, axis, replicated=True).install()
+        elif style == "region":
             hook = functools.partial(_enter_hook, axis=axis, sp=sp, regather=regather, name=first_input_name(module))
             module.register_forward_pre_hook(hook, with_kwargs=True)
         elif style == "grad_sum" or (style == "sequence" and sp):
@@ -147,6 +164,47 @@ def _enter_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                      f"{name or '(first argument)'}",
                      hint="a region enters through the first argument of its forward; mark the module "
                           "that receives the hidden states as \"region\"")
+
+
+class WholeRegion:
+    """A "region+whole" under SP: a module that reshapes its tokens (Llama 4's MoE flattens
+    them to (batch·seq, hidden)) cannot be left by a reduce-scatter along the sequence, so it
+    runs on the whole sequence as without SP: it enters by gathering the sequence, the row
+    layers inside it sum their outputs whole, and it leaves keeping this rank's chunk of
+    its first output (its tokens in (batch, seq) order). The forward sends an all-reduce where
+    SP sends a reduce-scatter; the backward's collectives are SP's.
+
+    `replicated` ("gathered"): a module the plan leaves whole that mixes tokens (an attention
+    transformers declares no split for) reads the whole sequence the same way, but every rank
+    then computes all of it: its input gradient is whole on every rank, so entering keeps this
+    rank's chunk of it (regions.gather_to_replicated) rather than summing the ranks'."""
+
+    def __init__(self, module: nn.Module, axis: Axis, replicated: bool = False):
+        self.module, self.axis, self.name = module, axis, first_input_name(module)
+        self.replicated = replicated  # "gathered": nothing inside is split, each rank computes it all
+        self.shapes: list[torch.Size] = []  # the (batch, seq chunk) entering each forward in flight
+
+    def install(self) -> None:
+        self.module.register_forward_pre_hook(self.enter, with_kwargs=True)
+        self.module.register_forward_hook(self.leave)
+
+    def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        x = args[0] if args else kwargs.get(self.name or "")
+        if not isinstance(x, torch.Tensor) or x.dim() < 3:
+            raise PlaitError(f"tensor-parallel region {type(module).__name__} was called without its "
+                             "(batch, seq, hidden) input", hint="drop --sp")
+        self.shapes.append(x.shape[:2])
+        entered = regions.gather_to_replicated(x, self.axis) if self.replicated else \
+            enter_region(x, self.axis, True, regather=False)
+        return ((entered, *args[1:]), kwargs) if args else (args, {**kwargs, self.name: entered})
+
+    def leave(self, module: nn.Module, args: tuple, out: Any) -> Any:
+        batch, chunk = self.shapes.pop()
+        first = out[0] if isinstance(out, tuple) else out
+        whole = first.reshape(batch, chunk * self.axis.size, -1)
+        mine = regions.scatter_to_sequence(whole, self.axis).reshape(-1, *first.shape[1:]) if first.dim() != 3 \
+            else regions.scatter_to_sequence(whole, self.axis).reshape(batch, chunk, *first.shape[2:])
+        return (mine, *out[1:]) if isinstance(out, tuple) else mine
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:

@@ -22,6 +22,16 @@ A plan maps module-name patterns (shell style, `*` matches any run of characters
 | "sequence"      | any           | runs on a chunk of the sequence under SP: grads summed      |
 | "grad_sum"      | any           | parameters kept whole, their gradients summed over tp (a    |
 |                 |               | norm over this rank's heads only: Qwen3's q_norm)           |
+| "gathered"      | any           | kept whole, and under SP run on the whole sequence (an      |
+|                 |               | attention left unsplit): gathered in, this rank's chunk out |
+| "experts"       | any           | a mixture of experts' experts module whose weights the plan |
+|                 |               | splits by parameter: its tensor inputs enter the region, its|
+|                 |               | output (each rank's partial sum) leaves it, summed          |
+
+Two styles name a parameter, not a module (a pattern such as "layers.*.experts.down_proj"):
+"param_column" cuts its dimension -2 (an (out, in) weight's outputs; a 1-D parameter's only
+dimension), "param_row" its last (the inputs); ":k" cuts k packed parts alike, as "column:k"
+does (an experts module's (E, 2·d, h) gate|up: "param_column:2").
 
 A column style may end in "+share" ("column+share", "column:2+share", "column_gather+share"):
 column layers that read the very same tensor in one forward then enter the region once
@@ -29,7 +39,10 @@ between them (plait.parallel.tensor.entry), the traffic of a "region" mark witho
 A style that splits a weight may end in "+whole" ("vocab+whole", "column_gather+share+whole"):
 under SP the layer still reads and writes the whole sequence, so it enters and leaves its
 region as without SP (a transformers model's embedding and head, around blocks that alone
-run on sequence slices: plait.models.hf.styles).
+run on sequence slices: plait.models.hf.styles). A "region+whole" runs whole under SP: it
+gathers the sequence on entering, the row layers inside it sum their outputs whole, and it
+keeps this rank's chunk of its output on leaving (a module that reshapes its tokens:
+plan.WholeRegion).
 """
 
 from __future__ import annotations
@@ -41,10 +54,13 @@ from torch import nn
 from plait.errors import PlaitError
 from plait.parallel.tensor.layers import is_conv1d, layout_of, overrides_forward
 
-STYLES = ("column", "column_gather", "row", "row_split", "vocab", "region", "sequence", "grad_sum")
+STYLES = ("column", "column_gather", "row", "row_split", "vocab", "region", "sequence", "grad_sum", "experts",
+          "gathered", "param_column", "param_row")
 COLUMNS = ("column", "column_gather")  # styles whose layer enters the region from a whole input
 ROWS = ("row", "row_split")
 SPLIT = (*COLUMNS, *ROWS, "vocab")  # styles that cut a layer's weight
+PARAMS = ("param_column", "param_row")  # styles that cut one parameter, named by the pattern
+FUSED = ("column", *PARAMS)  # styles that may cut k packed parts alike ("column:3")
 SHARE, WHOLE = "+share", "+whole"
 KINDS = {"column": ("Linear", "Conv1D"), "column_gather": ("Linear", "Conv1D"), "row": ("Linear", "Conv1D"),
          "row_split": ("Linear", "Conv1D"), "vocab": ("Embedding", "Linear")}
@@ -67,16 +83,16 @@ def parse_style(value: str) -> tuple[str, int]:
     if base != whole and style not in COLUMNS:
         raise PlaitError(f"tensor-parallel plan: {value!r} is not a style",
                          hint=f'only a column layer ({", ".join(COLUMNS)}) shares its entry: "column{SHARE}"')
-    if whole != text and style not in SPLIT:
+    if whole != text and style not in (*SPLIT, "region"):
         raise PlaitError(f"tensor-parallel plan: {value!r} is not a style",
-                         hint=f'only a layer whose weight is split ({", ".join(SPLIT)}) reads the whole '
-                              f'sequence under SP: "vocab{WHOLE}"')
+                         hint=f'only a layer whose weight is split ({", ".join(SPLIT)}) or a region reads '
+                              f'the whole sequence under SP: "vocab{WHOLE}"')
     if not parts:
         return style, 1
-    if style != "column" or not parts.isdigit() or int(parts) < 1:
+    if style not in FUSED or not parts.isdigit() or int(parts) < 1:
         raise PlaitError(f"tensor-parallel plan: {value!r} is not a style",
-                         hint='only a column layer is fused: "column:k", k the number of equal parts '
-                              'of its output (q|k|v: "column:3")')
+                         hint='only a column layer or a parameter is fused: "column:k", k the number of equal '
+                              'parts of its output (q|k|v: "column:3")')
     return style, int(parts)
 
 
@@ -93,26 +109,37 @@ def whole_sequence(value: str) -> bool:
 
 
 def resolve_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
-    """{module name: style} for every module a pattern matches; typos and clashes are errors."""
+    """{module or parameter name: style} for every module a pattern matches (every parameter,
+    for the parameter styles); typos and clashes are errors."""
     modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
     styles: dict[str, str] = {}
     for pattern, style in plan.items():
         try:
-            parse_style(style)
+            kind = parse_style(style)[0]
         except PlaitError as error:
             raise PlaitError(f"{error.args[0]} for {pattern!r}", hint=error.hint) from None
-        hits = [name for name in modules if name and fnmatchcase(name, pattern)]
+        names, what = (params, "parameter") if kind in PARAMS else (modules, "module")
+        hits = [name for name in names if name and fnmatchcase(name, pattern)]
         if not hits:
-            some = ", ".join(name for name in list(modules)[1:6])
-            raise PlaitError(f"tensor-parallel plan: {pattern!r} matches no module",
-                             hint=f"module names look like: {some}")
+            some = ", ".join(name for name in list(names)[1:6])
+            raise PlaitError(f"tensor-parallel plan: {pattern!r} matches no {what}",
+                             hint=f"{what} names look like: {some}")
         for name in hits:
             if styles.get(name, style) != style:
                 raise PlaitError(f"tensor-parallel plan: {name} is both {styles[name]!r} and {style!r}",
                                  hint="make the patterns match each module once")
             styles[name] = style
-            _check_kind(name, modules[name], style)
+            if kind not in PARAMS:
+                _check_kind(name, modules[name], style)
     return styles
+
+
+def param_split_dim(param: nn.Parameter, style: str) -> int:
+    """The dimension a parameter style cuts: "param_column" the second to last (the last of a
+    1-D parameter), "param_row" the last."""
+    kind = parse_style(style)[0]
+    return param.ndim - 1 if kind == "param_row" or param.ndim == 1 else param.ndim - 2
 
 
 def _check_kind(name: str, module: nn.Module, style: str) -> None:
@@ -145,7 +172,11 @@ def _split_size(module: nn.Module, style: str) -> tuple[str, int]:
 def check_divisible(model: nn.Module, styles: dict[str, str], tp: int) -> None:
     """One error naming the first split layer whose size tp does not divide."""
     for name, style in styles.items():
-        module, (kind, parts) = model.get_submodule(name), parse_style(style)
+        kind, parts = parse_style(style)
+        if kind in PARAMS:
+            _check_param_divisible(name, model.get_parameter(name), style, tp)
+            continue
+        module = model.get_submodule(name)
         if parts > 1 and layout_of(module).out_features % parts:
             raise PlaitError(f"{name}.out_features = {layout_of(module).out_features} is not "
                              f"{parts} equal parts", hint=f"check the plan's \"column:{parts}\"")
@@ -159,3 +190,13 @@ def check_divisible(model: nn.Module, styles: dict[str, str], tp: int) -> None:
 
 def divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _check_param_divisible(name: str, param: nn.Parameter, style: str, tp: int) -> None:
+    parts = parse_style(style)[1]
+    dim = param_split_dim(param, style)
+    size = param.shape[dim]
+    if size % (parts * tp):
+        what = f"{name}.shape[{dim}] = {size}" + (f" ({parts} packed parts)" if parts > 1 else "")
+        raise PlaitError(f"{what} is not divisible by tp={tp}" + (f" × {parts}" if parts > 1 else ""),
+                         hint=f"choose tp among {divisors(size // parts)}")
