@@ -269,3 +269,27 @@ def test_an_unsplit_attention_reads_the_whole_sequence_under_sp() -> None:
     assert {name for name, style in plan.items() if style == "gathered"} == \
         {"model.layers.0.self_attn", "model.layers.1.self_attn"}
     assert plan["model.layers.0.mlp.gate_proj"] == plan["model.layers.1.input_layernorm"] == "sequence"
+
+
+def test_mla_and_attention_sinks_are_read_as_declared() -> None:
+    """DeepSeek-V2's kv_a_proj ("mla_kv_a_proj") stays whole, its rotary key's 8 features
+    entering the region; Granite-SWA's attention sinks ("colwise" on a 1-D parameter) split by
+    head, and the "local_params" on their attention ask for nothing."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from plait.parallel.tensor.styles import param_split_dim
+
+    mla = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "deepseek_v2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
+        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=8, moe_intermediate_size=16, num_experts_per_tok=2))
+    plan = adapter_for(mla).tensor_plan(mla, 2, False)
+    assert plan["model.layers.*.self_attn.kv_a_proj_with_mqa"] == "enter_tail:8"
+    assert parse_style("enter_tail:8") == ("enter_tail", 8)
+    sinks = AutoModelForCausalLM.from_config(AutoConfig.for_model("granite_swa", **SHAPE))
+    plan = adapter_for(sinks).tensor_plan(sinks, 2, False)
+    assert plan["model.layers.*.self_attn.sinks"] == "param_column"
+    assert "model.layers.*.self_attn" not in plan  # local_params: nothing to do
+    sink = sinks.model.layers[0].self_attn.sinks
+    assert sink.ndim == 1 and param_split_dim(sink, "param_column") == 0

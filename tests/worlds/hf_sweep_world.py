@@ -67,8 +67,8 @@ MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)  # 4 experts, top 2,
 # model_type -> what SHAPE does not say (overrides SHAPE's fields where both name one).
 # Of the ~150 model types whose config declares base_model_tp_plan, these build tiny and train
 # one process in well under a second. Left out (transformers 5.24, this shape), with why:
-#   deepseek_v2, deepseek_v32, minicpm3, glm4_moe_lite, glm_moe_dsa, longcat_flash, axk1/2: other MLA
-#     attentions; the one-process forward fails at SHAPE (deepseek_v3 stands for them, with its dims);
+#   deepseek_v32, minicpm3, glm4_moe_lite, glm_moe_dsa, longcat_flash, axk1/2: other MLA
+#     attentions; the one-process forward fails at SHAPE (deepseek_v2 and v3 stand for them, with their dims);
 #   codegen, gptj: the one-process forward fails at SHAPE (rotary_dim against head_dim);
 #   gemma3, gemma4, llama4, qwen3_5(_moe): AutoModelForCausalLM builds the multimodal model, its
 #     vision tower at the default size: over a minute on CPU (gemma3_text is Gemma 3's text model);
@@ -106,6 +106,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "arcee": {},
     "apertus": {},
     "hunyuan_v1_dense": {},
+    "granite_swa": {},  # attention sinks, a parameter split by its heads ("sinks": colwise)
     # mixtures of experts
     "olmoe": dict(num_experts=4, **MOE),
     "phimoe": dict(num_local_experts=4, router_jitter_noise=0.0, input_jitter_noise=0.0, **MOE),
@@ -122,6 +123,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "deepseek_v3": dict(num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
                         n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
                         qk_nope_head_dim=8, v_head_dim=8, **MOE),
+    # MLA with its key projection split as declared ("mla_kv_a_proj": the rotary key enters whole)
+    "deepseek_v2": dict(num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
+                        kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, **MOE),
     # Llama 4's text model: experts packed as (E, hidden, 2·d) and run densely on every token,
     # scaled by a sigmoid of the router's top scores; a dense layer, then an MoE one; a layer
     # without rotary angles; attention chunks of 8 tokens (shorter than the sequence)

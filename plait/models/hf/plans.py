@@ -22,6 +22,7 @@ the head; across pipeline ranks the split makes two copies whose gradients are s
 from __future__ import annotations
 
 import logging
+from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from torch import nn
 from plait.errors import PlaitError
 from plait.models.hf import context as hf_context, stages as hf_stages
 from plait.models.hf.hooks import split_sequence_around
-from plait.parallel.tensor.styles import WHOLE, parse_style, whole_sequence
+from plait.parallel.tensor.styles import PARAMS, WHOLE, parse_style, whole_sequence
 from plait.models.hf.styles import check_config, for_sequence_parallel, plait_plan, probe_input
 from plait.parallel.probe_copy import stand_in
 from plait.parallel.seam import GenericAdapter, Parts, StageView
@@ -90,7 +91,10 @@ class DeclaredPlanAdapter:
         """The declared tp_plan in plait's styles; PlaitError for a style or a size plait cannot split.
         A mixture of experts' experts (what its ep plan dispatches) stay whole on every tp rank:
         their entries are left out, as plait's own MoE blocks are (docs/moe.md)."""
-        plan = plait_plan(model, without_experts(declared(model, "tp"), declared(model, "ep")))
+        experts = dispatched_experts(declared(model, "ep"))
+        plan = plait_plan(model, without_experts(declared(model, "tp"), experts))
+        if sp:
+            plan = whole_beside_experts(model, plan, experts)
         if not plan:
             raise PlaitError(f"tensor parallelism needs a plan for a {type(model).__name__}: it declares no tp_plan",
                              hint='pass ParallelConfig(tp_plan={"layer.name": "column" | "row" | "vocab" | '
@@ -132,11 +136,35 @@ class DeclaredPlanAdapter:
             split_sequence_around(list(model.get_submodule(_blocks_for_sp(model))), axis)
 
 
-def without_experts(tp_plan: dict[str, Any], ep_plan: dict[str, Any]) -> dict[str, Any]:
-    """`tp_plan` less the entries at or under the experts modules `ep_plan` dispatches."""
-    experts = [pattern for pattern, style in ep_plan.items() if style == "ep_dispatch_experts"]
+def dispatched_experts(ep_plan: dict[str, Any]) -> list[str]:
+    """The patterns of the experts modules `ep_plan` dispatches."""
+    return [pattern for pattern, style in ep_plan.items() if style == "ep_dispatch_experts"]
+
+
+def without_experts(tp_plan: dict[str, Any], experts: list[str]) -> dict[str, Any]:
+    """`tp_plan` less the entries at or under the `experts` modules (patterns)."""
     return {key: style for key, style in tp_plan.items()
             if not any(key == e or key.startswith(e + ".") for e in experts)}
+
+
+def whole_beside_experts(model: nn.Module, plan: dict[str, str], experts: list[str]) -> dict[str, str]:
+    """Under SP, `plan` with nothing split inside an MoE block holding experts kept whole (the
+    block around an experts module the ep plan dispatches): such a block adds its routed
+    experts' output, whole, to its shared experts', which a split would leave in partial
+    sums (DeepSeek's, dots.llm1's). The block then runs on its sequence slice, every weight
+    whole, its gradients summed, as a block with no shared expert does. The plan's patterns
+    become the module (and parameter) names they match, less those inside such blocks."""
+    modules = [name for name, _ in model.named_modules() if name]
+    blocks = {name.rpartition(".")[0] for name in modules if any(fnmatchcase(name, e) for e in experts)}
+    if not blocks:
+        return plan
+    params = [name for name, _ in model.named_parameters()]
+    concrete: dict[str, str] = {}
+    for pattern, style in plan.items():
+        names = params if parse_style(style)[0] in PARAMS else modules
+        concrete.update({name: style for name in names if fnmatchcase(name, pattern)
+                         and not any(name.startswith(f"{block}.") for block in blocks)})
+    return concrete
 
 
 def block_list(model: nn.Module) -> str | None:

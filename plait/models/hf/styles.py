@@ -17,15 +17,18 @@ own layers (plait.parallel.tensor):
 | packed_colwise (a 2-D nn.Linear) | column:2+share        | gate|up packed in one output: each rank gets  |
 |                                  |                       | its slice of both halves                      |
 | sequence_parallel                | sequence              | gradients summed under SP                     |
+| mla_kv_a_proj                    | enter_tail:r          | kept whole, its last r = qk_rope_head_dim     |
+|                                  |                       | outputs (the rotary key) enter the region     |
 | moe_tp_experts                   | experts               | every expert's hidden units split (its        |
 |                                  |                       | parameters' entries): inputs enter, the output|
 |                                  |                       | is summed (parallel/tensor/experts.py)        |
+| local_params                     | (nothing)             | plait's slices are plain tensors already      |
 | colwise, rowwise on a parameter  | param_column, param_row | dimension -2 (a 1-D parameter's only one),  |
 | packed_colwise, packed_rowwise   | param_column:2, param_row:2 | or the last; packed: gate|up cut alike  |
 
 A mixture of experts whose config also declares an ep plan keeps its experts whole under tp
-(their entries are left out: expert parallelism splits them). Anything else (MLA's
-kv_a_proj, local_*, a parameter entry in another style...) is refused in one line naming
+(their entries are left out: expert parallelism splits them). Anything else (local_*,
+embedding_colwise, a parameter entry in another style...) is refused in one line naming
 the pattern and the style: a split plait cannot honour is never skipped silently.
 
 Under sequence parallelism only the blocks run on sequence slices (hf_hooks.split_sequence_around:
@@ -42,15 +45,19 @@ finds the parameters of the blocks that run outside the regions, on a sequence s
 layer norms): they are marked "sequence". Those inside a region (a per-head q_norm) see the
 whole sequence. A region whose column layers read its input reshaped (Llama 4's MoE
 flattens its tokens) runs whole ("region+whole": its row layers sum whole, and it keeps this
-rank's chunk leaving). A child the plan leaves whole that mixes tokens (an attention no
-entry splits: its forward takes a mask or positions) reads the whole sequence too
-("gathered"), every rank computing all of it.
+rank's chunk leaving). A region whose column layers read anything else, or that does not
+leave through a row layer (Qwen3-Next's linear attention gathers its projections whole), and
+a child the plan leaves whole that mixes tokens (an attention no entry splits: its forward
+takes a mask or positions) read the whole sequence ("gathered"), their layers split as
+without SP. An MoE block holding experts kept whole for ep beside split shared experts has
+nothing split under SP (plans.whole_beside_experts).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -62,6 +69,8 @@ from plait.models.hf.hooks import check_splits
 from plait.parallel.probe import quiet, spread_ids
 from plait.parallel.tensor.plan import first_input_name
 from plait.parallel.tensor.styles import COLUMNS, PARAMS, ROWS, SPLIT, WHOLE, parse_style
+
+log = logging.getLogger(__name__)
 
 DECLARED: dict[str, str] = {  # transformers' style -> plait's
     "colwise": "column+share",
@@ -76,6 +85,10 @@ DECLARED: dict[str, str] = {  # transformers' style -> plait's
     "sequence_parallel": "sequence",
     "moe_tp_experts": "experts",
 }
+# Styles that only say how transformers' DTensors run a module (its forward with its own
+# shards as plain tensors: the owner of a split attention sink): plait's slices are plain
+# tensors already, so they ask for nothing.
+LOCAL_ONLY = ("local_params",)
 PARAM_DECLARED: dict[str, str] = {  # transformers' style on a parameter -> plait's (the dimension it cuts)
     "colwise": "param_column",
     "rowwise": "param_row",
@@ -101,6 +114,8 @@ def plait_plan(model: nn.Module, declared: dict[str, str]) -> dict[str, str]:
     modules = dict(model.named_modules())
     plan: dict[str, str] = {}
     for pattern, style in declared.items():
+        if style in LOCAL_ONLY:
+            continue
         hits = [module for name, module in modules.items() if name and fnmatchcase(name, pattern)]
         if not hits:
             if any(fnmatchcase(name, pattern) for name, _ in model.named_parameters()):
@@ -108,12 +123,21 @@ def plait_plan(model: nn.Module, declared: dict[str, str]) -> dict[str, str]:
                     raise refuse(model, pattern, style, " (a parameter)")
                 plan[pattern] = PARAM_DECLARED[style]
             continue
-        mapped = DECLARED.get(style)
+        mapped = DECLARED.get(style) or (_mla_tail(model) if style == "mla_kv_a_proj" else None)
         if mapped is None or (style == "packed_colwise" and not all(isinstance(m, nn.Linear) for m in hits)):
             raise refuse(model, pattern, style)
         plan[pattern] = mapped
     _check_experts_split(model, plan)
     return plan
+
+
+def _mla_tail(model: nn.Module) -> str | None:
+    """MLA's kv_a_proj: kept whole, its last qk_rope_head_dim outputs (the rotary key every
+    head reads) entering the region; None when the config does not say how many."""
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    rope = getattr(config, "qk_rope_head_dim", None)
+    return f"enter_tail:{rope}" if isinstance(rope, int) and rope > 0 else None
 
 
 def _check_experts_split(model: nn.Module, plan: dict[str, str]) -> None:
@@ -157,10 +181,14 @@ def for_sequence_parallel(model: nn.Module, plan: dict[str, str], blocks: str) -
               for name, _ in model.named_modules() if fnmatchcase(name, pattern)}
     regions = _regions(model, styles, blocks)
     gathered = _unsplit_attention(model, styles, blocks)
-    outside, reshaped = _probe_regions(model, styles, regions + gathered, blocks)
+    outside, reshaped, other = _probe_regions(model, styles, regions + gathered, blocks)
+    other = {name: why for name, why in other.items() if name not in gathered}
+    if other:
+        log.info("sequence parallelism: %s read whole, split as without SP inside (%s)",
+                 ", ".join(sorted(other)), next(iter(other.values())))
     return {**_around_blocks(plan, blocks), **inside,
-            **{name: "region" + (WHOLE if name in reshaped else "") for name in regions},
-            **{name: "gathered" for name in gathered},
+            **{name: "region" + (WHOLE if name in reshaped else "") for name in regions if name not in other},
+            **{name: "gathered" for name in [*gathered, *other]},
             **{name: "sequence" for name in outside}}
 
 
@@ -210,36 +238,56 @@ def _regions(model: nn.Module, styles: dict[str, str], blocks: str) -> list[str]
 
 
 def _probe_regions(model: nn.Module, styles: dict[str, str], regions: list[str],
-                   blocks: str) -> tuple[list[str], set[str]]:
-    """One probe forward: every column layer of a region must read the region's own input, or
+                   blocks: str) -> tuple[list[str], set[str], dict[str, str]]:
+    """One probe forward: every column layer of a region must read the region's own input,
     that input reshaped (Llama 4's MoE flattens its tokens: the region then runs whole,
-    "region+whole"), else entering at the region would be wrong. Returns the blocks' modules
+    "region+whole"), or what a module inside the region made from it (MLA's q_b_proj reads
+    q_a_proj's normed output: the whole layers between compute on the entered input, their
+    gradients partial, summed as the probe finds them). A region where one reads anything
+    else (Qwen3-Next's linear attention gathers its projections whole) is read whole instead
+    ("gathered"), its layers entering one by one as without SP. Returns the blocks' modules
     with parameters, not split nor summed by the plan, that ran outside every region (on a
-    sequence slice), and the regions whose input is read reshaped."""
+    sequence slice), the regions whose input is read reshaped, and {region read whole: why}."""
     active: list[tuple[str, Any]] = []
     outside: set[str] = set()
     reshaped: set[str] = set()
-    wrong: list[str] = []
+    other: dict[str, str] = {}
+    made: list[torch.Tensor] = []  # the outputs of the modules inside the active region
+    rows: list[torch.Tensor] = []  # those of its row layers, which leave the region
+
+    def inside(module: nn.Module, args: tuple, out: Any, row: bool) -> None:
+        first = _first_tensor(out)
+        if active and first is not None:
+            made.append(first)
+            if row:
+                rows.append(first)
 
     def enter(module: nn.Module, args: tuple, kwargs: dict, name: str) -> None:
         active.append((name, args[0] if args else kwargs.get(first_input_name(module) or "")))
 
-    def leave(*_: Any) -> None:  # a forward hook: returning something would replace the output
+    def leave(module: nn.Module, args: tuple, out: Any, name: str) -> None:  # returns None: out stays
+        first = _first_tensor(out)
+        if name not in reshaped and not any(first is row or _reshaped(first, row) for row in rows):
+            other.setdefault(name, "its output is not what a row layer inside it returned")
         active.pop()
+        if not active:
+            made.clear()
+            rows.clear()
 
     def column(module: nn.Module, args: tuple, name: str) -> None:
         if not active or not args or args[0] is active[-1][1]:
             return
         if _reshaped(args[0], active[-1][1]):
             reshaped.add(active[-1][0])
-        else:
-            wrong.append(f"{name} reads another tensor than {active[-1][0]}'s input")
+        elif not any(args[0] is tensor or _reshaped(args[0], tensor) for tensor in made):
+            other.setdefault(active[-1][0], f"{name} reads another tensor than its input or what is made from it")
 
-    handles = []
+    handles = [module.register_forward_hook(functools.partial(inside, row=styles.get(name) in ROWS))
+               for name, module in model.named_modules() if any(name.startswith(f"{region}.") for region in regions)]
     for name, module in model.named_modules():
         if name in regions:
             handles.append(module.register_forward_pre_hook(functools.partial(enter, name=name), with_kwargs=True))
-            handles.append(module.register_forward_hook(leave))
+            handles.append(module.register_forward_hook(functools.partial(leave, name=name)))
         elif styles.get(name) in COLUMNS:
             handles.append(module.register_forward_pre_hook(functools.partial(column, name=name)))
         elif name.startswith(f"{blocks}.") and name not in styles and any(True for _ in module.parameters(False)):
@@ -247,13 +295,17 @@ def _probe_regions(model: nn.Module, styles: dict[str, str], regions: list[str],
                 lambda *_, name=name: None if active else outside.add(name)))
     try:
         with quiet(model):
-            model(input_ids=probe_ids(model, 4))
+            model(input_ids=probe_ids(model, 4), **no_cache(model))
     finally:
         for handle in handles:
             handle.remove()
-    if wrong:
-        raise _sp_refusal(model, wrong[0])
-    return sorted(outside), reshaped
+    return sorted(outside), reshaped, other
+
+
+def _first_tensor(out: Any) -> torch.Tensor | None:
+    """A module's output, or the first of the tuple it returns (an attention's (output, weights))."""
+    first = out[0] if isinstance(out, (tuple, list)) and out else out
+    return first if isinstance(first, torch.Tensor) else None
 
 
 def _reshaped(x: Any, source: Any) -> bool:
@@ -265,6 +317,16 @@ def _reshaped(x: Any, source: Any) -> bool:
 def _sp_refusal(model: nn.Module, why: str) -> PlaitError:
     return PlaitError(f"sequence parallelism: in {type(model).__name__}, {why}",
                       hint="drop --sp (tensor parallelism alone splits it as it declares)")
+
+
+def no_cache(model: nn.Module) -> dict[str, bool]:
+    """{"use_cache": False} where the forward takes it: a probe, as training, keeps no key/value
+    cache (whose update would hand the attention new tensors in place of what it made)."""
+    try:
+        takes = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"use_cache": False} if "use_cache" in takes else {}
 
 
 def probe_ids(model: nn.Module, length: int) -> torch.Tensor:

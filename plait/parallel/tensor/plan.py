@@ -101,7 +101,8 @@ def apply_tensor_parallel(model: nn.Module, axis: Axis, *, plan: dict[str, str] 
 
 def _swap_layers(model: nn.Module, styles: dict[str, str], axis: Axis, sp: bool, regather: bool) -> None:
     regions = [name for name, style in styles.items() if parse_style(style)[0] == "region"]
-    whole = [name for name in regions if whole_sequence(styles[name])]  # run as without SP inside
+    whole = [name for name, style in styles.items() if style == "gathered"  # run as without SP inside
+             or (name in regions and whole_sequence(style))]
     memo: dict[int, nn.Parameter] = {}
     entry = SharedEntry()  # the "+share" column layers' one entry per input (tensor/entry.py)
     for name, value in styles.items():
@@ -120,6 +121,8 @@ def _swap_layers(model: nn.Module, styles: dict[str, str], axis: Axis, sp: bool,
             split_experts(module, name, axis, enters=enters, sp=sp)
         elif style == "region" and sp and whole_sequence(value):
             WholeRegion(module, axis).install()
+        elif style == "enter_tail" and enters:  # inside a region the tail has entered with the rest
+            module.register_forward_hook(functools.partial(_enter_tail, axis=axis, features=fused, name=name))
         elif style == "gathered" and sp:
             WholeRegion(module, axis, replicated=True).install()
         elif style == "region":
@@ -164,6 +167,17 @@ def _enter_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                      f"{name or '(first argument)'}",
                      hint="a region enters through the first argument of its forward; mark the module "
                           "that receives the hidden states as \"region\"")
+
+
+def _enter_tail(module: nn.Module, args: tuple, out: Any, *, axis: Axis, features: int, name: str) -> torch.Tensor:
+    """A whole layer's last `features` outputs enter the region, the rest pass as they are:
+    MLA's key projection feeds its compressed part to a column layer (which enters on its own)
+    and its rotary part straight to every rank's heads, whose gradients are partial sums."""
+    if not isinstance(out, torch.Tensor) or out.shape[-1] <= features:
+        raise PlaitError(f"{name} ({type(module).__name__}) does not return more than {features} features, so "
+                         "its last ones cannot enter the region alone", hint="leave it out of the tp plan")
+    head, tail = out.split([out.shape[-1] - features, features], dim=-1)
+    return torch.cat([head, regions.copy_to_region(tail, axis)], dim=-1)
 
 
 class WholeRegion:

@@ -22,6 +22,8 @@ A plan maps module-name patterns (shell style, `*` matches any run of characters
 | "sequence"      | any           | runs on a chunk of the sequence under SP: grads summed      |
 | "grad_sum"      | any           | parameters kept whole, their gradients summed over tp (a    |
 |                 |               | norm over this rank's heads only: Qwen3's q_norm)           |
+| "enter_tail:r"  | any           | kept whole; the last r features of its output enter the     |
+|                 |               | region (every rank's heads read them: MLA's rotary key)     |
 | "gathered"      | any           | kept whole, and under SP run on the whole sequence (an      |
 |                 |               | attention left unsplit): gathered in, this rank's chunk out |
 | "experts"       | any           | a mixture of experts' experts module whose weights the plan |
@@ -55,12 +57,13 @@ from plait.errors import PlaitError
 from plait.parallel.tensor.layers import is_conv1d, layout_of, overrides_forward
 
 STYLES = ("column", "column_gather", "row", "row_split", "vocab", "region", "sequence", "grad_sum", "experts",
-          "gathered", "param_column", "param_row")
+          "gathered", "enter_tail", "param_column", "param_row")
 COLUMNS = ("column", "column_gather")  # styles whose layer enters the region from a whole input
 ROWS = ("row", "row_split")
 SPLIT = (*COLUMNS, *ROWS, "vocab")  # styles that cut a layer's weight
 PARAMS = ("param_column", "param_row")  # styles that cut one parameter, named by the pattern
 FUSED = ("column", *PARAMS)  # styles that may cut k packed parts alike ("column:3")
+COUNTED = (*FUSED, "enter_tail")  # styles that take a ":k" ("enter_tail:r": r features)
 SHARE, WHOLE = "+share", "+whole"
 KINDS = {"column": ("Linear", "Conv1D"), "column_gather": ("Linear", "Conv1D"), "row": ("Linear", "Conv1D"),
          "row_split": ("Linear", "Conv1D"), "vocab": ("Embedding", "Linear")}
@@ -89,7 +92,7 @@ def parse_style(value: str) -> tuple[str, int]:
                               f'the whole sequence under SP: "vocab{WHOLE}"')
     if not parts:
         return style, 1
-    if style not in FUSED or not parts.isdigit() or int(parts) < 1:
+    if style not in COUNTED or not parts.isdigit() or int(parts) < 1:
         raise PlaitError(f"tensor-parallel plan: {value!r} is not a style",
                          hint='only a column layer or a parameter is fused: "column:k", k the number of equal '
                               'parts of its output (q|k|v: "column:3")')
