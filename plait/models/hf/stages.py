@@ -62,9 +62,6 @@ def declared_parts(model: nn.Module, plan: dict[str, Any]) -> Parts:
                          "plait cuts one list of blocks", hint=HINT)
     blocks = lists[0]
     shared = _unplaced(model, set(placed))
-    if not any(key.rsplit(".", 1)[-1] == ROTARY for key in shared):
-        raise PlaitError(f"pp: {name} has no {ROTARY} beside its layers, and plait's stages make the "
-                         "positions a layer reads from one", hint=HINT)
     return Parts(blocks=blocks, first=tuple(k for k in placed if order[k] < order[blocks]),
                  last=tuple(k for k in placed if order[k] > order[blocks]), shared=tuple(shared))
 
@@ -115,6 +112,9 @@ class OwnHead:
         self.prefix = _base_name(model, getattr(model, "get_input_embeddings", lambda: None)())
         # the model's own attributes (config, logit_scale...), without its modules and parameters
         self.state = {key: value for key, value in vars(model).items() if key not in ("_modules", "_parameters")}
+        base = getattr(model, self.prefix, None) if self.prefix else None
+        self.base_state = {key: value for key, value in vars(base).items()  # its plain attributes only
+                           if not key.startswith("_") and key != "training"} if isinstance(base, nn.Module) else {}
         self.router_flag = "output_router_logits" in inspect.signature(self.cls.forward).parameters
 
     def wraps(self, name: str) -> bool:
@@ -125,7 +125,7 @@ class OwnHead:
         shell = object.__new__(self.cls)
         vars(shell).update(self.state)
         held = {name: stage.held(name) for name in names}
-        vars(shell).update(_parameters={}, _modules={self.prefix: _Hidden(hidden), **held},
+        vars(shell).update(_parameters={}, _modules={self.prefix: _Hidden(hidden, self.base_state), **held},
                            training=next(iter(held.values())).training)  # train or eval, as the stage runs
         extra = {"output_router_logits": False} if self.router_flag else {}
         out = self.cls.forward(shell, use_cache=False, **extra)
@@ -136,14 +136,25 @@ class OwnHead:
 class _Hidden(nn.Module):
     """Stands in for a base model: returns the hidden states it was given."""
 
-    def __init__(self, hidden: torch.Tensor):
+    def __init__(self, hidden: torch.Tensor, base_state: dict[str, Any] | None = None):
         super().__init__()
-        self.hidden = hidden
+        self.hidden, self.base_state = hidden, base_state or {}
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         from transformers.modeling_outputs import MoeModelOutputWithPast  # every field a forward reads
 
         return MoeModelOutputWithPast(last_hidden_state=self.hidden)
+
+    def __getattr__(self, name: str) -> Any:
+        """The base model's own attributes (Falcon-H1's head reads `model.lm_head_multiplier`),
+        as plain values: what the stand-in does not hold, the base model it stands for did."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            state = self.__dict__.get("base_state", {})
+            if name in state:
+                return state[name]
+            raise
 
 
 def names_a_list(model: nn.Module, plan: dict[str, Any]) -> bool:
@@ -190,7 +201,8 @@ def run_stage(stage: StageView, x: torch.Tensor, parts: Parts, config: Any, head
             x = _first(stage.held(name)(x))
     # Under sequence parallelism hidden states between stages hold seq / tp positions.
     seq = x.shape[1] * (1 if stage.is_first else stage.seq_split)
-    rotary = next(stage.held(name) for name in parts.shared if name.rsplit(".", 1)[-1] == ROTARY)
+    # no rotary module (Jamba's, Nemotron-H's layers take no angles): none to give
+    rotary = next((stage.held(name) for name in parts.shared if name.rsplit(".", 1)[-1] == ROTARY), None)
     positions = stage_positions(stage, seq, x.device)
     whole = x[:, :1].expand(x.shape[0], seq, x.shape[-1])  # the shape the masks are made for
     kinds = layer_kinds(config)
@@ -226,9 +238,12 @@ def _first(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def _angles(rotary: nn.Module, whole: torch.Tensor, positions: torch.Tensor, kinds: set[str]) -> dict[str, Any]:
+def _angles(rotary: nn.Module | None, whole: torch.Tensor, positions: torch.Tensor,
+            kinds: set[str]) -> dict[str, Any]:
     """cos and sin per layer type: one set for all, or one each where the rotary module takes
-    the layer type (different bases for local and global layers)."""
+    the layer type (different bases for local and global layers); None without one."""
+    if rotary is None:
+        return dict.fromkeys(kinds)
     if "layer_type" in inspect.signature(rotary.forward).parameters:
         return {kind: rotary(whole, positions, layer_type=kind) for kind in kinds}
     angles = rotary(whole, positions)
@@ -258,6 +273,11 @@ def check_kinds(model: nn.Module, config: Any, blocks: str) -> frozenset[str]:
     other = sorted(set(layer_kinds(config)) - set(MADE))
     if not other:
         return frozenset()
+    reach = mask_reach(config)
+    if reach + 2 > REACH_CHECKED:
+        raise PlaitError(f"pp: {type(model).__name__}'s {other[0]} layers may take a mask, and its config reaches "
+                         f"{reach} tokens (a window or a chunk): plait checks them on at most {REACH_CHECKED}",
+                         hint=HINT)
     given: dict[str, list[Any]] = {kind: [] for kind in other}
     kinds = layer_kinds(config)
     handles = [block.register_forward_pre_hook(
@@ -266,14 +286,14 @@ def check_kinds(model: nn.Module, config: Any, blocks: str) -> frozenset[str]:
         for i, block in enumerate(model.get_submodule(blocks))]
     try:
         with quiet(model):
-            model(input_ids=probe_ids(model, _probe_length(model)))
+            model(input_ids=probe_ids(model, _probe_length(model, reach)))
     finally:
         for handle in handles:
             handle.remove()
     for kind in other:
         if any(mask is not None for mask in given[kind]):
             raise PlaitError(f"pp: {type(model).__name__}'s {kind} layers take a mask its own forward makes, and "
-                             "plait's stages make only full and sliding-window causal masks", hint=HINT)
+                             "plait's stages make only full, sliding-window and chunked causal masks", hint=HINT)
     return frozenset(other)
 
 
@@ -297,17 +317,32 @@ class WholeModel:
         return None  # the probe runs whole sequences
 
 
-def _probe_length(model: nn.Module) -> int:
-    """A few tokens, a multiple of tp under sequence parallelism (the model may be split already)."""
+REACH_CHECKED = 64  # the longest probe the cut's checks run: past a window or chunk up to 62 tokens
+
+
+def mask_reach(config: Any) -> int:
+    """The longest window or chunk the config sets (`sliding_window`, `attention_chunk_size`,
+    `sliding_window_size`...), 0 for none: a probe no longer than it sees a windowed or chunked
+    mask as the causal one, or as none (Llama 4's chunks, Inkling's window)."""
+    sizes = [value for key, value in vars(config).items() if isinstance(value, int) and not isinstance(value, bool)
+             and ("window" in key or ("chunk" in key and "att" in key))]  # not a state-space scan's chunks
+    return max(sizes, default=0)
+
+
+def _probe_length(model: nn.Module, reach: int = 0) -> int:
+    """A few tokens, past `reach` (a window or chunk up to REACH_CHECKED), a multiple of tp
+    under sequence parallelism (the model may be split already)."""
     info = tensor_parallel_of(model)
-    return 4 * (info.axis.size if info is not None and info.sp else 1)
+    step = info.axis.size if info is not None and info.sp else 1
+    tokens = max(4 * step, min(reach + 2, REACH_CHECKED))
+    return -(-tokens // step) * step
 
 
 def check_cut(model: nn.Module, parts: Parts, config: Any, head: OwnHead | None = None,
               maskless: frozenset[str] = frozenset()) -> None:
     """Refuse the cut unless its pieces, run in a row as the stages run them, give exactly the
     model's own logits on a few tokens (a multiple of tp under sequence parallelism)."""
-    ids = probe_ids(model, _probe_length(model))
+    ids = probe_ids(model, _probe_length(model, mask_reach(config)))
     with quiet(model):
         own = getattr(model(input_ids=ids), "logits", None)
         try:

@@ -22,7 +22,8 @@ own layers (plait.parallel.tensor):
 | moe_tp_experts                   | experts               | every expert's hidden units split (its        |
 |                                  |                       | parameters' entries): inputs enter, the output|
 |                                  |                       | is summed (parallel/tensor/experts.py)        |
-| local_params                     | (nothing)             | plait's slices are plain tensors already      |
+| local_params, replicate          | (nothing)             | plait's slices are plain tensors already; a   |
+|                                  |                       | module no entry names stays whole             |
 | colwise, rowwise on a parameter  | param_column, param_row | dimension -2 (a 1-D parameter's only one),  |
 | packed_colwise, packed_rowwise   | param_column:2, param_row:2 | or the last; packed: gate|up cut alike  |
 
@@ -88,7 +89,7 @@ DECLARED: dict[str, str] = {  # transformers' style -> plait's
 # Styles that only say how transformers' DTensors run a module (its forward with its own
 # shards as plain tensors: the owner of a split attention sink): plait's slices are plain
 # tensors already, so they ask for nothing.
-LOCAL_ONLY = ("local_params",)
+LOCAL_ONLY = ("local_params", "replicate")  # "replicate": every rank keeps it whole, as plait does unasked
 PARAM_DECLARED: dict[str, str] = {  # transformers' style on a parameter -> plait's (the dimension it cuts)
     "colwise": "param_column",
     "rowwise": "param_row",

@@ -90,6 +90,8 @@ def sum_grad_over(param: nn.Parameter, axis: Axis) -> None:
         comm.all_reduce(total, axis)
         return total
 
+    if not param.requires_grad:  # a buffer kept as a parameter (AfMoE's expert bias): no gradient to sum
+        return
     if not getattr(param, SUMS_GRAD, None):
         param.register_hook(hook)
         setattr(param, SUMS_GRAD, hook)  # ZeRO-3 puts it on the views it gathers (zero/shard.py: FlatGroup.show)
