@@ -75,13 +75,31 @@ def test_a_style_plait_cannot_honour_is_refused_in_one_line(style: str) -> None:
     assert "colwise, colwise_gather_output" in info.value.hint and "tp 1" in info.value.hint
 
 
-def test_a_model_that_declares_no_plan_gets_no_adapter_and_one_line() -> None:
+def test_a_model_that_declares_no_plan_has_one_inferred_from_its_layer_names() -> None:
+    """A Qwen3 with its plans removed is laid out as its siblings: it gets the adapter, its cut
+    and its tp plan are inferred. Its MLP splits as declared; its attention, holding per-head
+    norms beside q, k, v and o, stays whole (the inference leaves what it cannot read alone)."""
     model = qwen3()
     model._tp_plan, model._pp_plan = {}, {}
+    model.config.base_model_tp_plan, model.config.base_model_pp_plan = {}, {}
+    adapter = adapter_for(model)
+    assert isinstance(adapter, DeclaredPlanAdapter)
+    assert adapter.tensor_plan(model, 2, False) == {
+        f"{LAYER}.mlp.gate_proj": "column+share", f"{LAYER}.mlp.up_proj": "column+share",
+        f"{LAYER}.mlp.down_proj": "row", "model.embed_tokens": "vocab", "lm_head": "column_gather+share"}
+    del model.model.layers[0].mlp.down_proj  # no child laid out as the inference reads: one line
+    model.model.layers[0].mlp.down = nn.Linear(64, 32)
+    with pytest.raises(PlaitError, match="tensor parallelism needs a plan for a Qwen3ForCausalLM: it declares no "
+                                         "tp_plan, and none can be read off its layer names"):
+        adapter.tensor_plan(model, 2, False)
+
+
+def test_a_model_laid_out_otherwise_gets_no_adapter() -> None:
+    model = qwen3()
+    model._tp_plan, model._pp_plan = {}, {}
+    model.config.base_model_tp_plan, model.config.base_model_pp_plan = {}, {}
+    model.model._modules = {"pre": nn.Linear(2, 2), **model.model._modules}  # not the embedding first
     assert adapter_for(model) is None
-    with pytest.raises(PlaitError, match="tensor parallelism needs a plan for a Qwen3ForCausalLM: "
-                                         "it declares no tp_plan"):
-        DeclaredPlanAdapter().tensor_plan(model, 2, False)
 
 
 def test_a_model_laid_out_as_its_siblings_is_cut_as_inferred(caplog: pytest.LogCaptureFixture) -> None:

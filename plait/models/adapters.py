@@ -9,6 +9,9 @@ package:
   `pp_plan`: every Llama-like causal LM of transformers 5) gets `DeclaredPlanAdapter`, which
   answers from those declarations alone (plait/models/hf/plans.py);
 - GPT-2, which declares nothing, gets its hand-written adapter (plait/models/hf/gpt2.py);
+- one that declares nothing but is laid out as its siblings that do (an embedding, one list
+  of layers, a final norm, a head) gets `DeclaredPlanAdapter` too: its cut and its tp plan
+  are inferred (plait/models/hf/stages.py, plait/models/hf/inferred.py), then probed;
 - anything else gets None: the generic answers (data parallelism and ZeRO for any module).
 """
 
@@ -27,7 +30,7 @@ def adapter_for(model: nn.Module) -> Any | None:
     classes = [cls for cls in type(model).__mro__ if cls.__module__.startswith("transformers.")]
     if not classes:
         return None
-    from plait.models.hf.plans import DeclaredPlanAdapter, declares_plans
+    from plait.models.hf.plans import DeclaredPlanAdapter, declares_plans, laid_out_as_declared
 
     if declares_plans(model):
         return DeclaredPlanAdapter()
@@ -35,4 +38,4 @@ def adapter_for(model: nn.Module) -> Any | None:
         if cls.__name__ in HAND_WRITTEN:
             module, name = HAND_WRITTEN[cls.__name__].split(":")
             return getattr(importlib.import_module(module), name)()
-    return None
+    return DeclaredPlanAdapter() if laid_out_as_declared(model) else None

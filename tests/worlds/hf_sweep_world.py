@@ -45,6 +45,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 import plait
+import plait.models.adapters
 from plait.errors import PlaitError
 from plait.parallel.placement import placement_of
 from plait.parallel.tensor.ops import all_gather_stacked
@@ -256,6 +257,38 @@ MORE: dict[str, dict[str, Any]] = {
                                **MOE, unpadded_vocab_size=128),
 }
 FAMILIES.update(MORE)
+# Families that declare no plan (or no tp plan): their cut and tp plan are inferred where they
+# are laid out as their siblings (plait.models.hf.inferred); tp where one is, pp always.
+UNDECLARED: dict[str, dict[str, Any]] = {
+    "stablelm": {},
+    "persimmon": {},
+    "mpt": {},
+    "bloom": {},
+    "gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "gpt_bigcode": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "opt": dict(ffn_dim=64, word_embed_proj_dim=32),
+    "xglm": dict(ffn_dim=64),
+    "biogpt": {},
+    "ctrl": dict(dff=64, resid_pdrop=0.0, embd_pdrop=0.0),
+    "gpt_neox_japanese": {},
+    "bitnet": {},
+    "jetmoe": dict(num_local_experts=4, num_experts_per_tok=2),
+    "mamba": {},
+    "falcon_mamba": {},
+    "rwkv": {},
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=6),
+    "zamba": dict(num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"], mamba_d_state=8,
+                  mamba_dt_rank=8),
+    "zamba2": dict(layers_block_type=["linear_attention", "hybrid"], mamba_d_state=8, mamba_headdim=8,
+                   n_mamba_heads=8, chunk_size=8),
+    "mamba2": dict(num_heads=8, n_groups=1, chunk_size=8, state_size=16),
+    "recurrent_gemma": dict(block_types=["recurrent", "attention"], attention_window_size=6, lru_width=32),
+    "dbrx": dict(d_model=32, attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                 ffn_config={"hidden_size": 32, "ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2}),
+    "modernbert-decoder": dict(pad_token_id=0, local_attention=6),
+    "zaya": dict(num_experts=4, moe_intermediate_size=32, router_hidden_size=16),
+}
+FAMILIES.update(UNDECLARED)
 # PhiMoE's router samples in training (sparsemixer: Gumbel noise among the experts within
 # router_jitter_noise of the best, and a random midpoint mask in backward), like dropout: the
 # stages of a pipeline or the ranks of ep draw from their own generators. With the jitter at
@@ -270,16 +303,29 @@ hf_logging.set_verbosity_error()
 def build(family: str) -> torch.nn.Module:
     config = AutoConfig.for_model(family, **{**SHAPE, **FAMILIES[family]})
     for key, value in list(vars(config).items()):  # every dropout off (names differ by family)
-        if "dropout" in key and isinstance(value, float):
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
             setattr(config, key, 0.0)
     torch.manual_seed(SEED)
     return AutoModelForCausalLM.from_config(config)
 
 
 def plans(model: torch.nn.Module) -> dict[str, bool]:
-    return {"tp": bool(getattr(model, "tp_plan", None)), "pp": bool(getattr(model, "pp_plan", None)),
+    """What the model declares, or plait infers (a tp plan read off its layer names)."""
+    return {"tp": bool(getattr(model, "tp_plan", None) or inferred(model)), "pp": bool(getattr(model, "pp_plan", None)),
             "ep": bool(getattr(model.config, "base_model_ep_plan", None) or getattr(model, "ep_plan", None)
                        or "moe_tp_experts" in (getattr(model, "tp_plan", None) or {}).values())}
+
+
+def inferred(model: torch.nn.Module) -> bool:
+    """Whether plait has a tp plan for a model that declares none: a hand-written adapter's
+    (GPT-2's), or one read off its layer names."""
+    from plait.models.hf.inferred import inferred_tp_plan
+    from plait.models.hf.plans import DeclaredPlanAdapter, block_list
+
+    adapter = plait.models.adapters.adapter_for(model)
+    if adapter is None or not isinstance(adapter, DeclaredPlanAdapter):
+        return adapter is not None
+    return bool(inferred_tp_plan(model, block_list(model)))
 
 
 def applies(mode: str, declared: dict[str, bool]) -> bool:

@@ -31,6 +31,7 @@ from torch import nn
 from plait.errors import PlaitError
 from plait.models.hf import context as hf_context, stages as hf_stages
 from plait.models.hf.hooks import split_sequence_around
+from plait.models.hf.inferred import inferred_tp_plan
 from plait.parallel.tensor.styles import PARAMS, WHOLE, parse_style, whole_sequence
 from plait.models.hf.styles import check_config, for_sequence_parallel, plait_plan, probe_input
 from plait.parallel.probe_copy import stand_in
@@ -43,6 +44,13 @@ log = logging.getLogger(__name__)
 def declares_plans(model: nn.Module) -> bool:
     """Whether `model` declares a tensor- or pipeline-parallel plan."""
     return bool(declared(model, "tp") or declared(model, "pp"))
+
+
+def laid_out_as_declared(model: nn.Module) -> bool:
+    """Whether a model that declares no plan is laid out as its siblings that do (an
+    embedding, one list of layers, a final norm under its base model, and a head): the
+    plans can then be inferred (the cut: models/hf/stages.py; the tp plan: inferred.py)."""
+    return bool(hf_stages.inferred_plan(model))
 
 
 class DeclaredPlanAdapter:
@@ -92,17 +100,28 @@ class DeclaredPlanAdapter:
         A mixture of experts' experts (what its ep plan dispatches) stay whole on every tp rank:
         their entries are left out, as plait's own MoE blocks are (docs/moe.md)."""
         experts = dispatched_experts(declared(model, "ep"))
-        plan = plait_plan(model, without_experts(declared(model, "tp"), experts))
+        plan = plait_plan(model, without_experts(declared(model, "tp") or self._inferred_tp(model), experts))
         if sp:
             plan = whole_beside_experts(model, plan, experts)
         if not plan:
-            raise PlaitError(f"tensor parallelism needs a plan for a {type(model).__name__}: it declares no tp_plan",
+            raise PlaitError(f"tensor parallelism needs a plan for a {type(model).__name__}: it declares no tp_plan, "
+                             "and none can be read off its layer names (separate q, k, v and one output "
+                             "projection; up, gate and one down projection)",
                              hint='pass ParallelConfig(tp_plan={"layer.name": "column" | "row" | "vocab" | '
                                   '"region", ...}); see docs/tensor.md')
         if sp:
             blocks = _blocks_for_sp(model)
             plan = for_sequence_parallel(model, plan, blocks)
         check_config(model, plan, tp)
+        return plan
+
+    @staticmethod
+    def _inferred_tp(model: nn.Module) -> dict[str, str]:
+        """The plan read off the layer names of a model that declares none (models/hf/inferred.py)."""
+        plan = inferred_tp_plan(model, block_list(model))
+        if plan:
+            log.info("tp: %s declares no tp_plan; splitting it as inferred: %s", type(model).__name__,
+                     ", ".join(f"{key}: {style}" for key, style in plan.items()))
         return plan
 
     def split_head(self, model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
