@@ -60,7 +60,7 @@ class DeclaredPlanAdapter:
         self._parts: Parts | None = None
         self._config: Any = None
         self._head: hf_stages.OwnHead | None = None
-        self._maskless: frozenset[str] = frozenset()
+        self._other: dict[str, str | None] = {}  # layer types masked as another, or not (check_kinds)
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         """The repeated blocks: the pp plan's module list (else the tp plan's), else the generic answer."""
@@ -80,16 +80,16 @@ class DeclaredPlanAdapter:
         config = _text_config(model)
         parts = hf_stages.declared_parts(model, plan)
         real = stand_in(model)  # a meta model's checks run a copy with values (plait.parallel.probe_copy)
-        maskless = hf_stages.check_kinds(real, config, parts.blocks)
-        hf_stages.check_cut(real, parts, config, hf_stages.OwnHead(real), maskless)
-        self._parts, self._config, self._head, self._maskless = parts, config, hf_stages.OwnHead(model), maskless
+        other = hf_stages.check_kinds(real, config, parts.blocks)
+        hf_stages.check_cut(real, parts, config, hf_stages.OwnHead(real), other)
+        self._parts, self._config, self._head, self._other = parts, config, hf_stages.OwnHead(model), other
         return parts
 
     def run_stage(self, stage: StageView, x: torch.Tensor) -> torch.Tensor:
         """Ids or hidden states in; hidden states or logits out (models/hf/stages.py)."""
         if self._parts is None:
             raise PlaitError("run_stage before parts(): cut the model with this adapter first")
-        return hf_stages.run_stage(stage, x, self._parts, self._config, self._head, self._maskless)
+        return hf_stages.run_stage(stage, x, self._parts, self._config, self._head, self._other)
 
     def probe_input(self, model: nn.Module, tokens: int) -> tuple[tuple, dict]:
         """The batch a split is checked on before training (plait.parallel.probe)."""

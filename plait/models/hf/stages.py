@@ -32,8 +32,11 @@ and refuses the pipeline in one line unless the logits are exactly the model's o
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -193,9 +196,10 @@ def _base_name(model: nn.Module, embedding: Any) -> str:
 
 
 def run_stage(stage: StageView, x: torch.Tensor, parts: Parts, config: Any, head: OwnHead | None = None,
-              maskless: frozenset[str] = frozenset()) -> torch.Tensor:
+              other: dict[str, str | None] | None = None) -> torch.Tensor:
     """Ids or hidden states (batch, seq, hidden) in; hidden states or logits out. `head`: the
-    model's own forward around its head; `maskless`: the layer types given no mask."""
+    model's own forward around its head; `other`: the layer types a stage does not mask as
+    such, each given the mask of the type it takes (check_kinds), or none."""
     if stage.is_first:
         for name in parts.first:
             x = _first(stage.held(name)(x))
@@ -207,7 +211,9 @@ def run_stage(stage: StageView, x: torch.Tensor, parts: Parts, config: Any, head
     whole = x[:, :1].expand(x.shape[0], seq, x.shape[-1])  # the shape the masks are made for
     kinds = layer_kinds(config)
     angles = _angles(rotary, whole, positions, set(kinds))
-    masks = {**causal_masks(config, whole, positions, set(kinds) - maskless), **dict.fromkeys(maskless)}
+    other = other or {}
+    made = causal_masks(config, whole, positions, (set(kinds) - set(other)) | {v for v in other.values() if v})
+    masks = {**made, **{kind: made[taken] if taken else None for kind, taken in other.items()}}
     for i, block in enumerate(stage.held_blocks(), start=stage.first_layer):
         x = _first(block(x, attention_mask=masks[kinds[i]], position_ids=positions,
                          position_embeddings=angles[kinds[i]], use_cache=False))
@@ -266,13 +272,19 @@ def causal_masks(config: Any, whole: torch.Tensor, positions: torch.Tensor, kind
 MADE = ("full_attention", "sliding_attention", "chunked_attention")  # the layer types whose masks a stage makes
 
 
-def check_kinds(model: nn.Module, config: Any, blocks: str) -> frozenset[str]:
-    """The layer types beyond full and sliding attention (linear attention...) to which the
-    model's own forward gives no mask on an unpadded batch, as plait's batches are: a stage
-    gives them none either. One line for a type that gets one, which a stage cannot make."""
+MAKERS = {"create_causal_mask": "full_attention", "create_sliding_window_causal_mask": "sliding_attention",
+          "create_chunked_causal_mask": "chunked_attention"}  # transformers' mask makers -> the type a stage makes
+
+
+def check_kinds(model: nn.Module, config: Any, blocks: str) -> dict[str, str | None]:
+    """{layer type beyond those a stage masks: the type whose mask it takes, or None}. The
+    model's own forward runs once with its mask makers tagged: a type given no mask on an
+    unpadded batch (linear attention) gets none from a stage either; one given the mask a
+    maker made (DeepSeek-V3.2's indexed attention takes `create_causal_mask`'s) gets that
+    maker's from a stage. One line for a type given any other mask, which a stage cannot make."""
     other = sorted(set(layer_kinds(config)) - set(MADE))
     if not other:
-        return frozenset()
+        return {}
     reach = mask_reach(config)
     if reach + 2 > REACH_CHECKED:
         raise PlaitError(f"pp: {type(model).__name__}'s {other[0]} layers may take a mask, and its config reaches "
@@ -284,17 +296,45 @@ def check_kinds(model: nn.Module, config: Any, blocks: str) -> frozenset[str]:
         lambda module, args, kwargs, kind=kinds[i]: given.get(kind, []).append(
             kwargs.get("attention_mask", "positional") if len(args) < 2 else "positional"), with_kwargs=True)
         for i, block in enumerate(model.get_submodule(blocks))]
+    made: dict[int, str] = {}
     try:
-        with quiet(model):
+        with quiet(model), _tagged_makers(model, made):
             model(input_ids=probe_ids(model, _probe_length(model, reach)))
     finally:
         for handle in handles:
             handle.remove()
+    taken: dict[str, str | None] = {}
     for kind in other:
-        if any(mask is not None for mask in given[kind]):
+        makers = {None if mask is None else made.get(id(mask), "") for mask in given[kind]}
+        if len(makers) != 1 or "" in makers:
             raise PlaitError(f"pp: {type(model).__name__}'s {kind} layers take a mask its own forward makes, and "
                              "plait's stages make only full, sliding-window and chunked causal masks", hint=HINT)
-    return frozenset(other)
+        taken[kind] = makers.pop()
+    return taken
+
+
+@contextlib.contextmanager
+def _tagged_makers(model: nn.Module, made: dict[int, str]) -> Iterator[None]:
+    """transformers' mask makers, as the model's module calls them, wrapped so that each mask
+    they return is recorded in `made` (its id -> the type a stage makes it for)."""
+    module = sys.modules.get(type(model).__module__)
+    saved = {name: getattr(module, name) for name in MAKERS if module is not None and hasattr(module, name)}
+
+    def tagging(name: str, make: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            mask = make(*args, **kwargs)
+            if mask is not None:
+                made[id(mask)] = MAKERS[name]
+            return mask
+        return wrapped
+
+    for name, make in saved.items():
+        setattr(module, name, tagging(name, make))
+    try:
+        yield
+    finally:
+        for name, make in saved.items():
+            setattr(module, name, make)
 
 
 class WholeModel:
@@ -339,14 +379,14 @@ def _probe_length(model: nn.Module, reach: int = 0) -> int:
 
 
 def check_cut(model: nn.Module, parts: Parts, config: Any, head: OwnHead | None = None,
-              maskless: frozenset[str] = frozenset()) -> None:
+              other: dict[str, str | None] | None = None) -> None:
     """Refuse the cut unless its pieces, run in a row as the stages run them, give exactly the
     model's own logits on a few tokens (a multiple of tp under sequence parallelism)."""
     ids = probe_ids(model, _probe_length(model, mask_reach(config)))
     with quiet(model):
         own = getattr(model(input_ids=ids), "logits", None)
         try:
-            staged = run_stage(WholeModel(model, parts), ids, parts, config, head, maskless)
+            staged = run_stage(WholeModel(model, parts), ids, parts, config, head, other)
         except Exception as error:  # noqa: BLE001 - pieces that cannot run in a row are a refusal too
             raise PlaitError(f"pp: {type(model).__name__}'s pp_plan pieces fail when run in a row on a few test "
                              f"tokens ({type(error).__name__}: {first_line(error)}), so plait cannot cut it",
