@@ -296,7 +296,8 @@ def _probe_regions(model: nn.Module, styles: dict[str, str], regions: list[str],
                 lambda *_, name=name: None if active else outside.add(name)))
     try:
         with quiet(model):
-            model(input_ids=probe_ids(model, 4), **no_cache(model))
+            # two rows: a module that flattens (seq, batch) rather than (batch, seq) copies, and is read whole
+            model(input_ids=probe_ids(model, 4).repeat(2, 1), **no_cache(model))
     finally:
         for handle in handles:
             handle.remove()

@@ -50,6 +50,17 @@ def experts_modules(model: nn.Module, adapter: Any = None) -> list[nn.Module]:
             and any(p.ndim >= 3 and p.shape[0] == m.num_experts for p in m.parameters(recurse=False))]
 
 
+def _carry_grad_sum(old: nn.Parameter, new: nn.Parameter) -> None:
+    """The gradient sum tensor parallelism hooked on `old` (an experts module run on a sequence
+    slice under SP: each tp rank's gradient is partial), set on its ep slice too: a tensor
+    hook lives with the tensor (the attribute is tensor/layers.py's SUMS_GRAD, read by name
+    as zero/shard.py reads it)."""
+    hook = old.__dict__.get("plait_sums_grad")
+    if hook is not None:
+        new.register_hook(hook)
+        new.plait_sums_grad = hook
+
+
 def takes_rows_only(module: nn.Module) -> bool:
     """Whether an experts module's forward takes its rows alone (every expert on every token),
     not (tokens, indices, weights)."""
@@ -84,6 +95,7 @@ def apply_expert_parallel(model: nn.Module, axis: Axis, adapter: Any = None) -> 
         for name, param in list(module.named_parameters(recurse=False)):
             if param.ndim >= 1 and param.shape[0] == experts:
                 kept = nn.Parameter(param.detach()[start:start + local].clone(), requires_grad=param.requires_grad)
+                _carry_grad_sum(param, kept)
                 place(kept, expert_placement(axis.rank, axis.size, tuple(param.shape)))
                 setattr(module, name, kept)
         module.num_experts = local  # what it holds now (transformers' grouped kernels size by it)
