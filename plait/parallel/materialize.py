@@ -29,7 +29,7 @@ from torch import nn
 from plait.errors import PlaitError
 from plait.parallel.pipeline.split import is_pipeline
 from plait.parallel.placement import placement_of
-from plait.parallel.tensor.layers import SUMS_GRAD
+from plait.parallel.tensor.layers import carry_grad_sum
 
 Source = Callable[[str], torch.Tensor]
 Fill = Callable[[nn.Parameter], torch.Tensor]  # a placeholder parameter -> this rank's part, whole, on its device
@@ -129,7 +129,5 @@ def _parameter(like: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
         return data
     param = nn.Parameter(data, requires_grad=like.requires_grad)
     param.__dict__.update(like.__dict__)  # placement, gradient hooks a strategy set
-    hook = param.__dict__.get(SUMS_GRAD)
-    if hook is not None:  # a tensor hook lives with the tensor: set it on the new one too
-        param.register_hook(hook)
+    carry_grad_sum(like, param)
     return param

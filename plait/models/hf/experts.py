@@ -27,6 +27,7 @@ from torch import nn
 
 from plait.errors import PlaitError
 from plait.models.gpt.moe import RoutingCounts
+from plait.parallel.expert.plan import takes_rows_only
 
 DISPATCH, SPLIT = "ep_dispatch_experts", "grouped_gemm"
 HINT = "plait splits experts declared as base_model_ep_plan {'...experts': 'ep_dispatch_experts', " \
@@ -71,7 +72,7 @@ def dense_experts(model: nn.Module, tp_plan: dict[str, Any]) -> list[nn.Module]:
             continue
         experts = getattr(module, "num_experts", None)
         sliced = [p for p in module.parameters(recurse=False) if p.ndim == 3 and p.shape[0] == experts]
-        if isinstance(experts, int) and sliced and len(inspect.signature(module.forward).parameters) == 1:
+        if isinstance(experts, int) and sliced and takes_rows_only(module):
             found.append(module)
     return found
 

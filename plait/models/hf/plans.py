@@ -33,7 +33,7 @@ from plait.models.hf import context as hf_context, stages as hf_stages
 from plait.models.hf.hooks import split_sequence_around
 from plait.models.hf.inferred import inferred_tp_plan
 from plait.parallel.tensor.styles import PARAMS, WHOLE, parse_style, whole_sequence
-from plait.models.hf.styles import check_config, for_sequence_parallel, plait_plan, probe_input
+from plait.models.hf.styles import check_config, for_sequence_parallel, plait_plan, probe_input, text_config
 from plait.parallel.probe_copy import stand_in
 from plait.parallel.seam import GenericAdapter, Parts, StageView
 from plait.runtime.comm import Axis
@@ -77,7 +77,7 @@ class DeclaredPlanAdapter:
                                  "and it is not an embedding, one list of layers and a final norm",
                                  hint=hf_stages.HINT)
             log.info("pp: %s declares no pp_plan; cutting it as inferred: %s", type(model).__name__, ", ".join(plan))
-        config = _text_config(model)
+        config = text_config(model)
         parts = hf_stages.declared_parts(model, plan)
         real = stand_in(model)  # a meta model's checks run a copy with values (plait.parallel.probe_copy)
         other = hf_stages.check_kinds(real, config, parts.blocks)
@@ -206,11 +206,6 @@ def _blocks_for_sp(model: nn.Module) -> str:
         raise PlaitError(f"sequence parallelism: plait cannot tell {type(model).__name__}'s blocks from its plans",
                          hint="drop --sp, or give parallelize an adapter (plait.parallel.seam)")
     return name
-
-
-def _text_config(model: nn.Module) -> Any:
-    config = model.config
-    return config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
 
 
 def declared(model: nn.Module, kind: str) -> dict[str, Any]:

@@ -132,12 +132,16 @@ def plait_plan(model: nn.Module, declared: dict[str, str]) -> dict[str, str]:
     return plan
 
 
+def text_config(model: nn.Module) -> Any:
+    """The config of the model's text part (a multimodal config keeps it inside), or its own."""
+    config = getattr(model, "config", None)
+    return config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+
+
 def _mla_tail(model: nn.Module) -> str | None:
     """MLA's kv_a_proj: kept whole, its last qk_rope_head_dim outputs (the rotary key every
     head reads) entering the region; None when the config does not say how many."""
-    config = getattr(model, "config", None)
-    config = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
-    rope = getattr(config, "qk_rope_head_dim", None)
+    rope = getattr(text_config(model), "qk_rope_head_dim", None)
     return f"enter_tail:{rope}" if isinstance(rope, int) and rope > 0 else None
 
 

@@ -33,6 +33,7 @@ from plait.parallel.expert.shard import expert_placement
 from plait.parallel.applied import applied, applied_of
 from plait.parallel.hooks import StepHooks
 from plait.parallel.placement import place, placement_of
+from plait.parallel.tensor.layers import carry_grad_sum
 from plait.rules import check_experts_split
 from plait.runtime import comm
 from plait.runtime.comm import Axis
@@ -48,17 +49,6 @@ def experts_modules(model: nn.Module, adapter: Any = None) -> list[nn.Module]:
         return named(model)
     return [m for m in model.modules() if isinstance(getattr(m, "num_experts", None), int)
             and any(p.ndim >= 3 and p.shape[0] == m.num_experts for p in m.parameters(recurse=False))]
-
-
-def _carry_grad_sum(old: nn.Parameter, new: nn.Parameter) -> None:
-    """The gradient sum tensor parallelism hooked on `old` (an experts module run on a sequence
-    slice under SP: each tp rank's gradient is partial), set on its ep slice too: a tensor
-    hook lives with the tensor (the attribute is tensor/layers.py's SUMS_GRAD, read by name
-    as zero/shard.py reads it)."""
-    hook = old.__dict__.get("plait_sums_grad")
-    if hook is not None:
-        new.register_hook(hook)
-        new.plait_sums_grad = hook
 
 
 def takes_rows_only(module: nn.Module) -> bool:
@@ -95,7 +85,7 @@ def apply_expert_parallel(model: nn.Module, axis: Axis, adapter: Any = None) -> 
         for name, param in list(module.named_parameters(recurse=False)):
             if param.ndim >= 1 and param.shape[0] == experts:
                 kept = nn.Parameter(param.detach()[start:start + local].clone(), requires_grad=param.requires_grad)
-                _carry_grad_sum(param, kept)
+                carry_grad_sum(param, kept)  # under tp + SP each tp rank's expert gradient is partial
                 place(kept, expert_placement(axis.rank, axis.size, tuple(param.shape)))
                 setattr(module, name, kept)
         module.num_experts = local  # what it holds now (transformers' grouped kernels size by it)

@@ -38,7 +38,7 @@ from plait.parallel.tensor.slices import shard_of, shard_param, tensor_placement
 from plait.runtime import comm
 from plait.runtime.comm import Axis
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "carry_grad_sum",
            "enter_region", "is_conv1d", "layout_of", "leave_region", "overrides_forward", "shard_of", "shard_param",
            "split_embedding_in_place", "sum_grad_over", "tensor_placement"]
 
@@ -95,6 +95,15 @@ def sum_grad_over(param: nn.Parameter, axis: Axis) -> None:
     if not getattr(param, SUMS_GRAD, None):
         param.register_hook(hook)
         setattr(param, SUMS_GRAD, hook)  # ZeRO-3 puts it on the views it gathers (zero/shard.py: FlatGroup.show)
+
+
+def carry_grad_sum(old: nn.Parameter, new: nn.Parameter) -> None:
+    """`new`, a parameter made to replace `old` (its materialised or sliced copy), sums its
+    gradient as `old` did: a tensor hook lives with the tensor, so it is set on `new` too."""
+    hook = old.__dict__.get(SUMS_GRAD)
+    if hook is not None:
+        new.register_hook(hook)
+        setattr(new, SUMS_GRAD, hook)
 
 
 def enter_region(x: torch.Tensor, axis: Axis, sequence_parallel: bool, regather: bool = True) -> torch.Tensor:

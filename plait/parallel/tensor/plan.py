@@ -215,9 +215,8 @@ class WholeRegion:
     def leave(self, module: nn.Module, args: tuple, out: Any) -> Any:
         batch, chunk = self.shapes.pop()
         first = out[0] if isinstance(out, tuple) else out
-        whole = first.reshape(batch, chunk * self.axis.size, -1)
-        mine = regions.scatter_to_sequence(whole, self.axis).reshape(-1, *first.shape[1:]) if first.dim() != 3 \
-            else regions.scatter_to_sequence(whole, self.axis).reshape(batch, chunk, *first.shape[2:])
+        mine = regions.scatter_to_sequence(first.reshape(batch, chunk * self.axis.size, -1), self.axis)
+        mine = mine.reshape(batch, chunk, *first.shape[2:]) if first.dim() == 3 else mine.reshape(-1, *first.shape[1:])
         return (mine, *out[1:]) if isinstance(out, tuple) else mine
 
 
