@@ -132,13 +132,39 @@ def test_a_model_not_laid_out_as_its_siblings_is_refused_for_pp() -> None:
         split_stages(model, 2, adapter=DeclaredPlanAdapter())
 
 
-def test_a_pp_plan_that_leaves_a_parametrised_module_out_is_refused() -> None:
+def test_a_pp_plan_that_leaves_a_parametrised_module_out_is_cut_by_the_models_own_forward(caplog) -> None:
+    """The usual stage refuses a module with parameters no piece holds; stages that run the
+    model's own forward place it where the forward runs it (the final norm: after the blocks)."""
     model = qwen3()
     model._pp_plan = {name: io for name, io in model.pp_plan.items() if name != "model.norm"}
+    adapter = adapter_for(model)
+    with caplog.at_level("INFO", logger="plait.models.hf.plans"):
+        stages = split_stages(model, 2, adapter=adapter)
+    assert "stages run its own forward (pp: Qwen3ForCausalLM's pp_plan places no stage for model.norm" in caplog.text
+    assert stages[0].parts.last == ("model.norm", "lm_head")
+    ids = torch.randint(0, 64, (2, 12))
+    x = ids
+    for stage in stages:
+        x = stage(x)
+    assert torch.equal(x, model(input_ids=ids).logits)
+
+
+def test_parameters_held_by_the_base_model_itself_are_refused_for_pp() -> None:
+    model = qwen3()
+    model.model.register_parameter("scale", nn.Parameter(torch.ones(1)))
     with pytest.raises(PlaitError) as info:
         split_stages(model, 2, adapter=adapter_for(model))
-    assert info.value.args[0] == ("pp: Qwen3ForCausalLM's pp_plan places no stage for model.norm, "
-                                  "which holds parameters")
+    assert info.value.args[0] == "pp: Qwen3ForCausalLM's pp_plan places no stage for model, which holds parameters"
+
+
+def test_a_forward_that_reads_every_block_is_refused_for_pp() -> None:
+    """RWKV's forward rescales every block's weights when it turns from eval to training: no
+    stage holds them all (found by the own forward's check in training mode)."""
+    torch.manual_seed(0)
+    model = transformers.RwkvForCausalLM(transformers.RwkvConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                                                 attention_hidden_size=32, intermediate_size=64))
+    with pytest.raises(PlaitError, match="RwkvForCausalLM's pp_plan pieces fail when run in a row"):
+        split_stages(model, 2, adapter=adapter_for(model))
 
 
 @pytest.mark.parametrize("v", [1, 2])
@@ -169,12 +195,30 @@ def test_what_the_forward_does_after_the_head_runs_on_the_last_stage() -> None:
     assert torch.equal(x, model(input_ids=ids).logits) and x.abs().max() <= 0.5
 
 
-def test_a_forward_that_does_more_than_its_pieces_is_refused_for_pp() -> None:
+def test_a_forward_that_does_more_than_its_pieces_runs_on_its_own_stages() -> None:
     """A base model whose forward does more than its pieces in a row (here a hook doubling its
-    output) is checked on a few tokens against the model's own forward, and refused."""
+    output) fails the usual stage's check; stages that run the model's own forward do it too."""
     model = qwen3()
     model.model.register_forward_hook(lambda module, args, out: out.__class__(last_hidden_state=2 * out[0]))
-    with pytest.raises(PlaitError, match="pp: Qwen3ForCausalLM's forward does more than its pp_plan's pieces"):
+    ids = torch.randint(0, 64, (2, 12))
+    x = ids
+    for stage in split_stages(model, 2, adapter=adapter_for(model)):
+        x = stage(x)
+    assert torch.equal(x, model(input_ids=ids).logits)
+
+
+class SkipToHead(transformers.Qwen3ForCausalLM):
+    """Adds the token embeddings to the last hidden states: the head reads more than the blocks hand on."""
+
+    def forward(self, input_ids: torch.Tensor, **kwargs: object) -> object:
+        hidden = self.model(input_ids=input_ids).last_hidden_state + self.model.embed_tokens(input_ids)
+        return transformers.modeling_outputs.CausalLMOutput(logits=self.lm_head(hidden))
+
+
+def test_a_forward_that_reads_more_than_the_blocks_hand_on_is_refused_for_pp() -> None:
+    torch.manual_seed(0)
+    model = SkipToHead(transformers.Qwen3Config(**SHAPE))
+    with pytest.raises(PlaitError, match="pp: SkipToHead's pp_plan pieces fail when run in a row"):
         split_stages(model, 2, adapter=adapter_for(model))
 
 

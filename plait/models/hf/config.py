@@ -33,8 +33,10 @@ GENERATION, TOKENIZER = "generation_config.json", "tokenizer.json"
 # AutoTokenizer read beside the weights.
 COMPANIONS = (GENERATION, "tokenizer_config.json", "special_tokens_map.json")
 # The sizes a decoder's config.json names, each under the spellings transformers' configs use.
-SIZES = {"layers": ("num_hidden_layers", "n_layer", "num_layers"), "hidden": ("hidden_size", "n_embd", "d_model"),
-         "heads": ("num_attention_heads", "n_head"), "positions": ("max_position_embeddings", "n_positions")}
+SIZES = {"layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+         "hidden": ("hidden_size", "n_embd", "d_model"),
+         "heads": ("num_attention_heads", "n_head", "num_heads", "n_heads"),  # GPT-Neo's, MPT's spellings last
+         "positions": ("max_position_embeddings", "n_positions", "max_seq_len")}
 
 
 # Where transformers' configs keep the attention's dropout rate (Llama's, GPT-2's spelling).

@@ -7,17 +7,23 @@ child holds exactly such linears, and nothing else that is linear, plait writes 
 transformers would have declared (transformers' words: "colwise", "rowwise"), the input
 embedding split by vocabulary and the head gathered, and reads it as any declared plan. A
 child laid out otherwise (a fused q|k|v, extra projections) stays whole. The probe then holds
-the split to the one-process model like any other: a model whose code reads its heads' count
-from the config rather than from the split tensors is refused there, in one line.
+the split to the one-process model like any other. An attention that views its heads by the
+sizes it keeps (StableLM's `num_heads`, OPT's `embed_dim`) keeps its share of them once split
+(`narrow_counts`); one that reads them from the config is refused by the probe, in one line.
 """
 
 from __future__ import annotations
+
+from fnmatch import fnmatchcase
 
 from torch import nn
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1", "fc_in", "c_fc", "w1", "w3")
 ROW = ("o_proj", "out_proj", "dense", "down_proj", "fc2", "fc_out", "c_proj", "w2")
 ATTENTION = ("q_proj", "k_proj", "v_proj")  # all three, or the attention stays whole
+# What an attention may keep of its sizes and view its heads by (StableLM's num_heads and
+# hidden_size, OPT's and XGLM's embed_dim): under tp its share of them.
+COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_heads", "embed_dim", "hidden_size")
 
 
 def inferred_tp_plan(model: nn.Module, blocks: str | None) -> dict[str, str]:
@@ -57,3 +63,21 @@ def _split_child(child: nn.Module) -> dict[str, str]:
            and any(True for _ in sub.parameters())):  # a norm inside (per-head q/k norms): left to the model
         return {}
     return {**dict.fromkeys(columns, "colwise"), rows[0]: "rowwise"}
+
+
+def narrow_counts(model: nn.Module, plan: dict[str, str], tp: int) -> list[str]:
+    """Once the split is made: each attention the inferred `plan` splits keeps its share of the
+    sizes it holds (`COUNTS`), as a model that views its heads by them (StableLM, OPT, XGLM)
+    needs; Llama's, which views them by `-1` and its head size, holds none. The names of the
+    attributes narrowed; the probe then holds the split to the one-process model."""
+    attentions = {key.rsplit(".", 1)[0] for key in plan if key.rsplit(".", 1)[-1] in ATTENTION}
+    narrowed = []
+    for name, module in model.named_modules():
+        if not any(fnmatchcase(name, pattern) for pattern in attentions):
+            continue
+        for attr in COUNTS:
+            value = vars(module).get(attr)
+            if isinstance(value, int) and not isinstance(value, bool) and value % tp == 0:
+                setattr(module, attr, value // tp)
+                narrowed.append(f"{name}.{attr}")
+    return narrowed

@@ -31,7 +31,9 @@ from torch import nn
 from plait.errors import PlaitError
 from plait.models.hf import context as hf_context, stages as hf_stages
 from plait.models.hf.hooks import split_sequence_around
-from plait.models.hf.inferred import inferred_tp_plan
+from plait.models.hf.inferred import inferred_tp_plan, narrow_counts
+from plait.models.hf.own_forward import OwnForward, own_parts, with_padding
+from plait.parallel.probe import first_line
 from plait.parallel.tensor.styles import PARAMS, WHOLE, parse_style, whole_sequence
 from plait.models.hf.styles import check_config, for_sequence_parallel, plait_plan, probe_input, text_config
 from plait.parallel.probe_copy import stand_in
@@ -61,6 +63,8 @@ class DeclaredPlanAdapter:
         self._config: Any = None
         self._head: hf_stages.OwnHead | None = None
         self._other: dict[str, str | None] = {}  # layer types masked as another, or not (check_kinds)
+        self._own: OwnForward | None = None  # stages that run the model's own forward (own_forward.py)
+        self._inferred: dict[str, str] = {}  # the tp plan read off the layer names, where it declares none
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         """The repeated blocks: the pp plan's module list (else the tp plan's), else the generic answer."""
@@ -78,17 +82,45 @@ class DeclaredPlanAdapter:
                                  hint=hf_stages.HINT)
             log.info("pp: %s declares no pp_plan; cutting it as inferred: %s", type(model).__name__, ", ".join(plan))
         config = text_config(model)
-        parts = hf_stages.declared_parts(model, plan)
         real = stand_in(model)  # a meta model's checks run a copy with values (plait.parallel.probe_copy)
-        other = hf_stages.check_kinds(real, config, parts.blocks)
-        hf_stages.check_cut(real, parts, config, hf_stages.OwnHead(real), other)
+        try:
+            parts = hf_stages.declared_parts(model, plan)
+            other = hf_stages.check_kinds(real, config, parts.blocks)
+            hf_stages.check_cut(real, parts, config, hf_stages.OwnHead(real), other)
+        except PlaitError as refusal:  # what a stage remakes by rule is not all: try the model's own forward
+            parts = self._own_cut(model, real, plan, config, refusal)
+            self._own = OwnForward.of(model, parts, real)
+            self._own.learn_shapes(real, hf_stages.probe_ids(real, 4))
+            self._parts, self._config = parts, config
+            return parts
         self._parts, self._config, self._head, self._other = parts, config, hf_stages.OwnHead(model), other
+        self._own = None
+        return parts
+
+    @staticmethod
+    def _own_cut(model: nn.Module, real: nn.Module, plan: dict[str, Any], config: Any,
+                 refusal: PlaitError) -> Parts:
+        """The cut whose stages run the model's own forward (models/hf/own_forward.py), checked
+        on `real`; the usual stage's `refusal` where that check fails too."""
+        try:
+            parts = own_parts(model, plan, real)
+            checker = OwnForward.of(real, parts, real)
+            ids = hf_stages.probe_ids(real, hf_stages._probe_length(real, hf_stages.mask_reach(config)))
+            checker.learn_shapes(real, ids)
+            checker.check(real, with_padding(ids, config))
+        except PlaitError as error:
+            log.info("pp: %s's own forward cannot be cut either: %s", type(model).__name__, error)
+            raise refusal from None
+        log.info("pp: %s's stages run its own forward (%s), which gives its own logits cut after each layer",
+                 type(model).__name__, first_line(refusal))
         return parts
 
     def run_stage(self, stage: StageView, x: torch.Tensor) -> torch.Tensor:
         """Ids or hidden states in; hidden states or logits out (models/hf/stages.py)."""
         if self._parts is None:
             raise PlaitError("run_stage before parts(): cut the model with this adapter first")
+        if self._own is not None:
+            return self._own(stage, x)
         return hf_stages.run_stage(stage, x, self._parts, self._config, self._head, self._other)
 
     def probe_input(self, model: nn.Module, tokens: int) -> tuple[tuple, dict]:
@@ -115,10 +147,9 @@ class DeclaredPlanAdapter:
         check_config(model, plan, tp)
         return plan
 
-    @staticmethod
-    def _inferred_tp(model: nn.Module) -> dict[str, str]:
+    def _inferred_tp(self, model: nn.Module) -> dict[str, str]:
         """The plan read off the layer names of a model that declares none (models/hf/inferred.py)."""
-        plan = inferred_tp_plan(model, block_list(model))
+        plan = self._inferred = inferred_tp_plan(model, block_list(model))
         if plan:
             log.info("tp: %s declares no tp_plan; splitting it as inferred: %s", type(model).__name__,
                      ", ".join(f"{key}: {style}" for key, style in plan.items()))
@@ -150,7 +181,10 @@ class DeclaredPlanAdapter:
         hf_context.context_attention(model, context)
 
     def after_tensor_parallel(self, model: nn.Module, axis: Axis, sp: bool) -> None:
-        """With SP the blocks run on sequence slices: split before the first, gather after the last."""
+        """An inferred plan's attentions keep their share of the sizes they hold (inferred.py).
+        With SP the blocks run on sequence slices: split before the first, gather after the last."""
+        if self._inferred and axis.size > 1:
+            narrow_counts(model, self._inferred, axis.size)
         if sp and axis.size > 1:
             split_sequence_around(list(model.get_submodule(_blocks_for_sp(model))), axis)
 

@@ -76,7 +76,7 @@ def _unplaced(model: nn.Module, placed: set[str]) -> list[str]:
     while stack:
         prefix, module = stack.pop(0)
         if any(True for _ in module.parameters(recurse=False)):
-            raise _unplaced_error(model, prefix or "the model itself")
+            raise _unplaced_error(model, prefix.rstrip(".") or "the model itself")
         for child_name, child in module.named_children():
             full = f"{prefix}{child_name}"
             if full in placed:
@@ -133,7 +133,7 @@ class OwnHead:
         extra = {"output_router_logits": False} if self.router_flag else {}
         out = self.cls.forward(shell, use_cache=False, **extra)
         logits = getattr(out, "logits", None)
-        return _first(out) if logits is None else logits  # return_dict=False: the logits come first
+        return first_output(out) if logits is None else logits  # return_dict=False: the logits come first
 
 
 class _Hidden(nn.Module):
@@ -169,18 +169,27 @@ def names_a_list(model: nn.Module, plan: dict[str, Any]) -> bool:
 def inferred_plan(model: nn.Module) -> dict[str, Any]:
     """The pp plan of a model that declares none, as its declared siblings' read: the base
     model's children with parameters (an embedding, one list of layers, a final norm) and the
-    head. {} unless the base model's first such child is the input embedding."""
+    head, looking inside a base model that only wraps one (OPT's `model.decoder`). {} unless
+    the first such child is, or holds, the input embedding (ModernBERT's `embeddings`)."""
     head = getattr(model, "get_output_embeddings", lambda: None)()
     embedding = getattr(model, "get_input_embeddings", lambda: None)()
     prefix = _base_name(model, embedding)
     base = getattr(model, prefix, None) if prefix else None
     if not isinstance(base, nn.Module) or head is None:
         return {}
-    pieces = [name for name, child in base.named_children() if any(True for _ in child.parameters())]
-    if not pieces or base.get_submodule(pieces[0]) is not embedding:
+    pieces = _holders(base)
+    while len(pieces) == 1 and not isinstance(base.get_submodule(pieces[0]), nn.ModuleList):
+        prefix, base = f"{prefix}.{pieces[0]}", base.get_submodule(pieces[0])  # a wrapper (OPT's decoder)
+        pieces = _holders(base)
+    if not pieces or not any(module is embedding for module in base.get_submodule(pieces[0]).modules()):
         return {}
     tops = [name for name, child in model.named_children() if child is head]
     return {**{f"{prefix}.{name}": None for name in pieces}, **{name: None for name in tops}}
+
+
+def _holders(module: nn.Module) -> list[str]:
+    """The names of `module`'s children that hold parameters, in order."""
+    return [name for name, child in module.named_children() if any(True for _ in child.parameters())]
 
 
 def _base_name(model: nn.Module, embedding: Any) -> str:
@@ -202,7 +211,7 @@ def run_stage(stage: StageView, x: torch.Tensor, parts: Parts, config: Any, head
     such, each given the mask of the type it takes (check_kinds), or none."""
     if stage.is_first:
         for name in parts.first:
-            x = _first(stage.held(name)(x))
+            x = first_output(stage.held(name)(x))
     # Under sequence parallelism hidden states between stages hold seq / tp positions.
     seq = x.shape[1] * (1 if stage.is_first else stage.seq_split)
     # no rotary module (Jamba's, Nemotron-H's layers take no angles): none to give
@@ -215,12 +224,12 @@ def run_stage(stage: StageView, x: torch.Tensor, parts: Parts, config: Any, head
     made = causal_masks(config, whole, positions, (set(kinds) - set(other)) | {v for v in other.values() if v})
     masks = {**made, **{kind: made[taken] if taken else None for kind, taken in other.items()}}
     for i, block in enumerate(stage.held_blocks(), start=stage.first_layer):
-        x = _first(block(x, attention_mask=masks[kinds[i]], position_ids=positions,
+        x = first_output(block(x, attention_mask=masks[kinds[i]], position_ids=positions,
                          position_embeddings=angles[kinds[i]], use_cache=False))
     if stage.is_last:
         inside = tuple(name for name in parts.last if head is None or not head.wraps(name))
         for name in inside:
-            x = _first(stage.held(name)(x))
+            x = first_output(stage.held(name)(x))
         if len(inside) < len(parts.last):
             x = head(stage, tuple(name for name in parts.last if name not in inside), x)
     return x
@@ -240,7 +249,8 @@ def stage_positions(stage: StageView, seq: int, device: torch.device) -> torch.T
     return torch.arange(seq, device=device).unsqueeze(0) if positions is None else positions
 
 
-def _first(out: Any) -> torch.Tensor:
+def first_output(out: Any) -> Any:
+    """A module's output, or the first of the tuple it returns (a block's hidden states)."""
     return out[0] if isinstance(out, tuple) else out
 
 

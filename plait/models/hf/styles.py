@@ -19,7 +19,7 @@ own layers (plait.parallel.tensor):
 | sequence_parallel                | sequence              | gradients summed under SP                     |
 | mla_kv_a_proj                    | enter_tail:r          | kept whole, its last r = qk_rope_head_dim     |
 |                                  |                       | outputs (the rotary key) enter the region     |
-| moe_tp_experts                   | experts               | every expert's hidden units split (its        |
+| moe_tp_experts, all_reduce       | experts               | every expert's hidden units split (its        |
 |                                  |                       | parameters' entries): inputs enter, the output|
 |                                  |                       | is summed (parallel/tensor/experts.py)        |
 | local_params, replicate          | (nothing)             | plait's slices are plain tensors already; a   |
@@ -85,6 +85,7 @@ DECLARED: dict[str, str] = {  # transformers' style -> plait's
     "packed_colwise": "column:2+share",
     "sequence_parallel": "sequence",
     "moe_tp_experts": "experts",
+    "all_reduce": "experts",  # a module over split parameters (Inkling's shared experts): its output summed
 }
 # Styles that only say how transformers' DTensors run a module (its forward with its own
 # shards as plain tensors: the owner of a split attention sink): plait's slices are plain
@@ -157,6 +158,10 @@ def _check_experts_split(model: nn.Module, plan: dict[str, str]) -> None:
         for name, _ in model.named_modules():
             if name and fnmatchcase(name, pattern) and not any(p.startswith(f"{name}.") for p in split):
                 raise refuse(model, pattern, "moe_tp_experts", f" with no parameter of {name} split")
+            inside = [key for key, inner in plan.items() if parse_style(inner)[0] not in PARAMS
+                      and key != pattern and key.startswith(f"{pattern}.")]
+            if inside:  # a row layer inside would sum its output, and the module sum it again
+                raise refuse(model, pattern, "all_reduce", f" around layers split as modules ({inside[0]})")
 
 
 def check_config(model: nn.Module, plan: dict[str, str], tp: int) -> None:
