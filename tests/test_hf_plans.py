@@ -145,6 +145,7 @@ def test_a_pp_plan_that_leaves_a_parametrised_module_out_is_cut_by_the_models_ow
     ids = torch.randint(0, 64, (2, 12))
     x = ids
     for stage in stages:
+        stage.token_ids = ids  # as the pipeline runner hands every stage
         x = stage(x)
     assert torch.equal(x, model(input_ids=ids).logits)
 
@@ -202,7 +203,11 @@ def test_a_forward_that_does_more_than_its_pieces_runs_on_its_own_stages() -> No
     model.model.register_forward_hook(lambda module, args, out: out.__class__(last_hidden_state=2 * out[0]))
     ids = torch.randint(0, 64, (2, 12))
     x = ids
-    for stage in split_stages(model, 2, adapter=adapter_for(model)):
+    stages = split_stages(model, 2, adapter=adapter_for(model))
+    with pytest.raises(PlaitError, match="needs the micro-batch's token ids"):
+        stages[1](stages[0](ids))
+    for stage in stages:
+        stage.token_ids = ids  # as the pipeline runner hands every stage
         x = stage(x)
     assert torch.equal(x, model(input_ids=ids).logits)
 
@@ -355,3 +360,61 @@ def test_mla_and_attention_sinks_are_read_as_declared() -> None:
     assert "model.layers.*.self_attn" not in plan  # local_params: nothing to do
     sink = sinks.model.layers[0].self_attn.sinks
     assert sink.ndim == 1 and param_split_dim(sink, "param_column") == 0
+
+
+def test_a_layer_that_reads_the_token_ids_reads_them_on_every_stage() -> None:
+    """DeepSeek-V4's hash router picks experts by token id (its `tid2eid` table): a later
+    stage's forward runs on the micro-batch's own ids, so a table learned or loaded after
+    the cut routes as one process does."""
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(
+        "deepseek_v4", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=8, moe_intermediate_size=32, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, mlp_layer_types=["hash_moe", "hash_moe"])
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    adapter = adapter_for(model)
+    stages = split_stages(model, 2, adapter=adapter)
+    assert adapter._own is not None  # cut by its own forward (its head reads widened streams)
+    tables = [buffer for name, buffer in model.named_buffers() if name.endswith("tid2eid")]
+    assert len(tables) == 2
+    for table in tables:
+        table.copy_(torch.randint(0, 4, table.shape, generator=torch.Generator().manual_seed(5)))
+    ids = torch.randint(0, 64, (2, 12))
+    x = ids
+    with torch.no_grad():
+        for stage in stages:
+            stage.eval()
+            stage.token_ids = ids
+            x = stage(x)
+        model.eval()
+        assert torch.equal(x, model(input_ids=ids).logits)
+
+
+def gpt_neo(**extra: object) -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPTNeoConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
+                                       attention_types=[[["global"], 2]], max_position_embeddings=64, **extra)
+    return transformers.GPTNeoForCausalLM(config)
+
+
+def test_an_end_stage_with_no_layer_runs_its_forward_in_the_stages_mode() -> None:
+    """GPT-Neo's stages run its own forward (its learned positions): a first stage that holds
+    no layer still drops out its embeddings in training, as the one process does."""
+    model = gpt_neo(embed_dropout=0.5)
+    stages = split_stages(model, 2, balance=[0, 2], adapter=adapter_for(model))
+    ids = torch.randint(0, 64, (2, 12))
+    stages[0].train()
+    stages[0].token_ids = ids
+    assert not torch.equal(stages[0](ids), stages[0](ids))  # dropout draws: training mode
+    stages[0].eval()
+    assert torch.equal(stages[0](ids), stages[0](ids))
+
+
+def test_layer_drop_is_refused_for_pp() -> None:
+    model = transformers.BioGptForCausalLM(transformers.BioGptConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        layerdrop=0.1))
+    with pytest.raises(PlaitError) as info:
+        split_stages(model, 2, adapter=adapter_for(model))
+    assert info.value.args[0] == ("pp: BioGptForCausalLM skips whole layers at random in training (layerdrop = "
+                                  "0.1), which a cut into stages cannot draw as one process does")

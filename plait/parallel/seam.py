@@ -99,6 +99,9 @@ class StageView(Protocol):
     # each document, document numbers), which every stage's attention and positions read; None
     # for plain sequences.
     packed: Any
+    # The micro-batch's token ids (every pipeline rank holds them), for a stage that runs its
+    # model's own forward on them; None outside a pipeline step.
+    token_ids: Any
 
 
 @runtime_checkable

@@ -19,12 +19,13 @@ what it does not hold:
 - on every stage but the last the forward stops after the stage's last block, and its
   output is the stage's.
 
-So a later stage makes its masks, angles and biases from token ids it does not have: the
-forward runs on stand-in ids of the same shape. That holds wherever what the forward makes
-before the blocks depends on the shape alone. `check` proves it, before the first cut: the
-model is run cut after every block, stage by stage, on ids holding the padding token, and
-must give exactly its own logits. A forward that reads the ids' values before its blocks
-(a mask made from the padding) then differs, and is refused.
+So a later stage makes its masks, angles and biases from the micro-batch's own token ids,
+which plait's pipeline runner hands every stage (every pipeline rank holds them), and a layer
+that reads the ids (DeepSeek-V4's hash router) reads them there too. What the forward makes
+before the blocks then holds on every stage. `check` proves the rest, before the first cut:
+the model is run cut after every block, stage by stage, and must give exactly its own logits
+(a forward that hands a later layer more than the hidden states, as Zamba's hands on its
+embeddings, differs), and run so in training mode (RWKV's rescales every block's weights).
 
 Not under context parallelism: the forward makes its own positions, and under cp each rank
 holds other ones.
@@ -32,7 +33,9 @@ holds other ones.
 
 from __future__ import annotations
 
+import functools
 import inspect
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,15 +43,16 @@ import torch
 from torch import nn
 
 from plait.errors import PlaitError
-from plait.models.hf.stages import HINT, first_output
+from plait.models.hf.stages import HINT, first_output, probe_length
 from plait.models.hf.styles import probe_ids
 from plait.parallel.probe import first_line, quiet
 from plait.parallel.seam import Parts, StageView
 from plait.parallel.tensor.plan import tensor_parallel_of
 
 
-class _StageDone(Exception):
-    """Raised after a stage's last block on every stage but the last: its output is the stage's."""
+class _StageDone(BaseException):
+    """Raised after a stage's last block on every stage but the last: its output is the stage's.
+    A BaseException, so that a forward's own `except Exception` does not swallow it."""
 
     def __init__(self, hidden: Any):
         super().__init__("stage done")
@@ -57,11 +61,13 @@ class _StageDone(Exception):
 
 @dataclass
 class _Skeleton:
-    """A module on the path to the pieces: its class and plain state, without its children."""
+    """A module on the path to the pieces: its class and plain state, without its children
+    (those that are None, as OPT's absent projections are, stay None)."""
 
     cls: type
     state: dict[str, Any]
     children: list[str]
+    empty: set[str]
 
 
 @dataclass
@@ -70,6 +76,23 @@ class _Shape:
 
     tail: tuple[int, ...]
     floating: bool
+
+
+class _Entering:
+    """The hidden states a stage takes in, for the one forward in flight (its slots read them)."""
+
+    x: torch.Tensor | None = None
+
+
+@dataclass
+class _Shell:
+    """A stage's shell, built once: its root, the modules whose training flag follows the stage's,
+    where its hidden states enter, and what it was built from (rebuilt when that changes)."""
+
+    root: nn.Module
+    flagged: list[nn.Module]
+    entering: _Entering
+    built_from: tuple
 
 
 @dataclass
@@ -81,7 +104,7 @@ class OwnForward:
     block_state: list[dict[str, Any]]  # each block's plain attributes (`attention_type`, `layer_idx`)
     outputs: dict[str, _Shape] = field(default_factory=dict)  # the pieces before the blocks
     tuple_len: int = 0  # a block's output: a tensor (0), or a tuple of that many, hidden states first
-    filler: int = 0  # the token id the stand-in ids hold: not the padding one
+    shells: "weakref.WeakKeyDictionary[Any, _Shell]" = field(default_factory=weakref.WeakKeyDictionary)
 
     @classmethod
     def of(cls, model: nn.Module, parts: Parts, real: nn.Module) -> "OwnForward":
@@ -92,10 +115,7 @@ class OwnForward:
         paths = {""} | {name.rsplit(".", 1)[0] if "." in name else "" for name in names}
         paths |= {".".join(path.split(".")[:i]) for path in list(paths) for i in range(1, path.count(".") + 1)}
         skeletons = {path: _skeleton(real.get_submodule(path)) for path in paths}
-        blocks = model.get_submodule(parts.blocks)
-        config = getattr(model, "config", None)
-        pad = getattr(config, "pad_token_id", None)
-        return cls(parts, skeletons, [_plain(block) for block in blocks], filler=1 if pad == 0 else 0)
+        return cls(parts, skeletons, [_plain(block) for block in model.get_submodule(parts.blocks)])
 
     def learn_shapes(self, real: nn.Module, ids: torch.Tensor) -> None:
         """What the pieces before the blocks and a block give, from one forward of `real`."""
@@ -118,63 +138,84 @@ class OwnForward:
         self.tuple_len = len(block_out) if isinstance(block_out, tuple) else 0
 
     def __call__(self, stage: StageView, x: torch.Tensor) -> torch.Tensor:
-        """Ids (first stage) or hidden states in; hidden states or logits (last stage) out."""
-        seq = x.shape[1] * (1 if stage.is_first else stage.seq_split)
-        if stage.context_positions(seq, x.device) is not None:
-            raise PlaitError("context parallelism × pp: this model's stages run its own forward, which makes its "
-                             "own positions", hint="drop --cp or --pp for this model")
-        ids = x if stage.is_first else torch.full(x.shape[:1] + (seq,), self.filler, dtype=torch.long,
-                                                  device=x.device)
-        root = self._shell("", stage, x)
+        """Ids (first stage) or hidden states in; hidden states or logits (last stage) out. A
+        later stage runs the forward on the micro-batch's own token ids, which plait's pipeline
+        runner hands every stage (`token_ids`)."""
+        ids = x if stage.is_first else getattr(stage, "token_ids", None)
+        if not isinstance(ids, torch.Tensor) or ids.shape[0] != x.shape[0]:
+            raise PlaitError("a pipeline stage that runs its model's own forward needs the micro-batch's token ids",
+                             hint="run the stages through plait's pipeline runner (PipelineRunner), which hands "
+                                  "them to every stage")
+        shell = self._shell_of(stage, x)
+        training = getattr(stage, "training", None)
+        training = next((b.training for b in stage.held_blocks()), False) if training is None else training
+        for module in shell.flagged:
+            module.training = training
         kwargs: dict[str, Any] = {"use_cache": False}
-        if "output_router_logits" in _parameters(type(root).forward):
+        if "output_router_logits" in _parameters(type(shell.root)):
             kwargs["output_router_logits"] = False
         packed = getattr(stage, "packed", None)
         if packed is not None:
             kwargs["position_ids"] = packed.positions
+        shell.entering.x = None if stage.is_first else x
         try:
-            out = type(root).forward(root, input_ids=ids, **kwargs)
+            out = type(shell.root).forward(shell.root, input_ids=ids, **kwargs)
         except _StageDone as done:
             return done.hidden
+        finally:
+            shell.entering.x = None
         logits = getattr(out, "logits", None)
         return first_output(out) if logits is None else logits
 
-    def _shell(self, path: str, stage: StageView, x: torch.Tensor) -> nn.Module:
+    def _shell_of(self, stage: StageView, x: torch.Tensor) -> _Shell:
+        """The stage's shell, built on its first forward and again when what it holds changes."""
+        held = [stage.held(name) for name in (*self.parts.first, *self.parts.last, *self.parts.shared)]
+        built_from = (tuple(id(m) for m in held), tuple(id(b) for b in stage.held_blocks()), x.device, x.dtype)
+        shell = self.shells.get(stage)
+        if shell is None or shell.built_from != built_from:
+            entering, flagged = _Entering(), []
+            root = self._shell("", stage, x, entering, flagged)
+            shell = self.shells[stage] = _Shell(root, flagged, entering, built_from)
+        return shell
+
+    def _shell(self, path: str, stage: StageView, x: torch.Tensor, entering: _Entering,
+               flagged: list[nn.Module]) -> nn.Module:
         """The module at `path` as this stage holds it: its class and state, its children held,
         stepped over or stood in for."""
         skeleton = self.skeletons[path]
         shell = object.__new__(skeleton.cls)
         vars(shell).update(skeleton.state)
+        buffers = {key: None if value is None else value.to(x.device) for key, value in skeleton.state["_buffers"].items()}
         children: dict[str, Any] = {}
         for child in skeleton.children:
             full = f"{path}.{child}" if path else child
-            if full == self.parts.blocks:
-                children[child] = self._slots(stage, x)
+            if child in skeleton.empty:
+                children[child] = None
+            elif full == self.parts.blocks:
+                children[child] = self._slots(stage, entering)
             elif full in self.skeletons:
-                children[child] = self._shell(full, stage, x)
+                children[child] = self._shell(full, stage, x, entering, flagged)
             else:
                 held = stage.held(full)
                 children[child] = held if held is not None else _Absent(self.outputs.get(full), x.dtype)
-        training = next((block.training for block in stage.held_blocks()), False)
-        vars(shell).update(_parameters={}, _modules=children, training=training)
+        vars(shell).update(_parameters={}, _buffers=buffers, _modules=children)
+        flagged.append(shell)
         return shell
 
-    def _slots(self, stage: StageView, x: torch.Tensor) -> nn.ModuleList:
+    def _slots(self, stage: StageView, entering: _Entering) -> nn.ModuleList:
         """One slot per block of the model: this stage's blocks run, the others are stepped over."""
         held = stage.held_blocks()
         start, end, n = stage.first_layer, stage.first_layer + len(held), len(self.block_state)
-        slots = []
-        for i in range(n):
-            block = held[i - start] if start <= i < end else None
-            enter = x if not stage.is_first and (i == start or (start == n and i == n - 1)) else None
-            slots.append(_Slot(block, self.block_state[i], self.tuple_len,
-                               enter=enter, enter_after=start == n, stop=not stage.is_last and i == end,
-                               stop_after=not stage.is_last and end == n and i == n - 1))
-        return nn.ModuleList(slots)
+        later, last = not stage.is_first, stage.is_last
+        return nn.ModuleList(
+            _Slot(held[i - start] if start <= i < end else None, self.block_state[i], self.tuple_len, entering,
+                  enter=later and i == start, enter_after=later and start == n and i == n - 1,
+                  stop=not last and i == end, stop_after=not last and end == n and i == n - 1)
+            for i in range(n))
 
     def check(self, real: nn.Module, ids: torch.Tensor) -> None:
         """Refuse unless `real` (self's model, or its probe copy) cut after every block gives
-        exactly its own logits, stage by stage, on `ids` (padding among them)."""
+        exactly its own logits, stage by stage, in eval mode; and runs so in training mode."""
         name = type(real).__name__
         blocks = len(real.get_submodule(self.parts.blocks))
         with quiet(real):
@@ -192,13 +233,12 @@ class OwnForward:
                              "test tokens (it reads more than the hidden states between its layers), so plait "
                              "cannot cut it", hint=HINT)
 
-
     def _cut_after_each(self, real: nn.Module, ids: torch.Tensor, blocks: int) -> torch.Tensor:
         info = tensor_parallel_of(real)
         split = info.axis.size if info is not None and info.sp else 1  # hidden states hold seq / tp under SP
         x = ids
         for index in range(blocks):
-            x = self(_ProbeStage(real, self.parts, index, blocks, split), x)
+            x = self(_ProbeStage(real, self.parts, index, blocks, split, ids), x)
         return x
 
 
@@ -206,23 +246,23 @@ class _Slot(nn.Module):
     """Block i of the model on one stage: the stage's own block, or a step over another stage's;
     it takes the stage's hidden states in where they enter, and stops the forward where they leave."""
 
-    def __init__(self, block: nn.Module | None, state: dict[str, Any], tuple_len: int, *,
-                 enter: torch.Tensor | None, enter_after: bool, stop: bool, stop_after: bool):
+    def __init__(self, block: nn.Module | None, state: dict[str, Any], tuple_len: int, entering: _Entering, *,
+                 enter: bool, enter_after: bool, stop: bool, stop_after: bool):
         super().__init__()
         vars(self).update({key: value for key, value in state.items() if key not in vars(self)})
-        self.block, self.tuple_len = block, tuple_len
+        self.block, self.tuple_len, self.entering = block, tuple_len, entering
         self.enter, self.enter_after, self.stop, self.stop_after = enter, enter_after, stop, stop_after
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         hidden = args[0] if args else kwargs.get("hidden_states")
-        if self.enter is not None and not self.enter_after:
-            hidden = self.enter
+        if self.enter:
+            hidden = self.entering.x
             args, kwargs = ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
         if self.stop:
             raise _StageDone(hidden)
         out = self.block(*args, **kwargs) if self.block is not None else self._stepped(hidden)
-        if self.enter is not None and self.enter_after:
-            out = self._stepped(self.enter)
+        if self.enter_after:
+            out = self._stepped(self.entering.x)
         if self.stop_after:
             raise _StageDone(first_output(out))
         return out
@@ -251,9 +291,14 @@ class _ProbeStage:
 
     packed = None
 
-    def __init__(self, model: nn.Module, parts: Parts, index: int, num_stages: int, seq_split: int):
+    def __init__(self, model: nn.Module, parts: Parts, index: int, num_stages: int, seq_split: int,
+                 token_ids: torch.Tensor):
         self.model, self.parts, self.index, self.num_stages, self.first_layer = model, parts, index, num_stages, index
-        self.seq_split = seq_split
+        self.seq_split, self.token_ids = seq_split, token_ids
+
+    @property
+    def training(self) -> bool:
+        return self.model.training
 
     @property
     def is_first(self) -> bool:
@@ -323,7 +368,7 @@ def _run_before_blocks(real: nn.Module, pieces: list[str], blocks: str) -> dict[
     hooks.append(real.get_submodule(blocks)[0].register_forward_pre_hook(lambda module, args: seen.append("")))
     try:
         with quiet(real):
-            real(input_ids=probe_ids(real, 4))
+            real(input_ids=probe_ids(real, probe_length(real)))
     finally:
         for hook in hooks:
             hook.remove()
@@ -331,20 +376,11 @@ def _run_before_blocks(real: nn.Module, pieces: list[str], blocks: str) -> dict[
     return {piece: seen.index(piece) < entered for piece in pieces if piece in seen}
 
 
-def with_padding(ids: torch.Tensor, config: Any) -> torch.Tensor:
-    """`ids` with the padding token second, where the config names one: a forward that masks
-    the padding it reads from the ids differs on a later stage, which has no ids."""
-    pad = getattr(config, "pad_token_id", None)
-    if not isinstance(pad, int) or ids.shape[1] < 2 or not 0 <= pad < getattr(config, "vocab_size", 0):
-        return ids
-    padded = ids.clone()
-    padded[:, 1] = pad
-    return padded
-
-
 def _skeleton(module: nn.Module) -> _Skeleton:
     state = {key: value for key, value in vars(module).items() if key not in ("_modules", "_parameters")}
-    return _Skeleton(type(module), state, list(module._modules))
+    state["_buffers"] = dict(state.get("_buffers", {}))  # its own: moved to the stage's device, written by its forward
+    return _Skeleton(type(module), state, list(module._modules),
+                     {name for name, child in module._modules.items() if child is None})
 
 
 PLAIN = (str, int, float, bool, type(None))
@@ -369,5 +405,7 @@ def _plain(module: nn.Module) -> dict[str, Any]:
     return state
 
 
-def _parameters(function: Any) -> set[str]:
-    return set(inspect.signature(function).parameters)
+@functools.lru_cache(maxsize=None)
+def _parameters(cls: type) -> frozenset[str]:
+    """The names a class's forward takes."""
+    return frozenset(inspect.signature(cls.forward).parameters)

@@ -32,7 +32,8 @@ from plait.errors import PlaitError
 from plait.models.hf import context as hf_context, stages as hf_stages
 from plait.models.hf.hooks import split_sequence_around
 from plait.models.hf.inferred import inferred_tp_plan, narrow_counts
-from plait.models.hf.own_forward import OwnForward, own_parts, with_padding
+from plait.models.hf.own_forward import OwnForward, own_parts
+from plait.parallel.applied import applied_of
 from plait.parallel.probe import first_line
 from plait.parallel.tensor.styles import PARAMS, WHOLE, parse_style, whole_sequence
 from plait.models.hf.styles import check_config, for_sequence_parallel, plait_plan, probe_input, text_config
@@ -82,6 +83,7 @@ class DeclaredPlanAdapter:
                                  hint=hf_stages.HINT)
             log.info("pp: %s declares no pp_plan; cutting it as inferred: %s", type(model).__name__, ", ".join(plan))
         config = text_config(model)
+        _refuse_layer_drop(model, config)
         real = stand_in(model)  # a meta model's checks run a copy with values (plait.parallel.probe_copy)
         try:
             parts = hf_stages.declared_parts(model, plan)
@@ -90,7 +92,7 @@ class DeclaredPlanAdapter:
         except PlaitError as refusal:  # what a stage remakes by rule is not all: try the model's own forward
             parts = self._own_cut(model, real, plan, config, refusal)
             self._own = OwnForward.of(model, parts, real)
-            self._own.learn_shapes(real, hf_stages.probe_ids(real, 4))
+            self._own.learn_shapes(real, hf_stages.probe_ids(real, hf_stages.probe_length(real)))
             self._parts, self._config = parts, config
             return parts
         self._parts, self._config, self._head, self._other = parts, config, hf_stages.OwnHead(model), other
@@ -105,12 +107,16 @@ class DeclaredPlanAdapter:
         try:
             parts = own_parts(model, plan, real)
             checker = OwnForward.of(real, parts, real)
-            ids = hf_stages.probe_ids(real, hf_stages._probe_length(real, hf_stages.mask_reach(config)))
+            ids = hf_stages.probe_ids(real, hf_stages.probe_length(real, hf_stages.mask_reach(config)))
             checker.learn_shapes(real, ids)
-            checker.check(real, with_padding(ids, config))
+            checker.check(real, ids)
         except PlaitError as error:
             log.info("pp: %s's own forward cannot be cut either: %s", type(model).__name__, error)
             raise refusal from None
+        if applied_of(model).context is not None:
+            raise PlaitError(f"pp × cp: {type(model).__name__}'s stages must run its own forward "
+                             f"({first_line(refusal)}), which makes its own positions, not context "
+                             "parallelism's", hint="drop --cp or --pp for this model")
         log.info("pp: %s's stages run its own forward (%s), which gives its own logits cut after each layer",
                  type(model).__name__, first_line(refusal))
         return parts
@@ -187,6 +193,16 @@ class DeclaredPlanAdapter:
             narrow_counts(model, self._inferred, axis.size)
         if sp and axis.size > 1:
             split_sequence_around(list(model.get_submodule(_blocks_for_sp(model))), axis)
+
+
+def _refuse_layer_drop(model: nn.Module, config: Any) -> None:
+    """A model that skips whole layers at random in training (LayerDrop: OPT's, BioGPT's,
+    XGLM's `layerdrop`) draws on each stage what one process draws once: refused for pp."""
+    for key, value in vars(config).items():
+        if "layerdrop" in key and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            raise PlaitError(f"pp: {type(model).__name__} skips whole layers at random in training ({key} = "
+                             f"{value}), which a cut into stages cannot draw as one process does",
+                             hint=f"set {key} = 0, or train it with pp 1")
 
 
 def dispatched_experts(ep_plan: dict[str, Any]) -> list[str]:

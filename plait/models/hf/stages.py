@@ -212,8 +212,10 @@ def run_stage(stage: StageView, x: torch.Tensor, parts: Parts, config: Any, head
     if stage.is_first:
         for name in parts.first:
             x = first_output(stage.held(name)(x))
-    # Under sequence parallelism hidden states between stages hold seq / tp positions.
-    seq = x.shape[1] * (1 if stage.is_first else stage.seq_split)
+    # Under sequence parallelism hidden states between the blocks hold seq / tp positions (not
+    # those before the first block or after the last: an end stage may hold none).
+    sliced = not stage.is_first and 0 < stage.first_layer < len(layer_kinds(config))
+    seq = x.shape[1] * (stage.seq_split if sliced else 1)
     # no rotary module (Jamba's, Nemotron-H's layers take no angles): none to give
     rotary = next((stage.held(name) for name in parts.shared if name.rsplit(".", 1)[-1] == ROTARY), None)
     positions = stage_positions(stage, seq, x.device)
@@ -309,7 +311,7 @@ def check_kinds(model: nn.Module, config: Any, blocks: str) -> dict[str, str | N
     made: dict[int, str] = {}
     try:
         with quiet(model), _tagged_makers(model, made):
-            model(input_ids=probe_ids(model, _probe_length(model, reach)))
+            model(input_ids=probe_ids(model, probe_length(model, reach)))
     finally:
         for handle in handles:
             handle.remove()
@@ -379,7 +381,7 @@ def mask_reach(config: Any) -> int:
     return max(sizes, default=0)
 
 
-def _probe_length(model: nn.Module, reach: int = 0) -> int:
+def probe_length(model: nn.Module, reach: int = 0) -> int:
     """A few tokens, past `reach` (a window or chunk up to REACH_CHECKED), a multiple of tp
     under sequence parallelism (the model may be split already)."""
     info = tensor_parallel_of(model)
@@ -392,7 +394,7 @@ def check_cut(model: nn.Module, parts: Parts, config: Any, head: OwnHead | None 
               other: dict[str, str | None] | None = None) -> None:
     """Refuse the cut unless its pieces, run in a row as the stages run them, give exactly the
     model's own logits on a few tokens (a multiple of tp under sequence parallelism)."""
-    ids = probe_ids(model, _probe_length(model, mask_reach(config)))
+    ids = probe_ids(model, probe_length(model, mask_reach(config)))
     with quiet(model):
         own = getattr(model(input_ids=ids), "logits", None)
         try:

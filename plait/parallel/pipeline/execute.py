@@ -260,11 +260,13 @@ class StepRun:
         inputs, module = self.inputs[act.microbatch], self.work[act.chunk].module
         if isinstance(inputs, Packed):  # every stage's attention and positions read the documents
             module.packed, inputs = inputs.to(self.device), inputs.ids
-        x = inputs.to(self.device) if incoming is None else incoming
+        # every pp rank holds the micro-batch's ids: a stage that runs its model's own forward reads them
+        module.token_ids = inputs.to(self.device)
+        x = module.token_ids if incoming is None else incoming
         try:
             out, state = self.work[act.chunk].forward(x, grad_input=incoming is not None and torch.is_grad_enabled())
         finally:
-            module.packed = None  # a recomputation reads what the blocks were given, not this
+            module.packed = module.token_ids = None  # a recomputation reads what the blocks were given, not these
         if stage == self.num_stages - 1:
             loss = self.loss_fn(out, self.targets[act.microbatch].to(out.device))
             self.losses.append(loss.detach())

@@ -156,8 +156,12 @@ def agree_shapes(stages: dict[int, torch.nn.Module], axis: Axis, num_stages: int
                 shapes[k - 1] = _decode(meta)
             shape, dtype = shapes[k - 1]
             x = torch.zeros(shape, dtype=dtype, device=first_input.device)
-        with torch.no_grad():
-            y = stages[k](x)
+        stages[k].token_ids = getattr(first_input, "ids", first_input)  # as the step hands every stage
+        try:
+            with torch.no_grad():
+                y = stages[k](x)
+        finally:
+            stages[k].token_ids = None
         shapes[k] = (tuple(y.shape), y.dtype)
         if k < num_stages - 1 and (k + 1) % pp != rank:
             meta = _encode(shapes[k]).to(first_input.device)

@@ -63,6 +63,7 @@ class PipelineStage(nn.Module):
         # Context parallelism (plait.parallel.context), applied to the whole model before the cut.
         self.context = applied_of(model).context
         self.packed: Packed | None = None  # the running micro-batch's documents (set by the step's run)
+        self.token_ids: torch.Tensor | None = None  # the running micro-batch's token ids (set alike)
         self._blocks_at = parts.blocks or BLOCKS
         first, last = self.is_first, self.is_last
         tied = _tied(model, parts)  # {id of a tied weight: the full model's name of it}

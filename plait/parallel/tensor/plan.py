@@ -191,7 +191,10 @@ class WholeRegion:
     `replicated` ("gathered"): a module the plan leaves whole that mixes tokens (an attention
     transformers declares no split for) reads the whole sequence the same way, but every rank
     then computes all of it: its input gradient is whole on every rank, so entering keeps this
-    rank's chunk of it (regions.gather_to_replicated) rather than summing the ranks'."""
+    rank's chunk of it (regions.gather_to_replicated) rather than summing the ranks'. Its other
+    inputs on the same sequence slice are gathered alike (MPT's MLP adds the residual it is
+    given), and leaving, each output that holds the whole sequence keeps this rank's chunk
+    (DBRX's attention hands on its residual beside its output)."""
 
     def __init__(self, module: nn.Module, axis: Axis, replicated: bool = False):
         self.module, self.axis, self.name = module, axis, first_input_name(module)
@@ -210,14 +213,35 @@ class WholeRegion:
         self.shapes.append(x.shape[:2])
         entered = regions.gather_to_replicated(x, self.axis) if self.replicated else \
             enter_region(x, self.axis, True, regather=False)
-        return ((entered, *args[1:]), kwargs) if args else (args, {**kwargs, self.name: entered})
+        args, kwargs = ((entered, *args[1:]), kwargs) if args else (args, {**kwargs, self.name: entered})
+        if self.replicated:  # its other inputs on this rank's slice too (MPT's MLP adds the residual it is given)
+            args, kwargs = self._gathered_rest(x, args, kwargs)
+        return args, kwargs
+
+    def _gathered_rest(self, x: torch.Tensor, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The inputs after the first that hold the same (batch, seq chunk) as it, gathered
+        whole: inside, everything runs as without SP, so each is whole and alike on every rank,
+        and so is its gradient, of which entering keeps this rank's chunk."""
+        def whole(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value is not x and value.dim() >= 3 \
+                    and value.shape[:2] == x.shape[:2]:
+                return regions.gather_to_replicated(value, self.axis)
+            return value
+        first = 1 if args else 0
+        return ((*args[:first], *map(whole, args[first:])),
+                {key: value if key == self.name else whole(value) for key, value in kwargs.items()})
 
     def leave(self, module: nn.Module, args: tuple, out: Any) -> Any:
         batch, chunk = self.shapes.pop()
         first = out[0] if isinstance(out, tuple) else out
         mine = regions.scatter_to_sequence(first.reshape(batch, chunk * self.axis.size, -1), self.axis)
         mine = mine.reshape(batch, chunk, *first.shape[2:]) if first.dim() == 3 else mine.reshape(-1, *first.shape[1:])
-        return (mine, *out[1:]) if isinstance(out, tuple) else mine
+        if not isinstance(out, tuple):
+            return mine
+        whole = (batch, chunk * self.axis.size)  # DBRX's attention also hands on its residual
+        rest = [regions.scatter_to_sequence(value, self.axis) if isinstance(value, torch.Tensor)
+                and value.dim() == 3 and tuple(value.shape[:2]) == whole else value for value in out[1:]]
+        return (mine, *rest)
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
