@@ -418,3 +418,18 @@ def test_layer_drop_is_refused_for_pp() -> None:
         split_stages(model, 2, adapter=adapter_for(model))
     assert info.value.args[0] == ("pp: BioGptForCausalLM skips whole layers at random in training (layerdrop = "
                                   "0.1), which a cut into stages cannot draw as one process does")
+
+
+def test_stages_run_the_models_own_forward_when_asked() -> None:
+    """`DeclaredPlanAdapter(own_forward=True)`: a model the usual stage cuts (Qwen3) cut by
+    its own forward instead, exactly (benchmarks/own_forward.py times the two)."""
+    model = qwen3()
+    adapter = DeclaredPlanAdapter(own_forward=True)
+    stages = split_stages(model, 2, adapter=adapter)
+    assert adapter._own is not None
+    ids = torch.randint(0, 64, (2, 12))
+    x = ids
+    for stage in stages:
+        stage.token_ids = ids
+        x = stage(x)
+    assert torch.equal(x, model(input_ids=ids).logits)

@@ -59,7 +59,10 @@ def laid_out_as_declared(model: nn.Module) -> bool:
 class DeclaredPlanAdapter:
     """Any transformers causal LM, split as its own tp_plan and pp_plan say."""
 
-    def __init__(self) -> None:
+    def __init__(self, own_forward: bool = False) -> None:
+        """`own_forward`: pipeline stages always run the model's own forward (own_forward.py);
+        by default only where the usual stage (stages.py) cannot give the model's logits."""
+        self.own_forward = own_forward
         self._parts: Parts | None = None
         self._config: Any = None
         self._head: hf_stages.OwnHead | None = None
@@ -85,19 +88,27 @@ class DeclaredPlanAdapter:
         config = text_config(model)
         _refuse_layer_drop(model, config)
         real = stand_in(model)  # a meta model's checks run a copy with values (plait.parallel.probe_copy)
+        self._config, self._own = config, None
+        refusal = PlaitError("own forward asked for") if self.own_forward else self._usual_cut(model, real, plan)
+        if refusal is None:
+            return self._parts
+        # what a stage remakes by rule is not all: stages that run the model's own forward
+        self._parts = self._own_cut(model, real, plan, config, refusal)
+        self._own = OwnForward.of(model, self._parts, real)
+        self._own.learn_shapes(real, hf_stages.probe_ids(real, hf_stages.probe_length(real)))
+        return self._parts
+
+    def _usual_cut(self, model: nn.Module, real: nn.Module, plan: dict[str, Any]) -> PlaitError | None:
+        """The cut whose stages make positions, angles and masks by rule (stages.py), checked on
+        `real`; its refusal where the check fails."""
         try:
             parts = hf_stages.declared_parts(model, plan)
-            other = hf_stages.check_kinds(real, config, parts.blocks)
-            hf_stages.check_cut(real, parts, config, hf_stages.OwnHead(real), other)
-        except PlaitError as refusal:  # what a stage remakes by rule is not all: try the model's own forward
-            parts = self._own_cut(model, real, plan, config, refusal)
-            self._own = OwnForward.of(model, parts, real)
-            self._own.learn_shapes(real, hf_stages.probe_ids(real, hf_stages.probe_length(real)))
-            self._parts, self._config = parts, config
-            return parts
-        self._parts, self._config, self._head, self._other = parts, config, hf_stages.OwnHead(model), other
-        self._own = None
-        return parts
+            other = hf_stages.check_kinds(real, self._config, parts.blocks)
+            hf_stages.check_cut(real, parts, self._config, hf_stages.OwnHead(real), other)
+        except PlaitError as refusal:
+            return refusal
+        self._parts, self._head, self._other = parts, hf_stages.OwnHead(model), other
+        return None
 
     @staticmethod
     def _own_cut(model: nn.Module, real: nn.Module, plan: dict[str, Any], config: Any,

@@ -22,6 +22,8 @@ own layers (plait.parallel.tensor):
 | moe_tp_experts, all_reduce       | experts               | every expert's hidden units split (its        |
 |                                  |                       | parameters' entries): inputs enter, the output|
 |                                  |                       | is summed (parallel/tensor/experts.py)        |
+| moe_identity_expert              | divided               | inside the experts: its input over tp, as its |
+|                                  |                       | whole output joins every rank's partial sum   |
 | local_params, replicate          | (nothing)             | plait's slices are plain tensors already; a   |
 |                                  |                       | module no entry names stays whole             |
 | colwise, rowwise on a parameter  | param_column, param_row | dimension -2 (a 1-D parameter's only one),  |
@@ -86,6 +88,7 @@ DECLARED: dict[str, str] = {  # transformers' style -> plait's
     "sequence_parallel": "sequence",
     "moe_tp_experts": "experts",
     "all_reduce": "experts",  # a module over split parameters (Inkling's shared experts): its output summed
+    "moe_identity_expert": "divided",  # inside the experts: its whole output joins each rank's partial sum
 }
 # Styles that only say how transformers' DTensors run a module (its forward with its own
 # shards as plain tensors: the owner of a split attention sink): plait's slices are plain
@@ -129,7 +132,7 @@ def plait_plan(model: nn.Module, declared: dict[str, str]) -> dict[str, str]:
         if mapped is None or (style == "packed_colwise" and not all(isinstance(m, nn.Linear) for m in hits)):
             raise refuse(model, pattern, style)
         plan[pattern] = mapped
-    _check_experts_split(model, plan)
+    _check_experts_split(model, plan, declared)
     return plan
 
 
@@ -146,9 +149,14 @@ def _mla_tail(model: nn.Module) -> str | None:
     return f"enter_tail:{rope}" if isinstance(rope, int) and rope > 0 else None
 
 
-def _check_experts_split(model: nn.Module, plan: dict[str, str]) -> None:
+def _check_experts_split(model: nn.Module, plan: dict[str, str], declared: dict[str, str]) -> None:
     """An "experts" module sums its ranks' outputs: each must hold a split of its parameters
-    (a parameter entry under it), else every rank's whole output would be added tp times."""
+    (a parameter entry under it), else every rank's whole output would be added tp times; a
+    "divided" module only inside one, whose sum counts its output once."""
+    experts = [pattern for pattern, style in plan.items() if style == "experts"]
+    for pattern, style in plan.items():
+        if style == "divided" and not any(pattern.startswith(f"{e}.") for e in experts):
+            raise refuse(model, pattern, declared.get(pattern, style), " outside an experts module whose output is summed")
     params = [name for name, _ in model.named_parameters()]
     split = [name for pattern, style in plan.items() if parse_style(style)[0] in PARAMS
              for name in params if fnmatchcase(name, pattern)]
@@ -157,11 +165,11 @@ def _check_experts_split(model: nn.Module, plan: dict[str, str]) -> None:
             continue
         for name, _ in model.named_modules():
             if name and fnmatchcase(name, pattern) and not any(p.startswith(f"{name}.") for p in split):
-                raise refuse(model, pattern, "moe_tp_experts", f" with no parameter of {name} split")
-            inside = [key for key, inner in plan.items() if parse_style(inner)[0] not in PARAMS
+                raise refuse(model, pattern, declared.get(pattern, style), f" with no parameter of {name} split")
+            inside = [key for key, inner in plan.items() if parse_style(inner)[0] not in (*PARAMS, "divided")
                       and key != pattern and key.startswith(f"{pattern}.")]
             if inside:  # a row layer inside would sum its output, and the module sum it again
-                raise refuse(model, pattern, "all_reduce", f" around layers split as modules ({inside[0]})")
+                raise refuse(model, pattern, declared.get(pattern, style), f" around layers split as modules ({inside[0]})")
 
 
 def check_config(model: nn.Module, plan: dict[str, str], tp: int) -> None:

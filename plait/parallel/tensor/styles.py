@@ -29,6 +29,9 @@ A plan maps module-name patterns (shell style, `*` matches any run of characters
 | "experts"       | any           | a mixture of experts' experts module whose weights the plan |
 |                 |               | splits by parameter: its tensor inputs enter the region, its|
 |                 |               | output (each rank's partial sum) leaves it, summed          |
+| "divided"       | any, inside   | its first input divided by tp: what it gives joins every    |
+|                 | "experts"     | rank's partial sum whole, so the sum counts it once         |
+|                 |               | (LongCat's identity expert, for its zero experts)           |
 
 Two styles name a parameter, not a module (a pattern such as "layers.*.experts.down_proj"):
 "param_column" cuts its dimension -2 (an (out, in) weight's outputs; a 1-D parameter's only
@@ -57,7 +60,7 @@ from plait.errors import PlaitError
 from plait.parallel.tensor.layers import is_conv1d, layout_of, overrides_forward
 
 STYLES = ("column", "column_gather", "row", "row_split", "vocab", "region", "sequence", "grad_sum", "experts",
-          "gathered", "enter_tail", "param_column", "param_row")
+          "gathered", "enter_tail", "param_column", "param_row", "divided")
 COLUMNS = ("column", "column_gather")  # styles whose layer enters the region from a whole input
 ROWS = ("row", "row_split")
 SPLIT = (*COLUMNS, *ROWS, "vocab")  # styles that cut a layer's weight
