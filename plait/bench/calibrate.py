@@ -8,8 +8,8 @@ local ranks busy at the same time, each on its share of the cores):
   (finite check, clipping, AdamW) at the model's size, and the fixed costs of an op, a view,
   an optimizer tensor and a gradient check;
 * the loop's own cost per step (walking the model's states for the report);
-* per group size of the first n ranks: a ring step's latency (an 8-byte all-reduce) and the
-  bus bandwidth of a large all-reduce.
+* per group size of the first n ranks: a ring step's latency (an 8-byte all-reduce; on a CPU
+  between bursts of compute, as a step meets it) and the bus bandwidth of a large all-reduce.
 Each timing is the median of several runs; across ranks the slowest counts.
 """
 
@@ -54,7 +54,8 @@ from plait.parallel.compose import adamw_kernel
 # 6: on a GPU the update timed in four tensors (update_chunk): the device's pass, not the host's.
 # 7: on a GPU the update timed up to 256 Mi parameters (stream_cap), as far as its free memory allows.
 # 8: all-gather's and reduce-scatter's own bus bandwidth (op_links); ring attention's compute per cp.
-METHOD_VERSION = 8
+# 9: on a CPU a collective's step latency taken between bursts of compute, as a step meets it (in_step_s).
+METHOD_VERSION = 9
 
 
 class Spreads:
@@ -452,7 +453,13 @@ def measure_dispatch(mesh: Mesh, reps: int, optimizer_kernel: str = "fused") -> 
 
 
 def measure_links(mesh: Mesh, large: int, reps: int) -> tuple[tuple[int, float, float], ...]:
-    """(n, µs per ring step, GB/s busbw) of all-reduce on the first n ranks, each n."""
+    """(n, µs per ring step, GB/s busbw) of all-reduce on the first n ranks, each n.
+
+    On a host that runs its own collectives (a CPU under Gloo) a step's latency is taken
+    between bursts of compute, as training meets it (`in_step_s`), not back to back: there the
+    transport's threads sleep while the ranks compute, and each collective wakes them. Measured
+    on this 2-core machine: an 8-byte all-reduce takes 180 µs back to back, 700 µs on average
+    between matmuls; a ring of cp 2 paid that on each of its hundreds of exchanges a step."""
     world = mesh.env.world_size
     axes = first_ranks_axes(group_sizes(world), mesh.ledger, mesh.global_rank, world)
     rows = []
@@ -461,13 +468,37 @@ def measure_links(mesh: Mesh, large: int, reps: int) -> tuple[tuple[int, float, 
         if axis is not None:
             tiny = torch.zeros(2, dtype=torch.float32, device=mesh.device)
             big = torch.zeros(large // 4, dtype=torch.float32, device=mesh.device)
-            small_t = _median_s(lambda: comm.all_reduce(tiny, axis, purpose=comm.TELEMETRY), reps * 4)
+            small = lambda: comm.all_reduce(tiny, axis, purpose=comm.TELEMETRY)  # noqa: E731
+            small_t = _median_s(small, reps * 4) if mesh.device.type == "cuda" else in_step_s(small, reps * 40)
             large_t = _median_s(lambda: comm.all_reduce(big, axis, purpose=comm.TELEMETRY), reps)
         small_t, large_t = _slowest(mesh, [small_t, large_t])
         step = small_t / (2 * (n - 1))
         wire = 2 * (n - 1) / n * large
         rows.append((n, step * 1e6, wire / max(large_t - 2 * (n - 1) * step, 1e-9) / 1e9))
     return tuple(rows)
+
+
+BURST = (192, 384)  # the compute between two collectives of `in_step_s`: a (192 x 384) @ (384 x 384) product
+
+
+def in_step_s(op: Callable[[], Any], reps: int) -> float:
+    """Seconds `op` adds after a burst of compute: the mean of (compute, then op) less the mean
+    of compute alone, the two taken in turns so that a passing disturbance meets both. The
+    mean, not the median: on 2 cores an 8-byte all-reduce's median there is about 210 µs, but
+    one in a few waits milliseconds for a descheduled thread, for a mean near 700 µs, and a
+    step pays the mean of its hundreds of collectives."""
+    a, b = torch.randn(*BURST), torch.randn(BURST[1], BURST[1])
+    op()  # warm-up
+    alone, paired = [], []
+    for _ in range(reps):
+        start = time.perf_counter()
+        a @ b
+        alone.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        a @ b
+        op()
+        paired.append(time.perf_counter() - start)
+    return max(statistics.fmean(paired) - statistics.fmean(alone), 0.0)
 
 
 def measure_op_links(mesh: Mesh, large: int, reps: int, links: tuple[tuple[int, float, float], ...]

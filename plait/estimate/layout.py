@@ -215,7 +215,8 @@ def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1, ep: int
     """
     sharded, replicated = block_split(config)
     experts = held_experts(config, ep)  # MoE blocks: experts / ep each, whole on every tp rank
-    block = sharded // tp + replicated - round(held_experts(config, 1)) + round(experts)  # all experts -> ours
+    replicated += round(experts) - round(held_experts(config, 1))  # all experts -> ours
+    block = sharded // tp + replicated
     h = config.d_model
     table = vocab_shard(config, tp) * h
     first = table + (config.max_seq_len * h if config.arch == "gpt2" else 0)

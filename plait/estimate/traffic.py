@@ -105,18 +105,21 @@ def tp_collectives(layout: Workload, stage: StageShare, ends: bool = True,
     all-gathers and one more reduce-scatter (the backward re-gathers stay: the rerun keeps
     sequence shards too). Around the blocks: the vocab-parallel embedding leaves a region
     (first stage), the head enters one (last stage, whose saved input SP gathers again too).
-    An MoE block (whole on every tp rank, no SP) has attention's collectives only.
+    An MoE block's MLP stays whole on every tp rank: its attention's collectives only, under SP
+    too (a transformers MoE, `whole_ends`: the MoE block runs whole on its sequence slice, its
+    weights' gradients summed over tp, as a norm's are).
     With `whole_ends` (GPTConfig.whole_sequence_ends) the embedding and the head read the
     whole sequence under SP too: one all-reduce each, as without SP (the sequence's own cut
     and gather around the blocks are `sequence_ends`).
     """
     blocks, first, last = stage.layers, int(ends and stage.first), int(ends and stage.last)
     full = layout.recompute == "full"
+    moe = round(stage.moe_layers)
     if not layout.sp:  # an MoE block's MLP stays whole on every tp rank: its attention's two (three) only
-        moe = round(stage.moe_layers)
         return {"all_reduce": (blocks - moe) * (5 if full else 4) + moe * (3 if full else 2) + first + last}
-    if whole_ends:
-        return {"all_gather": blocks * (8 if full else 6), "reduce_scatter": blocks * (5 if full else 4),
+    if whole_ends:  # an MoE block: its attention's region alone (3 all-gathers, 2 reduce-scatters; full: 4 and 3)
+        return {"all_gather": (blocks - moe) * (8 if full else 6) + moe * (4 if full else 3),
+                "reduce_scatter": (blocks - moe) * (5 if full else 4) + moe * (3 if full else 2),
                 "all_reduce": first + last}
     return {"all_gather": blocks * (8 if full else 6) + first + 2 * last,
             "reduce_scatter": blocks * (5 if full else 4) + first + last}
