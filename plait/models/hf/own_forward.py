@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from plait.errors import PlaitError
-from plait.models.hf.stages import HINT, first_output, probe_length
+from plait.models.hf.stages import HINT, first_output, placed_pieces, probe_length
 from plait.models.hf.styles import probe_ids
 from plait.parallel.probe import first_line, quiet
 from plait.parallel.seam import Parts, StageView
@@ -294,19 +294,8 @@ class _ProbeStage:
     def __init__(self, model: nn.Module, parts: Parts, index: int, num_stages: int, seq_split: int,
                  token_ids: torch.Tensor):
         self.model, self.parts, self.index, self.num_stages, self.first_layer = model, parts, index, num_stages, index
-        self.seq_split, self.token_ids = seq_split, token_ids
-
-    @property
-    def training(self) -> bool:
-        return self.model.training
-
-    @property
-    def is_first(self) -> bool:
-        return self.index == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.index == self.num_stages - 1
+        self.seq_split, self.token_ids, self.training = seq_split, token_ids, model.training
+        self.is_first, self.is_last = index == 0, index == num_stages - 1
 
     def held(self, name: str) -> Any:
         if name in self.parts.shared or (name in self.parts.first and self.is_first) or (
@@ -327,14 +316,8 @@ def own_parts(model: nn.Module, plan: dict[str, Any], real: nn.Module) -> Parts:
     embeddings), go before the blocks or after them as the forward runs them on `real` (OPT
     registers its final norm before its layers); one the forward never runs, as it is
     registered. Whether the forward agrees is `OwnForward.check`'s to say."""
-    name, modules = type(model).__name__, dict(model.named_modules())
-    order = {key: i for i, key in enumerate(modules)}
-    placed = sorted((key for key in plan if key in modules), key=order.get)
-    lists = [key for key in placed if isinstance(modules[key], nn.ModuleList)]
-    if len(lists) != 1:
-        raise PlaitError(f"pp: {name}'s pp_plan names {len(lists)} module lists ({', '.join(lists) or 'none'}); "
-                         "plait cuts one list of blocks", hint=HINT)
-    blocks = lists[0]
+    name = type(model).__name__
+    order, placed, blocks = placed_pieces(model, plan)
     pieces, shared = [key for key in placed if key != blocks], []
     stack = [""]
     while stack:

@@ -54,16 +54,22 @@ HINT = ("train it with pp 1 (dp, ZeRO and tp need no cut), or give parallelize a
         "parts() and run_stage() say how (plait.parallel.seam)")
 
 
-def declared_parts(model: nn.Module, plan: dict[str, Any]) -> Parts:
-    """The cut the pp plan declares (see the module docstring); PlaitError where it cannot be."""
-    name, modules = type(model).__name__, dict(model.named_modules())
+def placed_pieces(model: nn.Module, plan: dict[str, Any]) -> tuple[dict[str, int], list[str], str]:
+    """({module: its place in registration order}, the plan's modules in that order, the one
+    module list among them: the blocks); PlaitError unless there is exactly one list."""
+    modules = dict(model.named_modules())
     order = {key: i for i, key in enumerate(modules)}
     placed = sorted((key for key in plan if key in modules), key=order.get)
     lists = [key for key in placed if isinstance(modules[key], nn.ModuleList)]
     if len(lists) != 1:
-        raise PlaitError(f"pp: {name}'s pp_plan names {len(lists)} module lists ({', '.join(lists) or 'none'}); "
-                         "plait cuts one list of blocks", hint=HINT)
-    blocks = lists[0]
+        raise PlaitError(f"pp: {type(model).__name__}'s pp_plan names {len(lists)} module lists "
+                         f"({', '.join(lists) or 'none'}); plait cuts one list of blocks", hint=HINT)
+    return order, placed, lists[0]
+
+
+def declared_parts(model: nn.Module, plan: dict[str, Any]) -> Parts:
+    """The cut the pp plan declares (see the module docstring); PlaitError where it cannot be."""
+    order, placed, blocks = placed_pieces(model, plan)
     shared = _unplaced(model, set(placed))
     return Parts(blocks=blocks, first=tuple(k for k in placed if order[k] < order[blocks]),
                  last=tuple(k for k in placed if order[k] > order[blocks]), shared=tuple(shared))
