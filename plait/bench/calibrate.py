@@ -9,7 +9,8 @@ local ranks busy at the same time, each on its share of the cores):
   an optimizer tensor and a gradient check;
 * the loop's own cost per step (walking the model's states for the report);
 * per group size of the first n ranks: a ring step's latency (an 8-byte all-reduce; on a CPU
-  between bursts of compute, as a step meets it) and the bus bandwidth of a large all-reduce.
+  between bursts of compute, as a step meets it) and the bus bandwidth of a large all-reduce;
+  and a send/recv pair's latency between two ranks, taken the same way.
 Each timing is the median of several runs; across ranks the slowest counts.
 """
 
@@ -55,7 +56,8 @@ from plait.parallel.compose import adamw_kernel
 # 7: on a GPU the update timed up to 256 Mi parameters (stream_cap), as far as its free memory allows.
 # 8: all-gather's and reduce-scatter's own bus bandwidth (op_links); ring attention's compute per cp.
 # 9: on a CPU a collective's step latency taken between bursts of compute, as a step meets it (in_step_s).
-METHOD_VERSION = 9
+# 10: a send/recv pair's latency (p2p_latency_us), for ring attention's steps and pipeline messages.
+METHOD_VERSION = 10
 
 
 class Spreads:
@@ -499,6 +501,21 @@ def in_step_s(op: Callable[[], Any], reps: int) -> float:
         op()
         paired.append(time.perf_counter() - start)
     return max(statistics.fmean(paired) - statistics.fmean(alone), 0.0)
+
+
+def measure_p2p(mesh: Mesh, reps: int) -> float:
+    """µs of a batched send/recv pair between the first two ranks (each the other's peer, as a
+    ring of two and a pipeline's neighbours run it), 8 bytes; on a CPU between bursts of compute
+    and its mean (`in_step_s`): 860 µs there on 2 cores, against 300 µs a ring step of an
+    all-reduce. The other ranks wait."""
+    axis = first_ranks_axes([2], mesh.ledger, mesh.global_rank, mesh.env.world_size).get(2)
+    taken = 0.0
+    if axis is not None:
+        tiny, received = (torch.zeros(2, dtype=torch.float32, device=mesh.device) for _ in range(2))
+        peer = 1 - axis.rank
+        pair = lambda: comm.send_recv(tiny, received, axis, peer, peer, purpose=comm.TELEMETRY).wait()  # noqa: E731
+        taken = _median_s(pair, reps * 4) if mesh.device.type == "cuda" else in_step_s(pair, reps * 40)
+    return _slowest(mesh, [taken])[0] * 1e6
 
 
 def measure_op_links(mesh: Mesh, large: int, reps: int, links: tuple[tuple[int, float, float], ...]

@@ -102,4 +102,6 @@ def describe(hw: object, out: str) -> str:
              f"op {hw.op_overhead_us:.1f} us, view {hw.view_overhead_us:.1f} us, "
              f"loop {hw.step_overhead_us:.0f} us/step"]
     lines += [f"  all-reduce  n={n}: {lat:.1f} us per ring step, {bw:.2f} GB/s busbw" for n, lat, bw in hw.links]
+    if hw.p2p_latency_us:
+        lines.append(f"  send/recv   {hw.p2p_latency_us:.1f} us a message (ring attention's steps, pipeline messages)")
     return "\n".join(line for line in lines if line)

@@ -87,11 +87,12 @@ def calibrate(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len: int, 
     memory["host_mem_gb_s"] = cal.measure_host_update(mesh, host_params, optimizer_kernel, reps)
     links = cal.measure_links(mesh, (2 if quick else 16) * 2**20, reps) if mesh.env.world_size > 1 else ()
     op_links = cal.measure_op_links(mesh, (2 if quick else 16) * 2**20, reps, links) if links else ()
+    p2p_us = cal.measure_p2p(mesh, reps) if links else 0.0
     facts = machine_facts(mesh, optimizer_kernel, precision)
     base = base_preset(facts["gpu"])
     fields: dict[str, object] = {
         "name": f"calibrated {facts['host']}", "compute_efficiency": 1.0, "gemm": tuple(sorted(rates.items())),
-        "links": links, "op_links": op_links, **memory, **gemm_line(rates, precision, memory["op_overhead_us"], mesh.device.type, base)}
+        "links": links, "op_links": op_links, "p2p_latency_us": p2p_us, **memory, **gemm_line(rates, precision, memory["op_overhead_us"], mesh.device.type, base)}
     peak = max(fields[peak_field(precision)], 1e-9)
     if attention and rates.get(attention[0]):
         fields["attention_efficiency"] = min(1.0, rates[attention[0]] / peak)

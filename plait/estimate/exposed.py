@@ -64,7 +64,7 @@ def message_s(config: GPTConfig, layout: Workload, hw: Hardware, inter: int) -> 
     sender its time."""
     if layout.pp == 1:
         return 0.0
-    latency, bandwidth = hw.link(2, inter)
+    latency, bandwidth = hw.message(2, inter)
     return latency + layout.stage_message_bytes(config.d_model) / bandwidth
 
 
@@ -81,6 +81,7 @@ def cp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
     if layout.cp_kind == "ulysses":
         one_way = 4 * (cp - 1) * latency + per["forward"] / bandwidth
         return stage.layers * (forwards + 1) * one_way
+    latency, bandwidth = hw.message(cp, inter)  # the ring's steps are send/recv pairs
     # one forward (and one backward) of one layer's attention hides the transfers, where the
     # machine computes while its links move bytes (overlaps_comm)
     hides = overlaps_comm(hw)

@@ -43,6 +43,10 @@ class Hardware:
     attention_efficiency: float = 0.4  # fraction of peak a fused attention core reaches
     peak_fp8_tflops: float = 0.0  # dense float8 tensor-core peak; 0: no float8 units (fp8 runs at bf16's)
     op_overhead_us: float = 0.0  # fixed cost of one launched op (eager dispatch, not hidden)
+    # A point-to-point message's latency inside a node (a batched send/recv pair, as a ring
+    # attention's step and a pipeline's message run it), measured by `plait calibrate`; 0: a
+    # ring collective's step latency. On a CPU under Gloo it is taken between bursts of compute.
+    p2p_latency_us: float = 0.0
     # A GEMM of no measured shape costs its FLOPs at peak·compute_efficiency plus this: the
     # ramp and tail of a product too small to fill the device (GEMM_RAMP_US below).
     gemm_fixed_us: float = 0.0
@@ -132,6 +136,14 @@ class Hardware:
             return latency_us * 1e-6, gb_s * 1e9
         return self.latency(inter_node), self.bandwidth(inter_node)
 
+    def message(self, n: int, inter_node: bool) -> tuple[float, float]:
+        """(seconds of a point-to-point message's latency, bytes/s) in a group of n ranks: the
+        calibrated send/recv latency inside a node where measured, else a ring step's (`link`)."""
+        latency, bandwidth = self.link(n, inter_node)
+        if not inter_node and self.p2p_latency_us:
+            latency = self.p2p_latency_us * 1e-6
+        return latency, bandwidth
+
     def op_bandwidth(self, op: str, n: int) -> float:
         """Bytes/s of `op` on n ranks inside a node where it was measured apart from the
         all-reduce (the nearest measured group size), else 0.0."""
@@ -202,7 +214,7 @@ def sized_rate(table: tuple[tuple[int, float], ...], size: float) -> float:
 EXTRAPOLATED = 2.0  # beyond the largest measured size, a rate rises to at most this times its rate there
 
 
-_MAY_BE_ZERO = {"op_overhead_us", "gemm_fixed_us",
+_MAY_BE_ZERO = {"op_overhead_us", "gemm_fixed_us", "p2p_latency_us",
                 "view_overhead_us", "step_overhead_us", "optimizer_tensor_us", "grad_tensor_us",
                 "stream_gb_s", "peak_fp8_tflops"}
 
