@@ -86,12 +86,13 @@ def run_model(model: Any, inputs: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=None)
-def _parameters(cls: type) -> frozenset[str]:
-    return frozenset(inspect.signature(cls.forward).parameters)
+def forward_parameters(cls: type) -> tuple[str, ...]:
+    """The names a module class's forward takes, in order (`self` first)."""
+    return tuple(inspect.signature(cls.forward).parameters)
 
 
 def _takes(model: Any, name: str) -> bool:
-    return name in _parameters(type(model))
+    return name in forward_parameters(type(model))
 
 
 def loss_tokens(targets: torch.Tensor) -> torch.Tensor:

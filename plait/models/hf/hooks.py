@@ -3,14 +3,13 @@ transformers import."""
 
 from __future__ import annotations
 
-import functools
-import inspect
 from typing import Any
 
 import torch
 from torch import nn
 
 from plait.errors import PlaitError
+from plait.parallel.packed import forward_parameters
 from plait.rules import divisors
 from plait.parallel.tensor import regions
 from plait.runtime.comm import Axis
@@ -66,17 +65,11 @@ def _slice_the_rest(module: nn.Module, args: tuple, kwargs: dict, axis: Axis) ->
             return regions.scatter_to_sequence(value, axis)
         return value
 
-    names = _positional_names(type(module))  # RecurrentGemma hands its positions by position
+    names = forward_parameters(type(module))[1:]  # RecurrentGemma hands its positions by position
     rest = tuple(value if i == 0 or (i < len(names) and names[i] in READ_WHOLE) else sliced(value)
                  for i, value in enumerate(args))
     return rest, {key: value if key == "hidden_states" or key in READ_WHOLE else sliced(value)
                   for key, value in kwargs.items()}
-
-
-@functools.lru_cache(maxsize=None)
-def _positional_names(cls: type) -> tuple[str, ...]:
-    """The names of a module class's forward arguments, in order (after self)."""
-    return tuple(list(inspect.signature(cls.forward).parameters)[1:])
 
 
 def check_splits(model: nn.Module, tp: int, sizes: list[tuple[str, int]]) -> None:

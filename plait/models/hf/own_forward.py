@@ -33,10 +33,8 @@ holds other ones.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -45,6 +43,7 @@ from torch import nn
 from plait.errors import PlaitError
 from plait.models.hf.stages import HINT, first_output, placed_pieces, probe_length
 from plait.models.hf.styles import probe_ids
+from plait.parallel.packed import forward_parameters
 from plait.parallel.probe import first_line, quiet
 from plait.parallel.seam import Parts, StageView
 from plait.parallel.tensor.plan import tensor_parallel_of
@@ -107,18 +106,23 @@ class OwnForward:
     shells: "weakref.WeakKeyDictionary[Any, _Shell]" = field(default_factory=weakref.WeakKeyDictionary)
 
     @classmethod
-    def of(cls, model: nn.Module, parts: Parts, real: nn.Module) -> "OwnForward":
-        """The stages of `model` cut as `parts` says (meta or not): nothing is run. The modules
-        around the pieces are read from `real` (the model, or its probe copy), whose buffers
-        hold values."""
+    def of(cls, real: nn.Module, parts: Parts) -> "OwnForward":
+        """The stages of `real` (a model with values: the model, or its probe copy, whose buffers
+        hold values) cut as `parts` says: nothing is run (`for_model` gives them to the model)."""
         names = [*parts.first, *parts.last, *parts.shared, parts.blocks]
         paths = {""} | {name.rsplit(".", 1)[0] if "." in name else "" for name in names}
         paths |= {".".join(path.split(".")[:i]) for path in list(paths) for i in range(1, path.count(".") + 1)}
         skeletons = {path: _skeleton(real.get_submodule(path)) for path in paths}
-        return cls(parts, skeletons, [_plain(block) for block in model.get_submodule(parts.blocks)])
+        return cls(parts, skeletons, [_plain(block) for block in real.get_submodule(parts.blocks)])
 
-    def learn_shapes(self, real: nn.Module, ids: torch.Tensor) -> None:
-        """What the pieces before the blocks and a block give, from one forward of `real`."""
+    def for_model(self, model: nn.Module) -> "OwnForward":
+        """These stages, checked on the probe copy, for `model` itself: its own blocks' attributes
+        (the copy may hold fewer blocks), the same shells and shapes otherwise."""
+        return replace(self, block_state=[_plain(block) for block in model.get_submodule(self.parts.blocks)],
+                       shells=weakref.WeakKeyDictionary())
+
+    def learn_shapes(self, real: nn.Module, ids: torch.Tensor) -> torch.Tensor | None:
+        """What the pieces before the blocks and a block give, from one forward of `real`; its logits."""
         seen: dict[str, Any] = {}
         hooks = [real.get_submodule(name).register_forward_hook(
             lambda module, args, out, name=name: seen.setdefault(name, out)) for name in self.parts.first]
@@ -126,7 +130,7 @@ class OwnForward:
             lambda module, args, out: seen.setdefault("", out)))
         try:
             with quiet(real):
-                real(input_ids=ids)
+                logits = getattr(real(input_ids=ids), "logits", None)
         finally:
             for hook in hooks:
                 hook.remove()
@@ -136,6 +140,7 @@ class OwnForward:
                 self.outputs[name] = _Shape(tuple(out.shape[2:]), out.is_floating_point())
         block_out = seen.get("")
         self.tuple_len = len(block_out) if isinstance(block_out, tuple) else 0
+        return logits
 
     def __call__(self, stage: StageView, x: torch.Tensor) -> torch.Tensor:
         """Ids (first stage) or hidden states in; hidden states or logits (last stage) out. A
@@ -146,13 +151,14 @@ class OwnForward:
             raise PlaitError("a pipeline stage that runs its model's own forward needs the micro-batch's token ids",
                              hint="run the stages through plait's pipeline runner (PipelineRunner), which hands "
                                   "them to every stage")
+        ids = ids.to(x.device)  # the runner hands them as the step has them: moved only where a stage reads them
         shell = self._shell_of(stage, x)
         training = getattr(stage, "training", None)
         training = next((b.training for b in stage.held_blocks()), False) if training is None else training
         for module in shell.flagged:
             module.training = training
         kwargs: dict[str, Any] = {"use_cache": False}
-        if "output_router_logits" in _parameters(type(shell.root)):
+        if "output_router_logits" in forward_parameters(type(shell.root)):
             kwargs["output_router_logits"] = False
         packed = getattr(stage, "packed", None)
         if packed is not None:
@@ -214,12 +220,13 @@ class OwnForward:
             for i in range(n))
 
     def check(self, real: nn.Module, ids: torch.Tensor) -> None:
-        """Refuse unless `real` (self's model, or its probe copy) cut after every block gives
-        exactly its own logits, stage by stage, in eval mode; and runs so in training mode."""
+        """Learn the shapes (`learn_shapes`) of `real` (self's model, or its probe copy); refuse
+        unless, cut after every block, it gives exactly its own logits, stage by stage, in eval
+        mode, and runs so in training mode."""
         name = type(real).__name__
         blocks = len(real.get_submodule(self.parts.blocks))
+        own = self.learn_shapes(real, ids)
         with quiet(real):
-            own = getattr(real(input_ids=ids), "logits", None)
             try:
                 x = self._cut_after_each(real, ids, blocks)
                 real.train()  # a forward may take another path in training (RWKV's rescaling reads every block)
@@ -386,9 +393,3 @@ def _plain(module: nn.Module) -> dict[str, Any]:
             if isinstance(read, PLAIN):
                 state[key] = read
     return state
-
-
-@functools.lru_cache(maxsize=None)
-def _parameters(cls: type) -> frozenset[str]:
-    """The names a class's forward takes."""
-    return frozenset(inspect.signature(cls.forward).parameters)

@@ -93,9 +93,8 @@ class DeclaredPlanAdapter:
         if refusal is None:
             return self._parts
         # what a stage remakes by rule is not all: stages that run the model's own forward
-        self._parts = self._own_cut(model, real, plan, config, refusal)
-        self._own = OwnForward.of(model, self._parts, real)
-        self._own.learn_shapes(real, hf_stages.probe_ids(real, hf_stages.probe_length(real)))
+        self._own = self._own_cut(model, real, plan, config, refusal).for_model(model)
+        self._parts = self._own.parts
         return self._parts
 
     def _usual_cut(self, model: nn.Module, real: nn.Module, plan: dict[str, Any]) -> PlaitError | None:
@@ -112,15 +111,12 @@ class DeclaredPlanAdapter:
 
     @staticmethod
     def _own_cut(model: nn.Module, real: nn.Module, plan: dict[str, Any], config: Any,
-                 refusal: PlaitError) -> Parts:
-        """The cut whose stages run the model's own forward (models/hf/own_forward.py), checked
-        on `real`; the usual stage's `refusal` where that check fails too."""
+                 refusal: PlaitError) -> OwnForward:
+        """The stages that run the model's own forward (models/hf/own_forward.py), checked on
+        `real`; the usual stage's `refusal` where that check fails too."""
         try:
-            parts = own_parts(model, plan, real)
-            checker = OwnForward.of(real, parts, real)
-            ids = hf_stages.probe_ids(real, hf_stages.probe_length(real, hf_stages.mask_reach(config)))
-            checker.learn_shapes(real, ids)
-            checker.check(real, ids)
+            checker = OwnForward.of(real, own_parts(model, plan, real))
+            checker.check(real, hf_stages.probe_ids(real, hf_stages.probe_length(real, hf_stages.mask_reach(config))))
         except PlaitError as error:
             log.info("pp: %s's own forward cannot be cut either: %s", type(model).__name__, error)
             raise refusal from None
@@ -130,7 +126,7 @@ class DeclaredPlanAdapter:
                              "parallelism's", hint="drop --cp or --pp for this model")
         log.info("pp: %s's stages run its own forward (%s), which gives its own logits cut after each layer",
                  type(model).__name__, first_line(refusal))
-        return parts
+        return checker
 
     def run_stage(self, stage: StageView, x: torch.Tensor) -> torch.Tensor:
         """Ids or hidden states in; hidden states or logits out (models/hf/stages.py)."""

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from plait.errors import PlaitError
+from plait.parallel.packed import forward_parameters
 from plait.models.hf.styles import probe_ids
 from plait.parallel.probe import first_line, quiet
 from plait.parallel.seam import Parts, StageView
@@ -124,7 +125,7 @@ class OwnHead:
         base = getattr(model, self.prefix, None) if self.prefix else None
         self.base_state = {key: value for key, value in vars(base).items()  # its plain attributes only
                            if not key.startswith("_") and key != "training"} if isinstance(base, nn.Module) else {}
-        self.router_flag = "output_router_logits" in inspect.signature(self.cls.forward).parameters
+        self.router_flag = "output_router_logits" in forward_parameters(self.cls)
 
     def wraps(self, name: str) -> bool:
         """Whether the piece `name` runs inside the model's own forward (outside its base model)."""
@@ -220,13 +221,13 @@ def run_stage(stage: StageView, x: torch.Tensor, parts: Parts, config: Any, head
             x = first_output(stage.held(name)(x))
     # Under sequence parallelism hidden states between the blocks hold seq / tp positions (not
     # those before the first block or after the last: an end stage may hold none).
-    sliced = not stage.is_first and 0 < stage.first_layer < len(layer_kinds(config))
+    kinds = layer_kinds(config)
+    sliced = not stage.is_first and 0 < stage.first_layer < len(kinds)
     seq = x.shape[1] * (stage.seq_split if sliced else 1)
     # no rotary module (Jamba's, Nemotron-H's layers take no angles): none to give
     rotary = next((stage.held(name) for name in parts.shared if name.rsplit(".", 1)[-1] == ROTARY), None)
     positions = stage_positions(stage, seq, x.device)
     whole = x[:, :1].expand(x.shape[0], seq, x.shape[-1])  # the shape the masks are made for
-    kinds = layer_kinds(config)
     angles = _angles(rotary, whole, positions, set(kinds))
     other = other or {}
     made = causal_masks(config, whole, positions, (set(kinds) - set(other)) | {v for v in other.values() if v})

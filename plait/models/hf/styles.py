@@ -166,10 +166,10 @@ def _check_experts_split(model: nn.Module, plan: dict[str, str], declared: dict[
         for name, _ in model.named_modules():
             if name and fnmatchcase(name, pattern) and not any(p.startswith(f"{name}.") for p in split):
                 raise refuse(model, pattern, declared.get(pattern, style), f" with no parameter of {name} split")
-            inside = [key for key, inner in plan.items() if parse_style(inner)[0] not in (*PARAMS, "divided")
-                      and key != pattern and key.startswith(f"{pattern}.")]
-            if inside:  # a row layer inside would sum its output, and the module sum it again
-                raise refuse(model, pattern, declared.get(pattern, style), f" around layers split as modules ({inside[0]})")
+        inside = [key for key, inner in plan.items() if parse_style(inner)[0] not in (*PARAMS, "divided")
+                  and key != pattern and key.startswith(f"{pattern}.")]
+        if inside:  # a row layer inside would sum its output, and the module sum it again
+            raise refuse(model, pattern, declared.get(pattern, style), f" around layers split as modules ({inside[0]})")
 
 
 def check_config(model: nn.Module, plan: dict[str, str], tp: int) -> None:

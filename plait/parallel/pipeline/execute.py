@@ -261,8 +261,8 @@ class StepRun:
         if isinstance(inputs, Packed):  # every stage's attention and positions read the documents
             module.packed, inputs = inputs.to(self.device), inputs.ids
         # every pp rank holds the micro-batch's ids: a stage that runs its model's own forward reads them
-        module.token_ids = inputs.to(self.device)
-        x = module.token_ids if incoming is None else incoming
+        module.token_ids = inputs
+        x = inputs.to(self.device) if incoming is None else incoming
         try:
             out, state = self.work[act.chunk].forward(x, grad_input=incoming is not None and torch.is_grad_enabled())
         finally:

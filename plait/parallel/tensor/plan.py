@@ -129,7 +129,8 @@ def _swap_layers(model: nn.Module, styles: dict[str, str], axis: Axis, sp: bool,
             hook = functools.partial(_enter_hook, axis=axis, sp=sp, regather=regather, name=first_input_name(module))
             module.register_forward_pre_hook(hook, with_kwargs=True)
         elif style == "divided":
-            module.register_forward_pre_hook(functools.partial(_divided, tp=axis.size), with_kwargs=True)
+            module.register_forward_pre_hook(functools.partial(_divided, tp=axis.size, name=first_input_name(module)),
+                                             with_kwargs=True)
         elif style == "grad_sum" or (style == "sequence" and sp):
             for param in module.parameters():
                 sum_grad_over(param, axis)
@@ -147,9 +148,9 @@ def _swap_layers(model: nn.Module, styles: dict[str, str], axis: Axis, sp: bool,
                 gather_output=style == "column_gather", entry=entry if shares_entry(value) else None))
 
 
-def _divided(module: nn.Module, args: tuple, kwargs: dict, tp: int) -> tuple[tuple, dict]:
-    """A "divided" module's first input over tp (its gradient too: each rank's share of the sum)."""
-    name = first_input_name(module)
+def _divided(module: nn.Module, args: tuple, kwargs: dict, tp: int, name: str | None) -> tuple[tuple, dict]:
+    """A "divided" module's first input (`name`, when passed by keyword) over tp (its gradient
+    too: each rank's share of the sum)."""
     if args:
         return (args[0] / tp, *args[1:]), kwargs
     return args, {**kwargs, name: kwargs[name] / tp}
