@@ -15,7 +15,7 @@ from plait.estimate.traffic import tp_collectives, tp_traffic
 from plait.estimate.exposed import tp_s
 from plait.estimate.network import collective_s, inter_node
 from plait.estimate.time import estimate_time, flops_per_token, matmul_params, micro_batch_s_per_stage
-from plait.models.gpt.config import get_preset
+from plait.models.gpt.config import GPTConfig, get_preset
 
 H100 = get_hardware("h100-sxm")
 
@@ -248,3 +248,25 @@ def test_the_estimate_follows_the_runs_gradient_buckets() -> None:
     assert large.dp_s < small.dp_s and large.compute_s == small.compute_s
     with pytest.raises(PlaitError, match="--bucket-mb must be a positive number"):
         base.replace(bucket_mb=0)
+
+
+@pytest.mark.parametrize("sp, recompute, measured", [
+    (False, "none", {"all_reduce": 213_760}),
+    (False, "full", {"all_reduce": 295_680}),
+    (True, "none", {"all_reduce": 100_608, "reduce_scatter": 24_576, "all_gather": 49_152}),
+    (True, "full", {"all_reduce": 166_144, "reduce_scatter": 32_768, "all_gather": 65_536}),
+], ids=["tp", "tp_full", "tp_sp", "tp_sp_full"])
+def test_experts_a_tp_plan_splits_are_priced_as_they_run(sp: bool, recompute: str, measured: dict) -> None:
+    """Llama 4's shape (two MoE blocks, four experts each run on every token, one shared expert,
+    its plan splitting them by tp): the tp bytes of one step as `plait train --tp 2` measured
+    them on 2 ranks (micro-batch 2 x 32 tokens, fp32; the clip's 8 bytes aside). Full recompute
+    reruns the routed experts' exit, not the shared expert's; under SP the MoE block runs whole
+    on the gathered sequence."""
+    config = GPTConfig(vocab_size=256, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, ffn_hidden=64, experts=4,
+                       top_k=1, shared_experts=1, expert_hidden=64, tp_expert_rows=4, whole_sequence_ends=True,
+                       lean_blocks=False)
+    layout = Workload(dp=1, tp=2, sp=sp, micro_batch=2, seq_len=32, recompute=recompute)
+    traffic = [tp_traffic(config, layout, stage)["tp"] for stage in layout_stages(config, layout)]
+    assert traffic == [measured]
+    whole = replace(config, tp_expert_rows=0)  # priced as kept whole on every tp rank, it would differ
+    assert tp_traffic(whole, layout, layout_stages(whole, layout)[0])["tp"] != measured

@@ -7,7 +7,10 @@ Under `--sp` too: only the blocks run on sequence slices (the model's own code a
 needs the whole sequence), the embedding and the head keep their split by vocabulary and read
 the whole sequence (GPTConfig.whole_sequence_ends), and every collective measured is one
 predicted, of the same bytes. A mixture of experts (Mixtral) runs its MoE blocks whole on
-their sequence slices, its experts' and router's gradients summed over tp, priced so."""
+their sequence slices, its experts' and router's gradients summed over tp, priced so. Llama 4,
+whose plan splits its experts by tp (it declares no ep plan) and which runs every expert on every
+token, sums its experts' E rows a token leaving them and entering them, and under SP runs its MoE
+block whole on the gathered sequence: priced so, byte for byte."""
 
 from __future__ import annotations
 
@@ -25,12 +28,14 @@ SHAPE = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_la
 
 
 EXTRA = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+         "llama4_text": dict(num_local_experts=4, num_experts_per_tok=1, head_dim=8, intermediate_size_mlp=64,
+                             interleave_moe_layer_step=2),  # block 0 dense, block 1 MoE
          "qwen3": dict(head_dim=8)}  # per-head q/k norms: their gradients summed over tp, priced
 GATHERS = {"olmo2"}  # norms over every head: q, k, v gathered whole, o_proj's input gradient too
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp_sp"])
-@pytest.mark.parametrize("family", ["llama", "mixtral", "qwen3", "olmo2", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "mixtral", "qwen3", "olmo2", "gpt2", "llama4_text"])
 def test_the_ledger_under_tp_is_the_prediction_and_no_logits_are_gathered(tmp_path: Path, family: str,
                                                                           sp: bool) -> None:
     if family == "gpt2":  # its tied embedding and head stay whole under tp: none of their collectives

@@ -93,9 +93,11 @@ def llama_layer_bytes(config: GPTConfig, layout: Workload) -> float:
     # feeds down (2f: relu² squares relu's output in place of a copy).
     swiglu = 3 if lean else 4
     mlp = 2 if config.mlp_matrices == 2 else swiglu
-    replicated = 2 * rmsnorm_bytes(h, e, lean) + e * swiglu * moe + saved_bytes_per_token(config, layout)
+    experts = e * swiglu * moe  # whole on every tp rank, unless the model's plan splits them
+    split_experts = config.tp_expert_rows and layout.ep == 1
+    replicated = 2 * rmsnorm_bytes(h, e, lean) + saved_bytes_per_token(config, layout) + (0 if split_experts else experts)
     attention = 2 * h + 2 * kv_kept(config, layout) if lean else 4 * h  # q, k, v, out
-    sharded = e * (attention + o_proj_copy + mlp * f) + LSE_BYTES * a
+    sharded = e * (attention + o_proj_copy + mlp * f) + LSE_BYTES * a + (experts if split_experts else 0)
     if layout.cp > 1 and layout.cp_kind == "ring":
         # Ring attention keeps K and V as the model made them (kv_dim wide: GQA saves here)
         # and its output in fp32 for the backward's merge: q, k, v, out = e(h + 2kv) + 4h.

@@ -59,17 +59,25 @@ def saved_bytes_per_token(config: Any, layout: Any) -> float:
     """What an MoE block saves per token beyond its experts' widths (dense_and_expert_widths),
     averaged over the blocks: each choice's input row and output row (2·k·h, twice more
     under ep: the rows that arrived and the experts' output before it travels back), the
-    router's fp32 scores and probabilities (8E) and the balancing loss's choices (4kE)."""
+    router's fp32 scores and probabilities (8E) and the balancing loss's choices (4kE). A
+    model that runs every expert on every token (`tp_expert_rows`, Llama 4's) makes E rows a
+    token, not k."""
     if not config.is_moe:
         return 0.0
-    k, h, e = config.top_k, config.d_model, layout.compute_bytes
+    k, h, e = routed_rows(config), config.d_model, layout.compute_bytes
     rows = (2 + 2 * (layout.ep > 1)) * k * h * e
     return config.moe_layers / config.n_layers * (rows + 8 * config.experts + 4 * k * config.experts)
 
 
 def dense_and_expert_widths(config: Any) -> tuple[float, float]:
     """(dense MLP units, expert units) a token computes per block, averaged over the blocks:
-    a dense block's ffn_hidden (split by tp), an MoE block's top_k + shared experts' widths
-    (whole on every tp rank)."""
+    a dense block's ffn_hidden (split by tp), an MoE block's routed rows (`routed_rows`) and
+    shared experts' widths (whole on every tp rank, unless its plan splits them)."""
     moe = config.moe_layers / config.n_layers
-    return config.ffn_hidden * (1 - moe), (config.top_k + config.shared_experts) * config.expert_width * moe
+    return config.ffn_hidden * (1 - moe), (routed_rows(config) + config.shared_experts) * config.expert_width * moe
+
+
+def routed_rows(config: Any) -> int:
+    """The routed experts' rows a token makes: its top_k choices, or every expert where the
+    model runs them all on every token (GPTConfig.tp_expert_rows)."""
+    return config.tp_expert_rows or config.top_k

@@ -19,7 +19,8 @@ from plait.estimate.layout import StageShare, Workload
 from plait.estimate.memory import shard, state_bytes
 from plait.estimate.network import collective_s, collectives_s, inter_node
 from plait.estimate.ops import attention_time, stage_gemm_s
-from plait.estimate.traffic import ring_bytes, sequence_ends, tp_collectives, tp_traffic, zero3_gathers
+from plait.estimate.traffic import (ring_bytes, sequence_ends, split_moe_calls, tp_collectives, tp_traffic,
+                                   zero3_gathers)
 from plait.models.gpt.config import GPTConfig
 
 HOST_ADAM_BYTES = 28  # read weight, grad, m, v; write weight, m, v (fp32): host_mem_gb_s's unit
@@ -41,7 +42,7 @@ def tp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
     total = collectives_s(stage_tp_collectives(config, layout, stage), wire, t, hw, inter)
     if not (layout.software.tp_overlap and layout.sp and inter == 0):
         return total
-    counts = tp_collectives(layout, stage, ends=False)
+    counts = tp_collectives(layout, stage, ends=False, split_moe=split_moe_calls(config, layout))
     act = layout.hidden_bytes(config.d_model)
     block_s = collectives_s(counts, {op: ring_bytes(op, act, t) * n for op, n in counts.items()}, t, hw, inter)
     gemms = stage_gemm_s(config, layout, stage.layers, replace(hw, op_overhead_us=0.0))
@@ -52,7 +53,8 @@ def stage_tp_collectives(config: GPTConfig, layout: Workload, stage: StageShare)
     """The b·s·h collectives one micro-batch runs on `stage`, as traffic.tp_traffic counts their
     bytes: the ends' only where the vocabulary is split, and where SP cuts the sequence at the
     blocks alone, the ends whole and the sequence's cut and gather around the blocks."""
-    counts = tp_collectives(layout, stage, ends=config.vocab_split, whole_ends=config.whole_sequence_ends)
+    counts = tp_collectives(layout, stage, config.vocab_split, config.whole_sequence_ends,
+                            split_moe_calls(config, layout))
     gathers = sequence_ends(config, layout, stage)
     return {**counts, "all_gather": counts.get("all_gather", 0) + gathers} if gathers else counts
 

@@ -147,18 +147,24 @@ class StageShare:
         return self.index == self.pp - 1
 
 
-def block_split(config: GPTConfig) -> tuple[int, int]:
-    """(parameters a tp shard divides, parameters every tp rank keeps whole) of one block.
+def block_split(config: GPTConfig, ep: int = 1) -> tuple[int, int]:
+    """(parameters a tp shard divides, parameters every tp rank keeps whole) of one block,
+    averaged over the blocks.
 
     Megatron splits q/k/v, gate/up by columns and o/down by rows; norms (and the biases of
-    row-parallel layers in GPT-2) are replicated.
+    row-parallel layers in GPT-2) are replicated. An MoE block's MLP stays whole, but where
+    the model's tp plan splits its experts (`tp_expert_rows`, without ep): then its routed and
+    shared experts split as a dense MLP does, and only its router (and a shared-expert gate)
+    stays whole.
     """
     h, f, kv = config.d_model, config.ffn_hidden, config.kv_dim
     if config.arch == "gpt2":
         sharded = h * (h + 2 * kv) + (h + 2 * kv) + h * h + 2 * h * f + f
         return sharded, config.layer_params() - sharded
-    dense = (config.n_layers - config.moe_layers) / config.n_layers  # an MoE block's MLP stays whole over tp
-    sharded = 2 * h * h + 2 * h * kv + round(config.mlp_params * dense)
+    moe = config.moe_layers / config.n_layers
+    sharded = 2 * h * h + 2 * h * kv + round(config.mlp_params * (1 - moe))
+    if config.tp_expert_rows and ep == 1:
+        sharded += round((config.experts + config.shared_experts) * config.expert_params() * moe)
     average = round(sum(config.block_params(i) for i in range(config.n_layers)) / config.n_layers)
     return sharded, average - sharded
 
@@ -212,8 +218,11 @@ def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1, ep: int
     holds the final norm and the output head. With tied embeddings and pp > 1 the last
     rank keeps its own copy of the embedding matrix for the head, as plait's pipeline does.
     With --stage-layers a rank holds the blocks of its chunks (stage c·pp + r is rank r's).
+    A cut `plait train` refuses (interleaving's chunks unequal, a stage without a block) is
+    refused here too: priced, it would leave blocks out.
     """
-    sharded, replicated = block_split(config)
+    check_pipeline_cut(config.n_layers, pp, virtual_stages, stage_layers)
+    sharded, replicated = block_split(config, ep)
     experts = held_experts(config, ep)  # MoE blocks: experts / ep each, whole on every tp rank
     replicated += round(experts) - round(held_experts(config, 1))  # all experts -> ours
     block = sharded // tp + replicated

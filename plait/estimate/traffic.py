@@ -91,7 +91,7 @@ def cp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
 
 
 def tp_collectives(layout: Workload, stage: StageShare, ends: bool = True,
-                   whole_ends: bool = False) -> dict[str, int]:
+                   whole_ends: bool = False, split_moe: tuple[int, int] = (0, 0)) -> dict[str, int]:
     """Collectives of b·s·h activations per micro-batch on one rank of `stage` (its blocks'
     alone without `ends`: what an overlapping stack hides, time.tp_s).
 
@@ -111,18 +111,43 @@ def tp_collectives(layout: Workload, stage: StageShare, ends: bool = True,
     With `whole_ends` (GPTConfig.whole_sequence_ends) the embedding and the head read the
     whole sequence under SP too: one all-reduce each, as without SP (the sequence's own cut
     and gather around the blocks are `sequence_ends`).
+    Where tp splits an MoE block's experts (`split_moe`, from `split_moe_calls`), the block
+    adds its experts' all-reduces; under SP it runs whole on the gathered sequence: one more
+    region, entered by an all-gather (again in full recompute's rerun) whose backward
+    reduce-scatters, and left by keeping this rank's slice, whose gradient is gathered back.
     """
     blocks, first, last = stage.layers, int(ends and stage.first), int(ends and stage.last)
     full = layout.recompute == "full"
     moe = round(stage.moe_layers)
+    experts = moe * sum(split_moe)
     if not layout.sp:  # an MoE block's MLP stays whole on every tp rank: its attention's two (three) only
-        return {"all_reduce": (blocks - moe) * (5 if full else 4) + moe * (3 if full else 2) + first + last}
+        return {"all_reduce": (blocks - moe) * (5 if full else 4) + moe * (3 if full else 2) + experts + first + last}
     if whole_ends:  # an MoE block: its attention's region alone (3 all-gathers, 2 reduce-scatters; full: 4 and 3)
-        return {"all_gather": (blocks - moe) * (8 if full else 6) + moe * (4 if full else 3),
-                "reduce_scatter": (blocks - moe) * (5 if full else 4) + moe * (3 if full else 2),
-                "all_reduce": first + last}
+        region = moe if split_moe[0] else 0
+        return {"all_gather": (blocks - moe) * (8 if full else 6) + moe * (4 if full else 3) + region * (3 if full else 2),
+                "reduce_scatter": (blocks - moe) * (5 if full else 4) + moe * (3 if full else 2) + region,
+                "all_reduce": experts + first + last}
     return {"all_gather": blocks * (8 if full else 6) + first + 2 * last,
             "reduce_scatter": blocks * (5 if full else 4) + first + last}
+
+
+def split_moe_calls(config: GPTConfig, layout: Workload) -> tuple[int, int]:
+    """The all-reduces one MoE block's experts run per micro-batch where tp splits them
+    (GPTConfig.tp_expert_rows, without ep): (the routed experts', the shared experts'); each
+    routed one carries `tp_expert_rows` rows a token, a shared one one row. (0, 0) where tp
+    keeps the MoE MLP whole.
+
+    Without SP each is left (forward) and entered (backward) as a dense MLP is; under SP the
+    block runs whole on the gathered sequence, whose region's gather and scatter stand for
+    the entries (tp_collectives), so only the exits sum. Full recompute reruns the routed
+    experts' exit: they run before the shared experts (Llama 4's order), whose last saved input
+    ends the rerun, before their own exit."""
+    if not config.tp_expert_rows or layout.ep > 1 or layout.tp == 1:
+        return 0, 0
+    passes = 1 if layout.sp else 2
+    shared = passes if config.shared_experts else 0
+    rerun = 1 if layout.recompute == "full" and shared else 0
+    return passes + rerun, shared
 
 
 def sequence_ends(config: GPTConfig, layout: Workload, stage: StageShare) -> int:
@@ -153,8 +178,12 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
     t, m = layout.tp, layout.grad_accum
     act = layout.hidden_bytes(config.d_model)
     split_ends = config.vocab_split  # else whole on every tp rank (plait's GPT-2 adapter: tied, models/hf/gpt2.py)
-    for op, count in tp_collectives(layout, stage, ends=split_ends, whole_ends=config.whole_sequence_ends).items():
+    split_moe = split_moe_calls(config, layout)
+    for op, count in tp_collectives(layout, stage, split_ends, config.whole_sequence_ends, split_moe).items():
         _add(out, "tp", op, act, t, times=m * count)
+    if split_moe[0]:  # the routed experts' all-reduces carry tp_expert_rows rows a token, not one
+        _add(out, "tp", "all_reduce", act * (config.tp_expert_rows - 1), t,
+             times=m * round(stage.moe_layers) * split_moe[0])
     _add(out, "tp", "all_gather", act, t, times=m * sequence_ends(config, layout, stage))
     if stage.last and split_ends:
         _add(out, "tp", "all_reduce", layout.tokens_per_micro_batch * 4, t, times=3 * m)

@@ -53,6 +53,13 @@ class GPTConfig:
     experts: int = 0  # routed experts in each MoE block
     top_k: int = 2  # experts each token is sent to
     shared_experts: int = 0  # experts every token passes through as well (one SwiGLU of shared·hidden units)
+    shared_expert_gate: bool = False  # a gate of d_model weights on the shared experts' output (Qwen2-MoE's)
+    # A transformers MoE whose tp plan splits every expert's hidden units, with no ep plan to keep
+    # them whole (Llama 4): under tp its routed and shared experts split as a dense MLP does, and
+    # the routed experts' entry and exit carry this many rows a token (Llama 4 runs every expert on
+    # every token, the router's scores zeroing the rest: `experts` rows). 0: tp keeps the MoE MLP
+    # whole on every rank (plait's MoE, and a transformers MoE with an ep plan).
+    tp_expert_rows: int = 0
     moe_every: int = 1  # every moe_every-th block is an MoE block (the others keep the dense MLP)
     expert_hidden: int = 0  # each expert's SwiGLU width (0: ffn_hidden)
     router: str = "softmax"  # softmax top-k with the auxiliary loss, or sigmoid with a bias (no auxiliary loss)
@@ -105,7 +112,7 @@ class GPTConfig:
     def moe_mlp_params(self) -> int:
         """An MoE block's feed-forward: the router, every routed expert, the shared experts."""
         return (self.d_model * self.experts + self.experts * self.expert_params()
-                + self.shared_experts * self.expert_params())
+                + self.shared_experts * self.expert_params() + self.d_model * self.shared_expert_gate)
 
     @property
     def head_dim(self) -> int:
@@ -141,7 +148,7 @@ class GPTConfig:
         if not self.moe_layer(index):
             return self.layer_params()
         return (self.layer_params() - self.mlp_params + self.d_model * self.experts
-                + (self.top_k + self.shared_experts) * self.expert_params())
+                + (self.top_k + self.shared_experts) * self.expert_params() + self.d_model * self.shared_expert_gate)
 
     def active_params(self) -> int:
         """Parameters one token passes through: every dense weight, and of each MoE block the

@@ -134,7 +134,8 @@ class HFModelDir:
             rope = c.get("rope_theta") or parameters.get("rope_theta", 10000.0)
             return GPTConfig(vocab_size=self.vocab_size, n_layers=sizes["layers"], d_model=hidden, n_heads=heads,
                              n_kv_heads=int(c.get("num_key_value_heads") or heads),
-                             ffn_hidden=int(c.get("intermediate_size") or 4 * hidden), max_seq_len=sizes["positions"],
+                             ffn_hidden=int(c.get("intermediate_size_mlp") or c.get("intermediate_size") or 4 * hidden),
+                             max_seq_len=sizes["positions"],
                              tie_embeddings=bool(c.get("tie_word_embeddings", False)), rope_theta=float(rope),
                              norm_eps=float(c.get("rms_norm_eps", 1e-6)), whole_sequence_ends=True, lean_blocks=False,
                              **self.experts(hidden))
@@ -144,7 +145,9 @@ class HFModelDir:
     def experts(self, hidden: int) -> dict[str, Any]:
         """A mixture of experts' fields of GPTConfig, from the names transformers' MoE configs
         use (Mixtral's num_local_experts, Qwen2-MoE's num_experts, moe_intermediate_size,
-        shared_expert_intermediate_size, decoder_sparse_step); {} for a dense model."""
+        shared_expert_intermediate_size, decoder_sparse_step, Llama 4's interleave_moe_layer_step);
+        {} for a dense model. Llama 4's dense blocks are intermediate_size_mlp wide (ffn_hidden),
+        its experts intermediate_size."""
         c = self.config
         experts = int(c.get("num_local_experts") or c.get("num_experts") or c.get("n_routed_experts") or 0)
         if not experts:
@@ -153,7 +156,7 @@ class HFModelDir:
         shared = int(c.get("shared_expert_intermediate_size") or 0)
         return dict(experts=experts, top_k=int(c.get("num_experts_per_tok") or 2), expert_hidden=width,
                     shared_experts=max(1, round(shared / width)) if shared else 0,
-                    moe_every=int(c.get("decoder_sparse_step") or 1))
+                    moe_every=int(c.get("decoder_sparse_step") or c.get("interleave_moe_layer_step") or 1))
 
     def shape_or_none(self) -> GPTConfig | None:
         """`shape()`, or None for a config that does not name a decoder's sizes."""

@@ -24,6 +24,8 @@ from torch import nn
 from plait.errors import PlaitError
 from plait.models.gpt.config import GPTConfig
 from plait.models.hf.config import HFModelDir
+from plait.models.hf.experts import dense_experts
+from plait.models.hf.plans import declared
 from plait.parallel.deferred import recording
 
 
@@ -119,7 +121,7 @@ def measured_shape(hf: HFModelDir) -> GPTConfig:
                          hint="check config.json (AutoModelForCausalLM.from_config must accept it)") from None
     matrices = _mlp_matrices(model, shape)
     shape = replace(shape, mlp_matrices=matrices) if matrices else shape
-    return replace(shape, qk_norm=_qk_norm(model, shape))
+    return replace(shape, qk_norm=_qk_norm(model, shape), **_moe_fields(model, shape))
 
 
 def _qk_norm(model: nn.Module, shape: GPTConfig) -> str:
@@ -133,6 +135,25 @@ def _qk_norm(model: nn.Module, shape: GPTConfig) -> str:
     if weight.numel() == shape.head_dim:
         return "head"
     return "full" if weight.numel() == shape.n_heads * shape.head_dim else ""
+
+
+def _moe_fields(model: nn.Module, shape: GPTConfig) -> dict[str, Any]:
+    """What an MoE's config.json does not say, read off its first MoE block (the module holding
+    `experts`): its shared experts, in experts' widths (Llama 4 always has one, sized by the
+    experts' intermediate_size), a gate on their output (Qwen2-MoE's `shared_expert_gate`), and
+    whether tp splits its experts (GPTConfig.tp_expert_rows: a tp plan marking them
+    "moe_tp_experts", every expert on every token, and no ep plan). {} for a dense model."""
+    block = next((m for m in model.modules() if isinstance(getattr(m, "experts", None), nn.Module)), None)
+    if not shape.is_moe or block is None:
+        return {}
+    fields: dict[str, Any] = {}
+    shared = getattr(block, "shared_expert", None) or getattr(block, "shared_experts", None)
+    if isinstance(shared, nn.Module):
+        fields["shared_experts"] = max(1, round(sum(p.numel() for p in shared.parameters()) / shape.expert_params()))
+    fields["shared_expert_gate"] = isinstance(getattr(block, "shared_expert_gate", None), nn.Module)
+    if not declared(model, "ep") and dense_experts(model, declared(model, "tp")):
+        fields["tp_expert_rows"] = shape.experts
+    return fields
 
 
 def _mlp_matrices(model: nn.Module, shape: GPTConfig) -> int:
