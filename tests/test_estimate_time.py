@@ -270,3 +270,26 @@ def test_experts_a_tp_plan_splits_are_priced_as_they_run(sp: bool, recompute: st
     assert traffic == [measured]
     whole = replace(config, tp_expert_rows=0)  # priced as kept whole on every tp rank, it would differ
     assert tp_traffic(whole, layout, layout_stages(whole, layout)[0])["tp"] != measured
+
+
+def test_an_moe_blocks_gemms_are_its_active_experts() -> None:
+    """An MoE block's GEMMs do the FLOPs its active parameters say, 2 a weight a token: the
+    router, top_k routed experts (as rows of one grouped GEMM, expert_hidden wide) and the
+    shared ones, not a dense MLP of ffn_hidden (Mixtral's experts are as wide as its
+    ffn_hidden: half its MLP's work was missing). A model that runs every expert on every
+    token (Llama 4, tp_expert_rows) does E experts' work a token, split by tp as its plan splits
+    them; without ep and tp it is one rank's whole block."""
+    from plait.estimate.ops import block_gemms
+
+    tokens, h = 64, 32
+    mixtral = GPTConfig(vocab_size=256, n_layers=2, d_model=h, n_heads=4, n_kv_heads=2, ffn_hidden=64, experts=4,
+                        top_k=2, expert_hidden=64, shared_experts=1, shared_expert_gate=True)
+    norms_and_gate = 2 * h + h
+    flops = sum(g.flops for g in block_gemms(mixtral, tokens, 1, moe=True))
+    assert flops == 2 * tokens * (mixtral.active_block_params(0) - norms_and_gate)
+    assert sum(g.flops for g in block_gemms(mixtral, tokens, 2, moe=True)) > flops / 2  # experts whole on each tp rank
+    llama4 = replace(mixtral, top_k=1, shared_expert_gate=False, tp_expert_rows=4)
+    every = sum(g.flops for g in block_gemms(llama4, tokens, 1, moe=True))
+    assert every == 2 * tokens * (llama4.active_block_params(0) - 2 * h + 3 * llama4.expert_params())
+    router = 2 * tokens * h * llama4.experts  # whole on every tp rank; attention and experts split
+    assert sum(g.flops for g in block_gemms(llama4, tokens, 2, moe=True)) == (every - router) / 2 + router

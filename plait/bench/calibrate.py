@@ -141,7 +141,8 @@ def model_shapes(config: GPTConfig, micro_batch: int, seq_len: int, tp_sizes: li
     gemms: dict[str, Gemm] = {}
     attention = []
     for tp in tp_sizes:
-        forward = [*block_gemms(config, tokens, tp), head_gemm(config, tokens, tp)]
+        blocks = block_gemms(config, tokens, tp) + (block_gemms(config, tokens, tp, moe=True) if config.is_moe else [])
+        forward = [*blocks, head_gemm(config, tokens, tp)]
         for g in forward + [x for g in forward for x in g.backward()]:
             gemms[gemm_key(g, precision)] = g
         attention.append(attention_key(config, micro_batch, seq_len, tp, precision))

@@ -45,6 +45,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from plait.estimate.experts import routed_rows
 from plait.estimate.hardware import Hardware
 from plait.estimate.layout import Workload, StageShare
 from plait.estimate.stacks import EAGER_SCORE_PASSES, MEGATRON_EW
@@ -93,15 +94,35 @@ def outer_precision(precision: str) -> str:
     return "bf16" if precision == "fp8" else precision
 
 
-def block_gemms(config: GPTConfig, tokens: int, tp: int) -> list[Gemm]:
-    """One block's forward GEMMs on one tensor-parallel rank (columns or rows split by t)."""
+def block_gemms(config: GPTConfig, tokens: int, tp: int, moe: bool = False, ep: int = 1) -> list[Gemm]:
+    """One block's forward GEMMs on one tensor-parallel rank (columns or rows split by t): a
+    dense block's, or with `moe` an MoE block's (`moe_gemms`)."""
     h, kv, f = config.d_model, config.kv_dim, config.ffn_hidden
     if config.arch == "gpt2":
         return [Gemm(tokens, h, (h + 2 * kv) // tp), Gemm(tokens, h // tp, h),
                 Gemm(tokens, h, f // tp), Gemm(tokens, f // tp, h)]
+    attention = [Gemm(tokens, h, h // tp), Gemm(tokens, h, kv // tp), Gemm(tokens, h, kv // tp), Gemm(tokens, h // tp, h)]
+    if moe:
+        return attention + moe_gemms(config, tokens, tp, ep)
     up = [Gemm(tokens, h, f // tp)] * (config.mlp_params // (h * f) - 1)  # gate and up, or up alone (relu², GELU)
-    return [Gemm(tokens, h, h // tp), Gemm(tokens, h, kv // tp), Gemm(tokens, h, kv // tp),
-            Gemm(tokens, h // tp, h), *up, Gemm(tokens, f // tp, h)]
+    return attention + [*up, Gemm(tokens, f // tp, h)]
+
+
+def moe_gemms(config: GPTConfig, tokens: int, tp: int, ep: int = 1) -> list[Gemm]:
+    """An MoE block's MLP: the router, then the rows its routed experts compute (top_k a token,
+    or every expert on every token: experts.routed_rows; under ep, uniform routing brings a
+    rank as many rows as its own tokens make) as one grouped SwiGLU, and its shared experts'
+    SwiGLU on every token. Whole on every tp rank, unless the model's plan splits the experts
+    (GPTConfig.tp_expert_rows, without ep)."""
+    h, width = config.d_model, config.expert_width
+    split = tp if config.tp_expert_rows and ep == 1 else 1
+    rows = tokens * routed_rows(config)
+    gemms = [Gemm(tokens, h, config.experts), Gemm(rows, h, width // split), Gemm(rows, h, width // split),
+             Gemm(rows, width // split, h)]
+    if config.shared_experts:
+        shared = config.shared_experts * width // split
+        gemms += [Gemm(tokens, h, shared), Gemm(tokens, h, shared), Gemm(tokens, shared, h)]
+    return gemms
 
 
 def head_gemm(config: GPTConfig, tokens: int, tp: int) -> Gemm:
@@ -256,19 +277,22 @@ def host_overlapped(hw: Hardware, cost: Callable[[Hardware], float]) -> float:
     return max(device, total - device)
 
 
-def block_gemm_s(config: GPTConfig, layout: Workload, hw: Hardware) -> tuple[float, float]:
-    """(forward, backward) seconds of one block's GEMMs in one micro-batch on one tp rank."""
-    return _block_gemm_s(config, layout.tokens_per_micro_batch, layout.tp, layout.precision, hw)
+def block_gemm_s(config: GPTConfig, layout: Workload, hw: Hardware, moe: bool = False) -> tuple[float, float]:
+    """(forward, backward) seconds of one block's GEMMs (an MoE block's with `moe`) in one
+    micro-batch on one tp rank."""
+    return _block_gemm_s(config, layout.tokens_per_micro_batch, layout.tp, layout.precision, hw, moe, layout.ep)
 
 
 @functools.lru_cache(maxsize=4096)
-def _block_gemm_s(config: GPTConfig, tokens: int, tp: int, precision: str, hw: Hardware) -> tuple[float, float]:
+def _block_gemm_s(config: GPTConfig, tokens: int, tp: int, precision: str, hw: Hardware, moe: bool = False,
+                  ep: int = 1) -> tuple[float, float]:
     """block_gemm_s, remembered: a plan prices thousands of layouts that share a few shapes
     (every argument is a frozen value, so equal arguments give equal seconds)."""
     # math.fsum, not sum: Python 3.12's sum compensates and 3.10's does not, and the torch-free
     # estimate must print the same digits on both.
-    fwd = math.fsum(gemm_s(g, precision, hw) for g in block_gemms(config, tokens, tp))
-    bwd = math.fsum(gemm_s(x, precision, hw) for g in block_gemms(config, tokens, tp) for x in g.backward())
+    gemms = block_gemms(config, tokens, tp, moe, ep)
+    fwd = math.fsum(gemm_s(g, precision, hw) for g in gemms)
+    bwd = math.fsum(gemm_s(x, precision, hw) for g in gemms for x in g.backward())
     return fwd, bwd
 
 
@@ -279,8 +303,12 @@ def blocks_rerun(layout: Workload) -> float:
 
 def stage_gemm_s(config: GPTConfig, layout: Workload, layers: float, hw: Hardware) -> float:
     """Seconds of `layers` blocks' GEMMs in one micro-batch on one tp rank: forward, the
-    recomputed forward, backward."""
+    recomputed forward, backward; MoE blocks in the model's share of them."""
+    moe = config.moe_layers / config.n_layers
     fwd, bwd = block_gemm_s(config, layout, hw)
+    if moe:
+        moe_fwd, moe_bwd = block_gemm_s(config, layout, hw, moe=True)
+        fwd, bwd = (1 - moe) * fwd + moe * moe_fwd, (1 - moe) * bwd + moe * moe_bwd
     return layers * ((1 + blocks_rerun(layout)) * fwd + bwd)
 
 

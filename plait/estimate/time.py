@@ -72,7 +72,8 @@ ASSUMPTIONS = (
     "FLOPs per token 6Ψ + 12·L·h·s (PaLM convention, causal mask not discounted); "
     "full recompute adds 2Ψ + 4·L·h·s, selective 4·L·h·s; MFU counts neither",
     "compute per operation: GEMMs on a roofline of their shape (peak·compute_efficiency plus "
-    "a fixed ramp, memory bandwidth) or at their calibrated rate, attention at attention_efficiency, "
+    "a fixed ramp, memory bandwidth) or at their calibrated rate (an MoE block's: its router, its routed experts' "
+    "rows as one grouped SwiGLU, its shared experts), attention at attention_efficiency, "
     "element-wise work memory-bound at the bandwidth measured for its size (bytes counted on "
     "plait's GPT, or the --stack's), a fixed cost per op: added on a CPU, overlapped with the device's work "
     "on a GPU; each micro-batch after the first adds its gradients into the kept ones (3 × their bytes a "
