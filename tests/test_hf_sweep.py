@@ -6,7 +6,8 @@ and the ones the sweep first found different (QUICK, about 12 s), `make test-all
 built by `AutoConfig.for_model` from one seed, each under tp 2, tp 2 + SP, pp 2 (1F1B) and,
 for the mixtures of experts, dp 2 × ep 2, 3 AdamW steps of 2 micro-batches against one
 process: "exact" (losses rtol 1e-4, final parameters rtol 1e-4 / atol 5e-6, gathered whole),
-"refused" (plait's one-line PlaitError, on both ranks), "different", "crash".
+"refused" (plait's one-line PlaitError, on both ranks), "different", "crash". Each exact tp and
+tp + SP case also says whether the estimate priced its tp bytes a step ("wire", PRICED below).
 
 The families: every causal LM of transformers 5.24 whose config declares a tp plan and that
 builds tiny and trains one process in well under a second, less near-copies (the world's
@@ -203,3 +204,40 @@ def test_exact_cases_do_not_fall_below_the_floor(world: list[dict[str, Any]]) ->
     assert counts["exact"] == len(exact) and sum(counts.values()) == len(cases)
     assert world[0]["table"] == {family: {mode: cases[f"{family}/{mode}"]["verdict"] for mode in MODES}
                                  for family in FAMILIES}
+
+
+# The families whose tp and tp + SP bytes a step the estimate predicts exactly, op by op (the
+# world's "wire": the ledger's tp bytes beside plait's estimate for the family's shape, as
+# `plait train --model hf:DIR --tp 2` predicts them), and the floor of priced cases across the
+# sweep: a case that leaves this list must say why (docs/huggingface.md, "What the estimate prices").
+PRICED = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "cohere", "cohere2", "olmo", "olmo2",
+          "granite", "helium", "smollm3", "exaone4", "ernie4_5", "seed_oss", "arcee", "granite_swa", "olmoe", "mixtral",
+          "qwen2_moe", "qwen3_moe", "llama4_text", "cohere_compass_text", "cwm", "exaone", "hyperclovax", "internlm3",
+          "iquestcoder", "ministral", "ministral3", "nanochat", "nemotron", "olmo3", "vaultgemma", "flex_olmo",
+          "granitemoe_swa", "mellum", "minimax_m2", "solar_open", "stablelm", "gpt2"]
+PRICED_AT_LEAST = 99
+
+
+def priced(world: list[dict[str, Any]], families: list[str]) -> None:
+    cases = world[0]["cases"]
+    bad = [f"{family}/{mode}" for family in families for mode in ("tp", "tp_sp")
+           if cases[f"{family}/{mode}"].get("wire") != "priced"]
+    assert not bad, "\n".join(f"  {key}: {cases[key]['verdict']}: {cases[key].get('wire')}" for key in bad)
+
+
+def test_the_fixed_families_wire_is_the_estimates(quick: list[dict[str, Any]]) -> None:
+    """Gemma's four norms, Cohere's one, OLMo's none, OLMoE's experts as wide as its
+    intermediate_size, Llama 4's experts split by tp: every tp byte a step predicted."""
+    priced(quick, [family for family in QUICK if family in PRICED])
+
+
+@pytest.mark.slow
+def test_the_wire_is_the_estimates_where_it_was(world: list[dict[str, Any]]) -> None:
+    """Every exact tp case says whether the estimate priced its bytes; PRICED's families are,
+    and the priced cases do not fall below the floor."""
+    priced(world, PRICED)
+    cases = world[0]["cases"]
+    tp = {key: case for key, case in cases.items() if key.split("/")[1] in ("tp", "tp_sp") and case["verdict"] == "exact"}
+    assert all("wire" in case for case in tp.values()), [key for key, case in tp.items() if "wire" not in case]
+    count = sum(case["wire"] == "priced" for case in tp.values())
+    assert count >= PRICED_AT_LEAST, f"{count} of {len(tp)} exact tp cases priced, fewer than {PRICED_AT_LEAST}"

@@ -74,7 +74,7 @@ def dense_and_expert_widths(config: Any) -> tuple[float, float]:
     a dense block's ffn_hidden (split by tp), an MoE block's routed rows (`routed_rows`) and
     shared experts' widths (whole on every tp rank, unless its plan splits them)."""
     moe = config.moe_layers / config.n_layers
-    return config.ffn_hidden * (1 - moe), (routed_rows(config) + config.shared_experts) * config.expert_width * moe
+    return config.ffn_hidden * (1 - moe), (routed_rows(config) * config.expert_width + config.shared_width) * moe
 
 
 def routed_rows(config: Any) -> int:

@@ -164,7 +164,7 @@ def block_split(config: GPTConfig, ep: int = 1) -> tuple[int, int]:
     moe = config.moe_layers / config.n_layers
     sharded = 2 * h * h + 2 * h * kv + round(config.mlp_params * (1 - moe))
     if config.tp_expert_rows and ep == 1:
-        sharded += round((config.experts + config.shared_experts) * config.expert_params() * moe)
+        sharded += round((config.experts * config.expert_params() + 3 * h * config.shared_width) * moe)
     average = round(sum(config.block_params(i) for i in range(config.n_layers)) / config.n_layers)
     return sharded, average - sharded
 

@@ -119,8 +119,8 @@ def moe_gemms(config: GPTConfig, tokens: int, tp: int, ep: int = 1) -> list[Gemm
     rows = tokens * routed_rows(config)
     gemms = [Gemm(tokens, h, config.experts), Gemm(rows, h, width // split), Gemm(rows, h, width // split),
              Gemm(rows, width // split, h)]
-    if config.shared_experts:
-        shared = config.shared_experts * width // split
+    if config.shared_width:
+        shared = config.shared_width // split
         gemms += [Gemm(tokens, h, shared), Gemm(tokens, h, shared), Gemm(tokens, shared, h)]
     return gemms
 

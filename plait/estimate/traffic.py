@@ -145,7 +145,7 @@ def split_moe_calls(config: GPTConfig, layout: Workload) -> tuple[int, int]:
     if not config.tp_expert_rows or layout.ep > 1 or layout.tp == 1:
         return 0, 0
     passes = 1 if layout.sp else 2
-    shared = passes if config.shared_experts else 0
+    shared = passes if config.shared_width else 0
     rerun = 1 if layout.recompute == "full" and shared else 0
     return passes + rerun, shared
 

@@ -11,6 +11,12 @@ micro-batches on the same global batches, against one process training the whole
 - "ep" (the families declaring an ep plan): init_mesh(dp=2, ep=2), each rank its half of
   every batch, plait.no_sync on the first micro-batch, the dp-mean loss.
 
+Each tp and tp_sp case trains as `plait train` does (its head split by vocabulary where the plan
+allows: plait's vocab-parallel loss reads the slices), and its tp bytes per step, as the ledger
+counts them, are held to what plait's estimate predicts for the family's shape (measured_shape,
+from its config.json and the model built on meta): "wire" is "priced" where they are equal, op
+by op, else what was measured and predicted (an exact case only).
+
 Each case is classified (`verdict`): "exact" (every loss within rtol 1e-4 of the reference,
 the final parameters, gathered whole, within rtol 1e-4 / atol 5e-6 elementwise), "refused"
 (a PlaitError: its first line), "different" (ran, numbers differ: the worst loss or
@@ -32,8 +38,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 import sys
+import tempfile
 import time
 import warnings
 from typing import Any
@@ -47,7 +55,12 @@ from transformers.utils import logging as hf_logging
 import plait
 import plait.models.adapters
 from plait.errors import PlaitError
+from plait.estimate.layout import Workload, layout_stages
+from plait.estimate.traffic import tp_traffic
+from plait.models.hf.config import read_hf_dir
+from plait.models.hf.load import measured_shape
 from plait.parallel.placement import placement_of
+from plait.parallel.tensor.loss import lm_loss
 from plait.parallel.tensor.ops import all_gather_stacked
 from plait.parallel.tensor.plan import gather_full_params
 from plait.runtime import comm
@@ -300,13 +313,42 @@ warnings.filterwarnings("ignore")
 hf_logging.set_verbosity_error()
 
 
-def build(family: str) -> torch.nn.Module:
+def family_config(family: str) -> Any:
     config = AutoConfig.for_model(family, **{**SHAPE, **FAMILIES[family]})
     for key, value in list(vars(config).items()):  # every dropout off (names differ by family)
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
             setattr(config, key, 0.0)
+    return config
+
+
+def build(family: str) -> torch.nn.Module:
+    config = family_config(family)
     torch.manual_seed(SEED)
     return AutoModelForCausalLM.from_config(config)
+
+
+@functools.lru_cache(maxsize=1)
+def family_shape(family: str) -> Any:
+    """The family's shape as `plait train --model hf:DIR` reads it (its config.json written to
+    a directory, the model built on meta)."""
+    with tempfile.TemporaryDirectory() as folder:
+        family_config(family).save_pretrained(folder)
+        return measured_shape(read_hf_dir(f"hf:{folder}"))
+
+
+def predicted_wire(family: str, sp: bool) -> dict[str, float]:
+    """plait's estimate of one step's tp bytes in tensor_parallel's run: {op: wire bytes}."""
+    shape = family_shape(family)
+    layout = Workload(tp=2, sp=sp, micro_batch=BATCH // ACCUM, grad_accum=ACCUM, seq_len=SEQ, precision="fp32")
+    return tp_traffic(shape, layout, layout_stages(shape, layout)[0]).get("tp", {})
+
+
+def wire_verdict(measured: dict[str, float], predicted: dict[str, float]) -> str:
+    """ "priced", or what differs: the ops' bytes measured and predicted."""
+    if measured == predicted:
+        return "priced"
+    ops = sorted({*measured, *predicted})
+    return "; ".join(f"{op} measured {measured.get(op, 0):.0f}, predicted {predicted.get(op, 0):.0f}" for op in ops)
 
 
 def plans(model: torch.nn.Module) -> dict[str, bool]:
@@ -341,14 +383,15 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def train(model: Any, batches: list[torch.Tensor], optimizer: Any, sync: Any = None) -> list[float]:
-    """AdamW steps of ACCUM micro-batches (loss / ACCUM); `sync` wraps all but the last."""
+def train(model: Any, batches: list[torch.Tensor], optimizer: Any, sync: Any = None,
+          loss_of: Any = loss_fn) -> list[float]:
+    """AdamW steps of ACCUM micro-batches (loss_of / ACCUM); `sync` wraps all but the last."""
     losses = []
     for rows in batches:
         micro, total = rows.chunk(ACCUM), 0.0
         for i, part in enumerate(micro):
             with sync(model) if sync and i < len(micro) - 1 else contextlib.nullcontext():
-                loss = loss_fn(model(input_ids=part[:, :-1]).logits, part[:, 1:])
+                loss = loss_of(model(input_ids=part[:, :-1]).logits, part[:, 1:])
                 (loss / len(micro)).backward()
             total += loss.item() / len(micro)
         optimizer.step()
@@ -380,11 +423,20 @@ def mesh_of(**layout: Any) -> Any:
 
 
 def tensor_parallel(family: str, batches: list[torch.Tensor], sp: bool = False) -> dict[str, Any]:
+    """As `plait train --tp 2` runs it: the head's logits left split by vocabulary where the plan
+    allows, read by the vocab-parallel loss; the ledger's tp bytes a step beside the estimate's."""
     mesh = mesh_of(tp=2, sp=sp)
-    model = plait.parallelize(build(family), mesh, plait.ParallelConfig())
-    losses = train(model, batches, plait.build_optimizer(model, torch.optim.AdamW, **ADAM))
+    model = plait.parallelize(build(family), mesh, plait.ParallelConfig(split_logits=True))
+    optimizer = plait.build_optimizer(model, torch.optim.AdamW, **ADAM)
+
+    def split_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return lm_loss(logits, targets, axis=mesh.axis("tp") if logits.shape[-1] != VOCAB else None)
+
+    before = mesh.ledger.snapshot()
+    losses = train(model, batches, optimizer, loss_of=split_loss)
+    wire = {op: moved / STEPS for op, moved in mesh.ledger.since(before).get("tp", {}).items()}
     whole = gather_full_params(model, purpose=comm.TELEMETRY)  # a collective: every rank gathers
-    return {"losses": losses, "params": detached(whole), "whole": True}
+    return {"losses": losses, "params": detached(whole), "whole": True, "wire": wire}
 
 
 def pipelined(family: str, batches: list[torch.Tensor]) -> dict[str, Any]:
@@ -452,16 +504,24 @@ def compare(found: dict[str, Any], expected: dict[str, Any]) -> tuple[str, str]:
 
 
 def run_case(family: str, mode: str, batches: list[torch.Tensor], expected: dict[str, Any]) -> dict[str, Any]:
-    start = time.perf_counter()
+    start, measured = time.perf_counter(), None
     try:
         found = RUNS[mode](family, batches)
         verdict, detail = compare(found, expected)
         held = sorted(found["params"]) if not found["whole"] else None
+        measured = found.get("wire") if verdict == "exact" else None
     except PlaitError as error:
         verdict, detail, held = "refused", first_line(error), None
     except Exception as error:  # noqa: BLE001 - a sweep: any other exception is this case's finding
         verdict, detail, held = "crash", f"{type(error).__name__}: {first_line(error)}", None
-    return {"verdict": verdict, "detail": detail, "seconds": round(time.perf_counter() - start, 3), "held": held}
+    case = {"verdict": verdict, "detail": detail, "seconds": round(time.perf_counter() - start, 3), "held": held}
+    if measured is None:
+        return case
+    try:  # the estimate's failing is this case's wire finding, not its verdict's
+        wire = wire_verdict(measured, predicted_wire(family, mode == "tp_sp"))
+    except Exception as error:  # noqa: BLE001
+        wire = f"not estimated: {type(error).__name__}: {first_line(error)}"
+    return {**case, "wire": wire}
 
 
 def first_line(error: BaseException) -> str:
@@ -482,7 +542,8 @@ def agree(mine: dict[str, Any], expected: dict[str, Any], group: Any) -> dict[st
                     "detail": f"the stages hold {len(held)} parameters, the model {len(expected['params'])}: "
                               f"missing {sorted(set(expected['params']) - held)[:3]}"}
     if len(set(verdicts)) == 1:
-        return {"verdict": verdicts[0], "detail": everyone[0]["detail"], "seconds": seconds}
+        wire = {"wire": everyone[0]["wire"]} if everyone[0].get("wire") else {}
+        return {"verdict": verdicts[0], "detail": everyone[0]["detail"], "seconds": seconds, **wire}
     if "refused" in verdicts and "crash" not in verdicts and "different" not in verdicts:
         rank = verdicts.index("refused")  # refused on one rank only: the other would have hung
         return {"verdict": "crash", "seconds": seconds,

@@ -37,6 +37,10 @@ class GPTConfig:
     # over each head (Qwen3: whole on every tp rank, their gradients summed over tp); "full" over
     # every head at once (OLMo2: its plan gathers q, k and v whole and o_proj takes its slice)
     qk_norm: str = ""
+    # The d_model-wide weights a block's own norms hold, whole on every tp rank: 2 for two RMSNorms
+    # (plait's GPT, Llama); a transformers family's read off its model (Gemma 2's four norms, OLMo's
+    # parameter-free LayerNorms none, Cohere's one norm a block)
+    norm_params: int = 2
     # Under tp the embedding and the head are split by vocabulary (plait's GPT, Megatron, a
     # transformers plan); False: both whole on every tp rank (plait's GPT-2 adapter: tied)
     vocab_split: bool = True
@@ -54,6 +58,7 @@ class GPTConfig:
     top_k: int = 2  # experts each token is sent to
     shared_experts: int = 0  # experts every token passes through as well (one SwiGLU of shared·hidden units)
     shared_expert_gate: bool = False  # a gate of d_model weights on the shared experts' output (Qwen2-MoE's)
+    shared_hidden: int = 0  # the shared experts' SwiGLU width, where not shared_experts x expert_width (Qwen2-MoE's)
     # A transformers MoE whose tp plan splits every expert's hidden units, with no ep plan to keep
     # them whole (Llama 4): under tp its routed and shared experts split as a dense MLP does, and
     # the routed experts' entry and exit carry this many rows a token (Llama 4 runs every expert on
@@ -109,10 +114,16 @@ class GPTConfig:
         """Parameters of one routed expert (gate, up and down projections)."""
         return 3 * self.d_model * self.expert_width
 
+    @property
+    def shared_width(self) -> int:
+        """Hidden units of the shared experts' one SwiGLU: shared_hidden, or shared_experts
+        experts' widths."""
+        return self.shared_hidden or self.shared_experts * self.expert_width
+
     def moe_mlp_params(self) -> int:
         """An MoE block's feed-forward: the router, every routed expert, the shared experts."""
         return (self.d_model * self.experts + self.experts * self.expert_params()
-                + self.shared_experts * self.expert_params() + self.d_model * self.shared_expert_gate)
+                + 3 * self.d_model * self.shared_width + self.d_model * self.shared_expert_gate)
 
     @property
     def head_dim(self) -> int:
@@ -132,7 +143,7 @@ class GPTConfig:
             return attn + mlp + norms
         attn = 2 * h * h + 2 * h * kv
         mlp = self.mlp_params
-        norms = 2 * h
+        norms = self.norm_params * h
         return attn + mlp + norms
 
     def block_params(self, index: int) -> int:
@@ -148,7 +159,8 @@ class GPTConfig:
         if not self.moe_layer(index):
             return self.layer_params()
         return (self.layer_params() - self.mlp_params + self.d_model * self.experts
-                + (self.top_k + self.shared_experts) * self.expert_params() + self.d_model * self.shared_expert_gate)
+                + self.top_k * self.expert_params() + 3 * self.d_model * self.shared_width
+                + self.d_model * self.shared_expert_gate)
 
     def active_params(self) -> int:
         """Parameters one token passes through: every dense weight, and of each MoE block the

@@ -193,7 +193,7 @@ class MoE(RoutingCounts):
         # gradients; a parameter so checkpoints carry it whatever the layout.
         self.expert_bias = nn.Parameter(torch.zeros(config.experts), requires_grad=False)
         self.experts = Experts(config.experts, config.d_model, config.expert_width)
-        hidden = config.shared_experts * config.expert_width
+        hidden = config.shared_width
         self.shared_expert = SharedExpert(config.d_model, hidden) if hidden else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -121,7 +121,8 @@ def measured_shape(hf: HFModelDir) -> GPTConfig:
                          hint="check config.json (AutoModelForCausalLM.from_config must accept it)") from None
     matrices = _mlp_matrices(model, shape)
     shape = replace(shape, mlp_matrices=matrices) if matrices else shape
-    return replace(shape, qk_norm=_qk_norm(model, shape), **_moe_fields(model, shape))
+    return replace(shape, qk_norm=_qk_norm(model, shape), norm_params=_norm_params(model, shape),
+                   **_moe_fields(model, shape))
 
 
 def _qk_norm(model: nn.Module, shape: GPTConfig) -> str:
@@ -137,19 +138,42 @@ def _qk_norm(model: nn.Module, shape: GPTConfig) -> str:
     return "full" if weight.numel() == shape.n_heads * shape.head_dim else ""
 
 
+def _norm_params(model: nn.Module, shape: GPTConfig) -> int:
+    """The d_model-wide weights of the first block's own norms (its direct children named a
+    norm: Gemma 2's four, Cohere's one, OLMo's parameter-free LayerNorms none), which SP sums
+    over tp; two where they are not all d_model wide."""
+    layers = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, default=None)
+    if not layers:
+        return shape.norm_params
+    weights = sum(p.numel() for module in layers[0].children() if "norm" in type(module).__name__.lower()
+                  for p in module.parameters())
+    return weights // shape.d_model if weights % shape.d_model == 0 else shape.norm_params
+
+
 def _moe_fields(model: nn.Module, shape: GPTConfig) -> dict[str, Any]:
-    """What an MoE's config.json does not say, read off its first MoE block (the module holding
-    `experts`): its shared experts, in experts' widths (Llama 4 always has one, sized by the
-    experts' intermediate_size), a gate on their output (Qwen2-MoE's `shared_expert_gate`), and
-    whether tp splits its experts (GPTConfig.tp_expert_rows: a tp plan marking them
-    "moe_tp_experts", every expert on every token, and no ep plan). {} for a dense model."""
+    """What an MoE's config.json does not say, or says under a name the family does not read,
+    read off its first MoE block (the module holding `experts`): its experts' width (Mixtral's
+    are intermediate_size wide whatever moe_intermediate_size says), its shared experts' width
+    (Llama 4 always has one, sized by the experts' intermediate_size), a gate on their output
+    (Qwen2-MoE's `shared_expert_gate`), and whether tp splits its experts
+    (GPTConfig.tp_expert_rows: a tp plan marking them "moe_tp_experts", every expert on every
+    token, and no ep plan). {} for a dense model. A width is taken only where the weights make
+    whole SwiGLUs of it."""
     block = next((m for m in model.modules() if isinstance(getattr(m, "experts", None), nn.Module)), None)
     if not shape.is_moe or block is None:
         return {}
     fields: dict[str, Any] = {}
+    h = shape.d_model
+    routed = sum(p.numel() for p in block.experts.parameters() if p.ndim >= 2)
+    if routed and routed % (3 * h * shape.experts) == 0:
+        fields["expert_hidden"] = routed // (3 * h * shape.experts)
     shared = getattr(block, "shared_expert", None) or getattr(block, "shared_experts", None)
-    if isinstance(shared, nn.Module):
-        fields["shared_experts"] = max(1, round(sum(p.numel() for p in shared.parameters()) / shape.expert_params()))
+    weights = sum(p.numel() for p in shared.parameters() if p.ndim >= 2) if isinstance(shared, nn.Module) else 0
+    if weights and weights % (3 * h) == 0:
+        width = weights // (3 * h)
+        expert = fields.get("expert_hidden", shape.expert_width)
+        fields["shared_experts"] = max(1, round(width / expert))
+        fields["shared_hidden"] = 0 if width == fields["shared_experts"] * expert else width
     fields["shared_expert_gate"] = isinstance(getattr(block, "shared_expert_gate", None), nn.Module)
     if not declared(model, "ep") and dense_experts(model, declared(model, "tp")):
         fields["tp_expert_rows"] = shape.experts
