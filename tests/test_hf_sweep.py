@@ -215,20 +215,27 @@ PRICED = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"
           "qwen2_moe", "qwen3_moe", "llama4_text", "cohere_compass_text", "cwm", "exaone", "hyperclovax", "internlm3",
           "iquestcoder", "ministral", "ministral3", "nanochat", "nemotron", "olmo3", "vaultgemma", "flex_olmo",
           "granitemoe_swa", "mellum", "minimax_m2", "solar_open", "stablelm", "gpt2"]
-PRICED_AT_LEAST = 99
+# priced under tp alone: among them the plans that split the embedding and head alone (tp_blocks)
+PRICED_TP = ["starcoder2", "hunyuan_v1_dense", "phimoe", "hunyuan_v1_moe", "deepseek_v3", "diffllama", "gpt_neox",
+             "jais2", "phi", "codegen", "gptj", "lfm2", "lfm3", "hrm_text", "aria_text", "ernie4_5_moe", "gpt_oss",
+             "granitemoe", "granitemoeshared", "lfm2_moe", "jamba", "sarvam_mla", "axk1", "deepseek_v4", "bamba",
+             "falcon_h1", "granitemoehybrid"]
+PRICED_AT_LEAST = 114
 
 
-def priced(world: list[dict[str, Any]], families: list[str]) -> None:
+def priced(world: list[dict[str, Any]], families: list[str], modes: tuple[str, ...] = ("tp", "tp_sp")) -> None:
     cases = world[0]["cases"]
-    bad = [f"{family}/{mode}" for family in families for mode in ("tp", "tp_sp")
+    bad = [f"{family}/{mode}" for family in families for mode in modes
            if cases[f"{family}/{mode}"].get("wire") != "priced"]
     assert not bad, "\n".join(f"  {key}: {cases[key]['verdict']}: {cases[key].get('wire')}" for key in bad)
 
 
 def test_the_fixed_families_wire_is_the_estimates(quick: list[dict[str, Any]]) -> None:
     """Gemma's four norms, Cohere's one, OLMo's none, OLMoE's experts as wide as its
-    intermediate_size, Llama 4's experts split by tp: every tp byte a step predicted."""
+    intermediate_size, Llama 4's experts split by tp, HunYuan's and PhiMoE's blocks whole under
+    a plan that splits their ends alone: every tp byte a step predicted."""
     priced(quick, [family for family in QUICK if family in PRICED])
+    priced(quick, [family for family in QUICK if family in PRICED_TP], ("tp",))
 
 
 @pytest.mark.slow
@@ -236,6 +243,7 @@ def test_the_wire_is_the_estimates_where_it_was(world: list[dict[str, Any]]) -> 
     """Every exact tp case says whether the estimate priced its bytes; PRICED's families are,
     and the priced cases do not fall below the floor."""
     priced(world, PRICED)
+    priced(world, PRICED_TP, ("tp",))
     cases = world[0]["cases"]
     tp = {key: case for key, case in cases.items() if key.split("/")[1] in ("tp", "tp_sp") and case["verdict"] == "exact"}
     assert all("wire" in case for case in tp.values()), [key for key, case in tp.items() if "wire" not in case]

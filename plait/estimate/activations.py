@@ -50,6 +50,8 @@ divided by t. Full recompute keeps only each block's input.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from plait.interleave import rank_order
 from plait.estimate.experts import dense_and_expert_widths, saved_bytes_per_token
 from plait.estimate.layout import Workload, StageShare, chunk_ends, chunk_layers
@@ -142,7 +144,10 @@ def _combine(replicated: float, sharded: float, layout: Workload, block_input: f
 
 
 def layer_bytes(config: GPTConfig, layout: Workload) -> float:
-    """Saved bytes of one block for one micro-batch on one rank."""
+    """Saved bytes of one block for one micro-batch on one rank (a block tp leaves whole,
+    GPTConfig.tp_blocks false, keeps what it keeps on one process)."""
+    if not config.tp_blocks and not layout.sp:
+        layout = replace(layout, tp=1)
     if config.arch == "gpt2":
         return korthikanti_layer_bytes(config, layout)
     return llama_layer_bytes(config, layout)

@@ -161,11 +161,13 @@ def block_split(config: GPTConfig, ep: int = 1) -> tuple[int, int]:
     if config.arch == "gpt2":
         sharded = h * (h + 2 * kv) + (h + 2 * kv) + h * h + 2 * h * f + f
         return sharded, config.layer_params() - sharded
+    average = round(sum(config.block_params(i) for i in range(config.n_layers)) / config.n_layers)
+    if not config.tp_blocks:  # a plan that splits the embedding and the head alone
+        return 0, average
     moe = config.moe_layers / config.n_layers
     sharded = 2 * h * h + 2 * h * kv + round(config.mlp_params * (1 - moe))
     if config.tp_expert_rows and ep == 1:
         sharded += round((config.experts * config.expert_params() + 3 * h * config.shared_width) * moe)
-    average = round(sum(config.block_params(i) for i in range(config.n_layers)) / config.n_layers)
     return sharded, average - sharded
 
 

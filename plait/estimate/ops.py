@@ -98,6 +98,7 @@ def block_gemms(config: GPTConfig, tokens: int, tp: int, moe: bool = False, ep: 
     """One block's forward GEMMs on one tensor-parallel rank (columns or rows split by t): a
     dense block's, or with `moe` an MoE block's (`moe_gemms`)."""
     h, kv, f = config.d_model, config.kv_dim, config.ffn_hidden
+    tp = tp if config.tp_blocks else 1  # a plan that splits the ends alone: the blocks whole
     if config.arch == "gpt2":
         return [Gemm(tokens, h, (h + 2 * kv) // tp), Gemm(tokens, h // tp, h),
                 Gemm(tokens, h, f // tp), Gemm(tokens, f // tp, h)]

@@ -91,7 +91,7 @@ def cp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
 
 
 def tp_collectives(layout: Workload, stage: StageShare, ends: bool = True,
-                   whole_ends: bool = False, split_moe: tuple[int, int] = (0, 0)) -> dict[str, int]:
+                   whole_ends: bool = False, split_moe: tuple[int, int] = (0, 0), blocks: bool = True) -> dict[str, int]:
     """Collectives of b·s·h activations per micro-batch on one rank of `stage` (its blocks'
     alone without `ends`: what an overlapping stack hides, time.tp_s).
 
@@ -115,8 +115,13 @@ def tp_collectives(layout: Workload, stage: StageShare, ends: bool = True,
     adds its experts' all-reduces; under SP it runs whole on the gathered sequence: one more
     region, entered by an all-gather (again in full recompute's rerun) whose backward
     reduce-scatters, and left by keeping this rank's slice, whose gradient is gathered back.
+    Without `blocks` (GPTConfig.tp_blocks false: a plan that splits the ends alone) and without
+    SP, only the ends' collectives.
     """
-    blocks, first, last = stage.layers, int(ends and stage.first), int(ends and stage.last)
+    first, last = int(ends and stage.first), int(ends and stage.last)
+    if not blocks and not layout.sp:
+        return {"all_reduce": first + last}
+    blocks = stage.layers
     full = layout.recompute == "full"
     moe = round(stage.moe_layers)
     experts = moe * sum(split_moe)
@@ -179,7 +184,8 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
     act = layout.hidden_bytes(config.d_model)
     split_ends = config.vocab_split  # else whole on every tp rank (plait's GPT-2 adapter: tied, models/hf/gpt2.py)
     split_moe = split_moe_calls(config, layout)
-    for op, count in tp_collectives(layout, stage, split_ends, config.whole_sequence_ends, split_moe).items():
+    for op, count in tp_collectives(layout, stage, split_ends, config.whole_sequence_ends, split_moe,
+                                    config.tp_blocks).items():
         _add(out, "tp", op, act, t, times=m * count)
     if split_moe[0]:  # the routed experts' all-reduces carry tp_expert_rows rows a token, not one
         _add(out, "tp", "all_reduce", act * (config.tp_expert_rows - 1), t,

@@ -41,6 +41,9 @@ class GPTConfig:
     # (plait's GPT, Llama); a transformers family's read off its model (Gemma 2's four norms, OLMo's
     # parameter-free LayerNorms none, Cohere's one norm a block)
     norm_params: int = 2
+    # Whether tp splits the blocks: False where a transformers model's tp plan declares only its
+    # embedding and head (HunYuan's, GPT-OSS's, the hybrids'): every block whole on every tp rank
+    tp_blocks: bool = True
     # Under tp the embedding and the head are split by vocabulary (plait's GPT, Megatron, a
     # transformers plan); False: both whole on every tp rank (plait's GPT-2 adapter: tied)
     vocab_split: bool = True

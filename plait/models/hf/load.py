@@ -25,7 +25,7 @@ from plait.errors import PlaitError
 from plait.models.gpt.config import GPTConfig
 from plait.models.hf.config import HFModelDir
 from plait.models.hf.experts import dense_experts
-from plait.models.hf.plans import declared
+from plait.models.hf.plans import block_list, declared, dispatched_experts, without_experts
 from plait.parallel.deferred import recording
 
 
@@ -122,7 +122,7 @@ def measured_shape(hf: HFModelDir) -> GPTConfig:
     matrices = _mlp_matrices(model, shape)
     shape = replace(shape, mlp_matrices=matrices) if matrices else shape
     return replace(shape, qk_norm=_qk_norm(model, shape), norm_params=_norm_params(model, shape),
-                   **_moe_fields(model, shape))
+                   tp_blocks=_tp_splits_blocks(model), **_moe_fields(model, shape))
 
 
 def _qk_norm(model: nn.Module, shape: GPTConfig) -> str:
@@ -136,6 +136,14 @@ def _qk_norm(model: nn.Module, shape: GPTConfig) -> str:
     if weight.numel() == shape.head_dim:
         return "head"
     return "full" if weight.numel() == shape.n_heads * shape.head_dim else ""
+
+
+def _tp_splits_blocks(model: nn.Module) -> bool:
+    """Whether the model's declared tp plan reaches into its blocks, less the experts its ep plan
+    keeps whole under tp (one with no plan declared is split as plait infers it, blocks included)."""
+    declared_plan, blocks = declared(model, "tp"), block_list(model)
+    plan = without_experts(declared_plan, dispatched_experts(declared(model, "ep")))
+    return not declared_plan or blocks is None or any(key.startswith(f"{blocks}.") for key in plan)
 
 
 def _norm_params(model: nn.Module, shape: GPTConfig) -> int:
