@@ -210,17 +210,20 @@ def test_exact_cases_do_not_fall_below_the_floor(world: list[dict[str, Any]]) ->
 # world's "wire": the ledger's tp bytes beside plait's estimate for the family's shape, as
 # `plait train --model hf:DIR --tp 2` predicts them), and the floor of priced cases across the
 # sweep: a case that leaves this list must say why (docs/huggingface.md, "What the estimate prices").
-PRICED = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "cohere", "cohere2", "olmo", "olmo2",
-          "granite", "helium", "smollm3", "exaone4", "ernie4_5", "seed_oss", "arcee", "granite_swa", "olmoe", "mixtral",
-          "qwen2_moe", "qwen3_moe", "llama4_text", "cohere_compass_text", "cwm", "exaone", "hyperclovax", "internlm3",
-          "iquestcoder", "ministral", "ministral3", "nanochat", "nemotron", "olmo3", "vaultgemma", "flex_olmo",
-          "granitemoe_swa", "mellum", "minimax_m2", "solar_open", "stablelm", "gpt2"]
-# priced under tp alone: among them the plans that split the embedding and head alone (tp_blocks)
+PRICED = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "cohere", "cohere2", "olmo",
+          "olmo2", "granite", "helium", "smollm3", "exaone4", "ernie4_5", "seed_oss", "arcee", "granite_swa",
+          "olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "dots1", "llama4_text", "cohere_compass_text", "cwm",
+          "exaone", "hyperclovax", "internlm3", "iquestcoder", "ministral", "ministral3", "nanochat", "nemotron",
+          "olmo3", "vaultgemma", "beam", "exaone_moe", "flex_olmo", "glm4_moe", "granitemoe_swa", "hy_v3",
+          "kolibri1", "laguna", "mellum", "mimo_v2_flash", "minimax_m2", "sarvam_moe", "solar_open", "stablelm",
+          "gpt2"]
+# priced under tp alone: among them the plans that split the embedding and head alone, or one region a block
 PRICED_TP = ["starcoder2", "hunyuan_v1_dense", "phimoe", "hunyuan_v1_moe", "deepseek_v3", "diffllama", "gpt_neox",
-             "jais2", "phi", "codegen", "gptj", "lfm2", "lfm3", "hrm_text", "aria_text", "ernie4_5_moe", "gpt_oss",
-             "granitemoe", "granitemoeshared", "lfm2_moe", "jamba", "sarvam_mla", "axk1", "deepseek_v4", "bamba",
-             "falcon_h1", "granitemoehybrid"]
-PRICED_AT_LEAST = 114
+             "jais2", "phi", "codegen", "gptj", "lfm2", "lfm3", "hrm_text", "aria_text", "youtu", "ernie4_5_moe",
+             "gpt_oss", "granitemoe", "granitemoeshared", "lfm2_moe", "jamba", "sarvam_mla", "axk1", "deepseek_v4",
+             "bamba", "falcon_h1", "granitemoehybrid", "mpt", "gpt_bigcode", "opt", "biogpt", "gpt_neo",
+             "recurrent_gemma"]
+PRICED_AT_LEAST = 138
 
 
 def priced(world: list[dict[str, Any]], families: list[str], modes: tuple[str, ...] = ("tp", "tp_sp")) -> None:

@@ -50,8 +50,6 @@ divided by t. Full recompute keeps only each block's input.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from plait.interleave import rank_order
 from plait.estimate.experts import dense_and_expert_widths, saved_bytes_per_token
 from plait.estimate.layout import Workload, StageShare, chunk_ends, chunk_layers
@@ -113,7 +111,10 @@ def llama_layer_bytes(config: GPTConfig, layout: Workload) -> float:
         # buys little for our block: prefer "full".
         dropped = 0 if lean else e * 2 * (h - config.kv_dim)
         sharded -= (e * h if o_proj_copy else 0) + LSE_BYTES * a + dropped
-    return _combine(replicated, sharded, layout, e * h)
+    # a region the model's plan leaves whole (GPTConfig.tp_attention, tp_mlp) keeps it all on every rank
+    whole = ((e * (attention + o_proj_copy) + LSE_BYTES * a) * (not config.tp_attention)
+             + e * mlp * f * (not config.tp_mlp))
+    return _combine(replicated + whole, sharded - whole, layout, e * h)
 
 
 def kv_kept(config: GPTConfig, layout: Workload) -> int:
@@ -144,10 +145,7 @@ def _combine(replicated: float, sharded: float, layout: Workload, block_input: f
 
 
 def layer_bytes(config: GPTConfig, layout: Workload) -> float:
-    """Saved bytes of one block for one micro-batch on one rank (a block tp leaves whole,
-    GPTConfig.tp_blocks false, keeps what it keeps on one process)."""
-    if not config.tp_blocks and not layout.sp:
-        layout = replace(layout, tp=1)
+    """Saved bytes of one block for one micro-batch on one rank."""
     if config.arch == "gpt2":
         return korthikanti_layer_bytes(config, layout)
     return llama_layer_bytes(config, layout)

@@ -162,12 +162,13 @@ def block_split(config: GPTConfig, ep: int = 1) -> tuple[int, int]:
         sharded = h * (h + 2 * kv) + (h + 2 * kv) + h * h + 2 * h * f + f
         return sharded, config.layer_params() - sharded
     average = round(sum(config.block_params(i) for i in range(config.n_layers)) / config.n_layers)
-    if not config.tp_blocks:  # a plan that splits the embedding and the head alone
-        return 0, average
     moe = config.moe_layers / config.n_layers
-    sharded = 2 * h * h + 2 * h * kv + round(config.mlp_params * (1 - moe))
+    # a region the model's plan leaves whole (GPTConfig.tp_attention, tp_mlp) stays on every tp rank
+    sharded = (2 * h * h + 2 * h * kv) * config.tp_attention + round(config.mlp_params * (1 - moe)) * config.tp_mlp
     if config.tp_expert_rows and ep == 1:
         sharded += round((config.experts * config.expert_params() + 3 * h * config.shared_width) * moe)
+    elif config.tp_shared_experts:
+        sharded += round(3 * h * config.shared_width * moe)
     return sharded, average - sharded
 
 

@@ -98,15 +98,16 @@ def block_gemms(config: GPTConfig, tokens: int, tp: int, moe: bool = False, ep: 
     """One block's forward GEMMs on one tensor-parallel rank (columns or rows split by t): a
     dense block's, or with `moe` an MoE block's (`moe_gemms`)."""
     h, kv, f = config.d_model, config.kv_dim, config.ffn_hidden
-    tp = tp if config.tp_blocks else 1  # a plan that splits the ends alone: the blocks whole
     if config.arch == "gpt2":
         return [Gemm(tokens, h, (h + 2 * kv) // tp), Gemm(tokens, h // tp, h),
                 Gemm(tokens, h, f // tp), Gemm(tokens, f // tp, h)]
-    attention = [Gemm(tokens, h, h // tp), Gemm(tokens, h, kv // tp), Gemm(tokens, h, kv // tp), Gemm(tokens, h // tp, h)]
+    a = tp if config.tp_attention else 1  # a region the model's plan leaves whole runs whole
+    attention = [Gemm(tokens, h, h // a), Gemm(tokens, h, kv // a), Gemm(tokens, h, kv // a), Gemm(tokens, h // a, h)]
     if moe:
         return attention + moe_gemms(config, tokens, tp, ep)
-    up = [Gemm(tokens, h, f // tp)] * (config.mlp_params // (h * f) - 1)  # gate and up, or up alone (relu², GELU)
-    return attention + [*up, Gemm(tokens, f // tp, h)]
+    m = tp if config.tp_mlp else 1
+    up = [Gemm(tokens, h, f // m)] * (config.mlp_params // (h * f) - 1)  # gate and up, or up alone (relu², GELU)
+    return attention + [*up, Gemm(tokens, f // m, h)]
 
 
 def moe_gemms(config: GPTConfig, tokens: int, tp: int, ep: int = 1) -> list[Gemm]:
@@ -121,7 +122,7 @@ def moe_gemms(config: GPTConfig, tokens: int, tp: int, ep: int = 1) -> list[Gemm
     gemms = [Gemm(tokens, h, config.experts), Gemm(rows, h, width // split), Gemm(rows, h, width // split),
              Gemm(rows, width // split, h)]
     if config.shared_width:
-        shared = config.shared_width // split
+        shared = config.shared_width // (tp if config.tp_shared_experts else split)
         gemms += [Gemm(tokens, h, shared), Gemm(tokens, h, shared), Gemm(tokens, shared, h)]
     return gemms
 

@@ -91,7 +91,8 @@ def cp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
 
 
 def tp_collectives(layout: Workload, stage: StageShare, ends: bool = True,
-                   whole_ends: bool = False, split_moe: tuple[int, int] = (0, 0), blocks: bool = True) -> dict[str, int]:
+                   whole_ends: bool = False, split_moe: tuple[int, int] = (0, 0),
+                   regions: tuple[bool, bool] = (True, True)) -> dict[str, int]:
     """Collectives of b·s·h activations per micro-batch on one rank of `stage` (its blocks'
     alone without `ends`: what an overlapping stack hides, time.tp_s).
 
@@ -115,18 +116,21 @@ def tp_collectives(layout: Workload, stage: StageShare, ends: bool = True,
     adds its experts' all-reduces; under SP it runs whole on the gathered sequence: one more
     region, entered by an all-gather (again in full recompute's rerun) whose backward
     reduce-scatters, and left by keeping this rank's slice, whose gradient is gathered back.
-    Without `blocks` (GPTConfig.tp_blocks false: a plan that splits the ends alone) and without
-    SP, only the ends' collectives.
+    `regions` says which of a block's regions the plan splits (GPTConfig.tp_attention, tp_mlp):
+    without SP, each split region is entered and left once, and full recompute reruns the
+    attention's exit where the attention is split (whatever the MLP keeps stops the rerun
+    after it); nothing for a region left whole.
     """
     first, last = int(ends and stage.first), int(ends and stage.last)
-    if not blocks and not layout.sp:
-        return {"all_reduce": first + last}
     blocks = stage.layers
     full = layout.recompute == "full"
     moe = round(stage.moe_layers)
     experts = moe * sum(split_moe)
     if not layout.sp:  # an MoE block's MLP stays whole on every tp rank: its attention's two (three) only
-        return {"all_reduce": (blocks - moe) * (5 if full else 4) + moe * (3 if full else 2) + experts + first + last}
+        attention, mlp = regions
+        rerun = int(full and attention)
+        dense = 2 * (attention + mlp) + rerun
+        return {"all_reduce": (blocks - moe) * dense + moe * (2 * attention + rerun) + experts + first + last}
     if whole_ends:  # an MoE block: its attention's region alone (3 all-gathers, 2 reduce-scatters; full: 4 and 3)
         region = moe if split_moe[0] else 0
         return {"all_gather": (blocks - moe) * (8 if full else 6) + moe * (4 if full else 3) + region * (3 if full else 2),
@@ -140,15 +144,18 @@ def split_moe_calls(config: GPTConfig, layout: Workload) -> tuple[int, int]:
     """The all-reduces one MoE block's experts run per micro-batch where tp splits them
     (GPTConfig.tp_expert_rows, without ep): (the routed experts', the shared experts'); each
     routed one carries `tp_expert_rows` rows a token, a shared one one row. (0, 0) where tp
-    keeps the MoE MLP whole.
+    keeps the MoE MLP whole, but for shared experts the plan splits beside routed ones kept
+    whole (tp_shared_experts: entered and left without SP, under which the block runs whole).
 
     Without SP each is left (forward) and entered (backward) as a dense MLP is; under SP the
     block runs whole on the gathered sequence, whose region's gather and scatter stand for
     the entries (tp_collectives), so only the exits sum. Full recompute reruns the routed
     experts' exit: they run before the shared experts (Llama 4's order), whose last saved input
     ends the rerun, before their own exit."""
-    if not config.tp_expert_rows or layout.ep > 1 or layout.tp == 1:
+    if layout.tp == 1:
         return 0, 0
+    if not config.tp_expert_rows or layout.ep > 1:  # routed experts whole; shared ones split beside them
+        return 0, (2 if config.tp_shared_experts and config.shared_width and not layout.sp else 0)
     passes = 1 if layout.sp else 2
     shared = passes if config.shared_width else 0
     rerun = 1 if layout.recompute == "full" and shared else 0
@@ -185,7 +192,7 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
     split_ends = config.vocab_split  # else whole on every tp rank (plait's GPT-2 adapter: tied, models/hf/gpt2.py)
     split_moe = split_moe_calls(config, layout)
     for op, count in tp_collectives(layout, stage, split_ends, config.whole_sequence_ends, split_moe,
-                                    config.tp_blocks).items():
+                                    (config.tp_attention, config.tp_mlp)).items():
         _add(out, "tp", op, act, t, times=m * count)
     if split_moe[0]:  # the routed experts' all-reduces carry tp_expert_rows rows a token, not one
         _add(out, "tp", "all_reduce", act * (config.tp_expert_rows - 1), t,
@@ -203,7 +210,10 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
     if layout.sp:
         grad_bytes = state_bytes(layout.precision).grad
         whole = final_norm_params(config) if stage.last and config.whole_sequence_ends else 0
-        _add(out, "tp", "all_reduce", (stage.replicated_params - whole) * grad_bytes, t, times=m)
+        # shared experts split beside whole routed ones run whole under SP (plans.whole_beside_experts)
+        beside = (round(3 * config.d_model * config.shared_width * stage.moe_layers)
+                  if config.tp_shared_experts and not config.tp_expert_rows else 0)
+        _add(out, "tp", "all_reduce", (stage.replicated_params - whole + beside) * grad_bytes, t, times=m)
     return out
 
 

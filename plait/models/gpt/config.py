@@ -41,9 +41,12 @@ class GPTConfig:
     # (plait's GPT, Llama); a transformers family's read off its model (Gemma 2's four norms, OLMo's
     # parameter-free LayerNorms none, Cohere's one norm a block)
     norm_params: int = 2
-    # Whether tp splits the blocks: False where a transformers model's tp plan declares only its
-    # embedding and head (HunYuan's, GPT-OSS's, the hybrids'): every block whole on every tp rank
-    tp_blocks: bool = True
+    # Which of a block's two regions tp splits, its attention and its (dense) MLP: both for plait's
+    # GPT; a transformers model's as its plan says (HunYuan's and the hybrids' split the embedding
+    # and head alone, YouTu's the MLP alone, an inferred plan OPT's attention or MPT's MLP)
+    tp_attention: bool = True
+    tp_mlp: bool = True
+    tp_shared_experts: bool = False  # the plan splits the shared experts beside routed ones kept whole (dots1's)
     # Under tp the embedding and the head are split by vocabulary (plait's GPT, Megatron, a
     # transformers plan); False: both whole on every tp rank (plait's GPT-2 adapter: tied)
     vocab_split: bool = True
@@ -69,6 +72,9 @@ class GPTConfig:
     # whole on every rank (plait's MoE, and a transformers MoE with an ep plan).
     tp_expert_rows: int = 0
     moe_every: int = 1  # every moe_every-th block is an MoE block (the others keep the dense MLP)
+    # Which blocks are MoE blocks where moe_every cannot say (a transformers family's, read off
+    # its model: DeepSeek's dense first blocks); empty: moe_every's
+    moe_blocks: tuple[int, ...] = ()
     expert_hidden: int = 0  # each expert's SwiGLU width (0: ffn_hidden)
     router: str = "softmax"  # softmax top-k with the auxiliary loss, or sigmoid with a bias (no auxiliary loss)
     aux_loss_coef: float = 0.01  # weight of the load-balancing loss (softmax router)
@@ -101,7 +107,10 @@ class GPTConfig:
         return self.experts > 0
 
     def moe_layer(self, index: int) -> bool:
-        """Whether block `index` (from 0) is an MoE block: every moe_every-th, counting from 1."""
+        """Whether block `index` (from 0) is an MoE block: one of moe_blocks where they are
+        given, else every moe_every-th, counting from 1."""
+        if self.moe_blocks:
+            return self.is_moe and index in self.moe_blocks
         return self.is_moe and (index + 1) % self.moe_every == 0
 
     @property

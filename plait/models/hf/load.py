@@ -25,6 +25,7 @@ from plait.errors import PlaitError
 from plait.models.gpt.config import GPTConfig
 from plait.models.hf.config import HFModelDir
 from plait.models.hf.experts import dense_experts
+from plait.models.hf.inferred import inferred_tp_plan
 from plait.models.hf.plans import block_list, declared, dispatched_experts, without_experts
 from plait.parallel.deferred import recording
 
@@ -122,7 +123,7 @@ def measured_shape(hf: HFModelDir) -> GPTConfig:
     matrices = _mlp_matrices(model, shape)
     shape = replace(shape, mlp_matrices=matrices) if matrices else shape
     return replace(shape, qk_norm=_qk_norm(model, shape), norm_params=_norm_params(model, shape),
-                   tp_blocks=_tp_splits_blocks(model), **_moe_fields(model, shape))
+                   **_tp_regions(model, shape), **_moe_fields(model, shape))
 
 
 def _qk_norm(model: nn.Module, shape: GPTConfig) -> str:
@@ -138,12 +139,27 @@ def _qk_norm(model: nn.Module, shape: GPTConfig) -> str:
     return "full" if weight.numel() == shape.n_heads * shape.head_dim else ""
 
 
-def _tp_splits_blocks(model: nn.Module) -> bool:
-    """Whether the model's declared tp plan reaches into its blocks, less the experts its ep plan
-    keeps whole under tp (one with no plan declared is split as plait infers it, blocks included)."""
-    declared_plan, blocks = declared(model, "tp"), block_list(model)
-    plan = without_experts(declared_plan, dispatched_experts(declared(model, "ep")))
-    return not declared_plan or blocks is None or any(key.startswith(f"{blocks}.") for key in plan)
+ROWS = ("rowwise", "rowwise_split_input", "rowwise_rep")  # the styles that close a region: its sum leaving
+
+
+def _tp_regions(model: nn.Module, shape: GPTConfig) -> dict[str, bool]:
+    """Which of a block's regions the model's tp plan splits (GPTConfig.tp_attention, tp_mlp,
+    tp_shared_experts): those a row-parallel layer in its blocks closes, under an attention (a
+    name holding "attn" or "attention"), under shared experts ("shared"), or neither (the
+    MLP; all of a model whose experts plait does not know, as its shape's dense MLP). The plan
+    is the declared one less the experts its ep plan keeps whole, or the one plait infers where
+    none is declared. {} where it cannot tell."""
+    blocks = block_list(model)
+    plan = declared(model, "tp")
+    plan = without_experts(plan, dispatched_experts(declared(model, "ep"))) if plan else inferred_tp_plan(model, blocks)
+    if blocks is None or not plan:
+        return {}
+    inside = [key[len(blocks) + 1:].lower() for key, style in plan.items()
+              if key.startswith(f"{blocks}.") and style in ROWS]
+    attention = [key for key in inside if "attn" in key or "attention" in key]
+    shared = [key for key in inside if "shared" in key and key not in attention] if shape.is_moe else []
+    return {"tp_attention": bool(attention), "tp_shared_experts": bool(shared),
+            "tp_mlp": len(inside) > len(attention) + len(shared)}
 
 
 def _norm_params(model: nn.Module, shape: GPTConfig) -> int:
@@ -171,6 +187,11 @@ def _moe_fields(model: nn.Module, shape: GPTConfig) -> dict[str, Any]:
     if not shape.is_moe or block is None:
         return {}
     fields: dict[str, Any] = {}
+    layers = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, default=None) or []
+    moe = tuple(i for i, layer in enumerate(layers)
+                if any(isinstance(getattr(m, "experts", None), nn.Module) for m in layer.modules()))
+    if moe and moe != tuple(i for i in range(shape.n_layers) if shape.moe_layer(i)):
+        fields["moe_blocks"] = moe  # DeepSeek's dense first blocks (first_k_dense_replace), and the like
     h = shape.d_model
     routed = sum(p.numel() for p in block.experts.parameters() if p.ndim >= 2)
     if routed and routed % (3 * h * shape.experts) == 0:
