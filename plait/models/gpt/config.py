@@ -82,7 +82,9 @@ class GPTConfig:
     capacity_factor: float = 0.0  # 0: dropless; else each expert takes at most factor·tokens·top_k/experts
 
     def __post_init__(self) -> None:
-        """Shapes that cannot build a model are refused here, naming the field."""
+        """Shapes that cannot build a model are refused here, naming the field. moe_blocks is
+        kept a tuple, as read back from JSON (a list) too: the config is hashed."""
+        object.__setattr__(self, "moe_blocks", tuple(self.moe_blocks))
         for name in ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise PlaitError(f"model field {name} must be at least 1, got {getattr(self, name)}")

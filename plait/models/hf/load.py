@@ -126,10 +126,20 @@ def measured_shape(hf: HFModelDir) -> GPTConfig:
                    **_tp_regions(model, shape), **_moe_fields(model, shape))
 
 
+def _blocks(model: nn.Module) -> nn.ModuleList | None:
+    """The model's blocks: the list its plans name (plans.block_list), else its longest module
+    list."""
+    name = block_list(model)
+    found = model.get_submodule(name) if name else None
+    if isinstance(found, nn.ModuleList):
+        return found
+    return max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, default=None)
+
+
 def _qk_norm(model: nn.Module, shape: GPTConfig) -> str:
     """What the first block's attention normalises q and k over (GPTConfig.qk_norm), from the
     width of its q_norm's weight: one head ("head"), every head ("full"), or none ("")."""
-    layers = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, default=None)
+    layers = _blocks(model)
     attention = getattr(layers[0], "self_attn", None) if layers else None
     weight = getattr(getattr(attention, "q_norm", None), "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
@@ -150,9 +160,11 @@ def _tp_regions(model: nn.Module, shape: GPTConfig) -> dict[str, bool]:
     is the declared one less the experts its ep plan keeps whole, or the one plait infers where
     none is declared. {} where it cannot tell."""
     blocks = block_list(model)
+    if blocks is None:
+        return {}
     plan = declared(model, "tp")
     plan = without_experts(plan, dispatched_experts(declared(model, "ep"))) if plan else inferred_tp_plan(model, blocks)
-    if blocks is None or not plan:
+    if not plan:
         return {}
     inside = [key[len(blocks) + 1:].lower() for key, style in plan.items()
               if key.startswith(f"{blocks}.") and style in ROWS]
@@ -166,7 +178,7 @@ def _norm_params(model: nn.Module, shape: GPTConfig) -> int:
     """The d_model-wide weights of the first block's own norms (its direct children named a
     norm: Gemma 2's four, Cohere's one, OLMo's parameter-free LayerNorms none), which SP sums
     over tp; two where they are not all d_model wide."""
-    layers = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, default=None)
+    layers = _blocks(model)
     if not layers:
         return shape.norm_params
     weights = sum(p.numel() for module in layers[0].children() if "norm" in type(module).__name__.lower()
@@ -187,10 +199,11 @@ def _moe_fields(model: nn.Module, shape: GPTConfig) -> dict[str, Any]:
     if not shape.is_moe or block is None:
         return {}
     fields: dict[str, Any] = {}
-    layers = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, default=None) or []
+    layers = _blocks(model) or []
     moe = tuple(i for i, layer in enumerate(layers)
                 if any(isinstance(getattr(m, "experts", None), nn.Module) for m in layer.modules()))
-    if moe and moe != tuple(i for i in range(shape.n_layers) if shape.moe_layer(i)):
+    every = tuple(i for i in range(shape.n_layers) if shape.moe_layer(i))
+    if moe and len(layers) == shape.n_layers and moe != every:
         fields["moe_blocks"] = moe  # DeepSeek's dense first blocks (first_k_dense_replace), and the like
     h = shape.d_model
     routed = sum(p.numel() for p in block.experts.parameters() if p.ndim >= 2)
@@ -212,7 +225,7 @@ def _moe_fields(model: nn.Module, shape: GPTConfig) -> dict[str, Any]:
 def _mlp_matrices(model: nn.Module, shape: GPTConfig) -> int:
     """The weight matrices of the first dense block's MLP, counted in d_model × ffn_hidden
     units (a fused gate|up counts two); 0 when there is no dense block or no `mlp` module."""
-    layers = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, default=None)
+    layers = _blocks(model)
     dense = [block for i, block in enumerate(layers or []) if not shape.moe_layer(i)]
     mlp = getattr(dense[0], "mlp", None) if dense else None
     if mlp is None:
