@@ -218,12 +218,12 @@ PRICED = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"
           "kolibri1", "laguna", "mellum", "mimo_v2_flash", "minimax_m2", "sarvam_moe", "solar_open", "stablelm",
           "gpt2"]
 # priced under tp alone: among them the plans that split the embedding and head alone, or one region a block
-PRICED_TP = ["starcoder2", "hunyuan_v1_dense", "phimoe", "hunyuan_v1_moe", "deepseek_v3", "diffllama", "gpt_neox",
-             "jais2", "phi", "codegen", "gptj", "lfm2", "lfm3", "hrm_text", "aria_text", "youtu", "ernie4_5_moe",
-             "gpt_oss", "granitemoe", "granitemoeshared", "lfm2_moe", "jamba", "sarvam_mla", "axk1", "deepseek_v4",
-             "bamba", "falcon_h1", "granitemoehybrid", "mpt", "gpt_bigcode", "opt", "biogpt", "gpt_neo",
-             "recurrent_gemma"]
-PRICED_AT_LEAST = 138
+PRICED_TP = ["phi3", "starcoder2", "glm", "hunyuan_v1_dense", "phimoe", "hunyuan_v1_moe", "deepseek_v3", "diffllama",
+             "glm4", "gpt_neox", "jais2", "phi", "codegen", "gptj", "lfm2", "lfm3", "hrm_text", "youtu", "aria_text",
+             "ernie4_5_moe", "gpt_oss", "granitemoe", "granitemoeshared", "lfm2_moe", "jamba", "sarvam_mla", "axk1",
+             "deepseek_v4", "bamba", "falcon_h1", "granitemoehybrid", "mpt", "gpt_bigcode", "opt", "biogpt",
+             "gpt_neo", "recurrent_gemma"]
+PRICED_AT_LEAST = 141
 
 
 def priced(world: list[dict[str, Any]], families: list[str], modes: tuple[str, ...] = ("tp", "tp_sp")) -> None:

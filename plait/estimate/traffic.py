@@ -194,6 +194,11 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
     for op, count in tp_collectives(layout, stage, split_ends, config.whole_sequence_ends, split_moe,
                                     (config.tp_attention, config.tp_mlp)).items():
         _add(out, "tp", op, act, t, times=m * count)
+    if any(config.tp_gathered) and not layout.sp:  # a plan that gathers fused projections whole
+        forward, backward = config.tp_gathered
+        rerun = forward if layout.recompute == "full" else 0  # the saved inputs after them come after the gathers
+        _add(out, "tp", "all_gather", layout.tokens_per_micro_batch * (forward + rerun + backward) * layout.compute_bytes,
+             t, times=m * stage.layers)
     if split_moe[0]:  # the routed experts' all-reduces carry tp_expert_rows rows a token, not one
         _add(out, "tp", "all_reduce", act * (config.tp_expert_rows - 1), t,
              times=m * round(stage.moe_layers) * split_moe[0])

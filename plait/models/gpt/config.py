@@ -47,6 +47,10 @@ class GPTConfig:
     tp_attention: bool = True
     tp_mlp: bool = True
     tp_shared_experts: bool = False  # the plan splits the shared experts beside routed ones kept whole (dots1's)
+    # Widths a block's plan gathers whole under tp, per token: (its column layers' outputs gathered
+    # forward, its split-input row layers' inputs gathered back in backward): Phi-3's fused q|k|v
+    # and gate|up ("colwise_gather_output", then "rowwise_split_input"); (0, 0) for Megatron's block
+    tp_gathered: tuple[int, int] = (0, 0)
     # Under tp the embedding and the head are split by vocabulary (plait's GPT, Megatron, a
     # transformers plan); False: both whole on every tp rank (plait's GPT-2 adapter: tied)
     vocab_split: bool = True
@@ -82,9 +86,10 @@ class GPTConfig:
     capacity_factor: float = 0.0  # 0: dropless; else each expert takes at most factor·tokens·top_k/experts
 
     def __post_init__(self) -> None:
-        """Shapes that cannot build a model are refused here, naming the field. moe_blocks is
-        kept a tuple, as read back from JSON (a list) too: the config is hashed."""
+        """Shapes that cannot build a model are refused here, naming the field. moe_blocks and
+        tp_gathered are kept tuples, as read back from JSON (lists) too: the config is hashed."""
         object.__setattr__(self, "moe_blocks", tuple(self.moe_blocks))
+        object.__setattr__(self, "tp_gathered", tuple(self.tp_gathered))
         for name in ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise PlaitError(f"model field {name} must be at least 1, got {getattr(self, name)}")

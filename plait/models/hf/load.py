@@ -171,7 +171,26 @@ def _tp_regions(model: nn.Module, shape: GPTConfig) -> dict[str, bool]:
     attention = [key for key in inside if "attn" in key or "attention" in key]
     shared = [key for key in inside if "shared" in key and key not in attention] if shape.is_moe else []
     return {"tp_attention": bool(attention), "tp_shared_experts": bool(shared),
-            "tp_mlp": len(inside) > len(attention) + len(shared)}
+            "tp_mlp": len(inside) > len(attention) + len(shared),
+            "tp_gathered": _gathered(model, plan, blocks, attention=_qk_norm(model, shape) != "full")}
+
+
+def _gathered(model: nn.Module, plan: dict[str, str], blocks: str, attention: bool = True) -> tuple[int, int]:
+    """GPTConfig.tp_gathered of the first block: the output widths of the column layers the
+    plan gathers whole ("colwise_gather_output"), the input widths of the row layers that take
+    a whole input and keep their slice ("rowwise_split_input", whose input gradient is gathered
+    back). Without `attention`, the attention's are left out: q/k norms over every head have
+    them priced already (GPTConfig.qk_norm "full", OLMo2's)."""
+    widths = {"colwise_gather_output": 0, "rowwise_split_input": 0}
+    for key, style in plan.items():
+        inside = key[len(blocks) + 3:].lower()
+        if not attention and ("attn" in inside or "attention" in inside):
+            continue
+        if style in widths and key.startswith(f"{blocks}.*."):
+            layer = model.get_submodule(f"{blocks}.0.{key[len(blocks) + 3:]}")
+            if isinstance(layer, nn.Linear):
+                widths[style] += layer.out_features if style == "colwise_gather_output" else layer.in_features
+    return widths["colwise_gather_output"], widths["rowwise_split_input"]
 
 
 def _norm_params(model: nn.Module, shape: GPTConfig) -> int:
