@@ -214,16 +214,16 @@ PRICED = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"
           "olmo2", "granite", "helium", "smollm3", "exaone4", "ernie4_5", "seed_oss", "arcee", "granite_swa",
           "olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "dots1", "llama4_text", "cohere_compass_text", "cwm",
           "exaone", "hyperclovax", "internlm3", "iquestcoder", "ministral", "ministral3", "nanochat", "nemotron",
-          "olmo3", "vaultgemma", "beam", "exaone_moe", "flex_olmo", "glm4_moe", "granitemoe_swa", "hy_v3",
-          "kolibri1", "laguna", "mellum", "mimo_v2_flash", "minimax_m2", "sarvam_moe", "solar_open", "stablelm",
-          "gpt2"]
+          "olmo3", "vaultgemma", "beam", "cohere2_moe", "exaone_moe", "flex_olmo", "glm4_moe", "granitemoe_swa",
+          "hy_v3", "kolibri1", "laguna", "mellum", "mimo_v2_flash", "minimax_m2", "sarvam_moe", "solar_open",
+          "stablelm", "gpt2"]
 # priced under tp alone: among them the plans that split the embedding and head alone, or one region a block
 PRICED_TP = ["phi3", "starcoder2", "glm", "hunyuan_v1_dense", "phimoe", "hunyuan_v1_moe", "deepseek_v3", "diffllama",
-             "glm4", "gpt_neox", "jais2", "phi", "codegen", "gptj", "lfm2", "lfm3", "hrm_text", "youtu", "aria_text",
-             "ernie4_5_moe", "gpt_oss", "granitemoe", "granitemoeshared", "lfm2_moe", "jamba", "sarvam_mla", "axk1",
-             "deepseek_v4", "bamba", "falcon_h1", "granitemoehybrid", "mpt", "gpt_bigcode", "opt", "biogpt",
-             "gpt_neo", "recurrent_gemma"]
-PRICED_AT_LEAST = 141
+             "glm4", "gpt_neox", "jais2", "phi", "codegen", "gptj", "lfm2", "lfm3", "gemma3n_text", "hrm_text",
+             "youtu", "aria_text", "ernie4_5_moe", "gpt_oss", "granitemoe", "granitemoeshared", "lfm2_moe", "jamba",
+             "sarvam_mla", "axk1", "deepseek_v4", "bamba", "falcon_h1", "granitemoehybrid", "mpt", "gpt_bigcode",
+             "opt", "xglm", "biogpt", "gpt_neo", "recurrent_gemma"]
+PRICED_AT_LEAST = 145
 
 
 def priced(world: list[dict[str, Any]], families: list[str], modes: tuple[str, ...] = ("tp", "tp_sp")) -> None:

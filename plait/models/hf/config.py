@@ -35,7 +35,7 @@ COMPANIONS = (GENERATION, "tokenizer_config.json", "special_tokens_map.json")
 # The sizes a decoder's config.json names, each under the spellings transformers' configs use.
 SIZES = {"layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
          "hidden": ("hidden_size", "n_embd", "d_model"),
-         "heads": ("num_attention_heads", "n_head", "num_heads", "n_heads"),  # GPT-Neo's, MPT's spellings last
+         "heads": ("num_attention_heads", "n_head", "num_heads", "n_heads", "attention_heads"),  # GPT-Neo's, MPT's, XGLM's
          "positions": ("max_position_embeddings", "n_positions", "max_seq_len")}
 
 
@@ -134,13 +134,24 @@ class HFModelDir:
             rope = c.get("rope_theta") or parameters.get("rope_theta", 10000.0)
             return GPTConfig(vocab_size=self.vocab_size, n_layers=sizes["layers"], d_model=hidden, n_heads=heads,
                              n_kv_heads=int(c.get("num_key_value_heads") or heads),
-                             ffn_hidden=int(c.get("intermediate_size_mlp") or c.get("intermediate_size") or 4 * hidden),
+                             ffn_hidden=self.mlp_width(hidden),
                              max_seq_len=sizes["positions"],
                              tie_embeddings=bool(c.get("tie_word_embeddings", False)), rope_theta=float(rope),
-                             norm_eps=float(c.get("rms_norm_eps", 1e-6)), whole_sequence_ends=True, lean_blocks=False,
+                             norm_eps=float(c.get("rms_norm_eps") or c.get("layer_norm_eps") or 1e-6),
+                             whole_sequence_ends=True, lean_blocks=False,
                              **self.experts(hidden))
         except (TypeError, ValueError) as exc:
             raise PlaitError(f"--model {spec}: {CONFIG} has a size that is not a number ({exc})") from None
+
+    def mlp_width(self, hidden: int) -> int:
+        """The dense MLP's hidden units: Llama 4's intermediate_size_mlp, else intermediate_size
+        (one per layer in Gemma 3n's config: taken where they are all one), OPT's and XGLM's
+        ffn_dim, else 4·hidden."""
+        c = self.config
+        width = c.get("intermediate_size_mlp") or c.get("intermediate_size") or c.get("ffn_dim") or 4 * hidden
+        if isinstance(width, list) and len(set(width)) == 1:
+            width = width[0]
+        return int(width)
 
     def experts(self, hidden: int) -> dict[str, Any]:
         """A mixture of experts' fields of GPTConfig, from the names transformers' MoE configs
