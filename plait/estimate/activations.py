@@ -94,7 +94,7 @@ def llama_layer_bytes(config: GPTConfig, layout: Workload) -> float:
     swiglu = 3 if lean else 4
     mlp = 2 if config.mlp_matrices == 2 else swiglu
     experts = e * swiglu * moe  # whole on every tp rank, unless the model's plan splits them
-    split_experts = config.tp_expert_rows and layout.ep == 1
+    split_experts = config.routed_split_by_tp(layout.ep)
     replicated = 2 * rmsnorm_bytes(h, e, lean) + saved_bytes_per_token(config, layout) + (0 if split_experts else experts)
     attention = 2 * h + 2 * kv_kept(config, layout) if lean else 4 * h  # q, k, v, out
     sharded = e * (attention + o_proj_copy + mlp * f) + LSE_BYTES * a + (experts if split_experts else 0)

@@ -165,10 +165,10 @@ def block_split(config: GPTConfig, ep: int = 1) -> tuple[int, int]:
     moe = config.moe_layers / config.n_layers
     # a region the model's plan leaves whole (GPTConfig.tp_attention, tp_mlp) stays on every tp rank
     sharded = (2 * h * h + 2 * h * kv) * config.tp_attention + round(config.mlp_params * (1 - moe)) * config.tp_mlp
-    if config.tp_expert_rows and ep == 1:
-        sharded += round((config.experts * config.expert_params() + 3 * h * config.shared_width) * moe)
-    elif config.tp_shared_experts:
-        sharded += round(3 * h * config.shared_width * moe)
+    routed = config.experts * config.expert_params() if config.routed_split_by_tp(ep) else 0
+    shared = 3 * h * config.shared_width if config.shared_split_by_tp(ep) else 0
+    if routed or shared:
+        sharded += round((routed + shared) * moe)
     return sharded, average - sharded
 
 

@@ -117,12 +117,12 @@ def moe_gemms(config: GPTConfig, tokens: int, tp: int, ep: int = 1) -> list[Gemm
     SwiGLU on every token. Whole on every tp rank, unless the model's plan splits the experts
     (GPTConfig.tp_expert_rows, without ep)."""
     h, width = config.d_model, config.expert_width
-    split = tp if config.tp_expert_rows and ep == 1 else 1
+    split = tp if config.routed_split_by_tp(ep) else 1
     rows = tokens * routed_rows(config)
     gemms = [Gemm(tokens, h, config.experts), Gemm(rows, h, width // split), Gemm(rows, h, width // split),
              Gemm(rows, width // split, h)]
     if config.shared_width:
-        shared = config.shared_width // (tp if config.tp_shared_experts else split)
+        shared = config.shared_width // (tp if config.shared_split_by_tp(ep) else 1)
         gemms += [Gemm(tokens, h, shared), Gemm(tokens, h, shared), Gemm(tokens, shared, h)]
     return gemms
 

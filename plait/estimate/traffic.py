@@ -154,8 +154,8 @@ def split_moe_calls(config: GPTConfig, layout: Workload) -> tuple[int, int]:
     ends the rerun, before their own exit."""
     if layout.tp == 1:
         return 0, 0
-    if not config.tp_expert_rows or layout.ep > 1:  # routed experts whole; shared ones split beside them
-        return 0, (2 if config.tp_shared_experts and config.shared_width and not layout.sp else 0)
+    if not config.routed_split_by_tp(layout.ep):  # routed experts whole; shared ones split beside them
+        return 0, (2 if config.shared_split_by_tp(layout.ep) and config.shared_width and not layout.sp else 0)
     passes = 1 if layout.sp else 2
     shared = passes if config.shared_width else 0
     rerun = 1 if layout.recompute == "full" and shared else 0

@@ -139,6 +139,16 @@ class GPTConfig:
         experts' widths."""
         return self.shared_hidden or self.shared_experts * self.expert_width
 
+    def routed_split_by_tp(self, ep: int) -> bool:
+        """Whether tp splits the routed experts: where the model's plan does (tp_expert_rows)
+        and no ep keeps them whole."""
+        return bool(self.tp_expert_rows) and ep == 1
+
+    def shared_split_by_tp(self, ep: int) -> bool:
+        """Whether tp splits the shared experts: with the routed ones, or beside them
+        (tp_shared_experts)."""
+        return self.routed_split_by_tp(ep) or self.tp_shared_experts
+
     def moe_mlp_params(self) -> int:
         """An MoE block's feed-forward: the router, every routed expert, the shared experts."""
         return (self.d_model * self.experts + self.experts * self.expert_params()
