@@ -102,9 +102,10 @@ __all__ = ["build_hf_model"]
 
 
 def measured_shape(hf: HFModelDir) -> GPTConfig:
-    """config.json's shape (HFModelDir.shape) with what only the model itself says: how many
-    weight matrices its MLP has (SwiGLU's three; relu² and GELU's two), read off the model
-    transformers builds from the config on the meta device (no memory, no weights). Without
+    """config.json's shape (HFModelDir.shape) with what only the model itself says, read off the
+    model transformers builds from the config on the meta device (no memory, no weights): how
+    many weight matrices its MLP has (SwiGLU's three; relu² and GELU's two), its q/k norms and
+    block norms, its experts (_moe_fields) and what its tp plan splits (_tp_regions). Without
     transformers installed, config.json's reading stands: a Llama-like MLP."""
     shape = hf.shape()
     if shape.arch == "gpt2":  # GPT-2's block is described whole by its arch; its adapter keeps
@@ -120,26 +121,26 @@ def measured_shape(hf: HFModelDir) -> GPTConfig:
     except Exception as exc:  # noqa: BLE001 - transformers raises its own types
         raise PlaitError(f"--model hf:{hf.path}: transformers cannot build it: {_first_line(exc)}",
                          hint="check config.json (AutoModelForCausalLM.from_config must accept it)") from None
-    matrices = _mlp_matrices(model, shape)
+    name = block_list(model)  # read once: each reading walks the model and its plans
+    layers = _blocks(model, name)
+    matrices = _mlp_matrices(layers, shape)
     shape = replace(shape, mlp_matrices=matrices) if matrices else shape
-    return replace(shape, qk_norm=_qk_norm(model, shape), norm_params=_norm_params(model, shape),
-                   **_tp_regions(model, shape), **_moe_fields(model, shape))
+    shape = replace(shape, qk_norm=_qk_norm(layers, shape), norm_params=_norm_params(layers, shape))
+    return replace(shape, **_tp_regions(model, name, shape), **_moe_fields(model, layers, shape))
 
 
-def _blocks(model: nn.Module) -> nn.ModuleList | None:
-    """The model's blocks: the list its plans name (plans.block_list), else its longest module
-    list."""
-    name = block_list(model)
+def _blocks(model: nn.Module, name: str | None) -> nn.ModuleList | None:
+    """The model's blocks: the list its plans name (`name`, plans.block_list), else its
+    longest module list."""
     found = model.get_submodule(name) if name else None
     if isinstance(found, nn.ModuleList):
         return found
     return max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, default=None)
 
 
-def _qk_norm(model: nn.Module, shape: GPTConfig) -> str:
+def _qk_norm(layers: nn.ModuleList | None, shape: GPTConfig) -> str:
     """What the first block's attention normalises q and k over (GPTConfig.qk_norm), from the
     width of its q_norm's weight: one head ("head"), every head ("full"), or none ("")."""
-    layers = _blocks(model)
     attention = getattr(layers[0], "self_attn", None) if layers else None
     weight = getattr(getattr(attention, "q_norm", None), "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
@@ -152,14 +153,13 @@ def _qk_norm(model: nn.Module, shape: GPTConfig) -> str:
 ROWS = ("rowwise", "rowwise_split_input", "rowwise_rep")  # the styles that close a region: its sum leaving
 
 
-def _tp_regions(model: nn.Module, shape: GPTConfig) -> dict[str, bool]:
+def _tp_regions(model: nn.Module, blocks: str | None, shape: GPTConfig) -> dict[str, Any]:
     """Which of a block's regions the model's tp plan splits (GPTConfig.tp_attention, tp_mlp,
     tp_shared_experts): those a row-parallel layer in its blocks closes, under an attention (a
     name holding "attn" or "attention"), under shared experts ("shared"), or neither (the
     MLP; all of a model whose experts plait does not know, as its shape's dense MLP). The plan
     is the declared one less the experts its ep plan keeps whole, or the one plait infers where
-    none is declared. {} where it cannot tell."""
-    blocks = block_list(model)
+    none is declared (`blocks`: the name of its block list). {} where it cannot tell."""
     if blocks is None:
         return {}
     plan = declared(model, "tp")
@@ -172,7 +172,7 @@ def _tp_regions(model: nn.Module, shape: GPTConfig) -> dict[str, bool]:
     shared = [key for key in inside if "shared" in key and key not in attention] if shape.is_moe else []
     return {"tp_attention": bool(attention), "tp_shared_experts": bool(shared),
             "tp_mlp": len(inside) > len(attention) + len(shared),
-            "tp_gathered": _gathered(model, plan, blocks, attention=_qk_norm(model, shape) != "full")}
+            "tp_gathered": _gathered(model, plan, blocks, attention=shape.qk_norm != "full")}
 
 
 def _gathered(model: nn.Module, plan: dict[str, str], blocks: str, attention: bool = True) -> tuple[int, int]:
@@ -183,21 +183,20 @@ def _gathered(model: nn.Module, plan: dict[str, str], blocks: str, attention: bo
     them priced already (GPTConfig.qk_norm "full", OLMo2's)."""
     widths = {"colwise_gather_output": 0, "rowwise_split_input": 0}
     for key, style in plan.items():
-        inside = key[len(blocks) + 3:].lower()
-        if not attention and ("attn" in inside or "attention" in inside):
+        if style not in widths or not key.startswith(f"{blocks}.*."):
             continue
-        if style in widths and key.startswith(f"{blocks}.*."):
-            layer = model.get_submodule(f"{blocks}.0.{key[len(blocks) + 3:]}")
+        inside = key[len(blocks) + 3:]
+        if attention or not ("attn" in inside.lower() or "attention" in inside.lower()):
+            layer = model.get_submodule(f"{blocks}.0.{inside}")
             if isinstance(layer, nn.Linear):
                 widths[style] += layer.out_features if style == "colwise_gather_output" else layer.in_features
     return widths["colwise_gather_output"], widths["rowwise_split_input"]
 
 
-def _norm_params(model: nn.Module, shape: GPTConfig) -> int:
+def _norm_params(layers: nn.ModuleList | None, shape: GPTConfig) -> int:
     """The d_model-wide weights of the first block's own norms (its direct children named a
     norm: Gemma 2's four, Cohere's one, OLMo's parameter-free LayerNorms none), which SP sums
     over tp; two where they are not all d_model wide."""
-    layers = _blocks(model)
     if not layers:
         return shape.norm_params
     weights = sum(p.numel() for module in layers[0].children() if "norm" in type(module).__name__.lower()
@@ -205,7 +204,7 @@ def _norm_params(model: nn.Module, shape: GPTConfig) -> int:
     return weights // shape.d_model if weights % shape.d_model == 0 else shape.norm_params
 
 
-def _moe_fields(model: nn.Module, shape: GPTConfig) -> dict[str, Any]:
+def _moe_fields(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig) -> dict[str, Any]:
     """What an MoE's config.json does not say, or says under a name the family does not read,
     read off its first MoE block (the module holding `experts`): its experts' width (Mixtral's
     are intermediate_size wide whatever moe_intermediate_size says), its shared experts' width
@@ -218,7 +217,7 @@ def _moe_fields(model: nn.Module, shape: GPTConfig) -> dict[str, Any]:
     if not shape.is_moe or block is None:
         return {}
     fields: dict[str, Any] = {}
-    layers = _blocks(model) or []
+    layers = layers or []
     moe = tuple(i for i, layer in enumerate(layers)
                 if any(isinstance(getattr(m, "experts", None), nn.Module) for m in layer.modules()))
     every = tuple(i for i in range(shape.n_layers) if shape.moe_layer(i))
@@ -241,10 +240,9 @@ def _moe_fields(model: nn.Module, shape: GPTConfig) -> dict[str, Any]:
     return fields
 
 
-def _mlp_matrices(model: nn.Module, shape: GPTConfig) -> int:
+def _mlp_matrices(layers: nn.ModuleList | None, shape: GPTConfig) -> int:
     """The weight matrices of the first dense block's MLP, counted in d_model × ffn_hidden
     units (a fused gate|up counts two); 0 when there is no dense block or no `mlp` module."""
-    layers = _blocks(model)
     dense = [block for i, block in enumerate(layers or []) if not shape.moe_layer(i)]
     mlp = getattr(dense[0], "mlp", None) if dense else None
     if mlp is None:
