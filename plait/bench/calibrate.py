@@ -471,8 +471,7 @@ def measure_links(mesh: Mesh, large: int, reps: int) -> tuple[tuple[int, float, 
         if axis is not None:
             tiny = torch.zeros(2, dtype=torch.float32, device=mesh.device)
             big = torch.zeros(large // 4, dtype=torch.float32, device=mesh.device)
-            small = lambda: comm.all_reduce(tiny, axis, purpose=comm.TELEMETRY)  # noqa: E731
-            small_t = _median_s(small, reps * 4) if mesh.device.type == "cuda" else in_step_s(small, reps * 40)
+            small_t = latency_s(mesh, lambda: comm.all_reduce(tiny, axis, purpose=comm.TELEMETRY), reps)
             large_t = _median_s(lambda: comm.all_reduce(big, axis, purpose=comm.TELEMETRY), reps)
         small_t, large_t = _slowest(mesh, [small_t, large_t])
         step = small_t / (2 * (n - 1))
@@ -482,6 +481,12 @@ def measure_links(mesh: Mesh, large: int, reps: int) -> tuple[tuple[int, float, 
 
 
 BURST = (192, 384)  # the compute between two collectives of `in_step_s`: a (192 x 384) @ (384 x 384) product
+
+
+def latency_s(mesh: Mesh, op: Callable[[], Any], reps: int) -> float:
+    """Seconds of a tiny collective or message `op`: back to back on a GPU (the median), on a
+    host that runs its own collectives between bursts of compute (`in_step_s`, the mean)."""
+    return _median_s(op, reps * 4) if mesh.device.type == "cuda" else in_step_s(op, reps * 40)
 
 
 def in_step_s(op: Callable[[], Any], reps: int) -> float:
@@ -514,8 +519,8 @@ def measure_p2p(mesh: Mesh, reps: int) -> float:
     if axis is not None:
         tiny, received = (torch.zeros(2, dtype=torch.float32, device=mesh.device) for _ in range(2))
         peer = 1 - axis.rank
-        pair = lambda: comm.send_recv(tiny, received, axis, peer, peer, purpose=comm.TELEMETRY).wait()  # noqa: E731
-        taken = _median_s(pair, reps * 4) if mesh.device.type == "cuda" else in_step_s(pair, reps * 40)
+        taken = latency_s(mesh, lambda: comm.send_recv(tiny, received, axis, peer, peer,
+                                                       purpose=comm.TELEMETRY).wait(), reps)
     return _slowest(mesh, [taken])[0] * 1e6
 
 
