@@ -35,6 +35,7 @@ from plait.estimate.ops import (
     block_gemms,
     gemm_key,
     head_gemm,
+    outer_precision,
     ring_key,
 )
 from plait.estimate.exposed import HOST_ADAM_BYTES
@@ -57,7 +58,8 @@ from plait.parallel.compose import adamw_kernel
 # 8: all-gather's and reduce-scatter's own bus bandwidth (op_links); ring attention's compute per cp.
 # 9: on a CPU a collective's step latency taken between bursts of compute, as a step meets it (in_step_s).
 # 10: a send/recv pair's latency (p2p_latency_us), for ring attention's steps and pipeline messages.
-METHOD_VERSION = 10
+# 11: fp8's block GEMMs timed as float8 products (they were timed in bf16), its head in bf16.
+METHOD_VERSION = 11
 
 
 class Spreads:
@@ -142,9 +144,11 @@ def model_shapes(config: GPTConfig, micro_batch: int, seq_len: int, tp_sizes: li
     attention = []
     for tp in tp_sizes:
         blocks = block_gemms(config, tokens, tp) + (block_gemms(config, tokens, tp, moe=True) if config.is_moe else [])
-        forward = [*blocks, head_gemm(config, tokens, tp)]
-        for g in forward + [x for g in forward for x in g.backward()]:
+        head = head_gemm(config, tokens, tp)
+        for g in [*blocks, *(x for g in blocks for x in g.backward())]:
             gemms[gemm_key(g, precision)] = g
+        for g in (head, *head.backward()):  # fp8 leaves the head in bf16
+            gemms[gemm_key(g, outer_precision(precision))] = g
         attention.append(attention_key(config, micro_batch, seq_len, tp, precision))
     rings = [ring_key(config, seq_len, tp, cp, precision) for tp in tp_sizes for cp in cp_sizes if cp > 1]
     return sorted(set(attention)) + sorted(set(rings)), gemms
@@ -155,16 +159,33 @@ def _dtype(precision: str) -> torch.dtype:
 
 
 def measure_gemms(mesh: Mesh, gemms: dict[str, Gemm], precision: str, reps: int) -> dict[str, float]:
-    """{key: TFLOP/s} of each GEMM shape, slowest rank."""
-    dtype, device = _dtype(precision), mesh.device
+    """{key: TFLOP/s} of each GEMM shape, slowest rank, in the dtype its key names: fp32,
+    bf16, or fp8 (a float8 product, as --precision fp8 runs the blocks' linears)."""
+    device = mesh.device
 
-    def gemm(g: Gemm) -> Callable[[], None]:
+    def gemm(key: str, g: Gemm) -> Callable[[], None]:
+        if key.split()[0] == "fp8" and g.k % FLOAT8_TILE == 0 and g.n % FLOAT8_TILE == 0:
+            return _queued(mesh, float8_product(g, device))
+        dtype = _dtype(precision if key.split()[0] == "fp32" else "bf16")
         a = torch.randn(g.m, g.k, dtype=dtype, device=device)
         b = torch.randn(g.k, g.n, dtype=dtype, device=device)
         return _queued(mesh, lambda: torch.mm(a, b))
 
-    times = _slowest(mesh, _median_rounds(mesh, [gemm(g) for g in gemms.values()], reps, watched=True))
+    times = _slowest(mesh, _median_rounds(mesh, [gemm(k, g) for k, g in gemms.items()], reps, watched=True))
     return {key: queue_depth(device) * g.flops / t / 1e12 for (key, g), t in zip(gemms.items(), times)}
+
+
+FLOAT8_TILE = 16  # a float8 product's inner and output dimensions are multiples of this; others stay bf16
+
+
+def float8_product(g: Gemm, device: torch.device) -> Callable[[], torch.Tensor]:
+    """`g` as torchao's tensorwise float8 linear runs it: e4m3 operands, one scale each, the
+    second operand column-major (what the float8 kernels take), a bf16 result. Only the
+    product is timed: the casts that make its operands are element-wise work."""
+    a = torch.randn(g.m, g.k, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(g.n, g.k, device=device).to(torch.float8_e4m3fn).t()
+    scale = torch.ones((), device=device)
+    return lambda: torch._scaled_mm(a, b, scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16)
 
 
 def queue_depth(device: torch.device) -> int:

@@ -27,7 +27,8 @@ def calibrate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--tp", default="1,2", help="tensor-parallel degrees whose shard shapes to measure")
     parser.add_argument("--cp", default="1", help="context-parallel degrees whose ring attention to measure")
-    parser.add_argument("--precision", default="fp32", help="fp32 or bf16")
+    parser.add_argument("--precision", default="fp32",
+                        help="fp32, bf16, or fp8 (the blocks' GEMMs as float8 products, the rest bf16)")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (what plait train does)")
     parser.add_argument("--no-cache", action="store_true", help="do not also store it as this machine's calibration")
     parser.add_argument("--backend", default="auto", help="auto, nccl or gloo")
@@ -37,8 +38,8 @@ def calibrate_parser() -> argparse.ArgumentParser:
 def calibrate_main(argv: list[str]) -> int:
     args = calibrate_parser().parse_args(argv)
     tps, cps = _degrees("--tp", args.tp), _degrees("--cp", args.cp)
-    if args.nproc < 1 or args.precision not in ("fp32", "bf16"):
-        raise PlaitError("--nproc must be 1 or more, --precision fp32 or bf16")
+    if args.nproc < 1 or args.precision not in ("fp32", "bf16", "fp8"):
+        raise PlaitError("--nproc must be 1 or more, --precision fp32, bf16 or fp8")
     for flag, value in (("--micro-batch", args.micro_batch), ("--seq-len", args.seq_len)):
         if value < 1:
             raise PlaitError(f"{flag} {value}: give 1 or more", hint=f"e.g. {flag} 8")
@@ -73,6 +74,8 @@ def _rank_main(args: argparse.Namespace, config: object, tps: list[int], cps: li
 
     mesh = init_mesh(backend=args.backend)
     try:
+        if args.precision == "fp8":
+            check_float8_products(mesh.device)
         set_cpu_threads(mesh.env.world_size)
         from plait.bench import calibrate as cal
 
@@ -92,6 +95,19 @@ def _rank_main(args: argparse.Namespace, config: object, tps: list[int], cps: li
         return 0
     finally:
         mesh.close()
+
+
+def check_float8_products(device: object) -> None:
+    """fp8's GEMMs are timed as float8 products: a GPU without float8 units cannot run them
+    (the CPU runs them, slowly, as its fp8 training does)."""
+    import torch
+
+    from plait.rules import FP8_MIN_CAPABILITY
+
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
+        major, minor = torch.cuda.get_device_capability(device)
+        raise PlaitError(f"--precision fp8: this GPU (compute capability {major}.{minor}) has no float8 matrix units",
+                         hint="calibrate with --precision bf16: fp8 runs cannot train here either")
 
 
 def describe(hw: object, out: str) -> str:

@@ -21,7 +21,7 @@ import torch
 
 from plait.bench import calibrate as cal
 from plait.estimate.hardware import Hardware, get_hardware, hardware_toml, load_hardware
-from plait.estimate.ops import Gemm, activation_op_bytes, fit_gemm_line, gemm_key
+from plait.estimate.ops import Gemm, activation_op_bytes, fit_gemm_line, gemm_key, outer_precision
 from plait.models.gpt.config import GPTConfig
 from plait.runtime import comm
 from plait.runtime.env import cache_root
@@ -93,7 +93,7 @@ def calibrate(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len: int, 
     fields: dict[str, object] = {
         "name": f"calibrated {facts['host']}", "compute_efficiency": 1.0, "gemm": tuple(sorted(rates.items())),
         "links": links, "op_links": op_links, "p2p_latency_us": p2p_us, **memory, **gemm_line(rates, precision, memory["op_overhead_us"], mesh.device.type, base)}
-    peak = max(fields[peak_field(precision)], 1e-9)
+    peak = max(fields[peak_field(outer_precision(precision))], 1e-9)  # attention runs outside fp8
     if attention and rates.get(attention[0]):
         fields["attention_efficiency"] = min(1.0, rates[attention[0]] / peak)
     if links:
@@ -115,7 +115,20 @@ def gemm_line(rates: dict[str, float], precision: str, op_overhead_us: float, de
     the device's datasheet peak. On a CPU the measured times hold each op's dispatch, which
     ops.gemm_s adds on its own; on a GPU the queued timings do not. Where no line can be
     trusted (the shapes all of a size), a GPU keeps its preset's rate and ramp and a CPU
-    (whose rate changes little with size) the best rate measured."""
+    (whose rate changes little with size) the best rate measured.
+
+    fp8 has two lines: its blocks' float8 products give the float8 peak, and the 16-bit
+    GEMMs it leaves (the head) the 16-bit peak and the ramp."""
+    fields = _gemm_line(rates, outer_precision(precision), op_overhead_us, device, base)
+    if precision == "fp8":
+        float8 = _gemm_line(rates, "fp8", op_overhead_us, device, base)
+        fields["peak_fp8_tflops"] = float8.pop(peak_field("fp8"))
+    return fields
+
+
+def _gemm_line(rates: dict[str, float], precision: str, op_overhead_us: float, device: str,
+               base: Hardware) -> dict[str, float]:
+    """gemm_line for the GEMMs keyed in one `precision`."""
     dtype = gemm_key(Gemm(1, 1, 1), precision).split()[0]  # how its GEMMs are keyed: fp32, bf16 or fp8
     mine = {k: r for k, r in rates.items() if k.split()[0] == dtype}
     field = peak_field(precision)
@@ -131,8 +144,9 @@ def gemm_line(rates: dict[str, float], precision: str, op_overhead_us: float, de
 
 
 def peak_field(precision: str) -> str:
-    """The Hardware field a calibration's measured peak goes to: fp32's, or the 16-bit one."""
-    return "peak_fp32_tflops" if precision == "fp32" else "peak_bf16_tflops"
+    """The Hardware field a calibration's measured peak goes to: fp32's, float8's, or the
+    16-bit one."""
+    return {"fp32": "peak_fp32_tflops", "fp8": "peak_fp8_tflops"}.get(precision, "peak_bf16_tflops")
 
 
 def save(hw: Hardware, path: Path, facts: dict[str, str]) -> None:
@@ -228,7 +242,7 @@ def _add_sizes(mesh: Mesh, cached: Hardware, config: GPTConfig, lacks: list[bool
         add["gemm"] = tuple(sorted(rates.items()))
         add.update(gemm_line(rates, precision, cached.op_overhead_us, mesh.device.type,
                              base_preset(device_name(mesh))))
-        peak = add[peak_field(precision)]
+        peak = add[peak_field(outer_precision(precision))]
         first = next(iter(attention.values()), 0.0)
         if first and peak:
             add["attention_efficiency"] = min(1.0, first / peak)
