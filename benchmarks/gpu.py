@@ -389,6 +389,15 @@ def part_profile() -> None:
 
     for _ in range(3):
         step()
+    RESULTS["profile"] = profiled(step, cuda, kernel_kind, 30)
+    log(json.dumps(RESULTS["profile"], indent=1))
+
+
+def profiled(step: Any, cuda: bool, kind: Any, top_n: int) -> dict[str, Any]:
+    """`step` (warmed up) timed 5 times on the wall, then 3 times under torch.profiler: its
+    device time by `kind` of kernel (CPU ops' time in a CPU dry run), and the `top_n` longest."""
+    import torch
+
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
     start = time.perf_counter()
@@ -405,11 +414,10 @@ def part_profile() -> None:
                for e in prof.key_averages() if (e.self_device_time_total if cuda else e.self_cpu_time_total) > 0]
     kinds: dict[str, float] = {}
     for name, seconds, _ in kernels:
-        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + seconds
-    top = sorted(kernels, key=lambda k: -k[1])[:30]
-    RESULTS["profile"] = {"wall_s": wall, "device_s": sum(kinds.values()), "by_kind_s": kinds,
-                          "top": [{"kernel": n[:160], "s": t, "calls": c} for n, t, c in top]}
-    log(json.dumps(RESULTS["profile"], indent=1))
+        kinds[kind(name)] = kinds.get(kind(name), 0.0) + seconds
+    top = sorted(kernels, key=lambda k: -k[1])[:top_n]
+    return {"wall_s": wall, "device_s": sum(kinds.values()), "by_kind_s": kinds,
+            "top": [{"kernel": n[:200], "s": t, "calls": c} for n, t, c in top]}
 
 
 def part_gemmdata() -> None:
@@ -678,26 +686,7 @@ def part_fp8profile() -> None:
         compile_s = time.perf_counter() - start
         for _ in range(2):
             step()
-        sync = torch.cuda.synchronize if cuda else (lambda: None)
-        sync()
-        start = time.perf_counter()
-        for _ in range(5):
-            step()
-        sync()
-        wall = (time.perf_counter() - start) / 5
-        activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
-        with torch.profiler.profile(activities=[activity]) as prof:
-            for _ in range(3):
-                step()
-            sync()
-        kernels = [(e.key, (e.self_device_time_total if cuda else e.self_cpu_time_total) / 3 / 1e6, e.count // 3)
-                   for e in prof.key_averages() if (e.self_device_time_total if cuda else e.self_cpu_time_total) > 0]
-        kinds: dict[str, float] = {}
-        for name, seconds, _ in kernels:
-            kinds[fp8_kernel_kind(name)] = kinds.get(fp8_kernel_kind(name), 0.0) + seconds
-        top = sorted(kernels, key=lambda k: -k[1])[:40]
-        out[precision] = {"compile_s": compile_s, "wall_s": wall, "device_s": sum(kinds.values()), "by_kind_s": kinds,
-                          "top": [{"kernel": n[:200], "s": t, "calls": c} for n, t, c in top]}
+        out[precision] = {"compile_s": compile_s, **profiled(step, cuda, fp8_kernel_kind, 40)}
         log(json.dumps({k: v for k, v in out[precision].items() if k != "top"}))
         RESULTS["fp8_profile"] = out
         _flush()
@@ -710,14 +699,14 @@ def fp8_kernel_kind(name: str) -> str:
     """kernel_kind, with float8's own kernels apart: float8 GEMMs (e4m3/e5m2 operands), and
     the compiled casts that scale each operand by its amax."""
     lowered = name.lower()
-    if any(m in lowered for m in ("e4m3", "e5m2", "f8f8", "fp8", "float8", "qgmma", "nvjet_q", "scaled_mm")):
+    if lowered.startswith("triton"):  # a compiled kernel's name lists the ops it fused
+        if any(m in lowered for m in ("amax", "abs_max", "clamp", "reciprocal")):
+            return "fp8 casts (amax, scale)"
+        return "compiled element-wise" if kernel_kind(name) == "other" else kernel_kind(name)
+    # cuBLAS's float8 kernels on Hopper: nvjet_sm90_qqtst_... and _qrtst_... (e4m3 and e5m2 operands)
+    if any(m in lowered for m in ("e4m3", "e5m2", "f8f8", "qgmma", "nvjet_sm90_q", "_qqtst", "_qrtst")):
         return "gemm fp8"
-    if lowered.startswith("triton") and any(m in lowered for m in ("amax", "clamp", "reciprocal")):
-        return "fp8 casts (amax, scale)"
-    kind = kernel_kind(name)
-    if kind == "other" and lowered.startswith("triton"):
-        return "compiled element-wise"
-    return kind
+    return kernel_kind(name)
 
 
 def part_fp8layouts() -> None:
