@@ -300,6 +300,12 @@ def check_fp8_device(device: str, capability: tuple[int, int] | None, have_torch
         raise PlaitError(f"--fp8-scaling rowwise on the CPU needs torch 2.13 or later: torch "
                          f"{torch_release[0]}.{torch_release[1]} multiplies float8 on the CPU with one scale per tensor",
                          hint="use --fp8-scaling tensorwise on this torch, or install torch 2.13")
+    check_float8_units(device, capability)
+
+
+def check_float8_units(device: str, capability: tuple[int, int] | None) -> None:
+    """A CUDA device multiplies float8 from compute capability 8.9 (Ada, Hopper); the CPU
+    always can. Training in fp8 and calibrating its products both need it."""
     if device == "cuda" and capability is not None and capability < FP8_MIN_CAPABILITY:
         major, minor = capability
         raise PlaitError(f"--precision fp8: this GPU (compute capability {major}.{minor}) has no float8 matrix units",

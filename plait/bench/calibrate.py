@@ -45,6 +45,7 @@ from plait.runtime.mesh import Mesh
 from plait.runtime.subgroups import first_ranks_axes, group_sizes
 from plait.bench.meter import storage_bytes
 from plait.parallel.compose import adamw_kernel
+from plait.parallel.fp8 import TILE
 
 # Raised whenever what is measured, or how, changes: machine.py keys its cache on it.
 # 2: the update (norm, clipping, AdamW) timed at the model's size; per-piece check costs.
@@ -164,18 +165,16 @@ def measure_gemms(mesh: Mesh, gemms: dict[str, Gemm], precision: str, reps: int)
     device = mesh.device
 
     def gemm(key: str, g: Gemm) -> Callable[[], None]:
-        if key.split()[0] == "fp8" and g.k % FLOAT8_TILE == 0 and g.n % FLOAT8_TILE == 0:
+        dtype_name = key.split()[0]
+        if dtype_name == "fp8" and g.k % TILE == 0 and g.n % TILE == 0:
             return _queued(mesh, float8_product(g, device))
-        dtype = _dtype(precision if key.split()[0] == "fp32" else "bf16")
+        dtype = _dtype(dtype_name)  # fp8 shapes off the float8 tiles stay bf16, as fp8 leaves those linears
         a = torch.randn(g.m, g.k, dtype=dtype, device=device)
         b = torch.randn(g.k, g.n, dtype=dtype, device=device)
         return _queued(mesh, lambda: torch.mm(a, b))
 
     times = _slowest(mesh, _median_rounds(mesh, [gemm(k, g) for k, g in gemms.items()], reps, watched=True))
     return {key: queue_depth(device) * g.flops / t / 1e12 for (key, g), t in zip(gemms.items(), times)}
-
-
-FLOAT8_TILE = 16  # a float8 product's inner and output dimensions are multiples of this; others stay bf16
 
 
 def float8_product(g: Gemm, device: torch.device) -> Callable[[], torch.Tensor]:

@@ -74,8 +74,13 @@ def _rank_main(args: argparse.Namespace, config: object, tps: list[int], cps: li
 
     mesh = init_mesh(backend=args.backend)
     try:
-        if args.precision == "fp8":
-            check_float8_products(mesh.device)
+        if args.precision == "fp8":  # its GEMMs are timed as float8 products
+            import torch
+
+            from plait.rules import check_float8_units
+
+            device = mesh.device
+            check_float8_units(device.type, torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
         set_cpu_threads(mesh.env.world_size)
         from plait.bench import calibrate as cal
 
@@ -95,19 +100,6 @@ def _rank_main(args: argparse.Namespace, config: object, tps: list[int], cps: li
         return 0
     finally:
         mesh.close()
-
-
-def check_float8_products(device: object) -> None:
-    """fp8's GEMMs are timed as float8 products: a GPU without float8 units cannot run them
-    (the CPU runs them, slowly, as its fp8 training does)."""
-    import torch
-
-    from plait.rules import FP8_MIN_CAPABILITY
-
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
-        major, minor = torch.cuda.get_device_capability(device)
-        raise PlaitError(f"--precision fp8: this GPU (compute capability {major}.{minor}) has no float8 matrix units",
-                         hint="calibrate with --precision bf16: fp8 runs cannot train here either")
 
 
 def describe(hw: object, out: str) -> str:

@@ -93,9 +93,8 @@ def calibrate(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len: int, 
     fields: dict[str, object] = {
         "name": f"calibrated {facts['host']}", "compute_efficiency": 1.0, "gemm": tuple(sorted(rates.items())),
         "links": links, "op_links": op_links, "p2p_latency_us": p2p_us, **memory, **gemm_line(rates, precision, memory["op_overhead_us"], mesh.device.type, base)}
-    peak = max(fields[peak_field(outer_precision(precision))], 1e-9)  # attention runs outside fp8
-    if attention and rates.get(attention[0]):
-        fields["attention_efficiency"] = min(1.0, rates[attention[0]] / peak)
+    if attention:
+        fields.update(attention_efficiency(rates.get(attention[0], 0.0), fields, precision))
     if links:
         n, latency, gb_s = links[-1]
         fields.update(intra_node_latency_us=latency, intra_node_gb_s=gb_s)
@@ -141,6 +140,13 @@ def _gemm_line(rates: dict[str, float], precision: str, op_overhead_us: float, d
     if device == "cpu":
         return {field: tflops, "gemm_fixed_us": max(0.0, fixed_us - op_overhead_us)}
     return {field: min(tflops, base.peak_flops(precision) / 1e12), "gemm_fixed_us": fixed_us}
+
+
+def attention_efficiency(rate: float, line: dict[str, object], precision: str) -> dict[str, float]:
+    """{"attention_efficiency": the attention core's measured TFLOP/s over the 16-bit (or fp32)
+    peak of `line` (gemm_line's fields): attention runs outside fp8. {} without a rate."""
+    peak = line[peak_field(outer_precision(precision))]
+    return {"attention_efficiency": min(1.0, rate / peak)} if rate and peak else {}
 
 
 def peak_field(precision: str) -> str:
@@ -242,10 +248,7 @@ def _add_sizes(mesh: Mesh, cached: Hardware, config: GPTConfig, lacks: list[bool
         add["gemm"] = tuple(sorted(rates.items()))
         add.update(gemm_line(rates, precision, cached.op_overhead_us, mesh.device.type,
                              base_preset(device_name(mesh))))
-        peak = add[peak_field(outer_precision(precision))]
-        first = next(iter(attention.values()), 0.0)
-        if first and peak:
-            add["attention_efficiency"] = min(1.0, first / peak)
+        add.update(attention_efficiency(next(iter(attention.values()), 0.0), add, precision))
     if lacks[1]:
         add["memory_by_size"] = _merged(cached.memory_by_size, cal.measure_bandwidth(mesh, [activation], 3))
     if lacks[2]:
