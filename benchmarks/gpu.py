@@ -369,7 +369,6 @@ def part_profile() -> None:
     them), under torch.profiler: the device time of its kernels by kind, and the 30 longest.
     What the time model's compute (GEMMs, attention, element-wise) should add up to."""
     import torch
-    import torch.nn.functional as F
 
     from plait.models.gpt.config import get_preset
     from plait.models.gpt.model import build_gpt
@@ -381,16 +380,26 @@ def part_profile() -> None:
     model = build_gpt(config, 0).to(device=device, dtype=torch.bfloat16)
     seq = min(2048, config.max_seq_len)
 
-    def step() -> None:
-        batch = torch.randint(0, config.vocab_size, (8, seq + 1), device=device)
-        logits = model(batch[:, :-1])
-        F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()).backward()
-        model.zero_grad(set_to_none=True)
-
+    step = forward_backward(model, config.vocab_size, seq, device)
     for _ in range(3):
         step()
     RESULTS["profile"] = profiled(step, cuda, kernel_kind, 30)
     log(json.dumps(RESULTS["profile"], indent=1))
+
+
+def forward_backward(model: Any, vocab: int, seq: int, device: Any) -> Any:
+    """One forward and backward of 8 random sequences of `seq` tokens, the loss in fp32, the
+    gradients dropped after (what the profiles time)."""
+    import torch
+    import torch.nn.functional as F
+
+    def step() -> None:
+        batch = torch.randint(0, vocab, (8, seq + 1), device=device)
+        logits = model(batch[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()).backward()
+        model.zero_grad(set_to_none=True)
+
+    return step
 
 
 def profiled(step: Any, cuda: bool, kind: Any, top_n: int) -> dict[str, Any]:
@@ -573,12 +582,14 @@ def part_update_fp8(steps: int) -> None:
     _flush(rows)
     rows["plait fp8 tensorwise --compile"] = plait_train("u-fp8", [*base, "--steps", str(steps), "--precision", "fp8"])
     _mfu(rows, fpt)
+    _flush(rows)
     UPDATE_ROWS.update(rows)
 
 
 UPDATE_ROWS: dict[str, Any] = {}
-UPDATE_BASE = ["--model", BIG, *BIG_SHAPE, "--precision", "bf16", "--zero", "1", "--compile", "--measure", "light",
-               "--eval-every", "0", "--eval-samples", "8", "--sample-tokens", "8", "--no-report", "--warmup-steps", "20"]
+COMPILED_RUN = ["--precision", "bf16", "--zero", "1", "--compile", "--measure", "light", "--eval-every", "0",
+                "--eval-samples", "8", "--sample-tokens", "8", "--no-report", "--warmup-steps", "20"]
+UPDATE_BASE = ["--model", BIG, *BIG_SHAPE, *COMPILED_RUN]
 
 
 def part_rowwise() -> None:
@@ -586,16 +597,15 @@ def part_rowwise() -> None:
     UPDATE_ROWS["plait fp8 rowwise --compile"] = plait_train("u-fp8-row", [*UPDATE_BASE, "--steps", "20", "--precision",
                                                                            "fp8", "--fp8-scaling", "rowwise"])
     _mfu(UPDATE_ROWS, flops_per_token(BIG, 2048))
+    _flush(UPDATE_ROWS)
 
 
-def _mfu(rows: dict[str, Any], fpt: float, table: bool = True) -> None:
-    """Each row's TFLOP/s and MFU; `table`: the rows are the `update` part's (flushed as it)."""
+def _mfu(rows: dict[str, Any], fpt: float) -> None:
+    """Each row's TFLOP/s and MFU."""
     for row in rows.values():
         if row.get("tokens_s"):
             row["tflops"] = fpt * row["tokens_s"] / 1e12
             row["mfu"] = row["tflops"] / PEAK_TFLOPS
-    if table:
-        _flush(rows)
 
 
 def _flush(rows: dict[str, Any] | None = None) -> None:
@@ -621,33 +631,35 @@ def part_fp8curve(steps: int) -> None:
     RESULTS["fp8_curve"] = rows
     _flush()
     rows["plait fp8 tensorwise --compile"] = plait_train("c-fp8", [*base, "--precision", "fp8"])
-    _mfu(rows, flops_per_token(BIG, 2048), table=False)
-    RESULTS["fp8_curve"] = _slim(rows)
+    _mfu(rows, flops_per_token(BIG, 2048))
+    RESULTS["fp8_curve"] = _with_prediction(rows)
     _flush()
 
 
-def _slim(rows: dict[str, Any]) -> dict[str, Any]:
-    return {k: {kk: vv for kk, vv in v.items() if kk not in ("error",)} | (
-        {"predicted": (v.get("summary") or {}).get("step_time")} if v.get("summary") else {})
-        for k, v in rows.items() if isinstance(v, dict)} | {k: v for k, v in rows.items() if not isinstance(v, dict)}
+def _with_prediction(rows: dict[str, Any]) -> dict[str, Any]:
+    """Each run's row without its error text, with its closing report's step-time prediction
+    ("predicted": the summary's step_time) beside its measurement."""
+    return {name: {**{k: v for k, v in row.items() if k != "error"},
+                   **({"predicted": row["summary"].get("step_time")} if row.get("summary") else {})}
+            for name, row in rows.items()}
 
 
 def part_fp8speed(steps: int) -> None:
     """fp8 rowwise on the 1 B model, and the 3 B model in bf16 and fp8 tensorwise, compiled,
     a few steps each (speed only)."""
     rows: dict[str, Any] = {}
-    short = [*UPDATE_BASE, "--steps", str(steps), "--lr", FP8_LR, "--warmup-steps", "5"]
-    rows["1b fp8 rowwise --compile"] = plait_train("s-row", [*short, "--precision", "fp8", "--fp8-scaling", "rowwise"])
-    _mfu(rows, flops_per_token(BIG, 2048), table=False)
-    RESULTS["fp8_speed"] = _slim(rows)
+    short = [*COMPILED_RUN, "--steps", str(steps), "--lr", FP8_LR, "--warmup-steps", "5"]
+    rows["1b fp8 rowwise --compile"] = plait_train("s-row", ["--model", BIG, *BIG_SHAPE, *short, "--precision", "fp8",
+                                                             "--fp8-scaling", "rowwise"])
+    _mfu(rows, flops_per_token(BIG, 2048))
+    RESULTS["fp8_speed"] = _with_prediction(rows)
     _flush()
-    big3 = [a if a != BIG else BIG3 for a in short]
-    big3[big3.index("--micro-batch") + 1] = "4"
+    big3 = ["--model", BIG3, "--seq-len", "2048", "--micro-batch", "4", *short]
     rows3: dict[str, Any] = {}
     for name, extra in (("3b bf16 --compile", []), ("3b fp8 tensorwise --compile", ["--precision", "fp8"])):
         rows3[name] = plait_train(name.split()[1] + "-3b", [*big3, *extra])
-        _mfu(rows3, flops_per_token(BIG3, 2048), table=False)
-        RESULTS["fp8_speed"] = _slim(rows) | _slim(rows3)
+        _mfu(rows3, flops_per_token(BIG3, 2048))
+        RESULTS["fp8_speed"] = _with_prediction(rows) | _with_prediction(rows3)
         _flush()
 
 
@@ -656,10 +668,10 @@ def part_fp8profile() -> None:
     it, in bf16 and with the blocks' linears in fp8 (tensorwise): the device time of its
     kernels by kind, where fp8's time goes against bf16's."""
     import torch
-    import torch.nn.functional as F
 
     from plait.models.gpt.config import get_preset
     from plait.models.gpt.model import build_gpt
+    from plait.parallel.compiled import apply_compile
     from plait.parallel.fp8 import apply_fp8
 
     cuda = torch.cuda.is_available()
@@ -672,15 +684,8 @@ def part_fp8profile() -> None:
         model = build_gpt(config, 0).to(device=device, dtype=torch.bfloat16)
         if precision == "fp8":
             apply_fp8(model.blocks, "tensorwise", device)
-        for block in model.blocks:
-            block.forward = torch.compile(block.forward)
-
-        def step() -> None:
-            batch = torch.randint(0, config.vocab_size, (8, seq + 1), device=device)
-            logits = model(batch[:, :-1])
-            F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()).backward()
-            model.zero_grad(set_to_none=True)
-
+        apply_compile(list(model.blocks), device)
+        step = forward_backward(model, config.vocab_size, seq, device)
         start = time.perf_counter()
         step()
         compile_s = time.perf_counter() - start
