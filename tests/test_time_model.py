@@ -342,6 +342,18 @@ def test_prediction_holds_for_small_layouts(tmp_path: Path, extra: list[str]) ->
 
 
 @pytest.mark.slow
+def test_prediction_holds_when_ranks_outnumber_the_cores(tmp_path: Path) -> None:
+    """`small` under dp 4 on a 2-core machine (one thread a rank): each rank computes on half
+    a core, and the calibration times every rank's runs together (plait.bench.calibrate.
+    crowded). Timed one rank at a time, each measured a whole core, and the step was
+    predicted at 0.77-0.87 of its measurement here (0.50-0.59 in benchmarks/planner_measured.
+    py); now 0.99-1.01, held to 10%."""
+    _, reports = run_world("time_model.py", 4, tmp_path, str(tmp_path / "run"), "small", "6", "0.1",
+                           "micro_batch=4", timeout=900)
+    assert abs(reports[0]["attempts"][-1]["ratio"] - 1) <= 0.1, reports[0]["attempts"]
+
+
+@pytest.mark.slow
 def test_calibrate_command_writes_a_file_estimate_reads(tmp_path: Path) -> None:
     from tests.worldlib import run_plait
 

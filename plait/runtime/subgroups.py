@@ -31,3 +31,22 @@ def first_ranks_axes(sizes: list[int], ledger: Ledger, rank: int, world: int) ->
         group = dist.group.WORLD if n == world else dist.new_group(list(range(n)))
         out[n] = Axis(f"bench{n}", n, rank, group, ledger, rank) if rank < n else None
     return out
+
+
+def tiled_axes(sizes: list[int], ledger: Ledger, rank: int, world: int) -> dict[int, Axis | None]:
+    """{n: this rank's Axis of its group of n consecutive ranks}: the world cut into world/n
+    groups, every rank in one, for timing a collective as training runs it, every group at
+    once; None where n does not divide the world (that size is timed on no rank)."""
+    out: dict[int, Axis | None] = {}
+    for n in sizes:
+        if n == world:
+            out[n] = Axis(f"bench{n}", n, rank, dist.group.WORLD, ledger, rank)
+            continue
+        out[n] = None
+        if world % n:
+            continue
+        for first in range(0, world, n):
+            group = dist.new_group(list(range(first, first + n)))
+            if first <= rank < first + n:
+                out[n] = Axis(f"bench{n}", n, rank - first, group, ledger, rank)
+    return out
