@@ -293,3 +293,23 @@ def test_an_moe_blocks_gemms_are_its_active_experts() -> None:
     assert every == 2 * tokens * (llama4.active_block_params(0) - 2 * h + 3 * llama4.expert_params())
     router = 2 * tokens * h * llama4.experts  # whole on every tp rank; attention and experts split
     assert sum(g.flops for g in block_gemms(llama4, tokens, 2, moe=True)) == (every - router) / 2 + router
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_an_moe_blocks_elementwise_work_runs_over_its_experts_rows(tp: int) -> None:
+    """Mixtral's token makes two expert rows, each ffn_hidden wide, whole on every tp rank: its
+    MLP's element-wise bytes are twice a dense block's of that width (split by tp there). They
+    were priced as one dense MLP's, split by tp."""
+    from plait.estimate.ops import activation_op_bytes, dtype_bytes, elementwise_counts, elementwise_s
+
+    moe = get_preset("mixtral-8x7b")
+    dense = replace(moe, experts=0)
+    layout = Workload(tp=tp, micro_batch=1, seq_len=4096, precision="bf16", zero=1)
+    hw = get_hardware("h100-sxm")
+    for backward in (False, True):
+        c = elementwise_counts(layout)[backward][3]
+        tokens = layout.tokens_per_micro_batch
+        rate = hw.memory_rate(activation_op_bytes(moe.d_model, tokens, tp, False, "bf16"))
+        extra = c * (2 * moe.ffn_hidden - moe.ffn_hidden / tp) * tokens * dtype_bytes("bf16") / rate
+        gap = elementwise_s(moe, layout, hw, 1, False, backward) - elementwise_s(dense, layout, hw, 1, False, backward)
+        assert gap == pytest.approx(extra, rel=1e-9)

@@ -45,7 +45,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from plait.estimate.experts import routed_rows
+from plait.estimate.experts import dense_and_expert_widths, routed_rows
 from plait.estimate.hardware import Hardware
 from plait.estimate.layout import Workload, StageShare
 from plait.estimate.stacks import EAGER_SCORE_PASSES, MEGATRON_EW
@@ -232,11 +232,11 @@ def eager_scores_s(config: GPTConfig, layout: Workload, hw: Hardware, forwards: 
 def elementwise_s(config: GPTConfig, layout: Workload, hw: Hardware, layers: float,
                   outer: bool, backward: bool) -> float:
     """Memory-bound work: bytes moved over bandwidth, plus each op's fixed cost."""
-    h, kv, f, t = config.d_model, config.kv_dim, config.ffn_hidden, layout.tp
+    h, kv, t = config.d_model, config.kv_dim, layout.tp
     tokens = layout.tokens_per_micro_batch
     a, sliced, b, c = elementwise_counts(layout)[backward]
     replicated = h / t if layout.sp else h  # norms and residuals run on every tp rank
-    per_token = layers * (a * replicated + sliced * h / t + b * kv / t + c * f / t)
+    per_token = layers * (a * replicated + sliced * h / t + b * kv / t + c * mlp_units(config, layout))
     ops, views = OPS_BLOCK[backward]
     count, cheap = layers * ops, layers * views
     if outer:
@@ -246,6 +246,16 @@ def elementwise_s(config: GPTConfig, layout: Workload, hw: Hardware, layers: flo
     moved = per_token * tokens * dtype_bytes(layout.precision)
     op_bytes = activation_op_bytes(h, tokens, t, layout.sp, layout.precision)  # the typical op's write
     return moved / hw.memory_rate(op_bytes) + count * hw.op_overhead_us * 1e-6 + cheap * hw.view_overhead_us * 1e-6
+
+
+def mlp_units(config: GPTConfig, layout: Workload) -> float:
+    """Hidden units of the MLP a token's element-wise work runs over on one tp rank, averaged
+    over the blocks: a dense block's ffn_hidden split by tp; an MoE block's routed rows' and
+    shared experts' widths (experts.dense_and_expert_widths), whole on every tp rank unless
+    the plan splits the routed experts, as the activations count them. Mixtral's two experts
+    a token, each ffn_hidden wide, were priced as one."""
+    dense, experts = dense_and_expert_widths(config)
+    return dense / layout.tp + experts / (layout.tp if config.routed_split_by_tp(layout.ep) else 1)
 
 
 def elementwise_counts(layout: Workload) -> tuple[tuple[float, float, float, float], ...]:
