@@ -340,3 +340,17 @@ def test_the_copy_keeps_one_block_of_each_kind_and_at_least_two() -> None:
     assert stand_in_params(mixed) == mixed.embedding_params() + mixed.block_params(0) + mixed.block_params(1)
     every = get_preset("tiny-moe,n_layers=4")
     assert stand_in_params(every) == every.embedding_params() + 2 * every.block_params(0)
+
+
+def test_shared_experts_split_beside_whole_routed_ones_keep_a_tp_share_of_their_activations() -> None:
+    """dots1's plan splits its shared experts by tp and leaves the routed ones whole: the shared
+    SwiGLU keeps its gate, up and product on a tp-th of its width on each rank (its GEMMs and
+    bytes on the wire were priced so; its activations were counted whole)."""
+    whole = GPTConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=4, ffn_hidden=128, experts=4, top_k=2,
+                      shared_experts=1, expert_hidden=32)
+    split = replace(whole, tp_shared_experts=True)
+    layout = Workload(tp=2, micro_batch=2, seq_len=16)
+    shared_saved = 4 * 3 * whole.shared_width  # fp32, gate + up + product, a token (every block is MoE)
+    assert layer_bytes(whole, layout) - layer_bytes(split, layout) == shared_saved / 2 * 32
+    assert layer_bytes(whole, Workload(tp=1, micro_batch=2, seq_len=16)) == layer_bytes(split, Workload(
+        tp=1, micro_batch=2, seq_len=16))

@@ -51,7 +51,7 @@ divided by t. Full recompute keeps only each block's input.
 from __future__ import annotations
 
 from plait.interleave import rank_order
-from plait.estimate.experts import dense_and_expert_widths, saved_bytes_per_token
+from plait.estimate.experts import dense_and_expert_widths, expert_units_on_rank, saved_bytes_per_token
 from plait.estimate.layout import Workload, StageShare, chunk_ends, chunk_layers
 from plait.models.gpt.config import GPTConfig
 
@@ -85,7 +85,7 @@ def llama_layer_bytes(config: GPTConfig, layout: Workload) -> float:
     averaged over the blocks; an MoE block's MLP (whole on every tp rank) by the widths of a
     token's experts, plus what its routing keeps (estimate/experts.py)."""
     h, a, lean = config.d_model, config.n_heads, config.lean_blocks
-    f, moe = dense_and_expert_widths(config)
+    f, _ = dense_and_expert_widths(config)
     e = layout.compute_bytes
     o_proj_copy = h if a // layout.tp > 1 else 0  # one head per rank: reshape is a view
     # SwiGLU keeps gate, up and their product (3f; and silu's output, 4f, outside plait's lean
@@ -93,11 +93,10 @@ def llama_layer_bytes(config: GPTConfig, layout: Workload) -> float:
     # feeds down (2f: relu² squares relu's output in place of a copy).
     swiglu = 3 if lean else 4
     mlp = 2 if config.mlp_matrices == 2 else swiglu
-    experts = e * swiglu * moe  # whole on every tp rank, unless the model's plan splits them
-    split_experts = config.routed_split_by_tp(layout.ep)
-    replicated = 2 * rmsnorm_bytes(h, e, lean) + saved_bytes_per_token(config, layout) + (0 if split_experts else experts)
+    whole_experts, split_experts = (e * swiglu * units for units in expert_units_on_rank(config, layout))
+    replicated = 2 * rmsnorm_bytes(h, e, lean) + saved_bytes_per_token(config, layout) + whole_experts
     attention = 2 * h + 2 * kv_kept(config, layout) if lean else 4 * h  # q, k, v, out
-    sharded = e * (attention + o_proj_copy + mlp * f) + LSE_BYTES * a + (experts if split_experts else 0)
+    sharded = e * (attention + o_proj_copy + mlp * f) + LSE_BYTES * a + split_experts
     if layout.cp > 1 and layout.cp_kind == "ring":
         # Ring attention keeps K and V as the model made them (kv_dim wide: GQA saves here)
         # and its output in fp32 for the backward's merge: q, k, v, out = e(h + 2kv) + 4h.

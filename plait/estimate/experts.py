@@ -72,9 +72,27 @@ def saved_bytes_per_token(config: Any, layout: Any) -> float:
 def dense_and_expert_widths(config: Any) -> tuple[float, float]:
     """(dense MLP units, expert units) a token computes per block, averaged over the blocks:
     a dense block's ffn_hidden (split by tp), an MoE block's routed rows (`routed_rows`) and
-    shared experts' widths (whole on every tp rank, unless its plan splits them)."""
+    shared experts' widths (`routed_and_shared_widths`)."""
+    routed, shared = routed_and_shared_widths(config)
+    return config.ffn_hidden * (1 - config.moe_layers / config.n_layers), routed + shared
+
+
+def routed_and_shared_widths(config: Any) -> tuple[float, float]:
+    """(routed units, shared units) a token computes per block, averaged over the blocks: an
+    MoE block's routed rows times an expert's width, and its shared experts' width."""
     moe = config.moe_layers / config.n_layers
-    return config.ffn_hidden * (1 - moe), (routed_rows(config) * config.expert_width + config.shared_width) * moe
+    return routed_rows(config) * config.expert_width * moe, config.shared_width * moe
+
+
+def expert_units_on_rank(config: Any, layout: Any) -> tuple[float, float]:
+    """(units whole on every tp rank, units split by tp) of a token's experts, averaged over
+    the blocks: the routed ones split only where the model's plan splits them and no ep keeps
+    them whole (GPTConfig.routed_split_by_tp), the shared ones with them or beside whole routed
+    ones (shared_split_by_tp: dots1's)."""
+    routed, shared = routed_and_shared_widths(config)
+    split_routed, split_shared = config.routed_split_by_tp(layout.ep), config.shared_split_by_tp(layout.ep)
+    return (routed * (not split_routed) + shared * (not split_shared),
+            routed * split_routed + shared * split_shared)
 
 
 def routed_rows(config: Any) -> int:

@@ -45,7 +45,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from plait.estimate.experts import dense_and_expert_widths, routed_rows
+from plait.estimate.experts import dense_and_expert_widths, expert_units_on_rank, routed_rows
 from plait.estimate.hardware import Hardware
 from plait.estimate.layout import Workload, StageShare
 from plait.estimate.stacks import EAGER_SCORE_PASSES, MEGATRON_EW
@@ -251,11 +251,12 @@ def elementwise_s(config: GPTConfig, layout: Workload, hw: Hardware, layers: flo
 def mlp_units(config: GPTConfig, layout: Workload) -> float:
     """Hidden units of the MLP a token's element-wise work runs over on one tp rank, averaged
     over the blocks: a dense block's ffn_hidden split by tp; an MoE block's routed rows' and
-    shared experts' widths (experts.dense_and_expert_widths), whole on every tp rank unless
-    the plan splits the routed experts, as the activations count them. Mixtral's two experts
-    a token, each ffn_hidden wide, were priced as one."""
-    dense, experts = dense_and_expert_widths(config)
-    return dense / layout.tp + experts / (layout.tp if config.routed_split_by_tp(layout.ep) else 1)
+    shared experts' widths, each whole on every tp rank unless the plan splits it
+    (experts.expert_units_on_rank), as the activations count them. Mixtral's two experts a
+    token, each ffn_hidden wide, were priced as one."""
+    dense, _ = dense_and_expert_widths(config)
+    whole, split = expert_units_on_rank(config, layout)
+    return dense / layout.tp + whole + split / layout.tp
 
 
 def elementwise_counts(layout: Workload) -> tuple[tuple[float, float, float, float], ...]:
