@@ -259,6 +259,8 @@ MEASURED_RUNS = (
      "h200", 2.684),
     ("1.04 B GPT, bf16, ZeRO-1, 8 x 2048 tokens, eager, 1 H200 (2026-11-27)", GPT_1B,
      Workload(dp=1, zero=1, precision="bf16", micro_batch=8, seq_len=2048), "h200", 0.280),
+    ("1.04 B GPT, bf16, ZeRO-1, 8 x 2048 tokens, --compile, 1 H200 (2026-11-30)", GPT_1B,
+     Workload(dp=1, zero=1, precision="bf16", micro_batch=8, seq_len=2048, compiled=True), "h200", 0.2251),
 )
 
 

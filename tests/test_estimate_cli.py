@@ -104,3 +104,16 @@ def test_zero3_gather_options_change_traffic_and_gathered_memory(capsys) -> None
     assert gathers["keep"] == gathers["default"] / 2 and gathers["prefetch2"] == gathers["default"]
     params = {k: r["memory"]["params"] for k, r in runs.items()}
     assert params["default"] < params["prefetch2"] < params["keep"]
+
+
+def test_compile_prices_the_compiled_blocks_element_wise_work_and_only_on_plaits_stack(capsys) -> None:
+    """--compile moves only the compute (the blocks' element-wise kernels), not memory or traffic;
+    a stack that runs its own kernels refuses it in one line."""
+    estimate_main([*LLAMA_7B, "--json"])
+    eager = json.loads(capsys.readouterr().out)
+    estimate_main([*LLAMA_7B, "--json", "--compile"])
+    compiled = json.loads(capsys.readouterr().out)
+    assert compiled["time"]["compute_s"] < 0.9 * eager["time"]["compute_s"]
+    assert compiled["memory"] == eager["memory"] and compiled["comm"] == eager["comm"]
+    with pytest.raises(PlaitError, match=r"--stack nemo has no --compile"):
+        estimate_main([*LLAMA_7B, "--compile", "--stack", "nemo"])

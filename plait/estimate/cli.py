@@ -37,6 +37,8 @@ def _common(parser: argparse.ArgumentParser, precision: str | None) -> None:
     parser.add_argument("--stack", default="plait", help=f"the framework that runs it: {', '.join(STACKS)} "
                         "(its attention and element-wise kernels, and what its data parallelism overlaps; "
                         "docs/estimate.md)")
+    parser.add_argument("--compile", action="store_true", help="each block's forward compiled, as plait train "
+                        "--compile runs it: its element-wise work as the compiler fuses it")
 
 
 def estimate_parser() -> argparse.ArgumentParser:
@@ -104,6 +106,7 @@ def estimate_main(argv: list[str], shape_of: ShapeOf) -> int:
         seq_len=args.seq_len, recompute=args.recompute, schedule=args.schedule,
         virtual_stages=args.virtual_stages, stage_layers=parse_stage_layers(args.stage_layers), sp=args.sp,
         reduce_dtype=args.reduce_dtype, prefetch=args.prefetch, bucket_mb=args.bucket_mb, stack=args.stack,
+        compiled=args.compile,
         reshard_after_forward=args.reshard_after_forward == "true", hardware=hardware,
         gpus_per_node=args.gpus_per_node, params=args.params)
     name = args.model or f"a {args.params:.3g}-parameter model"
@@ -122,7 +125,7 @@ def plan_main(argv: list[str], shape_of: ShapeOf) -> int:
                            gpus_per_node=args.gpus_per_node, seq_len=args.seq_len, precision=args.precision,
                            schedule=args.schedule, offload=args.offload,
                            stage_layers=parse_stage_layers(args.stage_layers), bucket_mb=args.bucket_mb,
-                           stack=args.stack)
+                           stack=args.stack, compiled=args.compile)
     rows = plan_layouts(request, args.top)
     why = explain(request) if args.explain else None
     title = (f"{args.model} on {args.gpus} x {hardware.name} "

@@ -36,6 +36,7 @@ class Workload(Layout):
     reduce_dtype: str = ""  # "" = default_reduce_dtype(precision)
     bucket_mb: float = BUCKET_MB  # a gradient bucket (--bucket-mb): one all-reduce or reduce-scatter each
     stack: str = "plait"  # the framework that runs it (--stack): plait.estimate.stacks
+    compiled: bool = False  # each block's forward compiled (plait train --compile): ops.EW_COMPILED
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -58,6 +58,13 @@ EW_BWD_16 = (119, 16, 11)
 EW_OUTER = ((8, 3.25), (23, 6.5))  # around the blocks: (h, V) forward, backward
 OPS_BLOCK = ((31, 36), (49, 69))  # (compute ops, views) per block: forward, backward
 OPS_OUTER = ((9, 9), (19, 13))
+# A block whose forward is compiled (plait train --compile): elements of the run's dtype per
+# token that the compiler's own kernels read and write (fused norms, RoPE, SiLU·mul, residual
+# adds; the inductor's count of each kernel's buffers, tests/test_elementwise_census.py), as
+# (replicated h, h/t, kv/t, f/t) coefficients, the same in fp32 and 16-bit (a kernel keeps
+# its fp32 intermediates in registers); and the kernels it launches (7 each way, no views).
+EW_COMPILED = ((14, 0, 1.3, 3), (22, 0, 1.3, 5))
+OPS_COMPILED = ((7, 0), (7, 0))
 ADAM_BYTES = 84  # per fp32 parameter
 NORM_BYTES, CLIP_BYTES, ZERO_GRAD_BYTES = 4, 8, 4
 UPDATE_BYTES = NORM_BYTES + CLIP_BYTES + ADAM_BYTES  # what the calibrated update moves
@@ -237,7 +244,7 @@ def elementwise_s(config: GPTConfig, layout: Workload, hw: Hardware, layers: flo
     a, sliced, b, c = elementwise_counts(layout)[backward]
     replicated = h / t if layout.sp else h  # norms and residuals run on every tp rank
     per_token = layers * (a * replicated + sliced * h / t + b * kv / t + c * mlp_units(config, layout))
-    ops, views = OPS_BLOCK[backward]
+    ops, views = (OPS_COMPILED if layout.compiled else OPS_BLOCK)[backward]
     count, cheap = layers * ops, layers * views
     if outer:
         oh, ov = EW_OUTER[backward]
@@ -262,7 +269,10 @@ def mlp_units(config: GPTConfig, layout: Workload) -> float:
 def elementwise_counts(layout: Workload) -> tuple[tuple[float, float, float, float], ...]:
     """(forward, backward) elements per token per block as (replicated h, h/t, kv/t, f/t)
     coefficients: plait's GPT (EW_FWD, EW_BWD; in 16-bit EW_FWD_16, EW_BWD_16, whose norms
-    pass over fp32 copies), or the stack's (stacks.MEGATRON_EW, whose fused norms do not)."""
+    pass over fp32 copies), its compiled block's (EW_COMPILED: --compile, 3.5x fewer bytes at
+    the 1 B GPT's shape), or the stack's (stacks.MEGATRON_EW, whose fused norms do not)."""
+    if layout.compiled:
+        return EW_COMPILED
     software = layout.software
     if software.elementwise == "megatron":
         return MEGATRON_EW[software.dropout]

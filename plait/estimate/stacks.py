@@ -57,6 +57,7 @@ class Reach:
     ep: bool = True
     dp_shard: bool = True
     offload: bool = True
+    compiled: bool = True  # plait's --compile: its blocks' element-wise work as the compiler fuses it
 
 
 @dataclass(frozen=True)
@@ -78,11 +79,11 @@ class Stack:
 # 1F1B, and BLOOM's bf16 optimizer is its ZeRO-1; Megatron-Core adds the distributed optimizer
 # (ZeRO-1), SP, selective recompute, ring context parallelism and experts.
 _MEGATRON_2021 = Reach(schedules=("1f1b", "interleaved"), zero=(0,), recompute=("none", "full"), sp=False,
-                       cp_kinds=(), ep=False, dp_shard=False, offload=False)
+                       cp_kinds=(), ep=False, dp_shard=False, offload=False, compiled=False)
 _MEGATRON_DEEPSPEED = Reach(schedules=("1f1b",), zero=(0, 1), recompute=("none", "full"), sp=False, cp_kinds=(),
-                            ep=False, dp_shard=False, offload=False)
+                            ep=False, dp_shard=False, offload=False, compiled=False)
 _MEGATRON_CORE = Reach(schedules=("1f1b", "interleaved"), zero=(0, 1), cp_kinds=("ring",), dp_shard=False,
-                       offload=False)
+                       offload=False, compiled=False)
 
 
 STACKS: dict[str, Stack] = {s.name: s for s in (
@@ -129,7 +130,8 @@ def check_stack(layout: Any) -> None:
         (f"{layout.cp_kind} context parallelism", layout.cp == 1 or layout.cp_kind in reach.cp_kinds),
         ("expert parallelism", reach.ep or layout.ep == 1),
         ("--dp-shard", reach.dp_shard or not layout.dp_shard),
-        ("--offload", reach.offload or not layout.offload)) if not runs]
+        ("--offload", reach.offload or not layout.offload),
+        ("--compile (plait's compiled blocks)", reach.compiled or not getattr(layout, "compiled", False))) if not runs]
     if lacks:
         raise PlaitError(f"--stack {stack.name} has no {lacks[0]}",
                          hint="price this layout on --stack plait, or change it to one that framework runs")

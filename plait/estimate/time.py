@@ -75,7 +75,7 @@ ASSUMPTIONS = (
     "a fixed ramp, memory bandwidth) or at their calibrated rate (an MoE block's: its router, its routed experts' "
     "rows as one grouped SwiGLU, its shared experts), attention at attention_efficiency, "
     "element-wise work memory-bound at the bandwidth measured for its size (bytes counted on "
-    "plait's GPT, or the --stack's), a fixed cost per op: added on a CPU, overlapped with the device's work "
+    "plait's GPT, its compiled block's with --compile, or the --stack's), a fixed cost per op: added on a CPU, overlapped with the device's work "
     "on a GPU; each micro-batch after the first adds its gradients into the kept ones (3 × their bytes a "
     "parameter, or the --stack's)",
     "update (norm + clipping + AdamW + zeroing: 100 B per fp32 parameter) over the update's "

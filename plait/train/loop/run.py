@@ -102,7 +102,7 @@ def prediction(trainer: Trainer) -> dict[str, Any]:
     config = trainer.config
     work = Workload.of(trainer.mesh.layout, precision=config.precision, micro_batch=config.micro_batch,
                        grad_accum=config.grad_accum, seq_len=config.seq_len, recompute=config.recompute,
-                       reduce_dtype=config.reduce_dtype, bucket_mb=config.bucket_mb)
+                       reduce_dtype=config.reduce_dtype, bucket_mb=config.bucket_mb, compiled=config.compile)
     hardware, source = run_hardware(trainer)
     result = trainer.task.prediction(work, hardware)
     result["hardware_source"] = source
