@@ -253,6 +253,8 @@ OFFLOAD_5B = ("small,vocab_size=32000,n_layers=24,d_model=4096,n_heads=32,n_kv_h
 # The 1.04 B GPT of RESULTS.md's GPU section (llama-1b's shape, 32 k vocabulary), eager.
 GPT_1B = ("small,vocab_size=32000,n_layers=16,d_model=2048,n_heads=32,n_kv_heads=8,ffn_hidden=8192,"
           "max_seq_len=2048,rope_theta=500000")
+GPT_3B = ("small,vocab_size=32000,n_layers=28,d_model=3072,n_heads=24,n_kv_heads=8,ffn_hidden=8192,"
+          "max_seq_len=2048,rope_theta=500000")
 MEASURED_RUNS = (
     ("5.12 B, ZeRO-3 --offload, bf16, full recompute, 4 x 2048 tokens, 1 H200 (2026-11-27)", OFFLOAD_5B,
      Workload(dp=1, zero=3, offload=True, precision="bf16", micro_batch=4, seq_len=2048, recompute="full"),
@@ -261,6 +263,12 @@ MEASURED_RUNS = (
      Workload(dp=1, zero=1, precision="bf16", micro_batch=8, seq_len=2048), "h200", 0.280),
     ("1.04 B GPT, bf16, ZeRO-1, 8 x 2048 tokens, --compile, 1 H200 (2026-11-30)", GPT_1B,
      Workload(dp=1, zero=1, precision="bf16", micro_batch=8, seq_len=2048, compiled=True), "h200", 0.2251),
+    ("1.04 B GPT, fp8 tensorwise, ZeRO-1, 8 x 2048 tokens, --compile, 1 H200 (2026-11-30)", GPT_1B,
+     Workload(dp=1, zero=1, precision="fp8", micro_batch=8, seq_len=2048, compiled=True), "h200", 0.1934),
+    ("3.0 B GPT (Llama 3.2 3B's shape), bf16, ZeRO-1, 4 x 2048 tokens, --compile, 1 H200 (2026-11-30)", GPT_3B,
+     Workload(dp=1, zero=1, precision="bf16", micro_batch=4, seq_len=2048, compiled=True), "h200", 0.3168),
+    ("3.0 B GPT, fp8 tensorwise, ZeRO-1, 4 x 2048 tokens, --compile, 1 H200 (2026-11-30)", GPT_3B,
+     Workload(dp=1, zero=1, precision="fp8", micro_batch=4, seq_len=2048, compiled=True), "h200", 0.2640),
 )
 
 

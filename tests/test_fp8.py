@@ -76,6 +76,9 @@ def test_the_blocks_linears_convert_and_the_head_and_odd_shapes_stay_bf16():
 
 
 def test_the_estimate_runs_the_block_products_at_the_float8_peak_and_reports_mfu_against_bf16():
+    """Compiled, fp8's faster products outweigh its casts (the H200 measured 1.16x on this
+    shape, and the estimate says 1.29x); eager, its casts move 33 bytes an element and outweigh
+    them (estimate.ops.FP8_CASTS); without float8 units only the casts are left."""
     from plait.estimate.time import estimate_time
     from plait.models.gpt.config import GPTConfig
 
@@ -84,13 +87,16 @@ def test_the_estimate_runs_the_block_products_at_the_float8_peak_and_reports_mfu
     times = {}
     for hardware in ("h100-sxm", "a100-80gb"):
         for precision in ("bf16", "fp8"):
-            work = Workload.of(Layout(zero=1), precision=precision, micro_batch=8, seq_len=2048)
-            times[hardware, precision] = estimate_time(config, work, PRESETS[hardware], 8)
-    h100 = times["h100-sxm", "bf16"].step_s / times["h100-sxm", "fp8"].step_s
-    assert 1.2 < h100 < 2.0  # the block GEMMs at twice the rate; attention, head and update as bf16
-    assert times["h100-sxm", "fp8"].mfu > times["h100-sxm", "bf16"].mfu  # both of the 989 TFLOP/s bf16 peak
-    # no float8 units: the products run at the 16-bit rate (the run itself is refused there)
-    assert times["a100-80gb", "fp8"].step_s == pytest.approx(times["a100-80gb", "bf16"].step_s)
+            for compiled in (False, True):
+                work = Workload.of(Layout(zero=1), precision=precision, micro_batch=8, seq_len=2048,
+                                   compiled=compiled)
+                times[hardware, precision, compiled] = estimate_time(config, work, PRESETS[hardware], 8)
+    h100 = times["h100-sxm", "bf16", True].step_s / times["h100-sxm", "fp8", True].step_s
+    assert 1.2 < h100 < 2.0  # the block GEMMs at twice the rate, less the fused casts
+    assert times["h100-sxm", "fp8", True].mfu > times["h100-sxm", "bf16", True].mfu  # both of the bf16 peak
+    assert times["h100-sxm", "fp8", False].step_s > times["h100-sxm", "bf16", False].step_s  # eager casts
+    # no float8 units: the products run at the 16-bit rate (the run itself is refused there), the casts remain
+    assert times["a100-80gb", "fp8", True].step_s > times["a100-80gb", "bf16", True].step_s
 
 
 def test_plait_train_refuses_fp8_under_tp_before_spawning():

@@ -65,6 +65,14 @@ OPS_OUTER = ((9, 9), (19, 13))
 # its fp32 intermediates in registers); and the kernels it launches (7 each way, no views).
 EW_COMPILED = ((14, 0, 1.3, 3), (22, 0, 1.3, 5))
 OPS_COMPILED = ((7, 0), (7, 0))
+# fp8's casts (torchao's Float8Linear, tensorwise), beyond bf16's element-wise work, by whether
+# the block is compiled: ((forward, backward) 2-byte elements a token as (h, kv, f)
+# coefficients, (forward, backward) bytes a weight element of the linears it converts). Counted
+# on the CPU (tests/test_elementwise_census.py): eager, each cast of an element moves 33 bytes
+# (its amax, scale, clamp and cast as separate ops) and q, k and v cast their one input three
+# times; compiled, the amaxes and casts fuse with the work beside them.
+FP8_CASTS = {False: (((99, 0, 16.5), (198, 66, 82.5)), (33, 33)),
+             True: (((6.5, 0, 1.5), (18.5, 8, 10)), (5, 3))}
 ADAM_BYTES = 84  # per fp32 parameter
 NORM_BYTES, CLIP_BYTES, ZERO_GRAD_BYTES = 4, 8, 4
 UPDATE_BYTES = NORM_BYTES + CLIP_BYTES + ADAM_BYTES  # what the calibrated update moves
@@ -251,6 +259,8 @@ def elementwise_s(config: GPTConfig, layout: Workload, hw: Hardware, layers: flo
         per_token += oh * h + ov * config.vocab_size / t
         count, cheap = count + OPS_OUTER[backward][0], cheap + OPS_OUTER[backward][1]
     moved = per_token * tokens * dtype_bytes(layout.precision)
+    if layout.precision == "fp8":
+        moved += fp8_cast_bytes(config, layout, layers, backward)
     op_bytes = activation_op_bytes(h, tokens, t, layout.sp, layout.precision)  # the typical op's write
     return moved / hw.memory_rate(op_bytes) + count * hw.op_overhead_us * 1e-6 + cheap * hw.view_overhead_us * 1e-6
 
@@ -264,6 +274,22 @@ def mlp_units(config: GPTConfig, layout: Workload) -> float:
     dense, _ = dense_and_expert_widths(config)
     whole, split = expert_units_on_rank(config, layout)
     return dense / layout.tp + whole + split / layout.tp
+
+
+def fp8_cast_bytes(config: GPTConfig, layout: Workload, layers: float, backward: bool) -> float:
+    """Bytes fp8's casts move in `layers` blocks of one micro-batch (FP8_CASTS), forward or
+    backward: each converted linear's input, output gradient and weight, taken to float8 by
+    its own amax. The linears fp8 converts: attention's four and a dense MLP's, an MoE block's
+    shared experts' (its routed experts are grouped weights, not linears: they stay bf16).
+    tp is refused under fp8, so nothing here is split."""
+    (forward, back), weight_bytes = FP8_CASTS[layout.compiled]
+    a, b, c = back if backward else forward
+    h, kv = config.d_model, config.kv_dim
+    moe = config.moe_layers / config.n_layers
+    f = config.ffn_hidden * (1 - moe) + config.shared_width * moe
+    weights = 2 * h * h + 2 * h * kv + config.dense_mlp_matrices * h * f
+    per_token = 2 * (a * h + b * kv + c * f)
+    return layers * (per_token * layout.tokens_per_micro_batch + weight_bytes[backward] * weights)
 
 
 def elementwise_counts(layout: Workload) -> tuple[tuple[float, float, float, float], ...]:

@@ -104,10 +104,14 @@ class GPTConfig:
             raise PlaitError(f"mlp_matrices must be 2 (up, down) or 3 (gate, up, down), got {self.mlp_matrices}")
 
     @property
+    def dense_mlp_matrices(self) -> int:
+        """The dense MLP's weight matrices: mlp_matrices, or the arch's (GPT-2 2, llama's SwiGLU 3)."""
+        return self.mlp_matrices or (2 if self.arch == "gpt2" else 3)
+
+    @property
     def mlp_params(self) -> int:
         """The dense MLP's weights: 2 or 3 matrices of d_model × ffn_hidden."""
-        matrices = self.mlp_matrices or (2 if self.arch == "gpt2" else 3)
-        return matrices * self.d_model * self.ffn_hidden
+        return self.dense_mlp_matrices * self.d_model * self.ffn_hidden
 
     @property
     def is_moe(self) -> bool:
