@@ -313,3 +313,26 @@ def test_an_moe_blocks_elementwise_work_runs_over_its_experts_rows(tp: int) -> N
         extra = c * (2 * moe.ffn_hidden - moe.ffn_hidden / tp) * tokens * dtype_bytes("bf16") / rate
         gap = elementwise_s(moe, layout, hw, 1, False, backward) - elementwise_s(dense, layout, hw, 1, False, backward)
         assert gap == pytest.approx(extra, rel=1e-9)
+
+
+def test_gathered_projections_pay_a_latency_each() -> None:
+    """A plan that gathers fused projections whole (Phi-3's q|k|v and gate|up: two gathered
+    outputs forward, two split inputs' gradients backward) runs an all-gather for each: the
+    tp seconds grow by their latencies, not only their bytes; again in full recompute's rerun;
+    none under SP, where those layers are not gathered so."""
+    from plait.estimate.exposed import gathered_calls, stage_tp_collectives
+
+    base = get_preset("small")
+    gathered = replace(base, tp_gathered=(3 * base.d_model, 2 * base.ffn_hidden), tp_gathered_calls=(2, 2))
+    hw = get_hardware("h100-sxm")
+    for recompute, per_layer in (("none", 4), ("full", 6)):
+        layout = Workload(tp=2, micro_batch=2, seq_len=128, recompute=recompute)
+        stage = layout_stages(base, layout)[0]
+        assert gathered_calls(gathered, layout, stage) == per_layer * base.n_layers
+        plain, with_gathers = (stage_tp_collectives(c, layout, stage) for c in (base, gathered))
+        assert with_gathers["all_gather"] - plain.get("all_gather", 0) == per_layer * base.n_layers
+        latency = per_layer * base.n_layers * hw.link(2, False)[0]  # one ring step each on 2 ranks
+        bytes_only = replace(gathered, tp_gathered_calls=(0, 0))
+        assert tp_s(gathered, layout, stage, hw, 0) - tp_s(bytes_only, layout, stage, hw, 0) == pytest.approx(latency)
+    assert gathered_calls(gathered, Workload(tp=2, sp=True, micro_batch=2, seq_len=128),
+                          layout_stages(base, Workload(tp=2, sp=True, micro_batch=2, seq_len=128))[0]) == 0

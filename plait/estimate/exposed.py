@@ -56,8 +56,19 @@ def stage_tp_collectives(config: GPTConfig, layout: Workload, stage: StageShare)
     blocks alone, the ends whole and the sequence's cut and gather around the blocks."""
     counts = tp_collectives(layout, stage, config.vocab_split, config.whole_sequence_ends,
                             split_moe_calls(config, layout), (config.tp_attention, config.tp_mlp))
-    gathers = sequence_ends(config, layout, stage)
+    gathers = sequence_ends(config, layout, stage) + gathered_calls(config, layout, stage)
     return {**counts, "all_gather": counts.get("all_gather", 0) + gathers} if gathers else counts
+
+
+def gathered_calls(config: GPTConfig, layout: Workload, stage: StageShare) -> int:
+    """All-gathers one micro-batch runs on `stage` where the plan gathers fused projections
+    whole (GPTConfig.tp_gathered_calls, without SP): each gathered output forward (again in full
+    recompute's rerun), each split input's gradient backward; traffic.tp_traffic counts their
+    bytes."""
+    if layout.sp or not any(config.tp_gathered_calls):
+        return 0
+    forward, backward = config.tp_gathered_calls
+    return round(stage.layers) * (forward * (2 if layout.recompute == "full" else 1) + backward)
 
 
 def message_s(config: GPTConfig, layout: Workload, hw: Hardware, inter: int) -> float:

@@ -51,6 +51,7 @@ class GPTConfig:
     # forward, its split-input row layers' inputs gathered back in backward): Phi-3's fused q|k|v
     # and gate|up ("colwise_gather_output", then "rowwise_split_input"); (0, 0) for Megatron's block
     tp_gathered: tuple[int, int] = (0, 0)
+    tp_gathered_calls: tuple[int, int] = (0, 0)  # how many layers each of those widths sums (one gather each)
     # Under tp the embedding and the head are split by vocabulary (plait's GPT, Megatron, a
     # transformers plan); False: both whole on every tp rank (plait's GPT-2 adapter: tied)
     vocab_split: bool = True
@@ -86,10 +87,12 @@ class GPTConfig:
     capacity_factor: float = 0.0  # 0: dropless; else each expert takes at most factor·tokens·top_k/experts
 
     def __post_init__(self) -> None:
-        """Shapes that cannot build a model are refused here, naming the field. moe_blocks and
-        tp_gathered are kept tuples, as read back from JSON (lists) too: the config is hashed."""
+        """Shapes that cannot build a model are refused here, naming the field. moe_blocks,
+        tp_gathered and tp_gathered_calls are kept tuples, as read back from JSON (lists) too: the
+        config is hashed."""
         object.__setattr__(self, "moe_blocks", tuple(self.moe_blocks))
         object.__setattr__(self, "tp_gathered", tuple(self.tp_gathered))
+        object.__setattr__(self, "tp_gathered_calls", tuple(self.tp_gathered_calls))
         for name in ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise PlaitError(f"model field {name} must be at least 1, got {getattr(self, name)}")

@@ -172,16 +172,18 @@ def _tp_regions(model: nn.Module, blocks: str | None, shape: GPTConfig) -> dict[
     shared = [key for key in inside if "shared" in key and key not in attention] if shape.is_moe else []
     return {"tp_attention": bool(attention), "tp_shared_experts": bool(shared),
             "tp_mlp": len(inside) > len(attention) + len(shared),
-            "tp_gathered": _gathered(model, plan, blocks, attention=shape.qk_norm != "full")}
+            **_gathered(model, plan, blocks, attention=shape.qk_norm != "full")}
 
 
-def _gathered(model: nn.Module, plan: dict[str, str], blocks: str, attention: bool = True) -> tuple[int, int]:
+def _gathered(model: nn.Module, plan: dict[str, str], blocks: str, attention: bool = True) -> dict[str, tuple]:
     """GPTConfig.tp_gathered of the first block: the output widths of the column layers the
     plan gathers whole ("colwise_gather_output"), the input widths of the row layers that take
     a whole input and keep their slice ("rowwise_split_input", whose input gradient is gathered
-    back). Without `attention`, the attention's are left out: q/k norms over every head have
-    them priced already (GPTConfig.qk_norm "full", OLMo2's)."""
+    back); and tp_gathered_calls, how many layers each is (an all-gather each, whose latency
+    the step pays). Without `attention`, the attention's are left out: q/k norms over every
+    head have them priced already (GPTConfig.qk_norm "full", OLMo2's)."""
     widths = {"colwise_gather_output": 0, "rowwise_split_input": 0}
+    calls = dict.fromkeys(widths, 0)
     for key, style in plan.items():
         if style not in widths or not key.startswith(f"{blocks}.*."):
             continue
@@ -190,7 +192,9 @@ def _gathered(model: nn.Module, plan: dict[str, str], blocks: str, attention: bo
             layer = model.get_submodule(f"{blocks}.0.{inside}")
             if isinstance(layer, nn.Linear):
                 widths[style] += layer.out_features if style == "colwise_gather_output" else layer.in_features
-    return widths["colwise_gather_output"], widths["rowwise_split_input"]
+                calls[style] += 1
+    return {"tp_gathered": (widths["colwise_gather_output"], widths["rowwise_split_input"]),
+            "tp_gathered_calls": (calls["colwise_gather_output"], calls["rowwise_split_input"])}
 
 
 def _norm_params(layers: nn.ModuleList | None, shape: GPTConfig) -> int:
