@@ -27,6 +27,9 @@ PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 # fp8: the blocks' linear layers multiply in float8 (torchao's float8 training), scaled per
 # tensor or per row; everything else is bf16 with fp32 masters (plait.parallel.fp8).
 FP8_SCALINGS = ("tensorwise", "rowwise")
+# A linear fp8 converts has both dimensions of its weight in multiples of this (the float8
+# kernels' tile); any other stays bf16.
+FLOAT8_TILE = 16
 AUGMENTS = ("none", "crop", "crop,flip")  # --augment, besides "auto" (plait/train/data/images.py)
 # The oldest CUDA devices with float8 matrix units (Ada and Hopper: compute capability 8.9).
 FP8_MIN_CAPABILITY = (8, 9)

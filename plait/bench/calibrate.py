@@ -37,6 +37,7 @@ from plait.estimate.ops import (
     attention_key,
     block_gemms,
     gemm_key,
+    gemm_precision,
     head_gemm,
     outer_precision,
     ring_key,
@@ -200,7 +201,7 @@ def model_shapes(config: GPTConfig, micro_batch: int, seq_len: int, tp_sizes: li
         blocks = block_gemms(config, tokens, tp) + (block_gemms(config, tokens, tp, moe=True) if config.is_moe else [])
         head = head_gemm(config, tokens, tp)
         for g in [*blocks, *(x for g in blocks for x in g.backward())]:
-            gemms[gemm_key(g, precision)] = g
+            gemms[gemm_key(g, gemm_precision(g, precision))] = g
         for g in (head, *head.backward()):  # fp8 leaves the head in bf16
             gemms[gemm_key(g, outer_precision(precision))] = g
         attention.append(attention_key(config, micro_batch, seq_len, tp, precision))

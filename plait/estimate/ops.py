@@ -50,6 +50,7 @@ from plait.estimate.hardware import Hardware
 from plait.estimate.layout import Workload, StageShare
 from plait.estimate.stacks import EAGER_SCORE_PASSES, MEGATRON_EW
 from plait.models.gpt.config import GPTConfig
+from plait.rules import FLOAT8_TILE
 
 EW_FWD = (31, 9, 5)  # elements per token per block: coefficients of h, kv, f
 EW_BWD = (69, 16, 11)
@@ -84,6 +85,8 @@ class Gemm:
     m: int
     k: int
     n: int
+    float8: bool = True  # under --precision fp8, a product fp8 runs in float8 (`linear`); else bf16
+
 
     @property
     def flops(self) -> float:
@@ -91,7 +94,20 @@ class Gemm:
 
     def backward(self) -> tuple["Gemm", "Gemm"]:
         """Input gradient (M×N·N×K) and weight gradient (K×M·M×N)."""
-        return Gemm(self.m, self.n, self.k), Gemm(self.k, self.m, self.n)
+        return Gemm(self.m, self.n, self.k, self.float8), Gemm(self.k, self.m, self.n, self.float8)
+
+
+def linear(tokens: int, k: int, n: int, converted: bool = True) -> Gemm:
+    """The forward product of a (k -> n) linear layer on `tokens` rows: float8 under --precision
+    fp8 where fp8 converts the layer (a plain linear, `converted`, whose weight fits the float8
+    tile, rules.FLOAT8_TILE), bf16 otherwise, its backward products alike."""
+    return Gemm(tokens, k, n, converted and k % FLOAT8_TILE == 0 and n % FLOAT8_TILE == 0)
+
+
+def gemm_precision(g: Gemm, precision: str) -> str:
+    """The dtype `g` runs in under `precision`: fp8's products where fp8 converts their layer
+    (Gemm.float8), bf16 for the rest of an fp8 run."""
+    return precision if precision != "fp8" or g.float8 else outer_precision(precision)
 
 
 def dtype_bytes(precision: str) -> int:
@@ -114,15 +130,16 @@ def block_gemms(config: GPTConfig, tokens: int, tp: int, moe: bool = False, ep: 
     dense block's, or with `moe` an MoE block's (`moe_gemms`)."""
     h, kv, f = config.d_model, config.kv_dim, config.ffn_hidden
     if config.arch == "gpt2":
-        return [Gemm(tokens, h, (h + 2 * kv) // tp), Gemm(tokens, h // tp, h),
-                Gemm(tokens, h, f // tp), Gemm(tokens, f // tp, h)]
+        return [linear(tokens, h, (h + 2 * kv) // tp), linear(tokens, h // tp, h),
+                linear(tokens, h, f // tp), linear(tokens, f // tp, h)]
     a = tp if config.tp_attention else 1  # a region the model's plan leaves whole runs whole
-    attention = [Gemm(tokens, h, h // a), Gemm(tokens, h, kv // a), Gemm(tokens, h, kv // a), Gemm(tokens, h // a, h)]
+    attention = [linear(tokens, h, h // a), linear(tokens, h, kv // a), linear(tokens, h, kv // a),
+                 linear(tokens, h // a, h)]
     if moe:
         return attention + moe_gemms(config, tokens, tp, ep)
     m = tp if config.tp_mlp else 1
-    up = [Gemm(tokens, h, f // m)] * (config.mlp_params // (h * f) - 1)  # gate and up, or up alone (relu², GELU)
-    return attention + [*up, Gemm(tokens, f // m, h)]
+    up = [linear(tokens, h, f // m)] * (config.mlp_params // (h * f) - 1)  # gate and up, or up alone (relu², GELU)
+    return attention + [*up, linear(tokens, f // m, h)]
 
 
 def moe_gemms(config: GPTConfig, tokens: int, tp: int, ep: int = 1) -> list[Gemm]:
@@ -130,24 +147,27 @@ def moe_gemms(config: GPTConfig, tokens: int, tp: int, ep: int = 1) -> list[Gemm
     or every expert on every token: experts.routed_rows; under ep, uniform routing brings a
     rank as many rows as its own tokens make) as one grouped SwiGLU, and its shared experts'
     SwiGLU on every token. Whole on every tp rank, unless the model's plan splits the experts
-    (GPTConfig.tp_expert_rows, without ep)."""
+    (GPTConfig.tp_expert_rows, without ep). The routed experts are grouped weights, not
+    linears: fp8 leaves them bf16."""
     h, width = config.d_model, config.expert_width
     split = tp if config.routed_split_by_tp(ep) else 1
     rows = tokens * routed_rows(config)
-    gemms = [Gemm(tokens, h, config.experts), Gemm(rows, h, width // split), Gemm(rows, h, width // split),
-             Gemm(rows, width // split, h)]
+    gemms = [linear(tokens, h, config.experts)] + [linear(rows, h, width // split, converted=False)] * 2 + [
+        linear(rows, width // split, h, converted=False)]
     if config.shared_width:
         shared = config.shared_width // (tp if config.shared_split_by_tp(ep) else 1)
-        gemms += [Gemm(tokens, h, shared), Gemm(tokens, h, shared), Gemm(tokens, shared, h)]
+        gemms += [linear(tokens, h, shared), linear(tokens, h, shared), linear(tokens, shared, h)]
     return gemms
 
 
 def head_gemm(config: GPTConfig, tokens: int, tp: int) -> Gemm:
-    return Gemm(tokens, config.d_model, -(-config.vocab_size // tp))
+    return Gemm(tokens, config.d_model, -(-config.vocab_size // tp), float8=False)  # fp8 leaves the head bf16
 
 
 def gemm_s(g: Gemm, precision: str, hw: Hardware) -> float:
-    """One GEMM: measured rate of its shape if known, else the roofline."""
+    """One GEMM: measured rate of its shape if known, else the roofline, in the dtype it runs
+    in (`gemm_precision`)."""
+    precision = gemm_precision(g, precision)
     measured = hw.gemm_tflops(gemm_key(g, precision))
     if measured:  # a CPU's timing holds its dispatch; a GPU's queued one does not: its host launch is added
         return g.flops / (measured * 1e12) + (hw.op_overhead_us * 1e-6 if hw.queues_kernels else 0.0)

@@ -33,11 +33,11 @@ import torch
 from torch import nn
 
 from plait.errors import PlaitError
-from plait.rules import check_fp8_device
+from plait.rules import FLOAT8_TILE, check_fp8_device
 from plait.runtime.env import have_torchao, torch_release
 
 log = logging.getLogger(__name__)
-TILE = 16  # float8 matrix products need both dimensions of the weight in multiples of 16
+TILE = FLOAT8_TILE  # float8 matrix products need both dimensions of the weight in multiples of 16
 
 
 def check_device(device: torch.device, scaling: str) -> None:
