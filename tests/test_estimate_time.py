@@ -336,3 +336,23 @@ def test_gathered_projections_pay_a_latency_each() -> None:
         assert tp_s(gathered, layout, stage, hw, 0) - tp_s(bytes_only, layout, stage, hw, 0) == pytest.approx(latency)
     assert gathered_calls(gathered, Workload(tp=2, sp=True, micro_batch=2, seq_len=128),
                           layout_stages(base, Workload(tp=2, sp=True, micro_batch=2, seq_len=128))[0]) == 0
+
+
+def test_fp8_runs_in_float8_only_the_products_it_converts() -> None:
+    """fp8 converts plain linears whose weights fit the float8 tile: an MoE block's attention and
+    shared experts, not its routed experts (grouped weights) nor a router of 8 experts, nor the
+    head. Those are priced, and calibrated, in bf16."""
+    from plait.estimate.ops import block_gemm_s, block_gemms, gemm_precision, gemm_s, head_gemm
+
+    moe = replace(get_preset("mixtral-8x7b"), shared_experts=1)
+    gemms = block_gemms(moe, 4096, 1, moe=True)
+    assert [gemm_precision(g, "fp8") for g in gemms] == ["fp8"] * 4 + ["bf16"] * 4 + ["fp8"] * 3
+    assert gemm_precision(head_gemm(moe, 4096, 1), "fp8") == "bf16"
+    assert gemm_precision(block_gemms(replace(moe, d_model=4104, n_heads=36, n_kv_heads=36), 4096, 1)[0],
+                          "fp8") == "bf16"  # off the tile
+    hw = get_hardware("h100-sxm")
+    layout = Workload(precision="fp8", zero=1, micro_batch=1, seq_len=4096)
+    forward, _ = block_gemm_s(moe, layout, hw, moe=True)
+    by_dtype = sum(gemm_s(g, "fp8" if i < 4 or i > 7 else "bf16", hw) for i, g in enumerate(gemms))
+    assert forward == pytest.approx(by_dtype)
+    assert forward > sum(gemm_s(replace(g, float8=True), "fp8", hw) for g in gemms)
