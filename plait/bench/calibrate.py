@@ -39,7 +39,6 @@ from plait.estimate.ops import (
     gemm_key,
     gemm_precision,
     head_gemm,
-    outer_precision,
     ring_key,
 )
 from plait.estimate.exposed import HOST_ADAM_BYTES
@@ -200,10 +199,8 @@ def model_shapes(config: GPTConfig, micro_batch: int, seq_len: int, tp_sizes: li
     for tp in tp_sizes:
         blocks = block_gemms(config, tokens, tp) + (block_gemms(config, tokens, tp, moe=True) if config.is_moe else [])
         head = head_gemm(config, tokens, tp)
-        for g in [*blocks, *(x for g in blocks for x in g.backward())]:
-            gemms[gemm_key(g, gemm_precision(g, precision))] = g
-        for g in (head, *head.backward()):  # fp8 leaves the head in bf16
-            gemms[gemm_key(g, outer_precision(precision))] = g
+        for g in [*blocks, head, *(x for g in (*blocks, head) for x in g.backward())]:
+            gemms[gemm_key(g, gemm_precision(g, precision))] = g  # fp8 leaves the head, experts bf16
         attention.append(attention_key(config, micro_batch, seq_len, tp, precision))
     rings = [ring_key(config, seq_len, tp, cp, precision) for tp in tp_sizes for cp in cp_sizes if cp > 1]
     return sorted(set(attention)) + sorted(set(rings)), gemms

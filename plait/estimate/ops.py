@@ -87,7 +87,6 @@ class Gemm:
     n: int
     float8: bool = True  # under --precision fp8, a product fp8 runs in float8 (`linear`); else bf16
 
-
     @property
     def flops(self) -> float:
         return 2.0 * self.m * self.k * self.n
@@ -393,7 +392,7 @@ def _work_and_dispatch_s(config: GPTConfig, layout: Workload, stage: StageShare,
     total += elementwise_s(config, layout, hw, layers, stage.last, True)
     if stage.last:
         head = head_gemm(config, tokens, layout.tp)
-        total += math.fsum(gemm_s(x, outer_precision(layout.precision), hw) for x in (head, *head.backward()))
+        total += math.fsum(gemm_s(x, layout.precision, hw) for x in (head, *head.backward()))
     return total
 
 

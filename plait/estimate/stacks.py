@@ -131,7 +131,7 @@ def check_stack(layout: Any) -> None:
         ("expert parallelism", reach.ep or layout.ep == 1),
         ("--dp-shard", reach.dp_shard or not layout.dp_shard),
         ("--offload", reach.offload or not layout.offload),
-        ("--compile (plait's compiled blocks)", reach.compiled or not getattr(layout, "compiled", False))) if not runs]
+        ("--compile (plait's compiled blocks)", reach.compiled or not layout.compiled)) if not runs]
     if lacks:
         raise PlaitError(f"--stack {stack.name} has no {lacks[0]}",
                          hint="price this layout on --stack plait, or change it to one that framework runs")
