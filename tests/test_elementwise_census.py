@@ -188,3 +188,47 @@ def test_fp8_casts_match_the_count(compiled: bool) -> None:
         work = Workload(seq_len=TOKENS, micro_batch=1, precision="fp8", zero=1, compiled=compiled)
         for backward, real in enumerate(extra):
             assert fp8_cast_bytes(config, work, 1, bool(backward)) == pytest.approx(real, rel=0.03), (spec, backward)
+
+
+@pytest.mark.parametrize("kv_heads", [8, 4, 2, 1])
+def test_ulysses_reorderings_match_the_hook_count(kv_heads: int, monkeypatch) -> None:
+    """Ulysses' copies around one attention (ops.ULYSSES_EW) against the hook's count, cp 2 in
+    one process (the all-to-all a plain copy the hook does not see), less what the rank's own
+    attention moves alone: K/V heads cp divides, and one K/V head repeated up to the query
+    heads (priced as if cp divided them: 11% under forward). Within 12%: the backward's copies
+    are not linear in the K/V heads (the attention's backward copies strided inputs)."""
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    import plait.parallel.context.ulysses as ulysses
+    from plait.estimate.ops import ulysses_units
+    from plait.models.gpt.config import GPTConfig
+    from plait.runtime.comm import Axis, Ledger
+
+    def exchange(out: torch.Tensor, full: torch.Tensor, axis: Axis, **_: object) -> None:
+        with _disable_current_modes():
+            out.copy_(full)
+
+    def counted(attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
+        with ByteCount() as forward:
+            out = attend(q, k, v)
+        with ByteCount() as backward:
+            out.backward(torch.randn_like(out))
+        return forward.bytes, backward.bytes
+
+    def tensors(heads: int, kv: int, tokens: int) -> list[torch.Tensor]:
+        return [torch.randn(batch, n, tokens, head_dim, requires_grad=True) for n in (heads, kv, kv)]
+
+    monkeypatch.setattr(ulysses.comm, "all_to_all", exchange)
+    batch, local, head_dim, heads, cp = 2, 32, 16, 8, 2
+    axis = Axis("cp", cp, 0, None, Ledger(), 0)
+    whole = counted(lambda q, k, v: ulysses.ulysses_attention(q, k, v, axis), *tensors(heads, kv_heads, local))
+    kept = (kv_heads if kv_heads % cp == 0 else heads) // cp  # the K/V heads the rank's attention sees
+    alone = counted(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                    enable_gqa=kept != heads // cp),
+                    *tensors(heads // cp, kept, cp * local))
+    config = GPTConfig(d_model=heads * head_dim, n_heads=heads, n_kv_heads=kv_heads, max_seq_len=cp * local)
+    work = Workload(cp=cp, cp_kind="ulysses", seq_len=cp * local, micro_batch=batch)
+    for backward in (False, True):
+        priced = 4 * ulysses_units(config, work, backward) * batch * local
+        assert priced == pytest.approx(whole[backward] - alone[backward], rel=0.12), (backward, kv_heads)

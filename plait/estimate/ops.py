@@ -74,6 +74,12 @@ OPS_COMPILED = ((7, 0), (7, 0))
 # times; compiled, the amaxes and casts fuse with the work beside them.
 FP8_CASTS = {False: (((99, 0, 16.5), (198, 66, 82.5)), (33, 33)),
              True: (((6.5, 0, 1.5), (18.5, 8, 10)), (5, 3))}
+# Ulysses' reorderings around each attention (plait.parallel.context.ulysses): q, k, v and the
+# output each made contiguous for its all-to-all, put back in heads' layout and in sequence
+# order, and the reverse in backward. Elements of the run's dtype a token of this rank, as
+# (h/t, kv/t) coefficients, forward and backward (tests/test_elementwise_census.py counts them);
+# kv is h where cp does not divide a rank's K/V heads (repeated up to the query heads first).
+ULYSSES_EW = ((16.3, 16), (21, 7.4))
 ADAM_BYTES = 84  # per fp32 parameter
 NORM_BYTES, CLIP_BYTES, ZERO_GRAD_BYTES = 4, 8, 4
 UPDATE_BYTES = NORM_BYTES + CLIP_BYTES + ADAM_BYTES  # what the calibrated update moves
@@ -270,7 +276,8 @@ def elementwise_s(config: GPTConfig, layout: Workload, hw: Hardware, layers: flo
     tokens = layout.tokens_per_micro_batch
     a, sliced, b, c = elementwise_counts(layout)[backward]
     replicated = h / t if layout.sp else h  # norms and residuals run on every tp rank
-    per_token = layers * (a * replicated + sliced * h / t + b * kv / t + c * mlp_units(config, layout))
+    per_token = layers * (a * replicated + sliced * h / t + b * kv / t + c * mlp_units(config, layout)
+                          + ulysses_units(config, layout, backward))
     ops, views = (OPS_COMPILED if layout.compiled else OPS_BLOCK)[backward]
     count, cheap = layers * ops, layers * views
     if outer:
@@ -282,6 +289,18 @@ def elementwise_s(config: GPTConfig, layout: Workload, hw: Hardware, layers: flo
         moved += fp8_cast_bytes(config, layout, layers, backward)
     op_bytes = activation_op_bytes(h, tokens, t, layout.sp, layout.precision)  # the typical op's write
     return moved / hw.memory_rate(op_bytes) + count * hw.op_overhead_us * 1e-6 + cheap * hw.view_overhead_us * 1e-6
+
+
+def ulysses_units(config: GPTConfig, layout: Workload, backward: bool) -> float:
+    """Elements a token of this rank Ulysses' reorderings move in one block (ULYSSES_EW), 0
+    without it: measured on 2 CPU ranks, cp 2 with Ulysses ran 10% slower than predicted, its
+    copies about twice dp 2's bytes (benchmarks/RESULTS.md, "planner-measured")."""
+    if layout.cp == 1 or layout.cp_kind != "ulysses":
+        return 0.0
+    heads, kv_heads = config.n_heads // layout.tp, max(1, config.n_kv_heads // layout.tp)
+    kv = config.kv_dim if kv_heads % layout.cp == 0 else config.d_model  # repeated up to the heads
+    q_coef, kv_coef = ULYSSES_EW[backward]
+    return (q_coef * heads * config.head_dim + kv_coef * kv / layout.tp)
 
 
 def mlp_units(config: GPTConfig, layout: Workload) -> float:
