@@ -44,8 +44,8 @@ gathers most), so it is not always slower in this time model: rule 1 drops it wh
 core is too slow. ZeRO's stages are not ordered in time either: stage 1 shards the update
 (faster than 0), and stage 3 hides gathers behind compute that stages 1 and 2 expose.
 
-What is costed once (class Costs): a stage's compute depends on tp, cp, sp, the micro-batch,
-the recomputation and its blocks, not on pp, the schedule, dp or ZeRO; pipeline stages alike
+What is costed once (class Costs): a stage's compute depends on tp, cp and its kind (ring
+attention's own rate, Ulysses' reorderings), sp, the micro-batch, the recomputation and its blocks, not on pp, the schedule, dp or ZeRO; pipeline stages alike
 (the middle ones) are costed once per layout.
 """
 
@@ -261,8 +261,8 @@ class Core:
 class Costs:
     """The bounds the search prunes with, from time.py's and exposed.py's own functions, each
     computed once per distinct input: a stage's compute keyed by what
-    ops.micro_batch_compute_s reads (tp, cp, sp, micro-batch, recomputation, blocks, last
-    stage or not), its tp, cp and ep time by those and the stage's share. The layouts that
+    ops.micro_batch_compute_s reads (tp, cp and its kind, sp, micro-batch, recomputation,
+    blocks, last stage or not), its tp, cp and ep time by those and the stage's share. The layouts that
     reach an estimate are assembled by time.estimate_time from the same cached parts;
     tests/test_planner.py holds every bound to estimate_time and estimate_memory."""
 
@@ -293,7 +293,8 @@ class Costs:
         config, hw = self.request.config, self.request.hardware
 
         def cached(stage: StageShare) -> tuple[float, float, float, float]:
-            key = (shape.tp, shape.cp, shape.sp, shape.micro_batch, shape.recompute, stage.layers, stage.last)
+            kind = shape.cp_kind if shape.cp > 1 else ""
+            key = (shape.tp, shape.cp, kind, shape.sp, shape.micro_batch, shape.recompute, stage.layers, stage.last)
             if key not in self._compute:
                 self._compute[key] = micro_batch_compute_s(config, shape, stage, hw)
             comm = (*key, shape.cp_kind, shape.ep, _stage_key(stage), shape.stack)
