@@ -10,7 +10,6 @@ from plait.errors import PlaitError
 from plait.estimate import estimate_layout
 from plait.estimate.hardware import PRESETS, Hardware, get_hardware, load_hardware
 from plait.estimate.layout import Workload, layout_stages
-from plait.estimate.ops import accumulate_s
 from plait.estimate.traffic import tp_collectives, tp_traffic
 from plait.estimate.exposed import tp_s
 from plait.estimate.network import collective_s, inter_node
