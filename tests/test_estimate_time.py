@@ -319,7 +319,8 @@ def test_gathered_projections_pay_a_latency_each() -> None:
     outputs forward, two split inputs' gradients backward) runs an all-gather for each: the
     tp seconds grow by their latencies, not only their bytes; again in full recompute's rerun;
     none under SP, where those layers are not gathered so."""
-    from plait.estimate.exposed import gathered_calls, stage_tp_collectives
+    from plait.estimate.exposed import stage_tp_collectives
+    from plait.estimate.traffic import gathered_calls
 
     base = get_preset("small")
     gathered = replace(base, tp_gathered=(3 * base.d_model, 2 * base.ffn_hidden), tp_gathered_calls=(2, 2))

@@ -43,12 +43,12 @@ from plait.estimate.ops import (
 )
 from plait.estimate.exposed import HOST_ADAM_BYTES
 from plait.models.gpt.config import GPTConfig
+from plait.rules import FLOAT8_TILE
 from plait.runtime import comm
 from plait.runtime.mesh import Mesh
 from plait.runtime.subgroups import first_ranks_axes, group_sizes, tiled_axes
 from plait.bench.meter import storage_bytes
 from plait.parallel.compose import adamw_kernel
-from plait.parallel.fp8 import TILE
 
 # Raised whenever what is measured, or how, changes: machine.py keys its cache on it.
 # 2: the update (norm, clipping, AdamW) timed at the model's size; per-piece check costs.
@@ -110,7 +110,8 @@ def _median_rounds(mesh: Mesh, fns: list[Callable[[], Any]], rounds: int, watche
     timing keeps the ranks on the same shape at the same moment, as training does, where
     they share the caches and the memory bus. On a crowded host (`crowded`) each round runs a
     burst of each and is timed from the first rank's start to the last rank's end (`_spans`)."""
-    bursts = _bursts(mesh, fns)
+    crowd = crowded(mesh)
+    bursts = _bursts(mesh, fns, crowd)
     starts: list[list[float]] = [[] for _ in fns]
     ends: list[list[float]] = [[] for _ in fns]
     for _ in range(rounds):
@@ -120,7 +121,7 @@ def _median_rounds(mesh: Mesh, fns: list[Callable[[], Any]], rounds: int, watche
             for _ in range(burst):
                 fn()
             ended.append(time.monotonic())
-    if crowded(mesh):
+    if crowd:
         times = [[span / burst for span in spans] for spans, burst in zip(_spans(mesh, starts, ends), bursts)]
     else:
         times = [[end - start for start, end in zip(began, ended)] for began, ended in zip(starts, ends)]
@@ -133,9 +134,9 @@ def _median_rounds(mesh: Mesh, fns: list[Callable[[], Any]], rounds: int, watche
 CROWDED_BURST_S = 0.02  # a crowded host's timed burst: a rank's late wake-up (about 0.5 ms on 2 cores) a 40th of it
 
 
-def _bursts(mesh: Mesh, fns: list[Callable[[], Any]]) -> list[int]:
+def _bursts(mesh: Mesh, fns: list[Callable[[], Any]], crowd: bool) -> list[int]:
     """Runs of each of `fns` a timing takes, after one warm-up run each (allocations, kernel
-    selection): one, or on a crowded host enough for CROWDED_BURST_S, from the slowest rank's
+    selection): one, or on a crowded host (`crowd`) enough for CROWDED_BURST_S, from the slowest rank's
     warm-up (every rank runs as many). There the span of a single run paid the last rank's
     wake-up from the barrier: calibrated GEMMs carried a 656 µs fixed cost (61 µs timed
     alone), and 4 ranks' steps were predicted 34% slow."""
@@ -144,7 +145,7 @@ def _bursts(mesh: Mesh, fns: list[Callable[[], Any]]) -> list[int]:
         start = time.monotonic()
         fn()
         warm.append(time.monotonic() - start)
-    if not crowded(mesh):
+    if not crowd:
         return [1] * len(fns)
     return [max(1, min(64, math.ceil(CROWDED_BURST_S / max(t, 1e-6)))) for t in _slowest(mesh, warm)]
 
@@ -217,7 +218,7 @@ def measure_gemms(mesh: Mesh, gemms: dict[str, Gemm], precision: str, reps: int)
 
     def gemm(key: str, g: Gemm) -> Callable[[], None]:
         dtype_name = key.split()[0]
-        if dtype_name == "fp8" and g.k % TILE == 0 and g.n % TILE == 0:
+        if dtype_name == "fp8" and g.k % FLOAT8_TILE == 0 and g.n % FLOAT8_TILE == 0:
             return _queued(mesh, float8_product(g, device))
         dtype = _dtype(dtype_name)  # fp8 shapes off the float8 tiles stay bf16, as fp8 leaves those linears
         a = torch.randn(g.m, g.k, dtype=dtype, device=device)

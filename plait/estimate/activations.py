@@ -51,7 +51,7 @@ divided by t. Full recompute keeps only each block's input.
 from __future__ import annotations
 
 from plait.interleave import rank_order
-from plait.estimate.experts import dense_and_expert_widths, expert_units_on_rank, saved_bytes_per_token
+from plait.estimate.experts import dense_width, expert_units_on_rank, saved_bytes_per_token
 from plait.estimate.layout import Workload, StageShare, chunk_ends, chunk_layers
 from plait.models.gpt.config import GPTConfig
 
@@ -82,10 +82,11 @@ def korthikanti_layer_bytes(config: GPTConfig, layout: Workload) -> float:
 
 def llama_layer_bytes(config: GPTConfig, layout: Workload) -> float:
     """One block of our model: saved bytes per micro-batch (see the module docstring),
-    averaged over the blocks; an MoE block's MLP (whole on every tp rank) by the widths of a
-    token's experts, plus what its routing keeps (estimate/experts.py)."""
+    averaged over the blocks; an MoE block's MLP by the widths of a token's experts, whole on
+    every tp rank or split as the plan splits them, plus what its routing keeps
+    (estimate/experts.py)."""
     h, a, lean = config.d_model, config.n_heads, config.lean_blocks
-    f, _ = dense_and_expert_widths(config)
+    f = dense_width(config)
     e = layout.compute_bytes
     o_proj_copy = h if a // layout.tp > 1 else 0  # one head per rank: reshape is a view
     # SwiGLU keeps gate, up and their product (3f; and silu's output, 4f, outside plait's lean

@@ -56,7 +56,7 @@ def summary(config: Any, layout: Any) -> dict[str, Any]:
 
 
 def saved_bytes_per_token(config: Any, layout: Any) -> float:
-    """What an MoE block saves per token beyond its experts' widths (dense_and_expert_widths),
+    """What an MoE block saves per token beyond its experts' widths (routed_and_shared_widths),
     averaged over the blocks: each choice's input row and output row (2·k·h, twice more
     under ep: the rows that arrived and the experts' output before it travels back), the
     router's fp32 scores and probabilities (8E) and the balancing loss's choices (4kE). A
@@ -69,12 +69,11 @@ def saved_bytes_per_token(config: Any, layout: Any) -> float:
     return config.moe_layers / config.n_layers * (rows + 8 * config.experts + 4 * k * config.experts)
 
 
-def dense_and_expert_widths(config: Any) -> tuple[float, float]:
-    """(dense MLP units, expert units) a token computes per block, averaged over the blocks:
-    a dense block's ffn_hidden (split by tp), an MoE block's routed rows (`routed_rows`) and
-    shared experts' widths (`routed_and_shared_widths`)."""
-    routed, shared = routed_and_shared_widths(config)
-    return config.ffn_hidden * (1 - config.moe_layers / config.n_layers), routed + shared
+def dense_width(config: Any) -> float:
+    """The dense MLP's units a token computes per block, averaged over the blocks: a dense
+    block's ffn_hidden, none in an MoE block (whose experts' widths are
+    `routed_and_shared_widths`)."""
+    return config.ffn_hidden * (1 - config.moe_layers / config.n_layers)
 
 
 def routed_and_shared_widths(config: Any) -> tuple[float, float]:

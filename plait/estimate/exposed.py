@@ -19,8 +19,8 @@ from plait.estimate.layout import StageShare, Workload
 from plait.estimate.memory import shard, state_bytes
 from plait.estimate.network import collective_s, collectives_s, inter_node
 from plait.estimate.ops import attention_time, stage_gemm_s
-from plait.estimate.traffic import (ring_bytes, sequence_ends, split_moe_calls, tp_collectives, tp_traffic,
-                                   zero3_gathers)
+from plait.estimate.traffic import (gathered_calls, ring_bytes, sequence_ends, split_moe_calls, tp_collectives,
+                                   tp_traffic, zero3_gathers)
 from plait.models.gpt.config import GPTConfig
 
 HOST_ADAM_BYTES = 28  # read weight, grad, m, v; write weight, m, v (fp32): host_mem_gb_s's unit
@@ -58,17 +58,6 @@ def stage_tp_collectives(config: GPTConfig, layout: Workload, stage: StageShare)
                             split_moe_calls(config, layout), (config.tp_attention, config.tp_mlp))
     gathers = sequence_ends(config, layout, stage) + gathered_calls(config, layout, stage)
     return {**counts, "all_gather": counts.get("all_gather", 0) + gathers} if gathers else counts
-
-
-def gathered_calls(config: GPTConfig, layout: Workload, stage: StageShare) -> int:
-    """All-gathers one micro-batch runs on `stage` where the plan gathers fused projections
-    whole (GPTConfig.tp_gathered_calls, without SP): each gathered output forward (again in full
-    recompute's rerun), each split input's gradient backward; traffic.tp_traffic counts their
-    bytes."""
-    if layout.sp or not any(config.tp_gathered_calls):
-        return 0
-    forward, backward = config.tp_gathered_calls
-    return round(stage.layers) * (forward * (2 if layout.recompute == "full" else 1) + backward)
 
 
 def message_s(config: GPTConfig, layout: Workload, hw: Hardware, inter: int) -> float:

@@ -45,7 +45,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from plait.estimate.experts import dense_and_expert_widths, expert_units_on_rank, routed_rows
+from plait.estimate.experts import dense_width, expert_units_on_rank, routed_and_shared_widths, routed_rows
 from plait.estimate.hardware import Hardware
 from plait.estimate.layout import Workload, StageShare
 from plait.estimate.stacks import EAGER_SCORE_PASSES, MEGATRON_EW
@@ -309,9 +309,8 @@ def mlp_units(config: GPTConfig, layout: Workload) -> float:
     shared experts' widths, each whole on every tp rank unless the plan splits it
     (experts.expert_units_on_rank), as the activations count them. Mixtral's two experts a
     token, each ffn_hidden wide, were priced as one."""
-    dense, _ = dense_and_expert_widths(config)
     whole, split = expert_units_on_rank(config, layout)
-    return dense / layout.tp + whole + split / layout.tp
+    return dense_width(config) / layout.tp + whole + split / layout.tp
 
 
 def fp8_cast_bytes(config: GPTConfig, layout: Workload, layers: float, backward: bool) -> float:
@@ -323,8 +322,7 @@ def fp8_cast_bytes(config: GPTConfig, layout: Workload, layers: float, backward:
     (forward, back), weight_bytes = FP8_CASTS[layout.compiled]
     a, b, c = back if backward else forward
     h, kv = config.d_model, config.kv_dim
-    moe = config.moe_layers / config.n_layers
-    f = config.ffn_hidden * (1 - moe) + config.shared_width * moe
+    f = dense_width(config) + routed_and_shared_widths(config)[1]  # the routed experts stay bf16
     weights = 2 * h * h + 2 * h * kv + config.dense_mlp_matrices * h * f
     per_token = 2 * (a * h + b * kv + c * f)
     return layers * (per_token * layout.tokens_per_micro_batch + weight_bytes[backward] * weights)

@@ -45,8 +45,9 @@ core is too slow. ZeRO's stages are not ordered in time either: stage 1 shards t
 (faster than 0), and stage 3 hides gathers behind compute that stages 1 and 2 expose.
 
 What is costed once (class Costs): a stage's compute depends on tp, cp and its kind (ring
-attention's own rate, Ulysses' reorderings), sp, the micro-batch, the recomputation and its blocks, not on pp, the schedule, dp or ZeRO; pipeline stages alike
-(the middle ones) are costed once per layout.
+attention's own rate, Ulysses' reorderings), sp, the micro-batch, the recomputation and its
+blocks, not on pp, the schedule, dp or ZeRO; pipeline stages alike (the middle ones) are
+costed once per layout.
 """
 
 from __future__ import annotations
@@ -262,8 +263,8 @@ class Costs:
     """The bounds the search prunes with, from time.py's and exposed.py's own functions, each
     computed once per distinct input: a stage's compute keyed by what
     ops.micro_batch_compute_s reads (tp, cp and its kind, sp, micro-batch, recomputation,
-    blocks, last stage or not), its tp, cp and ep time by those and the stage's share. The layouts that
-    reach an estimate are assembled by time.estimate_time from the same cached parts;
+    blocks, last stage or not), its tp, cp and ep time by those and the stage's share. The
+    layouts that reach an estimate are assembled by time.estimate_time from the same cached parts;
     tests/test_planner.py holds every bound to estimate_time and estimate_memory."""
 
     def __init__(self, request: PlanRequest) -> None:
@@ -297,7 +298,7 @@ class Costs:
             key = (shape.tp, shape.cp, kind, shape.sp, shape.micro_batch, shape.recompute, stage.layers, stage.last)
             if key not in self._compute:
                 self._compute[key] = micro_batch_compute_s(config, shape, stage, hw)
-            comm = (*key, shape.cp_kind, shape.ep, _stage_key(stage), shape.stack)
+            comm = (*key, shape.ep, _stage_key(stage), shape.stack)  # key holds cp's kind where cp > 1
             if comm not in self._comm:
                 self._comm[comm] = (tp_s(config, shape, stage, hw, links["tp"]),
                                     cp_s(config, shape, stage, hw, links["cp"]),

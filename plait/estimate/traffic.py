@@ -173,6 +173,22 @@ def sequence_ends(config: GPTConfig, layout: Workload, stage: StageShare) -> int
     return int(stage.first) + int(stage.last)
 
 
+def gathered_passes(layout: Workload) -> tuple[int, int]:
+    """How often a fused projection the plan gathers whole (GPTConfig.tp_gathered) is gathered
+    per micro-batch: its output forward, again in full recompute's rerun (the saved inputs after
+    it come after the gather); its split input's gradient backward, once."""
+    return (2 if layout.recompute == "full" else 1), 1
+
+
+def gathered_calls(config: GPTConfig, layout: Workload, stage: StageShare) -> int:
+    """All-gathers one micro-batch runs on `stage` where the plan gathers fused projections
+    whole (GPTConfig.tp_gathered_calls, without SP: `gathered_passes` each); tp_traffic counts
+    their bytes."""
+    if layout.sp or not any(config.tp_gathered_calls):
+        return 0
+    return round(stage.layers) * sum(n * times for n, times in zip(config.tp_gathered_calls, gathered_passes(layout)))
+
+
 def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffic:
     """Megatron tensor-parallel traffic on one rank of `stage`, per step.
 
@@ -195,9 +211,8 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
                                     (config.tp_attention, config.tp_mlp)).items():
         _add(out, "tp", op, act, t, times=m * count)
     if any(config.tp_gathered) and not layout.sp:  # a plan that gathers fused projections whole
-        forward, backward = config.tp_gathered
-        rerun = forward if layout.recompute == "full" else 0  # the saved inputs after them come after the gathers
-        _add(out, "tp", "all_gather", layout.tokens_per_micro_batch * (forward + rerun + backward) * layout.compute_bytes,
+        width = sum(w * n for w, n in zip(config.tp_gathered, gathered_passes(layout)))
+        _add(out, "tp", "all_gather", layout.tokens_per_micro_batch * width * layout.compute_bytes,
              t, times=m * stage.layers)
     if split_moe[0]:  # the routed experts' all-reduces carry tp_expert_rows rows a token, not one
         _add(out, "tp", "all_reduce", act * (config.tp_expert_rows - 1), t,
