@@ -197,6 +197,34 @@ def test_one_rank_runner_gives_the_plain_gradients(schedule, v, tied):
     assert all(s.start <= s.end for s in timeline.rows[0])
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_step_leaves_no_activation_alive(schedule):
+    """Every output a stage's modules made in a step is freed by its end. zb-h1's I and W
+    keep the graph (retain_graph); a tensor autograd saved as an op's own output
+    (attention's) that the saved-tensor hook handed back as itself held its own grad_fn, a
+    cycle through C++ no collector sees: every micro-batch's activations stayed, 80 MB a
+    step a rank on `small` (2 GB in 16 steps)."""
+    import gc
+    import weakref
+
+    mesh = plait.init_mesh()
+    stages = apply_pipeline(build_gpt(config(2, tied=False), 0), mesh)
+    runner = PipelineRunner(stages, mesh, schedule)
+    outputs: list[weakref.ref] = []
+
+    def keep(module, args, output):  # noqa: ANN001, ANN202
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            outputs.append(weakref.ref(output))
+
+    hooks = [m.register_forward_hook(keep) for stage in stages for m in stage.modules()]
+    inputs, targets = micro_batches(4)
+    runner.step(inputs, targets, loss_fn)
+    for hook in hooks:
+        hook.remove()
+    gc.collect()
+    assert outputs and not [ref for ref in outputs if ref() is not None]
+
+
 def runner_eval_reference(stages, inputs, targets) -> float:
     """Mean loss of the (already stepped-on, not updated) stages run back to back."""
     total = 0.0

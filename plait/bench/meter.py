@@ -71,7 +71,7 @@ class ActivationMeter:
             is_weight = ptr in param_ptrs or (zero3 is not None and ptr in zero3.gathered_storages())
             if not is_weight and storage.nbytes():
                 saved[ptr] = storage.nbytes()
-            return tensor
+            return tensor.detach()  # an alias: the tensor itself would tie a saved output to its own grad_fn
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             yield

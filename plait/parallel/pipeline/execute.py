@@ -139,7 +139,11 @@ class StageWork:
                 key = (tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
                 views.setdefault(ptr, {})[key] = tensor.numel() * tensor.element_size()
                 sizes[ptr] = storage.nbytes()
-            return tensor
+            # An alias, not the tensor: a tensor saved as its own op's output (attention's)
+            # handed back as itself holds its grad_fn, a cycle through autograd's C++ that no
+            # collector sees. B frees saved tensors as it goes; I and W retain the graph, and
+            # every micro-batch's activations leaked (80 MB a step a rank on `small`).
+            return tensor.detach()
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield total
