@@ -45,10 +45,10 @@ def worker(args: argparse.Namespace) -> None:
     from plait.models.gpt.config import get_preset
     from plait.models.gpt.model import build_gpt
     from plait.train.checkpoint import read as checkpoint_read, write as checkpoint
-    from plait.runtime.env import set_cpu_threads
+    from plait.runtime.env import prepare_host
 
     mesh = plait.init_mesh()
-    set_cpu_threads(mesh.size("world"))  # as plait train does: the ranks share the cores
+    prepare_host(mesh.size("world"))  # as plait train does: the ranks share the cores
     model = plait.parallelize(build_gpt(get_preset(args.model), 0), mesh)
     opt = plait.build_optimizer(model, torch.optim.AdamW, lr=1e-4)
     batch = torch.randint(0, 256, (2, 33))
@@ -102,14 +102,14 @@ def training_worker(args: argparse.Namespace) -> None:
     from plait.models.gpt.config import get_preset
     from plait.models.gpt.model import build_gpt
     from plait.runtime import comm
-    from plait.runtime.env import set_cpu_threads
+    from plait.runtime.env import prepare_host
     from plait.train.checkpoint import write as checkpoint
 
     if os.environ.get("WORLD_SIZE") == "1":  # DCP needs a process group even for one rank (plait does not)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=0,
                                 world_size=1)
     mesh = plait.init_mesh()
-    set_cpu_threads(mesh.size("world"))
+    prepare_host(mesh.size("world"))
     model = plait.parallelize(build_gpt(get_preset(args.model), 0), mesh)
     opt = plait.build_optimizer(model, torch.optim.AdamW, lr=1e-4)
     gen = torch.Generator().manual_seed(mesh.global_rank)

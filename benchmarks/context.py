@@ -134,10 +134,10 @@ def predicted(config: Any, seq: int, cp: int, kind: str, hardware: Any) -> dict[
 
 
 def worker(args: argparse.Namespace) -> None:
-    from plait.runtime.env import set_cpu_threads
+    from plait.runtime.env import prepare_host
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    set_cpu_threads(world)
+    prepare_host(world)
     clock = KernelClock()
     rows = []
     for seq in args.seq_lens:

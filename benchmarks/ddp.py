@@ -34,10 +34,10 @@ def worker(args: argparse.Namespace) -> None:
     import plait
     from plait.models.gpt.config import get_preset
     from plait.models.gpt.model import build_gpt
-    from plait.runtime.env import set_cpu_threads
+    from plait.runtime.env import prepare_host
 
     mesh = plait.init_mesh()
-    set_cpu_threads(mesh.size("world"))
+    prepare_host(mesh.size("world"))
     config = get_preset(args.model)
     ours = plait.parallelize(build_gpt(config, 0), mesh, plait.ParallelConfig(bucket_mb=args.bucket_mb))
     theirs = torch.nn.parallel.DistributedDataParallel(build_gpt(config, 0), bucket_cap_mb=args.bucket_mb)

@@ -109,10 +109,10 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     import plait
-    from plait.runtime.env import set_cpu_threads
+    from plait.runtime.env import prepare_host
 
     meshes = {"dp": plait.init_mesh(dp=2), "tp": plait.init_mesh(tp=2)}
-    set_cpu_threads(2)
+    prepare_host(2)
     names = [name for pair in PAIRS for name in pair]
     runs = {name: build(name, meshes, args) for name in names}
     batch = torch.randint(0, args.vocab, (2 * args.micro_batch, args.seq_len), generator=torch.Generator().manual_seed(1))

@@ -58,13 +58,13 @@ def time_world(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     import plait
-    from plait.runtime.env import set_cpu_threads
+    from plait.runtime.env import prepare_host
 
     fields = dict(VARIANTS[args.variant] or {})
     if "dp_shard" in fields:
         fields["dp_shard"] = args.dp_shard
     mesh = plait.init_mesh(**fields)
-    set_cpu_threads(mesh.size("world"))
+    prepare_host(mesh.size("world"))
     model, optimizer = build(args.variant, mesh, args)
     batch = torch.randint(0, 256, (args.micro_batch, args.seq_len + 1), generator=torch.Generator().manual_seed(mesh.rank("dp")))
     times, wire = [], {}

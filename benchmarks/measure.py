@@ -43,14 +43,14 @@ def worker(args: argparse.Namespace) -> None:
     from plait.families import family_of
     from plait.runtime.mesh import init_mesh
     from plait.train.config.settings import build_config
-    from plait.runtime.env import set_cpu_threads
+    from plait.runtime.env import prepare_host
     from plait.train.loop.trainer import Trainer
 
     flags = {"model": args.model, "pp": args.pp, "grad_accum": args.grad_accum, "micro_batch": args.micro_batch,
              "seq_len": args.seq_len, "steps": 10_000, "out": args.out}
     config = build_config({}, flags, family_of)
     mesh = init_mesh(config.layout, backend=config.backend)
-    set_cpu_threads(mesh.size("world"))
+    prepare_host(mesh.size("world"))
     trainer = Trainer(config, mesh, family_of(config).task(config))
     trainer.measure.first_step = -1  # no step is measured in full because it is first or last
     spent = _time_the_telemetry(trainer)

@@ -47,9 +47,9 @@ def worker(args: argparse.Namespace) -> None:
     from plait.models.gpt.model import build_gpt
     from plait.parallel.deferred import build_deferred
     from plait.runtime import comm
-    from plait.runtime.env import set_cpu_threads
+    from plait.runtime.env import prepare_host
 
-    set_cpu_threads(NPROC)
+    prepare_host(NPROC)
     mesh = plait.init_mesh(plait.Layout(**LAYOUTS[args.layout]))
     config = get_preset(args.model)
     comm.barrier(mesh.axis("world"))

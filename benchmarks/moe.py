@@ -107,10 +107,10 @@ def predicted(config: Any, mesh: Any, world: int, ep: int, args: Any) -> dict[st
 
 
 def worker(args: Any) -> None:
-    from plait.runtime.env import set_cpu_threads
+    from plait.runtime.env import prepare_host
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    set_cpu_threads(world)
+    prepare_host(world)
     clock = AllToAllClock()
     runs = [("plain loop", MOE, 1, True), ("plain loop", DENSE, 1, True)] if world == 1 else []
     runs += [("plait", MOE, 1, False), ("plait", DENSE, 1, False)]

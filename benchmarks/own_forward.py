@@ -46,10 +46,10 @@ def worker(args: argparse.Namespace) -> None:
 
     import plait
     from plait.models.hf.plans import DeclaredPlanAdapter
-    from plait.runtime.env import set_cpu_threads
+    from plait.runtime.env import prepare_host
 
     mesh = plait.init_mesh(pp=2, schedule="1f1b")
-    set_cpu_threads(1)
+    prepare_host(1)
     runs = {}
     for name in VARIANTS:
         adapter = DeclaredPlanAdapter(own_forward=name == "own forward")

@@ -44,10 +44,10 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     import plait
-    from plait.runtime.env import set_cpu_threads
+    from plait.runtime.env import prepare_host
 
     mesh = plait.init_mesh(pp=int(os.environ["WORLD_SIZE"]))
-    set_cpu_threads(mesh.size("world"))
+    prepare_host(mesh.size("world"))
     rows = [bench_schedule(mesh, args, name, v) for name, v in SCHEDULES if name in args.schedules]
     if mesh.is_main:
         Path(args.result).write_text(json.dumps({"pp": mesh.size("pp"), "rows": rows,

@@ -1,7 +1,7 @@
 """Does `plait plan` rank layouts as this machine measures them?
 
-For each world size: `plait calibrate` on this machine (the model's shapes at every tp the
-plan may pick), `plait plan --hardware-file` for the model, GPUs, global batch and sequence,
+For each world size: `plait calibrate` on this machine (the model's shapes at every tp and
+micro-batch the plan may pick), `plait plan --hardware-file` for the model, GPUs, global batch and sequence,
 then every one of its top layouts trained with `plait train --hardware-file`, the layouts
 taking turns `--repeats` times so that a slow minute lands on different layouts. A layout's
 measured step is the median over its repeats of each run's median step (first step
@@ -39,13 +39,17 @@ def plait(*args: str, capture: bool = False) -> str:
     return proc.stdout if capture else ""
 
 
-def calibrate(model: str, world: int, micro: int, seq: int, out: Path) -> Path:
+def divisors(n: int) -> str:
+    return ",".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def calibrate(model: str, world: int, batch: int, seq: int, out: Path) -> Path:
     """This machine's hardware file for `world` ranks: GEMMs at every tp, ring attention at
-    every cp, dividing the world."""
+    every cp, dividing the world, and at every micro-batch dividing the global `batch` (each
+    a micro-batch some layout's dp leaves a rank), which the plan weighs against each other."""
     path = out / f"hw-{world}.toml"
-    degrees = ",".join(str(t) for t in range(1, world + 1) if world % t == 0)
-    plait("calibrate", "--nproc", str(world), "--model", model, "--micro-batch", str(micro), "--seq-len", str(seq),
-          "--tp", degrees, "--cp", degrees, "--out", str(path), "--no-cache")
+    plait("calibrate", "--nproc", str(world), "--model", model, "--micro-batch", divisors(batch), "--seq-len",
+          str(seq), "--tp", divisors(world), "--cp", divisors(world), "--out", str(path), "--no-cache")
     return path
 
 
@@ -154,7 +158,7 @@ def main() -> None:
     lines: list[str] = []
     summary = {}
     for world in args.worlds:
-        hw = calibrate(args.model, world, args.global_batch // world, args.seq_len, out)
+        hw = calibrate(args.model, world, args.global_batch, args.seq_len, out)
         rows = plan(args.model, world, args.global_batch, args.seq_len, hw, args.top)
         measured: dict[int, list[float]] = {i: [] for i in range(len(rows))}
         for repeat in range(args.repeats):
@@ -176,7 +180,8 @@ def main() -> None:
             f"- machine: {machine()}, Gloo; date: {time.strftime('%Y-%m-%d')}; load average (1 min) at the end: "
             f"{load:.1f}",
             f"- model {args.model}, global batch {args.global_batch} x {args.seq_len} tokens, fp32; per world: "
-            "`plait calibrate --nproc N` (every tp and cp dividing N), `plait plan --hardware-file --top "
+            "`plait calibrate --nproc N` (every tp and cp dividing N, every micro-batch dividing the global batch), "
+            "`plait plan --hardware-file --top "
             f"{args.top}`, each layout trained {args.repeats} times taking turns, measured = the median of the "
             "runs' median steps",
             "- goals: first pick within 5% of the fastest measured, every prediction within 10%, rank "

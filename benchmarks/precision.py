@@ -165,10 +165,10 @@ def worker(args: argparse.Namespace) -> None:
 
     import plait
     from plait.models.gpt.config import get_preset
-    from plait.runtime.env import set_cpu_threads
+    from plait.runtime.env import prepare_host
 
     mesh = plait.init_mesh()
-    set_cpu_threads(mesh.size("world"))
+    prepare_host(mesh.size("world"))
     config = get_preset(args.model)
     generator = torch.Generator().manual_seed(mesh.rank("dp"))
     batch = torch.randint(0, config.vocab_size, (args.micro_batch, args.seq_len + 1), generator=generator)

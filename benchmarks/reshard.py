@@ -41,9 +41,9 @@ def worker(args: argparse.Namespace) -> None:
     from plait.models.gpt.config import get_preset
     from plait.models.gpt.model import build_gpt
     from plait.train.checkpoint import read as checkpoint_read, write as checkpoint
-    from plait.runtime.env import set_cpu_threads
+    from plait.runtime.env import prepare_host
 
-    set_cpu_threads(NPROC)  # as plait train does: 8 processes share the cores, one thread each here
+    prepare_host(NPROC)  # as plait train does: 8 processes share the cores, one thread each here
     layout = LAYOUTS[args.layout]
     mesh = plait.init_mesh(plait.Layout(**layout))
     model = plait.parallelize(build_gpt(get_preset(args.model), 0), mesh)

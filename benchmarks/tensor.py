@@ -121,10 +121,10 @@ def worker(args: argparse.Namespace) -> None:
     from plait.models.gpt.model import build_gpt
     from plait.estimate.activations import llama_layer_bytes, rope_table_bytes
     from plait.estimate.layout import Workload
-    from plait.runtime.env import set_cpu_threads
+    from plait.runtime.env import prepare_host
 
     mesh = plait.init_mesh(tp=int(os.environ["WORLD_SIZE"]))
-    set_cpu_threads(mesh.size("world"))
+    prepare_host(mesh.size("world"))
     config, tp = bench_config(args), mesh.size("tp")
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (args.micro_batch, args.seq_len + 1), generator=generator)

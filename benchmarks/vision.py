@@ -35,10 +35,10 @@ def worker(args: argparse.Namespace) -> None:
     import plait
     from plait.models.resnet.model import build_resnet
     from plait.models.resnet.config import get_resnet
-    from plait.runtime.env import set_cpu_threads
+    from plait.runtime.env import prepare_host
 
     mesh = plait.init_mesh()
-    set_cpu_threads(mesh.size("world"))
+    prepare_host(mesh.size("world"))
     config = get_resnet(args.model, in_channels=3, num_classes=10)
     replicas = {
         "plait": plait.parallelize(build_resnet(config, 0), mesh, plait.ParallelConfig()),

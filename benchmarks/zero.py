@@ -109,10 +109,10 @@ def time_world(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     import plait
-    from plait.runtime.env import set_cpu_threads
+    from plait.runtime.env import prepare_host
 
     mesh = plait.init_mesh()
-    set_cpu_threads(mesh.size("world"))
+    prepare_host(mesh.size("world"))
     model, optimizer = build(args.variant, mesh, args)
     generator = torch.Generator().manual_seed(mesh.rank("dp"))
     batch = torch.randint(0, 256, (args.micro_batch, args.seq_len + 1), generator=generator)
@@ -152,10 +152,10 @@ def peak_world(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     import plait
-    from plait.runtime.env import set_cpu_threads
+    from plait.runtime.env import prepare_host
 
     mesh = plait.init_mesh()
-    set_cpu_threads(mesh.size("world"))
+    prepare_host(mesh.size("world"))
     warm_up_runtime()
     sampler = RssSampler()
     model, optimizer = build(args.variant, mesh, args)

@@ -358,15 +358,53 @@ def test_calibrate_command_writes_a_file_estimate_reads(tmp_path: Path) -> None:
     from tests.worldlib import run_plait
 
     out = tmp_path / "hw.toml"
-    proc = run_plait("calibrate", "--nproc", "2", "--model", "tiny", "--tp", "1,2", "--quick", "--no-cache",
-                     "--out", str(out), timeout=600)
+    proc = run_plait("calibrate", "--nproc", "2", "--model", "tiny", "--tp", "1,2", "--micro-batch", "8,4", "--quick",
+                     "--no-cache", "--out", str(out), timeout=600)
     assert proc.returncode == 0, proc.stderr
     hw = load_hardware(out)
     assert hw.gemm_tflops("fp32 1024x64x192") > 0 and hw.gemm_tflops("fp32 1024x64x96") > 0  # tp 1 and 2
+    assert hw.gemm_tflops("fp32 512x64x192") > 0 and hw.gemm_tflops("attn fp32 b4 a1 s128 d64") > 0  # micro-batch 4
     assert [n for n, _, _ in hw.links] == [2]
     proc = run_plait("estimate", "--model", "tiny", "--dp", "2", "--precision", "fp32", "--micro-batch", "8",
                      "--seq-len", "128", "--hardware-file", str(out), "--json")
     assert json.loads(proc.stdout)["layout"]["hardware"] == hw.name
+
+
+def test_a_calibration_times_each_micro_batch_it_is_asked_for() -> None:
+    """A plan weighs micro-batches against each other; read off a line fitted to one
+    micro-batch's shapes, another's GEMMs took a fixed cost the shapes' own differences made
+    (98 µs a GEMM on `small`, 17.5 with four micro-batches measured), which priced mb 4 x 2
+    2.9% over mb 8, against 0.8% measured (benchmarks/RESULTS.md, "planner-measured")."""
+    import plait.bench.calibrate as cal
+    from plait.estimate.ops import attention_key, block_gemms, gemm_key
+
+    config = get_preset("small")
+    attention, gemms = cal.model_shapes(config, 8, 128, [1, 2], "fp32", [2], other_micro_batches=[4, 1])
+    for batch in (8, 4, 1):
+        for tp in (1, 2):
+            assert all(gemm_key(g, "fp32") in gemms for g in block_gemms(config, batch * 128, tp))
+            assert attention_key(config, batch, 128, tp, "fp32") in attention
+    assert attention[0].startswith("attn fp32 b8 ")  # the asked micro-batch's core sets the efficiency
+    assert attention[-1].startswith("ring")
+    assert len(cal.model_shapes(config, 8, 128, [1], "fp32")[1]) < len(gemms)
+
+
+def test_a_cpu_adds_bandwidth_leaves_out_its_dispatch(monkeypatch) -> None:
+    """The time model adds each op's dispatch on its own (ops.elementwise_s); the bandwidth
+    it divides bytes by must not hold it too. A 196 KiB add took 27 µs here, 4.6 of them its
+    dispatch: counted twice, small activations' element-wise work ran dear."""
+    import plait.bench.calibrate as cal
+    from plait.runtime.mesh import init_mesh
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(cal, "_median_rounds", lambda mesh, runs, reps: [27e-6 for _ in runs])
+    mesh = init_mesh()
+    elements = 196608 // 4
+    (size, with_dispatch), = cal.measure_bandwidth(mesh, [elements], 1)
+    (_, without), = cal.measure_bandwidth(mesh, [elements], 1, op_s=4.6e-6)
+    assert size == 196608 and with_dispatch == pytest.approx(3 * 196608 / 27e-6 / 1e9)
+    assert without == pytest.approx(3 * 196608 / 22.4e-6 / 1e9)
 
 
 def test_a_calibration_taken_on_a_busy_machine_is_not_cached_and_is_named(tmp_path: Path, monkeypatch) -> None:

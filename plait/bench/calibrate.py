@@ -18,11 +18,11 @@ collective is timed in every group at once (`crowded`).
 
 from __future__ import annotations
 
-import ctypes
 import math
 import os
 import statistics
 import time
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import torch
@@ -45,6 +45,7 @@ from plait.estimate.exposed import HOST_ADAM_BYTES
 from plait.models.gpt.config import GPTConfig
 from plait.rules import FLOAT8_TILE
 from plait.runtime import comm
+from plait.runtime.env import keep_freed_memory
 from plait.runtime.mesh import Mesh
 from plait.runtime.subgroups import first_ranks_axes, group_sizes, tiled_axes
 from plait.bench.meter import storage_bytes
@@ -65,7 +66,9 @@ from plait.parallel.compose import adamw_kernel
 # 11: fp8's block GEMMs timed as float8 products (they were timed in bf16), its head in bf16.
 # 12: on a crowded CPU host (more ranks' threads than cores) a round timed from the first rank's start
 #     to the last rank's end (each rank timed alone measured a whole core).
-METHOD_VERSION = 12
+# 13: a CPU add's dispatch taken out of its bandwidth (the model adds it per op); GEMMs and attention
+#     timed at each micro-batch asked (--micro-batch 8,4,2,1); training keeps freed memory as timed.
+METHOD_VERSION = 13
 
 
 class Spreads:
@@ -191,20 +194,24 @@ def _sync(mesh: Mesh) -> None:
 
 
 def model_shapes(config: GPTConfig, micro_batch: int, seq_len: int, tp_sizes: list[int],
-                 precision: str, cp_sizes: list[int] = ()) -> tuple[list[str], dict[str, Gemm]]:
-    """Attention keys (the whole core's first, then ring attention's at each cp > 1) and
-    {key: Gemm} of every GEMM the model runs, for each tp degree."""
-    tokens = micro_batch * seq_len
+                 precision: str, cp_sizes: list[int] = (), other_micro_batches: Sequence[int] = ()
+                 ) -> tuple[list[str], dict[str, Gemm]]:
+    """Attention keys (the whole core's at `micro_batch` first, then at the other micro-batches,
+    then ring attention's at each cp > 1) and {key: Gemm} of every GEMM the model runs, for
+    each tp degree and micro-batch."""
     gemms: dict[str, Gemm] = {}
-    attention = []
-    for tp in tp_sizes:
-        blocks = block_gemms(config, tokens, tp) + (block_gemms(config, tokens, tp, moe=True) if config.is_moe else [])
-        head = head_gemm(config, tokens, tp)
-        for g in [*blocks, head, *(x for g in (*blocks, head) for x in g.backward())]:
-            gemms[gemm_key(g, gemm_precision(g, precision))] = g  # fp8 leaves the head, experts bf16
-        attention.append(attention_key(config, micro_batch, seq_len, tp, precision))
+    attention: list[str] = []
+    for batch in [micro_batch, *other_micro_batches]:
+        tokens = batch * seq_len
+        for tp in tp_sizes:
+            blocks = block_gemms(config, tokens, tp) + (block_gemms(config, tokens, tp, moe=True) if config.is_moe else [])
+            head = head_gemm(config, tokens, tp)
+            for g in [*blocks, head, *(x for g in (*blocks, head) for x in g.backward())]:
+                gemms[gemm_key(g, gemm_precision(g, precision))] = g  # fp8 leaves the head, experts bf16
+        keys = sorted({attention_key(config, batch, seq_len, tp, precision) for tp in tp_sizes})
+        attention += [key for key in keys if key not in attention]
     rings = [ring_key(config, seq_len, tp, cp, precision) for tp in tp_sizes for cp in cp_sizes if cp > 1]
-    return sorted(set(attention)) + sorted(set(rings)), gemms
+    return attention + sorted(set(rings)), gemms
 
 
 def _dtype(precision: str) -> torch.dtype:
@@ -260,18 +267,22 @@ def _queued(mesh: Mesh, op: Callable[[], Any]) -> Callable[[], None]:
 
 
 def measure_attention(mesh: Mesh, config: GPTConfig, micro_batch: int, seq_len: int,
-                      tp_sizes: list[int], precision: str, reps: int, cp_sizes: list[int] = ()) -> dict[str, float]:
+                      tp_sizes: list[int], precision: str, reps: int, cp_sizes: list[int] = (),
+                      other_micro_batches: Sequence[int] = ()) -> dict[str, float]:
     """{key: TFLOP/s} of causal scaled-dot-product attention, forward + backward, counted as
-    3 · 4·b·s²·h/t FLOPs (the model's convention: no discount for the mask); and, for each cp
-    > 1, of one rank's ring attention compute (`_ring_run`), counted as 3 · 4·b·(s/cp)·s·h/t."""
+    3 · 4·b·s²·h/t FLOPs (the model's convention: no discount for the mask), at `micro_batch`
+    and each of the others; and, for each cp > 1, of one rank's ring attention compute
+    (`_ring_run`, at `micro_batch`: its key is a rate, read at any), counted as
+    3 · 4·b·(s/cp)·s·h/t."""
     out, runs, flops = {}, [], []
     for tp in sorted(set(tp_sizes)):
         heads = max(1, config.n_heads // tp)
         kv_heads = max(1, config.n_kv_heads // tp)
         shape = (micro_batch, heads, seq_len, config.head_dim)
-        runs.append(_attention_run(mesh, shape, precision))
-        flops.append(3 * 4.0 * micro_batch * seq_len * seq_len * heads * config.head_dim)
-        out[attention_key(config, micro_batch, seq_len, tp, precision)] = 0.0
+        for batch in sorted({micro_batch, *other_micro_batches}, reverse=True):
+            runs.append(_attention_run(mesh, (batch, *shape[1:]), precision))
+            flops.append(3 * 4.0 * batch * seq_len * seq_len * heads * config.head_dim)
+            out[attention_key(config, batch, seq_len, tp, precision)] = 0.0
         for cp in sorted({cp for cp in cp_sizes if cp > 1 and seq_len % (2 * cp) == 0}):
             runs.append(_ring_run(mesh, shape, kv_heads, cp, precision))
             flops.append(3 * 4.0 * micro_batch * (seq_len // cp) * seq_len * heads * config.head_dim)
@@ -336,7 +347,7 @@ def measure_memory(mesh: Mesh, elements: int, tensors: int, reps: int, params: i
     walk, view, block, step, checks = _slowest(mesh, [walk, view, block, step, checks])
     op = max(0.0, block - view * DISPATCH_VIEWS) / DISPATCH_OPS
     sizes = sorted({max(1, elements // spread), elements, elements * spread})
-    memory = measure_bandwidth(mesh, sizes, reps)
+    memory = measure_bandwidth(mesh, sizes, reps, op)
     streamed = min(params, stream_cap(device))
     stream = (streamed, measure_stream(mesh, streamed, optimizer_kernel, reps, precision)) if streamed else None
     return {**({"stream_gb_s": stream[1], "stream_by_size": (stream,)} if stream else {}),
@@ -345,15 +356,23 @@ def measure_memory(mesh: Mesh, elements: int, tensors: int, reps: int, params: i
             "optimizer_tensor_us": step / DISPATCH_TENSORS * 1e6, "grad_tensor_us": checks / DISPATCH_TENSORS * 1e6}
 
 
-def measure_bandwidth(mesh: Mesh, sizes: list[int], reps: int) -> tuple[tuple[int, float], ...]:
+def measure_bandwidth(mesh: Mesh, sizes: list[int], reps: int, op_s: float = 0.0) -> tuple[tuple[int, float], ...]:
     """((bytes written, GB/s read + written), ...) of an allocating fp32 add, as eager ops
-    do, at each of `sizes` elements, queued as `queue_depth` says; the slowest rank counts."""
+    do, at each of `sizes` elements, queued as `queue_depth` says; the slowest rank counts.
+
+    On a CPU an op's time holds its dispatch, `op_s` (measure_dispatch's), which the time
+    model adds for each op on its own (ops.elementwise_s): it is taken out here, so that it
+    is not paid twice. Left in, it made small activations' element-wise work dearer than it
+    runs (a 196 KiB add: 27 µs, 4.6 of them its dispatch). On a GPU the queued adds leave the
+    host's dispatch out already."""
     def adds(elements: int) -> Callable[[], None]:
         x, y = (torch.randn(elements, device=mesh.device) for _ in range(2))
         return _queued(mesh, lambda: torch.add(x, y))
 
+    dispatch = op_s if mesh.device.type == "cpu" else 0.0
     times = _slowest(mesh, _median_rounds(mesh, [adds(n) for n in sizes], reps))
-    return tuple((n * 4, 3 * n * 4 * queue_depth(mesh.device) / t / 1e9) for n, t in zip(sizes, times))
+    return tuple((n * 4, 3 * n * 4 * queue_depth(mesh.device) / max(t - dispatch, t / 2) / 1e9)
+                 for n, t in zip(sizes, times))
 
 
 def measure_stream(mesh: Mesh, params: int, optimizer_kernel: str, reps: int, precision: str = "fp32") -> float:
@@ -365,7 +384,7 @@ def measure_stream(mesh: Mesh, params: int, optimizer_kernel: str, reps: int, pr
     tensors' fixed costs are nothing to subtract: on a CPU they are a fraction of a percent
     of this size's pass, and on a GPU the few tensors leave the device's pass alone to time."""
     if mesh.device.type == "cpu":
-        keep_heap_like_training()
+        keep_freed_memory()
     chunk = update_chunk(mesh.device, params)
     update = _slowest(mesh, [_median_s(_flat_update(mesh, params, optimizer_kernel, precision, chunk), reps)])[0]
     return UPDATE_BYTES * params / update / 1e9
@@ -404,32 +423,12 @@ STREAM_CAP = 1 << 24  # parameters in the timed update on a CPU (see stream_cap)
 UPDATE_CHUNK = 1 << 20  # parameters per tensor there, about a large weight of a model this size
 
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
-
-
-def keep_heap_like_training() -> None:
-    """Let glibc keep freed memory, as it ends up doing in a training process.
-
-    There, activations of several MiB are freed every step, which raises glibc's dynamic
-    mmap and trim thresholds: the update's temporaries then reuse the heap. A fresh
-    calibration process has not seen that, so it hands the temporaries back to the OS and
-    faults them in again each time, which ran this update 2-4x slower than training does
-    (measured on the 2-core CPU: 100-200 ms against 41-56 ms for `small`). Setting the two
-    thresholds as training leaves them removes that difference. A no-op off glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
-        libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
-    except (OSError, AttributeError):
-        pass
-
-
 def measure_host_update(mesh: Mesh, params: int, optimizer_kernel: str, reps: int) -> float:
     """GB/s of AdamW on this host's CPU over `params` fp32 parameters, counted as the 28 bytes
     a parameter the time model charges (plait.estimate.exposed.HOST_ADAM_BYTES): the rate an
     offloaded optimizer steps at. Every rank of the node steps at once, as under offload."""
     _, optimizer = _flat_adamw(params, torch.device("cpu"), optimizer_kernel)
-    keep_heap_like_training()
+    keep_freed_memory()
     seconds = _slowest(mesh, [_median_s(optimizer.step, reps)])[0]
     return HOST_ADAM_BYTES * params / seconds / 1e9
 

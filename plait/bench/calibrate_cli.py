@@ -23,7 +23,9 @@ def calibrate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--nproc", type=int, default=2, help="ranks that will share this machine when training")
     parser.add_argument("--out", required=True, help="the hardware TOML file to write")
     parser.add_argument("--model", default="small", help="whose GEMM shapes to measure (tiny, small, ...)")
-    parser.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch")
+    parser.add_argument("--micro-batch", default="8",
+                        help="sequences per micro-batch; a comma list (8,4,2,1) times each one's GEMMs and attention, "
+                             "for a plan that weighs them")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--tp", default="1,2", help="tensor-parallel degrees whose shard shapes to measure")
     parser.add_argument("--cp", default="1", help="context-parallel degrees whose ring attention to measure")
@@ -38,11 +40,11 @@ def calibrate_parser() -> argparse.ArgumentParser:
 def calibrate_main(argv: list[str]) -> int:
     args = calibrate_parser().parse_args(argv)
     tps, cps = _degrees("--tp", args.tp), _degrees("--cp", args.cp)
+    args.micro_batches = _degrees("--micro-batch", args.micro_batch, "8,4,2,1")
     if args.nproc < 1 or args.precision not in ("fp32", "bf16", "fp8"):
         raise PlaitError("--nproc must be 1 or more, --precision fp32, bf16 or fp8")
-    for flag, value in (("--micro-batch", args.micro_batch), ("--seq-len", args.seq_len)):
-        if value < 1:
-            raise PlaitError(f"{flag} {value}: give 1 or more", hint=f"e.g. {flag} 8")
+    if args.seq_len < 1:
+        raise PlaitError(f"--seq-len {args.seq_len}: give 1 or more", hint="e.g. --seq-len 128")
     check_backend_name(args.backend)
     check_writable_file(args.out, "--out")  # before measuring, not after
     from plait.models.gpt.config import get_preset
@@ -56,21 +58,21 @@ def calibrate_main(argv: list[str]) -> int:
     return _rank_main(args, config, tps, cps)
 
 
-def _degrees(flag: str, text: str) -> list[int]:
-    """A comma list of degrees, each 1 or more."""
+def _degrees(flag: str, text: str, example: str = "1,2") -> list[int]:
+    """A comma list of sizes (degrees, micro-batches), each 1 or more."""
     try:
         degrees = sorted({int(t) for t in text.split(",")})
     except ValueError:
-        raise PlaitError(f"bad {flag} {text!r}", hint="a comma list of degrees, e.g. 1,2") from None
+        raise PlaitError(f"bad {flag} {text}", hint=f"a comma list of whole numbers, e.g. {flag} {example}") from None
     if min(degrees) < 1:
-        raise PlaitError(f"bad {flag} {text!r}: degrees are 1 or more", hint="e.g. 1,2")
+        raise PlaitError(f"bad {flag} {text}: each is 1 or more", hint=f"e.g. {flag} {example}")
     return degrees
 
 
 def _rank_main(args: argparse.Namespace, config: object, tps: list[int], cps: list[int]) -> int:
     from plait.bench import machine
     from plait.runtime.mesh import init_mesh
-    from plait.runtime.env import set_cpu_threads
+    from plait.runtime.env import prepare_host
 
     mesh = init_mesh(backend=args.backend)
     try:
@@ -81,12 +83,13 @@ def _rank_main(args: argparse.Namespace, config: object, tps: list[int], cps: li
 
             device = mesh.device
             check_float8_units(device.type, torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
-        set_cpu_threads(mesh.env.world_size)
+        prepare_host(mesh.env.world_size)
         from plait.bench import calibrate as cal
 
         cal.SPREADS.seen.clear()
-        hw = machine.calibrate(mesh, config, micro_batch=args.micro_batch, seq_len=args.seq_len,
-                               tp_sizes=tps, precision=args.precision, quick=args.quick, cp_sizes=cps)
+        largest, *others = sorted(args.micro_batches, reverse=True)  # memory is timed at the largest's activation
+        hw = machine.calibrate(mesh, config, micro_batch=largest, seq_len=args.seq_len, tp_sizes=tps,
+                               precision=args.precision, quick=args.quick, cp_sizes=cps, other_micro_batches=others)
         busy = machine.noisy(mesh)
         if mesh.is_main:
             facts = machine.machine_facts(mesh, precision=args.precision)

@@ -80,11 +80,11 @@ def _rank_main(args: argparse.Namespace) -> int:
     from plait.runtime import comm
     from plait.runtime.mesh import init_mesh
     from plait.runtime.subgroups import first_ranks_axes, group_sizes
-    from plait.runtime.env import set_cpu_threads
+    from plait.runtime.env import prepare_host
 
     mesh = init_mesh(backend=args.backend)
     try:
-        set_cpu_threads(mesh.env.world_size)
+        prepare_host(mesh.env.world_size)
         world = mesh.env.world_size
         axes = first_ranks_axes(group_sizes(world, args.group_list), mesh.ledger, mesh.global_rank, world)
         rows: list[dict[str, Any]] = []

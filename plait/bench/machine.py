@@ -14,6 +14,7 @@ import hashlib
 import os
 import platform
 import socket
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -72,13 +73,17 @@ def base_preset(gpu: str) -> Hardware:
 
 def calibrate(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len: int, tp_sizes: list[int],
               precision: str, quick: bool = False, optimizer_kernel: str = "fused",
-              cp_sizes: list[int] = ()) -> Hardware:
+              cp_sizes: list[int] = (), other_micro_batches: Sequence[int] = ()) -> Hardware:
     """Measure everything the time model uses (ring attention's compute at each cp in
-    `cp_sizes`); every rank calls this."""
+    `cp_sizes`); every rank calls this. The GEMMs and attention are timed at `micro_batch`
+    and at each of `other_micro_batches`, so that a plan weighing several micro-batches reads
+    each one's shapes as measured rather than off a line fitted to another's."""
     reps = 3 if quick else 11  # rounds: a full calibration spreads over enough time to ride out a slow second
-    attention, gemms = cal.model_shapes(config, micro_batch, seq_len, tp_sizes, precision, cp_sizes)
+    attention, gemms = cal.model_shapes(config, micro_batch, seq_len, tp_sizes, precision, cp_sizes,
+                                        other_micro_batches)
     rates = cal.measure_gemms(mesh, gemms, precision, reps)
-    rates.update(cal.measure_attention(mesh, config, micro_batch, seq_len, tp_sizes, precision, reps, cp_sizes))
+    rates.update(cal.measure_attention(mesh, config, micro_batch, seq_len, tp_sizes, precision, reps, cp_sizes,
+                                       other_micro_batches))
     activation = int(activation_op_bytes(config.d_model, micro_batch * seq_len, 1, False, precision)) // 4
     memory = cal.measure_memory(mesh, activation, 9 * config.n_layers + 3, reps,
                                 params=config.num_params(), optimizer_kernel=optimizer_kernel,
@@ -250,7 +255,8 @@ def _add_sizes(mesh: Mesh, cached: Hardware, config: GPTConfig, lacks: list[bool
                              base_preset(device_name(mesh))))
         add.update(attention_efficiency(next(iter(attention.values()), 0.0), add, precision))
     if lacks[1]:
-        add["memory_by_size"] = _merged(cached.memory_by_size, cal.measure_bandwidth(mesh, [activation], 3))
+        measured = cal.measure_bandwidth(mesh, [activation], 3, cached.op_overhead_us * 1e-6)
+        add["memory_by_size"] = _merged(cached.memory_by_size, measured)
     if lacks[2]:
         rate = cal.measure_stream(mesh, streamed, optimizer_kernel, 3, precision)
         add["stream_by_size"] = _merged(cached.stream_by_size, ((streamed, rate),))

@@ -7,6 +7,7 @@ touches torch.distributed, so it can be tested by feeding it each launcher's var
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import re
@@ -156,6 +157,35 @@ def choose_backend(requested: str | None, cuda_available: bool, mpi_available: b
     if requested not in BACKENDS:
         raise PlaitError(f"unknown backend {requested!r}", hint="choose nccl, gloo, mpi or auto")
     return requested
+
+
+def prepare_host(local_world: int) -> None:
+    """A rank's host, set as training runs it: its share of the cores, and freed memory kept
+    for reuse. Every plait process that trains, evaluates or times a model starts here, so
+    that `plait calibrate` measures the host training gets."""
+    set_cpu_threads(local_world)
+    keep_freed_memory()
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+
+
+def keep_freed_memory() -> None:
+    """Let glibc keep freed memory in the heap instead of handing it back to the OS.
+
+    A CPU has no caching allocator: what torch frees goes back to glibc, which returns
+    large blocks to the OS and faults them in again, a page at a time, when they are
+    allocated next. ZeRO-2 allocates its whole gradient buckets every backward: on 4 ranks
+    of `small` on 2 cores that doubled the run's page faults (1.25 M against 0.64 M) and
+    cost 5% a step (0.88 s against 0.84 s for ZeRO-1); with these thresholds it faulted as
+    ZeRO-1 does and ran within 1.2% of it. Blocks up to 32 MiB (glibc's largest mmap
+    threshold) come from the heap, and up to 1 GiB of free heap is kept. A no-op off glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
+        libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
+    except (OSError, AttributeError):
+        pass
 
 
 def set_cpu_threads(local_world: int) -> None:

@@ -90,14 +90,14 @@ def evaluate(config: TrainConfig, family: Any, run_dir: Path | None) -> dict[str
     """The loss over the whole corpus on this rank's share of the layout (collective); the
     result on every rank."""
     from plait.parallel.executor import Executor
-    from plait.runtime.env import set_cpu_threads
+    from plait.runtime.env import prepare_host
     from plait.train.loop.inference import Inference
     from plait.train.observe.logs import setup_logging
 
     setup_logging(config.log_level)
     mesh = init_mesh(config.layout, backend=config.backend, timeout_s=config.timeout_s)
     try:
-        set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", mesh.env.world_size)))
+        prepare_host(int(os.environ.get("LOCAL_WORLD_SIZE", mesh.env.world_size)))
         task = family.task(config)
         if not callable(getattr(task, "corpus", None)):
             raise PlaitError(f"plait eval scores language models, and --model {config.model} is not one",

@@ -24,7 +24,7 @@ from plait.parallel.compiled import cache_dir, compile_stats, is_compiled
 from plait.parallel.precision import reduce_dtype_of
 from plait.report import report_after_training
 from plait.runtime import comm, console
-from plait.runtime.env import set_cpu_threads
+from plait.runtime.env import prepare_host
 from plait.runtime.mesh import init_mesh
 from plait.train.checkpoint.read import RUN_ATTACHED
 from plait.train.checkpoint.shards import Entry, ShardWriter
@@ -43,7 +43,7 @@ def train(config: TrainConfig, family: Any) -> dict[str, Any]:
     setup_logging(config.log_level)
     mesh = init_mesh(config.layout, backend=config.backend, timeout_s=config.timeout_s)
     try:
-        set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", mesh.env.world_size)))
+        prepare_host(int(os.environ.get("LOCAL_WORLD_SIZE", mesh.env.world_size)))
         trainer = Trainer(config, mesh, family.task(config))
         bar = _progress_bar(config.steps) if mesh.is_main else None
         board = TensorBoardLog(config.out) if config.tensorboard and mesh.is_main else None
