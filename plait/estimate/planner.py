@@ -62,7 +62,7 @@ from plait.errors import PlaitError
 from plait.estimate.activations import stage_activation_bytes
 from plait.estimate.hardware import GIB, Hardware, resolve_hardware
 from plait.estimate.layout import StageShare, Workload, layout_stages, stages
-from plait.estimate.memory import Memory, device_total, estimate_memory, shard, stage_buffers, stage_memory
+from plait.estimate.memory import Memory, device_total, estimate_memory, stage_buffers, stage_memory
 from plait.estimate.exposed import clip_s, cp_s, ep_s, message_s, overhead_s, tp_s
 from plait.estimate.network import inter_node
 from plait.estimate.ops import micro_batch_compute_s
