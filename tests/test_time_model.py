@@ -363,7 +363,7 @@ def test_calibrate_command_writes_a_file_estimate_reads(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     hw = load_hardware(out)
     assert hw.gemm_tflops("fp32 1024x64x192") > 0 and hw.gemm_tflops("fp32 1024x64x96") > 0  # tp 1 and 2
-    assert hw.gemm_tflops("fp32 512x64x192") > 0 and hw.gemm_tflops("attn fp32 b4 a1 s128 d64") > 0  # micro-batch 4
+    assert hw.gemm_tflops("fp32 512x64x192") > 0 and hw.gemm_tflops("attn fp32 b4 a4 s128 d16") > 0  # micro-batch 4
     assert [n for n, _, _ in hw.links] == [2]
     proc = run_plait("estimate", "--model", "tiny", "--dp", "2", "--precision", "fp32", "--micro-batch", "8",
                      "--seq-len", "128", "--hardware-file", str(out), "--json")
