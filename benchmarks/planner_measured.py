@@ -28,6 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, new_parser, write_section  # noqa: E402
 
+from plait.estimate.planner import divisors  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "zero", "micro_batch", "grad_accum")
 
@@ -39,8 +41,9 @@ def plait(*args: str, capture: bool = False) -> str:
     return proc.stdout if capture else ""
 
 
-def divisors(n: int) -> str:
-    return ",".join(str(d) for d in range(1, n + 1) if n % d == 0)
+def every_divisor(n: int) -> str:
+    """A comma list of n's divisors, as `plait calibrate` takes its degrees and micro-batches."""
+    return ",".join(map(str, divisors(n)))
 
 
 def calibrate(model: str, world: int, batch: int, seq: int, out: Path) -> Path:
@@ -48,8 +51,8 @@ def calibrate(model: str, world: int, batch: int, seq: int, out: Path) -> Path:
     every cp, dividing the world, and at every micro-batch dividing the global `batch` (each
     a micro-batch some layout's dp leaves a rank), which the plan weighs against each other."""
     path = out / f"hw-{world}.toml"
-    plait("calibrate", "--nproc", str(world), "--model", model, "--micro-batch", divisors(batch), "--seq-len",
-          str(seq), "--tp", divisors(world), "--cp", divisors(world), "--out", str(path), "--no-cache")
+    plait("calibrate", "--nproc", str(world), "--model", model, "--micro-batch", every_divisor(batch), "--seq-len",
+          str(seq), "--tp", every_divisor(world), "--cp", every_divisor(world), "--out", str(path), "--no-cache")
     return path
 
 

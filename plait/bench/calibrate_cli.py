@@ -40,7 +40,7 @@ def calibrate_parser() -> argparse.ArgumentParser:
 def calibrate_main(argv: list[str]) -> int:
     args = calibrate_parser().parse_args(argv)
     tps, cps = _degrees("--tp", args.tp), _degrees("--cp", args.cp)
-    args.micro_batches = _degrees("--micro-batch", args.micro_batch, "8,4,2,1")
+    micro_batches = _degrees("--micro-batch", args.micro_batch, "8,4,2,1")
     if args.nproc < 1 or args.precision not in ("fp32", "bf16", "fp8"):
         raise PlaitError("--nproc must be 1 or more, --precision fp32, bf16 or fp8")
     if args.seq_len < 1:
@@ -55,7 +55,7 @@ def calibrate_main(argv: list[str]) -> int:
 
         check_local_nproc(args.nproc)  # NCCL puts one rank on one GPU
         return spawn([sys.executable, "-m", "plait", "calibrate", *argv], args.nproc)
-    return _rank_main(args, config, tps, cps)
+    return _rank_main(args, config, tps, cps, micro_batches)
 
 
 def _degrees(flag: str, text: str, example: str = "1,2") -> list[int]:
@@ -69,7 +69,8 @@ def _degrees(flag: str, text: str, example: str = "1,2") -> list[int]:
     return degrees
 
 
-def _rank_main(args: argparse.Namespace, config: object, tps: list[int], cps: list[int]) -> int:
+def _rank_main(args: argparse.Namespace, config: object, tps: list[int], cps: list[int],
+               micro_batches: list[int]) -> int:
     from plait.bench import machine
     from plait.runtime.mesh import init_mesh
     from plait.runtime.env import prepare_host
@@ -87,7 +88,7 @@ def _rank_main(args: argparse.Namespace, config: object, tps: list[int], cps: li
         from plait.bench import calibrate as cal
 
         cal.SPREADS.seen.clear()
-        largest, *others = sorted(args.micro_batches, reverse=True)  # memory is timed at the largest's activation
+        *others, largest = micro_batches  # ascending; memory is timed at the largest's activation
         hw = machine.calibrate(mesh, config, micro_batch=largest, seq_len=args.seq_len, tp_sizes=tps,
                                precision=args.precision, quick=args.quick, cp_sizes=cps, other_micro_batches=others)
         busy = machine.noisy(mesh)

@@ -37,7 +37,6 @@ from plait.rules import FLOAT8_TILE, check_fp8_device
 from plait.runtime.env import have_torchao, torch_release
 
 log = logging.getLogger(__name__)
-TILE = FLOAT8_TILE  # float8 matrix products need both dimensions of the weight in multiples of 16
 
 
 def check_device(device: torch.device, scaling: str) -> None:
@@ -49,7 +48,8 @@ def check_device(device: torch.device, scaling: str) -> None:
 
 def converts(module: nn.Module) -> bool:
     """A plain nn.Linear whose weight fits the float8 kernels' tiles."""
-    return type(module) is nn.Linear and module.in_features % TILE == 0 and module.out_features % TILE == 0
+    return (type(module) is nn.Linear and module.in_features % FLOAT8_TILE == 0
+            and module.out_features % FLOAT8_TILE == 0)
 
 
 def apply_fp8(blocks: Iterable[nn.Module], scaling: str, device: torch.device) -> int:
@@ -64,7 +64,7 @@ def apply_fp8(blocks: Iterable[nn.Module], scaling: str, device: torch.device) -
         swapped += sum(1 for m in block.modules() if isinstance(m, float8_linear))
     if not swapped:
         raise PlaitError("--precision fp8 found no linear layer to convert in the model's blocks",
-                         hint=f"fp8 converts nn.Linear layers whose dimensions are multiples of {TILE}; "
+                         hint=f"fp8 converts nn.Linear layers whose dimensions are multiples of {FLOAT8_TILE}; "
                               "use --precision bf16")
     log.info("fp8 (%s scaling): %d linear layers of the blocks multiply in float8; %d stay bf16",
              scaling, swapped, kept)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from plait.bench import machine
 from plait.estimate.hardware import load_hardware
-from plait.estimate.planner import plan
+from plait.estimate.planner import divisors, plan
 from plait.families import family_of
 from plait.models.gpt.config import get_preset
 from plait.runtime import comm
@@ -47,7 +47,7 @@ def main() -> None:
     share = batch // world
     hw_file = out / "hw.toml"
     hw = machine.calibrate(mesh, get_preset(model), micro_batch=share, seq_len=SEQ, tp_sizes=[1], precision="fp32",
-                           quick=True, other_micro_batches=[d for d in range(1, share) if share % d == 0])
+                           quick=True, other_micro_batches=divisors(share)[:-1])
     if mesh.is_main:
         machine.save(hw, hw_file, machine.machine_facts(mesh))
     comm.barrier(mesh.axis("world"))
