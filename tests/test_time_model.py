@@ -493,8 +493,10 @@ def test_the_plans_first_layouts_measure_as_it_ranks_them(tmp_path: Path) -> Non
     each prediction within 10% of its measurement, and the plan's first pick within 5% of the
     fastest measured. benchmarks/planner_measured.py runs the whole check (top six, tp and cp
     included, repeats taking turns): on 2 ranks its predictions were within 3% and its rank
-    correlation 0.99 (benchmarks/RESULTS.md, "planner-measured")."""
-    _, reports = run_world("planner_world.py", 2, tmp_path, str(tmp_path / "run"), "small", "16", "6", "3",
+    correlation 0.99 (benchmarks/RESULTS.md, "planner-measured"). A layout outside 10% is
+    trained again, three times at most, as the crowded-host test's world does: in one run of
+    the whole suite a layout measured 0.81 s that measures 0.73 s alone."""
+    _, reports = run_world("planner_world.py", 2, tmp_path, str(tmp_path / "run"), "small", "16", "6", "3", "0.1",
                            timeout=900)
     trained = reports[0]["trained"]
     assert len(trained) == 3, reports[0]

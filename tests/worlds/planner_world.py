@@ -7,8 +7,10 @@ the hardware file, and every rank plans from it (`plait plan --hardware-file`: p
 arithmetic, the same rows on every rank). The plan's first `TOP` layouts that this world's
 mesh runs as it is (dp = world; ZeRO, micro-batch, accumulation and recompute vary) are
 trained `STEPS` steps each, and each one's predicted step is kept beside its measured median.
+A layout measured outside `BOUND` of its prediction is trained again (ATTEMPTS at most), as
+tests/worlds/time_model.py does: other jobs on the machine can slow one run.
 
-argv: OUT_DIR MODEL GLOBAL_BATCH STEPS TOP
+argv: OUT_DIR MODEL GLOBAL_BATCH STEPS TOP BOUND
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from plait.train.loop.trainer import Trainer
 from tests.worldlib import save_report
 
 SEQ = 128
+ATTEMPTS = 3
 
 
 def runs_on_this_mesh(row: dict, world: int) -> bool:
@@ -40,6 +43,7 @@ def runs_on_this_mesh(row: dict, world: int) -> bool:
 
 def main() -> None:
     out, model, batch, steps, top = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    bound = float(sys.argv[6])
     out.mkdir(parents=True, exist_ok=True)
     mesh = init_mesh()
     world = mesh.env.world_size
@@ -60,11 +64,15 @@ def main() -> None:
                              sample_tokens=0, dp=world, nproc=world, out=str(out / f"layout{i}"),
                              hardware_file=str(hw_file), zero=row["zero"], micro_batch=row["micro_batch"],
                              grad_accum=row["grad_accum"], recompute=row["recompute"])
-        trainer = Trainer(config, mesh, family_of(config).task(config))
-        trainer.run()
-        step = finish(trainer)["step_time"]
+        measured = []
+        for _ in range(ATTEMPTS):  # again only while outside the bound: a slow minute slows one run
+            trainer = Trainer(config, mesh, family_of(config).task(config))
+            trainer.run()
+            measured.append(finish(trainer)["step_time"]["measured"]["step"])
+            if abs(row["step_s"] / measured[-1] - 1) <= bound:
+                break
         trained.append({"layout": {k: row[k] for k in ("zero", "micro_batch", "grad_accum", "recompute")},
-                        "predicted": row["step_s"], "measured": step["measured"]["step"],
+                        "predicted": row["step_s"], "measured": measured[-1], "attempts": measured,
                         "rank_in_plan": rows.index(row) + 1})
     save_report({"trained": trained, "plan": [{k: r[k] for k in ("dp", "tp", "pp", "cp", "zero", "micro_batch",
                                                                  "grad_accum", "recompute", "step_s")}
