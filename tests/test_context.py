@@ -132,7 +132,7 @@ def test_memory_limit_names_the_cp_that_fits(tmp_path: Path, capsys: pytest.Capt
             "--memory-limit", "0.4", "--out", str(tmp_path)]
     assert main([*argv, "--nproc", "1"]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        "plait: error: dp=1 tp=1 pp=1 needs an estimated 0.48 GiB per rank, more than --memory-limit 0.4 GiB",
+        "plait: error: dp=1 tp=1 pp=1 needs an estimated 0.46 GiB per rank, more than --memory-limit 0.4 GiB",
         "  hint: add --cp 2 (--nproc 2): each rank then holds 1/2 of every sequence"]
     from plait.train.config.settings import build_config
     from plait.train.config.memory_limit import check_memory_limit

@@ -157,9 +157,9 @@ def compiled_census(spec: str, dtype: torch.dtype, fp8: bool = False
 @pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
 def test_compiled_block_bytes_match_the_compilers_count(precision: str, dtype: torch.dtype) -> None:
     """plait estimate --compile (ops.EW_COMPILED, OPS_COMPILED) against the compiler's own count.
-    At the 1.04 B GPT's shape the compiled set is 3.5x fewer bytes than eager's 16-bit one: on an
-    H200 its compiled step measured 0.2215-0.2251 s, which the eager set predicted at 0.2696
-    (h200 preset) and the compiled set at 0.2307 (benchmarks/RESULTS.md, GPU section)."""
+    At the 1.04 B GPT's shape the compiled set is 3.6x fewer bytes than eager's 16-bit one: on an
+    H200 its compiled step measured 0.2215-0.2251 s, which the eager set predicted at 0.2693
+    (h200 preset) and the compiled set at 0.2303 (benchmarks/RESULTS.md, GPU section)."""
     from plait.estimate.ops import OPS_COMPILED
 
     for spec in SHAPES:

@@ -126,17 +126,18 @@ def test_korthikanti_coefficients() -> None:
 
 
 def test_our_block_formula() -> None:
-    """e·(7h + 2kv + 3f) + 8 + 4a bytes per token for plait's lean block (each norm's input and
-    fp32 reciprocal rms; K/V grouped; gate, up and their product); TP splits all but the norms'
+    """e·(6h + 2kv + 3f) + 8 + 4a bytes per token for plait's lean block (each norm's input and
+    fp32 reciprocal rms; K/V grouped; o_proj reading SDPA's output as a view; gate, up and their
+    product); TP splits all but the norms'
     8 + 4eh. A transformers block (lean_blocks false) keeps autograd's intermediates:
     e·(9h + 4f) + 8(h + 1) + 4a, the norms' fp32 copies and silu's output."""
     cfg = get_preset("llama-7b")
     h, f, a, kv, tokens = cfg.d_model, cfg.ffn_hidden, cfg.n_heads, cfg.kv_dim, 4096
     bf16 = Workload(precision="bf16", seq_len=4096)
-    assert llama_layer_bytes(cfg, bf16) == tokens * (2 * (7 * h + 2 * kv + 3 * f) + 8 + 4 * a)
-    assert llama_layer_bytes(cfg, replace(bf16, precision="fp32")) == tokens * (4 * (7 * h + 2 * kv + 3 * f) + 8 + 4 * a)
+    assert llama_layer_bytes(cfg, bf16) == tokens * (2 * (6 * h + 2 * kv + 3 * f) + 8 + 4 * a)
+    assert llama_layer_bytes(cfg, replace(bf16, precision="fp32")) == tokens * (4 * (6 * h + 2 * kv + 3 * f) + 8 + 4 * a)
     tp4 = replace(bf16, tp=4)
-    assert llama_layer_bytes(cfg, tp4) == tokens * (8 + 2 * 4 * h + (2 * (3 * h + 2 * kv + 3 * f) + 4 * a) / 4)
+    assert llama_layer_bytes(cfg, tp4) == tokens * (8 + 2 * 4 * h + (2 * (2 * h + 2 * kv + 3 * f) + 4 * a) / 4)
     sp4 = replace(tp4, sp=True)
     assert llama_layer_bytes(cfg, sp4) == pytest.approx(llama_layer_bytes(cfg, bf16) / 4)
     assert llama_layer_bytes(cfg, replace(bf16, recompute="full")) == tokens * 2 * h
@@ -215,16 +216,19 @@ def test_tp_and_sp_split_our_block_as_theory_says() -> None:
     config = replace(get_preset("tiny"), n_heads=8, n_kv_heads=4)
     b, s, h, f, a = 2, 16, config.d_model, config.ffn_hidden, config.n_heads
 
-    def block(t: int = 1, sp: bool = False) -> float:
-        return llama_layer_bytes(config, Workload(tp=t, sp=sp, precision="fp32", micro_batch=b, seq_len=s))
+    def block(t: int = 1, sp: bool = False, of: GPTConfig = config) -> float:
+        return llama_layer_bytes(of, Workload(tp=t, sp=sp, precision="fp32", micro_batch=b, seq_len=s))
 
     outside = s * b * (2 * rmsnorm_bytes(h, 4))
-    assert block() == s * b * (4 * (7 * h + 2 * config.kv_dim + 3 * f) + 8 + 4 * a)
-    for t in (2, 4):
+    assert block() == s * b * (4 * (6 * h + 2 * config.kv_dim + 3 * f) + 8 + 4 * a)
+    for t in (2, 4, 8):
         assert block(t) == pytest.approx(outside + (block() - outside) / t)
         assert block(t, sp=True) == pytest.approx(block() / t)
-    # One head per rank: o_proj reads a view of SDPA's output, one sbh/t fewer.
-    assert block(8) == pytest.approx(outside + (block() - outside) / 8 - 4 * s * b * h / 8)
+    # A transformers block copies SDPA's output for o_proj, but not where a rank holds one head
+    # (a view then): one sbh/t fewer.
+    eager = replace(config, lean_blocks=False)
+    eager_outside = s * b * 2 * rmsnorm_bytes(h, 4, lean=False)
+    assert block(8, of=eager) == pytest.approx(eager_outside + (block(of=eager) - eager_outside) / 8 - 4 * s * b * h / 8)
 
 
 # -- pipelines ---------------------------------------------------------------------------------

@@ -88,7 +88,8 @@ def _run(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[float, list[torc
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_selective_recompute_changes_no_number_and_saves_what_the_estimator_says(dtype):
-    """Bit-identical loss and gradients; the attention core's output and log-sum-exp are not kept."""
+    """Bit-identical loss and gradients; the attention core's log-sum-exp is not kept (its output
+    is o_proj's input, kept as a view either way)."""
     plain = build_gpt(TINY, 0).to(dtype)
     selective = copy.deepcopy(plain)
     assert apply_recompute(selective, "selective") == TINY.n_layers

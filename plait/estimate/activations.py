@@ -15,19 +15,20 @@ Two blocks are counted:
     RMSNorm, twice  its input and the fp32 reciprocal rms (one value); its
                     output, kept by the projections it feeds               2·(2eh + 4) bytes
     attention       q after RoPE, k and v (kv_dim wide each), SDPA's
-                    output                                               2h + 2kv elements
-                    the (b, s, h) copy reshape makes for o_proj (a view,
-                    not a copy, when a rank holds a single head)         h elements
+                    output, which o_proj reads as a view (RoPE writes
+                    q and k seq-major, as the projections did, and SDPA
+                    writes its output in its query's order)              2h + 2kv elements
                     SDPA's log-sum-exp, always fp32                      4·a bytes
     SwiGLU          gate and up outputs, their gated product (down's
                     input)                                               3f elements
 
-  = e·(7h + 2kv + 3f) + 8 + 4a bytes per token, e = 4 in fp32 and 2 in bf16/fp16 (the model
+  = e·(6h + 2kv + 3f) + 8 + 4a bytes per token, e = 4 in fp32 and 2 in bf16/fp16 (the model
   itself in that dtype, as the (2+2+12)Ψ mixed-precision accounting assumes).
 
   A transformers model (GPTConfig.lean_blocks false) keeps autograd's intermediates: each
   norm its fp32 input and normalised values (4(h + 1) + 2eh: in fp32 its input is its own
-  copy), K and V repeated to n_heads, silu's output (4f): e·(9h + 4f) + 8(h + 1) + 4a.
+  copy), K and V repeated to n_heads, the (b, s, h) copy of SDPA's output that o_proj reads
+  (a view where a rank holds one head), silu's output (4f): e·(9h + 4f) + 8(h + 1) + 4a.
 
 Outside the blocks the forward keeps the int64 token ids (embedding) and the final norm's
 4(h + 1) + 2eh bytes (a sequence shard of them under SP, unless the final norm reads the whole
@@ -88,7 +89,9 @@ def llama_layer_bytes(config: GPTConfig, layout: Workload) -> float:
     h, a, lean = config.d_model, config.n_heads, config.lean_blocks
     f = dense_width(config)
     e = layout.compute_bytes
-    o_proj_copy = h if a // layout.tp > 1 else 0  # one head per rank: reshape is a view
+    # o_proj's input: a view of SDPA's output in plait's block (its rotary output, and so SDPA's,
+    # stays seq-major: models/gpt/rope.py); a (b, s, h) copy in a transformers block, but of one head
+    o_proj_copy = h if a // layout.tp > 1 and not lean else 0
     # SwiGLU keeps gate, up and their product (3f; and silu's output, 4f, outside plait's lean
     # block); a two-matrix MLP (GELU, relu²) keeps up's output and the activation's, which
     # feeds down (2f: relu² squares relu's output in place of a copy).

@@ -13,11 +13,11 @@ Every cost is max(FLOPs / rate, bytes / memory bandwidth) + a fixed cost per lau
 * Element-wise (norms, RoPE, SiLU·mul, residual adds, the loss's softmax): memory-bound, at
   the bandwidth measured for an op of one activation's size (small ops reach less of it).
   Elements read plus written per token per block, counted over plait's GPT with a torch
-  dispatch hook (fp32, small variants): forward 31h + 9kv + 5f, backward 69h + 16kv + 11f
+  dispatch hook (fp32, small variants): forward 31h + 8kv + 5f, backward 69h + 13kv + 11f
   (the norms' and SwiGLU's backward recompute what their forward did not keep:
   plait/models/gpt/lean.py); around the blocks 8h + 3.25V forward, 23h + 6.5V backward. In
   16-bit the norms run in fp32 (x.float(), x², the mean, the scaling, back to 16-bit), so a
-  block moves more: counted in 2-byte units, forward 53h + 9kv + 5f, backward 119h + 16kv + 11f
+  block moves more: counted in 2-byte units, forward 53h + 8kv + 5f, backward 119h + 13kv + 11f
   (tests/test_elementwise_census.py holds both sets to the hook's count). Forward launches 31 compute
   ops and 36 views per block (backward 49 and 69); around the blocks 9 + 9 and 19 + 13.
 * Gradient accumulation: each micro-batch after the first adds its gradients into the kept
@@ -52,10 +52,10 @@ from plait.estimate.stacks import EAGER_SCORE_PASSES, MEGATRON_EW
 from plait.models.gpt.config import GPTConfig
 from plait.rules import FLOAT8_TILE
 
-EW_FWD = (31, 9, 5)  # elements per token per block: coefficients of h, kv, f
-EW_BWD = (69, 16, 11)
-EW_FWD_16 = (53, 9, 5)  # the same in 16-bit, in 2-byte units: the norms' fp32 passes included
-EW_BWD_16 = (119, 16, 11)
+EW_FWD = (31, 8, 5)  # elements per token per block: coefficients of h, kv, f
+EW_BWD = (69, 13, 11)
+EW_FWD_16 = (53, 8, 5)  # the same in 16-bit, in 2-byte units: the norms' fp32 passes included
+EW_BWD_16 = (119, 13, 11)
 EW_OUTER = ((8, 3.25), (23, 6.5))  # around the blocks: (h, V) forward, backward
 OPS_BLOCK = ((31, 36), (49, 69))  # (compute ops, views) per block: forward, backward
 OPS_OUTER = ((9, 9), (19, 13))
@@ -64,7 +64,7 @@ OPS_OUTER = ((9, 9), (19, 13))
 # adds; the inductor's count of each kernel's buffers, tests/test_elementwise_census.py), as
 # (replicated h, h/t, kv/t, f/t) coefficients, the same in fp32 and 16-bit (a kernel keeps
 # its fp32 intermediates in registers); and the kernels it launches (7 each way, no views).
-EW_COMPILED = ((14, 0, 1.3, 3), (22, 0, 1.3, 5))
+EW_COMPILED = ((12, 0, 1.3, 3), (22, 0, 1.3, 5))
 OPS_COMPILED = ((7, 0), (7, 0))
 # fp8's casts (torchao's Float8Linear, tensorwise), beyond bf16's element-wise work, by whether
 # the block is compiled: ((forward, backward) 2-byte elements a token as (h, kv, f)
@@ -331,7 +331,7 @@ def fp8_cast_bytes(config: GPTConfig, layout: Workload, layers: float, backward:
 def elementwise_counts(layout: Workload) -> tuple[tuple[float, float, float, float], ...]:
     """(forward, backward) elements per token per block as (replicated h, h/t, kv/t, f/t)
     coefficients: plait's GPT (EW_FWD, EW_BWD; in 16-bit EW_FWD_16, EW_BWD_16, whose norms
-    pass over fp32 copies), its compiled block's (EW_COMPILED: --compile, 3.5x fewer bytes at
+    pass over fp32 copies), its compiled block's (EW_COMPILED: --compile, 3.6x fewer bytes at
     the 1 B GPT's shape), or the stack's (stacks.MEGATRON_EW, whose fused norms do not)."""
     if layout.compiled:
         return EW_COMPILED

@@ -19,11 +19,17 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Te
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate each (even, odd) pair of x's last dimension by its position's angle.
 
-    x is (batch, heads, seq, head_dim); cos and sin are (seq, head_dim // 2).
+    x is (batch, heads, seq, head_dim), a view of the projection's (batch, seq, heads,
+    head_dim); cos and sin are (seq, head_dim // 2) or, from `rope_angles` with positions,
+    (batch, 1, seq, head_dim // 2). The result has x's shape but is stored seq-major, as the
+    projection wrote it: SDPA then writes its output in that order too, so that o_proj reads
+    it back as a view, not a copy (h elements a token a layer fewer kept for backward).
     """
-    even, odd = x[..., 0::2], x[..., 1::2]
+    rows = x.transpose(1, 2)
+    cos, sin = (t.unsqueeze(0).transpose(-3, -2) if t.dim() == 2 else t.transpose(-3, -2) for t in (cos, sin))
+    even, odd = rows[..., 0::2], rows[..., 1::2]
     rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-    return rotated.flatten(-2)
+    return rotated.flatten(-2).transpose(1, 2)
 
 
 def rope_angles(cos: torch.Tensor, sin: torch.Tensor, seq: int,
