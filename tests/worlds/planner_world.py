@@ -6,15 +6,18 @@ rank's share of the batch, as `plait calibrate --micro-batch 4,2,1` would), rank
 the hardware file, and every rank plans from it (`plait plan --hardware-file`: pure
 arithmetic, the same rows on every rank). The plan's first `TOP` layouts that this world's
 mesh runs as it is (dp = world; ZeRO, micro-batch, accumulation and recompute vary) are
-trained `STEPS` steps each, and each one's predicted step is kept beside its measured median.
-A layout measured outside `BOUND` of its prediction is trained again (ATTEMPTS at most), as
-tests/worlds/time_model.py does: other jobs on the machine can slow one run.
+trained `STEPS` steps, the layouts taking turns step by step, and each one's median step
+(its first WARM_STEPS left out) is kept beside its prediction: the mean of the plan's from the
+machine as timed before the layouts ran and as timed again after. On a shared 2-core host one
+half-second can multiply matrices 20% slower than the next, and a minute 15% slower than the
+one before: taking turns step by step puts a slow stretch on every layout, not on one.
 
-argv: OUT_DIR MODEL GLOBAL_BATCH STEPS TOP BOUND
+argv: OUT_DIR MODEL GLOBAL_BATCH STEPS TOP
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 
@@ -27,12 +30,11 @@ from plait.runtime import comm
 from plait.runtime.env import prepare_host
 from plait.runtime.mesh import init_mesh
 from plait.train.config.settings import TrainConfig
-from plait.train.loop.run import finish
 from plait.train.loop.trainer import Trainer
 from tests.worldlib import save_report
 
 SEQ = 128
-ATTEMPTS = 3
+WARM_STEPS = 2  # each layout's first steps, slower (the allocator grows, pages fault in), left out
 
 
 def runs_on_this_mesh(row: dict, world: int) -> bool:
@@ -41,43 +43,58 @@ def runs_on_this_mesh(row: dict, world: int) -> bool:
         row["offload"] or row["dp_shard"] or row["sp"])
 
 
-def main() -> None:
-    out, model, batch, steps, top = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-    bound = float(sys.argv[6])
-    out.mkdir(parents=True, exist_ok=True)
-    mesh = init_mesh()
+LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero", "micro_batch", "grad_accum", "recompute", "schedule",
+               "virtual_stages", "sp", "offload", "dp_shard", "cp_kind")
+
+
+def planned(mesh, model: str, batch: int, hw_file: Path) -> list[dict]:
+    """This machine calibrated now (quick, every micro-batch a rank's share allows; rank 0
+    writes the file), then the plan read from it: the same rows on every rank."""
     world = mesh.env.world_size
-    prepare_host(world)
     share = batch // world
-    hw_file = out / "hw.toml"
     hw = machine.calibrate(mesh, get_preset(model), micro_batch=share, seq_len=SEQ, tp_sizes=[1], precision="fp32",
                            quick=True, other_micro_batches=divisors(share)[:-1])
     if mesh.is_main:
         machine.save(hw, hw_file, machine.machine_facts(mesh))
     comm.barrier(mesh.axis("world"))
-    rows = plan(get_preset(model), gpus=world, global_batch=batch, hardware=load_hardware(hw_file), gpus_per_node=world,
-                seq_len=SEQ, precision="fp32")
+    return plan(get_preset(model), gpus=world, global_batch=batch, hardware=load_hardware(hw_file),
+                gpus_per_node=world, seq_len=SEQ, precision="fp32")
+
+
+def main() -> None:
+    out, model, batch, steps, top = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    out.mkdir(parents=True, exist_ok=True)
+    mesh = init_mesh()
+    world = mesh.env.world_size
+    prepare_host(world)
+    hw_file = out / "hw.toml"
+    rows = planned(mesh, model, batch, hw_file)
     chosen = [row for row in rows if runs_on_this_mesh(row, world)][:top]
-    trained = []
-    for i, row in enumerate(chosen):
-        config = TrainConfig(model=model, steps=steps, seq_len=SEQ, warmup_steps=2, eval_every=0, eval_samples=16,
-                             sample_tokens=0, dp=world, nproc=world, out=str(out / f"layout{i}"),
-                             hardware_file=str(hw_file), zero=row["zero"], micro_batch=row["micro_batch"],
-                             grad_accum=row["grad_accum"], recompute=row["recompute"])
-        measured = []
-        for _ in range(ATTEMPTS):  # again only while outside the bound: a slow minute slows one run
-            trainer = Trainer(config, mesh, family_of(config).task(config))
-            trainer.run()
-            measured.append(finish(trainer)["step_time"]["measured"]["step"])
-            if abs(row["step_s"] / measured[-1] - 1) <= bound:
-                break
-        trained.append({"layout": {k: row[k] for k in ("zero", "micro_batch", "grad_accum", "recompute")},
-                        "predicted": row["step_s"], "measured": measured[-1], "attempts": measured,
-                        "rank_in_plan": rows.index(row) + 1})
+    trainers = [Trainer(config, mesh, family_of(config).task(config))
+                for config in (TrainConfig(model=model, steps=steps, seq_len=SEQ, warmup_steps=2, eval_every=0,
+                                           eval_samples=16, sample_tokens=0, dp=world, nproc=world,
+                                           out=str(out / f"layout{i}"), hardware_file=str(hw_file), zero=row["zero"],
+                                           micro_batch=row["micro_batch"], grad_accum=row["grad_accum"],
+                                           recompute=row["recompute"])
+                               for i, row in enumerate(chosen))]
+    times: list[list[float]] = [[] for _ in chosen]
+    for step in range(steps):  # the layouts take turns step by step: a slow second slows them all
+        for trainer, taken in zip(trainers, times):
+            taken.append(trainer.train_step(step)["step_time_s"])
+    # priced from the machine as timed before and after the layouts ran, the mean of the two
+    after = {key(r): r["step_s"] for r in planned(mesh, model, batch, out / "hw-after.toml")}
+    trained = [{"layout": {k: row[k] for k in ("zero", "micro_batch", "grad_accum", "recompute")},
+                "predicted": (row["step_s"] + after[key(row)]) / 2, "predictions": [row["step_s"], after[key(row)]],
+                "measured": statistics.median(taken[WARM_STEPS:]), "steps": taken, "rank_in_plan": rows.index(row) + 1}
+               for row, taken in zip(chosen, times)]
     save_report({"trained": trained, "plan": [{k: r[k] for k in ("dp", "tp", "pp", "cp", "zero", "micro_batch",
                                                                  "grad_accum", "recompute", "step_s")}
                                               for r in rows[:top]]})
     mesh.close()
+
+
+def key(row: dict) -> tuple:
+    return tuple(row[k] for k in LAYOUT_KEYS)
 
 
 if __name__ == "__main__":
