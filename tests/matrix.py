@@ -171,7 +171,8 @@ def rows(*declared: Row) -> dict[str, Row]:
 COMPILED = (("activations", "Inductor saves other tensors for backward than eager does under full recompute; the "
                             "estimate prices eager's"),)
 COMPILED_SP = (("tp all_gather", "a compiled block keeps a region's gathered input for backward where "
-                                 "eager gathers it again; the estimate counts eager's gathers"),)
+                                 "eager gathers it again; the estimate counts eager's gathers (its activations "
+                                 "count the kept inputs)"),)
 ROUTED = (("ep all_to_all", "its bytes follow the routing that happened; the estimate assumes even routing"),
           ("dp all_reduce", "the routers' per-expert token counts, reduced over dp every step, are not in the estimate"))
 HF_ACTIVATIONS = (("activations", "a transformers model's saved tensors, its shape read as plait's GPT's"),)

@@ -142,6 +142,10 @@ def _combine(replicated: float, sharded: float, layout: Workload, block_input: f
         per_token = block_input / t if layout.sp else block_input
     elif layout.sp:
         per_token = (replicated + sharded) / t
+        if layout.compiled:
+            # a compiled block keeps the attention's and the MLP's gathered inputs whole for its
+            # backward (Inductor's choice), where eager keeps its shard and gathers it again
+            per_token += 2 * block_input * (1 - 1 / t)
     else:
         per_token = replicated + sharded / t
     return per_token * tokens
