@@ -47,6 +47,11 @@ LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero", "micro_batch", "grad_accum"
                "virtual_stages", "sp", "offload", "dp_shard", "cp_kind")
 
 
+def key(row: dict) -> tuple:
+    """A plan row's layout, without its prices: the same layout in two plans."""
+    return tuple(row[k] for k in LAYOUT_KEYS)
+
+
 def planned(mesh, model: str, batch: int, hw_file: Path) -> list[dict]:
     """This machine calibrated now (quick, every micro-batch a rank's share allows; rank 0
     writes the file), then the plan read from it: the same rows on every rank."""
@@ -91,10 +96,6 @@ def main() -> None:
                                                                  "grad_accum", "recompute", "step_s")}
                                               for r in rows[:top]]})
     mesh.close()
-
-
-def key(row: dict) -> tuple:
-    return tuple(row[k] for k in LAYOUT_KEYS)
 
 
 if __name__ == "__main__":

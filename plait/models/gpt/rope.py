@@ -20,13 +20,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate each (even, odd) pair of x's last dimension by its position's angle.
 
     x is (batch, heads, seq, head_dim), a view of the projection's (batch, seq, heads,
-    head_dim); cos and sin are (seq, head_dim // 2) or, from `rope_angles` with positions,
-    (batch, 1, seq, head_dim // 2). The result has x's shape but is stored seq-major, as the
-    projection wrote it: SDPA then writes its output in that order too, so that o_proj reads
-    it back as a view, not a copy (h elements a token a layer fewer kept for backward).
+    head_dim); cos and sin are (…, seq, head_dim // 2), as `rope_angles` gives them. The
+    result has x's shape but is stored seq-major, as the projection wrote it: SDPA then writes
+    its output in that order too, so that o_proj reads it back as a view, not a copy (h
+    elements a token a layer fewer kept for backward).
     """
     rows = x.transpose(1, 2)
-    cos, sin = (t.unsqueeze(0).transpose(-3, -2) if t.dim() == 2 else t.transpose(-3, -2) for t in (cos, sin))
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over the heads, seq-major
     even, odd = rows[..., 0::2], rows[..., 1::2]
     rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
     return rotated.flatten(-2).transpose(1, 2)
@@ -35,7 +35,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def rope_angles(cos: torch.Tensor, sin: torch.Tensor, seq: int,
                 position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The rope tables' rows for positions 0..seq-1, or for `position_ids` (1 or batch, seq):
-    (…, seq, head_dim / 2) broadcasting over the heads as (…, 1, seq, head_dim / 2)."""
+    (…, seq, head_dim / 2), which `apply_rope` broadcasts over the heads."""
     if position_ids is None:
         return cos[:seq], sin[:seq]
-    return cos[position_ids].unsqueeze(1), sin[position_ids].unsqueeze(1)
+    return cos[position_ids], sin[position_ids]
