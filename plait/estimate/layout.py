@@ -165,7 +165,7 @@ def block_split(config: GPTConfig, ep: int = 1) -> tuple[int, int]:
     average = round(sum(config.block_params(i) for i in range(config.n_layers)) / config.n_layers)
     moe = config.moe_layers / config.n_layers
     # a region the model's plan leaves whole (GPTConfig.tp_attention, tp_mlp) stays on every tp rank
-    sharded = (2 * h * h + 2 * h * kv) * config.tp_attention + round(config.mlp_params * (1 - moe)) * config.tp_mlp
+    sharded = config.attention_params * config.tp_attention + round(config.mlp_params * (1 - moe)) * config.tp_mlp
     routed = config.experts * config.expert_params() if config.routed_split_by_tp(ep) else 0
     shared = 3 * h * config.shared_width if config.shared_split_by_tp(ep) else 0
     if routed or shared:

@@ -119,7 +119,8 @@ def tp_collectives(layout: Workload, stage: StageShare, ends: bool = True,
     `regions` says which of a block's regions the plan splits (GPTConfig.tp_attention, tp_mlp):
     without SP, each split region is entered and left once, and full recompute reruns the
     attention's exit where the attention is split (whatever the MLP keeps stops the rerun
-    after it); nothing for a region left whole.
+    after it); nothing for a region left whole. Under SP, with `whole_ends`, each region's
+    count is `sp_region_collectives`' (a whole attention is read whole: gathered, not split).
     """
     first, last = int(ends and stage.first), int(ends and stage.last)
     blocks = stage.layers
@@ -131,13 +132,36 @@ def tp_collectives(layout: Workload, stage: StageShare, ends: bool = True,
         rerun = int(full and attention)
         dense = 2 * (attention + mlp) + rerun
         return {"all_reduce": (blocks - moe) * dense + moe * (2 * attention + rerun) + experts + first + last}
-    if whole_ends:  # an MoE block: its attention's region alone (3 all-gathers, 2 reduce-scatters; full: 4 and 3)
-        region = moe if split_moe[0] else 0
-        return {"all_gather": (blocks - moe) * (8 if full else 6) + moe * (4 if full else 3) + region * (3 if full else 2),
-                "reduce_scatter": (blocks - moe) * (5 if full else 4) + moe * (3 if full else 2) + region,
+    if whole_ends:  # a transformers model's plan: its regions split or read whole (sp_region_collectives)
+        attention, mlp = regions
+        gather_a, scatter_a = sp_region_collectives(attention, full, reruns_exit=True)
+        gather_m, scatter_m = sp_region_collectives(mlp, full, reruns_exit=False, mixes_tokens=False)
+        region = moe if split_moe[0] else 0  # an MoE block: its attention's region, and its experts' where split
+        return {"all_gather": blocks * gather_a + (blocks - moe) * gather_m + region * (3 if full else 2),
+                "reduce_scatter": blocks * scatter_a + (blocks - moe) * scatter_m + region,
                 "all_reduce": experts + first + last}
     return {"all_gather": blocks * (8 if full else 6) + first + 2 * last,
             "reduce_scatter": blocks * (5 if full else 4) + first + last}
+
+
+def sp_region_collectives(split: bool, full: bool, reruns_exit: bool,
+                          mixes_tokens: bool = True) -> tuple[int, int]:
+    """(all-gathers, reduce-scatters) of b·s·h one block region runs per micro-batch under SP
+    in a transformers model's plan (models/hf/styles.for_sequence_parallel).
+
+    A split region enters by gathering its sequence slice and leaves by reduce-scattering;
+    backward reduce-scatters the entry's gradient, gathers the exit's, and gathers the saved
+    slice again (3 and 2). Full recompute reruns its entry, and its exit where the block's
+    last saved tensor comes after it (the attention's: the MLP's input; `reruns_exit`).
+    A region the plan leaves whole that mixes tokens (an attention: "gathered") is read whole
+    on every rank: its entry gathers, and the rerun gathers again, but its input's gradient
+    is whole and alike on every rank, so entering keeps this rank's chunk of it; leaving keeps
+    this rank's chunk of the output, whose gradient is gathered back (2; full 3). A whole
+    region that does not mix tokens (an MLP) runs on the slice: nothing, its weights'
+    gradients summed as a norm's are (`sp_summed_params`)."""
+    if split:
+        return (4 if full else 3), (2 + (full and reruns_exit))
+    return ((3 if full else 2), 0) if mixes_tokens else (0, 0)
 
 
 def split_moe_calls(config: GPTConfig, layout: Workload) -> tuple[int, int]:
@@ -182,9 +206,9 @@ def gathered_passes(layout: Workload) -> tuple[int, int]:
 
 def gathered_calls(config: GPTConfig, layout: Workload, stage: StageShare) -> int:
     """All-gathers one micro-batch runs on `stage` where the plan gathers fused projections
-    whole (GPTConfig.tp_gathered_calls, without SP: `gathered_passes` each); tp_traffic counts
-    their bytes."""
-    if layout.sp or not any(config.tp_gathered_calls):
+    whole (GPTConfig.tp_gathered_calls, `gathered_passes` each; under SP too, inside the region
+    the sequence's gather entered); tp_traffic counts their bytes."""
+    if not any(config.tp_gathered_calls):
         return 0
     return round(stage.layers) * sum(n * times for n, times in zip(config.tp_gathered_calls, gathered_passes(layout)))
 
@@ -210,7 +234,7 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
     for op, count in tp_collectives(layout, stage, split_ends, config.whole_sequence_ends, split_moe,
                                     (config.tp_attention, config.tp_mlp)).items():
         _add(out, "tp", op, act, t, times=m * count)
-    if any(config.tp_gathered) and not layout.sp:  # a plan that gathers fused projections whole
+    if any(config.tp_gathered):  # a plan that gathers fused projections whole (under SP too: inside its region)
         width = sum(w * n for w, n in zip(config.tp_gathered, gathered_passes(layout)))
         _add(out, "tp", "all_gather", layout.tokens_per_micro_batch * width * layout.compute_bytes,
              t, times=m * stage.layers)
@@ -227,13 +251,24 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
         width = 2 * config.n_heads * config.head_dim + 2 * config.kv_dim
         _add(out, "tp", "all_gather", layout.tokens_per_micro_batch * width * layout.compute_bytes, t,
              times=m * stage.layers)
+    if config.tp_entered_tail:  # MLA's rotary key enters the attention whole: its gradient summed in backward
+        _add(out, "tp", "all_reduce", layout.tokens_per_micro_batch * config.tp_entered_tail * layout.compute_bytes, t,
+             times=m * stage.layers)
+    if config.split_mlp_scalars and not layout.sp:  # summed every micro-batch; under SP with the norms' below
+        _add(out, "tp", "all_reduce", config.split_mlp_scalars * state_bytes(layout.precision).grad, t,
+             times=m * stage.layers)
     if layout.sp:
         grad_bytes = state_bytes(layout.precision).grad
         whole = final_norm_params(config) if stage.last and config.whole_sequence_ends else 0
         # shared experts split beside whole routed ones run whole under SP (plans.whole_beside_experts)
         beside = (round(3 * config.d_model * config.shared_width * stage.moe_layers)
                   if config.tp_shared_experts and not config.tp_expert_rows else 0)
-        _add(out, "tp", "all_reduce", (stage.replicated_params - whole + beside) * grad_bytes, t, times=m)
+        # an attention the plan leaves whole is read whole on every rank (sp_region_collectives):
+        # its weights' gradients are alike there, not summed
+        read_whole = round(stage.layers) * config.attention_params \
+            if config.whole_sequence_ends and not config.tp_attention else 0
+        _add(out, "tp", "all_reduce", (stage.replicated_params - whole + beside - read_whole) * grad_bytes, t,
+             times=m)
     return out
 
 

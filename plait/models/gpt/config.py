@@ -41,6 +41,14 @@ class GPTConfig:
     # (plait's GPT, Llama); a transformers family's read off its model (Gemma 2's four norms, OLMo's
     # parameter-free LayerNorms none, Cohere's one norm a block)
     norm_params: int = 2
+    # Elements of a block's biases kept whole on every tp rank, beyond its norms' (a transformers
+    # family's: its row layers' biases, added after their sum, and the biases of an MLP its plan
+    # leaves whole, OPT's); under SP their gradients are summed over tp as the norms' are
+    whole_biases: int = 0
+    # Elements of a block's parameters kept whole that act on its split MLP's hidden units
+    # (Apertus's learned activation): each tp rank's gradient is partial, summed over tp every
+    # micro-batch (plait's probe finds and sums them), under SP with the norms'
+    split_mlp_scalars: int = 0
     # Which of a block's two regions tp splits, its attention and its (dense) MLP: both for plait's
     # GPT; a transformers model's as its plan says (HunYuan's and the hybrids' split the embedding
     # and head alone, YouTu's the MLP alone, an inferred plan OPT's attention or MPT's MLP)
@@ -52,6 +60,9 @@ class GPTConfig:
     # and gate|up ("colwise_gather_output", then "rowwise_split_input"); (0, 0) for Megatron's block
     tp_gathered: tuple[int, int] = (0, 0)
     tp_gathered_calls: tuple[int, int] = (0, 0)  # how many layers each of those widths sums (one gather each)
+    # Outputs per token of a layer kept whole that enter a split region on their own (MLA's rotary
+    # key, qk_rope_head_dim of kv_a_proj's outputs): their gradient summed over tp in backward
+    tp_entered_tail: int = 0
     # Under tp the embedding and the head are split by vocabulary (plait's GPT, Megatron, a
     # transformers plan); False: both whole on every tp rank (plait's GPT-2 adapter: tied)
     vocab_split: bool = True
@@ -110,6 +121,11 @@ class GPTConfig:
     def dense_mlp_matrices(self) -> int:
         """The dense MLP's weight matrices: mlp_matrices, or the arch's (GPT-2 2, llama's SwiGLU 3)."""
         return self.mlp_matrices or (2 if self.arch == "gpt2" else 3)
+
+    @property
+    def attention_params(self) -> int:
+        """The attention's weights (llama's q, k, v, o without biases): 2·h² + 2·h·kv."""
+        return 2 * self.d_model * self.d_model + 2 * self.d_model * self.kv_dim
 
     @property
     def mlp_params(self) -> int:
@@ -177,9 +193,9 @@ class GPTConfig:
             mlp = self.mlp_params + f + h
             norms = 2 * 2 * h
             return attn + mlp + norms
-        attn = 2 * h * h + 2 * h * kv
+        attn = self.attention_params
         mlp = self.mlp_params
-        norms = self.norm_params * h
+        norms = self.norm_params * h + self.whole_biases + self.split_mlp_scalars
         return attn + mlp + norms
 
     def block_params(self, index: int) -> int:

@@ -27,6 +27,7 @@ from plait.models.hf.config import HFModelDir
 from plait.models.hf.experts import dense_experts
 from plait.models.hf.inferred import inferred_tp_plan
 from plait.models.hf.plans import block_list, declared, dispatched_experts, without_experts
+from plait.models.hf.styles import text_config
 from plait.parallel.deferred import recording
 
 
@@ -125,8 +126,11 @@ def measured_shape(hf: HFModelDir) -> GPTConfig:
     layers = _blocks(model, name)
     matrices = _mlp_matrices(layers, shape)
     shape = replace(shape, mlp_matrices=matrices) if matrices else shape
-    shape = replace(shape, qk_norm=_qk_norm(layers, shape), norm_params=_norm_params(layers, shape))
-    return replace(shape, **_tp_regions(model, name, shape), **_moe_fields(model, layers, shape))
+    plan = _block_plan(model, name)
+    shape = replace(shape, qk_norm=_qk_norm(layers, shape, plan), norm_params=_norm_params(layers, shape))
+    shape = replace(shape, **_tp_regions(model, name, shape, plan), **_moe_fields(model, layers, shape))
+    return replace(shape, whole_biases=_whole_biases(layers, shape, plan, name),
+                   split_mlp_scalars=_split_mlp_scalars(layers, shape))
 
 
 def _blocks(model: nn.Module, name: str | None) -> nn.ModuleList | None:
@@ -138,41 +142,58 @@ def _blocks(model: nn.Module, name: str | None) -> nn.ModuleList | None:
     return max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, default=None)
 
 
-def _qk_norm(layers: nn.ModuleList | None, shape: GPTConfig) -> str:
+def _qk_norm(layers: nn.ModuleList | None, shape: GPTConfig, plan: dict[str, str]) -> str:
     """What the first block's attention normalises q and k over (GPTConfig.qk_norm), from the
-    width of its q_norm's weight: one head ("head"), every head ("full"), or none ("")."""
+    width of its q_norm's weight: one head ("head"), every head ("full"), or none (""). A
+    per-head norm counts only where `plan` splits q_proj by heads ("colwise"): an attention
+    left whole, or whose q is gathered whole (MiniMax-M3's), normalises whole heads on every
+    rank, with nothing to sum."""
     attention = getattr(layers[0], "self_attn", None) if layers else None
     weight = getattr(getattr(attention, "q_norm", None), "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
         return ""
     if weight.numel() == shape.head_dim:
-        return "head"
+        split = any(key.endswith(".q_proj") and style == "colwise" for key, style in plan.items())
+        return "head" if split else ""
     return "full" if weight.numel() == shape.n_heads * shape.head_dim else ""
 
 
 ROWS = ("rowwise", "rowwise_split_input", "rowwise_rep")  # the styles that close a region: its sum leaving
 
 
-def _tp_regions(model: nn.Module, blocks: str | None, shape: GPTConfig) -> dict[str, Any]:
-    """Which of a block's regions the model's tp plan splits (GPTConfig.tp_attention, tp_mlp,
-    tp_shared_experts): those a row-parallel layer in its blocks closes, under an attention (a
-    name holding "attn" or "attention"), under shared experts ("shared"), or neither (the
-    MLP; all of a model whose experts plait does not know, as its shape's dense MLP). The plan
-    is the declared one less the experts its ep plan keeps whole, or the one plait infers where
-    none is declared (`blocks`: the name of its block list). {} where it cannot tell."""
+def _block_plan(model: nn.Module, blocks: str | None) -> dict[str, str]:
+    """The tp plan the blocks run under: the declared one less the experts its ep plan keeps
+    whole, or the one plait infers where none is declared (`blocks`: the name of its block
+    list). {} where it cannot tell."""
     if blocks is None:
         return {}
     plan = declared(model, "tp")
-    plan = without_experts(plan, dispatched_experts(declared(model, "ep"))) if plan else inferred_tp_plan(model, blocks)
-    if not plan:
+    return without_experts(plan, dispatched_experts(declared(model, "ep"))) if plan else inferred_tp_plan(model, blocks)
+
+
+def _tp_regions(model: nn.Module, blocks: str | None, shape: GPTConfig, plan: dict[str, str]) -> dict[str, Any]:
+    """Which of a block's regions the model's tp plan (`_block_plan`) splits (GPTConfig.tp_attention,
+    tp_mlp, tp_shared_experts): those a row-parallel layer in its blocks closes, under an attention (a
+    name holding "attn" or "attention"), under shared experts ("shared"), or neither (the
+    MLP; all of a model whose experts plait does not know, as its shape's dense MLP). {} where
+    it cannot tell."""
+    if blocks is None or not plan:
         return {}
     inside = [key[len(blocks) + 1:].lower() for key, style in plan.items()
               if key.startswith(f"{blocks}.") and style in ROWS]
     attention = [key for key in inside if "attn" in key or "attention" in key]
     shared = [key for key in inside if "shared" in key and key not in attention] if shape.is_moe else []
     return {"tp_attention": bool(attention), "tp_shared_experts": bool(shared),
-            "tp_mlp": len(inside) > len(attention) + len(shared),
+            "tp_mlp": len(inside) > len(attention) + len(shared), "tp_entered_tail": _entered_tail(model, plan, blocks),
             **_gathered(model, plan, blocks, attention=shape.qk_norm != "full")}
+
+
+def _entered_tail(model: nn.Module, plan: dict[str, str], blocks: str) -> int:
+    """GPTConfig.tp_entered_tail: the rotary key's width of each MLA kv_a_proj the plan names
+    ("mla_kv_a_proj", whose last qk_rope_head_dim outputs enter the attention's region)."""
+    rope = getattr(text_config(model), "qk_rope_head_dim", 0)
+    layers = sum(style == "mla_kv_a_proj" and key.startswith(f"{blocks}.*.") for key, style in plan.items())
+    return layers * rope if isinstance(rope, int) else 0
 
 
 def _gathered(model: nn.Module, plan: dict[str, str], blocks: str, attention: bool = True) -> dict[str, tuple]:
@@ -206,6 +227,50 @@ def _norm_params(layers: nn.ModuleList | None, shape: GPTConfig) -> int:
     weights = sum(p.numel() for module in layers[0].children() if "norm" in type(module).__name__.lower()
                   for p in module.parameters())
     return weights // shape.d_model if weights % shape.d_model == 0 else shape.norm_params
+
+
+def _whole_biases(layers: nn.ModuleList | None, shape: GPTConfig, plan: dict[str, str], blocks: str | None) -> int:
+    """GPTConfig.whole_biases of the first block: the biases of the row layers `plan` splits
+    (added after their sum: StarCoder2's, Phi's) and, where the plan leaves the MLP whole, its
+    layers' biases (OPT's fc1 and fc2)."""
+    if not layers or not blocks:
+        return 0
+    block, total = layers[0], 0
+    for key, style in plan.items():
+        if style in ROWS and key.startswith(f"{blocks}.*."):
+            try:
+                total += _bias(block.get_submodule(key[len(blocks) + 3:]))
+            except AttributeError:  # a layer the first block lacks (an MoE block's, a hybrid's other kind)
+                continue
+    if not shape.tp_mlp and not shape.moe_layer(0):
+        total += sum(_bias(layer) for layer in _mlp_layers(block))
+    return total
+
+
+def _split_mlp_scalars(layers: nn.ModuleList | None, shape: GPTConfig) -> int:
+    """GPTConfig.split_mlp_scalars of the first dense block: where the plan splits its MLP, the
+    elements of the MLP's vectors and scalars outside its linear layers (Apertus's learned
+    activation; a router's or grouped experts' matrices are not such)."""
+    dense = [block for i, block in enumerate(layers or []) if not shape.moe_layer(i)]
+    mlp = getattr(dense[0], "mlp", None) if dense and shape.tp_mlp else None
+    if not isinstance(mlp, nn.Module):
+        return 0
+    return sum(p.numel() for module in mlp.modules() if not isinstance(module, nn.Linear)
+               for p in module.parameters(recurse=False) if p.ndim <= 1)
+
+
+def _bias(layer: nn.Module) -> int:
+    bias = getattr(layer, "bias", None)
+    return bias.numel() if isinstance(bias, torch.Tensor) else 0
+
+
+def _mlp_layers(block: nn.Module) -> list[nn.Module]:
+    """A block's MLP's linear layers: those under its `mlp`, or, where it has none, its own
+    linear children (OPT's fc1 and fc2)."""
+    mlp = getattr(block, "mlp", None)
+    if isinstance(mlp, nn.Module):
+        return [module for module in mlp.modules() if isinstance(module, nn.Linear)]
+    return [module for module in block.children() if isinstance(module, nn.Linear)]
 
 
 def _moe_fields(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig) -> dict[str, Any]:
@@ -245,13 +310,15 @@ def _moe_fields(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
 
 
 def _mlp_matrices(layers: nn.ModuleList | None, shape: GPTConfig) -> int:
-    """The weight matrices of the first dense block's MLP, counted in d_model × ffn_hidden
-    units (a fused gate|up counts two); 0 when there is no dense block or no `mlp` module."""
+    """The weight matrices of the first dense block's MLP (`_mlp_layers`), counted in
+    d_model × ffn_hidden units (a fused gate|up counts two); 0 when there is no dense block,
+    no MLP found, or a count that is not 2 or 3."""
     dense = [block for i, block in enumerate(layers or []) if not shape.moe_layer(i)]
     mlp = getattr(dense[0], "mlp", None) if dense else None
-    if mlp is None:
-        return 0
-    weights = sum(p.numel() for p in mlp.parameters() if p.ndim == 2)
+    if mlp is not None:  # every matrix under it (fused, grouped or plain)
+        weights = sum(p.numel() for p in mlp.parameters() if p.ndim == 2)
+    else:
+        weights = sum(layer.weight.numel() for layer in _mlp_layers(dense[0])) if dense else 0
     matrices = round(weights / (shape.d_model * shape.ffn_hidden))
     return matrices if matrices in (2, 3) else 0
 
