@@ -20,6 +20,8 @@ embedding; sometimes the last, which holds the head and the loss).
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import asdict, dataclass
 
 from plait.estimate.activations import loss_bytes, stage_activation_bytes
@@ -228,9 +230,11 @@ def largest_tensor(config: GPTConfig) -> int:
     return max(sizes)
 
 
+@functools.lru_cache(maxsize=64)
 def stand_in_params(config: GPTConfig) -> int:
     """The probe's copy of a model no rank holds whole (plait/parallel/probe_copy.py): the
-    embedding and head, and the first block of each kind, at least two."""
+    embedding and head, and the first block of each kind, at least two. Cached: the planner
+    asks it of one config for every layout it prices, and it walks every block."""
     kinds = {config.moe_layer(i): config.block_params(i) for i in range(config.n_layers)}
     blocks = sorted(kinds.values(), reverse=True) + [max(kinds.values())] * max(0, 2 - len(kinds))
     return config.embedding_params() + sum(blocks[:max(len(kinds), min(2, config.n_layers))])

@@ -7,6 +7,8 @@ models people actually train, without ever allocating them.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, fields, replace
 
 from plait.errors import PlaitError
@@ -143,8 +145,9 @@ class GPTConfig:
             return self.is_moe and index in self.moe_blocks
         return self.is_moe and (index + 1) % self.moe_every == 0
 
-    @property
+    @functools.cached_property
     def moe_layers(self) -> int:
+        """How many blocks are MoE blocks (kept once computed: the planner asks it per layout)."""
         return sum(self.moe_layer(i) for i in range(self.n_layers))
 
     @property
