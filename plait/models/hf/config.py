@@ -160,12 +160,14 @@ class HFModelDir:
         {} for a dense model. Llama 4's dense blocks are intermediate_size_mlp wide (ffn_hidden),
         its experts intermediate_size."""
         c = self.config
-        experts = int(c.get("num_local_experts") or c.get("num_experts") or c.get("n_routed_experts") or 0)
+        experts = int(c.get("num_local_experts") or c.get("num_experts") or c.get("n_routed_experts")
+                      or c.get("moe_num_experts") or 0)  # the last: Aria's, ERNIE-4.5-MoE's
         if not experts:
             return {}
         width = int(c.get("moe_intermediate_size") or c.get("intermediate_size") or 4 * hidden)
         shared = int(c.get("shared_expert_intermediate_size") or 0)
-        return dict(experts=experts, top_k=int(c.get("num_experts_per_tok") or 2), expert_hidden=width,
+        top_k = c.get("num_experts_per_tok") or c.get("moe_topk") or c.get("moe_k") or 2  # HunYuan's, ERNIE's
+        return dict(experts=experts, top_k=int(top_k[0] if isinstance(top_k, list) else top_k), expert_hidden=width,
                     shared_experts=max(1, round(shared / width)) if shared else 0,
                     moe_every=int(c.get("decoder_sparse_step") or c.get("interleave_moe_layer_step") or 1))
 

@@ -296,7 +296,8 @@ def _moe_fields(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
     routed = sum(p.numel() for p in block.experts.parameters() if p.ndim >= 2)
     if routed and routed % (3 * h * shape.experts) == 0:
         fields["expert_hidden"] = routed // (3 * h * shape.experts)
-    shared = getattr(block, "shared_expert", None) or getattr(block, "shared_experts", None)
+    shared = next((getattr(block, name) for name in ("shared_expert", "shared_experts", "shared_mlp")  # HunYuan's
+                   if isinstance(getattr(block, name, None), nn.Module)), None)
     weights = sum(p.numel() for p in shared.parameters() if p.ndim >= 2) if isinstance(shared, nn.Module) else 0
     if weights and weights % (3 * h) == 0:
         width = weights // (3 * h)
