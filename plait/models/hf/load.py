@@ -244,7 +244,18 @@ def _whole_biases(layers: nn.ModuleList | None, shape: GPTConfig, plan: dict[str
                 continue
     if not shape.tp_mlp and not shape.moe_layer(0):
         total += sum(_bias(layer) for layer in _mlp_layers(block))
-    return total
+    return total + _router_vectors(block)
+
+
+def _router_vectors(block: nn.Module) -> int:
+    """The trained vectors of a block's MoE outside its experts (GPT-OSS's router bias): whole on
+    every tp rank like the router."""
+    moe = next((m for m in block.modules() if isinstance(getattr(m, "experts", None), nn.Module)), None)
+    if moe is None:
+        return 0
+    experts = {id(p) for name in ("experts", "shared_expert", "shared_experts", "shared_mlp")
+               if isinstance(getattr(moe, name, None), nn.Module) for p in getattr(moe, name).parameters()}
+    return sum(p.numel() for p in moe.parameters() if p.ndim == 1 and p.requires_grad and id(p) not in experts)
 
 
 def _split_mlp_scalars(layers: nn.ModuleList | None, shape: GPTConfig) -> int:
