@@ -158,7 +158,7 @@ def sp_region_collectives(split: bool, full: bool, reruns_exit: bool,
     is whole and alike on every rank, so entering keeps this rank's chunk of it; leaving keeps
     this rank's chunk of the output, whose gradient is gathered back (2; full 3). A whole
     region that does not mix tokens (an MLP) runs on the slice: nothing, its weights'
-    gradients summed as a norm's are (`sp_summed_params`)."""
+    gradients summed as a norm's are (tp_traffic, under SP)."""
     if split:
         return (4 if full else 3), (2 + (full and reruns_exit))
     return ((3 if full else 2), 0) if mixes_tokens else (0, 0)

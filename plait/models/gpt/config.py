@@ -44,8 +44,9 @@ class GPTConfig:
     # parameter-free LayerNorms none, Cohere's one norm a block)
     norm_params: int = 2
     # Elements of a block's biases kept whole on every tp rank, beyond its norms' (a transformers
-    # family's: its row layers' biases, added after their sum, and the biases of an MLP its plan
-    # leaves whole, OPT's); under SP their gradients are summed over tp as the norms' are
+    # family's: its row layers' biases, added after their sum, the biases of an MLP its plan leaves
+    # whole, OPT's, and a router's, GPT-OSS's); under SP their gradients are summed over tp as the
+    # norms' are
     whole_biases: int = 0
     # Elements of a block's parameters kept whole that act on its split MLP's hidden units
     # (Apertus's learned activation): each tp rank's gradient is partial, summed over tp every

@@ -159,6 +159,7 @@ def _qk_norm(layers: nn.ModuleList | None, shape: GPTConfig, plan: dict[str, str
 
 
 ROWS = ("rowwise", "rowwise_split_input", "rowwise_rep")  # the styles that close a region: its sum leaving
+SHARED_EXPERTS = ("shared_expert", "shared_experts", "shared_mlp")  # an MoE block's names for them (HunYuan's the last)
 
 
 def _block_plan(model: nn.Module, blocks: str | None) -> dict[str, str]:
@@ -253,7 +254,7 @@ def _router_vectors(block: nn.Module) -> int:
     moe = next((m for m in block.modules() if isinstance(getattr(m, "experts", None), nn.Module)), None)
     if moe is None:
         return 0
-    experts = {id(p) for name in ("experts", "shared_expert", "shared_experts", "shared_mlp")
+    experts = {id(p) for name in ("experts", *SHARED_EXPERTS)
                if isinstance(getattr(moe, name, None), nn.Module) for p in getattr(moe, name).parameters()}
     return sum(p.numel() for p in moe.parameters() if p.ndim == 1 and p.requires_grad and id(p) not in experts)
 
@@ -307,8 +308,8 @@ def _moe_fields(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
     routed = sum(p.numel() for p in block.experts.parameters() if p.ndim >= 2)
     if routed and routed % (3 * h * shape.experts) == 0:
         fields["expert_hidden"] = routed // (3 * h * shape.experts)
-    shared = next((getattr(block, name) for name in ("shared_expert", "shared_experts", "shared_mlp")  # HunYuan's
-                   if isinstance(getattr(block, name, None), nn.Module)), None)
+    shared = next((getattr(block, name) for name in SHARED_EXPERTS if isinstance(getattr(block, name, None), nn.Module)),
+                  None)
     weights = sum(p.numel() for p in shared.parameters() if p.ndim >= 2) if isinstance(shared, nn.Module) else 0
     if weights and weights % (3 * h) == 0:
         width = weights // (3 * h)
