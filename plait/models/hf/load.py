@@ -211,7 +211,7 @@ def _gathered(model: nn.Module, plan: dict[str, str], blocks: str, attention: bo
             continue
         inside = key[len(blocks) + 3:]
         if attention or not ("attn" in inside.lower() or "attention" in inside.lower()):
-            layer = model.get_submodule(f"{blocks}.0.{inside}")
+            layer = _in_first_block(model.get_submodule(f"{blocks}.0"), inside)
             if isinstance(layer, nn.Linear):
                 widths[style] += layer.out_features if style == "colwise_gather_output" else layer.in_features
                 calls[style] += 1
@@ -239,10 +239,7 @@ def _whole_biases(layers: nn.ModuleList | None, shape: GPTConfig, plan: dict[str
     block, total = layers[0], 0
     for key, style in plan.items():
         if style in ROWS and key.startswith(f"{blocks}.*."):
-            try:
-                total += _bias(block.get_submodule(key[len(blocks) + 3:]))
-            except AttributeError:  # a layer the first block lacks (an MoE block's, a hybrid's other kind)
-                continue
+            total += _bias(_in_first_block(block, key[len(blocks) + 3:]))
     if not shape.tp_mlp and not shape.moe_layer(0):
         total += sum(_bias(layer) for layer in _mlp_layers(block))
     return total + _router_vectors(block)
@@ -271,7 +268,17 @@ def _split_mlp_scalars(layers: nn.ModuleList | None, shape: GPTConfig) -> int:
                for p in module.parameters(recurse=False) if p.ndim <= 1)
 
 
-def _bias(layer: nn.Module) -> int:
+def _in_first_block(block: nn.Module, name: str) -> nn.Module | None:
+    """The first block's module a plan entry names, or None where that block lacks it (an MoE
+    block's layer in a dense block, a hybrid's other kind of layer: OLMo-hybrid's linear
+    attention has no self_attn)."""
+    try:
+        return block.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def _bias(layer: nn.Module | None) -> int:
     bias = getattr(layer, "bias", None)
     return bias.numel() if isinstance(bias, torch.Tensor) else 0
 
