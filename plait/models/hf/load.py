@@ -225,9 +225,14 @@ def _norm_params(layers: nn.ModuleList | None, shape: GPTConfig) -> int:
     over tp; two where they are not all d_model wide."""
     if not layers:
         return shape.norm_params
-    weights = sum(p.numel() for module in layers[0].children() if "norm" in type(module).__name__.lower()
-                  for p in module.parameters())
+    weights = sum(p.numel() for module in layers[0].children() if _is_norm(module) for p in module.parameters())
     return weights // shape.d_model if weights % shape.d_model == 0 else shape.norm_params
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """A norm: named one, holding vectors alone (DBRX's DbrxNormAttentionNorm, which wraps its
+    attention between two norms, is not one)."""
+    return "norm" in type(module).__name__.lower() and all(p.ndim <= 1 for p in module.parameters())
 
 
 def _whole_biases(layers: nn.ModuleList | None, shape: GPTConfig, plan: dict[str, str], blocks: str | None) -> int:
