@@ -43,7 +43,7 @@ def tp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
     if not (layout.software.tp_overlap and layout.sp and inter == 0):
         return total
     counts = tp_collectives(layout, stage, ends=False, split_moe=split_moe_calls(config, layout),
-                            regions=(config.tp_attention, config.tp_mlp))
+                            regions=(config.tp_attention, config.tp_mlp), kept_input=bool(config.mla_down_params))
     act = layout.hidden_bytes(config.d_model)
     block_s = collectives_s(counts, {op: ring_bytes(op, act, t) * n for op, n in counts.items()}, t, hw, inter)
     gemms = stage_gemm_s(config, layout, stage.layers, replace(hw, op_overhead_us=0.0))
@@ -55,7 +55,8 @@ def stage_tp_collectives(config: GPTConfig, layout: Workload, stage: StageShare)
     bytes: the ends' only where the vocabulary is split, and where SP cuts the sequence at the
     blocks alone, the ends whole and the sequence's cut and gather around the blocks."""
     counts = tp_collectives(layout, stage, config.vocab_split, config.whole_sequence_ends,
-                            split_moe_calls(config, layout), (config.tp_attention, config.tp_mlp))
+                            split_moe_calls(config, layout), (config.tp_attention, config.tp_mlp),
+                            bool(config.mla_down_params))
     gathers = sequence_ends(config, layout, stage) + gathered_calls(config, layout, stage)
     return {**counts, "all_gather": counts.get("all_gather", 0) + gathers} if gathers else counts
 

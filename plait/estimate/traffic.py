@@ -92,7 +92,7 @@ def cp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
 
 def tp_collectives(layout: Workload, stage: StageShare, ends: bool = True,
                    whole_ends: bool = False, split_moe: tuple[int, int] = (0, 0),
-                   regions: tuple[bool, bool] = (True, True)) -> dict[str, int]:
+                   regions: tuple[bool, bool] = (True, True), kept_input: bool = False) -> dict[str, int]:
     """Collectives of b·s·h activations per micro-batch on one rank of `stage` (its blocks'
     alone without `ends`: what an overlapping stack hides, time.tp_s).
 
@@ -120,7 +120,9 @@ def tp_collectives(layout: Workload, stage: StageShare, ends: bool = True,
     without SP, each split region is entered and left once, and full recompute reruns the
     attention's exit where the attention is split (whatever the MLP keeps stops the rerun
     after it); nothing for a region left whole. Under SP, with `whole_ends`, each region's
-    count is `sp_region_collectives`' (a whole attention is read whole: gathered, not split).
+    count is `sp_region_collectives`' (a whole attention is read whole: gathered, not split;
+    `kept_input`: whole layers inside the split attention keep its gathered input, MLA's
+    down-projections, GPTConfig.mla_down_params, so backward does not gather it again).
     """
     first, last = int(ends and stage.first), int(ends and stage.last)
     blocks = stage.layers
@@ -135,6 +137,7 @@ def tp_collectives(layout: Workload, stage: StageShare, ends: bool = True,
     if whole_ends:  # a transformers model's plan: its regions split or read whole (sp_region_collectives)
         attention, mlp = regions
         gather_a, scatter_a = sp_region_collectives(attention, full, reruns_exit=True)
+        gather_a -= int(attention and kept_input)
         gather_m, scatter_m = sp_region_collectives(mlp, full, reruns_exit=False, mixes_tokens=False)
         region = moe if split_moe[0] else 0  # an MoE block: its attention's region, and its experts' where split
         return {"all_gather": blocks * gather_a + (blocks - moe) * gather_m + region * (3 if full else 2),
@@ -232,7 +235,7 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
     split_ends = config.vocab_split  # else whole on every tp rank (plait's GPT-2 adapter: tied, models/hf/gpt2.py)
     split_moe = split_moe_calls(config, layout)
     for op, count in tp_collectives(layout, stage, split_ends, config.whole_sequence_ends, split_moe,
-                                    (config.tp_attention, config.tp_mlp)).items():
+                                    (config.tp_attention, config.tp_mlp), bool(config.mla_down_params)).items():
         _add(out, "tp", op, act, t, times=m * count)
     if any(config.tp_gathered):  # a plan that gathers fused projections whole (under SP too: inside its region)
         width = sum(w * n for w, n in zip(config.tp_gathered, gathered_passes(layout)))
@@ -251,7 +254,7 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
         width = 2 * config.n_heads * config.head_dim + 2 * config.kv_dim
         _add(out, "tp", "all_gather", layout.tokens_per_micro_batch * width * layout.compute_bytes, t,
              times=m * stage.layers)
-    if config.tp_entered_tail:  # MLA's rotary key enters the attention whole: its gradient summed in backward
+    if config.tp_entered_tail and not layout.sp:  # MLA's rotary key enters the attention: its gradient summed
         _add(out, "tp", "all_reduce", layout.tokens_per_micro_batch * config.tp_entered_tail * layout.compute_bytes, t,
              times=m * stage.layers)
     if config.split_mlp_scalars and not layout.sp:  # summed every micro-batch; under SP with the norms' below
@@ -267,7 +270,10 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
         # its weights' gradients are alike there, not summed
         read_whole = round(stage.layers) * config.attention_params \
             if config.whole_sequence_ends and not config.tp_attention else 0
-        _add(out, "tp", "all_reduce", (stage.replicated_params - whole + beside - read_whole) * grad_bytes, t,
+        # MLA's down-projections run on the gathered sequence inside the split attention: summed too
+        # (their gradients carry the rotary key's, which then enters with them)
+        down = round(stage.layers) * config.mla_down_params
+        _add(out, "tp", "all_reduce", (stage.replicated_params - whole + beside - read_whole + down) * grad_bytes, t,
              times=m)
     return out
 

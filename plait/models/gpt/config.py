@@ -66,6 +66,10 @@ class GPTConfig:
     # Outputs per token of a layer kept whole that enter a split region on their own (MLA's rotary
     # key, qk_rope_head_dim of kv_a_proj's outputs): their gradient summed over tp in backward
     tp_entered_tail: int = 0
+    # MLA's down-projections and their norms (q_a_proj, kv_a_proj, their layernorms), kept whole
+    # inside the split attention: under SP they run on its gathered input, which they keep for
+    # backward (not gathered again), and their gradients are summed over tp every micro-batch
+    mla_down_params: int = 0
     # Under tp the embedding and the head are split by vocabulary (plait's GPT, Megatron, a
     # transformers plan); False: both whole on every tp rank (plait's GPT-2 adapter: tied)
     vocab_split: bool = True

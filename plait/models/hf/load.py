@@ -186,6 +186,7 @@ def _tp_regions(model: nn.Module, blocks: str | None, shape: GPTConfig, plan: di
     shared = [key for key in inside if "shared" in key and key not in attention] if shape.is_moe else []
     return {"tp_attention": bool(attention), "tp_shared_experts": bool(shared),
             "tp_mlp": len(inside) > len(attention) + len(shared), "tp_entered_tail": _entered_tail(model, plan, blocks),
+            "mla_down_params": _mla_down_params(model, plan, blocks),
             **_gathered(model, plan, blocks, attention=shape.qk_norm != "full")}
 
 
@@ -195,6 +196,21 @@ def _entered_tail(model: nn.Module, plan: dict[str, str], blocks: str) -> int:
     rope = getattr(text_config(model), "qk_rope_head_dim", 0)
     layers = sum(style == "mla_kv_a_proj" and key.startswith(f"{blocks}.*.") for key, style in plan.items())
     return layers * rope if isinstance(rope, int) else 0
+
+
+def _mla_down_params(model: nn.Module, plan: dict[str, str], blocks: str) -> int:
+    """GPTConfig.mla_down_params of the first block: where its plan enters MLA's rotary key on its
+    own, the parameters of its attention that no plan entry splits (the down-projections and
+    their norms)."""
+    if not _entered_tail(model, plan, blocks):
+        return 0
+    attention = _in_first_block(model.get_submodule(f"{blocks}.0"), "self_attn")
+    if attention is None:
+        return 0
+    split = [key[len(blocks) + 3 + len("self_attn."):] for key, style in plan.items()
+             if key.startswith(f"{blocks}.*.self_attn.") and style != "mla_kv_a_proj"]  # that one is kept whole
+    return sum(p.numel() for name, p in attention.named_parameters()
+               if not any(name == f"{layer}.weight" or name.startswith(f"{layer}.") for layer in split))
 
 
 def _gathered(model: nn.Module, plan: dict[str, str], blocks: str, attention: bool = True) -> dict[str, tuple]:
