@@ -184,9 +184,10 @@ def _tp_regions(model: nn.Module, blocks: str | None, shape: GPTConfig, plan: di
               if key.startswith(f"{blocks}.") and style in ROWS]
     attention = [key for key in inside if "attn" in key or "attention" in key]
     shared = [key for key in inside if "shared" in key and key not in attention] if shape.is_moe else []
+    tail = _entered_tail(model, plan, blocks)
     return {"tp_attention": bool(attention), "tp_shared_experts": bool(shared),
-            "tp_mlp": len(inside) > len(attention) + len(shared), "tp_entered_tail": _entered_tail(model, plan, blocks),
-            "mla_down_params": _mla_down_params(model, plan, blocks),
+            "tp_mlp": len(inside) > len(attention) + len(shared), "tp_entered_tail": tail,
+            "mla_down_params": _mla_down_params(model, plan, blocks) if tail else 0,
             **_gathered(model, plan, blocks, attention=shape.qk_norm != "full")}
 
 
@@ -199,18 +200,16 @@ def _entered_tail(model: nn.Module, plan: dict[str, str], blocks: str) -> int:
 
 
 def _mla_down_params(model: nn.Module, plan: dict[str, str], blocks: str) -> int:
-    """GPTConfig.mla_down_params of the first block: where its plan enters MLA's rotary key on its
-    own, the parameters of its attention that no plan entry splits (the down-projections and
-    their norms)."""
-    if not _entered_tail(model, plan, blocks):
-        return 0
+    """GPTConfig.mla_down_params of the first block, whose plan enters MLA's rotary key on its own
+    (`_entered_tail`): the parameters of its attention that no plan entry splits (the
+    down-projections and their norms)."""
     attention = _in_first_block(model.get_submodule(f"{blocks}.0"), "self_attn")
     if attention is None:
         return 0
     split = [key[len(blocks) + 3 + len("self_attn."):] for key, style in plan.items()
              if key.startswith(f"{blocks}.*.self_attn.") and style != "mla_kv_a_proj"]  # that one is kept whole
     return sum(p.numel() for name, p in attention.named_parameters()
-               if not any(name == f"{layer}.weight" or name.startswith(f"{layer}.") for layer in split))
+               if not any(name.startswith(f"{layer}.") for layer in split))
 
 
 def _gathered(model: nn.Module, plan: dict[str, str], blocks: str, attention: bool = True) -> dict[str, tuple]:
@@ -277,12 +276,17 @@ def _router_vectors(block: nn.Module) -> int:
     return sum(p.numel() for p in moe.parameters() if p.ndim == 1 and p.requires_grad and id(p) not in experts)
 
 
+def _first_dense_block(layers: nn.ModuleList | None, shape: GPTConfig) -> nn.Module | None:
+    """The first block whose MLP is dense (not an MoE block), or None."""
+    return next((block for i, block in enumerate(layers or []) if not shape.moe_layer(i)), None)
+
+
 def _split_mlp_scalars(layers: nn.ModuleList | None, shape: GPTConfig) -> int:
     """GPTConfig.split_mlp_scalars of the first dense block: where the plan splits its MLP, the
     elements of the MLP's vectors and scalars outside its linear layers (Apertus's learned
     activation; a router's or grouped experts' matrices are not such)."""
-    dense = [block for i, block in enumerate(layers or []) if not shape.moe_layer(i)]
-    mlp = getattr(dense[0], "mlp", None) if dense and shape.tp_mlp else None
+    dense = _first_dense_block(layers, shape)
+    mlp = getattr(dense, "mlp", None) if shape.tp_mlp else None
     if not isinstance(mlp, nn.Module):
         return 0
     return sum(p.numel() for module in mlp.modules() if not isinstance(module, nn.Linear)
@@ -354,12 +358,12 @@ def _mlp_matrices(layers: nn.ModuleList | None, shape: GPTConfig) -> int:
     """The weight matrices of the first dense block's MLP (`_mlp_layers`), counted in
     d_model × ffn_hidden units (a fused gate|up counts two); 0 when there is no dense block,
     no MLP found, or a count that is not 2 or 3."""
-    dense = [block for i, block in enumerate(layers or []) if not shape.moe_layer(i)]
-    mlp = getattr(dense[0], "mlp", None) if dense else None
+    dense = _first_dense_block(layers, shape)
+    mlp = getattr(dense, "mlp", None)
     if mlp is not None:  # every matrix under it (fused, grouped or plain)
         weights = sum(p.numel() for p in mlp.parameters() if p.ndim == 2)
     else:
-        weights = sum(layer.weight.numel() for layer in _mlp_layers(dense[0])) if dense else 0
+        weights = sum(layer.weight.numel() for layer in _mlp_layers(dense)) if dense is not None else 0
     matrices = round(weights / (shape.d_model * shape.ffn_hidden))
     return matrices if matrices in (2, 3) else 0
 
