@@ -122,13 +122,15 @@ NEMOTRON_4_15B = GPTConfig(vocab_size=256000, n_layers=32, d_model=6144, n_heads
                            max_seq_len=4096, mlp_matrices=2, tie_embeddings=False)
 # Llama 3 405B (arXiv 2407.21783, Table 4): tp 8, cp 1, pp 16, dp 64 or 128 on 8,192 or 16,384
 # H100s, 8,192-token sequences, 16 M tokens a step (2,048 sequences), bf16 MFU 43% and 41%. The
-# paper does not give the pipeline's virtual stages, the optimizer's sharding or any
-# recomputation: assumed interleaved x4, ZeRO-1, none. It does give the cut: "we reduce one
-# Transformer layer each from the first and the last stages" (section 3.3.2), which its 126
-# layers over 16 x 4 chunks of 2 are: the first and last chunk hold 1 (LLAMA3_405B_CUT).
+# paper gives the cut and so the chunks (section 3.3.2): "we reduce one Transformer layer each
+# from the first and the last stages ... the first model chunk on the first stage has only the
+# embedding, and the last model chunk on the last stage has only output projection and loss".
+# A chunk of one layer less holds none: chunks of one layer, 126 + 2 = 16 x 8, so interleaved x8
+# (LLAMA3_405B_CUT). It gives neither the optimizer's sharding beyond "DP stands for FSDP" nor
+# any recomputation ("without activation checkpointing" at 8 K tokens): assumed ZeRO-1, none.
 LLAMA3_405B = GPTConfig(vocab_size=128256, n_layers=126, d_model=16384, n_heads=128, n_kv_heads=8,
                         ffn_hidden=53248, max_seq_len=8192, tie_embeddings=False, rope_theta=500000.0)
-LLAMA3_405B_CUT = (1,) + (2,) * 62 + (1,)
+LLAMA3_405B_CUT = (0,) + (1,) * 126 + (0,)
 
 
 def megatron_bucket_mb(dp: int) -> float:
@@ -175,10 +177,10 @@ PUBLISHED = (
                 recompute="selective", bucket_mb=megatron_bucket_mb(dp), reduce_dtype="fp32", stack="nemo"),
        "mfu", published)
       for dp, published in ((96, 34.3), (192, 33.3), (288, 30.5))),
-    *((f"Llama 3 405B (arXiv 2407.21783): tp 8 + sp, pp 16 interleaved x4 (assumed), the first and last "
-       f"chunk a layer short, dp {dp}, batch 2048, micro 1, ZeRO-1 (assumed), no recompute (assumed)", LLAMA3_405B, "h100-sxm", 128 * dp,
+    *((f"Llama 3 405B (arXiv 2407.21783): tp 8 + sp, pp 16 interleaved x8, a layer a chunk, the first "
+       f"and last chunk none, dp {dp}, batch 2048, micro 1, ZeRO-1 (assumed), no recompute (assumed)", LLAMA3_405B, "h100-sxm", 128 * dp,
        Workload(dp=dp, tp=8, pp=16, sp=True, zero=1, precision="bf16", micro_batch=1, grad_accum=2048 // dp,
-                seq_len=8192, schedule="interleaved", virtual_stages=4, stage_layers=LLAMA3_405B_CUT), "mfu", published)
+                seq_len=8192, schedule="interleaved", virtual_stages=8, stage_layers=LLAMA3_405B_CUT), "mfu", published)
       for dp, published in ((64, 43.0), (128, 41.0))),
 )
 
