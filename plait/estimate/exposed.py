@@ -19,7 +19,7 @@ from plait.estimate.layout import StageShare, Workload
 from plait.estimate.memory import shard, state_bytes
 from plait.estimate.network import collective_s, collectives_s, inter_node
 from plait.estimate.ops import attention_time, stage_gemm_s
-from plait.estimate.traffic import (gathered_calls, ring_bytes, sequence_ends, split_moe_calls, tp_collectives,
+from plait.estimate.traffic import (gathered_calls, plan_collectives, ring_bytes, sequence_ends,
                                    tp_traffic, zero3_gathers)
 from plait.models.gpt.config import GPTConfig
 
@@ -42,8 +42,7 @@ def tp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
     total = collectives_s(stage_tp_collectives(config, layout, stage), wire, t, hw, inter)
     if not (layout.software.tp_overlap and layout.sp and inter == 0):
         return total
-    counts = tp_collectives(layout, stage, ends=False, split_moe=split_moe_calls(config, layout),
-                            regions=(config.tp_attention, config.tp_mlp), kept_input=bool(config.mla_down_params))
+    counts = plan_collectives(config, layout, stage, ends=False, whole_ends=False)
     act = layout.hidden_bytes(config.d_model)
     block_s = collectives_s(counts, {op: ring_bytes(op, act, t) * n for op, n in counts.items()}, t, hw, inter)
     gemms = stage_gemm_s(config, layout, stage.layers, replace(hw, op_overhead_us=0.0))
@@ -54,9 +53,7 @@ def stage_tp_collectives(config: GPTConfig, layout: Workload, stage: StageShare)
     """The b·s·h collectives one micro-batch runs on `stage`, as traffic.tp_traffic counts their
     bytes: the ends' only where the vocabulary is split, and where SP cuts the sequence at the
     blocks alone, the ends whole and the sequence's cut and gather around the blocks."""
-    counts = tp_collectives(layout, stage, config.vocab_split, config.whole_sequence_ends,
-                            split_moe_calls(config, layout), (config.tp_attention, config.tp_mlp),
-                            bool(config.mla_down_params))
+    counts = plan_collectives(config, layout, stage, config.vocab_split, config.whole_sequence_ends)
     gathers = sequence_ends(config, layout, stage) + gathered_calls(config, layout, stage)
     return {**counts, "all_gather": counts.get("all_gather", 0) + gathers} if gathers else counts
 

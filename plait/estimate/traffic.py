@@ -90,9 +90,20 @@ def cp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
     return out
 
 
+def plan_collectives(config: GPTConfig, layout: Workload, stage: StageShare, ends: bool,
+                     whole_ends: bool) -> dict[str, float]:
+    """`tp_collectives` of a model as its shape says its plan splits it: its regions, its
+    experts, its attentions without a row layer, MLA's kept input (`ends` and `whole_ends` as
+    there: the overlapping stack's path asks for the blocks alone)."""
+    attention = config.tp_attention_share if config.tp_attention else 0.0
+    return tp_collectives(layout, stage, ends, whole_ends, split_moe_calls(config, layout),
+                          (attention, config.tp_mlp), bool(config.mla_down_params), config.tp_attention_entries)
+
+
 def tp_collectives(layout: Workload, stage: StageShare, ends: bool = True,
                    whole_ends: bool = False, split_moe: tuple[int, int] = (0, 0),
-                   regions: tuple[bool, bool] = (True, True), kept_input: bool = False) -> dict[str, int]:
+                   regions: tuple[float, bool] = (1.0, True), kept_input: bool = False,
+                   entries: float = 0.0) -> dict[str, float]:
     """Collectives of b·s·h activations per micro-batch on one rank of `stage` (its blocks'
     alone without `ends`: what an overlapping stack hides, time.tp_s).
 
@@ -116,10 +127,13 @@ def tp_collectives(layout: Workload, stage: StageShare, ends: bool = True,
     adds its experts' all-reduces; under SP it runs whole on the gathered sequence: one more
     region, entered by an all-gather (again in full recompute's rerun) whose backward
     reduce-scatters, and left by keeping this rank's slice, whose gradient is gathered back.
-    `regions` says which of a block's regions the plan splits (GPTConfig.tp_attention, tp_mlp):
-    without SP, each split region is entered and left once, and full recompute reruns the
-    attention's exit where the attention is split (whatever the MLP keeps stops the rerun
-    after it); nothing for a region left whole. Under SP, with `whole_ends`, each region's
+    `regions` says which of a block's regions the plan splits (GPTConfig.tp_attention, tp_mlp),
+    the attention's as the share of blocks where it does (GPTConfig.tp_attention_share: a
+    hybrid's): without SP, each split region is entered and left once, and full recompute
+    reruns the attention's exit where the attention is split (whatever the MLP keeps stops the
+    rerun after it); nothing for a region left whole. `entries`: a block's all-reduces, as a
+    mean, from attentions split with no row layer closing them (GPTConfig.tp_attention_entries),
+    with or without SP (under which they are read whole, their layers split inside). Under SP, with `whole_ends`, each region's
     count is `sp_region_collectives`' (a whole attention is read whole: gathered, not split;
     `kept_input`: whole layers inside the split attention keep its gathered input, MLA's
     down-projections, GPTConfig.mla_down_params, so backward does not gather it again).
@@ -129,20 +143,23 @@ def tp_collectives(layout: Workload, stage: StageShare, ends: bool = True,
     full = layout.recompute == "full"
     moe = round(stage.moe_layers)
     experts = moe * sum(split_moe)
+    entered = blocks * entries
     if not layout.sp:  # an MoE block's MLP stays whole on every tp rank: its attention's two (three) only
         attention, mlp = regions
-        rerun = int(full and attention)
+        rerun = full * attention
         dense = 2 * (attention + mlp) + rerun
-        return {"all_reduce": (blocks - moe) * dense + moe * (2 * attention + rerun) + experts + first + last}
+        return {"all_reduce": (blocks - moe) * dense + moe * (2 * attention + rerun) + experts + first + last
+                + entered}
     if whole_ends:  # a transformers model's plan: its regions split or read whole (sp_region_collectives)
         attention, mlp = regions
-        gather_a, scatter_a = sp_region_collectives(attention, full, reruns_exit=True)
-        gather_a -= int(attention and kept_input)
+        split_a, whole_a = (sp_region_collectives(split, full, reruns_exit=True) for split in (True, False))
+        gather_a = attention * (split_a[0] - kept_input) + (1 - attention) * whole_a[0]
+        scatter_a = attention * split_a[1] + (1 - attention) * whole_a[1]
         gather_m, scatter_m = sp_region_collectives(mlp, full, reruns_exit=False, mixes_tokens=False)
         region = moe if split_moe[0] else 0  # an MoE block: its attention's region, and its experts' where split
         return {"all_gather": blocks * gather_a + (blocks - moe) * gather_m + region * (3 if full else 2),
                 "reduce_scatter": blocks * scatter_a + (blocks - moe) * scatter_m + region,
-                "all_reduce": experts + first + last}
+                "all_reduce": experts + first + last + entered}
     return {"all_gather": blocks * (8 if full else 6) + first + 2 * last,
             "reduce_scatter": blocks * (5 if full else 4) + first + last}
 
@@ -213,7 +230,7 @@ def gathered_calls(config: GPTConfig, layout: Workload, stage: StageShare) -> in
     the sequence's gather entered); tp_traffic counts their bytes."""
     if not any(config.tp_gathered_calls):
         return 0
-    return round(stage.layers) * sum(n * times for n, times in zip(config.tp_gathered_calls, gathered_passes(layout)))
+    return round(stage.layers * sum(n * times for n, times in zip(config.tp_gathered_calls, gathered_passes(layout))))
 
 
 def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffic:
@@ -234,8 +251,7 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
     act = layout.hidden_bytes(config.d_model)
     split_ends = config.vocab_split  # else whole on every tp rank (plait's GPT-2 adapter: tied, models/hf/gpt2.py)
     split_moe = split_moe_calls(config, layout)
-    for op, count in tp_collectives(layout, stage, split_ends, config.whole_sequence_ends, split_moe,
-                                    (config.tp_attention, config.tp_mlp), bool(config.mla_down_params)).items():
+    for op, count in plan_collectives(config, layout, stage, split_ends, config.whole_sequence_ends).items():
         _add(out, "tp", op, act, t, times=m * count)
     if any(config.tp_gathered):  # a plan that gathers fused projections whole (under SP too: inside its region)
         width = sum(w * n for w, n in zip(config.tp_gathered, gathered_passes(layout)))
@@ -249,11 +265,12 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
         _add(out, "tp", "all_reduce", layout.tokens_per_micro_batch * 4, t, times=3 * m)
     if config.qk_norm == "head":  # each block's per-head q and k norm weights: their gradients summed
         grad_bytes = state_bytes(layout.precision).grad
-        _add(out, "tp", "all_reduce", 2 * config.head_dim * grad_bytes, t, times=m * stage.layers)
+        _add(out, "tp", "all_reduce", 2 * config.head_dim * grad_bytes, t,
+             times=m * stage.layers * config.qk_norm_share)
     elif config.qk_norm == "full":  # q, k and v gathered whole forward; o_proj's input gradient gathered backward
         width = 2 * config.n_heads * config.head_dim + 2 * config.kv_dim
         _add(out, "tp", "all_gather", layout.tokens_per_micro_batch * width * layout.compute_bytes, t,
-             times=m * stage.layers)
+             times=m * stage.layers * config.qk_norm_share)
     if config.tp_entered_tail and not layout.sp:  # MLA's rotary key enters the attention: its gradient summed
         _add(out, "tp", "all_reduce", layout.tokens_per_micro_batch * config.tp_entered_tail * layout.compute_bytes, t,
              times=m * stage.layers)

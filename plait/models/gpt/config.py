@@ -39,6 +39,7 @@ class GPTConfig:
     # over each head (Qwen3: whole on every tp rank, their gradients summed over tp); "full" over
     # every head at once (OLMo2: its plan gathers q, k and v whole and o_proj takes its slice)
     qk_norm: str = ""
+    qk_norm_share: float = 1.0  # a block's mean of them, in the first one's (a hybrid's: Qwen3-Next's 1 in 4)
     # The d_model-wide weights a block's own norms hold, whole on every tp rank: 2 for two RMSNorms
     # (plait's GPT, Llama); a transformers family's read off its model (Gemma 2's four norms, OLMo's
     # parameter-free LayerNorms none, Cohere's one norm a block)
@@ -57,12 +58,21 @@ class GPTConfig:
     # and head alone, YouTu's the MLP alone, an inferred plan OPT's attention or MPT's MLP)
     tp_attention: bool = True
     tp_mlp: bool = True
+    # Where the blocks differ (a hybrid's linear-attention blocks beside full-attention ones), a
+    # mean over them: the share whose attention the plan splits as a region a row layer closes,
+    # the rest read whole under SP; and the all-reduces per micro-batch of an attention whose
+    # layers it splits with no row layer closing them (Qwen3-Next's linear attention gathers its
+    # projections whole: its two entries in backward), under SP too
+    tp_attention_share: float = 1.0
+    tp_attention_entries: float = 0.0
     tp_shared_experts: bool = False  # the plan splits the shared experts beside routed ones kept whole (dots1's)
     # Widths a block's plan gathers whole under tp, per token: (its column layers' outputs gathered
     # forward, its split-input row layers' inputs gathered back in backward): Phi-3's fused q|k|v
-    # and gate|up ("colwise_gather_output", then "rowwise_split_input"); (0, 0) for Megatron's block
-    tp_gathered: tuple[int, int] = (0, 0)
-    tp_gathered_calls: tuple[int, int] = (0, 0)  # how many layers each of those widths sums (one gather each)
+    # and gate|up ("colwise_gather_output", then "rowwise_split_input"); (0, 0) for Megatron's block.
+    # A block's mean where the blocks differ (Qwen3-Next's linear-attention blocks gather, its
+    # full-attention ones do not)
+    tp_gathered: tuple[float, float] = (0, 0)
+    tp_gathered_calls: tuple[float, float] = (0, 0)  # how many layers each of those widths sums (one gather each)
     # Outputs per token of a layer kept whole that enter a split region on their own (MLA's rotary
     # key, qk_rope_head_dim of kv_a_proj's outputs): their gradient summed over tp in backward
     tp_entered_tail: int = 0

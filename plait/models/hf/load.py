@@ -127,7 +127,7 @@ def measured_shape(hf: HFModelDir) -> GPTConfig:
     matrices = _mlp_matrices(layers, shape)
     shape = replace(shape, mlp_matrices=matrices) if matrices else shape
     plan = _block_plan(model, name)
-    shape = replace(shape, qk_norm=_qk_norm(layers, shape, plan), norm_params=_norm_params(layers, shape))
+    shape = replace(shape, **_qk_norm(layers, shape, plan), norm_params=_norm_params(layers, shape))
     shape = replace(shape, **_tp_regions(model, name, shape, plan), **_moe_fields(model, layers, shape))
     return replace(shape, whole_biases=_whole_biases(layers, shape, plan, name),
                    split_mlp_scalars=_split_mlp_scalars(layers, shape))
@@ -142,20 +142,26 @@ def _blocks(model: nn.Module, name: str | None) -> nn.ModuleList | None:
     return max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, default=None)
 
 
-def _qk_norm(layers: nn.ModuleList | None, shape: GPTConfig, plan: dict[str, str]) -> str:
-    """What the first block's attention normalises q and k over (GPTConfig.qk_norm), from the
-    width of its q_norm's weight: one head ("head"), every head ("full"), or none (""). A
-    per-head norm counts only where `plan` splits q_proj by heads ("colwise"): an attention
-    left whole, or whose q is gathered whole (MiniMax-M3's), normalises whole heads on every
-    rank, with nothing to sum."""
-    attention = getattr(layers[0], "self_attn", None) if layers else None
-    weight = getattr(getattr(attention, "q_norm", None), "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
-        return ""
-    if weight.numel() == shape.head_dim:
+def _qk_norm(layers: nn.ModuleList | None, shape: GPTConfig, plan: dict[str, str]) -> dict[str, Any]:
+    """What the blocks' attention normalises q and k over (GPTConfig.qk_norm), from the width of
+    the first such q_norm's weight: one head ("head"), every head ("full"), or none (""); and
+    a block's mean of their weights in units of the first block's (qk_norm_share: a hybrid's
+    linear-attention blocks have none, Qwen3-Next's three in four; Gemma 4's global layers
+    norm wider heads). A per-head norm counts only where `plan` splits q_proj by heads
+    ("colwise"): an attention left whole, or whose q is gathered whole (MiniMax-M3's),
+    normalises whole heads on every rank, with nothing to sum."""
+    weights = [getattr(getattr(getattr(block, "self_attn", None), "q_norm", None), "weight", None)
+               for block in layers or []]
+    held = [weight for weight in weights if isinstance(weight, torch.Tensor) and weight.dim() == 1]
+    if not held:
+        return {"qk_norm": ""}
+    share = sum(weight.numel() for weight in held) / held[0].numel() / len(weights)
+    if held[0].numel() == shape.head_dim:
         split = any(key.endswith(".q_proj") and style == "colwise" for key, style in plan.items())
-        return "head" if split else ""
-    return "full" if weight.numel() == shape.n_heads * shape.head_dim else ""
+        return {"qk_norm": "head", "qk_norm_share": share} if split else {"qk_norm": ""}
+    if held[0].numel() == shape.n_heads * shape.head_dim:
+        return {"qk_norm": "full", "qk_norm_share": share}
+    return {"qk_norm": ""}
 
 
 ROWS = ("rowwise", "rowwise_split_input", "rowwise_rep")  # the styles that close a region: its sum leaving
@@ -185,10 +191,44 @@ def _tp_regions(model: nn.Module, blocks: str | None, shape: GPTConfig, plan: di
     attention = [key for key in inside if "attn" in key or "attention" in key]
     shared = [key for key in inside if "shared" in key and key not in attention] if shape.is_moe else []
     tail = _entered_tail(model, plan, blocks)
-    return {"tp_attention": bool(attention), "tp_shared_experts": bool(shared),
+    return {"tp_attention": bool(attention), **_attention_kinds(_blocks(model, blocks), plan, blocks),
+            "tp_shared_experts": bool(shared),
             "tp_mlp": len(inside) > len(attention) + len(shared), "tp_entered_tail": tail,
             "mla_down_params": _mla_down_params(model, plan, blocks) if tail else 0,
-            **_gathered(model, plan, blocks, attention=shape.qk_norm != "full")}
+            **_gathered(_blocks(model, blocks), plan, blocks, attention=shape.qk_norm != "full")}
+
+
+UNGRADED = ("indexer",)  # an attention's layers the loss sends no gradient (DSA's top-k key picker)
+OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj", "wo")  # an attention's last layer, by name
+COLUMN_STYLES = ("colwise", "colwise_gather_output", "colwise_rep", "packed_colwise")
+
+
+def _attention_kinds(layers: nn.ModuleList | None, plan: dict[str, str], blocks: str) -> dict[str, float]:
+    """How each block's attention splits, as a mean over the blocks (a hybrid's differ):
+    tp_attention_share, the share whose attention a row layer closes (a split region), and
+    tp_attention_entries, the all-reduces a block's attention runs per micro-batch where the
+    plan splits its layers but no row layer closes it (Qwen3-Next's linear attention, its
+    projections gathered whole): one for the layers reading the block's input, which enter
+    together, and one for an output projection, which reads the attention's own result. A
+    block whose attention no entry names (OLMo-hybrid's linear attention) has neither: whole
+    on every rank, and read whole under SP."""
+    if not layers:
+        return {}
+    split, entries = 0, 0
+    for block in layers:
+        styles = {}
+        for key, style in plan.items():
+            inside = key[len(blocks) + 3:] if key.startswith(f"{blocks}.*.") else ""
+            child = inside.split(".")[0].lower()
+            if ("attn" in child or "attention" in child) and _in_block(block, inside) is not None:
+                styles[inside] = style
+        if any(style in ROWS for style in styles.values()):
+            split += 1
+            continue
+        columns = [inside.rsplit(".", 1)[-1] for inside, style in styles.items() if style in COLUMN_STYLES]
+        outputs = sum(name in OUTPUT_PROJECTIONS for name in columns)
+        entries += outputs + (len(columns) > outputs)
+    return {"tp_attention_share": split / len(layers), "tp_attention_entries": entries / len(layers)}
 
 
 def _entered_tail(model: nn.Module, plan: dict[str, str], blocks: str) -> int:
@@ -202,23 +242,28 @@ def _entered_tail(model: nn.Module, plan: dict[str, str], blocks: str) -> int:
 def _mla_down_params(model: nn.Module, plan: dict[str, str], blocks: str) -> int:
     """GPTConfig.mla_down_params of the first block, whose plan enters MLA's rotary key on its own
     (`_entered_tail`): the parameters of its attention that no plan entry splits (the
-    down-projections and their norms)."""
-    attention = _in_first_block(model.get_submodule(f"{blocks}.0"), "self_attn")
+    down-projections and their norms), but a sparse attention's indexer's (DeepSeek-V3.2's,
+    GLM-DSA's): it picks the keys each query reads, top-k indices through which no gradient
+    flows, so it has none to sum."""
+    attention = _in_block(model.get_submodule(f"{blocks}.0"), "self_attn")
     if attention is None:
         return 0
     split = [key[len(blocks) + 3 + len("self_attn."):] for key, style in plan.items()
              if key.startswith(f"{blocks}.*.self_attn.") and style != "mla_kv_a_proj"]  # that one is kept whole
     return sum(p.numel() for name, p in attention.named_parameters()
-               if not any(name.startswith(f"{layer}.") for layer in split))
+               if not any(name.startswith(f"{layer}.") for layer in [*split, *UNGRADED]))
 
 
-def _gathered(model: nn.Module, plan: dict[str, str], blocks: str, attention: bool = True) -> dict[str, tuple]:
-    """GPTConfig.tp_gathered of the first block: the output widths of the column layers the
-    plan gathers whole ("colwise_gather_output"), the input widths of the row layers that take
-    a whole input and keep their slice ("rowwise_split_input", whose input gradient is gathered
-    back); and tp_gathered_calls, how many layers each is (an all-gather each, whose latency
-    the step pays). Without `attention`, the attention's are left out: q/k norms over every
-    head have them priced already (GPTConfig.qk_norm "full", OLMo2's)."""
+def _gathered(layers: nn.ModuleList | None, plan: dict[str, str], blocks: str,
+              attention: bool = True) -> dict[str, tuple]:
+    """GPTConfig.tp_gathered, a block's mean over the blocks: the output widths of the column
+    layers the plan gathers whole ("colwise_gather_output"), the input widths of the row layers
+    that take a whole input and keep their slice ("rowwise_split_input", whose input gradient
+    is gathered back); and tp_gathered_calls, how many layers each is (an all-gather each, whose
+    latency the step pays). A mean since a hybrid's blocks differ: Qwen3-Next's linear
+    attention gathers its projections, its full attention does not. Without `attention`, the
+    attention's are left out: q/k norms over every head have them priced already
+    (GPTConfig.qk_norm "full", OLMo2's)."""
     widths = {"colwise_gather_output": 0, "rowwise_split_input": 0}
     calls = dict.fromkeys(widths, 0)
     for key, style in plan.items():
@@ -226,12 +271,14 @@ def _gathered(model: nn.Module, plan: dict[str, str], blocks: str, attention: bo
             continue
         inside = key[len(blocks) + 3:]
         if attention or not ("attn" in inside.lower() or "attention" in inside.lower()):
-            layer = _in_first_block(model.get_submodule(f"{blocks}.0"), inside)
-            if isinstance(layer, nn.Linear):
-                widths[style] += layer.out_features if style == "colwise_gather_output" else layer.in_features
-                calls[style] += 1
-    return {"tp_gathered": (widths["colwise_gather_output"], widths["rowwise_split_input"]),
-            "tp_gathered_calls": (calls["colwise_gather_output"], calls["rowwise_split_input"])}
+            for block in layers or []:
+                layer = _in_block(block, inside)
+                if isinstance(layer, nn.Linear):
+                    widths[style] += layer.out_features if style == "colwise_gather_output" else layer.in_features
+                    calls[style] += 1
+    n = max(1, len(layers or []))
+    return {"tp_gathered": (widths["colwise_gather_output"] / n, widths["rowwise_split_input"] / n),
+            "tp_gathered_calls": (calls["colwise_gather_output"] / n, calls["rowwise_split_input"] / n)}
 
 
 def _norm_params(layers: nn.ModuleList | None, shape: GPTConfig) -> int:
@@ -259,7 +306,7 @@ def _whole_biases(layers: nn.ModuleList | None, shape: GPTConfig, plan: dict[str
     block, total = layers[0], 0
     for key, style in plan.items():
         if style in ROWS and key.startswith(f"{blocks}.*."):
-            total += _bias(_in_first_block(block, key[len(blocks) + 3:]))
+            total += _bias(_in_block(block, key[len(blocks) + 3:]))
     if not shape.tp_mlp and not shape.moe_layer(0):
         total += sum(_bias(layer) for layer in _mlp_layers(block))
     return total + _router_vectors(block)
@@ -293,8 +340,8 @@ def _split_mlp_scalars(layers: nn.ModuleList | None, shape: GPTConfig) -> int:
                for p in module.parameters(recurse=False) if p.ndim <= 1)
 
 
-def _in_first_block(block: nn.Module, name: str) -> nn.Module | None:
-    """The first block's module a plan entry names, or None where that block lacks it (an MoE
+def _in_block(block: nn.Module, name: str) -> nn.Module | None:
+    """The block's module a plan entry names, or None where that block lacks it (an MoE
     block's layer in a dense block, a hybrid's other kind of layer: OLMo-hybrid's linear
     attention has no self_attn)."""
     try:

@@ -1,0 +1,68 @@
+"""What the shape reader (plait/models/hf/load.py: measured_shape) finds in a transformers model
+whose blocks differ, or whose attention holds layers the loss sends no gradient: each number is
+one the wire sweep (tests/test_hf_sweep.py, make test-all) holds the ledger to, read here in a
+second on the meta device.
+
+- Qwen3-Next: three linear-attention blocks in four, whose plan gathers the three projections
+  whole (no row layer closes them: two entries each in backward, in_proj's shared input and
+  out_proj's), and one full attention with per-head q/k norms;
+- LARA: two of four linear, only their out_proj split (one entry each);
+- OLMo-hybrid: one linear attention no entry names (whole), one full;
+- Gemma 4 unified: its global layers' heads twice as wide, their q/k norms too;
+- DeepSeek-V3.2: MLA's down-projections and their norms summed under SP, its indexer not (it
+  picks keys by top-k: no gradient reaches it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from plait.models.hf.config import read_hf_dir
+from plait.models.hf.load import measured_shape
+
+transformers = pytest.importorskip("transformers")
+
+SHAPE = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32, num_experts=4, shared_expert_intermediate_size=48)
+LINEAR = dict(linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
+MLA = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+           v_head_dim=8, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+           num_experts_per_tok=2, moe_intermediate_size=32, index_topk=8, index_head_dim=8, index_n_heads=2)
+
+
+def shape_of(tmp_path: Path, family: str, **fields: Any) -> Any:
+    transformers.AutoConfig.for_model(family, **{**SHAPE, **fields}).save_pretrained(tmp_path)
+    return measured_shape(read_hf_dir(f"hf:{tmp_path}"))
+
+
+def test_a_hybrids_blocks_are_read_each(tmp_path: Path) -> None:
+    shape = shape_of(tmp_path / "qwen3_next", "qwen3_next", num_hidden_layers=4, **LINEAR, **MOE)
+    assert shape.tp_attention and shape.tp_attention_share == 0.25 and shape.tp_attention_entries == 1.5
+    assert shape.qk_norm == "head" and shape.qk_norm_share == 0.25
+    # in_proj_qkvz (96), in_proj_ba (8), out_proj (32) in three blocks of four
+    assert shape.tp_gathered == (3 * (96 + 8 + 32) / 4, 0) and shape.tp_gathered_calls == (9 / 4, 0)
+    lara = shape_of(tmp_path / "lara", "lara_mini", num_hidden_layers=4, sliding_window=6, **LINEAR, **MOE)
+    assert (lara.tp_attention_share, lara.tp_attention_entries, lara.tp_gathered) == (0.5, 0.5, (16.0, 0))
+    olmo = shape_of(tmp_path / "olmo", "olmo_hybrid", pad_token_id=0, layer_types=["linear_attention", "full_attention"],
+                    **LINEAR)
+    assert (olmo.tp_attention_share, olmo.tp_attention_entries, olmo.qk_norm, olmo.qk_norm_share) == (0.5, 0, "full", 0.5)
+
+
+def test_a_dense_models_blocks_read_as_one(tmp_path: Path) -> None:
+    shape = shape_of(tmp_path, "qwen3")
+    assert (shape.tp_attention_share, shape.tp_attention_entries, shape.qk_norm_share, shape.tp_gathered) == \
+        (1.0, 0.0, 1.0, (0, 0))
+
+
+def test_wider_global_heads_norm_more(tmp_path: Path) -> None:
+    shape = shape_of(tmp_path, "gemma4_unified_text", sliding_window=6, global_head_dim=16)
+    assert shape.qk_norm == "head" and shape.qk_norm_share == (8 + 16) / 8 / 2
+
+
+def test_the_indexer_has_no_gradient_to_sum(tmp_path: Path) -> None:
+    shape = shape_of(tmp_path, "deepseek_v32", **MLA)
+    # q_a_proj 16 x 32, its norm 16, kv_a_proj_with_mqa 24 x 32 (16 + the rotary key's 8), its norm 16
+    assert shape.tp_entered_tail == 8 and shape.mla_down_params == 16 * 32 + 16 + 24 * 32 + 16
