@@ -66,3 +66,37 @@ def test_the_indexer_has_no_gradient_to_sum(tmp_path: Path) -> None:
     shape = shape_of(tmp_path, "deepseek_v32", **MLA)
     # q_a_proj 16 x 32, its norm 16, kv_a_proj_with_mqa 24 x 32 (16 + the rotary key's 8), its norm 16
     assert shape.tp_entered_tail == 8 and shape.mla_down_params == 16 * 32 + 16 + 24 * 32 + 16
+
+
+def test_an_mlp_is_read_as_its_weights_say(tmp_path: Path) -> None:
+    """LFM2 sizes its MLP (`feed_forward`) from block_ff_dim, not intermediate_size: 256 wide
+    here, whose whole weights SP sums; MiniMax-M3's dense first block is read once the MoE
+    blocks are known (dense_intermediate_size, 64); MPT's `ffn` is two matrices and adds the
+    residual it is given, so SP reads it whole."""
+    lfm2 = shape_of(tmp_path / "lfm2", "lfm2", layer_types=["conv", "full_attention"])
+    assert (lfm2.ffn_hidden, lfm2.mlp_matrices, lfm2.tp_mlp) == (256, 3, False)
+    m3 = shape_of(tmp_path / "m3", "minimax_m3_vl_text", layer_types=["full_attention", "minimax_m3_sparse"],
+                  mlp_layer_types=["dense", "sparse"], num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                  dense_intermediate_size=64, shared_intermediate_size=32, rotary_dim=8, index_n_heads=2,
+                  index_head_dim=8, index_block_size=4, index_topk_blocks=2)
+    assert (m3.moe_blocks, m3.ffn_hidden, m3.mlp_matrices) == ((1,), 64, 3)
+    mpt = shape_of(tmp_path / "mpt", "mpt")
+    assert (mpt.mlp_matrices, mpt.sp_mlp_read_whole) == (2, True)
+    assert not shape_of(tmp_path / "llama", "llama").sp_mlp_read_whole
+
+
+def test_shared_experts_beside_the_moe_module(tmp_path: Path) -> None:
+    """GraniteMoE-shared keeps its shared MLP in the block, beside the module holding the
+    experts: found there (48 wide), its weights summed under SP with the MoE block's."""
+    shape = shape_of(tmp_path, "granitemoeshared", num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                     shared_intermediate_size=48)
+    assert shape.experts == 4 and shape.shared_width == 48
+
+
+def test_a_context_named_model_max_length_is_read(tmp_path: Path) -> None:
+    """Kimi-Linear's config.json gives its context as model_max_length, no
+    max_position_embeddings: read, its shape is estimated (it was refused in one line)."""
+    shape = shape_of(tmp_path, "kimi_linear", **{**MLA, **dict(
+        layer_types=["linear_attention", "full_attention"], pad_token_id=0, linear_head_dim=8, linear_num_heads=4,
+        num_experts=4, num_experts_per_token=2, num_shared_experts=1)})
+    assert shape.max_seq_len == 64 and shape.n_layers == 2

@@ -97,13 +97,14 @@ def plan_collectives(config: GPTConfig, layout: Workload, stage: StageShare, end
     there: the overlapping stack's path asks for the blocks alone)."""
     attention = config.tp_attention_share if config.tp_attention else 0.0
     return tp_collectives(layout, stage, ends, whole_ends, split_moe_calls(config, layout),
-                          (attention, config.tp_mlp), bool(config.mla_down_params), config.tp_attention_entries)
+                          (attention, config.tp_mlp), bool(config.mla_down_params), config.tp_attention_entries,
+                          config.sp_mlp_read_whole)
 
 
 def tp_collectives(layout: Workload, stage: StageShare, ends: bool = True,
                    whole_ends: bool = False, split_moe: tuple[int, int] = (0, 0),
                    regions: tuple[float, bool] = (1.0, True), kept_input: bool = False,
-                   entries: float = 0.0) -> dict[str, float]:
+                   entries: float = 0.0, mlp_read_whole: bool = False) -> dict[str, float]:
     """Collectives of b·s·h activations per micro-batch on one rank of `stage` (its blocks'
     alone without `ends`: what an overlapping stack hides, time.tp_s).
 
@@ -133,7 +134,9 @@ def tp_collectives(layout: Workload, stage: StageShare, ends: bool = True,
     reruns the attention's exit where the attention is split (whatever the MLP keeps stops the
     rerun after it); nothing for a region left whole. `entries`: a block's all-reduces, as a
     mean, from attentions split with no row layer closing them (GPTConfig.tp_attention_entries),
-    with or without SP (under which they are read whole, their layers split inside). Under SP, with `whole_ends`, each region's
+    with or without SP (under which they are read whole, their layers split inside).
+    `mlp_read_whole` (GPTConfig.sp_mlp_read_whole): under SP a split MLP gathers as a split
+    region does but reduce-scatters nothing, its layers summing as without SP (two all-reduces). Under SP, with `whole_ends`, each region's
     count is `sp_region_collectives`' (a whole attention is read whole: gathered, not split;
     `kept_input`: whole layers inside the split attention keep its gathered input, MLA's
     down-projections, GPTConfig.mla_down_params, so backward does not gather it again).
@@ -156,10 +159,13 @@ def tp_collectives(layout: Workload, stage: StageShare, ends: bool = True,
         gather_a = attention * (split_a[0] - kept_input) + (1 - attention) * whole_a[0]
         scatter_a = attention * split_a[1] + (1 - attention) * whole_a[1]
         gather_m, scatter_m = sp_region_collectives(mlp, full, reruns_exit=False, mixes_tokens=False)
+        inside_m = 0
+        if mlp and mlp_read_whole:  # gathered, not reduce-scattered: its layers sum as without SP
+            scatter_m, inside_m = 0, 2
         region = moe if split_moe[0] else 0  # an MoE block: its attention's region, and its experts' where split
         return {"all_gather": blocks * gather_a + (blocks - moe) * gather_m + region * (3 if full else 2),
                 "reduce_scatter": blocks * scatter_a + (blocks - moe) * scatter_m + region,
-                "all_reduce": experts + first + last + entered}
+                "all_reduce": experts + first + last + entered + (blocks - moe) * inside_m}
     return {"all_gather": blocks * (8 if full else 6) + first + 2 * last,
             "reduce_scatter": blocks * (5 if full else 4) + first + last}
 

@@ -65,6 +65,10 @@ class GPTConfig:
     # projections whole: its two entries in backward), under SP too
     tp_attention_share: float = 1.0
     tp_attention_entries: float = 0.0
+    # Under SP, a split MLP read whole: its forward adds the residual it is given (MPT's), so
+    # what leaves it is not a row layer's output; it gathers the sequence, its layers split
+    # as without SP inside (their two all-reduces), nothing reduce-scattered
+    sp_mlp_read_whole: bool = False
     tp_shared_experts: bool = False  # the plan splits the shared experts beside routed ones kept whole (dots1's)
     # Widths a block's plan gathers whole under tp, per token: (its column layers' outputs gathered
     # forward, its split-input row layers' inputs gathered back in backward): Phi-3's fused q|k|v

@@ -36,7 +36,7 @@ COMPANIONS = (GENERATION, "tokenizer_config.json", "special_tokens_map.json")
 SIZES = {"layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
          "hidden": ("hidden_size", "n_embd", "d_model"),
          "heads": ("num_attention_heads", "n_head", "num_heads", "n_heads", "attention_heads"),  # GPT-Neo's, MPT's, XGLM's
-         "positions": ("max_position_embeddings", "n_positions", "max_seq_len")}
+         "positions": ("max_position_embeddings", "n_positions", "max_seq_len", "model_max_length")}  # Kimi's
 
 
 # Where transformers' configs keep the attention's dropout rate (Llama's, GPT-2's spelling).

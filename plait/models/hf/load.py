@@ -13,6 +13,7 @@ The reverse, a directory `from_pretrained` reads, is `plait ckpt export --hf`
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 from collections.abc import Iterator
 from dataclasses import replace
@@ -124,11 +125,14 @@ def measured_shape(hf: HFModelDir) -> GPTConfig:
                          hint="check config.json (AutoModelForCausalLM.from_config must accept it)") from None
     name = block_list(model)  # read once: each reading walks the model and its plans
     layers = _blocks(model, name)
+    shape = replace(shape, **_moe_fields(model, layers, shape))  # first: which blocks are dense
+    width = _mlp_width(layers, shape)
+    shape = replace(shape, ffn_hidden=width) if width else shape
     matrices = _mlp_matrices(layers, shape)
     shape = replace(shape, mlp_matrices=matrices) if matrices else shape
     plan = _block_plan(model, name)
     shape = replace(shape, **_qk_norm(layers, shape, plan), norm_params=_norm_params(layers, shape))
-    shape = replace(shape, **_tp_regions(model, name, shape, plan), **_moe_fields(model, layers, shape))
+    shape = replace(shape, **_tp_regions(model, name, shape, plan))
     return replace(shape, whole_biases=_whole_biases(layers, shape, plan, name),
                    split_mlp_scalars=_split_mlp_scalars(layers, shape))
 
@@ -195,6 +199,7 @@ def _tp_regions(model: nn.Module, blocks: str | None, shape: GPTConfig, plan: di
             "tp_shared_experts": bool(shared),
             "tp_mlp": len(inside) > len(attention) + len(shared), "tp_entered_tail": tail,
             "mla_down_params": _mla_down_params(model, plan, blocks) if tail else 0,
+            "sp_mlp_read_whole": _adds_residual(_mlp_of(_first_dense_block(_blocks(model, blocks), shape))),
             **_gathered(_blocks(model, blocks), plan, blocks, attention=shape.qk_norm != "full")}
 
 
@@ -333,7 +338,7 @@ def _split_mlp_scalars(layers: nn.ModuleList | None, shape: GPTConfig) -> int:
     elements of the MLP's vectors and scalars outside its linear layers (Apertus's learned
     activation; a router's or grouped experts' matrices are not such)."""
     dense = _first_dense_block(layers, shape)
-    mlp = getattr(dense, "mlp", None) if shape.tp_mlp else None
+    mlp = _mlp_of(dense) if shape.tp_mlp else None
     if not isinstance(mlp, nn.Module):
         return 0
     return sum(p.numel() for module in mlp.modules() if not isinstance(module, nn.Linear)
@@ -355,13 +360,41 @@ def _bias(layer: nn.Module | None) -> int:
     return bias.numel() if isinstance(bias, torch.Tensor) else 0
 
 
+MLP_NAMES = ("mlp", "feed_forward", "ffn")  # a block's MLP, by the names families give it (LFM2's, MPT's)
+
+
+def _mlp_of(block: nn.Module | None) -> nn.Module | None:
+    """A block's MLP module, or None (OPT's fc1 and fc2 sit in the block itself)."""
+    return next((getattr(block, name) for name in MLP_NAMES if isinstance(getattr(block, name, None), nn.Module)),
+                None)
+
+
 def _mlp_layers(block: nn.Module) -> list[nn.Module]:
-    """A block's MLP's linear layers: those under its `mlp`, or, where it has none, its own
-    linear children (OPT's fc1 and fc2)."""
-    mlp = getattr(block, "mlp", None)
-    if isinstance(mlp, nn.Module):
+    """A block's MLP's linear layers: those under its MLP (`_mlp_of`), or, where it has none, its
+    own linear children (OPT's fc1 and fc2)."""
+    mlp = _mlp_of(block)
+    if mlp is not None:
         return [module for module in mlp.modules() if isinstance(module, nn.Linear)]
     return [module for module in block.children() if isinstance(module, nn.Linear)]
+
+
+def _adds_residual(module: nn.Module | None) -> bool:
+    """Whether a module's forward takes the residual it adds (MPT's MLP): under SP its output is
+    not what a row layer inside returned, so it is read whole (models/hf/styles._probe_regions)."""
+    try:
+        return module is not None and "residual" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _mlp_width(layers: nn.ModuleList | None, shape: GPTConfig) -> int:
+    """The hidden width of the first dense block's MLP, read off its down projection (the linear
+    layer back to d_model from another width), where it differs from config.json's: LFM2 sizes
+    its MLP from block_ff_dim, cut to two thirds and rounded to a multiple of 256. 0 where the
+    config's stands or no such layer is found."""
+    downs = [layer.in_features for layer in _mlp_layers(_first_dense_block(layers, shape) or nn.Module())
+             if layer.out_features == shape.d_model and layer.in_features != shape.d_model]
+    return downs[0] if len(downs) == 1 and downs[0] != shape.ffn_hidden else 0
 
 
 def _moe_fields(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig) -> dict[str, Any]:
@@ -387,8 +420,10 @@ def _moe_fields(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
     routed = sum(p.numel() for p in block.experts.parameters() if p.ndim >= 2)
     if routed and routed % (3 * h * shape.experts) == 0:
         fields["expert_hidden"] = routed // (3 * h * shape.experts)
-    shared = next((getattr(block, name) for name in SHARED_EXPERTS if isinstance(getattr(block, name, None), nn.Module)),
-                  None)
+    # the shared experts: inside the MoE module, or beside it in its block (GraniteMoE-shared's shared_mlp)
+    holders = [block, *([layers[moe[0]]] if moe else [])]
+    shared = next((getattr(holder, name) for holder in holders for name in SHARED_EXPERTS
+                   if isinstance(getattr(holder, name, None), nn.Module)), None)
     weights = sum(p.numel() for p in shared.parameters() if p.ndim >= 2) if isinstance(shared, nn.Module) else 0
     if weights and weights % (3 * h) == 0:
         width = weights // (3 * h)
@@ -406,7 +441,7 @@ def _mlp_matrices(layers: nn.ModuleList | None, shape: GPTConfig) -> int:
     d_model × ffn_hidden units (a fused gate|up counts two); 0 when there is no dense block,
     no MLP found, or a count that is not 2 or 3."""
     dense = _first_dense_block(layers, shape)
-    mlp = getattr(dense, "mlp", None)
+    mlp = _mlp_of(dense)
     if mlp is not None:  # every matrix under it (fused, grouped or plain)
         weights = sum(p.numel() for p in mlp.parameters() if p.ndim == 2)
     else:
