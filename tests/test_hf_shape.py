@@ -100,3 +100,20 @@ def test_a_context_named_model_max_length_is_read(tmp_path: Path) -> None:
         layer_types=["linear_attention", "full_attention"], pad_token_id=0, linear_head_dim=8, linear_num_heads=4,
         num_experts=4, num_experts_per_token=2, num_shared_experts=1)})
     assert shape.max_seq_len == 64 and shape.n_layers == 2
+
+
+def test_the_ends_split_as_the_plan_says(tmp_path: Path) -> None:
+    """The embedding split by vocabulary only where an entry says so (DBRX's head alone is),
+    and a head split by its input features sums whole logits (Inkling's: no vocab-parallel
+    loss; Inkling-2 keeps its embedding whole too)."""
+    inkling = dict(layer_types=["hybrid_sliding", "hybrid"], swa_num_attention_heads=4, swa_num_key_value_heads=2,
+                   swa_head_dim=8, sliding_window_size=6, n_routed_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=32)
+    one = shape_of(tmp_path / "inkling", "inkling_text", **inkling, logits_mup_width_multiplier=1.0, n_shared_experts=1)
+    two = shape_of(tmp_path / "inkling2", "inkling2_text", **inkling, n_layers_per_attn_res_block=1,
+                   unpadded_vocab_size=128)
+    dbrx = shape_of(tmp_path / "dbrx", "dbrx", d_model=32, attn_config={"kv_n_heads": 2, "rope_theta": 10000.0},
+                    ffn_config={"hidden_size": 32, "ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2})
+    llama = shape_of(tmp_path / "llama", "llama")
+    ends = [(s.embedding_split, s.vocab_split, s.head_sums_logits) for s in (one, two, dbrx, llama)]
+    assert ends == [(True, False, True), (False, False, True), (False, True, False), (True, True, False)]

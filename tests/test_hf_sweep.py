@@ -224,8 +224,9 @@ PRICED = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"
           "lara_mini", "olmo_hybrid", "gemma4_unified_text", "deepseek_v32", "glm_moe_dsa", "lfm2", "granitemoeshared",
           "minimax_m3_vl_text", "granitemoehybrid", "mpt", "kimi_linear", "bailing_hybrid"]
 # priced under tp alone; their SP cases are not (docs/huggingface.md, "What the estimate prices", says why)
-PRICED_TP = ["gemma3n_text", "hrm_text", "axk1", "deepseek_v4", "falcon_h1"]
-PRICED_AT_LEAST = 217
+PRICED_TP = ["gemma3n_text", "hrm_text", "axk1", "deepseek_v4", "falcon_h1", "inkling2_text", "inkling2_loop_text",
+             "dbrx"]
+PRICED_AT_LEAST = 220
 
 
 def priced(world: list[dict[str, Any]], families: list[str], modes: tuple[str, ...] = ("tp", "tp_sp")) -> None:

@@ -184,7 +184,8 @@ def rope_table_bytes(config: GPTConfig, layout: Workload) -> float:
 def loss_bytes(config: GPTConfig, layout: Workload) -> float:
     """Peak of the loss on the last stage, per micro-batch: the logits in the compute
     dtype, their fp32 copy and the fp32 log-softmax cross_entropy keeps for backward,
-    over this rank's vocab shard (the whole vocabulary where the head stays whole, `vocab_split` false)."""
+    over this rank's vocab shard (the whole vocabulary where the head stays whole or sums whole
+    logits, `vocab_split` false)."""
     shard = -(-config.vocab_size // layout.tp) if config.vocab_split else config.vocab_size
     return float(layout.tokens_per_micro_batch * shard * (layout.compute_bytes + 4 + 4))
 

@@ -53,7 +53,7 @@ def stage_tp_collectives(config: GPTConfig, layout: Workload, stage: StageShare)
     """The b·s·h collectives one micro-batch runs on `stage`, as traffic.tp_traffic counts their
     bytes: the ends' only where the vocabulary is split, and where SP cuts the sequence at the
     blocks alone, the ends whole and the sequence's cut and gather around the blocks."""
-    counts = plan_collectives(config, layout, stage, config.vocab_split, config.whole_sequence_ends)
+    counts = plan_collectives(config, layout, stage, True, config.whole_sequence_ends)
     gathers = sequence_ends(config, layout, stage) + gathered_calls(config, layout, stage)
     return {**counts, "all_gather": counts.get("all_gather", 0) + gathers} if gathers else counts
 

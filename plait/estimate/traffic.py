@@ -96,12 +96,13 @@ def plan_collectives(config: GPTConfig, layout: Workload, stage: StageShare, end
     experts, its attentions without a row layer, MLA's kept input (`ends` and `whole_ends` as
     there: the overlapping stack's path asks for the blocks alone)."""
     attention = config.tp_attention_share if config.tp_attention else 0.0
+    ends = (ends and config.embedding_split, ends and config.vocab_split)  # a head summing whole logits: tp_traffic's
     return tp_collectives(layout, stage, ends, whole_ends, split_moe_calls(config, layout),
                           (attention, config.tp_mlp), bool(config.mla_down_params), config.tp_attention_entries,
                           config.sp_mlp_read_whole)
 
 
-def tp_collectives(layout: Workload, stage: StageShare, ends: bool = True,
+def tp_collectives(layout: Workload, stage: StageShare, ends: bool | tuple[bool, bool] = True,
                    whole_ends: bool = False, split_moe: tuple[int, int] = (0, 0),
                    regions: tuple[float, bool] = (1.0, True), kept_input: bool = False,
                    entries: float = 0.0, mlp_read_whole: bool = False) -> dict[str, float]:
@@ -141,7 +142,8 @@ def tp_collectives(layout: Workload, stage: StageShare, ends: bool = True,
     `kept_input`: whole layers inside the split attention keep its gathered input, MLA's
     down-projections, GPTConfig.mla_down_params, so backward does not gather it again).
     """
-    first, last = int(ends and stage.first), int(ends and stage.last)
+    embedding, head = ends if isinstance(ends, tuple) else (ends, ends)
+    first, last = int(embedding and stage.first), int(head and stage.last)
     blocks = stage.layers
     full = layout.recompute == "full"
     moe = round(stage.moe_layers)
@@ -257,7 +259,7 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
     act = layout.hidden_bytes(config.d_model)
     split_ends = config.vocab_split  # else whole on every tp rank (plait's GPT-2 adapter: tied, models/hf/gpt2.py)
     split_moe = split_moe_calls(config, layout)
-    for op, count in plan_collectives(config, layout, stage, split_ends, config.whole_sequence_ends).items():
+    for op, count in plan_collectives(config, layout, stage, True, config.whole_sequence_ends).items():
         _add(out, "tp", op, act, t, times=m * count)
     if any(config.tp_gathered):  # a plan that gathers fused projections whole (under SP too: inside its region)
         width = sum(w * n for w, n in zip(config.tp_gathered, gathered_passes(layout)))
@@ -269,6 +271,11 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
     _add(out, "tp", "all_gather", act, t, times=m * sequence_ends(config, layout, stage))
     if stage.last and split_ends:
         _add(out, "tp", "all_reduce", layout.tokens_per_micro_batch * 4, t, times=3 * m)
+    if stage.last and config.head_sums_logits:  # partial logits over the whole vocabulary, summed
+        _add(out, "tp", "all_reduce", layout.tokens_per_micro_batch * config.vocab_size * layout.compute_bytes, t,
+             times=m)
+        _add(out, "tp", "all_gather", layout.tokens_per_micro_batch * config.d_model * layout.compute_bytes, t,
+             times=m)
     if config.qk_norm == "head":  # each block's per-head q and k norm weights: their gradients summed
         grad_bytes = state_bytes(layout.precision).grad
         _add(out, "tp", "all_reduce", 2 * config.head_dim * grad_bytes, t,

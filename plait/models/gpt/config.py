@@ -87,6 +87,13 @@ class GPTConfig:
     # Under tp the embedding and the head are split by vocabulary (plait's GPT, Megatron, a
     # transformers plan); False: both whole on every tp rank (plait's GPT-2 adapter: tied)
     vocab_split: bool = True
+    # Where a transformers plan splits the embedding and the head differently: the embedding by
+    # vocabulary or not (DBRX's and Inkling-2's stay whole: no all-reduce of its output), and
+    # the head by its input features ("rowwise_split_input": Inkling's), whose logits over the
+    # whole vocabulary are partial on each tp rank, summed (an all-reduce of b·s·V a
+    # micro-batch), its input's gradient gathered back (vocab_split false: no vocab-parallel loss)
+    embedding_split: bool = True
+    head_sums_logits: bool = False
     # What a block keeps for backward: True, plait's GPT (its norms and SwiGLU keep only their
     # inputs, grouped K/V heads stay grouped: plait.models.gpt.lean); False, autograd's
     # intermediates (a transformers model: fp32 norm copies, silu's output, K/V repeated)

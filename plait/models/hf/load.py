@@ -111,7 +111,7 @@ def measured_shape(hf: HFModelDir) -> GPTConfig:
     transformers installed, config.json's reading stands: a Llama-like MLP."""
     shape = hf.shape()
     if shape.arch == "gpt2":  # GPT-2's block is described whole by its arch; its adapter keeps
-        return replace(shape, vocab_split=False)  # the tied embedding and head whole under tp
+        return replace(shape, vocab_split=False, embedding_split=False)  # the tied embedding and head whole under tp
     try:
         transformers = _transformers()
     except PlaitError:
@@ -132,9 +132,24 @@ def measured_shape(hf: HFModelDir) -> GPTConfig:
     shape = replace(shape, mlp_matrices=matrices) if matrices else shape
     plan = _block_plan(model, name)
     shape = replace(shape, **_qk_norm(layers, shape, plan), norm_params=_norm_params(layers, shape))
-    shape = replace(shape, **_tp_regions(model, name, shape, plan))
+    shape = replace(shape, **_tp_regions(model, name, shape, plan), **_ends_split(model))
     return replace(shape, whole_biases=_whole_biases(layers, shape, plan, name),
                    split_mlp_scalars=_split_mlp_scalars(layers, shape))
+
+
+def _ends_split(model: nn.Module) -> dict[str, bool]:
+    """How the declared plan splits the embedding and the head where not both by vocabulary
+    (GPTConfig.embedding_split, vocab_split, head_sums_logits): the embedding whole where no
+    entry splits it (DBRX's, Inkling-2's), the head by its input (a row style: Inkling's),
+    summing whole logits. {} for a plan that splits both by vocabulary, or names neither."""
+    plan = declared(model, "tp")
+    head = next((style for key, style in plan.items() if key.split(".")[-1] == "lm_head"), None)
+    if head is None:
+        return {}
+    fields: dict[str, bool] = {} if "embedding_rowwise" in plan.values() else {"embedding_split": False}
+    if head in ROWS:
+        fields.update(vocab_split=False, head_sums_logits=True)
+    return fields
 
 
 def _blocks(model: nn.Module, name: str | None) -> nn.ModuleList | None:
