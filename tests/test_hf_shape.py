@@ -117,3 +117,13 @@ def test_the_ends_split_as_the_plan_says(tmp_path: Path) -> None:
     llama = shape_of(tmp_path / "llama", "llama")
     ends = [(s.embedding_split, s.vocab_split, s.head_sums_logits) for s in (one, two, dbrx, llama)]
     assert ends == [(True, False, True), (False, False, True), (False, True, False), (True, True, False)]
+
+
+def test_a_mixer_beside_the_attention_is_read_whole(tmp_path: Path) -> None:
+    """Falcon-H1 runs a mamba mixer beside its attention in every block, both left whole by
+    its plan: under SP each is read whole, one more than the attention's accounting; a hybrid
+    whose blocks hold one mixer each (LFM2's convolution or attention) has none more."""
+    falcon = shape_of(tmp_path / "falcon", "falcon_h1", mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8,
+                      mamba_d_state=16, mamba_chunk_size=8)
+    lfm2 = shape_of(tmp_path / "lfm2", "lfm2", layer_types=["conv", "full_attention"])
+    assert (falcon.sp_whole_mixers, lfm2.sp_whole_mixers) == (1.0, 0.0)

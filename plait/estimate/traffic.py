@@ -99,13 +99,13 @@ def plan_collectives(config: GPTConfig, layout: Workload, stage: StageShare, end
     ends = (ends and config.embedding_split, ends and config.vocab_split)  # a head summing whole logits: tp_traffic's
     return tp_collectives(layout, stage, ends, whole_ends, split_moe_calls(config, layout),
                           (attention, config.tp_mlp), bool(config.mla_down_params), config.tp_attention_entries,
-                          config.sp_mlp_read_whole)
+                          config.sp_mlp_read_whole, config.sp_whole_mixers)
 
 
 def tp_collectives(layout: Workload, stage: StageShare, ends: bool | tuple[bool, bool] = True,
                    whole_ends: bool = False, split_moe: tuple[int, int] = (0, 0),
                    regions: tuple[float, bool] = (1.0, True), kept_input: bool = False,
-                   entries: float = 0.0, mlp_read_whole: bool = False) -> dict[str, float]:
+                   entries: float = 0.0, mlp_read_whole: bool = False, whole_mixers: float = 0.0) -> dict[str, float]:
     """Collectives of b·s·h activations per micro-batch on one rank of `stage` (its blocks'
     alone without `ends`: what an overlapping stack hides, time.tp_s).
 
@@ -137,7 +137,9 @@ def tp_collectives(layout: Workload, stage: StageShare, ends: bool | tuple[bool,
     mean, from attentions split with no row layer closing them (GPTConfig.tp_attention_entries),
     with or without SP (under which they are read whole, their layers split inside).
     `mlp_read_whole` (GPTConfig.sp_mlp_read_whole): under SP a split MLP gathers as a split
-    region does but reduce-scatters nothing, its layers summing as without SP (two all-reduces). Under SP, with `whole_ends`, each region's
+    region does but reduce-scatters nothing, its layers summing as without SP (two all-reduces).
+    `whole_mixers` (GPTConfig.sp_whole_mixers): under SP a block's token-mixing layers beside
+    its attention that the plan leaves whole, each read whole as a whole attention is. Under SP, with `whole_ends`, each region's
     count is `sp_region_collectives`' (a whole attention is read whole: gathered, not split;
     `kept_input`: whole layers inside the split attention keep its gathered input, MLA's
     down-projections, GPTConfig.mla_down_params, so backward does not gather it again).
@@ -165,6 +167,7 @@ def tp_collectives(layout: Workload, stage: StageShare, ends: bool | tuple[bool,
         if mlp and mlp_read_whole:  # gathered, not reduce-scattered: its layers sum as without SP
             scatter_m, inside_m = 0, 2
         region = moe if split_moe[0] else 0  # an MoE block: its attention's region, and its experts' where split
+        gather_a += whole_mixers * whole_a[0]
         return {"all_gather": blocks * gather_a + (blocks - moe) * gather_m + region * (3 if full else 2),
                 "reduce_scatter": blocks * scatter_a + (blocks - moe) * scatter_m + region,
                 "all_reduce": experts + first + last + entered + (blocks - moe) * inside_m}

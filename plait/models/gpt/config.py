@@ -69,6 +69,9 @@ class GPTConfig:
     # what leaves it is not a row layer's output; it gathers the sequence, its layers split
     # as without SP inside (their two all-reduces), nothing reduce-scattered
     sp_mlp_read_whole: bool = False
+    # Under SP, a block's token-mixing layers beyond its attention that the plan leaves whole
+    # (Falcon-H1's mamba beside its attention), a mean over the blocks: each read whole (2 all-gathers)
+    sp_whole_mixers: float = 0.0
     tp_shared_experts: bool = False  # the plan splits the shared experts beside routed ones kept whole (dots1's)
     # Widths a block's plan gathers whole under tp, per token: (its column layers' outputs gathered
     # forward, its split-input row layers' inputs gathered back in backward): Phi-3's fused q|k|v

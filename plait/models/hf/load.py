@@ -28,7 +28,7 @@ from plait.models.hf.config import HFModelDir
 from plait.models.hf.experts import dense_experts
 from plait.models.hf.inferred import inferred_tp_plan
 from plait.models.hf.plans import block_list, declared, dispatched_experts, without_experts
-from plait.models.hf.styles import text_config
+from plait.models.hf.styles import MIXES_TOKENS, text_config
 from plait.parallel.deferred import recording
 
 
@@ -248,7 +248,29 @@ def _attention_kinds(layers: nn.ModuleList | None, plan: dict[str, str], blocks:
         columns = [inside.rsplit(".", 1)[-1] for inside, style in styles.items() if style in COLUMN_STYLES]
         outputs = sum(name in OUTPUT_PROJECTIONS for name in columns)
         entries += outputs + (len(columns) > outputs)
-    return {"tp_attention_share": split / len(layers), "tp_attention_entries": entries / len(layers)}
+    return {"tp_attention_share": split / len(layers), "tp_attention_entries": entries / len(layers),
+            "sp_whole_mixers": _whole_mixers(layers, plan, blocks)}
+
+
+def _whole_mixers(layers: nn.ModuleList, plan: dict[str, str], blocks: str) -> float:
+    """GPTConfig.sp_whole_mixers, a block's mean: its children that mix tokens (their forward
+    takes a mask or positions, as models/hf/styles reads them) and that no plan entry names,
+    beyond the one a block's attention accounts for (Falcon-H1's mamba beside its attention)."""
+    named = [key[len(blocks) + 3:] for key in plan if key.startswith(f"{blocks}.*.")]
+    extra = 0
+    for block in layers:
+        mixers = [name for name, child in block.named_children() if _mixes_tokens(child)]
+        whole = [name for name in mixers if not any(key == name or key.startswith(f"{name}.") for key in named)]
+        extra += len(whole) - (1 if whole and len(whole) == len(mixers) else 0)
+    return extra / len(layers)
+
+
+def _mixes_tokens(module: nn.Module) -> bool:
+    try:
+        takes = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return any(True for _ in module.parameters()) and any(word in takes for word in MIXES_TOKENS)
 
 
 def _entered_tail(model: nn.Module, plan: dict[str, str], blocks: str) -> int:
