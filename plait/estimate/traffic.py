@@ -133,16 +133,17 @@ def tp_collectives(layout: Workload, stage: StageShare, ends: bool | tuple[bool,
     the attention's as the share of blocks where it does (GPTConfig.tp_attention_share: a
     hybrid's): without SP, each split region is entered and left once, and full recompute
     reruns the attention's exit where the attention is split (whatever the MLP keeps stops the
-    rerun after it); nothing for a region left whole. `entries`: a block's all-reduces, as a
-    mean, from attentions split with no row layer closing them (GPTConfig.tp_attention_entries),
-    with or without SP (under which they are read whole, their layers split inside).
-    `mlp_read_whole` (GPTConfig.sp_mlp_read_whole): under SP a split MLP gathers as a split
-    region does but reduce-scatters nothing, its layers summing as without SP (two all-reduces).
-    `whole_mixers` (GPTConfig.sp_whole_mixers): under SP a block's token-mixing layers beside
-    its attention that the plan leaves whole, each read whole as a whole attention is. Under SP, with `whole_ends`, each region's
+    rerun after it); nothing for a region left whole. Under SP, with `whole_ends`, each region's
     count is `sp_region_collectives`' (a whole attention is read whole: gathered, not split;
     `kept_input`: whole layers inside the split attention keep its gathered input, MLA's
     down-projections, GPTConfig.mla_down_params, so backward does not gather it again).
+    `entries`: a block's all-reduces, as a mean, from attentions split with no row layer closing
+    them (GPTConfig.tp_attention_entries), with or without SP (under which they are read whole,
+    their layers split inside). `mlp_read_whole` (GPTConfig.sp_mlp_read_whole): under SP a split
+    MLP gathers as a split region does but reduce-scatters nothing, its layers summing as
+    without SP (two all-reduces). `whole_mixers` (GPTConfig.sp_whole_mixers): under SP a block's
+    token-mixing layers beside its attention that the plan leaves whole, each read whole as a
+    whole attention is.
     """
     embedding, head = ends if isinstance(ends, tuple) else (ends, ends)
     first, last = int(embedding and stage.first), int(head and stage.last)

@@ -132,7 +132,7 @@ def measured_shape(hf: HFModelDir) -> GPTConfig:
     shape = replace(shape, mlp_matrices=matrices) if matrices else shape
     plan = _block_plan(model, name)
     shape = replace(shape, **_qk_norm(layers, shape, plan), norm_params=_norm_params(layers, shape))
-    shape = replace(shape, **_tp_regions(model, name, shape, plan), **_ends_split(model))
+    shape = replace(shape, **_tp_regions(model, name, layers, shape, plan), **_ends_split(model))
     return replace(shape, whole_biases=_whole_biases(layers, shape, plan, name),
                    split_mlp_scalars=_split_mlp_scalars(layers, shape))
 
@@ -197,12 +197,14 @@ def _block_plan(model: nn.Module, blocks: str | None) -> dict[str, str]:
     return without_experts(plan, dispatched_experts(declared(model, "ep"))) if plan else inferred_tp_plan(model, blocks)
 
 
-def _tp_regions(model: nn.Module, blocks: str | None, shape: GPTConfig, plan: dict[str, str]) -> dict[str, Any]:
+def _tp_regions(model: nn.Module, blocks: str | None, layers: nn.ModuleList | None, shape: GPTConfig,
+                plan: dict[str, str]) -> dict[str, Any]:
     """Which of a block's regions the model's tp plan (`_block_plan`) splits (GPTConfig.tp_attention,
     tp_mlp, tp_shared_experts): those a row-parallel layer in its blocks closes, under an attention (a
     name holding "attn" or "attention"), under shared experts ("shared"), or neither (the
-    MLP; all of a model whose experts plait does not know, as its shape's dense MLP). {} where
-    it cannot tell."""
+    MLP; all of a model whose experts plait does not know, as its shape's dense MLP); how each
+    block's attention and other mixers split (`_attention_kinds`, `_whole_mixers`), and what
+    SP reads whole. {} where it cannot tell."""
     if blocks is None or not plan:
         return {}
     inside = [key[len(blocks) + 1:].lower() for key, style in plan.items()
@@ -210,12 +212,12 @@ def _tp_regions(model: nn.Module, blocks: str | None, shape: GPTConfig, plan: di
     attention = [key for key in inside if "attn" in key or "attention" in key]
     shared = [key for key in inside if "shared" in key and key not in attention] if shape.is_moe else []
     tail = _entered_tail(model, plan, blocks)
-    return {"tp_attention": bool(attention), **_attention_kinds(_blocks(model, blocks), plan, blocks),
-            "tp_shared_experts": bool(shared),
+    return {"tp_attention": bool(attention), **_attention_kinds(layers, plan, blocks),
+            "sp_whole_mixers": _whole_mixers(layers, plan, blocks), "tp_shared_experts": bool(shared),
             "tp_mlp": len(inside) > len(attention) + len(shared), "tp_entered_tail": tail,
             "mla_down_params": _mla_down_params(model, plan, blocks) if tail else 0,
-            "sp_mlp_read_whole": _adds_residual(_mlp_of(_first_dense_block(_blocks(model, blocks), shape))),
-            **_gathered(_blocks(model, blocks), plan, blocks, attention=shape.qk_norm != "full")}
+            "sp_mlp_read_whole": _adds_residual(_mlp_of(_first_dense_block(layers, shape))),
+            **_gathered(layers, plan, blocks, attention=shape.qk_norm != "full")}
 
 
 UNGRADED = ("indexer",)  # an attention's layers the loss sends no gradient (DSA's top-k key picker)
@@ -236,7 +238,7 @@ def _attention_kinds(layers: nn.ModuleList | None, plan: dict[str, str], blocks:
         return {}
     split, entries = 0, 0
     for block in layers:
-        styles = {}
+        styles: dict[str, str] = {}
         for key, style in plan.items():
             inside = key[len(blocks) + 3:] if key.startswith(f"{blocks}.*.") else ""
             child = inside.split(".")[0].lower()
@@ -248,14 +250,15 @@ def _attention_kinds(layers: nn.ModuleList | None, plan: dict[str, str], blocks:
         columns = [inside.rsplit(".", 1)[-1] for inside, style in styles.items() if style in COLUMN_STYLES]
         outputs = sum(name in OUTPUT_PROJECTIONS for name in columns)
         entries += outputs + (len(columns) > outputs)
-    return {"tp_attention_share": split / len(layers), "tp_attention_entries": entries / len(layers),
-            "sp_whole_mixers": _whole_mixers(layers, plan, blocks)}
+    return {"tp_attention_share": split / len(layers), "tp_attention_entries": entries / len(layers)}
 
 
-def _whole_mixers(layers: nn.ModuleList, plan: dict[str, str], blocks: str) -> float:
+def _whole_mixers(layers: nn.ModuleList | None, plan: dict[str, str], blocks: str) -> float:
     """GPTConfig.sp_whole_mixers, a block's mean: its children that mix tokens (their forward
     takes a mask or positions, as models/hf/styles reads them) and that no plan entry names,
     beyond the one a block's attention accounts for (Falcon-H1's mamba beside its attention)."""
+    if not layers:
+        return 0.0
     named = [key[len(blocks) + 3:] for key in plan if key.startswith(f"{blocks}.*.")]
     extra = 0
     for block in layers:
@@ -266,6 +269,7 @@ def _whole_mixers(layers: nn.ModuleList, plan: dict[str, str], blocks: str) -> f
 
 
 def _mixes_tokens(module: nn.Module) -> bool:
+    """A module with weights whose forward takes a mask or positions (styles.MIXES_TOKENS)."""
     try:
         takes = inspect.signature(module.forward).parameters
     except (TypeError, ValueError):
