@@ -17,6 +17,7 @@ import inspect
 import os
 from collections.abc import Iterator
 from dataclasses import replace
+from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
@@ -389,7 +390,10 @@ def _split_mlp_scalars(layers: nn.ModuleList | None, shape: GPTConfig) -> int:
 def _in_block(block: nn.Module, name: str) -> nn.Module | None:
     """The block's module a plan entry names, or None where that block lacks it (an MoE
     block's layer in a dense block, a hybrid's other kind of layer: OLMo-hybrid's linear
-    attention has no self_attn)."""
+    attention has no self_attn); the first it matches where the entry has a wildcard inside
+    the block (LongCat's two attentions a layer: "self_attn.*.o_proj")."""
+    if "*" in name:
+        return next((module for inner, module in block.named_modules() if fnmatchcase(inner, name)), None)
     try:
         return block.get_submodule(name)
     except AttributeError:
