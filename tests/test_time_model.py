@@ -492,10 +492,11 @@ def test_the_plans_first_layouts_measure_as_it_ranks_them(tmp_path: Path) -> Non
     the median ratio within 25% of 1. The first pick is the layout the prediction held here
     prices cheapest: the three are priced within a few tenths of a percent of each other, and
     the plan's order from one calibration alone is one draw of the machine (in one run the
-    plan's first row, ZeRO-1, was priced 0.888 s before the layouts ran and 0.860 after,
-    another layout 0.874 on average, which measured 6% faster). The layouts take turns step by step, 12 steps each, so a
-    slow stretch of the host slows them all; the prediction is the mean of the plan's from the
-    machine timed before and after them. On one 2-core host the two timings priced a layout 12%
+    plan's first row, ZeRO-1, was priced 0.877 s on average and measured 0.848; the third,
+    priced 0.888 s before the layouts ran and 0.860 after, 0.874 on average, measured 0.797).
+    The layouts take turns step by step, 12 steps each, so a slow stretch of the host slows them
+    all; the prediction is the mean of the plan's from the machine timed before and after them.
+    On one 2-core host the two timings priced a layout 12%
     apart (0.94 and 0.83 s), and single-thread products ran 92-145 GFLOP/s from one half-second
     to the next: the machine's pace over a minute is not held to 10%, how the plan prices one
     layout against another is. benchmarks/planner_measured.py runs the whole check (top six, tp
