@@ -102,12 +102,13 @@ def plan_collectives(config: GPTConfig, layout: Workload, stage: StageShare, end
                           config.sp_mlp_read_whole, config.sp_whole_mixers)
 
 
-def tp_collectives(layout: Workload, stage: StageShare, ends: bool | tuple[bool, bool] = True,
+def tp_collectives(layout: Workload, stage: StageShare, ends: tuple[bool, bool] = (True, True),
                    whole_ends: bool = False, split_moe: tuple[int, int] = (0, 0),
                    regions: tuple[float, bool] = (1.0, True), kept_input: bool = False,
                    entries: float = 0.0, mlp_read_whole: bool = False, whole_mixers: float = 0.0) -> dict[str, float]:
     """Collectives of b·s·h activations per micro-batch on one rank of `stage` (its blocks'
-    alone without `ends`: what an overlapping stack hides, time.tp_s).
+    alone without `ends`, the embedding's and the head's: what an overlapping stack hides,
+    time.tp_s).
 
     Per block: two all-reduces forward (leaving attention's and the MLP's row-parallel
     layers) and two backward (entering the column-parallel ones). Sequence parallelism
@@ -145,8 +146,7 @@ def tp_collectives(layout: Workload, stage: StageShare, ends: bool | tuple[bool,
     token-mixing layers beside its attention that the plan leaves whole, each read whole as a
     whole attention is.
     """
-    embedding, head = ends if isinstance(ends, tuple) else (ends, ends)
-    first, last = int(embedding and stage.first), int(head and stage.last)
+    first, last = int(ends[0] and stage.first), int(ends[1] and stage.last)
     blocks = stage.layers
     full = layout.recompute == "full"
     moe = round(stage.moe_layers)
@@ -162,13 +162,13 @@ def tp_collectives(layout: Workload, stage: StageShare, ends: bool | tuple[bool,
         attention, mlp = regions
         split_a, whole_a = (sp_region_collectives(split, full, reruns_exit=True) for split in (True, False))
         gather_a = attention * (split_a[0] - kept_input) + (1 - attention) * whole_a[0]
+        gather_a += whole_mixers * whole_a[0]  # the other mixers the plan leaves whole, read whole too
         scatter_a = attention * split_a[1] + (1 - attention) * whole_a[1]
         gather_m, scatter_m = sp_region_collectives(mlp, full, reruns_exit=False, mixes_tokens=False)
         inside_m = 0
         if mlp and mlp_read_whole:  # gathered, not reduce-scattered: its layers sum as without SP
             scatter_m, inside_m = 0, 2
         region = moe if split_moe[0] else 0  # an MoE block: its attention's region, and its experts' where split
-        gather_a += whole_mixers * whole_a[0]
         return {"all_gather": blocks * gather_a + (blocks - moe) * gather_m + region * (3 if full else 2),
                 "reduce_scatter": blocks * scatter_a + (blocks - moe) * scatter_m + region,
                 "all_reduce": experts + first + last + entered + (blocks - moe) * inside_m}

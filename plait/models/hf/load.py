@@ -29,7 +29,7 @@ from plait.models.hf.config import HFModelDir
 from plait.models.hf.experts import dense_experts
 from plait.models.hf.inferred import inferred_tp_plan
 from plait.models.hf.plans import block_list, declared, dispatched_experts, without_experts
-from plait.models.hf.styles import MIXES_TOKENS, text_config
+from plait.models.hf.styles import mixes_tokens, text_config
 from plait.parallel.deferred import recording
 
 
@@ -106,8 +106,8 @@ __all__ = ["build_hf_model"]
 
 def measured_shape(hf: HFModelDir) -> GPTConfig:
     """config.json's shape (HFModelDir.shape) with what only the model itself says, read off the
-    model transformers builds from the config on the meta device (no memory, no weights): how
-    many weight matrices its MLP has (SwiGLU's three; relu² and GELU's two), its q/k norms and
+    model transformers builds from the config on the meta device (no memory, no weights): its
+    MLP's width and how many weight matrices it has (SwiGLU's three; relu² and GELU's two), its q/k norms and
     block norms, its experts (_moe_fields) and what its tp plan splits (_tp_regions). Without
     transformers installed, config.json's reading stands: a Llama-like MLP."""
     shape = hf.shape()
@@ -255,27 +255,18 @@ def _attention_kinds(layers: nn.ModuleList | None, plan: dict[str, str], blocks:
 
 
 def _whole_mixers(layers: nn.ModuleList | None, plan: dict[str, str], blocks: str) -> float:
-    """GPTConfig.sp_whole_mixers, a block's mean: its children that mix tokens (their forward
-    takes a mask or positions, as models/hf/styles reads them) and that no plan entry names,
-    beyond the one a block's attention accounts for (Falcon-H1's mamba beside its attention)."""
+    """GPTConfig.sp_whole_mixers, a block's mean: its children that mix tokens
+    (styles.mixes_tokens) and that no plan entry names, beyond the one a block's attention
+    accounts for (Falcon-H1's mamba beside its attention)."""
     if not layers:
         return 0.0
     named = [key[len(blocks) + 3:] for key in plan if key.startswith(f"{blocks}.*.")]
     extra = 0
     for block in layers:
-        mixers = [name for name, child in block.named_children() if _mixes_tokens(child)]
+        mixers = [name for name, child in block.named_children() if mixes_tokens(child)]
         whole = [name for name in mixers if not any(key == name or key.startswith(f"{name}.") for key in named)]
         extra += len(whole) - (1 if whole and len(whole) == len(mixers) else 0)
     return extra / len(layers)
-
-
-def _mixes_tokens(module: nn.Module) -> bool:
-    """A module with weights whose forward takes a mask or positions (styles.MIXES_TOKENS)."""
-    try:
-        takes = inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return any(True for _ in module.parameters()) and any(word in takes for word in MIXES_TOKENS)
 
 
 def _entered_tail(model: nn.Module, plan: dict[str, str], blocks: str) -> int:

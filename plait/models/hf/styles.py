@@ -213,6 +213,16 @@ def for_sequence_parallel(model: nn.Module, plan: dict[str, str], blocks: str) -
 MIXES_TOKENS = ("attention_mask", "position_embeddings", "position_ids")  # a forward taking one reads the sequence
 
 
+def mixes_tokens(module: nn.Module) -> bool:
+    """A module with weights whose forward takes a mask or positions (MIXES_TOKENS), as an
+    attention's does: under SP it reads the whole sequence where the plan leaves it whole."""
+    try:
+        takes = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return any(True for _ in module.parameters()) and any(word in takes for word in MIXES_TOKENS)
+
+
 def _unsplit_attention(model: nn.Module, styles: dict[str, str], blocks: str) -> list[str]:
     """The children of the blocks that the plan leaves whole (no style at or under them) and
     that mix tokens, as an attention does (their forward takes a mask or positions): under SP
@@ -224,11 +234,7 @@ def _unsplit_attention(model: nn.Module, styles: dict[str, str], blocks: str) ->
             continue
         if any(key == name or key.startswith(f"{name}.") for key in styles):
             continue
-        try:
-            takes = inspect.signature(module.forward).parameters
-        except (TypeError, ValueError):
-            continue
-        if any(True for _ in module.parameters()) and any(word in takes for word in MIXES_TOKENS):
+        if mixes_tokens(module):
             found.append(name)
     return found
 
