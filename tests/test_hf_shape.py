@@ -14,11 +14,14 @@ second on the meta device.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from plait.estimate.layout import block_split, held_experts
 from plait.models.hf.config import read_hf_dir
 from plait.models.hf.load import measured_shape
 
@@ -127,3 +130,37 @@ def test_a_mixer_beside_the_attention_is_read_whole(tmp_path: Path) -> None:
                       mamba_d_state=16, mamba_chunk_size=8)
     lfm2 = shape_of(tmp_path / "lfm2", "lfm2", layer_types=["conv", "full_attention"])
     assert (falcon.sp_whole_mixers, lfm2.sp_whole_mixers) == (1.0, 0.0)
+
+
+def meta_params(path: Path) -> int:
+    """The parameters of the model transformers builds from the config.json at `path`."""
+    config = transformers.AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_the_parameters_are_counted_as_the_model_holds_them(tmp_path: Path) -> None:
+    """The estimate's parameters are the model's, where the formulas describe a block only in
+    part: a hybrid's linear attention (Qwen3-Next), MLA with its indexer (DeepSeek-V3.2), DBRX's
+    experts (read as a dense MLP before), Gemma 4's dense MLP beside its experts and its
+    per-layer embeddings. Each block's split is its plan's: Qwen3's is the formula's (whose
+    whole part missed its q/k norms), and under SP DeepSeek's MoE blocks are kept whole (their
+    shared experts' split undone)."""
+    cases = {"qwen3_next": dict(num_hidden_layers=4, **LINEAR, **MOE), "deepseek_v32": MLA,
+             "dbrx": dict(d_model=32, attn_config={"kv_n_heads": 2, "rope_theta": 10000.0},
+                          ffn_config={"hidden_size": 32, "ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2}),
+             "gemma4_text": dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+                                 hidden_size_per_layer_input=8, vocab_size_per_layer_input=128),
+             "qwen3": {}}
+    for family, fields in cases.items():
+        shape = shape_of(tmp_path / family, family, **fields)
+        assert shape.num_params() == meta_params(tmp_path / family), family
+    qwen3 = shape_of(tmp_path / "qwen3", "qwen3")
+    formula = replace(qwen3, block_tally=(), extra_params=0)
+    (split, whole), (split_formula, whole_formula) = block_split(qwen3), block_split(formula)
+    assert split == split_formula and whole - whole_formula == 2 * 8  # q_norm and k_norm, which the formula left out
+    deepseek = shape_of(tmp_path / "deepseek_v32", "deepseek_v32", **MLA)
+    assert block_split(deepseek, sp=True)[0] < block_split(deepseek)[0]
+    dbrx = shape_of(tmp_path / "dbrx", "dbrx", **cases["dbrx"])
+    assert held_experts(dbrx, 2) == 4 * 3 * 32 * 32 / 2  # its experts dealt out over ep, whole MLPs

@@ -11,7 +11,7 @@ the pipeline cut dividing its layers) run in `check_model`, the family's checks.
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from plait.balance import balanced_counts
@@ -135,7 +135,7 @@ class StageShare:
     layers: int
     block_params: int  # one transformer block's parameters on this rank (an average, with experts / ep)
     params: int  # everything this rank holds: blocks, plus embedding or head
-    replicated_params: int  # not sharded by tp (norms): their grads need a tp sync under SP
+    replicated_params: int  # not sharded by tp (norms): their grads need a tp sync under SP (summed_whole)
     expert_params: int = 0  # of `params`, the routed experts this ep rank holds (synced over dp / ep)
     moe_layers: float = 0.0  # MoE blocks among its layers (moe_every spreads them evenly)
 
@@ -148,7 +148,7 @@ class StageShare:
         return self.index == self.pp - 1
 
 
-def block_split(config: GPTConfig, ep: int = 1) -> tuple[int, int]:
+def block_split(config: GPTConfig, ep: int = 1, sp: bool = False) -> tuple[int, int]:
     """(parameters a tp shard divides, parameters every tp rank keeps whole) of one block,
     averaged over the blocks.
 
@@ -163,6 +163,10 @@ def block_split(config: GPTConfig, ep: int = 1) -> tuple[int, int]:
         sharded = h * (h + 2 * kv) + (h + 2 * kv) + h * h + 2 * h * f + f
         return sharded, config.layer_params() - sharded
     average = round(sum(config.block_params(i) for i in range(config.n_layers)) / config.n_layers)
+    if config.block_tally:  # counted: the split and the routed experts as the model holds them
+        split, _, routed, split_sp = (sum(column) / config.n_layers for column in zip(*config.block_tally))
+        sharded = round((split_sp if sp else split) + (routed if config.routed_split_by_tp(ep) else 0))
+        return sharded, average - sharded
     moe = config.moe_layers / config.n_layers
     # a region the model's plan leaves whole (GPTConfig.tp_attention, tp_mlp) stays on every tp rank
     sharded = config.attention_params * config.tp_attention + round(config.mlp_params * (1 - moe)) * config.tp_mlp
@@ -171,6 +175,16 @@ def block_split(config: GPTConfig, ep: int = 1) -> tuple[int, int]:
     if routed or shared:
         sharded += round((routed + shared) * moe)
     return sharded, average - sharded
+
+
+def summed_whole(config: GPTConfig, ep: int) -> int:
+    """The parameters a block keeps whole on every tp rank by the formulas (block_split without
+    a tally), with this ep rank's experts: what the wire model (traffic.tp_collectives' SP sum)
+    adds its own corrections to. A counted model's whole parameters hold more the wire prices
+    apart (q/k norms, MLA's down-projections, blocks SP keeps whole)."""
+    formula = replace(config, block_tally=()) if config.block_tally else config
+    _, whole = block_split(formula, ep)
+    return whole + round(held_experts(formula, ep)) - round(held_experts(formula, 1))
 
 
 def final_norm_params(config: GPTConfig) -> int:
@@ -184,8 +198,19 @@ def vocab_shard(config: GPTConfig, tp: int) -> int:
     return config.vocab_size // tp if config.vocab_split else config.vocab_size
 
 
+def embedding_rows(config: GPTConfig, tp: int) -> int:
+    """Rows of the token embedding on one rank: split by vocabulary with the head (vocab_split),
+    or on its own beside a head split by its input features (Inkling's); all V where the plan
+    keeps it whole (DBRX's, Inkling-2's: embedding_split false; GPT-2's tied table)."""
+    split = config.embedding_split and (config.vocab_split or config.head_sums_logits)
+    return config.vocab_size // tp if split else config.vocab_size
+
+
 def held_experts(config: GPTConfig, ep: int) -> float:
-    """Routed-expert parameters one ep rank holds per block, averaged over the blocks."""
+    """Routed-expert parameters one ep rank holds per block, averaged over the blocks (as
+    counted, where the model's blocks were: GPTConfig.block_tally)."""
+    if config.block_tally:
+        return sum(block[2] for block in config.block_tally) / ep / config.n_layers
     return config.moe_layers * config.experts // ep * config.expert_params() / config.n_layers
 
 
@@ -210,12 +235,12 @@ def chunk_ends(layout: Layout, stage: StageShare, chunk: int) -> tuple[bool, boo
 
 def layout_stages(config: GPTConfig, layout: Layout) -> tuple[StageShare, ...]:
     """`stages` of the layout's cut."""
-    return stages(config, layout.tp, layout.pp, layout.virtual_stages, layout.ep, layout.stage_layers)
+    return stages(config, layout.tp, layout.pp, layout.virtual_stages, layout.ep, layout.stage_layers, layout.sp)
 
 
 @functools.lru_cache(maxsize=4096)
 def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1, ep: int = 1,
-           stage_layers: tuple[int, ...] = ()) -> tuple[StageShare, ...]:
+           stage_layers: tuple[int, ...] = (), sp: bool = False) -> tuple[StageShare, ...]:
     """Every pipeline rank's share of the model on one of its tp ranks.
 
     The first rank holds the token embedding (and GPT-2's learned positions); the last
@@ -226,15 +251,20 @@ def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1, ep: int
     refused here too: priced, it would leave blocks out.
     """
     check_pipeline_cut(config.n_layers, pp, virtual_stages, stage_layers)
-    sharded, replicated = block_split(config, ep)
+    sharded, whole = block_split(config, ep, sp)
     experts = held_experts(config, ep)  # MoE blocks: experts / ep each, whole on every tp rank
-    replicated += round(experts) - round(held_experts(config, 1))  # all experts -> ours
-    block = sharded // tp + replicated
+    whole += round(experts) - round(held_experts(config, 1))  # all experts -> ours
+    block = sharded // tp + whole
+    replicated = summed_whole(config, ep)
     h = config.d_model
     table = vocab_shard(config, tp) * h
-    first = table + (config.max_seq_len * h if config.arch == "gpt2" else 0)
+    embedding = embedding_rows(config, tp) * h
+    first = embedding + (config.max_seq_len * h if config.arch == "gpt2" else 0) + config.extra_params
     norm = final_norm_params(config)
     head = table if (not config.tie_embeddings or pp > 1) else 0
+    if config.head_sums_logits:  # split by its input features (Inkling's), all V rows
+        head = config.vocab_size * h // tp if head else 0
+    head += vocab_shard(config, tp) * config.head_bias
     if stage_layers:
         counts = [sum(rank_chunks(stage_layers, pp, virtual_stages, rank)) for rank in range(pp)]
     elif virtual_stages > 1 or pp == 1:  # interleaving cuts equal chunks, v per rank

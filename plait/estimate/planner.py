@@ -277,12 +277,12 @@ class Costs:
         schedule's span, its messages included."""
         config, hw = self.request.config, self.request.hardware
         links = inter_node(shape, self.request.gpus_per_node)
-        kinds = alike_stages(config, shape.tp, shape.pp, shape.virtual_stages, shape.ep, shape.stage_layers)
+        kinds = alike_stages(config, shape.tp, shape.pp, shape.virtual_stages, shape.ep, shape.stage_layers, shape.sp)
         parts = self.parts(shape, links)
         if shape.pp == 1:
             return Core(shape.grad_accum * RankCost(*parts(kinds[0])).micro_batch, kinds)
         by_key = {_stage_key(stage): RankCost(*parts(stage)).micro_batch for stage in kinds}
-        shares = stages(config, shape.tp, shape.pp, shape.virtual_stages, shape.ep, shape.stage_layers)
+        shares = stages(config, shape.tp, shape.pp, shape.virtual_stages, shape.ep, shape.stage_layers, shape.sp)
         floor = lower_bound(shape.schedule, shape.pp, shape.grad_accum, shape.virtual_stages,
                             [by_key[_stage_key(share)] for share in shares], forward_fraction(shape.recompute),
                             [chunk_weights(shape, share) for share in shares],
@@ -335,11 +335,11 @@ def _stage_key(stage: StageShare) -> tuple:
 
 @functools.lru_cache(maxsize=4096)
 def alike_stages(config: GPTConfig, tp: int, pp: int, v: int, ep: int,
-                 stage_layers: tuple[int, ...]) -> tuple[StageShare, ...]:
+                 stage_layers: tuple[int, ...], sp: bool = False) -> tuple[StageShare, ...]:
     """One of each kind of the layout's stages (grouped by `_stage_key`), in stage order:
     what the core's parts and the tails' bound are costed on, once per kind."""
     kinds: dict[tuple, StageShare] = {}
-    for stage in stages(config, tp, pp, v, ep, stage_layers):
+    for stage in stages(config, tp, pp, v, ep, stage_layers, sp):
         kinds.setdefault(_stage_key(stage), stage)
     return tuple(kinds.values())
 

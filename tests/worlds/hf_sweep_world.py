@@ -343,6 +343,15 @@ def predicted_wire(family: str, sp: bool) -> dict[str, float]:
     return tp_traffic(shape, layout, layout_stages(shape, layout)[0]).get("tp", {})
 
 
+def predicted_local(family: str, mode: str) -> int:
+    """plait's estimate of the parameters one rank holds in `mode`'s run (tp 2, or ep 2)."""
+    shape = family_shape(family)
+    ep = mode == "ep"
+    layout = Workload(tp=1 if ep else 2, dp=2 if ep else 1, ep=2 if ep else 1, sp=mode == "tp_sp",
+                      micro_batch=BATCH // ACCUM, grad_accum=ACCUM, seq_len=SEQ, precision="fp32")
+    return layout_stages(shape, layout)[0].params
+
+
 def wire_verdict(measured: dict[str, float], predicted: dict[str, float]) -> str:
     """ "priced", or what differs: the ops' bytes measured and predicted."""
     if measured == predicted:
@@ -427,6 +436,7 @@ def tensor_parallel(family: str, batches: list[torch.Tensor], sp: bool = False) 
     allows, read by the vocab-parallel loss; the ledger's tp bytes a step beside the estimate's."""
     mesh = mesh_of(tp=2, sp=sp)
     model = plait.parallelize(build(family), mesh, plait.ParallelConfig(split_logits=True))
+    local = sum(p.numel() for p in model.parameters())
     optimizer = plait.build_optimizer(model, torch.optim.AdamW, **ADAM)
 
     def split_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -436,7 +446,7 @@ def tensor_parallel(family: str, batches: list[torch.Tensor], sp: bool = False) 
     losses = train(model, batches, optimizer, loss_of=split_loss)
     wire = {op: moved / STEPS for op, moved in mesh.ledger.since(before).get("tp", {}).items()}
     whole = gather_full_params(model, purpose=comm.TELEMETRY)  # a collective: every rank gathers
-    return {"losses": losses, "params": detached(whole), "whole": True, "wire": wire}
+    return {"losses": losses, "params": detached(whole), "whole": True, "wire": wire, "local": local}
 
 
 def pipelined(family: str, batches: list[torch.Tensor]) -> dict[str, Any]:
@@ -453,6 +463,7 @@ def expert_parallel(family: str, batches: list[torch.Tensor]) -> dict[str, Any]:
     experts' halves gathered whole."""
     mesh = mesh_of(dp=2, ep=2)
     model = plait.parallelize(build(family), mesh, plait.ParallelConfig())
+    local = sum(p.numel() for p in model.parameters())
     optimizer = plait.build_optimizer(model, torch.optim.AdamW, **ADAM)
     half = [rows.chunk(2)[mesh.rank("dp")] for rows in batches]
     losses = [dp_mean(loss, mesh) for loss in train(model, half, optimizer, sync=plait.no_sync)]
@@ -463,7 +474,7 @@ def expert_parallel(family: str, batches: list[torch.Tensor]) -> dict[str, Any]:
         if placement.split("ep") is not None:  # every ep rank's experts, joined in ep-rank order
             tensor = placement.join(all_gather_stacked(tensor.contiguous(), mesh.axis("ep"), comm.TELEMETRY), "ep")
         whole[name] = tensor.clone()
-    return {"losses": losses, "params": whole, "whole": True}
+    return {"losses": losses, "params": whole, "whole": True, "local": local}
 
 
 def dp_mean(value: float, mesh: Any) -> float:
@@ -515,6 +526,14 @@ def run_case(family: str, mode: str, batches: list[torch.Tensor], expected: dict
     except Exception as error:  # noqa: BLE001 - a sweep: any other exception is this case's finding
         verdict, detail, held = "crash", f"{type(error).__name__}: {first_line(error)}", None
     case = {"verdict": verdict, "detail": detail, "seconds": round(time.perf_counter() - start, 3), "held": held}
+    if verdict == "exact" and "local" in found:  # what a rank holds beside what the estimate gives it
+        try:
+            predicted = predicted_local(family, mode)
+            # a stage is priced from the mean block: rounding it may move the count by one a block
+            near = abs(predicted - found["local"]) <= family_shape(family).n_layers
+            case["counted"] = "counted" if near else f"holds {found['local']}, estimated {predicted}"
+        except Exception as error:  # noqa: BLE001
+            case["counted"] = f"not estimated: {type(error).__name__}: {first_line(error)}"
     if measured is None:
         return case
     try:  # the estimate's failing is this case's wire finding, not its verdict's
@@ -542,8 +561,8 @@ def agree(mine: dict[str, Any], expected: dict[str, Any], group: Any) -> dict[st
                     "detail": f"the stages hold {len(held)} parameters, the model {len(expected['params'])}: "
                               f"missing {sorted(set(expected['params']) - held)[:3]}"}
     if len(set(verdicts)) == 1:
-        wire = {"wire": everyone[0]["wire"]} if everyone[0].get("wire") else {}
-        return {"verdict": verdicts[0], "detail": everyone[0]["detail"], "seconds": seconds, **wire}
+        said = {key: everyone[0][key] for key in ("wire", "counted") if everyone[0].get(key)}
+        return {"verdict": verdicts[0], "detail": everyone[0]["detail"], "seconds": seconds, **said}
     if "refused" in verdicts and "crash" not in verdicts and "different" not in verdicts:
         rank = verdicts.index("refused")  # refused on one rank only: the other would have hung
         return {"verdict": "crash", "seconds": seconds,

@@ -127,6 +127,17 @@ class GPTConfig:
     aux_loss_coef: float = 0.01  # weight of the load-balancing loss (softmax router)
     bias_rate: float = 0.001  # sigmoid router: how far each step moves an expert's bias towards balance
     capacity_factor: float = 0.0  # 0: dropless; else each expert takes at most factor·tokens·top_k/experts
+    # A transformers model's parameters as it holds them, counted on the meta device where the
+    # fields above describe a block only in part (a hybrid's linear attention, DBRX's experts,
+    # Gemma 4's dense MLP beside its experts, a column layer's bias): per block, (parameters its
+    # tp plan splits, parameters every tp rank keeps whole, routed experts an ep plan can deal
+    # out, of the split ones those its plan under SP splits: DeepSeek's MoE blocks run whole
+    # there, plans.whole_beside_experts), and the parameters outside the blocks beyond the
+    # embedding, head and final norm (Gemma 4's per-layer embeddings), held whole on the first
+    # stage. Empty / 0: the formulas'
+    block_tally: tuple[tuple[int, int, int, int], ...] = ()
+    extra_params: int = 0
+    head_bias: bool = False  # the head adds a bias over the vocabulary (Phi's), split as the head is
 
     def __post_init__(self) -> None:
         """Shapes that cannot build a model are refused here, naming the field. moe_blocks,
@@ -135,6 +146,7 @@ class GPTConfig:
         object.__setattr__(self, "moe_blocks", tuple(self.moe_blocks))
         object.__setattr__(self, "tp_gathered", tuple(self.tp_gathered))
         object.__setattr__(self, "tp_gathered_calls", tuple(self.tp_gathered_calls))
+        object.__setattr__(self, "block_tally", tuple(tuple(block) for block in self.block_tally))
         for name in ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise PlaitError(f"model field {name} must be at least 1, got {getattr(self, name)}")
@@ -231,15 +243,22 @@ class GPTConfig:
         return attn + mlp + norms
 
     def block_params(self, index: int) -> int:
-        """Parameters of block `index`: a dense block, or one whose MLP is the MoE's (the
-        router's bias is a buffer-like parameter, not counted: it is never trained)."""
+        """Parameters of block `index`: as counted (block_tally), else a dense block, or one whose
+        MLP is the MoE's (the router's bias is a buffer-like parameter, not counted: it is never
+        trained)."""
+        if self.block_tally:
+            return sum(self.block_tally[index][:3])
         if not self.moe_layer(index):
             return self.layer_params()
         return self.layer_params() - self.mlp_params + self.moe_mlp_params()
 
     def active_block_params(self, index: int) -> int:
         """Parameters one token passes through in block `index`: a dense block's all; an MoE
-        block's attention, norms, router, top_k routed experts and the shared ones."""
+        block's attention, norms, router, top_k routed experts and the shared ones (of a counted
+        block, top_k/experts of its routed experts)."""
+        if self.block_tally:
+            split, whole, routed, _ = self.block_tally[index]
+            return split + whole + (routed * self.top_k // self.experts if self.experts else routed)
         if not self.moe_layer(index):
             return self.layer_params()
         return (self.layer_params() - self.mlp_params + self.d_model * self.experts
@@ -249,20 +268,22 @@ class GPTConfig:
     def active_params(self) -> int:
         """Parameters one token passes through: every dense weight, and of each MoE block the
         router, top_k routed experts and the shared ones (what FLOPs per token follow)."""
+        if self.block_tally:
+            return sum(self.active_block_params(i) for i in range(self.n_layers)) + self.embedding_params()
         idle = (self.experts - self.top_k) * self.expert_params() * self.moe_layers
         return self.num_params() - idle
 
     def embedding_params(self) -> int:
         """Token embedding, output head (unless tied), final norm, learned positions."""
         h = self.d_model
-        total = self.vocab_size * h
+        total = self.vocab_size * h + self.vocab_size * self.head_bias
         if not self.tie_embeddings:
             total += self.vocab_size * h
         if self.arch == "gpt2":
             total += self.max_seq_len * h + 2 * h
         else:
             total += h
-        return total
+        return total + self.extra_params
 
     def check_split(self, tp: int, sp: bool = False, seq_len: int | None = None) -> None:
         """The decoder splits whole heads, whole KV heads, the vocabulary and the MLP evenly

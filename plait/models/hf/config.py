@@ -159,14 +159,17 @@ class HFModelDir:
         shared_expert_intermediate_size, decoder_sparse_step, Llama 4's interleave_moe_layer_step);
         {} for a dense model. Llama 4's dense blocks are intermediate_size_mlp wide (ffn_hidden),
         its experts intermediate_size."""
-        c = self.config
+        ffn = self.config.get("ffn_config")  # DBRX nests its experts' fields
+        c = {**(ffn if isinstance(ffn, dict) else {}), **self.config}
         experts = int(c.get("num_local_experts") or c.get("num_experts") or c.get("n_routed_experts")
-                      or c.get("moe_num_experts") or 0)  # the last: Aria's, ERNIE-4.5-MoE's
+                      or c.get("moe_num_experts") or 0)  # the last: Aria's, ERNIE-4.5-MoE's, DBRX's
         if not experts:
             return {}
-        width = int(c.get("moe_intermediate_size") or c.get("intermediate_size") or 4 * hidden)
+        width = int(c.get("moe_intermediate_size") or c.get("intermediate_size") or c.get("ffn_hidden_size")
+                    or 4 * hidden)
         shared = int(c.get("shared_expert_intermediate_size") or 0)
-        top_k = c.get("num_experts_per_tok") or c.get("moe_topk") or c.get("moe_k") or 2  # HunYuan's, ERNIE's
+        top_k = (c.get("num_experts_per_tok") or c.get("moe_topk") or c.get("moe_k")  # HunYuan's, ERNIE's
+                 or c.get("moe_top_k") or 2)  # DBRX's
         return dict(experts=experts, top_k=int(top_k[0] if isinstance(top_k, list) else top_k), expert_hidden=width,
                     shared_experts=max(1, round(shared / width)) if shared else 0,
                     moe_every=int(c.get("decoder_sparse_step") or c.get("interleave_moe_layer_step") or 1))

@@ -28,7 +28,7 @@ from plait.models.gpt.config import GPTConfig
 from plait.models.hf.config import HFModelDir
 from plait.models.hf.experts import dense_experts
 from plait.models.hf.inferred import inferred_tp_plan
-from plait.models.hf.plans import block_list, declared, dispatched_experts, without_experts
+from plait.models.hf.plans import block_list, declared, beside_experts, dispatched_experts, without_experts
 from plait.models.hf.styles import mixes_tokens, text_config
 from plait.parallel.deferred import recording
 
@@ -134,8 +134,9 @@ def measured_shape(hf: HFModelDir) -> GPTConfig:
     plan = _block_plan(model, name)
     shape = replace(shape, **_qk_norm(layers, shape, plan), norm_params=_norm_params(layers, shape))
     shape = replace(shape, **_tp_regions(model, name, layers, shape, plan), **_ends_split(model))
-    return replace(shape, whole_biases=_whole_biases(layers, shape, plan, name),
-                   split_mlp_scalars=_split_mlp_scalars(layers, shape))
+    shape = replace(shape, whole_biases=_whole_biases(layers, shape, plan, name),
+                    split_mlp_scalars=_split_mlp_scalars(layers, shape))
+    return replace(shape, **_tally(model, layers, shape, plan, name))
 
 
 def _ends_split(model: nn.Module) -> dict[str, bool]:
@@ -376,6 +377,72 @@ def _split_mlp_scalars(layers: nn.ModuleList | None, shape: GPTConfig) -> int:
         return 0
     return sum(p.numel() for module in mlp.modules() if not isinstance(module, nn.Linear)
                for p in module.parameters(recurse=False) if p.ndim <= 1)
+
+
+SPLIT_SUBTREE = ("moe_tp_experts", "all_reduce", "embedding_colwise")  # every parameter of the module split
+
+
+def _tally(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig, plan: dict[str, str],
+           blocks: str | None) -> dict[str, Any]:
+    """GPTConfig.block_tally and extra_params: each block's parameters as the model holds them
+    (`_block_tally`, under `plan` and under its SP form), and those outside the blocks that the
+    embedding, head and final norm do not account for. {} where the blocks are not the shape's
+    (a list of another length): the formulas stand."""
+    if not layers or not blocks or len(layers) != shape.n_layers:
+        return {}
+    whole = beside_experts(model, dispatched_experts(declared(model, "ep")))  # under SP (whole_beside_experts)
+    seen: set[int] = set()  # a parameter two blocks share (Zamba's shared attention) counts in the first
+    tally = tuple(_block_tally(block, [_inside(plan, blocks, i), _inside(plan, blocks, i, whole)], shape, seen)
+                  for i, block in enumerate(layers))
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    head_bias = _bias(head) == shape.vocab_size  # Phi's: split with the head
+    outside = sum(p.numel() for p in model.parameters()) - sum(sum(block[:3]) for block in tally)
+    extra = outside - replace(shape, extra_params=0, head_bias=head_bias).embedding_params()  # < 0: OLMo's
+    return {"block_tally": tally, "extra_params": extra, "head_bias": head_bias}  # final norm has no weights
+
+
+def _inside(plan: dict[str, str], blocks: str, index: int, whole: set[str] = frozenset()) -> dict[str, str]:
+    """The entries of `plan` inside block `index` ("model.layers.*.mlp.up_proj"), named from the
+    block, less those at or under the modules `whole` names (where SP keeps a block whole)."""
+    block = f"{blocks}.{index}"
+    kept = [name[len(block):].lstrip(".") for name in whole if name == block or name.startswith(f"{block}.")]
+    inside = {key[len(blocks) + 3:]: style for key, style in plan.items() if key.startswith(f"{blocks}.*.")}
+    return {key: style for key, style in inside.items()
+            if not any(not name or key == name or key.startswith(f"{name}.") for name in kept)}
+
+
+def _block_tally(block: nn.Module, plans: list[dict[str, str]], shape: GPTConfig,
+                 seen: set[int]) -> tuple[int, int, int, int]:
+    """(split, whole, routed, split under SP) of one block's parameters not in `seen` (then added
+    to it), under `plans` (the block's tp plan, and its SP form): a parameter is split where an
+    entry naming its module splits the module's weights (a row layer's bias is added after its
+    sum, whole), or names the parameter itself; routed where it is one of an MoE's `experts` (an
+    ep plan deals them out; tp splits them only as `moe_tp_experts`, routed_split_by_tp)."""
+    params = [p for p in block.parameters() if id(p) not in seen]
+    seen.update(id(p) for p in params)
+    experts = {id(p) for module in block.modules() if shape.is_moe
+               and isinstance(getattr(module, "experts", None), nn.Module) for p in module.experts.parameters()}
+    # experts the plan splits with no ep to deal them out are split (LongCat's); Llama 4's, whose
+    # dense experts ep can also deal out, stay routed (split by tp only at ep 1: routed_split_by_tp)
+    routed = experts if shape.tp_expert_rows else experts - _split_by(block, plans[0])
+    n_routed = sum(p.numel() for p in params if id(p) in routed)
+    split, split_sp = (sum(p.numel() for p in params if id(p) in _split_by(block, plan) and id(p) not in routed)
+                       for plan in plans)
+    return split, sum(p.numel() for p in params) - split - n_routed, n_routed, split_sp
+
+
+def _split_by(block: nn.Module, plan: dict[str, str]) -> set[int]:
+    """The ids of the block's parameters `plan` (named from the block) splits."""
+    split: set[int] = set()
+    for inside, style in plan.items():
+        for name, module in block.named_modules():
+            if name and fnmatchcase(name, inside):
+                split.update(id(p) for pname, p in module.named_parameters() if style in SPLIT_SUBTREE
+                             or style in COLUMN_STYLES or (style in ROWS and pname != "bias"))
+        for name, param in block.named_parameters():
+            if fnmatchcase(name, inside) and style in (*COLUMN_STYLES, *ROWS, "packed_rowwise"):
+                split.add(id(param))
+    return split
 
 
 def _in_block(block: nn.Module, name: str) -> nn.Module | None:

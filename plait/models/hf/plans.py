@@ -223,6 +223,13 @@ def without_experts(tp_plan: dict[str, Any], experts: list[str]) -> dict[str, An
             if not any(key == e or key.startswith(e + ".") for e in experts)}
 
 
+def beside_experts(model: nn.Module, experts: list[str]) -> set[str]:
+    """The modules around the experts modules `experts` (patterns) dispatches: what SP keeps
+    whole (whole_beside_experts)."""
+    return {name.rpartition(".")[0] for name, _ in model.named_modules()
+            if name and any(fnmatchcase(name, e) for e in experts)}
+
+
 def whole_beside_experts(model: nn.Module, plan: dict[str, str], experts: list[str]) -> dict[str, str]:
     """Under SP, `plan` with nothing split inside an MoE block holding experts kept whole (the
     block around an experts module the ep plan dispatches): such a block adds its routed
@@ -231,7 +238,7 @@ def whole_beside_experts(model: nn.Module, plan: dict[str, str], experts: list[s
     whole, its gradients summed, as a block with no shared expert does. The plan's patterns
     become the module (and parameter) names they match, less those inside such blocks."""
     modules = [name for name, _ in model.named_modules() if name]
-    blocks = {name.rpartition(".")[0] for name in modules if any(fnmatchcase(name, e) for e in experts)}
+    blocks = beside_experts(model, experts)
     if not blocks:
         return plan
     params = [name for name, _ in model.named_parameters()]
