@@ -177,6 +177,52 @@ def block_split(config: GPTConfig, ep: int = 1, sp: bool = False) -> tuple[int, 
     return sharded, average - sharded
 
 
+def block_share(config: GPTConfig, index: int, tp: int, ep: int, sp: bool) -> float:
+    """Block `index`'s parameters on one tp (and ep) rank, as counted (GPTConfig.block_tally):
+    its split ones over tp (under SP, those SP splits), its routed experts over tp where tp
+    splits them, else over ep, the rest whole."""
+    split, whole, routed, split_sp = config.block_tally[index]
+    if sp:  # what SP keeps whole of the split (DeepSeek's MoE blocks) is whole
+        split, whole = split_sp, whole + split - split_sp
+    if config.routed_split_by_tp(ep):
+        return (split + routed) / tp + whole
+    return split / tp + whole + routed / ep
+
+
+def rank_blocks(config: GPTConfig, pp: int, virtual_stages: int,
+                stage_layers: tuple[int, ...]) -> list[list[int]]:
+    """The blocks each pipeline rank holds, in order: its chunks' (stage c·pp + r is rank r's),
+    stages cut as `stage_layers` gives, in equal chunks when interleaved, else as plait's
+    pipeline balances them: by each block's whole parameters, the embedding's on the first
+    stage and the final norm's and head's on the last (parallel/pipeline/split.py:
+    default_balance), which a counted model's blocks give."""
+    n, stages_n = config.n_layers, pp * virtual_stages
+    if stage_layers:
+        counts = list(stage_layers)
+    elif stages_n > 1 and virtual_stages == 1:
+        h, rows = config.d_model, config.vocab_size
+        first = rows * h + (config.max_seq_len * h if config.arch == "gpt2" else 0) + config.extra_params
+        last = final_norm_params(config) + config.extra_last_params + rows * h + rows * config.head_bias
+        counts = balanced_counts([config.block_params(i) for i in range(n)], pp, first_extra=first, last_extra=last)
+    else:
+        counts = [n // stages_n] * stages_n
+    starts = [sum(counts[:stage]) for stage in range(stages_n)]
+    return [[block for stage in range(rank, stages_n, pp)
+             for block in range(starts[stage], starts[stage] + counts[stage])]
+            for rank in range(pp)]
+
+
+def counted_stage(config: GPTConfig, index: int, pp: int, blocks: list[int], shares: list[float], ep: int,
+                  replicated: int, ends: int, ends_whole: int) -> StageShare:
+    """Pipeline rank `index`'s share of a counted model (GPTConfig.block_tally): its own blocks'
+    parameters (a hybrid's stages differ, DeepSeek's dense first blocks are lighter), its MoE
+    blocks, and `ends` (the embedding's or the head's parameters on this rank)."""
+    held = sum(shares[i] for i in blocks)
+    experts = sum(config.block_tally[i][2] for i in blocks) / ep if ep > 1 else 0
+    return StageShare(index, pp, len(blocks), round(held / max(1, len(blocks))), round(held) + ends,
+                      len(blocks) * replicated + ends_whole, round(experts), sum(map(config.moe_layer, blocks)))
+
+
 def summed_whole(config: GPTConfig, ep: int) -> int:
     """The parameters a block keeps whole on every tp rank by the formulas (block_split without
     a tally), with this ep rank's experts: what the wire model (traffic.tp_collectives' SP sum)
@@ -189,7 +235,7 @@ def summed_whole(config: GPTConfig, ep: int) -> int:
 
 def final_norm_params(config: GPTConfig) -> int:
     """The final norm's weights (and GPT-2's LayerNorm biases), on the last stage, whole on every tp rank."""
-    return 2 * config.d_model if config.arch == "gpt2" else config.d_model
+    return config.final_norm_weights
 
 
 def vocab_shard(config: GPTConfig, tp: int) -> int:
@@ -260,11 +306,17 @@ def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1, ep: int
     table = vocab_shard(config, tp) * h
     embedding = embedding_rows(config, tp) * h
     first = embedding + (config.max_seq_len * h if config.arch == "gpt2" else 0) + config.extra_params
-    norm = final_norm_params(config)
+    norm = final_norm_params(config) + config.extra_last_params
     head = table if (not config.tie_embeddings or pp > 1) else 0
     if config.head_sums_logits:  # split by its input features (Inkling's), all V rows
         head = config.vocab_size * h // tp if head else 0
     head += vocab_shard(config, tp) * config.head_bias
+    if config.block_tally:  # counted: each rank its own blocks
+        shares = [block_share(config, i, tp, ep, sp) for i in range(config.n_layers)]
+        cut = rank_blocks(config, pp, virtual_stages, stage_layers)
+        ends = [first * (i == 0) + (norm + head) * (i == pp - 1) for i in range(pp)]
+        return tuple(counted_stage(config, i, pp, blocks, shares, ep, replicated, ends[i],
+                                   final_norm_params(config) * (i == pp - 1)) for i, blocks in enumerate(cut))
     if stage_layers:
         counts = [sum(rank_chunks(stage_layers, pp, virtual_stages, rank)) for rank in range(pp)]
     elif virtual_stages > 1 or pp == 1:  # interleaving cuts equal chunks, v per rank

@@ -15,7 +15,9 @@ Each tp and tp_sp case trains as `plait train` does (its head split by vocabular
 allows: plait's vocab-parallel loss reads the slices), and its tp bytes per step, as the ledger
 counts them, are held to what plait's estimate predicts for the family's shape (measured_shape,
 from its config.json and the model built on meta): "wire" is "priced" where they are equal, op
-by op, else what was measured and predicted (an exact case only).
+by op, else what was measured and predicted (an exact case only). Each exact tp, tp_sp, pp and
+ep case also holds the parameters each rank holds to the estimate's for that rank ("counted",
+else what each rank holds and was given).
 
 Each case is classified (`verdict`): "exact" (every loss within rtol 1e-4 of the reference,
 the final parameters, gathered whole, within rtol 1e-4 / atol 5e-6 elementwise), "refused"
@@ -346,10 +348,11 @@ def predicted_wire(family: str, sp: bool) -> dict[str, float]:
 def predicted_local(family: str, mode: str) -> int:
     """plait's estimate of the parameters one rank holds in `mode`'s run (tp 2, or ep 2)."""
     shape = family_shape(family)
-    ep = mode == "ep"
-    layout = Workload(tp=1 if ep else 2, dp=2 if ep else 1, ep=2 if ep else 1, sp=mode == "tp_sp",
-                      micro_batch=BATCH // ACCUM, grad_accum=ACCUM, seq_len=SEQ, precision="fp32")
-    return layout_stages(shape, layout)[0].params
+    ep, pp = mode == "ep", mode == "pp"
+    layout = Workload(tp=1 if ep or pp else 2, dp=2 if ep else 1, ep=2 if ep else 1, pp=2 if pp else 1,
+                      sp=mode == "tp_sp", schedule="1f1b", micro_batch=BATCH // ACCUM, grad_accum=ACCUM,
+                      seq_len=SEQ, precision="fp32")
+    return layout_stages(shape, layout)[dist.get_rank() if pp else 0].params
 
 
 def wire_verdict(measured: dict[str, float], predicted: dict[str, float]) -> str:
@@ -453,9 +456,10 @@ def pipelined(family: str, batches: list[torch.Tensor]) -> dict[str, Any]:
     """pp 2, 1F1B: a step's ACCUM micro-batches are the pipeline's; each rank its stages' parameters."""
     mesh = mesh_of(pp=2, schedule="1f1b")
     stages = plait.parallelize(build(family), mesh, plait.ParallelConfig())
+    local = sum(p.numel() for p in {id(p): p for stage in stages for p in stage.parameters()}.values())
     optimizer = plait.build_optimizer(stages, torch.optim.AdamW, **ADAM)
     out = pipeline_steps(stages, mesh, batches, ACCUM, loss_fn, optimizer)
-    return {"losses": out["losses"], "params": detached(out["held"]), "whole": False}
+    return {"losses": out["losses"], "params": detached(out["held"]), "whole": False, "local": local}
 
 
 def expert_parallel(family: str, batches: list[torch.Tensor]) -> dict[str, Any]:
@@ -529,9 +533,8 @@ def run_case(family: str, mode: str, batches: list[torch.Tensor], expected: dict
     if verdict == "exact" and "local" in found:  # what a rank holds beside what the estimate gives it
         try:
             predicted = predicted_local(family, mode)
-            # a stage is priced from the mean block: rounding it may move the count by one a block
-            near = abs(predicted - found["local"]) <= family_shape(family).n_layers
-            case["counted"] = "counted" if near else f"holds {found['local']}, estimated {predicted}"
+            case["counted"] = "counted" if predicted == found["local"] else \
+                f"holds {found['local']}, estimated {predicted}"
         except Exception as error:  # noqa: BLE001
             case["counted"] = f"not estimated: {type(error).__name__}: {first_line(error)}"
     if measured is None:
@@ -561,7 +564,11 @@ def agree(mine: dict[str, Any], expected: dict[str, Any], group: Any) -> dict[st
                     "detail": f"the stages hold {len(held)} parameters, the model {len(expected['params'])}: "
                               f"missing {sorted(set(expected['params']) - held)[:3]}"}
     if len(set(verdicts)) == 1:
-        said = {key: everyone[0][key] for key in ("wire", "counted") if everyone[0].get(key)}
+        said = {"wire": everyone[0]["wire"]} if everyone[0].get("wire") else {}
+        counts = [case.get("counted") for case in everyone]  # each rank's (a pipeline's stages differ)
+        if any(counts):
+            off = [f"rank {rank}: {count}" for rank, count in enumerate(counts) if count != "counted"]
+            said["counted"] = "; ".join(off) if off else "counted"
         return {"verdict": verdicts[0], "detail": everyone[0]["detail"], "seconds": seconds, **said}
     if "refused" in verdicts and "crash" not in verdicts and "different" not in verdicts:
         rank = verdicts.index("refused")  # refused on one rank only: the other would have hung

@@ -134,9 +134,10 @@ class GPTConfig:
     # out, of the split ones those its plan under SP splits: DeepSeek's MoE blocks run whole
     # there, plans.whole_beside_experts), and the parameters outside the blocks beyond the
     # embedding, head and final norm (Gemma 4's per-layer embeddings), held whole on the first
-    # stage. Empty / 0: the formulas'
+    # stage (< 0: fewer). Empty / 0: the formulas'
     block_tally: tuple[tuple[int, int, int, int], ...] = ()
     extra_params: int = 0
+    extra_last_params: int = 0  # the same after the blocks, on the last stage (a LayerNorm's bias; < 0: none)
     head_bias: bool = False  # the head adds a bias over the vocabulary (Phi's), split as the head is
 
     def __post_init__(self) -> None:
@@ -273,17 +274,21 @@ class GPTConfig:
         idle = (self.experts - self.top_k) * self.expert_params() * self.moe_layers
         return self.num_params() - idle
 
+    @property
+    def final_norm_weights(self) -> int:
+        """The final norm's weights (and GPT-2's LayerNorm biases), on the last stage."""
+        return 2 * self.d_model if self.arch == "gpt2" else self.d_model
+
     def embedding_params(self) -> int:
-        """Token embedding, output head (unless tied), final norm, learned positions."""
+        """Token embedding, output head (unless tied), final norm, learned positions, and what a
+        counted model holds beyond them (extra_params, extra_last_params)."""
         h = self.d_model
-        total = self.vocab_size * h + self.vocab_size * self.head_bias
+        total = self.vocab_size * h + self.vocab_size * self.head_bias + self.final_norm_weights
         if not self.tie_embeddings:
             total += self.vocab_size * h
         if self.arch == "gpt2":
-            total += self.max_seq_len * h + 2 * h
-        else:
-            total += h
-        return total + self.extra_params
+            total += self.max_seq_len * h
+        return total + self.extra_params + self.extra_last_params
 
     def check_split(self, tp: int, sp: bool = False, seq_len: int | None = None) -> None:
         """The decoder splits whole heads, whole KV heads, the vocabulary and the MLP evenly

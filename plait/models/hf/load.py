@@ -29,6 +29,7 @@ from plait.models.hf.config import HFModelDir
 from plait.models.hf.experts import dense_experts
 from plait.models.hf.inferred import inferred_tp_plan
 from plait.models.hf.plans import block_list, declared, beside_experts, dispatched_experts, without_experts
+from plait.models.hf import stages as hf_stages
 from plait.models.hf.styles import mixes_tokens, text_config
 from plait.parallel.deferred import recording
 
@@ -397,8 +398,35 @@ def _tally(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig, pla
     head = getattr(model, "get_output_embeddings", lambda: None)()
     head_bias = _bias(head) == shape.vocab_size  # Phi's: split with the head
     outside = sum(p.numel() for p in model.parameters()) - sum(sum(block[:3]) for block in tally)
-    extra = outside - replace(shape, extra_params=0, head_bias=head_bias).embedding_params()  # < 0: OLMo's
-    return {"block_tally": tally, "extra_params": extra, "head_bias": head_bias}  # final norm has no weights
+    formula = replace(shape, extra_params=0, extra_last_params=0, head_bias=head_bias)
+    last = _after_blocks(model, blocks, seen)
+    h, rows = shape.d_model, shape.vocab_size
+    extra_last = 0 if last is None else \
+        last - formula.final_norm_weights - rows * h * (not shape.tie_embeddings) - rows * head_bias
+    return {"block_tally": tally, "head_bias": head_bias, "extra_last_params": extra_last,
+            "extra_params": outside - formula.embedding_params() - extra_last}
+
+
+def _after_blocks(model: nn.Module, blocks: str, seen: set[int]) -> int | None:
+    """The parameters of the pieces the pipeline's last stage holds after the blocks (the cut
+    its pp plan makes, declared or inferred: the final norm, the head and what a family adds
+    beside them), less those in `seen` (the blocks') and a head tied to the embedding; None
+    where no cut is read (all that is outside the blocks is then counted on the first stage).
+    A cut whose stages run the model's own forward places its pieces as that forward runs them
+    (own_forward.own_parts: OPT's final norm on the last stage), which this does not follow."""
+    plan = declared(model, "pp")
+    plan = plan if hf_stages.names_a_list(model, plan) else hf_stages.inferred_plan(model)  # as DeclaredPlanAdapter
+    try:
+        parts = hf_stages.declared_parts(model, plan)
+    except PlaitError:
+        return None
+    if parts.blocks != blocks:
+        return None
+    embedding = getattr(model, "get_input_embeddings", lambda: None)()
+    tied = {id(p) for p in embedding.parameters()} if isinstance(embedding, nn.Module) else set()
+    held = {id(p): p for key in parts.last for p in model.get_submodule(key).parameters()
+            if id(p) not in seen and id(p) not in tied}
+    return sum(p.numel() for p in held.values())
 
 
 def _inside(plan: dict[str, str], blocks: str, index: int, whole: set[str] = frozenset()) -> dict[str, str]:
