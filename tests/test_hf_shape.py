@@ -164,3 +164,31 @@ def test_the_parameters_are_counted_as_the_model_holds_them(tmp_path: Path) -> N
     assert block_split(deepseek, sp=True)[0] < block_split(deepseek)[0]
     dbrx = shape_of(tmp_path / "dbrx", "dbrx", **cases["dbrx"])
     assert held_experts(dbrx, 2) == 4 * 3 * 32 * 32 / 2  # its experts dealt out over ep, whole MLPs
+
+
+# Published totals and active parameters of models whose transformers configs default to them
+# (AutoConfig.for_model(family) with no fields), each counted on the meta device: (family, total,
+# active per token, in billions, or None where the source's convention is not the count's, and
+# the source).
+PUBLISHED = [
+    ("deepseek_v3", 671, 37, "DeepSeek-V3 Technical Report (arXiv:2412.19437), abstract: 671B total, 37B activated"),
+    ("mixtral", 47, 13, "Mixtral of Experts (arXiv:2401.04088), section 2: 47B parameters, 13B active"),
+    ("jamba", 52, 12, "Jamba (arXiv:2403.19887), section 3: 12B active parameters out of 52B"),
+    ("qwen3_next", 80, None, "Qwen3-Next-80B-A3B model card: 80B in total (its 3B active leave out the embeddings)"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, total, active, source", PUBLISHED)
+def test_published_models_are_counted_as_published(tmp_path: Path, family: str, total: float, active: float | None,
+                                                   source: str) -> None:
+    """The count against each model's own figures, within 1% (total) and 2% (active): the
+    formulas alone put Jamba's active parameters 14% under its 12B (its mamba layers priced as
+    attention), DeepSeek-V3's 4.5% over its 37B (MLA priced as q, k, v, o), Qwen3-Next's total
+    1.8% under its 80B."""
+    transformers.AutoConfig.for_model(family).save_pretrained(tmp_path)
+    shape = measured_shape(read_hf_dir(f"hf:{tmp_path}"))
+    assert shape.num_params() == meta_params(tmp_path)
+    assert abs(shape.num_params() / 1e9 / total - 1) < 0.01, source
+    if active is not None:
+        assert abs(shape.active_params() / 1e9 / active - 1) < 0.02, source
