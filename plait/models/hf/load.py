@@ -28,8 +28,8 @@ from plait.models.gpt.config import GPTConfig
 from plait.models.hf.config import HFModelDir
 from plait.models.hf.experts import dense_experts
 from plait.models.hf.inferred import inferred_tp_plan
-from plait.models.hf.plans import block_list, declared, beside_experts, dispatched_experts, without_experts
 from plait.models.hf import stages as hf_stages
+from plait.models.hf.plans import beside_experts, block_list, declared, dispatched_experts, without_experts
 from plait.models.hf.styles import mixes_tokens, text_config
 from plait.parallel.deferred import recording
 
@@ -385,10 +385,11 @@ SPLIT_SUBTREE = ("moe_tp_experts", "all_reduce", "embedding_colwise")  # every p
 
 def _tally(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig, plan: dict[str, str],
            blocks: str | None) -> dict[str, Any]:
-    """GPTConfig.block_tally and extra_params: each block's parameters as the model holds them
-    (`_block_tally`, under `plan` and under its SP form), and those outside the blocks that the
-    embedding, head and final norm do not account for. {} where the blocks are not the shape's
-    (a list of another length): the formulas stand."""
+    """GPTConfig.block_tally, extra_params, extra_last_params and head_bias: each block's
+    parameters as the model holds them (`_block_tally`, under `plan` and under its SP form), and
+    those outside the blocks that the embedding, head and final norm do not account for, before
+    the blocks and after them (`_after_blocks`). {} where the blocks are not the shape's (a list
+    of another length): the formulas stand."""
     if not layers or not blocks or len(layers) != shape.n_layers:
         return {}
     whole = beside_experts(model, dispatched_experts(declared(model, "ep")))  # under SP (whole_beside_experts)
