@@ -192,3 +192,48 @@ def test_published_models_are_counted_as_published(tmp_path: Path, family: str, 
     assert abs(shape.num_params() / 1e9 / total - 1) < 0.01, source
     if active is not None:
         assert abs(shape.active_params() / 1e9 / active - 1) < 0.02, source
+
+
+def saved_by_autograd(path: Path, dtype: torch.dtype, batch: int, seq: int) -> int:
+    """Bytes autograd keeps in one forward of the model at `path`, built with values on the CPU
+    from its seed: each storage once, the parameters' not."""
+    config = transformers.AutoConfig.from_pretrained(path)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.untyped_storage().data_ptr() not in params:
+            kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(input_ids=torch.randint(0, config.vocab_size, (batch, seq)))
+    return sum(kept.values())
+
+
+def test_an_eager_attention_keeps_its_matrices(tmp_path: Path) -> None:
+    """Gemma 2's soft-capped attention and BLOOM's ALiBi run eagerly (transformers' choice):
+    each keeps s × s matrices for backward, which the estimate prices from what a forward on
+    meta keeps (attention_matrix_bytes), held here to what autograd keeps on the CPU, as the
+    s² term of two sequence lengths, in fp32 and bf16; Llama's SDPA keeps none."""
+    from plait.estimate.activations import stage_activation_bytes
+    from plait.estimate.layout import Workload, layout_stages
+
+    def quadratic(measure: Any) -> float:  # the s² term of a measure at 32 and 64 tokens
+        return (measure(64) - 2 * measure(32)) / (64 * 64 - 2 * 32 * 32)
+
+    cases = {"gemma2": {}, "bloom": dict(n_layer=2, n_head=4), "llama": {}}
+    for family, fields in cases.items():
+        shape = shape_of(tmp_path / family, family, **fields)
+        for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            def estimated(seq: int) -> float:
+                layout = Workload(micro_batch=2, seq_len=seq, precision=precision)
+                return stage_activation_bytes(shape, layout, layout_stages(shape, layout)[0])
+
+            measured = quadratic(lambda seq: saved_by_autograd(tmp_path / family, dtype, 2, seq))
+            if family == "llama":
+                assert shape.attention_matrix_bytes == (0, 0) and measured == 0
+            else:
+                assert measured > 0 and abs(quadratic(estimated) / measured - 1) < 0.1, (family, precision)

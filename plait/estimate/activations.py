@@ -117,7 +117,19 @@ def llama_layer_bytes(config: GPTConfig, layout: Workload) -> float:
     # a region the model's plan leaves whole (GPTConfig.tp_attention, tp_mlp) keeps it all on every rank
     whole = ((e * (attention + o_proj_copy) + LSE_BYTES * a) * (not config.tp_attention)
              + e * mlp * f * (not config.tp_mlp))
-    return _combine(replicated + whole, sharded - whole, layout, e * h)
+    return _combine(replicated + whole, sharded - whole, layout, e * h) + eager_attention_bytes(config, layout)
+
+
+def eager_attention_bytes(config: GPTConfig, layout: Workload) -> float:
+    """What an eager attention keeps per block and micro-batch beyond SDPA's: its s × s
+    matrices (the fp32 softmax, its cast, a soft-cap's tanh: GPTConfig.attention_matrix_bytes,
+    measured), b·s² of them, over the tp ranks its heads split over. Recomputed under full and
+    selective recomputation; context parallelism runs its own attention in place of the model's."""
+    fp32, low = config.attention_matrix_bytes
+    if layout.recompute != "none" or layout.cp > 1 or not (fp32 or low):
+        return 0.0
+    heads = layout.tp if config.tp_attention else 1
+    return layout.micro_batch * layout.seq_len ** 2 * (fp32 if layout.compute_bytes == 4 else low) / heads
 
 
 def kv_kept(config: GPTConfig, layout: Workload) -> int:

@@ -139,6 +139,11 @@ class GPTConfig:
     extra_params: int = 0
     extra_last_params: int = 0  # the same after the blocks, on the last stage (a LayerNorm's bias; < 0: none)
     head_bias: bool = False  # the head adds a bias over the vocabulary (Phi's), split as the head is
+    # Bytes a block's eager attention keeps per (query, key) pair of a sequence, all its heads, a
+    # mean over the blocks, (in fp32, in 16-bit): a transformers model whose attention runs
+    # eagerly (a soft-cap, sinks, ALiBi) keeps its s × s matrices for backward, where SDPA keeps
+    # none (estimate/activations.eager_attention_bytes). Measured on the meta device.
+    attention_matrix_bytes: tuple[float, float] = (0.0, 0.0)
 
     def __post_init__(self) -> None:
         """Shapes that cannot build a model are refused here, naming the field. moe_blocks,
@@ -148,6 +153,7 @@ class GPTConfig:
         object.__setattr__(self, "tp_gathered", tuple(self.tp_gathered))
         object.__setattr__(self, "tp_gathered_calls", tuple(self.tp_gathered_calls))
         object.__setattr__(self, "block_tally", tuple(tuple(block) for block in self.block_tally))
+        object.__setattr__(self, "attention_matrix_bytes", tuple(self.attention_matrix_bytes))
         for name in ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise PlaitError(f"model field {name} must be at least 1, got {getattr(self, name)}")

@@ -137,7 +137,8 @@ def measured_shape(hf: HFModelDir) -> GPTConfig:
     shape = replace(shape, **_tp_regions(model, name, layers, shape, plan), **_ends_split(model))
     shape = replace(shape, whole_biases=_whole_biases(layers, shape, plan, name),
                     split_mlp_scalars=_split_mlp_scalars(layers, shape))
-    return replace(shape, **_tally(model, layers, shape, plan, name))
+    shape = replace(shape, **_tally(model, layers, shape, plan, name))
+    return replace(shape, attention_matrix_bytes=_attention_matrices(model, shape))  # last: it casts the model
 
 
 def _ends_split(model: nn.Module) -> dict[str, bool]:
@@ -406,6 +407,47 @@ def _tally(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig, pla
         last - formula.final_norm_weights - rows * h * (not shape.tie_embeddings) - rows * head_bias
     return {"block_tally": tally, "head_bias": head_bias, "extra_last_params": extra_last,
             "extra_params": outside - formula.embedding_params() - extra_last}
+
+
+def _attention_matrices(model: nn.Module, shape: GPTConfig) -> tuple[float, float]:
+    """GPTConfig.attention_matrix_bytes: where the model's attention runs eagerly (transformers
+    chose "eager": a soft-cap, attention sinks or ALiBi that SDPA does not take), the s² term of
+    what autograd keeps in a forward of one sequence on the meta device, at 16, 32 and 48
+    tokens (a constant, a linear and a quadratic term), in fp32 and in bf16, over the blocks,
+    clamped at 0. Where meta cannot run the forward in fp32 (grouped experts take bf16
+    alone: GPT-OSS's) the fp32 figure is twice the bf16 one, a bound (measured on CPU: 4 bytes a
+    pair a head against 2 for GPT-OSS and MiMo-V2-Flash, 4 against 5.9 for Flint's fp32
+    softmax). (0, 0) for SDPA's attention, which keeps no s × s matrix."""
+    if getattr(getattr(model, "config", None), "_attn_implementation", "sdpa") != "eager":
+        return (0.0, 0.0)
+    figures: list[float | None] = []
+    for dtype in (torch.float32, torch.bfloat16):
+        try:
+            kept = [_saved_on_meta(model.to(dtype), length) for length in (16, 32, 48)]
+        except Exception:  # noqa: BLE001 - an op meta does not run in this dtype
+            figures.append(None)
+            continue
+        # c + a·s + q·s² at three evenly spaced lengths: the second difference is q·2·16²
+        figures.append(max(0.0, (kept[2] - 2 * kept[1] + kept[0]) / (2 * 16 * 16) / shape.n_layers))
+    low = figures[1] or 0.0
+    return (figures[0] if figures[0] is not None else 2 * low, low)
+
+
+def _saved_on_meta(model: nn.Module, length: int) -> int:
+    """Bytes autograd keeps in one forward of `model` (on meta) over one sequence of `length`
+    tokens: each storage once, the parameters' not."""
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage._cdata not in params:
+            kept[storage._cdata] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(input_ids=torch.zeros(1, length, dtype=torch.long, device="meta"))
+    return sum(kept.values())
 
 
 def _after_blocks(model: nn.Module, blocks: str, seen: set[int]) -> int | None:
