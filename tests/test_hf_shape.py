@@ -237,3 +237,20 @@ def test_an_eager_attention_keeps_its_matrices(tmp_path: Path) -> None:
                 assert shape.attention_matrix_bytes == (0, 0) and measured == 0
             else:
                 assert measured > 0 and abs(quadratic(estimated) / measured - 1) < 0.1, (family, precision)
+
+
+def test_a_hybrids_attention_flops_are_its_attention_blocks(tmp_path: Path) -> None:
+    """The attention's FLOPs (4·h·s a token forward a block) count the blocks whose config's
+    layer_types name softmax attention: Qwen3-Next's one in four, LFM2's one in two (beside a
+    convolution), none of Mamba's; every block of Llama's."""
+    from plait.estimate.time import flops_per_token
+
+    shapes = {"qwen3_next": shape_of(tmp_path / "qwen3_next", "qwen3_next", num_hidden_layers=4, **LINEAR, **MOE),
+              "lfm2": shape_of(tmp_path / "lfm2", "lfm2", layer_types=["conv", "full_attention"]),
+              "mamba": shape_of(tmp_path / "mamba", "mamba"),
+              "llama": shape_of(tmp_path / "llama", "llama")}
+    assert {family: shape.attention_share for family, shape in shapes.items()} == \
+        {"qwen3_next": 0.25, "lfm2": 0.5, "mamba": 0.0, "llama": 1.0}
+    for family, shape in shapes.items():  # the s-linear term of the model's FLOPs a token
+        attention = flops_per_token(shape, 64)[0] - flops_per_token(shape, 32)[0]
+        assert attention == 12 * shape.n_layers * shape.attention_share * shape.d_model * 32, family

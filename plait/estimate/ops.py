@@ -236,9 +236,10 @@ def ring_key(config: GPTConfig, seq: int, tp: int, cp: int, precision: str) -> s
 
 
 def attention_s(config: GPTConfig, layout: Workload, passes: float) -> tuple[float, float]:
-    """(FLOPs, key) of the attention core for `passes` forward-equivalents on one block."""
+    """(FLOPs, key) of the attention core for `passes` forward-equivalents on one block (a mean
+    block: a hybrid's blocks without softmax attention have none, GPTConfig.attention_share)."""
     tokens = layout.tokens_per_micro_batch  # this rank's queries, each against the whole sequence
-    flops = 4.0 * tokens * layout.seq_len * config.d_model / layout.tp * passes
+    flops = 4.0 * tokens * layout.seq_len * config.d_model / layout.tp * passes * config.attention_share
     return flops, attention_key(config, layout.micro_batch, layout.seq_len, layout.tp,
                                 outer_precision(layout.precision))
 
@@ -266,7 +267,7 @@ def eager_scores_s(config: GPTConfig, layout: Workload, hw: Hardware, forwards: 
     forward, backward = EAGER_SCORE_PASSES[layout.software.dropout]
     scores = layout.tokens_per_micro_batch * (config.n_heads // layout.tp) * layout.seq_len
     size = scores * dtype_bytes(layout.precision)
-    return size * (forward * forwards + backward * backwards) / hw.memory_rate(size)
+    return size * (forward * forwards + backward * backwards) / hw.memory_rate(size) * config.attention_share
 
 
 def elementwise_s(config: GPTConfig, layout: Workload, hw: Hardware, layers: float,

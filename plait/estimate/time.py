@@ -13,7 +13,8 @@ Assumptions, each visible in `ASSUMPTIONS`:
 * Training costs 6Ψ + 12·L·h·s FLOPs per token: 2Ψ forward and 4Ψ backward for the
   matmuls (Ψ = the weights a token is multiplied by: every block plus the output head; the
   input embedding is a lookup), and 4·h·s per layer forward for QKᵀ and attention·V,
-  tripled for backward. The causal mask is not discounted (PaLM's convention). Full
+  tripled for backward (L counts a hybrid's softmax-attention blocks alone:
+  GPTConfig.attention_share). The causal mask is not discounted (PaLM's convention). Full
   recompute adds one forward, 2Ψ + 4·L·h·s; selective recompute adds the attention
   core's forward, 4·L·h·s. MFU counts only the 6Ψ + 12·L·h·s.
 * Compute is costed operation by operation (plait/estimate/ops.py): each GEMM on a roofline
@@ -69,7 +70,8 @@ from plait.estimate.pipeline import rank_ends
 from plait.models.gpt.config import GPTConfig
 
 ASSUMPTIONS = (
-    "FLOPs per token 6Ψ + 12·L·h·s (PaLM convention, causal mask not discounted); "
+    "FLOPs per token 6Ψ + 12·L·h·s (PaLM convention, causal mask not discounted; L the blocks with softmax "
+    "attention, not a hybrid's linear-attention, mamba or convolution blocks); "
     "full recompute adds 2Ψ + 4·L·h·s, selective 4·L·h·s; MFU counts neither",
     "compute per operation: GEMMs on a roofline of their shape (peak·compute_efficiency plus "
     "a fixed ramp, memory bandwidth) or at their calibrated rate (an MoE block's: its router, its routed experts' "
@@ -172,7 +174,7 @@ def matmul_params(config: GPTConfig) -> int:
 def flops_per_token(config: GPTConfig, seq_len: int, recompute: str = "none") -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) of training on one token: 6Ψ + 12·L·h·s, plus what
     recomputation redoes."""
-    psi, attn = matmul_params(config), 4 * config.n_layers * config.d_model * seq_len
+    psi, attn = matmul_params(config), 4 * config.n_layers * config.attention_share * config.d_model * seq_len
     model = 6 * psi + 3 * attn
     extra = {"none": 0, "selective": attn, "full": 2 * psi + attn}[recompute]
     return float(model), float(model + extra)

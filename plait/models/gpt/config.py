@@ -144,6 +144,10 @@ class GPTConfig:
     # eagerly (a soft-cap, sinks, ALiBi) keeps its s × s matrices for backward, where SDPA keeps
     # none (estimate/activations.eager_attention_bytes). Measured on the meta device.
     attention_matrix_bytes: tuple[float, float] = (0.0, 0.0)
+    # The share of blocks whose token mixing is softmax attention over the sequence, whose
+    # FLOPs grow with it (4·h·s a token forward): a hybrid's linear-attention, mamba and
+    # convolution blocks are not (Qwen3-Next's three in four, Jamba's seven in eight, Mamba's all)
+    attention_share: float = 1.0
 
     def __post_init__(self) -> None:
         """Shapes that cannot build a model are refused here, naming the field. moe_blocks,

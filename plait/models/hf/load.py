@@ -137,7 +137,7 @@ def measured_shape(hf: HFModelDir) -> GPTConfig:
     shape = replace(shape, **_tp_regions(model, name, layers, shape, plan), **_ends_split(model))
     shape = replace(shape, whole_biases=_whole_biases(layers, shape, plan, name),
                     split_mlp_scalars=_split_mlp_scalars(layers, shape))
-    shape = replace(shape, **_tally(model, layers, shape, plan, name))
+    shape = replace(shape, **_tally(model, layers, shape, plan, name), attention_share=_attention_share(model, shape))
     return replace(shape, attention_matrix_bytes=_attention_matrices(model, shape))  # last: it casts the model
 
 
@@ -407,6 +407,21 @@ def _tally(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig, pla
         last - formula.final_norm_weights - rows * h * (not shape.tie_embeddings) - rows * head_bias
     return {"block_tally": tally, "head_bias": head_bias, "extra_last_params": extra_last,
             "extra_params": outside - formula.embedding_params() - extra_last}
+
+
+NO_SOFTMAX = ("linear_attention", "conv", "moe", "mlp")  # layer_types that mix no tokens by softmax attention
+
+
+def _attention_share(model: nn.Module, shape: GPTConfig) -> float:
+    """GPTConfig.attention_share: of the kinds the config's `layer_types` gives its blocks (as
+    transformers 5 names them, a mamba or linear attention "linear_attention", LFM2's
+    convolution "conv", Nemotron-H's MLP-only layers "mlp" and "moe"), the share that are
+    softmax attention (full, sliding, chunked, a hybrid's). 1 where it gives none, or not one
+    a block."""
+    kinds = getattr(text_config(model), "layer_types", None)
+    if not isinstance(kinds, (list, tuple)) or len(kinds) != shape.n_layers or not kinds:
+        return 1.0
+    return sum(kind not in NO_SOFTMAX for kind in kinds) / len(kinds)
 
 
 def _attention_matrices(model: nn.Module, shape: GPTConfig) -> tuple[float, float]:
