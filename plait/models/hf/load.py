@@ -432,7 +432,8 @@ def _attention_matrices(model: nn.Module, shape: GPTConfig) -> tuple[float, floa
     clamped at 0. Where meta cannot run the forward in fp32 (grouped experts take bf16
     alone: GPT-OSS's) the fp32 figure is twice the bf16 one, a bound (measured on CPU: 4 bytes a
     pair a head against 2 for GPT-OSS and MiMo-V2-Flash, 4 against 5.9 for Flint's fp32
-    softmax). (0, 0) for SDPA's attention, which keeps no s × s matrix."""
+    softmax); one that runs in fp32 alone gives its fp32 figure for both. (0, 0) for SDPA's
+    attention, which keeps no s × s matrix."""
     if getattr(getattr(model, "config", None), "_attn_implementation", "sdpa") != "eager":
         return (0.0, 0.0)
     figures: list[float | None] = []
@@ -444,8 +445,10 @@ def _attention_matrices(model: nn.Module, shape: GPTConfig) -> tuple[float, floa
             continue
         # c + a·s + q·s² at three evenly spaced lengths: the second difference is q·2·16²
         figures.append(max(0.0, (kept[2] - 2 * kept[1] + kept[0]) / (2 * 16 * 16) / shape.n_layers))
-    low = figures[1] or 0.0
-    return (figures[0] if figures[0] is not None else 2 * low, low)
+    fp32, low = figures
+    if low is None:
+        return (fp32 or 0.0, fp32 or 0.0)
+    return (fp32 if fp32 is not None else 2 * low, low)
 
 
 def _saved_on_meta(model: nn.Module, length: int) -> int:
