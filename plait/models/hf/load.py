@@ -29,7 +29,8 @@ from plait.models.hf.config import HFModelDir
 from plait.models.hf.experts import dense_experts
 from plait.models.hf.inferred import inferred_tp_plan
 from plait.models.hf import stages as hf_stages
-from plait.models.hf.plans import beside_experts, block_list, declared, dispatched_experts, without_experts
+from plait.models.hf.plans import (beside_experts, block_list, cut_plan, declared, dispatched_experts,
+                                   without_experts)
 from plait.models.hf.styles import mixes_tokens, text_config
 from plait.parallel.deferred import recording
 
@@ -475,10 +476,8 @@ def _after_blocks(model: nn.Module, blocks: str, seen: set[int]) -> int | None:
     where no cut is read (all that is outside the blocks is then counted on the first stage).
     A cut whose stages run the model's own forward places its pieces as that forward runs them
     (own_forward.own_parts: OPT's final norm on the last stage), which this does not follow."""
-    plan = declared(model, "pp")
-    plan = plan if hf_stages.names_a_list(model, plan) else hf_stages.inferred_plan(model)  # as DeclaredPlanAdapter
     try:
-        parts = hf_stages.declared_parts(model, plan)
+        parts = hf_stages.declared_parts(model, cut_plan(model)[0])
     except PlaitError:
         return None
     if parts.blocks != blocks:
@@ -513,10 +512,11 @@ def _block_tally(block: nn.Module, plans: list[dict[str, str]], shape: GPTConfig
                and isinstance(getattr(module, "experts", None), nn.Module) for p in module.experts.parameters()}
     # experts the plan splits with no ep to deal them out are split (LongCat's); Llama 4's, whose
     # dense experts ep can also deal out, stay routed (split by tp only at ep 1: routed_split_by_tp)
-    routed = experts if shape.tp_expert_rows else experts - _split_by(block, plans[0])
+    splits = [_split_by(block, plan) for plan in plans]  # once each: not again for every parameter
+    routed = experts if shape.tp_expert_rows else experts - splits[0]
     n_routed = sum(p.numel() for p in params if id(p) in routed)
-    split, split_sp = (sum(p.numel() for p in params if id(p) in _split_by(block, plan) and id(p) not in routed)
-                       for plan in plans)
+    split, split_sp = (sum(p.numel() for p in params if id(p) in not_routed)
+                       for not_routed in [ids - routed for ids in splits])
     return split, sum(p.numel() for p in params) - split - n_routed, n_routed, split_sp
 
 
