@@ -77,9 +77,8 @@ class DeclaredPlanAdapter:
 
     def parts(self, model: nn.Module) -> Parts:
         """The cut `pp_plan` declares, checked on a few tokens against the model's own forward."""
-        plan = declared(model, "pp")
-        if not hf_stages.names_a_list(model, plan):  # none, or the head's alone (OLMoE, PhiMoE)
-            plan = hf_stages.inferred_plan(model)
+        plan, inferred = cut_plan(model)
+        if inferred:
             if not plan:
                 raise PlaitError(f"pp needs to know how to cut {type(model).__name__}: it declares no pp_plan, "
                                  "and it is not an embedding, one list of layers and a final norm",
@@ -221,6 +220,16 @@ def without_experts(tp_plan: dict[str, Any], experts: list[str]) -> dict[str, An
     """`tp_plan` less the entries at or under the `experts` modules (patterns)."""
     return {key: style for key, style in tp_plan.items()
             if not any(key == e or key.startswith(e + ".") for e in experts)}
+
+
+def cut_plan(model: nn.Module) -> tuple[dict[str, Any], bool]:
+    """The pp plan a pipeline cuts `model` by, and whether it was inferred: the declared one
+    where it names the list of blocks, else (none, or the head's alone: OLMoE's, PhiMoE's) the
+    one read off its children (stages.inferred_plan; {} where there is none)."""
+    plan = declared(model, "pp")
+    if hf_stages.names_a_list(model, plan):
+        return plan, False
+    return hf_stages.inferred_plan(model), True
 
 
 def beside_experts(model: nn.Module, experts: list[str]) -> set[str]:
