@@ -297,10 +297,6 @@ def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1, ep: int
     refused here too: priced, it would leave blocks out.
     """
     check_pipeline_cut(config.n_layers, pp, virtual_stages, stage_layers)
-    sharded, whole = block_split(config, ep, sp)
-    experts = held_experts(config, ep)  # MoE blocks: experts / ep each, whole on every tp rank
-    whole += round(experts) - round(held_experts(config, 1))  # all experts -> ours
-    block = sharded // tp + whole
     replicated = summed_whole(config, ep)
     h = config.d_model
     table = vocab_shard(config, tp) * h
@@ -317,6 +313,10 @@ def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1, ep: int
         ends = [first * (i == 0) + (norm + head) * (i == pp - 1) for i in range(pp)]
         return tuple(counted_stage(config, i, pp, blocks, shares, ep, replicated, ends[i],
                                    final_norm_params(config) * (i == pp - 1)) for i, blocks in enumerate(cut))
+    sharded, whole = block_split(config, ep, sp)
+    experts = held_experts(config, ep)  # MoE blocks: experts / ep each, whole on every tp rank
+    whole += round(experts) - round(held_experts(config, 1))  # all experts -> ours
+    block = sharded // tp + whole
     if stage_layers:
         counts = [sum(rank_chunks(stage_layers, pp, virtual_stages, rank)) for rank in range(pp)]
     elif virtual_stages > 1 or pp == 1:  # interleaving cuts equal chunks, v per rank
