@@ -338,21 +338,24 @@ def family_shape(family: str) -> Any:
         return measured_shape(read_hf_dir(f"hf:{folder}"))
 
 
+def sweep_layout(mode: str) -> Workload:
+    """`mode`'s run as the estimate reads it: tp 2 (with SP for tp_sp), pp 2 (1F1B), or dp 2 × ep 2."""
+    ep, pp = mode == "ep", mode == "pp"
+    return Workload(tp=1 if ep or pp else 2, dp=2 if ep else 1, ep=2 if ep else 1, pp=2 if pp else 1,
+                    sp=mode == "tp_sp", schedule="1f1b", micro_batch=BATCH // ACCUM, grad_accum=ACCUM,
+                    seq_len=SEQ, precision="fp32")
+
+
 def predicted_wire(family: str, sp: bool) -> dict[str, float]:
     """plait's estimate of one step's tp bytes in tensor_parallel's run: {op: wire bytes}."""
-    shape = family_shape(family)
-    layout = Workload(tp=2, sp=sp, micro_batch=BATCH // ACCUM, grad_accum=ACCUM, seq_len=SEQ, precision="fp32")
+    shape, layout = family_shape(family), sweep_layout("tp_sp" if sp else "tp")
     return tp_traffic(shape, layout, layout_stages(shape, layout)[0]).get("tp", {})
 
 
 def predicted_local(family: str, mode: str) -> int:
-    """plait's estimate of the parameters one rank holds in `mode`'s run (tp 2, or ep 2)."""
-    shape = family_shape(family)
-    ep, pp = mode == "ep", mode == "pp"
-    layout = Workload(tp=1 if ep or pp else 2, dp=2 if ep else 1, ep=2 if ep else 1, pp=2 if pp else 1,
-                      sp=mode == "tp_sp", schedule="1f1b", micro_batch=BATCH // ACCUM, grad_accum=ACCUM,
-                      seq_len=SEQ, precision="fp32")
-    return layout_stages(shape, layout)[dist.get_rank() if pp else 0].params
+    """plait's estimate of the parameters one rank holds in `mode`'s run (each pipeline rank its stage's)."""
+    shape, layout = family_shape(family), sweep_layout(mode)
+    return layout_stages(shape, layout)[dist.get_rank() if mode == "pp" else 0].params
 
 
 def wire_verdict(measured: dict[str, float], predicted: dict[str, float]) -> str:
