@@ -8,6 +8,7 @@ and `--help` start instantly.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ import traceback
 from dataclasses import fields
 from typing import Any
 
-from plait.errors import EXIT_CRASH, EXIT_INPUT, EXIT_PREEMPTED, PlaitError, Preempted
+from plait.errors import EXIT_CRASH, EXIT_INPUT, EXIT_PREEMPTED, CommandParser, PlaitError, Preempted
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,25 +119,36 @@ def _dispatch(argv: list[str]) -> int:
 
         print(f"plait {__version__}")
         return 0
-    parser.error(f"unknown command {command!r}")
-    return EXIT_INPUT
+    raise _unknown_command(command)
+
+
+COMMANDS = {
+    "train": "train plait's GPT (the demo, by default), a ResNet or a local Hugging Face model on N processes",
+    "eval": "a language model's mean loss and perplexity over every document of a corpus, any layout",
+    "launch": "run your own script as N local processes (like torchrun)",
+    "ckpt": "inspect a checkpoint, or export it (one safetensors file, or a Hugging Face directory)",
+    "data": "prepare a corpus: tokenize it once into a file every rank maps",
+    "report": "plots of a finished run (loss, speed, memory, traffic, timeline) in RUN_DIR/report.md",
+    "estimate": "memory, traffic and step time of one layout, before launching",
+    "plan": "rank every layout that fits a GPU count by predicted step time",
+    "bench": "the collective primitives, checked and timed: bench collectives --nproc N",
+    "calibrate": "measure this machine for the time model: --out hw.toml",
+}
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="plait", description="Train PyTorch models across many processes.")
+    parser = CommandParser(prog="plait", description="Train PyTorch models across many processes.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.add_parser("train", help="train plait's GPT (the demo, by default), a ResNet or a local Hugging Face model on N processes")
-    sub.add_parser("eval", help="a language model's mean loss and perplexity over every document of a corpus, any layout")
-    sub.add_parser("launch", help="run your own script as N local processes (like torchrun)")
-    sub.add_parser("ckpt", help="inspect a checkpoint, or export it (one safetensors file, or a Hugging Face directory)")
-    sub.add_parser("data", help="prepare a corpus: tokenize it once into a file every rank maps")
-    sub.add_parser("report", help="plots of a finished run (loss, speed, memory, traffic, timeline) in RUN_DIR/report.md")
-    sub.add_parser("estimate", help="memory, traffic and step time of one layout, before launching")
-    sub.add_parser("plan", help="rank every layout that fits a GPU count by predicted step time")
-    sub.add_parser("bench", help="the collective primitives, checked and timed: bench collectives --nproc N")
-    sub.add_parser("calibrate", help="measure this machine for the time model: --out hw.toml")
+    for name, text in COMMANDS.items():
+        sub.add_parser(name, help=text)
     parser.add_argument("--version", action="store_true", help="print the version")
     return parser
+
+
+def _unknown_command(command: str) -> PlaitError:
+    near = difflib.get_close_matches(command, list(COMMANDS), n=1)
+    return PlaitError(f"unknown command {command!r}", hint=(f"did you mean {near[0]}? " if near else "")
+                      + "the commands: " + ", ".join(COMMANDS))
 
 
 # -- plait train -----------------------------------------------------------------------------------
@@ -146,7 +158,7 @@ def train_parser() -> argparse.ArgumentParser:
     from plait.families import registered
     from plait.train.config.settings import TrainConfig
 
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="plait train",
         description="Train a model with plait's parallelism: plait's GPT, a ResNet (--model resnet18) or a local "
                     "Hugging Face model (--model hf:DIR). With no flags: the demo (small GPT, 2 processes).",
@@ -174,7 +186,7 @@ def eval_parser() -> argparse.ArgumentParser:
     from plait.train.config.settings import TrainConfig
     from plait.train.loop.evaluate import EVAL_FIELDS
 
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="plait eval",
         description="The mean next-token loss over every loss-carrying token of every document of --data, and its "
                     "perplexity, under any layout: the same figure for every layout.")
@@ -301,7 +313,7 @@ def _inside_job() -> bool:
 
 
 def cmd_report(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="plait report",
+    parser = CommandParser(prog="plait report",
                                      description="Draw a finished run's plots and write RUN_DIR/report.md embedding them.")
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the --out directory of a `plait train` run")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -315,7 +327,7 @@ def cmd_report(argv: list[str]) -> int:
 
 # -- plait launch ----------------------------------------------------------------------------------
 def cmd_launch(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="plait launch",
         description="Run SCRIPT as NPROC local ranks with RANK/WORLD_SIZE/MASTER_* set; "
                     "if one rank fails, the others are stopped and its exit code is returned.",
@@ -347,7 +359,7 @@ def cmd_launch(argv: list[str]) -> int:
 
 # -- plait ckpt ------------------------------------------------------------------------------------
 def cmd_ckpt(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="plait ckpt", description="Look into and export plait checkpoints.")
+    parser = CommandParser(prog="plait ckpt", description="Look into and export plait checkpoints.")
     sub = parser.add_subparsers(dest="action", required=True)
     inspect = sub.add_parser("inspect", help="tensors, shapes, the layout that wrote it, its step")
     inspect.add_argument("path", help="a step-N directory, or a run's --out (its latest checkpoint)")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+import difflib
+
 
 class PlaitError(Exception):
     """An error caused by the input (layout, config, files), not by a bug in plait.
@@ -19,6 +22,26 @@ class PlaitError(Exception):
         if self.hint:
             return f"{self.message} (hint: {self.hint})"
         return self.message
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse, but a flag it cannot read is a PlaitError: one line and a hint (the nearest
+    flag it knows, or where its flags are listed), not argparse's usage block and exit.
+
+    Every plait command parses with it, so `plait estimate --global-batch 256` reads like any
+    other refusal of the input; `--help` still prints the usage."""
+
+    def error(self, message: str):  # type: ignore[override] - raises, as argparse's exits
+        raise PlaitError(f"{self.prog}: {message}", hint=self._hint(message))
+
+    def _hint(self, message: str) -> str:
+        listed = f"`{self.prog} --help` lists its flags"
+        if not message.startswith("unrecognized arguments:"):
+            return listed
+        known = [name for action in self._actions for name in action.option_strings]
+        given = [word.split("=", 1)[0] for word in message.split(":", 1)[1].split() if word.startswith("-")]
+        near = [match for word in given for match in difflib.get_close_matches(word, known, n=1, cutoff=0.75)]
+        return f"did you mean {' or '.join(dict.fromkeys(near))}? " + listed if near else listed
 
 
 def check_writable_file(path: str, flag: str) -> None:

@@ -129,6 +129,23 @@ def test_bad_input_is_one_clear_line(flags, message, tmp_path, capsys, monkeypat
     assert "Traceback" not in stderr
 
 
+@pytest.mark.parametrize("argv, message, hint", [
+    (["estimate", "--tpp", "2"], "plait estimate: unrecognized arguments: --tpp 2", "did you mean --tp?"),
+    (["estimate", "--global-batch", "256"], "plait estimate: unrecognized arguments: --global-batch 256",
+     "`plait estimate --help` lists its flags"),
+    (["train", "--grad-acum", "4"], "plait train: unrecognized arguments: --grad-acum 4", "did you mean --grad-accum?"),
+    (["plan", "--gpus", "x"], "plait plan: argument --gpus: invalid int value: 'x'", "`plait plan --help`"),
+    (["ckpt"], "plait ckpt: the following arguments are required: action", "`plait ckpt --help`"),
+    (["trian"], "unknown command 'trian'", "did you mean train? the commands: train, eval, launch"),
+])
+def test_a_flag_or_command_plait_cannot_read_is_one_line_and_a_hint(argv, message, hint, capsys):
+    """argparse's own refusal (its usage block, then SystemExit) reads like any other: one
+    line, the nearest name it knows, exit 2."""
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"plait: error: {message}", lines[1]] and lines[1].startswith("  hint: ") and hint in lines[1]
+
+
 def test_corpus_too_small_for_the_batch(tmp_path, monkeypatch, capsys):
     """In this process, as rank 0 of 1 (what the spawner would start): refused before step 1."""
     for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():

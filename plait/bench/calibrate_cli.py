@@ -11,12 +11,12 @@ import os
 import sys
 from pathlib import Path
 
-from plait.errors import PlaitError, check_writable_file
+from plait.errors import CommandParser, PlaitError, check_writable_file
 from plait.runtime.env import check_backend_name
 
 
 def calibrate_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="plait calibrate",
         description="Measure this machine for the time model: the model's GEMMs and attention, memory "
                     "bandwidth, op and loop overheads, collective latency and bandwidth per group size.")

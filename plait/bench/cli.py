@@ -12,13 +12,13 @@ import os
 import sys
 from typing import Any
 
-from plait.errors import PlaitError, check_writable_file
+from plait.errors import CommandParser, PlaitError, check_writable_file
 from plait.runtime.env import check_backend_name
 from plait.estimate.collectives import PRIMITIVES, size_range
 
 
 def collectives_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="plait bench collectives",
         description="Broadcast, scatter, reduce, gather, all-gather, reduce-scatter, all-reduce and "
                     "send/recv on groups of 2, 4, ... N ranks: each result checked exactly, the ledger's "

@@ -11,7 +11,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from plait.errors import PlaitError
+from plait.errors import CommandParser, PlaitError
 from plait.estimate import estimate_layout
 from plait.estimate.hardware import PRESETS as HARDWARE, resolve_hardware
 from plait.rules import BUCKET_MB, PRECISIONS, RECOMPUTE, SCHEDULES, parse_stage_layers
@@ -42,7 +42,7 @@ def _common(parser: argparse.ArgumentParser, precision: str | None) -> None:
 
 
 def estimate_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="plait estimate",
         description="Predict memory per GPU, bytes on the wire and step time of one layout.")
     _common(parser, None)  # bf16 keeps its fp32 masters in ZeRO: without ZeRO, fp32
@@ -70,7 +70,7 @@ def estimate_parser() -> argparse.ArgumentParser:
 
 
 def plan_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="plait plan",
         description="Rank every layout of a model on N GPUs that fits, fastest first.")
     _common(parser, "bf16")  # every ZeRO stage >= 1 is tried

@@ -13,7 +13,6 @@ never leaves a directory that looks prepared. See plait/train/data/tokens.py for
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import io
 import json
@@ -25,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from plait.errors import PlaitError
+from plait.errors import CommandParser, PlaitError
 from plait.rules import DATA_FORMATS
 from plait.train.data.records import FIELDS, Documents, first_keys, format_of, is_records
 from plait.train.data.tokens import (BUILTIN, DOCUMENTS, LOSS_MASK, TEXT_SUFFIXES, TOKENIZER, TOKENS, VERIFIED, TokenIndex,
@@ -429,7 +428,7 @@ def chat_template(tokenizer_file: Path | None) -> ChatTemplate:
 
 def data_main(argv: list[str]) -> int:
     """`plait data prepare ...`"""
-    parser = argparse.ArgumentParser(prog="plait data", description="Prepare corpora for `plait train --data`.")
+    parser = CommandParser(prog="plait data", description="Prepare corpora for `plait train --data`.")
     sub = parser.add_subparsers(dest="action", required=True)
     prep = sub.add_parser("prepare", help="tokenize a corpus once into a memory-mapped token file")
     prep.add_argument("--tokenizer", required=True,
