@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from plait.estimate.layout import block_split, held_experts
+from plait.estimate.layout import block_split, embedding_rows, held_experts, vocab_shard
 from plait.models.hf.config import read_hf_dir
 from plait.models.hf.load import measured_shape
 
@@ -107,8 +107,9 @@ def test_a_context_named_model_max_length_is_read(tmp_path: Path) -> None:
 
 def test_the_ends_split_as_the_plan_says(tmp_path: Path) -> None:
     """The embedding split by vocabulary only where an entry says so (DBRX's head alone is),
-    and a head split by its input features sums whole logits (Inkling's: no vocab-parallel
-    loss; Inkling-2 keeps its embedding whole too)."""
+    a head split by its input features sums whole logits (Inkling's: no vocab-parallel
+    loss; Inkling-2 keeps its embedding whole too), and a head no entry names is whole beside
+    an embedding split (Nemotron-H's, whose config counts its blocks by their kinds alone)."""
     inkling = dict(layer_types=["hybrid_sliding", "hybrid"], swa_num_attention_heads=4, swa_num_key_value_heads=2,
                    swa_head_dim=8, sliding_window_size=6, n_routed_experts=4, num_experts_per_tok=2,
                    moe_intermediate_size=32)
@@ -118,8 +119,14 @@ def test_the_ends_split_as_the_plan_says(tmp_path: Path) -> None:
     dbrx = shape_of(tmp_path / "dbrx", "dbrx", d_model=32, attn_config={"kv_n_heads": 2, "rope_theta": 10000.0},
                     ffn_config={"hidden_size": 32, "ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2})
     llama = shape_of(tmp_path / "llama", "llama")
-    ends = [(s.embedding_split, s.vocab_split, s.head_sums_logits) for s in (one, two, dbrx, llama)]
-    assert ends == [(True, False, True), (False, False, True), (False, True, False), (True, True, False)]
+    nemotron = shape_of(tmp_path / "nemotron_h", "nemotron_h", layers_block_type=["mamba", "moe", "attention", "mlp"],
+                        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mamba_num_heads=4,
+                        mamba_head_dim=16, ssm_state_size=8, n_groups=1)
+    ends = [(s.embedding_split, s.vocab_split, s.head_sums_logits) for s in (one, two, dbrx, llama, nemotron)]
+    assert ends == [(True, False, True), (False, False, True), (False, True, False), (True, True, False),
+                    (True, False, False)]
+    assert (nemotron.n_layers, nemotron.moe_blocks, nemotron.attention_share) == (4, (1,), 0.25)
+    assert embedding_rows(nemotron, 2) == 64 and vocab_shard(nemotron, 2) == 128
 
 
 def test_a_mixer_beside_the_attention_is_read_whole(tmp_path: Path) -> None:

@@ -246,9 +246,10 @@ def vocab_shard(config: GPTConfig, tp: int) -> int:
 
 def embedding_rows(config: GPTConfig, tp: int) -> int:
     """Rows of the token embedding on one rank: split by vocabulary with the head (vocab_split),
-    or on its own beside a head split by its input features (Inkling's); all V where the plan
-    keeps it whole (DBRX's, Inkling-2's: embedding_split false; GPT-2's tied table)."""
-    split = config.embedding_split and (config.vocab_split or config.head_sums_logits)
+    or on its own beside a head split by its input features (Inkling's) or kept whole
+    (Nemotron-H's); all V where the plan keeps it whole (DBRX's, Inkling-2's: embedding_split
+    false) and where it is the table of a head left whole (GPT-2's tied one)."""
+    split = config.embedding_split and (not config.tie_embeddings or config.vocab_split or config.head_sums_logits)
     return config.vocab_size // tp if split else config.vocab_size
 
 

@@ -38,6 +38,9 @@ SIZES = {"layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
          "heads": ("num_attention_heads", "n_head", "num_heads", "n_heads", "attention_heads"),  # GPT-Neo's, MPT's, XGLM's
          "positions": ("max_position_embeddings", "n_positions", "max_seq_len", "model_max_length")}  # Kimi's
 
+# A config's list of its blocks' kinds, one a block, where it names no count of them.
+LAYER_KINDS = ("layers_block_type", "layer_types")
+
 
 # Where transformers' configs keep the attention's dropout rate (Llama's, GPT-2's spelling).
 ATTENTION_DROPOUT = ("attention_dropout", "attn_pdrop")
@@ -104,6 +107,10 @@ class HFModelDir:
         for key in SIZES[what]:
             if isinstance(self.config.get(key), int):
                 return int(self.config[key])
+        if what == "layers":  # Nemotron-H's config derives its count from its list of blocks' kinds
+            kinds = next((self.config[key] for key in LAYER_KINDS if isinstance(self.config.get(key), list)), None)
+            if kinds and all(isinstance(kind, str) for kind in kinds):
+                return len(kinds)
         return None
 
     def shape(self) -> GPTConfig:

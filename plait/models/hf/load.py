@@ -146,12 +146,15 @@ def _ends_split(model: nn.Module) -> dict[str, bool]:
     """How the declared plan splits the embedding and the head where not both by vocabulary
     (GPTConfig.embedding_split, vocab_split, head_sums_logits): the embedding whole where no
     entry splits it (DBRX's, Inkling-2's), the head by its input (a row style: Inkling's),
-    summing whole logits. {} for a plan that splits both by vocabulary, or names neither."""
+    summing whole logits, or whole where no entry names it beside an embedding split alone
+    (Nemotron-H's: its whole logits on every rank). {} for a plan that splits both by
+    vocabulary, or names neither (an inferred plan then splits both)."""
     plan = declared(model, "tp")
     head = next((style for key, style in plan.items() if key.split(".")[-1] == "lm_head"), None)
+    embedding = "embedding_rowwise" in plan.values()
     if head is None:
-        return {}
-    fields: dict[str, bool] = {} if "embedding_rowwise" in plan.values() else {"embedding_split": False}
+        return {"vocab_split": False} if embedding else {}
+    fields: dict[str, bool] = {} if embedding else {"embedding_split": False}
     if head in ROWS:
         fields.update(vocab_split=False, head_sums_logits=True)
     return fields
