@@ -85,7 +85,35 @@ def llama_layer_bytes(config: GPTConfig, layout: Workload) -> float:
     """One block of our model: saved bytes per micro-batch (see the module docstring),
     averaged over the blocks; an MoE block's MLP by the widths of a token's experts, whole on
     every tp rank or split as the plan splits them, plus what its routing keeps
-    (estimate/experts.py)."""
+    (estimate/experts.py). A transformers block keeps what was measured of it
+    (`measured_correction`)."""
+    whole, split = llama_token_bytes(config, layout)
+    more_whole, more_split = measured_correction(config, layout)
+    return _combine(max(0.0, whole + more_whole), max(0.0, split + more_split), layout,
+                    layout.compute_bytes * config.d_model) + eager_attention_bytes(config, layout)
+
+
+def measured_correction(config: GPTConfig, layout: Workload) -> tuple[float, float]:
+    """What a transformers block keeps a token beyond the formulas, (whole on every tp rank,
+    inside the split regions): its measured bytes (GPTConfig.block_saved_bytes, on meta, one
+    process, no recompute) less the formulas' at that layout, added to theirs at any layout, so
+    that tp, SP, cp and recompute act on it as they do on the formulas' own. Where this dtype's
+    forward did not run on meta, the other dtype's difference (the formulas carry the dtypes'
+    own). (0, 0) for a model the formulas count (plait's GPT)."""
+    if not config.block_saved_bytes:
+        return (0.0, 0.0)
+    order = [0, 1] if layout.compute_bytes == 4 else [1, 0]
+    index = next((i for i in order if min(config.block_saved_bytes[i]) >= 0), None)
+    if index is None:
+        return (0.0, 0.0)
+    base = Workload(precision="fp32" if index == 0 else "bf16", compiled=layout.compiled)
+    formula = llama_token_bytes(config, base)
+    return tuple(measured - counted for measured, counted in zip(config.block_saved_bytes[index], formula))
+
+
+def llama_token_bytes(config: GPTConfig, layout: Workload) -> tuple[float, float]:
+    """The formulas' bytes a block keeps per token, (whole on every tp rank, split by tp), before
+    tp, SP and full recompute divide them (`_combine`), eager attention's matrices apart."""
     h, a, lean = config.d_model, config.n_heads, config.lean_blocks
     f = dense_width(config)
     e = layout.compute_bytes
@@ -106,7 +134,7 @@ def llama_layer_bytes(config: GPTConfig, layout: Workload) -> float:
         # and its output in fp32 for the backward's merge: q, k, v, out = e(h + 2kv) + 4h.
         sharded += e * (h + 2 * config.kv_dim) + RING_OUT_BYTES * h - e * attention
         if layout.recompute == "selective":
-            return _combine(replicated, sharded - RING_OUT_BYTES * h - LSE_BYTES * a, layout, e * h)
+            return replicated, sharded - RING_OUT_BYTES * h - LSE_BYTES * a
     if layout.recompute == "selective":
         # Recomputing the attention core drops SDPA's output and log-sum-exp; q, k, v stay
         # as the recomputation's inputs, K/V as the model made them (repeated ones, outside the
@@ -117,7 +145,7 @@ def llama_layer_bytes(config: GPTConfig, layout: Workload) -> float:
     # a region the model's plan leaves whole (GPTConfig.tp_attention, tp_mlp) keeps it all on every rank
     whole = ((e * (attention + o_proj_copy) + LSE_BYTES * a) * (not config.tp_attention)
              + e * mlp * f * (not config.tp_mlp))
-    return _combine(replicated + whole, sharded - whole, layout, e * h) + eager_attention_bytes(config, layout)
+    return replicated + whole, sharded - whole
 
 
 def eager_attention_bytes(config: GPTConfig, layout: Workload) -> float:

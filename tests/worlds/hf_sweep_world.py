@@ -332,10 +332,11 @@ def build(family: str) -> torch.nn.Module:
 @functools.lru_cache(maxsize=1)
 def family_shape(family: str) -> Any:
     """The family's shape as `plait train --model hf:DIR` reads it (its config.json written to
-    a directory, the model built on meta)."""
+    a directory, the model built on meta), less what autograd keeps: the sweep reads its
+    parameters and traffic alone."""
     with tempfile.TemporaryDirectory() as folder:
         family_config(family).save_pretrained(folder)
-        return measured_shape(read_hf_dir(f"hf:{folder}"))
+        return measured_shape(read_hf_dir(f"hf:{folder}"), kept=False)
 
 
 def sweep_layout(mode: str) -> Workload:

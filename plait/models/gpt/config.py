@@ -144,6 +144,13 @@ class GPTConfig:
     # eagerly (a soft-cap, sinks, ALiBi) keeps its s × s matrices for backward, where SDPA keeps
     # none (estimate/activations.eager_attention_bytes). Measured on the meta device.
     attention_matrix_bytes: tuple[float, float] = (0.0, 0.0)
+    # What a block keeps for backward per token beyond the formulas' view of it, measured on the
+    # meta device for a transformers model (a hybrid's mamba or linear attention keeps its torch
+    # path's chunk states; q/k norms, gates): ((whole on every tp rank, inside the regions the
+    # plan splits) in fp32, the same in 16-bit), bytes a token, a mean over the blocks; -1 where
+    # that dtype's forward does not run on meta. Empty: the formulas' (plait's own GPT, counted
+    # exactly by them). estimate/activations.llama_layer_bytes reads it
+    block_saved_bytes: tuple[tuple[float, float], ...] = ()
     # The share of blocks whose token mixing is softmax attention over the sequence, whose
     # FLOPs grow with it (4·h·s a token forward): a hybrid's linear-attention, mamba and
     # convolution blocks are not (Qwen3-Next's three in four, Jamba's seven in eight, Mamba's all)
@@ -158,6 +165,7 @@ class GPTConfig:
         object.__setattr__(self, "tp_gathered_calls", tuple(self.tp_gathered_calls))
         object.__setattr__(self, "block_tally", tuple(tuple(block) for block in self.block_tally))
         object.__setattr__(self, "attention_matrix_bytes", tuple(self.attention_matrix_bytes))
+        object.__setattr__(self, "block_saved_bytes", tuple(tuple(pair) for pair in self.block_saved_bytes))
         for name in ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise PlaitError(f"model field {name} must be at least 1, got {getattr(self, name)}")

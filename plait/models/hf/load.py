@@ -15,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from fnmatch import fnmatchcase
 from typing import Any
@@ -106,12 +107,15 @@ def _say_what_was_not_loaded(hf: HFModelDir, info: dict) -> None:
 __all__ = ["build_hf_model"]
 
 
-def measured_shape(hf: HFModelDir) -> GPTConfig:
+def measured_shape(hf: HFModelDir, kept: bool = True) -> GPTConfig:
     """config.json's shape (HFModelDir.shape) with what only the model itself says, read off the
     model transformers builds from the config on the meta device (no memory, no weights): its
     MLP's width and how many weight matrices it has (SwiGLU's three; relu² and GELU's two), its q/k norms and
-    block norms, its experts (_moe_fields) and what its tp plan splits (_tp_regions). Without
-    transformers installed, config.json's reading stands: a Llama-like MLP."""
+    block norms, its experts (_moe_fields) and what its tp plan splits (_tp_regions), and, with
+    `kept`, what autograd keeps of its blocks (`_kept_terms`: forwards on the CPU for a small
+    model, on meta for a large one, seconds; without it the formulas' stand, where only
+    parameters and traffic are read). Without transformers installed, config.json's reading stands: a
+    Llama-like MLP."""
     shape = hf.shape()
     if shape.arch == "gpt2":  # GPT-2's block is described whole by its arch; its adapter keeps
         return replace(shape, vocab_split=False, embedding_split=False)  # the tied embedding and head whole under tp
@@ -139,7 +143,7 @@ def measured_shape(hf: HFModelDir) -> GPTConfig:
     shape = replace(shape, whole_biases=_whole_biases(layers, shape, plan, name),
                     split_mlp_scalars=_split_mlp_scalars(layers, shape))
     shape = replace(shape, **_tally(model, layers, shape, plan, name), attention_share=_attention_share(model, shape))
-    return replace(shape, attention_matrix_bytes=_attention_matrices(model, shape))  # last: it casts the model
+    return replace(shape, **_kept_terms(model, layers, shape, plan, name)) if kept else shape  # last: it casts the model
 
 
 def _ends_split(model: nn.Module) -> dict[str, bool]:
@@ -428,48 +432,163 @@ def _attention_share(model: nn.Module, shape: GPTConfig) -> float:
     return sum(kind not in NO_SOFTMAX for kind in kinds) / len(kinds)
 
 
-def _attention_matrices(model: nn.Module, shape: GPTConfig) -> tuple[float, float]:
-    """GPTConfig.attention_matrix_bytes: where the model's attention runs eagerly (transformers
-    chose "eager": a soft-cap, attention sinks or ALiBi that SDPA does not take), the s² term of
-    what autograd keeps in a forward of one sequence on the meta device, at 16, 32 and 48
-    tokens (a constant, a linear and a quadratic term), in fp32 and in bf16, over the blocks,
-    clamped at 0. Where meta cannot run the forward in fp32 (grouped experts take bf16
-    alone: GPT-OSS's) the fp32 figure is twice the bf16 one, a bound (measured on CPU: 4 bytes a
-    pair a head against 2 for GPT-OSS and MiMo-V2-Flash, 4 against 5.9 for Flint's fp32
-    softmax); one that runs in fp32 alone gives its fp32 figure for both. (0, 0) for SDPA's
-    attention, which keeps no s × s matrix."""
-    if getattr(getattr(model, "config", None), "_attn_implementation", "sdpa") != "eager":
-        return (0.0, 0.0)
-    figures: list[float | None] = []
+MEASURED_TOKENS = 64  # the shortest of the three lengths a forward on meta is measured at: a multiple of
+# the chunk a linear attention's torch path pads the sequence to (Qwen3-Next's 64; a mamba-2's config
+# names its own, `chunk_size`), so what it keeps grows with the sequence as at full length
+
+
+def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig, plan: dict[str, str],
+                blocks: str | None) -> dict[str, Any]:
+    """GPTConfig.attention_matrix_bytes and block_saved_bytes, from what autograd keeps during
+    the blocks' forwards (`_kept_in_blocks`, on `_measuring_device`) at L, 2L and 3L tokens of one
+    sequence (L and 2L under SDPA, which keeps nothing of s²), in fp32 and in bf16: c + a·s +
+    q·s² at evenly spaced lengths, q the second difference over 2L², a what remains of the first
+    over L, each a mean over the blocks.
+
+    - the s² term, where transformers runs the attention eagerly (a soft-cap, sinks, ALiBi that
+      SDPA does not take): its s × s matrices, clamped at 0; (0, 0) under SDPA, which keeps none;
+    - the s term, per token, split into what the regions the tp plan splits make (divided by
+      tp) and the rest (each rank's whole): measured where the plan's regions can be told.
+
+    Where meta cannot run one dtype's forward (grouped experts take bf16 alone: GPT-OSS's,
+    Mixtral's) its matrices are twice the other's, a bound (4 bytes a pair a head measured on the
+    CPU against 2 for GPT-OSS), and its per-token bytes are marked unmeasured (-1): the estimate
+    then shifts the other dtype's by the formulas' difference between the two. {} where neither
+    runs: the formulas stand."""
+    if not layers or len(layers) != shape.n_layers:
+        return {}
+    chunk = getattr(text_config(model), "chunk_size", 0)
+    length = max(MEASURED_TOKENS, chunk if isinstance(chunk, int) else 0)
+    splits = [_split_by(block, _inside(plan, blocks, i)) if blocks and plan else set()
+              for i, block in enumerate(layers)]
+    eager = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa") == "eager"
+    lengths = (1, 2, 3) if eager else (1, 2)  # SDPA keeps nothing of s²: two lengths give the s term
+    device = _measuring_device(model)
+    terms: list[tuple[float, float, float] | None] = []
     for dtype in (torch.float32, torch.bfloat16):
         try:
-            kept = [_saved_on_meta(model.to(dtype), length) for length in (16, 32, 48)]
+            kept = [_kept_in_blocks(model.to(dtype), layers, splits, n * length, device) for n in lengths]
         except Exception:  # noqa: BLE001 - an op meta does not run in this dtype
-            figures.append(None)
+            terms.append(None)
             continue
-        # c + a·s + q·s² at three evenly spaced lengths: the second difference is q·2·16²
-        figures.append(max(0.0, (kept[2] - 2 * kept[1] + kept[0]) / (2 * 16 * 16) / shape.n_layers))
-    fp32, low = figures
-    if low is None:
-        return (fp32 or 0.0, fp32 or 0.0)
-    return (fp32 if fp32 is not None else 2 * low, low)
+        per_block = []
+        for part in (0, 1):  # each rank's whole, and the split regions'
+            c0, c1, c2 = (*(k[part] for k in kept), 0)[:3]
+            quadratic = (c2 - 2 * c1 + c0) / (2 * length * length) if eager else 0.0
+            per_block += [quadratic / shape.n_layers, (c1 - c0 - 3 * length * length * quadratic) / length / shape.n_layers]
+        terms.append((per_block[0] + per_block[2], per_block[1], per_block[3]))
+    if terms == [None, None]:
+        return {}
+    fp32, low = (max(0.0, t[0]) if t and eager else None for t in terms)
+    matrices = (fp32 if fp32 is not None else 2 * (low or 0.0), low if low is not None else fp32 or 0.0)
+    saved = tuple((max(0.0, t[1]), max(0.0, t[2])) if t else (-1.0, -1.0) for t in terms)
+    return {"attention_matrix_bytes": matrices, "block_saved_bytes": saved}
 
 
-def _saved_on_meta(model: nn.Module, length: int) -> int:
-    """Bytes autograd keeps in one forward of `model` (on meta) over one sequence of `length`
-    tokens: each storage once, the parameters' not."""
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in a module's arguments, at any depth (a rotary embedding's (cos, sin))."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [tensor for item in value for tensor in _tensors_in(item)]
+    return []
+
+
+CPU_MEASURED_PARAMS = 1 << 24  # a model this small is measured on the CPU (zeros), where an op is faster than on meta
+
+
+def _measuring_device(model: nn.Module) -> torch.device:
+    """Where `_kept_terms` runs its forwards: on the meta device, where a forward costs about a
+    millisecond an op and no memory (a large model's 61 blocks: seconds); a small one (up to
+    CPU_MEASURED_PARAMS, 64 MiB in fp32) is given zeroed CPU memory and run there in a few
+    milliseconds, where meta took 0.1-0.4 s, and its grouped experts run in fp32 too. Zeros keep
+    every value finite (a router's ties pick the same top_k of every token: the same rows)."""
+    if sum(p.numel() for p in model.parameters()) > CPU_MEASURED_PARAMS:
+        return torch.device("meta")
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.zero_()
+    return torch.device("cpu")
+
+
+def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, splits: list[set[int]], length: int,
+                    device: torch.device) -> tuple[int, int]:
+    """(bytes autograd keeps while the blocks run outside the regions the plan splits, those it
+    keeps inside them) in one forward of `model` on `device` over one sequence of `length` tokens:
+    each storage once, the parameters' not. A region is a child of a block holding a parameter
+    the plan splits (`splits`, per block); what it keeps of its own inputs (the norm's output the
+    projections read, the rotary tables) is whole on every rank. SDPA is counted as its flash kernels keep (query,
+    key, value, output, an fp32 log-sum-exp per head and query), where meta would run its math
+    form, which keeps the s × s scores."""
     params = {p.untyped_storage()._cdata for p in model.parameters()}
-    kept: dict[int, int] = {}
+    state: dict[str, Any] = {"block": False, "region": False, "inputs": set(), "sdpa": False}
+    seen: list[tuple[Any, bool, int]] = []  # (a weak reference to what was saved, split, extra bytes)
+
+    def keep(tensor: torch.Tensor, extra: int = 0) -> None:
+        if state["block"]:
+            split = state["region"] and tensor.untyped_storage()._cdata not in state["inputs"]
+            seen.append((weakref.ref(tensor), split, extra))
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage._cdata not in params:
-            kept[storage._cdata] = storage.nbytes()
+        if not state["sdpa"]:
+            keep(tensor)
         return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model(input_ids=torch.zeros(1, length, dtype=torch.long, device="meta"))
-    return sum(kept.values())
+    def flagged(flag: str, value: bool) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            state[flag] = value
+        return hook
+
+    def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        state["region"] = True
+        state["inputs"] = {t.untyped_storage()._cdata for t in _tensors_in((args, kwargs))}
+
+    hooks = []
+    for block, split in zip(layers, splits):
+        hooks += [block.register_forward_pre_hook(flagged("block", True)),
+                  block.register_forward_hook(flagged("block", False))]
+        for child in block.children():
+            if any(id(p) in split for p in child.parameters()):
+                hooks += [child.register_forward_pre_hook(enter, with_kwargs=True),
+                          child.register_forward_hook(flagged("region", False))]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        state["sdpa"] = True
+        try:
+            out = sdpa(query, key, value, *args, **kwargs)
+        finally:
+            state["sdpa"] = False
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+            for tensor in (query, key, value):
+                keep(tensor)
+            keep(out, extra=query.shape[:-1].numel() * 4)  # and the log-sum-exp, alive with the output
+        return out
+
+    torch.nn.functional.scaled_dot_product_attention = flash
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            output = model(input_ids=torch.zeros(1, length, dtype=torch.long, device=device))
+        # what the graph still holds now the forward is done (a branch nothing reads is freed)
+        kept: dict[int, tuple[int, bool]] = {}
+        for ref, split, extra in seen:
+            tensor = ref()
+            if tensor is None:
+                continue
+            storage = tensor.untyped_storage()
+            if storage._cdata not in params and storage._cdata not in kept:
+                kept[storage._cdata] = (storage.nbytes(), split)
+            if extra:
+                kept[id(ref)] = (extra, split)
+        del output
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+        for hook in hooks:
+            hook.remove()
+    return (sum(size for size, split in kept.values() if not split), sum(size for size, split in kept.values() if split))
 
 
 def _after_blocks(model: nn.Module, blocks: str, seen: set[int]) -> int | None:
