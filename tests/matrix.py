@@ -175,7 +175,6 @@ COMPILED_SP = (("tp all_gather", "a compiled block keeps a region's gathered inp
                                  "count the kept inputs)"),)
 ROUTED = (("ep all_to_all", "its bytes follow the routing that happened; the estimate assumes even routing"),
           ("dp all_reduce", "the routers' per-expert token counts, reduced over dp every step, are not in the estimate"))
-HF_ACTIVATIONS = (("activations", "a transformers model's saved tensors, its shape read as plait's GPT's"),)
 
 ROWS = rows(
     # Each strategy, and each product of them, on plait's GPT.
@@ -216,8 +215,7 @@ ROWS = rows(
         "--recompute full", micro_batches=2),
     Row("qwen3", "--nproc 2 --pp 2 --grad-accum 2 --schedule interleaved --virtual-stages 2 --stage-layers 0,2,2,0",
         micro_batches=2),
-    Row("llama", "--nproc 2 --pp 2 --grad-accum 2 --stage-layers 0,2", micro_batches=2,
-        unpriced=HF_ACTIVATIONS),
+    Row("llama", "--nproc 2 --pp 2 --grad-accum 2 --stage-layers 0,2", micro_batches=2),
     # 16-bit weights and gradients with fp32 masters, against one process in the same precision.
     Row("gpt", "--nproc 2 --zero 2 --grad-accum 2", "--offload --precision bf16", micro_batches=4),
     Row("gpt", "--nproc 8 --dp 2 --tp 2 --pp 2 --zero 3 --sp --grad-accum 2", "--precision bf16", micro_batches=4),
@@ -236,8 +234,8 @@ ROWS = rows(
     Row("moe", "--nproc 4 --ep 2 --zero 1", micro_batches=4, unpriced=ROUTED),
     Row("llama", "--nproc 4 --dp 2 --tp 2 --grad-accum 2", micro_batches=4),
     # SP cuts a transformers model's sequence at its blocks alone: the final norm keeps the whole
-    # sequence (priced), which tips the blocks' known excess (priced as plait's GPT's) past 10%
-    Row("llama", "--nproc 2 --tp 2 --sp --grad-accum 2", micro_batches=2, unpriced=HF_ACTIVATIONS),
+    # sequence (priced), and its blocks keep what was measured of them
+    Row("llama", "--nproc 2 --tp 2 --sp --grad-accum 2", micro_batches=2),
     Row("llama", "--nproc 4 --pp 2 --cp 2 --grad-accum 2", micro_batches=2),
     Row("qwen3", "--nproc 4 --tp 2 --pp 2 --grad-accum 2 --schedule interleaved --virtual-stages 2",
         micro_batches=2),

@@ -88,27 +88,31 @@ def llama_layer_bytes(config: GPTConfig, layout: Workload) -> float:
     (estimate/experts.py). A transformers block keeps what was measured of it
     (`measured_correction`)."""
     whole, split = llama_token_bytes(config, layout)
-    more_whole, more_split = measured_correction(config, layout)
+    more_whole, more_split, mixers = measured_correction(config, layout)
+    # a token-mixing module the plan leaves whole runs on the whole sequence on every rank, SP or not
+    mixed = mixers * layout.tokens_per_micro_batch if layout.recompute != "full" else 0.0
     return _combine(max(0.0, whole + more_whole), max(0.0, split + more_split), layout,
-                    layout.compute_bytes * config.d_model) + eager_attention_bytes(config, layout)
+                    layout.compute_bytes * config.d_model) + mixed + eager_attention_bytes(config, layout)
 
 
-def measured_correction(config: GPTConfig, layout: Workload) -> tuple[float, float]:
+def measured_correction(config: GPTConfig, layout: Workload) -> tuple[float, float, float]:
     """What a transformers block keeps a token beyond the formulas, (whole on every tp rank,
-    inside the split regions): its measured bytes (GPTConfig.block_saved_bytes, on meta, one
-    process, no recompute) less the formulas' at that layout, added to theirs at any layout, so
-    that tp, SP, cp and recompute act on it as they do on the formulas' own. Where this dtype's
-    forward did not run on meta, the other dtype's difference (the formulas carry the dtypes'
-    own). (0, 0) for a model the formulas count (plait's GPT)."""
+    inside the split regions, inside the token-mixing modules the plan leaves whole): its
+    measured bytes (GPTConfig.block_saved_bytes, one process, no recompute) less the formulas'
+    at that layout (which have no third kind), added to theirs at any layout, so that tp, SP,
+    cp and recompute act on it as they do on the formulas' own. Where this dtype's forward did
+    not run on meta, the other dtype's difference (the formulas carry the dtypes' own). (0, 0,
+    0) for a model the formulas count (plait's GPT)."""
     if not config.block_saved_bytes:
-        return (0.0, 0.0)
+        return (0.0, 0.0, 0.0)
     order = [0, 1] if layout.compute_bytes == 4 else [1, 0]
     index = next((i for i in order if min(config.block_saved_bytes[i]) >= 0), None)
     if index is None:
-        return (0.0, 0.0)
+        return (0.0, 0.0, 0.0)
     base = Workload(precision="fp32" if index == 0 else "bf16", compiled=layout.compiled)
-    formula = llama_token_bytes(config, base)
-    return tuple(measured - counted for measured, counted in zip(config.block_saved_bytes[index], formula))
+    whole, split = llama_token_bytes(config, base)
+    measured_whole, measured_split, mixers = config.block_saved_bytes[index]
+    return measured_whole - whole, measured_split - split, mixers
 
 
 def llama_token_bytes(config: GPTConfig, layout: Workload) -> tuple[float, float]:

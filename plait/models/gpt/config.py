@@ -147,10 +147,11 @@ class GPTConfig:
     # What a block keeps for backward per token beyond the formulas' view of it, measured on the
     # meta device for a transformers model (a hybrid's mamba or linear attention keeps its torch
     # path's chunk states; q/k norms, gates): ((whole on every tp rank, inside the regions the
-    # plan splits) in fp32, the same in 16-bit), bytes a token, a mean over the blocks; -1 where
+    # plan splits, inside the token-mixing modules it leaves whole: whole under SP too) in fp32,
+    # the same in 16-bit), bytes a token, a mean over the blocks; -1 where
     # that dtype's forward does not run on meta. Empty: the formulas' (plait's own GPT, counted
     # exactly by them). estimate/activations.llama_layer_bytes reads it
-    block_saved_bytes: tuple[tuple[float, float], ...] = ()
+    block_saved_bytes: tuple[tuple[float, float, float], ...] = ()
     # The share of blocks whose token mixing is softmax attention over the sequence, whose
     # FLOPs grow with it (4·h·s a token forward): a hybrid's linear-attention, mamba and
     # convolution blocks are not (Qwen3-Next's three in four, Jamba's seven in eight, Mamba's all)

@@ -447,8 +447,9 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
 
     - the s² term, where transformers runs the attention eagerly (a soft-cap, sinks, ALiBi that
       SDPA does not take): its s × s matrices, clamped at 0; (0, 0) under SDPA, which keeps none;
-    - the s term, per token, split into what the regions the tp plan splits make (divided by
-      tp) and the rest (each rank's whole): measured where the plan's regions can be told.
+    - the s term, per token, split into the rest (each rank's whole), what the regions the tp
+      plan splits make (divided by tp), and what its token-mixing modules left whole make (a
+      linear attention's, a mamba's: whole under SP too, which reads them whole).
 
     Where meta cannot run one dtype's forward (grouped experts take bf16 alone: GPT-OSS's,
     Mixtral's) its matrices are twice the other's, a bound (4 bytes a pair a head measured on the
@@ -459,29 +460,32 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
         return {}
     chunk = getattr(text_config(model), "chunk_size", 0)
     length = max(MEASURED_TOKENS, chunk if isinstance(chunk, int) else 0)
-    splits = [_split_by(block, _inside(plan, blocks, i)) if blocks and plan else set()
-              for i, block in enumerate(layers)]
+    regions = [_row_regions(block, _inside(plan, blocks, i)) if blocks and plan else []
+               for i, block in enumerate(layers)]
+    mixers = [[child for child in block.children() if mixes_tokens(child) and all(child is not r for r in inside)]
+              for block, inside in zip(layers, regions)]
     eager = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa") == "eager"
     lengths = (1, 2, 3) if eager else (1, 2)  # SDPA keeps nothing of s²: two lengths give the s term
     device = _measuring_device(model)
     terms: list[tuple[float, float, float] | None] = []
     for dtype in (torch.float32, torch.bfloat16):
         try:
-            kept = [_kept_in_blocks(model.to(dtype), layers, splits, n * length, device) for n in lengths]
+            kept = [_kept_in_blocks(model.to(dtype), layers, regions, mixers, n * length, device) for n in lengths]
         except Exception:  # noqa: BLE001 - an op meta does not run in this dtype
             terms.append(None)
             continue
-        per_block = []
-        for part in (0, 1):  # each rank's whole, and the split regions'
+        quadratic, linear = 0.0, []
+        for part in (0, 1, 2):  # each rank's whole, the split regions', the whole-read mixers'
             c0, c1, c2 = (*(k[part] for k in kept), 0)[:3]
-            quadratic = (c2 - 2 * c1 + c0) / (2 * length * length) if eager else 0.0
-            per_block += [quadratic / shape.n_layers, (c1 - c0 - 3 * length * length * quadratic) / length / shape.n_layers]
-        terms.append((per_block[0] + per_block[2], per_block[1], per_block[3]))
+            q = (c2 - 2 * c1 + c0) / (2 * length * length) if eager else 0.0
+            quadratic += q / shape.n_layers
+            linear.append(max(0.0, (c1 - c0 - 3 * length * length * q) / length / shape.n_layers))
+        terms.append((quadratic, *linear))
     if terms == [None, None]:
         return {}
     fp32, low = (max(0.0, t[0]) if t and eager else None for t in terms)
     matrices = (fp32 if fp32 is not None else 2 * (low or 0.0), low if low is not None else fp32 or 0.0)
-    saved = tuple((max(0.0, t[1]), max(0.0, t[2])) if t else (-1.0, -1.0) for t in terms)
+    saved = tuple(t[1:] if t else (-1.0, -1.0, -1.0) for t in terms)
     return {"attention_matrix_bytes": matrices, "block_saved_bytes": saved}
 
 
@@ -514,23 +518,41 @@ def _measuring_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, splits: list[set[int]], length: int,
-                    device: torch.device) -> tuple[int, int]:
+def _row_regions(block: nn.Module, plan: dict[str, str]) -> list[nn.Module]:
+    """The modules of `block` whose work the plan (named from the block) splits over tp: each
+    row layer's parent, which holds the column layers feeding it and whose output the row
+    layer's sum makes whole (the attention, the MLP, an MoE's shared expert; not its routed
+    experts beside it, nor a linear attention whose projections are gathered whole)."""
+    found = []
+    for key, style in plan.items():
+        layer = _in_block(block, key) if style in ROWS else None
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        if layer is not None and parent and _in_block(block, parent) is not None:
+            module = _in_block(block, parent)
+            if all(module is not other for other in found):
+                found.append(module)
+    return found
+
+
+def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[nn.Module]],
+                    mixers: list[list[nn.Module]], length: int, device: torch.device) -> tuple[int, int, int]:
     """(bytes autograd keeps while the blocks run outside the regions the plan splits, those it
     keeps inside them) in one forward of `model` on `device` over one sequence of `length` tokens:
-    each storage once, the parameters' not. A region is a child of a block holding a parameter
-    the plan splits (`splits`, per block); what it keeps of its own inputs (the norm's output the
-    projections read, the rotary tables) is whole on every rank. SDPA is counted as its flash kernels keep (query,
+    each storage once, the parameters' not; and those a block's token-mixing modules the plan
+    does not split keep (`mixers`: a linear attention or mamba, read whole under SP). `regions`
+    are each block's modules the plan splits (`_row_regions`); what one keeps of its own inputs
+    (the norm's output the projections read, the rotary tables) is whole on every rank. SDPA is counted as its flash kernels keep (query,
     key, value, output, an fp32 log-sum-exp per head and query), where meta would run its math
     form, which keeps the s × s scores."""
     params = {p.untyped_storage()._cdata for p in model.parameters()}
-    state: dict[str, Any] = {"block": False, "region": False, "inputs": set(), "sdpa": False}
-    seen: list[tuple[Any, bool, int]] = []  # (a weak reference to what was saved, split, extra bytes)
+    state: dict[str, Any] = {"block": False, "region": False, "mixer": False, "inputs": set(), "sdpa": False}
+    seen: list[tuple[Any, int, int]] = []  # (a weak reference to what was saved, its part, extra bytes)
 
     def keep(tensor: torch.Tensor, extra: int = 0) -> None:
         if state["block"]:
-            split = state["region"] and tensor.untyped_storage()._cdata not in state["inputs"]
-            seen.append((weakref.ref(tensor), split, extra))
+            made_inside = tensor.untyped_storage()._cdata not in state["inputs"]
+            part = 1 if state["region"] and made_inside else 2 if state["mixer"] and made_inside else 0
+            seen.append((weakref.ref(tensor), part, extra))
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         if not state["sdpa"]:
@@ -542,18 +564,20 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, splits: list[set[in
             state[flag] = value
         return hook
 
-    def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        state["region"] = True
-        state["inputs"] = {t.untyped_storage()._cdata for t in _tensors_in((args, kwargs))}
+    def enter(flag: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            state[flag] = True
+            state["inputs"] = {t.untyped_storage()._cdata for t in _tensors_in((args, kwargs))}
+        return hook
 
     hooks = []
-    for block, split in zip(layers, splits):
+    for block, inside, whole in zip(layers, regions, mixers):
         hooks += [block.register_forward_pre_hook(flagged("block", True)),
                   block.register_forward_hook(flagged("block", False))]
-        for child in block.children():
-            if any(id(p) in split for p in child.parameters()):
-                hooks += [child.register_forward_pre_hook(enter, with_kwargs=True),
-                          child.register_forward_hook(flagged("region", False))]
+        for flag, modules in (("region", inside), ("mixer", whole)):
+            for module in modules:
+                hooks += [module.register_forward_pre_hook(enter(flag), with_kwargs=True),
+                          module.register_forward_hook(flagged(flag, False))]
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -573,22 +597,22 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, splits: list[set[in
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             output = model(input_ids=torch.zeros(1, length, dtype=torch.long, device=device))
         # what the graph still holds now the forward is done (a branch nothing reads is freed)
-        kept: dict[int, tuple[int, bool]] = {}
-        for ref, split, extra in seen:
+        kept: dict[int, tuple[int, int]] = {}
+        for ref, part, extra in seen:
             tensor = ref()
             if tensor is None:
                 continue
             storage = tensor.untyped_storage()
             if storage._cdata not in params and storage._cdata not in kept:
-                kept[storage._cdata] = (storage.nbytes(), split)
+                kept[storage._cdata] = (storage.nbytes(), part)
             if extra:
-                kept[id(ref)] = (extra, split)
+                kept[id(ref)] = (extra, part)
         del output
     finally:
         torch.nn.functional.scaled_dot_product_attention = sdpa
         for hook in hooks:
             hook.remove()
-    return (sum(size for size, split in kept.values() if not split), sum(size for size, split in kept.values() if split))
+    return tuple(sum(size for size, part in kept.values() if part == which) for which in (0, 1, 2))
 
 
 def _after_blocks(model: nn.Module, blocks: str, seen: set[int]) -> int | None:
