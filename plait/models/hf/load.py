@@ -432,7 +432,7 @@ def _attention_share(model: nn.Module, shape: GPTConfig) -> float:
     return sum(kind not in NO_SOFTMAX for kind in kinds) / len(kinds)
 
 
-MEASURED_TOKENS = 64  # the shortest of the three lengths a forward on meta is measured at: a multiple of
+MEASURED_TOKENS = 64  # the shortest of the lengths a block's keep is measured at (`_kept_terms`): a multiple of
 # the chunk a linear attention's torch path pads the sequence to (Qwen3-Next's 64; a mamba-2's config
 # names its own, `chunk_size`), so what it keeps grows with the sequence as at full length
 
@@ -451,8 +451,8 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
       plan splits make (divided by tp), and what its token-mixing modules left whole make (a
       linear attention's, a mamba's: whole under SP too, which reads them whole).
 
-    Where meta cannot run one dtype's forward (grouped experts take bf16 alone: GPT-OSS's,
-    Mixtral's) its matrices are twice the other's, a bound (4 bytes a pair a head measured on the
+    Where one dtype's forward does not run on meta (grouped experts take bf16 alone there:
+    GPT-OSS's, Mixtral's) its matrices are twice the other's, a bound (4 bytes a pair a head measured on the
     CPU against 2 for GPT-OSS), and its per-token bytes are marked unmeasured (-1): the estimate
     then shifts the other dtype's by the formulas' difference between the two. {} where neither
     runs: the formulas stand."""
@@ -523,27 +523,25 @@ def _row_regions(block: nn.Module, plan: dict[str, str]) -> list[nn.Module]:
     row layer's parent, which holds the column layers feeding it and whose output the row
     layer's sum makes whole (the attention, the MLP, an MoE's shared expert; not its routed
     experts beside it, nor a linear attention whose projections are gathered whole)."""
-    found = []
+    found: list[nn.Module] = []
     for key, style in plan.items():
-        layer = _in_block(block, key) if style in ROWS else None
         parent = key.rsplit(".", 1)[0] if "." in key else ""
-        if layer is not None and parent and _in_block(block, parent) is not None:
-            module = _in_block(block, parent)
-            if all(module is not other for other in found):
-                found.append(module)
+        module = _in_block(block, parent) if style in ROWS and parent and _in_block(block, key) else None
+        if module is not None and all(module is not other for other in found):
+            found.append(module)
     return found
 
 
 def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[nn.Module]],
                     mixers: list[list[nn.Module]], length: int, device: torch.device) -> tuple[int, int, int]:
-    """(bytes autograd keeps while the blocks run outside the regions the plan splits, those it
-    keeps inside them) in one forward of `model` on `device` over one sequence of `length` tokens:
-    each storage once, the parameters' not; and those a block's token-mixing modules the plan
-    does not split keep (`mixers`: a linear attention or mamba, read whole under SP). `regions`
-    are each block's modules the plan splits (`_row_regions`); what one keeps of its own inputs
-    (the norm's output the projections read, the rotary tables) is whole on every rank. SDPA is counted as its flash kernels keep (query,
-    key, value, output, an fp32 log-sum-exp per head and query), where meta would run its math
-    form, which keeps the s × s scores."""
+    """Bytes the graph holds after one forward of `model` on `device` over one sequence of
+    `length` tokens, of what the blocks saved, each storage once, the parameters' not: (the rest,
+    what the modules the plan splits made (`regions`, each block's: `_row_regions`), what the
+    token-mixing modules it leaves whole made (`mixers`: a linear attention, a mamba, read whole
+    under SP)). What a module keeps of its own inputs (the norm's output the projections read,
+    the rotary tables) is the rest's. SDPA is counted as its flash kernels keep (query, key,
+    value, output, an fp32 log-sum-exp per head and query), where meta would run its math form,
+    which keeps the s × s scores."""
     params = {p.untyped_storage()._cdata for p in model.parameters()}
     state: dict[str, Any] = {"block": False, "region": False, "mixer": False, "inputs": set(), "sdpa": False}
     seen: list[tuple[Any, int, int]] = []  # (a weak reference to what was saved, its part, extra bytes)
