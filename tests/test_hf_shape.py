@@ -213,8 +213,9 @@ def saved_by_autograd(path: Path, dtype: torch.dtype, batch: int, seq: int) -> i
     saved: list[Any] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        saved.append(weakref.ref(tensor))
-        return tensor
+        alias = tensor.detach()  # handed back itself, a tensor saved as its op's output would never be freed
+        saved.append(weakref.ref(alias))
+        return alias
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         output = model(input_ids=torch.randint(0, config.vocab_size, (batch, seq)))

@@ -544,18 +544,23 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
     which keeps the s × s scores."""
     params = {p.untyped_storage()._cdata for p in model.parameters()}
     state: dict[str, Any] = {"block": False, "region": False, "mixer": False, "inputs": set(), "sdpa": False}
-    seen: list[tuple[Any, int, int]] = []  # (a weak reference to what was saved, its part, extra bytes)
+    seen: list[tuple[Any, int, int]] = []  # (a reference to what was saved, its part, extra bytes)
 
-    def keep(tensor: torch.Tensor, extra: int = 0) -> None:
+    def keep(tensor: torch.Tensor, extra: int = 0, held: bool = False) -> None:
+        """`tensor` as saved, alive while autograd keeps it, or for the forward's length (`held`)."""
         if state["block"]:
             made_inside = tensor.untyped_storage()._cdata not in state["inputs"]
             part = 1 if state["region"] and made_inside else 2 if state["mixer"] and made_inside else 0
-            seen.append((weakref.ref(tensor), part, extra))
+            seen.append(((lambda: tensor) if held else weakref.ref(tensor), part, extra))
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
+        # an alias, as plait's ActivationMeter hands back: a tensor saved as its own op's output,
+        # handed back itself, ties it to its grad_fn in a cycle no collector sees, and every
+        # measurement's graph stayed (28 MB a shape read of a 2-block, 256-wide model on the CPU)
+        alias = tensor.detach()
         if not state["sdpa"]:
-            keep(tensor)
-        return tensor
+            keep(alias)
+        return alias
 
     def flagged(flag: str, value: bool) -> Callable[..., None]:
         def hook(*_: Any) -> None:
@@ -585,9 +590,11 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
         finally:
             state["sdpa"] = False
         if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+            # what the flash kernel's node would save, which lives as long as the graph on the
+            # output's path does: held, as no node here keeps these very tensors
             for tensor in (query, key, value):
-                keep(tensor)
-            keep(out, extra=query.shape[:-1].numel() * 4)  # and the log-sum-exp, alive with the output
+                keep(tensor, held=True)
+            keep(out, extra=query.shape[:-1].numel() * 4, held=True)  # and the log-sum-exp
         return out
 
     torch.nn.functional.scaled_dot_product_attention = flash
@@ -607,6 +614,9 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
                 kept[id(ref)] = (extra, part)
         del output
     finally:
+        # the graph holds `pack` (so `keep`, and `seen`), and `seen` holds SDPA's tensors, whose
+        # graph that is: a cycle through autograd's C++ that no collector sees, broken here
+        seen.clear()
         torch.nn.functional.scaled_dot_product_attention = sdpa
         for hook in hooks:
             hook.remove()
