@@ -49,7 +49,7 @@ MEMORY_ASSUMPTIONS = (
     "fp32, 2 bf16/fp16, the model held in that dtype; the norms keep x and rsqrt in fp32); "
     "selective recompute drops the attention core's output and log-sum-exp; GPT-2: Korthikanti et al. "
     "s·b·h·(34 + 5as/h) in 16-bit; plus token ids, final norm and RoPE tables; a transformers "
-    "model's block keeps what a forward on meta measured it to keep a token (its mamba's or linear "
+    "model's block keeps what its forwards measured it to keep a token (its mamba's or linear "
     "attention's torch path too; with a GPU's fused kernels it keeps less), and its eager attention "
     "b·s² × the bytes a (query, key) pair (its parameters are counted there too, block by block)",
     "in-flight micro-batches: 1 without a pipeline, m for GPipe, p − r for 1F1B, "

@@ -47,8 +47,12 @@ class HFTask(LanguageTask):
     def __init__(self, config: TrainConfig):
         self.config = config
         self.hf = read_hf_dir(config.model)
-        # None: a decoder whose sizes plait cannot read; else the shape of the model itself (its MLP's matrices)
-        self.model_config = measured_shape(self.hf) if self.hf.shape_or_none() is not None else None
+        # None: a decoder whose sizes plait cannot read; else the shape of the model itself (its
+        # MLP's matrices). What autograd keeps of its blocks, which only the prediction reads, is
+        # measured when that is asked (`prediction`: forwards, seconds for a large model), not on
+        # every rank's start and restart
+        self.model_config = measured_shape(self.hf, kept=False) if self.hf.shape_or_none() is not None else None
+        self._kept_measured = False
         self.num_params = self.model_config.num_params() if self.model_config else 0  # exact once built
         self._tokenizer: Any = None
         # Built on the meta device, each rank filling its share (plait.parallel.deferred): from
@@ -138,6 +142,8 @@ class HFTask(LanguageTask):
     def prediction(self, work: Workload, hardware: Any) -> dict[str, Any]:
         """The estimate of its shape, or (a config that names no sizes) of its parameter count."""
         if self.model_config is not None:
+            if not self._kept_measured:
+                self.model_config, self._kept_measured = measured_shape(self.hf), True
             return super().prediction(work, hardware)
         from plait.estimate import estimate_by_size
 

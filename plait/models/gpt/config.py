@@ -142,10 +142,11 @@ class GPTConfig:
     # Bytes a block's eager attention keeps per (query, key) pair of a sequence, all its heads, a
     # mean over the blocks, (in fp32, in 16-bit): a transformers model whose attention runs
     # eagerly (a soft-cap, sinks, ALiBi) keeps its s × s matrices for backward, where SDPA keeps
-    # none (estimate/activations.eager_attention_bytes). Measured on the meta device.
+    # none (estimate/activations.eager_attention_bytes). Measured when the shape is read (on the
+    # meta device, or a small model on zeroed CPU memory: models/hf/load.py _kept_terms).
     attention_matrix_bytes: tuple[float, float] = (0.0, 0.0)
-    # What a block keeps for backward per token beyond the formulas' view of it, measured on the
-    # meta device for a transformers model (a hybrid's mamba or linear attention keeps its torch
+    # What a block keeps for backward per token beyond the formulas' view of it, measured as the
+    # matrices above are for a transformers model (a hybrid's mamba or linear attention keeps its torch
     # path's chunk states; q/k norms, gates): ((whole on every tp rank, inside the regions the
     # plan splits, inside the token-mixing modules it leaves whole: whole under SP too) in fp32,
     # the same in 16-bit), bytes a token, a mean over the blocks; -1 where
