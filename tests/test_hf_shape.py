@@ -72,6 +72,23 @@ def test_the_indexer_has_no_gradient_to_sum(tmp_path: Path) -> None:
     assert shape.tp_entered_tail == 8 and shape.mla_down_params == 16 * 32 + 16 + 24 * 32 + 16
 
 
+def test_mla_enters_with_its_latents_widths(tmp_path: Path) -> None:
+    """Under tp each column layer reading a latent enters the attention on its own, as wide as
+    the latent: DeepSeek-V3.2's q_b_proj and kv_b_proj read 16 each where the hidden is 32 (no
+    layer reads the hidden: SP's gathered input is kept by the down-projections alone);
+    HY-V4's gate_proj reads the hidden beside them (32 more a token, and SP gathers its input
+    again in backward); AXK2's q_gate_proj reads both q latents, 2 x 12; dots3 sums the norm of
+    its rotary key (8 weights) as its plan declares."""
+    v32 = shape_of(tmp_path / "v32", "deepseek_v32", **MLA)
+    assert (v32.tp_entry_extra, v32.attention_reads_input, v32.tp_summed_params) == (0, False, 0)
+    hy = shape_of(tmp_path / "hy", "hy_v4", **MLA, pad_token_id=0)
+    assert (hy.tp_entry_extra, hy.attention_reads_input) == (16 + 16 + 32 - 32, True)
+    axk2 = shape_of(tmp_path / "axk2", "axk2", **{**MLA, "q_lora_rank": 12})
+    assert (axk2.tp_entry_extra, axk2.attention_reads_input) == (2 * 12 + 16 - 32, False)
+    dots3 = shape_of(tmp_path / "dots3", "dots3_note_text", **MLA, pad_token_id=0, sliding_window=6)
+    assert (dots3.tp_summed_params, dots3.attention_reads_input) == (8, True)
+
+
 def test_an_mlp_is_read_as_its_weights_say(tmp_path: Path) -> None:
     """LFM2 sizes its MLP (`feed_forward`) from block_ff_dim, not intermediate_size: 256 wide
     here, whose whole weights SP sums; MiniMax-M3's dense first block is read once the MoE

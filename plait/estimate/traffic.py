@@ -98,7 +98,8 @@ def plan_collectives(config: GPTConfig, layout: Workload, stage: StageShare, end
     attention = config.tp_attention_share if config.tp_attention else 0.0
     ends = (ends and config.embedding_split, ends and config.vocab_split)  # a head summing whole logits: tp_traffic's
     return tp_collectives(layout, stage, ends, whole_ends, split_moe_calls(config, layout),
-                          (attention, config.tp_mlp), bool(config.mla_down_params), config.tp_attention_entries,
+                          (attention, config.tp_mlp), bool(config.mla_down_params) and not config.attention_reads_input,
+                          config.tp_attention_entries,
                           config.sp_mlp_read_whole, config.sp_whole_mixers)
 
 
@@ -288,8 +289,12 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
         width = 2 * config.n_heads * config.head_dim + 2 * config.kv_dim
         _add(out, "tp", "all_gather", layout.tokens_per_micro_batch * width * layout.compute_bytes, t,
              times=m * stage.layers * config.qk_norm_share)
-    if config.tp_entered_tail and not layout.sp:  # MLA's rotary key enters the attention: its gradient summed
-        _add(out, "tp", "all_reduce", layout.tokens_per_micro_batch * config.tp_entered_tail * layout.compute_bytes, t,
+    entered = config.tp_entered_tail + config.tp_entry_extra  # MLA's rotary key, and its latents' own entries
+    if entered and not layout.sp:  # their gradients summed in backward (the hidden's entry is plan_collectives')
+        _add(out, "tp", "all_reduce", layout.tokens_per_micro_batch * entered * layout.compute_bytes, t,
+             times=m * stage.layers)
+    if config.tp_summed_params:  # whole layers the plan sums the gradients of, with or without SP
+        _add(out, "tp", "all_reduce", config.tp_summed_params * state_bytes(layout.precision).grad, t,
              times=m * stage.layers)
     if config.split_mlp_scalars and not layout.sp:  # summed every micro-batch; under SP with the norms' below
         _add(out, "tp", "all_reduce", config.split_mlp_scalars * state_bytes(layout.precision).grad, t,

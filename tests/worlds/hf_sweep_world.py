@@ -227,7 +227,9 @@ MORE: dict[str, dict[str, Any]] = {
     "glm_moe_dsa": dict(**MLA, **DSMOE, **IDX),
     "sarvam_mla": dict(**MLA, **DSMOE),
     "axk1": dict(**MLA, **DSMOE),
-    "axk2": dict(**MLA, **DSMOE, **IDX),
+    # q_gate_proj reads both q latents, 2·q_lora_rank: not the hidden's 32 (the estimate tells a
+    # layer reading the block's input by its width)
+    "axk2": dict(**{**MLA, "q_lora_rank": 12}, **DSMOE, **IDX),
     "longcat_flash": dict(**MLA, num_hidden_layers=4, ffn_hidden_size=64, expert_ffn_hidden_size=32,
                           n_routed_experts=4, zero_expert_num=2, moe_topk=2),
     "kimi_linear": dict(**MLA, layer_types=["linear_attention", "full_attention"], pad_token_id=0, linear_head_dim=8,

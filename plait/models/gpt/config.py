@@ -83,6 +83,19 @@ class GPTConfig:
     # Outputs per token of a layer kept whole that enter a split region on their own (MLA's rotary
     # key, qk_rope_head_dim of kv_a_proj's outputs): their gradient summed over tp in backward
     tp_entered_tail: int = 0
+    # Features per token a block's split attention enters with beyond the hidden size, a mean
+    # over the blocks: its column layers reading latents enter on their own (MLA's q_b_proj and
+    # kv_b_proj), each with its width (models/hf/load._entry_extra); negative where they read
+    # latents alone, narrower than the hidden. Their gradients' all-reduce in backward, without SP
+    tp_entry_extra: float = 0.0
+    # Whether a split attention's column layers read the block's input (q, k and v do; MLA's read
+    # latents made inside it, but HY-V4's and dots3's gates beside them read the input): under SP
+    # MLA's down-projections then keep the gathered input for backward only where none does
+    attention_reads_input: bool = True
+    # Parameters a block's plan keeps whole with their gradients summed over tp every micro-batch
+    # (a declared "replicated_with_grad_allreduce": dots3's norm of MLA's rotary key), beyond the
+    # per-head q/k norms `qk_norm` prices; a block's mean
+    tp_summed_params: float = 0.0
     # MLA's down-projections and their norms (q_a_proj, kv_a_proj, their layernorms), kept whole
     # inside the split attention: under SP they run on its gathered input, which they keep for
     # backward (not gathered again), and their gradients are summed over tp every micro-batch

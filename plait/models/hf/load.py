@@ -224,11 +224,12 @@ def _tp_regions(model: nn.Module, blocks: str | None, layers: nn.ModuleList | No
     attention = [key for key in inside if "attn" in key or "attention" in key]
     shared = [key for key in inside if "shared" in key and key not in attention] if shape.is_moe else []
     tail = _entered_tail(model, plan, blocks)
-    return {"tp_attention": bool(attention), **_attention_kinds(layers, plan, blocks),
+    return {"tp_attention": bool(attention), **_attention_kinds(layers, plan, blocks, shape.d_model),
             "sp_whole_mixers": _whole_mixers(layers, plan, blocks), "tp_shared_experts": bool(shared),
             "tp_mlp": len(inside) > len(attention) + len(shared), "tp_entered_tail": tail,
             "mla_down_params": _mla_down_params(model, plan, blocks) if tail else 0,
             "sp_mlp_read_whole": _adds_residual(_mlp_of(_first_dense_block(layers, shape))),
+            "tp_summed_params": _summed_by_plan(layers, plan, blocks),
             **_gathered(layers, plan, blocks, attention=shape.qk_norm != "full")}
 
 
@@ -237,18 +238,19 @@ OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj", "wo")  # an atten
 COLUMN_STYLES = ("colwise", "colwise_gather_output", "colwise_rep", "packed_colwise")
 
 
-def _attention_kinds(layers: nn.ModuleList | None, plan: dict[str, str], blocks: str) -> dict[str, float]:
+def _attention_kinds(layers: nn.ModuleList | None, plan: dict[str, str], blocks: str,
+                     d_model: int) -> dict[str, float]:
     """How each block's attention splits, as a mean over the blocks (a hybrid's differ):
-    tp_attention_share, the share whose attention a row layer closes (a split region), and
+    tp_attention_share, the share whose attention a row layer closes (a split region);
     tp_attention_entries, the all-reduces a block's attention runs per micro-batch where the
     plan splits its layers but no row layer closes it (Qwen3-Next's linear attention, its
     projections gathered whole): one for the layers reading the block's input, which enter
-    together, and one for an output projection, which reads the attention's own result. A
-    block whose attention no entry names (OLMo-hybrid's linear attention) has neither: whole
-    on every rank, and read whole under SP."""
+    together, and one for an output projection, which reads the attention's own result; and
+    tp_entry_extra (`_entry_extra`). A block whose attention no entry names (OLMo-hybrid's
+    linear attention) has none of them: whole on every rank, and read whole under SP."""
     if not layers:
         return {}
-    split, entries = 0, 0
+    split, entries, extra, reads_input = 0, 0, 0, None
     for block in layers:
         styles: dict[str, str] = {}
         for key, style in plan.items():
@@ -258,11 +260,37 @@ def _attention_kinds(layers: nn.ModuleList | None, plan: dict[str, str], blocks:
                 styles[inside] = style
         if any(style in ROWS for style in styles.values()):
             split += 1
+            extra += _entry_extra(block, styles, d_model)
+            if reads_input is None:
+                reads_input = d_model in _column_widths(block, styles)
             continue
         columns = [inside.rsplit(".", 1)[-1] for inside, style in styles.items() if style in COLUMN_STYLES]
         outputs = sum(name in OUTPUT_PROJECTIONS for name in columns)
         entries += outputs + (len(columns) > outputs)
-    return {"tp_attention_share": split / len(layers), "tp_attention_entries": entries / len(layers)}
+    return {"tp_attention_share": split / len(layers), "tp_attention_entries": entries / len(layers),
+            "tp_entry_extra": extra / len(layers), "attention_reads_input": reads_input is not False}
+
+
+def _entry_extra(block: nn.Module, styles: dict[str, str], d_model: int) -> int:
+    """Features a token the column layers of one split attention enter with under tp, beyond
+    the hidden size the attention is priced at (GPTConfig.tp_entry_extra). Layers reading the
+    block's input (q, k, v: as wide as the hidden) enter once together; a layer reading a
+    latent (MLA's q_b_proj and kv_b_proj, 1,536 and 512 wide in DeepSeek-V3 beside a 7,168
+    hidden) enters on its own, with its own width: less than the hidden where only latents
+    are read (negative), more where both are (HY-V4's gate_proj reads the hidden beside them).
+    Read from the layers' input widths: a latent exactly as wide as the hidden counts as the
+    hidden. 0 where a column layer has no `in_features` to read (GPT-2's Conv1D)."""
+    widths = _column_widths(block, styles)
+    if not widths or not all(isinstance(width, int) for width in widths):
+        return 0
+    return sum(width for width in widths if width != d_model) + (d_model in widths) * d_model - d_model
+
+
+def _column_widths(block: nn.Module, styles: dict[str, str]) -> list[int | None]:
+    """The input widths of the column layers `styles` names in `block` (None: a layer without
+    `in_features`)."""
+    return [getattr(_in_block(block, inside), "in_features", None)
+            for inside, style in styles.items() if style in COLUMN_STYLES]
 
 
 def _whole_mixers(layers: nn.ModuleList | None, plan: dict[str, str], blocks: str) -> float:
@@ -278,6 +306,22 @@ def _whole_mixers(layers: nn.ModuleList | None, plan: dict[str, str], blocks: st
         whole = [name for name in mixers if not any(key == name or key.startswith(f"{name}.") for key in named)]
         extra += len(whole) - (1 if whole and len(whole) == len(mixers) else 0)
     return extra / len(layers)
+
+
+QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")  # the per-head norms GPTConfig.qk_norm prices
+
+
+def _summed_by_plan(layers: nn.ModuleList | None, plan: dict[str, str], blocks: str) -> float:
+    """GPTConfig.tp_summed_params, a block's mean: the parameters of the layers its plan keeps
+    whole with their gradients summed ("replicated_with_grad_allreduce": dots3's norm of the
+    rotary key, which every rank's heads read), but the per-head q and k norms `_qk_norm` prices."""
+    if not layers:
+        return 0.0
+    keys = [key[len(blocks) + 3:] for key, style in plan.items()
+            if style == "replicated_with_grad_allreduce" and key.startswith(f"{blocks}.*.")
+            and key[len(blocks) + 3:] not in QK_NORMS]
+    held = [_in_block(block, key) for block in layers for key in keys]
+    return sum(p.numel() for module in held if module is not None for p in module.parameters()) / len(layers)
 
 
 def _entered_tail(model: nn.Module, plan: dict[str, str], blocks: str) -> int:

@@ -267,7 +267,8 @@ def _probe_regions(model: nn.Module, styles: dict[str, str], regions: list[str],
     that input reshaped (Llama 4's MoE flattens its tokens: the region then runs whole,
     "region+whole"), or what a module inside the region made from it (MLA's q_b_proj reads
     q_a_proj's normed output: the whole layers between compute on the entered input, their
-    gradients partial, summed as the probe finds them). A region where one reads anything
+    gradients partial, summed as the probe finds them), by any torch operations
+    (`_computed_inside`: AXK2's q_gate_proj reads two latents concatenated). A region where one reads anything
     else (Qwen3-Next's linear attention gathers its projections whole) is read whole instead
     ("gathered"), its layers entering one by one as without SP. Returns the blocks' modules
     with parameters, not split nor summed by the plan, that ran outside every region (on a
@@ -277,6 +278,7 @@ def _probe_regions(model: nn.Module, styles: dict[str, str], regions: list[str],
     reshaped: set[str] = set()
     other: dict[str, str] = {}
     made: list[torch.Tensor] = []  # the outputs of the modules inside the active region
+    entered: list[int] = []  # the autograd node number each active region was entered at
     rows: list[torch.Tensor] = []  # those of its row layers, which leave the region
 
     def inside(module: nn.Module, args: tuple, out: Any, row: bool) -> None:
@@ -288,12 +290,14 @@ def _probe_regions(model: nn.Module, styles: dict[str, str], regions: list[str],
 
     def enter(module: nn.Module, args: tuple, kwargs: dict, name: str) -> None:
         active.append((name, args[0] if args else kwargs.get(first_input_name(module) or "")))
+        entered.append(_next_node_number())
 
     def leave(module: nn.Module, args: tuple, out: Any, name: str) -> None:  # returns None: out stays
         first = _first_tensor(out)
         if name not in reshaped and not any(first is row or _reshaped(first, row) for row in rows):
             other.setdefault(name, "its output is not what a row layer inside it returned")
         active.pop()
+        entered.pop()
         if not active:
             made.clear()
             rows.clear()
@@ -303,7 +307,8 @@ def _probe_regions(model: nn.Module, styles: dict[str, str], regions: list[str],
             return
         if _reshaped(args[0], active[-1][1]):
             reshaped.add(active[-1][0])
-        elif not any(args[0] is tensor or _reshaped(args[0], tensor) for tensor in made):
+        elif not any(args[0] is tensor or _reshaped(args[0], tensor) for tensor in made) \
+                and not _computed_inside(args[0], [active[-1][1], *made], entered[-1]):
             other.setdefault(active[-1][0], f"{name} reads another tensor than its input or what is made from it")
 
     handles = [module.register_forward_hook(functools.partial(inside, row=styles.get(name) in ROWS))
@@ -318,13 +323,40 @@ def _probe_regions(model: nn.Module, styles: dict[str, str], regions: list[str],
             handles.append(module.register_forward_pre_hook(
                 lambda *_, name=name: None if active else outside.add(name)))
     try:
-        with quiet(model):
+        with quiet(model, grad=True):  # the graph tells what a column layer's input was computed from
             # two rows: a module that flattens (seq, batch) rather than (batch, seq) copies, and is read whole
             model(input_ids=probe_ids(model, 4).repeat(2, 1), **no_cache(model))
     finally:
         for handle in handles:
             handle.remove()
     return sorted(outside), reshaped, other
+
+
+def _next_node_number() -> int:
+    """The sequence number autograd gives the next node it makes (they rise as the forward runs)."""
+    return (torch.ones((), device="meta", requires_grad=True) * 1).grad_fn._sequence_nr() + 1
+
+
+def _computed_inside(x: torch.Tensor, sources: list[Any], since: int) -> bool:
+    """Whether `x` was computed, by any torch operations, from `sources` (a region's input and
+    what its modules made) and the region's own parameters alone: every path of its graph back
+    ends at a source, a parameter or a constant before it reaches a node made before the region
+    was entered (numbered below `since`). Its gradient then reaches the region's entry, summed
+    there (AXK2's q_gate_proj reads cat(q_a_layernorm's output, q_a_proj's); dots3 scales its
+    latents before reading them); a tensor from outside the region would keep a partial one."""
+    stops = {id(source.grad_fn) for source in sources if isinstance(source, torch.Tensor) and source.grad_fn}
+    if x.grad_fn is None:
+        return False
+    pending, seen = [x.grad_fn], set()
+    while pending:
+        node = pending.pop()
+        if node is None or id(node) in stops or id(node) in seen or type(node).__name__ == "AccumulateGrad":
+            continue
+        if node._sequence_nr() < since:
+            return False
+        seen.add(id(node))
+        pending.extend(next_node for next_node, _ in node.next_functions)
+    return True
 
 
 def _first_tensor(out: Any) -> torch.Tensor | None:
