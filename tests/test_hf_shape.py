@@ -78,13 +78,18 @@ def test_mla_enters_with_its_latents_widths(tmp_path: Path) -> None:
     layer reads the hidden: SP's gathered input is kept by the down-projections alone);
     HY-V4's gate_proj reads the hidden beside them (32 more a token, and SP gathers its input
     again in backward); AXK2's q_gate_proj reads both q latents, 2 x 12; dots3 sums the norm of
-    its rotary key (8 weights) as its plan declares."""
+    its rotary key (8 weights) as its plan declares. AXK2's norms hold a gate MLP each, which SP
+    sums with the norms (sp_norm_extra, a block's mean)."""
     v32 = shape_of(tmp_path / "v32", "deepseek_v32", **MLA)
     assert (v32.tp_entry_extra, v32.attention_reads_input, v32.tp_summed_params) == (0, False, 0)
     hy = shape_of(tmp_path / "hy", "hy_v4", **MLA, pad_token_id=0)
     assert (hy.tp_entry_extra, hy.attention_reads_input) == (16 + 16 + 32 - 32, True)
     axk2 = shape_of(tmp_path / "axk2", "axk2", **{**MLA, "q_lora_rank": 12})
     assert (axk2.tp_entry_extra, axk2.attention_reads_input) == (2 * 12 + 16 - 32, False)
+    # its gated norms (a 32-wide norm, fc1 16 x 32, fc2 32 x 16): the dense block's input norm,
+    # both of the MoE block's; the first block's plain post-attention norm is norm_params' one
+    gated = 32 + 2 * 16 * 32
+    assert axk2.norm_params == 1 and axk2.sp_norm_extra == (gated + 32 + 2 * gated) / 2 - 32
     dots3 = shape_of(tmp_path / "dots3", "dots3_note_text", **MLA, pad_token_id=0, sliding_window=6)
     assert (dots3.tp_summed_params, dots3.attention_reads_input) == (8, True)
 

@@ -312,8 +312,9 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
         # MLA's down-projections run on the gathered sequence inside the split attention: summed too
         # (their gradients carry the rotary key's, which then enters with them)
         down = round(stage.layers) * config.mla_down_params
-        _add(out, "tp", "all_reduce", (stage.replicated_params - whole + beside - read_whole + down) * grad_bytes, t,
-             times=m)
+        norms = round(stage.layers * config.sp_norm_extra)  # the norms the first block's count misses
+        _add(out, "tp", "all_reduce", (stage.replicated_params - whole + beside - read_whole + down + norms)
+             * grad_bytes, t, times=m)
     return out
 
 

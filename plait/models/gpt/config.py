@@ -96,6 +96,10 @@ class GPTConfig:
     # (a declared "replicated_with_grad_allreduce": dots3's norm of MLA's rotary key), beyond the
     # per-head q/k norms `qk_norm` prices; a block's mean
     tp_summed_params: float = 0.0
+    # A block's mean of its norms' parameters beyond norm_params' d_model-wide weights (AXK1's
+    # norm after its MoE blocks' MLP, AXK2's gated norms' gate MLPs): run on a sequence slice
+    # under SP, their gradients summed over tp with the other norms'
+    sp_norm_extra: float = 0.0
     # MLA's down-projections and their norms (q_a_proj, kv_a_proj, their layernorms), kept whole
     # inside the split attention: under SP they run on its gathered input, which they keep for
     # backward (not gathered again), and their gradients are summed over tp every micro-batch

@@ -139,6 +139,7 @@ def measured_shape(hf: HFModelDir, kept: bool = True) -> GPTConfig:
     shape = replace(shape, mlp_matrices=matrices) if matrices else shape
     plan = _block_plan(model, name)
     shape = replace(shape, **_qk_norm(layers, shape, plan), norm_params=_norm_params(layers, shape))
+    shape = replace(shape, sp_norm_extra=_norm_extra(layers, shape))
     shape = replace(shape, **_tp_regions(model, name, layers, shape, plan), **_ends_split(model))
     shape = replace(shape, whole_biases=_whole_biases(layers, shape, plan, name),
                     split_mlp_scalars=_split_mlp_scalars(layers, shape))
@@ -382,6 +383,18 @@ def _norm_params(layers: nn.ModuleList | None, shape: GPTConfig) -> int:
         return shape.norm_params
     weights = sum(p.numel() for module in layers[0].children() if _is_norm(module) for p in module.parameters())
     return weights // shape.d_model if weights % shape.d_model == 0 else shape.norm_params
+
+
+def _norm_extra(layers: nn.ModuleList | None, shape: GPTConfig) -> float:
+    """GPTConfig.sp_norm_extra: a block's mean of its norms' parameters (its direct children
+    named a norm that do not mix tokens, whatever they hold) beyond the first block's
+    `norm_params` d_model-wide weights: AXK1's norm after its MoE, in its MoE blocks alone;
+    AXK2's gated norms, each a norm and a two-layer gate MLP."""
+    if not layers:
+        return 0.0
+    held = sum(p.numel() for block in layers for module in block.children()
+               if "norm" in type(module).__name__.lower() and not mixes_tokens(module) for p in module.parameters())
+    return held / len(layers) - shape.norm_params * shape.d_model
 
 
 def _is_norm(module: nn.Module) -> bool:
