@@ -386,15 +386,21 @@ def _norm_params(layers: nn.ModuleList | None, shape: GPTConfig) -> int:
 
 
 def _norm_extra(layers: nn.ModuleList | None, shape: GPTConfig) -> float:
-    """GPTConfig.sp_norm_extra: a block's mean of its norms' parameters (its direct children
-    named a norm that do not mix tokens, whatever they hold) beyond the first block's
-    `norm_params` d_model-wide weights: AXK1's norm after its MoE, in its MoE blocks alone;
-    AXK2's gated norms, each a norm and a two-layer gate MLP."""
+    """GPTConfig.sp_norm_extra: a block's mean of its norms' parameters (its direct children and
+    its MLP's named a norm that do not mix tokens, whatever they hold) beyond the first block's
+    `norm_params` d_model-wide weights: AXK1's norm closing its MoE module, in its MoE blocks
+    alone; AXK2's gated norms, each a norm and a two-layer gate MLP."""
     if not layers:
         return 0.0
-    held = sum(p.numel() for block in layers for module in block.children()
+    held = sum(p.numel() for block in layers for module in _children_and_mlps(block)
                if "norm" in type(module).__name__.lower() and not mixes_tokens(module) for p in module.parameters())
     return held / len(layers) - shape.norm_params * shape.d_model
+
+
+def _children_and_mlps(block: nn.Module) -> list[nn.Module]:
+    """A block's direct children and its MLP's."""
+    mlp = _mlp_of(block)
+    return [*block.children(), *(mlp.children() if mlp is not None else ())]
 
 
 def _is_norm(module: nn.Module) -> bool:
