@@ -194,6 +194,8 @@ def test_the_parameters_are_counted_as_the_model_holds_them(tmp_path: Path) -> N
     assert block_split(deepseek, sp=True)[0] < block_split(deepseek)[0]
     dbrx = shape_of(tmp_path / "dbrx", "dbrx", **cases["dbrx"])
     assert held_experts(dbrx, 2) == 4 * 3 * 32 * 32 / 2  # its experts dealt out over ep, whole MLPs
+    gemma4 = shape_of(tmp_path / "gemma4_text", "gemma4_text", **cases["gemma4_text"])
+    assert gemma4.moe_dense_mlp and gemma4.tp_mlp and not deepseek.moe_dense_mlp  # DeepSeek's mlp holds its experts
 
 
 # Published totals and active parameters of models whose transformers configs default to them

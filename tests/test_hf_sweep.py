@@ -226,8 +226,8 @@ PRICED = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"
           "dots3_note_text", "axk2", "axk1"]
 # priced under tp alone; their SP cases are not (docs/huggingface.md, "What the estimate prices", says why)
 PRICED_TP = ["gemma3n_text", "hrm_text", "deepseek_v4", "inkling2_text", "inkling2_loop_text",
-             "dbrx", "nemotron_h", "hy_v4"]
-PRICED_AT_LEAST = 228
+             "dbrx", "nemotron_h", "hy_v4", "gemma4_text"]
+PRICED_AT_LEAST = 229
 
 
 def priced(world: list[dict[str, Any]], families: list[str], modes: tuple[str, ...] = ("tp", "tp_sp")) -> None:

@@ -100,13 +100,14 @@ def plan_collectives(config: GPTConfig, layout: Workload, stage: StageShare, end
     return tp_collectives(layout, stage, ends, whole_ends, split_moe_calls(config, layout),
                           (attention, config.tp_mlp), bool(config.mla_down_params) and not config.attention_reads_input,
                           config.tp_attention_entries,
-                          config.sp_mlp_read_whole, config.sp_whole_mixers)
+                          config.sp_mlp_read_whole, config.sp_whole_mixers, config.moe_dense_mlp)
 
 
 def tp_collectives(layout: Workload, stage: StageShare, ends: tuple[bool, bool] = (True, True),
                    whole_ends: bool = False, split_moe: tuple[int, int] = (0, 0),
                    regions: tuple[float, bool] = (1.0, True), kept_input: bool = False,
-                   entries: float = 0.0, mlp_read_whole: bool = False, whole_mixers: float = 0.0) -> dict[str, float]:
+                   entries: float = 0.0, mlp_read_whole: bool = False, whole_mixers: float = 0.0,
+                   dense_beside: bool = False) -> dict[str, float]:
     """Collectives of b·s·h activations per micro-batch on one rank of `stage` (its blocks'
     alone without `ends`, the embedding's and the head's: what an overlapping stack hides,
     time.tp_s).
@@ -145,7 +146,8 @@ def tp_collectives(layout: Workload, stage: StageShare, ends: tuple[bool, bool] 
     MLP gathers as a split region does but reduce-scatters nothing, its layers summing as
     without SP (two all-reduces). `whole_mixers` (GPTConfig.sp_whole_mixers): under SP a block's
     token-mixing layers beside its attention that the plan leaves whole, each read whole as a
-    whole attention is.
+    whole attention is. `dense_beside` (GPTConfig.moe_dense_mlp): without SP an MoE block runs
+    its split dense MLP's two all-reduces beside its experts (Gemma 4's).
     """
     first, last = int(ends[0] and stage.first), int(ends[1] and stage.last)
     blocks = stage.layers
@@ -157,7 +159,8 @@ def tp_collectives(layout: Workload, stage: StageShare, ends: tuple[bool, bool] 
         attention, mlp = regions
         rerun = full * attention
         dense = 2 * (attention + mlp) + rerun
-        return {"all_reduce": (blocks - moe) * dense + moe * (2 * attention + rerun) + experts + first + last
+        beside = 2 * mlp if dense_beside else 0
+        return {"all_reduce": (blocks - moe) * dense + moe * (2 * attention + rerun + beside) + experts + first + last
                 + entered}
     if whole_ends:  # a transformers model's plan: its regions split or read whole (sp_region_collectives)
         attention, mlp = regions

@@ -100,6 +100,9 @@ class GPTConfig:
     # norm after its MoE blocks' MLP, AXK2's gated norms' gate MLPs): run on a sequence slice
     # under SP, their gradients summed over tp with the other norms'
     sp_norm_extra: float = 0.0
+    # An MoE block runs a dense MLP beside its experts (Gemma 4's): where the plan splits the
+    # MLP, its MoE blocks run the dense MLP's collectives too
+    moe_dense_mlp: bool = False
     # MLA's down-projections and their norms (q_a_proj, kv_a_proj, their layernorms), kept whole
     # inside the split attention: under SP they run on its gathered input, which they keep for
     # backward (not gathered again), and their gradients are summed over tp every micro-batch

@@ -231,6 +231,7 @@ def _tp_regions(model: nn.Module, blocks: str | None, layers: nn.ModuleList | No
             "mla_down_params": _mla_down_params(model, plan, blocks) if tail else 0,
             "sp_mlp_read_whole": _adds_residual(_mlp_of(_first_dense_block(layers, shape))),
             "tp_summed_params": _summed_by_plan(layers, plan, blocks),
+            "moe_dense_mlp": shape.is_moe and _dense_beside_experts(layers, shape),
             **_gathered(layers, plan, blocks, attention=shape.qk_norm != "full")}
 
 
@@ -307,6 +308,15 @@ def _whole_mixers(layers: nn.ModuleList | None, plan: dict[str, str], blocks: st
         whole = [name for name in mixers if not any(key == name or key.startswith(f"{name}.") for key in named)]
         extra += len(whole) - (1 if whole and len(whole) == len(mixers) else 0)
     return extra / len(layers)
+
+
+def _dense_beside_experts(layers: nn.ModuleList | None, shape: GPTConfig) -> bool:
+    """GPTConfig.moe_dense_mlp: whether the first MoE block's MLP is a dense one, its experts
+    sitting beside it in the block (Gemma 4's `mlp` beside its `router` and `experts`), not
+    inside it (DeepSeek's `mlp` holds them)."""
+    block = next((block for i, block in enumerate(layers or []) if shape.moe_layer(i)), None)
+    mlp = _mlp_of(block)
+    return mlp is not None and not any(name.endswith("experts") for name, _ in mlp.named_modules())
 
 
 QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")  # the per-head norms GPTConfig.qk_norm prices
