@@ -195,7 +195,16 @@ def test_the_parameters_are_counted_as_the_model_holds_them(tmp_path: Path) -> N
     dbrx = shape_of(tmp_path / "dbrx", "dbrx", **cases["dbrx"])
     assert held_experts(dbrx, 2) == 4 * 3 * 32 * 32 / 2  # its experts dealt out over ep, whole MLPs
     gemma4 = shape_of(tmp_path / "gemma4_text", "gemma4_text", **cases["gemma4_text"])
-    assert gemma4.moe_dense_mlp and gemma4.tp_mlp and not deepseek.moe_dense_mlp  # DeepSeek's mlp holds its experts
+    assert (gemma4.moe_dense_mlps, deepseek.moe_dense_mlps) == (1, 0)  # DeepSeek's mlp holds its experts
+
+
+def test_longcat_runs_two_attentions_and_two_mlps_a_block(tmp_path: Path) -> None:
+    """LongCat's block: two MLA attentions ("self_attn.*.o_proj"), each with its rotary key
+    entering, two dense MLPs ("mlps.*") beside an MoE module whose routed top-k experts its plan
+    splits by tp (no ep plan): all of them run their collectives under tp."""
+    shape = shape_of(tmp_path, "longcat_flash", **MLA, ffn_hidden_size=64, expert_ffn_hidden_size=32)
+    assert (shape.tp_attention_share, shape.tp_entered_tail, shape.moe_dense_mlps) == (2, 2 * 8, 2)
+    assert shape.tp_routed_split and shape.routed_split_by_tp(1) and not shape.routed_split_by_tp(2)
 
 
 # Published totals and active parameters of models whose transformers configs default to them

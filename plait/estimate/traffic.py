@@ -100,14 +100,14 @@ def plan_collectives(config: GPTConfig, layout: Workload, stage: StageShare, end
     return tp_collectives(layout, stage, ends, whole_ends, split_moe_calls(config, layout),
                           (attention, config.tp_mlp), bool(config.mla_down_params) and not config.attention_reads_input,
                           config.tp_attention_entries,
-                          config.sp_mlp_read_whole, config.sp_whole_mixers, config.moe_dense_mlp)
+                          config.sp_mlp_read_whole, config.sp_whole_mixers, config.moe_dense_mlps)
 
 
 def tp_collectives(layout: Workload, stage: StageShare, ends: tuple[bool, bool] = (True, True),
                    whole_ends: bool = False, split_moe: tuple[int, int] = (0, 0),
                    regions: tuple[float, bool] = (1.0, True), kept_input: bool = False,
                    entries: float = 0.0, mlp_read_whole: bool = False, whole_mixers: float = 0.0,
-                   dense_beside: bool = False) -> dict[str, float]:
+                   dense_beside: int = 0) -> dict[str, float]:
     """Collectives of b·s·h activations per micro-batch on one rank of `stage` (its blocks'
     alone without `ends`, the embedding's and the head's: what an overlapping stack hides,
     time.tp_s).
@@ -146,8 +146,8 @@ def tp_collectives(layout: Workload, stage: StageShare, ends: tuple[bool, bool] 
     MLP gathers as a split region does but reduce-scatters nothing, its layers summing as
     without SP (two all-reduces). `whole_mixers` (GPTConfig.sp_whole_mixers): under SP a block's
     token-mixing layers beside its attention that the plan leaves whole, each read whole as a
-    whole attention is. `dense_beside` (GPTConfig.moe_dense_mlp): without SP an MoE block runs
-    its split dense MLP's two all-reduces beside its experts (Gemma 4's).
+    whole attention is. `dense_beside` (GPTConfig.moe_dense_mlps): without SP an MoE block runs
+    the two all-reduces of each split dense MLP beside its experts (Gemma 4's one, LongCat's two).
     """
     first, last = int(ends[0] and stage.first), int(ends[1] and stage.last)
     blocks = stage.layers
@@ -159,7 +159,7 @@ def tp_collectives(layout: Workload, stage: StageShare, ends: tuple[bool, bool] 
         attention, mlp = regions
         rerun = full * attention
         dense = 2 * (attention + mlp) + rerun
-        beside = 2 * mlp if dense_beside else 0
+        beside = 2 * dense_beside
         return {"all_reduce": (blocks - moe) * dense + moe * (2 * attention + rerun + beside) + experts + first + last
                 + entered}
     if whole_ends:  # a transformers model's plan: its regions split or read whole (sp_region_collectives)
@@ -273,7 +273,7 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
         width = sum(w * n for w, n in zip(config.tp_gathered, gathered_passes(layout)))
         _add(out, "tp", "all_gather", layout.tokens_per_micro_batch * width * layout.compute_bytes,
              t, times=m * stage.layers)
-    if split_moe[0]:  # the routed experts' all-reduces carry tp_expert_rows rows a token, not one
+    if split_moe[0] and config.tp_expert_rows:  # the routed experts' all-reduces carry tp_expert_rows rows a token
         _add(out, "tp", "all_reduce", act * (config.tp_expert_rows - 1), t,
              times=m * round(stage.moe_layers) * split_moe[0])
     _add(out, "tp", "all_gather", act, t, times=m * sequence_ends(config, layout, stage))
@@ -307,7 +307,7 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
         whole = final_norm_params(config) if stage.last and config.whole_sequence_ends else 0
         # shared experts split beside whole routed ones run whole under SP (plans.whole_beside_experts)
         beside = (round(3 * config.d_model * config.shared_width * stage.moe_layers)
-                  if config.tp_shared_experts and not config.tp_expert_rows else 0)
+                  if config.tp_shared_experts and not config.routed_split_by_tp(layout.ep) else 0)
         # an attention the plan leaves whole is read whole on every rank (sp_region_collectives):
         # its weights' gradients are alike there, not summed
         read_whole = round(stage.layers) * config.attention_params \

@@ -59,8 +59,8 @@ class GPTConfig:
     tp_attention: bool = True
     tp_mlp: bool = True
     # Where the blocks differ (a hybrid's linear-attention blocks beside full-attention ones), a
-    # mean over them: the share whose attention the plan splits as a region a row layer closes,
-    # the rest read whole under SP; and the all-reduces per micro-batch of an attention whose
+    # mean over them: the share whose attention the plan splits as a region a row layer closes
+    # (above 1 where a block runs several: LongCat's two), the rest read whole under SP; and the all-reduces per micro-batch of an attention whose
     # layers it splits with no row layer closing them (Qwen3-Next's linear attention gathers its
     # projections whole: its two entries in backward), under SP too
     tp_attention_share: float = 1.0
@@ -100,9 +100,9 @@ class GPTConfig:
     # norm after its MoE blocks' MLP, AXK2's gated norms' gate MLPs): run on a sequence slice
     # under SP, their gradients summed over tp with the other norms'
     sp_norm_extra: float = 0.0
-    # An MoE block runs a dense MLP beside its experts (Gemma 4's): where the plan splits the
-    # MLP, its MoE blocks run the dense MLP's collectives too
-    moe_dense_mlp: bool = False
+    # The dense MLPs an MoE block runs beside its experts and that the plan splits (Gemma 4's one,
+    # LongCat's two): its MoE blocks run their collectives too
+    moe_dense_mlps: int = 0
     # MLA's down-projections and their norms (q_a_proj, kv_a_proj, their layernorms), kept whole
     # inside the split attention: under SP they run on its gathered input, which they keep for
     # backward (not gathered again), and their gradients are summed over tp every micro-batch
@@ -138,6 +138,9 @@ class GPTConfig:
     # every token, the router's scores zeroing the rest: `experts` rows). 0: tp keeps the MoE MLP
     # whole on every rank (plait's MoE, and a transformers MoE with an ep plan).
     tp_expert_rows: int = 0
+    # The same plan where the experts are routed top-k (LongCat's): split as a dense MLP's, their
+    # module entered and left with one row a token, its output summed over the choices
+    tp_routed_split: bool = False
     moe_every: int = 1  # every moe_every-th block is an MoE block (the others keep the dense MLP)
     # Which blocks are MoE blocks where moe_every cannot say (a transformers family's, read off
     # its model: DeepSeek's dense first blocks); empty: moe_every's
@@ -248,9 +251,9 @@ class GPTConfig:
         return self.shared_hidden or self.shared_experts * self.expert_width
 
     def routed_split_by_tp(self, ep: int) -> bool:
-        """Whether tp splits the routed experts: where the model's plan does (tp_expert_rows)
-        and no ep keeps them whole."""
-        return bool(self.tp_expert_rows) and ep == 1
+        """Whether tp splits the routed experts: where the model's plan does (tp_expert_rows,
+        tp_routed_split) and no ep keeps them whole."""
+        return bool(self.tp_expert_rows or self.tp_routed_split) and ep == 1
 
     def shared_split_by_tp(self, ep: int) -> bool:
         """Whether tp splits the shared experts: with the routed ones, or beside them

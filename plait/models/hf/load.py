@@ -224,14 +224,14 @@ def _tp_regions(model: nn.Module, blocks: str | None, layers: nn.ModuleList | No
               if key.startswith(f"{blocks}.") and style in ROWS]
     attention = [key for key in inside if "attn" in key or "attention" in key]
     shared = [key for key in inside if "shared" in key and key not in attention] if shape.is_moe else []
-    tail = _entered_tail(model, plan, blocks)
+    tail = _entered_tail(model, plan, blocks, layers)
     return {"tp_attention": bool(attention), **_attention_kinds(layers, plan, blocks, shape.d_model),
             "sp_whole_mixers": _whole_mixers(layers, plan, blocks), "tp_shared_experts": bool(shared),
             "tp_mlp": len(inside) > len(attention) + len(shared), "tp_entered_tail": tail,
             "mla_down_params": _mla_down_params(model, plan, blocks) if tail else 0,
             "sp_mlp_read_whole": _adds_residual(_mlp_of(_first_dense_block(layers, shape))),
             "tp_summed_params": _summed_by_plan(layers, plan, blocks),
-            "moe_dense_mlp": shape.is_moe and _dense_beside_experts(layers, shape),
+            "moe_dense_mlps": _dense_beside_experts(layers, shape, plan, blocks) if shape.is_moe else 0,
             **_gathered(layers, plan, blocks, attention=shape.qk_norm != "full")}
 
 
@@ -243,7 +243,8 @@ COLUMN_STYLES = ("colwise", "colwise_gather_output", "colwise_rep", "packed_colw
 def _attention_kinds(layers: nn.ModuleList | None, plan: dict[str, str], blocks: str,
                      d_model: int) -> dict[str, float]:
     """How each block's attention splits, as a mean over the blocks (a hybrid's differ):
-    tp_attention_share, the share whose attention a row layer closes (a split region);
+    tp_attention_share, the split attentions (closed by a row layer) a block runs, a share of
+    the blocks where a hybrid's differ, two a block for LongCat's;
     tp_attention_entries, the all-reduces a block's attention runs per micro-batch where the
     plan splits its layers but no row layer closes it (Qwen3-Next's linear attention, its
     projections gathered whole): one for the layers reading the block's input, which enter
@@ -261,8 +262,9 @@ def _attention_kinds(layers: nn.ModuleList | None, plan: dict[str, str], blocks:
             if ("attn" in child or "attention" in child) and _in_block(block, inside) is not None:
                 styles[inside] = style
         if any(style in ROWS for style in styles.values()):
-            split += 1
-            extra += _entry_extra(block, styles, d_model)
+            count = max(_matched(block, inside) for inside, style in styles.items() if style in ROWS)
+            split += count  # LongCat runs two attentions a block ("self_attn.*.o_proj")
+            extra += count * _entry_extra(block, styles, d_model)
             if reads_input is None:
                 reads_input = d_model in _column_widths(block, styles)
             continue
@@ -310,13 +312,22 @@ def _whole_mixers(layers: nn.ModuleList | None, plan: dict[str, str], blocks: st
     return extra / len(layers)
 
 
-def _dense_beside_experts(layers: nn.ModuleList | None, shape: GPTConfig) -> bool:
-    """GPTConfig.moe_dense_mlp: whether the first MoE block's MLP is a dense one, its experts
-    sitting beside it in the block (Gemma 4's `mlp` beside its `router` and `experts`), not
-    inside it (DeepSeek's `mlp` holds them)."""
+def _dense_beside_experts(layers: nn.ModuleList | None, shape: GPTConfig, plan: dict[str, str],
+                          blocks: str) -> int:
+    """GPTConfig.moe_dense_mlps: the dense MLPs the plan splits in the first MoE block, beside
+    its experts: its row layers outside its attention, its experts and its shared experts
+    (Gemma 4's `mlp`, beside the `router` and `experts` of its block; LongCat's two `mlps`
+    beside its MoE module). DeepSeek's MoE blocks have none: their `mlp` is the MoE module."""
     block = next((block for i, block in enumerate(layers or []) if shape.moe_layer(i)), None)
-    mlp = _mlp_of(block)
-    return mlp is not None and not any(name.endswith("experts") for name, _ in mlp.named_modules())
+    if block is None:
+        return 0
+    # a row layer closing a region ("rowwise"; one fed a whole input keeps its slice instead:
+    # Qwen4-Exp's hyper-connection mixers)
+    rows = [key[len(blocks) + 3:] for key, style in plan.items()
+            if style == "rowwise" and key.startswith(f"{blocks}.*.")]
+    dense = [inside for inside in rows
+             if not any(word in inside.lower() for word in ("attn", "attention", "expert", "shared"))]
+    return sum(_matched(block, inside) for inside in dense)
 
 
 QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")  # the per-head norms GPTConfig.qk_norm prices
@@ -335,12 +346,23 @@ def _summed_by_plan(layers: nn.ModuleList | None, plan: dict[str, str], blocks: 
     return sum(p.numel() for module in held if module is not None for p in module.parameters()) / len(layers)
 
 
-def _entered_tail(model: nn.Module, plan: dict[str, str], blocks: str) -> int:
+def _entered_tail(model: nn.Module, plan: dict[str, str], blocks: str, layers: nn.ModuleList | None) -> int:
     """GPTConfig.tp_entered_tail: the rotary key's width of each MLA kv_a_proj the plan names
-    ("mla_kv_a_proj", whose last qk_rope_head_dim outputs enter the attention's region)."""
+    in the first block ("mla_kv_a_proj", whose last qk_rope_head_dim outputs enter the
+    attention's region; LongCat's two attentions a block have one each)."""
     rope = getattr(text_config(model), "qk_rope_head_dim", 0)
-    layers = sum(style == "mla_kv_a_proj" and key.startswith(f"{blocks}.*.") for key, style in plan.items())
-    return layers * rope if isinstance(rope, int) else 0
+    if not layers or not isinstance(rope, int):
+        return 0
+    return rope * sum(_matched(layers[0], key[len(blocks) + 3:]) for key, style in plan.items()
+                      if style == "mla_kv_a_proj" and key.startswith(f"{blocks}.*."))
+
+
+def _matched(block: nn.Module, name: str) -> int:
+    """How many of the block's modules a plan entry names (several where it has a wildcard
+    inside the block: LongCat's "self_attn.*.o_proj", two)."""
+    if "*" in name:
+        return sum(fnmatchcase(inner, name) for inner, _ in block.named_modules())
+    return int(_in_block(block, name) is not None)
 
 
 def _mla_down_params(model: nn.Module, plan: dict[str, str], blocks: str) -> int:
@@ -823,7 +845,7 @@ def _moe_fields(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
     (Llama 4 always has one, sized by the experts' intermediate_size), a gate on their output
     (Qwen2-MoE's `shared_expert_gate`), and whether tp splits its experts
     (GPTConfig.tp_expert_rows: a tp plan marking them "moe_tp_experts", every expert on every
-    token, and no ep plan). {} for a dense model. A width is taken only where the weights make
+    token, and no ep plan; tp_routed_split: the same plan, the experts routed top-k). {} for a dense model. A width is taken only where the weights make
     whole SwiGLUs of it."""
     block = next((m for m in model.modules() if isinstance(getattr(m, "experts", None), nn.Module)), None)
     if not shape.is_moe or block is None:
@@ -850,8 +872,11 @@ def _moe_fields(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
         fields["shared_experts"] = max(1, round(width / expert))
         fields["shared_hidden"] = 0 if width == fields["shared_experts"] * expert else width
     fields["shared_expert_gate"] = isinstance(getattr(block, "shared_expert_gate", None), nn.Module)
-    if not declared(model, "ep") and dense_experts(model, declared(model, "tp")):
+    tp = declared(model, "tp")
+    if not declared(model, "ep") and dense_experts(model, tp):
         fields["tp_expert_rows"] = shape.experts
+    elif not declared(model, "ep") and "moe_tp_experts" in tp.values():  # LongCat's routed top-k experts
+        fields["tp_routed_split"] = True
     return fields
 
 
