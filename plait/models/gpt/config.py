@@ -60,9 +60,10 @@ class GPTConfig:
     tp_mlp: bool = True
     # Where the blocks differ (a hybrid's linear-attention blocks beside full-attention ones), a
     # mean over them: the share whose attention the plan splits as a region a row layer closes
-    # (above 1 where a block runs several: LongCat's two), the rest read whole under SP; and the all-reduces per micro-batch of an attention whose
-    # layers it splits with no row layer closing them (Qwen3-Next's linear attention gathers its
-    # projections whole: its two entries in backward), under SP too
+    # (above 1 where a block runs several: LongCat's two), the rest read whole under SP; and the
+    # all-reduces per micro-batch of an attention whose layers it splits with no row layer closing
+    # them (Qwen3-Next's linear attention gathers its projections whole: its two entries in
+    # backward), under SP too
     tp_attention_share: float = 1.0
     tp_attention_entries: float = 0.0
     # Under SP, a split MLP read whole: its forward adds the residual it is given (MPT's), so

@@ -845,8 +845,8 @@ def _moe_fields(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
     (Llama 4 always has one, sized by the experts' intermediate_size), a gate on their output
     (Qwen2-MoE's `shared_expert_gate`), and whether tp splits its experts
     (GPTConfig.tp_expert_rows: a tp plan marking them "moe_tp_experts", every expert on every
-    token, and no ep plan; tp_routed_split: the same plan, the experts routed top-k). {} for a dense model. A width is taken only where the weights make
-    whole SwiGLUs of it."""
+    token, and no ep plan; tp_routed_split: the same plan, the experts routed top-k). {} for a
+    dense model. A width is taken only where the weights make whole SwiGLUs of it."""
     block = next((m for m in model.modules() if isinstance(getattr(m, "experts", None), nn.Module)), None)
     if not shape.is_moe or block is None:
         return {}

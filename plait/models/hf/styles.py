@@ -268,11 +268,12 @@ def _probe_regions(model: nn.Module, styles: dict[str, str], regions: list[str],
     "region+whole"), or what a module inside the region made from it (MLA's q_b_proj reads
     q_a_proj's normed output: the whole layers between compute on the entered input, their
     gradients partial, summed as the probe finds them), by any torch operations
-    (`_computed_inside`: AXK2's q_gate_proj reads two latents concatenated). A region where one reads anything
-    else (Qwen3-Next's linear attention gathers its projections whole) is read whole instead
-    ("gathered"), its layers entering one by one as without SP. Returns the blocks' modules
-    with parameters, not split nor summed by the plan, that ran outside every region (on a
-    sequence slice), the regions whose input is read reshaped, and {region read whole: why}."""
+    (`_computed_inside`: AXK2's q_gate_proj reads two latents concatenated). A region where
+    one reads anything else (Qwen3-Next's linear attention gathers its projections whole) is
+    read whole instead ("gathered"), its layers entering one by one as without SP. Returns the
+    blocks' modules with parameters, not split nor summed by the plan, that ran outside every
+    region (on a sequence slice), the regions whose input is read reshaped, and {region read
+    whole: why}."""
     active: list[tuple[str, Any]] = []
     outside: set[str] = set()
     reshaped: set[str] = set()
@@ -339,9 +340,9 @@ def _next_node_number() -> int:
 
 def _computed_inside(x: torch.Tensor, sources: list[Any], since: int) -> bool:
     """Whether `x` was computed, by any torch operations, from `sources` (a region's input and
-    what its modules made) and the region's own parameters alone: every path of its graph back
-    ends at a source, a parameter or a constant before it reaches a node made before the region
-    was entered (numbered below `since`). Its gradient then reaches the region's entry, summed
+    what its modules made), parameters and constants alone: every path of its graph back ends
+    at one of them before it reaches a node made before the region was entered (numbered below
+    `since`; a parameter's partial gradient is found and summed by parallelize's probe). Its gradient then reaches the region's entry, summed
     there (AXK2's q_gate_proj reads cat(q_a_layernorm's output, q_a_proj's); dots3 scales its
     latents before reading them); a tensor from outside the region would keep a partial one."""
     stops = {id(source.grad_fn) for source in sources if isinstance(source, torch.Tensor) and source.grad_fn}
