@@ -173,8 +173,7 @@ COMPILED = (("activations", "Inductor saves other tensors for backward than eage
 COMPILED_SP = (("tp all_gather", "a compiled block keeps a region's gathered input for backward where "
                                  "eager gathers it again; the estimate counts eager's gathers (its activations "
                                  "count the kept inputs)"),)
-ROUTED = (("ep all_to_all", "its bytes follow the routing that happened; the estimate assumes even routing"),
-          ("dp all_reduce", "the routers' per-expert token counts, reduced over dp every step, are not in the estimate"))
+ROUTED = (("ep all_to_all", "its bytes follow the routing that happened; the estimate assumes even routing"),)
 
 ROWS = rows(
     # Each strategy, and each product of them, on plait's GPT.

@@ -78,6 +78,19 @@ def test_a_capacity_factor_drops_and_counts_what_exceeds_it() -> None:
     assert moe.dropped.item() == 6
 
 
+def test_the_routing_counts_stay_exact_in_a_model_cast_to_bf16() -> None:
+    """The counts are integers, which a cast of the model leaves alone: 1,000 tokens to one
+    expert count 1,000 in a bf16 model (bf16 holds integers exactly only up to 256: float
+    counts cast with the model read 1,000 as 1,000 but summed 257 + 1 as 256)."""
+    moe = MoE(get_preset("tiny-moe", top_k=1)).to(torch.bfloat16)
+    moe.train()
+    assert moe.tokens_per_expert.dtype == moe.dropped.dtype == torch.int64
+    with torch.enable_grad():
+        for _ in range(1000):
+            moe.count(torch.zeros(1, 1, dtype=torch.long))
+    assert moe.take_counts().tolist() == [1000, 0, 0, 0]
+
+
 def test_evaluation_routes_every_token_so_no_grouping_or_padding_changes_a_score() -> None:
     """Held-out samples are dealt over dp and short micro-batches padded: under a capacity
     factor, the tokens sharing a forward would change what is dropped. In eval mode nothing

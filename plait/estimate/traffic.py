@@ -372,8 +372,19 @@ def estimate_comm(config: GPTConfig, layout: Workload) -> Traffic:
                       cp_traffic(config, layout, stage), ep_traffic(config, layout, stage)):
             traffic.update(extra)
         clip_traffic(traffic, config, layout)
+        routing_traffic(traffic, config, layout, stage)
         per_rank.append(traffic)
     return merge_max(per_rank)
+
+
+def routing_traffic(out: Traffic, config: GPTConfig, layout: Workload, stage: StageShare) -> None:
+    """Once per step, plait's MoE blocks sum the tokens each expert received over the data ranks,
+    with the assignments dropped (plait.parallel.expert.plan.after_step: E + 1 float64 numbers
+    a block of the stage), so every rank balances on the whole batch's routing. A transformers
+    MoE counts nothing (GPTConfig.counts_routing)."""
+    blocks = round(stage.moe_layers)
+    if config.counts_routing and blocks:
+        _add(out, layout.sync_axis, "all_reduce", 8 * (config.experts + 1) * blocks, layout.dp * layout.cp)
 
 
 def clip_traffic(out: Traffic, config: GPTConfig, layout: Workload) -> None:

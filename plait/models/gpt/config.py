@@ -142,6 +142,9 @@ class GPTConfig:
     # The same plan where the experts are routed top-k (LongCat's): split as a dense MLP's, their
     # module entered and left with one row a token, its output summed over the choices
     tp_routed_split: bool = False
+    # plait's MoE blocks count each expert's tokens, summed over the data ranks every step
+    # (estimate/traffic.routing_traffic); a transformers MoE does not
+    counts_routing: bool = True
     moe_every: int = 1  # every moe_every-th block is an MoE block (the others keep the dense MLP)
     # Which blocks are MoE blocks where moe_every cannot say (a transformers family's, read off
     # its model: DeepSeek's dense first blocks); empty: moe_every's

@@ -56,13 +56,15 @@ class RoutingCounts(nn.Module):
     def __init__(self, experts: int, top_k: int, aux_loss_coef: float):
         super().__init__()
         self.top_k, self.aux_loss_coef, self.aux_weight = top_k, aux_loss_coef, aux_loss_coef
-        self.register_buffer("tokens_per_expert", torch.zeros(experts, dtype=torch.float64), persistent=False)
-        self.register_buffer("dropped", torch.zeros((), dtype=torch.float64), persistent=False)
+        # integers, which a cast of the model (.to(bfloat16)) leaves as they are: counted in bf16
+        # they were exact only up to 256 tokens
+        self.register_buffer("tokens_per_expert", torch.zeros(experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("dropped", torch.zeros((), dtype=torch.int64), persistent=False)
         self.last_aux = torch.zeros(())
 
     def count(self, index: torch.Tensor) -> None:
         """Add one forward's choices (tokens, k) to the counts, if this forward counts."""
-        self.add_if_counted(self.tokens_per_expert, tally(index.reshape(-1), len(self.tokens_per_expert)).double())
+        self.add_if_counted(self.tokens_per_expert, tally(index.reshape(-1), len(self.tokens_per_expert)))
 
     def add_if_counted(self, total: torch.Tensor, amount: torch.Tensor) -> None:
         """total += amount if this forward's routing counts: a training forward, once; not a
@@ -227,6 +229,7 @@ class MoE(RoutingCounts):
         (every micro-batch and data rank): the sigmoid router's bias moves `bias_rate`
         towards balance, up for the experts below the mean, down for those above it."""
         if self.router == "sigmoid" and self.bias_rate > 0:
+            seen = seen.double()
             self.expert_bias.add_(self.bias_rate * torch.sign(seen.mean() - seen).to(self.expert_bias.dtype))
 
     def _drop_over_capacity(self, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -236,6 +239,6 @@ class MoE(RoutingCounts):
         flat = index.t().reshape(-1)  # every token's first choice before any second choice
         seen = torch.cumsum(F.one_hot(flat, experts), dim=0).gather(1, flat[:, None]).squeeze(1)
         keep = (seen <= capacity).view(index.shape[1], -1).t()
-        self.add_if_counted(self.dropped, (~keep).sum().double())
+        self.add_if_counted(self.dropped, (~keep).sum())
         return weight * keep
 
