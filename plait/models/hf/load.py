@@ -279,7 +279,7 @@ def _entry_extra(block: nn.Module, styles: dict[str, str], d_model: int) -> int:
     """Features a token the column layers of one split attention enter with under tp, beyond
     the hidden size the attention is priced at (GPTConfig.tp_entry_extra). Layers reading the
     block's input (q, k, v: as wide as the hidden) enter once together; a layer reading a
-    latent (MLA's q_b_proj and kv_b_proj, 1,536 and 512 wide in DeepSeek-V3 beside a 7,168
+    latent (MLA's q_b_proj and kv_b_proj, 1,536 and 512 wide in DeepSeek-V2 beside a 4,096
     hidden) enters on its own, with its own width: less than the hidden where only latents
     are read (negative), more where both are (HY-V4's gate_proj reads the hidden beside them).
     Read from the layers' input widths: a latent exactly as wide as the hidden counts as the
