@@ -198,6 +198,18 @@ def test_the_parameters_are_counted_as_the_model_holds_them(tmp_path: Path) -> N
     assert (gemma4.moe_dense_mlps, deepseek.moe_dense_mlps) == (1, 0)  # DeepSeek's mlp holds its experts
 
 
+def test_hyper_connections_widen_the_residual_and_sum_under_sp(tmp_path: Path) -> None:
+    """DeepSeek-V4 holds hc_mult = 4 hidden-wide streams between blocks, mixed around each
+    attention and MLP by hyper-connections (`attn_hc`, `ffn_hc`) that run on the sequence slice
+    under SP: their weights are summed with the norms'."""
+    shape = shape_of(tmp_path, "deepseek_v4", **MLA)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
+    held = sum(p.numel() for name, p in model.named_parameters() if "_hc." in name)  # attn_hc, ffn_hc
+    assert shape.residual_streams == 4 and shape.norm_params == 2  # its two plain norms a block
+    assert held > 0 and shape.sp_norm_extra == held / shape.n_layers
+
+
 def test_longcat_runs_two_attentions_and_two_mlps_a_block(tmp_path: Path) -> None:
     """LongCat's block: two MLA attentions ("self_attn.*.o_proj"), each with its rotary key
     entering, two dense MLPs ("mlps.*") beside an MoE module whose routed top-k experts its plan

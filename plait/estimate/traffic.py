@@ -276,7 +276,8 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
     if split_moe[0] and config.tp_expert_rows:  # the routed experts' all-reduces carry tp_expert_rows rows a token
         _add(out, "tp", "all_reduce", act * (config.tp_expert_rows - 1), t,
              times=m * round(stage.moe_layers) * split_moe[0])
-    _add(out, "tp", "all_gather", act, t, times=m * sequence_ends(config, layout, stage))
+    # the blocks' input and output: as many hidden-wide streams as the residual holds
+    _add(out, "tp", "all_gather", act * config.residual_streams, t, times=m * sequence_ends(config, layout, stage))
     if stage.last and split_ends:
         _add(out, "tp", "all_reduce", layout.tokens_per_micro_batch * 4, t, times=3 * m)
     if stage.last and config.head_sums_logits:  # partial logits over the whole vocabulary, summed

@@ -145,6 +145,10 @@ class GPTConfig:
     # plait's MoE blocks count each expert's tokens, summed over the data ranks every step
     # (estimate/traffic.routing_traffic); a transformers MoE does not
     counts_routing: bool = True
+    # Hidden-wide streams the residual holds between blocks (DeepSeek-V4's and HY-V4's
+    # hyper-connections, hc_mult: 4); under SP the sequence's cut and gather around the blocks
+    # carry them all
+    residual_streams: int = 1
     moe_every: int = 1  # every moe_every-th block is an MoE block (the others keep the dense MLP)
     # Which blocks are MoE blocks where moe_every cannot say (a transformers family's, read off
     # its model: DeepSeek's dense first blocks); empty: moe_every's

@@ -139,7 +139,7 @@ def measured_shape(hf: HFModelDir, kept: bool = True) -> GPTConfig:
     shape = replace(shape, mlp_matrices=matrices) if matrices else shape
     plan = _block_plan(model, name)
     shape = replace(shape, **_qk_norm(layers, shape, plan), norm_params=_norm_params(layers, shape))
-    shape = replace(shape, sp_norm_extra=_norm_extra(layers, shape))
+    shape = replace(shape, sp_norm_extra=_norm_extra(layers, shape), residual_streams=_residual_streams(model, layers))
     shape = replace(shape, **_tp_regions(model, name, layers, shape, plan), **_ends_split(model))
     shape = replace(shape, whole_biases=_whole_biases(layers, shape, plan, name),
                     split_mlp_scalars=_split_mlp_scalars(layers, shape))
@@ -419,14 +419,29 @@ def _norm_params(layers: nn.ModuleList | None, shape: GPTConfig) -> int:
 
 def _norm_extra(layers: nn.ModuleList | None, shape: GPTConfig) -> float:
     """GPTConfig.sp_norm_extra: a block's mean of its norms' parameters (its direct children and
-    its MLP's named a norm that do not mix tokens, whatever they hold) beyond the first block's
-    `norm_params` d_model-wide weights: AXK1's norm closing its MoE module, in its MoE blocks
-    alone; AXK2's gated norms, each a norm and a two-layer gate MLP."""
+    its MLP's named a norm, or a hyper-connection, that do not mix tokens, whatever they hold)
+    beyond the first block's `norm_params` d_model-wide weights: AXK1's norm closing its MoE
+    module, in its MoE blocks alone; AXK2's gated norms, each a norm and a two-layer gate MLP;
+    DeepSeek-V4's and HY-V4's hyper-connections, which mix the residual streams around each
+    attention and MLP (`attn_hc`, `ffn_hc`)."""
     if not layers:
         return 0.0
     held = sum(p.numel() for block in layers for module in _children_and_mlps(block)
-               if "norm" in type(module).__name__.lower() and not mixes_tokens(module) for p in module.parameters())
+               if any(word in type(module).__name__.lower() for word in OUTSIDE_KINDS)
+               and not mixes_tokens(module) for p in module.parameters())
     return held / len(layers) - shape.norm_params * shape.d_model
+
+
+def _residual_streams(model: nn.Module, layers: nn.ModuleList | None) -> int:
+    """GPTConfig.residual_streams: the config's hc_mult where the blocks hold hyper-connections
+    (DeepSeek-V4's, HY-V4's), else 1."""
+    streams = getattr(text_config(model), "hc_mult", 1)
+    children = layers[0].children() if layers else ()
+    held = any("hyperconnection" in type(module).__name__.lower() for module in children)
+    return streams if held and isinstance(streams, int) and streams > 1 else 1
+
+
+OUTSIDE_KINDS = ("norm", "hyperconnection")  # a block's modules around its regions, by their types' names
 
 
 def _children_and_mlps(block: nn.Module) -> list[nn.Module]:
