@@ -139,7 +139,8 @@ def measured_shape(hf: HFModelDir, kept: bool = True) -> GPTConfig:
     shape = replace(shape, mlp_matrices=matrices) if matrices else shape
     plan = _block_plan(model, name)
     shape = replace(shape, **_qk_norm(layers, shape, plan), norm_params=_norm_params(layers, shape))
-    shape = replace(shape, sp_norm_extra=_norm_extra(layers, shape), residual_streams=_residual_streams(model, layers))
+    shape = replace(shape, sp_norm_extra=_norm_extra(layers, shape),
+                    residual_streams=_residual_streams(model, layers))
     shape = replace(shape, **_tp_regions(model, name, layers, shape, plan), **_ends_split(model))
     shape = replace(shape, whole_biases=_whole_biases(layers, shape, plan, name),
                     split_mlp_scalars=_split_mlp_scalars(layers, shape))
