@@ -217,6 +217,11 @@ def test_longcat_runs_two_attentions_and_two_mlps_a_block(tmp_path: Path) -> Non
     shape = shape_of(tmp_path, "longcat_flash", **MLA, ffn_hidden_size=64, expert_ffn_hidden_size=32)
     assert (shape.tp_attention_share, shape.tp_entered_tail, shape.moe_dense_mlps) == (2, 2 * 8, 2)
     assert shape.tp_routed_split and shape.routed_split_by_tp(1) and not shape.routed_split_by_tp(2)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
+    # both attentions' down-projections and their norms, not what the plan's "self_attn.*." entries split
+    down = sum(p.numel() for name, p in model.model.layers[0].self_attn.named_parameters() if "_a_" in name)
+    assert shape.mla_down_params == down
 
 
 # Published totals and active parameters of models whose transformers configs default to them

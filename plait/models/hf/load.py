@@ -371,14 +371,16 @@ def _mla_down_params(model: nn.Module, plan: dict[str, str], blocks: str) -> int
     (`_entered_tail`): the parameters of its attention that no plan entry splits (the
     down-projections and their norms), but a sparse attention's indexer's (DeepSeek-V3.2's,
     GLM-DSA's): it picks the keys each query reads, top-k indices through which no gradient
-    flows, so it has none to sum."""
+    flows, so it has none to sum. An entry names a layer or a parameter itself (HY-V4's
+    attention sinks, split by head), with wildcards (LongCat's "self_attn.*.q_b_proj")."""
     attention = _in_block(model.get_submodule(f"{blocks}.0"), "self_attn")
     if attention is None:
         return 0
     split = [key[len(blocks) + 3 + len("self_attn."):] for key, style in plan.items()
              if key.startswith(f"{blocks}.*.self_attn.") and style != "mla_kv_a_proj"]  # that one is kept whole
+    named = [*split, *UNGRADED]
     return sum(p.numel() for name, p in attention.named_parameters()
-               if not any(name.startswith(f"{layer}.") for layer in [*split, *UNGRADED]))
+               if not any(fnmatchcase(name, entry) or fnmatchcase(name, f"{entry}.*") for entry in named))
 
 
 def _gathered(layers: nn.ModuleList | None, plan: dict[str, str], blocks: str,
