@@ -380,7 +380,7 @@ def estimate_comm(config: GPTConfig, layout: Workload) -> Traffic:
 
 def routing_traffic(out: Traffic, config: GPTConfig, layout: Workload, stage: StageShare) -> None:
     """Once per step, plait's MoE blocks sum the tokens each expert received over the data ranks,
-    with the assignments dropped (plait.parallel.expert.plan.after_step: E + 1 float64 numbers
+    with the assignments dropped (plait.parallel.expert.plan.after_step: E + 1 int64 numbers
     a block of the stage), so every rank balances on the whole batch's routing. A transformers
     MoE counts nothing (GPTConfig.counts_routing)."""
     blocks = round(stage.moe_layers)

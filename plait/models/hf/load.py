@@ -265,9 +265,10 @@ def _attention_kinds(layers: nn.ModuleList | None, plan: dict[str, str], blocks:
         if any(style in ROWS for style in styles.values()):
             count = max(_matched(block, inside) for inside, style in styles.items() if style in ROWS)
             split += count  # LongCat runs two attentions a block ("self_attn.*.o_proj")
-            extra += count * _entry_extra(block, styles, d_model)
+            widths = _column_widths(block, styles)
+            extra += count * _entry_extra(widths, d_model)
             if reads_input is None:
-                reads_input = d_model in _column_widths(block, styles)
+                reads_input = d_model in widths
             continue
         columns = [inside.rsplit(".", 1)[-1] for inside, style in styles.items() if style in COLUMN_STYLES]
         outputs = sum(name in OUTPUT_PROJECTIONS for name in columns)
@@ -276,7 +277,7 @@ def _attention_kinds(layers: nn.ModuleList | None, plan: dict[str, str], blocks:
             "tp_entry_extra": extra / len(layers), "attention_reads_input": reads_input is not False}
 
 
-def _entry_extra(block: nn.Module, styles: dict[str, str], d_model: int) -> int:
+def _entry_extra(widths: list[int | None], d_model: int) -> int:
     """Features a token the column layers of one split attention enter with under tp, beyond
     the hidden size the attention is priced at (GPTConfig.tp_entry_extra). Layers reading the
     block's input (q, k, v: as wide as the hidden) enter once together; a layer reading a
@@ -284,8 +285,8 @@ def _entry_extra(block: nn.Module, styles: dict[str, str], d_model: int) -> int:
     hidden) enters on its own, with its own width: less than the hidden where only latents
     are read (negative), more where both are (HY-V4's gate_proj reads the hidden beside them).
     Read from the layers' input widths: a latent exactly as wide as the hidden counts as the
-    hidden. 0 where a column layer has no `in_features` to read (GPT-2's Conv1D)."""
-    widths = _column_widths(block, styles)
+    hidden (`widths`: `_column_widths`). 0 where a column layer has no `in_features` to read
+    (GPT-2's Conv1D)."""
     if not widths or not all(isinstance(width, int) for width in widths):
         return 0
     return sum(width for width in widths if width != d_model) + (d_model in widths) * d_model - d_model
