@@ -91,6 +91,20 @@ def test_the_routing_counts_stay_exact_in_a_model_cast_to_bf16() -> None:
     assert moe.take_counts().tolist() == [1000, 0, 0, 0]
 
 
+def test_the_balancing_bias_keeps_moving_in_a_model_cast_to_bf16() -> None:
+    """The sigmoid router's bias stays fp32 through the model's cast (and a move): at 0.6,
+    bf16's spacing is 0.0039, and a bf16 bias moved by 0.001 a step stayed where it was."""
+    moe = MoE(get_preset("tiny-moe", router="sigmoid")).to(torch.bfloat16).to("cpu")
+    assert moe.gate.weight.dtype == torch.bfloat16 and moe.expert_bias.dtype == torch.float32
+    with torch.no_grad():
+        moe.expert_bias.fill_(0.6)
+    for _ in range(3):
+        moe.after_routing(torch.tensor([10, 0, 0, 0]))  # expert 0 over the mean, the others under
+    assert moe.expert_bias.tolist() == pytest.approx([0.597, 0.603, 0.603, 0.603], abs=1e-6)
+    x = torch.randn(2, 4, moe.gate.in_features, dtype=torch.bfloat16)
+    assert moe(x).dtype == torch.bfloat16  # routing reads the fp32 bias beside the bf16 scores
+
+
 def test_evaluation_routes_every_token_so_no_grouping_or_padding_changes_a_score() -> None:
     """Held-out samples are dealt over dp and short micro-batches padded: under a capacity
     factor, the tokens sharing a forward would change what is dropped. In eval mode nothing
@@ -185,7 +199,8 @@ def test_the_estimate_holds_experts_over_ep_and_counts_flops_by_active_parameter
     work = dict(dp=4, micro_batch=2, seq_len=32, hardware="cpu")
     for ep in (1, 2, 4):
         result = estimate_layout(config, ep=ep, **work)
-        assert result["memory"]["params"] == (dense_part + experts // ep) * 4
+        biases = config.moe_layers * config.experts  # the router's balancing biases, outside num_params
+        assert result["memory"]["params"] == (dense_part + experts // ep + biases) * 4
         rows = 2 * 32 * config.top_k * (ep - 1) / ep  # uniform routing: all but the 1/ep kept
         per_layer = (ep - 1) / ep * 8 * config.experts + 2 * rows * config.d_model * 4 + 2 * rows * config.d_model * 4
         assert result["comm"].get("ep", {}).get("all_to_all", 0.0) == pytest.approx(config.moe_layers * per_layer)

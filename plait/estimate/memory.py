@@ -213,6 +213,8 @@ def device_total(memory: Memory) -> Memory:
 def stage_memory(config: GPTConfig, layout: Workload, stage: StageShare) -> Memory:
     """Every kind of bytes on one rank of one pipeline stage."""
     memory = model_states(stage.params, gathered_params(config, layout, stage), layout, experts=stage.expert_params)
+    if config.counts_routing:  # plait's MoE blocks: a balancing bias an expert, fp32 in any precision (MoE._apply),
+        memory.params += stage.moe_layers * config.experts * 4  # trained by no optimizer, so never sharded
     memory.activations = stage_activation_bytes(config, layout, stage)
     memory.buffers = stage_buffers(config, layout, stage)
     memory.transient = transient_bytes(config, layout)

@@ -223,6 +223,16 @@ class MoE(RoutingCounts):
             weight, index = torch.topk(probs, self.top_k, dim=-1)
         return index, weight / weight.sum(dim=-1, keepdim=True), probs
 
+    def _apply(self, fn: Any, recurse: bool = True) -> "MoE":
+        """Every cast and move of the module, but the balancing bias stays fp32: it moves by
+        `bias_rate` a step (0.001 by default), which a 16-bit bias rounds away once it passes
+        0.5 (bf16's spacing there is 0.0039), so a bf16 model's bias would stop balancing.
+        No optimizer holds a master copy of it: it is trained by `after_routing` alone."""
+        super()._apply(fn, recurse)
+        if self.expert_bias.dtype != torch.float32:
+            self.expert_bias.data = self.expert_bias.data.float()
+        return self
+
     @torch.no_grad()
     def after_routing(self, seen: torch.Tensor) -> None:
         """After each optimizer step, the tokens each expert received over the whole step
@@ -230,7 +240,7 @@ class MoE(RoutingCounts):
         towards balance, up for the experts below the mean, down for those above it."""
         if self.router == "sigmoid" and self.bias_rate > 0:
             seen = seen.double()
-            self.expert_bias.add_(self.bias_rate * torch.sign(seen.mean() - seen).to(self.expert_bias.dtype))
+            self.expert_bias.add_(self.bias_rate * torch.sign(seen.mean() - seen).float())
 
     def _drop_over_capacity(self, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Weight 0 for assignments past an expert's capacity (in token order, first k first)."""
