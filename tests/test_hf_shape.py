@@ -150,6 +150,28 @@ def test_the_ends_split_as_the_plan_says(tmp_path: Path) -> None:
                     (True, False, False)]
     assert (nemotron.n_layers, nemotron.moe_blocks, nemotron.attention_share) == (4, (1,), 0.25)
     assert embedding_rows(nemotron, 2) == 64 and vocab_shard(nemotron, 2) == 128
+    # Inkling's embedding runs its own norm, split in place with it: 32 weights summed over tp;
+    # its shared experts, split, enter with one gate a token (n_shared_experts), routed ones whole
+    assert [s.embedding_summed_params for s in (one, two, dbrx, llama)] == [32, 0, 0, 0]
+    assert (one.tp_expert_entries, two.tp_expert_entries) == ((0, 1), (0, 0))
+
+
+def test_split_experts_gradients_of_their_weights_are_priced(tmp_path: Path) -> None:
+    """Each float a split experts module enters with beside the tokens sums its gradient over tp
+    once a micro-batch an MoE block: LongCat's routing weights, top-k a token (the wire sweep
+    measured 1,024 bytes a step there, and 512 for Inkling's gates, before they were priced)."""
+    from plait.estimate.layout import Workload, layout_stages
+    from plait.estimate.traffic import expert_entries, tp_traffic
+
+    shape = shape_of(tmp_path, "longcat_flash", **MLA, ffn_hidden_size=64, expert_ffn_hidden_size=32)
+    assert shape.tp_expert_entries == (2, 0)
+    tp, sp = (Workload(tp=2, sp=sp, micro_batch=2, grad_accum=2, seq_len=16, precision="fp32") for sp in (False, True))
+    assert (expert_entries(shape, tp), expert_entries(shape, sp)) == (2, 0)
+    assert expert_entries(shape, replace(tp, ep=2, dp=2)) == 0  # dealt out by ep: whole, nothing entered
+    without = replace(shape, tp_expert_entries=(0.0, 0.0))
+    added = (tp_traffic(shape, tp, layout_stages(shape, tp)[0])["tp"]["all_reduce"]
+             - tp_traffic(without, tp, layout_stages(without, tp)[0])["tp"]["all_reduce"])
+    assert added == 2 * 16 * 2 * 4 * 2 * shape.moe_layers  # tokens x top-k x fp32 x micro-batches x MoE blocks
 
 
 def test_a_mixer_beside_the_attention_is_read_whole(tmp_path: Path) -> None:

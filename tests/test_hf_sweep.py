@@ -224,10 +224,12 @@ PRICED = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"
           "lara_mini", "olmo_hybrid", "gemma4_unified_text", "deepseek_v32", "glm_moe_dsa", "lfm2", "granitemoeshared",
           "minimax_m3_vl_text", "granitemoehybrid", "mpt", "kimi_linear", "bailing_hybrid", "falcon_h1",
           "dots3_note_text", "axk2", "axk1", "deepseek_v4", "hy_v4"]
-# priced under tp alone; their SP cases are not (docs/huggingface.md, "What the estimate prices", says why)
+# priced under tp alone; their SP cases are refused, or not priced (docs/huggingface.md, "What the
+# estimate prices", says why). Inkling's shared experts' gates and its embedding's norm, summed over
+# tp, and LongCat's routing weights entering its split experts: priced since
 PRICED_TP = ["gemma3n_text", "hrm_text", "inkling2_text", "inkling2_loop_text",
-             "dbrx", "nemotron_h", "gemma4_text"]
-PRICED_AT_LEAST = 231
+             "dbrx", "nemotron_h", "gemma4_text", "inkling_text", "longcat_flash"]
+PRICED_AT_LEAST = 233
 
 
 def priced(world: list[dict[str, Any]], families: list[str], modes: tuple[str, ...] = ("tp", "tp_sp")) -> None:

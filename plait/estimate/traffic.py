@@ -222,6 +222,18 @@ def split_moe_calls(config: GPTConfig, layout: Workload) -> tuple[int, int]:
     return passes + rerun, shared
 
 
+def expert_entries(config: GPTConfig, layout: Workload) -> float:
+    """Floats per token one MoE block's split experts modules enter with beside the tokens, as
+    tp splits them in `layout` (GPTConfig.tp_expert_entries: the routed experts' where
+    routed_split_by_tp, the shared experts' where shared_split_by_tp); 0 under SP, where the
+    block runs whole in its region and they are made inside it."""
+    if layout.tp == 1 or layout.sp:
+        return 0.0
+    routed, shared = config.tp_expert_entries
+    return (routed if config.routed_split_by_tp(layout.ep) else 0.0) \
+        + (shared if config.shared_split_by_tp(layout.ep) else 0.0)
+
+
 def sequence_ends(config: GPTConfig, layout: Workload, stage: StageShare) -> int:
     """All-gathers of b·s·h per micro-batch where SP cuts the sequence at the blocks alone
     (`whole_sequence_ends`): the first block keeps its slice of the input (gathered again in
@@ -276,6 +288,13 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
     if split_moe[0] and config.tp_expert_rows:  # the routed experts' all-reduces carry tp_expert_rows rows a token
         _add(out, "tp", "all_reduce", act * (config.tp_expert_rows - 1), t,
              times=m * round(stage.moe_layers) * split_moe[0])
+    entries = expert_entries(config, layout)
+    if entries:  # routing weights and shared gates entering split experts: their gradients summed
+        _add(out, "tp", "all_reduce", layout.tokens_per_micro_batch * entries * layout.compute_bytes, t,
+             times=m * round(stage.moe_layers))
+    if stage.first and config.embedding_split and config.embedding_summed_params and not layout.sp:
+        _add(out, "tp", "all_reduce", config.embedding_summed_params * state_bytes(layout.precision).grad, t,
+             times=m)
     # the blocks' input and output: as many hidden-wide streams as the residual holds
     _add(out, "tp", "all_gather", act * config.residual_streams, t, times=m * sequence_ends(config, layout, stage))
     if stage.last and split_ends:

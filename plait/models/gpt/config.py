@@ -118,6 +118,10 @@ class GPTConfig:
     # micro-batch), its input's gradient gathered back (vocab_split false: no vocab-parallel loss)
     embedding_split: bool = True
     head_sums_logits: bool = False
+    # Parameters of an embedding split by vocabulary beyond its table, run inside its own forward
+    # (Inkling's `embed_norm`): split in place, each token's row is made by its owner alone, so each
+    # rank holds part of their gradients, summed over tp every micro-batch (first stage)
+    embedding_summed_params: int = 0
     # What a block keeps for backward: True, plait's GPT (its norms and SwiGLU keep only their
     # inputs, grouped K/V heads stay grouped: plait.models.gpt.lean); False, autograd's
     # intermediates (a transformers model: fp32 norm copies, silu's output, K/V repeated)
@@ -142,6 +146,12 @@ class GPTConfig:
     # The same plan where the experts are routed top-k (LongCat's): split as a dense MLP's, their
     # module entered and left with one row a token, its output summed over the choices
     tp_routed_split: bool = False
+    # Floats per token a split experts module enters with beside the tokens, in an MoE block:
+    # (the routed experts', the shared experts'): the routing weights the experts scale their
+    # outputs by (LongCat's top-k), the shared experts' gates (Inkling's gammas). Each rank's
+    # units give part of their gradients, summed over tp in backward (without SP: under SP the
+    # block runs whole in its region, which they are made inside)
+    tp_expert_entries: tuple[float, float] = (0.0, 0.0)
     # plait's MoE blocks count each expert's tokens, summed over the data ranks every step
     # (estimate/traffic.routing_traffic); a transformers MoE does not
     counts_routing: bool = True

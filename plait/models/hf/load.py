@@ -148,7 +148,7 @@ def measured_shape(hf: HFModelDir, kept: bool = True) -> GPTConfig:
     return replace(shape, **_kept_terms(model, layers, shape, plan, name)) if kept else shape  # last: it casts the model
 
 
-def _ends_split(model: nn.Module) -> dict[str, bool]:
+def _ends_split(model: nn.Module) -> dict[str, Any]:
     """How the declared plan splits the embedding and the head where not both by vocabulary
     (GPTConfig.embedding_split, vocab_split, head_sums_logits): the embedding whole where no
     entry splits it (DBRX's, Inkling-2's), the head by its input (a row style: Inkling's),
@@ -160,10 +160,22 @@ def _ends_split(model: nn.Module) -> dict[str, bool]:
     embedding = "embedding_rowwise" in plan.values()
     if head is None:
         return {"vocab_split": False} if embedding else {}
-    fields: dict[str, bool] = {} if embedding else {"embedding_split": False}
+    fields: dict[str, Any] = {} if embedding else {"embedding_split": False}
+    if embedding:
+        fields["embedding_summed_params"] = _embedding_extras(model)
     if head in ROWS:
         fields.update(vocab_split=False, head_sums_logits=True)
     return fields
+
+
+def _embedding_extras(model: nn.Module) -> int:
+    """GPTConfig.embedding_summed_params: the parameters of the input embedding beyond its table
+    (Inkling's `embed_norm`, run inside its forward), which plait's in-place vocabulary split
+    leaves partial on each rank (parallel/tensor/layers._InPlaceVocab)."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if not isinstance(embedding, nn.Module):
+        return 0
+    return sum(p.numel() for name, p in embedding.named_parameters() if name != "weight" and p.requires_grad)
 
 
 def _blocks(model: nn.Module, name: str | None) -> nn.ModuleList | None:
@@ -233,6 +245,7 @@ def _tp_regions(model: nn.Module, blocks: str | None, layers: nn.ModuleList | No
             "sp_mlp_read_whole": _adds_residual(_mlp_of(_first_dense_block(layers, shape))),
             "tp_summed_params": _summed_by_plan(layers, plan, blocks),
             "moe_dense_mlps": _dense_beside_experts(layers, shape, plan, blocks) if shape.is_moe else 0,
+            "tp_expert_entries": _expert_entries(layers, shape, plan, blocks) if shape.is_moe else (0.0, 0.0),
             **_gathered(layers, plan, blocks, attention=shape.qk_norm != "full")}
 
 
@@ -330,6 +343,49 @@ def _dense_beside_experts(layers: nn.ModuleList | None, shape: GPTConfig, plan: 
     dense = [inside for inside in rows
              if not any(word in inside.lower() for word in ("attn", "attention", "expert", "shared"))]
     return sum(_matched(block, inside) for inside in dense)
+
+
+EXPERT_STYLES = ("moe_tp_experts", "all_reduce")  # the declared styles plait runs as split experts (styles.py)
+PROBED_TOKENS = 4  # the tokens `_expert_entries` runs an MoE module on, on the meta device
+
+
+def _expert_entries(layers: nn.ModuleList | None, shape: GPTConfig, plan: dict[str, str],
+                    blocks: str) -> tuple[float, float]:
+    """GPTConfig.tp_expert_entries: the floats per token that the first MoE block's split experts
+    modules take beside the tokens and that carry a gradient, (the routed experts', the shared
+    experts'). Each such module, and the routed experts whatever the plan says, is stood in for
+    by one that notes its inputs and returns zeros, and the MoE module holding `experts` runs
+    once on the meta device (its router's top-k and weights as the family computes them, no
+    memory); (0, 0) where that forward fails there."""
+    block = next((block for i, block in enumerate(layers or []) if shape.moe_layer(i)), None)
+    holder = next((m for m in block.modules() if isinstance(getattr(m, "experts", None), nn.Module)), None) \
+        if block is not None else None
+    split = [module for key, style in plan.items() if style in EXPERT_STYLES and key.startswith(f"{blocks}.*.")
+             for module in [_in_block(block, key[len(blocks) + 3:])] if module is not None]
+    if holder is None or not split:
+        return 0.0, 0.0
+    widths: dict[int, float] = {}
+
+    def noted(module: nn.Module) -> Callable[..., torch.Tensor]:
+        def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+            floats = [t for t in _tensors_in((args, kwargs)) if t.is_floating_point()]
+            widths[id(module)] = sum(t.numel() for t in floats[1:] if t.requires_grad) / PROBED_TOKENS
+            return torch.zeros_like(floats[0])
+        return forward
+
+    stood_in = [*split, *([holder.experts] if all(holder.experts is not m for m in split) else [])]
+    for module in stood_in:  # the routed experts too where ep keeps them whole: their loops do not run on meta
+        module.forward = noted(module)
+    weight = next(holder.parameters())
+    try:
+        holder(torch.zeros(1, PROBED_TOKENS, shape.d_model, device=weight.device, dtype=weight.dtype))
+    except Exception:  # noqa: BLE001 - a router that does not run on meta: unpriced, as before
+        return 0.0, 0.0
+    finally:
+        for module in stood_in:
+            del module.forward
+    routed = widths.get(id(holder.experts), 0.0) if any(holder.experts is m for m in split) else 0.0
+    return routed, sum(widths.get(id(m), 0.0) for m in split if m is not holder.experts)
 
 
 QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")  # the per-head norms GPTConfig.qk_norm prices
