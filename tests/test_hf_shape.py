@@ -246,6 +246,30 @@ def test_longcat_runs_two_attentions_and_two_mlps_a_block(tmp_path: Path) -> Non
     assert shape.mla_down_params == down
 
 
+def test_a_layer_after_the_blocks_split_by_its_input(tmp_path: Path) -> None:
+    """Qwen4-Exp mixes its hyper-connection streams after the blocks (`hyper_connection_mixer`,
+    on the last stage), its down-projection split by its input features: each tp rank holds half
+    of its 64 x 8 weights, sums its 8 outputs a token forward and gathers its 64 inputs' gradient
+    (the sweep measured 2,048 and 8,192 bytes a step more than the estimate before)."""
+    from plait.estimate.layout import Workload, layout_stages
+    from plait.estimate.traffic import tp_traffic
+
+    shape = shape_of(tmp_path, "qwen4_exp_text", **LINEAR, num_hidden_layers=4, num_experts=4,
+                     shared_expert_intermediate_size=48, num_experts_per_tok=2, moe_intermediate_size=32,
+                     indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=8,
+                     indexer_compress_ratio=2, hc_count=2, hc_lowrank=8)
+    assert (shape.extra_last_split, shape.tp_last_rows) == (64 * 8, (8, 64))
+    layout = Workload(tp=2, pp=2, micro_batch=2, grad_accum=2, seq_len=16, precision="fp32")
+    first, last = layout_stages(shape, layout)
+    without = replace(shape, extra_last_split=0, tp_last_rows=(0, 0))
+    assert layout_stages(without, layout)[1].params - last.params == 64 * 8 // 2
+    assert layout_stages(without, layout)[0].params == first.params  # the first stage holds none of it
+    ops, before = (tp_traffic(s, layout, layout_stages(s, layout)[1])["tp"] for s in (shape, without))
+    tokens = 2 * 16
+    assert ops["all_reduce"] - before["all_reduce"] == tokens * 8 * 4 * 2  # fp32, two micro-batches
+    assert ops["all_gather"] - before.get("all_gather", 0) == tokens * 64 * 4 * 2 / 2  # (n - 1) / n of it on the wire
+
+
 # Published totals and active parameters of models whose transformers configs default to them
 # (AutoConfig.for_model(family) with no fields), each counted on the meta device: (family, total,
 # active per token, in billions, or None where the source's convention is not the count's, and

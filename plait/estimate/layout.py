@@ -303,7 +303,8 @@ def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1, ep: int
     table = vocab_shard(config, tp) * h
     embedding = embedding_rows(config, tp) * h
     first = embedding + (config.max_seq_len * h if config.arch == "gpt2" else 0) + config.extra_params
-    norm = final_norm_params(config) + config.extra_last_params
+    norm = final_norm_params(config) + config.extra_last_params - config.extra_last_split \
+        + config.extra_last_split // tp
     head = table if (not config.tie_embeddings or pp > 1) else 0
     if config.head_sums_logits:  # split by its input features (Inkling's), all V rows
         head = config.vocab_size * h // tp if head else 0

@@ -292,6 +292,10 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
     if entries:  # routing weights and shared gates entering split experts: their gradients summed
         _add(out, "tp", "all_reduce", layout.tokens_per_micro_batch * entries * layout.compute_bytes, t,
              times=m * round(stage.moe_layers))
+    if stage.last and layout.tp > 1 and any(config.tp_last_rows):  # a layer after the blocks split by its input
+        outputs, inputs = config.tp_last_rows
+        _add(out, "tp", "all_reduce", layout.tokens_per_micro_batch * outputs * layout.compute_bytes, t, times=m)
+        _add(out, "tp", "all_gather", layout.tokens_per_micro_batch * inputs * layout.compute_bytes, t, times=m)
     if stage.first and config.embedding_split and config.embedding_summed_params and not layout.sp:
         _add(out, "tp", "all_reduce", config.embedding_summed_params * state_bytes(layout.precision).grad, t,
              times=m)

@@ -179,6 +179,12 @@ class GPTConfig:
     block_tally: tuple[tuple[int, int, int, int], ...] = ()
     extra_params: int = 0
     extra_last_params: int = 0  # the same after the blocks, on the last stage (a LayerNorm's bias; < 0: none)
+    # Of those, the ones a layer the plan splits by its input features holds (Qwen4-Exp's
+    # hyper-connection mixer's `input_mix_weight_down`, "rowwise_split_input"): each tp rank holds
+    # 1/tp of them; and that layer's widths per token, (outputs, inputs): its partial outputs
+    # summed over tp forward, its input's gradient gathered back whole in backward, every micro-batch
+    extra_last_split: int = 0
+    tp_last_rows: tuple[int, int] = (0, 0)
     head_bias: bool = False  # the head adds a bias over the vocabulary (Phi's), split as the head is
     # Bytes a block's eager attention keeps per (query, key) pair of a sequence, all its heads, a
     # mean over the blocks, (in fp32, in 16-bit): a transformers model whose attention runs

@@ -584,7 +584,26 @@ def _tally(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig, pla
     extra_last = 0 if last is None else \
         last - formula.final_norm_weights - rows * h * (not shape.tie_embeddings) - rows * head_bias
     return {"block_tally": tally, "head_bias": head_bias, "extra_last_params": extra_last,
-            "extra_params": outside - formula.embedding_params() - extra_last}
+            "extra_params": outside - formula.embedding_params() - extra_last, **_split_after_blocks(model, plan)}
+
+
+def _split_after_blocks(model: nn.Module, plan: dict[str, str]) -> dict[str, Any]:
+    """GPTConfig.extra_last_split and tp_last_rows: the layers after the blocks (on the last
+    stage, by the model's pp cut), but the head, that the plan splits by their input features
+    ("rowwise_split_input": Qwen4-Exp's hyper-connection mixer), their weights and their widths
+    per token (outputs, inputs). {} where there are none, or no cut is read."""
+    try:
+        last = hf_stages.declared_parts(model, cut_plan(model)[0]).last
+    except PlaitError:
+        return {}
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    layers = [module for key, style in plan.items() if style == "rowwise_split_input"
+              and any(key == part or key.startswith(f"{part}.") for part in last)
+              for module in [model.get_submodule(key)] if module is not head and isinstance(module, nn.Linear)]
+    if not layers:
+        return {}
+    return {"extra_last_split": sum(layer.weight.numel() for layer in layers),
+            "tp_last_rows": (sum(layer.out_features for layer in layers), sum(layer.in_features for layer in layers))}
 
 
 NO_SOFTMAX = ("linear_attention", "conv", "moe", "mlp")  # layer_types that mix no tokens by softmax attention
