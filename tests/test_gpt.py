@@ -51,6 +51,23 @@ def test_bad_overrides_name_the_field(spec, message):
         get_preset(spec)
 
 
+def test_a_config_read_back_from_json_is_equal_and_hashable():
+    """Runs hand their shape on as JSON (ranks' reports, the closing report), where tuples come
+    back as lists: every tuple field is a tuple again, so the config hashes (the estimate caches by it)."""
+    import dataclasses
+    import json
+
+    from plait.models.gpt.config import GPTConfig
+
+    config = dataclasses.replace(get_preset("tiny"), moe_blocks=(0,), tp_gathered=(1.0, 2.0),
+                                 tp_expert_entries=(2.0, 1.0), tp_last_rows=(8, 64),
+                                 block_tally=((1, 2, 3, 4),), block_saved_bytes=((1.0, 2.0, 3.0),))
+    again = GPTConfig(**json.loads(json.dumps(dataclasses.asdict(config))))
+    assert again == config and hash(again) == hash(config)
+    tuples = [f.name for f in dataclasses.fields(GPTConfig) if str(f.type).startswith("tuple")]
+    assert all(isinstance(getattr(again, name), tuple) for name in tuples), tuples
+
+
 def test_same_seed_same_weights_and_untouched_global_rng():
     torch.manual_seed(5)
     before = torch.rand(1)

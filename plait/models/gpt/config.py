@@ -207,11 +207,13 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         """Shapes that cannot build a model are refused here, naming the field. moe_blocks,
-        tp_gathered and tp_gathered_calls are kept tuples, as read back from JSON (lists) too: the
+        tp_gathered and the other pairs are kept tuples, as read back from JSON (lists) too: the
         config is hashed."""
         object.__setattr__(self, "moe_blocks", tuple(self.moe_blocks))
         object.__setattr__(self, "tp_gathered", tuple(self.tp_gathered))
         object.__setattr__(self, "tp_gathered_calls", tuple(self.tp_gathered_calls))
+        object.__setattr__(self, "tp_expert_entries", tuple(self.tp_expert_entries))
+        object.__setattr__(self, "tp_last_rows", tuple(self.tp_last_rows))
         object.__setattr__(self, "block_tally", tuple(tuple(block) for block in self.block_tally))
         object.__setattr__(self, "attention_matrix_bytes", tuple(self.attention_matrix_bytes))
         object.__setattr__(self, "block_saved_bytes", tuple(tuple(pair) for pair in self.block_saved_bytes))
