@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from plait.estimate.context import forward_passes, layer_bytes
 from plait.estimate.experts import layer_alltoall
-from plait.estimate.layout import Workload, StageShare, final_norm_params, layout_stages, vocab_shard
+from plait.estimate.layout import (Workload, StageShare, final_norm_params, layout_stages, rank_blocks,
+                                   summed_whole, vocab_shard)
 from plait.estimate.memory import shard, state_bytes
 from plait.models.gpt.config import GPTConfig
 from plait.wire import ring_bytes  # the ring formula's one home, shared with runtime/
@@ -340,9 +341,27 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
         # (their gradients carry the rotary key's, which then enters with them)
         down = round(stage.layers) * config.mla_down_params
         norms = round(stage.layers * config.sp_norm_extra)  # the norms the first block's count misses
-        _add(out, "tp", "all_reduce", (stage.replicated_params - whole + beside - read_whole + down + norms)
-             * grad_bytes, t, times=m)
+        summed = stage.replicated_params - whole + beside - read_whole + down + norms
+        counted = counted_sp_sum(config, layout, stage)
+        if counted is not None:  # nothing split in the blocks: what they hold, less what SP reads whole
+            summed = counted + (stage.replicated_params - stage.layers * summed_whole(config, layout.ep) - whole)
+        _add(out, "tp", "all_reduce", summed * grad_bytes, t, times=m)
     return out
+
+
+def counted_sp_sum(config: GPTConfig, layout: Workload, stage: StageShare) -> int | None:
+    """The parameters of `stage`'s blocks whose gradients SP sums, from the model's count, where
+    its plan splits nothing in the blocks (DBRX's, Nemotron-H's: every parameter whole on every
+    tp rank): all of each block's (its routed experts this ep rank's), less those of the
+    children SP reads whole (GPTConfig.sp_read_whole), whose gradients are alike on every rank.
+    Blocks of different kinds (Nemotron-H's attention, mamba, MoE or MLP alone) each count as
+    they are, where the formulas' mean block would not. None elsewhere: the formulas' sum, with
+    its corrections, stands."""
+    tally = config.block_tally
+    if not tally or len(config.sp_read_whole) != len(tally) or any(split or split_sp for split, _, _, split_sp in tally):
+        return None
+    blocks = rank_blocks(config, layout.pp, layout.virtual_stages, layout.stage_layers)[stage.index]
+    return sum(tally[i][1] + tally[i][2] // layout.ep - config.sp_read_whole[i] for i in blocks)
 
 
 def pp_messages(layout: Workload, stage: StageShare) -> int:

@@ -240,6 +240,7 @@ def _tp_regions(model: nn.Module, blocks: str | None, layers: nn.ModuleList | No
     tail = _entered_tail(model, plan, blocks, layers)
     return {"tp_attention": bool(attention), **_attention_kinds(layers, plan, blocks, shape.d_model),
             "sp_whole_mixers": _whole_mixers(layers, plan, blocks), "tp_shared_experts": bool(shared),
+            "sp_read_whole": _read_whole(layers, plan, blocks),
             "tp_mlp": len(inside) > len(attention) + len(shared), "tp_entered_tail": tail,
             "mla_down_params": _mla_down_params(model, plan, blocks) if tail else 0,
             "sp_mlp_read_whole": _adds_residual(_mlp_of(_first_dense_block(layers, shape))),
@@ -315,16 +316,41 @@ def _column_widths(block: nn.Module, styles: dict[str, str]) -> list[int | None]
 def _whole_mixers(layers: nn.ModuleList | None, plan: dict[str, str], blocks: str) -> float:
     """GPTConfig.sp_whole_mixers, a block's mean: its children that mix tokens
     (styles.mixes_tokens) and that no plan entry names, beyond the one a block's attention
-    accounts for (Falcon-H1's mamba beside its attention)."""
+    accounts for (Falcon-H1's mamba beside its attention); -1 for a block that mixes no tokens
+    at all, no attention the plan splits either (Nemotron-H's MoE and MLP blocks): there is no
+    attention to read whole."""
     if not layers:
         return 0.0
     named = [key[len(blocks) + 3:] for key in plan if key.startswith(f"{blocks}.*.")]
     extra = 0
     for block in layers:
         mixers = [name for name, child in block.named_children() if mixes_tokens(child)]
-        whole = [name for name in mixers if not any(key == name or key.startswith(f"{name}.") for key in named)]
+        whole = _whole_children(block, named)
         extra += len(whole) - (1 if whole and len(whole) == len(mixers) else 0)
+        split_attention = any(("attn" in key.split(".")[0].lower() or "attention" in key.split(".")[0].lower())
+                              and _in_block(block, key) is not None for key in named)
+        if not mixers and not split_attention:
+            extra -= 1
     return extra / len(layers)
+
+
+def _whole_children(block: nn.Module, named: list[str]) -> list[nn.Module]:
+    """The block's children SP reads whole: those that mix tokens (styles.mixes_tokens) and that
+    no entry of the plan (`named`, from the block) names, as styles._unsplit_attention finds them."""
+    return [child for name, child in block.named_children() if mixes_tokens(child)
+            and not any(key == name or key.startswith(f"{name}.") for key in named)]
+
+
+def _read_whole(layers: nn.ModuleList | None, plan: dict[str, str], blocks: str) -> tuple[int, ...]:
+    """GPTConfig.sp_read_whole: each block's parameters whose gradients SP does not sum, those in
+    the children it reads whole, and those no gradient reaches (AFMoE's expert bias, a buffer
+    kept as a parameter)."""
+    named = [key[len(blocks) + 3:] for key in plan if key.startswith(f"{blocks}.*.")]
+    unsummed = []
+    for block in layers or []:
+        whole = {id(p) for child in _whole_children(block, named) for p in child.parameters()}
+        unsummed.append(sum(p.numel() for p in block.parameters() if id(p) in whole or not p.requires_grad))
+    return tuple(unsummed)
 
 
 def _dense_beside_experts(layers: nn.ModuleList | None, shape: GPTConfig, plan: dict[str, str],
