@@ -272,6 +272,35 @@ def test_blocks_of_one_kind_each_sum_what_they_hold_under_sp(tmp_path: Path) -> 
     assert counted_sp_sum(llama, layout, layout_stages(llama, layout)[0]) is None  # its plan splits its blocks
 
 
+def test_blocks_holding_experts_kept_whole_read_their_attention_whole_under_sp(tmp_path: Path) -> None:
+    """Gemma 4's blocks hold its experts beside everything else, and its ep plan keeps them whole:
+    under SP nothing in such a block is split, so it reads its attention whole (two gathers),
+    reduce-scatters nothing and sums every other gradient, and each block's slice of its
+    per-layer inputs has its gradient gathered back (the sweep measured 26,624 bytes of gathers
+    and no reduce-scatter a step, where the estimate said 32,768 and 16,384)."""
+    from plait.estimate.layout import Workload, layout_stages
+    from plait.estimate.traffic import counted_sp_sum, tp_traffic
+
+    shape = shape_of(tmp_path, "gemma4_text", vocab_size_per_layer_input=128, hidden_size_per_layer_input=8,
+                     sliding_window=6, global_head_dim=16, enable_moe_block=True, num_experts=4, top_k_experts=2,
+                     moe_intermediate_size=32)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
+    attention = [sum(p.numel() for p in block.self_attn.parameters()) for block in model.model.layers]
+    assert shape.sp_read_whole == tuple(attention) and shape.sp_read_whole_count == (1, 1)
+    assert shape.sp_sliced_inputs == 8
+    layout = Workload(tp=2, sp=True, micro_batch=2, grad_accum=2, seq_len=16, precision="fp32")
+    stage = layout_stages(shape, layout)[0]
+    everything = sum(p.numel() for block in model.model.layers for p in block.parameters())
+    assert counted_sp_sum(shape, layout, stage) == everything - sum(attention)
+    ops = tp_traffic(shape, layout, stage)["tp"]
+    assert "reduce_scatter" not in ops
+    tokens, act = 2 * 16, 2 * 16 * 32 * 4
+    # a micro-batch: each block's attention (2) and the sequence's ends (2), hidden-wide; each
+    # block's per-layer inputs, 8 wide: half of each on the wire over 2 ranks
+    assert ops["all_gather"] == 2 * ((2 * 2 + 2) * act + 2 * tokens * 8 * 4) / 2
+
+
 def test_a_layer_after_the_blocks_split_by_its_input(tmp_path: Path) -> None:
     """Qwen4-Exp mixes its hyper-connection streams after the blocks (`hyper_connection_mixer`,
     on the last stage), its down-projection split by its input features: each tp rank holds half

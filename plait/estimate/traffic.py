@@ -98,6 +98,11 @@ def plan_collectives(config: GPTConfig, layout: Workload, stage: StageShare, end
     there: the overlapping stack's path asks for the blocks alone)."""
     attention = config.tp_attention_share if config.tp_attention else 0.0
     ends = (ends and config.embedding_split, ends and config.vocab_split)  # a head summing whole logits: tp_traffic's
+    if whole_ends and counted_sp_sum(config, layout, stage) is not None:  # SP splits nothing in the blocks
+        full = layout.recompute == "full"
+        gathers = sum(config.sp_read_whole_count[i] for i in stage_blocks(config, layout, stage))
+        return {"all_gather": gathers * sp_region_collectives(False, full, reruns_exit=True)[0],
+                "all_reduce": int(ends[0] and stage.first) + int(ends[1] and stage.last)}
     return tp_collectives(layout, stage, ends, whole_ends, split_moe_calls(config, layout),
                           (attention, config.tp_mlp), bool(config.mla_down_params) and not config.attention_reads_input,
                           config.tp_attention_entries,
@@ -309,11 +314,15 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
              times=m)
         _add(out, "tp", "all_gather", layout.tokens_per_micro_batch * config.d_model * layout.compute_bytes, t,
              times=m)
-    if config.qk_norm == "head":  # each block's per-head q and k norm weights: their gradients summed
+    whole_blocks = counted_sp_sum(config, layout, stage) is not None  # SP: nothing split in the blocks
+    if config.sp_sliced_inputs and layout.sp:  # each block's slice of its per-layer inputs: gradient gathered
+        _add(out, "tp", "all_gather", layout.tokens_per_micro_batch * config.sp_sliced_inputs * layout.compute_bytes,
+             t, times=m * stage.layers)
+    if config.qk_norm == "head" and not whole_blocks:  # per-head q and k norm weights: their gradients summed
         grad_bytes = state_bytes(layout.precision).grad
         _add(out, "tp", "all_reduce", 2 * config.head_dim * grad_bytes, t,
              times=m * stage.layers * config.qk_norm_share)
-    elif config.qk_norm == "full":  # q, k and v gathered whole forward; o_proj's input gradient gathered backward
+    elif config.qk_norm == "full" and not whole_blocks:  # q, k, v gathered whole; o_proj's input gradient gathered back
         width = 2 * config.n_heads * config.head_dim + 2 * config.kv_dim
         _add(out, "tp", "all_gather", layout.tokens_per_micro_batch * width * layout.compute_bytes, t,
              times=m * stage.layers * config.qk_norm_share)
@@ -321,7 +330,7 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
     if entered and not layout.sp:  # their gradients summed in backward (the hidden's entry is plan_collectives')
         _add(out, "tp", "all_reduce", layout.tokens_per_micro_batch * entered * layout.compute_bytes, t,
              times=m * stage.layers)
-    if config.tp_summed_params:  # whole layers the plan sums the gradients of, with or without SP
+    if config.tp_summed_params and not whole_blocks:  # whole layers the plan sums the gradients of, SP or not
         _add(out, "tp", "all_reduce", config.tp_summed_params * state_bytes(layout.precision).grad, t,
              times=m * stage.layers)
     if config.split_mlp_scalars and not layout.sp:  # summed every micro-batch; under SP with the norms' below
@@ -351,17 +360,24 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
 
 def counted_sp_sum(config: GPTConfig, layout: Workload, stage: StageShare) -> int | None:
     """The parameters of `stage`'s blocks whose gradients SP sums, from the model's count, where
-    its plan splits nothing in the blocks (DBRX's, Nemotron-H's: every parameter whole on every
-    tp rank): all of each block's (its routed experts this ep rank's), less those of the
-    children SP reads whole (GPTConfig.sp_read_whole), whose gradients are alike on every rank.
-    Blocks of different kinds (Nemotron-H's attention, mamba, MoE or MLP alone) each count as
-    they are, where the formulas' mean block would not. None elsewhere: the formulas' sum, with
-    its corrections, stands."""
+    its plan splits nothing in the blocks under SP (DBRX's, Nemotron-H's, and Gemma 4's, whose
+    blocks hold experts kept whole: every parameter whole on every tp rank): all of each
+    block's (its routed experts this ep rank's), less those of the children SP reads whole and
+    those without a gradient (GPTConfig.sp_read_whole). Blocks of different kinds (Nemotron-H's
+    attention, mamba, MoE or MLP alone) each count as they are, where the formulas' mean block
+    would not; their gathers are plan_collectives'. None elsewhere, and without SP: the
+    formulas' sum, with its corrections, stands."""
     tally = config.block_tally
-    if not tally or len(config.sp_read_whole) != len(tally) or any(split or split_sp for split, _, _, split_sp in tally):
+    if not layout.sp or not tally or len(config.sp_read_whole) != len(tally) \
+            or any(split_sp for _, _, _, split_sp in tally):
         return None
-    blocks = rank_blocks(config, layout.pp, layout.virtual_stages, layout.stage_layers)[stage.index]
-    return sum(tally[i][1] + tally[i][2] // layout.ep - config.sp_read_whole[i] for i in blocks)
+    return sum(tally[i][0] + tally[i][1] + tally[i][2] // layout.ep - config.sp_read_whole[i]
+               for i in stage_blocks(config, layout, stage))
+
+
+def stage_blocks(config: GPTConfig, layout: Workload, stage: StageShare) -> list[int]:
+    """The blocks `stage`'s pipeline rank holds."""
+    return rank_blocks(config, layout.pp, layout.virtual_stages, layout.stage_layers)[stage.index]
 
 
 def pp_messages(layout: Workload, stage: StageShare) -> int:

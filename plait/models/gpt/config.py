@@ -75,10 +75,16 @@ class GPTConfig:
     sp_whole_mixers: float = 0.0
     # Each block's parameters whose gradients SP does not sum: those in the children it reads
     # whole (mixing tokens, no plan entry naming them: DBRX's norm-attention-norm, Nemotron-H's
-    # mamba and attention), alike on every rank, and those no gradient reaches. Where the plan
+    # mamba and attention), alike on every rank, and those no gradient reaches, as the plan
+    # runs under SP (Gemma 4's blocks, holding experts kept whole, are whole then). Where it
     # splits nothing in the blocks, SP sums the rest of each block's counted parameters
     # (estimate/traffic.counted_sp_sum)
     sp_read_whole: tuple[int, ...] = ()
+    sp_read_whole_count: tuple[int, ...] = ()  # and how many such children each block has
+    # Features a token of the float inputs each block is handed along the sequence beside its
+    # hidden states (Gemma 4's per-layer inputs, hidden_size_per_layer_input): under SP each
+    # block takes its slice of them, their gradient gathered back, every micro-batch
+    sp_sliced_inputs: int = 0
     tp_shared_experts: bool = False  # the plan splits the shared experts beside routed ones kept whole (dots1's)
     # Widths a block's plan gathers whole under tp, per token: (its column layers' outputs gathered
     # forward, its split-input row layers' inputs gathered back in backward): Phi-3's fused q|k|v
@@ -221,6 +227,7 @@ class GPTConfig:
         object.__setattr__(self, "tp_expert_entries", tuple(self.tp_expert_entries))
         object.__setattr__(self, "tp_last_rows", tuple(self.tp_last_rows))
         object.__setattr__(self, "sp_read_whole", tuple(self.sp_read_whole))
+        object.__setattr__(self, "sp_read_whole_count", tuple(self.sp_read_whole_count))
         object.__setattr__(self, "block_tally", tuple(tuple(block) for block in self.block_tally))
         object.__setattr__(self, "attention_matrix_bytes", tuple(self.attention_matrix_bytes))
         object.__setattr__(self, "block_saved_bytes", tuple(tuple(pair) for pair in self.block_saved_bytes))

@@ -140,7 +140,7 @@ def measured_shape(hf: HFModelDir, kept: bool = True) -> GPTConfig:
     plan = _block_plan(model, name)
     shape = replace(shape, **_qk_norm(layers, shape, plan), norm_params=_norm_params(layers, shape))
     shape = replace(shape, sp_norm_extra=_norm_extra(layers, shape),
-                    residual_streams=_residual_streams(model, layers))
+                    residual_streams=_residual_streams(model, layers), sp_sliced_inputs=_per_layer_inputs(model))
     shape = replace(shape, **_tp_regions(model, name, layers, shape, plan), **_ends_split(model))
     shape = replace(shape, whole_biases=_whole_biases(layers, shape, plan, name),
                     split_mlp_scalars=_split_mlp_scalars(layers, shape))
@@ -176,6 +176,13 @@ def _embedding_extras(model: nn.Module) -> int:
     if not isinstance(embedding, nn.Module):
         return 0
     return sum(p.numel() for name, p in embedding.named_parameters() if name != "weight" and p.requires_grad)
+
+
+def _per_layer_inputs(model: nn.Module) -> int:
+    """GPTConfig.sp_sliced_inputs: the width of the per-layer inputs each block is handed beside
+    its hidden states, as Gemma 3n's and Gemma 4's configs name it (hidden_size_per_layer_input)."""
+    width = getattr(text_config(model), "hidden_size_per_layer_input", 0)
+    return width if isinstance(width, int) else 0
 
 
 def _blocks(model: nn.Module, name: str | None) -> nn.ModuleList | None:
@@ -240,7 +247,7 @@ def _tp_regions(model: nn.Module, blocks: str | None, layers: nn.ModuleList | No
     tail = _entered_tail(model, plan, blocks, layers)
     return {"tp_attention": bool(attention), **_attention_kinds(layers, plan, blocks, shape.d_model),
             "sp_whole_mixers": _whole_mixers(layers, plan, blocks), "tp_shared_experts": bool(shared),
-            "sp_read_whole": _read_whole(layers, plan, blocks),
+            **_read_whole(model, layers, plan, blocks),
             "tp_mlp": len(inside) > len(attention) + len(shared), "tp_entered_tail": tail,
             "mla_down_params": _mla_down_params(model, plan, blocks) if tail else 0,
             "sp_mlp_read_whole": _adds_residual(_mlp_of(_first_dense_block(layers, shape))),
@@ -341,16 +348,21 @@ def _whole_children(block: nn.Module, named: list[str]) -> list[nn.Module]:
             and not any(key == name or key.startswith(f"{name}.") for key in named)]
 
 
-def _read_whole(layers: nn.ModuleList | None, plan: dict[str, str], blocks: str) -> tuple[int, ...]:
-    """GPTConfig.sp_read_whole: each block's parameters whose gradients SP does not sum, those in
-    the children it reads whole, and those no gradient reaches (AFMoE's expert bias, a buffer
-    kept as a parameter)."""
-    named = [key[len(blocks) + 3:] for key in plan if key.startswith(f"{blocks}.*.")]
-    unsummed = []
-    for block in layers or []:
-        whole = {id(p) for child in _whole_children(block, named) for p in child.parameters()}
+def _read_whole(model: nn.Module, layers: nn.ModuleList | None, plan: dict[str, str],
+                blocks: str) -> dict[str, tuple[int, ...]]:
+    """GPTConfig.sp_read_whole and sp_read_whole_count, under the plan's SP form (the blocks
+    around experts kept whole, plans.whole_beside_experts): each block's parameters whose
+    gradients SP does not sum, those in the children it reads whole and those no gradient
+    reaches (AFMoE's expert bias, a buffer kept as a parameter); and how many children it reads
+    whole."""
+    kept = beside_experts(model, dispatched_experts(declared(model, "ep")))
+    unsummed, counts = [], []
+    for i, block in enumerate(layers or []):
+        children = _whole_children(block, list(_inside(plan, blocks, i, kept)))
+        whole = {id(p) for child in children for p in child.parameters()}
         unsummed.append(sum(p.numel() for p in block.parameters() if id(p) in whole or not p.requires_grad))
-    return tuple(unsummed)
+        counts.append(len(children))
+    return {"sp_read_whole": tuple(unsummed), "sp_read_whole_count": tuple(counts)}
 
 
 def _dense_beside_experts(layers: nn.ModuleList | None, shape: GPTConfig, plan: dict[str, str],
