@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from plait.estimate.context import forward_passes, layer_bytes
 from plait.estimate.experts import layer_alltoall
-from plait.estimate.layout import (Workload, StageShare, final_norm_params, layout_stages, rank_blocks,
-                                   summed_whole, vocab_shard)
+from plait.estimate.layout import Workload, StageShare, final_norm_params, layout_stages, rank_blocks, vocab_shard
 from plait.estimate.memory import shard, state_bytes
 from plait.models.gpt.config import GPTConfig
 from plait.wire import ring_bytes  # the ring formula's one home, shared with runtime/
@@ -314,7 +313,8 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
              times=m)
         _add(out, "tp", "all_gather", layout.tokens_per_micro_batch * config.d_model * layout.compute_bytes, t,
              times=m)
-    whole_blocks = counted_sp_sum(config, layout, stage) is not None  # SP: nothing split in the blocks
+    counted = counted_sp_sum(config, layout, stage)  # SP with nothing split in the blocks: what they hold, summed
+    whole_blocks = counted is not None
     if config.sp_sliced_inputs and layout.sp:  # each block's slice of its per-layer inputs: gradient gathered
         _add(out, "tp", "all_gather", layout.tokens_per_micro_batch * config.sp_sliced_inputs * layout.compute_bytes,
              t, times=m * stage.layers)
@@ -351,9 +351,8 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
         down = round(stage.layers) * config.mla_down_params
         norms = round(stage.layers * config.sp_norm_extra)  # the norms the first block's count misses
         summed = stage.replicated_params - whole + beside - read_whole + down + norms
-        counted = counted_sp_sum(config, layout, stage)
-        if counted is not None:  # nothing split in the blocks: what they hold, less what SP reads whole
-            summed = counted + (stage.replicated_params - stage.layers * summed_whole(config, layout.ep) - whole)
+        if counted is not None:  # what the blocks hold, less what SP reads whole; the final norm where on a slice
+            summed = counted + final_norm_params(config) * stage.last - whole
         _add(out, "tp", "all_reduce", summed * grad_bytes, t, times=m)
     return out
 
