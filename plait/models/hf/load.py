@@ -34,6 +34,7 @@ from plait.models.hf.plans import (beside_experts, block_list, cut_plan, declare
                                    without_experts)
 from plait.models.hf.styles import mixes_tokens, text_config
 from plait.parallel.deferred import recording
+from plait.parallel.seam import Parts
 
 
 def _transformers() -> Any:
@@ -280,8 +281,7 @@ def _attention_kinds(layers: nn.ModuleList | None, plan: dict[str, str], blocks:
         styles: dict[str, str] = {}
         for key, style in plan.items():
             inside = key[len(blocks) + 3:] if key.startswith(f"{blocks}.*.") else ""
-            child = inside.split(".")[0].lower()
-            if ("attn" in child or "attention" in child) and _in_block(block, inside) is not None:
+            if _names_attention(inside) and _in_block(block, inside) is not None:
                 styles[inside] = style
         if any(style in ROWS for style in styles.values()):
             count = max(_matched(block, inside) for inside, style in styles.items() if style in ROWS)
@@ -296,6 +296,13 @@ def _attention_kinds(layers: nn.ModuleList | None, plan: dict[str, str], blocks:
         entries += outputs + (len(columns) > outputs)
     return {"tp_attention_share": split / len(layers), "tp_attention_entries": entries / len(layers),
             "tp_entry_extra": extra / len(layers), "attention_reads_input": reads_input is not False}
+
+
+def _names_attention(inside: str) -> bool:
+    """Whether a plan entry named from the block lies under its attention: its first module's
+    name holds "attn" or "attention" (self_attn, attention, linear_attn...)."""
+    child = inside.split(".")[0].lower()
+    return "attn" in child or "attention" in child
 
 
 def _entry_extra(widths: list[int | None], d_model: int) -> int:
@@ -334,9 +341,7 @@ def _whole_mixers(layers: nn.ModuleList | None, plan: dict[str, str], blocks: st
         mixers = [name for name, child in block.named_children() if mixes_tokens(child)]
         whole = _whole_children(block, named)
         extra += len(whole) - (1 if whole and len(whole) == len(mixers) else 0)
-        split_attention = any(("attn" in key.split(".")[0].lower() or "attention" in key.split(".")[0].lower())
-                              and _in_block(block, key) is not None for key in named)
-        if not mixers and not split_attention:
+        if not mixers and not any(_names_attention(key) and _in_block(block, key) is not None for key in named):
             extra -= 1
     return extra / len(layers)
 
@@ -617,26 +622,27 @@ def _tally(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig, pla
     head_bias = _bias(head) == shape.vocab_size  # Phi's: split with the head
     outside = sum(p.numel() for p in model.parameters()) - sum(sum(block[:3]) for block in tally)
     formula = replace(shape, extra_params=0, extra_last_params=0, head_bias=head_bias)
-    last = _after_blocks(model, blocks, seen)
+    parts = _declared_parts(model, blocks)
+    last = _after_blocks(model, parts, seen)
     h, rows = shape.d_model, shape.vocab_size
     extra_last = 0 if last is None else \
         last - formula.final_norm_weights - rows * h * (not shape.tie_embeddings) - rows * head_bias
     return {"block_tally": tally, "head_bias": head_bias, "extra_last_params": extra_last,
-            "extra_params": outside - formula.embedding_params() - extra_last, **_split_after_blocks(model, plan)}
+            "extra_params": outside - formula.embedding_params() - extra_last,
+            **_split_after_blocks(model, parts, plan)}
 
 
-def _split_after_blocks(model: nn.Module, plan: dict[str, str]) -> dict[str, Any]:
+def _split_after_blocks(model: nn.Module, parts: Parts | None, plan: dict[str, str]) -> dict[str, Any]:
     """GPTConfig.extra_last_split and tp_last_rows: the layers after the blocks (on the last
-    stage, by the model's pp cut), but the head, that the plan splits by their input features
-    ("rowwise_split_input": Qwen4-Exp's hyper-connection mixer), their weights and their widths
-    per token (outputs, inputs). {} where there are none, or no cut is read."""
-    try:
-        last = hf_stages.declared_parts(model, cut_plan(model)[0]).last
-    except PlaitError:
+    stage, by the model's pp cut, `parts`), but the head, that the plan splits by their input
+    features ("rowwise_split_input": Qwen4-Exp's hyper-connection mixer), their weights and their
+    widths per token (outputs, inputs). {} where there are none, or no cut is read (then
+    extra_last_params counts nothing after the blocks either)."""
+    if parts is None:
         return {}
     head = getattr(model, "get_output_embeddings", lambda: None)()
     layers = [module for key, style in plan.items() if style == "rowwise_split_input"
-              and any(key == part or key.startswith(f"{part}.") for part in last)
+              and any(key == part or key.startswith(f"{part}.") for part in parts.last)
               for module in [model.get_submodule(key)] if module is not head and isinstance(module, nn.Linear)]
     if not layers:
         return {}
@@ -850,18 +856,24 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
     return tuple(sum(size for size, part in kept.values() if part == which) for which in (0, 1, 2))
 
 
-def _after_blocks(model: nn.Module, blocks: str, seen: set[int]) -> int | None:
-    """The parameters of the pieces the pipeline's last stage holds after the blocks (the cut
-    its pp plan makes, declared or inferred: the final norm, the head and what a family adds
-    beside them), less those in `seen` (the blocks') and a head tied to the embedding; None
-    where no cut is read (all that is outside the blocks is then counted on the first stage).
-    A cut whose stages run the model's own forward places its pieces as that forward runs them
-    (own_forward.own_parts: OPT's final norm on the last stage), which this does not follow."""
+def _declared_parts(model: nn.Module, blocks: str) -> Parts | None:
+    """The cut the model's pp plan makes, declared or inferred, where its block list is
+    `blocks`; None where no such cut is read."""
     try:
         parts = hf_stages.declared_parts(model, cut_plan(model)[0])
     except PlaitError:
         return None
-    if parts.blocks != blocks:
+    return parts if parts.blocks == blocks else None
+
+
+def _after_blocks(model: nn.Module, parts: Parts | None, seen: set[int]) -> int | None:
+    """The parameters of the pieces the pipeline's last stage holds after the blocks (by the
+    cut `parts`: the final norm, the head and what a family adds beside them), less those in
+    `seen` (the blocks') and a head tied to the embedding; None where no cut is read (all that
+    is outside the blocks is then counted on the first stage). A cut whose stages run the
+    model's own forward places its pieces as that forward runs them (own_forward.own_parts:
+    OPT's final norm on the last stage), which this does not follow."""
+    if parts is None:
         return None
     embedding = getattr(model, "get_input_embeddings", lambda: None)()
     tied = {id(p) for p in embedding.parameters()} if isinstance(embedding, nn.Module) else set()
