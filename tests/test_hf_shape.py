@@ -272,6 +272,32 @@ def test_blocks_of_one_kind_each_sum_what_they_hold_under_sp(tmp_path: Path) -> 
     assert counted_sp_sum(llama, layout, layout_stages(llama, layout)[0]) is None  # its plan splits its blocks
 
 
+def test_a_child_read_whole_handing_on_its_residual_gathers_its_gradient(tmp_path: Path) -> None:
+    """DBRX's norm-attention-norm returns (residual, output), both over the whole sequence: under
+    SP, read whole, it leaves keeping this rank's chunk of each, and each chunk's gradient is
+    gathered back. The shape reader runs the model on meta to see it (the signature does not
+    say), one more gather a block, twice in full recompute's rerun only for inputs (the sweep
+    measured 8 gathers a micro-batch where the estimate said 6). A child taking one tensor and
+    returning one (Nemotron-H's attention) adds nothing."""
+    from plait.estimate.layout import Workload, layout_stages
+    from plait.estimate.traffic import tp_traffic
+
+    shape = shape_of(tmp_path, "dbrx", d_model=32, n_heads=4, n_layers=2, max_seq_len=64,
+                     attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                     ffn_config={"hidden_size": 32, "ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2})
+    assert shape.sp_read_whole_count == (1, 1) and shape.sp_read_whole_passes == ((0.0, 1.0), (0.0, 1.0))
+    act = 2 * 16 * 32 * 4  # b·s·h in fp32
+    for recompute, per_block in (("none", 3), ("full", 4)):
+        layout = Workload(tp=2, sp=True, micro_batch=2, grad_accum=2, seq_len=16, precision="fp32", recompute=recompute)
+        ops = tp_traffic(shape, layout, layout_stages(shape, layout)[0])["tp"]
+        # a micro-batch: the wrapper's input in (again in the rerun), its two outputs' gradients
+        # back, in each of 2 blocks; the sequence's ends (2); half of each on the wire over 2 ranks
+        assert ops["all_gather"] == 2 * (2 * per_block + 2) * act / 2, recompute
+    nemotron = shape_of(tmp_path / "nemotron", "nemotron_h", layers_block_type=["mamba", "attention"],
+                        mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=1)
+    assert nemotron.sp_read_whole_count == (1, 1) and nemotron.sp_read_whole_passes == ((0.0, 0.0), (0.0, 0.0))
+
+
 def test_blocks_holding_experts_kept_whole_read_their_attention_whole_under_sp(tmp_path: Path) -> None:
     """Gemma 4's blocks hold its experts beside everything else, and its ep plan keeps them whole:
     under SP nothing in such a block is split, so it reads its attention whole (two gathers),

@@ -223,14 +223,15 @@ PRICED = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"
           "deepseek_v2", "minicpm3", "glm4_moe_lite", "qwen3_next", "minimax", "qwen3_5_text", "qwen3_5_moe_text",
           "lara_mini", "olmo_hybrid", "gemma4_unified_text", "deepseek_v32", "glm_moe_dsa", "lfm2", "granitemoeshared",
           "minimax_m3_vl_text", "granitemoehybrid", "mpt", "kimi_linear", "bailing_hybrid", "falcon_h1",
-          "dots3_note_text", "axk2", "axk1", "deepseek_v4", "hy_v4", "nemotron_h", "gemma4_text"]
-# priced under tp alone; their SP cases are refused, or not priced (docs/huggingface.md, "What the
-# estimate prices", says why). Inkling's shared experts' gates and its embedding's norm, summed over
-# tp, LongCat's routing weights entering its split experts and Qwen4-Exp's mixer after the blocks,
-# split by its input: priced since
+          "dots3_note_text", "axk2", "axk1", "deepseek_v4", "hy_v4", "nemotron_h", "gemma4_text", "dbrx"]
+# priced under tp alone; their SP cases are refused (docs/huggingface.md says why). Inkling's
+# shared experts' gates and its embedding's norm, summed over tp, LongCat's routing weights
+# entering its split experts and Qwen4-Exp's mixer after the blocks, split by its input: priced
+# since. DBRX's SP case is PRICED since its norm-attention-norm's residual, handed on beside its
+# output, was read (GPTConfig.sp_read_whole_passes)
 PRICED_TP = ["gemma3n_text", "hrm_text", "inkling2_text", "inkling2_loop_text",
-             "dbrx", "inkling_text", "longcat_flash", "qwen4_exp_text"]
-PRICED_AT_LEAST = 236
+             "inkling_text", "longcat_flash", "qwen4_exp_text"]
+PRICED_AT_LEAST = 237  # every exact tp and tp + SP case of the sweep
 
 
 def priced(world: list[dict[str, Any]], families: list[str], modes: tuple[str, ...] = ("tp", "tp_sp")) -> None:

@@ -97,15 +97,30 @@ def plan_collectives(config: GPTConfig, layout: Workload, stage: StageShare, end
     there: the overlapping stack's path asks for the blocks alone)."""
     attention = config.tp_attention_share if config.tp_attention else 0.0
     ends = (ends and config.embedding_split, ends and config.vocab_split)  # a head summing whole logits: tp_traffic's
+    passes = read_whole_passes(config, layout, stage) if whole_ends else 0.0
     if whole_ends and counted_sp_sum(config, layout, stage) is not None:  # SP splits nothing in the blocks
         full = layout.recompute == "full"
         gathers = sum(config.sp_read_whole_count[i] for i in stage_blocks(config, layout, stage))
-        return {"all_gather": gathers * sp_region_collectives(False, full, reruns_exit=True)[0],
+        return {"all_gather": gathers * sp_region_collectives(False, full, reruns_exit=True)[0] + passes,
                 "all_reduce": int(ends[0] and stage.first) + int(ends[1] and stage.last)}
-    return tp_collectives(layout, stage, ends, whole_ends, split_moe_calls(config, layout),
-                          (attention, config.tp_mlp), bool(config.mla_down_params) and not config.attention_reads_input,
-                          config.tp_attention_entries,
-                          config.sp_mlp_read_whole, config.sp_whole_mixers, config.moe_dense_mlps)
+    out = tp_collectives(layout, stage, ends, whole_ends, split_moe_calls(config, layout),
+                         (attention, config.tp_mlp), bool(config.mla_down_params) and not config.attention_reads_input,
+                         config.tp_attention_entries,
+                         config.sp_mlp_read_whole, config.sp_whole_mixers, config.moe_dense_mlps)
+    return {**out, "all_gather": out["all_gather"] + passes} if passes else out
+
+
+def read_whole_passes(config: GPTConfig, layout: Workload, stage: StageShare) -> float:
+    """All-gathers of b·s·h a micro-batch under SP, beyond `sp_region_collectives`' one tensor in
+    and one out, of the children `stage`'s blocks read whole (GPTConfig.sp_read_whole_passes):
+    each further input on the sequence slice is gathered entering (again in full recompute's
+    rerun), and each further output over the whole sequence is cut to the slice leaving, its
+    gradient gathered back (DBRX's norm-attention-norm hands on its residual: one a block)."""
+    passes = config.sp_read_whole_passes
+    if not layout.sp or layout.tp == 1 or len(passes) != config.n_layers:
+        return 0.0
+    reruns = 2 if layout.recompute == "full" else 1
+    return sum(passes[i][0] * reruns + passes[i][1] for i in stage_blocks(config, layout, stage))
 
 
 def tp_collectives(layout: Workload, stage: StageShare, ends: tuple[bool, bool] = (True, True),

@@ -81,6 +81,11 @@ class GPTConfig:
     # (estimate/traffic.counted_sp_sum)
     sp_read_whole: tuple[int, ...] = ()
     sp_read_whole_count: tuple[int, ...] = ()  # and how many such children each block has
+    # What those children take and hand on along the sequence beyond one tensor each, as
+    # d_model-wide tensors, per block: (inputs on the slice gathered beside the first, outputs
+    # over the whole sequence cut to the slice beside the first: DBRX's norm-attention-norm
+    # hands on its residual, one more gather a block in backward)
+    sp_read_whole_passes: tuple[tuple[float, float], ...] = ()
     # Features a token of the float inputs each block is handed along the sequence beside its
     # hidden states (Gemma 4's per-layer inputs, hidden_size_per_layer_input): under SP each
     # block takes its slice of them, their gradient gathered back, every micro-batch
@@ -228,6 +233,7 @@ class GPTConfig:
         object.__setattr__(self, "tp_last_rows", tuple(self.tp_last_rows))
         object.__setattr__(self, "sp_read_whole", tuple(self.sp_read_whole))
         object.__setattr__(self, "sp_read_whole_count", tuple(self.sp_read_whole_count))
+        object.__setattr__(self, "sp_read_whole_passes", tuple(tuple(pair) for pair in self.sp_read_whole_passes))
         object.__setattr__(self, "block_tally", tuple(tuple(block) for block in self.block_tally))
         object.__setattr__(self, "attention_matrix_bytes", tuple(self.attention_matrix_bytes))
         object.__setattr__(self, "block_saved_bytes", tuple(tuple(pair) for pair in self.block_saved_bytes))

@@ -32,9 +32,10 @@ from plait.models.hf.inferred import inferred_tp_plan
 from plait.models.hf import stages as hf_stages
 from plait.models.hf.plans import (beside_experts, block_list, cut_plan, declared, dispatched_experts,
                                    without_experts)
-from plait.models.hf.styles import mixes_tokens, text_config
+from plait.models.hf.styles import mixes_tokens, probe_ids, text_config
 from plait.parallel.deferred import recording
 from plait.parallel.seam import Parts
+from plait.parallel.tensor.plan import first_input_name, holds_the_sequence, on_the_same_slice
 
 
 def _transformers() -> Any:
@@ -361,13 +362,71 @@ def _read_whole(model: nn.Module, layers: nn.ModuleList | None, plan: dict[str, 
     reaches (AFMoE's expert bias, a buffer kept as a parameter); and how many children it reads
     whole."""
     kept = beside_experts(model, dispatched_experts(declared(model, "ep")))
-    unsummed, counts = [], []
+    unsummed, children = [], []
     for i, block in enumerate(layers or []):
-        children = _whole_children(block, list(_inside(plan, blocks, i, kept)))
-        whole = {id(p) for child in children for p in child.parameters()}
+        children.append(_whole_children(block, list(_inside(plan, blocks, i, kept))))
+        whole = {id(p) for child in children[-1] for p in child.parameters()}
         unsummed.append(sum(p.numel() for p in block.parameters() if id(p) in whole or not p.requires_grad))
-        counts.append(len(children))
-    return {"sp_read_whole": tuple(unsummed), "sp_read_whole_count": tuple(counts)}
+    return {"sp_read_whole": tuple(unsummed), "sp_read_whole_count": tuple(len(found) for found in children),
+            "sp_read_whole_passes": _read_whole_passes(model, children)}
+
+
+def _read_whole_passes(model: nn.Module, children: list[list[nn.Module]]) -> tuple[tuple[float, float], ...]:
+    """GPTConfig.sp_read_whole_passes: what each block's children read whole take and hand on
+    along the sequence beyond one tensor each, by the tests the region running them whole makes
+    (parallel/tensor/plan: on_the_same_slice, holds_the_sequence), in d_model-wide tensors. A
+    forward's signature does not say what it returns, so the model runs once on the meta device
+    over two sequences of PROBED_TOKENS, its routed experts stood in for (their loops do not run
+    there). () where no block reads a child whole, or where that forward fails: one tensor in and
+    one out each, as before."""
+    if not any(children):
+        return ()
+    d_model = text_config(model).hidden_size
+    passes = [[0.0, 0.0] for _ in children]
+
+    def noted(i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+            name = first_input_name(module)
+            x = args[0] if args else kwargs.get(name or "")
+            if not isinstance(x, torch.Tensor) or x.dim() < 3:
+                return
+            rest = [*args[1:], *(value for key, value in kwargs.items() if key != name)]
+            outputs = out[1:] if isinstance(out, tuple) else ()
+            width = x.shape[:2].numel() * d_model
+            passes[i][0] += sum(value.numel() for value in rest if on_the_same_slice(value, x)) / width
+            passes[i][1] += sum(value.numel() for value in outputs if holds_the_sequence(value, x.shape[:2])) / width
+        return hook
+
+    hooks = [child.register_forward_hook(noted(i), with_kwargs=True)
+             for i, found in enumerate(children) for child in found]
+    experts = [m.experts for m in model.modules() if isinstance(getattr(m, "experts", None), nn.Module)]
+    try:
+        with _stood_in(experts, lambda module: _zeros_like_input), torch.no_grad():
+            model(input_ids=probe_ids(model, PROBED_TOKENS).repeat(2, 1))
+    except Exception:  # noqa: BLE001 - a forward that does not run on meta: one in, one out, as before
+        return ()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return tuple((inputs, outputs) for inputs, outputs in passes)
+
+
+@contextlib.contextmanager
+def _stood_in(modules: list[nn.Module], forward_of: Callable[[nn.Module], Callable[..., Any]]) -> Iterator[None]:
+    """Each of `modules` runs `forward_of(module)` in place of its own forward, for the duration
+    (set on the instance, deleted after: the class's stands again)."""
+    for module in modules:
+        module.forward = forward_of(module)
+    try:
+        yield
+    finally:
+        for module in modules:
+            del module.forward
+
+
+def _zeros_like_input(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """A routed experts module's stand-in: zeros shaped as the tokens it was handed."""
+    return torch.zeros_like(next(t for t in _tensors_in((args, kwargs)) if t.is_floating_point()))
 
 
 def _dense_beside_experts(layers: nn.ModuleList | None, shape: GPTConfig, plan: dict[str, str],
@@ -389,7 +448,7 @@ def _dense_beside_experts(layers: nn.ModuleList | None, shape: GPTConfig, plan: 
 
 
 EXPERT_STYLES = ("moe_tp_experts", "all_reduce")  # the declared styles plait runs as split experts (styles.py)
-PROBED_TOKENS = 4  # the tokens `_expert_entries` runs an MoE module on, on the meta device
+PROBED_TOKENS = 4  # the tokens `_expert_entries` runs an MoE module on, on the meta device (`_read_whole_passes` the model)
 
 
 def _expert_entries(layers: nn.ModuleList | None, shape: GPTConfig, plan: dict[str, str],
@@ -416,17 +475,14 @@ def _expert_entries(layers: nn.ModuleList | None, shape: GPTConfig, plan: dict[s
             return torch.zeros_like(floats[0])
         return forward
 
+    # the routed experts too where ep keeps them whole: their loops do not run on meta
     stood_in = [*split, *([holder.experts] if all(holder.experts is not m for m in split) else [])]
-    for module in stood_in:  # the routed experts too where ep keeps them whole: their loops do not run on meta
-        module.forward = noted(module)
     weight = next(holder.parameters())
     try:
-        holder(torch.zeros(1, PROBED_TOKENS, shape.d_model, device=weight.device, dtype=weight.dtype))
+        with _stood_in(stood_in, noted):
+            holder(torch.zeros(1, PROBED_TOKENS, shape.d_model, device=weight.device, dtype=weight.dtype))
     except Exception:  # noqa: BLE001 - a router that does not run on meta: unpriced, as before
         return 0.0, 0.0
-    finally:
-        for module in stood_in:
-            del module.forward
     routed = widths.get(id(holder.experts), 0.0) if any(holder.experts is m for m in split) else 0.0
     return routed, sum(widths.get(id(m), 0.0) for m in split if m is not holder.experts)
 

@@ -234,10 +234,7 @@ class WholeRegion:
         whole: inside, everything runs as without SP, so each is whole and alike on every rank,
         and so is its gradient, of which entering keeps this rank's chunk."""
         def whole(value: Any) -> Any:
-            if isinstance(value, torch.Tensor) and value is not x and value.dim() >= 3 \
-                    and value.shape[:2] == x.shape[:2]:
-                return regions.gather_to_replicated(value, self.axis)
-            return value
+            return regions.gather_to_replicated(value, self.axis) if on_the_same_slice(value, x) else value
         first = 1 if args else 0
         return ((*args[:first], *map(whole, args[first:])),
                 {key: value if key == self.name else whole(value) for key, value in kwargs.items()})
@@ -250,9 +247,23 @@ class WholeRegion:
         if not isinstance(out, tuple):
             return mine
         whole = (batch, chunk * self.axis.size)  # DBRX's attention also hands on its residual
-        rest = [regions.scatter_to_sequence(value, self.axis) if isinstance(value, torch.Tensor)
-                and value.dim() == 3 and tuple(value.shape[:2]) == whole else value for value in out[1:]]
+        rest = [regions.scatter_to_sequence(value, self.axis) if holds_the_sequence(value, whole) else value
+                for value in out[1:]]
         return (mine, *rest)
+
+
+def on_the_same_slice(value: Any, x: torch.Tensor) -> bool:
+    """Whether a replicated region gathers `value`, an input beside its first, `x`: a tensor of
+    the same (batch, seq chunk) (MPT's MLP's residual). The shape reader counts these gathers by
+    the same test (models/hf/load._read_whole_passes)."""
+    return isinstance(value, torch.Tensor) and value is not x and value.dim() >= 3 and value.shape[:2] == x.shape[:2]
+
+
+def holds_the_sequence(value: Any, whole: tuple[int, ...]) -> bool:
+    """Whether a replicated region keeps this rank's chunk of `value`, an output beside its first:
+    a (batch, seq, hidden) tensor over the whole sequence (DBRX's attention's residual), whose
+    gradient is then gathered back."""
+    return isinstance(value, torch.Tensor) and value.dim() == 3 and tuple(value.shape[:2]) == tuple(whole)
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
