@@ -368,47 +368,68 @@ def _read_whole(model: nn.Module, layers: nn.ModuleList | None, plan: dict[str, 
         whole = {id(p) for child in children[-1] for p in child.parameters()}
         unsummed.append(sum(p.numel() for p in block.parameters() if id(p) in whole or not p.requires_grad))
     return {"sp_read_whole": tuple(unsummed), "sp_read_whole_count": tuple(len(found) for found in children),
-            "sp_read_whole_passes": _read_whole_passes(model, children)}
+            "sp_read_whole_passes": _read_whole_passes(model, layers, children)}
 
 
-def _read_whole_passes(model: nn.Module, children: list[list[nn.Module]]) -> tuple[tuple[float, float], ...]:
+def _read_whole_passes(model: nn.Module, layers: nn.ModuleList | None,
+                       children: list[list[nn.Module]]) -> tuple[tuple[float, float], ...]:
     """GPTConfig.sp_read_whole_passes: what each block's children read whole take and hand on
     along the sequence beyond one tensor each, by the tests the region running them whole makes
     (parallel/tensor/plan: on_the_same_slice, holds_the_sequence), in d_model-wide tensors. A
-    forward's signature does not say what it returns, so the model runs once on the meta device
-    over two sequences of PROBED_TOKENS, its routed experts stood in for (their loops do not run
-    there). () where no block reads a child whole, or where that forward fails: one tensor in and
-    one out each, as before."""
-    if not any(children):
+    forward's signature does not say what it returns, so the model runs on the meta device over
+    two sequences of PROBED_TOKENS, its routed experts stood in for (their loops do not run
+    there), as far as the first block of each kind (`_block_kind`), whose reading its kind's
+    other blocks take. () where no block reads a child whole, or where that forward fails: one
+    tensor in and one out each, as before."""
+    if not layers or not any(children):
         return ()
     d_model = text_config(model).hidden_size
-    passes = [[0.0, 0.0] for _ in children]
+    kinds = [_block_kind(block, found) for block, found in zip(layers, children)]
+    first = {kind: i for i, kind in reversed(list(enumerate(kinds)))}  # each kind's first block
+    passes = {i: [0.0, 0.0] for i in first.values()}
+    waiting = {id(child) for i in first.values() for child in children[i]}
 
     def noted(i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
             name = first_input_name(module)
             x = args[0] if args else kwargs.get(name or "")
-            if not isinstance(x, torch.Tensor) or x.dim() < 3:
-                return
-            rest = [*args[1:], *(value for key, value in kwargs.items() if key != name)]
-            outputs = out[1:] if isinstance(out, tuple) else ()
-            width = x.shape[:2].numel() * d_model
-            passes[i][0] += sum(value.numel() for value in rest if on_the_same_slice(value, x)) / width
-            passes[i][1] += sum(value.numel() for value in outputs if holds_the_sequence(value, x.shape[:2])) / width
+            if isinstance(x, torch.Tensor) and x.dim() >= 3:
+                rest = [*args[1:], *(value for key, value in kwargs.items() if key != name)]
+                outputs = out[1:] if isinstance(out, tuple) else ()
+                width = x.shape[:2].numel() * d_model
+                passes[i][0] += sum(value.numel() for value in rest if on_the_same_slice(value, x)) / width
+                passes[i][1] += sum(value.numel() for value in outputs if holds_the_sequence(value, x.shape[:2])) / width
+            waiting.discard(id(module))
+            if not waiting:
+                raise _AllSeen
         return hook
 
-    hooks = [child.register_forward_hook(noted(i), with_kwargs=True)
-             for i, found in enumerate(children) for child in found]
+    hooks = [child.register_forward_hook(noted(i), with_kwargs=True) for i in first.values() for child in children[i]]
     experts = [m.experts for m in model.modules() if isinstance(getattr(m, "experts", None), nn.Module)]
     try:
         with _stood_in(experts, lambda module: _zeros_like_input), torch.no_grad():
             model(input_ids=probe_ids(model, PROBED_TOKENS).repeat(2, 1))
+    except _AllSeen:
+        pass
     except Exception:  # noqa: BLE001 - a forward that does not run on meta: one in, one out, as before
         return ()
     finally:
         for hook in hooks:
             hook.remove()
-    return tuple((inputs, outputs) for inputs, outputs in passes)
+    if waiting:  # a child the forward never ran
+        return ()
+    return tuple(tuple(passes[first[kind]]) for kind in kinds)
+
+
+class _AllSeen(Exception):
+    """Raised once every child `_read_whole_passes` waits for has run: the rest of the forward is not needed."""
+
+
+def _block_kind(block: nn.Module, whole: list[nn.Module]) -> tuple:
+    """What makes two blocks read alike: their children's names and classes, and which of them
+    are read whole (Nemotron-H's attention, mamba, MoE and MLP blocks are four kinds)."""
+    return (tuple((name, type(child).__name__) for name, child in block.named_children()),
+            tuple(id(child) in {id(c) for c in whole} for child in block.children()))
 
 
 @contextlib.contextmanager
