@@ -2,11 +2,16 @@
 
 For each world size: `plait calibrate` on this machine (the model's shapes at every tp and
 micro-batch the plan may pick), `plait plan --hardware-file` for the model, GPUs, global batch and sequence,
-then every one of its top layouts trained with `plait train --hardware-file`, the layouts
-taking turns `--repeats` times so that a slow minute lands on different layouts. A layout's
-measured step is the median over its repeats of each run's median step (first step
-excluded). Then, per world: the first pick against the fastest measured, each prediction
-against its measurement, and Spearman's rank correlation of predicted and measured steps.
+then every one of its top layouts trained, in one of two ways:
+- `--turns` (the default): every layout built in one world of N ranks, each on its own mesh,
+  the layouts taking turns step by step (`--steps` x `--repeats` steps each), so that a slow
+  stretch of the host lands on all of them alike; a layout's measured step is the median of
+  its steps, its first WARM_STEPS left out;
+- `--no-turns`: each layout trained with `plait train --hardware-file` in a world of its own,
+  the layouts taking turns `--repeats` times; the median over its repeats of each run's median
+  step (first step excluded).
+Then, per world: the first pick against the fastest measured, each prediction against its
+measurement, and Spearman's rank correlation of predicted and measured steps.
 
 Goals (the cost model's): the first pick within 5% of the fastest measured, every prediction
 within 10%, a rank correlation of at least 0.8.
@@ -17,6 +22,7 @@ within 10%, a rank correlation of at least 0.8.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -26,12 +32,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, new_parser, write_section  # noqa: E402
+from common import machine, new_parser, run_world, write_section  # noqa: E402
 
 from plait.estimate.planner import divisors  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "zero", "micro_batch", "grad_accum")
+WARM_STEPS = 2  # a layout's first steps in the turns world (the allocator grows, pages fault in), left out
 
 
 def plait(*args: str, capture: bool = False) -> str:
@@ -89,6 +96,52 @@ def train(model: str, row: dict, seq: int, steps: int, hw: Path, out: Path) -> d
     return json.loads((out / "summary.json").read_text())["step_time"]
 
 
+def turns(model: str, rows: list[dict], seq: int, steps: int, hw: Path, out: Path) -> list[list[float]]:
+    """Each layout's step times, every layout trained in one world of the plan's ranks, taking
+    turns step by step (`worker`)."""
+    world = rows[0]["dp"] * rows[0]["tp"] * rows[0]["pp"] * rows[0]["cp"]
+    plan_file = out / f"plan-{world}.json"
+    plan_file.write_text(json.dumps(rows))
+    found = run_world(__file__, world, ["--model", model, "--seq-len", str(seq), "--steps", str(steps),
+                                        "--hardware-file", str(hw), "--plan-file", str(plan_file),
+                                        "--out", str(out / f"turns-{world}")])
+    (out / f"turns-{world}.json").write_text(json.dumps(found))  # every step, for a closer look
+    return found["steps"]
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Inside the world: a mesh and a trainer for each layout of the plan (each `plait train`
+    would build), then `--steps` steps each, the layouts taking turns step by step. Rank 0
+    writes every layout's step times."""
+    from plait.families import family_of
+    from plait.runtime.env import prepare_host
+    from plait.runtime.mesh import init_mesh
+    from plait.train.config.settings import TrainConfig
+    from plait.train.loop.trainer import Trainer
+
+    rows = json.loads(Path(args.plan_file).read_text())
+    trainers, meshes = [], []
+    for i, row in enumerate(rows):
+        config = TrainConfig(model=args.model, steps=args.steps, seq_len=args.seq_len, eval_every=0, eval_samples=16,
+                             sample_tokens=0, precision="fp32", hardware_file=args.hardware_file,
+                             out=str(Path(args.out) / f"layout{i}"), no_report=True,
+                             nproc=row["dp"] * row["tp"] * row["pp"] * row["cp"],
+                             **{name: row[name] for name in (*LAYOUT_FLAGS, "recompute", "sp", "cp_kind", "schedule",
+                                                             "virtual_stages", "dp_shard", "offload")})
+        meshes.append(init_mesh(config.layout))
+        if i == 0:
+            prepare_host(meshes[0].env.world_size)
+        trainers.append(Trainer(config, meshes[-1], family_of(config).task(config)))
+    times: list[list[float]] = [[] for _ in rows]
+    for step in range(args.steps):  # a slow stretch of the host slows every layout alike
+        for trainer, taken in zip(trainers, times):
+            taken.append(trainer.train_step(step)["step_time_s"])
+    if meshes[0].is_main:
+        Path(args.result).write_text(json.dumps({"steps": [taken[WARM_STEPS:] for taken in times]}))
+    for mesh in reversed(meshes):
+        mesh.close()
+
+
 def label(row: dict) -> str:
     parts = [f"dp{row['dp']}", f"tp{row['tp']}"] + [f"{k}{row[k]}" for k in ("pp", "cp") if row[k] > 1]
     if row["cp"] > 1:
@@ -133,10 +186,11 @@ def world_result(rows: list[dict], measured: dict[int, list[float]]) -> dict:
             "worst_ratio": max(abs(p / m - 1) for p, m in zip(predicted, steps))}
 
 
-def table(world: int, result: dict) -> list[str]:
+def table(world: int, result: dict, turns: bool) -> list[str]:
+    spread = "its steps' quartiles" if turns else "each run"
     lines = [f"**{world} ranks**: first pick {result['first_over_fastest']:+.1%} against the fastest measured; "
              f"rank correlation {result['rank_correlation']:.2f}; worst prediction {result['worst_ratio']:.0%} off.",
-             "", "| plan's rank | layout | predicted s | measured s (median) | predicted / measured | each run |",
+             "", f"| plan's rank | layout | predicted s | measured s (median) | predicted / measured | {spread} |",
              "|---|---|---|---|---|---|"]
     for i, (row, step, each) in enumerate(zip(result["rows"], result["measured"], result["each"])):
         runs = ", ".join(f"{s:.3f}" for s in each)
@@ -155,7 +209,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=str(ROOT / "runs" / "bench-planner-measured"))
+    parser.add_argument("--turns", action=argparse.BooleanOptionalAction, default=True,
+                        help="train the layouts in one world, taking turns step by step (the default)")
+    parser.add_argument("--hardware-file", help=argparse.SUPPRESS)  # the worker's
+    parser.add_argument("--plan-file", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lines: list[str] = []
@@ -164,14 +225,18 @@ def main() -> None:
         hw = calibrate(args.model, world, args.global_batch, args.seq_len, out)
         rows = plan(args.model, world, args.global_batch, args.seq_len, hw, args.top)
         measured: dict[int, list[float]] = {i: [] for i in range(len(rows))}
-        for repeat in range(args.repeats):
-            for i, row in enumerate(rows):
-                step = train(args.model, row, args.seq_len, args.steps, hw, out / f"w{world}-{i}-{repeat}")
-                measured[i].append(step["measured"]["step"])
+        if args.turns:
+            steps = turns(args.model, rows, args.seq_len, args.steps * args.repeats + WARM_STEPS, hw, out)
+            measured = {i: statistics.quantiles(taken, n=4) for i, taken in enumerate(steps)}  # its median between
+        else:
+            for repeat in range(args.repeats):
+                for i, row in enumerate(rows):
+                    step = train(args.model, row, args.seq_len, args.steps, hw, out / f"w{world}-{i}-{repeat}")
+                    measured[i].append(step["measured"]["step"])
         result = world_result(rows, measured)
         summary[world] = {k: result[k] for k in ("first_over_fastest", "rank_correlation", "worst_ratio")}
-        lines += table(world, result) + [""]
-        print("\n".join(table(world, result)), flush=True)
+        lines += table(world, result, args.turns) + [""]
+        print("\n".join(table(world, result, args.turns)), flush=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if not args.no_write:
         load = os.getloadavg()[0]
@@ -179,14 +244,17 @@ def main() -> None:
             "## The planner's ranking against this machine's measurements",
             "",
             f"- command: `python benchmarks/planner_measured.py --worlds {' '.join(map(str, args.worlds))} "
-            f"--repeats {args.repeats} --steps {args.steps}`",
+            f"--repeats {args.repeats} --steps {args.steps}{'' if args.turns else ' --no-turns'}`",
             f"- machine: {machine()}, Gloo; date: {time.strftime('%Y-%m-%d')}; load average (1 min) at the end: "
             f"{load:.1f}",
             f"- model {args.model}, global batch {args.global_batch} x {args.seq_len} tokens, fp32; per world: "
             "`plait calibrate --nproc N` (every tp and cp dividing N, every micro-batch dividing the global batch), "
             "`plait plan --hardware-file --top "
-            f"{args.top}`, each layout trained {args.repeats} times taking turns, measured = the median of the "
-            "runs' median steps",
+            f"{args.top}`, " + (f"every layout trained in one world, taking turns step by step, "
+                                f"{args.steps * args.repeats} steps each after {WARM_STEPS} left out, measured = "
+                                "the median step" if args.turns else
+                                f"each layout trained {args.repeats} times taking turns, measured = the median of "
+                                "the runs' median steps"),
             "- goals: first pick within 5% of the fastest measured, every prediction within 10%, rank "
             "correlation at least 0.8",
             "", *lines]))
