@@ -126,8 +126,11 @@ NEMOTRON_4_15B = GPTConfig(vocab_size=256000, n_layers=32, d_model=6144, n_heads
 # from the first and the last stages ... the first model chunk on the first stage has only the
 # embedding, and the last model chunk on the last stage has only output projection and loss".
 # A chunk of one layer less holds none: chunks of one layer, 126 + 2 = 16 x 8, so interleaved x8
-# (LLAMA3_405B_CUT). It gives neither the optimizer's sharding beyond "DP stands for FSDP" nor
-# any recomputation ("without activation checkpointing" at 8 K tokens): assumed ZeRO-1, none.
+# (LLAMA3_405B_CUT). Its FSDP "shards optimizer states and gradients", not the weights after
+# forward (section 3.3.2), without saying whether the gradients are reduce-scattered every
+# micro-batch (plait's ZeRO-2: 16-32 reduce-scatters a step) or once a step, held whole until
+# then (in memory as ZeRO-1 holds them): assumed ZeRO-1. It names no recomputation ("without
+# activation checkpointing" at 8 K tokens): assumed none.
 LLAMA3_405B = GPTConfig(vocab_size=128256, n_layers=126, d_model=16384, n_heads=128, n_kv_heads=8,
                         ffn_hidden=53248, max_seq_len=8192, tie_embeddings=False, rope_theta=500000.0)
 LLAMA3_405B_CUT = (0,) + (1,) * 126 + (0,)
