@@ -129,6 +129,11 @@ def turns(model: str, rows: list[dict], seq: int, steps: int, hw: Path, out: Pat
     return found["steps"]
 
 
+def quartiles(steps: list[float]) -> list[float]:
+    """A layout's steps' quartiles, its median between them (one step: itself three times)."""
+    return statistics.quantiles(steps, n=4) if len(steps) > 1 else steps * 3
+
+
 def worker(args: argparse.Namespace) -> None:
     """Inside the world: a mesh and a trainer for each layout of the plan (each `plait train`
     would build), then `--steps` steps each, the layouts taking turns step by step. Rank 0
@@ -254,7 +259,7 @@ def main() -> None:
         measured: dict[int, list[float]] = {i: [] for i in range(len(rows))}
         if args.turns:
             steps = turns(args.model, rows, args.seq_len, args.steps * args.repeats + WARM_STEPS, hw, out)
-            measured = {i: statistics.quantiles(taken, n=4) for i, taken in enumerate(steps)}  # its median between
+            measured = {i: quartiles(taken) for i, taken in enumerate(steps)}
         else:
             for repeat in range(args.repeats):
                 for i, row in enumerate(rows):
