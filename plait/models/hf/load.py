@@ -361,7 +361,7 @@ def _read_whole(model: nn.Module, layers: nn.ModuleList | None, plan: dict[str, 
     gradients SP does not sum, those in the children it reads whole and those no gradient
     reaches (AFMoE's expert bias, a buffer kept as a parameter); and how many children it reads
     whole."""
-    kept = beside_experts(model, dispatched_experts(declared(model, "ep")))
+    kept = _whole_under_sp(model)
     unsummed, children = [], []
     for i, block in enumerate(layers or []):
         children.append(_whole_children(block, list(_inside(plan, blocks, i, kept))))
@@ -369,6 +369,12 @@ def _read_whole(model: nn.Module, layers: nn.ModuleList | None, plan: dict[str, 
         unsummed.append(sum(p.numel() for p in block.parameters() if id(p) in whole or not p.requires_grad))
     return {"sp_read_whole": tuple(unsummed), "sp_read_whole_count": tuple(len(found) for found in children),
             "sp_read_whole_passes": _read_whole_passes(model, layers, children)}
+
+
+def _whole_under_sp(model: nn.Module) -> set[str]:
+    """The blocks the plan's SP form keeps whole: those around the experts modules the ep plan
+    dispatches (plans.whole_beside_experts), named as the model names them."""
+    return beside_experts(model, dispatched_experts(declared(model, "ep")))
 
 
 def _read_whole_passes(model: nn.Module, layers: nn.ModuleList | None,
@@ -428,8 +434,9 @@ class _AllSeen(Exception):
 def _block_kind(block: nn.Module, whole: list[nn.Module]) -> tuple:
     """What makes two blocks read alike: their children's names and classes, and which of them
     are read whole (Nemotron-H's attention, mamba, MoE and MLP blocks are four kinds)."""
+    read_whole = {id(child) for child in whole}
     return (tuple((name, type(child).__name__) for name, child in block.named_children()),
-            tuple(id(child) in {id(c) for c in whole} for child in block.children()))
+            tuple(id(child) in read_whole for child in block.children()))
 
 
 @contextlib.contextmanager
@@ -691,7 +698,7 @@ def _tally(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig, pla
     of another length): the formulas stand."""
     if not layers or not blocks or len(layers) != shape.n_layers:
         return {}
-    whole = beside_experts(model, dispatched_experts(declared(model, "ep")))  # under SP (whole_beside_experts)
+    whole = _whole_under_sp(model)
     seen: set[int] = set()  # a parameter two blocks share (Zamba's shared attention) counts in the first
     tally = tuple(_block_tally(block, [_inside(plan, blocks, i), _inside(plan, blocks, i, whole)], shape, seen)
                   for i, block in enumerate(layers))
