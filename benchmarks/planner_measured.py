@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, new_parser, run_world, write_section  # noqa: E402
 
-from plait.estimate.planner import divisors  # noqa: E402
+from plait.estimate.planner import divisors, row_layout  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "zero", "micro_batch", "grad_accum")
@@ -75,18 +75,14 @@ def plan(model: str, world: int, batch: int, seq: int, hw: Path, top: int) -> li
     return found["layouts"] if isinstance(found, dict) else found
 
 
-LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero", "micro_batch", "grad_accum", "recompute", "schedule",
-               "virtual_stages", "sp", "offload", "dp_shard", "cp_kind")
-
-
 def priced_again(rows: list[dict], again: list[dict]) -> list[dict]:
     """The plan's rows, each priced at the mean of its step from the calibration before the
     training and from one after it (`again`, a plan of every layout): the host's pace over
     the minutes between is not the model's to know. `step_before` and `step_after` keep both."""
-    after = {tuple(row[k] for k in LAYOUT_KEYS): row["step_s"] for row in again}
+    after = {row_layout(row): row["step_s"] for row in again}
     out = []
     for row in rows:
-        later = after.get(tuple(row[k] for k in LAYOUT_KEYS), row["step_s"])
+        later = after.get(row_layout(row), row["step_s"])
         out.append({**row, "step_before": row["step_s"], "step_after": later, "step_s": (row["step_s"] + later) / 2})
     return out
 
@@ -228,6 +224,16 @@ def table(world: int, result: dict, turns: bool) -> list[str]:
     return lines
 
 
+def how_measured(args: argparse.Namespace) -> str:
+    """RESULTS.md's words for how the layouts were priced and trained."""
+    again = "calibrated again after the training, each prediction the mean of the two; " if args.recalibrate else ""
+    if args.turns:
+        return (f"{again}every layout trained in one world, taking turns step by step, {args.steps * args.repeats} "
+                f"steps each after {WARM_STEPS} left out, measured = the median step")
+    return (f"{again}each layout trained {args.repeats} times taking turns, measured = the median of the runs' "
+            "median steps")
+
+
 def main() -> None:
     parser = new_parser(__doc__)
     parser.add_argument("--model", default="small")
@@ -285,12 +291,7 @@ def main() -> None:
             f"- model {args.model}, global batch {args.global_batch} x {args.seq_len} tokens, fp32; per world: "
             "`plait calibrate --nproc N` (every tp and cp dividing N, every micro-batch dividing the global batch), "
             "`plait plan --hardware-file --top "
-            f"{args.top}`, " + ("calibrated again after the training, each prediction the mean of the two; "
-                                if args.recalibrate else "") + (f"every layout trained in one world, taking turns step by step, "
-                                f"{args.steps * args.repeats} steps each after {WARM_STEPS} left out, measured = "
-                                "the median step" if args.turns else
-                                f"each layout trained {args.repeats} times taking turns, measured = the median of "
-                                "the runs' median steps"),
+            f"{args.top}`, {how_measured(args)}",
             "- goals: first pick within 5% of the fastest measured, every prediction within 10%, rank "
             "correlation at least 0.8",
             "", *lines]))

@@ -442,6 +442,15 @@ def row_of(layout: Workload, request: PlanRequest, memory: float | None = None) 
             "memory_bytes": memory, "step_s": step.step_s, "tokens_per_s": step.tokens_per_s, "mfu": step.mfu}
 
 
+ROW_PRICES = ("memory_bytes", "step_s", "tokens_per_s", "mfu")  # a plan row's fields that are not its layout
+
+
+def row_layout(row: dict[str, object]) -> tuple:
+    """A plan row's layout, without its prices: the same layout in two plans (from two
+    calibrations of the machine) has the same one."""
+    return tuple(value for key, value in row.items() if key not in ROW_PRICES)
+
+
 def rank_key(row: dict[str, object]) -> tuple:
     """Step time, then memory, then the layout's fields: equal rows sort alike however found."""
     return row["step_s"], row["memory_bytes"], tuple(str(value) for value in row.values())

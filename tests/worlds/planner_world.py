@@ -23,7 +23,7 @@ from pathlib import Path
 
 from plait.bench import machine
 from plait.estimate.hardware import load_hardware
-from plait.estimate.planner import divisors, plan
+from plait.estimate.planner import divisors, plan, row_layout
 from plait.families import family_of
 from plait.models.gpt.config import get_preset
 from plait.runtime import comm
@@ -41,15 +41,6 @@ def runs_on_this_mesh(row: dict, world: int) -> bool:
     """A plan row whose grid is this world's (dp only), so that one mesh trains it."""
     return (row["dp"], row["tp"], row["pp"], row["cp"], row["ep"]) == (world, 1, 1, 1, 1) and not (
         row["offload"] or row["dp_shard"] or row["sp"])
-
-
-LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero", "micro_batch", "grad_accum", "recompute", "schedule",
-               "virtual_stages", "sp", "offload", "dp_shard", "cp_kind")
-
-
-def key(row: dict) -> tuple:
-    """A plan row's layout, without its prices: the same layout in two plans."""
-    return tuple(row[k] for k in LAYOUT_KEYS)
 
 
 def planned(mesh, model: str, batch: int, hw_file: Path) -> list[dict]:
@@ -87,9 +78,10 @@ def main() -> None:
         for trainer, taken in zip(trainers, times):
             taken.append(trainer.train_step(step)["step_time_s"])
     # priced from the machine as timed before and after the layouts ran, the mean of the two
-    after = {key(r): r["step_s"] for r in planned(mesh, model, batch, out / "hw-after.toml")}
+    after = {row_layout(r): r["step_s"] for r in planned(mesh, model, batch, out / "hw-after.toml")}
     trained = [{"layout": {k: row[k] for k in ("zero", "micro_batch", "grad_accum", "recompute")},
-                "predicted": (row["step_s"] + after[key(row)]) / 2, "predictions": [row["step_s"], after[key(row)]],
+                "predicted": (row["step_s"] + after[row_layout(row)]) / 2,
+                "predictions": [row["step_s"], after[row_layout(row)]],
                 "measured": statistics.median(taken[WARM_STEPS:]), "steps": taken, "rank_in_plan": rows.index(row) + 1}
                for row, taken in zip(chosen, times)]
     save_report({"trained": trained, "plan": [{k: r[k] for k in ("dp", "tp", "pp", "cp", "zero", "micro_batch",
