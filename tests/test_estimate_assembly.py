@@ -4,6 +4,8 @@ schedule's edges; the planner assembles its layouts through the same function.""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from plait.estimate.exposed import clip_s, overhead_s
@@ -73,12 +75,14 @@ def test_a_model_known_by_its_size_pays_the_clip_and_the_accumulation() -> None:
 
 
 def test_the_planner_ranks_with_the_estimates_own_assembly() -> None:
-    """The planner's rows are estimate_time's steps: on small over 4 CPU ranks, each of the
-    top layouts, pipelines among them, is the assembly of its record."""
-    request = plan_request(get_preset("small"), gpus=4, global_batch=16, seq_len=128, hardware="cpu")
+    """The planner's rows are estimate_time's steps: on small over 4 CPU ranks whose
+    collectives pay the ranks' lag (`Hardware.lags`), each of the top layouts, pipelines and
+    tensor parallelism among them, is the assembly of its record."""
+    lagging = replace(CPU, lags=((2, 1000.0, 0.0), (2, 20000.0, 1500.0), (4, 1000.0, 0.0), (4, 20000.0, 2500.0)))
+    request = plan_request(get_preset("small"), gpus=4, global_batch=16, seq_len=128, hardware=lagging)
     search = search_for(request)
-    found = search.best(5) + search.best(5, lambda w: w.pp > 1)
-    assert any(layout.pp > 1 for layout in found)
+    found = search.best(5) + search.best(5, lambda w: w.pp > 1) + search.best(5, lambda w: w.tp > 1)
+    assert any(layout.pp > 1 for layout in found) and any(layout.tp > 1 for layout in found)
     for layout in found:
         assert search._step[layout] == estimate_time(request.config, layout, request.hardware, 2).step_s
 

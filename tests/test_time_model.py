@@ -50,6 +50,41 @@ def test_links_per_group_size() -> None:
     assert CALIBRATED.link(2, True) == (CPU.latency(True), CPU.bandwidth(True))  # not measured
 
 
+LAGGING = replace(CALIBRATED, lags=((2, 1000.0, 0.0), (2, 4000.0, 1000.0), (2, 16000.0, 1500.0),
+                                    (2, 1e6, 2000.0), (4, 1000.0, 0.0), (4, 16000.0, 3000.0)))
+
+
+def test_a_collective_after_a_longer_burst_pays_the_ranks_lag() -> None:
+    """`lags` is read on a line in the burst's logarithm, nothing below its shortest burst
+    (where the latency was taken), its longest's beyond, at the nearest measured group."""
+    assert LAGGING.lag_s(2, 0.0005) == 0.0 and LAGGING.lag_s(2, 0.001) == 0.0
+    assert LAGGING.lag_s(2, 0.002) == pytest.approx(0.5e-3)  # halfway from 1 to 4 ms, in the log
+    assert LAGGING.lag_s(2, 0.008) == pytest.approx(1.25e-3)
+    assert LAGGING.lag_s(2, 0.016) == pytest.approx(1.5e-3) and LAGGING.lag_s(2, 10.0) == pytest.approx(2e-3)
+    assert LAGGING.lag_s(3, 0.016) == pytest.approx(3e-3)  # nearest group, the larger on a tie
+    assert CALIBRATED.lag_s(2, 1.0) == 0.0  # none measured
+
+
+def test_tensor_parallel_collectives_pay_the_lag_after_their_share_of_the_compute() -> None:
+    """dp 2 x tp 2 on small: each of a micro-batch's tp collectives follows its share of the
+    micro-batch's compute and pays the ranks' lag after it; dp 4 has no tp collective, and
+    its step is unchanged. On 4 ranks sharing 2 cores dp 2 x tp 2 measured 7% over dp 4 where
+    it was priced 3% (benchmarks/planner_measured.py)."""
+    from plait.estimate.exposed import stage_tp_collectives
+
+    small = get_preset("small")
+    tp = Workload(dp=2, tp=2, micro_batch=8, seq_len=128)
+    dp = Workload(dp=4, micro_batch=4, seq_len=128)
+    plain, lagged = (estimate_time(small, tp, hw, 4) for hw in (CALIBRATED, LAGGING))
+    calls = sum(stage_tp_collectives(small, tp, stages(small, 2, 1)[0]).values())
+    assert calls == 4 * small.n_layers + 2  # two a block each way, the embedding's and the head's
+    lag = LAGGING.lag_s(2, lagged.compute_s / calls)
+    assert 1.5e-3 < lag < 2e-3
+    assert lagged.tp_s - plain.tp_s == pytest.approx(calls * lag)
+    assert lagged.step_s - plain.step_s == pytest.approx(calls * lag)
+    assert estimate_time(small, dp, LAGGING, 4).step_s == estimate_time(small, dp, CALIBRATED, 4).step_s
+
+
 def test_optimizer_costs_bytes_and_tensors() -> None:
     # norm 4 + clipping 8 + AdamW 84 + zeroing 4 bytes per parameter; fixed costs
     # per optimizer tensor and per gradient piece checked (ZeRO: flat shards, many pieces)
@@ -121,10 +156,14 @@ def test_queues_kernels_is_true_or_false() -> None:
 
 def test_calibration_file_round_trips_through_hardware_file(tmp_path: Path, capsys) -> None:
     path = tmp_path / "hw.toml"
-    sized = replace(CALIBRATED, memory_by_size=((4096, 2.5), (1 << 20, 7.0)), stream_by_size=((1 << 20, 3.5),),
+    sized = replace(LAGGING, memory_by_size=((4096, 2.5), (1 << 20, 7.0)), stream_by_size=((1 << 20, 3.5),),
                     queues_kernels=True, gemm_fixed_us=12.5)
     path.write_text(hardware_toml(sized, {"plait calibration of": "a test"}))
     assert load_hardware(path) == sized
+    for bad in ('"2" = 1.0', '"1 4000.0" = 1.0', '"2 500.0" = -1.0', '"2 x" = 1.0'):
+        path.write_text(hardware_toml(sized).replace('"2 1000.0" = 0.0', bad))
+        with pytest.raises(PlaitError, match=r"hardware\.lags"):
+            load_hardware(path)
     path.write_text(hardware_toml(CALIBRATED, {"plait calibration of": "a test"}))
     assert load_hardware(path) == CALIBRATED
     assert estimate_main(["--model", "tiny", "--dp", "2", "--precision", "fp32", "--micro-batch", "8",
@@ -284,6 +323,11 @@ def test_prediction_holds_on_this_machine_after_calibration(tmp_path: Path) -> N
     assert set(last["predicted"]) == {"compute", "exposed_comm", "bubble", "optimizer", "overhead", "step"}
     assert last["predicted"]["step"] == pytest.approx(sum(v for k, v in last["predicted"].items() if k != "step"))
     assert abs(last["ratio"] - 1) <= 0.5, attempts
+    # the ranks' lag (plait.bench.calibrate.measure_lags): for the pair, after each of three
+    # bursts, each longer than the last, what a collective adds over the shortest's, never less
+    lags = reports[0]["lags"]
+    assert [row[0] for row in lags] == [2, 2, 2] and lags[0][2] == 0.0, lags
+    assert lags[0][1] < lags[1][1] < lags[2][1] and 0 <= lags[1][2] <= lags[2][2], lags
 
 
 def test_train_uses_a_cached_calibration_of_this_machine(tmp_path: Path, monkeypatch) -> None:

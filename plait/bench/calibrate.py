@@ -68,7 +68,8 @@ from plait.parallel.compose import adamw_kernel
 #     to the last rank's end (each rank timed alone measured a whole core).
 # 13: a CPU add's dispatch taken out of its bandwidth (the model adds it per op); GEMMs and attention
 #     timed at each micro-batch asked (--micro-batch 8,4,2,1); training keeps freed memory as timed.
-METHOD_VERSION = 13
+# 14: on a CPU what a collective adds after longer bursts of compute than its latency's (lags).
+METHOD_VERSION = 14
 
 
 class Spreads:
@@ -588,6 +589,63 @@ def in_step_s(op: Callable[[], Any], reps: int) -> float:
         op()
         paired.append(time.perf_counter() - start)
     return max(statistics.fmean(paired) - statistics.fmean(alone), 0.0)
+
+
+LAG_ROWS = (192, 768, 3072)  # a burst's rows, (rows x 384) @ (384 x 384): about 1, 4 and 16 ms a rank, 4 ranks on 2 cores
+LAG_LOOP_S = 0.5  # each timed loop of bursts, of at least LAG_BURSTS: one rank's late wake-up is shared out
+LAG_BURSTS = 20
+
+
+def measure_lags(mesh: Mesh, reps: int, loop_s: float = LAG_LOOP_S) -> tuple[tuple[int, float, float], ...]:
+    """(n, µs of a burst, µs a collective adds after it beyond what it adds after the shortest
+    burst) for an 8-byte all-reduce on n ranks, each n, on a host that runs its own collectives
+    (`Hardware.lags`; none on a GPU).
+
+    Each rank runs a loop of bursts of compute, every rank at once, once with an all-reduce after
+    each burst and once without: the difference over the loop's length is what a collective
+    costs the step, the last rank's lag included. Measured on 2 cores, 4 ranks in pairs: 1.0 ms
+    after 1 ms bursts, 2.0 after 4.7 ms and 2.8 after 20 ms; 2 ranks: 0.4, 0.8 and 1.1 ms after
+    0.6, 2.2 and 10 ms. The latency (`measure_links`) is taken after the shortest; tp's
+    all-reduces follow a block's half, tens of ms on a small model, and dp 2 x tp 2 measured 7%
+    over dp 4 where it was priced 3%."""
+    if mesh.device.type == "cuda":
+        return ()
+    axes = _link_axes(mesh, group_sizes(mesh.env.world_size))
+    rows = []
+    for n, axis in axes.items():
+        costs = [_sync_cost(mesh, axis, m, reps, loop_s) for m in LAG_ROWS]
+        lag = 0.0
+        for burst, cost in costs:  # a lag does not shrink as the ranks compute longer apart: a dip is noise
+            lag = max(lag, cost - costs[0][1])
+            rows.append((n, burst * 1e6, lag * 1e6))
+    return tuple(rows)
+
+
+def _sync_cost(mesh: Mesh, axis: Any, rows: int, reps: int, loop_s: float) -> tuple[float, float]:
+    """(seconds of one burst of `rows`, seconds an 8-byte all-reduce on `axis` adds after it),
+    from loops of bursts on every rank at once with and without it, taking turns, the slowest
+    rank's medians (a rank outside any group of n runs the bursts alone)."""
+    a, b = torch.randn(rows, BURST[1]), torch.randn(BURST[1], BURST[1])
+    tiny = torch.zeros(2, dtype=torch.float32, device=mesh.device)
+
+    def loop(k: int, synced: bool) -> float:
+        _in_step(mesh)
+        start = time.monotonic()
+        for _ in range(k):
+            a @ b
+            if synced and axis is not None:
+                comm.all_reduce(tiny, axis, purpose=comm.TELEMETRY)
+        _in_step(mesh)
+        return time.monotonic() - start
+
+    once = _slowest(mesh, [loop(2, True) / 2])[0]
+    k = max(LAG_BURSTS, min(1000, math.ceil(loop_s / max(once, 1e-6))))
+    plain, synced = [], []
+    for _ in range(reps):
+        plain.append(loop(k, False))
+        synced.append(loop(k, True))
+    plain_s, synced_s = _slowest(mesh, [statistics.median(plain), statistics.median(synced)])
+    return plain_s / k, (synced_s - plain_s) / k
 
 
 def measure_p2p(mesh: Mesh, reps: int) -> float:

@@ -116,4 +116,7 @@ def describe(hw: object, out: str) -> str:
     lines += [f"  all-reduce  n={n}: {lat:.1f} us per ring step, {bw:.2f} GB/s busbw" for n, lat, bw in hw.links]
     if hw.p2p_latency_us:
         lines.append(f"  send/recv   {hw.p2p_latency_us:.1f} us a message (ring attention's steps, pipeline messages)")
+    for n in sorted({row[0] for row in hw.lags}):
+        after = ", ".join(f"{extra:.0f} us after {burst / 1e3:.1f} ms" for m, burst, extra in hw.lags if m == n)
+        lines.append(f"  lag         n={n}: a collective adds {after} of compute")
     return "\n".join(line for line in lines if line)

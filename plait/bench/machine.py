@@ -93,11 +93,12 @@ def calibrate(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len: int, 
     links = cal.measure_links(mesh, (2 if quick else 16) * 2**20, reps) if mesh.env.world_size > 1 else ()
     op_links = cal.measure_op_links(mesh, (2 if quick else 16) * 2**20, reps, links) if links else ()
     p2p_us = cal.measure_p2p(mesh, reps) if links else 0.0
+    lags = cal.measure_lags(mesh, 4) if links and not quick else ()  # a quick calibration prices no lag
     facts = machine_facts(mesh, optimizer_kernel, precision)
     base = base_preset(facts["gpu"])
     fields: dict[str, object] = {
         "name": f"calibrated {facts['host']}", "compute_efficiency": 1.0, "gemm": tuple(sorted(rates.items())),
-        "links": links, "op_links": op_links, "p2p_latency_us": p2p_us, **memory, **gemm_line(rates, precision, memory["op_overhead_us"], mesh.device.type, base)}
+        "links": links, "op_links": op_links, "lags": lags, "p2p_latency_us": p2p_us, **memory, **gemm_line(rates, precision, memory["op_overhead_us"], mesh.device.type, base)}
     if attention:
         fields.update(attention_efficiency(rates.get(attention[0], 0.0), fields, precision))
     if links:

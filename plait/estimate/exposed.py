@@ -27,9 +27,11 @@ HOST_ADAM_BYTES = 28  # read weight, grad, m, v; write weight, m, v (fp32): host
 TELEMETRY_BYTES = 8 * 64  # the loop's per-step max-reduction of time, memory and traffic
 
 
-def tp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: int) -> float:
+def tp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: int,
+         compute_s: float = 0.0) -> float:
     """Tensor-parallel seconds per micro-batch on `stage` that the step waits for: all of
-    them (plait runs each collective between its GEMMs), or, on a stack that overlaps the
+    them (plait runs each collective between its GEMMs), each with the ranks' lag after its
+    share of the micro-batch's `compute_s` (`Hardware.lag_s`), or, on a stack that overlaps the
     blocks' collectives with the GEMMs they feed (Transformer Engine's userbuffers,
     `Stack.tp_overlap`, with sequence parallelism inside a node), what those GEMMs cannot
     hide: each collective is cut in tp pieces, each moved while the GEMM works on the one
@@ -39,7 +41,8 @@ def tp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
     if t == 1:
         return 0.0
     wire = {op: moved / layout.grad_accum for op, moved in tp_traffic(config, layout, stage).get("tp", {}).items()}
-    total = collectives_s(stage_tp_collectives(config, layout, stage), wire, t, hw, inter)
+    counts = stage_tp_collectives(config, layout, stage)
+    total = collectives_s(counts, wire, t, hw, inter) + lagged_s(sum(counts.values()), t, hw, inter, compute_s)
     if not (layout.software.tp_overlap and layout.sp and inter == 0):
         return total
     counts = plan_collectives(config, layout, stage, ends=False, whole_ends=False)
@@ -47,6 +50,15 @@ def tp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
     block_s = collectives_s(counts, {op: ring_bytes(op, act, t) * n for op, n in counts.items()}, t, hw, inter)
     gemms = stage_gemm_s(config, layout, stage.layers, replace(hw, op_overhead_us=0.0))
     return total - block_s + max(block_s / t, block_s - gemms)
+
+
+def lagged_s(calls: float, n: int, hw: Hardware, inter: int, compute_s: float) -> float:
+    """What `calls` collectives of n ranks, spread through a micro-batch's `compute_s`, add
+    for the ranks' lag, each after its share of the compute (`Hardware.lag_s`, measured on a
+    host that runs its own collectives; none across nodes, where none was measured)."""
+    if not calls or inter:
+        return 0.0
+    return calls * hw.lag_s(n, compute_s / calls)
 
 
 def stage_tp_collectives(config: GPTConfig, layout: Workload, stage: StageShare) -> dict[str, int]:
@@ -69,10 +81,12 @@ def message_s(config: GPTConfig, layout: Workload, hw: Hardware, inter: int) -> 
     return latency + layout.stage_message_bytes(config.d_model) / bandwidth
 
 
-def cp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: int) -> float:
+def cp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: int,
+         compute_s: float = 0.0) -> float:
     """Context parallelism's seconds per micro-batch on `stage` that compute does not hide
     (estimate/context.py): the ring's transfers beyond each pass's attention, or Ulysses'
-    all-to-alls whole."""
+    all-to-alls whole; each exchange with the ranks' lag after its share of the micro-batch's
+    `compute_s` (`lagged_s`)."""
     cp = layout.cp
     if cp == 1:
         return 0.0
@@ -81,7 +95,8 @@ def cp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
     forwards = forward_passes(layout.recompute)
     if layout.cp_kind == "ulysses":
         one_way = 4 * (cp - 1) * latency + per["forward"] / bandwidth
-        return stage.layers * (forwards + 1) * one_way
+        calls = stage.layers * (forwards + 1) * 4
+        return stage.layers * (forwards + 1) * one_way + lagged_s(calls, cp, hw, inter, compute_s)
     latency, bandwidth = hw.message(cp, inter)  # the ring's steps are send/recv pairs
     # one forward (and one backward) of one layer's attention hides the transfers, where the
     # machine computes while its links move bytes (overlaps_comm)
@@ -90,7 +105,8 @@ def cp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
                              attention_time(config, layout, hw, 1) if hides else 0.0, cp)
     backward = ring_exposed_s((2 * cp - 1) * latency + per["backward"] / bandwidth,
                               attention_time(config, layout, hw, 0, 1) if hides else 0.0, cp)
-    return stage.layers * (forwards * forward + backward)
+    exchanges = stage.layers * (forwards * (cp - 1) + 2 * cp - 1)
+    return stage.layers * (forwards * forward + backward) + lagged_s(exchanges, cp, hw, inter, compute_s)
 
 
 def overlaps_comm(hw: Hardware) -> bool:
@@ -103,17 +119,20 @@ def overlaps_comm(hw: Hardware) -> bool:
     return hw.queues_kernels
 
 
-def ep_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: int) -> float:
+def ep_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: int,
+         compute_s: float = 0.0) -> float:
     """Expert parallelism's all-to-alls per micro-batch on `stage`, whole (the dispatch waits
     for them): per MoE block, three forward (counts, rows out, rows back; again when
-    recomputed) and two backward, uniform routing (estimate/experts.py)."""
+    recomputed) and two backward, uniform routing (estimate/experts.py), each with the
+    ranks' lag after its share of the micro-batch's `compute_s` (`lagged_s`)."""
     if layout.ep == 1 or not stage.moe_layers:
         return 0.0
     latency, bandwidth = hw.link(layout.ep, inter)
     per = layer_alltoall(config, layout)
     forwards = forward_passes(layout.recompute)
     one_layer = forwards * (3 * latency + per["forward"] / bandwidth) + 2 * latency + per["backward"] / bandwidth
-    return stage.moe_layers * one_layer
+    calls = stage.moe_layers * (3 * forwards + 2)
+    return stage.moe_layers * one_layer + lagged_s(calls, layout.ep, hw, inter, compute_s)
 
 
 def dp_exposed_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: int,

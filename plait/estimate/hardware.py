@@ -64,6 +64,11 @@ class Hardware:
     # (op, group size, GB/s bus bandwidth) of the ring collectives whose bandwidth is not the
     # all-reduce's: Gloo's all-gather and reduce-scatter on a CPU move a third of its bytes a second
     op_links: tuple[tuple[str, int, float], ...] = ()
+    # (group size, µs of compute each rank ran before a collective, µs the collective adds
+    # beyond its `links` latency), measured by `plait calibrate` on a host that runs its own
+    # collectives: ranks computing apart drift apart, so the longer the compute before a
+    # collective, the longer its first rank waits for its last. Read by `lag_s`; empty: none.
+    lags: tuple[tuple[int, float, float], ...] = ()
     # Rates keyed by the size they were measured at, read between sizes by interpolation
     # (`memory_rate`, `stream_rate`): an element-wise op's GB/s by the bytes it writes, and
     # the update's GB/s by the parameters it steps. A rate taken on a small model is not
@@ -86,6 +91,14 @@ class Hardware:
                     raise PlaitError(f"hardware {self.name!r}: [hardware.{table}] needs a positive size and "
                                      f"a positive finite rate, got {size!r} = {rate!r}",
                                      hint="sizes in bytes (memory) or parameters (stream), rates in GB/s")
+        for row in self.lags:
+            n, burst_us, extra_us = (*row, None, None, None)[:3]
+            if not (len(row) == 3 and isinstance(n, int) and n > 1
+                    and all(isinstance(v, (int, float)) and math.isfinite(v) for v in (burst_us, extra_us))
+                    and burst_us > 0 and extra_us >= 0):
+                raise PlaitError(f"hardware {self.name!r}: [hardware.lags] needs a group of 2 or more ranks, a "
+                                 f"positive burst and a lag of 0 or more, got {row!r}",
+                                 hint='write "ranks burst_us" = lag_us, e.g. "2 4000.0" = 1200.0')
         if not isinstance(self.queues_kernels, bool):
             raise PlaitError(f"hardware {self.name!r}: queues_kernels must be true or false, "
                              f"got {self.queues_kernels!r}",
@@ -144,6 +157,25 @@ class Hardware:
             latency = self.p2p_latency_us * 1e-6
         return latency, bandwidth
 
+    def lag_s(self, n: int, burst_s: float) -> float:
+        """Seconds a collective of n ranks inside a node adds beyond its calibrated latency
+        after `burst_s` of compute (`lags` of the nearest measured group size): read between
+        the measured bursts on a line in the burst's logarithm, none below the shortest (the
+        burst the latency itself was taken after), the longest's beyond it (the ranks' lag
+        stops growing once the scheduler has evened out their shares of the cores)."""
+        sizes = {row[0] for row in self.lags}
+        if not sizes or burst_s <= 0:
+            return 0.0
+        size = min(sizes, key=lambda m: (abs(m - n), -m))
+        points = [(math.log(burst_us * 1e-6), extra_us * 1e-6) for m, burst_us, extra_us in self.lags if m == size]
+        at = math.log(burst_s)
+        if at <= points[0][0]:
+            return 0.0
+        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+            if at <= x1:
+                return y0 + (y1 - y0) * (at - x0) / (x1 - x0)
+        return points[-1][1]
+
     def op_bandwidth(self, op: str, n: int) -> float:
         """Bytes/s of `op` on n ranks inside a node where it was measured apart from the
         all-reduce (the nearest measured group size), else 0.0."""
@@ -186,7 +218,7 @@ class Hardware:
 
 
 _SIZED = ("memory_by_size", "stream_by_size")  # (size, GB/s) rows, read by sized_rate
-_TABLES = ("gemm", "links", "op_links", *_SIZED)
+_TABLES = ("gemm", "links", "op_links", "lags", *_SIZED)
 
 
 def sized_rate(table: tuple[tuple[int, float], ...], size: float) -> float:
@@ -363,14 +395,18 @@ def _measured_tables(table: dict[str, object]) -> None:
         if isinstance(table.get("op_links"), dict):
             table["op_links"] = tuple(sorted((str(k).split()[0], int(str(k).split()[1]), float(v))
                                              for k, v in table["op_links"].items()))
+        if isinstance(table.get("lags"), dict):
+            table["lags"] = tuple(sorted((int(str(k).split()[0]), float(str(k).split()[1]), float(v))
+                                         for k, v in table["lags"].items()))
         for sized in _SIZED:
             if isinstance(table.get(sized), dict):
                 table[sized] = tuple(sorted((int(k), float(v)) for k, v in table[sized].items()))
-    except (TypeError, ValueError, KeyError) as exc:
-        raise PlaitError(f"bad [hardware.gemm], [hardware.links], [hardware.op_links], [hardware.memory_by_size] "
+    except (TypeError, ValueError, KeyError, IndexError) as exc:
+        raise PlaitError(f"bad [hardware.gemm], [hardware.links], [hardware.op_links], [hardware.lags], "
+                         f"[hardware.memory_by_size] "
                          f"or [hardware.stream_by_size] entry: {exc}",
                          hint='gemm: "fp32 MxKxN" = TFLOP/s; links: "2" = {latency_us = .., gb_s = ..}; '
-                              'op_links: "all_gather 2" = GB/s; memory_by_size: "bytes" = GB/s; '
+                              'op_links: "all_gather 2" = GB/s; lags: "2 4000.0" = µs; memory_by_size: "bytes" = GB/s; '
                               'stream_by_size: "parameters" = GB/s') from None
 
 
@@ -388,6 +424,8 @@ def hardware_toml(hw: Hardware, header: dict[str, str] | None = None) -> str:
     lines += [f'"{n}" = {{ latency_us = {lat!r}, gb_s = {bw!r} }}' for n, lat, bw in hw.links]
     lines.append("\n[hardware.op_links]")
     lines += [f'"{op} {n}" = {bw!r}' for op, n, bw in hw.op_links]
+    lines.append("\n[hardware.lags]")
+    lines += [f'"{n} {burst!r}" = {extra!r}' for n, burst, extra in hw.lags]
     for sized in _SIZED:
         lines.append(f"\n[hardware.{sized}]")
         lines += [f'"{size}" = {rate!r}' for size, rate in getattr(hw, sized)]

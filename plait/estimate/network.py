@@ -22,7 +22,9 @@ ASSUMPTION = (
     "ring collective time = steps·latency + wire bytes / link bandwidth; a group uses the "
     "intra-node link when it fits in one node (ranks numbered tp fastest, then cp, then dp, then pp); "
     "across nodes the network's latency only on the steps that cross, the bytes on the NICs of the "
-    "group's k ranks a node (k x inter_node_gb_s, up to the node's link); all-to-all and sends on one NIC")
+    "group's k ranks a node (k x inter_node_gb_s, up to the node's link); all-to-all and sends on one NIC; "
+    "where the calibration measured the ranks' lag (a CPU: hardware.lags), each tp, cp and ep collective adds "
+    "it after its share of the micro-batch's compute")
 
 
 def collective_s(op: str, payload: float, n: int, hw: Hardware, inter: int | bool, count: float = 1) -> float:

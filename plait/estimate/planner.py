@@ -300,9 +300,10 @@ class Costs:
                 self._compute[key] = micro_batch_compute_s(config, shape, stage, hw)
             comm = (*key, shape.ep, _stage_key(stage), shape.stack)  # key holds cp's kind where cp > 1
             if comm not in self._comm:
-                self._comm[comm] = (tp_s(config, shape, stage, hw, links["tp"]),
-                                    cp_s(config, shape, stage, hw, links["cp"]),
-                                    ep_s(config, shape, stage, hw, links["ep"]))
+                compute = self._compute[key]
+                self._comm[comm] = (tp_s(config, shape, stage, hw, links["tp"], compute),
+                                    cp_s(config, shape, stage, hw, links["cp"], compute),
+                                    ep_s(config, shape, stage, hw, links["ep"], compute))
             return (self._compute[key], *self._comm[comm])
         return cached
 

@@ -191,8 +191,10 @@ MicroBatchParts = Callable[[StageShare], tuple[float, float, float, float]]
 def micro_batch_parts(config: GPTConfig, layout: Workload, hw: Hardware, links: dict[str, int]) -> MicroBatchParts:
     """A rank's (compute, tp, cp, ep) seconds of one micro-batch, given its share."""
     def parts(stage: StageShare) -> tuple[float, float, float, float]:
-        return (micro_batch_compute_s(config, layout, stage, hw), tp_s(config, layout, stage, hw, links["tp"]),
-                cp_s(config, layout, stage, hw, links["cp"]), ep_s(config, layout, stage, hw, links["ep"]))
+        compute = micro_batch_compute_s(config, layout, stage, hw)
+        return (compute, tp_s(config, layout, stage, hw, links["tp"], compute),
+                cp_s(config, layout, stage, hw, links["cp"], compute),
+                ep_s(config, layout, stage, hw, links["ep"], compute))
     return parts
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from plait.bench import machine
+from plait.bench import calibrate, machine
 from plait.families import family_of
 from plait.models.gpt.config import get_preset
 from plait.runtime import comm
@@ -47,7 +47,8 @@ def main() -> None:
         attempts.append(summary["step_time"])
         if abs(summary["step_time"]["ratio"] - 1) <= bound:
             break
-    save_report({"attempts": attempts, "hardware": summary["predicted"]["layout"]["hardware"]})
+    lags = calibrate.measure_lags(mesh, 1, loop_s=0.05)  # short loops: the rows' shape, not their values
+    save_report({"attempts": attempts, "hardware": summary["predicted"]["layout"]["hardware"], "lags": lags})
     mesh.close()
 
 
