@@ -85,6 +85,15 @@ def test_the_planner_ranks_with_the_estimates_own_assembly() -> None:
     assert any(layout.pp > 1 for layout in found) and any(layout.tp > 1 for layout in found)
     for layout in found:
         assert search._step[layout] == estimate_time(request.config, layout, request.hardware, 2).step_s
+    # an MoE whose tp splits the routed experts' rows only where ep does not deal them out: ep
+    # changes a rank's compute, and the planner's cached compute is keyed by it
+    moe = replace(get_preset("tiny-moe"), tp_routed_split=True)
+    request = plan_request(moe, gpus=8, global_batch=16, seq_len=128, hardware=lagging, precision="fp32")
+    search = search_for(request)
+    found = search.best(10) + search.best(10, lambda w: w.ep > 1 and w.tp > 1)
+    assert any(layout.ep > 1 and layout.tp > 1 for layout in found)
+    for layout in found:
+        assert search._step[layout] == estimate_time(moe, layout, lagging, request.gpus_per_node).step_s, layout
 
 
 def test_a_host_that_runs_its_own_collectives_hides_nothing_behind_compute() -> None:

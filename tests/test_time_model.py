@@ -83,6 +83,14 @@ def test_tensor_parallel_collectives_pay_the_lag_after_their_share_of_the_comput
     assert lagged.tp_s - plain.tp_s == pytest.approx(calls * lag)
     assert lagged.step_s - plain.step_s == pytest.approx(calls * lag)
     assert estimate_time(small, dp, LAGGING, 4).step_s == estimate_time(small, dp, CALIBRATED, 4).step_s
+    # tp 2 x cp 2: the ring's exchanges (one forward, three backward a block) come between the
+    # tp collectives, and each burst is the micro-batch's compute over both counts
+    both = Workload(tp=2, cp=2, micro_batch=16, seq_len=128)
+    plain, lagged = (estimate_time(small, both, hw, 4) for hw in (CALIBRATED, LAGGING))
+    exchanges = 4 * small.n_layers
+    burst = lagged.compute_s / (calls + exchanges)
+    assert lagged.tp_s - plain.tp_s == pytest.approx(calls * LAGGING.lag_s(2, burst))
+    assert lagged.cp_s - plain.cp_s == pytest.approx(exchanges * LAGGING.lag_s(2, burst))
 
 
 def test_optimizer_costs_bytes_and_tensors() -> None:
@@ -160,10 +168,14 @@ def test_calibration_file_round_trips_through_hardware_file(tmp_path: Path, caps
                     queues_kernels=True, gemm_fixed_us=12.5)
     path.write_text(hardware_toml(sized, {"plait calibration of": "a test"}))
     assert load_hardware(path) == sized
-    for bad in ('"2" = 1.0', '"1 4000.0" = 1.0', '"2 500.0" = -1.0', '"2 x" = 1.0'):
+    for bad in ('"2" = 1.0', '"1 4000.0" = 1.0', '"2 500.0" = -1.0', '"2 x" = 1.0', '"2 500.0 x" = 1.0',
+                '"2 500.0" = true', '"2 500.0" = "1"', '"2 500.0" = nan'):
         path.write_text(hardware_toml(sized).replace('"2 1000.0" = 0.0', bad))
         with pytest.raises(PlaitError, match=r"hardware\.lags"):
             load_hardware(path)
+    for rows in (((2, "x", 1.0), (2, 1000.0, 0.0)), ((2, True, False),), ((2, 1000.0),)):
+        with pytest.raises(PlaitError, match="lags"):
+            replace(CALIBRATED, lags=rows)
     path.write_text(hardware_toml(CALIBRATED, {"plait calibration of": "a test"}))
     assert load_hardware(path) == CALIBRATED
     assert estimate_main(["--model", "tiny", "--dp", "2", "--precision", "fp32", "--micro-batch", "8",

@@ -591,7 +591,9 @@ def in_step_s(op: Callable[[], Any], reps: int) -> float:
     return max(statistics.fmean(paired) - statistics.fmean(alone), 0.0)
 
 
-LAG_ROWS = (192, 768, 3072)  # a burst's rows, (rows x 384) @ (384 x 384): about 1, 4 and 16 ms a rank, 4 ranks on 2 cores
+# A burst's rows, (rows x 384) @ (384 x 384): the latency's own burst (BURST), then 4 and 16 times
+# it; about 1, 5 and 20 ms a rank on 4 ranks sharing 2 cores.
+LAG_ROWS = (BURST[0], 4 * BURST[0], 16 * BURST[0])
 LAG_LOOP_S = 0.5  # each timed loop of bursts, of at least LAG_BURSTS: one rank's late wake-up is shared out
 LAG_BURSTS = 20
 
@@ -623,8 +625,9 @@ def measure_lags(mesh: Mesh, reps: int, loop_s: float = LAG_LOOP_S) -> tuple[tup
 
 def _sync_cost(mesh: Mesh, axis: Any, rows: int, reps: int, loop_s: float) -> tuple[float, float]:
     """(seconds of one burst of `rows`, seconds an 8-byte all-reduce on `axis` adds after it),
-    from loops of bursts on every rank at once with and without it, taking turns, the slowest
-    rank's medians (a rank outside any group of n runs the bursts alone)."""
+    from loops of bursts on every rank at once with and without it, taking turns: the slowest
+    rank's burst, and the most any rank's medians differ (a rank outside any group of n runs
+    the bursts alone, and adds nothing)."""
     a, b = torch.randn(rows, BURST[1]), torch.randn(BURST[1], BURST[1])
     tiny = torch.zeros(2, dtype=torch.float32, device=mesh.device)
 
@@ -644,8 +647,9 @@ def _sync_cost(mesh: Mesh, axis: Any, rows: int, reps: int, loop_s: float) -> tu
     for _ in range(reps):
         plain.append(loop(k, False))
         synced.append(loop(k, True))
-    plain_s, synced_s = _slowest(mesh, [statistics.median(plain), statistics.median(synced)])
-    return plain_s / k, (synced_s - plain_s) / k
+    added = statistics.median(synced) - statistics.median(plain) if axis is not None else 0.0
+    plain_s, added_s = _slowest(mesh, [statistics.median(plain), added])
+    return plain_s / k, added_s / k
 
 
 def measure_p2p(mesh: Mesh, reps: int) -> float:

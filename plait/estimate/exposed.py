@@ -27,12 +27,13 @@ HOST_ADAM_BYTES = 28  # read weight, grad, m, v; write weight, m, v (fp32): host
 TELEMETRY_BYTES = 8 * 64  # the loop's per-step max-reduction of time, memory and traffic
 
 
-def tp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: int,
-         compute_s: float = 0.0) -> float:
-    """Tensor-parallel seconds per micro-batch on `stage` that the step waits for: all of
-    them (plait runs each collective between its GEMMs), each with the ranks' lag after its
-    share of the micro-batch's `compute_s` (`Hardware.lag_s`), or, on a stack that overlaps the
-    blocks' collectives with the GEMMs they feed (Transformer Engine's userbuffers,
+def tp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: int, *,
+         compute_s: float) -> float:
+    """Tensor-parallel seconds per micro-batch on `stage` that the step waits for.
+
+    plait runs each collective between its GEMMs, so the step waits for all of them, each
+    with the ranks' lag after its burst of the micro-batch's `compute_s` (`lagged_s`). A stack
+    that overlaps the blocks' collectives with the GEMMs they feed (Transformer Engine's userbuffers,
     `Stack.tp_overlap`, with sequence parallelism inside a node), what those GEMMs cannot
     hide: each collective is cut in tp pieces, each moved while the GEMM works on the one
     before, so the first piece shows, and whatever outlasts the GEMMs. The embedding's, the
@@ -42,7 +43,8 @@ def tp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
         return 0.0
     wire = {op: moved / layout.grad_accum for op, moved in tp_traffic(config, layout, stage).get("tp", {}).items()}
     counts = stage_tp_collectives(config, layout, stage)
-    total = collectives_s(counts, wire, t, hw, inter) + lagged_s(sum(counts.values()), t, hw, inter, compute_s)
+    total = collectives_s(counts, wire, t, hw, inter) + lagged_s(sum(counts.values()), t, hw, inter,
+                                                                  burst_s(config, layout, stage, compute_s))
     if not (layout.software.tp_overlap and layout.sp and inter == 0):
         return total
     counts = plan_collectives(config, layout, stage, ends=False, whole_ends=False)
@@ -52,13 +54,46 @@ def tp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
     return total - block_s + max(block_s / t, block_s - gemms)
 
 
-def lagged_s(calls: float, n: int, hw: Hardware, inter: int, compute_s: float) -> float:
-    """What `calls` collectives of n ranks, spread through a micro-batch's `compute_s`, add
-    for the ranks' lag, each after its share of the compute (`Hardware.lag_s`, measured on a
-    host that runs its own collectives; none across nodes, where none was measured)."""
+def lagged_s(calls: float, n: int, hw: Hardware, inter: int, burst: float) -> float:
+    """What `calls` collectives of n ranks add for the ranks' lag, each after a `burst` of
+    compute (`Hardware.lag_s`, measured on a host that runs its own collectives; none across
+    nodes, where none was measured)."""
     if not calls or inter:
         return 0.0
-    return calls * hw.lag_s(n, compute_s / calls)
+    return calls * hw.lag_s(n, burst)
+
+
+def burst_s(config: GPTConfig, layout: Workload, stage: StageShare, compute_s: float) -> float:
+    """Seconds of compute before each collective inside a micro-batch on `stage`: its
+    `compute_s` shared out among the tp, cp and ep collectives it runs. Each axis's own count
+    alone would give each a longer burst, and a larger lag, than the ranks have between
+    collectives where two axes interleave."""
+    calls = (_tp_calls(config, layout, stage) + _cp_calls(layout, stage) + _ep_calls(layout, stage))
+    return compute_s / calls if calls else compute_s
+
+
+def _tp_calls(config: GPTConfig, layout: Workload, stage: StageShare) -> float:
+    return sum(stage_tp_collectives(config, layout, stage).values()) if layout.tp > 1 else 0.0
+
+
+def _cp_calls(layout: Workload, stage: StageShare) -> float:
+    """A micro-batch's exchanges on `stage`: Ulysses' four all-to-alls a layer each way (and
+    again in a recompute's forward); the ring's cp - 1 passes of K/V a forward, and cp - 1
+    again plus cp of dK/dV backward."""
+    cp, forwards = layout.cp, forward_passes(layout.recompute)
+    if cp == 1:
+        return 0.0
+    if layout.cp_kind == "ulysses":
+        return stage.layers * (forwards + 1) * 4
+    return stage.layers * (forwards * (cp - 1) + 2 * cp - 1)
+
+
+def _ep_calls(layout: Workload, stage: StageShare) -> float:
+    """A micro-batch's all-to-alls on `stage`: per MoE block three forward (counts, rows out,
+    rows back; again when recomputed) and two backward."""
+    if layout.ep == 1 or not stage.moe_layers:
+        return 0.0
+    return stage.moe_layers * (3 * forward_passes(layout.recompute) + 2)
 
 
 def stage_tp_collectives(config: GPTConfig, layout: Workload, stage: StageShare) -> dict[str, int]:
@@ -81,8 +116,8 @@ def message_s(config: GPTConfig, layout: Workload, hw: Hardware, inter: int) -> 
     return latency + layout.stage_message_bytes(config.d_model) / bandwidth
 
 
-def cp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: int,
-         compute_s: float = 0.0) -> float:
+def cp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: int, *,
+         compute_s: float) -> float:
     """Context parallelism's seconds per micro-batch on `stage` that compute does not hide
     (estimate/context.py): the ring's transfers beyond each pass's attention, or Ulysses'
     all-to-alls whole; each exchange with the ranks' lag after its share of the micro-batch's
@@ -93,10 +128,10 @@ def cp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
     per = layer_bytes(config, layout)
     latency, bandwidth = hw.link(cp, inter)
     forwards = forward_passes(layout.recompute)
+    lagged = lagged_s(_cp_calls(layout, stage), cp, hw, inter, burst_s(config, layout, stage, compute_s))
     if layout.cp_kind == "ulysses":
         one_way = 4 * (cp - 1) * latency + per["forward"] / bandwidth
-        calls = stage.layers * (forwards + 1) * 4
-        return stage.layers * (forwards + 1) * one_way + lagged_s(calls, cp, hw, inter, compute_s)
+        return stage.layers * (forwards + 1) * one_way + lagged
     latency, bandwidth = hw.message(cp, inter)  # the ring's steps are send/recv pairs
     # one forward (and one backward) of one layer's attention hides the transfers, where the
     # machine computes while its links move bytes (overlaps_comm)
@@ -105,8 +140,7 @@ def cp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
                              attention_time(config, layout, hw, 1) if hides else 0.0, cp)
     backward = ring_exposed_s((2 * cp - 1) * latency + per["backward"] / bandwidth,
                               attention_time(config, layout, hw, 0, 1) if hides else 0.0, cp)
-    exchanges = stage.layers * (forwards * (cp - 1) + 2 * cp - 1)
-    return stage.layers * (forwards * forward + backward) + lagged_s(exchanges, cp, hw, inter, compute_s)
+    return stage.layers * (forwards * forward + backward) + lagged
 
 
 def overlaps_comm(hw: Hardware) -> bool:
@@ -119,8 +153,8 @@ def overlaps_comm(hw: Hardware) -> bool:
     return hw.queues_kernels
 
 
-def ep_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: int,
-         compute_s: float = 0.0) -> float:
+def ep_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: int, *,
+         compute_s: float) -> float:
     """Expert parallelism's all-to-alls per micro-batch on `stage`, whole (the dispatch waits
     for them): per MoE block, three forward (counts, rows out, rows back; again when
     recomputed) and two backward, uniform routing (estimate/experts.py), each with the
@@ -131,8 +165,8 @@ def ep_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
     per = layer_alltoall(config, layout)
     forwards = forward_passes(layout.recompute)
     one_layer = forwards * (3 * latency + per["forward"] / bandwidth) + 2 * latency + per["backward"] / bandwidth
-    calls = stage.moe_layers * (3 * forwards + 2)
-    return stage.moe_layers * one_layer + lagged_s(calls, layout.ep, hw, inter, compute_s)
+    lagged = lagged_s(_ep_calls(layout, stage), layout.ep, hw, inter, burst_s(config, layout, stage, compute_s))
+    return stage.moe_layers * one_layer + lagged
 
 
 def dp_exposed_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: int,

@@ -10,6 +10,7 @@ is limited by.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -83,7 +84,13 @@ class Hardware:
             if not isinstance(rows, (list, tuple)) or not all(isinstance(row, (list, tuple)) for row in rows):
                 raise PlaitError(f"hardware {self.name!r}: {table} must be a list of rows, got {rows!r}",
                                  hint=f"write {table} as rows, e.g. {table} = [[\"name\", 1.0]]")
-            object.__setattr__(self, table, tuple(sorted(tuple(row) for row in rows)))
+            try:
+                ordered = tuple(sorted(tuple(row) for row in rows))
+            except TypeError:
+                raise PlaitError(f"hardware {self.name!r}: {table}'s rows mix kinds of values: {rows!r}",
+                                 hint=f"give every row of {table} the same fields, numbers where numbers go"
+                                 ) from None
+            object.__setattr__(self, table, ordered)
         for table in _SIZED:
             for size, rate in getattr(self, table):
                 if not (isinstance(size, int) and size > 0 and isinstance(rate, (int, float))
@@ -92,10 +99,7 @@ class Hardware:
                                      f"a positive finite rate, got {size!r} = {rate!r}",
                                      hint="sizes in bytes (memory) or parameters (stream), rates in GB/s")
         for row in self.lags:
-            n, burst_us, extra_us = (*row, None, None, None)[:3]
-            if not (len(row) == 3 and isinstance(n, int) and n > 1
-                    and all(isinstance(v, (int, float)) and math.isfinite(v) for v in (burst_us, extra_us))
-                    and burst_us > 0 and extra_us >= 0):
+            if not _lag_row_ok(row):
                 raise PlaitError(f"hardware {self.name!r}: [hardware.lags] needs a group of 2 or more ranks, a "
                                  f"positive burst and a lag of 0 or more, got {row!r}",
                                  hint='write "ranks burst_us" = lag_us, e.g. "2 4000.0" = 1200.0')
@@ -145,7 +149,8 @@ class Hardware:
         """(seconds per ring step, bytes/s) for a group of n ranks: the calibrated figures
         of the nearest measured group size inside a node, else the preset's link."""
         if not inter_node and self.links:
-            size, latency_us, gb_s = min(self.links, key=lambda row: (abs(row[0] - n), -row[0]))
+            size = _nearest_size((row[0] for row in self.links), n)
+            latency_us, gb_s = next(row[1:] for row in self.links if row[0] == size)
             return latency_us * 1e-6, gb_s * 1e9
         return self.latency(inter_node), self.bandwidth(inter_node)
 
@@ -163,10 +168,9 @@ class Hardware:
         the measured bursts on a line in the burst's logarithm, none below the shortest (the
         burst the latency itself was taken after), the longest's beyond it (the ranks' lag
         stops growing once the scheduler has evened out their shares of the cores)."""
-        sizes = {row[0] for row in self.lags}
-        if not sizes or burst_s <= 0:
+        if not self.lags or burst_s <= 0:
             return 0.0
-        size = min(sizes, key=lambda m: (abs(m - n), -m))
+        size = _nearest_size((row[0] for row in self.lags), n)
         points = [(math.log(burst_us * 1e-6), extra_us * 1e-6) for m, burst_us, extra_us in self.lags if m == size]
         at = math.log(burst_s)
         if at <= points[0][0]:
@@ -182,7 +186,8 @@ class Hardware:
         rows = [row for row in self.op_links if row[0] == op]
         if not rows:
             return 0.0
-        return min(rows, key=lambda row: (abs(row[1] - n), -row[1]))[2] * 1e9
+        size = _nearest_size((row[1] for row in rows), n)
+        return next(row[2] for row in rows if row[1] == size) * 1e9
 
     def ring_bandwidth(self, ranks_per_node: int) -> float:
         """Bytes/s through each rank of a ring that spans nodes with `ranks_per_node` of its
@@ -215,6 +220,22 @@ class Hardware:
     def latency(self, inter_node: bool) -> float:
         """Seconds per step of a ring collective (or per point-to-point message)."""
         return (self.inter_node_latency_us if inter_node else self.intra_node_latency_us) * 1e-6
+
+
+def _lag_row_ok(row: tuple) -> bool:
+    """A `lags` row: (a group of 2 or more ranks, a positive burst in µs, a lag of 0 or more µs)."""
+    if len(row) != 3:
+        return False
+    n, burst_us, extra_us = row
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                  for v in (burst_us, extra_us))
+    return isinstance(n, int) and not isinstance(n, bool) and n > 1 and numbers and burst_us > 0 and extra_us >= 0
+
+
+def _nearest_size(sizes: Iterable[int], n: int) -> int:
+    """The measured group size nearest n, the larger on a tie: what a calibration that did not
+    time n ranks says of them."""
+    return min(sizes, key=lambda size: (abs(size - n), -size))
 
 
 _SIZED = ("memory_by_size", "stream_by_size")  # (size, GB/s) rows, read by sized_rate
@@ -396,18 +417,25 @@ def _measured_tables(table: dict[str, object]) -> None:
             table["op_links"] = tuple(sorted((str(k).split()[0], int(str(k).split()[1]), float(v))
                                              for k, v in table["op_links"].items()))
         if isinstance(table.get("lags"), dict):
-            table["lags"] = tuple(sorted((int(str(k).split()[0]), float(str(k).split()[1]), float(v))
-                                         for k, v in table["lags"].items()))
+            table["lags"] = tuple(sorted(_lag_entry(str(k), v) for k, v in table["lags"].items()))
         for sized in _SIZED:
             if isinstance(table.get(sized), dict):
                 table[sized] = tuple(sorted((int(k), float(v)) for k, v in table[sized].items()))
-    except (TypeError, ValueError, KeyError, IndexError) as exc:
+    except (TypeError, ValueError, KeyError) as exc:
         raise PlaitError(f"bad [hardware.gemm], [hardware.links], [hardware.op_links], [hardware.lags], "
                          f"[hardware.memory_by_size] "
                          f"or [hardware.stream_by_size] entry: {exc}",
                          hint='gemm: "fp32 MxKxN" = TFLOP/s; links: "2" = {latency_us = .., gb_s = ..}; '
                               'op_links: "all_gather 2" = GB/s; lags: "2 4000.0" = µs; memory_by_size: "bytes" = GB/s; '
                               'stream_by_size: "parameters" = GB/s') from None
+
+
+def _lag_entry(key: str, value: object) -> tuple[int, float, float]:
+    """`"ranks burst_us" = lag_us` as a `lags` row; ValueError for anything else."""
+    ranks, burst_us = key.split()  # exactly two words
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{key!r} = {value!r}: the lag is a number of µs")
+    return int(ranks), float(burst_us), float(value)
 
 
 def hardware_toml(hw: Hardware, header: dict[str, str] | None = None) -> str:

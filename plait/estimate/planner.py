@@ -295,15 +295,18 @@ class Costs:
 
         def cached(stage: StageShare) -> tuple[float, float, float, float]:
             kind = shape.cp_kind if shape.cp > 1 else ""
-            key = (shape.tp, shape.cp, kind, shape.sp, shape.micro_batch, shape.recompute, stage.layers, stage.last)
+            # ep and the stack change the compute too (ep, the routed experts tp splits; the
+            # stack, its kernels), and cp's kind where cp > 1
+            key = (shape.tp, shape.cp, kind, shape.ep, shape.stack, shape.sp, shape.micro_batch, shape.recompute,
+                   stage.layers, stage.last)
             if key not in self._compute:
                 self._compute[key] = micro_batch_compute_s(config, shape, stage, hw)
-            comm = (*key, shape.ep, _stage_key(stage), shape.stack)  # key holds cp's kind where cp > 1
+            comm = (*key, _stage_key(stage))
             if comm not in self._comm:
                 compute = self._compute[key]
-                self._comm[comm] = (tp_s(config, shape, stage, hw, links["tp"], compute),
-                                    cp_s(config, shape, stage, hw, links["cp"], compute),
-                                    ep_s(config, shape, stage, hw, links["ep"], compute))
+                self._comm[comm] = (tp_s(config, shape, stage, hw, links["tp"], compute_s=compute),
+                                    cp_s(config, shape, stage, hw, links["cp"], compute_s=compute),
+                                    ep_s(config, shape, stage, hw, links["ep"], compute_s=compute))
             return (self._compute[key], *self._comm[comm])
         return cached
 

@@ -192,9 +192,9 @@ def micro_batch_parts(config: GPTConfig, layout: Workload, hw: Hardware, links: 
     """A rank's (compute, tp, cp, ep) seconds of one micro-batch, given its share."""
     def parts(stage: StageShare) -> tuple[float, float, float, float]:
         compute = micro_batch_compute_s(config, layout, stage, hw)
-        return (compute, tp_s(config, layout, stage, hw, links["tp"], compute),
-                cp_s(config, layout, stage, hw, links["cp"], compute),
-                ep_s(config, layout, stage, hw, links["ep"], compute))
+        return (compute, tp_s(config, layout, stage, hw, links["tp"], compute_s=compute),
+                cp_s(config, layout, stage, hw, links["cp"], compute_s=compute),
+                ep_s(config, layout, stage, hw, links["ep"], compute_s=compute))
     return parts
 
 
