@@ -233,9 +233,9 @@ def test_tensor_parallelism_across_nodes_is_priced_as_any_ring() -> None:
     expected = sum(collective_s(op, act * count, 16, H100, 8, count) for op, count in counts.items())
     expected += tp_traffic(config, layout, stage)["tp"]["all_reduce"] / (8 * 50e9)  # the loss's sums: bytes only
     assert set(counts) == {"all_gather", "reduce_scatter"}
-    assert tp_s(config, layout, stage, H100, 8, compute_s=0.0) == pytest.approx(expected)
+    assert tp_s(config, layout, stage, H100, 8, burst=0.0) == pytest.approx(expected)
     one_nic = sum(count * 15 * 8e-6 + count * 15 / 16 * act / 50e9 for count in counts.values())
-    assert tp_s(config, layout, stage, H100, 8, compute_s=0.0) < one_nic / 4
+    assert tp_s(config, layout, stage, H100, 8, burst=0.0) < one_nic / 4
 
 
 def test_the_estimate_follows_the_runs_gradient_buckets() -> None:
@@ -334,7 +334,7 @@ def test_gathered_projections_pay_a_latency_each() -> None:
         assert with_gathers["all_gather"] - plain.get("all_gather", 0) == per_layer * base.n_layers
         latency = per_layer * base.n_layers * hw.link(2, False)[0]  # one ring step each on 2 ranks
         bytes_only = replace(gathered, tp_gathered_calls=(0, 0))
-        gathered_s, bytes_only_s = (tp_s(c, layout, stage, hw, 0, compute_s=0.0) for c in (gathered, bytes_only))
+        gathered_s, bytes_only_s = (tp_s(c, layout, stage, hw, 0, burst=0.0) for c in (gathered, bytes_only))
         assert gathered_s - bytes_only_s == pytest.approx(latency)
     sp = Workload(tp=2, sp=True, micro_batch=2, seq_len=128)
     assert gathered_calls(gathered, sp, layout_stages(base, sp)[0]) == 4 * base.n_layers

@@ -156,17 +156,17 @@ def test_transformer_engine_overlaps_tp_with_the_gemms_it_feeds() -> None:
     for recompute, per_block, again in (("selective", 10, 0), ("full", 13, 1)):
         layout = work("nemo", tp=8, sp=True, micro_batch=1, recompute=recompute)
         stage = layout_stages(GPT, layout)[0]
-        whole = tp_s(GPT, replace(layout, stack="megatron-core"), stage, h100, 0, compute_s=0.0)
+        whole = tp_s(GPT, replace(layout, stack="megatron-core"), stage, h100, 0, burst=0.0)
         blocks = stage.layers * per_block * one
         forward, backward = block_gemm_s(GPT, layout, replace(h100, op_overhead_us=0.0))
         gemms = stage.layers * ((1 + again) * forward + backward)
         expected = whole - blocks + max(blocks / 8, blocks - gemms)
-        assert tp_s(GPT, layout, stage, h100, 0, compute_s=0.0) == pytest.approx(expected, rel=1e-12), recompute
+        assert tp_s(GPT, layout, stage, h100, 0, burst=0.0) == pytest.approx(expected, rel=1e-12), recompute
         assert whole - blocks < expected < whole
-        assert tp_s(GPT, replace(layout, sp=False), stage, h100, 0, compute_s=0.0) == pytest.approx(
-            tp_s(GPT, replace(layout, sp=False, stack="megatron-core"), stage, h100, 0, compute_s=0.0), rel=1e-12)
-        assert tp_s(GPT, layout, stage, h100, 2, compute_s=0.0) == tp_s(
-            GPT, replace(layout, stack="megatron-core"), stage, h100, 2, compute_s=0.0)
+        assert tp_s(GPT, replace(layout, sp=False), stage, h100, 0, burst=0.0) == pytest.approx(
+            tp_s(GPT, replace(layout, sp=False, stack="megatron-core"), stage, h100, 0, burst=0.0), rel=1e-12)
+        assert tp_s(GPT, layout, stage, h100, 2, burst=0.0) == tp_s(
+            GPT, replace(layout, stack="megatron-core"), stage, h100, 2, burst=0.0)
     assert STACKS["nemo"].tp_overlap and not STACKS["megatron-core"].tp_overlap
 
 

@@ -27,12 +27,23 @@ HOST_ADAM_BYTES = 28  # read weight, grad, m, v; write weight, m, v (fp32): host
 TELEMETRY_BYTES = 8 * 64  # the loop's per-step max-reduction of time, memory and traffic
 
 
+def micro_batch_axes_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware,
+                       links: dict[str, int], compute_s: float) -> tuple[float, float, float]:
+    """A rank's (tp, cp, ep) seconds of one micro-batch on `stage` whose compute takes
+    `compute_s`: each collective after its burst of that compute (`burst_s`, taken once for
+    the three). The estimate's assembly and the planner both read this."""
+    burst = burst_s(config, layout, stage, compute_s)
+    return (tp_s(config, layout, stage, hw, links["tp"], burst=burst),
+            cp_s(config, layout, stage, hw, links["cp"], burst=burst),
+            ep_s(config, layout, stage, hw, links["ep"], burst=burst))
+
+
 def tp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: int, *,
-         compute_s: float) -> float:
+         burst: float) -> float:
     """Tensor-parallel seconds per micro-batch on `stage` that the step waits for.
 
     plait runs each collective between its GEMMs, so the step waits for all of them, each
-    with the ranks' lag after its burst of the micro-batch's `compute_s` (`lagged_s`). A stack
+    with the ranks' lag after its `burst` of compute (`lagged_s`). A stack
     that overlaps the blocks' collectives with the GEMMs they feed (Transformer Engine's userbuffers,
     `Stack.tp_overlap`, with sequence parallelism inside a node), what those GEMMs cannot
     hide: each collective is cut in tp pieces, each moved while the GEMM works on the one
@@ -43,8 +54,7 @@ def tp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
         return 0.0
     wire = {op: moved / layout.grad_accum for op, moved in tp_traffic(config, layout, stage).get("tp", {}).items()}
     counts = stage_tp_collectives(config, layout, stage)
-    total = collectives_s(counts, wire, t, hw, inter) + lagged_s(sum(counts.values()), t, hw, inter,
-                                                                  burst_s(config, layout, stage, compute_s))
+    total = collectives_s(counts, wire, t, hw, inter) + lagged_s(sum(counts.values()), t, hw, inter, burst)
     if not (layout.software.tp_overlap and layout.sp and inter == 0):
         return total
     counts = plan_collectives(config, layout, stage, ends=False, whole_ends=False)
@@ -78,14 +88,23 @@ def _tp_calls(config: GPTConfig, layout: Workload, stage: StageShare) -> float:
 
 def _cp_calls(layout: Workload, stage: StageShare) -> float:
     """A micro-batch's exchanges on `stage`: Ulysses' four all-to-alls a layer each way (and
-    again in a recompute's forward); the ring's cp - 1 passes of K/V a forward, and cp - 1
-    again plus cp of dK/dV backward."""
+    again in a recompute's forward), or the ring's (`_ring_exchanges`)."""
     cp, forwards = layout.cp, forward_passes(layout.recompute)
     if cp == 1:
         return 0.0
     if layout.cp_kind == "ulysses":
-        return stage.layers * (forwards + 1) * 4
-    return stage.layers * (forwards * (cp - 1) + 2 * cp - 1)
+        return stage.layers * (forwards + 1) * ULYSSES_ALL_TO_ALLS
+    forward, backward = _ring_exchanges(cp)
+    return stage.layers * (forwards * forward + backward)
+
+
+ULYSSES_ALL_TO_ALLS = 4  # a layer's, each way: q, k and v, then the output
+
+
+def _ring_exchanges(cp: int) -> tuple[int, int]:
+    """A layer's ring exchanges (send/recv pairs): cp - 1 passes of K/V forward; backward the
+    same again plus cp of dK/dV."""
+    return cp - 1, 2 * cp - 1
 
 
 def _ep_calls(layout: Workload, stage: StageShare) -> float:
@@ -117,28 +136,29 @@ def message_s(config: GPTConfig, layout: Workload, hw: Hardware, inter: int) -> 
 
 
 def cp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: int, *,
-         compute_s: float) -> float:
+         burst: float) -> float:
     """Context parallelism's seconds per micro-batch on `stage` that compute does not hide
     (estimate/context.py): the ring's transfers beyond each pass's attention, or Ulysses'
-    all-to-alls whole; each exchange with the ranks' lag after its share of the micro-batch's
-    `compute_s` (`lagged_s`)."""
+    all-to-alls whole; each exchange with the ranks' lag after its `burst` of compute
+    (`lagged_s`)."""
     cp = layout.cp
     if cp == 1:
         return 0.0
     per = layer_bytes(config, layout)
     latency, bandwidth = hw.link(cp, inter)
     forwards = forward_passes(layout.recompute)
-    lagged = lagged_s(_cp_calls(layout, stage), cp, hw, inter, burst_s(config, layout, stage, compute_s))
+    lagged = lagged_s(_cp_calls(layout, stage), cp, hw, inter, burst)
     if layout.cp_kind == "ulysses":
-        one_way = 4 * (cp - 1) * latency + per["forward"] / bandwidth
+        one_way = ULYSSES_ALL_TO_ALLS * (cp - 1) * latency + per["forward"] / bandwidth
         return stage.layers * (forwards + 1) * one_way + lagged
     latency, bandwidth = hw.message(cp, inter)  # the ring's steps are send/recv pairs
     # one forward (and one backward) of one layer's attention hides the transfers, where the
     # machine computes while its links move bytes (overlaps_comm)
     hides = overlaps_comm(hw)
-    forward = ring_exposed_s((cp - 1) * latency + per["forward"] / bandwidth,
+    exchanges_forward, exchanges_backward = _ring_exchanges(cp)
+    forward = ring_exposed_s(exchanges_forward * latency + per["forward"] / bandwidth,
                              attention_time(config, layout, hw, 1) if hides else 0.0, cp)
-    backward = ring_exposed_s((2 * cp - 1) * latency + per["backward"] / bandwidth,
+    backward = ring_exposed_s(exchanges_backward * latency + per["backward"] / bandwidth,
                               attention_time(config, layout, hw, 0, 1) if hides else 0.0, cp)
     return stage.layers * (forwards * forward + backward) + lagged
 
@@ -154,19 +174,17 @@ def overlaps_comm(hw: Hardware) -> bool:
 
 
 def ep_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: int, *,
-         compute_s: float) -> float:
+         burst: float) -> float:
     """Expert parallelism's all-to-alls per micro-batch on `stage`, whole (the dispatch waits
-    for them): per MoE block, three forward (counts, rows out, rows back; again when
-    recomputed) and two backward, uniform routing (estimate/experts.py), each with the
-    ranks' lag after its share of the micro-batch's `compute_s` (`lagged_s`)."""
+    for them; `_ep_calls` counts them), their bytes by uniform routing (estimate/experts.py),
+    each with the ranks' lag after its `burst` of compute (`lagged_s`)."""
     if layout.ep == 1 or not stage.moe_layers:
         return 0.0
     latency, bandwidth = hw.link(layout.ep, inter)
     per = layer_alltoall(config, layout)
-    forwards = forward_passes(layout.recompute)
-    one_layer = forwards * (3 * latency + per["forward"] / bandwidth) + 2 * latency + per["backward"] / bandwidth
-    lagged = lagged_s(_ep_calls(layout, stage), layout.ep, hw, inter, burst_s(config, layout, stage, compute_s))
-    return stage.moe_layers * one_layer + lagged
+    calls = _ep_calls(layout, stage)
+    moved = forward_passes(layout.recompute) * per["forward"] + per["backward"]
+    return calls * latency + stage.moe_layers * moved / bandwidth + lagged_s(calls, layout.ep, hw, inter, burst)
 
 
 def dp_exposed_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: int,

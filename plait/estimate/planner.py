@@ -63,7 +63,7 @@ from plait.estimate.activations import stage_activation_bytes
 from plait.estimate.hardware import GIB, Hardware, resolve_hardware
 from plait.estimate.layout import StageShare, Workload, layout_stages, stages
 from plait.estimate.memory import Memory, device_total, estimate_memory, stage_buffers, stage_memory
-from plait.estimate.exposed import clip_s, cp_s, ep_s, message_s, overhead_s, tp_s
+from plait.estimate.exposed import clip_s, message_s, micro_batch_axes_s, overhead_s
 from plait.estimate.network import inter_node
 from plait.estimate.ops import micro_batch_compute_s
 from plait.estimate.pipeline import lower_bound
@@ -303,10 +303,7 @@ class Costs:
                 self._compute[key] = micro_batch_compute_s(config, shape, stage, hw)
             comm = (*key, _stage_key(stage))
             if comm not in self._comm:
-                compute = self._compute[key]
-                self._comm[comm] = (tp_s(config, shape, stage, hw, links["tp"], compute_s=compute),
-                                    cp_s(config, shape, stage, hw, links["cp"], compute_s=compute),
-                                    ep_s(config, shape, stage, hw, links["ep"], compute_s=compute))
+                self._comm[comm] = micro_batch_axes_s(config, shape, stage, hw, links, self._compute[key])
             return (self._compute[key], *self._comm[comm])
         return cached
 

@@ -58,8 +58,8 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from plait.estimate.exposed import (clip_s, cp_s, dp_exposed_s, ep_s, message_s, offload_s, overhead_s,
-                                    tp_s)
+from plait.estimate.exposed import (clip_s, dp_exposed_s, message_s, micro_batch_axes_s, offload_s,
+                                    overhead_s)
 from plait.estimate.hardware import Hardware
 from plait.estimate.layout import StageShare, Workload, chunk_layers, layout_stages
 from plait.estimate.memory import shard
@@ -192,9 +192,7 @@ def micro_batch_parts(config: GPTConfig, layout: Workload, hw: Hardware, links: 
     """A rank's (compute, tp, cp, ep) seconds of one micro-batch, given its share."""
     def parts(stage: StageShare) -> tuple[float, float, float, float]:
         compute = micro_batch_compute_s(config, layout, stage, hw)
-        return (compute, tp_s(config, layout, stage, hw, links["tp"], compute_s=compute),
-                cp_s(config, layout, stage, hw, links["cp"], compute_s=compute),
-                ep_s(config, layout, stage, hw, links["ep"], compute_s=compute))
+        return (compute, *micro_batch_axes_s(config, layout, stage, hw, links, compute))
     return parts
 
 
