@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import statistics
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -340,6 +341,12 @@ def test_prediction_holds_on_this_machine_after_calibration(tmp_path: Path) -> N
     lags = reports[0]["lags"]
     assert [row[0] for row in lags] == [2, 2, 2] and lags[0][2] == 0.0, lags
     assert lags[0][1] < lags[1][1] < lags[2][1] and 0 <= lags[1][2] <= lags[2][2], lags
+    # the pair's all-reduce, and ZeRO's all-gather and reduce-scatter timed in the same rounds
+    # (plait.bench.calibrate.measure_links), each a bus rate
+    links, ops = reports[0]["links"], reports[0]["op_links"]
+    assert [row[0] for row in links] == [2] and links[0][2] > 0, links
+    assert [(op, n) for op, n, _ in ops] == [("all_gather", 2), ("reduce_scatter", 2)], ops
+    assert all(0 < rate < 1e4 for _, _, rate in ops), ops
 
 
 def test_train_uses_a_cached_calibration_of_this_machine(tmp_path: Path, monkeypatch) -> None:
@@ -542,6 +549,27 @@ def test_an_fp8_calibration_times_the_blocks_as_float8_products_and_the_head_in_
     assert gpu["peak_fp8_tflops"] <= h200.peak_fp8_tflops and gpu["peak_bf16_tflops"] <= h200.peak_bf16_tflops
     assert gpu["peak_fp8_tflops"] > 1.5 * gpu["peak_bf16_tflops"]
     assert gemm_line(measured, "bf16", 0.0, "cpu", get_hardware("cpu")).keys() == {"peak_bf16_tflops", "gemm_fixed_us"}
+
+
+def test_the_planner_check_pairs_each_step_with_the_same_rounds_others() -> None:
+    """benchmarks/planner_measured.py's paired measurement: each step against the others' in
+    its round. Two layouts, the second 10% faster, taking turns while the host runs twice as
+    slow for two rounds of five; one of the second's fast-round steps is slow on its own. Its
+    raw median then lands on that step and ranks it slower; paired, it is 0.9 of the first."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("planner_measured", ROOT / "benchmarks" / "planner_measured.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    pace = [1.0, 2.0, 2.0, 1.0, 1.0]
+    steps = [[1.0 * p for p in pace], [0.9 * p for p in pace]]
+    steps[1][3] = 1.3
+    assert statistics.median(steps[1]) > statistics.median(steps[0])
+    paired = module.paired(steps)
+    assert paired[1] / paired[0] == pytest.approx(0.9)
+    assert module.spearman([1.0, 0.9], paired) == pytest.approx(1.0)
 
 
 @pytest.mark.slow

@@ -69,7 +69,8 @@ from plait.parallel.compose import adamw_kernel
 # 13: a CPU add's dispatch taken out of its bandwidth (the model adds it per op); GEMMs and attention
 #     timed at each micro-batch asked (--micro-batch 8,4,2,1); training keeps freed memory as timed.
 # 14: on a CPU what a collective adds after longer bursts of compute than its latency's (lags).
-METHOD_VERSION = 14
+# 15: the large all-reduce, all-gather and reduce-scatter timed in turns, round by round.
+METHOD_VERSION = 15
 
 
 class Spreads:
@@ -527,8 +528,17 @@ def measure_dispatch(mesh: Mesh, reps: int, optimizer_kernel: str = "fused") -> 
     return forward_backward, _median_s(update, reps * 2), _median_s(_gradient_checks(mesh, model), reps * 2)
 
 
-def measure_links(mesh: Mesh, large: int, reps: int) -> tuple[tuple[int, float, float], ...]:
-    """(n, µs per ring step, GB/s busbw) of all-reduce on the first n ranks, each n.
+def measure_links(mesh: Mesh, large: int, reps: int
+                  ) -> tuple[tuple[tuple[int, float, float], ...], tuple[tuple[str, int, float], ...]]:
+    """((n, µs per ring step, GB/s busbw) of all-reduce, (op, n, GB/s busbw) of all-gather and
+    reduce-scatter) on n ranks, each n: ZeRO's collectives, which Gloo on a CPU runs at a third
+    to a half of its all-reduce's rate.
+
+    The three large collectives are timed in turns, round by round (`_median_rounds`), so that
+    their rates come from the same minutes: what ZeRO costs over plain data parallelism is
+    their difference. Timed one op after another, a host's slow stretch landed on one of them:
+    4 ranks' all-gather was calibrated at 0.40 GB/s against 0.58-0.75 in turns, and ZeRO-1 was
+    priced 7.8% over plain dp 4 where it measured 2.4% over.
 
     On a host that runs its own collectives (a CPU under Gloo) a step's latency is taken
     between bursts of compute, as training meets it (`in_step_s`), not back to back: there the
@@ -536,19 +546,34 @@ def measure_links(mesh: Mesh, large: int, reps: int) -> tuple[tuple[int, float, 
     on this 2-core machine: an 8-byte all-reduce takes 180 µs back to back, 700 µs on average
     between matmuls; a ring of cp 2 paid that on each of its hundreds of exchanges a step."""
     axes = _link_axes(mesh, group_sizes(mesh.env.world_size))
-    rows = []
+    links, ops = [], []
     for n, axis in axes.items():
-        small_t = large_t = 0.0
+        elements = large // 4 // n * n
+        small_t, timed = 0.0, [_nothing] * 3
         if axis is not None:
             tiny = torch.zeros(2, dtype=torch.float32, device=mesh.device)
-            big = torch.zeros(large // 4, dtype=torch.float32, device=mesh.device)
             small_t = latency_s(mesh, lambda: comm.all_reduce(tiny, axis, purpose=comm.TELEMETRY), reps)
-            large_t = _median_s(lambda: comm.all_reduce(big, axis, purpose=comm.TELEMETRY), reps)
-        small_t, large_t = _slowest(mesh, [small_t, large_t])
+            timed = _large_collectives(mesh, axis, elements)
+        small_t, reduce_t, gather_t, scatter_t = _slowest(mesh, [small_t, *_median_rounds(mesh, timed, reps)])
         step = small_t / (2 * (n - 1))
-        wire = 2 * (n - 1) / n * large
-        rows.append((n, step * 1e6, wire / max(large_t - 2 * (n - 1) * step, 1e-9) / 1e9))
-    return tuple(rows)
+        wire = (n - 1) / n * elements * 4  # an all-gather's or reduce-scatter's; an all-reduce moves twice it
+        links.append((n, step * 1e6, 2 * wire / max(reduce_t - 2 * (n - 1) * step, 1e-9) / 1e9))
+        ops += [(op, n, wire / max(t - (n - 1) * step, 1e-9) / 1e9)
+                for op, t in (("all_gather", gather_t), ("reduce_scatter", scatter_t))]
+    return tuple(links), tuple(ops)
+
+
+def _nothing() -> None:
+    """A rank outside the timed group takes its turns doing nothing, in step with the others."""
+
+
+def _large_collectives(mesh: Mesh, axis: Any, elements: int) -> list[Callable[[], Any]]:
+    """All-reduce, all-gather and reduce-scatter of `elements` fp32 over `axis`."""
+    full = torch.zeros(elements, dtype=torch.float32, device=mesh.device)
+    shard = torch.zeros(elements // axis.size, dtype=torch.float32, device=mesh.device)
+    return [lambda: comm.all_reduce(full, axis, purpose=comm.TELEMETRY),
+            lambda: comm.all_gather(full, shard, axis, purpose=comm.TELEMETRY),
+            lambda: comm.reduce_scatter(shard, full, axis, purpose=comm.TELEMETRY)]
 
 
 def _link_axes(mesh: Mesh, sizes: list[int]) -> dict[int, Any]:
@@ -665,26 +690,3 @@ def measure_p2p(mesh: Mesh, reps: int) -> float:
         taken = latency_s(mesh, lambda: comm.send_recv(tiny, received, axis, peer, peer,
                                                        purpose=comm.TELEMETRY).wait(), reps)
     return _slowest(mesh, [taken])[0] * 1e6
-
-
-def measure_op_links(mesh: Mesh, large: int, reps: int, links: tuple[tuple[int, float, float], ...]
-                     ) -> tuple[tuple[str, int, float], ...]:
-    """(op, n, GB/s busbw) of all-gather and reduce-scatter on the first n ranks, each n (their
-    step latency taken as the all-reduce's, `links`): ZeRO's collectives, which Gloo on a CPU
-    runs at a third of its all-reduce's rate."""
-    axes = _link_axes(mesh, group_sizes(mesh.env.world_size))
-    step_us = {n: latency for n, latency, _ in links}
-    rows = []
-    for n, axis in axes.items():
-        gather_t = scatter_t = 0.0
-        if axis is not None:
-            full = torch.zeros(large // 4 // n * n, dtype=torch.float32, device=mesh.device)
-            shard = torch.zeros(full.numel() // n, dtype=torch.float32, device=mesh.device)
-            gather_t = _median_s(lambda: comm.all_gather(full, shard, axis, purpose=comm.TELEMETRY), reps)
-            scatter_t = _median_s(lambda: comm.reduce_scatter(shard, full, axis, purpose=comm.TELEMETRY), reps)
-        gather_t, scatter_t = _slowest(mesh, [gather_t, scatter_t])
-        wire = (n - 1) / n * large
-        steps = (n - 1) * step_us.get(n, 0.0) * 1e-6
-        rows += [(op, n, wire / max(t - steps, 1e-9) / 1e9)
-                 for op, t in (("all_gather", gather_t), ("reduce_scatter", scatter_t))]
-    return tuple(rows)

@@ -90,8 +90,8 @@ def calibrate(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len: int, 
                                 spread=1 if quick else 8, precision=precision)
     host_params = max(min(config.num_params(), cal.STREAM_CAP), cal.HOST_UPDATE_MIN)
     memory["host_mem_gb_s"] = cal.measure_host_update(mesh, host_params, optimizer_kernel, reps)
-    links = cal.measure_links(mesh, (2 if quick else 16) * 2**20, reps) if mesh.env.world_size > 1 else ()
-    op_links = cal.measure_op_links(mesh, (2 if quick else 16) * 2**20, reps, links) if links else ()
+    links, op_links = cal.measure_links(mesh, (2 if quick else 16) * 2**20, reps) if mesh.env.world_size > 1 \
+        else ((), ())
     p2p_us = cal.measure_p2p(mesh, reps) if links else 0.0
     lags = cal.measure_lags(mesh, 4) if links and not quick else ()  # a quick calibration prices no lag
     facts = machine_facts(mesh, optimizer_kernel, precision)

@@ -48,7 +48,8 @@ def main() -> None:
         if abs(summary["step_time"]["ratio"] - 1) <= bound:
             break
     lags = calibrate.measure_lags(mesh, 1, loop_s=0.05)  # short loops: the rows' shape, not their values
-    save_report({"attempts": attempts, "hardware": summary["predicted"]["layout"]["hardware"], "lags": lags})
+    save_report({"attempts": attempts, "hardware": summary["predicted"]["layout"]["hardware"], "lags": lags,
+                 "links": hw.links, "op_links": hw.op_links})
     mesh.close()
 
 
