@@ -435,6 +435,17 @@ def test_calibrate_command_writes_a_file_estimate_reads(tmp_path: Path) -> None:
     assert json.loads(proc.stdout)["layout"]["hardware"] == hw.name
 
 
+def test_a_crowded_calibration_sets_its_shapes_by_cpu_time_and_their_level_by_the_spans(monkeypatch) -> None:
+    """plait.bench.calibrate._shaped: three shapes whose CPU times are 1:2:3 and whose spans
+    the scheduler moved (2.0, 4.6, 5.7 s): each is its CPU time times the spans' median ratio
+    to it (2.0), so 2, 4 and 6 s; without CPU times (none measured), the spans as they are."""
+    from plait.bench import calibrate
+
+    monkeypatch.setattr(calibrate, "_slowest", lambda mesh, values: list(values))
+    assert calibrate._shaped(None, [2.0, 4.6, 5.7], [1.0, 2.0, 3.0]) == pytest.approx([2.0, 4.0, 6.0])
+    assert calibrate._shaped(None, [2.0, 4.6], [0.0, 2.0]) == [2.0, 4.6]
+
+
 def test_a_calibration_times_each_micro_batch_it_is_asked_for() -> None:
     """A plan weighs micro-batches against each other; read off a line fitted to one
     micro-batch's shapes, another's GEMMs took a fixed cost the shapes' own differences made

@@ -69,7 +69,8 @@ from plait.parallel.compose import adamw_kernel
 # 13: a CPU add's dispatch taken out of its bandwidth (the model adds it per op); GEMMs and attention
 #     timed at each micro-batch asked (--micro-batch 8,4,2,1); training keeps freed memory as timed.
 # 14: on a CPU what a collective adds after longer bursts of compute than its latency's (lags).
-# 15: the large all-reduce, all-gather and reduce-scatter timed in turns, round by round.
+# 15: the large all-reduce, all-gather and reduce-scatter timed in turns, round by round; on a crowded
+#     host the GEMMs' and attention's shapes set against each other by each rank's CPU time.
 METHOD_VERSION = 15
 
 
@@ -114,17 +115,22 @@ def _median_rounds(mesh: Mesh, fns: list[Callable[[], Any]], rounds: int, watche
     disturbance over every shape instead of moving one shape's rate; a barrier before each
     timing keeps the ranks on the same shape at the same moment, as training does, where
     they share the caches and the memory bus. On a crowded host (`crowded`) each round runs a
-    burst of each and is timed from the first rank's start to the last rank's end (`_spans`)."""
+    burst of each and is timed from the first rank's start to the last rank's end (`_spans`);
+    the compute timings (`watched`) there take their shapes against each other from each
+    rank's own CPU time (`_shaped`)."""
     crowd = crowded(mesh)
     bursts = _bursts(mesh, fns, crowd)
     starts: list[list[float]] = [[] for _ in fns]
     ends: list[list[float]] = [[] for _ in fns]
+    worked: list[list[float]] = [[] for _ in fns]
     for _ in range(rounds):
-        for fn, burst, began, ended in zip(fns, bursts, starts, ends):
+        for fn, burst, began, ended, cpu in zip(fns, bursts, starts, ends, worked):
             _in_step(mesh)
             began.append(time.monotonic())
+            on_cpu = time.thread_time()
             for _ in range(burst):
                 fn()
+            cpu.append((time.thread_time() - on_cpu) / burst)
             ended.append(time.monotonic())
     if crowd:
         times = [[span / burst for span in spans] for spans, burst in zip(_spans(mesh, starts, ends), bursts)]
@@ -133,7 +139,27 @@ def _median_rounds(mesh: Mesh, fns: list[Callable[[], Any]], rounds: int, watche
     if watched:  # the compute timings: two ranks sharing the memory bus spread the bandwidth ones anyway
         for seen in times:
             SPREADS.add(seen)
-    return [statistics.median(seen) for seen in times]
+    medians = [statistics.median(seen) for seen in times]
+    if crowd and watched:
+        return _shaped(mesh, medians, [statistics.median(cpu) for cpu in worked])
+    return medians
+
+
+def _shaped(mesh: Mesh, spans: list[float], cpu: list[float]) -> list[float]:
+    """Each timing's seconds on a crowded host: its CPU time (the slowest rank's) times the
+    median over all of them of span / CPU time.
+
+    A span moves by the scheduler's slices, a few milliseconds of a 20 ms burst: two
+    calibrations of 4 ranks on 2 cores gave each GEMM shape's rate ±15%, their shapes' rates
+    correlating 0.15-0.29 from one to the next (0.91 on 2 ranks), enough to flip how the plan
+    priced one micro-batch against another. A rank's own CPU time is not cut by the
+    scheduler: it sets the shapes against each other, and the spans, read over every shape
+    at once, set their level (the cores shared, the caches thrashed)."""
+    cpu = _slowest(mesh, cpu)
+    if not all(t > 0 for t in cpu):
+        return spans
+    level = statistics.median(span / t for span, t in zip(spans, cpu))
+    return [t * level for t in cpu]
 
 
 CROWDED_BURST_S = 0.02  # a crowded host's timed burst: a rank's late wake-up (about 0.5 ms on 2 cores) a 40th of it
