@@ -63,7 +63,8 @@ class Hardware:
     gemm: tuple[tuple[str, float], ...] = ()
     links: tuple[tuple[int, float, float], ...] = ()
     # (op, group size, GB/s bus bandwidth) of the ring collectives whose bandwidth is not the
-    # all-reduce's: Gloo's all-gather and reduce-scatter on a CPU move a third of its bytes a second
+    # all-reduce's: Gloo's all-gather and reduce-scatter on a CPU move a third to a half of its bytes a
+    # second (timed in the same rounds as the all-reduce: plait.bench.calibrate.measure_links)
     op_links: tuple[tuple[str, int, float], ...] = ()
     # (group size, µs of compute each rank ran before a collective, µs the collective adds
     # beyond its `links` latency), measured by `plait calibrate` on a host that runs its own
