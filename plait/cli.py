@@ -77,9 +77,8 @@ def say(text: str) -> None:
 
 
 def _dispatch(argv: list[str]) -> int:
-    parser = _parser()
-    if not argv or argv[0] in ("-h", "--help"):
-        parser.print_help()
+    if not argv or argv[0] in ("-h", "--help"):  # the only use of the top-level parser: built for it alone
+        _parser().print_help()
         return 0
     command, rest = argv[0], argv[1:]
     if command == "train":
