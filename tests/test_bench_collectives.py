@@ -76,3 +76,27 @@ def test_four_ranks_right_and_a_spoiled_result_is_caught() -> None:
     assert "wrong results" in proc.stderr
     _check_rows(result["results"], [2, 4])
     assert all(r["ok_unspoiled"] and not r["ok"] for r in result["results"])
+
+
+def test_gloos_small_collectives_are_one_all_to_all_with_torchs_results(tmp_path) -> None:
+    """3 ranks: plait's all-reduce (sum, max, min), all-gather and reduce-scatter, blocking and
+    async, equal torch.distributed's own on whole numbers in fp32, bf16 and int64; on random
+    floats within rounding (the sum's order is rank order) and the same bits on every rank. Up
+    to each op's limit (bytes: the all-gather's output) the op is one all-to-all, past it torch's
+    op; the relative difference is within one rounding; the ledger counts the
+    all-reduce it stands for; ZeRO's backend probe (native) takes torch's reduce-scatter."""
+    from plait.runtime.comm import GLOO_BY_ALL_TO_ALL
+    from tests.worldlib import run_world
+
+    _, reports = run_world("gloo_world.py", 3, tmp_path)
+    for report in reports:
+        assert report["equal"] and all(report["equal"].values()), report["equal"]
+        assert all(value < 0.01 if "bfloat16" in key else value < 1e-6 for key, value in report["close"].items()), \
+            report["close"]
+        assert all(report["same_on_every_rank"].values()), report["same_on_every_rank"]
+        assert report["ledger"] == {"world": {"all_reduce": 2 * 2 / 3 * 120}}
+        native = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter"}
+        for op in GLOO_BY_ALL_TO_ALL:
+            assert report["paths"][f"{op}@limit"] == {"all_to_all_single": 1}, report["paths"]
+            assert report["paths"][f"{op}@past"] == {native[op]: 1}, report["paths"]
+        assert report["paths"]["reduce_scatter@native"] == {"reduce_scatter": 1}

@@ -71,7 +71,8 @@ from plait.parallel.compose import adamw_kernel
 # 14: on a CPU what a collective adds after longer bursts of compute than its latency's (lags).
 # 15: the large all-reduce, all-gather and reduce-scatter timed in turns, round by round; on a crowded
 #     host the GEMMs' and attention's shapes set against each other by each rank's CPU time.
-METHOD_VERSION = 15
+# 16: Gloo's small all-reduces, all-gathers and reduce-scatters run as one all-to-all (runtime/comm).
+METHOD_VERSION = 16
 
 
 class Spreads:

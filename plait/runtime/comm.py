@@ -209,6 +209,8 @@ def all_reduce(tensor: torch.Tensor, axis: Axis, op: str = "sum", async_op: bool
     if axis.size == 1:
         return Handle(None, axis, "all_reduce")
     axis.ledger.record(axis.name, "all_reduce", _nbytes(tensor), axis.size, purpose)
+    if _by_all_to_all("all_reduce", tensor):
+        return _run(axis, "all_reduce", lambda: _all_reduce_by_all_to_all(tensor, axis, op), async_op)
     return _run(axis, "all_reduce", lambda: dist.all_reduce(
         tensor, op=_REDUCE_OPS[op], group=axis.group, async_op=async_op), async_op)
 
@@ -233,19 +235,90 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, axis: Axis, async_op: 
         output.copy_(shard.reshape(output.shape))
         return Handle(None, axis, "all_gather")
     axis.ledger.record(axis.name, "all_gather", _nbytes(output), axis.size, purpose)
+    if _by_all_to_all("all_gather", output):
+        return _run(axis, "all_gather", lambda: _all_gather_by_all_to_all(output, shard, axis), async_op)
     return _run(axis, "all_gather", lambda: _ALL_GATHER_ONE(
         output, shard, group=axis.group, async_op=async_op), async_op)
 
 
 def reduce_scatter(output: torch.Tensor, full: torch.Tensor, axis: Axis, async_op: bool = False,
-                   purpose: str = TRAIN) -> Handle:
-    """Sum `full` over the axis and keep this rank's 1/n slice of dim 0 in `output`."""
+                   purpose: str = TRAIN, native: bool = False) -> Handle:
+    """Sum `full` over the axis and keep this rank's 1/n slice of dim 0 in `output`. `native`:
+    the backend's own reduce-scatter at any size (a probe of whether it has one)."""
     if axis.size == 1:
         output.copy_(full.reshape(output.shape))
         return Handle(None, axis, "reduce_scatter")
     axis.ledger.record(axis.name, "reduce_scatter", _nbytes(full), axis.size, purpose)
+    if not native and _by_all_to_all("reduce_scatter", full):
+        return _run(axis, "reduce_scatter", lambda: _reduce_scatter_by_all_to_all(output, full, axis), async_op)
     return _run(axis, "reduce_scatter", lambda: _REDUCE_SCATTER_ONE(
         output, full, group=axis.group, async_op=async_op), async_op)
+
+
+# Gloo (the backend of every CPU tensor here) runs an all-reduce, an all-gather and a
+# reduce-scatter as a segmented ring: a 2-rank all-reduce of four numbers sends a dozen messages
+# one after another, 1.6-1.9 ms back to back on a 2-core host, where its all-to-all posts every
+# send at once, 0.4 ms. Up to these sizes (bytes: the all-reduce's tensor, the all-gather's
+# output, the reduce-scatter's input) each runs as one all-to-all and a combine in rank order,
+# the same result on every rank: benchmarks/gloo_collectives.py times both ways (RESULTS.md,
+# "gloo-collectives"); past them the ring's fewer bytes, or the all-gather's one copy, win. The
+# ledger counts the collective each stands for.
+GLOO_BY_ALL_TO_ALL = {"all_reduce": 64 << 10, "all_gather": 256 << 10, "reduce_scatter": 16 << 20}
+
+
+def _by_all_to_all(op: str, tensor: torch.Tensor) -> bool:
+    return tensor.is_cpu and tensor.is_contiguous() and _nbytes(tensor) <= GLOO_BY_ALL_TO_ALL[op]
+
+
+def _copies(tensor: torch.Tensor, n: int) -> torch.Tensor:
+    """`tensor`'s elements n times over, one row each: what an all-to-all sends every rank."""
+    return tensor.reshape(1, -1).expand(n, -1).contiguous()
+
+
+def _combined(rows: torch.Tensor, op: str) -> torch.Tensor:
+    """`rows` combined along dim 0, one after another in rank order (the same sum on every rank)."""
+    if op == "max":
+        return rows.amax(0)
+    if op == "min":
+        return rows.amin(0)
+    total = rows[0].clone()
+    for row in rows[1:]:
+        total += row
+    return total
+
+
+class _ThenCombine:
+    """An all-to-all in flight, and what makes its output the collective's result once it lands
+    (it holds what it sends until then)."""
+
+    def __init__(self, work: Any, sent: torch.Tensor, finish: Callable[[], Any] = lambda: None):
+        self.work, self.sent, self.finish = work, sent, finish
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.sent = None
+        self.finish()
+
+
+def _all_to_all(received: torch.Tensor, sent: torch.Tensor, axis: Axis,
+                finish: Callable[[], Any] = lambda: None) -> _ThenCombine:
+    return _ThenCombine(dist.all_to_all_single(received, sent, group=axis.group, async_op=True), sent, finish)
+
+
+def _all_reduce_by_all_to_all(tensor: torch.Tensor, axis: Axis, op: str) -> _ThenCombine:
+    received = torch.empty((axis.size, tensor.numel()), dtype=tensor.dtype)
+    return _all_to_all(received, _copies(tensor, axis.size), axis,
+                       lambda: tensor.copy_(_combined(received, op).view_as(tensor)))
+
+
+def _all_gather_by_all_to_all(output: torch.Tensor, shard: torch.Tensor, axis: Axis) -> _ThenCombine:
+    return _all_to_all(output.view(axis.size, -1), _copies(shard, axis.size), axis)
+
+
+def _reduce_scatter_by_all_to_all(output: torch.Tensor, full: torch.Tensor, axis: Axis) -> _ThenCombine:
+    received = torch.empty((axis.size, full.numel() // axis.size), dtype=full.dtype)
+    return _all_to_all(received, full.reshape(axis.size, -1), axis,
+                       lambda: output.copy_(_combined(received, "sum").view_as(output)))
 
 
 def all_to_all(output: torch.Tensor, full: torch.Tensor, axis: Axis, async_op: bool = False,

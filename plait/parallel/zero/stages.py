@@ -303,7 +303,8 @@ def check_backend(axis: Axis, stage: int, device: torch.device | str = "cpu") ->
     backend = str(torch.distributed.get_backend(axis.group))
     require_reduce_scatter(backend, stage)
     try:  # a one-element probe: a backend without reduce_scatter fails here, not mid-backward
-        comm.reduce_scatter(torch.zeros(1, device=device), torch.zeros(axis.size, device=device), axis, purpose=comm.SETUP)
+        comm.reduce_scatter(torch.zeros(1, device=device), torch.zeros(axis.size, device=device), axis,
+                            purpose=comm.SETUP, native=True)  # a bucket past Gloo's all-to-all size takes it
     except (comm.CommError, RuntimeError) as exc:  # a CommError is a PlaitError, not a RuntimeError
         require_reduce_scatter(backend, stage, reason=str(exc).splitlines()[0])
 
