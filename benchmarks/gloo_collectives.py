@@ -84,12 +84,14 @@ def table(worlds: list[dict], args) -> str:
              "- time: median over rounds of the slowest rank, plait's op and torch's taken in turns; ratio = "
              "plait / torch (below 1: plait faster); path: one all-to-all (a2a) or torch's own (ring)", "",
              "| op | n | size | path | plait ms | torch ms | ratio |", "|---|---|---|---|---|---|---|"]
-    for world in worlds:
-        for row in world["rows"]:
-            lines.append(f"| {row['op']} | {world['n']} | {_size(row['bytes'])} | "
-                         f"{'a2a' if row['by_all_to_all'] else 'ring'} | {row['plait_s'] * 1e3:.2f} | "
-                         f"{row['torch_s'] * 1e3:.2f} | {row['plait_s'] / row['torch_s']:.2f} |")
+    lines += [_line(world["n"], row) for world in worlds for row in world["rows"]]
     return "\n".join(lines)
+
+
+def _line(n: int, row: dict) -> str:
+    cells = [row["op"], n, _size(row["bytes"]), "a2a" if row["by_all_to_all"] else "ring",
+             f"{row['plait_s'] * 1e3:.2f}", f"{row['torch_s'] * 1e3:.2f}", f"{row['plait_s'] / row['torch_s']:.2f}"]
+    return "| " + " | ".join(map(str, cells)) + " |"
 
 
 def main() -> None:
