@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import statistics
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -188,8 +187,9 @@ def test_calibration_file_round_trips_through_hardware_file(tmp_path: Path, caps
     assert {"optimizer_s", "overhead_s", "compute_s", "bubble_s", "dp_s"} <= set(result["time"])
 
 
-def _gpu_presets():
-    spec = importlib.util.spec_from_file_location("gpu_presets", ROOT / "benchmarks" / "gpu_presets.py")
+def _benchmark(name: str):
+    """benchmarks/`name`.py, loaded as a module (the benchmarks are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -202,7 +202,7 @@ def test_gpu_presets_against_published_runs() -> None:
     communication costs shows in the scaling from 8 GPUs to 128 (one node to 16): published
     0.973, predicted within 5% of it (per-block gathers and reduce-scatters; charged a ring
     latency per 25 MiB bucket, the estimate gave 0.906)."""
-    module = _gpu_presets()
+    module = _benchmark("gpu_presets")
     for size, _, _, _, published, predicted in module.megatron_rows():
         assert abs(predicted / published - 1) <= 0.10, (size, predicted, published)
     rows = module.torchtitan_rows()
@@ -220,7 +220,7 @@ def test_table_2_of_narayanan_et_al() -> None:
     few seconds a step at every GPU count and the model's step is its compute; the published
     steps took 65-80 s, which DeepSpeed's ZeRO-3 of 2021 spent on something other than the
     wire."""
-    rows = _gpu_presets().table_2_rows()
+    rows = _benchmark("gpu_presets").table_2_rows()
     for name, gpus, published, predicted in rows:
         if name.startswith("t 8"):
             assert abs(predicted / published - 1) <= 0.10, (name, gpus, predicted)
@@ -244,7 +244,7 @@ def test_published_runs_each_in_their_own_definition() -> None:
     """BLOOM-176B (hardware TFLOP/s with recompute), llm-foundry's MPT and Nemotron-4 15B (MFU).
     BLOOM runs on its own machine, Jean Zay's A100 nodes with four 100 Gb/s Omni-Path links: on
     a DGX A100's eight 200 Gb/s NICs it would be 13% over."""
-    module = _gpu_presets()
+    module = _benchmark("gpu_presets")
     rows = module.published_rows()
     assert len(rows) == 10
     for source, hardware, gpus, kind, published, predicted in rows:
@@ -276,7 +276,7 @@ def test_the_largest_published_layouts_fit_where_they_ran() -> None:
     whole, cut as the paper says (a layer a chunk, the first chunk the embedding alone and the
     last the head alone): priced as 16 x 4 equal chunks, which plait refuses, it had left 14
     layers out and fit at 77.9 GiB."""
-    module = _gpu_presets()
+    module = _benchmark("gpu_presets")
     out = set()
     for name, config, hardware, layout in module.published_layouts():
         if estimate_memory(config, layout).total > module.machine(hardware).usable_bytes:
@@ -292,7 +292,7 @@ def test_llm_foundrys_whole_table() -> None:
     56 of the 70 rows within 10%, a count the test holds. On A100s (80 and 40 GB) it is under, median 0.80-0.90: the
     A100's GEMM line (70% of peak, a transfer from Hopper) is the known error, which
     Narayanan et al.'s and BLOOM's A100 rows bear out as it stands (docs/estimate.md)."""
-    module = _gpu_presets()
+    module = _benchmark("gpu_presets")
     rows = module.llm_foundry_rows()
     assert len(rows) == 209
     assert all(int(r["params"]) == pytest.approx(r["model_params"], rel=1e-3) for r in rows)
@@ -310,7 +310,7 @@ def test_the_planner_matches_or_beats_each_published_layout_on_paper() -> None:
     estimate (llm-foundry's MPT-7B, micro-batch 6 without recompute, since o_proj reads SDPA's
     output as a view: 75.5 GiB of 78). By how much, and with which layout, is
     benchmarks/RESULTS.md's."""
-    rows = _gpu_presets().planner_rows(max_gpus=512)
+    rows = _benchmark("gpu_presets").planner_rows(max_gpus=512)
     assert len(rows) >= 9
     for name, hardware, gpus, published, best, layout, fits in rows:
         assert fits, name
@@ -321,7 +321,7 @@ def test_the_presets_predict_plaits_own_gpu_runs() -> None:
     """benchmarks/gpu_presets.py's MEASURED_RUNS: the 5.12 B ZeRO-3 offload step measured on
     an H200 (its host step 2.0 of 2.7 s: PCIe both ways in fp32 and the host's AdamW), and the
     1.04 B GPT's."""
-    module = _gpu_presets()
+    module = _benchmark("gpu_presets")
     for name, measured, predicted in module.measured_rows():
         assert abs(predicted / measured - 1) <= 0.10, (name, predicted, measured)
 
@@ -567,13 +567,7 @@ def test_the_planner_check_pairs_each_step_with_the_same_rounds_others() -> None
     its round. Two layouts, the second 10% faster, taking turns while the host runs twice as
     slow for two rounds of five; one of the second's fast-round steps is slow on its own. Its
     raw median then lands on that step and ranks it slower; paired, it is 0.9 of the first."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location("planner_measured", ROOT / "benchmarks" / "planner_measured.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    module = _benchmark("planner_measured")
     pace = [1.0, 2.0, 2.0, 1.0, 1.0]
     steps = [[1.0 * p for p in pace], [0.9 * p for p in pace]]
     steps[1][3] = 1.3

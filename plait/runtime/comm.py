@@ -276,12 +276,13 @@ def _copies(tensor: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _combined(rows: torch.Tensor, op: str) -> torch.Tensor:
-    """`rows` combined along dim 0, one after another in rank order (the same sum on every rank)."""
+    """`rows` (an all-to-all's received scratch) combined along dim 0, one after another in rank
+    order (the same sum on every rank); a sum lands in the first row."""
     if op == "max":
         return rows.amax(0)
     if op == "min":
         return rows.amin(0)
-    total = rows[0].clone()
+    total = rows[0]
     for row in rows[1:]:
         total += row
     return total

@@ -48,7 +48,7 @@ def plaits(op: str, tensor: torch.Tensor, axis: Any, reduce: str = "sum", async_
 
 
 class Counted:
-    """torch.distributed's entry points, wrapped to count the calls of each."""
+    """torch.distributed's entry points, wrapped to count the calls of each while the block runs."""
 
     NAMES = ("all_reduce", "all_to_all_single")
 
@@ -67,7 +67,10 @@ class Counted:
             return fn(*args, **kwargs)
         return call
 
-    def restore(self) -> None:
+    def __enter__(self) -> "Counted":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
         for name, fn in self.real.items():
             setattr(dist, name, fn)
         comm._ALL_GATHER_ONE, comm._REDUCE_SCATTER_ONE = self.real_one["all_gather"], self.real_one["reduce_scatter"]
@@ -80,18 +83,11 @@ def paths(axis: Any) -> dict[str, dict[str, int]]:
     for op, limit in comm.GLOO_BY_ALL_TO_ALL.items():
         at = limit // 4 // n * (1 if op == "all_gather" else n)  # elements: all-gather's shard, else the tensor
         for size, elements in (("limit", at), ("past", at + (1 if op == "all_gather" else n))):
-            tensor = torch.ones(elements)
-            counted = Counted()
-            try:
-                plaits(op, tensor, axis)
-            finally:
-                counted.restore()
+            with Counted() as counted:
+                plaits(op, torch.ones(elements), axis)
             found[f"{op}@{size}"] = counted.calls
-    counted = Counted()
-    try:
+    with Counted() as counted:
         comm.reduce_scatter(torch.zeros(1), torch.zeros(axis.size), axis, native=True)
-    finally:
-        counted.restore()
     found["reduce_scatter@native"] = counted.calls
     return found
 
