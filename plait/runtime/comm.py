@@ -262,8 +262,10 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, axis: Axis, async_o
 # output, the reduce-scatter's input) each runs as one all-to-all and a combine in rank order,
 # the same result on every rank: benchmarks/gloo_collectives.py times both ways (RESULTS.md,
 # "gloo-collectives"); past them the ring's fewer bytes, or the all-gather's one copy, win. The
-# ledger counts the collective each stands for.
-GLOO_BY_ALL_TO_ALL = {"all_reduce": 64 << 10, "all_gather": 256 << 10, "reduce_scatter": 16 << 20}
+# reduce-scatter's all-to-all won at every size timed, but it stops where the others do: the
+# calibration times ZeRO's collectives at 2 or 16 MiB, and a bucket (25 MiB by default) must take
+# the path its rate was timed on. The ledger counts the collective each stands for.
+GLOO_BY_ALL_TO_ALL = {"all_reduce": 64 << 10, "all_gather": 256 << 10, "reduce_scatter": 256 << 10}
 
 
 def _by_all_to_all(op: str, tensor: torch.Tensor) -> bool:
