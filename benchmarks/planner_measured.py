@@ -11,8 +11,8 @@ then every one of its top layouts trained, in one of two ways:
   the layouts taking turns `--repeats` times; the median over its repeats of each run's median
   step (first step excluded).
 Then the machine is calibrated again (`--recalibrate`, the default) and each layout priced at
-the mean of its two predictions, as the suite's slow test does: on this shared host one
-minute can run 10-15% slower than the next, and the model is not the host's clock. Then, per
+the mean of its two predictions: on this shared host one minute can run 10-15% slower than
+the next, and the model is not the host's clock. Then, per
 world: the first pick (the plan's, from the first calibration) against the fastest measured,
 each prediction against its measurement, and Spearman's rank correlation of predicted and
 measured steps (from the first calibration alone too, and, taking turns, against the paired

@@ -579,30 +579,31 @@ def test_the_planner_check_pairs_each_step_with_the_same_rounds_others() -> None
 
 @pytest.mark.slow
 def test_the_plans_first_layouts_measure_as_it_ranks_them(tmp_path: Path) -> None:
-    """`plait plan` from this machine's calibration (every micro-batch a rank's share of the
-    batch allows), then its first three layouts that 2 data-parallel ranks run, each trained:
-    the first pick within 5% of the fastest measured, and each layout priced within 10%
-    against the others (its predicted / measured within 10% of the three's median ratio),
-    the median ratio within 25% of 1. The first pick is the layout the prediction held here
-    prices cheapest: the three are priced within a few tenths of a percent of each other, and
-    the plan's order from one calibration alone is one draw of the machine (in one run the
-    plan's first row, ZeRO-1, was priced 0.877 s on average and measured 0.848; the third,
-    priced 0.888 s before the layouts ran and 0.860 after, 0.874 on average, measured 0.797).
-    The layouts take turns step by step, 12 steps each, so a slow stretch of the host slows them
-    all; the prediction is the mean of the plan's from the machine timed before and after them.
-    On one 2-core host the two timings priced a layout 12%
-    apart (0.94 and 0.83 s), and single-thread products ran 92-145 GFLOP/s from one half-second
-    to the next: the machine's pace over a minute is not held to 10%, how the plan prices one
-    layout against another is. benchmarks/planner_measured.py runs the whole check (top six, tp
-    and cp included, each prediction held to 10% of its own measurement, repeats taking turns;
+    """`plait plan` from this machine's full calibration (every micro-batch a rank's share of
+    the batch allows), then its first three layouts that 2 data-parallel ranks run, each
+    trained: the first pick within 5% of the fastest measured, and each layout priced within
+    10% against the others (its predicted / measured within 10% of the three's median ratio),
+    the median ratio within 25% of 1.
+
+    The layouts take turns step by step, 12 steps each, and each is measured against the
+    others in its round (the benchmark's `paired`): a slow stretch of the host slows a round's
+    every step alike and cancels. The calibration is a full one (11 rounds of each shape,
+    about 15 s here), as `plait calibrate` runs by default. With a quick one (3 rounds), priced
+    again after the layouts ran and the two averaged, and raw median steps, this test failed 3
+    runs in 7 on this host: one quick calibration priced micro-batch 2 at 1.02 times
+    micro-batch 4, the next at 1.16, and four in a row put micro-batch 4, 4, 2 and 1 first
+    where 8 measured fastest. Six runs as it is now all passed, every first pick micro-batch 8, measuring within
+    0-3.4% of the fastest. benchmarks/planner_measured.py runs the whole check (top six, tp
+    and cp included, each prediction held to 10% of its own measurement;
     benchmarks/RESULTS.md, "planner-measured")."""
     _, reports = run_world("planner_world.py", 2, tmp_path, str(tmp_path / "run"), "small", "16", "12", "3",
                            timeout=900)
     trained = reports[0]["trained"]
     assert len(trained) == 3, reports[0]
-    ratios = [t["predicted"] / t["measured"] for t in trained]
+    measured = _benchmark("planner_measured").paired([t["steps"] for t in trained])
+    ratios = [t["predicted"] / m for t, m in zip(trained, measured)]
     pace = statistics.median(ratios)
-    assert all(abs(r / pace - 1) <= 0.1 for r in ratios), trained
-    assert abs(pace - 1) <= 0.25, trained
-    first = min(trained, key=lambda t: t["predicted"])  # the pick of the prediction held here
-    assert first["measured"] <= 1.05 * min(t["measured"] for t in trained), trained
+    assert all(abs(r / pace - 1) <= 0.1 for r in ratios), (measured, trained)
+    assert abs(pace - 1) <= 0.25, (measured, trained)
+    first = min(range(len(trained)), key=lambda i: trained[i]["predicted"])  # the pick of the prediction held here
+    assert measured[first] <= 1.05 * min(measured), (measured, trained)

@@ -1,16 +1,18 @@
 """Calibrate, plan, then train the plan's data-parallel layouts, all in one world: does the
 plan's order hold when each layout runs?
 
-Every rank times the machine (`machine.calibrate`, quick, at every micro-batch dividing a
-rank's share of the batch, as `plait calibrate --micro-batch 4,2,1` would), rank 0 writes
+Every rank times the machine (`machine.calibrate`, in full, at every micro-batch dividing a
+rank's share of the batch, as `plait calibrate --micro-batch 8,4,2,1` would), rank 0 writes
 the hardware file, and every rank plans from it (`plait plan --hardware-file`: pure
 arithmetic, the same rows on every rank). The plan's first `TOP` layouts that this world's
 mesh runs as it is (dp = world; ZeRO, micro-batch, accumulation and recompute vary) are
-trained `STEPS` steps, the layouts taking turns step by step, and each one's median step
-(its first WARM_STEPS left out) is kept beside its prediction: the mean of the plan's from the
-machine as timed before the layouts ran and as timed again after. On a shared 2-core host one
-half-second can multiply matrices 20% slower than the next, and a minute 15% slower than the
-one before: taking turns step by step puts a slow stretch on every layout, not on one.
+trained `STEPS` steps, the layouts taking turns step by step so that a slow stretch of the
+host lands on every layout, not on one, and every step is kept.
+
+A full calibration, not a quick one: a quick one times each shape in 3 rounds, and on this
+shared 2-core host that orders micro-batches by chance. Four quick calibrations in a row put
+micro-batch 4, 4, 2 and 1 first where the layouts measured micro-batch 8 fastest; two full ones
+(11 rounds, about 15 s here) both put 8 first.
 
 argv: OUT_DIR MODEL GLOBAL_BATCH STEPS TOP
 """
@@ -23,7 +25,7 @@ from pathlib import Path
 
 from plait.bench import machine
 from plait.estimate.hardware import load_hardware
-from plait.estimate.planner import divisors, plan, row_layout
+from plait.estimate.planner import divisors, plan
 from plait.families import family_of
 from plait.models.gpt.config import get_preset
 from plait.runtime import comm
@@ -44,12 +46,12 @@ def runs_on_this_mesh(row: dict, world: int) -> bool:
 
 
 def planned(mesh, model: str, batch: int, hw_file: Path) -> list[dict]:
-    """This machine calibrated now (quick, every micro-batch a rank's share allows; rank 0
+    """This machine calibrated now (in full, every micro-batch a rank's share allows; rank 0
     writes the file), then the plan read from it: the same rows on every rank."""
     world = mesh.env.world_size
     share = batch // world
     hw = machine.calibrate(mesh, get_preset(model), micro_batch=share, seq_len=SEQ, tp_sizes=[1], precision="fp32",
-                           quick=True, other_micro_batches=divisors(share)[:-1])
+                           other_micro_batches=divisors(share)[:-1])
     if mesh.is_main:
         machine.save(hw, hw_file, machine.machine_facts(mesh))
     comm.barrier(mesh.axis("world"))
@@ -77,12 +79,9 @@ def main() -> None:
     for step in range(steps):  # the layouts take turns step by step: a slow second slows them all
         for trainer, taken in zip(trainers, times):
             taken.append(trainer.train_step(step)["step_time_s"])
-    # priced from the machine as timed before and after the layouts ran, the mean of the two
-    after = {row_layout(r): r["step_s"] for r in planned(mesh, model, batch, out / "hw-after.toml")}
     trained = [{"layout": {k: row[k] for k in ("zero", "micro_batch", "grad_accum", "recompute")},
-                "predicted": (row["step_s"] + after[row_layout(row)]) / 2,
-                "predictions": [row["step_s"], after[row_layout(row)]],
-                "measured": statistics.median(taken[WARM_STEPS:]), "steps": taken, "rank_in_plan": rows.index(row) + 1}
+                "predicted": row["step_s"], "measured": statistics.median(taken[WARM_STEPS:]),
+                "steps": taken[WARM_STEPS:], "rank_in_plan": rows.index(row) + 1}
                for row, taken in zip(chosen, times)]
     save_report({"trained": trained, "plan": [{k: r[k] for k in ("dp", "tp", "pp", "cp", "zero", "micro_batch",
                                                                  "grad_accum", "recompute", "step_s")}
