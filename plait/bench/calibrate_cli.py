@@ -31,7 +31,9 @@ def calibrate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cp", default="1", help="context-parallel degrees whose ring attention to measure")
     parser.add_argument("--precision", default="fp32",
                         help="fp32, bf16, or fp8 (the blocks' GEMMs as float8 products, the rest bf16)")
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions (what plait train does)")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer repetitions: what plait train does for its closing prediction; plan from a full "
+                             "one (3 rounds a shape order close micro-batches by chance on a noisy host)")
     parser.add_argument("--no-cache", action="store_true", help="do not also store it as this machine's calibration")
     parser.add_argument("--backend", default="auto", help="auto, nccl or gloo")
     return parser
