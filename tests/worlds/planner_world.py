@@ -19,7 +19,6 @@ argv: OUT_DIR MODEL GLOBAL_BATCH STEPS TOP
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
@@ -80,8 +79,7 @@ def main() -> None:
         for trainer, taken in zip(trainers, times):
             taken.append(trainer.train_step(step)["step_time_s"])
     trained = [{"layout": {k: row[k] for k in ("zero", "micro_batch", "grad_accum", "recompute")},
-                "predicted": row["step_s"], "measured": statistics.median(taken[WARM_STEPS:]),
-                "steps": taken[WARM_STEPS:], "rank_in_plan": rows.index(row) + 1}
+                "predicted": row["step_s"], "steps": taken[WARM_STEPS:], "rank_in_plan": rows.index(row) + 1}
                for row, taken in zip(chosen, times)]
     save_report({"trained": trained, "plan": [{k: r[k] for k in ("dp", "tp", "pp", "cp", "zero", "micro_batch",
                                                                  "grad_accum", "recompute", "step_s")}
