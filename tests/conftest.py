@@ -43,6 +43,17 @@ import pytest  # noqa: E402
 pytest_plugins = ["tests.moe_fixtures", "tests.matrix"]
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Start the worlds' pool (tests/worldlib.Pool) now when the run is the suite or a folder of
+    it: its zygote's `import torch` (about 5 s) then takes the core that collection leaves idle,
+    where started by the first world it held that world up. Not with the pool off."""
+    args = session.config.args
+    if os.environ.get("PLAIT_TEST_POOL", "1") != "0" and args and all(os.path.isdir(arg) for arg in args):
+        from tests.worldlib import Pool
+
+        Pool.get()
+
+
 def pytest_report_header(config: pytest.Config) -> str | None:
     if os.environ.get("CUDA_VISIBLE_DEVICES") == "" and GPUS:
         return (f"plait: {GPUS} GPU(s), fewer than the suite's 8-rank worlds: every test runs on the CPU with Gloo "

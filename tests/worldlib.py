@@ -57,7 +57,8 @@ def run_world(script: str, nproc: int, out: Path, *args: str, timeout: float = 3
 
 
 class Pool:
-    """The session's zygote (tests/zygote.py), started on first use, and worlds run on it."""
+    """The session's zygote (tests/zygote.py), started as the session begins (tests/conftest.py)
+    or on first use, and worlds run on it."""
 
     _instance: "Pool | None" = None
     # Variables read when torch or plait is imported, which the pool imported already with
@@ -66,22 +67,27 @@ class Pool:
     READ_WHEN_USED = ("TORCHINDUCTOR_CACHE_DIR",)  # Inductor reads it at each compile (its cache_dir())
 
     def __init__(self) -> None:
+        """Start the zygote and return: it imports torch (seconds) while the caller goes on, and
+        the first request waits for it (tests/conftest.py starts it as collection begins)."""
         self.dir = Path(tempfile.mkdtemp(prefix="plait-pool-"))
-        path = str(self.dir / "zygote.sock")
+        self.path = str(self.dir / "zygote.sock")
         self.env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.zygote", path], cwd=ROOT, env=self.env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.zygote", self.path], cwd=ROOT, env=self.env,
                                      stdout=subprocess.DEVNULL, stderr=open(self.dir / "zygote.log", "w"))
+        self.stream: Any = None
+        self.runs = 0
+        self.lock = threading.Lock()  # one request and its answer at a time: tests may run commands from threads
+        atexit.register(self.close)
+
+    def _connect(self) -> None:
         deadline = time.time() + 120
-        while not os.path.exists(path):
+        while not os.path.exists(self.path):
             if self.proc.poll() is not None or time.time() > deadline:
                 raise RuntimeError(f"the test pool did not start: {(self.dir / 'zygote.log').read_text()[-2000:]}")
             time.sleep(0.05)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.connect(path)
+        self.sock.connect(self.path)
         self.stream = self.sock.makefile("rw")
-        self.runs = 0
-        self.lock = threading.Lock()  # one request and its answer at a time: tests may run commands from threads
-        atexit.register(self.close)
 
     _starting = threading.Lock()
 
@@ -107,6 +113,8 @@ class Pool:
 
     def ask(self, request: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
+            if self.stream is None:
+                self._connect()
             self.stream.write(json.dumps(request) + "\n")
             self.stream.flush()
             return json.loads(self.stream.readline())
