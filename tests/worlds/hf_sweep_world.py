@@ -598,9 +598,11 @@ def main() -> None:
     batches = data()
     report: dict[str, Any] = {"cases": {}, "mine": {}, "plans": {}, "families": families, "modes": modes}
     for family in families:
+        begun = time.perf_counter()
         try:
             declared = plans(build(family))
             expected = reference(family, batches)
+            report.setdefault("reference_seconds", {})[family] = round(time.perf_counter() - begun, 3)
         except Exception as error:  # noqa: BLE001 - the family itself does not build or train here
             for mode in modes:
                 report["cases"][f"{family}/{mode}"] = {"verdict": "crash", "seconds": 0.0,

@@ -13,6 +13,7 @@ The reverse, a directory `from_pretrained` reads, is `plait ckpt export --hf`
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import os
 import weakref
@@ -29,6 +30,7 @@ from plait.models.gpt.config import GPTConfig
 from plait.models.hf.config import HFModelDir
 from plait.models.hf.experts import dense_experts
 from plait.models.hf.inferred import inferred_tp_plan
+from plait.models.hf.own_forward import own_parts
 from plait.models.hf import stages as hf_stages
 from plait.models.hf.plans import (beside_experts, block_list, cut_plan, declared, dispatched_experts,
                                    without_experts)
@@ -942,12 +944,33 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
 
 def _declared_parts(model: nn.Module, blocks: str) -> Parts | None:
     """The cut the model's pp plan makes, declared or inferred, where its block list is
-    `blocks`; None where no such cut is read."""
+    `blocks`, with each piece on the side of the blocks its stage holds it; None where no such
+    cut is read. Where the model's forward runs a declared piece on the other side of the blocks
+    (OPT registers its final norm before its layers), or the plan leaves a piece with
+    parameters unplaced (ModernBERT's head), the usual stages cannot be the model (their check
+    on real weights fails), so the stages run the model's own forward (models/hf/plans.py) and
+    hold the pieces as it runs them (`_own_cut`)."""
+    plan = cut_plan(model)[0]
     try:
-        parts = hf_stages.declared_parts(model, cut_plan(model)[0])
+        parts: Parts | None = hf_stages.declared_parts(model, plan)
     except PlaitError:
-        return None
-    return parts if parts.blocks == blocks else None
+        parts = None
+    own = _own_cut(model, plan)
+    if own is not None and (parts is None or (set(parts.first), set(parts.last)) != (set(own.first), set(own.last))):
+        parts = own
+    return parts if parts is not None and parts.blocks == blocks else None
+
+
+def _own_cut(model: nn.Module, plan: dict[str, Any]) -> Parts | None:
+    """own_forward.own_parts on the meta model: which pieces its forward runs before the first
+    block and which after. In bf16 where fp32 does not run there (grouped_mm's meta kernel takes
+    bf16 alone: HY-V4's, DeepSeek-V4's experts); None where neither runs."""
+    for probe in (lambda: model, lambda: copy.deepcopy(model).to(torch.bfloat16)):
+        try:
+            return own_parts(model, plan, probe())
+        except Exception:  # noqa: BLE001 - a forward that does not run on meta: the declared cut stands
+            continue
+    return None
 
 
 def _after_blocks(model: nn.Module, parts: Parts | None, seen: set[int]) -> int | None:
@@ -955,8 +978,7 @@ def _after_blocks(model: nn.Module, parts: Parts | None, seen: set[int]) -> int 
     cut `parts`: the final norm, the head and what a family adds beside them), less those in
     `seen` (the blocks') and a head tied to the embedding; None where no cut is read (all that
     is outside the blocks is then counted on the first stage). A cut whose stages run the
-    model's own forward places its pieces as that forward runs them (own_forward.own_parts:
-    OPT's final norm on the last stage), which this does not follow."""
+    model's own forward holds its pieces as that forward runs them (`_declared_parts`)."""
     if parts is None:
         return None
     embedding = getattr(model, "get_input_embeddings", lambda: None)()
