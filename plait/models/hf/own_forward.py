@@ -317,12 +317,15 @@ class _ProbeStage:
         return None
 
 
-def own_parts(model: nn.Module, plan: dict[str, Any], real: nn.Module) -> Parts:
+def own_parts(model: nn.Module, plan: dict[str, Any], real: nn.Module, until_blocks: bool = False) -> Parts:
     """The cut `plan` names, for stages that run the model's own forward: its pieces, and each
     module with parameters the plan leaves out (a head beside the final norm, per-layer
     embeddings), go before the blocks or after them as the forward runs them on `real` (OPT
     registers its final norm before its layers); one the forward never runs, as it is
-    registered. Whether the forward agrees is `OwnForward.check`'s to say."""
+    registered. Whether the forward agrees is `OwnForward.check`'s to say. `until_blocks`
+    stops the forward as it enters the first block and puts every piece it has not run after
+    the blocks: the shape's reading on meta (models/hf/load.py), where a forward through a
+    large model's blocks costs seconds and grouped experts do not run in fp32."""
     name = type(model).__name__
     order, placed, blocks = placed_pieces(model, plan)
     pieces, shared = [key for key in placed if key != blocks], []
@@ -343,27 +346,43 @@ def own_parts(model: nn.Module, plan: dict[str, Any], real: nn.Module) -> Parts:
                 pieces.append(full)
             else:
                 shared.append(full)
-    before = _run_before_blocks(real, pieces, blocks)
+    before = _run_before_blocks(real, pieces, blocks, until_blocks)
     pieces.sort(key=order.get)
     return Parts(blocks=blocks, first=tuple(k for k in pieces if before.get(k, order[k] < order[blocks])),
                  last=tuple(k for k in pieces if not before.get(k, order[k] < order[blocks])), shared=tuple(shared))
 
 
-def _run_before_blocks(real: nn.Module, pieces: list[str], blocks: str) -> dict[str, bool]:
+class _BlocksEntered(Exception):
+    """Raised by the first block's pre-hook to stop a forward there (`_run_before_blocks`)."""
+
+
+def _run_before_blocks(real: nn.Module, pieces: list[str], blocks: str,
+                       until_blocks: bool = False) -> dict[str, bool]:
     """{piece: whether the forward first runs it before its first block}, for the pieces one
-    forward of `real` on a few tokens runs."""
+    forward of `real` on a few tokens runs; with `until_blocks`, for every piece, the forward
+    stopped as it enters the first block."""
     seen: list[str] = []
+
+    def entered(module: nn.Module, args: Any) -> None:
+        seen.append("")
+        if until_blocks:
+            raise _BlocksEntered
+
     hooks = [real.get_submodule(piece).register_forward_pre_hook(lambda module, args, piece=piece: seen.append(piece))
              for piece in pieces]
-    hooks.append(real.get_submodule(blocks)[0].register_forward_pre_hook(lambda module, args: seen.append("")))
+    hooks.append(real.get_submodule(blocks)[0].register_forward_pre_hook(entered))
     try:
         with quiet(real):
             real(input_ids=probe_ids(real, probe_length(real)))
+    except _BlocksEntered:
+        pass
     finally:
         for hook in hooks:
             hook.remove()
-    entered = seen.index("") if "" in seen else len(seen)
-    return {piece: seen.index(piece) < entered for piece in pieces if piece in seen}
+    first = seen.index("") if "" in seen else len(seen)
+    if until_blocks:
+        return {piece: piece in seen[:first] for piece in pieces}
+    return {piece: seen.index(piece) < first for piece in pieces if piece in seen}
 
 
 def _skeleton(module: nn.Module) -> _Skeleton:
