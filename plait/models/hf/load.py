@@ -35,6 +35,7 @@ from plait.models.hf.plans import (beside_experts, block_list, cut_plan, declare
                                    without_experts)
 from plait.models.hf.styles import mixes_tokens, probe_ids, text_config
 from plait.parallel.deferred import recording
+from plait.parallel.probe import quiet
 from plait.parallel.seam import Parts
 from plait.parallel.tensor.plan import first_input_name, holds_the_sequence, on_the_same_slice
 
@@ -72,6 +73,31 @@ def build_hf_model(hf: HFModelDir, seed: int) -> nn.Module:
                          hint="check config.json and the safetensors files (load them with from_pretrained)") from None
     model.config.use_cache = False  # training keeps no key/value cache
     return model.float().train()  # from_pretrained returns eval mode; the trainer casts to --precision
+
+
+def _blocks_as_run(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig) -> GPTConfig:
+    """`shape` with as many layers as the model builds blocks, where config.json counts others and
+    one forward (on meta) runs each of them once and no other module of their kind: Dory's config
+    counts a block's attention and its MLP as two layers (6 for its 3 blocks), which priced 1.6x
+    its parameters and counted no block. A model that runs a block more than once (a looped
+    model's recurrent blocks), holds blocks of the kind outside the list (HRM's second stack), or
+    whose forward does not run on meta keeps config.json's count."""
+    if not layers or len(layers) == shape.n_layers:
+        return shape
+    kinds = tuple({type(block) for block in layers})
+    called: list[nn.Module] = []
+    hooks = [module.register_forward_pre_hook(lambda module, args: called.append(module))
+             for module in model.modules() if isinstance(module, kinds)]
+    try:
+        with quiet(model):
+            model(input_ids=probe_ids(model, PROBED_TOKENS))
+    except Exception:  # noqa: BLE001 - a forward that does not run on meta: config.json's count stands
+        return shape
+    finally:
+        for hook in hooks:
+            hook.remove()
+    once_each = len(called) == len(layers) and {id(m) for m in called} == {id(block) for block in layers}
+    return replace(shape, n_layers=len(layers)) if once_each else shape
 
 
 @contextlib.contextmanager
@@ -135,6 +161,7 @@ def measured_shape(hf: HFModelDir, kept: bool = True) -> GPTConfig:
                          hint="check config.json (AutoModelForCausalLM.from_config must accept it)") from None
     name = block_list(model)  # read once: each reading walks the model and its plans
     layers = _blocks(model, name)
+    shape = _blocks_as_run(model, layers, shape)
     shape = replace(shape, **_moe_fields(model, layers, shape))  # first: which blocks are dense
     width = _mlp_width(layers, shape)
     shape = replace(shape, ffn_hidden=width) if width else shape
