@@ -486,3 +486,30 @@ def test_a_blocks_activations_are_what_autograd_keeps(tmp_path: Path, monkeypatc
                 formulas_alone[family, precision] = alone / kept[family, dtype]
     assert all(formulas_alone[family, precision] < 0.5 for family in ("mamba", "qwen3_next", "jamba")
                for precision in ("fp32", "bf16")), formulas_alone
+
+
+def test_a_stage_that_runs_the_models_own_forward_holds_its_pieces_where_that_forward_runs_them(
+        tmp_path: Path) -> None:
+    """OPT registers its final norm before its layers and runs it after them: a pipeline of it
+    runs the model's own forward, whose last stage holds the norm (the wire sweep's opt/pp
+    counts each rank's parameters so). Dory's config counts a block's attention and its MLP as
+    two layers, 6 for its 3 blocks: read as its 3 blocks, each run once."""
+    from plait.estimate.layout import Workload, layout_stages
+
+    opt = shape_of(tmp_path / "opt", "opt", ffn_dim=64, word_embed_proj_dim=32)
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "opt")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    decoder = model.model.decoder
+    block = sum(p.numel() for p in decoder.layers[0].parameters())
+    norm = sum(p.numel() for p in decoder.final_layer_norm.parameters())
+    ends = sum(p.numel() for module in (decoder.embed_tokens, decoder.embed_positions) for p in module.parameters())
+    head = model.lm_head.weight.numel()  # tied to the embedding, a copy on the last stage
+    first, last = layout_stages(opt, Workload(pp=2, micro_batch=1, grad_accum=2, seq_len=16, precision="fp32"))
+    assert (first.layers, last.layers, norm) == (1, 1, 64)
+    assert (first.params, last.params) == (ends + block, block + norm + head)  # the norm once counted on the first
+    dory = shape_of(tmp_path / "dory", "dory", num_hidden_layers=3, n_input_layers=1, n_recurrent_layers=1,
+                    n_output_layers=1, n_recurrent_loops=1, sliding_window=6,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    assert dory.n_layers == 3 and len(dory.block_tally) == 3
+    assert dory.num_params() == meta_params(tmp_path / "dory")
