@@ -184,12 +184,16 @@ def test_a_mixer_beside_the_attention_is_read_whole(tmp_path: Path) -> None:
     assert (falcon.sp_whole_mixers, lfm2.sp_whole_mixers) == (1.0, 0.0)
 
 
-def meta_params(path: Path) -> int:
-    """The parameters of the model transformers builds from the config.json at `path`."""
+def meta_model(path: Path) -> torch.nn.Module:
+    """The model transformers builds from the config.json at `path`, on the meta device."""
     config = transformers.AutoConfig.from_pretrained(path)
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def meta_params(path: Path) -> int:
+    """The parameters of the model transformers builds from the config.json at `path`."""
+    return sum(p.numel() for p in meta_model(path).parameters())
 
 
 def test_the_parameters_are_counted_as_the_model_holds_them(tmp_path: Path) -> None:
@@ -497,9 +501,7 @@ def test_a_stage_that_runs_the_models_own_forward_holds_its_pieces_where_that_fo
     from plait.estimate.layout import Workload, layout_stages
 
     opt = shape_of(tmp_path / "opt", "opt", ffn_dim=64, word_embed_proj_dim=32)
-    config = transformers.AutoConfig.from_pretrained(tmp_path / "opt")
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
+    model = meta_model(tmp_path / "opt")
     decoder = model.model.decoder
     block = sum(p.numel() for p in decoder.layers[0].parameters())
     norm = sum(p.numel() for p in decoder.final_layer_norm.parameters())

@@ -75,31 +75,6 @@ def build_hf_model(hf: HFModelDir, seed: int) -> nn.Module:
     return model.float().train()  # from_pretrained returns eval mode; the trainer casts to --precision
 
 
-def _blocks_as_run(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig) -> GPTConfig:
-    """`shape` with as many layers as the model builds blocks, where config.json counts others and
-    one forward (on meta) runs each of them once and no other module of their kind: Dory's config
-    counts a block's attention and its MLP as two layers (6 for its 3 blocks), which priced 1.6x
-    its parameters and counted no block. A model that runs a block more than once (a looped
-    model's recurrent blocks), holds blocks of the kind outside the list (HRM's second stack), or
-    whose forward does not run on meta keeps config.json's count."""
-    if not layers or len(layers) == shape.n_layers:
-        return shape
-    kinds = tuple({type(block) for block in layers})
-    called: list[nn.Module] = []
-    hooks = [module.register_forward_pre_hook(lambda module, args: called.append(module))
-             for module in model.modules() if isinstance(module, kinds)]
-    try:
-        with quiet(model):
-            model(input_ids=probe_ids(model, PROBED_TOKENS))
-    except Exception:  # noqa: BLE001 - a forward that does not run on meta: config.json's count stands
-        return shape
-    finally:
-        for hook in hooks:
-            hook.remove()
-    once_each = len(called) == len(layers) and {id(m) for m in called} == {id(block) for block in layers}
-    return replace(shape, n_layers=len(layers)) if once_each else shape
-
-
 @contextlib.contextmanager
 def _initialised_even_on_meta() -> Iterator[None]:
     """transformers skips `_init_weights` when it sees the meta device (it expects weights to
@@ -222,6 +197,31 @@ def _blocks(model: nn.Module, name: str | None) -> nn.ModuleList | None:
     if isinstance(found, nn.ModuleList):
         return found
     return max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, default=None)
+
+
+def _blocks_as_run(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig) -> GPTConfig:
+    """`shape` with as many layers as the model builds blocks, where config.json counts others and
+    one forward (on meta) runs each of them once and no other module of their kind: Dory's config
+    counts a block's attention and its MLP as two layers (6 for its 3 blocks), which priced 1.6x
+    its parameters and counted no block. A model that runs a block more than once (a looped
+    model's recurrent blocks), holds blocks of the kind outside the list (HRM's second stack), or
+    whose forward does not run on meta keeps config.json's count."""
+    if not layers or len(layers) == shape.n_layers:
+        return shape
+    kinds = tuple({type(block) for block in layers})
+    called: list[nn.Module] = []
+    hooks = [module.register_forward_pre_hook(lambda module, args: called.append(module))
+             for module in model.modules() if isinstance(module, kinds)]
+    try:
+        with quiet(model):
+            model(input_ids=probe_ids(model, PROBED_TOKENS))
+    except Exception:  # noqa: BLE001 - a forward that does not run on meta: config.json's count stands
+        return shape
+    finally:
+        for hook in hooks:
+            hook.remove()
+    once_each = len(called) == len(layers) and {id(m) for m in called} == {id(block) for block in layers}
+    return replace(shape, n_layers=len(layers)) if once_each else shape
 
 
 def _qk_norm(layers: nn.ModuleList | None, shape: GPTConfig, plan: dict[str, str]) -> dict[str, Any]:
@@ -504,7 +504,7 @@ def _dense_beside_experts(layers: nn.ModuleList | None, shape: GPTConfig, plan: 
 
 
 EXPERT_STYLES = ("moe_tp_experts", "all_reduce")  # the declared styles plait runs as split experts (styles.py)
-PROBED_TOKENS = 4  # the tokens `_expert_entries` runs an MoE module on, on the meta device (`_read_whole_passes` the model)
+PROBED_TOKENS = 4  # the tokens a probe forward on the meta device runs: `_expert_entries`' MoE module, `_read_whole_passes`' and `_blocks_as_run`'s model
 
 
 def _expert_entries(layers: nn.ModuleList | None, shape: GPTConfig, plan: dict[str, str],
