@@ -4,7 +4,7 @@ model's own forward (plait/models/hf/own_forward.py), against one process.
 The sweep runs pp alone on 2 ranks. Here the own-forward stages meet tensor parallelism
 and sequence parallelism: on a later stage the forward's start runs on stand-in ids of the
 whole sequence (its masks, ALiBi biases and position embeddings), while the hidden states
-it takes in hold the stage's slice. Each family: 3 AdamW steps of 2 micro-batches (1F1B); the
+it takes in hold the stage's slice. Each family: 2 AdamW steps of 2 micro-batches (1F1B); the
 report holds the losses and the worst difference of a held parameter, gathered over tp.
 Then GPT-Neo at dp 2 × pp 2 with ZeRO-3 and full recomputation (its blocks gathered, freed
 and rerun inside the forward the stage runs): the dp-mean losses.

@@ -1,7 +1,7 @@
 """A sweep over transformers' causal-LM families: each trains like one process, or is refused. One spawn.
 
 For every family of FAMILIES (a tiny model built by `AutoConfig.for_model` from one seed, no
-plan and no adapter from the user) and every mode it declares a plan for, 3 AdamW steps of 2
+plan and no adapter from the user) and every mode it declares a plan for, 2 AdamW steps of 2
 micro-batches on the same global batches, against one process training the whole batch:
 
 - "tp": init_mesh(tp=2), run where `model.tp_plan` is non-empty;
@@ -69,7 +69,7 @@ from plait.runtime import comm
 from tests.worldlib import save_report
 from tests.worlds.hf_common import pipeline_steps
 
-SEED, STEPS, BATCH, ACCUM, SEQ, VOCAB = 0, 3, 4, 2, 16, 128
+SEED, STEPS, BATCH, ACCUM, SEQ, VOCAB = 0, 2, 4, 2, 16, 128
 # Adam moves an element whose gradient is near zero by up to lr·δg/eps for a last-bit δg (another
 # summation order: tests/worlds/hf_plans_world.py). At eps 1e-6 olmo2's tp embedding drifted by
 # 1.1e-5 on one 2-core AVX2 machine and not on another; eps 1e-5 keeps such noise a tenth of that,
@@ -588,6 +588,28 @@ def agree(mine: dict[str, Any], expected: dict[str, Any], group: Any) -> dict[st
     raise AssertionError(verdicts)
 
 
+def shared_references(families: list[str], batches: list[torch.Tensor], group: Any,
+                      report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each family's plans and one-process reference, computed by one rank (the families dealt
+    out in turn) and handed to every rank: each rank had computed every reference itself, the
+    same numbers twice (about 40 s of the whole sweep's world). A family that does not build or
+    train here is its error's line."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine: dict[str, dict[str, Any]] = {}
+    for family in families[rank::world]:
+        report["in_progress"] = f"{family}/reference"
+        save_report(report)
+        begun = time.perf_counter()
+        try:
+            mine[family] = {"declared": plans(build(family)), "expected": reference(family, batches)}
+        except Exception as error:  # noqa: BLE001 - the family itself does not build or train here
+            mine[family] = {"error": f"reference: {type(error).__name__}: {first_line(error)}"}
+        mine[family]["seconds"] = round(time.perf_counter() - begun, 3)
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    return {family: found for part in everyone for family, found in part.items()}
+
+
 def main() -> None:
     families = sys.argv[1].split(",") if len(sys.argv) > 1 and sys.argv[1] else list(FAMILIES)
     modes = sys.argv[2].split(",") if len(sys.argv) > 2 else list(MODES)
@@ -597,18 +619,15 @@ def main() -> None:
     rank = dist.get_rank()
     batches = data()
     report: dict[str, Any] = {"cases": {}, "mine": {}, "plans": {}, "families": families, "modes": modes}
+    references = shared_references(families, batches, group, report)
+    report["reference_seconds"] = {family: references[family]["seconds"] for family in families}
     for family in families:
-        begun = time.perf_counter()
-        try:
-            declared = plans(build(family))
-            expected = reference(family, batches)
-            report.setdefault("reference_seconds", {})[family] = round(time.perf_counter() - begun, 3)
-        except Exception as error:  # noqa: BLE001 - the family itself does not build or train here
+        if "error" in references[family]:
             for mode in modes:
                 report["cases"][f"{family}/{mode}"] = {"verdict": "crash", "seconds": 0.0,
-                                                       "detail": f"reference: {type(error).__name__}: "
-                                                                 f"{first_line(error)}"}
+                                                       "detail": references[family]["error"]}
             continue
+        declared, expected = references[family]["declared"], references[family]["expected"]
         report["plans"][family] = declared
         for mode in modes:
             key = f"{family}/{mode}"

@@ -4,7 +4,7 @@ Under SP an MoE block with experts kept whole for ep runs on its sequence slice,
 rank's expert gradient is partial and summed over tp by a tensor hook; expert parallelism
 then slices those parameters anew, and the slice must carry the hook (it once did not: the
 experts learned from 1/tp of the tokens, and the tp copies drifted apart). The sweep runs tp,
-SP and ep only one at a time. Each family: 3 AdamW steps of 2 micro-batches, each dp rank its
+SP and ep only one at a time. Each family: 2 AdamW steps of 2 micro-batches, each dp rank its
 half of every batch; the report holds the losses and the worst parameter difference, the
 split parameters gathered whole.
 """
