@@ -39,8 +39,9 @@ if 0 < GPUS < 8 and os.environ.get("PLAIT_TEST_GPU") != "1":
 
 import pytest  # noqa: E402
 
-# The MoE worlds' fixtures, shared by two test files and computed once per session.
-pytest_plugins = ["tests.moe_fixtures", "tests.matrix"]
+# The MoE worlds' fixtures, shared by two test files and computed once per session; the
+# one-process files run two at a time (tests/pairing.py).
+pytest_plugins = ["tests.pairing", "tests.moe_fixtures", "tests.matrix"]
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

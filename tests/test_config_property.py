@@ -24,6 +24,9 @@ VALUES = st.one_of(
 )
 
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 def _outcome(file_values, flag_values, out):
     try:
         config = build_config({**file_values, "out": str(out)}, flag_values, family_of)

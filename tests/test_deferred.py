@@ -19,6 +19,9 @@ from plait.parallel.probe_copy import reduced_copy
 from plait.parallel.seam import adapter_of
 
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 def _everything(model: nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
 

@@ -30,6 +30,9 @@ from plait.parallel.recompute import apply_recompute
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 def _measured(name: str, size: int, channels: int, batch: int, precision: str, recompute: str) -> int:
     config = get_resnet(name, in_channels=channels, num_classes=10)
     model = build_resnet(config, 0).to(DTYPES[precision])

@@ -37,6 +37,9 @@ HAS_GPT = importlib.util.find_spec("plait.models.gpt.model") is not None
 
 
 # -- model states: ZeRO (Rajbhandari et al. 2019), Figure 1 / Table 1 --------------------------
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 @pytest.mark.parametrize("zero, expected_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.88)])
 def test_zero_paper_7_5b_on_64_gpus(zero: int, expected_gb: float) -> None:
     """Ψ = 7.5 B, N_d = 64, K = 12 (mixed-precision Adam): the paper's memory column."""

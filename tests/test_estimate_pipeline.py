@@ -15,6 +15,9 @@ from plait.schedule.build import build_schedule, simulate
 THIRD = 1 / 3  # a forward's share of a micro-batch without recomputation
 
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 @pytest.mark.parametrize("schedule,pp,m,v", [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 8, 3, 1),
                                               ("interleaved", 4, 8, 2), ("interleaved", 2, 6, 3),
                                               ("zb-h1", 4, 8, 1), ("zb-h1", 6, 12, 1)])

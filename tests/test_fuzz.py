@@ -32,6 +32,9 @@ HOSTILE = ["", " ", "0", "-1", "1", "2", "3", "8", "-0", "1.5", "1e309", "-1e309
            "4GB", "-5GB", "tiny", "small", "resnet18", "digits", "bf16", "fp8", "ring", "1f1b", "crop,flip"]
 
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 def _options(parser: argparse.ArgumentParser) -> dict[str, bool]:
     """{option string: takes a value} of a parser (help and --debug aside)."""
     out = {}

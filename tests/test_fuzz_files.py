@@ -27,6 +27,9 @@ ODD = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(
                 st.lists(st.integers(-3, 3), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
 
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 def _swap_one(value: Any, draw: Any) -> Any:
     """`value` (parsed JSON) with one entry, at any depth, replaced by an odd value."""
     if isinstance(value, dict) and value:

@@ -22,6 +22,9 @@ SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_lay
 LAYER = "model.layers.*"
 
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 def qwen3(**extra: object) -> nn.Module:
     torch.manual_seed(0)
     return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SHAPE, **extra))

@@ -37,6 +37,9 @@ MLA = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_
            num_experts_per_tok=2, moe_intermediate_size=32, index_topk=8, index_head_dim=8, index_n_heads=2)
 
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 def shape_of(tmp_path: Path, family: str, **fields: Any) -> Any:
     transformers.AutoConfig.for_model(family, **{**SHAPE, **fields}).save_pretrained(tmp_path)
     return measured_shape(read_hf_dir(f"hf:{tmp_path}"))

@@ -7,7 +7,12 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 PLAIT = Path(__file__).resolve().parent.parent / "plait"
+
+
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
 
 
 def module_name(path: Path) -> str:

@@ -28,6 +28,9 @@ from plait.parallel.recompute import apply_recompute
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
 
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 def _blocks(router: str, capacity: float, dtype: torch.dtype, recompute: bool = False):
     """(eager block, its compiled copy) of tiny-moe's first block, an MoE block."""
     model = build_gpt(get_preset("tiny-moe", router=router, capacity_factor=capacity), seed=0).to(dtype)

@@ -26,6 +26,9 @@ from plait.schedule.build import build_schedule, simulate
 from plait.runtime.comm import Axis, Ledger
 
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 def config(layers: int = 8, tied: bool = True):
     return dataclasses.replace(get_preset("tiny"), n_layers=layers, tie_embeddings=tied)
 

@@ -21,6 +21,9 @@ from plait.families import shape_of
 from plait.models.gpt.config import get_preset
 
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 def plan_main(argv: list[str]) -> int:
     return plan_with(argv, shape_of)
 

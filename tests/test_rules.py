@@ -18,6 +18,9 @@ from plait.families import family_of
 from plait.train.config.settings import TrainConfig, check_strategies
 
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 def train_checks(config: TrainConfig) -> None:
     """What `plait train` checks of a layout before spawning: its rules, then the model's."""
     check_strategies(config)

@@ -19,6 +19,9 @@ from plait.schedule.build import (
 SIZES = [(pp, m) for pp in (1, 2, 4) for m in (1, 4, 8)]
 
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 def labels(schedule: list[list[Action]]) -> list[str]:
     return [" ".join(a.label() for a in row) for row in schedule]
 

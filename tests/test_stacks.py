@@ -22,6 +22,9 @@ GPT = GPTConfig(vocab_size=51200, n_layers=4, d_model=1024, n_heads=16, n_kv_hea
                 max_seq_len=2048, arch="gpt2")
 
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 def work(stack: str, **fields: object) -> Workload:
     return Workload(**{"dp": 1, "tp": 2, "precision": "bf16", "micro_batch": 2, "seq_len": 2048,
                        "recompute": "full", "stack": stack, **fields})

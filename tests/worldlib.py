@@ -30,6 +30,8 @@ from pathlib import Path
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
+from tests.pairing import starting_processes
+
 ROOT = Path(__file__).resolve().parent.parent
 WORLDS = ROOT / "tests" / "worlds"
 
@@ -37,6 +39,7 @@ WORLDS = ROOT / "tests" / "worlds"
 def run_world(script: str, nproc: int, out: Path, *args: str, timeout: float = 300,
               expect_ok: bool = True) -> tuple[subprocess.CompletedProcess, list[dict[str, Any]]]:
     """Run tests/worlds/`script` on `nproc` ranks; return the process and each rank's report."""
+    starting_processes(f"the world {script}")
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PLAIT_TEST_OUT": str(out), "PYTHONPATH": str(ROOT)}
     pool = Pool.serving(env)
@@ -221,6 +224,7 @@ def run_plait(*args: str, timeout: float = 300, cwd: Path | None = None,
     """Run the `plait` CLI as a user would (python -m plait ...), forked from the session's pool
     with its ranks (tests/zygote.py): the command's own code, spawner included, runs as it
     would from a shell, without an `import torch` per process."""
+    starting_processes(f"plait {' '.join(args[:1])}")
     env = _cli_env(env_extra)
     pool = Pool.serving(env)
     if pool is not None:
@@ -234,6 +238,7 @@ def run_plait_fresh(*args: str, timeout: float = 300, cwd: Path | None = None,
     when the pool is off (PLAIT_TEST_POOL=0) or cannot start, and the runs that must cross
     the exec boundary (a slow killed-rank restart and elastic resizes, whose bytes are held
     against pooled references)."""
+    starting_processes(f"plait {' '.join(args[:1])}")
     return subprocess.run([sys.executable, "-m", "plait", *args], env=_cli_env(env_extra), cwd=cwd or ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
