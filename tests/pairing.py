@@ -1,6 +1,7 @@
-"""The one-process files, two at a time: the suite's files marked `one_process` (no world, no
-command: the pytest process alone, on one core) run in two pytest processes at once, before
-anything else, so the machine's second core does not sit idle through them.
+"""The one-process tests, two files at a time: the suite's tests marked `one_process` (no world,
+no command: the pytest process alone, mostly on one core; a whole file's or a single test's
+mark) run in two pytest processes at once, before anything else, so the machine's second
+core does not sit idle through them.
 
 Measured on the 2-core machine (`make test`, 2026-12-02): the tests left the machine idle a
 third of the time (226 of 682 core-seconds), and the one-process files (the planner's, the
@@ -79,7 +80,8 @@ class Pairing:
     def start_child(self, files: list[str]) -> None:
         env = {**os.environ, CHILD: str(self.folder)}
         option = self.config.option
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", option.markexpr or "",
+        marks = f"({option.markexpr}) and {MARK}" if option.markexpr else MARK  # a world file's marked tests alone
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marks,
                    *(["-k", option.keyword] if option.keyword else []), *reversed(files)]
         with open(self.folder / "child.log", "w") as log:
             self.child = subprocess.Popen(command, cwd=self.config.rootpath, env=env, stdout=log,

@@ -33,6 +33,9 @@ VIEWS = {"view", "_unsafe_view", "transpose", "t", "slice", "expand", "as_stride
          "reshape", "flatten", "lift_fresh"}
 
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 def _tensors(values: object) -> list[torch.Tensor]:
     if isinstance(values, torch.Tensor):
         return [values]

@@ -26,6 +26,9 @@ TINY = get_preset("tiny")
 BATCH, SEQ = 2, 32
 
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 def _block(selective: bool) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
     model = build_gpt(TINY, 0)
     if selective:

@@ -305,6 +305,7 @@ def test_llm_foundrys_whole_table() -> None:
 
 
 @pytest.mark.slow  # plait plan over the published runs on up to 512 GPUs: ~20 s of search
+@pytest.mark.one_process  # beside another such file (tests/pairing.py)
 def test_the_planner_matches_or_beats_each_published_layout_on_paper() -> None:
     """For each published run on up to 512 GPUs, `plait plan` over the same model, GPUs, batch
     and sequence predicts at least the published layout's throughput, each of which fits by the
