@@ -13,6 +13,9 @@ from plait.cli import main
 from plait.errors import EXIT_INPUT
 
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 def _refused(capsys: pytest.CaptureFixture, argv: list[str], says: str) -> None:
     assert main(argv) == EXIT_INPUT, argv
     err = capsys.readouterr().err

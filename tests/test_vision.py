@@ -23,6 +23,9 @@ from plait.train.data.images import image_splits, load_images
 TINY = ResNetConfig("basic", (1, 1), width=4, in_channels=1, num_classes=10)
 
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 @pytest.mark.parametrize("name, params", [("resnet18", 11_173_962), ("resnet34", 21_282_122),
                                           ("resnet50", 23_520_842)])
 def test_presets_have_the_published_cifar_sizes(name, params):
