@@ -9,8 +9,8 @@ rules', the fuzzer's, the compiled MoE block's...) were about 65 s of wall time 
 cores. Worlds are not paired: two worlds' ranks on the same two cores wait for each other's
 turns at every collective (docs/design.md, "The suite runs in one pytest process").
 
-How: this session moves the marked files' tests first and starts a second pytest on the same
-files, in reverse order, with the same `-m`. Each process claims a file as it reaches it
+How: this session moves the marked tests first and starts a second pytest on their files, in
+reverse order, with the same `-m` and `-k` (and the mark: a world file's marked tests alone). Each process claims a file as it reaches it
 (`os.mkdir` of the file's name in a shared folder: exactly one succeeds) and passes over the
 files the other claimed, so the two meet where the work halves, whatever each file costs.
 The second process writes its tests' reports; this one waits for it before the first
@@ -31,7 +31,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -40,6 +39,7 @@ MARK = "one_process"
 CHILD = "PLAIT_TEST_PAIR_CHILD"  # in the second process: the shared folder
 WAIT_S = 1800  # the second process ends well before this, or is stopped and its files fail here
 _running_marked: list[str] = []  # the marked test running in this process, if any
+_SECOND: list["Pairing"] = []  # in the second process: its side, which writes the reports
 
 
 def starting_processes(what: str) -> None:
@@ -67,6 +67,7 @@ class Pairing:
         self.deferred: list[pytest.Item] = []  # main: the other's tests, replayed once it ends
         self.child: subprocess.Popen | None = None
         self.replayed = False
+        self.ran = False  # the test loop began: an interrupted or failed collection replays nothing
 
     def claim(self, path: str) -> bool:
         if path not in self.claimed:
@@ -84,8 +85,11 @@ class Pairing:
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marks,
                    *(["-k", option.keyword] if option.keyword else []), *reversed(files)]
         with open(self.folder / "child.log", "w") as log:
-            self.child = subprocess.Popen(command, cwd=self.config.rootpath, env=env, stdout=log,
-                                          stderr=subprocess.STDOUT)
+            try:
+                self.child = subprocess.Popen(command, cwd=self.config.rootpath, env=env, stdout=log,
+                                              stderr=subprocess.STDOUT)
+            except OSError:  # no second process: this one claims every file as it reaches it
+                self.child = None
 
     def replay(self) -> None:
         """Wait for the second process, then report its tests here, in their order."""
@@ -128,10 +132,11 @@ def _engaged(config: pytest.Config) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", f"{MARK}: the file's tests run in the pytest process alone (no world, no "
-                                       "command), so it may run beside another such file (tests/pairing.py)")
+    config.addinivalue_line("markers", f"{MARK}: runs in the pytest process alone (no world, no command), so it "
+                                       "may run beside another such file (tests/pairing.py)")
     if os.environ.get(CHILD):
         config.stash[_KEY] = Pairing(config, Path(os.environ[CHILD]), main=False)
+        _SECOND[:] = [config.stash[_KEY]]
 
 
 _KEY = pytest.StashKey[Pairing]()
@@ -157,6 +162,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     """A marked test runs here if this process claimed its file (and, paired or not, may not
     start processes); the main process replays the other's reports before its first unmarked test."""
     pairing = item.config.stash.get(_KEY, None)
+    if pairing is not None:
+        pairing.ran = True
     if not _marked(item):
         if pairing is not None and pairing.main:
             pairing.replay()
@@ -175,31 +182,20 @@ def pytest_runtest_logfinish(nodeid: str) -> None:
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """In the second process: each report of a test it ran, for the main one to replay."""
-    pairing = _pairing_of(report)
-    if pairing is None or pairing.main:
+    if not _SECOND:
         return
-    data = pairing.config.hook.pytest_report_to_serializable(config=pairing.config, report=report)
-    with open(pairing.folder / "reports.jsonl", "a") as out:
+    config = _SECOND[0].config
+    data = config.hook.pytest_report_to_serializable(config=config, report=report)
+    with open(_SECOND[0].folder / "reports.jsonl", "a") as out:
         out.write(json.dumps(data) + "\n")
-
-
-_CONFIG: list[pytest.Config] = []
-
-
-def _pairing_of(report: pytest.TestReport) -> Pairing | None:
-    return _CONFIG[0].stash.get(_KEY, None) if _CONFIG else None
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_sessionstart(session: pytest.Session) -> None:
-    _CONFIG[:] = [session.config]
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     pairing = session.config.stash.get(_KEY, None)
     if pairing is None or not pairing.main:
         return
-    pairing.replay()  # every test was marked: nothing came after them
+    if pairing.ran and session.exitstatus != pytest.ExitCode.INTERRUPTED:
+        pairing.replay()  # every test was marked: nothing came after them
     pairing.stop()
     if session.testsfailed and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
