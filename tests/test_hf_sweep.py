@@ -1,8 +1,8 @@
 """Every transformers causal-LM family of the sweep trains exactly like one process, or is refused.
 
 Two 2-rank spawns of tests/worlds/hf_sweep_world.py: `make test` runs the families fixed here
-and the ones the sweep first found different (QUICK, about 12 s), `make test-all` every family
-(about 75 s on 2 CPU cores). Tiny models
+and the ones the sweep first found different (QUICK, about 8 s), `make test-all` every family
+(about 2 min on 2 CPU cores; each reference computed on one rank and handed to the other). Tiny models
 built by `AutoConfig.for_model` from one seed, each under tp 2, tp 2 + SP, pp 2 (1F1B) and,
 for the mixtures of experts, dp 2 × ep 2, 2 AdamW steps of 2 micro-batches against one
 process: "exact" (losses rtol 1e-4, final parameters rtol 1e-4 / atol 5e-6, gathered whole),

@@ -19,6 +19,9 @@ from plait.models.gpt.moe import MoE, Experts, balance_loss
 from plait.estimate.experts import dispatch_bytes, uniform_rows
 
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 def _one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     assert main(argv) == 2
     lines = capsys.readouterr().err.strip().splitlines()

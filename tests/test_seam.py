@@ -23,6 +23,9 @@ SHAPE = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_lay
              num_key_value_heads=2, max_position_embeddings=32)
 
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 def hf(family: str, **extra: object) -> nn.Module:
     config = getattr(transformers, f"{family}Config")(**SHAPE, **extra)
     torch.manual_seed(0)

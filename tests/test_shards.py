@@ -17,6 +17,9 @@ from plait.train.checkpoint.shards import (INDEX, SINGLE, Entry, LazyWeights, Sh
 from plait.train.config.check import parse_bytes
 
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 def _tensors() -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     return {"a.weight": torch.randn(6, 4), "b.bias": torch.randn(3).bfloat16(), "c.count": torch.arange(5),

@@ -196,6 +196,7 @@ def _benchmark(name: str):
     return module
 
 
+@pytest.mark.one_process  # arithmetic on published runs: beside another such file (tests/pairing.py)
 def test_gpu_presets_against_published_runs() -> None:
     """Narayanan et al. 2021 Table 1, all ten rows within 10%, priced as Megatron-LM ran them
     (--stack megatron-2021); torchtitan's Llama 3 8B within 40% on the SXM preset
@@ -214,6 +215,7 @@ def test_gpu_presets_against_published_runs() -> None:
         assert abs((pred128 / pred8) / (pub128 / pub8) - 1) <= 0.05, hardware
 
 
+@pytest.mark.one_process  # arithmetic on published runs: beside another such file (tests/pairing.py)
 def test_table_2_of_narayanan_et_al() -> None:
     """GPT-3 175 B on 384-1536 A100s: PTD-P (t 8, p 12) within 10% of each published figure.
     ZeRO-3 without model parallelism is out, in the bands it is known to err in
@@ -241,6 +243,7 @@ PUBLISHED_BANDS = {("BLOOM", ""): WITHIN_10, ("MPT-7B", ""): WITHIN_10, ("MPT-30
                    ("Llama 3 405B", ""): WITHIN_10}
 
 
+@pytest.mark.one_process  # arithmetic on published runs: beside another such file (tests/pairing.py)
 def test_published_runs_each_in_their_own_definition() -> None:
     """BLOOM-176B (hardware TFLOP/s with recompute), llm-foundry's MPT and Nemotron-4 15B (MFU).
     BLOOM runs on its own machine, Jean Zay's A100 nodes with four 100 Gb/s Omni-Path links: on
@@ -270,6 +273,7 @@ NOT_FITTING = {
 }
 
 
+@pytest.mark.one_process  # arithmetic on published runs: beside another such file (tests/pairing.py)
 def test_the_largest_published_layouts_fit_where_they_ran() -> None:
     """Every published layout the suite holds fits its GPUs by the estimate, without recompute
     where the run used none, but those NOT_FITTING names, each with its reason. Llama 3 405B
@@ -285,6 +289,7 @@ def test_the_largest_published_layouts_fit_where_they_ran() -> None:
     assert out == set(NOT_FITTING), out
 
 
+@pytest.mark.one_process  # arithmetic on published runs: beside another such file (tests/pairing.py)
 def test_llm_foundrys_whole_table() -> None:
     """Every bf16 row of llm-foundry's MPT benchmark table (209 runs, 8 to 512 GPUs, 125 M to
     70 B parameters, 512 to 65,536 tokens), each priced as it ran and compared in the table's
@@ -319,6 +324,7 @@ def test_the_planner_matches_or_beats_each_published_layout_on_paper() -> None:
         assert best >= published * (1 - 1e-9), (name, hardware, best, published, layout)
 
 
+@pytest.mark.one_process  # arithmetic on published runs: beside another such file (tests/pairing.py)
 def test_the_presets_predict_plaits_own_gpu_runs() -> None:
     """benchmarks/gpu_presets.py's MEASURED_RUNS: the 5.12 B ZeRO-3 offload step measured on
     an H200 (its host step 2.0 of 2.7 s: PCIe both ways in fp32 and the host's AdamW), and the
