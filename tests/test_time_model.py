@@ -592,7 +592,10 @@ def test_the_plans_first_layouts_measure_as_it_ranks_them(tmp_path: Path) -> Non
     trained: the first pick within 5% of the fastest measured (less two standard errors of
     their rounds' ratio), and each layout priced within
     10% against the others (its predicted / measured within 10% of the three's median ratio),
-    the median ratio within 25% of 1.
+    the median ratio within 25% of 1 (where the calibration's pace and the training's differed by
+    more than 20%, the machine is timed again after the layouts and each priced at the mean of
+    the two: one closing run here had the host 26% slower in the calibration than in the
+    training).
 
     The layouts take turns step by step, 12 steps each, and each is measured against the
     others in its round (the benchmark's `paired`): a slow stretch of the host slows a round's
@@ -610,7 +613,10 @@ def test_the_plans_first_layouts_measure_as_it_ranks_them(tmp_path: Path) -> Non
     trained = reports[0]["trained"]
     assert len(trained) == 3, reports[0]
     measured = _benchmark("planner_measured").paired([t["steps"] for t in trained])
-    ratios = [t["predicted"] / m for t, m in zip(trained, measured)]
+    # priced at the mean of the machine timed before and after them where the two paces differed
+    # (tests/worlds/planner_world.RECHECK_PACE)
+    ratios = [statistics.fmean([t["predicted"], t.get("predicted_after", t["predicted"])]) / m
+              for t, m in zip(trained, measured)]
     pace = statistics.median(ratios)
     assert all(abs(r / pace - 1) <= 0.1 for r in ratios), (measured, trained)
     assert abs(pace - 1) <= 0.25, (measured, trained)
