@@ -56,10 +56,10 @@ def layout_of(row: dict) -> dict:
     return {k: row[k] for k in ("zero", "micro_batch", "grad_accum", "recompute")}
 
 
-def pace(chosen: list[dict], times: list[list[float]], mesh) -> float:
-    """The median over the layouts of predicted / measured (their median step), as the ranks
-    agree on it (each times its own steps): the calibration's pace against the training's."""
-    ratio = statistics.median(row["step_s"] / statistics.median(taken[WARM_STEPS:]) for row, taken in zip(chosen, times))
+def pace(trained: list[dict], mesh) -> float:
+    """The median over the trained layouts of predicted / measured (their median step), as the
+    ranks agree on it (each times its own steps): the calibration's pace against the training's."""
+    ratio = statistics.median(entry["predicted"] / statistics.median(entry["steps"]) for entry in trained)
     agreed = torch.tensor([ratio], dtype=torch.float64)
     comm.all_reduce(agreed, mesh.axis("world"), purpose=comm.TELEMETRY)
     return agreed.item() / mesh.env.world_size
@@ -101,7 +101,7 @@ def main() -> None:
             taken.append(trainer.train_step(step)["step_time_s"])
     trained = [{"layout": layout_of(row), "predicted": row["step_s"], "steps": taken[WARM_STEPS:],
                 "rank_in_plan": rows.index(row) + 1} for row, taken in zip(chosen, times)]
-    if abs(pace(chosen, times, mesh) - 1) > RECHECK_PACE:
+    if abs(pace(trained, mesh) - 1) > RECHECK_PACE:
         again = {str(layout_of(row)): row["step_s"] for row in planned(mesh, model, batch, out / "hw-after.toml")
                  if runs_on_this_mesh(row, world)}
         for entry in trained:
