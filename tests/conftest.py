@@ -12,8 +12,18 @@ os.environ.setdefault("PLAIT_CALIBRATION", "off")
 os.environ.setdefault("PLAIT_REPORT", "off")
 
 
+import atexit  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+
+# One compile cache for the whole run, its own (nothing a user's cache holds is found): every
+# test that compiles, in this process, the paired one (tests/pairing.py) and the worlds, shares
+# it. A fresh cache folder costs Inductor about 14 s before its first kernel (probing the
+# CPU's vector ISAs, building its precompiled header), a folder it has used about 0 s.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="plait-test-inductor-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 
 def _gpus() -> int:

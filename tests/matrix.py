@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shlex
 from pathlib import Path
 from typing import Any
@@ -324,7 +325,9 @@ class MatrixRuns:
     def __init__(self, root: Path) -> None:
         self.root = root
         write_families(root)
-        self.compile_env = {"TORCHINDUCTOR_CACHE_DIR": str(root / "inductor")}  # every compiled row shares it
+        # every compiled row shares the run's compile cache (tests/conftest.py)
+        shared = os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
+        self.compile_env = {"TORCHINDUCTOR_CACHE_DIR": shared}
         self.references = Runs(self._reference)
         self.rows = Runs(self._row)
 
