@@ -22,7 +22,8 @@ import tempfile  # noqa: E402
 # compiled rows, the compiled census and selective recompute under compile had used three.
 # It is kept between runs, as Inductor's own default folder is: a later run of the suite on
 # the same machine loads the kernels it compiled (the compiled files took 298 s in a new
-# folder, 140 s in a used one).
+# folder, 140 s in a used one, from the same .venv: a kernel's key holds its compile command,
+# the .venv's include paths among them).
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"plait-tests-inductor-{os.getuid()}")
 
