@@ -325,9 +325,8 @@ class MatrixRuns:
     def __init__(self, root: Path) -> None:
         self.root = root
         write_families(root)
-        # every compiled row shares the run's compile cache (tests/conftest.py)
-        shared = os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
-        self.compile_env = {"TORCHINDUCTOR_CACHE_DIR": shared}
+        # every compiled row shares the suite's compile cache (set by tests/conftest.py)
+        self.compile_env = {"TORCHINDUCTOR_CACHE_DIR": os.environ["TORCHINDUCTOR_CACHE_DIR"]}
         self.references = Runs(self._reference)
         self.rows = Runs(self._row)
 

@@ -10,9 +10,10 @@ cores. Worlds are not paired: two worlds' ranks on the same two cores wait for e
 turns at every collective (docs/design.md, "The suite runs in one pytest process").
 
 How: this session moves the marked tests first and starts a second pytest on their files, in
-reverse order, with the same `-m` and `-k` (and the mark: a world file's marked tests alone). Each process claims a file as it reaches it
-(`os.mkdir` of the file's name in a shared folder: exactly one succeeds) and passes over the
-files the other claimed, so the two meet where the work halves, whatever each file costs.
+reverse order, with the same `-m` and `-k` (and the mark: a world file's marked tests alone).
+Each process claims a file as it reaches it (`os.mkdir` of the file's name in a shared folder:
+exactly one succeeds) and passes over the files the other claimed, so the two meet where the
+work halves, whatever each file costs.
 The second process writes its tests' reports; this one waits for it before the first
 unmarked test and replays them (`pytest_report_from_serializable`, as pytest-xdist does), so
 counts, failures and durations read as one run. A file the second process claimed but did

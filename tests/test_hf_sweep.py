@@ -127,7 +127,7 @@ def sweep(tmp_path_factory: pytest.TempPathFactory, families: list[str]) -> list
     shares = [families[i::WORLDS_AT_ONCE] for i in range(WORLDS_AT_ONCE)]
     with ThreadPoolExecutor(len(shares)) as pool:
         worlds = list(pool.map(lambda share: one_world(tmp_path_factory, share), shares))
-    return [joined([world[rank] for world in worlds]) for rank in range(2)]
+    return [joined(list(same_rank)) for same_rank in zip(*worlds)]
 
 
 def one_world(tmp_path_factory: pytest.TempPathFactory, families: list[str]) -> list[dict[str, Any]]:
