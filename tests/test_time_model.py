@@ -337,7 +337,8 @@ def test_the_presets_predict_plaits_own_gpu_runs() -> None:
 def test_prediction_holds_on_this_machine_after_calibration(tmp_path: Path) -> None:
     """`tiny` under dp 2, calibrated in the same world right before training: the predicted
     step time within 50% of the measured median (the benchmark holds 20% on a quiet machine)."""
-    _, reports = run_world("time_model.py", 2, tmp_path, str(tmp_path / "run"), "tiny", "6", "0.5", timeout=400)
+    _, reports = run_world("time_model.py", 2, tmp_path, str(tmp_path / "run"), "tiny", "6", "0.5", "lags",
+                           timeout=400)
     attempts = reports[0]["attempts"]
     assert reports[0]["hardware"].startswith("calibrated")
     last = attempts[-1]

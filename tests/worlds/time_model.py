@@ -6,8 +6,9 @@ then priced, too, at the mean of the two calibrations around it (as benchmarks/p
 and the planner check price every layout), and either verdict within the bound ends the attempts.
 The report's "held" is the ratio that ended them (else the last attempt's own).
 
-argv: OUT_DIR MODEL STEPS BOUND [FIELD=INT ...] (TrainConfig fields: tp, pp, zero, micro_batch,
-grad_accum)
+argv: OUT_DIR MODEL STEPS BOUND [lags] [FIELD=INT ...] (TrainConfig fields: tp, pp, zero, micro_batch,
+grad_accum); `lags` also times the ranks' lag after the training (about a second a rank, read
+by one test only).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def verdict(attempts: list[dict], bound: float) -> float:
 
 def main() -> None:
     out, model, steps, bound = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
-    extra = {k: int(v) for k, v in (a.split("=") for a in sys.argv[5:])}
+    lags_wanted = "lags" in sys.argv[5:]
+    extra = {k: int(v) for k, v in (a.split("=") for a in sys.argv[5:] if a != "lags")}
     out.mkdir(parents=True, exist_ok=True)
     mesh = init_mesh(tp=extra.get("tp", 1), pp=extra.get("pp", 1))
     torch.set_num_threads(1)
@@ -68,7 +70,8 @@ def main() -> None:
         held = verdict(attempts, bound)
         if abs(held - 1) <= bound:
             break
-    lags = calibrate.measure_lags(mesh, 1, loop_s=0.05)  # short loops: the rows' shape, not their values
+    # short loops: the rows' shape, not their values
+    lags = calibrate.measure_lags(mesh, 1, loop_s=0.05) if lags_wanted else None
     save_report({"attempts": attempts, "held": held, "hardware": summary["predicted"]["layout"]["hardware"],
                  "lags": lags, "links": hw.links, "op_links": hw.op_links})
     mesh.close()
