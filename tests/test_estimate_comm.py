@@ -123,6 +123,24 @@ def test_pp_send_and_recv_per_boundary() -> None:
     assert pp_traffic(cfg, layout, middle)["pp"] == {"send": 16 * message, "recv": 16 * message}
 
 
+def test_a_pipeline_message_carries_every_residual_stream() -> None:
+    """Hyper-connections (DeepSeek-V4's four streams) widen what a stage hands the next: its
+    messages, its two receive buffers and their time on the wire, four times one stream's."""
+    from plait.estimate.exposed import message_s
+    from plait.estimate.hardware import get_hardware
+    from plait.estimate.memory import stage_buffers
+
+    one, four = get_preset("llama-7b"), replace(get_preset("llama-7b"), residual_streams=4)
+    layout = Workload(pp=4, micro_batch=1, seq_len=256, grad_accum=8, precision="bf16")
+    middle = stages(one, 1, 4)[1]
+    assert pp_traffic(four, layout, middle)["pp"]["send"] == 4 * pp_traffic(one, layout, middle)["pp"]["send"]
+    message = 256 * one.d_model * 2
+    assert stage_buffers(four, layout, middle) - stage_buffers(one, layout, middle) == 2 * 3 * message
+    h100 = get_hardware("h100-sxm")
+    latency = message_s(one, layout, h100, 1) - message / h100.message(2, 1)[1]
+    assert message_s(four, layout, h100, 1) == pytest.approx(latency + 4 * message / h100.message(2, 1)[1])
+
+
 def test_pp_tied_embeddings_swap_gradients() -> None:
     cfg = get_preset("tiny")  # tied
     layout = Workload(pp=2, micro_batch=2, seq_len=32, grad_accum=2, precision="fp32")

@@ -230,13 +230,19 @@ def test_the_parameters_are_counted_as_the_model_holds_them(tmp_path: Path) -> N
 def test_hyper_connections_widen_the_residual_and_sum_under_sp(tmp_path: Path) -> None:
     """DeepSeek-V4 holds hc_mult = 4 hidden-wide streams between blocks, mixed around each
     attention and MLP by hyper-connections (`attn_hc`, `ffn_hc`) that run on the sequence slice
-    under SP: their weights are summed with the norms'."""
+    under SP: their weights are summed with the norms'. Qwen4-Exp holds hc_count."""
     shape = shape_of(tmp_path, "deepseek_v4", **MLA)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
     held = sum(p.numel() for name, p in model.named_parameters() if "_hc." in name)  # attn_hc, ffn_hc
     assert shape.residual_streams == 4 and shape.norm_params == 2  # its two plain norms a block
     assert held > 0 and shape.sp_norm_extra == held / shape.n_layers
+    # Qwen4-Exp counts its streams as hc_count, its gated residuals named `attn_hyper_connection`:
+    # read as one stream, a pipeline's messages had been priced at half what it sends
+    qwen4 = shape_of(tmp_path / "qwen4", "qwen4_exp_text", num_hidden_layers=4, **LINEAR, **MOE, indexer_n_heads=2,
+                     indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=8, indexer_compress_ratio=2, hc_count=2,
+                     hc_lowrank=8)
+    assert qwen4.residual_streams == 2
 
 
 def test_longcat_runs_two_attentions_and_two_mlps_a_block(tmp_path: Path) -> None:

@@ -273,20 +273,48 @@ def priced(world: list[dict[str, Any]], families: list[str], modes: tuple[str, .
     assert not bad, "\n".join(f"  {key}: {cases[key]['verdict']}: {cases[key].get('wire')}" for key in bad)
 
 
+# The exact pp and ep cases whose bytes on the wire, every axis, are not the estimate's, and why
+# (the world's "wire": each pipeline rank's bytes beside its stage's estimate; an ep case's
+# experts' all-to-all within the world's ROUTING_BAND of uniform routing, the rest exact).
+UNPRICED = {
+    **{f"{family}/ep": "a router's balancing bias is a parameter no optimizer trains (requires_grad False): the "
+                       "estimate syncs it over dp with the rest (16 B a step)" for family in
+       ("afmoe", "ernie4_5_moe", "laguna")},
+    "inkling2_loop_text/ep": "its forward runs its looped blocks more than once: their experts dispatch again, "
+                             "priced once (GPTConfig counts each block once)",
+}
+
+
+def pipelines_and_experts_priced(world: list[dict[str, Any]], families: list[str]) -> None:
+    """Every exact pp and ep case of `families` says its bytes are the estimate's, but UNPRICED's."""
+    cases = world[0]["cases"]
+    keys = [f"{family}/{mode}" for family in families for mode in ("pp", "ep")
+            if cases[f"{family}/{mode}"]["verdict"] == "exact"]
+    assert all("wire" in cases[key] for key in keys), [key for key in keys if "wire" not in cases[key]]
+    bad = {key for key in keys if cases[key]["wire"] != "priced"}
+    assert bad == {key for key in UNPRICED if key in keys}, \
+        "\n".join(f"  {key}: {cases[key]['wire']}" for key in sorted(bad ^ {k for k in UNPRICED if k in keys}))
+
+
 def test_the_fixed_families_wire_is_the_estimates(quick: list[dict[str, Any]]) -> None:
     """Gemma's four norms, Cohere's one, OLMo's none, OLMoE's experts as wide as its
     intermediate_size, Llama 4's experts split by tp, HunYuan's and PhiMoE's blocks whole under
-    a plan that splits their ends alone: every tp byte a step predicted."""
+    a plan that splits their ends alone: every tp byte a step predicted; and every pp and ep
+    byte (Llama 4's experts under ep sent every token, DeepSeek-V4's four residual streams in a
+    pipeline's messages)."""
     priced(quick, [family for family in QUICK if family in PRICED])
     priced(quick, [family for family in QUICK if family in PRICED_TP], ("tp",))
+    pipelines_and_experts_priced(quick, QUICK)
 
 
 @pytest.mark.slow
 def test_the_wire_is_the_estimates_where_it_was(world: list[dict[str, Any]]) -> None:
     """Every exact tp case says whether the estimate priced its bytes; PRICED's families are,
-    and the priced cases do not fall below the floor."""
+    and the priced cases do not fall below the floor. Every exact pp and ep case is priced, on
+    every axis, but UNPRICED's."""
     priced(world, PRICED)
     priced(world, PRICED_TP, ("tp",))
+    pipelines_and_experts_priced(world, FAMILIES)
     cases = world[0]["cases"]
     tp = {key: case for key, case in cases.items() if key.split("/")[1] in ("tp", "tp_sp") and case["verdict"] == "exact"}
     assert all("wire" in case for case in tp.values()), [key for key, case in tp.items() if "wire" not in case]

@@ -193,6 +193,25 @@ def test_a_transformers_moe_whose_layout_plait_does_not_know_is_refused_in_one_l
         [model.model.layers[0].mlp.experts]
 
 
+def test_experts_run_on_every_token_dispatch_every_experts_rows_and_no_counts() -> None:
+    """Llama 4's experts take every token (GPTConfig.tp_expert_rows = E): under ep each rank sends
+    every other rank's experts their rows of every token, and no counts (DenseExpertDispatch),
+    where a top-k dispatch sends k rows a token after the counts. Had the estimate priced k rows,
+    it would have been E / k times under what such a model sends."""
+    from dataclasses import replace
+
+    from plait.estimate.experts import layer_alltoall
+    from plait.estimate.layout import Workload
+
+    routed = replace(get_preset("tiny-moe"), top_k=1)
+    dense = replace(routed, tp_expert_rows=routed.experts)
+    layout = Workload(dp=2, ep=2, micro_batch=2, seq_len=32, precision="fp32")
+    row = routed.d_model * 4
+    away = (2 - 1) * (routed.experts // 2) * 2 * 32  # DenseExpertDispatch: other ranks' experts, every token
+    assert layer_alltoall(dense, layout) == {"forward": 2 * away * row, "backward": 2 * away * row}
+    assert layer_alltoall(routed, layout)["forward"] == 8 * routed.experts / 2 + 2 * (2 * 32 / 2) * row
+
+
 def test_the_estimate_holds_experts_over_ep_and_counts_flops_by_active_parameters() -> None:
     from plait.estimate import estimate_layout
 

@@ -72,7 +72,8 @@ COMM_ASSUMPTIONS = (
     "TP: 4 all-reduces of b·s·h per block per micro-batch (5 with full recompute); under "
     "SP each becomes all-gather + reduce-scatter, plus 2 all-gathers re-gathering saved "
     "inputs; plus embedding, head and 3 fp32 cross-entropy numbers per token",
-    "PP: b·s·h per message (/t under SP), one per boundary each way per micro-batch; tied "
+    "PP: b·s·h per message (/t under SP; h times the residual streams a model with "
+    "hyper-connections passes on), one per boundary each way per micro-batch; tied "
     "embeddings swap the embedding gradient between first and last stage once per step",
     "CP: per layer and micro-batch, ring: (cp−1) sends of a rank's K/V (2·b·(s/cp)·h_kv·d·e) "
     "forward, (cp−1) again plus cp of its fp32 dK/dV backward; Ulysses: 4 all-to-alls of q, k, "

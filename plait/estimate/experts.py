@@ -28,10 +28,13 @@ def uniform_rows(tokens: int, top_k: int, ep: int) -> float:
 
 def layer_alltoall(config: Any, layout: Any) -> dict[str, float]:
     """One MoE block's dispatch bytes per rank and micro-batch under uniform routing:
-    {"forward": counts + rows out and back, "backward": the rows' gradients}."""
-    rows = uniform_rows(layout.tokens_per_micro_batch, config.top_k, layout.ep)
+    {"forward": counts + rows out and back, "backward": the rows' gradients}. Experts that run
+    on every token (GPTConfig.tp_expert_rows, Llama 4's) send every expert's rows and no counts
+    (plait.parallel.expert.dispatch.DenseExpertDispatch): exact, whatever the routing."""
+    dense = config.tp_expert_rows
+    rows = uniform_rows(layout.tokens_per_micro_batch, dense or config.top_k, layout.ep)
     row_bytes = config.d_model * layout.compute_bytes
-    forward = dispatch_bytes(rows, rows, row_bytes, config.experts, layout.ep, backward=False)
+    forward = dispatch_bytes(rows, rows, row_bytes, 0 if dense else config.experts, layout.ep, backward=False)
     return {"forward": forward, "backward": 2 * rows * row_bytes}
 
 

@@ -132,7 +132,7 @@ def message_s(config: GPTConfig, layout: Workload, hw: Hardware, inter: int) -> 
     if layout.pp == 1:
         return 0.0
     latency, bandwidth = hw.message(2, inter)
-    return latency + layout.stage_message_bytes(config.d_model) / bandwidth
+    return latency + layout.stage_message_bytes(config.stream_width) / bandwidth
 
 
 def cp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, inter: int, *,

@@ -105,10 +105,11 @@ class Workload(Layout):
         tensor-parallel collective moves for a block's input or output."""
         return self.tokens_per_micro_batch * d_model * self.compute_bytes
 
-    def stage_message_bytes(self, d_model: int) -> float:
-        """What a pipeline stage sends per micro-batch, each way: its hidden states, a tp-th of
-        them under sequence parallelism (each tp rank sends its own slice)."""
-        whole = self.hidden_bytes(d_model)
+    def stage_message_bytes(self, width: int) -> float:
+        """What a pipeline stage sends per micro-batch, each way: its hidden states, `width`
+        values a token (GPTConfig.stream_width: every residual stream), a tp-th of them under
+        sequence parallelism (each tp rank sends its own slice)."""
+        whole = self.hidden_bytes(width)
         return whole / self.tp if self.sp else whole
 
     @property

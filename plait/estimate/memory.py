@@ -137,7 +137,7 @@ def stage_buffers(config: GPTConfig, layout: Workload, stage: StageShare) -> flo
     if layout.zero == 3 and layout.sync > 1 and stage.block_params:
         total = zero3_grad_buffers(stage.params, zero3_units(config, layout, stage), layout)
     if layout.pp > 1:
-        total += 2 * layout.stage_message_bytes(config.d_model)
+        total += 2 * layout.stage_message_bytes(config.stream_width)
     if stage.last:
         total += loss_bytes(config, layout)
     return total

@@ -412,7 +412,7 @@ def pp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
     out: Traffic = {}
     if layout.pp == 1:
         return out
-    message = layout.stage_message_bytes(config.d_model)
+    message = layout.stage_message_bytes(config.stream_width)
     count = pp_messages(layout, stage) * layout.grad_accum
     if config.tie_embeddings and (stage.first or stage.last):
         table = vocab_shard(config, layout.tp) * config.d_model

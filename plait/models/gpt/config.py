@@ -319,6 +319,12 @@ class GPTConfig:
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
 
+    @property
+    def stream_width(self) -> int:
+        """Values a token's residual holds between blocks: d_model in each of its
+        residual_streams. A pipeline stage sends them all to the next."""
+        return self.d_model * self.residual_streams
+
     def layer_params(self) -> int:
         """Parameters of one transformer block."""
         h, f, kv = self.d_model, self.ffn_hidden, self.kv_dim

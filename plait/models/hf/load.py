@@ -647,13 +647,20 @@ def _norm_extra(layers: nn.ModuleList | None, shape: GPTConfig) -> float:
     return held / len(layers) - shape.norm_params * shape.d_model
 
 
+HYPER_CONNECTIONS = ("hc_mult", "hc_count")  # the configs' stream counts: DeepSeek-V4's and HY-V4's, Qwen4-Exp's
+
+
 def _residual_streams(model: nn.Module, layers: nn.ModuleList | None) -> int:
-    """GPTConfig.residual_streams: the config's hc_mult where the blocks hold hyper-connections
-    (DeepSeek-V4's, HY-V4's), else 1."""
-    streams = getattr(text_config(model), "hc_mult", 1)
-    children = layers[0].children() if layers else ()
-    held = any("hyperconnection" in type(module).__name__.lower() for module in children)
-    return streams if held and isinstance(streams, int) and streams > 1 else 1
+    """GPTConfig.residual_streams: the config's stream count (HYPER_CONNECTIONS) where the blocks
+    hold hyper-connections (a module of that kind, or so named: Qwen4-Exp's gated residuals,
+    `attn_hyper_connection`), else 1."""
+    config = text_config(model)
+    streams = next((value for value in (getattr(config, name, None) for name in HYPER_CONNECTIONS)
+                    if isinstance(value, int)), 1)
+    children = layers[0].named_children() if layers else ()
+    held = any("hyperconnection" in type(module).__name__.lower() or "hyper_connection" in name
+               for name, module in children)
+    return streams if held and streams > 1 else 1
 
 
 OUTSIDE_KINDS = ("norm", "hyperconnection")  # a block's modules around its regions, by their types' names
