@@ -524,3 +524,23 @@ def test_a_stage_that_runs_the_models_own_forward_holds_its_pieces_where_that_fo
                     layer_types=["sliding_attention", "full_attention", "sliding_attention"])
     assert dory.n_layers == 3 and len(dory.block_tally) == 3
     assert dory.num_params() == meta_params(tmp_path / "dory")
+
+
+def test_a_parameter_no_optimizer_trains_is_held_but_not_synced(tmp_path: Path) -> None:
+    """AFMoE's router balancing bias is a parameter with requires_grad False (the model moves it
+    itself): each MoE block holds it (GPTConfig.frozen_block_params), and the estimate gives it
+    no gradient, no optimizer state and no place in the data ranks' all-reduce: the ledger's
+    bytes (the transformers sweep's ep case) were 16 a step under the estimate's before."""
+    from plait.estimate.layout import Workload, layout_stages
+    from plait.estimate.memory import stage_memory
+    from plait.estimate.traffic import estimate_comm
+
+    shape = shape_of(tmp_path, "afmoe", num_experts=4, num_shared_experts=1, num_dense_layers=1, sliding_window=6,
+                     global_attn_every_n_layers=2, num_experts_per_tok=2, moe_intermediate_size=32)
+    assert shape.frozen_block_params == (0, 4)  # its dense first block, then an MoE block's 4 experts' biases
+    trained = replace(shape, frozen_block_params=())
+    layout = Workload(dp=2, micro_batch=2, seq_len=16, precision="fp32")
+    synced = estimate_comm(shape, layout)["dp"]["all_reduce"]
+    assert estimate_comm(trained, layout)["dp"]["all_reduce"] - synced == 2 * (2 - 1) / 2 * 4 * 4
+    frozen, every = (stage_memory(s, layout, layout_stages(s, layout)[0]) for s in (shape, trained))
+    assert (frozen.params, every.grads - frozen.grads, every.optim - frozen.optim) == (every.params, 16, 32)

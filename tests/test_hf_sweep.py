@@ -277,9 +277,6 @@ def priced(world: list[dict[str, Any]], families: list[str], modes: tuple[str, .
 # (the world's "wire": each pipeline rank's bytes beside its stage's estimate; an ep case's
 # experts' all-to-all within the world's ROUTING_BAND of uniform routing, the rest exact).
 UNPRICED = {
-    **{f"{family}/ep": "a router's balancing bias is a parameter no optimizer trains (requires_grad False): the "
-                       "estimate syncs it over dp with the rest (16 B a step)" for family in
-       ("afmoe", "ernie4_5_moe", "laguna")},
     "inkling2_loop_text/ep": "its forward runs its looped blocks more than once: their experts dispatch again, "
                              "priced once (GPTConfig counts each block once)",
 }

@@ -139,6 +139,12 @@ class StageShare:
     replicated_params: int  # not sharded by tp (norms): their grads need a tp sync under SP (summed_whole)
     expert_params: int = 0  # of `params`, the routed experts this ep rank holds (synced over dp / ep)
     moe_layers: float = 0.0  # MoE blocks among its layers (moe_every spreads them evenly)
+    frozen_params: int = 0  # of `params`, those no optimizer trains (GPTConfig.frozen_block_params)
+
+    @property
+    def trained_params(self) -> int:
+        """What has a gradient and optimizer state, synced and sharded: `params` less the frozen."""
+        return self.params - self.frozen_params
 
     @property
     def first(self) -> bool:
@@ -220,8 +226,10 @@ def counted_stage(config: GPTConfig, index: int, pp: int, blocks: list[int], sha
     blocks, and `ends` (the embedding's or the head's parameters on this rank)."""
     held = sum(shares[i] for i in blocks)
     experts = sum(config.block_tally[i][2] for i in blocks) / ep if ep > 1 else 0
+    frozen = sum(config.frozen_block_params[i] for i in blocks) if config.frozen_block_params else 0
     return StageShare(index, pp, len(blocks), round(held / max(1, len(blocks))), round(held) + ends,
-                      len(blocks) * replicated + ends_whole, round(experts), sum(map(config.moe_layer, blocks)))
+                      len(blocks) * replicated + ends_whole, round(experts), sum(map(config.moe_layer, blocks)),
+                      frozen)
 
 
 def summed_whole(config: GPTConfig, ep: int) -> int:

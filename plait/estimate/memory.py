@@ -212,7 +212,9 @@ def device_total(memory: Memory) -> Memory:
 
 def stage_memory(config: GPTConfig, layout: Workload, stage: StageShare) -> Memory:
     """Every kind of bytes on one rank of one pipeline stage."""
-    memory = model_states(stage.params, gathered_params(config, layout, stage), layout, experts=stage.expert_params)
+    memory = model_states(stage.trained_params, gathered_params(config, layout, stage), layout,
+                          experts=stage.expert_params)
+    memory.params += stage.frozen_params * state_bytes(layout.precision).param  # weights alone, whole
     if config.counts_routing:  # plait's MoE blocks: a balancing bias an expert, fp32 in any precision (MoE._apply),
         memory.params += stage.moe_layers * config.experts * 4  # trained by no optimizer, so never sharded
     memory.activations = stage_activation_bytes(config, layout, stage)

@@ -202,13 +202,14 @@ def rank_tail(layout: Workload, stage: StageShare, hw: Hardware, links: dict[str
     seconds of one micro-batch (of which `forward_share` is its forward) hide what they can,
     offload, the update. The planner bounds the tail with unbounded compute (every transfer
     overlap can hide, hidden)."""
-    updated = shard(stage.params, layout.zero_ranks) if layout.zero else stage.params
+    trained = stage.trained_params
+    updated = shard(trained, layout.zero_ranks) if layout.zero else trained
     update = 0.0 if layout.offload else optimizer_s(updated, stage_tensors(stage, layout), hw,
                                                     stage_pieces(stage, layout))
     return {"accumulate": accumulate_s(layout, stage, hw),
-            "dp": dp_exposed_s(stage.params, stage.block_params, layout, hw, links["dp_shard"], compute,
+            "dp": dp_exposed_s(trained, stage.block_params, layout, hw, links["dp_shard"], compute,
                                forward_share, links["dp_replicate"]),
-            "offload": offload_s(stage.params, layout, hw), "update": update}
+            "offload": offload_s(trained, layout, hw), "update": update}
 
 
 def step_costs(config: GPTConfig, layout: Workload, hw: Hardware, gpus_per_node: int,

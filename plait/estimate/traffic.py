@@ -438,16 +438,20 @@ def merge_max(parts: list[Traffic]) -> Traffic:
 
 def estimate_comm(config: GPTConfig, layout: Workload) -> Traffic:
     """`{axis: {op: bytes}}` per rank per optimizer step, largest over ranks."""
-    per_rank = []
-    for stage in layout_stages(config, layout):
-        traffic = dp_traffic(stage.params, layout, stage.expert_params)
-        for extra in (tp_traffic(config, layout, stage), pp_traffic(config, layout, stage),
-                      cp_traffic(config, layout, stage), ep_traffic(config, layout, stage)):
-            traffic.update(extra)
+    return merge_max([rank_traffic(config, layout, stage) for stage in layout_stages(config, layout)])
+
+
+def rank_traffic(config: GPTConfig, layout: Workload, stage: StageShare, clipped: bool = True) -> Traffic:
+    """One rank of `stage`: `{axis: {op: bytes}}` per optimizer step, every axis; `clipped`: with
+    the gradient norm's sums (plait train clips; a loop of one's own may not)."""
+    traffic = dp_traffic(stage.trained_params, layout, stage.expert_params)
+    for extra in (tp_traffic(config, layout, stage), pp_traffic(config, layout, stage),
+                  cp_traffic(config, layout, stage), ep_traffic(config, layout, stage)):
+        traffic.update(extra)
+    if clipped:
         clip_traffic(traffic, config, layout)
-        routing_traffic(traffic, config, layout, stage)
-        per_rank.append(traffic)
-    return merge_max(per_rank)
+    routing_traffic(traffic, config, layout, stage)
+    return traffic
 
 
 def routing_traffic(out: Traffic, config: GPTConfig, layout: Workload, stage: StageShare) -> None:

@@ -61,7 +61,7 @@ import plait
 import plait.models.adapters
 from plait.errors import PlaitError
 from plait.estimate.layout import Workload, layout_stages
-from plait.estimate.traffic import tp_traffic
+from plait.estimate.traffic import rank_traffic, tp_traffic
 from plait.models.hf.config import read_hf_dir
 from plait.models.hf.load import measured_shape
 from plait.parallel.placement import placement_of
@@ -360,18 +360,11 @@ def predicted_wire(family: str, sp: bool) -> dict[str, float]:
 
 
 def predicted_traffic(family: str, mode: str) -> dict[str, dict[str, float]]:
-    """plait's estimate of one step's bytes on this rank in `mode`'s run (pp: its stage's; ep:
-    every axis but the sweep's own telemetry): {axis: {op: wire bytes}}."""
-    from plait.estimate.traffic import dp_traffic, ep_traffic, pp_traffic, routing_traffic
-
+    """plait's estimate of one step's bytes on this rank in `mode`'s run (pp: its stage's), every
+    axis, without the gradient norm's sums (the sweep does not clip): {axis: {op: wire bytes}}."""
     shape, layout = family_shape(family), sweep_layout(mode)
     stage = layout_stages(shape, layout)[dist.get_rank() if mode == "pp" else 0]
-    if mode == "pp":
-        return pp_traffic(shape, layout, stage)
-    out = dp_traffic(stage.params, layout, stage.expert_params)
-    out.update(ep_traffic(shape, layout, stage))
-    routing_traffic(out, shape, layout, stage)
-    return out
+    return rank_traffic(shape, layout, stage, clipped=False)
 
 
 def predicted_local(family: str, mode: str) -> int:

@@ -194,6 +194,10 @@ class GPTConfig:
     # embedding, head and final norm (Gemma 4's per-layer embeddings), held whole on the first
     # stage (< 0: fewer). Empty / 0: the formulas'
     block_tally: tuple[tuple[int, int, int, int], ...] = ()
+    # Of each counted block's parameters, those no optimizer trains (requires_grad False: AFMoE's,
+    # ERNIE-4.5-MoE's and Laguna's router balancing biases): held whole on every rank of the
+    # block, with no gradient, no optimizer state, no sync and no ZeRO shard. Empty: none
+    frozen_block_params: tuple[int, ...] = ()
     extra_params: int = 0
     extra_last_params: int = 0  # the same after the blocks, on the last stage (a LayerNorm's bias; < 0: none)
     # Of those, the ones a layer the plan splits by its input features holds (Qwen4-Exp's
@@ -235,6 +239,7 @@ class GPTConfig:
         object.__setattr__(self, "sp_read_whole_count", tuple(self.sp_read_whole_count))
         object.__setattr__(self, "sp_read_whole_passes", tuple(tuple(pair) for pair in self.sp_read_whole_passes))
         object.__setattr__(self, "block_tally", tuple(tuple(block) for block in self.block_tally))
+        object.__setattr__(self, "frozen_block_params", tuple(self.frozen_block_params))
         object.__setattr__(self, "attention_matrix_bytes", tuple(self.attention_matrix_bytes))
         object.__setattr__(self, "block_saved_bytes", tuple(tuple(pair) for pair in self.block_saved_bytes))
         for name in ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):

@@ -748,7 +748,19 @@ def _tally(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig, pla
         last - formula.final_norm_weights - rows * h * (not shape.tie_embeddings) - rows * head_bias
     return {"block_tally": tally, "head_bias": head_bias, "extra_last_params": extra_last,
             "extra_params": outside - formula.embedding_params() - extra_last,
-            **_split_after_blocks(model, parts, plan)}
+            **_frozen_in_blocks(layers), **_split_after_blocks(model, parts, plan)}
+
+
+def _frozen_in_blocks(layers: nn.ModuleList) -> dict[str, Any]:
+    """GPTConfig.frozen_block_params: each block's parameters no optimizer trains (requires_grad
+    False, a router's balancing bias that the model moves itself); {} where there are none."""
+    seen: set[int] = set()
+    frozen = []
+    for block in layers:
+        params = [p for p in block.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in params)
+        frozen.append(sum(p.numel() for p in params if not p.requires_grad))
+    return {"frozen_block_params": tuple(frozen)} if any(frozen) else {}
 
 
 def _split_after_blocks(model: nn.Module, parts: Parts | None, plan: dict[str, str]) -> dict[str, Any]:
