@@ -80,6 +80,8 @@ def test_a_linear_subclass_with_its_own_forward_is_refused_for_column_and_row() 
         with pytest.raises(PlaitError, match=r"0 is a Scaled, whose forward does more than nn.Linear's"):
             resolve_plan(model, {"0": style})
     assert resolve_plan(model, {"1": "row"}) == {"1": "row"}
+    # split by vocabulary, a head keeps its forward (tensor/layers.split_head_in_place: Dory's)
+    assert resolve_plan(model, {"0": "vocab"}) == {"0": "vocab"}
 
 
 def test_a_lone_ranks_failure_in_the_probe_ends_every_rank_at_once(tmp_path) -> None:

@@ -209,7 +209,7 @@ def rank_blocks(config: GPTConfig, pp: int, virtual_stages: int,
     elif stages_n > 1 and virtual_stages == 1:
         h, rows = config.d_model, config.vocab_size
         first = rows * h + (config.max_seq_len * h if config.arch == "gpt2" else 0) + config.extra_params
-        last = final_norm_params(config) + config.extra_last_params + rows * h + rows * config.head_bias
+        last = final_norm_params(config) + config.extra_last_params + rows * h + rows * config.head_vectors
         counts = balanced_counts([config.block_params(i) for i in range(n)], pp, first_extra=first, last_extra=last)
     else:
         counts = [n // stages_n] * stages_n
@@ -317,7 +317,7 @@ def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1, ep: int
     head = table if (not config.tie_embeddings or pp > 1) else 0
     if config.head_sums_logits:  # split by its input features (Inkling's), all V rows
         head = config.vocab_size * h // tp if head else 0
-    head += vocab_shard(config, tp) * config.head_bias
+    head += vocab_shard(config, tp) * config.head_vectors
     if config.block_tally:  # counted: each rank its own blocks
         shares = [block_share(config, i, tp, ep, sp) for i in range(config.n_layers)]
         cut = rank_blocks(config, pp, virtual_stages, stage_layers)

@@ -206,7 +206,9 @@ class GPTConfig:
     # summed over tp forward, its input's gradient gathered back whole in backward, every micro-batch
     extra_last_split: int = 0
     tp_last_rows: tuple[int, int] = (0, 0)
-    head_bias: bool = False  # the head adds a bias over the vocabulary (Phi's), split as the head is
+    # Vectors over the vocabulary the head holds beside its weight (Phi's bias, Dory's learned
+    # scale a logit), split as the head is
+    head_vectors: int = 0
     # Bytes a block's eager attention keeps per (query, key) pair of a sequence, all its heads, a
     # mean over the blocks, (in fp32, in 16-bit): a transformers model whose attention runs
     # eagerly (a soft-cap, sinks, ALiBi) keeps its s × s matrices for backward, where SDPA keeps
@@ -383,7 +385,7 @@ class GPTConfig:
         """Token embedding, output head (unless tied), final norm, learned positions, and what a
         counted model holds beyond them (extra_params, extra_last_params)."""
         h = self.d_model
-        total = self.vocab_size * h + self.vocab_size * self.head_bias + self.final_norm_weights
+        total = self.vocab_size * h + self.vocab_size * self.head_vectors + self.final_norm_weights
         if not self.tie_embeddings:
             total += self.vocab_size * h
         if self.arch == "gpt2":

@@ -726,7 +726,7 @@ SPLIT_SUBTREE = ("moe_tp_experts", "all_reduce", "embedding_colwise")  # every p
 
 def _tally(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig, plan: dict[str, str],
            blocks: str | None) -> dict[str, Any]:
-    """GPTConfig.block_tally, extra_params, extra_last_params and head_bias: each block's
+    """GPTConfig.block_tally, extra_params, extra_last_params and head_vectors: each block's
     parameters as the model holds them (`_block_tally`, under `plan` and under its SP form), and
     those outside the blocks that the embedding, head and final norm do not account for, before
     the blocks and after them (`_after_blocks`). {} where the blocks are not the shape's (a list
@@ -738,15 +738,15 @@ def _tally(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig, pla
     tally = tuple(_block_tally(block, [_inside(plan, blocks, i), _inside(plan, blocks, i, whole)], shape, seen)
                   for i, block in enumerate(layers))
     head = getattr(model, "get_output_embeddings", lambda: None)()
-    head_bias = _bias(head) == shape.vocab_size  # Phi's: split with the head
+    head_vectors = _vocabulary_vectors(head, shape.vocab_size)  # Phi's bias, Dory's scale: split with the head
     outside = sum(p.numel() for p in model.parameters()) - sum(sum(block[:3]) for block in tally)
-    formula = replace(shape, extra_params=0, extra_last_params=0, head_bias=head_bias)
+    formula = replace(shape, extra_params=0, extra_last_params=0, head_vectors=head_vectors)
     parts = _declared_parts(model, blocks)
     last = _after_blocks(model, parts, seen)
     h, rows = shape.d_model, shape.vocab_size
     extra_last = 0 if last is None else \
-        last - formula.final_norm_weights - rows * h * (not shape.tie_embeddings) - rows * head_bias
-    return {"block_tally": tally, "head_bias": head_bias, "extra_last_params": extra_last,
+        last - formula.final_norm_weights - rows * h * (not shape.tie_embeddings) - rows * head_vectors
+    return {"block_tally": tally, "head_vectors": head_vectors, "extra_last_params": extra_last,
             "extra_params": outside - formula.embedding_params() - extra_last,
             **_frozen_in_blocks(layers), **_split_after_blocks(model, parts, plan)}
 
@@ -1086,6 +1086,14 @@ def _in_block(block: nn.Module, name: str) -> nn.Module | None:
         return block.get_submodule(name)
     except AttributeError:
         return None
+
+
+def _vocabulary_vectors(head: nn.Module | None, vocab: int) -> int:
+    """The head's own vectors over the vocabulary beside its weight (a bias, a learned scale a
+    logit): a vocabulary split cuts them with the weight's rows."""
+    if not isinstance(head, nn.Module):
+        return 0
+    return sum(p.ndim == 1 and p.shape[0] == vocab for p in head.parameters(recurse=False))
 
 
 def _bias(layer: nn.Module | None) -> int:

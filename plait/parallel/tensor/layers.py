@@ -40,7 +40,7 @@ from plait.runtime.comm import Axis
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "carry_grad_sum",
            "enter_region", "is_conv1d", "layout_of", "leave_region", "overrides_forward", "shard_of", "shard_param",
-           "split_embedding_in_place", "sum_grad_over", "tensor_placement"]
+           "split_embedding_in_place", "split_head_in_place", "sum_grad_over", "tensor_placement"]
 
 class WeightLayout(NamedTuple):
     """A dense layer's sizes, and which dimension of its stored weight indexes the outputs."""
@@ -319,6 +319,21 @@ class _InPlaceVocab:
             raise PlaitError(f"{type(module).__name__}'s forward does not return one row per token, so "
                              "plait cannot split its vocabulary", hint="leave it out of the tp plan")
         return sum_owned_rows(out, outside, self.axis, self.sequence_parallel)
+
+
+def split_head_in_place(head: nn.Linear, axis: Axis, memo: dict[int, nn.Parameter]) -> nn.Linear:
+    """`head` (an nn.Linear subclass with its own forward: Dory's learned scale a vocabulary
+    entry) holding this rank's vocabulary rows of every parameter as long as the vocabulary
+    (its weight's, a bias's, a scale's), its class, buffers and forward kept: its logits come
+    out split by vocabulary, as a column layer's do, for the vocab-parallel loss. Exact for any
+    arithmetic each logit gets from its own row alone (the probe checks the rest); the caller
+    enters the input into the region."""
+    rows = head.out_features
+    for name, param in list(head.named_parameters(recurse=False)):
+        if param.ndim and param.shape[0] == rows:
+            setattr(head, name, shard_param(param, 0, axis, memo))
+    head.out_features = rows // axis.size
+    return head
 
 
 def split_embedding_in_place(embedding: nn.Embedding, axis: Axis, memo: dict[int, nn.Parameter], *,

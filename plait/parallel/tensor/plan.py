@@ -32,7 +32,7 @@ from plait.parallel.tensor import regions
 from plait.parallel.tensor.entry import SharedEntry
 from plait.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                           enter_region, overrides_forward, shard_of, shard_param,
-                                          split_embedding_in_place, sum_grad_over)
+                                          split_embedding_in_place, split_head_in_place, sum_grad_over)
 from plait.parallel.tensor.loss import lm_loss, vocab_parallel_cross_entropy
 from plait.runtime import comm
 from plait.runtime.comm import Axis
@@ -137,6 +137,10 @@ def _swap_layers(model: nn.Module, styles: dict[str, str], axis: Axis, sp: bool,
         elif style in ROWS:
             _replace(model, name, RowParallelLinear.from_dense(module, axis, memo, sequence_parallel=split_sp,
                                                                split_input=style == "row_split", entry=entry))
+        elif style == "vocab" and overrides_forward(module, nn.Linear):  # a head's own arithmetic (Dory's scale)
+            split_head_in_place(module, axis, memo)
+            module.register_forward_pre_hook(functools.partial(_enter_hook, axis=axis, sp=split_sp, regather=regather,
+                                                               name=first_input_name(module)), with_kwargs=True)
         elif style == "vocab" and overrides_forward(module, nn.Embedding):  # keep its own arithmetic
             split_embedding_in_place(module, axis, memo, sequence_parallel=split_sp,
                                      input_name=first_input_name(module))

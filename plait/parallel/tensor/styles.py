@@ -155,8 +155,9 @@ def _check_kind(name: str, module: nn.Module, style: str) -> None:
     if style in KINDS and not any(fits[kind] for kind in KINDS[style]):
         raise PlaitError(f"tensor-parallel plan: {name} is a {type(module).__name__}, "
                          f"but style {style!r} needs {' or '.join(KINDS[style])}")
-    if style in KINDS and fits["Linear"] and overrides_forward(module, nn.Linear):
-        # plait's column and row layers replace the module: its own forward would be dropped
+    if style in KINDS and style != "vocab" and fits["Linear"] and overrides_forward(module, nn.Linear):
+        # plait's column and row layers replace the module: its own forward would be dropped (a
+        # head split by vocabulary keeps it: tensor/layers.split_head_in_place)
         raise PlaitError(f"tensor-parallel plan: {name} is a {type(module).__name__}, whose forward does more "
                          f"than nn.Linear's, and style {style!r} would replace it",
                          hint=f"leave {name} out of the tp plan (it then stays whole on every rank)")
