@@ -191,6 +191,9 @@ def test_a_transformers_moe_whose_layout_plait_does_not_know_is_refused_in_one_l
         declared_experts(model, {"model.layers.*.mlp.gate": "ep_dispatch_experts"})
     assert declared_experts(model, {"model.layers.*.mlp.experts": "ep_dispatch_experts"}) == \
         [model.model.layers[0].mlp.experts]
+    # tp words beside the experts (Gemma 4's dense MLP) are left whole, not refused
+    assert declared_experts(model, {"model.layers.*.mlp.experts": "ep_dispatch_experts",
+                                    "model.layers.*.self_attn.q_proj": "colwise"}) == [model.model.layers[0].mlp.experts]
 
 
 def test_experts_run_on_every_token_dispatch_every_experts_rows_and_no_counts() -> None:

@@ -18,6 +18,7 @@ loss is not the same sum when a layout splits the batch.
 from __future__ import annotations
 
 import inspect
+import logging
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -29,7 +30,10 @@ from plait.errors import PlaitError
 from plait.models.gpt.moe import RoutingCounts
 from plait.parallel.expert.plan import takes_rows_only
 
+log = logging.getLogger(__name__)
+
 DISPATCH, SPLIT = "ep_dispatch_experts", "grouped_gemm"
+TP_WORDS = ("colwise", "rowwise", "packed_colwise", "packed_rowwise")  # an ep plan's entries beside the experts
 HINT = "plait splits experts declared as base_model_ep_plan {'...experts': 'ep_dispatch_experts', " \
        "'...experts.gate_up_proj' / 'down_proj': 'grouped_gemm'} (transformers 5's MoE layout); see docs/moe.md"
 
@@ -45,7 +49,15 @@ def declared_experts(model: nn.Module, plan: dict[str, Any], tp_plan: dict[str, 
             return found
         raise PlaitError(f"expert parallelism needs {name}'s experts, and its config declares no base_model_ep_plan",
                          hint=HINT)
-    unknown = sorted({style for style in plan.values() if style not in (DISPATCH, SPLIT)})
+    # tp words beside the experts (Gemma 4's dense MLP, colwise and rowwise): transformers splits
+    # those modules over the ep ranks too; plait's ep deals out the experts alone and keeps the
+    # rest whole on each ep rank, its gradients synced as every other dense weight's (the probe
+    # holds the result to the whole model)
+    beside = sorted({style for style in plan.values() if style in TP_WORDS})
+    if beside:
+        log.info("%s's ep plan also splits modules beside its experts (%s): plait's ep keeps them whole",
+                 name, ", ".join(beside))
+    unknown = sorted({style for style in plan.values() if style not in (DISPATCH, SPLIT, *TP_WORDS)})
     if unknown:
         raise PlaitError(f"{name}'s ep plan uses {', '.join(map(repr, unknown))}, which plait does not split",
                          hint=HINT)
