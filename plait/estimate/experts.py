@@ -10,7 +10,9 @@ Pure arithmetic. One dispatch (one MoE layer, one forward) from one rank of an e
 where s and r are the (token, choice) assignments this rank sends to experts held elsewhere
 and receives from other ranks. On the routing that happened (the ledger's check, measured
 by plait.parallel.expert.dispatch) s and r are counted; for a prediction, uniform routing
-gives s = r = tokens · top_k · (ep-1)/ep. The formula lives in plait/wire.py (dispatch_bytes).
+gives s = r = tokens · top_k · (ep-1)/ep. Experts that run on every token (Llama 4's) send
+every expert's rows, s = r = tokens · E · (ep-1)/ep, and no counts. The formula lives in
+plait/wire.py (dispatch_bytes).
 """
 
 from __future__ import annotations
@@ -31,10 +33,10 @@ def layer_alltoall(config: Any, layout: Any) -> dict[str, float]:
     {"forward": counts + rows out and back, "backward": the rows' gradients}. Experts that run
     on every token (GPTConfig.tp_expert_rows, Llama 4's) send every expert's rows and no counts
     (plait.parallel.expert.dispatch.DenseExpertDispatch): exact, whatever the routing."""
-    dense = config.tp_expert_rows
-    rows = uniform_rows(layout.tokens_per_micro_batch, dense or config.top_k, layout.ep)
+    rows = uniform_rows(layout.tokens_per_micro_batch, routed_rows(config), layout.ep)
     row_bytes = config.d_model * layout.compute_bytes
-    forward = dispatch_bytes(rows, rows, row_bytes, 0 if dense else config.experts, layout.ep, backward=False)
+    counts = 0 if config.tp_expert_rows else config.experts
+    forward = dispatch_bytes(rows, rows, row_bytes, counts, layout.ep, backward=False)
     return {"forward": forward, "backward": 2 * rows * row_bytes}
 
 

@@ -147,6 +147,12 @@ class StageShare:
         return self.params - self.frozen_params
 
     @property
+    def trained_block_params(self) -> int:
+        """One block's trained parameters (a mean, as `block_params`): a ZeRO-3 unit's, gathered
+        and reduced; the frozen stay whole on every rank."""
+        return self.block_params - round(self.frozen_params / max(1, self.layers))
+
+    @property
     def first(self) -> bool:
         return self.index == 0
 

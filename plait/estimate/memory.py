@@ -129,13 +129,14 @@ def stage_buffers(config: GPTConfig, layout: Workload, stage: StageShare) -> flo
     """`buffers` (for ZeRO-3 whole gradients a unit at a time, not two buckets), plus the
     pipeline's receive buffers and the loss on the last stage.
 
-    A stage keeps one receive buffer for activations and one for gradients (b·s·h each, a
-    sequence shard under SP); the last stage's loss holds logits, their fp32 copy and
-    the fp32 log-softmax for one micro-batch.
+    A stage keeps one receive buffer for activations and one for gradients (b·s·h each, h
+    times the residual streams, a sequence shard under SP); the last stage's loss holds
+    logits, their fp32 copy and the fp32 log-softmax for one micro-batch. Frozen parameters
+    have no gradient to buffer.
     """
-    total = buffers(stage.params, layout)
+    total = buffers(stage.trained_params, layout)
     if layout.zero == 3 and layout.sync > 1 and stage.block_params:
-        total = zero3_grad_buffers(stage.params, zero3_units(config, layout, stage), layout)
+        total = zero3_grad_buffers(stage.trained_params, zero3_units(config, layout, stage), layout)
     if layout.pp > 1:
         total += 2 * layout.stage_message_bytes(config.stream_width)
     if stage.last:
@@ -147,17 +148,17 @@ def zero3_units(config: GPTConfig, layout: Workload, stage: StageShare) -> list[
     """The parameters of each ZeRO-3 unit on `stage`, in run order, chunk by chunk
     (plait/parallel/zero/shard.py: find_units and with_edges).
 
-    Units are the blocks, and the embedding and the head when each is its own matrix: untied,
-    or tied and cut apart by a pipeline (the first stage's table, the last stage's copy).
-    A tied table on one rank, the final norm and anything else is the root. A rank's
-    chunks (v > 1) each run their own units.
+    Units are the blocks (their trained parameters: ZeRO leaves the frozen whole), and the
+    embedding and the head when each is its own matrix: untied, or tied and cut apart by a
+    pipeline (the first stage's table, the last stage's copy). A tied table on one rank, the
+    final norm and anything else is the root. A rank's chunks (v > 1) each run their own units.
     """
     table = vocab_shard(config, layout.tp) * config.d_model
     apart = not config.tie_embeddings or layout.pp > 1
     chunks = []
     for chunk, blocks in enumerate(chunk_layers(layout, stage)):
         first, last = chunk_ends(layout, stage, chunk)
-        chunks.append(([table] if first and apart else []) + [stage.block_params] * blocks
+        chunks.append(([table] if first and apart else []) + [stage.trained_block_params] * blocks
                       + ([table] if last and apart else []))
     return chunks
 
@@ -167,7 +168,7 @@ def gathered_params(config: GPTConfig, layout: Workload, stage: StageShare) -> i
     forward and backward, plus the unit running and the `prefetch` units gathered ahead of
     it (`zero3_units`); with --reshard-after-forward false, every unit at the turn from
     forward to backward. The prefetch does not reach across chunks."""
-    return gathered_at_once(stage.params, zero3_units(config, layout, stage), layout)
+    return gathered_at_once(stage.trained_params, zero3_units(config, layout, stage), layout)
 
 
 def gathered_at_once(params: int, chunks: list[list[int]], layout: Workload) -> int:
@@ -215,8 +216,10 @@ def stage_memory(config: GPTConfig, layout: Workload, stage: StageShare) -> Memo
     memory = model_states(stage.trained_params, gathered_params(config, layout, stage), layout,
                           experts=stage.expert_params)
     memory.params += stage.frozen_params * state_bytes(layout.precision).param  # weights alone, whole
-    if config.counts_routing:  # plait's MoE blocks: a balancing bias an expert, fp32 in any precision (MoE._apply),
-        memory.params += stage.moe_layers * config.experts * 4  # trained by no optimizer, so never sharded
+    # plait's own MoE blocks: a balancing bias an expert, fp32 in any precision (MoE._apply), trained
+    # by no optimizer, so never sharded: a frozen parameter as above, kept outside the counted ones
+    if config.counts_routing:
+        memory.params += stage.moe_layers * config.experts * 4
     memory.activations = stage_activation_bytes(config, layout, stage)
     memory.buffers = stage_buffers(config, layout, stage)
     memory.transient = transient_bytes(config, layout)

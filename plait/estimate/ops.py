@@ -419,7 +419,7 @@ def accumulate_s(layout: Workload, stage: StageShare, hw: Hardware) -> float:
     rank holding `stage`: over the gradients it keeps (its shard under ZeRO-2/3, whose hooks
     reduce-scatter each backward). A step-level term, not a micro-batch's: it depends on the
     ZeRO stage, which no micro-batch's time does (the planner's bounds rest on that)."""
-    kept = -(-stage.params // layout.zero_ranks) if layout.zero >= 2 else stage.params
+    kept = -(-stage.trained_params // layout.zero_ranks) if layout.zero >= 2 else stage.trained_params
     return accumulate_params_s(layout, kept, stage_tensors(stage, layout), hw)
 
 

@@ -405,8 +405,8 @@ def pp_messages(layout: Workload, stage: StageShare) -> int:
 
 
 def pp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffic:
-    """Point-to-point traffic between pipeline stages: b·s·h·bytes per message (a
-    sequence shard of it under SP). With tied embeddings the first and last rank each hold
+    """Point-to-point traffic between pipeline stages: b·s·h·bytes per message, h times the
+    residual streams (a sequence shard of it under SP). With tied embeddings the first and last rank each hold
     a copy of the embedding and swap their gradients once per step (a send and a recv):
     the whole gradient, or under ZeRO the dp rank's shard of it (padded to a multiple of dp)."""
     out: Traffic = {}
@@ -493,7 +493,7 @@ def naive_comm(config: GPTConfig | None, layout: Workload,
     out: dict[str, dict[str, object]] = {}
     if config is not None:
         all_stages = layout_stages(config, layout)
-        params = max(s.params for s in all_stages)
+        params = max(s.trained_params for s in all_stages)
         mine = estimate_comm(config, layout)
     else:
         mine = dp_traffic(params or 0, layout)
@@ -511,7 +511,7 @@ def naive_comm(config: GPTConfig | None, layout: Workload,
         out["tp"] = _naive("Σ_layers out·b·N·(N−1), once per micro-batch",
                            layers * act * n * (n - 1) * m, _group_total(mine, "tp", n))
     if layout.pp > 1:
-        message = act / layout.tp if layout.sp else act
+        message = layout.stage_message_bytes(config.stream_width)
         boundaries = layout.pp * layout.virtual_stages - 1
         out["pp"] = _naive("Σ_i out_i·b over stage boundaries, forward, per micro-batch",
                            (layout.pp - 1) * act * m, 2 * boundaries * m * message)

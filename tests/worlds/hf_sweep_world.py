@@ -61,7 +61,7 @@ import plait
 import plait.models.adapters
 from plait.errors import PlaitError
 from plait.estimate.layout import Workload, layout_stages
-from plait.estimate.traffic import rank_traffic, tp_traffic
+from plait.estimate.traffic import rank_traffic
 from plait.models.hf.config import read_hf_dir
 from plait.models.hf.load import measured_shape
 from plait.parallel.placement import placement_of
@@ -355,8 +355,7 @@ def sweep_layout(mode: str) -> Workload:
 
 def predicted_wire(family: str, sp: bool) -> dict[str, float]:
     """plait's estimate of one step's tp bytes in tensor_parallel's run: {op: wire bytes}."""
-    shape, layout = family_shape(family), sweep_layout("tp_sp" if sp else "tp")
-    return tp_traffic(shape, layout, layout_stages(shape, layout)[0]).get("tp", {})
+    return predicted_traffic(family, "tp_sp" if sp else "tp").get("tp", {})
 
 
 def predicted_traffic(family: str, mode: str) -> dict[str, dict[str, float]]:

@@ -61,6 +61,8 @@ def declared_experts(model: nn.Module, plan: dict[str, Any], tp_plan: dict[str, 
     if unknown:
         raise PlaitError(f"{name}'s ep plan uses {', '.join(map(repr, unknown))}, which plait does not split",
                          hint=HINT)
+    if DISPATCH not in plan.values():
+        raise PlaitError(f"{name}'s ep plan declares no experts module ({DISPATCH!r})", hint=HINT)
     modules = dict(model.named_modules())
     found = [(key, module) for pattern, style in plan.items() if style == DISPATCH
              for key, module in modules.items() if key and fnmatchcase(key, pattern)]

@@ -37,6 +37,7 @@ from plait.models.hf.styles import mixes_tokens, probe_ids, text_config
 from plait.parallel.deferred import recording
 from plait.parallel.probe import quiet
 from plait.parallel.seam import Parts
+from plait.parallel.tensor.layers import head_vectors
 from plait.parallel.tensor.plan import first_input_name, holds_the_sequence, on_the_same_slice
 
 
@@ -753,7 +754,10 @@ def _tally(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig, pla
 
 def _frozen_in_blocks(layers: nn.ModuleList) -> dict[str, Any]:
     """GPTConfig.frozen_block_params: each block's parameters no optimizer trains (requires_grad
-    False, a router's balancing bias that the model moves itself); {} where there are none."""
+    False, a router's balancing bias that the model moves itself); {} where there are none.
+    They are taken as whole on every rank of the block's stage, as the ones met so far are
+    (vectors over the experts, beside the split and dealt-out weights); frozen parameters
+    outside the blocks are not told apart."""
     seen: set[int] = set()
     frozen = []
     for block in layers:
@@ -1089,11 +1093,9 @@ def _in_block(block: nn.Module, name: str) -> nn.Module | None:
 
 
 def _vocabulary_vectors(head: nn.Module | None, vocab: int) -> int:
-    """The head's own vectors over the vocabulary beside its weight (a bias, a learned scale a
-    logit): a vocabulary split cuts them with the weight's rows."""
-    if not isinstance(head, nn.Module):
-        return 0
-    return sum(p.ndim == 1 and p.shape[0] == vocab for p in head.parameters(recurse=False))
+    """How many vectors over the vocabulary the head holds beside its weight (tensor/layers.
+    head_vectors: a bias, a learned scale a logit), which a vocabulary split cuts with it."""
+    return len(head_vectors(head, vocab)) if isinstance(head, nn.Module) else 0
 
 
 def _bias(layer: nn.Module | None) -> int:

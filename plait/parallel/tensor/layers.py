@@ -40,7 +40,7 @@ from plait.runtime.comm import Axis
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "carry_grad_sum",
            "enter_region", "is_conv1d", "layout_of", "leave_region", "overrides_forward", "shard_of", "shard_param",
-           "split_embedding_in_place", "split_head_in_place", "sum_grad_over", "tensor_placement"]
+           "head_vectors", "split_embedding_in_place", "split_head_in_place", "sum_grad_over", "tensor_placement"]
 
 class WeightLayout(NamedTuple):
     """A dense layer's sizes, and which dimension of its stored weight indexes the outputs."""
@@ -321,17 +321,31 @@ class _InPlaceVocab:
         return sum_owned_rows(out, outside, self.axis, self.sequence_parallel)
 
 
+def head_vectors(head: nn.Module, rows: int) -> list[str]:
+    """A head's own vectors over its `rows` outputs beside its weight (a bias, a learned scale a
+    logit): what a vocabulary split cuts with the weight's rows, and what the estimate counts
+    split with them (GPTConfig.head_vectors)."""
+    return [name for name, param in head.named_parameters(recurse=False)
+            if name != "weight" and param.ndim == 1 and param.shape[0] == rows]
+
+
 def split_head_in_place(head: nn.Linear, axis: Axis, memo: dict[int, nn.Parameter]) -> nn.Linear:
-    """`head` (an nn.Linear subclass with its own forward: Dory's learned scale a vocabulary
-    entry) holding this rank's vocabulary rows of every parameter as long as the vocabulary
-    (its weight's, a bias's, a scale's), its class, buffers and forward kept: its logits come
-    out split by vocabulary, as a column layer's do, for the vocab-parallel loss. Exact for any
-    arithmetic each logit gets from its own row alone (the probe checks the rest); the caller
-    enters the input into the region."""
+    """`head` (an nn.Linear subclass with its own forward: Dory's learned scale a logit) holding
+    this rank's vocabulary rows of its weight and of its vectors over the vocabulary
+    (`head_vectors`), its class, buffers and forward kept: its logits come out split by
+    vocabulary, as a column layer's do, for the vocab-parallel loss. Exact for any arithmetic
+    each logit gets from its own row alone (the probe checks the rest); a parameter of another
+    shape is refused, since no split can be read off it. The caller enters the input into
+    the region."""
     rows = head.out_features
-    for name, param in list(head.named_parameters(recurse=False)):
-        if param.ndim and param.shape[0] == rows:
-            setattr(head, name, shard_param(param, 0, axis, memo))
+    vectors = head_vectors(head, rows)
+    other = [name for name, _ in head.named_parameters(recurse=False) if name not in ("weight", *vectors)]
+    if other:
+        raise PlaitError(f"tensor-parallel plan: the head {type(head).__name__} holds {other[0]} beside its weight, "
+                         "which a split by vocabulary cannot tell how to cut",
+                         hint="leave the head out of the tp plan (it then stays whole on every rank)")
+    for name in ("weight", *vectors):
+        setattr(head, name, shard_param(getattr(head, name), 0, axis, memo))
     head.out_features = rows // axis.size
     return head
 

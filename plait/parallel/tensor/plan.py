@@ -139,8 +139,10 @@ def _swap_layers(model: nn.Module, styles: dict[str, str], axis: Axis, sp: bool,
                                                                split_input=style == "row_split", entry=entry))
         elif style == "vocab" and overrides_forward(module, nn.Linear):  # a head's own arithmetic (Dory's scale)
             split_head_in_place(module, axis, memo)
-            module.register_forward_pre_hook(functools.partial(_enter_hook, axis=axis, sp=split_sp, regather=regather,
-                                                               name=first_input_name(module)), with_kwargs=True)
+            if enters:
+                module.register_forward_pre_hook(functools.partial(_enter_hook, axis=axis, sp=split_sp,
+                                                                   regather=regather, name=first_input_name(module)),
+                                                 with_kwargs=True)
         elif style == "vocab" and overrides_forward(module, nn.Embedding):  # keep its own arithmetic
             split_embedding_in_place(module, axis, memo, sequence_parallel=split_sp,
                                      input_name=first_input_name(module))
