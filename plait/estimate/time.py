@@ -207,7 +207,7 @@ def rank_tail(layout: Workload, stage: StageShare, hw: Hardware, links: dict[str
     update = 0.0 if layout.offload else optimizer_s(updated, stage_tensors(stage, layout), hw,
                                                     stage_pieces(stage, layout))
     return {"accumulate": accumulate_s(layout, stage, hw),
-            "dp": dp_exposed_s(trained, stage.block_params, layout, hw, links["dp_shard"], compute,
+            "dp": dp_exposed_s(trained, stage.trained_block_params, layout, hw, links["dp_shard"], compute,
                                forward_share, links["dp_replicate"]),
             "offload": offload_s(trained, layout, hw), "update": update}
 

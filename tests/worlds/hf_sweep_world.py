@@ -358,18 +358,22 @@ def predicted_wire(family: str, sp: bool) -> dict[str, float]:
     return predicted_traffic(family, "tp_sp" if sp else "tp").get("tp", {})
 
 
-def predicted_traffic(family: str, mode: str) -> dict[str, dict[str, float]]:
-    """plait's estimate of one step's bytes on this rank in `mode`'s run (pp: its stage's), every
-    axis, without the gradient norm's sums (the sweep does not clip): {axis: {op: wire bytes}}."""
+def rank_stage(family: str, mode: str) -> tuple[Any, Workload, Any]:
+    """The family's shape, `mode`'s layout and this rank's share of it as the estimate reads
+    them (each pipeline rank its own stage)."""
     shape, layout = family_shape(family), sweep_layout(mode)
-    stage = layout_stages(shape, layout)[dist.get_rank() if mode == "pp" else 0]
-    return rank_traffic(shape, layout, stage, clipped=False)
+    return shape, layout, layout_stages(shape, layout)[dist.get_rank() if mode == "pp" else 0]
+
+
+def predicted_traffic(family: str, mode: str) -> dict[str, dict[str, float]]:
+    """plait's estimate of one step's bytes on this rank in `mode`'s run, every axis, without the
+    gradient norm's sums (the sweep does not clip): {axis: {op: wire bytes}}."""
+    return rank_traffic(*rank_stage(family, mode), clipped=False)
 
 
 def predicted_local(family: str, mode: str) -> int:
-    """plait's estimate of the parameters one rank holds in `mode`'s run (each pipeline rank its stage's)."""
-    shape, layout = family_shape(family), sweep_layout(mode)
-    return layout_stages(shape, layout)[dist.get_rank() if mode == "pp" else 0].params
+    """plait's estimate of the parameters one rank holds in `mode`'s run."""
+    return rank_stage(family, mode)[2].params
 
 
 # An ep case's experts' dispatch, against the estimate's uniform routing: a tiny model's router

@@ -735,9 +735,10 @@ def _tally(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig, pla
     if not layers or not blocks or len(layers) != shape.n_layers:
         return {}
     whole = _whole_under_sp(model)
-    seen: set[int] = set()  # a parameter two blocks share (Zamba's shared attention) counts in the first
-    tally = tuple(_block_tally(block, [_inside(plan, blocks, i), _inside(plan, blocks, i, whole)], shape, seen)
-                  for i, block in enumerate(layers))
+    owned = _owned_by_block(layers)
+    seen = {id(p) for params in owned for p in params}  # the blocks' own: what _after_blocks leaves out
+    tally = tuple(_block_tally(block, params, [_inside(plan, blocks, i), _inside(plan, blocks, i, whole)],
+                               shape) for i, (block, params) in enumerate(zip(layers, owned)))
     head = getattr(model, "get_output_embeddings", lambda: None)()
     head_vectors = _vocabulary_vectors(head, shape.vocab_size)  # Phi's bias, Dory's scale: split with the head
     outside = sum(p.numel() for p in model.parameters()) - sum(sum(block[:3]) for block in tally)
@@ -749,22 +750,28 @@ def _tally(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig, pla
         last - formula.final_norm_weights - rows * h * (not shape.tie_embeddings) - rows * head_vectors
     return {"block_tally": tally, "head_vectors": head_vectors, "extra_last_params": extra_last,
             "extra_params": outside - formula.embedding_params() - extra_last,
-            **_frozen_in_blocks(layers), **_split_after_blocks(model, parts, plan)}
+            **_frozen_in_blocks(owned), **_split_after_blocks(model, parts, plan)}
 
 
-def _frozen_in_blocks(layers: nn.ModuleList) -> dict[str, Any]:
-    """GPTConfig.frozen_block_params: each block's parameters no optimizer trains (requires_grad
-    False, a router's balancing bias that the model moves itself); {} where there are none.
-    They are taken as whole on every rank of the block's stage, as the ones met so far are
-    (vectors over the experts, beside the split and dealt-out weights); frozen parameters
-    outside the blocks are not told apart."""
+def _owned_by_block(layers: nn.ModuleList) -> list[list[nn.Parameter]]:
+    """Each block's parameters that no block before it holds: a parameter two blocks share
+    (Zamba's shared attention) counts in the first."""
     seen: set[int] = set()
-    frozen = []
+    owned = []
     for block in layers:
-        params = [p for p in block.parameters() if id(p) not in seen]
-        seen.update(id(p) for p in params)
-        frozen.append(sum(p.numel() for p in params if not p.requires_grad))
-    return {"frozen_block_params": tuple(frozen)} if any(frozen) else {}
+        owned.append([p for p in block.parameters() if id(p) not in seen])
+        seen.update(id(p) for p in owned[-1])
+    return owned
+
+
+def _frozen_in_blocks(owned: list[list[nn.Parameter]]) -> dict[str, Any]:
+    """GPTConfig.frozen_block_params: of each block's own parameters (`_owned_by_block`), those
+    no optimizer trains (requires_grad False, a router's balancing bias that the model moves
+    itself); {} where there are none. They are taken as whole on every rank of the block's
+    stage, as the ones met so far are (vectors over the experts, beside the split and dealt-out
+    weights); frozen parameters outside the blocks are not told apart."""
+    frozen = tuple(sum(p.numel() for p in params if not p.requires_grad) for params in owned)
+    return {"frozen_block_params": frozen} if any(frozen) else {}
 
 
 def _split_after_blocks(model: nn.Module, parts: Parts | None, plan: dict[str, str]) -> dict[str, Any]:
@@ -1044,15 +1051,14 @@ def _inside(plan: dict[str, str], blocks: str, index: int, whole: set[str] = fro
             if not any(not name or key == name or key.startswith(f"{name}.") for name in kept)}
 
 
-def _block_tally(block: nn.Module, plans: list[dict[str, str]], shape: GPTConfig,
-                 seen: set[int]) -> tuple[int, int, int, int]:
-    """(split, whole, routed, split under SP) of one block's parameters not in `seen` (then added
-    to it), under `plans` (the block's tp plan, and its SP form): a parameter is split where an
-    entry naming its module splits the module's weights (a row layer's bias is added after its
-    sum, whole), or names the parameter itself; routed where it is one of an MoE's `experts` (an
-    ep plan deals them out; tp splits them only as `moe_tp_experts`, routed_split_by_tp)."""
-    params = [p for p in block.parameters() if id(p) not in seen]
-    seen.update(id(p) for p in params)
+def _block_tally(block: nn.Module, params: list[nn.Parameter], plans: list[dict[str, str]],
+                 shape: GPTConfig) -> tuple[int, int, int, int]:
+    """(split, whole, routed, split under SP) of `params`, the block's own parameters
+    (`_owned_by_block`), under `plans` (the block's tp plan, and its SP form): a parameter is
+    split where an entry naming its module splits the module's weights (a row layer's bias is
+    added after its sum, whole), or names the parameter itself; routed where it is one of an
+    MoE's `experts` (an ep plan deals them out; tp splits them only as `moe_tp_experts`,
+    routed_split_by_tp)."""
     experts = {id(p) for module in block.modules() if shape.is_moe
                and isinstance(getattr(module, "experts", None), nn.Module) for p in module.experts.parameters()}
     # experts the plan splits with no ep to deal them out are split (LongCat's); Llama 4's, whose
