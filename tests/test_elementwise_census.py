@@ -205,11 +205,13 @@ def test_compiled_block_bytes_match_the_compilers_count(precision: str, dtype: t
 def test_fp8_casts_match_the_count(compiled: bool) -> None:
     """What --precision fp8 moves beyond bf16 in one block (ops.fp8_cast_bytes: its inputs',
     output gradients' and weights' amaxes and casts), against the same counts as above, eager
-    and compiled. Eager it is 6.6x what the compiled kernels move at the 1 B GPT's shape."""
+    and compiled. Eager it is 6.6x what the compiled kernels move at the 1 B GPT's shape.
+    Compiled, one shape (its kv narrower than h, its MLP 4h wide): a cold float8 compile took
+    27 s here (2026-12-02); eager, all three hold how the count grows with h, kv and f."""
     pytest.importorskip("torchao", reason="fp8 needs the optional torchao")
     from plait.estimate.ops import fp8_cast_bytes
 
-    for spec in SHAPES[:2] if compiled else SHAPES:  # two shapes compiled: each compile costs seconds
+    for spec in SHAPES[:1] if compiled else SHAPES:
         config = get_preset(spec)
         count = (lambda fp8: compiled_census(spec, torch.bfloat16, fp8)[0]) if compiled else (
             lambda fp8: census(spec, torch.bfloat16, fp8))
