@@ -526,6 +526,42 @@ def test_a_stage_that_runs_the_models_own_forward_holds_its_pieces_where_that_fo
     assert dory.num_params() == meta_params(tmp_path / "dory")
 
 
+def test_a_looped_models_blocks_cost_once_a_run_and_hold_their_parameters_once(tmp_path: Path) -> None:
+    """Dory runs its recurrent blocks n_recurrent_loops times a forward, Inkling-2-Loop its loop
+    layers loop_num_passes times (GPTConfig.block_runs, read by one forward on meta): each run
+    computes, keeps its activations and dispatches its tokens to the experts again, while the
+    block's parameters, gradients and optimizer state are held once. Inkling-2-Loop's experts'
+    all-to-all, priced once a block, was 1.35x under the ledger's (the transformers sweep's
+    ep case); priced once a run, it is within the sweep's routing band."""
+    from plait.estimate.layout import Workload, layout_stages
+    from plait.estimate.memory import stage_memory
+    from plait.estimate.time import flops_per_token
+    from plait.estimate.traffic import estimate_comm
+
+    dory = shape_of(tmp_path / "dory", "dory", num_hidden_layers=3, n_input_layers=1, n_recurrent_layers=1,
+                    n_output_layers=1, n_recurrent_loops=3, sliding_window=6,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    assert dory.block_runs == (1, 3, 1) and dory.num_params() == meta_params(tmp_path / "dory")
+    once = replace(dory, block_runs=())
+    layout = Workload(micro_batch=2, seq_len=16, precision="fp32")
+    looped, single = (layout_stages(s, layout)[0] for s in (dory, once))
+    assert (looped.layers, looped.runs, looped.params) == (3, 5, single.params)
+    looped_memory, single_memory = (stage_memory(s, layout, stage) for s, stage in ((dory, looped), (once, single)))
+    assert looped_memory.params == single_memory.params and looped_memory.optim == single_memory.optim
+    assert looped_memory.activations > single_memory.activations
+    assert flops_per_token(dory, 16)[0] > flops_per_token(once, 16)[0]
+
+    loop = shape_of(tmp_path / "loop", "inkling2_loop_text", num_hidden_layers=3, n_layers_per_attn_res_block=1,
+                    loop_layer_index_start=1, loop_layer_index_end=2, loop_num_passes=2, loop_gate_rank=8,
+                    swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8, sliding_window_size=6,
+                    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, unpadded_vocab_size=128)
+    assert loop.block_runs == (1, 2, 1)
+    experts = Workload(dp=2, ep=2, micro_batch=2, seq_len=16, precision="fp32")
+    dispatched = [estimate_comm(s, experts)["ep"]["all_to_all"] for s in (loop, replace(loop, block_runs=()))]
+    assert dispatched[0] == pytest.approx(dispatched[1] * 4 / 3)  # 4 runs of 3 MoE blocks
+    assert estimate_comm(loop, experts)["dp"] == estimate_comm(replace(loop, block_runs=()), experts)["dp"]
+
+
 def test_a_parameter_no_optimizer_trains_is_held_but_not_synced(tmp_path: Path) -> None:
     """AFMoE's router balancing bias is a parameter with requires_grad False (the model moves it
     itself): each MoE block holds it (GPTConfig.frozen_block_params), and the estimate gives it

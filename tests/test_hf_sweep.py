@@ -278,10 +278,9 @@ def priced(world: list[dict[str, Any]], families: list[str], modes: tuple[str, .
 # The exact pp and ep cases whose bytes on the wire, every axis, are not the estimate's, and why
 # (the world's "wire": each pipeline rank's bytes beside its stage's estimate; an ep case's
 # experts' all-to-all within the world's ROUTING_BAND of uniform routing, the rest exact).
-UNPRICED = {
-    "inkling2_loop_text/ep": "its forward runs its looped blocks more than once: their experts dispatch again, "
-                             "priced once (GPTConfig counts each block once)",
-}
+# (Inkling-2-Loop's experts' all-to-all, priced since each looped block is priced once a run:
+# GPTConfig.block_runs.)
+UNPRICED: dict[str, str] = {}
 
 
 def pipelines_and_experts_priced(world: list[dict[str, Any]], families: list[str]) -> None:

@@ -263,7 +263,7 @@ def stage_activation_bytes(config: GPTConfig, layout: Workload, stage: StageShar
     """Peak activation bytes on one rank of `stage`."""
     if layout.stage_layers and layout.schedule == "interleaved":
         return uneven_interleaved_peak(config, layout, stage) + rope_table_bytes(config, layout)
-    per_micro_batch = stage.layers * layer_bytes(config, layout)
+    per_micro_batch = stage.runs * layer_bytes(config, layout)  # kept for each run's backward
     per_micro_batch += stage_extra_bytes(config, layout, stage)
     return in_flight(layout, stage) * per_micro_batch + rope_table_bytes(config, layout)
 

@@ -64,7 +64,7 @@ def per_layer(config: Any, layout: Any) -> dict[str, Any] | None:
     from plait.estimate.layout import layout_stages
 
     per = layer_bytes(config, layout)
-    layers = max(stage.layers for stage in layout_stages(config, layout))
+    layers = max(stage.runs for stage in layout_stages(config, layout))
     return {"kind": layout.cp_kind, "cp": layout.cp, "op": "send" if layout.cp_kind == "ring" else "all_to_all",
             "forward": per["forward"], "backward": per["backward"], "layers": layers,
             "micro_batches": layout.grad_accum, "forwards": forward_passes(layout.recompute)}

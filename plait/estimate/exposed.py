@@ -60,7 +60,7 @@ def tp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
     counts = plan_collectives(config, layout, stage, ends=False, whole_ends=False)
     act = layout.hidden_bytes(config.d_model)
     block_s = collectives_s(counts, {op: ring_bytes(op, act, t) * n for op, n in counts.items()}, t, hw, inter)
-    gemms = stage_gemm_s(config, layout, stage.layers, replace(hw, op_overhead_us=0.0))
+    gemms = stage_gemm_s(config, layout, stage.runs, replace(hw, op_overhead_us=0.0))
     return total - block_s + max(block_s / t, block_s - gemms)
 
 
@@ -93,9 +93,9 @@ def _cp_calls(layout: Workload, stage: StageShare) -> float:
     if cp == 1:
         return 0.0
     if layout.cp_kind == "ulysses":
-        return stage.layers * (forwards + 1) * ULYSSES_ALL_TO_ALLS
+        return stage.runs * (forwards + 1) * ULYSSES_ALL_TO_ALLS
     forward, backward = _ring_exchanges(cp)
-    return stage.layers * (forwards * forward + backward)
+    return stage.runs * (forwards * forward + backward)
 
 
 ULYSSES_ALL_TO_ALLS = 4  # a layer's, each way: q, k and v, then the output
@@ -112,7 +112,7 @@ def _ep_calls(layout: Workload, stage: StageShare) -> float:
     rows back; again when recomputed) and two backward."""
     if layout.ep == 1 or not stage.moe_layers:
         return 0.0
-    return stage.moe_layers * (3 * forward_passes(layout.recompute) + 2)
+    return stage.moe_runs * (3 * forward_passes(layout.recompute) + 2)
 
 
 def stage_tp_collectives(config: GPTConfig, layout: Workload, stage: StageShare) -> dict[str, int]:
@@ -150,7 +150,7 @@ def cp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
     lagged = lagged_s(_cp_calls(layout, stage), cp, hw, inter, burst)
     if layout.cp_kind == "ulysses":
         one_way = ULYSSES_ALL_TO_ALLS * (cp - 1) * latency + per["forward"] / bandwidth
-        return stage.layers * (forwards + 1) * one_way + lagged
+        return stage.runs * (forwards + 1) * one_way + lagged
     latency, bandwidth = hw.message(cp, inter)  # the ring's steps are send/recv pairs
     # one forward (and one backward) of one layer's attention hides the transfers, where the
     # machine computes while its links move bytes (overlaps_comm)
@@ -160,7 +160,7 @@ def cp_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
                              attention_time(config, layout, hw, 1) if hides else 0.0, cp)
     backward = ring_exposed_s(exchanges_backward * latency + per["backward"] / bandwidth,
                               attention_time(config, layout, hw, 0, 1) if hides else 0.0, cp)
-    return stage.layers * (forwards * forward + backward) + lagged
+    return stage.runs * (forwards * forward + backward) + lagged
 
 
 def overlaps_comm(hw: Hardware) -> bool:
@@ -184,7 +184,7 @@ def ep_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
     per = layer_alltoall(config, layout)
     calls = _ep_calls(layout, stage)
     moved = forward_passes(layout.recompute) * per["forward"] + per["backward"]
-    return calls * latency + stage.moe_layers * moved / bandwidth + lagged_s(calls, layout.ep, hw, inter, burst)
+    return calls * latency + stage.moe_runs * moved / bandwidth + lagged_s(calls, layout.ep, hw, inter, burst)
 
 
 def dp_exposed_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: int,

@@ -140,6 +140,19 @@ class StageShare:
     expert_params: int = 0  # of `params`, the routed experts this ep rank holds (synced over dp / ep)
     moe_layers: float = 0.0  # MoE blocks among its layers (moe_every spreads them evenly)
     frozen_params: int = 0  # of `params`, those no optimizer trains (GPTConfig.frozen_block_params)
+    reruns: float = 0.0  # runs of its blocks beyond one each (GPTConfig.block_runs: a looped model's)
+    moe_reruns: float = 0.0  # the same of its MoE blocks
+
+    @property
+    def runs(self) -> float:
+        """Block runs one forward makes on this rank: what compute, activations and the tp, cp
+        and ep traffic count, where `layers` (the blocks held) counts the parameters."""
+        return self.layers + self.reruns
+
+    @property
+    def moe_runs(self) -> float:
+        """MoE block runs one forward makes on this rank: the experts' dispatches."""
+        return self.moe_layers + self.moe_reruns
 
     @property
     def trained_params(self) -> int:
@@ -233,9 +246,20 @@ def counted_stage(config: GPTConfig, index: int, pp: int, blocks: list[int], sha
     held = sum(shares[i] for i in blocks)
     experts = sum(config.block_tally[i][2] for i in blocks) / ep if ep > 1 else 0
     frozen = sum(config.frozen_block_params[i] for i in blocks) if config.frozen_block_params else 0
+    reruns = [config.runs_of(i) - 1 for i in blocks]
+    moe_reruns = sum(again for i, again in zip(blocks, reruns) if config.moe_layer(i))
     return StageShare(index, pp, len(blocks), round(held / max(1, len(blocks))), round(held) + ends,
                       len(blocks) * replicated + ends_whole, round(experts), sum(map(config.moe_layer, blocks)),
-                      frozen)
+                      frozen, sum(reruns), moe_reruns)
+
+
+def mean_reruns(config: GPTConfig, layers: int) -> tuple[float, float]:
+    """(reruns, MoE reruns) of `layers` blocks of an uncounted model: the model's, spread evenly."""
+    if not config.block_runs:
+        return 0.0, 0.0
+    again = [config.runs_of(i) - 1 for i in range(config.n_layers)]
+    moe = sum(extra for i, extra in enumerate(again) if config.moe_layer(i))
+    return layers * sum(again) / config.n_layers, layers * moe / config.n_layers
 
 
 def summed_whole(config: GPTConfig, ep: int) -> int:
@@ -349,5 +373,6 @@ def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1, ep: int
             params, repl = params + norm + head, repl + norm
         moe = layers * config.moe_layers / config.n_layers
         held = round(layers * experts) if ep > 1 else 0  # ep 1: the experts sync with the rest, over dp
-        out.append(StageShare(index, pp, layers, block, params, repl, held, moe))
+        out.append(StageShare(index, pp, layers, block, params, repl, held, moe, 0,
+                              *mean_reruns(config, layers)))
     return tuple(out)

@@ -403,7 +403,7 @@ def _work_and_dispatch_s(config: GPTConfig, layout: Workload, stage: StageShare,
     tokens = layout.tokens_per_micro_batch
     again = blocks_rerun(layout)
     attn_forwards = 1 + {"none": 0, "selective": 1, "full": 1}[layout.recompute]
-    layers = stage.layers
+    layers = stage.runs  # a looped model's blocks compute again each run
     total = stage_gemm_s(config, layout, layers, hw) + layers * attention_time(config, layout, hw, attn_forwards, 1)
     # The loss's softmax and the final norm: counted on the last stage, where they run.
     total += elementwise_s(config, layout, hw, layers * (1 + again), stage.last, False)

@@ -331,7 +331,7 @@ class Costs:
 def _stage_key(stage: StageShare) -> tuple:
     """What sets a stage's costs, its index aside (beyond being the first or the last)."""
     return (stage.layers, stage.params, stage.replicated_params, stage.expert_params, stage.moe_layers,
-            stage.frozen_params, stage.first, stage.last)
+            stage.frozen_params, stage.reruns, stage.moe_reruns, stage.first, stage.last)
 
 
 @functools.lru_cache(maxsize=4096)

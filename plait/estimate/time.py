@@ -167,14 +167,17 @@ class StepCosts:
 
 def matmul_params(config: GPTConfig) -> int:
     """Ψ for FLOPs: the blocks plus the output head, not the embedding lookup; of an MoE
-    block, what a token passes through (its top_k and shared experts)."""
-    return sum(config.active_block_params(i) for i in range(config.n_layers)) + config.vocab_size * config.d_model
+    block, what a token passes through (its top_k and shared experts); a looped model's blocks
+    once a run (GPTConfig.block_runs)."""
+    return sum(config.active_block_params(i) * config.runs_of(i) for i in range(config.n_layers)) \
+        + config.vocab_size * config.d_model
 
 
 def flops_per_token(config: GPTConfig, seq_len: int, recompute: str = "none") -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) of training on one token: 6Ψ + 12·L·h·s, plus what
     recomputation redoes."""
-    psi, attn = matmul_params(config), 4 * config.n_layers * config.attention_share * config.d_model * seq_len
+    runs = sum(map(config.runs_of, range(config.n_layers)))
+    psi, attn = matmul_params(config), 4 * runs * config.attention_share * config.d_model * seq_len
     model = 6 * psi + 3 * attn
     extra = {"none": 0, "selective": attn, "full": 2 * psi + attn}[recompute]
     return float(model), float(model + extra)

@@ -72,7 +72,7 @@ def ep_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
     if layout.ep == 1 or not stage.moe_layers:
         return {}
     per = layer_alltoall(config, layout)
-    wire = stage.moe_layers * layout.grad_accum * (forward_passes(layout.recompute) * per["forward"] + per["backward"])
+    wire = stage.moe_runs * layout.grad_accum * (forward_passes(layout.recompute) * per["forward"] + per["backward"])
     return {"ep": {"all_to_all": wire}}
 
 
@@ -84,7 +84,7 @@ def cp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
     if layout.cp == 1:
         return out
     per = layer_bytes(config, layout)
-    wire = stage.layers * layout.grad_accum * (forward_passes(layout.recompute) * per["forward"] + per["backward"])
+    wire = stage.runs * layout.grad_accum * (forward_passes(layout.recompute) * per["forward"] + per["backward"])
     for op in (("send", "recv") if layout.cp_kind == "ring" else ("all_to_all",)):
         out.setdefault("cp", {})[op] = wire
     return out
@@ -170,9 +170,9 @@ def tp_collectives(layout: Workload, stage: StageShare, ends: tuple[bool, bool] 
     the two all-reduces of each split dense MLP beside its experts (Gemma 4's one, LongCat's two).
     """
     first, last = int(ends[0] and stage.first), int(ends[1] and stage.last)
-    blocks = stage.layers
+    blocks = stage.runs  # a looped model's blocks run their collectives again each run
     full = layout.recompute == "full"
-    moe = round(stage.moe_layers)
+    moe = round(stage.moe_runs)
     experts = moe * sum(split_moe)
     entered = blocks * entries
     if not layout.sp:  # an MoE block's MLP stays whole on every tp rank: its attention's two (three) only
@@ -278,7 +278,7 @@ def gathered_calls(config: GPTConfig, layout: Workload, stage: StageShare) -> in
     the sequence's gather entered); tp_traffic counts their bytes."""
     if not any(config.tp_gathered_calls):
         return 0
-    return round(stage.layers * sum(n * times for n, times in zip(config.tp_gathered_calls, gathered_passes(layout))))
+    return round(stage.runs * sum(n * times for n, times in zip(config.tp_gathered_calls, gathered_passes(layout))))
 
 
 def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffic:
@@ -304,14 +304,14 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
     if any(config.tp_gathered):  # a plan that gathers fused projections whole (under SP too: inside its region)
         width = sum(w * n for w, n in zip(config.tp_gathered, gathered_passes(layout)))
         _add(out, "tp", "all_gather", layout.tokens_per_micro_batch * width * layout.compute_bytes,
-             t, times=m * stage.layers)
+             t, times=m * stage.runs)
     if split_moe[0] and config.tp_expert_rows:  # the routed experts' all-reduces carry tp_expert_rows rows a token
         _add(out, "tp", "all_reduce", act * (config.tp_expert_rows - 1), t,
-             times=m * round(stage.moe_layers) * split_moe[0])
+             times=m * round(stage.moe_runs) * split_moe[0])
     entries = expert_entries(config, layout)
     if entries:  # routing weights and shared gates entering split experts: their gradients summed
         _add(out, "tp", "all_reduce", layout.tokens_per_micro_batch * entries * layout.compute_bytes, t,
-             times=m * round(stage.moe_layers))
+             times=m * round(stage.moe_runs))
     if stage.last and layout.tp > 1 and any(config.tp_last_rows):  # a layer after the blocks split by its input
         outputs, inputs = config.tp_last_rows
         _add(out, "tp", "all_reduce", layout.tokens_per_micro_batch * outputs * layout.compute_bytes, t, times=m)
@@ -332,7 +332,7 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
     whole_blocks = counted is not None
     if config.sp_sliced_inputs and layout.sp:  # each block's slice of its per-layer inputs: gradient gathered
         _add(out, "tp", "all_gather", layout.tokens_per_micro_batch * config.sp_sliced_inputs * layout.compute_bytes,
-             t, times=m * stage.layers)
+             t, times=m * stage.runs)
     if config.qk_norm == "head" and not whole_blocks:  # per-head q and k norm weights: their gradients summed
         grad_bytes = state_bytes(layout.precision).grad
         _add(out, "tp", "all_reduce", 2 * config.head_dim * grad_bytes, t,
@@ -340,11 +340,11 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
     elif config.qk_norm == "full" and not whole_blocks:  # q, k, v gathered whole; o_proj's input gradient gathered back
         width = 2 * config.n_heads * config.head_dim + 2 * config.kv_dim
         _add(out, "tp", "all_gather", layout.tokens_per_micro_batch * width * layout.compute_bytes, t,
-             times=m * stage.layers * config.qk_norm_share)
+             times=m * stage.runs * config.qk_norm_share)
     entered = config.tp_entered_tail + config.tp_entry_extra  # MLA's rotary key, and its latents' own entries
     if entered and not layout.sp:  # their gradients summed in backward (the hidden's entry is plan_collectives')
         _add(out, "tp", "all_reduce", layout.tokens_per_micro_batch * entered * layout.compute_bytes, t,
-             times=m * stage.layers)
+             times=m * stage.runs)
     if config.tp_summed_params and not whole_blocks:  # whole layers the plan sums the gradients of, SP or not
         _add(out, "tp", "all_reduce", config.tp_summed_params * state_bytes(layout.precision).grad, t,
              times=m * stage.layers)

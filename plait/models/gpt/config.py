@@ -198,6 +198,11 @@ class GPTConfig:
     # ERNIE-4.5-MoE's and Laguna's router balancing biases): held whole on every rank of the
     # block, with no gradient, no optimizer state, no sync and no ZeRO shard. Empty: none
     frozen_block_params: tuple[int, ...] = ()
+    # How many times one forward runs each block, where a looped model runs some more than once
+    # (Inkling-2-Loop's loop layers, Dory's recurrent blocks): their compute, what autograd
+    # keeps and their tp, cp and ep traffic repeat per run; their parameters, gradients and
+    # ZeRO units are the block's, once. Empty: once each
+    block_runs: tuple[int, ...] = ()
     extra_params: int = 0
     extra_last_params: int = 0  # the same after the blocks, on the last stage (a LayerNorm's bias; < 0: none)
     # Of those, the ones a layer the plan splits by its input features holds (Qwen4-Exp's
@@ -242,6 +247,7 @@ class GPTConfig:
         object.__setattr__(self, "sp_read_whole_passes", tuple(tuple(pair) for pair in self.sp_read_whole_passes))
         object.__setattr__(self, "block_tally", tuple(tuple(block) for block in self.block_tally))
         object.__setattr__(self, "frozen_block_params", tuple(self.frozen_block_params))
+        object.__setattr__(self, "block_runs", tuple(self.block_runs))
         object.__setattr__(self, "attention_matrix_bytes", tuple(self.attention_matrix_bytes))
         object.__setattr__(self, "block_saved_bytes", tuple(tuple(pair) for pair in self.block_saved_bytes))
         for name in ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
@@ -253,6 +259,9 @@ class GPTConfig:
         if self.n_heads % self.n_kv_heads:
             raise PlaitError(f"n_heads = {self.n_heads} is not divisible by n_kv_heads = {self.n_kv_heads}",
                              hint="each key/value head serves n_heads / n_kv_heads query heads")
+        if self.block_runs and (len(self.block_runs) != self.n_layers or min(self.block_runs) < 1):
+            raise PlaitError(f"block_runs {list(self.block_runs)} does not give each of the {self.n_layers} blocks "
+                             f"one run or more", hint="leave it empty where each block runs once")
         check_experts(self)
         if self.mlp_matrices not in (0, 2, 3):
             raise PlaitError(f"mlp_matrices must be 2 (up, down) or 3 (gate, up, down), got {self.mlp_matrices}")
@@ -344,6 +353,10 @@ class GPTConfig:
         mlp = self.mlp_params
         norms = self.norm_params * h + self.whole_biases + self.split_mlp_scalars
         return attn + mlp + norms
+
+    def runs_of(self, index: int) -> int:
+        """How many times one forward runs block `index` (block_runs)."""
+        return self.block_runs[index] if self.block_runs else 1
 
     def block_params(self, index: int) -> int:
         """Parameters of block `index`: as counted (block_tally), else a dense block, or one whose

@@ -201,28 +201,38 @@ def _blocks(model: nn.Module, name: str | None) -> nn.ModuleList | None:
 
 
 def _blocks_as_run(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig) -> GPTConfig:
-    """`shape` with as many layers as the model builds blocks, where config.json counts others and
-    one forward (on meta) runs each of them once and no other module of their kind: Dory's config
-    counts a block's attention and its MLP as two layers (6 for its 3 blocks), which priced 1.6x
-    its parameters and counted no block. A model that runs a block more than once (a looped
-    model's recurrent blocks), holds blocks of the kind outside the list (HRM's second stack), or
-    whose forward does not run on meta keeps config.json's count."""
-    if not layers or len(layers) == shape.n_layers:
+    """`shape` with as many layers as the model builds blocks, and how many times one forward
+    (on meta) runs each (GPTConfig.block_runs), where it runs every block and no other module
+    of their kind: Dory's config counts a block's attention and its MLP as two layers (6 for
+    its 3 blocks), which priced 1.6x its parameters and counted no block; a looped model runs
+    its loop's blocks again each pass (Inkling-2-Loop's loop layers, Dory's recurrent ones),
+    and each run dispatches, computes and keeps its activations again. A model that holds
+    blocks of the kind outside the list (HRM's second stack), or whose forward does not run on
+    meta, keeps config.json's count."""
+    if not layers:
         return shape
     kinds = tuple({type(block) for block in layers})
     called: list[nn.Module] = []
     hooks = [module.register_forward_pre_hook(lambda module, args: called.append(module))
              for module in model.modules() if isinstance(module, kinds)]
-    try:
-        with quiet(model):
+    experts = [m.experts for m in model.modules() if isinstance(getattr(m, "experts", None), nn.Module)]
+    try:  # the routed experts stood in for: their grouped products do not run on meta in fp32
+        with quiet(model), _stood_in(experts, lambda module: _zeros_like_input), torch.no_grad():
             model(input_ids=probe_ids(model, PROBED_TOKENS))
     except Exception:  # noqa: BLE001 - a forward that does not run on meta: config.json's count stands
         return shape
     finally:
         for hook in hooks:
             hook.remove()
-    once_each = len(called) == len(layers) and {id(m) for m in called} == {id(block) for block in layers}
-    return replace(shape, n_layers=len(layers)) if once_each else shape
+    index = {id(block): i for i, block in enumerate(layers)}
+    runs = [0] * len(layers)
+    for module in called:
+        if id(module) not in index:
+            return shape
+        runs[index[id(module)]] += 1
+    if min(runs) == 0:
+        return shape
+    return replace(shape, n_layers=len(layers), block_runs=tuple(runs) if max(runs) > 1 else ())
 
 
 def _qk_norm(layers: nn.ModuleList | None, shape: GPTConfig, plan: dict[str, str]) -> dict[str, Any]:
