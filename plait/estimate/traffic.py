@@ -507,7 +507,7 @@ def naive_comm(config: GPTConfig | None, layout: Workload,
     m = layout.grad_accum
     act = layout.hidden_bytes(config.d_model)
     if layout.tp > 1:
-        n, layers = layout.tp, all_stages[0].layers
+        n, layers = layout.tp, all_stages[0].runs
         out["tp"] = _naive("Σ_layers out·b·N·(N−1), once per micro-batch",
                            layers * act * n * (n - 1) * m, _group_total(mine, "tp", n))
     if layout.pp > 1:
