@@ -340,11 +340,19 @@ def check_sync_bn_accumulation(sync_bn: bool, dp: int, grad_accum: int) -> None:
                                                    "or use fewer data ranks")
 
 
-def check_pipeline_cut(n_layers: int, pp: int, virtual_stages: int = 1, stage_layers: tuple[int, ...] = ()) -> None:
+def check_pipeline_cut(n_layers: int, pp: int, virtual_stages: int = 1, stage_layers: tuple[int, ...] = (),
+                       block_runs: tuple[int, ...] = ()) -> None:
     """pp·v stages cut from a model's `n_layers` blocks: each stage needs one, and
     interleaving cuts equal chunks; or the cut --stage-layers gives (`check_stage_layers`),
-    which must count them all."""
+    which must count them all. A looped model (`block_runs`: its forward runs some blocks
+    again) has no cut: plait's stages run each block once, in order."""
     v, stages = virtual_stages, pp * virtual_stages
+    if stages > 1 and block_runs and max(block_runs) > 1:
+        looped = [str(i) for i, runs in enumerate(block_runs) if runs > 1]
+        named = f"block {looped[0]}" if len(looped) == 1 else f"blocks {', '.join(looped)}"
+        raise PlaitError(f"pp={pp} cuts the blocks into stages run once each in order, and this model's forward runs "
+                         f"{named} more than once (a loop)",
+                         hint="train it with pp 1 (dp, ZeRO, tp and ep need no cut)")
     if stage_layers:
         check_stage_layers(stage_layers, pp, virtual_stages)
         if sum(stage_layers) != n_layers:

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from plait.estimate.layout import block_split, embedding_rows, held_experts, vocab_shard
+from plait.errors import PlaitError
 from plait.models.hf.config import read_hf_dir
 from plait.models.hf.load import measured_shape
 
@@ -550,6 +551,8 @@ def test_a_looped_models_blocks_cost_once_a_run_and_hold_their_parameters_once(t
     assert looped_memory.params == single_memory.params and looped_memory.optim == single_memory.optim
     assert looped_memory.activations > single_memory.activations
     assert flops_per_token(dory, 16)[0] > flops_per_token(once, 16)[0]
+    with pytest.raises(PlaitError, match=r"forward runs block 1 more than once \(a loop\)"):
+        Workload(pp=2, micro_batch=1, grad_accum=2, seq_len=16, precision="fp32").check_model(dory)
 
     loop = shape_of(tmp_path / "loop", "inkling2_loop_text", num_hidden_layers=3, n_layers_per_attn_res_block=1,
                     loop_layer_index_start=1, loop_layer_index_end=2, loop_num_passes=2, loop_gate_rank=8,

@@ -4,6 +4,7 @@ drops a layout that would rank; `plait plan` and its --explain."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import re
 
 import pytest
@@ -59,6 +60,20 @@ def test_tp_divides_heads() -> None:
     request = PlanRequest(config=get_preset("small"), gpus=6, gpus_per_node=8,
                           hardware=get_hardware("cpu"), global_batch=12, seq_len=128)
     assert {layout.tp for layout in candidates(request)} == {1, 2}
+
+
+def test_a_looped_model_is_planned_without_a_pipeline() -> None:
+    """A model whose forward runs a block again (GPTConfig.block_runs) has no pipeline cut
+    (rules.check_pipeline_cut): the search leaves pp out, and prices each run's compute."""
+    looped = replace(get_preset("small"), block_runs=(1, 2, 2, 1, 1, 1))
+    request = PlanRequest(config=looped, gpus=4, gpus_per_node=8, hardware=get_hardware("cpu"), global_batch=8,
+                          seq_len=128)
+    assert {layout.pp for layout in candidates(request)} == {1}
+    assert {layout.pp for layout in candidates(replace(request, config=get_preset("small")))} == {1, 2, 4}
+    layout = Workload(dp=4, micro_batch=2, seq_len=128, precision="fp32")
+    cpu = get_hardware("cpu")
+    looped_s, once_s = (estimate_time(c, layout, cpu, 8).compute_s for c in (looped, get_preset("small")))
+    assert looped_s / once_s == pytest.approx(8 / 6, rel=0.2)  # 8 block runs against 6 (the head's work aside)
 
 
 def test_the_search_covers_schedules_virtual_stages_and_recompute() -> None:

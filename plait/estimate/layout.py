@@ -123,7 +123,7 @@ class Workload(Layout):
         pipeline cut of its layers, as `plait train` checks them."""
         check_context_split(self.seq_len, self.cp, self.tp, self.sp, config.n_heads, self.cp_kind)
         config.check_split(self.tp, self.sp, self.seq_len)
-        check_pipeline_cut(config.n_layers, self.pp, self.virtual_stages, self.stage_layers)
+        check_pipeline_cut(config.n_layers, self.pp, self.virtual_stages, self.stage_layers, config.block_runs)
         check_experts_split(config.experts, self.ep)
 
 
@@ -336,7 +336,7 @@ def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1, ep: int
     A cut `plait train` refuses (interleaving's chunks unequal, a stage without a block) is
     refused here too: priced, it would leave blocks out.
     """
-    check_pipeline_cut(config.n_layers, pp, virtual_stages, stage_layers)
+    check_pipeline_cut(config.n_layers, pp, virtual_stages, stage_layers, config.block_runs)
     replicated = summed_whole(config, ep)
     h = config.d_model
     table = vocab_shard(config, tp) * h

@@ -188,6 +188,8 @@ def _grids(request: PlanRequest) -> Iterator[tuple[int, int, int, str, int, int]
         for pp in divisors(request.gpus // tp):
             if (pp != len(request.stage_layers) if request.stage_layers else pp > request.config.n_layers):
                 continue  # a given cut fixes pp (its end stages may hold no block); else a block per stage
+            if pp > 1 and request.config.block_runs:
+                continue  # a looped model has no cut (rules.check_pipeline_cut)
             for cp in divisors(request.gpus // (tp * pp)):
                 dp = Layout.fill(request.gpus, tp=tp, pp=pp, cp=cp).dp  # the one home of dp = world / (tp·pp·cp)
                 if request.global_batch % dp:
@@ -504,7 +506,7 @@ def plan_request(config: GPTConfig, *, gpus: int, global_batch: int, hardware: s
             raise PlaitError(f"{flag} {value:,} is more than plait plans for ({most:,})",
                              hint=f"plan the job you will run, e.g. {flag} 1024")
     if stage_layers:
-        check_pipeline_cut(config.n_layers, len(stage_layers), 1, stage_layers)
+        check_pipeline_cut(config.n_layers, len(stage_layers), 1, stage_layers, config.block_runs)
     return PlanRequest(config=config, gpus=gpus, gpus_per_node=given_or(gpus_per_node, hw.gpus_per_node,
                                                                         "--gpus-per-node"),
                        hardware=hw, global_batch=global_batch,

@@ -31,7 +31,8 @@ def check_language_run(config: Any, shape: GPTConfig) -> None:
     if config.tp > 1:
         shape.check_split(config.tp, config.sp, config.seq_len)
     if config.pp > 1:
-        check_pipeline_cut(shape.n_layers, config.pp, config.virtual_stages, parse_stage_layers(config.stage_layers))
+        check_pipeline_cut(shape.n_layers, config.pp, config.virtual_stages, parse_stage_layers(config.stage_layers),
+                           shape.block_runs)
     check_corpus(config.data)
 
 
