@@ -188,7 +188,7 @@ def _grids(request: PlanRequest) -> Iterator[tuple[int, int, int, str, int, int]
         for pp in divisors(request.gpus // tp):
             if (pp != len(request.stage_layers) if request.stage_layers else pp > request.config.n_layers):
                 continue  # a given cut fixes pp (its end stages may hold no block); else a block per stage
-            if pp > 1 and request.config.block_runs:
+            if pp > 1 and max(request.config.block_runs, default=1) > 1:
                 continue  # a looped model has no cut (rules.check_pipeline_cut)
             for cp in divisors(request.gpus // (tp * pp)):
                 dp = Layout.fill(request.gpus, tp=tp, pp=pp, cp=cp).dp  # the one home of dp = world / (tp·pp·cp)
@@ -300,7 +300,7 @@ class Costs:
             # ep and the stack change the compute too (ep, the routed experts tp splits; the
             # stack, its kernels), and cp's kind where cp > 1
             key = (shape.tp, shape.cp, kind, shape.ep, shape.stack, shape.sp, shape.micro_batch, shape.recompute,
-                   stage.layers, stage.last)
+                   stage.layers, stage.reruns, stage.moe_reruns, stage.last)
             if key not in self._compute:
                 self._compute[key] = micro_batch_compute_s(config, shape, stage, hw)
             comm = (*key, _stage_key(stage))

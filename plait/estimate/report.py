@@ -80,7 +80,7 @@ def format_estimate(result: dict[str, Any], model_name: str) -> str:
     if result.get("context"):
         c = result["context"]
         lines.append(f"  cp per layer and micro-batch ({c['kind']}, {c['op']}): forward {human_bytes(c['forward'])}, "
-                     f"backward {human_bytes(c['backward'])}; × {c['layers']} layers × {c['micro_batches']} "
+                     f"backward {human_bytes(c['backward'])}; × {c['layers']} block runs × {c['micro_batches']} "
                      f"micro-batch(es), forward {c['forwards']}×")
     if result.get("experts"):
         e = result["experts"]

@@ -100,7 +100,7 @@ def plan_collectives(config: GPTConfig, layout: Workload, stage: StageShare, end
     passes = read_whole_passes(config, layout, stage) if whole_ends else 0.0
     if whole_ends and counted_sp_sum(config, layout, stage) is not None:  # SP splits nothing in the blocks
         full = layout.recompute == "full"
-        gathers = sum(config.sp_read_whole_count[i] for i in stage_blocks(config, layout, stage))
+        gathers = sum(config.sp_read_whole_count[i] * config.runs_of(i) for i in stage_blocks(config, layout, stage))
         return {"all_gather": gathers * sp_region_collectives(False, full, reruns_exit=True)[0] + passes,
                 "all_reduce": int(ends[0] and stage.first) + int(ends[1] and stage.last)}
     out = tp_collectives(layout, stage, ends, whole_ends, split_moe_calls(config, layout),
@@ -120,7 +120,8 @@ def read_whole_passes(config: GPTConfig, layout: Workload, stage: StageShare) ->
     if not layout.sp or layout.tp == 1 or len(passes) != config.n_layers:
         return 0.0
     reruns = 2 if layout.recompute == "full" else 1
-    return sum(passes[i][0] * reruns + passes[i][1] for i in stage_blocks(config, layout, stage))
+    return sum((passes[i][0] * reruns + passes[i][1]) * config.runs_of(i)  # again each run of a looped block
+               for i in stage_blocks(config, layout, stage))
 
 
 def tp_collectives(layout: Workload, stage: StageShare, ends: tuple[bool, bool] = (True, True),

@@ -275,8 +275,14 @@ MORE: dict[str, dict[str, Any]] = {
                                loop_layer_index_end=2, loop_num_passes=2, loop_gate_rank=8, swa_num_attention_heads=4,
                                swa_num_key_value_heads=2, swa_head_dim=8, sliding_window_size=6, n_routed_experts=4,
                                **MOE, unpadded_vocab_size=128),
+    # Dory again, its recurrent block run twice a forward (GPTConfig.block_runs): its tp
+    # collectives, split blocks, run again each run
+    "dory_looped": dict(layer_types=["sliding_attention", "full_attention", "sliding_attention"], num_hidden_layers=3,
+                        n_input_layers=1, n_recurrent_layers=1, n_output_layers=1, n_recurrent_loops=2,
+                        sliding_window=6),
 }
 FAMILIES.update(MORE)
+MODEL_TYPES = {"dory_looped": "dory"}  # a family's second configuration: the model type it builds
 # Families that declare no plan (or no tp plan): their cut and tp plan are inferred where they
 # are laid out as their siblings (plait.models.hf.inferred); tp where one is, pp always.
 UNDECLARED: dict[str, dict[str, Any]] = {
@@ -321,7 +327,7 @@ hf_logging.set_verbosity_error()
 
 
 def family_config(family: str) -> Any:
-    config = AutoConfig.for_model(family, **{**SHAPE, **FAMILIES[family]})
+    config = AutoConfig.for_model(MODEL_TYPES.get(family, family), **{**SHAPE, **FAMILIES[family]})
     for key, value in list(vars(config).items()):  # every dropout off (names differ by family)
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
             setattr(config, key, 0.0)
@@ -335,10 +341,12 @@ def build(family: str) -> torch.nn.Module:
 
 
 @functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=None)
 def family_shape(family: str) -> Any:
     """The family's shape as `plait train --model hf:DIR` reads it (its config.json written to
     a directory, the model built on meta), less what autograd keeps: the sweep reads its
-    parameters and traffic alone."""
+    parameters and traffic alone. Read once a family (a frozen GPTConfig): each of its exact
+    cases reads it twice, and a reading builds the model and runs forwards on meta."""
     with tempfile.TemporaryDirectory() as folder:
         family_config(family).save_pretrained(folder)
         return measured_shape(read_hf_dir(f"hf:{folder}"), kept=False)

@@ -215,9 +215,10 @@ def _blocks_as_run(model: nn.Module, layers: nn.ModuleList | None, shape: GPTCon
     called: list[nn.Module] = []
     hooks = [module.register_forward_pre_hook(lambda module, args: called.append(module))
              for module in model.modules() if isinstance(module, kinds)]
-    experts = [m.experts for m in model.modules() if isinstance(getattr(m, "experts", None), nn.Module)]
+    experts = list({id(m.experts): m.experts for m in model.modules()
+                    if isinstance(getattr(m, "experts", None), nn.Module)}.values())
     try:  # the routed experts stood in for: their grouped products do not run on meta in fp32
-        with quiet(model), _stood_in(experts, lambda module: _zeros_like_input), torch.no_grad():
+        with quiet(model), _stood_in(experts, lambda module: _zeros_like_input):
             model(input_ids=probe_ids(model, PROBED_TOKENS))
     except Exception:  # noqa: BLE001 - a forward that does not run on meta: config.json's count stands
         return shape
