@@ -81,3 +81,29 @@ def test_a_parameter_no_optimizer_trains_is_neither_synced_nor_sharded_under_zer
     assert [measured[k] for k in ("params", "grads", "optim")] == [predicted[k] for k in ("params", "grads", "optim")]
     if zero == 2:  # whole weights, each rank half the gradients: the frozen bias apart
         assert measured["params"] - 2 * measured["grads"] == 4 * 4  # one MoE block's, an fp32 number an expert
+
+
+@pytest.mark.slow
+def test_a_looped_block_is_gathered_again_for_its_second_run_under_zero_3(tmp_path: Path) -> None:
+    """Dory with its recurrent block run twice a forward (GPTConfig.block_runs) under ZeRO-3 on 2
+    ranks: the block's unit is gathered again before its second run's forward, since its first
+    forward resharded it, and its gradient is reduce-scattered once; the estimate says so, byte
+    for byte, and holds each block's gradients and optimizer state once, as measured."""
+    config = transformers.AutoConfig.for_model("dory", **{**SHAPE, "num_hidden_layers": 3}, n_input_layers=1,
+                                               n_recurrent_layers=1, n_output_layers=1, n_recurrent_loops=2,
+                                               sliding_window=6,
+                                               layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    config.save_pretrained(tmp_path / "dory")
+    proc = run_plait("train", "--model", f"hf:{tmp_path / 'dory'}", "--zero", "3", "--nproc", "2", "--steps", "2",
+                     "--seq-len", "16", "--micro-batch", "2", "--sample-tokens", "8", "--eval-every", "0",
+                     "--no-report", "--out", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    measured, predicted = summary["comm_per_step"], summary["predicted"]["comm"]
+    assert measured == predicted, (measured, predicted)
+    gathered, scattered = measured["dp"]["all_gather"], measured["dp"]["reduce_scatter"]
+    assert gathered > 2 * scattered  # each unit twice a micro-batch, the looped one a third time
+    memory, priced = summary["mem"], summary["predicted"]["memory"]
+    assert [memory[k] for k in ("grads", "optim")] == [priced[k] for k in ("grads", "optim")]
+    # the shards and the units gathered at once: 1,024 B (0.05%) over, Dory looped or not
+    assert memory["params"] == pytest.approx(priced["params"], rel=0.01)
