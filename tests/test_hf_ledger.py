@@ -88,7 +88,7 @@ def test_a_looped_block_is_gathered_again_for_its_second_run_under_zero_3(tmp_pa
     """Dory with its recurrent block run twice a forward (GPTConfig.block_runs) under ZeRO-3 on 2
     ranks: the block's unit is gathered again before its second run's forward, since its first
     forward resharded it, and its gradient is reduce-scattered once; the estimate says so, byte
-    for byte, and holds each block's gradients and optimizer state once, as measured."""
+    for byte, and holds each block's parameters, gradients and optimizer state once, as measured."""
     config = transformers.AutoConfig.for_model("dory", **{**SHAPE, "num_hidden_layers": 3}, n_input_layers=1,
                                                n_recurrent_layers=1, n_output_layers=1, n_recurrent_loops=2,
                                                sliding_window=6,
@@ -104,6 +104,6 @@ def test_a_looped_block_is_gathered_again_for_its_second_run_under_zero_3(tmp_pa
     gathered, scattered = measured["dp"]["all_gather"], measured["dp"]["reduce_scatter"]
     assert gathered > 2 * scattered  # each unit twice a micro-batch, the looped one a third time
     memory, priced = summary["mem"], summary["predicted"]["memory"]
-    assert [memory[k] for k in ("grads", "optim")] == [priced[k] for k in ("grads", "optim")]
-    # the shards and the units gathered at once: 1,024 B (0.05%) over, Dory looped or not
-    assert memory["params"] == pytest.approx(priced["params"], rel=0.01)
+    # the shards and the units gathered at once: the head's unit holds its scale a logit too
+    # (ZeRO-3's peak was 1,024 B over, Dory looped or not, where the root held it)
+    assert [memory[k] for k in ("params", "grads", "optim")] == [priced[k] for k in ("params", "grads", "optim")]

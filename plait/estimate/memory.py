@@ -150,16 +150,18 @@ def zero3_units(config: GPTConfig, layout: Workload, stage: StageShare) -> list[
 
     Units are the blocks (their trained parameters: ZeRO leaves the frozen whole), and the
     embedding and the head when each is its own matrix: untied, or tied and cut apart by a
-    pipeline (the first stage's table, the last stage's copy). A tied table on one rank, the
+    pipeline (the first stage's table, the last stage's copy); the head's unit holds its
+    vectors (GPTConfig.head_vectors: a bias, Dory's scale a logit). A tied table on one rank, the
     final norm and anything else is the root. A rank's chunks (v > 1) each run their own units.
     """
     table = vocab_shard(config, layout.tp) * config.d_model
+    head = table + vocab_shard(config, layout.tp) * config.head_vectors  # a head's bias or scale a logit with it
     apart = not config.tie_embeddings or layout.pp > 1
     chunks = []
     for chunk, blocks in enumerate(chunk_layers(layout, stage)):
         first, last = chunk_ends(layout, stage, chunk)
         chunks.append(([table] if first and apart else []) + [stage.trained_block_params] * blocks
-                      + ([table] if last and apart else []))
+                      + ([head] if last and apart else []))
     return chunks
 
 
