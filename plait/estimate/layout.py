@@ -11,6 +11,7 @@ the pipeline cut dividing its layers) run in `check_model`, the family's checks.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -246,20 +247,21 @@ def counted_stage(config: GPTConfig, index: int, pp: int, blocks: list[int], sha
     held = sum(shares[i] for i in blocks)
     experts = sum(config.block_tally[i][2] for i in blocks) / ep if ep > 1 else 0
     frozen = sum(config.frozen_block_params[i] for i in blocks) if config.frozen_block_params else 0
-    reruns = [config.runs_of(i) - 1 for i in blocks]
-    moe_reruns = sum(again for i, again in zip(blocks, reruns) if config.moe_layer(i))
     return StageShare(index, pp, len(blocks), round(held / max(1, len(blocks))), round(held) + ends,
                       len(blocks) * replicated + ends_whole, round(experts), sum(map(config.moe_layer, blocks)),
-                      frozen, sum(reruns), moe_reruns)
+                      frozen, *block_reruns(config, blocks))
+
+
+def block_reruns(config: GPTConfig, blocks: Iterable[int]) -> tuple[int, int]:
+    """(runs beyond one each, those of MoE blocks) of `blocks` (GPTConfig.block_runs)."""
+    again = [(config.runs_of(i) - 1, config.moe_layer(i)) for i in blocks]
+    return sum(extra for extra, _ in again), sum(extra for extra, moe in again if moe)
 
 
 def mean_reruns(config: GPTConfig, layers: int) -> tuple[float, float]:
     """(reruns, MoE reruns) of `layers` blocks of an uncounted model: the model's, spread evenly."""
-    if not config.block_runs:
-        return 0.0, 0.0
-    again = [config.runs_of(i) - 1 for i in range(config.n_layers)]
-    moe = sum(extra for i, extra in enumerate(again) if config.moe_layer(i))
-    return layers * sum(again) / config.n_layers, layers * moe / config.n_layers
+    reruns, moe = block_reruns(config, range(config.n_layers))
+    return layers * reruns / config.n_layers, layers * moe / config.n_layers
 
 
 def summed_whole(config: GPTConfig, ep: int) -> int:

@@ -215,10 +215,8 @@ def _blocks_as_run(model: nn.Module, layers: nn.ModuleList | None, shape: GPTCon
     called: list[nn.Module] = []
     hooks = [module.register_forward_pre_hook(lambda module, args: called.append(module))
              for module in model.modules() if isinstance(module, kinds)]
-    experts = list({id(m.experts): m.experts for m in model.modules()
-                    if isinstance(getattr(m, "experts", None), nn.Module)}.values())
-    try:  # the routed experts stood in for: their grouped products do not run on meta in fp32
-        with quiet(model), _stood_in(experts, lambda module: _zeros_like_input):
+    try:
+        with quiet(model), _experts_stood_in(model):
             model(input_ids=probe_ids(model, PROBED_TOKENS))
     except Exception:  # noqa: BLE001 - a forward that does not run on meta: config.json's count stands
         return shape
@@ -451,9 +449,8 @@ def _read_whole_passes(model: nn.Module, layers: nn.ModuleList | None,
         return hook
 
     hooks = [child.register_forward_hook(noted(i), with_kwargs=True) for i in first.values() for child in children[i]]
-    experts = [m.experts for m in model.modules() if isinstance(getattr(m, "experts", None), nn.Module)]
     try:
-        with _stood_in(experts, lambda module: _zeros_like_input), torch.no_grad():
+        with _experts_stood_in(model), torch.no_grad():
             model(input_ids=probe_ids(model, PROBED_TOKENS).repeat(2, 1))
     except _AllSeen:
         pass
@@ -490,6 +487,14 @@ def _stood_in(modules: list[nn.Module], forward_of: Callable[[nn.Module], Callab
     finally:
         for module in modules:
             del module.forward
+
+
+def _experts_stood_in(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """The model's routed experts modules (each once, however many blocks hold it) answering
+    zeros shaped as their tokens, for a probe forward on meta: their loops over experts and
+    their grouped products (bf16 only) do not run there, and the probes read around them."""
+    experts = {id(m.experts): m.experts for m in model.modules() if isinstance(getattr(m, "experts", None), nn.Module)}
+    return _stood_in(list(experts.values()), lambda module: _zeros_like_input)
 
 
 def _zeros_like_input(*args: Any, **kwargs: Any) -> torch.Tensor:
