@@ -188,8 +188,6 @@ def _grids(request: PlanRequest) -> Iterator[tuple[int, int, int, str, int, int]
         for pp in divisors(request.gpus // tp):
             if (pp != len(request.stage_layers) if request.stage_layers else pp > request.config.n_layers):
                 continue  # a given cut fixes pp (its end stages may hold no block); else a block per stage
-            if pp > 1 and max(request.config.block_runs, default=1) > 1:
-                continue  # a looped model has no cut (rules.check_pipeline_cut)
             for cp in divisors(request.gpus // (tp * pp)):
                 dp = Layout.fill(request.gpus, tp=tp, pp=pp, cp=cp).dp  # the one home of dp = world / (tp·pp·cp)
                 if request.global_batch % dp:
