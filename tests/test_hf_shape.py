@@ -123,6 +123,36 @@ def test_shared_experts_beside_the_moe_module(tmp_path: Path) -> None:
     assert shape.experts == 4 and shape.shared_width == 48
 
 
+def test_the_routing_counts_and_the_embeddings_unit_are_read_as_training_makes_them(tmp_path: Path) -> None:
+    """Training counts a transformers MoE's routing where each block of its ep plan has a router
+    to hook (`gate`: Mixtral's; PhiMoE's is named otherwise), and sums the counts over the data
+    ranks once a step: (E + 1) int64 numbers a block, priced (GPTConfig.counts_routing). ZeRO-3
+    takes an embedding for a unit only when it holds its own parameters alone (Inkling-2's holds
+    its norm as a child: in the root, whole), and its peak holds the table then."""
+    from plait.estimate.layout import Workload, layout_stages
+    from plait.estimate.memory import stage_memory
+    from plait.estimate.traffic import estimate_comm
+
+    mixtral = shape_of(tmp_path / "mixtral", "mixtral", num_local_experts=4, num_experts_per_tok=2)
+    phimoe = shape_of(tmp_path / "phimoe", "phimoe", num_local_experts=4, num_experts_per_tok=2)
+    assert (mixtral.counts_routing, phimoe.counts_routing) == (True, False)
+    assert not mixtral.balancing_bias  # plait's own MoE's bias: none in a transformers model
+    dp2 = Workload(dp=2, micro_batch=2, seq_len=16, precision="fp32")
+    counted = estimate_comm(mixtral, dp2)["dp"]["all_reduce"] - estimate_comm(
+        replace(mixtral, counts_routing=False), dp2)["dp"]["all_reduce"]
+    assert counted == 2 * (4 + 1) * 8  # 2 blocks: 80 B, one step's sum over 2 ranks
+
+    inkling = shape_of(tmp_path / "inkling", "inkling2_text", layer_types=["hybrid_sliding", "hybrid"],
+                       n_layers_per_attn_res_block=1, swa_num_attention_heads=4, swa_num_key_value_heads=2,
+                       swa_head_dim=8, sliding_window_size=6, n_routed_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=32, unpadded_vocab_size=128)
+    assert not inkling.embedding_unit and shape_of(tmp_path / "llama", "llama").embedding_unit
+    zero3 = Workload(dp=2, zero=3, micro_batch=2, seq_len=16, precision="fp32")
+    peaks = [stage_memory(s, zero3, layout_stages(s, zero3)[0]).params
+             for s in (inkling, replace(inkling, embedding_unit=True))]
+    assert peaks[0] - peaks[1] == 128 * 32 * 4  # the table, whole throughout
+
+
 def test_a_context_named_model_max_length_is_read(tmp_path: Path) -> None:
     """Kimi-Linear's config.json gives its context as model_max_length, no
     max_position_embeddings: read, its shape is estimated (it was refused in one line)."""
@@ -386,7 +416,7 @@ def test_published_models_are_counted_as_published(tmp_path: Path, family: str, 
     attention), DeepSeek-V3's 4.5% over its 37B (MLA priced as q, k, v, o), Qwen3-Next's total
     1.8% under its 80B."""
     transformers.AutoConfig.for_model(family).save_pretrained(tmp_path)
-    shape = measured_shape(read_hf_dir(f"hf:{tmp_path}"))
+    shape = measured_shape(read_hf_dir(f"hf:{tmp_path}"), kept=False)  # counts only: no activations' forwards
     assert shape.num_params() == meta_params(tmp_path)
     assert abs(shape.num_params() / 1e9 / total - 1) < 0.01, source
     if active is not None:

@@ -143,6 +143,16 @@ class StageShare:
     frozen_params: int = 0  # of `params`, those no optimizer trains (GPTConfig.frozen_block_params)
     reruns: float = 0.0  # runs of its blocks beyond one each (GPTConfig.block_runs: a looped model's)
     moe_reruns: float = 0.0  # the same of its MoE blocks
+    rerun_params: float = 0.0  # trained parameters of those further runs' blocks, each run's (ZeRO-3 gathers them)
+    rerun_experts: float = 0.0  # of `rerun_params`, the routed experts this ep rank holds (synced over edp)
+    block_units: tuple[float, ...] = ()  # a counted model's: each block's trained parameters, in run order
+
+    def unit_sizes(self, blocks: int, start: int = 0) -> list[float]:
+        """The trained parameters of `blocks` blocks from the `start`-th held (ZeRO-3's units):
+        each its own where the model is counted (a hybrid's blocks differ), else the mean."""
+        if self.block_units:
+            return list(self.block_units[start:start + blocks])
+        return [self.trained_block_params] * blocks
 
     @property
     def runs(self) -> float:
@@ -245,11 +255,16 @@ def counted_stage(config: GPTConfig, index: int, pp: int, blocks: list[int], sha
     parameters (a hybrid's stages differ, DeepSeek's dense first blocks are lighter), its MoE
     blocks, and `ends` (the embedding's or the head's parameters on this rank)."""
     held = sum(shares[i] for i in blocks)
-    experts = sum(config.block_tally[i][2] for i in blocks) / ep if ep > 1 else 0
-    frozen = sum(config.frozen_block_params[i] for i in blocks) if config.frozen_block_params else 0
+    experts_of = [config.block_tally[i][2] / ep if ep > 1 else 0 for i in range(config.n_layers)]
+    frozen_of = config.frozen_block_params or (0,) * config.n_layers
+    again = {i: config.runs_of(i) - 1 for i in blocks if config.runs_of(i) > 1}
     return StageShare(index, pp, len(blocks), round(held / max(1, len(blocks))), round(held) + ends,
-                      len(blocks) * replicated + ends_whole, round(experts), sum(map(config.moe_layer, blocks)),
-                      frozen, *block_reruns(config, blocks))
+                      len(blocks) * replicated + ends_whole, round(sum(experts_of[i] for i in blocks)),
+                      sum(map(config.moe_layer, blocks)), sum(frozen_of[i] for i in blocks),
+                      *block_reruns(config, blocks),
+                      rerun_params=sum(extra * (shares[i] - frozen_of[i]) for i, extra in again.items()),
+                      rerun_experts=sum(extra * experts_of[i] for i, extra in again.items()),
+                      block_units=tuple(shares[i] - frozen_of[i] for i in blocks))
 
 
 def block_reruns(config: GPTConfig, blocks: Iterable[int]) -> tuple[int, int]:
@@ -375,6 +390,8 @@ def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1, ep: int
             params, repl = params + norm + head, repl + norm
         moe = layers * config.moe_layers / config.n_layers
         held = round(layers * experts) if ep > 1 else 0  # ep 1: the experts sync with the rest, over dp
-        out.append(StageShare(index, pp, layers, block, params, repl, held, moe, 0,
-                              *mean_reruns(config, layers)))
+        reruns, moe_reruns = mean_reruns(config, layers)
+        out.append(StageShare(index, pp, layers, block, params, repl, held, moe, 0, reruns, moe_reruns,
+                              rerun_params=reruns * block,
+                              rerun_experts=moe_reruns * held / moe if held else 0.0))
     return tuple(out)

@@ -148,20 +148,23 @@ def zero3_units(config: GPTConfig, layout: Workload, stage: StageShare) -> list[
     """The parameters of each ZeRO-3 unit on `stage`, in run order, chunk by chunk
     (plait/parallel/zero/shard.py: find_units and with_edges).
 
-    Units are the blocks (their trained parameters: ZeRO leaves the frozen whole), and the
-    embedding and the head when each is its own matrix: untied, or tied and cut apart by a
-    pipeline (the first stage's table, the last stage's copy); the head's unit holds its
-    vectors (GPTConfig.head_vectors: a bias, Dory's scale a logit). A tied table on one rank, the
-    final norm and anything else is the root. A rank's chunks (v > 1) each run their own units.
+    Units are the blocks (their trained parameters, each its own where counted: ZeRO leaves the
+    frozen whole), and the embedding and the head when each is its own matrix: untied, or tied
+    and cut apart by a pipeline (the first stage's table, the last stage's copy); the head's unit holds its
+    vectors (GPTConfig.head_vectors: a bias, Dory's scale a logit). A tied table on one rank, an
+    embedding ZeRO-3 takes for no unit (GPTConfig.embedding_unit), the final norm and anything
+    else is the root. A rank's chunks (v > 1) each run their own units.
     """
     table = vocab_shard(config, layout.tp) * config.d_model
     head = table + vocab_shard(config, layout.tp) * config.head_vectors  # a head's bias or scale a logit with it
     apart = not config.tie_embeddings or layout.pp > 1
-    chunks = []
+    chunks, start = [], 0
     for chunk, blocks in enumerate(chunk_layers(layout, stage)):
         first, last = chunk_ends(layout, stage, chunk)
-        chunks.append(([table] if first and apart else []) + [stage.trained_block_params] * blocks
+        chunks.append(([table] if first and apart and config.embedding_unit else [])
+                      + stage.unit_sizes(blocks, start)
                       + ([head] if last and apart else []))
+        start += blocks
     return chunks
 
 
@@ -220,7 +223,7 @@ def stage_memory(config: GPTConfig, layout: Workload, stage: StageShare) -> Memo
     memory.params += stage.frozen_params * state_bytes(layout.precision).param  # weights alone, whole
     # plait's own MoE blocks: a balancing bias an expert, fp32 in any precision (MoE._apply), trained
     # by no optimizer, so never sharded: a frozen parameter as above, kept outside the counted ones
-    if config.counts_routing:
+    if config.balancing_bias:
         memory.params += stage.moe_layers * config.experts * 4
     memory.activations = stage_activation_bytes(config, layout, stage)
     memory.buffers = stage_buffers(config, layout, stage)

@@ -461,17 +461,24 @@ def looped_gathers(out: Traffic, layout: Workload, stage: StageShare) -> None:
     run's forward, where the forward before resharded it; backward finds it gathered, and its
     gradient is reduce-scattered once. Measured on 2 ranks, Dory's recurrent block run twice:
     one gather of its unit beyond the estimate's a micro-batch (213,504 bytes a step against
-    192,512), none with --reshard-after-forward false (96,256, as estimated)."""
-    if layout.zero == 3 and stage.reruns and layout.zero_ranks > 1 and layout.reshard_after_forward:
-        unit = (stage.trained_block_params - stage.expert_params / max(1, stage.layers)) * state_bytes(layout.precision).param
-        _add(out, layout.shard_axis, "all_gather", unit * stage.reruns, layout.zero_ranks, times=layout.grad_accum)
+    192,512), none with --reshard-after-forward false (96,256, as estimated). A unit is the
+    block's trained parameters (memory.zero3_units): its routed experts, when ep cuts them,
+    are the unit's second shard, gathered over the edp ranks that hold the same experts, as
+    `dp_traffic` syncs them."""
+    if not (layout.zero == 3 and stage.rerun_params and layout.reshard_after_forward):
+        return
+    param_bytes, times = state_bytes(layout.precision).param, layout.grad_accum
+    dense = stage.rerun_params - stage.rerun_experts
+    _add(out, layout.shard_axis, "all_gather", dense * param_bytes, layout.zero_ranks, times=times)
+    _add(out, "edp", "all_gather", stage.rerun_experts * param_bytes, layout.zero_ranks // layout.ep, times=times)
 
 
 def routing_traffic(out: Traffic, config: GPTConfig, layout: Workload, stage: StageShare) -> None:
     """Once per step, plait's MoE blocks sum the tokens each expert received over the data ranks,
     with the assignments dropped (plait.parallel.expert.plan.after_step: E + 1 int64 numbers
     a block of the stage), so every rank balances on the whole batch's routing. A transformers
-    MoE counts nothing (GPTConfig.counts_routing)."""
+    MoE's blocks count theirs alike where each has a router plait can hook, and else nothing
+    (GPTConfig.counts_routing: Mixtral's 2 blocks of 4 experts, 80 bytes a step)."""
     blocks = round(stage.moe_layers)
     if config.counts_routing and blocks:
         _add(out, layout.sync_axis, "all_reduce", 8 * (config.experts + 1) * blocks, layout.dp * layout.cp)

@@ -49,6 +49,7 @@ import sys
 import tempfile
 import time
 import warnings
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -375,8 +376,10 @@ def rank_stage(family: str, mode: str) -> tuple[Any, Workload, Any]:
 
 def predicted_traffic(family: str, mode: str) -> dict[str, dict[str, float]]:
     """plait's estimate of one step's bytes on this rank in `mode`'s run, every axis, without the
-    gradient norm's sums (the sweep does not clip): {axis: {op: wire bytes}}."""
-    return rank_traffic(*rank_stage(family, mode), clipped=False)
+    gradient norm's sums and the routing counts' (the sweep neither clips nor counts, as `plait
+    train` does): {axis: {op: wire bytes}}."""
+    shape, layout, stage = rank_stage(family, mode)
+    return rank_traffic(replace(shape, counts_routing=False), layout, stage, clipped=False)
 
 
 def predicted_local(family: str, mode: str) -> int:

@@ -169,9 +169,13 @@ class GPTConfig:
     # units give part of their gradients, summed over tp in backward (without SP: under SP the
     # block runs whole in its region, which they are made inside)
     tp_expert_entries: tuple[float, float] = (0.0, 0.0)
-    # plait's MoE blocks count each expert's tokens, summed over the data ranks every step
-    # (estimate/traffic.routing_traffic); a transformers MoE does not
+    # The MoE blocks count each expert's tokens, summed over the data ranks every step
+    # (estimate/traffic.routing_traffic): plait's always, a transformers MoE's where plait can
+    # (plait.models.hf.experts.counts_routing: a router beside each block of its ep plan)
     counts_routing: bool = True
+    # plait's MoE blocks hold a balancing bias an expert, fp32, trained by no optimizer
+    # (estimate/memory.stage_memory); a transformers MoE's router has none of plait's
+    balancing_bias: bool = True
     # Hidden-wide streams the residual holds between blocks (DeepSeek-V4's and HY-V4's
     # hyper-connections, hc_mult: 4); under SP the sequence's cut and gather around the blocks
     # carry them all
@@ -214,6 +218,10 @@ class GPTConfig:
     # Vectors over the vocabulary the head holds beside its weight (Phi's bias, Dory's learned
     # scale a logit), split as the head is
     head_vectors: int = 0
+    # Whether ZeRO-3 gathers the embedding as a unit of its own, around its forward and its
+    # backward (plait.parallel.zero.shard.edge_units: a module of its own parameters alone);
+    # else it sits in the root, whole throughout (Inkling's, which holds its norm as a child)
+    embedding_unit: bool = True
     # Bytes a block's eager attention keeps per (query, key) pair of a sequence, all its heads, a
     # mean over the blocks, (in fp32, in 16-bit): a transformers model whose attention runs
     # eagerly (a soft-cap, sinks, ALiBi) keeps its s × s matrices for backward, where SDPA keeps

@@ -123,16 +123,37 @@ class RoutingStats(RoutingCounts):
         return self.with_balance_loss(scores, index, probs)
 
 
+def counted_blocks(model: nn.Module, experts_modules: list[nn.Module]) -> list[nn.Module]:
+    """The MoE blocks whose routing plait counts: those holding one of `experts_modules`, each
+    beside its router (`gate`); none unless every such block has one, so that the counts a step
+    sums over the data ranks cover every MoE block, as the estimate prices them
+    (GPTConfig.counts_routing). Mixtral's blocks have one; PhiMoE's and GPT-OSS's name theirs
+    otherwise, and nothing of theirs is counted."""
+    held = {id(module) for module in experts_modules}
+    blocks = [block for block in model.modules() if id(getattr(block, "experts", None)) in held]
+    return blocks if all(isinstance(getattr(block, "gate", None), nn.Module) for block in blocks) else []
+
+
+def counts_routing(model: nn.Module, plan: dict[str, Any]) -> bool:
+    """Whether training this model counts its routing (`install_routing_stats`, as the task
+    installs it): its ep plan (`plan`, composed) naming its experts, and a router beside each
+    MoE block."""
+    if not plan:
+        return False
+    try:
+        return bool(counted_blocks(model, declared_experts(model, plan)))
+    except PlaitError:  # a plan plait does not run: the task counts nothing either
+        return False
+
+
 def install_routing_stats(model: nn.Module, experts_modules: list[nn.Module]) -> int:
-    """A RoutingStats on each MoE block holding one of `experts_modules` (its `gate` the router)."""
+    """A RoutingStats on each block `counted_blocks` finds (its `gate` the router)."""
     config = getattr(model, "config", None)
     coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if getattr(
         config, "output_router_logits", False) else 0.0
     installed = 0
-    for block in model.modules():
-        experts, gate = getattr(block, "experts", None), getattr(block, "gate", None)
-        if experts is None or gate is None or not any(experts is m for m in experts_modules):
-            continue
+    for block in counted_blocks(model, experts_modules):
+        experts, gate = block.experts, block.gate
         stats = RoutingStats(experts.num_experts, int(getattr(gate, "top_k", 1)), coef)
         block.add_module("plait_routing", stats)
         block.register_forward_pre_hook(lambda m, args, s=stats: setattr(s, "batch", args[0].shape[0]))

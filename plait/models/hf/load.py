@@ -27,7 +27,7 @@ from torch import nn
 from plait.errors import PlaitError
 from plait.models.gpt.config import GPTConfig
 from plait.models.hf.config import HFModelDir
-from plait.models.hf.experts import dense_experts
+from plait.models.hf.experts import counts_routing, dense_experts
 from plait.models.hf.inferred import inferred_tp_plan
 from plait.models.hf.own_forward import own_parts
 from plait.models.hf import stages as hf_stages
@@ -38,6 +38,7 @@ from plait.parallel.deferred import recording
 from plait.parallel.probe import quiet
 from plait.parallel.seam import Parts
 from plait.parallel.tensor.layers import head_vectors
+from plait.parallel.zero.shard import edge_units, find_units
 from plait.parallel.tensor.plan import first_input_name, holds_the_sequence, on_the_same_slice
 
 
@@ -147,7 +148,8 @@ def measured_shape(hf: HFModelDir, kept: bool = True) -> GPTConfig:
     shape = replace(shape, **_qk_norm(layers, shape, plan), norm_params=_norm_params(layers, shape))
     shape = replace(shape, sp_norm_extra=_norm_extra(layers, shape),
                     residual_streams=_residual_streams(model, layers), sp_sliced_inputs=_per_layer_inputs(model))
-    shape = replace(shape, **_tp_regions(model, name, layers, shape, plan), **_ends_split(model))
+    shape = replace(shape, **_tp_regions(model, name, layers, shape, plan), **_ends_split(model),
+                    embedding_unit=_embedding_is_a_unit(model))
     shape = replace(shape, whole_biases=_whole_biases(layers, shape, plan, name),
                     split_mlp_scalars=_split_mlp_scalars(layers, shape))
     shape = replace(shape, **_tally(model, layers, shape, plan, name), attention_share=_attention_share(model, shape))
@@ -172,6 +174,17 @@ def _ends_split(model: nn.Module) -> dict[str, Any]:
     if head in ROWS:
         fields.update(vocab_split=False, head_sums_logits=True)
     return fields
+
+
+def _embedding_is_a_unit(model: nn.Module) -> bool:
+    """GPTConfig.embedding_unit, by ZeRO-3's own rule (plait.parallel.zero.shard.edge_units) on
+    the model's blocks: Inkling's embedding, which holds its norm as a child, is no unit, and its
+    table stays whole in the root (an estimate that took it for one priced ZeRO-3's peak a table
+    light, 32 KiB of 353 on 2 ranks)."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if not isinstance(embedding, nn.Module):
+        return True
+    return any(edge is embedding for edge in edge_units(model, find_units(model)))
 
 
 def _embedding_extras(model: nn.Module) -> int:
@@ -1169,8 +1182,9 @@ def _moe_fields(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
     (Llama 4 always has one, sized by the experts' intermediate_size), a gate on their output
     (Qwen2-MoE's `shared_expert_gate`), and whether tp splits its experts
     (GPTConfig.tp_expert_rows: a tp plan marking them "moe_tp_experts", every expert on every
-    token, and no ep plan; tp_routed_split: the same plan, the experts routed top-k). {} for a
-    dense model. A width is taken only where the weights make whole SwiGLUs of it."""
+    token, and no ep plan; tp_routed_split: the same plan, the experts routed top-k), and whether
+    training counts its routing (GPTConfig.counts_routing). {} for a dense model. A width is
+    taken only where the weights make whole SwiGLUs of it."""
     block = next((m for m in model.modules() if isinstance(getattr(m, "experts", None), nn.Module)), None)
     if not shape.is_moe or block is None:
         return {}
@@ -1196,6 +1210,7 @@ def _moe_fields(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
         fields["shared_experts"] = max(1, round(width / expert))
         fields["shared_hidden"] = 0 if width == fields["shared_experts"] * expert else width
     fields["shared_expert_gate"] = isinstance(getattr(block, "shared_expert_gate", None), nn.Module)
+    fields["counts_routing"] = counts_routing(model, declared(model, "ep"))
     tp = declared(model, "tp")
     if not declared(model, "ep") and dense_experts(model, tp):
         fields["tp_expert_rows"] = shape.experts
