@@ -130,7 +130,7 @@ def test_the_routing_counts_and_the_embeddings_unit_are_read_as_training_makes_t
     takes an embedding for a unit only when it holds its own parameters alone (Inkling-2's holds
     its norm as a child: in the root, whole), and its peak holds the table then."""
     from plait.estimate.layout import Workload, layout_stages
-    from plait.estimate.memory import stage_memory
+    from plait.estimate.memory import stage_memory, zero3_units
     from plait.estimate.traffic import estimate_comm
 
     mixtral = shape_of(tmp_path / "mixtral", "mixtral", num_local_experts=4, num_experts_per_tok=2)
@@ -151,6 +151,10 @@ def test_the_routing_counts_and_the_embeddings_unit_are_read_as_training_makes_t
     peaks = [stage_memory(s, zero3, layout_stages(s, zero3)[0]).params
              for s in (inkling, replace(inkling, embedding_unit=True))]
     assert peaks[0] - peaks[1] == 128 * 32 * 4  # the table, whole throughout
+    # under tp its head sums partial logits: all V rows of h / tp features a rank, its unit so
+    # (priced at V x h before, a head's rows whole, which put 16 KiB of Inkling-2-Loop's root light)
+    tp2 = Workload(dp=2, tp=2, zero=3, micro_batch=2, seq_len=16, precision="fp32")
+    assert inkling.head_sums_logits and zero3_units(inkling, tp2, layout_stages(inkling, tp2)[0])[-1][-1] == 128 * 16
 
 
 def test_a_context_named_model_max_length_is_read(tmp_path: Path) -> None:

@@ -309,6 +309,15 @@ def embedding_rows(config: GPTConfig, tp: int) -> int:
     return config.vocab_size // tp if split else config.vocab_size
 
 
+def head_weight(config: GPTConfig, tp: int) -> int:
+    """The output head's weight on one tp rank, as its own matrix: its vocabulary's rows
+    (`vocab_shard`), or all V rows of h/tp input features where it sums partial logits
+    (Inkling's: head_sums_logits)."""
+    if config.head_sums_logits:
+        return config.vocab_size * config.d_model // tp
+    return vocab_shard(config, tp) * config.d_model
+
+
 def held_experts(config: GPTConfig, ep: int) -> float:
     """Routed-expert parameters one ep rank holds per block, averaged over the blocks (as
     counted, where the model's blocks were: GPTConfig.block_tally)."""
@@ -356,14 +365,11 @@ def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1, ep: int
     check_pipeline_cut(config.n_layers, pp, virtual_stages, stage_layers, config.block_runs)
     replicated = summed_whole(config, ep)
     h = config.d_model
-    table = vocab_shard(config, tp) * h
     embedding = embedding_rows(config, tp) * h
     first = embedding + (config.max_seq_len * h if config.arch == "gpt2" else 0) + config.extra_params
     norm = final_norm_params(config) + config.extra_last_params - config.extra_last_split \
         + config.extra_last_split // tp
-    head = table if (not config.tie_embeddings or pp > 1) else 0
-    if config.head_sums_logits:  # split by its input features (Inkling's), all V rows
-        head = config.vocab_size * h // tp if head else 0
+    head = head_weight(config, tp) if (not config.tie_embeddings or pp > 1) else 0
     head += vocab_shard(config, tp) * config.head_vectors
     if config.block_tally:  # counted: each rank its own blocks
         shares = [block_share(config, i, tp, ep, sp) for i in range(config.n_layers)]

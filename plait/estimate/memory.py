@@ -25,7 +25,8 @@ import functools
 from dataclasses import asdict, dataclass
 
 from plait.estimate.activations import loss_bytes, stage_activation_bytes
-from plait.estimate.layout import Workload, StageShare, chunk_ends, chunk_layers, layout_stages, vocab_shard
+from plait.estimate.layout import (Workload, StageShare, chunk_ends, chunk_layers, embedding_rows, head_weight,
+                                   layout_stages, vocab_shard)
 from plait.models.gpt.config import GPTConfig
 from plait.rules import BUCKET_MB
 
@@ -155,8 +156,8 @@ def zero3_units(config: GPTConfig, layout: Workload, stage: StageShare) -> list[
     embedding ZeRO-3 takes for no unit (GPTConfig.embedding_unit), the final norm and anything
     else is the root. A rank's chunks (v > 1) each run their own units.
     """
-    table = vocab_shard(config, layout.tp) * config.d_model
-    head = table + vocab_shard(config, layout.tp) * config.head_vectors  # a head's bias or scale a logit with it
+    table = embedding_rows(config, layout.tp) * config.d_model  # whole where the plan keeps it whole (DBRX's)
+    head = head_weight(config, layout.tp) + vocab_shard(config, layout.tp) * config.head_vectors  # its bias too
     apart = not config.tie_embeddings or layout.pp > 1
     chunks, start = [], 0
     for chunk, blocks in enumerate(chunk_layers(layout, stage)):
