@@ -74,6 +74,13 @@ def test_a_looped_model_is_planned_without_a_pipeline() -> None:
     cpu = get_hardware("cpu")
     looped_s, once_s = (estimate_time(c, layout, cpu, 8).compute_s for c in (looped, get_preset("small")))
     assert looped_s / once_s == pytest.approx(8 / 6, rel=0.2)  # 8 block runs against 6 (the head's work aside)
+    # ZeRO-3 gathers the two looped blocks again before their second runs: the step's dp time
+    # holds those gathers, and none with --reshard-after-forward false (the unit kept gathered)
+    zero3 = Workload(dp=4, zero=3, micro_batch=2, seq_len=128, precision="fp32")
+    kept = replace(zero3, reshard_after_forward=False)
+    dp_s = {(c is looped, w.reshard_after_forward): estimate_time(c, w, cpu, 8).dp_s
+            for c in (looped, get_preset("small")) for w in (zero3, kept)}
+    assert dp_s[True, True] > dp_s[False, True] and dp_s[True, False] == dp_s[False, False]
 
 
 def test_the_search_covers_schedules_virtual_stages_and_recompute() -> None:

@@ -188,15 +188,17 @@ def ep_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
 
 
 def dp_exposed_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: int,
-                 compute_mb: float, forward_share: float, replicate_inter: int = 0) -> float:
+                 compute_mb: float, forward_share: float, replicate_inter: int = 0, regathered: float = 0.0) -> float:
     """Data-parallel seconds left after overlap with compute (see module docstring).
 
     With a pipeline, plait reduces the gradients after the last action of the schedule,
     so nothing overlaps them there. Under --dp-shard, ZeRO's collectives run over the shard
     group (`inter`: whether it spans nodes) and each reduced shard is then summed over its
     replicas (`replicate_inter`), whole: the rank waits for it before the next bucket.
+    `regathered`: the parameters ZeRO-3 gathers again each forward for a looped block's further
+    runs (StageShare.rerun_params, traffic.looped_gathers), experts with the rest.
     """
-    return (_dp_sync_s(params, unit, layout, hw, inter, compute_mb, forward_share)
+    return (_dp_sync_s(params, unit, layout, hw, inter, compute_mb, forward_share, regathered)
             + _replicate_s(params, layout, hw, replicate_inter))
 
 
@@ -210,7 +212,7 @@ def _replicate_s(params: int, layout: Workload, hw: Hardware, inter: int) -> flo
 
 
 def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: int,
-               compute_mb: float, forward_share: float) -> float:
+               compute_mb: float, forward_share: float, regathered: float = 0.0) -> float:
     """dp_exposed_s over the ranks that reduce and gather together: the dp × cp ranks, or a
     --dp-shard group (Layout.zero_ranks is both)."""
     n, m, per = layout.zero_ranks, layout.grad_accum, state_bytes(layout.precision)
@@ -241,16 +243,20 @@ def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: in
             return reduce + max(first, gather - compute_mb * forward_share)
         return reduce + gather
     # ZeRO-3: every micro-batch gathers in forward and (unless kept) again in backward,
-    # hidden behind the compute when prefetched, exposed whole when gathered on demand.
+    # hidden behind the compute when prefetched, exposed whole when gathered on demand; a
+    # looped block's unit again before each further run's forward, when its forward resharded it.
+    again = 0.0
+    if regathered and layout.reshard_after_forward:
+        again = collective_s("all_gather", regathered * per.param, n, hw, inter, max(1.0, regathered / max(1, unit)))
     if layout.prefetch == 0:
-        return m * gather * zero3_gathers(layout) + reduce
+        return m * (gather * zero3_gathers(layout) + again) + reduce
     first = collective_s("all_gather", unit * per.param, n, hw, inter)
     regather = gather if layout.reshard_after_forward else 0.0
     # A backward's gathers and its micro-batch's reduce-scatters share the links and the one
     # backward that hides them: what the window cannot hold is exposed once, not hidden twice.
     reduce_all = collective_s(op, grads, n, hw, inter, buckets)
     backward = max(last + (first if regather else 0.0), regather + reduce_all - bwd)
-    return m * max(first, gather - fwd) + m * backward
+    return m * max(first, gather + again - fwd) + m * backward
 
 
 def offload_s(params: int, layout: Workload, hw: Hardware) -> float:

@@ -211,7 +211,7 @@ def rank_tail(layout: Workload, stage: StageShare, hw: Hardware, links: dict[str
                                                     stage_pieces(stage, layout))
     return {"accumulate": accumulate_s(layout, stage, hw),
             "dp": dp_exposed_s(trained, stage.trained_block_params, layout, hw, links["dp_shard"], compute,
-                               forward_share, links["dp_replicate"]),
+                               forward_share, links["dp_replicate"], stage.rerun_params),
             "offload": offload_s(trained, layout, hw), "update": update}
 
 
