@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -66,8 +67,9 @@ def run_family(family: str, flags: list[str], where: Path) -> dict:
                           capture_output=True, text=True, timeout=900)
     if proc.returncode:
         lines = [line for line in proc.stderr.splitlines() if line.startswith("plait: error:")]
+        ranks = [line for line in proc.stderr.splitlines() if re.match(r"plait: rank \d+: ", line)]
         return {"family": family, "verdict": "refused" if lines else "crash",
-                "why": (lines or proc.stderr.strip().splitlines()[-1:] or ["?"])[0]}
+                "why": (lines or ranks[:1] or proc.stderr.strip().splitlines()[-1:] or ["?"])[0]}
     summary = json.loads((where / "run" / "summary.json").read_text())
     found = differences(summary)
     return {"family": family, "verdict": "differs" if found else "exact", "differs": found}

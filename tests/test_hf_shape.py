@@ -157,6 +157,27 @@ def test_the_routing_counts_and_the_embeddings_unit_are_read_as_training_makes_t
     assert inkling.head_sums_logits and zero3_units(inkling, tp2, layout_stages(inkling, tp2)[0])[-1][-1] == 128 * 16
 
 
+def test_a_routers_choices_are_counted_whatever_it_returns_after_them(tmp_path: Path) -> None:
+    """plait train hooks each MoE block's router to count its choices (experts.install_routing_stats):
+    Mixtral's returns (logits, scores, index), Inkling's a fourth, its shared experts' gammas,
+    handed on as they are (the hook took every output for its counter's three arguments, and
+    training Inkling failed with a TypeError)."""
+    from plait.models.hf.experts import declared_experts, install_routing_stats
+    from plait.models.hf.plans import declared
+
+    for family, fields in (("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+                           ("inkling_text", dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                 unpadded_vocab_size=128))):
+        transformers.AutoConfig.for_model(family, **{**SHAPE, **fields}).save_pretrained(tmp_path / family)
+        config = transformers.AutoConfig.from_pretrained(tmp_path / family)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        assert install_routing_stats(model, declared_experts(model, declared(model, "ep"))) == 2, family
+        assert model(input_ids=torch.randint(0, 128, (2, 8))).logits.shape == (2, 8, 128), family
+        counts = [m.plait_routing.take_counts() for m in model.modules() if hasattr(m, "plait_routing")]
+        assert [int(c.sum()) for c in counts] == [2 * 8 * 2] * 2, family  # each token's two choices, a block
+
+
 def test_a_context_named_model_max_length_is_read(tmp_path: Path) -> None:
     """Kimi-Linear's config.json gives its context as model_max_length, no
     max_position_embeddings: read, its shape is estimated (it was refused in one line)."""

@@ -179,6 +179,40 @@ def test_one_rank_zero_trains_exactly_like_plain_torch(stage: int, accum: int) -
             assert torch.equal(got[name], want), name
 
 
+def test_stage_3_lets_the_model_change_a_units_output_in_place() -> None:
+    """A model may scale a unit's output in place (Gemma 3n: `per_layer_projection *= scale`,
+    the output of a Linear ZeRO-3 takes for a unit). The unit's outputs come back as aliases, not
+    as themselves, which autograd would take for views made inside a custom function and refuse
+    to change in place; the step equals plain torch's."""
+
+    class ScaledInPlace(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj, self.layers = nn.Linear(8, 8), nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.proj(x)
+            y *= 0.5  # in place, on the unit's output
+            for layer in self.layers:
+                y = layer(y).relu()
+            return y
+
+    torch.manual_seed(0)
+    plain = ScaledInPlace()
+    sharded = ScaledInPlace()
+    sharded.load_state_dict(plain.state_dict())
+    apply_zero(sharded, one_rank(), stage=3)
+    optimizers = [plait.build_optimizer(m, torch.optim.SGD, lr=0.1) for m in (plain, sharded)]
+    x = torch.randn(4, 8)
+    for model, optimizer in zip((plain, sharded), optimizers):
+        for _ in range(2):
+            model(x).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    with full_parameters(sharded):
+        assert all(torch.equal(sharded.state_dict()[name], want) for name, want in plain.state_dict().items())
+
+
 def test_stage_3_frees_every_unit_and_full_parameters_round_trips() -> None:
     model = build_gpt(get_preset("tiny"), 0)
     names = sorted(model.state_dict())

@@ -154,7 +154,8 @@ def zero3_units(config: GPTConfig, layout: Workload, stage: StageShare) -> list[
     and cut apart by a pipeline (the first stage's table, the last stage's copy); the head's unit holds its
     vectors (GPTConfig.head_vectors: a bias, Dory's scale a logit). A tied table on one rank, an
     embedding ZeRO-3 takes for no unit (GPTConfig.embedding_unit), the final norm and anything
-    else is the root. A rank's chunks (v > 1) each run their own units.
+    else is the root; the other matrices outside the blocks are units of their own, run before
+    the blocks (GPTConfig.edge_units: Gemma 3n's per-layer embedding and its projection). A rank's chunks (v > 1) each run their own units.
     """
     table = embedding_rows(config, layout.tp) * config.d_model  # whole where the plan keeps it whole (DBRX's)
     head = head_weight(config, layout.tp) + vocab_shard(config, layout.tp) * config.head_vectors  # its bias too
@@ -163,7 +164,7 @@ def zero3_units(config: GPTConfig, layout: Workload, stage: StageShare) -> list[
     for chunk, blocks in enumerate(chunk_layers(layout, stage)):
         first, last = chunk_ends(layout, stage, chunk)
         chunks.append(([table] if first and apart and config.embedding_unit else [])
-                      + stage.unit_sizes(blocks, start)
+                      + (list(config.edge_units) if first else []) + stage.unit_sizes(blocks, start)
                       + ([head] if last and apart else []))
         start += blocks
     return chunks

@@ -222,6 +222,10 @@ class GPTConfig:
     # backward (plait.parallel.zero.shard.edge_units: a module of its own parameters alone);
     # else it sits in the root, whole throughout (Inkling's, which holds its norm as a child)
     embedding_unit: bool = True
+    # The parameters of each other ZeRO-3 unit outside the blocks, on the first stage, run
+    # before the blocks (edge_units' matrices beside the embedding and head: Gemma 3n's and
+    # Gemma 4's per-layer embedding and its projection), where the root would hold them whole
+    edge_units: tuple[int, ...] = ()
     # Bytes a block's eager attention keeps per (query, key) pair of a sequence, all its heads, a
     # mean over the blocks, (in fp32, in 16-bit): a transformers model whose attention runs
     # eagerly (a soft-cap, sinks, ALiBi) keeps its s × s matrices for backward, where SDPA keeps
@@ -256,6 +260,7 @@ class GPTConfig:
         object.__setattr__(self, "block_tally", tuple(tuple(block) for block in self.block_tally))
         object.__setattr__(self, "frozen_block_params", tuple(self.frozen_block_params))
         object.__setattr__(self, "block_runs", tuple(self.block_runs))
+        object.__setattr__(self, "edge_units", tuple(self.edge_units))
         object.__setattr__(self, "attention_matrix_bytes", tuple(self.attention_matrix_bytes))
         object.__setattr__(self, "block_saved_bytes", tuple(tuple(pair) for pair in self.block_saved_bytes))
         for name in ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):

@@ -157,6 +157,15 @@ def install_routing_stats(model: nn.Module, experts_modules: list[nn.Module]) ->
         stats = RoutingStats(experts.num_experts, int(getattr(gate, "top_k", 1)), coef)
         block.add_module("plait_routing", stats)
         block.register_forward_pre_hook(lambda m, args, s=stats: setattr(s, "batch", args[0].shape[0]))
-        gate.register_forward_hook(lambda m, args, out, s=stats: (out[0], s.seen(*out), out[2]))
+        gate.register_forward_hook(lambda m, args, out, s=stats: _counted(s, out))
         installed += 1
     return installed
+
+
+def _counted(stats: RoutingStats, out: Any) -> Any:
+    """A router's output, its choices counted: (logits, scores, index, ...), the scores handed
+    on with the balancing loss; what follows them (Inkling's shared experts' gammas) as it is.
+    An output of another form passes uncounted (its counts stay zero)."""
+    if not isinstance(out, tuple) or len(out) < 3:
+        return out
+    return (out[0], stats.seen(*out[:3]), *out[2:])

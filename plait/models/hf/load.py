@@ -123,8 +123,9 @@ def measured_shape(hf: HFModelDir, kept: bool = True) -> GPTConfig:
     parameters and traffic are read). Without transformers installed, config.json's reading stands: a
     Llama-like MLP."""
     shape = hf.shape()
-    if shape.arch == "gpt2":  # GPT-2's block is described whole by its arch; its adapter keeps
-        return replace(shape, vocab_split=False, embedding_split=False)  # the tied embedding and head whole under tp
+    if shape.arch == "gpt2":  # GPT-2's block is described whole by its arch; its adapter keeps the tied
+        # embedding and head whole under tp; its learned positions are a ZeRO-3 unit of their own
+        return replace(shape, vocab_split=False, embedding_split=False, edge_units=(shape.max_seq_len * shape.d_model,))
     try:
         transformers = _transformers()
     except PlaitError:
@@ -149,7 +150,7 @@ def measured_shape(hf: HFModelDir, kept: bool = True) -> GPTConfig:
     shape = replace(shape, sp_norm_extra=_norm_extra(layers, shape),
                     residual_streams=_residual_streams(model, layers), sp_sliced_inputs=_per_layer_inputs(model))
     shape = replace(shape, **_tp_regions(model, name, layers, shape, plan), **_ends_split(model),
-                    embedding_unit=_embedding_is_a_unit(model))
+                    **_zero3_edges(model, layers))
     shape = replace(shape, whole_biases=_whole_biases(layers, shape, plan, name),
                     split_mlp_scalars=_split_mlp_scalars(layers, shape))
     shape = replace(shape, **_tally(model, layers, shape, plan, name), attention_share=_attention_share(model, shape))
@@ -176,15 +177,23 @@ def _ends_split(model: nn.Module) -> dict[str, Any]:
     return fields
 
 
-def _embedding_is_a_unit(model: nn.Module) -> bool:
-    """GPTConfig.embedding_unit, by ZeRO-3's own rule (plait.parallel.zero.shard.edge_units) on
-    the model's blocks: Inkling's embedding, which holds its norm as a child, is no unit, and its
-    table stays whole in the root (an estimate that took it for one priced ZeRO-3's peak a table
-    light, 32 KiB of 353 on 2 ranks)."""
+def _zero3_edges(model: nn.Module, layers: nn.ModuleList | None) -> dict[str, Any]:
+    """GPTConfig.embedding_unit and edge_units, by ZeRO-3's own rule (plait.parallel.zero.shard.
+    edge_units) on the model's blocks. Inkling's embedding, which holds its norm as a child, is
+    no unit: its table stays whole in the root (an estimate that took it for one priced ZeRO-3's
+    peak a table light, 32 KiB of 353 on 2 ranks). Gemma 3n's and Gemma 4's per-layer embedding
+    and projection are units of their own, each gathered around its forward (priced in the root,
+    whole throughout, Gemma 4's peak came 10 KiB over), and so is each module of a list beside
+    the blocks (find_units: Gemma 3n's AltUp projections)."""
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if not isinstance(embedding, nn.Module):
-        return True
-    return any(edge is embedding for edge in edge_units(model, find_units(model)))
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    units = find_units(model)
+    edges = edge_units(model, units)
+    blocks = {id(block) for block in layers or []}
+    others = tuple(sum(p.numel() for p in unit.parameters() if p.requires_grad)
+                   for unit in [*edges, *units] if id(unit) not in blocks and unit is not embedding and unit is not head)
+    unit = not isinstance(embedding, nn.Module) or any(edge is embedding for edge in edges)
+    return {"embedding_unit": unit, "edge_units": others}
 
 
 def _embedding_extras(model: nn.Module) -> int:

@@ -26,13 +26,19 @@ IN_FLIGHT = 1  # reductions left running while backward goes on: one bucket fill
 
 
 class GatherForBackward(torch.autograd.Function):
-    """Forward: a unit's outputs, unchanged. Backward: gather the unit's parameters first."""
+    """Forward: a unit's outputs, unchanged. Backward: gather the unit's parameters first.
+
+    Each output comes back as a detached alias, not as itself: autograd takes an input returned
+    as-is for a view this function made, and forbids changing it in place, where the model
+    alone may (Gemma 3n scales its per-layer projection's output in place: `*=`). The alias
+    shares the output's storage and version counter, so an in-place change of a tensor its
+    producer saved for backward is still caught, as it would be without ZeRO."""
 
     @staticmethod
     def forward(ctx: Any, sync: "ZeroSync", group: FlatGroup, *outputs: torch.Tensor) -> Any:
         ctx.sync, ctx.group = sync, group
         ctx.set_materialize_grads(False)
-        return outputs
+        return tuple(output.detach() for output in outputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
