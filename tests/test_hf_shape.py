@@ -41,9 +41,11 @@ MLA = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_
 pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
 
 
-def shape_of(tmp_path: Path, family: str, **fields: Any) -> Any:
+def shape_of(tmp_path: Path, family: str, kept: bool = True, **fields: Any) -> Any:
+    """The family's tiny shape as plait reads it; `kept` false: without what autograd keeps (its
+    forwards), where a test reads only counts and traffic."""
     transformers.AutoConfig.for_model(family, **{**SHAPE, **fields}).save_pretrained(tmp_path)
-    return measured_shape(read_hf_dir(f"hf:{tmp_path}"))
+    return measured_shape(read_hf_dir(f"hf:{tmp_path}"), kept=kept)
 
 
 def test_a_hybrids_blocks_are_read_each(tmp_path: Path) -> None:
@@ -133,8 +135,8 @@ def test_the_routing_counts_and_the_embeddings_unit_are_read_as_training_makes_t
     from plait.estimate.memory import stage_memory, zero3_units
     from plait.estimate.traffic import estimate_comm
 
-    mixtral = shape_of(tmp_path / "mixtral", "mixtral", num_local_experts=4, num_experts_per_tok=2)
-    phimoe = shape_of(tmp_path / "phimoe", "phimoe", num_local_experts=4, num_experts_per_tok=2)
+    mixtral = shape_of(tmp_path / "mixtral", "mixtral", False, num_local_experts=4, num_experts_per_tok=2)
+    phimoe = shape_of(tmp_path / "phimoe", "phimoe", False, num_local_experts=4, num_experts_per_tok=2)
     assert (mixtral.counts_routing, phimoe.counts_routing) == (True, False)
     assert not mixtral.balancing_bias  # plait's own MoE's bias: none in a transformers model
     dp2 = Workload(dp=2, micro_batch=2, seq_len=16, precision="fp32")
@@ -142,11 +144,11 @@ def test_the_routing_counts_and_the_embeddings_unit_are_read_as_training_makes_t
         replace(mixtral, counts_routing=False), dp2)["dp"]["all_reduce"]
     assert counted == 2 * (4 + 1) * 8  # 2 blocks: 80 B, one step's sum over 2 ranks
 
-    inkling = shape_of(tmp_path / "inkling", "inkling2_text", layer_types=["hybrid_sliding", "hybrid"],
+    inkling = shape_of(tmp_path / "inkling", "inkling2_text", False, layer_types=["hybrid_sliding", "hybrid"],
                        n_layers_per_attn_res_block=1, swa_num_attention_heads=4, swa_num_key_value_heads=2,
                        swa_head_dim=8, sliding_window_size=6, n_routed_experts=4, num_experts_per_tok=2,
                        moe_intermediate_size=32, unpadded_vocab_size=128)
-    assert not inkling.embedding_unit and shape_of(tmp_path / "llama", "llama").embedding_unit
+    assert not inkling.embedding_unit and shape_of(tmp_path / "llama", "llama", False).embedding_unit
     zero3 = Workload(dp=2, zero=3, micro_batch=2, seq_len=16, precision="fp32")
     peaks = [stage_memory(s, zero3, layout_stages(s, zero3)[0]).params
              for s in (inkling, replace(inkling, embedding_unit=True))]

@@ -189,9 +189,9 @@ def _zero3_edges(model: nn.Module, layers: nn.ModuleList | None) -> dict[str, An
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     units = find_units(model)
     edges = edge_units(model, units)
-    blocks = {id(block) for block in layers or []}
+    kinds = {type(block) for block in layers or []}  # a second stack of blocks (HRM's) is no edge: its count is owed
     others = tuple(sum(p.numel() for p in unit.parameters() if p.requires_grad)
-                   for unit in [*edges, *units] if id(unit) not in blocks and unit is not embedding and unit is not head)
+                   for unit in [*edges, *units] if type(unit) not in kinds and unit is not embedding and unit is not head)
     unit = not isinstance(embedding, nn.Module) or any(edge is embedding for edge in edges)
     return {"embedding_unit": unit, "edge_units": others}
 
