@@ -39,6 +39,9 @@ def test_params_only(capsys) -> None:
     result = json.loads(capsys.readouterr().out)
     assert result["memory"]["activations"] is None
     assert result["memory"]["params"] == pytest.approx(2 * 7e9 / 8)
+    # plait train clips: the gradient norm's fp64 sum over the 8 shard ranks, as for a shaped model
+    # (RWKV, priced by its size, measured 8 B a step on 2 ranks that the estimate left out)
+    assert result["comm"]["dp"]["all_reduce"] == 2 * 7 / 8 * 8
 
 
 def test_hardware_file(tmp_path, capsys) -> None:

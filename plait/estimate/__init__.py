@@ -15,7 +15,7 @@ from plait.errors import PlaitError
 from plait.rules import given_or
 from plait.estimate.context import per_layer as context_per_layer
 from plait.estimate.experts import ASSUMPTIONS as EXPERT_ASSUMPTIONS, summary as experts_summary
-from plait.estimate.traffic import dp_traffic, estimate_comm, naive_comm
+from plait.estimate.traffic import clip_traffic, dp_traffic, estimate_comm, naive_comm
 from plait.estimate.hardware import Hardware, resolve_hardware
 from plait.estimate.layout import Workload, chunk_layers, layout_stages
 from plait.estimate.memory import (
@@ -172,8 +172,10 @@ def _params_only(params: int, layout: Workload, hw: Hardware, node: int,
         notes.append("FLOPs per token taken as 6Ψ (no attention term without the shape)")
     else:
         notes.append("time unknown: give seq_len to estimate it")
-    report = _report(params, layout, hw, node, memory.as_dict(), dp_traffic(params, layout),
-                     naive_comm(None, layout, params), step, notes)
+    traffic = dp_traffic(params, layout)
+    clip_traffic(traffic, None, layout)  # plait train clips: the gradient norm's sums, as for a shaped model
+    report = _report(params, layout, hw, node, memory.as_dict(), traffic, naive_comm(None, layout, params), step,
+                     notes)
     if not timed:
         report["layout"]["seq_len"] = None
     return report

@@ -484,11 +484,11 @@ def routing_traffic(out: Traffic, config: GPTConfig, layout: Workload, stage: St
         _add(out, layout.sync_axis, "all_reduce", 8 * (config.experts + 1) * blocks, layout.dp * layout.cp)
 
 
-def clip_traffic(out: Traffic, config: GPTConfig, layout: Workload) -> None:
+def clip_traffic(out: Traffic, config: GPTConfig | None, layout: Workload) -> None:
     """The gradient norm's sums, once per step in fp64 (plait.parallel.clip.global_norm): one
     number per axis that splits parameters outside the data ranks (tp) plus the rest; those
     all summed over ZeRO's shard ranks and over pp; the tp-split one over tp; without ZeRO,
-    the experts' over ep."""
+    the experts' over ep. `config` None: a model known only by its size (no experts)."""
     numbers = 2 if layout.tp > 1 else 1
     if layout.zero and layout.zero_ranks > 1:
         _add(out, layout.shard_axis, "all_reduce", 8 * numbers, layout.zero_ranks)
@@ -496,7 +496,7 @@ def clip_traffic(out: Traffic, config: GPTConfig, layout: Workload) -> None:
         _add(out, "tp", "all_reduce", 8, layout.tp)
     if layout.pp > 1:
         _add(out, "pp", "all_reduce", 8 * numbers, layout.pp)
-    if not layout.zero and config.is_moe and layout.ep > 1:
+    if not layout.zero and config is not None and config.is_moe and layout.ep > 1:
         _add(out, "ep", "all_reduce", 8, layout.ep)
 
 
