@@ -83,6 +83,7 @@ def bench_schedule(mesh: Any, args: argparse.Namespace, name: str, v: int) -> di
         **{f"{k}_bubble": statistics.median(b) for k, b in bubbles.items()},
         "costs_ms": {k[-1].upper(): 1e3 * c / v for k, c in costs.items()},
         "peak_inflight_rank0": plait_side.runner.last_stats.peak_inflight,
+        "peak_sent_rank0": plait_side.runner.last_stats.peak_sent_bytes,
         "p2p_bytes_rank0": plait_side.p2p_bytes, "act_bytes": plait_side.act_bytes,
     }
 
@@ -231,8 +232,8 @@ def table(results: list[dict], args: argparse.Namespace) -> str:
         "",
         "| pp | schedule | m | bubble formula | simulated | plait measured | torch measured | plait s/step | "
         "torch s/step | plait / torch | mean action ms (plait) | peak in-flight rank 0 | "
-        "p2p send bytes/step rank 0 (ledger) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "p2p send bytes/step rank 0 (ledger) | sent bytes held at once, rank 0 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [_row(result["pp"], row) for result in results for row in result["rows"]]
     lines += ["", READING]
@@ -249,7 +250,7 @@ def _row(pp: int, row: dict) -> str:
     costs = " ".join(f"{k}={ms:.0f}" for k, ms in row["costs_ms"].items())
     return (f"| {pp} | {name} | {row['m']} | {row['formula']:.1%} | {row['simulated']:.1%} | "
             f"{row['plait_bubble']:.1%} | {torch_cols} | {costs} | {row['peak_inflight_rank0']} | "
-            f"{row['p2p_bytes_rank0']:,.0f} |")
+            f"{row['p2p_bytes_rank0']:,.0f} | {row['peak_sent_rank0']:,.0f} |")
 
 
 READING = """Reading it: the ledger column is exact (b·s·h·4 bytes per micro-batch per boundary each way:
@@ -260,7 +261,10 @@ too, and a busy interval includes any time its process was descheduled. That is 
 measured bubble lands up to ~10 points either side of the formula, differently from run to run,
 and why a smaller bubble (ZB-H1) does not give a shorter step here: its actions, F included, run slower
 than 1F1B's because both ranks are busy at once more often. In one process, on this model, ZB-H1's
-I + W costs about 1.1 × B (one autograd call per norm on top of the deferred weight GEMMs)."""
+I + W costs about 1.1 × B (one autograd call per norm on top of the deferred weight GEMMs).
+The last column is the most bytes of sent messages rank 0 held at once: a message goes once a
+later one from its receiver shows it arrived (Gloo's sends say nothing until waited). Until
+2026-12-02 every send was held to the step's end, the ledger's column whole."""
 
 
 

@@ -20,7 +20,8 @@ from plait.models.gpt.config import get_preset
 from plait.models.gpt.model import build_gpt
 from plait.balance import balanced_counts
 from plait.parallel.pipeline.runner import PipelineRunner, apply_pipeline, check_pipeline, split_stages
-from plait.parallel.pipeline.p2p import send_order
+from plait.parallel.pipeline.execute import let_go_of_values
+from plait.parallel.pipeline.p2p import delivery_proofs, send_order
 from plait.parallel.pipeline.split import rank_stages
 from plait.schedule.build import build_schedule, simulate
 from plait.runtime.comm import Axis, Ledger
@@ -97,6 +98,31 @@ def test_send_order_lists_every_message_once_in_the_senders_order():
     assert kinds == {("act", 1), ("act", 3), ("grad", 1)}
     assert all(len(keys) == len(set(keys)) for keys in order.values())
     assert sum(map(len, order.values())) == 2 * 4 * 3  # m messages each way over 3 boundaries
+
+
+def test_delivery_proofs_let_1f1b_hold_two_messages_where_the_step_sends_m():
+    """Rank 0 of a 2-rank 1F1B learns acts 0..i are delivered from grad i; rank 1 learns
+    grads 0..i are delivered from act i + 2, sent once rank 0 had grad i (B i before F i + 2)."""
+    proofs = delivery_proofs(build_schedule("1f1b", 2, 4), 2, 1)
+    assert proofs[0] == {("grad", i, 0): i + 1 for i in range(4)}
+    assert proofs[1] == {("act", 2, 1): 1, ("act", 3, 1): 2}
+
+
+def test_a_sent_output_keeps_its_graph_and_drops_its_values():
+    """Once F has sent a stage's output the rank keeps its graph for B, not its values: the
+    backward is the same, and the output's storage holds one element. A view keeps its own."""
+    torch.manual_seed(0)
+    layer, x, grad = torch.nn.Linear(8, 8), torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
+    kept, sent = layer(x).tanh() + x, layer(x).tanh() + x
+    let_go_of_values(sent)
+    assert sent.shape == kept.shape and sent.untyped_storage().nbytes() == 4
+    torch.autograd.backward(kept, grad)
+    expected, x.grad = x.grad.clone(), None
+    torch.autograd.backward(sent, grad)
+    assert torch.equal(x.grad, expected)
+    view = (layer(x) * 2)[1:]
+    let_go_of_values(view)
+    assert view.untyped_storage().nbytes() == 4 * 8 * 4
 
 
 # -- bad input -----------------------------------------------------------------------------------

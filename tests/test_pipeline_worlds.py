@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from plait.parallel.pipeline.p2p import message_in, message_out
 from plait.schedule.build import build_schedule, simulate
 from tests.parity import assert_losses_close
 from tests.worldlib import run_world, split_slow
@@ -99,6 +100,44 @@ def test_held_activations_follow_the_schedule(world):
         if "v1" in name:  # bytes: the count times one micro-batch's saved tensors
             # (a pending W keeps its whole graph here, so ZB-H1 holds peak_live of them)
             assert run["peak_saved_bytes"] == sim.peak_live[r] * run["saved_bytes"][0], name
+
+
+def held_sends(schedule: list, pp: int, v: int, rank: int) -> int:
+    """The most messages `rank` holds sent and not yet known delivered, restated from the
+    schedule: a message from peer p proves delivered what `rank` sent p up to the last one
+    p had received before sending it (by p's own list; a pair's messages arrive in order)."""
+    last, held, peak = pp * v - 1, set(), 0
+    mine = [message_out(a, rank, pp, last) for a in schedule[rank]]
+    for act in schedule[rank]:
+        came = message_in(act, rank, pp, last)
+        if came is not None and came[1] != rank:
+            peer = came[1]
+            position = next(i for i, a in enumerate(schedule[peer])
+                            if (message_out(a, peer, pp, last) or (None,))[0] == came[0])
+            had = {message_in(a, peer, pp, last) for a in schedule[peer][:position + 1]}
+            to_peer = [out[0] for out in mine if out is not None and out[1] == peer]
+            newest = max((i for i, key in enumerate(to_peer) if (key, rank) in had), default=-1)
+            held -= set(to_peer[:newest + 1])
+        out = message_out(act, rank, pp, last)
+        if out is not None and out[1] != rank:
+            held.add(out[0])
+            peak = max(peak, len(held))
+    return peak
+
+
+def test_a_sent_message_is_let_go_once_its_receiver_has_shown_it_has_it(world):
+    """Held to the step's end, every message a rank sent stayed alive: m activations (and
+    m gradients) a boundary at once. On Gloo, whose sends report nothing until waited, a
+    message goes when its receiver sends back after having it."""
+    pp, _, reports = world
+    for report, name, run in runs(reports):
+        r, v = report["rank"], int(name.split("/")[1][1:])
+        expected = held_sends(schedule_of(name, pp), pp, v, r)
+        assert run["peak_sent_bytes"] == expected * run["act_bytes"], (name, r, expected)
+    first = reports[0]["runs"]
+    if "1f1b/v1/m8" in first:  # 1F1B: the first stage's warm-up, then two at a time (the step sends 8)
+        assert first["1f1b/v1/m8"]["peak_sent_bytes"] == pp * first["1f1b/v1/m8"]["act_bytes"]
+        assert first["gpipe/v1/m8"]["peak_sent_bytes"] == 8 * first["gpipe/v1/m8"]["act_bytes"]
 
 
 def test_measured_timeline_covers_every_action(world):

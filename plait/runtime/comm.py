@@ -134,6 +134,10 @@ class Handle:
     def __init__(self, work: Any, axis: Axis, op: str, entry: Any = None):
         self._work, self._axis, self._op, self._entry = work, axis, op, entry
 
+    def completed(self) -> bool:
+        """Done, as far as the backend can tell without waiting (Gloo's sends: only once waited)."""
+        return self._work is None or self._work.is_completed()
+
     def wait(self) -> None:
         if self._work is not None:  # None: a blocking call, done already
             try:

@@ -69,6 +69,7 @@ def run_case(mesh: Any, refs: References, schedule: Any, v: int, m: int, layers:
     report = {
         "losses": run["losses"], "ref_losses": ref["losses"], "param_error": param_error(run["stages"], ref["model"]),
         "comm": run["comm"], "peak_inflight": stats.peak_inflight, "peak_saved_bytes": stats.peak_saved_bytes,
+        "peak_sent_bytes": stats.peak_sent_bytes,
         "saved_bytes": list(stats.saved_bytes), "bubble": timeline.bubble,
         "timeline_rows": [len(row) for row in timeline.rows], "timeline_peak": list(timeline.peak_inflight),
         "act_bytes": MICRO * SEQ * config.d_model * 4, "tied_bytes": config.vocab_size * config.d_model * 4 * tied,

@@ -33,7 +33,7 @@ from torch import nn
 
 from plait.errors import PlaitError
 from plait.parallel.packed import Packed
-from plait.parallel.pipeline.p2p import Channels, Key
+from plait.parallel.pipeline.p2p import Channels, Key, message_in
 from plait.schedule.action import Action
 from plait.schedule.timeline import Slot
 
@@ -189,6 +189,17 @@ def _linear_weight_grad(module: nn.Linear, x: torch.Tensor, dy: torch.Tensor) ->
         _accumulate(module.bias, dy2.sum(0))
 
 
+def let_go_of_values(out: torch.Tensor) -> None:
+    """Drop a sent stage output's values, keeping its shape and graph for the backward.
+
+    The backward reads only the output's graph (the next stage holds the values), and the
+    message keeps its own reference until delivered. Kept, every micro-batch in flight held
+    one more activation a boundary, which no saved-tensor count sees. A view (its base keeps
+    the values) and a leaf (a stage that hands its input on) are left as they are."""
+    if torch.is_grad_enabled() and out.grad_fn is not None and out._base is None:
+        out.data = out.new_empty(1).expand(out.shape)
+
+
 def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
     if not param.requires_grad:
         return
@@ -204,6 +215,7 @@ class PipelineStats:
 
     peak_inflight: int  # most (micro-batch, chunk) forwards whose B or I had not run yet
     peak_saved_bytes: int  # most bytes autograd held for backward at once (F until B or W)
+    peak_sent_bytes: int  # most bytes of sent messages held at once (until known delivered)
     saved_bytes: tuple[int, ...]  # bytes saved by the F of each micro-batch on chunk 0
     wait_s: float  # time spent waiting for activations or gradients to arrive
     busy_s: float  # time spent computing
@@ -243,12 +255,7 @@ class StepRun:
 
     def _need(self, act: Action) -> tuple[Key, int] | None:
         """The message `act` waits for, and the rank it comes from."""
-        stage, pp, last = act.stage(self.rank, self.pp), self.pp, self.num_stages - 1
-        if act.kind == "F" and stage > 0:
-            return ("act", act.microbatch, stage), (stage - 1) % pp
-        if act.kind in "BI" and stage < last:
-            return ("grad", act.microbatch, stage), (stage + 1) % pp
-        return None
+        return message_in(act, self.rank, self.pp, self.num_stages - 1)
 
     def _receive(self, act: Action) -> torch.Tensor | None:
         need = self._need(act)
@@ -278,6 +285,7 @@ class StepRun:
             state.output = loss / self.m
         else:
             self.channels.send(("act", act.microbatch, stage + 1), out, (stage + 1) % self.pp)
+            let_go_of_values(out)
         if not torch.is_grad_enabled():
             self._release(act.microbatch, stage)
             return
@@ -319,5 +327,6 @@ class StepRun:
         self.channels.release(("grad", mb, stage))
 
     def stats(self, slots: list[Slot]) -> PipelineStats:
-        return PipelineStats(self.peak_held, self.peak_bytes, tuple(self.saved_chunk0), self.wait_s,
+        return PipelineStats(self.peak_held, self.peak_bytes, self.channels.peak_sent_bytes,
+                             tuple(self.saved_chunk0), self.wait_s,
                              sum(s.end - s.start for s in slots))

@@ -12,6 +12,11 @@ which the receiver may need in another order than the sender sends them. The rec
 therefore never posts receives in its own order: knowing the whole schedule (it is data),
 it posts them in the *sender's* order, up to the message it needs, and keeps the early ones
 in buffers until their turn. Receive buffers come from a pool and are reused across steps.
+
+A sent message is let go of once it is known delivered: when the backend says so
+(NCCL), or when a later message from its receiver shows that the receiver had it
+(`delivery_proofs`, from the schedule). Held to the step's end, a step's sends had
+kept every micro-batch's activation and gradient at each boundary alive at once.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from collections.abc import Callable
 import torch
 
 from plait.errors import PlaitError
+from plait.schedule.action import Action
 from plait.schedule.build import Schedule
 from plait.runtime import comm
 from plait.runtime.comm import Axis, Handle
@@ -33,18 +39,60 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
 _META_LEN = 2 + 8  # ndim, dtype code, up to 8 dimensions
 
 
+def message_in(act: Action, rank: int, pp: int, last: int) -> tuple[Key, int] | None:
+    """The message `act` on `rank` waits for, and the pipeline rank it comes from."""
+    stage = act.stage(rank, pp)
+    if act.kind == "F" and stage > 0:
+        return ("act", act.microbatch, stage), (stage - 1) % pp
+    if act.kind in "BI" and stage < last:
+        return ("grad", act.microbatch, stage), (stage + 1) % pp
+    return None
+
+
+def message_out(act: Action, rank: int, pp: int, last: int) -> tuple[Key, int] | None:
+    """The message `act` on `rank` sends, and the pipeline rank it goes to."""
+    stage = act.stage(rank, pp)
+    if act.kind == "F" and stage < last:
+        return ("act", act.microbatch, stage + 1), (stage + 1) % pp
+    if act.kind in "BI" and stage > 0:
+        return ("grad", act.microbatch, stage - 1), (stage - 1) % pp
+    return None
+
+
 def send_order(schedule: Schedule, pp: int, v: int) -> dict[tuple[int, int], list[Key]]:
     """For each (sender, receiver) pair of pipeline ranks, the messages in the order sent."""
-    last = pp * v - 1
     order: dict[tuple[int, int], list[Key]] = defaultdict(list)
     for rank, actions in enumerate(schedule):
         for act in actions:
-            stage = act.stage(rank, pp)
-            if act.kind == "F" and stage < last:
-                order[(rank, (stage + 1) % pp)].append(("act", act.microbatch, stage + 1))
-            elif act.kind in "BI" and stage > 0:
-                order[(rank, (stage - 1) % pp)].append(("grad", act.microbatch, stage - 1))
+            out = message_out(act, rank, pp, pp * v - 1)
+            if out is not None:
+                order[(rank, out[1])].append(out[0])
     return dict(order)
+
+
+def delivery_proofs(schedule: Schedule, pp: int, v: int) -> dict[int, dict[Key, int]]:
+    """For each rank, what each message it receives proves delivered: how many of the
+    messages this rank sends its sender, counted in sending order, the sender had by then.
+
+    A sent message must stay alive until it is delivered, and a step sends one per
+    micro-batch and boundary each way. Gloo's send says it is done only once waited, and
+    waiting for a message the peer has not asked for yet can block; but a peer that sends
+    after receiving has received, and the schedule (data) says what. Between two ranks
+    messages arrive in the order sent, so the peer having one has every one sent before it:
+    the proof is a count."""
+    last = pp * v - 1
+    position = {pair: {key: i for i, key in enumerate(keys)} for pair, keys in send_order(schedule, pp, v).items()}
+    proofs: dict[int, dict[Key, int]] = defaultdict(dict)
+    for rank, actions in enumerate(schedule):
+        had: dict[int, int] = defaultdict(int)  # by sender: how many of its messages `rank` has
+        for act in actions:
+            came = message_in(act, rank, pp, last)
+            if came is not None and came[1] != rank:
+                had[came[1]] = max(had[came[1]], position[(came[1], rank)][came[0]] + 1)
+            out = message_out(act, rank, pp, last)
+            if out is not None and out[1] != rank and had[out[1]]:
+                proofs[out[1]][out[0]] = had[out[1]]
+    return dict(proofs)
 
 
 class Channels:
@@ -56,23 +104,33 @@ class Channels:
     """
 
     def __init__(self, axis: Axis, order: dict[tuple[int, int], list[Key]],
-                 shape_of: Callable[[Key], Shape], pool: "BufferPool"):
+                 shape_of: Callable[[Key], Shape], pool: "BufferPool",
+                 proofs: dict[Key, int] | None = None):
+        """`proofs` is this rank's part of `delivery_proofs`: each message it receives says
+        how many of the messages sent to its sender are delivered by then, and can be let go."""
         self.axis, self.rank, self.shape_of, self.pool = axis, axis.rank, shape_of, pool
         self._expected = {src: deque(keys) for (src, dst), keys in order.items()
                           if dst == self.rank and src != self.rank}
         self._posted: dict[Key, tuple[torch.Tensor, Handle]] = {}
         self._local: dict[Key, torch.Tensor] = {}
-        self._sends: list[tuple[torch.Tensor, Handle]] = []
+        self._sends: dict[Key, tuple[torch.Tensor, Handle]] = {}
         self._lent: dict[Key, torch.Tensor] = {}
+        self._proofs = proofs or {}
+        self._sent_to = {dst: keys for (src, dst), keys in order.items() if src == self.rank}
+        self._delivered: dict[int, int] = defaultdict(int)  # by receiver: a prefix of `_sent_to`
+        self.sent_bytes = self.peak_sent_bytes = 0  # bytes of sent messages not yet let go
 
     def send(self, key: Key, tensor: torch.Tensor, dst: int) -> None:
-        """Start sending `tensor` (kept alive until `finish`)."""
+        """Start sending `tensor` (kept alive until it is known delivered, or `finish`)."""
         tensor = tensor.detach()
         if dst == self.rank:
             self._local[key] = tensor
             return
         tensor = tensor.contiguous()
-        self._sends.append((tensor, comm.send(tensor, self.axis, dst)))
+        self._sends[key] = (tensor, comm.send(tensor, self.axis, dst))
+        self.sent_bytes += tensor.numel() * tensor.element_size()
+        self.peak_sent_bytes = max(self.peak_sent_bytes, self.sent_bytes)
+        self._let_go_of_completed()
 
     def post(self, key: Key, src: int) -> None:
         """Post receives from `src`, in its sending order, up to and including `key`."""
@@ -97,7 +155,25 @@ class Channels:
         buf, handle = self._posted.pop(key)
         handle.wait()
         self._lent[key] = buf
+        delivered = self._proofs.get(key, 0)
+        for sent in self._sent_to.get(src, [])[self._delivered[src]:delivered]:
+            self._let_go(sent)
+        self._delivered[src] = max(self._delivered[src], delivered)
+        self._let_go_of_completed()
         return buf
+
+    def _let_go(self, key: Key) -> None:
+        """Drop a sent message (its wait returns at once: it is delivered)."""
+        entry = self._sends.pop(key, None)
+        if entry is not None:
+            tensor, handle = entry
+            handle.wait()
+            self.sent_bytes -= tensor.numel() * tensor.element_size()
+
+    def _let_go_of_completed(self) -> None:
+        """Drop the sent messages the backend says are done (NCCL's report it; Gloo's not)."""
+        for key in [key for key, (_, handle) in self._sends.items() if handle.completed()]:
+            self._let_go(key)
 
     def release(self, key: Key) -> None:
         """The receiver is done with message `key`: its buffer goes back to the pool."""
@@ -107,9 +183,8 @@ class Channels:
 
     def finish(self) -> None:
         """Wait for every send; every expected message must have been received."""
-        for _, handle in self._sends:
-            handle.wait()
-        self._sends.clear()
+        for key in list(self._sends):
+            self._let_go(key)
         left = [k for q in self._expected.values() for k in q] + list(self._posted) + list(self._local)
         if left:
             raise PlaitError(f"pipeline rank {self.rank} ended a step with messages unread: {left[:3]}")

@@ -26,8 +26,8 @@ from torch import nn
 from plait.errors import PlaitError
 from plait.parallel.packed import Packed
 from plait.parallel.data.sync import grad_sync, no_sync
-from plait.parallel.pipeline.p2p import (BufferPool, Channels, Key, add_from_peer, agree_shapes, send_order,
-                                          sum_tied_grads)
+from plait.parallel.pipeline.p2p import (BufferPool, Channels, Key, add_from_peer, agree_shapes,
+                                         delivery_proofs, send_order, sum_tied_grads)
 from plait.parallel.pipeline.execute import LossFn, PipelineStats, StageWork, StepRun
 from plait.parallel.applied import hand_over
 from plait.parallel.pipeline.split import (PipelineStage, check_split, rank_stages, split_stages,
@@ -87,6 +87,7 @@ class _Plan:
 
     schedule: Schedule
     order: dict[tuple[int, int], list[Key]]
+    proofs: dict[int, dict[Key, int]]  # delivery_proofs: when a sent message can go
 
 
 class PipelineRunner:
@@ -135,7 +136,8 @@ class PipelineRunner:
         plan = self._plan(len(micro_inputs), micro_inputs)
         actions = plan.schedule[self.rank]
         shapes = self._agree(micro_inputs[0])
-        channels = Channels(self.axis, plan.order, lambda key: self._shape_of(key, shapes), self.pool)
+        channels = Channels(self.axis, plan.order, lambda key: self._shape_of(key, shapes), self.pool,
+                            plan.proofs.get(self.rank))
         run = self._run(channels, micro_inputs, micro_targets, loss_fn)
         origin = self._barrier()
         with no_sync(self.module):
@@ -173,7 +175,8 @@ class PipelineRunner:
         """Run the schedule's forwards; the last stage's loss_fn results by micro-batch."""
         plan = self._plan(len(micro_inputs), micro_inputs, forward_only=True)
         shapes = self._agree(micro_inputs[0])
-        channels = Channels(self.axis, plan.order, lambda key: self._shape_of(key, shapes), self.pool)
+        channels = Channels(self.axis, plan.order, lambda key: self._shape_of(key, shapes), self.pool,
+                            plan.proofs.get(self.rank))
         run = self._run(channels, micro_inputs, micro_targets, loss_fn)
         for act in plan.schedule[self.rank]:
             run.do(act, None, 0.0)
@@ -224,7 +227,8 @@ class PipelineRunner:
             validate(schedule, self.pp, m, self.v)
             if forward_only:  # the F's of a valid schedule, in its order, cannot deadlock either
                 schedule = [[a for a in row if a.kind == "F"] for row in schedule]
-            self._plans[key] = _Plan(schedule, send_order(schedule, self.pp, self.v))
+            self._plans[key] = _Plan(schedule, send_order(schedule, self.pp, self.v),
+                                    delivery_proofs(schedule, self.pp, self.v))
         return self._plans[key]
 
     def _agree(self, first_input: Any) -> dict:
