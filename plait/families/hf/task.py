@@ -25,7 +25,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from plait.errors import PlaitError
 from plait.estimate.layout import Workload
 from plait.models.hf.config import COMPANIONS, CONFIG, TOKENIZER, read_hf_dir
 from plait.models.hf.load import measured_shape
@@ -60,21 +59,18 @@ class HFTask(LanguageTask):
         self.meta_build = True
 
     def build_model(self, seed: int) -> nn.Module:
-        from plait.models.hf.experts import declared_experts, install_routing_stats
+        from plait.models.hf.experts import install_routing_stats, routed_experts
         from plait.models.hf.load import build_hf_model
         from plait.models.hf.plans import declared
 
         model = build_hf_model(self.hf, seed)
-        if declared(model, "ep"):  # a mixture of experts: its routing is counted for the report
-            try:
-                experts = declared_experts(model, declared(model, "ep"))
-            except PlaitError as why:
-                if self.config.ep > 1:
-                    raise
-                # a plan is refused only where the run uses it: without ep, only the counts are lost
-                log.info("the experts' routing is not counted for the report: %s", why.message)
-            else:
-                install_routing_stats(model, experts)
+        # a mixture of experts: its routing is counted for the report
+        experts, why = routed_experts(model, declared(model, "ep"))
+        if why is not None and self.config.ep > 1:
+            raise why
+        if why is not None:  # a plan is refused only where the run uses it: without ep, only the counts are lost
+            log.info("the experts' routing is not counted for the report: %s", why.message)
+        install_routing_stats(model, experts)
         self.num_params = sum(p.numel() for p in model.parameters())  # a tied head counted once
         return model
 

@@ -134,16 +134,22 @@ def counted_blocks(model: nn.Module, experts_modules: list[nn.Module]) -> list[n
     return blocks if all(isinstance(getattr(block, "gate", None), nn.Module) for block in blocks) else []
 
 
+def routed_experts(model: nn.Module, plan: dict[str, Any]) -> tuple[list[nn.Module], PlaitError | None]:
+    """The experts modules the ep plan (`plan`, composed) names, or none and why plait cannot
+    run the plan: what the task installs the routing counts on (refusing under --ep, the
+    counts alone lost without) and what the estimate reads to price them, decided once."""
+    if not plan:
+        return [], None
+    try:
+        return declared_experts(model, plan), None
+    except PlaitError as why:
+        return [], why
+
+
 def counts_routing(model: nn.Module, plan: dict[str, Any]) -> bool:
     """Whether training this model counts its routing (`install_routing_stats`, as the task
-    installs it): its ep plan (`plan`, composed) naming its experts, and a router beside each
-    MoE block."""
-    if not plan:
-        return False
-    try:
-        return bool(counted_blocks(model, declared_experts(model, plan)))
-    except PlaitError:  # a plan plait does not run: the task counts nothing either
-        return False
+    installs it): its ep plan naming its experts, and a router beside each MoE block."""
+    return bool(counted_blocks(model, routed_experts(model, plan)[0]))
 
 
 def install_routing_stats(model: nn.Module, experts_modules: list[nn.Module]) -> int:
