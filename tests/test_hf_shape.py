@@ -159,6 +159,19 @@ def test_the_routing_counts_and_the_embeddings_unit_are_read_as_training_makes_t
     assert inkling.head_sums_logits and zero3_units(inkling, tp2, layout_stages(inkling, tp2)[0])[-1][-1] == 128 * 16
 
 
+def test_gpt2s_zero3_units_and_a_tied_table_are_read_by_zero3s_own_rule(tmp_path: Path) -> None:
+    """GPT-2's learned positions are a ZeRO-3 unit of their own, read by ZeRO-3's rule off the
+    model as any family's are (they were written in by hand for GPT-2 alone). A tied table is a
+    unit where a pipeline cuts it from its head: the first stage's copy (read as no unit, a
+    tied GPT-2 under pp 2 x ZeRO-3 was priced 16 KiB over at the peak, 183,552 B for 167,680)."""
+    transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=2, n_head=4).save_pretrained(tmp_path)
+    gpt2 = measured_shape(read_hf_dir(f"hf:{tmp_path}"), kept=False)
+    assert gpt2.edge_units == (64 * 32,) and gpt2.embedding_unit and gpt2.tie_embeddings
+    assert not gpt2.vocab_split and not gpt2.embedding_split
+    tied = shape_of(tmp_path / "qwen3", "qwen3", False, tie_word_embeddings=True)
+    assert tied.tie_embeddings and tied.embedding_unit  # ZeRO-3's edges leave a tied table out: no unit read
+
+
 def test_a_routers_choices_are_counted_whatever_it_returns_after_them(tmp_path: Path) -> None:
     """plait train hooks each MoE block's router to count its choices (experts.install_routing_stats):
     Mixtral's returns (logits, scores, index), Inkling's a fourth, its shared experts' gammas,

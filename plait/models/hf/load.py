@@ -123,9 +123,8 @@ def measured_shape(hf: HFModelDir, kept: bool = True) -> GPTConfig:
     parameters and traffic are read). Without transformers installed, config.json's reading stands: a
     Llama-like MLP."""
     shape = hf.shape()
-    if shape.arch == "gpt2":  # GPT-2's block is described whole by its arch; its adapter keeps the tied
-        # embedding and head whole under tp; its learned positions are a ZeRO-3 unit of their own
-        return replace(shape, vocab_split=False, embedding_split=False, edge_units=(shape.max_seq_len * shape.d_model,))
+    if shape.arch == "gpt2":  # its adapter keeps the tied embedding and head whole under tp
+        shape = replace(shape, vocab_split=False, embedding_split=False)
     try:
         transformers = _transformers()
     except PlaitError:
@@ -139,6 +138,8 @@ def measured_shape(hf: HFModelDir, kept: bool = True) -> GPTConfig:
                          hint="check config.json (AutoModelForCausalLM.from_config must accept it)") from None
     name = block_list(model)  # read once: each reading walks the model and its plans
     layers = _blocks(model, name)
+    if shape.arch == "gpt2":  # its block is described whole by its arch; ZeRO-3's units as any family's
+        return replace(shape, **_zero3_edges(model, layers))
     shape = _blocks_as_run(model, layers, shape)
     shape = replace(shape, **_moe_fields(model, layers, shape))  # first: which blocks are dense
     width = _mlp_width(layers, shape)
@@ -184,7 +185,9 @@ def _zero3_edges(model: nn.Module, layers: nn.ModuleList | None) -> dict[str, An
     peak a table light, 32 KiB of 353 on 2 ranks). Gemma 3n's and Gemma 4's per-layer embedding
     and projection are units of their own, each gathered around its forward (priced in the root,
     whole throughout, Gemma 4's peak came 10 KiB over), and so is each module of a list beside
-    the blocks (find_units: Gemma 3n's AltUp projections)."""
+    the blocks (find_units: Gemma 3n's AltUp projections), and GPT-2's learned positions. A tied
+    table, which no edge is, is a unit where a pipeline cuts it from its head (the estimate
+    reads `embedding_unit` only there), as the runtime makes each stage's copy one."""
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     units = find_units(model)
@@ -192,7 +195,10 @@ def _zero3_edges(model: nn.Module, layers: nn.ModuleList | None) -> dict[str, An
     kinds = {type(block) for block in layers or []}  # a second stack of blocks (HRM's) is no edge: its count is owed
     others = tuple(sum(p.numel() for p in unit.parameters() if p.requires_grad)
                    for unit in [*edges, *units] if type(unit) not in kinds and unit is not embedding and unit is not head)
-    unit = not isinstance(embedding, nn.Module) or any(edge is embedding for edge in edges)
+    # a tied table is a unit wherever a pipeline cuts it from its head (the first stage's copy)
+    tied = isinstance(embedding, nn.Module) and isinstance(head, nn.Module) and any(
+        p is q for p in embedding.parameters() for q in head.parameters())
+    unit = not isinstance(embedding, nn.Module) or tied or any(edge is embedding for edge in edges)
     return {"embedding_unit": unit, "edge_units": others}
 
 
