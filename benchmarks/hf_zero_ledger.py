@@ -58,8 +58,9 @@ def run_family(family: str, flags: list[str], where: Path) -> dict:
 
     config = family_config(family)
     config.vocab_size = 256  # the byte data's ids
-    if hasattr(config, "unpadded_vocab_size"):
-        config.unpadded_vocab_size = 256
+    for table in ("unpadded_vocab_size", "vocab_size_per_layer_input"):  # Inkling's, Gemma 3n's and 4's
+        if hasattr(config, table):
+            setattr(config, table, 256)
     config.save_pretrained(where / "model")
     proc = subprocess.run([sys.executable, "-m", "plait", "train", "--model", f"hf:{where / 'model'}", *flags,
                            "--steps", "2", "--seq-len", "16", "--micro-batch", "2", "--sample-tokens", "0",

@@ -436,3 +436,17 @@ def test_stages_run_the_models_own_forward_when_asked() -> None:
         stage.token_ids = ids
         x = stage(x)
     assert torch.equal(x, model(input_ids=ids).logits)
+
+
+def test_probe_ids_index_every_table_the_ids_read() -> None:
+    """A probe's ids stay below the smallest table indexed by token ids: Gemma 4's per-layer
+    embedding may hold fewer rows than its vocabulary (a tiny model's 128 of 256), and a probe
+    spread over the whole vocabulary stopped `plait train --tp 2` with torch's IndexError."""
+    from plait.models.hf.styles import probe_ids
+
+    config = transformers.AutoConfig.for_model("gemma4_text", **{**SHAPE, "vocab_size": 256},
+                                               vocab_size_per_layer_input=128, hidden_size_per_layer_input=8)
+    torch.manual_seed(0)
+    ids = probe_ids(transformers.AutoModelForCausalLM.from_config(config), 64)
+    assert 64 <= int(ids.max()) < 128  # both halves of the smaller table read, none past it
+    assert int(probe_ids(qwen3(), 64).max()) >= 32  # a model of one table: spread over its vocabulary

@@ -389,8 +389,12 @@ def no_cache(model: nn.Module) -> dict[str, bool]:
 
 def probe_ids(model: nn.Module, length: int) -> torch.Tensor:
     """(1, length) token ids for a probe forward, on the model's device, spread over the
-    vocabulary (every tensor-parallel rank's rows are read)."""
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
+    vocabulary (every tensor-parallel rank's rows are read), and below every table the ids
+    index: Gemma 3n's and Gemma 4's per-layer embedding may hold fewer rows than the vocabulary
+    (a probe past them failed with torch's IndexError before any check of plait's)."""
+    config = getattr(model, "config", None)
+    tables = [getattr(config, name, None) for name in ("vocab_size", "vocab_size_per_layer_input")]
+    vocab = min((rows for rows in tables if isinstance(rows, int) and rows > 0), default=2)
     return spread_ids(vocab, length, next(model.parameters()).device)
 
 
