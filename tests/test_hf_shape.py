@@ -435,6 +435,30 @@ def test_a_layer_after_the_blocks_split_by_its_input(tmp_path: Path) -> None:
     assert ops["all_gather"] - before.get("all_gather", 0) == tokens * 64 * 4 * 2 / 2  # (n - 1) / n of it on the wire
 
 
+def test_zero3_gathers_a_layer_after_the_blocks_on_the_last_stage_at_its_tp_share(tmp_path: Path) -> None:
+    """Qwen4-Exp's hyper-connection mixer is two ZeRO-3 units of its own (shard.edge_units), run
+    after the blocks on the last stage, its down-projection split by tp (its up-projection whole).
+    Taken for units before the blocks, whole, the estimate put `plait train --zero 3`'s peak 1 KiB
+    a rank under under tp 2 (the root short the split half) and 4 KiB over under pp 2 (the first
+    stage's root short of units it does not hold, the last stage's holding them whole)."""
+    from plait.estimate.layout import Workload, layout_stages
+    from plait.estimate.memory import zero3_units
+
+    shape = shape_of(tmp_path, "qwen4_exp_text", **LINEAR, num_hidden_layers=4, num_experts=4,
+                     shared_expert_intermediate_size=48, num_experts_per_tok=2, moe_intermediate_size=32,
+                     indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=8,
+                     indexer_compress_ratio=2, hc_count=2, hc_lowrank=8)
+    assert (shape.edge_units, shape.edge_units_last) == ((), ((0, 8 * 64), (64 * 8, 0)))
+    for pp, tp in ((1, 2), (2, 1), (2, 2)):
+        layout = Workload(tp=tp, pp=pp, zero=3, micro_batch=2, seq_len=16, precision="fp32")
+        stages = layout_stages(shape, layout)
+        first, last = zero3_units(shape, layout, stages[0])[0], zero3_units(shape, layout, stages[-1])[0]
+        head = shape.vocab_size * shape.d_model // tp  # untied, split by vocabulary
+        assert last[-3:] == [8 * 64 // tp, 64 * 8, head], (pp, tp)
+        if pp > 1:  # the first stage runs the table and its blocks, none of the mixer
+            assert first == [shape.vocab_size * shape.d_model // tp, *stages[0].unit_sizes(2, 0)]
+
+
 # Published totals and active parameters of models whose transformers configs default to them
 # (AutoConfig.for_model(family) with no fields), each counted on the meta device: (family, total,
 # active per token, in billions, or None where the source's convention is not the count's, and

@@ -155,17 +155,20 @@ def zero3_units(config: GPTConfig, layout: Workload, stage: StageShare) -> list[
     vectors (GPTConfig.head_vectors: a bias, Dory's scale a logit). A tied table on one rank, an
     embedding ZeRO-3 takes for no unit (GPTConfig.embedding_unit), the final norm and anything
     else is the root; the other matrices outside the blocks are units of their own, run before
-    the blocks (GPTConfig.edge_units: Gemma 3n's per-layer embedding and its projection). A rank's chunks (v > 1) each run their own units.
+    the blocks on the first stage (GPTConfig.edge_units: Gemma 3n's per-layer embedding and its
+    projection) or after them on the last, a tp rank's share each (edge_units_last: Qwen4-Exp's
+    hyper-connection mixer). A rank's chunks (v > 1) each run their own units.
     """
     table = embedding_rows(config, layout.tp) * config.d_model  # whole where the plan keeps it whole (DBRX's)
     head = head_weight(config, layout.tp) + vocab_shard(config, layout.tp) * config.head_vectors  # its bias too
     apart = not config.tie_embeddings or layout.pp > 1
+    after = [whole + split // layout.tp for whole, split in config.edge_units_last]
     chunks, start = [], 0
     for chunk, blocks in enumerate(chunk_layers(layout, stage)):
         first, last = chunk_ends(layout, stage, chunk)
         chunks.append(([table] if first and apart and config.embedding_unit else [])
                       + (list(config.edge_units) if first else []) + stage.unit_sizes(blocks, start)
-                      + ([head] if last and apart else []))
+                      + (after if last else []) + ([head] if last and apart else []))
         start += blocks
     return chunks
 

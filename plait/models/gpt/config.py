@@ -226,6 +226,9 @@ class GPTConfig:
     # before the blocks (edge_units' matrices beside the embedding and head: Gemma 3n's and
     # Gemma 4's per-layer embedding and its projection), where the root would hold them whole
     edge_units: tuple[int, ...] = ()
+    # The same after the blocks, on the last stage, before the head, each (whole on every tp rank,
+    # split by tp): Qwen4-Exp's hyper-connection mixer, its down-projection split by its input
+    edge_units_last: tuple[tuple[int, int], ...] = ()
     # Bytes a block's eager attention keeps per (query, key) pair of a sequence, all its heads, a
     # mean over the blocks, (in fp32, in 16-bit): a transformers model whose attention runs
     # eagerly (a soft-cap, sinks, ALiBi) keeps its s × s matrices for backward, where SDPA keeps
@@ -261,6 +264,7 @@ class GPTConfig:
         object.__setattr__(self, "frozen_block_params", tuple(self.frozen_block_params))
         object.__setattr__(self, "block_runs", tuple(self.block_runs))
         object.__setattr__(self, "edge_units", tuple(self.edge_units))
+        object.__setattr__(self, "edge_units_last", tuple(tuple(pair) for pair in self.edge_units_last))
         object.__setattr__(self, "attention_matrix_bytes", tuple(self.attention_matrix_bytes))
         object.__setattr__(self, "block_saved_bytes", tuple(tuple(pair) for pair in self.block_saved_bytes))
         for name in ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):

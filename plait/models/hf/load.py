@@ -138,8 +138,9 @@ def measured_shape(hf: HFModelDir, kept: bool = True) -> GPTConfig:
                          hint="check config.json (AutoModelForCausalLM.from_config must accept it)") from None
     name = block_list(model)  # read once: each reading walks the model and its plans
     layers = _blocks(model, name)
+    parts = _declared_parts(model, name) if name and layers else None  # read once too: it may run a forward
     if shape.arch == "gpt2":  # its block is described whole by its arch; ZeRO-3's units as any family's
-        return replace(shape, **_zero3_edges(model, layers))
+        return replace(shape, **_zero3_edges(model, layers, parts, {}))
     shape = _blocks_as_run(model, layers, shape)
     shape = replace(shape, **_moe_fields(model, layers, shape))  # first: which blocks are dense
     width = _mlp_width(layers, shape)
@@ -151,10 +152,10 @@ def measured_shape(hf: HFModelDir, kept: bool = True) -> GPTConfig:
     shape = replace(shape, sp_norm_extra=_norm_extra(layers, shape),
                     residual_streams=_residual_streams(model, layers), sp_sliced_inputs=_per_layer_inputs(model))
     shape = replace(shape, **_tp_regions(model, name, layers, shape, plan), **_ends_split(model),
-                    **_zero3_edges(model, layers))
+                    **_zero3_edges(model, layers, parts, plan))
     shape = replace(shape, whole_biases=_whole_biases(layers, shape, plan, name),
                     split_mlp_scalars=_split_mlp_scalars(layers, shape))
-    shape = replace(shape, **_tally(model, layers, shape, plan, name), attention_share=_attention_share(model, shape))
+    shape = replace(shape, **_tally(model, layers, shape, plan, name, parts), attention_share=_attention_share(model, shape))
     return replace(shape, **_kept_terms(model, layers, shape, plan, name)) if kept else shape  # last: it casts the model
 
 
@@ -178,28 +179,62 @@ def _ends_split(model: nn.Module) -> dict[str, Any]:
     return fields
 
 
-def _zero3_edges(model: nn.Module, layers: nn.ModuleList | None) -> dict[str, Any]:
-    """GPTConfig.embedding_unit and edge_units, by ZeRO-3's own rule (plait.parallel.zero.shard.
-    edge_units) on the model's blocks. Inkling's embedding, which holds its norm as a child, is
-    no unit: its table stays whole in the root (an estimate that took it for one priced ZeRO-3's
-    peak a table light, 32 KiB of 353 on 2 ranks). Gemma 3n's and Gemma 4's per-layer embedding
-    and projection are units of their own, each gathered around its forward (priced in the root,
-    whole throughout, Gemma 4's peak came 10 KiB over), and so is each module of a list beside
-    the blocks (find_units: Gemma 3n's AltUp projections), and GPT-2's learned positions. A tied
-    table, which no edge is, is a unit where a pipeline cuts it from its head (the estimate
-    reads `embedding_unit` only there), as the runtime makes each stage's copy one."""
+def _zero3_edges(model: nn.Module, layers: nn.ModuleList | None, parts: Parts | None,
+                 plan: dict[str, str]) -> dict[str, Any]:
+    """GPTConfig.embedding_unit, edge_units and edge_units_last, by ZeRO-3's own rule (plait.
+    parallel.zero.shard.edge_units) on the model's blocks. Inkling's embedding, which holds its
+    norm as a child, is no unit: its table stays whole in the root (an estimate that took it for
+    one priced ZeRO-3's peak a table light, 32 KiB of 353 on 2 ranks). Gemma 3n's and Gemma 4's
+    per-layer embedding and projection are units of their own, each gathered around its forward
+    (priced in the root, whole throughout, Gemma 4's peak came 10 KiB over), and so is each
+    module of a list beside the blocks (find_units: Gemma 3n's AltUp projections), and GPT-2's
+    learned positions. A tied table, which no edge is, is a unit where a pipeline cuts it from
+    its head (the estimate reads `embedding_unit` only there), as the runtime makes each stage's
+    copy one. Each edge runs on the side of the blocks where the stage holding it does
+    (`_edge_after_blocks`), and one the plan splits by its input (`_split_after_blocks`) is a
+    tp rank's share: Qwen4-Exp's hyper-connection mixer, after its blocks and half of it split,
+    taken whole before them put ZeRO-3's peak 1 KiB a rank under under tp 2 and 4 KiB over
+    under pp 2."""
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     units = find_units(model)
     edges = edge_units(model, units)
     kinds = {type(block) for block in layers or []}  # a second stack of blocks (HRM's) is no edge: its count is owed
-    others = tuple(sum(p.numel() for p in unit.parameters() if p.requires_grad)
-                   for unit in [*edges, *units] if type(unit) not in kinds and unit is not embedding and unit is not head)
+    others = [unit for unit in [*edges, *units] if type(unit) not in kinds and unit is not embedding and unit is not head]
+    split = {id(p) for key, style in plan.items() if style == "rowwise_split_input"
+             for p in _submodule(model, key).parameters()} if plan else set()
+    sizes = [(unit, sum(p.numel() for p in unit.parameters() if p.requires_grad and id(p) not in split),
+              sum(p.numel() for p in unit.parameters() if p.requires_grad and id(p) in split)) for unit in others]
+    after = _edge_after_blocks(model, layers, parts)
     # a tied table is a unit wherever a pipeline cuts it from its head (the first stage's copy)
     tied = isinstance(embedding, nn.Module) and isinstance(head, nn.Module) and any(
         p is q for p in embedding.parameters() for q in head.parameters())
     unit = not isinstance(embedding, nn.Module) or tied or any(edge is embedding for edge in edges)
-    return {"embedding_unit": unit, "edge_units": others}
+    return {"embedding_unit": unit,
+            "edge_units": tuple(whole + part for module, whole, part in sizes if not after(module)),
+            "edge_units_last": tuple((whole, part) for module, whole, part in sizes if after(module))}
+
+
+def _submodule(model: nn.Module, key: str) -> nn.Module:
+    """The module a plan's key names, an empty one where it names none (a key with a "*" of
+    the blocks', or one this model lacks)."""
+    try:
+        return model.get_submodule(key)
+    except AttributeError:
+        return nn.Module()
+
+
+def _edge_after_blocks(model: nn.Module, layers: nn.ModuleList | None,
+                       parts: Parts | None) -> Callable[[nn.Module], bool]:
+    """Whether a module outside the blocks runs after them, on the last stage: by the pp cut
+    `parts` where one is read (the pieces its last stage holds), else by where the model
+    registers it against its first block (ZeRO-3's own order: shard.with_edges)."""
+    if parts is not None:
+        held = {id(m) for key in parts.last for m in model.get_submodule(key).modules()}
+        return lambda module: id(module) in held
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    first = order.get(id(layers[0]), -1) if layers else -1
+    return lambda module: first >= 0 and order[id(module)] > first
 
 
 def _embedding_extras(model: nn.Module) -> int:
@@ -770,12 +805,12 @@ SPLIT_SUBTREE = ("moe_tp_experts", "all_reduce", "embedding_colwise")  # every p
 
 
 def _tally(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig, plan: dict[str, str],
-           blocks: str | None) -> dict[str, Any]:
+           blocks: str | None, parts: Parts | None) -> dict[str, Any]:
     """GPTConfig.block_tally, extra_params, extra_last_params and head_vectors: each block's
     parameters as the model holds them (`_block_tally`, under `plan` and under its SP form), and
     those outside the blocks that the embedding, head and final norm do not account for, before
-    the blocks and after them (`_after_blocks`). {} where the blocks are not the shape's (a list
-    of another length): the formulas stand."""
+    the blocks and after them (`_after_blocks`, by the pp cut `parts`). {} where the blocks are
+    not the shape's (a list of another length): the formulas stand."""
     if not layers or not blocks or len(layers) != shape.n_layers:
         return {}
     whole = _whole_under_sp(model)
@@ -787,7 +822,6 @@ def _tally(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig, pla
     head_vectors = _vocabulary_vectors(head, shape.vocab_size)  # Phi's bias, Dory's scale: split with the head
     outside = sum(p.numel() for p in model.parameters()) - sum(sum(block[:3]) for block in tally)
     formula = replace(shape, extra_params=0, extra_last_params=0, head_vectors=head_vectors)
-    parts = _declared_parts(model, blocks)
     last = _after_blocks(model, parts, seen)
     h, rows = shape.d_model, shape.vocab_size
     extra_last = 0 if last is None else \
