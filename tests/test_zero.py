@@ -146,6 +146,49 @@ def test_stage_3_holds_an_untied_table_only_around_its_use_as_the_estimate_says(
                               Workload(zero=3, precision="fp32")) == 4 * (norm + table + block)
 
 
+class RunsOutOfOrder(nn.Module):
+    """Gemma 3n's order, small: a matrix registered after the blocks and run second (its
+    per-layer embedding), and lists run before the blocks and after them (its AltUp projections),
+    registered after them; `loops` runs the middle blocks twice (a looped model)."""
+
+    def __init__(self, loops: bool = False) -> None:
+        super().__init__()
+        self.loops = loops
+        self.embed = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(4)])
+        self.widen, self.narrow = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)]), nn.ModuleList([nn.Linear(8, 8)])
+        self.per_layer = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        blocks = [*self.blocks[:3], *self.blocks[1:]] if self.loops else list(self.blocks)
+        x = self.per_layer(self.embed(x))
+        for layer in [*self.widen, *blocks, *self.narrow]:
+            x = layer(x).relu()
+        return x
+
+
+@pytest.mark.parametrize("loops", [False, True])
+def test_stage_3_prefetches_only_while_a_forward_runs_as_the_last_one_did(loops: bool) -> None:
+    """Before its first forward ZeRO-3 guesses the order from the registration (`with_edges`);
+    where the forward leaves the guess, it stops prefetching on it. Prefetching on past the
+    first miss held a unit gathered for the end of the forward beside the two the window holds
+    (3 units; Gemma 3n's peak came an AltUp projection over the estimate). Each forward then
+    gathers each unit once a run, and a looped model's prefetch follows the runs, not the first
+    of them (which gathered a block again the loop had done with)."""
+    torch.manual_seed(0)
+    model = RunsOutOfOrder(loops)
+    apply_zero(model, one_rank(), stage=3)
+    sync = zero_of(model)
+    assert sync is not None and sync.prefetch == 1
+    runs = 1 + 1 + 2 + (6 if loops else 4) + 1
+    for step in range(2):
+        sync.peak_gathered_units, before = 0, len(sync.events)
+        with torch.no_grad():
+            model(torch.randn(2, 8))
+        gathers = [what for what, _ in list(sync.events)[before:] if what == "all_gather"]
+        assert (len(gathers), sync.peak_gathered_units) == (runs, 2), step
+
+
 # -- the machinery on one rank ---------------------------------------------------------------------
 def _train(model: nn.Module, stage: int | None, steps: int = 3, accum: int = 1, clip: float = 0.1,
            **opt: float) -> list[float]:

@@ -68,6 +68,7 @@ class ZeroSync:
         self._launched: set[int] = set()  # groups reduced in this backward
         self._order: list[FlatGroup] = []  # stage 3: units in the order this forward ran them
         self._last_order = [g for g in self.units if g is not root]  # ... and the last forward
+        self._cursor: int | None = None  # where this forward is in _last_order; None: off it
         self._kept: set[int] = set()  # stage 3: units left gathered after forward (kept, or unannounced)
         self._placeholders: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # a freed unit's attributes
         self._held: dict[int, int] = {}  # stage 3: bytes of each unit gathered right now
@@ -242,7 +243,7 @@ class ZeroSync:
 
     def pre_forward(self, group: FlatGroup | None, is_root: bool) -> None:
         if is_root:
-            self._order, self._kept = [], set()
+            self._order, self._kept, self._cursor = [], set(), -1
         if group is None:
             return
         self._gather(group)
@@ -250,7 +251,29 @@ class ZeroSync:
             one.show()
         if group is not self.root:
             self._order.append(group)
-        self._prefetch(([self.root] if self.root else []) + self._last_order, group)
+            self._follow(group)
+        if self._cursor is not None:
+            self._prefetch_after(self._cursor, group)
+
+    def _follow(self, group: FlatGroup) -> None:
+        """Move this forward's place in the last forward's order to `group`, or leave that order
+        for the rest of this forward where `group` is not the unit it ran next.
+
+        The prefetch gathers what the last forward ran next, and a unit gathered ahead stays
+        whole until it runs. Before the first forward the order is a guess (the modules'
+        registration, shard.with_edges): Gemma 3n registers its per-layer embedding after its
+        blocks and runs it before them, and prefetching on past the first miss held one more
+        unit (an AltUp projection, gathered ahead for the end of the forward) beside the two
+        blocks the prefetch window holds. A place kept by position, not by a unit's first
+        appearance, follows a forward that runs a block twice (a looped model)."""
+        if self._cursor is None:
+            return
+        if self._cursor < 0:  # this forward's first unit: a pipeline chunk starts where it starts
+            self._cursor = next((i for i, g in enumerate(self._last_order) if g is group), None)
+        elif self._cursor + 1 < len(self._last_order) and self._last_order[self._cursor + 1] is group:
+            self._cursor += 1
+        else:
+            self._cursor = None
 
     def post_forward(self, group: FlatGroup | None, output: Any, is_root: bool) -> Any:
         if group is not None:
@@ -282,10 +305,19 @@ class ZeroSync:
     def _prefetch(self, sequence: list[FlatGroup], group: FlatGroup) -> None:
         """Start gathering the `prefetch` units that follow `group` in `sequence` (same chunk)."""
         position = sequence.index(group) if group in sequence else len(sequence)
-        for ahead in sequence[position + 1:position + 1 + self.prefetch]:
-            if not self._same_chunk(ahead, group):
+        self._gather_ahead(sequence[position + 1:position + 1 + self.prefetch], group)
+
+    def _prefetch_after(self, cursor: int, group: FlatGroup) -> None:
+        """Start gathering the `prefetch` units the last forward ran after its `cursor`-th (after
+        none: its first ones, for the root)."""
+        self._gather_ahead(self._last_order[cursor + 1:cursor + 1 + self.prefetch], group)
+
+    def _gather_ahead(self, ahead: list[FlatGroup], group: FlatGroup) -> None:
+        """Start gathering `ahead`, stopping at the first outside `group`'s pipeline chunk."""
+        for one in ahead:
+            if not self._same_chunk(one, group):
                 break
-            self._gather(ahead, wait=False)
+            self._gather(one, wait=False)
 
     def _same_chunk(self, one: FlatGroup, other: FlatGroup) -> bool:
         """Prefetch stays inside a pipeline chunk: the next chunk runs after other work."""
