@@ -3,7 +3,7 @@ the adapter read from its declared tp_plan and pp_plan gives every layout. Each 
 process on every step's loss (rtol 1e-4: TP and PP change the summation order).
 
 One 2-rank spawn (tests/worlds/hf_pipeline_world.py small): pp 2 (1F1B, interleaved, zb-h1,
-tied embeddings, full recomputation), tp 2 (± sp, a Qwen2, tied embeddings; the head split by vocabulary), the refusal of a model plait cannot cut. The 8-rank
+tied embeddings, under ZeRO-3 a tied head holding a bias, full recomputation), tp 2 (± sp, a Qwen2, tied embeddings; the head split by vocabulary), the refusal of a model plait cannot cut. The 8-rank
 dp 2 × tp 2 × pp 2 with ZeRO-1 (and with ZeRO-3, SP, recompute, tied embeddings) is `slow`
 (about a minute and a half on 2 busy cores).
 """
@@ -33,6 +33,7 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("run,reference", [("pp_1f1b", "reference"), ("pp_interleaved", "reference"),
                                            ("pp_zb", "reference"), ("pp_tied", "reference_tied"),
+                                           ("pp_tied_bias_zero3", "reference_tied_bias"),
                                            ("pp_recompute", "reference")])
 def test_pipelined_llama_matches_one_process(small: list[dict[str, Any]], run: str, reference: str) -> None:
     for report in small:

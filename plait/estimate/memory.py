@@ -151,8 +151,9 @@ def zero3_units(config: GPTConfig, layout: Workload, stage: StageShare) -> list[
 
     Units are the blocks (their trained parameters, each its own where counted: ZeRO leaves the
     frozen whole), and the embedding and the head when each is its own matrix: untied, or tied
-    and cut apart by a pipeline (the first stage's table, the last stage's copy); the head's unit holds its
-    vectors (GPTConfig.head_vectors: a bias, Dory's scale a logit). A tied table on one rank, an
+    and cut apart by a pipeline (the first stage's table, the last stage's copy); an untied head's unit holds its
+    vectors (GPTConfig.head_vectors: a bias, Dory's scale a logit), a tied copy's none (they join the root:
+    zero/stages._copy_alone). A tied table on one rank, an
     embedding ZeRO-3 takes for no unit (GPTConfig.embedding_unit), the final norm and anything
     else is the root; the other matrices outside the blocks are units of their own, run before
     the blocks on the first stage (GPTConfig.edge_units: Gemma 3n's per-layer embedding and its
@@ -160,7 +161,8 @@ def zero3_units(config: GPTConfig, layout: Workload, stage: StageShare) -> list[
     hyper-connection mixer). A rank's chunks (v > 1) each run their own units.
     """
     table = embedding_rows(config, layout.tp) * config.d_model  # whole where the plan keeps it whole (DBRX's)
-    head = head_weight(config, layout.tp) + vocab_shard(config, layout.tp) * config.head_vectors  # its bias too
+    vectors = vocab_shard(config, layout.tp) * config.head_vectors  # its bias: in a tied copy's unit, the root's
+    head = head_weight(config, layout.tp) + (0 if config.tie_embeddings else vectors)
     apart = not config.tie_embeddings or layout.pp > 1
     after = [whole + split // layout.tp for whole, split in config.edge_units_last]
     chunks, start = [], 0

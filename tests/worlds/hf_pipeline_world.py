@@ -3,7 +3,8 @@
 `plait.parallelize(model, mesh, ParallelConfig(...))` takes the `LlamaForCausalLM` as it is
 (no plan, no adapter from the user). The one-process reference trains the same model on
 the whole batch inside each rank. Argument "small" (2 ranks): pp 2 with 1F1B, interleaved
-(2 virtual stages), zb-h1, a tied-embedding model and full recomputation; tp 2 on the adapter's plan, without and with
+(2 virtual stages), zb-h1, a tied-embedding model (and one whose head holds a bias, under ZeRO-3)
+and full recomputation; tp 2 on the adapter's plan, without and with
 sequence parallelism; a Qwen2 (biased q, k, v) under tp 2; and a model plait cannot cut.
 Argument "3d" (8 ranks): dp 2 × tp 2 × pp 2 with ZeRO-1, and with ZeRO-3, SP, full
 recomputation and tied embeddings.
@@ -28,11 +29,16 @@ SHAPE = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_la
 torch.set_num_threads(1)
 
 
-def build(family: str = "llama", tied: bool = False) -> torch.nn.Module:
+def build(family: str = "llama", tied: bool = False, head_bias: bool = False) -> torch.nn.Module:
+    """`head_bias`: a bias beside the head's weight (CTRL's, ModernBERT-decoder's), which a
+    pipeline's copy of a tied table shares its module with."""
     families = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
     config_class, model_class = families[family]
     torch.manual_seed(SEED)
-    return model_class(config_class(**SHAPE, tie_word_embeddings=tied))
+    model = model_class(config_class(**SHAPE, tie_word_embeddings=tied))
+    if head_bias:
+        model.lm_head.bias = torch.nn.Parameter(torch.linspace(-0.5, 0.5, SHAPE["vocab_size"]))
+    return model
 
 
 def data() -> list[torch.Tensor]:
@@ -134,6 +140,8 @@ def main() -> None:
         report["pp_1f1b"] = piped(batches, P(), "1f1b", {}, pp=2)
         report["pp_interleaved"] = piped(batches, P(), "interleaved", {}, pp=2, virtual_stages=2)
         report["pp_tied"] = piped(batches, P(), "1f1b", {"tied": True}, pp=2)
+        report["reference_tied_bias"] = reference(batches, tied=True, head_bias=True)
+        report["pp_tied_bias_zero3"] = piped(batches, P(), "1f1b", {"tied": True, "head_bias": True}, pp=2, zero=3)
         report["pp_recompute"] = piped(batches, P(recompute="full"), "1f1b", {}, pp=2)
         report["pp_zb"] = piped(batches, P(), "zb-h1", {}, pp=2)
         report["tp"] = whole(batches, P(), {}, tp=2)

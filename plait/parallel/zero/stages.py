@@ -187,7 +187,8 @@ def _shard_units(model: nn.Module, axes: ShardAxes, units: Sequence[nn.Module] |
 
     `chunks` are the modules a forward calls: the model, or each pipeline stage, whose
     hooks gather the root unit and end the forward. A copy of a tied weight is a unit of
-    its own (the module reading it), cut alike on both pipeline ranks that hold one.
+    its own (the module reading it), cut alike on both pipeline ranks that hold one; that
+    module's other parameters (a head's bias: CTRL's, ModernBERT-decoder's) join the root.
     """
     modules = (list(units) if units is not None
                else [u for chunk in chunks for u in with_edges(chunk, find_units(chunk))])
@@ -201,6 +202,7 @@ def _shard_units(model: nn.Module, axes: ShardAxes, units: Sequence[nn.Module] |
         raise PlaitError("a ZeRO-3 unit inside a block that recomputes its activations would be gathered "
                          "and freed again by the recomputation", hint="make the recomputing blocks the units")
     owner, where = unit_owners(model, modules)
+    _copy_alone(owner, modules, alone_ids)
     groups: list[FlatGroup] = []
     for k, module in [(-1, model), *enumerate(modules)]:
         unit = [_unit_group(len(groups) + i, kind, axes, module, where, fill)
@@ -224,6 +226,17 @@ def _shard_units(model: nn.Module, axes: ShardAxes, units: Sequence[nn.Module] |
         chunk.register_forward_pre_hook(lambda m, a, g=mine: sync.pre_forward(g, True))
         chunk.register_forward_hook(lambda m, a, out, g=mine: sync.post_forward(g, out, True))
     return sync
+
+
+def _copy_alone(owner: dict[nn.Parameter, int], modules: Sequence[nn.Module], alone: set[int]) -> None:
+    """Leave a tied weight's copy alone in its unit (the module reading it): the module's
+    other parameters go to the root. The two pipeline ranks holding a copy each cut it alike
+    only where the copy is all its group holds; a bias beside it would shift the cut."""
+    for k, module in enumerate(modules):
+        if any(id(p) in alone for p in module.parameters(recurse=False)):
+            for param in module.parameters():
+                if owner.get(param) == k and id(param) not in alone:
+                    owner[param] = -1
 
 
 def _unit_group(index: int, members: list[nn.Parameter], axes: ShardAxes, module: nn.Module,
