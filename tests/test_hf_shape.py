@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from plait.estimate.layout import block_split, embedding_rows, held_experts, vocab_shard
+from plait.estimate.layout import Workload, block_split, embedding_rows, held_experts, layout_stages, vocab_shard
 from plait.errors import PlaitError
 from plait.models.hf.config import read_hf_dir
 from plait.models.hf.load import measured_shape
@@ -677,3 +677,20 @@ def test_a_parameter_no_optimizer_trains_is_held_but_not_synced(tmp_path: Path) 
     assert estimate_comm(trained, layout)["dp"]["all_reduce"] - synced == 2 * (2 - 1) / 2 * 4 * 4
     frozen, every = (stage_memory(s, layout, layout_stages(s, layout)[0]) for s in (shape, trained))
     assert (frozen.params, every.grads - frozen.grads, every.optim - frozen.optim) == (every.params, 16, 32)
+
+
+def test_hrms_two_stacks_are_counted_as_one_list_and_its_frozen_state_whole(tmp_path: Path) -> None:
+    """HRM's plans name its two block lists (`L_module.layers`, `H_module.layers`), so no one
+    list is named: read as one stack with no name, the formulas stood for its blocks, and its
+    frozen initial state (`z_L_init`) was priced as trained; `plait train --zero 3` measured 8 KiB
+    of gradient shards more than the estimate a rank on 2. Both stacks are read as one list now,
+    each block counted, and the state whole: every trained parameter the model has, no more."""
+    shape = shape_of(tmp_path, "hrm_text", num_layers_per_stack=1, H_cycles=1, L_cycles=1, L_bp_cycles=[1])
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
+    stacks = [model.model.L_module.layers, model.model.H_module.layers]
+    assert [block[0] for block in shape.block_tally] == [sum(p.numel() for p in stack[0].parameters())
+                                                         for stack in stacks]
+    assert shape.frozen_extra_params == model.model.z_L_init.numel() == shape.d_model
+    (stage,) = layout_stages(shape, Workload())
+    assert stage.trained_params == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert stage.params == sum(p.numel() for p in model.parameters())

@@ -146,6 +146,7 @@ class StageShare:
     rerun_params: float = 0.0  # trained parameters of those further runs' blocks, each run's (ZeRO-3 gathers them)
     rerun_experts: float = 0.0  # of `rerun_params`, the routed experts this ep rank holds (synced over edp)
     block_units: tuple[float, ...] = ()  # a counted model's: each block's trained parameters, in run order
+    frozen_outside: int = 0  # of `frozen_params`, those outside the blocks (GPTConfig.frozen_extra_params)
 
     def unit_sizes(self, blocks: int, start: int = 0) -> list[float]:
         """The trained parameters of `blocks` blocks from the `start`-th held (ZeRO-3's units):
@@ -174,7 +175,7 @@ class StageShare:
     def trained_block_params(self) -> int:
         """One block's trained parameters (a mean, as `block_params`): a ZeRO-3 unit's, gathered
         and reduced; the frozen stay whole on every rank."""
-        return self.block_params - round(self.frozen_params / max(1, self.layers))
+        return self.block_params - round((self.frozen_params - self.frozen_outside) / max(1, self.layers))
 
     @property
     def first(self) -> bool:
@@ -257,14 +258,15 @@ def counted_stage(config: GPTConfig, index: int, pp: int, blocks: list[int], sha
     held = sum(shares[i] for i in blocks)
     experts_of = [config.block_tally[i][2] / ep if ep > 1 else 0 for i in range(config.n_layers)]
     frozen_of = config.frozen_block_params or (0,) * config.n_layers
+    outside = config.frozen_extra_params if index == 0 else 0
     again = {i: config.runs_of(i) - 1 for i in blocks if config.runs_of(i) > 1}
     return StageShare(index, pp, len(blocks), round(held / max(1, len(blocks))), round(held) + ends,
                       len(blocks) * replicated + ends_whole, round(sum(experts_of[i] for i in blocks)),
-                      sum(map(config.moe_layer, blocks)), sum(frozen_of[i] for i in blocks),
+                      sum(map(config.moe_layer, blocks)), sum(frozen_of[i] for i in blocks) + outside,
                       *block_reruns(config, blocks),
                       rerun_params=sum(extra * (shares[i] - frozen_of[i]) for i, extra in again.items()),
                       rerun_experts=sum(extra * experts_of[i] for i, extra in again.items()),
-                      block_units=tuple(shares[i] - frozen_of[i] for i in blocks))
+                      block_units=tuple(shares[i] - frozen_of[i] for i in blocks), frozen_outside=outside)
 
 
 def block_reruns(config: GPTConfig, blocks: Iterable[int]) -> tuple[int, int]:
@@ -397,7 +399,8 @@ def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1, ep: int
         moe = layers * config.moe_layers / config.n_layers
         held = round(layers * experts) if ep > 1 else 0  # ep 1: the experts sync with the rest, over dp
         reruns, moe_reruns = mean_reruns(config, layers)
-        out.append(StageShare(index, pp, layers, block, params, repl, held, moe, 0, reruns, moe_reruns,
+        outside = config.frozen_extra_params if index == 0 else 0
+        out.append(StageShare(index, pp, layers, block, params, repl, held, moe, outside, reruns, moe_reruns,
                               rerun_params=reruns * block,
-                              rerun_experts=moe_reruns * held / moe if held else 0.0))
+                              rerun_experts=moe_reruns * held / moe if held else 0.0, frozen_outside=outside))
     return tuple(out)

@@ -208,6 +208,7 @@ class GPTConfig:
     # ZeRO units are the block's, once. Empty: once each
     block_runs: tuple[int, ...] = ()
     extra_params: int = 0
+    frozen_extra_params: int = 0  # of those, the ones no optimizer trains (HRM's `z_L_init`): whole, weights alone
     extra_last_params: int = 0  # the same after the blocks, on the last stage (a LayerNorm's bias; < 0: none)
     # Of those, the ones a layer the plan splits by its input features holds (Qwen4-Exp's
     # hyper-connection mixer's `input_mix_weight_down`, "rowwise_split_input"): each tp rank holds

@@ -138,6 +138,7 @@ def measured_shape(hf: HFModelDir, kept: bool = True) -> GPTConfig:
                          hint="check config.json (AutoModelForCausalLM.from_config must accept it)") from None
     name = block_list(model)  # read once: each reading walks the model and its plans
     layers = _blocks(model, name)
+    name, layers = _every_stack(model, name, layers)
     parts = _declared_parts(model, name) if name and layers else None  # read once too: it may run a forward
     if shape.arch == "gpt2":  # its block is described whole by its arch; ZeRO-3's units as any family's
         return replace(shape, **_zero3_edges(model, layers, parts, {}))
@@ -199,7 +200,7 @@ def _zero3_edges(model: nn.Module, layers: nn.ModuleList | None, parts: Parts | 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     units = find_units(model)
     edges = edge_units(model, units)
-    kinds = {type(block) for block in layers or []}  # a second stack of blocks (HRM's) is no edge: its count is owed
+    kinds = {type(block) for block in layers or []}  # a second stack of blocks (HRM's) is no edge: it is counted with the blocks
     others = [unit for unit in [*edges, *units] if type(unit) not in kinds and unit is not embedding and unit is not head]
     split = {id(p) for key, style in plan.items() if style == "rowwise_split_input"
              for p in _submodule(model, key).parameters()} if plan else set()
@@ -263,6 +264,26 @@ def _blocks(model: nn.Module, name: str | None) -> nn.ModuleList | None:
     return max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, default=None)
 
 
+def _every_stack(model: nn.Module, name: str | None,
+                 layers: nn.ModuleList | None) -> tuple[str | None, nn.ModuleList | None]:
+    """The blocks' list's name and `layers` with the blocks of every other list of their kind,
+    as one list in the order the model registers them: HRM's two stacks (`L_module.layers`, run
+    first, and `H_module.layers`), whose plans name both, so that no one list is named
+    (`block_list`). Read as one stack with no name, its blocks went uncounted (config.json's
+    layers priced by the formulas, its k, v and gate projections as a Llama's: 2 KiB of
+    parameters short a rank on 2, and every ZeRO figure with them); read so, the first stack's
+    name stands for both (their plans' entries alike). The list as it is where it holds every
+    block of its kind."""
+    if not layers:
+        return name, layers
+    kinds = tuple({type(block) for block in layers})
+    stacks = [(key, m) for key, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)
+              and all(isinstance(block, kinds) for block in m)]
+    if len(stacks) < 2:
+        return name, layers
+    return name or stacks[0][0], nn.ModuleList([block for _, stack in stacks for block in stack])
+
+
 def _blocks_as_run(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig) -> GPTConfig:
     """`shape` with as many layers as the model builds blocks, and how many times one forward
     (on meta) runs each (GPTConfig.block_runs), where it runs every block and no other module
@@ -270,8 +291,8 @@ def _blocks_as_run(model: nn.Module, layers: nn.ModuleList | None, shape: GPTCon
     its 3 blocks), which priced 1.6x its parameters and counted no block; a looped model runs
     its loop's blocks again each pass (Inkling-2-Loop's loop layers, Dory's recurrent ones),
     and each run dispatches, computes and keeps its activations again. A model that holds
-    blocks of the kind outside the list (HRM's second stack), or whose forward does not run on
-    meta, keeps config.json's count."""
+    blocks of the kind outside the list, or whose forward does not run on meta, keeps
+    config.json's count (HRM's second stack is in the list: `_every_stack`)."""
     if not layers:
         return shape
     kinds = tuple({type(block) for block in layers})
@@ -828,7 +849,7 @@ def _tally(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig, pla
         last - formula.final_norm_weights - rows * h * (not shape.tie_embeddings) - rows * head_vectors
     return {"block_tally": tally, "head_vectors": head_vectors, "extra_last_params": extra_last,
             "extra_params": outside - formula.embedding_params() - extra_last,
-            **_frozen_in_blocks(owned), **_split_after_blocks(model, parts, plan)}
+            **_frozen_in_blocks(owned), **_frozen_outside(model, seen), **_split_after_blocks(model, parts, plan)}
 
 
 def _owned_by_block(layers: nn.ModuleList) -> list[list[nn.Parameter]]:
@@ -850,6 +871,14 @@ def _frozen_in_blocks(owned: list[list[nn.Parameter]]) -> dict[str, Any]:
     weights); frozen parameters outside the blocks are not told apart."""
     frozen = tuple(sum(p.numel() for p in params if not p.requires_grad) for params in owned)
     return {"frozen_block_params": frozen} if any(frozen) else {}
+
+
+def _frozen_outside(model: nn.Module, seen: set[int]) -> dict[str, Any]:
+    """GPTConfig.frozen_extra_params: parameters outside the blocks (not in `seen`) that no
+    optimizer trains (HRM's initial state `z_L_init`), taken as the first stage's; {} where there
+    are none. Counted as trained, they put every ZeRO figure 32 parameters over for HRM."""
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad and id(p) not in seen)
+    return {"frozen_extra_params": frozen} if frozen else {}
 
 
 def _split_after_blocks(model: nn.Module, parts: Parts | None, plan: dict[str, str]) -> dict[str, Any]:
