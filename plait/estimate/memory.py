@@ -187,22 +187,50 @@ def gathered_at_once(params: int, chunks: list[list[int]], layout: Workload) -> 
     """ZeRO-3's whole parameters at the peak, for a model of `params` whose units (in run
     order, chunk by chunk) hold `chunks` of them: the root (what no unit holds) throughout,
     plus the unit running and the `prefetch` after it in its chunk; everything with
-    --reshard-after-forward false."""
+    --reshard-after-forward false. Each as its padded flat buffer (`packed`)."""
+    n = pad_ranks(layout)
     if not layout.reshard_after_forward:
-        return params
-    return _root_and_window(params, chunks, 1 + layout.prefetch)
+        return packed(params, chunks, n)
+    return _root_and_window(params, chunks, 1 + layout.prefetch, n)
 
 
 def zero3_grad_buffers(params: int, chunks: list[list[int]], layout: Workload) -> float:
     """ZeRO-3's whole gradients at the peak: the root's, accumulated over the whole backward,
     and two adjacent units' (one filling while the one before it is reduced:
-    plait/parallel/zero/hooks.py, IN_FLIGHT)."""
-    return float(_root_and_window(params, chunks, 2) * state_bytes(layout.precision).grad)
+    plait/parallel/zero/hooks.py, IN_FLIGHT), each its padded flat buffer's gradient."""
+    return float(_root_and_window(params, chunks, 2, pad_ranks(layout)) * state_bytes(layout.precision).grad)
 
 
-def _root_and_window(params: int, chunks: list[list[int]], window: int) -> int:
-    """The root (what no unit holds) plus the most `window` neighbouring units of one chunk hold."""
+def pad_ranks(layout: Workload) -> int:
+    """The ranks each ZeRO-3 flat buffer is padded to a multiple of: its shard ranks; 1 (no
+    padding priced) with ep > 1, where a unit's experts are a group of their own over fewer."""
+    return layout.zero_ranks if layout.zero == 3 and layout.ep == 1 else 1
+
+
+def packed(params: int, chunks: list[list[int]], n: int) -> int:
+    """`params` as ZeRO-3 packs them: the root (what no unit of `chunks` holds) and each unit
+    one flat buffer padded to a multiple of the `n` ranks it is sharded over
+    (parallel/zero/shard.pack). A root or unit the ranks do not divide holds up to n - 1 more
+    (HY-V4's hyper-connection head, Inkling's: a few bytes a rank the ledger measured)."""
+    if n == 1:
+        return params
+    units = [round(unit) for units in chunks for unit in units]
+    return sum(shard(group, n) * n for group in [params - sum(units), *units])
+
+
+def zero3_packed(config: GPTConfig, layout: Workload, stage: StageShare) -> int:
+    """`stage`'s trained parameters as ZeRO-3 packs them (`packed`); as counted otherwise."""
+    n = pad_ranks(layout)
+    return packed(stage.trained_params, zero3_units(config, layout, stage), n) if n > 1 else stage.trained_params
+
+
+def _root_and_window(params: int, chunks: list[list[int]], window: int, n: int = 1) -> int:
+    """The root (what no unit holds) plus the most `window` neighbouring units of one chunk hold,
+    each padded to a multiple of `n` (`packed`)."""
     root = params - sum(map(sum, chunks))
+    if n > 1:
+        root = shard(round(root), n) * n
+        chunks = [[shard(round(unit), n) * n for unit in units] for units in chunks]
     return root + max((sum(units[i:i + window]) for units in chunks
                        for i in range(max(1, len(units) - window + 1))), default=0)
 
@@ -225,7 +253,7 @@ def device_total(memory: Memory) -> Memory:
 
 def stage_memory(config: GPTConfig, layout: Workload, stage: StageShare) -> Memory:
     """Every kind of bytes on one rank of one pipeline stage."""
-    memory = model_states(stage.trained_params, gathered_params(config, layout, stage), layout,
+    memory = model_states(zero3_packed(config, layout, stage), gathered_params(config, layout, stage), layout,
                           experts=stage.expert_params)
     memory.params += stage.frozen_params * state_bytes(layout.precision).param  # weights alone, whole
     # plait's own MoE blocks: a balancing bias an expert, fp32 in any precision (MoE._apply), trained

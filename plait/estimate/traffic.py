@@ -17,7 +17,7 @@ from __future__ import annotations
 from plait.estimate.context import forward_passes, layer_bytes
 from plait.estimate.experts import layer_alltoall
 from plait.estimate.layout import Workload, StageShare, final_norm_params, layout_stages, rank_blocks, vocab_shard
-from plait.estimate.memory import shard, state_bytes
+from plait.estimate.memory import shard, state_bytes, zero3_packed
 from plait.models.gpt.config import GPTConfig
 from plait.wire import ring_bytes  # the ring formula's one home, shared with runtime/
 
@@ -445,7 +445,7 @@ def estimate_comm(config: GPTConfig, layout: Workload) -> Traffic:
 def rank_traffic(config: GPTConfig, layout: Workload, stage: StageShare, clipped: bool = True) -> Traffic:
     """One rank of `stage`: `{axis: {op: bytes}}` per optimizer step, every axis; `clipped`: with
     the gradient norm's sums (plait train clips; a loop of one's own may not)."""
-    traffic = dp_traffic(stage.trained_params, layout, stage.expert_params)
+    traffic = dp_traffic(zero3_packed(config, layout, stage), layout, stage.expert_params)
     looped_gathers(traffic, layout, stage)
     for extra in (tp_traffic(config, layout, stage), pp_traffic(config, layout, stage),
                   cp_traffic(config, layout, stage), ep_traffic(config, layout, stage)):
