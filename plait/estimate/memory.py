@@ -214,8 +214,8 @@ def packed(params: int, chunks: list[list[int]], n: int) -> int:
     (HY-V4's hyper-connection head, Inkling's: a few bytes a rank the ledger measured)."""
     if n == 1:
         return params
-    units = [round(unit) for units in chunks for unit in units]
-    return sum(shard(group, n) * n for group in [params - sum(units), *units])
+    root, padded = _padded(params, chunks, n)
+    return root + sum(map(sum, padded))
 
 
 def zero3_packed(config: GPTConfig, layout: Workload, stage: StageShare) -> int:
@@ -224,13 +224,21 @@ def zero3_packed(config: GPTConfig, layout: Workload, stage: StageShare) -> int:
     return packed(stage.trained_params, zero3_units(config, layout, stage), n) if n > 1 else stage.trained_params
 
 
+def _padded(params: int, chunks: list[list[int]], n: int) -> tuple[int, list[list[int]]]:
+    """The root (what no unit of `chunks` holds) and each unit, as ZeRO-3's flat buffers padded
+    to a multiple of the `n` ranks they are sharded over (each unit's count rounded first)."""
+    units = [[round(unit) for unit in chunk] for chunk in chunks]
+    root = params - sum(map(sum, units))
+    return shard(root, n) * n, [[shard(unit, n) * n for unit in chunk] for chunk in units]
+
+
 def _root_and_window(params: int, chunks: list[list[int]], window: int, n: int = 1) -> int:
     """The root (what no unit holds) plus the most `window` neighbouring units of one chunk hold,
     each padded to a multiple of `n` (`packed`)."""
-    root = params - sum(map(sum, chunks))
     if n > 1:
-        root = shard(round(root), n) * n
-        chunks = [[shard(round(unit), n) * n for unit in units] for units in chunks]
+        root, chunks = _padded(params, chunks, n)
+    else:
+        root = params - sum(map(sum, chunks))
     return root + max((sum(units[i:i + window]) for units in chunks
                        for i in range(max(1, len(units) - window + 1))), default=0)
 
