@@ -95,3 +95,31 @@ def test_ledger_separates_purposes_and_diffs_snapshots():
     assert ledger.since(snap) == {"dp": {"all_reduce": 100.0}, "tp": {"all_gather": 300.0}}
     assert ledger.wire("telemetry") == {"world": {"all_reduce": 8.0}}
     assert ledger.calls() == 3 and ledger.calls("telemetry") == 1
+
+
+def test_a_models_state_is_broadcast_in_packs_of_one_dtype_each_value_landing_in_its_tensor(monkeypatch):
+    """comm.broadcast_many: 2 fp32 tensors, an int64 one, a non-contiguous fp32 view and one
+    past the pack size. Each pack is one broadcast (the ledger's count, the same bytes as one a
+    tensor), and each tensor gets back the source's values, the view too."""
+    import torch
+
+    from plait.runtime import comm
+
+    monkeypatch.setattr(comm, "PACKED_BROADCAST_BYTES", 64)
+    sent: list[int] = []
+
+    def from_source(tensor, axis, src=0, purpose=comm.TRAIN):  # the source rank's values: 100 + position
+        axis.ledger.record(axis.name, "broadcast", tensor.numel() * tensor.element_size(), axis.size, purpose)
+        sent.append(tensor.numel())
+        tensor.copy_(torch.arange(tensor.numel(), dtype=tensor.dtype).view_as(tensor) + 100)
+
+    monkeypatch.setattr(comm, "broadcast", from_source)
+    axis = comm.Axis("dp", 2, 0, None, Ledger())
+    a, b, steps, big = torch.zeros(3), torch.zeros(2, 2), torch.zeros(2, dtype=torch.int64), torch.zeros(20)
+    view = torch.zeros(2, 4).t()[1]  # 2 elements, stride 4
+    comm.broadcast_many([a, steps, b, big, view], axis, purpose=comm.SETUP)
+    assert sent == [7, 2, 20, 2]  # a and b; steps; big alone; the view (the open pack is big's)
+    assert a.tolist() == [100, 101, 102] and b.flatten().tolist() == [103, 104, 105, 106]
+    assert steps.tolist() == [100, 101] and big[-1].item() == 119 and view.tolist() == [100, 101]
+    tally = axis.ledger.tallies[(comm.SETUP, "dp", "broadcast")]
+    assert (tally.calls, tally.payload) == (4, 4 * (7 + 20 + 2) + 8 * 2)

@@ -228,6 +228,46 @@ def broadcast(tensor: torch.Tensor, axis: Axis, src: int = 0, purpose: str = TRA
     _run(axis, "broadcast", lambda: dist.broadcast(tensor, src=group_src, group=axis.group), False)
 
 
+# Past this, a tensor is broadcast alone: packing it would only copy it twice.
+PACKED_BROADCAST_BYTES = 32 << 20
+
+
+def broadcast_many(tensors: list[torch.Tensor], axis: Axis, src: int = 0, purpose: str = TRAIN) -> None:
+    """Broadcast each of `tensors` in place, the small ones packed: one flat broadcast for each
+    run of them of one device and dtype, up to PACKED_BROADCAST_BYTES.
+
+    A model's set-up broadcast is one message a parameter and buffer: a tiny transformers
+    model's 30-odd are 30 round trips of a few hundred bytes, 2.3 ms each on Gloo here, where
+    torch DDP packs its state into buckets (`_sync_module_states`). The ledger counts each
+    packed broadcast as one, with the same bytes."""
+    if axis.size == 1:
+        return
+    for group in _broadcast_groups(tensors):
+        if len(group) == 1 and group[0].is_contiguous():
+            broadcast(group[0], axis, src, purpose)
+            continue
+        flat = torch.cat([tensor.reshape(-1) for tensor in group])
+        broadcast(flat, axis, src, purpose)
+        for tensor, value in zip(group, flat.split([tensor.numel() for tensor in group])):
+            tensor.copy_(value.view_as(tensor))
+
+
+def _broadcast_groups(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`tensors` in packs of one device and dtype, each up to PACKED_BROADCAST_BYTES (a larger
+    tensor alone), in the order each pack is first met: the same packs on every rank."""
+    open_packs: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
+    packs: list[list[torch.Tensor]] = []
+    for tensor in tensors:
+        key = (tensor.device, tensor.dtype)
+        pack, size = open_packs.get(key, (None, [0]))
+        if pack is None or size[0] + _nbytes(tensor) > PACKED_BROADCAST_BYTES:
+            pack, size = open_packs[key] = ([], [0])
+            packs.append(pack)
+        pack.append(tensor)
+        size[0] += _nbytes(tensor)
+    return packs
+
+
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 

@@ -198,8 +198,9 @@ def apply_data_parallel(model: nn.Module, axis: Axis, *, bucket_mb: float = BUCK
         return model
     axes = {SYNC: axis, EXPERT_SYNC: expert_axis}
     over = replicated_over(model, axes)
-    for tensor in [*model.parameters(), *model.buffers()]:
-        comm.broadcast(tensor.data, axes[over.get(tensor, SYNC)], purpose=comm.SETUP)
+    state = [*model.parameters(), *model.buffers()]
+    for name in dict.fromkeys([SYNC, *over.values()]):
+        comm.broadcast_many([t.data for t in state if over.get(t, SYNC) == name], axes[name], purpose=comm.SETUP)
     params = [p for p in model.parameters() if p.requires_grad]
     buckets: list[Bucket] = []
     for name in dict.fromkeys([SYNC, *over.values()]):  # the data axis's buckets first
@@ -229,16 +230,6 @@ def running_buffers(model: nn.Module) -> list[torch.Tensor]:
             for b in m.buffers(recurse=False)]
 
 
-def _broadcast_coalesced(tensors: list[torch.Tensor], axis: Axis) -> None:
-    """One broadcast per dtype (the statistics, the counters), not one per small tensor."""
-    for dtype in dict.fromkeys(t.dtype for t in tensors):
-        group = [t for t in tensors if t.dtype == dtype]
-        flat = torch.cat([t.reshape(-1) for t in group])
-        comm.broadcast(flat, axis)
-        for tensor, value in zip(group, flat.split([t.numel() for t in group])):
-            tensor.copy_(value.view_as(tensor))
-
-
 def follow_rank0_buffers(model: nn.Module, axis: Axis) -> int:
     """Broadcast rank 0's running buffers over `axis` at the forwards torch DDP would.
 
@@ -253,7 +244,7 @@ def follow_rank0_buffers(model: nn.Module, axis: Axis) -> int:
 
     def before(module: nn.Module, args: object) -> None:
         if state["sync_next"]:
-            _broadcast_coalesced(buffers, axis)
+            comm.broadcast_many(buffers, axis)  # the statistics and counters, packed by dtype
 
     def after(module: nn.Module, args: object, out: object) -> None:
         sync = applied_of(module).grad_sync

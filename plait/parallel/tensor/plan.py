@@ -86,9 +86,9 @@ def apply_tensor_parallel(model: nn.Module, axis: Axis, *, plan: dict[str, str] 
     if axis.size == 1:
         return model
     check_divisible(model, styles, axis.size)
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if not tensor.is_meta:  # a meta model's slices are filled later, from one source on every rank
-            comm.broadcast(tensor.data, axis, purpose=comm.SETUP)  # the slices come from one model
+    # the slices come from one model; a meta model's are filled later, from one source on every rank
+    comm.broadcast_many([tensor.data for tensor in [*model.parameters(), *model.buffers()] if not tensor.is_meta],
+                        axis, purpose=comm.SETUP)
     _swap_layers(model, styles, axis, sp, regather)
     fix_up = getattr(adapter, "after_tensor_parallel", None)
     if callable(fix_up):

@@ -107,9 +107,7 @@ def apply_zero(model: nn.Module, axis: Axis, *, stage: int, offload: bool = Fals
     for each in axes.over.values():
         check_backend(each, stage, next(model.parameters()).device)
     filled = list(model.buffers()) if fill is not None else [*model.parameters(), *model.buffers()]
-    for tensor in filled:  # over the replicas too: every rank alike
-        for over in filter(None, (axes.replicate_of(tensor), axes.axis(tensor))):
-            comm.broadcast(tensor.data, over, purpose=comm.SETUP)
+    _broadcast_state(filled, axes)
     logical = logical_parameters(model)
     chunks = list(model) if is_pipeline(model) else [model]
     chunk_of = {p: k for k, chunk in enumerate(chunks) for p in chunk.parameters()}
@@ -138,6 +136,19 @@ def apply_zero(model: nn.Module, axis: Axis, *, stage: int, offload: bool = Fals
              len(sync.units) if stage == 3 else len(sync.groups), "units" if stage == 3 else "buckets",
              ", optimizer offloaded to CPU" if offload else "")
     return model
+
+
+def _broadcast_state(tensors: list[torch.Tensor], axes: ShardAxes) -> None:
+    """Every rank alike: each tensor from its replicas' first rank (--dp-shard), then from its
+    shard axis's, packed by axis (comm.broadcast_many); each tensor's two come in that order."""
+    for over_of in (axes.replicate_of, axes.axis):
+        by_axis: dict[int, tuple[Axis, list[torch.Tensor]]] = {}
+        for tensor in tensors:
+            over = over_of(tensor)
+            if over is not None:
+                by_axis.setdefault(id(over), (over, []))[1].append(tensor.data)
+        for over, group in by_axis.values():
+            comm.broadcast_many(group, over, purpose=comm.SETUP)
 
 
 def zero_of(model: nn.Module) -> ZeroSync | None:
