@@ -189,6 +189,47 @@ def test_stage_3_prefetches_only_while_a_forward_runs_as_the_last_one_did(loops:
         assert (len(gathers), sync.peak_gathered_units) == (runs, 2), step
 
 
+class Chunk(nn.Module):
+    """One pipeline chunk of blocks, for a rank that runs two of them (interleaved)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x).relu()
+        return x
+
+
+def test_stage_3_prefetches_on_each_interleaved_chunks_own_last_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two chunks on one rank, their forwards and backwards taking turns as an interleaved
+    schedule runs them. ZeRO-3 keeps each chunk's last order: every forward and backward
+    gathers its next unit ahead of the one running (2 units held at once). With one order, the
+    last forward's whatever its chunk, a chunk's forward or backward found none to follow after
+    the other chunk's forward, and gathered each unit only when it ran (1 held)."""
+    from plait.parallel.zero import stages as zero_stages
+
+    monkeypatch.setattr(zero_stages, "is_pipeline", lambda model: isinstance(model, nn.ModuleList))
+    torch.manual_seed(0)
+    model = nn.ModuleList([Chunk(), Chunk()])
+    apply_zero(model, one_rank(), stage=3)
+    sync = zero_of(model)
+    assert sync is not None and sync.prefetch == 1 and set(sync.chunk.values()) == {0, 1}
+    held = []
+    for _ in range(2):
+        losses = []
+        for chunk in model:
+            sync.peak_gathered_units = 0
+            losses.append(chunk(torch.randn(2, 8)).square().sum())
+            held.append(("forward", sync.peak_gathered_units))
+        for loss in losses:
+            sync.peak_gathered_units = 0
+            loss.backward()
+            held.append(("backward", sync.peak_gathered_units))
+    assert held == [("forward", 2), ("forward", 2), ("backward", 2), ("backward", 2)] * 2
+
+
 @pytest.mark.parametrize("n", [3, 5])
 def test_the_estimate_packs_zero3s_groups_as_the_runtime_pads_them(n: int) -> None:
     """ZeRO-3 packs the root and each unit into a flat buffer padded to a multiple of its n

@@ -67,8 +67,9 @@ class ZeroSync:
         self._in_flight: list[FlatGroup] = []
         self._launched: set[int] = set()  # groups reduced in this backward
         self._order: list[FlatGroup] = []  # stage 3: units in the order this forward ran them
-        self._last_order = [g for g in self.units if g is not root]  # ... and the last forward
-        self._cursor: int | None = None  # where this forward is in _last_order; None: off it
+        self._last_orders: dict[int, list[FlatGroup]] = {}  # ... and the last forward of each pipeline chunk
+        self._forward_chunk = 0  # the chunk this forward runs (read at its first unit)
+        self._cursor: int | None = None  # where this forward is in its chunk's last order; None: off it
         self._kept: set[int] = set()  # stage 3: units left gathered after forward (kept, or unannounced)
         self._placeholders: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # a freed unit's attributes
         self._held: dict[int, int] = {}  # stage 3: bytes of each unit gathered right now
@@ -246,6 +247,8 @@ class ZeroSync:
             self._order, self._kept, self._cursor = [], set(), -1
         if group is None:
             return
+        if is_root:  # the root prefetches its chunk's first units
+            self._forward_chunk = self._chunk_of(group)
         self._gather(group)
         for one in group.together():
             one.show()
@@ -269,11 +272,27 @@ class ZeroSync:
         if self._cursor is None:
             return
         if self._cursor < 0:  # this forward's first unit: a pipeline chunk starts where it starts
-            self._cursor = next((i for i, g in enumerate(self._last_order) if g is group), None)
-        elif self._cursor + 1 < len(self._last_order) and self._last_order[self._cursor + 1] is group:
+            self._forward_chunk = self._chunk_of(group)
+            last = self._last_order(self._forward_chunk)
+            self._cursor = next((i for i, g in enumerate(last) if g is group), None)
+            return
+        last = self._last_order(self._forward_chunk)
+        if self._cursor + 1 < len(last) and last[self._cursor + 1] is group:
             self._cursor += 1
         else:
             self._cursor = None
+
+    def _last_order(self, chunk: int) -> list[FlatGroup]:
+        """The units of pipeline chunk `chunk` in the order its last forward ran them; before
+        its first, as registered. One order a chunk: an interleaved schedule runs another
+        chunk's forward between two of one chunk, and a single order, the last forward's
+        whatever its chunk, left each forward (and each backward) no order to prefetch on."""
+        if chunk not in self._last_orders:
+            self._last_orders[chunk] = [g for g in self.units if g is not self.root and self._chunk_of(g) == chunk]
+        return self._last_orders[chunk]
+
+    def _chunk_of(self, group: FlatGroup) -> int:
+        return self.chunk.get(group.index, 0)
 
     def post_forward(self, group: FlatGroup | None, output: Any, is_root: bool) -> Any:
         if group is not None:
@@ -287,7 +306,8 @@ class ZeroSync:
             else:
                 self._kept.update(one.index for one in group.together())
         if is_root:  # the whole forward is done: free what was prefetched but never ran
-            self._last_order = self._order or self._last_order
+            if self._order:
+                self._last_orders[self._chunk_of(self._order[0])] = self._order
             for other in self.groups:
                 if other.index not in self._kept:
                     self._free(other)
@@ -300,7 +320,7 @@ class ZeroSync:
         with torch.enable_grad():  # backward runs without grad mode; these views must reach `flat`
             for one in group.together():  # a block that recomputes its forward in backward reads
                 one.show()  # its weights again
-        self._prefetch(([self.root] if self.root else []) + self._order[::-1], group)
+        self._prefetch(([self.root] if self.root else []) + self._last_order(self._chunk_of(group))[::-1], group)
 
     def _prefetch(self, sequence: list[FlatGroup], group: FlatGroup) -> None:
         """Start gathering the `prefetch` units that follow `group` in `sequence` (same chunk)."""
@@ -310,7 +330,7 @@ class ZeroSync:
     def _prefetch_after(self, cursor: int, group: FlatGroup) -> None:
         """Start gathering the `prefetch` units the last forward ran after its `cursor`-th (after
         none: its first ones, for the root)."""
-        self._gather_ahead(self._last_order[cursor + 1:cursor + 1 + self.prefetch], group)
+        self._gather_ahead(self._last_order(self._forward_chunk)[cursor + 1:cursor + 1 + self.prefetch], group)
 
     def _gather_ahead(self, ahead: list[FlatGroup], group: FlatGroup) -> None:
         """Start gathering `ahead`, stopping at the first outside `group`'s pipeline chunk."""
@@ -321,7 +341,7 @@ class ZeroSync:
 
     def _same_chunk(self, one: FlatGroup, other: FlatGroup) -> bool:
         """Prefetch stays inside a pipeline chunk: the next chunk runs after other work."""
-        return self.chunk.get(one.index, 0) == self.chunk.get(other.index, 0)
+        return self._chunk_of(one) == self._chunk_of(other)
 
 
 def _wrap_outputs(output: Any, sync: ZeroSync, group: FlatGroup) -> tuple[Any, bool]:
