@@ -14,6 +14,7 @@ class PlaitError(Exception):
     """
 
     def __init__(self, message: str, hint: str | None = None):
+        message = one_line(message)  # the user's own text may hold a line break (--imports "a\nb")
         super().__init__(message)
         self.message = message
         self.hint = hint
@@ -22,6 +23,11 @@ class PlaitError(Exception):
         if self.hint:
             return f"{self.message} (hint: {self.hint})"
         return self.message
+
+
+def one_line(text: str) -> str:
+    """`text` with each line break written as the two characters a Python string shows."""
+    return text.replace("\r", "\\r").replace("\n", "\\n")
 
 
 class CommandParser(argparse.ArgumentParser):

@@ -7,7 +7,7 @@ allowed are a PlaitError or a config that passes validation.
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from plait.errors import PlaitError
@@ -46,6 +46,7 @@ def test_random_toml_values_give_a_plait_error_or_a_valid_config(file_values, tm
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(flags=st.dictionaries(st.sampled_from(NAMES), st.one_of(st.text(max_size=6), st.from_regex(r"-?\d{1,3}(\.\d)?", fullmatch=True)), max_size=5))
+@example(flags={"model": "0", "imports": "0\n0"})  # found by this test: the module's name with its line break
 def test_random_flag_text_gives_a_plait_error_or_a_valid_config(flags, tmp_path):
     # What argparse hands over: text, or None for flags not given (bool flags: True).
     flags = {k: (True if k in ("sp", "offload") else v) for k, v in flags.items()}
