@@ -202,8 +202,7 @@ def _zero3_edges(model: nn.Module, layers: nn.ModuleList | None, parts: Parts | 
     edges = edge_units(model, units)
     kinds = {type(block) for block in layers or []}  # a second stack of blocks (HRM's) is no edge: it is counted with the blocks
     others = [unit for unit in [*edges, *units] if type(unit) not in kinds and unit is not embedding and unit is not head]
-    split = {id(p) for key, style in plan.items() if style == "rowwise_split_input"
-             for p in _submodule(model, key).parameters()} if plan else set()
+    split = {id(p) for module in _split_by_input(model, plan).values() for p in module.parameters()}
     sizes = [(unit, sum(p.numel() for p in unit.parameters() if p.requires_grad and id(p) not in split),
               sum(p.numel() for p in unit.parameters() if p.requires_grad and id(p) in split)) for unit in others]
     after = _edge_after_blocks(model, layers, parts)
@@ -214,6 +213,13 @@ def _zero3_edges(model: nn.Module, layers: nn.ModuleList | None, parts: Parts | 
     return {"embedding_unit": unit,
             "edge_units": tuple(whole + part for module, whole, part in sizes if not after(module)),
             "edge_units_last": tuple((whole, part) for module, whole, part in sizes if after(module))}
+
+
+def _split_by_input(model: nn.Module, plan: dict[str, str]) -> dict[str, nn.Module]:
+    """{key: module} of the plan's entries that split a layer by its input features and hand
+    the whole output on ("rowwise_split_input": Qwen4-Exp's hyper-connection mixer); a key with
+    the blocks' "*" names no one module (an empty one): the blocks are tallied apart."""
+    return {key: _submodule(model, key) for key, style in (plan or {}).items() if style == "rowwise_split_input"}
 
 
 def _submodule(model: nn.Module, key: str) -> nn.Module:
@@ -890,9 +896,9 @@ def _split_after_blocks(model: nn.Module, parts: Parts | None, plan: dict[str, s
     if parts is None:
         return {}
     head = getattr(model, "get_output_embeddings", lambda: None)()
-    layers = [module for key, style in plan.items() if style == "rowwise_split_input"
-              and any(key == part or key.startswith(f"{part}.") for part in parts.last)
-              for module in [model.get_submodule(key)] if module is not head and isinstance(module, nn.Linear)]
+    layers = [module for key, module in _split_by_input(model, plan).items()
+              if any(key == part or key.startswith(f"{part}.") for part in parts.last)
+              and module is not head and isinstance(module, nn.Linear)]
     if not layers:
         return {}
     return {"extra_last_split": sum(layer.weight.numel() for layer in layers),
