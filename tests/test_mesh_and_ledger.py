@@ -123,3 +123,19 @@ def test_a_models_state_is_broadcast_in_packs_of_one_dtype_each_value_landing_in
     assert steps.tolist() == [100, 101] and big[-1].item() == 119 and view.tolist() == [100, 101]
     tally = axis.ledger.tallies[(comm.SETUP, "dp", "broadcast")]
     assert (tally.calls, tally.payload) == (4, 4 * (7 + 20 + 2) + 8 * 2)
+
+
+def test_each_tensor_is_broadcast_over_its_own_axis_axis_by_axis_in_the_order_first_met(monkeypatch):
+    """comm.broadcast_each: tensors over dp and over edp (an expert's), mixed; one packed
+    broadcast an axis, dp's first (its tensor came first), each tensor in its axis's pack."""
+    import torch
+
+    from plait.runtime import comm
+
+    calls: list[tuple[str, list[int]]] = []
+    monkeypatch.setattr(comm, "broadcast_many",
+                        lambda tensors, axis, src=0, purpose=comm.TRAIN: calls.append((axis.name, [t.numel() for t in tensors])))
+    dp, edp = comm.Axis("dp", 4, 0, None, Ledger()), comm.Axis("edp", 2, 0, None, Ledger())
+    comm.broadcast_each([(torch.zeros(1), dp), (torch.zeros(2), edp), (torch.zeros(3), dp), (torch.zeros(4), edp)],
+                        purpose=comm.SETUP)
+    assert calls == [("dp", [1, 3]), ("edp", [2, 4])]

@@ -252,19 +252,30 @@ def broadcast_many(tensors: list[torch.Tensor], axis: Axis, src: int = 0, purpos
             tensor.copy_(value.view_as(tensor))
 
 
+def broadcast_each(pairs: list[tuple[torch.Tensor, Axis]], purpose: str = TRAIN) -> None:
+    """Broadcast each tensor in place over its own axis, from the axis's first rank, packed
+    axis by axis (`broadcast_many`) in the order each axis is first met: the same order on
+    every rank of a model built alike (a parameter replicated over edp beside the dp ones)."""
+    by_axis: dict[int, tuple[Axis, list[torch.Tensor]]] = {}
+    for tensor, axis in pairs:
+        by_axis.setdefault(id(axis), (axis, []))[1].append(tensor)
+    for axis, tensors in by_axis.values():
+        broadcast_many(tensors, axis, purpose=purpose)
+
+
 def _broadcast_groups(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """`tensors` in packs of one device and dtype, each up to PACKED_BROADCAST_BYTES (a larger
     tensor alone), in the order each pack is first met: the same packs on every rank."""
-    open_packs: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
+    open_packs: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    filled: dict[tuple[torch.device, torch.dtype], int] = {}
     packs: list[list[torch.Tensor]] = []
     for tensor in tensors:
         key = (tensor.device, tensor.dtype)
-        pack, size = open_packs.get(key, (None, [0]))
-        if pack is None or size[0] + _nbytes(tensor) > PACKED_BROADCAST_BYTES:
-            pack, size = open_packs[key] = ([], [0])
-            packs.append(pack)
-        pack.append(tensor)
-        size[0] += _nbytes(tensor)
+        if key not in open_packs or filled[key] + _nbytes(tensor) > PACKED_BROADCAST_BYTES:
+            open_packs[key], filled[key] = [], 0
+            packs.append(open_packs[key])
+        open_packs[key].append(tensor)
+        filled[key] += _nbytes(tensor)
     return packs
 
 

@@ -198,9 +198,8 @@ def apply_data_parallel(model: nn.Module, axis: Axis, *, bucket_mb: float = BUCK
         return model
     axes = {SYNC: axis, EXPERT_SYNC: expert_axis}
     over = replicated_over(model, axes)
-    state = [*model.parameters(), *model.buffers()]
-    for name in dict.fromkeys([SYNC, *over.values()]):
-        comm.broadcast_many([t.data for t in state if over.get(t, SYNC) == name], axes[name], purpose=comm.SETUP)
+    comm.broadcast_each([(t.data, axes[over.get(t, SYNC)]) for t in [*model.parameters(), *model.buffers()]],
+                        purpose=comm.SETUP)
     params = [p for p in model.parameters() if p.requires_grad]
     buckets: list[Bucket] = []
     for name in dict.fromkeys([SYNC, *over.values()]):  # the data axis's buckets first

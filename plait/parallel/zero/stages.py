@@ -140,15 +140,9 @@ def apply_zero(model: nn.Module, axis: Axis, *, stage: int, offload: bool = Fals
 
 def _broadcast_state(tensors: list[torch.Tensor], axes: ShardAxes) -> None:
     """Every rank alike: each tensor from its replicas' first rank (--dp-shard), then from its
-    shard axis's, packed by axis (comm.broadcast_many); each tensor's two come in that order."""
+    shard axis's (comm.broadcast_each); each tensor's two come in that order."""
     for over_of in (axes.replicate_of, axes.axis):
-        by_axis: dict[int, tuple[Axis, list[torch.Tensor]]] = {}
-        for tensor in tensors:
-            over = over_of(tensor)
-            if over is not None:
-                by_axis.setdefault(id(over), (over, []))[1].append(tensor.data)
-        for over, group in by_axis.values():
-            comm.broadcast_many(group, over, purpose=comm.SETUP)
+        comm.broadcast_each([(t.data, over) for t in tensors if (over := over_of(t)) is not None], purpose=comm.SETUP)
 
 
 def zero_of(model: nn.Module) -> ZeroSync | None:
