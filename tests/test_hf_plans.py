@@ -302,6 +302,22 @@ def test_llama4s_packed_experts_are_split_by_parameter() -> None:
     assert sp["model.layers.0.feed_forward"] == "region"  # the dense MLP reads them as they come
 
 
+def test_a_plan_that_splits_no_attention_need_not_divide_its_heads() -> None:
+    """transformers 5.25 declares DeepSeek-V4's plan as its shared experts' MLP alone, beside
+    one KV head: tp 2 leaves the attention whole on each rank, and had been refused for that
+    head. A plan that splits the attention still needs tp to divide its heads."""
+    shape = {**SHAPE, "num_key_value_heads": 1}
+    torch.manual_seed(0)
+    whole = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shape))
+    with pytest.raises(PlaitError, match="num_key_value_heads = 1 is not divisible by tp=2"):
+        adapter_for(whole).tensor_plan(whole, 2, False)
+    mlp_only = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shape))
+    mlp_only._tp_plan = {key: style for key, style in mlp_only.tp_plan.items() if "self_attn" not in key}
+    plan = adapter_for(mlp_only).tensor_plan(mlp_only, 2, False)
+    assert not any("self_attn" in key for key in plan)
+    assert plan[f"{LAYER}.mlp.gate_proj"].startswith("column") and plan[f"{LAYER}.mlp.down_proj"].startswith("row")
+
+
 def test_experts_with_no_parameter_split_are_refused() -> None:
     """Summing every rank's whole output would add it tp times."""
     model = llama4()

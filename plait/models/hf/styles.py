@@ -178,7 +178,7 @@ def check_config(model: nn.Module, plan: dict[str, str], tp: int) -> None:
     config = getattr(model, "config", None)
     styles = {parse_style(style)[0] for style in plan.values()}
     wanted: list[str] = []
-    if "column" in styles:  # split outputs are read as this rank's heads
+    if "column" in styles and splits_attention(model, plan):  # split outputs are read as this rank's heads
         wanted += ["num_attention_heads", "num_key_value_heads"]
     if styles & {*COLUMNS, *ROWS}:
         wanted.append("intermediate_size")
@@ -186,6 +186,25 @@ def check_config(model: nn.Module, plan: dict[str, str], tp: int) -> None:
         wanted.append("vocab_size")
     sizes = [(what, getattr(config, what, None)) for what in wanted]
     check_splits(model, tp, [(what, size) for what, size in sizes if isinstance(size, int)])
+
+
+QKV_NAMES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query", "key", "value", "query_key_value", "c_attn", "Wqkv")
+
+
+def splits_attention(model: nn.Module, plan: dict[str, str]) -> bool:
+    """Whether a column entry splits an attention's projection: one named as a query, key or
+    value, or any inside a module that mixes tokens. Only then must tp divide the heads: a
+    plan that splits an MLP alone (DeepSeek-V4's shared experts, as transformers 5.25 declares
+    it) leaves its one KV head whole on every rank."""
+    columns = [pattern for pattern, style in plan.items() if parse_style(style)[0] == "column"]
+    named = dict(model.named_modules())
+    for name in named:
+        if not any(fnmatchcase(name, pattern) for pattern in columns):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        if leaf in QKV_NAMES or mixes_tokens(named.get(parent, model)):
+            return True
+    return False
 
 
 def for_sequence_parallel(model: nn.Module, plan: dict[str, str], blocks: str) -> dict[str, str]:
