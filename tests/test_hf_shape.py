@@ -40,6 +40,48 @@ MLA = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_
 
 pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
 
+# The plans transformers 5.24 declares for three families whose plan features tests here read
+# (experts split by tp, Nemotron-H's blocks none of which its plan splits). 5.25 declares others
+# (its experts whole, dispatched by an ep plan; Nemotron-H's attention split by name), which the
+# wire sweep runs as they come. Set on the config class, so each test reads the plan it is about
+# whichever release is installed: (tp plan, ep plan), None where the release declares none.
+PLANS_524 = {
+    "inkling_text": ({"layers.*.mlp.experts.gate_up_proj": "colwise", "layers.*.mlp.experts.down_proj": "rowwise",
+                      "layers.*.mlp.experts": "moe_tp_experts", "layers.*.mlp.shared_experts.gate_proj": "colwise",
+                      "layers.*.mlp.shared_experts.up_proj": "colwise",
+                      "layers.*.mlp.shared_experts.down_proj": "rowwise", "layers.*.mlp.shared_experts": "all_reduce",
+                      "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise",
+                      "layers.*.mlp.down_proj": "rowwise"}, "as declared"),
+    "longcat_flash": ({"layers.*.self_attn.*.q_b_proj": "colwise",
+                       "layers.*.self_attn.*.kv_a_proj_with_mqa": "mla_kv_a_proj",
+                       "layers.*.self_attn.*.kv_b_proj": "colwise", "layers.*.self_attn.*.o_proj": "rowwise",
+                       "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+                       "layers.*.mlp.experts.down_proj": "rowwise",
+                       "layers.*.mlp.experts.identity_expert": "moe_identity_expert",
+                       "layers.*.mlp.experts": "moe_tp_experts", "layers.*.mlps.*.gate_proj": "colwise",
+                       "layers.*.mlps.*.up_proj": "colwise", "layers.*.mlps.*.down_proj": "rowwise"}, None),
+    "nemotron_h": ({"embeddings": "embedding_rowwise", "layers.*.mixer.experts.up_proj": "colwise",
+                    "layers.*.mixer.experts.down_proj": "rowwise", "layers.*.mixer.experts": "moe_tp_experts"},
+                   "as declared"),
+}
+NEMOTRON_H_525 = {"embeddings": "embedding_rowwise", "layers.*.mixer.q_proj": "colwise",
+                  "layers.*.mixer.k_proj": "colwise", "layers.*.mixer.v_proj": "colwise",
+                  "layers.*.mixer.o_proj": "rowwise"}
+
+
+def declared_as(monkeypatch: pytest.MonkeyPatch, family: str, tp_plan: dict[str, str],
+                ep_plan: Any = "as declared") -> None:
+    """`family`'s config class declaring `tp_plan` (and `ep_plan`, unless "as declared") for this test."""
+    config_class = type(transformers.AutoConfig.for_model(family))
+    monkeypatch.setattr(config_class, "base_model_tp_plan", tp_plan)
+    if ep_plan != "as declared":
+        monkeypatch.setattr(config_class, "base_model_ep_plan", ep_plan, raising=False)
+
+
+def declared_as_524(monkeypatch: pytest.MonkeyPatch, *families: str) -> None:
+    for family in families:
+        declared_as(monkeypatch, family, *PLANS_524[family])
+
 
 def shape_of(tmp_path: Path, family: str, kept: bool = True, **fields: Any) -> Any:
     """The family's tiny shape as plait reads it; `kept` false: without what autograd keeps (its
@@ -202,11 +244,12 @@ def test_a_context_named_model_max_length_is_read(tmp_path: Path) -> None:
     assert shape.max_seq_len == 64 and shape.n_layers == 2
 
 
-def test_the_ends_split_as_the_plan_says(tmp_path: Path) -> None:
+def test_the_ends_split_as_the_plan_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The embedding split by vocabulary only where an entry says so (DBRX's head alone is),
     a head split by its input features sums whole logits (Inkling's: no vocab-parallel
     loss; Inkling-2 keeps its embedding whole too), and a head no entry names is whole beside
     an embedding split (Nemotron-H's, whose config counts its blocks by their kinds alone)."""
+    declared_as_524(monkeypatch, "inkling_text", "nemotron_h")
     inkling = dict(layer_types=["hybrid_sliding", "hybrid"], swa_num_attention_heads=4, swa_num_key_value_heads=2,
                    swa_head_dim=8, sliding_window_size=6, n_routed_experts=4, num_experts_per_tok=2,
                    moe_intermediate_size=32)
@@ -230,10 +273,11 @@ def test_the_ends_split_as_the_plan_says(tmp_path: Path) -> None:
     assert (one.tp_expert_entries, two.tp_expert_entries) == ((0, 1), (0, 0))
 
 
-def test_split_experts_gradients_of_their_weights_are_priced(tmp_path: Path) -> None:
+def test_split_experts_gradients_of_their_weights_are_priced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each float a split experts module enters with beside the tokens sums its gradient over tp
     once a micro-batch an MoE block: LongCat's routing weights, top-k a token (the wire sweep
     measured 1,024 bytes a step there, and 512 for Inkling's gates, before they were priced)."""
+    declared_as_524(monkeypatch, "longcat_flash")
     from plait.estimate.layout import Workload, layout_stages
     from plait.estimate.traffic import expert_entries, tp_traffic
 
@@ -316,10 +360,11 @@ def test_hyper_connections_widen_the_residual_and_sum_under_sp(tmp_path: Path) -
     assert qwen4.residual_streams == 2
 
 
-def test_longcat_runs_two_attentions_and_two_mlps_a_block(tmp_path: Path) -> None:
+def test_longcat_runs_two_attentions_and_two_mlps_a_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """LongCat's block: two MLA attentions ("self_attn.*.o_proj"), each with its rotary key
     entering, two dense MLPs ("mlps.*") beside an MoE module whose routed top-k experts its plan
     splits by tp (no ep plan): all of them run their collectives under tp."""
+    declared_as_524(monkeypatch, "longcat_flash")
     shape = shape_of(tmp_path, "longcat_flash", **MLA, ffn_hidden_size=64, expert_ffn_hidden_size=32)
     assert (shape.tp_attention_share, shape.tp_entered_tail, shape.moe_dense_mlps) == (2, 2 * 8, 2)
     assert shape.tp_routed_split and shape.routed_split_by_tp(1) and not shape.routed_split_by_tp(2)
@@ -330,13 +375,14 @@ def test_longcat_runs_two_attentions_and_two_mlps_a_block(tmp_path: Path) -> Non
     assert shape.mla_down_params == down
 
 
-def test_blocks_of_one_kind_each_sum_what_they_hold_under_sp(tmp_path: Path) -> None:
+def test_blocks_of_one_kind_each_sum_what_they_hold_under_sp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Nemotron-H's blocks are a mamba mixer, an MoE, an attention and an MLP, each alone, and its
     plan splits nothing in them: under SP the mamba and the attention are read whole (gathered,
     their gradients alike on every rank), the MoE and the MLP run on the slice, their gradients
     summed with the norms'. The estimate gathers for two blocks, not four, and sums those
     parameters, counted from the model (the sweep measured both: 6 gathers a micro-batch where
     the mean block said 10, and 58 KB of sums where it said 128)."""
+    declared_as_524(monkeypatch, "nemotron_h")
     from plait.estimate.layout import Workload, layout_stages
     from plait.estimate.traffic import counted_sp_sum
 
@@ -356,13 +402,41 @@ def test_blocks_of_one_kind_each_sum_what_they_hold_under_sp(tmp_path: Path) -> 
     assert counted_sp_sum(llama, layout, layout_stages(llama, layout)[0]) is None  # its plan splits its blocks
 
 
-def test_a_child_read_whole_handing_on_its_residual_gathers_its_gradient(tmp_path: Path) -> None:
+def test_an_attention_split_by_its_projections_names_beside_whole_blocks(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers 5.25 splits Nemotron-H's attention by its projections' names under a child
+    called "mixer", as its mamba, MoE and MLP blocks call theirs: the attention is read as one
+    (a quarter of the blocks), the mamba alone read whole under SP, and SP sums what the
+    blocks hold less what it splits: the same parameters as where nothing was split, the
+    attention's projections now split, not read whole (the sweep had measured 24,576 bytes of
+    all-reduce under tp where the estimate said 57,344, reading the attention as an MLP)."""
+    from plait.estimate.traffic import counted_sp_sum, sp_blocks_whole
+
+    declared_as(monkeypatch, "nemotron_h", NEMOTRON_H_525)
+    shape = shape_of(tmp_path, "nemotron_h", layers_block_type=["mamba", "moe", "attention", "mlp"],
+                     n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mamba_num_heads=4,
+                     mamba_head_dim=16, ssm_state_size=8, n_groups=1)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
+    blocks = model.model.layers
+    mixer = [sum(p.numel() for p in block.mixer.parameters()) for block in blocks]
+    norms = sum(block.norm.weight.numel() for block in blocks)
+    assert (shape.tp_attention, shape.tp_attention_share, shape.tp_mlp) == (True, 0.25, False)
+    assert shape.sp_read_whole == (mixer[0], 0, 0, 0) and shape.sp_read_whole_count == (1, 0, 0, 0)
+    layout = Workload(tp=2, sp=True, micro_batch=2, grad_accum=2, seq_len=16, precision="fp32")
+    assert counted_sp_sum(shape, layout, layout_stages(shape, layout)[0]) == mixer[1] + mixer[3] + norms
+    assert not sp_blocks_whole(shape, layout)
+
+
+def test_a_child_read_whole_handing_on_its_residual_gathers_its_gradient(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """DBRX's norm-attention-norm returns (residual, output), both over the whole sequence: under
     SP, read whole, it leaves keeping this rank's chunk of each, and each chunk's gradient is
     gathered back. The shape reader runs the model on meta to see it (the signature does not
     say), one more gather a block, twice in full recompute's rerun only for inputs (the sweep
     measured 8 gathers a micro-batch where the estimate said 6). A child taking one tensor and
     returning one (Nemotron-H's attention) adds nothing."""
+    declared_as_524(monkeypatch, "nemotron_h")
     from plait.estimate.layout import Workload, layout_stages
     from plait.estimate.traffic import tp_traffic
 

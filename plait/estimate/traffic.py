@@ -98,7 +98,7 @@ def plan_collectives(config: GPTConfig, layout: Workload, stage: StageShare, end
     attention = config.tp_attention_share if config.tp_attention else 0.0
     ends = (ends and config.embedding_split, ends and config.vocab_split)  # a head summing whole logits: tp_traffic's
     passes = read_whole_passes(config, layout, stage) if whole_ends else 0.0
-    if whole_ends and counted_sp_sum(config, layout, stage) is not None:  # SP splits nothing in the blocks
+    if whole_ends and sp_blocks_whole(config, layout):  # SP splits nothing in the blocks
         full = layout.recompute == "full"
         gathers = sum(config.sp_read_whole_count[i] * config.runs_of(i) for i in stage_blocks(config, layout, stage))
         return {"all_gather": gathers * sp_region_collectives(False, full, reruns_exit=True)[0] + passes,
@@ -329,12 +329,13 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
              times=m)
         _add(out, "tp", "all_gather", layout.tokens_per_micro_batch * config.d_model * layout.compute_bytes, t,
              times=m)
-    counted = counted_sp_sum(config, layout, stage)  # SP with nothing split in the blocks: what they hold, summed
-    whole_blocks = counted is not None
+    counted = counted_sp_sum(config, layout, stage)  # SP with blocks it splits nothing in: what they hold, summed
+    whole_blocks = sp_blocks_whole(config, layout)
     if config.sp_sliced_inputs and layout.sp:  # each block's slice of its per-layer inputs: gradient gathered
         _add(out, "tp", "all_gather", layout.tokens_per_micro_batch * config.sp_sliced_inputs * layout.compute_bytes,
              t, times=m * stage.runs)
-    if config.qk_norm == "head" and not whole_blocks:  # per-head q and k norm weights: their gradients summed
+    if config.qk_norm == "head" and counted is None:  # per-head q and k norm weights: their gradients summed
+        # (where SP leaves some blocks whole, the blocks' count holds them)
         grad_bytes = state_bytes(layout.precision).grad
         _add(out, "tp", "all_reduce", 2 * config.head_dim * grad_bytes, t,
              times=m * stage.layers * config.qk_norm_share)
@@ -346,7 +347,7 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
     if entered and not layout.sp:  # their gradients summed in backward (the hidden's entry is plan_collectives')
         _add(out, "tp", "all_reduce", layout.tokens_per_micro_batch * entered * layout.compute_bytes, t,
              times=m * stage.runs)
-    if config.tp_summed_params and not whole_blocks:  # whole layers the plan sums the gradients of, SP or not
+    if config.tp_summed_params and counted is None:  # whole layers the plan sums the gradients of, SP or not
         _add(out, "tp", "all_reduce", config.tp_summed_params * state_bytes(layout.precision).grad, t,
              times=m * stage.layers)
     if config.split_mlp_scalars and not layout.sp:  # summed every micro-batch; under SP with the norms' below
@@ -375,19 +376,28 @@ def tp_traffic(config: GPTConfig, layout: Workload, stage: StageShare) -> Traffi
 
 def counted_sp_sum(config: GPTConfig, layout: Workload, stage: StageShare) -> int | None:
     """The parameters of `stage`'s blocks whose gradients SP sums, from the model's count, where
-    its plan splits nothing in the blocks under SP (DBRX's, Nemotron-H's, and Gemma 4's, whose
-    blocks hold experts kept whole: every parameter whole on every tp rank): all of each
-    block's (its routed experts this ep rank's), less those of the children SP reads whole and
-    those without a gradient (GPTConfig.sp_read_whole). Blocks of different kinds (Nemotron-H's
+    its plan splits nothing under SP in some blocks (DBRX's, Gemma 4's, whose blocks hold
+    experts kept whole, in all of them; Nemotron-H's MoE, mamba and MLP blocks beside its split
+    attention, as transformers 5.25 declares it): all of each block's (its routed experts this
+    ep rank's), less what SP splits there, those of the children it reads whole and those
+    without a gradient (GPTConfig.sp_read_whole). Blocks of different kinds (Nemotron-H's
     attention, mamba, MoE or MLP alone) each count as they are, where the formulas' mean block
-    would not; their gathers are plan_collectives'. None elsewhere, and without SP: the
-    formulas' sum, with its corrections, stands."""
+    would not. None where every block is split under SP, and without SP: the formulas' sum,
+    with its corrections, stands."""
     tally = config.block_tally
     if not layout.sp or not tally or len(config.sp_read_whole) != len(tally) \
-            or any(split_sp for _, _, _, split_sp in tally):
+            or all(split_sp for _, _, _, split_sp in tally):
         return None
-    return sum(tally[i][0] + tally[i][1] + tally[i][2] // layout.ep - config.sp_read_whole[i]
+    return sum(tally[i][0] + tally[i][1] + tally[i][2] // layout.ep - tally[i][3] - config.sp_read_whole[i]
                for i in stage_blocks(config, layout, stage))
+
+
+def sp_blocks_whole(config: GPTConfig, layout: Workload) -> bool:
+    """SP with nothing split in any block (DBRX's, Gemma 4's): each block whole on every tp
+    rank, its only gathers those of the children it reads whole."""
+    tally = config.block_tally
+    return bool(layout.sp and tally and len(config.sp_read_whole) == len(tally)
+                and not any(split_sp for _, _, _, split_sp in tally))
 
 
 def stage_blocks(config: GPTConfig, layout: Workload, stage: StageShare) -> list[int]:

@@ -77,8 +77,8 @@ class GPTConfig:
     # whole (mixing tokens, no plan entry naming them: DBRX's norm-attention-norm, Nemotron-H's
     # mamba and attention), alike on every rank, and those no gradient reaches, as the plan
     # runs under SP (Gemma 4's blocks, holding experts kept whole, are whole then). Where it
-    # splits nothing in the blocks, SP sums the rest of each block's counted parameters
-    # (estimate/traffic.counted_sp_sum)
+    # splits nothing in some blocks, SP sums the rest of each block's counted parameters, less
+    # what it splits (estimate/traffic.counted_sp_sum)
     sp_read_whole: tuple[int, ...] = ()
     sp_read_whole_count: tuple[int, ...] = ()  # and how many such children each block has
     # What those children take and hand on along the sequence beyond one tensor each, as

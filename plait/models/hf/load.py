@@ -372,7 +372,8 @@ def _tp_regions(model: nn.Module, blocks: str | None, layers: nn.ModuleList | No
         return {}
     inside = [key[len(blocks) + 1:].lower() for key, style in plan.items()
               if key.startswith(f"{blocks}.") and style in ROWS]
-    attention = [key for key in inside if "attn" in key or "attention" in key]
+    attention = [key for key in inside if "attn" in key or "attention" in key
+                 or key.startswith("*.") and _projects_attention(layers, key[2:])]
     shared = [key for key in inside if "shared" in key and key not in attention] if shape.is_moe else []
     tail = _entered_tail(model, plan, blocks, layers)
     return {"tp_attention": bool(attention), **_attention_kinds(layers, plan, blocks, shape.d_model),
@@ -410,7 +411,7 @@ def _attention_kinds(layers: nn.ModuleList | None, plan: dict[str, str], blocks:
         styles: dict[str, str] = {}
         for key, style in plan.items():
             inside = key[len(blocks) + 3:] if key.startswith(f"{blocks}.*.") else ""
-            if _names_attention(inside) and _in_block(block, inside) is not None:
+            if _in_block(block, inside) is not None and _under_attention(layers, inside):
                 styles[inside] = style
         if any(style in ROWS for style in styles.values()):
             count = max(_matched(block, inside) for inside, style in styles.items() if style in ROWS)
@@ -432,6 +433,28 @@ def _names_attention(inside: str) -> bool:
     name holds "attn" or "attention" (self_attn, attention, linear_attn...)."""
     child = inside.split(".")[0].lower()
     return "attn" in child or "attention" in child
+
+
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")  # by name, under a child that mixes tokens
+
+
+def _under_attention(layers: nn.ModuleList | None, inside: str) -> bool:
+    """Whether a plan entry named from the block lies under its attention: by its first
+    module's name (`_names_attention`), or as a query, key, value or output projection of a
+    child that mixes tokens (`_projects_attention`)."""
+    return _names_attention(inside) or _projects_attention(layers, inside)
+
+
+def _projects_attention(layers: nn.ModuleList | None, inside: str) -> bool:
+    """Whether a plan entry names an attention's projection (ATTENTION_PROJECTIONS) under a
+    child that mixes tokens (styles.mixes_tokens) in some block: Nemotron-H calls each block's
+    one child its "mixer", an attention in some blocks and a mamba or an MLP in the others,
+    and transformers 5.25 splits its attention's q, k, v and o_proj by name."""
+    parent, _, leaf = inside.rpartition(".")
+    if not parent or leaf.lower() not in ATTENTION_PROJECTIONS:
+        return False
+    return any(_in_block(block, inside) is not None and (child := _in_block(block, parent)) is not None
+               and mixes_tokens(child) for block in layers or [])
 
 
 def _entry_extra(widths: list[int | None], d_model: int) -> int:
@@ -470,16 +493,19 @@ def _whole_mixers(layers: nn.ModuleList | None, plan: dict[str, str], blocks: st
         mixers = [name for name, child in block.named_children() if mixes_tokens(child)]
         whole = _whole_children(block, named)
         extra += len(whole) - (1 if whole and len(whole) == len(mixers) else 0)
-        if not mixers and not any(_names_attention(key) and _in_block(block, key) is not None for key in named):
+        if not mixers and not any(_in_block(block, key) is not None and _under_attention(layers, key) for key in named):
             extra -= 1
     return extra / len(layers)
 
 
 def _whole_children(block: nn.Module, named: list[str]) -> list[nn.Module]:
     """The block's children SP reads whole: those that mix tokens (styles.mixes_tokens) and that
-    no entry of the plan (`named`, from the block) names, as styles._unsplit_attention finds them."""
+    no entry of the plan (`named`, from the block) names in this block, as
+    styles._unsplit_attention finds them: Nemotron-H's "mixer.q_proj" names the attention
+    blocks' mixer, not the mamba blocks' one."""
     return [child for name, child in block.named_children() if mixes_tokens(child)
-            and not any(key == name or key.startswith(f"{name}.") for key in named)]
+            and not any((key == name or key.startswith(f"{name}.")) and _in_block(block, key) is not None
+                        for key in named)]
 
 
 def _read_whole(model: nn.Module, layers: nn.ModuleList | None, plan: dict[str, str],
@@ -718,7 +744,7 @@ def _gathered(layers: nn.ModuleList | None, plan: dict[str, str], blocks: str,
         if style not in widths or not key.startswith(f"{blocks}.*."):
             continue
         inside = key[len(blocks) + 3:]
-        if attention or not ("attn" in inside.lower() or "attention" in inside.lower()):
+        if attention or not _under_attention(layers, inside):
             for block in layers or []:
                 layer = _in_block(block, inside)
                 if isinstance(layer, nn.Linear):
