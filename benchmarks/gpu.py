@@ -9,6 +9,8 @@ predicted vs measured, ZeRO-3 offload, nn.DataParallel / DDP overhead.
     python3 benchmarks/gpu.py --parts profile,gemmdata --log-dir $OUT   # the 1 B step's kernels by kind; GEMM rates by data
     python3 benchmarks/gpu.py --parts fp8curve,fp8profile,fp8speed,metabuild,fp8layouts,moe --steps 200 --log-dir $OUT
         # fp8 at lr 3e-4 (curve, 1 B and 3 B, rowwise, kernels by kind, compositions), the meta build onto the GPU
+    python3 benchmarks/gpu.py --parts calib,metabuild,moeprofile,fp8fused --steps 20 --log-dir $OUT
+        # predicted vs measured after calibrating on the device; small-moe's kernels; fp8 with fused projections
 
 Every plait row is a `plait train --nproc 1` subprocess (stdout and stderr appended to
 LOG_DIR/runs.log); its numbers come from its summary.json. The plain loop is plait's GPT built
@@ -387,16 +389,16 @@ def part_profile() -> None:
     log(json.dumps(RESULTS["profile"], indent=1))
 
 
-def forward_backward(model: Any, vocab: int, seq: int, device: Any) -> Any:
-    """One forward and backward of 8 random sequences of `seq` tokens, the loss in fp32, the
+def forward_backward(model: Any, vocab: int, seq: int, device: Any, batch: int = 8) -> Any:
+    """One forward and backward of `batch` random sequences of `seq` tokens, the loss in fp32, the
     gradients dropped after (what the profiles time)."""
     import torch
     import torch.nn.functional as F
 
     def step() -> None:
-        batch = torch.randint(0, vocab, (8, seq + 1), device=device)
-        logits = model(batch[:, :-1])
-        F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()).backward()
+        tokens = torch.randint(0, vocab, (batch, seq + 1), device=device)
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
         model.zero_grad(set_to_none=True)
 
     return step
@@ -731,6 +733,205 @@ def part_fp8layouts() -> None:
     _flush()
 
 
+# -- predicted vs measured after `plait calibrate` on the device (item 5) ----------------------------
+def part_calib(steps: int) -> None:
+    """`plait calibrate` on the device at the 1 B shape (8 x 2048 tokens), in bf16 and in fp8
+    (its block GEMMs timed as float8 products), each into its own file; then a compiled run of
+    each whose closing report predicts from that file: predicted against measured, and fp8's
+    tokens/s over bf16's from the same call."""
+    rows: dict[str, Any] = {}
+    for precision in ("bf16", "fp8"):
+        hardware = LOG / f"calibrated-{precision}.toml"
+        start = time.time()
+        rc, text = sh([sys.executable, "-m", "plait", "calibrate", "--nproc", "1", "--model", BIG, "--micro-batch", "8",
+                       "--seq-len", str(min(2048, _max_seq(BIG))), "--precision", precision, "--no-cache",
+                       "--out", str(hardware)], timeout=240)
+        rows[f"calibrate {precision}"] = {"rc": rc, "seconds": round(time.time() - start, 1),
+                                          **({} if rc == 0 else {"error": text[-800:]})}
+        RESULTS["calibrated"] = _with_prediction(rows)
+        _flush()
+        if rc:
+            continue
+        flags = [*UPDATE_BASE, "--steps", str(steps), "--lr", FP8_LR, "--warmup-steps", "5",
+                 "--hardware-file", str(hardware), *(["--precision", "fp8"] if precision == "fp8" else [])]
+        rows[f"1b {precision} --compile"] = plait_train(f"cal-{precision}", flags)
+        _mfu(rows, flops_per_token(BIG, 2048))
+        RESULTS["calibrated"] = _with_prediction(rows)
+        _flush()
+
+
+def _max_seq(spec: str) -> int:
+    from plait.models.gpt.config import get_preset
+
+    return get_preset(spec).max_seq_len
+
+
+# -- where small-moe's step goes against small's (item 3) --------------------------------------------
+MOE_KERNEL_KINDS = (("gemm grouped", ("grouped", "group_gemm", "ptr_array")),
+                    ("routing: sort, scatter, gather, index, count",
+                     ("sort", "scatter", "gather", "index", "bincount", "histogram", "cumsum", "radix", "topk")))
+
+
+def moe_kernel_kind(name: str) -> str:
+    """kernel_kind, with the grouped GEMMs and the routing's data movement apart."""
+    lowered = name.lower()
+    found = next((kind for kind, marks in MOE_KERNEL_KINDS if any(m in lowered for m in marks)), None)
+    if found:
+        return found
+    if lowered.startswith("triton"):
+        return "compiled element-wise" if kernel_kind(name) == "other" else kernel_kind(name)
+    return kernel_kind(name)
+
+
+def part_moeprofile() -> None:
+    """One forward and backward of small-moe and of small (the same active parameters), bf16
+    weights, each block compiled as plait compiles it, 16 x 1024 tokens: the device time by
+    kernel kind and the 40 longest, where the mixture's extra time goes."""
+    import torch
+
+    from plait.models.gpt.config import get_preset
+    from plait.models.gpt.model import build_gpt
+    from plait.parallel.compiled import apply_compile
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    out: dict[str, Any] = {}
+    for spec in (os.environ.get("GPU_MOE") or "small-moe,max_seq_len=1024",
+                 os.environ.get("GPU_DENSE") or "small,max_seq_len=1024"):
+        torch.manual_seed(0)
+        config = get_preset(spec)
+        model = build_gpt(config, 0).to(device=device, dtype=torch.bfloat16)
+        apply_compile(list(model.blocks), device)
+        step = forward_backward(model, config.vocab_size, min(1024, config.max_seq_len), device, batch=16)
+        start = time.perf_counter()
+        step()
+        compile_s = time.perf_counter() - start
+        for _ in range(2):
+            step()
+        out[spec.split(",")[0]] = {"compile_s": compile_s, **profiled(step, cuda, moe_kernel_kind, 40)}
+        log(json.dumps({k: v for k, v in out[spec.split(",")[0]].items() if k != "top"}))
+        RESULTS["moe_profile"] = out
+        _flush()
+        del model
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+# -- fp8 with each block's q, k, v and gate, up projections fused (a diagnostic of item 1) ------------
+def part_fp8fused() -> None:
+    """One forward and backward of the 1 B GPT compiled, timed on the wall (median of 5 after
+    the compile and 2 more), in four variants: bf16 and fp8 tensorwise as plait builds them,
+    and both with each block's q, k and v projections made one linear and its gate and up
+    projections another (benchmark-side: the model keeps its separate weights). Fused, fp8
+    casts each block's two shared inputs once instead of five times, and the GEMMs are wider.
+    Then fp8 with fast accumulation in all three products (torchao's default has it in the
+    output's only). Whether fusing would buy the 1.25x the issue asks for."""
+    import torch
+
+    from plait.models.gpt.config import get_preset
+    from plait.models.gpt.model import build_gpt
+    from plait.parallel.compiled import apply_compile
+    from plait.parallel.fp8 import apply_fp8
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    config = get_preset(BIG)
+    seq = min(2048, config.max_seq_len)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    out: dict[str, Any] = {}
+    for name in ("bf16", "fp8", "bf16 fused", "fp8 fused", "fp8 fast accumulation"):
+        torch.manual_seed(0)
+        model = build_gpt(config, 0).to(device=device, dtype=torch.bfloat16)
+        if "fused" in name:
+            for block in model.blocks:
+                fuse_projections(block)
+        if name.startswith("fp8"):
+            if "fast" in name:
+                _apply_fp8_fast_accumulation(model.blocks)
+            else:
+                apply_fp8(model.blocks, "tensorwise", device)
+        apply_compile(list(model.blocks), device)
+        step = forward_backward(model, config.vocab_size, seq, device)
+        start = time.perf_counter()
+        step()
+        sync()
+        compile_s = time.perf_counter() - start
+        for _ in range(2):
+            step()
+        times = []
+        for _ in range(5):
+            sync()
+            start = time.perf_counter()
+            step()
+            sync()
+            times.append(time.perf_counter() - start)
+        out[name] = {"compile_s": round(compile_s, 1), "fwd_bwd_s": statistics.median(times), "all_s": times,
+                     "peak_bytes": torch.cuda.max_memory_allocated() if cuda else 0}
+        log(f"[fp8fused {name}] {out[name]}")
+        RESULTS["fp8_fused"] = out
+        _flush()
+        del model, step
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+
+
+def fuse_projections(block: Any) -> None:
+    """Give `block`'s attention one q|k|v linear and its SwiGLU one gate|up linear, holding the
+    separate weights' values side by side, and forwards that use them (timing only)."""
+    import types
+
+    import torch
+    from torch import nn
+
+    from plait.models.gpt.model import apply_rope, gated_silu
+
+    attn, mlp = block.attn, block.mlp
+    widths = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
+    attn.qkv_proj = _joined(nn, torch, [attn.q_proj, attn.k_proj, attn.v_proj])
+    mlp.gate_up_proj = _joined(nn, torch, [mlp.gate_proj, mlp.up_proj])
+    del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
+
+    def attention(self: Any, x: Any, cos: Any, sin: Any, documents: Any = None) -> Any:
+        batch, seq, _ = x.shape
+        q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+                   for t in self.qkv_proj(x).split(widths, dim=-1))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.o_proj(self.attention_core(q, k, v).transpose(1, 2).reshape(batch, seq, -1))
+
+    def swiglu(self: Any, x: Any) -> Any:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(gated_silu(gate, up))
+
+    attn.forward = types.MethodType(attention, attn)
+    mlp.forward = types.MethodType(swiglu, mlp)
+
+
+def _joined(nn: Any, torch: Any, linears: list[Any]) -> Any:
+    weight = torch.cat([linear.weight.detach() for linear in linears])
+    joined = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        joined.weight.copy_(weight)
+    return joined
+
+
+def _apply_fp8_fast_accumulation(blocks: Any) -> None:
+    """plait's fp8 conversion with torchao's fast accumulation in the input gradient's and the
+    weight gradient's products too."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.config import Float8GemmConfig
+
+    from plait.parallel.fp8 import converts
+
+    fast = Float8GemmConfig(use_fast_accum=True)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name("tensorwise"), gemm_config_output=fast,
+                                 gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
+    for block in blocks:
+        convert_to_float8_training(block, module_filter_fn=lambda module, _: converts(module), config=config)
+
+
 # -- a model built straight onto the device ------------------------------------------------------
 def part_metabuild() -> None:
     """The 1 B GPT's setup two ways, each in a fresh process: built whole on the host, then
@@ -943,7 +1144,8 @@ def main() -> None:
              "shapes": lambda: part_shapes(args.steps), "hostcopy": part_hostcopy,
              "profile": part_profile, "gemmdata": part_gemmdata, "fp8curve": lambda: part_fp8curve(args.steps),
              "fp8speed": lambda: part_fp8speed(15), "fp8profile": part_fp8profile, "fp8layouts": part_fp8layouts,
-             "metabuild": part_metabuild}[part]()
+             "metabuild": part_metabuild, "calib": lambda: part_calib(args.steps), "moeprofile": part_moeprofile,
+             "fp8fused": part_fp8fused}[part]()
         except Exception as exc:  # noqa: BLE001
             import traceback
 
