@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from itertools import zip_longest
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -128,14 +129,15 @@ WORLDS_AT_ONCE = 2
 def sweep(tmp_path_factory: pytest.TempPathFactory, families: list[str]) -> list[dict[str, Any]]:
     """Each rank's report of the sweep over `families`, joined from WORLDS_AT_ONCE worlds."""
     shares = [families[i::WORLDS_AT_ONCE] for i in range(WORLDS_AT_ONCE)]
+    # each world's folder made here, one thread: pytest's mktemp raced in two threads at once
+    folders = [tmp_path_factory.mktemp("hf_sweep") for _ in shares]
     with ThreadPoolExecutor(len(shares)) as pool:
-        worlds = list(pool.map(lambda share: one_world(tmp_path_factory, share), shares))
+        worlds = list(pool.map(one_world, folders, shares))
     return [joined(list(same_rank)) for same_rank in zip(*worlds)]
 
 
-def one_world(tmp_path_factory: pytest.TempPathFactory, families: list[str]) -> list[dict[str, Any]]:
-    proc, reports = run_world("hf_sweep_world.py", 2, tmp_path_factory.mktemp("hf_sweep"), ",".join(families),
-                              expect_ok=False, timeout=900)
+def one_world(folder: Path, families: list[str]) -> list[dict[str, Any]]:
+    proc, reports = run_world("hf_sweep_world.py", 2, folder, ",".join(families), expect_ok=False, timeout=900)
     stuck = [report.get("in_progress") for report in reports]
     assert proc.returncode == 0, f"the sweep failed ({proc.returncode}) in cases {stuck}:\n{proc.stdout}\n" \
                                  f"{proc.stderr[-4000:]}"
