@@ -375,17 +375,9 @@ def test_longcat_runs_two_attentions_and_two_mlps_a_block(tmp_path: Path, monkey
     assert shape.mla_down_params == down
 
 
-def test_blocks_of_one_kind_each_sum_what_they_hold_under_sp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Nemotron-H's blocks are a mamba mixer, an MoE, an attention and an MLP, each alone, and its
-    plan splits nothing in them: under SP the mamba and the attention are read whole (gathered,
-    their gradients alike on every rank), the MoE and the MLP run on the slice, their gradients
-    summed with the norms'. The estimate gathers for two blocks, not four, and sums those
-    parameters, counted from the model (the sweep measured both: 6 gathers a micro-batch where
-    the mean block said 10, and 58 KB of sums where it said 128)."""
-    declared_as_524(monkeypatch, "nemotron_h")
-    from plait.estimate.layout import Workload, layout_stages
-    from plait.estimate.traffic import counted_sp_sum
-
+def nemotron_blocks(tmp_path: Path) -> tuple[Any, list[int], int]:
+    """Nemotron-H's shape with one block of each kind (mamba, MoE, attention, MLP), as its
+    config class declares its plan: each block's mixer's parameters, and all its norms'."""
     shape = shape_of(tmp_path, "nemotron_h", layers_block_type=["mamba", "moe", "attention", "mlp"],
                      n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mamba_num_heads=4,
                      mamba_head_dim=16, ssm_state_size=8, n_groups=1)
@@ -393,7 +385,21 @@ def test_blocks_of_one_kind_each_sum_what_they_hold_under_sp(tmp_path: Path, mon
         model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
     blocks = model.model.layers
     mixer = [sum(p.numel() for p in block.mixer.parameters()) for block in blocks]
-    norms = sum(block.norm.weight.numel() for block in blocks)
+    return shape, mixer, sum(block.norm.weight.numel() for block in blocks)
+
+
+def test_blocks_of_one_kind_each_sum_what_they_hold_under_sp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nemotron-H's blocks are a mamba mixer, an MoE, an attention and an MLP, each alone, and its
+    plan splits nothing in them: under SP the mamba and the attention are read whole (gathered,
+    their gradients alike on every rank), the MoE and the MLP run on the slice, their gradients
+    summed with the norms'. The estimate gathers for two blocks, not four, and sums those
+    parameters, counted from the model (the sweep measured both: 6 gathers a micro-batch where
+    the mean block said 10, and 58 KB of sums where it said 128)."""
+    from plait.estimate.layout import Workload, layout_stages
+    from plait.estimate.traffic import counted_sp_sum
+
+    declared_as_524(monkeypatch, "nemotron_h")
+    shape, mixer, norms = nemotron_blocks(tmp_path)
     assert shape.sp_whole_mixers == -0.5  # two blocks of four mix no tokens: nothing to read whole there
     assert shape.sp_read_whole == (mixer[0], 0, mixer[2], 0)
     layout = Workload(tp=2, sp=True, micro_batch=2, grad_accum=2, seq_len=16, precision="fp32")
@@ -413,14 +419,7 @@ def test_an_attention_split_by_its_projections_names_beside_whole_blocks(tmp_pat
     from plait.estimate.traffic import counted_sp_sum, sp_blocks_whole
 
     declared_as(monkeypatch, "nemotron_h", NEMOTRON_H_525)
-    shape = shape_of(tmp_path, "nemotron_h", layers_block_type=["mamba", "moe", "attention", "mlp"],
-                     n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mamba_num_heads=4,
-                     mamba_head_dim=16, ssm_state_size=8, n_groups=1)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
-    blocks = model.model.layers
-    mixer = [sum(p.numel() for p in block.mixer.parameters()) for block in blocks]
-    norms = sum(block.norm.weight.numel() for block in blocks)
+    shape, mixer, norms = nemotron_blocks(tmp_path)
     assert (shape.tp_attention, shape.tp_attention_share, shape.tp_mlp) == (True, 0.25, False)
     assert shape.sp_read_whole == (mixer[0], 0, 0, 0) and shape.sp_read_whole_count == (1, 0, 0, 0)
     layout = Workload(tp=2, sp=True, micro_batch=2, grad_accum=2, seq_len=16, precision="fp32")
