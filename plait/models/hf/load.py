@@ -33,7 +33,7 @@ from plait.models.hf.own_forward import own_parts
 from plait.models.hf import stages as hf_stages
 from plait.models.hf.plans import (beside_experts, block_list, cut_plan, declared, dispatched_experts,
                                    without_experts)
-from plait.models.hf.styles import mixes_tokens, probe_ids, text_config
+from plait.models.hf.styles import ATTENTION_PROJECTIONS, mixes_tokens, probe_ids, text_config
 from plait.parallel.deferred import recording
 from plait.parallel.probe import quiet
 from plait.parallel.seam import Parts
@@ -433,9 +433,6 @@ def _names_attention(inside: str) -> bool:
     name holds "attn" or "attention" (self_attn, attention, linear_attn...)."""
     child = inside.split(".")[0].lower()
     return "attn" in child or "attention" in child
-
-
-ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")  # by name, under a child that mixes tokens
 
 
 def _under_attention(layers: nn.ModuleList | None, inside: str) -> bool:

@@ -188,7 +188,9 @@ def check_config(model: nn.Module, plan: dict[str, str], tp: int) -> None:
     check_splits(model, tp, [(what, size) for what, size in sizes if isinstance(size, int)])
 
 
+# an attention's query, key and value layers by name (fused ones too); with its output's, its projections
 QKV_NAMES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query", "key", "value", "query_key_value", "c_attn", "Wqkv")
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")  # the plain ones, as a plan names them
 
 
 def splits_attention(model: nn.Module, plan: dict[str, str]) -> bool:
