@@ -384,9 +384,8 @@ def counted_sp_sum(config: GPTConfig, layout: Workload, stage: StageShare) -> in
     attention, mamba, MoE or MLP alone) each count as they are, where the formulas' mean block
     would not. None where every block is split under SP, and without SP: the formulas' sum,
     with its corrections, stands."""
-    tally = config.block_tally
-    if not layout.sp or not tally or len(config.sp_read_whole) != len(tally) \
-            or all(split_sp for _, _, _, split_sp in tally):
+    tally = _sp_tally(config, layout)
+    if not tally or all(split_sp for _, _, _, split_sp in tally):
         return None
     return sum(tally[i][0] + tally[i][1] + tally[i][2] // layout.ep - tally[i][3] - config.sp_read_whole[i]
                for i in stage_blocks(config, layout, stage))
@@ -395,9 +394,15 @@ def counted_sp_sum(config: GPTConfig, layout: Workload, stage: StageShare) -> in
 def sp_blocks_whole(config: GPTConfig, layout: Workload) -> bool:
     """SP with nothing split in any block (DBRX's, Gemma 4's): each block whole on every tp
     rank, its only gathers those of the children it reads whole."""
+    tally = _sp_tally(config, layout)
+    return bool(tally) and not any(split_sp for _, _, _, split_sp in tally)
+
+
+def _sp_tally(config: GPTConfig, layout: Workload) -> tuple:
+    """The model's count a block at a time, under SP, where it has one for every block and
+    what SP reads whole in each; () elsewhere."""
     tally = config.block_tally
-    return bool(layout.sp and tally and len(config.sp_read_whole) == len(tally)
-                and not any(split_sp for _, _, _, split_sp in tally))
+    return tally if layout.sp and tally and len(config.sp_read_whole) == len(tally) else ()
 
 
 def stage_blocks(config: GPTConfig, layout: Workload, stage: StageShare) -> list[int]:
