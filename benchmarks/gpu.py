@@ -881,15 +881,12 @@ def fuse_projections(block: Any) -> None:
     separate weights' values side by side, and forwards that use them (timing only)."""
     import types
 
-    import torch
-    from torch import nn
-
     from plait.models.gpt.model import apply_rope, gated_silu
 
     attn, mlp = block.attn, block.mlp
     widths = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
-    attn.qkv_proj = _joined(nn, torch, [attn.q_proj, attn.k_proj, attn.v_proj])
-    mlp.gate_up_proj = _joined(nn, torch, [mlp.gate_proj, mlp.up_proj])
+    attn.qkv_proj = _joined([attn.q_proj, attn.k_proj, attn.v_proj])
+    mlp.gate_up_proj = _joined([mlp.gate_proj, mlp.up_proj])
     del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
 
     def attention(self: Any, x: Any, cos: Any, sin: Any, documents: Any = None) -> Any:
@@ -907,7 +904,11 @@ def fuse_projections(block: Any) -> None:
     mlp.forward = types.MethodType(swiglu, mlp)
 
 
-def _joined(nn: Any, torch: Any, linears: list[Any]) -> Any:
+def _joined(linears: list[Any]) -> Any:
+    """One bias-free linear holding `linears`' weights stacked by output."""
+    import torch
+    from torch import nn
+
     weight = torch.cat([linear.weight.detach() for linear in linears])
     joined = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
