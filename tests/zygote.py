@@ -46,8 +46,12 @@ import traceback
 from typing import Any
 
 # torch._dynamo too: building any torch optimizer imports it (Optimizer.__init__ is wrapped by
-# torch._disable_dynamo), 1.4 s of each rank's start that the pool pays once instead.
-PRELOAD = ("torch", "torch._dynamo", "numpy", "plait.train.loop.trainer", "plait.runtime.mesh", "plait.families")
+# torch._disable_dynamo), 1.4 s of each rank's start that the pool pays once instead. And
+# Inductor's compile_fx, which each rank of a --compile world imported at its first compile
+# (1.2 s of CPU a rank here, in 22 ranks of the compiled rows and their later runs); importing
+# it starts no thread or process.
+PRELOAD = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "numpy", "plait.train.loop.trainer",
+           "plait.runtime.mesh", "plait.families")
 # transformers' model code when it is installed: 1.7 s of each rank that loads an `hf:` model.
 PRELOAD_IF_INSTALLED = ("transformers.modeling_utils",)
 OPEN: list[socket.socket] = []  # the parent's sockets, which a rank closes first
