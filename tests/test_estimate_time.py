@@ -11,7 +11,7 @@ from plait.estimate import estimate_layout
 from plait.estimate.hardware import PRESETS, Hardware, get_hardware, load_hardware
 from plait.estimate.layout import Workload, layout_stages
 from plait.estimate.traffic import tp_collectives, tp_traffic
-from plait.estimate.exposed import tp_s
+from plait.estimate.exposed import dp_exposed_s, tp_s
 from plait.estimate.network import collective_s, inter_node
 from plait.estimate.time import estimate_time, flops_per_token, matmul_params, micro_batch_s_per_stage
 from plait.models.gpt.config import GPTConfig, get_preset
@@ -114,6 +114,27 @@ def test_inter_node_dp_is_slower() -> None:
     across = estimate_time(cfg, layout, H100, gpus_per_node=8)
     assert across.dp_s > within.dp_s
     assert across.compute_s == within.compute_s
+
+
+def test_under_a_pipeline_zero_2_hides_its_reductions_behind_each_chunks_backward() -> None:
+    """ZeRO-2 reduce-scatters inside each chunk's backward under a pipeline, as without one
+    (tests/test_pipeline_worlds.py reads its events), so a GPU hides each micro-batch's
+    reductions behind its backward but the last bucket of every chunk; ZeRO-1 reduces once,
+    after the schedule, behind nothing; a CPU, which overlaps nothing, waits for them all."""
+    params, compute, m, v = 2_000_000_000, 0.12, 8, 2
+    layout = Workload(dp=32, pp=2, virtual_stages=v, schedule="interleaved", zero=2, precision="bf16", grad_accum=m,
+                      seq_len=4096)
+    grads, bucket = params * 2, layout.bucket_bytes
+    reduce_all = collective_s("reduce_scatter", grads, 32, H100, 1, grads / bucket)
+    last = collective_s("reduce_scatter", bucket, 32, H100, 1)
+    gather = collective_s("all_gather", grads, 32, H100, 1, grads / bucket)
+    hidden = dp_exposed_s(params, 0, layout, H100, 1, compute, 1 / 3)
+    assert hidden == pytest.approx(m * max(v * last, reduce_all - compute * 2 / 3) + gather)
+    assert reduce_all > compute * 2 / 3 > v * last  # the window hides part, more than a bucket a chunk
+    cpu = replace(H100, queues_kernels=False)
+    assert dp_exposed_s(params, 0, layout, cpu, 1, compute, 1 / 3) == pytest.approx(m * reduce_all + gather)
+    zero1 = layout.replace(zero=1)
+    assert dp_exposed_s(params, 0, zero1, H100, 1, compute, 1 / 3) == pytest.approx(reduce_all + gather)
 
 
 def test_offload_costs_pcie_and_host_time() -> None:

@@ -191,8 +191,9 @@ def dp_exposed_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: 
                  compute_mb: float, forward_share: float, replicate_inter: int = 0, regathered: float = 0.0) -> float:
     """Data-parallel seconds left after overlap with compute (see module docstring).
 
-    With a pipeline, plait reduces the gradients after the last action of the schedule,
-    so nothing overlaps them there. Under --dp-shard, ZeRO's collectives run over the shard
+    With a pipeline, DP and ZeRO-1 reduce the gradients after the last action of the
+    schedule, so nothing overlaps them there; ZeRO-2 and -3 reduce (and ZeRO-3 gathers) inside
+    each chunk's passes, as without one (`_dp_sync_s`). Under --dp-shard, ZeRO's collectives run over the shard
     group (`inter`: whether it spans nodes) and each reduced shard is then summed over its
     replicas (`replicate_inter`), whole: the rank waits for it before the next bucket.
     `regathered`: the parameters ZeRO-3 gathers again each forward for a looped block's further
@@ -225,11 +226,16 @@ def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: in
     # unit (a block) instead, whatever its size: a 175 B model's 96 blocks are 96 collectives a
     # pass, not 13,000 buckets.
     buckets = max(1.0, params / unit) if layout.zero == 3 and unit else max(1.0, held / layout.bucket_bytes)
-    overlap = layout.pp == 1 and layout.software.dp_overlap and overlaps_comm(hw)
+    # Under a pipeline, DP and ZeRO-1 reduce after the schedule's last action, behind nothing;
+    # ZeRO-2 and -3 run their collectives inside each chunk's forward and backward
+    # (zero/hooks.py: each backward waits for its own chunk's reductions at its end), so they
+    # hide there as without a pipeline, but for the last bucket (first unit) of every chunk.
+    overlap = ((layout.pp == 1 or layout.zero >= 2) and layout.software.dp_overlap and overlaps_comm(hw))
+    passes = layout.virtual_stages if layout.pp > 1 else 1  # a rank's chunks: each pass ends on its own
     fwd = compute_mb * forward_share if overlap else 0.0
     bwd = compute_mb - fwd if overlap else 0.0
     op = "all_reduce" if layout.zero == 0 else "reduce_scatter"
-    last = collective_s(op, min(held, layout.bucket_bytes) * layout.reduce_bytes / per.grad, n, hw, inter)
+    last = passes * collective_s(op, min(held, layout.bucket_bytes) * layout.reduce_bytes / per.grad, n, hw, inter)
     # DP and ZeRO-1 reduce once, behind the last backward; ZeRO-2 and -3 reduce-scatter every
     # micro-batch (traffic.py counts m of them), each behind its own backward
     times = m if layout.zero >= 2 else 1
@@ -238,7 +244,7 @@ def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: in
         return reduce
     gather = collective_s("all_gather", weights, n, hw, inter, buckets)
     if layout.zero in (1, 2):
-        if layout.software.gather_overlap and overlap:  # behind the next step's first forward, but its first bucket
+        if layout.software.gather_overlap and overlap and layout.pp == 1:  # behind the next step's first forward, but its first bucket
             first = collective_s("all_gather", min(held, layout.bucket_bytes) * per.param / per.grad, n, hw, inter)
             return reduce + max(first, gather - compute_mb * forward_share)
         return reduce + gather
@@ -250,7 +256,7 @@ def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: in
         again = collective_s("all_gather", regathered * per.param, n, hw, inter, max(1.0, regathered / max(1, unit)))
     if layout.prefetch == 0:
         return m * (gather * zero3_gathers(layout) + again) + reduce
-    first = collective_s("all_gather", unit * per.param, n, hw, inter)
+    first = passes * collective_s("all_gather", unit * per.param, n, hw, inter)
     regather = gather if layout.reshard_after_forward else 0.0
     # A backward's gathers and its micro-batch's reduce-scatters share the links and the one
     # backward that hides them: what the window cannot hold is exposed once, not hidden twice.

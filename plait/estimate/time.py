@@ -29,8 +29,10 @@ Assumptions, each visible in `ASSUMPTIONS`:
   estimate, a model known only by its size or a CNN's too, pays these and the accumulation.
 * Transfers are priced by the network model (network.py); what each axis costs a rank is
   in exposed.py. Data-parallel gradient reduction overlaps the last micro-batch's backward;
-  only the last bucket is always exposed (with a pipeline nothing overlaps it: plait reduces
-  after the schedule's last action). ZeRO-1/2's weight all-gather after the step is exposed.
+  only the last bucket is always exposed (with a pipeline nothing overlaps DP's or ZeRO-1's:
+  plait reduces them after the schedule's last action; ZeRO-2 and -3 reduce inside each
+  chunk's backward, hidden there but each chunk's last bucket). ZeRO-1/2's weight all-gather
+  after the step is exposed.
   ZeRO-3 prefetches: its gathers overlap forward and backward compute, except the first
   unit. Tensor-parallel collectives are not overlapped, but on a stack that overlaps them
   (`Stack.tp_overlap`, with sequence parallelism inside a node), where a block's

@@ -19,11 +19,13 @@ from plait.models.gpt.config import GPTConfig, get_preset
 from plait.models.gpt.model import build_gpt
 from plait.parallel.pipeline.runner import PipelineRunner, apply_pipeline, split_stages
 from plait.parallel.pipeline.split import rank_stages
+from plait.parallel.zero.stages import zero_of
 from plait.runtime import comm
-from tests.parity import assert_params_close
+from tests.parity import PARAM_ATOL, assert_params_close
 
 SEQ, MICRO, STEPS, SEED, LR, CLIP = 16, 2, 3, 1234, 3e-3, 1.0
 PP_PARAM_RTOL = 1e-4  # PP sums the tied embedding's two halves in another order (docs/pipeline.md)
+ZERO_PARAM_ATOL = 1e-5  # ZeRO reduces each micro-batch in another order: tests/matrix.py's "zero" row
 torch.set_num_threads(1)
 
 
@@ -65,17 +67,22 @@ def train_reference(config: GPTConfig, data: torch.Tensor, clip: bool) -> dict[s
 
 
 def train_plait(config: GPTConfig, mesh: Any, schedule: str, v: int, data: torch.Tensor,
-                clip: bool) -> dict[str, Any]:
-    """plait's runner on this rank's stages (and dp shard), as a trainer would drive it."""
+                clip: bool, zero: int = 0) -> dict[str, Any]:
+    """plait's runner on this rank's stages (and dp shard), as a trainer would drive it; with
+    `zero`, ZeRO over dp instead of plain DDP, its events of the last step in "events"."""
     dp, dp_rank = mesh.size("dp"), mesh.rank("dp")
     stages = apply_pipeline(build_gpt(config, SEED), mesh, virtual_stages=v)
-    plait.parallelize(stages, mesh, plait.ParallelConfig())  # plain DDP over dp when dp > 1
+    plait.parallelize(stages, mesh.with_layout(zero=zero) if zero else mesh,  # plain DDP over dp when dp > 1
+                      plait.ParallelConfig(bucket_mb=0.02) if zero else plait.ParallelConfig())
     opt = adamw(stages)
     runner = PipelineRunner(stages, mesh, schedule)
+    sync = zero_of(stages) if zero else None
     losses = []
     for step in data:
         mine = step.chunk(dp)[dp_rank]
         before = mesh.ledger.snapshot()
+        if sync is not None:
+            sync.events.clear()
         loss = runner.step([r[:, :-1] for r in mine], [r[:, 1:] for r in mine], loss_fn)
         if clip:
             runner.clip_grad_norm_(CLIP)
@@ -85,7 +92,8 @@ def train_plait(config: GPTConfig, mesh: Any, schedule: str, v: int, data: torch
         mean = torch.tensor([loss], dtype=torch.float64)
         comm.all_reduce(mean, mesh.axis("dp"), purpose=comm.TELEMETRY)
         losses.append(mean.item() / dp)
-    return {"stages": stages, "runner": runner, "losses": losses, "comm": step_comm}
+    return {"stages": stages, "runner": runner, "losses": losses, "comm": step_comm,
+            "events": [list(e) for e in sync.events] if sync is not None else []}
 
 
 def train_torch(config: GPTConfig, mesh: Any, schedule: str, v: int, data: torch.Tensor) -> dict[str, Any]:
@@ -117,7 +125,8 @@ def train_torch(config: GPTConfig, mesh: Any, schedule: str, v: int, data: torch
     return {"stages": stages, "losses": losses}
 
 
-def param_error(stages: nn.ModuleList, reference: nn.Module, rtol: float = PP_PARAM_RTOL) -> str:
+def param_error(stages: nn.ModuleList, reference: nn.Module, rtol: float = PP_PARAM_RTOL,
+                atol: float = PARAM_ATOL) -> str:
     """'' when this rank's stage parameters match the reference's, else the mismatch."""
     ref = dict(reference.named_parameters(remove_duplicate=False))
     actual, expected = {}, {}
@@ -127,7 +136,7 @@ def param_error(stages: nn.ModuleList, reference: nn.Module, rtol: float = PP_PA
             actual[full] = param.detach().flatten().tolist()
             expected[full] = ref[full].detach().flatten().tolist()
     try:
-        assert_params_close(actual, expected, rtol=rtol)
+        assert_params_close(actual, expected, rtol=rtol, atol=atol)
     except AssertionError as err:
         return str(err)[:400]
     return ""
