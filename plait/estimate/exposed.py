@@ -193,9 +193,10 @@ def dp_exposed_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: 
 
     With a pipeline, DP and ZeRO-1 reduce the gradients after the last action of the
     schedule, so nothing overlaps them there; ZeRO-2 and -3 reduce (and ZeRO-3 gathers) inside
-    each chunk's passes, as without one (`_dp_sync_s`). Under --dp-shard, ZeRO's collectives run over the shard
-    group (`inter`: whether it spans nodes) and each reduced shard is then summed over its
-    replicas (`replicate_inter`), whole: the rank waits for it before the next bucket.
+    each chunk's passes, as without one (`_dp_sync_s`). Under --dp-shard, ZeRO's collectives
+    run over the shard group (`inter`: whether it spans nodes) and each reduced shard is then
+    summed over its replicas (`replicate_inter`), whole: the rank waits for it before the next
+    bucket.
     `regathered`: the parameters ZeRO-3 gathers again each forward for a looped block's further
     runs (StageShare.rerun_params, traffic.looped_gathers), experts with the rest.
     """
@@ -244,7 +245,8 @@ def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: in
         return reduce
     gather = collective_s("all_gather", weights, n, hw, inter, buckets)
     if layout.zero in (1, 2):
-        if layout.software.gather_overlap and overlap and layout.pp == 1:  # behind the next step's first forward, but its first bucket
+        # behind the next step's first forward, but its first bucket (a pipeline's first forward hides nothing)
+        if layout.software.gather_overlap and overlap and layout.pp == 1:
             first = collective_s("all_gather", min(held, layout.bucket_bytes) * per.param / per.grad, n, hw, inter)
             return reduce + max(first, gather - compute_mb * forward_share)
         return reduce + gather
