@@ -129,25 +129,29 @@ def assignment_rows(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tenso
     """Row t of `x` (tokens, d) once for each of its k assignments, in `order` (a permutation of
     the tokens · k assignments): x[order // k], with a backward that needs no accumulating
     index_put (eager torch runs one on a GPU by sorting the indices first, to add a token's k
-    gradients deterministically). Here each token's k rows are copies, their gradients summed
-    over k in a fixed order, and the permutation's backward puts each row back in place."""
-    copies = x.unsqueeze(1).expand(-1, k, -1).reshape(-1, x.shape[-1])
-    return PermutedRows.apply(copies, order)
+    gradients deterministically)."""
+    return AssignmentRows.apply(x, order, k)
 
 
-class PermutedRows(torch.autograd.Function):
-    """rows[order] for a permutation `order`; backward puts each gradient row back in place
-    (no two alike, so nothing is added)."""
+class AssignmentRows(torch.autograd.Function):
+    """x[order // k]; backward puts each gradient row back in assignment order (`unsort`: a
+    permutation, nothing added) and sums each token's k rows, in a fixed order."""
 
     @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
         ctx.save_for_backward(order)
-        return rows.index_select(0, order)
+        ctx.k = k
+        return x.index_select(0, order // k)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (order,) = ctx.saved_tensors
-        return torch.empty_like(grad).index_copy_(0, order, grad), None
+        return unsort(grad, order).view(-1, ctx.k, grad.shape[-1]).sum(dim=1), None, None
+
+
+def unsort(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Rows given in `order` (a permutation), put back where they came from: row i to order[i]."""
+    return torch.empty_like(rows).index_copy_(0, order, rows)
 
 
 def sort_by_expert(index: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,9 +176,7 @@ def combine(rows: torch.Tensor, order: torch.Tensor, weight: torch.Tensor) -> to
     order, weighted and summed over each token's k choices, in one fixed order (plait's MoE
     combines the same way on one process)."""
     tokens, k = weight.shape
-    per_assignment = torch.empty_like(rows)
-    per_assignment[order] = rows
-    weighted = per_assignment.view(tokens, k, rows.shape[-1]) * weight.unsqueeze(-1).to(rows.dtype)
+    weighted = unsort(rows, order).view(tokens, k, rows.shape[-1]) * weight.unsqueeze(-1).to(rows.dtype)
     return weighted.sum(dim=1)
 
 
