@@ -231,7 +231,7 @@ def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: in
     # ZeRO-2 and -3 run their collectives inside each chunk's forward and backward
     # (zero/hooks.py: each backward waits for its own chunk's reductions at its end), so they
     # hide there as without a pipeline, but for the last bucket (first unit) of every chunk.
-    overlap = ((layout.pp == 1 or layout.zero >= 2) and layout.software.dp_overlap and overlaps_comm(hw))
+    overlap = (layout.pp == 1 or layout.zero >= 2) and layout.software.dp_overlap and overlaps_comm(hw)
     passes = layout.virtual_stages if layout.pp > 1 else 1  # a rank's chunks: each pass ends on its own
     fwd = compute_mb * forward_share if overlap else 0.0
     bwd = compute_mb - fwd if overlap else 0.0

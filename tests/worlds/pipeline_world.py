@@ -71,8 +71,7 @@ def run_case(mesh: Any, refs: References, schedule: Any, v: int, m: int, layers:
         error = param_error(run["stages"], ref["model"], atol=ZERO_PARAM_ATOL if zero else PARAM_ATOL)
     stats, timeline = run["runner"].last_stats, run["runner"].last_timeline
     report = {
-        "losses": run["losses"], "ref_losses": ref["losses"],
-        "param_error": error,
+        "losses": run["losses"], "ref_losses": ref["losses"], "param_error": error,
         "comm": run["comm"], "peak_inflight": stats.peak_inflight, "peak_saved_bytes": stats.peak_saved_bytes,
         "peak_sent_bytes": stats.peak_sent_bytes,
         "saved_bytes": list(stats.saved_bytes), "bubble": timeline.bubble,
