@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from plait.interleave import rank_order
 from plait.parallel.pipeline.p2p import message_in, message_out
 from plait.schedule.build import build_schedule, simulate
 from tests.parity import assert_losses_close
@@ -159,6 +160,30 @@ def test_eval_loss_matches_the_reference(world):
     _, _, reports = world
     for report in reports:
         assert_losses_close([report["eval"]["plait"]], [report["eval"]["reference"]])
+
+
+def test_a_chunk_holds_no_gradient_before_its_first_backward(world):
+    """plait makes a gradient at the first backward that reaches it and drops it after the
+    update (DDP's buckets, one chunk's each: parallel/data/sync.py), so at each chunk-forward
+    of an interleaved step the rank holds the gradients of exactly the chunks whose backward
+    has begun, in the order plait.interleave gives: the walk the memory estimate prices
+    (estimate/memory.grads_unmade). Before, every bucket was allocated at setup."""
+    pp, _, reports = world
+    checked = 0
+    for report, name, run in runs(reports):
+        kind, v, m = name.split("/")
+        if kind != "interleaved":
+            continue
+        begun: set[int] = set()
+        expected = []
+        for what, _, chunk in rank_order(pp, int(m[1:]), int(v[1:]), report["rank"]):
+            if what == "F":
+                expected.append([chunk, sorted(begun)])
+            else:
+                begun.add(chunk)
+        assert run["grads_at_forward"] == expected, (name, report["rank"])
+        checked += 1
+    assert checked >= len(reports)
 
 
 @pytest.mark.parametrize("stage", [2, 3])

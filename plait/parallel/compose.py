@@ -306,7 +306,8 @@ def build_optimizer(model: nn.Module, optimizer_class: type[torch.optim.Optimize
 
     When `weight_decay` is given, one-dimensional parameters (norm scales, biases) are put in
     a group without decay, as is usual for transformers. With data parallelism, zero_grad
-    clears the gradient buckets in place instead of dropping them, saving a copy per step.
+    drops the gradient buckets with the gradients, which are views into them (the next
+    backward makes them again).
     With ZeRO, the result is a `ZeroOptimizer`: the same groups, over this rank's shards.
     Without ZeRO, 16-bit parameters get a `MasterOptimizer`: the same groups, over fp32 masters.
     """
@@ -333,7 +334,7 @@ def build_optimizer(model: nn.Module, optimizer_class: type[torch.optim.Optimize
 
 
 def _zero_buckets_instead(optimizer: torch.optim.Optimizer, sync: Any) -> None:
-    """Replace zero_grad with one memset per bucket; .grad stays a view into its bucket."""
+    """Replace zero_grad with the buckets' own: torch's would drop each .grad but not the buckets under them."""
 
     def zero_grad(set_to_none: bool = True) -> None:  # noqa: ARG001 - same signature as torch
         sync.zero_grad()

@@ -116,6 +116,6 @@ class MasterOptimizer(torch.optim.Optimizer):
         params = list(model.parameters())
         states = [v for s in self.inner.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.ndim > 0]
         sync = grad_sync(model)
-        buckets = [b.flat for b in sync.buckets] if sync is not None else []
+        buckets = [b.flat for b in sync.buckets if b.flat is not None] if sync is not None else []
         return {"params": params, "grads": [p.grad for p in params if p.grad is not None] + buckets,
                 "optim": states + list(self.masters.values())}

@@ -77,10 +77,12 @@ def train_plait(config: GPTConfig, mesh: Any, schedule: str, v: int, data: torch
     opt = adamw(stages)
     runner = PipelineRunner(stages, mesh, schedule)
     sync = zero_of(stages) if zero else None
-    losses = []
+    losses: list[float] = []
+    holding = watch_gradients(stages)
     for step in data:
         mine = step.chunk(dp)[dp_rank]
         before = mesh.ledger.snapshot()
+        holding.clear()
         if sync is not None:
             sync.events.clear()
         loss = runner.step([r[:, :-1] for r in mine], [r[:, 1:] for r in mine], loss_fn)
@@ -93,7 +95,23 @@ def train_plait(config: GPTConfig, mesh: Any, schedule: str, v: int, data: torch
         comm.all_reduce(mean, mesh.axis("dp"), purpose=comm.TELEMETRY)
         losses.append(mean.item() / dp)
     return {"stages": stages, "runner": runner, "losses": losses, "comm": step_comm,
-            "events": [list(e) for e in sync.events] if sync is not None else []}
+            "events": [list(e) for e in sync.events] if sync is not None else [], "grads_at_forward": list(holding)}
+
+
+def watch_gradients(stages: nn.ModuleList) -> list[tuple[int, list[int]]]:
+    """A list each chunk-forward appends to: (its chunk, the rank's chunks holding a gradient
+    at that moment), for a test to hold gradient-making to the order the estimate walks."""
+    holding: list[tuple[int, list[int]]] = []
+
+    def hook(k: int) -> Any:
+        def before_forward(module: nn.Module, args: Any) -> None:
+            holding.append((k, [j for j, chunk in enumerate(stages)
+                                if any(p.grad is not None for p in chunk.parameters())]))
+        return before_forward
+
+    for k, chunk in enumerate(stages):
+        chunk.register_forward_pre_hook(hook(k))
+    return holding
 
 
 def train_torch(config: GPTConfig, mesh: Any, schedule: str, v: int, data: torch.Tensor) -> dict[str, Any]:

@@ -79,6 +79,7 @@ def run_case(mesh: Any, refs: References, schedule: Any, v: int, m: int, layers:
         "act_bytes": MICRO * SEQ * config.d_model * 4, "tied_bytes": config.vocab_size * config.d_model * 4 * tied,
         "stage_param_bytes": sum(p.numel() * p.element_size() for p in run["stages"].parameters()),
         "pool_buffers": run["runner"].pool.allocated, "events": run["events"],
+        "grads_at_forward": run["grads_at_forward"],
     }
     return report, run
 

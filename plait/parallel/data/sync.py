@@ -1,7 +1,11 @@
 """Data parallelism: every rank holds the whole model; gradients are averaged in buckets.
 
 Gradients live in flat buffers ("buckets") of about `bucket_mb` each, filled in the order
-backward produces them (roughly the reverse of registration order). As soon as the last
+backward produces them (roughly the reverse of registration order). A bucket is made when
+the first of its gradients arrives in a step and dropped by `zero_grad` after the update
+(torch's `set_to_none`, as FSDP does): a pipeline's rank then holds no gradient of a chunk
+before that chunk's first backward, which is where an interleaved schedule's activations
+peak (docs/estimate.md, "Memory per GPU"). As soon as the last
 gradient of a bucket has been accumulated, that bucket's all-reduce is launched
 asynchronously, so communication overlaps the rest of backward. At the end of backward every
 in-flight all-reduce is waited on, so the optimizer only ever sees averaged gradients.
@@ -37,6 +41,7 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from plait.parallel.applied import applied, applied_of
 from plait.parallel.data.syncbn import SyncBatchNorm
+from plait.parallel.pipeline.split import is_pipeline
 from plait.parallel.placement import placement_of
 from plait.rules import BUCKET_MB
 from plait.runtime import comm
@@ -47,17 +52,39 @@ from plait.runtime.mesh import EXPERT_SYNC, SYNC
 
 @dataclass
 class Bucket:
-    """A flat gradient buffer shared by a few parameters (their .grad are views into it)."""
+    """A flat gradient buffer shared by a few parameters (their .grad are views into it),
+    while this step has made it (`make`): None between a step's update and its next backward."""
 
     index: int
     params: list[nn.Parameter]
-    flat: torch.Tensor
-    views: list[torch.Tensor]
+    flat: torch.Tensor | None = None
+    views: list[torch.Tensor] = field(default_factory=list)
     ready: int = 0
     handle: Handle | None = None
     wire: torch.Tensor | None = None  # the bucket in --reduce-dtype, while it is reduced
     axis: Axis | None = None  # the ranks that average it: its parameters' replicate axis (dp_cp, or edp)
     divisor: int = 0  # what the sum is divided by, when not the axis's size (every bucket's: dp)
+
+    def make(self) -> None:
+        """Allocate the buffer and make every parameter's .grad its view, taking in a gradient
+        autograd already made (the one whose arrival asked for the bucket): the bucket's other
+        gradients then accumulate in place."""
+        first = self.params[0]
+        self.flat = torch.zeros(sum(p.numel() for p in self.params), dtype=first.dtype, device=first.device)
+        self.views, offset = [], 0
+        for param in self.params:
+            view = self.flat[offset:offset + param.numel()].view_as(param)
+            if param.grad is not None:
+                view.copy_(param.grad)
+            param.grad = view
+            self.views.append(view)
+            offset += param.numel()
+
+    def drop(self) -> None:
+        """Free the buffer and the parameters' gradients (zero_grad's set_to_none)."""
+        for param in self.params:
+            param.grad = None
+        self.flat, self.views = None, []
 
 
 @dataclass
@@ -82,9 +109,11 @@ class GradSync:
     def on_grad_ready(self, param: nn.Parameter) -> None:
         """A parameter's gradient for this micro-batch is fully accumulated."""
         bucket, i = self._slot[param]
+        if bucket.flat is None:
+            bucket.make()
         view = bucket.views[i]
         if param.grad is not view:
-            # The optimizer set .grad to None (zero_grad's default), so autograd made a new
+            # Something set .grad afresh (not through the bucket), so autograd made a new
             # tensor: move it into the bucket so the all-reduce sees it.
             view.copy_(param.grad)
             param.grad = view
@@ -125,6 +154,7 @@ class GradSync:
         # Pre-divide so the sum is the mean; same order of operations as torch DDP. With
         # --reduce-dtype the sum runs in that dtype and is rounded back once, on arrival.
         wire = bucket.flat
+        assert wire is not None  # made by its first gradient, or by _collect
         if self.reduce_dtype not in (None, wire.dtype):
             wire = bucket.wire = wire.to(self.reduce_dtype)
         wire.div_(bucket.divisor or self.axis.size)
@@ -137,6 +167,7 @@ class GradSync:
                 bucket.handle.wait()
                 bucket.handle = None
             if bucket.wire is not None:
+                assert bucket.flat is not None  # a bucket on the wire was made
                 bucket.flat.copy_(bucket.wire)
                 bucket.wire = None
 
@@ -144,6 +175,8 @@ class GradSync:
     def _collect(bucket: Bucket) -> None:
         """Put every gradient in its bucket view: an unused parameter contributes zeros, and a
         gradient set afresh (not through the hook) is copied in."""
+        if bucket.flat is None:
+            bucket.make()
         for param, view in zip(bucket.params, bucket.views):
             if param.grad is None:
                 view.zero_()
@@ -152,8 +185,9 @@ class GradSync:
             param.grad = view
 
     def zero_grad(self) -> None:
+        """Drop every bucket: the next backward makes them again, as its gradients arrive."""
         for bucket in self.buckets:
-            bucket.flat.zero_()
+            bucket.drop()
 
 
 def make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[Bucket]:
@@ -168,21 +202,7 @@ def make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[Bucket]:
             size = 0
         groups[-1].append(param)
         size += nbytes
-    return [_bucket(i, group) for i, group in enumerate(groups)]
-
-
-def _bucket(index: int, params: list[nn.Parameter]) -> Bucket:
-    total = sum(p.numel() for p in params)
-    flat = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
-    views, offset = [], 0
-    for param in params:
-        view = flat[offset:offset + param.numel()].view_as(param)
-        if param.grad is not None:
-            view.copy_(param.grad)
-        param.grad = view
-        views.append(view)
-        offset += param.numel()
-    return Bucket(index, params, flat, views)
+    return [Bucket(i, group) for i, group in enumerate(groups)]  # each made by its first gradient
 
 
 def apply_data_parallel(model: nn.Module, axis: Axis, *, bucket_mb: float = BUCKET_MB,
@@ -203,15 +223,28 @@ def apply_data_parallel(model: nn.Module, axis: Axis, *, bucket_mb: float = BUCK
     params = [p for p in model.parameters() if p.requires_grad]
     buckets: list[Bucket] = []
     for name in dict.fromkeys([SYNC, *over.values()]):  # the data axis's buckets first
-        for bucket in make_buckets([p for p in params if over[p] == name], int(bucket_mb * 2**20)):
-            bucket.index, bucket.axis, bucket.divisor = len(buckets), axes[name], axis.size
-            buckets.append(bucket)
+        for chunk in reversed(chunk_params(model, params)):
+            for bucket in make_buckets([p for p in chunk if over[p] == name], int(bucket_mb * 2**20)):
+                bucket.index, bucket.axis, bucket.divisor = len(buckets), axes[name], axis.size
+                buckets.append(bucket)
     sync = GradSync(axis, buckets, reduce_dtype=reduce_dtype)
     for param in params:
         param.register_post_accumulate_grad_hook(sync.on_grad_ready)
     applied(model).grad_sync = sync
     follow_rank0_buffers(model, axis)
     return model
+
+
+def chunk_params(model: nn.Module, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """`params` by pipeline chunk (one list for a whole model), so that no bucket holds two
+    chunks' gradients: each chunk's are made at its own first backward (`Bucket.make`)."""
+    if not is_pipeline(model):
+        return [params]
+    wanted, seen, out = set(params), set(), []
+    for chunk in model:
+        out.append([p for p in chunk.parameters() if p in wanted and p not in seen])
+        seen.update(out[-1])
+    return out
 
 
 def replicated_over(model: nn.Module, axes: dict[str, Axis | None]) -> dict[nn.Parameter, str]:

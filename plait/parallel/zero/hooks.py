@@ -90,7 +90,7 @@ class ZeroSync:
         group, i = self._slot[param]
         self._queue_backward_end()
         self._touched.add(self.chunk.get(group.index, 0))
-        if group.grad is None:  # stage 2: whole gradients exist only while backward needs them
+        if group.grad is None:  # made at its first gradient of the step (stage 2: of the micro-batch)
             group.alloc_grad()
         view = group.grad_views[i]
         if param.grad is not view:

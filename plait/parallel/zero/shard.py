@@ -138,8 +138,15 @@ class FlatGroup:
         return [part.view(p.shape) for part, p in zip(parts, self.params)]
 
     def alloc_grad(self) -> None:
+        """Make the whole flat gradient (stages 1-2, at the first gradient that needs it) and
+        each parameter's .grad its view, taking in a gradient autograd already made: the
+        group's other gradients then accumulate in place."""
         self.grad = torch.zeros(self.flat.shape, dtype=self.flat.dtype, device=self.flat.device)
         self.grad_views = self.split(self.grad)
+        for param, view in zip(self.params, self.grad_views):
+            if param.grad is not None:
+                view.copy_(param.grad)
+            param.grad = view
 
     # -- gradients ------------------------------------------------------------------------------
     def launch_reduce(self, dtype: torch.dtype | None = None) -> None:
@@ -177,9 +184,10 @@ class FlatGroup:
 
     def zero_grad(self, stage: int) -> None:
         self.grad_shard = None  # a step without a new backward then skips, as torch's does
-        if stage == 1:
-            assert self.grad is not None
-            self.grad.zero_()
+        if stage == 1:  # the whole gradient too: the next backward makes it again (alloc_grad)
+            for param in self.params:
+                param.grad = None
+            self.grad, self.grad_views = None, []
         elif stage == 3:
             self.shard.grad = None
 

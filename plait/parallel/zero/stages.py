@@ -43,6 +43,9 @@ inside no_sync it skips the reduction and the last micro-batch reduce-scatters t
 Stages 2-3 exist to not hold whole gradients, so they reduce-scatter every micro-batch into
 the shard, as DeepSpeed does: m reduce-scatters per step with m micro-batches. At most one
 reduction is in flight; a bucket's whole gradient is freed as soon as its reduction is done.
+Every stage makes a gradient at the first backward that reaches it and drops it at
+`zero_grad` after the update, so that a pipeline's chunk holds none before its first
+backward (docs/estimate.md, "Memory per GPU").
 """
 
 from __future__ import annotations
@@ -173,11 +176,7 @@ def _shard_buckets(chunks: list[nn.Module], axes: ShardAxes, stage: int, bucket_
                           divisor=axes.mean_over, replicate=axes.replicate_of(members[0]))
         for param, view in zip(members, group.split(flat)):
             param.data = view
-        if stage == 1:  # whole gradients live for good; stage 2 makes them only during backward
-            group.alloc_grad()
-            for param, view in zip(members, group.grad_views):
-                param.grad = view
-        groups.append(group)
+        groups.append(group)  # its whole gradient is made at the first backward that needs it
     sync = ZeroSync(axes.dense, stage, groups)
     for param in params:
         param.register_post_accumulate_grad_hook(sync.on_grad_ready)
