@@ -26,6 +26,7 @@ from plait.estimate.memory import (
     BUCKET_BYTES,
     StateBytes,
     estimate_memory,
+    memory_per_stage,
     model_states,
     seed_rule_bytes,
     state_bytes,
@@ -247,6 +248,26 @@ def test_in_flight_micro_batches() -> None:
     inter = Workload(pp=4, grad_accum=8, schedule="interleaved", virtual_stages=2)
     assert in_flight(inter, _stage(0, 4)) == pytest.approx(4 * (1 + 3 / (4 * 2)))
     assert in_flight(Workload(grad_accum=8, schedule="gpipe"), _stage(0, 1)) == 1
+
+
+def test_gradients_count_from_each_chunks_first_backward_under_interleaving() -> None:
+    """plait makes a chunk's gradients at its first backward and drops them after the update
+    (tests/test_pipeline_worlds.py holds the runner to it). With m = p every chunk-forward of
+    the step runs before the rank's first backward: the activations peak beside one chunk's
+    gradients, the last chunk's (its backward comes first: two blocks, and the head on the
+    last stage), not the stage's. With many micro-batches every chunk's backward has begun
+    inside the steady phase, and the peak holds every gradient, as under 1F1B."""
+    cfg = get_preset("llama-7b")
+    short = Workload(pp=4, virtual_stages=4, schedule="interleaved", precision="bf16", seq_len=4096, zero=1, dp=2,
+                     grad_accum=4)
+    per_param = state_bytes("bf16").grad
+    for memory, stage in zip(memory_per_stage(cfg, short), stages(cfg, 1, 4, 4)):
+        head = stage.params - stage.layers * cfg.layer_params() if stage.last else 0
+        assert memory.grads - memory.grads_unmade == pytest.approx((2 * cfg.layer_params() + head) * per_param)
+        device = memory.params + memory.grads - memory.grads_unmade + memory.optim + memory.buffers
+        assert memory.total == pytest.approx(1.1 * (device + memory.activations))
+    assert all(m.grads_unmade == 0 for m in memory_per_stage(cfg, replace(short, grad_accum=32)))
+    assert all(m.grads_unmade == 0 for m in memory_per_stage(cfg, replace(short, schedule="1f1b", virtual_stages=1)))
 
 
 def test_first_stage_is_busiest_under_1f1b() -> None:

@@ -273,12 +273,22 @@ def uneven_interleaved_peak(config: GPTConfig, layout: Workload, stage: StageSha
     runner's schedule follows) when its chunks hold different numbers of blocks: each
     chunk-forward adds that chunk's blocks (and the first or last stage's extras), each
     backward frees them, so which chunks are in flight at once is the schedule's answer."""
-    per_block = layer_bytes(config, layout)
-    extras = stage_extra_bytes(config, layout, stage)
-    chunk_bytes = [blocks * per_block + (extras if any(chunk_ends(layout, stage, chunk)) else 0.0)
-                   for chunk, blocks in enumerate(chunk_layers(layout, stage))]
+    chunk_bytes = chunk_forward_bytes(config, layout, stage)
     held = peak = 0.0
     for kind, _, chunk in rank_order(layout.pp, layout.grad_accum, layout.virtual_stages, stage.index):
         held += chunk_bytes[chunk] if kind == "F" else -chunk_bytes[chunk]
         peak = max(peak, held)
     return peak
+
+
+def chunk_forward_bytes(config: GPTConfig, layout: Workload, stage: StageShare) -> list[float]:
+    """What one forward of each of `stage`'s chunks saves until its backward: its blocks, and
+    the first or last stage's extras on the chunk that holds that end, where the layout gives
+    a cut; else an equal share of the stage's, as `in_flight` counts them."""
+    if not layout.stage_layers:
+        per_micro_batch = stage.runs * layer_bytes(config, layout) + stage_extra_bytes(config, layout, stage)
+        return [per_micro_batch / layout.virtual_stages] * layout.virtual_stages
+    per_block = layer_bytes(config, layout)
+    extras = stage_extra_bytes(config, layout, stage)
+    return [blocks * per_block + (extras if any(chunk_ends(layout, stage, chunk)) else 0.0)
+            for chunk, blocks in enumerate(chunk_layers(layout, stage))]

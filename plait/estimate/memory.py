@@ -24,7 +24,8 @@ import functools
 
 from dataclasses import asdict, dataclass
 
-from plait.estimate.activations import loss_bytes, stage_activation_bytes
+from plait.estimate.activations import chunk_forward_bytes, loss_bytes, stage_activation_bytes
+from plait.interleave import rank_order
 from plait.estimate.layout import (Workload, StageShare, chunk_ends, chunk_layers, embedding_rows, head_weight,
                                    layout_stages, vocab_shard)
 from plait.models.gpt.config import GPTConfig
@@ -68,6 +69,7 @@ class Memory:
 
     params: float = 0.0
     grads: float = 0.0
+    grads_unmade: float = 0.0  # of `grads`, what is not made yet when activations and gradients peak together
     optim: float = 0.0
     activations: float | None = 0.0
     buffers: float = 0.0
@@ -250,7 +252,8 @@ def device_total(memory: Memory) -> Memory:
     and cannot always reuse a freed activation block for a differently sized tensor, so
     reserved memory runs a few to ~20% above what tensors occupy; 10% is a middle guess.
     """
-    device = memory.params + memory.grads + (0.0 if memory.host else memory.optim) + memory.buffers
+    device = memory.params + memory.grads - memory.grads_unmade + (0.0 if memory.host else memory.optim)
+    device += memory.buffers
     device += memory.activations or 0.0
     memory.fragmentation = FRAGMENTATION * device
     memory.total = device + memory.fragmentation
@@ -269,10 +272,56 @@ def stage_memory(config: GPTConfig, layout: Workload, stage: StageShare) -> Memo
     if config.balancing_bias:
         memory.params += stage.moe_layers * config.experts * 4
     memory.activations = stage_activation_bytes(config, layout, stage)
+    memory.grads_unmade = grads_unmade(config, layout, stage, memory.grads)
     memory.buffers = stage_buffers(config, layout, stage)
     memory.transient = transient_bytes(config, layout)
     memory.stage = stage.index
     return device_total(memory)
+
+
+def grads_unmade(config: GPTConfig, layout: Workload, stage: StageShare, grads: float) -> float:
+    """Of the rank's `grads` bytes, those not made yet when its activations and gradients
+    peak together, walked over the rank's interleaved order (plait.interleave).
+
+    plait makes a gradient at the first backward that reaches it and drops it after the
+    update (parallel/data/sync.py, parallel/zero/), so a chunk's gradients exist from its
+    first backward on. Where every forward of a step runs before the first backward (the
+    interleaved warm-up covering all m·v chunk-forwards), the activations peak with one
+    chunk's gradients beside them, not the stage's. Other schedules hold one chunk a rank
+    (or none besides the model): their peak is counted with every gradient, as before.
+    """
+    if layout.pp == 1 or layout.schedule != "interleaved" or layout.virtual_stages == 1:
+        return 0.0
+    chunk_bytes = chunk_forward_bytes(config, layout, stage)
+    shares = chunk_grad_shares(layout, stage)
+    made_chunks: set[int] = set()
+    held = made = activations_alone = together = 0.0
+    for kind, _, chunk in rank_order(layout.pp, layout.grad_accum, layout.virtual_stages, stage.index):
+        if kind == "F":
+            held += chunk_bytes[chunk]
+        elif chunk not in made_chunks:  # a backward makes its chunk's gradients before freeing its activations
+            made_chunks.add(chunk)
+            made += grads * shares[chunk]
+        activations_alone, together = max(activations_alone, held), max(together, held + made)
+        if kind == "B":
+            held -= chunk_bytes[chunk]
+    return max(0.0, activations_alone + grads - max(together, grads))
+
+
+def chunk_grad_shares(layout: Workload, stage: StageShare) -> list[float]:
+    """Each of the rank's chunks' part of its trained parameters: its blocks, and the
+    embedding or head on the chunk that holds that end of the model."""
+    blocks = chunk_layers(layout, stage)
+    params, start = [], 0
+    for count in blocks:
+        params.append(sum(stage.unit_sizes(count, start)))
+        start += count
+    outside = max(0.0, stage.trained_params - sum(params))
+    ends = [chunk for chunk in range(len(blocks)) if any(chunk_ends(layout, stage, chunk))] or [0]
+    for chunk in ends:
+        params[chunk] += outside / len(ends)
+    total = sum(params)
+    return [p / total if total else 1.0 / len(params) for p in params]
 
 
 def largest_tensor(config: GPTConfig) -> int:

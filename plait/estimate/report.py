@@ -66,6 +66,8 @@ def format_estimate(result: dict[str, Any], model_name: str) -> str:
             f"{'' if lay.get('stack', 'plait') == 'plait' else ', as ' + lay['stack'] + ' runs it'}")
     lines = [head, "", "memory per GPU (busiest rank)"]
     rows = [["  " + key, human_bytes(mem[key])] for key in MEMORY_ROWS]
+    if mem.get("grads_unmade"):  # an interleaved rank's chunks make theirs at their first backward
+        rows.insert(2, ["  - grads not made at the peak", human_bytes(mem["grads_unmade"])])
     rows.append(["  total on device", human_bytes(mem["total"])])
     if mem.get("transient"):
         rows.append(["  + transient", human_bytes(mem["transient"])])
