@@ -248,7 +248,10 @@ def part_speed(steps: int) -> None:
                                  for k, v in rows.items()},
                         "predicted": {k: v["summary"].get("step_time") for k, v in rows.items() if "summary" in v},
                         "predicted_mem": {k: (v["summary"]["predicted"].get("memory"), v["summary"].get("mem"))
-                                          for k, v in rows.items() if "summary" in v}}
+                                          for k, v in rows.items() if "summary" in v},
+                        # the caching allocator's reservation over the allocated peak: the estimate's 10% allowance
+                        "reserved": {k: (v["summary"].get("peak_process_bytes"), v["summary"].get("peak_reserved_bytes"))
+                                     for k, v in rows.items() if "summary" in v}}
 
 
 # -- 3. predicted vs measured ----------------------------------------------------------------

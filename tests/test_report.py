@@ -12,6 +12,7 @@ from PIL import Image
 from plait.errors import PlaitError
 from plait.schedule.build import build_schedule, simulate
 from plait.schedule.timeline import timeline_from_dict, timeline_to_dict
+from plait.report.closing import process_peak_text, reserved_text
 from plait.report.page import figures, read_run
 from plait.train.observe.logs import setup_logging
 from plait.train.loop.measure import MeasurePolicy
@@ -193,3 +194,14 @@ def test_report_of_a_directory_without_a_run(tmp_path):
     with pytest.raises(PlaitError, match="metrics.jsonl does not exist") as err:
         read_run(tmp_path)
     assert "--out directory of a finished" in err.value.hint
+
+
+def test_the_allocators_reservation_is_reported_beside_the_allocated_peak(dp_run):
+    """On a GPU the closing line says what the caching allocator reserved over the allocated
+    peak: the measure of the estimate's 10% allowance. A CPU has no such allocator: its runs
+    record 0 and say nothing of it."""
+    out, proc, _ = dp_run
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["peak_reserved_bytes"] == 0 and "reserved" not in process_peak_text(summary)
+    gpu = {"peak_process_bytes": 50 * 2**30, "peak_reserved_bytes": 56 * 2**30}
+    assert reserved_text(gpu) == "; the allocator reserved 56.0 GiB, +12% over the allocated peak"

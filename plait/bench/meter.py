@@ -86,6 +86,14 @@ def peak_process_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def reserved_process_bytes(device: torch.device) -> int:
+    """Peak bytes the caching allocator reserved on a GPU: the allocated peak plus its
+    rounding and the freed blocks it could not reuse for other sizes, what the estimate's
+    10% allowance (`estimate/memory.py: FRAGMENTATION`) stands for. 0 on a CPU, which has
+    no caching allocator."""
+    return torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
+
+
 def zero3_sync(model: nn.Module) -> object | None:
     """The ZeRO machinery of a stage-3 model (whose weights are gathered per unit), else None."""
     from plait.parallel.zero.stages import zero_of

@@ -114,7 +114,16 @@ def process_peak_text(summary: dict[str, Any]) -> str:
         text += f"; the run added at most {human_bytes(added)} to a rank"
         if predicted:
             text += f", estimated at most {human_bytes(predicted)}"
-    return text
+    return text + reserved_text(summary)
+
+
+def reserved_text(summary: dict[str, Any]) -> str:
+    """On a GPU, what the caching allocator reserved beside the allocated peak: the measure of
+    the estimate's allowance for it (10% of the device bytes). Empty on a CPU."""
+    reserved, allocated = summary.get("peak_reserved_bytes") or 0, summary.get("peak_process_bytes") or 0
+    if not reserved or not allocated:
+        return ""
+    return f"; the allocator reserved {human_bytes(reserved)}, {reserved / allocated - 1:+.0%} over the allocated peak"
 
 
 def blend_line(blend: dict[str, Any]) -> str:

@@ -105,19 +105,21 @@ class Metrics:
 
     def gather_extras(self, update_times: list[float], start_bytes: int = 0) -> dict[str, Any]:
         """The few numbers the summary needs from every rank (collective): each rank's process
-        peak and its peak before the model was built (`start_bytes`), and the optimizer's
-        median time (the max over ranks)."""
-        from plait.bench.meter import peak_process_bytes
+        peak, its peak before the model was built (`start_bytes`) and, on a GPU, what its
+        caching allocator reserved at most; and the optimizer's median time (the max over ranks)."""
+        from plait.bench.meter import peak_process_bytes, reserved_process_bytes
 
         times = update_times[1:] or update_times or [0.0]
-        world = self.mesh.axis("world")
-        values = torch.zeros(2 * world.size + 1, dtype=torch.float64, device=self.mesh.device)
-        values[world.rank], values[world.size + world.rank] = peak_process_bytes(self.mesh.device), start_bytes
-        values[-1] = statistics.median(times)
+        world, device = self.mesh.axis("world"), self.mesh.device
+        values = torch.zeros(3, world.size + 1, dtype=torch.float64, device=device)  # one slot a rank, and one more
+        values[:, world.rank] = torch.tensor([peak_process_bytes(device), start_bytes, reserved_process_bytes(device)],
+                                             dtype=torch.float64)
+        values[0, -1] = statistics.median(times)
         comm.all_reduce(values, world, op="max", purpose=comm.TELEMETRY)  # each slot: one rank's, zeros elsewhere
-        peaks, starts = [int(v) for v in values[:world.size].tolist()], [int(v) for v in values[world.size:-1].tolist()]
+        peaks, starts, reserved = ([int(v) for v in row[:world.size].tolist()] for row in values)
         return {"peak_process_bytes": max(peaks), "peak_process_bytes_by_rank": peaks,
-                "start_process_bytes_by_rank": starts, "optimizer_s": values[-1].item()}
+                "start_process_bytes_by_rank": starts, "peak_reserved_bytes": max(reserved),
+                "optimizer_s": values[0, -1].item()}
 
     def summary(self, described: dict[str, Any], extras: dict[str, float],
                 hooked: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -147,6 +149,7 @@ class Metrics:
             "peak_process_bytes": int(extras["peak_process_bytes"]),
             "peak_process_bytes_by_rank": extras.get("peak_process_bytes_by_rank", []),
             "start_process_bytes_by_rank": extras.get("start_process_bytes_by_rank", []),
+            "peak_reserved_bytes": int(extras.get("peak_reserved_bytes", 0)),
             "telemetry_bytes": sum(sum(ops.values()) for ops in self.mesh.ledger.wire(comm.TELEMETRY).values()),
             "worlds": world_segments(history),
             **(hooked or {}),
