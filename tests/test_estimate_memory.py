@@ -19,6 +19,7 @@ from plait.estimate.activations import (
     rmsnorm_bytes,
     loss_bytes,
     stage_activation_bytes,
+    stage_extra_bytes,
 )
 from plait.balance import balanced_counts
 from plait.estimate.layout import Workload, stages
@@ -267,7 +268,33 @@ def test_gradients_count_from_each_chunks_first_backward_under_interleaving() ->
         device = memory.params + memory.grads - memory.grads_unmade + memory.optim + memory.buffers
         assert memory.total == pytest.approx(1.1 * (device + memory.activations))
     assert all(m.grads_unmade == 0 for m in memory_per_stage(cfg, replace(short, grad_accum=32)))
-    assert all(m.grads_unmade == 0 for m in memory_per_stage(cfg, replace(short, schedule="1f1b", virtual_stages=1)))
+    assert all(m.grads_unmade == 0 for m in memory_per_stage(cfg, replace(short, schedule="1f1b", virtual_stages=1,
+                                                                           grad_accum=8)))
+
+
+def test_one_chunk_peaks_inside_its_first_backward_where_no_forward_follows_it() -> None:
+    """Without a pipeline and with one micro-batch, the activations peak as backward starts,
+    beside the head's gradients alone; backward then makes the rest as it frees the
+    micro-batch: its end holds every gradient and no activation. What is not made at the
+    peak is the lower of the two. At 4,096 tokens (16.1 GiB of activations) it is every
+    gradient but the head's, 12.3 of 12.6 GiB; at 256 tokens, the micro-batch's activations,
+    1.0 GiB. Accumulation's second forward runs beside every gradient, and so does 1F1B's
+    steady phase (stage 3 of 4 with 2 micro-batches), where stage 0 runs both forwards first."""
+    cfg = get_preset("llama-7b")
+    long = Workload(dp=8, zero=1, precision="bf16", seq_len=4096)
+    memory = estimate_memory(cfg, long)
+    head = cfg.vocab_size * cfg.d_model * 2
+    assert memory.grads_unmade == pytest.approx(memory.grads - head)
+    assert memory.total == pytest.approx(1.1 * (memory.params + memory.grads - memory.grads_unmade + memory.optim
+                                                + memory.buffers + memory.activations))
+    short = replace(long, seq_len=256)
+    stage = stages(cfg, 1, 1)[0]
+    per_micro_batch = stage.layers * layer_bytes(cfg, short) + stage_extra_bytes(cfg, short, stage)
+    assert estimate_memory(cfg, short).grads_unmade == pytest.approx(per_micro_batch)
+    assert per_micro_batch < memory.grads - head
+    assert estimate_memory(cfg, replace(long, grad_accum=2)).grads_unmade == 0
+    piped = memory_per_stage(cfg, Workload(pp=4, grad_accum=2, precision="bf16", seq_len=4096))
+    assert piped[0].grads_unmade > 0 and piped[3].grads_unmade == 0
 
 
 def test_first_stage_is_busiest_under_1f1b() -> None:

@@ -312,7 +312,7 @@ def test_the_planner_matches_or_beats_each_published_layout_on_paper() -> None:
     """For each published run on up to 512 GPUs, `plait plan` over the same model, GPUs, batch
     and sequence predicts at least the published layout's throughput, each of which fits by the
     estimate (llm-foundry's MPT-7B, micro-batch 6 without recompute, since o_proj reads SDPA's
-    output as a view: 75.5 GiB of 78). By how much, and with which layout, is
+    output as a view: 73.9 GiB of 78). By how much, and with which layout, is
     benchmarks/RESULTS.md's."""
     rows = _benchmark("gpu_presets").planner_rows(max_gpus=512)
     assert len(rows) >= 9

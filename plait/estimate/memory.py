@@ -24,7 +24,8 @@ import functools
 
 from dataclasses import asdict, dataclass
 
-from plait.estimate.activations import chunk_forward_bytes, loss_bytes, stage_activation_bytes
+from plait.estimate.activations import (chunk_forward_bytes, layer_bytes, loss_bytes, stage_activation_bytes,
+                                        stage_extra_bytes)
 from plait.interleave import rank_order
 from plait.estimate.layout import (Workload, StageShare, chunk_ends, chunk_layers, embedding_rows, head_weight,
                                    layout_stages, vocab_shard)
@@ -281,17 +282,42 @@ def stage_memory(config: GPTConfig, layout: Workload, stage: StageShare) -> Memo
 
 def grads_unmade(config: GPTConfig, layout: Workload, stage: StageShare, grads: float) -> float:
     """Of the rank's `grads` bytes, those not made yet when its activations and gradients
-    peak together, walked over the rank's interleaved order (plait.interleave).
+    peak together.
 
     plait makes a gradient at the first backward that reaches it and drops it after the
-    update (parallel/data/sync.py, parallel/zero/), so a chunk's gradients exist from its
-    first backward on. Where every forward of a step runs before the first backward (the
-    interleaved warm-up covering all m·v chunk-forwards), the activations peak with one
-    chunk's gradients beside them, not the stage's. Other schedules hold one chunk a rank
-    (or none besides the model): their peak is counted with every gradient, as before.
+    update (parallel/data/sync.py, parallel/zero/), so where every forward of a step runs
+    before the rank's first backward, its activations peak beside none of its gradients:
+    - An interleaved rank is walked over its own order (plait.interleave), a chunk's
+      gradients made at its first backward: with m·v chunk-forwards in the warm-up the peak
+      holds one chunk's.
+    - A rank of one chunk (no pipeline and one micro-batch, GPipe, or 1F1B with no more
+      micro-batches than the stage holds) peaks inside its first backward, which makes
+      gradients as it frees that micro-batch's activations, from the head (or the stage's
+      last block) down: at its start beside the first gradients made, at its end beside
+      them all and one micro-batch fewer. The lower of those two is what is not made.
+    Any later forward (accumulation, 1F1B's steady phase, ZB-H1's deferred weight
+    gradients) runs beside every gradient: nothing is subtracted.
     """
-    if layout.pp == 1 or layout.schedule != "interleaved" or layout.virtual_stages == 1:
+    if layout.pp > 1 and layout.schedule == "interleaved" and layout.virtual_stages > 1:
+        return interleaved_unmade(config, layout, stage, grads)
+    if not forwards_before_first_backward(layout, stage) or not stage.trained_params:
         return 0.0
+    first = head_weight(config, layout.tp) if stage.last else stage.trained_block_params
+    one_micro_batch = stage.runs * layer_bytes(config, layout) + stage_extra_bytes(config, layout, stage)
+    return max(0.0, min(grads * (1 - min(1.0, first / stage.trained_params)), one_micro_batch))
+
+
+def forwards_before_first_backward(layout: Workload, stage: StageShare) -> bool:
+    """Whether a one-chunk rank runs every forward of its step before its first backward."""
+    if layout.pp == 1:
+        return layout.grad_accum == 1
+    if layout.schedule == "gpipe":
+        return True
+    return layout.schedule == "1f1b" and layout.grad_accum <= layout.pp - stage.index
+
+
+def interleaved_unmade(config: GPTConfig, layout: Workload, stage: StageShare, grads: float) -> float:
+    """`grads_unmade` walked over an interleaved rank's order, a chunk at a time."""
     chunk_bytes = chunk_forward_bytes(config, layout, stage)
     shares = chunk_grad_shares(layout, stage)
     made_chunks: set[int] = set()
