@@ -16,7 +16,7 @@ from plait.estimate.ops import accumulate_params_s
 from plait.estimate.pipeline import makespan, rank_ends
 from plait.estimate.time import RankCost, StepCosts, assemble, estimate_time_params_only
 from plait.models.gpt.config import get_preset
-from plait.estimate.planner import plan_request, search_for
+from plait.estimate.planner import plan, plan_request, row_layout, search_for
 from plait.estimate.time import estimate_time
 
 CPU, H100 = get_hardware("cpu"), get_hardware("h100-sxm")
@@ -127,3 +127,20 @@ def test_ring_attention_runs_at_its_own_measured_rate() -> None:
     assert attention_time(small, ring, measured, 1) == pytest.approx(2 * attention_time(small, ring, whole, 1))
     ulysses = ring.replace(cp_kind="ulysses")
     assert attention_time(small, ulysses, measured, 1) == attention_time(small, ulysses, whole, 1)
+
+
+def test_a_data_parallel_layout_pays_neither_the_lag_nor_the_send_recv_latency() -> None:
+    """What machine.calibrate(data_parallel_only=True) leaves out prices no layout that splits
+    no model: the plan of small over 2 CPU ranks (tests/worlds/planner_world.py's) ranks and
+    prices its data-parallel rows alike with and without the ranks' lag and the send/recv
+    latency, and its tensor-parallel and pipelined rows pay them."""
+    measured = replace(CPU, lags=((2, 600.0, 0.0), (2, 2200.0, 400.0), (2, 10000.0, 1100.0)), p2p_latency_us=860.0)
+    without = replace(measured, lags=(), p2p_latency_us=0.0)
+    rows = [plan(get_preset("small"), gpus=2, global_batch=16, seq_len=128, hardware=hw, gpus_per_node=2,
+                 precision="fp32") for hw in (measured, without)]
+    data_parallel = [[row for row in found if row["tp"] == row["pp"] == row["cp"] == row["ep"] == 1]
+                     for found in rows]
+    assert len(data_parallel[0]) > 3 and data_parallel[0] == data_parallel[1]
+    split = [{row_layout(row): row["step_s"] for row in found if row["tp"] > 1 or row["pp"] > 1} for found in rows]
+    assert split[0].keys() == split[1].keys() and len(split[0]) > 3
+    assert all(split[0][key] > split[1][key] for key in split[0]), split

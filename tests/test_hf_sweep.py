@@ -2,7 +2,7 @@
 
 2-rank worlds of tests/worlds/hf_sweep_world.py, two at once, each half the families: `make
 test` runs the families fixed here and the ones the sweep first found different (QUICK, about
-8 s), `make test-all` every family (about 100 s on 2 CPU cores; each reference computed on one
+8 s), `make test-all` every family (about 80 s on 2 CPU cores; each reference and shape computed on one
 rank and handed to the other). Tiny models
 built by `AutoConfig.for_model` from one seed, each under tp 2, tp 2 + SP, pp 2 (1F1B) and,
 for the mixtures of experts, dp 2 × ep 2, 2 AdamW steps of 2 micro-batches against one

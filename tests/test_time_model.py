@@ -622,8 +622,10 @@ def test_the_plans_first_layouts_measure_as_it_ranks_them(tmp_path: Path) -> Non
 
     The layouts take turns step by step, 12 steps each, and each is measured against the
     others in its round (the benchmark's `paired`): a slow stretch of the host slows a round's
-    every step alike and cancels. The calibration is a full one (11 rounds of each shape,
-    about 15 s here), as `plait calibrate` runs by default. With a quick one (3 rounds), priced
+    every step alike and cancels. The calibration is a full one (11 rounds of each shape), as
+    `plait calibrate` runs by default, less the ranks' lag and the send/recv latency, which no
+    data-parallel layout pays (machine.calibrate's data_parallel_only: 6.3-6.5 s here against
+    19.3-19.9 s with them, timed in turn on a busy host). With a quick one (3 rounds), priced
     again after the layouts ran and the two averaged, and raw median steps, this test failed 3
     runs in 7 on this host: one quick calibration priced micro-batch 2 at 1.02 times
     micro-batch 4, the next at 1.16, and four in a row put micro-batch 4, 4, 2 and 1 first

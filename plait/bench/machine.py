@@ -73,11 +73,18 @@ def base_preset(gpu: str) -> Hardware:
 
 def calibrate(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len: int, tp_sizes: list[int],
               precision: str, quick: bool = False, optimizer_kernel: str = "fused",
-              cp_sizes: list[int] = (), other_micro_batches: Sequence[int] = ()) -> Hardware:
+              cp_sizes: list[int] = (), other_micro_batches: Sequence[int] = (),
+              data_parallel_only: bool = False) -> Hardware:
     """Measure everything the time model uses (ring attention's compute at each cp in
     `cp_sizes`); every rank calls this. The GEMMs and attention are timed at `micro_batch`
     and at each of `other_micro_batches`, so that a plan weighing several micro-batches reads
-    each one's shapes as measured rather than off a line fitted to another's."""
+    each one's shapes as measured rather than off a line fitted to another's.
+
+    `data_parallel_only`: the layouts this calibration will price split no model (data
+    parallelism and ZeRO alone). The ranks' lag, which only tp, cp and ep collectives pay,
+    and the send/recv latency of pipeline messages and ring attention's steps are then not
+    timed (priced as none: 13 s of a full calibration's 19-20 s on 2 CPU ranks, the lag's
+    loops 12 s of it whatever the host's pace); what such a layout is priced at is unchanged."""
     reps = 3 if quick else 11  # rounds: a full calibration spreads over enough time to ride out a slow second
     attention, gemms = cal.model_shapes(config, micro_batch, seq_len, tp_sizes, precision, cp_sizes,
                                         other_micro_batches)
@@ -92,8 +99,9 @@ def calibrate(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len: int, 
     memory["host_mem_gb_s"] = cal.measure_host_update(mesh, host_params, optimizer_kernel, reps)
     links, op_links = cal.measure_links(mesh, (2 if quick else 16) * 2**20, reps) if mesh.env.world_size > 1 \
         else ((), ())
-    p2p_us = cal.measure_p2p(mesh, reps) if links else 0.0
-    lags = cal.measure_lags(mesh, 4) if links and not quick else ()  # a quick calibration prices no lag
+    splits = bool(links) and not data_parallel_only  # the lag and send/recv price tp, cp, ep and pp alone
+    p2p_us = cal.measure_p2p(mesh, reps) if splits else 0.0
+    lags = cal.measure_lags(mesh, 4) if splits and not quick else ()  # a quick calibration prices no lag
     facts = machine_facts(mesh, optimizer_kernel, precision)
     base = base_preset(facts["gpu"])
     fields: dict[str, object] = {

@@ -355,15 +355,36 @@ def _first_build(family: str) -> tuple[torch.nn.Module, torch.Tensor]:
     return model, torch.get_rng_state()
 
 
-@functools.lru_cache(maxsize=None)
+# family -> its shape (a frozen GPTConfig), or what reading it raised, named (`named`): read
+# once a family, on the rank that computed its reference, and handed to every rank with it
+SHAPES: dict[str, Any] = {}
+
+
+class Unread(Exception):
+    """A family's shape whose reading failed, on whichever rank read it: that error, named."""
+
+
 def family_shape(family: str) -> Any:
+    """The family's shape as `plait train --model hf:DIR` reads it (shared_references read it);
+    each of its exact cases reads it twice."""
+    shape = SHAPES[family]
+    if isinstance(shape, str):
+        raise Unread(shape)
+    return shape
+
+
+def read_shape(family: str) -> Any:
     """The family's shape as `plait train --model hf:DIR` reads it (its config.json written to
     a directory, the model built on meta), less what autograd keeps: the sweep reads its
-    parameters and traffic alone. Read once a family (a frozen GPTConfig): each of its exact
-    cases reads it twice, and a reading builds the model and runs forwards on meta."""
-    with tempfile.TemporaryDirectory() as folder:
-        family_config(family).save_pretrained(folder)
-        return measured_shape(read_hf_dir(f"hf:{folder}"), kept=False)
+    parameters and traffic alone. Else what reading it raised, named. A reading builds the
+    model and runs forwards on meta: 0.18 s a family here, and each rank had read every one
+    (12 of a world's 79 s a rank)."""
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            family_config(family).save_pretrained(folder)
+            return measured_shape(read_hf_dir(f"hf:{folder}"), kept=False)
+    except Exception as error:  # noqa: BLE001 - the estimate's failing is a case's wire or count finding
+        return named(error)
 
 
 def sweep_layout(mode: str) -> Workload:
@@ -609,7 +630,7 @@ def run_case(family: str, mode: str, batches: list[torch.Tensor], expected: dict
             case["counted"] = "counted" if predicted == found["local"] else \
                 f"holds {found['local']}, estimated {predicted}"
         except Exception as error:  # noqa: BLE001
-            case["counted"] = f"not estimated: {type(error).__name__}: {first_line(error)}"
+            case["counted"] = f"not estimated: {named(error)}"
     if measured is None:
         return case
     try:  # the estimate's failing is this case's wire finding, not its verdict's
@@ -618,13 +639,18 @@ def run_case(family: str, mode: str, batches: list[torch.Tensor], expected: dict
         else:
             wire = wire_verdict(flat(measured), flat(predicted_traffic(family, mode)), routed=mode == "ep")
     except Exception as error:  # noqa: BLE001
-        wire = f"not estimated: {type(error).__name__}: {first_line(error)}"
+        wire = f"not estimated: {named(error)}"
     return {**case, "wire": wire}
 
 
 def first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0][:400] if text else type(error).__name__
+
+
+def named(error: BaseException) -> str:
+    """ "Type: its first line"; an Unread shape's, as it was named where it was read."""
+    return str(error) if isinstance(error, Unread) else f"{type(error).__name__}: {first_line(error)}"
 
 
 def agree(mine: dict[str, Any], expected: dict[str, Any], group: Any) -> dict[str, Any]:
@@ -663,10 +689,11 @@ def agree(mine: dict[str, Any], expected: dict[str, Any], group: Any) -> dict[st
 
 def shared_references(families: list[str], batches: list[torch.Tensor], group: Any,
                       report: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Each family's plans and one-process reference, computed by one rank (the families dealt
-    out in turn) and handed to every rank: each rank had computed every reference itself, the
-    same numbers twice (16.6 s of references in the whole sweep: 8.4 s a rank now). A family that does not build or
-    train here is its error's line."""
+    """Each family's plans, one-process reference and shape (`read_shape`, into SHAPES),
+    computed by one rank (the families dealt out in turn) and handed to every rank: each rank
+    had computed every reference itself, the same numbers twice (16.6 s of references in the
+    whole sweep: 8.4 s a rank now), and read every shape. A family that does not build or train
+    here is its error's line."""
     rank, world = dist.get_rank(), dist.get_world_size()
     mine: dict[str, dict[str, Any]] = {}
     for family in families[rank::world]:
@@ -678,9 +705,13 @@ def shared_references(families: list[str], batches: list[torch.Tensor], group: A
         except Exception as error:  # noqa: BLE001 - the family itself does not build or train here
             mine[family] = {"error": f"reference: {type(error).__name__}: {first_line(error)}"}
         mine[family]["seconds"] = round(time.perf_counter() - begun, 3)
+        if "error" not in mine[family]:
+            mine[family]["shape"] = read_shape(family)
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine, group=group)
-    return {family: found for part in everyone for family, found in part.items()}
+    found = {family: found for part in everyone for family, found in part.items()}
+    SHAPES.update({family: found[family].pop("shape") for family in found if "shape" in found[family]})
+    return found
 
 
 def main() -> None:

@@ -12,7 +12,11 @@ host lands on every layout, not on one, and every step is kept.
 A full calibration, not a quick one: a quick one times each shape in 3 rounds, and on this
 shared 2-core host that orders micro-batches by chance. Four quick calibrations in a row put
 micro-batch 4, 4, 2 and 1 first where the layouts measured micro-batch 8 fastest; two full ones
-(11 rounds, about 15 s here) both put 8 first.
+(11 rounds) both put 8 first. Full, less what no data-parallel layout pays
+(`machine.calibrate(data_parallel_only=True)`): the ranks' lag after bursts of compute (tp, cp
+and ep collectives pay it) and the send/recv latency (pipelines and ring attention), 13 s of
+each calibration here (19.3-19.9 s with them, 6.3-6.5 s without) that priced none of the
+layouts trained.
 
 argv: OUT_DIR MODEL GLOBAL_BATCH STEPS TOP
 """
@@ -66,12 +70,13 @@ def pace(trained: list[dict], mesh) -> float:
 
 
 def planned(mesh, model: str, batch: int, hw_file: Path) -> list[dict]:
-    """This machine calibrated now (in full, every micro-batch a rank's share allows; rank 0
-    writes the file), then the plan read from it: the same rows on every rank."""
+    """This machine calibrated now (in full, every micro-batch a rank's share allows, for the
+    data-parallel layouts this mesh trains; rank 0 writes the file), then the plan read from
+    it: the same rows on every rank."""
     world = mesh.env.world_size
     share = batch // world
     hw = machine.calibrate(mesh, get_preset(model), micro_batch=share, seq_len=SEQ, tp_sizes=[1], precision="fp32",
-                           other_micro_batches=divisors(share)[:-1])
+                           other_micro_batches=divisors(share)[:-1], data_parallel_only=True)
     if mesh.is_main:
         machine.save(hw, hw_file, machine.machine_facts(mesh))
     comm.barrier(mesh.axis("world"))

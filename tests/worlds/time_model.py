@@ -6,7 +6,9 @@ then priced at the mean of the two calibrations around it (as benchmarks/planner
 and the planner check price every layout), and the attempts so far are pooled, their predicted
 and measured steps each summed; the last attempt's verdict or the pool's, within the bound,
 ends the attempts.
-The report's "held" is the ratio that ended them (else the last attempt's own).
+The report's "held" is the ratio that ended them (else the last attempt's own). A layout
+without tp or pp is calibrated without the send/recv latency it does not pay
+(machine.calibrate's data_parallel_only).
 
 argv: OUT_DIR MODEL STEPS BOUND [lags] [FIELD=INT ...] (TrainConfig fields: tp, pp, zero, micro_batch,
 grad_accum); `lags` also times the ranks' lag after the training (about a second a rank, read
@@ -67,7 +69,8 @@ def main() -> None:
     attempts = []
     for _ in range(3):
         hw = machine.calibrate(mesh, get_preset(model), micro_batch=config.micro_batch, seq_len=128,
-                               tp_sizes=[config.tp], precision="fp32", quick=True)
+                               tp_sizes=[config.tp], precision="fp32", quick=True,
+                               data_parallel_only=config.tp == config.pp == 1)
         if mesh.is_main:
             machine.save(hw, hw_file, machine.machine_facts(mesh))
         comm.barrier(mesh.axis("world"))
