@@ -1023,9 +1023,49 @@ def part_moe(steps: int) -> None:
                       for k, v in rows.items()}
 
 
+# -- the update in one compiled pass, and fp8's fast accumulation (items 1 and 2) -------------------
+def part_onepass(steps: int) -> None:
+    """The 1 B model compiled at lr 3e-4: the plain loop, plait bf16 with torch's fused AdamW
+    and with `--optimizer-kernel compiled` (the same data and seed: their losses must agree),
+    fp8 tensorwise and tensorwise-fast with the compiled kernel; then the 3 B model in bf16
+    and fp8 tensorwise-fast, compiled kernel. Each row's update is the closing report's."""
+    rows: dict[str, Any] = {}
+    base = [*UPDATE_BASE, "--steps", str(steps), "--lr", FP8_LR]
+    one = ["--optimizer-kernel", "compiled"]
+    rows["plain compiled (autocast)"] = plain_loop(BIG, 8, 2048, steps, True)
+    RESULTS["onepass"] = rows
+    _flush()
+    for name, extra in (("bf16, fused AdamW", []), ("bf16, compiled kernel", one),
+                        ("fp8 tensorwise, compiled kernel", [*one, "--precision", "fp8"]),
+                        ("fp8 tensorwise-fast, compiled kernel", [*one, "--precision", "fp8", "--fp8-scaling",
+                                                                  "tensorwise-fast"])):
+        rows["1b " + name] = plait_train("o-" + name.split(",")[0].replace(" ", "-"), [*base, *extra])
+        _mfu(rows, flops_per_token(BIG, 2048))
+        RESULTS["onepass"] = _with_prediction(rows)
+        _flush()
+    big3 = ["--model", BIG3, "--seq-len", "2048", "--micro-batch", "4", *COMPILED_RUN, "--steps", "15", "--lr", FP8_LR,
+            "--warmup-steps", "5", *one]
+    rows3: dict[str, Any] = {}
+    for name, extra in (("3b bf16, compiled kernel", []),
+                        ("3b fp8 tensorwise-fast, compiled kernel", ["--precision", "fp8", "--fp8-scaling",
+                                                                     "tensorwise-fast"]),
+                        ("3b fp8 tensorwise, compiled kernel", ["--precision", "fp8"])):
+        rows3[name] = plait_train("o3-" + name.split(",")[0].replace(" ", "-"), [*big3, *extra])
+        _mfu(rows3, flops_per_token(BIG3, 2048))
+        RESULTS["onepass"] = _with_prediction(rows) | _with_prediction(rows3)
+        _flush()
+
+
 def table() -> str:
     lines = []
     gib = 2 ** 30
+    if "onepass" in RESULTS:
+        lines += ["| run | rc | s/step | update ms | tokens/s | MFU | peak GiB | loss first -> last |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for k, r in RESULTS["onepass"].items():
+            lines.append(f"| {k} | {r.get('rc', 0)} | {r.get('step_s') or 0:.4f} | {1e3 * (r.get('optimizer_s') or 0):.1f} | "
+                         f"{r.get('tokens_s') or 0:,.0f} | {100 * (r.get('mfu') or 0):.1f}% | {(r.get('peak') or 0) / gib:.1f} | "
+                         f"{r.get('loss_first') or 0:.4f} -> {r.get('loss_last') or 0:.4f} |")
     if "shapes" in RESULTS:
         lines += ["| run, calibrated on small | measured s/step | predicted s/step | ratio | optimizer measured / predicted |",
                   "|---|---|---|---|---|"]
@@ -1149,7 +1189,7 @@ def main() -> None:
              "profile": part_profile, "gemmdata": part_gemmdata, "fp8curve": lambda: part_fp8curve(args.steps),
              "fp8speed": lambda: part_fp8speed(15), "fp8profile": part_fp8profile, "fp8layouts": part_fp8layouts,
              "metabuild": part_metabuild, "calib": lambda: part_calib(args.steps), "moeprofile": part_moeprofile,
-             "fp8fused": part_fp8fused}[part]()
+             "fp8fused": part_fp8fused, "onepass": lambda: part_onepass(args.steps)}[part]()
         except Exception as exc:  # noqa: BLE001
             import traceback
 

@@ -26,7 +26,7 @@ SPLIT_BACKWARD = ("zb-h1",)
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 # fp8: the blocks' linear layers multiply in float8 (torchao's float8 training), scaled per
 # tensor or per row; everything else is bf16 with fp32 masters (plait.parallel.fp8).
-FP8_SCALINGS = ("tensorwise", "rowwise")
+FP8_SCALINGS = ("tensorwise", "rowwise", "tensorwise-fast")
 # A linear fp8 converts has both dimensions of its weight in multiples of this (the float8
 # kernels' tile); any other stays bf16.
 FLOAT8_TILE = 16
@@ -42,7 +42,7 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ZERO_STAGES = (0, 1, 2, 3)
 # AdamW's kernels: one fused kernel over every tensor (where torch has one for the device),
 # torch's multi-tensor foreach path, or its per-tensor loop.
-OPTIMIZER_KERNELS = ("fused", "foreach", "loop")
+OPTIMIZER_KERNELS = ("fused", "foreach", "loop", "compiled")
 # Axes the layout names but training does not run yet: refused, never ignored.
 # Context parallelism's attention kinds (plait.parallel.context): K/V passed round a ring of
 # send/recv, or all-to-all from sequence shards to head shards (DeepSpeed-Ulysses).
@@ -276,6 +276,20 @@ def check_precision(precision: str, reduce_dtype: str = "") -> None:
     check_choice("precision", precision, PRECISIONS)
     if reduce_dtype:
         check_choice("reduce-dtype", reduce_dtype, REDUCE_DTYPES)
+
+
+def check_optimizer_kernel(kernel: str, precision: str, offload: bool) -> None:
+    """AdamW's kernel; `compiled` fuses the 16-bit weights' three update passes into one
+    (plait.parallel.compiled_update), so it needs 16-bit weights with masters on the device."""
+    check_choice("optimizer-kernel", kernel, OPTIMIZER_KERNELS)
+    if kernel != "compiled":
+        return
+    if precision == "fp32":
+        raise PlaitError("--optimizer-kernel compiled steps fp32 masters of 16-bit weights",
+                         hint="use it with --precision bf16, fp16 or fp8; fp32 weights take one fused pass already")
+    if offload:
+        raise PlaitError("--optimizer-kernel compiled steps the masters on the device; --offload steps them on the host",
+                         hint="drop one of the two")
 
 
 def check_fp8(layout: Any, scaling: str = FP8_SCALINGS[0]) -> None:

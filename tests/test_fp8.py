@@ -106,3 +106,19 @@ def test_plait_train_refuses_fp8_under_tp_before_spawning():
     lines = proc.stderr.strip().splitlines()
     assert lines[0].startswith("plait: error: --precision fp8 with --tp 2"), proc.stderr
     assert "Traceback" not in proc.stderr and "spawn" not in proc.stdout.lower()
+
+
+def test_tensorwise_fast_accumulates_fast_in_all_three_products():
+    """torchao's tensorwise recipe accumulates fast in the forward's product only; tensorwise-fast
+    in the input gradient's and the weight gradient's too, with the same scales."""
+    pytest.importorskip("torchao")
+    from plait.parallel.fp8 import _torchao
+
+    def fast(scaling: str) -> tuple[bool, ...]:
+        config = _torchao(scaling)[0]
+        return tuple(getattr(config, f"gemm_config_{name}").use_fast_accum
+                     for name in ("output", "grad_input", "grad_weight"))
+
+    assert fast("tensorwise") == (True, False, False)
+    assert fast("tensorwise-fast") == (True, True, True)
+    assert _torchao("tensorwise-fast")[0].cast_config_input == _torchao("tensorwise")[0].cast_config_input

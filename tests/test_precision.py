@@ -222,3 +222,50 @@ def test_the_clip_factor_is_applied_once_inside_the_fused_kernel_or_by_one_multi
     for master, r in zip(optimizer.masters.values(), reference):
         torch.testing.assert_close(master, r, rtol=1e-6, atol=1e-7)
     assert masters._folds_grad_scale(optimizer.inner) == (kernel == "fused")
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_compiled_update_steps_as_torchs_fused_adamw_in_one_pass(compiled):
+    """--optimizer-kernel compiled (plait.parallel.compiled_update): bf16 weights, fp32
+    masters, a decayed and an undecayed group, the clip factor read with the gradient. Torch's
+    fused kernel takes the first step (it makes the state); from then on the one pass does,
+    eagerly and compiled by Inductor (C++ here), and steps the masters as torch's fused AdamW
+    does (within fp32 rounding) and writes each weight as its master rounded to bf16."""
+    from plait.parallel import compiled_update
+
+    torch.manual_seed(0)
+    weights = [torch.randn(16, 8), torch.randn(8), torch.randn(24)]
+    groups = lambda ps: [{"params": ps[:1]}, {"params": ps[1:], "weight_decay": 0.0}]  # noqa: E731
+    ours = [torch.nn.Parameter(w.to(torch.bfloat16)) for w in weights]
+    theirs = [torch.nn.Parameter(w.to(torch.bfloat16)) for w in weights]
+    kwargs = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    optimizer = MasterOptimizer(groups(ours), torch.optim.AdamW, compiled_update=True, **kwargs)
+    if not compiled:
+        optimizer.compiled.compiled = compiled_update.adamw_pass
+    reference = MasterOptimizer(groups(theirs), torch.optim.AdamW, **kwargs)
+    for _ in range(4):
+        for p, q in zip(ours, theirs):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        optimizer.grad_scale = reference.grad_scale = 0.37
+        optimizer.step()
+        reference.step()
+        assert all(master.grad is None for master in optimizer.masters.values())  # no fp32 gradient kept
+    assert optimizer.compiled.steps == 3 and optimizer.grad_scale == 1.0
+    for (param, master), ref in zip(optimizer.masters.items(), reference.masters.values()):
+        torch.testing.assert_close(master, ref, rtol=1e-6, atol=1e-7)
+        assert torch.equal(param, master.to(torch.bfloat16))
+    steps = [float(s["step"]) for s in optimizer.inner.state.values()]
+    assert steps == [4.0] * 3  # torch's state, stepped: checkpoints read it as ever
+
+
+def test_the_compiled_update_is_refused_where_nothing_is_fused():
+    from plait.rules import check_optimizer_kernel
+
+    with pytest.raises(PlaitError, match="16-bit weights"):
+        check_optimizer_kernel("compiled", "fp32", False)
+    with pytest.raises(PlaitError, match="--offload steps them on the host"):
+        check_optimizer_kernel("compiled", "bf16", True)
+    check_optimizer_kernel("compiled", "fp8", False)
+    with pytest.raises(PlaitError, match="fp32 masters of 16-bit weights"):
+        build_optimizer(build_gpt(TINY, 0), torch.optim.AdamW, compiled_update=True, lr=1e-3)

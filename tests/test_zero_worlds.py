@@ -28,7 +28,7 @@ from plait.estimate.layout import Workload, stages
 from plait.estimate.memory import StateBytes, gathered_params
 from plait.estimate.traffic import dp_traffic
 from plait.models.gpt.config import get_preset
-from tests.worlds.zero_common import padded_state_bytes, paper_states
+from tests.worlds.zero_common import STEPS, padded_state_bytes, paper_states
 from plait.runtime.comm import ring_wire_bytes
 from tests.worldlib import run_world
 
@@ -54,7 +54,7 @@ def world(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
 def _bytes(run: dict[str, Any]) -> tuple[int, int, int]:
     """Bytes per element of parameters, gradients and optimizer state (K) for a run."""
     b = 2 if "bfloat16" in run["dtype"] else 4
-    k = 8 if run["optim"] == "adamw" else 4  # Adam: m, v; SGD: momentum
+    k = 8 if run["optim"].startswith("adamw") else 4  # Adam: m, v; SGD: momentum
     if b == 2 or run["offload"]:
         k += 4  # the fp32 master copy of the shard
     return b, b, k
@@ -67,6 +67,8 @@ def test_parity_with_one_process(world: list[dict[str, Any]]) -> None:
         assert run["norm_excess"] <= 0, (name, run["norms"])
         if "param_excess" in run:  # all but bf16 AdamW (a rounding tip moves a parameter by ±lr)
             assert run["param_excess"] <= 0, (name, run["param_excess"])
+    compiled = {name: run["compiled_steps"] for name, run in runs.items() if run["optim"] == "adamw-compiled"}
+    assert compiled == ({} if world[0]["n"] == 4 else {f"gpt-bf16-adamw-compiled-z{s}": STEPS - 1 for s in (1, 3)})
     stages = {(r["stage"], r["accum"], r["offload"]) for r in runs.values() if r["optim"] == "sgd"}
     if world[0]["n"] == 2:  # every stage, with and without accumulation and offload
         assert {(s, a, o) for s in (1, 2, 3) for a, o in ((1, False), (2, False), (2, True))} <= stages

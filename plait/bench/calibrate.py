@@ -488,7 +488,8 @@ def _flat_adamw(params: int, device: torch.device, optimizer_kernel: str, precis
     kwargs = dict(lr=1e-3, weight_decay=0.1, **adamw_kernel(optimizer_kernel, device))
     if dtype == torch.float32:
         return holder, torch.optim.AdamW(holder.parameters(), **kwargs)
-    return holder, MasterOptimizer([{"params": list(holder.parameters())}], torch.optim.AdamW, **kwargs)
+    return holder, MasterOptimizer([{"params": list(holder.parameters())}], torch.optim.AdamW,
+                                   compiled_update=optimizer_kernel == "compiled", **kwargs)
 
 
 def _gradient_checks(mesh: Mesh, model: torch.nn.Module,

@@ -284,6 +284,8 @@ def adamw_kernel(kernel: str, device: torch.device) -> dict[str, Any]:
     Fused rounds a few last bits differently from the loop; every parity test holds with it,
     since one process and the layouts then run the same kernel."""
     check_choice("optimizer-kernel", kernel, OPTIMIZER_KERNELS)
+    if kernel == "compiled":  # torch's fused kernel takes the steps the compiled pass does not (compiled_update.py)
+        kernel = "fused"
     if kernel == "fused" and _has_fused_adamw(device.type):
         return {"fused": True}
     if kernel == "fused":
@@ -300,7 +302,7 @@ def _has_fused_adamw(device_type: str) -> bool:
     return True
 
 
-def build_optimizer(model: nn.Module, optimizer_class: type[torch.optim.Optimizer],
+def build_optimizer(model: nn.Module, optimizer_class: type[torch.optim.Optimizer], compiled_update: bool = False,
                     **kwargs: Any) -> torch.optim.Optimizer:
     """Build `optimizer_class` over `model`'s parameters, the way the strategies need it.
 
@@ -310,6 +312,8 @@ def build_optimizer(model: nn.Module, optimizer_class: type[torch.optim.Optimize
     backward makes them again).
     With ZeRO, the result is a `ZeroOptimizer`: the same groups, over this rank's shards.
     Without ZeRO, 16-bit parameters get a `MasterOptimizer`: the same groups, over fp32 masters.
+    `compiled_update` (`--optimizer-kernel compiled`) has either step its masters and 16-bit
+    weights in one compiled pass (plait.parallel.compiled_update); it needs 16-bit weights.
     """
     sync = zero_of(model)
     params = sync.params if sync is not None else [p for p in model.parameters() if p.requires_grad]
@@ -321,10 +325,13 @@ def build_optimizer(model: nn.Module, optimizer_class: type[torch.optim.Optimize
         ]
     if sync is not None:
         return ZeroOptimizer(sync, optimizer_class, groups if kwargs.get("weight_decay") else [{"params": params}],
-                             **kwargs)
+                             compiled_update=compiled_update, **kwargs)
     if any(p.dtype != torch.float32 for p in params):
         optimizer = MasterOptimizer(groups if kwargs.get("weight_decay") else [{"params": params}],
-                                    optimizer_class, **kwargs)
+                                    optimizer_class, compiled_update=compiled_update, **kwargs)
+    elif compiled_update:
+        raise PlaitError("--optimizer-kernel compiled steps fp32 masters of 16-bit weights",
+                         hint="use it with --precision bf16, fp16 or fp8; fp32 weights take one fused pass already")
     else:
         optimizer = optimizer_class(groups, **kwargs)
     ddp = grad_sync(model)

@@ -4,7 +4,10 @@
 Adam state: plait.parallel.precision) whose block linears run their three products (output,
 input gradient, weight gradient) in float8: e4m3 for the input and weight, e5m2 for the
 output gradient, each cast with a scale from its own largest value, per tensor
-("tensorwise", the faster cuBLAS kernel) or per row ("rowwise", more accurate). This is
+("tensorwise", the faster cuBLAS kernel) or per row ("rowwise", more accurate);
+"tensorwise-fast" also accumulates the two backward products the fast way (Hopper's float8
+units add partial sums in lower precision; torchao's recipe does so for the forward's product
+alone), about 4% off a forward and backward of the 1 B model on an H200. This is
 torchao's float8 training (`Float8Linear`); plait swaps the modules and leaves the rest as
 bf16 training has it:
 
@@ -26,6 +29,7 @@ refused (plait.rules.check_fp8).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 
@@ -85,4 +89,11 @@ def _torchao(scaling: str) -> tuple:
     finally:
         for logger, level in zip(quiet, levels):
             logger.setLevel(level)
-    return Float8LinearConfig.from_recipe_name(scaling), convert_to_float8_training, Float8Linear
+    if scaling != "tensorwise-fast":
+        return Float8LinearConfig.from_recipe_name(scaling), convert_to_float8_training, Float8Linear
+    from torchao.float8.config import Float8GemmConfig
+
+    fast = Float8GemmConfig(use_fast_accum=True)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name("tensorwise"), gemm_config_output=fast,
+                                 gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
+    return config, convert_to_float8_training, Float8Linear

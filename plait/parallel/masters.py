@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.parallel.compiled_update import CompiledAdamW, Slot
 from plait.parallel.data.sync import grad_sync
 
 
@@ -73,7 +74,8 @@ class _MasterState(Mapping):
 class MasterOptimizer(torch.optim.Optimizer):
     """`optimizer_class` stepping fp32 masters of 16-bit parameters; looks like any optimizer."""
 
-    def __init__(self, groups: list[dict[str, Any]], optimizer_class: type[torch.optim.Optimizer], **kwargs: Any):
+    def __init__(self, groups: list[dict[str, Any]], optimizer_class: type[torch.optim.Optimizer],
+                 compiled_update: bool = False, **kwargs: Any):
         self.masters: dict[nn.Parameter, nn.Parameter] = {}
         for group in groups:
             for param in group["params"]:
@@ -84,6 +86,7 @@ class MasterOptimizer(torch.optim.Optimizer):
         self.param_groups = self.inner.param_groups
         self.state = _MasterState(self)  # type: ignore[assignment]
         self.grad_scale = 1.0  # set by precision.StepGuard before each step
+        self.compiled = CompiledAdamW(self.inner) if compiled_update else None  # --optimizer-kernel compiled
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
@@ -91,6 +94,10 @@ class MasterOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.compiled is not None and self.compiled.step(
+                [Slot(master, param, param.grad) for param, master in self.masters.items()], self.grad_scale):
+            self.grad_scale = 1.0
+            return loss
         for param, master in self.masters.items():
             master.grad = None if param.grad is None else param.grad.to(torch.float32, copy=True)
         step_scaled(self.inner, [m.grad for m in self.masters.values() if m.grad is not None], self.grad_scale)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import plait
+from plait.parallel.compiled_update import adamw_pass
 from plait.models.gpt.config import get_preset
 from plait.models.gpt.model import build_gpt
 from plait.parallel.clip import clip_grad_norm
@@ -95,6 +96,10 @@ def loss_fn(model: nn.Module, rows: torch.Tensor, kind: str) -> torch.Tensor:
 def make_optimizer(model: nn.Module, optim: str) -> torch.optim.Optimizer:
     if optim == "adamw":
         return plait.build_optimizer(model, torch.optim.AdamW, lr=ADAM_LR, weight_decay=0.1)
+    if optim == "adamw-compiled":  # --optimizer-kernel compiled's pass, run eagerly: its arithmetic and wiring
+        optimizer = plait.build_optimizer(model, torch.optim.AdamW, lr=ADAM_LR, weight_decay=0.1, compiled_update=True)
+        optimizer.compiled.compiled = adamw_pass  # Inductor's C++ build is the unit test's (tests/test_precision.py)
+        return optimizer
     return plait.build_optimizer(model, torch.optim.SGD, lr=0.5, momentum=0.9, weight_decay=0.1)
 
 
@@ -155,6 +160,7 @@ def run_plait(mesh: Any, *, stage: int, kind: str = "gpt", accum: int = 1, offlo
     out = train(mesh, model, optimizer, batches(kind, steps), kind=kind, accum=accum)
     out.update(stage=stage, kind=kind, accum=accum, offload=offload, optim=optim, dtype=str(dtype),
                prefetch=prefetch, reshard=reshard)
+    out["compiled_steps"] = optimizer.compiled.steps if getattr(optimizer, "compiled", None) else 0
     sync = zero_of(model)
     out["groups"] = [sum(g.sizes) for g in sync.groups] if sync else []
     out["num_params"] = sum(out["groups"]) if sync else sum(p.numel() for p in model.parameters())

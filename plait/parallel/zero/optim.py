@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.errors import PlaitError
+from plait.parallel.compiled_update import CompiledAdamW, Slot
 from plait.parallel.masters import step_scaled
 from plait.parallel.pieces import Piece, logical_blocks, param_pieces, writes_its_part, writes_scalars
 from plait.parallel.pipeline.split import logical_parameters
@@ -131,7 +133,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, sync: Any, optimizer_class: type[torch.optim.Optimizer], groups: list[dict[str, Any]],
-                 **kwargs: Any):
+                 compiled_update: bool = False, **kwargs: Any):
         self.sync = sync
         self.slices = [OwnedSlice.of(group, sync.offload) for group in sync.groups]
         pieces_of: dict[nn.Parameter, list[nn.Parameter]] = {}
@@ -145,6 +147,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # 16-bit parameters: precision.StepGuard sets this (1 / loss scale × the clip factor)
         # before each step, applied once to the fp32 copy of the gradient. None: fp32, clip in place.
         self.grad_scale: float | None = 1.0 if any(part.holds_more() for part in self.slices) else None
+        # --optimizer-kernel compiled: masters, moments and 16-bit shard in one pass (compiled_update.py)
+        self.compiled = None
+        if compiled_update:
+            if not all(part.holds_more() and not part.offloaded for part in self.slices):
+                raise PlaitError("--optimizer-kernel compiled steps fp32 masters of 16-bit weights on the device",
+                                 hint="use it with --precision bf16, fp16 or fp8 and without --offload")
+            self.compiled = CompiledAdamW(self.inner)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
@@ -152,6 +161,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.compiled is not None and self._compiled_step():
+            self.grad_scale = 1.0
+            self.sync.gather_params()
+            return loss
         for part in self.slices:
             part.bind_grads()
         # 16-bit parameters: every piece's gradient is an fp32 copy, unscaled and clipped by
@@ -164,6 +177,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
             part.write_back()
         self.sync.gather_params()
         return loss
+
+    def _compiled_step(self) -> bool:
+        """The compiled pass over every owned piece, reading the 16-bit gradient shard and
+        writing the 16-bit parameter shard; False where torch's kernel must step instead."""
+        slots = []
+        for part in self.slices:
+            grad, weight = part.group.owned_grad(), part.group.owned_param()
+            for piece, (start, stop) in zip(part.pieces, part.bounds):
+                slots.append(Slot(piece, weight[start:stop], None if grad is None else grad[start:stop]))
+        return self.compiled.step(slots, self.grad_scale)
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - torch's signature
         self.sync.zero_grad()

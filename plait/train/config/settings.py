@@ -84,7 +84,8 @@ class TrainConfig:
                 "fp16 with dynamic loss scaling; fp8 is bf16 whose block linears multiply in float8 "
                 "(torchao; docs/precision.md)"})
     fp8_scaling: str = field(default="tensorwise", metadata={
-        "help": "fp8: each float8 cast scaled by its tensor's largest value (tensorwise) or its row's (rowwise)"})
+        "help": "fp8: each float8 cast scaled by its tensor's largest value (tensorwise) or its row's (rowwise); "
+                "tensorwise-fast: tensorwise with fast accumulation in the backward's products too"})
     reduce_dtype: str = field(default="", metadata={
         "help": "dtype gradients are reduced in over dp: fp32, bf16 or fp16 (default: the gradients' own)"})
     loss_scale: float = field(default=65536.0, metadata={
@@ -118,7 +119,8 @@ class TrainConfig:
                 "KiB, MiB, GiB)"})
     optimizer_kernel: str = field(default="fused", metadata={
         "help": "AdamW's kernel: fused (one kernel over every tensor, where torch has one for the device; else "
-                "foreach on GPUs, loop on CPUs), foreach, or loop (torch's per-tensor loop)"})
+                "foreach on GPUs, loop on CPUs), foreach, loop (torch's per-tensor loop), or compiled (16-bit "
+                "weights: masters, moments and weights in one torch.compile'd pass a tensor, no fp32 gradient copy)"})
     compile: bool = field(default=False, metadata={
         "help": "torch.compile each block's forward (regional compilation; graphs cached on disk for restarts; "
                 "on a CPU it needs a C++ compiler)"})
@@ -330,9 +332,10 @@ def check_strategies(config: TrainConfig) -> None:
         check_fp8_launch(config)
     rules.check_microbatches(layout.schedule, layout.pp, config.grad_accum)
     rules.check_sync_bn_accumulation(config.sync_bn, layout.dp, config.grad_accum)
-    rules.check_choice("optimizer-kernel", config.optimizer_kernel, rules.OPTIMIZER_KERNELS)
+    rules.check_optimizer_kernel(config.optimizer_kernel, config.precision, config.offload)
     if config.compile:
         rules.check_compile(layout.schedule, layout.pp)
+    if config.compile or config.optimizer_kernel == "compiled":
         check_compile_toolchain(config)
 
 
