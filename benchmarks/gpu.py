@@ -1056,6 +1056,69 @@ def part_onepass(steps: int) -> None:
         _flush()
 
 
+def part_updateprof() -> None:
+    """The 1 B model's update alone (no forward): plait bf16 ZeRO-1's clip and step, with
+    torch's fused AdamW and with the compiled kernel, timed phase by phase (synchronised), and
+    the compiled step's device time by kernel."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from update import fake_backward
+
+    from plait.api import parallelize
+    from plait.models.gpt.config import get_preset
+    from plait.models.gpt.model import build_gpt
+    from plait.parallel.compose import ParallelConfig, build_optimizer
+    from plait.parallel.precision import StepGuard
+    from plait.runtime.env import ProcessEnv
+    from plait.runtime.mesh import init_mesh
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    mesh = init_mesh(zero=1, env=ProcessEnv("single", 0, 1, 0, "127.0.0.1", 29531))
+    out: dict[str, Any] = {}
+    for kernel in ("compiled", "fused"):
+        torch.manual_seed(0)
+        model = parallelize(build_gpt(get_preset(BIG), 0).to(mesh.device, torch.bfloat16), mesh, ParallelConfig())
+        opt = build_optimizer(model, torch.optim.AdamW, lr=1e-4, weight_decay=0.1, fused=True,
+                              compiled_update=kernel == "compiled")
+        guard = StepGuard("bf16", mesh.axis("world"), mesh.device)
+        weights = [torch.randn_like(p) for p in model.parameters()]
+        clip_t, step_t = [], []
+        for step in range(8):
+            opt.zero_grad()
+            fake_backward(model, weights)
+            sync()
+            start = time.perf_counter()
+            guard.clip(step, model, opt, 1.0, 1.0)
+            sync()
+            mid = time.perf_counter()
+            opt.step()
+            sync()
+            clip_t.append(mid - start)
+            step_t.append(time.perf_counter() - mid)
+        opt.zero_grad()
+        fake_backward(model, weights)
+        sync()
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            guard.clip(9, model, opt, 1.0, 1.0)
+            opt.step()
+            sync()
+        events = sorted(prof.key_averages(), key=lambda e: -getattr(e, "device_time_total", 0))[:14]
+        out[kernel] = {"clip_ms": 1e3 * statistics.median(clip_t[3:]), "step_ms": 1e3 * statistics.median(step_t[3:]),
+                       "first_steps_ms": [round(1e3 * t, 1) for t in step_t[:3]],
+                       "compiled_steps": getattr(getattr(opt, "compiled", None), "steps", None),
+                       "top": [(e.key[:90], e.count, round(getattr(e, "device_time_total", 0) / 1e3, 3),
+                                round(e.cpu_time_total / 1e3, 3)) for e in events]}
+        log(json.dumps(out[kernel]))
+        RESULTS["updateprof"] = out
+        _flush()
+        del model, opt, weights
+        if cuda:
+            torch.cuda.empty_cache()
+
+
 def table() -> str:
     lines = []
     gib = 2 ** 30
@@ -1189,7 +1252,8 @@ def main() -> None:
              "profile": part_profile, "gemmdata": part_gemmdata, "fp8curve": lambda: part_fp8curve(args.steps),
              "fp8speed": lambda: part_fp8speed(15), "fp8profile": part_fp8profile, "fp8layouts": part_fp8layouts,
              "metabuild": part_metabuild, "calib": lambda: part_calib(args.steps), "moeprofile": part_moeprofile,
-             "fp8fused": part_fp8fused, "onepass": lambda: part_onepass(args.steps)}[part]()
+             "fp8fused": part_fp8fused, "onepass": lambda: part_onepass(args.steps),
+             "updateprof": part_updateprof}[part]()
         except Exception as exc:  # noqa: BLE001
             import traceback
 
