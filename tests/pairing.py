@@ -19,6 +19,15 @@ unmarked test and replays them (`pytest_report_from_serializable`, as pytest-xdi
 counts, failures and durations read as one run. A file the second process claimed but did
 not report (it crashed, or was stopped) fails here, naming why.
 
+Each of the two runs torch's operators on half the cores' threads while both run (the main
+process takes its own back for the worlds), as plait gives each rank its share: with every
+core's thread in each, the two processes' OpenMP threads outnumber the cores, and a parallel
+region waits at its barrier for a thread the scheduler has parked. Two processes each
+stepping plait's tiny GPT at once took 12-184 ms a step with 2 threads each, 5-8 ms with one
+(this 2-core host, idle otherwise). The paired files do little such work: their two halves,
+run side by side, took the same with either (108.7 and 89.7 s, 110.8 and 92.8 s) on the idle
+host; on the host busy with other jobs, 400 and 308 s with 2 threads, 356 and 232 s with one.
+
 Engaged only for a run of the suite or a folder of it (as the worlds' pool starts);
 PLAIT_TEST_PAIR=0 turns it off. A test of a marked file that starts a world or a command
 fails (tests/worldlib.py asks `starting_processes`): the mark would then be a lie.
@@ -69,6 +78,7 @@ class Pairing:
         self.child: subprocess.Popen | None = None
         self.replayed = False
         self.ran = False  # the test loop began: an interrupted or failed collection replays nothing
+        self.threads: int | None = None  # main: torch's threads before the pair shared the cores
 
     def claim(self, path: str) -> bool:
         if path not in self.claimed:
@@ -91,6 +101,8 @@ class Pairing:
                                               stderr=subprocess.STDOUT)
             except OSError:  # no second process: this one claims every file as it reaches it
                 self.child = None
+        if self.child is not None:
+            self.threads = _share_the_cores()
 
     def replay(self) -> None:
         """Wait for the second process, then report its tests here, in their order."""
@@ -102,6 +114,7 @@ class Pairing:
         except subprocess.TimeoutExpired:
             self.child.kill()
             code = self.child.wait()
+        _set_threads(self.threads)  # the cores are this process's again
         reports: dict[str, list] = {}
         path = self.folder / "reports.jsonl"
         for line in path.read_text().splitlines() if path.exists() else []:
@@ -127,6 +140,23 @@ class Pairing:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+def _share_the_cores() -> int:
+    """Run torch's operators on half this process's threads (one of two processes on the
+    cores); returns how many it had."""
+    import torch
+
+    threads = torch.get_num_threads()
+    _set_threads(max(1, threads // 2))
+    return threads
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def _engaged(config: pytest.Config) -> bool:
     args = config.args
     return os.environ.get("PLAIT_TEST_PAIR", "1") != "0" and bool(args) and all(os.path.isdir(arg) for arg in args)
@@ -138,6 +168,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get(CHILD):
         config.stash[_KEY] = Pairing(config, Path(os.environ[CHILD]), main=False)
         _SECOND[:] = [config.stash[_KEY]]
+        _share_the_cores()  # for its whole life: it runs only while the main process runs marked files
 
 
 _KEY = pytest.StashKey[Pairing]()
