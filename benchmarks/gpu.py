@@ -1058,8 +1058,8 @@ def part_onepass(steps: int) -> None:
 
 def part_updateprof() -> None:
     """The 1 B model's update alone (no forward): plait bf16 ZeRO-1's clip and step, with
-    torch's fused AdamW and with the compiled kernel, timed phase by phase (synchronised), and
-    the compiled step's device time by kernel."""
+    torch's fused AdamW, the compiled kernel, and the compiled kernel with Inductor's combo
+    kernels, timed phase by phase (synchronised), and each step's device time by kernel."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -1078,11 +1078,18 @@ def part_updateprof() -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     mesh = init_mesh(zero=1, env=ProcessEnv("single", 0, 1, 0, "127.0.0.1", 29531))
     out: dict[str, Any] = {}
-    for kernel in ("compiled", "fused"):
+    from plait.parallel import compiled_update
+
+    plain_compile = compiled_update._compile
+    for kernel in ("compiled", "compiled, combo kernels", "fused"):
         torch.manual_seed(0)
         model = parallelize(build_gpt(get_preset(BIG), 0).to(mesh.device, torch.bfloat16), mesh, ParallelConfig())
+        # Inductor's combo kernels launch many tensors' pointwise kernels as one: the host's launches
+        # were the compiled step's cost on 2026-12-04 (RESULTS.md)
+        compiled_update._compile = plain_compile if "combo" not in kernel else (
+            lambda fn: torch.compile(fn, fullgraph=True, dynamic=False, options={"combo_kernels": True}))
         opt = build_optimizer(model, torch.optim.AdamW, lr=1e-4, weight_decay=0.1, fused=True,
-                              compiled_update=kernel == "compiled")
+                              compiled_update=kernel.startswith("compiled"))
         guard = StepGuard("bf16", mesh.axis("world"), mesh.device)
         weights = [torch.randn_like(p) for p in model.parameters()]
         clip_t, step_t = [], []

@@ -15,8 +15,11 @@ no fp32 copy of the gradient is ever allocated.
 The arithmetic is torch's AdamW (decoupled decay; bias corrections in fp64), so the state it
 steps is torch's own (`step`, `exp_avg`, `exp_avg_sq`), which checkpoints save and load as
 ever. Rounding differs from torch's fused kernel in the last bits, as torch's own kernels
-differ from each other. The first step, and any step where a tensor has no state or no
-gradient yet, runs torch's kernel, which creates the state.
+differ from each other. Under ZeRO the state is made with the optimizer, each piece's moments
+a view of one flat pair a shard, so that the pass runs over a few long runs (consecutive
+pieces of one group) rather than one tensor a parameter. Without ZeRO, the first step, and
+any step where a tensor has no state or no gradient yet, runs torch's kernel, which makes
+the state.
 """
 
 from __future__ import annotations
@@ -38,6 +41,21 @@ class Slot:
     master: torch.Tensor
     weight: torch.Tensor
     grad: torch.Tensor
+
+
+@dataclass
+class FlatPart:
+    """A ZeRO shard stepped as few long runs instead of one tensor a parameter: its flat fp32
+    master, 16-bit weight and gradient, and the pieces (views of the master, each a parameter
+    of the optimizer) at their bounds. Fewer tensors is fewer launches and guards for the host
+    to issue, which bound the per-piece pass's wall time on an H200 (RESULTS.md, GPU section,
+    2026-12-04, second)."""
+
+    master: torch.Tensor
+    weight: torch.Tensor
+    grad: torch.Tensor | None
+    pieces: Sequence[torch.Tensor]
+    bounds: Sequence[tuple[int, int]]
 
 
 def unsupported(optimizer: torch.optim.Optimizer) -> str | None:
@@ -85,6 +103,9 @@ class CompiledAdamW:
         self.optimizer = optimizer
         self.compiled = (compile_fn or _compile)(adamw_pass)
         self.steps = 0  # compiled steps taken: what tests and logs read
+        self.tensors = 0  # how many tensors (runs, for flat parts) the last compiled step passed over
+        self._index: dict[int, dict] = {}
+        self._index_shape: list[int] = []
 
     def step(self, slots: Sequence[Slot], scale: float) -> bool:
         """One update of every slot, the gradients times `scale`; False (nothing done) where
@@ -109,6 +130,74 @@ class CompiledAdamW:
                           [decay] * len(members), hyper, steps[0].to(device), float(beta1), float(beta2),
                           float(group["eps"]))
         self.steps += 1
+        self.tensors = len(slots)
+        return True
+
+    def own_flat_state(self, parts: Sequence[FlatPart]) -> None:
+        """Make each piece's state now, as torch's AdamW would at its first step (zero
+        moments, step 0), with the moments as views of one flat pair a part: consecutive
+        pieces of a group are then one run for `step_flat`, with no copy at any step."""
+        state = self.optimizer.state
+        for part in parts:
+            avg, square = torch.zeros_like(part.master), torch.zeros_like(part.master)
+            for piece, (start, stop) in zip(part.pieces, part.bounds):
+                group = self._group_of(piece)
+                on_device = group is not None and (group.get("fused") or group.get("capturable"))
+                step = torch.zeros((), dtype=torch.float32, device=piece.device if on_device else "cpu")
+                state[piece] = {"step": step, "exp_avg": avg[start:stop].view_as(piece),
+                                "exp_avg_sq": square[start:stop].view_as(piece)}
+
+    def step_flat(self, parts: Sequence[FlatPart], scale: float) -> bool:
+        """`step` over runs: each run is consecutive pieces of one group whose moments lie
+        consecutively in one flat pair (as `own_flat_state` made them; a state loaded as
+        new tensors makes a piece its own run). False where torch's kernel must step."""
+        state = self.optimizer.state
+        slots: list[Slot] = []
+        keys: list[list[torch.Tensor]] = []
+        for part in parts:
+            if part.grad is None or any(not state.get(piece) for piece in part.pieces):
+                return False
+            for run in _runs(part, state, self._group_of):
+                first, last = run[0], run[-1]
+                start, stop = part.bounds[first][0], part.bounds[last][1]
+                slots.append(Slot(part.master[start:stop], part.weight[start:stop], part.grad[start:stop]))
+                keys.append([part.pieces[i] for i in run])
+        return self._step_runs(slots, keys, scale)
+
+    def _group_of(self, param: torch.Tensor) -> dict | None:
+        """The optimizer's group holding `param` (None if none does); the index is rebuilt
+        when the groups change."""
+        groups = self.optimizer.param_groups
+        shape = [len(g["params"]) for g in groups]
+        if self._index_shape != shape:
+            self._index = {id(p): g for g in groups for p in g["params"]}
+            self._index_shape = shape
+        return self._index.get(id(param))
+
+    def _step_runs(self, slots: list[Slot], keys: list[list[torch.Tensor]], scale: float) -> bool:
+        """Each run under its group: the moments are the first key's state widened to the run."""
+        state = self.optimizer.state
+        by_group: dict[int, list[int]] = {}
+        for i, run_keys in enumerate(keys):
+            group = self._group_of(run_keys[0])
+            if group is None:
+                return False
+            by_group.setdefault(next(j for j, g in enumerate(self.optimizer.param_groups) if g is group), []).append(i)
+        for at in sorted(by_group):
+            group, members = self.optimizer.param_groups[at], by_group[at]
+            steps = [state[key]["step"] for i in members for key in keys[i]]
+            torch._foreach_add_(steps, 1.0)
+            device = slots[members[0]].master.device
+            hyper = torch.tensor([float(group["lr"]), scale], dtype=torch.float64).to(device, non_blocking=True)
+            beta1, beta2 = group["betas"]
+            decay = float(group.get("weight_decay", 0.0)) if type(self.optimizer) is torch.optim.AdamW else 0.0
+            avgs = [_widened(state[keys[i][0]]["exp_avg"], slots[i].master.numel()) for i in members]
+            squares = [_widened(state[keys[i][0]]["exp_avg_sq"], slots[i].master.numel()) for i in members]
+            self.compiled([slots[i].master for i in members], [slots[i].weight for i in members],
+                          [slots[i].grad for i in members], avgs, squares, [decay] * len(members), hyper,
+                          steps[0].to(device), float(beta1), float(beta2), float(group["eps"]))
+        self.steps += 1
+        self.tensors = len(slots)
         return True
 
     def _by_group(self, slots: Sequence[Slot]) -> list[tuple[dict, list[Slot]]] | None:
@@ -122,6 +211,34 @@ class CompiledAdamW:
                 return None
             members.setdefault(at, []).append(slot)
         return [(self.optimizer.param_groups[i], members[i]) for i in sorted(members)]
+
+
+def _runs(part: FlatPart, state: dict, group_of: Callable[[torch.Tensor], dict | None]) -> list[list[int]]:
+    """The part's pieces cut into runs: consecutive in the shard, under one group, and with
+    each moment continuing the previous piece's in memory."""
+    runs: list[list[int]] = []
+    for i, piece in enumerate(part.pieces):
+        if runs:
+            prev = runs[-1][-1]
+            joins = (part.bounds[prev][1] == part.bounds[i][0] and group_of(part.pieces[prev]) is group_of(piece)
+                     and all(_follows(state[part.pieces[prev]][k], state[piece][k]) for k in ("exp_avg", "exp_avg_sq")))
+            if joins:
+                runs[-1].append(i)
+                continue
+        runs.append([i])
+    return runs
+
+
+def _follows(before: torch.Tensor, after: torch.Tensor) -> bool:
+    """`after` starts where `before` ends, in one storage."""
+    return (before.untyped_storage().data_ptr() == after.untyped_storage().data_ptr()
+            and before.is_contiguous() and after.is_contiguous()
+            and before.data_ptr() + before.numel() * before.element_size() == after.data_ptr())
+
+
+def _widened(first: torch.Tensor, numel: int) -> torch.Tensor:
+    """The run's moment: `numel` elements of the flat storage from where `first` starts."""
+    return first.reshape(-1).as_strided((numel,), (1,))
 
 
 def _compile(fn: Callable[..., None]) -> Callable[..., None]:

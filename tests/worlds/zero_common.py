@@ -161,6 +161,8 @@ def run_plait(mesh: Any, *, stage: int, kind: str = "gpt", accum: int = 1, offlo
     out.update(stage=stage, kind=kind, accum=accum, offload=offload, optim=optim, dtype=str(dtype),
                prefetch=prefetch, reshard=reshard)
     out["compiled_steps"] = optimizer.compiled.steps if getattr(optimizer, "compiled", None) else 0
+    out["compiled_tensors"] = optimizer.compiled.tensors if getattr(optimizer, "compiled", None) else 0
+    out["pieces"] = sum(len(part.pieces) for part in getattr(optimizer, "slices", []))
     sync = zero_of(model)
     out["groups"] = [sum(g.sizes) for g in sync.groups] if sync else []
     out["num_params"] = sum(out["groups"]) if sync else sum(p.numel() for p in model.parameters())

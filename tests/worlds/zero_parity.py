@@ -42,8 +42,9 @@ N2 = [
     *[(f"mlp-adamw-z{s}", {"stage": s, "kind": "mlp", "bucket_mb": 3e-4}, "mlp-adamw") for s in (1, 2, 3)],
     *[(f"gpt-bf16-adamw-z{s}", {"stage": s, "dtype": BF16}, "gpt-bf16-adamw") for s in (1, 2, 3)],
     *[(f"gpt-bf16-sgd-z{s}", {"stage": s, "dtype": BF16, "optim": "sgd"}, "gpt-bf16-sgd") for s in (1, 2, 3)],
-    *[(f"gpt-bf16-adamw-compiled-z{s}", {"stage": s, "dtype": BF16, "optim": "adamw-compiled"}, "gpt-bf16-adamw")
-      for s in (1, 3)],
+    # one flat group a rank (bucket 1 MB), so the compiled pass has runs of pieces to join
+    *[(f"gpt-bf16-adamw-compiled-z{s}", {"stage": s, "dtype": BF16, "optim": "adamw-compiled", "bucket_mb": 1.0},
+       "gpt-bf16-adamw") for s in (1, 3)],
     # ZeRO-3's gathers, tuned: prefetch depth 0, 1, 2 and units kept from forward to backward
     *[(f"deep-adamw-z3-prefetch{d}", {"stage": 3, "kind": "deep", "prefetch": d}, "deep-adamw") for d in (0, 1, 2)],
     ("deep-adamw-z3-keep", {"stage": 3, "kind": "deep", "reshard": False}, "deep-adamw"),

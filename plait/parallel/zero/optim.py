@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from plait.errors import PlaitError
-from plait.parallel.compiled_update import CompiledAdamW, Slot
+from plait.parallel.compiled_update import CompiledAdamW, FlatPart
 from plait.parallel.masters import step_scaled
 from plait.parallel.pieces import Piece, logical_blocks, param_pieces, writes_its_part, writes_scalars
 from plait.parallel.pipeline.split import logical_parameters
@@ -154,6 +154,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 raise PlaitError("--optimizer-kernel compiled steps fp32 masters of 16-bit weights on the device",
                                  hint="use it with --precision bf16, fp16 or fp8 and without --offload")
             self.compiled = CompiledAdamW(self.inner)
+            self.compiled.own_flat_state(self._flat_parts())
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
@@ -179,14 +180,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return loss
 
     def _compiled_step(self) -> bool:
-        """The compiled pass over every owned piece, reading the 16-bit gradient shard and
-        writing the 16-bit parameter shard; False where torch's kernel must step instead."""
-        slots = []
-        for part in self.slices:
-            grad, weight = part.group.owned_grad(), part.group.owned_param()
-            for piece, (start, stop) in zip(part.pieces, part.bounds):
-                slots.append(Slot(piece, weight[start:stop], None if grad is None else grad[start:stop]))
-        return self.compiled.step(slots, self.grad_scale)
+        """The compiled pass over the owned shards' runs, reading the 16-bit gradient shard
+        and writing the 16-bit parameter shard; False where torch's kernel must step instead."""
+        return self.compiled.step_flat(self._flat_parts(), self.grad_scale)
+
+    def _flat_parts(self) -> list[FlatPart]:
+        return [FlatPart(part.master, part.group.owned_param(), part.group.owned_grad(), part.pieces, part.bounds)
+                for part in self.slices]
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - torch's signature
         self.sync.zero_grad()
