@@ -142,7 +142,9 @@ class CompiledAdamW:
             avg, square = torch.zeros_like(part.master), torch.zeros_like(part.master)
             for piece, (start, stop) in zip(part.pieces, part.bounds):
                 group = self._group_of(piece)
-                on_device = group is not None and (group.get("fused") or group.get("capturable"))
+                if group is None:  # a frozen parameter's piece: no state, never stepped
+                    continue
+                on_device = group.get("fused") or group.get("capturable")
                 step = torch.zeros((), dtype=torch.float32, device=piece.device if on_device else "cpu")
                 state[piece] = {"step": step, "exp_avg": avg[start:stop].view_as(piece),
                                 "exp_avg_sq": square[start:stop].view_as(piece)}
@@ -155,7 +157,8 @@ class CompiledAdamW:
         slots: list[Slot] = []
         keys: list[list[torch.Tensor]] = []
         for part in parts:
-            if part.grad is None or any(not state.get(piece) for piece in part.pieces):
+            stepped = [piece for piece in part.pieces if self._group_of(piece) is not None]
+            if part.grad is None or any(not state.get(piece) for piece in stepped):
                 return False
             for run in _runs(part, state, self._group_of):
                 first, last = run[0], run[-1]
@@ -218,7 +221,10 @@ def _runs(part: FlatPart, state: dict, group_of: Callable[[torch.Tensor], dict |
     each moment continuing the previous piece's in memory."""
     runs: list[list[int]] = []
     for i, piece in enumerate(part.pieces):
-        if runs:
+        if group_of(piece) is None:  # frozen: a gap no run crosses
+            runs.append([])
+            continue
+        if runs and runs[-1]:
             prev = runs[-1][-1]
             joins = (part.bounds[prev][1] == part.bounds[i][0] and group_of(part.pieces[prev]) is group_of(piece)
                      and all(_follows(state[part.pieces[prev]][k], state[piece][k]) for k in ("exp_avg", "exp_avg_sq")))
@@ -226,7 +232,7 @@ def _runs(part: FlatPart, state: dict, group_of: Callable[[torch.Tensor], dict |
                 runs[-1].append(i)
                 continue
         runs.append([i])
-    return runs
+    return [run for run in runs if run]
 
 
 def _follows(before: torch.Tensor, after: torch.Tensor) -> bool:
