@@ -28,6 +28,7 @@ and each all-reduce is one or two numbers: training traffic, in the ledger like 
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -76,12 +77,30 @@ def gradient_squares(model: nn.Module) -> GradientSquares:
     device = held[0][2].device if held else next(model.parameters()).device
     norms = piece_norms([grad.detach() for _, _, grad, _ in held])
     values = torch.stack(norms).square() if norms else torch.zeros(0, dtype=torch.float64, device=device)
+    names, counted, splits = _piece_facts(model, held, device)
+    return GradientSquares(names, values, counted, splits, scaled)
+
+
+_FACTS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()  # gone with its model
+
+
+def _piece_facts(model: nn.Module, held: list[tuple[str, nn.Parameter, torch.Tensor, bool]],
+                 device: torch.device) -> tuple[list[str], torch.Tensor, dict[str, torch.Tensor]]:
+    """(names, counted, splits) of the held pieces: the same every step while the same
+    parameters hold gradients, so made once and kept (by the model, checked against the
+    parameters' identities) rather than rebuilt and copied to the device at every clip."""
+    key = tuple(id(param) for _, param, _, _ in held)  # unique while the model holds them
+    kept = _FACTS.get(model)
+    if kept is not None and kept[0] == key and kept[1][1].device == device:
+        return kept[1]
     counted = torch.tensor([c for *_, c in held], dtype=torch.bool, device=device)
     axes = split_axes(model)
     placements = [placement_of(p) for _, p, _, _ in held] if axes else []
     splits = {axis: torch.tensor([p.split(axis) is not None for p in placements], dtype=torch.bool, device=device)
               for axis in axes}
-    return GradientSquares([name for name, *_ in held], values, counted, splits, scaled)
+    facts = ([name for name, *_ in held], counted, splits)
+    _FACTS[model] = (key, facts)
+    return facts
 
 
 def split_axes(model: nn.Module) -> dict[str, Axis]:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.parallel.zero.shard import FlatGroup, owned_pieces
+from plait.parallel.zero.shard import FlatGroup
 from plait.runtime import comm
 from plait.runtime.comm import Axis
 
@@ -197,9 +197,8 @@ class ZeroSync:
             grad = group.owned_grad()
             if grad is None:
                 continue
-            lo = group.owned()[0]
-            out += [(group.params[i], grad[start - lo:stop - lo])
-                    for i, start, stop in owned_pieces(group.sizes, group.n, group.rank)]
+            lo, pieces = group.owned_layout()
+            out += [(group.params[i], grad[start - lo:stop - lo]) for i, start, stop in pieces]
         return out
 
     def grad_tensors(self) -> list[torch.Tensor]:

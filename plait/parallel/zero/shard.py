@@ -91,6 +91,7 @@ class FlatGroup:
     divisor: int = 0  # what the gradient sum is divided by, when not n (every group's: the whole dp × cp)
     replicate: Axis | None = None  # --dp-shard: the ranks holding the same shard, whose gradients it sums
     companion: "FlatGroup | None" = None  # stage 3: the same unit's next group (another axis), gathered with it
+    _owned_layout: tuple[int, list[tuple[int, int, int]]] | None = field(default=None, repr=False)
     locations: list[Location] = field(default_factory=list)  # stage 3: where the params are read
     gathered: bool = True
     gathering: Handle | None = None
@@ -122,6 +123,14 @@ class FlatGroup:
 
     def owned(self) -> tuple[int, int]:
         return owned_range(sum(self.sizes), self.n, self.rank)
+
+    def owned_layout(self) -> tuple[int, list[tuple[int, int, int]]]:
+        """(the owned range's start, `owned_pieces`), worked out once: the parameters, their
+        sizes and the axis are fixed for the group's life, and the step's clip reads this for
+        every piece of every group (host time the GPU waits on)."""
+        if self._owned_layout is None:
+            self._owned_layout = (self.owned()[0], owned_pieces(self.sizes, self.n, self.rank))
+        return self._owned_layout
 
     def owned_param(self) -> torch.Tensor:
         lo, hi = self.owned()
