@@ -92,6 +92,7 @@ class FlatGroup:
     replicate: Axis | None = None  # --dp-shard: the ranks holding the same shard, whose gradients it sums
     companion: "FlatGroup | None" = None  # stage 3: the same unit's next group (another axis), gathered with it
     _owned_layout: tuple[int, list[tuple[int, int, int]]] | None = field(default=None, repr=False)
+    _sizes: list[int] | None = field(default=None, repr=False)
     locations: list[Location] = field(default_factory=list)  # stage 3: where the params are read
     gathered: bool = True
     gathering: Handle | None = None
@@ -115,7 +116,10 @@ class FlatGroup:
 
     @property
     def sizes(self) -> list[int]:
-        return [p.numel() for p in self.params]
+        """Each parameter's element count (fixed for the group's life: counted once)."""
+        if self._sizes is None:
+            self._sizes = [p.numel() for p in self.params]
+        return self._sizes
 
     @property
     def size(self) -> int:
