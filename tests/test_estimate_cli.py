@@ -15,6 +15,9 @@ def estimate_main(argv: list[str]) -> int:
     return estimate_with(argv, shape_of)
 from plait.estimate.report import human_bytes, table
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 LLAMA_7B = ["--model", "llama-7b", "--dp", "8", "--zero", "1", "--seq-len", "4096",
             "--precision", "bf16", "--hardware", "h100-sxm"]
 

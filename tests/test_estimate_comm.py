@@ -20,6 +20,9 @@ from plait.estimate.traffic import (
 from plait.estimate.layout import Workload, stages
 from plait.models.gpt.config import get_preset
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 LEDGER_AXES = {"dp", "tp", "pp"}
 LEDGER_OPS = {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv"}
 PSI = 1_000_000

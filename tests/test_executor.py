@@ -10,6 +10,9 @@ from plait.errors import PlaitError
 from plait.parallel.executor import Assembly
 
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 def _pieces(full: torch.Tensor, rows: list[tuple[int, int]]) -> list:
     return [("w", full[a:b].clone(), (a, 0), tuple(full.shape)) for a, b in rows]
 

@@ -16,6 +16,9 @@ from plait.train.checkpoint.read import Reader, load
 from tests.test_checkpoint import single_mesh, trained
 
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 def _fail_with(code):
     def fail(*args, **kwargs):
         raise OSError(code, "injected: " + errno.errorcode[code], "somefile")

@@ -10,6 +10,9 @@ from plait.models.gpt.config import PRESETS, get_preset
 from plait.models.gpt.model import build_gpt
 
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 @pytest.mark.parametrize("name", ["tiny", "small"])
 def test_parameter_count_matches_the_config(name):
     model = build_gpt(get_preset(name), seed=0)

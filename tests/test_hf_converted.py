@@ -16,6 +16,9 @@ from plait.models.hf.load import build_hf_model  # noqa: E402
 from plait.models.hf.weights import SafetensorsWeights  # noqa: E402
 from plait.parallel.deferred import CannotDefer, build_deferred  # noqa: E402
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 SHAPE = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
 FAMILIES = {

@@ -24,6 +24,9 @@ from plait.parallel.zero.shard import ShardAxes
 from plait.runtime.comm import Axis, Ledger
 from plait.runtime.mesh import EXPERT_SYNC, SYNC
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 IN, OUT, EXPERTS = 8, 6, 4
 
 

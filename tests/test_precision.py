@@ -26,6 +26,9 @@ from plait.estimate.memory import StateBytes
 from tests.worlds.zero_common import paper_states
 from plait.bench.meter import ActivationMeter, model_state_bytes
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 TINY = get_preset("tiny")
 
 

@@ -14,6 +14,9 @@ from plait.train.config.settings import TrainConfig, check_strategies
 from plait.bench.meter import ActivationMeter
 
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 def _step(recompute: bool) -> tuple[float, list[torch.Tensor], int]:
     model = build_gpt(get_preset("tiny"), 0)
     if recompute:

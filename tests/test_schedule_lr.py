@@ -10,6 +10,9 @@ from plait.train.config.settings import TrainConfig
 from plait.train.loop.trainer import lr_at
 
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 def test_warmup_then_cosine_to_the_floor():
     config = TrainConfig(lr=1.0, warmup_steps=4, steps=14, min_lr_ratio=0.1)
     assert [lr_at(s, config) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]

@@ -19,6 +19,9 @@ from plait.estimate.traffic import tp_traffic
 from plait.parallel.tensor import ops
 from plait.runtime.comm import Axis, Ledger
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 TINY = get_preset("tiny")
 
 

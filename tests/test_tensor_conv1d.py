@@ -21,6 +21,9 @@ from transformers.pytorch_utils import Conv1D  # noqa: E402
 
 from plait.models.hf.gpt2 import GPT2_PLAN, GPT2Adapter  # noqa: E402
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 TP, E = 2, 8
 
 

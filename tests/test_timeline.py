@@ -12,6 +12,9 @@ from plait.schedule.build import build_schedule, gpipe, simulate
 from plait.schedule.timeline import render_png, render_text
 
 
+pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)
+
+
 def test_gpipe_text_figure() -> None:
     text = render_text(simulate(gpipe(2, 2), pp=2))
     assert text == (
