@@ -24,13 +24,10 @@ the state.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -114,24 +111,7 @@ class CompiledAdamW:
         state = self.optimizer.state
         if not slots or any(slot.grad is None or not state.get(slot.master) for slot in slots):
             return False
-        groups = self._by_group(slots)
-        if groups is None:
-            return False
-        for group, members in groups:
-            states = [state[slot.master] for slot in members]
-            steps = [s["step"] for s in states]
-            torch._foreach_add_(steps, 1.0)
-            device = members[0].master.device
-            hyper = torch.tensor([float(group["lr"]), scale], dtype=torch.float64).to(device, non_blocking=True)
-            beta1, beta2 = group["betas"]
-            decay = float(group.get("weight_decay", 0.0)) if type(self.optimizer) is torch.optim.AdamW else 0.0
-            self.compiled([s.master for s in members], [s.weight for s in members], [s.grad for s in members],
-                          [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                          [decay] * len(members), hyper, steps[0].to(device), float(beta1), float(beta2),
-                          float(group["eps"]))
-        self.steps += 1
-        self.tensors = len(slots)
-        return True
+        return self._step_runs(list(slots), [[slot.master] for slot in slots], scale)
 
     def own_flat_state(self, parts: Sequence[FlatPart]) -> None:
         """Make each piece's state now, as torch's AdamW would at its first step (zero
@@ -178,42 +158,31 @@ class CompiledAdamW:
         return self._index.get(id(param))
 
     def _step_runs(self, slots: list[Slot], keys: list[list[torch.Tensor]], scale: float) -> bool:
-        """Each run under its group: the moments are the first key's state widened to the run."""
+        """Each slot (a tensor, or a run of the pieces `keys` names) stepped under its group,
+        the groups in the optimizer's order; its moments are its first key's state, widened
+        over the run. False, stepping nothing, if a key is in no group."""
         state = self.optimizer.state
-        by_group: dict[int, list[int]] = {}
-        for i, run_keys in enumerate(keys):
-            group = self._group_of(run_keys[0])
-            if group is None:
-                return False
-            by_group.setdefault(next(j for j, g in enumerate(self.optimizer.param_groups) if g is group), []).append(i)
-        for at in sorted(by_group):
-            group, members = self.optimizer.param_groups[at], by_group[at]
+        groups = [self._group_of(run_keys[0]) for run_keys in keys]
+        if any(group is None for group in groups):
+            return False
+        for group in self.optimizer.param_groups:
+            members = [i for i, of in enumerate(groups) if of is group]
+            if not members:
+                continue
             steps = [state[key]["step"] for i in members for key in keys[i]]
             torch._foreach_add_(steps, 1.0)
             device = slots[members[0]].master.device
             hyper = torch.tensor([float(group["lr"]), scale], dtype=torch.float64).to(device, non_blocking=True)
             beta1, beta2 = group["betas"]
             decay = float(group.get("weight_decay", 0.0)) if type(self.optimizer) is torch.optim.AdamW else 0.0
-            avgs = [_widened(state[keys[i][0]]["exp_avg"], slots[i].master.numel()) for i in members]
-            squares = [_widened(state[keys[i][0]]["exp_avg_sq"], slots[i].master.numel()) for i in members]
+            avgs = [_widened(state[keys[i][0]]["exp_avg"], slots[i].master) for i in members]
+            squares = [_widened(state[keys[i][0]]["exp_avg_sq"], slots[i].master) for i in members]
             self.compiled([slots[i].master for i in members], [slots[i].weight for i in members],
                           [slots[i].grad for i in members], avgs, squares, [decay] * len(members), hyper,
                           steps[0].to(device), float(beta1), float(beta2), float(group["eps"]))
         self.steps += 1
         self.tensors = len(slots)
         return True
-
-    def _by_group(self, slots: Sequence[Slot]) -> list[tuple[dict, list[Slot]]] | None:
-        """The slots under each of the optimizer's groups, in the groups' order (None if a
-        slot's master is in none)."""
-        index = {id(p): i for i, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
-        members: dict[int, list[Slot]] = {}
-        for slot in slots:
-            at = index.get(id(slot.master))
-            if at is None:
-                return None
-            members.setdefault(at, []).append(slot)
-        return [(self.optimizer.param_groups[i], members[i]) for i in sorted(members)]
 
 
 def _runs(part: FlatPart, state: dict, group_of: Callable[[torch.Tensor], dict | None]) -> list[list[int]]:
@@ -242,9 +211,12 @@ def _follows(before: torch.Tensor, after: torch.Tensor) -> bool:
             and before.data_ptr() + before.numel() * before.element_size() == after.data_ptr())
 
 
-def _widened(first: torch.Tensor, numel: int) -> torch.Tensor:
-    """The run's moment: `numel` elements of the flat storage from where `first` starts."""
-    return first.reshape(-1).as_strided((numel,), (1,))
+def _widened(first: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The slot's moment: `first` itself for a tensor of its own, else the run's elements of
+    the flat storage from where `first` starts."""
+    if first.shape == like.shape:
+        return first
+    return first.reshape(-1).as_strided((like.numel(),), (1,))
 
 
 def _compile(fn: Callable[..., None]) -> Callable[..., None]:
