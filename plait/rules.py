@@ -282,9 +282,14 @@ def check_optimizer_kernel(kernel: str, precision: str, offload: bool) -> None:
     """AdamW's kernel; `compiled` fuses the 16-bit weights' three update passes into one
     (plait.parallel.compiled_update), so it needs 16-bit weights with masters on the device."""
     check_choice("optimizer-kernel", kernel, OPTIMIZER_KERNELS)
-    if kernel != "compiled":
-        return
-    if precision == "fp32":
+    if kernel == "compiled":
+        check_compiled_update(precision != "fp32", offload)
+
+
+def check_compiled_update(sixteen_bit: bool, offload: bool) -> None:
+    """The compiled update's needs, checked where a run is configured and where an optimizer
+    is built (plait.build_optimizer takes no precision flag)."""
+    if not sixteen_bit:
         raise PlaitError("--optimizer-kernel compiled steps fp32 masters of 16-bit weights",
                          hint="use it with --precision bf16, fp16 or fp8; fp32 weights take one fused pass already")
     if offload:

@@ -60,7 +60,7 @@ from plait.parallel.zero.shard import with_edges
 from plait.parallel.zero.stages import apply_zero, zero_of
 from plait.parallel.zero.optim import ZeroOptimizer
 from plait.rules import (BUCKET_MB, FP8_SCALINGS, OPTIMIZER_KERNELS, RECOMPUTE, check_bucket_mb, check_choice,
-                         check_compile, check_fp8, check_recompute)
+                         check_compile, check_compiled_update, check_fp8, check_recompute)
 from plait.runtime.mesh import EXPERT, EXPERT_SYNC, REPLICATE, SHARD, SYNC, Mesh
 
 log = logging.getLogger(__name__)
@@ -326,12 +326,12 @@ def build_optimizer(model: nn.Module, optimizer_class: type[torch.optim.Optimize
     if sync is not None:
         return ZeroOptimizer(sync, optimizer_class, groups if kwargs.get("weight_decay") else [{"params": params}],
                              compiled_update=compiled_update, **kwargs)
-    if any(p.dtype != torch.float32 for p in params):
+    sixteen_bit = any(p.dtype != torch.float32 for p in params)
+    if compiled_update:
+        check_compiled_update(sixteen_bit, offload=False)
+    if sixteen_bit:
         optimizer = MasterOptimizer(groups if kwargs.get("weight_decay") else [{"params": params}],
                                     optimizer_class, compiled_update=compiled_update, **kwargs)
-    elif compiled_update:
-        raise PlaitError("--optimizer-kernel compiled steps fp32 masters of 16-bit weights",
-                         hint="use it with --precision bf16, fp16 or fp8; fp32 weights take one fused pass already")
     else:
         optimizer = optimizer_class(groups, **kwargs)
     ddp = grad_sync(model)

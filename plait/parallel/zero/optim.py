@@ -30,12 +30,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.errors import PlaitError
 from plait.parallel.compiled_update import CompiledAdamW, FlatPart
 from plait.parallel.masters import step_scaled
 from plait.parallel.pieces import Piece, logical_blocks, param_pieces, writes_its_part, writes_scalars
 from plait.parallel.pipeline.split import logical_parameters
 from plait.parallel.zero.shard import FlatGroup, owned_pieces
+from plait.rules import check_compiled_update
 
 
 @dataclass
@@ -150,9 +150,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # --optimizer-kernel compiled: masters, moments and 16-bit shard in one pass (compiled_update.py)
         self.compiled = None
         if compiled_update:
-            if not all(part.holds_more() and not part.offloaded for part in self.slices):
-                raise PlaitError("--optimizer-kernel compiled steps fp32 masters of 16-bit weights on the device",
-                                 hint="use it with --precision bf16, fp16 or fp8 and without --offload")
+            check_compiled_update(all(part.holds_more() for part in self.slices),
+                                  any(part.offloaded for part in self.slices))
             self.compiled = CompiledAdamW(self.inner)
             self.compiled.own_flat_state(self._flat_parts())
 
