@@ -13,8 +13,8 @@ predicted vs measured, ZeRO-3 offload, nn.DataParallel / DDP overhead.
         # predicted vs measured after calibrating on the device; small-moe's kernels; fp8 with fused projections
     python3 benchmarks/gpu.py --parts onepass,updateprof --steps 20 --log-dir $OUT
         # the plain loop, the compiled update, fp8 tensorwise-fast on 1 B and 3 B; the update alone, phase by phase
-    python3 benchmarks/gpu.py --parts updateprof,fastcurve --steps 200 --log-dir $OUT
-        # next: the update over runs (and combo kernels) alone; tensorwise-fast's 200-step curve against bf16
+    python3 benchmarks/gpu.py --parts plain,fastcurve,updateprof --steps 200 --log-dir $OUT
+        # the plain loop; tensorwise-fast's 200-step curve against bf16 (compiled update); the update over runs alone
 
 Every plait row is a `plait train --nproc 1` subprocess (stdout and stderr appended to
 LOG_DIR/runs.log); its numbers come from its summary.json. The plain loop is plait's GPT built
@@ -1080,6 +1080,13 @@ def part_onepass(steps: int) -> None:
         _flush()
 
 
+def part_plain(steps: int) -> None:
+    """The plain loop alone, compiled, on the 1 B shape: the baseline for runs made in other
+    parts of the same call (item 2 of the GPU issue: plait at most 1.01x of it)."""
+    RESULTS["plain"] = {"plain compiled (autocast)": plain_loop(BIG, 8, 2048, steps, True)}
+    _flush()
+
+
 def part_updateprof() -> None:
     """The 1 B model's update alone (no forward): plait bf16 ZeRO-1's clip and step, with
     torch's fused AdamW, the compiled kernel, and the compiled kernel with Inductor's combo
@@ -1284,7 +1291,7 @@ def main() -> None:
              "fp8speed": lambda: part_fp8speed(15), "fp8profile": part_fp8profile, "fp8layouts": part_fp8layouts,
              "metabuild": part_metabuild, "calib": lambda: part_calib(args.steps), "moeprofile": part_moeprofile,
              "fp8fused": part_fp8fused, "onepass": lambda: part_onepass(args.steps),
-             "updateprof": part_updateprof, "fastcurve": lambda: part_fastcurve(args.steps)}[part]()
+             "updateprof": part_updateprof, "plain": lambda: part_plain(20), "fastcurve": lambda: part_fastcurve(args.steps)}[part]()
         except Exception as exc:  # noqa: BLE001
             import traceback
 
