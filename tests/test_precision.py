@@ -272,6 +272,12 @@ def test_the_compiled_update_is_refused_where_nothing_is_fused():
     check_optimizer_kernel("compiled", "fp8", False)
     with pytest.raises(PlaitError, match="fp32 masters of 16-bit weights"):
         build_optimizer(build_gpt(TINY, 0), torch.optim.AdamW, compiled_update=True, lr=1e-3)
+    # the library's own call, with an optimizer the pass cannot stand in for: one line, no ValueError
+    sixteen_bit = build_gpt(TINY, 0).to(torch.bfloat16)
+    with pytest.raises(PlaitError, match="the optimizer is SGD"):
+        build_optimizer(sixteen_bit, torch.optim.SGD, compiled_update=True, lr=1e-3)
+    with pytest.raises(PlaitError, match="the optimizer is AdamW with amsgrad"):
+        build_optimizer(sixteen_bit, torch.optim.AdamW, compiled_update=True, lr=1e-3, amsgrad=True)
 
 
 @pytest.mark.parametrize("frozen", [False, True])

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from plait.errors import PlaitError
+
 
 @dataclass
 class Slot:
@@ -58,11 +60,11 @@ class FlatPart:
 def unsupported(optimizer: torch.optim.Optimizer) -> str | None:
     """Why the compiled pass cannot stand in for `optimizer`'s step, or None if it can."""
     if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
-        return f"{type(optimizer).__name__} is not AdamW"
+        return type(optimizer).__name__
     for group in optimizer.param_groups:
         for flag in ("amsgrad", "maximize", "differentiable"):
             if group.get(flag):
-                return f"AdamW with {flag}"
+                return f"{type(optimizer).__name__} with {flag}"
         if type(optimizer) is torch.optim.Adam and group.get("weight_decay"):
             return "Adam with L2 weight decay"
     return None
@@ -96,7 +98,9 @@ class CompiledAdamW:
     def __init__(self, optimizer: torch.optim.Optimizer, compile_fn: Callable[..., Callable[..., None]] | None = None):
         reason = unsupported(optimizer)
         if reason:
-            raise ValueError(reason)
+            raise PlaitError(f"--optimizer-kernel compiled is AdamW's pass, and the optimizer is {reason}",
+                             hint="use torch.optim.AdamW (or Adam without weight decay), without amsgrad, maximize "
+                                  "or differentiable; or leave compiled_update off")
         self.optimizer = optimizer
         self.compiled = (compile_fn or _compile)(adamw_pass)
         self.steps = 0  # compiled steps taken: what tests and logs read
