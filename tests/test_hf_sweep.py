@@ -1,6 +1,6 @@
 """Every transformers causal-LM family of the sweep trains exactly like one process, or is refused.
 
-2-rank worlds of tests/worlds/hf_sweep_world.py, two at once, each half the families: `make
+2-rank worlds of tests/worlds/hf_sweep_world.py, two or three at once, each its share of the families: `make
 test` runs the families fixed here and the ones the sweep first found different (QUICK, about
 8 s), `make test-all` every family (about 80 s on 2 CPU cores; each reference and shape computed on one
 rank and handed to the other). Tiny models
@@ -121,19 +121,22 @@ MUST_BE_REFUSED = [("zamba", "pp"), ("rwkv", "pp")]
 QUICK = sorted({family for family, _ in MUST_BE_EXACT}
                - {"qwen3_next", "minimax", "hunyuan_v1_moe", "dots1", "deepseek_v3", *MORE, *UNDECLARED})
 # Worlds run at once, each on its share of the families (dealt in turn). A sweep's ranks wait on
-# each other at every collective of a tiny model, a third of their time on 2 cores; a second
-# world's ranks run in those waits: every family in 81-101 s against 113-134 s as one world.
-WORLDS_AT_ONCE = 2
+# each other at every collective of a tiny model, a third of their time on 2 cores; another
+# world's ranks run in those waits: every family in 81-101 s as two worlds against 113-134 s as
+# one, and in 79.7-80.7 s as three against 84.5-87.4 s as two and 88.2 s as four. The quick
+# share is quicker as two (14.0-14.1 s against 15.5-15.6 s as three: each world's start weighs
+# more there). Measured on 2026-12-04, the file run alone on the 2-core machine.
+WORLDS_AT_ONCE = {"quick": 2, "whole": 3}
 
 
-def sweep(tmp_path_factory: pytest.TempPathFactory, families: list[str]) -> list[dict[str, Any]]:
-    """Each rank's report of the sweep over `families`, joined from WORLDS_AT_ONCE worlds."""
-    shares = [families[i::WORLDS_AT_ONCE] for i in range(WORLDS_AT_ONCE)]
+def sweep(tmp_path_factory: pytest.TempPathFactory, families: list[str], worlds: int) -> list[dict[str, Any]]:
+    """Each rank's report of the sweep over `families`, joined from `worlds` worlds run at once."""
+    shares = [families[i::worlds] for i in range(worlds)]
     # each world's folder made here, one thread: pytest's mktemp raced in two threads at once
     folders = [tmp_path_factory.mktemp("hf_sweep") for _ in shares]
     with ThreadPoolExecutor(len(shares)) as pool:
-        worlds = list(pool.map(one_world, folders, shares))
-    return [joined(list(same_rank)) for same_rank in zip(*worlds)]
+        by_world = list(pool.map(one_world, folders, shares))
+    return [joined(list(same_rank)) for same_rank in zip(*by_world)]
 
 
 def one_world(folder: Path, families: list[str]) -> list[dict[str, Any]]:
@@ -166,12 +169,12 @@ def quick(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     whole sweep (the same cases, spawned once)."""
     if any(item.module is request.module and item.get_closest_marker("slow") for item in request.session.items):
         return request.getfixturevalue("world")
-    return sweep(tmp_path_factory, QUICK)
+    return sweep(tmp_path_factory, QUICK, WORLDS_AT_ONCE["quick"])
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return sweep(tmp_path_factory, FAMILIES)
+    return sweep(tmp_path_factory, FAMILIES, WORLDS_AT_ONCE["whole"])
 
 
 def listed(cases: dict[str, dict[str, Any]], keys: list[str]) -> str:
