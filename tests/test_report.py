@@ -205,3 +205,19 @@ def test_the_allocators_reservation_is_reported_beside_the_allocated_peak(dp_run
     assert summary["peak_reserved_bytes"] == 0 and "reserved" not in process_peak_text(summary)
     gpu = {"peak_process_bytes": 50 * 2**30, "peak_reserved_bytes": 56 * 2**30}
     assert reserved_text(gpu) == "; the allocator reserved 56.0 GiB, +12% over the allocated peak"
+
+
+def test_the_compile_line_shows_when_only_the_update_compiles():
+    """The closing report's compile line follows whatever the run compiles: a run with
+    --optimizer-kernel compiled and eager blocks compiles its update at the first step too."""
+    from torch import nn
+
+    from plait.parallel.compiled import COMPILED_ATTR
+    from plait.train.config.settings import TrainConfig
+    from plait.train.loop.run import compiles
+
+    eager, blocks = nn.Sequential(nn.Linear(2, 2)), nn.Sequential(nn.Linear(2, 2))
+    setattr(blocks[0], COMPILED_ATTR, True)
+    assert not compiles(eager, TrainConfig())
+    assert compiles(eager, TrainConfig(precision="bf16", optimizer_kernel="compiled"))
+    assert compiles(blocks, TrainConfig())

@@ -72,7 +72,7 @@ def finish(trainer: Trainer) -> dict[str, Any]:
     summary = trainer.metrics.summary(described, extras, trainer.executor.summary(trainer.metrics.history))
     summary["step_time"] = step_time_parts(summary["predicted"], summary["step_time_s_median"], extras["optimizer_s"])
     summary.update(sample=sample, config=config.to_dict(), restarts=trainer.restarts)
-    if is_compiled(trainer.model) and len(trainer.metrics.history) > trainer.metrics.kept:
+    if compiles(trainer.model, config) and len(trainer.metrics.history) > trainer.metrics.kept:
         first = trainer.metrics.history[trainer.metrics.kept]  # this world's first step, where it compiled
         summary["compile"] = compile_summary(first["step_time_s"], summary["step_time_s_median"])
     if not mesh.is_main:
@@ -84,6 +84,13 @@ def finish(trainer: Trainer) -> dict[str, Any]:
     if not config.no_report and os.environ.get("PLAIT_REPORT", "on") != "off":
         print(report_after_training(out), flush=True)
     return summary
+
+
+def compiles(model: Any, config: TrainConfig) -> bool:
+    """Whether this run compiles anything: its blocks (--compile) or its update
+    (--optimizer-kernel compiled, which compiles at the first step without --compile): either
+    way the closing report says what compiling cost."""
+    return is_compiled(model) or config.optimizer_kernel == "compiled"
 
 
 def compile_summary(first_step_s: float, median_s: float) -> dict[str, Any]:
