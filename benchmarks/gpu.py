@@ -163,19 +163,25 @@ def matmul_ceiling() -> float:
     return 2 * 8192 ** 3 / statistics.median(times) / 1e12
 
 
-def plain_loop(spec: str, micro_batch: int, seq_len: int, steps: int, compiled: bool, wrap: str = "none",
-               precision: str = "bf16") -> dict[str, Any]:
+def in_child(call: str, env: dict[str, str] | None = None, timeout: float = 600, tail: int = 1000) -> dict[str, Any]:
+    """`gpu.<call>` (a worker of this file returning a dict) run in a fresh Python, with its own
+    CUDA context and peaks: what it returned, or {"rc", "error": the last `tail` characters of
+    its output} where it printed no result (the whole output is in runs.log)."""
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import gpu, json; "
-            f"print('RESULT ' + json.dumps(gpu.plain_worker({spec!r}, {micro_batch}, {seq_len}, {steps}, {compiled}, "
-            f"{wrap!r}, {precision!r})))")
-    rc, out = sh([sys.executable, "-c", code], env={"TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp()})
+            f"print('RESULT ' + json.dumps(gpu.{call}))")
+    rc, out = sh([sys.executable, "-c", code], env=env, timeout=timeout)
     for line in out.splitlines():
         if line.startswith("RESULT "):
-            row = json.loads(line[7:])
-            log(f"[plain {spec} compiled={compiled} wrap={wrap}] {row}")
-            return row
-    log(out[-3000:])
-    return {"rc": rc, "error": out[-1000:]}
+            return json.loads(line[7:])
+    return {"rc": rc, "error": out[-tail:]}
+
+
+def plain_loop(spec: str, micro_batch: int, seq_len: int, steps: int, compiled: bool, wrap: str = "none",
+               precision: str = "bf16") -> dict[str, Any]:
+    row = in_child(f"plain_worker({spec!r}, {micro_batch}, {seq_len}, {steps}, {compiled}, {wrap!r}, {precision!r})",
+                   env={"TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp()})
+    log(row["error"] if "error" in row else f"[plain {spec} compiled={compiled} wrap={wrap}] {row}")
+    return row
 
 
 def plain_worker(spec: str, micro_batch: int, seq_len: int, steps: int, compiled: bool, wrap: str,
@@ -973,11 +979,7 @@ def part_metabuild() -> None:
     the same numbers)."""
     out: dict[str, Any] = {}
     for way in ("whole", "meta"):
-        code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import gpu, json; "
-                f"print('RESULT ' + json.dumps(gpu.metabuild_worker({way!r})))")
-        rc, text = sh([sys.executable, "-c", code])
-        row = next((json.loads(line[7:]) for line in text.splitlines() if line.startswith("RESULT ")),
-                   {"rc": rc, "error": text[-800:]})
+        row = in_child(f"metabuild_worker({way!r})", tail=800)
         out[way] = row
         log(f"[metabuild {way}] {row}")
     RESULTS["metabuild"] = out
@@ -1095,11 +1097,7 @@ def part_trainprof() -> None:
     child process. 14 steps, the 14th profiled with the clip and `optimizer.step()` marked.
     On 2026-12-04 that window took 20.0 ms in training where clip and step alone took 15.9 ms
     (`updateprof`); the profile says where the other 4 ms go."""
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import gpu, json; "
-            f"print('RESULT ' + json.dumps(gpu.trainprof_worker({str(LOG)!r})))")
-    rc, out = sh([sys.executable, "-c", code], timeout=420)
-    rows = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
-    RESULTS["trainprof"] = rows[0] if rows else {"rc": rc, "error": out[-2000:]}
+    RESULTS["trainprof"] = in_child(f"trainprof_worker({str(LOG)!r})", timeout=420, tail=2000)
     log(json.dumps(RESULTS["trainprof"])[:4000])
     _flush()
 
