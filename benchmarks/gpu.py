@@ -16,7 +16,11 @@ predicted vs measured, ZeRO-3 offload, nn.DataParallel / DDP overhead.
     python3 benchmarks/gpu.py --parts plain,fastcurve,updateprof --steps 200 --log-dir $OUT
         # the plain loop; tensorwise-fast's 200-step curve against bf16 (compiled update); the update over runs alone
     python3 benchmarks/gpu.py --parts trainprof,updateprof --log-dir $OUT
-        # next: the update window of a trained step, profiled, beside the update alone
+        # the update window of a trained step, profiled, beside the update alone
+    python3 benchmarks/gpu.py --parts spread --steps 200 --seeds 2,3 --log-dir $OUT
+        # bf16 against itself and fp8 tensorwise-fast against both, seed after seed
+    python3 benchmarks/gpu.py --parts plain,fastcurve --steps 60 --log-dir $OUT
+        # next: the plain loop and the trained update (its runs now cut once) in one call
 
 Every plait row is a `plait train --nproc 1` subprocess (stdout and stderr appended to
 LOG_DIR/runs.log); its numbers come from its summary.json. The plain loop is plait's GPT built
@@ -666,11 +670,46 @@ def part_fastcurve(steps: int) -> None:
         RESULTS["fastcurve"] = _with_prediction(rows)
         _flush()
     if all(row.get("losses") for row in rows.values()):
-        ours, theirs = rows["fp8 tensorwise-fast"]["losses"], rows["bf16"]["losses"]
-        gaps = [abs(a - b) / b for a, b in zip(ours, theirs)]
-        RESULTS["fastcurve_gap"] = {"worst_from_step_50": max(gaps[49:], default=None),
-                                    "last_20_mean": sum(ours[-20:]) / sum(theirs[-20:]) - 1}
+        RESULTS["fastcurve_gap"] = curve_gap(rows["fp8 tensorwise-fast"]["losses"], rows["bf16"]["losses"])
         _flush()
+
+
+def curve_gap(ours: list[float], theirs: list[float]) -> dict[str, float | None]:
+    """How far one 200-step loss curve sits from another: the worst and the mean of the steps'
+    relative gaps from step 50 on, and the last 20 steps' mean ratio less one."""
+    gaps = [abs(a - b) / b for a, b in zip(ours, theirs)][49:]
+    return {"worst_from_step_50": max(gaps, default=None),
+            "mean_from_step_50": sum(gaps) / len(gaps) if gaps else None,
+            "last_20_mean": sum(ours[-20:]) / sum(theirs[-20:]) - 1 if ours and theirs else None}
+
+
+def part_spread(steps: int, seeds: list[int]) -> None:
+    """bf16's own spread beside fp8's gap: for each seed, fastcurve's bf16 run twice (the same
+    command: only the kernels' non-deterministic sums differ) and its fp8 tensorwise-fast run
+    once. fp8 earns "within bf16's noise" only if its gap to either bf16 run is no larger than
+    the two bf16 runs' gap to each other, seed after seed."""
+    base = [*UPDATE_BASE, "--steps", str(steps), "--lr", FP8_LR, "--optimizer-kernel", "compiled"]
+    fast = ["--precision", "fp8", "--fp8-scaling", "tensorwise-fast"]
+    spread: dict[str, Any] = RESULTS.setdefault("spread", {})
+    for seed in seeds:
+        rows: dict[str, Any] = {}
+        for name, tag, extra in (("bf16", "a", []), ("fp8 tensorwise-fast", "f", fast), ("bf16 again", "b", [])):
+            rows[name] = plait_train(f"sp{seed}-{tag}", [*base, "--seed", str(seed), *extra])
+            spread[str(seed)] = _spread_row(rows)  # written after each run: a cut-off call keeps what ran
+            _flush()
+        log(json.dumps({k: v for k, v in spread[str(seed)].items() if k != "losses"}))
+
+
+def _spread_row(rows: dict[str, Any]) -> dict[str, Any]:
+    """One seed's runs so far: step times, update times, last losses, the curves, and the gaps
+    between each pair that has run."""
+    losses = {name: row.get("losses") or [] for name, row in rows.items()}
+    out: dict[str, Any] = {key: {name: row.get(key) for name, row in rows.items()}
+                           for key in ("step_s", "optimizer_s", "loss_last")}
+    for ours, theirs in (("bf16 again", "bf16"), ("fp8 tensorwise-fast", "bf16"), ("fp8 tensorwise-fast", "bf16 again")):
+        if losses.get(ours) and losses.get(theirs):
+            out[f"{ours} vs {theirs}"] = curve_gap(losses[ours], losses[theirs])
+    return {**out, "losses": losses}
 
 
 def _with_prediction(rows: dict[str, Any]) -> dict[str, Any]:
@@ -1336,6 +1375,7 @@ def main() -> None:
     parser.add_argument("--parts", default="correct,speed,predict")
     parser.add_argument("--log-dir", default=os.environ.get("OUT", "runs/gpu"))
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--seeds", default="2", help="spread: the seeds, comma-separated")
     args = parser.parse_args()
     LOG = Path(args.log_dir)
     LOG.mkdir(parents=True, exist_ok=True)
@@ -1352,7 +1392,8 @@ def main() -> None:
              "fp8speed": lambda: part_fp8speed(15), "fp8profile": part_fp8profile, "fp8layouts": part_fp8layouts,
              "metabuild": part_metabuild, "calib": lambda: part_calib(args.steps), "moeprofile": part_moeprofile,
              "fp8fused": part_fp8fused, "onepass": lambda: part_onepass(args.steps),
-             "updateprof": part_updateprof, "trainprof": part_trainprof, "plain": lambda: part_plain(20), "fastcurve": lambda: part_fastcurve(args.steps)}[part]()
+             "updateprof": part_updateprof, "trainprof": part_trainprof, "plain": lambda: part_plain(20), "fastcurve": lambda: part_fastcurve(args.steps),
+             "spread": lambda: part_spread(args.steps, [int(x) for x in args.seeds.split(",")])}[part]()
         except Exception as exc:  # noqa: BLE001
             import traceback
 
