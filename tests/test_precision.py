@@ -262,6 +262,42 @@ def test_the_compiled_update_steps_as_torchs_fused_adamw_in_one_pass(compiled):
     assert steps == [4.0] * 3  # torch's state, stepped: checkpoints read it as ever
 
 
+def test_the_compiled_update_cuts_its_runs_again_when_a_state_is_replaced():
+    """step_flat keeps its runs while the shards, groups and states are the tensors they were
+    cut from. A piece whose moments are replaced by new tensors (a state loaded as new
+    tensors) gets its runs cut again at the next step: the new moment is the one stepped, and
+    the piece is now a run of its own."""
+    from plait.api import parallelize
+    from plait.parallel import compiled_update
+    from plait.parallel.compose import ParallelConfig
+    from plait.runtime.env import ProcessEnv
+    from plait.runtime.mesh import init_mesh
+
+    mesh = init_mesh(zero=1, env=ProcessEnv("single", 0, 1, 0, "127.0.0.1", 29500))
+    tokens = torch.randint(0, TINY.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    model = parallelize(build_gpt(TINY, 0).to(torch.bfloat16), mesh, ParallelConfig())
+    optimizer = build_optimizer(model, torch.optim.AdamW, lr=1e-2, compiled_update=True)
+    optimizer.compiled.compiled = compiled_update.adamw_pass
+
+    def step() -> None:
+        model(tokens[:, :-1]).float().square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    step()
+    runs = optimizer.compiled.tensors
+    piece = optimizer.slices[0].pieces[1]  # within a run of several pieces
+    old = optimizer.state[piece]["exp_avg"]
+    new = old.clone()
+    optimizer.state[piece]["exp_avg"] = new
+    kept = old.clone()
+    step()
+    assert optimizer.compiled.plans_made == 2
+    assert optimizer.compiled.tensors > runs
+    assert torch.equal(old, kept) and not torch.equal(new, kept)
+
+
 def test_the_compiled_update_is_refused_where_nothing_is_fused():
     from plait.rules import check_optimizer_kernel
 
@@ -312,7 +348,7 @@ def test_the_compiled_update_under_zero_steps_runs_of_pieces_as_torchs_kernel_do
 
     theirs, reference = trained(False)
     ours, optimizer = trained(True)
-    assert optimizer.compiled.steps == 3
+    assert (optimizer.compiled.steps, optimizer.compiled.plans_made) == (3, 1)  # runs cut once, kept
     pieces = sum(len(part.pieces) for part in optimizer.slices)
     # each block's norm, attention, norm, MLP: 4 runs for 9 parameters (the frozen block none)
     assert (optimizer.compiled.tensors, pieces) == ((6, 11) if frozen else (10, 20))

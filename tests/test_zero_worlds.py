@@ -73,6 +73,7 @@ def test_parity_with_one_process(world: list[dict[str, Any]]) -> None:
     assert compiled == ({} if world[0]["n"] == 4 else {f"gpt-bf16-adamw-compiled-z{s}": STEPS for s in (1, 3)})
     for name in compiled:
         assert 0 < runs[name]["compiled_tensors"] < runs[name]["pieces"], (name, runs[name]["compiled_tensors"])
+        assert runs[name]["compiled_plans"] == 1, name  # the runs cut at the first step, kept after
     stages = {(r["stage"], r["accum"], r["offload"]) for r in runs.values() if r["optim"] == "sgd"}
     if world[0]["n"] == 2:  # every stage, with and without accumulation and offload
         assert {(s, a, o) for s in (1, 2, 3) for a, o in ((1, False), (2, False), (2, True))} <= stages

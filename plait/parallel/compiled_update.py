@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -106,7 +107,9 @@ class CompiledAdamW:
         self.steps = 0  # compiled steps taken: what tests and logs read
         self.tensors = 0  # how many tensors (runs, for flat parts) the last compiled step passed over
         self._index: dict[int, dict] = {}
-        self._index_shape: list[int] = []
+        self._indexed: list[dict] = []  # the group dicts the index was made from
+        self._plan: FlatPlan | None = None  # step_flat's runs, kept while their inputs stand
+        self.plans_made = 0  # how often step_flat cut its runs afresh: what tests read
 
     def step(self, slots: Sequence[Slot], scale: float) -> bool:
         """One update of every slot, the gradients times `scale`; False (nothing done) where
@@ -115,7 +118,8 @@ class CompiledAdamW:
         state = self.optimizer.state
         if not slots or any(slot.grad is None or not state.get(slot.master) for slot in slots):
             return False
-        return self._step_runs(list(slots), [[slot.master] for slot in slots], scale)
+        runs = self._group_runs(list(slots), [[slot.master] for slot in slots])
+        return runs is not None and self._run(runs, scale, [each.grads for each in runs])
 
     def own_flat_state(self, parts: Sequence[FlatPart]) -> None:
         """Make each piece's state now, as torch's AdamW would at its first step (zero
@@ -136,57 +140,145 @@ class CompiledAdamW:
     def step_flat(self, parts: Sequence[FlatPart], scale: float) -> bool:
         """`step` over runs: each run is consecutive pieces of one group whose moments lie
         consecutively in one flat pair (as `own_flat_state` made them; a state loaded as
-        new tensors makes a piece its own run). False where torch's kernel must step."""
+        new tensors makes a piece its own run). False where torch's kernel must step.
+
+        The runs are cut once and kept while the shards, the groups and every piece's state
+        are the very tensors they were cut from: on an H200 the host's cutting (a Python walk
+        over every piece, and a view a run) came after the clip's sync, with the device idle
+        (RESULTS.md, GPU section, 2026-12-04, fourth). The gradient is a new buffer each step,
+        so only its views are taken anew, and none is kept past the step."""
+        if self._plan is None or not self._plan.stands(parts, self.optimizer):
+            plan = self._cut_runs(parts)
+            if plan is None:
+                return False
+            self._plan, self.plans_made = plan, self.plans_made + 1
+        grads = [[parts[i].grad[start:stop] for i, start, stop in each.cuts] for each in self._plan.runs]
+        return self._run(self._plan.runs, scale, grads)
+
+    def _cut_runs(self, parts: Sequence[FlatPart]) -> FlatPlan | None:
+        """The parts' runs, grouped as `_run` takes them, with what they were cut from; None
+        where torch's kernel must step (a shard without a gradient, a piece without state)."""
         state = self.optimizer.state
         slots: list[Slot] = []
         keys: list[list[torch.Tensor]] = []
-        for part in parts:
+        cuts: list[tuple[int, int, int]] = []
+        for index, part in enumerate(parts):
             stepped = [piece for piece in part.pieces if self._group_of(piece) is not None]
             if part.grad is None or any(not state.get(piece) for piece in stepped):
-                return False
+                return None
             for run in _runs(part, state, self._group_of):
                 first, last = run[0], run[-1]
                 start, stop = part.bounds[first][0], part.bounds[last][1]
                 slots.append(Slot(part.master[start:stop], part.weight[start:stop], part.grad[start:stop]))
                 keys.append([part.pieces[i] for i in run])
-        return self._step_runs(slots, keys, scale)
+                cuts.append((index, start, stop))
+        runs = self._group_runs(slots, keys, cuts)
+        return None if runs is None else FlatPlan.of(parts, self.optimizer, runs)
 
     def _group_of(self, param: torch.Tensor) -> dict | None:
         """The optimizer's group holding `param` (None if none does); the index is rebuilt
         when the groups change."""
         groups = self.optimizer.param_groups
-        shape = [len(g["params"]) for g in groups]
-        if self._index_shape != shape:
+        if not _same(groups, self._indexed) or sum(len(g["params"]) for g in groups) != len(self._index):
             self._index = {id(p): g for g in groups for p in g["params"]}
-            self._index_shape = shape
+            self._indexed = list(groups)
         return self._index.get(id(param))
 
-    def _step_runs(self, slots: list[Slot], keys: list[list[torch.Tensor]], scale: float) -> bool:
-        """Each slot (a tensor, or a run of the pieces `keys` names) stepped under its group,
-        the groups in the optimizer's order; its moments are its first key's state, widened
-        over the run. False, stepping nothing, if a key is in no group."""
+    def _group_runs(self, slots: list[Slot], keys: list[list[torch.Tensor]],
+                    cuts: list[tuple[int, int, int]] | None = None) -> list[GroupRuns] | None:
+        """The slots (a tensor, or a run of the pieces `keys` names) by group, in the
+        optimizer's order of groups; a run's moments are its first key's state, widened over
+        the run; `cuts` are flat runs' (part, start, stop). None if a key is in no group."""
         state = self.optimizer.state
         groups = [self._group_of(run_keys[0]) for run_keys in keys]
         if any(group is None for group in groups):
-            return False
+            return None
+        out = []
         for group in self.optimizer.param_groups:
             members = [i for i, of in enumerate(groups) if of is group]
-            if not members:
-                continue
-            steps = [state[key]["step"] for i in members for key in keys[i]]
-            torch._foreach_add_(steps, 1.0)
-            device = slots[members[0]].master.device
+            if members:
+                out.append(GroupRuns(group, [slots[i].master for i in members], [slots[i].weight for i in members],
+                                     [] if cuts else [slots[i].grad for i in members],  # flat: views a step
+                                     [_widened(state[keys[i][0]]["exp_avg"], slots[i].master) for i in members],
+                                     [_widened(state[keys[i][0]]["exp_avg_sq"], slots[i].master) for i in members],
+                                     [state[key]["step"] for i in members for key in keys[i]],
+                                     [cuts[i] for i in members] if cuts else []))
+        return out
+
+    def _run(self, runs: list[GroupRuns], scale: float, grads: list[list[torch.Tensor]]) -> bool:
+        """One compiled pass a group over `grads` (the group's, in its runs' order), with the
+        group's hyperparameters as they stand now (a scheduler moves the lr between steps)."""
+        for each, group_grads in zip(runs, grads):
+            group = each.group
+            torch._foreach_add_(each.steps, 1.0)
+            device = each.masters[0].device
             hyper = torch.tensor([float(group["lr"]), scale], dtype=torch.float64).to(device, non_blocking=True)
             beta1, beta2 = group["betas"]
             decay = float(group.get("weight_decay", 0.0)) if type(self.optimizer) is torch.optim.AdamW else 0.0
-            avgs = [_widened(state[keys[i][0]]["exp_avg"], slots[i].master) for i in members]
-            squares = [_widened(state[keys[i][0]]["exp_avg_sq"], slots[i].master) for i in members]
-            self.compiled([slots[i].master for i in members], [slots[i].weight for i in members],
-                          [slots[i].grad for i in members], avgs, squares, [decay] * len(members), hyper,
-                          steps[0].to(device), float(beta1), float(beta2), float(group["eps"]))
+            self.compiled(each.masters, each.weights, group_grads, each.avgs, each.squares, [decay] * len(each.masters),
+                          hyper, each.steps[0].to(device), float(beta1), float(beta2), float(group["eps"]))
         self.steps += 1
-        self.tensors = len(slots)
+        self.tensors = sum(len(each.masters) for each in runs)
         return True
+
+
+@dataclass
+class GroupRuns:
+    """One group's share of a compiled step: the tensors its pass takes, every piece's step
+    count (each advanced, as torch's kernel would, so a checkpoint holds them right), and for
+    flat runs where each run's gradient lies ((part, start, stop): its `grads` are then empty)."""
+
+    group: dict
+    masters: list[torch.Tensor]
+    weights: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    avgs: list[torch.Tensor]
+    squares: list[torch.Tensor]
+    steps: list[torch.Tensor]
+    cuts: list[tuple[int, int, int]]
+
+
+@dataclass
+class FlatPlan:
+    """`step_flat`'s runs and what they were cut from: where each shard's master and weight
+    lie (the shard hands out a fresh view of its weight at each step), the groups, and every
+    stepped piece's state (by identity: a checkpoint loads into those tensors in place, and a
+    state replaced by new tensors cuts the runs again)."""
+
+    runs: list[GroupRuns]
+    shards: list[tuple[int, int, int]]
+    groups: list[dict]
+    states: list[torch.Tensor]
+
+    @staticmethod
+    def of(parts: Sequence[FlatPart], optimizer: torch.optim.Optimizer, runs: list[GroupRuns]) -> FlatPlan:
+        return FlatPlan(runs, _shards(parts), list(optimizer.param_groups), _states(parts, optimizer.state))
+
+    def stands(self, parts: Sequence[FlatPart], optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the runs still step these parts: the same buffers, groups and states."""
+        return (all(part.grad is not None for part in parts) and _shards(parts) == self.shards
+                and _same(optimizer.param_groups, self.groups) and _same(_states(parts, optimizer.state), self.states))
+
+
+def _shards(parts: Sequence[FlatPart]) -> list[tuple[int, int, int]]:
+    """Where each part's master and weight start, and how long the master is."""
+    return [(part.master.data_ptr(), part.weight.data_ptr(), part.master.numel()) for part in parts]
+
+
+def _states(parts: Sequence[FlatPart], state: dict) -> list[Any]:
+    """Every piece's state dict and tensors, in order (None for a piece with no state)."""
+    out: list[Any] = []
+    for part in parts:
+        for piece in part.pieces:
+            entry = state.get(piece)
+            out += (entry, None, None, None) if not entry else (entry, entry["step"], entry["exp_avg"],
+                                                                entry["exp_avg_sq"])
+    return out
+
+
+def _same(these: Sequence[Any], those: Sequence[Any]) -> bool:
+    """The same objects, in the same order (identity, not equality: tensors and dicts)."""
+    return len(these) == len(those) and all(a is b for a, b in zip(these, those))
 
 
 def _runs(part: FlatPart, state: dict, group_of: Callable[[torch.Tensor], dict | None]) -> list[list[int]]:
