@@ -171,6 +171,13 @@ class TrainConfig:
         """Samples per optimizer step, over all ranks (after resolve_layout has set dp)."""
         return self.micro_batch * self.grad_accum * (self.dp or 1)
 
+    @property
+    def compiles_update(self) -> bool:
+        """Whether the update is the compiled pass (--optimizer-kernel compiled): what the
+        optimizer is built with, and one reason the run compiles (its toolchain checked, its
+        cost in the closing report), even without --compile."""
+        return self.optimizer_kernel == "compiled"
+
     def parallel_config(self) -> Any:
         """What `parallelize` takes besides the layout (which the mesh carries); on the ranks only
         (it imports torch)."""
@@ -335,7 +342,7 @@ def check_strategies(config: TrainConfig) -> None:
     rules.check_optimizer_kernel(config.optimizer_kernel, config.precision, config.offload)
     if config.compile:
         rules.check_compile(layout.schedule, layout.pp)
-    if config.compile or config.optimizer_kernel == "compiled":
+    if config.compile or config.compiles_update:
         check_compile_toolchain(config)
 
 

@@ -90,7 +90,7 @@ def compiles(model: Any, config: TrainConfig) -> bool:
     """Whether this run compiles anything: its blocks (--compile) or its update
     (--optimizer-kernel compiled, which compiles at the first step without --compile): either
     way the closing report says what compiling cost."""
-    return is_compiled(model) or config.optimizer_kernel == "compiled"
+    return is_compiled(model) or config.compiles_update
 
 
 def compile_summary(first_step_s: float, median_s: float) -> dict[str, Any]:

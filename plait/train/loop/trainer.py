@@ -99,7 +99,7 @@ class Trainer:
         self.model = build_parallel(task, config, mesh)
         self.optimizer = build_optimizer(self.model, torch.optim.AdamW, lr=config.lr, betas=(0.9, 0.95),
                                          weight_decay=config.weight_decay,
-                                         compiled_update=config.optimizer_kernel == "compiled",
+                                         compiled_update=config.compiles_update,
                                          **adamw_kernel(config.optimizer_kernel, mesh.device))
         self.executor = Executor(self.model, mesh)  # micro-batches, step hooks, forward-only passes
         # The loss scale (fp16) and the all-ranks verdict on each step's gradients.
