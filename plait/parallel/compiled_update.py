@@ -119,7 +119,7 @@ class CompiledAdamW:
         if not slots or any(slot.grad is None or not state.get(slot.master) for slot in slots):
             return False
         runs = self._group_runs(list(slots), [[slot.master] for slot in slots])
-        return runs is not None and self._run(runs, scale, [each.grads for each in runs])
+        return runs is not None and self._run(runs, scale, [[slots[i].grad for i in each.members] for each in runs])
 
     def own_flat_state(self, parts: Sequence[FlatPart]) -> None:
         """Make each piece's state now, as torch's AdamW would at its first step (zero
@@ -152,7 +152,9 @@ class CompiledAdamW:
             if plan is None:
                 return False
             self._plan, self.plans_made = plan, self.plans_made + 1
-        grads = [[parts[i].grad[start:stop] for i, start, stop in each.cuts] for each in self._plan.runs]
+        cuts = self._plan.cuts
+        grads = [[parts[part].grad[start:stop] for part, start, stop in (cuts[i] for i in each.members)]
+                 for each in self._plan.runs]
         return self._run(self._plan.runs, scale, grads)
 
     def _cut_runs(self, parts: Sequence[FlatPart]) -> FlatPlan | None:
@@ -172,8 +174,8 @@ class CompiledAdamW:
                 slots.append(Slot(part.master[start:stop], part.weight[start:stop], part.grad[start:stop]))
                 keys.append([part.pieces[i] for i in run])
                 cuts.append((index, start, stop))
-        runs = self._group_runs(slots, keys, cuts)
-        return None if runs is None else FlatPlan.of(parts, self.optimizer, runs)
+        runs = self._group_runs(slots, keys)
+        return None if runs is None else FlatPlan.of(parts, self.optimizer, runs, cuts)
 
     def _group_of(self, param: torch.Tensor) -> dict | None:
         """The optimizer's group holding `param` (None if none does); the index is rebuilt
@@ -184,11 +186,10 @@ class CompiledAdamW:
             self._indexed = list(groups)
         return self._index.get(id(param))
 
-    def _group_runs(self, slots: list[Slot], keys: list[list[torch.Tensor]],
-                    cuts: list[tuple[int, int, int]] | None = None) -> list[GroupRuns] | None:
+    def _group_runs(self, slots: list[Slot], keys: list[list[torch.Tensor]]) -> list[GroupRuns] | None:
         """The slots (a tensor, or a run of the pieces `keys` names) by group, in the
         optimizer's order of groups; a run's moments are its first key's state, widened over
-        the run; `cuts` are flat runs' (part, start, stop). None if a key is in no group."""
+        the run. None if a key is in no group."""
         state = self.optimizer.state
         groups = [self._group_of(run_keys[0]) for run_keys in keys]
         if any(group is None for group in groups):
@@ -197,12 +198,11 @@ class CompiledAdamW:
         for group in self.optimizer.param_groups:
             members = [i for i, of in enumerate(groups) if of is group]
             if members:
-                out.append(GroupRuns(group, [slots[i].master for i in members], [slots[i].weight for i in members],
-                                     [] if cuts else [slots[i].grad for i in members],  # flat: views a step
+                out.append(GroupRuns(group, members, [slots[i].master for i in members],
+                                     [slots[i].weight for i in members],
                                      [_widened(state[keys[i][0]]["exp_avg"], slots[i].master) for i in members],
                                      [_widened(state[keys[i][0]]["exp_avg_sq"], slots[i].master) for i in members],
-                                     [state[key]["step"] for i in members for key in keys[i]],
-                                     [cuts[i] for i in members] if cuts else []))
+                                     [state[key]["step"] for i in members for key in keys[i]]))
         return out
 
     def _run(self, runs: list[GroupRuns], scale: float, grads: list[list[torch.Tensor]]) -> bool:
@@ -224,35 +224,38 @@ class CompiledAdamW:
 
 @dataclass
 class GroupRuns:
-    """One group's share of a compiled step: the tensors its pass takes, every piece's step
-    count (each advanced, as torch's kernel would, so a checkpoint holds them right), and for
-    flat runs where each run's gradient lies ((part, start, stop): its `grads` are then empty)."""
+    """One group's share of a compiled step: its slots' places in the step's list (`members`:
+    where the caller finds their gradients, which are not kept), the tensors its pass takes,
+    and every piece's step count (each advanced, as torch's kernel would, so a checkpoint
+    holds them right)."""
 
     group: dict
+    members: list[int]
     masters: list[torch.Tensor]
     weights: list[torch.Tensor]
-    grads: list[torch.Tensor]
     avgs: list[torch.Tensor]
     squares: list[torch.Tensor]
     steps: list[torch.Tensor]
-    cuts: list[tuple[int, int, int]]
 
 
 @dataclass
 class FlatPlan:
-    """`step_flat`'s runs and what they were cut from: where each shard's master and weight
+    """`step_flat`'s runs, where each run's gradient lies (part, start, stop: the gradient is
+    a new buffer each step), and what they were cut from: where each shard's master and weight
     lie (the shard hands out a fresh view of its weight at each step), the groups, and every
     stepped piece's state (by identity: a checkpoint loads into those tensors in place, and a
     state replaced by new tensors cuts the runs again)."""
 
     runs: list[GroupRuns]
+    cuts: list[tuple[int, int, int]]
     shards: list[tuple[int, int, int]]
     groups: list[dict]
     states: list[torch.Tensor]
 
     @staticmethod
-    def of(parts: Sequence[FlatPart], optimizer: torch.optim.Optimizer, runs: list[GroupRuns]) -> FlatPlan:
-        return FlatPlan(runs, _shards(parts), list(optimizer.param_groups), _states(parts, optimizer.state))
+    def of(parts: Sequence[FlatPart], optimizer: torch.optim.Optimizer, runs: list[GroupRuns],
+           cuts: list[tuple[int, int, int]]) -> FlatPlan:
+        return FlatPlan(runs, cuts, _shards(parts), list(optimizer.param_groups), _states(parts, optimizer.state))
 
     def stands(self, parts: Sequence[FlatPart], optimizer: torch.optim.Optimizer) -> bool:
         """Whether the runs still step these parts: the same buffers, groups and states."""
