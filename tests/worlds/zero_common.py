@@ -162,7 +162,7 @@ def run_plait(mesh: Any, *, stage: int, kind: str = "gpt", accum: int = 1, offlo
                prefetch=prefetch, reshard=reshard)
     out["compiled_steps"] = optimizer.compiled.steps if getattr(optimizer, "compiled", None) else 0
     out["compiled_tensors"] = optimizer.compiled.tensors if getattr(optimizer, "compiled", None) else 0
-    out["compiled_plans"] = getattr(optimizer.compiled, "plans_made", 0) if getattr(optimizer, "compiled", None) else 0
+    out["compiled_plans"] = optimizer.compiled.plans_made if getattr(optimizer, "compiled", None) else 0
     out["pieces"] = sum(len(part.pieces) for part in getattr(optimizer, "slices", []))
     sync = zero_of(model)
     out["groups"] = [sum(g.sizes) for g in sync.groups] if sync else []
