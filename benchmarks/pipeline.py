@@ -31,6 +31,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
+DEFAULT_M = 8  # micro-batches a step: the section `pipeline`; another count gets its own
 
 
 def formula(schedule: str, p: int, m: int, v: int) -> float:
@@ -216,7 +217,8 @@ def table(results: list[dict], args: argparse.Namespace) -> str:
     import torch
 
     lines = [
-        "## Pipeline schedules: plait's runner vs torch.distributed.pipelining",
+        "## Pipeline schedules: plait's runner vs torch.distributed.pipelining"
+        + ("" if args.microbatches == DEFAULT_M else f", m = {args.microbatches}"),
         "",
         f"- command: `python benchmarks/pipeline.py {' '.join(forwarded(args))} --pp {' '.join(map(str, args.pp))}`",
         f"- machine: {os.cpu_count()}-core CPU ({platform.machine()}), Gloo, torch {torch.__version__}, "
@@ -236,7 +238,7 @@ def table(results: list[dict], args: argparse.Namespace) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [_row(result["pp"], row) for result in results for row in result["rows"]]
-    lines += ["", READING]
+    lines += ["", READING if args.microbatches == DEFAULT_M else ROUNDS_READING]
     return "\n".join(lines)
 
 
@@ -266,6 +268,14 @@ The last column is the most bytes of sent messages rank 0 held at once: a messag
 later one from its receiver shows it arrived (Gloo's sends say nothing until waited). Until
 2026-12-02 every send was held to the step's end, the ledger's column whole."""
 
+ROUNDS_READING = """Reading it: where pp does not divide m, plait's interleaved schedule spreads m over
+⌊m/pp⌋ rounds of at least pp (plait.interleave; docs/pipeline.md): at m = 6 on 4 ranks one
+round of 6, as torch's flexible Interleaved1F1B takes it (⌊m/pp⌋ rounds of one size, so it
+refuses m = 9 on 4 ranks, which plait runs as 5 + 4). The in-flight count is the warm-up
+for the largest round N and one more, (v−1)N + 2(p−1) + 1 on rank 0, but never more than
+the step's m·v chunk-forwards: 12 here, every forward before the first backward. The
+ledger's column is exact as in the m = 8 table; the times share 2 busy cores as there."""
+
 
 
 
@@ -276,12 +286,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--microbatches", type=int, default=DEFAULT_M,
+                        help="micro-batches a step; another count than the default writes its own section")
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--schedules", nargs="+", default=[name for name, _ in SCHEDULES],
                         choices=[name for name, _ in SCHEDULES])
-    finish("pipeline", parser.parse_args(), worker, drive, table)
+    args = parser.parse_args()
+    finish("pipeline" if args.microbatches == DEFAULT_M else f"pipeline-m{args.microbatches}", args, worker, drive,
+           table)
 
 if __name__ == "__main__":
     main()

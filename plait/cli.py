@@ -287,8 +287,7 @@ def _smaller_worlds(config: Any) -> list[int]:
         return []
     layout = config.layout
     sizes = world_sizes(config.global_batch, config.micro_batch, tp=layout.tp, pp=layout.pp, cp=layout.cp,
-                        schedule=layout.schedule, up_to=config.nproc, ep=layout.ep, dp_shard=layout.dp_shard,
-                        sync_bn=config.sync_bn)
+                        up_to=config.nproc, ep=layout.ep, dp_shard=layout.dp_shard, sync_bn=config.sync_bn)
     return [n for n in sizes if n >= config.min_nproc]
 
 

@@ -2,12 +2,12 @@
 
 Torch-free and model-free: `plait.layout.Layout` runs `check_layout` when it is made, so
 `plait train`, the Python API, `plait estimate` and `plait plan` refuse the same layouts
-with the same words; the pipeline runner asks `check_split_backward` and `check_microbatches`
-of the schedule it is given. A model's own limits (heads that tp must divide, layers that
-the pipeline cuts) are its family's, checked with the numbers passed in here
-(`check_pipeline_cut`). A new precision, recompute policy or schedule becomes available
-everywhere by adding it to its tuple here, once the training code runs it; a new axis is one
-field of the Layout and its rules here.
+with the same words; the pipeline runner asks `check_split_backward` of the schedule it is
+given. A model's own limits (heads that tp must divide, layers that the pipeline cuts) are
+its family's, checked with the numbers passed in here (`check_pipeline_cut`). A new
+precision, recompute policy or schedule becomes available everywhere by adding it to its
+tuple here, once the training code runs it; a new axis is one field of the Layout and its
+rules here.
 """
 
 from __future__ import annotations
@@ -339,13 +339,6 @@ def default_reduce_dtype(precision: str) -> str:
     the dp sizes measured (docs/precision.md), change the loss less than the layouts'
     own summation order does. fp8's gradients are bf16 (only the products are float8)."""
     return "bf16" if precision == "fp8" else precision
-
-
-def check_microbatches(schedule: str, pp: int, microbatches: int) -> None:
-    """Interleaving deals micro-batches to the pp ranks in groups of pp (Megatron's order)."""
-    if pp > 1 and schedule == "interleaved" and microbatches % pp:
-        raise PlaitError(f"the interleaved schedule needs the micro-batch count (m={microbatches}) "
-                         f"to be a multiple of pp={pp}", hint=f"set --grad-accum to a multiple of {pp}")
 
 
 def check_sync_bn_accumulation(sync_bn: bool, dp: int, grad_accum: int) -> None:

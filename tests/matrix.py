@@ -208,6 +208,8 @@ ROWS = rows(
         "--stage-layers 0,2,2,0", micro_batches=2, tier=TEST),
     Row("gpt-4-layers", "--nproc 2 --pp 2 --grad-accum 4 --schedule interleaved --virtual-stages 2 "
         "--stage-layers 1,2,1,0", micro_batches=4),  # m = 2·pp: the uneven chunks' peak is the schedule's
+    # m = 3 on pp 2: interleaving's last round holds one micro-batch
+    Row("gpt-4-layers", "--nproc 2 --pp 2 --grad-accum 3 --schedule interleaved --virtual-stages 2", micro_batches=3),
     Row("gpt-4-layers", "--nproc 4 --dp 2 --pp 2 --zero 1 --grad-accum 2 --stage-layers 1,3", micro_batches=4),
     Row("gpt-4-layers", "--nproc 4 --dp 2 --pp 2 --zero 3 --grad-accum 2 --stage-layers 0,4", micro_batches=4),
     Row("gpt-4-layers", "--nproc 2 --pp 2 --grad-accum 2 --schedule zb-h1 --stage-layers 4,0", micro_batches=2),

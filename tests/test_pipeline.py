@@ -151,15 +151,6 @@ def fake_mesh(pp: int) -> SimpleNamespace:
     return SimpleNamespace(axis=lambda name: axis, device=torch.device("cpu"))
 
 
-def test_interleaved_with_fewer_micro_batches_than_pp_is_refused():
-    stages = rank_stages(split_stages(build_gpt(config(8), 0), 4, virtual_stages=2), 0, 4)
-    runner = PipelineRunner(stages, fake_mesh(4), "interleaved")
-    inputs, targets = micro_batches(2)
-    with pytest.raises(PlaitError, match=r"micro-batch count \(m=2\) to be a multiple of pp=4") as info:
-        runner.step(inputs, targets, loss_fn)
-    assert "--grad-accum" in info.value.hint
-
-
 def test_unknown_schedule_and_chunks_without_interleaving_are_refused():
     stages = rank_stages(split_stages(build_gpt(config(8), 0), 2, virtual_stages=2), 0, 2)
     with pytest.raises(PlaitError, match="unknown --schedule 'pipedream'"):
@@ -170,10 +161,8 @@ def test_unknown_schedule_and_chunks_without_interleaving_are_refused():
 
 def test_check_pipeline_needs_no_model_or_processes():
     check_pipeline(8, 2, "interleaved", 4, virtual_stages=2)
-    with pytest.raises(PlaitError, match=r"micro-batch count \(m=2\) to be a multiple of pp=4"):
-        check_pipeline(8, 4, "interleaved", 2, virtual_stages=2)
-    with pytest.raises(PlaitError, match="multiple of pp"):
-        check_pipeline(8, 4, "interleaved", 6, virtual_stages=2)
+    for m in (2, 6):  # fewer micro-batches than ranks, or a short last round: both run
+        check_pipeline(8, 4, "interleaved", m, virtual_stages=2)
     with pytest.raises(PlaitError, match="more than the model's 2 layers"):
         check_pipeline(2, 4, "1f1b", 8)
     with pytest.raises(PlaitError, match="unknown --schedule '1f2b'"):

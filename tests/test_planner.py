@@ -85,7 +85,8 @@ def test_a_looped_model_is_planned_without_a_pipeline() -> None:
 
 def test_the_search_covers_schedules_virtual_stages_and_recompute() -> None:
     """llama-70b's 80 layers on 16 GPUs: interleaving where pp·v divides them (v 4 only up to
-    pp 4), zb-h1 without recomputation, every recompute policy, gpipe only when asked."""
+    pp 4), at micro-batch counts pp divides and at those it does not (plait.interleave's
+    rounds), zb-h1 without recomputation, every recompute policy, gpipe only when asked."""
     request = PlanRequest(config=get_preset("llama-70b"), gpus=16, gpus_per_node=8,
                           hardware=get_hardware("h100-sxm"), global_batch=32, seq_len=1024)
     found = list(shapes(request))
@@ -93,7 +94,8 @@ def test_the_search_covers_schedules_virtual_stages_and_recompute() -> None:
     assert {layout.schedule for layout in piped} == {"1f1b", "interleaved", "zb-h1"}
     assert {(layout.pp, layout.virtual_stages) for layout in piped if layout.schedule == "interleaved"} == {
         (2, 2), (4, 2), (8, 2), (2, 4), (4, 4)}
-    assert all(layout.grad_accum % layout.pp == 0 for layout in piped if layout.schedule == "interleaved")
+    interleaved = [layout for layout in piped if layout.schedule == "interleaved"]
+    assert {layout.grad_accum % layout.pp == 0 for layout in interleaved} == {True, False}
     assert {layout.recompute for layout in found} == {"none", "selective", "full"}
     assert {layout.recompute for layout in piped if layout.schedule == "zb-h1"} == {"none"}
     assert {layout.schedule for layout in found if layout.pp == 1} == {"1f1b"}  # alike without a pipeline

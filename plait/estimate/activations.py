@@ -51,7 +51,7 @@ divided by t. Full recompute keeps only each block's input.
 
 from __future__ import annotations
 
-from plait.interleave import rank_order
+from plait.interleave import rank_order, warmup
 from plait.estimate.experts import dense_width, expert_units_on_rank, saved_bytes_per_token
 from plait.estimate.layout import Workload, StageShare, chunk_ends, chunk_layers
 from plait.models.gpt.config import GPTConfig
@@ -242,9 +242,10 @@ def in_flight(layout: Workload, stage: StageShare) -> float:
     runs 1F1B's forwards, but a micro-batch's graph stays alive until its deferred weight
     gradient (W) has run, so every rank holds min(p, m) at its peak (plait's executor
     measures exactly that). The
-    interleaved schedule's warm-up on rank r is 2(p - r - 1) + (v - 1)p + 1 chunk-forwards,
-    each 1/v of the rank's layers: p(1 + (p - 1)/(p·v)) on the first rank (Korthikanti's
-    factor). Never more than the micro-batches there are.
+    interleaved schedule holds its warm-up forwards and one more on rank r: 2(p - r - 1) +
+    (v - 1)N + 1 chunk-forwards for rounds of N (plait.interleave), each 1/v of the rank's
+    layers; with N = p, p divides m, that is p(1 + (p - 1)/(p·v)) on the first rank
+    (Korthikanti's factor). Never more than the micro-batches there are.
     """
     p, r, m, v = layout.pp, stage.index, layout.grad_accum, layout.virtual_stages
     if p == 1:
@@ -255,7 +256,7 @@ def in_flight(layout: Workload, stage: StageShare) -> float:
         return float(min(p - r, m))
     if layout.schedule == "zb-h1":
         return float(min(p, m))
-    chunks = min(2 * (p - r - 1) + (v - 1) * p + 1, m * v)
+    chunks = min(warmup(p, m, v, r) + 1, m * v)
     return chunks / v
 
 

@@ -21,7 +21,7 @@ from plait.models.gpt.config import GPTConfig
 from plait.estimate.stacks import STACKS, Stack, check_stack
 from plait.rules import BUCKET_MB, check_bucket_mb, check_experts_split
 from plait.rules import (DTYPE_BYTES, PRECISIONS, RECOMPUTE, REDUCE_DTYPES, SCHEDULES,  # noqa: F401
-                         check_context_split, check_fp8, check_microbatches, check_pipeline_cut, check_precision, check_recompute, check_whole,
+                         check_context_split, check_fp8, check_pipeline_cut, check_precision, check_recompute, check_whole,
                          default_reduce_dtype)
 
 
@@ -48,7 +48,6 @@ class Workload(Layout):
         if self.precision == "fp8":
             check_fp8(self)
         check_recompute(self, self.recompute)
-        check_microbatches(self.schedule, self.pp, self.grad_accum)
         check_stack(self)  # last: a value no framework knows gets its own message first
 
     @classmethod

@@ -17,8 +17,8 @@ whose backward reruns the forward), its backward the rest; split, the weight gra
 cost a forward and the input gradients I the remainder.
 
 Long schedules are timed at fewer micro-batches: up to FULL_ACTIONS actions are run as they
-are; past that, the first m' micro-batches (m' a multiple of pp, so that interleaving's
-groups stay whole) are run and each further micro-batch adds the steady state's pace: the
+are; past that, the first m' micro-batches (a multiple of pp where m is, so that
+interleaving's rounds stay pp; else m' ≡ m mod pp, rounds a little larger as m's are) are run and each further micro-batch adds the steady state's pace: the
 slowest rank's micro-batch, or the last timed group's pace where unequal chunks leave even
 that rank idle. Against a full run that comes within 0.1% on lopsided end stages and uneven
 cuts (tests/test_estimate_pipeline.py).
@@ -133,13 +133,15 @@ def _run(plan: Compiled, rank_s: tuple[float, ...], share: dict[str, float],
 
 
 def _timed_micro_batches(schedule: str, pp: int, m: int, v: int) -> int:
-    """m, or the most micro-batches (a multiple of pp, at least 3·pp, so that the last group
-    of pp runs in the steady state) whose schedule has no more than FULL_ACTIONS actions."""
+    """m, or the most micro-batches (at least 3·pp, so that the last round runs in the steady
+    state, and as many over a multiple of pp as m, so that interleaving's rounds are as close
+    to m's as that many allow) whose schedule has no more than FULL_ACTIONS actions."""
     actions_per_micro_batch = pp * v * (3 if schedule == "zb-h1" else 2)
     if m * actions_per_micro_batch <= FULL_ACTIONS:
         return m
     groups = max(3, FULL_ACTIONS // (actions_per_micro_batch * pp))
-    return m if groups * pp >= m else groups * pp
+    timed = groups * pp + m % pp
+    return m if timed >= m else timed
 
 
 def lower_bound(schedule: str, pp: int, m: int, v: int, rank_s: list[float], forward: float,

@@ -150,11 +150,6 @@ class Executor:
             yield
 
     # -- forward only --------------------------------------------------------------------------
-    @property
-    def eval_multiple(self) -> int:
-        """What an evaluation's micro-batch count must be a multiple of (the interleaved schedule's pp)."""
-        return self.runner.microbatch_multiple if self.runner is not None else 1
-
     def eval_rows(self, batches: Sequence[Batch], rows: Callable[[Any, torch.Tensor], torch.Tensor],
                   width: int) -> torch.Tensor:
         """(batches, micro-batch, width): `rows(outputs, targets)` of every micro-batch, on every rank."""

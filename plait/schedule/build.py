@@ -17,7 +17,7 @@ from plait.errors import PlaitError
 from plait.interleave import rank_order
 from plait.schedule.action import Action
 from plait.schedule.timeline import Slot, Timeline
-from plait.rules import SCHEDULES, check_choice, check_microbatches, check_virtual_stages  # noqa: F401
+from plait.rules import SCHEDULES, check_choice, check_virtual_stages
 
 Schedule = list[list[Action]]
 
@@ -56,12 +56,11 @@ def interleaved_1f1b(pp: int, m: int, v: int) -> Schedule:
     """Interleaved 1F1B (Narayanan et al. 2021): each rank holds v smaller stages.
 
     The fill and drain of the pipe then take 1/v as long, cutting the bubble v-fold.
-    Micro-batches go through in groups of pp: a rank runs a group on chunk 0, then the
-    same group on chunk 1, and so on, which is why m must be a multiple of pp.
+    Micro-batches go through in rounds of at least pp (m < pp: one round of m): a rank runs
+    a round on chunk 0, then the same round on chunk 1, and so on (plait.interleave).
     """
     _check_sizes(pp, m)
     check_virtual_stages(max(pp, 2), "interleaved", v)  # v >= 2, whatever pp
-    check_microbatches("interleaved", pp, m)
     return [_interleaved_rank(pp, m, v, rank) for rank in range(pp)]
 
 

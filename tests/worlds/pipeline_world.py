@@ -27,12 +27,15 @@ from tests.worlds.pipeline_common import (
 
 
 def cases(pp: int, dp: int) -> list[tuple[str, int, int, int]]:
-    """(schedule, v, m, layers) to run: every schedule, m = 1, 4, 8 (interleaved: m >= pp)."""
+    """(schedule, v, m, layers) to run: every schedule, m = 1, 4, 8, and interleaved where pp
+    does not divide m (plait.interleave's rounds): on pp 2, m = 5 in rounds of 3 and 2; on
+    pp 4, m = 3 (one round, fewer than the ranks) and m = 6 (one round of 6)."""
     layers = 2 if pp == 2 else 8
     if dp > 1:
         return [("gpipe", 1, 1, layers), ("1f1b", 1, 4, layers), ("zb-h1", 1, 4, layers), ("interleaved", 2, 4, 4)]
     plain = [(s, 1, m, layers) for s in ("gpipe", "1f1b", "zb-h1") for m in (1, 4, 8)]
-    return plain + [("interleaved", 2, m, 2 * pp if pp == 2 else 8) for m in (4, 8)]
+    uneven = (5,) if pp == 2 else (3, 6)
+    return plain + [("interleaved", 2, m, 2 * pp if pp == 2 else 8) for m in (4, 8, *uneven)]
 
 
 def last_rank_reversed(pp: int, m: int, v: int) -> Schedule:

@@ -36,7 +36,7 @@ from plait.schedule.build import Schedule, build_schedule, validate
 from plait.schedule.timeline import Slot, Timeline
 from plait.parallel.tensor.plan import tensor_parallel_of
 from plait.parallel.zero.stages import zero_of
-from plait.rules import SPLIT_BACKWARD, check_microbatches, check_split_backward
+from plait.rules import SPLIT_BACKWARD, check_split_backward
 from plait.runtime import comm
 from plait.parallel.deferred import is_meta
 from plait.runtime.mesh import Mesh
@@ -74,7 +74,6 @@ def check_pipeline(n_layers: int, pp: int, schedule: str, microbatches: int, *, 
                    balance: Sequence[int] | None = None) -> None:
     """Raise PlaitError if this layout cannot run; pure, so a config is checked before spawning."""
     check_split(n_layers, pp, virtual_stages=virtual_stages, balance=balance)
-    check_microbatches(schedule, pp, microbatches)
     build_schedule(schedule, pp, microbatches, virtual_stages)
 
 
@@ -193,15 +192,8 @@ class PipelineRunner:
             kept.append(logits[:, position])
             return logits.new_zeros(())
 
-        copies = self.microbatch_multiple
-        self.eval_loss([ids] * copies, [ids] * copies, keep)
+        self.eval_loss([ids], [ids], keep)
         return kept[0] if kept else None
-
-    @property
-    def microbatch_multiple(self) -> int:
-        """What a step's micro-batch count must be a multiple of: pp for the interleaved
-        schedule, which deals micro-batches out in groups of pp (plait.rules.check_microbatches)."""
-        return self.pp if self.schedule_name == "interleaved" else 1
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """An alias of `plait.clip_grad_norm(stages, max_norm)`: the norm of the whole
@@ -220,7 +212,6 @@ class PipelineRunner:
         if m < 1 or len({tuple(x.shape) for x in micro_inputs}) != 1:
             raise PlaitError(f"a pipeline step needs micro-batches of one shape; got "
                              f"{sorted({tuple(x.shape) for x in micro_inputs})}")
-        check_microbatches(self.schedule_name, self.pp, m)
         key = -m if forward_only else m
         if key not in self._plans:
             schedule = self._build(self.pp, m, self.v)

@@ -28,7 +28,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from plait import rules
 from plait.errors import PlaitError
 from plait.train.checkpoint.restart import read_index, resolve
 
@@ -70,30 +69,17 @@ def accumulation(global_batch: int, micro_batch: int, dp: int) -> int | None:
     return per_rank if per_rank >= 1 and left == 0 else None
 
 
-def scheduled_accumulation(global_batch: int, micro_batch: int, dp: int, schedule: str, pp: int) -> int | None:
-    """`accumulation`, when the pipeline schedule accepts that many micro-batches, else None."""
-    accum = accumulation(global_batch, micro_batch, dp)
-    if accum is None:
-        return None
-    try:
-        rules.check_microbatches(schedule, pp, accum)
-    except PlaitError:
-        return None
-    return accum
-
-
 def world_sizes(global_batch: int, micro_batch: int, *, tp: int = 1, pp: int = 1, cp: int = 1,
-                schedule: str = "1f1b", up_to: int | None = None, ep: int = 1, dp_shard: int = 0,
-                sync_bn: bool = False) -> list[int]:
+                up_to: int | None = None, ep: int = 1, dp_shard: int = 0, sync_bn: bool = False) -> list[int]:
     """Every world size (at most `up_to`) that keeps the global batch with this micro-batch
-    and these fixed degrees: tp·pp·cp·dp for each dp that leaves a whole --grad-accum the
-    pipeline schedule accepts (and, with --sync-bn, none above 1 on more than one data rank:
+    and these fixed degrees: tp·pp·cp·dp for each dp that leaves a whole --grad-accum (every
+    pipeline schedule takes any count; with --sync-bn, none above 1 on more than one data rank:
     rules.check_sync_bn_accumulation), that ep divides, and whose dp·cp ranks --dp-shard's
     groups divide."""
     fixed = tp * pp * cp
 
     def accepted(dp: int) -> bool:
-        accum = scheduled_accumulation(global_batch, micro_batch, dp, schedule, pp)
+        accum = accumulation(global_batch, micro_batch, dp)
         return accum is not None and not (sync_bn and dp > 1 and accum > 1)
 
     return [dp * fixed for dp in range(1, global_batch // micro_batch + 1)
@@ -114,10 +100,10 @@ def fit_world(config: Any) -> Any:  # TrainConfig -> TrainConfig (config.py impo
     layout = config.layout
     if saved.dp == layout.dp and config.micro_batch * config.grad_accum * layout.dp == saved.global_batch:
         return config
-    accum = scheduled_accumulation(saved.global_batch, config.micro_batch, layout.dp, layout.schedule, layout.pp)
+    accum = accumulation(saved.global_batch, config.micro_batch, layout.dp)
     if accum is None:
         sizes = world_sizes(saved.global_batch, config.micro_batch, tp=layout.tp, pp=layout.pp, cp=layout.cp,
-                            schedule=layout.schedule, ep=layout.ep, dp_shard=layout.dp_shard, sync_bn=config.sync_bn)
+                            ep=layout.ep, dp_shard=layout.dp_shard, sync_bn=config.sync_bn)
         raise PlaitError(
             f"{layout.world} process(es) (dp={layout.dp}) cannot keep the global batch of {saved.global_batch} "
             f"samples that {saved.path.name} was trained with, at --micro-batch {config.micro_batch}",

@@ -337,7 +337,6 @@ def check_strategies(config: TrainConfig) -> None:
     rules.check_precision(config.precision, config.reduce_dtype)
     if config.precision == "fp8":
         check_fp8_launch(config)
-    rules.check_microbatches(layout.schedule, layout.pp, config.grad_accum)
     rules.check_sync_bn_accumulation(config.sync_bn, layout.dp, config.grad_accum)
     rules.check_optimizer_kernel(config.optimizer_kernel, config.precision, config.offload)
     if config.compile:

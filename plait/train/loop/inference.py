@@ -77,7 +77,6 @@ class Inference:
             targets[:n - 1] = ids[start + 1:start + n]
             batches.append((alone[None], targets[None]))
         batches.insert(0, (Packed.of(ids[None], positions[None]), packed_targets[None]))
-        batches += batches[-1:] * (-len(batches) % self.executor.eval_multiple)
         batches = [(x.to(self.mesh.device), t.to(self.mesh.device)) for x, t in batches]
 
         def losses(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
@@ -112,7 +111,6 @@ class Inference:
         mine = list(range(self.mesh.rank("dp"), count, dp))
         micro, per_rank = self.micro_batch, -(-count // dp)
         batches = -(-per_rank // micro)
-        batches += -batches % self.executor.eval_multiple
         out = []
         for b in range(batches):
             indices = mine[b * micro:(b + 1) * micro]
