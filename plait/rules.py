@@ -354,9 +354,10 @@ def check_sync_bn_accumulation(sync_bn: bool, dp: int, grad_accum: int) -> None:
 
 def check_pipeline_cut(n_layers: int, pp: int, virtual_stages: int = 1, stage_layers: tuple[int, ...] = (),
                        block_runs: tuple[int, ...] = ()) -> None:
-    """pp·v stages cut from a model's `n_layers` blocks: each stage needs one, and
-    interleaving cuts equal chunks; or the cut --stage-layers gives (`check_stage_layers`),
-    which must count them all. A looped model (`block_runs`: its forward runs some blocks
+    """pp·v stages cut from a model's `n_layers` blocks: each stage needs one (interleaving
+    cuts equal chunks where pp·v divides the layers, else balances them as pp stages are
+    balanced: plait/parallel/pipeline/split.py); or the cut --stage-layers gives
+    (`check_stage_layers`), which must count them all. A looped model (`block_runs`: its forward runs some blocks
     again) has no cut: plait's stages run each block once, in order."""
     v, stages = virtual_stages, pp * virtual_stages
     if stages > 1 and block_runs and max(block_runs) > 1:
@@ -374,10 +375,6 @@ def check_pipeline_cut(n_layers: int, pp: int, virtual_stages: int = 1, stage_la
     if stages > n_layers:
         raise PlaitError(f"pp={pp} x virtual stages {v} = {stages} stages is more than the model's {n_layers} "
                          "layers: every stage needs a layer", hint=f"use at most {n_layers} pipeline stages")
-    if v > 1 and n_layers % stages:
-        raise PlaitError(f"interleaving cuts the {n_layers} layers into pp x virtual stages = {stages} equal chunks, "
-                         f"and {n_layers} is not divisible by {stages}",
-                         hint="choose pp and --virtual-stages whose product divides the layer count")
 
 
 def check_divides(what: str, size: int, tp: int, why: str, pad: str = "") -> None:

@@ -58,6 +58,7 @@ class Family:
 FAMILIES = {
     "gpt": Family("--model tiny --seq-len 32"),
     "gpt-4-layers": Family("--model tiny,n_layers=4 --seq-len 32"),  # two chunks per stage at pp 2
+    "gpt-6-layers": Family("--model tiny,n_layers=6 --seq-len 32"),  # 4 chunks at pp 2: 1, 2, 2, 1 blocks
     "moe": Family("--model tiny-moe --seq-len 32"),
     "llama": Family("--model hf:{dir}/llama --data {dir}/corpus.txt --seq-len 16"),
     "qwen3": Family("--model hf:{dir}/qwen3 --data {dir}/corpus.txt --seq-len 16"),
@@ -208,8 +209,9 @@ ROWS = rows(
         "--stage-layers 0,2,2,0", micro_batches=2, tier=TEST),
     Row("gpt-4-layers", "--nproc 2 --pp 2 --grad-accum 4 --schedule interleaved --virtual-stages 2 "
         "--stage-layers 1,2,1,0", micro_batches=4),  # m = 2·pp: the uneven chunks' peak is the schedule's
-    # m = 3 on pp 2: interleaving's last round holds one micro-batch
-    Row("gpt-4-layers", "--nproc 2 --pp 2 --grad-accum 3 --schedule interleaved --virtual-stages 2", micro_batches=3),
+    # Interleaving where neither divides: 3 micro-batches on pp 2 (one round of 3), and 6 blocks
+    # in 4 chunks, balanced 1, 2, 2, 1 (plait.interleave; parallel/pipeline/split.py)
+    Row("gpt-6-layers", "--nproc 2 --pp 2 --grad-accum 3 --schedule interleaved --virtual-stages 2", micro_batches=3),
     Row("gpt-4-layers", "--nproc 4 --dp 2 --pp 2 --zero 1 --grad-accum 2 --stage-layers 1,3", micro_batches=4),
     Row("gpt-4-layers", "--nproc 4 --dp 2 --pp 2 --zero 3 --grad-accum 2 --stage-layers 0,4", micro_batches=4),
     Row("gpt-4-layers", "--nproc 2 --pp 2 --grad-accum 2 --schedule zb-h1 --stage-layers 4,0", micro_batches=2),

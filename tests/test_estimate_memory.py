@@ -412,3 +412,17 @@ def test_shared_experts_split_beside_whole_routed_ones_keep_a_tp_share_of_their_
     assert layer_bytes(whole, layout) - layer_bytes(split, layout) == shared_saved / 2 * 32
     assert layer_bytes(whole, Workload(tp=1, micro_batch=2, seq_len=16)) == layer_bytes(split, Workload(
         tp=1, micro_batch=2, seq_len=16))
+
+
+def test_interleaving_whose_chunks_do_not_divide_the_layers_is_priced_as_the_cut_it_makes() -> None:
+    """30 layers in pp 4 × 2 chunks: plait cuts 8 stages balanced by parameters (the
+    pipeline's cut, plait.estimate.layout.uneven_cut), and the estimate is that cut's, given
+    as --stage-layers: each rank's blocks, its chunks' unequal activations walked over the
+    schedule, its memory."""
+    config = replace(get_preset("llama-7b"), n_layers=30)
+    layout = Workload(pp=4, virtual_stages=2, schedule="interleaved", grad_accum=8, precision="bf16", seq_len=2048)
+    shares = stages(config, 1, 4, 2)
+    cut = [share.chunks for share in shares]
+    assert sum(map(sum, cut)) == 30 and len({n for chunks in cut for n in chunks}) == 2  # 3s and 4s
+    given = replace(layout, stage_layers=tuple(cut[rank][chunk] for chunk in range(2) for rank in range(4)))
+    assert [m.as_dict() for m in memory_per_stage(config, layout)] == [m.as_dict() for m in memory_per_stage(config, given)]

@@ -139,10 +139,40 @@ def test_bad_splits_say_what_to_change(kwargs, words):
     assert info.value.hint
 
 
-def test_interleaving_needs_layers_divisible_into_chunks():
-    with pytest.raises(PlaitError, match="not divisible by 4") as info:
-        split_stages(build_gpt(config(6), 0), 2, virtual_stages=2)
-    assert "divides the layer count" in info.value.hint
+@pytest.mark.parametrize("layers, pp, v, cut", [(6, 2, 2, [1, 2, 2, 1]), (5, 2, 2, [1, 1, 2, 1]),
+                                                 (10, 2, 4, [1, 1, 1, 1, 1, 2, 2, 1]), (8, 2, 2, [2, 2, 2, 2])])
+def test_interleaving_balances_chunks_where_the_layers_do_not_divide_into_them(layers, pp, v, cut):
+    """Equal chunks where pp·v divides the layers (Megatron's cut); else the pp·v stages
+    balanced by parameters as pp stages are, the embedding on the first and the head on the
+    last, which the estimator's cut is too (plait.estimate.layout.uneven_cut)."""
+    from plait.estimate.layout import uneven_cut
+
+    stages = split_stages(build_gpt(config(layers), 0), pp, virtual_stages=v)
+    assert [len(stage.blocks) for stage in stages] == cut
+    assert list(uneven_cut(config(layers), pp, v, ())) == (cut if layers % (pp * v) else [])
+
+
+def test_one_rank_runner_gives_the_plain_gradients_over_unequal_chunks():
+    """Six blocks in four chunks on one rank (1, 2, 2, 1): the same loss and gradients as the
+    whole model."""
+    m, mesh = 4, plait.init_mesh()
+    model = build_gpt(config(6), 0)
+    stages = apply_pipeline(model, mesh, virtual_stages=4)
+    assert [len(stage.blocks) for stage in stages] == [1, 2, 2, 1]
+    runner = PipelineRunner(stages, mesh, "interleaved")
+    inputs, targets = micro_batches(m)
+    loss = runner.step(inputs, targets, loss_fn)
+    whole = build_gpt(config(6), 0)
+    expected_loss = 0.0
+    for x, y in zip(inputs, targets):
+        step_loss = loss_fn(whole(x), y)
+        (step_loss / m).backward()
+        expected_loss += step_loss.item() / m
+    expected = {n: p.grad for n, p in whole.named_parameters(remove_duplicate=False)}
+    assert loss == pytest.approx(expected_loss, rel=1e-6)
+    for stage in stages:
+        for name, param in stage.named_parameters():
+            torch.testing.assert_close(param.grad, expected[stage.global_name(name)], rtol=1e-5, atol=1e-7)
 
 
 def fake_mesh(pp: int) -> SimpleNamespace:

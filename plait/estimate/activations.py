@@ -262,7 +262,7 @@ def in_flight(layout: Workload, stage: StageShare) -> float:
 
 def stage_activation_bytes(config: GPTConfig, layout: Workload, stage: StageShare) -> float:
     """Peak activation bytes on one rank of `stage`."""
-    if layout.stage_layers and layout.schedule == "interleaved":
+    if (layout.stage_layers or stage.chunks) and layout.schedule == "interleaved":
         return uneven_interleaved_peak(config, layout, stage) + rope_table_bytes(config, layout)
     per_micro_batch = stage.runs * layer_bytes(config, layout)  # kept for each run's backward
     per_micro_batch += stage_extra_bytes(config, layout, stage)
@@ -286,7 +286,7 @@ def chunk_forward_bytes(config: GPTConfig, layout: Workload, stage: StageShare) 
     """What one forward of each of `stage`'s chunks saves until its backward: its blocks, and
     the first or last stage's extras on the chunk that holds that end, where the layout gives
     a cut; else an equal share of the stage's, as `in_flight` counts them."""
-    if not layout.stage_layers:
+    if not (layout.stage_layers or stage.chunks):
         per_micro_batch = stage.runs * layer_bytes(config, layout) + stage_extra_bytes(config, layout, stage)
         return [per_micro_batch / layout.virtual_stages] * layout.virtual_stages
     per_block = layer_bytes(config, layout)

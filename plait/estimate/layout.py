@@ -146,6 +146,7 @@ class StageShare:
     rerun_experts: float = 0.0  # of `rerun_params`, the routed experts this ep rank holds (synced over edp)
     block_units: tuple[float, ...] = ()  # a counted model's: each block's trained parameters, in run order
     frozen_outside: int = 0  # of `frozen_params`, those outside the blocks (GPTConfig.frozen_extra_params)
+    chunks: tuple[int, ...] = ()  # blocks of each of its chunks where they may differ (`uneven_cut`); (): equal
 
     def unit_sizes(self, blocks: int, start: int = 0) -> list[float]:
         """The trained parameters of `blocks` blocks from the `start`-th held (ZeRO-3's units):
@@ -229,24 +230,42 @@ def block_share(config: GPTConfig, index: int, tp: int, ep: int, sp: bool) -> fl
 def rank_blocks(config: GPTConfig, pp: int, virtual_stages: int,
                 stage_layers: tuple[int, ...]) -> list[list[int]]:
     """The blocks each pipeline rank holds, in order: its chunks' (stage c·pp + r is rank r's),
-    stages cut as `stage_layers` gives, in equal chunks when interleaved, else as plait's
-    pipeline balances them: by each block's whole parameters, the embedding's on the first
-    stage and the final norm's and head's on the last (parallel/pipeline/split.py:
-    default_balance), which a counted model's blocks give."""
+    stages cut as `uneven_cut` says, in equal chunks when interleaved, else as plait's pipeline
+    balances them (`balanced_stages`)."""
     n, stages_n = config.n_layers, pp * virtual_stages
-    if stage_layers:
-        counts = list(stage_layers)
+    cut = uneven_cut(config, pp, virtual_stages, stage_layers)
+    if cut:
+        counts = list(cut)
     elif stages_n > 1 and virtual_stages == 1:
-        h, rows = config.d_model, config.vocab_size
-        first = rows * h + (config.max_seq_len * h if config.arch == "gpt2" else 0) + config.extra_params
-        last = final_norm_params(config) + config.extra_last_params + rows * h + rows * config.head_vectors
-        counts = balanced_counts([config.block_params(i) for i in range(n)], pp, first_extra=first, last_extra=last)
+        counts = balanced_stages(config, pp)
     else:
         counts = [n // stages_n] * stages_n
     starts = [sum(counts[:stage]) for stage in range(stages_n)]
     return [[block for stage in range(rank, stages_n, pp)
              for block in range(starts[stage], starts[stage] + counts[stage])]
             for rank in range(pp)]
+
+
+def balanced_stages(config: GPTConfig, stages_n: int) -> list[int]:
+    """Blocks per stage as plait's pipeline balances them (parallel/pipeline/split.py:
+    default_balance): by each block's whole parameters, the embedding's on the first stage and
+    the final norm's and head's on the last, which a counted model's blocks give."""
+    h, rows = config.d_model, config.vocab_size
+    first = rows * h + (config.max_seq_len * h if config.arch == "gpt2" else 0) + config.extra_params
+    last = final_norm_params(config) + config.extra_last_params + rows * h + rows * config.head_vectors
+    return balanced_counts([config.block_params(i) for i in range(config.n_layers)], stages_n,
+                           first_extra=first, last_extra=last)
+
+
+def uneven_cut(config: GPTConfig, pp: int, virtual_stages: int, stage_layers: tuple[int, ...]) -> tuple[int, ...]:
+    """The blocks of each of the pp·v stages where a rank's chunks may differ: --stage-layers's
+    cut, or, where interleaving's pp·v stages do not divide the layers, the balanced cut
+    plait's pipeline makes of them; () where the chunks are equal (or there is one a rank)."""
+    if stage_layers:
+        return tuple(stage_layers)
+    if virtual_stages > 1 and config.n_layers % (pp * virtual_stages):
+        return tuple(balanced_stages(config, pp * virtual_stages))
+    return ()
 
 
 def counted_stage(config: GPTConfig, index: int, pp: int, blocks: list[int], shares: list[float], ep: int,
@@ -334,7 +353,9 @@ def rank_chunks(stage_layers: tuple[int, ...], pp: int, virtual_stages: int, ran
 
 
 def chunk_layers(layout: Layout, stage: StageShare) -> list[int]:
-    """The blocks of each of `stage`'s chunks, in chunk order (equal without a given cut)."""
+    """The blocks of each of `stage`'s chunks, in chunk order (equal without a cut)."""
+    if stage.chunks:
+        return list(stage.chunks)
     if layout.stage_layers:
         return rank_chunks(layout.stage_layers, layout.pp, layout.virtual_stages, stage.index)
     return [stage.layers // layout.virtual_stages] * layout.virtual_stages
@@ -359,11 +380,14 @@ def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1, ep: int
     The first rank holds the token embedding (and GPT-2's learned positions); the last
     holds the final norm and the output head. With tied embeddings and pp > 1 the last
     rank keeps its own copy of the embedding matrix for the head, as plait's pipeline does.
-    With --stage-layers a rank holds the blocks of its chunks (stage c·pp + r is rank r's).
-    A cut `plait train` refuses (interleaving's chunks unequal, a stage without a block) is
-    refused here too: priced, it would leave blocks out.
+    With --stage-layers, or interleaving's chunks unequal (`uneven_cut`), a rank holds the
+    blocks of its chunks (stage c·pp + r is rank r's), which it records (`chunks`). A cut
+    `plait train` refuses (a stage without a block) is refused here too: priced, it would
+    leave blocks out.
     """
     check_pipeline_cut(config.n_layers, pp, virtual_stages, stage_layers, config.block_runs)
+    cut = uneven_cut(config, pp, virtual_stages, stage_layers)
+    chunks = [tuple(rank_chunks(cut, pp, virtual_stages, rank)) if cut else () for rank in range(pp)]
     replicated = summed_whole(config, ep)
     h = config.d_model
     embedding = embedding_rows(config, tp) * h
@@ -374,16 +398,16 @@ def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1, ep: int
     head += vocab_shard(config, tp) * config.head_vectors
     if config.block_tally:  # counted: each rank its own blocks
         shares = [block_share(config, i, tp, ep, sp) for i in range(config.n_layers)]
-        cut = rank_blocks(config, pp, virtual_stages, stage_layers)
         ends = [first * (i == 0) + (norm + head) * (i == pp - 1) for i in range(pp)]
-        return tuple(counted_stage(config, i, pp, blocks, shares, ep, replicated, ends[i],
-                                   final_norm_params(config) * (i == pp - 1)) for i, blocks in enumerate(cut))
+        return tuple(replace(counted_stage(config, i, pp, blocks, shares, ep, replicated, ends[i],
+                                           final_norm_params(config) * (i == pp - 1)), chunks=chunks[i])
+                     for i, blocks in enumerate(rank_blocks(config, pp, virtual_stages, stage_layers)))
     sharded, whole = block_split(config, ep, sp)
     experts = held_experts(config, ep)  # MoE blocks: experts / ep each, whole on every tp rank
     whole += round(experts) - round(held_experts(config, 1))  # all experts -> ours
     block = sharded // tp + whole
-    if stage_layers:
-        counts = [sum(rank_chunks(stage_layers, pp, virtual_stages, rank)) for rank in range(pp)]
+    if cut:
+        counts = [sum(rank_chunks(cut, pp, virtual_stages, rank)) for rank in range(pp)]
     elif virtual_stages > 1 or pp == 1:  # interleaving cuts equal chunks, v per rank
         counts = [config.n_layers // pp] * pp
     else:  # the cut plait's pipeline makes (parallel/pipeline/split.py: default_balance)
@@ -401,5 +425,6 @@ def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1, ep: int
         outside = config.frozen_extra_params if index == 0 else 0
         out.append(StageShare(index, pp, layers, block, params, repl, held, moe, outside, reruns, moe_reruns,
                               rerun_params=reruns * block,
-                              rerun_experts=moe_reruns * held / moe if held else 0.0, frozen_outside=outside))
+                              rerun_experts=moe_reruns * held / moe if held else 0.0, frozen_outside=outside,
+                              chunks=chunks[index]))
     return tuple(out)

@@ -13,7 +13,8 @@ Where the cuts go: with one stage per rank, the blocks are split into contiguous
 minimise the largest stage's parameter count (the first pieces counted on the first stage,
 the last ones on the last), or follow an explicit `balance` list of block counts
 (--stage-layers), where the first and the last stage may hold none. With
-`virtual_stages = v > 1` there are v·pp stages, of equal size unless `balance` says, placed round robin
+`virtual_stages = v > 1` there are v·pp stages, of equal size unless `balance` says (or v·pp does not
+divide the blocks: then balanced as above, over the v·pp stages), placed round robin
 (stage = chunk·pp + rank, as in plait/schedule/build.py), so each rank holds v non-adjacent chunks.
 
 Tied embeddings: a parameter held by both a first piece and a last one (the embedding that
@@ -250,13 +251,15 @@ def rank_stages(stages: Sequence[nn.Module], rank: int, pp: int) -> nn.ModuleLis
 
 
 def default_balance(model: nn.Module, pp: int, v: int = 1, parts: Parts | None = None) -> list[int]:
-    """Blocks per stage: equal chunks when interleaved, else balanced by parameter count."""
+    """Blocks per stage: equal chunks when interleaved and pp·v divides the blocks (Megatron's
+    cut), else balanced by parameter count over the pp·v stages, the embedding's on the
+    first and the head's on the last (plait.estimate.layout.balanced_stages prices the same)."""
     parts = parts or pipeline_parts(model, adapter_of(model), pp)
     blocks = _blocks_of(model, parts)
     n, stages = len(blocks), pp * v
-    if v > 1:
+    if v > 1 and n % stages == 0:
         return [n // stages] * stages
-    return balanced_counts([_numel(b) for b in blocks], pp,
+    return balanced_counts([_numel(b) for b in blocks], stages,
                            first_extra=sum(_numel(model.get_submodule(name)) for name in parts.first),
                            last_extra=sum(_numel(model.get_submodule(name)) for name in parts.last))
 
