@@ -16,6 +16,8 @@ constraint on the batch.
 
 from __future__ import annotations
 
+import functools
+
 
 def round_sizes(pp: int, m: int) -> list[int]:
     """How many micro-batches each round holds, in order: ⌊m/pp⌋ rounds (at least one) that
@@ -52,3 +54,41 @@ def rank_order(pp: int, m: int, v: int, rank: int) -> list[tuple[str, int, int]]
     for i in range(len(units) - first):
         order += [step("F", first + i), step("B", i)]
     return order + [step("B", k) for k in range(len(units) - first, len(units))]
+
+
+State = tuple[tuple[int, ...], tuple[int, ...]]  # (chunk-forwards held per chunk, 1 per chunk whose backward began)
+
+
+@functools.lru_cache(maxsize=4096)
+def held_frontier(pp: int, m: int, v: int, rank: int) -> tuple[State, ...]:
+    """What `rank` holds as it runs its order, each state no other covers: how many forwards of
+    each chunk it holds, and which chunks' first backward has run (a backward's state is taken
+    before it frees its chunk).
+
+    The estimator prices a rank's peak as the most, over its order, of held chunk-forwards
+    times each chunk's bytes, with or without the gradients of the chunks begun
+    (estimate/activations.py, memory.py). Every weight is at least 0, so a state that another
+    is at least as large as in every count never sets the peak: the few left stand for the
+    m·v·2 steps, and a planner that prices thousands of layouts walks each order once."""
+    held, begun = [0] * v, [0] * v
+    states: set[State] = set()
+    for kind, _, chunk in rank_order(pp, m, v, rank):
+        if kind == "F":
+            held[chunk] += 1
+            states.add((tuple(held), tuple(begun)))
+        else:
+            begun[chunk] = 1
+            states.add((tuple(held), tuple(begun)))
+            held[chunk] -= 1
+    return tuple(_uncovered(states))
+
+
+def _uncovered(states: set[State]) -> list[State]:
+    """The states no other state is at least as large as in every count."""
+    flat = sorted((held + begun for held, begun in states), key=sum, reverse=True)
+    kept: list[tuple[int, ...]] = []
+    for state in flat:
+        if not any(all(a >= b for a, b in zip(other, state)) for other in kept):
+            kept.append(state)
+    half = len(flat[0]) // 2 if flat else 0
+    return [(state[:half], state[half:]) for state in kept]

@@ -211,3 +211,35 @@ def test_interleaved_peak_inflight_counts_chunks() -> None:
     pp, m, v = 4, 8, 2
     peak = simulate(interleaved_1f1b(pp, m, v), pp, v).peak_inflight
     assert peak == tuple((v - 1) * pp + 2 * (pp - r - 1) + 1 for r in range(pp))
+
+
+def test_the_held_frontier_gives_every_walks_peak() -> None:
+    """plait.interleave.held_frontier keeps only the states that can set a peak; priced with
+    random chunk bytes and gradient shares, the most held, and the most held beside the
+    gradients made, are the full walk's over the rank's order, step by step."""
+    import random
+
+    from plait.interleave import held_frontier, rank_order
+
+    rng = random.Random(5)
+    for pp, m, v in [(2, 3, 2), (4, 8, 2), (4, 9, 3), (3, 7, 4), (8, 20, 2), (16, 32, 8)]:
+        for rank in range(pp):
+            frontier = held_frontier(pp, m, v, rank)
+            for _ in range(5):
+                weights, shares = [rng.random() for _ in range(v)], [rng.random() for _ in range(v)]
+                held = alone = together = made = 0.0
+                begun: set[int] = set()
+                for kind, _, chunk in rank_order(pp, m, v, rank):
+                    if kind == "F":
+                        held += weights[chunk]
+                    elif chunk not in begun:
+                        begun.add(chunk)
+                        made += shares[chunk]
+                    alone, together = max(alone, held), max(together, held + made)
+                    if kind == "B":
+                        held -= weights[chunk]
+                priced = [(sum(n * w for n, w in zip(h, weights)), sum(s for s, on in zip(shares, b) if on))
+                          for h, b in frontier]
+                assert max(a for a, _ in priced) == pytest.approx(alone)
+                assert max(a + g for a, g in priced) == pytest.approx(together)
+            assert len(frontier) < 2 * m * v  # it keeps fewer states than the walk takes steps

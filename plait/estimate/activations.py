@@ -51,7 +51,7 @@ divided by t. Full recompute keeps only each block's input.
 
 from __future__ import annotations
 
-from plait.interleave import rank_order, warmup
+from plait.interleave import held_frontier, warmup
 from plait.estimate.experts import dense_width, expert_units_on_rank, saved_bytes_per_token
 from plait.estimate.layout import Workload, StageShare, chunk_ends, chunk_layers
 from plait.models.gpt.config import GPTConfig
@@ -273,13 +273,11 @@ def uneven_interleaved_peak(config: GPTConfig, layout: Workload, stage: StageSha
     """The peak over the rank's own interleaved order (plait.interleave, the order the
     runner's schedule follows) when its chunks hold different numbers of blocks: each
     chunk-forward adds that chunk's blocks (and the first or last stage's extras), each
-    backward frees them, so which chunks are in flight at once is the schedule's answer."""
+    backward frees them, so which chunks are in flight at once is the schedule's answer (read
+    off the states that can set it: plait.interleave.held_frontier)."""
     chunk_bytes = chunk_forward_bytes(config, layout, stage)
-    held = peak = 0.0
-    for kind, _, chunk in rank_order(layout.pp, layout.grad_accum, layout.virtual_stages, stage.index):
-        held += chunk_bytes[chunk] if kind == "F" else -chunk_bytes[chunk]
-        peak = max(peak, held)
-    return peak
+    frontier = held_frontier(layout.pp, layout.grad_accum, layout.virtual_stages, stage.index)
+    return max([0.0] + [sum(n * b for n, b in zip(held, chunk_bytes)) for held, _ in frontier])
 
 
 def chunk_forward_bytes(config: GPTConfig, layout: Workload, stage: StageShare) -> list[float]:

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 from plait.estimate.activations import (chunk_forward_bytes, layer_bytes, loss_bytes, stage_activation_bytes,
                                         stage_extra_bytes)
-from plait.interleave import rank_order
+from plait.interleave import held_frontier
 from plait.estimate.layout import (Workload, StageShare, chunk_ends, chunk_layers, embedding_rows, head_weight,
                                    layout_stages, vocab_shard)
 from plait.models.gpt.config import GPTConfig
@@ -317,20 +317,17 @@ def forwards_before_first_backward(layout: Workload, stage: StageShare) -> bool:
 
 
 def interleaved_unmade(config: GPTConfig, layout: Workload, stage: StageShare, grads: float) -> float:
-    """`grads_unmade` walked over an interleaved rank's order, a chunk at a time."""
+    """`grads_unmade` walked over an interleaved rank's order, a chunk at a time: the most
+    activations held, against the most held beside the gradients of the chunks whose first
+    backward has run (a backward makes its chunk's gradients before freeing its activations),
+    read off the states that can set either (plait.interleave.held_frontier)."""
     chunk_bytes = chunk_forward_bytes(config, layout, stage)
     shares = chunk_grad_shares(layout, stage)
-    made_chunks: set[int] = set()
-    held = made = activations_alone = together = 0.0
-    for kind, _, chunk in rank_order(layout.pp, layout.grad_accum, layout.virtual_stages, stage.index):
-        if kind == "F":
-            held += chunk_bytes[chunk]
-        elif chunk not in made_chunks:  # a backward makes its chunk's gradients before freeing its activations
-            made_chunks.add(chunk)
-            made += grads * shares[chunk]
-        activations_alone, together = max(activations_alone, held), max(together, held + made)
-        if kind == "B":
-            held -= chunk_bytes[chunk]
+    activations_alone = together = 0.0
+    for held, begun in held_frontier(layout.pp, layout.grad_accum, layout.virtual_stages, stage.index):
+        activations = sum(n * b for n, b in zip(held, chunk_bytes))
+        made = grads * sum(share for share, on in zip(shares, begun) if on)
+        activations_alone, together = max(activations_alone, activations), max(together, activations + made)
     return max(0.0, activations_alone + grads - max(together, grads))
 
 

@@ -6,9 +6,8 @@ What it searches, every option `plait train` runs (plait.rules and the model's o
   pp up to the layers (or the stages of a given cut); cp where 2·cp divides the sequence
   (ring, and Ulysses where cp divides the heads per tp rank); for a mixture of experts, ep
   dividing dp and the experts (without cp); dp what they leave, dividing the global batch.
-* the schedule: 1f1b, interleaved with 2 and 4 virtual stages (where pp·v divides the
-  layers: plait trains unequal chunks too, but walking their schedule for every shape made
-  a 126-layer plan on 512 GPUs six times slower; at any micro-batch count,
+* the schedule: 1f1b, interleaved with 2 and 4 virtual stages (at most a layer a chunk:
+  equal chunks where pp·v divides the layers, else balanced; at any micro-batch count,
   plait.interleave), zb-h1 (no recomputation, ZeRO 0-1); gpipe only when asked, since it
   idles as 1f1b does and holds m micro-batches instead of p. One schedule without a
   pipeline, where all of them run alike.
@@ -171,8 +170,8 @@ def zero_stages(precision: str, dp: int) -> tuple[int, ...]:
 
 def pipelines(request: PlanRequest, pp: int) -> list[tuple[str, int]]:
     """(schedule, virtual stages) to try at `pp`: one schedule without a pipeline (1f1b where
-    allowed); interleaving at each of VIRTUAL_STAGES, except under a given cut, which fixes
-    one chunk per rank."""
+    allowed); interleaving at each of VIRTUAL_STAGES that leaves every chunk a layer, except
+    under a given cut, which fixes one chunk per rank."""
     if pp == 1:
         return [("1f1b" if "1f1b" in request.schedules else request.schedules[0], 1)]
     out: list[tuple[str, int]] = []
@@ -180,7 +179,7 @@ def pipelines(request: PlanRequest, pp: int) -> list[tuple[str, int]]:
         if schedule != "interleaved":
             out.append((schedule, 1))
         elif not request.stage_layers:
-            out += [(schedule, v) for v in VIRTUAL_STAGES if request.config.n_layers % (pp * v) == 0]
+            out += [(schedule, v) for v in VIRTUAL_STAGES if pp * v <= request.config.n_layers]
     return out
 
 
