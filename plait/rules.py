@@ -357,8 +357,8 @@ def check_pipeline_cut(n_layers: int, pp: int, virtual_stages: int = 1, stage_la
     """pp·v stages cut from a model's `n_layers` blocks: each stage needs one (interleaving
     cuts equal chunks where pp·v divides the layers, else balances them as pp stages are
     balanced: plait/parallel/pipeline/split.py); or the cut --stage-layers gives
-    (`check_stage_layers`), which must count them all. A looped model (`block_runs`: its forward runs some blocks
-    again) has no cut: plait's stages run each block once, in order."""
+    (`check_stage_layers`), which must count them all. A looped model (`block_runs`: its
+    forward runs some blocks again) has no cut: plait's stages run each block once, in order."""
     v, stages = virtual_stages, pp * virtual_stages
     if stages > 1 and block_runs and max(block_runs) > 1:
         looped = [str(i) for i, runs in enumerate(block_runs) if runs > 1]

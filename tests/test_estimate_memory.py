@@ -425,4 +425,5 @@ def test_interleaving_whose_chunks_do_not_divide_the_layers_is_priced_as_the_cut
     cut = [share.chunks for share in shares]
     assert sum(map(sum, cut)) == 30 and len({n for chunks in cut for n in chunks}) == 2  # 3s and 4s
     given = replace(layout, stage_layers=tuple(cut[rank][chunk] for chunk in range(2) for rank in range(4)))
-    assert [m.as_dict() for m in memory_per_stage(config, layout)] == [m.as_dict() for m in memory_per_stage(config, given)]
+    priced, as_given = memory_per_stage(config, layout), memory_per_stage(config, given)
+    assert [m.as_dict() for m in priced] == [m.as_dict() for m in as_given]

@@ -73,9 +73,10 @@ def _cut_weights(cut: list[int], pp: int, v: int) -> tuple[list[float], list[lis
 
 def test_long_schedules_timed_in_part_come_within_a_thousandth(monkeypatch: pytest.MonkeyPatch) -> None:
     """Past FULL_ACTIONS the span is the first micro-batches run, then the steady state's pace:
-    on lopsided ends, with a short last interleaved round (m = 261 on 8 ranks, 403 on 4), and on an uneven interleaved cut (6,2,2,2,2,2,6,6 over 4 ranks, whose
-    unequal chunks idle even the slowest rank: paced at the slowest rank's micro-batch alone,
-    it came 1.5% short), against the whole schedule run."""
+    on lopsided ends, with interleaved counts pp does not divide (m = 261 on 8 ranks, 403 on
+    4: rounds a micro-batch or so over pp), and on an uneven interleaved cut (6,2,2,2,2,2,6,6
+    over 4 ranks, whose unequal chunks idle even the slowest rank: paced at the slowest rank's
+    micro-batch alone, it came 1.5% short), against the whole schedule run."""
     rng = random.Random(7)
     cut_s, cut_weights = _cut_weights([6, 2, 2, 2, 2, 2, 6, 6], 4, 2)
     cases = [("1f1b", 8, 512, 1, _lopsided(8, rng), None), ("interleaved", 8, 256, 2, _lopsided(8, rng), None),
@@ -101,7 +102,7 @@ def test_the_planners_lower_bound_never_exceeds_the_span() -> None:
         schedule = rng.choice(["gpipe", "1f1b", "interleaved", "zb-h1"])
         pp = rng.choice([2, 3, 4, 8])
         v = rng.choice([2, 3]) if schedule == "interleaved" else 1
-        # any m, fewer than pp too (interleaving's last round then short), and every tenth
+        # any m, fewer than pp too (interleaving's rounds then over pp, or one of m), and every tenth
         # case long enough to be timed in part
         m = rng.randint(1, 6 * pp)
         if case % 10 == 0:

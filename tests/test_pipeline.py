@@ -162,13 +162,7 @@ def test_one_rank_runner_gives_the_plain_gradients_over_unequal_chunks():
     runner = PipelineRunner(stages, mesh, "interleaved")
     inputs, targets = micro_batches(m)
     loss = runner.step(inputs, targets, loss_fn)
-    whole = build_gpt(config(6), 0)
-    expected_loss = 0.0
-    for x, y in zip(inputs, targets):
-        step_loss = loss_fn(whole(x), y)
-        (step_loss / m).backward()
-        expected_loss += step_loss.item() / m
-    expected = {n: p.grad for n, p in whole.named_parameters(remove_duplicate=False)}
+    expected_loss, expected = reference_grads(m, tied=True, layers=6)
     assert loss == pytest.approx(expected_loss, rel=1e-6)
     for stage in stages:
         for name, param in stage.named_parameters():
@@ -191,7 +185,7 @@ def test_unknown_schedule_and_chunks_without_interleaving_are_refused():
 
 def test_check_pipeline_needs_no_model_or_processes():
     check_pipeline(8, 2, "interleaved", 4, virtual_stages=2)
-    for m in (2, 6):  # fewer micro-batches than ranks, or a short last round: both run
+    for m in (2, 6):  # fewer micro-batches than ranks (one round of 2), or one round of 6: both run
         check_pipeline(8, 4, "interleaved", m, virtual_stages=2)
     with pytest.raises(PlaitError, match="more than the model's 2 layers"):
         check_pipeline(2, 4, "1f1b", 8)
@@ -215,8 +209,8 @@ def test_micro_batches_of_different_shapes_are_refused():
 
 
 # -- the runner on one process --------------------------------------------------------------------
-def reference_grads(m: int, tied: bool) -> tuple[float, dict[str, torch.Tensor]]:
-    model = build_gpt(config(4, tied), 0)
+def reference_grads(m: int, tied: bool, layers: int = 4) -> tuple[float, dict[str, torch.Tensor]]:
+    model = build_gpt(config(layers, tied), 0)
     inputs, targets = micro_batches(m)
     total = 0.0
     for x, y in zip(inputs, targets):

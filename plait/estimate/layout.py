@@ -21,7 +21,8 @@ from plait.models.gpt.config import GPTConfig
 from plait.estimate.stacks import STACKS, Stack, check_stack
 from plait.rules import BUCKET_MB, check_bucket_mb, check_experts_split
 from plait.rules import (DTYPE_BYTES, PRECISIONS, RECOMPUTE, REDUCE_DTYPES, SCHEDULES,  # noqa: F401
-                         check_context_split, check_fp8, check_pipeline_cut, check_precision, check_recompute, check_whole,
+                         check_context_split, check_fp8, check_pipeline_cut, check_precision, check_recompute,
+                         check_whole,
                          default_reduce_dtype)
 
 
@@ -401,7 +402,7 @@ def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1, ep: int
         ends = [first * (i == 0) + (norm + head) * (i == pp - 1) for i in range(pp)]
         return tuple(replace(counted_stage(config, i, pp, blocks, shares, ep, replicated, ends[i],
                                            final_norm_params(config) * (i == pp - 1)), chunks=chunks[i])
-                     for i, blocks in enumerate(rank_blocks(config, pp, virtual_stages, stage_layers)))
+                     for i, blocks in enumerate(rank_blocks(config, pp, virtual_stages, cut)))
     sharded, whole = block_split(config, ep, sp)
     experts = held_experts(config, ep)  # MoE blocks: experts / ep each, whole on every tp rank
     whole += round(experts) - round(held_experts(config, 1))  # all experts -> ours

@@ -18,10 +18,11 @@ cost a forward and the input gradients I the remainder.
 
 Long schedules are timed at fewer micro-batches: up to FULL_ACTIONS actions are run as they
 are; past that, the first m' micro-batches (a multiple of pp where m is, so that
-interleaving's rounds stay pp; else m' ≡ m mod pp, rounds a little larger as m's are) are run and each further micro-batch adds the steady state's pace: the
-slowest rank's micro-batch, or the last timed group's pace where unequal chunks leave even
-that rank idle. Against a full run that comes within 0.1% on lopsided end stages and uneven
-cuts (tests/test_estimate_pipeline.py).
+interleaving's rounds stay pp; else m' ≡ m mod pp, rounds a little larger as m's are) are
+run and each further micro-batch adds the steady state's pace: the slowest rank's
+micro-batch, or the last timed round's pace where unequal chunks leave even that rank idle.
+Against a full run that comes within 0.1% on lopsided end stages, uneven cuts and counts pp
+does not divide (tests/test_estimate_pipeline.py).
 
 `lower_bound` is what the planner sorts and prunes shapes by before it runs a schedule: no
 rank can start before micro-batch 0's forward reaches it, nor finish before its own work,

@@ -61,7 +61,8 @@ def format_estimate(result: dict[str, Any], model_name: str) -> str:
             f"dp={lay['dp']} tp={lay['tp']} pp={lay['pp']}"
             f"{cp_text(lay)}{ep_text(lay)} zero={lay['zero']}"
             f"{' offload' if lay['offload'] else ''}{' sp' if lay['sp'] else ''}, "
-            f"{schedule_label(lay) + ', ' if lay['pp'] > 1 else ''}{lay['precision']}, micro-batch {lay['micro_batch']} x {lay['grad_accum']}, "
+            f"{schedule_label(lay) + ', ' if lay['pp'] > 1 else ''}"
+            f"{lay['precision']}, micro-batch {lay['micro_batch']} x {lay['grad_accum']}, "
             f"seq {lay['seq_len'] or '?'}, recompute {lay['recompute']}, {lay['hardware']}"
             f"{'' if lay.get('stack', 'plait') == 'plait' else ', as ' + lay['stack'] + ' runs it'}")
     lines = [head, "", "memory per GPU (busiest rank)"]

@@ -250,7 +250,7 @@ class FlatPlan:
     cuts: list[tuple[int, int, int]]
     shards: list[tuple[int, int, int]]
     groups: list[dict]
-    states: list[torch.Tensor]
+    states: list[Any]  # `_states`: each piece's state dict and its three tensors, or Nones
 
     @staticmethod
     def of(parts: Sequence[FlatPart], optimizer: torch.optim.Optimizer, runs: list[GroupRuns],
