@@ -356,6 +356,14 @@ class Search:
         self._bound: dict[Workload, float] = {}
         self._step: dict[Workload, float | None] = {}
         self._memory: dict[Workload, float] = {}
+        self._tails: dict[Workload, tuple[Workload, ...]] = {}
+
+    def tails(self, shape: Workload) -> tuple[Workload, ...]:
+        """`tails` of `shape`, made once: every search (the ranking, each of --explain's) walks
+        the same shapes, and making a Workload runs plait.rules' checks."""
+        if shape not in self._tails:
+            self._tails[shape] = tuple(tails(self.request, shape))
+        return self._tails[shape]
 
     def best(self, k: int, shape_ok: Keep = _any, tail_ok: Keep = _any) -> list[Workload]:
         """Every layout that may be among the k fastest that fit, ties at the k-th included
@@ -368,7 +376,7 @@ class Search:
                 break
             if not shape_ok(shape) or self._shape_memory(shape) > self.request.hardware.usable_bytes:
                 continue
-            for tail in filter(tail_ok, tails(self.request, shape)):
+            for tail in filter(tail_ok, self.tails(shape)):
                 step = self._fits_in(tail, core, bound)
                 if step is not None:
                     found.append((step, tail))
@@ -415,7 +423,7 @@ class Search:
         for lower, _, shape in bounded:
             if lower >= least:
                 break
-            for tail in filter(tail_ok, tails(self.request, shape)):
+            for tail in filter(tail_ok, self.tails(shape)):
                 if _first_stage_bytes(config, tail) < least:
                     least = min(least, estimate_memory(config, tail).total)
         return None if least == math.inf else least
