@@ -44,7 +44,7 @@ ASSUMPTIONS = (
     "MoE: each ep rank holds experts / ep routed experts of every MoE block, synced over the "
     "dp / ep ranks holding the same ones (axis edp); FLOPs follow the active parameters (the "
     "router, top_k routed and the shared experts of each MoE block); activations count a token's "
-    "top_k + shared experts' widths as its MLP, plus 2·k·h rows (4·k·h under ep), 8E of router scores "
+    "top_k + shared experts' widths as its MLP, plus 2·k·h rows, 8E of router scores "
     "and 4kE of the balancing loss's choices",
     "ep all-to-all per MoE block and micro-batch, uniform routing: counts (ep−1)/ep·8E, then "
     "t·k·(ep−1)/ep rows of d values out and as many back, forward (again when recomputed); the "
@@ -62,15 +62,15 @@ def summary(config: Any, layout: Any) -> dict[str, Any]:
 
 def saved_bytes_per_token(config: Any, layout: Any) -> float:
     """What an MoE block saves per token beyond its experts' widths (routed_and_shared_widths),
-    averaged over the blocks: each choice's input row and output row (2·k·h, twice more
-    under ep: the rows that arrived and the experts' output before it travels back), the
-    router's fp32 scores and probabilities (8E) and the balancing loss's choices (4kE). A
-    model that runs every expert on every token (`tp_expert_rows`, Llama 4's) makes E rows a
-    token, not k."""
+    averaged over the blocks: each choice's input row as its expert read it (under ep, the row
+    that arrived) and its output row back in token order, which the weighting keeps (2·k·h;
+    nothing else holds a row: dispatch.Unsort and the all-to-alls keep none), the router's fp32
+    scores and probabilities (8E) and the balancing loss's choices (4kE). A model that runs
+    every expert on every token (`tp_expert_rows`, Llama 4's) makes E rows a token, not k."""
     if not config.is_moe:
         return 0.0
     k, h, e = routed_rows(config), config.d_model, layout.compute_bytes
-    rows = (2 + 2 * (layout.ep > 1)) * k * h * e
+    rows = 2 * k * h * e
     return config.moe_layers / config.n_layers * (rows + 8 * config.experts + 4 * k * config.experts)
 
 

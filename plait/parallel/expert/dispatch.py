@@ -151,7 +151,23 @@ class AssignmentRows(torch.autograd.Function):
 
 def unsort(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """Rows given in `order` (a permutation), put back where they came from: row i to order[i]."""
-    return torch.empty_like(rows).index_copy_(0, order, rows)
+    return Unsort.apply(rows, order)
+
+
+class Unsort(torch.autograd.Function):
+    """`unsort`, whose backward takes each gradient row back into `order` and keeps only
+    `order`: autograd's index_copy keeps its source rows as well, (tokens · k, d) values that
+    an MoE block held until its backward for nothing (its combine keeps the unsorted rows)."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(order)
+        return torch.empty_like(rows).index_copy_(0, order, rows)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (order,) = ctx.saved_tensors
+        return grad.index_select(0, order), None
 
 
 def sort_by_expert(index: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
