@@ -48,7 +48,8 @@ def bench_config(args: argparse.Namespace) -> Any:
 
 
 def saved_bytes(model: Any, inputs: Any) -> int:
-    """ActivationMeter's count, also for DTensor models (counting the plain tensors inside)."""
+    """ActivationMeter's count (the model's weights and buffers apart), also for DTensor models
+    (counting the plain tensors inside)."""
     import torch
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -57,7 +58,7 @@ def saved_bytes(model: Any, inputs: Any) -> int:
             return [t] if isinstance(t, torch.Tensor) else []
         return [inner for name in t.__tensor_flatten__()[0] for inner in plain(getattr(t, name))]
 
-    params = {x.untyped_storage().data_ptr() for p in model.parameters() for x in plain(p)}
+    params = {x.untyped_storage().data_ptr() for p in (*model.parameters(), *model.buffers()) for x in plain(p)}
     seen: dict[int, int] = {}
 
     def pack(tensor: Any) -> Any:
@@ -119,7 +120,7 @@ def worker(args: argparse.Namespace) -> None:
 
     import plait
     from plait.models.gpt.model import build_gpt
-    from plait.estimate.activations import llama_layer_bytes, rope_table_bytes
+    from plait.estimate.activations import llama_layer_bytes
     from plait.estimate.layout import Workload
     from plait.runtime.env import prepare_host
 
@@ -138,7 +139,7 @@ def worker(args: argparse.Namespace) -> None:
     for sp in (False, True):
         work = Workload(tp=tp, sp=sp and tp > 1, micro_batch=args.micro_batch, seq_len=args.seq_len, precision="fp32")
         block = llama_layer_bytes(config, work)
-        result["formula_sp" if sp else "formula"] = config.n_layers * block + rope_table_bytes(config, work)
+        result["formula_sp" if sp else "formula"] = config.n_layers * block
     if mesh.is_main:
         Path(args.result).write_text(json.dumps(result))
     mesh.close()

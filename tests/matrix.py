@@ -185,11 +185,12 @@ ROWS = rows(
     Row("gpt", "--nproc 2 --pp 2 --grad-accum 2", micro_batches=2),
     Row("gpt", "--nproc 4 --dp 2 --pp 2 --grad-accum 2 --schedule zb-h1", micro_batches=4),
     Row("gpt", "--nproc 2 --tp 2 --sp", "--recompute full", tier=TEST),
-    Row("gpt", "--nproc 4 --dp 2 --pp 2 --zero 3 --grad-accum 2", "--recompute full", micro_batches=4,
-        unpriced=(("activations", "the last stage keeps 6 KiB (11%) less than the estimate says under full recompute "
-                                  "with a pipeline; 8% before plait's block kept less, so now past the bar, and not "
-                                  "yet explained"),)),
+    Row("gpt", "--nproc 4 --dp 2 --pp 2 --zero 3 --grad-accum 2", "--recompute full", micro_batches=4),
     Row("gpt", "--nproc 4 --tp 2 --zero 1 --sp --grad-accum 2", micro_batches=4),
+    # context parallelism: the rope rows each forward gathers, the ring's fp32 output that
+    # o_proj reads as a view, Ulysses' output traded back and its reorderings, to the byte
+    Row("gpt", "--nproc 2 --cp 2 --grad-accum 2", micro_batches=2),
+    Row("gpt", "--nproc 2 --cp 2 --cp-kind ulysses", "--precision bf16"),
     Row("gpt", "--nproc 4 --tp 2 --pp 2 --grad-accum 2 --schedule zb-h1", micro_batches=2),
     Row("gpt", "--nproc 4 --dp 2 --pp 2 --zero 2 --grad-accum 2", micro_batches=4),
     Row("gpt", "--nproc 8 --dp 2 --tp 2 --pp 2 --zero 3 --sp --grad-accum 2", micro_batches=4, tier=TEST),

@@ -44,16 +44,21 @@ def test_the_estimate_halves_activations_and_syncs_over_dp_times_cp() -> None:
     one = estimate_layout(small, hardware="cpu", micro_batch=2, seq_len=512, dp=2)
     cp = estimate_layout(small, hardware="cpu", micro_batch=2, seq_len=512, cp=2)
     ulysses = estimate_layout(small, hardware="cpu", micro_batch=2, seq_len=512, cp=2, cp_kind="ulysses")
-    tables = small.max_seq_len * small.head_dim * 4  # RoPE's cos and sin, kept whole
-    ratio = (ulysses["memory"]["activations"] - tables) / (one["memory"]["activations"] - tables)
-    assert ratio == pytest.approx(0.5, rel=1e-3), ratio  # the same bytes per token, half the tokens
-    # The ring keeps K/V unexpanded and its output in fp32, as SDPA keeps grouped K/V: in fp32
-    # the same bytes; in bf16 the ring's fp32 output is 2h bytes more a token and layer.
-    assert ulysses["memory"]["activations"] == cp["memory"]["activations"]
-    tokens = 2 * 512 // 2
+    layers, h, tokens = small.n_layers, small.d_model, 2 * 512 // 2
+    rows = 512 // 2 * small.head_dim * 4  # cp's rope rows, gathered for its positions: cos and sin
+    # The ring keeps K/V unexpanded and its output in fp32, which o_proj reads as a view: in
+    # fp32 the bytes SDPA keeps a token, on half the tokens.
+    ratio = (cp["memory"]["activations"] - rows) / one["memory"]["activations"]
+    assert ratio == pytest.approx(0.5, rel=1e-3), ratio
+    # Ulysses runs the same SDPA on half the tokens, and o_proj keeps the output traded back to
+    # sequence shards (h values a token), each block the two int64 reorderings of the sequence.
+    traded = layers * (tokens * 4 * h + 2 * 8 * 512)
+    assert ulysses["memory"]["activations"] - traded == cp["memory"]["activations"]
+    # In bf16 the ring's fp32 output is 2h bytes more a token and layer, and o_proj keeps its
+    # cast as Ulysses' o_proj keeps its copy.
     ring16, ulysses16 = (estimate_layout(small, hardware="cpu", micro_batch=2, seq_len=512, cp=2, cp_kind=kind,
                                          precision="bf16")["memory"]["activations"] for kind in ("ring", "ulysses"))
-    assert ring16 - ulysses16 == small.n_layers * tokens * 2 * small.d_model
+    assert ring16 - ulysses16 == layers * (tokens * 2 * h - 2 * 8 * 512)
     assert set(cp["comm"]) == {"dp_cp", "cp"} and cp["comm"]["dp_cp"] == one["comm"]["dp"]
     block = 2 * 2 * 256 * small.n_kv_heads * small.head_dim * 4  # 2·b·(s/cp)·h_kv·d·e
     per_layer = block + (block + 2 * block)  # forward; backward (K/V again, then dK/dV to 2 ranks)

@@ -156,15 +156,15 @@ def test_our_block_formula() -> None:
 
 
 def _measure_saved(config: GPTConfig, batch: int, seq: int, dtype_name: str, with_loss: bool) -> int:
-    """Bytes autograd saves in one forward, distinct storages, parameters excluded (as
-    plait's ActivationMeter counts them)."""
+    """Bytes autograd saves in one forward, distinct storages, the model's parameters and
+    buffers excluded (as plait's ActivationMeter counts them)."""
     import torch
     import torch.nn.functional as F
 
     from plait.models.gpt.model import build_gpt
 
     model = build_gpt(config, seed=0).to(getattr(torch, dtype_name))
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     saved: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -319,7 +319,8 @@ def test_zero2_buckets_and_accumulation() -> None:
     cfg = get_preset("llama-7b")
     one = estimate_memory(cfg, Workload(dp=8, zero=2, precision="bf16", seq_len=256))
     acc = estimate_memory(cfg, Workload(dp=8, zero=2, precision="bf16", seq_len=256, grad_accum=4))
-    loss = loss_bytes(cfg, Workload(precision="bf16", seq_len=256))
+    # the loss, and the rope tables: the model's buffers, cos and sin of max_seq_len x head_dim / 2
+    loss = loss_bytes(cfg, Workload(precision="bf16", seq_len=256)) + cfg.max_seq_len * cfg.head_dim * 2
     assert one.buffers - loss == 2 * BUCKET_BYTES
     # Each backward reduce-scatters and drops its whole gradients (no_sync holds ZeRO-1's only)
     assert acc.buffers == one.buffers

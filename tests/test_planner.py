@@ -260,17 +260,23 @@ EXPLAINED = ["--model", "llama-70b", "--gpus", "16", "--hardware", "h100-sxm", "
 
 
 def test_explain_says_why_the_first_layout_wins(capsys) -> None:
-    """llama-70b on 16 H100s: the best is ZeRO-3 over dp 2 × cp 4 with tp 2 and full
-    recomputation; the text names its bubble, what it waits for, recompute's cost, its
-    headroom, and each choice's absence: slower, as fast, or nothing fits."""
+    """llama-70b on 16 H100s: the best is ZeRO-3 over dp 8 with tp 2 and full recomputation
+    (dp 2 × cp 4 and dp 4 × cp 2 take as long, and hold cp's rope rows besides); the text
+    names its bubble, what it waits for, recompute's cost, its headroom, and each choice's
+    absence: slower, or nothing fits."""
     assert plan_main(EXPLAINED) == 0
-    text = capsys.readouterr().out.split("why #1 wins: ", 1)[1]
-    assert text.startswith("dp=2 tp=2 pp=1 cp=4 zero=3 sp, micro-batch 4 x 4, recompute full")
+    out = capsys.readouterr().out
+    assert [line.split()[:5] for line in out.splitlines() if line[:2] in ("1 ", "2 ", "3 ")] == [
+        ["1", "8", "2", "1", "1"], ["2", "2", "2", "1", "4"], ["3", "4", "2", "1", "2"]]
+    text = out.split("why #1 wins: ", 1)[1]
+    assert text.startswith("dp=8 tp=2 pp=1 zero=3 sp, micro-batch 1 x 4, recompute full")
     for part in ("of which recompute", "bubble", "% of the step)", "communication it waits for: tp", "headroom",
-                 "the best layout with", "cp = 1: ", "no sp: ", "ZeRO 0-2: "):
+                 "the best layout with", "no sp: ", "ZeRO 0-2: "):
         assert part in text
     assert re.search(r"tp = 1: nothing fits \(the smallest needs [\d.]+ GiB\)", text)
-    assert "no recompute: 19.3 s, 111.5% slower (dp=1 tp=8 pp=1 cp=2 zero=3 sp, micro-batch 1 x 32" in text
+    # without recompute the best was cp 2's ring at 19.3 s, until its o_proj was counted keeping
+    # the output's bf16 cast beside the ring's fp32 one (measured so: tests/matrix.py)
+    assert re.search(r"no recompute: nothing fits \(the smallest needs 78\.0\d GiB\)", text)
     # 80 layers in pp 8 × 4 chunks of 2 and 3 (balanced, not equal): 10.3 s, where the best of
     # equal chunks (pp 4 × 4) was 10.4
     assert "ZeRO 0-2: 10.3 s, 13.4% slower (dp=1 tp=2 pp=8 zero=0 sp, interleaved x4, micro-batch 1 x 32" in text
@@ -292,7 +298,7 @@ def test_explain_in_json_holds_the_restricted_bests(capsys) -> None:
     assert why["recompute_s"] > 0.2 * why["time"]["compute_s"]  # full recompute: a forward more
     keep = {"no sp": lambda r: not r["sp"], "cp = 1": lambda r: r["cp"] == 1, "tp = 1": lambda r: r["tp"] == 1,
             "no recompute": lambda r: r["recompute"] == "none", "ZeRO 0-2": lambda r: r["zero"] < 3}
-    assert [other["label"] for other in why["without"]] == ["tp = 1", "cp = 1", "no recompute", "no sp", "ZeRO 0-2"]
+    assert [other["label"] for other in why["without"]] == ["tp = 1", "no recompute", "no sp", "ZeRO 0-2"]
     for other in why["without"]:
         first = next((row for row in every if keep[other["label"]](row)), None)
         assert other["layout"] == first

@@ -48,7 +48,8 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
 
 
 class ActivationMeter:
-    """Peak bytes saved for backward during one forward, excluding the parameters themselves.
+    """Peak bytes saved for backward during one forward, excluding the parameters and buffers
+    themselves.
 
     Use `with meter.track(model):` around a forward; `peak` keeps the largest seen.
     """
@@ -59,7 +60,9 @@ class ActivationMeter:
 
     @contextlib.contextmanager
     def track(self, model: nn.Module) -> Iterator[None]:
-        param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        # the model's own tensors, resident whatever runs: its weights and buffers (a saved view
+        # of the rope tables holds no bytes of its own)
+        param_ptrs = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
         zero3 = zero3_sync(model)
         saved: dict[int, int] = {}
 

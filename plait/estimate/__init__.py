@@ -45,17 +45,20 @@ MEMORY_ASSUMPTIONS = (
     "holds the embedding, the last the final norm and head (and, with tied embeddings and "
     "pp > 1, its own copy of the embedding); blocks cut to balance parameters, as plait does, or as "
     "--stage-layers gives; the step is the slowest rank's path through the schedule",
-    "activations per block of our model: e·(9h + 4f) + 8(h + 1) + 4a bytes per token (e = 4 "
-    "fp32, 2 bf16/fp16, the model held in that dtype; the norms keep x and rsqrt in fp32); "
+    "activations per block of our model: e·(6h + 2kv + 3f) + 8 + 4a bytes per token (e = 4 "
+    "fp32, 2 bf16/fp16, the model held in that dtype; the norms keep their input and an fp32 rsqrt, "
+    "SwiGLU its gate and up outputs and their product, SDPA q, k, v and its output); "
     "selective recompute drops the attention core's output and log-sum-exp; GPT-2: Korthikanti et al. "
-    "s·b·h·(34 + 5as/h) in 16-bit; plus token ids, final norm and RoPE tables; a transformers "
+    "s·b·h·(34 + 5as/h) in 16-bit; plus token ids, final norm, and under cp the RoPE rows of a "
+    "rank's positions (the RoPE tables are the model's buffers); a transformers "
     "model's block keeps what its forwards measured it to keep a token (its mamba's or linear "
     "attention's torch path too; with a GPU's fused kernels it keeps less), and its eager attention "
     "b·s² × the bytes a (query, key) pair (its parameters are counted there too, block by block)",
-    "in-flight micro-batches: 1 without a pipeline, m for GPipe, p − r for 1F1B, "
-    "p(1 + (p−1)/(pv)) on the first rank interleaved",
+    "in-flight micro-batches: 1 without a pipeline, m for GPipe, p − r for 1F1B, min(p, m) for "
+    "ZB-H1; interleaved, 2(p − r − 1) + (v − 1)N + 1 chunk-forwards on rank r for rounds of N ≥ p "
+    "micro-batches (p(1 + (p−1)/(pv)) on the first rank where p divides m)",
     "buffers: the loss (logits, fp32 copy, fp32 log-softmax) on the last stage; two b·s·h "
-    "pipeline receive buffers; under ZeRO-2 two whole gradient buckets (--bucket-mb, 25 MiB by "
+    "pipeline receive buffers; the RoPE tables; under ZeRO-2 two whole gradient buckets (--bucket-mb, 25 MiB by "
     "default), under ZeRO-3 two blocks' gradients, each backward; none for plain DP or ZeRO-1 "
     "(grads are views into buckets)",
     f"fragmentation allowance {FRAGMENTATION:.0%} of device bytes (caching allocator "

@@ -32,10 +32,12 @@ Two blocks are counted:
 
 Outside the blocks the forward keeps the int64 token ids (embedding) and the final norm's
 4(h + 1) + 2eh bytes (a sequence shard of them under SP, unless the final norm reads the whole
-sequence: `GPTConfig.whole_sequence_ends`), and RoPE's multiplications keep the cos and sin
-tables (max_seq_len·head_dim elements, once per rank). That is everything plait's ActivationMeter sees, since it wraps
-the model's forward only; the loss's fp32 logits and log-softmax are counted by
-memory.py as a buffer on the last stage.
+sequence: `GPTConfig.whole_sequence_ends`). RoPE's multiplications keep views of the model's
+cos and sin tables, buffers resident on every rank, which memory.py counts as such; under
+context parallelism a forward gathers the rows of its rank's positions, kept as activations
+(`rope_rows_bytes`). That is everything plait's ActivationMeter sees, since it wraps the
+model's forward only and counts neither its weights nor its buffers; the loss's fp32 logits
+and log-softmax are counted by memory.py as a buffer on the last stage.
 
 Under context parallelism every per-token figure counts this rank's tokens only (s/cp per
 sequence); Ulysses runs the same SDPA on whole sequences of h/cp heads, so it saves the same
@@ -91,8 +93,18 @@ def llama_layer_bytes(config: GPTConfig, layout: Workload) -> float:
     more_whole, more_split, mixers = measured_correction(config, layout)
     # a token-mixing module the plan leaves whole runs on the whole sequence on every rank, SP or not
     mixed = mixers * layout.tokens_per_micro_batch if layout.recompute != "full" else 0.0
-    return _combine(max(0.0, whole + more_whole), max(0.0, split + more_split), layout,
-                    layout.compute_bytes * config.d_model) + mixed + eager_attention_bytes(config, layout)
+    return (_combine(max(0.0, whole + more_whole), max(0.0, split + more_split), layout,
+                     layout.compute_bytes * config.d_model) + mixed + eager_attention_bytes(config, layout)
+            + ulysses_order_bytes(layout))
+
+
+def ulysses_order_bytes(layout: Workload) -> float:
+    """Ulysses' two reorderings of the whole sequence in each block (ranks' order to positions'
+    and back, plait.parallel.context.ulysses): the int64 indices its index_selects keep, made
+    afresh by each block's attention. Recomputed with the core under recomputation."""
+    if layout.cp == 1 or layout.cp_kind != "ulysses" or layout.recompute != "none":
+        return 0.0
+    return 2.0 * ID_BYTES * layout.seq_len
 
 
 def measured_correction(config: GPTConfig, layout: Workload) -> tuple[float, float, float]:
@@ -135,10 +147,20 @@ def llama_token_bytes(config: GPTConfig, layout: Workload) -> tuple[float, float
     sharded = e * (attention + o_proj_copy + mlp * f) + LSE_BYTES * a + split_experts
     if layout.cp > 1 and layout.cp_kind == "ring":
         # Ring attention keeps K and V as the model made them (kv_dim wide: GQA saves here)
-        # and its output in fp32 for the backward's merge: q, k, v, out = e(h + 2kv) + 4h.
-        sharded += e * (h + 2 * config.kv_dim) + RING_OUT_BYTES * h - e * attention
+        # and its output in fp32 for the backward's merge: q, k, v, out = e(h + 2kv) + 4h. In
+        # plait's block o_proj keeps its input, that output in the model's dtype: in fp32 a view
+        # of it (the ring writes it seq-major), in 16-bit its cast, e·h more.
+        o_proj_input = e * h if lean and e != RING_OUT_BYTES else 0
+        sharded += e * (h + 2 * config.kv_dim) + RING_OUT_BYTES * h + o_proj_input - e * attention
         if layout.recompute == "selective":
-            return replicated, sharded - RING_OUT_BYTES * h - LSE_BYTES * a
+            # the core recomputed keeps neither its fp32 output nor its log-sum-exp; o_proj
+            # still keeps its input, the core's output in the model's dtype
+            kept = e * h if lean else 0
+            return replicated, sharded - RING_OUT_BYTES * h - LSE_BYTES * a + kept - o_proj_input
+    if layout.cp > 1 and layout.cp_kind == "ulysses" and lean and layout.recompute == "none":
+        # o_proj keeps its input: SDPA's output traded back to sequence shards, a copy of it
+        # (SDPA keeps its own, on the head shards)
+        sharded += e * h
     if layout.recompute == "selective":
         # Recomputing the attention core drops SDPA's output and log-sum-exp; q, k, v stay
         # as the recomputation's inputs, K/V as the model made them (repeated ones, outside the
@@ -218,11 +240,30 @@ def stage_extra_bytes(config: GPTConfig, layout: Workload, stage: StageShare) ->
 
 
 def rope_table_bytes(config: GPTConfig, layout: Workload) -> float:
-    """cos and sin, (max_seq_len, head_dim/2) each, saved by reference by every block's
-    RoPE: one copy per rank, whatever the number of micro-batches in flight."""
+    """cos and sin, (max_seq_len, head_dim/2) each, once per rank. plait's GPT holds them as
+    buffers, resident whatever runs: its blocks save views of them, which hold no bytes of
+    their own, so `memory.stage_buffers` counts them, not the activations. A transformers
+    model makes its rotary tables each forward (its measured block bytes hold them) and keeps
+    only their frequencies: counted here, with its activations, as a rank's one copy."""
     if config.arch == "gpt2":
         return 0.0
     return float(config.max_seq_len * config.head_dim * layout.compute_bytes)
+
+
+def rope_rows_bytes(config: GPTConfig, layout: Workload) -> float:
+    """What one forward of a chunk of plait's GPT keeps of its rotary tables beyond the
+    resident ones: nothing while its positions are 0..s-1 (rows sliced as views); under
+    context parallelism the rows of this rank's positions, gathered afresh (s/cp × head_dim
+    elements, cos and sin), which its blocks keep until the backward."""
+    if config.arch == "gpt2" or not config.lean_blocks or layout.cp == 1:
+        return 0.0
+    return float(layout.seq_len // layout.cp * config.head_dim * layout.compute_bytes)
+
+
+def resident_rope_bytes(config: GPTConfig, layout: Workload) -> float:
+    """The rope tables the activations count: a transformers model's (`rope_table_bytes`;
+    GPTConfig.lean_blocks false); none of plait's GPT, whose tables are buffers."""
+    return 0.0 if config.lean_blocks else rope_table_bytes(config, layout)
 
 
 def loss_bytes(config: GPTConfig, layout: Workload) -> float:
@@ -263,10 +304,10 @@ def in_flight(layout: Workload, stage: StageShare) -> float:
 def stage_activation_bytes(config: GPTConfig, layout: Workload, stage: StageShare) -> float:
     """Peak activation bytes on one rank of `stage`."""
     if (layout.stage_layers or stage.chunks) and layout.schedule == "interleaved":
-        return uneven_interleaved_peak(config, layout, stage) + rope_table_bytes(config, layout)
+        return uneven_interleaved_peak(config, layout, stage) + resident_rope_bytes(config, layout)
     per_micro_batch = stage.runs * layer_bytes(config, layout)  # kept for each run's backward
-    per_micro_batch += stage_extra_bytes(config, layout, stage)
-    return in_flight(layout, stage) * per_micro_batch + rope_table_bytes(config, layout)
+    per_micro_batch += stage_extra_bytes(config, layout, stage) + layout.virtual_stages * rope_rows_bytes(config, layout)
+    return in_flight(layout, stage) * per_micro_batch + resident_rope_bytes(config, layout)
 
 
 def uneven_interleaved_peak(config: GPTConfig, layout: Workload, stage: StageShare) -> float:
@@ -284,10 +325,11 @@ def chunk_forward_bytes(config: GPTConfig, layout: Workload, stage: StageShare) 
     """What one forward of each of `stage`'s chunks saves until its backward: its blocks, and
     the first or last stage's extras on the chunk that holds that end, where the layout gives
     a cut; else an equal share of the stage's, as `in_flight` counts them."""
+    rows = rope_rows_bytes(config, layout)  # each chunk's forward gathers its own, kept by its blocks
     if not (layout.stage_layers or stage.chunks):
         per_micro_batch = stage.runs * layer_bytes(config, layout) + stage_extra_bytes(config, layout, stage)
-        return [per_micro_batch / layout.virtual_stages] * layout.virtual_stages
+        return [per_micro_batch / layout.virtual_stages + rows] * layout.virtual_stages
     per_block = layer_bytes(config, layout)
     extras = stage_extra_bytes(config, layout, stage)
-    return [blocks * per_block + (extras if any(chunk_ends(layout, stage, chunk)) else 0.0)
+    return [blocks * per_block + (extras if any(chunk_ends(layout, stage, chunk)) else 0.0) + (rows if blocks else 0.0)
             for chunk, blocks in enumerate(chunk_layers(layout, stage))]

@@ -2,13 +2,14 @@
 
 **What autograd saves** in one training forward (plait/models/resnet/model.py, listed with
 saved_tensors_hooks and checked against plait.bench.meter.ActivationMeter, which counts
-each storage once and leaves the parameters out):
+each storage once and leaves the model's parameters and buffers out):
 
     conv2d           its input (and the weight, a parameter)           -
     batch_norm       its input (the convolution's output), save_mean
-                     and save_invstd, and, by reference, the layer's
-                     running_mean and running_var: C values each, in
-                     the model's dtype (bf16 too, on CPU)               N + 4C elements
+                     and save_invstd: C values each, in the model's
+                     dtype (bf16 too, on CPU); and, by reference, the
+                     layer's running_mean and running_var, buffers
+                     resident whatever runs                             N + 2C elements
     relu             its output (which the next convolution saves too)  N elements
     residual add     nothing (its backward passes the gradient on)      -
     avg-pool, flatten nothing (mean's backward needs only the shape)    -
@@ -46,7 +47,7 @@ from plait.estimate.hardware import Hardware
 from plait.estimate.ops import Gemm, dtype_bytes, gemm_s, host_overlapped
 from plait.models.resnet.config import ResNetConfig
 
-BN_STATS = 4  # save_mean, save_invstd, running_mean, running_var: C values each
+BN_STATS = 2  # save_mean, save_invstd: C values each (the running statistics it saves are buffers)
 # Elements read plus written per output element, (forward, backward). BatchNorm reads its
 # input for the statistics, again to normalise, and writes; backward reads dy and x for its
 # two sums, then both again to write dx. ReLU: x in, y out; backward dy and y in, dx out.

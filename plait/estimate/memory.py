@@ -24,8 +24,8 @@ import functools
 
 from dataclasses import asdict, dataclass
 
-from plait.estimate.activations import (chunk_forward_bytes, layer_bytes, loss_bytes, stage_activation_bytes,
-                                        stage_extra_bytes)
+from plait.estimate.activations import (chunk_forward_bytes, layer_bytes, loss_bytes, rope_table_bytes,
+                                        stage_activation_bytes, stage_extra_bytes)
 from plait.interleave import held_frontier
 from plait.estimate.layout import (Workload, StageShare, chunk_ends, chunk_layers, embedding_rows, head_weight,
                                    layout_stages, vocab_shard)
@@ -131,12 +131,14 @@ def buffers(params: int, layout: Workload) -> float:
 
 def stage_buffers(config: GPTConfig, layout: Workload, stage: StageShare) -> float:
     """`buffers` (for ZeRO-3 whole gradients a unit at a time, not two buckets), plus the
-    pipeline's receive buffers and the loss on the last stage.
+    pipeline's receive buffers, the loss on the last stage and plait's GPT's rope tables.
 
     A stage keeps one receive buffer for activations and one for gradients (b·s·h each, h
     times the residual streams, a sequence shard under SP); the last stage's loss holds
     logits, their fp32 copy and the fp32 log-softmax for one micro-batch. Frozen parameters
-    have no gradient to buffer.
+    have no gradient to buffer. The rope tables are the model's buffers, resident on every
+    rank; what its blocks save of them are views, which the activations do not count
+    (activations.rope_table_bytes).
     """
     total = buffers(stage.trained_params, layout)
     if layout.zero == 3 and layout.sync > 1 and stage.block_params:
@@ -145,6 +147,8 @@ def stage_buffers(config: GPTConfig, layout: Workload, stage: StageShare) -> flo
         total += 2 * layout.stage_message_bytes(config.stream_width)
     if stage.last:
         total += loss_bytes(config, layout)
+    if config.lean_blocks:
+        total += rope_table_bytes(config, layout)  # plait's GPT: its rope tables, buffers on every rank
     return total
 
 

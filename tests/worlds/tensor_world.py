@@ -36,10 +36,11 @@ torch.set_num_threads(1)
 
 
 def block_bytes(model: GPT, tp: int, sp: bool) -> int:
-    """Bytes one block saves for backward on this rank (its input is a sequence chunk under SP)."""
+    """Bytes one block saves for backward on this rank (its input is a sequence chunk under SP),
+    the model's weights and buffers apart (its rope tables, of which the block saves views)."""
     x = torch.randn(BATCH, SEQ // tp if sp else SEQ, model.config.d_model, requires_grad=True)
     meter = ActivationMeter()
-    with meter.track(model.blocks[0]):
+    with meter.track(model):
         model.blocks[0](x, model.rope_cos[:SEQ], model.rope_sin[:SEQ])
     return meter.last
 

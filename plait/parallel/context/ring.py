@@ -194,7 +194,9 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, ran
                 outs[i], lses[i] = merge(outs[i], lses[i], o, s)
         if transfer is not None:
             block = transfer.wait()
-    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+    # Written sequence-major, as SDPA writes its output after plait's RoPE: the model's
+    # (batch, seq, h) view of it for o_proj is then a view, not a copy kept beside this one.
+    return torch.cat([out.transpose(1, 2) for out in outs], dim=1).transpose(1, 2), torch.cat(lses, dim=2)
 
 
 def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,

@@ -86,7 +86,8 @@ class StageWork:
         """`gathered_weights` names the storages of weights gathered on the fly (ZeRO-3's
         units): saved for backward, but parameters, not activations."""
         self.module = module
-        self._param_ptrs = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        # the stage's weights and buffers (its rope tables, whose saved views hold nothing of their own)
+        self._param_ptrs = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
         self._gathered_weights = gathered_weights
         self._recording: list[Capture] | None = None
         if split_backward:
@@ -122,7 +123,7 @@ class StageWork:
 
     @contextlib.contextmanager
     def _saved_bytes(self) -> Iterator[list[int]]:
-        """Bytes of the non-parameter tensors autograd saves inside the block.
+        """Bytes of the tensors autograd saves inside the block, but the stage's weights and buffers.
 
         Views of one storage are counted once each and at most the storage's size: a
         micro-batch of token ids that is a slice of a larger batch counts as the slice.
