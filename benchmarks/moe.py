@@ -13,6 +13,7 @@ their backward), against plait estimate's ep time on this machine's calibrated p
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -27,15 +28,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import finish, machine, new_parser, run_world, time_calls  # noqa: E402
 
 MOE, DENSE = "small-moe", "small"
-READING = """Reading (the run recorded here). At ep = world a rank's step costs 1.16-1.19x the dense
-model's with the same active parameters (goal 1.2), and at ep 1 1.17-1.21x: what the dense model
+READING = """Reading (the run recorded here). At ep = world a rank's step costs 1.11-1.12x the dense
+model's with the same active parameters (goal 1.2), and at ep 1 1.09-1.12x: what the dense model
 does not do is route (scores, top-k, the sort, gathering rows and combining them, the balancing
 loss) and, at ep 1, update all 8 experts' Adam state on every rank; ep = world updates 8 / world
-of them. One process trains the MoE in plait as fast as a plain torch loop does (0.367 s vs
-0.365 s). The all-to-all share is measured inside the collectives, so it includes waiting for
-the slowest rank of the group to arrive (the ranks route different numbers of tokens): 6.8% at
-2 ranks, against the estimate's 0.016 s of pure transfer; at 4 ranks the cores are
-oversubscribed and every wait grows. Step times here vary by about 10% between runs."""
+of them. On one process plait's MoE step took 0.515 s against the plain torch loop's 0.481 (in
+the run before this one, 0.517 against 0.523): step times here vary by about 10% between runs.
+The all-to-all share is measured inside the collectives, so it includes waiting for the slowest
+rank of the group to arrive (the ranks route different numbers of tokens): 7.4% at 2 ranks,
+against the estimate's 0.024 s of pure transfer; at 4 ranks the cores are oversubscribed and
+every wait grows. Activations: on one process the estimate is 1.001 of what autograd keeps
+(153.57 against 153.45 MiB). Under ep the busiest rank keeps 2% more than the estimate, which
+assumes even routing: a rank keeps the rows routed to its experts. Before the experts' outputs
+were put back in token order by dispatch.Unsort, autograd's index_copy kept its source rows
+too: 162.45 MiB on one process (9.00 MiB more: k·d_model fp32 values a token in each of the 3
+MoE blocks), which the estimate did not count (0.945)."""
 
 
 class AllToAllClock:
@@ -61,6 +68,7 @@ def one_run(args: Any, model_name: str, ep: int, plain: bool, clock: AllToAllClo
     from plait.models.gpt.config import get_preset
     from plait.models.gpt.model import build_gpt
     from plait.api import parallelize
+    from plait.bench.meter import ActivationMeter
     from plait.parallel.compose import adamw_kernel, build_optimizer
     from plait.runtime import comm
     from plait.runtime.mesh import init_mesh
@@ -76,20 +84,21 @@ def one_run(args: Any, model_name: str, ep: int, plain: bool, clock: AllToAllClo
         optimizer = build_optimizer(model, torch.optim.AdamW, lr=1e-4, **adamw_kernel("fused", torch.device("cpu")))
     gen = torch.Generator().manual_seed(mesh.global_rank)
     ids = torch.randint(0, config.vocab_size, (args.micro_batch, args.seq_len + 1), generator=gen)
-    times, waits = [], []
+    times, waits, meter = [], [], ActivationMeter()
     for step in range(args.warmup + args.steps):
         clock.seconds = 0.0
         start = time.perf_counter()
-        logits = model(ids[:, :-1])
+        with meter.track(model) if step == args.warmup + args.steps - 1 else contextlib.nullcontext():
+            logits = model(ids[:, :-1])
         F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
         optimizer.step()
         optimizer.zero_grad()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
             waits.append(clock.seconds)
-    mine = torch.tensor([statistics.median(times), statistics.median(waits)], dtype=torch.float64)
+    mine = torch.tensor([statistics.median(times), statistics.median(waits), meter.peak], dtype=torch.float64)
     comm.all_reduce(mine, mesh.axis("world"), op="max")
-    return {"step_s": mine[0].item(), "alltoall_s": mine[1].item(),
+    return {"step_s": mine[0].item(), "alltoall_s": mine[1].item(), "activations": mine[2].item(),
             "predicted": predicted(config, mesh, world, ep, args) if not plain else {}}
 
 
@@ -103,6 +112,7 @@ def predicted(config: Any, mesh: Any, world: int, ep: int, args: Any) -> dict[st
     result = estimate_layout(config, hardware=hardware, dp=world, ep=ep, micro_batch=args.micro_batch,
                              seq_len=args.seq_len, precision="fp32")
     return {"step_s": result["time"]["step_s"], "ep_s": result["time"]["ep_s"],
+            "activations": result["memory"]["activations"],
             "alltoall_bytes": result["comm"].get("ep", {}).get("all_to_all", 0.0)}
 
 
@@ -155,10 +165,12 @@ def table(rows: list[dict], args: Any) -> str:
         f"{args.steps} steps after {args.warmup} warm-up, the slowest rank's",
         "- vs dense: the step over the dense model's in the same world (goal ≤ 1.2 at ep = world); all-to-all: "
         "seconds per step inside the dispatch's collectives, and their share of the step; predicted: plait "
-        "estimate's ep seconds and step on this machine's calibrated profile",
+        "estimate's ep seconds and step on this machine's calibrated profile; activations: what autograd "
+        "keeps in the last step's forward (ActivationMeter), the busiest rank's, MiB, and plait estimate's",
         "",
-        "| ranks | run | model | ep | s/step | vs dense | all-to-all s | share | predicted a2a s | predicted step s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| ranks | run | model | ep | s/step | vs dense | all-to-all s | share | predicted a2a s | predicted step s "
+        "| act. MiB | predicted act. |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         p = r["predicted"]
@@ -166,8 +178,9 @@ def table(rows: list[dict], args: Any) -> str:
         lines.append(f"| {r['world']} | {r['how']} | {r['model']} | {r['ep']} | {r['step_s']:.3f} | "
                      f"{'' if versus is None else f'{versus:.2f}'} | {r['alltoall_s']:.3f} | "
                      f"{r['alltoall_s'] / r['step_s']:.1%} | {p.get('ep_s', 0):.3f} | "
-                     f"{p['step_s']:.3f} |" if p else
-                     f"| {r['world']} | {r['how']} | {r['model']} | {r['ep']} | {r['step_s']:.3f} | | | | | |")
+                     f"{p['step_s']:.3f} | {r['activations'] / 2**20:.2f} | {p['activations'] / 2**20:.2f} |" if p else
+                     f"| {r['world']} | {r['how']} | {r['model']} | {r['ep']} | {r['step_s']:.3f} | | | | | | "
+                     f"{r['activations'] / 2**20:.2f} | |")
     return "\n".join(lines + ["", READING])
 
 
