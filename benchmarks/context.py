@@ -34,17 +34,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import finish, machine, new_parser, run_world, time_calls  # noqa: E402
 
 KINDS = ("ring", "ulysses")
-READING = """Reading it: activations per rank are 1/cp of one process's: exactly for Ulysses (the same
-SDPA, on whole sequences of h/cp heads), 4.3% below for the ring, which keeps K/V as the model
-made them (4 K/V heads, where SDPA keeps them repeated to 8) — the estimate predicts both
-(within 0.8%, the RoPE tables it counts whole). The head-tail split keeps the ranks' attention
-kernels within a few percent of each other at cp 2 (cp 4's ranks share 2 cores, so its
-balance and times measure the oversubscription too). Time: at the longest sequence cp 2 on two
-1-thread ranks is at or below one process on both cores; the ring's exposed transfer (wait)
-stays a few percent of the step, and what cp 2 adds at short sequences is mostly fixed cost:
-the gradient all-reduce over dp × cp, and AdamW over the whole model on each rank's one
-thread (ZeRO over dp × cp would shard it). Step times on this shared machine vary by ±10%
-from run to run; compare within a row."""
+READING = """Reading it: activations per rank are 1/cp of one process's and what cp adds, and the estimate
+predicts every row to the 0.1 MiB shown. The ring keeps 1.004 of a 1/cp share: the rope rows
+each forward gathers for its positions (its K/V stay grouped as SDPA keeps them; its output stays
+in fp32 for the merge in backward, written sequence-major so that o_proj reads it as a view).
+Ulysses keeps 1.068: o_proj keeps the output traded back to sequence shards (h values a token a
+layer) beside SDPA's own on the head shards, and each block the two int64 reorderings of the
+sequence. In the table this replaces (2026-11-25, when the blocks kept more) the ring was
+0.957 and Ulysses 1.001 against a one-process figure that held the rope tables, the model's
+buffers, which no meter counts now; and the ring's o_proj kept a copy of its output. The
+head-tail split keeps the ranks' attention kernels within 1.3% of each other at cp 2 (cp 4's
+ranks share 2 cores, so its balance and times measure the oversubscription too). Time: at
+8,192 tokens cp 2 on two 1-thread ranks is 0.94-0.95 of one process on both cores; the ring's
+exposed transfer (wait) stays a few percent of the step, and what cp 2 adds at short sequences
+is mostly fixed cost: the gradient all-reduce over dp × cp, and AdamW over the whole model on
+each rank's one thread (ZeRO over dp × cp would shard it). Step times on this shared machine
+vary by ±10% from run to run; compare within a row."""
 
 
 def model_config(args: argparse.Namespace, seq: int) -> Any:
