@@ -306,7 +306,8 @@ def stage_activation_bytes(config: GPTConfig, layout: Workload, stage: StageShar
     if (layout.stage_layers or stage.chunks) and layout.schedule == "interleaved":
         return uneven_interleaved_peak(config, layout, stage) + resident_rope_bytes(config, layout)
     per_micro_batch = stage.runs * layer_bytes(config, layout)  # kept for each run's backward
-    per_micro_batch += stage_extra_bytes(config, layout, stage) + layout.virtual_stages * rope_rows_bytes(config, layout)
+    per_micro_batch += stage_extra_bytes(config, layout, stage)
+    per_micro_batch += layout.virtual_stages * rope_rows_bytes(config, layout)  # each chunk's forward gathers its own
     return in_flight(layout, stage) * per_micro_batch + resident_rope_bytes(config, layout)
 
 
