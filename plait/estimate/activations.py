@@ -55,7 +55,7 @@ from __future__ import annotations
 
 from plait.interleave import held_frontier, warmup
 from plait.estimate.experts import dense_width, expert_units_on_rank, saved_bytes_per_token
-from plait.estimate.layout import Workload, StageShare, chunk_ends, chunk_layers
+from plait.estimate.layout import Workload, StageShare, chunk_ends, chunk_layers, embedding_rows
 from plait.models.gpt.config import GPTConfig
 
 MASK_BYTES = 1  # a dropout mask is one byte per element
@@ -225,14 +225,18 @@ def layer_bytes(config: GPTConfig, layout: Workload) -> float:
 
 
 def stage_extra_bytes(config: GPTConfig, layout: Workload, stage: StageShare) -> float:
-    """Saved outside the blocks, per micro-batch: token ids on the first stage, the final
-    norm on the last (split by t only under SP, and only where SP cuts the sequence before it:
-    not with `whole_sequence_ends`, whose final norm and head read the whole sequence)."""
+    """Saved outside the blocks, per micro-batch: token ids on the first stage, and where tp
+    splits the embedding by vocabulary the boolean mask of the tokens other ranks own, which
+    zeroes their rows (plait.parallel.tensor.layers.sum_owned_rows); the final norm on the last
+    (split by t only under SP, and only where SP cuts the sequence before it: not with
+    `whole_sequence_ends`, whose final norm and head read the whole sequence)."""
     tokens, e, t = layout.tokens_per_micro_batch, layout.compute_bytes, layout.tp
     h = config.d_model
     total = 0.0
     if stage.first:
         total += ID_BYTES * tokens
+        if t > 1 and embedding_rows(config, t) < config.vocab_size:
+            total += MASK_BYTES * tokens
     if stage.last:
         norm = e * (2 * h) if config.arch == "gpt2" else rmsnorm_bytes(h, e, config.lean_blocks)
         total += tokens * (norm / t if layout.sp and not config.whole_sequence_ends else norm)
