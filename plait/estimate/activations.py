@@ -307,7 +307,7 @@ def in_flight(layout: Workload, stage: StageShare) -> float:
 
 def stage_activation_bytes(config: GPTConfig, layout: Workload, stage: StageShare) -> float:
     """Peak activation bytes on one rank of `stage`."""
-    if (layout.stage_layers or stage.chunks) and layout.schedule == "interleaved":
+    if stage.chunks and layout.schedule == "interleaved":
         return uneven_interleaved_peak(config, layout, stage) + resident_rope_bytes(config, layout)
     per_micro_batch = stage.runs * layer_bytes(config, layout)  # kept for each run's backward
     per_micro_batch += stage_extra_bytes(config, layout, stage)
@@ -331,7 +331,7 @@ def chunk_forward_bytes(config: GPTConfig, layout: Workload, stage: StageShare) 
     the first or last stage's extras on the chunk that holds that end, where the layout gives
     a cut; else an equal share of the stage's, as `in_flight` counts them."""
     rows = rope_rows_bytes(config, layout)  # each chunk's forward gathers its own, kept by its blocks
-    if not (layout.stage_layers or stage.chunks):
+    if not stage.chunks:
         per_micro_batch = stage.runs * layer_bytes(config, layout) + stage_extra_bytes(config, layout, stage)
         return [per_micro_batch / layout.virtual_stages + rows] * layout.virtual_stages
     per_block = layer_bytes(config, layout)

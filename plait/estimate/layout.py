@@ -354,11 +354,10 @@ def rank_chunks(stage_layers: tuple[int, ...], pp: int, virtual_stages: int, ran
 
 
 def chunk_layers(layout: Layout, stage: StageShare) -> list[int]:
-    """The blocks of each of `stage`'s chunks, in chunk order (equal without a cut)."""
+    """The blocks of each of `stage`'s chunks, in chunk order: as `stages` recorded them from
+    the cut (`uneven_cut`: --stage-layers's, or interleaving's balanced one), else equal."""
     if stage.chunks:
         return list(stage.chunks)
-    if layout.stage_layers:
-        return rank_chunks(layout.stage_layers, layout.pp, layout.virtual_stages, stage.index)
     return [stage.layers // layout.virtual_stages] * layout.virtual_stages
 
 
@@ -408,7 +407,7 @@ def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1, ep: int
     whole += round(experts) - round(held_experts(config, 1))  # all experts -> ours
     block = sharded // tp + whole
     if cut:
-        counts = [sum(rank_chunks(cut, pp, virtual_stages, rank)) for rank in range(pp)]
+        counts = [sum(rank) for rank in chunks]
     elif virtual_stages > 1 or pp == 1:  # interleaving cuts equal chunks, v per rank
         counts = [config.n_layers // pp] * pp
     else:  # the cut plait's pipeline makes (parallel/pipeline/split.py: default_balance)
