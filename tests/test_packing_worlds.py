@@ -55,6 +55,16 @@ def test_every_layout_trains_the_packed_model_one_process_trains(world: list[dic
     assert world[0][family][layout]["excess"] <= PARAM_ATOL, (family, layout)
 
 
+@pytest.mark.parametrize("layout", ("one", *LAYOUTS, "recompute-selective", "recompute-full"))
+def test_packed_documents_keep_the_activations_the_estimate_predicts(world: list[dict[str, Any]],
+                                                                      layout: str) -> None:
+    """Packed documents' attention keeps one b·s² mask a forward on a CPU (SDPA's, made once
+    and shared by every layer), rope rows for every token, and under recomputation the
+    documents' numbers: plait's GPT, predicted to the byte on every axis."""
+    measured, predicted = world[0]["gpt"][layout]["activations"]
+    assert measured == predicted, (layout, measured, predicted)
+
+
 def test_experts_split_over_ep_train_the_packed_model_one_process_trains(world: list[dict[str, Any]]) -> None:
     assert_losses_close(world[0]["moe"]["ep2-dp4"]["losses"], world[0]["moe"]["one"]["losses"])
     assert world[0]["moe"]["ep2-dp4"]["excess"] <= PARAM_ATOL

@@ -74,7 +74,10 @@ class ActivationMeter:
             is_weight = ptr in param_ptrs or (zero3 is not None and ptr in zero3.gathered_storages())
             if not is_weight and storage.nbytes():
                 saved[ptr] = storage.nbytes()
-            return tensor.detach()  # an alias: the tensor itself would tie a saved output to its own grad_fn
+            # An alias for an op's output: the tensor itself would tie a saved output to its own
+            # grad_fn. A tensor no op made (a leaf) is handed back as itself, as autograd keeps it,
+            # so an object shared by reference stays shared (plait.parallel.packed.dense_mask).
+            return tensor if tensor.grad_fn is None else tensor.detach()
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             yield

@@ -258,10 +258,37 @@ def rope_rows_bytes(config: GPTConfig, layout: Workload) -> float:
     """What one forward of a chunk of plait's GPT keeps of its rotary tables beyond the
     resident ones: nothing while its positions are 0..s-1 (rows sliced as views); under
     context parallelism the rows of this rank's positions, gathered afresh (s/cp × head_dim
-    elements, cos and sin), which its blocks keep until the backward."""
-    if config.arch == "gpt2" or not config.lean_blocks or layout.cp == 1:
+    elements, cos and sin), which its blocks keep until the backward; for packed documents,
+    whose positions restart at each, the rows of every token (b·s/cp × head_dim)."""
+    if config.arch == "gpt2" or not config.lean_blocks or (layout.cp == 1 and not layout.doc_mask):
         return 0.0
-    return float(layout.seq_len // layout.cp * config.head_dim * layout.compute_bytes)
+    rows = layout.micro_batch if layout.doc_mask else 1
+    return float(rows * (layout.seq_len // layout.cp) * config.head_dim * layout.compute_bytes)
+
+
+def document_mask_bytes(config: GPTConfig, layout: Workload) -> float:
+    """What one forward of a chunk of plait's GPT keeps to hold attention inside packed
+    documents (plait.parallel.packed.document_attention), shared by its blocks. On a CPU
+    (`doc_mask` "dense"), SDPA's additive (b, 1, s, s) mask in the compute dtype, made once a
+    forward and kept for backward (whole sequences: Ulysses attends them whole). Under
+    recomputation attention keeps no mask (each layer makes one and drops it), and its
+    checkpoints keep the documents' int64 numbers instead, whole rows under cp. On a GPU
+    ("blocks"), FlexAttention's block tables (eight int32 tables of b·n² or b·n entries,
+    n = s/128: about 64 KiB a sequence at 8k tokens) are left out. Ring attention keeps no
+    mask: its backward makes each block's again from the documents (plait.parallel.context.ring)."""
+    if not layout.doc_mask or config.arch == "gpt2" or not config.lean_blocks:
+        return 0.0
+    if layout.recompute != "none":
+        return float(ID_BYTES * layout.micro_batch * layout.seq_len)
+    if layout.doc_mask == "dense" and not (layout.cp > 1 and layout.cp_kind == "ring"):
+        return float(layout.micro_batch * layout.seq_len ** 2 * layout.compute_bytes)
+    return 0.0
+
+
+def forward_kept_bytes(config: GPTConfig, layout: Workload) -> float:
+    """What each forward of a chunk holding blocks keeps beside its blocks' own bytes: its rope
+    rows and its packed documents' mask, made once and read by every block."""
+    return rope_rows_bytes(config, layout) + document_mask_bytes(config, layout)
 
 
 def resident_rope_bytes(config: GPTConfig, layout: Workload) -> float:
@@ -311,7 +338,7 @@ def stage_activation_bytes(config: GPTConfig, layout: Workload, stage: StageShar
         return uneven_interleaved_peak(config, layout, stage) + resident_rope_bytes(config, layout)
     per_micro_batch = stage.runs * layer_bytes(config, layout)  # kept for each run's backward
     per_micro_batch += stage_extra_bytes(config, layout, stage)
-    per_micro_batch += layout.virtual_stages * rope_rows_bytes(config, layout)  # each chunk's forward gathers its own
+    per_micro_batch += layout.virtual_stages * forward_kept_bytes(config, layout)  # each chunk's forward makes its own
     return in_flight(layout, stage) * per_micro_batch + resident_rope_bytes(config, layout)
 
 
@@ -330,7 +357,7 @@ def chunk_forward_bytes(config: GPTConfig, layout: Workload, stage: StageShare) 
     """What one forward of each of `stage`'s chunks saves until its backward: its blocks, and
     the first or last stage's extras on the chunk that holds that end, where the layout gives
     a cut; else an equal share of the stage's, as `in_flight` counts them."""
-    rows = rope_rows_bytes(config, layout)  # each chunk's forward gathers its own, kept by its blocks
+    rows = forward_kept_bytes(config, layout)  # each chunk's forward makes its own, kept by its blocks
     if not stage.chunks:
         per_micro_batch = stage.runs * layer_bytes(config, layout) + stage_extra_bytes(config, layout, stage)
         return [per_micro_batch / layout.virtual_stages + rows] * layout.virtual_stages

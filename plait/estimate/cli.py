@@ -66,6 +66,9 @@ def estimate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stage-layers", default="", help="blocks in each of the pp × virtual-stages stages, in "
                         "stage order, e.g. 3,4,4,3; the first and the last may be 0 (default: plait's cut)")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
+    parser.add_argument("--doc-mask", default="none", choices=("none", "dense", "blocks"),
+                        help="packed documents' attention mask (plait train --doc-mask true): dense, SDPA's "
+                             "b·s² mask a forward, as on a CPU; blocks, FlexAttention's, as on a GPU")
     return parser
 
 
@@ -106,7 +109,7 @@ def estimate_main(argv: list[str], shape_of: ShapeOf) -> int:
         seq_len=args.seq_len, recompute=args.recompute, schedule=args.schedule,
         virtual_stages=args.virtual_stages, stage_layers=parse_stage_layers(args.stage_layers), sp=args.sp,
         reduce_dtype=args.reduce_dtype, prefetch=args.prefetch, bucket_mb=args.bucket_mb, stack=args.stack,
-        compiled=args.compile,
+        compiled=args.compile, doc_mask="" if args.doc_mask == "none" else args.doc_mask,
         reshard_after_forward=args.reshard_after_forward == "true", hardware=hardware,
         gpus_per_node=args.gpus_per_node, params=args.params)
     name = args.model or f"a {args.params:.3g}-parameter model"

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from plait.balance import balanced_counts
+from plait.errors import PlaitError
 from plait.layout import Layout
 from plait.models.gpt.config import GPTConfig
 from plait.estimate.stacks import STACKS, Stack, check_stack
@@ -24,6 +25,9 @@ from plait.rules import (DTYPE_BYTES, PRECISIONS, RECOMPUTE, REDUCE_DTYPES, SCHE
                          check_context_split, check_fp8, check_pipeline_cut, check_precision, check_recompute,
                          check_whole,
                          default_reduce_dtype)
+
+
+DOC_MASKS = ("", "dense", "blocks")  # Workload.doc_mask
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,9 @@ class Workload(Layout):
     bucket_mb: float = BUCKET_MB  # a gradient bucket (--bucket-mb): one all-reduce or reduce-scatter each
     stack: str = "plait"  # the framework that runs it (--stack): plait.estimate.stacks
     compiled: bool = False  # each block's forward compiled (plait train --compile): ops.EW_COMPILED
+    # Packed documents' attention mask (--doc-mask): "" none; "dense", SDPA's additive b·s² mask (a
+    # CPU); "blocks", FlexAttention's block tables (a GPU): plait.estimate.activations.document_mask_bytes
+    doc_mask: str = ""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -49,6 +56,8 @@ class Workload(Layout):
         if self.precision == "fp8":
             check_fp8(self)
         check_recompute(self, self.recompute)
+        if self.doc_mask not in DOC_MASKS:
+            raise PlaitError(f"unknown document mask {self.doc_mask!r}", hint=f"one of {', '.join(map(repr, DOC_MASKS))}")
         check_stack(self)  # last: a value no framework knows gets its own message first
 
     @classmethod

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,16 +106,50 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docume
     """Causal attention inside each packed document, over whole sequences (batch, heads, seq,
     head_dim), K/V heads as many as q's or a divisor of them (each shared by its group of query
     heads): on a GPU, FlexAttention with a block mask (blocks no document spans are skipped, no
-    seq × seq mask is made), compiled once; elsewhere SDPA with a boolean block mask (the CPU
-    has no FlexAttention backward)."""
+    seq × seq mask is made), compiled once; elsewhere SDPA with the block-causal mask, made once
+    a forward (`dense_mask`; the CPU has no FlexAttention backward)."""
     grouped = k.shape[1] != q.shape[1]
     if q.device.type == "cuda" and not FLEX_OFF:
         return _flex()(q, k, v, block_mask=flex_block_mask(documents, q.shape[-2]), scale=scale, enable_gqa=grouped)
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=block_causal(documents, documents, True),
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(documents, q.dtype),
                                                             scale=scale, enable_gqa=grouped)
 
 
+def dense_mask(documents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """SDPA's additive mask of `documents` (batch, seq): (batch, 1, seq, seq), 0 where a query
+    sees a key of its own document at or before it, -inf elsewhere.
+
+    Why additive, and why shared: SDPA turns a boolean mask into this very tensor of the
+    query's dtype and keeps it for backward, a fresh b·s² copy at every layer, where one it is
+    given is kept as it is. So the mask is made once and every layer of a forward reads it:
+    the documents tensor remembers it weakly, so it lives exactly as long as some layer's
+    backward keeps it. Under recomputation nothing keeps it, and each layer makes its own
+    and drops it (plait.estimate.activations.document_mask_bytes)."""
+    if torch.compiler.is_compiling():  # a compiled block's graph makes its own; what it keeps is Inductor's choice
+        return _additive(block_causal(documents, documents, True), dtype)
+    made = getattr(documents, "_plait_dense_masks", None)
+    if made is None:
+        made = {}
+        documents._plait_dense_masks = made  # type: ignore[attr-defined]
+    mask = made[dtype]() if dtype in made else None
+    if mask is None:
+        mask = _additive(block_causal(documents, documents, True), dtype)
+        made[dtype] = weakref.ref(mask)
+    return mask
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as SDPA adds it to the scores: 0 where allowed, -inf elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
+
+
 FLEX_OFF = False  # True: SDPA's boolean mask on a GPU too
+
+
+def mask_kind(device: torch.device) -> str:
+    """Which mask `document_attention` makes on `device`, as the estimate names it
+    (plait.estimate.layout.Workload.doc_mask): FlexAttention's "blocks" or SDPA's "dense"."""
+    return "blocks" if device.type == "cuda" and not FLEX_OFF else "dense"
 _MASKS: list[tuple[torch.Tensor, Any]] = []  # the last documents and their block mask: one per forward's layers
 
 

@@ -9,7 +9,8 @@ argv: OUT CORPUS LLAMA_DIR, CORPUS a prepared completion corpus (documents and a
    its mixture of experts and transformers' Llama, under dp 2 × tp 2 + SP, cp 2 × dp 2 (ring
    and Ulysses; and with ZeRO-3), cp 4, pp 2 × dp 2 and ep 2 × dp 4 (the MoE); rank 0 alone trains the same global
    batch in one process. The loss masks give each micro-batch and rank its own count of loss
-   tokens, so a mean of means would differ: losses every step and final weights are compared.
+   tokens, so a mean of means would differ: losses every step and final weights are compared,
+   and each run's activations measured against plait estimate's prediction for it.
 3. What is refused: a transformers model's stages handed documents under cp × pp.
 """
 
@@ -33,7 +34,7 @@ from plait.parallel.packed import block_causal
 from plait.runtime.env import ProcessEnv
 from plait.runtime.mesh import init_mesh
 from plait.train.config.settings import TrainConfig
-from plait.train.loop.run import final_weights
+from plait.train.loop.run import final_weights, prediction
 from plait.train.loop.trainer import Trainer
 from tests.parity import weight_excess
 from tests.worlds.context_world import B, D, H, SEQ, attention_inputs
@@ -46,6 +47,11 @@ LAYOUTS = {
     "cp4": dict(cp=4, dp=1, grad_accum=2),
     "pp2-dp2": dict(pp=2, dp=2, grad_accum=1),
     "cp2-dp2-zero3": dict(cp=2, dp=2, grad_accum=1, zero=3),
+}
+# plait's GPT alone: recomputation keeps the documents' numbers where attention kept its mask
+RECOMPUTED = {
+    "recompute-selective": dict(cp=2, dp=2, grad_accum=1, cp_kind="ulysses", recompute="selective"),
+    "recompute-full": dict(pp=2, dp=2, grad_accum=1, recompute="full"),
 }
 MOE_LAYOUTS = {"ep2-dp4": dict(ep=2, dp=4, micro_batch=1, grad_accum=1)}
 
@@ -84,11 +90,14 @@ def attention_errors(mesh: Any, kind: str) -> dict[str, list[float]]:
     return found
 
 
-def train(config: TrainConfig, mesh: Any) -> tuple[list[float], dict[str, torch.Tensor] | None]:
+def train(config: TrainConfig, mesh: Any) -> tuple[list[float], dict[str, torch.Tensor] | None, list[float]]:
+    """Losses, final weights, and [measured, predicted] activation bytes of the busiest rank."""
     trainer = Trainer(config, mesh, family_of(config).task(config))
     assert getattr(trainer.train_split, "per_token", False), "the corpus must be packed with masks"
     trainer.run()
-    return [r["loss"] for r in trainer.metrics.history], final_weights(trainer)
+    measured = max(r["mem"]["activations_peak"] for r in trainer.metrics.history if "mem" in r)
+    predicted = prediction(trainer)["memory"]["activations"]
+    return [r["loss"] for r in trainer.metrics.history], final_weights(trainer), [measured, predicted]
 
 
 def family_runs(base: TrainConfig, layouts: dict[str, dict[str, Any]], out: Path, rank: int) -> dict[str, Any]:
@@ -96,13 +105,14 @@ def family_runs(base: TrainConfig, layouts: dict[str, dict[str, Any]], out: Path
     reference = None
     if rank == 0:
         one = init_mesh(env=ProcessEnv("single", 0, 1, 0, "127.0.0.1", 29500))
-        losses, reference = train(replace(base, grad_accum=4 // base.micro_batch, micro_batch=base.micro_batch,
-                                          nproc=1, dp=1, out=str(out / "one")), one)
-        found["one"] = {"losses": losses}
+        losses, reference, activations = train(replace(base, grad_accum=4 // base.micro_batch,
+                                                       micro_batch=base.micro_batch, nproc=1, dp=1,
+                                                       out=str(out / "one")), one)
+        found["one"] = {"losses": losses, "activations": activations}
     for name, fields in layouts.items():
         config = replace(base, **fields, nproc=4, out=str(out / name))
-        losses, weights = train(config, init_mesh(config.layout))
-        found[name] = {"losses": losses}
+        losses, weights, activations = train(config, init_mesh(config.layout))
+        found[name] = {"losses": losses, "activations": activations}
         if rank == 0:
             found[name]["excess"] = weight_excess(weights, reference)
             found[name]["worst"] = max(reference, key=lambda k: weight_excess({k: weights[k]}, {k: reference[k]}))
@@ -130,7 +140,7 @@ def main() -> None:
     report["attention"]["ring-cp2"] = attention_errors(cp2, "ring")
     report["attention"]["ulysses-cp2"] = attention_errors(cp2, "ulysses")
     gpt, hf = TrainConfig(model="tiny,vocab_size=258", **common), TrainConfig(model=f"hf:{llama}", **common)
-    report["gpt"] = family_runs(gpt, LAYOUTS, out / "gpt", rank)
+    report["gpt"] = family_runs(gpt, {**LAYOUTS, **RECOMPUTED}, out / "gpt", rank)
     report["moe"] = family_runs(replace(gpt, model="tiny-moe,vocab_size=258", micro_batch=1), MOE_LAYOUTS, out / "moe", rank)
     report["llama"] = family_runs(hf, LAYOUTS, out / "llama", rank)
     report["refusals"] = refusals(hf, out)

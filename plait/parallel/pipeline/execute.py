@@ -143,8 +143,10 @@ class StageWork:
             # An alias, not the tensor: a tensor saved as its own op's output (attention's)
             # handed back as itself holds its grad_fn, a cycle through autograd's C++ that no
             # collector sees. B frees saved tensors as it goes; I and W retain the graph, and
-            # every micro-batch's activations leaked (80 MB a step a rank on `small`).
-            return tensor.detach()
+            # every micro-batch's activations leaked (80 MB a step a rank on `small`). A leaf has
+            # no grad_fn to cycle through: handed back as itself, as autograd keeps it, so an
+            # object shared by reference stays shared (plait.parallel.packed.dense_mask).
+            return tensor if tensor.grad_fn is None else tensor.detach()
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield total

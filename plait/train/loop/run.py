@@ -21,6 +21,7 @@ import torch
 
 from plait.estimate.layout import Workload
 from plait.parallel.compiled import cache_dir, compile_stats, is_compiled
+from plait.parallel.packed import mask_kind
 from plait.parallel.precision import reduce_dtype_of
 from plait.report import report_after_training
 from plait.runtime import comm, console
@@ -109,7 +110,8 @@ def prediction(trainer: Trainer) -> dict[str, Any]:
     config = trainer.config
     work = Workload.of(trainer.mesh.layout, precision=config.precision, micro_batch=config.micro_batch,
                        grad_accum=config.grad_accum, seq_len=config.seq_len, recompute=config.recompute,
-                       reduce_dtype=config.reduce_dtype, bucket_mb=config.bucket_mb, compiled=config.compile)
+                       reduce_dtype=config.reduce_dtype, bucket_mb=config.bucket_mb, compiled=config.compile,
+                       doc_mask=mask_kind(trainer.mesh.device) if getattr(trainer.train_split, "doc_mask", False) else "")
     hardware, source = run_hardware(trainer)
     result = trainer.task.prediction(work, hardware)
     result["hardware_source"] = source
