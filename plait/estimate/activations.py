@@ -334,34 +334,32 @@ def in_flight(layout: Workload, stage: StageShare) -> float:
 
 def stage_activation_bytes(config: GPTConfig, layout: Workload, stage: StageShare) -> float:
     """Peak activation bytes on one rank of `stage`."""
-    if stage.chunks and layout.schedule == "interleaved":
-        return uneven_interleaved_peak(config, layout, stage) + resident_rope_bytes(config, layout)
+    if layout.schedule == "interleaved":
+        return interleaved_peak(config, layout, stage) + resident_rope_bytes(config, layout)
     per_micro_batch = stage.runs * layer_bytes(config, layout)  # kept for each run's backward
     per_micro_batch += stage_extra_bytes(config, layout, stage)
     per_micro_batch += layout.virtual_stages * forward_kept_bytes(config, layout)  # each chunk's forward makes its own
     return in_flight(layout, stage) * per_micro_batch + resident_rope_bytes(config, layout)
 
 
-def uneven_interleaved_peak(config: GPTConfig, layout: Workload, stage: StageShare) -> float:
+def interleaved_peak(config: GPTConfig, layout: Workload, stage: StageShare) -> float:
     """The peak over the rank's own interleaved order (plait.interleave, the order the
-    runner's schedule follows) when its chunks hold different numbers of blocks: each
-    chunk-forward adds that chunk's blocks (and the first or last stage's extras), each
-    backward frees them, so which chunks are in flight at once is the schedule's answer (read
-    off the states that can set it: plait.interleave.held_frontier)."""
+    runner's schedule follows): each chunk-forward adds that chunk's blocks (and the first or
+    last stage's extras, on the chunk that holds that end), each backward frees them, so
+    which chunks are in flight at once is the schedule's answer (read off the states that can
+    set it: plait.interleave.held_frontier). Equal chunks too: `in_flight`'s count spreads
+    the ends' extras over every chunk, where only the end chunk keeps them."""
     chunk_bytes = chunk_forward_bytes(config, layout, stage)
     frontier = held_frontier(layout.pp, layout.grad_accum, layout.virtual_stages, stage.index)
     return max([0.0] + [sum(n * b for n, b in zip(held, chunk_bytes)) for held, _ in frontier])
 
 
 def chunk_forward_bytes(config: GPTConfig, layout: Workload, stage: StageShare) -> list[float]:
-    """What one forward of each of `stage`'s chunks saves until its backward: its blocks, and
-    the first or last stage's extras on the chunk that holds that end, where the layout gives
-    a cut; else an equal share of the stage's, as `in_flight` counts them."""
+    """What one forward of each of `stage`'s chunks saves until its backward: its blocks (each
+    block's runs: a looped model's run some more than once), and the first or last stage's
+    extras on the chunk that holds that end."""
     rows = forward_kept_bytes(config, layout)  # each chunk's forward makes its own, kept by its blocks
-    if not stage.chunks:
-        per_micro_batch = stage.runs * layer_bytes(config, layout) + stage_extra_bytes(config, layout, stage)
-        return [per_micro_batch / layout.virtual_stages + rows] * layout.virtual_stages
-    per_block = layer_bytes(config, layout)
+    per_block = layer_bytes(config, layout) * (stage.runs / stage.layers if stage.layers else 1.0)
     extras = stage_extra_bytes(config, layout, stage)
     return [blocks * per_block + (extras if any(chunk_ends(layout, stage, chunk)) else 0.0) + (rows if blocks else 0.0)
             for chunk, blocks in enumerate(chunk_layers(layout, stage))]

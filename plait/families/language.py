@@ -62,9 +62,7 @@ def estimated_memory(shape_of: Any) -> Any:
         from plait.estimate import estimate_layout
         from plait.estimate.layout import Workload
 
-        work = Workload.of(layout, precision=config.precision, micro_batch=config.micro_batch,
-                           grad_accum=config.grad_accum, seq_len=config.seq_len, recompute=config.recompute,
-                           reduce_dtype=config.reduce_dtype, bucket_mb=config.bucket_mb)
+        work = Workload.of(layout, **config.work())
         memory = estimate_layout(shape_of(config.model), work, hardware="cpu")["memory"]
         return float(memory.get("peak") or memory["total"])
 

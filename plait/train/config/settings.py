@@ -178,6 +178,13 @@ class TrainConfig:
         cost in the closing report), even without --compile."""
         return self.optimizer_kernel == "compiled"
 
+    def work(self) -> dict[str, Any]:
+        """The step's work as plait estimate's Workload names it (plait.estimate.layout), the
+        layout aside: what a run's prediction and --memory-limit's price of a layout both read."""
+        return dict(precision=self.precision, micro_batch=self.micro_batch, grad_accum=self.grad_accum,
+                    seq_len=self.seq_len, recompute=self.recompute, reduce_dtype=self.reduce_dtype,
+                    bucket_mb=self.bucket_mb, compiled=self.compile)
+
     def parallel_config(self) -> Any:
         """What `parallelize` takes besides the layout (which the mesh carries); on the ranks only
         (it imports torch)."""

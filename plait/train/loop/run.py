@@ -108,10 +108,8 @@ def prediction(trainer: Trainer) -> dict[str, Any]:
     """What `plait estimate` says this very run costs, on this run's own hardware profile (its
     --hardware-file, else this machine's calibration: collective, see plait.train.observe.timing)."""
     config = trainer.config
-    work = Workload.of(trainer.mesh.layout, precision=config.precision, micro_batch=config.micro_batch,
-                       grad_accum=config.grad_accum, seq_len=config.seq_len, recompute=config.recompute,
-                       reduce_dtype=config.reduce_dtype, bucket_mb=config.bucket_mb, compiled=config.compile,
-                       doc_mask=mask_kind(trainer.mesh.device) if getattr(trainer.train_split, "doc_mask", False) else "")
+    packed = getattr(trainer.train_split, "doc_mask", False)
+    work = Workload.of(trainer.mesh.layout, **config.work(), doc_mask=mask_kind(trainer.mesh.device) if packed else "")
     hardware, source = run_hardware(trainer)
     result = trainer.task.prediction(work, hardware)
     result["hardware_source"] = source
