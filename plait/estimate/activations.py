@@ -27,8 +27,11 @@ Two blocks are counted:
 
   A transformers model (GPTConfig.lean_blocks false) keeps autograd's intermediates: each
   norm its fp32 input and normalised values (4(h + 1) + 2eh: in fp32 its input is its own
-  copy), K and V repeated to n_heads, the (b, s, h) copy of SDPA's output that o_proj reads
-  (a view where a rank holds one head), silu's output (4f): e·(9h + 4f) + 8(h + 1) + 4a.
+  copy), K and V as the model made them (its SDPA takes grouped heads: enable_gqa), the
+  (b, s, h) copy of SDPA's output that o_proj reads (a view where a rank holds one head),
+  silu's output (4f): e·(7h + 2kv + 4f) + 8(h + 1) + 4a. Its rotary tables, (1, s, head_dim)
+  a forward whatever the batch where the positions are not given per row, are measured at
+  one sequence, so counted per token: 2·(b − 1)·s·head_dim·e over a forward of b sequences.
 
 Outside the blocks the forward keeps the int64 token ids (embedding) and the final norm's
 4(h + 1) + 2eh bytes (a sequence shard of them under SP, unless the final norm reads the whole
@@ -143,31 +146,32 @@ def llama_token_bytes(config: GPTConfig, layout: Workload) -> tuple[float, float
     mlp = 2 if config.mlp_matrices == 2 else swiglu
     whole_experts, split_experts = (e * swiglu * units for units in expert_units_on_rank(config, layout))
     replicated = 2 * rmsnorm_bytes(h, e, lean) + saved_bytes_per_token(config, layout) + whole_experts
-    attention = 2 * h + 2 * kv_kept(config, layout) if lean else 4 * h  # q, k, v, out
+    # q, k, v, out: K/V as the model made them, grouped heads unrepeated (plait's block, and a
+    # transformers block, whose SDPA takes them grouped: enable_gqa)
+    attention = 2 * h + 2 * kv_kept(config, layout)
     sharded = e * (attention + o_proj_copy + mlp * f) + LSE_BYTES * a + split_experts
     if layout.cp > 1 and layout.cp_kind == "ring":
         # Ring attention keeps K and V as the model made them (kv_dim wide: GQA saves here)
-        # and its output in fp32 for the backward's merge: q, k, v, out = e(h + 2kv) + 4h. In
-        # plait's block o_proj keeps its input, that output in the model's dtype: in fp32 a view
-        # of it (the ring writes it seq-major), in 16-bit its cast, e·h more.
-        o_proj_input = e * h if lean and e != RING_OUT_BYTES else 0
+        # and its output in fp32 for the backward's merge: q, k, v, out = e(h + 2kv) + 4h. o_proj
+        # keeps its input, that output in the model's dtype: in fp32 a view of it (the ring
+        # writes it seq-major), in 16-bit its cast, e·h more (a transformers block's too).
+        o_proj_input = e * h if e != RING_OUT_BYTES else 0
         sharded += e * (h + 2 * config.kv_dim) + RING_OUT_BYTES * h + o_proj_input - e * attention
         if layout.recompute == "selective":
             # the core recomputed keeps neither its fp32 output nor its log-sum-exp; o_proj
             # still keeps its input, the core's output in the model's dtype
             kept = e * h if lean else 0
             return replicated, sharded - RING_OUT_BYTES * h - LSE_BYTES * a + kept - o_proj_input
-    if layout.cp > 1 and layout.cp_kind == "ulysses" and lean and layout.recompute == "none":
+    if layout.cp > 1 and layout.cp_kind == "ulysses" and layout.recompute == "none":
         # o_proj keeps its input: SDPA's output traded back to sequence shards, a copy of it
-        # (SDPA keeps its own, on the head shards)
+        # (SDPA keeps its own, on the head shards), in a transformers block as in plait's
         sharded += e * h
     if layout.recompute == "selective":
         # Recomputing the attention core drops SDPA's output and log-sum-exp; q, k, v stay
         # as the recomputation's inputs, K/V as the model made them (repeated ones, outside the
         # lean block, are the core's own). SDPA already recomputes the a·s² matrix, so this
         # buys little for our block: prefer "full".
-        dropped = 0 if lean else e * 2 * (h - config.kv_dim)
-        sharded -= (e * h if o_proj_copy else 0) + LSE_BYTES * a + dropped
+        sharded -= (e * h if o_proj_copy else 0) + LSE_BYTES * a
     # a region the model's plan leaves whole (GPTConfig.tp_attention, tp_mlp) keeps it all on every rank
     whole = ((e * (attention + o_proj_copy) + LSE_BYTES * a) * (not config.tp_attention)
              + e * mlp * f * (not config.tp_mlp))
@@ -247,8 +251,8 @@ def rope_table_bytes(config: GPTConfig, layout: Workload) -> float:
     """cos and sin, (max_seq_len, head_dim/2) each, once per rank. plait's GPT holds them as
     buffers, resident whatever runs: its blocks save views of them, which hold no bytes of
     their own, so `memory.stage_buffers` counts them, not the activations. A transformers
-    model makes its rotary tables each forward (its measured block bytes hold them) and keeps
-    only their frequencies: counted here, with its activations, as a rank's one copy."""
+    model makes its rotary tables each forward, which its measured block bytes hold, and
+    keeps only their frequencies, a buffer of head_dim/2 values."""
     if config.arch == "gpt2":
         return 0.0
     return float(config.max_seq_len * config.head_dim * layout.compute_bytes)
@@ -291,12 +295,6 @@ def forward_kept_bytes(config: GPTConfig, layout: Workload) -> float:
     return rope_rows_bytes(config, layout) + document_mask_bytes(config, layout)
 
 
-def resident_rope_bytes(config: GPTConfig, layout: Workload) -> float:
-    """The rope tables the activations count: a transformers model's (`rope_table_bytes`;
-    GPTConfig.lean_blocks false); none of plait's GPT, whose tables are buffers."""
-    return 0.0 if config.lean_blocks else rope_table_bytes(config, layout)
-
-
 def loss_bytes(config: GPTConfig, layout: Workload) -> float:
     """Peak of the loss on the last stage, per micro-batch: the logits in the compute
     dtype, their fp32 copy and the fp32 log-softmax cross_entropy keeps for backward,
@@ -335,11 +333,11 @@ def in_flight(layout: Workload, stage: StageShare) -> float:
 def stage_activation_bytes(config: GPTConfig, layout: Workload, stage: StageShare) -> float:
     """Peak activation bytes on one rank of `stage`."""
     if layout.schedule == "interleaved":
-        return interleaved_peak(config, layout, stage) + resident_rope_bytes(config, layout)
+        return interleaved_peak(config, layout, stage)
     per_micro_batch = stage.runs * layer_bytes(config, layout)  # kept for each run's backward
     per_micro_batch += stage_extra_bytes(config, layout, stage)
     per_micro_batch += layout.virtual_stages * forward_kept_bytes(config, layout)  # each chunk's forward makes its own
-    return in_flight(layout, stage) * per_micro_batch + resident_rope_bytes(config, layout)
+    return in_flight(layout, stage) * per_micro_batch
 
 
 def interleaved_peak(config: GPTConfig, layout: Workload, stage: StageShare) -> float:
