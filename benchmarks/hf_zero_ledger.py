@@ -10,7 +10,9 @@ configs (tests/worlds/hf_sweep_world.py: family_config, a 256-token vocabulary f
 data), 2 steps, and compares what the run measured with what it predicted: every collective on
 every axis, byte for byte, and the parameters at the peak, gradients and optimizer state each
 rank holds. The experts' all-to-all is left out (the estimate takes the routing uniform; the
-run's own formula on its routing is reported beside it). A family is "exact", "differs" (what
+run's own formula on its routing is reported beside it). The activations' prediction is given
+beside its measurement for each family, outside the verdict (their bar is the matrix's:
+tests/matrix.py). A family is "exact", "differs" (what
 differs, measured against predicted), or "refused" (plait's one-line error). About 12 s a
 family on 2 cores.
 """
@@ -73,7 +75,26 @@ def run_family(family: str, flags: list[str], where: Path) -> dict:
                 "why": (lines or ranks[:1] or proc.stderr.strip().splitlines()[-1:] or ["?"])[0]}
     summary = json.loads((where / "run" / "summary.json").read_text())
     found = differences(summary)
-    return {"family": family, "verdict": "differs" if found else "exact", "differs": found}
+    activations = [summary["mem"]["activations_peak"], summary["predicted"]["memory"]["activations"]]
+    return {"family": family, "verdict": "differs" if found else "exact", "differs": found,
+            "activations": activations}
+
+
+def activations_lines(rows: list[dict]) -> list[str]:
+    """The activations' prediction against the meter's, the busiest rank's: how many families
+    within 2% and 10%, the median, and each family outside 10%."""
+    ratios = {row["family"]: row["activations"][1] / row["activations"][0]
+              for row in rows if row.get("activations") and row["activations"][0]}
+    if not ratios:
+        return []
+    ordered = sorted(ratios.values())
+    within = {bar: sum(abs(r - 1) <= bar for r in ordered) for bar in (0.02, 0.10)}
+    lines = [f"Activations, predicted / measured (the busiest rank's): median {ordered[len(ordered) // 2]:.3f}, "
+             f"{within[0.02]} of {len(ordered)} within 2%, {within[0.10]} within 10%."]
+    outside = sorted((r, family) for family, r in ratios.items() if abs(r - 1) > 0.10)
+    if outside:
+        lines[-1] += " Outside 10%: " + ", ".join(f"{family} {r:.2f}" for r, family in outside) + "."
+    return lines + [""]
 
 
 def drive(args: argparse.Namespace) -> list[dict]:
@@ -102,7 +123,8 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
              "",
              f"**{counts['exact']} of {len(rows)} exact**, {counts['differs']} differ, {counts['refused']} refused, "
              f"{counts['crash']} crashed.",
-             ""]
+             "",
+             *activations_lines(rows)]
     odd = [row for row in rows if row["verdict"] != "exact"]
     if odd:
         lines += ["| family | verdict | what |", "|---|---|---|"]

@@ -58,21 +58,27 @@ EXTRA = {
 ALL = {**LAYOUTS, **EXTRA}
 
 
-def attention_inputs(kv_heads: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
-    """q, k, v (fp64, needing gradients) and the output's gradient, drawn from `gen`."""
+def attention_inputs(kv_heads: int, gen: torch.Generator, v_dim: int = D) -> tuple[torch.Tensor, ...]:
+    """q, k, v (fp64, needing gradients) and the output's gradient, drawn from `gen`; V's heads
+    `v_dim` wide (narrower than K's in multi-head latent attention)."""
     q = torch.randn(B, H, SEQ, D, dtype=torch.float64, generator=gen, requires_grad=True)
     k = torch.randn(B, kv_heads, SEQ, D, dtype=torch.float64, generator=gen, requires_grad=True)
-    v = torch.randn(B, kv_heads, SEQ, D, dtype=torch.float64, generator=gen, requires_grad=True)
-    return q, k, v, torch.randn(B, H, SEQ, D, dtype=torch.float64, generator=gen)
+    v = torch.randn(B, kv_heads, SEQ, v_dim, dtype=torch.float64, generator=gen, requires_grad=True)
+    return q, k, v, torch.randn(B, H, SEQ, v_dim, dtype=torch.float64, generator=gen)
+
+
+# (K/V heads, V's head size): grouped heads, and for the ring V's heads half as wide as K's
+CASES = ((4, D), (2, D), (1, D))
+RING_CASES = (*CASES, (2, D // 2))
 
 
 def attention_errors(mesh: Any, kind: str) -> dict[str, Any]:
     """Max |error| of the output and the three gradients, over every case, and the traffic."""
     axis, found = mesh.axis("cp"), {}
     context = ContextParallel(axis, kind)
-    for kv_heads in (4, 2, 1):
+    for kv_heads, v_dim in RING_CASES if kind == "ring" else CASES:
         for causal in (True, False):
-            q, k, v, grad = attention_inputs(kv_heads, torch.Generator().manual_seed(kv_heads))
+            q, k, v, grad = attention_inputs(kv_heads, torch.Generator().manual_seed(kv_heads), v_dim)
             group = H // kv_heads
             ref = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
                                                  is_causal=causal)
@@ -86,7 +92,8 @@ def attention_errors(mesh: Any, kind: str) -> dict[str, Any]:
             errors = [(out - shard_sequence(ref.detach(), axis.rank, axis.size, 2)).abs().max().item()]
             errors += [(m.grad - shard_sequence(t.grad, axis.rank, axis.size, 2)).abs().max().item()
                        for m, t in zip(mine, (q, k, v))]
-            found[f"kv{kv_heads}-{'causal' if causal else 'full'}"] = {
+            narrow = f"-v{v_dim}" if v_dim != D else ""
+            found[f"kv{kv_heads}{narrow}-{'causal' if causal else 'full'}"] = {
                 "errors": errors, "forward": forward.get("cp", {}), "total": both.get("cp", {}),
                 "calls": calls_since(mesh.ledger, before)}
     return found

@@ -21,7 +21,9 @@ log-sum-exp the merge needs); on other devices the plain matmul/softmax ops, exa
 unfused (torch's CUDA kernels that return the log-sum-exp pad it in their own layouts, not
 used yet).
 Grouped K/V heads (GQA) travel unexpanded; they are expanded per call and their gradients
-summed back, so the ring moves n_kv_heads, not n_heads.
+summed back, so the ring moves n_kv_heads, not n_heads. K and V travel as one message, packed
+end to end (`pack_pair`), so V's heads may be narrower than K's (multi-head latent attention:
+DeepSeek's), which torch's CPU kernel does not take: such blocks run the plain ops.
 
 `ring_attention(q, k, v, axis, causal)`: q (batch, heads, local, head_dim); k, v (batch,
 kv_heads, local, head_dim); the local tokens in head-tail order. Every transfer goes through
@@ -72,16 +74,33 @@ def _expand(x: torch.Tensor, group: int) -> torch.Tensor:
     return x.repeat_interleave(group, dim=1) if group > 1 else x
 
 
-def fused(device: torch.device, documents: torch.Tensor | None = None) -> bool:
+def fused(device: torch.device, documents: torch.Tensor | None = None, same_width: bool = True) -> bool:
     """Whether a block runs torch's fused CPU flash kernels (else the plain ops; the tests
-    run both). Packed documents' masks take the plain ops: the kernel knows only causal."""
-    return device.type == "cpu" and not PLAIN_OPS and documents is None
+    run both). Packed documents' masks take the plain ops: the kernel knows only causal; so
+    do V heads narrower than K's (`same_width` false), which it does not take."""
+    return device.type == "cpu" and not PLAIN_OPS and documents is None and same_width
 
 
-def expansion(q: torch.Tensor, k: torch.Tensor, documents: torch.Tensor | None = None) -> int:
+def same_width(k: torch.Tensor, v: torch.Tensor) -> bool:
+    return k.shape[-1] == v.shape[-1]
+
+
+def expansion(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None) -> int:
     """How many times each K/V head is repeated before a block's attention: never on a CPU,
     whose flash kernel takes grouped heads as they are; q's heads per K/V head elsewhere."""
-    return 1 if fused(q.device, documents) else q.shape[1] // k.shape[1]
+    return 1 if fused(q.device, documents, same_width(k, v)) else q.shape[1] // k.shape[1]
+
+
+def pack_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Two tensors end to end in one flat message (K and V, or their gradients), whatever
+    their shapes: one transfer a ring step."""
+    return torch.cat([a.reshape(-1), b.reshape(-1)])
+
+
+def unpack_pair(flat: torch.Tensor, a_shape: torch.Size, b_shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pack_pair`'s two tensors again, as views of `flat`."""
+    cut = a_shape.numel()
+    return flat[:cut].view(a_shape), flat[cut:].view(b_shape)
 
 
 def allowed_keys(documents: torch.Tensor | None, query_chunk: int, owner: int, halves: list[int], cp: int,
@@ -119,7 +138,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask
     flash kernel, which returns the log-sum-exp the merge needs (10× the plain ops' speed);
     elsewhere, and under documents' masks (`allowed`), the plain ops. A query that may see no
     key of the block gets 0 and a log-sum-exp of −inf: the merge gives it no weight."""
-    if fused(q.device, allowed):
+    if fused(q.device, allowed, same_width(k, v)):
         out, lse = _CPU_FLASH(q, k, v, 0.0, masked, scale=scale)
         return out.to(wide(q.dtype)), lse.to(wide(q.dtype))
     s = _scores(q, k, scale, masked, allowed)
@@ -134,7 +153,7 @@ def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
                     allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """One block's exact (dq, dk, dv) in fp32, from the final output and log-sum-exp (so
     rowsum(dO·O) = `delta` is the whole row's). On a CPU, torch's flash backward kernel."""
-    if fused(q.device, allowed):
+    if fused(q.device, allowed, same_width(k, v)):
         grads = _CPU_FLASH_BACKWARD(dout.to(q.dtype), q, k, v, out.to(q.dtype), lse, 0.0, masked, scale=scale)
         return tuple(g.to(dout.dtype) for g in grads)
     q, k, v = q.to(dout.dtype), k.to(dout.dtype), v.to(dout.dtype)
@@ -176,15 +195,15 @@ Send = Callable[[torch.Tensor], Any]  # starts a tensor's trip to the next rank;
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, rank: int, send: Send, causal: bool,
                  scale: float, documents: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One rank's forward round the ring: (output, log-sum-exp), in the wide dtype."""
-    group = expansion(q, k, documents)
+    group = expansion(q, k, v, documents)
     queries, query_chunks, chunk = q.chunk(2, dim=2), chunk_ids(rank, cp), q.shape[2] // 2
     outs: list[Any] = [None, None]
     lses: list[Any] = [None, None]
-    block = torch.stack([k, v])
+    block = pack_pair(k, v)
     for step in range(cp):
         transfer = send(block) if step < cp - 1 else None
         owner = (rank - step) % cp
-        keys, values = _expand(block[0], group), _expand(block[1], group)
+        keys, values = (_expand(t, group) for t in unpack_pair(block, k.shape, v.shape))
         for i, query in enumerate(queries):
             for halves, masked in block_calls(query_chunks[i], owner, cp, causal):
                 allowed = allowed_keys(documents, query_chunks[i], owner, halves, cp, chunk, masked)
@@ -203,20 +222,21 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
                   dout: torch.Tensor, cp: int, rank: int, send: Send, causal: bool, scale: float,
                   documents: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One rank's backward round the ring: dq, and dK, dV of its own block (wide dtype)."""
-    group, chunk = expansion(q, k, documents), q.shape[2] // 2
+    group, chunk = expansion(q, k, v, documents), q.shape[2] // 2
     dout = dout.to(out.dtype)
     # rowsum(dO·O) per query: the plain ops' backward needs it; the CPU kernel computes its own.
-    deltas = (None, None) if fused(q.device, documents) else (dout * out).sum(-1).chunk(2, dim=2)
-    dq = torch.zeros_like(out)
+    plain = not fused(q.device, documents, same_width(k, v))
+    deltas = (dout * out).sum(-1).chunk(2, dim=2) if plain else (None, None)
+    dq = torch.zeros(q.shape, dtype=out.dtype, device=q.device)  # q's head size, which V's (and out's) may not be
     query_chunks = chunk_ids(rank, cp)
     parts = list(zip(q.chunk(2, dim=2), dout.chunk(2, dim=2), out.chunk(2, dim=2), lse.chunk(2, dim=2),
                      deltas, dq.chunk(2, dim=2)))
-    block, returning = torch.stack([k, v]), None
+    block, returning = pack_pair(k, v), None
     for step in range(cp):
         transfer = send(block) if step < cp - 1 else None
         owner = (rank - step) % cp
-        keys, values = _expand(block[0], group), _expand(block[1], group)
-        grads = torch.zeros((2, *keys.shape), dtype=out.dtype, device=q.device)  # dK, dV, expanded
+        keys, values = (_expand(t, group) for t in unpack_pair(block, k.shape, v.shape))
+        grads = [torch.zeros(t.shape, dtype=out.dtype, device=q.device) for t in (keys, values)]  # dK, dV, expanded
         for i, (query, d_out, o, l, d, d_q) in enumerate(parts):
             for halves, masked in block_calls(query_chunks[i], owner, cp, causal):
                 allowed = allowed_keys(documents, query_chunks[i], owner, halves, cp, chunk, masked)
@@ -228,14 +248,15 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
                 _keys(grads[0], halves).add_(gk)
                 _keys(grads[1], halves).add_(gv)
         if group > 1:  # the expanded heads' gradients, summed back onto their K/V head
-            grads = grads.unflatten(2, (-1, group)).sum(3)
+            grads = [g.unflatten(1, (-1, group)).sum(2) for g in grads]
+        travelling = pack_pair(*grads)
         if returning is not None:
-            grads += returning.wait()  # what the ranks before added to this same block
-        returning = send(grads)  # on to the next rank; after cp passes, home
+            travelling += returning.wait()  # what the ranks before added to this same block
+        returning = send(travelling)  # on to the next rank; after cp passes, home
         if transfer is not None:
             block = transfer.wait()
-    home = returning.wait()
-    return dq, home[0], home[1]
+    dk, dv = unpack_pair(returning.wait(), k.shape, v.shape)
+    return dq, dk, dv
 
 
 class RingAttention(torch.autograd.Function):
