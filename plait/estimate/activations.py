@@ -38,7 +38,8 @@ Outside the blocks the forward keeps the int64 token ids (embedding) and the fin
 sequence: `GPTConfig.whole_sequence_ends`). RoPE's multiplications keep views of the model's
 cos and sin tables, buffers resident on every rank, which memory.py counts as such; under
 context parallelism a forward gathers the rows of its rank's positions, kept as activations
-(`rope_rows_bytes`). That is everything plait's ActivationMeter sees, since it wraps the
+(`rope_rows_bytes`); packed documents add every token's rows and their attention mask
+(`document_mask_bytes`). That is everything plait's ActivationMeter sees, since it wraps the
 model's forward only and counts neither its weights nor its buffers; the loss's fp32 logits
 and log-softmax are counted by memory.py as a buffer on the last stage.
 
