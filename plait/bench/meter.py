@@ -60,9 +60,9 @@ class ActivationMeter:
 
     @contextlib.contextmanager
     def track(self, model: nn.Module) -> Iterator[None]:
-        # the model's own tensors, resident whatever runs: its weights and buffers (a saved view
-        # of the rope tables holds no bytes of its own)
-        param_ptrs = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+        from plait.parallel.saved import handed_back, resident_storages
+
+        param_ptrs = resident_storages(model)
         zero3 = zero3_sync(model)
         saved: dict[int, int] = {}
 
@@ -74,10 +74,7 @@ class ActivationMeter:
             is_weight = ptr in param_ptrs or (zero3 is not None and ptr in zero3.gathered_storages())
             if not is_weight and storage.nbytes():
                 saved[ptr] = storage.nbytes()
-            # An alias for an op's output: the tensor itself would tie a saved output to its own
-            # grad_fn. A tensor no op made (a leaf) is handed back as itself, as autograd keeps it,
-            # so an object shared by reference stays shared (plait.parallel.packed.dense_mask).
-            return tensor if tensor.grad_fn is None else tensor.detach()
+            return handed_back(tensor)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             yield

@@ -337,7 +337,7 @@ def stage_activation_bytes(config: GPTConfig, layout: Workload, stage: StageShar
         return interleaved_peak(config, layout, stage)
     per_micro_batch = stage.runs * layer_bytes(config, layout)  # kept for each run's backward
     per_micro_batch += stage_extra_bytes(config, layout, stage)
-    per_micro_batch += layout.virtual_stages * forward_kept_bytes(config, layout)  # each chunk's forward makes its own
+    per_micro_batch += forward_kept_bytes(config, layout)  # one chunk a rank: interleaving is walked above
     return in_flight(layout, stage) * per_micro_batch
 
 

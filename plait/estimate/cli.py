@@ -14,6 +14,7 @@ from typing import Any
 from plait.errors import CommandParser, PlaitError
 from plait.estimate import estimate_layout
 from plait.estimate.hardware import PRESETS as HARDWARE, resolve_hardware
+from plait.estimate.layout import DOC_MASKS
 from plait.rules import BUCKET_MB, PRECISIONS, RECOMPUTE, SCHEDULES, parse_stage_layers
 from plait.estimate.planner import explain, plan_layouts, plan_request
 from plait.estimate.report import format_estimate, format_explain, format_plan, human_bytes
@@ -66,7 +67,7 @@ def estimate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stage-layers", default="", help="blocks in each of the pp × virtual-stages stages, in "
                         "stage order, e.g. 3,4,4,3; the first and the last may be 0 (default: plait's cut)")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
-    parser.add_argument("--doc-mask", default="none", choices=("none", "dense", "blocks"),
+    parser.add_argument("--doc-mask", default="none", choices=("none", *filter(None, DOC_MASKS)),
                         help="packed documents' attention mask (plait train --doc-mask true): dense, SDPA's "
                              "b·s² mask a forward, as on a CPU; blocks, FlexAttention's, as on a GPU")
     return parser

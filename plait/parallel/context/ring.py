@@ -74,21 +74,18 @@ def _expand(x: torch.Tensor, group: int) -> torch.Tensor:
     return x.repeat_interleave(group, dim=1) if group > 1 else x
 
 
-def fused(device: torch.device, documents: torch.Tensor | None = None, same_width: bool = True) -> bool:
-    """Whether a block runs torch's fused CPU flash kernels (else the plain ops; the tests
-    run both). Packed documents' masks take the plain ops: the kernel knows only causal; so
-    do V heads narrower than K's (`same_width` false), which it does not take."""
-    return device.type == "cpu" and not PLAIN_OPS and documents is None and same_width
-
-
-def same_width(k: torch.Tensor, v: torch.Tensor) -> bool:
-    return k.shape[-1] == v.shape[-1]
+def fused(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> bool:
+    """Whether a block of these K and V runs torch's fused CPU flash kernels (else the plain
+    ops; the tests run both). Packed documents' masks (`mask`: the documents, or a block's
+    allowed keys) take the plain ops, since the kernel knows only causal; so do V heads
+    narrower than K's, which it does not take."""
+    return k.device.type == "cpu" and not PLAIN_OPS and mask is None and k.shape[-1] == v.shape[-1]
 
 
 def expansion(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None) -> int:
     """How many times each K/V head is repeated before a block's attention: never on a CPU,
     whose flash kernel takes grouped heads as they are; q's heads per K/V head elsewhere."""
-    return 1 if fused(q.device, documents, same_width(k, v)) else q.shape[1] // k.shape[1]
+    return 1 if fused(k, v, documents) else q.shape[1] // k.shape[1]
 
 
 def pack_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -138,7 +135,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask
     flash kernel, which returns the log-sum-exp the merge needs (10× the plain ops' speed);
     elsewhere, and under documents' masks (`allowed`), the plain ops. A query that may see no
     key of the block gets 0 and a log-sum-exp of −inf: the merge gives it no weight."""
-    if fused(q.device, allowed, same_width(k, v)):
+    if fused(k, v, allowed):
         out, lse = _CPU_FLASH(q, k, v, 0.0, masked, scale=scale)
         return out.to(wide(q.dtype)), lse.to(wide(q.dtype))
     s = _scores(q, k, scale, masked, allowed)
@@ -153,7 +150,7 @@ def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
                     allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """One block's exact (dq, dk, dv) in fp32, from the final output and log-sum-exp (so
     rowsum(dO·O) = `delta` is the whole row's). On a CPU, torch's flash backward kernel."""
-    if fused(q.device, allowed, same_width(k, v)):
+    if fused(k, v, allowed):
         grads = _CPU_FLASH_BACKWARD(dout.to(q.dtype), q, k, v, out.to(q.dtype), lse, 0.0, masked, scale=scale)
         return tuple(g.to(dout.dtype) for g in grads)
     q, k, v = q.to(dout.dtype), k.to(dout.dtype), v.to(dout.dtype)
@@ -225,8 +222,7 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     group, chunk = expansion(q, k, v, documents), q.shape[2] // 2
     dout = dout.to(out.dtype)
     # rowsum(dO·O) per query: the plain ops' backward needs it; the CPU kernel computes its own.
-    plain = not fused(q.device, documents, same_width(k, v))
-    deltas = (dout * out).sum(-1).chunk(2, dim=2) if plain else (None, None)
+    deltas = (None, None) if fused(k, v, documents) else (dout * out).sum(-1).chunk(2, dim=2)
     dq = torch.zeros(q.shape, dtype=out.dtype, device=q.device)  # q's head size, which V's (and out's) may not be
     query_chunks = chunk_ids(rank, cp)
     parts = list(zip(q.chunk(2, dim=2), dout.chunk(2, dim=2), out.chunk(2, dim=2), lse.chunk(2, dim=2),

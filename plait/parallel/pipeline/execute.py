@@ -34,6 +34,7 @@ from torch import nn
 from plait.errors import PlaitError
 from plait.parallel.packed import Packed
 from plait.parallel.pipeline.p2p import Channels, Key, message_in
+from plait.parallel.saved import handed_back, resident_storages
 from plait.schedule.action import Action
 from plait.schedule.timeline import Slot
 
@@ -86,8 +87,7 @@ class StageWork:
         """`gathered_weights` names the storages of weights gathered on the fly (ZeRO-3's
         units): saved for backward, but parameters, not activations."""
         self.module = module
-        # the stage's weights and buffers (its rope tables, whose saved views hold nothing of their own)
-        self._param_ptrs = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+        self._param_ptrs = resident_storages(module)
         self._gathered_weights = gathered_weights
         self._recording: list[Capture] | None = None
         if split_backward:
@@ -140,13 +140,7 @@ class StageWork:
                 key = (tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
                 views.setdefault(ptr, {})[key] = tensor.numel() * tensor.element_size()
                 sizes[ptr] = storage.nbytes()
-            # An alias, not the tensor: a tensor saved as its own op's output (attention's)
-            # handed back as itself holds its grad_fn, a cycle through autograd's C++ that no
-            # collector sees. B frees saved tensors as it goes; I and W retain the graph, and
-            # every micro-batch's activations leaked (80 MB a step a rank on `small`). A leaf has
-            # no grad_fn to cycle through: handed back as itself, as autograd keeps it, so an
-            # object shared by reference stays shared (plait.parallel.packed.dense_mask).
-            return tensor if tensor.grad_fn is None else tensor.detach()
+            return handed_back(tensor)  # an alias of an op's output: I and W retain the graph
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield total
