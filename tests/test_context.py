@@ -34,6 +34,11 @@ def test_ring_bytes_per_layer_are_the_kv_block_times_the_passes() -> None:
     # 2 K/V heads do not divide by cp 4, so they travel repeated to the 4 heads.
     ulysses = context_bytes("ulysses", 4, batch=2, seq=16, heads=4, kv_heads=2, head_dim=8, bytes_per_value=4)
     assert ulysses == {"forward": 3 / 4 * 256 * 16, "backward": 3 / 4 * 256 * 16}
+    # a latent attention's V heads half as wide as K's: the ring's block 2·4·2·(8 + 4)·4 bytes;
+    # Ulysses' q and k 32 values a token, v and the output 16
+    narrow = dict(batch=2, seq=16, heads=4, kv_heads=2, head_dim=8, v_head_dim=4, bytes_per_value=4)
+    assert context_bytes("ring", 4, **narrow) == {"forward": 3 * 768, "backward": 3 * 768 + 4 * 768}
+    assert context_bytes("ulysses", 4, **narrow) == {"forward": 3 / 4 * 32 * 96, "backward": 3 / 4 * 32 * 96}
     assert context_bytes("ring", 1, batch=2, seq=16, heads=4, kv_heads=2, head_dim=8, bytes_per_value=4) == {
         "forward": 0.0, "backward": 0.0}
     assert ring_exposed_s(1.0, 2.0, 2) == 0.0 and ring_exposed_s(1.0, 1.0, 2) == 0.5
@@ -146,6 +151,26 @@ def test_memory_limit_names_the_cp_that_fits(tmp_path: Path, capsys: pytest.Capt
     config = build_config({}, {"model": "small,max_seq_len=2048", "seq_len": 2048, "micro_batch": 1, "cp": 2,
                                "nproc": 2, "memory_limit": 0.4}, family_of)
     check_memory_limit(config, family_of(config).memory)  # fits: no error
+
+
+def test_memory_limit_prices_the_document_mask_the_run_will_build() -> None:
+    """--doc-mask true on a CPU: --memory-limit's price holds SDPA's dense b·s² mask (16 MiB at
+    2048 tokens in fp32) and the rope rows of every token, as `plait estimate --doc-mask dense`
+    does; "auto" waits for the corpus, priced as a pre-training corpus runs (no mask)."""
+    from plait.estimate import estimate_layout
+    from plait.estimate.layout import Workload
+    from plait.families import family_of, shape_of
+    from plait.train.config.settings import build_config
+
+    price = {}
+    for mask in ("false", "true", "auto"):
+        config = build_config({}, {"model": "small,max_seq_len=2048", "seq_len": 2048, "micro_batch": 1,
+                                   "doc_mask": mask}, family_of)
+        price[mask] = family_of(config).memory(config, config.layout)
+    work = Workload.of(config.layout, **config.work(), doc_mask="dense")
+    masked = estimate_layout(shape_of(config.model), work, hardware="cpu")["memory"]
+    assert price["true"] == float(masked.get("peak") or masked["total"])
+    assert price["true"] - price["false"] > 2048 ** 2 * 4 and price["auto"] == price["false"]
 
 
 @pytest.mark.slow  # make test runs the same Trainer in tests/test_context_worlds.py; this adds argv and the spawn

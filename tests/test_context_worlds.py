@@ -70,10 +70,9 @@ def test_the_ledger_counts_the_formulas_collectives_and_bytes(world: list[dict[s
     kind, cp = run.replace("-plain", "").split("-cp")
     for case, found in world[0]["attention"][run].items():
         kv_heads = int(case.split("-")[0][2:])
-        # V's heads half as wide ("-v"): K and V travel together, as heads of their mean width
-        head_dim = (D + int(case.split("-v")[1].split("-")[0])) / 2 if "-v" in case else D
-        formula = context_bytes(kind, int(cp), batch=B, seq=SEQ, heads=H, kv_heads=kv_heads, head_dim=head_dim,
-                                bytes_per_value=8, wide_bytes=8)
+        v_head_dim = int(case.split("-v")[1].split("-")[0]) if "-v" in case else D  # V's heads half as wide ("-v")
+        formula = context_bytes(kind, int(cp), batch=B, seq=SEQ, heads=H, kv_heads=kv_heads, head_dim=D,
+                                v_head_dim=v_head_dim, bytes_per_value=8, wide_bytes=8)
         if kind == "ring":  # forward cp−1 transfers; backward cp−1 more of K/V and cp of dK/dV
             assert found["calls"] == {"send": 3 * int(cp) - 2, "recv": 3 * int(cp) - 2}, case
             assert found["forward"] == {"send": formula["forward"], "recv": formula["forward"]}, case

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 
+from plait.estimate.context import layer_bytes as context_layer_bytes
 from plait.estimate.layout import Workload, block_split, embedding_rows, held_experts, layout_stages, vocab_shard
 from plait.errors import PlaitError
 from plait.models.hf.config import read_hf_dir
@@ -140,6 +141,55 @@ def test_mla_enters_with_its_latents_widths(tmp_path: Path) -> None:
     assert axk2.norm_params == 1 and axk2.sp_norm_extra == (gated + 32 + 2 * gated) / 2 - 32
     dots3 = shape_of(tmp_path / "dots3", "dots3_note_text", **MLA, pad_token_id=0, sliding_window=6)
     assert (dots3.tp_summed_params, dots3.attention_reads_input) == (8, True)
+
+
+def test_the_attentions_heads_are_read_as_it_is_handed_them(tmp_path: Path) -> None:
+    """K/V heads and widths are read off what the attention function is handed, where
+    config.json's word is not the model's: GPT-NeoX and OPT run every head whatever
+    num_key_value_heads says, GPT-BigCode's multi-query attention one (kept whole under tp, so
+    tp 2 is no reason to refuse it), DeepSeek-V3's latent attention q and K 16 wide, V 8, and
+    DiffLlama calls it twice a layer. OPT's learned positions (64 here) are shorter than the
+    lengths its blocks were measured at, which failed: they are now measured within them, where
+    the formulas stood."""
+    for family in ("gpt_neox", "opt"):
+        shape = shape_of(tmp_path / family, family)
+        assert (shape.n_kv_heads, shape.head_widths) == (4, ()), family
+        assert shape.block_saved_bytes, family
+    bigcode = shape_of(tmp_path / "bigcode", "gpt_bigcode", multi_query=True)
+    assert (bigcode.n_kv_heads, bigcode.tp_attention) == (1, False)
+    bigcode.check_split(2)
+    llama = shape_of(tmp_path / "llama", "llama")
+    assert (llama.n_kv_heads, llama.head_widths, llama.attention_widths) == (2, (), (32, 16, 16, 32))
+    mla = shape_of(tmp_path / "v3", "deepseek_v3", **MLA)
+    assert (mla.n_kv_heads, mla.head_widths, mla.attention_widths) == (4, (16, 16, 8), (64, 64, 32, 32))
+    # DiffLlama's differential attention calls the attention twice a layer: cp sends K/V twice
+    diff = shape_of(tmp_path / "diff", "diffllama")
+    assert (diff.attention_calls, llama.attention_calls, mla.attention_calls) == (2, 1, 1)
+    one, twice = (context_layer_bytes(shape, Workload(cp=2, micro_batch=2, seq_len=16)) for shape in (llama, diff))
+    assert twice == {way: 2 * one[way] for way in one}
+    # counts alone (no forward): the config's word
+    assert shape_of(tmp_path / "neox-counts", "gpt_neox", kept=False).n_kv_heads == 2
+
+
+def test_a_models_capped_logits_are_kept_on_the_last_stage(tmp_path: Path) -> None:
+    """nanochat's forward caps its logits, c·tanh(logits / c) (final_logit_softcapping, as
+    Gemma 2's and 3's): tanh keeps them for backward, b·s·V in the compute dtype, which autograd
+    measures and the estimate holds on the last stage alone (the ledger sweep's nanochat, one
+    process: 0.79 of measured before, 1.006 after; Gemma 2 0.87, now 0.9995)."""
+    from plait.estimate.activations import stage_activation_bytes
+
+    capped = shape_of(tmp_path / "capped", "nanochat", final_logit_softcapping=15.0)
+    plain = shape_of(tmp_path / "plain", "nanochat", final_logit_softcapping=None)
+    assert (capped.logit_softcap, plain.logit_softcap) == (True, False)
+    kept = {name: saved_by_autograd(tmp_path / name, torch.float32, 2, 16) for name in ("capped", "plain")}
+    assert kept["capped"] - kept["plain"] == 2 * 16 * 128 * 4
+    one = Workload(micro_batch=2, seq_len=16)
+    (stage,) = layout_stages(capped, one)
+    assert stage_activation_bytes(capped, one, stage) - stage_activation_bytes(plain, one, stage) == 2 * 16 * 128 * 4
+    pp = Workload(micro_batch=2, seq_len=16, pp=2, grad_accum=2)
+    first, last = layout_stages(capped, pp)
+    assert stage_activation_bytes(capped, pp, first) == stage_activation_bytes(plain, pp, first)
+    assert stage_activation_bytes(capped, pp, last) > stage_activation_bytes(plain, pp, last)
 
 
 def test_an_mlp_is_read_as_its_weights_say(tmp_path: Path) -> None:

@@ -255,6 +255,27 @@ def test_plan_cli_json(capsys) -> None:
     assert {"schedule", "virtual_stages", "dp_shard"} <= set(rows[0])
 
 
+def test_plan_prices_packed_documents_mask_as_estimate_does(capsys) -> None:
+    """--doc-mask reaches every layout the plan weighs: its first layout holds what `plait
+    estimate` gives that layout with the mask (SDPA's dense b·s² mask, once a forward), more
+    than without it."""
+    from plait.estimate import estimate_layout
+
+    argv = ["--model", "small", "--gpus", "2", "--hardware", "cpu", "--global-batch", "4", "--seq-len", "512",
+            "--precision", "fp32", "--json", "--top", "1"]
+    for doc_mask in ("", "dense"):
+        plan_main(argv + (["--doc-mask", doc_mask] if doc_mask else []))
+        row = json.loads(capsys.readouterr().out)[0]
+        layout = {key: row[key] for key in ("dp", "tp", "pp", "cp", "zero", "micro_batch", "grad_accum", "recompute",
+                                            "sp", "schedule", "virtual_stages")}
+        masked = estimate_layout(get_preset("small"), hardware="cpu", seq_len=512, precision="fp32",
+                                 doc_mask="dense", **layout)["memory"]["total"]
+        plain = estimate_layout(get_preset("small"), hardware="cpu", seq_len=512, precision="fp32",
+                                **layout)["memory"]["total"]
+        assert masked > plain
+        assert row["memory_bytes"] == (masked if doc_mask else plain), (doc_mask, layout)
+
+
 EXPLAINED = ["--model", "llama-70b", "--gpus", "16", "--hardware", "h100-sxm", "--global-batch", "32",
              "--seq-len", "4096", "--top", "3", "--explain"]
 

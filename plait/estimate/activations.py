@@ -35,7 +35,9 @@ Two blocks are counted:
 
 Outside the blocks the forward keeps the int64 token ids (embedding) and the final norm's
 4(h + 1) + 2eh bytes (a sequence shard of them under SP, unless the final norm reads the whole
-sequence: `GPTConfig.whole_sequence_ends`). RoPE's multiplications keep views of the model's
+sequence: `GPTConfig.whole_sequence_ends`), and where the model's forward caps its logits
+(`GPTConfig.logit_softcap`: Gemma 2's, nanochat's) tanh's output, b·s·V/t in the compute
+dtype. RoPE's multiplications keep views of the model's
 cos and sin tables, buffers resident on every rank, which memory.py counts as such; under
 context parallelism a forward gathers the rows of its rank's positions, kept as activations
 (`rope_rows_bytes`); packed documents add every token's rows and their attention mask
@@ -59,7 +61,7 @@ from __future__ import annotations
 
 from plait.interleave import held_frontier, warmup
 from plait.estimate.experts import dense_width, expert_units_on_rank, saved_bytes_per_token
-from plait.estimate.layout import Workload, StageShare, chunk_ends, chunk_layers, embedding_rows
+from plait.estimate.layout import Workload, StageShare, chunk_ends, chunk_layers, embedding_rows, vocab_shard
 from plait.models.gpt.config import GPTConfig
 
 MASK_BYTES = 1  # a dropout mask is one byte per element
@@ -137,9 +139,12 @@ def llama_token_bytes(config: GPTConfig, layout: Workload) -> tuple[float, float
     h, a, lean = config.d_model, config.n_heads, config.lean_blocks
     f = dense_width(config)
     e = layout.compute_bytes
+    # q's and the output's widths: h but for a transformers attention whose heads are handed
+    # otherwise (GPTConfig.head_widths: a latent attention's q wider, its output narrower)
+    q, _, _, out = config.attention_widths
     # o_proj's input: a view of SDPA's output in plait's block (its rotary output, and so SDPA's,
     # stays seq-major: models/gpt/rope.py); a (b, s, h) copy in a transformers block, but of one head
-    o_proj_copy = h if a // layout.tp > 1 and not lean else 0
+    o_proj_copy = out if a // layout.tp > 1 and not lean else 0
     # SwiGLU keeps gate, up and their product (3f; and silu's output, 4f, outside plait's lean
     # block); a two-matrix MLP (GELU, relu²) keeps up's output and the activation's, which
     # feeds down (2f: relu² squares relu's output in place of a copy).
@@ -149,30 +154,31 @@ def llama_token_bytes(config: GPTConfig, layout: Workload) -> tuple[float, float
     replicated = 2 * rmsnorm_bytes(h, e, lean) + saved_bytes_per_token(config, layout) + whole_experts
     # q, k, v, out: K/V as the model made them, grouped heads unrepeated (plait's block, and a
     # transformers block, whose SDPA takes them grouped: enable_gqa)
-    attention = 2 * h + 2 * kv_kept(config, layout)
+    attention = q + out + kv_kept(config, layout)
     sharded = e * (attention + o_proj_copy + mlp * f) + LSE_BYTES * a + split_experts
     if layout.cp > 1 and layout.cp_kind == "ring":
         # Ring attention keeps K and V as the model made them (kv_dim wide: GQA saves here)
         # and its output in fp32 for the backward's merge: q, k, v, out = e(h + 2kv) + 4h. o_proj
         # keeps its input, that output in the model's dtype: in fp32 a view of it (the ring
         # writes it seq-major), in 16-bit its cast, e·h more (a transformers block's too).
-        o_proj_input = e * h if e != RING_OUT_BYTES else 0
-        sharded += e * (h + 2 * config.kv_dim) + RING_OUT_BYTES * h + o_proj_input - e * attention
+        k, v = config.attention_widths[1:3]
+        o_proj_input = e * out if e != RING_OUT_BYTES else 0
+        sharded += e * (q + k + v) + RING_OUT_BYTES * out + o_proj_input - e * attention
         if layout.recompute == "selective":
             # the core recomputed keeps neither its fp32 output nor its log-sum-exp; o_proj
             # still keeps its input, the core's output in the model's dtype
-            kept = e * h if lean else 0
-            return replicated, sharded - RING_OUT_BYTES * h - LSE_BYTES * a + kept - o_proj_input
+            kept = e * out if lean else 0
+            return replicated, sharded - RING_OUT_BYTES * out - LSE_BYTES * a + kept - o_proj_input
     if layout.cp > 1 and layout.cp_kind == "ulysses" and layout.recompute == "none":
         # o_proj keeps its input: SDPA's output traded back to sequence shards, a copy of it
         # (SDPA keeps its own, on the head shards), in a transformers block as in plait's
-        sharded += e * h
+        sharded += e * out
     if layout.recompute == "selective":
         # Recomputing the attention core drops SDPA's output and log-sum-exp; q, k, v stay
         # as the recomputation's inputs, K/V as the model made them (repeated ones, outside the
         # lean block, are the core's own). SDPA already recomputes the a·s² matrix, so this
         # buys little for our block: prefer "full".
-        sharded -= (e * h if o_proj_copy else 0) + LSE_BYTES * a
+        sharded -= e * o_proj_copy + LSE_BYTES * a
     # a region the model's plan leaves whole (GPTConfig.tp_attention, tp_mlp) keeps it all on every rank
     whole = ((e * (attention + o_proj_copy) + LSE_BYTES * a) * (not config.tp_attention)
              + e * mlp * f * (not config.tp_mlp))
@@ -192,11 +198,13 @@ def eager_attention_bytes(config: GPTConfig, layout: Workload) -> float:
 
 
 def kv_kept(config: GPTConfig, layout: Workload) -> int:
-    """K's (or V's) elements per token SDPA keeps in plait's block: kv_dim, or h where Ulysses
-    repeats the heads because cp does not divide a tp rank's K/V heads."""
+    """K's and V's elements per token SDPA keeps: 2·kv_dim (a latent attention's as handed:
+    GPTConfig.attention_widths), or every head's where Ulysses repeats them because cp does not
+    divide a tp rank's K/V heads."""
+    _, k, v, _ = config.attention_widths
     if layout.cp > 1 and layout.cp_kind == "ulysses" and (config.n_kv_heads // layout.tp) % layout.cp:
-        return config.d_model
-    return config.kv_dim
+        return (k + v) * config.n_heads // config.n_kv_heads
+    return k + v
 
 
 def rmsnorm_bytes(h: int, e: int, lean: bool = True) -> float:
@@ -234,7 +242,8 @@ def stage_extra_bytes(config: GPTConfig, layout: Workload, stage: StageShare) ->
     splits the embedding by vocabulary the boolean mask of the tokens other ranks own, which
     zeroes their rows (plait.parallel.tensor.layers.sum_owned_rows); the final norm on the last
     (split by t only under SP, and only where SP cuts the sequence before it: not with
-    `whole_sequence_ends`, whose final norm and head read the whole sequence)."""
+    `whole_sequence_ends`, whose final norm and head read the whole sequence), and the capped
+    logits where the model's forward caps them (GPTConfig.logit_softcap)."""
     tokens, e, t = layout.tokens_per_micro_batch, layout.compute_bytes, layout.tp
     h = config.d_model
     total = 0.0
@@ -245,6 +254,8 @@ def stage_extra_bytes(config: GPTConfig, layout: Workload, stage: StageShare) ->
     if stage.last:
         norm = e * (2 * h) if config.arch == "gpt2" else rmsnorm_bytes(h, e, config.lean_blocks)
         total += tokens * (norm / t if layout.sp and not config.whole_sequence_ends else norm)
+        if config.logit_softcap:  # tanh's output: the capped logits of this rank's vocabulary
+            total += tokens * vocab_shard(config, t) * e
     return total
 
 

@@ -40,6 +40,9 @@ def _common(parser: argparse.ArgumentParser, precision: str | None) -> None:
                         "docs/estimate.md)")
     parser.add_argument("--compile", action="store_true", help="each block's forward compiled, as plait train "
                         "--compile runs it: its element-wise work as the compiler fuses it")
+    parser.add_argument("--doc-mask", default="none", choices=("none", *filter(None, DOC_MASKS)),
+                        help="packed documents' attention mask (plait train --doc-mask true): dense, SDPA's "
+                             "b·s² mask a forward, as on a CPU; blocks, FlexAttention's, as on a GPU")
 
 
 def estimate_parser() -> argparse.ArgumentParser:
@@ -67,9 +70,6 @@ def estimate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stage-layers", default="", help="blocks in each of the pp × virtual-stages stages, in "
                         "stage order, e.g. 3,4,4,3; the first and the last may be 0 (default: plait's cut)")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
-    parser.add_argument("--doc-mask", default="none", choices=("none", *filter(None, DOC_MASKS)),
-                        help="packed documents' attention mask (plait train --doc-mask true): dense, SDPA's "
-                             "b·s² mask a forward, as on a CPU; blocks, FlexAttention's, as on a GPU")
     return parser
 
 
@@ -110,7 +110,7 @@ def estimate_main(argv: list[str], shape_of: ShapeOf) -> int:
         seq_len=args.seq_len, recompute=args.recompute, schedule=args.schedule,
         virtual_stages=args.virtual_stages, stage_layers=parse_stage_layers(args.stage_layers), sp=args.sp,
         reduce_dtype=args.reduce_dtype, prefetch=args.prefetch, bucket_mb=args.bucket_mb, stack=args.stack,
-        compiled=args.compile, doc_mask="" if args.doc_mask == "none" else args.doc_mask,
+        compiled=args.compile, doc_mask=_doc_mask(args.doc_mask),
         reshard_after_forward=args.reshard_after_forward == "true", hardware=hardware,
         gpus_per_node=args.gpus_per_node, params=args.params)
     name = args.model or f"a {args.params:.3g}-parameter model"
@@ -129,7 +129,7 @@ def plan_main(argv: list[str], shape_of: ShapeOf) -> int:
                            gpus_per_node=args.gpus_per_node, seq_len=args.seq_len, precision=args.precision,
                            schedule=args.schedule, offload=args.offload,
                            stage_layers=parse_stage_layers(args.stage_layers), bucket_mb=args.bucket_mb,
-                           stack=args.stack, compiled=args.compile)
+                           stack=args.stack, compiled=args.compile, doc_mask=_doc_mask(args.doc_mask))
     rows = plan_layouts(request, args.top)
     why = explain(request) if args.explain else None
     title = (f"{args.model} on {args.gpus} x {hardware.name} "
@@ -143,6 +143,11 @@ def plan_main(argv: list[str], shape_of: ShapeOf) -> int:
         _emit({"layouts": rows, "explain": why}, args.json,
               lambda: format_plan(rows, title) + "\n\n" + format_explain(why))
     return 0
+
+
+def _doc_mask(flag: str) -> str:
+    """--doc-mask's choice as Workload.doc_mask names it ("none" is "")."""
+    return "" if flag == "none" else flag
 
 
 def _model(name: str | None, shape_of: ShapeOf) -> GPTConfig:

@@ -1,8 +1,9 @@
 """What context parallelism puts on the wire and how much of it the step waits for.
 
 Per attention layer and micro-batch, on every cp rank (all are alike: the head-tail split
-balances them), with b sequences, s tokens, h_kv K/V heads of d values, e bytes per value:
-one rank's K/V block is KV = 2·b·(s/cp)·h_kv·d·e bytes.
+balances them), with b sequences, s tokens, h_kv K/V heads of d values (a latent attention's
+V heads narrower, d_v: then d + d_v for 2·d below), e bytes per value: one rank's K/V block
+is KV = 2·b·(s/cp)·h_kv·d·e bytes.
 
 Ring (plait.parallel.context.ring):
   forward   (cp−1) sends of KV (and as many receives);
@@ -26,33 +27,45 @@ from typing import Any
 from plait.wire import ring_bytes
 
 
-def kv_block_bytes(batch: int, seq: int, cp: int, kv_heads: int, head_dim: int, bytes_per_value: int) -> float:
-    """One rank's K and V for one layer: 2·b·(s/cp)·h_kv·d·e."""
-    return 2.0 * batch * (seq // cp) * kv_heads * head_dim * bytes_per_value
+def kv_block_bytes(batch: int, seq: int, cp: int, kv_heads: int, head_dim: float, bytes_per_value: int,
+                   v_head_dim: float | None = None) -> float:
+    """One rank's K and V for one layer: b·(s/cp)·h_kv·(d_k + d_v)·e (d_v = d_k but for a
+    latent attention's narrower V)."""
+    v_width = head_dim if v_head_dim is None else v_head_dim
+    return batch * (seq // cp) * kv_heads * (head_dim + v_width) * bytes_per_value
 
 
-def context_bytes(kind: str, cp: int, *, batch: int, seq: int, heads: int, kv_heads: int, head_dim: int,
-                  bytes_per_value: int, wide_bytes: int = 4) -> dict[str, float]:
+def context_bytes(kind: str, cp: int, *, batch: int, seq: int, heads: int, kv_heads: int, head_dim: float,
+                  bytes_per_value: int, wide_bytes: int = 4, v_head_dim: float | None = None) -> dict[str, float]:
     """{"forward", "backward"}: bytes one rank sends (ring: each also receives as much; Ulysses:
-    the all-to-all's wire bytes) for one layer and one micro-batch."""
+    the all-to-all's wire bytes) for one layer and one micro-batch. q and K heads are head_dim
+    wide, V heads and the output's v_head_dim (head_dim unless given)."""
     if cp == 1:
         return {"forward": 0.0, "backward": 0.0}
+    v_width = head_dim if v_head_dim is None else v_head_dim
     if kind == "ring":
-        block = kv_block_bytes(batch, seq, cp, kv_heads, head_dim, bytes_per_value)
-        grads = kv_block_bytes(batch, seq, cp, kv_heads, head_dim, wide_bytes)
+        block = kv_block_bytes(batch, seq, cp, kv_heads, head_dim, bytes_per_value, v_width)
+        grads = kv_block_bytes(batch, seq, cp, kv_heads, head_dim, wide_bytes, v_width)
         return {"forward": (cp - 1) * block, "backward": (cp - 1) * block + cp * grads}
     travelling_kv = kv_heads if kv_heads % cp == 0 else heads
-    per_head = batch * (seq // cp) * head_dim * bytes_per_value
-    one_way = sum(ring_bytes("all_to_all", per_head * n, cp) for n in (heads, travelling_kv, travelling_kv, heads))
+    per_value = batch * (seq // cp) * bytes_per_value
+    widths = (heads * head_dim, travelling_kv * head_dim, travelling_kv * v_width, heads * v_width)  # q, k, v, out
+    one_way = sum(ring_bytes("all_to_all", per_value * width, cp) for width in widths)
     return {"forward": one_way, "backward": one_way}
 
 
 def layer_bytes(config: Any, layout: Any) -> dict[str, float]:
     """`context_bytes` of one layer of `config` under `layout` (a Workload): its heads and K/V
-    heads per tp rank, its micro-batch and sequence, the layout's dtype."""
-    return context_bytes(layout.cp_kind, layout.cp, batch=layout.micro_batch, seq=layout.seq_len,
-                         heads=config.n_heads // layout.tp, kv_heads=max(1, config.n_kv_heads // layout.tp),
-                         head_dim=config.head_dim, bytes_per_value=layout.compute_bytes)
+    heads per tp rank (every head where the plan leaves the attention whole), their widths as
+    the attention is handed them (GPTConfig.head_widths), its micro-batch and sequence, the
+    layout's dtype; as many times as a block calls its attention (GPTConfig.attention_calls)."""
+    tp = layout.tp if config.tp_attention else 1
+    _, k_width, v_width = config.head_widths or (config.head_dim,) * 3
+    one = context_bytes(layout.cp_kind, layout.cp, batch=layout.micro_batch, seq=layout.seq_len,
+                        heads=config.n_heads // tp, kv_heads=max(1, config.n_kv_heads // tp),
+                        head_dim=k_width, v_head_dim=v_width, bytes_per_value=layout.compute_bytes)
+    calls = config.attention_calls  # a block's attentions (DiffLlama's two)
+    return {way: calls * bytes_ for way, bytes_ in one.items()}
 
 
 def per_layer(config: Any, layout: Any) -> dict[str, Any] | None:

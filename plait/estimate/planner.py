@@ -108,6 +108,7 @@ class PlanRequest:
     bucket_mb: float = BUCKET_MB  # the gradient buckets the run will use (--bucket-mb)
     stack: str = "plait"  # the framework every layout is priced as running on (--stack)
     compiled: bool = False  # every layout's blocks compiled (--compile)
+    doc_mask: str = ""  # packed documents' attention mask, every layout's (--doc-mask: Workload.doc_mask)
 
     def __post_init__(self) -> None:
         for name in ("gpus", "gpus_per_node", "global_batch", "seq_len"):
@@ -216,7 +217,8 @@ def shapes(request: PlanRequest) -> Iterator[Workload]:
                                 micro_batch=micro_batch, grad_accum=per_replica // micro_batch,
                                 seq_len=request.seq_len, recompute=recompute, schedule=schedule,
                                 virtual_stages=v, sp=sp, stage_layers=request.stage_layers,
-                                bucket_mb=request.bucket_mb, stack=request.stack, compiled=request.compiled)
+                                bucket_mb=request.bucket_mb, stack=request.stack, compiled=request.compiled,
+                                doc_mask=request.doc_mask)
                             layout.check_model(request.config)  # Ulysses' heads, SP's share of the sequence
                         except PlaitError:
                             continue
@@ -505,7 +507,7 @@ def plan_request(config: GPTConfig, *, gpus: int, global_batch: int, hardware: s
                  gpus_per_node: int | None = None, seq_len: int | None = None, precision: str = "bf16",
                  schedule: str | tuple[str, ...] | None = None, offload: bool = False,
                  stage_layers: tuple[int, ...] = (), bucket_mb: float = BUCKET_MB,
-                 stack: str = "plait", compiled: bool = False) -> PlanRequest:
+                 stack: str = "plait", compiled: bool = False, doc_mask: str = "") -> PlanRequest:
     """The request `plan` answers, checked (`schedule` restricts the search: `schedules_of`)."""
     hw = resolve_hardware(hardware)
     for flag, value, most in (("--gpus", gpus, MAX_GPUS), ("--global-batch", global_batch, MAX_GLOBAL_BATCH)):
@@ -519,7 +521,8 @@ def plan_request(config: GPTConfig, *, gpus: int, global_batch: int, hardware: s
                        hardware=hw, global_batch=global_batch,
                        seq_len=given_or(seq_len, config.max_seq_len, "--seq-len"),
                        precision=precision, schedules=schedules_of(schedule), offload=offload,
-                       stage_layers=tuple(stage_layers), bucket_mb=bucket_mb, stack=stack, compiled=compiled)
+                       stage_layers=tuple(stage_layers), bucket_mb=bucket_mb, stack=stack, compiled=compiled,
+                       doc_mask=doc_mask)
 
 
 def plan(config: GPTConfig, *, gpus: int, global_batch: int, hardware: str | Hardware = "h100-sxm",

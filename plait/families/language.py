@@ -53,6 +53,19 @@ def check_corpus(source: str) -> None:
         raw_files(source)
 
 
+def doc_mask_before_launch(config: Any) -> str:
+    """The packed documents' mask a run will build, as Workload.doc_mask names it, known before
+    the corpus is read: with --doc-mask true FlexAttention's block tables on a GPU, SDPA's dense
+    mask on a CPU (plait.parallel.packed.mask_kind, the device guessed as `ranks_on_gpu` does);
+    none otherwise. "auto" turns the mask on for a fine-tuning corpus, which only reading it
+    tells: priced without, as a pre-training corpus is."""
+    if config.doc_mask != "true":
+        return ""
+    from plait.train.config.settings import ranks_on_gpu
+
+    return "blocks" if ranks_on_gpu(config) else "dense"
+
+
 def estimated_memory(shape_of: Any) -> Any:
     """A language family's price of a layout for --memory-limit: plait estimate's peak per
     rank (its device total and the largest transient of setup or of writing the outputs)
@@ -62,7 +75,7 @@ def estimated_memory(shape_of: Any) -> Any:
         from plait.estimate import estimate_layout
         from plait.estimate.layout import Workload
 
-        work = Workload.of(layout, **config.work())
+        work = Workload.of(layout, **config.work(), doc_mask=doc_mask_before_launch(config))
         memory = estimate_layout(shape_of(config.model), work, hardware="cpu")["memory"]
         return float(memory.get("peak") or memory["total"])
 

@@ -248,6 +248,19 @@ class GPTConfig:
     # FLOPs grow with it (4·h·s a token forward): a hybrid's linear-attention, mamba and
     # convolution blocks are not (Qwen3-Next's three in four, Jamba's seven in eight, Mamba's all)
     attention_share: float = 1.0
+    # Values a head of the attention's q, k and v holds as a transformers model hands them to its
+    # attention function, where they are not head_dim (multi-head latent attention's: q and k
+    # qk_nope + qk_rope wide, v v_head_dim; a config whose head_dim is not d_model / n_heads).
+    # Empty: head_dim each. Context parallelism sends them and its estimate reads them
+    head_widths: tuple[int, int, int] = ()
+    # Softmax attentions a block's run calls, a mean over the blocks, as the model calls its
+    # attention function (DiffLlama's two a layer, LongCat's two a block): context parallelism
+    # moves K and V for each
+    attention_calls: float = 1.0
+    # The model's own forward caps its logits, c·tanh(logits/c) (transformers' final_logit_softcapping:
+    # Gemma 2 and 3, nanochat): tanh keeps its output for backward, the logits of this rank's
+    # vocabulary shard in the compute dtype, on the last stage
+    logit_softcap: bool = False
 
     def __post_init__(self) -> None:
         """Shapes that cannot build a model are refused here, naming the field. moe_blocks,
@@ -255,6 +268,7 @@ class GPTConfig:
         config is hashed."""
         object.__setattr__(self, "moe_blocks", tuple(self.moe_blocks))
         object.__setattr__(self, "tp_gathered", tuple(self.tp_gathered))
+        object.__setattr__(self, "head_widths", tuple(self.head_widths))
         object.__setattr__(self, "tp_gathered_calls", tuple(self.tp_gathered_calls))
         object.__setattr__(self, "tp_expert_entries", tuple(self.tp_expert_entries))
         object.__setattr__(self, "tp_last_rows", tuple(self.tp_last_rows))
@@ -354,6 +368,15 @@ class GPTConfig:
         return self.n_kv_heads * self.head_dim
 
     @property
+    def attention_widths(self) -> tuple[int, int, int, int]:
+        """Values a token holds of q, k, v and the attention's output (n_heads heads of v's
+        width) at tp 1: (d_model, kv_dim, kv_dim, d_model) but where head_widths says otherwise."""
+        if not self.head_widths:
+            return self.d_model, self.kv_dim, self.kv_dim, self.d_model
+        q, k, v = self.head_widths
+        return self.n_heads * q, self.n_kv_heads * k, self.n_kv_heads * v, self.n_heads * v
+
+    @property
     def stream_width(self) -> int:
         """Values a token's residual holds between blocks: d_model in each of its
         residual_streams. A pipeline stage sends them all to the next."""
@@ -426,10 +449,12 @@ class GPTConfig:
     def check_split(self, tp: int, sp: bool = False, seq_len: int | None = None) -> None:
         """The decoder splits whole heads, whole KV heads, the vocabulary and the MLP evenly
         over tp; under SP the sequence too. The vocabulary is not padded: pad it in the model
-        instead (`--model NAME,vocab_size=N`). The family's own limits: the layout's rules
-        are plait.rules'."""
-        for what, size, why in (("n_heads", self.n_heads, "each rank holds whole attention heads"),
-                                ("n_kv_heads", self.n_kv_heads, "each rank holds whole key/value heads"),
+        instead (`--model NAME,vocab_size=N`). The heads only where the attention is split
+        (`tp_attention`: GPT-BigCode's one K/V head stays whole on every rank). The family's own
+        limits: the layout's rules are plait.rules'."""
+        heads = (("n_heads", self.n_heads, "each rank holds whole attention heads"),
+                 ("n_kv_heads", self.n_kv_heads, "each rank holds whole key/value heads")) if self.tp_attention else ()
+        for what, size, why in (*heads,
                                 ("vocab_size", self.vocab_size, "each rank holds V/tp rows of the vocabulary"),
                                 ("ffn_hidden", self.ffn_hidden, "each rank holds ffn_hidden/tp MLP units")):
             pad = f", or pad the vocabulary to {size + (-size % tp)}" if what == "vocab_size" else ""

@@ -146,7 +146,7 @@ class HFModelDir:
                              tie_embeddings=bool(c.get("tie_word_embeddings", False)), rope_theta=float(rope),
                              norm_eps=float(c.get("rms_norm_eps") or c.get("layer_norm_eps") or 1e-6),
                              whole_sequence_ends=True, lean_blocks=False, counts_routing=False, balancing_bias=False,
-                             **self.experts(hidden))
+                             logit_softcap=bool(c.get("final_logit_softcapping")), **self.experts(hidden))
         except (TypeError, ValueError) as exc:
             raise PlaitError(f"--model {spec}: {CONFIG} has a size that is not a number ({exc})") from None
 

@@ -970,34 +970,100 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
     if not layers or len(layers) != shape.n_layers:
         return {}
     chunk = getattr(text_config(model), "chunk_size", 0)
+    eager = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa") == "eager"
+    lengths = (1, 2, 3) if eager else (1, 2)  # SDPA keeps nothing of s²: two lengths give the s term
     length = max(MEASURED_TOKENS, chunk if isinstance(chunk, int) else 0)
     regions = [_row_regions(block, _inside(plan, blocks, i)) if blocks and plan else []
                for i, block in enumerate(layers)]
     mixers = [[child for child in block.children() if mixes_tokens(child) and all(child is not r for r in inside)]
               for block, inside in zip(layers, regions)]
-    eager = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa") == "eager"
-    lengths = (1, 2, 3) if eager else (1, 2)  # SDPA keeps nothing of s²: two lengths give the s term
     device = _measuring_device(model)
-    terms: list[tuple[float, float, float] | None] = []
-    for dtype in (torch.float32, torch.bfloat16):
-        try:
-            kept = [_kept_in_blocks(model.to(dtype), layers, regions, mixers, n * length, device) for n in lengths]
-        except Exception:  # noqa: BLE001 - an op meta does not run in this dtype
-            terms.append(None)
-            continue
-        quadratic, linear = 0.0, []
-        for part in (0, 1, 2):  # each rank's whole, the split regions', the whole-read mixers'
-            c0, c1, c2 = (*(k[part] for k in kept), 0)[:3]
-            q = (c2 - 2 * c1 + c0) / (2 * length * length) if eager else 0.0
-            quadratic += q / shape.n_layers
-            linear.append(max(0.0, (c1 - c0 - 3 * length * length * q) / length / shape.n_layers))
-        terms.append((quadratic, *linear))
+    handed: list[tuple[int, ...]] = []
+
+    def terms_at(length: int) -> list[tuple[float, float, float, float] | None]:
+        """(the s² term, the three s terms) in fp32 and in bf16, None where that forward failed."""
+        terms: list[tuple[float, float, float, float] | None] = []
+        handed.clear()
+        for dtype in (torch.float32, torch.bfloat16):
+            seen: list[tuple[int, ...]] = []
+            try:
+                with _attention_handed(model, seen):
+                    kept = [_kept_in_blocks(model.to(dtype), layers, regions, mixers, n * length, device)
+                            for n in lengths]
+            except Exception:  # noqa: BLE001 - an op meta does not run in this dtype
+                terms.append(None)
+                continue
+            if not handed:  # the first dtype whose forwards all ran: each call once a length
+                handed.extend(seen[:len(seen) // len(lengths)])
+            quadratic, linear = 0.0, []
+            for part in (0, 1, 2):  # each rank's whole, the split regions', the whole-read mixers'
+                c0, c1, c2 = (*(k[part] for k in kept), 0)[:3]
+                q = (c2 - 2 * c1 + c0) / (2 * length * length) if eager else 0.0
+                quadratic += q / shape.n_layers
+                linear.append(max(0.0, (c1 - c0 - 3 * length * length * q) / length / shape.n_layers))
+            terms.append((quadratic, *linear))
+        return terms
+
+    terms = terms_at(length)
+    within = shape.max_seq_len // lengths[-1]
+    if terms == [None, None] and 0 < within < length:
+        # a position table shorter than the lengths (OPT's learned one, GPT-J's causal buffer: a
+        # tiny config's 64) fails both forwards; the formulas stood, 0.66-1.39 of measured
+        terms = terms_at(within)
     if terms == [None, None]:
         return {}
     fp32, low = (max(0.0, t[0]) if t and eager else None for t in terms)
     matrices = (fp32 if fp32 is not None else 2 * (low or 0.0), low if low is not None else fp32 or 0.0)
     saved = tuple(t[1:] if t else (-1.0, -1.0, -1.0) for t in terms)
-    return {"attention_matrix_bytes": matrices, "block_saved_bytes": saved}
+    return {"attention_matrix_bytes": matrices, "block_saved_bytes": saved, **_heads_as_handed(handed, shape)}
+
+
+@contextlib.contextmanager
+def _attention_handed(model: nn.Module, seen: list[tuple[int, ...]]) -> Iterator[None]:
+    """While inside, each call of the model's attention function (its config's implementation in
+    transformers' AttentionInterface: where context parallelism puts its own) adds to `seen`
+    (q heads, q's width a head, K/V heads, K's width a head, V's): what the attention is handed,
+    K and V unrepeated. An eager attention, called directly and not through the interface, adds
+    nothing."""
+    try:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError:  # no interface: nothing is read
+        yield
+        return
+    name = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if not isinstance(name, str) or name not in ALL_ATTENTION_FUNCTIONS:
+        yield
+        return
+    own, had_local = ALL_ATTENTION_FUNCTIONS[name], name in ALL_ATTENTION_FUNCTIONS._local_mapping
+
+    def reading(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                *args: Any, **kwargs: Any) -> Any:
+        seen.append((query.shape[1], query.shape[-1], key.shape[1], key.shape[-1], value.shape[-1]))
+        return own(module, query, key, value, *args, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS[name] = reading  # this instance's own mapping: no other model sees it
+    try:
+        yield
+    finally:
+        if had_local:
+            ALL_ATTENTION_FUNCTIONS[name] = own
+        else:
+            del ALL_ATTENTION_FUNCTIONS[name]
+
+
+def _heads_as_handed(seen: list[tuple[int, ...]], shape: GPTConfig) -> dict[str, Any]:
+    """GPTConfig.n_kv_heads and head_widths as the attention is handed them (`_attention_handed`),
+    where config.json's word differs: GPT-NeoX, OPT, GPT-J and their kind run every head whatever
+    num_key_value_heads says, GPT-BigCode's multi-query attention one, and a latent attention's
+    K heads are wider than its V's; and GPTConfig.attention_calls, the calls a block's run makes
+    (DiffLlama's and LongCat's two; `seen` holds one forward's). {} where no call was seen, the calls differ (blocks of
+    different attentions) or q's heads are not the config's: the config's word stands."""
+    if not seen or len(set(seen)) > 1 or seen[0][0] != shape.n_heads or shape.n_heads % seen[0][2]:
+        return {}
+    _, q, kv_heads, k, v = seen[0]
+    widths = (q, k, v) if (q, k, v) != (shape.head_dim,) * 3 else ()
+    runs = sum(shape.block_runs) or shape.n_layers
+    return {"n_kv_heads": kv_heads, "head_widths": widths, "attention_calls": len(seen) / runs}
 
 
 def _tensors_in(value: Any) -> list[torch.Tensor]:
