@@ -232,7 +232,7 @@ def _combine(replicated: float, sharded: float, layout: Workload, block_input: f
 
 def layer_bytes(config: GPTConfig, layout: Workload) -> float:
     """Saved bytes of one block for one micro-batch on one rank."""
-    if config.arch == "gpt2":
+    if config.arch == "gpt2" and not config.block_saved_bytes:
         return korthikanti_layer_bytes(config, layout)
     return llama_layer_bytes(config, layout)
 

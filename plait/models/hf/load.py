@@ -140,8 +140,9 @@ def measured_shape(hf: HFModelDir, kept: bool = True) -> GPTConfig:
     layers = _blocks(model, name)
     name, layers = _every_stack(model, name, layers)
     parts = _declared_parts(model, name) if name and layers else None  # read once too: it may run a forward
-    if shape.arch == "gpt2":  # its block is described whole by its arch; ZeRO-3's units as any family's
-        return replace(shape, **_zero3_edges(model, layers, parts, {}))
+    if shape.arch == "gpt2":  # its block is described by its arch; ZeRO-3's units as any family's, what it keeps measured
+        shape = replace(shape, **_zero3_edges(model, layers, parts, {}))
+        return replace(shape, **_kept_terms(model, layers, shape, _gpt2_regions(name), name)) if kept else shape
     shape = _blocks_as_run(model, layers, shape)
     shape = replace(shape, **_moe_fields(model, layers, shape))  # first: which blocks are dense
     width = _mlp_width(layers, shape)
@@ -158,6 +159,16 @@ def measured_shape(hf: HFModelDir, kept: bool = True) -> GPTConfig:
                     split_mlp_scalars=_split_mlp_scalars(layers, shape))
     shape = replace(shape, **_tally(model, layers, shape, plan, name, parts), attention_share=_attention_share(model, shape))
     return replace(shape, **_kept_terms(model, layers, shape, plan, name)) if kept else shape  # last: it casts the model
+
+
+def _gpt2_regions(blocks: str | None) -> dict[str, str]:
+    """GPT-2's tp plan (models/hf/gpt2.GPT2_PLAN: its attention and MLP split, each closed by
+    its c_proj) in the words `_row_regions` reads, for measuring what each region keeps."""
+    if blocks is None:
+        return {}
+    return {f"{blocks}.*.{part}.{layer}": style for part, layers in (("attn", ("c_attn", "c_proj")),
+                                                                      ("mlp", ("c_fc", "c_proj")))
+            for layer, style in zip(layers, ("colwise", "rowwise"))}
 
 
 def _ends_split(model: nn.Module) -> dict[str, Any]:
