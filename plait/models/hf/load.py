@@ -30,7 +30,7 @@ from plait.models.hf.config import HFModelDir
 from plait.models.hf.experts import counts_routing, dense_experts
 from plait.models.hf.inferred import inferred_tp_plan
 from plait.models.hf.own_forward import own_parts
-from plait.models.hf import stages as hf_stages
+from plait.models.hf import gpt2, stages as hf_stages
 from plait.models.hf.plans import (beside_experts, block_list, cut_plan, declared, dispatched_experts,
                                    without_experts)
 from plait.models.hf.styles import ATTENTION_PROJECTIONS, mixes_tokens, probe_ids, text_config
@@ -162,13 +162,14 @@ def measured_shape(hf: HFModelDir, kept: bool = True) -> GPTConfig:
 
 
 def _gpt2_regions(blocks: str | None) -> dict[str, str]:
-    """GPT-2's tp plan (models/hf/gpt2.GPT2_PLAN: its attention and MLP split, each closed by
-    its c_proj) in the words `_row_regions` reads, for measuring what each region keeps."""
+    """GPT-2's tp plan (models/hf/gpt2.GPT2_PLAN) in the words `_row_regions` reads, for measuring
+    what each region keeps: its column entries as colwise, its row entries as rowwise, under
+    the block list's name as this model spells it. The plan stays the one record of the split."""
     if blocks is None:
         return {}
-    return {f"{blocks}.*.{part}.{layer}": style for part, layers in (("attn", ("c_attn", "c_proj")),
-                                                                      ("mlp", ("c_fc", "c_proj")))
-            for layer, style in zip(layers, ("colwise", "rowwise"))}
+    styles = {"column": "colwise", "row": "rowwise"}
+    return {blocks + key.removeprefix(gpt2.BLOCKS): styles[style.split(":")[0]]
+            for key, style in gpt2.GPT2_PLAN.items() if style.split(":")[0] in styles}
 
 
 def _ends_split(model: nn.Module) -> dict[str, Any]:
