@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from plait.estimate.layout import doc_mask_on
 from plait.parallel.applied import applied_of
 
 IGNORE = -100  # a target that carries no loss: F.cross_entropy's ignore_index, transformers' label
@@ -109,7 +110,7 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docume
     seq × seq mask is made), compiled once; elsewhere SDPA with the block-causal mask, made once
     a forward (`dense_mask`; the CPU has no FlexAttention backward)."""
     grouped = k.shape[1] != q.shape[1]
-    if q.device.type == "cuda" and not FLEX_OFF:
+    if doc_mask_on(q.device.type) == "blocks":
         return _flex()(q, k, v, block_mask=flex_block_mask(documents, q.shape[-2]), scale=scale, enable_gqa=grouped)
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(documents, q.dtype),
                                                             scale=scale, enable_gqa=grouped)
@@ -143,13 +144,6 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
 
 
-FLEX_OFF = False  # True: SDPA's boolean mask on a GPU too
-
-
-def mask_kind(device: torch.device) -> str:
-    """Which mask `document_attention` makes on `device`, as the estimate names it
-    (plait.estimate.layout.Workload.doc_mask): FlexAttention's "blocks" or SDPA's "dense"."""
-    return "blocks" if device.type == "cuda" and not FLEX_OFF else "dense"
 _MASKS: list[tuple[torch.Tensor, Any]] = []  # the last documents and their block mask: one per forward's layers
 
 

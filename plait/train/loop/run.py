@@ -19,9 +19,8 @@ from typing import Any
 
 import torch
 
-from plait.estimate.layout import Workload
+from plait.estimate.layout import Workload, doc_mask_on
 from plait.parallel.compiled import cache_dir, compile_stats, is_compiled
-from plait.parallel.packed import mask_kind
 from plait.parallel.precision import reduce_dtype_of
 from plait.report import report_after_training
 from plait.runtime import comm, console
@@ -109,7 +108,7 @@ def prediction(trainer: Trainer) -> dict[str, Any]:
     --hardware-file, else this machine's calibration: collective, see plait.train.observe.timing)."""
     config = trainer.config
     packed = getattr(trainer.train_split, "doc_mask", False)
-    work = Workload.of(trainer.mesh.layout, **config.work(), doc_mask=mask_kind(trainer.mesh.device) if packed else "")
+    work = Workload.of(trainer.mesh.layout, **config.work(), doc_mask=doc_mask_on(trainer.mesh.device.type) if packed else "")
     hardware, source = run_hardware(trainer)
     result = trainer.task.prediction(work, hardware)
     result["hardware_source"] = source
