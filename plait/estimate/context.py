@@ -27,12 +27,11 @@ from typing import Any
 from plait.wire import ring_bytes
 
 
-def kv_block_bytes(batch: int, seq: int, cp: int, kv_heads: int, head_dim: float, bytes_per_value: int,
-                   v_head_dim: float | None = None) -> float:
+def kv_block_bytes(batch: int, seq: int, cp: int, kv_heads: int, head_dim: float, v_head_dim: float,
+                   bytes_per_value: int) -> float:
     """One rank's K and V for one layer: b·(s/cp)·h_kv·(d_k + d_v)·e (d_v = d_k but for a
     latent attention's narrower V)."""
-    v_width = head_dim if v_head_dim is None else v_head_dim
-    return batch * (seq // cp) * kv_heads * (head_dim + v_width) * bytes_per_value
+    return batch * (seq // cp) * kv_heads * (head_dim + v_head_dim) * bytes_per_value
 
 
 def context_bytes(kind: str, cp: int, *, batch: int, seq: int, heads: int, kv_heads: int, head_dim: float,
@@ -44,8 +43,8 @@ def context_bytes(kind: str, cp: int, *, batch: int, seq: int, heads: int, kv_he
         return {"forward": 0.0, "backward": 0.0}
     v_width = head_dim if v_head_dim is None else v_head_dim
     if kind == "ring":
-        block = kv_block_bytes(batch, seq, cp, kv_heads, head_dim, bytes_per_value, v_width)
-        grads = kv_block_bytes(batch, seq, cp, kv_heads, head_dim, wide_bytes, v_width)
+        block = kv_block_bytes(batch, seq, cp, kv_heads, head_dim, v_width, bytes_per_value)
+        grads = kv_block_bytes(batch, seq, cp, kv_heads, head_dim, v_width, wide_bytes)
         return {"forward": (cp - 1) * block, "backward": (cp - 1) * block + cp * grads}
     travelling_kv = kv_heads if kv_heads % cp == 0 else heads
     per_value = batch * (seq // cp) * bytes_per_value
@@ -57,10 +56,10 @@ def context_bytes(kind: str, cp: int, *, batch: int, seq: int, heads: int, kv_he
 def layer_bytes(config: Any, layout: Any) -> dict[str, float]:
     """`context_bytes` of one layer of `config` under `layout` (a Workload): its heads and K/V
     heads per tp rank (every head where the plan leaves the attention whole), their widths as
-    the attention is handed them (GPTConfig.head_widths), its micro-batch and sequence, the
-    layout's dtype; as many times as a block calls its attention (GPTConfig.attention_calls)."""
+    the attention is handed them (GPTConfig.head_widths_handed), its micro-batch and sequence,
+    the layout's dtype; as many times as a block calls its attention (GPTConfig.attention_calls)."""
     tp = layout.tp if config.tp_attention else 1
-    _, k_width, v_width = config.head_widths or (config.head_dim,) * 3
+    _, k_width, v_width = config.head_widths_handed
     one = context_bytes(layout.cp_kind, layout.cp, batch=layout.micro_batch, seq=layout.seq_len,
                         heads=config.n_heads // tp, kv_heads=max(1, config.n_kv_heads // tp),
                         head_dim=k_width, v_head_dim=v_width, bytes_per_value=layout.compute_bytes)

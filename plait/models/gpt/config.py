@@ -368,6 +368,12 @@ class GPTConfig:
         return self.n_kv_heads * self.head_dim
 
     @property
+    def head_widths_handed(self) -> tuple[int, int, int]:
+        """Values a head of q, k and v holds as the attention is handed it: head_widths where read
+        off the model, head_dim each otherwise."""
+        return self.head_widths or (self.head_dim,) * 3  # type: ignore[return-value]
+
+    @property
     def attention_widths(self) -> tuple[int, int, int, int]:
         """Values a token holds of q, k, v and the attention's output (n_heads heads of v's
         width) at tp 1: (d_model, kv_dim, kv_dim, d_model) but where head_widths says otherwise."""
