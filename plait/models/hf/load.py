@@ -982,7 +982,8 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
     if not layers or len(layers) != shape.n_layers:
         return {}
     chunk = getattr(text_config(model), "chunk_size", 0)
-    eager = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa") == "eager"
+    implementation = _attention_implementation(model)
+    eager = implementation == "eager"
     lengths = (1, 2, 3) if eager else (1, 2)  # SDPA keeps nothing of s²: two lengths give the s term
     length = max(MEASURED_TOKENS, chunk if isinstance(chunk, int) else 0)
     regions = [_row_regions(block, _inside(plan, blocks, i)) if blocks and plan else []
@@ -990,16 +991,16 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
     mixers = [[child for child in block.children() if mixes_tokens(child) and all(child is not r for r in inside)]
               for block, inside in zip(layers, regions)]
     device = _measuring_device(model)
-    handed: list[tuple[int, ...]] = []
 
-    def terms_at(length: int) -> list[tuple[float, float, float, float] | None]:
-        """(the s² term, the three s terms) in fp32 and in bf16, None where that forward failed."""
+    def terms_at(length: int) -> tuple[list[tuple[float, float, float, float] | None], list[tuple[int, ...]]]:
+        """(the s² term, the three s terms) in fp32 and in bf16, None where that forward failed;
+        and the attention's calls in one forward of the first dtype whose forwards all ran."""
         terms: list[tuple[float, float, float, float] | None] = []
-        handed.clear()
+        handed: list[tuple[int, ...]] = []
         for dtype in (torch.float32, torch.bfloat16):
             seen: list[tuple[int, ...]] = []
             try:
-                with _attention_handed(model, seen):
+                with _attention_handed(implementation, seen):
                     kept = [_kept_in_blocks(model.to(dtype), layers, regions, mixers, n * length, device)
                             for n in lengths]
             except Exception:  # noqa: BLE001 - an op meta does not run in this dtype
@@ -1014,14 +1015,14 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
                 quadratic += q / shape.n_layers
                 linear.append(max(0.0, (c1 - c0 - 3 * length * length * q) / length / shape.n_layers))
             terms.append((quadratic, *linear))
-        return terms
+        return terms, handed
 
-    terms = terms_at(length)
+    terms, handed = terms_at(length)
     within = shape.max_seq_len // lengths[-1]
     if terms == [None, None] and 0 < within < length:
         # a position table shorter than the lengths (OPT's learned one, GPT-J's causal buffer: a
         # tiny config's 64) fails both forwards; the formulas stood, 0.66-1.39 of measured
-        terms = terms_at(within)
+        terms, handed = terms_at(within)
     if terms == [None, None]:
         return {}
     fp32, low = (max(0.0, t[0]) if t and eager else None for t in terms)
@@ -1030,9 +1031,15 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
     return {"attention_matrix_bytes": matrices, "block_saved_bytes": saved, **_heads_as_handed(handed, shape)}
 
 
+def _attention_implementation(model: nn.Module) -> str | None:
+    """The name of the attention function the model's config asks for ("sdpa", "eager", ...)."""
+    name = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return name if isinstance(name, str) else None
+
+
 @contextlib.contextmanager
-def _attention_handed(model: nn.Module, seen: list[tuple[int, ...]]) -> Iterator[None]:
-    """While inside, each call of the model's attention function (its config's implementation in
+def _attention_handed(name: str | None, seen: list[tuple[int, ...]]) -> Iterator[None]:
+    """While inside, each call of the attention function `name` (a model's implementation in
     transformers' AttentionInterface: where context parallelism puts its own) adds to `seen`
     (q heads, q's width a head, K/V heads, K's width a head, V's): what the attention is handed,
     K and V unrepeated. An eager attention, called directly and not through the interface, adds
@@ -1042,8 +1049,7 @@ def _attention_handed(model: nn.Module, seen: list[tuple[int, ...]]) -> Iterator
     except ImportError:  # no interface: nothing is read
         yield
         return
-    name = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if not isinstance(name, str) or name not in ALL_ATTENTION_FUNCTIONS:
+    if name is None or name not in ALL_ATTENTION_FUNCTIONS:
         yield
         return
     own, had_local = ALL_ATTENTION_FUNCTIONS[name], name in ALL_ATTENTION_FUNCTIONS._local_mapping
