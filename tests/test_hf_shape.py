@@ -694,6 +694,37 @@ def test_a_hybrids_attention_flops_are_its_attention_blocks(tmp_path: Path) -> N
         assert attention == 12 * shape.n_layers * shape.attention_share * shape.d_model * 32, family
 
 
+def test_the_attentions_flops_are_what_its_products_count(tmp_path: Path) -> None:
+    """The attention core's FLOPs (ops.attention_core_flops: the model's FLOPs a token and the
+    attention's time both read it) against torch's FLOP counter over the model's own forward,
+    its term in s²: 2·(w_q + w_o) a query a key a block. Llama's 4·h; a head_dim that is not
+    hidden / heads (Qwen3's kind: q and the output twice as wide as h here); DeepSeek-V3's latent
+    attention (q 16 wide a head, its output 8); DiffLlama's two calls a layer; GPT-NeoX's."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from plait.estimate.ops import attention_core_flops
+
+    cases = {"llama": ("llama", {}), "qwen3": ("qwen3", {"head_dim": 16}), "v3": ("deepseek_v3", MLA),
+             "diff": ("diffllama", {}), "neox": ("gpt_neox", {})}
+    counted = {}
+    for name, (family, fields) in cases.items():
+        shape = shape_of(tmp_path / name, family, **fields)
+        config = transformers.AutoConfig.from_pretrained(tmp_path / name)
+        # eager: its products are matmuls the counter counts (it does not count SDPA's CPU kernel)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+        def forward_flops(seq: int) -> int:
+            with FlopCounterMode(display=False) as counter, torch.no_grad():
+                model(input_ids=torch.zeros(1, seq, dtype=torch.long))
+            return counter.get_total_flops()
+
+        s = 16  # F(s) = a·s + c·s²: F(2s) - 2·F(s) = 2·c·s²
+        measured = (forward_flops(2 * s) - 2 * forward_flops(s)) / (2 * s * s)
+        counted[name] = measured / shape.n_layers
+        assert measured == attention_core_flops(shape, 1, 1) * shape.n_layers, name
+    assert counted == {"llama": 128, "qwen3": 256, "v3": 192, "diff": 256, "neox": 128}
+
+
 JAMBA = dict(num_hidden_layers=4, num_experts=4, num_experts_per_tok=2, attn_layer_offset=1, attn_layer_period=2,
              expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8, mamba_expand=2)
 

@@ -57,13 +57,14 @@ def layer_bytes(config: Any, layout: Any) -> dict[str, float]:
     """`context_bytes` of one layer of `config` under `layout` (a Workload): its heads and K/V
     heads per tp rank (every head where the plan leaves the attention whole), their widths as
     the attention is handed them (GPTConfig.head_widths_handed), its micro-batch and sequence,
-    the layout's dtype; as many times as a block calls its attention (GPTConfig.attention_calls)."""
+    the layout's dtype; as many times as a mean block calls its attention
+    (GPTConfig.block_attention_calls)."""
     tp = layout.tp if config.tp_attention else 1
     _, k_width, v_width = config.head_widths_handed
     one = context_bytes(layout.cp_kind, layout.cp, batch=layout.micro_batch, seq=layout.seq_len,
                         heads=config.n_heads // tp, kv_heads=max(1, config.n_kv_heads // tp),
                         head_dim=k_width, v_head_dim=v_width, bytes_per_value=layout.compute_bytes)
-    calls = config.attention_calls  # a block's attentions (DiffLlama's two)
+    calls = config.block_attention_calls  # a mean block's attentions (DiffLlama's two, a hybrid's share)
     return {way: calls * bytes_ for way, bytes_ in one.items()}
 
 

@@ -8,7 +8,9 @@ Every cost is max(FLOPs / rate, bytes / memory bandwidth) + a fixed cost per lau
   the fraction large GEMMs reach. Backward runs the two GEMMs (M×N·N×K for the input's
   gradient, K×M·M×N for the weight's). Bytes: A, B and C once.
 * Attention core (QKᵀ, softmax, ·V, fused as torch's scaled_dot_product_attention is):
-  4·T·s·h/t FLOPs forward, twice that backward, at the measured attention rate, else
+  2·T·s·(w_q + w_o)/t FLOPs forward (4·T·s·h where q and the output are h wide; a latent
+  attention's q wider, its output narrower: `attention_core_flops`), as many times as a block
+  calls its attention, twice that backward, at the measured attention rate, else
   peak · attention_efficiency.
 * Element-wise (norms, RoPE, SiLU·mul, residual adds, the loss's softmax): memory-bound, at
   the bandwidth measured for an op of one activation's size (small ops reach less of it).
@@ -138,8 +140,9 @@ def block_gemms(config: GPTConfig, tokens: int, tp: int, moe: bool = False, ep: 
         return [linear(tokens, h, (h + 2 * kv) // tp), linear(tokens, h // tp, h),
                 linear(tokens, h, f // tp), linear(tokens, f // tp, h)]
     a = tp if config.tp_attention else 1  # a region the model's plan leaves whole runs whole
-    attention = [linear(tokens, h, h // a), linear(tokens, h, kv // a), linear(tokens, h, kv // a),
-                 linear(tokens, h // a, h)]
+    q, k, v, out = config.attention_widths  # q, k, v and the output as the attention is handed them
+    attention = [linear(tokens, h, q // a), linear(tokens, h, k // a), linear(tokens, h, v // a),
+                 linear(tokens, out // a, h)]
     if moe:
         return attention + moe_gemms(config, tokens, tp, ep)
     m = tp if config.tp_mlp else 1
@@ -235,11 +238,28 @@ def ring_key(config: GPTConfig, seq: int, tp: int, cp: int, precision: str) -> s
     return f"ring {dtype} a{config.n_heads // tp} s{seq} d{config.head_dim} cp{cp}"
 
 
+def attention_core_flops(config: GPTConfig, queries: float, seq: int) -> float:
+    """Forward FLOPs of a mean block's attention core for `queries` queries, each against `seq`
+    keys, on one rank holding every head: QKᵀ at q's width and ·V at the output's, 2·s·(w_q + w_o)
+    a query (4·h·s where both are h: GPTConfig.attention_widths), as many times as a mean block
+    calls its attention (GPTConfig.block_attention_calls: DiffLlama's two, a hybrid's share of
+    blocks that run softmax attention). The causal mask is not discounted. The one home of the
+    count: the model's FLOPs (time.flops_per_token) and the attention's time both read it."""
+    q, _, _, out = config.attention_widths
+    return 2.0 * queries * seq * (q + out) * config.block_attention_calls
+
+
+def attention_tp(config: GPTConfig, layout: Workload) -> int:
+    """The tp ranks the attention's heads are split over: tp, or 1 where the model's plan leaves
+    the attention whole (GPTConfig.tp_attention: every rank runs every head)."""
+    return layout.tp if config.tp_attention else 1
+
+
 def attention_s(config: GPTConfig, layout: Workload, passes: float) -> tuple[float, float]:
     """(FLOPs, key) of the attention core for `passes` forward-equivalents on one block (a mean
     block: a hybrid's blocks without softmax attention have none, GPTConfig.attention_share)."""
     tokens = layout.tokens_per_micro_batch  # this rank's queries, each against the whole sequence
-    flops = 4.0 * tokens * layout.seq_len * config.d_model / layout.tp * passes * config.attention_share
+    flops = attention_core_flops(config, tokens, layout.seq_len) / attention_tp(config, layout) * passes
     return flops, attention_key(config, layout.micro_batch, layout.seq_len, layout.tp,
                                 outer_precision(layout.precision))
 
@@ -265,9 +285,10 @@ def eager_scores_s(config: GPTConfig, layout: Workload, hw: Hardware, forwards: 
     """Eager attention's memory-bound passes over one block's a·s·s scores on one rank:
     stacks.EAGER_SCORE_PASSES for each forward and each backward."""
     forward, backward = EAGER_SCORE_PASSES[layout.software.dropout]
-    scores = layout.tokens_per_micro_batch * (config.n_heads // layout.tp) * layout.seq_len
+    scores = layout.tokens_per_micro_batch * (config.n_heads // attention_tp(config, layout)) * layout.seq_len
     size = scores * dtype_bytes(layout.precision)
-    return size * (forward * forwards + backward * backwards) / hw.memory_rate(size) * config.attention_share
+    passes = forward * forwards + backward * backwards
+    return size * passes / hw.memory_rate(size) * config.block_attention_calls
 
 
 def elementwise_s(config: GPTConfig, layout: Workload, hw: Hardware, layers: float,

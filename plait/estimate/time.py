@@ -14,7 +14,8 @@ Assumptions, each visible in `ASSUMPTIONS`:
   matmuls (Ψ = the weights a token is multiplied by: every block plus the output head; the
   input embedding is a lookup), and 4·h·s per layer forward for QKᵀ and attention·V,
   tripled for backward (L counts a hybrid's softmax-attention blocks alone:
-  GPTConfig.attention_share). The causal mask is not discounted (PaLM's convention). Full
+  GPTConfig.attention_share; h is q's and the output's width where a latent attention's differ,
+  each call counted where a block calls it twice: ops.attention_core_flops). The causal mask is not discounted (PaLM's convention). Full
   recompute adds one forward, 2Ψ + 4·L·h·s; selective recompute adds the attention
   core's forward, 4·L·h·s. MFU counts only the 6Ψ + 12·L·h·s.
 * Compute is costed operation by operation (plait/estimate/ops.py): each GEMM on a roofline
@@ -66,8 +67,8 @@ from plait.estimate.hardware import Hardware
 from plait.estimate.layout import StageShare, Workload, chunk_layers, layout_stages
 from plait.estimate.memory import shard
 from plait.estimate.network import ASSUMPTION as NETWORK_ASSUMPTION, collective_s, inter_node
-from plait.estimate.ops import (accumulate_params_s, accumulate_s, micro_batch_compute_s, optimizer_s,
-                                outer_precision, stage_pieces, stage_tensors)
+from plait.estimate.ops import (accumulate_params_s, accumulate_s, attention_core_flops, micro_batch_compute_s,
+                                optimizer_s, outer_precision, stage_pieces, stage_tensors)
 from plait.estimate.pipeline import rank_ends
 from plait.models.gpt.config import GPTConfig
 
@@ -179,7 +180,7 @@ def flops_per_token(config: GPTConfig, seq_len: int, recompute: str = "none") ->
     """(model FLOPs, hardware FLOPs) of training on one token: 6Ψ + 12·L·h·s, plus what
     recomputation redoes."""
     runs = sum(map(config.runs_of, range(config.n_layers)))
-    psi, attn = matmul_params(config), 4 * runs * config.attention_share * config.d_model * seq_len
+    psi, attn = matmul_params(config), runs * attention_core_flops(config, 1, seq_len)
     model = 6 * psi + 3 * attn
     extra = {"none": 0, "selective": attn, "full": 2 * psi + attn}[recompute]
     return float(model), float(model + extra)

@@ -253,9 +253,9 @@ class GPTConfig:
     # qk_nope + qk_rope wide, v v_head_dim; a config whose head_dim is not d_model / n_heads).
     # Empty: head_dim each. Context parallelism sends them and its estimate reads them
     head_widths: tuple[int, int, int] = ()
-    # Softmax attentions a block's run calls, a mean over the blocks, as the model calls its
-    # attention function (DiffLlama's two a layer, LongCat's two a block): context parallelism
-    # moves K and V for each
+    # Softmax attentions a softmax-attention block's run calls (attention_share says which blocks
+    # those are), a mean over them, as the model calls its attention function (DiffLlama's two a
+    # layer, LongCat's two a block): context parallelism moves K and V for each, and each computes
     attention_calls: float = 1.0
     # The model's own forward caps its logits, c·tanh(logits/c) (transformers' final_logit_softcapping:
     # Gemma 2 and 3, nanochat): tanh keeps its output for backward, the logits of this rank's
@@ -366,6 +366,12 @@ class GPTConfig:
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
+
+    @property
+    def block_attention_calls(self) -> float:
+        """Softmax attention calls a block makes, a mean over every block (a hybrid's linear and
+        mamba blocks make none): attention_share × attention_calls."""
+        return self.attention_share * self.attention_calls
 
     @property
     def head_widths_handed(self) -> tuple[int, int, int]:

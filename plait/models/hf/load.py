@@ -1073,15 +1073,15 @@ def _heads_as_handed(seen: list[tuple[int, ...]], shape: GPTConfig) -> dict[str,
     """GPTConfig.n_kv_heads and head_widths as the attention is handed them (`_attention_handed`),
     where config.json's word differs: GPT-NeoX, OPT, GPT-J and their kind run every head whatever
     num_key_value_heads says, GPT-BigCode's multi-query attention one, and a latent attention's
-    K heads are wider than its V's; and GPTConfig.attention_calls, the calls a block's run makes
-    (DiffLlama's and LongCat's two; `seen` holds one forward's). {} where no call was seen, the calls differ (blocks of
+    K heads are wider than its V's; and GPTConfig.attention_calls, the calls a softmax-attention
+    block's run makes (DiffLlama's and LongCat's two; `seen` holds one forward's). {} where no call was seen, the calls differ (blocks of
     different attentions) or q's heads are not the config's: the config's word stands."""
     if not seen or len(set(seen)) > 1 or seen[0][0] != shape.n_heads or shape.n_heads % seen[0][2]:
         return {}
     _, q, kv_heads, k, v = seen[0]
     widths = (q, k, v) if (q, k, v) != (shape.head_dim,) * 3 else ()
-    runs = sum(shape.block_runs) or shape.n_layers
-    return {"n_kv_heads": kv_heads, "head_widths": widths, "attention_calls": len(seen) / runs}
+    attention_runs = (sum(shape.block_runs) or shape.n_layers) * (shape.attention_share or 1.0)
+    return {"n_kv_heads": kv_heads, "head_widths": widths, "attention_calls": len(seen) / attention_runs}
 
 
 def _tensors_in(value: Any) -> list[torch.Tensor]:
