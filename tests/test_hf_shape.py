@@ -195,7 +195,7 @@ def test_a_models_capped_logits_are_kept_on_the_last_stage(tmp_path: Path) -> No
 def test_gpt2s_blocks_keep_what_autograd_keeps(tmp_path: Path) -> None:
     """GPT-2's blocks are measured as any family's (its attention and MLP the regions its
     adapter splits): the estimate of one process holds what autograd keeps within 1%, where
-    the Korthikanti formula its arch names gave 0.70 (transformers' gelu_new keeps four tensors
+    the Korthikanti formula its arch names gave 0.75 (transformers' gelu_new keeps four tensors
     of the MLP's width, the formula one)."""
     from plait.estimate.activations import stage_activation_bytes
 
@@ -207,7 +207,7 @@ def test_gpt2s_blocks_keep_what_autograd_keeps(tmp_path: Path) -> None:
     kept = saved_by_autograd(tmp_path / "gpt2", torch.float32, 2, 16)
     assert abs(stage_activation_bytes(shape, layout, stage) / kept - 1) < 0.01
     formula = stage_activation_bytes(replace(shape, block_saved_bytes=()), layout, stage)
-    assert formula / kept < 0.75
+    assert formula / kept < 0.8
 
 
 def test_an_mlp_is_read_as_its_weights_say(tmp_path: Path) -> None:
@@ -633,6 +633,7 @@ def saved_by_autograd(path: Path, dtype: torch.dtype, batch: int, seq: int) -> i
     CPU from its seed: each storage once, the parameters' not, what a branch nothing reads
     saved (and freed) not."""
     config = transformers.AutoConfig.from_pretrained(path)
+    config.use_cache = False  # as training runs it: no key/value cache
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).train()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -729,6 +730,37 @@ JAMBA = dict(num_hidden_layers=4, num_experts=4, num_experts_per_tok=2, attn_lay
              expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8, mamba_expand=2)
 
 
+def s_term(measure: Any) -> float:
+    """The s term of c + a·s + q·s² measured at 64, 128 and 192 tokens."""
+    k = [measure(n) for n in (64, 128, 192)]
+    return (k[1] - k[0] - 3 * (k[2] - 2 * k[1] + k[0]) / 2) / 64
+
+
+def test_the_activations_are_what_autograd_keeps_to_the_byte(tmp_path: Path) -> None:
+    """Llama, Qwen3's kind (a head_dim that is not hidden / heads), OLMo2, Phi, GPT-NeoX and
+    Persimmon: the estimate of one process equals what autograd keeps after a forward, to the
+    byte, at one sequence and two, in fp32 and bf16. Three readings made it so:
+    - the blocks are measured without a key/value cache, as training runs: a cache copies K
+      and V, which GPT-NeoX and Persimmon hand their attention as views of one fused
+      projection (their activations were 0.90 and 1.09 of autograd's keep);
+    - the final norm is measured as it is (Persimmon's LayerNorm was priced as an RMSNorm,
+      4 bytes more a value in fp32);
+    - the rotary tables are counted once a forward, one sequence's rows shared by the batch:
+      counted a token, two sequences kept a sequence's rows too many."""
+    from plait.estimate.activations import stage_activation_bytes
+    from plait.estimate.layout import Workload, layout_stages
+
+    cases = {"llama": {}, "qwen3": dict(head_dim=16), "olmo2": {}, "phi": {}, "gpt_neox": {}, "persimmon": {}}
+    for family, fields in cases.items():
+        shape = shape_of(tmp_path / family, family, **fields)
+        for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            for batch in (1, 2):
+                layout = Workload(micro_batch=batch, seq_len=32, precision=precision)
+                estimated = stage_activation_bytes(shape, layout, layout_stages(shape, layout)[0])
+                kept = saved_by_autograd(tmp_path / family, dtype, batch, 32)
+                assert estimated == kept, (family, precision, batch, estimated / kept)
+
+
 def test_a_blocks_activations_are_what_autograd_keeps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What a transformers block keeps per token, measured when the shape is read
     (block_saved_bytes) and priced in the activations, held to what autograd keeps on the CPU
@@ -736,20 +768,17 @@ def test_a_blocks_activations_are_what_autograd_keeps(tmp_path: Path, monkeypatc
     Qwen3-Next's and Jamba's torch paths, where the formulas alone priced a tenth to a half of
     it (Mamba's bf16 0.09, Jamba's fp32 0.46). Measured as a small model is, on zeroed CPU
     memory, within 10%; and as a large one is, on meta (SDPA counted as its flash kernels keep,
-    grouped experts' fp32 shifted from bf16), within 15%."""
+    grouped experts' fp32 shifted from bf16), within 16% (Qwen3-Next's fp32 0.84 of what
+    autograd keeps without a key/value cache, as training runs it; 0.86 of what it kept with one)."""
     from plait.estimate.activations import stage_activation_bytes
     from plait.estimate.layout import Workload, layout_stages
     from plait.models.hf import load
-
-    def linear(measure: Any) -> float:  # the s term of c + a·s + q·s² at 64, 128 and 192 tokens
-        k = [measure(n) for n in (64, 128, 192)]
-        return (k[1] - k[0] - 3 * (k[2] - 2 * k[1] + k[0]) / 2) / 64
 
     cases = {"llama": {}, "mixtral": dict(num_local_experts=4, num_experts_per_tok=2), "mamba": {},
              "qwen3_next": dict(num_hidden_layers=4, **LINEAR, **MOE), "jamba": JAMBA}
     kept = {(family, dtype): None for family in cases for dtype in (torch.float32, torch.bfloat16)}
     formulas_alone = {}
-    for where, band in (("cpu", 0.10), ("meta", 0.15)):
+    for where, band in (("cpu", 0.10), ("meta", 0.16)):
         monkeypatch.setattr(load, "CPU_MEASURED_PARAMS", load.CPU_MEASURED_PARAMS if where == "cpu" else 0)
         for family, fields in cases.items():
             shape = shape_of(tmp_path / where / family, family, **fields, max_position_embeddings=1024)
@@ -759,10 +788,10 @@ def test_a_blocks_activations_are_what_autograd_keeps(tmp_path: Path, monkeypatc
                     return stage_activation_bytes(shape, layout, layout_stages(shape, layout)[0])
 
                 if kept[family, dtype] is None:
-                    kept[family, dtype] = linear(lambda seq: saved_by_autograd(tmp_path / where / family, dtype, 1, seq))
-                ratio = linear(estimated) / kept[family, dtype]
+                    kept[family, dtype] = s_term(lambda seq: saved_by_autograd(tmp_path / where / family, dtype, 1, seq))
+                ratio = s_term(estimated) / kept[family, dtype]
                 assert abs(ratio - 1) < band, (where, family, precision, ratio)
-                alone = linear(lambda seq: estimated(seq, replace(shape, block_saved_bytes=())))
+                alone = s_term(lambda seq: estimated(seq, replace(shape, block_saved_bytes=())))
                 formulas_alone[family, precision] = alone / kept[family, dtype]
     assert all(formulas_alone[family, precision] < 0.5 for family in ("mamba", "qwen3_next", "jamba")
                for precision in ("fp32", "bf16")), formulas_alone

@@ -252,11 +252,23 @@ def stage_extra_bytes(config: GPTConfig, layout: Workload, stage: StageShare) ->
         if t > 1 and embedding_rows(config, t) < config.vocab_size:
             total += MASK_BYTES * tokens
     if stage.last:
-        norm = e * (2 * h) if config.arch == "gpt2" else rmsnorm_bytes(h, e, config.lean_blocks)
+        norm = final_norm_bytes(config, layout)
         total += tokens * (norm / t if layout.sp and not config.whole_sequence_ends else norm)
         if config.logit_softcap:  # tanh's output: the capped logits of this rank's vocabulary
             total += tokens * vocab_shard(config, t) * e
     return total
+
+
+def final_norm_bytes(config: GPTConfig, layout: Workload) -> float:
+    """What the final norm keeps a token, its output (which the head keeps) included: measured
+    for a transformers model (GPTConfig.final_saved_bytes: a LayerNorm's 2·e·h + 8, where the
+    RMSNorm formula gave 4 bytes more a value in fp32), else an RMSNorm's, or GPT-2's input and
+    output."""
+    measured = config.final_saved_bytes[0 if layout.compute_bytes == 4 else 1] if config.final_saved_bytes else -1
+    if measured >= 0:
+        return measured
+    h, e = config.d_model, layout.compute_bytes
+    return e * (2 * h) if config.arch == "gpt2" else rmsnorm_bytes(h, e, config.lean_blocks)
 
 
 def rope_table_bytes(config: GPTConfig, layout: Workload) -> float:
@@ -301,10 +313,27 @@ def document_mask_bytes(config: GPTConfig, layout: Workload) -> float:
     return 0.0
 
 
+def position_table_kept_bytes(config: GPTConfig, layout: Workload) -> float:
+    """The rotary tables a transformers model makes each forward, as its blocks keep them
+    (GPTConfig.position_table_bytes, a position's, measured): one sequence's rows of this rank's
+    positions, shared by the micro-batch's sequences, or every sequence's for packed documents,
+    whose positions restart in each; none under full recomputation, whose blocks keep only
+    their inputs. Counted once a forward: per token, a batch of b kept (b - 1)·s rows too many."""
+    if not config.position_table_bytes or layout.recompute == "full":
+        return 0.0
+    fp32, low = config.position_table_bytes
+    e = layout.compute_bytes
+    per_position = (fp32 if e == 4 else low) if min(fp32, low) >= 0 else max(fp32 * e / 4, low * e / 2)
+    rows = layout.micro_batch if layout.doc_mask else 1
+    return float(max(0.0, per_position) * rows * (layout.seq_len // layout.cp))
+
+
 def forward_kept_bytes(config: GPTConfig, layout: Workload) -> float:
     """What each forward of a chunk holding blocks keeps beside its blocks' own bytes: its rope
-    rows and its packed documents' mask, made once and read by every block."""
-    return rope_rows_bytes(config, layout) + document_mask_bytes(config, layout)
+    rows (a transformers model's rotary tables) and its packed documents' mask, made once and
+    read by every block."""
+    return (rope_rows_bytes(config, layout) + position_table_kept_bytes(config, layout)
+            + document_mask_bytes(config, layout))
 
 
 def loss_bytes(config: GPTConfig, layout: Workload) -> float:

@@ -244,6 +244,16 @@ class GPTConfig:
     # that dtype's forward does not run on meta. Empty: the formulas' (plait's own GPT, counted
     # exactly by them). estimate/activations.llama_layer_bytes reads it
     block_saved_bytes: tuple[tuple[float, float, float], ...] = ()
+    # What a transformers model keeps after its blocks, bytes a token (fp32, 16-bit), measured in
+    # the same forwards: its final norm's input, statistics and output (which the head keeps),
+    # a LayerNorm's or an RMSNorm's as it is; -1 where that dtype's forward did not run. Empty:
+    # the formula's RMSNorm. estimate/activations.stage_extra_bytes reads it
+    final_saved_bytes: tuple[float, float] = ()
+    # What the blocks of a transformers model keep of the rotary tables its rotary module makes
+    # each forward, bytes a position (fp32, 16-bit), measured in the same forwards: one sequence's
+    # (cos and sin), shared by every sequence of the micro-batch; -1 where that dtype's forward
+    # did not run. estimate/activations.forward_kept_bytes reads it
+    position_table_bytes: tuple[float, float] = ()
     # The share of blocks whose token mixing is softmax attention over the sequence, whose
     # FLOPs grow with it (4·h·s a token forward): a hybrid's linear-attention, mamba and
     # convolution blocks are not (Qwen3-Next's three in four, Jamba's seven in eight, Mamba's all)
@@ -269,6 +279,8 @@ class GPTConfig:
         object.__setattr__(self, "moe_blocks", tuple(self.moe_blocks))
         object.__setattr__(self, "tp_gathered", tuple(self.tp_gathered))
         object.__setattr__(self, "head_widths", tuple(self.head_widths))
+        object.__setattr__(self, "final_saved_bytes", tuple(self.final_saved_bytes))
+        object.__setattr__(self, "position_table_bytes", tuple(self.position_table_bytes))
         object.__setattr__(self, "tp_gathered_calls", tuple(self.tp_gathered_calls))
         object.__setattr__(self, "tp_expert_entries", tuple(self.tp_expert_entries))
         object.__setattr__(self, "tp_last_rows", tuple(self.tp_last_rows))

@@ -33,7 +33,7 @@ from plait.models.hf.own_forward import own_parts
 from plait.models.hf import gpt2, stages as hf_stages
 from plait.models.hf.plans import (beside_experts, block_list, cut_plan, declared, dispatched_experts,
                                    without_experts)
-from plait.models.hf.styles import ATTENTION_PROJECTIONS, mixes_tokens, probe_ids, text_config
+from plait.models.hf.styles import ATTENTION_PROJECTIONS, mixes_tokens, no_cache, probe_ids, text_config
 from plait.parallel.deferred import recording
 from plait.parallel.probe import quiet
 from plait.parallel.seam import Parts
@@ -962,8 +962,8 @@ MEASURED_TOKENS = 64  # the shortest of the lengths a block's keep is measured a
 
 def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig, plan: dict[str, str],
                 blocks: str | None) -> dict[str, Any]:
-    """GPTConfig.attention_matrix_bytes and block_saved_bytes, from what autograd keeps during
-    the blocks' forwards (`_kept_in_blocks`, on `_measuring_device`) at L, 2L and 3L tokens of one
+    """GPTConfig.attention_matrix_bytes, block_saved_bytes, final_saved_bytes and
+    position_table_bytes, from what autograd keeps during the blocks' forwards (`_kept_in_blocks`, on `_measuring_device`) at L, 2L and 3L tokens of one
     sequence (L and 2L under SDPA, which keeps nothing of s²), in fp32 and in bf16: c + a·s +
     q·s² at evenly spaced lengths, q the second difference over 2L², a what remains of the first
     over L, each a mean over the blocks.
@@ -972,7 +972,9 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
       SDPA does not take): its s × s matrices, clamped at 0; (0, 0) under SDPA, which keeps none;
     - the s term, per token, split into the rest (each rank's whole), what the regions the tp
       plan splits make (divided by tp), and what its token-mixing modules left whole make (a
-      linear attention's, a mamba's: whole under SP too, which reads them whole).
+      linear attention's, a mamba's: whole under SP too, which reads them whole);
+    - what is kept after the blocks, a token (the final norm's, whatever kind of norm it is),
+      and of the rotary tables, a position (one sequence's, shared by a batch's).
 
     Where one dtype's forward does not run on meta (grouped experts take bf16 alone there:
     GPT-OSS's, Mixtral's) its matrices are twice the other's, a bound (4 bytes a pair a head measured on the
@@ -992,17 +994,18 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
               for block, inside in zip(layers, regions)]
     device = _measuring_device(model)
 
-    def terms_at(length: int) -> tuple[list[tuple[float, float, float, float] | None], list[tuple[int, ...]]]:
-        """(the s² term, the three s terms) in fp32 and in bf16, None where that forward failed;
-        and the attention's calls in one forward of the first dtype whose forwards all ran."""
-        terms: list[tuple[float, float, float, float] | None] = []
+    def terms_at(length: int) -> tuple[list[tuple[float, ...] | None], list[tuple[int, ...]]]:
+        """(the s² term, the blocks' three s terms a block, the s term after the blocks, the
+        rotary tables' bytes a position) in fp32 and in bf16, None where that forward failed; and
+        the attention's calls in one forward of the first dtype whose forwards all ran."""
+        terms: list[tuple[float, ...] | None] = []
         handed: list[tuple[int, ...]] = []
         for dtype in (torch.float32, torch.bfloat16):
             seen: list[tuple[int, ...]] = []
             try:
                 with _attention_handed(implementation, seen):
-                    kept = [_kept_in_blocks(model.to(dtype), layers, regions, mixers, n * length, device)
-                            for n in lengths]
+                    kept = [_kept_in_blocks(model.to(dtype), layers, regions, mixers, n * length, device,
+                                            shape.vocab_size) for n in lengths]
             except Exception:  # noqa: BLE001 - an op meta does not run in this dtype
                 terms.append(None)
                 continue
@@ -1014,7 +1017,9 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
                 q = (c2 - 2 * c1 + c0) / (2 * length * length) if eager else 0.0
                 quadratic += q / shape.n_layers
                 linear.append(max(0.0, (c1 - c0 - 3 * length * length * q) / length / shape.n_layers))
-            terms.append((quadratic, *linear))
+            # the final norm's, and the rotary tables' (one sequence's, whatever the batch), once a forward
+            after, tables = (max(0.0, (kept[1][part] - kept[0][part]) / length) for part in (3, 4))
+            terms.append((quadratic, *linear, after, tables))
         return terms, handed
 
     terms, handed = terms_at(length)
@@ -1027,8 +1032,10 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
         return {}
     fp32, low = (max(0.0, t[0]) if t and eager else None for t in terms)
     matrices = (fp32 if fp32 is not None else 2 * (low or 0.0), low if low is not None else fp32 or 0.0)
-    saved = tuple(t[1:] if t else (-1.0, -1.0, -1.0) for t in terms)
-    return {"attention_matrix_bytes": matrices, "block_saved_bytes": saved, **_heads_as_handed(handed, shape)}
+    saved = tuple(t[1:4] if t else (-1.0, -1.0, -1.0) for t in terms)
+    final, tables = (tuple(t[part] if t else -1.0 for t in terms) for part in (4, 5))
+    return {"attention_matrix_bytes": matrices, "block_saved_bytes": saved, "final_saved_bytes": final,
+            "position_table_bytes": tables, **_heads_as_handed(handed, shape)}
 
 
 def _attention_implementation(model: nn.Module) -> str | None:
@@ -1098,6 +1105,27 @@ def _tensors_in(value: Any) -> list[torch.Tensor]:
 CPU_MEASURED_PARAMS = 1 << 24  # a model this small is measured on the CPU (zeros), where an op is faster than on meta
 
 
+@contextlib.contextmanager
+def _one_sequence() -> Iterator[None]:
+    """While inside, transformers takes the positions it is given for one sequence, not packed
+    documents: without a cache it reads them for where documents begin, a value the meta device
+    does not hold (Qwen3-Next's mask failed there). The measuring forwards run one sequence."""
+    try:
+        import transformers.masking_utils as masks
+    except ImportError:
+        yield
+        return
+    if not hasattr(masks, "find_packed_sequence_indices"):
+        yield
+        return
+    found = masks.find_packed_sequence_indices
+    masks.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masks.find_packed_sequence_indices = found
+
+
 def _measuring_device(model: nn.Module) -> torch.device:
     """Where `_kept_terms` runs its forwards: on the meta device, where a forward costs about a
     millisecond an op and no memory (a large model's 61 blocks: seconds); a small one (up to
@@ -1128,17 +1156,22 @@ def _row_regions(block: nn.Module, plan: dict[str, str]) -> list[nn.Module]:
 
 
 def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[nn.Module]],
-                    mixers: list[list[nn.Module]], length: int, device: torch.device) -> tuple[int, int, int]:
+                    mixers: list[list[nn.Module]], length: int, device: torch.device,
+                    vocab: int) -> tuple[int, int, int, int, int]:
     """Bytes the graph holds after one forward of `model` on `device` over one sequence of
     `length` tokens, of what the blocks saved, each storage once, the parameters' not: (the rest,
     what the modules the plan splits made (`regions`, each block's: `_row_regions`), what the
     token-mixing modules it leaves whole made (`mixers`: a linear attention, a mamba, read whole
-    under SP)). What a module keeps of its own inputs (the norm's output the projections read,
+    under SP)); what was saved after the last block, but for `vocab`-wide tensors (the final
+    norm's input, statistics and output, which the head keeps; the logits are the loss's); and
+    what the blocks saved of the rotary tables a rotary module made (made for positions, one
+    sequence's whatever the batch: counted apart from the tokens'). What a module keeps of its own inputs (the norm's output the projections read,
     the rotary tables) is the rest's. SDPA is counted as its flash kernels keep (query, key,
     value, output, an fp32 log-sum-exp per head and query), where meta would run its math form,
     which keeps the s × s scores."""
     params = {p.untyped_storage()._cdata for p in model.parameters()}
-    state: dict[str, Any] = {"block": False, "region": False, "mixer": False, "inputs": set(), "sdpa": False}
+    state: dict[str, Any] = {"block": False, "region": False, "mixer": False, "inputs": set(), "sdpa": False,
+                             "after": False, "tables": set()}
     seen: list[tuple[Any, int, int]] = []  # (a reference to what was saved, its part, extra bytes)
 
     def keep(tensor: torch.Tensor, extra: int = 0, held: bool = False) -> None:
@@ -1146,7 +1179,10 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
         if state["block"]:
             made_inside = tensor.untyped_storage()._cdata not in state["inputs"]
             part = 1 if state["region"] and made_inside else 2 if state["mixer"] and made_inside else 0
+            part = 4 if tensor.untyped_storage()._cdata in state["tables"] else part
             seen.append(((lambda: tensor) if held else weakref.ref(tensor), part, extra))
+        elif state["after"] and tensor.shape[-1:] != (vocab,):
+            seen.append((weakref.ref(tensor), 3, extra))
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         # an alias, as plait's ActivationMeter hands back: a tensor saved as its own op's output,
@@ -1168,9 +1204,15 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
             state["inputs"] = {t.untyped_storage()._cdata for t in _tensors_in((args, kwargs))}
         return hook
 
-    hooks = []
+    hooks = [layers[-1].register_forward_hook(flagged("after", True))]  # until a block runs again (a loop's)
+
+    def tables(module: nn.Module, args: Any, output: Any) -> None:
+        state["tables"] |= {t.untyped_storage()._cdata for t in _tensors_in(output)}
+
+    hooks += [module.register_forward_hook(tables) for module in model.modules() if "Rotary" in type(module).__name__]
     for block, inside, whole in zip(layers, regions, mixers):
         hooks += [block.register_forward_pre_hook(flagged("block", True)),
+                  block.register_forward_pre_hook(flagged("after", False)),
                   block.register_forward_hook(flagged("block", False))]
         for flag, modules in (("region", inside), ("mixer", whole)):
             for module in modules:
@@ -1195,7 +1237,10 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
     torch.nn.functional.scaled_dot_product_attention = flash
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            output = model(input_ids=torch.zeros(1, length, dtype=torch.long, device=device))
+            # as training runs it, without a key/value cache, which copies K and V (GPT-NeoX's,
+            # Persimmon's, GPT-2's: views of a fused projection, which cost nothing more kept)
+            with _one_sequence():
+                output = model(input_ids=torch.zeros(1, length, dtype=torch.long, device=device), **no_cache(model))
         # what the graph still holds now the forward is done (a branch nothing reads is freed)
         kept: dict[int, tuple[int, int]] = {}
         for ref, part, extra in seen:
@@ -1215,7 +1260,7 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
         torch.nn.functional.scaled_dot_product_attention = sdpa
         for hook in hooks:
             hook.remove()
-    return tuple(sum(size for size, part in kept.values() if part == which) for which in (0, 1, 2))
+    return tuple(sum(size for size, part in kept.values() if part == which) for which in (0, 1, 2, 3, 4))
 
 
 def _declared_parts(model: nn.Module, blocks: str) -> Parts | None:
