@@ -153,24 +153,38 @@ def test_memory_limit_names_the_cp_that_fits(tmp_path: Path, capsys: pytest.Capt
     check_memory_limit(config, family_of(config).memory)  # fits: no error
 
 
-def test_memory_limit_prices_the_document_mask_the_run_will_build() -> None:
+def test_memory_limit_prices_the_document_mask_the_run_will_build(tmp_path: Path) -> None:
     """--doc-mask true on a CPU: --memory-limit's price holds SDPA's dense b·s² mask (16 MiB at
     2048 tokens in fp32) and the rope rows of every token, as `plait estimate --doc-mask dense`
-    does; "auto" waits for the corpus, priced as a pre-training corpus runs (no mask)."""
+    does. "auto" masks a prepared corpus of completions (its index says so before a token is
+    read), not plain text: priced so, where it was priced without a mask whatever the corpus."""
+    import json
+
     from plait.estimate import estimate_layout
     from plait.estimate.layout import Workload
     from plait.families import family_of, shape_of
     from plait.train.config.settings import build_config
+    from plait.train.data.prepare import prepare
 
-    price = {}
-    for mask in ("false", "true", "auto"):
-        config = build_config({}, {"model": "small,max_seq_len=2048", "seq_len": 2048, "micro_batch": 1,
-                                   "doc_mask": mask}, family_of)
-        price[mask] = family_of(config).memory(config, config.layout)
+    corpora = {}
+    for kind, record in (("completion", {"prompt": "a question ", "completion": "its answer"}),
+                         ("text", {"text": "a document of plain text"})):
+        (tmp_path / f"{kind}.jsonl").write_text("\n".join(json.dumps(record) for _ in range(40)) + "\n")
+        prepare("bytes", str(tmp_path / f"{kind}.jsonl"), str(tmp_path / kind))
+        corpora[kind] = str(tmp_path / kind)
+    price, configs = {}, {}
+    for data in ("embedded", corpora["text"], corpora["completion"]):
+        for mask in ("false", "true", "auto"):
+            configs[mask, data] = build_config({}, {"model": "small,max_seq_len=2048", "seq_len": 2048,
+                                                    "micro_batch": 1, "doc_mask": mask, "data": data}, family_of)
+            price[mask, data] = family_of(configs[mask, data]).memory(configs[mask, data], configs[mask, data].layout)
+    config = configs["true", "embedded"]
     work = Workload.of(config.layout, **config.work(), doc_mask="dense")
     masked = estimate_layout(shape_of(config.model), work, hardware="cpu")["memory"]
-    assert price["true"] == float(masked.get("peak") or masked["total"])
-    assert price["true"] - price["false"] > 2048 ** 2 * 4 and price["auto"] == price["false"]
+    assert price["true", "embedded"] == float(masked.get("peak") or masked["total"])
+    for data in ("embedded", corpora["text"], corpora["completion"]):
+        assert price["true", data] - price["false", data] > 2048 ** 2 * 4
+        assert price["auto", data] == price["true" if data == corpora["completion"] else "false", data], data
 
 
 @pytest.mark.slow  # make test runs the same Trainer in tests/test_context_worlds.py; this adds argv and the spawn

@@ -55,14 +55,17 @@ def check_corpus(source: str) -> None:
 
 def doc_mask_before_launch(config: Any) -> str:
     """The packed documents' mask a run will build, as Workload.doc_mask names it, known before
-    the corpus is read: with --doc-mask true FlexAttention's block tables on a GPU, SDPA's dense
-    mask on a CPU (plait.estimate.layout.doc_mask_on, the device guessed as `ranks_on_gpu` does);
-    none otherwise. "auto" turns the mask on for a fine-tuning corpus, which only reading it
-    tells: priced without, as a pre-training corpus is."""
-    if config.doc_mask != "true":
-        return ""
+    the corpus's tokens are read: with --doc-mask true, or "auto" on a prepared corpus of
+    completions or chats (its index says: plait.train.data.tokens.fine_tuning_corpus),
+    FlexAttention's block tables on a GPU, SDPA's dense mask on a CPU
+    (plait.estimate.layout.doc_mask_on, the device guessed as `ranks_on_gpu` does); none
+    otherwise."""
     from plait.estimate.layout import doc_mask_on
     from plait.train.config.settings import ranks_on_gpu
+    from plait.train.data.tokens import fine_tuning_corpus
+
+    if config.doc_mask == "false" or (config.doc_mask == "auto" and not fine_tuning_corpus(config.data)):
+        return ""
 
     return doc_mask_on("cuda" if ranks_on_gpu(config) else "cpu")
 

@@ -29,6 +29,7 @@ import torch
 from plait.errors import PlaitError
 from plait.parallel.packed import IGNORE, Packed
 from plait.rules import PACKINGS
+from plait.train.data.tokens import FINE_TUNING_FORMATS
 
 CHUNK_DOCUMENTS = 1 << 16  # best-fit packs this many documents at a time: bounded work, corpus order kept
 
@@ -63,7 +64,7 @@ def resolve_packing(packing: str, doc_mask: str, documents: bool, fine_tuning: b
 def packing_for(tokens: Any, packing: str = "auto", doc_mask: str = "auto") -> Packing:
     """`--packing` and `--doc-mask` resolved for a loaded corpus (plait.train.data.corpus)."""
     documents = getattr(tokens, "plait_documents", None) is not None
-    fine_tuning = getattr(tokens, "plait_format", "text") in ("completion", "chat")
+    fine_tuning = getattr(tokens, "plait_format", "text") in FINE_TUNING_FORMATS
     return resolve_packing(packing, doc_mask, documents, fine_tuning)
 
 

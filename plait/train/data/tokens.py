@@ -203,6 +203,22 @@ class BlendPart:
     source: str
 
 
+FINE_TUNING_FORMATS = ("completion", "chat")  # records whose documents --doc-mask auto keeps apart
+
+
+def fine_tuning_corpus(source: str) -> bool:
+    """Whether --data is a prepared corpus of prompts and completions, or of chats, with its
+    documents' ends (a blend: any of its parts, which must all be packed alike): where
+    `--doc-mask auto` masks the documents. Read off each index, before any token is."""
+    parts = blend_parts(source)
+    for corpus in [part.source for part in parts] if parts else [source]:
+        if is_prepared(corpus):
+            index = read_index(corpus)
+            if index.documents and index.data_format in FINE_TUNING_FORMATS:
+                return True
+    return False
+
+
 def blend_parts(source: str) -> list[BlendPart] | None:
     """The parts of a blend, or None when `source` is one corpus: a blend is comma-separated
     WEIGHT:CORPUS items (weights positive; they need not sum to 1: they are normalised)."""
