@@ -55,6 +55,18 @@ DATA_FORMATS = ("text", "completion", "chat")
 BUCKET_MB = 25.0
 
 
+FLEX_OFF = False  # True: SDPA's dense mask on a GPU too (plait.parallel.packed.document_attention)
+
+
+def doc_mask_on(device_type: str) -> str:
+    """The packed documents' mask a run builds on a device of `device_type` ("cuda", "cpu"), as
+    plait.estimate.layout.Workload.doc_mask names it: FlexAttention's block tables on a GPU
+    (its CPU form has no backward), SDPA's dense mask elsewhere. The one home of that choice:
+    the attention that builds the mask, the run's estimate and --memory-limit's price before
+    launch all ask it."""
+    return "blocks" if device_type == "cuda" and not FLEX_OFF else "dense"
+
+
 def check_choice(flag: str, value: object, choices: tuple) -> None:
     """`--flag value` must be one of `choices`; the hint lists them."""
     if value not in choices:

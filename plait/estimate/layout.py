@@ -28,15 +28,6 @@ from plait.rules import (DTYPE_BYTES, PRECISIONS, RECOMPUTE, REDUCE_DTYPES, SCHE
 
 
 DOC_MASKS = ("", "dense", "blocks")  # Workload.doc_mask
-FLEX_OFF = False  # True: SDPA's dense mask on a GPU too (plait.parallel.packed.document_attention)
-
-
-def doc_mask_on(device_type: str) -> str:
-    """The packed documents' mask a run builds on a device of `device_type` ("cuda", "cpu"), as
-    Workload.doc_mask names it: FlexAttention's block tables on a GPU (its CPU form has no
-    backward), SDPA's dense mask elsewhere. The one home of that choice: the attention that
-    builds the mask, the run's estimate and --memory-limit's price before launch all ask it."""
-    return "blocks" if device_type == "cuda" and not FLEX_OFF else "dense"
 
 
 @dataclass(frozen=True)

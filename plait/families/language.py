@@ -58,9 +58,9 @@ def doc_mask_before_launch(config: Any) -> str:
     the corpus's tokens are read: with --doc-mask true, or "auto" on a prepared corpus of
     completions or chats (its index says: plait.train.data.tokens.fine_tuning_corpus),
     FlexAttention's block tables on a GPU, SDPA's dense mask on a CPU
-    (plait.estimate.layout.doc_mask_on, the device guessed as `ranks_on_gpu` does); none
+    (plait.rules.doc_mask_on, the device guessed as `ranks_on_gpu` does); none
     otherwise."""
-    from plait.estimate.layout import doc_mask_on
+    from plait.rules import doc_mask_on
     from plait.train.config.settings import ranks_on_gpu
     from plait.train.data.tokens import fine_tuning_corpus
 

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from plait.estimate.layout import doc_mask_on
 from plait.parallel.applied import applied_of
+from plait.rules import doc_mask_on
 
 IGNORE = -100  # a target that carries no loss: F.cross_entropy's ignore_index, transformers' label
 

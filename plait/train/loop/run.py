@@ -19,10 +19,11 @@ from typing import Any
 
 import torch
 
-from plait.estimate.layout import Workload, doc_mask_on
+from plait.estimate.layout import Workload
 from plait.parallel.compiled import cache_dir, compile_stats, is_compiled
 from plait.parallel.precision import reduce_dtype_of
 from plait.report import report_after_training
+from plait.rules import doc_mask_on
 from plait.runtime import comm, console
 from plait.runtime.env import prepare_host
 from plait.runtime.mesh import init_mesh
