@@ -97,11 +97,14 @@ def llama_layer_bytes(config: GPTConfig, layout: Workload) -> float:
     (`measured_correction`)."""
     whole, split = llama_token_bytes(config, layout)
     more_whole, more_split, mixers = measured_correction(config, layout)
+    whole, split = whole + more_whole, split + more_split
+    # a model with no tp plan (Persimmon's) measured its attention among the modules the plan
+    # leaves whole: what the formulas take off it (under cp, the copy of SDPA's output) comes off those
+    mixers += min(0.0, whole) + min(0.0, split)
     # a token-mixing module the plan leaves whole runs on the whole sequence on every rank, SP or not
-    mixed = mixers * layout.tokens_per_micro_batch if layout.recompute != "full" else 0.0
-    return (_combine(max(0.0, whole + more_whole), max(0.0, split + more_split), layout,
-                     layout.compute_bytes * config.d_model) + mixed + eager_attention_bytes(config, layout)
-            + ulysses_order_bytes(layout))
+    mixed = max(0.0, mixers) * layout.tokens_per_micro_batch if layout.recompute != "full" else 0.0
+    return (_combine(max(0.0, whole), max(0.0, split), layout, layout.compute_bytes * config.d_model) + mixed
+            + eager_attention_bytes(config, layout) + ulysses_order_bytes(layout))
 
 
 def ulysses_order_bytes(layout: Workload) -> float:
@@ -130,6 +133,16 @@ def measured_correction(config: GPTConfig, layout: Workload) -> tuple[float, flo
     base = Workload(precision="fp32" if index == 0 else "bf16", compiled=layout.compiled)
     whole, split = llama_token_bytes(config, base)
     measured_whole, measured_split, mixers = config.block_saved_bytes[index]
+    inputs = config.attention_input_bytes[index] if config.attention_input_bytes else -1.0
+    if layout.cp > 1 and layout.cp_kind == "ulysses" and inputs >= 0:
+        # Ulysses hands SDPA copies of q, k and v (the formulas'): what SDPA held of the model's
+        # own beyond them (a fused projection a V was a view of) goes, or what it held less
+        q, _, _, _ = config.attention_widths
+        beyond = inputs - base.compute_bytes * (q + kv_kept(config, base))
+        if config.tp_attention:
+            measured_split -= beyond
+        else:
+            measured_whole -= beyond
     return measured_whole - whole, measured_split - split, mixers
 
 
@@ -142,9 +155,7 @@ def llama_token_bytes(config: GPTConfig, layout: Workload) -> tuple[float, float
     # q's and the output's widths: h but for a transformers attention whose heads are handed
     # otherwise (GPTConfig.head_widths: a latent attention's q wider, its output narrower)
     q, _, _, out = config.attention_widths
-    # o_proj's input: a view of SDPA's output in plait's block (its rotary output, and so SDPA's,
-    # stays seq-major: models/gpt/rope.py); a (b, s, h) copy in a transformers block, but of one head
-    o_proj_copy = out if a // layout.tp > 1 and not lean else 0
+    o_proj_copy = o_proj_copy_values(config, layout)
     # SwiGLU keeps gate, up and their product (3f; and silu's output, 4f, outside plait's lean
     # block); a two-matrix MLP (GELU, relu²) keeps up's output and the activation's, which
     # feeds down (2f: relu² squares relu's output in place of a copy).
@@ -183,6 +194,23 @@ def llama_token_bytes(config: GPTConfig, layout: Workload) -> tuple[float, float
     whole = ((e * (attention + o_proj_copy) + LSE_BYTES * a) * (not config.tp_attention)
              + e * mlp * f * (not config.tp_mlp))
     return replicated + whole, sharded - whole
+
+
+def o_proj_copy_values(config: GPTConfig, layout: Workload) -> float:
+    """Values a token o_proj's input holds beyond SDPA's output, on one tp rank times tp: none in
+    plait's block, whose rotary output, and so SDPA's, stays sequence-major (models/gpt/rope.py)
+    and o_proj reads a view; none under context parallelism, whose attention hands its output back
+    sequence-major; none with one head a rank; else a transformers block's copy as measured
+    (GPTConfig.attention_out_copy_bytes: GPT-NeoX's, none of Llama's), or the whole output where
+    it was not."""
+    out = config.attention_widths[3]
+    if config.lean_blocks or layout.cp > 1 or config.n_heads // layout.tp <= 1:
+        return 0.0
+    if config.attention_out_copy_bytes:
+        measured = config.attention_out_copy_bytes[0 if layout.compute_bytes == 4 else 1]
+        if measured >= 0:
+            return measured / layout.compute_bytes
+    return float(out)
 
 
 def eager_attention_bytes(config: GPTConfig, layout: Workload) -> float:

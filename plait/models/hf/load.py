@@ -962,8 +962,9 @@ MEASURED_TOKENS = 64  # the shortest of the lengths a block's keep is measured a
 
 def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig, plan: dict[str, str],
                 blocks: str | None) -> dict[str, Any]:
-    """GPTConfig.attention_matrix_bytes, block_saved_bytes, final_saved_bytes and
-    position_table_bytes, from what autograd keeps during the blocks' forwards (`_kept_in_blocks`, on `_measuring_device`) at L, 2L and 3L tokens of one
+    """GPTConfig.attention_matrix_bytes, block_saved_bytes, final_saved_bytes,
+    position_table_bytes, attention_out_copy_bytes and attention_input_bytes, from what autograd
+    keeps during the blocks' forwards (`_kept_in_blocks`, on `_measuring_device`) at L, 2L and 3L tokens of one
     sequence (L and 2L under SDPA, which keeps nothing of s²), in fp32 and in bf16: c + a·s +
     q·s² at evenly spaced lengths, q the second difference over 2L², a what remains of the first
     over L, each a mean over the blocks.
@@ -974,7 +975,11 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
       plan splits make (divided by tp), and what its token-mixing modules left whole make (a
       linear attention's, a mamba's: whole under SP too, which reads them whole);
     - what is kept after the blocks, a token (the final norm's, whatever kind of norm it is),
-      and of the rotary tables, a position (one sequence's, shared by a batch's).
+      and of the rotary tables, a position (one sequence's, shared by a batch's);
+    - of the s terms, the copies of SDPA's output the model makes for its output projection
+      (GPTConfig.attention_out_copy_bytes), which context parallelism's attention spares, and
+      what SDPA alone holds of q, k and v (attention_input_bytes), which Ulysses' all-to-alls
+      replace.
 
     Where one dtype's forward does not run on meta (grouped experts take bf16 alone there:
     GPT-OSS's, Mixtral's) its matrices are twice the other's, a bound (4 bytes a pair a head measured on the
@@ -996,8 +1001,9 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
 
     def terms_at(length: int) -> tuple[list[tuple[float, ...] | None], list[tuple[int, ...]]]:
         """(the s² term, the blocks' three s terms a block, the s term after the blocks, the
-        rotary tables' bytes a position) in fp32 and in bf16, None where that forward failed; and
-        the attention's calls in one forward of the first dtype whose forwards all ran."""
+        rotary tables' bytes a position, the copies of SDPA's output and SDPA's q, k, v a block)
+        in fp32 and in bf16, None where that forward failed; and the attention's calls in one forward of the
+        first dtype whose forwards all ran."""
         terms: list[tuple[float, ...] | None] = []
         handed: list[tuple[int, ...]] = []
         for dtype in (torch.float32, torch.bfloat16):
@@ -1019,7 +1025,9 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
                 linear.append(max(0.0, (c1 - c0 - 3 * length * length * q) / length / shape.n_layers))
             # the final norm's, and the rotary tables' (one sequence's, whatever the batch), once a forward
             after, tables = (max(0.0, (kept[1][part] - kept[0][part]) / length) for part in (3, 4))
-            terms.append((quadratic, *linear, after, tables))
+            # copies of SDPA's output, and what SDPA alone holds of its q, k and v, a block
+            copied, handed_in = (max(0.0, (kept[1][part] - kept[0][part]) / length / shape.n_layers) for part in (5, 6))
+            terms.append((quadratic, *linear, after, tables, copied, handed_in))
         return terms, handed
 
     terms, handed = terms_at(length)
@@ -1033,9 +1041,10 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
     fp32, low = (max(0.0, t[0]) if t and eager else None for t in terms)
     matrices = (fp32 if fp32 is not None else 2 * (low or 0.0), low if low is not None else fp32 or 0.0)
     saved = tuple(t[1:4] if t else (-1.0, -1.0, -1.0) for t in terms)
-    final, tables = (tuple(t[part] if t else -1.0 for t in terms) for part in (4, 5))
+    final, tables, copied, inputs = (tuple(t[part] if t else -1.0 for t in terms) for part in (4, 5, 6, 7))
     return {"attention_matrix_bytes": matrices, "block_saved_bytes": saved, "final_saved_bytes": final,
-            "position_table_bytes": tables, **_heads_as_handed(handed, shape)}
+            "position_table_bytes": tables, "attention_out_copy_bytes": copied, "attention_input_bytes": inputs,
+            **_heads_as_handed(handed, shape)}
 
 
 def _attention_implementation(model: nn.Module) -> str | None:
@@ -1126,6 +1135,28 @@ def _one_sequence() -> Iterator[None]:
         masks.find_packed_sequence_indices = found
 
 
+LAYOUT_NODES = ("View", "Transpose", "Permute", "Clone", "Reshape", "Expand", "Squeeze", "Unsqueeze")
+
+
+def _copies_of(tensor: torch.Tensor, outputs: list[torch.Tensor]) -> bool:
+    """Whether `tensor` is one of `outputs` (SDPA's, the last first) laid out again and copied:
+    its graph leads back to the output through views, transposes and clones alone, and its
+    storage is not the output's."""
+    out = outputs[-1]
+    if tensor.untyped_storage()._cdata == out.untyped_storage()._cdata:
+        return False
+    node = tensor.grad_fn
+    for _ in range(8):
+        if node is None:
+            return False
+        if node is out.grad_fn:
+            return True
+        if not any(part in type(node).__name__ for part in LAYOUT_NODES):
+            return False
+        node = node.next_functions[0][0] if node.next_functions else None
+    return False
+
+
 def _measuring_device(model: nn.Module) -> torch.device:
     """Where `_kept_terms` runs its forwards: on the meta device, where a forward costs about a
     millisecond an op and no memory (a large model's 61 blocks: seconds); a small one (up to
@@ -1157,32 +1188,39 @@ def _row_regions(block: nn.Module, plan: dict[str, str]) -> list[nn.Module]:
 
 def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[nn.Module]],
                     mixers: list[list[nn.Module]], length: int, device: torch.device,
-                    vocab: int) -> tuple[int, int, int, int, int]:
+                    vocab: int) -> tuple[int, int, int, int, int, int, int]:
     """Bytes the graph holds after one forward of `model` on `device` over one sequence of
     `length` tokens, of what the blocks saved, each storage once, the parameters' not: (the rest,
     what the modules the plan splits made (`regions`, each block's: `_row_regions`), what the
     token-mixing modules it leaves whole made (`mixers`: a linear attention, a mamba, read whole
     under SP)); what was saved after the last block, but for `vocab`-wide tensors (the final
-    norm's input, statistics and output, which the head keeps; the logits are the loss's); and
-    what the blocks saved of the rotary tables a rotary module made (made for positions, one
-    sequence's whatever the batch: counted apart from the tokens'). What a module keeps of its own inputs (the norm's output the projections read,
-    the rotary tables) is the rest's. SDPA is counted as its flash kernels keep (query, key,
-    value, output, an fp32 log-sum-exp per head and query), where meta would run its math form,
-    which keeps the s × s scores."""
+    norm's input, statistics and output, which the head keeps; the logits are the loss's); what
+    the blocks saved of the rotary tables a rotary module made (made for positions, one
+    sequence's whatever the batch: counted apart from the tokens'); and, of the first three,
+    the copies of SDPA's output the model makes for its output projection (GPT-NeoX's, Phi's:
+    heads handed out of a fused projection come back head-major, and reshaping them copies),
+    which context parallelism's attention, handing its output back sequence-major, does not
+    make, and the storages SDPA's q, k and v hold that no other op saved first (a V handed as a
+    view of a fused projection holds all of it). What a module keeps of its own inputs (the norm's output the projections read) is the
+    rest's. SDPA is counted as its flash kernels keep (query, key, value, output, an fp32
+    log-sum-exp per head and query), where meta would run its math form, which keeps the s × s
+    scores."""
     params = {p.untyped_storage()._cdata for p in model.parameters()}
     state: dict[str, Any] = {"block": False, "region": False, "mixer": False, "inputs": set(), "sdpa": False,
                              "after": False, "tables": set()}
-    seen: list[tuple[Any, int, int]] = []  # (a reference to what was saved, its part, extra bytes)
+    seen: list[tuple[Any, int, int, str]] = []  # (a reference to what was saved, its part, extra bytes, its kind)
+    outputs: list[Any] = []  # SDPA's outputs' nodes in the graph
 
-    def keep(tensor: torch.Tensor, extra: int = 0, held: bool = False) -> None:
-        """`tensor` as saved, alive while autograd keeps it, or for the forward's length (`held`)."""
+    def keep(tensor: torch.Tensor, extra: int = 0, held: bool = False, kind: str = "") -> None:
+        """`tensor` as saved, alive while autograd keeps it, or for the forward's length (`held`);
+        `kind` "copy": a copy of SDPA's output; "input": SDPA's q, k or v."""
         if state["block"]:
             made_inside = tensor.untyped_storage()._cdata not in state["inputs"]
             part = 1 if state["region"] and made_inside else 2 if state["mixer"] and made_inside else 0
             part = 4 if tensor.untyped_storage()._cdata in state["tables"] else part
-            seen.append(((lambda: tensor) if held else weakref.ref(tensor), part, extra))
+            seen.append(((lambda: tensor) if held else weakref.ref(tensor), part, extra, kind))
         elif state["after"] and tensor.shape[-1:] != (vocab,):
-            seen.append((weakref.ref(tensor), 3, extra))
+            seen.append((weakref.ref(tensor), 3, extra, ""))
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         # an alias, as plait's ActivationMeter hands back: a tensor saved as its own op's output,
@@ -1190,7 +1228,7 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
         # measurement's graph stayed (28 MB a shape read of a 2-block, 256-wide model on the CPU)
         alias = tensor.detach()
         if not state["sdpa"]:
-            keep(alias)
+            keep(alias, kind="copy" if outputs and _copies_of(tensor, outputs) else "")
         return alias
 
     def flagged(flag: str, value: bool) -> Callable[..., None]:
@@ -1230,8 +1268,9 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
             # what the flash kernel's node would save, which lives as long as the graph on the
             # output's path does: held, as no node here keeps these very tensors
             for tensor in (query, key, value):
-                keep(tensor, held=True)
+                keep(tensor, held=True, kind="input")
             keep(out, extra=query.shape[:-1].numel() * 4, held=True)  # and the log-sum-exp
+            outputs.append(out)
         return out
 
     torch.nn.functional.scaled_dot_product_attention = flash
@@ -1242,25 +1281,28 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
             with _one_sequence():
                 output = model(input_ids=torch.zeros(1, length, dtype=torch.long, device=device), **no_cache(model))
         # what the graph still holds now the forward is done (a branch nothing reads is freed)
-        kept: dict[int, tuple[int, int]] = {}
-        for ref, part, extra in seen:
+        kept: dict[int, tuple[int, int, str]] = {}
+        for ref, part, extra, kind in seen:
             tensor = ref()
             if tensor is None:
                 continue
             storage = tensor.untyped_storage()
             if storage._cdata not in params and storage._cdata not in kept:
-                kept[storage._cdata] = (storage.nbytes(), part)
+                kept[storage._cdata] = (storage.nbytes(), part, kind)
             if extra:
-                kept[id(ref)] = (extra, part)
+                kept[id(ref)] = (extra, part, "")
         del output
     finally:
         # the graph holds `pack` (so `keep`, and `seen`), and `seen` holds SDPA's tensors, whose
         # graph that is: a cycle through autograd's C++ that no collector sees, broken here
         seen.clear()
+        outputs.clear()
         torch.nn.functional.scaled_dot_product_attention = sdpa
         for hook in hooks:
             hook.remove()
-    return tuple(sum(size for size, part in kept.values() if part == which) for which in (0, 1, 2, 3, 4))
+    parts = tuple(sum(size for size, part, _ in kept.values() if part == which) for which in (0, 1, 2, 3, 4))
+    return (*parts, *(sum(size for size, part, kind in kept.values() if kind == which and part < 3)
+                      for which in ("copy", "input")))
 
 
 def _declared_parts(model: nn.Module, blocks: str) -> Parts | None:
