@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from plait.errors import PlaitError
 from plait.models.gpt.config import GPTConfig
@@ -1135,6 +1136,22 @@ def _one_sequence() -> Iterator[None]:
         masks.find_packed_sequence_indices = found
 
 
+class _TablesMade(TorchFunctionMode):
+    """While inside, what an op makes of the rotary tables alone (storages in `tables`: GLM's and
+    Ernie's attention re-lay them each layer) joins them: made of positions, one sequence's."""
+
+    def __init__(self, tables: set[int]) -> None:
+        super().__init__()
+        self.tables = tables
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = _tensors_in([list(args), kwargs or {}])
+        if inputs and all(t.untyped_storage()._cdata in self.tables for t in inputs):
+            self.tables |= {t.untyped_storage()._cdata for t in _tensors_in(out)}
+        return out
+
+
 LAYOUT_NODES = ("View", "Transpose", "Permute", "Clone", "Reshape", "Expand", "Squeeze", "Unsqueeze")
 
 
@@ -1195,8 +1212,9 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
     token-mixing modules it leaves whole made (`mixers`: a linear attention, a mamba, read whole
     under SP)); what was saved after the last block, but for `vocab`-wide tensors (the final
     norm's input, statistics and output, which the head keeps; the logits are the loss's); what
-    the blocks saved of the rotary tables a rotary module made (made for positions, one
-    sequence's whatever the batch: counted apart from the tokens'); and, of the first three,
+    the blocks saved of the rotary tables (a rotary module's output, and what ops make of them
+    alone, as an attention that re-lays them per layer does: made for positions, one sequence's
+    whatever the batch, counted apart from the tokens'); and, of the first three,
     the copies of SDPA's output the model makes for its output projection (GPT-NeoX's, Phi's:
     heads handed out of a fused projection come back head-major, and reshaping them copies),
     which context parallelism's attention, handing its output back sequence-major, does not
@@ -1278,7 +1296,7 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             # as training runs it, without a key/value cache, which copies K and V (GPT-NeoX's,
             # Persimmon's, GPT-2's: views of a fused projection, which cost nothing more kept)
-            with _one_sequence():
+            with _one_sequence(), _TablesMade(state["tables"]):
                 output = model(input_ids=torch.zeros(1, length, dtype=torch.long, device=device), **no_cache(model))
         # what the graph still holds now the forward is done (a branch nothing reads is freed)
         kept: dict[int, tuple[int, int, str]] = {}
