@@ -15,9 +15,10 @@ Assumptions, each visible in `ASSUMPTIONS`:
   input embedding is a lookup), and 4·h·s per layer forward for QKᵀ and attention·V,
   tripled for backward (L counts a hybrid's softmax-attention blocks alone:
   GPTConfig.attention_share; h is q's and the output's width where a latent attention's differ,
-  each call counted where a block calls it twice: ops.attention_core_flops). The causal mask is not discounted (PaLM's convention). Full
-  recompute adds one forward, 2Ψ + 4·L·h·s; selective recompute adds the attention
-  core's forward, 4·L·h·s. MFU counts only the 6Ψ + 12·L·h·s.
+  each call counted where a block calls it twice: ops.attention_core_flops). The causal mask
+  is not discounted (PaLM's convention). Full recompute adds one forward, 2Ψ + 4·L·h·s;
+  selective recompute adds the attention core's forward, 4·L·h·s. MFU counts only the
+  6Ψ + 12·L·h·s.
 * Compute is costed operation by operation (plait/estimate/ops.py): each GEMM on a roofline
   of its shape with a fixed ramp (or at its measured rate, from `plait calibrate`), the
   attention core at its rate, element-wise work by the bytes it moves at the bandwidth of

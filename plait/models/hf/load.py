@@ -1091,8 +1091,9 @@ def _heads_as_handed(seen: list[tuple[int, ...]], shape: GPTConfig) -> dict[str,
     where config.json's word differs: GPT-NeoX, OPT, GPT-J and their kind run every head whatever
     num_key_value_heads says, GPT-BigCode's multi-query attention one, and a latent attention's
     K heads are wider than its V's; and GPTConfig.attention_calls, the calls a softmax-attention
-    block's run makes (DiffLlama's and LongCat's two; `seen` holds one forward's). {} where no call was seen, the calls differ (blocks of
-    different attentions) or q's heads are not the config's: the config's word stands."""
+    block's run makes (DiffLlama's and LongCat's two; `seen` holds one forward's). {} where no
+    call was seen, the calls differ (blocks of different attentions) or q's heads are not the
+    config's: the config's word stands."""
     if not seen or len(set(seen)) > 1 or seen[0][0] != shape.n_heads or shape.n_heads % seen[0][2]:
         return {}
     _, q, kv_heads, k, v = seen[0]
@@ -1219,8 +1220,8 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
     heads handed out of a fused projection come back head-major, and reshaping them copies),
     which context parallelism's attention, handing its output back sequence-major, does not
     make, and the storages SDPA's q, k and v hold that no other op saved first (a V handed as a
-    view of a fused projection holds all of it). What a module keeps of its own inputs (the norm's output the projections read) is the
-    rest's. SDPA is counted as its flash kernels keep (query, key, value, output, an fp32
+    view of a fused projection holds all of it). What a module keeps of its own inputs (the
+    norm's output the projections read) is the rest's. SDPA is counted as its flash kernels keep (query, key, value, output, an fp32
     log-sum-exp per head and query), where meta would run its math form, which keeps the s × s
     scores."""
     params = {p.untyped_storage()._cdata for p in model.parameters()}

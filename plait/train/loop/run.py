@@ -109,7 +109,8 @@ def prediction(trainer: Trainer) -> dict[str, Any]:
     --hardware-file, else this machine's calibration: collective, see plait.train.observe.timing)."""
     config = trainer.config
     packed = getattr(trainer.train_split, "doc_mask", False)
-    work = Workload.of(trainer.mesh.layout, **config.work(), doc_mask=doc_mask_on(trainer.mesh.device.type) if packed else "")
+    mask = doc_mask_on(trainer.mesh.device.type) if packed else ""
+    work = Workload.of(trainer.mesh.layout, **config.work(), doc_mask=mask)
     hardware, source = run_hardware(trainer)
     result = trainer.task.prediction(work, hardware)
     result["hardware_source"] = source
