@@ -1221,9 +1221,9 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
     which context parallelism's attention, handing its output back sequence-major, does not
     make, and the storages SDPA's q, k and v hold that no other op saved first (a V handed as a
     view of a fused projection holds all of it). What a module keeps of its own inputs (the
-    norm's output the projections read) is the rest's. SDPA is counted as its flash kernels keep (query, key, value, output, an fp32
-    log-sum-exp per head and query), where meta would run its math form, which keeps the s × s
-    scores."""
+    norm's output the projections read) is the rest's. SDPA is counted as its flash kernels
+    keep (query, key, value, output, an fp32 log-sum-exp per head and query), where meta would
+    run its math form, which keeps the s × s scores."""
     params = {p.untyped_storage()._cdata for p in model.parameters()}
     state: dict[str, Any] = {"block": False, "region": False, "mixer": False, "inputs": set(), "sdpa": False,
                              "after": False, "tables": set()}
