@@ -133,16 +133,6 @@ def measured_correction(config: GPTConfig, layout: Workload) -> tuple[float, flo
     base = Workload(precision="fp32" if index == 0 else "bf16", compiled=layout.compiled)
     whole, split = llama_token_bytes(config, base)
     measured_whole, measured_split, mixers = config.block_saved_bytes[index]
-    inputs = config.attention_input_bytes[index] if config.attention_input_bytes else -1.0
-    if layout.cp > 1 and layout.cp_kind == "ulysses" and inputs >= 0:
-        # Ulysses hands SDPA copies of q, k and v (the formulas'): what SDPA held of the model's
-        # own beyond them (a fused projection a V was a view of) goes, or what it held less
-        q, _, _, _ = config.attention_widths
-        beyond = inputs - base.compute_bytes * (q + kv_kept(config, base))
-        if config.tp_attention:
-            measured_split -= beyond
-        else:
-            measured_whole -= beyond
     return measured_whole - whole, measured_split - split, mixers
 
 

@@ -260,11 +260,6 @@ class GPTConfig:
     # and o_proj reads a view. Context parallelism's attention hands its output back
     # sequence-major: no copy. estimate/activations.o_proj_copy reads it
     attention_out_copy_bytes: tuple[float, float] = ()
-    # Of block_saved_bytes, what a transformers model's SDPA alone holds of its q, k and v, bytes a
-    # token (fp32, 16-bit): their storages where no other op saved them first (a V handed as a view
-    # of a fused projection holds all of it: GPT-NeoX's 3h for V's h). Ulysses' all-to-alls hand
-    # SDPA copies in their place. estimate/activations.measured_correction reads it
-    attention_input_bytes: tuple[float, float] = ()
     # The share of blocks whose token mixing is softmax attention over the sequence, whose
     # FLOPs grow with it (4·h·s a token forward): a hybrid's linear-attention, mamba and
     # convolution blocks are not (Qwen3-Next's three in four, Jamba's seven in eight, Mamba's all)
@@ -293,7 +288,6 @@ class GPTConfig:
         object.__setattr__(self, "final_saved_bytes", tuple(self.final_saved_bytes))
         object.__setattr__(self, "position_table_bytes", tuple(self.position_table_bytes))
         object.__setattr__(self, "attention_out_copy_bytes", tuple(self.attention_out_copy_bytes))
-        object.__setattr__(self, "attention_input_bytes", tuple(self.attention_input_bytes))
         object.__setattr__(self, "tp_gathered_calls", tuple(self.tp_gathered_calls))
         object.__setattr__(self, "tp_expert_entries", tuple(self.tp_expert_entries))
         object.__setattr__(self, "tp_last_rows", tuple(self.tp_last_rows))

@@ -964,8 +964,8 @@ MEASURED_TOKENS = 64  # the shortest of the lengths a block's keep is measured a
 def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig, plan: dict[str, str],
                 blocks: str | None) -> dict[str, Any]:
     """GPTConfig.attention_matrix_bytes, block_saved_bytes, final_saved_bytes,
-    position_table_bytes, attention_out_copy_bytes and attention_input_bytes, from what autograd
-    keeps during the blocks' forwards (`_kept_in_blocks`, on `_measuring_device`) at L, 2L and 3L tokens of one
+    position_table_bytes and attention_out_copy_bytes, from what autograd keeps during the
+    blocks' forwards (`_kept_in_blocks`, on `_measuring_device`) at L, 2L and 3L tokens of one
     sequence (L and 2L under SDPA, which keeps nothing of s²), in fp32 and in bf16: c + a·s +
     q·s² at evenly spaced lengths, q the second difference over 2L², a what remains of the first
     over L, each a mean over the blocks.
@@ -978,9 +978,7 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
     - what is kept after the blocks, a token (the final norm's, whatever kind of norm it is),
       and of the rotary tables, a position (one sequence's, shared by a batch's);
     - of the s terms, the copies of SDPA's output the model makes for its output projection
-      (GPTConfig.attention_out_copy_bytes), which context parallelism's attention spares, and
-      what SDPA alone holds of q, k and v (attention_input_bytes), which Ulysses' all-to-alls
-      replace.
+      (GPTConfig.attention_out_copy_bytes), which context parallelism's attention spares.
 
     Where one dtype's forward does not run on meta (grouped experts take bf16 alone there:
     GPT-OSS's, Mixtral's) its matrices are twice the other's, a bound (4 bytes a pair a head measured on the
@@ -1002,8 +1000,8 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
 
     def terms_at(length: int) -> tuple[list[tuple[float, ...] | None], list[tuple[int, ...]]]:
         """(the s² term, the blocks' three s terms a block, the s term after the blocks, the
-        rotary tables' bytes a position, the copies of SDPA's output and SDPA's q, k, v a block)
-        in fp32 and in bf16, None where that forward failed; and the attention's calls in one forward of the
+        rotary tables' bytes a position, the copies of SDPA's output a block) in fp32 and in
+        bf16, None where that forward failed; and the attention's calls in one forward of the
         first dtype whose forwards all ran."""
         terms: list[tuple[float, ...] | None] = []
         handed: list[tuple[int, ...]] = []
@@ -1026,9 +1024,8 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
                 linear.append(max(0.0, (c1 - c0 - 3 * length * length * q) / length / shape.n_layers))
             # the final norm's, and the rotary tables' (one sequence's, whatever the batch), once a forward
             after, tables = (max(0.0, (kept[1][part] - kept[0][part]) / length) for part in (3, 4))
-            # copies of SDPA's output, and what SDPA alone holds of its q, k and v, a block
-            copied, handed_in = (max(0.0, (kept[1][part] - kept[0][part]) / length / shape.n_layers) for part in (5, 6))
-            terms.append((quadratic, *linear, after, tables, copied, handed_in))
+            copied = max(0.0, (kept[1][5] - kept[0][5]) / length / shape.n_layers)  # SDPA's output copied, a block
+            terms.append((quadratic, *linear, after, tables, copied))
         return terms, handed
 
     terms, handed = terms_at(length)
@@ -1042,10 +1039,9 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
     fp32, low = (max(0.0, t[0]) if t and eager else None for t in terms)
     matrices = (fp32 if fp32 is not None else 2 * (low or 0.0), low if low is not None else fp32 or 0.0)
     saved = tuple(t[1:4] if t else (-1.0, -1.0, -1.0) for t in terms)
-    final, tables, copied, inputs = (tuple(t[part] if t else -1.0 for t in terms) for part in (4, 5, 6, 7))
+    final, tables, copied = (tuple(t[part] if t else -1.0 for t in terms) for part in (4, 5, 6))
     return {"attention_matrix_bytes": matrices, "block_saved_bytes": saved, "final_saved_bytes": final,
-            "position_table_bytes": tables, "attention_out_copy_bytes": copied, "attention_input_bytes": inputs,
-            **_heads_as_handed(handed, shape)}
+            "position_table_bytes": tables, "attention_out_copy_bytes": copied, **_heads_as_handed(handed, shape)}
 
 
 def _attention_implementation(model: nn.Module) -> str | None:
@@ -1206,7 +1202,7 @@ def _row_regions(block: nn.Module, plan: dict[str, str]) -> list[nn.Module]:
 
 def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[nn.Module]],
                     mixers: list[list[nn.Module]], length: int, device: torch.device,
-                    vocab: int) -> tuple[int, int, int, int, int, int, int]:
+                    vocab: int) -> tuple[int, int, int, int, int, int]:
     """Bytes the graph holds after one forward of `model` on `device` over one sequence of
     `length` tokens, of what the blocks saved, each storage once, the parameters' not: (the rest,
     what the modules the plan splits made (`regions`, each block's: `_row_regions`), what the
@@ -1219,8 +1215,7 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
     the copies of SDPA's output the model makes for its output projection (GPT-NeoX's, Phi's:
     heads handed out of a fused projection come back head-major, and reshaping them copies),
     which context parallelism's attention, handing its output back sequence-major, does not
-    make, and the storages SDPA's q, k and v hold that no other op saved first (a V handed as a
-    view of a fused projection holds all of it). What a module keeps of its own inputs (the
+    make. What a module keeps of its own inputs (the
     norm's output the projections read) is the rest's. SDPA is counted as its flash kernels
     keep (query, key, value, output, an fp32 log-sum-exp per head and query), where meta would
     run its math form, which keeps the s × s scores."""
@@ -1232,7 +1227,7 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
 
     def keep(tensor: torch.Tensor, extra: int = 0, held: bool = False, kind: str = "") -> None:
         """`tensor` as saved, alive while autograd keeps it, or for the forward's length (`held`);
-        `kind` "copy": a copy of SDPA's output; "input": SDPA's q, k or v."""
+        `kind` "copy": a copy of SDPA's output."""
         if state["block"]:
             made_inside = tensor.untyped_storage()._cdata not in state["inputs"]
             part = 1 if state["region"] and made_inside else 2 if state["mixer"] and made_inside else 0
@@ -1287,7 +1282,7 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
             # what the flash kernel's node would save, which lives as long as the graph on the
             # output's path does: held, as no node here keeps these very tensors
             for tensor in (query, key, value):
-                keep(tensor, held=True, kind="input")
+                keep(tensor, held=True)
             keep(out, extra=query.shape[:-1].numel() * 4, held=True)  # and the log-sum-exp
             outputs.append(out)
         return out
@@ -1320,8 +1315,7 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
         for hook in hooks:
             hook.remove()
     parts = tuple(sum(size for size, part, _ in kept.values() if part == which) for which in (0, 1, 2, 3, 4))
-    return (*parts, *(sum(size for size, part, kind in kept.values() if kind == which and part < 3)
-                      for which in ("copy", "input")))
+    return (*parts, sum(size for size, part, kind in kept.values() if kind == "copy" and part < 3))
 
 
 def _declared_parts(model: nn.Module, blocks: str) -> Parts | None:
