@@ -186,6 +186,16 @@ def llama_token_bytes(config: GPTConfig, layout: Workload) -> tuple[float, float
     return replicated + whole, sharded - whole
 
 
+def measured_in(pair: tuple[float, ...], layout: Workload) -> float | None:
+    """The value for this layout's dtype of a (fp32, 16-bit) pair the shape reader measured
+    (GPTConfig.final_saved_bytes and its kind), None where the pair is empty or that dtype's
+    forward did not run (-1)."""
+    if not pair:
+        return None
+    value = pair[0 if layout.compute_bytes == 4 else 1]
+    return value if value >= 0 else None
+
+
 def o_proj_copy_values(config: GPTConfig, layout: Workload) -> float:
     """Values a token o_proj's input holds beyond SDPA's output, on one tp rank times tp: none in
     plait's block, whose rotary output, and so SDPA's, stays sequence-major (models/gpt/rope.py)
@@ -196,11 +206,8 @@ def o_proj_copy_values(config: GPTConfig, layout: Workload) -> float:
     out = config.attention_widths[3]
     if config.lean_blocks or layout.cp > 1 or config.n_heads // layout.tp <= 1:
         return 0.0
-    if config.attention_out_copy_bytes:
-        measured = config.attention_out_copy_bytes[0 if layout.compute_bytes == 4 else 1]
-        if measured >= 0:
-            return measured / layout.compute_bytes
-    return float(out)
+    measured = measured_in(config.attention_out_copy_bytes, layout)
+    return float(out) if measured is None else measured / layout.compute_bytes
 
 
 def eager_attention_bytes(config: GPTConfig, layout: Workload) -> float:
@@ -282,8 +289,8 @@ def final_norm_bytes(config: GPTConfig, layout: Workload) -> float:
     for a transformers model (GPTConfig.final_saved_bytes: a LayerNorm's 2·e·h + 8, where the
     RMSNorm formula gave 4 bytes more a value in fp32), else an RMSNorm's, or GPT-2's input and
     output."""
-    measured = config.final_saved_bytes[0 if layout.compute_bytes == 4 else 1] if config.final_saved_bytes else -1
-    if measured >= 0:
+    measured = measured_in(config.final_saved_bytes, layout)
+    if measured is not None:
         return measured
     h, e = config.d_model, layout.compute_bytes
     return e * (2 * h) if config.arch == "gpt2" else rmsnorm_bytes(h, e, config.lean_blocks)
@@ -341,7 +348,9 @@ def position_table_kept_bytes(config: GPTConfig, layout: Workload) -> float:
         return 0.0
     fp32, low = config.position_table_bytes
     e = layout.compute_bytes
-    per_position = (fp32 if e == 4 else low) if min(fp32, low) >= 0 else max(fp32 * e / 4, low * e / 2)
+    per_position = measured_in(config.position_table_bytes, layout)
+    if per_position is None:  # the other dtype's, in this one's bytes
+        per_position = max(fp32 * e / 4, low * e / 2)
     rows = layout.micro_batch if layout.doc_mask else 1
     return float(max(0.0, per_position) * rows * (layout.seq_len // layout.cp))
 

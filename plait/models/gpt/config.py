@@ -258,7 +258,7 @@ class GPTConfig:
     # projection, bytes a token (fp32, 16-bit): GPT-NeoX's and Phi's heads, handed out of a fused
     # projection, come back head-major and reshaping them copies; Llama's come back sequence-major
     # and o_proj reads a view. Context parallelism's attention hands its output back
-    # sequence-major: no copy. estimate/activations.o_proj_copy reads it
+    # sequence-major: no copy. estimate/activations.o_proj_copy_values reads it
     attention_out_copy_bytes: tuple[float, float] = ()
     # The share of blocks whose token mixing is softmax attention over the sequence, whose
     # FLOPs grow with it (4·h·s a token forward): a hybrid's linear-attention, mamba and

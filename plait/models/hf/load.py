@@ -1153,8 +1153,8 @@ LAYOUT_NODES = ("View", "Transpose", "Permute", "Clone", "Reshape", "Expand", "S
 
 
 def _copies_of(tensor: torch.Tensor, outputs: list[torch.Tensor]) -> bool:
-    """Whether `tensor` is one of `outputs` (SDPA's, the last first) laid out again and copied:
-    its graph leads back to the output through views, transposes and clones alone, and its
+    """Whether `tensor` is the last of `outputs` (SDPA's, in order) laid out again and copied:
+    its graph leads back to that output through views, transposes and clones alone, and its
     storage is not the output's."""
     out = outputs[-1]
     if tensor.untyped_storage()._cdata == out.untyped_storage()._cdata:
@@ -1211,19 +1211,18 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
     norm's input, statistics and output, which the head keeps; the logits are the loss's); what
     the blocks saved of the rotary tables (a rotary module's output, and what ops make of them
     alone, as an attention that re-lays them per layer does: made for positions, one sequence's
-    whatever the batch, counted apart from the tokens'); and, of the first three,
-    the copies of SDPA's output the model makes for its output projection (GPT-NeoX's, Phi's:
-    heads handed out of a fused projection come back head-major, and reshaping them copies),
-    which context parallelism's attention, handing its output back sequence-major, does not
-    make. What a module keeps of its own inputs (the
-    norm's output the projections read) is the rest's. SDPA is counted as its flash kernels
-    keep (query, key, value, output, an fp32 log-sum-exp per head and query), where meta would
-    run its math form, which keeps the s × s scores."""
+    whatever the batch, counted apart from the tokens'); and, of the first three, the copies of
+    SDPA's output the model makes for its output projection (GPT-NeoX's, Phi's: heads handed out
+    of a fused projection come back head-major, and reshaping them copies), which context
+    parallelism's attention, handing its output back sequence-major, does not make. What a
+    module keeps of its own inputs (the norm's output the projections read) is the rest's. SDPA
+    is counted as its flash kernels keep (query, key, value, output, an fp32 log-sum-exp per
+    head and query), where meta would run its math form, which keeps the s × s scores."""
     params = {p.untyped_storage()._cdata for p in model.parameters()}
     state: dict[str, Any] = {"block": False, "region": False, "mixer": False, "inputs": set(), "sdpa": False,
                              "after": False, "tables": set()}
     seen: list[tuple[Any, int, int, str]] = []  # (a reference to what was saved, its part, extra bytes, its kind)
-    outputs: list[Any] = []  # SDPA's outputs' nodes in the graph
+    outputs: list[torch.Tensor] = []  # what SDPA returned, in order
 
     def keep(tensor: torch.Tensor, extra: int = 0, held: bool = False, kind: str = "") -> None:
         """`tensor` as saved, alive while autograd keeps it, or for the forward's length (`held`);
