@@ -218,7 +218,7 @@ def eager_attention_bytes(config: GPTConfig, layout: Workload) -> float:
     fp32, low = config.attention_matrix_bytes
     if layout.recompute != "none" or layout.cp > 1 or not (fp32 or low):
         return 0.0
-    heads = layout.tp if config.tp_attention else 1
+    heads = config.attention_tp(layout.tp)
     return layout.micro_batch * layout.seq_len ** 2 * (fp32 if layout.compute_bytes == 4 else low) / heads
 
 

@@ -59,7 +59,7 @@ def layer_bytes(config: Any, layout: Any) -> dict[str, float]:
     the attention is handed them (GPTConfig.head_widths_handed), its micro-batch and sequence,
     the layout's dtype; as many times as a mean block calls its attention
     (GPTConfig.block_attention_calls)."""
-    tp = layout.tp if config.tp_attention else 1
+    tp = config.attention_tp(layout.tp)
     _, k_width, v_width = config.head_widths_handed
     one = context_bytes(layout.cp_kind, layout.cp, batch=layout.micro_batch, seq=layout.seq_len,
                         heads=config.n_heads // tp, kv_heads=max(1, config.n_kv_heads // tp),

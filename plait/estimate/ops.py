@@ -139,7 +139,7 @@ def block_gemms(config: GPTConfig, tokens: int, tp: int, moe: bool = False, ep: 
     if config.arch == "gpt2":
         return [linear(tokens, h, (h + 2 * kv) // tp), linear(tokens, h // tp, h),
                 linear(tokens, h, f // tp), linear(tokens, f // tp, h)]
-    a = attention_tp(config, tp)  # a region the model's plan leaves whole runs whole
+    a = config.attention_tp(tp)  # a region the model's plan leaves whole runs whole
     q, k, v, out = config.attention_widths  # q, k, v and the output as the attention is handed them
     attention = [linear(tokens, h, q // a), linear(tokens, h, k // a), linear(tokens, h, v // a),
                  linear(tokens, out // a, h)]
@@ -249,17 +249,11 @@ def attention_core_flops(config: GPTConfig, queries: float, seq: int) -> float:
     return 2.0 * queries * seq * (q + out) * config.block_attention_calls
 
 
-def attention_tp(config: GPTConfig, tp: int) -> int:
-    """The tp ranks the attention's heads are split over: tp, or 1 where the model's plan leaves
-    the attention whole (GPTConfig.tp_attention: every rank runs every head)."""
-    return tp if config.tp_attention else 1
-
-
 def attention_s(config: GPTConfig, layout: Workload, passes: float) -> tuple[float, float]:
     """(FLOPs, key) of the attention core for `passes` forward-equivalents on one block (a mean
     block: a hybrid's blocks without softmax attention have none, GPTConfig.attention_share)."""
     tokens = layout.tokens_per_micro_batch  # this rank's queries, each against the whole sequence
-    flops = attention_core_flops(config, tokens, layout.seq_len) / attention_tp(config, layout.tp) * passes
+    flops = attention_core_flops(config, tokens, layout.seq_len) / config.attention_tp(layout.tp) * passes
     return flops, attention_key(config, layout.micro_batch, layout.seq_len, layout.tp,
                                 outer_precision(layout.precision))
 
@@ -285,7 +279,7 @@ def eager_scores_s(config: GPTConfig, layout: Workload, hw: Hardware, forwards: 
     """Eager attention's memory-bound passes over one block's a·s·s scores on one rank:
     stacks.EAGER_SCORE_PASSES for each forward and each backward."""
     forward, backward = EAGER_SCORE_PASSES[layout.software.dropout]
-    scores = layout.tokens_per_micro_batch * (config.n_heads // attention_tp(config, layout.tp)) * layout.seq_len
+    scores = layout.tokens_per_micro_batch * (config.n_heads // config.attention_tp(layout.tp)) * layout.seq_len
     size = scores * dtype_bytes(layout.precision)
     passes = forward * forwards + backward * backwards
     return size * passes / hw.memory_rate(size) * config.block_attention_calls

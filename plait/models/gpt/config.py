@@ -398,6 +398,12 @@ class GPTConfig:
         off the model, head_dim each otherwise."""
         return self.head_widths or (self.head_dim,) * 3  # type: ignore[return-value]
 
+    def attention_tp(self, tp: int) -> int:
+        """The tp ranks the attention's heads are split over: tp, or 1 where the model's plan leaves
+        the attention whole (`tp_attention`: every rank runs every head). The one reading for the
+        attention's FLOPs, time, eager scores and cp's K/V."""
+        return tp if self.tp_attention else 1
+
     @property
     def attention_widths(self) -> tuple[int, int, int, int]:
         """Values a token holds of q, k, v and the attention's output (n_heads heads of v's
