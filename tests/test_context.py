@@ -97,7 +97,6 @@ def test_a_resnet_is_refused_context_parallelism(tmp_path: Path, capsys: pytest.
 
 
 @pytest.mark.parametrize("field, value, words", [
-    ("sliding_window", 8, "attends within a sliding window of 8 tokens, shorter than --seq-len 16"),
     ("attention_dropout", 0.1, "attention_dropout = 0.1; random draws in the training forward (dropout, router "
                                "noise) are drawn alike on every rank, so 2 processes would not train the one-process model"),
 ])
@@ -127,7 +126,7 @@ def test_layers_whose_mask_the_ring_does_not_build_are_refused() -> None:
                                          "does not build"):
         check_layer_kinds(Llama4Like())
     Llama4Like.config = SimpleNamespace(layer_types=["sliding_attention", "full_attention"])
-    check_layer_kinds(Llama4Like())  # the ring's causal mask, and the window checked against the sequence
+    check_layer_kinds(Llama4Like())  # the causal mask and a sliding window's, both built under cp
 
 
 def test_memory_limit_refuses_a_model_it_cannot_estimate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -212,3 +211,49 @@ def test_the_command_trains_a_transformers_model_under_cp_as_one_process(tmp_pat
         losses[name] = [json.loads(line)["loss"] for line in lines]
     assert_losses_close(losses["cp2"], losses["one"])
     assert_losses_close(losses["ulysses"], losses["one"])
+
+
+def test_a_window_the_layer_declares_but_does_not_hand_over_is_refused() -> None:
+    """A layer whose `sliding_window` never reaches its attention function would be trained on
+    the whole causal past under cp: refused, where the window handed over is masked by."""
+    from types import SimpleNamespace
+
+    from plait.errors import PlaitError
+    from plait.models.hf.context import context_forward
+
+    class WindowedAttention(torch.nn.Module):
+        sliding_window = 6
+
+    handed = []
+    context = SimpleNamespace(axis=SimpleNamespace(size=2), documents=None,
+                              attend=lambda q, k, v, **kw: handed.append(kw["window"]) or q)
+    q = torch.zeros(1, 4, 8, 8)  # 8 tokens a rank of a 16-token sequence
+    with pytest.raises(PlaitError, match="WindowedAttention declares a sliding window of 6 tokens and does not hand "
+                                         "it to its attention function"):
+        context_forward(context, WindowedAttention(), q, q, q)
+    context_forward(context, WindowedAttention(), q, q, q, sliding_window=6)
+    assert handed == [6]
+
+
+def test_ulysses_keeps_one_window_mask_a_rank_and_the_ring_none() -> None:
+    """A sliding window shorter than the sequence: Ulysses keeps one additive s × s mask a rank,
+    shared by its micro-batches in flight (plait.parallel.context.ulysses.window_mask); the
+    ring keeps none; a window that holds the sequence, none."""
+    from dataclasses import replace
+
+    from plait.estimate.activations import stage_activation_bytes
+    from plait.estimate.layout import Workload, layout_stages
+
+    def added(window: int, **fields: object) -> float:
+        layout = Workload(**{"cp": 2, "cp_kind": "ulysses", "micro_batch": 2, "seq_len": 16, "grad_accum": 2,
+                             **fields})
+        config = get_preset("tiny")
+        stage = layout_stages(config, layout)[0]
+        return (stage_activation_bytes(replace(config, sliding_window=window), layout, stage)
+                - stage_activation_bytes(config, layout, stage))
+
+    assert added(6) == 16 * 16 * 4  # fp32, once, though two micro-batches run
+    assert added(6, precision="bf16") == 16 * 16 * 2
+    assert added(6, cp_kind="ring") == 0
+    assert added(16) == 0
+    assert added(6, recompute="full") == 0

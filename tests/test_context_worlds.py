@@ -36,7 +36,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shape = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=64)
     transformers.Qwen3Config(**shape, head_dim=8).save_pretrained(root / "qwen3")  # per-head q/k norms
-    transformers.MistralConfig(**shape, sliding_window=16).save_pretrained(root / "mistral")  # a window = seq
+    transformers.MistralConfig(**shape, sliding_window=6).save_pretrained(root / "mistral")  # shorter than seq 16
     (root / "corpus.txt").write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(600)))
     return root
 
@@ -59,6 +59,8 @@ def extra(models: Path) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("run", ["ring-cp4", "ring-cp2", "ring-plain-cp2", "ulysses-cp2"])
 def test_one_attention_layer_matches_sdpa_on_the_whole_sequence(world: list[dict[str, Any]], run: str) -> None:
+    """Causal, full, and under a sliding window of 5 positions (tests/worlds/context_world.py)."""
+    assert any(case.endswith("-window5") for case in world[0]["attention"][run]), run
     for rank in world:
         for case, found in rank["attention"][run].items():
             assert max(found["errors"]) < 1e-12, (run, case, found["errors"])  # fp64: output, dq, dk, dv
@@ -107,11 +109,15 @@ def test_zero_1_2_and_recompute_under_cp_train_the_same_model(extra: list[dict[s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3", "mistral"])
-def test_other_transformers_families_train_the_same_model_under_cp(extra: list[dict[str, Any]], family: str) -> None:
+@pytest.mark.parametrize("family, layout", [("qwen3", "cp2-dp2"), ("mistral", "cp2-dp2"),
+                                            ("mistral", "ulysses-cp2-dp2")])
+def test_other_transformers_families_train_the_same_model_under_cp(extra: list[dict[str, Any]], family: str,
+                                                                   layout: str) -> None:
+    """Mistral's sliding window (6 tokens) is shorter than the sequence (16): the ring and
+    Ulysses each mask by it, and train the one-process model."""
     found = extra[0][family]
-    assert_losses_close(found["cp2-dp2"]["losses"], found["one"]["losses"])
-    assert found["cp2-dp2"]["excess"] <= PARAM_ATOL, found["cp2-dp2"]["excess"]
+    assert_losses_close(found[layout]["losses"], found["one"]["losses"])
+    assert found[layout]["excess"] <= PARAM_ATOL, found[layout]["excess"]
 
 
 @pytest.mark.slow

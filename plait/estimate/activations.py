@@ -338,6 +338,24 @@ def document_mask_bytes(config: GPTConfig, layout: Workload) -> float:
     return 0.0
 
 
+def window_mask_bytes(config: GPTConfig, layout: Workload) -> float:
+    """Ulysses' sliding-window mask (plait.parallel.context.ulysses.window_mask): SDPA's additive
+    (1, 1, s, s) mask in the compute dtype, (b, 1, s, s) inside packed documents, kept for
+    backward. None under recomputation (each layer makes its own and drops it), under the ring
+    (its backward makes each block's again) or where the window holds the whole sequence."""
+    if (layout.cp == 1 or layout.cp_kind != "ulysses" or layout.recompute != "none"
+            or not 0 < config.sliding_window < layout.seq_len):
+        return 0.0
+    return float((layout.micro_batch if layout.doc_mask else 1) * layout.seq_len ** 2 * layout.compute_bytes)
+
+
+def shared_window_mask_bytes(config: GPTConfig, layout: Workload) -> float:
+    """A rank's one window mask without packed documents: its forwards share it while any keeps
+    it (every micro-batch's, every chunk's), so it is counted once a rank, not once a forward in
+    flight. Inside packed documents each micro-batch has its own (`forward_kept_bytes`)."""
+    return 0.0 if layout.doc_mask else window_mask_bytes(config, layout)
+
+
 def position_table_kept_bytes(config: GPTConfig, layout: Workload) -> float:
     """The rotary tables a transformers model makes each forward, as its blocks keep them
     (GPTConfig.position_table_bytes, a position's, measured): one sequence's rows of this rank's
@@ -357,10 +375,11 @@ def position_table_kept_bytes(config: GPTConfig, layout: Workload) -> float:
 
 def forward_kept_bytes(config: GPTConfig, layout: Workload) -> float:
     """What each forward of a chunk holding blocks keeps beside its blocks' own bytes: its rope
-    rows (a transformers model's rotary tables) and its packed documents' mask, made once and
-    read by every block."""
+    rows (a transformers model's rotary tables) and its packed documents' mask (under Ulysses,
+    with a sliding window's), made once and read by every block."""
+    documents_window = window_mask_bytes(config, layout) if layout.doc_mask else 0.0
     return (rope_rows_bytes(config, layout) + position_table_kept_bytes(config, layout)
-            + document_mask_bytes(config, layout))
+            + document_mask_bytes(config, layout) + documents_window)
 
 
 def loss_bytes(config: GPTConfig, layout: Workload) -> float:
@@ -405,7 +424,7 @@ def stage_activation_bytes(config: GPTConfig, layout: Workload, stage: StageShar
     per_micro_batch = stage.runs * layer_bytes(config, layout)  # kept for each run's backward
     per_micro_batch += stage_extra_bytes(config, layout, stage)
     per_micro_batch += forward_kept_bytes(config, layout)  # one chunk a rank: interleaving is walked above
-    return in_flight(layout, stage) * per_micro_batch
+    return in_flight(layout, stage) * per_micro_batch + shared_window_mask_bytes(config, layout)
 
 
 def interleaved_peak(config: GPTConfig, layout: Workload, stage: StageShare) -> float:
@@ -417,7 +436,8 @@ def interleaved_peak(config: GPTConfig, layout: Workload, stage: StageShare) -> 
     the ends' extras over every chunk, where only the end chunk keeps them."""
     chunk_bytes = chunk_forward_bytes(config, layout, stage)
     frontier = held_frontier(layout.pp, layout.grad_accum, layout.virtual_stages, stage.index)
-    return max([0.0] + [sum(n * b for n, b in zip(held, chunk_bytes)) for held, _ in frontier])
+    held_most = max([0.0] + [sum(n * b for n, b in zip(held, chunk_bytes)) for held, _ in frontier])
+    return held_most + shared_window_mask_bytes(config, layout)
 
 
 def chunk_forward_bytes(config: GPTConfig, layout: Workload, stage: StageShare) -> list[float]:

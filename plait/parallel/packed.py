@@ -127,19 +127,19 @@ def dense_mask(documents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     backward keeps it. Under recomputation nothing keeps it, and each layer makes its own
     and drops it (plait.estimate.activations.document_mask_bytes)."""
     if torch.compiler.is_compiling():  # a compiled block's graph makes its own; what it keeps is Inductor's choice
-        return _additive(block_causal(documents, documents, True), dtype)
+        return additive(block_causal(documents, documents, True), dtype)
     made = getattr(documents, "_plait_dense_masks", None)
     if made is None:
         made = {}
         documents._plait_dense_masks = made  # type: ignore[attr-defined]
     mask = made[dtype]() if dtype in made else None
     if mask is None:
-        mask = _additive(block_causal(documents, documents, True), dtype)
+        mask = additive(block_causal(documents, documents, True), dtype)
         made[dtype] = weakref.ref(mask)
     return mask
 
 
-def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean mask as SDPA adds it to the scores: 0 where allowed, -inf elsewhere."""
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
 

@@ -67,6 +67,7 @@ def attention_inputs(kv_heads: int, gen: torch.Generator, v_dim: int = D) -> tup
     return q, k, v, torch.randn(B, H, SEQ, v_dim, dtype=torch.float64, generator=gen)
 
 
+WINDOW = 5  # a sliding window shorter than the sequence: blocks wholly inside, partly and wholly outside it
 # (K/V heads, V's head size): grouped heads, and for the ring V's heads half as wide as K's
 CASES = ((4, D), (2, D), (1, D))
 RING_CASES = (*CASES, (2, D // 2))
@@ -77,15 +78,17 @@ def attention_errors(mesh: Any, kind: str) -> dict[str, Any]:
     axis, found = mesh.axis("cp"), {}
     context = ContextParallel(axis, kind)
     for kv_heads, v_dim in RING_CASES if kind == "ring" else CASES:
-        for causal in (True, False):
+        for causal, window in ((True, None), (False, None), (True, WINDOW)):
             q, k, v, grad = attention_inputs(kv_heads, torch.Generator().manual_seed(kv_heads), v_dim)
             group = H // kv_heads
+            behind = torch.arange(SEQ).unsqueeze(-1) - torch.arange(SEQ).unsqueeze(0)
+            band = (behind >= 0) & (behind < window) if window else None  # transformers' sliding window
             ref = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
-                                                 is_causal=causal)
+                                                 is_causal=causal and band is None, attn_mask=band)
             ref.backward(grad)
             mine = [shard_sequence(t.detach(), axis.rank, axis.size, 2).requires_grad_() for t in (q, k, v)]
             before = mesh.ledger.snapshot()
-            out = context.attend(*mine, causal=causal)
+            out = context.attend(*mine, causal=causal, window=window)
             forward = mesh.ledger.since(before)
             out.backward(shard_sequence(grad, axis.rank, axis.size, 2))
             both = mesh.ledger.since(before)
@@ -93,7 +96,7 @@ def attention_errors(mesh: Any, kind: str) -> dict[str, Any]:
             errors += [(m.grad - shard_sequence(t.grad, axis.rank, axis.size, 2)).abs().max().item()
                        for m, t in zip(mine, (q, k, v))]
             narrow = f"-v{v_dim}" if v_dim != D else ""
-            found[f"kv{kv_heads}{narrow}-{'causal' if causal else 'full'}"] = {
+            found[f"kv{kv_heads}{narrow}-{f'window{window}' if window else 'causal' if causal else 'full'}"] = {
                 "errors": errors, "forward": forward.get("cp", {}), "total": both.get("cp", {}),
                 "calls": calls_since(mesh.ledger, before)}
     return found
@@ -148,9 +151,10 @@ def extra_runs(bases: dict[str, TrainConfig], common: dict[str, Any], more: list
     report = {name: family_runs(base, out / name, rank, ("cp2-dp2-recompute",) if name != "gpt" else
                                 ("cp2-dp2-recompute", "cp2-dp2-zero1", "cp2-dp2-zero2"))
               for name, base in bases.items()}
-    for directory in more:
-        report[Path(directory).name] = family_runs(TrainConfig(model=f"hf:{directory}", **common),
-                                                   out / Path(directory).name, rank, ("cp2-dp2",))
+    for directory in more:  # Mistral's window is shorter than the sequence: both kinds mask by it
+        name = Path(directory).name
+        report[name] = family_runs(TrainConfig(model=f"hf:{directory}", **common), out / name, rank,
+                                   ("cp2-dp2", "ulysses-cp2-dp2") if name == "mistral" else ("cp2-dp2",))
     report["bf16"] = family_runs(replace(bases["gpt"], precision="bf16"), out / "bf16", rank, ("cp2-dp2",))
     return report
 

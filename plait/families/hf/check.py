@@ -33,8 +33,6 @@ def check_hf_run(config: Any) -> HFModelDir:
                              f"or set vocab_size to {vocab} or more in config.json")
     _check_data(hf, config.data, spec)
     check_random_draws(hf, config.layout.world, spec)
-    if config.cp > 1:
-        check_context_config(hf, config.seq_len, spec)
     return hf
 
 
@@ -49,17 +47,6 @@ def check_random_draws(hf: HFModelDir, world: int, spec: str) -> None:
         raise PlaitError(f"--model {spec}: {fields}; random draws in the training forward (dropout, router noise) "
                          f"are drawn alike on every rank, so {world} processes would not train the one-process model",
                          hint=f"set them to 0 in {hf.path / 'config.json'}, or train on one process (--nproc 1)")
-
-
-def check_context_config(hf: HFModelDir, seq_len: int, spec: str) -> None:
-    """What context parallelism cannot honour, read from config.json: a sliding window shorter
-    than the sequence (the ring attends to the whole causal past). Attention dropout is
-    check_random_draws's, for every layout of more than one process."""
-    window = hf.config.get("sliding_window")
-    if window and hf.config.get("use_sliding_window", True) and window < seq_len:
-        raise PlaitError(f"--model {spec} attends within a sliding window of {window} tokens, shorter than --seq-len "
-                         f"{seq_len}; context parallelism attends to the whole causal past",
-                         hint=f"use --seq-len {window} or less, or drop --cp")
 
 
 def check_causal_lm(hf: HFModelDir, spec: str) -> None:

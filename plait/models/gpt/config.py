@@ -260,6 +260,10 @@ class GPTConfig:
     # and o_proj reads a view. Context parallelism's attention hands its output back
     # sequence-major: no copy. estimate/activations.o_proj_copy_values reads it
     attention_out_copy_bytes: tuple[float, float] = ()
+    # The sliding window (positions) a transformers model's sliding layers attend within, 0 for
+    # none: under Ulysses a window shorter than the sequence is one additive mask a rank keeps
+    # (plait.parallel.context.ulysses.window_mask; estimate/activations.window_mask_bytes)
+    sliding_window: int = 0
     # The share of blocks whose token mixing is softmax attention over the sequence, whose
     # FLOPs grow with it (4·h·s a token forward): a hybrid's linear-attention, mamba and
     # convolution blocks are not (Qwen3-Next's three in four, Jamba's seven in eight, Mamba's all)

@@ -146,9 +146,21 @@ class HFModelDir:
                              tie_embeddings=bool(c.get("tie_word_embeddings", False)), rope_theta=float(rope),
                              norm_eps=float(c.get("rms_norm_eps") or c.get("layer_norm_eps") or 1e-6),
                              whole_sequence_ends=True, lean_blocks=False, counts_routing=False, balancing_bias=False,
-                             logit_softcap=bool(c.get("final_logit_softcapping")), **self.experts(hidden))
+                             logit_softcap=bool(c.get("final_logit_softcapping")),
+                             sliding_window=self.sliding_window(), **self.experts(hidden))
         except (TypeError, ValueError) as exc:
             raise PlaitError(f"--model {spec}: {CONFIG} has a size that is not a number ({exc})") from None
+
+    def sliding_window(self) -> int:
+        """The window (positions) the model's sliding layers attend within, 0 where none slides:
+        `sliding_window` where `layer_types` names sliding layers, or where it names none and
+        `use_sliding_window` is not off (Mistral's every layer; transformers' own reading)."""
+        window, kinds = self.config.get("sliding_window"), self.config.get("layer_types")
+        if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+            return 0
+        if isinstance(kinds, list):
+            return window if "sliding_attention" in kinds else 0
+        return window if self.config.get("use_sliding_window", True) else 0
 
     def mlp_width(self, hidden: int) -> int:
         """The dense MLP's hidden units: Llama 4's intermediate_size_mlp, else intermediate_size

@@ -9,8 +9,11 @@ function builds no mask while engaged (the ring applies the causal mask itself, 
 head-tail positions would otherwise look like packed documents) and the model's own mask
 otherwise. No layer is copied or replaced, so any family that calls the seam works.
 
-What the ring cannot honour is refused with one line, never dropped: a sliding window
-shorter than the sequence, attention dropout, logit soft-capping, attention sinks.
+A sliding window the layer hands its attention function (`sliding_window`) is honoured: the
+ring masks each block by position, Ulysses masks the whole sequence. What neither can honour
+is refused with one line, never dropped: attention dropout, logit soft-capping, attention
+sinks, a window the layer declares but does not hand over, and masks other than causal or a
+window (chunked, linear layers...).
 """
 
 from __future__ import annotations
@@ -70,29 +73,31 @@ def context_forward(context: Any, module: nn.Module, query: torch.Tensor, key: t
     if dropout:
         raise PlaitError(f"attention dropout ({dropout}) is not built under context parallelism",
                          hint="set the model's attention dropout to 0, or drop --cp")
-    if sliding_window is not None and sliding_window < seq:
-        raise PlaitError(f"{type(module).__name__} attends within a sliding window of {sliding_window} tokens, "
-                         f"shorter than the sequence ({seq}); the ring attends to the whole causal past",
-                         hint=f"use --seq-len {sliding_window} or less, or drop --cp")
+    declared = getattr(module, "sliding_window", None)
+    if sliding_window is None and isinstance(declared, int) and 0 < declared < seq:
+        raise PlaitError(f"{type(module).__name__} declares a sliding window of {declared} tokens and does not hand "
+                         "it to its attention function, so context parallelism cannot mask by it (it would attend "
+                         "to the whole causal past)", hint=f"use --seq-len {declared} or less, or drop --cp")
     for key_name, what in UNSUPPORTED.items():
         if kwargs.get(key_name) is not None:
             raise PlaitError(f"{type(module).__name__} uses {what}, which context parallelism does not build",
                              hint="drop --cp")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    out = context.attend(query, key, value, causal=causal, scale=scaling, documents=context.documents)
+    out = context.attend(query, key, value, causal=causal, scale=scaling, documents=context.documents,
+                         window=sliding_window or None)
     return out.transpose(1, 2).contiguous(), None
 
 
 def check_layer_kinds(model: nn.Module) -> None:
-    """Layers whose mask is neither causal nor a sliding window (chunked attention...): the
-    ring builds the causal mask only, so they are refused rather than made causal."""
+    """Layers whose mask is neither causal nor a sliding window (chunked attention...): cp
+    builds those two only, so they are refused rather than made causal."""
     config = model.config
     kinds = getattr(config, "layer_types", None) or []
     other = sorted(set(kinds) - {"full_attention", "sliding_attention"})
     if other or getattr(config, "attention_chunk_size", None):
         what = other[0] if other else "chunked_attention"
         raise PlaitError(f"{type(model).__name__} has {what} layers, whose mask context parallelism does not build "
-                         "(it builds the causal mask, and refuses a sliding window shorter than the sequence)",
+                         "(it builds the causal mask and a sliding window's)",
                          hint="drop --cp")
 
 

@@ -48,17 +48,21 @@ class ContextParallel:
         self.documents: torch.Tensor | None = None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-               scale: float | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
+               scale: float | None = None, documents: torch.Tensor | None = None,
+               window: int | None = None) -> torch.Tensor:
         """Attention of this rank's queries (batch, heads, local, head_dim) to the whole
         sequence's keys and values (batch, kv_heads, local, head_dim), by the chosen kind.
-        `documents` (batch, whole seq): packed documents' numbers; a query sees its own only."""
+        `documents` (batch, whole seq): packed documents' numbers; a query sees its own only.
+        `window`: a sliding window, in positions (a key at most window − 1 before its query)."""
+        if window is not None and window >= q.shape[2] * self.axis.size:
+            window = None  # the whole causal past is within it
         if self.kind == "ulysses":
             if q.shape[1] % self.axis.size:
                 raise PlaitError(f"--cp-kind ulysses splits attention heads over cp: {q.shape[1]} heads (per tp "
                                  f"rank) are not divisible by cp={self.axis.size}",
                                  hint="use --cp-kind ring, or a cp that divides the heads")
-            return ulysses_attention(q, k, v, self.axis, causal, scale, documents)
-        return ring_attention(q, k, v, self.axis, causal, scale, documents)
+            return ulysses_attention(q, k, v, self.axis, causal, scale, documents, window)
+        return ring_attention(q, k, v, self.axis, causal, scale, documents, window)
 
     def positions(self, local: int, device: torch.device) -> torch.Tensor:
         """(1, local): the global positions of this rank's `local` tokens."""

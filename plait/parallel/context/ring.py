@@ -74,18 +74,20 @@ def _expand(x: torch.Tensor, group: int) -> torch.Tensor:
     return x.repeat_interleave(group, dim=1) if group > 1 else x
 
 
-def fused(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> bool:
+def fused(k: torch.Tensor, v: torch.Tensor, mask: Any = None) -> bool:
     """Whether a block of these K and V runs torch's fused CPU flash kernels (else the plain
-    ops; the tests run both). Packed documents' masks (`mask`: the documents, or a block's
-    allowed keys) take the plain ops, since the kernel knows only causal; so do V heads
-    narrower than K's, which it does not take."""
+    ops; the tests run both). A mask other than causal (`mask`: a block's allowed keys, or
+    anything not None saying some block may have one: packed documents, a sliding window)
+    takes the plain ops, since the kernel knows only causal; so do V heads narrower than K's,
+    which it does not take."""
     return k.device.type == "cpu" and not PLAIN_OPS and mask is None and k.shape[-1] == v.shape[-1]
 
 
-def expansion(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None) -> int:
+def expansion(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: bool = False) -> int:
     """How many times each K/V head is repeated before a block's attention: never on a CPU,
-    whose flash kernel takes grouped heads as they are; q's heads per K/V head elsewhere."""
-    return 1 if fused(k, v, documents) else q.shape[1] // k.shape[1]
+    whose flash kernel takes grouped heads as they are, unless some block runs the plain ops
+    under a mask (`masks`); q's heads per K/V head elsewhere."""
+    return 1 if fused(k, v, True if masks else None) else q.shape[1] // k.shape[1]
 
 
 def pack_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -100,16 +102,35 @@ def unpack_pair(flat: torch.Tensor, a_shape: torch.Size, b_shape: torch.Size) ->
     return flat[:cut].view(a_shape), flat[cut:].view(b_shape)
 
 
-def allowed_keys(documents: torch.Tensor | None, query_chunk: int, owner: int, halves: list[int], cp: int,
-                 chunk: int, masked: bool) -> torch.Tensor | None:
-    """(batch, 1, chunk, keys): which of `owner`'s keys (its `halves`) each query of
-    `query_chunk` may see, by packed documents' numbers (batch, whole seq); None without them."""
-    if documents is None:
+def allowed_keys(documents: torch.Tensor | None, window: int | None, query_chunk: int, owner: int,
+                 halves: list[int], cp: int, chunk: int, masked: bool, device: torch.device) -> torch.Tensor | None:
+    """(batch or 1, 1, chunk, keys): which of `owner`'s keys (its `halves`) each query of
+    `query_chunk` may see, by packed documents' numbers (batch, whole seq) and a sliding
+    window; None where the block needs no mask but the causal one `masked` gives."""
+    key_chunks = [chunk_ids(owner, cp)[h] for h in halves]
+    allowed = within_window(window, query_chunk, key_chunks, chunk, masked, device)
+    if documents is not None:
+        mine = documents[:, query_chunk * chunk:(query_chunk + 1) * chunk]
+        theirs = torch.cat([documents[:, c * chunk:(c + 1) * chunk] for c in key_chunks], dim=1)
+        allowed = block_causal(mine, theirs, masked) if allowed is None else block_causal(mine, theirs, masked) & allowed
+    return allowed
+
+
+def within_window(window: int | None, query_chunk: int, key_chunks: list[int], chunk: int, masked: bool,
+                  device: torch.device) -> torch.Tensor | None:
+    """(1, 1, chunk, keys): the keys a query may see through a sliding window of `window`
+    positions (a key at most window − 1 before it, transformers' rule), and under the causal
+    diagonal (`masked`) none after it. None where every key before each query is within its
+    window: the block needs only the causal mask, and keeps the fused kernel."""
+    if window is None:
         return None
-    mine = documents[:, query_chunk * chunk:(query_chunk + 1) * chunk]
-    theirs = torch.cat([documents[:, c * chunk:(c + 1) * chunk] for c in (chunk_ids(owner, cp)[h] for h in halves)],
-                       dim=1)
-    return block_causal(mine, theirs, masked)
+    queries = query_chunk * chunk + torch.arange(chunk, device=device)
+    keys = torch.cat([c * chunk + torch.arange(chunk, device=device) for c in key_chunks])
+    behind = queries.unsqueeze(-1) - keys.unsqueeze(0)  # how far each key lies before each query
+    if bool((behind < window).all()):
+        return None
+    near = behind < window
+    return (near & (behind >= 0) if masked else near)[None, None]
 
 
 def wide(dtype: torch.dtype) -> torch.dtype:
@@ -190,9 +211,10 @@ Send = Callable[[torch.Tensor], Any]  # starts a tensor's trip to the next rank;
 
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, rank: int, send: Send, causal: bool,
-                 scale: float, documents: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                 scale: float, documents: torch.Tensor | None,
+                 window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One rank's forward round the ring: (output, log-sum-exp), in the wide dtype."""
-    group = expansion(q, k, v, documents)
+    group = expansion(q, k, v, documents is not None or window is not None)
     queries, query_chunks, chunk = q.chunk(2, dim=2), chunk_ids(rank, cp), q.shape[2] // 2
     outs: list[Any] = [None, None]
     lses: list[Any] = [None, None]
@@ -203,7 +225,8 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, ran
         keys, values = (_expand(t, group) for t in unpack_pair(block, k.shape, v.shape))
         for i, query in enumerate(queries):
             for halves, masked in block_calls(query_chunks[i], owner, cp, causal):
-                allowed = allowed_keys(documents, query_chunks[i], owner, halves, cp, chunk, masked)
+                allowed = allowed_keys(documents, window, query_chunks[i], owner, halves, cp, chunk, masked,
+                                       q.device)
                 if allowed is not None and not bool(allowed.any()):
                     continue  # no query here shares a document with those keys
                 o, s = attend(query, _keys(keys, halves), _keys(values, halves), scale, masked, allowed)
@@ -217,12 +240,14 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, ran
 
 def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                   dout: torch.Tensor, cp: int, rank: int, send: Send, causal: bool, scale: float,
-                  documents: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  documents: torch.Tensor | None,
+                  window: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One rank's backward round the ring: dq, and dK, dV of its own block (wide dtype)."""
-    group, chunk = expansion(q, k, v, documents), q.shape[2] // 2
+    masks = documents is not None or window is not None
+    group, chunk = expansion(q, k, v, masks), q.shape[2] // 2
     dout = dout.to(out.dtype)
     # rowsum(dO·O) per query: the plain ops' backward needs it; the CPU kernel computes its own.
-    deltas = (None, None) if fused(k, v, documents) else (dout * out).sum(-1).chunk(2, dim=2)
+    deltas = (None, None) if fused(k, v, True if masks else None) else (dout * out).sum(-1).chunk(2, dim=2)
     dq = torch.zeros(q.shape, dtype=out.dtype, device=q.device)  # q's head size, which V's (and out's) may not be
     query_chunks = chunk_ids(rank, cp)
     parts = list(zip(q.chunk(2, dim=2), dout.chunk(2, dim=2), out.chunk(2, dim=2), lse.chunk(2, dim=2),
@@ -235,7 +260,8 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
         grads = [torch.zeros(t.shape, dtype=out.dtype, device=q.device) for t in (keys, values)]  # dK, dV, expanded
         for i, (query, d_out, o, l, d, d_q) in enumerate(parts):
             for halves, masked in block_calls(query_chunks[i], owner, cp, causal):
-                allowed = allowed_keys(documents, query_chunks[i], owner, halves, cp, chunk, masked)
+                allowed = allowed_keys(documents, window, query_chunks[i], owner, halves, cp, chunk, masked,
+                                       q.device)
                 if allowed is not None and not bool(allowed.any()):
                     continue
                 gq, gk, gv = attend_backward(query, _keys(keys, halves), _keys(values, halves), d_out, o, l, d,
@@ -261,10 +287,11 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: Axis, causal: bool,
-                scale: float, documents: torch.Tensor | None) -> torch.Tensor:
-        out, lse = ring_forward(q, k, v, axis.size, axis.rank, lambda t: _Pass(t, axis), causal, scale, documents)
+                scale: float, documents: torch.Tensor | None, window: int | None) -> torch.Tensor:
+        out, lse = ring_forward(q, k, v, axis.size, axis.rank, lambda t: _Pass(t, axis), causal, scale, documents,
+                                window)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.axis, ctx.causal, ctx.scale, ctx.documents = axis, causal, scale, documents
+        ctx.axis, ctx.causal, ctx.scale, ctx.documents, ctx.window = axis, causal, scale, documents, window
         return out.to(q.dtype)
 
     @staticmethod
@@ -272,15 +299,17 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         axis = ctx.axis
         dq, dk, dv = ring_backward(q, k, v, out, lse, dout, axis.size, axis.rank, lambda t: _Pass(t, axis),
-                                   ctx.causal, ctx.scale, ctx.documents)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+                                   ctx.causal, ctx.scale, ctx.documents, ctx.window)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: Axis, causal: bool = True,
-                   scale: float | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
+                   scale: float | None = None, documents: torch.Tensor | None = None,
+                   window: int | None = None) -> torch.Tensor:
     """Attention of this rank's queries to every rank's keys (see the module docstring).
-    `documents` (batch, whole seq): packed documents' numbers, the same on every cp rank."""
+    `documents` (batch, whole seq): packed documents' numbers, the same on every cp rank.
+    `window`: a sliding window, in positions (a key at most window − 1 before its query)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if documents is not None and not causal:
-        raise ValueError("packed documents' masks are causal")
-    return RingAttention.apply(q, k, v, axis, causal, scale, documents)
+    if (documents is not None or window is not None) and not causal:
+        raise ValueError("packed documents' masks and sliding windows are causal")
+    return RingAttention.apply(q, k, v, axis, causal, scale, documents, window)

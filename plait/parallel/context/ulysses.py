@@ -6,6 +6,9 @@ SDPA there, then one all-to-all takes the output back to sequence shards. The se
 arrives in the ranks' order (rank 0's two chunks, rank 1's, ...) and is put back in
 position order before attention, so the causal mask is the ordinary one.
 
+A sliding window (or one inside packed documents) is one additive mask over the whole
+sequence, made once a forward and shared by its layers (`window_mask`).
+
 It needs heads divisible by cp. K/V heads that cp does not divide are repeated up to the
 query heads first (GQA): more bytes, the same result. Each all-to-all is an autograd function
 whose backward is the reverse all-to-all; every one goes through plait.runtime.comm.
@@ -14,13 +17,14 @@ whose backward is the reverse all-to-all; every one goes through plait.runtime.c
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from plait.parallel.context.chunks import natural_order, rank_order
-from plait.parallel.packed import document_attention
+from plait.parallel.packed import additive, block_causal, document_attention
 from plait.runtime import comm
 from plait.runtime.comm import Axis
 
@@ -67,13 +71,47 @@ def to_sequence(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     return Trade.apply(x, axis, _to_sequence, _to_heads)
 
 
+_WINDOW_MASKS: dict[tuple[Any, ...], Any] = {}  # (seq, window, dtype, device) -> the mask, weakly
+
+
+def window_mask(seq: int, window: int, documents: torch.Tensor | None, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+    """SDPA's additive mask of a sliding window over the whole sequence: (1, 1, seq, seq), or
+    (batch, 1, seq, seq) inside packed `documents`; 0 where a query sees a key (at or before
+    it, at most window − 1 before, in its own document), −inf elsewhere.
+
+    Made once a forward and shared by its layers, for packed.dense_mask's reasons (SDPA keeps
+    the mask it is given for backward, and makes a fresh copy of any other at every layer):
+    remembered weakly, it lives as long as some layer's backward keeps it."""
+    positions = torch.arange(seq, device=device)
+    behind = positions.unsqueeze(-1) - positions.unsqueeze(0)
+    band = ((behind >= 0) & (behind < window))[None, None]
+    if torch.compiler.is_compiling():
+        return additive(band if documents is None else band & block_causal(documents, documents, True), dtype)
+    if documents is not None:
+        made = getattr(documents, "_plait_window_masks", None)
+        if made is None:
+            made = {}
+            documents._plait_window_masks = made  # type: ignore[attr-defined]
+        key: tuple[Any, ...] = (window, dtype)
+    else:
+        made, key = _WINDOW_MASKS, (seq, window, dtype, device)
+    mask = made[key]() if key in made else None
+    if mask is None:
+        mask = additive(band if documents is None else band & block_causal(documents, documents, True), dtype)
+        made[key] = weakref.ref(mask)
+    return mask
+
+
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: Axis, causal: bool = True,
-                      scale: float | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
+                      scale: float | None = None, documents: torch.Tensor | None = None,
+                      window: int | None = None) -> torch.Tensor:
     """Attention of this rank's tokens to the whole sequence, by head shards. Shapes as
     plait.parallel.context.ring.ring_attention's; `documents` (batch, whole seq, in sequence
-    order): packed documents' numbers, whose block-causal mask the whole sequence takes."""
-    if documents is not None and not causal:
-        raise ValueError("packed documents' masks are causal")
+    order): packed documents' numbers, whose block-causal mask the whole sequence takes;
+    `window`: a sliding window, in positions."""
+    if (documents is not None or window is not None) and not causal:
+        raise ValueError("packed documents' masks and sliding windows are causal")
     heads, kv_heads, cp = q.shape[1], k.shape[1], axis.size
     if kv_heads % cp:  # repeat K/V heads up to the query heads, which cp divides
         k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
@@ -82,7 +120,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: A
     q, k, v = (to_heads(t, axis).index_select(2, order) for t in (q, k, v))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     grouped = k.shape[1] != q.shape[1]  # grouped K/V heads stay so: each shared by its group of query heads
-    if documents is None:
+    if window is not None and window < seq:
+        mask = window_mask(seq, window, documents, q.dtype, q.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=grouped)
+    elif documents is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=grouped)
     else:
         out = document_attention(q, k, v, documents, scale)
