@@ -228,8 +228,8 @@ def test_a_window_the_layer_declares_but_does_not_hand_over_is_refused() -> None
     context = SimpleNamespace(axis=SimpleNamespace(size=2), documents=None,
                               attend=lambda q, k, v, **kw: handed.append(kw["window"]) or q)
     q = torch.zeros(1, 4, 8, 8)  # 8 tokens a rank of a 16-token sequence
-    with pytest.raises(PlaitError, match="WindowedAttention declares a sliding window of 6 tokens and does not hand "
-                                         "it to its attention function"):
+    with pytest.raises(PlaitError, match="WindowedAttention declares a sliding window of 6 tokens it does not hand "
+                                         "its attention function: cp cannot mask by it"):
         context_forward(context, WindowedAttention(), q, q, q)
     context_forward(context, WindowedAttention(), q, q, q, sliding_window=6)
     assert handed == [6]

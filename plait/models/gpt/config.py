@@ -271,8 +271,10 @@ class GPTConfig:
     # Values a head of the attention's q, k and v holds as a transformers model hands them to its
     # attention function, where they are not head_dim (multi-head latent attention's: q and k
     # qk_nope + qk_rope wide, v v_head_dim; a config whose head_dim is not d_model / n_heads).
-    # Empty: head_dim each. Context parallelism sends them and its estimate reads them
-    head_widths: tuple[int, int, int] = ()
+    # Empty: head_dim each. Where layers differ (Gemma 4's global layers' wider heads), the mean
+    # over one forward's calls: what cp moves and the attention computes are linear in each.
+    # Context parallelism sends them and its estimate reads them
+    head_widths: tuple[float, float, float] = ()
     # Softmax attentions a softmax-attention block's run calls (attention_share says which blocks
     # those are), a mean over them, as the model calls its attention function (DiffLlama's two a
     # layer, LongCat's two a block): context parallelism moves K and V for each, and each computes
@@ -397,7 +399,7 @@ class GPTConfig:
         return self.attention_share * self.attention_calls
 
     @property
-    def head_widths_handed(self) -> tuple[int, int, int]:
+    def head_widths_handed(self) -> tuple[float, float, float]:
         """Values a head of q, k and v holds as the attention is handed it: head_widths where read
         off the model, head_dim each otherwise."""
         return self.head_widths or (self.head_dim,) * 3  # type: ignore[return-value]

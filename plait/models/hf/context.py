@@ -75,9 +75,9 @@ def context_forward(context: Any, module: nn.Module, query: torch.Tensor, key: t
                          hint="set the model's attention dropout to 0, or drop --cp")
     declared = getattr(module, "sliding_window", None)
     if sliding_window is None and isinstance(declared, int) and 0 < declared < seq:
-        raise PlaitError(f"{type(module).__name__} declares a sliding window of {declared} tokens and does not hand "
-                         "it to its attention function, so context parallelism cannot mask by it (it would attend "
-                         "to the whole causal past)", hint=f"use --seq-len {declared} or less, or drop --cp")
+        raise PlaitError(f"{type(module).__name__} declares a sliding window of {declared} tokens it does not hand "
+                         "its attention function: cp cannot mask by it", hint=f"use --seq-len {declared} or less, "
+                                                                            "or drop --cp")
     for key_name, what in UNSUPPORTED.items():
         if kwargs.get(key_name) is not None:
             raise PlaitError(f"{type(module).__name__} uses {what}, which context parallelism does not build",

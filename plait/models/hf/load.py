@@ -1087,12 +1087,17 @@ def _heads_as_handed(seen: list[tuple[int, ...]], shape: GPTConfig) -> dict[str,
     where config.json's word differs: GPT-NeoX, OPT, GPT-J and their kind run every head whatever
     num_key_value_heads says, GPT-BigCode's multi-query attention one, and a latent attention's
     K heads are wider than its V's; and GPTConfig.attention_calls, the calls a softmax-attention
-    block's run makes (DiffLlama's and LongCat's two; `seen` holds one forward's). {} where no
-    call was seen, the calls differ (blocks of different attentions) or q's heads are not the
-    config's: the config's word stands."""
-    if not seen or len(set(seen)) > 1 or seen[0][0] != shape.n_heads or shape.n_heads % seen[0][2]:
+    block's run makes (DiffLlama's and LongCat's two; `seen` holds one forward's). Calls that
+    differ in their heads' widths alone (Gemma 4's global layers, wider than its sliding ones)
+    give the widths' mean over the calls: the bytes cp moves and the FLOPs are linear in each.
+    {} where no call was seen, the calls differ in their heads (blocks of different attentions)
+    or q's heads are not the config's: the config's word stands."""
+    if (not seen or len({(call[0], call[2]) for call in seen}) > 1 or seen[0][0] != shape.n_heads
+            or shape.n_heads % seen[0][2]):
         return {}
-    _, q, kv_heads, k, v = seen[0]
+    kv_heads = seen[0][2]
+    q, k, v = (sum(call[i] for call in seen) / len(seen) for i in (1, 3, 4))
+    q, k, v = (int(w) if float(w).is_integer() else w for w in (q, k, v))
     widths = (q, k, v) if (q, k, v) != (shape.head_dim,) * 3 else ()
     attention_runs = (sum(shape.block_runs) or shape.n_layers) * (shape.attention_share or 1.0)
     return {"n_kv_heads": kv_heads, "head_widths": widths, "attention_calls": len(seen) / attention_runs}
