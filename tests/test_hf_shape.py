@@ -778,6 +778,22 @@ def test_the_copy_of_sdpas_output_cp_spares_is_read_apart(tmp_path: Path) -> Non
         assert o_proj_copy_values(shape, Workload(cp=2, seq_len=16)) == 0, family
 
 
+def test_the_kv_heads_repeated_for_sdpa_cp_spares_are_read_apart(tmp_path: Path) -> None:
+    """transformers hands SDPA grouped K/V heads only without a mask: Mistral's sliding window
+    (6 tokens, shorter than the measured lengths) makes one, and its layers keep K and V
+    repeated from 2 heads to 4, (4 - 2) x (8 + 8) values a token beyond the grouped ones
+    (kv_repeat_bytes, fp32 then bf16); Llama's, unmasked, none. Context parallelism's attention
+    is handed them grouped: nothing repeated under cp, and Mistral's activations under ring cp 2
+    equal the run's meter (benchmarks/RESULTS.md)."""
+    from plait.estimate.activations import kv_repeat_values
+
+    for family, fields, repeated in (("llama", {}, 0), ("mistral", {"sliding_window": 6}, 32)):
+        shape = shape_of(tmp_path / family, family, **fields)
+        assert shape.kv_repeat_bytes == (4 * repeated, 2 * repeated), family
+        assert kv_repeat_values(shape, Workload()) == repeated, family
+        assert kv_repeat_values(shape, Workload(cp=2, seq_len=16)) == 0, family
+
+
 def test_a_blocks_activations_are_what_autograd_keeps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What a transformers block keeps per token, measured when the shape is read
     (block_saved_bytes) and priced in the activations, held to what autograd keeps on the CPU

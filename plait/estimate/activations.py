@@ -155,7 +155,7 @@ def llama_token_bytes(config: GPTConfig, layout: Workload) -> tuple[float, float
     replicated = 2 * rmsnorm_bytes(h, e, lean) + saved_bytes_per_token(config, layout) + whole_experts
     # q, k, v, out: K/V as the model made them, grouped heads unrepeated (plait's block, and a
     # transformers block, whose SDPA takes them grouped: enable_gqa)
-    attention = q + out + kv_kept(config, layout)
+    attention = q + out + kv_kept(config, layout) + kv_repeat_values(config, layout)
     sharded = e * (attention + o_proj_copy + mlp * f) + LSE_BYTES * a + split_experts
     if layout.cp > 1 and layout.cp_kind == "ring":
         # Ring attention keeps K and V as the model made them (kv_dim wide: GQA saves here)
@@ -208,6 +208,17 @@ def o_proj_copy_values(config: GPTConfig, layout: Workload) -> float:
         return 0.0
     measured = measured_in(config.attention_out_copy_bytes, layout)
     return float(out) if measured is None else measured / layout.compute_bytes
+
+
+def kv_repeat_values(config: GPTConfig, layout: Workload) -> float:
+    """Values a token of K/V heads a transformers attention repeats up to q's for SDPA, beyond
+    the grouped ones (GPTConfig.kv_repeat_bytes, measured: where it hands SDPA a mask, a sliding
+    window's); none under context parallelism, whose attention keeps them grouped, or under
+    selective recomputation, which recomputes the core that repeats them."""
+    if config.lean_blocks or layout.cp > 1 or layout.recompute == "selective":
+        return 0.0
+    measured = measured_in(config.kv_repeat_bytes, layout)
+    return 0.0 if measured is None else measured / layout.compute_bytes
 
 
 def eager_attention_bytes(config: GPTConfig, layout: Workload) -> float:

@@ -260,6 +260,11 @@ class GPTConfig:
     # and o_proj reads a view. Context parallelism's attention hands its output back
     # sequence-major: no copy. estimate/activations.o_proj_copy_values reads it
     attention_out_copy_bytes: tuple[float, float] = ()
+    # Of block_saved_bytes, the K/V heads a transformers attention repeats up to q's for SDPA, bytes
+    # a token (fp32, 16-bit): it hands SDPA grouped heads (enable_gqa) only without a mask, so a
+    # sliding window's layers keep them repeated. Context parallelism's attention is handed them
+    # grouped and keeps them so. estimate/activations.kv_repeat_values reads it
+    kv_repeat_bytes: tuple[float, float] = ()
     # The sliding window (positions) a transformers model's sliding layers attend within, 0 for
     # none: under Ulysses a window shorter than the sequence is one additive mask a rank keeps
     # (plait.parallel.context.ulysses.window_mask; estimate/activations.window_mask_bytes)

@@ -978,7 +978,8 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
     - what is kept after the blocks, a token (the final norm's, whatever kind of norm it is),
       and of the rotary tables, a position (one sequence's, shared by a batch's);
     - of the s terms, the copies of SDPA's output the model makes for its output projection
-      (GPTConfig.attention_out_copy_bytes), which context parallelism's attention spares.
+      (GPTConfig.attention_out_copy_bytes), and the K/V heads transformers repeats for SDPA
+      (GPTConfig.kv_repeat_bytes), which context parallelism's attention spares.
 
     Where one dtype's forward does not run on meta (grouped experts take bf16 alone there:
     GPT-OSS's, Mixtral's) its matrices are twice the other's, a bound (4 bytes a pair a head measured on the
@@ -1010,7 +1011,7 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
             try:
                 with _attention_handed(implementation, seen):
                     kept = [_kept_in_blocks(model.to(dtype), layers, regions, mixers, n * length, device,
-                                            shape.vocab_size) for n in lengths]
+                                            shape.vocab_size, seen) for n in lengths]
             except Exception:  # noqa: BLE001 - an op meta does not run in this dtype
                 terms.append(None)
                 continue
@@ -1025,7 +1026,8 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
             # the final norm's, and the rotary tables' (one sequence's, whatever the batch), once a forward
             after, tables = (max(0.0, (kept[1][part] - kept[0][part]) / length) for part in (3, 4))
             copied = max(0.0, (kept[1][5] - kept[0][5]) / length / shape.n_layers)  # SDPA's output copied, a block
-            terms.append((quadratic, *linear, after, tables, copied))
+            repeated = max(0.0, (kept[1][6] - kept[0][6]) / length / shape.n_layers)  # K/V repeated for SDPA, a block
+            terms.append((quadratic, *linear, after, tables, copied, repeated))
         return terms, handed
 
     terms, handed = terms_at(length)
@@ -1039,9 +1041,10 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
     fp32, low = (max(0.0, t[0]) if t and eager else None for t in terms)
     matrices = (fp32 if fp32 is not None else 2 * (low or 0.0), low if low is not None else fp32 or 0.0)
     saved = tuple(t[1:4] if t else (-1.0, -1.0, -1.0) for t in terms)
-    final, tables, copied = (tuple(t[part] if t else -1.0 for t in terms) for part in (4, 5, 6))
+    final, tables, copied, repeated = (tuple(t[part] if t else -1.0 for t in terms) for part in (4, 5, 6, 7))
     return {"attention_matrix_bytes": matrices, "block_saved_bytes": saved, "final_saved_bytes": final,
-            "position_table_bytes": tables, "attention_out_copy_bytes": copied, **_heads_as_handed(handed, shape)}
+            "position_table_bytes": tables, "attention_out_copy_bytes": copied, "kv_repeat_bytes": repeated,
+            **_heads_as_handed(handed, shape)}
 
 
 def _attention_implementation(model: nn.Module) -> str | None:
@@ -1207,7 +1210,7 @@ def _row_regions(block: nn.Module, plan: dict[str, str]) -> list[nn.Module]:
 
 def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[nn.Module]],
                     mixers: list[list[nn.Module]], length: int, device: torch.device,
-                    vocab: int) -> tuple[int, int, int, int, int, int]:
+                    vocab: int, handed: list[tuple[int, ...]] | None = None) -> tuple[int, ...]:
     """Bytes the graph holds after one forward of `model` on `device` over one sequence of
     `length` tokens, of what the blocks saved, each storage once, the parameters' not: (the rest,
     what the modules the plan splits made (`regions`, each block's: `_row_regions`), what the
@@ -1219,13 +1222,17 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
     whatever the batch, counted apart from the tokens'); and, of the first three, the copies of
     SDPA's output the model makes for its output projection (GPT-NeoX's, Phi's: heads handed out
     of a fused projection come back head-major, and reshaping them copies), which context
-    parallelism's attention, handing its output back sequence-major, does not make. What a
-    module keeps of its own inputs (the norm's output the projections read) is the rest's. SDPA
-    is counted as its flash kernels keep (query, key, value, output, an fp32 log-sum-exp per
-    head and query), where meta would run its math form, which keeps the s × s scores."""
+    parallelism's attention, handing its output back sequence-major, does not make; and the bytes
+    of SDPA's K and V beyond the K/V heads the attention function was handed (the last of
+    `handed`, `_attention_handed`'s): transformers repeats grouped heads up to q's where it hands
+    SDPA a mask (a sliding window's), which context parallelism's attention, handed them grouped,
+    does not. What a module keeps of its own inputs (the norm's output the projections read) is
+    the rest's. SDPA is counted as its flash kernels keep (query, key, value, output, an fp32
+    log-sum-exp per head and query), where meta would run its math form, which keeps the s × s
+    scores."""
     params = {p.untyped_storage()._cdata for p in model.parameters()}
     state: dict[str, Any] = {"block": False, "region": False, "mixer": False, "inputs": set(), "sdpa": False,
-                             "after": False, "tables": set()}
+                             "after": False, "tables": set(), "repeated": 0}
     seen: list[tuple[Any, int, int, str]] = []  # (a reference to what was saved, its part, extra bytes, its kind)
     outputs: list[torch.Tensor] = []  # what SDPA returned, in order
 
@@ -1289,6 +1296,9 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
                 keep(tensor, held=True)
             keep(out, extra=query.shape[:-1].numel() * 4, held=True)  # and the log-sum-exp
             outputs.append(out)
+            if state["block"] and handed and key.dim() == 4 and key.shape[1] > handed[-1][2]:
+                share = 1 - handed[-1][2] / key.shape[1]  # K/V heads repeated past the ones handed
+                state["repeated"] += share * sum(t.numel() * t.element_size() for t in (key, value))
         return out
 
     torch.nn.functional.scaled_dot_product_attention = flash
@@ -1319,7 +1329,8 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
         for hook in hooks:
             hook.remove()
     parts = tuple(sum(size for size, part, _ in kept.values() if part == which) for which in (0, 1, 2, 3, 4))
-    return (*parts, sum(size for size, part, kind in kept.values() if kind == "copy" and part < 3))
+    return (*parts, sum(size for size, part, kind in kept.values() if kind == "copy" and part < 3),
+            int(state["repeated"]))
 
 
 def _declared_parts(model: nn.Module, blocks: str) -> Parts | None:
