@@ -794,6 +794,24 @@ def test_the_kv_heads_repeated_for_sdpa_cp_spares_are_read_apart(tmp_path: Path)
         assert kv_repeat_values(shape, Workload(cp=2, seq_len=16)) == 0, family
 
 
+def test_a_sliding_windows_mask_and_repeated_heads_are_what_autograd_keeps(tmp_path: Path) -> None:
+    """Mistral at one process, to the byte, in fp32: where the sequence (16, 32) reaches the
+    window (6), transformers hands SDPA a mask, which SDPA keeps as its own additive b·s² copy at
+    every layer, and K/V repeated to q's heads; where the window holds it (64), neither. The
+    repeated heads are measured at the shape's lengths, past a window of 6 and of 64 alike, and
+    priced as each sequence makes them (before: 0.95-0.98 and 1.053 of autograd's keep)."""
+    from plait.estimate.activations import stage_activation_bytes
+    from plait.estimate.layout import Workload, layout_stages
+
+    for window in (6, 64):
+        shape = shape_of(tmp_path / f"w{window}", "mistral", sliding_window=window)
+        assert shape.sliding_mask_layers == 1.0
+        for seq in (16, 32):
+            layout = Workload(micro_batch=2, seq_len=seq)
+            estimated = stage_activation_bytes(shape, layout, layout_stages(shape, layout)[0])
+            assert estimated == saved_by_autograd(tmp_path / f"w{window}", torch.float32, 2, seq), (window, seq)
+
+
 def test_a_blocks_activations_are_what_autograd_keeps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What a transformers block keeps per token, measured when the shape is read
     (block_saved_bytes) and priced in the activations, held to what autograd keeps on the CPU

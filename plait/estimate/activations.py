@@ -104,7 +104,8 @@ def llama_layer_bytes(config: GPTConfig, layout: Workload) -> float:
     # a token-mixing module the plan leaves whole runs on the whole sequence on every rank, SP or not
     mixed = max(0.0, mixers) * layout.tokens_per_micro_batch if layout.recompute != "full" else 0.0
     return (_combine(max(0.0, whole), max(0.0, split), layout, layout.compute_bytes * config.d_model) + mixed
-            + eager_attention_bytes(config, layout) + ulysses_order_bytes(layout))
+            + eager_attention_bytes(config, layout) + sdpa_mask_copy_bytes(config, layout)
+            + ulysses_order_bytes(layout))
 
 
 def ulysses_order_bytes(layout: Workload) -> float:
@@ -132,8 +133,12 @@ def measured_correction(config: GPTConfig, layout: Workload) -> tuple[float, flo
         return (0.0, 0.0, 0.0)
     base = Workload(precision="fp32" if index == 0 else "bf16", compiled=layout.compiled)
     whole, split = llama_token_bytes(config, base)
+    # the K/V repeated for SDPA under a mask are priced apart, as each layout's sequence makes
+    # them or not (`kv_repeat_values`): taken off the measured bytes and the formulas' alike
+    split -= base.compute_bytes * kv_repeat_values(config, base)
+    repeated = max(0.0, config.kv_repeat_bytes[index]) if config.kv_repeat_bytes else 0.0
     measured_whole, measured_split, mixers = config.block_saved_bytes[index]
-    return measured_whole - whole, measured_split - split, mixers
+    return measured_whole - whole, measured_split - split - repeated, mixers
 
 
 def llama_token_bytes(config: GPTConfig, layout: Workload) -> tuple[float, float]:
@@ -212,13 +217,35 @@ def o_proj_copy_values(config: GPTConfig, layout: Workload) -> float:
 
 def kv_repeat_values(config: GPTConfig, layout: Workload) -> float:
     """Values a token of K/V heads a transformers attention repeats up to q's for SDPA, beyond
-    the grouped ones (GPTConfig.kv_repeat_bytes, measured: where it hands SDPA a mask, a sliding
-    window's); none under context parallelism, whose attention keeps them grouped, or under
-    selective recomputation, which recomputes the core that repeats them."""
+    the grouped ones, a mean over the blocks: transformers hands SDPA grouped heads only without
+    a mask, so each sliding layer repeats them where the sequence reaches its window
+    (GPTConfig.sliding_mask_layers, their share); elsewhere what was measured
+    (GPTConfig.kv_repeat_bytes). None under context parallelism, whose attention keeps them
+    grouped, or under selective recomputation, which recomputes the core that repeats them."""
     if config.lean_blocks or layout.cp > 1 or layout.recompute == "selective":
         return 0.0
+    if config.sliding_mask_layers:
+        if not 0 < config.sliding_window <= layout.seq_len:
+            return 0.0  # no mask: SDPA takes the heads grouped
+        _, k, v, _ = config.attention_widths
+        repeated = (config.n_heads - config.n_kv_heads) / config.n_kv_heads  # copies of each K/V head
+        return config.sliding_mask_layers * repeated * (k + v)
     measured = measured_in(config.kv_repeat_bytes, layout)
     return 0.0 if measured is None else measured / layout.compute_bytes
+
+
+def sdpa_mask_copy_bytes(config: GPTConfig, layout: Workload) -> float:
+    """What a transformers block keeps per micro-batch of its sliding window's mask: where the
+    sequence reaches the window, transformers hands SDPA a boolean (b, 1, s, s) mask, and SDPA
+    keeps its own additive copy in the compute dtype for backward, at every sliding layer
+    (GPTConfig.sliding_mask_layers, their share: Mistral's every layer, Gemma 3's five in six),
+    whole on every tp rank. None where the window holds the sequence (no mask is made), under
+    recomputation of the attention, or under context parallelism (its own attention, its own
+    mask: `window_mask_bytes`)."""
+    if (not config.sliding_mask_layers or layout.cp > 1 or layout.recompute != "none"
+            or not 0 < config.sliding_window <= layout.seq_len):
+        return 0.0
+    return config.sliding_mask_layers * layout.micro_batch * layout.seq_len ** 2 * layout.compute_bytes
 
 
 def eager_attention_bytes(config: GPTConfig, layout: Workload) -> float:

@@ -269,6 +269,10 @@ class GPTConfig:
     # none: under Ulysses a window shorter than the sequence is one additive mask a rank keeps
     # (plait.parallel.context.ulysses.window_mask; estimate/activations.window_mask_bytes)
     sliding_window: int = 0
+    # The share of a transformers model's blocks that hand SDPA their sliding window's mask, each
+    # kept as SDPA's own additive copy (estimate/activations.sdpa_mask_copy_bytes); 0 where its
+    # attention is not SDPA (an eager one adds a mask it does not keep)
+    sliding_mask_layers: float = 0.0
     # The share of blocks whose token mixing is softmax attention over the sequence, whose
     # FLOPs grow with it (4·h·s a token forward): a hybrid's linear-attention, mamba and
     # convolution blocks are not (Qwen3-Next's three in four, Jamba's seven in eight, Mamba's all)
