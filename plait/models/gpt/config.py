@@ -303,6 +303,7 @@ class GPTConfig:
         object.__setattr__(self, "final_saved_bytes", tuple(self.final_saved_bytes))
         object.__setattr__(self, "position_table_bytes", tuple(self.position_table_bytes))
         object.__setattr__(self, "attention_out_copy_bytes", tuple(self.attention_out_copy_bytes))
+        object.__setattr__(self, "kv_repeat_bytes", tuple(self.kv_repeat_bytes))
         object.__setattr__(self, "tp_gathered_calls", tuple(self.tp_gathered_calls))
         object.__setattr__(self, "tp_expert_entries", tuple(self.tp_expert_entries))
         object.__setattr__(self, "tp_last_rows", tuple(self.tp_last_rows))
