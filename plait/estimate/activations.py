@@ -225,7 +225,7 @@ def kv_repeat_values(config: GPTConfig, layout: Workload) -> float:
     if config.lean_blocks or layout.cp > 1 or layout.recompute == "selective":
         return 0.0
     if config.sliding_mask_layers:
-        if not 0 < config.sliding_window <= layout.seq_len:
+        if not sliding_mask_made(config, layout):
             return 0.0  # no mask: SDPA takes the heads grouped
         _, k, v, _ = config.attention_widths
         repeated = (config.n_heads - config.n_kv_heads) / config.n_kv_heads  # copies of each K/V head
@@ -243,9 +243,15 @@ def sdpa_mask_copy_bytes(config: GPTConfig, layout: Workload) -> float:
     recomputation of the attention, or under context parallelism (its own attention, its own
     mask: `window_mask_bytes`)."""
     if (not config.sliding_mask_layers or layout.cp > 1 or layout.recompute != "none"
-            or not 0 < config.sliding_window <= layout.seq_len):
+            or not sliding_mask_made(config, layout)):
         return 0.0
     return config.sliding_mask_layers * layout.micro_batch * layout.seq_len ** 2 * layout.compute_bytes
+
+
+def sliding_mask_made(config: GPTConfig, layout: Workload) -> bool:
+    """Whether transformers makes a sliding layer's mask at this layout's sequence: where the
+    sequence reaches the window (shorter, and its SDPA runs causal, grouped, unmasked)."""
+    return 0 < config.sliding_window <= layout.seq_len
 
 
 def eager_attention_bytes(config: GPTConfig, layout: Workload) -> float:

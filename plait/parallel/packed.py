@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import inspect
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,27 +117,48 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docume
                                                             scale=scale, enable_gqa=grouped)
 
 
-def dense_mask(documents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dense_mask(documents: torch.Tensor, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
     """SDPA's additive mask of `documents` (batch, seq): (batch, 1, seq, seq), 0 where a query
-    sees a key of its own document at or before it, -inf elsewhere.
+    sees a key of its own document at or before it (and, with `window`, at most window − 1
+    before it: Ulysses' sliding layers), -inf elsewhere.
 
     Why additive, and why shared: SDPA turns a boolean mask into this very tensor of the
     query's dtype and keeps it for backward, a fresh b·s² copy at every layer, where one it is
     given is kept as it is. So the mask is made once and every layer of a forward reads it:
-    the documents tensor remembers it weakly, so it lives exactly as long as some layer's
-    backward keeps it. Under recomputation nothing keeps it, and each layer makes its own
-    and drops it (plait.estimate.activations.document_mask_bytes)."""
+    the documents tensor remembers it weakly (`remembered`), so it lives exactly as long as some
+    layer's backward keeps it. Under recomputation nothing keeps it, and each layer makes its
+    own and drops it (plait.estimate.activations.document_mask_bytes)."""
+    def made_afresh() -> torch.Tensor:
+        allowed = block_causal(documents, documents, True)
+        if window is not None:
+            allowed = allowed & sliding_band(documents.shape[1], window, documents.device)
+        return additive(allowed, dtype)
+
     if torch.compiler.is_compiling():  # a compiled block's graph makes its own; what it keeps is Inductor's choice
-        return additive(block_causal(documents, documents, True), dtype)
+        return made_afresh()
     made = getattr(documents, "_plait_dense_masks", None)
     if made is None:
         made = {}
         documents._plait_dense_masks = made  # type: ignore[attr-defined]
-    mask = made[dtype]() if dtype in made else None
+    return remembered(made, dtype if window is None else (dtype, window), made_afresh)
+
+
+def remembered(made: dict[Any, Any], key: Any, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`made[key]` while something (a layer's backward) keeps it alive, else `make()`, remembered
+    weakly under `key`: one mask for every layer of a forward, none kept past its last user."""
+    mask = made[key]() if key in made else None
     if mask is None:
-        mask = additive(block_causal(documents, documents, True), dtype)
-        made[dtype] = weakref.ref(mask)
+        mask = make()
+        made[key] = weakref.ref(mask)
     return mask
+
+
+def sliding_band(seq: int, window: int, device: torch.device) -> torch.Tensor:
+    """(1, 1, seq, seq) booleans: a query may see a key at or before it and at most window − 1
+    before it (transformers' sliding window)."""
+    positions = torch.arange(seq, device=device)
+    behind = positions.unsqueeze(-1) - positions.unsqueeze(0)
+    return ((behind >= 0) & (behind < window))[None, None]
 
 
 def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -85,6 +85,18 @@ def is_hf(spec: str) -> bool:
     return spec.startswith(PREFIX)
 
 
+def sliding_share(window: Any, kinds: Any, use_sliding_window: Any = True) -> float:
+    """The share of the blocks whose attention slides, from a config's `sliding_window`,
+    `layer_types` and `use_sliding_window`: as `layer_types` says, else every one where a window
+    is set and `use_sliding_window` is not off (Mistral's every layer; transformers' own
+    reading); 0 without a window. The one reading for config.json's and a built model's config."""
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return 0.0
+    if isinstance(kinds, list) and kinds:
+        return kinds.count("sliding_attention") / len(kinds)
+    return 1.0 if use_sliding_window else 0.0
+
+
 @dataclass(frozen=True)
 class HFModelDir:
     """What a Hugging Face model directory holds (see the module docstring)."""
@@ -152,15 +164,11 @@ class HFModelDir:
             raise PlaitError(f"--model {spec}: {CONFIG} has a size that is not a number ({exc})") from None
 
     def sliding_window(self) -> int:
-        """The window (positions) the model's sliding layers attend within, 0 where none slides:
-        `sliding_window` where `layer_types` names sliding layers, or where it names none and
-        `use_sliding_window` is not off (Mistral's every layer; transformers' own reading)."""
-        window, kinds = self.config.get("sliding_window"), self.config.get("layer_types")
-        if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
-            return 0
-        if isinstance(kinds, list):
-            return window if "sliding_attention" in kinds else 0
-        return window if self.config.get("use_sliding_window", True) else 0
+        """The window (positions) the model's sliding layers attend within, 0 where none slides
+        (`sliding_share`)."""
+        c = self.config
+        window = c.get("sliding_window")
+        return window if sliding_share(window, c.get("layer_types"), c.get("use_sliding_window", True)) else 0
 
     def mlp_width(self, hidden: int) -> int:
         """The dense MLP's hidden units: Llama 4's intermediate_size_mlp, else intermediate_size

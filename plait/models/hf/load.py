@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 
 from plait.errors import PlaitError
 from plait.models.gpt.config import GPTConfig
-from plait.models.hf.config import HFModelDir
+from plait.models.hf.config import HFModelDir, sliding_share
 from plait.models.hf.experts import counts_routing, dense_experts
 from plait.models.hf.inferred import inferred_tp_plan
 from plait.models.hf.own_forward import own_parts
@@ -1042,22 +1042,12 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
     matrices = (fp32 if fp32 is not None else 2 * (low or 0.0), low if low is not None else fp32 or 0.0)
     saved = tuple(t[1:4] if t else (-1.0, -1.0, -1.0) for t in terms)
     final, tables, copied, repeated = (tuple(t[part] if t else -1.0 for t in terms) for part in (4, 5, 6, 7))
-    masked = _sliding_share(text_config(model), shape.n_layers) if implementation == "sdpa" else 0.0
+    text = text_config(model)
+    masked = sliding_share(getattr(text, "sliding_window", None), getattr(text, "layer_types", None),
+                           getattr(text, "use_sliding_window", True)) if implementation == "sdpa" else 0.0
     return {"attention_matrix_bytes": matrices, "block_saved_bytes": saved, "final_saved_bytes": final,
             "position_table_bytes": tables, "attention_out_copy_bytes": copied, "kv_repeat_bytes": repeated,
             "sliding_mask_layers": masked, **_heads_as_handed(handed, shape)}
-
-
-def _sliding_share(config: Any, layers: int) -> float:
-    """The share of the blocks whose attention slides (GPTConfig.sliding_mask_layers): as
-    `layer_types` says, else every one where `sliding_window` is set and `use_sliding_window` is
-    not off (transformers' own reading, models/hf/config.HFModelDir.sliding_window)."""
-    if not isinstance(getattr(config, "sliding_window", None), int) or not layers:
-        return 0.0
-    kinds = getattr(config, "layer_types", None)
-    if isinstance(kinds, list) and kinds:
-        return kinds.count("sliding_attention") / len(kinds)
-    return 1.0 if getattr(config, "use_sliding_window", True) is not False else 0.0
 
 
 def _attention_implementation(model: nn.Module) -> str | None:

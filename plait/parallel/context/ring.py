@@ -87,7 +87,7 @@ def expansion(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: bool = F
     """How many times each K/V head is repeated before a block's attention: never on a CPU,
     whose flash kernel takes grouped heads as they are, unless some block runs the plain ops
     under a mask (`masks`); q's heads per K/V head elsewhere."""
-    return 1 if fused(k, v, True if masks else None) else q.shape[1] // k.shape[1]
+    return 1 if fused(k, v, masks or None) else q.shape[1] // k.shape[1]
 
 
 def pack_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -112,7 +112,8 @@ def allowed_keys(documents: torch.Tensor | None, window: int | None, query_chunk
     if documents is not None:
         mine = documents[:, query_chunk * chunk:(query_chunk + 1) * chunk]
         theirs = torch.cat([documents[:, c * chunk:(c + 1) * chunk] for c in key_chunks], dim=1)
-        allowed = block_causal(mine, theirs, masked) if allowed is None else block_causal(mine, theirs, masked) & allowed
+        same_document = block_causal(mine, theirs, masked)
+        allowed = same_document if allowed is None else same_document & allowed
     return allowed
 
 
@@ -247,7 +248,7 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     group, chunk = expansion(q, k, v, masks), q.shape[2] // 2
     dout = dout.to(out.dtype)
     # rowsum(dO·O) per query: the plain ops' backward needs it; the CPU kernel computes its own.
-    deltas = (None, None) if fused(k, v, True if masks else None) else (dout * out).sum(-1).chunk(2, dim=2)
+    deltas = (None, None) if fused(k, v, masks or None) else (dout * out).sum(-1).chunk(2, dim=2)
     dq = torch.zeros(q.shape, dtype=out.dtype, device=q.device)  # q's head size, which V's (and out's) may not be
     query_chunks = chunk_ids(rank, cp)
     parts = list(zip(q.chunk(2, dim=2), dout.chunk(2, dim=2), out.chunk(2, dim=2), lse.chunk(2, dim=2),

@@ -17,14 +17,13 @@ whose backward is the reverse all-to-all; every one goes through plait.runtime.c
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from plait.parallel.context.chunks import natural_order, rank_order
-from plait.parallel.packed import additive, block_causal, document_attention
+from plait.parallel.packed import additive, dense_mask, document_attention, remembered, sliding_band
 from plait.runtime import comm
 from plait.runtime.comm import Axis
 
@@ -77,30 +76,18 @@ _WINDOW_MASKS: dict[tuple[Any, ...], Any] = {}  # (seq, window, dtype, device) -
 def window_mask(seq: int, window: int, documents: torch.Tensor | None, dtype: torch.dtype,
                 device: torch.device) -> torch.Tensor:
     """SDPA's additive mask of a sliding window over the whole sequence: (1, 1, seq, seq), or
-    (batch, 1, seq, seq) inside packed `documents`; 0 where a query sees a key (at or before
-    it, at most window − 1 before, in its own document), −inf elsewhere.
+    (batch, 1, seq, seq) inside packed `documents` (packed.dense_mask); 0 where a query sees a
+    key (at or before it, at most window − 1 before, in its own document), −inf elsewhere.
 
-    Made once a forward and shared by its layers, for packed.dense_mask's reasons (SDPA keeps
-    the mask it is given for backward, and makes a fresh copy of any other at every layer):
-    remembered weakly, it lives as long as some layer's backward keeps it."""
-    positions = torch.arange(seq, device=device)
-    behind = positions.unsqueeze(-1) - positions.unsqueeze(0)
-    band = ((behind >= 0) & (behind < window))[None, None]
-    if torch.compiler.is_compiling():
-        return additive(band if documents is None else band & block_causal(documents, documents, True), dtype)
+    Made once and shared, for packed.dense_mask's reasons (SDPA keeps the mask it is given for
+    backward, and makes a fresh copy of any other at every layer): remembered weakly, it lives
+    as long as some layer's backward keeps it."""
     if documents is not None:
-        made = getattr(documents, "_plait_window_masks", None)
-        if made is None:
-            made = {}
-            documents._plait_window_masks = made  # type: ignore[attr-defined]
-        key: tuple[Any, ...] = (window, dtype)
-    else:
-        made, key = _WINDOW_MASKS, (seq, window, dtype, device)
-    mask = made[key]() if key in made else None
-    if mask is None:
-        mask = additive(band if documents is None else band & block_causal(documents, documents, True), dtype)
-        made[key] = weakref.ref(mask)
-    return mask
+        return dense_mask(documents, dtype, window)
+    if torch.compiler.is_compiling():
+        return additive(sliding_band(seq, window, device), dtype)
+    return remembered(_WINDOW_MASKS, (seq, window, dtype, device),
+                      lambda: additive(sliding_band(seq, window, device), dtype))
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: Axis, causal: bool = True,
