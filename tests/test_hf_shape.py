@@ -794,6 +794,23 @@ def test_the_kv_heads_repeated_for_sdpa_cp_spares_are_read_apart(tmp_path: Path)
         assert kv_repeat_values(shape, Workload(cp=2, seq_len=16)) == 0, family
 
 
+def test_a_fused_projection_sdpa_keeps_through_its_v_is_read_apart(tmp_path: Path) -> None:
+    """GPT-NeoX and Phi-3 hand SDPA a V that is a slice of one fused q|k|v projection's output, and
+    SDPA keeping V keeps all of it: q's and k's values beside V's, 2 × 32 a token for GPT-NeoX,
+    32 + 16 for Phi-3's two K/V heads (GPTConfig.fused_view_bytes, fp32 then bf16); Llama's
+    projections are apart. Ulysses hands its attention V traded by an all-to-all, a tensor of its
+    own, and the fused output is freed: the block's bytes under Ulysses lose exactly that (they
+    were 1.15 and 1.075 of the run's meter), the ring's, which keeps the local V, do not."""
+    from plait.estimate.activations import measured_correction
+
+    for family, fused in (("gpt_neox", 64), ("phi3", 48), ("llama", 0)):
+        shape = sweep_family(tmp_path / family, family)
+        assert shape.fused_view_bytes == (4 * fused, 2 * fused), family
+        plain, ring, ulysses = (measured_correction(shape, Workload(cp=cp, cp_kind=kind, seq_len=16))[1]
+                                for cp, kind in ((1, "ring"), (2, "ring"), (2, "ulysses")))
+        assert plain == ring == ulysses + 4 * fused, family
+
+
 def test_a_sliding_windows_mask_and_repeated_heads_are_what_autograd_keeps(tmp_path: Path) -> None:
     """Mistral at one process, to the byte, in fp32: where the sequence (16, 32) reaches the
     window (6), transformers hands SDPA a mask, which SDPA keeps as its own additive b·s² copy at
@@ -810,6 +827,60 @@ def test_a_sliding_windows_mask_and_repeated_heads_are_what_autograd_keeps(tmp_p
             layout = Workload(micro_batch=2, seq_len=seq)
             estimated = stage_activation_bytes(shape, layout, layout_stages(shape, layout)[0])
             assert estimated == saved_by_autograd(tmp_path / f"w{window}", torch.float32, 2, seq), (window, seq)
+
+
+def sweep_family(path: Path, family: str) -> Any:
+    """The family's tiny shape from the transformers sweep's config (tests/worlds/hf_sweep_world.py),
+    saved at `path` as the sweep's runs save it (a 256-token vocabulary)."""
+    from tests.worlds.hf_sweep_world import family_config
+
+    config = family_config(family)
+    config.vocab_size = 256
+    config.save_pretrained(path)
+    return measured_shape(read_hf_dir(f"hf:{path}"))
+
+
+def one_process_gap(path: Path, shape: Any) -> list[float]:
+    """The estimate of one process less what autograd keeps after a forward, in fp32, at 2 × 16,
+    1 × 16 and 2 × 32 tokens."""
+    from plait.estimate.activations import stage_activation_bytes
+
+    gaps = []
+    for batch, seq in ((2, 16), (1, 16), (2, 32)):
+        layout = Workload(micro_batch=batch, seq_len=seq)
+        estimated = stage_activation_bytes(shape, layout, layout_stages(shape, layout)[0])
+        gaps.append(estimated - saved_by_autograd(path, torch.float32, batch, seq))
+    return gaps
+
+
+def test_what_a_model_keeps_outside_its_blocks_is_what_autograd_keeps(tmp_path: Path) -> None:
+    """nanochat runs its final norm on the embedding's output too, before the blocks; HRM runs
+    one stack's norm between its two stacks: each keeps the norm's input and statistics, 2,112
+    bytes a sequence of 16 here that the estimate missed (0.972 and 0.974 of autograd's keep,
+    under cp too). Measured outside the blocks (GPTConfig.outside_saved_bytes), both are to the
+    byte at one process, and a plain Llama keeps nothing there but its token ids."""
+    for family in ("nanochat", "hrm_text"):
+        shape = sweep_family(tmp_path / family, family)
+        assert shape.outside_saved_bytes == (4 * (32 + 1), 4 * (32 + 1)), family  # h and a statistic, in fp32
+        assert one_process_gap(tmp_path / family, shape) == [0, 0, 0], family
+    assert sweep_family(tmp_path / "llama", "llama").outside_saved_bytes == (0.0, 0.0)
+
+
+def test_a_looped_models_runs_and_its_heads_logits_are_what_autograd_keeps(tmp_path: Path) -> None:
+    """Dory's head scales each logit by a learned weight, and keeps its fp32 logits for that
+    weight's gradient: 1,024 bytes a token at this 256-token vocabulary
+    (GPTConfig.head_saved_bytes), in bf16 too. Its loop adds the input's norm again before each
+    pass, outside the blocks. Its looped kind runs the recurrent block twice: each run keeps its
+    own, so a block's bytes are a mean over the runs (they were over the blocks held: 4/3 of the
+    keep) and its sliding windows' masks are those of two runs in four, not two blocks in three.
+    What is left is exact in tokens: a constant a forward, the small vectors each run derives
+    from its weights (7,168 bytes for four runs, 5,632 for three), which are not priced."""
+    for family, runs, constant in (("dory", 3, 5632), ("dory_looped", 4, 7168)):
+        shape = sweep_family(tmp_path / family, family)
+        assert (sum(shape.block_runs) or shape.n_layers) == runs, family
+        assert shape.head_saved_bytes == (4 * 256, 4 * 256), family
+        assert shape.sliding_mask_layers == (0.5 if runs == 4 else 2 / 3), family
+        assert one_process_gap(tmp_path / family, shape) == pytest.approx([-constant] * 3, abs=1e-6), family
 
 
 def test_a_blocks_activations_are_what_autograd_keeps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

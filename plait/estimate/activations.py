@@ -137,8 +137,11 @@ def measured_correction(config: GPTConfig, layout: Workload) -> tuple[float, flo
     # them or not (`kv_repeat_values`): taken off the measured bytes and the formulas' alike
     split -= base.compute_bytes * kv_repeat_values(config, base)
     repeated = max(0.0, config.kv_repeat_bytes[index]) if config.kv_repeat_bytes else 0.0
+    # a fused projection's output SDPA keeps through its V, which Ulysses' all-to-all frees
+    ulysses = layout.cp > 1 and layout.cp_kind == "ulysses" and layout.recompute == "none"
+    freed = max(0.0, config.fused_view_bytes[index]) if ulysses and config.fused_view_bytes else 0.0
     measured_whole, measured_split, mixers = config.block_saved_bytes[index]
-    return measured_whole - whole, measured_split - split - repeated, mixers
+    return measured_whole - whole, measured_split - split - repeated - freed, mixers
 
 
 def llama_token_bytes(config: GPTConfig, layout: Workload) -> tuple[float, float]:
@@ -309,23 +312,35 @@ def layer_bytes(config: GPTConfig, layout: Workload) -> float:
 def stage_extra_bytes(config: GPTConfig, layout: Workload, stage: StageShare) -> float:
     """Saved outside the blocks, per micro-batch: token ids on the first stage, and where tp
     splits the embedding by vocabulary the boolean mask of the tokens other ranks own, which
-    zeroes their rows (plait.parallel.tensor.layers.sum_owned_rows); the final norm on the last
-    (split by t only under SP, and only where SP cuts the sequence before it: not with
-    `whole_sequence_ends`, whose final norm and head read the whole sequence), and the capped
-    logits where the model's forward caps them (GPTConfig.logit_softcap)."""
-    tokens, e, t = layout.tokens_per_micro_batch, layout.compute_bytes, layout.tp
-    h = config.d_model
+    zeroes their rows (plait.parallel.tensor.layers.sum_owned_rows), and what a transformers
+    model keeps outside its blocks before the last (GPTConfig.outside_saved_bytes: a norm of the
+    embedding's output, counted with it); the final norm on the last, and the logits its head
+    keeps (head_kept_bytes). Split by t only under SP, and only where SP cuts the sequence
+    there: not with `whole_sequence_ends`, whose ends read the whole sequence."""
+    tokens, t = layout.tokens_per_micro_batch, layout.tp
     total = 0.0
     if stage.first:
         total += ID_BYTES * tokens
         if t > 1 and embedding_rows(config, t) < config.vocab_size:
             total += MASK_BYTES * tokens
+        outside = max(0.0, measured_in(config.outside_saved_bytes, layout) or 0.0)
+        total += tokens * (outside / t if layout.sp and not config.whole_sequence_ends else outside)
     if stage.last:
         norm = final_norm_bytes(config, layout)
         total += tokens * (norm / t if layout.sp and not config.whole_sequence_ends else norm)
-        if config.logit_softcap:  # tanh's output: the capped logits of this rank's vocabulary
-            total += tokens * vocab_shard(config, t) * e
+        total += tokens * head_kept_bytes(config, layout)
     return total
+
+
+def head_kept_bytes(config: GPTConfig, layout: Workload) -> float:
+    """The logits the model's head keeps for its backward, a token on this rank: of this rank's
+    vocabulary shard, as measured (GPTConfig.head_saved_bytes: Dory's learned scale keeps them
+    in fp32), else a soft cap's tanh output in the compute dtype; none for a plain head."""
+    share = vocab_shard(config, layout.tp)
+    measured = measured_in(config.head_saved_bytes, layout)
+    if measured is not None:
+        return measured * share / config.vocab_size
+    return share * layout.compute_bytes if config.logit_softcap else 0.0
 
 
 def final_norm_bytes(config: GPTConfig, layout: Workload) -> float:

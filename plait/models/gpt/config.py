@@ -249,6 +249,16 @@ class GPTConfig:
     # a LayerNorm's or an RMSNorm's as it is; -1 where that dtype's forward did not run. Empty:
     # the formula's RMSNorm. estimate/activations.stage_extra_bytes reads it
     final_saved_bytes: tuple[float, float] = ()
+    # What a transformers model keeps outside its blocks before the last one, bytes a token
+    # (fp32, 16-bit), the token ids aside: a norm of the embedding's output (nanochat's,
+    # ModernBERT's), one between two stacks (HRM's) or a loop's passes (Dory's). -1 where that
+    # dtype's forward did not run. estimate/activations.stage_extra_bytes reads it, on the first stage
+    outside_saved_bytes: tuple[float, float] = ()
+    # The logits a transformers model's head keeps for its backward, bytes a token of the whole
+    # vocabulary (fp32, 16-bit): a soft cap's tanh keeps its output; Dory's learned scale on each
+    # logit keeps the logits, in fp32 whatever the compute dtype. -1 where that dtype's forward did
+    # not run; empty: logit_softcap's. estimate/activations.head_kept_bytes reads it
+    head_saved_bytes: tuple[float, float] = ()
     # What the blocks of a transformers model keep of the rotary tables its rotary module makes
     # each forward, bytes a position (fp32, 16-bit), measured in the same forwards: one sequence's
     # (cos and sin), shared by every sequence of the micro-batch; -1 where that dtype's forward
@@ -265,6 +275,12 @@ class GPTConfig:
     # sliding window's layers keep them repeated. Context parallelism's attention is handed them
     # grouped and keeps them so. estimate/activations.kv_repeat_values reads it
     kv_repeat_bytes: tuple[float, float] = ()
+    # Of block_saved_bytes, the rest of a fused q|k|v projection's output that SDPA keeps alive
+    # through a view of it it is handed, bytes a token (fp32, 16-bit): GPT-NeoX's, Phi-3's,
+    # CodeGen's and DBRX's V is a slice of the fused output, and SDPA keeping V keeps all of it.
+    # Ulysses hands its attention V traded by an all-to-all, a tensor of its own, and the fused
+    # output is freed. estimate/activations.measured_correction reads it
+    fused_view_bytes: tuple[float, float] = ()
     # The sliding window (positions) a transformers model's sliding layers attend within, 0 for
     # none: under Ulysses a window shorter than the sequence is one additive mask a rank keeps
     # (plait.parallel.context.ulysses.window_mask; estimate/activations.window_mask_bytes)
@@ -301,9 +317,12 @@ class GPTConfig:
         object.__setattr__(self, "tp_gathered", tuple(self.tp_gathered))
         object.__setattr__(self, "head_widths", tuple(self.head_widths))
         object.__setattr__(self, "final_saved_bytes", tuple(self.final_saved_bytes))
+        object.__setattr__(self, "outside_saved_bytes", tuple(self.outside_saved_bytes))
+        object.__setattr__(self, "head_saved_bytes", tuple(self.head_saved_bytes))
         object.__setattr__(self, "position_table_bytes", tuple(self.position_table_bytes))
         object.__setattr__(self, "attention_out_copy_bytes", tuple(self.attention_out_copy_bytes))
         object.__setattr__(self, "kv_repeat_bytes", tuple(self.kv_repeat_bytes))
+        object.__setattr__(self, "fused_view_bytes", tuple(self.fused_view_bytes))
         object.__setattr__(self, "tp_gathered_calls", tuple(self.tp_gathered_calls))
         object.__setattr__(self, "tp_expert_entries", tuple(self.tp_expert_entries))
         object.__setattr__(self, "tp_last_rows", tuple(self.tp_last_rows))

@@ -85,14 +85,18 @@ def is_hf(spec: str) -> bool:
     return spec.startswith(PREFIX)
 
 
-def sliding_share(window: Any, kinds: Any, use_sliding_window: Any = True) -> float:
+def sliding_share(window: Any, kinds: Any, use_sliding_window: Any = True, runs: tuple[int, ...] = ()) -> float:
     """The share of the blocks whose attention slides, from a config's `sliding_window`,
     `layer_types` and `use_sliding_window`: as `layer_types` says, else every one where a window
     is set and `use_sliding_window` is not off (Mistral's every layer; transformers' own
-    reading); 0 without a window. The one reading for config.json's and a built model's config."""
+    reading); 0 without a window. The one reading for config.json's and a built model's config.
+    With `runs`, a forward's runs of each block (GPTConfig.block_runs), the share of the runs:
+    Dory's looped kind runs its full-attention block twice beside two sliding ones, half of them."""
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
         return 0.0
     if isinstance(kinds, list) and kinds:
+        if len(runs) == len(kinds):
+            return sum(n for n, kind in zip(runs, kinds) if kind == "sliding_attention") / sum(runs)
         return kinds.count("sliding_attention") / len(kinds)
     return 1.0 if use_sliding_window else 0.0
 

@@ -968,7 +968,8 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
     blocks' forwards (`_kept_in_blocks`, on `_measuring_device`) at L, 2L and 3L tokens of one
     sequence (L and 2L under SDPA, which keeps nothing of s²), in fp32 and in bf16: c + a·s +
     q·s² at evenly spaced lengths, q the second difference over 2L², a what remains of the first
-    over L, each a mean over the blocks.
+    over L, each a mean over the blocks' runs (a looped model's run again each pass, and each run
+    keeps its own: Dory's looped kind was priced at 4/3 of its blocks' keep, counted a block held).
 
     - the s² term, where transformers runs the attention eagerly (a soft-cap, sinks, ALiBi that
       SDPA does not take): its s × s matrices, clamped at 0; (0, 0) under SDPA, which keeps none;
@@ -977,6 +978,8 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
       linear attention's, a mamba's: whole under SP too, which reads them whole);
     - what is kept after the blocks, a token (the final norm's, whatever kind of norm it is),
       and of the rotary tables, a position (one sequence's, shared by a batch's);
+    - what is kept outside the blocks before the last, a token (GPTConfig.outside_saved_bytes),
+      and the logits the head keeps, a token (GPTConfig.head_saved_bytes);
     - of the s terms, the copies of SDPA's output the model makes for its output projection
       (GPTConfig.attention_out_copy_bytes), and the K/V heads transformers repeats for SDPA
       (GPTConfig.kv_repeat_bytes), which context parallelism's attention spares.
@@ -989,6 +992,7 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
     if not layers or len(layers) != shape.n_layers:
         return {}
     chunk = getattr(text_config(model), "chunk_size", 0)
+    runs = sum(shape.block_runs) or shape.n_layers  # a looped model's blocks keep theirs at each run
     implementation = _attention_implementation(model)
     eager = implementation == "eager"
     lengths = (1, 2, 3) if eager else (1, 2)  # SDPA keeps nothing of s²: two lengths give the s term
@@ -1021,13 +1025,14 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
             for part in (0, 1, 2):  # each rank's whole, the split regions', the whole-read mixers'
                 c0, c1, c2 = (*(k[part] for k in kept), 0)[:3]
                 q = (c2 - 2 * c1 + c0) / (2 * length * length) if eager else 0.0
-                quadratic += q / shape.n_layers
-                linear.append(max(0.0, (c1 - c0 - 3 * length * length * q) / length / shape.n_layers))
-            # the final norm's, and the rotary tables' (one sequence's, whatever the batch), once a forward
-            after, tables = (max(0.0, (kept[1][part] - kept[0][part]) / length) for part in (3, 4))
-            copied = max(0.0, (kept[1][5] - kept[0][5]) / length / shape.n_layers)  # SDPA's output copied, a block
-            repeated = max(0.0, (kept[1][6] - kept[0][6]) / length / shape.n_layers)  # K/V repeated for SDPA, a block
-            terms.append((quadratic, *linear, after, tables, copied, repeated))
+                quadratic += q / runs
+                linear.append(max(0.0, (c1 - c0 - 3 * length * length * q) / length / runs))
+            # the final norm's, the rotary tables' (one sequence's, whatever the batch), what is
+            # kept outside the blocks before the last and the head's logits: once a forward
+            after, tables, outside, head = (max(0.0, (kept[1][part] - kept[0][part]) / length) for part in (3, 4, 7, 8))
+            # SDPA's output copied, K/V repeated for it, a fused projection it keeps through views: a block's run
+            copied, repeated, fused = (max(0.0, (kept[1][part] - kept[0][part]) / length / runs) for part in (5, 6, 9))
+            terms.append((quadratic, *linear, after, tables, copied, repeated, outside, head, fused))
         return terms, handed
 
     terms, handed = terms_at(length)
@@ -1041,12 +1046,14 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
     fp32, low = (max(0.0, t[0]) if t and eager else None for t in terms)
     matrices = (fp32 if fp32 is not None else 2 * (low or 0.0), low if low is not None else fp32 or 0.0)
     saved = tuple(t[1:4] if t else (-1.0, -1.0, -1.0) for t in terms)
-    final, tables, copied, repeated = (tuple(t[part] if t else -1.0 for t in terms) for part in (4, 5, 6, 7))
+    final, tables, copied, repeated, outside, head, fused = (tuple(t[part] if t else -1.0 for t in terms)
+                                                             for part in (4, 5, 6, 7, 8, 9, 10))
     text = text_config(model)
     masked = sliding_share(getattr(text, "sliding_window", None), getattr(text, "layer_types", None),
-                           getattr(text, "use_sliding_window", True)) if implementation == "sdpa" else 0.0
+                           getattr(text, "use_sliding_window", True), shape.block_runs) if implementation == "sdpa" else 0.0
     return {"attention_matrix_bytes": matrices, "block_saved_bytes": saved, "final_saved_bytes": final,
             "position_table_bytes": tables, "attention_out_copy_bytes": copied, "kv_repeat_bytes": repeated,
+            "outside_saved_bytes": outside, "head_saved_bytes": head, "fused_view_bytes": fused,
             "sliding_mask_layers": masked, **_heads_as_handed(handed, shape)}
 
 
@@ -1229,13 +1236,18 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
     of SDPA's K and V beyond the K/V heads the attention function was handed (the last of
     `handed`, `_attention_handed`'s): transformers repeats grouped heads up to q's where it hands
     SDPA a mask (a sliding window's), which context parallelism's attention, handed them grouped,
-    does not. What a module keeps of its own inputs (the norm's output the projections read) is
-    the rest's. SDPA is counted as its flash kernels keep (query, key, value, output, an fp32
+    does not; what was saved outside the blocks before the last one, the token ids aside (a norm
+    of the embedding's output: nanochat's, ModernBERT's; a norm between two stacks or a loop's
+    passes: HRM's, Dory's); and the `vocab`-wide tensors saved after the last block, the logits a
+    head keeps for its backward (a soft cap's tanh; Dory's learned scale on each logit). What a
+    module keeps of its own inputs (the norm's output the projections read) is the rest's. SDPA
+    is counted as its flash kernels keep (query, key, value, output, an fp32
     log-sum-exp per head and query), where meta would run its math form, which keeps the s × s
     scores."""
     params = {p.untyped_storage()._cdata for p in model.parameters()}
+    ids = torch.zeros(1, length, dtype=torch.long, device=device)
     state: dict[str, Any] = {"block": False, "region": False, "mixer": False, "inputs": set(), "sdpa": False,
-                             "after": False, "tables": set(), "repeated": 0}
+                             "after": False, "tables": set(), "repeated": 0, "ids": ids.untyped_storage()._cdata}
     seen: list[tuple[Any, int, int, str]] = []  # (a reference to what was saved, its part, extra bytes, its kind)
     outputs: list[torch.Tensor] = []  # what SDPA returned, in order
 
@@ -1247,8 +1259,10 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
             part = 1 if state["region"] and made_inside else 2 if state["mixer"] and made_inside else 0
             part = 4 if tensor.untyped_storage()._cdata in state["tables"] else part
             seen.append(((lambda: tensor) if held else weakref.ref(tensor), part, extra, kind))
-        elif state["after"] and tensor.shape[-1:] != (vocab,):
-            seen.append((weakref.ref(tensor), 3, extra, ""))
+        elif state["after"]:  # a vocab-wide tensor is the head's: its logits, kept a token
+            seen.append((weakref.ref(tensor), 8 if tensor.shape[-1:] == (vocab,) else 3, extra, ""))
+        elif tensor.untyped_storage()._cdata != state["ids"]:  # outside the blocks, before the last
+            seen.append((weakref.ref(tensor), 7, extra, ""))
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         # an alias, as plait's ActivationMeter hands back: a tensor saved as its own op's output,
@@ -1296,7 +1310,7 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
             # what the flash kernel's node would save, which lives as long as the graph on the
             # output's path does: held, as no node here keeps these very tensors
             for tensor in (query, key, value):
-                keep(tensor, held=True)
+                keep(tensor, held=True, kind="handed")
             keep(out, extra=query.shape[:-1].numel() * 4, held=True)  # and the log-sum-exp
             outputs.append(out)
             if state["block"] and handed and key.dim() == 4 and key.shape[1] > handed[-1][2]:
@@ -1310,9 +1324,11 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
             # as training runs it, without a key/value cache, which copies K and V (GPT-NeoX's,
             # Persimmon's, GPT-2's: views of a fused projection, which cost nothing more kept)
             with _one_sequence(), _TablesMade(state["tables"]):
-                output = model(input_ids=torch.zeros(1, length, dtype=torch.long, device=device), **no_cache(model))
+                output = model(input_ids=ids, **no_cache(model))
         # what the graph still holds now the forward is done (a branch nothing reads is freed)
         kept: dict[int, tuple[int, int, str]] = {}
+        views: dict[int, int] = {}  # a storage SDPA's inputs in a block view: the bytes they span
+        others: set[int] = set()  # the storages anything else keeps
         for ref, part, extra, kind in seen:
             tensor = ref()
             if tensor is None:
@@ -1322,6 +1338,13 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
                 kept[storage._cdata] = (storage.nbytes(), part, kind)
             if extra:
                 kept[id(ref)] = (extra, part, "")
+            if kind == "handed" and part < 3:
+                views[storage._cdata] = views.get(storage._cdata, 0) + tensor.numel() * tensor.element_size()
+            else:
+                others.add(storage._cdata)
+        # a fused projection's output SDPA alone keeps, through views of it, beyond those views
+        fused = sum(kept[c][0] - spanned for c, spanned in views.items()
+                    if c in kept and c not in others and kept[c][0] > spanned)
         del output
     finally:
         # the graph holds `pack` (so `keep`, and `seen`), and `seen` holds SDPA's tensors, whose
@@ -1331,9 +1354,9 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
         torch.nn.functional.scaled_dot_product_attention = sdpa
         for hook in hooks:
             hook.remove()
-    parts = tuple(sum(size for size, part, _ in kept.values() if part == which) for which in (0, 1, 2, 3, 4))
-    return (*parts, sum(size for size, part, kind in kept.values() if kind == "copy" and part < 3),
-            int(state["repeated"]))
+    parts = tuple(sum(size for size, part, _ in kept.values() if part == which) for which in (0, 1, 2, 3, 4, 7, 8))
+    return (*parts[:5], sum(size for size, part, kind in kept.values() if kind == "copy" and part < 3),
+            int(state["repeated"]), *parts[5:], fused)
 
 
 def _declared_parts(model: nn.Module, blocks: str) -> Parts | None:
