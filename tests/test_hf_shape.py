@@ -794,21 +794,34 @@ def test_the_kv_heads_repeated_for_sdpa_cp_spares_are_read_apart(tmp_path: Path)
         assert kv_repeat_values(shape, Workload(cp=2, seq_len=16)) == 0, family
 
 
-def test_a_fused_projection_sdpa_keeps_through_its_v_is_read_apart(tmp_path: Path) -> None:
-    """GPT-NeoX and Phi-3 hand SDPA a V that is a slice of one fused q|k|v projection's output, and
-    SDPA keeping V keeps all of it: q's and k's values beside V's, 2 × 32 a token for GPT-NeoX,
-    32 + 16 for Phi-3's two K/V heads (GPTConfig.fused_view_bytes, fp32 then bf16); Llama's
-    projections are apart. Ulysses hands its attention V traded by an all-to-all, a tensor of its
-    own, and the fused output is freed: the block's bytes under Ulysses lose exactly that (they
-    were 1.15 and 1.075 of the run's meter), the ring's, which keeps the local V, do not."""
-    from plait.estimate.activations import measured_correction
+def test_what_sdpas_inputs_keep_and_who_keeps_its_output_are_read_apart(tmp_path: Path) -> None:
+    """Ulysses hands its attention q, k and V of its own, traded by all-to-alls, and hands the
+    output back as a tensor of its own; at one process the model's own tensors stood there.
+    - GPT-NeoX and Phi-3 hand SDPA a V that slices one fused q|k|v projection's output nothing
+      else keeps: SDPA keeping V keeps it all, q's and k's values beside (2 × 32 a token,
+      32 + 16 for Phi-3's two K/V heads), which Ulysses frees.
+    - Persimmon's V slices an output its q and k norms keep anyway: at one process it costs
+      nothing of its own, under Ulysses its 32 values (GPTConfig.qkv_view_bytes, signed).
+    - o_proj keeps the attention's output (Llama a view, GPT-NeoX a copy), and under Ulysses
+      the output traded back; JetMoE's mixture of output heads keeps its own gathered pieces
+      instead, and keeps no traded-back output (GPTConfig.attention_out_kept).
+    Under Ulysses the blocks' bytes move by exactly these (GPT-NeoX, Phi-3, Persimmon and JetMoE
+    were 1.15, 1.075, 0.944 and 1.023 of the run's meter); the ring, which keeps the local V, and
+    one process do not."""
+    from plait.estimate.activations import llama_layer_bytes, measured_correction
 
-    for family, fused in (("gpt_neox", 64), ("phi3", 48), ("llama", 0)):
+    for family, beyond, read in (("gpt_neox", 64, 1.0), ("phi3", 48, 1.0), ("persimmon", -32, 1.0),
+                                 ("jetmoe", 0, 0.0), ("llama", 0, 1.0)):
         shape = sweep_family(tmp_path / family, family)
-        assert shape.fused_view_bytes == (4 * fused, 2 * fused), family
-        plain, ring, ulysses = (measured_correction(shape, Workload(cp=cp, cp_kind=kind, seq_len=16))[1]
+        assert shape.qkv_view_bytes == (4 * beyond, 2 * beyond), family
+        assert shape.attention_out_kept == read, family
+        plain, ring, ulysses = (measured_correction(shape, Workload(cp=cp, cp_kind=kind, seq_len=16))
                                 for cp, kind in ((1, "ring"), (2, "ring"), (2, "ulysses")))
-        assert plain == ring == ulysses + 4 * fused, family
+        assert plain == ring and ulysses[1] == plain[1] - 4 * beyond, family
+        with_read, without = (llama_layer_bytes(replace(shape, attention_out_kept=kept),
+                                                Workload(cp=2, cp_kind="ulysses", seq_len=16, micro_batch=2))
+                              for kept in (1.0, 0.0))
+        assert with_read - without == 4 * 32 * 16, family  # h values a token of the traded-back output
 
 
 def test_a_sliding_windows_mask_and_repeated_heads_are_what_autograd_keeps(tmp_path: Path) -> None:

@@ -137,11 +137,12 @@ def measured_correction(config: GPTConfig, layout: Workload) -> tuple[float, flo
     # them or not (`kv_repeat_values`): taken off the measured bytes and the formulas' alike
     split -= base.compute_bytes * kv_repeat_values(config, base)
     repeated = max(0.0, config.kv_repeat_bytes[index]) if config.kv_repeat_bytes else 0.0
-    # a fused projection's output SDPA keeps through its V, which Ulysses' all-to-all frees
+    # what SDPA's inputs alone keep beyond their own values (a fused projection's output through
+    # its V; less a V viewing what the block keeps anyway): Ulysses hands its attention its own
     ulysses = layout.cp > 1 and layout.cp_kind == "ulysses" and layout.recompute == "none"
-    freed = max(0.0, config.fused_view_bytes[index]) if ulysses and config.fused_view_bytes else 0.0
+    beyond = config.qkv_view_bytes[index] if ulysses and config.qkv_view_bytes else 0.0
     measured_whole, measured_split, mixers = config.block_saved_bytes[index]
-    return measured_whole - whole, measured_split - split - repeated - freed, mixers
+    return measured_whole - whole, measured_split - split - repeated - beyond, mixers
 
 
 def llama_token_bytes(config: GPTConfig, layout: Workload) -> tuple[float, float]:
@@ -171,7 +172,7 @@ def llama_token_bytes(config: GPTConfig, layout: Workload) -> tuple[float, float
         # keeps its input, that output in the model's dtype: in fp32 a view of it (the ring
         # writes it seq-major), in 16-bit its cast, e·h more (a transformers block's too).
         k, v = config.attention_widths[1:3]
-        o_proj_input = e * out if e != RING_OUT_BYTES else 0
+        o_proj_input = e * out * config.attention_out_kept if e != RING_OUT_BYTES else 0
         sharded += e * (q + k + v) + RING_OUT_BYTES * out + o_proj_input - e * attention
         if layout.recompute == "selective":
             # the core recomputed keeps neither its fp32 output nor its log-sum-exp; o_proj
@@ -180,8 +181,9 @@ def llama_token_bytes(config: GPTConfig, layout: Workload) -> tuple[float, float
             return replicated, sharded - RING_OUT_BYTES * out - LSE_BYTES * a + kept - o_proj_input
     if layout.cp > 1 and layout.cp_kind == "ulysses" and layout.recompute == "none":
         # o_proj keeps its input: SDPA's output traded back to sequence shards, a copy of it
-        # (SDPA keeps its own, on the head shards), in a transformers block as in plait's
-        sharded += e * out
+        # (SDPA keeps its own, on the head shards), in a transformers block as in plait's, where
+        # an op after the attention keeps its output (GPTConfig.attention_out_kept)
+        sharded += e * out * config.attention_out_kept
     if layout.recompute == "selective":
         # Recomputing the attention core drops SDPA's output and log-sum-exp; q, k, v stay
         # as the recomputation's inputs, K/V as the model made them (repeated ones, outside the

@@ -275,12 +275,18 @@ class GPTConfig:
     # sliding window's layers keep them repeated. Context parallelism's attention is handed them
     # grouped and keeps them so. estimate/activations.kv_repeat_values reads it
     kv_repeat_bytes: tuple[float, float] = ()
-    # Of block_saved_bytes, the rest of a fused q|k|v projection's output that SDPA keeps alive
-    # through a view of it it is handed, bytes a token (fp32, 16-bit): GPT-NeoX's, Phi-3's,
-    # CodeGen's and DBRX's V is a slice of the fused output, and SDPA keeping V keeps all of it.
-    # Ulysses hands its attention V traded by an all-to-all, a tensor of its own, and the fused
-    # output is freed. estimate/activations.measured_correction reads it
-    fused_view_bytes: tuple[float, float] = ()
+    # Of block_saved_bytes, what SDPA's inputs alone keep beyond their own values, bytes a token
+    # (fp32, 16-bit), signed: GPT-NeoX's, Phi-3's, CodeGen's and DBRX's V is a slice of one fused
+    # q|k|v projection's output that nothing else keeps, and SDPA keeping V keeps all of it (2h
+    # a token more for GPT-NeoX); Persimmon's V is a slice of an output its q and k norms keep
+    # anyway, and costs nothing of its own (h less). Ulysses hands its attention tensors of its
+    # own, traded by all-to-alls: estimate/activations.measured_correction takes this off there
+    qkv_view_bytes: tuple[float, float] = ()
+    # The share of the attention's calls whose output an op after it keeps, as a view or a copy
+    # (o_proj's input: Llama's a view, GPT-NeoX's a copy); JetMoE's mixture of output heads keeps
+    # its own gathered pieces instead (0). Where context parallelism hands the output back as a
+    # tensor of its own (Ulysses' traded back; the ring's cast to 16-bit), that op keeps it
+    attention_out_kept: float = 1.0
     # The sliding window (positions) a transformers model's sliding layers attend within, 0 for
     # none: under Ulysses a window shorter than the sequence is one additive mask a rank keeps
     # (plait.parallel.context.ulysses.window_mask; estimate/activations.window_mask_bytes)
@@ -322,7 +328,7 @@ class GPTConfig:
         object.__setattr__(self, "position_table_bytes", tuple(self.position_table_bytes))
         object.__setattr__(self, "attention_out_copy_bytes", tuple(self.attention_out_copy_bytes))
         object.__setattr__(self, "kv_repeat_bytes", tuple(self.kv_repeat_bytes))
-        object.__setattr__(self, "fused_view_bytes", tuple(self.fused_view_bytes))
+        object.__setattr__(self, "qkv_view_bytes", tuple(self.qkv_view_bytes))
         object.__setattr__(self, "tp_gathered_calls", tuple(self.tp_gathered_calls))
         object.__setattr__(self, "tp_expert_entries", tuple(self.tp_expert_entries))
         object.__setattr__(self, "tp_last_rows", tuple(self.tp_last_rows))

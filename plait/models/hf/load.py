@@ -1030,9 +1030,11 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
             # the final norm's, the rotary tables' (one sequence's, whatever the batch), what is
             # kept outside the blocks before the last and the head's logits: once a forward
             after, tables, outside, head = (max(0.0, (kept[1][part] - kept[0][part]) / length) for part in (3, 4, 7, 8))
-            # SDPA's output copied, K/V repeated for it, a fused projection it keeps through views: a block's run
-            copied, repeated, fused = (max(0.0, (kept[1][part] - kept[0][part]) / length / runs) for part in (5, 6, 9))
-            terms.append((quadratic, *linear, after, tables, copied, repeated, outside, head, fused))
+            # SDPA's output copied, K/V repeated for it: a block's run
+            copied, repeated = (max(0.0, (kept[1][part] - kept[0][part]) / length / runs) for part in (5, 6))
+            views = (kept[1][9] - kept[0][9]) / length / runs  # what SDPA's inputs alone keep beyond theirs: signed
+            read = kept[0][10] / kept[0][11] if kept[0][11] else 1.0  # the share of SDPA's outputs kept after it
+            terms.append((quadratic, *linear, after, tables, copied, repeated, outside, head, views, read))
         return terms, handed
 
     terms, handed = terms_at(length)
@@ -1046,14 +1048,17 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
     fp32, low = (max(0.0, t[0]) if t and eager else None for t in terms)
     matrices = (fp32 if fp32 is not None else 2 * (low or 0.0), low if low is not None else fp32 or 0.0)
     saved = tuple(t[1:4] if t else (-1.0, -1.0, -1.0) for t in terms)
-    final, tables, copied, repeated, outside, head, fused = (tuple(t[part] if t else -1.0 for t in terms)
-                                                             for part in (4, 5, 6, 7, 8, 9, 10))
+    final, tables, copied, repeated, outside, head = (tuple(t[part] if t else -1.0 for t in terms)
+                                                      for part in (4, 5, 6, 7, 8, 9))
+    views = tuple(t[10] if t else 0.0 for t in terms)  # signed: a dtype whose forward failed counts none
+    out_kept = next((t[11] for t in terms if t), 1.0)
     text = text_config(model)
     masked = sliding_share(getattr(text, "sliding_window", None), getattr(text, "layer_types", None),
                            getattr(text, "use_sliding_window", True), shape.block_runs) if implementation == "sdpa" else 0.0
     return {"attention_matrix_bytes": matrices, "block_saved_bytes": saved, "final_saved_bytes": final,
             "position_table_bytes": tables, "attention_out_copy_bytes": copied, "kv_repeat_bytes": repeated,
-            "outside_saved_bytes": outside, "head_saved_bytes": head, "fused_view_bytes": fused,
+            "outside_saved_bytes": outside, "head_saved_bytes": head, "qkv_view_bytes": views,
+            "attention_out_kept": out_kept,
             "sliding_mask_layers": masked, **_heads_as_handed(handed, shape)}
 
 
@@ -1247,7 +1252,8 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
     params = {p.untyped_storage()._cdata for p in model.parameters()}
     ids = torch.zeros(1, length, dtype=torch.long, device=device)
     state: dict[str, Any] = {"block": False, "region": False, "mixer": False, "inputs": set(), "sdpa": False,
-                             "after": False, "tables": set(), "repeated": 0, "ids": ids.untyped_storage()._cdata}
+                             "after": False, "tables": set(), "repeated": 0, "ids": ids.untyped_storage()._cdata,
+                             "read": set()}
     seen: list[tuple[Any, int, int, str]] = []  # (a reference to what was saved, its part, extra bytes, its kind)
     outputs: list[torch.Tensor] = []  # what SDPA returned, in order
 
@@ -1270,7 +1276,10 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
         # measurement's graph stayed (28 MB a shape read of a 2-block, 256-wide model on the CPU)
         alias = tensor.detach()
         if not state["sdpa"]:
-            keep(alias, kind="copy" if outputs and _copies_of(tensor, outputs) else "")
+            copy = bool(outputs) and _copies_of(tensor, outputs)
+            if copy or (outputs and tensor.untyped_storage()._cdata == outputs[-1].untyped_storage()._cdata):
+                state["read"].add(len(outputs))  # an op after SDPA keeps its output, or a copy of it
+            keep(alias, kind="copy" if copy else "")
         return alias
 
     def flagged(flag: str, value: bool) -> Callable[..., None]:
@@ -1342,10 +1351,12 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
                 views[storage._cdata] = views.get(storage._cdata, 0) + tensor.numel() * tensor.element_size()
             else:
                 others.add(storage._cdata)
-        # a fused projection's output SDPA alone keeps, through views of it, beyond those views
-        fused = sum(kept[c][0] - spanned for c, spanned in views.items()
-                    if c in kept and c not in others and kept[c][0] > spanned)
+        # what SDPA's inputs alone keep beyond their own values: the rest of a fused projection's
+        # output where nothing else keeps it, less the inputs that view what something else keeps
+        beyond = (sum(kept[c][0] for c in views if c in kept and c not in others)
+                  - sum(spanned for c, spanned in views.items() if c in kept))
         del output
+        calls = len(outputs)
     finally:
         # the graph holds `pack` (so `keep`, and `seen`), and `seen` holds SDPA's tensors, whose
         # graph that is: a cycle through autograd's C++ that no collector sees, broken here
@@ -1356,7 +1367,7 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
             hook.remove()
     parts = tuple(sum(size for size, part, _ in kept.values() if part == which) for which in (0, 1, 2, 3, 4, 7, 8))
     return (*parts[:5], sum(size for size, part, kind in kept.values() if kind == "copy" and part < 3),
-            int(state["repeated"]), *parts[5:], fused)
+            int(state["repeated"]), *parts[5:], beyond, len(state["read"]), calls)
 
 
 def _declared_parts(model: nn.Module, blocks: str) -> Parts | None:
