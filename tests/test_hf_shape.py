@@ -886,14 +886,26 @@ def test_a_looped_models_runs_and_its_heads_logits_are_what_autograd_keeps(tmp_p
     pass, outside the blocks. Its looped kind runs the recurrent block twice: each run keeps its
     own, so a block's bytes are a mean over the runs (they were over the blocks held: 4/3 of the
     keep) and its sliding windows' masks are those of two runs in four, not two blocks in three.
-    What is left is exact in tokens: a constant a forward, the small vectors each run derives
-    from its weights (7,168 bytes for four runs, 5,632 for three), which are not priced."""
-    for family, runs, constant in (("dory", 3, 5632), ("dory_looped", 4, 7168)):
+    Each run also derives small vectors from its weights, 1,536 bytes a run whatever the tokens,
+    and the head its scale, 1,024 (GPTConfig.constant_bytes): with them, to the byte."""
+    for family, runs in (("dory", 3), ("dory_looped", 4)):
         shape = sweep_family(tmp_path / family, family)
         assert (sum(shape.block_runs) or shape.n_layers) == runs, family
         assert shape.head_saved_bytes == (4 * 256, 4 * 256), family
         assert shape.sliding_mask_layers == (0.5 if runs == 4 else 2 / 3), family
-        assert one_process_gap(tmp_path / family, shape) == pytest.approx([-constant] * 3, abs=1e-6), family
+        assert shape.constant_bytes[0][0] == 1536 and shape.constant_bytes[2][0] == 1024, family
+        assert one_process_gap(tmp_path / family, shape) == pytest.approx([0] * 3, abs=1e-6), family
+
+
+def test_what_no_token_makes_is_kept_once_a_forward(tmp_path: Path) -> None:
+    """Gemma's and Nemotron's norms make 1 + weight afresh at each call and keep it for backward:
+    h values a norm a forward, whatever the tokens; Gemma's embedding scale keeps its one value.
+    Left out, the estimate was 640-1,156 bytes under autograd's keep at every length. Priced a
+    block's run and at the ends (GPTConfig.constant_bytes), to the byte; a Llama keeps none."""
+    for family, per_run in (("gemma", 2 * 128), ("gemma2", 4 * 128), ("nemotron", 2 * 128), ("llama", 0)):
+        shape = sweep_family(tmp_path / family, family)
+        assert shape.constant_bytes[0][0] == per_run, family  # fp32 (Gemma's norms make 1 + weight in fp32 in bf16 too)
+        assert one_process_gap(tmp_path / family, shape) == [0, 0, 0], family
 
 
 def test_a_blocks_activations_are_what_autograd_keeps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -105,7 +105,16 @@ def llama_layer_bytes(config: GPTConfig, layout: Workload) -> float:
     mixed = max(0.0, mixers) * layout.tokens_per_micro_batch if layout.recompute != "full" else 0.0
     return (_combine(max(0.0, whole), max(0.0, split), layout, layout.compute_bytes * config.d_model) + mixed
             + eager_attention_bytes(config, layout) + sdpa_mask_copy_bytes(config, layout)
-            + ulysses_order_bytes(layout))
+            + ulysses_order_bytes(layout) + constant_kept_bytes(config, layout, 0) * (layout.recompute != "full"))
+
+
+def constant_kept_bytes(config: GPTConfig, layout: Workload, where: int) -> float:
+    """What a transformers model keeps a forward that no token makes (GPTConfig.constant_bytes):
+    `where` 0 a block's run (vectors it derives from its weights: Gemma's norms' 1 + weight;
+    recomputed, not kept, under full recomputation), 1 the first stage's, 2 the last's."""
+    if len(config.constant_bytes) <= where:
+        return 0.0
+    return max(0.0, measured_in(config.constant_bytes[where], layout) or 0.0)
 
 
 def ulysses_order_bytes(layout: Workload) -> float:
@@ -327,10 +336,11 @@ def stage_extra_bytes(config: GPTConfig, layout: Workload, stage: StageShare) ->
             total += MASK_BYTES * tokens
         outside = max(0.0, measured_in(config.outside_saved_bytes, layout) or 0.0)
         total += tokens * (outside / t if layout.sp and not config.whole_sequence_ends else outside)
+        total += constant_kept_bytes(config, layout, 1)
     if stage.last:
         norm = final_norm_bytes(config, layout)
         total += tokens * (norm / t if layout.sp and not config.whole_sequence_ends else norm)
-        total += tokens * head_kept_bytes(config, layout)
+        total += tokens * head_kept_bytes(config, layout) + constant_kept_bytes(config, layout, 2)
     return total
 
 

@@ -287,6 +287,12 @@ class GPTConfig:
     # its own gathered pieces instead (0). Where context parallelism hands the output back as a
     # tensor of its own (Ulysses' traded back; the ring's cast to 16-bit), that op keeps it
     attention_out_kept: float = 1.0
+    # What a transformers model keeps a forward that no token makes, bytes (fp32, 16-bit): a
+    # block's run, the first stage's (outside the blocks) and the last's (the final norm and the
+    # head): vectors derived from the weights each forward, as Gemma's and Nemotron's norms make
+    # 1 + weight, Dory's its scales; whole on every rank. -1 where that dtype's forward did not
+    # run. estimate/activations.constant_kept_bytes reads it
+    constant_bytes: tuple[tuple[float, float], ...] = ()
     # The sliding window (positions) a transformers model's sliding layers attend within, 0 for
     # none: under Ulysses a window shorter than the sequence is one additive mask a rank keeps
     # (plait.parallel.context.ulysses.window_mask; estimate/activations.window_mask_bytes)
@@ -329,6 +335,7 @@ class GPTConfig:
         object.__setattr__(self, "attention_out_copy_bytes", tuple(self.attention_out_copy_bytes))
         object.__setattr__(self, "kv_repeat_bytes", tuple(self.kv_repeat_bytes))
         object.__setattr__(self, "qkv_view_bytes", tuple(self.qkv_view_bytes))
+        object.__setattr__(self, "constant_bytes", tuple(tuple(pair) for pair in self.constant_bytes))
         object.__setattr__(self, "tp_gathered_calls", tuple(self.tp_gathered_calls))
         object.__setattr__(self, "tp_expert_entries", tuple(self.tp_expert_entries))
         object.__setattr__(self, "tp_last_rows", tuple(self.tp_last_rows))

@@ -980,6 +980,8 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
       and of the rotary tables, a position (one sequence's, shared by a batch's);
     - what is kept outside the blocks before the last, a token (GPTConfig.outside_saved_bytes),
       and the logits the head keeps, a token (GPTConfig.head_saved_bytes);
+    - what no token makes, c (GPTConfig.constant_bytes): vectors a block's run derives from its
+      weights (Gemma's norms' 1 + weight, Dory's scales), and the first and last stages' own;
     - of the s terms, the copies of SDPA's output the model makes for its output projection
       (GPTConfig.attention_out_copy_bytes), and the K/V heads transformers repeats for SDPA
       (GPTConfig.kv_repeat_bytes), which context parallelism's attention spares.
@@ -1021,12 +1023,15 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
                 continue
             if not handed:  # the first dtype whose forwards all ran: each call once a length
                 handed.extend(seen[:len(seen) // len(lengths)])
-            quadratic, linear = 0.0, []
+            quadratic, linear, constant = 0.0, [], 0.0
             for part in (0, 1, 2):  # each rank's whole, the split regions', the whole-read mixers'
                 c0, c1, c2 = (*(k[part] for k in kept), 0)[:3]
                 q = (c2 - 2 * c1 + c0) / (2 * length * length) if eager else 0.0
                 quadratic += q / runs
                 linear.append(max(0.0, (c1 - c0 - 3 * length * length * q) / length / runs))
+                constant += 2 * c0 - c1 + 2 * length * length * q  # c of c + a·s + q·s²
+            # what no token makes, once a forward: the first stage's and the last's
+            first, last = (sum(2 * kept[0][part] - kept[1][part] for part in parts) for parts in ((7,), (3, 8)))
             # the final norm's, the rotary tables' (one sequence's, whatever the batch), what is
             # kept outside the blocks before the last and the head's logits: once a forward
             after, tables, outside, head = (max(0.0, (kept[1][part] - kept[0][part]) / length) for part in (3, 4, 7, 8))
@@ -1034,7 +1039,8 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
             copied, repeated = (max(0.0, (kept[1][part] - kept[0][part]) / length / runs) for part in (5, 6))
             views = (kept[1][9] - kept[0][9]) / length / runs  # what SDPA's inputs alone keep beyond theirs: signed
             read = kept[0][10] / kept[0][11] if kept[0][11] else 1.0  # the share of SDPA's outputs kept after it
-            terms.append((quadratic, *linear, after, tables, copied, repeated, outside, head, views, read))
+            terms.append((quadratic, *linear, after, tables, copied, repeated, outside, head, views, read,
+                          tuple(max(0.0, c) for c in (constant / runs, first, last))))
         return terms, handed
 
     terms, handed = terms_at(length)
@@ -1052,13 +1058,14 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
                                                       for part in (4, 5, 6, 7, 8, 9))
     views = tuple(t[10] if t else 0.0 for t in terms)  # signed: a dtype whose forward failed counts none
     out_kept = next((t[11] for t in terms if t), 1.0)
+    constants = tuple(tuple(t[12][where] if t else -1.0 for t in terms) for where in (0, 1, 2))
     text = text_config(model)
     masked = sliding_share(getattr(text, "sliding_window", None), getattr(text, "layer_types", None),
                            getattr(text, "use_sliding_window", True), shape.block_runs) if implementation == "sdpa" else 0.0
     return {"attention_matrix_bytes": matrices, "block_saved_bytes": saved, "final_saved_bytes": final,
             "position_table_bytes": tables, "attention_out_copy_bytes": copied, "kv_repeat_bytes": repeated,
             "outside_saved_bytes": outside, "head_saved_bytes": head, "qkv_view_bytes": views,
-            "attention_out_kept": out_kept,
+            "attention_out_kept": out_kept, "constant_bytes": constants,
             "sliding_mask_layers": masked, **_heads_as_handed(handed, shape)}
 
 
