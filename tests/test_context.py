@@ -234,6 +234,12 @@ def test_a_window_the_layer_declares_but_does_not_hand_over_is_refused() -> None
     context_forward(context, WindowedAttention(), q, q, q, sliding_window=6)
     assert handed == [6]
 
+    class FullAttention(WindowedAttention):  # EXAONE MoE's full layers: the config's window, not sliding
+        is_sliding = False
+
+    context_forward(context, FullAttention(), q, q, q)
+    assert handed == [6, None]
+
 
 def test_ulysses_keeps_one_window_mask_a_rank_and_the_ring_none() -> None:
     """A sliding window shorter than the sequence: Ulysses keeps one additive s × s mask a rank,

@@ -73,8 +73,8 @@ def context_forward(context: Any, module: nn.Module, query: torch.Tensor, key: t
     if dropout:
         raise PlaitError(f"attention dropout ({dropout}) is not built under context parallelism",
                          hint="set the model's attention dropout to 0, or drop --cp")
-    declared = getattr(module, "sliding_window", None)
-    if sliding_window is None and isinstance(declared, int) and 0 < declared < seq:
+    declared = declared_window(module)
+    if sliding_window is None and 0 < declared < seq:
         raise PlaitError(f"{type(module).__name__} declares a sliding window of {declared} tokens it does not hand "
                          "its attention function: cp cannot mask by it", hint=f"use --seq-len {declared} or less, "
                                                                             "or drop --cp")
@@ -86,6 +86,16 @@ def context_forward(context: Any, module: nn.Module, query: torch.Tensor, key: t
     out = context.attend(query, key, value, causal=causal, scale=scaling, documents=context.documents,
                          window=sliding_window or None)
     return out.transpose(1, 2).contiguous(), None
+
+
+def declared_window(module: nn.Module) -> int:
+    """The sliding window a layer's attention module declares, 0 for none: its `sliding_window`,
+    unless it says it does not slide (EXAONE MoE's and Kolibri's full-attention layers hold the
+    config's window beside `is_sliding` false, and rightly hand their attention none)."""
+    declared = getattr(module, "sliding_window", None)
+    if getattr(module, "is_sliding", True) is False or getattr(module, "layer_type", None) == "full_attention":
+        return 0
+    return declared if isinstance(declared, int) and not isinstance(declared, bool) else 0
 
 
 def check_layer_kinds(model: nn.Module) -> None:
