@@ -1006,10 +1006,13 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
     device = _measuring_device(model)
 
     def terms_at(length: int) -> tuple[list[tuple[float, ...] | None], list[tuple[int, ...]]]:
-        """(the s² term, the blocks' three s terms a block, the s term after the blocks, the
-        rotary tables' bytes a position, the copies of SDPA's output a block) in fp32 and in
-        bf16, None where that forward failed; and the attention's calls in one forward of the
-        first dtype whose forwards all ran."""
+        """(the s² term, the blocks' three s terms a block's run, the s terms after the blocks,
+        the rotary tables' a position, the copies of SDPA's output and the K/V repeated for it a
+        run, the s terms outside the blocks before the last and of the head's logits, what SDPA's
+        inputs alone keep beyond theirs a run, the share of SDPA's outputs an op after keeps, and
+        (a run's, the first stage's, the last's) c) in fp32 and in bf16, None where that forward
+        failed; and the attention's calls in one forward of the first dtype whose forwards all
+        ran."""
         terms: list[tuple[float, ...] | None] = []
         handed: list[tuple[int, ...]] = []
         for dtype in (torch.float32, torch.bfloat16):
@@ -1250,8 +1253,12 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
     SDPA a mask (a sliding window's), which context parallelism's attention, handed them grouped,
     does not; what was saved outside the blocks before the last one, the token ids aside (a norm
     of the embedding's output: nanochat's, ModernBERT's; a norm between two stacks or a loop's
-    passes: HRM's, Dory's); and the `vocab`-wide tensors saved after the last block, the logits a
-    head keeps for its backward (a soft cap's tanh; Dory's learned scale on each logit). What a
+    passes: HRM's, Dory's); the `vocab`-wide tensors saved after the last block, the logits a
+    head keeps for its backward (a soft cap's tanh; Dory's learned scale on each logit); what
+    SDPA's inputs in the blocks alone keep beyond their own values (a fused projection's output
+    a V slices; less an input slicing what something else keeps), which Ulysses' all-to-alls
+    change; and how many of SDPA's calls had their output (or a copy) kept by an op after, of
+    how many calls. What a
     module keeps of its own inputs (the norm's output the projections read) is the rest's. SDPA
     is counted as its flash kernels keep (query, key, value, output, an fp32
     log-sum-exp per head and query), where meta would run its math form, which keeps the s × s
