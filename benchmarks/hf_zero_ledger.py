@@ -84,9 +84,11 @@ def activations_lines(rows: list[dict]) -> list[str]:
     """The activations' prediction against the meter's, the busiest rank's: how many families
     within 2% and 10%, the median, and each family outside 10%."""
     ratios = {row["family"]: row["activations"][1] / row["activations"][0]
-              for row in rows if row.get("activations") and row["activations"][0]}
+              for row in rows if row.get("activations") and row["activations"][0] and row["activations"][1] is not None}
     if not ratios:
         return []
+    unpredicted = sorted(row["family"] for row in rows  # a shape known by its parameters alone (RWKV's)
+                         if row.get("activations") and row["activations"][1] is None)
     ordered = sorted(ratios.values())
     within = {bar: sum(abs(r - 1) <= bar for r in ordered) for bar in (0.02, 0.10)}
     lines = [f"Activations, predicted / measured (the busiest rank's): median {ordered[len(ordered) // 2]:.3f}, "
@@ -94,6 +96,8 @@ def activations_lines(rows: list[dict]) -> list[str]:
     outside = sorted((r, family) for family, r in ratios.items() if abs(r - 1) > 0.10)
     if outside:
         lines[-1] += " Outside 10%: " + ", ".join(f"{family} {r:.2f}" for r, family in outside) + "."
+    if unpredicted:
+        lines[-1] += " Not predicted (known by their parameters alone): " + ", ".join(unpredicted) + "."
     return lines + [""]
 
 
