@@ -105,23 +105,29 @@ def llama_layer_bytes(config: GPTConfig, layout: Workload) -> float:
     mixed = max(0.0, mixers) * layout.tokens_per_micro_batch if layout.recompute != "full" else 0.0
     return (_combine(max(0.0, whole), max(0.0, split), layout, layout.compute_bytes * config.d_model) + mixed
             + eager_attention_bytes(config, layout) + sdpa_mask_copy_bytes(config, layout)
-            + ulysses_order_bytes(layout) + constant_kept_bytes(config, layout, 0) * (layout.recompute != "full"))
+            + ulysses_order_bytes(layout) + constant_kept_bytes(config, layout, 0))
 
 
 def constant_kept_bytes(config: GPTConfig, layout: Workload, where: int) -> float:
     """What a transformers model keeps a forward that no token makes (GPTConfig.constant_bytes):
     `where` 0 a block's run (vectors it derives from its weights: Gemma's norms' 1 + weight;
     recomputed, not kept, under full recomputation), 1 the first stage's, 2 the last's."""
-    if len(config.constant_bytes) <= where:
+    if len(config.constant_bytes) <= where or (where == 0 and layout.recompute == "full"):
         return 0.0
     return max(0.0, measured_in(config.constant_bytes[where], layout) or 0.0)
+
+
+def ulysses_keeps_its_own(layout: Workload) -> bool:
+    """Whether Ulysses' attention runs here and keeps what it makes for backward (its traded q,
+    k, V and output, its orderings, its window mask): cp > 1 of that kind, nothing recomputed."""
+    return layout.cp > 1 and layout.cp_kind == "ulysses" and layout.recompute == "none"
 
 
 def ulysses_order_bytes(layout: Workload) -> float:
     """Ulysses' two reorderings of the whole sequence in each block (ranks' order to positions'
     and back, plait.parallel.context.ulysses): the int64 indices its index_selects keep, made
     afresh by each block's attention. Recomputed with the core under recomputation."""
-    if layout.cp == 1 or layout.cp_kind != "ulysses" or layout.recompute != "none":
+    if not ulysses_keeps_its_own(layout):
         return 0.0
     return 2.0 * ID_BYTES * layout.seq_len
 
@@ -148,8 +154,7 @@ def measured_correction(config: GPTConfig, layout: Workload) -> tuple[float, flo
     repeated = max(0.0, config.kv_repeat_bytes[index]) if config.kv_repeat_bytes else 0.0
     # what SDPA's inputs alone keep beyond their own values (a fused projection's output through
     # its V; less a V viewing what the block keeps anyway): Ulysses hands its attention its own
-    ulysses = layout.cp > 1 and layout.cp_kind == "ulysses" and layout.recompute == "none"
-    beyond = config.qkv_view_bytes[index] if ulysses and config.qkv_view_bytes else 0.0
+    beyond = config.qkv_view_bytes[index] if ulysses_keeps_its_own(layout) and config.qkv_view_bytes else 0.0
     measured_whole, measured_split, mixers = config.block_saved_bytes[index]
     return measured_whole - whole, measured_split - split - repeated - beyond, mixers
 
@@ -188,7 +193,7 @@ def llama_token_bytes(config: GPTConfig, layout: Workload) -> tuple[float, float
             # still keeps its input, the core's output in the model's dtype
             kept = e * out if lean else 0
             return replicated, sharded - RING_OUT_BYTES * out - LSE_BYTES * a + kept - o_proj_input
-    if layout.cp > 1 and layout.cp_kind == "ulysses" and layout.recompute == "none":
+    if ulysses_keeps_its_own(layout):
         # o_proj keeps its input: SDPA's output traded back to sequence shards, a copy of it
         # (SDPA keeps its own, on the head shards), in a transformers block as in plait's, where
         # an op after the attention keeps its output (GPTConfig.attention_out_kept)
@@ -329,17 +334,16 @@ def stage_extra_bytes(config: GPTConfig, layout: Workload, stage: StageShare) ->
     keeps (head_kept_bytes). Split by t only under SP, and only where SP cuts the sequence
     there: not with `whole_sequence_ends`, whose ends read the whole sequence."""
     tokens, t = layout.tokens_per_micro_batch, layout.tp
+    sequence_cut = t if layout.sp and not config.whole_sequence_ends else 1  # what SP cuts the ends' tokens by
     total = 0.0
     if stage.first:
         total += ID_BYTES * tokens
         if t > 1 and embedding_rows(config, t) < config.vocab_size:
             total += MASK_BYTES * tokens
         outside = max(0.0, measured_in(config.outside_saved_bytes, layout) or 0.0)
-        total += tokens * (outside / t if layout.sp and not config.whole_sequence_ends else outside)
-        total += constant_kept_bytes(config, layout, 1)
+        total += tokens * (outside / sequence_cut) + constant_kept_bytes(config, layout, 1)
     if stage.last:
-        norm = final_norm_bytes(config, layout)
-        total += tokens * (norm / t if layout.sp and not config.whole_sequence_ends else norm)
+        total += tokens * (final_norm_bytes(config, layout) / sequence_cut)
         total += tokens * head_kept_bytes(config, layout) + constant_kept_bytes(config, layout, 2)
     return total
 
@@ -414,8 +418,7 @@ def window_mask_bytes(config: GPTConfig, layout: Workload) -> float:
     (1, 1, s, s) mask in the compute dtype, (b, 1, s, s) inside packed documents, kept for
     backward. None under recomputation (each layer makes its own and drops it), under the ring
     (its backward makes each block's again) or where the window holds the whole sequence."""
-    if (layout.cp == 1 or layout.cp_kind != "ulysses" or layout.recompute != "none"
-            or not 0 < config.sliding_window < layout.seq_len):
+    if not ulysses_keeps_its_own(layout) or not 0 < config.sliding_window < layout.seq_len:
         return 0.0
     return float((layout.micro_batch if layout.doc_mask else 1) * layout.seq_len ** 2 * layout.compute_bytes)
 
