@@ -630,13 +630,13 @@ def test_published_models_are_counted_as_published(tmp_path: Path, family: str, 
 
 def saved_by_autograd(path: Path, dtype: torch.dtype, batch: int, seq: int) -> int:
     """Bytes autograd keeps after one forward of the model at `path`, built with values on the
-    CPU from its seed: each storage once, the parameters' not, what a branch nothing reads
+    CPU from its seed: each storage once, the parameters' and buffers' not, what a branch nothing reads
     saved (and freed) not."""
     config = transformers.AutoConfig.from_pretrained(path)
     config.use_cache = False  # as training runs it: no key/value cache
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).train()
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}  # resident, as the meter's
     saved: list[Any] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -899,13 +899,59 @@ def test_a_looped_models_runs_and_its_heads_logits_are_what_autograd_keeps(tmp_p
 
 def test_what_no_token_makes_is_kept_once_a_forward(tmp_path: Path) -> None:
     """Gemma's and Nemotron's norms make 1 + weight afresh at each call and keep it for backward:
-    h values a norm a forward, whatever the tokens; Gemma's embedding scale keeps its one value.
-    Left out, the estimate was 640-1,156 bytes under autograd's keep at every length. Priced a
+    h values a norm a forward, whatever the tokens (Gemma's embedding scale is a buffer, resident,
+    not kept). Left out, the estimate was 640-1,156 bytes under autograd's keep at every length. Priced a
     block's run and at the ends (GPTConfig.constant_bytes), to the byte; a Llama keeps none."""
     for family, per_run in (("gemma", 2 * 128), ("gemma2", 4 * 128), ("nemotron", 2 * 128), ("llama", 0)):
         shape = sweep_family(tmp_path / family, family)
         assert shape.constant_bytes[0][0] == per_run, family  # fp32 (Gemma's norms make 1 + weight in fp32 in bf16 too)
         assert one_process_gap(tmp_path / family, shape) == [0, 0, 0], family
+
+
+def estimate_over_keep(path: Path, shape: Any, batch: int, seq: int) -> float:
+    """The one-process estimate over what autograd keeps after a forward, in fp32."""
+    from plait.estimate.activations import stage_activation_bytes
+
+    layout = Workload(micro_batch=batch, seq_len=seq)
+    estimated = stage_activation_bytes(shape, layout, layout_stages(shape, layout)[0])
+    return estimated / saved_by_autograd(path, torch.float32, batch, seq)
+
+
+def test_a_buffer_is_resident_and_a_block_of_lightning_attention_is_read_whole(tmp_path: Path) -> None:
+    """MiniMax's lightning attention reads views of its decay tables, buffers (1 MiB of the tiny
+    model), which the estimate took for a forward's keep and the meter, rightly, does not: the
+    run's activations read 0.24 of the estimate. It works on blocks of 256 tokens (config's
+    block_size), keeping each head's block × block scores, so its keep grows with the sequence
+    as at full length only from a block up: measured from there, within 2% at one, two and
+    four blocks."""
+    shape = sweep_family(tmp_path / "minimax", "minimax")
+    for batch, seq in ((1, 256), (1, 512), (2, 1024)):
+        assert estimate_over_keep(tmp_path / "minimax", shape, batch, seq) == pytest.approx(1, abs=0.02), seq
+
+
+def test_a_bias_sdpa_keeps_is_its_s2_term(tmp_path: Path) -> None:
+    """Inkling hands SDPA its relative position bias as a float mask, b·heads·s² values the
+    kernel keeps for the bias's gradient, made of s × s gathers that keep their indices. Read as
+    SDPA's (two lengths, no s² term), the estimate was 1.12 of autograd's keep at 16 tokens and
+    0.77 at 256. A block that keeps an s × s tensor at both lengths is measured at a third:
+    within 1% from 16 tokens to 256 (the CPU's SDPA keeps its softmax where a GPU's keeps the
+    bias, as many bytes in fp32)."""
+    shape = sweep_family(tmp_path / "inkling", "inkling_text")
+    assert shape.attention_matrix_bytes[0] > 0
+    for seq in (16, 64, 256):
+        assert estimate_over_keep(tmp_path / "inkling", shape, 1, seq) == pytest.approx(1, abs=0.01), seq
+
+
+def test_the_reading_is_the_same_each_time(tmp_path: Path) -> None:
+    """DeepSeek-V4 makes temporaries of its rotary tables; held by address alone, a freed one's
+    address went to the next storage made, which was then read as a table's: its estimate moved
+    between 0.87 and 1.8 of autograd's keep from one reading to the next. Held while listed,
+    two readings agree, to the byte at one sequence."""
+    first = sweep_family(tmp_path / "a", "deepseek_v4")
+    second = sweep_family(tmp_path / "b", "deepseek_v4")
+    assert (first.block_saved_bytes, first.constant_bytes, first.position_table_bytes) == \
+        (second.block_saved_bytes, second.constant_bytes, second.position_table_bytes)
+    assert estimate_over_keep(tmp_path / "a", first, 1, 64) == 1
 
 
 def test_a_blocks_activations_are_what_autograd_keeps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -961,18 +961,78 @@ MEASURED_TOKENS = 64  # the shortest of the lengths a block's keep is measured a
 # names its own, `chunk_size`), so what it keeps grows with the sequence as at full length
 
 
+class Terms(NamedTuple):
+    """One dtype's reading of a model's keep (`_fitted`), each the term of c + a·s + q·s² it is."""
+
+    quadratic: float | None  # the s² term, a block's run; None where it was not measured
+    rest: float  # the blocks' s terms, a block's run: each rank's whole,
+    split: float  # what the tp plan's regions make,
+    mixers: float  # what the token-mixing modules it leaves whole make
+    after: float  # a token's, after the blocks (the final norm's)
+    tables: float  # the rotary tables', a position (one sequence's, whatever the batch)
+    copied: float  # SDPA's output copied for its output projection, a block's run
+    repeated: float  # K/V heads repeated for SDPA, a block's run
+    outside: float  # a token's, outside the blocks before the last
+    head: float  # the head's logits, a token's
+    views: float  # what SDPA's inputs alone keep beyond their own values, a block's run: signed
+    read: float  # the share of SDPA's outputs an op after keeps
+    constants: tuple[float, float, float]  # c: a block's run, the first stage's, the last's
+
+
+def _fitted(kept: list[Kept], length: int, runs: int) -> Terms:
+    """The terms of forwards at `length` tokens and its multiples (two, or three where the s²
+    term is measured): q the second difference over 2L², a what remains of the first over L,
+    c what remains at L; a block's each a mean over the blocks' runs."""
+    measured = len(kept) == 3
+    quadratic, linear, constant = 0.0, [], 0.0
+    for part in BLOCK_PARTS:  # each rank's whole, the split regions', the whole-read mixers'
+        c0, c1, c2 = (*(getattr(k, part) for k in kept), 0)[:3]
+        q = (c2 - 2 * c1 + c0) / (2 * length * length) if measured else 0.0
+        quadratic += q / runs
+        linear.append(max(0.0, (c1 - c0 - 3 * length * length * q) / length / runs))
+        constant += 2 * c0 - c1 + 2 * length * length * q  # c of c + a·s + q·s²
+    one, two = kept[0], kept[1]
+
+    def slope(name: str) -> float:  # a token's bytes of one part, once a forward
+        return max(0.0, (getattr(two, name) - getattr(one, name)) / length)
+
+    # what no token makes, once a forward: the first stage's (outside the blocks) and the last's
+    first = 2 * one.outside - two.outside
+    last = 2 * (one.after + one.head) - (two.after + two.head)
+    return Terms(quadratic=max(0.0, quadratic) if measured else None, rest=linear[0], split=linear[1],
+                 mixers=linear[2], after=slope("after"), tables=slope("tables"),
+                 copied=slope("copies") / runs, repeated=slope("repeated") / runs, outside=slope("outside"),
+                 head=slope("head"), views=(two.views - one.views) / length / runs,
+                 read=one.read / one.calls if one.calls else 1.0,
+                 constants=tuple(max(0.0, c) for c in (constant / runs, first, last)))
+
+
+def _linear_chunk(text: Any) -> int:
+    """The tokens a linear attention or mamba-2 works on at a time, where its config names them:
+    `chunk_size` (a mamba-2's), or `block_size` beside a linear attention layer (MiniMax's
+    lightning attention, 256: within a block it keeps each head's block × block scores, so what
+    it keeps grows with the sequence as at full length only from a block up). 0 where none is
+    named."""
+    chunk = getattr(text, "chunk_size", 0)
+    if not chunk and "linear_attention" in (getattr(text, "layer_types", None) or ()):
+        chunk = getattr(text, "block_size", 0)
+    return chunk if isinstance(chunk, int) else 0
+
+
 def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig, plan: dict[str, str],
                 blocks: str | None) -> dict[str, Any]:
     """GPTConfig.attention_matrix_bytes, block_saved_bytes, final_saved_bytes,
     position_table_bytes and attention_out_copy_bytes, from what autograd keeps during the
     blocks' forwards (`_kept_in_blocks`, on `_measuring_device`) at L, 2L and 3L tokens of one
-    sequence (L and 2L under SDPA, which keeps nothing of s²), in fp32 and in bf16: c + a·s +
-    q·s² at evenly spaced lengths, q the second difference over 2L², a what remains of the first
-    over L, each a mean over the blocks' runs (a looped model's run again each pass, and each run
-    keeps its own: Dory's looped kind was priced at 4/3 of its blocks' keep, counted a block held).
+    sequence (L and 2L under SDPA, which keeps nothing of s², unless a block keeps an s × s
+    tensor), in fp32 and in bf16: c + a·s + q·s² at evenly spaced lengths (`_fitted`), each a
+    mean over the blocks' runs (a looped model's run again each pass, and each run keeps its own:
+    Dory's looped kind was priced at 4/3 of its blocks' keep, counted a block held).
 
     - the s² term, where transformers runs the attention eagerly (a soft-cap, sinks, ALiBi that
-      SDPA does not take): its s × s matrices, clamped at 0; (0, 0) under SDPA, which keeps none;
+      SDPA does not take): its s × s matrices, clamped at 0; or where SDPA is handed a learned
+      bias as its mask (Inkling's relative positions: the kernel keeps it for its gradient, and
+      the bias is made of s × s gathers); (0, 0) under SDPA otherwise, which keeps none;
     - the s term, per token, split into the rest (each rank's whole), what the regions the tp
       plan splits make (divided by tp), and what its token-mixing modules left whole make (a
       linear attention's, a mamba's: whole under SP too, which reads them whole);
@@ -993,75 +1053,60 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
     runs: the formulas stand."""
     if not layers or len(layers) != shape.n_layers:
         return {}
-    chunk = getattr(text_config(model), "chunk_size", 0)
+    chunk = _linear_chunk(text_config(model))
     runs = sum(shape.block_runs) or shape.n_layers  # a looped model's blocks keep theirs at each run
     implementation = _attention_implementation(model)
-    eager = implementation == "eager"
-    lengths = (1, 2, 3) if eager else (1, 2)  # SDPA keeps nothing of s²: two lengths give the s term
-    length = max(MEASURED_TOKENS, chunk if isinstance(chunk, int) else 0)
+    eager = implementation == "eager"  # SDPA keeps nothing of s² (a bias aside): two lengths give the s term
+    length = max(MEASURED_TOKENS, chunk)
     regions = [_row_regions(block, _inside(plan, blocks, i)) if blocks and plan else []
                for i, block in enumerate(layers)]
     mixers = [[child for child in block.children() if mixes_tokens(child) and all(child is not r for r in inside)]
               for block, inside in zip(layers, regions)]
     device = _measuring_device(model)
 
-    def terms_at(length: int) -> tuple[list[tuple[float, ...] | None], list[tuple[int, ...]]]:
-        """(the s² term, the blocks' three s terms a block's run, the s terms after the blocks,
-        the rotary tables' a position, the copies of SDPA's output and the K/V repeated for it a
-        run, the s terms outside the blocks before the last and of the head's logits, what SDPA's
-        inputs alone keep beyond theirs a run, the share of SDPA's outputs an op after keeps, and
-        (a run's, the first stage's, the last's) c) in fp32 and in bf16, None where that forward
-        failed; and the attention's calls in one forward of the first dtype whose forwards all
-        ran."""
-        terms: list[tuple[float, ...] | None] = []
+    def terms_at(length: int) -> tuple[list[Terms | None], list[tuple[int, ...]]]:
+        """Each dtype's terms (fp32's, bf16's; None where its forward failed), and the attention's
+        calls in one forward of the first dtype whose forwards all ran. A third length is
+        measured where the attention runs eagerly, or where a block kept an s × s tensor at
+        both lengths (`Kept.square`: a learned bias SDPA takes as its mask)."""
+        terms: list[Terms | None] = []
         handed: list[tuple[int, ...]] = []
         for dtype in (torch.float32, torch.bfloat16):
             seen: list[tuple[int, ...]] = []
             try:
                 with _attention_handed(implementation, seen):
-                    kept = [_kept_in_blocks(model.to(dtype), layers, regions, mixers, n * length, device,
-                                            shape.vocab_size, seen) for n in lengths]
+                    def at(n: int) -> Kept:
+                        return _kept_in_blocks(model.to(dtype), layers, regions, mixers, n * length, device,
+                                               shape.vocab_size, seen)
+                    kept = [at(1), at(2)]
+                    if eager or (kept[0].square and kept[1].square):
+                        kept.append(at(3))
             except Exception:  # noqa: BLE001 - an op meta does not run in this dtype
                 terms.append(None)
                 continue
             if not handed:  # the first dtype whose forwards all ran: each call once a length
-                handed.extend(seen[:len(seen) // len(lengths)])
-            quadratic, linear, constant = 0.0, [], 0.0
-            for part in (0, 1, 2):  # each rank's whole, the split regions', the whole-read mixers'
-                c0, c1, c2 = (*(k[part] for k in kept), 0)[:3]
-                q = (c2 - 2 * c1 + c0) / (2 * length * length) if eager else 0.0
-                quadratic += q / runs
-                linear.append(max(0.0, (c1 - c0 - 3 * length * length * q) / length / runs))
-                constant += 2 * c0 - c1 + 2 * length * length * q  # c of c + a·s + q·s²
-            # what no token makes, once a forward: the first stage's and the last's
-            first, last = (sum(2 * kept[0][part] - kept[1][part] for part in parts) for parts in ((7,), (3, 8)))
-            # the final norm's, the rotary tables' (one sequence's, whatever the batch), what is
-            # kept outside the blocks before the last and the head's logits: once a forward
-            after, tables, outside, head = (max(0.0, (kept[1][part] - kept[0][part]) / length) for part in (3, 4, 7, 8))
-            # SDPA's output copied, K/V repeated for it: a block's run
-            copied, repeated = (max(0.0, (kept[1][part] - kept[0][part]) / length / runs) for part in (5, 6))
-            views = (kept[1][9] - kept[0][9]) / length / runs  # what SDPA's inputs alone keep beyond theirs: signed
-            read = kept[0][10] / kept[0][11] if kept[0][11] else 1.0  # the share of SDPA's outputs kept after it
-            terms.append((quadratic, *linear, after, tables, copied, repeated, outside, head, views, read,
-                          tuple(max(0.0, c) for c in (constant / runs, first, last))))
+                handed.extend(seen[:len(seen) // len(kept)])
+            terms.append(_fitted(kept, length, runs))
         return terms, handed
 
     terms, handed = terms_at(length)
-    within = shape.max_seq_len // lengths[-1]
-    if terms == [None, None] and 0 < within < length:
+    for within in (shape.max_seq_len // 2, shape.max_seq_len // 3):
         # a position table shorter than the lengths (OPT's learned one, GPT-J's causal buffer: a
-        # tiny config's 64) fails both forwards; the formulas stood, 0.66-1.39 of measured
-        terms, handed = terms_at(within)
+        # tiny config's 64) fails both forwards; the formulas stood, 0.66-1.39 of measured. The
+        # longest of two lengths within it, or of three
+        if terms == [None, None] and 0 < within < length:
+            terms, handed = terms_at(within)
     if terms == [None, None]:
         return {}
-    fp32, low = (max(0.0, t[0]) if t and eager else None for t in terms)
+    fp32, low = (t.quadratic if t else None for t in terms)
     matrices = (fp32 if fp32 is not None else 2 * (low or 0.0), low if low is not None else fp32 or 0.0)
-    saved = tuple(t[1:4] if t else (-1.0, -1.0, -1.0) for t in terms)
-    final, tables, copied, repeated, outside, head = (tuple(t[part] if t else -1.0 for t in terms)
-                                                      for part in (4, 5, 6, 7, 8, 9))
-    views = tuple(t[10] if t else 0.0 for t in terms)  # signed: a dtype whose forward failed counts none
-    out_kept = next((t[11] for t in terms if t), 1.0)
-    constants = tuple(tuple(t[12][where] if t else -1.0 for t in terms) for where in (0, 1, 2))
+    saved = tuple((t.rest, t.split, t.mixers) if t else (-1.0, -1.0, -1.0) for t in terms)
+    final, tables, copied, repeated, outside, head = (tuple(getattr(t, name) if t else -1.0 for t in terms)
+                                                      for name in ("after", "tables", "copied", "repeated",
+                                                                   "outside", "head"))
+    views = tuple(t.views if t else 0.0 for t in terms)  # signed: a dtype whose forward failed counts none
+    out_kept = next((t.read for t in terms if t), 1.0)
+    constants = tuple(tuple(t.constants[where] if t else -1.0 for t in terms) for where in (0, 1, 2))
     text = text_config(model)
     masked = sliding_share(getattr(text, "sliding_window", None), getattr(text, "layer_types", None),
                            getattr(text, "use_sliding_window", True), shape.block_runs) if implementation == "sdpa" else 0.0
@@ -1166,11 +1211,19 @@ def _one_sequence() -> Iterator[None]:
         masks.find_packed_sequence_indices = found
 
 
+def _hold(storages: dict[int, torch.UntypedStorage], tensors: list[torch.Tensor]) -> None:
+    """Adds the tensors' storages to `storages`, by address, holding each: a storage freed
+    while its address is still listed leaves the address to the next one made, and
+    DeepSeek-V4's temporaries, taken for its rotary tables, read 0.87-1.8 of its keep from one
+    reading to the next."""
+    storages.update((t.untyped_storage()._cdata, t.untyped_storage()) for t in tensors)
+
+
 class _TablesMade(TorchFunctionMode):
     """While inside, what an op makes of the rotary tables alone (storages in `tables`: GLM's and
     Ernie's attention re-lay them each layer) joins them: made of positions, one sequence's."""
 
-    def __init__(self, tables: set[int]) -> None:
+    def __init__(self, tables: dict[int, torch.UntypedStorage]) -> None:
         super().__init__()
         self.tables = tables
 
@@ -1178,7 +1231,7 @@ class _TablesMade(TorchFunctionMode):
         out = func(*args, **(kwargs or {}))
         inputs = _tensors_in([list(args), kwargs or {}])
         if inputs and all(t.untyped_storage()._cdata in self.tables for t in inputs):
-            self.tables |= {t.untyped_storage()._cdata for t in _tensors_in(out)}
+            _hold(self.tables, _tensors_in(out))
         return out
 
 
@@ -1233,9 +1286,30 @@ def _row_regions(block: nn.Module, plan: dict[str, str]) -> list[nn.Module]:
     return found
 
 
+class Kept(NamedTuple):
+    """What one measuring forward left the graph holding (`_kept_in_blocks`), in bytes unless said."""
+
+    rest: int  # saved in the blocks, each rank's whole
+    split: int  # made inside the regions the tp plan splits
+    mixers: int  # made inside the token-mixing modules the plan leaves whole
+    after: int  # saved after the last block, the head's logits aside: a token's
+    tables: int  # saved of the rotary tables: a position's, one sequence's
+    copies: int  # of the first three, copies of SDPA's output made for its output projection
+    repeated: int  # of SDPA's K and V, the heads repeated beyond those handed to it
+    outside: int  # saved outside the blocks before the last, the token ids aside
+    head: int  # the vocab-wide tensors saved after the last block: the logits a head keeps
+    views: int  # what SDPA's inputs alone keep beyond their own values (signed)
+    read: int  # SDPA's calls whose output (or a copy) an op after keeps
+    calls: int  # SDPA's calls
+    square: bool  # whether a block saved a tensor whose last two dimensions are the sequence
+
+
+BLOCK_PARTS = ("rest", "split", "mixers")  # the three parts a block's per-token bytes split into
+
+
 def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[nn.Module]],
                     mixers: list[list[nn.Module]], length: int, device: torch.device,
-                    vocab: int, handed: list[tuple[int, ...]] | None = None) -> tuple[int, ...]:
+                    vocab: int, handed: list[tuple[int, ...]] | None = None) -> Kept:
     """Bytes the graph holds after one forward of `model` on `device` over one sequence of
     `length` tokens, of what the blocks saved, each storage once, the parameters' not: (the rest,
     what the modules the plan splits made (`regions`, each block's: `_row_regions`), what the
@@ -1257,17 +1331,21 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
     head keeps for its backward (a soft cap's tanh; Dory's learned scale on each logit); what
     SDPA's inputs in the blocks alone keep beyond their own values (a fused projection's output
     a V slices; less an input slicing what something else keeps), which Ulysses' all-to-alls
-    change; and how many of SDPA's calls had their output (or a copy) kept by an op after, of
-    how many calls. What a
+    change; how many of SDPA's calls had their output (or a copy) kept by an op after, of
+    how many calls; and whether a block saved an s × s tensor (Inkling's relative position
+    bias, handed to SDPA as a mask it must keep for the bias's gradient). What a
     module keeps of its own inputs (the norm's output the projections read) is the rest's. SDPA
     is counted as its flash kernels keep (query, key, value, output, an fp32
     log-sum-exp per head and query), where meta would run its math form, which keeps the s × s
     scores."""
-    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    # the model's own tensors are resident whatever runs, as the meter takes them
+    # (parallel/saved.resident_storages): its weights, and its buffers (MiniMax's decay tables,
+    # 1 MiB of the tiny model's keep, were read as a token's bytes)
+    params = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
     ids = torch.zeros(1, length, dtype=torch.long, device=device)
     state: dict[str, Any] = {"block": False, "region": False, "mixer": False, "inputs": set(), "sdpa": False,
-                             "after": False, "tables": set(), "repeated": 0, "ids": ids.untyped_storage()._cdata,
-                             "read": set()}
+                             "after": False, "tables": {}, "repeated": 0, "ids": ids.untyped_storage()._cdata,
+                             "read": set(), "square": False}
     seen: list[tuple[Any, int, int, str]] = []  # (a reference to what was saved, its part, extra bytes, its kind)
     outputs: list[torch.Tensor] = []  # what SDPA returned, in order
 
@@ -1275,6 +1353,7 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
         """`tensor` as saved, alive while autograd keeps it, or for the forward's length (`held`);
         `kind` "copy": a copy of SDPA's output."""
         if state["block"]:
+            state["square"] |= tensor.dim() >= 2 and tensor.shape[-2:] == (length, length)
             made_inside = tensor.untyped_storage()._cdata not in state["inputs"]
             part = 1 if state["region"] and made_inside else 2 if state["mixer"] and made_inside else 0
             part = 4 if tensor.untyped_storage()._cdata in state["tables"] else part
@@ -1310,7 +1389,7 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
     hooks = [layers[-1].register_forward_hook(flagged("after", True))]  # until a block runs again (a loop's)
 
     def tables(module: nn.Module, args: Any, output: Any) -> None:
-        state["tables"] |= {t.untyped_storage()._cdata for t in _tensors_in(output)}
+        _hold(state["tables"], _tensors_in(output))
 
     hooks += [module.register_forward_hook(tables) for module in model.modules() if "Rotary" in type(module).__name__]
     for block, inside, whole in zip(layers, regions, mixers):
@@ -1335,6 +1414,9 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
             for tensor in (query, key, value):
                 keep(tensor, held=True, kind="handed")
             keep(out, extra=query.shape[:-1].numel() * 4, held=True)  # and the log-sum-exp
+            mask = kwargs.get("attn_mask", args[0] if args else None)
+            if isinstance(mask, torch.Tensor) and mask.requires_grad:  # a learned bias: kept for its gradient
+                keep(mask, held=True)
             outputs.append(out)
             if state["block"] and handed and key.dim() == 4 and key.shape[1] > handed[-1][2]:
                 share = 1 - handed[-1][2] / key.shape[1]  # K/V heads repeated past the ones handed
@@ -1379,9 +1461,11 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
         torch.nn.functional.scaled_dot_product_attention = sdpa
         for hook in hooks:
             hook.remove()
-    parts = tuple(sum(size for size, part, _ in kept.values() if part == which) for which in (0, 1, 2, 3, 4, 7, 8))
-    return (*parts[:5], sum(size for size, part, kind in kept.values() if kind == "copy" and part < 3),
-            int(state["repeated"]), *parts[5:], beyond, len(state["read"]), calls)
+    rest, split, whole, after, tables, outside, head = (sum(size for size, part, _ in kept.values() if part == which)
+                                                        for which in (0, 1, 2, 3, 4, 7, 8))
+    copies = sum(size for size, part, kind in kept.values() if kind == "copy" and part < 3)
+    return Kept(rest, split, whole, after, tables, copies, int(state["repeated"]), outside, head, beyond,
+                len(state["read"]), calls, state["square"])
 
 
 def _declared_parts(model: nn.Module, blocks: str) -> Parts | None:
