@@ -188,6 +188,33 @@ SHAPES = {
 }
 
 
+def test_the_meter_counts_what_the_graph_still_holds() -> None:
+    """A branch nothing reads frees what it saved before the forward ends; a buffer is
+    resident. ActivationMeter counts neither: of three saves, x·w's input x (a fresh leaf, 4 KiB)
+    and the kept branch's exp output (4 KiB) remain, and the dropped branch's 4 KiB sigmoid
+    output is freed with it (counted by address at save time, it stayed in the sum)."""
+    import torch
+    from torch import nn
+
+    from plait.bench.meter import ActivationMeter
+
+    class Branches(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(1024))
+            self.register_buffer("scale", torch.ones(1024))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = x * self.w  # saves x (and w, a weight)
+            torch.sigmoid(y)  # saves its output; nothing reads it: freed at once
+            return (y * self.scale).exp()  # saves scale (a buffer) and exp's output
+
+    meter = ActivationMeter()
+    with meter.track(model := Branches()):
+        out = model(torch.randn(1024))
+    assert out.requires_grad and meter.last == 2 * 4096
+
+
 @pytest.mark.skipif(not HAS_GPT, reason="plait/models/gpt/model.py not written yet")
 @pytest.mark.parametrize("name", list(SHAPES))
 @pytest.mark.parametrize("precision, dtype", [("fp32", "float32"), ("bf16", "bfloat16")])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import resource
+import weakref
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -48,10 +49,13 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
 
 
 class ActivationMeter:
-    """Peak bytes saved for backward during one forward, excluding the parameters and buffers
-    themselves.
+    """Peak bytes saved for backward during one forward and still held when it ends, excluding
+    the parameters and buffers themselves.
 
-    Use `with meter.track(model):` around a forward; `peak` keeps the largest seen.
+    Use `with meter.track(model):` around a forward; `peak` keeps the largest seen. What a
+    branch nothing reads saved is freed with it before the forward ends, and is not counted:
+    counted by address at save time, such a tensor stayed in the sum (MiniMax's lightning
+    attention, 4 KiB of a tiny model's 300), unless a later one took its address.
     """
 
     def __init__(self) -> None:
@@ -64,7 +68,7 @@ class ActivationMeter:
 
         param_ptrs = resident_storages(model)
         zero3 = zero3_sync(model)
-        saved: dict[int, int] = {}
+        saved: list[weakref.ref] = []
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             storage = tensor.untyped_storage()
@@ -72,13 +76,15 @@ class ActivationMeter:
             # ZeRO-3 gathers a unit's weights into fresh storage just before it runs: asked
             # here, at pack time (and only under ZeRO-3), not once up front.
             is_weight = ptr in param_ptrs or (zero3 is not None and ptr in zero3.gathered_storages())
+            alias = handed_back(tensor)
             if not is_weight and storage.nbytes():
-                saved[ptr] = storage.nbytes()
-            return handed_back(tensor)
+                saved.append(weakref.ref(alias))  # alive while autograd holds what it saved
+            return alias
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             yield
-        self.last = sum(saved.values())
+        held = [tensor.untyped_storage() for tensor in (ref() for ref in saved) if tensor is not None]
+        self.last = sum({storage.data_ptr(): storage.nbytes() for storage in held}.values())
         self.peak = max(self.peak, self.last)
 
 

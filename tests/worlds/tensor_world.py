@@ -41,14 +41,16 @@ def block_bytes(model: GPT, tp: int, sp: bool) -> int:
     x = torch.randn(BATCH, SEQ // tp if sp else SEQ, model.config.d_model, requires_grad=True)
     meter = ActivationMeter()
     with meter.track(model):
-        model.blocks[0](x, model.rope_cos[:SEQ], model.rope_sin[:SEQ])
+        out = model.blocks[0](x, model.rope_cos[:SEQ], model.rope_sin[:SEQ])  # held: the meter reads what the graph holds
+    assert out.requires_grad
     return meter.last
 
 
 def model_bytes(model: GPT, ids: torch.Tensor) -> int:
     meter = ActivationMeter()
     with meter.track(model):
-        model(ids)
+        out = model(ids)  # held: the meter reads what the graph still holds
+    assert out.requires_grad
     return meter.last
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -126,24 +127,30 @@ class StageWork:
         """Bytes of the tensors autograd saves inside the block, but the stage's weights and buffers.
 
         Views of one storage are counted once each and at most the storage's size: a
-        micro-batch of token ids that is a slice of a larger batch counts as the slice.
+        micro-batch of token ids that is a slice of a larger batch counts as the slice. Only
+        what autograd still holds when the forward ends counts, as ActivationMeter counts.
         """
-        views: dict[int, dict[tuple, int]] = {}
-        sizes: dict[int, int] = {}
+        saved: list[weakref.ref] = []
         total = [0]
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
-            storage = tensor.untyped_storage()
-            ptr = storage.data_ptr()
+            ptr = tensor.untyped_storage().data_ptr()
+            alias = handed_back(tensor)  # an alias of an op's output: I and W retain the graph
             # Gathered weights get fresh memory each time: asked now, not once up front.
             if ptr not in self._param_ptrs and ptr not in self._gathered_weights():
-                key = (tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
-                views.setdefault(ptr, {})[key] = tensor.numel() * tensor.element_size()
-                sizes[ptr] = storage.nbytes()
-            return handed_back(tensor)  # an alias of an op's output: I and W retain the graph
+                saved.append(weakref.ref(alias))
+            return alias
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield total
+        views: dict[int, dict[tuple, int]] = {}
+        sizes: dict[int, int] = {}
+        for tensor in (ref() for ref in saved):
+            if tensor is not None:
+                storage = tensor.untyped_storage()
+                key = (tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+                views.setdefault(storage.data_ptr(), {})[key] = tensor.numel() * tensor.element_size()
+                sizes[storage.data_ptr()] = storage.nbytes()
         total[0] = sum(min(sum(v.values()), sizes[ptr]) for ptr, v in views.items())
 
     @staticmethod
