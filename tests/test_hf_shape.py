@@ -929,6 +929,22 @@ def test_a_buffer_is_resident_and_a_block_of_lightning_attention_is_read_whole(t
         assert estimate_over_keep(tmp_path / "minimax", shape, batch, seq) == pytest.approx(1, abs=0.02), seq
 
 
+def test_a_linear_attention_that_pads_to_chunks_is_read_by_the_chunk(tmp_path: Path) -> None:
+    """Qwen3-Next's gated delta rule (its torch path) pads the sequence to 64-token chunks and
+    keeps a chunk's states whatever the tokens in it. Read as a token's from 64 and 128 tokens,
+    its estimate was 0.46 of autograd's keep at 16 tokens, and 1.06 from 128 up (its second
+    chunk keeps more than those after it). Read by the chunk (GPTConfig.mixer_chunk: the first,
+    the second and each further one, from forwards at 32, 64, 128 and 192 tokens), it is exact
+    at one, two and three chunks and within 1% at two sequences of four; a mamba's scan, which
+    keeps by the token, reads none."""
+    shape = sweep_family(tmp_path / "qwen3_next", "qwen3_next")
+    assert shape.mixer_chunk == 64 and len(shape.mixer_chunk_bytes) == 2
+    for batch, seq in ((1, 16), (1, 64), (1, 128), (1, 192)):
+        assert estimate_over_keep(tmp_path / "qwen3_next", shape, batch, seq) == 1, seq
+    assert estimate_over_keep(tmp_path / "qwen3_next", shape, 2, 256) == pytest.approx(1, abs=0.01)
+    assert sweep_family(tmp_path / "jamba", "jamba").mixer_chunk == 0
+
+
 def test_a_bias_sdpa_keeps_is_its_s2_term(tmp_path: Path) -> None:
     """Inkling hands SDPA its relative position bias as a float mask, b·heads·s² values the
     kernel keeps for the bias's gradient, made of s × s gathers that keep their indices. Read as

@@ -156,7 +156,19 @@ def measured_correction(config: GPTConfig, layout: Workload) -> tuple[float, flo
     # its V; less a V viewing what the block keeps anyway): Ulysses hands its attention its own
     beyond = config.qkv_view_bytes[index] if ulysses_keeps_its_own(layout) and config.qkv_view_bytes else 0.0
     measured_whole, measured_split, mixers = config.block_saved_bytes[index]
-    return measured_whole - whole, measured_split - split - repeated - beyond, mixers
+    return (measured_whole - whole, measured_split - split - repeated - beyond,
+            mixers + mixer_chunk_bytes(config, layout, index) / (layout.seq_len // layout.cp))
+
+
+def mixer_chunk_bytes(config: GPTConfig, layout: Workload, index: int) -> float:
+    """A sequence's bytes a block beyond a token's within a chunk, where the token-mixing modules
+    pad the sequence to a chunk (GPTConfig.mixer_chunk, measured in dtype `index`): the first
+    chunk's, the second's and each further chunk's begun, whatever the tokens in the last."""
+    if not config.mixer_chunk or min(config.mixer_chunk_bytes[index]) < 0:
+        return 0.0
+    first, second, further = config.mixer_chunk_bytes[index]
+    chunks = -(-(layout.seq_len // layout.cp) // config.mixer_chunk)
+    return first + second * (chunks > 1) + further * max(0, chunks - 2)
 
 
 def llama_token_bytes(config: GPTConfig, layout: Workload) -> tuple[float, float]:

@@ -293,6 +293,13 @@ class GPTConfig:
     # 1 + weight, Dory's its scales; whole on every rank. -1 where that dtype's forward did not
     # run. estimate/activations.constant_kept_bytes reads it
     constant_bytes: tuple[tuple[float, float], ...] = ()
+    # Where a transformers model's token-mixing modules left whole pad the sequence to a chunk (a
+    # linear attention's torch path: Qwen3-Next's 64 tokens), its tokens (0: they keep by the
+    # token), and a sequence's bytes a block's run beyond a token's within a chunk (block_saved_bytes'
+    # mixers then): (the first chunk's, each further one's) in fp32, the same in 16-bit; -1 where
+    # that dtype's forward did not run. estimate/activations.mixer_chunk_bytes reads it
+    mixer_chunk: int = 0
+    mixer_chunk_bytes: tuple[tuple[float, float], ...] = ()
     # The sliding window (positions) a transformers model's sliding layers attend within, 0 for
     # none: under Ulysses a window shorter than the sequence is one additive mask a rank keeps
     # (plait.parallel.context.ulysses.window_mask; estimate/activations.window_mask_bytes)
@@ -336,6 +343,7 @@ class GPTConfig:
         object.__setattr__(self, "kv_repeat_bytes", tuple(self.kv_repeat_bytes))
         object.__setattr__(self, "qkv_view_bytes", tuple(self.qkv_view_bytes))
         object.__setattr__(self, "constant_bytes", tuple(tuple(pair) for pair in self.constant_bytes))
+        object.__setattr__(self, "mixer_chunk_bytes", tuple(tuple(pair) for pair in self.mixer_chunk_bytes))
         object.__setattr__(self, "tp_gathered_calls", tuple(self.tp_gathered_calls))
         object.__setattr__(self, "tp_expert_entries", tuple(self.tp_expert_entries))
         object.__setattr__(self, "tp_last_rows", tuple(self.tp_last_rows))

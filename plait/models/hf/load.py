@@ -977,18 +977,25 @@ class Terms(NamedTuple):
     views: float  # what SDPA's inputs alone keep beyond their own values, a block's run: signed
     read: float  # the share of SDPA's outputs an op after keeps
     constants: tuple[float, float, float]  # c: a block's run, the first stage's, the last's
+    chunks: tuple[float, float, float]  # the mixers' first, second and each further chunk's bytes beyond
+    # their tokens', a block's run
 
 
-def _fitted(kept: list[Kept], length: int, runs: int) -> Terms:
+def _fitted(kept: list[Kept], length: int, runs: int, chunked: tuple[Kept, Kept] | None = None) -> Terms:
     """The terms of forwards at `length` tokens and its multiples (two, or three where the s²
     term is measured): q the second difference over 2L², a what remains of the first over L,
-    c what remains at L; a block's each a mean over the blocks' runs."""
+    c what remains at L; a block's each a mean over the blocks' runs. With forwards at L/2 and
+    3L where the token-mixing modules pad to chunks (`chunked`), their chunks' (`_mixer_chunks`)."""
     measured = len(kept) == 3
+    chunks = _mixer_chunks(chunked[0], kept, chunked[1], length) if chunked else None
     quadratic, linear, constant = 0.0, [], 0.0
     for part in BLOCK_PARTS:  # each rank's whole, the split regions', the whole-read mixers'
         c0, c1, c2 = (*(getattr(k, part) for k in kept), 0)[:3]
         q = (c2 - 2 * c1 + c0) / (2 * length * length) if measured else 0.0
         quadratic += q / runs
+        if part == "mixers" and chunks:  # a token's within a chunk; the chunks' own apart
+            linear.append(chunks[0] / runs)
+            continue
         linear.append(max(0.0, (c1 - c0 - 3 * length * length * q) / length / runs))
         constant += 2 * c0 - c1 + 2 * length * length * q  # c of c + a·s + q·s²
     one, two = kept[0], kept[1]
@@ -1004,7 +1011,29 @@ def _fitted(kept: list[Kept], length: int, runs: int) -> Terms:
                  copied=slope("copies") / runs, repeated=slope("repeated") / runs, outside=slope("outside"),
                  head=slope("head"), views=(two.views - one.views) / length / runs,
                  read=one.read / one.calls if one.calls else 1.0,
-                 constants=tuple(max(0.0, c) for c in (constant / runs, first, last)))
+                 constants=tuple(max(0.0, c) for c in (constant / runs, first, last)),
+                 chunks=tuple(c / runs for c in chunks[1:]) if chunks else (0.0, 0.0, 0.0))
+
+
+def _pads_to_chunks(half: Kept, kept: list[Kept], length: int) -> bool:
+    """Whether the token-mixing modules pad the sequence to a chunk of `length` tokens: their
+    keep grows more per token from L to 2L (a second chunk begun) than from L/2 to L (the first
+    chunk's tokens filled in). Not where it grows alike (a mamba's scan), or less (MiniMax's
+    block × block scores, within a block)."""
+    low = (kept[0].mixers - half.mixers) / (length - length // 2)
+    return kept[1].mixers - kept[0].mixers - low * length > 0
+
+
+def _mixer_chunks(half: Kept, kept: list[Kept], third: Kept, length: int) -> tuple[float, ...]:
+    """(a token's bytes within a chunk, the first chunk's beyond its tokens', the second's, each
+    further one's) of token-mixing modules that pad to chunks of `length` tokens, from forwards
+    at L/2, L, 2L and 3L. Qwen3-Next's torch path pads to 64 tokens and keeps a chunk's states
+    whatever the tokens in it: measured as a token's from L and 2L, its keep at 16 tokens was
+    read as 0.46 of what it is, and 1.06-1.09 from 128 to 1,000 (its second chunk keeps 6% more
+    than the ones after it)."""
+    low = (kept[0].mixers - half.mixers) / (length - length // 2)
+    one, two, three = kept[0].mixers, kept[1].mixers, third.mixers
+    return low, one - low * length, two - one - low * length, three - two - low * length
 
 
 def _linear_chunk(text: Any) -> int:
@@ -1075,18 +1104,23 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
             seen: list[tuple[int, ...]] = []
             try:
                 with _attention_handed(implementation, seen):
-                    def at(n: int) -> Kept:
-                        return _kept_in_blocks(model.to(dtype), layers, regions, mixers, n * length, device,
+                    def at(n: float) -> Kept:
+                        return _kept_in_blocks(model.to(dtype), layers, regions, mixers, int(n * length), device,
                                                shape.vocab_size, seen)
                     kept = [at(1), at(2)]
                     if eager or (kept[0].square and kept[1].square):
                         kept.append(at(3))
+                    # a token-mixing module left whole may pad to a chunk: half a length tells,
+                    # and a third length gives the chunks after the second
+                    half = at(0.5) if len(kept) == 2 and kept[0].mixers else None
+                    chunked = (half, at(3)) if half and _pads_to_chunks(half, kept, length) else None
             except Exception:  # noqa: BLE001 - an op meta does not run in this dtype
                 terms.append(None)
                 continue
-            if not handed:  # the first dtype whose forwards all ran: each call once a length
-                handed.extend(seen[:len(seen) // len(kept)])
-            terms.append(_fitted(kept, length, runs))
+            if not handed:  # the first dtype whose forwards all ran: each call once a forward
+                forwards = len(kept) + (half is not None) + (chunked is not None)
+                handed.extend(seen[:len(seen) // forwards])
+            terms.append(_fitted(kept, length, runs, chunked))
         return terms, handed
 
     terms, handed = terms_at(length)
@@ -1107,6 +1141,8 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
     views = tuple(t.views if t else 0.0 for t in terms)  # signed: a dtype whose forward failed counts none
     out_kept = next((t.read for t in terms if t), 1.0)
     constants = tuple(tuple(t.constants[where] if t else -1.0 for t in terms) for where in (0, 1, 2))
+    chunked = any(t and any(t.chunks) for t in terms)
+    chunks = tuple(t.chunks if t else (-1.0, -1.0, -1.0) for t in terms) if chunked else ()
     text = text_config(model)
     masked = sliding_share(getattr(text, "sliding_window", None), getattr(text, "layer_types", None),
                            getattr(text, "use_sliding_window", True), shape.block_runs) if implementation == "sdpa" else 0.0
@@ -1114,6 +1150,7 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
             "position_table_bytes": tables, "attention_out_copy_bytes": copied, "kv_repeat_bytes": repeated,
             "outside_saved_bytes": outside, "head_saved_bytes": head, "qkv_view_bytes": views,
             "attention_out_kept": out_kept, "constant_bytes": constants,
+            "mixer_chunk": length if chunked else 0, "mixer_chunk_bytes": chunks,
             "sliding_mask_layers": masked, **_heads_as_handed(handed, shape)}
 
 
