@@ -296,8 +296,8 @@ class GPTConfig:
     # Where a transformers model's token-mixing modules left whole pad the sequence to a chunk (a
     # linear attention's torch path: Qwen3-Next's 64 tokens), its tokens (0: they keep by the
     # token), and a sequence's bytes a block's run beyond a token's within a chunk (block_saved_bytes'
-    # mixers then): (the first chunk's, each further one's) in fp32, the same in 16-bit; -1 where
-    # that dtype's forward did not run. estimate/activations.mixer_chunk_bytes reads it
+    # mixers then): (the first chunk's, the second's, each further one's) in fp32, the same in
+    # 16-bit; -1 where that dtype's forward did not run. estimate/activations.mixer_chunk_bytes reads it
     mixer_chunk: int = 0
     mixer_chunk_bytes: tuple[tuple[float, float], ...] = ()
     # The sliding window (positions) a transformers model's sliding layers attend within, 0 for

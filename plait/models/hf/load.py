@@ -994,7 +994,7 @@ def _fitted(kept: list[Kept], length: int, runs: int, chunked: tuple[Kept, Kept]
         q = (c2 - 2 * c1 + c0) / (2 * length * length) if measured else 0.0
         quadratic += q / runs
         if part == "mixers" and chunks:  # a token's within a chunk; the chunks' own apart
-            linear.append(chunks[0] / runs)
+            linear.append(max(0.0, chunks[0]) / runs)
             continue
         linear.append(max(0.0, (c1 - c0 - 3 * length * length * q) / length / runs))
         constant += 2 * c0 - c1 + 2 * length * length * q  # c of c + a·s + q·s²
