@@ -126,11 +126,14 @@ class StageWork:
     def _saved_bytes(self) -> Iterator[list[int]]:
         """Bytes of the tensors autograd saves inside the block, but the stage's weights and buffers.
 
-        Views of one storage are counted once each and at most the storage's size: a
-        micro-batch of token ids that is a slice of a larger batch counts as the slice. Only
-        what autograd still holds when the forward ends counts, as ActivationMeter counts.
+        What an op made is counted by its storage, as ActivationMeter counts: a view keeps the
+        whole (Phi-3's V, a slice of its fused q|k|v projection's output, holds all of it; counted
+        as the slice, the meter read 0.93 of the estimate under pp 2). A leaf (a micro-batch of
+        token ids, a slice of a larger batch) is counted as its views, once each and at most its
+        storage's size: the batch is held whatever runs. Only what autograd still holds when the
+        forward ends counts.
         """
-        saved: list[weakref.ref] = []
+        saved: list[tuple[weakref.ref, bool]] = []
         total = [0]
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -138,18 +141,19 @@ class StageWork:
             alias = handed_back(tensor)  # an alias of an op's output: I and W retain the graph
             # Gathered weights get fresh memory each time: asked now, not once up front.
             if ptr not in self._param_ptrs and ptr not in self._gathered_weights():
-                saved.append(weakref.ref(alias))
+                saved.append((weakref.ref(alias), tensor.grad_fn is None))
             return alias
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield total
         views: dict[int, dict[tuple, int]] = {}
         sizes: dict[int, int] = {}
-        for tensor in (ref() for ref in saved):
+        for tensor, leaf in ((ref(), leaf) for ref, leaf in saved):
             if tensor is not None:
                 storage = tensor.untyped_storage()
                 key = (tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
-                views.setdefault(storage.data_ptr(), {})[key] = tensor.numel() * tensor.element_size()
+                size = tensor.numel() * tensor.element_size() if leaf else storage.nbytes()
+                views.setdefault(storage.data_ptr(), {})[key] = size
                 sizes[storage.data_ptr()] = storage.nbytes()
         total[0] = sum(min(sum(v.values()), sizes[ptr]) for ptr, v in views.items())
 
