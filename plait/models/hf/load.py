@@ -1089,8 +1089,11 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
     length = max(MEASURED_TOKENS, chunk)
     regions = [_row_regions(block, _inside(plan, blocks, i)) if blocks and plan else []
                for i, block in enumerate(layers)]
+    sliced = [_slicing_rows(block, _inside(plan, blocks, i)) if blocks and plan else []
+              for i, block in enumerate(layers)]
     mixers = [[child for child in block.children() if mixes_tokens(child) and all(child is not r for r in inside)]
-              for block, inside in zip(layers, regions)]
+              + _whole_parents(block, _inside(plan, blocks, i) if blocks and plan else {})
+              for i, (block, inside) in enumerate(zip(layers, regions))]
     device = _measuring_device(model)
 
     def terms_at(length: int) -> tuple[list[Terms | None], list[tuple[int, ...]]]:
@@ -1106,7 +1109,7 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
                 with _attention_handed(implementation, seen):
                     def at(n: float) -> Kept:
                         return _kept_in_blocks(model.to(dtype), layers, regions, mixers, int(n * length), device,
-                                               shape.vocab_size, seen)
+                                               shape.vocab_size, seen, sliced)
                     kept = [at(1), at(2)]
                     if eager or (kept[0].square and kept[1].square):
                         kept.append(at(3))
@@ -1313,14 +1316,48 @@ def _row_regions(block: nn.Module, plan: dict[str, str]) -> list[nn.Module]:
     """The modules of `block` whose work the plan (named from the block) splits over tp: each
     row layer's parent, which holds the column layers feeding it and whose output the row
     layer's sum makes whole (the attention, the MLP, an MoE's shared expert; not its routed
-    experts beside it, nor a linear attention whose projections are gathered whole)."""
+    experts beside it, nor a linear attention whose projections are gathered whole). Nor a
+    parent whose column layers all gather their outputs whole for a row layer that takes its
+    slice of a whole input: OLMo2's, OLMoE's and Phi-3's attention norms q and k over every
+    head, so each rank runs the whole attention (read as split, their estimate under tp 2 was
+    0.73-0.90 of the meter's); it is read with the token-mixing modules the plan leaves whole."""
     found: list[nn.Module] = []
     for key, style in plan.items():
         parent = key.rsplit(".", 1)[0] if "." in key else ""
         module = _in_block(block, parent) if style in ROWS and parent and _in_block(block, key) else None
-        if module is not None and all(module is not other for other in found):
+        if module is not None and all(module is not other for other in found) and not _runs_whole(plan, key):
             found.append(module)
     return found
+
+
+GATHERED_COLUMNS = ("colwise_gather_output", "colwise_rep")  # column styles whose output is gathered whole
+
+
+def _slicing_rows(block: nn.Module, plan: dict[str, str]) -> list[nn.Module]:
+    """The row layers of `block` that take their slice of a whole input (`_runs_whole`): what
+    they keep of it is their slice, a tp rank's share (o_proj's of the whole attention's output,
+    Phi-3's down_proj's of its whole MLP's)."""
+    return [module for key in plan if _runs_whole(plan, key) and (module := _in_block(block, key)) is not None]
+
+
+def _whole_parents(block: nn.Module, plan: dict[str, str]) -> list[nn.Module]:
+    """The modules of `block` that run whole between columns gathered whole and a row layer
+    taking its slice (`_runs_whole`) but mix no tokens (Phi-3's MLP): whole on every rank, under
+    SP too, which gathers the sequence for them; read with the token-mixing modules."""
+    found: list[nn.Module] = []
+    for key in plan:
+        parent = _in_block(block, key.rsplit(".", 1)[0]) if "." in key and _runs_whole(plan, key) else None
+        if parent is not None and not mixes_tokens(parent) and all(parent is not other for other in found):
+            found.append(parent)
+    return found
+
+
+def _runs_whole(plan: dict[str, str], row: str) -> bool:
+    """Whether row layer `row` takes its slice of a whole input that every column layer beside it
+    (its parent's, in `plan`) gathers whole: the work between them runs whole on each rank."""
+    parent = row.rsplit(".", 1)[0]
+    columns = [style for key, style in plan.items() if key != row and key.rsplit(".", 1)[0] == parent]
+    return plan[row] == "rowwise_split_input" and bool(columns) and all(c in GATHERED_COLUMNS for c in columns)
 
 
 class Kept(NamedTuple):
@@ -1346,12 +1383,14 @@ BLOCK_PARTS = ("rest", "split", "mixers")  # the three parts a block's per-token
 
 def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[nn.Module]],
                     mixers: list[list[nn.Module]], length: int, device: torch.device,
-                    vocab: int, handed: list[tuple[int, ...]] | None = None) -> Kept:
+                    vocab: int, handed: list[tuple[int, ...]] | None = None,
+                    sliced: list[list[nn.Module]] | None = None) -> Kept:
     """Bytes the graph holds after one forward of `model` on `device` over one sequence of
     `length` tokens, of what the blocks saved, each storage once, the parameters' not: (the rest,
     what the modules the plan splits made (`regions`, each block's: `_row_regions`), what the
     token-mixing modules it leaves whole made (`mixers`: a linear attention, a mamba, read whole
-    under SP)); what was saved after the last block, but for `vocab`-wide tensors (the final
+    under SP), and what the row layers that take their slice of a whole input keep (`sliced`:
+    `_slicing_rows`) with the split regions'); what was saved after the last block, but for `vocab`-wide tensors (the final
     norm's input, statistics and output, which the head keeps; the logits are the loss's); what
     the blocks saved of the rotary tables (a rotary module's output, and what ops make of them
     alone, as an attention that re-lays them per layer does: made for positions, one sequence's
@@ -1380,7 +1419,8 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
     # 1 MiB of the tiny model's keep, were read as a token's bytes)
     params = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
     ids = torch.zeros(1, length, dtype=torch.long, device=device)
-    state: dict[str, Any] = {"block": False, "region": False, "mixer": False, "inputs": set(), "sdpa": False,
+    state: dict[str, Any] = {"block": False, "region": False, "mixer": False, "sliced": False, "inputs": set(),
+                             "sdpa": False,
                              "after": False, "tables": {}, "repeated": 0, "ids": ids.untyped_storage()._cdata,
                              "read": set(), "square": False}
     seen: list[tuple[Any, int, int, str]] = []  # (a reference to what was saved, its part, extra bytes, its kind)
@@ -1392,7 +1432,7 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
         if state["block"]:
             state["square"] |= tensor.dim() >= 2 and tensor.shape[-2:] == (length, length)
             made_inside = tensor.untyped_storage()._cdata not in state["inputs"]
-            part = 1 if state["region"] and made_inside else 2 if state["mixer"] and made_inside else 0
+            part = 1 if state["region"] and made_inside or state["sliced"] else 2 if state["mixer"] and made_inside else 0
             part = 4 if tensor.untyped_storage()._cdata in state["tables"] else part
             seen.append(((lambda: tensor) if held else weakref.ref(tensor), part, extra, kind))
         elif state["after"]:  # a vocab-wide tensor is the head's: its logits, kept a token
@@ -1437,6 +1477,9 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
             for module in modules:
                 hooks += [module.register_forward_pre_hook(enter(flag), with_kwargs=True),
                           module.register_forward_hook(flagged(flag, False))]
+    for module in (m for block in sliced or [] for m in block):
+        hooks += [module.register_forward_pre_hook(flagged("sliced", True)),
+                  module.register_forward_hook(flagged("sliced", False))]
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
