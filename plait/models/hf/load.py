@@ -1416,8 +1416,11 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
     scores."""
     # the model's own tensors are resident whatever runs, as the meter takes them
     # (parallel/saved.resident_storages): its weights, and its buffers (MiniMax's decay tables,
-    # 1 MiB of the tiny model's keep, were read as a token's bytes)
-    params = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
+    # 1 MiB of the tiny model's keep, were read as a token's bytes). Held while listed: XGLM's
+    # forward remakes its sinusoidal table once the positions pass its length, and the table it
+    # dropped left its address to an activation, which was then not counted (1 reading in 6)
+    params: dict[int, torch.UntypedStorage] = {}
+    _hold(params, [*model.parameters(), *model.buffers()])
     ids = torch.zeros(1, length, dtype=torch.long, device=device)
     state: dict[str, Any] = {"block": False, "region": False, "mixer": False, "sliced": False, "inputs": set(),
                              "sdpa": False,
