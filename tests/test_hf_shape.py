@@ -856,14 +856,16 @@ def sweep_family(path: Path, family: str) -> Any:
 def one_process_gap(path: Path, shape: Any) -> list[float]:
     """The estimate of one process less what autograd keeps after a forward, in fp32, at 2 × 16,
     1 × 16 and 2 × 32 tokens."""
+    return [one_process_estimate(shape, batch, seq) - saved_by_autograd(path, torch.float32, batch, seq)
+            for batch, seq in ((2, 16), (1, 16), (2, 32))]
+
+
+def one_process_estimate(shape: Any, batch: int, seq: int) -> float:
+    """The estimate's activations of one process, in fp32."""
     from plait.estimate.activations import stage_activation_bytes
 
-    gaps = []
-    for batch, seq in ((2, 16), (1, 16), (2, 32)):
-        layout = Workload(micro_batch=batch, seq_len=seq)
-        estimated = stage_activation_bytes(shape, layout, layout_stages(shape, layout)[0])
-        gaps.append(estimated - saved_by_autograd(path, torch.float32, batch, seq))
-    return gaps
+    layout = Workload(micro_batch=batch, seq_len=seq)
+    return stage_activation_bytes(shape, layout, layout_stages(shape, layout)[0])
 
 
 def test_what_a_model_keeps_outside_its_blocks_is_what_autograd_keeps(tmp_path: Path) -> None:
@@ -910,11 +912,7 @@ def test_what_no_token_makes_is_kept_once_a_forward(tmp_path: Path) -> None:
 
 def estimate_over_keep(path: Path, shape: Any, batch: int, seq: int) -> float:
     """The one-process estimate over what autograd keeps after a forward, in fp32."""
-    from plait.estimate.activations import stage_activation_bytes
-
-    layout = Workload(micro_batch=batch, seq_len=seq)
-    estimated = stage_activation_bytes(shape, layout, layout_stages(shape, layout)[0])
-    return estimated / saved_by_autograd(path, torch.float32, batch, seq)
+    return one_process_estimate(shape, batch, seq) / saved_by_autograd(path, torch.float32, batch, seq)
 
 
 def test_a_buffer_is_resident_and_a_block_of_lightning_attention_is_read_whole(tmp_path: Path) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import resource
-import weakref
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -52,10 +51,8 @@ class ActivationMeter:
     """Peak bytes saved for backward during one forward and still held when it ends, excluding
     the parameters and buffers themselves.
 
-    Use `with meter.track(model):` around a forward; `peak` keeps the largest seen. What a
-    branch nothing reads saved is freed with it before the forward ends, and is not counted:
-    counted by address at save time, such a tensor stayed in the sum (MiniMax's lightning
-    attention, 4 KiB of a tiny model's 300), unless a later one took its address.
+    Use `with meter.track(model):` around a forward, holding its output; `peak` keeps the
+    largest seen. What a branch nothing reads saved is not counted (parallel/saved.held_saves).
     """
 
     def __init__(self) -> None:
@@ -64,27 +61,20 @@ class ActivationMeter:
 
     @contextlib.contextmanager
     def track(self, model: nn.Module) -> Iterator[None]:
-        from plait.parallel.saved import handed_back, resident_storages
+        from plait.parallel.saved import held_saves, resident_storages
 
         param_ptrs = resident_storages(model)
         zero3 = zero3_sync(model)
-        saved: list[weakref.ref] = []
 
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            storage = tensor.untyped_storage()
-            ptr = storage.data_ptr()
+        def is_weight(ptr: int) -> bool:
             # ZeRO-3 gathers a unit's weights into fresh storage just before it runs: asked
-            # here, at pack time (and only under ZeRO-3), not once up front.
-            is_weight = ptr in param_ptrs or (zero3 is not None and ptr in zero3.gathered_storages())
-            alias = handed_back(tensor)
-            if not is_weight and storage.nbytes():
-                saved.append(weakref.ref(alias))  # alive while autograd holds what it saved
-            return alias
+            # at save time (and only under ZeRO-3), not once up front.
+            return ptr in param_ptrs or (zero3 is not None and ptr in zero3.gathered_storages())
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with held_saves(is_weight) as held:
             yield
-        held = [tensor.untyped_storage() for tensor in (ref() for ref in saved) if tensor is not None]
-        self.last = sum({storage.data_ptr(): storage.nbytes() for storage in held}.values())
+        storages = [tensor.untyped_storage() for tensor, _ in held]
+        self.last = sum({storage.data_ptr(): storage.nbytes() for storage in storages}.values())
         self.peak = max(self.peak, self.last)
 
 

@@ -4,6 +4,10 @@ pipeline's StageWork around each action: plait.parallel.pipeline.execute)."""
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+
 import torch
 from torch import nn
 
@@ -22,3 +26,25 @@ def handed_back(tensor: torch.Tensor) -> torch.Tensor:
     back as itself, as autograd keeps it, so an object shared by reference stays shared
     (plait.parallel.packed.dense_mask)."""
     return tensor if tensor.grad_fn is None else tensor.detach()
+
+
+@contextlib.contextmanager
+def held_saves(resident: Callable[[int], bool]) -> Iterator[list[tuple[torch.Tensor, bool]]]:
+    """While inside, what autograd saves for backward is noted, but storages `resident` names by
+    address (weights, buffers, gathered units) and empty ones; on leaving, the list it yields holds
+    each save autograd still holds, with whether it was a leaf. A branch nothing reads frees what
+    it saved before the forward ends: counted at save time by address, such a tensor stayed in a
+    meter's sum (MiniMax's lightning attention, 4 KiB of a tiny model's 300)."""
+    noted: list[tuple[weakref.ref, bool]] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        alias = handed_back(tensor)
+        if storage.nbytes() and not resident(storage.data_ptr()):
+            noted.append((weakref.ref(alias), tensor.grad_fn is None))  # alive while autograd holds it
+        return alias
+
+    held: list[tuple[torch.Tensor, bool]] = []
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield held
+    held.extend((tensor, leaf) for tensor, leaf in ((ref(), leaf) for ref, leaf in noted) if tensor is not None)

@@ -1020,8 +1020,12 @@ def _pads_to_chunks(half: Kept, kept: list[Kept], length: int) -> bool:
     keep grows more per token from L to 2L (a second chunk begun) than from L/2 to L (the first
     chunk's tokens filled in). Not where it grows alike (a mamba's scan), or less (MiniMax's
     block × block scores, within a block)."""
-    low = (kept[0].mixers - half.mixers) / (length - length // 2)
-    return kept[1].mixers - kept[0].mixers - low * length > 0
+    return kept[1].mixers - kept[0].mixers - _within_chunk(half, kept[0], length) * length > 0
+
+
+def _within_chunk(half: Kept, whole: Kept, length: int) -> float:
+    """The token-mixing modules' bytes a token from L/2 to L tokens: within the first chunk."""
+    return (whole.mixers - half.mixers) / (length - length // 2)
 
 
 def _mixer_chunks(half: Kept, kept: list[Kept], third: Kept, length: int) -> tuple[float, ...]:
@@ -1031,7 +1035,7 @@ def _mixer_chunks(half: Kept, kept: list[Kept], third: Kept, length: int) -> tup
     whatever the tokens in it: measured as a token's from L and 2L, its keep at 16 tokens was
     read as 0.46 of what it is, and 1.06-1.09 from 128 to 1,000 (its second chunk keeps 6% more
     than the ones after it)."""
-    low = (kept[0].mixers - half.mixers) / (length - length // 2)
+    low = _within_chunk(half, kept[0], length)
     one, two, three = kept[0].mixers, kept[1].mixers, third.mixers
     return low, one - low * length, two - one - low * length, three - two - low * length
 
@@ -1365,7 +1369,8 @@ class Kept(NamedTuple):
 
     rest: int  # saved in the blocks, each rank's whole
     split: int  # made inside the regions the tp plan splits
-    mixers: int  # made inside the token-mixing modules the plan leaves whole
+    mixers: int  # made inside what runs whole on every rank: the token-mixing modules the plan leaves
+    # whole, and the modules between columns gathered whole and a row layer taking its slice
     after: int  # saved after the last block, the head's logits aside: a token's
     tables: int  # saved of the rotary tables: a position's, one sequence's
     copies: int  # of the first three, copies of SDPA's output made for its output projection
@@ -1389,8 +1394,9 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
     `length` tokens, of what the blocks saved, each storage once, the parameters' not: (the rest,
     what the modules the plan splits made (`regions`, each block's: `_row_regions`), what the
     token-mixing modules it leaves whole made (`mixers`: a linear attention, a mamba, read whole
-    under SP), and what the row layers that take their slice of a whole input keep (`sliced`:
-    `_slicing_rows`) with the split regions'); what was saved after the last block, but for `vocab`-wide tensors (the final
+    under SP; and what runs whole between columns gathered whole: `_whole_parents`), and what
+    the row layers that take their slice of a whole input keep (`sliced`: `_slicing_rows`) with
+    the split regions'); what was saved after the last block, but for `vocab`-wide tensors (the final
     norm's input, statistics and output, which the head keeps; the logits are the loss's); what
     the blocks saved of the rotary tables (a rotary module's output, and what ops make of them
     alone, as an attention that re-lays them per layer does: made for positions, one sequence's
@@ -1423,9 +1429,8 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
     _hold(params, [*model.parameters(), *model.buffers()])
     ids = torch.zeros(1, length, dtype=torch.long, device=device)
     state: dict[str, Any] = {"block": False, "region": False, "mixer": False, "sliced": False, "inputs": set(),
-                             "sdpa": False,
-                             "after": False, "tables": {}, "repeated": 0, "ids": ids.untyped_storage()._cdata,
-                             "read": set(), "square": False}
+                             "sdpa": False, "after": False, "tables": {}, "repeated": 0,
+                             "ids": ids.untyped_storage()._cdata, "read": set(), "square": False}
     seen: list[tuple[Any, int, int, str]] = []  # (a reference to what was saved, its part, extra bytes, its kind)
     outputs: list[torch.Tensor] = []  # what SDPA returned, in order
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -35,7 +34,7 @@ from torch import nn
 from plait.errors import PlaitError
 from plait.parallel.packed import Packed
 from plait.parallel.pipeline.p2p import Channels, Key, message_in
-from plait.parallel.saved import handed_back, resident_storages
+from plait.parallel.saved import held_saves, resident_storages
 from plait.schedule.action import Action
 from plait.schedule.timeline import Slot
 
@@ -133,28 +132,22 @@ class StageWork:
         storage's size: the batch is held whatever runs. Only what autograd still holds when the
         forward ends counts.
         """
-        saved: list[tuple[weakref.ref, bool]] = []
         total = [0]
 
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            ptr = tensor.untyped_storage().data_ptr()
-            alias = handed_back(tensor)  # an alias of an op's output: I and W retain the graph
-            # Gathered weights get fresh memory each time: asked now, not once up front.
-            if ptr not in self._param_ptrs and ptr not in self._gathered_weights():
-                saved.append((weakref.ref(alias), tensor.grad_fn is None))
-            return alias
+        def is_weight(ptr: int) -> bool:  # gathered weights get fresh memory each time: asked at save time
+            return ptr in self._param_ptrs or ptr in self._gathered_weights()
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        # an alias of an op's output is handed back (held_saves): I and W retain the graph
+        with held_saves(is_weight) as held:
             yield total
         views: dict[int, dict[tuple, int]] = {}
         sizes: dict[int, int] = {}
-        for tensor, leaf in ((ref(), leaf) for ref, leaf in saved):
-            if tensor is not None:
-                storage = tensor.untyped_storage()
-                key = (tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
-                size = tensor.numel() * tensor.element_size() if leaf else storage.nbytes()
-                views.setdefault(storage.data_ptr(), {})[key] = size
-                sizes[storage.data_ptr()] = storage.nbytes()
+        for tensor, leaf in held:
+            storage = tensor.untyped_storage()
+            key = (tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+            size = tensor.numel() * tensor.element_size() if leaf else storage.nbytes()
+            views.setdefault(storage.data_ptr(), {})[key] = size
+            sizes[storage.data_ptr()] = storage.nbytes()
         total[0] = sum(min(sum(v.values()), sizes[ptr]) for ptr, v in views.items())
 
     @staticmethod
