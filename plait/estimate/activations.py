@@ -59,6 +59,8 @@ divided by t. Full recompute keeps only each block's input.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from plait.interleave import held_frontier, warmup
 from plait.estimate.experts import dense_width, expert_units_on_rank, saved_bytes_per_token
 from plait.estimate.layout import Workload, StageShare, chunk_ends, chunk_layers, embedding_rows, vocab_shard
@@ -503,11 +505,44 @@ def in_flight(layout: Workload, stage: StageShare) -> float:
     return chunks / v
 
 
+def stage_block_bytes(config: GPTConfig, layout: Workload, stage: StageShare) -> float:
+    """What `stage`'s blocks keep for one micro-batch: each run's, kept for its backward, as
+    its own blocks keep (`kept_runs`)."""
+    return kept_runs(config, layout, stage.blocks, stage.runs) * layer_bytes(config, layout)
+
+
+def kept_runs(config: GPTConfig, layout: Workload, blocks: Sequence[int], runs: float) -> float:
+    """`runs`, the block runs of a stage (or a chunk) holding `blocks`, each counted as what its
+    block keeps against the mean run's (GPTConfig.block_keeps) at this layout's micro-batch and
+    sequence: a hybrid's stages differ (Jamba's mamba block keeps 2.9 times its attention one at
+    16 tokens), and DeepSeek's dense first block keeps 0.75 of an MoE one's, so the stage of MoE
+    blocks was priced 0.85-0.89 of its keep from the mean. `runs` itself where the blocks keep
+    alike, were not read, or under full recomputation (each keeps its input). The weights are
+    the one process's: tp and SP divide every block's alike here."""
+    if not config.block_keeps or not blocks or layout.recompute == "full":
+        return runs
+    each = [block_keep(terms, config, layout) for terms in config.block_keeps]
+    total = sum(each)
+    if total <= 0:
+        return runs
+    return sum(each[i] for i in blocks) * (sum(config.block_runs) or config.n_layers) / total
+
+
+def block_keep(terms: tuple[float, ...], config: GPTConfig, layout: Workload) -> float:
+    """One block's keep over its runs by its terms (GPTConfig.block_keeps), a micro-batch of this
+    layout on one rank's share of the sequence, never below nothing."""
+    c, a, q, first, second, further = terms
+    s = layout.seq_len // layout.cp
+    chunks = -(-s // config.mixer_chunk) if config.mixer_chunk else 0
+    per_sequence = a * s + q * s * s + first * (chunks > 0) + second * (chunks > 1) + further * max(0, chunks - 2)
+    return max(0.0, c + layout.micro_batch * per_sequence)
+
+
 def stage_activation_bytes(config: GPTConfig, layout: Workload, stage: StageShare) -> float:
     """Peak activation bytes on one rank of `stage`."""
     if layout.schedule == "interleaved":
         return interleaved_peak(config, layout, stage)
-    per_micro_batch = stage.runs * layer_bytes(config, layout)  # kept for each run's backward
+    per_micro_batch = stage_block_bytes(config, layout, stage)
     per_micro_batch += stage_extra_bytes(config, layout, stage)
     per_micro_batch += forward_kept_bytes(config, layout)  # one chunk a rank: interleaving is walked above
     return in_flight(layout, stage) * per_micro_batch + shared_window_mask_bytes(config, layout)
@@ -531,7 +566,14 @@ def chunk_forward_bytes(config: GPTConfig, layout: Workload, stage: StageShare) 
     block's runs: a looped model's run some more than once), and the first or last stage's
     extras on the chunk that holds that end."""
     rows = forward_kept_bytes(config, layout)  # each chunk's forward makes its own, kept by its blocks
-    per_block = layer_bytes(config, layout) * (stage.runs / stage.layers if stage.layers else 1.0)
+    per_run = layer_bytes(config, layout)
     extras = stage_extra_bytes(config, layout, stage)
-    return [blocks * per_block + (extras if any(chunk_ends(layout, stage, chunk)) else 0.0) + (rows if blocks else 0.0)
-            for chunk, blocks in enumerate(chunk_layers(layout, stage))]
+    counts = chunk_layers(layout, stage)
+    starts = [sum(counts[:chunk]) for chunk in range(len(counts))]
+    out = []
+    for chunk, (blocks, start) in enumerate(zip(counts, starts)):
+        held = stage.blocks[start:start + blocks]
+        runs = blocks * (stage.runs / stage.layers if stage.layers else 1.0)  # a looped model's spread evenly
+        out.append(kept_runs(config, layout, held, runs) * per_run
+                   + (extras if any(chunk_ends(layout, stage, chunk)) else 0.0) + (rows if blocks else 0.0))
+    return out

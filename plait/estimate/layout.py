@@ -157,6 +157,7 @@ class StageShare:
     block_units: tuple[float, ...] = ()  # a counted model's: each block's trained parameters, in run order
     frozen_outside: int = 0  # of `frozen_params`, those outside the blocks (GPTConfig.frozen_extra_params)
     chunks: tuple[int, ...] = ()  # blocks of each of its chunks where they may differ (`uneven_cut`); (): equal
+    blocks: tuple[int, ...] = ()  # the blocks it holds, in run order (its chunks' in turn)
 
     def unit_sizes(self, blocks: int, start: int = 0) -> list[float]:
         """The trained parameters of `blocks` blocks from the `start`-th held (ZeRO-3's units):
@@ -250,8 +251,14 @@ def rank_blocks(config: GPTConfig, pp: int, virtual_stages: int,
         counts = balanced_stages(config, pp)
     else:
         counts = [n // stages_n] * stages_n
-    starts = [sum(counts[:stage]) for stage in range(stages_n)]
-    return [[block for stage in range(rank, stages_n, pp)
+    return blocks_of_ranks(counts, pp)
+
+
+def blocks_of_ranks(counts: list[int], pp: int) -> list[list[int]]:
+    """The blocks each of `pp` ranks holds, in order, where the pp·v stages hold `counts` blocks
+    each in turn (stage c·pp + r is rank r's c-th chunk)."""
+    starts = [sum(counts[:stage]) for stage in range(len(counts))]
+    return [[block for stage in range(rank, len(counts), pp)
              for block in range(starts[stage], starts[stage] + counts[stage])]
             for rank in range(pp)]
 
@@ -294,7 +301,8 @@ def counted_stage(config: GPTConfig, index: int, pp: int, blocks: list[int], sha
                       *block_reruns(config, blocks),
                       rerun_params=sum(extra * (shares[i] - frozen_of[i]) for i, extra in again.items()),
                       rerun_experts=sum(extra * experts_of[i] for i, extra in again.items()),
-                      block_units=tuple(shares[i] - frozen_of[i] for i in blocks), frozen_outside=outside)
+                      block_units=tuple(shares[i] - frozen_of[i] for i in blocks), frozen_outside=outside,
+                      blocks=tuple(blocks))
 
 
 def block_reruns(config: GPTConfig, blocks: Iterable[int]) -> tuple[int, int]:
@@ -421,6 +429,9 @@ def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1, ep: int
         counts = [config.n_layers // pp] * pp
     else:  # the cut plait's pipeline makes (parallel/pipeline/split.py: default_balance)
         counts = balanced_counts([block] * config.n_layers, pp, first_extra=first, last_extra=norm + head)
+    # equal chunks where uncut, so the stages' order is the ranks' (v = 1) or any
+    ranks_blocks = blocks_of_ranks(list(cut) if cut else [count // virtual_stages for count in counts
+                                                          for _ in range(virtual_stages)], pp)
     out = []
     for index, layers in enumerate(counts):
         params, repl = layers * block, layers * replicated
@@ -435,5 +446,5 @@ def stages(config: GPTConfig, tp: int, pp: int, virtual_stages: int = 1, ep: int
         out.append(StageShare(index, pp, layers, block, params, repl, held, moe, outside, reruns, moe_reruns,
                               rerun_params=reruns * block,
                               rerun_experts=moe_reruns * held / moe if held else 0.0, frozen_outside=outside,
-                              chunks=chunks[index]))
+                              chunks=chunks[index], blocks=tuple(ranks_blocks[index])))
     return tuple(out)

@@ -24,7 +24,7 @@ import functools
 
 from dataclasses import asdict, dataclass
 
-from plait.estimate.activations import (chunk_forward_bytes, layer_bytes, loss_bytes, rope_table_bytes,
+from plait.estimate.activations import (chunk_forward_bytes, loss_bytes, rope_table_bytes, stage_block_bytes,
                                         stage_activation_bytes, stage_extra_bytes)
 from plait.interleave import held_frontier
 from plait.estimate.layout import (Workload, StageShare, chunk_ends, chunk_layers, embedding_rows, head_weight,
@@ -307,7 +307,7 @@ def grads_unmade(config: GPTConfig, layout: Workload, stage: StageShare, grads: 
     if not forwards_before_first_backward(layout, stage) or not stage.trained_params:
         return 0.0
     first = head_weight(config, layout.tp) if stage.last else stage.trained_block_params
-    one_micro_batch = stage.runs * layer_bytes(config, layout) + stage_extra_bytes(config, layout, stage)
+    one_micro_batch = stage_block_bytes(config, layout, stage) + stage_extra_bytes(config, layout, stage)
     return max(0.0, min(grads * (1 - min(1.0, first / stage.trained_params)), one_micro_batch))
 
 

@@ -300,6 +300,13 @@ class GPTConfig:
     # 16-bit; -1 where that dtype's forward did not run. estimate/activations.mixer_chunk_bytes reads it
     mixer_chunk: int = 0
     mixer_chunk_bytes: tuple[tuple[float, float], ...] = ()
+    # What each block of a transformers model keeps over its runs, where its blocks differ (a
+    # hybrid's linear-attention and attention blocks, DeepSeek's dense first blocks and MoE ones),
+    # measured with block_saved_bytes, in the first dtype whose forward ran: (c, a, q, first,
+    # second, further) of c + b·(a·s + q·s² + the chunks' bytes, mixer_chunk's) for a micro-batch
+    # of b sequences of s tokens. Only their ratios are read: a pipeline stage keeps its own
+    # blocks' share of the mean block's bytes (estimate/activations.kept_runs). Empty: alike
+    block_keeps: tuple[tuple[float, ...], ...] = ()
     # The sliding window (positions) a transformers model's sliding layers attend within, 0 for
     # none: under Ulysses a window shorter than the sequence is one additive mask a rank keeps
     # (plait.parallel.context.ulysses.window_mask; estimate/activations.window_mask_bytes)
@@ -344,6 +351,7 @@ class GPTConfig:
         object.__setattr__(self, "qkv_view_bytes", tuple(self.qkv_view_bytes))
         object.__setattr__(self, "constant_bytes", tuple(tuple(pair) for pair in self.constant_bytes))
         object.__setattr__(self, "mixer_chunk_bytes", tuple(tuple(pair) for pair in self.mixer_chunk_bytes))
+        object.__setattr__(self, "block_keeps", tuple(tuple(block) for block in self.block_keeps))
         object.__setattr__(self, "tp_gathered_calls", tuple(self.tp_gathered_calls))
         object.__setattr__(self, "tp_expert_entries", tuple(self.tp_expert_entries))
         object.__setattr__(self, "tp_last_rows", tuple(self.tp_last_rows))

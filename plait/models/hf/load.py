@@ -979,6 +979,7 @@ class Terms(NamedTuple):
     constants: tuple[float, float, float]  # c: a block's run, the first stage's, the last's
     chunks: tuple[float, float, float]  # the mixers' first, second and each further chunk's bytes beyond
     # their tokens', a block's run
+    blocks: tuple[tuple[float, ...], ...]  # each block's own over its runs (GPTConfig.block_keeps)
 
 
 def _fitted(kept: list[Kept], length: int, runs: int, chunked: tuple[Kept, Kept] | None = None) -> Terms:
@@ -1012,7 +1013,37 @@ def _fitted(kept: list[Kept], length: int, runs: int, chunked: tuple[Kept, Kept]
                  head=slope("head"), views=(two.views - one.views) / length / runs,
                  read=one.read / one.calls if one.calls else 1.0,
                  constants=tuple(max(0.0, c) for c in (constant / runs, first, last)),
-                 chunks=tuple(c / runs for c in chunks[1:]) if chunks else (0.0, 0.0, 0.0))
+                 chunks=tuple(c / runs for c in chunks[1:]) if chunks else (0.0, 0.0, 0.0),
+                 blocks=_block_keeps(kept, length, chunked))
+
+
+def _differing(blocks: tuple[tuple[float, ...], ...]) -> tuple[tuple[float, ...], ...]:
+    """`blocks`, or () where every block keeps alike (a dense model's: the mean is each)."""
+    return blocks if len(set(blocks)) > 1 else ()
+
+
+def _block_keeps(kept: list[Kept], length: int, chunked: tuple[Kept, Kept] | None) -> tuple[tuple[float, ...], ...]:
+    """Each block's keep over its runs as GPTConfig.block_keeps holds it, (c, a, q, the first,
+    second and each further chunk's bytes beyond a's), from the same forwards as the mean's:
+    what a pipeline stage keeps is its own blocks', and a hybrid's or DeepSeek's blocks differ
+    (a dense first block keeps 0.75 of an MoE one's; a linear attention's padded chunks, 6.5
+    times a softmax attention's at 16 tokens). Where the mixers pad to chunks every block is read
+    in the chunks' form (a block that keeps by the token reads no chunk bytes in it)."""
+    if chunked:
+        half, third = chunked
+        out = []
+        for low_end, one, two, three in zip(half.by_block, kept[0].by_block, kept[1].by_block, third.by_block):
+            low = (one - low_end) / (length - length // 2)
+            out.append((0.0, low, 0.0, one - low * length, two - one - low * length, three - two - low * length))
+        return tuple(out)
+    measured = len(kept) == 3
+    out = []
+    for values in zip(*(k.by_block for k in kept)):
+        c0, c1, c2 = (*values, 0)[:3]
+        q = (c2 - 2 * c1 + c0) / (2 * length * length) if measured else 0.0
+        out.append((2 * c0 - c1 + 2 * length * length * q, (c1 - c0 - 3 * length * length * q) / length, q,
+                    0.0, 0.0, 0.0))
+    return tuple(out)
 
 
 def _pads_to_chunks(half: Kept, kept: list[Kept], length: int) -> bool:
@@ -1158,6 +1189,7 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
             "outside_saved_bytes": outside, "head_saved_bytes": head, "qkv_view_bytes": views,
             "attention_out_kept": out_kept, "constant_bytes": constants,
             "mixer_chunk": length if chunked else 0, "mixer_chunk_bytes": chunks,
+            "block_keeps": _differing(next(t.blocks for t in terms if t)),
             "sliding_mask_layers": masked, **_heads_as_handed(handed, shape)}
 
 
@@ -1381,6 +1413,7 @@ class Kept(NamedTuple):
     read: int  # SDPA's calls whose output (or a copy) an op after keeps
     calls: int  # SDPA's calls
     square: bool  # whether a block saved a tensor whose last two dimensions are the sequence
+    by_block: tuple[int, ...]  # of the first three, what each block saved (each storage by its first saver)
 
 
 BLOCK_PARTS = ("rest", "split", "mixers")  # the three parts a block's per-token bytes split into
@@ -1430,8 +1463,9 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
     ids = torch.zeros(1, length, dtype=torch.long, device=device)
     state: dict[str, Any] = {"block": False, "region": False, "mixer": False, "sliced": False, "inputs": set(),
                              "sdpa": False, "after": False, "tables": {}, "repeated": 0,
-                             "ids": ids.untyped_storage()._cdata, "read": set(), "square": False}
-    seen: list[tuple[Any, int, int, str]] = []  # (a reference to what was saved, its part, extra bytes, its kind)
+                             "ids": ids.untyped_storage()._cdata, "read": set(), "square": False, "index": -1}
+    # (a reference to what was saved, its part, extra bytes, its kind, the block that saved it)
+    seen: list[tuple[Any, int, int, str, int]] = []
     outputs: list[torch.Tensor] = []  # what SDPA returned, in order
 
     def keep(tensor: torch.Tensor, extra: int = 0, held: bool = False, kind: str = "") -> None:
@@ -1442,11 +1476,11 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
             made_inside = tensor.untyped_storage()._cdata not in state["inputs"]
             part = 1 if state["region"] and made_inside or state["sliced"] else 2 if state["mixer"] and made_inside else 0
             part = 4 if tensor.untyped_storage()._cdata in state["tables"] else part
-            seen.append(((lambda: tensor) if held else weakref.ref(tensor), part, extra, kind))
+            seen.append(((lambda: tensor) if held else weakref.ref(tensor), part, extra, kind, state["index"]))
         elif state["after"]:  # a vocab-wide tensor is the head's: its logits, kept a token
-            seen.append((weakref.ref(tensor), 8 if tensor.shape[-1:] == (vocab,) else 3, extra, ""))
+            seen.append((weakref.ref(tensor), 8 if tensor.shape[-1:] == (vocab,) else 3, extra, "", -1))
         elif tensor.untyped_storage()._cdata != state["ids"]:  # outside the blocks, before the last
-            seen.append((weakref.ref(tensor), 7, extra, ""))
+            seen.append((weakref.ref(tensor), 7, extra, "", -1))
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         # an alias, as plait's ActivationMeter hands back: a tensor saved as its own op's output,
@@ -1460,7 +1494,7 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
             keep(alias, kind="copy" if copy else "")
         return alias
 
-    def flagged(flag: str, value: bool) -> Callable[..., None]:
+    def flagged(flag: str, value: bool | int) -> Callable[..., None]:
         def hook(*_: Any) -> None:
             state[flag] = value
         return hook
@@ -1477,8 +1511,9 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
         _hold(state["tables"], _tensors_in(output))
 
     hooks += [module.register_forward_hook(tables) for module in model.modules() if "Rotary" in type(module).__name__]
-    for block, inside, whole in zip(layers, regions, mixers):
+    for index, (block, inside, whole) in enumerate(zip(layers, regions, mixers)):
         hooks += [block.register_forward_pre_hook(flagged("block", True)),
+                  block.register_forward_pre_hook(flagged("index", index)),
                   block.register_forward_pre_hook(flagged("after", False)),
                   block.register_forward_hook(flagged("block", False))]
         for flag, modules in (("region", inside), ("mixer", whole)):
@@ -1519,18 +1554,18 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
             with _one_sequence(), _TablesMade(state["tables"]):
                 output = model(input_ids=ids, **no_cache(model))
         # what the graph still holds now the forward is done (a branch nothing reads is freed)
-        kept: dict[int, tuple[int, int, str]] = {}
+        kept: dict[int, tuple[int, int, str, int]] = {}
         views: dict[int, int] = {}  # a storage SDPA's inputs in a block view: the bytes they span
         others: set[int] = set()  # the storages anything else keeps
-        for ref, part, extra, kind in seen:
+        for ref, part, extra, kind, index in seen:
             tensor = ref()
             if tensor is None:
                 continue
             storage = tensor.untyped_storage()
             if storage._cdata not in params and storage._cdata not in kept:
-                kept[storage._cdata] = (storage.nbytes(), part, kind)
+                kept[storage._cdata] = (storage.nbytes(), part, kind, index)
             if extra:
-                kept[id(ref)] = (extra, part, "")
+                kept[id(ref)] = (extra, part, "", index)
             if kind == "handed" and part < 3:
                 views[storage._cdata] = views.get(storage._cdata, 0) + tensor.numel() * tensor.element_size()
             else:
@@ -1549,11 +1584,13 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
         torch.nn.functional.scaled_dot_product_attention = sdpa
         for hook in hooks:
             hook.remove()
-    rest, split, whole, after, tables, outside, head = (sum(size for size, part, _ in kept.values() if part == which)
-                                                        for which in (0, 1, 2, 3, 4, 7, 8))
-    copies = sum(size for size, part, kind in kept.values() if kind == "copy" and part < 3)
+    rest, split, whole, after, tables, outside, head = (sum(size for size, part, _, _ in kept.values()
+                                                            if part == which) for which in (0, 1, 2, 3, 4, 7, 8))
+    copies = sum(size for size, part, kind, _ in kept.values() if kind == "copy" and part < 3)
+    by_block = tuple(sum(size for size, part, _, index in kept.values() if part < 3 and index == block)
+                     for block in range(len(layers)))
     return Kept(rest, split, whole, after, tables, copies, int(state["repeated"]), outside, head, beyond,
-                len(state["read"]), calls, state["square"])
+                len(state["read"]), calls, state["square"], by_block)
 
 
 def _declared_parts(model: nn.Module, blocks: str) -> Parts | None:
