@@ -39,11 +39,12 @@ GATHERS = {"olmo2", "phi3"}  # q, k, v gathered whole (OLMo2's norms over every 
 # The activations each rank keeps, against the estimate's: within 2%. OLMo2's and Phi-3's q, k
 # and v are gathered whole, so each rank runs the whole attention and o_proj keeps its slice of
 # its output (models/hf/load._slicing_rows): read as a split region, they were 0.81 and 0.73 of
-# the meter's under tp 2. OLMo2 is still 0.97 (16 values a token a block not found). Llama 4,
-# whose plan splits its experts by tp and runs every expert on every token, is 1.30 under tp and
-# 0.90 under tp + sp: not looked into.
+# the meter's under tp 2. OLMo2 is still 0.97 (16 values a token a block not found). Llama 4's
+# plan splits its experts by tp: read as each rank's whole, it was 1.30 under tp; read as a split
+# region (models/hf/load._row_regions), to the byte. Under tp + sp it is 0.87: its MoE block runs
+# whole on the gathered sequence, which the reading does not yet price (not looked into further).
 KEPT_WITHIN = {"olmo2": 0.04}
-KEPT_OFF = {"llama4_text"}
+KEPT_OFF = {("llama4_text", True)}
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp_sp"])
@@ -70,7 +71,7 @@ def test_the_ledger_under_tp_is_the_prediction_and_no_logits_are_gathered(tmp_pa
         ops = {"all_reduce", "all_gather"} if family in GATHERS else {"all_reduce"}
     assert set(measured) == set(predicted) == ops, table
     assert measured == predicted, table  # every byte, the clip's float included
-    if family in KEPT_OFF:
+    if (family, sp) in KEPT_OFF:
         return
     kept, priced = summary["mem"]["activations_peak"], summary["predicted"]["memory"]["activations"]
     assert priced == pytest.approx(kept, rel=KEPT_WITHIN.get(family, 0.02)), (kept, priced)

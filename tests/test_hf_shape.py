@@ -443,6 +443,25 @@ def test_longcat_runs_two_attentions_and_two_mlps_a_block(tmp_path: Path, monkey
     assert shape.mla_down_params == down
 
 
+def test_every_module_a_plan_splits_is_read_as_split(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a block keeps inside the modules its tp plan splits is divided by tp. LongCat's plan
+    names its two attentions and two MLPs by a wildcard ("self_attn.*.o_proj"): read as the
+    first of each alone, the second's keep was each rank's whole, and its estimate under tp 2
+    on 2 ranks was 1.13 of the meter's. The experts its plan splits (moe_tp_experts, where it
+    declares no ep plan) are split too; Llama 4's, read as each rank's whole, were 1.19."""
+    from plait.models.hf.load import _row_regions
+
+    declared_as_524(monkeypatch, "longcat_flash")
+    shape_of(tmp_path, "longcat_flash", kept=False, **MLA, ffn_hidden_size=64, expert_ffn_hidden_size=32)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
+    block = model.model.layers[0]
+    plan = {key[len("layers.*."):]: style for key, style in model.config.base_model_tp_plan.items()}
+    regions = _row_regions(block, plan)
+    assert sorted(map(id, regions)) == sorted(map(id, (*block.self_attn, *block.mlps, block.mlp.experts)))
+    assert block.mlp.experts not in _row_regions(block, plan, experts_split=False)
+
+
 def nemotron_blocks(tmp_path: Path) -> tuple[Any, list[int], int]:
     """Nemotron-H's shape with one block of each kind (mamba, MoE, attention, MLP), as its
     config class declares its plan: each block's mixer's parameters, and all its norms'."""
@@ -643,7 +662,8 @@ def saved_by_where(path: Path, dtype: torch.dtype, batch: int, seq: int) -> dict
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).train()
     params = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}  # resident, as the meter's
-    layers = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == config.num_hidden_layers)
+    layers = next((m for m in model.modules()  # none found (HRM's two stacks): all outside
+                   if isinstance(m, torch.nn.ModuleList) and len(m) == getattr(config, "num_hidden_layers", -1)), [])
     where = [-1]
     hooks = [hook for i, block in enumerate(layers) for hook in (
         block.register_forward_pre_hook(lambda *_, i=i: where.__setitem__(0, i)),

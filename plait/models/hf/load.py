@@ -1122,7 +1122,8 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
     implementation = _attention_implementation(model)
     eager = implementation == "eager"  # SDPA keeps nothing of s² (a bias aside): two lengths give the s term
     length = max(MEASURED_TOKENS, chunk)
-    regions = [_row_regions(block, _inside(plan, blocks, i)) if blocks and plan else []
+    experts_split = not declared(model, "ep")  # an ep plan keeps the experts whole under tp (styles.py)
+    regions = [_row_regions(block, _inside(plan, blocks, i), experts_split) if blocks and plan else []
                for i, block in enumerate(layers)]
     sliced = [_slicing_rows(block, _inside(plan, blocks, i)) if blocks and plan else []
               for i, block in enumerate(layers)]
@@ -1348,22 +1349,40 @@ def _measuring_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _row_regions(block: nn.Module, plan: dict[str, str]) -> list[nn.Module]:
+def _row_regions(block: nn.Module, plan: dict[str, str], experts_split: bool = True) -> list[nn.Module]:
     """The modules of `block` whose work the plan (named from the block) splits over tp: each
     row layer's parent, which holds the column layers feeding it and whose output the row
-    layer's sum makes whole (the attention, the MLP, an MoE's shared expert; not its routed
-    experts beside it, nor a linear attention whose projections are gathered whole). Nor a
-    parent whose column layers all gather their outputs whole for a row layer that takes its
-    slice of a whole input: OLMo2's, OLMoE's and Phi-3's attention norms q and k over every
-    head, so each rank runs the whole attention (read as split, their estimate under tp 2 was
-    0.73-0.90 of the meter's); it is read with the token-mixing modules the plan leaves whole."""
+    layer's sum makes whole (the attention, the MLP, an MoE's shared expert; not a linear
+    attention whose projections are gathered whole), and the experts modules it splits
+    whole (EXPERT_STYLES, where `experts_split`: no ep plan keeps them whole). Llama 4's and
+    LongCat's routed experts had been read as each rank's whole, and their estimate under tp 2
+    was 1.19 and 1.13 of the meter's. Not a parent whose column layers all gather their
+    outputs whole for a row layer that takes its slice of a whole input: OLMo2's, OLMoE's and
+    Phi-3's attention norms q and k over every head, so each rank runs the whole attention
+    (read as split, their estimate under tp 2 was 0.73-0.90 of the meter's); it is read with
+    the token-mixing modules the plan leaves whole."""
     found: list[nn.Module] = []
     for key, style in plan.items():
-        parent = key.rsplit(".", 1)[0] if "." in key else ""
-        module = _in_block(block, parent) if style in ROWS and parent and _in_block(block, key) else None
-        if module is not None and all(module is not other for other in found) and not _runs_whole(plan, key):
-            found.append(module)
+        if style in EXPERT_STYLES and experts_split:
+            modules = _each_in_block(block, key)
+        else:
+            parent = key.rsplit(".", 1)[0] if "." in key else ""
+            modules = (_each_in_block(block, parent) if style in ROWS and parent and _in_block(block, key)
+                       and not _runs_whole(plan, key) else [])
+        found += [module for module in modules if all(module is not other for other in found)]
     return found
+
+
+def _each_in_block(block: nn.Module, name: str) -> list[nn.Module]:
+    """Every module of the block a plan entry names, a wildcard standing for one name: LongCat's
+    "self_attn.*" is both its attentions (read as the first alone, the second's keep was each
+    rank's whole, and its estimate under tp 2 was 1.13 of the meter's)."""
+    if "*" not in name:
+        module = _in_block(block, name)
+        return [] if module is None else [module]
+    parts = name.split(".")
+    return [module for inner, module in block.named_modules()
+            if len(inner.split(".")) == len(parts) and all(map(fnmatchcase, inner.split("."), parts))]
 
 
 GATHERED_COLUMNS = ("colwise_gather_output", "colwise_rep")  # column styles whose output is gathered whole
