@@ -1129,6 +1129,7 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
               for i, block in enumerate(layers)]
     mixers = [[child for child in block.children() if mixes_tokens(child) and all(child is not r for r in inside)]
               + _whole_parents(block, _inside(plan, blocks, i) if blocks and plan else {})
+              + _split_experts_holders(block, inside)
               for i, (block, inside) in enumerate(zip(layers, regions))]
     device = _measuring_device(model)
 
@@ -1373,6 +1374,14 @@ def _row_regions(block: nn.Module, plan: dict[str, str], experts_split: bool = T
     return found
 
 
+def _split_experts_holders(block: nn.Module, regions: list[nn.Module]) -> list[nn.Module]:
+    """The MoE modules of `block` whose experts are a split region (`_row_regions`): under SP
+    such a module runs whole on the gathered sequence (estimate/traffic.split_moe_calls), so
+    what it makes beside its experts (Llama 4's router scores and the tokens it repeats for
+    every expert) is whole on every rank, as a token-mixing module's is."""
+    return [module for module in block.modules() if any(getattr(module, "experts", None) is r for r in regions)]
+
+
 def _each_in_block(block: nn.Module, name: str) -> list[nn.Module]:
     """Every module of the block a plan entry names, a wildcard standing for one name: LongCat's
     "self_attn.*" is both its attentions (read as the first alone, the second's keep was each
@@ -1480,7 +1489,8 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
     params: dict[int, torch.UntypedStorage] = {}
     _hold(params, [*model.parameters(), *model.buffers()])
     ids = torch.zeros(1, length, dtype=torch.long, device=device)
-    state: dict[str, Any] = {"block": False, "region": False, "mixer": False, "sliced": False, "inputs": set(),
+    state: dict[str, Any] = {"block": False, "region": False, "mixer": False, "sliced": False,
+                             "region inputs": set(), "mixer inputs": set(),
                              "sdpa": False, "after": False, "tables": {}, "repeated": 0,
                              "ids": ids.untyped_storage()._cdata, "read": set(), "square": False, "index": -1}
     # (a reference to what was saved, its part, extra bytes, its kind, the block that saved it)
@@ -1492,8 +1502,12 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
         `kind` "copy": a copy of SDPA's output."""
         if state["block"]:
             state["square"] |= tensor.dim() >= 2 and tensor.shape[-2:] == (length, length)
-            made_inside = tensor.untyped_storage()._cdata not in state["inputs"]
-            part = 1 if state["region"] and made_inside or state["sliced"] else 2 if state["mixer"] and made_inside else 0
+            # made inside the region (the mixer) entered last: not one of its inputs. An experts
+            # region's input is made inside the MoE module holding it, read as a mixer (Llama 4's
+            # tokens repeated for every expert: whole on every rank under SP)
+            made = {flag: tensor.untyped_storage()._cdata not in state[f"{flag} inputs"] for flag in ("region", "mixer")}
+            part = 1 if state["region"] and made["region"] or state["sliced"] else \
+                2 if state["mixer"] and made["mixer"] else 0
             part = 4 if tensor.untyped_storage()._cdata in state["tables"] else part
             seen.append(((lambda: tensor) if held else weakref.ref(tensor), part, extra, kind, state["index"]))
         elif state["after"]:  # a vocab-wide tensor is the head's: its logits, kept a token
@@ -1521,7 +1535,7 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
     def enter(flag: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             state[flag] = True
-            state["inputs"] = {t.untyped_storage()._cdata for t in _tensors_in((args, kwargs))}
+            state[f"{flag} inputs"] = {t.untyped_storage()._cdata for t in _tensors_in((args, kwargs))}
         return hook
 
     hooks = [layers[-1].register_forward_hook(flagged("after", True))]  # until a block runs again (a loop's)
