@@ -254,8 +254,12 @@ def kv_repeat_values(config: GPTConfig, layout: Workload) -> float:
     a mask, so each sliding layer repeats them where the sequence reaches its window
     (GPTConfig.sliding_mask_layers, their share); elsewhere what was measured
     (GPTConfig.kv_repeat_bytes). None under context parallelism, whose attention keeps them
-    grouped, or under selective recomputation, which recomputes the core that repeats them."""
-    if config.lean_blocks or layout.cp > 1 or layout.recompute == "selective":
+    grouped, or under selective recomputation, which recomputes the core that repeats them. None
+    where a tp rank holds one of the model's several K/V heads: transformers' repeat_kv expands
+    and reshapes, which copies several heads but only views one (Mistral's two heads over tp 2
+    had been priced 1.04 of the meter)."""
+    if (config.lean_blocks or layout.cp > 1 or layout.recompute == "selective"
+            or config.n_kv_heads > 1 and max(1, config.n_kv_heads // layout.tp) == 1):
         return 0.0
     if config.sliding_mask_layers:
         if not sliding_mask_made(config, layout):
