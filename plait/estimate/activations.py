@@ -107,7 +107,19 @@ def llama_layer_bytes(config: GPTConfig, layout: Workload) -> float:
     mixed = max(0.0, mixers) * layout.tokens_per_micro_batch if layout.recompute != "full" else 0.0
     return (_combine(max(0.0, whole), max(0.0, split), layout, layout.compute_bytes * config.d_model) + mixed
             + eager_attention_bytes(config, layout) + sdpa_mask_copy_bytes(config, layout)
-            + ulysses_order_bytes(layout) + constant_kept_bytes(config, layout, 0))
+            + ulysses_order_bytes(layout) + constant_kept_bytes(config, layout, 0) + sliced_view_bytes(config, layout))
+
+
+def sliced_view_bytes(config: GPTConfig, layout: Workload) -> float:
+    """What a transformers block's row layers keep of their slice of a whole input under tp,
+    per micro-batch (GPTConfig.sliced_view_bytes): at one process they view what SDPA keeps
+    (OLMo2's o_proj of its whole attention's output), under tp each takes a slice of its own, the
+    whole's 1/tp (its 16 values a token a block were missing under tp 2: 0.97 of the meter). None
+    at tp 1 or under full recomputation."""
+    measured = measured_in(config.sliced_view_bytes, layout)
+    if layout.tp == 1 or layout.recompute == "full" or not measured:
+        return 0.0
+    return measured / layout.tp * layout.tokens_per_micro_batch
 
 
 def constant_kept_bytes(config: GPTConfig, layout: Workload, where: int) -> float:

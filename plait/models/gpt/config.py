@@ -282,6 +282,11 @@ class GPTConfig:
     # anyway, and costs nothing of its own (h less). Ulysses hands its attention tensors of its
     # own, traded by all-to-alls: estimate/activations.measured_correction takes this off there
     qkv_view_bytes: tuple[float, float] = ()
+    # What a transformers block's row layers that take their slice of a whole input (OLMo2's
+    # o_proj of its attention run whole) save of a storage something before them keeps, bytes a
+    # token (fp32, 16-bit): at one process a view of it (SDPA's output), under tp a slice of its
+    # own, the whole's 1/tp. estimate/activations.sliced_view_bytes reads it
+    sliced_view_bytes: tuple[float, float] = ()
     # The share of the attention's calls whose output an op after it keeps, as a view or a copy
     # (o_proj's input: Llama's a view, GPT-NeoX's a copy); JetMoE's mixture of output heads keeps
     # its own gathered pieces instead (0). Where context parallelism hands the output back as a
@@ -349,6 +354,7 @@ class GPTConfig:
         object.__setattr__(self, "attention_out_copy_bytes", tuple(self.attention_out_copy_bytes))
         object.__setattr__(self, "kv_repeat_bytes", tuple(self.kv_repeat_bytes))
         object.__setattr__(self, "qkv_view_bytes", tuple(self.qkv_view_bytes))
+        object.__setattr__(self, "sliced_view_bytes", tuple(self.sliced_view_bytes))
         object.__setattr__(self, "constant_bytes", tuple(tuple(pair) for pair in self.constant_bytes))
         object.__setattr__(self, "mixer_chunk_bytes", tuple(tuple(pair) for pair in self.mixer_chunk_bytes))
         object.__setattr__(self, "block_keeps", tuple(tuple(block) for block in self.block_keeps))

@@ -980,6 +980,7 @@ class Terms(NamedTuple):
     chunks: tuple[float, float, float]  # the mixers' first, second and each further chunk's bytes beyond
     # their tokens', a block's run
     blocks: tuple[tuple[float, ...], ...]  # each block's own over its runs (GPTConfig.block_keeps)
+    sliced: float  # the row layers' slices of what another save keeps, a block's run (Kept.sliced_views)
 
 
 def _fitted(kept: list[Kept], length: int, runs: int, chunked: tuple[Kept, Kept] | None = None) -> Terms:
@@ -1014,7 +1015,7 @@ def _fitted(kept: list[Kept], length: int, runs: int, chunked: tuple[Kept, Kept]
                  read=one.read / one.calls if one.calls else 1.0,
                  constants=tuple(max(0.0, c) for c in (constant / runs, first, last)),
                  chunks=tuple(c / runs for c in chunks[1:]) if chunks else (0.0, 0.0, 0.0),
-                 blocks=_block_keeps(kept, length, chunked))
+                 blocks=_block_keeps(kept, length, chunked), sliced=slope("sliced_views") / runs)
 
 
 def _differing(blocks: tuple[tuple[float, ...], ...]) -> tuple[tuple[float, ...], ...]:
@@ -1175,9 +1176,9 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
     fp32, low = (t.quadratic if t else None for t in terms)
     matrices = (fp32 if fp32 is not None else 2 * (low or 0.0), low if low is not None else fp32 or 0.0)
     saved = tuple((t.rest, t.split, t.mixers) if t else (-1.0, -1.0, -1.0) for t in terms)
-    final, tables, copied, repeated, outside, head = (tuple(getattr(t, name) if t else -1.0 for t in terms)
-                                                      for name in ("after", "tables", "copied", "repeated",
-                                                                   "outside", "head"))
+    final, tables, copied, repeated, outside, head, sliced = (
+        tuple(getattr(t, name) if t else -1.0 for t in terms)
+        for name in ("after", "tables", "copied", "repeated", "outside", "head", "sliced"))
     views = tuple(t.views if t else 0.0 for t in terms)  # signed: a dtype whose forward failed counts none
     out_kept = next((t.read for t in terms if t), 1.0)
     constants = tuple(tuple(t.constants[where] if t else -1.0 for t in terms) for where in (0, 1, 2))
@@ -1189,6 +1190,7 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
     return {"attention_matrix_bytes": matrices, "block_saved_bytes": saved, "final_saved_bytes": final,
             "position_table_bytes": tables, "attention_out_copy_bytes": copied, "kv_repeat_bytes": repeated,
             "outside_saved_bytes": outside, "head_saved_bytes": head, "qkv_view_bytes": views,
+            "sliced_view_bytes": sliced,
             "attention_out_kept": out_kept, "constant_bytes": constants,
             "mixer_chunk": length if chunked else 0, "mixer_chunk_bytes": chunks,
             "block_keeps": _differing(next(t.blocks for t in terms if t)),
@@ -1442,6 +1444,8 @@ class Kept(NamedTuple):
     calls: int  # SDPA's calls
     square: bool  # whether a block saved a tensor whose last two dimensions are the sequence
     by_block: tuple[int, ...]  # of the first three, what each block saved (each storage by its first saver)
+    sliced_views: int  # what the row layers taking their slice of a whole input saved of a storage
+    # kept before them (o_proj of SDPA's output): a view at one process, a slice of its own under tp
 
 
 BLOCK_PARTS = ("rest", "split", "mixers")  # the three parts a block's per-token bytes split into
@@ -1509,6 +1513,7 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
             part = 1 if state["region"] and made["region"] or state["sliced"] else \
                 2 if state["mixer"] and made["mixer"] else 0
             part = 4 if tensor.untyped_storage()._cdata in state["tables"] else part
+            kind = "sliced" if state["sliced"] and not kind else kind
             seen.append(((lambda: tensor) if held else weakref.ref(tensor), part, extra, kind, state["index"]))
         elif state["after"]:  # a vocab-wide tensor is the head's: its logits, kept a token
             seen.append((weakref.ref(tensor), 8 if tensor.shape[-1:] == (vocab,) else 3, extra, "", -1))
@@ -1590,11 +1595,14 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
         kept: dict[int, tuple[int, int, str, int]] = {}
         views: dict[int, int] = {}  # a storage SDPA's inputs in a block view: the bytes they span
         others: set[int] = set()  # the storages anything else keeps
+        sliced_views = 0  # what the row layers taking their slice save of a storage kept before them
         for ref, part, extra, kind, index in seen:
             tensor = ref()
             if tensor is None:
                 continue
             storage = tensor.untyped_storage()
+            if kind == "sliced" and storage._cdata in kept and kept[storage._cdata][2] != "sliced":
+                sliced_views += tensor.numel() * tensor.element_size()
             if storage._cdata not in params and storage._cdata not in kept:
                 kept[storage._cdata] = (storage.nbytes(), part, kind, index)
             if extra:
@@ -1623,7 +1631,7 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
     by_block = tuple(sum(size for size, part, _, index in kept.values() if part < 3 and index == block)
                      for block in range(len(layers)))
     return Kept(rest, split, whole, after, tables, copies, int(state["repeated"]), outside, head, beyond,
-                len(state["read"]), calls, state["square"], by_block)
+                len(state["read"]), calls, state["square"], by_block, sliced_views)
 
 
 def _declared_parts(model: nn.Module, blocks: str) -> Parts | None:
