@@ -1123,15 +1123,7 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
     implementation = _attention_implementation(model)
     eager = implementation == "eager"  # SDPA keeps nothing of s² (a bias aside): two lengths give the s term
     length = max(MEASURED_TOKENS, chunk)
-    experts_split = not declared(model, "ep")  # an ep plan keeps the experts whole under tp (styles.py)
-    regions = [_row_regions(block, _inside(plan, blocks, i), experts_split) if blocks and plan else []
-               for i, block in enumerate(layers)]
-    sliced = [_slicing_rows(block, _inside(plan, blocks, i)) if blocks and plan else []
-              for i, block in enumerate(layers)]
-    mixers = [[child for child in block.children() if mixes_tokens(child) and all(child is not r for r in inside)]
-              + _whole_parents(block, _inside(plan, blocks, i) if blocks and plan else {})
-              + _split_experts_holders(block, inside)
-              for i, (block, inside) in enumerate(zip(layers, regions))]
+    parts = _block_modules(model, layers, plan, blocks)
     device = _measuring_device(model)
 
     def terms_at(length: int) -> tuple[list[Terms | None], list[tuple[int, ...]]]:
@@ -1146,8 +1138,8 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
             try:
                 with _attention_handed(implementation, seen):
                     def at(n: float) -> Kept:
-                        return _kept_in_blocks(model.to(dtype), layers, regions, mixers, int(n * length), device,
-                                               shape.vocab_size, seen, sliced)
+                        return _kept_in_blocks(model.to(dtype), layers, parts, int(n * length), device,
+                                               shape.vocab_size, seen)
                     kept = [at(1), at(2)]
                     if eager or (kept[0].square and kept[1].square):
                         kept.append(at(3))
@@ -1352,6 +1344,48 @@ def _measuring_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+class BlockModules(NamedTuple):
+    """Each block's modules whose saves the shape reading tells apart (`_kept_in_blocks`), as the
+    tp plan runs them: one list a block in each."""
+
+    regions: list[list[nn.Module]]  # what the plan splits (`_row_regions`)
+    mixers: list[list[nn.Module]]  # what runs whole on every rank, under SP too: the token-mixing
+    # modules the plan leaves whole, those between columns gathered whole and a row layer taking
+    # its slice (`_whole_parents`), an MoE module whose experts are split (`_split_experts_holders`)
+    sliced: list[list[nn.Module]]  # the row layers taking their slice of a whole input (`_slicing_rows`)
+    whole: list[list[nn.Module]]  # inside a split region, what runs whole before it splits (`_whole_in_regions`)
+
+
+def _block_modules(model: nn.Module, layers: nn.ModuleList, plan: dict[str, str], blocks: str | None) -> BlockModules:
+    """`BlockModules` of `layers` under `plan` (named from the model; none where there is no plan)."""
+    experts_split = not declared(model, "ep")  # an ep plan keeps the experts whole under tp (styles.py)
+    inside = [_inside(plan, blocks, i) if blocks and plan else {} for i in range(len(layers))]
+    regions = [_row_regions(block, named, experts_split) for block, named in zip(layers, inside)]
+    mixers = [[child for child in block.children() if mixes_tokens(child) and all(child is not r for r in split)]
+              + _whole_parents(block, named) + _split_experts_holders(block, split)
+              for block, named, split in zip(layers, inside, regions)]
+    return BlockModules(regions, mixers, [_slicing_rows(block, named) for block, named in zip(layers, inside)],
+                        [_whole_in_regions(block, named) for block, named in zip(layers, inside)])
+
+
+def _whole_in_regions(block: nn.Module, plan: dict[str, str]) -> list[nn.Module]:
+    """The layers of a latent attention (a plan entering its rotary key, "mla_kv_a_proj") that no
+    entry splits: its down-projections and their norms run whole on every rank before its up-
+    projections split (`_mla_down_params` counts their parameters so). Read as the split region
+    around them, DeepSeek's and the other latent attentions' estimate under tp 2 was 0.93-0.95
+    of the meter's. None elsewhere: a layer no entry names inside another attention may run on
+    its split heads (Qwen3's q and k norms)."""
+    attention = _in_block(block, "self_attn") if "mla_kv_a_proj" in plan.values() else None
+    if attention is None:
+        return []
+    split = [key[len("self_attn."):] for key, style in plan.items()
+             if key.startswith("self_attn.") and style != "mla_kv_a_proj"]
+    named = [*split, *UNGRADED]
+    return [module for name, module in attention.named_modules() if name
+            and any(True for _ in module.parameters(recurse=False))
+            and not any(fnmatchcase(name, entry) or fnmatchcase(name, f"{entry}.*") for entry in named)]
+
+
 def _row_regions(block: nn.Module, plan: dict[str, str], experts_split: bool = True) -> list[nn.Module]:
     """The modules of `block` whose work the plan (named from the block) splits over tp: each
     row layer's parent, which holds the column layers feeding it and whose output the row
@@ -1451,16 +1485,15 @@ class Kept(NamedTuple):
 BLOCK_PARTS = ("rest", "split", "mixers")  # the three parts a block's per-token bytes split into
 
 
-def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[nn.Module]],
-                    mixers: list[list[nn.Module]], length: int, device: torch.device,
-                    vocab: int, handed: list[tuple[int, ...]] | None = None,
-                    sliced: list[list[nn.Module]] | None = None) -> Kept:
+def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, parts: BlockModules, length: int, device: torch.device,
+                    vocab: int, handed: list[tuple[int, ...]] | None = None) -> Kept:
     """Bytes the graph holds after one forward of `model` on `device` over one sequence of
     `length` tokens, of what the blocks saved, each storage once, the parameters' not: (the rest,
-    what the modules the plan splits made (`regions`, each block's: `_row_regions`), what the
-    token-mixing modules it leaves whole made (`mixers`: a linear attention, a mamba, read whole
+    what the modules the plan splits made (`parts.regions`, each block's: `_row_regions`; but
+    what runs whole inside them, `parts.whole`, and what it makes), what the
+    token-mixing modules it leaves whole made (`parts.mixers`: a linear attention, a mamba, read whole
     under SP; and what runs whole between columns gathered whole: `_whole_parents`), and what
-    the row layers that take their slice of a whole input keep (`sliced`: `_slicing_rows`) with
+    the row layers that take their slice of a whole input keep (`parts.sliced`) with
     the split regions'); what was saved after the last block, but for `vocab`-wide tensors (the final
     norm's input, statistics and output, which the head keeps; the logits are the loss's); what
     the blocks saved of the rotary tables (a rotary module's output, and what ops make of them
@@ -1493,7 +1526,8 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
     params: dict[int, torch.UntypedStorage] = {}
     _hold(params, [*model.parameters(), *model.buffers()])
     ids = torch.zeros(1, length, dtype=torch.long, device=device)
-    state: dict[str, Any] = {"block": False, "region": False, "mixer": False, "sliced": False,
+    state: dict[str, Any] = {"block": False, "region": False, "mixer": False, "sliced": False, "whole": False,
+                             "whole made": {},
                              "region inputs": set(), "mixer inputs": set(),
                              "sdpa": False, "after": False, "tables": {}, "repeated": 0,
                              "ids": ids.untyped_storage()._cdata, "read": set(), "square": False, "index": -1}
@@ -1512,6 +1546,9 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
             made = {flag: tensor.untyped_storage()._cdata not in state[f"{flag} inputs"] for flag in ("region", "mixer")}
             part = 1 if state["region"] and made["region"] or state["sliced"] else \
                 2 if state["mixer"] and made["mixer"] else 0
+            # what runs whole inside a split region (a latent attention's down-projections and norms,
+            # on the gathered sequence under SP): read with the mixers, whole on every rank
+            part = 2 if state["whole"] or tensor.untyped_storage()._cdata in state["whole made"] else part
             part = 4 if tensor.untyped_storage()._cdata in state["tables"] else part
             kind = "sliced" if state["sliced"] and not kind else kind
             seen.append(((lambda: tensor) if held else weakref.ref(tensor), part, extra, kind, state["index"]))
@@ -1549,7 +1586,14 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
         _hold(state["tables"], _tensors_in(output))
 
     hooks += [module.register_forward_hook(tables) for module in model.modules() if "Rotary" in type(module).__name__]
-    for index, (block, inside, whole) in enumerate(zip(layers, regions, mixers)):
+
+    def made_whole(module: nn.Module, args: Any, output: Any) -> None:
+        state["whole"] = False
+        _hold(state["whole made"], _tensors_in(output))  # held while listed, as the tables are
+
+    for module in (m for block in parts.whole for m in block):
+        hooks += [module.register_forward_pre_hook(flagged("whole", True)), module.register_forward_hook(made_whole)]
+    for index, (block, inside, whole) in enumerate(zip(layers, parts.regions, parts.mixers)):
         hooks += [block.register_forward_pre_hook(flagged("block", True)),
                   block.register_forward_pre_hook(flagged("index", index)),
                   block.register_forward_pre_hook(flagged("after", False)),
@@ -1558,7 +1602,7 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, regions: list[list[
             for module in modules:
                 hooks += [module.register_forward_pre_hook(enter(flag), with_kwargs=True),
                           module.register_forward_hook(flagged(flag, False))]
-    for module in (m for block in sliced or [] for m in block):
+    for module in (m for block in parts.sliced for m in block):
         hooks += [module.register_forward_pre_hook(flagged("sliced", True)),
                   module.register_forward_hook(flagged("sliced", False))]
     sdpa = torch.nn.functional.scaled_dot_product_attention
