@@ -535,8 +535,8 @@ def kept_runs(config: GPTConfig, layout: Workload, blocks: Sequence[int], runs: 
     blocks was priced 0.85-0.89 of its keep from the mean. `runs` itself where the blocks keep
     alike, were not read, or under full recomputation (each keeps its input). The weights are
     the one process's: tp and SP divide every block's alike here."""
-    if not config.block_keeps or not blocks or layout.recompute == "full":
-        return runs
+    if not config.block_keeps or not blocks or len(blocks) == config.n_layers or layout.recompute == "full":
+        return runs  # alike, unread, every block (the mean's own sum), or each keeping its input
     each = [block_keep(terms, config, layout) for terms in config.block_keeps]
     total = sum(each)
     if total <= 0:
