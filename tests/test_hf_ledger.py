@@ -33,10 +33,11 @@ EXTRA = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
          "qwen3": dict(head_dim=8),  # per-head q/k norms: their gradients summed over tp, priced
          "phi3": dict(pad_token_id=0),
          "mistral": dict(sliding_window=16),  # a mask, so K/V heads repeated: one a rank, a view
+         "olmo3": dict(sliding_window=16),  # OLMo2's attention, whole on every rank, with a window: copies
          "deepseek_v3": dict(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, q_lora_rank=16,
                              kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16,
                              first_k_dense_replace=1, moe_intermediate_size=32, n_group=1, topk_group=1)}
-GATHERS = {"olmo2", "phi3"}  # q, k, v gathered whole (OLMo2's norms over every head, Phi-3's fused
+GATHERS = {"olmo3", "phi3"}  # q, k, v gathered whole (OLMo3's norms over every head, Phi-3's fused
 # projection), o_proj's input gradient too
 
 
@@ -51,6 +52,7 @@ GATHERS = {"olmo2", "phi3"}  # q, k, v gathered whole (OLMo2's norms over every 
 # read whole (`_split_experts_holders`), within 2% (its gathered input, read split, is the rest).
 # Mistral's sliding window has transformers repeat its two K/V heads for SDPA, a copy at one
 # process and a view of the one head a rank holds under tp 2: priced as a copy, 1.04 of the meter.
+# OLMo3 is OLMo2 with a window: its attention runs every head on every rank, and copies them.
 # DeepSeek's latent attention runs its down-projections and their norms whole inside the split
 # attention (models/hf/load._whole_in_regions): read as split, 0.93 and 0.86 of the meter under
 # tp and tp + SP at 16 tokens; now within 2% under tp, and 0.976 under tp + SP (16 values a token
@@ -60,7 +62,7 @@ KEPT_WITHIN = {("deepseek_v3", True): 0.03}
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp_sp"])
-@pytest.mark.parametrize("family", ["llama", "mixtral", "qwen3", "olmo2", "gpt2", "llama4_text", "phi3", "mistral",
+@pytest.mark.parametrize("family", ["llama", "mixtral", "qwen3", "olmo3", "gpt2", "llama4_text", "phi3", "mistral",
                                     "deepseek_v3"])
 def test_the_ledger_under_tp_is_the_prediction_and_no_logits_are_gathered(tmp_path: Path, family: str,
                                                                           sp: bool) -> None:

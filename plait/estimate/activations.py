@@ -267,11 +267,9 @@ def kv_repeat_values(config: GPTConfig, layout: Workload) -> float:
     (GPTConfig.sliding_mask_layers, their share); elsewhere what was measured
     (GPTConfig.kv_repeat_bytes). None under context parallelism, whose attention keeps them
     grouped, or under selective recomputation, which recomputes the core that repeats them. None
-    where a tp rank holds one of the model's several K/V heads: transformers' repeat_kv expands
-    and reshapes, which copies several heads but only views one (Mistral's two heads over tp 2
-    had been priced 1.04 of the meter)."""
+    where a tp rank holds one of the model's several K/V heads (`one_kv_head_a_rank`)."""
     if (config.lean_blocks or layout.cp > 1 or layout.recompute == "selective"
-            or config.n_kv_heads > 1 and max(1, config.n_kv_heads // layout.tp) == 1):
+            or one_kv_head_a_rank(config, layout)):
         return 0.0
     if config.sliding_mask_layers:
         if not sliding_mask_made(config, layout):
@@ -281,6 +279,17 @@ def kv_repeat_values(config: GPTConfig, layout: Workload) -> float:
         return config.sliding_mask_layers * repeated * (k + v)
     measured = measured_in(config.kv_repeat_bytes, layout)
     return 0.0 if measured is None else measured / layout.compute_bytes
+
+
+def one_kv_head_a_rank(config: GPTConfig, layout: Workload) -> bool:
+    """Whether tp leaves each rank's attention one of the model's several K/V heads, which
+    transformers' repeat_kv (an expand and a reshape) views where it copies several: Mistral's
+    two heads over tp 2 had been priced as a copy, 1.04 of the meter. Not where the plan gathers
+    the attention's columns whole (OLMo3's q and k normed over every head, GPTConfig.qk_norm
+    "full"; Phi-3's fused projection, GPTConfig.tp_gathered): each rank runs every head and
+    copies them."""
+    return (config.n_kv_heads > 1 and max(1, config.n_kv_heads // layout.tp) == 1 and config.tp_attention
+            and not config.tp_gathered[0] and config.qk_norm != "full")
 
 
 def sdpa_mask_copy_bytes(config: GPTConfig, layout: Workload) -> float:
