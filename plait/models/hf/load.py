@@ -731,11 +731,21 @@ def _mla_down_params(model: nn.Module, plan: dict[str, str], blocks: str) -> int
     attention = _in_block(model.get_submodule(f"{blocks}.0"), "self_attn")
     if attention is None:
         return 0
-    split = [key[len(blocks) + 3 + len("self_attn."):] for key, style in plan.items()
-             if key.startswith(f"{blocks}.*.self_attn.") and style != "mla_kv_a_proj"]  # that one is kept whole
-    named = [*split, *UNGRADED]
-    return sum(p.numel() for name, p in attention.named_parameters()
-               if not any(fnmatchcase(name, entry) or fnmatchcase(name, f"{entry}.*") for entry in named))
+    entries = _attention_entries(_inside(plan, blocks, 0))
+    return sum(p.numel() for name, p in attention.named_parameters() if not _named_by(name, entries))
+
+
+def _attention_entries(plan: dict[str, str]) -> list[str]:
+    """What the entries of `plan` (named from the block) split in its attention, named from the
+    attention, and the layers no gradient reaches (UNGRADED): not the rotary key's entry
+    ("mla_kv_a_proj"), whose layer is kept whole."""
+    return [*(key[len("self_attn."):] for key, style in plan.items()
+              if key.startswith("self_attn.") and style != "mla_kv_a_proj"), *UNGRADED]
+
+
+def _named_by(name: str, entries: list[str]) -> bool:
+    """Whether one of `entries` names `name`, or a module holding it."""
+    return any(fnmatchcase(name, entry) or fnmatchcase(name, f"{entry}.*") for entry in entries)
 
 
 def _gathered(layers: nn.ModuleList | None, plan: dict[str, str], blocks: str,
@@ -992,14 +1002,13 @@ def _fitted(kept: list[Kept], length: int, runs: int, chunked: tuple[Kept, Kept]
     chunks = _mixer_chunks(chunked[0], kept, chunked[1], length) if chunked else None
     quadratic, linear, constant = 0.0, [], 0.0
     for part in BLOCK_PARTS:  # each rank's whole, the split regions', the whole-read mixers'
-        c0, c1, c2 = (*(getattr(k, part) for k in kept), 0)[:3]
-        q = (c2 - 2 * c1 + c0) / (2 * length * length) if measured else 0.0
+        c, a, q = _polynomial([getattr(k, part) for k in kept], length)
         quadratic += q / runs
         if part == "mixers" and chunks:  # a token's within a chunk; the chunks' own apart
             linear.append(max(0.0, chunks[0]) / runs)
             continue
-        linear.append(max(0.0, (c1 - c0 - 3 * length * length * q) / length / runs))
-        constant += 2 * c0 - c1 + 2 * length * length * q  # c of c + a·s + q·s²
+        linear.append(max(0.0, a / runs))
+        constant += c
     one, two = kept[0], kept[1]
 
     def slope(name: str) -> float:  # a token's bytes of one part, once a forward
@@ -1018,6 +1027,14 @@ def _fitted(kept: list[Kept], length: int, runs: int, chunked: tuple[Kept, Kept]
                  blocks=_block_keeps(kept, length, chunked), sliced=slope("sliced_views") / runs)
 
 
+def _polynomial(values: list[float], length: int) -> tuple[float, float, float]:
+    """(c, a, q) of c + a·s + q·s² through `values`, bytes at L, 2L (and 3L: else q is 0) tokens:
+    q the second difference over 2L², a what remains of the first over L, c what remains at L."""
+    c0, c1, c2 = (*values, 0)[:3]
+    q = (c2 - 2 * c1 + c0) / (2 * length * length) if len(values) == 3 else 0.0
+    return 2 * c0 - c1 + 2 * length * length * q, (c1 - c0 - 3 * length * length * q) / length, q
+
+
 def _differing(blocks: tuple[tuple[float, ...], ...]) -> tuple[tuple[float, ...], ...]:
     """`blocks`, or () where every block keeps alike (a dense model's: the mean is each)."""
     return blocks if len(set(blocks)) > 1 else ()
@@ -1032,19 +1049,10 @@ def _block_keeps(kept: list[Kept], length: int, chunked: tuple[Kept, Kept] | Non
     in the chunks' form (a block that keeps by the token reads no chunk bytes in it)."""
     if chunked:
         half, third = chunked
-        out = []
-        for low_end, one, two, three in zip(half.by_block, kept[0].by_block, kept[1].by_block, third.by_block):
-            low = (one - low_end) / (length - length // 2)
-            out.append((0.0, low, 0.0, one - low * length, two - one - low * length, three - two - low * length))
-        return tuple(out)
-    measured = len(kept) == 3
-    out = []
-    for values in zip(*(k.by_block for k in kept)):
-        c0, c1, c2 = (*values, 0)[:3]
-        q = (c2 - 2 * c1 + c0) / (2 * length * length) if measured else 0.0
-        out.append((2 * c0 - c1 + 2 * length * length * q, (c1 - c0 - 3 * length * length * q) / length, q,
-                    0.0, 0.0, 0.0))
-    return tuple(out)
+        return tuple((0.0, low, 0.0, first, second, further) for low, first, second, further in
+                     (_chunks_of(*values, length)
+                      for values in zip(half.by_block, kept[0].by_block, kept[1].by_block, third.by_block)))
+    return tuple((*_polynomial(list(values), length), 0.0, 0.0, 0.0) for values in zip(*(k.by_block for k in kept)))
 
 
 def _pads_to_chunks(half: Kept, kept: list[Kept], length: int) -> bool:
@@ -1057,7 +1065,19 @@ def _pads_to_chunks(half: Kept, kept: list[Kept], length: int) -> bool:
 
 def _within_chunk(half: Kept, whole: Kept, length: int) -> float:
     """The token-mixing modules' bytes a token from L/2 to L tokens: within the first chunk."""
-    return (whole.mixers - half.mixers) / (length - length // 2)
+    return _per_token_within(half.mixers, whole.mixers, length)
+
+
+def _per_token_within(half: float, whole: float, length: int) -> float:
+    """Bytes a token from L/2 to L tokens, of bytes `half` and `whole` at those lengths."""
+    return (whole - half) / (length - length // 2)
+
+
+def _chunks_of(half: float, one: float, two: float, three: float, length: int) -> tuple[float, ...]:
+    """(a token's bytes within a chunk, the first chunk's beyond its tokens', the second's, each
+    further one's) of bytes at L/2, L, 2L and 3L tokens, chunks of L."""
+    low = _per_token_within(half, one, length)
+    return low, one - low * length, two - one - low * length, three - two - low * length
 
 
 def _mixer_chunks(half: Kept, kept: list[Kept], third: Kept, length: int) -> tuple[float, ...]:
@@ -1067,9 +1087,7 @@ def _mixer_chunks(half: Kept, kept: list[Kept], third: Kept, length: int) -> tup
     whatever the tokens in it: measured as a token's from L and 2L, its keep at 16 tokens was
     read as 0.46 of what it is, and 1.06-1.09 from 128 to 1,000 (its second chunk keeps 6% more
     than the ones after it)."""
-    low = _within_chunk(half, kept[0], length)
-    one, two, three = kept[0].mixers, kept[1].mixers, third.mixers
-    return low, one - low * length, two - one - low * length, three - two - low * length
+    return _chunks_of(half.mixers, kept[0].mixers, kept[1].mixers, third.mixers, length)
 
 
 def _linear_chunk(text: Any) -> int:
@@ -1378,12 +1396,9 @@ def _whole_in_regions(block: nn.Module, plan: dict[str, str]) -> list[nn.Module]
     attention = _in_block(block, "self_attn") if "mla_kv_a_proj" in plan.values() else None
     if attention is None:
         return []
-    split = [key[len("self_attn."):] for key, style in plan.items()
-             if key.startswith("self_attn.") and style != "mla_kv_a_proj"]
-    named = [*split, *UNGRADED]
+    entries = _attention_entries(plan)
     return [module for name, module in attention.named_modules() if name
-            and any(True for _ in module.parameters(recurse=False))
-            and not any(fnmatchcase(name, entry) or fnmatchcase(name, f"{entry}.*") for entry in named)]
+            and any(True for _ in module.parameters(recurse=False)) and not _named_by(name, entries)]
 
 
 def _row_regions(block: nn.Module, plan: dict[str, str], experts_split: bool = True) -> list[nn.Module]:
