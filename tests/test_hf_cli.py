@@ -243,6 +243,31 @@ def test_bad_model_dirs_fail_with_one_line_and_a_hint(setup: dict[str, Path], tm
         assert words in lines[0], (case, err)
 
 
+def test_a_model_whose_own_forward_fails_is_named_so(setup: dict[str, Path], tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """3 K/V heads for 4 query heads: transformers builds the Llama, and its attention cannot
+    broadcast them. The run stops with one line saying that the model's own forward fails at
+    one process (and torch's line), not torch's RuntimeError alone; a failure the model does
+    not raise on its own is left as it came."""
+    from plait.models.hf.config import read_hf_dir
+    from plait.models.hf.load import fails_on_its_own
+
+    config = json.loads((setup["dir"] / "config.json").read_text())
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 3}))
+    code = main(["train", "--model", f"hf:{tmp_path / 'bad'}", "--data", str(setup["corpus"]), "--nproc", "1",
+                 "--seq-len", str(SEQ), "--micro-batch", "2", "--steps", "1", "--no-report", "--out", str(tmp_path / "o")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, lines
+    assert lines[-2] == (f"plait: error: --model hf:{tmp_path / 'bad'}: the model's own forward fails at one process, "
+                         "before plait splits anything: RuntimeError: The size of tensor a (4) must match the size "
+                         "of tensor b (3) at non-singleton dimension 1"), lines
+    assert lines[-1].startswith("  hint: its config.json's sizes disagree"), lines
+    other = RuntimeError("The size of tensor a (2) must match the size of tensor b (3) at non-singleton dimension 1")
+    assert fails_on_its_own(read_hf_dir(f"hf:{tmp_path / 'bad'}"), other, 2, SEQ) is None
+    assert fails_on_its_own(read_hf_dir(f"hf:{setup['dir']}"), other, 2, SEQ) is None  # the model runs
+
+
 def test_dropout_or_router_noise_trains_on_one_process_only(setup: dict[str, Path], tmp_path: Path,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """GPT-2's defaults (three dropouts of 0.1) on 2 processes would draw the same masks on both

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from plait.errors import PlaitError
 from plait.estimate.layout import Workload
 from plait.models.hf.config import COMPANIONS, CONFIG, TOKENIZER, read_hf_dir
 from plait.models.hf.load import measured_shape
@@ -144,6 +145,21 @@ class HFTask(LanguageTask):
         from plait.estimate import estimate_by_size
 
         return estimate_by_size(self.num_params, work, hardware=hardware)
+
+    def explain_failure(self, exc: BaseException) -> PlaitError | None:
+        """A failed first step as the input's fault, where it is: the model's own forward, at one
+        process, fails with the same line (plait.models.hf.load.fails_on_its_own), so no layout
+        or flag of plait's would mend it; None leaves the failure as it was raised."""
+        from plait.models.hf.load import fails_on_its_own
+
+        line = fails_on_its_own(self.hf, exc, self.config.micro_batch, self.config.seq_len)
+        if line is None:
+            return None
+        return PlaitError(f"--model hf:{self.hf.path}: the model's own forward fails at one process, before "
+                          f"plait splits anything: {line}",
+                          hint="its config.json's sizes disagree with each other (transformers builds the model "
+                               "but cannot run it): check that it runs alone with transformers; --debug shows "
+                               "the traceback")
 
     def codec(self) -> TextCodec:
         tokenizer = self.tokenizer()

@@ -78,6 +78,35 @@ def build_hf_model(hf: HFModelDir, seed: int) -> nn.Module:
     return model.float().train()  # from_pretrained returns eval mode; the trainer casts to --precision
 
 
+def fails_on_its_own(hf: HFModelDir, exc: BaseException, batch: int, length: int) -> str | None:
+    """`exc`'s first line (`_first_line`) where DIR's model fails so on its own: built whole
+    at one process on the meta device from config.json and fed `batch` sequences of `length`
+    ids, its forward raises the very same line; else None (it runs, fails otherwise, or
+    transformers cannot build it, which `build_hf_model` has said already).
+
+    Read only after a training step failed, to tell a model whose sizes disagree with each
+    other (DeepSeek-V3 with 2 K/V heads for 4 query heads: transformers builds it, and its
+    attention cannot broadcast the heads) from a split that plait got wrong, which the same
+    forward at one process does not raise. Meta checks shapes as the CPU does, and holds no
+    memory; as the shape reading's forwards, it runs the experts' stand-ins (`_experts_stood_in`)
+    and reads the positions as one sequence each (`_one_sequence`), where meta holds no values."""
+    line = _first_line(exc)
+    try:
+        transformers = _transformers()
+        config = transformers.AutoConfig.from_pretrained(str(hf.path), local_files_only=True)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001 - not buildable here: nothing to compare with
+        return None
+    ids = probe_ids(model, batch * length).view(batch, length)
+    try:
+        with quiet(model), _experts_stood_in(model), _one_sequence():
+            model(input_ids=ids, use_cache=False)
+    except Exception as own:  # noqa: BLE001 - the model's own failure, whatever its kind
+        return line if _first_line(own) == line else None
+    return None
+
+
 @contextlib.contextmanager
 def _initialised_even_on_meta() -> Iterator[None]:
     """transformers skips `_init_weights` when it sees the meta device (it expects weights to

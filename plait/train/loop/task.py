@@ -19,7 +19,9 @@ nor the report ever asks which task it has:
   a closing `sample(next_logits)` (a language task's text; "" for others), the prediction
   `plait estimate` makes of it, the files a checkpoint carries (`attachments`), and the decoder
   shape and sequence length the machine's calibration times GEMMs at (`calibration_shape`; None:
-  the smallest preset's, e.g. for a CNN, which reads only the machine's bandwidths and fixed costs).
+  the smallest preset's, e.g. for a CNN, which reads only the machine's bandwidths and fixed costs);
+- optionally, `explain_failure(exc)`: a first step's failure as the input's fault (a PlaitError
+  naming it), or None; the trainer asks only a task that has it, and only then.
 
 `LanguageTask` (plait.families.gpt.task) is plait's GPT on a corpus; `HFTask`
 (plait.families.hf.task) a Hugging Face model; `ImageTask` (plait.families.resnet.task) a ResNet. Which one trains `--model` is its

@@ -19,8 +19,9 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -46,6 +47,7 @@ from plait.train.checkpoint.preempt import Preemption
 from plait.train.checkpoint.restart import restart_count
 from plait.train.loop.task import Task
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
@@ -79,6 +81,23 @@ def build_parallel(task: Task, config: TrainConfig, mesh: Mesh) -> torch.nn.Modu
     return parallelize(model, mesh, config.parallel_config(), adapter=task.adapter(model), source=source)
 
 
+def explained(task: Task, run: Callable[[], T]) -> T:
+    """`run()`, where a model that cannot run at all fails (its split's probe forward, the
+    first step): the task may name the failure as the input's fault (`explain_failure`, e.g.
+    a transformers model whose own forward fails at one process) in place of torch's raw
+    exception; else it is raised as it came."""
+    try:
+        return run()
+    except PlaitError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - only explained, never hidden
+        explain = getattr(task, "explain_failure", None)
+        why = explain(exc) if explain is not None else None
+        if why is None:
+            raise
+        raise why from exc
+
+
 def lr_at(step: int, config: TrainConfig) -> float:
     """Linear warm-up to `lr`, then cosine decay to `lr · min_lr_ratio` at the last step."""
     if step < config.warmup_steps:
@@ -96,7 +115,7 @@ class Trainer:
         mesh = mesh.with_layout(**config.layout.as_dict())  # the run's layout on the mesh's groups (same degrees)
         self.config, self.mesh, self.task = config, mesh, task
         self.start_bytes = peak_process_bytes(mesh.device)  # the process before the model: what the peak adds to
-        self.model = build_parallel(task, config, mesh)
+        self.model = explained(task, lambda: build_parallel(task, config, mesh))
         self.optimizer = build_optimizer(self.model, torch.optim.AdamW, lr=config.lr, betas=(0.9, 0.95),
                                          weight_decay=config.weight_decay,
                                          compiled_update=config.compiles_update,
@@ -176,7 +195,7 @@ class Trainer:
         try:
             for step in range(start, self.config.steps):
                 self._maybe_flip_bit(step + 1)
-                record = self.train_step(step)
+                record = explained(self.task, lambda: self.train_step(step)) if step == start else self.train_step(step)
                 if self._should_check(step + 1):
                     agreed = self.executor.check_replicas(self.optimizer, step + 1)
                     log.info("step %d: the %d blocks held by several ranks agree", step + 1, agreed)
