@@ -355,6 +355,19 @@ def test_prediction_holds_on_this_machine_after_calibration(tmp_path: Path) -> N
     assert all(0 < rate < 1e4 for _, _, rate in ops), ops
 
 
+@pytest.mark.one_process  # arithmetic: beside another such file (tests/pairing.py)
+def test_a_latency_longer_than_the_collective_leaves_a_finite_rate() -> None:
+    """1 MB in 1 ms with 0.2 ms of ring latency is 1.25 GB/s; where the latency (timed between
+    bursts of compute on a loaded host) is 2 ms, longer than the whole collective, the rate is
+    2 GB/s (half the time taken off at most), not the 1e6 GB/s that once priced ZeRO's gathers
+    at nothing."""
+    from plait.bench.calibrate import bus_rate
+
+    assert bus_rate(1e6, 1e-3, 0.2e-3) == pytest.approx(1.25)
+    assert bus_rate(1e6, 1e-3, 2e-3) == pytest.approx(2.0)
+    assert bus_rate(1e6, 1e-3, 0.0) == pytest.approx(1.0)
+
+
 def test_train_uses_a_cached_calibration_of_this_machine(tmp_path: Path, monkeypatch) -> None:
     """No cache: a quick calibration, saved under the user cache dir; the next run reads it.
     A larger model's run finds the cache lacking its GEMM shapes, its activation's bandwidth

@@ -587,10 +587,19 @@ def measure_links(mesh: Mesh, large: int, reps: int
         small_t, reduce_t, gather_t, scatter_t = _slowest(mesh, [small_t, *_median_rounds(mesh, timed, reps)])
         step = small_t / (2 * (n - 1))
         wire = (n - 1) / n * elements * 4  # an all-gather's or reduce-scatter's; an all-reduce moves twice it
-        links.append((n, step * 1e6, 2 * wire / max(reduce_t - 2 * (n - 1) * step, 1e-9) / 1e9))
-        ops += [(op, n, wire / max(t - (n - 1) * step, 1e-9) / 1e9)
-                for op, t in (("all_gather", gather_t), ("reduce_scatter", scatter_t))]
+        links.append((n, step * 1e6, bus_rate(2 * wire, reduce_t, 2 * (n - 1) * step)))
+        ops += [(op, n, bus_rate(wire, t, (n - 1) * step)) for op, t in (("all_gather", gather_t),
+                                                                          ("reduce_scatter", scatter_t))]
     return tuple(links), tuple(ops)
+
+
+def bus_rate(wire: float, seconds: float, latency_s: float) -> float:
+    """GB/s of a collective that moved `wire` bytes in `seconds`, its ring steps' `latency_s`
+    taken off, but never more than half of it: the latency is timed between bursts of compute
+    and the large collective back to back, so on a loaded host the first can exceed the second.
+    Taken off whole, that left 1e-9 s for the bytes: a 2-rank all-gather was calibrated at 1e6
+    GB/s, a ZeRO gather priced at nothing. Capped, such a rate is at most twice the plain one."""
+    return wire / max(seconds - latency_s, seconds / 2, 1e-9) / 1e9
 
 
 def _nothing() -> None:
