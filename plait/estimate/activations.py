@@ -107,7 +107,24 @@ def llama_layer_bytes(config: GPTConfig, layout: Workload) -> float:
     mixed = max(0.0, mixers) * layout.tokens_per_micro_batch if layout.recompute != "full" else 0.0
     return (_combine(max(0.0, whole), max(0.0, split), layout, layout.compute_bytes * config.d_model) + mixed
             + eager_attention_bytes(config, layout) + sdpa_mask_copy_bytes(config, layout)
-            + ulysses_order_bytes(layout) + constant_kept_bytes(config, layout, 0) + sliced_view_bytes(config, layout))
+            + ulysses_order_bytes(layout) + constant_kept_bytes(config, layout, 0) + sliced_view_bytes(config, layout)
+            + further_sequence_bytes(config, layout))
+
+
+def further_sequence_bytes(config: GPTConfig, layout: Workload) -> float:
+    """What a micro-batch of b >= 2 sequences keeps in a transformers block's run beyond b
+    sequences' reading at one (GPTConfig.further_sequence_bytes), f + b·(c + a·s) on this rank's
+    share of each sequence, the rest's and the mixers' whole on every tp rank, the split
+    regions' 1/tp: a mamba's final state kept once a sequence, a reshape that copies from two
+    sequences up (Jamba's: 0.977 of the meter at two sequences), or keeps less (GPT-NeoX-
+    Japanese's: 1.10). None at one sequence, or under full recomputation (each block keeps its
+    input alone)."""
+    b = layout.micro_batch
+    if b < 2 or layout.recompute == "full" or not config.further_sequence_bytes:
+        return 0.0
+    terms = config.further_sequence_bytes[0 if layout.compute_bytes == 4 else 1]
+    shares, s = (1.0, 1.0 / layout.tp, 1.0), layout.seq_len // layout.cp  # the rest, the split regions', the mixers'
+    return sum(share * (f + b * (c + a * s)) for share, a, c, f in zip(shares, terms[0:3], terms[3:6], terms[6:9]))
 
 
 def sliced_view_bytes(config: GPTConfig, layout: Workload) -> float:
@@ -555,12 +572,14 @@ def kept_runs(config: GPTConfig, layout: Workload, blocks: Sequence[int], runs: 
 
 def block_keep(terms: tuple[float, ...], config: GPTConfig, layout: Workload) -> float:
     """One block's keep over its runs by its terms (GPTConfig.block_keeps), a micro-batch of this
-    layout on one rank's share of the sequence, never below nothing."""
-    c, a, q, first, second, further = terms
-    s = layout.seq_len // layout.cp
+    layout on one rank's share of the sequence (a batch of two or more with what it keeps beyond
+    as many sequences alone), never below nothing."""
+    c, a, q, first, second, further, batch_a, batch_c, batch_f = (*terms, 0.0, 0.0, 0.0)[:9]
+    b, s = layout.micro_batch, layout.seq_len // layout.cp
     chunks = -(-s // config.mixer_chunk) if config.mixer_chunk else 0
     per_sequence = a * s + q * s * s + first * (chunks > 0) + second * (chunks > 1) + further * max(0, chunks - 2)
-    return max(0.0, c + layout.micro_batch * per_sequence)
+    beyond = batch_f + b * (batch_c + batch_a * s) if b > 1 else 0.0
+    return max(0.0, c + b * per_sequence + beyond)
 
 
 def stage_activation_bytes(config: GPTConfig, layout: Workload, stage: StageShare) -> float:

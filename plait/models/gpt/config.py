@@ -298,6 +298,13 @@ class GPTConfig:
     # 1 + weight, Dory's its scales; whole on every rank. -1 where that dtype's forward did not
     # run. estimate/activations.constant_kept_bytes reads it
     constant_bytes: tuple[tuple[float, float], ...] = ()
+    # What a micro-batch of b >= 2 sequences keeps in a transformers block's run beyond b
+    # sequences' reading at one, f + b·(c + a·s), one tuple a dtype (fp32, 16-bit): a (bytes a
+    # token: the rest, the split regions', the mixers'), then c (a sequence's), then f (a
+    # micro-batch's). A mamba's final state is kept once a sequence, which a reading of one
+    # sequence counts once a forward; a reshape may view at one sequence alone (Jamba's mamba,
+    # GPT-NeoX-Japanese's attention). estimate/activations.further_sequence_bytes reads it
+    further_sequence_bytes: tuple[tuple[float, ...], ...] = ()
     # Where a transformers model's token-mixing modules left whole pad the sequence to a chunk (a
     # linear attention's torch path: Qwen3-Next's 64 tokens), its tokens (0: they keep by the
     # token), and a sequence's bytes a block's run beyond a token's within a chunk (block_saved_bytes'
@@ -308,8 +315,9 @@ class GPTConfig:
     # What each block of a transformers model keeps over its runs, where its blocks differ (a
     # hybrid's linear-attention and attention blocks, DeepSeek's dense first blocks and MoE ones),
     # measured with block_saved_bytes, in the first dtype whose forward ran: (c, a, q, first,
-    # second, further) of c + b·(a·s + q·s² + the chunks' bytes, mixer_chunk's) for a micro-batch
-    # of b sequences of s tokens. Only their ratios are read: a pipeline stage keeps its own
+    # second, further, a', c', f') of c + b·(a·s + q·s² + the chunks' bytes, mixer_chunk's) for
+    # a micro-batch of b sequences of s tokens, plus f' + b·(c' + a'·s) where b >= 2 (what a
+    # batch keeps beyond as many sequences alone). Only their ratios are read: a pipeline stage keeps its own
     # blocks' share of the mean block's bytes (estimate/activations.kept_runs). Empty: alike
     block_keeps: tuple[tuple[float, ...], ...] = ()
     # The sliding window (positions) a transformers model's sliding layers attend within, 0 for
@@ -356,6 +364,7 @@ class GPTConfig:
         object.__setattr__(self, "qkv_view_bytes", tuple(self.qkv_view_bytes))
         object.__setattr__(self, "sliced_view_bytes", tuple(self.sliced_view_bytes))
         object.__setattr__(self, "constant_bytes", tuple(tuple(pair) for pair in self.constant_bytes))
+        object.__setattr__(self, "further_sequence_bytes", tuple(tuple(terms) for terms in self.further_sequence_bytes))
         object.__setattr__(self, "mixer_chunk_bytes", tuple(tuple(pair) for pair in self.mixer_chunk_bytes))
         object.__setattr__(self, "block_keeps", tuple(tuple(block) for block in self.block_keeps))
         object.__setattr__(self, "tp_gathered_calls", tuple(self.tp_gathered_calls))

@@ -1020,24 +1020,36 @@ class Terms(NamedTuple):
     # their tokens', a block's run
     blocks: tuple[tuple[float, ...], ...]  # each block's own over its runs (GPTConfig.block_keeps)
     sliced: float  # the row layers' slices of what another save keeps, a block's run (Kept.sliced_views)
+    further: tuple[float, ...] | None  # what a batch of b keeps beyond b sequences read alone, a
+    # block's run, f + b·(c + a·s): a (rest, split, mixers), then c, then f; None: not read
 
 
-def _fitted(kept: list[Kept], length: int, runs: int, chunked: tuple[Kept, Kept] | None = None) -> Terms:
+def _fitted(kept: list[Kept], length: int, runs: int, chunked: tuple[Kept, Kept] | None,
+            batched: list[Kept]) -> Terms:
     """The terms of forwards at `length` tokens and its multiples (two, or three where the s²
     term is measured): q the second difference over 2L², a what remains of the first over L,
     c what remains at L; a block's each a mean over the blocks' runs. With forwards at L/2 and
-    3L where the token-mixing modules pad to chunks (`chunked`), their chunks' (`_mixer_chunks`)."""
+    3L where the token-mixing modules pad to chunks (`chunked`), their chunks' (`_mixer_chunks`).
+    With forwards of two sequences at L and 2L and of three at L (`batched`; else not read),
+    what a batch keeps beyond as many sequences read alone (`_beyond`)."""
     measured = len(kept) == 3
     chunks = _mixer_chunks(chunked[0], kept, chunked[1], length) if chunked else None
-    quadratic, linear, constant = 0.0, [], 0.0
+    quadratic, linear, constant, own = 0.0, [], 0.0, []
     for part in BLOCK_PARTS:  # each rank's whole, the split regions', the whole-read mixers'
         c, a, q = _polynomial([getattr(k, part) for k in kept], length)
         quadratic += q / runs
         if part == "mixers" and chunks:  # a token's within a chunk; the chunks' own apart
             linear.append(max(0.0, chunks[0]) / runs)
+            own.append(0.0)
             continue
         linear.append(max(0.0, a / runs))
         constant += c
+        own.append(c)
+    # a chunked mixer's keep steps by the chunk, which no line through two lengths follows: its
+    # sequences are taken to keep alike (within 1% at two sequences of four chunks)
+    beyond = [_beyond(kept, batched, lambda k, part=part: getattr(k, part), c, length)
+              if batched and not (part == "mixers" and chunks) else (0.0, 0.0, 0.0)
+              for part, c in zip(BLOCK_PARTS, own)]
     one, two = kept[0], kept[1]
 
     def slope(name: str) -> float:  # a token's bytes of one part, once a forward
@@ -1053,7 +1065,25 @@ def _fitted(kept: list[Kept], length: int, runs: int, chunked: tuple[Kept, Kept]
                  read=one.read / one.calls if one.calls else 1.0,
                  constants=tuple(max(0.0, c) for c in (constant / runs, first, last)),
                  chunks=tuple(c / runs for c in chunks[1:]) if chunks else (0.0, 0.0, 0.0),
-                 blocks=_block_keeps(kept, length, chunked), sliced=slope("sliced_views") / runs)
+                 blocks=_block_keeps(kept, length, chunked, batched), sliced=slope("sliced_views") / runs,
+                 further=tuple(terms[i] / runs for i in range(3) for terms in beyond) if batched else None)
+
+
+def _beyond(kept: list[Kept], batched: list[Kept], read: Callable[[Kept], float], constant: float,
+            length: int) -> tuple[float, float, float]:
+    """(a, c, f): what a micro-batch of b >= 2 sequences keeps beyond b sequences' reading at
+    one, as f + b·(c + a·s): a token's, a sequence's and a micro-batch's bytes. From b = 2 up a
+    batch keeps f' + b·(c' + a'·s + q·s²), which forwards of two sequences at L and 2L and of
+    three at L (`batched`) give, each read by `read`; one sequence's own (`kept`: its constant,
+    `constant` as priced, a token's a and q) may differ. Jamba's mamba keeps its final state once
+    a sequence, and at one sequence views a reshape it copies from two up (0.977 of the meter at
+    two sequences); GPT-NeoX-Japanese keeps less a sequence from two up (1.10 at two): a reading
+    of one sequence held neither. (0, 0, 0) where a batch keeps b times a sequence's tokens."""
+    _, one_a, q = _polynomial([read(k) for k in kept], length)
+    two, two_long, three = (read(k) for k in batched)
+    a = (two_long - two) / (2 * length) - 3 * q * length
+    c = three - two - a * length - q * length * length
+    return a - one_a, c, 3 * two - 2 * three - constant
 
 
 def _polynomial(values: list[float], length: int) -> tuple[float, float, float]:
@@ -1069,19 +1099,25 @@ def _differing(blocks: tuple[tuple[float, ...], ...]) -> tuple[tuple[float, ...]
     return blocks if len(set(blocks)) > 1 else ()
 
 
-def _block_keeps(kept: list[Kept], length: int, chunked: tuple[Kept, Kept] | None) -> tuple[tuple[float, ...], ...]:
+def _block_keeps(kept: list[Kept], length: int, chunked: tuple[Kept, Kept] | None,
+                 batched: list[Kept]) -> tuple[tuple[float, ...], ...]:
     """Each block's keep over its runs as GPTConfig.block_keeps holds it, (c, a, q, the first,
     second and each further chunk's bytes beyond a's), from the same forwards as the mean's:
     what a pipeline stage keeps is its own blocks', and a hybrid's or DeepSeek's blocks differ
     (a dense first block keeps 0.75 of an MoE one's; a linear attention's padded chunks, 6.5
     times a softmax attention's at 16 tokens). Where the mixers pad to chunks every block is read
-    in the chunks' form (a block that keeps by the token reads no chunk bytes in it)."""
-    if chunked:
+    in the chunks' form (a block that keeps by the token reads no chunk bytes in it). Then (a, c,
+    f) of what a batch keeps beyond as many sequences read alone (`_beyond`; none in the chunks'
+    form, or where the batches were not read)."""
+    if chunked:  # read by the chunk, which no line through two lengths follows: sequences alike
         half, third = chunked
-        return tuple((0.0, low, 0.0, first, second, further) for low, first, second, further in
+        return tuple((0.0, low, 0.0, first, second, further, 0.0, 0.0, 0.0) for low, first, second, further in
                      (_chunks_of(*values, length)
                       for values in zip(half.by_block, kept[0].by_block, kept[1].by_block, third.by_block)))
-    return tuple((*_polynomial(list(values), length), 0.0, 0.0, 0.0) for values in zip(*(k.by_block for k in kept)))
+    own = [(*_polynomial(list(values), length), 0.0, 0.0, 0.0) for values in zip(*(k.by_block for k in kept))]
+    return tuple((*terms, *(_beyond(kept, batched, lambda k, i=i: k.by_block[i], terms[0], length)
+                            if batched else (0.0, 0.0, 0.0)))
+                 for i, terms in enumerate(own))
 
 
 def _pads_to_chunks(half: Kept, kept: list[Kept], length: int) -> bool:
@@ -1154,6 +1190,9 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
       and the logits the head keeps, a token (GPTConfig.head_saved_bytes);
     - what no token makes, c (GPTConfig.constant_bytes): vectors a block's run derives from its
       weights (Gemma's norms' 1 + weight, Dory's scales), and the first and last stages' own;
+    - what a batch of sequences keeps beyond as many read alone, by part, a token's, a
+      sequence's and a micro-batch's (GPTConfig.further_sequence_bytes: `_beyond`), from
+      forwards of two and three sequences in the first dtype that runs;
     - of the s terms, the copies of SDPA's output the model makes for its output projection
       (GPTConfig.attention_out_copy_bytes), and the K/V heads transformers repeats for SDPA
       (GPTConfig.kv_repeat_bytes), which context parallelism's attention spares.
@@ -1184,10 +1223,13 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
             seen: list[tuple[int, ...]] = []
             try:
                 with _attention_handed(implementation, seen):
-                    def at(n: float) -> Kept:
+                    def at(n: float, batch: int = 1) -> Kept:
                         return _kept_in_blocks(model.to(dtype), layers, parts, int(n * length), device,
-                                               shape.vocab_size, seen)
+                                               shape.vocab_size, seen, batch)
                     kept = [at(1), at(2)]
+                    # what a batch keeps beyond as many sequences alone: read in the first dtype
+                    # that runs, and in proportion for the other (their forwards cost as much again)
+                    batched = [at(1, batch=2), at(2, batch=2), at(1, batch=3)] if not terms or terms[0] is None else []
                     if eager or (kept[0].square and kept[1].square):
                         kept.append(at(3))
                     # a token-mixing module left whole may pad to a chunk: half a length tells,
@@ -1198,9 +1240,9 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
                 terms.append(None)
                 continue
             if not handed:  # the first dtype whose forwards all ran: each call once a forward
-                forwards = len(kept) + (half is not None) + (chunked is not None)
+                forwards = len(kept) + len(batched) + (half is not None) + (chunked is not None)
                 handed.extend(seen[:len(seen) // forwards])
-            terms.append(_fitted(kept, length, runs, chunked))
+            terms.append(_fitted(kept, length, runs, chunked, batched))
         return terms, handed
 
     terms, handed = terms_at(length)
@@ -1218,6 +1260,7 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
     final, tables, copied, repeated, outside, head, sliced = (
         tuple(getattr(t, name) if t else -1.0 for t in terms)
         for name in ("after", "tables", "copied", "repeated", "outside", "head", "sliced"))
+    further = _in_both_dtypes([t.further if t else None for t in terms])
     views = tuple(t.views if t else 0.0 for t in terms)  # signed: a dtype whose forward failed counts none
     out_kept = next((t.read for t in terms if t), 1.0)
     constants = tuple(tuple(t.constants[where] if t else -1.0 for t in terms) for where in (0, 1, 2))
@@ -1229,11 +1272,23 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
     return {"attention_matrix_bytes": matrices, "block_saved_bytes": saved, "final_saved_bytes": final,
             "position_table_bytes": tables, "attention_out_copy_bytes": copied, "kv_repeat_bytes": repeated,
             "outside_saved_bytes": outside, "head_saved_bytes": head, "qkv_view_bytes": views,
-            "sliced_view_bytes": sliced,
+            "sliced_view_bytes": sliced, "further_sequence_bytes": further,
             "attention_out_kept": out_kept, "constant_bytes": constants,
             "mixer_chunk": length if chunked else 0, "mixer_chunk_bytes": chunks,
             "block_keeps": _differing(next(t.blocks for t in terms if t)),
             "sliding_mask_layers": masked, **_heads_as_handed(handed, shape)}
+
+
+def _in_both_dtypes(further: list[tuple[float, ...] | None]) -> tuple[tuple[float, ...], ...]:
+    """GPTConfig.further_sequence_bytes, fp32's then 16-bit's, from the dtype they were read in:
+    the other's in proportion to its bytes a value (a state kept in fp32 under bf16 is priced at
+    half its bytes, where a batch's extra keep is a small share). () where neither was."""
+    read = next((i for i, terms in enumerate(further) if terms is not None), None)
+    if read is None:
+        return ()
+    scale = (0.5, 2.0)[read]  # fp32 -> 16-bit, or 16-bit -> fp32
+    other = tuple(term * scale for term in further[read])
+    return (further[read], other) if read == 0 else (other, further[read])
 
 
 def _attention_implementation(model: nn.Module) -> str | None:
@@ -1530,7 +1585,7 @@ BLOCK_PARTS = ("rest", "split", "mixers")  # the three parts a block's per-token
 
 
 def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, parts: BlockModules, length: int, device: torch.device,
-                    vocab: int, handed: list[tuple[int, ...]] | None = None) -> Kept:
+                    vocab: int, handed: list[tuple[int, ...]] | None = None, batch: int = 1) -> Kept:
     """Bytes the graph holds after one forward of `model` on `device` over one sequence of
     `length` tokens, of what the blocks saved, each storage once, the parameters' not: (the rest,
     what the modules the plan splits made (`parts.regions`, each block's: `_row_regions`; but
@@ -1569,7 +1624,7 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, parts: BlockModules
     # dropped left its address to an activation, which was then not counted (1 reading in 6)
     params: dict[int, torch.UntypedStorage] = {}
     _hold(params, [*model.parameters(), *model.buffers()])
-    ids = torch.zeros(1, length, dtype=torch.long, device=device)
+    ids = torch.zeros(batch, length, dtype=torch.long, device=device)
     state: dict[str, Any] = {"block": False, "region": False, "mixer": False, "sliced": False, "whole": False,
                              "whole made": {},
                              "region inputs": set(), "mixer inputs": set(),
