@@ -113,8 +113,8 @@ def llama_layer_bytes(config: GPTConfig, layout: Workload) -> float:
 
 def further_sequence_bytes(config: GPTConfig, layout: Workload) -> float:
     """What a micro-batch of b >= 2 sequences keeps in a transformers block's run beyond b
-    sequences' reading at one (GPTConfig.further_sequence_bytes), f + b·(c + a·s) on this rank's
-    share of each sequence, the rest's and the mixers' whole on every tp rank, the split
+    sequences' reading at one (GPTConfig.further_sequence_bytes), f + b·(c + a·s) + (b - 1)·g·s²
+    on this rank's share of each sequence (g: an s × s tensor kept once a micro-batch), the rest's and the mixers' whole on every tp rank, the split
     regions' 1/tp: a mamba's final state kept once a sequence, a reshape that copies from two
     sequences up (Jamba's: 0.977 of the meter at two sequences), or keeps less (GPT-NeoX-
     Japanese's: 1.10). None at one sequence, or under full recomputation (each block keeps its
@@ -124,7 +124,8 @@ def further_sequence_bytes(config: GPTConfig, layout: Workload) -> float:
         return 0.0
     terms = config.further_sequence_bytes[0 if layout.compute_bytes == 4 else 1]
     shares, s = (1.0, 1.0 / layout.tp, 1.0), layout.seq_len // layout.cp  # the rest, the split regions', the mixers'
-    return sum(share * (f + b * (c + a * s)) for share, a, c, f in zip(shares, terms[0:3], terms[3:6], terms[6:9]))
+    return sum(share * (f + b * (c + a * s) + (b - 1) * g * s * s)
+               for share, a, c, f, g in zip(shares, terms[0:3], terms[3:6], terms[6:9], (*terms[9:12], 0.0, 0.0, 0.0)))
 
 
 def sliced_view_bytes(config: GPTConfig, layout: Workload) -> float:
@@ -574,11 +575,11 @@ def block_keep(terms: tuple[float, ...], config: GPTConfig, layout: Workload) ->
     """One block's keep over its runs by its terms (GPTConfig.block_keeps), a micro-batch of this
     layout on one rank's share of the sequence (a batch of two or more with what it keeps beyond
     as many sequences alone), never below nothing."""
-    c, a, q, first, second, further, batch_a, batch_c, batch_f = (*terms, 0.0, 0.0, 0.0)[:9]
+    c, a, q, first, second, further, batch_a, batch_c, batch_f, batch_g = (*terms, 0.0, 0.0, 0.0, 0.0)[:10]
     b, s = layout.micro_batch, layout.seq_len // layout.cp
     chunks = -(-s // config.mixer_chunk) if config.mixer_chunk else 0
     per_sequence = a * s + q * s * s + first * (chunks > 0) + second * (chunks > 1) + further * max(0, chunks - 2)
-    beyond = batch_f + b * (batch_c + batch_a * s) if b > 1 else 0.0
+    beyond = batch_f + b * (batch_c + batch_a * s) + (b - 1) * batch_g * s * s if b > 1 else 0.0
     return max(0.0, c + b * per_sequence + beyond)
 
 

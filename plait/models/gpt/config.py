@@ -299,9 +299,10 @@ class GPTConfig:
     # run. estimate/activations.constant_kept_bytes reads it
     constant_bytes: tuple[tuple[float, float], ...] = ()
     # What a micro-batch of b >= 2 sequences keeps in a transformers block's run beyond b
-    # sequences' reading at one, f + b·(c + a·s), one tuple a dtype (fp32, 16-bit): a (bytes a
-    # token: the rest, the split regions', the mixers'), then c (a sequence's), then f (a
-    # micro-batch's). A mamba's final state is kept once a sequence, which a reading of one
+    # sequences' reading at one, f + b·(c + a·s) + (b - 1)·g·s², one tuple a dtype (fp32,
+    # 16-bit): a (bytes a token: the rest, the split regions', the mixers'), then c (a
+    # sequence's), f (a micro-batch's), g (of an s × s tensor kept once a micro-batch: Inkling's
+    # position bias). A mamba's final state is kept once a sequence, which a reading of one
     # sequence counts once a forward; a reshape may view at one sequence alone (Jamba's mamba,
     # GPT-NeoX-Japanese's attention). estimate/activations.further_sequence_bytes reads it
     further_sequence_bytes: tuple[tuple[float, ...], ...] = ()
@@ -315,8 +316,8 @@ class GPTConfig:
     # What each block of a transformers model keeps over its runs, where its blocks differ (a
     # hybrid's linear-attention and attention blocks, DeepSeek's dense first blocks and MoE ones),
     # measured with block_saved_bytes, in the first dtype whose forward ran: (c, a, q, first,
-    # second, further, a', c', f') of c + b·(a·s + q·s² + the chunks' bytes, mixer_chunk's) for
-    # a micro-batch of b sequences of s tokens, plus f' + b·(c' + a'·s) where b >= 2 (what a
+    # second, further, a', c', f', g') of c + b·(a·s + q·s² + the chunks' bytes, mixer_chunk's)
+    # for a micro-batch of b sequences of s tokens, plus f' + b·(c' + a'·s) + (b - 1)·g'·s² where b >= 2 (what a
     # batch keeps beyond as many sequences alone). Only their ratios are read: a pipeline stage keeps its own
     # blocks' share of the mean block's bytes (estimate/activations.kept_runs). Empty: alike
     block_keeps: tuple[tuple[float, ...], ...] = ()

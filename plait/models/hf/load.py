@@ -1021,7 +1021,7 @@ class Terms(NamedTuple):
     blocks: tuple[tuple[float, ...], ...]  # each block's own over its runs (GPTConfig.block_keeps)
     sliced: float  # the row layers' slices of what another save keeps, a block's run (Kept.sliced_views)
     further: tuple[float, ...] | None  # what a batch of b keeps beyond b sequences read alone, a
-    # block's run, f + b·(c + a·s): a (rest, split, mixers), then c, then f; None: not read
+    # block's run, f + b·(c + a·s) + (b - 1)·g·s²: a (rest, split, mixers), then c, f, g; None: not read
 
 
 def _fitted(kept: list[Kept], length: int, runs: int, chunked: tuple[Kept, Kept] | None,
@@ -1030,8 +1030,8 @@ def _fitted(kept: list[Kept], length: int, runs: int, chunked: tuple[Kept, Kept]
     term is measured): q the second difference over 2L², a what remains of the first over L,
     c what remains at L; a block's each a mean over the blocks' runs. With forwards at L/2 and
     3L where the token-mixing modules pad to chunks (`chunked`), their chunks' (`_mixer_chunks`).
-    With forwards of two sequences at L and 2L and of three at L (`batched`; else not read),
-    what a batch keeps beyond as many sequences read alone (`_beyond`)."""
+    With forwards of two sequences at the same lengths and of three at L (`batched`; else not
+    read), what a batch keeps beyond as many sequences read alone (`_beyond`)."""
     measured = len(kept) == 3
     chunks = _mixer_chunks(chunked[0], kept, chunked[1], length) if chunked else None
     quadratic, linear, constant, own = 0.0, [], 0.0, []
@@ -1048,7 +1048,7 @@ def _fitted(kept: list[Kept], length: int, runs: int, chunked: tuple[Kept, Kept]
     # a chunked mixer's keep steps by the chunk, which no line through two lengths follows: its
     # sequences are taken to keep alike (within 1% at two sequences of four chunks)
     beyond = [_beyond(kept, batched, lambda k, part=part: getattr(k, part), c, length)
-              if batched and not (part == "mixers" and chunks) else (0.0, 0.0, 0.0)
+              if batched and not (part == "mixers" and chunks) else (0.0, 0.0, 0.0, 0.0)
               for part, c in zip(BLOCK_PARTS, own)]
     one, two = kept[0], kept[1]
 
@@ -1066,24 +1066,30 @@ def _fitted(kept: list[Kept], length: int, runs: int, chunked: tuple[Kept, Kept]
                  constants=tuple(max(0.0, c) for c in (constant / runs, first, last)),
                  chunks=tuple(c / runs for c in chunks[1:]) if chunks else (0.0, 0.0, 0.0),
                  blocks=_block_keeps(kept, length, chunked, batched), sliced=slope("sliced_views") / runs,
-                 further=tuple(terms[i] / runs for i in range(3) for terms in beyond) if batched else None)
+                 further=tuple(terms[i] / runs for i in range(4) for terms in beyond) if batched else None)
 
 
 def _beyond(kept: list[Kept], batched: list[Kept], read: Callable[[Kept], float], constant: float,
-            length: int) -> tuple[float, float, float]:
-    """(a, c, f): what a micro-batch of b >= 2 sequences keeps beyond b sequences' reading at
-    one, as f + b·(c + a·s): a token's, a sequence's and a micro-batch's bytes. From b = 2 up a
-    batch keeps f' + b·(c' + a'·s + q·s²), which forwards of two sequences at L and 2L and of
-    three at L (`batched`) give, each read by `read`; one sequence's own (`kept`: its constant,
-    `constant` as priced, a token's a and q) may differ. Jamba's mamba keeps its final state once
-    a sequence, and at one sequence views a reshape it copies from two up (0.977 of the meter at
-    two sequences); GPT-NeoX-Japanese keeps less a sequence from two up (1.10 at two): a reading
-    of one sequence held neither. (0, 0, 0) where a batch keeps b times a sequence's tokens."""
-    _, one_a, q = _polynomial([read(k) for k in kept], length)
-    two, two_long, three = (read(k) for k in batched)
-    a = (two_long - two) / (2 * length) - 3 * q * length
-    c = three - two - a * length - q * length * length
-    return a - one_a, c, 3 * two - 2 * three - constant
+            length: int) -> tuple[float, float, float, float]:
+    """(a, c, f, g): what a micro-batch of b >= 2 sequences keeps beyond b sequences' reading at
+    one, f + b·(c + a·s) + (b - 1)·g·s²: a token's, a sequence's and a micro-batch's bytes, and
+    of an s × s tensor kept once a micro-batch. From b = 2 up a batch keeps f' + m·s² + b·(c' +
+    a'·s + q'·s²), which forwards of two sequences at L and 2L (and 3L where one sequence's s²
+    term was read) and of three at L (`batched`) give, each read by `read`; one sequence's own
+    (`kept`: its constant, `constant` as priced, a token's a and q = q' + m) may differ.
+
+    Jamba's mamba keeps its final state once a sequence, and at one sequence views a reshape it
+    copies from two up (0.977 of the meter at two sequences); GPT-NeoX-Japanese keeps less a
+    sequence from two up (1.10 at two); MiniMax's decay blocks are made once a micro-batch (1.43);
+    Inkling's relative position bias, an s × s tensor, is one for the batch (1.01): a reading of
+    one sequence held none of them. (0, 0, 0, 0) where a batch keeps b times a sequence's tokens."""
+    _, one_a, one_q = _polynomial([read(k) for k in kept], length)
+    *two, three = (read(k) for k in batched)
+    two_c, two_a, two_q = _polynomial(two, length)
+    per_sequence_q = two_q - one_q  # and once a micro-batch: 2·one_q - two_q
+    a = two_a / 2
+    c = three - two[0] - a * length - per_sequence_q * length * length
+    return a - one_a, c, two_c - 2 * c - constant, per_sequence_q - one_q
 
 
 def _polynomial(values: list[float], length: int) -> tuple[float, float, float]:
@@ -1107,16 +1113,16 @@ def _block_keeps(kept: list[Kept], length: int, chunked: tuple[Kept, Kept] | Non
     (a dense first block keeps 0.75 of an MoE one's; a linear attention's padded chunks, 6.5
     times a softmax attention's at 16 tokens). Where the mixers pad to chunks every block is read
     in the chunks' form (a block that keeps by the token reads no chunk bytes in it). Then (a, c,
-    f) of what a batch keeps beyond as many sequences read alone (`_beyond`; none in the chunks'
-    form, or where the batches were not read)."""
+    f, g) of what a batch keeps beyond as many sequences read alone (`_beyond`; none in the
+    chunks' form, or where the batches were not read)."""
     if chunked:  # read by the chunk, which no line through two lengths follows: sequences alike
         half, third = chunked
-        return tuple((0.0, low, 0.0, first, second, further, 0.0, 0.0, 0.0) for low, first, second, further in
+        return tuple((0.0, low, 0.0, first, second, further, 0.0, 0.0, 0.0, 0.0) for low, first, second, further in
                      (_chunks_of(*values, length)
                       for values in zip(half.by_block, kept[0].by_block, kept[1].by_block, third.by_block)))
     own = [(*_polynomial(list(values), length), 0.0, 0.0, 0.0) for values in zip(*(k.by_block for k in kept))]
     return tuple((*terms, *(_beyond(kept, batched, lambda k, i=i: k.by_block[i], terms[0], length)
-                            if batched else (0.0, 0.0, 0.0)))
+                            if batched else (0.0, 0.0, 0.0, 0.0)))
                  for i, terms in enumerate(own))
 
 
@@ -1227,11 +1233,12 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
                         return _kept_in_blocks(model.to(dtype), layers, parts, int(n * length), device,
                                                shape.vocab_size, seen, batch)
                     kept = [at(1), at(2)]
-                    # what a batch keeps beyond as many sequences alone: read in the first dtype
-                    # that runs, and in proportion for the other (their forwards cost as much again)
-                    batched = [at(1, batch=2), at(2, batch=2), at(1, batch=3)] if not terms or terms[0] is None else []
                     if eager or (kept[0].square and kept[1].square):
                         kept.append(at(3))
+                    # what a batch keeps beyond as many sequences alone: read in the first dtype
+                    # that runs, and in proportion for the other (their forwards cost as much again)
+                    batched = ([at(n, batch=2) for n in range(1, len(kept) + 1)] + [at(1, batch=3)]
+                               if not terms or terms[0] is None else [])
                     # a token-mixing module left whole may pad to a chunk: half a length tells,
                     # and a third length gives the chunks after the second
                     half = at(0.5) if len(kept) == 2 and kept[0].mixers else None
