@@ -1274,8 +1274,11 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
     chunked = any(t and any(t.chunks) for t in terms)
     chunks = tuple(t.chunks if t else (-1.0, -1.0, -1.0) for t in terms) if chunked else ()
     text = text_config(model)
-    masked = sliding_share(getattr(text, "sliding_window", None), getattr(text, "layer_types", None),
+    # the built config's window: its attribute map names RecurrentGemma's attention_window_size so
+    window = getattr(text, "sliding_window", None)
+    masked = sliding_share(window, getattr(text, "layer_types", None),
                            getattr(text, "use_sliding_window", True), shape.block_runs) if implementation == "sdpa" else 0.0
+    window_read = {"sliding_window": window} if masked and not shape.sliding_window else {}
     return {"attention_matrix_bytes": matrices, "block_saved_bytes": saved, "final_saved_bytes": final,
             "position_table_bytes": tables, "attention_out_copy_bytes": copied, "kv_repeat_bytes": repeated,
             "outside_saved_bytes": outside, "head_saved_bytes": head, "qkv_view_bytes": views,
@@ -1283,7 +1286,7 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
             "attention_out_kept": out_kept, "constant_bytes": constants,
             "mixer_chunk": length if chunked else 0, "mixer_chunk_bytes": chunks,
             "block_keeps": _differing(next(t.blocks for t in terms if t)),
-            "sliding_mask_layers": masked, **_heads_as_handed(handed, shape)}
+            "sliding_mask_layers": masked, **window_read, **_heads_as_handed(handed, shape)}
 
 
 def _in_both_dtypes(further: list[tuple[float, ...] | None]) -> tuple[tuple[float, ...], ...]:
