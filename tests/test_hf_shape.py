@@ -462,6 +462,25 @@ def test_every_module_a_plan_splits_is_read_as_split(tmp_path: Path, monkeypatch
     assert block.mlp.experts not in _row_regions(block, plan, experts_split=False)
 
 
+def test_a_row_layer_alone_in_its_module_leaves_the_module_whole(tmp_path: Path) -> None:
+    """Qwen4-Exp's hyper connections hold one row layer that takes its slice of a whole input
+    ("rowwise_split_input") and no column layer: the module around it runs whole on every rank.
+    Read as a split region, its estimate under tp 2 was 0.958 of the meter's (0.982 now); its
+    shared expert, a row layer fed by column layers, stays split."""
+    from plait.models.hf.load import _row_regions, _whole_parents
+    from tests.worlds.hf_sweep_world import family_config
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(family_config("qwen4_exp_text"))
+    block = model.model.layers[0]
+    plan = {key[len("layers.*."):]: style for key, style in model.config.base_model_tp_plan.items()
+            if key.startswith("layers.*.")}
+    regions = _row_regions(block, plan)
+    assert [id(r) for r in regions] == [id(block.mlp.shared_expert)]
+    whole = _whole_parents(block, plan)
+    assert sorted(map(id, whole)) == sorted(map(id, (block.attn_hyper_connection, block.mlp_hyper_connection)))
+
+
 def nemotron_blocks(tmp_path: Path) -> tuple[Any, list[int], int]:
     """Nemotron-H's shape with one block of each kind (mamba, MoE, attention, MLP), as its
     config class declares its plan: each block's mixer's parameters, and all its norms'."""
