@@ -1599,7 +1599,7 @@ BLOCK_PARTS = ("rest", "split", "mixers")  # the three parts a block's per-token
 def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, parts: BlockModules, length: int, device: torch.device,
                     vocab: int, handed: list[tuple[int, ...]] | None = None, batch: int = 1) -> Kept:
     """Bytes the graph holds after one forward of `model` on `device` over one sequence of
-    `length` tokens, of what the blocks saved, each storage once, the parameters' not: (the rest,
+    `length` tokens (`batch` of them where asked: `_beyond`), of what the blocks saved, each storage once, the parameters' not: (the rest,
     what the modules the plan splits made (`parts.regions`, each block's: `_row_regions`; but
     what runs whole inside them, `parts.whole`, and what it makes), what the
     token-mixing modules it leaves whole made (`parts.mixers`: a linear attention, a mamba, read whole
