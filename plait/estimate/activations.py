@@ -113,19 +113,27 @@ def llama_layer_bytes(config: GPTConfig, layout: Workload) -> float:
 
 def further_sequence_bytes(config: GPTConfig, layout: Workload) -> float:
     """What a micro-batch of b >= 2 sequences keeps in a transformers block's run beyond b
-    sequences' reading at one (GPTConfig.further_sequence_bytes), f + b·(c + a·s) + (b - 1)·g·s²
-    on this rank's share of each sequence (g: an s × s tensor kept once a micro-batch), the rest's and the mixers' whole on every tp rank, the split
-    regions' 1/tp: a mamba's final state kept once a sequence, a reshape that copies from two
-    sequences up (Jamba's: 0.977 of the meter at two sequences), or keeps less (GPT-NeoX-
-    Japanese's: 1.10). None at one sequence, or under full recomputation (each block keeps its
-    input alone)."""
-    b = layout.micro_batch
-    if b < 2 or layout.recompute == "full" or not config.further_sequence_bytes:
+    sequences' reading at one and beyond its tokens' (GPTConfig.further_sequence_bytes; a
+    token's is `measured_correction`'s), f + b·c + (b - 1)·g·s² on this rank's share of each
+    sequence (g: an s × s tensor kept once a micro-batch), the rest's and the mixers' whole on
+    every tp rank, the split regions' 1/tp: a mamba's final state kept once a sequence, a
+    micro-batch's decay blocks (MiniMax's: 1.43 of the meter at two sequences). None at one
+    sequence, or under full recomputation (each block keeps its input alone)."""
+    terms = batch_terms(config, layout)
+    if terms is None or layout.recompute == "full":
         return 0.0
-    terms = config.further_sequence_bytes[0 if layout.compute_bytes == 4 else 1]
-    shares, s = (1.0, 1.0 / layout.tp, 1.0), layout.seq_len // layout.cp  # the rest, the split regions', the mixers'
-    return sum(share * (f + b * (c + a * s) + (b - 1) * g * s * s)
-               for share, a, c, f, g in zip(shares, terms[0:3], terms[3:6], terms[6:9], (*terms[9:12], 0.0, 0.0, 0.0)))
+    b, s = layout.micro_batch, layout.seq_len // layout.cp
+    shares = (1.0, 1.0 / layout.tp, 1.0)  # the rest, the split regions', the mixers'
+    return sum(share * (f + b * c + (b - 1) * g * s * s)
+               for share, c, f, g in zip(shares, terms[3:6], terms[6:9], terms[9:12]))
+
+
+def batch_terms(config: GPTConfig, layout: Workload) -> tuple[float, ...] | None:
+    """GPTConfig.further_sequence_bytes in this layout's dtype, where its micro-batch holds two
+    sequences or more; else None."""
+    if layout.micro_batch < 2 or not config.further_sequence_bytes:
+        return None
+    return config.further_sequence_bytes[0 if layout.compute_bytes == 4 else 1]
 
 
 def sliced_view_bytes(config: GPTConfig, layout: Workload) -> float:
@@ -171,7 +179,8 @@ def measured_correction(config: GPTConfig, layout: Workload) -> tuple[float, flo
     at that layout (which have no third kind), added to theirs at any layout, so that tp, SP,
     cp and recompute act on it as they do on the formulas' own. Where this dtype's forward did
     not run on meta, the other dtype's difference (the formulas carry the dtypes' own). (0, 0,
-    0) for a model the formulas count (plait's GPT)."""
+    0) for a model the formulas count (plait's GPT). A micro-batch of two sequences or more adds
+    what a token of it keeps beyond one sequence's (`batch_terms`)."""
     if not config.block_saved_bytes:
         return (0.0, 0.0, 0.0)
     order = [0, 1] if layout.compute_bytes == 4 else [1, 0]
@@ -188,8 +197,11 @@ def measured_correction(config: GPTConfig, layout: Workload) -> tuple[float, flo
     # its V; less a V viewing what the block keeps anyway): Ulysses hands its attention its own
     beyond = config.qkv_view_bytes[index] if ulysses_keeps_its_own(layout) and config.qkv_view_bytes else 0.0
     measured_whole, measured_split, mixers = config.block_saved_bytes[index]
-    return (measured_whole - whole, measured_split - split - repeated - beyond,
-            mixers + mixer_chunk_bytes(config, layout, index) / (layout.seq_len // layout.cp))
+    # what a token of a batch of two sequences or more keeps beyond one sequence's (a reshape
+    # that copies from two sequences up: Jamba's; or keeps less: GPT-NeoX-Japanese's, 1.10)
+    batch = batch_terms(config, layout) or (0.0, 0.0, 0.0)
+    return (measured_whole - whole + batch[0], measured_split - split - repeated - beyond + batch[1],
+            mixers + batch[2] + mixer_chunk_bytes(config, layout, index) / (layout.seq_len // layout.cp))
 
 
 def mixer_chunk_bytes(config: GPTConfig, layout: Workload, index: int) -> float:
@@ -575,7 +587,7 @@ def block_keep(terms: tuple[float, ...], config: GPTConfig, layout: Workload) ->
     """One block's keep over its runs by its terms (GPTConfig.block_keeps), a micro-batch of this
     layout on one rank's share of the sequence (a batch of two or more with what it keeps beyond
     as many sequences alone), never below nothing."""
-    c, a, q, first, second, further, batch_a, batch_c, batch_f, batch_g = (*terms, 0.0, 0.0, 0.0, 0.0)[:10]
+    c, a, q, first, second, further, batch_a, batch_c, batch_f, batch_g = terms
     b, s = layout.micro_batch, layout.seq_len // layout.cp
     chunks = -(-s // config.mixer_chunk) if config.mixer_chunk else 0
     per_sequence = a * s + q * s * s + first * (chunks > 0) + second * (chunks > 1) + further * max(0, chunks - 2)

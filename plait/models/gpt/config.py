@@ -304,7 +304,8 @@ class GPTConfig:
     # sequence's), f (a micro-batch's), g (of an s × s tensor kept once a micro-batch: Inkling's
     # position bias). A mamba's final state is kept once a sequence, which a reading of one
     # sequence counts once a forward; a reshape may view at one sequence alone (Jamba's mamba,
-    # GPT-NeoX-Japanese's attention). estimate/activations.further_sequence_bytes reads it
+    # GPT-NeoX-Japanese's attention). estimate/activations.measured_correction reads a, with
+    # the measured bytes a token (tp and SP act on it as on them); further_sequence_bytes the rest
     further_sequence_bytes: tuple[tuple[float, ...], ...] = ()
     # Where a transformers model's token-mixing modules left whole pad the sequence to a chunk (a
     # linear attention's torch path: Qwen3-Next's 64 tokens), its tokens (0: they keep by the

@@ -92,10 +92,7 @@ def fails_on_its_own(hf: HFModelDir, exc: BaseException, batch: int, length: int
     and reads the positions as one sequence each (`_one_sequence`), where meta holds no values."""
     line = _first_line(exc)
     try:
-        transformers = _transformers()
-        config = transformers.AutoConfig.from_pretrained(str(hf.path), local_files_only=True)
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config)
+        model = _built_on_meta(_transformers(), hf)
     except Exception:  # noqa: BLE001 - not buildable here: nothing to compare with
         return None
     ids = probe_ids(model, batch * length).view(batch, length)
@@ -105,6 +102,14 @@ def fails_on_its_own(hf: HFModelDir, exc: BaseException, batch: int, length: int
     except Exception as own:  # noqa: BLE001 - the model's own failure, whatever its kind
         return line if _first_line(own) == line else None
     return None
+
+
+def _built_on_meta(transformers: Any, hf: HFModelDir) -> nn.Module:
+    """DIR's causal language model as `AutoModelForCausalLM.from_config` builds it from
+    config.json on the meta device (no memory, no weights), for reading, not training."""
+    config = transformers.AutoConfig.from_pretrained(str(hf.path), local_files_only=True)
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
 
 
 @contextlib.contextmanager
@@ -160,9 +165,7 @@ def measured_shape(hf: HFModelDir, kept: bool = True) -> GPTConfig:
     except PlaitError:
         return shape
     try:
-        config = transformers.AutoConfig.from_pretrained(str(hf.path), local_files_only=True)
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config)
+        model = _built_on_meta(transformers, hf)
     except Exception as exc:  # noqa: BLE001 - transformers raises its own types
         raise PlaitError(f"--model hf:{hf.path}: transformers cannot build it: {_first_line(exc)}",
                          hint="check config.json (AutoModelForCausalLM.from_config must accept it)") from None
