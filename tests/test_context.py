@@ -136,19 +136,19 @@ def test_memory_limit_refuses_a_model_it_cannot_estimate(tmp_path: Path, capsys:
 
 
 def test_memory_limit_names_the_cp_that_fits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The README's long-sequence demo: one process would need 0.42 GiB (its peak); cp 2 fits 0.4."""
+    """The README's long-sequence demo: one process would need 0.37 GiB (its peak); cp 2 fits 0.3."""
     argv = ["train", "--model", "small,max_seq_len=2048", "--seq-len", "2048", "--micro-batch", "1",
-            "--memory-limit", "0.4", "--out", str(tmp_path)]
+            "--memory-limit", "0.3", "--out", str(tmp_path)]
     assert main([*argv, "--nproc", "1"]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        "plait: error: dp=1 tp=1 pp=1 needs an estimated 0.42 GiB per rank, more than --memory-limit 0.4 GiB",
+        "plait: error: dp=1 tp=1 pp=1 needs an estimated 0.37 GiB per rank, more than --memory-limit 0.3 GiB",
         "  hint: add --cp 2 (--nproc 2): each rank then holds 1/2 of every sequence"]
     from plait.train.config.settings import build_config
     from plait.train.config.memory_limit import check_memory_limit
     from plait.families import family_of
 
     config = build_config({}, {"model": "small,max_seq_len=2048", "seq_len": 2048, "micro_batch": 1, "cp": 2,
-                               "nproc": 2, "memory_limit": 0.4}, family_of)
+                               "nproc": 2, "memory_limit": 0.3}, family_of)
     check_memory_limit(config, family_of(config).memory)  # fits: no error
 
 

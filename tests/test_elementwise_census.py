@@ -117,7 +117,7 @@ def priced(spec: str, precision: str) -> tuple[float, float]:
     work = Workload(seq_len=TOKENS, micro_batch=1, precision=precision)
     h, kv, f = config.d_model, config.kv_dim, config.ffn_hidden
     return tuple(size * (a * h + sliced * h + b * kv + c * f)  # type: ignore[return-value]
-                 for a, sliced, b, c in elementwise_counts(work))
+                 for a, sliced, b, c in elementwise_counts(work, config))
 
 
 SHAPES = ("small,vocab_size=256,n_layers=1,d_model=256,n_heads=4,n_kv_heads=1,ffn_hidden=1024,max_seq_len=128",

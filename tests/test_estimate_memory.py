@@ -131,18 +131,18 @@ def test_korthikanti_coefficients() -> None:
 
 
 def test_our_block_formula() -> None:
-    """e·(6h + 2kv + 3f) + 8 + 4a bytes per token for plait's lean block (each norm's input and
-    fp32 reciprocal rms; K/V grouped; o_proj reading SDPA's output as a view; gate, up and their
-    product); TP splits all but the norms'
+    """e·(6h + 2kv + 2f) + 8 + 4a bytes per token for plait's lean block (each norm's input and
+    fp32 reciprocal rms; K/V grouped; o_proj reading SDPA's output as a view; gate and up, whose
+    product down's backward makes again); TP splits all but the norms'
     8 + 4eh. A transformers block (lean_blocks false) keeps autograd's intermediates:
     e·(9h + 4f) + 8(h + 1) + 4a, the norms' fp32 copies and silu's output."""
     cfg = get_preset("llama-7b")
     h, f, a, kv, tokens = cfg.d_model, cfg.ffn_hidden, cfg.n_heads, cfg.kv_dim, 4096
     bf16 = Workload(precision="bf16", seq_len=4096)
-    assert llama_layer_bytes(cfg, bf16) == tokens * (2 * (6 * h + 2 * kv + 3 * f) + 8 + 4 * a)
-    assert llama_layer_bytes(cfg, replace(bf16, precision="fp32")) == tokens * (4 * (6 * h + 2 * kv + 3 * f) + 8 + 4 * a)
+    assert llama_layer_bytes(cfg, bf16) == tokens * (2 * (6 * h + 2 * kv + 2 * f) + 8 + 4 * a)
+    assert llama_layer_bytes(cfg, replace(bf16, precision="fp32")) == tokens * (4 * (6 * h + 2 * kv + 2 * f) + 8 + 4 * a)
     tp4 = replace(bf16, tp=4)
-    assert llama_layer_bytes(cfg, tp4) == tokens * (8 + 2 * 4 * h + (2 * (2 * h + 2 * kv + 3 * f) + 4 * a) / 4)
+    assert llama_layer_bytes(cfg, tp4) == tokens * (8 + 2 * 4 * h + (2 * (2 * h + 2 * kv + 2 * f) + 4 * a) / 4)
     sp4 = replace(tp4, sp=True)
     assert llama_layer_bytes(cfg, sp4) == pytest.approx(llama_layer_bytes(cfg, bf16) / 4)
     assert llama_layer_bytes(cfg, replace(bf16, recompute="full")) == tokens * 2 * h
@@ -186,6 +186,70 @@ SHAPES = {
     "wide-mlp": GPTConfig(n_layers=3, d_model=96, n_heads=6, n_kv_heads=6, ffn_hidden=320),
     "one-head": GPTConfig(n_heads=1, n_kv_heads=1),  # SDPA's output reshapes as a view
 }
+
+
+def _step_keeping(config: GPTConfig, product_kept: bool, checkpointed: bool = False) -> tuple[int, list]:
+    """(bytes saved for backward, the gradients) of one forward and backward of plait's GPT, its
+    gated product kept for down's backward (the block before `gated_down`) or made again; each
+    block under torch's checkpoint with `checkpointed` (--recompute full's)."""
+    import contextlib
+    import unittest.mock
+
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    from plait.models.gpt import lean, model as gpt_model, moe
+    from plait.models.gpt.model import build_gpt
+
+    def kept(down, gate, up):  # noqa: ANN001, ANN202 - the block as it was
+        return down(lean.gated_silu(gate, up))
+
+    patched = (unittest.mock.patch.object(gpt_model, "gated_down", kept), unittest.mock.patch.object(moe, "gated_down", kept))
+    with contextlib.ExitStack() as stack:
+        for patch in patched if product_kept else ():
+            stack.enter_context(patch)
+        net = build_gpt(config, seed=0)
+        if checkpointed:
+            for block in net.blocks:
+                block.forward = (lambda forward: lambda *a: checkpoint(forward, *a, use_reentrant=False))(block.forward)
+        params = {t.untyped_storage().data_ptr() for t in (*net.parameters(), *net.buffers())}
+        saved: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in params and storage.nbytes():
+                saved[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        ids = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = F.cross_entropy(net(ids).flatten(0, 1), ids.flatten())
+        loss.backward()
+    return sum(saved.values()), [p.grad for p in net.parameters() if p.grad is not None]
+
+
+@pytest.mark.skipif(not HAS_GPT, reason="plait/models/gpt/model.py not written yet")
+def test_down_gets_the_gated_product_made_again() -> None:
+    """plait's block keeps gate and up, not their product, for the down projection's weight
+    gradient (models/gpt/lean.gated_down): exactly f values a token a block fewer (a routed
+    expert's rows and a shared expert's too), the same gradients bit for bit, whatever else
+    down saves still reaching the hooks outside (these counted its input's other saves).
+    Under torch's checkpoint the block keeps its input alone either way."""
+    import torch
+
+    dense, routed = get_preset("tiny"), get_preset("tiny-moe")
+    for config in (dense, routed):
+        made, made_grads = _step_keeping(config, product_kept=False)
+        kept, kept_grads = _step_keeping(config, product_kept=True)
+        assert all(torch.equal(a, b) for a, b in zip(made_grads, kept_grads)) and len(made_grads) == len(kept_grads)
+        if config is dense:
+            assert kept - made == config.n_layers * 2 * 32 * config.ffn_hidden * 4
+        else:
+            assert kept > made
+    made, made_grads = _step_keeping(dense, product_kept=False, checkpointed=True)
+    kept, kept_grads = _step_keeping(dense, product_kept=True, checkpointed=True)
+    assert made == kept and all(torch.equal(a, b) for a, b in zip(made_grads, kept_grads))
 
 
 def test_the_meter_counts_what_the_graph_still_holds() -> None:
@@ -252,7 +316,7 @@ def test_tp_and_sp_split_our_block_as_theory_says() -> None:
         return llama_layer_bytes(of, Workload(tp=t, sp=sp, precision="fp32", micro_batch=b, seq_len=s))
 
     outside = s * b * (2 * rmsnorm_bytes(h, 4))
-    assert block() == s * b * (4 * (6 * h + 2 * config.kv_dim + 3 * f) + 8 + 4 * a)
+    assert block() == s * b * (4 * (6 * h + 2 * config.kv_dim + 2 * f) + 8 + 4 * a)
     for t in (2, 4, 8):
         assert block(t) == pytest.approx(outside + (block() - outside) / t)
         assert block(t, sp=True) == pytest.approx(block() / t)
@@ -430,13 +494,14 @@ def test_the_copy_keeps_one_block_of_each_kind_and_at_least_two() -> None:
 
 def test_shared_experts_split_beside_whole_routed_ones_keep_a_tp_share_of_their_activations() -> None:
     """dots1's plan splits its shared experts by tp and leaves the routed ones whole: the shared
-    SwiGLU keeps its gate, up and product on a tp-th of its width on each rank (its GEMMs and
-    bytes on the wire were priced so; its activations were counted whole)."""
+    SwiGLU keeps its gate and up (plait's lean block makes their product again) on a tp-th of
+    its width on each rank (its GEMMs and bytes on the wire were priced so; its activations were
+    counted whole)."""
     whole = GPTConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=4, ffn_hidden=128, experts=4, top_k=2,
                       shared_experts=1, expert_hidden=32)
     split = replace(whole, tp_shared_experts=True)
     layout = Workload(tp=2, micro_batch=2, seq_len=16)
-    shared_saved = 4 * 3 * whole.shared_width  # fp32, gate + up + product, a token (every block is MoE)
+    shared_saved = 4 * 2 * whole.shared_width  # fp32, gate + up, a token (every block is MoE)
     assert layer_bytes(whole, layout) - layer_bytes(split, layout) == shared_saved / 2 * 32
     assert layer_bytes(whole, Workload(tp=1, micro_batch=2, seq_len=16)) == layer_bytes(split, Workload(
         tp=1, micro_batch=2, seq_len=16))

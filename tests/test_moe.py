@@ -252,14 +252,15 @@ def test_plait_plan_proposes_expert_parallelism_for_a_mixture_of_experts() -> No
     from plait.estimate.planner import plan
 
     rows = plan(get_preset("mixtral-8x7b"), gpus=16, global_batch=64, seq_len=4096, top=20)
-    # Split experts are proposed among the first: within 1% of the best layout without a
-    # pipeline (ZeRO-3, whose gathers hide behind the compute on the nodes' NICs, where ep's
-    # all-to-alls cross on each rank's own), and lighter than it in memory. The first rows
-    # pipeline the model 8 ways over cp 2, ZeRO-2 hiding each micro-batch's reduce-scatter
-    # behind its chunk's backward, 5% ahead of both.
-    flat, split = next(r for r in rows if r["pp"] == 1), next(r for r in rows[:10] if r["ep"] > 1)
+    # Without a pipeline, split experts are within 1% of the best layout (ZeRO-3, whose gathers
+    # hide behind the compute on the nodes' NICs, where ep's all-to-alls cross on each rank's
+    # own), and lighter than it in memory. The first rows split the experts 8 ways over two
+    # stages without recompute (76.7 GiB of 78, since SwiGLU's product is made again for
+    # down's backward), 8% ahead of the best without ep (8 stages over cp 2, ZeRO-2).
+    flat = next(r for r in rows if r["pp"] == 1)
+    split = next(r for r in rows if r["pp"] == 1 and r["ep"] > 1)
     assert split["step_s"] <= flat["step_s"] * 1.01 and split["memory_bytes"] < flat["memory_bytes"]
-    assert rows[0]["step_s"] >= flat["step_s"] * 0.94
+    assert rows[0]["ep"] > 1 and rows[0]["step_s"] <= 0.95 * min(r["step_s"] for r in rows if r["ep"] == 1)
     assert all(r["ep"] == 1 or (r["dp"] % r["ep"] == 0 and 8 % r["ep"] == 0 and r["tp"] == 1) for r in rows)
     assert all(r["ep"] == 1 for r in plan(get_preset("small"), gpus=4, global_batch=8, seq_len=256))
 

@@ -299,6 +299,33 @@ def test_a_stage_counts_a_views_storage_and_a_batch_slice_as_itself():
     assert out.requires_grad and state.saved_bytes == 4 * 24 * 4 + 4 * 8 * 4
 
 
+def test_the_split_backward_keeps_no_product_the_block_let_go():
+    """ZB-H1's W reads each Linear's input. The down projection's, SwiGLU's product, plait's
+    block makes again for its backward rather than keep (models/gpt/lean.gated_down): W makes
+    it again too (parallel/saved.REMADE), so no capture holds it, and I + W still give B's
+    gradients bit for bit."""
+    from plait.parallel.pipeline.execute import StageWork
+
+    cfg = config(2, tied=False)  # one stage holds both ends here
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for split in (False, True):
+        model = build_gpt(cfg, 0)
+        work = StageWork(model, split_backward=split)
+        out, state = work.forward(ids, grad_input=False)
+        loss = F.cross_entropy(out.flatten(0, 1), ids.flatten())
+        if split:
+            downs = [c for c in state.captured if c.module in {b.mlp.down_proj for b in model.blocks}]
+            assert len(downs) == cfg.n_layers and not any(isinstance(c.x, torch.Tensor) for c in downs)
+            state.output = loss
+            work.backward_input(state, None)
+            work.backward_weight(state)
+        else:
+            loss.backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def test_held_activations_are_counted_and_freed():
     mesh = plait.init_mesh()
     inputs, targets = micro_batches(4)

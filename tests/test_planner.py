@@ -188,7 +188,7 @@ def test_why_heavier_recompute_and_zero_are_not_pruned_as_slower() -> None:
     base = Workload(dp=32, zero=3, precision="bf16", micro_batch=1, grad_accum=1, seq_len=1024)
     plain, selective = (estimate_time(config, base.replace(recompute=r), hw, 8) for r in ("none", "selective"))
     assert selective.compute_s - plain.compute_s == pytest.approx(0.0016, abs=1e-4)
-    assert plain.dp_s > 0.01 and 0 <= selective.step_s - plain.step_s < (selective.compute_s - plain.compute_s) / 3
+    assert plain.dp_s > 0.01 and -1e-12 <= selective.step_s - plain.step_s < (selective.compute_s - plain.compute_s) / 3
     base = Workload(dp=16, tp=8, sp=True, precision="bf16", micro_batch=4, grad_accum=1, seq_len=2048)
     zero0, zero1 = (estimate_time(config, base.replace(zero=z), hw, 8) for z in (0, 1))
     assert zero1.optimizer_s < zero0.optimizer_s / 4 and zero0.step_s < zero1.step_s < zero0.step_s * 1.05
@@ -295,12 +295,12 @@ def test_explain_says_why_the_first_layout_wins(capsys) -> None:
                  "the best layout with", "no sp: ", "ZeRO 0-2: "):
         assert part in text
     assert re.search(r"tp = 1: nothing fits \(the smallest needs [\d.]+ GiB\)", text)
-    # without recompute the best was cp 2's ring at 19.3 s, until its o_proj was counted keeping
-    # the output's bf16 cast beside the ring's fp32 one (measured so: tests/matrix.py)
-    assert re.search(r"no recompute: nothing fits \(the smallest needs 78\.0\d GiB\)", text)
-    # 80 layers in pp 8 × 4 chunks of 2 and 3 (balanced, not equal): 10.3 s, where the best of
-    # equal chunks (pp 4 × 4) was 10.4
-    assert "ZeRO 0-2: 10.3 s, 13.4% slower (dp=1 tp=2 pp=8 zero=0 sp, interleaved x4, micro-batch 1 x 32" in text
+    # without recompute cp 2's ring at tp 8 fits, by the gated product down's backward makes
+    # again (it needed 78.0 GiB while the product was kept, and 19.3 s before its o_proj was
+    # counted keeping the output's bf16 cast beside the ring's fp32 one: tests/matrix.py)
+    assert re.search(r"no recompute: 19\.3 s, [\d.]+% slower \(dp=1 tp=8 pp=1 cp=2 zero=3 sp, micro-batch 1 x 32", text)
+    # 80 layers in pp 8 × 4 chunks of 2 and 3 (balanced, not equal)
+    assert "ZeRO 0-2: 10.4 s, 13.4% slower (dp=1 tp=2 pp=8 zero=0 sp, interleaved x4, micro-batch 1 x 32" in text
     assert len(text.splitlines()) <= 12
 
 
@@ -350,10 +350,12 @@ def test_plan_cli_bad_input(argv: list[str], message: str) -> None:
 
 
 def test_a_long_sequence_is_planned_with_context_parallelism() -> None:
-    """128K tokens of llama-7b on 8 GPUs, one sequence per step: data parallelism has nothing to
-    split, and the fastest layouts that fit split the sequence (cp, with ZeRO-3 over dp·cp)."""
+    """256K tokens of llama-7b on 8 GPUs, one sequence per step: data parallelism has nothing to
+    split, and the fastest layouts that fit split the sequence (cp, with ZeRO-3 over dp·cp). (At
+    128K, tp 8 with SP fits without recompute, 76.7 GiB, since SwiGLU's product is made again for
+    down's backward, and is the fastest.)"""
     rows = plan(get_preset("llama-7b"), gpus=8, gpus_per_node=8, hardware="h100-sxm", global_batch=1,
-                seq_len=131072)
+                seq_len=262144)
     assert (rows[0]["cp"], rows[0]["cp_kind"], rows[0]["zero"]) == (8, "ring", 3)
     assert all(r["dp"] == 1 for r in rows)
     assert min(r["step_s"] for r in rows if r["cp"] == 1) > rows[0]["step_s"]  # tp 8 alone is slower

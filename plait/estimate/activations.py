@@ -19,10 +19,10 @@ Two blocks are counted:
                     q and k seq-major, as the projections did, and SDPA
                     writes its output in its query's order)              2h + 2kv elements
                     SDPA's log-sum-exp, always fp32                      4·a bytes
-    SwiGLU          gate and up outputs, their gated product (down's
-                    input)                                               3f elements
+    SwiGLU          gate and up outputs (down's input, their gated
+                    product, made again in its backward: gated_down)    2f elements
 
-  = e·(6h + 2kv + 3f) + 8 + 4a bytes per token, e = 4 in fp32 and 2 in bf16/fp16 (the model
+  = e·(6h + 2kv + 2f) + 8 + 4a bytes per token, e = 4 in fp32 and 2 in bf16/fp16 (the model
   itself in that dtype, as the (2+2+12)Ψ mixed-precision accounting assumes).
 
   A transformers model (GPTConfig.lean_blocks false) keeps autograd's intermediates: each
@@ -225,10 +225,12 @@ def llama_token_bytes(config: GPTConfig, layout: Workload) -> tuple[float, float
     # otherwise (GPTConfig.head_widths: a latent attention's q wider, its output narrower)
     q, _, _, out = config.attention_widths
     o_proj_copy = o_proj_copy_values(config, layout)
-    # SwiGLU keeps gate, up and their product (3f; and silu's output, 4f, outside plait's lean
-    # block); a two-matrix MLP (GELU, relu²) keeps up's output and the activation's, which
-    # feeds down (2f: relu² squares relu's output in place of a copy).
-    swiglu = 3 if lean else 4
+    # SwiGLU keeps gate and up in plait's lean block, which makes their product again for
+    # down's backward (2f; compiled, or priced as a stack's kernels, the product too: 3f);
+    # outside it their product and silu's output too (4f); a two-matrix MLP (GELU, relu²)
+    # keeps up's output and the activation's, which feeds down (2f: relu² squares relu's
+    # output in place of a copy).
+    swiglu = (2 if remakes_product(config, layout) else 3) if lean else 4
     mlp = 2 if config.mlp_matrices == 2 else swiglu
     whole_experts, split_experts = (e * swiglu * units for units in expert_units_on_rank(config, layout))
     replicated = 2 * rmsnorm_bytes(h, e, lean) + saved_bytes_per_token(config, layout) + whole_experts
@@ -264,6 +266,16 @@ def llama_token_bytes(config: GPTConfig, layout: Workload) -> tuple[float, float
     whole = ((e * (attention + o_proj_copy) + LSE_BYTES * a) * (not config.tp_attention)
              + e * mlp * f * (not config.tp_mlp))
     return replicated + whole, sharded - whole
+
+
+def remakes_product(config: GPTConfig, layout: Workload) -> bool:
+    """Whether a block's down projection gets its input, SwiGLU's gated product, made again in
+    backward rather than kept: plait's lean block run eagerly by plait's own element-wise ops
+    (models/gpt/lean.gated_down). Not a two-matrix MLP, a transformers block, a compiled one
+    (Inductor keeps the product: 1.21 of the meter where the estimate took it as made again),
+    or a stack's kernels (Megatron's keep it). The memory's rule and the time's (ops.py)."""
+    return (config.lean_blocks and config.dense_mlp_matrices == 3 and not layout.compiled
+            and layout.software.elementwise != "megatron")
 
 
 def measured_in(pair: tuple[float, ...], layout: Workload) -> float | None:

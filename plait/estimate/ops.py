@@ -21,7 +21,11 @@ Every cost is max(FLOPs / rate, bytes / memory bandwidth) + a fixed cost per lau
   16-bit the norms run in fp32 (x.float(), x², the mean, the scaling, back to 16-bit), so a
   block moves more: counted in 2-byte units, forward 53h + 8kv + 5f, backward 119h + 13kv + 11f
   (tests/test_elementwise_census.py holds both sets to the hook's count). Forward launches 31 compute
-  ops and 36 views per block (backward 49 and 69); around the blocks 9 + 9 and 19 + 13.
+  ops and 36 views per block (backward 49 and 69); around the blocks 9 + 9 and 19 + 13. Where
+  the block's down projection gets its input, SwiGLU's gated product, made again in backward
+  rather than kept (plait's lean block, eager: models/gpt/lean.gated_down), backward moves 3f
+  more (the product; the gate's backward reads the silu made for it) in 1 more op, and each
+  pass 3 more views (`activations.remakes_product`).
 * Gradient accumulation: each micro-batch after the first adds its gradients into the kept
   ones (autograd's +=: 3 × the gradient's bytes a parameter, m - 1 times a step; or the
   stack's figure, m times, into its own buffer), over what the rank keeps between
@@ -47,6 +51,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from plait.estimate.activations import remakes_product
 from plait.estimate.experts import dense_width, expert_units_on_rank, routed_and_shared_widths, routed_rows
 from plait.estimate.hardware import Hardware
 from plait.estimate.layout import Workload, StageShare
@@ -58,6 +63,9 @@ EW_FWD = (31, 8, 5)  # elements per token per block: coefficients of h, kv, f
 EW_BWD = (69, 13, 11)
 EW_FWD_16 = (53, 8, 5)  # the same in 16-bit, in 2-byte units: the norms' fp32 passes included
 EW_BWD_16 = (119, 13, 11)
+EW_REMADE = 3  # backward elements a token per MLP unit where down's input is made again: silu(gate) · up,
+# its silu then spared the gate's backward
+OPS_REMADE = ((0, 3), (1, 3))  # its ops and views a block: forward, backward
 EW_OUTER = ((8, 3.25), (23, 6.5))  # around the blocks: (h, V) forward, backward
 OPS_BLOCK = ((31, 36), (49, 69))  # (compute ops, views) per block: forward, backward
 OPS_OUTER = ((9, 9), (19, 13))
@@ -290,11 +298,13 @@ def elementwise_s(config: GPTConfig, layout: Workload, hw: Hardware, layers: flo
     """Memory-bound work: bytes moved over bandwidth, plus each op's fixed cost."""
     h, kv, t = config.d_model, config.kv_dim, layout.tp
     tokens = layout.tokens_per_micro_batch
-    a, sliced, b, c = elementwise_counts(layout)[backward]
+    a, sliced, b, c = elementwise_counts(layout, config)[backward]
     replicated = h / t if layout.sp else h  # norms and residuals run on every tp rank
     per_token = layers * (a * replicated + sliced * h / t + b * kv / t + c * mlp_units(config, layout)
                           + ulysses_units(config, layout, backward))
     ops, views = (OPS_COMPILED if layout.compiled else OPS_BLOCK)[backward]
+    if remakes_product(config, layout):
+        ops, views = ops + OPS_REMADE[backward][0], views + OPS_REMADE[backward][1]
     count, cheap = layers * ops, layers * views
     if outer:
         oh, ov = EW_OUTER[backward]
@@ -344,18 +354,20 @@ def fp8_cast_bytes(config: GPTConfig, layout: Workload, layers: float, backward:
     return layers * (per_token * layout.tokens_per_micro_batch + weight_bytes[backward] * weights)
 
 
-def elementwise_counts(layout: Workload) -> tuple[tuple[float, float, float, float], ...]:
+def elementwise_counts(layout: Workload, config: GPTConfig | None = None) -> tuple[tuple[float, float, float, float], ...]:
     """(forward, backward) elements per token per block as (replicated h, h/t, kv/t, f/t)
     coefficients: plait's GPT (EW_FWD, EW_BWD; in 16-bit EW_FWD_16, EW_BWD_16, whose norms
     pass over fp32 copies), its compiled block's (EW_COMPILED: --compile, 3.6x fewer bytes at
-    the 1 B GPT's shape), or the stack's (stacks.MEGATRON_EW, whose fused norms do not)."""
+    the 1 B GPT's shape), or the stack's (stacks.MEGATRON_EW, whose fused norms do not). With
+    `config`, backward's f term holds the gated product made again where it is (EW_REMADE)."""
     if layout.compiled:
         return EW_COMPILED
     software = layout.software
     if software.elementwise == "megatron":
         return MEGATRON_EW[software.dropout]
     forward, backward = (EW_FWD_16, EW_BWD_16) if dtype_bytes(layout.precision) == 2 else (EW_FWD, EW_BWD)
-    return ((forward[0], 0, *forward[1:]), (backward[0], 0, *backward[1:]))
+    remade = EW_REMADE if config is not None and remakes_product(config, layout) else 0
+    return ((forward[0], 0, *forward[1:]), (backward[0], 0, backward[1], backward[2] + remade))
 
 
 def micro_batch_compute_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware) -> float:

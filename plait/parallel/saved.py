@@ -12,6 +12,14 @@ import torch
 from torch import nn
 
 
+# A tensor that its module can make again from what autograd keeps anyway (plait's GPT makes
+# SwiGLU's product again for the down projection's backward: models/gpt/lean.gated_down) names
+# its maker, a function of nothing that returns its values, under this attribute. A recorder
+# that would keep the tensor itself (the zero-bubble W's inputs: parallel/pipeline/execute)
+# keeps the maker instead, or it would hold what the block let go.
+REMADE = "plait_remade"
+
+
 def resident_storages(module: nn.Module) -> set[int]:
     """The storages of the module's own tensors, its weights and buffers: resident whatever
     runs, so never activations (a saved view of a rope table holds no bytes of its own)."""

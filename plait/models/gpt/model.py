@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.models.gpt.config import GPTConfig
-from plait.models.gpt.lean import gated_silu, rms_norm
+from plait.models.gpt.lean import gated_down, rms_norm
 from plait.models.gpt.adapter import GPTAdapter
 from plait.models.gpt.moe import MoE
 from plait.models.gpt.rope import apply_rope, rope_angles, rope_tables
@@ -82,7 +82,8 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)): the gated MLP of Llama."""
+    """down(silu(gate(x)) * up(x)): the gated MLP of Llama, its product made again for down's
+    backward rather than kept (plait.models.gpt.lean.gated_down)."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -91,7 +92,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(config.ffn_hidden, config.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gated_silu(self.gate_proj(x), self.up_proj(x)))
+        return gated_down(self.down_proj, self.gate_proj(x), self.up_proj(x))
 
 
 class Block(nn.Module):

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.models.gpt.config import GPTConfig
-from plait.models.gpt.lean import gated_silu
+from plait.models.gpt.lean import gated_down
 from plait.parallel.expert.dispatch import by_expert, combine, tally
 from plait.parallel.expert.ops import add_unless_recomputing, grouped_mm_loop
 
@@ -164,7 +164,7 @@ class Experts(nn.Module):
         ends = counts.cumsum(0).to(torch.int32)
         mm = F.grouped_mm if grouped_mm_fits(rows, self.gate_up_proj, self.down_proj) else grouped_mm_loop
         gate, up = mm(rows, self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-        return mm(gated_silu(gate, up), self.down_proj.transpose(1, 2), offs=ends)
+        return gated_down(lambda product: mm(product, self.down_proj.transpose(1, 2), offs=ends), gate, up)
 
 
 class SharedExpert(nn.Module):
@@ -177,7 +177,7 @@ class SharedExpert(nn.Module):
         self.down_proj = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gated_silu(self.gate_proj(x), self.up_proj(x)))
+        return gated_down(self.down_proj, self.gate_proj(x), self.up_proj(x))
 
 
 class MoE(RoutingCounts):

@@ -9,8 +9,9 @@ The split backward, for ZB-H1, lets autograd do the input half and defers the we
   matmul's backward computes the gradient of its input, not of its weight (autograd skips
   outputs nobody asked for). We keep dL/dy_i for every module and send dL/dinput upstream.
 - W computes each module's weight gradient from the kept dL/dy_i. For a Linear it is the
-  deferred GEMM dW = dy^T·x (x is what autograd saved for it anyway), as in Megatron's
-  zero-bubble code. Any other module (norm scales, the embedding) gets an autograd call
+  deferred GEMM dW = dy^T·x (x is what autograd saved for it anyway, or, where the model lets
+  it go and makes it again for the backward, made again here: parallel/saved.REMADE), as in
+  Megatron's zero-bubble code. Any other module (norm scales, the embedding) gets an autograd call
   `torch.autograd.backward(y_i, dL/dy_i, inputs=its own weights)`: restricted to those
   weights, dL/dy_i goes no further than the module itself.
 
@@ -34,7 +35,7 @@ from torch import nn
 from plait.errors import PlaitError
 from plait.parallel.packed import Packed
 from plait.parallel.pipeline.p2p import Channels, Key, message_in
-from plait.parallel.saved import held_saves, resident_storages
+from plait.parallel.saved import REMADE, held_saves, resident_storages
 from plait.schedule.action import Action
 from plait.schedule.timeline import Slot
 
@@ -61,11 +62,16 @@ def _check_weights_used_once(module: nn.Module) -> None:
 
 @dataclass(frozen=True)
 class Capture:
-    """A weight-owning module's input and output in one forward."""
+    """A weight-owning module's input and output in one forward: the input itself, or what
+    makes it again where its module can (parallel.saved.REMADE: plait's GPT lets the down
+    projection's input go, and W makes it again, as that module's own backward would)."""
 
     module: nn.Module
-    x: torch.Tensor
+    x: torch.Tensor | Callable[[], torch.Tensor]
     y: torch.Tensor
+
+    def input(self) -> torch.Tensor:
+        return self.x if isinstance(self.x, torch.Tensor) else self.x()
 
 
 @dataclass
@@ -103,7 +109,8 @@ class StageWork:
             raise PlaitError(f"zb-h1 splits the backward module by module, but {type(module).__name__} "
                              "runs twice in one forward of its stage",
                              hint="use the 1f1b schedule for this model")
-        self._recording.append(Capture(module, inputs[0].detach(), output))
+        remade = getattr(inputs[0], REMADE, None)
+        self._recording.append(Capture(module, remade if remade is not None else inputs[0].detach(), output))
 
     def forward(self, x: torch.Tensor, grad_input: bool) -> tuple[torch.Tensor, MicroState]:
         """Run the stage; `grad_input` makes x a leaf whose gradient goes back upstream."""
@@ -172,7 +179,7 @@ class StageWork:
         """W: each module's weight gradients from the dL/dy kept by I, into .grad."""
         for capture, grad in state.pending:
             if type(capture.module) is nn.Linear:
-                _linear_weight_grad(capture.module, capture.x, grad)
+                _linear_weight_grad(capture.module, capture.input(), grad)
                 continue
             weights = [p for p in capture.module.parameters(recurse=False) if p.requires_grad]
             if weights:
