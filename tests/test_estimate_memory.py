@@ -3,8 +3,10 @@ measurement of what autograd really saves on plait's own model."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
+from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -155,15 +157,12 @@ def test_our_block_formula() -> None:
     assert layer_bytes(GPT2_LIKE, bf16) == korthikanti_layer_bytes(GPT2_LIKE, bf16)
 
 
-def _measure_saved(config: GPTConfig, batch: int, seq: int, dtype_name: str, with_loss: bool) -> int:
-    """Bytes autograd saves in one forward, distinct storages, the model's parameters and
-    buffers excluded (as plait's ActivationMeter counts them)."""
+@contextlib.contextmanager
+def _saves_counted(model: object) -> Iterator[dict[int, int]]:
+    """While inside, the bytes autograd saves for backward by storage, the model's parameters
+    and buffers excluded (as plait's ActivationMeter counts them)."""
     import torch
-    import torch.nn.functional as F
 
-    from plait.models.gpt.model import build_gpt
-
-    model = build_gpt(config, seed=0).to(getattr(torch, dtype_name))
     params = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     saved: dict[int, int] = {}
 
@@ -173,8 +172,21 @@ def _measure_saved(config: GPTConfig, batch: int, seq: int, dtype_name: str, wit
             saved[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield saved
+
+
+def _measure_saved(config: GPTConfig, batch: int, seq: int, dtype_name: str, with_loss: bool) -> int:
+    """Bytes autograd saves in one forward, distinct storages, the model's parameters and
+    buffers excluded (as plait's ActivationMeter counts them)."""
+    import torch
+    import torch.nn.functional as F
+
+    from plait.models.gpt.model import build_gpt
+
+    model = build_gpt(config, seed=0).to(getattr(torch, dtype_name))
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    with _saves_counted(model) as saved:
         logits = model(ids)
         if with_loss:
             F.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
@@ -192,7 +204,6 @@ def _step_keeping(config: GPTConfig, product_kept: bool, checkpointed: bool = Fa
     """(bytes saved for backward, the gradients) of one forward and backward of plait's GPT, its
     gated product kept for down's backward (the block before `gated_down`) or made again; each
     block under torch's checkpoint with `checkpointed` (--recompute full's)."""
-    import contextlib
     import unittest.mock
 
     import torch
@@ -213,17 +224,8 @@ def _step_keeping(config: GPTConfig, product_kept: bool, checkpointed: bool = Fa
         if checkpointed:
             for block in net.blocks:
                 block.forward = (lambda forward: lambda *a: checkpoint(forward, *a, use_reentrant=False))(block.forward)
-        params = {t.untyped_storage().data_ptr() for t in (*net.parameters(), *net.buffers())}
-        saved: dict[int, int] = {}
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in params and storage.nbytes():
-                saved[storage.data_ptr()] = storage.nbytes()
-            return tensor
-
         ids = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with _saves_counted(net) as saved:
             loss = F.cross_entropy(net(ids).flatten(0, 1), ids.flatten())
         loss.backward()
     return sum(saved.values()), [p.grad for p in net.parameters() if p.grad is not None]
