@@ -32,8 +32,10 @@ ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ("plait", "plait_sp", "torch", "torch_sp")
 READING = """Reading it: the activations follow the accounting of docs/tensor.md (the whole forward adds
 the embedding ids, the final norm and the head's input to the blocks' formula). Without SP
-plait and torch save the same bytes; with SP plait saves less because, like Megatron-LM, it
-keeps each region's input as its sequence chunk and re-gathers it in backward, where torch's
+plait saves less by SwiGLU's product, which its block makes again for the down projection's
+backward (plait/models/gpt/lean.py: gated_down) and torch's DTensor layers keep, f/t values a
+token a block; with SP plait saves less again because, like Megatron-LM, it keeps each
+region's input as its sequence chunk and re-gathers it in backward, where torch's
 SequenceParallel keeps the all-gathered input (2·s·b·h·(1 − 1/t) more per layer; plait's
 `regather=False` does the same). On time, plait's region ops are plain collectives on plain
 tensors, while DTensor adds dispatch and sharding propagation to every op: a likely reason

@@ -254,6 +254,40 @@ def test_down_gets_the_gated_product_made_again() -> None:
     assert made == kept and all(torch.equal(a, b) for a, b in zip(made_grads, kept_grads))
 
 
+@pytest.mark.skipif(not HAS_GPT, reason="plait/models/gpt/model.py not written yet")
+def test_the_gated_product_is_let_go_not_only_uncounted() -> None:
+    """What a meter counts is what autograd holds; the product must also be gone from memory
+    once the forward has run, with hooks outside or none. (While the hook that makes it again
+    held it strongly, every save made inside held it until its backward: the meter read a
+    fifth less, and the memory was the same.)"""
+    import contextlib
+    import unittest.mock
+    import weakref
+
+    import torch
+    import torch.nn.functional as F
+
+    from plait.models.gpt import lean
+    from plait.models.gpt.model import build_gpt
+
+    config = get_preset("tiny")
+    made: list[weakref.ref] = []
+
+    def noted(gate, up, slot=None):  # noqa: ANN001, ANN202 - the product, watched
+        product = lean._GatedSiLU.apply(gate, up, slot)
+        made.append(weakref.ref(product.untyped_storage()))
+        return product
+
+    net = build_gpt(config, seed=0)
+    ids = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    for outside in (contextlib.nullcontext(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)):
+        made.clear()
+        with unittest.mock.patch.object(lean, "gated_silu", noted), outside:
+            loss = F.cross_entropy(net(ids).flatten(0, 1), ids.flatten())
+        assert len(made) == config.n_layers and not any(ref() is not None for ref in made)
+        loss.backward()
+
+
 def test_the_meter_counts_what_the_graph_still_holds() -> None:
     """A branch nothing reads frees what it saved before the forward ends; a buffer is
     resident. ActivationMeter counts neither: of three saves, x·w's input x (a fresh leaf, 4 KiB)

@@ -47,7 +47,7 @@ MEMORY_ASSUMPTIONS = (
     "--stage-layers gives; the step is the slowest rank's path through the schedule",
     "activations per block of our model: e·(6h + 2kv + 2f) + 8 + 4a bytes per token (e = 4 "
     "fp32, 2 bf16/fp16, the model held in that dtype; the norms keep their input and an fp32 rsqrt, "
-    "SwiGLU its gate and up outputs (down's backward makes their product again), SDPA q, k, v and its output); "
+    "SwiGLU its gate and up outputs (down's backward makes their product again; compiled, or priced as a stack's kernels, it keeps the product too: 3f), SDPA q, k, v and its output); "
     "selective recompute drops the attention core's output and log-sum-exp; GPT-2: Korthikanti et al. "
     "s·b·h·(34 + 5as/h) in 16-bit; plus token ids, final norm, and under cp the RoPE rows of a "
     "rank's positions (the RoPE tables are the model's buffers); a transformers "

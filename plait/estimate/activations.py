@@ -20,7 +20,9 @@ Two blocks are counted:
                     writes its output in its query's order)              2h + 2kv elements
                     SDPA's log-sum-exp, always fp32                      4·a bytes
     SwiGLU          gate and up outputs (down's input, their gated
-                    product, made again in its backward: gated_down)    2f elements
+                    product, made again in its backward: gated_down;
+                    kept, 3f, where a compiled block or a stack's
+                    kernels run: `remakes_product`)                      2f elements
 
   = e·(6h + 2kv + 2f) + 8 + 4a bytes per token, e = 4 in fp32 and 2 in bf16/fp16 (the model
   itself in that dtype, as the (2+2+12)Ψ mixed-precision accounting assumes).
@@ -273,9 +275,11 @@ def remakes_product(config: GPTConfig, layout: Workload) -> bool:
     backward rather than kept: plait's lean block run eagerly by plait's own element-wise ops
     (models/gpt/lean.gated_down). Not a two-matrix MLP, a transformers block, a compiled one
     (Inductor keeps the product: 1.21 of the meter where the estimate took it as made again),
-    or a stack's kernels (Megatron's keep it). The memory's rule and the time's (ops.py)."""
+    a stack's kernels (Megatron's keep it), or a block under full recomputation (torch's
+    checkpoint keeps its input alone, and its rerun keeps the product until backward is done
+    with it). The memory's rule and the time's (ops.py)."""
     return (config.lean_blocks and config.dense_mlp_matrices == 3 and not layout.compiled
-            and layout.software.elementwise != "megatron")
+            and layout.recompute != "full" and layout.software.elementwise != "megatron")
 
 
 def measured_in(pair: tuple[float, ...], layout: Workload) -> float | None:

@@ -23,6 +23,7 @@ the one a model of plain ops compiles to, whatever wraps the block's weights.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -71,7 +72,9 @@ class _SiluOnce:
     """silu(gate) as the down projection's backward made it again for the product, handed to
     the gate's own backward, which runs next and needs it too: made once, not twice. Left
     empty once the gate's backward has run (a deferred weight gradient remakes the product
-    after it), so nothing is held past it."""
+    after it). Held until the graph goes where that backward never runs (a gradient asked of
+    down's weights alone), and never made while backward builds a graph (create_graph: a
+    value made without one would drop silu's own derivative from it)."""
 
     __slots__ = ("value", "spent")
 
@@ -97,6 +100,8 @@ class _GatedSiLU(torch.autograd.Function):
         made, slot = None, ctx.slot
         if slot is not None:
             made, slot.value, slot.spent = slot.value, None, True
+        if torch.is_grad_enabled():  # create_graph: silu(gate) must carry its own graph
+            made = None
         grad_gate = torch.ops.aten.silu_backward(grad * up, gate) if ctx.needs_input_grad[0] else None
         grad_up = grad * (F.silu(gate) if made is None else made) if ctx.needs_input_grad[1] else None
         return grad_gate, grad_up, None
@@ -112,23 +117,33 @@ def gated_silu(gate: torch.Tensor, up: torch.Tensor, slot: _SiluOnce | None = No
 class _Product(NamedTuple):
     """What the down projection's save of the gated product (or of a view of it: a linear
     flattens its input's leading dims) holds instead: gate and up, detached (a saved output
-    holding its own grad_fn is a cycle no collector sees), and the view's geometry."""
+    holding its own grad_fn is a cycle no collector sees) and as the hooks in place outside
+    keep them (`opened` gives them back: an offloading hook's copies, not the device's), and
+    the view's geometry."""
 
-    gate: torch.Tensor
-    up: torch.Tensor
+    gate: Any
+    up: Any
+    opened: Callable[[Any], torch.Tensor]
     silu: _SiluOnce
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
 
+    @classmethod
+    def of(cls, view: torch.Tensor, gate: Any, up: Any, opened: Callable[[Any], torch.Tensor],
+           silu: _SiluOnce) -> _Product:
+        return cls(gate, up, opened, silu, tuple(view.size()), tuple(view.stride()), view.storage_offset())
+
     def rebuilt(self) -> torch.Tensor:
         """silu(gate) · up again, the forward's own ops on the same values (bit for bit), as
-        the view that was saved; silu(gate) left for the gate's backward, unless it has run."""
+        the view that was saved; silu(gate) left for the gate's backward, unless it has run
+        (or this backward builds a graph: `_SiluOnce`)."""
+        share = not self.silu.spent and not torch.is_grad_enabled()
         with torch.no_grad():
-            silu = F.silu(self.gate)
-            if not self.silu.spent:
+            silu = F.silu(self.opened(self.gate))
+            if share:
                 self.silu.value = silu
-            return (silu * self.up).as_strided(self.size, self.stride, self.offset)
+            return (silu * self.opened(self.up)).as_strided(self.size, self.stride, self.offset)
 
 
 def gated_down(down: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -144,11 +159,17 @@ def gated_down(down: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor,
     if not product.requires_grad:
         return down(product)
     gate, up = gate.detach(), up.detach()
-    # for a recorder that would keep down's input itself (parallel.saved.REMADE)
-    setattr(product, REMADE, _Product(gate, up, silu, tuple(product.size()), tuple(product.stride()),
-                                      product.storage_offset()).rebuilt)
-    with _product_remade(product, gate, up, silu):
-        return down(product)
+    # for a recorder that would keep down's input itself (parallel.saved.REMADE), while down runs
+    setattr(product, REMADE, _Product.of(product, gate, up, _itself, silu).rebuilt)
+    try:
+        with _product_remade(product, gate, up, silu):
+            return down(product)
+    finally:
+        delattr(product, REMADE)
+
+
+def _itself(value: torch.Tensor) -> torch.Tensor:
+    return value
 
 
 def _checkpointing() -> bool:
@@ -164,10 +185,16 @@ def _product_remade(product: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
     autograd keeps it, where there are none)."""
     outer = torch._C._autograd._top_saved_tensors_default_hooks(True)
     where = _storage_of(product)
+    # weakly: every save made inside holds these hooks until its backward, so a strong
+    # reference here would hold the product (and gate and up) as long, the very bytes let go
+    product_ref, gate_ref, up_ref = weakref.ref(product), weakref.ref(gate), weakref.ref(up)
 
     def pack(tensor: torch.Tensor) -> Any:
-        if tensor is product or (where is not None and _storage_of(tensor) == where):
-            return _Product(gate, up, silu, tuple(tensor.size()), tuple(tensor.stride()), tensor.storage_offset())
+        if tensor is product_ref() or (where is not None and _storage_of(tensor) == where):
+            gate, up = gate_ref(), up_ref()  # alive: the forward that made them is running
+            if outer:
+                return _Product.of(tensor, outer[0](gate), outer[0](up), outer[1], silu)
+            return _Product.of(tensor, gate, up, _itself, silu)
         return (outer[0](tensor) if outer else handed_back(tensor),)
 
     def unpack(held: Any) -> torch.Tensor:

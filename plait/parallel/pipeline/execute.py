@@ -208,12 +208,15 @@ def _linear_weight_grad(module: nn.Linear, x: torch.Tensor, dy: torch.Tensor) ->
 
 
 def let_go_of_values(out: torch.Tensor) -> None:
-    """Drop a sent stage output's values, keeping its shape and graph for the backward.
+    """Drop a tensor's values, keeping its shape and graph for the backward: a sent stage
+    output's, and the module outputs the split backward records (`StageWork.forward`).
 
-    The backward reads only the output's graph (the next stage holds the values), and the
-    message keeps its own reference until delivered. Kept, every micro-batch in flight held
-    one more activation a boundary, which no saved-tensor count sees. A view (its base keeps
-    the values) and a leaf (a stage that hands its input on) are left as they are."""
+    The backward reads only their graphs (the next stage holds a sent output's values, and
+    the message keeps its own reference until delivered; what an op saved of a recorded
+    output is the alias `held_saves` handed autograd, whose values stay). Kept, every
+    micro-batch in flight held one more activation a boundary, and under ZB-H1 3h + kv values
+    a token a block, which no saved-tensor count sees. A view (its base keeps the values) and
+    a leaf (a stage that hands its input on) are left as they are."""
     if torch.is_grad_enabled() and out.grad_fn is not None and out._base is None:
         out.data = out.new_empty(1).expand(out.shape)
 
