@@ -117,7 +117,7 @@ def priced(spec: str, precision: str) -> tuple[float, float]:
     work = Workload(seq_len=TOKENS, micro_batch=1, precision=precision)
     h, kv, f = config.d_model, config.kv_dim, config.ffn_hidden
     return tuple(size * (a * h + sliced * h + b * kv + c * f)  # type: ignore[return-value]
-                 for a, sliced, b, c in elementwise_counts(work, config))
+                 for a, sliced, b, c in elementwise_counts(config, work))
 
 
 SHAPES = ("small,vocab_size=256,n_layers=1,d_model=256,n_heads=4,n_kv_heads=1,ffn_hidden=1024,max_seq_len=128",
@@ -207,7 +207,7 @@ def test_compiled_block_bytes_match_the_compilers_count(precision: str, dtype: t
         size = 4 if precision == "fp32" else 2
         h, kv, f = config.d_model, config.kv_dim, config.ffn_hidden
         for label, real, (a, sliced, b, c) in zip(("forward", "backward"), (forward, backward),
-                                                  elementwise_counts(work)):
+                                                  elementwise_counts(config, work)):
             assert size * (a * h + sliced * h + b * kv + c * f) == pytest.approx(real, rel=0.03), (label, spec)
         assert launched[0] <= OPS_COMPILED[0][0] and launched[1] <= OPS_COMPILED[1][0], launched
 

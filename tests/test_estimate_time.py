@@ -327,7 +327,7 @@ def test_an_moe_blocks_elementwise_work_runs_over_its_experts_rows(tp: int) -> N
     layout = Workload(tp=tp, micro_batch=1, seq_len=4096, precision="bf16", zero=1)
     hw = get_hardware("h100-sxm")
     for backward in (False, True):
-        c = elementwise_counts(layout, moe)[backward][3]
+        c = elementwise_counts(moe, layout)[backward][3]
         tokens = layout.tokens_per_micro_batch
         rate = hw.memory_rate(activation_op_bytes(moe.d_model, tokens, tp, False, "bf16"))
         extra = c * (2 * moe.ffn_hidden - moe.ffn_hidden / tp) * tokens * dtype_bytes("bf16") / rate

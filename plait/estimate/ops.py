@@ -298,7 +298,7 @@ def elementwise_s(config: GPTConfig, layout: Workload, hw: Hardware, layers: flo
     """Memory-bound work: bytes moved over bandwidth, plus each op's fixed cost."""
     h, kv, t = config.d_model, config.kv_dim, layout.tp
     tokens = layout.tokens_per_micro_batch
-    a, sliced, b, c = elementwise_counts(layout, config)[backward]
+    a, sliced, b, c = elementwise_counts(config, layout)[backward]
     replicated = h / t if layout.sp else h  # norms and residuals run on every tp rank
     per_token = layers * (a * replicated + sliced * h / t + b * kv / t + c * mlp_units(config, layout)
                           + ulysses_units(config, layout, backward))
@@ -354,19 +354,19 @@ def fp8_cast_bytes(config: GPTConfig, layout: Workload, layers: float, backward:
     return layers * (per_token * layout.tokens_per_micro_batch + weight_bytes[backward] * weights)
 
 
-def elementwise_counts(layout: Workload, config: GPTConfig | None = None) -> tuple[tuple[float, float, float, float], ...]:
+def elementwise_counts(config: GPTConfig, layout: Workload) -> tuple[tuple[float, float, float, float], ...]:
     """(forward, backward) elements per token per block as (replicated h, h/t, kv/t, f/t)
     coefficients: plait's GPT (EW_FWD, EW_BWD; in 16-bit EW_FWD_16, EW_BWD_16, whose norms
     pass over fp32 copies), its compiled block's (EW_COMPILED: --compile, 3.6x fewer bytes at
-    the 1 B GPT's shape), or the stack's (stacks.MEGATRON_EW, whose fused norms do not). With
-    `config`, backward's f term holds the gated product made again where it is (EW_REMADE)."""
+    the 1 B GPT's shape), or the stack's (stacks.MEGATRON_EW, whose fused norms do not); backward's
+    f term holds the gated product made again where `config`'s block makes it (EW_REMADE)."""
     if layout.compiled:
         return EW_COMPILED
     software = layout.software
     if software.elementwise == "megatron":
         return MEGATRON_EW[software.dropout]
     forward, backward = (EW_FWD_16, EW_BWD_16) if dtype_bytes(layout.precision) == 2 else (EW_FWD, EW_BWD)
-    remade = EW_REMADE if config is not None and remakes_product(config, layout) else 0
+    remade = EW_REMADE if remakes_product(config, layout) else 0
     return ((forward[0], 0, *forward[1:]), (backward[0], 0, backward[1], backward[2] + remade))
 
 

@@ -18,9 +18,10 @@ The split backward, for ZB-H1, lets autograd do the input half and defers the we
 The outputs y_i are kept for their graphs alone: I asks for their gradients and W starts
 there, and neither reads their values. Once the stage's forward has run, their values go
 (`let_go_of_values`), as a sent stage output's do; kept, they held what no backward saves
-(q's and k's projections before RoPE, o_proj's and down's outputs, the head's logits): 3h +
-kv values a token a block beyond the block's own keep, 27% more on `tiny`, which neither the
-meter nor the estimate saw.
+(q's and k's projections before RoPE, o_proj's and down's outputs): 3h + kv values a token a
+block beyond the block's own keep, 27% more on `tiny`, which neither the meter nor the
+estimate saw. The stage's own output stays (on the last stage the head's logits, which the
+loss reads, and a loss may save).
 
 Cost: I + W does the work of one B, plus one autograd call per non-Linear module (about
 0.1-0.3 ms each on a CPU; on the benchmark model, one process, I + W is about 1.1 × B). Memory:
