@@ -26,6 +26,7 @@ from plait.estimate.context import layer_bytes as context_layer_bytes
 from plait.estimate.layout import Workload, block_split, embedding_rows, held_experts, layout_stages, vocab_shard
 from plait.errors import PlaitError
 from plait.models.hf.config import read_hf_dir
+from plait.models.hf.gated import remake_gated_products
 from plait.models.hf.load import measured_shape
 
 transformers = pytest.importorskip("transformers")
@@ -680,6 +681,7 @@ def saved_by_where(path: Path, dtype: torch.dtype, batch: int, seq: int) -> dict
     config.use_cache = False  # as training runs it: no key/value cache
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).train()
+    remake_gated_products(model)  # as plait builds it (plait/models/hf/load.build_hf_model)
     params = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}  # resident, as the meter's
     layers = next((m for m in model.modules()  # none found (HRM's two stacks): all outside
                    if isinstance(m, torch.nn.ModuleList) and len(m) == getattr(config, "num_hidden_layers", -1)), [])
@@ -1219,3 +1221,48 @@ def test_hrms_two_stacks_are_counted_as_one_list_and_its_frozen_state_whole(tmp_
     (stage,) = layout_stages(shape, Workload())
     assert stage.trained_params == sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert stage.params == sum(p.numel() for p in model.parameters())
+
+
+def test_a_swiglu_mlp_makes_its_product_again_as_plaits_block(tmp_path: Path) -> None:
+    """plait builds a transformers model whose MLP reads down_proj(act_fn(gate_proj(x)) *
+    up_proj(x)) with a SiLU so that it keeps gate and up alone (models/hf/gated.py): 2f values
+    a token a block fewer than transformers' own forward keeps (silu's output and the product),
+    with transformers' gradients bit for bit. The estimate reads which MLPs it took
+    (`remade_products`) and prices the keep; GELU's MLP (Gemma's) and Phi's fused gate|up keep
+    their own forward."""
+    from plait.estimate.activations import remakes_product
+    from plait.estimate.layout import Workload
+    from plait.models.hf.gated import remade
+    from plait.models.hf.load import build_hf_model
+
+    taken = {"llama": True, "mistral": True, "qwen2": True, "olmo2": True, "gemma": False, "phi3": False}
+    for family, expected in taken.items():
+        shape = shape_of(tmp_path / family, family, pad_token_id=0)
+        assert shape.remade_products is expected, family
+        assert remakes_product(shape, Workload()) is expected, family
+        assert not remakes_product(shape, Workload(recompute="full")), family  # the checkpoint keeps the input alone
+    llama = read_hf_dir(f"hf:{tmp_path / 'llama'}")
+    ours = build_hf_model(llama, seed=0)
+    assert all(remade(layer.mlp) for layer in ours.model.layers)
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "llama")
+    config.use_cache = False
+    theirs = transformers.AutoModelForCausalLM.from_config(config).float().train()
+    theirs.load_state_dict(ours.state_dict())
+    ids = torch.randint(0, SHAPE["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    kept = {}
+    for name, model in (("ours", ours), ("theirs", theirs)):
+        storages: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor, storages: dict[int, int] = storages) -> torch.Tensor:
+            storages[tensor.untyped_storage()._cdata] = tensor.untyped_storage().nbytes()
+            return tensor.detach()
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            loss = model(input_ids=ids, labels=ids).loss
+        resident = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
+        kept[name] = sum(n for key, n in storages.items() if key not in resident)
+        loss.backward()
+    f, tokens, blocks = SHAPE["intermediate_size"], 2 * 16, SHAPE["num_hidden_layers"]
+    assert kept["theirs"] - kept["ours"] == 2 * f * tokens * 4 * blocks
+    for (name, mine), other in zip(ours.named_parameters(), theirs.parameters()):
+        assert torch.equal(mine.grad, other.grad), name

@@ -31,7 +31,8 @@ Two blocks are counted:
   norm its fp32 input and normalised values (4(h + 1) + 2eh: in fp32 its input is its own
   copy), K and V as the model made them (its SDPA takes grouped heads: enable_gqa), the
   (b, s, h) copy of SDPA's output that o_proj reads (a view where a rank holds one head),
-  silu's output (4f): e·(7h + 2kv + 4f) + 8(h + 1) + 4a. Its rotary tables, (1, s, head_dim)
+  silu's output (4f): e·(7h + 2kv + 4f) + 8(h + 1) + 4a. Where plait builds it, its SwiGLU
+  MLPs make their product again as plait's block does (GPTConfig.remade_products: 2f). Its rotary tables, (1, s, head_dim)
   a forward whatever the batch where the positions are not given per row, are measured at
   one sequence, so counted per token: 2·(b − 1)·s·head_dim·e over a forward of b sequences.
 
@@ -231,10 +232,12 @@ def llama_token_bytes(config: GPTConfig, layout: Workload) -> tuple[float, float
     # down's backward (2f; compiled, or priced as a stack's kernels, the product too: 3f);
     # outside it their product and silu's output too (4f); a two-matrix MLP (GELU, relu²)
     # keeps up's output and the activation's, which feeds down (2f: relu² squares relu's
-    # output in place of a copy).
-    swiglu = (2 if remakes_product(config, layout) else 3) if lean else 4
+    # output in place of a copy). A transformers model's MLPs that plait gives the same
+    # remaking (models/hf/gated.py) keep gate and up alone too; its grouped experts do not.
+    swiglu = 2 if remakes_product(config, layout) else 3 if lean else 4
     mlp = 2 if config.mlp_matrices == 2 else swiglu
-    whole_experts, split_experts = (e * swiglu * units for units in expert_units_on_rank(config, layout))
+    experts = swiglu if lean else 4
+    whole_experts, split_experts = (e * experts * units for units in expert_units_on_rank(config, layout))
     replicated = 2 * rmsnorm_bytes(h, e, lean) + saved_bytes_per_token(config, layout) + whole_experts
     # q, k, v, out: K/V as the model made them, grouped heads unrepeated (plait's block, and a
     # transformers block, whose SDPA takes them grouped: enable_gqa)
@@ -273,12 +276,13 @@ def llama_token_bytes(config: GPTConfig, layout: Workload) -> tuple[float, float
 def remakes_product(config: GPTConfig, layout: Workload) -> bool:
     """Whether a block's down projection gets its input, SwiGLU's gated product, made again in
     backward rather than kept: plait's lean block run eagerly by plait's own element-wise ops
-    (models/gpt/lean.gated_down). Not a two-matrix MLP, a transformers block, a compiled one
+    (models/gpt/lean.gated_down), or a transformers model's MLPs given it (models/hf/gated.py:
+    GPTConfig.remade_products). Not a two-matrix MLP, a compiled one
     (Inductor keeps the product: 1.21 of the meter where the estimate took it as made again),
     a stack's kernels (Megatron's keep it), or a block under full recomputation (torch's
     checkpoint keeps its input alone, and its rerun keeps the product until backward is done
     with it). The memory's rule and the time's (ops.py)."""
-    return (config.lean_blocks and config.dense_mlp_matrices == 3 and not layout.compiled
+    return ((config.lean_blocks or config.remade_products) and config.dense_mlp_matrices == 3 and not layout.compiled
             and layout.recompute != "full" and layout.software.elementwise != "megatron")
 
 

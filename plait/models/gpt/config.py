@@ -143,6 +143,10 @@ class GPTConfig:
     # inputs, grouped K/V heads stay grouped: plait.models.gpt.lean); False, autograd's
     # intermediates (a transformers model: fp32 norm copies, silu's output, K/V repeated)
     lean_blocks: bool = True
+    # A transformers model's SwiGLU MLPs make their gated product again for the down
+    # projection's backward, as plait's block does (plait/models/hf/gated.py): its dense blocks
+    # keep gate and up alone (estimate/activations.remakes_product)
+    remade_products: bool = False
     # Under SP, where the sequence is cut: False at the embedding's output, so the final norm and
     # the head's entry run on slices too (plait's GPT, Megatron); True at the first block's input
     # and gathered at the last block's output, so the embedding, the final norm and the head see

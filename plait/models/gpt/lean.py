@@ -207,10 +207,11 @@ def _product_remade(product: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
 
 
 def _storage_of(tensor: torch.Tensor) -> int | None:
-    """The address of `tensor`'s storage, None for a tensor that has none of its own (a
-    wrapper subclass: a DTensor's is its local shard's)."""
+    """Which storage `tensor` views (the storage object itself: on the meta device, where the
+    shape reader runs a large model's forwards, every storage's data address is 0), None for a
+    tensor that has none of its own (a wrapper subclass: a DTensor's is its local shard's)."""
     try:
         storage = tensor.untyped_storage()
-        return storage.data_ptr() if storage.nbytes() else None
+        return storage._cdata if storage.nbytes() else None
     except (RuntimeError, NotImplementedError):  # "an invalid python storage": a DTensor's own
         return None

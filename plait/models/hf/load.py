@@ -29,6 +29,7 @@ from plait.errors import PlaitError
 from plait.models.gpt.config import GPTConfig
 from plait.models.hf.config import HFModelDir, sliding_share
 from plait.models.hf.experts import counts_routing, dense_experts
+from plait.models.hf.gated import remake_gated_products, remade
 from plait.models.hf.inferred import inferred_tp_plan
 from plait.models.hf.own_forward import own_parts
 from plait.models.hf import gpt2, stages as hf_stages
@@ -75,6 +76,7 @@ def build_hf_model(hf: HFModelDir, seed: int) -> nn.Module:
         raise PlaitError(f"--model hf:{hf.path}: transformers cannot build it: {_first_line(exc)}",
                          hint="check config.json and the safetensors files (load them with from_pretrained)") from None
     model.config.use_cache = False  # training keeps no key/value cache
+    remake_gated_products(model)  # as the shape reading's model (`_built_on_meta`)
     return model.float().train()  # from_pretrained returns eval mode; the trainer casts to --precision
 
 
@@ -109,7 +111,9 @@ def _built_on_meta(transformers: Any, hf: HFModelDir) -> nn.Module:
     config.json on the meta device (no memory, no weights), for reading, not training."""
     config = transformers.AutoConfig.from_pretrained(str(hf.path), local_files_only=True)
     with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(config)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    remake_gated_products(model)  # as the model that trains (`build_hf_model`): what it keeps is read
+    return model
 
 
 @contextlib.contextmanager
@@ -182,6 +186,7 @@ def measured_shape(hf: HFModelDir, kept: bool = True) -> GPTConfig:
     shape = replace(shape, ffn_hidden=width) if width else shape
     matrices = _mlp_matrices(layers, shape)
     shape = replace(shape, mlp_matrices=matrices) if matrices else shape
+    shape = replace(shape, remade_products=remade(_mlp_of(_first_dense_block(layers, shape))))
     plan = _block_plan(model, name)
     shape = replace(shape, **_qk_norm(layers, shape, plan), norm_params=_norm_params(layers, shape))
     shape = replace(shape, sp_norm_extra=_norm_extra(layers, shape),
