@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import unittest.mock
+from dataclasses import replace
 from collections.abc import Iterator
 
 import pytest
@@ -275,3 +276,51 @@ def test_ulysses_reorderings_match_the_hook_count(kv_heads: int, monkeypatch) ->
     for backward in (False, True):
         priced = 4 * ulysses_units(config, work, backward) * batch * local
         assert priced == pytest.approx(whole[backward] - alone[backward], rel=0.12), (backward, kv_heads)
+
+
+class _OneBlock(torch.nn.Module):
+    """A stage of one block, its rotary tables held: what StageWork runs."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.block, self.cos, self.sin = model.blocks[0], model.rope_cos[:TOKENS], model.rope_sin[:TOKENS]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x, self.cos, self.sin)
+
+
+def split_census(spec: str, dtype: torch.dtype) -> float:
+    """Bytes a token one block's backward moves more as ZB-H1's I then W than as one backward."""
+    from plait.parallel.pipeline.execute import StageWork
+
+    config = get_preset(spec)
+    moved = []
+    for split in (False, True):
+        torch.manual_seed(0)
+        work = StageWork(_OneBlock(_block_model(config, dtype, False)), split_backward=split)
+        y, state = work.forward(torch.randn(1, TOKENS, config.d_model, dtype=dtype), grad_input=True)
+        grad = torch.randn_like(y)
+        with ByteCount() as count:
+            if split:
+                work.backward_input(state, grad)
+                work.backward_weight(state)
+            else:
+                work.backward(state, grad)
+        moved.append(count.bytes / TOKENS)
+    return moved[1] - moved[0]
+
+
+@pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_the_split_backward_moves_what_is_priced(precision: str, dtype: torch.dtype) -> None:
+    """ZB-H1's W makes again what one backward makes once: each norm's normalised values and
+    the gated product, with its silu (ops.EW_SPLIT_NORM, EW_REMADE_W). A norm's backward asked
+    for the input's gradient alone (I) or the scale's alone (W) computes that one
+    (lean.asked): it ran whole in both, 34h more a block in fp32 (74h in bf16's 2-byte units)."""
+    for spec in SHAPES:
+        config = get_preset(spec)
+        work = Workload(seq_len=TOKENS, micro_batch=1, precision=precision, pp=2, schedule="zb-h1")
+        size, h, kv, f = (4 if precision == "fp32" else 2), config.d_model, config.kv_dim, config.ffn_hidden
+        split, whole = (elementwise_counts(config, layout)[1] for layout in (work, replace(work, schedule="1f1b")))
+        priced = size * sum(c * w for c, w in zip((a - b for a, b in zip(split, whole)), (h, h, kv, f)))
+        counted = split_census(spec, dtype)
+        assert priced == pytest.approx(counted, rel=0.01), f"{precision} {spec}: {priced} vs {counted}"

@@ -25,7 +25,10 @@ Every cost is max(FLOPs / rate, bytes / memory bandwidth) + a fixed cost per lau
   the block's down projection gets its input, SwiGLU's gated product, made again in backward
   rather than kept (plait's lean block, eager: models/gpt/lean.gated_down), backward moves 3f
   more (the product; the gate's backward reads the silu made for it) in 1 more op, and each
-  pass 3 more views (`activations.remakes_product`).
+  pass 3 more views (`activations.remakes_product`). Under ZB-H1, whose W makes again what
+  one backward makes once, backward moves 5f more where the product is made again (its silu
+  too: I's gate backward spent the one made for it) and each of plait's norms 2h more in fp32
+  (7h in 16-bit: the normalised values for the scale's gradient).
 * Gradient accumulation: each micro-batch after the first adds its gradients into the kept
   ones (autograd's +=: 3 × the gradient's bytes a parameter, m - 1 times a step; or the
   stack's figure, m times, into its own buffer), over what the rank keeps between
@@ -66,6 +69,16 @@ EW_BWD_16 = (119, 13, 11)
 EW_REMADE = 3  # backward elements a token per MLP unit where down's input is made again: silu(gate) · up,
 # its silu then spared the gate's backward
 OPS_REMADE = ((0, 3), (1, 3))  # its ops and views a block: forward, backward
+# ZB-H1's W (parallel/pipeline/execute.py) makes again what a whole backward makes once, in
+# plait's block: each norm's normalised values, for its scale's gradient (x·rstd: 2h elements
+# a norm in fp32; 7h 2-byte units in 16-bit, with x's fp32 copy), two norms a block and the
+# final one around them; and, where the block makes the gated product again (EW_REMADE, in I),
+# the product once more for down's weight gradient, silu(gate) with it, which I's gate backward
+# has spent (5f: silu reads and writes f, the product reads 2f and writes f).
+EW_SPLIT_NORM = {4: 2, 2: 7}  # elements (bytes a value: 2-byte units in 16-bit) a norm, coefficients of h
+EW_REMADE_W = 5
+OPS_SPLIT_NORM = {4: 1, 2: 2}  # its ops a norm (the multiplication; in 16-bit the fp32 copy too)
+OPS_REMADE_W = (2, 1)  # silu and the product, and the product's view
 EW_OUTER = ((8, 3.25), (23, 6.5))  # around the blocks: (h, V) forward, backward
 OPS_BLOCK = ((31, 36), (49, 69))  # (compute ops, views) per block: forward, backward
 OPS_OUTER = ((9, 9), (19, 13))
@@ -305,11 +318,16 @@ def elementwise_s(config: GPTConfig, layout: Workload, hw: Hardware, layers: flo
     ops, views = (OPS_COMPILED if layout.compiled else OPS_BLOCK)[backward]
     if remakes_product(config, layout):
         ops, views = ops + OPS_REMADE[backward][0], views + OPS_REMADE[backward][1]
+    if backward:
+        more_ops, more_views = split_backward_ops(config, layout)
+        ops, views = ops + more_ops, views + more_views
     count, cheap = layers * ops, layers * views
     if outer:
         oh, ov = EW_OUTER[backward]
-        per_token += oh * h + ov * config.vocab_size / t
-        count, cheap = count + OPS_OUTER[backward][0], cheap + OPS_OUTER[backward][1]
+        norm = split_norm_elements(config, layout) if backward else 0
+        per_token += (oh + norm) * h + ov * config.vocab_size / t
+        count = count + OPS_OUTER[backward][0] + (OPS_SPLIT_NORM[dtype_bytes(layout.precision)] if norm else 0)
+        cheap = cheap + OPS_OUTER[backward][1]
     moved = per_token * tokens * dtype_bytes(layout.precision)
     if layout.precision == "fp8":
         moved += fp8_cast_bytes(config, layout, layers, backward)
@@ -354,20 +372,45 @@ def fp8_cast_bytes(config: GPTConfig, layout: Workload, layers: float, backward:
     return layers * (per_token * layout.tokens_per_micro_batch + weight_bytes[backward] * weights)
 
 
+def splits_backward(layout: Workload) -> bool:
+    """Whether the schedule runs each backward as I and W (ZB-H1 over pp > 1)."""
+    return layout.schedule == "zb-h1" and layout.pp > 1
+
+
+def split_norm_elements(config: GPTConfig, layout: Workload) -> float:
+    """h coefficient of what ZB-H1's W makes again for one of plait's norms (EW_SPLIT_NORM), 0
+    where nothing is split, or its norms are not plait's lean ones (a transformers norm is plain
+    ops: the engine runs only the nodes each of I and W asks for)."""
+    plain = layout.compiled or layout.software.elementwise == "megatron" or not config.lean_blocks
+    return 0.0 if plain or not splits_backward(layout) else EW_SPLIT_NORM[dtype_bytes(layout.precision)]
+
+
+def split_backward_ops(config: GPTConfig, layout: Workload) -> tuple[float, float]:
+    """(ops, views) a block ZB-H1's W adds to backward (OPS_SPLIT_NORM, OPS_REMADE_W)."""
+    ops = views = 0
+    if split_norm_elements(config, layout):
+        ops += 2 * OPS_SPLIT_NORM[dtype_bytes(layout.precision)]
+    if splits_backward(layout) and remakes_product(config, layout):
+        ops, views = ops + OPS_REMADE_W[0], views + OPS_REMADE_W[1]
+    return ops, views
+
+
 def elementwise_counts(config: GPTConfig, layout: Workload) -> tuple[tuple[float, float, float, float], ...]:
     """(forward, backward) elements per token per block as (replicated h, h/t, kv/t, f/t)
     coefficients: plait's GPT (EW_FWD, EW_BWD; in 16-bit EW_FWD_16, EW_BWD_16, whose norms
     pass over fp32 copies), its compiled block's (EW_COMPILED: --compile, 3.6x fewer bytes at
     the 1 B GPT's shape), or the stack's (stacks.MEGATRON_EW, whose fused norms do not); backward's
-    f term holds the gated product made again where `config`'s block makes it (EW_REMADE)."""
+    f term holds the gated product made again where `config`'s block makes it (EW_REMADE), and
+    under ZB-H1 what its W makes again (EW_SPLIT_NORM, EW_REMADE_W)."""
     if layout.compiled:
         return EW_COMPILED
     software = layout.software
     if software.elementwise == "megatron":
         return MEGATRON_EW[software.dropout]
     forward, backward = (EW_FWD_16, EW_BWD_16) if dtype_bytes(layout.precision) == 2 else (EW_FWD, EW_BWD)
-    remade = EW_REMADE if remakes_product(config, layout) else 0
-    return ((forward[0], 0, *forward[1:]), (backward[0], 0, backward[1], backward[2] + remade))
+    remade = (EW_REMADE + EW_REMADE_W * splits_backward(layout)) if remakes_product(config, layout) else 0
+    norms = 2 * split_norm_elements(config, layout)
+    return ((forward[0], 0, *forward[1:]), (backward[0] + norms, 0, backward[1], backward[2] + remade))
 
 
 def micro_batch_compute_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware) -> float:

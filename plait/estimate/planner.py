@@ -66,7 +66,7 @@ from plait.estimate.layout import StageShare, Workload, layout_stages, stages
 from plait.estimate.memory import Memory, device_total, estimate_memory, stage_buffers, stage_memory
 from plait.estimate.exposed import clip_s, message_s, micro_batch_axes_s, overhead_s
 from plait.estimate.network import inter_node
-from plait.estimate.ops import micro_batch_compute_s
+from plait.estimate.ops import micro_batch_compute_s, splits_backward
 from plait.estimate.pipeline import lower_bound
 from plait.estimate.time import (MicroBatchParts, RankCost, chunk_weights, estimate_time, forward_fraction,
                                  rank_tail)
@@ -266,7 +266,7 @@ class Costs:
     """The bounds the search prunes with, from time.py's and exposed.py's own functions, each
     computed once per distinct input: a stage's compute keyed by what
     ops.micro_batch_compute_s reads (tp, cp and its kind, sp, micro-batch, recomputation,
-    blocks, last stage or not), its tp, cp and ep time by those and the stage's share. The
+    blocks, last stage or not, a split backward), its tp, cp and ep time by those and the stage's share. The
     layouts that reach an estimate are assembled by time.estimate_time from the same cached parts;
     tests/test_planner.py holds every bound to estimate_time and estimate_memory."""
 
@@ -299,9 +299,9 @@ class Costs:
         def cached(stage: StageShare) -> tuple[float, float, float, float]:
             kind = shape.cp_kind if shape.cp > 1 else ""
             # ep and the stack change the compute too (ep, the routed experts tp splits; the
-            # stack, its kernels), and cp's kind where cp > 1
+            # stack, its kernels), cp's kind where cp > 1, and ZB-H1's split backward (what W makes again)
             key = (shape.tp, shape.cp, kind, shape.ep, shape.stack, shape.sp, shape.micro_batch, shape.recompute,
-                   stage.layers, stage.reruns, stage.moe_reruns, stage.last)
+                   splits_backward(shape), stage.layers, stage.reruns, stage.moe_reruns, stage.last)
             if key not in self._compute:
                 self._compute[key] = micro_batch_compute_s(config, shape, stage, hw)
             comm = (*key, _stage_key(stage))

@@ -34,6 +34,21 @@ from torch.utils import checkpoint
 from plait.parallel.saved import REMADE, handed_back
 
 
+def asked(ctx: Any, index: int) -> bool:
+    """Whether the backward running now asks for input `index`'s gradient. `needs_input_grad`
+    says only whether it may: it is fixed at forward. A backward asked for some gradients alone
+    (ZB-H1's I, the input's; its W, the weights': parallel/pipeline/execute.py) would compute
+    the others too, and throw them away: each norm's backward ran twice whole under ZB-H1. The
+    engine says whether it will run the node that gradient goes to."""
+    if not ctx.needs_input_grad[index]:
+        return False
+    node = ctx.next_functions[index][0]
+    try:
+        return node is None or torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # no graph task the engine can answer for: compute it, as before
+        return True
+
+
 class _RMSNorm(torch.autograd.Function):
     """forward: x / rms(x) in fp32, cast back to x's dtype, times the weight; saves x and
     the fp32 reciprocal rms a token. backward: recomputes x / rms(x) from them."""
@@ -50,10 +65,10 @@ class _RMSNorm(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         normed = x.float() * rstd
         grad_weight = None
-        if ctx.needs_input_grad[1]:
+        if asked(ctx, 1):
             grad_weight = (grad * normed.to(x.dtype)).reshape(-1, grad.shape[-1]).sum(0).to(weight.dtype)
         grad_x = None
-        if ctx.needs_input_grad[0]:
+        if asked(ctx, 0):
             g = (grad * weight).float()
             # d/dx of x·r with r = (mean(x²) + eps)^-½: r·(g - x·r · mean(g · x·r))
             grad_x = (rstd * (g - normed * (g * normed).mean(-1, keepdim=True))).to(x.dtype)
