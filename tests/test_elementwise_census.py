@@ -324,3 +324,49 @@ def test_the_split_backward_moves_what_is_priced(precision: str, dtype: torch.dt
         priced = size * sum(c * w for c, w in zip((a - b for a, b in zip(split, whole)), (h, h, kv, f)))
         counted = split_census(spec, dtype)
         assert priced == pytest.approx(counted, rel=0.01), f"{precision} {spec}: {priced} vs {counted}"
+
+
+class OpCount(TorchDispatchMode):
+    """Compute ops (not views, not the products priced elsewhere) run under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func.__name__.split(".")[0]
+        self.ops += name not in PRICED_ELSEWHERE and name not in VIEWS
+        return func(*args, **(kwargs or {}))
+
+
+def _kept_product(down, gate, up):  # noqa: ANN001, ANN202 - down keeps its input, as autograd would
+    from plait.models.gpt.lean import gated_silu
+
+    return down(gated_silu(gate, up))
+
+
+def test_each_product_made_again_is_an_op_priced() -> None:
+    """Backward runs one op more for each gated product made again (ops.OPS_REMADE: the
+    multiplication; its silu is the one the gate's backward would make), and an MoE block of
+    plait's makes two, its routed experts' and its shared experts' (ops.remade_calls)."""
+    from plait.estimate.ops import OPS_REMADE, remade_calls
+    from plait.models.gpt import model as gpt_model
+    from plait.models.gpt import moe
+
+    dense = SHAPES[0]
+    for spec in (dense, f"{dense},experts=4,top_k=2,shared_experts=1"):
+        config = get_preset(spec)
+        counted = []
+        for keep in (False, True):
+            torch.manual_seed(0)
+            with contextlib.ExitStack() as patches:
+                if keep:
+                    for module in (gpt_model, moe):
+                        patches.enter_context(unittest.mock.patch.object(module, "gated_down", _kept_product))
+                model = _block_model(config, torch.float32, False)
+                x = torch.randn(1, TOKENS, config.d_model, requires_grad=True)
+                y = model.blocks[0](x, model.rope_cos[:TOKENS], model.rope_sin[:TOKENS])
+            with OpCount() as count:
+                y.backward(torch.randn_like(y))
+            counted.append(count.ops)
+        assert counted[0] - counted[1] == remade_calls(config) * OPS_REMADE[1][0] * config.n_layers, (spec, counted)

@@ -25,7 +25,8 @@ Every cost is max(FLOPs / rate, bytes / memory bandwidth) + a fixed cost per lau
   the block's down projection gets its input, SwiGLU's gated product, made again in backward
   rather than kept (plait's lean block, eager: models/gpt/lean.gated_down), backward moves 3f
   more (the product; the gate's backward reads the silu made for it) in 1 more op, and each
-  pass 3 more views (`activations.remakes_product`). Under ZB-H1, whose W makes again what
+  pass 3 more views, for each product made again (`activations.remakes_product`; an MoE block
+  of plait's with shared experts makes two: `remade_calls`). Under ZB-H1, whose W makes again what
   one backward makes once, backward moves 5f more where the product is made again (its silu
   too: I's gate backward spent the one made for it) and each of plait's norms 2h more in fp32
   (7h in 16-bit: the normalised values for the scale's gradient).
@@ -317,7 +318,8 @@ def elementwise_s(config: GPTConfig, layout: Workload, hw: Hardware, layers: flo
                           + ulysses_units(config, layout, backward))
     ops, views = (OPS_COMPILED if layout.compiled else OPS_BLOCK)[backward]
     if remakes_product(config, layout):
-        ops, views = ops + OPS_REMADE[backward][0], views + OPS_REMADE[backward][1]
+        calls = remade_calls(config)
+        ops, views = ops + calls * OPS_REMADE[backward][0], views + calls * OPS_REMADE[backward][1]
     if backward:
         more_ops, more_views = split_backward_ops(config, layout)
         ops, views = ops + more_ops, views + more_views
@@ -391,8 +393,18 @@ def split_backward_ops(config: GPTConfig, layout: Workload) -> tuple[float, floa
     if split_norm_elements(config, layout):
         ops += 2 * OPS_SPLIT_NORM[dtype_bytes(layout.precision)]
     if splits_backward(layout) and remakes_product(config, layout):
-        ops, views = ops + OPS_REMADE_W[0], views + OPS_REMADE_W[1]
+        calls = remade_calls(config)
+        ops, views = ops + calls * OPS_REMADE_W[0], views + calls * OPS_REMADE_W[1]
     return ops, views
+
+
+def remade_calls(config: GPTConfig) -> float:
+    """The gated products a block makes again, averaged over the blocks: a dense block's one;
+    an MoE block of plait's its routed experts' and, where it has them, its shared experts'
+    (each its own gated_down call). A transformers MoE block's grouped experts keep their
+    product: its shared experts' MLP, where plait gives it the remaking, is taken as the one."""
+    shared = config.lean_blocks and config.shared_width > 0
+    return 1 + shared * config.moe_layers / config.n_layers
 
 
 def elementwise_counts(config: GPTConfig, layout: Workload) -> tuple[tuple[float, float, float, float], ...]:
