@@ -342,3 +342,52 @@ def test_held_activations_are_counted_and_freed():
     assert (held["gpipe"].peak_inflight, held["gpipe"].peak_saved_bytes) == (4, 4 * per_micro_batch)
     assert (held["1f1b"].peak_inflight, held["1f1b"].peak_saved_bytes) == (1, per_micro_batch)
     assert simulate(build_schedule("gpipe", 1, 4), 1).peak_inflight == (4,)
+
+
+def test_the_split_backward_lets_the_loss_go_at_i():
+    """On the last stage the loss's graph is I's alone: W starts at the modules' outputs. I runs
+    it first without retaining it, so what the loss saved (its softmax) and the logits go at I,
+    where each pending W held them until it ran (the last rank holds up to p micro-batches so).
+    A loss that reads the stage elsewhere too (here a block's MLP output) keeps the one retained
+    graph. Either way I + W give B's gradients bit for bit. A loss that reads a weight itself,
+    whose gradient no W would make, is refused."""
+    import weakref
+
+    from plait.parallel.pipeline.execute import StageWork
+
+    cfg = config(2, tied=False)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    for aux in (False, True):
+        grads, alive, logits_left = [], [], 0
+        for split in (False, True):
+            model = build_gpt(cfg, 0)
+            inner = []
+            model.blocks[0].mlp.register_forward_hook(lambda module, args, out: inner.append(out.square().mean()))
+            work = StageWork(model, split_backward=split)
+            out, state = work.forward(ids, grad_input=False)
+            saved = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(weakref.ref(t)) or t, lambda t: t):
+                loss = F.cross_entropy(out.flatten(0, 1), ids.flatten())
+            if aux:
+                loss = loss + 1e-3 * inner[0]  # made in the forward, as a router's balancing loss is
+            if split:
+                state.output, state.loss_input = loss, out
+                work.backward_input(state, None)
+                alive = [ref for ref in saved if ref() is not None]
+                logits_left = out.untyped_storage().nbytes()
+                work.backward_weight(state)
+            else:
+                loss.backward()
+            grads.append([p.grad for p in model.parameters()])
+        assert all(torch.equal(a, b) for a, b in zip(*grads)), aux
+        if aux:
+            assert alive and logits_left == out.numel() * 4  # kept for W, as before
+        else:
+            assert not alive and logits_left <= out.element_size()
+    model = build_gpt(cfg, 0)
+    work = StageWork(model, split_backward=True)
+    out, state = work.forward(ids, grad_input=False)
+    state.output = F.cross_entropy(out.flatten(0, 1), ids.flatten()) + model.norm.weight.square().sum()
+    state.loss_input = out
+    with pytest.raises(PlaitError, match="reads a weight of shape"):
+        work.backward_input(state, None)

@@ -91,6 +91,7 @@ class MicroState:
     saved_bytes: int  # bytes autograd saved for backward during F
     captured: list[Capture] = field(default_factory=list)
     pending: list[tuple[Capture, torch.Tensor]] = field(default_factory=list)  # with dL/dy
+    loss_input: torch.Tensor | None = None  # on the last stage: the stage output the loss was computed from
 
 
 class StageWork:
@@ -178,11 +179,15 @@ class StageWork:
     def backward_input(state: MicroState, grad_output: torch.Tensor | None) -> torch.Tensor | None:
         """I: the input gradient only; keeps dL/dy of every weight-owning module for W."""
         targets = ([state.input] if state.input is not None else []) + [c.y for c in state.captured]
-        grads = torch.autograd.grad(state.output, targets, grad_output, retain_graph=True,
+        output, grad_output = _through_the_loss(state, grad_output)
+        grads = torch.autograd.grad(output, targets, grad_output, retain_graph=True,
                                     allow_unused=True)
         offset = 1 if state.input is not None else 0
         state.pending = [(c, g) for c, g in zip(state.captured, grads[offset:]) if g is not None]
         state.captured = []
+        if output is state.loss_input:  # W reads the logits' graph, not their values
+            let_go_of_values(output)
+        state.loss_input = None
         return grads[0] if state.input is not None else None
 
     @staticmethod
@@ -198,6 +203,46 @@ class StageWork:
                 # nodes, which that child's own W still needs; all is freed with `state`.
                 torch.autograd.backward(capture.y, grad, inputs=weights, retain_graph=True)
         state.pending = []
+
+
+def _through_the_loss(state: MicroState, grad_output: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(what I starts from, its gradient). On the last stage, the loss's own graph is I's alone
+    (W starts at the modules' outputs), so it runs first and is not retained: what the loss saved
+    (the logits' softmax) goes now, and the logits with it once I is done, where each pending W
+    held them until it ran (the last rank holds up to p micro-batches so under ZB-H1; the
+    estimate counts one micro-batch's logits, the one between its F and I). A loss that reads
+    the stage elsewhere too (an auxiliary loss on the router's scores) keeps one retained
+    graph, as before (`_reads_only`)."""
+    logits = state.loss_input
+    if logits is None or not _reads_only(state.output, logits, state):
+        return state.output, grad_output
+    (grad,) = torch.autograd.grad(state.output, logits, grad_output)
+    return logits, grad
+
+
+def _reads_only(loss: torch.Tensor, logits: torch.Tensor, state: MicroState) -> bool:
+    """Whether every path of `loss`'s graph into the stage goes through `logits`. A path that
+    meets another module output the split records, or the stage's input, is I's too: False.
+    One that meets a weight itself would give that weight a gradient no W makes (W starts at
+    the modules' outputs): refused, where it had been left out."""
+    ends = {id(c.y.grad_fn) for c in state.captured if c.y.grad_fn is not None}
+    only, seen, todo = True, set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node is logits.grad_fn or id(node) in seen:
+            continue
+        seen.add(id(node))
+        leaf = getattr(node, "variable", None)  # an AccumulateGrad's
+        if id(node) in ends or (leaf is not None and leaf is state.input):
+            only = False
+        elif leaf is not None:
+            raise PlaitError(f"zb-h1: the loss reads a weight of shape {tuple(leaf.shape)} itself, not through the "
+                             "stage's outputs; the split backward computes each weight's gradient from its "
+                             "module's output, so this part of it would be lost",
+                             hint="compute the loss from the stage's output alone, or use the 1f1b schedule")
+        else:
+            todo.extend(next_node for next_node, _ in node.next_functions)
+    return only
 
 
 def _linear_weight_grad(module: nn.Linear, x: torch.Tensor, dy: torch.Tensor) -> None:
@@ -304,7 +349,7 @@ class StepRun:
             loss = self.loss_fn(out, self.targets[act.microbatch].to(out.device))
             self.losses.append(loss.detach())
             self.loss_of[act.microbatch] = self.losses[-1]
-            state.output = loss / self.m
+            state.output, state.loss_input = loss / self.m, out
         else:
             self.channels.send(("act", act.microbatch, stage + 1), out, (stage + 1) % self.pp)
             let_go_of_values(out)
