@@ -67,7 +67,7 @@ def one_dtype(dtype_name: str, steps: int) -> dict:
             if form == "B":
                 loss.backward()
             else:
-                state.output = loss
+                state.output, state.loss_input = loss, out  # as the runner hands I the last stage's loss
                 work.backward_input(state, None)
                 work.backward_weight(state)
             times[form].append(time.perf_counter() - start)

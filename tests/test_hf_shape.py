@@ -1241,6 +1241,14 @@ def test_a_swiglu_mlp_makes_its_product_again_as_plaits_block(tmp_path: Path) ->
         assert shape.remade_products is expected, family
         assert remakes_product(shape, Workload()) is expected, family
         assert not remakes_product(shape, Workload(recompute="full")), family  # the checkpoint keeps the input alone
+    # compiled, Inductor keeps what it chooses: the formulas' 4f, not the eager reading's 2f
+    from plait.estimate.activations import stage_activation_bytes
+    from plait.estimate.layout import layout_stages
+
+    shape = shape_of(tmp_path / "llama", "llama", pad_token_id=0)
+    eager, compiled = (stage_activation_bytes(shape, layout, layout_stages(shape, layout)[0])
+                       for layout in (Workload(seq_len=32), Workload(seq_len=32, compiled=True)))
+    assert compiled - eager == 2 * SHAPE["intermediate_size"] * 4 * 32 * SHAPE["num_hidden_layers"]
     llama = read_hf_dir(f"hf:{tmp_path / 'llama'}")
     ours = build_hf_model(llama, seed=0)
     assert all(remade(layer.mlp) for layer in ours.model.layers)

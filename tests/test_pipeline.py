@@ -391,3 +391,23 @@ def test_the_split_backward_lets_the_loss_go_at_i():
     state.loss_input = out
     with pytest.raises(PlaitError, match="reads a weight of shape"):
         work.backward_input(state, None)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_the_runner_runs_the_loss_apart_only_when_it_splits(schedule, monkeypatch):
+    """The runner hands I the stage output the loss read only where the backward is split:
+    under 1F1B a state holding the logits beside the loss would keep them from F until B."""
+    from plait.parallel.pipeline import execute
+
+    took, real = [], execute._through_the_loss
+    monkeypatch.setattr(execute, "_through_the_loss", lambda state, grad: took.append(state.loss_input is not None)
+                        or real(state, grad))
+    held = []
+    monkeypatch.setattr(execute.MicroState, "__setattr__", lambda self, name, value: (
+        held.append(name) if name == "loss_input" and value is not None else None) or object.__setattr__(self, name, value))
+    mesh = plait.init_mesh()
+    inputs, targets = micro_batches(4)
+    runner = PipelineRunner(apply_pipeline(build_gpt(config(2, tied=False), 0), mesh), mesh, schedule)
+    runner.step(inputs, targets, loss_fn)
+    assert took == ([True] * 4 if schedule == "zb-h1" else [])
+    assert len(held) == (4 if schedule == "zb-h1" else 0)

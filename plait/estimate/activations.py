@@ -190,7 +190,9 @@ def measured_correction(config: GPTConfig, layout: Workload) -> tuple[float, flo
     index = next((i for i in order if min(config.block_saved_bytes[i]) >= 0), None)
     if index is None:
         return (0.0, 0.0, 0.0)
-    base = Workload(precision="fp32" if index == 0 else "bf16", compiled=layout.compiled)
+    # the reading's own conditions: eager, where a transformers SwiGLU MLP plait builds makes its
+    # product again (2f); compiled, Inductor keeps what it chooses, priced by the formulas at the layout
+    base = Workload(precision="fp32" if index == 0 else "bf16")
     whole, split = llama_token_bytes(config, base)
     # the K/V repeated for SDPA under a mask are priced apart, as each layout's sequence makes
     # them or not (`kv_repeat_values`): taken off the measured bytes and the formulas' alike

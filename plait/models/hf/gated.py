@@ -22,7 +22,6 @@ import ast
 import functools
 import inspect
 import textwrap
-import types
 
 import torch
 from torch import nn
@@ -36,14 +35,14 @@ def remake_gated_products(model: nn.Module) -> int:
     """Give each SwiGLU MLP of `model` (`_remakable`) the forward that makes its product again
     for the down projection's backward; the number given it."""
     mlps = [module for module in model.modules() if _remakable(module)]
-    for mlp in mlps:
-        mlp.forward = types.MethodType(_gated_forward, mlp)
+    for mlp in mlps:  # a partial, not a bound method: a pickled model loads again
+        mlp.forward = functools.partial(_gated_forward, mlp)
     return len(mlps)
 
 
 def remade(mlp: nn.Module | None) -> bool:
     """Whether `mlp` was given the forward that makes its product again."""
-    return getattr(getattr(mlp, "forward", None), "__func__", None) is _gated_forward
+    return getattr(getattr(mlp, "forward", None), "func", None) is _gated_forward
 
 
 def _gated_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,9 @@ The split backward, for ZB-H1, lets autograd do the input half and defers the we
 - I is `torch.autograd.grad(output, inputs=[stage input, y_1, ..., y_n], retain_graph=True)`.
   Asked only for those, autograd runs the input-gradient path and nothing else: each
   matmul's backward computes the gradient of its input, not of its weight (autograd skips
-  outputs nobody asked for). We keep dL/dy_i for every module and send dL/dinput upstream.
+  outputs nobody asked for; plait's norms ask the engine the same: models/gpt/lean.asked).
+  We keep dL/dy_i for every module and send dL/dinput upstream. On the last stage the loss's
+  own graph runs first, unretained (`_through_the_loss`), and I starts from the logits.
 - W computes each module's weight gradient from the kept dL/dy_i. For a Linear it is the
   deferred GEMM dW = dy^T·x (x is what autograd saved for it anyway, or, where the model lets
   it go and makes it again for the backward, made again here: parallel/saved.REMADE), as in
@@ -20,11 +22,13 @@ there, and neither reads their values. Once the stage's forward has run, their v
 (`let_go_of_values`), as a sent stage output's do; kept, they held what no backward saves
 (q's and k's projections before RoPE, o_proj's and down's outputs): 3h + kv values a token a
 block beyond the block's own keep, 27% more on `tiny`, which neither the meter nor the
-estimate saw. The stage's own output stays (on the last stage the head's logits, which the
-loss reads, and a loss may save).
+estimate saw. The stage's own output stays until I (on the last stage the head's logits,
+which the loss reads, and a loss may save).
 
-Cost: I + W does the work of one B, plus one autograd call per non-Linear module (about
-0.1-0.3 ms each on a CPU; on the benchmark model, one process, I + W is about 1.1 × B). Memory:
+Cost: I + W does the work of one B, plus what W makes again (each norm's normalised values,
+a gated product plait's block makes again) and one autograd call per non-Linear module
+(about 0.1-0.3 ms each on a CPU; `small` with 8 layers, one process: I + W about 1.3 × B,
+benchmarks/split_backward.py). Memory:
 between I and W the stage's saved tensors stay alive (autograd cannot free half a graph),
 so a pending W holds a micro-batch's activations; `Timeline.peak_live` is the count that
 describes this implementation.
@@ -102,6 +106,7 @@ class StageWork:
         """`gathered_weights` names the storages of weights gathered on the fly (ZeRO-3's
         units): saved for backward, but parameters, not activations."""
         self.module = module
+        self.splits = split_backward
         self._param_ptrs = resident_storages(module)
         self._gathered_weights = gathered_weights
         self._recording: list[Capture] | None = None
@@ -214,7 +219,8 @@ def _through_the_loss(state: MicroState, grad_output: torch.Tensor | None) -> tu
     the stage elsewhere too (an auxiliary loss on the router's scores) keeps one retained
     graph, as before (`_reads_only`)."""
     logits = state.loss_input
-    if logits is None or not _reads_only(state.output, logits, state):
+    # a hook on the logits' gradient would run in both calls
+    if logits is None or logits._backward_hooks or not _reads_only(state.output, logits, state):
         return state.output, grad_output
     (grad,) = torch.autograd.grad(state.output, logits, grad_output)
     return logits, grad
@@ -349,7 +355,9 @@ class StepRun:
             loss = self.loss_fn(out, self.targets[act.microbatch].to(out.device))
             self.losses.append(loss.detach())
             self.loss_of[act.microbatch] = self.losses[-1]
-            state.output, state.loss_input = loss / self.m, out
+            state.output = loss / self.m
+            if self.work[act.chunk].splits:  # I runs the loss's graph apart (`_through_the_loss`)
+                state.loss_input = out
         else:
             self.channels.send(("act", act.microbatch, stage + 1), out, (stage + 1) % self.pp)
             let_go_of_values(out)
