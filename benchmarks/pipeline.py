@@ -263,7 +263,7 @@ too, and a busy interval includes any time its process was descheduled. That is 
 measured bubble lands up to ~10 points either side of the formula, differently from run to run,
 and why a smaller bubble (ZB-H1) does not give a shorter step here: its actions, F included, run slower
 than 1F1B's because both ranks are busy at once more often. In one process, on this model, ZB-H1's
-I + W costs about 1.3 × B on this CPU ("ZB-H1's split backward" below: an autograd call per norm and a GEMM per linear in W, and what W makes again).
+I + W costs 1.1-1.3 × B on this CPU ("ZB-H1's split backward" below: an autograd call per norm and a GEMM per linear in W, and what W makes again).
 The last column is the most bytes of sent messages rank 0 held at once: a message goes once a
 later one from its receiver shows it arrived (Gloo's sends say nothing until waited). Until
 2026-12-02 every send was held to the step's end, the ledger's column whole."""

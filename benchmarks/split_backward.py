@@ -138,7 +138,7 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
               "",
               "On this CPU at this size the split's time is W's many small calls (an autograd call a norm, "
               "a GEMM a linear), not its element-wise bytes: the bytes the split adds fell by 67% (fp32) and "
-              "74% (bf16), and the time did not move beyond the spread of runs (1.25-1.33 either way over four runs). On a GPU, where a norm's passes are memory-bound, "
+              "74% (bf16), and the time did not move beyond the spread of runs (1.21-1.34 either way over seven runs). On a GPU, where a norm's passes are memory-bound, "
               "the bytes are what the time model prices."]
     return "\n".join(lines)
 
