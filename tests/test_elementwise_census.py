@@ -32,7 +32,7 @@ PRICED_ELSEWHERE = {"mm", "addmm", "bmm", "_scaled_mm", "_scaled_dot_product_fla
                     "_scaled_dot_product_flash_attention_for_cpu_backward"}
 VIEWS = {"view", "_unsafe_view", "transpose", "t", "slice", "expand", "as_strided", "permute", "unsqueeze",
          "squeeze", "split", "select", "detach", "alias", "unbind", "split_with_sizes", "_reshape_alias",
-         "reshape", "flatten", "lift_fresh", "new_empty"}  # new_empty: an allocation (a let-go placeholder)
+         "reshape", "flatten", "lift_fresh", "new_empty", "new_full"}  # an allocation (a let-go placeholder)
 
 
 pytestmark = pytest.mark.one_process  # no world, no command: may run beside another such file (tests/pairing.py)

@@ -268,9 +268,11 @@ def let_go_of_values(out: torch.Tensor) -> None:
     output is the alias `held_saves` handed autograd, whose values stay). Kept, every
     micro-batch in flight held one more activation a boundary, and under ZB-H1 3h + kv values
     a token a block, which no saved-tensor count sees. A view (its base keeps the values) and
-    a leaf (a stage that hands its input on) are left as they are."""
+    a leaf (a stage that hands its input on) are left as they are. What is left reads as NaN, so
+    that code reading it after all (a loss reading a module's output a hook kept) fails the
+    step's finite check rather than train on stale memory."""
     if torch.is_grad_enabled() and out.grad_fn is not None and out._base is None:
-        out.data = out.new_empty(1).expand(out.shape)
+        out.data = out.new_full((1,), float("nan")).expand(out.shape)
 
 
 def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
