@@ -29,12 +29,6 @@ SHAPES = {"small (the demo's)": "small", "a 4h-wide MLP": "small,ffn_hidden=1536
 BATCH, SEQ = 8, 128
 
 
-def kept(down, gate, up):  # noqa: ANN001, ANN201 - the block as it was: down keeps its input
-    from plait.models.gpt.lean import gated_silu
-
-    return down(gated_silu(gate, up))
-
-
 def one_shape(spec: str, steps: int) -> dict:
     """Both forms of `spec`'s model, stepped in turn: their medians and what each keeps."""
     import torch
@@ -45,6 +39,7 @@ def one_shape(spec: str, steps: int) -> dict:
     from plait.estimate.layout import Workload
     from plait.models.gpt import model as gpt_model
     from plait.models.gpt.config import get_preset
+    from plait.models.gpt.lean import product_kept
 
     config = get_preset(spec)
     ids = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
@@ -52,7 +47,7 @@ def one_shape(spec: str, steps: int) -> dict:
 
     def step(name: str) -> None:
         model, meter, times = forms[name]
-        with unittest.mock.patch.object(gpt_model, "gated_down", kept) if name == "kept" else contextlib.nullcontext():
+        with unittest.mock.patch.object(gpt_model, "gated_down", product_kept) if name == "kept" else contextlib.nullcontext():
             start = time.perf_counter()
             with meter.track(model):
                 logits = model(ids)

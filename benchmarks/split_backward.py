@@ -91,7 +91,7 @@ def _priced(config: object, dtype_name: str) -> float:
     from dataclasses import replace
 
     from plait.estimate.layout import Workload
-    from plait.estimate.ops import EW_OUTER, elementwise_counts, split_norm_elements
+    from plait.estimate.ops import elementwise_counts, split_norm_elements
 
     precision = "fp32" if dtype_name == "float32" else "bf16"
     size = 4 if precision == "fp32" else 2

@@ -339,19 +339,13 @@ class OpCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _kept_product(down, gate, up):  # noqa: ANN001, ANN202 - down keeps its input, as autograd would
-    from plait.models.gpt.lean import gated_silu
-
-    return down(gated_silu(gate, up))
-
-
 def test_each_product_made_again_is_an_op_priced() -> None:
     """Backward runs one op more for each gated product made again (ops.OPS_REMADE: the
     multiplication; its silu is the one the gate's backward would make), and an MoE block of
     plait's makes two, its routed experts' and its shared experts' (ops.remade_calls)."""
     from plait.estimate.ops import OPS_REMADE, remade_calls
+    from plait.models.gpt import lean, moe
     from plait.models.gpt import model as gpt_model
-    from plait.models.gpt import moe
 
     dense = SHAPES[0]
     for spec in (dense, f"{dense},experts=4,top_k=2,shared_experts=1"):
@@ -362,7 +356,7 @@ def test_each_product_made_again_is_an_op_priced() -> None:
             with contextlib.ExitStack() as patches:
                 if keep:
                     for module in (gpt_model, moe):
-                        patches.enter_context(unittest.mock.patch.object(module, "gated_down", _kept_product))
+                        patches.enter_context(unittest.mock.patch.object(module, "gated_down", lean.product_kept))
                 model = _block_model(config, torch.float32, False)
                 x = torch.randn(1, TOKENS, config.d_model, requires_grad=True)
                 y = model.blocks[0](x, model.rope_cos[:TOKENS], model.rope_sin[:TOKENS])

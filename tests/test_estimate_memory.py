@@ -213,10 +213,8 @@ def _step_keeping(config: GPTConfig, product_kept: bool, checkpointed: bool = Fa
     from plait.models.gpt import lean, model as gpt_model, moe
     from plait.models.gpt.model import build_gpt
 
-    def kept(down, gate, up):  # noqa: ANN001, ANN202 - the block as it was
-        return down(lean.gated_silu(gate, up))
-
-    patched = (unittest.mock.patch.object(gpt_model, "gated_down", kept), unittest.mock.patch.object(moe, "gated_down", kept))
+    patched = (unittest.mock.patch.object(gpt_model, "gated_down", lean.product_kept),
+               unittest.mock.patch.object(moe, "gated_down", lean.product_kept))
     with contextlib.ExitStack() as stack:
         for patch in patched if product_kept else ():
             stack.enter_context(patch)

@@ -316,13 +316,7 @@ def elementwise_s(config: GPTConfig, layout: Workload, hw: Hardware, layers: flo
     replicated = h / t if layout.sp else h  # norms and residuals run on every tp rank
     per_token = layers * (a * replicated + sliced * h / t + b * kv / t + c * mlp_units(config, layout)
                           + ulysses_units(config, layout, backward))
-    ops, views = (OPS_COMPILED if layout.compiled else OPS_BLOCK)[backward]
-    if remakes_product(config, layout):
-        calls = remade_calls(config)
-        ops, views = ops + calls * OPS_REMADE[backward][0], views + calls * OPS_REMADE[backward][1]
-    if backward:
-        more_ops, more_views = split_backward_ops(config, layout)
-        ops, views = ops + more_ops, views + more_views
+    ops, views = block_ops(config, layout, backward)
     count, cheap = layers * ops, layers * views
     if outer:
         oh, ov = EW_OUTER[backward]
@@ -387,14 +381,18 @@ def split_norm_elements(config: GPTConfig, layout: Workload) -> float:
     return 0.0 if plain or not splits_backward(layout) else EW_SPLIT_NORM[dtype_bytes(layout.precision)]
 
 
-def split_backward_ops(config: GPTConfig, layout: Workload) -> tuple[float, float]:
-    """(ops, views) a block ZB-H1's W adds to backward (OPS_SPLIT_NORM, OPS_REMADE_W)."""
-    ops = views = 0
-    if split_norm_elements(config, layout):
-        ops += 2 * OPS_SPLIT_NORM[dtype_bytes(layout.precision)]
-    if splits_backward(layout) and remakes_product(config, layout):
-        calls = remade_calls(config)
+def block_ops(config: GPTConfig, layout: Workload, backward: bool) -> tuple[float, float]:
+    """(compute ops, views) one block launches, forward or backward: OPS_BLOCK (OPS_COMPILED
+    compiled), plus OPS_REMADE for each gated product made again (`remade_calls`), and under
+    ZB-H1 what W makes again in backward: each product once more (OPS_REMADE_W) and each of
+    plait's norms' normalised values (OPS_SPLIT_NORM, two a block)."""
+    ops, views = (OPS_COMPILED if layout.compiled else OPS_BLOCK)[backward]
+    calls = remade_calls(config) if remakes_product(config, layout) else 0
+    ops, views = ops + calls * OPS_REMADE[backward][0], views + calls * OPS_REMADE[backward][1]
+    if backward and splits_backward(layout):
         ops, views = ops + calls * OPS_REMADE_W[0], views + calls * OPS_REMADE_W[1]
+        if split_norm_elements(config, layout):
+            ops += 2 * OPS_SPLIT_NORM[dtype_bytes(layout.precision)]
     return ops, views
 
 

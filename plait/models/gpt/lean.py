@@ -168,7 +168,7 @@ def gated_down(down: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor,
     Compiled, Inductor chooses what to keep; under full recomputation the block's checkpoint
     keeps nothing of it anyway."""
     if torch.compiler.is_compiling() or not torch.is_grad_enabled() or _checkpointing():
-        return down(gated_silu(gate, up))
+        return product_kept(down, gate, up)
     silu = _SiluOnce()
     product = gated_silu(gate, up, silu)
     if not product.requires_grad:
@@ -181,6 +181,12 @@ def gated_down(down: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor,
             return down(product)
     finally:
         delattr(product, REMADE)
+
+
+def product_kept(down: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate) · up) with the product kept for down's backward, as autograd keeps a
+    linear's input: where gated_down does not make it again, and the form it is measured against."""
+    return down(gated_silu(gate, up))
 
 
 def _itself(value: torch.Tensor) -> torch.Tensor:
@@ -198,7 +204,9 @@ def _product_remade(product: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
     """While inside, a save of `product` or of a view of it holds gate and up to make it
     again (`_Product`); every other save goes to the hooks in place outside (or is kept as
     autograd keeps it, where there are none)."""
-    outer = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    # the hooks in place outside, or autograd's own keeping where there are none (`handed_back`:
+    # gate and up, detached, are leaves and go back as themselves)
+    pack_outside, unpack_outside = torch._C._autograd._top_saved_tensors_default_hooks(True) or (handed_back, _itself)
     where = _storage_of(product)
     # weakly: every save made inside holds these hooks until its backward, so a strong
     # reference here would hold the product (and gate and up) as long, the very bytes let go
@@ -206,16 +214,12 @@ def _product_remade(product: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
 
     def pack(tensor: torch.Tensor) -> Any:
         if tensor is product_ref() or (where is not None and _storage_of(tensor) == where):
-            gate, up = gate_ref(), up_ref()  # alive: the forward that made them is running
-            if outer:
-                return _Product.of(tensor, outer[0](gate), outer[0](up), outer[1], silu)
-            return _Product.of(tensor, gate, up, _itself, silu)
-        return (outer[0](tensor) if outer else handed_back(tensor),)
+            # gate and up are alive: the forward that made them is running
+            return _Product.of(tensor, pack_outside(gate_ref()), pack_outside(up_ref()), unpack_outside, silu)
+        return (pack_outside(tensor),)
 
     def unpack(held: Any) -> torch.Tensor:
-        if isinstance(held, _Product):
-            return held.rebuilt()
-        return outer[1](held[0]) if outer else held[0]
+        return held.rebuilt() if isinstance(held, _Product) else unpack_outside(held[0])
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield
