@@ -235,12 +235,17 @@ def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: in
     passes = layout.virtual_stages if layout.pp > 1 else 1  # a rank's chunks: each pass ends on its own
     fwd = compute_mb * forward_share if overlap else 0.0
     bwd = compute_mb - fwd if overlap else 0.0
+    # The first bucket's collective starts once its share of backward has run, and the next
+    # forward's first bucket waits for its gather: a two-stage flow shop, whose exposed time is
+    # max(C/B, C - T + T/B) for B buckets of C behind T (Li et al., PyTorch Distributed, VLDB
+    # 2020: larger buckets start communicating later). Each chunk of a pipeline fills its own.
+    fill = min(1.0, passes / buckets) if layout.zero != 3 else 0.0
     op = "all_reduce" if layout.zero == 0 else "reduce_scatter"
     last = passes * collective_s(op, min(held, layout.bucket_bytes) * layout.reduce_bytes / per.grad, n, hw, inter)
     # DP and ZeRO-1 reduce once, behind the last backward; ZeRO-2 and -3 reduce-scatter every
     # micro-batch (traffic.py counts m of them), each behind its own backward
     times = m if layout.zero >= 2 else 1
-    reduce = times * max(last, collective_s(op, grads, n, hw, inter, buckets) - bwd)
+    reduce = times * max(last, collective_s(op, grads, n, hw, inter, buckets) - bwd * (1 - fill))
     if layout.zero == 0:
         return reduce
     gather = collective_s("all_gather", weights, n, hw, inter, buckets)
@@ -248,7 +253,7 @@ def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: in
         # behind the next step's first forward, but its first bucket (a pipeline's first forward hides nothing)
         if layout.software.gather_overlap and overlap and layout.pp == 1:
             first = collective_s("all_gather", min(held, layout.bucket_bytes) * per.param / per.grad, n, hw, inter)
-            return reduce + max(first, gather - compute_mb * forward_share)
+            return reduce + max(first, gather - compute_mb * forward_share * (1 - fill))
         return reduce + gather
     # ZeRO-3: every micro-batch gathers in forward and (unless kept) again in backward,
     # hidden behind the compute when prefetched, exposed whole when gathered on demand; a
