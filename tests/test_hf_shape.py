@@ -1274,3 +1274,37 @@ def test_a_swiglu_mlp_makes_its_product_again_as_plaits_block(tmp_path: Path) ->
     assert kept["theirs"] - kept["ours"] == 2 * f * tokens * 4 * blocks
     for (name, mine), other in zip(ours.named_parameters(), theirs.parameters()):
         assert torch.equal(mine.grad, other.grad), name
+
+
+def test_parallelize_gives_a_transformers_model_the_remade_product(tmp_path: Path) -> None:
+    """`plait.parallelize` on a transformers model object (the API, not `--model hf:DIR`) kept
+    transformers' own MLP forward: 2f values a token a block more than the estimate of the same
+    model prices. It now gives the model the forward plait's builds give it, in place as the
+    layout changes the model, with the same gradients bit for bit; plait's own GPT is left as
+    it is."""
+    from plait.api import parallelize
+    from plait.models.gpt.model import build_gpt
+    from plait.models.gpt.config import get_preset
+    from plait.models.hf.gated import remade
+    from plait.parallel.compose import ParallelConfig
+    from plait.runtime.env import ProcessEnv
+    from plait.runtime.mesh import init_mesh
+
+    shape_of(tmp_path / "llama", "llama", pad_token_id=0)
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "llama")
+    config.use_cache = False
+    torch.manual_seed(0)
+    theirs = transformers.AutoModelForCausalLM.from_config(config).float().train()
+    ours = transformers.AutoModelForCausalLM.from_config(config).float().train()
+    ours.load_state_dict(theirs.state_dict())
+    mesh = init_mesh(env=ProcessEnv("single", 0, 1, 0, "127.0.0.1", 29500))
+    ours = parallelize(ours, mesh, ParallelConfig())
+    assert all(remade(layer.mlp) for layer in ours.model.layers)
+    assert not any(remade(layer.mlp) for layer in theirs.model.layers)
+    ids = torch.randint(0, SHAPE["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    for model in (ours, theirs):
+        model(input_ids=ids, labels=ids).loss.backward()
+    for (name, mine), other in zip(ours.named_parameters(), theirs.parameters()):
+        assert torch.equal(mine.grad, other.grad), name
+    gpt = build_gpt(get_preset("tiny"), 0)
+    assert "forward" not in vars(parallelize(gpt, mesh, ParallelConfig()).blocks[0].mlp)
