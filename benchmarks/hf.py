@@ -33,8 +33,9 @@ from common import finish, machine, new_parser, run_world  # noqa: E402
 
 READING = ("\n\nReading it: each pair trains the same model on the same data, so its first losses agree "
            "(a check that the comparison is fair, not a parity test: tests/test_hf_worlds.py is). The "
-           "embedding and head stay whole in both tensor-parallel variants. Not profiled: the ratios say "
-           "which is faster here, not why.")
+           "embedding and head stay whole in both tensor-parallel variants. plait's variants make the MLP's "
+           "gated product again in backward (plait.parallelize gives a transformers model that forward), "
+           "torch's keep it. Not profiled: the ratios say which is faster here, not why.")
 PAIRS = [("plait dp 2", "torch DDP"), ("plait ZeRO-3 × 2", "torch FSDP2"), ("plait tp 2", "torch TP")]
 LAYER = "model.layers.*"
 PLAN = {f"{LAYER}.self_attn": "region", f"{LAYER}.mlp": "region",
