@@ -1276,6 +1276,63 @@ def test_a_swiglu_mlp_makes_its_product_again_as_plaits_block(tmp_path: Path) ->
         assert torch.equal(mine.grad, other.grad), name
 
 
+def cpu_estimate(shape: Any, precision: str, batch: int, seq: int, device: str = "cpu") -> float:
+    """The estimate's activations of one process on `device`."""
+    from plait.estimate.activations import stage_activation_bytes
+
+    layout = Workload(micro_batch=batch, seq_len=seq, precision=precision, device=device)
+    return stage_activation_bytes(shape, layout, layout_stages(shape, layout)[0])
+
+
+def test_a_cpu_keeps_what_its_math_form_of_sdpa_keeps(tmp_path: Path) -> None:
+    """Doge hands SDPA a mask made from its values (a dynamic mask that needs its gradient), and
+    DeepSeek-V3's latent attention a V narrower than K. A GPU's fused kernel takes both and keeps
+    q, k, V, its output, a log-sum-exp (and the mask); a CPU runs SDPA's math form, which keeps
+    scaled q and k, V and the s × s softmax (in fp32 under bf16 too). The estimate, reading the
+    fused kernel's keep, was 1.03 of Doge's CPU keep in fp32 (144 B a token a block over: the
+    output and the log-sum-exp) and 0.84-0.92 in bf16; DeepSeek-V3's 0.64-1.004. A run on a CPU
+    (Workload.device) adds what the math form keeps beyond, read from the same forwards, and
+    what a batch of it keeps beyond as many sequences (in fp32 the math form views one
+    sequence's V in the fused projection's output and copies a batch's: 1.035 at two sequences
+    without it): to the byte at one to three sequences of 16 to 64 tokens, both dtypes. On a GPU
+    it stays the kernel's."""
+    for family in ("doge", "deepseek_v3"):
+        shape = sweep_family(tmp_path / family, family)
+        assert shape.cpu_sdpa_bytes[0][:6] == (0.0, -144.0, 0.0, 0.0, 16.0 * (family != "doge"), 0.0), family
+        for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            for batch, seq in ((1, 16), (2, 16), (3, 16), (2, 64)):
+                kept = saved_by_autograd(tmp_path / family, dtype, batch, seq)
+                assert cpu_estimate(shape, precision, batch, seq) == kept, (family, precision, batch, seq)
+                assert cpu_estimate(shape, precision, batch, seq, device="cuda") != kept
+    assert not sweep_family(tmp_path / "llama", "llama").cpu_sdpa_bytes  # every call fused on a CPU too
+
+
+def test_an_additive_mask_a_block_makes_is_kept_by_the_fused_kernel(tmp_path: Path) -> None:
+    """MiniMax-M3's sparse layers make an additive mask from their block index and hand it to
+    SDPA, whose fused kernel keeps it for its backward (a CPU's and a GPU's alike). The reading
+    counted a mask only where it needed its gradient: 0.97 of autograd's keep at 16 tokens, 0.90
+    at 2 × 64 (16 B a pair a sparse layer). Now to the byte, both dtypes."""
+    shape = sweep_family(tmp_path / "m3", "minimax_m3_vl_text")
+    for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        for batch, seq in ((1, 16), (2, 64)):
+            assert cpu_estimate(shape, precision, batch, seq) == saved_by_autograd(tmp_path / "m3", dtype, batch, seq)
+
+
+def test_the_cpu_runs_sdpa_in_its_math_form_where_torch_says() -> None:
+    """`_cpu_takes_math` asks torch's own choice on CPU stand-ins of the call: a mask that needs
+    its gradient, a V narrower than K or dropout take the math form; a causal call, a mask
+    without a gradient and grouped heads the fused kernel."""
+    from plait.models.hf.load import _cpu_takes_math
+
+    q, kv = torch.empty(1, 4, 16, 8, device="meta"), torch.empty(1, 2, 16, 8, device="meta")
+    mask = torch.empty(1, 4, 16, 16, device="meta")
+    assert not _cpu_takes_math(q, kv, kv, (), {"is_causal": True, "enable_gqa": True})
+    assert not _cpu_takes_math(q, q, q, (mask,), {})
+    assert _cpu_takes_math(q, q, q, (mask.requires_grad_(),), {})
+    assert _cpu_takes_math(q, q, q[..., :4], (), {})
+    assert _cpu_takes_math(q, q, q, (None, 0.1), {})
+
+
 def test_parallelize_gives_a_transformers_model_the_remade_product(tmp_path: Path) -> None:
     """`plait.parallelize` on a transformers model object (the API, not `--model hf:DIR`) kept
     transformers' own MLP forward: 2f values a token a block more than the estimate of the same

@@ -101,7 +101,8 @@ def llama_layer_bytes(config: GPTConfig, layout: Workload) -> float:
     (estimate/experts.py). A transformers block keeps what was measured of it
     (`measured_correction`)."""
     whole, split = llama_token_bytes(config, layout)
-    more_whole, more_split, mixers = measured_correction(config, layout)
+    more_whole, more_split, mixers = (sum(terms) for terms in zip(measured_correction(config, layout),
+                                                                  cpu_attention_bytes(config, layout)))
     whole, split = whole + more_whole, split + more_split
     # a model with no tp plan (Persimmon's) measured its attention among the modules the plan
     # leaves whole: what the formulas take off it (under cp, the copy of SDPA's output) comes off those
@@ -111,7 +112,7 @@ def llama_layer_bytes(config: GPTConfig, layout: Workload) -> float:
     return (_combine(max(0.0, whole), max(0.0, split), layout, layout.compute_bytes * config.d_model) + mixed
             + eager_attention_bytes(config, layout) + sdpa_mask_copy_bytes(config, layout)
             + ulysses_order_bytes(layout) + constant_kept_bytes(config, layout, 0) + sliced_view_bytes(config, layout)
-            + further_sequence_bytes(config, layout))
+            + further_sequence_bytes(config, layout) + cpu_attention_batch_bytes(config, layout))
 
 
 def further_sequence_bytes(config: GPTConfig, layout: Workload) -> float:
@@ -207,6 +208,47 @@ def measured_correction(config: GPTConfig, layout: Workload) -> tuple[float, flo
     batch = batch_terms(config, layout) or (0.0, 0.0, 0.0)
     return (measured_whole - whole + batch[0], measured_split - split - repeated - beyond + batch[1],
             mixers + batch[2] + mixer_chunk_bytes(config, layout, index) / (layout.seq_len // layout.cp))
+
+
+def cpu_attention_bytes(config: GPTConfig, layout: Workload) -> tuple[float, float, float]:
+    """What a transformers block keeps a token on a CPU beyond on a GPU, (whole on every tp rank,
+    inside the split regions, inside the mixers left whole), where the CPU runs a call of SDPA
+    in its math form and a GPU its fused kernel (GPTConfig.cpu_sdpa_bytes, signed: Doge's mask
+    that needs its gradient, 144 B a token a block less, its output and log-sum-exp not kept;
+    a latent attention's V narrower than K, the s × s softmax kept: `cpu_sdpa_terms`). None on
+    a GPU, under recomputation (the core is run again, or the block whole) or under ring
+    attention (its own kernels in place of the model's SDPA)."""
+    terms = cpu_sdpa_terms(config, layout)
+    if not terms:
+        return (0.0, 0.0, 0.0)
+    # a token's from two sequences up, of the model's own tensors (Ulysses hands SDPA its own)
+    beyond = terms[6:9] if layout.micro_batch >= 2 and layout.cp == 1 else (0.0, 0.0, 0.0)
+    return tuple(a + q * layout.seq_len + more for a, q, more in zip(terms[:3], terms[3:6], beyond))
+
+
+def cpu_attention_batch_bytes(config: GPTConfig, layout: Workload) -> float:
+    """What a micro-batch of b >= 2 sequences keeps on a CPU beyond b sequences' own of
+    `cpu_attention_bytes`, f + b·c + (b - 1)·g·s², the split regions' 1/tp (in fp32 the math
+    form views one sequence's V in a fused projection's output, keeping it whole, and copies a
+    batch's: DeepSeek-V3's 1.035 of the meter at two sequences without it)."""
+    terms = cpu_sdpa_terms(config, layout)
+    if not terms or layout.micro_batch < 2 or layout.cp > 1:  # Ulysses hands SDPA tensors of its own
+        return 0.0
+    b, s = layout.micro_batch, layout.seq_len
+    shares = (1.0, 1.0 / layout.tp, 1.0)  # the rest, the split regions', the mixers'
+    return sum(share * (f + b * c + (b - 1) * g * s * s)
+               for share, c, f, g in zip(shares, terms[9:12], terms[12:15], terms[15:18]))
+
+
+def cpu_sdpa_terms(config: GPTConfig, layout: Workload) -> tuple[float, ...]:
+    """GPTConfig.cpu_sdpa_bytes in this layout's dtype where they apply (a CPU's run of SDPA on
+    the model's heads, nothing recomputed: the model's own attention, or Ulysses', which hands
+    SDPA a cp-th of the heads over the whole sequence: a token's bytes a cp-th of the heads'
+    at s, as many tokens again), else (). The ring runs its own kernels."""
+    ring = layout.cp > 1 and layout.cp_kind == "ring"
+    if layout.device != "cpu" or layout.recompute != "none" or ring or not config.cpu_sdpa_bytes:
+        return ()
+    return config.cpu_sdpa_bytes[0 if layout.compute_bytes == 4 else 1]
 
 
 def mixer_chunk_bytes(config: GPTConfig, layout: Workload, index: int) -> float:

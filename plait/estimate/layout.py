@@ -28,6 +28,7 @@ from plait.rules import (DTYPE_BYTES, PRECISIONS, RECOMPUTE, REDUCE_DTYPES, SCHE
 
 
 DOC_MASKS = ("", "dense", "blocks")  # Workload.doc_mask
+DEVICES = ("cuda", "cpu")  # Workload.device
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ class Workload(Layout):
     # Packed documents' attention mask (--doc-mask): "" none; "dense", SDPA's additive b·s² mask (a
     # CPU); "blocks", FlexAttention's block tables (a GPU): plait.estimate.activations.document_mask_bytes
     doc_mask: str = ""
+    # The ranks' device: "cuda", or "cpu", whose SDPA runs in its math form some calls a GPU's
+    # fused kernel takes (plait.estimate.activations.cpu_attention_bytes)
+    device: str = "cuda"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -58,6 +62,8 @@ class Workload(Layout):
         check_recompute(self, self.recompute)
         if self.doc_mask not in DOC_MASKS:
             raise PlaitError(f"unknown document mask {self.doc_mask!r}", hint=f"one of {', '.join(map(repr, DOC_MASKS))}")
+        if self.device not in DEVICES:
+            raise PlaitError(f"unknown device {self.device!r}", hint=f"one of {', '.join(map(repr, DEVICES))}")
         check_stack(self)  # last: a value no framework knows gets its own message first
 
     @classmethod

@@ -311,6 +311,14 @@ class GPTConfig:
     # GPT-NeoX-Japanese's attention). estimate/activations.measured_correction reads a, with
     # the measured bytes a token (tp and SP act on it as on them); further_sequence_bytes the rest
     further_sequence_bytes: tuple[tuple[float, ...], ...] = ()
+    # What a transformers block keeps on a CPU beyond its reading's, where the CPU runs a call of
+    # SDPA in its math form (a mask that needs its gradient: Doge's dynamic mask; a V narrower
+    # than K: MiniMax-M3's index), which a GPU's fused kernel takes: the math form keeps scaled
+    # q and k, every head's K and V, and the s × s softmax in fp32, where the kernel keeps q, k,
+    # V, its output and a log-sum-exp (Doge's 144 B a token a block over on the CPU). Bytes a
+    # block's run, (a token's: the rest, the split regions', the mixers'; then each's a token a
+    # position of the sequence), fp32's then 16-bit's (signed). estimate/activations.cpu_attention_bytes
+    cpu_sdpa_bytes: tuple[tuple[float, ...], ...] = ()
     # Where a transformers model's token-mixing modules left whole pad the sequence to a chunk (a
     # linear attention's torch path: Qwen3-Next's 64 tokens), its tokens (0: they keep by the
     # token), and a sequence's bytes a block's run beyond a token's within a chunk (block_saved_bytes'
@@ -371,6 +379,7 @@ class GPTConfig:
         object.__setattr__(self, "sliced_view_bytes", tuple(self.sliced_view_bytes))
         object.__setattr__(self, "constant_bytes", tuple(tuple(pair) for pair in self.constant_bytes))
         object.__setattr__(self, "further_sequence_bytes", tuple(tuple(terms) for terms in self.further_sequence_bytes))
+        object.__setattr__(self, "cpu_sdpa_bytes", tuple(tuple(terms) for terms in self.cpu_sdpa_bytes))
         object.__setattr__(self, "mixer_chunk_bytes", tuple(tuple(pair) for pair in self.mixer_chunk_bytes))
         object.__setattr__(self, "block_keeps", tuple(tuple(block) for block in self.block_keeps))
         object.__setattr__(self, "tp_gathered_calls", tuple(self.tp_gathered_calls))

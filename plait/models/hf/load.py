@@ -1030,16 +1030,18 @@ class Terms(NamedTuple):
     sliced: float  # the row layers' slices of what another save keeps, a block's run (Kept.sliced_views)
     further: tuple[float, ...] | None  # what a batch of b keeps beyond b sequences read alone, a
     # block's run, f + b·(c + a·s) + (b - 1)·g·s²: a (rest, split, mixers), then c, f, g; None: not read
+    cpu_sdpa: tuple[float, ...]  # what a CPU keeps beyond, a block's run: a (rest, split, mixers), then q
 
 
 def _fitted(kept: list[Kept], length: int, runs: int, chunked: tuple[Kept, Kept] | None,
-            batched: list[Kept]) -> Terms:
+            batched: list[Kept], on_cpu: tuple[list[Kept], list[Kept]]) -> Terms:
     """The terms of forwards at `length` tokens and its multiples (two, or three where the s²
     term is measured): q the second difference over 2L², a what remains of the first over L,
     c what remains at L; a block's each a mean over the blocks' runs. With forwards at L/2 and
     3L where the token-mixing modules pad to chunks (`chunked`), their chunks' (`_mixer_chunks`).
     With forwards of two sequences at the same lengths and of three at L (`batched`; else not
-    read), what a batch keeps beyond as many sequences read alone (`_beyond`)."""
+    read), what a batch keeps beyond as many sequences read alone (`_beyond`). What a CPU keeps
+    beyond, from its own forwards (`on_cpu`: one sequence's at L, 2L and 3L, and the batches')."""
     measured = len(kept) == 3
     chunks = _mixer_chunks(chunked[0], kept, chunked[1], length) if chunked else None
     quadratic, linear, constant, own = 0.0, [], 0.0, []
@@ -1074,7 +1076,24 @@ def _fitted(kept: list[Kept], length: int, runs: int, chunked: tuple[Kept, Kept]
                  constants=tuple(max(0.0, c) for c in (constant / runs, first, last)),
                  chunks=tuple(c / runs for c in chunks[1:]) if chunks else (0.0, 0.0, 0.0),
                  blocks=_block_keeps(kept, length, chunked, batched), sliced=slope("sliced_views") / runs,
-                 further=tuple(terms[i] / runs for i in range(4) for terms in beyond) if batched else None)
+                 further=tuple(terms[i] / runs for i in range(4) for terms in beyond) if batched else None,
+                 cpu_sdpa=_cpu_terms(*on_cpu, length, runs))
+
+
+def _cpu_terms(kept: list[Kept], batched: list[Kept], length: int, runs: int) -> tuple[float, ...]:
+    """GPTConfig.cpu_sdpa_bytes of one dtype from the forwards at L, 2L (and 3L, where the math
+    form's softmax, an s × s tensor, made the s² term measured): a token's bytes of each part,
+    then a token's a position; then what a batch keeps beyond as many sequences alone
+    (`_beyond`'s a, c, f, g of each part: in fp32 the math form views a sequence's V in the
+    fused projection's output, keeping it whole, and copies a batch's); a block's run. () where
+    no call took the math form."""
+    if not any(any(k.cpu_more) for k in kept):
+        return ()
+    fits = [_polynomial([k.cpu_more[i] for k in kept], length) for i in range(len(BLOCK_PARTS))]
+    beyond = [_beyond(kept, batched, lambda k, i=i: k.cpu_more[i], fit[0], length) if batched else (0.0,) * 4
+              for i, fit in enumerate(fits)]
+    return tuple(value / runs for value in (*(fit[term] for term in (1, 2) for fit in fits),
+                                            *(terms[i] for i in range(4) for terms in beyond)))
 
 
 def _beyond(kept: list[Kept], batched: list[Kept], read: Callable[[Kept], float], constant: float,
@@ -1209,7 +1228,9 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
       forwards of two and three sequences in the first dtype that runs;
     - of the s terms, the copies of SDPA's output the model makes for its output projection
       (GPTConfig.attention_out_copy_bytes), and the K/V heads transformers repeats for SDPA
-      (GPTConfig.kv_repeat_bytes), which context parallelism's attention spares.
+      (GPTConfig.kv_repeat_bytes), which context parallelism's attention spares;
+    - what a CPU keeps beyond, where it runs a call of SDPA in its math form
+      (GPTConfig.cpu_sdpa_bytes: `_cpu_takes_math`).
 
     Where one dtype's forward does not run on meta (grouped experts take bf16 alone there:
     GPT-OSS's, Mixtral's) its matrices are twice the other's, a bound (4 bytes a pair a head measured on the
@@ -1235,29 +1256,38 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
         handed: list[tuple[int, ...]] = []
         for dtype in (torch.float32, torch.bfloat16):
             seen: list[tuple[int, ...]] = []
+            forwards = [0]
             try:
                 with _attention_handed(implementation, seen):
                     def at(n: float, batch: int = 1) -> Kept:
+                        forwards[0] += 1
                         return _kept_in_blocks(model.to(dtype), layers, parts, int(n * length), device,
                                                shape.vocab_size, seen, batch)
                     kept = [at(1), at(2)]
                     if eager or (kept[0].square and kept[1].square):
                         kept.append(at(3))
-                    # what a batch keeps beyond as many sequences alone: read in the first dtype
-                    # that runs, and in proportion for the other (their forwards cost as much again)
-                    batched = ([at(n, batch=2) for n in range(1, len(kept) + 1)] + [at(1, batch=3)]
-                               if not terms or terms[0] is None else [])
                     # a token-mixing module left whole may pad to a chunk: half a length tells,
                     # and a third length gives the chunks after the second
                     half = at(0.5) if len(kept) == 2 and kept[0].mixers else None
                     chunked = (half, at(3)) if half and _pads_to_chunks(half, kept, length) else None
+                    # a CPU's math form of SDPA keeps an s × s softmax: three lengths for it, in
+                    # each dtype (it keeps fp32 under bf16 too, so neither gives the other's)
+                    math = any(k.cpu_more != (0, 0, 0) for k in kept)
+                    third = kept[2] if len(kept) == 3 else chunked[1] if chunked else at(3) if math else None
+                    lengths = 3 if len(kept) == 3 or math else 2
+                    # what a batch keeps beyond as many sequences alone: read in the first dtype
+                    # that runs, and in proportion for the other (their forwards cost as much again)
+                    batched = ([at(n, batch=2) for n in range(1, lengths + 1)] + [at(1, batch=3)]
+                               if not terms or terms[0] is None or math else [])
             except Exception:  # noqa: BLE001 - an op meta does not run in this dtype
                 terms.append(None)
                 continue
             if not handed:  # the first dtype whose forwards all ran: each call once a forward
-                forwards = len(kept) + len(batched) + (half is not None) + (chunked is not None)
-                handed.extend(seen[:len(seen) // forwards])
-            terms.append(_fitted(kept, length, runs, chunked, batched))
+                handed.extend(seen[:len(seen) // forwards[0]])
+            # the further lengths of two sequences beyond one sequence's read for the math form alone
+            own_batched = batched[:len(kept)] + batched[-1:] if batched else []
+            on_cpu = ([*kept[:2], third] if third is not None else kept, batched)
+            terms.append(_fitted(kept, length, runs, chunked, own_batched, on_cpu))
         return terms, handed
 
     terms, handed = terms_at(length)
@@ -1276,6 +1306,7 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
         tuple(getattr(t, name) if t else -1.0 for t in terms)
         for name in ("after", "tables", "copied", "repeated", "outside", "head", "sliced"))
     further = _in_both_dtypes([t.further if t else None for t in terms])
+    on_cpu = tuple(t.cpu_sdpa if t else () for t in terms)
     views = tuple(t.views if t else 0.0 for t in terms)  # signed: a dtype whose forward failed counts none
     out_kept = next((t.read for t in terms if t), 1.0)
     constants = tuple(tuple(t.constants[where] if t else -1.0 for t in terms) for where in (0, 1, 2))
@@ -1291,6 +1322,7 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
             "position_table_bytes": tables, "attention_out_copy_bytes": copied, "kv_repeat_bytes": repeated,
             "outside_saved_bytes": outside, "head_saved_bytes": head, "qkv_view_bytes": views,
             "sliced_view_bytes": sliced, "further_sequence_bytes": further,
+            "cpu_sdpa_bytes": on_cpu if any(on_cpu) else (),
             "attention_out_kept": out_kept, "constant_bytes": constants,
             "mixer_chunk": length if chunked else 0, "mixer_chunk_bytes": chunks,
             "block_keeps": _differing(next(t.blocks for t in terms if t)),
@@ -1298,12 +1330,15 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
 
 
 def _in_both_dtypes(further: list[tuple[float, ...] | None]) -> tuple[tuple[float, ...], ...]:
-    """GPTConfig.further_sequence_bytes, fp32's then 16-bit's, from the dtype they were read in:
+    """GPTConfig.further_sequence_bytes, fp32's then 16-bit's, each as read where both were (a
+    CPU's math form of SDPA reads batches in each dtype); else from the dtype they were read in:
     the other's in proportion to its bytes a value (a state kept in fp32 under bf16 is priced at
     half its bytes, where a batch's extra keep is a small share). () where neither was."""
     read = next((i for i, terms in enumerate(further) if terms is not None), None)
     if read is None:
         return ()
+    if all(terms is not None for terms in further):  # each read in its own dtype (a CPU's math form's)
+        return tuple(further)
     scale = (0.5, 2.0)[read]  # fp32 -> 16-bit, or 16-bit -> fp32
     other = tuple(term * scale for term in further[read])
     return (further[read], other) if read == 0 else (other, further[read])
@@ -1599,6 +1634,8 @@ class Kept(NamedTuple):
     by_block: tuple[int, ...]  # of the first three, what each block saved (each storage by its first saver)
     sliced_views: int  # what the row layers taking their slice of a whole input saved of a storage
     # kept before them (o_proj of SDPA's output): a view at one process, a slice of its own under tp
+    cpu_more: tuple[int, int, int]  # of the first three, what a CPU keeps beyond (signed), where it
+    # runs a call of SDPA in its math form (`_cpu_takes_math`)
 
 
 BLOCK_PARTS = ("rest", "split", "mixers")  # the three parts a block's per-token bytes split into
@@ -1647,18 +1684,20 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, parts: BlockModules
     ids = torch.zeros(batch, length, dtype=torch.long, device=device)
     state: dict[str, Any] = {"block": False, "region": False, "mixer": False, "sliced": False, "whole": False,
                              "whole made": {},
-                             "region inputs": set(), "mixer inputs": set(),
+                             "region inputs": set(), "mixer inputs": set(), "block inputs": set(),
                              "sdpa": False, "after": False, "tables": {}, "repeated": 0,
                              "ids": ids.untyped_storage()._cdata, "read": set(), "square": False, "index": -1}
-    # (a reference to what was saved, its part, extra bytes, its kind, the block that saved it)
-    seen: list[tuple[Any, int, int, str, int]] = []
+    # (a reference to what was saved, its part, extra bytes, its kind, the block that saved it,
+    # the form of SDPA that keeps it: "" any, "fused" a GPU's kernel alone, "math" a CPU's alone)
+    seen: list[tuple[Any, int, int, str, int, str]] = []
     outputs: list[torch.Tensor] = []  # what SDPA returned, in order
 
-    def keep(tensor: torch.Tensor, extra: int = 0, held: bool = False, kind: str = "") -> None:
+    def keep(tensor: torch.Tensor, extra: int = 0, held: bool = False, kind: str = "", form: str = "") -> None:
         """`tensor` as saved, alive while autograd keeps it, or for the forward's length (`held`);
-        `kind` "copy": a copy of SDPA's output."""
+        `kind` "copy": a copy of SDPA's output; `form`: kept by one form of SDPA alone."""
         if state["block"]:
-            state["square"] |= tensor.dim() >= 2 and tensor.shape[-2:] == (length, length)
+            # (a GPU's keep: a CPU's math form's softmax is read apart, `_cpu_terms`)
+            state["square"] |= form != "math" and tensor.dim() >= 2 and tensor.shape[-2:] == (length, length)
             # made inside the region (the mixer) entered last: not one of its inputs. An experts
             # region's input is made inside the MoE module holding it, read as a mixer (Llama 4's
             # tokens repeated for every expert: whole on every rank under SP)
@@ -1670,11 +1709,11 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, parts: BlockModules
             part = 2 if state["whole"] or tensor.untyped_storage()._cdata in state["whole made"] else part
             part = 4 if tensor.untyped_storage()._cdata in state["tables"] else part
             kind = "sliced" if state["sliced"] and not kind else kind
-            seen.append(((lambda: tensor) if held else weakref.ref(tensor), part, extra, kind, state["index"]))
+            seen.append(((lambda: tensor) if held else weakref.ref(tensor), part, extra, kind, state["index"], form))
         elif state["after"]:  # a vocab-wide tensor is the head's: its logits, kept a token
-            seen.append((weakref.ref(tensor), 8 if tensor.shape[-1:] == (vocab,) else 3, extra, "", -1))
+            seen.append((weakref.ref(tensor), 8 if tensor.shape[-1:] == (vocab,) else 3, extra, "", -1, form))
         elif tensor.untyped_storage()._cdata != state["ids"]:  # outside the blocks, before the last
-            seen.append((weakref.ref(tensor), 7, extra, "", -1))
+            seen.append((weakref.ref(tensor), 7, extra, "", -1, form))
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         # an alias, as plait's ActivationMeter hands back: a tensor saved as its own op's output,
@@ -1686,6 +1725,8 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, parts: BlockModules
             if copy or (outputs and tensor.untyped_storage()._cdata == outputs[-1].untyped_storage()._cdata):
                 state["read"].add(len(outputs))  # an op after SDPA keeps its output, or a copy of it
             keep(alias, kind="copy" if copy else "")
+        elif state["sdpa"] == "math":  # SDPA's own saves, in the math form meta runs too
+            keep(alias, form="math")
         return alias
 
     def flagged(flag: str, value: bool | int) -> Callable[..., None]:
@@ -1713,7 +1754,7 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, parts: BlockModules
     for module in (m for block in parts.whole for m in block):
         hooks += [module.register_forward_pre_hook(flagged("whole", True)), module.register_forward_hook(made_whole)]
     for index, (block, inside, whole) in enumerate(zip(layers, parts.regions, parts.mixers)):
-        hooks += [block.register_forward_pre_hook(flagged("block", True)),
+        hooks += [block.register_forward_pre_hook(enter("block"), with_kwargs=True),
                   block.register_forward_pre_hook(flagged("index", index)),
                   block.register_forward_pre_hook(flagged("after", False)),
                   block.register_forward_hook(flagged("block", False))]
@@ -1727,20 +1768,26 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, parts: BlockModules
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        state["sdpa"] = True
+        trained = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        # a call a CPU runs in the math form: its saves are read too, for a CPU's keep alone
+        math = trained and state["block"] and _cpu_takes_math(query, key, value, args, kwargs)
+        form = "fused" if math else ""
+        state["sdpa"] = "math" if math else True
         try:
             out = sdpa(query, key, value, *args, **kwargs)
         finally:
             state["sdpa"] = False
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        if trained:
             # what the flash kernel's node would save, which lives as long as the graph on the
             # output's path does: held, as no node here keeps these very tensors
             for tensor in (query, key, value):
-                keep(tensor, held=True, kind="handed")
-            keep(out, extra=query.shape[:-1].numel() * 4, held=True)  # and the log-sum-exp
+                keep(tensor, held=True, kind="handed", form=form)
+            keep(out, extra=query.shape[:-1].numel() * 4, held=True, form=form)  # and the log-sum-exp
             mask = kwargs.get("attn_mask", args[0] if args else None)
-            if isinstance(mask, torch.Tensor) and mask.requires_grad:  # a learned bias: kept for its gradient
-                keep(mask, held=True)
+            if isinstance(mask, torch.Tensor) and (mask.requires_grad or _made_here_to_add(mask, state["block inputs"])):
+                # a learned bias, kept for its gradient; a fused kernel keeps an additive mask the
+                # block made for its backward too (MiniMax-M3's block index: 16 B a pair, 0.97-0.90)
+                keep(mask, held=True, form=form)
             outputs.append(out)
             if state["block"] and handed and key.dim() == 4 and key.shape[1] > handed[-1][2]:
                 share = 1 - handed[-1][2] / key.shape[1]  # K/V heads repeated past the ones handed
@@ -1759,9 +1806,11 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, parts: BlockModules
         views: dict[int, int] = {}  # a storage SDPA's inputs in a block view: the bytes they span
         others: set[int] = set()  # the storages anything else keeps
         sliced_views = 0  # what the row layers taking their slice save of a storage kept before them
-        for ref, part, extra, kind, index in seen:
+        cpu_more = tuple(cpu - fused for cpu, fused in zip(_block_parts_kept(seen, params, "fused"),
+                                                           _block_parts_kept(seen, params, "math")))
+        for ref, part, extra, kind, index, form in seen:
             tensor = ref()
-            if tensor is None:
+            if tensor is None or form == "math":
                 continue
             storage = tensor.untyped_storage()
             if kind == "sliced" and storage._cdata in kept and kept[storage._cdata][2] != "sliced":
@@ -1794,7 +1843,58 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, parts: BlockModules
     by_block = tuple(sum(size for size, part, _, index in kept.values() if part < 3 and index == block)
                      for block in range(len(layers)))
     return Kept(rest, split, whole, after, tables, copies, int(state["repeated"]), outside, head, beyond,
-                len(state["read"]), calls, state["square"], by_block, sliced_views)
+                len(state["read"]), calls, state["square"], by_block, sliced_views, cpu_more)
+
+
+def _made_here_to_add(mask: torch.Tensor, inputs: set[int]) -> bool:
+    """Whether SDPA's `mask` is an additive one a block made (not one of its inputs, `inputs`:
+    their storages), which a fused kernel keeps as it is for its backward, on a CPU and a GPU
+    alike. A boolean mask is kept as an additive copy, priced apart where transformers makes one
+    (activations.sdpa_mask_copy_bytes); one the model made before the blocks serves them all."""
+    return mask.is_floating_point() and mask.untyped_storage()._cdata not in inputs
+
+
+def _block_parts_kept(seen: list[tuple[Any, int, int, str, int, str]], params: dict[int, Any],
+                      left_out: str) -> tuple[int, int, int]:
+    """Bytes the graph holds of the blocks' saves in `seen` (`_kept_in_blocks`'), by part (the
+    rest, the split regions', the mixers'), each storage once, the parameters' not, leaving out
+    what one form of SDPA alone keeps (`left_out`: "fused" for a CPU's keep, "math" for a GPU's)."""
+    kept: dict[int, tuple[int, int]] = {}
+    for ref, part, extra, _, _, form in seen:
+        tensor = ref()
+        if tensor is None or form == left_out or part > 2:
+            continue
+        storage = tensor.untyped_storage()
+        if storage._cdata not in params and storage._cdata not in kept:
+            kept[storage._cdata] = (storage.nbytes(), part)
+        if extra:
+            kept[id(ref)] = (extra, part)
+    return tuple(sum(size for size, part in kept.values() if part == which) for which in range(3))
+
+
+def _cpu_takes_math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, args: tuple,
+                    kwargs: dict[str, Any]) -> bool:
+    """Whether a CPU runs this call of SDPA in its math form, as torch chooses on CPU tensors of
+    the same shapes, strides and needs (its fused kernel takes no mask that needs its gradient,
+    no V narrower than K, no dropout), where a GPU's fused kernels take it. False where torch
+    does not say."""
+    names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    given = {**dict(zip(names, args)), **kwargs}
+
+    def on_cpu(tensor: Any) -> Any:
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype).requires_grad_(tensor.requires_grad)
+
+    try:
+        from torch.nn.attention import SDPBackend
+
+        choice = torch._fused_sdp_choice(on_cpu(query), on_cpu(key), on_cpu(value), on_cpu(given.get("attn_mask")),
+                                         float(given.get("dropout_p", 0.0)), bool(given.get("is_causal", False)),
+                                         scale=given.get("scale"), enable_gqa=bool(given.get("enable_gqa", False)))
+        return choice == SDPBackend.MATH.value
+    except Exception:  # noqa: BLE001 - a torch without the choice, or a call it cannot place
+        return False
 
 
 def _declared_parts(model: nn.Module, blocks: str) -> Parts | None:

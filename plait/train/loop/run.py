@@ -110,7 +110,8 @@ def prediction(trainer: Trainer) -> dict[str, Any]:
     config = trainer.config
     packed = getattr(trainer.train_split, "doc_mask", False)
     mask = doc_mask_on(trainer.mesh.device.type) if packed else ""
-    work = Workload.of(trainer.mesh.layout, **config.work(), doc_mask=mask)
+    work = Workload.of(trainer.mesh.layout, **config.work(), doc_mask=mask,
+                       device="cpu" if trainer.mesh.device.type == "cpu" else "cuda")
     hardware, source = run_hardware(trainer)
     result = trainer.task.prediction(work, hardware)
     result["hardware_source"] = source
