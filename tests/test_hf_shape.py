@@ -1365,3 +1365,16 @@ def test_parallelize_gives_a_transformers_model_the_remade_product(tmp_path: Pat
         assert torch.equal(mine.grad, other.grad), name
     gpt = build_gpt(get_preset("tiny"), 0)
     assert "forward" not in vars(parallelize(gpt, mesh, ParallelConfig()).blocks[0].mlp)
+
+
+def test_a_sliding_layers_repeated_heads_are_its_own_width(tmp_path: Path) -> None:
+    """Where the sequence reaches the window, transformers repeats a sliding layer's K/V heads
+    up to q's for SDPA. Gemma 4's sliding layers have heads half as wide as its global ones
+    (8 and 16 in the tiny config), and the estimate priced the repeat by the mean width (12):
+    1.008 of autograd's keep at every batch, length and dtype (16 values a token over), 1.022 of
+    the meter under pp 2. It now takes the repeat as read, the sliding layers' own: to the byte."""
+    shape = sweep_family(tmp_path / "g4", "gemma4_unified_text")
+    assert shape.head_widths == (12, 12, 12) and shape.sliding_mask_layers == 0.5
+    for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        for batch, seq in ((1, 16), (2, 32)):
+            assert cpu_estimate(shape, precision, batch, seq) == saved_by_autograd(tmp_path / "g4", dtype, batch, seq)

@@ -358,20 +358,24 @@ def kv_repeat_values(config: GPTConfig, layout: Workload) -> float:
     """Values a token of K/V heads a transformers attention repeats up to q's for SDPA, beyond
     the grouped ones, a mean over the blocks: transformers hands SDPA grouped heads only without
     a mask, so each sliding layer repeats them where the sequence reaches its window
-    (GPTConfig.sliding_mask_layers, their share); elsewhere what was measured
+    (GPTConfig.sliding_mask_layers, their share: what was measured where the reading reached the
+    window, whose layers' heads may be narrower than the mean width, Gemma 4's unified kind read
+    1.008 of its keep by the mean; else by the mean widths); elsewhere what was measured
     (GPTConfig.kv_repeat_bytes). None under context parallelism, whose attention keeps them
     grouped, or under selective recomputation, which recomputes the core that repeats them. None
     where a tp rank holds one of the model's several K/V heads (`one_kv_head_a_rank`)."""
     if (config.lean_blocks or layout.cp > 1 or layout.recompute == "selective"
             or one_kv_head_a_rank(config, layout)):
         return 0.0
+    measured = measured_in(config.kv_repeat_bytes, layout)
     if config.sliding_mask_layers:
         if not sliding_mask_made(config, layout):
             return 0.0  # no mask: SDPA takes the heads grouped
+        if measured:  # read where the reading's sequence reached the window: the sliding layers' own
+            return measured / layout.compute_bytes  # widths (Gemma 4's are half its global ones')
         _, k, v, _ = config.attention_widths
         repeated = (config.n_heads - config.n_kv_heads) / config.n_kv_heads  # copies of each K/V head
         return config.sliding_mask_layers * repeated * (k + v)
-    measured = measured_in(config.kv_repeat_bytes, layout)
     return 0.0 if measured is None else measured / layout.compute_bytes
 
 
