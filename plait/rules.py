@@ -67,6 +67,14 @@ def doc_mask_on(device_type: str) -> str:
     return "blocks" if device_type == "cuda" and not FLEX_OFF else "dense"
 
 
+def estimate_device(device_type: str) -> str:
+    """plait.estimate.layout.Workload.device of ranks on `device_type` ("cuda", "cpu", or a
+    hardware preset's name): "cpu", whose SDPA runs some calls in its math form, or "cuda" for
+    any GPU. The one home of that choice: a run's estimate, --memory-limit's price before launch
+    and `plait estimate --device`'s default all ask it."""
+    return "cpu" if device_type == "cpu" else "cuda"
+
+
 def check_choice(flag: str, value: object, choices: tuple) -> None:
     """`--flag value` must be one of `choices`; the hint lists them."""
     if value not in choices:

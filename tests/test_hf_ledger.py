@@ -56,8 +56,8 @@ GATHERS = {"olmo3", "phi3"}  # q, k, v gathered whole (OLMo3's norms over every 
 # DeepSeek's latent attention runs its down-projections and their norms whole inside the split
 # attention (models/hf/load._whole_in_regions): read as split, 0.93 and 0.86 of the meter under
 # tp and tp + SP at 16 tokens; now within 2% under tp, and 0.976 under tp + SP (16 values a token
-# a block not found). V as wide as K here: the CPU's SDPA runs its math form for a narrower V and
-# keeps the s × s scores a GPU's flash kernel does not.
+# a block not found). V as wide as K here: the CPU's SDPA runs its math form for a narrower V,
+# which the estimate prices only where it is told the ranks are CPUs (Workload.device).
 KEPT_WITHIN = {("deepseek_v3", True): 0.03}
 
 

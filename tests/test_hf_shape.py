@@ -1378,3 +1378,22 @@ def test_a_sliding_layers_repeated_heads_are_its_own_width(tmp_path: Path) -> No
     for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         for batch, seq in ((1, 16), (2, 32)):
             assert cpu_estimate(shape, precision, batch, seq) == saved_by_autograd(tmp_path / "g4", dtype, batch, seq)
+
+
+def test_plait_estimate_prices_a_cpu_run_where_asked(tmp_path: Path, capsys: Any) -> None:
+    """`plait estimate --device cpu` (the default under `--hardware cpu`) prices what a CPU's
+    SDPA math form keeps: DeepSeek-V3 at 64 tokens is autograd's keep on the CPU to the byte,
+    where the GPU's fused kernel's keep is 0.81 of it."""
+    import json
+
+    from plait.estimate.cli import estimate_main
+    from plait.families import shape_of as family_shape
+
+    sweep_family(tmp_path / "ds", "deepseek_v3")
+    kept = saved_by_autograd(tmp_path / "ds", torch.float32, 1, 64)
+    read = {}
+    for flags in ((), ("--device", "cpu"), ("--hardware", "cpu")):
+        estimate_main(["--model", f"hf:{tmp_path / 'ds'}", "--seq-len", "64", *flags, "--json"], family_shape)
+        read[flags] = json.loads(capsys.readouterr().out)["memory"]["activations"]
+    assert read[("--device", "cpu")] == read[("--hardware", "cpu")] == kept
+    assert read[()] == pytest.approx(0.81 * kept, abs=0.005 * kept)

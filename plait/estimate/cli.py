@@ -14,8 +14,8 @@ from typing import Any
 from plait.errors import CommandParser, PlaitError
 from plait.estimate import estimate_layout
 from plait.estimate.hardware import PRESETS as HARDWARE, resolve_hardware
-from plait.estimate.layout import DOC_MASKS
-from plait.rules import BUCKET_MB, PRECISIONS, RECOMPUTE, SCHEDULES, parse_stage_layers
+from plait.estimate.layout import DEVICES, DOC_MASKS
+from plait.rules import BUCKET_MB, PRECISIONS, RECOMPUTE, SCHEDULES, estimate_device, parse_stage_layers
 from plait.estimate.planner import explain, plan_layouts, plan_request
 from plait.estimate.report import format_estimate, format_explain, format_plan, human_bytes
 from plait.estimate.stacks import STACKS
@@ -56,6 +56,8 @@ def estimate_parser() -> argparse.ArgumentParser:
     for flag in ("--dp", "--tp", "--pp", "--cp", "--ep", "--micro-batch", "--grad-accum"):
         parser.add_argument(flag, type=int, default=1)
     parser.add_argument("--cp-kind", default="ring", help="context parallelism's attention: ring or ulysses")
+    parser.add_argument("--device", choices=DEVICES, help="the ranks' device: a CPU runs some of SDPA's calls in "
+                        "its math form, which keeps more (default: cpu with --hardware cpu, else cuda)")
     parser.add_argument("--gpus", type=int, help="check that dp x tp x pp x cp uses this many GPUs")
     parser.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3")
     parser.add_argument("--offload", action="store_true", help="optimizer state in CPU memory")
@@ -111,6 +113,7 @@ def estimate_main(argv: list[str], shape_of: ShapeOf) -> int:
         virtual_stages=args.virtual_stages, stage_layers=parse_stage_layers(args.stage_layers), sp=args.sp,
         reduce_dtype=args.reduce_dtype, prefetch=args.prefetch, bucket_mb=args.bucket_mb, stack=args.stack,
         compiled=args.compile, doc_mask=_doc_mask(args.doc_mask),
+        device=args.device or estimate_device(hardware.name),
         reshard_after_forward=args.reshard_after_forward == "true", hardware=hardware,
         gpus_per_node=args.gpus_per_node, params=args.params)
     name = args.model or f"a {args.params:.3g}-parameter model"

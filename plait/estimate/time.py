@@ -31,7 +31,9 @@ Assumptions, each visible in `ASSUMPTIONS`:
   estimate, a model known only by its size or a CNN's too, pays these and the accumulation.
 * Transfers are priced by the network model (network.py); what each axis costs a rank is
   in exposed.py. Data-parallel gradient reduction overlaps the last micro-batch's backward;
-  only the last bucket is always exposed (with a pipeline nothing overlaps DP's or ZeRO-1's:
+  only the last bucket is always exposed, and what the backward cannot hide once its first
+  bucket is full (a flow shop's fill: B buckets of C behind T expose max(C/B, C - T + T/B);
+  ZeRO-1/2's gather behind the next forward alike) (with a pipeline nothing overlaps DP's or ZeRO-1's:
   plait reduces them after the schedule's last action; ZeRO-2 and -3 reduce inside each
   chunk's backward, hidden there but each chunk's last bucket). ZeRO-1/2's weight all-gather
   after the step is exposed.
@@ -89,8 +91,8 @@ ASSUMPTIONS = (
     "measured), plus fixed costs per tensor (overlapped on a GPU) and the verdict's and norm's all-reduces; "
     "loop overhead = step_overhead_us + two telemetry all-reduces",
     NETWORK_ASSUMPTION,
-    "DP gradient reduction overlaps the last backward except the last bucket (not at all "
-    "with pp > 1); ZeRO-1/2 weight all-gather exposed; ZeRO-3 gathers prefetched, one per block, "
+    "DP gradient reduction overlaps the last backward except the last bucket and the fill before "
+    "the first bucket is full (not at all with pp > 1); ZeRO-1/2 weight all-gather exposed; ZeRO-3 gathers prefetched, one per block, "
     "its backward's gathers and reduce-scatters hidden in one backward; --dp-shard's "
     "all-reduce of each shard over its replicas exposed; TP traffic "
     "not overlapped but on a --stack that overlaps it (nemo: with SP inside a node, a block's "

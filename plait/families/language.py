@@ -78,10 +78,11 @@ def estimated_memory(shape_of: Any) -> Any:
     def memory(config: Any, layout: Any) -> float:
         from plait.estimate import estimate_layout
         from plait.estimate.layout import Workload
+        from plait.rules import estimate_device
         from plait.train.config.settings import ranks_on_gpu
 
         work = Workload.of(layout, **config.work(), doc_mask=doc_mask_before_launch(config),
-                           device="cuda" if ranks_on_gpu(config) else "cpu")
+                           device=estimate_device("cuda" if ranks_on_gpu(config) else "cpu"))
         memory = estimate_layout(shape_of(config.model), work, hardware="cpu")["memory"]
         return float(memory.get("peak") or memory["total"])
 

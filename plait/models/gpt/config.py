@@ -313,11 +313,13 @@ class GPTConfig:
     further_sequence_bytes: tuple[tuple[float, ...], ...] = ()
     # What a transformers block keeps on a CPU beyond its reading's, where the CPU runs a call of
     # SDPA in its math form (a mask that needs its gradient: Doge's dynamic mask; a V narrower
-    # than K: MiniMax-M3's index), which a GPU's fused kernel takes: the math form keeps scaled
-    # q and k, every head's K and V, and the s × s softmax in fp32, where the kernel keeps q, k,
-    # V, its output and a log-sum-exp (Doge's 144 B a token a block over on the CPU). Bytes a
-    # block's run, (a token's: the rest, the split regions', the mixers'; then each's a token a
-    # position of the sequence), fp32's then 16-bit's (signed). estimate/activations.cpu_attention_bytes
+    # than K: the latent attentions'), which a GPU's fused kernel takes: the math form keeps
+    # scaled q and k, every head's K and V, and the s × s softmax in fp32, where the kernel keeps
+    # q, k, V, its output and a log-sum-exp (Doge's 144 B a token a block over on the CPU). Bytes
+    # a block's run, fp32's then 16-bit's (signed), each 18 terms of the three parts (the rest,
+    # the split regions', the mixers'): a token's; a token's a position of the sequence; then what
+    # a batch of b >= 2 keeps beyond b sequences, f + b·(c + a·s) + (b - 1)·g·s², as a, c, f, g.
+    # estimate/activations.cpu_attention_bytes and cpu_attention_batch_bytes
     cpu_sdpa_bytes: tuple[tuple[float, ...], ...] = ()
     # Where a transformers model's token-mixing modules left whole pad the sequence to a chunk (a
     # linear attention's torch path: Qwen3-Next's 64 tokens), its tokens (0: they keep by the

@@ -1030,7 +1030,8 @@ class Terms(NamedTuple):
     sliced: float  # the row layers' slices of what another save keeps, a block's run (Kept.sliced_views)
     further: tuple[float, ...] | None  # what a batch of b keeps beyond b sequences read alone, a
     # block's run, f + b·(c + a·s) + (b - 1)·g·s²: a (rest, split, mixers), then c, f, g; None: not read
-    cpu_sdpa: tuple[float, ...]  # what a CPU keeps beyond, a block's run: a (rest, split, mixers), then q
+    cpu_sdpa: tuple[float, ...]  # what a CPU keeps beyond, a block's run: a (rest, split, mixers), then q,
+    # then a batch's beyond as many sequences: a, c, f, g of each part (GPTConfig.cpu_sdpa_bytes)
 
 
 def _fitted(kept: list[Kept], length: int, runs: int, chunked: tuple[Kept, Kept] | None,
@@ -1090,8 +1091,9 @@ def _cpu_terms(kept: list[Kept], batched: list[Kept], length: int, runs: int) ->
     if not any(any(k.cpu_more) for k in kept):
         return ()
     fits = [_polynomial([k.cpu_more[i] for k in kept], length) for i in range(len(BLOCK_PARTS))]
-    beyond = [_beyond(kept, batched, lambda k, i=i: k.cpu_more[i], fit[0], length) if batched else (0.0,) * 4
-              for i, fit in enumerate(fits)]
+    # one sequence's constant is not priced: `_beyond` takes it as 0, as the estimate does
+    beyond = [_beyond(kept, batched, lambda k, i=i: k.cpu_more[i], 0.0, length) if batched else (0.0,) * 4
+              for i in range(len(BLOCK_PARTS))]
     return tuple(value / runs for value in (*(fit[term] for term in (1, 2) for fit in fits),
                                             *(terms[i] for i in range(4) for terms in beyond)))
 
@@ -1271,7 +1273,9 @@ def _kept_terms(model: nn.Module, layers: nn.ModuleList | None, shape: GPTConfig
                     half = at(0.5) if len(kept) == 2 and kept[0].mixers else None
                     chunked = (half, at(3)) if half and _pads_to_chunks(half, kept, length) else None
                     # a CPU's math form of SDPA keeps an s × s softmax: three lengths for it, in
-                    # each dtype (it keeps fp32 under bf16 too, so neither gives the other's)
+                    # each dtype (it keeps fp32 under bf16 too, so neither gives the other's),
+                    # whatever device is estimated: a model with such calls reads 4-7 forwards
+                    # more a dtype (tiny DeepSeek-V3's 9 became 16)
                     math = any(k.cpu_more != (0, 0, 0) for k in kept)
                     third = kept[2] if len(kept) == 3 else chunked[1] if chunked else at(3) if math else None
                     lengths = 3 if len(kept) == 3 or math else 2
@@ -1742,6 +1746,10 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, parts: BlockModules
 
     hooks = [layers[-1].register_forward_hook(flagged("after", True))]  # until a block runs again (a loop's)
 
+    def left_block(*_: Any) -> None:  # its inputs no longer tell what a block made
+        state["block"] = False
+        state["block inputs"] = set()
+
     def tables(module: nn.Module, args: Any, output: Any) -> None:
         _hold(state["tables"], _tensors_in(output))
 
@@ -1757,7 +1765,7 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, parts: BlockModules
         hooks += [block.register_forward_pre_hook(enter("block"), with_kwargs=True),
                   block.register_forward_pre_hook(flagged("index", index)),
                   block.register_forward_pre_hook(flagged("after", False)),
-                  block.register_forward_hook(flagged("block", False))]
+                  block.register_forward_hook(left_block)]
         for flag, modules in (("region", inside), ("mixer", whole)):
             for module in modules:
                 hooks += [module.register_forward_pre_hook(enter(flag), with_kwargs=True),
@@ -1784,7 +1792,9 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, parts: BlockModules
                 keep(tensor, held=True, kind="handed", form=form)
             keep(out, extra=query.shape[:-1].numel() * 4, held=True, form=form)  # and the log-sum-exp
             mask = kwargs.get("attn_mask", args[0] if args else None)
-            if isinstance(mask, torch.Tensor) and (mask.requires_grad or _made_here_to_add(mask, state["block inputs"])):
+            handed_mask = isinstance(mask, torch.Tensor)
+            made_here = handed_mask and state["block"] and _made_here_to_add(mask, state["block inputs"])
+            if handed_mask and (mask.requires_grad or made_here):
                 # a learned bias, kept for its gradient; a fused kernel keeps an additive mask the
                 # block made for its backward too (MiniMax-M3's block index: 16 B a pair, 0.97-0.90)
                 keep(mask, held=True, form=form)
@@ -1884,7 +1894,8 @@ def _cpu_takes_math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     def on_cpu(tensor: Any) -> Any:
         if not isinstance(tensor, torch.Tensor):
             return tensor
-        return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype).requires_grad_(tensor.requires_grad)
+        return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
+                                   device="cpu").requires_grad_(tensor.requires_grad)
 
     try:
         from torch.nn.attention import SDPBackend

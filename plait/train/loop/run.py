@@ -23,7 +23,7 @@ from plait.estimate.layout import Workload
 from plait.parallel.compiled import cache_dir, compile_stats, is_compiled
 from plait.parallel.precision import reduce_dtype_of
 from plait.report import report_after_training
-from plait.rules import doc_mask_on
+from plait.rules import doc_mask_on, estimate_device
 from plait.runtime import comm, console
 from plait.runtime.env import prepare_host
 from plait.runtime.mesh import init_mesh
@@ -111,7 +111,7 @@ def prediction(trainer: Trainer) -> dict[str, Any]:
     packed = getattr(trainer.train_split, "doc_mask", False)
     mask = doc_mask_on(trainer.mesh.device.type) if packed else ""
     work = Workload.of(trainer.mesh.layout, **config.work(), doc_mask=mask,
-                       device="cpu" if trainer.mesh.device.type == "cpu" else "cuda")
+                       device=estimate_device(trainer.mesh.device.type))
     hardware, source = run_hardware(trainer)
     result = trainer.task.prediction(work, hardware)
     result["hardware_source"] = source
