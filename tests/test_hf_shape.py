@@ -1397,3 +1397,26 @@ def test_plait_estimate_prices_a_cpu_run_where_asked(tmp_path: Path, capsys: Any
         read[flags] = json.loads(capsys.readouterr().out)["memory"]["activations"]
     assert read[("--device", "cpu")] == read[("--hardware", "cpu")] == kept
     assert read[()] == pytest.approx(0.81 * kept, abs=0.005 * kept)
+
+
+def test_the_time_model_makes_again_the_products_a_transformers_model_makes_again(tmp_path: Path) -> None:
+    """The time model prices the gated product made again in backward over the MLP units that
+    make it again (ops.remade_units, remade_calls): a transformers model's dense MLPs and its MoE
+    blocks' shared experts where plait gives them the remaking, not its grouped routed experts,
+    which keep their product. Read from the first dense block alone, DeepSeek-V3's routed
+    experts were priced as remade (80 units a token where 48 are) and Qwen2-MoE, every block
+    MoE, had its shared experts' remaking left out (0 where 48 are); Mixtral remakes nothing."""
+    from plait.estimate.experts import dense_width, routed_and_shared_widths
+    from plait.estimate.ops import mlp_units, remade_calls, remade_units
+
+    layout = Workload(seq_len=16)
+    qwen = sweep_family(tmp_path / "qwen2_moe", "qwen2_moe")
+    assert (qwen.remade_products, qwen.remade_shared) == (False, True)
+    assert remade_units(qwen, layout) == routed_and_shared_widths(qwen)[1] == 48 and remade_calls(qwen) == 1
+    deepseek = sweep_family(tmp_path / "deepseek_v3", "deepseek_v3")
+    assert (deepseek.remade_products, deepseek.remade_shared) == (True, True)
+    units = dense_width(deepseek) + routed_and_shared_widths(deepseek)[1]
+    assert remade_units(deepseek, layout) == units == 48 < mlp_units(deepseek, layout) == 80
+    mixtral = sweep_family(tmp_path / "mixtral", "mixtral")
+    assert remade_units(mixtral, layout) == remade_calls(mixtral) == 0
+    assert remade_units(qwen, replace(layout, compiled=True)) == 0  # Inductor keeps what it chooses

@@ -326,8 +326,13 @@ def remakes_product(config: GPTConfig, layout: Workload) -> bool:
     a stack's kernels (Megatron's keep it), or a block under full recomputation (torch's
     checkpoint keeps its input alone, and its rerun keeps the product until backward is done
     with it). The memory's rule and the time's (ops.py)."""
-    return ((config.lean_blocks or config.remade_products) and config.dense_mlp_matrices == 3 and not layout.compiled
-            and layout.recompute != "full" and layout.software.elementwise != "megatron")
+    return (config.lean_blocks or config.remade_products) and config.dense_mlp_matrices == 3 and products_remade_at(layout)
+
+
+def products_remade_at(layout: Workload) -> bool:
+    """Whether this layout runs a gated product made again as its forward is written: not
+    compiled, not under full recomputation, not a stack's kernels (`remakes_product`)."""
+    return not layout.compiled and layout.recompute != "full" and layout.software.elementwise != "megatron"
 
 
 def measured_in(pair: tuple[float, ...], layout: Workload) -> float | None:

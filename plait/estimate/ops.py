@@ -55,7 +55,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from plait.estimate.activations import remakes_product
+from plait.estimate.activations import products_remade_at, remakes_product
 from plait.estimate.experts import dense_width, expert_units_on_rank, routed_and_shared_widths, routed_rows
 from plait.estimate.hardware import Hardware
 from plait.estimate.layout import Workload, StageShare
@@ -314,7 +314,11 @@ def elementwise_s(config: GPTConfig, layout: Workload, hw: Hardware, layers: flo
     tokens = layout.tokens_per_micro_batch
     a, sliced, b, c = elementwise_counts(config, layout)[backward]
     replicated = h / t if layout.sp else h  # norms and residuals run on every tp rank
-    per_token = layers * (a * replicated + sliced * h / t + b * kv / t + c * mlp_units(config, layout)
+    units = mlp_units(config, layout)
+    # c holds the remade product's elements over every MLP unit where the block remakes it
+    # (`remakes_product`); the units it is made again over are `remade_units`
+    remade = remade_elements(layout) * (remade_units(config, layout) - units * remakes_product(config, layout))
+    per_token = layers * (a * replicated + sliced * h / t + b * kv / t + c * units + remade * backward
                           + ulysses_units(config, layout, backward))
     ops, views = block_ops(config, layout, backward)
     count, cheap = layers * ops, layers * views
@@ -387,7 +391,7 @@ def block_ops(config: GPTConfig, layout: Workload, backward: bool) -> tuple[floa
     ZB-H1 what W makes again in backward: each product once more (OPS_REMADE_W) and each of
     plait's norms' normalised values (OPS_SPLIT_NORM, two a block)."""
     ops, views = (OPS_COMPILED if layout.compiled else OPS_BLOCK)[backward]
-    calls = remade_calls(config) if remakes_product(config, layout) else 0
+    calls = remade_calls(config) if products_remade_at(layout) else 0
     ops, views = ops + calls * OPS_REMADE[backward][0], views + calls * OPS_REMADE[backward][1]
     if backward and splits_backward(layout):
         ops, views = ops + calls * OPS_REMADE_W[0], views + calls * OPS_REMADE_W[1]
@@ -399,10 +403,37 @@ def block_ops(config: GPTConfig, layout: Workload, backward: bool) -> tuple[floa
 def remade_calls(config: GPTConfig) -> float:
     """The gated products a block makes again, averaged over the blocks: a dense block's one;
     an MoE block of plait's its routed experts' and, where it has them, its shared experts'
-    (each its own gated_down call). A transformers MoE block's grouped experts keep their
-    product: its shared experts' MLP, where plait gives it the remaking, is taken as the one."""
-    shared = config.lean_blocks and config.shared_width > 0
-    return 1 + shared * config.moe_layers / config.n_layers
+    (each its own gated_down call). A transformers model's dense MLPs and its MoE blocks'
+    shared experts where plait gives them the remaking (GPTConfig.remade_products,
+    remade_shared); its grouped experts keep their product."""
+    moe = config.moe_layers / config.n_layers
+    if config.lean_blocks:
+        return (1 + (config.shared_width > 0) * moe) if config.dense_mlp_matrices == 3 else 0.0
+    return (1 - moe) * config.remade_products + moe * config.remade_shared
+
+
+def remade_elements(layout: Workload) -> float:
+    """Backward's elements a token a unit of the products made again (EW_REMADE; under ZB-H1
+    W makes each again, EW_REMADE_W)."""
+    return EW_REMADE + EW_REMADE_W * splits_backward(layout)
+
+
+def remade_units(config: GPTConfig, layout: Workload) -> float:
+    """Hidden units a token's backward makes the gated product again over on one tp rank,
+    averaged over the blocks: plait's lean block every MLP's (`mlp_units`: its dense MLP, its
+    routed and its shared experts, gated_down each); a transformers model's dense MLPs and its
+    MoE blocks' shared experts where plait gives them the remaking (GPTConfig.remade_products,
+    remade_shared), not its grouped routed experts, which keep their product. Where the first
+    dense block's MLP was remade, every unit had been priced so (DeepSeek's routed experts), and
+    an MoE model without a dense block (Qwen2-MoE) had none priced. 0 where this layout runs no
+    remade product."""
+    if not products_remade_at(layout):
+        return 0.0
+    if config.lean_blocks:
+        return mlp_units(config, layout) if config.dense_mlp_matrices == 3 else 0.0
+    shared = routed_and_shared_widths(config)[1] / (layout.tp if config.shared_split_by_tp(layout.ep) else 1)
+    dense = dense_width(config) / layout.tp if config.remade_products and config.dense_mlp_matrices == 3 else 0.0
+    return dense + shared * config.remade_shared
 
 
 def elementwise_counts(config: GPTConfig, layout: Workload) -> tuple[tuple[float, float, float, float], ...]:
@@ -418,7 +449,7 @@ def elementwise_counts(config: GPTConfig, layout: Workload) -> tuple[tuple[float
     if software.elementwise == "megatron":
         return MEGATRON_EW[software.dropout]
     forward, backward = (EW_FWD_16, EW_BWD_16) if dtype_bytes(layout.precision) == 2 else (EW_FWD, EW_BWD)
-    remade = (EW_REMADE + EW_REMADE_W * splits_backward(layout)) if remakes_product(config, layout) else 0
+    remade = remade_elements(layout) if remakes_product(config, layout) else 0
     norms = 2 * split_norm_elements(config, layout)
     return ((forward[0], 0, *forward[1:]), (backward[0] + norms, 0, backward[1], backward[2] + remade))
 

@@ -147,6 +147,9 @@ class GPTConfig:
     # projection's backward, as plait's block does (plait/models/hf/gated.py): its dense blocks
     # keep gate and up alone (estimate/activations.remakes_product)
     remade_products: bool = False
+    # Its MoE blocks' shared experts' SwiGLU MLPs do too (Qwen2-MoE's, DeepSeek's); its grouped
+    # routed experts keep their product (estimate/ops.remade_units)
+    remade_shared: bool = False
     # Under SP, where the sequence is cut: False at the embedding's output, so the final norm and
     # the head's entry run on slices too (plait's GPT, Megatron); True at the first block's input
     # and gathered at the last block's output, so the embedding, the final norm and the head see

@@ -186,7 +186,8 @@ def measured_shape(hf: HFModelDir, kept: bool = True) -> GPTConfig:
     shape = replace(shape, ffn_hidden=width) if width else shape
     matrices = _mlp_matrices(layers, shape)
     shape = replace(shape, mlp_matrices=matrices) if matrices else shape
-    shape = replace(shape, remade_products=remade(_mlp_of(_first_dense_block(layers, shape))))
+    shape = replace(shape, remade_products=remade(_mlp_of(_first_dense_block(layers, shape))),
+                    remade_shared=_shared_remade(layers, shape))
     plan = _block_plan(model, name)
     shape = replace(shape, **_qk_norm(layers, shape, plan), norm_params=_norm_params(layers, shape))
     shape = replace(shape, sp_norm_extra=_norm_extra(layers, shape),
@@ -897,6 +898,14 @@ def _router_vectors(block: nn.Module) -> int:
 def _first_dense_block(layers: nn.ModuleList | None, shape: GPTConfig) -> nn.Module | None:
     """The first block whose MLP is dense (not an MoE block), or None."""
     return next((block for i, block in enumerate(layers or []) if not shape.moe_layer(i)), None)
+
+
+def _shared_remade(layers: nn.ModuleList | None, shape: GPTConfig) -> bool:
+    """Whether the first MoE block's MLP holds a SwiGLU MLP given the remaking
+    (models/hf/gated.py): its shared experts' (its grouped routed experts are not one)."""
+    block = next((block for i, block in enumerate(layers or []) if shape.moe_layer(i)), None)
+    mlp = _mlp_of(block)
+    return mlp is not None and any(remade(module) for module in mlp.modules())
 
 
 def _split_mlp_scalars(layers: nn.ModuleList | None, shape: GPTConfig) -> int:
