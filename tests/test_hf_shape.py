@@ -1322,15 +1322,18 @@ def test_the_cpu_runs_sdpa_in_its_math_form_where_torch_says() -> None:
     """`_cpu_takes_math` asks torch's own choice on CPU stand-ins of the call: a mask that needs
     its gradient, a V narrower than K or dropout take the math form; a causal call, a mask
     without a gradient and grouped heads the fused kernel."""
-    from plait.models.hf.load import _cpu_takes_math
+    from plait.models.hf.load import _cpu_takes_math, _sdpa_options
+
+    def takes_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> bool:
+        return _cpu_takes_math(q, k, v, _sdpa_options(args, kwargs))
 
     q, kv = torch.empty(1, 4, 16, 8, device="meta"), torch.empty(1, 2, 16, 8, device="meta")
     mask = torch.empty(1, 4, 16, 16, device="meta")
-    assert not _cpu_takes_math(q, kv, kv, (), {"is_causal": True, "enable_gqa": True})
-    assert not _cpu_takes_math(q, q, q, (mask,), {})
-    assert _cpu_takes_math(q, q, q, (mask.requires_grad_(),), {})
-    assert _cpu_takes_math(q, q, q[..., :4], (), {})
-    assert _cpu_takes_math(q, q, q, (None, 0.1), {})
+    assert not takes_math(q, kv, kv, is_causal=True, enable_gqa=True)
+    assert not takes_math(q, q, q, mask)
+    assert takes_math(q, q, q, mask.requires_grad_())
+    assert takes_math(q, q, q[..., :4])
+    assert takes_math(q, q, q, None, 0.1)
 
 
 def test_parallelize_gives_a_transformers_model_the_remade_product(tmp_path: Path) -> None:

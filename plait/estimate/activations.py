@@ -126,6 +126,14 @@ def further_sequence_bytes(config: GPTConfig, layout: Workload) -> float:
     terms = batch_terms(config, layout)
     if terms is None or layout.recompute == "full":
         return 0.0
+    return batch_beyond_bytes(terms, layout)
+
+
+def batch_beyond_bytes(terms: tuple[float, ...], layout: Workload) -> float:
+    """f + b·c + (b - 1)·g·s² over the three parts, of `terms` as the reading gives what a batch
+    keeps beyond as many sequences (a, c, f, g of the rest, the split regions' and the mixers',
+    `_beyond` in models/hf/load.py), on this rank's share of each sequence: the rest's and the
+    mixers' whole on every tp rank, the split regions' 1/tp."""
     b, s = layout.micro_batch, layout.seq_len // layout.cp
     shares = (1.0, 1.0 / layout.tp, 1.0)  # the rest, the split regions', the mixers'
     return sum(share * (f + b * c + (b - 1) * g * s * s)
@@ -234,10 +242,7 @@ def cpu_attention_batch_bytes(config: GPTConfig, layout: Workload) -> float:
     terms = cpu_sdpa_terms(config, layout)
     if not terms or layout.micro_batch < 2 or layout.cp > 1:  # Ulysses hands SDPA tensors of its own
         return 0.0
-    b, s = layout.micro_batch, layout.seq_len
-    shares = (1.0, 1.0 / layout.tp, 1.0)  # the rest, the split regions', the mixers'
-    return sum(share * (f + b * c + (b - 1) * g * s * s)
-               for share, c, f, g in zip(shares, terms[9:12], terms[12:15], terms[15:18]))
+    return batch_beyond_bytes(terms[6:], layout)
 
 
 def cpu_sdpa_terms(config: GPTConfig, layout: Workload) -> tuple[float, ...]:

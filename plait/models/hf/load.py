@@ -1786,8 +1786,9 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, parts: BlockModules
 
     def flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         trained = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        given = _sdpa_options(args, kwargs)
         # a call a CPU runs in the math form: its saves are read too, for a CPU's keep alone
-        math = trained and state["block"] and _cpu_takes_math(query, key, value, args, kwargs)
+        math = trained and state["block"] and _cpu_takes_math(query, key, value, given)
         form = "fused" if math else ""
         state["sdpa"] = "math" if math else True
         try:
@@ -1800,7 +1801,7 @@ def _kept_in_blocks(model: nn.Module, layers: nn.ModuleList, parts: BlockModules
             for tensor in (query, key, value):
                 keep(tensor, held=True, kind="handed", form=form)
             keep(out, extra=query.shape[:-1].numel() * 4, held=True, form=form)  # and the log-sum-exp
-            mask = kwargs.get("attn_mask", args[0] if args else None)
+            mask = given.get("attn_mask")
             handed_mask = isinstance(mask, torch.Tensor)
             made_here = handed_mask and state["block"] and _made_here_to_add(mask, state["block inputs"])
             if handed_mask and (mask.requires_grad or made_here):
@@ -1891,14 +1892,17 @@ def _block_parts_kept(seen: list[tuple[Any, int, int, str, int, str]], params: d
     return tuple(sum(size for size, part in kept.values() if part == which) for which in range(3))
 
 
-def _cpu_takes_math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, args: tuple,
-                    kwargs: dict[str, Any]) -> bool:
-    """Whether a CPU runs this call of SDPA in its math form, as torch chooses on CPU tensors of
-    the same shapes, strides and needs (its fused kernel takes no mask that needs its gradient,
-    no V narrower than K, no dropout), where a GPU's fused kernels take it. False where torch
-    does not say."""
+def _sdpa_options(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A call of SDPA's options after query, key and value, by name, however they were passed."""
     names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    given = {**dict(zip(names, args)), **kwargs}
+    return {**dict(zip(names, args)), **kwargs}
+
+
+def _cpu_takes_math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, given: dict[str, Any]) -> bool:
+    """Whether a CPU runs this call of SDPA (its options `given`: `_sdpa_options`) in its math
+    form, as torch chooses on CPU tensors of the same shapes, strides and needs (its fused
+    kernel takes no mask that needs its gradient, no V narrower than K, no dropout), where a
+    GPU's fused kernels take it. False where torch does not say."""
 
     def on_cpu(tensor: Any) -> Any:
         if not isinstance(tensor, torch.Tensor):
