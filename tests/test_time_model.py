@@ -127,6 +127,14 @@ def test_a_rate_keyed_by_size_is_read_between_and_beyond_the_sizes_it_was_taken_
     assert hw.stream_rate(1 << 30) == 2e9 and CPU.stream_rate(1 << 30) == CPU.stream_bytes_per_s
     with pytest.raises(PlaitError, match="positive finite rate"):
         replace(CPU, memory_by_size=((1024, 0.0),))
+    # an element-wise size that timed faster than a larger one (its data kept in the caches by a
+    # crowded host's burst: 57.9 GB/s at 384 KiB, 11.3 at 3 MiB, 6.9 at 24 MiB) is read at the
+    # larger's rate; the update's sizes are read as measured (a small model's states stay cached)
+    crowded = replace(CPU, memory_by_size=((393_216, 57.9), (3_145_728, 11.3), (25_165_824, 6.9)),
+                      stream_by_size=((1 << 20, 8.0), (1 << 23, 4.0)))
+    assert [crowded.memory_rate(n) for n in (393_216, 3_145_728, 25_165_824)] == pytest.approx([6.9e9] * 3)
+    assert replace(CPU, memory_by_size=((1 << 20, 8.0), (1 << 23, 4.0), (1 << 26, 5.0))).memory_rate(1 << 20) == 4e9
+    assert crowded.stream_rate(1 << 20) == 8e9
 
 
 def test_a_gemm_no_one_measured_is_priced_by_the_line_through_those_measured() -> None:
@@ -491,6 +499,19 @@ def test_a_crowded_calibration_sets_its_shapes_by_cpu_time_and_their_level_by_th
     monkeypatch.setattr(calibrate, "_slowest", lambda mesh, values: list(values))
     assert calibrate._shaped(None, [2.0, 4.6, 5.7], [1.0, 2.0, 3.0]) == pytest.approx([2.0, 4.0, 6.0])
     assert calibrate._shaped(None, [2.0, 4.6], [0.0, 2.0]) == [2.0, 4.6]
+
+
+def test_a_quiet_cpu_calibration_sets_its_shapes_by_a_second_run_and_their_level_by_the_first() -> None:
+    """plait.bench.calibrate._resident: three shapes whose second runs (operands in the caches)
+    take 1, 2 and 4 s, and whose first runs paid a fixed 0.5 s each (1.5, 2.5, 4.5 s): each is
+    its second run times the first runs' total over the second runs' (8.5 / 7), so the shapes
+    keep the second runs' 1:2:4, with no fixed part for a split micro-batch to pay twice; no
+    second run timed, the first as they are."""
+    from plait.bench import calibrate
+
+    level = 8.5 / 7
+    assert calibrate._resident([1.5, 2.5, 4.5], [1.0, 2.0, 4.0]) == pytest.approx([level, 2 * level, 4 * level])
+    assert calibrate._resident([1.5, 2.5], [0.0, 2.0]) == [1.5, 2.5]
 
 
 def test_a_calibration_times_each_micro_batch_it_is_asked_for() -> None:
