@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from plait.estimate.hardware import get_hardware  # noqa: E402
 from plait.estimate.layout import Workload  # noqa: E402
+from plait.estimate.memory import estimate_memory  # noqa: E402
 from plait.estimate.time import estimate_time  # noqa: E402
 from plait.models.gpt.config import GPTConfig  # noqa: E402
 
@@ -163,16 +164,17 @@ PUBLISHED = (
      "a100-80gb jean-zay", 384, Workload(dp=8, tp=4, pp=12, zero=1, precision="bf16", micro_batch=2, grad_accum=128,
                                 seq_len=2048, recompute="full", stack="megatron-deepspeed"), "hfu-tflops", 149.8),
     ("llm-foundry MPT-7B: FSDP full shard, micro 6, batch 48, no recompute", _mpt(4096, 32, 32), "h100-sxm", 8,
-     Workload(dp=8, zero=3, precision="bf16", micro_batch=6, grad_accum=1, seq_len=2048), "mfu", 46.44),
+     Workload(dp=8, zero=3, precision="bf16", micro_batch=6, grad_accum=1, seq_len=2048, stack="llm-foundry"), "mfu",
+     46.44),
     ("llm-foundry MPT-30B: FSDP full shard, micro 14, batch 1344, full recompute", _mpt(7168, 48, 56), "h100-sxm", 32,
-     Workload(dp=32, zero=3, precision="bf16", micro_batch=14, grad_accum=3, seq_len=2048, recompute="full"),
-     "mfu", 43.92),
+     Workload(dp=32, zero=3, precision="bf16", micro_batch=14, grad_accum=3, seq_len=2048, recompute="full",
+              stack="llm-foundry"), "mfu", 43.92),
     ("llm-foundry MPT-70B: FSDP full shard, micro 8, batch 2048, full recompute", _mpt(8192, 80, 64), "h100-sxm", 64,
-     Workload(dp=64, zero=3, precision="bf16", micro_batch=8, grad_accum=4, seq_len=2048, recompute="full"),
-     "mfu", 42.57),
+     Workload(dp=64, zero=3, precision="bf16", micro_batch=8, grad_accum=4, seq_len=2048, recompute="full",
+              stack="llm-foundry"), "mfu", 42.57),
     ("llm-foundry MPT-70B: FSDP full shard, micro 8, batch 2048, full recompute", _mpt(8192, 80, 64), "a100-80gb",
-     64, Workload(dp=64, zero=3, precision="bf16", micro_batch=8, grad_accum=4, seq_len=2048, recompute="full"),
-     "mfu", 53.33),
+     64, Workload(dp=64, zero=3, precision="bf16", micro_batch=8, grad_accum=4, seq_len=2048, recompute="full",
+                  stack="llm-foundry"), "mfu", 53.33),
     *((f"Nemotron-4 15B (arXiv 2402.16819): tp 8 + sp, dp {dp}, batch {4 * dp}, micro 1, ZeRO-1 (assumed), "
        f"selective recompute (assumed), Megatron-Core's buckets, fp32 reduce, --stack nemo", NEMOTRON_4_15B,
        "h100-sxm", 8 * dp,
@@ -290,8 +292,9 @@ LLM_FOUNDRY_CSV = Path(__file__).resolve().parent / "published" / "llm_foundry_m
 
 
 def llm_foundry_rows() -> list[dict]:
-    """Every row of llm-foundry's table: its run, the published MFU (%), plait's, and the two
-    parameter counts (the table's and the model's, which must agree)."""
+    """Every row of llm-foundry's table: its run, the published MFU (%), plait's, whether the
+    estimate fits it in the GPU it ran on, and the two parameter counts (the table's and the
+    model's, which must agree)."""
     import csv
 
     lines = [line for line in LLM_FOUNDRY_CSV.read_text().splitlines() if not line.startswith("#")]
@@ -302,27 +305,30 @@ def llm_foundry_rows() -> list[dict]:
         layout = Workload(dp=int(row["gpus"]), zero=3 if row["sharding"] == "FULL_SHARD" else 2, precision="bf16",
                           micro_batch=int(row["micro_batch"]), grad_accum=int(row["grad_accum"]),
                           seq_len=int(row["seq_len"]), recompute="full" if row["checkpointing"] == "true" else "none",
-                          bucket_mb=12 * d * d * 2 / 2**20)
+                          bucket_mb=12 * d * d * 2 / 2**20, stack="llm-foundry")
         hw = get_hardware(LLM_FOUNDRY_GPUS[row["gpu"]])
         step = estimate_time(config, layout, hw, 8)
         # Their MFU: (6·n_params + 12·L·d·s) FLOPs a token, n_params the table's count, which holds
         # the runs' learned position embeddings (seq_len × d: 41% of 125m at 65,536 tokens).
         flops = 6 * int(row["params"]) + 12 * layers * d * int(row["seq_len"])
         predicted = 100 * step.tokens_per_s * flops / (layout.world * hw.peak_flops("bf16"))
-        out.append({**row, "hardware": hw.name, "published": float(row["mfu"]), "predicted": predicted,
+        fits = estimate_memory(config, layout).total <= machine(hw.name).usable_bytes  # as the run did
+        out.append({**row, "hardware": hw.name, "published": float(row["mfu"]), "predicted": predicted, "fits": fits,
+                    "config": config, "layout": layout,
                     "model_params": config.num_params() + int(row["seq_len"]) * d})
     return out
 
 
 def llm_foundry_summary() -> list[tuple]:
-    """(hardware, rows, median, first and third quartiles, rows within 10%, lowest, highest) of
-    plait / published over llm_foundry_rows, per GPU."""
+    """(hardware, rows, median, first and third quartiles, rows within 10%, lowest, highest, rows
+    the estimate fits) of plait / published over llm_foundry_rows, per GPU."""
     rows, out = llm_foundry_rows(), []
     for hardware in dict.fromkeys(r["hardware"] for r in rows):
         ratios = sorted(r["predicted"] / r["published"] for r in rows if r["hardware"] == hardware)
         n = len(ratios)
         out.append((hardware, n, ratios[n // 2], ratios[n // 4], ratios[(3 * n) // 4],
-                    sum(abs(x - 1) <= 0.10 for x in ratios), ratios[0], ratios[-1]))
+                    sum(abs(x - 1) <= 0.10 for x in ratios), ratios[0], ratios[-1],
+                    sum(r["fits"] for r in rows if r["hardware"] == hardware)))
     return out
 
 
@@ -346,10 +352,11 @@ def tables() -> str:
               "|---|---|---|---|---|---|---|"]
     lines += [f"| {src} | {hw} | {g} | {kind} | {pub} | {pred:.1f} | {pred / pub:.2f} |"
               for src, hw, g, kind, pub, pred in published_rows()]
-    lines += ["", "| llm-foundry's whole table (bf16, MFU in its definition) | rows | median plait / published | "
-              "middle half | within 10% | lowest | highest |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {hw} | {n} | {med:.2f} | {q1:.2f}-{q3:.2f} | {within} | {low:.2f} | {high:.2f} |"
-              for hw, n, med, q1, q3, within, low, high in llm_foundry_summary()]
+    lines += ["", "| llm-foundry's whole table (bf16, MFU in its definition, --stack llm-foundry) | rows | "
+              "median plait / published | middle half | within 10% | lowest | highest | fit by the estimate |",
+              "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {hw} | {n} | {med:.2f} | {q1:.2f}-{q3:.2f} | {within} | {low:.2f} | {high:.2f} | {fit} |"
+              for hw, n, med, q1, q3, within, low, high, fit in llm_foundry_summary()]
     lines += ["", "| hardware | GPUs | published tokens/s/GPU | plait tokens/s/GPU | plait / published | plait MFU (of 989) |",
               "|---|---|---|---|---|---|"]
     lines += [f"| {name} | {g} | {pub:,} | {pred:,.0f} | {pred / pub:.2f} | {mfu:.0%} |"

@@ -110,6 +110,8 @@ def test_the_stack_reaches_the_report_the_planner_and_refuses_a_name_it_does_not
      "the interleaved schedule"),
     ("megatron-core", {"cp": 2, "cp_kind": "ulysses"}, "ulysses context parallelism"),
     ("megatron-core", {"dp": 4, "zero": 3}, "ZeRO stage 3"),
+    ("llm-foundry", {"pp": 2, "grad_accum": 4}, "pipeline parallelism"),
+    ("llm-foundry", {"dp": 2, "zero": 1}, "ZeRO stage 1"),
 ])
 def test_a_stack_refuses_what_its_framework_cannot_run(stack: str, fields: dict, lacks: str) -> None:
     """One line naming what is missing; `plait plan --stack` never proposes such a layout."""

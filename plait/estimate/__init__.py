@@ -113,7 +113,8 @@ def estimate_layout(config: GPTConfig | None, work: Workload | None = None, *, h
     step = estimate_time(config, work, hw, node)
     notes = [f"busiest rank: pipeline stage {memory.stage} of {work.pp}"]
     if work.stack != "plait":
-        notes.append(f"time as {work.stack} runs it: {work.software.source} (memory and traffic as plait's)")
+        loss = ", but the loss as it keeps it" if work.software.loss != "plait" else ""
+        notes.append(f"time as {work.stack} runs it: {work.software.source} (memory and traffic as plait's{loss})")
     report = _report(config.num_params(), work, hw, node, memory.as_dict(),
                      estimate_comm(config, work), naive_comm(config, work),
                      step.as_dict(), notes)

@@ -607,9 +607,11 @@ def loss_bytes(config: GPTConfig, layout: Workload) -> float:
     """Peak of the loss on the last stage, per micro-batch: the logits in the compute
     dtype, their fp32 copy and the fp32 log-softmax cross_entropy keeps for backward,
     over this rank's vocab shard (the whole vocabulary where the head stays whole or sums whole
-    logits, `vocab_split` false)."""
+    logits, `vocab_split` false); the logits alone under a stack's fused loss (Stack.loss:
+    llm-foundry's, whose 72 published runs the fp32 copies put over their GPUs)."""
     shard = -(-config.vocab_size // layout.tp) if config.vocab_split else config.vocab_size
-    return float(layout.tokens_per_micro_batch * shard * (layout.compute_bytes + 4 + 4))
+    kept = layout.compute_bytes + (0 if layout.software.loss == "fused" else 4 + 4)
+    return float(layout.tokens_per_micro_batch * shard * kept)
 
 
 def in_flight(layout: Workload, stage: StageShare) -> float:

@@ -72,6 +72,10 @@ class Stack:
     source: str
     reach: Reach = field(default_factory=Reach)
     tp_overlap: bool = False
+    # "plait": the loss keeps the logits in the compute dtype, their fp32 copy and the fp32
+    # log-softmax (torch's cross_entropy on upcast logits); "fused": a fused cross-entropy
+    # kernel that keeps the logits alone and writes their gradient in place (flash-attn's)
+    loss: str = "plait"
 
 
 # Megatron-LM of 2021 had neither a distributed optimizer, sequence parallelism nor selective
@@ -84,6 +88,10 @@ _MEGATRON_DEEPSPEED = Reach(schedules=("1f1b",), zero=(0, 1), recompute=("none",
                             ep=False, dp_shard=False, offload=False, compiled=False)
 _MEGATRON_CORE = Reach(schedules=("1f1b", "interleaved"), zero=(0, 1), cp_kinds=("ring",), dp_shard=False,
                        offload=False, compiled=False)
+# llm-foundry trains under Composer's FSDP: NO_SHARD, SHARD_GRAD_OP and FULL_SHARD (ZeRO 0, 2, 3),
+# activation checkpointing of whole blocks, HYBRID_SHARD; no pipeline, sequence, context or expert split.
+_LLM_FOUNDRY = Reach(schedules=(), zero=(0, 2, 3), recompute=("none", "full"), sp=False, cp_kinds=(), ep=False,
+                     offload=False, compiled=False)
 
 
 STACKS: dict[str, Stack] = {s.name: s for s in (
@@ -108,6 +116,10 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
           "transformer_engine, ub_tp_comm_overlap, overlap_grad_sync, overlap_param_sync, "
           "distributed_fused_adam): megatron-core's kernels and overlaps, and tp's collectives "
           "overlapped with the GEMMs they feed (with sequence parallelism)", _MEGATRON_CORE, tp_overlap=True),
+    Stack("llm-foundry", "fused", False, "plait", True, False, None,
+          "llm-foundry's MPT (ComposerMPTCausalLM) under Composer's FSDP: flash attention, no dropout, "
+          "and flash-attn's fused cross-entropy, its default loss_fn 'fused_crossentropy', which keeps "
+          "the logits alone (its element-wise time priced as plait's loss)", _LLM_FOUNDRY, loss="fused"),
 )}
 
 
@@ -123,7 +135,8 @@ def check_stack(layout: Any) -> None:
     stack = STACKS[layout.stack]
     reach = stack.reach
     lacks = [what for what, runs in (
-        (f"the {layout.schedule} schedule", layout.pp == 1 or layout.schedule in reach.schedules),
+        (f"the {layout.schedule} schedule" if reach.schedules else "pipeline parallelism",
+         layout.pp == 1 or layout.schedule in reach.schedules),
         (f"ZeRO stage {layout.zero}", layout.zero in reach.zero),
         (f"{layout.recompute} recomputation", layout.recompute in reach.recompute),
         ("sequence parallelism", reach.sp or not layout.sp),
