@@ -312,7 +312,7 @@ def llm_foundry_rows() -> list[dict]:
         # the runs' learned position embeddings (seq_len × d: 41% of 125m at 65,536 tokens).
         flops = 6 * int(row["params"]) + 12 * layers * d * int(row["seq_len"])
         predicted = 100 * step.tokens_per_s * flops / (layout.world * hw.peak_flops("bf16"))
-        fits = estimate_memory(config, layout).total <= machine(hw.name).usable_bytes  # as the run did
+        fits = estimate_memory(config, layout).total <= hw.usable_bytes  # as the run did
         out.append({**row, "hardware": hw.name, "published": float(row["mfu"]), "predicted": predicted, "fits": fits,
                     "config": config, "layout": layout,
                     "model_params": config.num_params() + int(row["seq_len"]) * d})

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from plait.models.adapters import adapter_for
+from plait.models.adapters import adapter_for, transformers_classes
 from plait.models.hf.gated import remake_gated_products
 from plait.parallel import compose
 from plait.parallel.pipeline import runner
@@ -48,5 +48,5 @@ def _as_plait_builds(model: nn.Module) -> None:
     make their gated product again (plait.models.hf.gated), as in the model `--model hf:DIR`
     builds and the estimate reads: through parallelize they had kept it, 2f values a token a
     block more than that estimate. Any other model is left as it is."""
-    if any(cls.__module__.startswith("transformers.") for cls in type(model).__mro__):
+    if transformers_classes(model):
         remake_gated_products(model)

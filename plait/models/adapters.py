@@ -25,9 +25,15 @@ from torch import nn
 HAND_WRITTEN = {"GPT2LMHeadModel": "plait.models.hf.gpt2:GPT2Adapter"}  # transformers class -> adapter
 
 
+def transformers_classes(model: nn.Module) -> list[type]:
+    """The classes of `model`'s type that transformers defines, most derived first: none for a
+    model transformers did not build."""
+    return [cls for cls in type(model).__mro__ if cls.__module__.startswith("transformers.")]
+
+
 def adapter_for(model: nn.Module) -> Any | None:
     """The adapter of a transformers `model` (see the module docstring), or None."""
-    classes = [cls for cls in type(model).__mro__ if cls.__module__.startswith("transformers.")]
+    classes = transformers_classes(model)
     if not classes:
         return None
     from plait.models.hf.plans import DeclaredPlanAdapter, declares_plans, laid_out_as_declared
