@@ -379,6 +379,34 @@ def attention_share(row: dict) -> float:
     return core / estimate_time(config, layout, hw, 8).step_s
 
 
+# The best bf16 GEMM measured on each GPU, as a share of its dense peak: the MAMF table of
+# stas00/ml-engineering (CUDA 12.1): A100 267.9 TFLOP/s of 312, H100 SXM 80% (docs/estimate.md).
+BEST_GEMM = {"h100-sxm": 0.80, "a100-80gb": 267.9 / 312, "a100-40gb": 267.9 / 312}
+
+
+def gemm_share(row: dict) -> float:
+    """The share of plait's step in the blocks' and the head's GEMMs (the recomputed forward's
+    included), as plait prices them."""
+    from plait.estimate.ops import block_gemm_s, gemm_s, head_gemm
+
+    config, layout = row["config"], row["layout"]
+    hw = get_hardware(row["hardware"])
+    forward, backward = block_gemm_s(config, layout, hw)
+    passes = 2 if layout.recompute == "full" else 1
+    head = 3 * gemm_s(head_gemm(config, layout.tokens_per_micro_batch, layout.tp), layout.precision, hw)
+    gemms = ((forward * passes + backward) * config.n_layers + head) * layout.grad_accum
+    return gemms / estimate_time(config, layout, hw, 8).step_s
+
+
+def ceiling_rest(row: dict) -> float:
+    """The most of its step a run can have spent outside its GEMMs and attention and still reach
+    its published figure with both at the best GEMM rate measured on its GPU (BEST_GEMM): one
+    less the published hardware FLOPs' share of peak (the table's MFU, with the recomputed
+    forward counted where the run recomputes) over that rate."""
+    hardware_share = row["published"] / 100 * (4 / 3 if row["checkpointing"] == "true" else 1)
+    return 1 - hardware_share / BEST_GEMM[row["hardware"]]
+
+
 def memory_share(row: dict) -> float:
     """plait's memory estimate of the row against its GPU's usable bytes."""
     return estimate_memory(row["config"], row["layout"]).total / get_hardware(row["hardware"]).usable_bytes
@@ -404,7 +432,9 @@ def llm_foundry_reasons() -> tuple[list[dict], dict[str, tuple[float, float]]]:
     """Every row of llm-foundry's table outside 10% of the published MFU, with what the row shows
     (its FSDP transfers, memory and attention shares, its ratio on its GPU's fitted lines) and
     the reason that follows, in this order: over, with heavy transfers ("collectives"); over, at
-    the memory's edge ("memory"); within 10% on the fitted lines ("lines"); else "not found".
+    the memory's edge ("memory"); within 10% on the fitted lines ("lines"); under, with plait's
+    step outside the GEMMs longer than the published figure leaves it room for at the GPU's best
+    GEMM rate, attention too ("ceiling"); else "not found".
     Also the fitted lines themselves."""
     rows = [{**r, "ratio": r["predicted"] / r["published"], "wire": fsdp_wire_share(r),
              "attention": attention_share(r), "memory": memory_share(r)} for r in llm_foundry_rows()]
@@ -416,9 +446,11 @@ def llm_foundry_reasons() -> tuple[list[dict], dict[str, tuple[float, float]]]:
         outside, inside = lines[r["hardware"]]
         r["on_lines"] = r["ratio"] / ((1 - r["attention"]) * outside + r["attention"] * inside)
         over = r["ratio"] > 1
+        r["rest"], r["rest_ceiling"] = 1 - gemm_share(r) - r["attention"], ceiling_rest(r)
         r["reason"] = ("collectives" if over and r["wire"] >= HEAVY_WIRE else
                        "memory" if over and r["memory"] >= MEMORY_EDGE else
-                       "lines" if abs(r["on_lines"] - 1) <= 0.10 else "not found")
+                       "lines" if abs(r["on_lines"] - 1) <= 0.10 else
+                       "ceiling" if not over and r["rest"] > r["rest_ceiling"] else "not found")
         out.append(r)
     return out, lines
 
@@ -433,6 +465,7 @@ def measured_rows() -> list[tuple]:
 
 REASON_TEXT = {"collectives": "FSDP's transfers heavy, hidden whole by the model",
                "memory": "at the memory's edge by the estimate", "lines": "within 10% on its GPU's fitted lines",
+               "ceiling": "the published rate leaves less room outside GEMMs and attention than plait's step takes",
                "not found": "not found"}
 
 
