@@ -412,23 +412,34 @@ def memory_share(row: dict) -> float:
     return estimate_memory(row["config"], row["layout"]).total / get_hardware(row["hardware"]).usable_bytes
 
 
-def fitted_lines(rows: list[dict]) -> dict[str, tuple[float, float]]:
-    """Per GPU, the factors (outside, inside) on plait's time outside attention and inside it that
-    best fit plait / published over its rows with light transfers and room in memory (least
-    squares of ratio ≈ (1 - share)·outside + share·inside). A factor f on a line at efficiency e
-    is the line at e / f."""
+def head_dim(row: dict) -> int:
+    return row["config"].d_model // row["config"].n_heads
+
+
+def fitted_lines(rows: list[dict]) -> dict[str, dict]:
+    """Per GPU, the factors on plait's time outside attention ("outside") and inside it, one per
+    head dimension (MPT-125M and 350M attend at 64, the rest at 128), that best fit plait /
+    published over its rows with light transfers and room in memory: least squares of
+    ratio ≈ (1 - share)·outside + share·factor[head dimension]. A factor f on a line at
+    efficiency e is the line at e / f."""
+    import numpy as np
+
     out = {}
     for hardware in dict.fromkeys(r["hardware"] for r in rows):
-        fit = [(1 - r["attention"], r["attention"], r["ratio"]) for r in rows if r["hardware"] == hardware
-               and r["wire"] < HEAVY_WIRE and r["memory"] < MEMORY_EDGE]
-        uu, uv, vv = (sum(u * u for u, _, _ in fit), sum(u * v for u, v, _ in fit), sum(v * v for _, v, _ in fit))
-        uy, vy = sum(u * y for u, _, y in fit), sum(v * y for _, v, y in fit)
-        det = uu * vv - uv * uv
-        out[hardware] = ((uy * vv - vy * uv) / det, (vy * uu - uy * uv) / det)
+        fit = [r for r in rows if r["hardware"] == hardware and r["wire"] < HEAVY_WIRE and r["memory"] < MEMORY_EDGE]
+        dims = sorted({head_dim(r) for r in fit}, reverse=True)
+        matrix = np.array([[1 - r["attention"]] + [r["attention"] * (head_dim(r) == d) for d in dims] for r in fit])
+        factors = np.linalg.lstsq(matrix, np.array([r["ratio"] for r in fit]), rcond=None)[0]
+        out[hardware] = {"outside": float(factors[0]), **{d: float(f) for d, f in zip(dims, factors[1:])}}
     return out
 
 
-def llm_foundry_reasons() -> tuple[list[dict], dict[str, tuple[float, float]]]:
+def on_lines(row: dict, lines: dict) -> float:
+    """The row's plait / published on its GPU's fitted lines (`fitted_lines`)."""
+    return row["ratio"] / ((1 - row["attention"]) * lines["outside"] + row["attention"] * lines[head_dim(row)])
+
+
+def llm_foundry_reasons() -> tuple[list[dict], dict[str, dict]]:
     """Every row of llm-foundry's table outside 10% of the published MFU, with what the row shows
     (its FSDP transfers, memory and attention shares, its ratio on its GPU's fitted lines) and
     the reason that follows, in this order: over, with heavy transfers ("collectives"); over, at
@@ -443,8 +454,7 @@ def llm_foundry_reasons() -> tuple[list[dict], dict[str, tuple[float, float]]]:
     for r in rows:
         if abs(r["ratio"] - 1) <= 0.10:
             continue
-        outside, inside = lines[r["hardware"]]
-        r["on_lines"] = r["ratio"] / ((1 - r["attention"]) * outside + r["attention"] * inside)
+        r["on_lines"] = on_lines(r, lines[r["hardware"]])
         over = r["ratio"] > 1
         r["rest"], r["rest_ceiling"] = 1 - gemm_share(r) - r["attention"], ceiling_rest(r)
         r["reason"] = ("collectives" if over and r["wire"] >= HEAVY_WIRE else
@@ -469,16 +479,25 @@ REASON_TEXT = {"collectives": "FSDP's transfers heavy, hidden whole by the model
                "not found": "not found"}
 
 
+def _reason(row: dict) -> str:
+    if row["reason"] == "ceiling":
+        return f"{REASON_TEXT['ceiling']} ({row['rest_ceiling']:.2f} of the step against {row['rest']:.2f})"
+    return REASON_TEXT[row["reason"]]
+
+
 def llm_foundry_reason_tables() -> list[str]:
     """The fitted lines per GPU, then every row of llm-foundry's table outside 10% with its reason."""
     rows, fitted = llm_foundry_reasons()
-    out = ["", "| llm-foundry's table, per GPU | factor on plait's time outside attention | on attention | "
-           "line outside attention: implied (preset) | attention: implied (preset) | rows outside 10% | "
-           "of them within 10% on these lines |", "|---|---|---|---|---|---|---|"]
-    for hardware, (outside, inside) in fitted.items():
+    out = ["", "| llm-foundry's table, per GPU | factor on plait's time outside attention | on attention at "
+           "head dimension 128 | at 64 | line outside attention: implied (preset) | attention at 128: implied "
+           "(preset) | at 64: implied | rows outside 10% | of them within 10% on these lines |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for hardware, lines in fitted.items():
         hw, mine = get_hardware(hardware), [r for r in rows if r["hardware"] == hardware]
-        out.append(f"| {hardware} | {outside:.3f} | {inside:.3f} | {hw.compute_efficiency / outside:.2f} "
-                   f"({hw.compute_efficiency:.2f}) | {hw.attention_efficiency / inside:.2f} ({hw.attention_efficiency:.2f}) | "
+        at_64 = (f"{lines[64]:.3f}", f"{hw.attention_efficiency / lines[64]:.2f}") if 64 in lines else ("none", "")
+        out.append(f"| {hardware} | {lines['outside']:.3f} | {lines[128]:.3f} | {at_64[0]} | "
+                   f"{hw.compute_efficiency / lines['outside']:.2f} ({hw.compute_efficiency:.2f}) | "
+                   f"{hw.attention_efficiency / lines[128]:.2f} ({hw.attention_efficiency:.2f}) | {at_64[1]} | "
                    f"{len(mine)} | {sum(abs(r['on_lines'] - 1) <= 0.10 for r in mine)} |")
     out += ["", "| llm-foundry row outside 10% | GPUs | micro-batch x accumulation | published MFU | plait MFU | "
             "plait / published | on the fitted lines | FSDP transfers / compute | memory / usable | attention | reason |",
@@ -486,7 +505,7 @@ def llm_foundry_reason_tables() -> list[str]:
     out += [f"| {r['hardware']} MPT-{r['model']} at {r['seq_len']} tokens, {r['sharding']}, "
             f"{'recompute' if r['checkpointing'] == 'true' else 'no recompute'}, {r['mp_mode']} | {r['gpus']} | "
             f"{r['micro_batch']} x {r['grad_accum']} | {r['published']:.2f} | {r['predicted']:.1f} | {r['ratio']:.2f} | "
-            f"{r['on_lines']:.2f} | {r['wire']:.2f} | {r['memory']:.2f} | {r['attention']:.2f} | {REASON_TEXT[r['reason']]} |"
+            f"{r['on_lines']:.2f} | {r['wire']:.2f} | {r['memory']:.2f} | {r['attention']:.2f} | {_reason(r)} |"
             for r in rows]
     return out
 
