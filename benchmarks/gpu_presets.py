@@ -13,8 +13,8 @@ summarised per GPU, and each of its rows outside 10% with its reason (llm_foundr
 
 What the papers do not state, assumed here and the same for every row: micro-batch 1 and the
 plain 1F1B schedule for Megatron; FSDP as ZeRO-3 with prefetch for torchtitan. Nothing is fitted
-per row: every number comes from the presets in plait/estimate/hardware.py. The two factors per
-GPU that llm_foundry_reasons fits over llm-foundry's rows diagnose the rows outside 10%; no
+per row: every number comes from the presets in plait/estimate/hardware.py. The factors per GPU
+that llm_foundry_reasons fits over llm-foundry's rows diagnose the rows outside 10%; no
 prediction reads them.
 
     python benchmarks/gpu_presets.py            # prints the Markdown tables
@@ -343,9 +343,9 @@ def llm_foundry_summary() -> list[tuple]:
 # Why a row of llm-foundry's table lies outside 10%, read off the row itself. The rows the model
 # prices over the published figure are, on every GPU, those whose FSDP transfers are heavy against
 # the compute beside them (which the model hides whole: NCCL's kernels take SMs from the products
-# they overlap) or whose estimate sits at the GPU's memory (where the caching allocator frees and
-# retries); the rest spread along the share of the step in attention, which two factors per GPU
-# on the model's lines (the step outside attention, and attention) take up.
+# they overlap) or whose estimate sits at the GPU's memory; the rest spread along the share of
+# the step in attention, which factors per GPU on the model's lines (the step outside attention,
+# and attention at each head dimension) take up.
 HEAVY_WIRE = 0.15  # FSDP's collectives at least this share of the step's compute
 MEMORY_EDGE = 0.90  # the estimate at least this share of the GPU's usable memory
 
@@ -355,12 +355,12 @@ def fsdp_wire_share(row: dict) -> float:
     plait prices them: FULL_SHARD gathers each block before its forward and again before its
     backward (the recomputed forward reuses the second), SHARD_GRAD_OP once a micro-batch, and
     both reduce-scatter every micro-batch in the reduce dtype (COMPOSER_REDUCE)."""
-    from plait.estimate.network import collective_s
+    from plait.estimate.network import collective_s, inter_node
 
     config, layout = row["config"], row["layout"]
     hw = get_hardware(row["hardware"])
     params, units = config.num_params(), config.n_layers
-    inter = 8 if layout.dp > 8 else 0
+    inter = inter_node(layout, 8)["dp"]
     gather = collective_s("all_gather", params * 2, layout.dp, hw, inter, units)
     reduce = collective_s("reduce_scatter", params * layout.reduce_bytes, layout.dp, hw, inter, units)
     gathers = 2 if layout.zero == 3 else 1
@@ -413,6 +413,7 @@ def memory_share(row: dict) -> float:
 
 
 def head_dim(row: dict) -> int:
+    """The width of one attention head in the row's model (FlashAttention's speed depends on it)."""
     return row["config"].d_model // row["config"].n_heads
 
 
@@ -480,6 +481,7 @@ REASON_TEXT = {"collectives": "FSDP's transfers heavy, hidden whole by the model
 
 
 def _reason(row: dict) -> str:
+    """The row's reason in words, with the figures the ceiling compares."""
     if row["reason"] == "ceiling":
         return f"{REASON_TEXT['ceiling']} ({row['rest_ceiling']:.2f} of the step against {row['rest']:.2f})"
     return REASON_TEXT[row["reason"]]
