@@ -29,10 +29,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from plait.estimate.context import forward_passes  # noqa: E402
 from plait.estimate.hardware import get_hardware  # noqa: E402
 from plait.estimate.layout import Workload  # noqa: E402
-from plait.estimate.memory import estimate_memory  # noqa: E402
-from plait.estimate.time import estimate_time  # noqa: E402
+from plait.estimate.memory import estimate_memory, state_bytes  # noqa: E402
+from plait.estimate.network import collective_s, inter_node  # noqa: E402
+from plait.estimate.ops import attention_time, gemm_s, head_gemm, stage_gemm_s  # noqa: E402
+from plait.estimate.time import estimate_time, flops_per_token  # noqa: E402
+from plait.estimate.traffic import zero3_gathers  # noqa: E402
 from plait.models.gpt.config import GPTConfig  # noqa: E402
 
 # (billions of params, heads, hidden, layers, t, p, GPUs, batch, TFLOP/s per GPU, % of peak)
@@ -352,30 +356,26 @@ MEMORY_EDGE = 0.90  # the estimate at least this share of the GPU's usable memor
 
 def fsdp_wire_share(row: dict) -> float:
     """FSDP's collectives over one step, before any overlap, against the step's compute, both as
-    plait prices them: FULL_SHARD gathers each block before its forward and again before its
-    backward (the recomputed forward reuses the second), SHARD_GRAD_OP once a micro-batch, and
-    both reduce-scatter every micro-batch in the reduce dtype (COMPOSER_REDUCE)."""
-    from plait.estimate.network import collective_s, inter_node
-
+    plait prices them (exposed._dp_sync_s): ZeRO-3 (FULL_SHARD) gathers each unit before its
+    forward and again before its backward (zero3_gathers) every micro-batch, ZeRO-2
+    (SHARD_GRAD_OP) once a step; both reduce-scatter every micro-batch, in the reduce dtype
+    (COMPOSER_REDUCE), one collective per unit of --bucket-mb (a block here)."""
     config, layout = row["config"], row["layout"]
     hw = get_hardware(row["hardware"])
-    params, units = config.num_params(), config.n_layers
-    inter = inter_node(layout, 8)["dp"]
-    gather = collective_s("all_gather", params * 2, layout.dp, hw, inter, units)
+    params, inter = config.num_params(), inter_node(layout, 8)["dp"]
+    units = params / (12 * config.d_model ** 2)  # one collective a block's worth, as the rows' --bucket-mb
+    gather = collective_s("all_gather", params * state_bytes(layout.precision).param, layout.dp, hw, inter, units)
     reduce = collective_s("reduce_scatter", params * layout.reduce_bytes, layout.dp, hw, inter, units)
-    gathers = 2 if layout.zero == 3 else 1
-    return layout.grad_accum * (gathers * gather + reduce) / estimate_time(config, layout, hw, 8).compute_s
+    gathers = layout.grad_accum * zero3_gathers(layout) if layout.zero == 3 else 1
+    return (gathers * gather + layout.grad_accum * reduce) / estimate_time(config, layout, hw, 8).compute_s
 
 
 def attention_share(row: dict) -> float:
     """The share of plait's step spent in the attention core (forward, the recomputed forward
     where the run recomputes, and backward), every block and micro-batch."""
-    from plait.estimate.ops import attention_time
-
     config, layout = row["config"], row["layout"]
     hw = get_hardware(row["hardware"])
-    forwards = 2 if layout.recompute == "full" else 1
-    core = attention_time(config, layout, hw, forwards, 1) * config.n_layers * layout.grad_accum
+    core = attention_time(config, layout, hw, forward_passes(layout.recompute), 1) * config.n_layers * layout.grad_accum
     return core / estimate_time(config, layout, hw, 8).step_s
 
 
@@ -386,15 +386,12 @@ BEST_GEMM = {"h100-sxm": 0.80, "a100-80gb": 267.9 / 312, "a100-40gb": 267.9 / 31
 
 def gemm_share(row: dict) -> float:
     """The share of plait's step in the blocks' and the head's GEMMs (the recomputed forward's
-    included), as plait prices them."""
-    from plait.estimate.ops import block_gemm_s, gemm_s, head_gemm
-
+    included), as plait prices them (ops.stage_gemm_s, the head forward and backward)."""
     config, layout = row["config"], row["layout"]
     hw = get_hardware(row["hardware"])
-    forward, backward = block_gemm_s(config, layout, hw)
-    passes = 2 if layout.recompute == "full" else 1
-    head = 3 * gemm_s(head_gemm(config, layout.tokens_per_micro_batch, layout.tp), layout.precision, hw)
-    gemms = ((forward * passes + backward) * config.n_layers + head) * layout.grad_accum
+    head = head_gemm(config, layout.tokens_per_micro_batch, layout.tp)
+    head_s = sum(gemm_s(g, layout.precision, hw) for g in (head, *head.backward()))
+    gemms = (stage_gemm_s(config, layout, config.n_layers, hw) + head_s) * layout.grad_accum
     return gemms / estimate_time(config, layout, hw, 8).step_s
 
 
@@ -403,8 +400,8 @@ def ceiling_rest(row: dict) -> float:
     its published figure with both at the best GEMM rate measured on its GPU (BEST_GEMM): one
     less the published hardware FLOPs' share of peak (the table's MFU, with the recomputed
     forward counted where the run recomputes) over that rate."""
-    hardware_share = row["published"] / 100 * (4 / 3 if row["checkpointing"] == "true" else 1)
-    return 1 - hardware_share / BEST_GEMM[row["hardware"]]
+    model, hardware = flops_per_token(row["config"], row["layout"].seq_len, row["layout"].recompute)
+    return 1 - row["published"] / 100 * hardware / model / BEST_GEMM[row["hardware"]]
 
 
 def memory_share(row: dict) -> float:
@@ -414,7 +411,7 @@ def memory_share(row: dict) -> float:
 
 def head_dim(row: dict) -> int:
     """The width of one attention head in the row's model (FlashAttention's speed depends on it)."""
-    return row["config"].d_model // row["config"].n_heads
+    return row["config"].head_dim
 
 
 def fitted_lines(rows: list[dict]) -> dict[str, dict]:
@@ -457,7 +454,9 @@ def llm_foundry_reasons() -> tuple[list[dict], dict[str, dict]]:
             continue
         r["on_lines"] = on_lines(r, lines[r["hardware"]])
         over = r["ratio"] > 1
-        r["rest"], r["rest_ceiling"] = 1 - gemm_share(r) - r["attention"], ceiling_rest(r)
+        # plait's time outside GEMMs and attention, as a share of the published step (ratio =
+        # the published step over plait's), against the room the published rate leaves there
+        r["rest"], r["rest_ceiling"] = (1 - gemm_share(r) - r["attention"]) / r["ratio"], ceiling_rest(r)
         r["reason"] = ("collectives" if over and r["wire"] >= HEAVY_WIRE else
                        "memory" if over and r["memory"] >= MEMORY_EDGE else
                        "lines" if abs(r["on_lines"] - 1) <= 0.10 else

@@ -334,8 +334,9 @@ def test_every_llm_foundry_row_outside_10_percent_has_its_reason_read_off_the_ro
     dimension 128 (0.60) and 0.52-0.53 at 64 (MPT-125M and 350M). MPT-13B and
     MPT-7B at 1,024 tokens with recompute on A100 80 GB (0.77) publish a hardware rate that,
     with every GEMM and the attention at the best GEMM rate measured on an A100, leaves 8-10% of
-    the step for the rest, where plait's element-wise passes and update take 12-15%. The runs'
-    reduce dtype is the table's "MP Mode": DEFAULT reduces in fp32."""
+    the published step for the rest, where plait's time outside GEMMs and attention (element-wise
+    passes, the update, exposed transfers) comes to 16-19% of it. The runs' reduce dtype is the
+    table's "MP Mode": DEFAULT reduces in fp32."""
     module = _benchmark("gpu_presets")
     rows, fitted = module.llm_foundry_reasons()
     assert len(rows) == 87
@@ -344,13 +345,14 @@ def test_every_llm_foundry_row_outside_10_percent_has_its_reason_read_off_the_ro
                        ("a100-80gb", "memory"): 1, ("a100-80gb", "lines"): 23, ("a100-80gb", "ceiling"): 2,
                        ("a100-40gb", "collectives"): 1, ("a100-40gb", "lines"): 46}
     heavy = [r for r in rows if r["reason"] == "collectives"]
-    assert all(r["ratio"] > 1.1 and r["wire"] >= module.HEAVY_WIRE for r in heavy)
+    assert (min(r["wire"] for r in heavy), max(r["wire"] for r in heavy)) == pytest.approx((0.17, 0.43), abs=0.005)
     assert {(r["model"], r["micro_batch"]) for r in heavy if r["hardware"] == "h100-sxm"} == \
         {("13b", "2"), ("7b", "6"), ("70b", "2"), ("30b", "1"), ("30b", "3")}
     assert {(r["model"], r["seq_len"]) for r in rows if r["reason"] == "memory"} == {("30b", "8192")}
     ceiling = [r for r in rows if r["reason"] == "ceiling"]
     assert sorted((r["model"], r["seq_len"]) for r in ceiling) == [("13b", "1024"), ("7b", "1024")]
-    assert all(r["rest"] > 1.4 * r["rest_ceiling"] for r in ceiling)
+    assert [(round(r["rest_ceiling"], 2), round(r["rest"], 2)) for r in sorted(ceiling, key=lambda r: r["model"])] == \
+        [(0.08, 0.16), (0.10, 0.19)]
     assert ("a100-40gb", "125m", "32768", "lines") in {(r["hardware"], r["model"], r["seq_len"], r["reason"]) for r in rows}
     h100 = get_hardware("h100-sxm")
     assert h100.compute_efficiency / fitted["h100-sxm"]["outside"] == pytest.approx(0.73, abs=0.01)
@@ -360,7 +362,7 @@ def test_every_llm_foundry_row_outside_10_percent_has_its_reason_read_off_the_ro
         hw, lines = get_hardware(a100), fitted[a100]
         assert 0.81 <= hw.compute_efficiency / lines["outside"] <= 0.84
         assert hw.attention_efficiency / lines[128] == pytest.approx(0.58, abs=0.01)
-        assert lines[64] > 1.08 * lines[128]  # attention at head dimension 64 runs ~10% slower
+        assert hw.attention_efficiency / lines[64] == pytest.approx(0.525, abs=0.01)  # ~10% slower than at 128
     modes = Counter((r["gpu"], r["mp_mode"], r["layout"].reduce_dtype) for r in module.llm_foundry_rows())
     assert modes == {("h100_80gb", "DEFAULT", "fp32"): 70, ("a100_80gb", "DEFAULT", "fp32"): 59,
                      ("a100_80gb", "PURE", "bf16"): 2, ("a100_40gb", "PURE", "bf16"): 78}
