@@ -303,9 +303,9 @@ LLM_FOUNDRY_CSV = Path(__file__).resolve().parent / "published" / "llm_foundry_m
 
 
 def llm_foundry_rows() -> list[dict]:
-    """Every row of llm-foundry's table: its run, the published MFU (%), plait's, whether the
-    estimate fits it in the GPU it ran on, and the two parameter counts (the table's and the
-    model's, which must agree)."""
+    """Every row of llm-foundry's table: its run, the published MFU (%), plait's, its step and
+    memory estimates, whether the latter fits the GPU it ran on, and the two parameter counts
+    (the table's and the model's, which must agree)."""
     import csv
 
     lines = [line for line in LLM_FOUNDRY_CSV.read_text().splitlines() if not line.startswith("#")]
@@ -324,9 +324,10 @@ def llm_foundry_rows() -> list[dict]:
         # the runs' learned position embeddings (seq_len × d: 41% of 125m at 65,536 tokens).
         flops = 6 * int(row["params"]) + 12 * layers * d * int(row["seq_len"])
         predicted = 100 * step.tokens_per_s * flops / (layout.world * hw.peak_flops("bf16"))
-        fits = estimate_memory(config, layout).total <= hw.usable_bytes  # as the run did
-        out.append({**row, "hardware": hw.name, "published": float(row["mfu"]), "predicted": predicted, "fits": fits,
-                    "config": config, "layout": layout,
+        memory = estimate_memory(config, layout).total
+        out.append({**row, "hardware": hw.name, "published": float(row["mfu"]), "predicted": predicted,
+                    "fits": memory <= hw.usable_bytes,  # as the run did
+                    "config": config, "layout": layout, "step": step, "memory_bytes": memory,
                     "model_params": config.num_params() + int(row["seq_len"]) * d})
     return out
 
@@ -363,11 +364,12 @@ def fsdp_wire_share(row: dict) -> float:
     config, layout = row["config"], row["layout"]
     hw = get_hardware(row["hardware"])
     params, inter = config.num_params(), inter_node(layout, 8)["dp"]
-    units = params / (12 * config.d_model ** 2)  # one collective a block's worth, as the rows' --bucket-mb
-    gather = collective_s("all_gather", params * state_bytes(layout.precision).param, layout.dp, hw, inter, units)
+    weights = params * state_bytes(layout.precision).param
+    units = weights / layout.bucket_bytes  # the rows' --bucket-mb holds one block's weights
+    gather = collective_s("all_gather", weights, layout.dp, hw, inter, units)
     reduce = collective_s("reduce_scatter", params * layout.reduce_bytes, layout.dp, hw, inter, units)
     gathers = layout.grad_accum * zero3_gathers(layout) if layout.zero == 3 else 1
-    return (gathers * gather + layout.grad_accum * reduce) / estimate_time(config, layout, hw, 8).compute_s
+    return (gathers * gather + layout.grad_accum * reduce) / row["step"].compute_s
 
 
 def attention_share(row: dict) -> float:
@@ -376,7 +378,7 @@ def attention_share(row: dict) -> float:
     config, layout = row["config"], row["layout"]
     hw = get_hardware(row["hardware"])
     core = attention_time(config, layout, hw, forward_passes(layout.recompute), 1) * config.n_layers * layout.grad_accum
-    return core / estimate_time(config, layout, hw, 8).step_s
+    return core / row["step"].step_s
 
 
 # The best bf16 GEMM measured on each GPU, as a share of its dense peak: the MAMF table of
@@ -392,7 +394,7 @@ def gemm_share(row: dict) -> float:
     head = head_gemm(config, layout.tokens_per_micro_batch, layout.tp)
     head_s = sum(gemm_s(g, layout.precision, hw) for g in (head, *head.backward()))
     gemms = (stage_gemm_s(config, layout, config.n_layers, hw) + head_s) * layout.grad_accum
-    return gemms / estimate_time(config, layout, hw, 8).step_s
+    return gemms / row["step"].step_s
 
 
 def ceiling_rest(row: dict) -> float:
@@ -406,7 +408,7 @@ def ceiling_rest(row: dict) -> float:
 
 def memory_share(row: dict) -> float:
     """plait's memory estimate of the row against its GPU's usable bytes."""
-    return estimate_memory(row["config"], row["layout"]).total / get_hardware(row["hardware"]).usable_bytes
+    return row["memory_bytes"] / get_hardware(row["hardware"]).usable_bytes
 
 
 def head_dim(row: dict) -> int:
