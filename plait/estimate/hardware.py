@@ -9,6 +9,7 @@ is limited by.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from dataclasses import MISSING, dataclass, fields, replace
@@ -269,6 +270,7 @@ def sized_rate(table: tuple[tuple[int, float], ...], size: float) -> float:
 EXTRAPOLATED = 2.0  # beyond the largest measured size, a rate rises to at most this times its rate there
 
 
+@functools.cache  # memory_rate reads it on every element-wise op the planner prices: one table, capped once
 def _no_faster_smaller(table: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
     """An element-wise op's `table`, each rate at most every larger size's: a small op pays its
     fixed part over fewer bytes. A row that timed faster had its data stay in the caches: on 4 ranks
