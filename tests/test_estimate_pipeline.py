@@ -87,8 +87,10 @@ def test_long_schedules_timed_in_part_come_within_a_thousandth(monkeypatch: pyte
         assert pipeline._timed_micro_batches(schedule, pp, m, v) < m
         part = makespan(schedule, pp, m, v, costs, THIRD, weights)
         monkeypatch.setattr(pipeline, "FULL_ACTIONS", 10**9)
+        pipeline._rank_paths.cache_clear()  # else the whole run reads the part's cached span
         whole = makespan(schedule, pp, m, v, costs, THIRD, weights)
         monkeypatch.undo()
+        pipeline._rank_paths.cache_clear()
         assert part == pytest.approx(whole, rel=1e-3), (schedule, pp, m, v)
     assert makespan("interleaved", 4, 512, 2, cut_s, THIRD, cut_weights) > 512 * max(cut_s) * 1.01
 
@@ -115,3 +117,89 @@ def test_the_planners_lower_bound_never_exceeds_the_span() -> None:
     for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2)):
         assert lower_bound(schedule, 4, 8, v, [3.0] * 4, THIRD) == pytest.approx(
             makespan(schedule, 4, 8, v, [3.0] * 4, THIRD), rel=1e-12)
+
+
+def test_on_a_crowded_host_a_waiting_rank_lends_its_cores_to_the_ranks_at_work() -> None:
+    """Prices taken with every rank at work, two threads a core (4 one-thread ranks on 2
+    cores: Crowd(2)). A pipeline rank that sleeps in its receive leaves its share of the cores
+    to the others (Crowd.speed: one of 2 pipeline ranks at work runs twice as fast, or as fast
+    as measured with a core to itself, `lone`; 3 of 4 take the cores 4/3 as much as 4 did).
+
+    1F1B, 2 stages at 3 s a micro-batch (F 1, B 2), worked by hand:
+    - one micro-batch: every action alone, all at twice the pace: 3 s, where alone on its
+      cores it takes 6; with 0.5 s messages 4 (F 0-0.5, message, F 1-1.5, B 1.5-2.5, message,
+      B 3-4); at a measured lone pace of 2.5, 2.4 s;
+    - two micro-batches: rank 0's F0 alone (0-0.5), then F1 beside rank 1's F0 (0.5-1.5), rank
+      1's B0 alone (1.5-2.5), its F1 beside rank 0's B0 (2.5-3.5), its B1 beside the rest of B0
+      (3.5-4.5), the rest of B1 alone (4.5-5), rank 0's B1 alone (5-6): 6 s for 9, each rank
+      at work 4.5 of its 6 priced seconds;
+    - the same with 0.25 s messages: 6.5 s. A rank whose message is on its way counts as at
+      work (its delay is mostly the wait for a core): rank 0's F1 runs at the shared pace from
+      0.5, while rank 1's F0 is still a message (0.5-0.75), not at twice it;
+    - one micro-batch with a 1 s tail on each rank (its dp sync and update): rank 1's tail
+      (2-3) beside rank 0's B, which then ends alone (3-3.5), and rank 0's tail alone
+      (3.5-4): each rank's path 4 and 3 s, where priced one after another, 7."""
+    two, measured = pipeline.Crowd(2.0), pipeline.Crowd(2.0, 2.5)
+    assert two.speed(1, 2) == 2.0 and two.speed(2, 2) == 1.0 and measured.speed(1, 2) == 2.5
+    assert two.speed(1, 4) == 2.0 and two.speed(2, 4) == 2.0 and two.speed(3, 4) == pytest.approx(4 / 3)
+    assert measured.speed(3, 4) == pytest.approx(4 / 3) and measured.speed(4, 4) == 1.0
+    assert not pipeline.ALONE.crowded and two.crowded
+    paths = pipeline.rank_paths
+    assert paths("1f1b", 2, 1, 1, [3.0, 3.0], THIRD, crowd=two) == ((3.0, 2.0), (1.5, 1.5), (0.0, 0.0))
+    assert paths("1f1b", 2, 1, 1, [3.0, 3.0], THIRD, crowd=measured).ends == pytest.approx((2.4, 1.6))
+    assert paths("1f1b", 2, 1, 1, [3.0, 3.0], THIRD, crowd=two, tails=[1.0, 1.0]) == ((3.5, 2.0), (2.0, 1.5),
+                                                                                      (0.5, 1.0))
+    assert paths("1f1b", 2, 1, 1, [3.0, 3.0], THIRD, tails=[1.0, 1.0]) == ((6.0, 4.0), (3.0, 3.0), (1.0, 1.0))
+    assert makespan("1f1b", 2, 1, 1, [3.0, 3.0], THIRD) == 6.0
+    assert paths("1f1b", 2, 1, 1, [3.0, 3.0], THIRD, edge_s=0.5, crowd=two).ends == (4.0, 2.5)
+    assert paths("1f1b", 2, 2, 1, [3.0, 3.0], THIRD, crowd=two)[:2] == ((6.0, 5.0), (4.5, 4.5))
+    assert makespan("1f1b", 2, 2, 1, [3.0, 3.0], THIRD) == 9.0
+    assert paths("1f1b", 2, 2, 1, [3.0, 3.0], THIRD, edge_s=0.25, crowd=two).ends == (6.5, 5.25)
+
+
+def test_a_crowded_run_with_a_core_for_every_thread_is_the_plain_run_and_stays_above_its_bounds() -> None:
+    """Random schedules, costs, chunk weights and messages: the event run with a core for each
+    thread ends every rank where the plain run does; at two threads a core, a lone rank 2.2
+    times as fast, no rank ends later than plainly, nor before 1/2.2 of it, and no span beats
+    the planner's bound or the ranks' work spread over every core."""
+    rng = random.Random(5)
+    for _ in range(60):
+        schedule = rng.choice(["gpipe", "1f1b", "interleaved", "zb-h1"])
+        pp = rng.choice([2, 3, 4])
+        v = rng.choice([2, 3]) if schedule == "interleaved" else 1
+        m = rng.randint(1, 4 * pp)
+        costs = tuple(rng.uniform(0.5, 1.5) for _ in range(pp))
+        weights = tuple(tuple(w / sum(ws) for w in ws) for ws in ([rng.uniform(0.2, 1.0) for _ in range(v)]
+                                                                  for _ in range(pp)))
+        edge = rng.choice([0.0, 0.05, 0.3])
+        plan = pipeline.compiled(schedule, pp, m, v)
+        share = pipeline.shares(THIRD)
+        plain = pipeline._run(plan, costs, share, weights, edge)
+        alike, busy, _ = pipeline._run_shared(plan, costs, share, weights, edge, pipeline.ALONE, (0.0,) * pp)
+        assert alike == pytest.approx(plain, rel=1e-9) and busy == pytest.approx([m * c for c in costs], rel=1e-9)
+        ends, busy, _ = pipeline.rank_paths(schedule, pp, m, v, list(costs), THIRD, [list(w) for w in weights],
+                                         edge, crowd=pipeline.Crowd(2.0, 2.2))
+        for end, alone in zip(ends, plain):
+            assert alone / 2.2 - 1e-9 <= end <= alone + 1e-9, (schedule, pp, m, v)
+        assert max(ends) >= m * sum(costs) / pp / 1.1 - 1e-9
+        assert lower_bound(schedule, pp, m, v, list(costs), THIRD, [list(w) for w in weights], edge,
+                           crowd=pipeline.Crowd(2.0, 2.2)) <= max(ends) * (1 + 1e-12), (schedule, pp, m, v)
+        assert all(b <= m * c + 1e-9 for b, c in zip(busy, costs))
+
+
+def test_a_long_crowded_schedule_timed_in_part_is_the_whole_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past FULL_ACTIONS a crowded run, too, is its first micro-batches and then the steady
+    state's pace, read off the last group of pp timed with each rank's work in it: on lopsided
+    ends the slowest rank works faster there while lighter ones wait, which a floor at its
+    priced micro-batch put 2.4% over the whole run of a zb-h1 on 4 ranks."""
+    rng = random.Random(3)
+    for schedule, pp, m, v in (("1f1b", 4, 800, 1), ("zb-h1", 4, 600, 1), ("interleaved", 4, 403, 3)):
+        costs = _lopsided(pp, rng)
+        assert pipeline._timed_micro_batches(schedule, pp, m, v) < m
+        part = pipeline.rank_paths(schedule, pp, m, v, costs, THIRD, edge_s=0.01, crowd=pipeline.Crowd(2.0, 2.2))
+        monkeypatch.setattr(pipeline, "FULL_ACTIONS", 10**9)
+        pipeline._rank_paths.cache_clear()
+        whole = pipeline.rank_paths(schedule, pp, m, v, costs, THIRD, edge_s=0.01, crowd=pipeline.Crowd(2.0, 2.2))
+        monkeypatch.undo()
+        pipeline._rank_paths.cache_clear()
+        assert part[0] == pytest.approx(whole[0], rel=1e-9) and part[1] == pytest.approx(whole[1], rel=1e-9)

@@ -217,10 +217,61 @@ def crowded(mesh: Mesh) -> bool:
     it gets one: timed alone, each of 4 ranks measured a whole core's rate, 0.34 TFLOP/s in all
     on a 2-core machine whose ceiling is 0.155, and the 4-rank steps were predicted at half
     their measurement. Only where every rank is on this host: the spans read one clock."""
+    return crowding(mesh) > 1.0
+
+
+def crowding(mesh: Mesh) -> float:
+    """Threads for each of the host's cores while every rank computes: its ranks' threads over
+    its cores where more than 1 (`crowded`), else 1.0. Recorded as Hardware.crowding: a
+    pipeline rank that waits leaves its share of the cores to the ranks at work."""
     if mesh.device.type != "cpu" or mesh.env.world_size == 1:
-        return False
+        return 1.0
     local = int(os.environ.get("LOCAL_WORLD_SIZE", mesh.env.world_size))
-    return local == mesh.env.world_size and local * torch.get_num_threads() > (os.cpu_count() or 1)
+    if local != mesh.env.world_size:
+        return 1.0
+    return max(1.0, local * torch.get_num_threads() / (os.cpu_count() or 1))
+
+
+CROWDING_BURST_S = 0.15  # a burst of the block's steps, every rank at work: wake-ups a few ms of it
+CROWDING_ROUNDS = 9  # five measured 1.92-2.23 on 4 ranks on 2 cores
+
+
+def measure_lone_speedup(mesh: Mesh, config: GPTConfig, micro_batch: int, seq_len: int) -> float:
+    """On a crowded host, how much faster a rank trains while only as many ranks as the
+    cores hold work, the others asleep in a barrier, than while every rank works: a block at
+    the model's widths (one layer, a small vocabulary), forward and backward at `micro_batch`,
+    in bursts taken both ways in turns, each timed from the first rank's start to the last
+    working rank's end. Shared without loss that is `crowding` (2 for 4 one-thread ranks on 2
+    cores); ranks that share cores also share caches, and a block's steps measured 1.99-2.22
+    here (micro-batches 16 to 1), not 2. 0.0 where the host is not crowded. A pipeline's
+    waiting ranks give the working ones this pace (estimate/pipeline.Crowd)."""
+    if not crowded(mesh):
+        return 0.0
+    from plait.models.gpt.model import build_gpt
+
+    block = GPTConfig(vocab_size=256, n_layers=1, d_model=config.d_model, n_heads=config.n_heads,
+                      n_kv_heads=config.n_kv_heads, ffn_hidden=config.ffn_hidden, max_seq_len=seq_len)
+    model = build_gpt(block, 0).to(mesh.device)
+    ids = torch.randint(0, block.vocab_size, (micro_batch, seq_len), device=mesh.device)
+
+    def train() -> None:
+        logits = model(ids)
+        F.cross_entropy(logits.flatten(0, 1).float(), ids.flatten()).backward()
+
+    train()
+    burst = max(1, math.ceil(CROWDING_BURST_S / max(_slowest(mesh, [_median_s(train, 2)])[0], 1e-6)))
+    working = max(1, int(mesh.env.world_size / crowding(mesh)))  # one thread a core
+    spans: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(CROWDING_ROUNDS):
+        for everyone in (True, False):
+            _in_step(mesh)
+            works = everyone or mesh.env.rank < working
+            start = time.monotonic() if works else math.inf
+            for _ in range(burst if works else 0):
+                train()
+            end = time.monotonic() if works else -math.inf
+            spans[everyone].append(_spans(mesh, [[start]], [[end]])[0][0])
+    return max(1.0, statistics.median(spans[True]) / statistics.median(spans[False]))
 
 
 def _spans(mesh: Mesh, starts: list[list[float]], ends: list[list[float]]) -> list[list[float]]:

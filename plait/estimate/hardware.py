@@ -78,6 +78,15 @@ class Hardware:
     # reused for a large one: the calibration measures the size it lacks.
     memory_by_size: tuple[tuple[int, float], ...] = ()
     stream_by_size: tuple[tuple[int, float], ...] = ()
+    # Threads each core ran when the rates above were taken, where a host ran more of its ranks'
+    # threads than it has cores (`plait calibrate` on 4 one-thread ranks on 2 cores: 2.0, every
+    # rank at work): a pipeline rank that waits leaves its share of the cores to the others
+    # (estimate/pipeline.Crowd). 1.0: each thread had a core.
+    crowding: float = 1.0
+    # On such a host, (micro-batch, how much faster a rank trained a block at it while only as
+    # many ranks as cores did) (plait.bench.calibrate.measure_lone_speedup: 1.99-2.22 on
+    # `small` where crowding is 2, the ranks sharing caches too); empty: crowding, as if shared without loss.
+    lone_by_micro_batch: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # One order for the measured tables, so that equal profiles compare equal.
@@ -120,6 +129,14 @@ class Hardware:
                     f"hardware {self.name!r}: {f.name} must be a positive number, got {value!r}",
                     hint="fix the value in the [hardware] table",
                 )
+        if self.crowding < 1.0:
+            raise PlaitError(f"hardware {self.name!r}: crowding must be 1 or more, got {self.crowding!r}",
+                             hint="threads for each core while every rank computes: 1.0 where each has its own")
+        for micro_batch, speedup in self.lone_by_micro_batch:
+            if speedup < 1.0:
+                raise PlaitError(f"hardware {self.name!r}: [hardware.lone_by_micro_batch] needs speedups of 1 or "
+                                 f"more, got {micro_batch!r} = {speedup!r}",
+                                 hint="how much faster a rank works with a core of its own than sharing one")
 
     def gemm_tflops(self, key: str) -> float:
         """Measured TFLOP/s of a named GEMM or attention shape, 0.0 when not measured."""
@@ -183,6 +200,13 @@ class Hardware:
                 return y0 + (y1 - y0) * (at - x0) / (x1 - x0)
         return points[-1][1]
 
+    def lone_speedup(self, micro_batch: int) -> float:
+        """`lone_by_micro_batch` at the nearest measured micro-batch; 0.0 where none was."""
+        if not self.lone_by_micro_batch:
+            return 0.0
+        size = _nearest_size((row[0] for row in self.lone_by_micro_batch), micro_batch)
+        return dict(self.lone_by_micro_batch)[size]
+
     def op_bandwidth(self, op: str, n: int) -> float:
         """Bytes/s of `op` on n ranks inside a node where it was measured apart from the
         all-reduce (the nearest measured group size), else 0.0."""
@@ -241,7 +265,7 @@ def _nearest_size(sizes: Iterable[int], n: int) -> int:
     return min(sizes, key=lambda size: (abs(size - n), -size))
 
 
-_SIZED = ("memory_by_size", "stream_by_size")  # (size, GB/s) rows, read by sized_rate
+_SIZED = ("memory_by_size", "stream_by_size", "lone_by_micro_batch")  # (size, a positive rate) rows
 _TABLES = ("gemm", "links", "op_links", "lags", *_SIZED)
 
 

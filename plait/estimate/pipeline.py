@@ -16,11 +16,17 @@ Shares of a rank's micro-batch: a forward φ (a third; a quarter with full recom
 whose backward reruns the forward), its backward the rest; split, the weight gradients W
 cost a forward and the input gradients I the remainder.
 
+On a crowded host (Hardware.crowding above 1: more ranks' threads than cores, each rank's
+micro-batch priced with all of them at work) a rank that sleeps in its receive leaves its
+share of the cores to the ranks at work, which then run faster (`Crowd.speed`): the schedule runs as
+events (`_run_shared`), each rank's time at work shorter than its priced micro-batches.
+
 Long schedules are timed at fewer micro-batches: up to FULL_ACTIONS actions are run as they
 are; past that, the first m' micro-batches (a multiple of pp where m is, so that
 interleaving's rounds stay pp; else m' ≡ m mod pp, rounds a little larger as m's are) are
 run and each further micro-batch adds the steady state's pace: the slowest rank's
-micro-batch, or the last timed round's pace where unequal chunks leave even that rank idle.
+micro-batch, or the last timed round's pace where unequal chunks leave even that rank idle
+(on a crowded host, that round's pace and each rank's work in it).
 Against a full run that comes within 0.1% on lopsided end stages, uneven cuts and counts pp
 does not divide (tests/test_estimate_pipeline.py).
 
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from plait.schedule.action import Action
 from plait.schedule.build import build_schedule, execute, inputs, output
@@ -50,6 +57,35 @@ class Compiled:
     chunks: tuple[int, ...]
     waits: tuple[tuple[int, int, int], ...]  # padded with len(ranks): a start at 0
     crosses: tuple[tuple[bool, bool, bool], ...]  # each wait on another rank's action: a message on that edge
+
+
+@dataclass(frozen=True)
+class Crowd:
+    """How a host's cores were shared when a rank's micro-batch was priced. `threads`: its
+    ranks' threads for each core, every rank at work (Hardware.crowding; 1.0: a core each).
+    `lone`: how much faster a rank worked while only as many ranks as cores did
+    (Hardware.lone_speedup at its micro-batch, measured; 0.0: `threads`, the cores shared
+    without loss)."""
+
+    threads: float = 1.0
+    lone: float = 0.0
+
+    @property
+    def crowded(self) -> bool:
+        return self.threads > 1.0
+
+    def speed(self, busy: int, pp: int) -> float:
+        """How much faster than priced an action runs while `busy` of the pp pipeline ranks
+        work: where their threads fit the cores, `lone`; where they do not, the cores spread
+        over them (pp / busy of the share each had with every rank at work). Every replica of
+        the pipeline (dp, and a stage's tp or cp ranks) works or waits alike, so the fraction
+        busy is the pipeline's."""
+        if self.threads * busy <= pp:
+            return self.lone or self.threads
+        return pp / busy
+
+
+ALONE = Crowd()
 
 
 @functools.lru_cache(maxsize=256)
@@ -86,34 +122,78 @@ def shares(forward: float) -> dict[str, float]:
 
 
 def makespan(schedule: str, pp: int, m: int, v: int, rank_s: list[float], forward: float,
-             chunk_weights: list[list[float]] | None = None, edge_s: float = 0.0) -> float:
+             chunk_weights: list[list[float]] | None = None, edge_s: float = 0.0, crowd: Crowd = ALONE) -> float:
     """Seconds from the first forward to the last action of a step of m micro-batches: the
     latest of `rank_ends`."""
-    return max(rank_ends(schedule, pp, m, v, rank_s, forward, chunk_weights, edge_s))
+    return max(rank_ends(schedule, pp, m, v, rank_s, forward, chunk_weights, edge_s, crowd))
 
 
 def rank_ends(schedule: str, pp: int, m: int, v: int, rank_s: list[float], forward: float,
-              chunk_weights: list[list[float]] | None = None, edge_s: float = 0.0) -> tuple[float, ...]:
+              chunk_weights: list[list[float]] | None = None, edge_s: float = 0.0,
+              crowd: Crowd = ALONE) -> tuple[float, ...]:
     """When each pipeline rank's last action of the step ends, from the first forward.
 
     `rank_s[r]`: one micro-batch through all of rank r's chunks (forward and backward, without
     its messages); `forward`: the forward's share of it; `chunk_weights[r][c]`: chunk c's share
     of rank r's work (its blocks over the rank's; equal when not given); `edge_s`: a message's
-    delay on each edge from one rank's action to another's (pp.message_s)."""
+    delay on each edge from one rank's action to another's (pp.message_s); `crowd`: how the
+    host's cores were shared when `rank_s` was priced (`Crowd`): where its ranks outnumber its
+    cores, a rank the schedule leaves idle gives its share of them to the ranks at work."""
+    return rank_paths(schedule, pp, m, v, rank_s, forward, chunk_weights, edge_s, crowd).ends
+
+
+class Paths(NamedTuple):
+    """Each pipeline rank's step as the schedule runs it: when its last action ends (`ends`),
+    its seconds at work in the schedule (`busy`), and how long its tail then takes (`tails`)."""
+
+    ends: tuple[float, ...]
+    busy: tuple[float, ...]
+    tails: tuple[float, ...]
+
+
+def rank_paths(schedule: str, pp: int, m: int, v: int, rank_s: list[float], forward: float,
+               chunk_weights: list[list[float]] | None = None, edge_s: float = 0.0,
+               crowd: Crowd = ALONE, tails: list[float] | None = None) -> Paths:
+    """`rank_ends`, each rank's seconds at work (m·rank_s[r]) and its tail (`tails[r]`, what it
+    does once its last action ends: its dp sync and update), as priced; on a crowded host, run
+    as events, where a rank works faster while others wait: the last stage's tail, for one,
+    runs while the first stage still works back through its backward, the first stage's once
+    the others have finished."""
     weights = tuple(tuple(row) for row in chunk_weights) if chunk_weights else ((1.0 / v,) * v,) * pp
-    return _rank_ends(schedule, pp, m, v, tuple(rank_s), forward, weights, edge_s)
+    return _rank_paths(schedule, pp, m, v, tuple(rank_s), forward, weights, edge_s, crowd,
+                       tuple(tails) if tails else (0.0,) * pp)
 
 
 @functools.lru_cache(maxsize=4096)
-def _rank_ends(schedule: str, pp: int, m: int, v: int, rank_s: tuple[float, ...], forward: float,
-               weights: tuple[tuple[float, ...], ...], edge_s: float) -> tuple[float, ...]:
-    """rank_ends, cached: the planner asks again for every ZeRO option of a shape."""
+def _rank_paths(schedule: str, pp: int, m: int, v: int, rank_s: tuple[float, ...], forward: float,
+                weights: tuple[tuple[float, ...], ...], edge_s: float, crowd: Crowd,
+                tails: tuple[float, ...]) -> Paths:
+    """rank_paths, cached: the planner asks again for every ZeRO option of a shape."""
     timed = _timed_micro_batches(schedule, pp, m, v)
-    ends = _run(compiled(schedule, pp, timed, v), rank_s, shares(forward), weights, edge_s)
+    if not crowd.crowded:  # each rank works m·rank_s, then its tail: exactly so, that the step's digits stay put
+        ends = _run(compiled(schedule, pp, timed, v), rank_s, shares(forward), weights, edge_s)
+        if timed < m:
+            ends = _paced(schedule, pp, m, v, timed, rank_s, forward, weights, edge_s, ends)
+        return Paths(ends, tuple(m * s for s in rank_s), tails)
     if timed == m:
-        return ends
-    # The steady state's pace: the slowest rank's micro-batch, or slower where chunks of
-    # unequal weight (or messages) leave even that rank idle (read off the last group of pp timed).
+        return _run_shared(compiled(schedule, pp, m, v), rank_s, shares(forward), weights, edge_s, crowd, tails)
+    # past FULL_ACTIONS on a crowded host: the steady state's pace and each rank's work in it
+    # read off the last group of pp timed (the slowest rank runs faster there while lighter
+    # ones wait); the tails at their price after it
+    ends, busy, _ = _run_shared(compiled(schedule, pp, timed, v), rank_s, shares(forward), weights, edge_s, crowd,
+                                (0.0,) * pp)
+    earlier = _run_shared(compiled(schedule, pp, timed - pp, v), rank_s, shares(forward), weights, edge_s, crowd,
+                          (0.0,) * pp)
+    more, pace = m - timed, (max(ends) - max(earlier.ends)) / pp
+    return Paths(tuple(end + more * pace for end in ends),
+                 tuple(b + more * (b - e) / pp for b, e in zip(busy, earlier.busy)), tails)
+
+
+def _paced(schedule: str, pp: int, m: int, v: int, timed: int, rank_s: tuple[float, ...], forward: float,
+           weights: tuple[tuple[float, ...], ...], edge_s: float, ends: tuple[float, ...]) -> tuple[float, ...]:
+    """Each rank's end after m micro-batches from its end after the `timed` first: each further
+    one adds the steady state's pace, the slowest rank's micro-batch, or slower where chunks of
+    unequal weight (or messages) leave even that rank idle (read off the last group of pp timed)."""
     earlier = _run(compiled(schedule, pp, timed - pp, v), rank_s, shares(forward), weights, edge_s)
     pace = max(max(rank_s), (max(ends) - max(earlier)) / pp)
     return tuple(end + (m - timed) * pace for end in ends)
@@ -133,6 +213,65 @@ def _run(plan: Compiled, rank_s: tuple[float, ...], share: dict[str, float],
     return tuple(last)
 
 
+def _run_shared(plan: Compiled, rank_s: tuple[float, ...], share: dict[str, float],
+                weights: tuple[tuple[float, ...], ...], edge_s: float,
+                crowd: Crowd, tails: tuple[float, ...]) -> Paths:
+    """`_run` on a crowded host, each rank's tail after its last action: the ranks at work
+    share the cores, so every action's pace changes whenever a rank starts or stops
+    (`Crowd.speed`). Run as events: each rank takes its next action once its waits have ended
+    (a wait on another rank `edge_s` later), and all running actions advance together at the
+    pace their number allows.
+
+    A rank whose message is on its way counts as at work: on a crowded host a message's
+    delay is mostly its receiver waiting for a core (a send/recv pair calibrated at 3.1-3.5 ms
+    on 4 ranks sharing 2 cores, 0.8-0.9 ms on 2 ranks with a core each). A rank whose input
+    is not yet being made sleeps in its receive and frees its core. A tail waits for its
+    rank's last action alone."""
+    pp, n = max(plan.ranks) + 1, len(plan.ranks)
+    queues: list[list[int]] = [[] for _ in range(pp)]
+    for i, rank in enumerate(plan.ranks):
+        queues[rank].append(i)
+    waits = list(zip(plan.waits, plan.crosses)) + [((), ())] + [((queue[-1],), (False,)) for queue in queues]
+    for r in range(pp):
+        queues[r].append(n + 1 + r)  # its tail: after n actions and the padded wait's end
+    ends: list[float | None] = [None] * n + [0.0] + [None] * pp  # n: what a padded wait reads
+    left = [rank_s[rank] * share[kind] * weights[rank][chunk]
+            for rank, kind, chunk in zip(plan.ranks, plan.kinds, plan.chunks)] + [0.0] + list(tails)
+    following, running, now = [0] * pp, {}, 0.0  # running: rank -> the action it works on
+    close = 1e-12 * max(rank_s + tails)  # seconds that count as now: what adding up the steps leaves
+    last, busy, tail = [0.0] * pp, [0.0] * pp, [0.0] * pp
+    while running or any(following[r] < len(queues[r]) for r in range(pp)):
+        arriving = {}  # rank -> when its next action's last message lands
+        for r in range(pp):
+            if r in running or following[r] == len(queues[r]):
+                continue
+            i = queues[r][following[r]]
+            waited = [(ends[w], x) for w, x in zip(*waits[i])]
+            if any(end is None for end, _ in waited):
+                continue
+            at = max(end + edge_s * x for end, x in waited)
+            if at <= now + close:
+                running[r] = i
+                following[r] += 1
+            else:
+                arriving[r] = at
+        pace = crowd.speed(len(running) + len(arriving), pp)
+        step = min([left[i] / pace for i in running.values()] + [at - now for at in arriving.values()])
+        now += step
+        for r, i in list(running.items()):
+            left[i] -= step * pace
+            if i < n:
+                busy[r] += step
+            else:
+                tail[r] += step
+            if left[i] <= close:
+                ends[i] = now
+                if i < n:
+                    last[r] = now
+                del running[r]
+    return Paths(tuple(last), tuple(busy), tuple(tail))
+
+
 def _timed_micro_batches(schedule: str, pp: int, m: int, v: int) -> int:
     """m, or the most micro-batches (at least 3·pp, so that the last round runs in the steady
     state, and as many over a multiple of pp as m, so that interleaving's rounds are as close
@@ -146,12 +285,13 @@ def _timed_micro_batches(schedule: str, pp: int, m: int, v: int) -> int:
 
 
 def lower_bound(schedule: str, pp: int, m: int, v: int, rank_s: list[float], forward: float,
-                chunk_weights: list[list[float]] | None = None, edge_s: float = 0.0) -> float:
+                chunk_weights: list[list[float]] | None = None, edge_s: float = 0.0, crowd: Crowd = ALONE) -> float:
     """A span no run of the schedule beats (so the planner may prune by it): for every rank,
     micro-batch 0's forward through the chunk 0 of the ranks before it, then its own m
     micro-batches, then (but for ZB-H1, whose last action may be a deferred weight gradient
     that nothing waits on) its last backward, of chunk 0 in every schedule, run back through
-    those ranks."""
+    those ranks. On a crowded host (`crowd`) that span at the fastest pace a lone rank
+    reaches (`Crowd.speed`)."""
     weights = chunk_weights or [[1.0 / v] * v for _ in range(pp)]
     share = shares(forward)
     best, head, tail = 0.0, 0.0, 0.0
@@ -161,4 +301,4 @@ def lower_bound(schedule: str, pp: int, m: int, v: int, rank_s: list[float], for
         step = rank_s[rank] * weights[rank][0]
         head += step * share["F"] + edge_s  # and its message on to the next rank
         tail += step * share["B"] + edge_s
-    return best
+    return best / crowd.speed(1, pp) if crowd.crowded else best

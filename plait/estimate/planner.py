@@ -68,8 +68,8 @@ from plait.estimate.exposed import clip_s, message_s, micro_batch_axes_s, overhe
 from plait.estimate.network import inter_node
 from plait.estimate.ops import micro_batch_compute_s, splits_backward
 from plait.estimate.pipeline import lower_bound
-from plait.estimate.time import (MicroBatchParts, RankCost, chunk_weights, estimate_time, forward_fraction,
-                                 rank_tail)
+from plait.estimate.time import (MicroBatchParts, RankCost, chunk_weights, crowd_of, estimate_time,
+                                 forward_fraction, rank_tail)
 from plait.layout import Layout
 from plait.models.gpt.config import GPTConfig
 from plait.estimate.stacks import check_stack_name
@@ -289,7 +289,7 @@ class Costs:
         floor = lower_bound(shape.schedule, shape.pp, shape.grad_accum, shape.virtual_stages,
                             [by_key[_stage_key(share)] for share in shares], forward_fraction(shape.recompute),
                             [chunk_weights(shape, share) for share in shares],
-                            message_s(config, shape, hw, links["pp"]))
+                            message_s(config, shape, hw, links["pp"]), crowd_of(hw, shape))
         return Core(floor, kinds)
 
     def parts(self, shape: Workload, links: dict[str, int]) -> MicroBatchParts:
@@ -319,6 +319,9 @@ class Costs:
         hw, gpn = self.request.hardware, self.request.gpus_per_node
         links = inter_node(tail, gpn)
         least = min(sum(rank_tail(tail, stage, hw, links, HIDDEN, 0.5).values()) for stage in core.stages)
+        crowd = crowd_of(hw, tail)
+        if tail.pp > 1 and crowd.crowded:  # a pipeline's tail may run while the other ranks wait
+            least /= crowd.speed(1, tail.pp)
         return core.s + least + clip_s(tail, hw, links) + overhead_s(tail, hw, gpn)
 
     def memory_bound(self, shape: Workload) -> float:

@@ -72,7 +72,7 @@ from plait.estimate.memory import shard
 from plait.estimate.network import ASSUMPTION as NETWORK_ASSUMPTION, collective_s, inter_node
 from plait.estimate.ops import (accumulate_params_s, accumulate_s, attention_core_flops, micro_batch_compute_s,
                                 optimizer_s, outer_precision, stage_pieces, stage_tensors)
-from plait.estimate.pipeline import rank_ends
+from plait.estimate.pipeline import ALONE, Crowd, Paths, rank_paths
 from plait.models.gpt.config import GPTConfig
 
 ASSUMPTIONS = (
@@ -102,7 +102,8 @@ ASSUMPTIONS = (
     "chunk's blocks, a message's delay on each edge between ranks; the step is the slowest rank's "
     "path (its schedule's end plus its own dp sync, accumulation, offload and update) plus the clip's "
     "and the loop's all-reduces; the bubble is that path's idle time (even stages: (p−1)/(m+p−1) for "
-    "gpipe and 1f1b, (p−1)/v slots interleaved)",
+    "gpipe and 1f1b, (p−1)/v slots interleaved); on a crowded host (Hardware.crowding) a waiting rank's "
+    "cores run the ranks at work faster",
 )
 
 
@@ -169,6 +170,7 @@ class StepCosts:
     message: float = 0.0  # one pipeline message's delay on each edge between ranks (exposed.message_s)
     clip: float = 0.0  # the step guard's verdict and the gradient norm's all-reduces
     overhead: float = 0.0  # the loop's bookkeeping and telemetry
+    crowd: Crowd = ALONE  # how the host's cores were shared when these were priced (Hardware.crowding)
 
 
 def matmul_params(config: GPTConfig) -> int:
@@ -235,7 +237,8 @@ def step_costs(config: GPTConfig, layout: Workload, hw: Hardware, gpus_per_node:
                               **rank_tail(layout, stage, hw, links, compute, forward)))
     model, hardware = flops_per_token(config, layout.seq_len, layout.recompute)
     return StepCosts(tuple(ranks), model, hardware, message_s(config, layout, hw, links["pp"]),
-                     clip_s(layout, hw, links), overhead_s(layout, hw, gpus_per_node))
+                     clip_s(layout, hw, links), overhead_s(layout, hw, gpus_per_node),
+                     crowd_of(hw, layout))
 
 
 def estimate_time(config: GPTConfig, layout: Workload, hw: Hardware, gpus_per_node: int,
@@ -247,12 +250,19 @@ def estimate_time(config: GPTConfig, layout: Workload, hw: Hardware, gpus_per_no
 def schedule_ends(layout: Workload, costs: StepCosts, message: float | None = None) -> tuple[float, ...]:
     """When each pipeline rank's last action ends (`message`: the edges' delay, the record's
     unless told): m micro-batches back to back without a pipeline."""
+    return schedule_paths(layout, costs, message).ends
+
+
+def schedule_paths(layout: Workload, costs: StepCosts, message: float | None = None) -> Paths:
+    """pipeline.rank_paths of the record: each rank's end, time at work and tail."""
+    tails = [rank.tail for rank in costs.ranks]
     if layout.pp == 1:
-        return tuple(layout.grad_accum * rank.micro_batch for rank in costs.ranks)
+        busy = tuple(layout.grad_accum * rank.micro_batch for rank in costs.ranks)
+        return Paths(busy, busy, tuple(tails))
     weights = [chunk_weights(layout, rank.share) for rank in costs.ranks] if costs.ranks[0].share else None
-    return rank_ends(layout.schedule, layout.pp, layout.grad_accum, layout.virtual_stages,
-                     [rank.micro_batch for rank in costs.ranks], forward_fraction(layout.recompute), weights,
-                     costs.message if message is None else message)
+    return rank_paths(layout.schedule, layout.pp, layout.grad_accum, layout.virtual_stages,
+                      [rank.micro_batch for rank in costs.ranks], forward_fraction(layout.recompute), weights,
+                      costs.message if message is None else message, costs.crowd, tails)
 
 
 def chunk_weights(layout: Workload, stage: StageShare) -> list[float]:
@@ -268,24 +278,36 @@ def assemble(layout: Workload, hw: Hardware, costs: StepCosts) -> StepTime:
     plus the clip's and the loop's shared all-reduces; split into that rank's parts. Its
     messages' share is what its path gains when they cost nothing; the bubble is the rest of
     its idle time."""
-    ends = schedule_ends(layout, costs)
-    paths = [end + rank.tail for end, rank in zip(ends, costs.ranks)]
+    ends, busy, tails = schedule_paths(layout, costs)
+    paths = [end + tail for end, tail in zip(ends, tails)]
     critical = max(range(len(paths)), key=paths.__getitem__)
     rank, m = costs.ranks[critical], layout.grad_accum
     quiet = schedule_ends(layout, costs, message=0.0)[critical] if costs.message else ends[critical]
     messages = max(0.0, ends[critical] - quiet)
-    bubble = max(0.0, quiet - m * rank.micro_batch)
-    step = (m * rank.micro_batch + rank.accumulate + bubble + messages + rank.dp + rank.offload + rank.update
+    bubble = max(0.0, quiet - busy[critical])
+    # On a crowded host a pipeline rank works faster while others wait (pipeline.Crowd): its
+    # micro-batches' parts, and its tail's, take what they took as the schedule ran, shrunk alike.
+    pace = busy[critical] / (m * rank.micro_batch) if rank.micro_batch else 1.0
+    tail_pace = tails[critical] / rank.tail if rank.tail else 1.0
+    dp, offload, update = tail_pace * rank.dp, tail_pace * rank.offload, tail_pace * rank.update
+    step = (busy[critical] + tail_pace * rank.accumulate + bubble + messages + dp + offload + update
             + costs.clip + costs.overhead)
     tokens_per_s = layout.global_batch * layout.seq_len / step
     # MFU against the 16-bit peak for fp8 too, as torchtitan reports it: fp8's gain shows as MFU above bf16's
     peak = layout.world * hw.peak_flops(outer_precision(layout.precision))
     return StepTime(flops_per_token=costs.model_flops, hardware_flops_per_token=costs.hardware_flops,
-                    compute_s=m * rank.compute + rank.accumulate, tp_s=m * rank.tp, pp_s=messages, bubble_s=bubble,
-                    dp_s=rank.dp, offload_s=rank.offload, step_s=step, tokens_per_s=tokens_per_s,
-                    mfu=costs.model_flops * tokens_per_s / peak, optimizer_s=rank.update + costs.clip,
-                    overhead_s=costs.overhead, cp_s=m * rank.cp, ep_s=m * rank.ep,
+                    compute_s=pace * m * rank.compute + tail_pace * rank.accumulate, tp_s=pace * m * rank.tp,
+                    pp_s=messages, bubble_s=bubble,
+                    dp_s=dp, offload_s=offload, step_s=step, tokens_per_s=tokens_per_s,
+                    mfu=costs.model_flops * tokens_per_s / peak, optimizer_s=update + costs.clip,
+                    overhead_s=costs.overhead, cp_s=pace * m * rank.cp, ep_s=pace * m * rank.ep,
                     hfu=costs.hardware_flops * tokens_per_s / peak, critical_rank=critical)
+
+
+def crowd_of(hw: Hardware, layout: Workload) -> Crowd:
+    """How `hw`'s cores were shared when it was calibrated, and how much faster a rank at
+    `layout`'s micro-batch works with a core to itself (pipeline.Crowd)."""
+    return Crowd(hw.crowding, hw.lone_speedup(layout.micro_batch))
 
 
 def micro_batch_s_per_stage(config: GPTConfig, layout: Workload, hw: Hardware, gpus_per_node: int) -> list[float]:

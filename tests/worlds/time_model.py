@@ -57,8 +57,8 @@ def verdict(attempts: list[dict], bound: float) -> float:
 
 def main() -> None:
     out, model, steps, bound = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
-    lags_wanted = "lags" in sys.argv[5:]
-    extra = {k: int(v) for k, v in (a.split("=") for a in sys.argv[5:] if a != "lags")}
+    lags_wanted, lone_wanted = "lags" in sys.argv[5:], "lone" in sys.argv[5:]
+    extra = {k: int(v) for k, v in (a.split("=") for a in sys.argv[5:] if a not in ("lags", "lone"))}
     out.mkdir(parents=True, exist_ok=True)
     mesh = init_mesh(tp=extra.get("tp", 1), pp=extra.get("pp", 1))
     torch.set_num_threads(1)
@@ -83,8 +83,10 @@ def main() -> None:
             break
     # short loops: the rows' shape, not their values
     lags = calibrate.measure_lags(mesh, 1, loop_s=0.05) if lags_wanted else None
+    lone = calibrate.measure_lone_speedup(mesh, get_preset(model), config.micro_batch, 128) if lone_wanted else None
     save_report({"attempts": attempts, "held": held, "hardware": summary["predicted"]["layout"]["hardware"],
-                 "lags": lags, "links": hw.links, "op_links": hw.op_links})
+                 "lags": lags, "links": hw.links, "op_links": hw.op_links, "lone": lone,
+                 "crowding": calibrate.crowding(mesh)})
     mesh.close()
 
 
