@@ -140,6 +140,9 @@ def test_on_a_crowded_host_a_waiting_rank_lends_its_cores_to_the_ranks_at_work()
       (2-3) beside rank 0's B, which then ends alone (3-3.5), and rank 0's tail alone
       (3.5-4): each rank's path 4 and 3 s, where priced one after another, 7."""
     two, measured = pipeline.Crowd(2.0), pipeline.Crowd(2.0, 2.5)
+    # a lone rank measured slower than the cores' share: 3 of 4 ranks then run faster than 1
+    slow = pipeline.Crowd(1.5, 1.3)
+    assert slow.speed(1, 4) == 1.3 and slow.speed(3, 4) == pytest.approx(4 / 3) and slow.fastest == 1.5
     assert two.speed(1, 2) == 2.0 and two.speed(2, 2) == 1.0 and measured.speed(1, 2) == 2.5
     assert two.speed(1, 4) == 2.0 and two.speed(2, 4) == 2.0 and two.speed(3, 4) == pytest.approx(4 / 3)
     assert measured.speed(3, 4) == pytest.approx(4 / 3) and measured.speed(4, 4) == 1.0
@@ -178,13 +181,15 @@ def test_a_crowded_run_with_a_core_for_every_thread_is_the_plain_run_and_stays_a
         alike, busy, _ = pipeline._run_shared(plan, costs, share, weights, edge, pipeline.ALONE, (0.0,) * pp)
         assert alike == pytest.approx(plain, rel=1e-9) and busy == pytest.approx([m * c for c in costs], rel=1e-9)
         ends, busy, _ = pipeline.rank_paths(schedule, pp, m, v, list(costs), THIRD, [list(w) for w in weights],
-                                         edge, crowd=pipeline.Crowd(2.0, 2.2))
+                                            edge, crowd=pipeline.Crowd(2.0, 2.2))
         for end, alone in zip(ends, plain):
             assert alone / 2.2 - 1e-9 <= end <= alone + 1e-9, (schedule, pp, m, v)
         assert max(ends) >= m * sum(costs) / pp / 1.1 - 1e-9
-        assert lower_bound(schedule, pp, m, v, list(costs), THIRD, [list(w) for w in weights], edge,
-                           crowd=pipeline.Crowd(2.0, 2.2)) <= max(ends) * (1 + 1e-12), (schedule, pp, m, v)
         assert all(b <= m * c + 1e-9 for b, c in zip(busy, costs))
+        for crowd in (pipeline.Crowd(2.0, 2.2), pipeline.Crowd(1.5, 1.3), pipeline.Crowd(3.0)):
+            span = makespan(schedule, pp, m, v, list(costs), THIRD, [list(w) for w in weights], edge, crowd)
+            assert lower_bound(schedule, pp, m, v, list(costs), THIRD, [list(w) for w in weights], edge,
+                               crowd=crowd) <= span * (1 + 1e-12), (schedule, pp, m, v, crowd)
 
 
 def test_a_long_crowded_schedule_timed_in_part_is_the_whole_run(monkeypatch: pytest.MonkeyPatch) -> None:

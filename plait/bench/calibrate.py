@@ -74,7 +74,9 @@ from plait.parallel.compose import adamw_kernel
 # 16: Gloo's small all-reduces, all-gathers and reduce-scatters run as one all-to-all (runtime/comm).
 # 17: on a CPU that is not crowded the GEMMs' and attention's shapes set against each other by a second
 #     run straight after the first (its operands resident), their level by the first runs.
-METHOD_VERSION = 17
+# 18: a crowded host's crowding, and how much faster a lone rank trains at each micro-batch
+#     (lone_by_micro_batch): a pipeline's waiting ranks leave their cores to the others.
+METHOD_VERSION = 18
 
 
 class Spreads:

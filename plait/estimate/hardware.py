@@ -108,7 +108,8 @@ class Hardware:
                         and math.isfinite(rate) and rate > 0):
                     raise PlaitError(f"hardware {self.name!r}: [hardware.{table}] needs a positive size and "
                                      f"a positive finite rate, got {size!r} = {rate!r}",
-                                     hint="sizes in bytes (memory) or parameters (stream), rates in GB/s")
+                                     hint="sizes in bytes (memory) or parameters (stream), rates in GB/s; "
+                                          "lone_by_micro_batch: a micro-batch and a speedup")
         for row in self.lags:
             if not _lag_row_ok(row):
                 raise PlaitError(f"hardware {self.name!r}: [hardware.lags] needs a group of 2 or more ranks, a "
@@ -468,8 +469,8 @@ def _measured_tables(table: dict[str, object]) -> None:
                 table[sized] = tuple(sorted((int(k), float(v)) for k, v in table[sized].items()))
     except (TypeError, ValueError, KeyError) as exc:
         raise PlaitError(f"bad [hardware.gemm], [hardware.links], [hardware.op_links], [hardware.lags], "
-                         f"[hardware.memory_by_size] "
-                         f"or [hardware.stream_by_size] entry: {exc}",
+                         f"[hardware.memory_by_size], [hardware.stream_by_size] "
+                         f"or [hardware.lone_by_micro_batch] entry: {exc}",
                          hint='gemm: "fp32 MxKxN" = TFLOP/s; links: "2" = {latency_us = .., gb_s = ..}; '
                               'op_links: "all_gather 2" = GB/s; lags: "2 4000.0" = µs; memory_by_size: "bytes" = GB/s; '
                               'stream_by_size: "parameters" = GB/s') from None

@@ -74,6 +74,11 @@ class Crowd:
     def crowded(self) -> bool:
         return self.threads > 1.0
 
+    @property
+    def fastest(self) -> float:
+        """The most `speed` gives, whatever the ranks at work: the pruning bounds divide by it."""
+        return max(self.lone, self.threads)
+
     def speed(self, busy: int, pp: int) -> float:
         """How much faster than priced an action runs while `busy` of the pp pipeline ranks
         work: where their threads fit the cores, `lone`; where they do not, the cores spread
@@ -160,15 +165,19 @@ def rank_paths(schedule: str, pp: int, m: int, v: int, rank_s: list[float], forw
     runs while the first stage still works back through its backward, the first stage's once
     the others have finished."""
     weights = tuple(tuple(row) for row in chunk_weights) if chunk_weights else ((1.0 / v,) * v,) * pp
-    return _rank_paths(schedule, pp, m, v, tuple(rank_s), forward, weights, edge_s, crowd,
-                       tuple(tails) if tails else (0.0,) * pp)
+    tails = tuple(tails) if tails else (0.0,) * pp
+    if not crowd.crowded:  # the tails move nothing: one cached run serves every ZeRO option of a shape
+        ends, busy, _ = _rank_paths(schedule, pp, m, v, tuple(rank_s), forward, weights, edge_s, crowd, (0.0,) * pp)
+        return Paths(ends, busy, tails)
+    return _rank_paths(schedule, pp, m, v, tuple(rank_s), forward, weights, edge_s, crowd, tails)
 
 
 @functools.lru_cache(maxsize=4096)
 def _rank_paths(schedule: str, pp: int, m: int, v: int, rank_s: tuple[float, ...], forward: float,
                 weights: tuple[tuple[float, ...], ...], edge_s: float, crowd: Crowd,
                 tails: tuple[float, ...]) -> Paths:
-    """rank_paths, cached: the planner asks again for every ZeRO option of a shape."""
+    """rank_paths, cached: the planner asks again for every ZeRO option of a shape (on a
+    crowded host each option's tails make a run of their own)."""
     timed = _timed_micro_batches(schedule, pp, m, v)
     if not crowd.crowded:  # each rank works m·rank_s, then its tail: exactly so, that the step's digits stay put
         ends = _run(compiled(schedule, pp, timed, v), rank_s, shares(forward), weights, edge_s)
@@ -290,8 +299,8 @@ def lower_bound(schedule: str, pp: int, m: int, v: int, rank_s: list[float], for
     micro-batch 0's forward through the chunk 0 of the ranks before it, then its own m
     micro-batches, then (but for ZB-H1, whose last action may be a deferred weight gradient
     that nothing waits on) its last backward, of chunk 0 in every schedule, run back through
-    those ranks. On a crowded host (`crowd`) that span at the fastest pace a lone rank
-    reaches (`Crowd.speed`)."""
+    those ranks. On a crowded host (`crowd`) that span at the fastest pace any rank reaches
+    (`Crowd.fastest`)."""
     weights = chunk_weights or [[1.0 / v] * v for _ in range(pp)]
     share = shares(forward)
     best, head, tail = 0.0, 0.0, 0.0
@@ -301,4 +310,4 @@ def lower_bound(schedule: str, pp: int, m: int, v: int, rank_s: list[float], for
         step = rank_s[rank] * weights[rank][0]
         head += step * share["F"] + edge_s  # and its message on to the next rank
         tail += step * share["B"] + edge_s
-    return best / crowd.speed(1, pp) if crowd.crowded else best
+    return best / crowd.fastest if crowd.crowded else best

@@ -321,7 +321,7 @@ class Costs:
         least = min(sum(rank_tail(tail, stage, hw, links, HIDDEN, 0.5).values()) for stage in core.stages)
         crowd = crowd_of(hw, tail)
         if tail.pp > 1 and crowd.crowded:  # a pipeline's tail may run while the other ranks wait
-            least /= crowd.speed(1, tail.pp)
+            least /= crowd.fastest
         return core.s + least + clip_s(tail, hw, links) + overhead_s(tail, hw, gpn)
 
     def memory_bound(self, shape: Workload) -> float:
