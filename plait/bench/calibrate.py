@@ -76,7 +76,9 @@ from plait.parallel.compose import adamw_kernel
 #     run straight after the first (its operands resident), their level by the first runs.
 # 18: a crowded host's crowding, and how much faster a lone rank trains at each micro-batch
 #     (lone_by_micro_batch): a pipeline's waiting ranks leave their cores to the others.
-METHOD_VERSION = 18
+# 19: a quick calibration times adds at three sizes, as a full one does, and every calibration over
+#     BANDWIDTH_ROUNDS rounds (a quick one priced a step's large element-wise ops at its activations').
+METHOD_VERSION = 19
 
 
 class Spreads:
@@ -441,9 +443,9 @@ def _ring_run(mesh: Mesh, shape: tuple[int, ...], kv_heads: int, cp: int, precis
 
 
 def measure_memory(mesh: Mesh, elements: int, tensors: int, reps: int, params: int = 0,
-                   optimizer_kernel: str = "fused", spread: int = 1, precision: str = "fp32") -> dict[str, Any]:
-    """Bandwidth of allocating adds of `elements` floats (an activation's size; with `spread`
-    > 1 also that size divided and multiplied by it) and of the guarded update over `params`
+                   optimizer_kernel: str = "fused", precision: str = "fp32") -> dict[str, Any]:
+    """Bandwidth of allocating adds at `add_sizes(elements)` (`elements`: an activation's size)
+    and of the guarded update over `params`
     parameters (its rate in the bytes the time model counts), each keyed by the size it was
     taken at; the loop's walk over `tensors` parameter-like tensors (its per-step
     bookkeeping); and the fixed costs of ops, views, optimizer tensors and gradient checks
@@ -457,14 +459,28 @@ def measure_memory(mesh: Mesh, elements: int, tensors: int, reps: int, params: i
     block, step, checks = measure_dispatch(mesh, reps, optimizer_kernel)
     walk, view, block, step, checks = _slowest(mesh, [walk, view, block, step, checks])
     op = max(0.0, block - view * DISPATCH_VIEWS) / DISPATCH_OPS
-    sizes = sorted({max(1, elements // spread), elements, elements * spread})
-    memory = measure_bandwidth(mesh, sizes, reps, op)
+    memory = measure_bandwidth(mesh, add_sizes(elements), BANDWIDTH_ROUNDS, op)
     streamed = min(params, stream_cap(device))
     stream = (streamed, measure_stream(mesh, streamed, optimizer_kernel, reps, precision)) if streamed else None
     return {**({"stream_gb_s": stream[1], "stream_by_size": (stream,)} if stream else {}),
             "memory_gb_s": dict(memory)[elements * 4], "memory_by_size": memory, "op_overhead_us": op * 1e6,
             "view_overhead_us": view * 1e6, "step_overhead_us": walk * 1e6,
             "optimizer_tensor_us": step / DISPATCH_TENSORS * 1e6, "grad_tensor_us": checks / DISPATCH_TENSORS * 1e6}
+
+
+# Rounds of the adds, quick calibration or full: they take well under a second, and 3 of them took
+# their median on the allocator's first, slower passes over the large size (dp 4 on 4 ranks on 2
+# cores priced 1.13-1.17 of its measurement in the first attempt, 0.88-0.96 in the next).
+BANDWIDTH_ROUNDS = 11
+ADD_SPREAD = 8  # the adds' sizes about an activation's: attention's scores, the FFN's hidden, the logits are larger
+
+
+def add_sizes(elements: int) -> list[int]:
+    """The adds a calibration times about an activation of `elements`: an eighth of it, it,
+    and eight times it. Timed at the one size, a quick calibration priced every larger
+    element-wise op at an activation's rate (about three times the large size's on 4 ranks
+    sharing 2 cores) and dp 4 there at 0.87-0.96 of its measured step."""
+    return sorted({max(1, elements // ADD_SPREAD), elements, elements * ADD_SPREAD})
 
 
 def measure_bandwidth(mesh: Mesh, sizes: list[int], reps: int, op_s: float = 0.0) -> tuple[tuple[int, float], ...]:

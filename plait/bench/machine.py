@@ -94,7 +94,7 @@ def calibrate(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len: int, 
     activation = int(activation_op_bytes(config.d_model, micro_batch * seq_len, 1, False, precision)) // 4
     memory = cal.measure_memory(mesh, activation, 9 * config.n_layers + 3, reps,
                                 params=config.num_params(), optimizer_kernel=optimizer_kernel,
-                                spread=1 if quick else 8, precision=precision)
+                                precision=precision)
     host_params = max(min(config.num_params(), cal.STREAM_CAP), cal.HOST_UPDATE_MIN)
     memory["host_mem_gb_s"] = cal.measure_host_update(mesh, host_params, optimizer_kernel, reps)
     links, op_links = cal.measure_links(mesh, (2 if quick else 16) * 2**20, reps) if mesh.env.world_size > 1 \
@@ -267,7 +267,8 @@ def _add_sizes(mesh: Mesh, cached: Hardware, config: GPTConfig, lacks: list[bool
                              base_preset(device_name(mesh))))
         add.update(attention_efficiency(next(iter(attention.values()), 0.0), add, precision))
     if lacks[1]:
-        measured = cal.measure_bandwidth(mesh, [activation], 3, cached.op_overhead_us * 1e-6)
+        measured = cal.measure_bandwidth(mesh, cal.add_sizes(activation), cal.BANDWIDTH_ROUNDS,
+                                         cached.op_overhead_us * 1e-6)
         add["memory_by_size"] = _merged(cached.memory_by_size, measured)
     if lacks[2]:
         rate = cal.measure_stream(mesh, streamed, optimizer_kernel, 3, precision)
