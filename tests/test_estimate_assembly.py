@@ -184,3 +184,31 @@ def test_a_crowded_hosts_pipeline_is_priced_with_the_cores_its_waiting_ranks_lea
         assert search._step[w] == estimate_time(small, w, crowded, request.gpus_per_node).step_s
     pruned, every = plan_layouts(request, top=6), plan_layouts(request, top=6, exhaustive=True)
     assert [row_layout(r) for r in pruned] == [row_layout(r) for r in every]
+
+
+def test_a_measured_split_backward_prices_zb_h1_as_1f1b_times_its_ratio() -> None:
+    """Hardware.split_backward: a host that measured ZB-H1's split (I + W) prices each rank's
+    micro-batch at 1F1B's times the ratio at the nearest micro-batch, in place of what W makes
+    again (a 4-rank pipeline's stages took 7-10% more CPU time with the split, priced 2% more
+    by that). 1F1B is unchanged, and so is the split on a host without the table; the plan
+    prices such a host's layouts as the estimate does."""
+    from plait.estimate.ops import micro_batch_compute_s
+    from plait.estimate.layout import layout_stages
+
+    small = get_preset("small")
+    measured = replace(CPU, split_by_micro_batch=((4, 1.06), (8, 1.09)))
+    assert measured.split_backward(8) == 1.09 and measured.split_backward(2) == 1.06 and CPU.split_backward(8) == 0.0
+    zb = Workload(dp=2, pp=2, schedule="zb-h1", micro_batch=8, seq_len=128)
+    whole = replace(zb, schedule="1f1b")
+    for stage in layout_stages(small, zb):
+        plain = micro_batch_compute_s(small, whole, stage, measured)
+        assert micro_batch_compute_s(small, zb, stage, measured) == pytest.approx(1.09 * plain, rel=1e-12)
+        assert plain < micro_batch_compute_s(small, zb, stage, CPU) < 1.05 * plain  # W's extras, as priced
+    assert estimate_time(small, whole, measured, 4) == estimate_time(small, whole, CPU, 4)
+    assert estimate_time(small, zb, measured, 4).step_s > estimate_time(small, zb, CPU, 4).step_s
+    request = plan_request(small, gpus=4, global_batch=16, seq_len=128, hardware=measured, precision="fp32")
+    search = search_for(request)
+    split = search.best(6, lambda w: w.pp > 1 and w.schedule == "zb-h1")
+    assert split
+    for w in split:
+        assert search._step[w] == estimate_time(small, w, measured, request.gpus_per_node).step_s

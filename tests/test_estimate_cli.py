@@ -60,6 +60,8 @@ def test_hardware_file(tmp_path, capsys) -> None:
     ('links = "x"', "links must be a list of rows, got 'x'"),
     ('base = "cpu"\ncrowding = 0.5', "crowding must be 1 or more, got 0.5"),
     ('base = "cpu"\n[hardware.lone_by_micro_batch]\n"8" = 0.5', "needs speedups of 1 or more, got 8 = 0.5"),
+    ('base = "cpu"\n[hardware.split_by_micro_batch]\n"8" = 0.9', "needs ratios of 1 or more, got 8 = 0.9"),
+    ('base = "cpu"\n[hardware.split_by_micro_batch]\n"x" = 1.1', "bad .*split_by_micro_batch"),
 ])
 def test_a_bad_hardware_file_is_one_error(table: str, message: str, tmp_path) -> None:
     """Values a TOML file can hold that are no hardware: refused, not a NaN step or a TypeError."""

@@ -78,7 +78,8 @@ from plait.parallel.compose import adamw_kernel
 #     (lone_by_micro_batch): a pipeline's waiting ranks leave their cores to the others.
 # 19: a quick calibration times adds at three sizes, as a full one does, and every calibration over
 #     BANDWIDTH_ROUNDS rounds (a quick one priced a step's large element-wise ops at its activations').
-METHOD_VERSION = 19
+# 20: on a CPU, how much longer a micro-batch takes with ZB-H1's split backward (split_by_micro_batch).
+METHOD_VERSION = 20
 
 
 class Spreads:
@@ -276,6 +277,45 @@ def measure_lone_speedup(mesh: Mesh, config: GPTConfig, micro_batch: int, seq_le
             end = time.monotonic() if works else -math.inf
             spans[everyone].append(_spans(mesh, [[start]], [[end]])[0][0])
     return max(1.0, statistics.median(spans[True]) / statistics.median(spans[False]))
+
+
+SPLIT_ROUNDS = 9  # each a forward and whole backward, and a forward and split one, at one micro-batch
+
+
+def measure_split_backward(mesh: Mesh, config: GPTConfig, micro_batch: int, seq_len: int) -> float:
+    """How much longer a micro-batch takes with its backward split in I and W, as ZB-H1 runs it
+    (plait.parallel.pipeline.execute.StageWork), than whole: a one-layer block at the model's
+    widths (untied, a small vocabulary), forward and backward both ways in turns, every rank at
+    once, set against each other as the GEMMs are (`_median_rounds`, watched). Measured 1.05-1.06
+    on `small` with a core a rank and 1.06-1.10 on 4 ranks on 2 cores, where what W makes again
+    priced 1.02 (estimate/ops.micro_batch_compute_s reads it). Never under 1: the split does all
+    of a whole backward's work."""
+    from plait.models.gpt.model import build_gpt
+    from plait.parallel.pipeline.execute import StageWork
+
+    block = GPTConfig(vocab_size=256, n_layers=1, d_model=config.d_model, n_heads=config.n_heads,
+                      n_kv_heads=config.n_kv_heads, ffn_hidden=config.ffn_hidden, max_seq_len=seq_len,
+                      tie_embeddings=False)  # the split needs each weight in one module
+    ids = torch.randint(0, block.vocab_size, (micro_batch, seq_len), device=mesh.device)
+
+    def train(split: bool) -> Callable[[], None]:
+        work = StageWork(build_gpt(block, 0).to(mesh.device), split_backward=split)
+
+        def step() -> None:
+            out, state = work.forward(ids, grad_input=False)
+            loss = F.cross_entropy(out.flatten(0, 1).float(), ids.flatten())
+            if split:  # as the runner hands I the last stage's loss
+                state.output, state.loss_input = loss, out
+                work.backward_input(state, None)
+                work.backward_weight(state)
+            else:
+                loss.backward()
+            work.module.zero_grad(set_to_none=True)
+            _sync(mesh)
+        return step
+
+    whole, split = _median_rounds(mesh, [train(False), train(True)], SPLIT_ROUNDS, watched=True)
+    return max(1.0, split / whole)
 
 
 def _spans(mesh: Mesh, starts: list[list[float]], ends: list[list[float]]) -> list[list[float]]:

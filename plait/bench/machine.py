@@ -114,10 +114,13 @@ def calibrate(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len: int, 
         fields.update(intra_node_latency_us=latency, intra_node_gb_s=gb_s)
     fields["queues_kernels"] = mesh.device.type == "cuda"
     if mesh.device.type == "cpu":
-        lone = tuple((mb, cal.measure_lone_speedup(mesh, config, mb, seq_len))
-                     for mb in sorted({micro_batch, *other_micro_batches})) \
+        batches = sorted({micro_batch, *other_micro_batches})
+        lone = tuple((mb, cal.measure_lone_speedup(mesh, config, mb, seq_len)) for mb in batches) \
             if splits and not quick and cal.crowded(mesh) else ()  # pipelines alone read it
+        split = tuple((mb, cal.measure_split_backward(mesh, config, mb, seq_len)) for mb in batches) \
+            if splits and not quick else ()  # ZB-H1's alone
         fields.update(pcie_gb_s=memory["memory_gb_s"], crowding=cal.crowding(mesh), lone_by_micro_batch=lone,
+                      split_by_micro_batch=split,
                       gpus_per_node=max(base.gpus_per_node, mesh.env.world_size))
         if links:
             fields.update(inter_node_latency_us=links[-1][1], inter_node_gb_s=links[-1][2])

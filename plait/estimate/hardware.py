@@ -87,6 +87,11 @@ class Hardware:
     # many ranks as cores did) (plait.bench.calibrate.measure_lone_speedup: 1.99-2.22 on
     # `small` where crowding is 2, the ranks sharing caches too); empty: crowding, as if shared without loss.
     lone_by_micro_batch: tuple[tuple[int, float], ...] = ()
+    # (micro-batch, a one-layer block's forward and split backward (I + W, as ZB-H1 runs it) over
+    # its forward and whole backward) on a calibrated CPU (plait.bench.calibrate.
+    # measure_split_backward: 1.05-1.06 on `small` with a core a rank, 1.06-1.10 on 4 ranks on 2
+    # cores); empty: the split priced by what W makes again (ops.block_ops, split_norm_elements).
+    split_by_micro_batch: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # One order for the measured tables, so that equal profiles compare equal.
@@ -109,7 +114,7 @@ class Hardware:
                     raise PlaitError(f"hardware {self.name!r}: [hardware.{table}] needs a positive size and "
                                      f"a positive finite rate, got {size!r} = {rate!r}",
                                      hint="sizes in bytes (memory) or parameters (stream), rates in GB/s; "
-                                          "lone_by_micro_batch: a micro-batch and a speedup")
+                                          "lone_by_micro_batch and split_by_micro_batch: a micro-batch and a ratio")
         for row in self.lags:
             if not _lag_row_ok(row):
                 raise PlaitError(f"hardware {self.name!r}: [hardware.lags] needs a group of 2 or more ranks, a "
@@ -138,6 +143,11 @@ class Hardware:
                 raise PlaitError(f"hardware {self.name!r}: [hardware.lone_by_micro_batch] needs speedups of 1 or "
                                  f"more, got {micro_batch!r} = {speedup!r}",
                                  hint="how much faster a rank works with a core of its own than sharing one")
+        for micro_batch, ratio in self.split_by_micro_batch:
+            if ratio < 1.0:
+                raise PlaitError(f"hardware {self.name!r}: [hardware.split_by_micro_batch] needs ratios of 1 or "
+                                 f"more, got {micro_batch!r} = {ratio!r}",
+                                 hint="a split backward's micro-batch over a whole one's: it does all of its work")
 
     def gemm_tflops(self, key: str) -> float:
         """Measured TFLOP/s of a named GEMM or attention shape, 0.0 when not measured."""
@@ -208,6 +218,13 @@ class Hardware:
         size = _nearest_size((row[0] for row in self.lone_by_micro_batch), micro_batch)
         return dict(self.lone_by_micro_batch)[size]
 
+    def split_backward(self, micro_batch: int) -> float:
+        """`split_by_micro_batch` at the nearest measured micro-batch; 0.0 where none was."""
+        if not self.split_by_micro_batch:
+            return 0.0
+        size = _nearest_size((row[0] for row in self.split_by_micro_batch), micro_batch)
+        return dict(self.split_by_micro_batch)[size]
+
     def op_bandwidth(self, op: str, n: int) -> float:
         """Bytes/s of `op` on n ranks inside a node where it was measured apart from the
         all-reduce (the nearest measured group size), else 0.0."""
@@ -266,7 +283,7 @@ def _nearest_size(sizes: Iterable[int], n: int) -> int:
     return min(sizes, key=lambda size: (abs(size - n), -size))
 
 
-_SIZED = ("memory_by_size", "stream_by_size", "lone_by_micro_batch")  # (size, a positive rate) rows
+_SIZED = ("memory_by_size", "stream_by_size", "lone_by_micro_batch", "split_by_micro_batch")  # (size, a positive rate) rows
 _TABLES = ("gemm", "links", "op_links", "lags", *_SIZED)
 
 
@@ -470,7 +487,7 @@ def _measured_tables(table: dict[str, object]) -> None:
     except (TypeError, ValueError, KeyError) as exc:
         raise PlaitError(f"bad [hardware.gemm], [hardware.links], [hardware.op_links], [hardware.lags], "
                          f"[hardware.memory_by_size], [hardware.stream_by_size] "
-                         f"or [hardware.lone_by_micro_batch] entry: {exc}",
+                         f"[hardware.lone_by_micro_batch] or [hardware.split_by_micro_batch] entry: {exc}",
                          hint='gemm: "fp32 MxKxN" = TFLOP/s; links: "2" = {latency_us = .., gb_s = ..}; '
                               'op_links: "all_gather 2" = GB/s; lags: "2 4000.0" = µs; memory_by_size: "bytes" = GB/s; '
                               'stream_by_size: "parameters" = GB/s') from None

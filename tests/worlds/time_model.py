@@ -12,7 +12,7 @@ without tp or pp is calibrated without the send/recv latency it does not pay
 
 argv: OUT_DIR MODEL STEPS BOUND [lags] [FIELD=INT ...] (TrainConfig fields: tp, pp, zero, micro_batch,
 grad_accum); `lags` also times the ranks' lag after the training (about a second a rank, read
-by one test only).
+by one test only); `lone`, a lone rank's speedup and the split backward's ratio.
 """
 
 from __future__ import annotations
@@ -84,8 +84,9 @@ def main() -> None:
     # short loops: the rows' shape, not their values
     lags = calibrate.measure_lags(mesh, 1, loop_s=0.05) if lags_wanted else None
     lone = calibrate.measure_lone_speedup(mesh, get_preset(model), config.micro_batch, 128) if lone_wanted else None
+    split = calibrate.measure_split_backward(mesh, get_preset(model), config.micro_batch, 128) if lone_wanted else None
     save_report({"attempts": attempts, "held": held, "hardware": summary["predicted"]["layout"]["hardware"],
-                 "lags": lags, "links": hw.links, "op_links": hw.op_links, "lone": lone,
+                 "lags": lags, "links": hw.links, "op_links": hw.op_links, "lone": lone, "split": split,
                  "crowding": calibrate.crowding(mesh)})
     mesh.close()
 
