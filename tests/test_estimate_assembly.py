@@ -14,7 +14,7 @@ from plait.estimate.layout import Workload
 from plait.estimate.network import inter_node
 from plait.estimate.ops import accumulate_params_s
 from plait.estimate.pipeline import makespan, rank_ends
-from plait.estimate.time import RankCost, StepCosts, assemble, estimate_time_params_only
+from plait.estimate.time import RankCost, StepCosts, assemble, estimate_time_params_only, step_costs
 from plait.models.gpt.config import get_preset
 from plait.estimate.planner import plan, plan_layouts, plan_request, row_layout, search_for
 from plait.estimate.time import estimate_time
@@ -190,8 +190,9 @@ def test_a_measured_split_backward_prices_zb_h1_as_1f1b_times_its_ratio() -> Non
     """Hardware.split_backward: a host that measured ZB-H1's split (I + W) prices each rank's
     micro-batch at 1F1B's times the ratio at the nearest micro-batch, in place of what W makes
     again (a 4-rank pipeline's stages took 7-10% more CPU time with the split, priced 2% more
-    by that). 1F1B is unchanged, and so is the split on a host without the table; the plan
-    prices such a host's layouts as the estimate does."""
+    by that), its forward's share shrunk to keep the forward 1F1B's. 1F1B is unchanged, and so
+    is the split on a host without the table; the plan prices such a host's layouts as the
+    estimate does."""
     from plait.estimate.ops import micro_batch_compute_s
     from plait.estimate.layout import layout_stages
 
@@ -206,6 +207,11 @@ def test_a_measured_split_backward_prices_zb_h1_as_1f1b_times_its_ratio() -> Non
         assert plain < micro_batch_compute_s(small, zb, stage, CPU) < 1.05 * plain  # W's extras, as priced
     assert estimate_time(small, whole, measured, 4) == estimate_time(small, whole, CPU, 4)
     assert estimate_time(small, zb, measured, 4).step_s > estimate_time(small, zb, CPU, 4).step_s
+    # the forward stays 1F1B's (measured so); the split's extra is I's and W's
+    split, plain = step_costs(small, zb, measured, 4), step_costs(small, whole, measured, 4)
+    assert split.forward == pytest.approx(plain.forward / 1.09) and plain.forward == pytest.approx(1 / 3)
+    for mine, theirs in zip(split.ranks, plain.ranks):
+        assert mine.micro_batch * split.forward == pytest.approx(theirs.micro_batch * plain.forward, rel=1e-12)
     request = plan_request(small, gpus=4, global_batch=16, seq_len=128, hardware=measured, precision="fp32")
     search = search_for(request)
     split = search.best(6, lambda w: w.pp > 1 and w.schedule == "zb-h1")

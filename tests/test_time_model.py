@@ -539,7 +539,7 @@ def test_prediction_holds_when_ranks_outnumber_the_cores(tmp_path: Path) -> None
     its own calibration and the next attempt's, timed after it (tests/worlds/time_model.py): a
     closing run on 2026-12-02, the host about 0.8 of its usual pace, ended at 1.17, and one on
     2026-12-03 measured 1.20, 1.20 and 0.89 (1.06 pooled). Later the quick calibration,
-    its adds timed at one size, priced it at 0.87-0.96 (12 worlds, 1 of them failing), and now
+    its adds timed at one size, priced it at 0.88-1.02 (12 worlds, 1 of them failing), and now
     the adds at three sizes over 11 rounds, 0.96-1.09 (docs/estimate.md, "A quick
     calibration")."""
     _, reports = run_world("time_model.py", 4, tmp_path, str(tmp_path / "run"), "small", "6", "0.1",
@@ -551,9 +551,10 @@ def test_prediction_holds_when_ranks_outnumber_the_cores(tmp_path: Path) -> None
     # each rank measures nothing
     crowding, lone = reports[0]["crowding"], reports[0]["lone"]
     assert (0.95 * crowding <= lone <= 1.5 * crowding) if crowding > 1 else lone == 0.0, (crowding, lone)
-    # and ZB-H1's split backward, a micro-batch 1.06-1.10 times a whole one's here (7-10% in a
-    # 4-rank pipeline's stages); never under 1
-    assert 1.0 <= reports[0]["split"] <= 1.3, reports[0]["split"]
+    # and ZB-H1's split backward, unclamped: a micro-batch 1.03-1.13 times a whole one's in
+    # calibrations here (RESULTS.md, run 14; 1.05 at micro-batch 4 in this world), its rounds'
+    # medians a percent or two apart
+    assert 0.98 <= reports[0]["split"] <= 1.3, reports[0]["split"]
 
 
 @pytest.mark.slow

@@ -254,8 +254,7 @@ def measure_lone_speedup(mesh: Mesh, config: GPTConfig, micro_batch: int, seq_le
         return 0.0
     from plait.models.gpt.model import build_gpt
 
-    block = GPTConfig(vocab_size=256, n_layers=1, d_model=config.d_model, n_heads=config.n_heads,
-                      n_kv_heads=config.n_kv_heads, ffn_hidden=config.ffn_hidden, max_seq_len=seq_len)
+    block = one_block(config, seq_len)
     model = build_gpt(block, 0).to(mesh.device)
     ids = torch.randint(0, block.vocab_size, (micro_batch, seq_len), device=mesh.device)
 
@@ -279,27 +278,36 @@ def measure_lone_speedup(mesh: Mesh, config: GPTConfig, micro_batch: int, seq_le
     return max(1.0, statistics.median(spans[True]) / statistics.median(spans[False]))
 
 
-SPLIT_ROUNDS = 9  # each a forward and whole backward, and a forward and split one, at one micro-batch
+def one_block(config: GPTConfig, seq_len: int) -> GPTConfig:
+    """The block a calibration trains to time a rank's pace: one layer at `config`'s widths, a
+    vocabulary of 256 (the head a block's share, not the model's), untied (ZB-H1's split needs
+    each weight in one module)."""
+    return GPTConfig(vocab_size=256, n_layers=1, d_model=config.d_model, n_heads=config.n_heads,
+                     n_kv_heads=config.n_kv_heads, ffn_hidden=config.ffn_hidden, max_seq_len=seq_len,
+                     tie_embeddings=False)
 
 
-def measure_split_backward(mesh: Mesh, config: GPTConfig, micro_batch: int, seq_len: int) -> float:
+SPLIT_ROUNDS = 9  # as CROWDING_ROUNDS: each round a whole and a split micro-batch, 0.1-0.4 s on `small`
+
+
+def measure_split_backward(mesh: Mesh, config: GPTConfig, micro_batch: int, seq_len: int,
+                           precision: str = "fp32") -> float:
     """How much longer a micro-batch takes with its backward split in I and W, as ZB-H1 runs it
-    (plait.parallel.pipeline.execute.StageWork), than whole: a one-layer block at the model's
-    widths (untied, a small vocabulary), forward and backward both ways in turns, every rank at
-    once, set against each other as the GEMMs are (`_median_rounds`, watched). Measured 1.05-1.06
-    on `small` with a core a rank and 1.06-1.10 on 4 ranks on 2 cores, where what W makes again
-    priced 1.02 (estimate/ops.micro_batch_compute_s reads it). Never under 1: the split does all
-    of a whole backward's work."""
+    (plait.parallel.pipeline.execute.StageWork), than whole: `one_block` in `precision`'s dtype,
+    forward and backward both ways in turns, every rank at once, set against each other as the
+    GEMMs are (`_median_rounds`, watched), the slowest rank's. On `small`, 1.03-1.13 at
+    micro-batches 16 to 1 on 4 ranks sharing 2 cores (benchmarks/RESULTS.md, run 14), where what
+    W makes again priced 1.02 (estimate/ops.micro_batch_compute_s reads it). Measured at the
+    calibration's sequence and tp 1: a layout's micro-batch reads the nearest micro-batch's."""
     from plait.models.gpt.model import build_gpt
     from plait.parallel.pipeline.execute import StageWork
 
-    block = GPTConfig(vocab_size=256, n_layers=1, d_model=config.d_model, n_heads=config.n_heads,
-                      n_kv_heads=config.n_kv_heads, ffn_hidden=config.ffn_hidden, max_seq_len=seq_len,
-                      tie_embeddings=False)  # the split needs each weight in one module
+    block = one_block(config, seq_len)
     ids = torch.randint(0, block.vocab_size, (micro_batch, seq_len), device=mesh.device)
+    dtype = _dtype(precision)  # fp8's blocks run bf16 outside their products
 
     def train(split: bool) -> Callable[[], None]:
-        work = StageWork(build_gpt(block, 0).to(mesh.device), split_backward=split)
+        work = StageWork(build_gpt(block, 0).to(mesh.device, dtype), split_backward=split)
 
         def step() -> None:
             out, state = work.forward(ids, grad_input=False)
@@ -314,8 +322,8 @@ def measure_split_backward(mesh: Mesh, config: GPTConfig, micro_batch: int, seq_
             _sync(mesh)
         return step
 
-    whole, split = _median_rounds(mesh, [train(False), train(True)], SPLIT_ROUNDS, watched=True)
-    return max(1.0, split / whole)
+    whole, split = _slowest(mesh, _median_rounds(mesh, [train(False), train(True)], SPLIT_ROUNDS, watched=True))
+    return split / whole
 
 
 def _spans(mesh: Mesh, starts: list[list[float]], ends: list[list[float]]) -> list[list[float]]:
@@ -510,7 +518,7 @@ def measure_memory(mesh: Mesh, elements: int, tensors: int, reps: int, params: i
 
 # Rounds of the adds, quick calibration or full: they take well under a second, and 3 of them took
 # their median on the allocator's first, slower passes over the large size (dp 4 on 4 ranks on 2
-# cores priced 1.13-1.17 of its measurement in the first attempt, 0.88-0.96 in the next).
+# cores priced 1.13-1.17 of its measurement in 5 worlds' first attempts of 6; benchmarks/RESULTS.md).
 BANDWIDTH_ROUNDS = 11
 ADD_SPREAD = 8  # the adds' sizes about an activation's: attention's scores, the FFN's hidden, the logits are larger
 
@@ -518,8 +526,8 @@ ADD_SPREAD = 8  # the adds' sizes about an activation's: attention's scores, the
 def add_sizes(elements: int) -> list[int]:
     """The adds a calibration times about an activation of `elements`: an eighth of it, it,
     and eight times it. Timed at the one size, a quick calibration priced every larger
-    element-wise op at an activation's rate (about three times the large size's on 4 ranks
-    sharing 2 cores) and dp 4 there at 0.87-0.96 of its measured step."""
+    element-wise op at an activation's rate (up to four times the large size's on 4 ranks
+    sharing 2 cores) and dp 4 there at 0.88-1.02 of its measured step, median 0.94."""
     return sorted({max(1, elements // ADD_SPREAD), elements, elements * ADD_SPREAD})
 
 

@@ -117,8 +117,9 @@ def calibrate(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len: int, 
         batches = sorted({micro_batch, *other_micro_batches})
         lone = tuple((mb, cal.measure_lone_speedup(mesh, config, mb, seq_len)) for mb in batches) \
             if splits and not quick and cal.crowded(mesh) else ()  # pipelines alone read it
-        split = tuple((mb, cal.measure_split_backward(mesh, config, mb, seq_len)) for mb in batches) \
-            if splits and not quick else ()  # ZB-H1's alone
+        # ZB-H1's alone; never under 1: the split does all of a whole backward's work
+        split = tuple((mb, max(1.0, cal.measure_split_backward(mesh, config, mb, seq_len, precision)))
+                      for mb in batches) if splits and not quick else ()
         fields.update(pcie_gb_s=memory["memory_gb_s"], crowding=cal.crowding(mesh), lone_by_micro_batch=lone,
                       split_by_micro_batch=split,
                       gpus_per_node=max(base.gpus_per_node, mesh.env.world_size))

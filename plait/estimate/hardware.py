@@ -89,8 +89,8 @@ class Hardware:
     lone_by_micro_batch: tuple[tuple[int, float], ...] = ()
     # (micro-batch, a one-layer block's forward and split backward (I + W, as ZB-H1 runs it) over
     # its forward and whole backward) on a calibrated CPU (plait.bench.calibrate.
-    # measure_split_backward: 1.05-1.06 on `small` with a core a rank, 1.06-1.10 on 4 ranks on 2
-    # cores); empty: the split priced by what W makes again (ops.block_ops, split_norm_elements).
+    # measure_split_backward: 1.03-1.13 on `small`, 4 ranks on 2 cores, benchmarks/RESULTS.md run
+    # 14); empty: the split priced by what W makes again (ops.block_ops, split_norm_elements).
     split_by_micro_batch: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
@@ -138,16 +138,11 @@ class Hardware:
         if self.crowding < 1.0:
             raise PlaitError(f"hardware {self.name!r}: crowding must be 1 or more, got {self.crowding!r}",
                              hint="threads for each core while every rank computes: 1.0 where each has its own")
-        for micro_batch, speedup in self.lone_by_micro_batch:
-            if speedup < 1.0:
-                raise PlaitError(f"hardware {self.name!r}: [hardware.lone_by_micro_batch] needs speedups of 1 or "
-                                 f"more, got {micro_batch!r} = {speedup!r}",
-                                 hint="how much faster a rank works with a core of its own than sharing one")
-        for micro_batch, ratio in self.split_by_micro_batch:
-            if ratio < 1.0:
-                raise PlaitError(f"hardware {self.name!r}: [hardware.split_by_micro_batch] needs ratios of 1 or "
-                                 f"more, got {micro_batch!r} = {ratio!r}",
-                                 hint="a split backward's micro-batch over a whole one's: it does all of its work")
+        for table, what, hint in _AT_LEAST_ONE:
+            for micro_batch, ratio in getattr(self, table):
+                if ratio < 1.0:
+                    raise PlaitError(f"hardware {self.name!r}: [hardware.{table}] needs {what} of 1 or more, "
+                                     f"got {micro_batch!r} = {ratio!r}", hint=hint)
 
     def gemm_tflops(self, key: str) -> float:
         """Measured TFLOP/s of a named GEMM or attention shape, 0.0 when not measured."""
@@ -213,17 +208,11 @@ class Hardware:
 
     def lone_speedup(self, micro_batch: int) -> float:
         """`lone_by_micro_batch` at the nearest measured micro-batch; 0.0 where none was."""
-        if not self.lone_by_micro_batch:
-            return 0.0
-        size = _nearest_size((row[0] for row in self.lone_by_micro_batch), micro_batch)
-        return dict(self.lone_by_micro_batch)[size]
+        return _at_micro_batch(self.lone_by_micro_batch, micro_batch)
 
     def split_backward(self, micro_batch: int) -> float:
         """`split_by_micro_batch` at the nearest measured micro-batch; 0.0 where none was."""
-        if not self.split_by_micro_batch:
-            return 0.0
-        size = _nearest_size((row[0] for row in self.split_by_micro_batch), micro_batch)
-        return dict(self.split_by_micro_batch)[size]
+        return _at_micro_batch(self.split_by_micro_batch, micro_batch)
 
     def op_bandwidth(self, op: str, n: int) -> float:
         """Bytes/s of `op` on n ranks inside a node where it was measured apart from the
@@ -283,8 +272,19 @@ def _nearest_size(sizes: Iterable[int], n: int) -> int:
     return min(sizes, key=lambda size: (abs(size - n), -size))
 
 
+def _at_micro_batch(table: tuple[tuple[int, float], ...], micro_batch: int) -> float:
+    """A (micro-batch, ratio) table's ratio at the nearest measured micro-batch; 0.0 if empty."""
+    if not table:
+        return 0.0
+    return dict(table)[_nearest_size((row[0] for row in table), micro_batch)]
+
+
 _SIZED = ("memory_by_size", "stream_by_size", "lone_by_micro_batch", "split_by_micro_batch")  # (size, a positive rate) rows
 _TABLES = ("gemm", "links", "op_links", "lags", *_SIZED)
+_AT_LEAST_ONE = (  # (micro-batch, ratio) tables whose ratios cannot be under 1, and why
+    ("lone_by_micro_batch", "speedups", "how much faster a rank works with a core of its own than sharing one"),
+    ("split_by_micro_batch", "ratios", "a split backward's micro-batch over a whole one's: it does all of its work"),
+)
 
 
 def sized_rate(table: tuple[tuple[int, float], ...], size: float) -> float:
@@ -486,11 +486,12 @@ def _measured_tables(table: dict[str, object]) -> None:
                 table[sized] = tuple(sorted((int(k), float(v)) for k, v in table[sized].items()))
     except (TypeError, ValueError, KeyError) as exc:
         raise PlaitError(f"bad [hardware.gemm], [hardware.links], [hardware.op_links], [hardware.lags], "
-                         f"[hardware.memory_by_size], [hardware.stream_by_size] "
+                         f"[hardware.memory_by_size], [hardware.stream_by_size], "
                          f"[hardware.lone_by_micro_batch] or [hardware.split_by_micro_batch] entry: {exc}",
                          hint='gemm: "fp32 MxKxN" = TFLOP/s; links: "2" = {latency_us = .., gb_s = ..}; '
                               'op_links: "all_gather 2" = GB/s; lags: "2 4000.0" = µs; memory_by_size: "bytes" = GB/s; '
-                              'stream_by_size: "parameters" = GB/s') from None
+                              'stream_by_size: "parameters" = GB/s; lone_by_micro_batch and split_by_micro_batch: '
+                              '"micro-batch" = ratio') from None
 
 
 def _lag_entry(key: str, value: object) -> tuple[int, float, float]:

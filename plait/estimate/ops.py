@@ -377,6 +377,12 @@ def splits_backward(layout: Workload) -> bool:
     return layout.schedule == "zb-h1" and layout.pp > 1
 
 
+def measured_split(layout: Workload, hw: Hardware) -> float:
+    """A split micro-batch over a whole one as `hw` measured it at the layout's micro-batch
+    (Hardware.split_backward); 0.0 where nothing is split or nothing was measured."""
+    return hw.split_backward(layout.micro_batch) if splits_backward(layout) else 0.0
+
+
 def split_norm_elements(config: GPTConfig, layout: Workload) -> float:
     """h coefficient of what ZB-H1's W makes again for one of plait's norms (EW_SPLIT_NORM), 0
     where nothing is split, or its norms are not plait's lean ones (a transformers norm is plain
@@ -465,7 +471,7 @@ def micro_batch_compute_s(config: GPTConfig, layout: Workload, stage: StageShare
     micro-batch's, times the measured ratio. What W makes again (`block_ops`) priced `small`'s
     micro-batch 2% over 1F1B's on a CPU; in a 4-rank pipeline each stage's micro-batch took 7-10%
     more CPU time (its I + W 10-14% over B): W's many small calls, not its bytes."""
-    split = hw.split_backward(layout.micro_batch) if splits_backward(layout) else 0.0
+    split = measured_split(layout, hw)
     if split:
         whole = replace(layout, schedule="1f1b")
         return split * host_overlapped(hw, lambda profile: _work_and_dispatch_s(config, whole, stage, profile))

@@ -69,7 +69,7 @@ from plait.estimate.network import inter_node
 from plait.estimate.ops import micro_batch_compute_s, splits_backward
 from plait.estimate.pipeline import lower_bound
 from plait.estimate.time import (MicroBatchParts, RankCost, chunk_weights, crowd_of, estimate_time,
-                                 forward_fraction, rank_tail)
+                                 forward_share, rank_tail)
 from plait.layout import Layout
 from plait.models.gpt.config import GPTConfig
 from plait.estimate.stacks import check_stack_name
@@ -287,7 +287,7 @@ class Costs:
         by_key = {_stage_key(stage): RankCost(*parts(stage)).micro_batch for stage in kinds}
         shares = stages(config, shape.tp, shape.pp, shape.virtual_stages, shape.ep, shape.stage_layers, shape.sp)
         floor = lower_bound(shape.schedule, shape.pp, shape.grad_accum, shape.virtual_stages,
-                            [by_key[_stage_key(share)] for share in shares], forward_fraction(shape.recompute),
+                            [by_key[_stage_key(share)] for share in shares], forward_share(shape, hw),
                             [chunk_weights(shape, share) for share in shares],
                             message_s(config, shape, hw, links["pp"]), crowd_of(hw, shape))
         return Core(floor, kinds)

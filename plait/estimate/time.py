@@ -70,8 +70,8 @@ from plait.estimate.hardware import Hardware
 from plait.estimate.layout import StageShare, Workload, chunk_layers, layout_stages
 from plait.estimate.memory import shard
 from plait.estimate.network import ASSUMPTION as NETWORK_ASSUMPTION, collective_s, inter_node
-from plait.estimate.ops import (accumulate_params_s, accumulate_s, attention_core_flops, micro_batch_compute_s,
-                                optimizer_s, outer_precision, stage_pieces, stage_tensors)
+from plait.estimate.ops import (accumulate_params_s, accumulate_s, attention_core_flops, measured_split,
+                                micro_batch_compute_s, optimizer_s, outer_precision, stage_pieces, stage_tensors)
 from plait.estimate.pipeline import ALONE, Crowd, Paths, rank_paths
 from plait.models.gpt.config import GPTConfig
 
@@ -171,6 +171,7 @@ class StepCosts:
     clip: float = 0.0  # the step guard's verdict and the gradient norm's all-reduces
     overhead: float = 0.0  # the loop's bookkeeping and telemetry
     crowd: Crowd = ALONE  # how the host's cores were shared when these were priced (Hardware.crowding)
+    forward: float = 1 / 3  # each micro-batch's forward share (forward_share)
 
 
 def matmul_params(config: GPTConfig) -> int:
@@ -194,6 +195,13 @@ def flops_per_token(config: GPTConfig, seq_len: int, recompute: str = "none") ->
 def forward_fraction(recompute: str) -> float:
     """Fraction of a micro-batch's compute that is its (first) forward pass."""
     return {"none": 1 / 3, "selective": 1 / 3, "full": 1 / 4}[recompute]
+
+
+def forward_share(layout: Workload, hw: Hardware) -> float:
+    """The forward's share of a rank's micro-batch as priced: `forward_fraction`, less where
+    `hw` measured ZB-H1's split backward dearer (ops.measured_split): the forward is 1F1B's
+    (measured so, 96-98 ms against 95-98 on `small`), the split's extra cost is I's and W's."""
+    return forward_fraction(layout.recompute) / (measured_split(layout, hw) or 1.0)
 
 
 MicroBatchParts = Callable[[StageShare], tuple[float, float, float, float]]
@@ -229,7 +237,7 @@ def step_costs(config: GPTConfig, layout: Workload, hw: Hardware, gpus_per_node:
     gives a rank's micro-batch; the planner passes its cached one)."""
     links = inter_node(layout, gpus_per_node)
     parts = parts or micro_batch_parts(config, layout, hw, links)
-    forward = forward_fraction(layout.recompute)
+    forward = forward_share(layout, hw)
     ranks = []
     for stage in layout_stages(config, layout):
         compute, tp, cp, ep = parts(stage)
@@ -238,7 +246,7 @@ def step_costs(config: GPTConfig, layout: Workload, hw: Hardware, gpus_per_node:
     model, hardware = flops_per_token(config, layout.seq_len, layout.recompute)
     return StepCosts(tuple(ranks), model, hardware, message_s(config, layout, hw, links["pp"]),
                      clip_s(layout, hw, links), overhead_s(layout, hw, gpus_per_node),
-                     crowd_of(hw, layout))
+                     crowd_of(hw, layout), forward)
 
 
 def estimate_time(config: GPTConfig, layout: Workload, hw: Hardware, gpus_per_node: int,
@@ -261,7 +269,7 @@ def schedule_paths(layout: Workload, costs: StepCosts, message: float | None = N
         return Paths(busy, busy, tuple(tails))
     weights = [chunk_weights(layout, rank.share) for rank in costs.ranks] if costs.ranks[0].share else None
     return rank_paths(layout.schedule, layout.pp, layout.grad_accum, layout.virtual_stages,
-                      [rank.micro_batch for rank in costs.ranks], forward_fraction(layout.recompute), weights,
+                      [rank.micro_batch for rank in costs.ranks], costs.forward, weights,
                       costs.message if message is None else message, costs.crowd, tails)
 
 
