@@ -819,3 +819,39 @@ def test_the_plans_first_layouts_measure_as_it_ranks_them(tmp_path: Path) -> Non
     assert len(logs) > 1, trained  # a standard error needs two rounds: never skip the check
     over = statistics.fmean(logs) - 2 * statistics.stdev(logs) / math.sqrt(len(logs))
     assert over <= math.log(1.05), (measured, over, trained)
+
+
+def test_a_full_cpu_calibration_records_the_split_backward_and_a_quick_one_does_not(monkeypatch) -> None:
+    """plait.bench.machine.calibrate, every measurement replaced by a fixed one on a fake
+    4-rank CPU mesh: a full calibration that prices split layouts records the split backward's
+    ratio at each micro-batch (a measured 0.97 clamped to 1: the split does all of a whole
+    backward's work, 1.08 kept) beside the lone speedups; a quick one, or one for data
+    parallelism alone, records neither."""
+    from types import SimpleNamespace
+
+    from plait.bench import calibrate as cal
+    from plait.bench import machine
+
+    mesh = SimpleNamespace(device=SimpleNamespace(type="cpu"), env=SimpleNamespace(world_size=4))
+    memory = {"memory_gb_s": 10.0, "memory_by_size": ((4096, 10.0),), "op_overhead_us": 10.0,
+              "view_overhead_us": 0.5, "step_overhead_us": 40.0, "optimizer_tensor_us": 4.0, "grad_tensor_us": 8.0}
+    fixed = {"measure_gemms": lambda *a, **k: {"fp32 512x384x384": 0.08, "fp32 1024x384x384": 0.09},
+             "measure_attention": lambda *a, **k: {}, "measure_memory": lambda *a, **k: dict(memory),
+             "measure_host_update": lambda *a, **k: 5.0, "measure_links": lambda *a, **k: (((4, 300.0, 1.0),), ()),
+             "measure_p2p": lambda *a, **k: 3000.0, "measure_lags": lambda *a, **k: (),
+             "measure_lone_speedup": lambda mesh, config, mb, seq: 2.0 + mb / 100,
+             "measure_split_backward": lambda mesh, config, mb, seq, precision: {4: 0.97, 8: 1.08}[mb],
+             "crowding": lambda mesh: 2.0, "crowded": lambda mesh: True}
+    for name, value in fixed.items():
+        monkeypatch.setattr(cal, name, value)
+    monkeypatch.setattr(machine, "machine_facts", lambda *a, **k: {"host": "test", "gpu": ""})
+
+    def calibrated(**options) -> object:
+        return machine.calibrate(mesh, get_preset("small"), micro_batch=8, seq_len=128, tp_sizes=[1],
+                                 precision="fp32", other_micro_batches=[4], **options)
+
+    full = calibrated()
+    assert full.split_by_micro_batch == ((4, 1.0), (8, 1.08)) and full.split_backward(8) == 1.08
+    assert full.lone_by_micro_batch == ((4, 2.04), (8, 2.08)) and full.crowding == 2.0
+    for lean in (calibrated(quick=True), calibrated(data_parallel_only=True)):
+        assert lean.split_by_micro_batch == () and lean.lone_by_micro_batch == () and lean.split_backward(8) == 0.0
