@@ -472,10 +472,8 @@ def micro_batch_compute_s(config: GPTConfig, layout: Workload, stage: StageShare
     micro-batch 2% over 1F1B's on a CPU; in a 4-rank pipeline each stage's micro-batch took 7-10%
     more CPU time (its I + W 10-14% over B): W's many small calls, not its bytes."""
     split = measured_split(layout, hw)
-    if split:
-        whole = replace(layout, schedule="1f1b")
-        return split * host_overlapped(hw, lambda profile: _work_and_dispatch_s(config, whole, stage, profile))
-    return host_overlapped(hw, lambda profile: _work_and_dispatch_s(config, layout, stage, profile))
+    priced = replace(layout, schedule="1f1b") if split else layout
+    return (split or 1.0) * host_overlapped(hw, lambda profile: _work_and_dispatch_s(config, priced, stage, profile))
 
 
 def host_overlapped(hw: Hardware, cost: Callable[[Hardware], float]) -> float:

@@ -76,8 +76,10 @@ class Crowd:
 
     @property
     def fastest(self) -> float:
-        """The most `speed` gives, whatever the ranks at work: the pruning bounds divide by it."""
-        return max(self.lone, self.threads)
+        """The most `speed` gives, whatever the ranks at work: the pruning bounds divide by it.
+        1.0 on a host with a core for each thread, whose schedule runs at its price whatever
+        lone speedups its file holds."""
+        return max(self.lone, self.threads) if self.crowded else 1.0
 
     def speed(self, busy: int, pp: int) -> float:
         """How much faster than priced an action runs while `busy` of the pp pipeline ranks
@@ -310,4 +312,4 @@ def lower_bound(schedule: str, pp: int, m: int, v: int, rank_s: list[float], for
         step = rank_s[rank] * weights[rank][0]
         head += step * share["F"] + edge_s  # and its message on to the next rank
         tail += step * share["B"] + edge_s
-    return best / crowd.fastest if crowd.crowded else best
+    return best / crowd.fastest

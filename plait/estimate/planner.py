@@ -319,7 +319,7 @@ class Costs:
         hw, gpn = self.request.hardware, self.request.gpus_per_node
         links = inter_node(tail, gpn)
         least = min(sum(rank_tail(tail, stage, hw, links, HIDDEN, 0.5).values()) for stage in core.stages)
-        if tail.pp > 1 and hw.crowding > 1.0:  # a pipeline's tail may run while the other ranks wait
+        if tail.pp > 1:  # a pipeline's tail may run while the other ranks wait (a crowded host's)
             least /= crowd_of(hw, tail).fastest
         return core.s + least + clip_s(tail, hw, links) + overhead_s(tail, hw, gpn)
 
