@@ -85,11 +85,26 @@ def declared_as_524(monkeypatch: pytest.MonkeyPatch, *families: str) -> None:
         declared_as(monkeypatch, family, *PLANS_524[family])
 
 
+# shape_of's readings, by what decides them: 110 readings in this file are 68 distinct ones,
+# and a reading runs the model (seconds each, the file's largest cost).
+_READINGS: dict[tuple[str, ...], Any] = {}
+
+
 def shape_of(tmp_path: Path, family: str, kept: bool = True, **fields: Any) -> Any:
     """The family's tiny shape as plait reads it; `kept` false: without what autograd keeps (its
-    forwards), where a test reads only counts and traffic."""
-    transformers.AutoConfig.for_model(family, **{**SHAPE, **fields}).save_pretrained(tmp_path)
-    return measured_shape(read_hf_dir(f"hf:{tmp_path}"), kept=kept)
+    forwards), where a test reads only counts and traffic. Its config.json is written at
+    `tmp_path` each time (tests read it again there); the reading is reused where the file, the
+    plans the config class declares (`declared_as`) and the size measured on the CPU agree.
+    A test of the reading itself (test_the_reading_is_the_same_each_time) reads afresh."""
+    from plait.models.hf import load
+
+    config = transformers.AutoConfig.for_model(family, **{**SHAPE, **fields})
+    config.save_pretrained(tmp_path)
+    plans = tuple(repr(getattr(type(config), name, None)) for name in ("base_model_tp_plan", "base_model_ep_plan"))
+    key = ((tmp_path / "config.json").read_text(), str(kept), *plans, str(load.CPU_MEASURED_PARAMS))
+    if key not in _READINGS:
+        _READINGS[key] = measured_shape(read_hf_dir(f"hf:{tmp_path}"), kept=kept)
+    return _READINGS[key]
 
 
 def test_a_hybrids_blocks_are_read_each(tmp_path: Path) -> None:
