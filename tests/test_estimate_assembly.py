@@ -33,20 +33,24 @@ def test_a_message_is_a_delay_on_the_edge_not_time_of_either_rank() -> None:
     assert makespan("1f1b", 2, 1, 1, [3.0, 9.0], THIRD, edge_s=0.0) == pytest.approx(f0 + f1 + b1 + b0)
 
 
-def test_the_step_is_the_slowest_ranks_path_with_its_own_tail() -> None:
-    """Under 1F1B rank 0 ends last, yet rank 1's update is long: the step is rank 1's path (its
-    end, then its own tail), not the latest end plus the slowest stage's tail, and its parts
-    add up. With the long update on rank 0 instead, rank 0's path is the step."""
+def test_the_step_is_the_slowest_path_to_the_clip_then_the_slowest_update() -> None:
+    """As the loop runs it: each rank's path to the clip's all-reduce (its end, then its own dp
+    sync), the slowest; then every rank updates at once. Under 1F1B rank 0 ends last, yet rank
+    1's dp sync is long: the path to the clip is rank 1's, and the update after it is rank 0's
+    (the longer), though no one rank holds both; the parts add up. Before, each rank's update
+    sat in its own path, and the step was the longest path of the two, 1 s shorter here."""
     layout = Workload(pp=2, grad_accum=4)
-    ranks = (RankCost(3.0, update=1.0), RankCost(6.0, update=10.0))
+    ranks = (RankCost(3.0, update=3.0), RankCost(6.0, dp=5.0, update=2.0))
     step = assemble(layout, CPU, StepCosts(ranks, model_flops=1.0, hardware_flops=1.0, clip=0.25, overhead=0.5))
     ends = rank_ends("1f1b", 2, 4, 1, [3.0, 6.0], THIRD)
-    assert ends[0] > ends[1] and ends[1] + 10.0 > ends[0] + 1.0 and step.critical_rank == 1
-    assert step.step_s == pytest.approx(ends[1] + 10.0 + 0.25 + 0.5, rel=1e-12)
-    parts = step.compute_s + step.bubble_s + step.pp_s + step.optimizer_s + step.overhead_s
+    assert ends[0] > ends[1] and ends[1] + 5.0 > ends[0] and step.critical_rank == 1
+    assert step.step_s == pytest.approx(ends[1] + 5.0 + 0.25 + 3.0 + 0.5, rel=1e-12)
+    assert step.step_s == pytest.approx(max(ends[0] + 3.0, ends[1] + 5.0 + 2.0) + 1.0 + 0.75, rel=1e-12)
+    assert (step.dp_s, step.optimizer_s) == (5.0, 3.25)
+    parts = step.compute_s + step.bubble_s + step.pp_s + step.dp_s + step.optimizer_s + step.overhead_s
     assert parts == pytest.approx(step.step_s, rel=1e-12)
-    swapped = assemble(layout, CPU, StepCosts((RankCost(3.0, update=10.0), RankCost(6.0, update=1.0)), 1.0, 1.0))
-    assert swapped.critical_rank == 0 and swapped.step_s == pytest.approx(ends[0] + 10.0, rel=1e-12)
+    swapped = assemble(layout, CPU, StepCosts((RankCost(3.0, dp=5.0, update=2.0), RankCost(6.0, update=3.0)), 1.0, 1.0))
+    assert swapped.critical_rank == 0 and swapped.step_s == pytest.approx(ends[0] + 5.0 + 3.0, rel=1e-12)
 
 
 def test_the_messages_share_is_what_the_path_waits_for_them() -> None:

@@ -22,8 +22,9 @@ How it prunes. A *shape* is every choice but ZeRO's stage, dp_shard and offload 
 *tails*). None of those three changes a micro-batch's time on any stage or the schedule's
 ends, so a shape fixes the *core* of the step, m × the slowest stage's micro-batch + the
 bubble and the messages (time.assemble's latest schedule end), and the assembly only adds
-non-negative terms to it: the slowest rank's path is at least the latest end plus that
-rank's tail (the exposed dp sync, offload, the update), then the clip and the loop. Each rule below drops only layouts that cannot rank in the top k:
+non-negative terms to it: the step is at least the latest end plus that rank's tail (the
+exposed dp sync before the clip; offload and the update after it, where the slowest update
+is at least that rank's), then the clip and the loop. Each rule below drops only layouts that cannot rank in the top k:
 1. Shapes are taken in increasing core; once a core exceeds the k-th best step found, no
    layout of that shape or of any later one can be faster: the search ends.
 2. A shape whose first or last stage's activations and buffers (which no ZeRO option
@@ -312,8 +313,8 @@ class Costs:
 
     def step_bound(self, tail: Workload, core: Core) -> float:
         """The core plus the least tail any rank may add (rule 3), and the clip and the loop:
-        the step is the slowest rank's path, at least the latest schedule end plus that
-        rank's tail. A tail's dp sync is taken behind HIDDEN seconds of compute: dp_exposed_s
+        the step is at least the latest schedule end plus that rank's tail (its path to the
+        clip, then an update no shorter than its own). A tail's dp sync is taken behind HIDDEN seconds of compute: dp_exposed_s
         only falls as the compute it overlaps grows (each term is max(floor, transfer -
         compute)), so that is its least."""
         hw, gpn = self.request.hardware, self.request.gpus_per_node

@@ -115,8 +115,8 @@ def _comm_lines(result: dict[str, Any]) -> list[str]:
 
 def _stage_lines(stages: list[dict[str, Any]], critical: int) -> list[str]:
     """Each rank's blocks (chunk by chunk), memory and micro-batch time; the slowest marked,
-    since the schedule, its bubble included, runs at its pace, and the rank whose path (its
-    schedule's end and its own tail) sets the step."""
+    since the schedule, its bubble included, runs at its pace, and the rank whose path to the
+    clip (its schedule's end, accumulation and dp sync) sets the step."""
     slowest = max(stages, key=lambda row: row["micro_batch_s"])["stage"]
     rows = [["  stage", "blocks", "memory", "micro-batch", ""]]
     for row in stages:

@@ -4,9 +4,10 @@ A step is priced as one record (`StepCosts`): each pipeline rank's parts (`RankC
 micro-batch's compute and the tp, cp and ep collectives it waits for; then its tail:
 gradient accumulation, the exposed data-parallel sync, offload, the update), a pipeline
 message's delay on the schedule's edges, and what every rank shares (the clip's and the
-loop's all-reduces). `assemble` turns it into the step: each rank's own path through the
-schedule (pipeline.rank_ends) plus its own tail, the slowest of them, plus the shared
-parts. The estimate, the planner (its bounds and its rows), `--explain` and the closing
+loop's all-reduces). `assemble` turns it into the step as the loop runs it: each rank's own
+path through the schedule (pipeline.rank_ends) plus its accumulation and dp sync, the slowest
+of them; the clip's all-reduce, which every rank waits for; then every rank's offload and
+update at once, the slowest of them; then the loop's all-reduce. The estimate, the planner (its bounds and its rows), `--explain` and the closing
 report all read that one assembly.
 
 Assumptions, each visible in `ASSUMPTIONS`:
@@ -44,7 +45,8 @@ Assumptions, each visible in `ASSUMPTIONS`:
 * A pipeline step runs the schedule the runner executes (pipeline.py): each rank's actions
   in its order, each costing its share of that rank's micro-batch, each started once its
   inputs exist, a message later when they come from another rank. The step is the slowest
-  rank's path: its schedule's end plus its own tail. What its path waits beyond its own m
+  rank's path to the clip (its schedule's end plus its accumulation and dp sync), the clip,
+  then the slowest rank's update (every rank updates at once). What its path waits beyond its own m
   micro-batches is the bubble and the messages' exposed delay; for even stages the bubble is
   (p-1)/(m+p-1) of the step for GPipe and 1F1B, (p-1)/v slots interleaved, ZB-H1's deferred
   weight gradients filling the rest; what a lopsided or uneven cut does, it does.
@@ -100,8 +102,9 @@ ASSUMPTIONS = (
     "pipeline: the schedule run action by action, each a share of its rank's micro-batch (forward "
     "a third, a quarter with full recompute; ZB-H1's weight gradients a forward) scaled by its "
     "chunk's blocks, a message's delay on each edge between ranks; the step is the slowest rank's "
-    "path (its schedule's end plus its own dp sync, accumulation, offload and update) plus the clip's "
-    "and the loop's all-reduces; the bubble is that path's idle time (even stages: (p−1)/(m+p−1) for "
+    "path to the clip (its schedule's end plus its own accumulation and dp sync), the clip's all-reduce, "
+    "then the slowest rank's offload and update (every rank updates at once), then the loop's "
+    "all-reduce; the bubble is that path's idle time (even stages: (p−1)/(m+p−1) for "
     "gpipe and 1f1b, (p−1)/v slots interleaved); on a crowded host (Hardware.crowding) a waiting rank's "
     "cores run the ranks at work faster",
 )
@@ -156,8 +159,15 @@ class RankCost:
         return self.compute + self.tp + self.cp + self.ep
 
     @property
-    def tail(self) -> float:
-        return self.accumulate + self.dp + self.offload + self.update
+    def before_clip(self) -> float:
+        """Its tail up to the clip's all-reduce, which every rank waits for: the accumulation
+        and the dp sync left after overlap (the loop: forward_backward, then clip)."""
+        return self.accumulate + self.dp
+
+    @property
+    def after_clip(self) -> float:
+        """Its tail after the clip, every rank at once: offload and the update."""
+        return self.offload + self.update
 
 
 @dataclass(frozen=True)
@@ -263,7 +273,7 @@ def schedule_ends(layout: Workload, costs: StepCosts, message: float | None = No
 
 def schedule_paths(layout: Workload, costs: StepCosts, message: float | None = None) -> Paths:
     """pipeline.rank_paths of the record: each rank's end, time at work and tail."""
-    tails = [rank.tail for rank in costs.ranks]
+    tails = [rank.before_clip for rank in costs.ranks]
     if layout.pp == 1:
         busy = tuple(layout.grad_accum * rank.micro_batch for rank in costs.ranks)
         return Paths(busy, busy, tuple(tails))
@@ -282,22 +292,30 @@ def chunk_weights(layout: Workload, stage: StageShare) -> list[float]:
 
 
 def assemble(layout: Workload, hw: Hardware, costs: StepCosts) -> StepTime:
-    """The step: each rank's path (its schedule's end, then its own tail), the slowest one,
-    plus the clip's and the loop's shared all-reduces; split into that rank's parts. Its
-    messages' share is what its path gains when they cost nothing; the bubble is the rest of
-    its idle time."""
+    """The step as the loop runs it: each rank's path to the clip (its schedule's end, then its
+    accumulation and dp sync), the slowest one; the clip's all-reduce, which every rank waits
+    for; then every rank's offload and update at once, the slowest of them; then the loop's
+    all-reduce. Split into the critical rank's parts and the slowest update. Its messages'
+    share is what its path gains when they cost nothing; the bubble is the rest of its idle
+    time.
+
+    The update after the clip, not in each rank's own path: with uneven stages (the
+    embedding's update on the first, the head's work on the last) the step is the latest end
+    plus the longest update, though no one rank holds both. On a crowded host every rank
+    updates at once, so at its price (taken with every rank at work)."""
     ends, busy, tails = schedule_paths(layout, costs)
     paths = [end + tail for end, tail in zip(ends, tails)]
     critical = max(range(len(paths)), key=paths.__getitem__)
     rank, m = costs.ranks[critical], layout.grad_accum
+    after = max(costs.ranks, key=lambda r: r.after_clip)
     quiet = schedule_ends(layout, costs, message=0.0)[critical] if costs.message else ends[critical]
     messages = max(0.0, ends[critical] - quiet)
     bubble = max(0.0, quiet - busy[critical])
     # On a crowded host a pipeline rank works faster while others wait (pipeline.Crowd): its
     # micro-batches' parts, and its tail's, take what they took as the schedule ran, shrunk alike.
     pace = busy[critical] / (m * rank.micro_batch) if rank.micro_batch else 1.0
-    tail_pace = tails[critical] / rank.tail if rank.tail else 1.0
-    dp, offload, update = tail_pace * rank.dp, tail_pace * rank.offload, tail_pace * rank.update
+    tail_pace = tails[critical] / rank.before_clip if rank.before_clip else 1.0
+    dp, offload, update = tail_pace * rank.dp, after.offload, after.update
     step = (busy[critical] + tail_pace * rank.accumulate + bubble + messages + dp + offload + update
             + costs.clip + costs.overhead)
     tokens_per_s = layout.global_batch * layout.seq_len / step
