@@ -599,6 +599,46 @@ def test_a_crowded_calibration_sets_its_shapes_by_cpu_time_and_their_level_by_th
     assert calibrate._shaped(None, [2.0, 4.6], [0.0, 2.0]) == [2.0, 4.6]
 
 
+def test_a_crowded_calibration_counts_every_thread_of_a_rank(monkeypatch) -> None:
+    """A rank with two threads at work (the main one and a helper, as a product's intra-op
+    workers are) does twice the work of one: read by the rank's CPU time, not its main
+    thread's, its timing is at least 1.6 times the one-thread one's (2.8-3.1 measured, the two
+    threads sharing the memory bus). By the main thread's clock the two read alike (1.15), and
+    a rank of two threads was priced at half its cost."""
+    import threading
+    from types import SimpleNamespace
+
+    import torch
+
+    from plait.bench import calibrate
+
+    a, b = torch.randn(192, 192), torch.randn(192, 192)
+
+    def products() -> None:  # about 20 ms: a thread's start a small part of it
+        for _ in range(200):
+            torch.mm(a, b)
+
+    def two_threads() -> None:
+        helper = threading.Thread(target=products)
+        helper.start()
+        products()
+        helper.join()
+
+    monkeypatch.setattr(calibrate, "crowded", lambda mesh: True)
+    monkeypatch.setattr(calibrate, "_bursts", lambda mesh, fns, crowd: [1] * len(fns))
+    monkeypatch.setattr(calibrate, "_slowest", lambda mesh, values: list(values))
+    monkeypatch.setattr(calibrate, "_spans", lambda mesh, starts, ends: [[e - s for s, e in zip(began, ended)]
+                                                                        for began, ended in zip(starts, ends)])
+    mesh = SimpleNamespace(env=SimpleNamespace(world_size=1), device=torch.device("cpu"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # each thread's products on that thread alone
+    try:
+        one, two = calibrate._median_rounds(mesh, [products, two_threads], 5, watched=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert 1.6 < two / one < 4.0, (one, two)  # two threads sharing the memory bus: 2.8-3.1 measured; main's clock 1.15
+
+
 def test_a_calibration_records_how_crowded_its_host_was(monkeypatch, tmp_path: Path) -> None:
     """plait.bench.calibrate.crowding: 4 one-thread ranks on 2 cores ran two threads a core,
     2 threads a rank on 3 cores 8/3; ranks with a core each, a rank alone, ranks spread over

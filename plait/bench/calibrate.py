@@ -138,11 +138,11 @@ def _median_rounds(mesh: Mesh, fns: list[Callable[[], Any]], rounds: int, watche
         for fn, burst, began, ended, cpu in zip(fns, bursts, starts, ends, worked):
             _in_step(mesh)
             began.append(time.monotonic())
-            on_cpu = time.thread_time() if shaped else 0.0
+            on_cpu = time.process_time() if shaped else 0.0
             for _ in range(burst):
                 fn()
             if shaped:
-                cpu.append((time.thread_time() - on_cpu) / burst)
+                cpu.append((time.process_time() - on_cpu) / burst)
             ended.append(time.monotonic())
             if again:
                 fn()
@@ -183,6 +183,10 @@ def _resident(first: list[float], second: list[float]) -> list[float]:
 def _shaped(mesh: Mesh, spans: list[float], cpu: list[float]) -> list[float]:
     """Each timing's seconds on a crowded host: its CPU time (the slowest rank's) times the
     median over all of them of span / CPU time.
+
+    The CPU time is the rank's, every thread's (`time.process_time`): with more than one
+    thread a rank, a product's intra-op workers do part of its work, which the main thread's
+    clock alone left out (a 2-thread GEMM read at half its cost against a 1-thread one).
 
     A span moves by the scheduler's slices, a few milliseconds of a 20 ms burst: two
     calibrations of 4 ranks on 2 cores gave each GEMM shape's rate ±15%, their shapes' rates
