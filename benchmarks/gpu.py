@@ -337,7 +337,7 @@ def part_sweep() -> None:
             for dim in (64, 128):
                 batch = max(1, 16384 // scale // seq)
                 run = cal._attention_run(mesh, (batch, heads, seq, dim), "bf16")
-                t = cal._median_rounds(mesh, [run], 5)[0] / cal.queue_depth(mesh.device)
+                t = cal.timing.median_rounds(mesh, [run], 5)[0] / cal.queue_depth(mesh.device)
                 attention[f"b{batch} a{heads} s{seq} d{dim}"] = 12.0 * batch * seq * seq * heads * dim / t / 1e12
                 torch.cuda.empty_cache()
     memory = cal.measure_bandwidth(mesh, [1 << e for e in range(12, 29 if scale == 1 else 21, 2)], 10)
@@ -459,7 +459,7 @@ def part_gemmdata() -> None:
     import torch
     import torch.nn.functional as F
 
-    from plait.bench.calibrate import _median_s
+    from plait.bench.timing import median_s
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     scale = 1 if device.type == "cuda" else 64
@@ -473,7 +473,7 @@ def part_gemmdata() -> None:
             for _ in range(depth):
                 op()
             sync()
-        return _median_s(run, 7) / depth
+        return median_s(run, 7) / depth
 
     rows: dict[str, dict[str, float]] = {}
     for name, (m, k, n) in shapes.items():
@@ -539,7 +539,7 @@ def part_hostcopy() -> None:
     the median of 3 after one warm-up."""
     import torch
 
-    from plait.bench.calibrate import _median_s
+    from plait.bench.timing import median_s
     from plait.estimate.exposed import HOST_ADAM_BYTES
     from plait.parallel.zero.optim import copy_in_chunks
 
@@ -557,7 +557,7 @@ def part_hostcopy() -> None:
         optimizer = torch.optim.AdamW([weight], lr=1e-3, fused=True)
 
         def timed(fn: Any) -> float:  # each call waited for, so the next starts on an idle device
-            return _median_s(lambda: (fn(), done()), 3)
+            return median_s(lambda: (fn(), done()), 3)
 
         weight.grad = kept
         rows[n] = {"grad in, fresh .to (before)": timed(lambda: grad.to("cpu", torch.float32)),

@@ -423,13 +423,13 @@ def test_prediction_holds_on_this_machine_after_calibration(tmp_path: Path) -> N
     assert set(last["predicted"]) == {"compute", "exposed_comm", "bubble", "optimizer", "overhead", "step"}
     assert last["predicted"]["step"] == pytest.approx(sum(v for k, v in last["predicted"].items() if k != "step"))
     assert abs(last["ratio"] - 1) <= 0.5, attempts
-    # the ranks' lag (plait.bench.calibrate.measure_lags): for the pair, after each of three
+    # the ranks' lag (plait.bench.comm_timing.measure_lags): for the pair, after each of three
     # bursts, each longer than the last, what a collective adds over the shortest's, never less
     lags = reports[0]["lags"]
     assert [row[0] for row in lags] == [2, 2, 2] and lags[0][2] == 0.0, lags
     assert lags[0][1] < lags[1][1] < lags[2][1] and 0 <= lags[1][2] <= lags[2][2], lags
     # the pair's all-reduce, and ZeRO's all-gather and reduce-scatter timed in the same rounds
-    # (plait.bench.calibrate.measure_links), each a bus rate
+    # (plait.bench.comm_timing.measure_links), each a bus rate
     links, ops = reports[0]["links"], reports[0]["op_links"]
     assert [row[0] for row in links] == [2] and links[0][2] > 0, links
     assert [(op, n) for op, n, _ in ops] == [("all_gather", 2), ("reduce_scatter", 2)], ops
@@ -442,7 +442,7 @@ def test_a_latency_longer_than_the_collective_leaves_a_finite_rate() -> None:
     bursts of compute on a loaded host) is 2 ms, longer than the whole collective, the rate is
     2 GB/s (half the time taken off at most), not the 1e6 GB/s that once priced ZeRO's gathers
     at nothing."""
-    from plait.bench.calibrate import bus_rate
+    from plait.bench.comm_timing import bus_rate
 
     assert bus_rate(1e6, 1e-3, 0.2e-3) == pytest.approx(1.25)
     assert bus_rate(1e6, 1e-3, 2e-3) == pytest.approx(2.0)
@@ -532,7 +532,7 @@ def test_attempts_out_of_bound_are_pooled_each_priced_between_its_calibration_an
 @pytest.mark.slow
 def test_prediction_holds_when_ranks_outnumber_the_cores(tmp_path: Path) -> None:
     """`small` under dp 4 on a 2-core machine (one thread a rank): each rank computes on half
-    a core, and the calibration times every rank's runs together (plait.bench.calibrate.
+    a core, and the calibration times every rank's runs together (plait.bench.timing.
     crowded). Timed one rank at a time, each measured a whole core, and the step was
     predicted at 0.77-0.87 of its measurement here (0.50-0.59 in benchmarks/planner_measured.
     py); now 0.99-1.01, held to 10%. Attempts out of the bound are pooled, each priced again at the mean of
@@ -589,14 +589,14 @@ def test_calibrate_command_writes_a_file_estimate_reads(tmp_path: Path) -> None:
 
 
 def test_a_crowded_calibration_sets_its_shapes_by_cpu_time_and_their_level_by_the_spans(monkeypatch) -> None:
-    """plait.bench.calibrate._shaped: three shapes whose CPU times are 1:2:3 and whose spans
+    """plait.bench.timing._shaped: three shapes whose CPU times are 1:2:3 and whose spans
     the scheduler moved (2.0, 4.6, 5.7 s): each is its CPU time times the spans' median ratio
     to it (2.0), so 2, 4 and 6 s; without CPU times (none measured), the spans as they are."""
-    from plait.bench import calibrate
+    from plait.bench import timing
 
-    monkeypatch.setattr(calibrate, "_slowest", lambda mesh, values: list(values))
-    assert calibrate._shaped(None, [2.0, 4.6, 5.7], [1.0, 2.0, 3.0]) == pytest.approx([2.0, 4.0, 6.0])
-    assert calibrate._shaped(None, [2.0, 4.6], [0.0, 2.0]) == [2.0, 4.6]
+    monkeypatch.setattr(timing, "slowest", lambda mesh, values: list(values))
+    assert timing._shaped(None, [2.0, 4.6, 5.7], [1.0, 2.0, 3.0]) == pytest.approx([2.0, 4.0, 6.0])
+    assert timing._shaped(None, [2.0, 4.6], [0.0, 2.0]) == [2.0, 4.6]
 
 
 def test_a_crowded_calibration_counts_every_thread_of_a_rank(monkeypatch) -> None:
@@ -610,7 +610,7 @@ def test_a_crowded_calibration_counts_every_thread_of_a_rank(monkeypatch) -> Non
 
     import torch
 
-    from plait.bench import calibrate
+    from plait.bench import timing
 
     a, b = torch.randn(192, 192), torch.randn(192, 192)
 
@@ -624,45 +624,45 @@ def test_a_crowded_calibration_counts_every_thread_of_a_rank(monkeypatch) -> Non
         products()
         helper.join()
 
-    monkeypatch.setattr(calibrate, "crowded", lambda mesh: True)
-    monkeypatch.setattr(calibrate, "_bursts", lambda mesh, fns, crowd: [1] * len(fns))
-    monkeypatch.setattr(calibrate, "_slowest", lambda mesh, values: list(values))
-    monkeypatch.setattr(calibrate, "_spans", lambda mesh, starts, ends: [[e - s for s, e in zip(began, ended)]
-                                                                        for began, ended in zip(starts, ends)])
+    monkeypatch.setattr(timing, "crowded", lambda mesh: True)
+    monkeypatch.setattr(timing, "_bursts", lambda mesh, fns, crowd: [1] * len(fns))
+    monkeypatch.setattr(timing, "slowest", lambda mesh, values: list(values))
+    monkeypatch.setattr(timing, "round_spans", lambda mesh, starts, ends: [[e - s for s, e in zip(began, ended)]
+                                                                           for began, ended in zip(starts, ends)])
     mesh = SimpleNamespace(env=SimpleNamespace(world_size=1), device=torch.device("cpu"))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # each thread's products on that thread alone
     try:
-        one, two = calibrate._median_rounds(mesh, [products, two_threads], 5, watched=True)
+        one, two = timing.median_rounds(mesh, [products, two_threads], 5, watched=True)
     finally:
         torch.set_num_threads(threads)
     assert 1.6 < two / one < 4.0, (one, two)  # two threads sharing the memory bus: 2.8-3.1 measured; main's clock 1.15
 
 
 def test_a_calibration_records_how_crowded_its_host_was(monkeypatch, tmp_path: Path) -> None:
-    """plait.bench.calibrate.crowding: 4 one-thread ranks on 2 cores ran two threads a core,
+    """plait.bench.timing.crowding: 4 one-thread ranks on 2 cores ran two threads a core,
     2 threads a rank on 3 cores 8/3; ranks with a core each, a rank alone, ranks spread over
     hosts (LOCAL_WORLD_SIZE under the world) and a GPU, 1.0. The hardware file keeps it, and
     the lone rank's speedups by micro-batch, and the split backward's ratios."""
     from types import SimpleNamespace
 
-    from plait.bench import calibrate
+    from plait.bench import timing
 
     def mesh(world: int, device: str = "cpu") -> SimpleNamespace:
         return SimpleNamespace(device=SimpleNamespace(type=device), env=SimpleNamespace(world_size=world))
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    monkeypatch.setattr(calibrate.os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(calibrate.torch, "get_num_threads", lambda: 1)
-    assert calibrate.crowding(mesh(4)) == 2.0 and calibrate.crowded(mesh(4))
-    assert calibrate.crowding(mesh(2)) == 1.0 and not calibrate.crowded(mesh(2))
-    assert calibrate.crowding(mesh(1)) == 1.0 and calibrate.crowding(mesh(4, "cuda")) == 1.0
+    monkeypatch.setattr(timing.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(timing.torch, "get_num_threads", lambda: 1)
+    assert timing.crowding(mesh(4)) == 2.0 and timing.crowded(mesh(4))
+    assert timing.crowding(mesh(2)) == 1.0 and not timing.crowded(mesh(2))
+    assert timing.crowding(mesh(1)) == 1.0 and timing.crowding(mesh(4, "cuda")) == 1.0
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert calibrate.crowding(mesh(4)) == 1.0
+    assert timing.crowding(mesh(4)) == 1.0
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    monkeypatch.setattr(calibrate.os, "cpu_count", lambda: 3)
-    monkeypatch.setattr(calibrate.torch, "get_num_threads", lambda: 2)
-    assert calibrate.crowding(mesh(4)) == pytest.approx(8 / 3)
+    monkeypatch.setattr(timing.os, "cpu_count", lambda: 3)
+    monkeypatch.setattr(timing.torch, "get_num_threads", lambda: 2)
+    assert timing.crowding(mesh(4)) == pytest.approx(8 / 3)
     crowded = replace(get_hardware("cpu"), crowding=2.0, lone_by_micro_batch=((4, 2.1), (16, 2.0)),
                       split_by_micro_batch=((4, 1.07), (16, 1.05)))
     (tmp_path / "hw.toml").write_text(hardware_toml(crowded))
@@ -670,16 +670,16 @@ def test_a_calibration_records_how_crowded_its_host_was(monkeypatch, tmp_path: P
 
 
 def test_a_quiet_cpu_calibration_sets_its_shapes_by_a_second_run_and_their_level_by_the_first() -> None:
-    """plait.bench.calibrate._resident: three shapes whose second runs (operands in the caches)
+    """plait.bench.timing._resident: three shapes whose second runs (operands in the caches)
     take 1, 2 and 4 s, and whose first runs paid a fixed 0.5 s each (1.5, 2.5, 4.5 s): each is
     its second run times the first runs' total over the second runs' (8.5 / 7), so the shapes
     keep the second runs' 1:2:4, with no fixed part for a split micro-batch to pay twice; no
     second run timed, the first as they are."""
-    from plait.bench import calibrate
+    from plait.bench import timing
 
     level = 8.5 / 7
-    assert calibrate._resident([1.5, 2.5, 4.5], [1.0, 2.0, 4.0]) == pytest.approx([level, 2 * level, 4 * level])
-    assert calibrate._resident([1.5, 2.5], [0.0, 2.0]) == [1.5, 2.5]
+    assert timing._resident([1.5, 2.5, 4.5], [1.0, 2.0, 4.0]) == pytest.approx([level, 2 * level, 4 * level])
+    assert timing._resident([1.5, 2.5], [0.0, 2.0]) == [1.5, 2.5]
 
 
 def test_a_calibration_times_each_micro_batch_it_is_asked_for() -> None:
@@ -710,7 +710,7 @@ def test_a_cpu_adds_bandwidth_leaves_out_its_dispatch(monkeypatch) -> None:
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(cal, "_median_rounds", lambda mesh, runs, reps: [27e-6 for _ in runs])
+    monkeypatch.setattr(cal.timing, "median_rounds", lambda mesh, runs, reps: [27e-6 for _ in runs])
     mesh = init_mesh()
     elements = 196608 // 4
     (size, with_dispatch), = cal.measure_bandwidth(mesh, [elements], 1)
@@ -737,7 +737,7 @@ def test_a_calibration_taken_on_a_busy_machine_is_not_cached_and_is_named(tmp_pa
     measure = cal.measure_gemms
 
     def busy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        cal.SPREADS.add([0.010, 0.011, 0.030, 0.031])  # a burner took the core half the time
+        cal.timing.SPREADS.add([0.010, 0.011, 0.030, 0.031])  # a burner took the core half the time
         return measure(*args, **kwargs)
 
     monkeypatch.setattr(cal, "measure_gemms", busy)
@@ -882,8 +882,12 @@ def test_a_full_cpu_calibration_records_the_split_backward_and_a_quick_one_does_
              "measure_lone_speedup": lambda mesh, config, mb, seq: 2.0 + mb / 100,
              "measure_split_backward": lambda mesh, config, mb, seq, precision: {4: 0.97, 8: 1.08}[mb],
              "crowding": lambda mesh: 2.0, "crowded": lambda mesh: True}
+    from plait.bench import comm_timing, pace, timing
+
+    homes = {"measure_links": comm_timing, "measure_p2p": comm_timing, "measure_lags": comm_timing,
+             "measure_lone_speedup": pace, "measure_split_backward": pace, "crowding": timing, "crowded": timing}
     for name, value in fixed.items():
-        monkeypatch.setattr(cal, name, value)
+        monkeypatch.setattr(homes.get(name, cal), name, value)
     monkeypatch.setattr(machine, "machine_facts", lambda *a, **k: {"host": "test", "gpu": ""})
 
     def calibrated(**options) -> object:

@@ -7,21 +7,16 @@ local ranks busy at the same time, each on its share of the cores):
 * memory bandwidth at the size of one activation (b·s·h), the rate of the guarded update
   (finite check, clipping, AdamW) at the model's size, and the fixed costs of an op, a view,
   an optimizer tensor and a gradient check;
-* the loop's own cost per step (walking the model's states for the report);
-* per group size of the first n ranks: a ring step's latency (an 8-byte all-reduce; on a CPU
-  between bursts of compute, as a step meets it) and the bus bandwidth of a large all-reduce;
-  and a send/recv pair's latency between two ranks, taken the same way.
-Each timing is the median of several runs; across ranks the slowest counts. On a crowded
-host (more ranks' threads than cores) a compute timing spans every rank's run, and each
-collective is timed in every group at once (`crowded`).
+* the loop's own cost per step (walking the model's states for the report).
+Each timing is the median of several runs; across ranks the slowest counts; on a crowded host
+(more ranks' threads than cores) a compute timing spans every rank's run (timing.py). The
+links and the ranks' lag are comm_timing.py's; a crowded host's pipeline pace, pace.py's;
+machine.py calls them all and keeps the profile.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import statistics
-import time
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -44,10 +39,9 @@ from plait.estimate.ops import (
 from plait.estimate.exposed import HOST_ADAM_BYTES
 from plait.models.gpt.config import GPTConfig
 from plait.rules import FLOAT8_TILE
-from plait.runtime import comm
 from plait.runtime.env import keep_freed_memory
 from plait.runtime.mesh import Mesh
-from plait.runtime.subgroups import first_ranks_axes, group_sizes, tiled_axes
+from plait.bench import timing
 from plait.bench.meter import storage_bytes
 from plait.parallel.compose import adamw_kernel
 
@@ -82,280 +76,6 @@ from plait.parallel.compose import adamw_kernel
 METHOD_VERSION = 20
 
 
-class Spreads:
-    """How much the repeats of each compute timing (the GEMMs, attention) disagreed, for telling
-    a busy machine's calibration from a quiet one's: the spread of their middle half over their
-    median, for every timing long enough to mean it (one slow repeat, a page fault or a
-    collection, moves none)."""
-
-    MIN_S = 1e-3  # shorter timings jitter on any machine
-
-    def __init__(self) -> None:
-        self.seen: list[float] = []
-
-    def add(self, times: list[float]) -> None:
-        middle = statistics.median(times)
-        if len(times) >= 3 and middle >= self.MIN_S:
-            low, _, high = statistics.quantiles(times, n=4, method="inclusive")
-            self.seen.append((high - low) / middle)
-
-    def worst(self) -> float:
-        return max(self.seen, default=0.0)
-
-
-SPREADS = Spreads()  # this process's timings since the calibration began (plait.bench.machine resets it)
-
-
-def _median_s(fn: Callable[[], Any], reps: int) -> float:
-    fn()  # warm-up: allocations, kernel selection
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _median_rounds(mesh: Mesh, fns: list[Callable[[], Any]], rounds: int, watched: bool = False) -> list[float]:
-    """Median seconds of each of `fns` over `rounds` passes through all of them, ranks in step.
-
-    Interleaving (rather than one shape's repetitions back to back) spreads a passing
-    disturbance over every shape instead of moving one shape's rate; a barrier before each
-    timing keeps the ranks on the same shape at the same moment, as training does, where
-    they share the caches and the memory bus. On a crowded host (`crowded`) each round runs a
-    burst of each and is timed from the first rank's start to the last rank's end (`_spans`);
-    the compute timings (`watched`) there take their shapes against each other from each
-    rank's own CPU time (`_shaped`); on a CPU that is not, from a second run of each straight
-    after the first (`_resident`)."""
-    crowd = crowded(mesh)
-    shaped = crowd and watched  # CPU time read only where `_shaped` uses it: each read costs about 0.6 µs
-    again = watched and not crowd and mesh.device.type == "cpu"  # a second run straight after: `_resident`
-    bursts = _bursts(mesh, fns, crowd)
-    starts: list[list[float]] = [[] for _ in fns]
-    ends: list[list[float]] = [[] for _ in fns]
-    worked: list[list[float]] = [[] for _ in fns]
-    for _ in range(rounds):
-        for fn, burst, began, ended, cpu in zip(fns, bursts, starts, ends, worked):
-            _in_step(mesh)
-            began.append(time.monotonic())
-            on_cpu = time.process_time() if shaped else 0.0
-            for _ in range(burst):
-                fn()
-            if shaped:
-                cpu.append((time.process_time() - on_cpu) / burst)
-            ended.append(time.monotonic())
-            if again:
-                fn()
-                cpu.append(time.monotonic() - ended[-1])
-    if crowd:
-        times = [[span / burst for span in spans] for spans, burst in zip(_spans(mesh, starts, ends), bursts)]
-    else:
-        times = [[end - start for start, end in zip(began, ended)] for began, ended in zip(starts, ends)]
-    if watched:  # the compute timings: two ranks sharing the memory bus spread the bandwidth ones anyway
-        for seen in times:
-            SPREADS.add(seen)
-    medians = [statistics.median(seen) for seen in times]
-    if shaped:
-        return _shaped(mesh, medians, [statistics.median(cpu) for cpu in worked])
-    if again:
-        return _resident(medians, [statistics.median(hot) for hot in worked])
-    return medians
-
-
-def _resident(first: list[float], second: list[float]) -> list[float]:
-    """Each compute timing on a CPU that is not crowded: its second run straight after the
-    first (its operands in the caches), times the first runs' total over the second runs'.
-
-    The first run after the barrier pays a cost of its own, its operands fetched from memory
-    after every other shape ran, that a training step's calls, one after another, do not: it
-    priced `small`'s GEMMs at 4 sequences a micro-batch 4% over 8 sequences' on 2 ranks (two
-    calibrations: 1.039, 1.043), where a profile of training at the two measures 0.6% (aten::mm
-    385 ms a step against 383). The second runs set the shapes against each other (1.01-1.03),
-    the first runs' total their level, which the large shapes a step spends its time in set.
-    Scaled by the median ratio instead, the small shapes' (their first run dearest) put every
-    GEMM 16% over. As a crowded host's bursts do (`_shaped`)."""
-    if not all(t > 0 for t in second):
-        return first
-    level = math.fsum(first) / math.fsum(second)
-    return [t * level for t in second]
-
-
-def _shaped(mesh: Mesh, spans: list[float], cpu: list[float]) -> list[float]:
-    """Each timing's seconds on a crowded host: its CPU time (the slowest rank's) times the
-    median over all of them of span / CPU time.
-
-    The CPU time is the rank's, every thread's (`time.process_time`): with more than one
-    thread a rank, a product's intra-op workers do part of its work, which the main thread's
-    clock alone left out (a 2-thread GEMM read at half its cost against a 1-thread one).
-
-    A span moves by the scheduler's slices, a few milliseconds of a 20 ms burst: two
-    calibrations of 4 ranks on 2 cores gave each GEMM shape's rate ±15%, their shapes' rates
-    correlating 0.15-0.29 from one to the next (0.91 on 2 ranks), enough to flip how the plan
-    priced one micro-batch against another. A rank's own CPU time is not cut by the
-    scheduler: it sets the shapes against each other, and the spans, read over every shape
-    at once, set their level (the cores shared, the caches thrashed)."""
-    cpu = _slowest(mesh, cpu)
-    if not all(t > 0 for t in cpu):
-        return spans
-    level = statistics.median(span / t for span, t in zip(spans, cpu))
-    return [t * level for t in cpu]
-
-
-CROWDED_BURST_S = 0.02  # a crowded host's timed burst: a rank's late wake-up (about 0.5 ms on 2 cores) a 40th of it
-
-
-def _bursts(mesh: Mesh, fns: list[Callable[[], Any]], crowd: bool) -> list[int]:
-    """Runs of each of `fns` a timing takes, after one warm-up run each (allocations, kernel
-    selection): one, or on a crowded host (`crowd`) enough for CROWDED_BURST_S, from the slowest rank's
-    warm-up (every rank runs as many). There the span of a single run paid the last rank's
-    wake-up from the barrier: calibrated GEMMs carried a 656 µs fixed cost (61 µs timed
-    alone), and 4 ranks' steps were predicted 34% slow."""
-    warm = []
-    for fn in fns:
-        start = time.monotonic()
-        fn()
-        warm.append(time.monotonic() - start)
-    if not crowd:
-        return [1] * len(fns)
-    return [max(1, min(64, math.ceil(CROWDED_BURST_S / max(t, 1e-6)))) for t in _slowest(mesh, warm)]
-
-
-def crowded(mesh: Mesh) -> bool:
-    """Whether one host runs more ranks' threads than it has cores (4 one-thread ranks on 2
-    cores). There a rank the barrier released waits for a core, and starts its clock only when
-    it gets one: timed alone, each of 4 ranks measured a whole core's rate, 0.34 TFLOP/s in all
-    on a 2-core machine whose ceiling is 0.155, and the 4-rank steps were predicted at half
-    their measurement. Only where every rank is on this host: the spans read one clock."""
-    return crowding(mesh) > 1.0
-
-
-def crowding(mesh: Mesh) -> float:
-    """Threads for each of the host's cores while every rank computes: its ranks' threads over
-    its cores where more than 1 (`crowded`), else 1.0. Recorded as Hardware.crowding: a
-    pipeline rank that waits leaves its share of the cores to the ranks at work."""
-    if mesh.device.type != "cpu" or mesh.env.world_size == 1:
-        return 1.0
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", mesh.env.world_size))
-    if local != mesh.env.world_size:
-        return 1.0
-    return max(1.0, local * torch.get_num_threads() / (os.cpu_count() or 1))
-
-
-CROWDING_BURST_S = 0.15  # a burst of the block's steps, every rank at work: wake-ups a few ms of it
-CROWDING_ROUNDS = 9  # five measured 1.92-2.23 on 4 ranks on 2 cores
-
-
-def measure_lone_speedup(mesh: Mesh, config: GPTConfig, micro_batch: int, seq_len: int) -> float:
-    """On a crowded host, how much faster a rank trains while only as many ranks as the
-    cores hold work, the others asleep in a barrier, than while every rank works: a block at
-    the model's widths (one layer, a small vocabulary), forward and backward at `micro_batch`,
-    in bursts taken both ways in turns, each timed from the first rank's start to the last
-    working rank's end. Shared without loss that is `crowding` (2 for 4 one-thread ranks on 2
-    cores); ranks that share cores also share caches, and a block's steps measured 1.99-2.22
-    here (micro-batches 16 to 1), not 2. 0.0 where the host is not crowded. A pipeline's
-    waiting ranks give the working ones this pace (estimate/pipeline.Crowd)."""
-    if not crowded(mesh):
-        return 0.0
-    from plait.models.gpt.model import build_gpt
-
-    block = one_block(config, seq_len)
-    model = build_gpt(block, 0).to(mesh.device)
-    ids = torch.randint(0, block.vocab_size, (micro_batch, seq_len), device=mesh.device)
-
-    def train() -> None:
-        logits = model(ids)
-        F.cross_entropy(logits.flatten(0, 1).float(), ids.flatten()).backward()
-
-    train()
-    burst = max(1, math.ceil(CROWDING_BURST_S / max(_slowest(mesh, [_median_s(train, 2)])[0], 1e-6)))
-    working = max(1, int(mesh.env.world_size / crowding(mesh)))  # one thread a core
-    spans: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(CROWDING_ROUNDS):
-        for everyone in (True, False):
-            _in_step(mesh)
-            works = everyone or mesh.env.rank < working
-            start = time.monotonic() if works else math.inf
-            for _ in range(burst if works else 0):
-                train()
-            end = time.monotonic() if works else -math.inf
-            spans[everyone].append(_spans(mesh, [[start]], [[end]])[0][0])
-    return max(1.0, statistics.median(spans[True]) / statistics.median(spans[False]))
-
-
-def one_block(config: GPTConfig, seq_len: int) -> GPTConfig:
-    """The block a calibration trains to time a rank's pace: one layer at `config`'s widths, a
-    vocabulary of 256 (the head a block's share, not the model's), untied (ZB-H1's split needs
-    each weight in one module)."""
-    return GPTConfig(vocab_size=256, n_layers=1, d_model=config.d_model, n_heads=config.n_heads,
-                     n_kv_heads=config.n_kv_heads, ffn_hidden=config.ffn_hidden, max_seq_len=seq_len,
-                     tie_embeddings=False)
-
-
-SPLIT_ROUNDS = 9  # as CROWDING_ROUNDS: each round a whole and a split micro-batch, 0.1-0.4 s on `small`
-
-
-def measure_split_backward(mesh: Mesh, config: GPTConfig, micro_batch: int, seq_len: int,
-                           precision: str = "fp32") -> float:
-    """How much longer a micro-batch takes with its backward split in I and W, as ZB-H1 runs it
-    (plait.parallel.pipeline.execute.StageWork), than whole: `one_block` in `precision`'s dtype,
-    forward and backward both ways in turns, every rank at once, set against each other as the
-    GEMMs are (`_median_rounds`, watched), the slowest rank's. On `small`, 1.03-1.13 at
-    micro-batches 16 to 1 on 4 ranks sharing 2 cores (benchmarks/RESULTS.md, run 14), where what
-    W makes again priced 1.02 (estimate/ops.micro_batch_compute_s reads it). Measured at the
-    calibration's sequence and tp 1: a layout's micro-batch reads the nearest micro-batch's."""
-    from plait.models.gpt.model import build_gpt
-    from plait.parallel.pipeline.execute import StageWork
-
-    block = one_block(config, seq_len)
-    ids = torch.randint(0, block.vocab_size, (micro_batch, seq_len), device=mesh.device)
-    dtype = _dtype(precision)  # fp8's blocks run bf16 outside their products
-
-    def train(split: bool) -> Callable[[], None]:
-        work = StageWork(build_gpt(block, 0).to(mesh.device, dtype), split_backward=split)
-
-        def step() -> None:
-            out, state = work.forward(ids, grad_input=False)
-            loss = F.cross_entropy(out.flatten(0, 1).float(), ids.flatten())
-            if split:  # as the runner hands I the last stage's loss
-                state.output, state.loss_input = loss, out
-                work.backward_input(state, None)
-                work.backward_weight(state)
-            else:
-                loss.backward()
-            work.module.zero_grad(set_to_none=True)
-            _sync(mesh)
-        return step
-
-    whole, split = _slowest(mesh, _median_rounds(mesh, [train(False), train(True)], SPLIT_ROUNDS, watched=True))
-    return split / whole
-
-
-def _spans(mesh: Mesh, starts: list[list[float]], ends: list[list[float]]) -> list[list[float]]:
-    """Each round's seconds from the first rank's start to the last rank's end, on the host's
-    monotonic clock (one clock for every process on it): the time all ranks need to run the
-    shape once together, as a step's ranks do."""
-    first = torch.tensor(starts, dtype=torch.float64)
-    last = torch.tensor(ends, dtype=torch.float64)
-    comm.all_reduce(first, mesh.axis("world"), op="min", purpose=comm.TELEMETRY)
-    comm.all_reduce(last, mesh.axis("world"), op="max", purpose=comm.TELEMETRY)
-    return (last - first).tolist()
-
-
-def _in_step(mesh: Mesh) -> None:
-    if mesh.env.world_size > 1:
-        comm.barrier(mesh.axis("world"))
-
-
-def _slowest(mesh: Mesh, values: list[float]) -> list[float]:
-    """Max over every rank of each value (the slowest rank sets the pace)."""
-    tensor = torch.tensor(values, dtype=torch.float64, device=mesh.device)
-    comm.all_reduce(tensor, mesh.axis("world"), op="max", purpose=comm.TELEMETRY)
-    return tensor.tolist()
-
-
-def _sync(mesh: Mesh) -> None:
-    if mesh.device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def model_shapes(config: GPTConfig, micro_batch: int, seq_len: int, tp_sizes: list[int],
@@ -379,7 +99,7 @@ def model_shapes(config: GPTConfig, micro_batch: int, seq_len: int, tp_sizes: li
     return attention + sorted(set(rings)), gemms
 
 
-def _dtype(precision: str) -> torch.dtype:
+def dtype_of(precision: str) -> torch.dtype:
     return torch.float32 if precision == "fp32" else torch.bfloat16
 
 
@@ -392,12 +112,12 @@ def measure_gemms(mesh: Mesh, gemms: dict[str, Gemm], precision: str, reps: int)
         dtype_name = key.split()[0]
         if dtype_name == "fp8" and g.k % FLOAT8_TILE == 0 and g.n % FLOAT8_TILE == 0:
             return _queued(mesh, float8_product(g, device))
-        dtype = _dtype(dtype_name)  # fp8 shapes off the float8 tiles stay bf16, as fp8 leaves those linears
+        dtype = dtype_of(dtype_name)  # fp8 shapes off the float8 tiles stay bf16, as fp8 leaves those linears
         a = torch.randn(g.m, g.k, dtype=dtype, device=device)
         b = torch.randn(g.k, g.n, dtype=dtype, device=device)
         return _queued(mesh, lambda: torch.mm(a, b))
 
-    times = _slowest(mesh, _median_rounds(mesh, [gemm(k, g) for k, g in gemms.items()], reps, watched=True))
+    times = timing.slowest(mesh, timing.median_rounds(mesh, [gemm(k, g) for k, g in gemms.items()], reps, watched=True))
     return {key: queue_depth(device) * g.flops / t / 1e12 for (key, g), t in zip(gemms.items(), times)}
 
 
@@ -426,7 +146,7 @@ def _queued(mesh: Mesh, op: Callable[[], Any]) -> Callable[[], None]:
     def run() -> None:
         for _ in range(queued):
             op()
-        _sync(mesh)
+        timing.device_sync(mesh)
 
     return run
 
@@ -452,15 +172,15 @@ def measure_attention(mesh: Mesh, config: GPTConfig, micro_batch: int, seq_len: 
             runs.append(_ring_run(mesh, shape, kv_heads, cp, precision))
             flops.append(3 * 4.0 * micro_batch * (seq_len // cp) * seq_len * heads * config.head_dim)
             out[ring_key(config, seq_len, tp, cp, precision)] = 0.0
-    times = _median_rounds(mesh, runs, reps, watched=True)
-    for key, f, t in zip(list(out), flops, _slowest(mesh, times)):
+    times = timing.median_rounds(mesh, runs, reps, watched=True)
+    for key, f, t in zip(list(out), flops, timing.slowest(mesh, times)):
         out[key] = queue_depth(mesh.device) * f / t / 1e12
     return out
 
 
 def _attention_run(mesh: Mesh, shape: tuple[int, ...], precision: str) -> Callable[[], None]:
     """Forward + backward passes of the causal attention core, queued (`_queued`)."""
-    q, k, v = (torch.randn(shape, dtype=_dtype(precision), device=mesh.device, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(shape, dtype=dtype_of(precision), device=mesh.device, requires_grad=True) for _ in range(3))
     return _queued(mesh, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward())
 
 
@@ -482,7 +202,7 @@ def _ring_run(mesh: Mesh, shape: tuple[int, ...], kv_heads: int, cp: int, precis
     from plait.parallel.context.ring import ring_backward, ring_forward
 
     batch, heads, seq, head_dim = shape
-    dtype, device = _dtype(precision), mesh.device
+    dtype, device = dtype_of(precision), mesh.device
     q = torch.randn(batch, heads, seq // cp, head_dim, dtype=dtype, device=device)
     k, v = (torch.randn(batch, kv_heads, seq // cp, head_dim, dtype=dtype, device=device) for _ in range(2))
     scale = head_dim ** -0.5
@@ -505,11 +225,11 @@ def measure_memory(mesh: Mesh, elements: int, tensors: int, reps: int, params: i
     (plait.parallel.compose.adamw_kernel), on weights of the run's precision."""
     device = mesh.device
     many = [torch.ones(4, device=device) for _ in range(3 * tensors)]
-    walk = _median_s(lambda: storage_bytes(many), reps)
+    walk = timing.median_s(lambda: storage_bytes(many), reps)
     one = torch.ones(1, device=device)
-    view = _median_s(lambda: [one.view(-1) for _ in range(100)], reps) / 100
+    view = timing.median_s(lambda: [one.view(-1) for _ in range(100)], reps) / 100
     block, step, checks = measure_dispatch(mesh, reps, optimizer_kernel)
-    walk, view, block, step, checks = _slowest(mesh, [walk, view, block, step, checks])
+    walk, view, block, step, checks = timing.slowest(mesh, [walk, view, block, step, checks])
     op = max(0.0, block - view * DISPATCH_VIEWS) / DISPATCH_OPS
     memory = measure_bandwidth(mesh, add_sizes(elements), BANDWIDTH_ROUNDS, op)
     streamed = min(params, stream_cap(device))
@@ -549,7 +269,7 @@ def measure_bandwidth(mesh: Mesh, sizes: list[int], reps: int, op_s: float = 0.0
         return _queued(mesh, lambda: torch.add(x, y))
 
     dispatch = op_s if mesh.device.type == "cpu" else 0.0
-    times = _slowest(mesh, _median_rounds(mesh, [adds(n) for n in sizes], reps))
+    times = timing.slowest(mesh, timing.median_rounds(mesh, [adds(n) for n in sizes], reps))
     return tuple((n * 4, 3 * n * 4 * queue_depth(mesh.device) / max(t - dispatch, t / 2) / 1e9)
                  for n, t in zip(sizes, times))
 
@@ -565,7 +285,7 @@ def measure_stream(mesh: Mesh, params: int, optimizer_kernel: str, reps: int, pr
     if mesh.device.type == "cpu":
         keep_freed_memory()
     chunk = update_chunk(mesh.device, params)
-    update = _slowest(mesh, [_median_s(_flat_update(mesh, params, optimizer_kernel, precision, chunk), reps)])[0]
+    update = timing.slowest(mesh, [timing.median_s(_flat_update(mesh, params, optimizer_kernel, precision, chunk), reps)])[0]
     return UPDATE_BYTES * params / update / 1e9
 
 
@@ -608,7 +328,7 @@ def measure_host_update(mesh: Mesh, params: int, optimizer_kernel: str, reps: in
     offloaded optimizer steps at. Every rank of the node steps at once, as under offload."""
     _, optimizer = _flat_adamw(params, torch.device("cpu"), optimizer_kernel)
     keep_freed_memory()
-    seconds = _slowest(mesh, [_median_s(optimizer.step, reps)])[0]
+    seconds = timing.slowest(mesh, [timing.median_s(optimizer.step, reps)])[0]
     return HOST_ADAM_BYTES * params / seconds / 1e9
 
 
@@ -659,14 +379,14 @@ def _gradient_checks(mesh: Mesh, model: torch.nn.Module,
             optimizer.grad_scale = 0.5  # a clip factor that is not 1, as a clipped step has
         else:
             clip_grad_norm(model, 1.0, squares)
-        _sync(mesh)
+        timing.device_sync(mesh)
 
     return run
 
 
 def _guarded_update(mesh: Mesh, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
     checks = _gradient_checks(mesh, model, optimizer)
-    return lambda: (checks(), optimizer.step(), _sync(mesh))
+    return lambda: (checks(), optimizer.step(), timing.device_sync(mesh))
 
 
 # A 2-block GPT so small (h = 8, 4 tokens) that its time is all fixed costs: the very op
@@ -696,184 +416,11 @@ def measure_dispatch(mesh: Mesh, reps: int, optimizer_kernel: str = "fused") -> 
         with meter.track(model):
             logits = model(ids)
         F.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
-        _sync(mesh)
+        timing.device_sync(mesh)
 
     def update() -> None:
         optimizer.step()
-        _sync(mesh)
+        timing.device_sync(mesh)
 
-    forward_backward = _median_s(train, reps * 2)
-    return forward_backward, _median_s(update, reps * 2), _median_s(_gradient_checks(mesh, model), reps * 2)
-
-
-def measure_links(mesh: Mesh, large: int, reps: int
-                  ) -> tuple[tuple[tuple[int, float, float], ...], tuple[tuple[str, int, float], ...]]:
-    """((n, µs per ring step, GB/s busbw) of all-reduce, (op, n, GB/s busbw) of all-gather and
-    reduce-scatter) on n ranks, each n: ZeRO's collectives, which Gloo on a CPU runs at a third
-    to a half of its all-reduce's rate.
-
-    The three large collectives are timed in turns, round by round (`_median_rounds`), so that
-    their rates come from the same minutes: what ZeRO costs over plain data parallelism is
-    their difference. Timed one op after another, a host's slow stretch landed on one of them:
-    4 ranks' all-gather was calibrated at 0.40 GB/s against 0.58-0.75 in turns, and ZeRO-1 was
-    priced 7.8% over plain dp 4 where it measured 2.4% over.
-
-    On a host that runs its own collectives (a CPU under Gloo) a step's latency is taken
-    between bursts of compute, as training meets it (`in_step_s`), not back to back: there the
-    transport's threads sleep while the ranks compute, and each collective wakes them. Measured
-    on this 2-core machine: an 8-byte all-reduce takes 180 µs back to back, 700 µs on average
-    between matmuls; a ring of cp 2 paid that on each of its hundreds of exchanges a step."""
-    axes = _link_axes(mesh, group_sizes(mesh.env.world_size))
-    links, ops = [], []
-    for n, axis in axes.items():
-        elements = large // 4 // n * n
-        small_t, timed = 0.0, [_nothing] * 3
-        if axis is not None:
-            tiny = torch.zeros(2, dtype=torch.float32, device=mesh.device)
-            small_t = latency_s(mesh, lambda: comm.all_reduce(tiny, axis, purpose=comm.TELEMETRY), reps)
-            timed = _large_collectives(mesh, axis, elements)
-        small_t, reduce_t, gather_t, scatter_t = _slowest(mesh, [small_t, *_median_rounds(mesh, timed, reps)])
-        step = small_t / (2 * (n - 1))
-        wire = (n - 1) / n * elements * 4  # an all-gather's or reduce-scatter's; an all-reduce moves twice it
-        links.append((n, step * 1e6, bus_rate(2 * wire, reduce_t, 2 * (n - 1) * step)))
-        ops += [(op, n, bus_rate(wire, t, (n - 1) * step)) for op, t in (("all_gather", gather_t),
-                                                                          ("reduce_scatter", scatter_t))]
-    return tuple(links), tuple(ops)
-
-
-def bus_rate(wire: float, seconds: float, latency_s: float) -> float:
-    """GB/s of a collective that moved `wire` bytes in `seconds`, its ring steps' `latency_s`
-    taken off, but never more than half of it: the latency is timed between bursts of compute
-    and the large collective back to back, so on a loaded host the first can exceed the second.
-    Taken off whole, that left 1e-9 s for the bytes: a 2-rank all-gather was calibrated at 1e6
-    GB/s, a ZeRO gather priced at nothing. Capped, such a rate is at most twice the plain one."""
-    return wire / max(seconds - latency_s, seconds / 2, 1e-9) / 1e9
-
-
-def _nothing() -> None:
-    """A rank outside the timed group takes its turns doing nothing, in step with the others."""
-
-
-def _large_collectives(mesh: Mesh, axis: Any, elements: int) -> list[Callable[[], Any]]:
-    """All-reduce, all-gather and reduce-scatter of `elements` fp32 over `axis`."""
-    full = torch.zeros(elements, dtype=torch.float32, device=mesh.device)
-    shard = torch.zeros(elements // axis.size, dtype=torch.float32, device=mesh.device)
-    return [lambda: comm.all_reduce(full, axis, purpose=comm.TELEMETRY),
-            lambda: comm.all_gather(full, shard, axis, purpose=comm.TELEMETRY),
-            lambda: comm.reduce_scatter(shard, full, axis, purpose=comm.TELEMETRY)]
-
-
-def _link_axes(mesh: Mesh, sizes: list[int]) -> dict[int, Any]:
-    """{n: this rank's Axis, or None} for timing collectives over n ranks: the first n ranks
-    alone, or on a crowded host (`crowded`) every rank in a group of n, all groups at once.
-    There a group's collective waits on peers that share cores with the other groups' ranks,
-    as in training: timed with the other ranks idle, 4 ranks' tp 2 steps on 2 cores were
-    predicted 14% light."""
-    world = mesh.env.world_size
-    pick = tiled_axes if crowded(mesh) else first_ranks_axes
-    return pick(sizes, mesh.ledger, mesh.global_rank, world)
-
-
-BURST = (192, 384)  # the compute between two collectives of `in_step_s`: a (192 x 384) @ (384 x 384) product
-
-
-def latency_s(mesh: Mesh, op: Callable[[], Any], reps: int) -> float:
-    """Seconds of a tiny collective or message `op`: back to back on a GPU (the median), on a
-    host that runs its own collectives between bursts of compute (`in_step_s`, the mean)."""
-    return _median_s(op, reps * 4) if mesh.device.type == "cuda" else in_step_s(op, reps * 40)
-
-
-def in_step_s(op: Callable[[], Any], reps: int) -> float:
-    """Seconds `op` adds after a burst of compute: the mean of (compute, then op) less the mean
-    of compute alone, the two taken in turns so that a passing disturbance meets both. The
-    mean, not the median: on 2 cores an 8-byte all-reduce's median there is about 210 µs, but
-    one in a few waits milliseconds for a descheduled thread, for a mean near 700 µs, and a
-    step pays the mean of its hundreds of collectives."""
-    a, b = torch.randn(*BURST), torch.randn(BURST[1], BURST[1])
-    op()  # warm-up
-    alone, paired = [], []
-    for _ in range(reps):
-        start = time.perf_counter()
-        a @ b
-        alone.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        a @ b
-        op()
-        paired.append(time.perf_counter() - start)
-    return max(statistics.fmean(paired) - statistics.fmean(alone), 0.0)
-
-
-# A burst's rows, (rows x 384) @ (384 x 384): the latency's own burst (BURST), then 4 and 16 times
-# it; about 1, 5 and 20 ms a rank on 4 ranks sharing 2 cores.
-LAG_ROWS = (BURST[0], 4 * BURST[0], 16 * BURST[0])
-LAG_LOOP_S = 0.5  # each timed loop of bursts, of at least LAG_BURSTS: one rank's late wake-up is shared out
-LAG_BURSTS = 20
-
-
-def measure_lags(mesh: Mesh, reps: int, loop_s: float = LAG_LOOP_S) -> tuple[tuple[int, float, float], ...]:
-    """(n, µs of a burst, µs a collective adds after it beyond what it adds after the shortest
-    burst) for an 8-byte all-reduce on n ranks, each n, on a host that runs its own collectives
-    (`Hardware.lags`; none on a GPU).
-
-    Each rank runs a loop of bursts of compute, every rank at once, once with an all-reduce after
-    each burst and once without: the difference over the loop's length is what a collective
-    costs the step, the last rank's lag included. Measured on 2 cores, 4 ranks in pairs: 1.0 ms
-    after 1 ms bursts, 2.0 after 4.7 ms and 2.8 after 20 ms; 2 ranks: 0.4, 0.8 and 1.1 ms after
-    0.6, 2.2 and 10 ms. The latency (`measure_links`) is taken after the shortest; tp's
-    all-reduces follow a block's half, tens of ms on a small model, and dp 2 x tp 2 measured 7%
-    over dp 4 where it was priced 3%."""
-    if mesh.device.type == "cuda":
-        return ()
-    axes = _link_axes(mesh, group_sizes(mesh.env.world_size))
-    rows = []
-    for n, axis in axes.items():
-        costs = [_sync_cost(mesh, axis, m, reps, loop_s) for m in LAG_ROWS]
-        lag = 0.0
-        for burst, cost in costs:  # a lag does not shrink as the ranks compute longer apart: a dip is noise
-            lag = max(lag, cost - costs[0][1])
-            rows.append((n, burst * 1e6, lag * 1e6))
-    return tuple(rows)
-
-
-def _sync_cost(mesh: Mesh, axis: Any, rows: int, reps: int, loop_s: float) -> tuple[float, float]:
-    """(seconds of one burst of `rows`, seconds an 8-byte all-reduce on `axis` adds after it),
-    from loops of bursts on every rank at once with and without it, taking turns: the slowest
-    rank's burst, and the most any rank's medians differ (a rank outside any group of n runs
-    the bursts alone, and adds nothing)."""
-    a, b = torch.randn(rows, BURST[1]), torch.randn(BURST[1], BURST[1])
-    tiny = torch.zeros(2, dtype=torch.float32, device=mesh.device)
-
-    def loop(k: int, synced: bool) -> float:
-        _in_step(mesh)
-        start = time.monotonic()
-        for _ in range(k):
-            a @ b
-            if synced and axis is not None:
-                comm.all_reduce(tiny, axis, purpose=comm.TELEMETRY)
-        _in_step(mesh)
-        return time.monotonic() - start
-
-    once = _slowest(mesh, [loop(2, True) / 2])[0]
-    k = max(LAG_BURSTS, min(1000, math.ceil(loop_s / max(once, 1e-6))))
-    plain, synced = [], []
-    for _ in range(reps):
-        plain.append(loop(k, False))
-        synced.append(loop(k, True))
-    added = statistics.median(synced) - statistics.median(plain) if axis is not None else 0.0
-    plain_s, added_s = _slowest(mesh, [statistics.median(plain), added])
-    return plain_s / k, added_s / k
-
-
-def measure_p2p(mesh: Mesh, reps: int) -> float:
-    """µs of a batched send/recv pair between the first two ranks (each the other's peer, as a
-    ring of two and a pipeline's neighbours run it), 8 bytes; on a CPU between bursts of compute
-    and its mean (`in_step_s`): 860 µs there on 2 cores, against 300 µs a ring step of an
-    all-reduce. The other ranks wait."""
-    axis = _link_axes(mesh, [2]).get(2)
-    taken = 0.0
-    if axis is not None:
-        tiny, received = (torch.zeros(2, dtype=torch.float32, device=mesh.device) for _ in range(2))
-        peer = 1 - axis.rank
-        taken = latency_s(mesh, lambda: comm.send_recv(tiny, received, axis, peer, peer,
-                                                       purpose=comm.TELEMETRY).wait(), reps)
-    return _slowest(mesh, [taken])[0] * 1e6
+    forward_backward = timing.median_s(train, reps * 2)
+    return forward_backward, timing.median_s(update, reps * 2), timing.median_s(_gradient_checks(mesh, model), reps * 2)

@@ -87,9 +87,9 @@ def _rank_main(args: argparse.Namespace, config: object, tps: list[int], cps: li
             device = mesh.device
             check_float8_units(device.type, torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
         prepare_host(mesh.env.world_size)
-        from plait.bench import calibrate as cal
+        from plait.bench import timing
 
-        cal.SPREADS.seen.clear()
+        timing.SPREADS.seen.clear()
         *others, largest = micro_batches  # ascending; memory is timed at the largest's activation
         hw = machine.calibrate(mesh, config, micro_batch=largest, seq_len=args.seq_len, tp_sizes=tps,
                                precision=args.precision, quick=args.quick, cp_sizes=cps, other_micro_batches=others)

@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 
 from plait.bench import calibrate as cal
+from plait.bench import comm_timing
+from plait.bench import pace, timing
 from plait.estimate.hardware import Hardware, get_hardware, hardware_toml, load_hardware
 from plait.estimate.ops import Gemm, activation_op_bytes, fit_gemm_line, gemm_key, outer_precision
 from plait.models.gpt.config import GPTConfig
@@ -97,11 +99,11 @@ def calibrate(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len: int, 
                                 precision=precision)
     host_params = max(min(config.num_params(), cal.STREAM_CAP), cal.HOST_UPDATE_MIN)
     memory["host_mem_gb_s"] = cal.measure_host_update(mesh, host_params, optimizer_kernel, reps)
-    links, op_links = cal.measure_links(mesh, (2 if quick else 16) * 2**20, reps) if mesh.env.world_size > 1 \
+    links, op_links = comm_timing.measure_links(mesh, (2 if quick else 16) * 2**20, reps) if mesh.env.world_size > 1 \
         else ((), ())
     splits = bool(links) and not data_parallel_only  # the lag and send/recv price tp, cp, ep and pp alone
-    p2p_us = cal.measure_p2p(mesh, reps) if splits else 0.0
-    lags = cal.measure_lags(mesh, 4) if splits and not quick else ()  # a quick calibration prices no lag
+    p2p_us = comm_timing.measure_p2p(mesh, reps) if splits else 0.0
+    lags = comm_timing.measure_lags(mesh, 4) if splits and not quick else ()  # a quick calibration prices no lag
     facts = machine_facts(mesh, optimizer_kernel, precision)
     base = base_preset(facts["gpu"])
     fields: dict[str, object] = {
@@ -115,12 +117,12 @@ def calibrate(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len: int, 
     fields["queues_kernels"] = mesh.device.type == "cuda"
     if mesh.device.type == "cpu":
         batches = sorted({micro_batch, *other_micro_batches})
-        lone = tuple((mb, cal.measure_lone_speedup(mesh, config, mb, seq_len)) for mb in batches) \
-            if splits and not quick and cal.crowded(mesh) else ()  # pipelines alone read it
+        lone = tuple((mb, pace.measure_lone_speedup(mesh, config, mb, seq_len)) for mb in batches) \
+            if splits and not quick and timing.crowded(mesh) else ()  # pipelines alone read it
         # ZB-H1's alone; never under 1: the split does all of a whole backward's work
-        split = tuple((mb, max(1.0, cal.measure_split_backward(mesh, config, mb, seq_len, precision)))
+        split = tuple((mb, max(1.0, pace.measure_split_backward(mesh, config, mb, seq_len, precision)))
                       for mb in batches) if splits and not quick else ()
-        fields.update(pcie_gb_s=memory["memory_gb_s"], crowding=cal.crowding(mesh), lone_by_micro_batch=lone,
+        fields.update(pcie_gb_s=memory["memory_gb_s"], crowding=timing.crowding(mesh), lone_by_micro_batch=lone,
                       split_by_micro_batch=split,
                       gpus_per_node=max(base.gpus_per_node, mesh.env.world_size))
         if links:
@@ -206,7 +208,7 @@ def machine_hardware(mesh: Mesh, config: GPTConfig, *, micro_batch: int, seq_len
     lacks = _lacks(cached, gemms, attention, op_bytes, streamed)
     need = torch.tensor([float(cached is None), *map(float, lacks)], device=mesh.device)
     comm.all_reduce(need, mesh.axis("world"), op="max", purpose=comm.TELEMETRY)
-    cal.SPREADS.seen.clear()
+    timing.SPREADS.seen.clear()
     if need[0].item():
         hw = calibrate(mesh, config, micro_batch=micro_batch, seq_len=seq_len, tp_sizes=[tp],
                        precision=precision, quick=True, optimizer_kernel=optimizer_kernel, cp_sizes=rings)
@@ -234,7 +236,7 @@ def noisy(mesh: Mesh) -> str | None:
     timings (a millisecond or more) disagreed by more than NOISY_SPREAD of their median, on
     any rank (collective). The timings themselves are the evidence: a load average lags by a
     minute and counts this job's own ranks."""
-    worst = torch.tensor([cal.SPREADS.worst()], dtype=torch.float64, device=mesh.device)
+    worst = torch.tensor([timing.SPREADS.worst()], dtype=torch.float64, device=mesh.device)
     comm.all_reduce(worst, mesh.axis("world"), op="max", purpose=comm.TELEMETRY)
     spread = worst.item()
     return f"repeats of one timing {spread:.0%} apart" if spread > NOISY_SPREAD else None

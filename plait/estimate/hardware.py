@@ -65,7 +65,7 @@ class Hardware:
     links: tuple[tuple[int, float, float], ...] = ()
     # (op, group size, GB/s bus bandwidth) of the ring collectives whose bandwidth is not the
     # all-reduce's: Gloo's all-gather and reduce-scatter on a CPU move a third to a half of its bytes a
-    # second (timed in the same rounds as the all-reduce: plait.bench.calibrate.measure_links)
+    # second (timed in the same rounds as the all-reduce: plait.bench.comm_timing.measure_links)
     op_links: tuple[tuple[str, int, float], ...] = ()
     # (group size, µs of compute each rank ran before a collective, µs the collective adds
     # beyond its `links` latency), measured by `plait calibrate` on a host that runs its own
@@ -84,11 +84,11 @@ class Hardware:
     # (estimate/pipeline.Crowd). 1.0: each thread had a core.
     crowding: float = 1.0
     # On such a host, (micro-batch, how much faster a rank trained a block at it while only as
-    # many ranks as cores did) (plait.bench.calibrate.measure_lone_speedup: 1.99-2.22 on
+    # many ranks as cores did) (plait.bench.pace.measure_lone_speedup: 1.99-2.22 on
     # `small` where crowding is 2, the ranks sharing caches too); empty: crowding, as if shared without loss.
     lone_by_micro_batch: tuple[tuple[int, float], ...] = ()
     # (micro-batch, a one-layer block's forward and split backward (I + W, as ZB-H1 runs it) over
-    # its forward and whole backward) on a calibrated CPU (plait.bench.calibrate.
+    # its forward and whole backward) on a calibrated CPU (plait.bench.pace.
     # measure_split_backward: 1.03-1.13 on `small`, 4 ranks on 2 cores, benchmarks/RESULTS.md run
     # 14); empty: the split priced by what W makes again (ops.block_ops, split_norm_elements).
     split_by_micro_batch: tuple[tuple[int, float], ...] = ()

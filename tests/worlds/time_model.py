@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from plait.bench import calibrate, machine
+from plait.bench import comm_timing, machine, pace, timing
 from plait.families import family_of
 from plait.models.gpt.config import get_preset
 from plait.runtime import comm
@@ -82,12 +82,12 @@ def main() -> None:
         if abs(held - 1) <= bound:
             break
     # short loops: the rows' shape, not their values
-    lags = calibrate.measure_lags(mesh, 1, loop_s=0.05) if lags_wanted else None
-    lone = calibrate.measure_lone_speedup(mesh, get_preset(model), config.micro_batch, 128) if lone_wanted else None
-    split = calibrate.measure_split_backward(mesh, get_preset(model), config.micro_batch, 128) if lone_wanted else None
+    lags = comm_timing.measure_lags(mesh, 1, loop_s=0.05) if lags_wanted else None
+    lone = pace.measure_lone_speedup(mesh, get_preset(model), config.micro_batch, 128) if lone_wanted else None
+    split = pace.measure_split_backward(mesh, get_preset(model), config.micro_batch, 128) if lone_wanted else None
     save_report({"attempts": attempts, "held": held, "hardware": summary["predicted"]["layout"]["hardware"],
                  "lags": lags, "links": hw.links, "op_links": hw.op_links, "lone": lone, "split": split,
-                 "crowding": calibrate.crowding(mesh)})
+                 "crowding": timing.crowding(mesh)})
     mesh.close()
 
 
