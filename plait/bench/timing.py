@@ -40,10 +40,12 @@ class Spreads:
         return max(self.seen, default=0.0)
 
 
-SPREADS = Spreads()  # this process's timings since the calibration began (plait.bench.machine resets it)
+SPREADS = Spreads()  # this process's timings since the calibration began (machine.py and calibrate_cli.py reset it)
 
 
 def median_s(fn: Callable[[], Any], reps: int) -> float:
+    """Median seconds of `reps` runs of `fn` on this rank alone, after one warm-up run: what
+    needs no other rank in step (a dispatch, a device's queued kernels)."""
     fn()  # warm-up: allocations, kernel selection
     times = []
     for _ in range(reps):
