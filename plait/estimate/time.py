@@ -7,8 +7,8 @@ message's delay on the schedule's edges, and what every rank shares (the clip's 
 loop's all-reduces). `assemble` turns it into the step as the loop runs it: each rank's own
 path through the schedule (pipeline.rank_ends) plus its accumulation and dp sync, the slowest
 of them; the clip's all-reduce, which every rank waits for; then every rank's offload and
-update at once, the slowest of them; then the loop's all-reduce. The estimate, the planner (its bounds and its rows), `--explain` and the closing
-report all read that one assembly.
+update at once, the slowest of them; then the loop's all-reduce. The estimate, the planner
+(its bounds and its rows), `--explain` and the closing report all read that one assembly.
 
 Assumptions, each visible in `ASSUMPTIONS`:
 * Training costs 6Ψ + 12·L·h·s FLOPs per token: 2Ψ forward and 4Ψ backward for the
@@ -46,8 +46,8 @@ Assumptions, each visible in `ASSUMPTIONS`:
   in its order, each costing its share of that rank's micro-batch, each started once its
   inputs exist, a message later when they come from another rank. The step is the slowest
   rank's path to the clip (its schedule's end plus its accumulation and dp sync), the clip,
-  then the slowest rank's update (every rank updates at once). What its path waits beyond its own m
-  micro-batches is the bubble and the messages' exposed delay; for even stages the bubble is
+  then the slowest rank's update (every rank updates at once). What its path waits beyond its
+  own m micro-batches is the bubble and the messages' exposed delay; for even stages the bubble is
   (p-1)/(m+p-1) of the step for GPipe and 1F1B, (p-1)/v slots interleaved, ZB-H1's deferred
   weight gradients filling the rest; what a lopsided or uneven cut does, it does.
 * `--stack` (stacks.py) prices the layout as another framework runs it: its attention and
