@@ -188,8 +188,11 @@ def ep_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
 
 
 def dp_exposed_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: int,
-                 compute_mb: float, forward_share: float, replicate_inter: int = 0, regathered: float = 0.0) -> float:
+                 compute_mb: float, forward_share: float, replicate_inter: int = 0, regathered: float = 0.0,
+                 with_gather: bool = True) -> float:
     """Data-parallel seconds left after overlap with compute (see module docstring).
+    `with_gather` False leaves out ZeRO-1's and -2's all-gather after the update
+    (`gather_after_update_s`), which the step places after the clip.
 
     With a pipeline, DP and ZeRO-1 reduce the gradients after the last action of the
     schedule, so nothing overlaps them there; ZeRO-2 and -3 reduce (and ZeRO-3 gathers) inside
@@ -200,8 +203,31 @@ def dp_exposed_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: 
     `regathered`: the parameters ZeRO-3 gathers again each forward for a looped block's further
     runs (StageShare.rerun_params, traffic.looped_gathers), experts with the rest.
     """
-    return (_dp_sync_s(params, unit, layout, hw, inter, compute_mb, forward_share, regathered)
+    return (_dp_sync_s(params, unit, layout, hw, inter, compute_mb, forward_share, regathered, with_gather)
             + _replicate_s(params, layout, hw, replicate_inter))
+
+
+def gather_after_update_s(params: int, layout: Workload, hw: Hardware, inter: int) -> float:
+    """ZeRO-1's and -2's all-gather of the updated weights where it runs inside the update
+    (optimizer.step, after the clip: plait's loop, and a stack that does not hide it behind the
+    next forward); 0 elsewhere. The loop times it in its update phase, so the step places it
+    there, and the report's predicted update holds it."""
+    if layout.zero not in (1, 2) or layout.zero_ranks == 1 or _gather_hidden(layout, hw):
+        return 0.0
+    per = state_bytes(layout.precision)
+    buckets = max(1.0, params * per.grad / layout.bucket_bytes)
+    return collective_s("all_gather", params * per.param, layout.zero_ranks, hw, inter, buckets)
+
+
+def _overlaps(layout: Workload, hw: Hardware) -> bool:
+    """Whether the dp collectives hide behind compute: without a pipeline, or under ZeRO-2
+    and -3 (which run inside each chunk's passes), on a stack and a device that overlap them."""
+    return (layout.pp == 1 or layout.zero >= 2) and layout.software.dp_overlap and overlaps_comm(hw)
+
+
+def _gather_hidden(layout: Workload, hw: Hardware) -> bool:
+    """ZeRO-1's and -2's gather behind the next step's first forward (a stack that does so)."""
+    return layout.software.gather_overlap and _overlaps(layout, hw) and layout.pp == 1
 
 
 def _replicate_s(params: int, layout: Workload, hw: Hardware, inter: int) -> float:
@@ -214,7 +240,7 @@ def _replicate_s(params: int, layout: Workload, hw: Hardware, inter: int) -> flo
 
 
 def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: int,
-               compute_mb: float, forward_share: float, regathered: float = 0.0) -> float:
+               compute_mb: float, forward_share: float, regathered: float = 0.0, with_gather: bool = True) -> float:
     """dp_exposed_s over the ranks that reduce and gather together: the dp × cp ranks, or a
     --dp-shard group (Layout.zero_ranks is both)."""
     n, m, per = layout.zero_ranks, layout.grad_accum, state_bytes(layout.precision)
@@ -231,7 +257,7 @@ def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: in
     # ZeRO-2 and -3 run their collectives inside each chunk's forward and backward
     # (zero/hooks.py: each backward waits for its own chunk's reductions at its end), so they
     # hide there as without a pipeline, but for the last bucket (first unit) of every chunk.
-    overlap = (layout.pp == 1 or layout.zero >= 2) and layout.software.dp_overlap and overlaps_comm(hw)
+    overlap = _overlaps(layout, hw)
     passes = layout.virtual_stages if layout.pp > 1 else 1  # a rank's chunks: each pass ends on its own
     fwd = compute_mb * forward_share if overlap else 0.0
     bwd = compute_mb - fwd if overlap else 0.0
@@ -251,10 +277,10 @@ def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: in
     gather = collective_s("all_gather", weights, n, hw, inter, buckets)
     if layout.zero in (1, 2):
         # behind the next step's first forward, but its first bucket (a pipeline's first forward hides nothing)
-        if layout.software.gather_overlap and overlap and layout.pp == 1:
+        if _gather_hidden(layout, hw):
             first = collective_s("all_gather", min(held, layout.bucket_bytes) * per.param / per.grad, n, hw, inter)
             return reduce + max(first, gather - compute_mb * forward_share * (1 - fill))
-        return reduce + gather
+        return reduce + gather if with_gather else reduce  # the gather: gather_after_update_s
     # ZeRO-3: every micro-batch gathers in forward and (unless kept) again in backward,
     # hidden behind the compute when prefetched, exposed whole when gathered on demand; a
     # looped block's unit again before each further run's forward, when its forward resharded it.

@@ -6,9 +6,10 @@ gradient accumulation, the exposed data-parallel sync, offload, the update), a p
 message's delay on the schedule's edges, and what every rank shares (the clip's and the
 loop's all-reduces). `assemble` turns it into the step as the loop runs it: each rank's own
 path through the schedule (pipeline.rank_ends) plus its accumulation and dp sync, the slowest
-of them; the clip's all-reduce, which every rank waits for; then every rank's offload and
-update at once, the slowest of them; then the loop's all-reduce. The estimate, the planner
-(its bounds and its rows), `--explain` and the closing report all read that one assembly.
+of them; the clip's all-reduce, which every rank waits for; then every rank's offload,
+update and ZeRO-1/2 gather at once, the slowest of them; then the loop's all-reduce. The
+estimate, the planner (its bounds and its rows), `--explain` and the closing report all read
+that one assembly.
 
 Assumptions, each visible in `ASSUMPTIONS`:
 * Training costs 6Ψ + 12·L·h·s FLOPs per token: 2Ψ forward and 4Ψ backward for the
@@ -66,8 +67,8 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from plait.estimate.exposed import (clip_s, dp_exposed_s, message_s, micro_batch_axes_s, offload_s,
-                                    overhead_s)
+from plait.estimate.exposed import (clip_s, dp_exposed_s, gather_after_update_s, message_s, micro_batch_axes_s,
+                                    offload_s, overhead_s)
 from plait.estimate.hardware import Hardware
 from plait.estimate.layout import StageShare, Workload, chunk_layers, layout_stages
 from plait.estimate.memory import shard
@@ -103,7 +104,7 @@ ASSUMPTIONS = (
     "a third, a quarter with full recompute; ZB-H1's weight gradients a forward) scaled by its "
     "chunk's blocks, a message's delay on each edge between ranks; the step is the slowest rank's "
     "path to the clip (its schedule's end plus its own accumulation and dp sync), the clip's all-reduce, "
-    "then the slowest rank's offload and update (every rank updates at once), then the loop's "
+    "then the slowest rank's offload, update and ZeRO-1/2 gather (every rank updates at once), then the loop's "
     "all-reduce; the bubble is that path's idle time (even stages: (p−1)/(m+p−1) for "
     "gpipe and 1f1b, (p−1)/v slots interleaved); on a crowded host (Hardware.crowding) a waiting rank's "
     "cores run the ranks at work faster",
@@ -132,6 +133,7 @@ class StepTime:
     ep_s: float = 0.0  # expert parallelism's all-to-alls (the dispatch waits for them)
     hfu: float = 0.0  # hardware FLOPs utilisation: MFU's FLOPs plus what recompute redoes (Megatron's Eq. 3 counts these)
     critical_rank: int = 0  # the pipeline rank whose path sets the step
+    gather_s: float = 0.0  # of dp_s, ZeRO-1's and -2's gather after the update: the loop times it there
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -147,9 +149,10 @@ class RankCost:
     cp: float = 0.0
     ep: float = 0.0
     accumulate: float = 0.0  # adding each micro-batch's gradients into the kept ones
-    dp: float = 0.0  # the data-parallel sync left after overlap
+    dp: float = 0.0  # the data-parallel sync left after overlap, before the clip
     offload: float = 0.0
     update: float = 0.0  # the optimizer over what this rank updates
+    gather: float = 0.0  # ZeRO-1's and -2's all-gather of the updated weights, inside the update
     share: StageShare | None = None  # its share of the model (None: a model known by its size)
 
     @property
@@ -166,8 +169,9 @@ class RankCost:
 
     @property
     def after_clip(self) -> float:
-        """Its tail after the clip, every rank at once: offload and the update."""
-        return self.offload + self.update
+        """Its tail after the clip, every rank at once: offload, the update and the gather of
+        the updated weights (optimizer.step holds all three)."""
+        return self.offload + self.update + self.gather
 
 
 @dataclass(frozen=True)
@@ -237,8 +241,9 @@ def rank_tail(layout: Workload, stage: StageShare, hw: Hardware, links: dict[str
                                                     stage_pieces(stage, layout))
     return {"accumulate": accumulate_s(layout, stage, hw),
             "dp": dp_exposed_s(trained, stage.trained_block_params, layout, hw, links["dp_shard"], compute,
-                               forward_share, links["dp_replicate"], stage.rerun_params),
-            "offload": offload_s(trained, layout, hw), "update": update}
+                               forward_share, links["dp_replicate"], stage.rerun_params, with_gather=False),
+            "offload": offload_s(trained, layout, hw), "update": update,
+            "gather": gather_after_update_s(trained, layout, hw, links["dp_shard"])}
 
 
 def step_costs(config: GPTConfig, layout: Workload, hw: Hardware, gpus_per_node: int,
@@ -315,8 +320,8 @@ def assemble(layout: Workload, hw: Hardware, costs: StepCosts) -> StepTime:
     # micro-batches' parts, and its tail's, take what they took as the schedule ran, shrunk alike.
     pace = busy[critical] / (m * rank.micro_batch) if rank.micro_batch else 1.0
     tail_pace = tails[critical] / rank.before_clip if rank.before_clip else 1.0
-    dp, offload, update = tail_pace * rank.dp, after.offload, after.update
-    step = (busy[critical] + tail_pace * rank.accumulate + bubble + messages + dp + offload + update
+    dp, offload, update, gather = tail_pace * rank.dp, after.offload, after.update, after.gather
+    step = (busy[critical] + tail_pace * rank.accumulate + bubble + messages + dp + offload + update + gather
             + costs.clip + costs.overhead)
     tokens_per_s = layout.global_batch * layout.seq_len / step
     # MFU against the 16-bit peak for fp8 too, as torchtitan reports it: fp8's gain shows as MFU above bf16's
@@ -324,7 +329,7 @@ def assemble(layout: Workload, hw: Hardware, costs: StepCosts) -> StepTime:
     return StepTime(flops_per_token=costs.model_flops, hardware_flops_per_token=costs.hardware_flops,
                     compute_s=pace * m * rank.compute + tail_pace * rank.accumulate, tp_s=pace * m * rank.tp,
                     pp_s=messages, bubble_s=bubble,
-                    dp_s=dp, offload_s=offload, step_s=step, tokens_per_s=tokens_per_s,
+                    dp_s=dp + gather, offload_s=offload, step_s=step, tokens_per_s=tokens_per_s, gather_s=gather,
                     mfu=costs.model_flops * tokens_per_s / peak, optimizer_s=update + costs.clip,
                     overhead_s=costs.overhead, cp_s=pace * m * rank.cp, ep_s=pace * m * rank.ep,
                     hfu=costs.hardware_flops * tokens_per_s / peak, critical_rank=critical)
@@ -350,8 +355,10 @@ def sized_costs(params: int, tensors: int, compute: float, flops: float, layout:
     links = inter_node(layout, gpus_per_node)
     owned = shard(params, layout.zero_ranks) if layout.zero else params
     kept = shard(params, layout.zero_ranks) if layout.zero >= 2 else params
-    dp = dp_exposed_s(params, 0, layout, hw, links["dp_shard"], compute, 1 / 3, links["dp_replicate"])
+    dp = dp_exposed_s(params, 0, layout, hw, links["dp_shard"], compute, 1 / 3, links["dp_replicate"],
+                      with_gather=False)
     rank = RankCost(compute, accumulate=accumulate_params_s(layout, kept, tensors, hw), dp=dp + blocking_dp,
+                    gather=gather_after_update_s(params, layout, hw, links["dp_shard"]),
                     offload=offload_s(params, layout, hw),
                     update=0.0 if layout.offload else optimizer_s(owned, tensors, hw))
     return StepCosts((rank,), flops, flops, clip=clip_s(layout, hw, links),

@@ -37,13 +37,16 @@ def run_hardware(trainer: Any) -> tuple[Hardware, str]:
 
 def step_time_parts(predicted: dict[str, Any], measured_step: float, optimizer_s: float) -> dict[str, Any]:
     """{"predicted": parts, "measured": parts, "ratio": predicted/measured step}; {} when the
-    prediction has no time. `optimizer_s` is the slowest rank's median update."""
+    prediction has no time. `optimizer_s` is the slowest rank's median update phase: the clip
+    and optimizer.step, which holds offload's round trip and ZeRO-1's and -2's gather of the
+    updated weights, so the predicted update holds them too (not the exposed communication)."""
     t = predicted.get("time")
     if not t or "compute_s" not in t:
         return {}
-    parts = {"compute": t["compute_s"], "exposed_comm": t["tp_s"] + t["pp_s"] + t["dp_s"] + t["offload_s"]
+    in_update = t["offload_s"] + t.get("gather_s", 0.0)
+    parts = {"compute": t["compute_s"], "exposed_comm": t["tp_s"] + t["pp_s"] + (t["dp_s"] - t.get("gather_s", 0.0))
              + t.get("cp_s", 0.0) + t.get("ep_s", 0.0),
-             "bubble": t["bubble_s"], "optimizer": t["optimizer_s"], "overhead": t["overhead_s"],
+             "bubble": t["bubble_s"], "optimizer": t["optimizer_s"] + in_update, "overhead": t["overhead_s"],
              "step": t["step_s"]}
     measured = {"optimizer": optimizer_s, "step": measured_step,
                 "forward_backward_comm_overhead": measured_step - optimizer_s}
