@@ -89,6 +89,8 @@ def test_the_planner_ranks_with_the_estimates_own_assembly() -> None:
     assert any(layout.pp > 1 for layout in found) and any(layout.tp > 1 for layout in found)
     for layout in found:
         assert search._step[layout] == estimate_time(request.config, layout, request.hardware, 2).step_s
+    # every layout priced (no --top) from the cached parts: the pruned plan's rows, priced afresh, to the bit
+    assert plan_layouts(request)[:5] == plan_layouts(request, top=5)
     # an MoE whose tp splits the routed experts' rows only where ep does not deal them out: ep
     # changes a rank's compute, and the planner's cached compute is keyed by it
     moe = replace(get_preset("tiny-moe"), tp_routed_split=True)

@@ -445,9 +445,11 @@ def search_for(request: PlanRequest) -> Search:
     return Search(request)
 
 
-def row_of(layout: Workload, request: PlanRequest, memory: float | None = None) -> dict[str, object]:
-    """A layout's line of the plan, from estimate_memory and estimate_time themselves."""
-    step = estimate_time(request.config, layout, request.hardware, request.gpus_per_node)
+def row_of(layout: Workload, request: PlanRequest, memory: float | None = None,
+           parts: MicroBatchParts | None = None) -> dict[str, object]:
+    """A layout's line of the plan, from estimate_memory and estimate_time themselves (`parts`:
+    its micro-batch's, cached by a search's Costs, the same to the bit)."""
+    step = estimate_time(request.config, layout, request.hardware, request.gpus_per_node, parts)
     memory = estimate_memory(request.config, layout).total if memory is None else memory
     return {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "cp_kind": layout.cp_kind,
             "ep": layout.ep, "zero": layout.zero, "dp_shard": layout.dp_shard, "micro_batch": layout.micro_batch,
@@ -480,11 +482,12 @@ def plan_layouts(request: PlanRequest, top: int | None = None, exhaustive: bool 
     """The `top` fastest layouts that fit (every one for top None or 0); PlaitError if none
     does. `exhaustive` estimates every candidate: the reference the pruning is held to."""
     if exhaustive or not top:
-        usable, rows = request.hardware.usable_bytes, []
+        usable, rows, costs = request.hardware.usable_bytes, [], Costs(request)
         for layout in candidates(request):
             memory = estimate_memory(request.config, layout).total
-            if memory <= usable:
-                rows.append(row_of(layout, request, memory))
+            if memory <= usable:  # ZeRO's, dp_shard's and offload's options share a shape's micro-batch
+                parts = costs.parts(layout, inter_node(layout, request.gpus_per_node))
+                rows.append(row_of(layout, request, memory, parts))
         rows.sort(key=rank_key)
     else:
         rows = [row for row, _ in ranked(request, search_for(request).best(top))]
