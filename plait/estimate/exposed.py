@@ -214,9 +214,15 @@ def gather_after_update_s(params: int, layout: Workload, hw: Hardware, inter: in
     there, and the report's predicted update holds it."""
     if layout.zero not in (1, 2) or layout.zero_ranks == 1 or _gather_hidden(layout, hw):
         return 0.0
+    return _weights_gather_s(params, layout, hw, inter)
+
+
+def _weights_gather_s(params: int, layout: Workload, hw: Hardware, inter: int) -> float:
+    """ZeRO-1's and -2's all-gather of the updated weights over the ranks that shard them, a
+    collective per gradient bucket: after the update, or behind the next forward."""
     per = state_bytes(layout.precision)
-    buckets = max(1.0, params * per.grad / layout.bucket_bytes)
-    return collective_s("all_gather", params * per.param, layout.zero_ranks, hw, inter, buckets)
+    return collective_s("all_gather", params * per.param, layout.zero_ranks, hw, inter,
+                        max(1.0, params * per.grad / layout.bucket_bytes))
 
 
 def _overlaps(layout: Workload, hw: Hardware) -> bool:
@@ -274,8 +280,8 @@ def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: in
     reduce = times * max(last, collective_s(op, grads, n, hw, inter, buckets) - bwd * (1 - fill))
     if layout.zero == 0:
         return reduce
-    gather = collective_s("all_gather", weights, n, hw, inter, buckets)
     if layout.zero in (1, 2):
+        gather = _weights_gather_s(params, layout, hw, inter)
         # behind the next step's first forward, but its first bucket (a pipeline's first forward hides nothing)
         if _gather_hidden(layout, hw):
             first = collective_s("all_gather", min(held, layout.bucket_bytes) * per.param / per.grad, n, hw, inter)
@@ -284,6 +290,7 @@ def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: in
     # ZeRO-3: every micro-batch gathers in forward and (unless kept) again in backward,
     # hidden behind the compute when prefetched, exposed whole when gathered on demand; a
     # looped block's unit again before each further run's forward, when its forward resharded it.
+    gather = collective_s("all_gather", weights, n, hw, inter, buckets)  # unit by unit
     again = 0.0
     if regathered and layout.reshard_after_forward:
         again = collective_s("all_gather", regathered * per.param, n, hw, inter, max(1.0, regathered / max(1, unit)))
