@@ -21,8 +21,7 @@ from pathlib import Path
 import torch
 
 from plait.bench import calibrate as cal
-from plait.bench import comm_timing
-from plait.bench import pace, timing
+from plait.bench import comm_timing, pace, timing
 from plait.estimate.hardware import Hardware, get_hardware, hardware_toml, load_hardware
 from plait.estimate.ops import Gemm, activation_op_bytes, fit_gemm_line, gemm_key, outer_precision
 from plait.models.gpt.config import GPTConfig

@@ -7,7 +7,8 @@ and starts once its inputs exist and its rank is free (plait.schedule.build.exec
 An input made on another rank arrives a message later: the p2p transfer is a delay on that
 edge of the schedule, not time of either rank (plait posts its sends without waiting). Each
 rank's last end is its own path through the schedule (`rank_ends`); the step adds each rank's
-accumulation and dp sync to its path, then the clip and the slowest update (time.assemble). The span's idle time is the bubble: for even stages it comes to the textbook
+accumulation and dp sync to its path, then the clip and the slowest update (time.assemble).
+The span's idle time is the bubble: for even stages it comes to the textbook
 (p − 1)/(m + p − 1) for GPipe and 1F1B and (p − 1)/v slots interleaved, and ZB-H1's
 deferred weight gradients fill what they can; for uneven stages, or a first and last stage
 made heavier by the embedding and the head, it is what the schedule does with them.
@@ -162,10 +163,10 @@ def rank_paths(schedule: str, pp: int, m: int, v: int, rank_s: list[float], forw
                chunk_weights: list[list[float]] | None = None, edge_s: float = 0.0,
                crowd: Crowd = ALONE, tails: list[float] | None = None) -> Paths:
     """`rank_ends`, each rank's seconds at work (m·rank_s[r]) and its tail (`tails[r]`, what it
-    does once its last action ends: its accumulation and dp sync, up to the clip), as priced; on a crowded host, run
-    as events, where a rank works faster while others wait: the last stage's tail, for one,
-    runs while the first stage still works back through its backward, the first stage's once
-    the others have finished."""
+    does once its last action ends: its accumulation and dp sync, up to the clip), as priced;
+    on a crowded host, run as events, where a rank works faster while others wait: the last
+    stage's tail, for one, runs while the first stage still works back through its backward,
+    the first stage's once the others have finished."""
     weights = tuple(tuple(row) for row in chunk_weights) if chunk_weights else ((1.0 / v,) * v,) * pp
     tails = tuple(tails) if tails else (0.0,) * pp
     if not crowd.crowded:  # the tails move nothing: one cached run serves every ZeRO option of a shape

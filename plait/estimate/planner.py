@@ -314,9 +314,9 @@ class Costs:
     def step_bound(self, tail: Workload, core: Core) -> float:
         """The core plus the least tail any rank may add (rule 3), and the clip and the loop:
         the step is at least the latest schedule end plus that rank's tail (its path to the
-        clip, then an update no shorter than its own). A tail's dp sync is taken behind HIDDEN seconds of compute: dp_exposed_s
-        only falls as the compute it overlaps grows (each term is max(floor, transfer -
-        compute)), so that is its least."""
+        clip, then an update no shorter than its own). A tail's dp sync is taken behind HIDDEN
+        seconds of compute: dp_exposed_s only falls as the compute it overlaps grows (each term
+        is max(floor, transfer - compute)), so that is its least."""
         hw, gpn = self.request.hardware, self.request.gpus_per_node
         links = inter_node(tail, gpn)
         least = min(sum(rank_tail(tail, stage, hw, links, HIDDEN, 0.5).values()) for stage in core.stages)

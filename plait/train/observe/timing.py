@@ -43,11 +43,11 @@ def step_time_parts(predicted: dict[str, Any], measured_step: float, optimizer_s
     t = predicted.get("time")
     if not t or "compute_s" not in t:
         return {}
-    in_update = t["offload_s"] + t.get("gather_s", 0.0)
-    parts = {"compute": t["compute_s"], "exposed_comm": t["tp_s"] + t["pp_s"] + (t["dp_s"] - t.get("gather_s", 0.0))
+    gather = t.get("gather_s", 0.0)  # of dp_s
+    parts = {"compute": t["compute_s"], "exposed_comm": t["tp_s"] + t["pp_s"] + (t["dp_s"] - gather)
              + t.get("cp_s", 0.0) + t.get("ep_s", 0.0),
-             "bubble": t["bubble_s"], "optimizer": t["optimizer_s"] + in_update, "overhead": t["overhead_s"],
-             "step": t["step_s"]}
+             "bubble": t["bubble_s"], "optimizer": t["optimizer_s"] + t["offload_s"] + gather,
+             "overhead": t["overhead_s"], "step": t["step_s"]}
     measured = {"optimizer": optimizer_s, "step": measured_step,
                 "forward_backward_comm_overhead": measured_step - optimizer_s}
     return {"predicted": parts, "measured": measured, "ratio": t["step_s"] / measured_step,
