@@ -212,6 +212,16 @@ def paired(steps: list[list[float]]) -> list[float]:
     return [scale * statistics.median(taken[r] / means[r] for r in range(rounds)) for taken in steps]
 
 
+def self_agreement(steps: list[list[float]]) -> float:
+    """How well the measurement ranks the layouts against itself: the rank correlation of the
+    paired steps of the odd rounds with those of the even ones. A model's rank correlation is
+    read against this: where the layouts lie closer than a round's noise, two halves of one
+    measurement disagree on their order as well."""
+    rounds = min(map(len, steps))
+    halves = [[taken[start:rounds:2] for taken in steps] for start in (0, 1)]
+    return spearman(paired(halves[0]), paired(halves[1])) if rounds > 3 else float("nan")
+
+
 def world_result(rows: list[dict], measured: dict[int, list[float]], rounds: list[list[float]] | None = None) -> dict:
     """The goals' numbers for one world; with the turns' `rounds` (each layout's steps), the
     rank correlation of the paired measurement (`paired`) too."""
@@ -226,6 +236,7 @@ def world_result(rows: list[dict], measured: dict[int, list[float]], rounds: lis
     if rounds:
         result["paired"] = paired(rounds)
         result["rank_correlation_paired"] = spearman(predicted, result["paired"])
+        result["self_agreement"] = self_agreement(rounds)
     return result
 
 
@@ -235,7 +246,8 @@ def table(world: int, result: dict, turns: bool) -> list[str]:
     lines = [f"**{world} ranks**: first pick {result['first_over_fastest']:+.1%} against the fastest measured; "
              f"rank correlation {result['rank_correlation']:.2f} (from the first calibration alone "
              f"{result['rank_correlation_before']:.2f}"
-             + (f"; against the paired measurement {result['rank_correlation_paired']:.2f}" if pairs else "")
+             + (f"; against the paired measurement {result['rank_correlation_paired']:.2f}; the measurement's "
+                f"odd rounds against its even ones {result['self_agreement']:.2f}" if pairs else "")
              + f"); worst prediction {result['worst_ratio']:.0%} off.",
              "", f"| plan's rank | layout | predicted s (before, after) | measured s (median) | predicted / measured "
              f"| {spread} |" + (" paired s |" if pairs else ""), "|---|---|---|---|---|---|" + ("---|" if pairs else "")]
@@ -300,7 +312,7 @@ def main() -> None:
             rows = priced_again(rows, plan(args.model, world, args.global_batch, args.seq_len, again, 10_000))
         result = world_result(rows, measured, steps)
         summary[world] = {k: result[k] for k in ("first_over_fastest", "rank_correlation", "worst_ratio",
-                                                 "rank_correlation_paired") if k in result}
+                                                 "rank_correlation_paired", "self_agreement") if k in result}
         lines += table(world, result, args.turns) + [""]
         print("\n".join(table(world, result, args.turns)), flush=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

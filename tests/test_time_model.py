@@ -813,6 +813,21 @@ def test_the_planner_check_pairs_each_step_with_the_same_rounds_others() -> None
     assert module.spearman([1.0, 0.9], paired) == pytest.approx(1.0)
 
 
+def test_the_planner_check_reads_how_well_its_measurement_agrees_with_itself() -> None:
+    """The benchmark's `self_agreement`: the paired steps of the odd rounds ranked against the
+    even rounds'. Three layouts 10% apart agree with themselves (1.0) whatever the host's pace
+    does to a round; two of them 0.5% apart, one ahead in the odd rounds and the other in the
+    even ones, swap places between the halves, and the order reads 0.5."""
+    module = _benchmark("planner_measured")
+    pace = [1.0, 1.5, 1.0, 2.0, 1.0, 1.0, 1.2, 1.0]
+    apart = [[level * p for p in pace] for level in (1.0, 1.1, 1.2)]
+    assert module.self_agreement(apart) == pytest.approx(1.0)
+    close = [[p * (1.0 + 0.01 * (r % 2)) for r, p in enumerate(pace)],
+             [p * (1.01 - 0.01 * (r % 2)) for r, p in enumerate(pace)], [1.2 * p for p in pace]]
+    assert module.self_agreement(close) == pytest.approx(0.5)
+    assert math.isnan(module.self_agreement([steps[:3] for steps in apart]))  # too few rounds to halve
+
+
 @pytest.mark.slow
 def test_the_plans_first_layouts_measure_as_it_ranks_them(tmp_path: Path) -> None:
     """`plait plan` from this machine's full calibration (every micro-batch a rank's share of
