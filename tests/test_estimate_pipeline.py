@@ -136,9 +136,13 @@ def test_on_a_crowded_host_a_waiting_rank_lends_its_cores_to_the_ranks_at_work()
     - the same with 0.25 s messages: 6.5 s. A rank whose message is on its way counts as at
       work (its delay is mostly the wait for a core): rank 0's F1 runs at the shared pace from
       0.5, while rank 1's F0 is still a message (0.5-0.75), not at twice it;
-    - one micro-batch with a 1 s tail on each rank (its dp sync and update): rank 1's tail
+    - one micro-batch with a 1 s tail of work on each rank (its accumulation): rank 1's tail
       (2-3) beside rank 0's B, which then ends alone (3-3.5), and rank 0's tail alone
-      (3.5-4): each rank's path 4 and 3 s, where priced one after another, 7."""
+      (3.5-4): each rank's path 4 and 3 s, where priced one after another, 7;
+    - a 1 s dp sync instead: a collective takes its price whoever else works, so rank 1's
+      (2-3) beside the start of rank 0's B, rank 0's alone (3.5-4.5), not at twice the pace;
+    - both: rank 1's work (2-3) then its sync (3-4) beside rank 0's B, at work in each (2-4),
+      then rank 0's work alone (4-4.5) and its sync (4.5-5.5)."""
     two, measured = pipeline.Crowd(2.0), pipeline.Crowd(2.0, 2.5)
     # a lone rank measured slower than the cores' share: 3 of 4 ranks then run faster than 1
     slow = pipeline.Crowd(1.5, 1.3)
@@ -153,7 +157,12 @@ def test_on_a_crowded_host_a_waiting_rank_lends_its_cores_to_the_ranks_at_work()
     assert paths("1f1b", 2, 1, 1, [3.0, 3.0], THIRD, crowd=measured).ends == pytest.approx((2.4, 1.6))
     assert paths("1f1b", 2, 1, 1, [3.0, 3.0], THIRD, crowd=two, tails=[1.0, 1.0]) == ((3.5, 2.0), (2.0, 1.5),
                                                                                       (0.5, 1.0))
+    assert paths("1f1b", 2, 1, 1, [3.0, 3.0], THIRD, crowd=two, syncs=[1.0, 1.0]) == ((3.5, 2.0), (2.0, 1.5),
+                                                                                      (1.0, 1.0))
+    assert paths("1f1b", 2, 1, 1, [3.0, 3.0], THIRD, crowd=two, tails=[1.0, 1.0], syncs=[1.0, 1.0]) == (
+        (4.0, 2.0), (2.5, 1.5), (1.5, 2.0))
     assert paths("1f1b", 2, 1, 1, [3.0, 3.0], THIRD, tails=[1.0, 1.0]) == ((6.0, 4.0), (3.0, 3.0), (1.0, 1.0))
+    assert paths("1f1b", 2, 1, 1, [3.0, 3.0], THIRD, tails=[1.0, 1.0], syncs=[1.0, 1.0]).tails == (2.0, 2.0)
     assert makespan("1f1b", 2, 1, 1, [3.0, 3.0], THIRD) == 6.0
     assert paths("1f1b", 2, 1, 1, [3.0, 3.0], THIRD, edge_s=0.5, crowd=two).ends == (4.0, 2.5)
     assert paths("1f1b", 2, 2, 1, [3.0, 3.0], THIRD, crowd=two)[:2] == ((6.0, 5.0), (4.5, 4.5))

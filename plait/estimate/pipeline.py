@@ -161,24 +161,30 @@ class Paths(NamedTuple):
 
 def rank_paths(schedule: str, pp: int, m: int, v: int, rank_s: list[float], forward: float,
                chunk_weights: list[list[float]] | None = None, edge_s: float = 0.0,
-               crowd: Crowd = ALONE, tails: list[float] | None = None) -> Paths:
-    """`rank_ends`, each rank's seconds at work (m·rank_s[r]) and its tail (`tails[r]`, what it
-    does once its last action ends: its accumulation and dp sync, up to the clip), as priced;
-    on a crowded host, run as events, where a rank works faster while others wait: the last
-    stage's tail, for one, runs while the first stage still works back through its backward,
-    the first stage's once the others have finished."""
+               crowd: Crowd = ALONE, tails: list[float] | None = None, syncs: list[float] | None = None) -> Paths:
+    """`rank_ends`, each rank's seconds at work (m·rank_s[r]) and its tail, as priced: what it
+    does once its last action ends, up to the clip: its work (`tails[r]`, the accumulation),
+    then its collectives (`syncs[r]`, the dp sync). On a crowded host, run as events, where a
+    rank works faster while others wait: the last stage's tail, for one, runs while the first
+    stage still works back through its backward, the first stage's once the others have
+    finished. A collective is not shortened so: the first stage's dp all-reduce, its stage's
+    pair alone at work, took 23.0 ms where it was calibrated at 23.8 with every rank at once
+    (4 ranks of `small` on 2 cores, dp 2 × pp 2), and ZeRO-1's reduce-scatter 32.7 against
+    35.0; priced at the lone pace they read 11.6 and 17.1."""
     weights = tuple(tuple(row) for row in chunk_weights) if chunk_weights else ((1.0 / v,) * v,) * pp
     tails = tuple(tails) if tails else (0.0,) * pp
+    syncs = tuple(syncs) if syncs else (0.0,) * pp
     if not crowd.crowded:  # the tails move nothing: one cached run serves every ZeRO option of a shape
-        ends, busy, _ = _rank_paths(schedule, pp, m, v, tuple(rank_s), forward, weights, edge_s, crowd, (0.0,) * pp)
-        return Paths(ends, busy, tails)
-    return _rank_paths(schedule, pp, m, v, tuple(rank_s), forward, weights, edge_s, crowd, tails)
+        ends, busy, _ = _rank_paths(schedule, pp, m, v, tuple(rank_s), forward, weights, edge_s, crowd,
+                                    (0.0,) * pp, (0.0,) * pp)
+        return Paths(ends, busy, tuple(t + c for t, c in zip(tails, syncs)))
+    return _rank_paths(schedule, pp, m, v, tuple(rank_s), forward, weights, edge_s, crowd, tails, syncs)
 
 
 @functools.lru_cache(maxsize=4096)
 def _rank_paths(schedule: str, pp: int, m: int, v: int, rank_s: tuple[float, ...], forward: float,
                 weights: tuple[tuple[float, ...], ...], edge_s: float, crowd: Crowd,
-                tails: tuple[float, ...]) -> Paths:
+                tails: tuple[float, ...], syncs: tuple[float, ...]) -> Paths:
     """rank_paths, cached: the planner asks again for every ZeRO option of a shape (on a
     crowded host each option's tails make a run of their own)."""
     timed = _timed_micro_batches(schedule, pp, m, v)
@@ -186,19 +192,22 @@ def _rank_paths(schedule: str, pp: int, m: int, v: int, rank_s: tuple[float, ...
         ends = _run(compiled(schedule, pp, timed, v), rank_s, shares(forward), weights, edge_s)
         if timed < m:
             ends = _paced(schedule, pp, m, v, timed, rank_s, forward, weights, edge_s, ends)
-        return Paths(ends, tuple(m * s for s in rank_s), tails)
+        return Paths(ends, tuple(m * s for s in rank_s), tuple(t + c for t, c in zip(tails, syncs)))
     if timed == m:
-        return _run_shared(compiled(schedule, pp, m, v), rank_s, shares(forward), weights, edge_s, crowd, tails)
+        return _run_shared(compiled(schedule, pp, m, v), rank_s, shares(forward), weights, edge_s, crowd, tails,
+                           syncs)
     # past FULL_ACTIONS on a crowded host: the steady state's pace and each rank's work in it
     # read off the last group of pp timed (the slowest rank runs faster there while lighter
     # ones wait); the tails at their price after it
+    none = (0.0,) * pp
     ends, busy, _ = _run_shared(compiled(schedule, pp, timed, v), rank_s, shares(forward), weights, edge_s, crowd,
-                                (0.0,) * pp)
+                                none, none)
     earlier = _run_shared(compiled(schedule, pp, timed - pp, v), rank_s, shares(forward), weights, edge_s, crowd,
-                          (0.0,) * pp)
+                          none, none)
     more, pace = m - timed, (max(ends) - max(earlier.ends)) / pp
     return Paths(tuple(end + more * pace for end in ends),
-                 tuple(b + more * (b - e) / pp for b, e in zip(busy, earlier.busy)), tails)
+                 tuple(b + more * (b - e) / pp for b, e in zip(busy, earlier.busy)),
+                 tuple(t + c for t, c in zip(tails, syncs)))
 
 
 def _paced(schedule: str, pp: int, m: int, v: int, timed: int, rank_s: tuple[float, ...], forward: float,
@@ -227,7 +236,7 @@ def _run(plan: Compiled, rank_s: tuple[float, ...], share: dict[str, float],
 
 def _run_shared(plan: Compiled, rank_s: tuple[float, ...], share: dict[str, float],
                 weights: tuple[tuple[float, ...], ...], edge_s: float,
-                crowd: Crowd, tails: tuple[float, ...]) -> Paths:
+                crowd: Crowd, tails: tuple[float, ...], syncs: tuple[float, ...] = ()) -> Paths:
     """`_run` on a crowded host, each rank's tail after its last action: the ranks at work
     share the cores, so every action's pace changes whenever a rank starts or stops
     (`Crowd.speed`). Run as events: each rank takes its next action once its waits have ended
@@ -238,19 +247,23 @@ def _run_shared(plan: Compiled, rank_s: tuple[float, ...], share: dict[str, floa
     delay is mostly its receiver waiting for a core (a send/recv pair calibrated at 3.1-3.5 ms
     on 4 ranks sharing 2 cores, 0.8-0.9 ms on 2 ranks with a core each). A rank whose input
     is not yet being made sleeps in its receive and frees its core. A tail waits for its
-    rank's last action alone."""
+    rank's last action alone, and its collectives (`syncs`) for its work: they take their
+    price whoever else works (`rank_paths`), and a rank in one counts as at work."""
     pp, n = max(plan.ranks) + 1, len(plan.ranks)
+    syncs = syncs or (0.0,) * pp
     queues: list[list[int]] = [[] for _ in range(pp)]
     for i, rank in enumerate(plan.ranks):
         queues[rank].append(i)
-    waits = list(zip(plan.waits, plan.crosses)) + [((), ())] + [((queue[-1],), (False,)) for queue in queues]
+    waits = (list(zip(plan.waits, plan.crosses)) + [((), ())] + [((queue[-1],), (False,)) for queue in queues]
+             + [((n + 1 + r,), (False,)) for r in range(pp)])
+    synced = n + 1 + pp  # the first sync's index
     for r in range(pp):
-        queues[r].append(n + 1 + r)  # its tail: after n actions and the padded wait's end
-    ends: list[float | None] = [None] * n + [0.0] + [None] * pp  # n: what a padded wait reads
+        queues[r] += [n + 1 + r, synced + r]  # its tail's work, then its sync: after n actions and the padded wait
+    ends: list[float | None] = [None] * n + [0.0] + [None] * 2 * pp  # n: what a padded wait reads
     left = [rank_s[rank] * share[kind] * weights[rank][chunk]
-            for rank, kind, chunk in zip(plan.ranks, plan.kinds, plan.chunks)] + [0.0] + list(tails)
+            for rank, kind, chunk in zip(plan.ranks, plan.kinds, plan.chunks)] + [0.0] + list(tails) + list(syncs)
     following, running, now = [0] * pp, {}, 0.0  # running: rank -> the action it works on
-    close = 1e-12 * max(rank_s + tails)  # seconds that count as now: what adding up the steps leaves
+    close = 1e-12 * max(rank_s + tails + syncs)  # seconds that count as now: what adding up the steps leaves
     last, busy, tail = [0.0] * pp, [0.0] * pp, [0.0] * pp
     while running or any(following[r] < len(queues[r]) for r in range(pp)):
         arriving = {}  # rank -> when its next action's last message lands
@@ -268,10 +281,11 @@ def _run_shared(plan: Compiled, rank_s: tuple[float, ...], share: dict[str, floa
             else:
                 arriving[r] = at
         pace = crowd.speed(len(running) + len(arriving), pp)
-        step = min([left[i] / pace for i in running.values()] + [at - now for at in arriving.values()])
+        paces = {i: 1.0 if i >= synced else pace for i in running.values()}
+        step = min([left[i] / paces[i] for i in running.values()] + [at - now for at in arriving.values()])
         now += step
         for r, i in list(running.items()):
-            left[i] -= step * pace
+            left[i] -= step * paces[i]
             if i < n:
                 busy[r] += step
             else:

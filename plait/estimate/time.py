@@ -282,10 +282,11 @@ def schedule_paths(layout: Workload, costs: StepCosts, message: float | None = N
     if layout.pp == 1:
         busy = tuple(layout.grad_accum * rank.micro_batch for rank in costs.ranks)
         return Paths(busy, busy, tuple(tails))
+    tails, syncs = [rank.accumulate for rank in costs.ranks], [rank.dp for rank in costs.ranks]
     weights = [chunk_weights(layout, rank.share) for rank in costs.ranks] if costs.ranks[0].share else None
     return rank_paths(layout.schedule, layout.pp, layout.grad_accum, layout.virtual_stages,
                       [rank.micro_batch for rank in costs.ranks], costs.forward, weights,
-                      costs.message if message is None else message, costs.crowd, tails)
+                      costs.message if message is None else message, costs.crowd, tails, syncs)
 
 
 def chunk_weights(layout: Workload, stage: StageShare) -> list[float]:
@@ -319,15 +320,16 @@ def assemble(layout: Workload, hw: Hardware, costs: StepCosts) -> StepTime:
     # On a crowded host a pipeline rank works faster while others wait (pipeline.Crowd): its
     # micro-batches' parts, and its tail's, take what they took as the schedule ran, shrunk alike.
     pace = busy[critical] / (m * rank.micro_batch) if rank.micro_batch else 1.0
-    tail_pace = tails[critical] / rank.before_clip if rank.before_clip else 1.0
-    dp, offload, update, gather = tail_pace * rank.dp, after.offload, after.update, after.gather
-    step = (busy[critical] + tail_pace * rank.accumulate + bubble + messages + dp + offload + update + gather
+    # its tail: its accumulation as fast as the schedule left it, its dp sync at its price (rank_paths)
+    dp, offload, update, gather = rank.dp, after.offload, after.update, after.gather
+    accumulate = tails[critical] - dp
+    step = (busy[critical] + accumulate + bubble + messages + dp + offload + update + gather
             + costs.clip + costs.overhead)
     tokens_per_s = layout.global_batch * layout.seq_len / step
     # MFU against the 16-bit peak for fp8 too, as torchtitan reports it: fp8's gain shows as MFU above bf16's
     peak = layout.world * hw.peak_flops(outer_precision(layout.precision))
     return StepTime(flops_per_token=costs.model_flops, hardware_flops_per_token=costs.hardware_flops,
-                    compute_s=pace * m * rank.compute + tail_pace * rank.accumulate, tp_s=pace * m * rank.tp,
+                    compute_s=pace * m * rank.compute + accumulate, tp_s=pace * m * rank.tp,
                     pp_s=messages, bubble_s=bubble,
                     dp_s=dp + gather, offload_s=offload, step_s=step, tokens_per_s=tokens_per_s, gather_s=gather,
                     mfu=costs.model_flops * tokens_per_s / peak, optimizer_s=update + costs.clip,
