@@ -318,11 +318,12 @@ def assemble(layout: Workload, hw: Hardware, costs: StepCosts) -> StepTime:
     messages = max(0.0, ends[critical] - quiet)
     bubble = max(0.0, quiet - busy[critical])
     # On a crowded host a pipeline rank works faster while others wait (pipeline.Crowd): its
-    # micro-batches' parts, and its tail's, take what they took as the schedule ran, shrunk alike.
+    # micro-batches' parts, and its accumulation, take what they took as the schedule ran, shrunk
+    # alike; its dp sync, a collective, its price (pipeline.rank_paths).
     pace = busy[critical] / (m * rank.micro_batch) if rank.micro_batch else 1.0
-    # its tail: its accumulation as fast as the schedule left it, its dp sync at its price (rank_paths)
     dp, offload, update, gather = rank.dp, after.offload, after.update, after.gather
-    accumulate = tails[critical] - dp
+    ran_as_events = costs.crowd.crowded and layout.pp > 1
+    accumulate = tails[critical] - dp if ran_as_events else rank.accumulate
     step = (busy[critical] + accumulate + bubble + messages + dp + offload + update + gather
             + costs.clip + costs.overhead)
     tokens_per_s = layout.global_batch * layout.seq_len / step
