@@ -16,7 +16,8 @@ the next, and the model is not the host's clock. Then, per
 world: the first pick (the plan's, from the first calibration) against the fastest measured,
 each prediction against its measurement, and Spearman's rank correlation of predicted and
 measured steps (from the first calibration alone too, and, taking turns, against the paired
-measurement: each step over its round's, `paired`).
+measurement: each step over its round's, `paired`), and how well the measurement orders the
+layouts against itself (`self_agreement`: its odd rounds against its even ones).
 
 Goals (the cost model's): the first pick within 5% of the fastest measured, every prediction
 within 10%, a rank correlation of at least 0.8.
