@@ -13,8 +13,8 @@ from plait.estimate.hardware import get_hardware
 from plait.estimate.layout import Workload
 from plait.estimate.network import inter_node
 from plait.estimate.ops import accumulate_params_s
-from plait.estimate.pipeline import makespan, rank_ends
-from plait.estimate.time import RankCost, StepCosts, assemble, estimate_time_params_only, step_costs
+from plait.estimate.pipeline import Crowd, makespan, rank_ends
+from plait.estimate.time import RankCost, StepCosts, assemble, crowd_of, estimate_time_params_only, step_costs
 from plait.models.gpt.config import get_preset
 from plait.estimate.planner import plan, plan_layouts, plan_request, row_layout, search_for
 from plait.estimate.time import estimate_time
@@ -172,9 +172,12 @@ def test_a_crowded_hosts_pipeline_is_priced_with_the_cores_its_waiting_ranks_lea
         parts = (step.compute_s + step.tp_s + step.bubble_s + step.pp_s + step.dp_s + step.offload_s
                  + step.optimizer_s + step.overhead_s)
         assert parts == pytest.approx(step.step_s, rel=1e-12)
-    # a rank alone on its core measured 2.2 times as fast at micro-batch 4 (the nearest to 4)
-    measured = replace(crowded, lone_by_micro_batch=((4, 2.2), (8, 2.0)))
-    assert measured.lone_speedup(4) == 2.2 and measured.lone_speedup(2) == 2.2 and measured.lone_speedup(6) == 2.0
+    # a rank alone on its core measured 2.2 times as fast at micro-batch 4, 2.0 at 8, and 2.15
+    # at 16: one figure for the host, their median, whatever the layout's micro-batch
+    measured = replace(crowded, lone_by_micro_batch=((4, 2.2), (8, 2.0), (16, 2.15)))
+    assert measured.lone_speedup == 2.15 and replace(crowded, lone_by_micro_batch=((4, 2.2), (8, 2.0))).lone_speedup \
+        == pytest.approx(2.1) and crowded.lone_speedup == 0.0
+    assert crowd_of(measured) == Crowd(2.0, 2.15)
     faster = estimate_time(small, layout, measured, 4)
     assert faster.step_s < shared.step_s and faster.bubble_s < shared.bubble_s + 1e-12
     dp4 = Workload(dp=4, micro_batch=4, seq_len=128)

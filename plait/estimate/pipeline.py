@@ -65,7 +65,7 @@ class Crowd:
     """How a host's cores were shared when a rank's micro-batch was priced. `threads`: its
     ranks' threads for each core, every rank at work (Hardware.crowding; 1.0: a core each).
     `lone`: how much faster a rank worked while only as many ranks as cores did
-    (Hardware.lone_speedup at its micro-batch, measured; 0.0: `threads`, the cores shared
+    (Hardware.lone_speedup, the median of its micro-batches' readings; 0.0: `threads`, the cores shared
     without loss)."""
 
     threads: float = 1.0

@@ -290,7 +290,7 @@ class Costs:
         floor = lower_bound(shape.schedule, shape.pp, shape.grad_accum, shape.virtual_stages,
                             [by_key[_stage_key(share)] for share in shares], forward_share(shape, hw),
                             [chunk_weights(shape, share) for share in shares],
-                            message_s(config, shape, hw, links["pp"]), crowd_of(hw, shape))
+                            message_s(config, shape, hw, links["pp"]), crowd_of(hw))
         return Core(floor, kinds)
 
     def parts(self, shape: Workload, links: dict[str, int]) -> MicroBatchParts:
@@ -321,7 +321,7 @@ class Costs:
         links = inter_node(tail, gpn)
         least = min(sum(rank_tail(tail, stage, hw, links, HIDDEN, 0.5).values()) for stage in core.stages)
         if tail.pp > 1:  # a pipeline's tail may run while the other ranks wait (a crowded host's)
-            least /= crowd_of(hw, tail).fastest
+            least /= crowd_of(hw).fastest
         return core.s + least + clip_s(tail, hw, links) + overhead_s(tail, hw, gpn)
 
     def memory_bound(self, shape: Workload) -> float:

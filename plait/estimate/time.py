@@ -261,7 +261,7 @@ def step_costs(config: GPTConfig, layout: Workload, hw: Hardware, gpus_per_node:
     model, hardware = flops_per_token(config, layout.seq_len, layout.recompute)
     return StepCosts(tuple(ranks), model, hardware, message_s(config, layout, hw, links["pp"]),
                      clip_s(layout, hw, links), overhead_s(layout, hw, gpus_per_node),
-                     crowd_of(hw, layout), forward)
+                     crowd_of(hw), forward)
 
 
 def estimate_time(config: GPTConfig, layout: Workload, hw: Hardware, gpus_per_node: int,
@@ -338,10 +338,11 @@ def assemble(layout: Workload, hw: Hardware, costs: StepCosts) -> StepTime:
                     hfu=costs.hardware_flops * tokens_per_s / peak, critical_rank=critical)
 
 
-def crowd_of(hw: Hardware, layout: Workload) -> Crowd:
-    """How `hw`'s cores were shared when it was calibrated, and how much faster a rank at
-    `layout`'s micro-batch works with a core to itself (pipeline.Crowd)."""
-    return Crowd(hw.crowding, hw.lone_speedup(layout.micro_batch))
+def crowd_of(hw: Hardware) -> Crowd:
+    """How `hw`'s cores were shared when it was calibrated, and how much faster a rank works
+    with a core to itself (pipeline.Crowd; Hardware.lone_speedup, one figure for every
+    micro-batch)."""
+    return Crowd(hw.crowding, hw.lone_speedup)
 
 
 def micro_batch_s_per_stage(config: GPTConfig, layout: Workload, hw: Hardware, gpus_per_node: int) -> list[float]:
