@@ -218,9 +218,10 @@ class Hardware:
         at 8, on 4 ranks of `small` sharing 2 cores), where a pipeline's own lone actions ran
         the other way (1.90 at 4, 2.01-2.03 at 8), and each reading moves 0.02-0.05 from one
         calibration to the next. Read at each micro-batch, two micro-batches of 4 were priced
-        1.5-3.8% over one of 8 and measured 3.7-8.2% over (median 5.2%); read as the median,
-        planner runs 16 and 17 rank at 0.99 and 0.81 where they read 0.41 and 0.64
-        (benchmarks/RESULTS.md)."""
+        1.5-3.8% over one of 8 and measured 3.7-8.2% over (median 5.2%). Read as the median,
+        the 4-rank planner check ranks at 0.99 and 0.81 (runs 16 and 17 repriced; 0.41 and 0.64
+        read at each micro-batch) and 0.46 (run 18, whose second calibration timed ZeRO's
+        collectives 5-10% slower; its first alone 0.99): benchmarks/RESULTS.md."""
         readings = [speedup for _, speedup in self.lone_by_micro_batch]
         return statistics.median(readings) if readings else 0.0
 
