@@ -220,8 +220,8 @@ class Hardware:
         calibration to the next. Read at each micro-batch, two micro-batches of 4 were priced
         1.5-3.8% over one of 8 and measured 3.7-8.2% over (median 5.2%). Read as the median,
         the 4-rank planner check ranks at 0.99 and 0.81 (runs 16 and 17 repriced; 0.41 and 0.64
-        read at each micro-batch) and 0.46 (run 18, whose second calibration timed ZeRO's
-        collectives 5-10% slower; its first alone 0.99): benchmarks/RESULTS.md."""
+        read at each micro-batch), 0.46 (run 18, whose second calibration timed ZeRO's
+        collectives 5-10% slower; its first alone 0.99) and 0.99 (run 19): benchmarks/RESULTS.md."""
         readings = [speedup for _, speedup in self.lone_by_micro_batch]
         return statistics.median(readings) if readings else 0.0
 
