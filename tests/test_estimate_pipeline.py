@@ -140,9 +140,12 @@ def test_on_a_crowded_host_a_waiting_rank_lends_its_cores_to_the_ranks_at_work()
       (2-3) beside rank 0's B, which then ends alone (3-3.5), and rank 0's tail alone
       (3.5-4): each rank's path 4 and 3 s, where priced one after another, 7;
     - a 1 s dp sync instead: a collective takes its price whoever else works, so rank 1's
-      (2-3) beside the start of rank 0's B, rank 0's alone (3.5-4.5), not at twice the pace;
+      (2-3) beside the start of rank 0's B, which ends alone (3-3.5; at the lone pace the sync
+      would have ended at 2.5 and the B at 3.25), rank 0's alone after it; the paths' tails
+      are their work's time, none here (a sync takes its price);
     - both: rank 1's work (2-3) then its sync (3-4) beside rank 0's B, at work in each (2-4),
-      then rank 0's work alone (4-4.5) and its sync (4.5-5.5)."""
+      then rank 0's work alone (4-4.5) and its sync; without a crowd each rank's work and sync
+      simply follow its end."""
     two, measured = pipeline.Crowd(2.0), pipeline.Crowd(2.0, 2.5)
     # a lone rank measured slower than the cores' share: 3 of 4 ranks then run faster than 1
     slow = pipeline.Crowd(1.5, 1.3)
@@ -158,11 +161,12 @@ def test_on_a_crowded_host_a_waiting_rank_lends_its_cores_to_the_ranks_at_work()
     assert paths("1f1b", 2, 1, 1, [3.0, 3.0], THIRD, crowd=two, tails=[1.0, 1.0]) == ((3.5, 2.0), (2.0, 1.5),
                                                                                       (0.5, 1.0))
     assert paths("1f1b", 2, 1, 1, [3.0, 3.0], THIRD, crowd=two, syncs=[1.0, 1.0]) == ((3.5, 2.0), (2.0, 1.5),
-                                                                                      (1.0, 1.0))
+                                                                                      (0.0, 0.0))
     assert paths("1f1b", 2, 1, 1, [3.0, 3.0], THIRD, crowd=two, tails=[1.0, 1.0], syncs=[1.0, 1.0]) == (
-        (4.0, 2.0), (2.5, 1.5), (1.5, 2.0))
+        (4.0, 2.0), (2.5, 1.5), (0.5, 1.0))
     assert paths("1f1b", 2, 1, 1, [3.0, 3.0], THIRD, tails=[1.0, 1.0]) == ((6.0, 4.0), (3.0, 3.0), (1.0, 1.0))
-    assert paths("1f1b", 2, 1, 1, [3.0, 3.0], THIRD, tails=[1.0, 1.0], syncs=[1.0, 1.0]).tails == (2.0, 2.0)
+    assert paths("1f1b", 2, 1, 1, [3.0, 3.0], THIRD, tails=[1.0, 1.0], syncs=[1.0, 1.0]) == ((6.0, 4.0), (3.0, 3.0),
+                                                                                             (1.0, 1.0))
     assert makespan("1f1b", 2, 1, 1, [3.0, 3.0], THIRD) == 6.0
     assert paths("1f1b", 2, 1, 1, [3.0, 3.0], THIRD, edge_s=0.5, crowd=two).ends == (4.0, 2.5)
     assert paths("1f1b", 2, 2, 1, [3.0, 3.0], THIRD, crowd=two)[:2] == ((6.0, 5.0), (4.5, 4.5))

@@ -152,7 +152,8 @@ def rank_ends(schedule: str, pp: int, m: int, v: int, rank_s: list[float], forwa
 
 class Paths(NamedTuple):
     """Each pipeline rank's step as the schedule runs it: when its last action ends (`ends`),
-    its seconds at work in the schedule (`busy`), and how long its tail then takes (`tails`)."""
+    its seconds at work in the schedule (`busy`), and how long its tail's work then takes
+    (`tails`; its collectives after it take their price, `rank_paths`)."""
 
     ends: tuple[float, ...]
     busy: tuple[float, ...]
@@ -162,22 +163,23 @@ class Paths(NamedTuple):
 def rank_paths(schedule: str, pp: int, m: int, v: int, rank_s: list[float], forward: float,
                chunk_weights: list[list[float]] | None = None, edge_s: float = 0.0,
                crowd: Crowd = ALONE, tails: list[float] | None = None, syncs: list[float] | None = None) -> Paths:
-    """`rank_ends`, each rank's seconds at work (m·rank_s[r]) and its tail, as priced: what it
-    does once its last action ends, up to the clip: its work (`tails[r]`, the accumulation),
-    then its collectives (`syncs[r]`, the dp sync). On a crowded host, run as events, where a
-    rank works faster while others wait: the last stage's tail, for one, runs while the first
-    stage still works back through its backward, the first stage's once the others have
-    finished. A collective is not shortened so: the first stage's dp all-reduce, its stage's
-    pair alone at work, took 23.0 ms where it was calibrated at 23.8 with every rank at once
-    (4 ranks of `small` on 2 cores, dp 2 × pp 2), and ZeRO-1's reduce-scatter 32.7 against
-    35.0; priced at the lone pace they read 11.6 and 17.1."""
+    """`rank_ends`, each rank's seconds at work (m·rank_s[r]) and its tail's work, as priced.
+    A rank's tail is what it does once its last action ends, up to the clip: its work
+    (`tails[r]`, the accumulation), then its collectives (`syncs[r]`, the dp sync). On a
+    crowded host the schedule runs as events, where a rank works faster while others wait:
+    the last stage's tail, for one, runs while the first stage still works back through its
+    backward, the first stage's once the others have finished. A collective is not shortened
+    so, and takes its price: the first stage's dp all-reduce, its stage's pair alone at work,
+    took 23.0 ms where it was calibrated at 23.8 with every rank at once (4 ranks of `small` on
+    2 cores, dp 2 × pp 2), and ZeRO-1's reduce-scatter 32.7 against 35.0; priced at the lone
+    pace they read 11.6 and 17.1."""
     weights = tuple(tuple(row) for row in chunk_weights) if chunk_weights else ((1.0 / v,) * v,) * pp
     tails = tuple(tails) if tails else (0.0,) * pp
     syncs = tuple(syncs) if syncs else (0.0,) * pp
     if not crowd.crowded:  # the tails move nothing: one cached run serves every ZeRO option of a shape
         ends, busy, _ = _rank_paths(schedule, pp, m, v, tuple(rank_s), forward, weights, edge_s, crowd,
                                     (0.0,) * pp, (0.0,) * pp)
-        return Paths(ends, busy, tuple(t + c for t, c in zip(tails, syncs)))
+        return Paths(ends, busy, tails)
     return _rank_paths(schedule, pp, m, v, tuple(rank_s), forward, weights, edge_s, crowd, tails, syncs)
 
 
@@ -192,7 +194,7 @@ def _rank_paths(schedule: str, pp: int, m: int, v: int, rank_s: tuple[float, ...
         ends = _run(compiled(schedule, pp, timed, v), rank_s, shares(forward), weights, edge_s)
         if timed < m:
             ends = _paced(schedule, pp, m, v, timed, rank_s, forward, weights, edge_s, ends)
-        return Paths(ends, tuple(m * s for s in rank_s), tuple(t + c for t, c in zip(tails, syncs)))
+        return Paths(ends, tuple(m * s for s in rank_s), tails)
     if timed == m:
         return _run_shared(compiled(schedule, pp, m, v), rank_s, shares(forward), weights, edge_s, crowd, tails,
                            syncs)
@@ -206,8 +208,7 @@ def _rank_paths(schedule: str, pp: int, m: int, v: int, rank_s: tuple[float, ...
                           none, none)
     more, pace = m - timed, (max(ends) - max(earlier.ends)) / pp
     return Paths(tuple(end + more * pace for end in ends),
-                 tuple(b + more * (b - e) / pp for b, e in zip(busy, earlier.busy)),
-                 tuple(t + c for t, c in zip(tails, syncs)))
+                 tuple(b + more * (b - e) / pp for b, e in zip(busy, earlier.busy)), tails)
 
 
 def _paced(schedule: str, pp: int, m: int, v: int, timed: int, rank_s: tuple[float, ...], forward: float,
@@ -288,7 +289,7 @@ def _run_shared(plan: Compiled, rank_s: tuple[float, ...], share: dict[str, floa
             left[i] -= step * paces[i]
             if i < n:
                 busy[r] += step
-            else:
+            elif i < synced:  # its tail's work; its sync takes its price
                 tail[r] += step
             if left[i] <= close:
                 ends[i] = now

@@ -277,12 +277,13 @@ def schedule_ends(layout: Workload, costs: StepCosts, message: float | None = No
 
 
 def schedule_paths(layout: Workload, costs: StepCosts, message: float | None = None) -> Paths:
-    """pipeline.rank_paths of the record: each rank's end, time at work and tail."""
-    tails = [rank.before_clip for rank in costs.ranks]
+    """pipeline.rank_paths of the record: each rank's end, time at work and accumulation (its
+    dp sync after it takes its price)."""
+    tails = [rank.accumulate for rank in costs.ranks]
     if layout.pp == 1:
         busy = tuple(layout.grad_accum * rank.micro_batch for rank in costs.ranks)
         return Paths(busy, busy, tuple(tails))
-    tails, syncs = [rank.accumulate for rank in costs.ranks], [rank.dp for rank in costs.ranks]
+    syncs = [rank.dp for rank in costs.ranks]
     weights = [chunk_weights(layout, rank.share) for rank in costs.ranks] if costs.ranks[0].share else None
     return rank_paths(layout.schedule, layout.pp, layout.grad_accum, layout.virtual_stages,
                       [rank.micro_batch for rank in costs.ranks], costs.forward, weights,
@@ -309,8 +310,8 @@ def assemble(layout: Workload, hw: Hardware, costs: StepCosts) -> StepTime:
     embedding's update on the first, the head's work on the last) the step is the latest end
     plus the longest update, though no one rank holds both. On a crowded host every rank
     updates at once, so at its price (taken with every rank at work)."""
-    ends, busy, tails = schedule_paths(layout, costs)
-    paths = [end + tail for end, tail in zip(ends, tails)]
+    ends, busy, accumulated = schedule_paths(layout, costs)
+    paths = [end + added + rank.dp for end, added, rank in zip(ends, accumulated, costs.ranks)]
     critical = max(range(len(paths)), key=paths.__getitem__)
     rank, m = costs.ranks[critical], layout.grad_accum
     after = max(costs.ranks, key=lambda r: r.after_clip)
@@ -322,8 +323,7 @@ def assemble(layout: Workload, hw: Hardware, costs: StepCosts) -> StepTime:
     # alike; its dp sync, a collective, its price (pipeline.rank_paths).
     pace = busy[critical] / (m * rank.micro_batch) if rank.micro_batch else 1.0
     dp, offload, update, gather = rank.dp, after.offload, after.update, after.gather
-    ran_as_events = costs.crowd.crowded and layout.pp > 1
-    accumulate = tails[critical] - dp if ran_as_events else rank.accumulate
+    accumulate = accumulated[critical]
     step = (busy[critical] + accumulate + bubble + messages + dp + offload + update + gather
             + costs.clip + costs.overhead)
     tokens_per_s = layout.global_batch * layout.seq_len / step
