@@ -11,7 +11,7 @@ from plait.estimate import estimate_layout
 from plait.estimate.hardware import PRESETS, Hardware, get_hardware, load_hardware
 from plait.estimate.layout import Workload, layout_stages
 from plait.estimate.traffic import tp_collectives, tp_traffic
-from plait.estimate.exposed import dp_exposed_s, tp_s
+from plait.estimate.exposed import dp_exposed_s, gather_after_update_s, tp_s
 from plait.estimate.network import collective_s, inter_node
 from plait.estimate.time import estimate_time, flops_per_token, matmul_params, micro_batch_s_per_stage
 from plait.models.gpt.config import GPTConfig, get_preset
@@ -130,14 +130,16 @@ def test_under_a_pipeline_zero_2_hides_its_reductions_behind_each_chunks_backwar
     reduce_all = collective_s("reduce_scatter", grads, 32, H100, 1, grads / bucket)
     last = collective_s("reduce_scatter", bucket, 32, H100, 1)
     gather = collective_s("all_gather", grads, 32, H100, 1, grads / bucket)
-    hidden = dp_exposed_s(params, 0, layout, H100, 1, compute, 1 / 3)
+    hidden = dp_exposed_s(params, 0, layout, H100, 1, compute, 1 / 3) + gather_after_update_s(params, layout, H100, 1)
     fill = v / (grads / bucket)
     assert hidden == pytest.approx(m * max(v * last, reduce_all - compute * 2 / 3 * (1 - fill)) + gather)
     assert reduce_all > compute * 2 / 3 > v * last  # the window hides part, more than a bucket a chunk
     cpu = replace(H100, queues_kernels=False)
-    assert dp_exposed_s(params, 0, layout, cpu, 1, compute, 1 / 3) == pytest.approx(m * reduce_all + gather)
+    assert dp_exposed_s(params, 0, layout, cpu, 1, compute, 1 / 3) == pytest.approx(m * reduce_all)
+    assert gather_after_update_s(params, layout, cpu, 1) == pytest.approx(gather)
     zero1 = layout.replace(zero=1)
-    assert dp_exposed_s(params, 0, zero1, H100, 1, compute, 1 / 3) == pytest.approx(reduce_all + gather)
+    assert dp_exposed_s(params, 0, zero1, H100, 1, compute, 1 / 3) == pytest.approx(reduce_all)
+    assert gather_after_update_s(params, zero1, H100, 1) == pytest.approx(gather)
 
 
 def test_a_bucket_starts_its_collective_once_its_share_of_backward_has_run() -> None:

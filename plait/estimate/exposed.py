@@ -188,11 +188,10 @@ def ep_s(config: GPTConfig, layout: Workload, stage: StageShare, hw: Hardware, i
 
 
 def dp_exposed_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: int,
-                 compute_mb: float, forward_share: float, replicate_inter: int = 0, regathered: float = 0.0,
-                 with_gather: bool = True) -> float:
-    """Data-parallel seconds left after overlap with compute (see module docstring).
-    `with_gather` False leaves out ZeRO-1's and -2's all-gather after the update
-    (`gather_after_update_s`), which the step places after the clip.
+                 compute_mb: float, forward_share: float, replicate_inter: int = 0, regathered: float = 0.0) -> float:
+    """Data-parallel seconds left after overlap with compute, before the clip (see module
+    docstring): ZeRO-1's and -2's all-gather of the updated weights is `gather_after_update_s`,
+    which the step places after the clip, but where a stack hides it behind the next forward.
 
     With a pipeline, DP and ZeRO-1 reduce the gradients after the last action of the
     schedule, so nothing overlaps them there; ZeRO-2 and -3 reduce (and ZeRO-3 gathers) inside
@@ -203,7 +202,7 @@ def dp_exposed_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: 
     `regathered`: the parameters ZeRO-3 gathers again each forward for a looped block's further
     runs (StageShare.rerun_params, traffic.looped_gathers), experts with the rest.
     """
-    return (_dp_sync_s(params, unit, layout, hw, inter, compute_mb, forward_share, regathered, with_gather)
+    return (_dp_sync_s(params, unit, layout, hw, inter, compute_mb, forward_share, regathered)
             + _replicate_s(params, layout, hw, replicate_inter))
 
 
@@ -246,7 +245,7 @@ def _replicate_s(params: int, layout: Workload, hw: Hardware, inter: int) -> flo
 
 
 def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: int,
-               compute_mb: float, forward_share: float, regathered: float = 0.0, with_gather: bool = True) -> float:
+               compute_mb: float, forward_share: float, regathered: float = 0.0) -> float:
     """dp_exposed_s over the ranks that reduce and gather together: the dp × cp ranks, or a
     --dp-shard group (Layout.zero_ranks is both)."""
     n, m, per = layout.zero_ranks, layout.grad_accum, state_bytes(layout.precision)
@@ -281,12 +280,12 @@ def _dp_sync_s(params: int, unit: int, layout: Workload, hw: Hardware, inter: in
     if layout.zero == 0:
         return reduce
     if layout.zero in (1, 2):
-        gather = _weights_gather_s(params, layout, hw, inter)
+        if not _gather_hidden(layout, hw):
+            return reduce  # its gather runs inside the update: gather_after_update_s
         # behind the next step's first forward, but its first bucket (a pipeline's first forward hides nothing)
-        if _gather_hidden(layout, hw):
-            first = collective_s("all_gather", min(held, layout.bucket_bytes) * per.param / per.grad, n, hw, inter)
-            return reduce + max(first, gather - compute_mb * forward_share * (1 - fill))
-        return reduce + gather if with_gather else reduce  # the gather: gather_after_update_s
+        first = collective_s("all_gather", min(held, layout.bucket_bytes) * per.param / per.grad, n, hw, inter)
+        gather = _weights_gather_s(params, layout, hw, inter)
+        return reduce + max(first, gather - compute_mb * forward_share * (1 - fill))
     # ZeRO-3: every micro-batch gathers in forward and (unless kept) again in backward,
     # hidden behind the compute when prefetched, exposed whole when gathered on demand; a
     # looped block's unit again before each further run's forward, when its forward resharded it.

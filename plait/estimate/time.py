@@ -241,7 +241,7 @@ def rank_tail(layout: Workload, stage: StageShare, hw: Hardware, links: dict[str
                                                     stage_pieces(stage, layout))
     return {"accumulate": accumulate_s(layout, stage, hw),
             "dp": dp_exposed_s(trained, stage.trained_block_params, layout, hw, links["dp_shard"], compute,
-                               forward_share, links["dp_replicate"], stage.rerun_params, with_gather=False),
+                               forward_share, links["dp_replicate"], stage.rerun_params),
             "offload": offload_s(trained, layout, hw), "update": update,
             "gather": gather_after_update_s(trained, layout, hw, links["dp_shard"])}
 
@@ -359,8 +359,7 @@ def sized_costs(params: int, tensors: int, compute: float, flops: float, layout:
     links = inter_node(layout, gpus_per_node)
     owned = shard(params, layout.zero_ranks) if layout.zero else params
     kept = shard(params, layout.zero_ranks) if layout.zero >= 2 else params
-    dp = dp_exposed_s(params, 0, layout, hw, links["dp_shard"], compute, 1 / 3, links["dp_replicate"],
-                      with_gather=False)
+    dp = dp_exposed_s(params, 0, layout, hw, links["dp_shard"], compute, 1 / 3, links["dp_replicate"])
     rank = RankCost(compute, accumulate=accumulate_params_s(layout, kept, tensors, hw), dp=dp + blocking_dp,
                     gather=gather_after_update_s(params, layout, hw, links["dp_shard"]),
                     offload=offload_s(params, layout, hw),
