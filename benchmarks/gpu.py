@@ -322,7 +322,7 @@ def part_sweep() -> None:
     by parameters: the tables the time model's GPU presets and interpolation rest on."""
     import torch
 
-    from plait.bench import calibrate as cal
+    from plait.bench import calibrate as cal, timing
     from plait.estimate.ops import Gemm
     from plait.runtime.mesh import init_mesh
 
@@ -337,7 +337,7 @@ def part_sweep() -> None:
             for dim in (64, 128):
                 batch = max(1, 16384 // scale // seq)
                 run = cal._attention_run(mesh, (batch, heads, seq, dim), "bf16")
-                t = cal.timing.median_rounds(mesh, [run], 5)[0] / cal.queue_depth(mesh.device)
+                t = timing.median_rounds(mesh, [run], 5)[0] / cal.queue_depth(mesh.device)
                 attention[f"b{batch} a{heads} s{seq} d{dim}"] = 12.0 * batch * seq * seq * heads * dim / t / 1e12
                 torch.cuda.empty_cache()
     memory = cal.measure_bandwidth(mesh, [1 << e for e in range(12, 29 if scale == 1 else 21, 2)], 10)
