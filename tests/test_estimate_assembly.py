@@ -53,6 +53,21 @@ def test_the_step_is_the_slowest_path_to_the_clip_then_the_slowest_update() -> N
     assert swapped.critical_rank == 0 and swapped.step_s == pytest.approx(ends[0] + 5.0 + 3.0, rel=1e-12)
 
 
+def test_on_a_crowded_host_the_dp_sync_takes_its_price_and_the_accumulation_the_runs_pace() -> None:
+    """Two threads a core (pipeline.Crowd(2.0)), 1F1B, two stages at 3 s a micro-batch, one
+    micro-batch, each rank 1 s of accumulation and a 1 s dp sync: rank 0's last backward ends
+    at 4.0 s, rank 1's accumulation and sync sharing the cores with it from 2 to 4 s
+    (tests/test_estimate_pipeline.py works it by hand). Rank 0's accumulation then runs alone
+    at twice the pace (0.5 s), its dp sync, a collective, at its price (1 s): the first stage's
+    all-reduce, its pair alone at work, measured 23.0 ms against 23.8 calibrated with every
+    rank at once. Had the sync run at the lone pace too, the step would be 0.5 s shorter."""
+    layout = Workload(pp=2, grad_accum=1)
+    ranks = (RankCost(3.0, accumulate=1.0, dp=1.0), RankCost(3.0, accumulate=1.0, dp=1.0))
+    step = assemble(layout, CPU, StepCosts(ranks, 1.0, 1.0, crowd=Crowd(2.0)))
+    assert step.critical_rank == 0 and step.step_s == pytest.approx(4.0 + 0.5 + 1.0, rel=1e-12)
+    assert step.dp_s == 1.0 and step.compute_s == pytest.approx(2.5 + 0.5, rel=1e-12)  # its busy 2.5 s
+
+
 def test_the_messages_share_is_what_the_path_waits_for_them() -> None:
     """The same ranks with and without a message's delay: the step grows by the delay the
     critical path waits (two edges per micro-batch's fill and drain at most), shown as pp_s."""

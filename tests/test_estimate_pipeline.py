@@ -139,10 +139,10 @@ def test_on_a_crowded_host_a_waiting_rank_lends_its_cores_to_the_ranks_at_work()
     - one micro-batch with a 1 s tail of work on each rank (its accumulation): rank 1's tail
       (2-3) beside rank 0's B, which then ends alone (3-3.5), and rank 0's tail alone
       (3.5-4): each rank's path 4 and 3 s, where priced one after another, 7;
-    - a 1 s dp sync instead: a collective takes its price whoever else works, so rank 1's
-      (2-3) beside the start of rank 0's B, which ends alone (3-3.5; at the lone pace the sync
-      would have ended at 2.5 and the B at 3.25), rank 0's alone after it; the paths' tails
-      are their work's time, none here (a sync takes its price);
+    - a 1 s dp sync instead: rank 1's (2-3) beside the start of rank 0's B, which ends alone
+      (3-3.5), rank 0's after it. A collective takes its price whoever else works, so the
+      paths' tails are their work's time alone, none here (time.assemble adds each sync at its
+      price, tests/test_estimate_assembly.py);
     - both: rank 1's work (2-3) then its sync (3-4) beside rank 0's B, at work in each (2-4),
       then rank 0's work alone (4-4.5) and its sync; without a crowd each rank's work and sync
       simply follow its end."""
