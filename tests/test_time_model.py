@@ -7,6 +7,7 @@ import importlib.util
 import json
 import math
 import statistics
+import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -447,6 +448,28 @@ def test_a_latency_longer_than_the_collective_leaves_a_finite_rate() -> None:
     assert bus_rate(1e6, 1e-3, 0.2e-3) == pytest.approx(1.25)
     assert bus_rate(1e6, 1e-3, 2e-3) == pytest.approx(2.0)
     assert bus_rate(1e6, 1e-3, 0.0) == pytest.approx(1.0)
+
+
+@pytest.mark.one_process  # arithmetic: beside another such file (tests/pairing.py)
+def test_a_collectives_first_slow_rounds_are_not_timed() -> None:
+    """The large collectives' rates are their steady ones: a stand-in collective that takes 20 ms
+    on its first five calls (its warm-up run and LINK_WARM_ROUNDS rounds) and 1 ms after is
+    timed at 1 ms, over twice `reps` rounds; timed from the first round, 11 rounds' median
+    had read a world's slow start (an all-gather at 0.43 GB/s against a steady 0.53)."""
+    from types import SimpleNamespace
+
+    from plait.bench import comm_timing
+
+    calls = []
+
+    def collective() -> None:
+        calls.append(1)
+        time.sleep(0.02 if len(calls) <= 1 + comm_timing.LINK_WARM_ROUNDS else 0.001)
+
+    one_rank = SimpleNamespace(env=SimpleNamespace(world_size=1), device=SimpleNamespace(type="cpu"))
+    (taken,) = comm_timing.link_rates(one_rank, [collective], reps=3)
+    assert taken == pytest.approx(0.001, abs=0.004)
+    assert len(calls) == 1 + comm_timing.LINK_WARM_ROUNDS + 1 + 2 * 3  # each median_rounds warms up once
 
 
 def test_train_uses_a_cached_calibration_of_this_machine(tmp_path: Path, monkeypatch) -> None:

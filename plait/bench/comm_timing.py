@@ -30,7 +30,8 @@ def measure_links(mesh: Mesh, large: int, reps: int
     their rates come from the same minutes: what ZeRO costs over plain data parallelism is
     their difference. Timed one op after another, a host's slow stretch landed on one of them:
     4 ranks' all-gather was calibrated at 0.40 GB/s against 0.58-0.75 in turns, and ZeRO-1 was
-    priced 7.8% over plain dp 4 where it measured 2.4% over.
+    priced 7.8% over plain dp 4 where it measured 2.4% over. Their first rounds run slow and
+    are not timed (`LINK_WARM_ROUNDS`), and twice `reps` rounds are (`link_rates`).
 
     On a host that runs its own collectives (a CPU under Gloo) a step's latency is taken
     between bursts of compute, as training meets it (`in_step_s`), not back to back: there the
@@ -46,13 +47,29 @@ def measure_links(mesh: Mesh, large: int, reps: int
             tiny = torch.zeros(2, dtype=torch.float32, device=mesh.device)
             small_t = latency_s(mesh, lambda: comm.all_reduce(tiny, axis, purpose=comm.TELEMETRY), reps)
             timed = _large_collectives(mesh, axis, elements)
-        small_t, reduce_t, gather_t, scatter_t = timing.slowest(mesh, [small_t, *timing.median_rounds(mesh, timed, reps)])
+        small_t, reduce_t, gather_t, scatter_t = timing.slowest(mesh, [small_t, *link_rates(mesh, timed, reps)])
         step = small_t / (2 * (n - 1))
         wire = (n - 1) / n * elements * 4  # an all-gather's or reduce-scatter's; an all-reduce moves twice it
         links.append((n, step * 1e6, bus_rate(2 * wire, reduce_t, 2 * (n - 1) * step)))
         ops += [(op, n, bus_rate(wire, t, (n - 1) * step)) for op, t in (("all_gather", gather_t),
                                                                           ("reduce_scatter", scatter_t))]
     return tuple(links), tuple(ops)
+
+
+# Untimed rounds of the large collectives before their timed ones. Measured, 4 ranks on 2 cores
+# in pairs, 16 MiB: a world's first rounds of all-gather ran at 0.30-0.43 GB/s and then at
+# 0.43-0.62; timed from the first round, 11 rounds' medians of five fresh sets of buffers in one
+# world spread 0.43-0.54 GB/s (reduce-scatter 0.25-0.31), and with 4 rounds first and 22 timed,
+# 0.53-0.54 (0.27-0.29). One calibration had put ZeRO-1 and -2 past two layouts that measured
+# slower than them.
+LINK_WARM_ROUNDS = 4
+
+
+def link_rates(mesh: Mesh, timed: list[Callable[[], Any]], reps: int) -> list[float]:
+    """Median seconds of each large collective in `timed`, over 2 * `reps` rounds in turns after
+    LINK_WARM_ROUNDS untimed ones: what a step meets, run after run, is their steady rate."""
+    timing.median_rounds(mesh, timed, LINK_WARM_ROUNDS)
+    return timing.median_rounds(mesh, timed, 2 * reps)
 
 
 def bus_rate(wire: float, seconds: float, latency_s: float) -> float:
