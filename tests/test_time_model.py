@@ -648,7 +648,7 @@ def test_a_crowded_calibration_counts_every_thread_of_a_rank(monkeypatch) -> Non
         helper.join()
 
     monkeypatch.setattr(timing, "crowded", lambda mesh: True)
-    monkeypatch.setattr(timing, "_bursts", lambda mesh, fns, crowd: [1] * len(fns))
+    monkeypatch.setattr(timing, "_bursts", lambda mesh, fns, *crowd: [1] * len(fns))
     monkeypatch.setattr(timing, "slowest", lambda mesh, values: list(values))
     monkeypatch.setattr(timing, "round_spans", lambda mesh, starts, ends: [[e - s for s, e in zip(began, ended)]
                                                                            for began, ended in zip(starts, ends)])
@@ -660,6 +660,44 @@ def test_a_crowded_calibration_counts_every_thread_of_a_rank(monkeypatch) -> Non
     finally:
         torch.set_num_threads(threads)
     assert 1.6 < two / one < 4.0, (one, two)  # two threads sharing the memory bus: 2.8-3.1 measured; main's clock 1.15
+
+
+@pytest.mark.one_process  # arithmetic: beside another such file (tests/pairing.py)
+def test_a_crowded_compute_timings_burst_is_counted_from_its_cpu_time(monkeypatch) -> None:
+    """On a crowded host a compute timing's runs a burst come from its warm-up's CPU time, over
+    the share of a core a rank gets: a product of about 2 ms of CPU whose warm-up waited 50 ms
+    for a core still gets about 40 ms of runs (10 at half a core), where its wall time gave
+    it one. Read from wall time, one GEMM got 3 runs in one calibration and 10 or 23 in the
+    next, and its cost moved with the count."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from plait.bench import timing
+
+    a, b = torch.randn(128, 128), torch.randn(128, 128)
+    calls: list[float] = []
+
+    def product() -> None:
+        if len(calls) < 2:
+            time.sleep(0.05)  # each of the two warm-ups below waits for a core
+        started = time.process_time()
+        while time.process_time() - started < 0.002:
+            torch.mm(a, b)
+        calls.append(time.process_time() - started)
+
+    monkeypatch.setattr(timing, "crowding", lambda mesh: 2.0)
+    monkeypatch.setattr(timing, "slowest", lambda mesh, values: list(values))
+    mesh = SimpleNamespace(env=SimpleNamespace(world_size=4), device=torch.device("cpu"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        (by_cpu,) = timing._bursts(mesh, [product], True, on_cpu=True)
+        (by_wall,) = timing._bursts(mesh, [product], True)
+    finally:
+        torch.set_num_threads(threads)
+    assert by_wall == 1
+    assert 5 <= by_cpu <= 11, (by_cpu, calls)  # 0.04 s / (2 ms / 0.5 core); each run a little over 2 ms
 
 
 def test_a_calibration_records_how_crowded_its_host_was(monkeypatch, tmp_path: Path) -> None:

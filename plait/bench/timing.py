@@ -69,7 +69,7 @@ def median_rounds(mesh: Mesh, fns: list[Callable[[], Any]], rounds: int, watched
     crowd = crowded(mesh)
     shaped = crowd and watched  # CPU time read only where `_shaped` uses it: each read costs about 0.6 µs
     again = watched and not crowd and mesh.device.type == "cpu"  # a second run straight after: `_resident`
-    bursts = _bursts(mesh, fns, crowd)
+    bursts = _bursts(mesh, fns, crowd, shaped)
     starts: list[list[float]] = [[] for _ in fns]
     ends: list[list[float]] = [[] for _ in fns]
     worked: list[list[float]] = [[] for _ in fns]
@@ -141,22 +141,45 @@ def _shaped(mesh: Mesh, spans: list[float], cpu: list[float]) -> list[float]:
 
 
 CROWDED_BURST_S = 0.02  # a crowded host's timed burst: a rank's late wake-up (about 0.5 ms on 2 cores) a 40th of it
+# A crowded host's compute burst. Measured, 4 ranks on 2 cores, `small`'s 23 GEMM shapes timed
+# four times in one world, bursts counted from CPU time: each shape's rate spread 4.6% from one
+# timing to the next in 20 ms bursts, 1.5% in 40 ms and 1.5% in 80 ms, and a timing took 5.6,
+# 10.6 and 18.9 s.
+CROWDED_COMPUTE_BURST_S = 0.04
 
 
-def _bursts(mesh: Mesh, fns: list[Callable[[], Any]], crowd: bool) -> list[int]:
+def _bursts(mesh: Mesh, fns: list[Callable[[], Any]], crowd: bool, on_cpu: bool = False) -> list[int]:
     """Runs of each of `fns` a timing takes, after one warm-up run each (allocations, kernel
     selection): one, or on a crowded host (`crowd`) enough for CROWDED_BURST_S, from the slowest rank's
     warm-up (every rank runs as many). There the span of a single run paid the last rank's
     wake-up from the barrier: calibrated GEMMs carried a 656 µs fixed cost (61 µs timed
-    alone), and 4 ranks' steps were predicted 34% slow."""
+    alone), and 4 ranks' steps were predicted 34% slow.
+
+    A compute timing's warm-up (`on_cpu`) is read in CPU time, times the share of a core a
+    rank's threads get (`_core_share`): its wall time waited for a core by chance, so the same
+    GEMM got 3 runs a burst in one calibration and 10 or 23 in the next, and each shape's cost
+    moved with its count. Measured, 4 ranks on 2 cores, `small`'s 23 shapes timed four times
+    in one world: each shape's rate spread 7-9% from one timing to the next with the counts
+    read from wall time, and 1.7% from CPU time, their counts within one or two of each
+    other (in bursts of 40 ms, CROWDED_COMPUTE_BURST_S). A collective's warm-up stays in
+    wall time: it waits on its peers, not on a core."""
     warm = []
     for fn in fns:
-        start = time.monotonic()
+        start, cpu = time.monotonic(), time.process_time()
         fn()
-        warm.append(time.monotonic() - start)
+        warm.append((time.process_time() - cpu) / _core_share(mesh) if on_cpu else time.monotonic() - start)
     if not crowd:
         return [1] * len(fns)
-    return [max(1, min(64, math.ceil(CROWDED_BURST_S / max(t, 1e-6)))) for t in slowest(mesh, warm)]
+    burst_s = CROWDED_COMPUTE_BURST_S if on_cpu else CROWDED_BURST_S
+    return [max(1, min(64, math.ceil(burst_s / max(t, 1e-6)))) for t in slowest(mesh, warm)]
+
+
+def _core_share(mesh: Mesh) -> float:
+    """Cores' worth of time a rank gets while every rank computes, its threads together: the
+    host's cores over its ranks where it is crowded (a rank's CPU time over this is its wall
+    time), else its own threads."""
+    crowd = crowding(mesh)
+    return torch.get_num_threads() / crowd if crowd > 1.0 else float(torch.get_num_threads())
 
 
 def crowded(mesh: Mesh) -> bool:
