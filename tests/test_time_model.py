@@ -700,6 +700,30 @@ def test_a_crowded_compute_timings_burst_is_counted_from_its_cpu_time(monkeypatc
     assert 5 <= by_cpu <= 11, (by_cpu, calls)  # 0.04 s / (2 ms / 0.5 core); each run a little over 2 ms
 
 
+@pytest.mark.one_process  # arithmetic: beside another such file (tests/pairing.py)
+def test_a_crowded_hosts_gemm_reads_each_weight_cold() -> None:
+    """A crowded host's GEMM timing reads its second operand from a pool larger than a core's
+    caches, one view after the next, as training meets a layer's weights once a micro-batch:
+    a 384 x 1152 weight's views are distinct, tile the 64 MiB pool and come round again; a
+    weight larger than the pool is a tensor of its own. Resident, `small`'s micro-batches of
+    4 were priced 3-5% over 8 where they measured 4.6-8.3% over."""
+    import torch
+
+    from plait.bench.calibrate import COLD_POOL_BYTES, ColdOperands
+
+    cold = ColdOperands(torch.device("cpu"))
+    weights = cold.cycle(384, 1152, torch.float32)
+    fits = COLD_POOL_BYTES // 4 // (384 * 1152)
+    seen = [next(weights) for _ in range(fits + 1)]
+    assert all(w.shape == (384, 1152) for w in seen)
+    assert len({w.data_ptr() for w in seen[:fits]}) == fits
+    assert seen[fits].data_ptr() == seen[0].data_ptr()
+    assert (seen[fits - 1].data_ptr() - seen[0].data_ptr()) // 4 == (fits - 1) * 384 * 1152
+    large = next(cold.cycle(5000, 5000, torch.float32))
+    assert large.shape == (5000, 5000)
+    assert next(cold.cycle(16, 16, torch.bfloat16)).dtype == torch.bfloat16
+
+
 def test_a_calibration_records_how_crowded_its_host_was(monkeypatch, tmp_path: Path) -> None:
     """plait.bench.timing.crowding: 4 one-thread ranks on 2 cores ran two threads a core,
     2 threads a rank on 3 cores 8/3; ranks with a core each, a rank alone, ranks spread over

@@ -16,8 +16,9 @@ machine.py calls them all and keeps the profile.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Callable
 
 import torch
@@ -73,7 +74,9 @@ from plait.parallel.compose import adamw_kernel
 # 19: a quick calibration times adds at three sizes, as a full one does, and every calibration over
 #     BANDWIDTH_ROUNDS rounds (a quick one priced a step's large element-wise ops at its activations').
 # 20: on a CPU, how much longer a micro-batch takes with ZB-H1's split backward (split_by_micro_batch).
-METHOD_VERSION = 20
+# 21: the large collectives' first rounds untimed; on a crowded host a compute timing's bursts counted
+#     from CPU time and 40 ms long, and each GEMM's second operand read cold (`ColdOperands`).
+METHOD_VERSION = 21
 
 
 
@@ -108,17 +111,56 @@ def measure_gemms(mesh: Mesh, gemms: dict[str, Gemm], precision: str, reps: int)
     bf16, or fp8 (a float8 product, as --precision fp8 runs the blocks' linears)."""
     device = mesh.device
 
+    cold = ColdOperands(device) if device.type == "cpu" and timing.crowded(mesh) else None
+
     def gemm(key: str, g: Gemm) -> Callable[[], None]:
         dtype_name = key.split()[0]
         if dtype_name == "fp8" and g.k % FLOAT8_TILE == 0 and g.n % FLOAT8_TILE == 0:
             return _queued(mesh, float8_product(g, device))
         dtype = dtype_of(dtype_name)  # fp8 shapes off the float8 tiles stay bf16, as fp8 leaves those linears
         a = torch.randn(g.m, g.k, dtype=dtype, device=device)
+        if cold is not None:
+            weights = cold.cycle(g.k, g.n, dtype)
+            return _queued(mesh, lambda: torch.mm(a, next(weights)))
         b = torch.randn(g.k, g.n, dtype=dtype, device=device)
         return _queued(mesh, lambda: torch.mm(a, b))
 
     times = timing.slowest(mesh, timing.median_rounds(mesh, [gemm(k, g) for k, g in gemms.items()], reps, watched=True))
     return {key: queue_depth(device) * g.flops / t / 1e12 for (key, g), t in zip(gemms.items(), times)}
+
+
+COLD_POOL_BYTES = 64 << 20  # each dtype's pool: 16 times a core's 4 MiB L2 on the 2-core host measured
+
+
+class ColdOperands:
+    """Second operands a GEMM timing reads in turn from one pool of COLD_POOL_BYTES, so that each
+    run finds its weight out of the caches, as training does: between one micro-batch's use
+    of a layer's weights and the next, the other layers' weights and activations, and on a
+    crowded host the other ranks sharing the core, pass through them.
+
+    Timed with its weight resident, as a burst of one product leaves it, a crowded host's
+    GEMMs priced `small`'s two micro-batches of 4 sequences 3-5% over one of 8, in five
+    planner checks on 4 ranks sharing 2 cores, where they measured 4.6-8.3% over; training's
+    forward at 4 took 3.3-4.9% more a sequence than at 8 (one process, one thread). Read
+    cold, the products at 4 sequences come 1.8-3.1% a sequence dearer against those at 8
+    than resident, in one world timing both twice.
+    Only where `crowded`: on 2 ranks with a core each, a profile of training measured 0.6%
+    between the two, which the resident timing gives (`timing._resident`)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pools: dict[torch.dtype, torch.Tensor] = {}
+
+    def cycle(self, rows: int, cols: int, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+        """Endless (rows, cols) views of `dtype`'s pool, one after another through it (a
+        tensor of its own where one is larger than the pool: no cache holds it)."""
+        pool = self.pools.get(dtype)
+        if pool is None:
+            pool = self.pools[dtype] = torch.randn(COLD_POOL_BYTES // torch.finfo(dtype).bits * 8,
+                                                   device=self.device).to(dtype)
+        size = rows * cols
+        views = [pool[start:start + size].view(rows, cols) for start in range(0, pool.numel() - size + 1, size)]
+        return itertools.cycle(views or [torch.randn(rows, cols, device=self.device).to(dtype)])
 
 
 def float8_product(g: Gemm, device: torch.device) -> Callable[[], torch.Tensor]:
