@@ -5,7 +5,6 @@ and then ignored (each was one before it was fixed)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

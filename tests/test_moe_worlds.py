@@ -12,7 +12,7 @@ import pytest
 
 from tests.hf_versions import declares_dispatched_experts, older_moe_reason
 from tests.parity import PARAM_ATOL, PARAM_RTOL, assert_losses_close
-from tests.worldlib import run_plait, run_world
+from tests.worldlib import run_plait
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,7 +8,6 @@ micro-batch its own count of loss tokens."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest

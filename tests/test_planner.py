@@ -14,7 +14,7 @@ from plait.estimate.cli import plan_main as plan_with
 from plait.estimate.hardware import GIB, get_hardware
 from plait.estimate.layout import Workload, layout_stages
 from plait.estimate.memory import estimate_memory, stage_memory
-from plait.estimate.planner import (SEARCHED_SCHEDULES, Costs, PlanRequest, Search, candidates, plan, plan_layouts,
+from plait.estimate.planner import (SEARCHED_SCHEDULES, PlanRequest, Search, candidates, plan, plan_layouts,
                                     plan_request, shapes, tails)
 from plait.estimate.network import inter_node
 from plait.estimate.time import estimate_time

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from typing import Any
 
 import torch
 from torch import nn

@@ -119,7 +119,7 @@ def _markdown(summary: dict[str, Any], records: list[dict[str, Any]], names: lis
         f"- loss {summary['loss_first']:.3f} → {summary['loss_last']:.3f} "
         f"({format_metrics(summary['metrics'], task['metrics'])})",
         f"- {summary[f'{unit}_per_s']:,.0f} {unit}/s, {summary['step_time_s_median']:.3f} s/step (median)",
-        f"- memory per rank: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in summary["mem"].items()),
+        "- memory per rank: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in summary["mem"].items()),
         f"- measurement: {summary.get('measure', 'full')}",
         *([f"- world size changed (elastic restart): {describe_worlds(summary['worlds'])}"]
           if len(summary.get("worlds", [])) > 1 else []), "",

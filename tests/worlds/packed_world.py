@@ -37,7 +37,7 @@ from plait.train.config.settings import TrainConfig
 from plait.train.loop.run import final_weights, prediction
 from plait.train.loop.trainer import Trainer
 from tests.parity import weight_excess
-from tests.worlds.context_world import B, D, H, SEQ, attention_inputs
+from tests.worlds.context_world import B, H, SEQ, attention_inputs
 from tests.worldlib import save_report
 
 LAYOUTS = {

@@ -132,7 +132,7 @@ class Documents:
                                     " (it is empty)"),
                                  hint=f"check its records' {self.field} field(s)" + (
                                      ", or name another with --field" if self.format == "text" else
-                                     f", or give --format text"))
+                                     ", or give --format text"))
 
     def _document(self, where: str, values: tuple[Any, ...]) -> Any:
         """The document a record holds, or None (counted as bad, with the reason)."""
