@@ -724,6 +724,35 @@ def test_a_crowded_hosts_gemm_reads_each_weight_cold() -> None:
     assert next(cold.cycle(16, 16, torch.bfloat16)).dtype == torch.bfloat16
 
 
+@pytest.mark.one_process  # arithmetic: beside another such file (tests/pairing.py)
+def test_a_crowded_hosts_compute_counts_its_bursts_from_cpu_time_and_a_collective_from_wall_time(monkeypatch) -> None:
+    """The adds' bandwidth and the GEMMs count their runs a burst from CPU time on a crowded host
+    (from wall time one add got 4 runs in one timing and 64 in the next, and read 4.4 and 17.2
+    GB/s); the large collectives from wall time, which they spend waiting on their peers."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from plait.bench import calibrate as cal, comm_timing, timing
+
+    read_on_cpu: list[bool] = []
+
+    def bursts(mesh, fns, crowd, on_cpu=False):
+        read_on_cpu.append(on_cpu)
+        return [1] * len(fns)
+
+    monkeypatch.setattr(timing, "_bursts", bursts)
+    monkeypatch.setattr(timing, "crowded", lambda mesh: True)
+    monkeypatch.setattr(timing, "slowest", lambda mesh, values: list(values))
+    monkeypatch.setattr(timing, "round_spans", lambda mesh, starts, ends: [[e - s for s, e in zip(began, ended)]
+                                                                           for began, ended in zip(starts, ends)])
+    mesh = SimpleNamespace(env=SimpleNamespace(world_size=1), device=torch.device("cpu"))
+    cal.measure_bandwidth(mesh, [1024], 1)
+    cal.measure_gemms(mesh, {"fp32 8x8x8": cal.Gemm(8, 8, 8)}, "fp32", 1)
+    comm_timing.link_rates(mesh, [lambda: None], 1)
+    assert read_on_cpu == [True, True, False, False]  # adds, GEMMs, the collectives' warm rounds and timed ones
+
+
 def test_a_calibration_records_how_crowded_its_host_was(monkeypatch, tmp_path: Path) -> None:
     """plait.bench.timing.crowding: 4 one-thread ranks on 2 cores ran two threads a core,
     2 threads a rank on 3 cores 8/3; ranks with a core each, a rank alone, ranks spread over
@@ -795,7 +824,7 @@ def test_a_cpu_adds_bandwidth_leaves_out_its_dispatch(monkeypatch) -> None:
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(cal.timing, "median_rounds", lambda mesh, runs, reps: [27e-6 for _ in runs])
+    monkeypatch.setattr(cal.timing, "median_rounds", lambda mesh, runs, reps, **how: [27e-6 for _ in runs])
     mesh = init_mesh()
     elements = 196608 // 4
     (size, with_dispatch), = cal.measure_bandwidth(mesh, [elements], 1)

@@ -311,7 +311,7 @@ def measure_bandwidth(mesh: Mesh, sizes: list[int], reps: int, op_s: float = 0.0
         return _queued(mesh, lambda: torch.add(x, y))
 
     dispatch = op_s if mesh.device.type == "cpu" else 0.0
-    times = timing.slowest(mesh, timing.median_rounds(mesh, [adds(n) for n in sizes], reps))
+    times = timing.slowest(mesh, timing.median_rounds(mesh, [adds(n) for n in sizes], reps, computes=True))
     return tuple((n * 4, 3 * n * 4 * queue_depth(mesh.device) / max(t - dispatch, t / 2) / 1e9)
                  for n, t in zip(sizes, times))
 
