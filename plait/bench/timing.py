@@ -166,11 +166,11 @@ def _bursts(mesh: Mesh, fns: list[Callable[[], Any]], crowd: bool, on_cpu: bool 
     other (in bursts of 40 ms, CROWDED_COMPUTE_BURST_S). An add's bandwidth, timed four times
     in one world, read 4.4-17.2 GB/s at 196 KiB with 4 to 64 runs a burst, 7.2-12.3 at 1.5 MiB
     (4 to 30). A collective's warm-up stays in wall time: it waits on its peers, not on a core."""
-    warm = []
+    warm, share = [], _core_share(mesh)
     for fn in fns:
         start, cpu = time.monotonic(), time.process_time()
         fn()
-        warm.append((time.process_time() - cpu) / _core_share(mesh) if on_cpu else time.monotonic() - start)
+        warm.append((time.process_time() - cpu) / share if on_cpu else time.monotonic() - start)
     if not crowd:
         return [1] * len(fns)
     burst_s = CROWDED_COMPUTE_BURST_S if on_cpu else CROWDED_BURST_S
@@ -178,11 +178,10 @@ def _bursts(mesh: Mesh, fns: list[Callable[[], Any]], crowd: bool, on_cpu: bool 
 
 
 def _core_share(mesh: Mesh) -> float:
-    """Cores' worth of time a rank gets while every rank computes, its threads together: the
-    host's cores over its ranks where it is crowded (a rank's CPU time over this is its wall
-    time), else its own threads."""
-    crowd = crowding(mesh)
-    return torch.get_num_threads() / crowd if crowd > 1.0 else float(torch.get_num_threads())
+    """Cores' worth of time a rank gets while every rank computes, its threads together: its
+    threads over the host's crowding (the host's cores over its ranks where it is crowded, its
+    own threads where not; a rank's CPU time over this is its wall time)."""
+    return torch.get_num_threads() / crowding(mesh)
 
 
 def crowded(mesh: Mesh) -> bool:
