@@ -451,14 +451,16 @@ def test_a_latency_longer_than_the_collective_leaves_a_finite_rate() -> None:
 
 
 @pytest.mark.one_process  # arithmetic: beside another such file (tests/pairing.py)
-def test_a_collectives_first_slow_rounds_are_not_timed() -> None:
+def test_a_collectives_first_slow_rounds_are_not_timed(monkeypatch) -> None:
     """The large collectives' rates are their steady ones: a stand-in collective that takes 20 ms
     on its first five calls (its warm-up run and LINK_WARM_ROUNDS rounds) and 1 ms after is
-    timed at 1 ms, over twice `reps` rounds; timed from the first round, 11 rounds' median
-    had read a world's slow start (an all-gather at 0.43 GB/s against a steady 0.53)."""
+    timed at 1 ms; timed from the first round, 11 rounds' median had read a world's slow start
+    (an all-gather at 0.43 GB/s against a steady 0.53). A host that is not crowded times one run
+    a round, six rounds a rep (22 rounds' all-gather read 0.49-0.86 GB/s on 2 ranks, 66 rounds'
+    0.68-0.83); a crowded one, whose rounds are bursts of runs, two."""
     from types import SimpleNamespace
 
-    from plait.bench import comm_timing
+    from plait.bench import comm_timing, timing
 
     calls = []
 
@@ -469,7 +471,14 @@ def test_a_collectives_first_slow_rounds_are_not_timed() -> None:
     one_rank = SimpleNamespace(env=SimpleNamespace(world_size=1), device=SimpleNamespace(type="cpu"))
     (taken,) = comm_timing.link_rates(one_rank, [collective], reps=3)
     assert taken == pytest.approx(0.001, abs=0.004)
-    assert len(calls) == 1 + comm_timing.LINK_WARM_ROUNDS + 1 + 2 * 3  # each median_rounds warms up once
+    assert len(calls) == 1 + comm_timing.LINK_WARM_ROUNDS + 1 + 6 * 3  # each median_rounds warms up once
+    calls.clear()
+    monkeypatch.setattr(timing, "crowded", lambda mesh: True)
+    monkeypatch.setattr(timing, "_bursts", lambda mesh, fns, crowd, on_cpu=False: [1] * len(fns))
+    monkeypatch.setattr(timing, "round_spans", lambda mesh, starts, ends: [
+        [end - start for start, end in zip(began, ended)] for began, ended in zip(starts, ends)])
+    comm_timing.link_rates(one_rank, [collective], reps=3)
+    assert len(calls) == comm_timing.LINK_WARM_ROUNDS + 2 * 3  # a crowded host: two rounds a rep
 
 
 def test_train_uses_a_cached_calibration_of_this_machine(tmp_path: Path, monkeypatch) -> None:

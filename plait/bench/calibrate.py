@@ -76,7 +76,8 @@ from plait.parallel.compose import adamw_kernel
 # 20: on a CPU, how much longer a micro-batch takes with ZB-H1's split backward (split_by_micro_batch).
 # 21: the large collectives' first rounds untimed; on a crowded host a compute timing's bursts counted
 #     from CPU time and 40 ms long, and each GEMM's second operand read cold (`ColdOperands`).
-METHOD_VERSION = 21
+# 22: on a host that is not crowded the large collectives timed over three times the rounds.
+METHOD_VERSION = 22
 
 
 
