@@ -450,6 +450,11 @@ def test_a_latency_longer_than_the_collective_leaves_a_finite_rate() -> None:
     assert bus_rate(1e6, 1e-3, 0.0) == pytest.approx(1.0)
 
 
+def spans_on_one_clock(mesh, starts, ends):
+    """`timing.round_spans` for a one-rank stand-in mesh: each round's own start to end."""
+    return [[end - start for start, end in zip(began, ended)] for began, ended in zip(starts, ends)]
+
+
 @pytest.mark.one_process  # arithmetic: beside another such file (tests/pairing.py)
 def test_a_collectives_first_slow_rounds_are_not_timed(monkeypatch) -> None:
     """The large collectives' rates are their steady ones: a stand-in collective that takes 20 ms
@@ -475,8 +480,7 @@ def test_a_collectives_first_slow_rounds_are_not_timed(monkeypatch) -> None:
     calls.clear()
     monkeypatch.setattr(timing, "crowded", lambda mesh: True)
     monkeypatch.setattr(timing, "_bursts", lambda mesh, fns, crowd, on_cpu=False: [1] * len(fns))
-    monkeypatch.setattr(timing, "round_spans", lambda mesh, starts, ends: [
-        [end - start for start, end in zip(began, ended)] for began, ended in zip(starts, ends)])
+    monkeypatch.setattr(timing, "round_spans", spans_on_one_clock)
     comm_timing.link_rates(one_rank, [collective], reps=3)
     assert len(calls) == comm_timing.LINK_WARM_ROUNDS + 2 * 3  # a crowded host: two rounds a rep
 
@@ -659,8 +663,7 @@ def test_a_crowded_calibration_counts_every_thread_of_a_rank(monkeypatch) -> Non
     monkeypatch.setattr(timing, "crowded", lambda mesh: True)
     monkeypatch.setattr(timing, "_bursts", lambda mesh, fns, *crowd: [1] * len(fns))
     monkeypatch.setattr(timing, "slowest", lambda mesh, values: list(values))
-    monkeypatch.setattr(timing, "round_spans", lambda mesh, starts, ends: [[e - s for s, e in zip(began, ended)]
-                                                                           for began, ended in zip(starts, ends)])
+    monkeypatch.setattr(timing, "round_spans", spans_on_one_clock)
     mesh = SimpleNamespace(env=SimpleNamespace(world_size=1), device=torch.device("cpu"))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # each thread's products on that thread alone
@@ -753,8 +756,7 @@ def test_a_crowded_hosts_compute_counts_its_bursts_from_cpu_time_and_a_collectiv
     monkeypatch.setattr(timing, "_bursts", bursts)
     monkeypatch.setattr(timing, "crowded", lambda mesh: True)
     monkeypatch.setattr(timing, "slowest", lambda mesh, values: list(values))
-    monkeypatch.setattr(timing, "round_spans", lambda mesh, starts, ends: [[e - s for s, e in zip(began, ended)]
-                                                                           for began, ended in zip(starts, ends)])
+    monkeypatch.setattr(timing, "round_spans", spans_on_one_clock)
     mesh = SimpleNamespace(env=SimpleNamespace(world_size=1), device=torch.device("cpu"))
     cal.measure_bandwidth(mesh, [1024], 1)
     cal.measure_gemms(mesh, {"fp32 8x8x8": cal.Gemm(8, 8, 8)}, "fp32", 1)
