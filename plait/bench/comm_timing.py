@@ -66,9 +66,9 @@ LINK_WARM_ROUNDS = 4
 
 # Timed rounds of the large collectives a calibration round (`reps`): on a crowded host each round
 # is a burst of runs (timing._bursts), two rounds a rep; elsewhere a single run, six. Measured on
-# 2 ranks of this 2-core host, 16 MiB, `measure_links` ten times in one world: over 22 rounds the all-gather read
-# 0.49-0.86 GB/s (sd 19% of the mean; all-reduce 10%, reduce-scatter 11%), over 66 rounds
-# 0.68-0.83 (6%; 4% and 3%), for 3.4 s more. Run 26's two calibrations read the all-gather at
+# 2 ranks of this 2-core host, 16 MiB, `measure_links` ten times in one world: over 22 rounds
+# the all-gather read 0.49-0.86 GB/s (sd 19% of the mean; all-reduce 10%, reduce-scatter 11%),
+# over 66 rounds 0.68-0.83 (6%; 4% and 3%), for 3.4 s more. Run 26's two calibrations read the all-gather at
 # 1.04 and 0.93 GB/s, and priced ZeRO-1 past two micro-batches of 4, which measured faster.
 LINK_ROUNDS_PER_REP = 6
 CROWDED_LINK_ROUNDS_PER_REP = 2
