@@ -5,8 +5,9 @@ micro-batch the plan may pick), `plait plan --hardware-file` for the model, GPUs
 then every one of its top layouts trained, in one of two ways:
 - `--turns` (the default): every layout built in one world of N ranks, each on its own mesh,
   the layouts taking turns step by step (`--steps` x `--repeats` steps each), so that a slow
-  stretch of the host lands on all of them alike; a layout's measured step is the median of
-  its steps, its first WARM_STEPS left out;
+  stretch of the host lands on all of them alike, in an order shuffled each round, so that no
+  layout always follows the same one; a layout's measured step is the median of its steps,
+  its first WARM_STEPS left out;
 - `--no-turns`: each layout trained with `plait train --hardware-file` in a world of its own,
   the layouts taking turns `--repeats` times; the median over its repeats of each run's median
   step (first step excluded).
@@ -23,7 +24,10 @@ Goals (the cost model's): the first pick within 5% of the fastest measured, ever
 within 10%, a rank correlation of at least 0.8.
 
     python benchmarks/planner_measured.py --repeats 3          # writes RESULTS.md
-    python benchmarks/planner_measured.py --worlds 2 --no-write
+    python benchmarks/planner_measured.py --worlds 2 --repeats 15 --no-write
+
+Where layouts lie within 1-2% of each other (`small` on 2 ranks), 30 rounds do not order them:
+150 (`--repeats 15`, 18 minutes on 2 ranks) give each gap a 90% interval of about ±0.5%.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -45,6 +50,8 @@ from plait.estimate.planner import divisors, row_layout  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "zero", "micro_batch", "grad_accum")
 WARM_STEPS = 2  # a layout's first steps in the turns world (the allocator grows, pages fault in), left out
+ORDER_SEED = 0  # the turns world's shuffled order of layouts in each round, the same on every rank
+INTERVAL_DRAWS = 400  # the rounds drawn again this many times for each layout's 90% interval
 
 
 def plait(*args: str, capture: bool = False) -> str:
@@ -156,9 +163,11 @@ def worker(args: argparse.Namespace) -> None:
             prepare_host(meshes[0].env.world_size)
         trainers.append(Trainer(config, meshes[-1], family_of(config).task(config)))
     times: list[list[float]] = [[] for _ in rows]
+    order, shuffler = list(range(len(rows))), random.Random(ORDER_SEED)  # the same order on every rank
     for step in range(args.steps):  # a slow stretch of the host slows every layout alike
-        for trainer, taken in zip(trainers, times):
-            taken.append(trainer.train_step(step)["step_time_s"])
+        shuffler.shuffle(order)  # no layout always follows the same one (what it leaves behind: caches, skew)
+        for i in order:
+            times[i].append(trainers[i].train_step(step)["step_time_s"])
     if meshes[0].is_main:
         Path(args.result).write_text(json.dumps({"steps": [taken[WARM_STEPS:] for taken in times]}))
     for mesh in reversed(meshes):
@@ -223,6 +232,23 @@ def self_agreement(steps: list[list[float]]) -> float:
     return spearman(paired(halves[0]), paired(halves[1])) if rounds > 3 else float("nan")
 
 
+def paired_intervals(steps: list[list[float]], draws: int = INTERVAL_DRAWS) -> list[tuple[float, float]]:
+    """Each layout's paired step over the first layout's, as a 90% interval: the rounds drawn
+    again with replacement `draws` times (seeded), `paired` each time. Where two layouts'
+    intervals overlap, the measurement does not order them, and neither can a ranking be held
+    to that order; the width says how many rounds a world needs."""
+    rounds = min(map(len, steps))
+    draw = random.Random(ORDER_SEED)
+    ratios: list[list[float]] = [[] for _ in steps]
+    for _ in range(draws):
+        picked = [draw.randrange(rounds) for _ in range(rounds)]
+        again = paired([[taken[r] for r in picked] for taken in steps])
+        for ratio, step in zip(ratios, again):
+            ratio.append(step / again[0])
+    low, high = round(0.05 * (draws - 1)), round(0.95 * (draws - 1))
+    return [(ordered[low], ordered[high]) for ordered in map(sorted, ratios)]
+
+
 def world_result(rows: list[dict], measured: dict[int, list[float]], rounds: list[list[float]] | None = None) -> dict:
     """The goals' numbers for one world; with the turns' `rounds` (each layout's steps), the
     rank correlation of the paired measurement (`paired`) too."""
@@ -238,6 +264,8 @@ def world_result(rows: list[dict], measured: dict[int, list[float]], rounds: lis
         result["paired"] = paired(rounds)
         result["rank_correlation_paired"] = spearman(predicted, result["paired"])
         result["self_agreement"] = self_agreement(rounds)
+        result["intervals"] = paired_intervals(rounds)
+        result["resolution"] = statistics.median((high - low) / 2 for low, high in result["intervals"][1:])
     return result
 
 
@@ -248,23 +276,32 @@ def table(world: int, result: dict, turns: bool) -> list[str]:
              f"rank correlation {result['rank_correlation']:.2f} (from the first calibration alone "
              f"{result['rank_correlation_before']:.2f}"
              + (f"; against the paired measurement {result['rank_correlation_paired']:.2f}; the measurement's "
-                f"odd rounds against its even ones {result['self_agreement']:.2f}" if pairs else "")
+                f"odd rounds against its even ones {result['self_agreement']:.2f}; a paired gap's 90% interval "
+                f"±{result['resolution']:.1%}, the median" if pairs else "")
              + f"); worst prediction {result['worst_ratio']:.0%} off.",
              "", f"| plan's rank | layout | predicted s (before, after) | measured s (median) | predicted / measured "
-             f"| {spread} |" + (" paired s |" if pairs else ""), "|---|---|---|---|---|---|" + ("---|" if pairs else "")]
+             f"| {spread} |" + (" paired s | paired over the first (90%) |" if pairs else ""),
+             "|---|---|---|---|---|---|" + ("---|---|" if pairs else "")]
     for i, (row, step, each) in enumerate(zip(result["rows"], result["measured"], result["each"])):
         runs = ", ".join(f"{s:.3f}" for s in each)
         both = f" ({row['step_before']:.3f}, {row['step_after']:.3f})" if "step_before" in row else ""
         lines.append(f"| {i + 1} | {label(row)} | {row['step_s']:.3f}{both} | {step:.3f} | {row['step_s'] / step:.2f} "
-                     f"| {runs} |" + (f" {result['paired'][i]:.3f} |" if pairs else ""))
+                     f"| {runs} |" + (f" {result['paired'][i]:.3f} | {over_first(result, i)} |" if pairs else ""))
     return lines
+
+
+def over_first(result: dict, i: int) -> str:
+    """Layout i's paired step over the first's, with its 90% interval."""
+    low, high = result["intervals"][i]
+    return f"{result['paired'][i] / result['paired'][0] - 1:+.1%} ({low - 1:+.1%} to {high - 1:+.1%})" if i else "-"
 
 
 def how_measured(args: argparse.Namespace) -> str:
     """RESULTS.md's words for how the layouts were priced and trained."""
     again = "calibrated again after the training, each prediction the mean of the two; " if args.recalibrate else ""
     if args.turns:
-        return (f"{again}every layout trained in one world, taking turns step by step, {args.steps * args.repeats} "
+        return (f"{again}every layout trained in one world, taking turns step by step in an order shuffled each "
+                f"round, {args.steps * args.repeats} "
                 f"steps each after {WARM_STEPS} left out, measured = the median step")
     return (f"{again}each layout trained {args.repeats} times taking turns, measured = the median of the runs' "
             "median steps")
@@ -313,7 +350,8 @@ def main() -> None:
             rows = priced_again(rows, plan(args.model, world, args.global_batch, args.seq_len, again, 10_000))
         result = world_result(rows, measured, steps)
         summary[world] = {k: result[k] for k in ("first_over_fastest", "rank_correlation", "worst_ratio",
-                                                 "rank_correlation_paired", "self_agreement") if k in result}
+                                                 "rank_correlation_paired", "self_agreement", "resolution")
+                         if k in result}
         lines += table(world, result, args.turns) + [""]
         print("\n".join(table(world, result, args.turns)), flush=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import random
 import statistics
 import time
 from collections import Counter
@@ -951,6 +952,23 @@ def test_the_planner_check_reads_how_well_its_measurement_agrees_with_itself() -
              [p * (1.01 - 0.01 * (r % 2)) for r, p in enumerate(pace)], [1.2 * p for p in pace]]
     assert module.self_agreement(close) == pytest.approx(0.5)
     assert math.isnan(module.self_agreement([steps[:3] for steps in apart]))  # too few rounds to halve
+
+
+def test_the_planner_check_gives_each_gap_the_interval_its_rounds_allow() -> None:
+    """The benchmark's `paired_intervals`: each layout's paired step over the first's, its
+    rounds drawn again. Over 40 rounds of a host whose pace wanders 1.0-1.9, a layout 10% slower
+    than the first with its own 1% noise reads within 10 ± 1.5%, its interval under 2% wide;
+    a layout no slower than the first holds 1.0; fewer rounds give a wider interval."""
+    module = _benchmark("planner_measured")
+    noise = random.Random(7)
+    pace = [1.0 + 0.9 * noise.random() for _ in range(40)]
+    steps = [[level * p * (1 + 0.01 * noise.gauss(0, 1)) for p in pace] for level in (1.0, 1.1, 1.0)]
+    first, slower, same = module.paired_intervals(steps)
+    assert first == (1.0, 1.0)
+    assert 1.085 < slower[0] < slower[1] < 1.115 and slower[1] - slower[0] < 0.02
+    assert same[0] < 1.0 < same[1] and same[1] - same[0] < 0.02
+    fewer = module.paired_intervals([taken[:8] for taken in steps])
+    assert fewer[2][1] - fewer[2][0] > same[1] - same[0]
 
 
 @pytest.mark.slow
