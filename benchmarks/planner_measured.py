@@ -266,7 +266,8 @@ def world_result(rows: list[dict], measured: dict[int, list[float]], rounds: lis
         result["rank_correlation_paired"] = spearman(predicted, result["paired"])
         result["self_agreement"] = self_agreement(rounds)
         result["intervals"] = paired_intervals(rounds)
-        result["resolution"] = statistics.median((high - low) / 2 for low, high in result["intervals"][1:])
+        gaps = result["intervals"][1:]  # none where the plan held one layout: nothing to order
+        result["resolution"] = statistics.median((high - low) / 2 for low, high in gaps) if gaps else float("nan")
     return result
 
 

@@ -958,7 +958,8 @@ def test_the_planner_check_gives_each_gap_the_interval_its_rounds_allow() -> Non
     """The benchmark's `paired_intervals`: each layout's paired step over the first's, its
     rounds drawn again. Over 40 rounds of a host whose pace wanders 1.0-1.9, a layout 10% slower
     than the first with its own 1% noise reads within 10 ± 1.5%, its interval under 2% wide;
-    a layout no slower than the first holds 1.0; fewer rounds give a wider interval."""
+    a layout no slower than the first holds 1.0; fewer rounds give a wider interval; a plan of
+    one layout has no gap to resolve (nan), not an error."""
     module = _benchmark("planner_measured")
     noise = random.Random(7)
     pace = [1.0 + 0.9 * noise.random() for _ in range(40)]
@@ -969,6 +970,8 @@ def test_the_planner_check_gives_each_gap_the_interval_its_rounds_allow() -> Non
     assert same[0] < 1.0 < same[1] and same[1] - same[0] < 0.02
     fewer = module.paired_intervals([taken[:8] for taken in steps])
     assert fewer[2][1] - fewer[2][0] > same[1] - same[0]
+    alone = module.world_result([{"step_s": 1.0}], {0: steps[0]}, steps[:1])  # a plan of one layout
+    assert alone["intervals"] == [(1.0, 1.0)] and math.isnan(alone["resolution"])
 
 
 @pytest.mark.slow
