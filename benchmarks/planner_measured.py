@@ -6,8 +6,8 @@ then every one of its top layouts trained, in one of two ways:
 - `--turns` (the default): every layout built in one world of N ranks, each on its own mesh,
   the layouts taking turns step by step (`--steps` x `--repeats` steps each), so that a slow
   stretch of the host lands on all of them alike, in an order shuffled each round, so that no
-  layout always follows the same one; a layout's measured step is the median of its steps,
-  its first WARM_STEPS left out;
+  layout always follows the same one (plait.bench.turns, as the slow test's world takes them);
+  a layout's measured step is the median of its steps, its first WARM_STEPS left out;
 - `--no-turns`: each layout trained with `plait train --hardware-file` in a world of its own,
   the layouts taking turns `--repeats` times; the median over its repeats of each run's median
   step (first step excluded).
@@ -45,12 +45,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, new_parser, run_world, write_section  # noqa: E402
 
+from plait.bench.turns import WARM_STEPS, take_turns  # noqa: E402
 from plait.estimate.planner import divisors, row_layout  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "zero", "micro_batch", "grad_accum")
-WARM_STEPS = 2  # a layout's first steps in the turns world (the allocator grows, pages fault in), left out
-ORDER_SEED = 0  # the turns world's shuffled order of layouts in each round, the same on every rank
 INTERVAL_DRAWS = 400  # the rounds drawn again this many times for each layout's 90% interval
 INTERVAL_SEED = 0  # ... drawn from this seed, so that a run's table reads the same when written again
 
@@ -163,14 +162,9 @@ def worker(args: argparse.Namespace) -> None:
         if i == 0:
             prepare_host(meshes[0].env.world_size)
         trainers.append(Trainer(config, meshes[-1], family_of(config).task(config)))
-    times: list[list[float]] = [[] for _ in rows]
-    order, shuffler = list(range(len(rows))), random.Random(ORDER_SEED)  # the same order on every rank
-    for step in range(args.steps):  # a slow stretch of the host slows every layout alike
-        shuffler.shuffle(order)  # no layout always follows the same one (what it leaves behind: caches, skew)
-        for i in order:
-            times[i].append(trainers[i].train_step(step)["step_time_s"])
+    steps = take_turns(trainers, args.steps)
     if meshes[0].is_main:
-        Path(args.result).write_text(json.dumps({"steps": [taken[WARM_STEPS:] for taken in times]}))
+        Path(args.result).write_text(json.dumps({"steps": steps}))
     for mesh in reversed(meshes):
         mesh.close()
 

@@ -974,6 +974,39 @@ def test_the_planner_check_gives_each_gap_the_interval_its_rounds_allow() -> Non
     assert alone["intervals"] == [(1.0, 1.0)] and math.isnan(alone["resolution"])
 
 
+def test_layouts_take_turns_once_a_round_in_a_new_order_the_same_on_every_rank() -> None:
+    """plait.bench.turns.take_turns, as the planner check and its slow test's world run their
+    layouts: three stand-in trainers over 12 rounds each step once a round, the first
+    WARM_STEPS of each left out; the orders differ between rounds (no layout always follows
+    the same one: each one precedes another at least once and follows it at least once), and
+    a second world from the same seed (another rank) takes the same orders."""
+    from plait.bench.turns import WARM_STEPS, take_turns
+
+    class Stand:
+        def __init__(self, name: str, log: list[tuple[str, int]]):
+            self.name, self.log = name, log
+
+        def train_step(self, step: int) -> dict:
+            self.log.append((self.name, step))
+            return {"step_time_s": float(len(self.log))}
+
+    def world() -> tuple[list[list[float]], list[tuple[str, int]]]:
+        log: list[tuple[str, int]] = []
+        return take_turns([Stand(name, log) for name in "abc"], 12), log
+
+    times, log = world()
+    assert [len(taken) for taken in times] == [12 - WARM_STEPS] * 3
+    rounds = [[name for name, step in log if step == r] for r in range(12)]
+    assert all(sorted(names) == ["a", "b", "c"] for names in rounds)
+    assert len({tuple(names) for names in rounds}) > 1
+    for x, y in (("a", "b"), ("a", "c"), ("b", "c")):
+        before = [names.index(x) < names.index(y) for names in rounds]
+        assert any(before) and not all(before), (x, y, rounds)
+    for taken, name in zip(times, "abc"):  # each step's time is its place in the log: its own, in order
+        assert taken == [float(i + 1) for i, entry in enumerate(log) if entry[0] == name][WARM_STEPS:]
+    assert world() == (times, log)
+
+
 @pytest.mark.slow
 def test_the_plans_first_layouts_measure_as_it_ranks_them(tmp_path: Path) -> None:
     """`plait plan` from this machine's full calibration (every micro-batch a rank's share of

@@ -7,7 +7,8 @@ the hardware file, and every rank plans from it (`plait plan --hardware-file`: p
 arithmetic, the same rows on every rank). The plan's first `TOP` layouts that this world's
 mesh runs as it is (dp = world; ZeRO, micro-batch, accumulation and recompute vary) are
 trained `STEPS` steps, the layouts taking turns step by step so that a slow stretch of the
-host lands on every layout, not on one, and every step is kept.
+host lands on every layout, not on one, in a new order each round (plait.bench.turns, as the
+planner check takes them), every step after the first two kept.
 
 A full calibration, not a quick one: a quick one times each shape in 3 rounds, and on this
 shared 2-core host that orders micro-batches by chance. Four quick calibrations in a row put
@@ -30,6 +31,7 @@ from pathlib import Path
 import torch
 
 from plait.bench import machine
+from plait.bench.turns import take_turns
 from plait.estimate.hardware import load_hardware
 from plait.estimate.planner import divisors, plan
 from plait.families import family_of
@@ -42,7 +44,6 @@ from plait.train.loop.trainer import Trainer
 from tests.worldlib import save_report
 
 SEQ = 128
-WARM_STEPS = 2  # each layout's first steps, slower (the allocator grows, pages fault in), left out
 # The host's pace moves by up to 40% within minutes (benchmarks/RESULTS.md, "planner-measured",
 # run 6): where the layouts' steps and the calibration before them disagree by more than this
 # (their median ratio), the machine is timed again after them and each layout priced at the
@@ -100,11 +101,8 @@ def main() -> None:
                                            micro_batch=row["micro_batch"], grad_accum=row["grad_accum"],
                                            recompute=row["recompute"])
                                for i, row in enumerate(chosen))]
-    times: list[list[float]] = [[] for _ in chosen]
-    for step in range(steps):  # the layouts take turns step by step: a slow second slows them all
-        for trainer, taken in zip(trainers, times):
-            taken.append(trainer.train_step(step)["step_time_s"])
-    trained = [{"layout": layout_of(row), "predicted": row["step_s"], "steps": taken[WARM_STEPS:],
+    times = take_turns(trainers, steps)  # a slow second slows them all; a new order each round
+    trained = [{"layout": layout_of(row), "predicted": row["step_s"], "steps": taken,
                 "rank_in_plan": rows.index(row) + 1} for row, taken in zip(chosen, times)]
     if abs(pace(trained, mesh) - 1) > RECHECK_PACE:
         again = {str(layout_of(row)): row["step_s"] for row in planned(mesh, model, batch, out / "hw-after.toml")
