@@ -348,8 +348,9 @@ def main() -> None:
         summary[world] = {k: result[k] for k in ("first_over_fastest", "rank_correlation", "worst_ratio",
                                                  "rank_correlation_paired", "self_agreement", "resolution")
                          if k in result}
-        lines += table(world, result, args.turns) + [""]
-        print("\n".join(table(world, result, args.turns)), flush=True)
+        shown = table(world, result, args.turns)
+        lines += shown + [""]
+        print("\n".join(shown), flush=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if not args.no_write:
         load = os.getloadavg()[0]
