@@ -738,6 +738,39 @@ def test_a_crowded_hosts_gemm_reads_each_weight_cold() -> None:
 
 
 @pytest.mark.one_process  # arithmetic: beside another such file (tests/pairing.py)
+def test_attention_is_timed_as_the_model_calls_it_with_its_grouped_kv_heads(monkeypatch) -> None:
+    """The calibration times the attention core with the model's K/V heads unexpanded, as
+    causal_attention runs it: `small` (6 query heads, 2 K/V) at tp 1 and tp 2 gets K and V at
+    2 and 1 heads, and the run passes forward and backward through the model's own call. At
+    every query head it read `small`'s 4 sequences cheaper a sequence than its 8, which
+    training does not run."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from plait.bench import calibrate as cal, timing
+
+    calls: list[tuple[tuple[int, ...], ...]] = []
+    model_call = cal.causal_attention
+
+    def recorded(q, k, v):
+        calls.append((tuple(q.shape), tuple(k.shape), tuple(v.shape)))
+        return model_call(q, k, v)
+
+    monkeypatch.setattr(cal, "causal_attention", recorded)
+    monkeypatch.setattr(timing, "median_rounds", lambda mesh, runs, reps, watched=False: [run() or 1.0 for run in runs])
+    monkeypatch.setattr(timing, "slowest", lambda mesh, values: list(values))
+    mesh = SimpleNamespace(device=torch.device("cpu"))
+    small = get_preset("small")
+    rates = cal.measure_attention(mesh, small, 2, 16, [1, 2], "fp32", 1)
+    assert len(rates) == 2
+    assert calls == [((2, 6, 16, 64), (2, 2, 16, 64), (2, 2, 16, 64)),
+                     ((2, 3, 16, 64), (2, 1, 16, 64), (2, 1, 16, 64))]
+    assert cal._attention_run(mesh, (1, 4, 8, 16), "fp32")() is None  # a preset sweep's: every query head's own
+    assert calls[-1] == ((1, 4, 8, 16), (1, 4, 8, 16), (1, 4, 8, 16))
+
+
+@pytest.mark.one_process  # arithmetic: beside another such file (tests/pairing.py)
 def test_a_crowded_hosts_compute_counts_its_bursts_from_cpu_time_and_a_collective_from_wall_time(monkeypatch) -> None:
     """The adds' bandwidth and the GEMMs count their runs a burst from CPU time on a crowded host
     (from wall time one add got 4 runs in one timing and 64 in the next, and read 4.4 and 17.2
