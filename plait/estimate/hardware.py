@@ -221,7 +221,10 @@ class Hardware:
         1.5-3.8% over one of 8 and measured 3.7-8.2% over (median 5.2%). Read as the median,
         the 4-rank planner check ranks at 0.99 and 0.81 (runs 16 and 17 repriced; 0.41 and 0.64
         read at each micro-batch), 0.46 (run 18, whose second calibration timed ZeRO's
-        collectives 5-10% slower; its first alone 0.99) and 0.99 (run 19): benchmarks/RESULTS.md."""
+        collectives 5-10% slower; its first alone 0.99) and 0.99 (run 19): benchmarks/RESULTS.md.
+        The split's price follows this figure (+0.4% at 1.9, +5.0% at 2.1 in run 40's first
+        calibration), and a host changing pace moves it: run 40's two calibrations read 2.01 and
+        1.89, and ranked at 0.35 (1.00 at each micro-batch); run 41, 0.94 either way."""
         readings = [speedup for _, speedup in self.lone_by_micro_batch]
         return statistics.median(readings) if readings else 0.0
 
