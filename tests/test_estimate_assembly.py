@@ -221,8 +221,8 @@ def test_a_measured_split_backward_prices_zb_h1_as_1f1b_times_its_ratio() -> Non
     from plait.estimate.layout import layout_stages
 
     small = get_preset("small")
-    measured = replace(CPU, split_by_micro_batch=((4, 1.06), (8, 1.09)))
-    assert measured.split_backward(8) == 1.09 and measured.split_backward(2) == 1.06 and CPU.split_backward(8) == 0.0
+    measured = replace(CPU, split_by_micro_batch=((4, 1.12), (8, 1.09)))
+    assert measured.split_backward(8) == 1.09 and measured.split_backward(2) == 1.12 and CPU.split_backward(8) == 0.0
     zb = Workload(dp=2, pp=2, schedule="zb-h1", micro_batch=8, seq_len=128)
     whole = replace(zb, schedule="1f1b")
     for stage in layout_stages(small, zb):
@@ -242,6 +242,25 @@ def test_a_measured_split_backward_prices_zb_h1_as_1f1b_times_its_ratio() -> Non
     assert split
     for w in split:
         assert search._step[w] == estimate_time(small, w, measured, request.gpus_per_node).step_s
+
+
+def test_a_split_backward_reading_that_rises_with_the_micro_batch_is_read_through_a_non_increasing_fit() -> None:
+    """Hardware.split_backward: a calibration of 4 ranks on 2 cores (the planner check's run
+    43) read the split at micro-batches 1 to 16 as 1.048, 1.082, 1.084, 1.000, 1.167. The
+    pooled fit reads 1.076 at every one of them, and ZB-H1 at micro-batch 8 is priced at it,
+    not at the 1.000 that had priced its split as free; a table already in order is read as
+    it is."""
+    noisy = replace(CPU, split_by_micro_batch=((1, 1.048), (2, 1.082), (4, 1.084), (8, 1.0), (16, 1.167)))
+    assert [noisy.split_backward(mb) for mb in (1, 2, 4, 8, 16)] == pytest.approx([1.0762] * 5)
+    partly = replace(CPU, split_by_micro_batch=((1, 1.111), (2, 1.011), (4, 1.051), (8, 1.041), (16, 1.047)))
+    assert [partly.split_backward(mb) for mb in (1, 2, 4, 8, 16)] == pytest.approx([1.111] + [1.0375] * 4)
+    quiet = ((1, 1.096), (2, 1.074), (4, 1.048), (8, 1.035), (16, 1.033))
+    assert [replace(CPU, split_by_micro_batch=quiet).split_backward(mb) for mb, _ in quiet] == [r for _, r in quiet]
+    small = get_preset("small")
+    zb = Workload(dp=2, pp=2, schedule="zb-h1", micro_batch=8, seq_len=128)
+    fitted = replace(CPU, split_by_micro_batch=((8, 1.0762),))
+    assert estimate_time(small, zb, noisy, 4).step_s == pytest.approx(estimate_time(small, zb, fitted, 4).step_s, rel=1e-4)
+    assert estimate_time(small, zb, noisy, 4).step_s > estimate_time(small, zb, replace(CPU, split_by_micro_batch=((8, 1.0),)), 4).step_s
 
 
 def test_zeros_gather_of_the_updated_weights_runs_inside_the_update_after_the_clip() -> None:

@@ -229,8 +229,18 @@ class Hardware:
         return statistics.median(readings) if readings else 0.0
 
     def split_backward(self, micro_batch: int) -> float:
-        """`split_by_micro_batch` at the nearest measured micro-batch; 0.0 where none was."""
-        return _at_micro_batch(self.split_by_micro_batch, micro_batch)
+        """`split_by_micro_batch` made non-increasing in the micro-batch (`_non_increasing`),
+        at the nearest measured micro-batch; 0.0 where none was.
+
+        The split's extra over a whole backward is W's many small calls, a larger share of a
+        smaller micro-batch's work, so the ratio does not rise with the micro-batch: two
+        quiet calibrations read 1.096, 1.074, 1.048, 1.035, 1.033 and 1.084, 1.076, 1.062,
+        1.040, 1.040 at micro-batches 1 to 16. A host changing pace breaks that order by
+        chance: one calibration read 1.048, 1.082, 1.084, 1.00, 1.167, priced ZB-H1 at micro-batch
+        8 as free, and made it the plan's first pick, measured 5.5% over 1F1B (the 4-rank
+        planner check's run 43: ranked at 0.49, 0.83 read through the fit; runs 40 and 41
+        unchanged: benchmarks/RESULTS.md)."""
+        return _at_micro_batch(_non_increasing(self.split_by_micro_batch), micro_batch)
 
     def op_bandwidth(self, op: str, n: int) -> float:
         """Bytes/s of `op` on n ranks inside a node where it was measured apart from the
@@ -288,6 +298,21 @@ def _nearest_size(sizes: Iterable[int], n: int) -> int:
     """The measured group size nearest n, the larger on a tie: what a calibration that did not
     time n ranks says of them."""
     return min(sizes, key=lambda size: (abs(size - n), -size))
+
+
+def _non_increasing(table: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+    """The closest non-increasing fit of a (micro-batch, ratio) table, in the least-squares
+    sense: each run of readings that rises with the micro-batch is replaced by its mean, and
+    runs are merged until none rises (pooled adjacent violators)."""
+    pools: list[list] = []  # [sum of ratios, count, micro-batches]
+    for micro_batch, ratio in sorted(table):
+        pools.append([ratio, 1, [micro_batch]])
+        while len(pools) > 1 and pools[-2][0] / pools[-2][1] < pools[-1][0] / pools[-1][1]:
+            total, count, batches = pools.pop()
+            pools[-1][0] += total
+            pools[-1][1] += count
+            pools[-1][2] += batches
+    return tuple((micro_batch, total / count) for total, count, batches in pools for micro_batch in batches)
 
 
 def _at_micro_batch(table: tuple[tuple[int, float], ...], micro_batch: int) -> float:
