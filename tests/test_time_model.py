@@ -584,10 +584,10 @@ def test_prediction_holds_when_ranks_outnumber_the_cores(tmp_path: Path) -> None
     attempts = [(a["ratio"], a["predicted"]["step"], a["measured"]["step"]) for a in reports[0]["attempts"]]
     assert abs(reports[0]["held"] - 1) <= 0.1, attempts
     # the same crowded world: a rank alone on a core trains a block 1.8-3 times as fast as with
-    # every rank at work (1.92-2.23 measured here at two threads a core; 1.85-1.89 at this
-    # micro-batch on a host whose product ran 106-146 GFLOP/s a thread, 2026-12-07, where a
-    # neighbour's load slows the lone ranks more than the crowded ones); a host with a core for
-    # each rank measures nothing
+    # every rank at work (1.92-2.23 measured here at two threads a core; 1.87-1.89 at this
+    # micro-batch, in this world and a scratch one, on a host whose product ran 106-146 GFLOP/s
+    # a thread, 2026-12-07, where a neighbour's load slows the lone ranks more than the crowded
+    # ones); a host with a core for each rank measures nothing
     crowding, lone = reports[0]["crowding"], reports[0]["lone"]
     assert (0.9 * crowding <= lone <= 1.5 * crowding) if crowding > 1 else lone == 0.0, (crowding, lone)
     # and ZB-H1's split backward, unclamped: a micro-batch 1.03-1.13 times a whole one's in
