@@ -304,15 +304,16 @@ def _non_increasing(table: tuple[tuple[int, float], ...]) -> tuple[tuple[int, fl
     """The closest non-increasing fit of a (micro-batch, ratio) table, in the least-squares
     sense: each run of readings that rises with the micro-batch is replaced by its mean, and
     runs are merged until none rises (pooled adjacent violators)."""
-    pools: list[list] = []  # [sum of ratios, count, micro-batches]
-    for micro_batch, ratio in sorted(table):
-        pools.append([ratio, 1, [micro_batch]])
-        while len(pools) > 1 and pools[-2][0] / pools[-2][1] < pools[-1][0] / pools[-1][1]:
-            total, count, batches = pools.pop()
-            pools[-1][0] += total
-            pools[-1][1] += count
-            pools[-1][2] += batches
-    return tuple((micro_batch, total / count) for total, count, batches in pools for micro_batch in batches)
+    def mean(pool: list[tuple[int, float]]) -> float:
+        return statistics.fmean(ratio for _, ratio in pool)
+
+    pools: list[list[tuple[int, float]]] = []  # consecutive rows, each pool read as its mean
+    for row in sorted(table):
+        pools.append([row])
+        while len(pools) > 1 and mean(pools[-2]) < mean(pools[-1]):
+            rising = pools.pop()
+            pools[-1] += rising
+    return tuple((micro_batch, mean(pool)) for pool in pools for micro_batch, _ in pool)
 
 
 def _at_micro_batch(table: tuple[tuple[int, float], ...], micro_batch: int) -> float:
