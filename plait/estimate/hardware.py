@@ -87,7 +87,7 @@ class Hardware:
     # On such a host, (micro-batch, how much faster a rank trained a block at it while only as
     # many ranks as cores did) (plait.bench.pace.measure_lone_speedup: 1.99-2.22 on
     # `small` where crowding is 2, the ranks sharing caches too), read as their median
-    # (`lone_speedup`); empty: crowding, as if shared without loss.
+    # (`lone_speedup`), priced never under crowding; empty: crowding, as if shared without loss.
     lone_by_micro_batch: tuple[tuple[int, float], ...] = ()
     # (micro-batch, a one-layer block's forward and split backward (I + W, as ZB-H1 runs it) over
     # its forward and whole backward) on a calibrated CPU (plait.bench.pace.
@@ -224,7 +224,9 @@ class Hardware:
         collectives 5-10% slower; its first alone 0.99) and 0.99 (run 19): benchmarks/RESULTS.md.
         The split's price follows this figure (+0.4% at 1.9, +5.0% at 2.1 in run 40's first
         calibration), and a host changing pace moves it: run 40's two calibrations read 2.01 and
-        1.89, and ranked at 0.35 (1.00 at each micro-batch); run 41, 0.94 either way."""
+        1.89, and ranked at 0.35 (1.00 at each micro-batch); run 41, 0.94 either way. A figure
+        under `crowding` is priced as `crowding`, the cores shared without loss
+        (pipeline.Crowd.speed: run 40 then ranks at 0.81)."""
         readings = [speedup for _, speedup in self.lone_by_micro_batch]
         return statistics.median(readings) if readings else 0.0
 

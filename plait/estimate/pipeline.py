@@ -66,7 +66,9 @@ class Crowd:
     ranks' threads for each core, every rank at work (Hardware.crowding; 1.0: a core each).
     `lone`: how much faster a rank worked while only as many ranks as cores did
     (Hardware.lone_speedup, the median of its micro-batches' readings; 0.0: `threads`, the cores shared
-    without loss)."""
+    without loss). A reading under `threads` is priced as `threads` (`speed`): a rank that
+    keeps a core to itself loses nothing to the ranks asleep, so a lower reading is the host's
+    other work in the calibration's minute, which the run's minutes need not share."""
 
     threads: float = 1.0
     lone: float = 0.0
@@ -84,12 +86,21 @@ class Crowd:
 
     def speed(self, busy: int, pp: int) -> float:
         """How much faster than priced an action runs while `busy` of the pp pipeline ranks
-        work: where their threads fit the cores, `lone`; where they do not, the cores spread
-        over them (pp / busy of the share each had with every rank at work). Every replica of
-        the pipeline (dp, and a stage's tp or cp ranks) works or waits alike, so the fraction
-        busy is the pipeline's."""
+        work: where their threads fit the cores, `lone`, never under `threads` (the cores
+        shared without loss); where they do not, the cores spread over them (pp / busy of the
+        share each had with every rank at work). Every replica of the pipeline (dp, and a
+        stage's tp or cp ranks) works or waits alike, so the fraction busy is the pipeline's.
+
+        The floor: eight calibrations on one 2-core host (the 4-rank planner check's runs 40,
+        41, 43 and 44, two each) read the lone speedup's median at 1.88-2.03 where `threads`
+        was 2.0, a run's two, 15-20 minutes apart, as far as 2.01 and 1.89, or 2.03 and 1.88.
+        Two micro-batches of 4 measured 4.6-5.3% over one of 8 in those runs (dp 2 × pp 2),
+        which the higher readings priced (+5.1% at 2.03) and the lower did not (-0.7% at 1.88).
+        With the floor the four runs' six rank at 0.81, 0.90, 0.81 and 0.81 against their paired
+        measurements, where the readings as they were ranked them at 0.35, 0.90, 0.81 and 0.46
+        (benchmarks/RESULTS.md)."""
         if self.threads * busy <= pp:
-            return self.lone or self.threads
+            return max(self.lone, self.threads)
         return pp / busy
 
 
