@@ -97,7 +97,8 @@ class Crowd:
         Two micro-batches of 4 measured 4.6-5.3% over one of 8 in those runs (dp 2 × pp 2),
         which the higher readings priced (+5.1% at 2.03) and the lower did not (-0.7% at 1.88).
         With the floor the four runs' six rank at 0.81, 0.90, 0.81 and 0.81 against their paired
-        measurements, where the readings as they were ranked them at 0.35, 0.90, 0.81 and 0.46
+        measurements, where the readings as they were ranked them at 0.35, 0.90, 0.81 and 0.46;
+        run 46, priced with the floor (its readings 1.98 and 1.91), ranked 0.81, 0.46 as read
         (benchmarks/RESULTS.md)."""
         if self.threads * busy <= pp:
             return max(self.lone, self.threads)
