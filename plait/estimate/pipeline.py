@@ -98,8 +98,9 @@ class Crowd:
         which the higher readings priced (+5.1% at 2.03) and the lower did not (-0.7% at 1.88).
         With the floor the four runs' six rank at 0.81, 0.90, 0.81 and 0.81 against their paired
         measurements, where the readings as they were ranked them at 0.35, 0.90, 0.81 and 0.46;
-        run 46, priced with the floor (its readings 1.98 and 1.91), ranked 0.81, 0.46 as read
-        (benchmarks/RESULTS.md)."""
+        run 46, priced with the floor (its readings 1.98 and 1.91), ranked 0.81, 0.46 as read;
+        run 47 (1.87 both), 0.78, and 0.90 as read with every prediction 6-8% over, its middle
+        four measured within 0.7% of each other (benchmarks/RESULTS.md)."""
         if self.threads * busy <= pp:
             return max(self.lone, self.threads)
         return pp / busy
