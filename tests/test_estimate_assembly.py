@@ -196,7 +196,7 @@ def test_a_crowded_hosts_pipeline_is_priced_with_the_cores_its_waiting_ranks_lea
     faster = estimate_time(small, layout, measured, 4)
     assert faster.step_s < shared.step_s and faster.bubble_s < shared.bubble_s + 1e-12
     # read under the cores' share (the planner check's run 44, its second calibration: 1.88),
-    # the host's other work in that minute: priced as shared without loss (pipeline.Crowd.speed)
+    # the host's other work in that minute: priced as shared without loss (pipeline.Crowd.fastest)
     low = replace(crowded, lone_by_micro_batch=((1, 2.08), (2, 1.77), (4, 1.88), (8, 1.88), (16, 1.84)))
     assert low.lone_speedup == 1.88 and estimate_time(small, layout, low, 4) == shared
     dp4 = Workload(dp=4, micro_batch=4, seq_len=128)

@@ -226,7 +226,7 @@ class Hardware:
         calibration), and a host changing pace moves it: run 40's two calibrations read 2.01 and
         1.89, and ranked at 0.35 (1.00 at each micro-batch); run 41, 0.94 either way. A figure
         under `crowding` is priced as `crowding`, the cores shared without loss
-        (pipeline.Crowd.speed: run 40 then ranks at 0.81)."""
+        (pipeline.Crowd.fastest: run 40 then ranks at 0.81)."""
         readings = [speedup for _, speedup in self.lone_by_micro_batch]
         return statistics.median(readings) if readings else 0.0
 

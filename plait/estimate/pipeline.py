@@ -66,7 +66,7 @@ class Crowd:
     ranks' threads for each core, every rank at work (Hardware.crowding; 1.0: a core each).
     `lone`: how much faster a rank worked while only as many ranks as cores did
     (Hardware.lone_speedup, the median of its micro-batches' readings; 0.0: `threads`, the cores shared
-    without loss). A reading under `threads` is priced as `threads` (`speed`): a rank that
+    without loss). A reading under `threads` is priced as `threads` (`fastest`): a rank that
     keeps a core to itself loses nothing to the ranks asleep, so a lower reading is the host's
     other work in the calibration's minute, which the run's minutes need not share."""
 
@@ -81,15 +81,8 @@ class Crowd:
     def fastest(self) -> float:
         """The most `speed` gives, whatever the ranks at work: the pruning bounds divide by it.
         1.0 on a host with a core for each thread, whose schedule runs at its price whatever
-        lone speedups its file holds."""
-        return max(self.lone, self.threads) if self.crowded else 1.0
-
-    def speed(self, busy: int, pp: int) -> float:
-        """How much faster than priced an action runs while `busy` of the pp pipeline ranks
-        work: where their threads fit the cores, `lone`, never under `threads` (the cores
-        shared without loss); where they do not, the cores spread over them (pp / busy of the
-        share each had with every rank at work). Every replica of the pipeline (dp, and a
-        stage's tp or cp ranks) works or waits alike, so the fraction busy is the pipeline's.
+        lone speedups its file holds; on a crowded one `lone`, never under `threads` (the
+        cores shared without loss).
 
         The floor: eight calibrations on one 2-core host (the 4-rank planner check's runs 40,
         41, 43 and 44, two each) read the lone speedup's median at 1.88-2.03 where `threads`
@@ -101,8 +94,16 @@ class Crowd:
         run 46, priced with the floor (its readings 1.98 and 1.91), ranked 0.81, 0.46 as read;
         run 47 (1.87 both), 0.78, and 0.90 as read with every prediction 6-8% over, its middle
         four measured within 0.7% of each other (benchmarks/RESULTS.md)."""
+        return max(self.lone, self.threads) if self.crowded else 1.0
+
+    def speed(self, busy: int, pp: int) -> float:
+        """How much faster than priced an action runs while `busy` of the pp pipeline ranks
+        work: where their threads fit the cores, `fastest` (`lone`, never under `threads`);
+        where they do not, the cores spread over them (pp / busy of the share each had with
+        every rank at work). Every replica of the pipeline (dp, and a stage's tp or cp ranks)
+        works or waits alike, so the fraction busy is the pipeline's."""
         if self.threads * busy <= pp:
-            return max(self.lone, self.threads)
+            return self.fastest
         return pp / busy
 
 
