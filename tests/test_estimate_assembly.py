@@ -300,3 +300,76 @@ def test_zeros_gather_of_the_updated_weights_runs_inside_the_update_after_the_cl
     for other in (replace(zero1, zero=0), replace(zero1, zero=3),
                   Workload(dp=64, zero=1, precision="bf16", micro_batch=16, seq_len=2048, stack="megatron-core")):
         assert gather_after_update_s(params, other, H100, 0) == 0.0, other
+
+
+# Run 48's first calibration (4 ranks of `small` sharing 2 cores): one forward product's
+# readings at micro-batches 1 to 16, 128 to 2048 rows, TFLOP/s.
+READ_ROWS = ((128, 0.04699), (256, 0.06739), (512, 0.07346), (1024, 0.07269), (2048, 0.07502))
+
+
+def _family(readings: tuple[tuple[int, float], ...], k: int = 384, n: int = 1024) -> tuple[tuple[str, float], ...]:
+    return tuple((f"fp32 {rows}x{k}x{n}", rate) for rows, rate in readings)
+
+
+def test_a_cpus_products_are_read_off_the_line_through_their_rows() -> None:
+    """Hardware.rows_tflops: a CPU calibration's product at each row count is read on the line
+    time = fixed + rows · per-row through every reading of its family (its other two dimensions
+    the same), so that one reading's noise moves it by a fifth of itself; the line fits the
+    readings by least squares on their relative errors, a reading on the line is read as it
+    is, and the weight gradient's family runs along K. A GPU's queued products, a family of
+    fewer than three and a product not measured read as they were."""
+    hw = replace(CPU, gemm=_family(READ_ROWS))
+    fitted = [hw.rows_tflops(f"fp32 {rows}x384x1024", 0) for rows, _ in READ_ROWS]
+    seconds = [2 * rows * 384 * 1024 / (rate * 1e12) for (rows, _), rate in zip(READ_ROWS, fitted)]
+    per_row = (seconds[-1] - seconds[0]) / (2048 - 128)
+    assert all(t == pytest.approx(seconds[0] + per_row * (rows - 128), rel=1e-9) for (rows, _), t in
+               zip(READ_ROWS, seconds))  # on one line
+    assert seconds[0] - 128 * per_row > 0  # a fixed part: the weight read cold each call
+    read = [2 * rows * 384 * 1024 / (rate * 1e12) for rows, rate in READ_ROWS]
+    # least squares on relative errors: the residuals over each reading's time squared sum to
+    # zero, and so do they times the rows (the normal equations)
+    residuals = [(r - t) / r ** 2 for t, r in zip(seconds, read)]
+    scale = sum(abs(e) for e in residuals)
+    assert abs(sum(residuals)) < 1e-9 * scale
+    assert abs(sum(e * rows for e, (rows, _) in zip(residuals, READ_ROWS))) < 1e-9 * scale * 2048
+    # this product at 4 sequences against 8, a sequence: read alone 0.99x, off the line 1.07x
+    assert read[2] / 4 / (read[3] / 8) == pytest.approx(0.9895, abs=1e-3)
+    assert seconds[2] / 4 / (seconds[3] / 8) == pytest.approx(1.071, abs=1e-3)
+    on_line = replace(CPU, gemm=_family(tuple((rows, 2 * rows * 384 * 1024 / ((50e-6 + rows * 1e-7) * 1e12))
+                                              for rows, _ in READ_ROWS)))
+    assert all(on_line.rows_tflops(key, 0) == pytest.approx(rate, rel=1e-12) for key, rate in on_line.gemm)
+    weights = replace(CPU, gemm=tuple((f"fp32 384x{rows}x1024", rate) for rows, rate in READ_ROWS))
+    assert weights.rows_tflops("fp32 384x512x1024", 1) == pytest.approx(fitted[2], rel=1e-12)
+    assert weights.rows_tflops("fp32 384x512x1024", 0) == weights.gemm_tflops("fp32 384x512x1024") == 0.07346
+    assert replace(hw, queues_kernels=True).rows_tflops("fp32 512x384x1024", 0) == 0.07346
+    assert replace(CPU, gemm=_family(READ_ROWS[2:4])).rows_tflops("fp32 512x384x1024", 0) == 0.07346
+    assert hw.rows_tflops("fp32 512x384x1023", 0) == 0.0
+    falling = replace(CPU, gemm=_family(((128, 0.08), (256, 0.07), (512, 0.06))))  # a negative fixed part: through zero
+    assert len({round(falling.rows_tflops(key, 0), 12) for key, _ in falling.gemm}) == 1
+
+
+def test_a_stages_products_are_priced_off_their_lines_so_one_micro_batchs_noise_moves_them_a_fraction() -> None:
+    """ops.block_gemm_s reads each of a block's products along its tokens (M forward and for the
+    input gradient, K for the weight gradient): every product of `small` timed at micro-batches
+    1 to 16 on a line (a fixed 40 µs a call), then every reading at micro-batch 4 taken 10%
+    fast, as one calibration's noise can. Read one by one, the block at 4 sequences would be
+    priced 9.1% under the line; read off the lines, 2.3% under."""
+    from plait.estimate.ops import _block_gemm_s, block_gemms, gemm_key
+
+    small = get_preset("small")
+    products: dict[str, float] = {}
+    for mb in (1, 2, 4, 8, 16):
+        for g in block_gemms(small, mb * 128, 1):
+            for p in (g, *g.backward()):
+                seconds = 40e-6 + p.flops / 0.07e12
+                products[gemm_key(p, "fp32")] = p.flops / seconds / 1e12 * (1.1 if mb == 4 else 1.0)
+    fast_at_4 = replace(CPU, gemm=tuple(products.items()))
+    truth = sum(40e-6 + p.flops / 0.07e12 for g in block_gemms(small, 512, 1) for p in (g, *g.backward()))
+    read_alone = sum(p.flops / (products[gemm_key(p, "fp32")] * 1e12)
+                     for g in block_gemms(small, 512, 1) for p in (g, *g.backward()))
+    priced = sum(_block_gemm_s(small, 512, 1, "fp32", fast_at_4))
+    assert read_alone == pytest.approx(truth / 1.1, rel=1e-9)
+    assert priced == pytest.approx(0.977 * truth, rel=1e-3)  # a quarter of the 9.1% the readings alone miss by
+    launches = 3 * len(block_gemms(small, 512, 1)) * CPU.op_overhead_us * 1e-6  # a queued product's host launch
+    queued = replace(fast_at_4, queues_kernels=True)  # a GPU's readings are read as they are
+    assert sum(_block_gemm_s(small, 512, 1, "fp32", queued)) == pytest.approx(read_alone + launches, rel=1e-9)

@@ -60,7 +60,8 @@ class Hardware:
     # A GPU's host queues kernels ahead of the device: the update's fixed per-tensor costs
     # (host launches) overlap its pass over the states instead of adding to it.
     queues_kernels: bool = False
-    # Measured by `plait calibrate`: TFLOP/s per GEMM or attention shape ("fp32 MxKxN"),
+    # Measured by `plait calibrate`: TFLOP/s per GEMM or attention shape ("fp32 MxKxN"; a CPU's
+    # products at several micro-batches read on the line through their rows: `rows_tflops`),
     # and (group size, µs per ring step, GB/s bus bandwidth) of the collectives in a node.
     gemm: tuple[tuple[str, float], ...] = ()
     links: tuple[tuple[int, float, float], ...] = ()
@@ -149,6 +150,25 @@ class Hardware:
     def gemm_tflops(self, key: str) -> float:
         """Measured TFLOP/s of a named GEMM or attention shape, 0.0 when not measured."""
         return dict(self.gemm).get(key, 0.0)
+
+    def rows_tflops(self, key: str, axis: int) -> float:
+        """TFLOP/s of a measured GEMM ("fp32 MxKxN") whose dimension `axis` (0: M, 1: K) is
+        the tokens of a micro-batch, read off the line through every product measured with its
+        other two dimensions (`_rows_fit`): on a CPU, where each reading carries noise of its
+        own; the reading itself on a GPU, whose queued products are steady, or where fewer than
+        FAMILY_MIN were measured. 0.0 when the product was not measured.
+
+        Why: a CPU's time is its fixed part plus the rows' work, and one calibration's readings
+        on 4 ranks sharing 2 cores move by about ±10% each (one product at 128 to 2048 rows read
+        0.0625, 0.0545, 0.066, 0.0625 and 0.0656 TFLOP/s). Read one by one, a stage's products
+        at micro-batch 4 were priced 0.972-1.048 of micro-batch 8's a sequence over ten
+        calibrations, and two micro-batches of 4 from +0.5% to +5.5% over one of 8 (measured
+        +4.6-6.6%: benchmarks/RESULTS.md, the 4-rank planner check, runs 40 to 47)."""
+        measured = self.gemm_tflops(key)
+        if not measured or self.queues_kernels:
+            return measured
+        fitted = _rows_fit(self.gemm, key, axis)
+        return fitted or measured
 
     @property
     def memory_bytes_per_s(self) -> float:
@@ -323,6 +343,54 @@ def _at_micro_batch(table: tuple[tuple[int, float], ...], micro_batch: int) -> f
     if not table:
         return 0.0
     return dict(table)[_nearest_size((row[0] for row in table), micro_batch)]
+
+
+FAMILY_MIN = 3  # products measured at this many row counts, at least, to read one off their line
+
+
+def _product(key: str) -> tuple[str, tuple[int, int, int]] | None:
+    """("fp32", (M, K, N)) of a GEMM key, None for any other (an attention's)."""
+    dtype, _, dims = key.partition(" ")
+    parts = dims.split("x")
+    if len(parts) != 3 or not all(part.isdigit() for part in parts):
+        return None
+    m, k, n = (int(part) for part in parts)
+    return dtype, (m, k, n)
+
+
+@functools.cache  # the planner reads every block's products for each layout: one fit a family
+def _rows_fit(gemm: tuple[tuple[str, float], ...], key: str, axis: int) -> float:
+    """TFLOP/s of `key` on the line time = fixed + rows · per-row through the products of
+    `gemm` that share its dtype and its dimensions other than `axis`, fitted by least squares
+    on their relative errors (weights 1/t², as ops.fit_gemm_line); a line with a negative fixed
+    part goes through zero. 0.0 where fewer than FAMILY_MIN such products were measured."""
+    found = _product(key)
+    if found is None:
+        return 0.0
+    dtype, dims = found
+    others = dims[:axis] + dims[axis + 1:]
+    points = []  # (rows, seconds)
+    for name, tflops in gemm:
+        member = _product(name)
+        if member is None or member[0] != dtype or tflops <= 0:
+            continue
+        shape = member[1]
+        if shape[:axis] + shape[axis + 1:] == others:
+            points.append((shape[axis], 2.0 * math.prod(shape) / (tflops * 1e12)))
+    if len(points) < FAMILY_MIN:
+        return 0.0
+    weights = [1.0 / t ** 2 for _, t in points]
+    sw = math.fsum(weights)
+    sx = math.fsum(w * x for w, (x, _) in zip(weights, points))
+    st = math.fsum(w * t for w, (_, t) in zip(weights, points))
+    sxx = math.fsum(w * x * x for w, (x, _) in zip(weights, points))
+    sxt = math.fsum(w * x * t for w, (x, t) in zip(weights, points))
+    det = sw * sxx - sx ** 2
+    per_row = (sw * sxt - sx * st) / det if det > 0 else 0.0
+    fixed = (st - per_row * sx) / sw
+    if per_row <= 0 or fixed < 0:
+        fixed, per_row = 0.0, sxt / sxx
+    return 2.0 * math.prod(dims) / ((fixed + per_row * dims[axis]) * 1e12)
 
 
 _SIZED = ("memory_by_size", "stream_by_size", "lone_by_micro_batch", "split_by_micro_batch")  # (size, a positive rate) rows

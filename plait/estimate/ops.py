@@ -194,11 +194,13 @@ def head_gemm(config: GPTConfig, tokens: int, tp: int) -> Gemm:
     return Gemm(tokens, config.d_model, -(-config.vocab_size // tp), float8=False)  # fp8 leaves the head bf16
 
 
-def gemm_s(g: Gemm, precision: str, hw: Hardware) -> float:
+def gemm_s(g: Gemm, precision: str, hw: Hardware, rows: int | None = None) -> float:
     """One GEMM: measured rate of its shape if known, else the roofline, in the dtype it runs
-    in (`gemm_precision`)."""
+    in (`gemm_precision`). `rows`: which dimension (0: M, 1: K) holds the micro-batch's tokens,
+    whose measured rate is read off its family's line (`Hardware.rows_tflops`)."""
     precision = gemm_precision(g, precision)
-    measured = hw.gemm_tflops(gemm_key(g, precision))
+    key = gemm_key(g, precision)
+    measured = hw.gemm_tflops(key) if rows is None else hw.rows_tflops(key, rows)
     if measured:  # a CPU's timing holds its dispatch; a GPU's queued one does not: its host launch is added
         return g.flops / (measured * 1e12) + (hw.op_overhead_us * 1e-6 if hw.queues_kernels else 0.0)
     moved = (g.m * g.k + g.k * g.n + g.m * g.n) * dtype_bytes(precision)
@@ -501,9 +503,20 @@ def _block_gemm_s(config: GPTConfig, tokens: int, tp: int, precision: str, hw: H
     # math.fsum, not sum: Python 3.12's sum compensates and 3.10's does not, and the torch-free
     # estimate must print the same digits on both.
     gemms = block_gemms(config, tokens, tp, moe, ep)
-    fwd = math.fsum(gemm_s(g, precision, hw) for g in gemms)
-    bwd = math.fsum(gemm_s(x, precision, hw) for g in gemms for x in g.backward())
+    fwd = math.fsum(gemm_s(g, precision, hw, ROWS) for g in gemms)
+    bwd = math.fsum(products_back_s(g, precision, hw) for g in gemms)
     return fwd, bwd
+
+
+ROWS = 0  # a forward product's tokens are its M rows (`linear`), and its input gradient's
+WEIGHT_ROWS = 1  # its weight gradient's are its K (Gemm.backward)
+
+
+def products_back_s(g: Gemm, precision: str, hw: Hardware) -> float:
+    """Seconds of the two backward products of `g`, a forward product on a micro-batch's
+    tokens, each read along the dimension that holds the tokens."""
+    into_input, into_weight = g.backward()
+    return gemm_s(into_input, precision, hw, ROWS) + gemm_s(into_weight, precision, hw, WEIGHT_ROWS)
 
 
 def blocks_rerun(layout: Workload) -> float:
@@ -534,7 +547,7 @@ def _work_and_dispatch_s(config: GPTConfig, layout: Workload, stage: StageShare,
     total += elementwise_s(config, layout, hw, layers, stage.last, True)
     if stage.last:
         head = head_gemm(config, tokens, layout.tp)
-        total += math.fsum(gemm_s(x, layout.precision, hw) for x in (head, *head.backward()))
+        total += gemm_s(head, layout.precision, hw, ROWS) + products_back_s(head, layout.precision, hw)
     return total
 
 
