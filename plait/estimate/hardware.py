@@ -163,7 +163,9 @@ class Hardware:
         0.0625, 0.0545, 0.066, 0.0625 and 0.0656 TFLOP/s). Read one by one, a stage's products
         at micro-batch 4 were priced 0.972-1.048 of micro-batch 8's a sequence over ten
         calibrations, and two micro-batches of 4 from +0.5% to +5.5% over one of 8 (measured
-        +4.6-6.6%: benchmarks/RESULTS.md, the 4-rank planner check, runs 40 to 47)."""
+        +4.6-6.6%: benchmarks/RESULTS.md, the 4-rank planner check, runs 40 to 47). Over the
+        seven calibrations of runs 48 and 49 one block's products there read 1.009-1.029 one by
+        one and 1.022-1.027 off their lines."""
         measured = self.gemm_tflops(key)
         if not measured or self.queues_kernels:
             return measured
