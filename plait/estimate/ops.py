@@ -194,13 +194,18 @@ def head_gemm(config: GPTConfig, tokens: int, tp: int) -> Gemm:
     return Gemm(tokens, config.d_model, -(-config.vocab_size // tp), float8=False)  # fp8 leaves the head bf16
 
 
-def gemm_s(g: Gemm, precision: str, hw: Hardware, rows: int | None = None) -> float:
+ROWS = 0  # a forward product's tokens are its M rows (`linear`), and its input gradient's
+WEIGHT_ROWS = 1  # its weight gradient's are its K (Gemm.backward)
+
+
+def gemm_s(g: Gemm, precision: str, hw: Hardware, rows_axis: int | None = None) -> float:
     """One GEMM: measured rate of its shape if known, else the roofline, in the dtype it runs
-    in (`gemm_precision`). `rows`: which dimension (0: M, 1: K) holds the micro-batch's tokens,
-    whose measured rate is read off its family's line (`Hardware.rows_tflops`)."""
+    in (`gemm_precision`). `rows_axis`: which dimension (ROWS: M, WEIGHT_ROWS: K) holds the
+    micro-batch's tokens; its measured rate is then read off its family's line
+    (`Hardware.rows_tflops`)."""
     precision = gemm_precision(g, precision)
     key = gemm_key(g, precision)
-    measured = hw.gemm_tflops(key) if rows is None else hw.rows_tflops(key, rows)
+    measured = hw.gemm_tflops(key) if rows_axis is None else hw.rows_tflops(key, rows_axis)
     if measured:  # a CPU's timing holds its dispatch; a GPU's queued one does not: its host launch is added
         return g.flops / (measured * 1e12) + (hw.op_overhead_us * 1e-6 if hw.queues_kernels else 0.0)
     moved = (g.m * g.k + g.k * g.n + g.m * g.n) * dtype_bytes(precision)
@@ -506,10 +511,6 @@ def _block_gemm_s(config: GPTConfig, tokens: int, tp: int, precision: str, hw: H
     fwd = math.fsum(gemm_s(g, precision, hw, ROWS) for g in gemms)
     bwd = math.fsum(products_back_s(g, precision, hw) for g in gemms)
     return fwd, bwd
-
-
-ROWS = 0  # a forward product's tokens are its M rows (`linear`), and its input gradient's
-WEIGHT_ROWS = 1  # its weight gradient's are its K (Gemm.backward)
 
 
 def products_back_s(g: Gemm, precision: str, hw: Hardware) -> float:
