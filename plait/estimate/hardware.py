@@ -363,9 +363,8 @@ def _product(key: str) -> tuple[str, tuple[int, int, int]] | None:
 @functools.cache  # the planner reads every block's products for each layout: one fit a family
 def _rows_fit(gemm: tuple[tuple[str, float], ...], key: str, axis: int) -> float:
     """TFLOP/s of `key` on the line time = fixed + rows · per-row through the products of
-    `gemm` that share its dtype and its dimensions other than `axis`, fitted by least squares
-    on their relative errors (weights 1/t², as ops.fit_gemm_line); a line with a negative fixed
-    part goes through zero. 0.0 where fewer than FAMILY_MIN such products were measured."""
+    `gemm` that share its dtype and its dimensions other than `axis` (`relative_line`); a line
+    with a negative fixed part goes through zero. 0.0 where fewer than FAMILY_MIN such products were measured."""
     found = _product(key)
     if found is None:
         return 0.0
@@ -381,18 +380,28 @@ def _rows_fit(gemm: tuple[tuple[str, float], ...], key: str, axis: int) -> float
             points.append((shape[axis], 2.0 * math.prod(shape) / (tflops * 1e12)))
     if len(points) < FAMILY_MIN:
         return 0.0
+    per_row, fixed = relative_line(points)
+    if per_row <= 0 or fixed < 0:
+        per_row, fixed = relative_line(points, through_zero=True)
+    return 2.0 * math.prod(dims) / ((fixed + per_row * dims[axis]) * 1e12)
+
+
+def relative_line(points: list[tuple[float, float]], through_zero: bool = False) -> tuple[float, float]:
+    """(slope, intercept) of the line t = intercept + slope · x through (x, t) `points` that
+    least-squares their relative errors (weights 1/t², so that a small product's error counts
+    as much as a large one's); with `through_zero`, the slope of the line through the origin.
+    A GEMM's time read by its FLOPs (ops.fit_gemm_line) or by its rows (`_rows_fit`)."""
     weights = [1.0 / t ** 2 for _, t in points]
+    sxx = math.fsum(w * x * x for w, (x, _) in zip(weights, points))
+    sxt = math.fsum(w * x * t for w, (x, t) in zip(weights, points))
+    if through_zero:
+        return sxt / sxx, 0.0
     sw = math.fsum(weights)
     sx = math.fsum(w * x for w, (x, _) in zip(weights, points))
     st = math.fsum(w * t for w, (_, t) in zip(weights, points))
-    sxx = math.fsum(w * x * x for w, (x, _) in zip(weights, points))
-    sxt = math.fsum(w * x * t for w, (x, t) in zip(weights, points))
     det = sw * sxx - sx ** 2
-    per_row = (sw * sxt - sx * st) / det if det > 0 else 0.0
-    fixed = (st - per_row * sx) / sw
-    if per_row <= 0 or fixed < 0:
-        fixed, per_row = 0.0, sxt / sxx
-    return 2.0 * math.prod(dims) / ((fixed + per_row * dims[axis]) * 1e12)
+    slope = (sw * sxt - sx * st) / det if det > 0 else 0.0
+    return slope, (st - slope * sx) / sw
 
 
 _SIZED = ("memory_by_size", "stream_by_size", "lone_by_micro_batch", "split_by_micro_batch")  # (size, a positive rate) rows

@@ -57,7 +57,7 @@ from dataclasses import dataclass, replace
 
 from plait.estimate.activations import products_remade_at, remakes_product
 from plait.estimate.experts import dense_width, expert_units_on_rank, routed_and_shared_widths, routed_rows
-from plait.estimate.hardware import Hardware
+from plait.estimate.hardware import Hardware, relative_line
 from plait.estimate.layout import Workload, StageShare
 from plait.estimate.stacks import EAGER_SCORE_PASSES, MEGATRON_EW
 from plait.models.gpt.config import GPTConfig
@@ -230,14 +230,7 @@ def fit_gemm_line(measured: dict[str, float]) -> tuple[float, float] | None:
         points.append((flops, flops / (tflops * 1e12)))
     if not points or max(f for f, _ in points) < FIT_SPAN * min(f for f, _ in points):
         return None
-    # Weighted by 1/t², so that a small GEMM's error counts as much as a large one's.
-    weighted = [(1.0 / t ** 2, f, t) for f, t in points]
-    sw = math.fsum(w for w, _, _ in weighted)
-    swf, swt = math.fsum(w * f for w, f, _ in weighted), math.fsum(w * t for w, _, t in weighted)
-    sff, sft = math.fsum(w * f * f for w, f, _ in weighted), math.fsum(w * f * t for w, f, t in weighted)
-    det = sw * sff - swf ** 2
-    slope = (sw * sft - swf * swt) / det if det else 0.0
-    fixed = (swt - slope * swf) / sw
+    slope, fixed = relative_line(points)
     if slope <= 0 or fixed < 0:
         return None
     return 1.0 / slope / 1e12, fixed * 1e6
