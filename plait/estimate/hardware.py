@@ -164,11 +164,11 @@ class Hardware:
         at micro-batch 4 were priced 0.972-1.048 of micro-batch 8's a sequence over ten
         calibrations, and two micro-batches of 4 from +0.5% to +5.5% over one of 8 (measured
         +4.6-6.6%: benchmarks/RESULTS.md, the 4-rank planner check, runs 40 to 47). Over the
-        seven calibrations of runs 48 and 49 one block's products there read 1.009-1.029 one by
-        one and 1.022-1.027 off their lines. On a slower host (runs 51 and 52) they read 0.97 one
-        by one on 4 ranks, which would have priced two micro-batches of 4 the cheapest of the
-        plan's six (measured +4.4% over one of 8), and 1.01-1.02 off their lines; on 2 ranks one
-        by one 1.057 and 0.965, pricing the split +7.7% and -0.1%, off their lines +4.8% and +2.9%
+        seven calibrations of runs 48 and 49 one block's products there read 1.009-1.029 one by one
+        and 1.022-1.027 off their lines. On a slower host (runs 51 and 52) they read 0.97 a sequence
+        one by one on 4 ranks, which would have priced two micro-batches of 4 the cheapest of the
+        plan's six (measured +4.4% over one of 8), and 1.01-1.02 off their lines; on 2 ranks one by
+        one 1.057 and 0.965, pricing the split +7.7% and -0.1%, off their lines +4.8% and +2.9%
         (measured +1.6%)."""
         measured = self.gemm_tflops(key)
         if not measured or self.queues_kernels:
